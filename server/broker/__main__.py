@@ -1,0 +1,28 @@
+"""Broker entry point: ``python -m server.broker '<options JSON>'`` (started by the launcher)."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import orjson
+
+from .options import BrokerOptions
+
+
+def main() -> int:
+    opts = BrokerOptions.from_json(orjson.loads(sys.argv[1]))
+    logging.basicConfig(level=logging.DEBUG if opts.log_verbose else logging.INFO,
+                        format="%(asctime)s %(levelname).1s [broker] %(name)s: %(message)s")
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"shmserve broker {opts.server_id}")
+    except ImportError:  # pragma: no cover
+        pass
+    from .broker import main as run
+
+    return run(opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

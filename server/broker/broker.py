@@ -1,0 +1,482 @@
+"""The broker: the single owner of server state, running one loop on one doorbell semaphore.
+
+Everything that must change state arrives as a record on a ring in shared memory (client requests,
+worker messages, connects) followed by a post on the doorbell; the loop drains the rings, acts,
+and sleeps again until the next post or its nearest timer. No threads touch state, no asyncio.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import posix_ipc
+
+from shm.channel import BrokerSegment, ClientSegment, WorkerSegment, drain_semaphore
+from shm.names import object_name, pid_alive
+from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_PENDING, W_BATCH, W_CONFIG,
+                          W_DONE, W_LOAD_FAILED, W_READY, W_STOP, manifest_room, read_manifest, read_manifest_with_data,
+                          write_manifest)
+from workers.backend import installed_backends
+
+from . import config as cfgmod
+from .control import ControlHandler
+from .models import Client, Instance, ModelVersion, Pending, State
+from .options import BrokerOptions
+from .validate import InvalidRequest
+
+log = logging.getLogger("shmserve.broker")
+
+HOUSEKEEPING_S = 0.25
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class Broker:
+    def __init__(self, opts: BrokerOptions) -> None:
+        self.opts = opts
+        self.sid = opts.server_id
+        self.seg = BrokerSegment.create(self.sid, opts.broker_arena_bytes)
+        self.arena = self.seg.arena
+        assert self.arena is not None
+        self.clients: dict[str, Client] = {}
+        self.models: dict[str, dict[int, ModelVersion]] = {}
+        self.load_errors: dict[str, str] = {}
+        self.model_dirs: dict[str, Path] = {}
+        self.workers: dict[int, tuple[ModelVersion, Instance]] = {}
+        self.next_worker = 0
+        self.next_batch = 1
+        self.running = True
+        self.startup_done = False
+        self.startup_failed = False
+        self.backends = set(installed_backends())
+        self.control = ControlHandler(self)
+        self._waiting_for_instances = False
+        self._last_housekeeping = 0.0
+        self.restarts: list[tuple[float, ModelVersion, Instance]] = []
+
+    # -- repository -----------------------------------------------------------------------------
+    def scan_repositories(self) -> dict[str, Path]:
+        found: dict[str, Path] = {}
+        for repo in self.opts.repositories:
+            for entry in sorted(os.scandir(repo), key=lambda e: e.name):
+                if entry.is_dir() and not entry.name.startswith("."):
+                    if entry.name in found:
+                        log.error("model '%s' appears in more than one repository; using %s",
+                                  entry.name, found[entry.name])
+                        continue
+                    found[entry.name] = Path(entry.path)
+        return found
+
+    def initial_models(self) -> list[str]:
+        self.model_dirs = self.scan_repositories()
+        if self.opts.control_mode == "explicit":
+            wanted = self.opts.load_models
+            if "*" in wanted:
+                return list(self.model_dirs)
+            return list(dict.fromkeys(wanted))
+        return list(self.model_dirs)
+
+    def load_model(self, name: str, override_json: str | None = None) -> str | None:
+        """Start loading every version of ``name`` the policy selects; returns an error or None."""
+        model_dir = self.model_dirs.get(name)
+        if model_dir is None:
+            self.model_dirs = self.scan_repositories()
+            model_dir = self.model_dirs.get(name)
+        if model_dir is None:
+            return self._load_failed(name, f"failed to load '{name}', failed to poll from model repository")
+        try:
+            config = cfgmod.load_config(model_dir, self.opts.strict_config, override_json)
+            available = cfgmod.version_dirs(model_dir)
+            versions = cfgmod.select_versions(config, available)
+            if not versions:
+                raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
+            cfgmod.validate(config, model_dir, self.backends, versions)
+        except cfgmod.ConfigError as e:
+            return self._load_failed(name, f"failed to load '{name}', {e}")
+        self.load_errors.pop(name, None)
+        versions_state = self.models.setdefault(name, {})
+        for v in versions:
+            mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
+                              config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
+            mv.set_config(mv.config_dict)
+            versions_state[v] = mv
+            for group in config.instance_group:
+                kind = "GPU" if group.kind == cfgmod.mc.ModelInstanceGroup.KIND_GPU else "CPU"
+                devices = list(group.gpus) if kind == "GPU" else [0]
+                for device in devices:
+                    for k in range(group.count):
+                        name_k = f"{group.name}_{k}" if kind == "CPU" else f"{group.name}_{k}_gpu{device}"
+                        self._spawn(mv, name_k, len(mv.instances), kind, device)
+            log.info("loading '%s' version %d: %d instance(s), backend %s", name, v, len(mv.instances),
+                     mv.backend)
+        return None
+
+    def _load_failed(self, name: str, reason: str) -> str:
+        log.error("%s", reason)
+        self.load_errors[name] = reason
+        return reason
+
+    # -- workers --------------------------------------------------------------------------------
+    def _spawn(self, mv: ModelVersion, name: str, index: int, kind: str, device: int,
+               replace: Instance | None = None) -> Instance:
+        num = self.next_worker
+        self.next_worker += 1
+        seg = WorkerSegment.create(object_name(self.sid, "worker", num), self.opts.worker_arena_bytes)
+        spec = {
+            "server_id": self.sid, "num": num, "model": mv.name, "version": mv.version,
+            "instance_name": name, "instance_index": index, "kind": kind, "device_id": device,
+            "model_dir": mv.model_dir, "config": mv.config_dict, "backend": mv.backend,
+            "strict": self.opts.strict_config, "broker_pid": os.getpid(), "log_verbose": self.opts.log_verbose,
+        }
+        proc = subprocess.Popen([sys.executable, "-m", "workers", orjson.dumps(spec).decode()],
+                                stdin=subprocess.DEVNULL)
+        inst = Instance(num=num, name=name, index=index, kind=kind, device_id=device, seg=seg, proc=proc)
+        if replace is not None:
+            inst.restarts = replace.restarts + 1
+            mv.instances[mv.instances.index(replace)] = inst
+        else:
+            mv.instances.append(inst)
+        self.workers[num] = (mv, inst)
+        return inst
+
+    def _stop_instance(self, inst: Instance, graceful: bool = True) -> None:
+        if inst.proc.poll() is None:
+            if graceful and inst.seg.inbox.put(W_STOP, 0, 0, 0, 0):
+                inst.seg.sem.release()
+            else:
+                inst.proc.kill()
+
+    def _reap_instance(self, inst: Instance) -> None:
+        self.workers.pop(inst.num, None)
+        inst.seg.close()
+        inst.seg.unlink()
+
+    def _on_worker_messages(self, mv: ModelVersion, inst: Instance) -> None:
+        for kind, status, off, length, batch_id in inst.seg.outbox.drain():
+            if kind == W_DONE:
+                inst.outstanding.pop(batch_id, None)
+            elif kind == W_READY:
+                inst.ready = True
+                if mv.state == State.LOADING and all(i.ready for i in mv.instances):
+                    mv.state = State.READY
+                    log.info("successfully loaded '%s' version %d", mv.name, mv.version)
+            elif kind == W_CONFIG:
+                self._on_completed_config(mv, bytes(inst.seg.seg.buf[off:off + length]))
+            elif kind == W_LOAD_FAILED:
+                reason = bytes(inst.seg.seg.buf[off:off + length]).decode(errors="replace")
+                self._fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: {reason}")
+
+    def _on_completed_config(self, mv: ModelVersion, data: bytes) -> None:
+        if mv.config_confirmed:
+            return
+        mv.config_confirmed = True
+        try:
+            completed = cfgmod.from_dict(orjson.loads(data))
+            cfgmod.complete_defaults(completed)
+            cfgmod.validate(completed, Path(mv.model_dir), self.backends, [mv.version])
+        except (cfgmod.ConfigError, ValueError) as e:
+            self._fail_version(mv, f"failed to load '{mv.name}', auto-completed config is invalid: {e}")
+            return
+        mv.config = completed
+        mv.set_config(cfgmod.to_dict(completed))
+
+    def _fail_version(self, mv: ModelVersion, reason: str) -> None:
+        if mv.state == State.UNAVAILABLE:
+            return
+        log.error("%s", reason)
+        mv.state = State.UNAVAILABLE
+        mv.reason = reason
+        self.load_errors[mv.name] = reason
+        for inst in mv.instances:
+            self._stop_instance(inst, graceful=False)
+        self._fail_pending(list(mv.queue), 400, f"Request for unknown model: '{mv.name}' is not ready")
+        mv.queue.clear()
+
+    # -- clients --------------------------------------------------------------------------------
+    def _on_connects(self) -> None:
+        for pid, raw in self.seg.connect.drain():
+            name = raw.rstrip(b"\0").decode()
+            try:
+                seg = ClientSegment.attach(name)
+            except (posix_ipc.ExistentialError, ConnectionError) as e:
+                log.warning("client %d could not be attached: %s", pid, e)
+                continue
+            self.clients[name] = Client(name=name, pid=pid, seg=seg)
+            log.debug("client %s connected", name)
+
+    def _drop_client(self, client: Client, unlink: bool) -> None:
+        self.clients.pop(client.name, None)
+        for versions in self.models.values():
+            for mv in versions.values():
+                if mv.queue:
+                    mv.queue = type(mv.queue)(p for p in mv.queue if p.client is not client)
+        self.control.forget_client(client)
+        client.seg.close()
+        if unlink:
+            client.seg.unlink()
+        log.debug("client %s disconnected", client.name)
+
+    def _on_client_requests(self, client: Client) -> None:
+        for kind, slot, off, length, _ in client.seg.requests.drain():
+            if kind == REQ_INFER:
+                self._infer(client, slot, off)
+            elif kind == REQ_CONTROL:
+                self._control(client, slot, off)
+            elif kind == REQ_BYE:
+                self._drop_client(client, unlink=False)
+                return
+
+    def reply(self, client: Client, slot: int, status: int, doc: Any) -> None:
+        """Answer a client from the broker's own arena (control replies and early errors)."""
+        data = orjson.dumps(doc)
+        room = manifest_room(len(data))
+        off = self.arena.alloc(room, client.pid)
+        if off < 0:
+            log.error("broker arena is full; cannot answer client %s", client.name)
+            return
+        write_manifest(self.seg.seg.buf, off, data)
+        client.seg.complete(slot, status, ROLE_BROKER, 0, off, room)
+        client.seg.sem.release()
+
+    def _control(self, client: Client, slot: int, off: int) -> None:
+        try:
+            doc = read_manifest(client.seg.seg.buf, off)
+            status, answer = self.control.handle(client, slot, doc)
+        except InvalidRequest as e:
+            status, answer = e.status, {"error": str(e)}
+        except (ValueError, KeyError, TypeError) as e:
+            status, answer = 400, {"error": f"malformed control request: {e}"}
+        if status:  # 0: the handler answers later (e.g. a load in progress)
+            self.reply(client, slot, status, answer)
+
+    # -- inference ------------------------------------------------------------------------------
+    def find_version(self, model: str, version: str | int | None) -> ModelVersion:
+        versions = self.models.get(model)
+        if not versions:
+            raise InvalidRequest(f"Request for unknown model: '{model}' is not found")
+        if version not in (None, "", -1, "-1"):
+            try:
+                v = int(version)
+            except (TypeError, ValueError):
+                raise InvalidRequest(f"Request for unknown model: '{model}' version '{version}' is not a "
+                                     f"valid version") from None
+            mv = versions.get(v)
+            if mv is None:
+                raise InvalidRequest(f"Request for unknown model: '{model}' version {v} is not found")
+            if mv.state != State.READY:
+                raise InvalidRequest(f"Request for unknown model: '{model}' version {v} is not at ready state")
+            return mv
+        ready = [mv for v, mv in sorted(versions.items()) if mv.state == State.READY]
+        if not ready:
+            raise InvalidRequest(f"Request for unknown model: '{model}' has no available versions")
+        return ready[-1]
+
+    def _infer(self, client: Client, slot: int, off: int) -> None:
+        try:
+            doc, data_start = read_manifest_with_data(client.seg.seg.buf, off)
+            mv = self.find_version(doc["model"], doc.get("version"))
+            sig = mv.signature
+            assert sig is not None
+            inputs = doc["inputs"]
+            batch = sig.check_inputs(inputs)
+            outputs = doc.get("outputs")
+            sig.check_outputs(outputs)
+            entry = {
+                "client": client.name, "pid": client.pid, "slot": slot, "id": doc.get("id", ""),
+                "params": doc.get("params"), "corr": doc.get("corr", 0), "flags": doc.get("flags", 0),
+                "inputs": [self._resolve(client, t, "input", data_start) for t in inputs],
+                "outputs": [self._resolve_output(client, o) for o in outputs] if outputs else None,
+            }
+        except InvalidRequest as e:
+            self.reply(client, slot, e.status, {"error": str(e)})
+            return
+        except (ValueError, KeyError, TypeError) as e:
+            self.reply(client, slot, 400, {"error": f"malformed inference request: {e!r}"})
+            return
+        mv.queue.append(Pending(client, slot, off, entry, batch, time.monotonic()))
+        self._dispatch(mv)
+
+    def _resolve(self, client: Client, t: dict, what: str, data_start: int) -> dict:
+        """Turn a tensor reference into (segment, offset, size), checked against its bounds."""
+        size = int(t["size"])
+        if "region" in t:
+            seg, off = self.control.regions.resolve(t["region"], int(t.get("offset", 0)), size, what, t["name"])
+        else:
+            seg, off = client.name, data_start + int(t["data"])
+            if off < client.seg.arena_offset or off + size > client.seg.seg.size or size < 0:
+                raise InvalidRequest(f"{what} '{t['name']}' lies outside the client's arena")
+        return {"name": t["name"], "datatype": t["datatype"], "shape": t["shape"], "seg": seg, "off": off,
+                "size": size}
+
+    def _resolve_output(self, client: Client, o: dict) -> dict:
+        if "region" not in o:
+            return {"name": o["name"]}
+        seg, off = self.control.regions.resolve(o["region"], int(o.get("offset", 0)), int(o["size"]),
+                                                "output", o["name"])
+        return {"name": o["name"], "seg": seg, "off": off, "size": int(o["size"])}
+
+    def _dispatch(self, mv: ModelVersion) -> None:
+        while mv.queue:
+            inst = mv.pick_instance()
+            if inst is None:
+                self._waiting_for_instances = True
+                for i in mv.instances:
+                    i.seg.want_wakeup = True
+                return
+            pend = mv.queue.popleft()
+            self._send_batch(mv, inst, [pend])
+
+    def _send_batch(self, mv: ModelVersion, inst: Instance, batch: list[Pending]) -> None:
+        data = orjson.dumps({"requests": [p.entry for p in batch]})
+        off = self.arena.alloc(manifest_room(len(data)), inst.proc.pid)
+        if off < 0:
+            self._fail_pending(batch, 503, "the broker's arena is full; retry later")
+            return
+        write_manifest(self.seg.seg.buf, off, data)
+        batch_id = self.next_batch
+        self.next_batch += 1
+        inst.outstanding[batch_id] = batch
+        if not inst.seg.inbox.put(W_BATCH, len(batch), off, len(data), batch_id):
+            inst.outstanding.pop(batch_id)
+            self.arena.free(off)
+            self._fail_pending(batch, 503, f"instance '{inst.name}' inbox is full; retry later")
+            return
+        inst.seg.sem.release()
+
+    def _fail_pending(self, batch: list[Pending], status: int, message: str) -> None:
+        for p in batch:
+            if p.client.name in self.clients and int(p.client.seg.slot_states[p.slot]) == SLOT_PENDING:
+                self.reply(p.client, p.slot, status, {"error": message})
+
+    # -- housekeeping ---------------------------------------------------------------------------
+    def _housekeeping(self) -> None:
+        for num, (mv, inst) in list(self.workers.items()):
+            code = inst.proc.poll()
+            if code is None:
+                continue
+            self._on_worker_messages(mv, inst)  # it may have said why before it went
+            self._reap_instance(inst)
+            if mv.state == State.UNLOADING or not self.running:
+                continue
+            if not inst.ready:
+                self._fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: instance "
+                                       f"'{inst.name}' exited with code {code} while loading")
+                continue
+            lost = [p for batch in inst.outstanding.values() for p in batch]
+            msg = (f"model '{mv.name}' version {mv.version} instance '{inst.name}' exited unexpectedly "
+                   f"(exit code {code}); the request was not completed")
+            log.error("%s; %d request(s) failed; restarting it", msg, len(lost))
+            self._fail_pending(lost, 500, msg)
+            inst.ready = False
+            inst.outstanding.clear()
+            # Back-off: an instance that keeps dying is restarted less and less often.
+            delay = 0.0 if time.monotonic() - inst.started > 60 else \
+                RESTART_BACKOFF_S[min(inst.restarts, len(RESTART_BACKOFF_S) - 1)]
+            self.restarts.append((time.monotonic() + delay, mv, inst))
+        for when, mv, old in list(self.restarts):
+            if when <= time.monotonic():
+                self.restarts.remove((when, mv, old))
+                if mv.state != State.UNLOADING and self.running and old in mv.instances:
+                    self._spawn(mv, old.name, old.index, old.kind, old.device_id, replace=old)
+        for client in list(self.clients.values()):
+            if not pid_alive(client.pid):
+                log.info("client %s (pid %d) died; reclaiming its channel", client.name, client.pid)
+                self._drop_client(client, unlink=True)
+        if not self.startup_done:
+            self._check_startup()
+
+    def _check_startup(self) -> None:
+        states = [mv.state for vs in self.models.values() for mv in vs.values()]
+        if any(s == State.LOADING for s in states):
+            return
+        self.startup_done = True
+        if self.load_errors and self.opts.exit_on_error:
+            log.error("failed to load all models; exiting (use --exit-on-error=false to serve the rest)")
+            self.startup_failed = True
+            self.running = False
+        else:
+            log.info("server is ready: %d model version(s) serving",
+                     sum(1 for s in states if s == State.READY))
+
+    def server_ready(self) -> bool:
+        if not self.startup_done or not self.running:
+            return False
+        if not self.opts.strict_readiness:
+            return True
+        return all(mv.state == State.READY for vs in self.models.values() for mv in vs.values())
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> int:
+        for name in self.initial_models():
+            self.load_model(name)
+        doorbell = self.seg.doorbell
+        while self.running:
+            timeout = 0.002 if self._waiting_for_instances else HOUSEKEEPING_S
+            try:
+                doorbell.acquire(timeout)
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                pass
+            drain_semaphore(doorbell)
+            self._waiting_for_instances = False
+            self._pump()
+            now = time.monotonic()
+            if now - self._last_housekeeping >= HOUSEKEEPING_S:
+                self._last_housekeeping = now
+                self._housekeeping()
+        return self.shutdown()
+
+    def _pump(self) -> None:
+        if self.seg.connect.pending():
+            self._on_connects()
+        for num, (mv, inst) in list(self.workers.items()):
+            if inst.seg.outbox.pending():
+                self._on_worker_messages(mv, inst)
+        for client in list(self.clients.values()):
+            if client.seg.requests.pending():
+                self._on_client_requests(client)
+        for versions in self.models.values():
+            for mv in versions.values():
+                if mv.queue:
+                    self._dispatch(mv)
+
+    def request_stop(self) -> None:
+        self.running = False
+
+    def shutdown(self) -> int:
+        """Finish in-flight work within the exit timeout, stop workers, remove our objects."""
+        deadline = time.monotonic() + self.opts.exit_timeout_s
+        while time.monotonic() < deadline and any(
+                mv.in_flight() for vs in self.models.values() for mv in vs.values()):
+            try:
+                self.seg.doorbell.acquire(0.01)
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                pass
+            self._pump()
+        for mv, inst in list(self.workers.values()):
+            self._stop_instance(inst)
+        stop_deadline = time.monotonic() + 5.0
+        for mv, inst in list(self.workers.values()):
+            try:
+                inst.proc.wait(max(0.0, stop_deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                inst.proc.kill()
+                inst.proc.wait()
+            self._reap_instance(inst)
+        for client in list(self.clients.values()):
+            client.seg.close()
+        self.seg.close()
+        self.seg.unlink()
+        return 1 if self.startup_failed else 0
+
+
+def main(opts: BrokerOptions) -> int:
+    broker = Broker(opts)
+    signal.signal(signal.SIGTERM, lambda *_: broker.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: broker.request_stop())
+    return broker.run()

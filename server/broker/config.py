@@ -1,0 +1,230 @@
+"""Model configuration: Triton's ``config.pbtxt`` parsed into Triton's own ``ModelConfig`` message.
+
+Parsing uses protobuf text format with the schema tritonclient ships, so every field keeps the
+meaning it has in Triton. Auto-completion and validation follow Triton's rules; every error names
+the model and the field so an operator can fix the file without guessing.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format, text_format
+from google.protobuf.descriptor import FieldDescriptor
+from tritonclient.grpc import model_config_pb2 as mc
+
+from workers.devices import cuda_device_count
+
+ModelConfig = mc.ModelConfig
+
+# platform -> backend, as Triton maps them.
+PLATFORM_BACKENDS = {
+    "pytorch_libtorch": "pytorch",
+    "onnxruntime_onnx": "onnxruntime",
+    "ensemble": "",
+}
+# backend -> the file each version folder must hold unless default_model_filename says otherwise.
+DEFAULT_MODEL_FILES = {
+    "python": "model.py",
+    "pytorch": "model.pt",
+    "onnxruntime": "model.onnx",
+}
+# Files that let auto-completion infer the backend of a model with no backend/platform set.
+FILE_BACKENDS = [("model.py", "python"), ("model.pt", "pytorch"), ("model.onnx", "onnxruntime")]
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be served; the message names the model and the field."""
+
+
+def parse_config_text(text: str, model: str) -> ModelConfig:
+    try:
+        return text_format.Parse(text, ModelConfig())
+    except text_format.ParseError as e:
+        raise ConfigError(f"model '{model}': config.pbtxt: {e}") from None
+
+
+def version_dirs(model_dir: Path) -> list[int]:
+    out = []
+    try:
+        for entry in os.scandir(model_dir):
+            if entry.is_dir() and entry.name.isdigit() and not entry.name.startswith("."):
+                out.append(int(entry.name))
+    except FileNotFoundError:
+        pass
+    return sorted(out)
+
+
+def _infer_backend(model_dir: Path) -> str:
+    for version in reversed(version_dirs(model_dir)):
+        for filename, backend in FILE_BACKENDS:
+            if (model_dir / str(version) / filename).exists():
+                return backend
+    return ""
+
+
+def backend_of(config: ModelConfig) -> str:
+    return config.backend or PLATFORM_BACKENDS.get(config.platform, config.platform)
+
+
+def load_config(model_dir: Path, strict: bool, override_json: str | None = None) -> ModelConfig:
+    """Read (or, without --strict-model-config, complete) a model's configuration."""
+    model = model_dir.name
+    path = model_dir / "config.pbtxt"
+    if override_json is not None:
+        try:
+            config = json_format.Parse(override_json, ModelConfig())
+        except json_format.ParseError as e:
+            raise ConfigError(f"model '{model}': config override: {e}") from None
+    elif path.exists():
+        config = parse_config_text(path.read_text(), model)
+    elif strict:
+        raise ConfigError(f"model '{model}': config.pbtxt is missing and --strict-model-config is set")
+    else:
+        config = ModelConfig()
+    if not config.name:
+        config.name = model
+    elif config.name != model:
+        raise ConfigError(f"model '{model}': name '{config.name}' in config.pbtxt must match the "
+                          f"model directory name '{model}'")
+    if not strict and not config.backend and not config.platform:
+        config.backend = _infer_backend(model_dir)
+    if config.platform in PLATFORM_BACKENDS and not config.backend and config.platform != "ensemble":
+        config.backend = PLATFORM_BACKENDS[config.platform]
+    complete_defaults(config)
+    return config
+
+
+def complete_defaults(config: ModelConfig) -> None:
+    """Fill what Triton fills for every model: version policy and instance groups."""
+    if not config.HasField("version_policy"):
+        config.version_policy.latest.num_versions = 1
+    if config.platform == "ensemble":
+        return
+    if not config.instance_group:
+        config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
+    gpus = cuda_device_count()
+    for i, group in enumerate(config.instance_group):
+        if not group.name:
+            group.name = f"{config.name}_{i}"
+        if group.count < 1:
+            group.count = 1
+        if group.kind == mc.ModelInstanceGroup.KIND_AUTO:
+            group.kind = mc.ModelInstanceGroup.KIND_GPU if gpus else mc.ModelInstanceGroup.KIND_CPU
+        if group.kind == mc.ModelInstanceGroup.KIND_GPU and not group.gpus:
+            group.gpus.extend(range(gpus))
+
+
+def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], versions: list[int]) -> None:
+    """Refuse what Triton refuses, with the model and field named."""
+    m = config.name
+    backend = backend_of(config)
+    if config.platform == "ensemble":
+        raise ConfigError(f"model '{m}': platform 'ensemble' is not supported yet")
+    if not backend:
+        raise ConfigError(f"model '{m}': must specify 'backend' or 'platform' (none could be inferred "
+                          f"from the model files)")
+    if backend not in known_backends:
+        raise ConfigError(f"model '{m}': unable to find backend '{backend}' (installed backends: "
+                          f"{', '.join(sorted(known_backends))})")
+    if config.max_batch_size < 0:
+        raise ConfigError(f"model '{m}': max_batch_size must be >= 0, got {config.max_batch_size}")
+    gpus = cuda_device_count()
+    for group in config.instance_group:
+        if group.kind == mc.ModelInstanceGroup.KIND_GPU:
+            if not gpus:
+                raise ConfigError(f"model '{m}': instance_group '{group.name}' asks for KIND_GPU but no "
+                                  f"GPU is available")
+            bad = [g for g in group.gpus if g < 0 or g >= gpus]
+            if bad:
+                raise ConfigError(f"model '{m}': instance_group '{group.name}' names GPU {bad[0]}, "
+                                  f"which does not exist")
+        elif group.kind not in (mc.ModelInstanceGroup.KIND_CPU, mc.ModelInstanceGroup.KIND_MODEL):
+            raise ConfigError(f"model '{m}': instance_group '{group.name}' kind "
+                              f"{mc.ModelInstanceGroup.Kind.Name(group.kind)} is not supported")
+    if config.HasField("dynamic_batching"):
+        if config.max_batch_size == 0:
+            raise ConfigError(f"model '{m}': dynamic_batching requires max_batch_size > 0")
+        for size in config.dynamic_batching.preferred_batch_size:
+            if size < 1 or size > config.max_batch_size:
+                raise ConfigError(f"model '{m}': dynamic_batching.preferred_batch_size {size} must be "
+                                  f"between 1 and max_batch_size {config.max_batch_size}")
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        seen: set[str] = set()
+        for t in tensors:
+            if not t.name:
+                raise ConfigError(f"model '{m}': an {kind} has no name")
+            if t.name in seen:
+                raise ConfigError(f"model '{m}': {kind} '{t.name}' is declared more than once")
+            seen.add(t.name)
+            if t.data_type == mc.TYPE_INVALID:
+                raise ConfigError(f"model '{m}': {kind} '{t.name}' must specify 'data_type'")
+            if not t.dims and not t.HasField("reshape") and config.max_batch_size == 0:
+                raise ConfigError(f"model '{m}': {kind} '{t.name}' must specify 'dims'")
+            for d in t.dims:
+                if d == 0 or d < -1:
+                    raise ConfigError(f"model '{m}': {kind} '{t.name}' dims {list(t.dims)}: each "
+                                      f"dimension must be >= 1, or -1 for a variable-size dimension")
+    filename = config.default_model_filename or DEFAULT_MODEL_FILES.get(backend)
+    if filename:
+        for v in versions:
+            if not (model_dir / str(v) / filename).exists():
+                raise ConfigError(f"model '{m}': version {v}: model file '{filename}' is missing in "
+                                  f"{model_dir / str(v)}")
+
+
+def select_versions(config: ModelConfig, available: list[int]) -> list[int]:
+    """Versions to serve under the config's version_policy (Triton's default: the latest one)."""
+    policy = config.version_policy
+    which = policy.WhichOneof("policy_choice")
+    if which == "all":
+        return list(available)
+    if which == "specific":
+        return sorted(v for v in set(policy.specific.versions) if v in available)
+    n = policy.latest.num_versions if which == "latest" and policy.latest.num_versions > 0 else 1
+    return available[-n:] if available else []
+
+
+def _fix_int64(descriptor: Any, value: Any) -> Any:
+    """protobuf's JSON writes int64 as strings; Triton writes numbers. Walk the schema and fix."""
+    if isinstance(value, list):
+        return [_fix_int64(descriptor, v) for v in value]
+    if not isinstance(value, dict) or descriptor is None:
+        return value
+    out = {}
+    for key, v in value.items():
+        field = descriptor.fields_by_name.get(key)
+        if field is None:
+            out[key] = v
+            continue
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            sub = field.message_type
+            if sub.GetOptions().map_entry:
+                vf = sub.fields_by_name["value"]
+                if vf.type == FieldDescriptor.TYPE_MESSAGE:
+                    out[key] = {k: _fix_int64(vf.message_type, x) for k, x in v.items()}
+                else:
+                    out[key] = v
+            else:
+                out[key] = _fix_int64(sub, v)
+        elif field.cpp_type in (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64):
+            out[key] = [int(x) for x in v] if isinstance(v, list) else int(v)
+        else:
+            out[key] = v
+    return out
+
+
+def to_dict(config: ModelConfig) -> dict:
+    """The config as Triton's HTTP API and Python backend show it (defaults included, ints as ints)."""
+    try:
+        raw = json_format.MessageToDict(config, preserving_proto_field_name=True,
+                                        always_print_fields_with_no_presence=True)
+    except TypeError:  # protobuf < 5.26
+        raw = json_format.MessageToDict(config, preserving_proto_field_name=True,
+                                        including_default_value_fields=True)  # type: ignore[call-arg]
+    return _fix_int64(ModelConfig.DESCRIPTOR, raw)
+
+
+def from_dict(data: dict) -> ModelConfig:
+    return json_format.ParseDict(data, ModelConfig(), ignore_unknown_fields=True)

@@ -1,0 +1,93 @@
+"""Loaded model versions, their worker instances, and the default scheduler.
+
+A version is READY when every instance reported ready. The default scheduler sends each request
+to the least-loaded ready instance, allowing a short pipeline per instance so a worker finds its
+next batch waiting the moment it finishes one.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import subprocess
+import time
+from typing import Any
+
+from shm.channel import ClientSegment, WorkerSegment
+
+from .validate import ModelSignature
+
+
+class State(str, enum.Enum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNLOADING = "UNLOADING"
+
+
+@dataclasses.dataclass
+class Client:
+    """A connected client (a frontend process or a local program) as the broker sees it."""
+
+    name: str
+    pid: int
+    seg: ClientSegment
+
+
+@dataclasses.dataclass
+class Pending:
+    """A request waiting in a queue or running in a batch."""
+
+    client: Client
+    slot: int
+    manifest_off: int
+    entry: dict[str, Any]  # the resolved request, as the worker will read it
+    batch: int
+    arrived: float
+
+
+@dataclasses.dataclass
+class Instance:
+    num: int  # worker segment number: unique for the life of the server
+    name: str
+    index: int
+    kind: str
+    device_id: int
+    seg: WorkerSegment
+    proc: subprocess.Popen
+    ready: bool = False
+    outstanding: dict[int, list[Pending]] = dataclasses.field(default_factory=dict)
+    restarts: int = 0
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass
+class ModelVersion:
+    name: str
+    version: int
+    model_dir: str
+    config: Any  # ModelConfig message
+    config_dict: dict[str, Any]
+    backend: str
+    state: State = State.LOADING
+    reason: str = ""
+    instances: list[Instance] = dataclasses.field(default_factory=list)
+    queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    signature: ModelSignature | None = None
+    pipeline_depth: int = 2
+    config_confirmed: bool = False
+
+    def set_config(self, config_dict: dict[str, Any]) -> None:
+        self.config_dict = config_dict
+        self.signature = ModelSignature(self.name, config_dict)
+
+    def pick_instance(self) -> Instance | None:
+        best = None
+        for inst in self.instances:
+            if inst.ready and len(inst.outstanding) < self.pipeline_depth:
+                if best is None or len(inst.outstanding) < len(best.outstanding):
+                    best = inst
+        return best
+
+    def in_flight(self) -> int:
+        return len(self.queue) + sum(len(p) for i in self.instances for p in i.outstanding.values())

@@ -1,0 +1,29 @@
+"""What the launcher tells the broker (passed as JSON on its command line, never pickled)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class BrokerOptions:
+    server_id: str
+    repositories: list[str]
+    control_mode: str = "none"
+    load_models: list[str] = dataclasses.field(default_factory=list)
+    strict_config: bool = False
+    strict_readiness: bool = True
+    exit_on_error: bool = True
+    exit_timeout_s: float = 30.0
+    log_verbose: int = 0
+    broker_arena_bytes: int = 64 << 20
+    worker_arena_bytes: int = 256 << 20
+    allow_remote_shm: bool = False
+    metrics_port: int = 8002
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BrokerOptions":
+        return cls(**data)

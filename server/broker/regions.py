@@ -1,0 +1,92 @@
+"""Client shared-memory regions registered by name (the KServe system shared-memory extension).
+
+A region names a POSIX shared-memory key, an offset and a size. Every tensor that points into it
+is checked against those bounds here, in the broker, before a worker ever maps the key.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import posix_ipc
+
+from shm.names import is_server_object
+
+from .validate import InvalidRequest
+
+_KEY_RE = re.compile(r"^/?[^/\0]{1,250}$")
+
+
+class RegionError(InvalidRequest):
+    pass
+
+
+class Region:
+    __slots__ = ("name", "key", "offset", "byte_size", "owner")
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int, owner: str | None) -> None:
+        self.name, self.key, self.offset, self.byte_size, self.owner = name, key, offset, byte_size, owner
+
+
+class RegionRegistry:
+    def __init__(self) -> None:
+        self.regions: dict[str, Region] = {}
+
+    def register(self, name: str, key: str, offset: int, byte_size: int, owner: str | None = None) -> None:
+        if not name:
+            raise RegionError("shared memory region name must not be empty")
+        if name in self.regions:
+            raise RegionError(f"shared memory region '{name}' already in manager")
+        if not isinstance(key, str) or not _KEY_RE.match(key):
+            raise RegionError(f"Unable to open shared memory region: '{key}': a key is a single name "
+                              f"such as '/my_region', not a path")
+        if is_server_object(key):
+            raise RegionError(f"shared memory key '{key}' belongs to the server and cannot be registered")
+        if offset < 0 or byte_size <= 0:
+            raise RegionError(f"shared memory region '{name}': offset must be >= 0 and byte_size > 0")
+        shm_key = key if key.startswith("/") else "/" + key
+        try:
+            shm = posix_ipc.SharedMemory(shm_key, flags=0)
+        except posix_ipc.ExistentialError:
+            raise RegionError(f"Unable to open shared memory region: '{key}'") from None
+        except posix_ipc.PermissionsError:
+            raise RegionError(f"Unable to open shared memory region: '{key}': permission denied") from None
+        try:
+            size = os.fstat(shm.fd).st_size
+        finally:
+            shm.close_fd()
+        if offset + byte_size > size:
+            raise RegionError(f"shared memory region '{name}': offset {offset} + byte_size {byte_size} "
+                              f"exceeds the {size} bytes of '{key}'")
+        self.regions[name] = Region(name, shm_key, offset, byte_size, owner)
+
+    def unregister(self, name: str | None) -> None:
+        if name is None:
+            self.regions.clear()
+        else:
+            self.regions.pop(name, None)
+
+    def status(self, name: str | None) -> list[dict[str, Any]]:
+        if name is not None:
+            r = self.regions.get(name)
+            if r is None:
+                raise RegionError(f"Unable to find system shared memory region: '{name}'")
+            items = [r]
+        else:
+            items = list(self.regions.values())
+        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in items]
+
+    def drop_owner(self, owner: str) -> None:
+        for name in [n for n, r in self.regions.items() if r.owner == owner]:
+            del self.regions[name]
+
+    def resolve(self, name: str, offset: int, size: int, what: str, tensor: str) -> tuple[str, int]:
+        r = self.regions.get(name)
+        if r is None:
+            raise RegionError(f"Unable to find shared memory region: '{name}'")
+        if offset < 0 or size < 0 or offset + size > r.byte_size:
+            raise RegionError(f"Invalid offset + byte size for shared memory region: '{name}' "
+                              f"({what} '{tensor}': offset {offset} + byte size {size} exceeds the region's "
+                              f"{r.byte_size} bytes)")
+        return r.key, r.offset + offset

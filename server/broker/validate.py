@@ -1,0 +1,97 @@
+"""Checks of an inference request against the model's configuration, with Triton's error texts.
+
+These run in the broker before a request is queued, so a bad request costs one 400 and never
+reaches a worker, and batches only ever hold requests the model can take.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from shm.tensors import CONFIG_TO_WIRE, element_count, itemsize
+
+
+class InvalidRequest(Exception):
+    """The client's mistake: answered with 400 and the message."""
+
+    status = 400
+
+
+class TensorSpec:
+    __slots__ = ("name", "datatype", "dims", "optional")
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.name: str = cfg["name"]
+        self.datatype: str = CONFIG_TO_WIRE.get(cfg.get("data_type", ""), "")
+        dims = list(cfg.get("dims") or [])
+        reshape = cfg.get("reshape")
+        self.dims: list[int] = dims if dims or not reshape else list(reshape.get("shape") or [])
+        self.optional: bool = bool(cfg.get("optional", False))
+
+
+class ModelSignature:
+    """What a model accepts, precomputed once per loaded version."""
+
+    def __init__(self, name: str, config: dict[str, Any]) -> None:
+        self.name = name
+        self.max_batch_size: int = int(config.get("max_batch_size", 0))
+        self.inputs = {t["name"]: TensorSpec(t) for t in config.get("input", [])}
+        self.outputs = {t["name"]: TensorSpec(t) for t in config.get("output", [])}
+        self.required = [n for n, s in self.inputs.items() if not s.optional]
+
+    def full_shape(self, spec: TensorSpec) -> list[int]:
+        """The shape a client sees: with the batch dimension (-1) first for batching models."""
+        return ([-1] + spec.dims) if self.max_batch_size > 0 else list(spec.dims)
+
+    def check_inputs(self, inputs: list[dict[str, Any]]) -> int:
+        """Validate names, datatypes, shapes and byte sizes; returns the request's batch size."""
+        m = self.name
+        if not self.inputs:  # nothing declared (an auto-completed model): nothing to check against
+            return 1
+        names = set()
+        batch = 1
+        for t in inputs:
+            name = t["name"]
+            spec = self.inputs.get(name)
+            if spec is None:
+                raise InvalidRequest(f"unexpected inference input '{name}' for model '{m}'")
+            if name in names:
+                raise InvalidRequest(f"input '{name}' is given more than once for model '{m}'")
+            names.add(name)
+            if t["datatype"] != spec.datatype:
+                raise InvalidRequest(f"inference input '{name}' data-type is '{t['datatype']}', but model "
+                                     f"'{m}' expects '{spec.datatype}'")
+            shape = t["shape"]
+            dims = shape
+            if self.max_batch_size > 0:
+                if not shape:
+                    raise InvalidRequest(f"inference input '{name}' for model '{m}' has no batch "
+                                         f"dimension; the model expects shape {self.full_shape(spec)}")
+                batch = shape[0]
+                if batch < 1 or batch > self.max_batch_size:
+                    raise InvalidRequest(f"inference request batch-size must be <= {self.max_batch_size} "
+                                         f"for '{m}'")
+                dims = shape[1:]
+            if len(dims) != len(spec.dims) or any(e != -1 and e != d for e, d in zip(spec.dims, dims)):
+                raise InvalidRequest(f"unexpected shape for input '{name}' for model '{m}'. Expected "
+                                     f"{self.full_shape(spec)}, got {list(shape)}")
+            if any(d < 0 for d in shape):
+                raise InvalidRequest(f"input '{name}' for model '{m}' has a negative dimension {shape}")
+            size = itemsize(spec.datatype)
+            if size:
+                expected = element_count(shape) * size
+                if t["size"] != expected:
+                    raise InvalidRequest(f"input byte size mismatch for input '{name}' for model '{m}'. "
+                                         f"Expected {expected}, got {t['size']}")
+        missing = [n for n in self.required if n not in names]
+        if missing:
+            raise InvalidRequest(f"expected {len(self.required)} inputs but got {len(names)} inputs for "
+                                 f"model '{m}'. Got input(s) {sorted(names)}, but missing required input(s) "
+                                 f"{missing}. Please provide all required input(s).")
+        return batch
+
+    def check_outputs(self, outputs: list[dict[str, Any]] | None) -> None:
+        if not outputs or not self.outputs:
+            return
+        for o in outputs:
+            if o["name"] not in self.outputs:
+                raise InvalidRequest(f"unexpected inference output '{o['name']}' for model '{self.name}'")

@@ -1,0 +1,88 @@
+"""Command-line flags, named as ``tritonserver``'s where they mean the same thing."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import NoReturn, Sequence
+
+
+def parse_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got '{value}'")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit code 2, as operators' scripts expect
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="shmserve", description="Serve Triton model repositories over KServe v2 HTTP and "
+                                             "POSIX shared memory.")
+    p.add_argument("--model-repository", "--model-store", action="append", required=True, metavar="PATH",
+                   help="a model repository (Triton's layout); repeat to serve several")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--http-address", default="0.0.0.0", help="address the HTTP server binds (default 0.0.0.0)")
+    p.add_argument("--http-workers", type=int, default=1,
+                   help="frontend processes sharing the HTTP port (default 1)")
+    p.add_argument("--http-max-input-size", type=int, default=1 << 31,
+                   help="largest request body in bytes, after decompression (default 2 GiB)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
+    p.add_argument("--allow-metrics", type=parse_bool, nargs="?", const=True, default=True,
+                   help="serve Prometheus metrics (default true)")
+    p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",
+                   help="none: load all models at start; poll: also follow changes in the repository; "
+                        "explicit: load only --load-model models and what the repository API asks for")
+    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                   help="with explicit control, a model to load at start ('*' for all); repeatable")
+    p.add_argument("--strict-model-config", type=parse_bool, nargs="?", const=True, default=False,
+                   help="require a complete config.pbtxt and disable auto-completion (default false)")
+    p.add_argument("--strict-readiness", type=parse_bool, nargs="?", const=True, default=True,
+                   help="report ready only when every model is ready (default true)")
+    p.add_argument("--exit-on-error", type=parse_bool, nargs="?", const=True, default=True,
+                   help="exit if a model fails to load at start (default true)")
+    p.add_argument("--exit-timeout-secs", type=float, default=30.0,
+                   help="on shutdown, seconds to wait for in-flight requests (default 30)")
+    p.add_argument("--log-verbose", type=int, default=0, help="verbose logging level; 0 is off (default 0)")
+    p.add_argument("--id", default="shmserve",
+                   help="server id; names its shared-memory objects and lets local clients find it "
+                        "(default 'shmserve')")
+    p.add_argument("--allow-remote-shm", type=parse_bool, nargs="?", const=True, default=False,
+                   help="let non-loopback HTTP peers register system shared memory. Risky: anyone who "
+                        "reaches the port could make the server read or write this host's shared memory "
+                        "objects they name (default false)")
+    p.add_argument("--worker-arena-mb", type=int, default=256,
+                   help="shared-memory output arena of each worker, MiB (allocated lazily; default 256)")
+    p.add_argument("--frontend-arena-mb", type=int, default=256,
+                   help="shared-memory input arena of each HTTP frontend, MiB (lazily; default 256)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for repo in args.model_repository:
+        if not os.path.isdir(repo):
+            parser.error(f"model repository '{repo}' does not exist or is not a directory")
+    if args.http_workers < 1:
+        parser.error("--http-workers must be at least 1")
+    for flag in ("http_port", "metrics_port"):
+        if not 0 <= getattr(args, flag) <= 65535:
+            parser.error(f"--{flag.replace('_', '-')} must be a port number")
+    try:
+        from shm.names import check_server_id
+
+        check_server_id(args.id)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.load_model and args.model_control_mode != "explicit":
+        parser.error("--load-model requires --model-control-mode=explicit")
+    return args

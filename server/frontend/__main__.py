@@ -1,0 +1,37 @@
+"""Frontend entry point: ``python -m server.frontend '<spec JSON>'`` (started by the launcher).
+
+Serves the socket the launcher bound (inherited by descriptor) with uvicorn on uvloop and
+httptools.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+import orjson
+import uvicorn
+
+
+def main() -> int:
+    spec = orjson.loads(sys.argv[1])
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"shmserve frontend {spec['server_id']} #{spec['index']}")
+    except ImportError:  # pragma: no cover
+        pass
+    logging.basicConfig(level=logging.DEBUG if spec.get("log_verbose") else logging.INFO,
+                        format=f"%(asctime)s %(levelname).1s [frontend #{spec['index']}] %(name)s: %(message)s")
+    from .app import build_app
+
+    app = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"])
+    sock = socket.socket(fileno=spec["fd"])
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning",
+                            timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)), lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The HTTP/REST frontend: KServe v2 as Triton serves it, translated onto the broker channel.
+
+The frontend keeps no model state: every answer comes from the broker, so any number of frontend
+processes can serve one port.
+"""
+from __future__ import annotations
+
+import contextlib
+import gzip
+import zlib
+from typing import Any, AsyncIterator
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from server import __version__
+
+from .codec import BadRequest, build_request, build_response, split_body
+from .link import BrokerError, BrokerLink
+
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "system_shared_memory", "cuda_shared_memory"]
+JSON = "application/json"
+
+
+def json_response(doc: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(doc), status_code=status, media_type=JSON)
+
+
+def error_response(status: int, message: str) -> Response:
+    return Response(orjson.dumps({"error": message}), status_code=status, media_type=JSON)
+
+
+def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    if not encoding or encoding == "identity":
+        return body
+    try:
+        if encoding == "gzip":
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif encoding == "deflate":
+            d = zlib.decompressobj()
+        else:
+            raise BadRequest(f"unsupported Content-Encoding '{encoding}'")
+        out = d.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise BadRequest(f"failed to decompress the request body ({encoding}): {e}") from None
+    if len(out) > limit:
+        raise BadRequest(f"the decompressed request body exceeds the {limit}-byte limit")
+    return out
+
+
+def _compress(body: bytes, accept: str | None) -> tuple[bytes, str | None]:
+    if not accept:
+        return body, None
+    accepted = [a.split(";")[0].strip() for a in accept.split(",")]
+    if "gzip" in accepted:
+        return gzip.compress(body, compresslevel=1), "gzip"
+    if "deflate" in accepted:
+        return zlib.compress(body, 1), "deflate"
+    return body, None
+
+
+class Frontend:
+    def __init__(self, server_id: str, arena_bytes: int = 256 << 20, max_input_bytes: int = 1 << 31) -> None:
+        self.link = BrokerLink(server_id, arena_bytes)
+        self.max_input_bytes = max_input_bytes
+
+    async def _control(self, doc: dict) -> tuple[int, Any]:
+        return await self.link.control(doc)
+
+    async def _answer(self, doc: dict) -> Response:
+        try:
+            status, answer = await self._control(doc)
+        except BrokerError as e:
+            return error_response(e.status, str(e))
+        return json_response(answer, status)
+
+    # -- health and metadata --------------------------------------------------------------------
+    async def live(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(self, request: Request) -> Response:
+        try:
+            _, answer = await self._control({"op": "server_ready"})
+        except BrokerError:
+            return Response(status_code=503)
+        return Response(status_code=200 if answer.get("ready") else 400)
+
+    async def server_metadata(self, request: Request) -> Response:
+        return json_response({"name": "shmserve", "version": __version__, "extensions": EXTENSIONS})
+
+    @staticmethod
+    def _model(request: Request) -> dict:
+        p = request.path_params
+        return {"model": p["model"], "version": p.get("version", "")}
+
+    async def model_metadata(self, request: Request) -> Response:
+        return await self._answer({"op": "model_metadata", **self._model(request)})
+
+    async def model_config(self, request: Request) -> Response:
+        return await self._answer({"op": "model_config", **self._model(request)})
+
+    async def model_ready(self, request: Request) -> Response:
+        try:
+            _, answer = await self._control({"op": "model_ready", **self._model(request)})
+        except BrokerError as e:
+            return error_response(e.status, str(e))
+        return Response(status_code=200 if answer.get("ready") else 400)
+
+    async def repository_index(self, request: Request) -> Response:
+        body = await request.body()
+        try:
+            opts = orjson.loads(body) if body else {}
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"failed to parse the request JSON buffer: {e}")
+        return await self._answer({"op": "repository_index", "ready": bool((opts or {}).get("ready"))})
+
+    # -- inference ------------------------------------------------------------------------------
+    async def infer(self, request: Request) -> Response:
+        p = request.path_params
+        model, version = p["model"], p.get("version", "")
+        headers = request.headers
+        try:
+            body = await request.body()
+            if len(body) > self.max_input_bytes:
+                raise BadRequest(f"the request body of {len(body)} bytes exceeds --http-max-input-size")
+            body = _decompress(body, headers.get("content-encoding"), self.max_input_bytes)
+            doc, tail = split_body(body, headers.get("inference-header-content-length"))
+            req, chunks = build_request(model, version, doc, tail)
+        except BadRequest as e:
+            return error_response(e.status, str(e))
+        try:
+            completion = await self.link.infer(req, chunks)
+        except BrokerError as e:
+            return error_response(e.status, str(e))
+        try:
+            result = completion.doc()
+            if completion.status != 200:
+                return error_response(completion.status, result.get("error", "inference failed"))
+            served = str(result.get("version", version))
+            body, header_len = build_response(model, served, doc, result, completion.tensor)
+        finally:
+            completion.release()
+        out_headers = {}
+        if header_len is not None:
+            out_headers["Inference-Header-Content-Length"] = str(header_len)
+            media = "application/octet-stream"
+        else:
+            media = JSON
+        body, encoding = _compress(body, headers.get("accept-encoding"))
+        if encoding:
+            out_headers["Content-Encoding"] = encoding
+        return Response(body, media_type=media, headers=out_headers)
+
+    # -- system shared memory -------------------------------------------------------------------
+    async def shm_register(self, request: Request) -> Response:
+        if not self._shm_allowed(request):
+            return error_response(403, "registering system shared memory is only allowed from this host "
+                                       "(start the server with --allow-remote-shm to change that)")
+        try:
+            doc = orjson.loads(await request.body())
+            if not isinstance(doc, dict) or "key" not in doc or "byte_size" not in doc:
+                raise BadRequest("the register request must give 'key' and 'byte_size'")
+            for field in ("offset", "byte_size"):
+                v = doc.get(field, 0)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise BadRequest(f"'{field}' must be a non-negative integer")
+        except (orjson.JSONDecodeError, BadRequest) as e:
+            return error_response(400, str(e))
+        return await self._answer({"op": "shm_register", "name": request.path_params["name"],
+                                   "key": doc["key"], "offset": doc.get("offset", 0),
+                                   "byte_size": doc["byte_size"]})
+
+    def _shm_allowed(self, request: Request) -> bool:
+        if getattr(request.app.state, "allow_remote_shm", False):
+            return True
+        host = request.client.host if request.client else ""
+        return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+    async def shm_unregister(self, request: Request) -> Response:
+        return await self._answer({"op": "shm_unregister", "name": request.path_params.get("name")})
+
+    async def shm_status(self, request: Request) -> Response:
+        return await self._answer({"op": "shm_status", "name": request.path_params.get("name")})
+
+    # -- CUDA shared memory: answered as Triton does where no GPU is (see docs) --------------------
+    async def cuda_register(self, request: Request) -> Response:
+        return error_response(400, "CUDA shared memory is not available: this server has no CUDA device")
+
+    async def cuda_unregister(self, request: Request) -> Response:
+        return json_response({})
+
+    async def cuda_status(self, request: Request) -> Response:
+        name = request.path_params.get("name")
+        if name:
+            return error_response(400, f"Unable to find cuda shared memory region: '{name}'")
+        return json_response([])
+
+
+def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bool = False,
+              max_input_bytes: int = 1 << 31) -> Starlette:
+    fe = Frontend(server_id, arena_bytes, max_input_bytes)
+    m = "/v2/models/{model}"
+    mv = "/v2/models/{model}/versions/{version}"
+    routes = [
+        Route("/v2/health/live", fe.live),
+        Route("/v2/health/ready", fe.ready),
+        Route("/v2", fe.server_metadata),
+        Route(m, fe.model_metadata), Route(mv, fe.model_metadata),
+        Route(m + "/ready", fe.model_ready), Route(mv + "/ready", fe.model_ready),
+        Route(m + "/config", fe.model_config), Route(mv + "/config", fe.model_config),
+        Route(m + "/infer", fe.infer, methods=["POST"]), Route(mv + "/infer", fe.infer, methods=["POST"]),
+        Route("/v2/repository/index", fe.repository_index, methods=["POST"]),
+        Route("/v2/systemsharedmemory/region/{name}/register", fe.shm_register, methods=["POST"]),
+        Route("/v2/systemsharedmemory/region/{name}/unregister", fe.shm_unregister, methods=["POST"]),
+        Route("/v2/systemsharedmemory/unregister", fe.shm_unregister, methods=["POST"]),
+        Route("/v2/systemsharedmemory/region/{name}/status", fe.shm_status),
+        Route("/v2/systemsharedmemory/status", fe.shm_status),
+        Route("/v2/cudasharedmemory/region/{name}/register", fe.cuda_register, methods=["POST"]),
+        Route("/v2/cudasharedmemory/region/{name}/unregister", fe.cuda_unregister, methods=["POST"]),
+        Route("/v2/cudasharedmemory/unregister", fe.cuda_unregister, methods=["POST"]),
+        Route("/v2/cudasharedmemory/region/{name}/status", fe.cuda_status),
+        Route("/v2/cudasharedmemory/status", fe.cuda_status),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        fe.link.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.allow_remote_shm = allow_remote_shm
+    app.state.frontend = fe
+    return app

@@ -1,0 +1,236 @@
+"""KServe v2 inference bodies <-> the broker's request descriptors, with Triton's binary tensor
+extension (``Inference-Header-Content-Length``) for data that should never become JSON.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+
+from shm.tensors import DTYPES, element_count, itemsize, serialize_bytes
+
+MAX_JSON_DEPTH = 64
+
+
+class BadRequest(Exception):
+    status = 400
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
+    """The JSON header and the binary tail of an inference body."""
+    view = memoryview(body)
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise BadRequest(f"Inference-Header-Content-Length '{header_length}' is not an integer") from None
+        if n < 0 or n > len(body):
+            raise BadRequest(f"Inference-Header-Content-Length {n} exceeds the request body of {len(body)} bytes")
+        head, tail = view[:n], view[n:]
+    else:
+        head, tail = view, view[len(body):]
+    try:
+        doc = orjson.loads(head)
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"failed to parse the request JSON buffer: {e}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("the inference request must be a JSON object")
+    return doc, tail
+
+
+def _flatten(data: Any, depth: int = 0) -> list:
+    if depth > MAX_JSON_DEPTH:
+        raise BadRequest("'data' is nested too deeply")
+    if isinstance(data, list) and data and isinstance(data[0], list):
+        out: list = []
+        for item in data:
+            if not isinstance(item, list):
+                raise BadRequest("'data' mixes nested lists and scalars")
+            out.extend(_flatten(item, depth + 1))
+        return out
+    return data if isinstance(data, list) else [data]
+
+
+def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: Any) -> bytes | memoryview:
+    """The wire bytes of a tensor given as JSON ``data``."""
+    flat = _flatten(data)
+    count = element_count(shape)
+    if len(flat) != count:
+        raise BadRequest(f"unexpected number of elements for input '{name}': shape {shape} holds {count}, "
+                         f"'data' has {len(flat)}")
+    try:
+        if datatype == "BYTES":
+            arr = np.empty(len(flat), dtype=np.object_)
+            arr[:] = [x.encode() if isinstance(x, str) else x for x in flat]
+            return serialize_bytes(arr)
+        if datatype == "BF16":
+            f32 = np.asarray(flat, dtype=np.float32)
+            return memoryview((f32.view(np.uint32) >> 16).astype(np.uint16)).cast("B")
+        if datatype == "BOOL":
+            if not all(isinstance(x, bool) for x in flat):
+                raise BadRequest(f"input '{name}': BOOL data must be true or false")
+        elif any(isinstance(x, (str, list, dict)) or x is None for x in flat):
+            raise BadRequest(f"input '{name}': {datatype} data must be numbers")
+        arr = np.asarray(flat, dtype=DTYPES[datatype])
+    except (ValueError, TypeError, OverflowError) as e:
+        raise BadRequest(f"unable to parse 'data' of input '{name}' as {datatype}: {e}") from None
+    return memoryview(arr).cast("B")
+
+
+def _shape(name: str, raw: Any) -> list[int]:
+    if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in raw):
+        raise BadRequest(f"input '{name}': 'shape' must be a list of integers")
+    if any(d < 0 for d in raw):
+        raise BadRequest(f"input '{name}': 'shape' {raw} has a negative dimension")
+    return raw
+
+
+def build_request(model: str, version: str, doc: dict, tail: memoryview) -> tuple[dict, list]:
+    """The broker descriptor and the tensor chunks (views into the body; no copy yet)."""
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise BadRequest("the request must have an 'inputs' list with at least one input")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise BadRequest("'parameters' must be a JSON object")
+    chunks: list = []
+    out_inputs = []
+    pos = 0  # position in the binary tail
+    rel = 0  # offset of the next tensor in our arena block
+    for t in inputs:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise BadRequest("each input must be an object with a 'name'")
+        name = t["name"]
+        datatype = t.get("datatype")
+        if datatype not in DTYPES:
+            raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
+        shape = _shape(name, t.get("shape"))
+        tparams = t.get("parameters") or {}
+        if not isinstance(tparams, dict):
+            raise BadRequest(f"input '{name}': 'parameters' must be a JSON object")
+        desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
+        if "shared_memory_region" in tparams:
+            desc["region"] = tparams["shared_memory_region"]
+            desc["offset"] = _nonneg(tparams.get("shared_memory_offset", 0), name, "shared_memory_offset")
+            desc["size"] = _nonneg(tparams.get("shared_memory_byte_size"), name, "shared_memory_byte_size")
+        elif "binary_data_size" in tparams:
+            n = _nonneg(tparams["binary_data_size"], name, "binary_data_size")
+            if pos + n > len(tail):
+                raise BadRequest(f"unexpected end of the request body: input '{name}' needs {n} bytes at "
+                                 f"{pos}, the binary data holds {len(tail)}")
+            chunk = tail[pos:pos + n]
+            pos += n
+            desc["data"] = rel
+            desc["size"] = n
+            chunks.append(chunk)
+            rel += n
+        elif "data" in t:
+            chunk = json_tensor_bytes(name, datatype, shape, t["data"])
+            desc["data"] = rel
+            desc["size"] = len(chunk)
+            chunks.append(chunk)
+            rel += len(chunk)
+        else:
+            raise BadRequest(f"input '{name}' has no 'data', binary data or shared memory region")
+        if datatype != "BYTES" and "region" not in desc:
+            expected = element_count(shape) * itemsize(datatype)
+            if desc["size"] != expected:
+                raise BadRequest(f"input '{name}': {desc['size']} bytes of data do not match shape {shape} "
+                                 f"of {datatype} ({expected} bytes)")
+        out_inputs.append(desc)
+    if pos != len(tail):
+        raise BadRequest(f"the request body has {len(tail) - pos} bytes of binary data that no input claims")
+    outputs = None
+    if doc.get("outputs") is not None:
+        if not isinstance(doc["outputs"], list):
+            raise BadRequest("'outputs' must be a list")
+        outputs = []
+        for o in doc["outputs"]:
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise BadRequest("each requested output must be an object with a 'name'")
+            op = o.get("parameters") or {}
+            if op.get("classification"):
+                raise BadRequest(f"output '{o['name']}': the classification extension is not supported")
+            od: dict[str, Any] = {"name": o["name"]}
+            if "shared_memory_region" in op:
+                od["region"] = op["shared_memory_region"]
+                od["offset"] = _nonneg(op.get("shared_memory_offset", 0), o["name"], "shared_memory_offset")
+                od["size"] = _nonneg(op.get("shared_memory_byte_size"), o["name"], "shared_memory_byte_size")
+            outputs.append(od)
+    req: dict[str, Any] = {"model": model, "version": version, "inputs": out_inputs, "outputs": outputs}
+    if "id" in doc:
+        req["id"] = str(doc["id"])
+    if params:
+        req["params"] = params
+        if "sequence_id" in params:
+            req["corr"] = params["sequence_id"]
+        flags = (1 if params.get("sequence_start") else 0) | (2 if params.get("sequence_end") else 0)
+        if flags:
+            req["flags"] = flags
+    return req, chunks
+
+
+def _nonneg(value: Any, name: str, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BadRequest(f"'{field}' of '{name}' must be a non-negative integer")
+    return value
+
+
+def wants_binary(doc: dict) -> dict[str, bool]:
+    """Which outputs the client wants as binary data (per output, else the request default)."""
+    default = bool((doc.get("parameters") or {}).get("binary_data_output", False))
+    out = {"*": default}
+    for o in doc.get("outputs") or ():
+        p = o.get("parameters") or {}
+        out[o["name"]] = bool(p.get("binary_data", default))
+    return out
+
+
+def output_region_params(doc: dict) -> dict[str, dict]:
+    out = {}
+    for o in doc.get("outputs") or ():
+        p = o.get("parameters") or {}
+        if "shared_memory_region" in p:
+            out[o["name"]] = {k: v for k, v in p.items() if k.startswith("shared_memory")}
+    return out
+
+
+def json_data(datatype: str, view: memoryview, shape: list[int]) -> list:
+    if datatype == "BYTES":
+        from shm.tensors import deserialize_bytes
+
+        return [b.decode("utf-8", errors="replace") for b in deserialize_bytes(view, element_count(shape))]
+    arr = np.frombuffer(view, dtype=DTYPES[datatype])
+    if datatype == "BF16":
+        arr = (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.tolist()
+
+
+def build_response(model: str, version: str, request: dict, result: dict, tensor_of: Any) -> tuple[bytes, int | None]:
+    """(body, JSON header length when binary data follows) of a KServe v2 infer response."""
+    binary = wants_binary(request)
+    regions = output_region_params(request)
+    outputs = []
+    blobs: list = []
+    for o in result.get("outputs", ()):
+        name = o["name"]
+        entry: dict[str, Any] = {"name": name, "datatype": o["datatype"], "shape": o["shape"]}
+        if o.get("region"):
+            entry["parameters"] = regions.get(name, {})
+        elif binary.get(name, binary["*"]):
+            entry["parameters"] = {"binary_data_size": o["size"]}
+            blobs.append(tensor_of(o))
+        else:
+            entry["data"] = json_data(o["datatype"], tensor_of(o), o["shape"])
+        outputs.append(entry)
+    resp: dict[str, Any] = {"model_name": model, "model_version": version}
+    if "id" in request:
+        resp["id"] = str(request["id"])
+    if result.get("params"):
+        resp["parameters"] = result["params"]
+    resp["outputs"] = outputs
+    head = orjson.dumps(resp)
+    if not blobs:
+        return head, None
+    return b"".join([head, *blobs]), len(head)

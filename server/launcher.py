@@ -1,0 +1,188 @@
+"""The launcher: starts the broker and the frontends, supervises them, and cleans up on exit.
+
+Like uvicorn's supervisor it restarts what dies (with back-off), forwards SIGTERM/SIGINT for a
+graceful drain, and unlinks every shared-memory object of its server id when it leaves. It binds
+the HTTP socket itself, so a busy port is a one-line error before anything starts, and every
+frontend process accepts on that one socket.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import orjson
+
+from shm.channel import BrokerSegment
+from shm.names import object_name, pid_alive, unlink_all
+
+from .broker.options import BrokerOptions
+
+log = logging.getLogger("shmserve")
+BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+
+
+def _check_previous(server_id: str) -> None:
+    """Refuse to start twice under one id; remove objects a dead server left behind."""
+    try:
+        seg = BrokerSegment.attach(server_id)
+    except Exception:  # noqa: BLE001 - absent or unreadable: nothing live to protect
+        pid = 0
+    else:
+        pid = seg.pid
+        seg.close()
+    if pid and pid_alive(pid):
+        sys.stderr.write(f"shmserve: error: a server with id '{server_id}' is already running (pid {pid}); "
+                         f"use --id to run another\n")
+        sys.exit(1)
+    removed = unlink_all(server_id)
+    if removed:
+        log.warning("removed %d shared-memory object(s) left by a previous server '%s'", removed, server_id)
+
+
+def _bind(address: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+    except OSError as e:
+        sys.stderr.write(f"shmserve: error: cannot bind HTTP to {address}:{port}: {e.strerror}\n")
+        sys.exit(1)
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.sid: str = args.id
+        self.broker_opts = BrokerOptions(
+            server_id=self.sid, repositories=[os.path.abspath(r) for r in args.model_repository],
+            control_mode=args.model_control_mode, load_models=args.load_model,
+            strict_config=args.strict_model_config, strict_readiness=args.strict_readiness,
+            exit_on_error=args.exit_on_error, exit_timeout_s=args.exit_timeout_secs,
+            log_verbose=args.log_verbose, worker_arena_bytes=args.worker_arena_mb << 20,
+            allow_remote_shm=args.allow_remote_shm,
+            metrics_port=args.metrics_port if args.allow_metrics else 0,
+        )
+        self.stopping = False
+        self.broker: subprocess.Popen | None = None
+        self.frontends: list[subprocess.Popen | None] = []
+        self.sock: socket.socket | None = None
+
+    def _start_broker(self) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "server.broker", orjson.dumps(self.broker_opts.to_json())],
+                                stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        name = object_name(self.sid, "broker", 0)
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists("/dev/shm" + name):
+                break
+            time.sleep(0.01)
+        return proc
+
+    def _start_frontend(self, index: int) -> subprocess.Popen:
+        assert self.sock is not None
+        spec = {"server_id": self.sid, "fd": self.sock.fileno(), "index": index,
+                "arena_bytes": self.args.frontend_arena_mb << 20, "allow_remote_shm": self.args.allow_remote_shm,
+                "max_input_bytes": self.args.http_max_input_size, "exit_timeout_s": self.args.exit_timeout_secs,
+                "log_verbose": self.args.log_verbose}
+        return subprocess.Popen([sys.executable, "-m", "server.frontend", orjson.dumps(spec)],
+                                pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        _check_previous(self.sid)
+        self.sock = _bind(self.args.http_address, self.args.http_port)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        code = 0
+        try:
+            self.broker = self._start_broker()
+            self.frontends = [self._start_frontend(i) for i in range(self.args.http_workers)]
+            log.info("shmserve '%s' serving HTTP on %s:%d with %d frontend(s)", self.sid, self.args.http_address,
+                     self.args.http_port, len(self.frontends))
+            code = self._supervise()
+        finally:
+            self._stop_all()
+            unlink_all(self.sid)
+        return code
+
+    def _supervise(self) -> int:
+        broker_restarts = 0
+        frontend_restarts = [0] * len(self.frontends)
+        while not self.stopping:
+            time.sleep(0.1)
+            assert self.broker is not None
+            code = self.broker.poll()
+            if code is not None and not self.stopping:
+                if code == 1 or code == 2:  # start-up failure (exit-on-error) or bad options: do not loop
+                    log.error("the broker exited with code %d; shutting down", code)
+                    return 1
+                delay = BACKOFF_S[min(broker_restarts, len(BACKOFF_S) - 1)]
+                log.error("the broker died (exit code %d); restarting it in %.1f s", code, delay)
+                broker_restarts += 1
+                time.sleep(delay)
+                unlink_all_but_frontends(self.sid)
+                self.broker = self._start_broker()
+            for i, fe in enumerate(self.frontends):
+                if fe is not None and fe.poll() is not None and not self.stopping:
+                    delay = BACKOFF_S[min(frontend_restarts[i], len(BACKOFF_S) - 1)]
+                    log.error("frontend #%d died (exit code %s); restarting it in %.1f s", i, fe.returncode, delay)
+                    frontend_restarts[i] += 1
+                    time.sleep(delay)
+                    self.frontends[i] = self._start_frontend(i)
+        return 0
+
+    def _stop_all(self) -> None:
+        """Frontends first (stop accepting, finish responses), then the broker (drain, stop workers)."""
+        timeout = self.args.exit_timeout_secs + 5
+        for fe in self.frontends:
+            if fe is not None and fe.poll() is None:
+                fe.send_signal(signal.SIGTERM)
+        for fe in self.frontends:
+            _wait(fe, timeout)
+        if self.broker is not None and self.broker.poll() is None:
+            self.broker.send_signal(signal.SIGTERM)
+        _wait(self.broker, timeout)
+        if self.sock is not None:
+            self.sock.close()
+
+
+def unlink_all_but_frontends(server_id: str) -> None:
+    """After a broker crash: remove its objects and its workers'; frontends reconnect on their own."""
+    from shm.names import list_objects
+    import posix_ipc
+
+    shms, sems = list_objects(server_id)
+    for name in shms:
+        if ".client." not in name:
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.ExistentialError:
+                pass
+    for name in sems:
+        if ".client." not in name:
+            try:
+                posix_ipc.unlink_semaphore(name)
+            except posix_ipc.ExistentialError:
+                pass
+
+
+def _wait(proc: subprocess.Popen | None, timeout: float) -> None:
+    if proc is None:
+        return
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,103 @@
+"""A FIFO allocator over a shared-memory range whose blocks are freed by another process.
+
+The producer (a worker writing outputs, a client writing inputs, the broker writing batch
+descriptors) allocates; the consumer frees a block by writing one flag into its header, with no
+message and no semaphore. The producer reclaims freed blocks lazily, oldest first, when it next
+allocates. Blocks are released in roughly the order they were made, so a FIFO is enough and costs
+O(1); a block held for long only delays reuse of the space behind it. A block whose consumer
+process died is reclaimed as free. A full arena is back-pressure: ``alloc`` returns -1.
+"""
+from __future__ import annotations
+
+import struct
+import threading
+
+from .names import pid_alive
+
+BLOCK_HEADER = 64  # keeps every payload 64-byte aligned for numpy/torch
+ALIGN = 64
+_HDR = struct.Struct("<QII")  # total bytes, state, consumer pid
+_STATE = struct.Struct("<I")
+USED, FREED, SKIP = 1, 2, 3
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def free_block(buf: memoryview, payload_offset: int) -> None:
+    """Consumer side: give the block back (one 4-byte store into its header)."""
+    _STATE.pack_into(buf, payload_offset - BLOCK_HEADER + 8, FREED)
+
+
+class Arena:
+    """Owner side of an arena occupying ``buf[offset:offset+size]``."""
+
+    def __init__(self, buf: memoryview, offset: int, size: int) -> None:
+        if offset % ALIGN or size % ALIGN:
+            raise ValueError("arena offset and size must be 64-byte aligned")
+        self._buf = buf
+        self._base = offset
+        self._size = size
+        self._head = 0  # next allocation, relative to base
+        self._tail = 0  # oldest block not yet reclaimed
+        self._used = 0  # bytes between tail and head (including skipped end space)
+        self._lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        return self._size
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self._used
+
+    def alloc(self, nbytes: int, consumer_pid: int = 0) -> int:
+        """Absolute payload offset in the segment, or -1 when the arena cannot hold it now."""
+        need = _align(BLOCK_HEADER + max(nbytes, 1))
+        with self._lock:
+            self._reclaim(False)
+            at = self._place(need)
+            if at < 0:
+                self._reclaim(True)  # only now pay for asking whether consumers still live
+                at = self._place(need)
+                if at < 0:
+                    return -1
+            _HDR.pack_into(self._buf, self._base + at, need, USED, consumer_pid)
+            self._head = at + need
+            self._used += need
+            return self._base + at + BLOCK_HEADER
+
+    def _place(self, need: int) -> int:
+        size, head, tail = self._size, self._head, self._tail
+        if self._used == 0:
+            self._head = self._tail = 0
+            return 0 if need <= size else -1
+        if head > tail:
+            if head + need <= size:
+                return head
+            if need <= tail:  # wrap: mark the end as skipped space
+                if head < size:
+                    _HDR.pack_into(self._buf, self._base + head, size - head, SKIP, 0)
+                    self._used += size - head
+                return 0
+            return -1
+        # head <= tail with blocks outstanding: free space is [head, tail)
+        return head if head + need <= tail else -1
+
+    def _reclaim(self, check_dead: bool) -> None:
+        buf, base, size = self._buf, self._base, self._size
+        while self._used > 0:
+            total, state, pid = _HDR.unpack_from(buf, base + self._tail)
+            if state == USED and not (check_dead and pid and not pid_alive(pid)):
+                break
+            self._used -= total
+            self._tail += total
+            if self._tail >= size:
+                self._tail = 0
+        if self._used == 0:
+            self._head = self._tail = 0
+
+    def free(self, payload_offset: int) -> None:
+        """Owner frees its own block (same flag as a consumer would write)."""
+        free_block(self._buf, payload_offset)

@@ -1,0 +1,256 @@
+"""Layouts of the three kinds of segment (broker, worker, client) and their semaphores.
+
+Each segment starts with a small header, then its rings, then an arena:
+- broker.0: the connect ring (clients announce themselves; guarded by a semaphore mutex because
+  many clients write it) and the broker's arena (batch descriptors, control replies).
+- worker.<n>: inbox (broker -> worker), outbox (worker -> broker) and the worker's output arena.
+- client.<pid>-<k>: request ring (client -> broker), completion slots (written by whoever answers)
+  and the client's arena (request descriptors and input tensors).
+Semaphores carry the same names as the segments they wake (POSIX keeps the two apart).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import time
+
+import numpy as np
+import posix_ipc
+
+from .arena import Arena
+from .names import object_name
+from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE
+from .ring import Ring
+from .segment import Segment
+
+HEADER_BYTES = 4096
+MAGIC = 0x53484D53  # "SHMS"
+_HEADER = struct.Struct("<IIQ")  # magic, pid, start time (ns) of the creating process
+_WANT_WAKEUP = struct.Struct("<I")
+WANT_WAKEUP_OFFSET = 64  # worker header: broker sets it when it waits for this instance
+
+CONNECT_CAPACITY = 256
+REQUEST_CAPACITY = 4096
+DEFAULT_SLOTS = 1024
+WORKER_RING_CAPACITY = 1024
+
+
+def _align(n: int, a: int = 4096) -> int:
+    return (n + a - 1) & ~(a - 1)
+
+
+def _create_sem(name: str, initial: int = 0) -> posix_ipc.Semaphore:
+    try:
+        posix_ipc.unlink_semaphore(name)
+    except posix_ipc.ExistentialError:
+        pass
+    return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
+
+
+def drain_semaphore(sem: posix_ipc.Semaphore) -> None:
+    """Take every pending post: the caller then drains all rings, so none is lost."""
+    try:
+        while True:
+            sem.acquire(0)
+    except posix_ipc.BusyError:
+        pass
+
+
+def read_header(seg: Segment) -> tuple[int, int, int]:
+    return _HEADER.unpack_from(seg.buf, 0)
+
+
+class BrokerSegment:
+    def __init__(self, server_id: str, seg: Segment, create: bool) -> None:
+        self.seg = seg
+        self.name = seg.name
+        off = HEADER_BYTES
+        self.connect = Ring(seg.buf, off, CONNECT_CAPACITY, CONNECT)
+        off = _align(off + Ring.nbytes(CONNECT_CAPACITY, CONNECT))
+        self.arena_offset = off
+        self.doorbell_name = object_name(server_id, "doorbell", 0)
+        self.mutex_name = object_name(server_id, "connect", 0)
+        if create:
+            _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
+            self.connect.reset()
+            self.doorbell = _create_sem(self.doorbell_name)
+            self.mutex = _create_sem(self.mutex_name, 1)
+            self.arena: Arena | None = Arena(seg.buf, off, seg.size - off)
+        else:
+            magic, _, _ = read_header(seg)
+            if magic != MAGIC:
+                raise ConnectionError(f"{seg.name} is not a shmserve broker segment")
+            self.doorbell = posix_ipc.Semaphore(self.doorbell_name)
+            self.mutex = posix_ipc.Semaphore(self.mutex_name)
+            self.arena = None
+
+    @classmethod
+    def create(cls, server_id: str, arena_bytes: int) -> "BrokerSegment":
+        name = object_name(server_id, "broker", 0)
+        seg = Segment.create(name, _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + arena_bytes)
+        return cls(server_id, seg, create=True)
+
+    @classmethod
+    def attach(cls, server_id: str) -> "BrokerSegment":
+        return cls(server_id, Segment.attach(object_name(server_id, "broker", 0)), create=False)
+
+    @property
+    def pid(self) -> int:
+        return read_header(self.seg)[1]
+
+    @property
+    def started_ns(self) -> int:
+        return read_header(self.seg)[2]
+
+    def announce(self, client_pid: int, client_name: str, timeout: float = 5.0) -> None:
+        """Client side: put a connect record on the shared ring under the mutex, ring the bell."""
+        try:
+            self.mutex.acquire(timeout)
+        except posix_ipc.BusyError:
+            raise ConnectionError("the broker's connect ring is locked; is the server alive?") from None
+        try:
+            deadline = time.monotonic() + timeout
+            while not self.connect.put(client_pid, client_name.encode()):
+                if time.monotonic() > deadline:
+                    raise ConnectionError("the broker's connect ring stays full")
+                time.sleep(0.001)
+        finally:
+            self.mutex.release()
+        self.doorbell.release()
+
+    def close(self) -> None:
+        self.doorbell.close()
+        self.mutex.close()
+        self.seg.close()
+
+    def unlink(self) -> None:
+        for name in (self.doorbell_name, self.mutex_name):
+            try:
+                posix_ipc.unlink_semaphore(name)
+            except posix_ipc.ExistentialError:
+                pass
+        self.seg.unlink()
+
+
+class WorkerSegment:
+    def __init__(self, seg: Segment, create: bool) -> None:
+        self.seg = seg
+        self.name = seg.name
+        off = HEADER_BYTES
+        self.inbox = Ring(seg.buf, off, WORKER_RING_CAPACITY, RECORD)
+        off += Ring.nbytes(WORKER_RING_CAPACITY, RECORD)
+        self.outbox = Ring(seg.buf, off, WORKER_RING_CAPACITY, RECORD)
+        off = _align(off + Ring.nbytes(WORKER_RING_CAPACITY, RECORD))
+        self.arena_offset = off
+        self.arena_size = seg.size - off
+        if create:
+            _HEADER.pack_into(seg.buf, 0, MAGIC, 0, time.time_ns())
+            self.inbox.reset()
+            self.outbox.reset()
+            self.sem = _create_sem(seg.name)
+        else:
+            self.sem = posix_ipc.Semaphore(seg.name)
+
+    @staticmethod
+    def nbytes(arena_bytes: int) -> int:
+        return _align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD)) + arena_bytes
+
+    @classmethod
+    def create(cls, name: str, arena_bytes: int) -> "WorkerSegment":
+        return cls(Segment.create(name, cls.nbytes(arena_bytes)), create=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "WorkerSegment":
+        return cls(Segment.attach(name), create=False)
+
+    def set_pid(self, pid: int) -> None:
+        struct.pack_into("<I", self.seg.buf, 4, pid)
+
+    @property
+    def want_wakeup(self) -> bool:
+        return _WANT_WAKEUP.unpack_from(self.seg.buf, WANT_WAKEUP_OFFSET)[0] != 0
+
+    @want_wakeup.setter
+    def want_wakeup(self, value: bool) -> None:
+        _WANT_WAKEUP.pack_into(self.seg.buf, WANT_WAKEUP_OFFSET, 1 if value else 0)
+
+    def close(self) -> None:
+        self.sem.close()
+        self.seg.close()
+
+    def unlink(self) -> None:
+        try:
+            posix_ipc.unlink_semaphore(self.name)
+        except posix_ipc.ExistentialError:
+            pass
+        self.seg.unlink()
+
+
+class ClientSegment:
+    def __init__(self, seg: Segment, slots: int, create: bool) -> None:
+        self.seg = seg
+        self.name = seg.name
+        off = HEADER_BYTES
+        self.requests = Ring(seg.buf, off, REQUEST_CAPACITY, RECORD)
+        off += Ring.nbytes(REQUEST_CAPACITY, RECORD)
+        self.slots_offset = off
+        self.nslots = slots
+        self.slot_states = np.ndarray((slots,), dtype=np.uint32, buffer=seg.buf, offset=off,
+                                      strides=(SLOT_BYTES,))
+        off = _align(off + slots * SLOT_BYTES)
+        self.arena_offset = off
+        if create:
+            _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
+            struct.pack_into("<I", seg.buf, 16, slots)
+            self.requests.reset()
+            self.slot_states[:] = 0
+            self.sem = _create_sem(seg.name)
+            self.arena: Arena | None = Arena(seg.buf, off, seg.size - off)
+        else:
+            self.sem = posix_ipc.Semaphore(seg.name)
+            self.arena = None
+
+    @staticmethod
+    def nbytes(slots: int, arena_bytes: int) -> int:
+        return _align(HEADER_BYTES + Ring.nbytes(REQUEST_CAPACITY, RECORD) + slots * SLOT_BYTES) + arena_bytes
+
+    @classmethod
+    def create(cls, name: str, arena_bytes: int, slots: int = DEFAULT_SLOTS) -> "ClientSegment":
+        return cls(Segment.create(name, cls.nbytes(slots, arena_bytes)), slots, create=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "ClientSegment":
+        seg = Segment.attach(name)
+        magic, _, _ = read_header(seg)
+        if magic != MAGIC:
+            seg.close()
+            raise ConnectionError(f"{name} is not a shmserve client segment")
+        (slots,) = struct.unpack_from("<I", seg.buf, 16)
+        return cls(seg, slots, create=False)
+
+    @property
+    def pid(self) -> int:
+        return read_header(self.seg)[1]
+
+    def complete(self, slot: int, status: int, role: int, num: int, offset: int, length: int) -> None:
+        """Answer a request: fields first, state last; the caller then posts ``sem``."""
+        base = self.slots_offset + slot * SLOT_BYTES
+        SLOT.pack_into(self.seg.buf, base, 0, status, role, num, offset, length, 0)
+        struct.pack_into("<I", self.seg.buf, base, SLOT_DONE)
+
+    def read_slot(self, slot: int) -> tuple[int, int, int, int, int, int, int]:
+        return SLOT.unpack_from(self.seg.buf, self.slots_offset + slot * SLOT_BYTES)
+
+    def set_slot_state(self, slot: int, state: int) -> None:
+        struct.pack_into("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES, state)
+
+    def close(self) -> None:
+        self.sem.close()
+        self.seg.close()
+
+    def unlink(self) -> None:
+        try:
+            posix_ipc.unlink_semaphore(self.name)
+        except posix_ipc.ExistentialError:
+            pass
+        self.seg.unlink()

@@ -1,0 +1,240 @@
+"""The low-level channel from one process to the broker, shared by the HTTP frontend and the
+local client library.
+
+A connection owns a client segment: a request ring the broker drains, a table of completion slots
+that workers and the broker fill, and an arena for request descriptors and input tensors. A waiter
+thread sleeps on the connection's semaphore and hands each completion to the callback given at
+submit time, in that thread (callers hop to their own loop as they need).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import threading
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import orjson
+import posix_ipc
+
+from .arena import free_block
+from .channel import DEFAULT_SLOTS, BrokerSegment, ClientSegment, drain_semaphore
+from .names import check_server_id, object_name, pid_alive
+from .protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_NAMES, SLOT_DONE, SLOT_FREE, SLOT_PENDING,
+                       manifest_room, read_manifest_with_data, write_manifest)
+from .segment import SegmentCache
+
+log = logging.getLogger("shmserve.client")
+_counter = itertools.count()
+
+
+class ServerUnavailable(ConnectionError):
+    """No server with that id is running, or it went away; a new Connection may succeed later."""
+
+
+class Backpressure(RuntimeError):
+    """The connection is out of slots or arena space right now; retrying later can succeed."""
+
+
+class Completion:
+    """One answer: a status and a block in the producer's arena, freed by ``release``."""
+
+    __slots__ = ("status", "buf", "offset", "_doc", "_data")
+
+    def __init__(self, status: int, buf: memoryview | None, offset: int, doc: dict | None = None) -> None:
+        self.status = status
+        self.buf = buf
+        self.offset = offset
+        self._doc = doc
+        self._data = 0
+
+    def doc(self) -> dict:
+        if self._doc is None:
+            assert self.buf is not None
+            self._doc, self._data = read_manifest_with_data(self.buf, self.offset)
+        return self._doc
+
+    def tensor(self, desc: dict) -> memoryview:
+        """The bytes of an output the response carries (a view: valid until ``release``)."""
+        self.doc()
+        assert self.buf is not None
+        start = self._data + desc["off"]
+        return self.buf[start:start + desc["size"]]
+
+    def release(self) -> None:
+        if self.buf is not None:
+            free_block(self.buf, self.offset)
+            self.buf = None
+
+
+Callback = Callable[[Completion], None]
+
+
+class Connection:
+    def __init__(self, server_id: str = "shmserve", arena_bytes: int = 64 << 20, slots: int = DEFAULT_SLOTS) -> None:
+        self.server_id = check_server_id(server_id)
+        try:
+            self.broker = BrokerSegment.attach(server_id)
+        except (posix_ipc.ExistentialError, ConnectionError, FileNotFoundError):
+            raise ServerUnavailable(f"no shmserve server with id '{server_id}' is running on this host") from None
+        self.broker_pid = self.broker.pid
+        if not pid_alive(self.broker_pid):
+            self.broker.close()
+            raise ServerUnavailable(f"the shmserve server with id '{server_id}' is not running (stale objects)")
+        self.name = object_name(server_id, "client", f"{os.getpid()}-{next(_counter)}")
+        self.seg = ClientSegment.create(self.name, arena_bytes, slots)
+        self.arena = self.seg.arena
+        assert self.arena is not None
+        self._free_slots = collections.deque(range(slots))
+        self._callbacks: list[tuple[Callback, int] | None] = [None] * slots
+        self._lock = threading.Lock()
+        self._segments = SegmentCache()
+        self._closed = False
+        self.alive = True
+        self.broker.announce(os.getpid(), self.name)
+        self._thread = threading.Thread(target=self._wait_loop, name=f"shmserve-completions-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- sending --------------------------------------------------------------------------------
+    def submit(self, kind: int, doc: dict, tensors: Iterable[Any], callback: Callback) -> None:
+        """Write the request (descriptor then tensor bytes) into our arena and wake the broker.
+
+        Tensor references in ``doc`` give ``data`` as offsets relative to where the tensor bytes
+        start, in the order of ``tensors``.
+        """
+        if not self.alive:
+            raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
+        data = orjson.dumps(doc)
+        room = manifest_room(len(data))
+        chunks = [memoryview(t).cast("B") if not isinstance(t, (bytes, bytearray)) else t for t in tensors]
+        total = room + sum(len(c) for c in chunks)
+        with self._lock:
+            if not self._free_slots:
+                raise Backpressure("too many requests in flight on this connection")
+            off = self.arena.alloc(total)  # type: ignore[union-attr]
+            if off < 0:
+                raise Backpressure(f"no room for a {total}-byte request in the shared-memory arena "
+                                   f"({self.arena.capacity} bytes); retry later")  # type: ignore[union-attr]
+            slot = self._free_slots.popleft()
+            buf = self.seg.seg.buf
+            pos = write_manifest(buf, off, data)
+            for c in chunks:
+                n = len(c)
+                buf[pos:pos + n] = c
+                pos += n
+            self._callbacks[slot] = (callback, off)
+            self.seg.set_slot_state(slot, SLOT_PENDING)
+            if not self.seg.requests.put(kind, slot, off, total, 0):
+                self.seg.set_slot_state(slot, SLOT_FREE)
+                self._callbacks[slot] = None
+                self._free_slots.append(slot)
+                free_block(buf, off)
+                raise Backpressure("the request ring to the broker is full; retry later")
+        self.broker.doorbell.release()
+
+    def reserve(self, nbytes: int) -> tuple[int, memoryview]:
+        """Space in our arena for data written in place (e.g. an HTTP body read straight in)."""
+        off = self.arena.alloc(nbytes)  # type: ignore[union-attr]
+        if off < 0:
+            raise Backpressure(f"no room for {nbytes} bytes in the shared-memory arena; retry later")
+        return off, self.seg.seg.buf[off:off + nbytes]
+
+    def infer(self, doc: dict, tensors: Iterable[Any], callback: Callback) -> None:
+        self.submit(REQ_INFER, doc, tensors, callback)
+
+    def control(self, doc: dict, callback: Callback) -> None:
+        self.submit(REQ_CONTROL, doc, (), callback)
+
+    # -- receiving ------------------------------------------------------------------------------
+    def _producer_buf(self, role: int, num: int) -> memoryview:
+        if role == 0:
+            return self._segments.get(object_name(self.server_id, "broker", 0)).buf
+        return self._segments.get(object_name(self.server_id, ROLE_NAMES[role], num)).buf
+
+    def _wait_loop(self) -> None:
+        sem = self.seg.sem
+        states = self.seg.slot_states
+        while not self._closed:
+            try:
+                sem.acquire(1.0)
+            except posix_ipc.BusyError:
+                if not pid_alive(self.broker_pid) or self.broker.started_ns != self._broker_started():
+                    self._server_gone()
+                    return
+                continue
+            except posix_ipc.ExistentialError:
+                return
+            drain_semaphore(sem)
+            for slot in np.flatnonzero(states == SLOT_DONE).tolist():
+                self._complete(slot)
+
+    def _broker_started(self) -> int:
+        try:
+            seg = BrokerSegment.attach(self.server_id)
+        except (posix_ipc.ExistentialError, ConnectionError):
+            return -1
+        try:
+            return seg.started_ns
+        finally:
+            seg.close()
+
+    def _complete(self, slot: int) -> None:
+        _, status, role, num, off, _, _ = self.seg.read_slot(slot)
+        with self._lock:
+            entry = self._callbacks[slot]
+            self._callbacks[slot] = None
+            self.seg.set_slot_state(slot, SLOT_FREE)
+            self._free_slots.append(slot)
+        if entry is None:
+            return
+        callback, req_off = entry
+        free_block(self.seg.seg.buf, req_off)
+        try:
+            buf = self._producer_buf(role, num)
+            completion = Completion(status, buf, off)
+        except (posix_ipc.ExistentialError, KeyError, OSError):
+            completion = Completion(500, None, 0, {"error": "the response was lost: its producer is gone"})
+        try:
+            callback(completion)
+        except Exception:  # noqa: BLE001 - a faulty callback must not kill the waiter thread
+            log.exception("completion callback failed")
+            completion.release()
+
+    def _server_gone(self) -> None:
+        self.alive = False
+        with self._lock:
+            pending = [(i, e) for i, e in enumerate(self._callbacks) if e is not None]
+            for i, _ in pending:
+                self._callbacks[i] = None
+        msg = f"the shmserve server '{self.server_id}' went away while the request was in flight"
+        for _, (callback, _) in pending:
+            try:
+                callback(Completion(503, None, 0, {"error": msg}))
+            except Exception:  # noqa: BLE001
+                log.exception("completion callback failed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.alive and pid_alive(self.broker_pid):
+            try:
+                self.seg.requests.put(REQ_BYE, 0, 0, 0, 0)
+                self.broker.doorbell.release()
+            except posix_ipc.Error:
+                pass
+        self.seg.sem.release()  # wake the waiter so it sees _closed
+        self._thread.join(timeout=2.0)
+        self._segments.clear()
+        self.broker.close()
+        self.seg.close()
+        self.seg.unlink()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,84 @@
+"""Names of every shared-memory object and semaphore a server owns, and their cleanup.
+
+All objects are named ``/shmserve.<server-id>.<role>.<n>`` so that one server's objects can be
+listed, and removed after a crash, without touching anybody else's.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import posix_ipc
+
+PREFIX = "shmserve"
+SHM_DIR = "/dev/shm"
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_server_id(server_id: str) -> str:
+    """Server ids become part of file names in /dev/shm, so only a safe alphabet is allowed."""
+    if not _ID_RE.match(server_id):
+        raise ValueError(f"invalid server id {server_id!r}: use 1-64 letters, digits, '_' or '-'")
+    return server_id
+
+
+def object_name(server_id: str, role: str, n: int | str) -> str:
+    return f"/{PREFIX}.{server_id}.{role}.{n}"
+
+
+def is_server_object(name: str) -> bool:
+    """True for any name in the namespace shmserve reserves (clients may never register these)."""
+    return name.lstrip("/").startswith(PREFIX + ".")
+
+
+def list_objects(server_id: str) -> tuple[list[str], list[str]]:
+    """(shared-memory names, semaphore names) that belong to ``server_id``."""
+    stem = f"{PREFIX}.{server_id}."
+    shms: list[str] = []
+    sems: list[str] = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return shms, sems
+    for entry in entries:
+        if entry.startswith(stem):
+            shms.append("/" + entry)
+        elif entry.startswith("sem." + stem):
+            sems.append("/" + entry[4:])
+    return shms, sems
+
+
+def unlink_all(server_id: str) -> int:
+    """Remove every object of ``server_id``; returns how many were removed."""
+    shms, sems = list_objects(server_id)
+    removed = 0
+    for name in shms:
+        try:
+            posix_ipc.unlink_shared_memory(name)
+            removed += 1
+        except posix_ipc.ExistentialError:
+            pass
+    for name in sems:
+        try:
+            posix_ipc.unlink_semaphore(name)
+            removed += 1
+        except posix_ipc.ExistentialError:
+            pass
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); it is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ", 1)[1][:1] != b"Z"
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,71 @@
+"""Fixed layouts of the records that move between processes, and the codes they carry.
+
+Records are tiny: they point at a *manifest* (a block holding a small JSON document followed by
+tensor bytes) by segment and offset. Tensor bytes themselves never travel in a record.
+"""
+from __future__ import annotations
+
+import struct
+
+import orjson
+
+# Ring records: kind, a small integer argument, offset, length, an id.
+RECORD = struct.Struct("<IIQQQ")
+
+# Kinds of records on a client's request ring (client -> broker).
+REQ_INFER = 1
+REQ_CONTROL = 2
+REQ_BYE = 3
+
+# Kinds of records on a worker's inbox (broker -> worker).
+W_BATCH = 1
+W_STOP = 2
+
+# Kinds of records on a worker's outbox (worker -> broker).
+W_READY = 1
+W_LOAD_FAILED = 2
+W_DONE = 3
+W_CONFIG = 4
+
+# Roles of the segments a completion may point into.
+ROLE_BROKER = 0
+ROLE_WORKER = 1
+ROLE_NAMES = {ROLE_BROKER: "broker", ROLE_WORKER: "worker"}
+
+# Completion slot states in a client's slot table.
+SLOT_FREE = 0
+SLOT_PENDING = 1
+SLOT_DONE = 2
+
+# A slot: state, status (an HTTP status code), role, segment number, offset, length, spare.
+SLOT = struct.Struct("<IIIIQQQ")
+SLOT_BYTES = 64
+
+# A connect record: client pid, then the client segment's name (NUL padded).
+CONNECT = struct.Struct("<I124s")
+
+_MANIFEST_LEN = struct.Struct("<I")
+MANIFEST_ALIGN = 64
+
+
+def manifest_room(doc_bytes: int) -> int:
+    """Bytes a manifest's header and JSON take before the 64-byte aligned tensor data."""
+    return (4 + doc_bytes + MANIFEST_ALIGN - 1) & ~(MANIFEST_ALIGN - 1)
+
+
+def write_manifest(buf: memoryview, offset: int, doc: bytes) -> int:
+    """Write ``doc`` at ``offset``; returns where tensor data may start (64-byte aligned)."""
+    _MANIFEST_LEN.pack_into(buf, offset, len(doc))
+    buf[offset + 4:offset + 4 + len(doc)] = doc
+    return offset + manifest_room(len(doc))
+
+
+def read_manifest(buf: memoryview, offset: int) -> dict:
+    (n,) = _MANIFEST_LEN.unpack_from(buf, offset)
+    return orjson.loads(buf[offset + 4:offset + 4 + n])
+
+
+def read_manifest_with_data(buf: memoryview, offset: int) -> tuple[dict, int]:
+    """The document and the absolute offset where its tensor data starts."""
+    (n,) = _MANIFEST_LEN.unpack_from(buf, offset)
+    return orjson.loads(buf[offset + 4:offset + 4 + n]), offset + manifest_room(n)

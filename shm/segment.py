@@ -1,0 +1,118 @@
+"""A named POSIX shared-memory segment mapped into this process, and a cache of mappings.
+
+Mappings are made with ``mmap`` over the descriptor posix_ipc opens; numpy views are taken over
+``Segment.buf`` so tensor bytes are never copied to cross a process boundary.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict
+
+import posix_ipc
+
+
+class Segment:
+    """One mapped segment. ``create`` owns the name (and unlinks it); ``attach`` only maps it."""
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self._mmap = mm
+        self.buf = memoryview(mm)
+        self.owner = owner
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "Segment":
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        try:
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        return cls(name, size, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, readonly: bool = False) -> "Segment":
+        shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
+        try:
+            size = os.fstat(shm.fd).st_size
+            access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
+            mm = mmap.mmap(shm.fd, size, access=access)
+        finally:
+            shm.close_fd()
+        return cls(name, size, mm, owner=False)
+
+    def close(self) -> None:
+        """Unmap; views still alive keep the mapping until they die (BufferError is expected)."""
+        try:
+            self.buf.release()
+            self._mmap.close()
+        except BufferError:
+            pass
+
+    def unlink(self) -> None:
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            pass
+
+
+class SegmentCache:
+    """Lazily attached segments by name, bounded so long-lived processes do not hoard mappings."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._items: OrderedDict[str, Segment] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> Segment:
+        seg = self._items.get(name)
+        if seg is not None:
+            return seg
+        with self._lock:
+            seg = self._items.get(name)
+            if seg is None:
+                seg = Segment.attach(name)
+                self._items[name] = seg
+                while len(self._items) > self._limit:
+                    _, old = self._items.popitem(last=False)
+                    old.close()
+            return seg
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            seg = self._items.pop(name, None)
+        if seg is not None:
+            seg.close()
+
+    def clear(self) -> None:
+        with self._lock:
+            items = list(self._items.values())
+            self._items.clear()
+        for seg in items:
+            seg.close()
+
+
+class SemaphoreCache:
+    """Named semaphores opened on first use (workers post many clients' semaphores)."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, posix_ipc.Semaphore] = {}
+
+    def get(self, name: str) -> posix_ipc.Semaphore:
+        sem = self._items.get(name)
+        if sem is None:
+            sem = posix_ipc.Semaphore(name)
+            self._items[name] = sem
+        return sem
+
+    def drop(self, name: str) -> None:
+        sem = self._items.pop(name, None)
+        if sem is not None:
+            sem.close()
+
+    def clear(self) -> None:
+        for sem in self._items.values():
+            sem.close()
+        self._items.clear()

@@ -1,0 +1,127 @@
+"""Triton datatypes, their numpy equivalents, and the length-prefixed wire form of BYTES tensors."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+try:  # BF16 has no numpy dtype; torch's ml_dtypes-free path keeps it as raw uint16 in numpy.
+    from ml_dtypes import bfloat16 as _bf16  # type: ignore
+except ImportError:  # pragma: no cover - depends on the environment
+    _bf16 = None
+
+# Triton wire datatype -> numpy dtype. BF16 travels as 2-byte words (numpy has no bfloat16).
+DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BF16": np.dtype(_bf16) if _bf16 is not None else np.dtype(np.uint16),
+    "BYTES": np.dtype(np.object_),
+}
+
+# Model-config spelling (TYPE_FP32) <-> wire spelling (FP32).
+CONFIG_TO_WIRE = {f"TYPE_{k}": k for k in DTYPES if k != "BYTES"}
+CONFIG_TO_WIRE["TYPE_STRING"] = "BYTES"
+WIRE_TO_CONFIG = {v: k for k, v in CONFIG_TO_WIRE.items()}
+
+_NUMPY_TO_WIRE = {np.dtype(np.bool_): "BOOL", np.dtype(np.uint8): "UINT8", np.dtype(np.uint16): "UINT16",
+                  np.dtype(np.uint32): "UINT32", np.dtype(np.uint64): "UINT64", np.dtype(np.int8): "INT8",
+                  np.dtype(np.int16): "INT16", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64",
+                  np.dtype(np.float16): "FP16", np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64",
+                  np.dtype(np.object_): "BYTES"}
+
+_LEN = struct.Struct("<I")
+
+
+def wire_datatype(array: np.ndarray) -> str:
+    dt = array.dtype
+    if dt.kind in ("S", "U", "O"):
+        return "BYTES"
+    if _bf16 is not None and dt == DTYPES["BF16"]:
+        return "BF16"
+    try:
+        return _NUMPY_TO_WIRE[dt]
+    except KeyError:
+        raise ValueError(f"unsupported numpy dtype {dt}") from None
+
+
+def element_count(shape: list[int] | tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def itemsize(datatype: str) -> int:
+    """Bytes per element, 0 for BYTES (variable length)."""
+    return 0 if datatype == "BYTES" else DTYPES[datatype].itemsize
+
+
+def _as_bytes(item: object) -> bytes:
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return item.encode()
+    if isinstance(item, (bytearray, memoryview, np.bytes_)):
+        return bytes(item)
+    return str(item).encode()
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """Triton's BYTES layout: each element as a 4-byte little-endian length and its bytes."""
+    parts = []
+    for item in array.reshape(-1):
+        b = _as_bytes(item)
+        parts.append(_LEN.pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def deserialize_bytes(buf: memoryview | bytes, count: int | None = None) -> np.ndarray:
+    """Inverse of ``serialize_bytes``; raises ValueError on a malformed buffer."""
+    out: list[bytes] = []
+    pos, end = 0, len(buf)
+    while pos < end and (count is None or len(out) < count):
+        if pos + 4 > end:
+            raise ValueError("BYTES tensor is truncated: an element length is cut off")
+        (n,) = _LEN.unpack_from(buf, pos)
+        pos += 4
+        if pos + n > end:
+            raise ValueError("BYTES tensor is truncated: an element is shorter than its length")
+        out.append(bytes(buf[pos:pos + n]))
+        pos += n
+    if count is not None and (len(out) != count or pos != end):
+        raise ValueError(f"BYTES tensor holds {len(out)} elements in {end} bytes, expected {count}")
+    arr = np.empty(len(out), dtype=np.object_)
+    arr[:] = out
+    return arr
+
+
+def to_wire_bytes(array: np.ndarray, datatype: str) -> bytes | memoryview:
+    """Raw bytes of a tensor as they travel (a view when the array is contiguous)."""
+    if datatype == "BYTES":
+        return serialize_bytes(array)
+    arr = np.ascontiguousarray(array)
+    return memoryview(arr).cast("B")
+
+
+def wire_size(array: np.ndarray, datatype: str) -> int:
+    if datatype == "BYTES":
+        return sum(4 + len(_as_bytes(x)) for x in array.reshape(-1))
+    return array.nbytes
+
+
+def from_buffer(buf: memoryview, datatype: str, shape: list[int]) -> np.ndarray:
+    """A numpy view over ``buf`` (no copy) or, for BYTES, the decoded object array."""
+    if datatype == "BYTES":
+        return deserialize_bytes(buf, element_count(shape)).reshape(shape)
+    return np.frombuffer(buf, dtype=DTYPES[datatype]).reshape(shape)

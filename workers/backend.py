@@ -1,0 +1,111 @@
+"""The backend interface every model runs behind, mirroring Triton's backend lifecycle.
+
+Triton's C API has backend, model and instance initialize/finalize and instance execute; here the
+same stages are three small classes. A backend is found by name through the ``shmserve.backends``
+entry-point group, so a user installs a package to add one, with no change to shmserve:
+
+    [project.entry-points."shmserve.backends"]
+    mybackend = "mypkg.backend:MyBackend"
+
+One worker process runs exactly one instance of one model version, so each stage happens once per
+process; the split still matters because Triton's models (and users) expect those hooks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ENTRY_POINT_GROUP = "shmserve.backends"
+
+
+@dataclasses.dataclass
+class ModelContext:
+    """What a backend may know about the model it loads (the config is Triton's JSON form)."""
+
+    name: str
+    version: int
+    model_dir: Path
+    config: dict[str, Any]
+    strict_config: bool = False
+
+    @property
+    def version_dir(self) -> Path:
+        return self.model_dir / str(self.version)
+
+
+@dataclasses.dataclass
+class InstanceContext:
+    name: str
+    index: int
+    kind: str  # "CPU" or "GPU"
+    device_id: int  # the device as this process sees it (GPU workers see only their own GPU)
+    physical_device_id: int
+
+
+@dataclasses.dataclass
+class Request:
+    """One inference request as a backend sees it: inputs are numpy views over shared memory."""
+
+    inputs: dict[str, np.ndarray]
+    requested_outputs: list[str]  # empty: every output the model produces
+    id: str = ""
+    correlation_id: int | str = 0
+    flags: int = 0
+    parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Response:
+    outputs: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Instance(ABC):
+    @abstractmethod
+    def execute(self, requests: list[Request]) -> list[Response]:
+        """Run one batch; one response per request, in order. Raise to fail the whole batch."""
+
+    def finalize(self) -> None:
+        """Instance finalize: release what ``Model.create_instance`` took."""
+
+
+class Model(ABC):
+    @abstractmethod
+    def create_instance(self, ctx: InstanceContext) -> Instance:
+        """Instance initialize."""
+
+    def finalize(self) -> None:
+        """Model finalize."""
+
+
+class Backend(ABC):
+    """Backend initialize happens in ``__init__``; ``finalize`` at worker exit."""
+
+    def auto_complete_config(self, ctx: ModelContext) -> dict[str, Any]:
+        """Return the config completed from the model itself (used unless strict config)."""
+        return ctx.config
+
+    @abstractmethod
+    def create_model(self, ctx: ModelContext) -> Model:
+        """Model initialize."""
+
+    def finalize(self) -> None:
+        """Backend finalize."""
+
+
+def installed_backends() -> dict[str, metadata.EntryPoint]:
+    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_backend(name: str) -> Backend:
+    eps = installed_backends()
+    if name not in eps:
+        raise RuntimeError(f"unable to find backend '{name}'")
+    cls = eps[name].load()
+    return cls()

@@ -1,0 +1,122 @@
+"""Triton's Python backend: ``model.py`` with ``TritonPythonModel``, unchanged.
+
+The worker process plays the part of Triton's Python stub: it imports ``model.py`` with our
+``triton_python_backend_utils`` installed under that name, hands it ``pb_utils.InferenceRequest``
+objects whose tensors are numpy views over shared memory, and reads back its responses.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ..backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
+from . import pb_utils
+
+MODULE_NAME = "triton_python_backend_utils"
+
+
+def _install_pb_utils() -> None:
+    sys.modules.setdefault(MODULE_NAME, pb_utils)
+
+
+def _import_model(ctx: ModelContext) -> ModuleType:
+    filename = ctx.config.get("default_model_filename") or "model.py"
+    path = ctx.version_dir / filename
+    # Triton puts the version folder on the path, so a model may import its sibling modules.
+    sys.path.insert(0, str(ctx.version_dir))
+    spec = importlib.util.spec_from_file_location("model", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["model"] = module
+    spec.loader.exec_module(module)
+    if not hasattr(module, "TritonPythonModel"):
+        raise AttributeError(f"{path} does not define class TritonPythonModel")
+    return module
+
+
+class PythonBackend(Backend):
+    def __init__(self) -> None:
+        _install_pb_utils()
+        self._module: ModuleType | None = None
+
+    def _model_module(self, ctx: ModelContext) -> ModuleType:
+        if self._module is None:
+            self._module = _import_model(ctx)
+        return self._module
+
+    def auto_complete_config(self, ctx: ModelContext) -> dict[str, Any]:
+        cls = self._model_module(ctx).TritonPythonModel
+        hook = getattr(cls, "auto_complete_config", None)
+        if hook is None:
+            return ctx.config
+        completed = hook(pb_utils.ModelConfig(ctx.config))
+        return completed.as_dict() if completed is not None else ctx.config
+
+    def create_model(self, ctx: ModelContext) -> Model:
+        return PythonModel(self._model_module(ctx), ctx)
+
+
+class PythonModel(Model):
+    def __init__(self, module: ModuleType, ctx: ModelContext) -> None:
+        self.module = module
+        self.ctx = ctx
+
+    def create_instance(self, ictx: InstanceContext) -> Instance:
+        model = self.module.TritonPythonModel()
+        args = {
+            "model_config": json.dumps(self.ctx.config),
+            "model_instance_kind": ictx.kind,
+            "model_instance_name": ictx.name,
+            "model_instance_device_id": str(ictx.device_id),
+            "model_repository": str(self.ctx.model_dir),
+            "model_version": str(self.ctx.version),
+            "model_name": self.ctx.name,
+        }
+        if hasattr(model, "initialize"):
+            model.initialize(args)
+        return PythonInstance(model, self.ctx)
+
+
+class PythonInstance(Instance):
+    def __init__(self, model: Any, ctx: ModelContext) -> None:
+        self.model = model
+        self.ctx = ctx
+
+    def execute(self, requests: list[Request]) -> list[Response]:
+        pb_requests = [
+            pb_utils.InferenceRequest(
+                model_name=self.ctx.name,
+                inputs=[pb_utils.Tensor(name, arr) for name, arr in r.inputs.items()],
+                requested_output_names=r.requested_outputs,
+                request_id=r.id,
+                correlation_id=r.correlation_id,
+                flags=r.flags,
+                parameters=r.parameters,
+            )
+            for r in requests
+        ]
+        results = self.model.execute(pb_requests)
+        if results is None or len(results) != len(requests):
+            got = "None" if results is None else str(len(results))
+            raise RuntimeError(f"execute() returned {got} responses for {len(requests)} requests")
+        return [self._convert(r) for r in results]
+
+    @staticmethod
+    def _convert(resp: Any) -> Response:
+        if resp.has_error():
+            err = resp.error()
+            return Response(error=err.message() if hasattr(err, "message") else str(err))
+        outputs: dict[str, np.ndarray] = {}
+        for t in resp.output_tensors():
+            outputs[t.name()] = np.asarray(t.as_numpy())
+        return Response(outputs=outputs)
+
+    def finalize(self) -> None:
+        if hasattr(self.model, "finalize"):
+            self.model.finalize()

@@ -1,0 +1,97 @@
+"""TorchScript models (``platform: "pytorch_libtorch"`` or ``backend: "pytorch"``).
+
+Inputs bind as Triton's PyTorch backend binds them: names ``<name>__<index>`` give the position,
+otherwise the config's order, or the forward() argument names when they match. Outputs
+``<name>__<index>`` index the returned tuple; otherwise the config's order. A batch of several
+requests runs as one forward over the concatenated batch dimension, then is split per request.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
+
+_INDEXED = re.compile(r"^.+__(\d+)$")
+
+
+def _order(names: list[str]) -> list[str]:
+    """Names with __<index> suffixes sorted by index; otherwise left in config order."""
+    if names and all(_INDEXED.match(n) for n in names):
+        return sorted(names, key=lambda n: int(_INDEXED.match(n).group(1)))  # type: ignore[union-attr]
+    return names
+
+
+class PyTorchBackend(Backend):
+    def __init__(self) -> None:
+        import torch  # imported in the worker only: the broker never pays for torch
+
+        self.torch = torch
+
+    def create_model(self, ctx: ModelContext) -> Model:
+        return PyTorchModel(self.torch, ctx)
+
+
+class PyTorchModel(Model):
+    def __init__(self, torch: Any, ctx: ModelContext) -> None:
+        self.torch = torch
+        self.ctx = ctx
+
+    def create_instance(self, ictx: InstanceContext) -> Instance:
+        torch = self.torch
+        device = torch.device(f"cuda:{ictx.device_id}" if ictx.kind == "GPU" and torch.cuda.is_available()
+                              else "cpu")
+        filename = self.ctx.config.get("default_model_filename") or "model.pt"
+        module = torch.jit.load(str(self.ctx.version_dir / filename), map_location=device)
+        module.eval()
+        return PyTorchInstance(torch, module, device, self.ctx.config)
+
+
+class PyTorchInstance(Instance):
+    def __init__(self, torch: Any, module: Any, device: Any, config: dict) -> None:
+        self.torch = torch
+        self.module = module
+        self.device = device
+        self.batched = config.get("max_batch_size", 0) > 0
+        self.input_names = _order([t["name"] for t in config.get("input", [])])
+        self.output_names = _order([t["name"] for t in config.get("output", [])])
+        self.by_keyword = False
+        try:
+            args = [a.name for a in module.forward.schema.arguments][1:]  # drop self
+            if not all(_INDEXED.match(n) for n in self.input_names) and set(args) == set(self.input_names):
+                self.input_names = args
+                self.by_keyword = True
+        except (AttributeError, RuntimeError):
+            pass
+
+    def execute(self, requests: list[Request]) -> list[Response]:
+        torch = self.torch
+        sizes = [next(iter(r.inputs.values())).shape[0] if self.batched and r.inputs else 1 for r in requests]
+        tensors = []
+        for name in self.input_names:
+            arrays = [r.inputs[name] for r in requests]
+            arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            if not arr.flags.writeable:
+                arr = arr.copy()
+            tensors.append(torch.from_numpy(arr).to(self.device))
+        with torch.inference_mode():
+            result = self.module(*tensors)
+        if isinstance(result, dict):
+            outputs = {k: v for k, v in result.items()}
+        else:
+            if isinstance(result, torch.Tensor):
+                result = (result,)
+            if len(result) < len(self.output_names):
+                raise RuntimeError(f"model returned {len(result)} outputs, config declares "
+                                   f"{len(self.output_names)}")
+            outputs = dict(zip(self.output_names, result))
+        host = {k: v.detach().cpu().numpy() for k, v in outputs.items()}
+        if len(requests) == 1:
+            return [Response(outputs=host)]
+        responses, start = [], 0
+        for n in sizes:
+            responses.append(Response(outputs={k: v[start:start + n] for k, v in host.items()}))
+            start += n
+        return responses

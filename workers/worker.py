@@ -1,0 +1,254 @@
+"""The worker process: one instance of one model version, fed through its shared-memory inbox.
+
+The loop sleeps on its semaphore, takes batch descriptors the broker wrote, builds numpy views of
+the inputs straight over the clients' shared memory, runs the backend, writes the outputs into its
+own arena (or into the region the client named), answers each client directly (one semaphore post
+per client) and tells the broker the instance is free, ringing the broker only if it waits.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import orjson
+import posix_ipc
+
+from shm.arena import Arena, free_block
+from shm.channel import ClientSegment, WorkerSegment, drain_semaphore
+from shm.names import object_name, pid_alive
+from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
+                          manifest_room, read_manifest, write_manifest)
+from shm.segment import SegmentCache
+from shm.tensors import from_buffer, serialize_bytes, wire_datatype
+
+from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
+
+log = logging.getLogger("shmserve.worker")
+
+
+class RequestError(Exception):
+    """A problem with one request (not the batch): answered as a 400 to that client only."""
+
+
+class Worker:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.server_id: str = spec["server_id"]
+        self.num: int = spec["num"]
+        self.model: str = spec["model"]
+        self.version: int = spec["version"]
+        self.instance_name: str = spec["instance_name"]
+        self.broker_pid: int = spec["broker_pid"]
+        self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num))
+        self.seg.set_pid(os.getpid())
+        self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
+        self.doorbell = posix_ipc.Semaphore(object_name(self.server_id, "doorbell", 0))
+        self.segments = SegmentCache()
+        self.clients: dict[str, ClientSegment] = {}
+        self.backend: Backend | None = None
+        self.model_state: Model | None = None
+        self.instance: Instance | None = None
+        self.running = True
+
+    # -- start-up -------------------------------------------------------------------------------
+    def load(self) -> None:
+        spec = self.spec
+        ctx = ModelContext(name=self.model, version=self.version, model_dir=Path(spec["model_dir"]),
+                           config=spec["config"], strict_config=spec.get("strict", False))
+        try:
+            self.backend = load_backend(spec["backend"])
+            if not ctx.strict_config:
+                ctx.config = self.backend.auto_complete_config(ctx)
+                self._post(W_CONFIG, 0, orjson.dumps(ctx.config))
+            self.model_state = self.backend.create_model(ctx)
+            ictx = InstanceContext(name=self.instance_name, index=spec["instance_index"], kind=spec["kind"],
+                                   device_id=0 if spec["kind"] == "GPU" else 0,
+                                   physical_device_id=spec.get("device_id", 0))
+            self.instance = self.model_state.create_instance(ictx)
+        except BaseException as e:  # noqa: BLE001 - any failure of user code is a load failure
+            detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+            log.error("failed to load '%s' version %d: %s\n%s", self.model, self.version, detail,
+                      traceback.format_exc())
+            self._post(W_LOAD_FAILED, 0, detail.encode())
+            raise SystemExit(3) from None
+        self._post(W_READY, 0, b"")
+
+    def _post(self, kind: int, status: int, payload: bytes) -> None:
+        """A message to the broker; start-up messages always ring its doorbell."""
+        off = self.arena.alloc(len(payload)) if payload else 0
+        if payload:
+            self.seg.seg.buf[off:off + len(payload)] = payload
+        while not self.seg.outbox.put(kind, status, off, len(payload), 0):
+            time.sleep(0.001)
+        self.doorbell.release()
+
+    # -- serving --------------------------------------------------------------------------------
+    def serve(self) -> None:
+        sem = self.seg.sem
+        inbox = self.seg.inbox
+        while self.running:
+            try:
+                sem.acquire(1.0)
+            except posix_ipc.SignalError:
+                continue
+            except posix_ipc.BusyError:
+                if not pid_alive(self.broker_pid):
+                    log.error("broker %d is gone; worker exits", self.broker_pid)
+                    return
+                continue
+            drain_semaphore(sem)
+            for kind, _, off, length, batch_id in inbox.drain():
+                if kind == W_STOP:
+                    self.running = False
+                    break
+                if kind == W_BATCH:
+                    self._run_batch(off, batch_id)
+
+    def _run_batch(self, off: int, batch_id: int) -> None:
+        broker_seg = self.segments.get(object_name(self.server_id, "broker", 0))
+        manifest = read_manifest(broker_seg.buf, off)
+        free_block(broker_seg.buf, off)
+        entries = manifest["requests"]
+        live: list[tuple[dict, Request]] = []
+        for entry in entries:
+            try:
+                live.append((entry, self._build_request(entry)))
+            except (RequestError, ValueError, OSError, posix_ipc.Error) as e:
+                self._answer_error(entry, 400, str(e))
+        if live:
+            try:
+                responses = self.instance.execute([r for _, r in live])  # type: ignore[union-attr]
+                if len(responses) != len(live):
+                    raise RuntimeError(f"model returned {len(responses)} responses for {len(live)} requests")
+            except Exception as e:  # noqa: BLE001 - model code may raise anything
+                msg = f"Failed to process the request(s) for model instance '{self.instance_name}', " \
+                      f"message: {type(e).__name__}: {e}"
+                log.error("%s\n%s", msg, traceback.format_exc())
+                for entry, _ in live:
+                    self._answer_error(entry, 500, msg)
+            else:
+                for (entry, _), resp in zip(live, responses):
+                    self._answer(entry, resp)
+        while not self.seg.outbox.put(W_DONE, 0, 0, 0, batch_id):
+            time.sleep(0.0005)
+        if self.seg.want_wakeup:
+            self.seg.want_wakeup = False
+            self.doorbell.release()
+
+    def _build_request(self, entry: dict) -> Request:
+        inputs = {}
+        for t in entry["inputs"]:
+            seg = self.segments.get(t["seg"])
+            off, size = t["off"], t["size"]
+            inputs[t["name"]] = from_buffer(seg.buf[off:off + size], t["datatype"], t["shape"])
+        return Request(inputs=inputs, requested_outputs=[o["name"] for o in entry.get("outputs") or ()],
+                       id=entry.get("id", ""), correlation_id=entry.get("corr", 0),
+                       flags=entry.get("flags", 0), parameters=entry.get("params") or {})
+
+    # -- answering ------------------------------------------------------------------------------
+    def _client(self, name: str) -> ClientSegment:
+        client = self.clients.get(name)
+        if client is None:
+            client = ClientSegment.attach(name)
+            self.clients[name] = client
+        return client
+
+    def _deliver(self, entry: dict, status: int, doc: bytes, tensors: list[tuple[int, Any]]) -> None:
+        """Write one response block (JSON, then tensor bytes) and wake the client."""
+        room = manifest_room(len(doc))
+        total = room + sum(n for n, _ in tensors)
+        off = self.arena.alloc(total, entry["pid"])
+        if off < 0:
+            doc = orjson.dumps({"error": f"model instance '{self.instance_name}' has no room for a "
+                                         f"{total}-byte response in its output arena; retry later"})
+            status, tensors = 503, []
+            off = self.arena.alloc(manifest_room(len(doc)), entry["pid"])
+            if off < 0:
+                log.error("output arena exhausted; request %s dropped", entry.get("id"))
+                return
+        buf = self.seg.seg.buf
+        pos = write_manifest(buf, off, doc)
+        for n, data in tensors:
+            buf[pos:pos + n] = data
+            pos += n
+        try:
+            client = self._client(entry["client"])
+        except (posix_ipc.ExistentialError, ConnectionError):
+            self.arena.free(off)
+            return  # the client is gone; nothing to answer
+        client.complete(entry["slot"], status, ROLE_WORKER, self.num, off, total)
+        client.sem.release()
+
+    def _answer_error(self, entry: dict, status: int, message: str) -> None:
+        self._deliver(entry, status, orjson.dumps({"error": message}), [])
+
+    def _answer(self, entry: dict, resp: Response) -> None:
+        if resp.error is not None:
+            self._answer_error(entry, 500, resp.error)
+            return
+        wanted = entry.get("outputs")
+        names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
+        placed = {o["name"]: o for o in wanted or () if "seg" in o}
+        outs, tensors, pos = [], [], 0
+        try:
+            for name in names:
+                if name not in resp.outputs:
+                    raise RequestError(f"output '{name}' was requested but the model did not produce it")
+                arr = resp.outputs[name]
+                datatype = wire_datatype(arr)
+                data = serialize_bytes(arr) if datatype == "BYTES" else memoryview(
+                    arr if arr.flags.c_contiguous else arr.copy()).cast("B")
+                n = len(data)
+                desc = {"name": name, "datatype": datatype, "shape": list(arr.shape), "size": n}
+                target = placed.get(name)
+                if target is not None:
+                    if n > target["size"]:
+                        raise RequestError(f"shared memory region for output '{name}' holds "
+                                           f"{target['size']} bytes but the output needs {n}")
+                    seg = self.segments.get(target["seg"])
+                    seg.buf[target["off"]:target["off"] + n] = data
+                    desc["region"] = True
+                else:
+                    desc["off"] = pos
+                    tensors.append((n, data))
+                    pos += n
+                outs.append(desc)
+        except (RequestError, ValueError, TypeError) as e:
+            self._answer_error(entry, 500 if not isinstance(e, RequestError) else 400, str(e))
+            return
+        doc = {"version": self.version, "outputs": outs}
+        if resp.parameters:
+            doc["params"] = resp.parameters
+        self._deliver(entry, 200, orjson.dumps(doc), tensors)
+
+    def close(self) -> None:
+        try:
+            if self.instance is not None:
+                self.instance.finalize()
+            if self.model_state is not None:
+                self.model_state.finalize()
+            if self.backend is not None:
+                self.backend.finalize()
+        except Exception:  # noqa: BLE001
+            log.exception("finalize failed")
+        for client in self.clients.values():
+            client.close()
+        self.segments.clear()
+
+
+def run(spec: dict[str, Any]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is for the broker to handle
+    worker = Worker(spec)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
+    worker.load()
+    try:
+        worker.serve()
+    finally:
+        worker.close()
+    return 0
