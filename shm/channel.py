@@ -19,7 +19,7 @@ import posix_ipc
 
 from .arena import Arena
 from .names import object_name
-from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE
+from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
 from .segment import Segment
 
@@ -235,14 +235,14 @@ class ClientSegment:
     def complete(self, slot: int, status: int, role: int, num: int, offset: int, length: int) -> None:
         """Answer a request: fields first, state last; the caller then posts ``sem``."""
         base = self.slots_offset + slot * SLOT_BYTES
-        SLOT.pack_into(self.seg.buf, base, 0, status, role, num, offset, length, 0)
-        struct.pack_into("<I", self.seg.buf, base, SLOT_DONE)
+        SLOT.pack_into(self.seg.buf, base, SLOT_PENDING, status, role, num, offset, length, 0)
+        self.slot_states[slot] = SLOT_DONE  # one aligned store, after the fields
 
     def read_slot(self, slot: int) -> tuple[int, int, int, int, int, int, int]:
         return SLOT.unpack_from(self.seg.buf, self.slots_offset + slot * SLOT_BYTES)
 
     def set_slot_state(self, slot: int, state: int) -> None:
-        struct.pack_into("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES, state)
+        self.slot_states[slot] = state
 
     def close(self) -> None:
         self.sem.close()

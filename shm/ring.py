@@ -3,13 +3,17 @@
 The producer writes the record, then publishes the new tail; the consumer reads up to the tail it
 sees, then publishes the new head. Each side writes only its own counter, so no lock is needed.
 The wake-up is a separate semaphore post, done by the caller (one post per hop).
+
+The counters are read and written through an aligned numpy uint64 view: one 8-byte load or store
+each. ``struct.pack_into`` writes integers byte by byte, and a reader on another core could then
+see a torn counter (a tail that jumps back) and lose records.
 """
 from __future__ import annotations
 
 import struct
 
-_COUNTERS = struct.Struct("<QQ")  # head, tail
-_HEAD = struct.Struct("<Q")
+import numpy as np
+
 HEADER_BYTES = 64
 
 
@@ -20,32 +24,34 @@ class Ring:
         self._cap = capacity
         self._rec = record
         self._data = offset + HEADER_BYTES
+        self._ctr = np.ndarray((2,), dtype=np.uint64, buffer=buf, offset=offset)  # head, tail
 
     @staticmethod
     def nbytes(capacity: int, record: struct.Struct) -> int:
         return HEADER_BYTES + capacity * record.size
 
     def reset(self) -> None:
-        _COUNTERS.pack_into(self._buf, self._off, 0, 0)
+        self._ctr[:] = 0
 
     def put(self, *fields: int) -> bool:
         """Append one record; False when the ring is full (the caller decides how to back off)."""
-        head, tail = _COUNTERS.unpack_from(self._buf, self._off)
-        if tail - head >= self._cap:
+        ctr = self._ctr
+        tail = int(ctr[1])
+        if tail - int(ctr[0]) >= self._cap:
             return False
         self._rec.pack_into(self._buf, self._data + (tail % self._cap) * self._rec.size, *fields)
-        _HEAD.pack_into(self._buf, self._off + 8, tail + 1)
+        ctr[1] = tail + 1
         return True
 
     def drain(self) -> list[tuple]:
-        head, tail = _COUNTERS.unpack_from(self._buf, self._off)
+        ctr = self._ctr
+        head, tail = int(ctr[0]), int(ctr[1])
         if head == tail:
             return []
         rec, cap, data, size = self._rec, self._cap, self._data, self._rec.size
         out = [rec.unpack_from(self._buf, data + (i % cap) * size) for i in range(head, tail)]
-        _HEAD.pack_into(self._buf, self._off, tail)
+        ctr[0] = tail
         return out
 
     def pending(self) -> int:
-        head, tail = _COUNTERS.unpack_from(self._buf, self._off)
-        return tail - head
+        return int(self._ctr[1]) - int(self._ctr[0])

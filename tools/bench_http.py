@@ -287,7 +287,7 @@ def closed_loop(client: Any, cfg: WorkerConfig, inputs: list[Any], outputs: list
             client.infer(cfg.model, inputs, outputs=outputs)
         except Exception as exc:  # counted and reported, never retried blindly.
             result.errors += 1
-            result.first_error = result.first_error or repr(exc)
+            result.first_error = result.first_error or f"{exc!r}: {exc}"
             if result.errors >= MAX_ERRORS_PER_WORKER:
                 raise RuntimeError(f"too many errors, last: {exc!r}") from exc
             continue
@@ -315,7 +315,7 @@ def worker_main(cfg: WorkerConfig, index: int, barrier: Any, results: Any) -> No
         closed_loop(client, cfg, inputs, outputs, cfg.duration_s, result, record=True)
         result.elapsed_s = time.perf_counter() - t0
     except Exception as exc:  # noqa: BLE001 - shipped to the parent instead of a lost traceback.
-        result.first_error = result.first_error or repr(exc)
+        result.first_error = result.first_error or f"{exc!r}: {exc}"
         barrier.abort()
     finally:
         regions.close()

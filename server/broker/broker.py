@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import posix_ipc
 
+from shm.arena import free_block
 from shm.channel import BrokerSegment, ClientSegment, WorkerSegment, drain_semaphore
 from shm.names import object_name, pid_alive
 from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_PENDING, W_BATCH, W_CONFIG,
@@ -167,10 +168,18 @@ class Broker:
                     mv.state = State.READY
                     log.info("successfully loaded '%s' version %d", mv.name, mv.version)
             elif kind == W_CONFIG:
-                self._on_completed_config(mv, bytes(inst.seg.seg.buf[off:off + length]))
+                self._on_completed_config(mv, self._take_payload(inst, off, length))
             elif kind == W_LOAD_FAILED:
-                reason = bytes(inst.seg.seg.buf[off:off + length]).decode(errors="replace")
+                reason = self._take_payload(inst, off, length).decode(errors="replace")
                 self._fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: {reason}")
+
+    @staticmethod
+    def _take_payload(inst: Instance, off: int, length: int) -> bytes:
+        """Copy a worker's message out of its arena and free the block (a held block stalls the arena)."""
+        data = bytes(inst.seg.seg.buf[off:off + length])
+        if length:
+            free_block(inst.seg.seg.buf, off)
+        return data
 
     def _on_completed_config(self, mv: ModelVersion, data: bytes) -> None:
         if mv.config_confirmed:
