@@ -22,12 +22,16 @@ from .names import object_name
 from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
 from .segment import Segment
+from .waker import SLEEPING, Waker, flag_view, make_fifo
 
 HEADER_BYTES = 4096
 MAGIC = 0x53484D53  # "SHMS"
 _HEADER = struct.Struct("<IIQ")  # magic, pid, start time (ns) of the creating process
 _WANT_WAKEUP = struct.Struct("<I")
-WANT_WAKEUP_OFFSET = 64  # worker header: broker sets it when it waits for this instance
+SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag (see waker.py)
+WANT_WAKEUP_OFFSET = 128  # worker header: broker sets it when it waits for this instance
+NOTIFY_KIND_OFFSET = 20  # client header: how to wake the client
+NOTIFY_SEMAPHORE, NOTIFY_FIFO = 0, 1
 
 CONNECT_CAPACITY = 256
 REQUEST_CAPACITY = 4096
@@ -45,15 +49,6 @@ def _create_sem(name: str, initial: int = 0) -> posix_ipc.Semaphore:
     except posix_ipc.ExistentialError:
         pass
     return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
-
-
-def drain_semaphore(sem: posix_ipc.Semaphore) -> None:
-    """Take every pending post: the caller then drains all rings, so none is lost."""
-    try:
-        while True:
-            sem.acquire(0)
-    except posix_ipc.BusyError:
-        pass
 
 
 def read_header(seg: Segment) -> tuple[int, int, int]:
@@ -83,6 +78,7 @@ class BrokerSegment:
             self.doorbell = posix_ipc.Semaphore(self.doorbell_name)
             self.mutex = posix_ipc.Semaphore(self.mutex_name)
             self.arena = None
+        self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.doorbell)
 
     @classmethod
     def create(cls, server_id: str, arena_bytes: int) -> "BrokerSegment":
@@ -116,7 +112,7 @@ class BrokerSegment:
                 time.sleep(0.001)
         finally:
             self.mutex.release()
-        self.doorbell.release()
+        self.waker.notify()
 
     def close(self) -> None:
         self.doorbell.close()
@@ -150,6 +146,7 @@ class WorkerSegment:
             self.sem = _create_sem(seg.name)
         else:
             self.sem = posix_ipc.Semaphore(seg.name)
+        self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.sem)
 
     @staticmethod
     def nbytes(arena_bytes: int) -> int:
@@ -187,7 +184,9 @@ class WorkerSegment:
 
 
 class ClientSegment:
-    def __init__(self, seg: Segment, slots: int, create: bool) -> None:
+    """``fifo=True`` wakes the client through a FIFO an asyncio loop can watch, else a semaphore."""
+
+    def __init__(self, seg: Segment, slots: int, create: bool, fifo: bool = False) -> None:
         self.seg = seg
         self.name = seg.name
         off = HEADER_BYTES
@@ -199,24 +198,34 @@ class ClientSegment:
                                       strides=(SLOT_BYTES,))
         off = _align(off + slots * SLOT_BYTES)
         self.arena_offset = off
+        self.fifo_path = f"/dev/shm{seg.name}.fifo"
+        self.fifo_fd: int | None = None
+        self.sem: posix_ipc.Semaphore | None = None
+        flag = flag_view(seg.buf, SLEEPING_FLAG_OFFSET)
         if create:
             _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
-            struct.pack_into("<I", seg.buf, 16, slots)
+            struct.pack_into("<II", seg.buf, 16, slots, NOTIFY_FIFO if fifo else NOTIFY_SEMAPHORE)
             self.requests.reset()
             self.slot_states[:] = 0
-            self.sem = _create_sem(seg.name)
+            if fifo:
+                self.fifo_fd = make_fifo(self.fifo_path)
+                flag[0] = SLEEPING  # the owner's loop waits on the FIFO from the start
+            else:
+                self.sem = _create_sem(seg.name)
             self.arena: Arena | None = Arena(seg.buf, off, seg.size - off)
         else:
-            self.sem = posix_ipc.Semaphore(seg.name)
+            if struct.unpack_from("<I", seg.buf, NOTIFY_KIND_OFFSET)[0] == NOTIFY_SEMAPHORE:
+                self.sem = posix_ipc.Semaphore(seg.name)
             self.arena = None
+        self.waker = Waker(flag, sem=self.sem, fifo_path=None if self.sem is not None else self.fifo_path)
 
     @staticmethod
     def nbytes(slots: int, arena_bytes: int) -> int:
         return _align(HEADER_BYTES + Ring.nbytes(REQUEST_CAPACITY, RECORD) + slots * SLOT_BYTES) + arena_bytes
 
     @classmethod
-    def create(cls, name: str, arena_bytes: int, slots: int = DEFAULT_SLOTS) -> "ClientSegment":
-        return cls(Segment.create(name, cls.nbytes(slots, arena_bytes)), slots, create=True)
+    def create(cls, name: str, arena_bytes: int, slots: int = DEFAULT_SLOTS, fifo: bool = False) -> "ClientSegment":
+        return cls(Segment.create(name, cls.nbytes(slots, arena_bytes)), slots, create=True, fifo=fifo)
 
     @classmethod
     def attach(cls, name: str) -> "ClientSegment":
@@ -233,7 +242,7 @@ class ClientSegment:
         return read_header(self.seg)[1]
 
     def complete(self, slot: int, status: int, role: int, num: int, offset: int, length: int) -> None:
-        """Answer a request: fields first, state last; the caller then posts ``sem``."""
+        """Answer a request: fields first, state last; the caller then calls ``waker.notify``."""
         base = self.slots_offset + slot * SLOT_BYTES
         SLOT.pack_into(self.seg.buf, base, SLOT_PENDING, status, role, num, offset, length, 0)
         self.slot_states[slot] = SLOT_DONE  # one aligned store, after the fields
@@ -245,12 +254,21 @@ class ClientSegment:
         self.slot_states[slot] = state
 
     def close(self) -> None:
-        self.sem.close()
+        self.waker.close()
+        if self.sem is not None:
+            self.sem.close()
+        if self.fifo_fd is not None:
+            os.close(self.fifo_fd)
+            self.fifo_fd = None
         self.seg.close()
 
     def unlink(self) -> None:
         try:
             posix_ipc.unlink_semaphore(self.name)
         except posix_ipc.ExistentialError:
+            pass
+        try:
+            os.unlink(self.fifo_path)
+        except FileNotFoundError:
             pass
         self.seg.unlink()

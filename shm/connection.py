@@ -2,9 +2,13 @@
 local client library.
 
 A connection owns a client segment: a request ring the broker drains, a table of completion slots
-that workers and the broker fill, and an arena for request descriptors and input tensors. A waiter
-thread sleeps on the connection's semaphore and hands each completion to the callback given at
-submit time, in that thread (callers hop to their own loop as they need).
+that workers and the broker fill, and an arena for request descriptors and input tensors.
+
+Completions reach the callback given at submit time in one of two ways:
+- threaded (default): a waiter thread sleeps on the connection's semaphore and runs callbacks;
+- loop-driven (``loop_driven=True``, the HTTP frontend): producers wake a FIFO the owner's event
+  loop watches, and the owner calls ``on_readable`` there; callbacks run on the loop itself, with
+  no thread hop (one wake-up fewer per response).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -20,11 +25,12 @@ import orjson
 import posix_ipc
 
 from .arena import free_block
-from .channel import DEFAULT_SLOTS, BrokerSegment, ClientSegment, drain_semaphore
+from .channel import DEFAULT_SLOTS, BrokerSegment, ClientSegment
 from .names import check_server_id, object_name, pid_alive
 from .protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_NAMES, SLOT_DONE, SLOT_FREE, SLOT_PENDING,
                        manifest_room, read_manifest_with_data, write_manifest)
 from .segment import SegmentCache
+from .waker import read_all
 
 log = logging.getLogger("shmserve.client")
 _counter = itertools.count()
@@ -73,7 +79,8 @@ Callback = Callable[[Completion], None]
 
 
 class Connection:
-    def __init__(self, server_id: str = "shmserve", arena_bytes: int = 64 << 20, slots: int = DEFAULT_SLOTS) -> None:
+    def __init__(self, server_id: str = "shmserve", arena_bytes: int = 64 << 20, slots: int = DEFAULT_SLOTS,
+                 loop_driven: bool = False) -> None:
         self.server_id = check_server_id(server_id)
         try:
             self.broker = BrokerSegment.attach(server_id)
@@ -84,7 +91,7 @@ class Connection:
             self.broker.close()
             raise ServerUnavailable(f"the shmserve server with id '{server_id}' is not running (stale objects)")
         self.name = object_name(server_id, "client", f"{os.getpid()}-{next(_counter)}")
-        self.seg = ClientSegment.create(self.name, arena_bytes, slots)
+        self.seg = ClientSegment.create(self.name, arena_bytes, slots, fifo=loop_driven)
         self.arena = self.seg.arena
         assert self.arena is not None
         self._free_slots = collections.deque(range(slots))
@@ -94,9 +101,12 @@ class Connection:
         self._closed = False
         self.alive = True
         self.broker.announce(os.getpid(), self.name)
-        self._thread = threading.Thread(target=self._wait_loop, name=f"shmserve-completions-{self.name}",
-                                        daemon=True)
-        self._thread.start()
+        self._states = self.seg.slot_states
+        self._thread: threading.Thread | None = None
+        if not loop_driven:
+            self._thread = threading.Thread(target=self._wait_loop, name=f"shmserve-completions-{self.name}",
+                                            daemon=True)
+            self._thread.start()
 
     # -- sending --------------------------------------------------------------------------------
     def submit(self, kind: int, doc: dict, tensors: Iterable[Any], callback: Callback) -> None:
@@ -133,7 +143,7 @@ class Connection:
                 self._free_slots.append(slot)
                 free_block(buf, off)
                 raise Backpressure("the request ring to the broker is full; retry later")
-        self.broker.doorbell.release()
+        self.broker.waker.notify()
 
     def reserve(self, nbytes: int) -> tuple[int, memoryview]:
         """Space in our arena for data written in place (e.g. an HTTP body read straight in)."""
@@ -154,22 +164,44 @@ class Connection:
             return self._segments.get(object_name(self.server_id, "broker", 0)).buf
         return self._segments.get(object_name(self.server_id, ROLE_NAMES[role], num)).buf
 
+    def _has_done(self) -> bool:
+        return bool((self._states == SLOT_DONE).any())
+
+    def _complete_all(self) -> None:
+        for slot in np.flatnonzero(self._states == SLOT_DONE).tolist():
+            self._complete(slot)
+
     def _wait_loop(self) -> None:
-        sem = self.seg.sem
-        states = self.seg.slot_states
+        waker = self.seg.waker
+        checked = time.monotonic()
         while not self._closed:
-            try:
-                sem.acquire(1.0)
-            except posix_ipc.BusyError:
-                if not pid_alive(self.broker_pid) or self.broker.started_ns != self._broker_started():
-                    self._server_gone()
+            waker.sleep(1.0, self._has_done)
+            self._complete_all()
+            if time.monotonic() - checked > 1.0:
+                checked = time.monotonic()
+                if not self.check_server():
                     return
-                continue
-            except posix_ipc.ExistentialError:
+
+    def fileno(self) -> int:
+        """The FIFO a loop-driven owner watches (``loop.add_reader``)."""
+        assert self.seg.fifo_fd is not None, "not a loop-driven connection"
+        return self.seg.fifo_fd
+
+    def on_readable(self) -> None:
+        """Loop-driven owners call this when the FIFO is readable: runs the ready callbacks."""
+        read_all(self.fileno())
+        while True:
+            self._complete_all()
+            if not self.seg.waker.arm(self._has_done):
                 return
-            drain_semaphore(sem)
-            for slot in np.flatnonzero(states == SLOT_DONE).tolist():
-                self._complete(slot)
+
+    def check_server(self) -> bool:
+        """False (and every pending request failed) if the broker died or was replaced."""
+        if self.alive and pid_alive(self.broker_pid) and self.broker.started_ns == self._broker_started():
+            return True
+        if self.alive:
+            self._server_gone()
+        return False
 
     def _broker_started(self) -> int:
         try:
@@ -223,11 +255,12 @@ class Connection:
         if self.alive and pid_alive(self.broker_pid):
             try:
                 self.seg.requests.put(REQ_BYE, 0, 0, 0, 0)
-                self.broker.doorbell.release()
+                self.broker.waker.notify()
             except posix_ipc.Error:
                 pass
-        self.seg.sem.release()  # wake the waiter so it sees _closed
-        self._thread.join(timeout=2.0)
+        if self._thread is not None:
+            self.seg.waker.post()  # wake the waiter so it sees _closed
+            self._thread.join(timeout=2.0)
         self._segments.clear()
         self.broker.close()
         self.seg.close()

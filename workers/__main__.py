@@ -26,9 +26,11 @@ def main() -> int:
         format=f"%(asctime)s %(levelname).1s [{spec['model']} v{spec['version']} #{spec['instance_index']}] "
                f"%(name)s: %(message)s",
     )
+    from shm.profiling import run_profiled
+
     from .worker import run
 
-    return run(spec)
+    return run_profiled(f"worker-{spec['model']}", lambda: run(spec))
 
 
 if __name__ == "__main__":

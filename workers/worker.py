@@ -20,7 +20,8 @@ import orjson
 import posix_ipc
 
 from shm.arena import Arena, free_block
-from shm.channel import ClientSegment, WorkerSegment, drain_semaphore
+from shm.channel import BrokerSegment, ClientSegment, WorkerSegment
+from shm.waker import fence
 from shm.names import object_name, pid_alive
 from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, write_manifest)
@@ -48,7 +49,7 @@ class Worker:
         self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num))
         self.seg.set_pid(os.getpid())
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
-        self.doorbell = posix_ipc.Semaphore(object_name(self.server_id, "doorbell", 0))
+        self.broker = BrokerSegment.attach(self.server_id)
         self.segments = SegmentCache()
         self.clients: dict[str, ClientSegment] = {}
         self.backend: Backend | None = None
@@ -86,23 +87,21 @@ class Worker:
             self.seg.seg.buf[off:off + len(payload)] = payload
         while not self.seg.outbox.put(kind, status, off, len(payload), 0):
             time.sleep(0.001)
-        self.doorbell.release()
+        self.broker.waker.notify()
 
     # -- serving --------------------------------------------------------------------------------
     def serve(self) -> None:
-        sem = self.seg.sem
         inbox = self.seg.inbox
+        waker = self.seg.waker
+        has_work = lambda: inbox.pending() > 0  # noqa: E731
+        checked = time.monotonic()
         while self.running:
-            try:
-                sem.acquire(1.0)
-            except posix_ipc.SignalError:
-                continue
-            except posix_ipc.BusyError:
+            waker.sleep(1.0, has_work)
+            if time.monotonic() - checked > 1.0:
+                checked = time.monotonic()
                 if not pid_alive(self.broker_pid):
                     log.error("broker %d is gone; worker exits", self.broker_pid)
                     return
-                continue
-            drain_semaphore(sem)
             for kind, _, off, length, batch_id in inbox.drain():
                 if kind == W_STOP:
                     self.running = False
@@ -116,30 +115,40 @@ class Worker:
         free_block(broker_seg.buf, off)
         entries = manifest["requests"]
         live: list[tuple[dict, Request]] = []
+        failed = 0
         for entry in entries:
             try:
                 live.append((entry, self._build_request(entry)))
             except (RequestError, ValueError, OSError, posix_ipc.Error) as e:
                 self._answer_error(entry, 400, str(e))
+                failed += 1
+        exec_ns = 0
         if live:
+            started = time.perf_counter_ns()
             try:
                 responses = self.instance.execute([r for _, r in live])  # type: ignore[union-attr]
                 if len(responses) != len(live):
                     raise RuntimeError(f"model returned {len(responses)} responses for {len(live)} requests")
             except Exception as e:  # noqa: BLE001 - model code may raise anything
+                exec_ns = time.perf_counter_ns() - started
                 msg = f"Failed to process the request(s) for model instance '{self.instance_name}', " \
                       f"message: {type(e).__name__}: {e}"
                 log.error("%s\n%s", msg, traceback.format_exc())
                 for entry, _ in live:
                     self._answer_error(entry, 500, msg)
+                failed += len(live)
             else:
+                exec_ns = time.perf_counter_ns() - started
                 for (entry, _), resp in zip(live, responses):
-                    self._answer(entry, resp)
-        while not self.seg.outbox.put(W_DONE, 0, 0, 0, batch_id):
+                    if not self._answer(entry, resp):
+                        failed += 1
+        # The broker learns outcomes and compute time from this record (for its statistics).
+        while not self.seg.outbox.put(W_DONE, failed, len(entries) - failed, exec_ns, batch_id):
             time.sleep(0.0005)
-        if self.seg.want_wakeup:
+        fence()
+        if self.seg.want_wakeup:  # the broker has work queued for this instance
             self.seg.want_wakeup = False
-            self.doorbell.release()
+            self.broker.waker.notify()
 
     def _build_request(self, entry: dict) -> Request:
         inputs = {}
@@ -183,15 +192,16 @@ class Worker:
             self.arena.free(off)
             return  # the client is gone; nothing to answer
         client.complete(entry["slot"], status, ROLE_WORKER, self.num, off, total)
-        client.sem.release()
+        client.waker.notify()
 
     def _answer_error(self, entry: dict, status: int, message: str) -> None:
         self._deliver(entry, status, orjson.dumps({"error": message}), [])
 
-    def _answer(self, entry: dict, resp: Response) -> None:
+    def _answer(self, entry: dict, resp: Response) -> bool:
+        """Deliver one response; False if it carried (or became) an error."""
         if resp.error is not None:
             self._answer_error(entry, 500, resp.error)
-            return
+            return False
         wanted = entry.get("outputs")
         names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
         placed = {o["name"]: o for o in wanted or () if "seg" in o}
@@ -221,11 +231,12 @@ class Worker:
                 outs.append(desc)
         except (RequestError, ValueError, TypeError) as e:
             self._answer_error(entry, 500 if not isinstance(e, RequestError) else 400, str(e))
-            return
+            return False
         doc = {"version": self.version, "outputs": outs}
         if resp.parameters:
             doc["params"] = resp.parameters
         self._deliver(entry, 200, orjson.dumps(doc), tensors)
+        return True
 
     def close(self) -> None:
         try:
@@ -240,6 +251,7 @@ class Worker:
         for client in self.clients.values():
             client.close()
         self.segments.clear()
+        self.broker.close()
 
 
 def run(spec: dict[str, Any]) -> int:

@@ -19,9 +19,11 @@ def main() -> int:
         setproctitle.setproctitle(f"shmserve broker {opts.server_id}")
     except ImportError:  # pragma: no cover
         pass
+    from shm.profiling import run_profiled
+
     from .broker import main as run
 
-    return run(opts)
+    return run_profiled("broker", lambda: run(opts))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import orjson
 import posix_ipc
 
 from shm.arena import free_block
-from shm.channel import BrokerSegment, ClientSegment, WorkerSegment, drain_semaphore
+from shm.channel import BrokerSegment, ClientSegment, WorkerSegment
 from shm.names import object_name, pid_alive
 from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_PENDING, W_BATCH, W_CONFIG,
                           W_DONE, W_LOAD_FAILED, W_READY, W_STOP, manifest_room, read_manifest, read_manifest_with_data,
@@ -28,6 +28,7 @@ from workers.backend import installed_backends
 
 from . import config as cfgmod
 from .control import ControlHandler
+from .metrics import serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
 from .options import BrokerOptions
 from .validate import InvalidRequest
@@ -57,9 +58,9 @@ class Broker:
         self.startup_failed = False
         self.backends = set(installed_backends())
         self.control = ControlHandler(self)
-        self._waiting_for_instances = False
         self._last_housekeeping = 0.0
         self.restarts: list[tuple[float, ModelVersion, Instance]] = []
+        self.metrics = serve_metrics(opts.metrics_port, self._stats_rows)
 
     # -- repository -----------------------------------------------------------------------------
     def scan_repositories(self) -> dict[str, Path]:
@@ -149,7 +150,7 @@ class Broker:
     def _stop_instance(self, inst: Instance, graceful: bool = True) -> None:
         if inst.proc.poll() is None:
             if graceful and inst.seg.inbox.put(W_STOP, 0, 0, 0, 0):
-                inst.seg.sem.release()
+                inst.seg.waker.post()
             else:
                 inst.proc.kill()
 
@@ -161,7 +162,15 @@ class Broker:
     def _on_worker_messages(self, mv: ModelVersion, inst: Instance) -> None:
         for kind, status, off, length, batch_id in inst.seg.outbox.drain():
             if kind == W_DONE:
-                inst.outstanding.pop(batch_id, None)
+                batch = inst.outstanding.pop(batch_id, None)
+                st = mv.stats
+                st.success += off
+                if status:
+                    st.failure["BACKEND"] += status
+                st.execution_count += 1
+                st.compute_infer_ns += length
+                if batch:
+                    st.inference_count += sum(p.batch for p in batch)
             elif kind == W_READY:
                 inst.ready = True
                 if mv.state == State.LOADING and all(i.ready for i in mv.instances):
@@ -251,7 +260,7 @@ class Broker:
             return
         write_manifest(self.seg.seg.buf, off, data)
         client.seg.complete(slot, status, ROLE_BROKER, 0, off, room)
-        client.seg.sem.release()
+        client.seg.waker.notify()
 
     def _control(self, client: Client, slot: int, off: int) -> None:
         try:
@@ -287,6 +296,7 @@ class Broker:
         return ready[-1]
 
     def _infer(self, client: Client, slot: int, off: int) -> None:
+        mv: ModelVersion | None = None
         try:
             doc, data_start = read_manifest_with_data(client.seg.seg.buf, off)
             mv = self.find_version(doc["model"], doc.get("version"))
@@ -303,13 +313,28 @@ class Broker:
                 "outputs": [self._resolve_output(client, o) for o in outputs] if outputs else None,
             }
         except InvalidRequest as e:
+            self._count_rejected(mv)
             self.reply(client, slot, e.status, {"error": str(e)})
             return
         except (ValueError, KeyError, TypeError) as e:
+            self._count_rejected(mv)
             self.reply(client, slot, 400, {"error": f"malformed inference request: {e!r}"})
             return
         mv.queue.append(Pending(client, slot, off, entry, batch, time.monotonic()))
         self._dispatch(mv)
+
+    @staticmethod
+    def _count_rejected(mv: ModelVersion | None) -> None:
+        if mv is not None:
+            mv.stats.failure["REJECTED"] += 1
+
+    def _stats_rows(self) -> list[tuple[str, int, Any]]:
+        rows = []
+        for name, versions in list(self.models.items()):
+            for v, mv in list(versions.items()):
+                mv.stats.pending = mv.in_flight()
+                rows.append((name, v, mv.stats))
+        return rows
 
     def _resolve(self, client: Client, t: dict, what: str, data_start: int) -> dict:
         """Turn a tensor reference into (segment, offset, size), checked against its bounds."""
@@ -334,7 +359,8 @@ class Broker:
         while mv.queue:
             inst = mv.pick_instance()
             if inst is None:
-                self._waiting_for_instances = True
+                # Ask the busy instances to ring us when they finish; has_work() re-reads their
+                # outboxes after the fence in sleep(), so a finish that raced this is not missed.
                 for i in mv.instances:
                     i.seg.want_wakeup = True
                 return
@@ -356,7 +382,7 @@ class Broker:
             self.arena.free(off)
             self._fail_pending(batch, 503, f"instance '{inst.name}' inbox is full; retry later")
             return
-        inst.seg.sem.release()
+        inst.seg.waker.notify()
 
     def _fail_pending(self, batch: list[Pending], status: int, message: str) -> None:
         for p in batch:
@@ -382,6 +408,8 @@ class Broker:
                    f"(exit code {code}); the request was not completed")
             log.error("%s; %d request(s) failed; restarting it", msg, len(lost))
             self._fail_pending(lost, 500, msg)
+            mv.stats.failure["BACKEND"] += len(lost)
+            mv.stats.worker_restarts += 1
             inst.ready = False
             inst.outstanding.clear()
             # Back-off: an instance that keeps dying is restarted less and less often.
@@ -424,21 +452,26 @@ class Broker:
     def run(self) -> int:
         for name in self.initial_models():
             self.load_model(name)
-        doorbell = self.seg.doorbell
+        waker = self.seg.waker
         while self.running:
-            timeout = 0.002 if self._waiting_for_instances else HOUSEKEEPING_S
-            try:
-                doorbell.acquire(timeout)
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                pass
-            drain_semaphore(doorbell)
-            self._waiting_for_instances = False
+            waker.sleep(HOUSEKEEPING_S, self._has_work)
             self._pump()
             now = time.monotonic()
             if now - self._last_housekeeping >= HOUSEKEEPING_S:
                 self._last_housekeeping = now
                 self._housekeeping()
         return self.shutdown()
+
+    def _has_work(self) -> bool:
+        if self.seg.connect.pending():
+            return True
+        for client in self.clients.values():
+            if client.seg.requests.pending():
+                return True
+        for _, inst in self.workers.values():
+            if inst.seg.outbox.pending():
+                return True
+        return False
 
     def _pump(self) -> None:
         if self.seg.connect.pending():
@@ -462,10 +495,7 @@ class Broker:
         deadline = time.monotonic() + self.opts.exit_timeout_s
         while time.monotonic() < deadline and any(
                 mv.in_flight() for vs in self.models.values() for mv in vs.values()):
-            try:
-                self.seg.doorbell.acquire(0.01)
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                pass
+            self.seg.waker.sleep(0.01, self._has_work)
             self._pump()
         for mv, inst in list(self.workers.values()):
             self._stop_instance(inst)

@@ -15,6 +15,7 @@ from typing import Any
 
 from shm.channel import ClientSegment, WorkerSegment
 
+from .metrics import VersionStats
 from .validate import ModelSignature
 
 
@@ -76,6 +77,7 @@ class ModelVersion:
     signature: ModelSignature | None = None
     pipeline_depth: int = 2
     config_confirmed: bool = False
+    stats: VersionStats = dataclasses.field(default_factory=VersionStats)
 
     def set_config(self, config_dict: dict[str, Any]) -> None:
         self.config_dict = config_dict

@@ -28,7 +28,7 @@ def main() -> int:
     app = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"])
     sock = socket.socket(fileno=spec["fd"])
     config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning",
-                            timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)), lifespan="on")
+                            timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)), lifespan="on", proxy_headers=False, server_header=False, date_header=False)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

@@ -11,6 +11,9 @@ import orjson
 from shm.tensors import DTYPES, element_count, itemsize, serialize_bytes
 
 MAX_JSON_DEPTH = 64
+# Request parameters the server consumes itself; the rest reach the model (as Triton does).
+RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
+                                 "binary_data_output", "headers"})
 
 
 class BadRequest(Exception):
@@ -162,12 +165,28 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview) -> tupl
     if "id" in doc:
         req["id"] = str(doc["id"])
     if params:
-        req["params"] = params
+        model_params = {}
+        for key, value in params.items():
+            if key in RESERVED_PARAMETERS:
+                continue
+            if not isinstance(value, (bool, int, float, str)):
+                raise BadRequest(f"parameter '{key}' must be a bool, a number or a string")
+            model_params[key] = value
+        if model_params:
+            req["params"] = model_params
         if "sequence_id" in params:
-            req["corr"] = params["sequence_id"]
+            corr = params["sequence_id"]
+            if not isinstance(corr, (int, str)) or isinstance(corr, bool):
+                raise BadRequest("'sequence_id' must be an integer or a string")
+            req["corr"] = corr
         flags = (1 if params.get("sequence_start") else 0) | (2 if params.get("sequence_end") else 0)
         if flags:
             req["flags"] = flags
+        for key in ("priority", "timeout"):
+            if key in params:
+                if not isinstance(params[key], int) or isinstance(params[key], bool) or params[key] < 0:
+                    raise BadRequest(f"'{key}' must be a non-negative integer")
+                req[key] = params[key]
     return req, chunks
 
 

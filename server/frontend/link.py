@@ -1,17 +1,19 @@
-"""The frontend's way to the broker: a shm ``Connection`` bridged onto the asyncio loop.
+"""The frontend's way to the broker: a loop-driven shm ``Connection`` on the asyncio loop.
 
-Completions arrive on the connection's waiter thread and are handed to the loop with
-``call_soon_threadsafe``; the loop itself never blocks on a semaphore. If the broker restarts, the
-next request opens a fresh connection; meanwhile requests get a 503 instead of hanging.
+Producers wake the frontend through a FIFO the loop watches with ``add_reader``, so completions
+run on the loop itself: no waiter thread, no ``call_soon_threadsafe`` hop. A timer checks once a
+second that the broker lives; if it restarts, the next request opens a fresh connection and
+requests in flight get a 503 instead of hanging.
 """
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Any
 
 from shm.connection import Backpressure, Completion, Connection, ServerUnavailable
 from shm.protocol import REQ_CONTROL, REQ_INFER
+
+LIVENESS_CHECK_S = 1.0
 
 
 class BrokerError(Exception):
@@ -20,44 +22,59 @@ class BrokerError(Exception):
         self.status = status
 
 
-def _resolve(fut: asyncio.Future, completion: Completion) -> None:
-    if fut.done():  # the HTTP client went away; free the answer nobody will read
-        completion.release()
-    else:
-        fut.set_result(completion)
-
-
 class BrokerLink:
     def __init__(self, server_id: str, arena_bytes: int) -> None:
         self.server_id = server_id
         self.arena_bytes = arena_bytes
         self._conn: Connection | None = None
-        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection(self) -> Connection:
         conn = self._conn
         if conn is not None and conn.alive:
             return conn
-        with self._lock:
-            if self._conn is not None and not self._conn.alive:
-                self._conn.close()
-                self._conn = None
-            if self._conn is None:
-                try:
-                    self._conn = Connection(self.server_id, arena_bytes=self.arena_bytes)
-                except ServerUnavailable as e:
-                    raise BrokerError(503, f"the server is not available: {e}") from None
-            return self._conn
+        self._drop()
+        loop = asyncio.get_running_loop()
+        try:
+            conn = Connection(self.server_id, arena_bytes=self.arena_bytes, loop_driven=True)
+        except ServerUnavailable as e:
+            raise BrokerError(503, f"the server is not available: {e}") from None
+        loop.add_reader(conn.fileno(), conn.on_readable)
+        self._conn, self._loop = conn, loop
+        self._timer = loop.call_later(LIVENESS_CHECK_S, self._check)
+        return conn
+
+    def _check(self) -> None:
+        conn = self._conn
+        if conn is None or self._loop is None:
+            return
+        if conn.check_server():
+            self._timer = self._loop.call_later(LIVENESS_CHECK_S, self._check)
+
+    def _drop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._conn is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._conn.fileno())
+            self._conn.close()
+            self._conn = None
 
     async def call(self, kind: int, doc: dict, tensors: Any = ()) -> Completion:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
         conn = self.connection()
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def resolve(completion: Completion) -> None:
+            if fut.done():  # the HTTP client went away; free the answer nobody will read
+                completion.release()
+            else:
+                fut.set_result(completion)
+
         try:
-            conn.submit(kind, doc, tensors, lambda c: loop.call_soon_threadsafe(_resolve, fut, c))
-        except Backpressure as e:
-            raise BrokerError(503, str(e)) from None
-        except ServerUnavailable as e:
+            conn.submit(kind, doc, tensors, resolve)
+        except (Backpressure, ServerUnavailable) as e:
             raise BrokerError(503, str(e)) from None
         return await fut
 
@@ -72,6 +89,4 @@ class BrokerLink:
             completion.release()
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._drop()

@@ -607,8 +607,10 @@ def _parameters_to_json(parameters: Optional[Mapping[str, Any]]) -> str:
     """Validate request/response parameters and encode them the way Triton
     exposes them: a JSON object string.  Triton allows bool/int/str values;
     float is also accepted because the KServe protocol has double params."""
-    if parameters is None:
+    if not parameters:
         return "{}"
+    if isinstance(parameters, str):
+        return parameters
     if not isinstance(parameters, Mapping):
         raise TypeError(f"parameters must be a dict, got {type(parameters).__name__}")
     for key, value in parameters.items():
