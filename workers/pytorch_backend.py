@@ -1,4 +1,5 @@
-"""TorchScript models (``platform: "pytorch_libtorch"`` or ``backend: "pytorch"``).
+"""PyTorch models (``platform: "pytorch_libtorch"`` or ``backend: "pytorch"``): TorchScript
+``model.pt``, or a ``torch.export`` program ``model.pt2``.
 
 Inputs bind as Triton's PyTorch backend binds them: names ``<name>__<index>`` give the position,
 otherwise the config's order, or the forward() argument names when they match. Outputs
@@ -43,9 +44,18 @@ class PyTorchModel(Model):
         torch = self.torch
         device = torch.device(f"cuda:{ictx.device_id}" if ictx.kind == "GPU" and torch.cuda.is_available()
                               else "cpu")
-        filename = self.ctx.config.get("default_model_filename") or "model.pt"
-        module = torch.jit.load(str(self.ctx.version_dir / filename), map_location=device)
-        module.eval()
+        filename = self.ctx.config.get("default_model_filename") or ""
+        if not filename:
+            exported = self.ctx.version_dir / "model.pt2"
+            filename = "model.pt2" if exported.exists() and not (self.ctx.version_dir / "model.pt").exists() \
+                else "model.pt"
+        path = self.ctx.version_dir / filename
+        if filename.endswith(".pt2"):
+            # A torch.export program: its module() is a plain callable with the traced signature.
+            module = torch.export.load(str(path)).module().to(device)
+        else:
+            module = torch.jit.load(str(path), map_location=device)
+            module.eval()
         return PyTorchInstance(torch, module, device, self.ctx.config)
 
 

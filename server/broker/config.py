@@ -31,7 +31,7 @@ DEFAULT_MODEL_FILES = {
     "onnxruntime": "model.onnx",
 }
 # Files that let auto-completion infer the backend of a model with no backend/platform set.
-FILE_BACKENDS = [("model.py", "python"), ("model.pt", "pytorch"), ("model.onnx", "onnxruntime")]
+FILE_BACKENDS = [("model.py", "python"), ("model.pt", "pytorch"), ("model.pt2", "pytorch"), ("model.onnx", "onnxruntime")]
 
 
 class ConfigError(Exception):
@@ -169,7 +169,8 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
     filename = config.default_model_filename or DEFAULT_MODEL_FILES.get(backend)
     if filename:
         for v in versions:
-            if not (model_dir / str(v) / filename).exists():
+            alternatives = [filename] + (["model.pt2"] if filename == "model.pt" else [])
+            if not any((model_dir / str(v) / f).exists() for f in alternatives):
                 raise ConfigError(f"model '{m}': version {v}: model file '{filename}' is missing in "
                                   f"{model_dir / str(v)}")
 

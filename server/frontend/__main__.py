@@ -29,8 +29,9 @@ def main() -> int:
     sock = socket.socket(fileno=spec["fd"])
     config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning",
                             timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)), lifespan="on", proxy_headers=False, server_header=False, date_header=False)
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0
+    from shm.profiling import run_profiled
+
+    return run_profiled(f"frontend{spec['index']}", lambda: uvicorn.Server(config).run(sockets=[sock]) or 0)
 
 
 if __name__ == "__main__":
