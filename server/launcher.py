@@ -121,7 +121,7 @@ class Launcher:
         broker_restarts = 0
         frontend_restarts = [0] * len(self.frontends)
         while not self.stopping:
-            time.sleep(0.1)
+            time.sleep(0.25)  # four cheap checks a second keep an idle server well under 1% CPU
             assert self.broker is not None
             code = self.broker.poll()
             if code is not None and not self.stopping:

@@ -95,6 +95,7 @@ class Connection:
         self.arena = self.seg.arena
         assert self.arena is not None
         self._free_slots = collections.deque(range(slots))
+        self._inflight: set[int] = set()
         self._callbacks: list[tuple[Callback, int] | None] = [None] * slots
         self._lock = threading.Lock()
         self._segments = SegmentCache()
@@ -136,10 +137,12 @@ class Connection:
                 buf[pos:pos + n] = c
                 pos += n
             self._callbacks[slot] = (callback, off)
+            self._inflight.add(slot)
             self.seg.set_slot_state(slot, SLOT_PENDING)
             if not self.seg.requests.put(kind, slot, off, total, 0):
                 self.seg.set_slot_state(slot, SLOT_FREE)
                 self._callbacks[slot] = None
+                self._inflight.discard(slot)
                 self._free_slots.append(slot)
                 free_block(buf, off)
                 raise Backpressure("the request ring to the broker is full; retry later")
@@ -164,11 +167,20 @@ class Connection:
             return self._segments.get(object_name(self.server_id, "broker", 0)).buf
         return self._segments.get(object_name(self.server_id, ROLE_NAMES[role], num)).buf
 
+    def _done_slots(self) -> list[int]:
+        """Slots answered since we last looked; a plain scan of the few in flight is cheaper than
+        numpy over the whole table until many are in flight."""
+        states = self._states
+        inflight = self._inflight
+        if len(inflight) < 64:
+            return [s for s in list(inflight) if states[s] == SLOT_DONE]
+        return np.flatnonzero(states == SLOT_DONE).tolist()
+
     def _has_done(self) -> bool:
-        return bool((self._states == SLOT_DONE).any())
+        return bool(self._done_slots())
 
     def _complete_all(self) -> None:
-        for slot in np.flatnonzero(self._states == SLOT_DONE).tolist():
+        for slot in self._done_slots():
             self._complete(slot)
 
     def _wait_loop(self) -> None:
@@ -218,6 +230,7 @@ class Connection:
         with self._lock:
             entry = self._callbacks[slot]
             self._callbacks[slot] = None
+            self._inflight.discard(slot)
             self.seg.set_slot_state(slot, SLOT_FREE)
             self._free_slots.append(slot)
         if entry is None:
@@ -241,6 +254,7 @@ class Connection:
             pending = [(i, e) for i, e in enumerate(self._callbacks) if e is not None]
             for i, _ in pending:
                 self._callbacks[i] = None
+            self._inflight.clear()
         msg = f"the shmserve server '{self.server_id}' went away while the request was in flight"
         for _, (callback, _) in pending:
             try:

@@ -123,8 +123,9 @@ def make_fifo(path: str) -> int:
 
 
 def read_all(fd: int) -> None:
+    """Empty the FIFO; one read suffices unless it came back full."""
     try:
-        while os.read(fd, 4096):
+        while len(os.read(fd, 4096)) == 4096:
             pass
     except BlockingIOError:
         pass
