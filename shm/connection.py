@@ -45,16 +45,20 @@ class Backpressure(RuntimeError):
 
 
 class Completion:
-    """One answer: a status and a block in the producer's arena, freed by ``release``."""
+    """One answer: a status and a block in the producer's arena. ``release`` frees it together
+    with the request's own block (outputs the server wrote into room reserved there live on
+    until then)."""
 
-    __slots__ = ("status", "buf", "offset", "_doc", "_data")
+    __slots__ = ("status", "buf", "offset", "_doc", "_data", "_request")
 
-    def __init__(self, status: int, buf: memoryview | None, offset: int, doc: dict | None = None) -> None:
+    def __init__(self, status: int, buf: memoryview | None, offset: int, doc: dict | None = None,
+                 request: tuple[memoryview, int] | None = None) -> None:
         self.status = status
         self.buf = buf
         self.offset = offset
         self._doc = doc
         self._data = 0
+        self._request = request
 
     def doc(self) -> dict:
         if self._doc is None:
@@ -70,9 +74,15 @@ class Completion:
         return self.buf[start:start + desc["size"]]
 
     def release(self) -> None:
-        if self.buf is not None:
-            free_block(self.buf, self.offset)
-            self.buf = None
+        try:
+            if self.buf is not None:
+                free_block(self.buf, self.offset)
+            if self._request is not None:
+                free_block(*self._request)
+        except (TypeError, ValueError):  # the mapping is already closed: nothing left to free
+            pass
+        self.buf = None
+        self._request = None
 
 
 Callback = Callable[[Completion], None]
@@ -110,18 +120,19 @@ class Connection:
             self._thread.start()
 
     # -- sending --------------------------------------------------------------------------------
-    def submit(self, kind: int, doc: dict, tensors: Iterable[Any], callback: Callback) -> None:
+    def submit(self, kind: int, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0) -> int:
         """Write the request (descriptor then tensor bytes) into our arena and wake the broker.
 
         Tensor references in ``doc`` give ``data`` as offsets relative to where the tensor bytes
-        start, in the order of ``tensors``.
+        start, in the order of ``tensors``; ``reserve`` more bytes follow them (room the server may
+        write outputs into). Returns the absolute offset where the tensor bytes start.
         """
         if not self.alive:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
         data = orjson.dumps(doc)
         room = manifest_room(len(data))
         chunks = [memoryview(t).cast("B") if not isinstance(t, (bytes, bytearray)) else t for t in tensors]
-        total = room + sum(len(c) for c in chunks)
+        total = room + sum(len(c) for c in chunks) + reserve
         with self._lock:
             if not self._free_slots:
                 raise Backpressure("too many requests in flight on this connection")
@@ -131,7 +142,7 @@ class Connection:
                                    f"({self.arena.capacity} bytes); retry later")  # type: ignore[union-attr]
             slot = self._free_slots.popleft()
             buf = self.seg.seg.buf
-            pos = write_manifest(buf, off, data)
+            pos = start = write_manifest(buf, off, data)
             for c in chunks:
                 n = len(c)
                 buf[pos:pos + n] = c
@@ -147,16 +158,10 @@ class Connection:
                 free_block(buf, off)
                 raise Backpressure("the request ring to the broker is full; retry later")
         self.broker.waker.notify()
+        return start
 
-    def reserve(self, nbytes: int) -> tuple[int, memoryview]:
-        """Space in our arena for data written in place (e.g. an HTTP body read straight in)."""
-        off = self.arena.alloc(nbytes)  # type: ignore[union-attr]
-        if off < 0:
-            raise Backpressure(f"no room for {nbytes} bytes in the shared-memory arena; retry later")
-        return off, self.seg.seg.buf[off:off + nbytes]
-
-    def infer(self, doc: dict, tensors: Iterable[Any], callback: Callback) -> None:
-        self.submit(REQ_INFER, doc, tensors, callback)
+    def infer(self, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0) -> int:
+        return self.submit(REQ_INFER, doc, tensors, callback, reserve)
 
     def control(self, doc: dict, callback: Callback) -> None:
         self.submit(REQ_CONTROL, doc, (), callback)
@@ -236,12 +241,13 @@ class Connection:
         if entry is None:
             return
         callback, req_off = entry
-        free_block(self.seg.seg.buf, req_off)
+        request = (self.seg.seg.buf, req_off)
         try:
             buf = self._producer_buf(role, num)
-            completion = Completion(status, buf, off)
+            completion = Completion(status, buf, off, request=request)
         except (posix_ipc.ExistentialError, KeyError, OSError):
-            completion = Completion(500, None, 0, {"error": "the response was lost: its producer is gone"})
+            completion = Completion(500, None, 0, {"error": "the response was lost: its producer is gone"},
+                                    request=request)
         try:
             callback(completion)
         except Exception:  # noqa: BLE001 - a faulty callback must not kill the waiter thread
@@ -256,9 +262,9 @@ class Connection:
                 self._callbacks[i] = None
             self._inflight.clear()
         msg = f"the shmserve server '{self.server_id}' went away while the request was in flight"
-        for _, (callback, _) in pending:
+        for _, (callback, req_off) in pending:
             try:
-                callback(Completion(503, None, 0, {"error": msg}))
+                callback(Completion(503, None, 0, {"error": msg}, request=(self.seg.seg.buf, req_off)))
             except Exception:  # noqa: BLE001
                 log.exception("completion callback failed")
 

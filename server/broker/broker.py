@@ -310,7 +310,7 @@ class Broker:
                 "client": client.name, "pid": client.pid, "slot": slot, "id": doc.get("id", ""),
                 "params": doc.get("params"), "corr": doc.get("corr", 0), "flags": doc.get("flags", 0),
                 "inputs": [self._resolve(client, t, "input", data_start) for t in inputs],
-                "outputs": [self._resolve_output(client, o) for o in outputs] if outputs else None,
+                "outputs": [self._resolve_output(client, o, data_start) for o in outputs] if outputs else None,
             }
         except InvalidRequest as e:
             self._count_rejected(mv)
@@ -336,24 +336,31 @@ class Broker:
                 rows.append((name, v, mv.stats))
         return rows
 
-    def _resolve(self, client: Client, t: dict, what: str, data_start: int) -> dict:
-        """Turn a tensor reference into (segment, offset, size), checked against its bounds."""
+    def _locate(self, client: Client, t: dict, what: str, data_start: int) -> tuple[str, int, int]:
+        """Where a tensor lives: (segment, offset, size), checked against the bounds it may use.
+
+        ``region`` names a registered region; ``data`` is an offset into the request's own block
+        in the client's arena (inputs the client wrote, or room it reserved for an output).
+        """
         size = int(t["size"])
         if "region" in t:
             seg, off = self.control.regions.resolve(t["region"], int(t.get("offset", 0)), size, what, t["name"])
-        else:
-            seg, off = client.name, data_start + int(t["data"])
-            if off < client.seg.arena_offset or off + size > client.seg.seg.size or size < 0:
-                raise InvalidRequest(f"{what} '{t['name']}' lies outside the client's arena")
+            return seg, off, size
+        off = data_start + int(t["data"])
+        if size < 0 or off < client.seg.arena_offset or off + size > client.seg.seg.size:
+            raise InvalidRequest(f"{what} '{t['name']}' lies outside the client's arena")
+        return client.name, off, size
+
+    def _resolve(self, client: Client, t: dict, what: str, data_start: int) -> dict:
+        seg, off, size = self._locate(client, t, what, data_start)
         return {"name": t["name"], "datatype": t["datatype"], "shape": t["shape"], "seg": seg, "off": off,
                 "size": size}
 
-    def _resolve_output(self, client: Client, o: dict) -> dict:
-        if "region" not in o:
+    def _resolve_output(self, client: Client, o: dict, data_start: int) -> dict:
+        if "region" not in o and "data" not in o:
             return {"name": o["name"]}
-        seg, off = self.control.regions.resolve(o["region"], int(o.get("offset", 0)), int(o["size"]),
-                                                "output", o["name"])
-        return {"name": o["name"], "seg": seg, "off": off, "size": int(o["size"])}
+        seg, off, size = self._locate(client, o, "output", data_start)
+        return {"name": o["name"], "seg": seg, "off": off, "size": size}
 
     def _dispatch(self, mv: ModelVersion) -> None:
         while mv.queue:

@@ -1,0 +1,364 @@
+"""The local client library: call models of a server on this host through shared memory, with no
+HTTP and no copy of tensor bytes where the caller's data already lives in shm.
+
+    from shm.client import Client
+    with Client("shmserve") as client:                 # the server's --id
+        result = client.infer("add_sub", {"INPUT0": a, "INPUT1": b})
+        print(result["OUTPUT0"])
+
+Inputs are numpy arrays (or CPU torch tensors). An array that lies in a region this client created
+or registered travels by reference; any other array is copied once into the connection's arena.
+Outputs land, without a copy, in room reserved in the request's own block when their size is
+known from the model's config, in a region the caller names, or else in the worker's arena; the
+result's arrays are views valid while the result (or any of its arrays) is alive.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from .connection import Backpressure, Completion, Connection, ServerUnavailable
+from .protocol import REQ_CONTROL
+from .regions import Region, find_shm_mapping
+from .tensors import CONFIG_TO_WIRE, DTYPES, from_buffer, serialize_bytes, wire_datatype
+
+__all__ = ["Client", "InferResult", "InferenceServerError", "Region", "ServerUnavailable", "Backpressure"]
+
+
+class InferenceServerError(Exception):
+    """The server refused or failed the call; ``status`` is the HTTP-equivalent status code."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _Keeper(np.ndarray):
+    """Base of every output view: holds the result, so its shm blocks live as long as the views."""
+
+    _result: "InferResult | None" = None
+
+
+class InferResult(Mapping[str, np.ndarray]):
+    def __init__(self, completion: Completion, doc: dict, outputs: dict[str, np.ndarray]) -> None:
+        self._completion: Completion | None = completion
+        self.model_version = str(doc.get("version", ""))
+        self.parameters = doc.get("params") or {}
+        self._outputs = outputs
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._outputs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._outputs)
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        return self._outputs.get(name)
+
+    def release(self) -> None:
+        """Give the shm blocks back now; arrays taken from this result must not be used after."""
+        if self._completion is not None:
+            self._completion.release()
+            self._completion = None
+
+    def __enter__(self) -> "InferResult":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class _Plan:
+    """What one request reserved in its own block, to turn the response into arrays."""
+
+    __slots__ = ("reserved", "given")
+
+    def __init__(self) -> None:
+        self.reserved: dict[str, int] = {}  # output -> offset relative to the data start
+        self.given: dict[str, np.ndarray] = {}  # output -> caller's array in a region
+
+
+class Client:
+    def __init__(self, server_id: str = "shmserve", arena_bytes: int = 64 << 20) -> None:
+        self._conn = Connection(server_id, arena_bytes=arena_bytes)
+        self._regions: dict[str, Region] = {}
+        self._configs: dict[tuple[str, str], dict] = {}
+        self._lock = threading.Lock()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _call(self, submit: Any, convert: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(completion: Completion) -> None:
+            try:
+                fut.set_result(convert(completion))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                completion.release()
+                fut.set_exception(e)
+
+        submit(done)
+        return fut
+
+    @staticmethod
+    def _check(completion: Completion) -> dict:
+        doc = completion.doc()
+        if completion.status != 200:
+            raise InferenceServerError(completion.status, doc.get("error", "request failed")
+                                       if isinstance(doc, dict) else "request failed")
+        return doc
+
+    def _control(self, doc: dict) -> Any:
+        def convert(c: Completion) -> Any:
+            try:
+                return self._check(c)
+            finally:
+                c.release()
+
+        return self._call(lambda cb: self._conn.submit(REQ_CONTROL, doc, (), cb), convert).result()
+
+    # -- health and metadata --------------------------------------------------------------------
+    def is_server_ready(self) -> bool:
+        return bool(self._control({"op": "server_ready"})["ready"])
+
+    def is_model_ready(self, model: str, version: str = "") -> bool:
+        return bool(self._control({"op": "model_ready", "model": model, "version": version})["ready"])
+
+    def model_metadata(self, model: str, version: str = "") -> dict:
+        return self._control({"op": "model_metadata", "model": model, "version": version})
+
+    def model_config(self, model: str, version: str = "") -> dict:
+        key = (model, version)
+        config = self._configs.get(key)
+        if config is None:
+            config = self._configs[key] = self._control({"op": "model_config", "model": model, "version": version})
+        return config
+
+    # -- regions --------------------------------------------------------------------------------
+    def create_region(self, name: str, byte_size: int) -> Region:
+        """A new shm region owned by this client, registered under ``name`` (dropped by the
+        server if this process dies)."""
+        region = Region.create(name, byte_size)
+        try:
+            self._control({"op": "shm_register", "name": name, "key": region.key, "offset": 0,
+                           "byte_size": byte_size, "owned": True})
+        except BaseException:
+            region.close()
+            raise
+        self._regions[name] = region
+        return region
+
+    def register_array(self, name: str, array: Any) -> Region:
+        """Register the shm an existing array or CPU torch tensor lives in (e.g. one made with
+        ``multiprocessing.shared_memory`` or ``torch.Tensor.share_memory_``) and return its region."""
+        arr = _as_numpy(array)
+        found = find_shm_mapping(arr.__array_interface__["data"][0])
+        if found is None:
+            raise ValueError("the array does not live in a POSIX shared-memory object (/dev/shm)")
+        key, offset = found
+        self._control({"op": "shm_register", "name": name, "key": key, "offset": offset,
+                       "byte_size": arr.nbytes, "owned": True})
+        region = Region(name, key, arr.nbytes, None, owner=False, offset=offset)
+        region.buf = memoryview(arr.reshape(-1).view(np.uint8))
+        self._regions[name] = region
+        return region
+
+    def unregister_region(self, name: str) -> None:
+        self._control({"op": "shm_unregister", "name": name})
+        region = self._regions.pop(name, None)
+        if region is not None:
+            region.close()
+
+    def _region_ref(self, arr: np.ndarray) -> tuple[str, int] | None:
+        for name, region in self._regions.items():
+            off = region.locate(arr)
+            if off is not None:
+                return name, off
+        return None
+
+    # -- inference ------------------------------------------------------------------------------
+    def _build(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str,
+               options: dict) -> tuple[dict, list, int, _Plan]:
+        config = self.model_config(model, version)
+        doc_inputs, chunks, rel = [], [], 0
+        batch = None
+        for name, value in inputs.items():
+            arr = _as_numpy(value)
+            datatype = wire_datatype(arr)
+            if batch is None and arr.ndim:
+                batch = arr.shape[0]
+            desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
+            ref = self._region_ref(arr) if datatype != "BYTES" else None
+            if ref is not None:
+                desc.update(region=ref[0], offset=ref[1], size=arr.nbytes)
+            else:
+                data = serialize_bytes(arr) if datatype == "BYTES" else np.ascontiguousarray(arr)
+                size = len(data) if datatype == "BYTES" else data.nbytes
+                desc.update(data=rel, size=size)
+                chunks.append(data)
+                rel += size
+            doc_inputs.append(desc)
+        plan = _Plan()
+        doc_outputs = []
+        if isinstance(outputs, Mapping):
+            wanted = list(outputs)
+        elif outputs is None:
+            wanted = [o["name"] for o in config.get("output", [])]
+        else:
+            wanted = list(outputs)
+        out_cfg = {o["name"]: o for o in config.get("output", [])}
+        reserve = 0
+        for name in wanted:
+            target = outputs.get(name) if isinstance(outputs, Mapping) else None
+            if target is not None:
+                arr = _as_numpy(target)
+                ref = self._region_ref(arr)
+                if ref is None:
+                    raise ValueError(f"output '{name}': the destination array is not in a registered region")
+                doc_outputs.append({"name": name, "region": ref[0], "offset": ref[1], "size": arr.nbytes})
+                plan.given[name] = arr
+                continue
+            size = _known_size(out_cfg.get(name), config.get("max_batch_size", 0), batch)
+            if size:
+                pos = (rel + reserve + 63) & ~63
+                reserve = pos - rel + size
+                doc_outputs.append({"name": name, "data": pos, "size": size})
+                plan.reserved[name] = pos
+            else:
+                doc_outputs.append({"name": name})
+        doc: dict[str, Any] = {"model": model, "version": version, "inputs": doc_inputs,
+                               "outputs": doc_outputs or None}
+        doc.update(options)
+        return doc, chunks, reserve, plan
+
+    def _submit_infer(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str,
+                      options: dict, deliver: Any) -> None:
+        doc, chunks, reserve, plan = self._build(model, inputs, outputs, version, options)
+        box: dict[str, int] = {}
+        ready = threading.Event()
+
+        def on_done(completion: Completion) -> None:
+            ready.wait()  # the data start is known once submit returned
+            deliver(completion, plan, box["start"])
+
+        box["start"] = self._conn.infer(doc, chunks, on_done, reserve)
+        ready.set()
+
+    def _result(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
+        doc = self._check(completion)
+        arrays: dict[str, np.ndarray] = {}
+        result = InferResult(completion, doc, arrays)
+        own = self._conn.seg.seg.buf
+        for o in doc.get("outputs", ()):
+            name, datatype, shape = o["name"], o["datatype"], o["shape"]
+            if name in plan.given:
+                arrays[name] = plan.given[name]
+                continue
+            if o.get("region"):
+                at = start + plan.reserved[name]
+                view = own[at:at + o["size"]]
+            else:
+                view = completion.tensor(o)
+            arr = from_buffer(view, datatype, shape)
+            if datatype != "BYTES":
+                keeper = arr.view(_Keeper)
+                keeper._result = result
+                arr = keeper.view(np.ndarray)
+            arrays[name] = arr
+        return result
+
+    def infer_async(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",
+                    request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,
+                    sequence_start: bool = False, sequence_end: bool = False, priority: int = 0,
+                    timeout: int = 0) -> concurrent.futures.Future:
+        """Submit now; the future resolves to an ``InferResult`` (or raises InferenceServerError)."""
+        options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def deliver(completion: Completion, plan: _Plan, start: int) -> None:
+            try:
+                fut.set_result(self._result(completion, plan, start))
+            except BaseException as e:  # noqa: BLE001
+                completion.release()
+                fut.set_exception(e)
+
+        self._submit_infer(model, inputs, outputs, version, options, deliver)
+        return fut
+
+    def infer(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
+        return self.infer_async(model, inputs, outputs, **kwargs).result()
+
+    async def infer_aio(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
+        """The asyncio form: awaits without blocking the loop."""
+        return await asyncio.wrap_future(self.infer_async(model, inputs, outputs, **kwargs))
+
+    def close(self) -> None:
+        for name in list(self._regions):
+            region = self._regions.pop(name)
+            try:
+                if self._conn.alive:
+                    self._control({"op": "shm_unregister", "name": name})
+            except (InferenceServerError, ServerUnavailable):
+                pass
+            region.close()
+        self._conn.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor (CPU)
+        return value.detach().numpy()
+    return np.asarray(value)
+
+
+def _known_size(cfg: dict | None, max_batch_size: int, batch: int | None) -> int:
+    """Bytes an output will take, when its config fixes every dimension (0 if unknown)."""
+    if not cfg:
+        return 0
+    datatype = CONFIG_TO_WIRE.get(cfg.get("data_type", ""), "")
+    if not datatype or datatype == "BYTES":
+        return 0
+    dims = list(cfg.get("dims") or [])
+    if max_batch_size > 0:
+        if batch is None:
+            return 0
+        dims = [batch] + dims
+    if not dims or any(d < 0 for d in dims):
+        return 0
+    return int(np.prod(dims)) * DTYPES[datatype].itemsize
+
+
+def _options(request_id: str, parameters: dict | None, sequence_id: int | str, start: bool, end: bool,
+             priority: int, timeout: int) -> dict:
+    out: dict[str, Any] = {}
+    if request_id:
+        out["id"] = request_id
+    if parameters:
+        out["params"] = parameters
+    if sequence_id:
+        out["corr"] = sequence_id
+    flags = (1 if start else 0) | (2 if end else 0)
+    if flags:
+        out["flags"] = flags
+    if priority:
+        out["priority"] = priority
+    if timeout:
+        out["timeout"] = timeout
+    return out
