@@ -21,6 +21,7 @@ from .arena import Arena
 from .names import object_name
 from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
+from .published import Published
 from .segment import Segment
 from .waker import SLEEPING, Waker, flag_view, make_fifo
 
@@ -37,6 +38,17 @@ CONNECT_CAPACITY = 256
 REQUEST_CAPACITY = 4096
 DEFAULT_SLOTS = 1024
 WORKER_RING_CAPACITY = 1024
+# Direct lanes: a client with lane i puts requests for default-scheduled models straight on lane i
+# of the chosen worker (one producer per lane, so still lock-free), skipping the broker's hop.
+LANES = 256
+LANE_CAPACITY = 64
+LANE_NAME_BYTES = 128
+NO_LANE = 0xFFFFFFFF
+LANE_PENDING = 0xFFFFFFFE  # until the broker has seen the client's connect record
+ROUTES_BYTES = 1 << 20
+LANE_OFFSET = 24  # client header: the lane the broker gave this client
+STATS_OFFSET = 256  # worker header: its counters (see WorkerStats)
+STAT_FIELDS = ("success", "failure", "inference_count", "execution_count", "compute_ns", "rejected")
 
 
 def _align(n: int, a: int = 4096) -> int:
@@ -62,6 +74,10 @@ class BrokerSegment:
         off = HEADER_BYTES
         self.connect = Ring(seg.buf, off, CONNECT_CAPACITY, CONNECT)
         off = _align(off + Ring.nbytes(CONNECT_CAPACITY, CONNECT))
+        self.lane_names_offset = off
+        off = _align(off + LANES * LANE_NAME_BYTES)
+        self.routes = Published(seg.buf, off, ROUTES_BYTES)
+        off += ROUTES_BYTES
         self.arena_offset = off
         self.doorbell_name = object_name(server_id, "doorbell", 0)
         self.mutex_name = object_name(server_id, "connect", 0)
@@ -83,8 +99,9 @@ class BrokerSegment:
     @classmethod
     def create(cls, server_id: str, arena_bytes: int) -> "BrokerSegment":
         name = object_name(server_id, "broker", 0)
-        seg = Segment.create(name, _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + arena_bytes)
-        return cls(server_id, seg, create=True)
+        size = _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + _align(LANES * LANE_NAME_BYTES) \
+            + ROUTES_BYTES + arena_bytes
+        return cls(server_id, Segment.create(name, size), create=True)
 
     @classmethod
     def attach(cls, server_id: str) -> "BrokerSegment":
@@ -97,6 +114,15 @@ class BrokerSegment:
     @property
     def started_ns(self) -> int:
         return read_header(self.seg)[2]
+
+    def lane_client(self, lane: int) -> str:
+        off = self.lane_names_offset + lane * LANE_NAME_BYTES
+        return bytes(self.seg.buf[off:off + LANE_NAME_BYTES]).rstrip(b"\0").decode()
+
+    def set_lane_client(self, lane: int, name: str) -> None:
+        off = self.lane_names_offset + lane * LANE_NAME_BYTES
+        raw = name.encode()[:LANE_NAME_BYTES]
+        self.seg.buf[off:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - len(raw))
 
     def announce(self, client_pid: int, client_name: str, timeout: float = 5.0) -> None:
         """Client side: put a connect record on the shared ring under the mutex, ring the bell."""
@@ -136,21 +162,38 @@ class WorkerSegment:
         self.inbox = Ring(seg.buf, off, WORKER_RING_CAPACITY, RECORD)
         off += Ring.nbytes(WORKER_RING_CAPACITY, RECORD)
         self.outbox = Ring(seg.buf, off, WORKER_RING_CAPACITY, RECORD)
-        off = _align(off + Ring.nbytes(WORKER_RING_CAPACITY, RECORD))
+        off += Ring.nbytes(WORKER_RING_CAPACITY, RECORD)
+        lane_bytes = Ring.nbytes(LANE_CAPACITY, RECORD)
+        self.lanes = [Ring(seg.buf, off + i * lane_bytes, LANE_CAPACITY, RECORD) for i in range(LANES)]
+        # All lanes' head and tail counters as two strided views: one numpy compare finds work.
+        self.lane_heads = np.ndarray((LANES,), dtype=np.uint64, buffer=seg.buf, offset=off, strides=(lane_bytes,))
+        self.lane_tails = np.ndarray((LANES,), dtype=np.uint64, buffer=seg.buf, offset=off + 8,
+                                     strides=(lane_bytes,))
+        off = _align(off + LANES * lane_bytes)
+        self.stats = np.ndarray((len(STAT_FIELDS),), dtype=np.uint64, buffer=seg.buf, offset=STATS_OFFSET)
         self.arena_offset = off
         self.arena_size = seg.size - off
         if create:
             _HEADER.pack_into(seg.buf, 0, MAGIC, 0, time.time_ns())
             self.inbox.reset()
             self.outbox.reset()
+            self.lane_heads[:] = 0
+            self.lane_tails[:] = 0
             self.sem = _create_sem(seg.name)
         else:
             self.sem = posix_ipc.Semaphore(seg.name)
         self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.sem)
 
+    def lanes_pending(self) -> list[int]:
+        return np.flatnonzero(self.lane_tails != self.lane_heads).tolist()
+
+    def stat(self, field: str) -> int:
+        return int(self.stats[STAT_FIELDS.index(field)])
+
     @staticmethod
     def nbytes(arena_bytes: int) -> int:
-        return _align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD)) + arena_bytes
+        return _align(_align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD))
+                      + LANES * Ring.nbytes(LANE_CAPACITY, RECORD)) + arena_bytes
 
     @classmethod
     def create(cls, name: str, arena_bytes: int) -> "WorkerSegment":
@@ -204,7 +247,7 @@ class ClientSegment:
         flag = flag_view(seg.buf, SLEEPING_FLAG_OFFSET)
         if create:
             _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
-            struct.pack_into("<II", seg.buf, 16, slots, NOTIFY_FIFO if fifo else NOTIFY_SEMAPHORE)
+            struct.pack_into("<III", seg.buf, 16, slots, NOTIFY_FIFO if fifo else NOTIFY_SEMAPHORE, LANE_PENDING)
             self.requests.reset()
             self.slot_states[:] = 0
             if fifo:
@@ -241,10 +284,26 @@ class ClientSegment:
     def pid(self) -> int:
         return read_header(self.seg)[1]
 
+    @property
+    def lane(self) -> int:
+        return struct.unpack_from("<I", self.seg.buf, LANE_OFFSET)[0]
+
+    @lane.setter
+    def lane(self, value: int) -> None:
+        struct.pack_into("<I", self.seg.buf, LANE_OFFSET, value)
+
+    def set_target(self, slot: int, worker: int) -> None:
+        """Record which worker a direct request went to (worker + 1; 0: through the broker), so the
+        broker can fail it if that worker dies."""
+        struct.pack_into("<Q", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + 32, worker)
+
+    def target(self, slot: int) -> int:
+        return struct.unpack_from("<Q", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + 32)[0]
+
     def complete(self, slot: int, status: int, role: int, num: int, offset: int, length: int) -> None:
         """Answer a request: fields first, state last; the caller then calls ``waker.notify``."""
         base = self.slots_offset + slot * SLOT_BYTES
-        SLOT.pack_into(self.seg.buf, base, SLOT_PENDING, status, role, num, offset, length, 0)
+        SLOT.pack_into(self.seg.buf, base, SLOT_PENDING, status, role, num, offset, length, self.target(slot))
         self.slot_states[slot] = SLOT_DONE  # one aligned store, after the fields
 
     def read_slot(self, slot: int) -> tuple[int, int, int, int, int, int, int]:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
-from typing import Any, Iterator, Mapping
+from collections.abc import Mapping
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -342,7 +344,7 @@ def _known_size(cfg: dict | None, max_batch_size: int, batch: int | None) -> int
         dims = [batch] + dims
     if not dims or any(d < 0 for d in dims):
         return 0
-    return int(np.prod(dims)) * DTYPES[datatype].itemsize
+    return math.prod(dims) * DTYPES[datatype].itemsize
 
 
 def _options(request_id: str, parameters: dict | None, sequence_id: int | str, start: bool, end: bool,

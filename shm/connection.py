@@ -25,7 +25,7 @@ import orjson
 import posix_ipc
 
 from .arena import free_block
-from .channel import DEFAULT_SLOTS, BrokerSegment, ClientSegment
+from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from .names import check_server_id, object_name, pid_alive
 from .protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_NAMES, SLOT_DONE, SLOT_FREE, SLOT_PENDING,
                        manifest_room, read_manifest_with_data, write_manifest)
@@ -112,12 +112,75 @@ class Connection:
         self._closed = False
         self.alive = True
         self.broker.announce(os.getpid(), self.name)
+        self.lane = self._await_lane()
         self._states = self.seg.slot_states
+        self._routes_gen = -1
+        self._routes: dict = {}
+        self._workers: dict[int, WorkerSegment] = {}
+        self._load: dict[int, int] = collections.defaultdict(int)  # worker -> our requests on it
+        self._targets: list[int] = [0] * slots
         self._thread: threading.Thread | None = None
         if not loop_driven:
             self._thread = threading.Thread(target=self._wait_loop, name=f"shmserve-completions-{self.name}",
                                             daemon=True)
             self._thread.start()
+
+    def _await_lane(self, timeout: float = 10.0) -> int | None:
+        """Wait until the broker has taken our connect record (and given us a lane, if one is free)."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0001
+        while self.seg.lane == LANE_PENDING:
+            if time.monotonic() > deadline or not pid_alive(self.broker_pid):
+                self.seg.close()
+                self.seg.unlink()
+                raise ServerUnavailable(f"the shmserve server '{self.server_id}' did not accept the connection")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        lane = self.seg.lane
+        return None if lane == NO_LANE else lane
+
+    # -- routing --------------------------------------------------------------------------------
+    def _route(self, doc: dict) -> int | None:
+        """The worker to send ``doc`` to directly, or None to go through the broker."""
+        if self.lane is None:
+            return None
+        gen = self.broker.routes.generation()
+        if gen != self._routes_gen:
+            gen, raw = self.broker.routes.read()
+            self._routes = orjson.loads(raw).get("models", {}) if raw else {}
+            self._routes_gen = gen
+            live = {w for vs in self._routes.values() for e in vs.values() for w in e["workers"]}
+            for num in [n for n in self._workers if n not in live]:
+                self._workers.pop(num).close()  # a stopped worker's mapping would pin its memory
+        versions = self._routes.get(doc.get("model"))
+        if not versions:
+            return None
+        version = doc.get("version") or ""
+        if version:
+            v = versions.get(str(version))
+        else:
+            ready = [int(k) for k, e in versions.items() if e["ready"]]
+            v = versions.get(str(max(ready))) if ready else None
+        if not v or not v["ready"] or not v["direct"] or not v["workers"]:
+            return None
+        for t in doc.get("inputs", ()):
+            if "region" in t:
+                return None  # registered regions are resolved (and bounds-checked) by the broker
+        for o in doc.get("outputs") or ():
+            if "region" in o:
+                return None
+        load = self._load
+        return min(v["workers"], key=lambda w: load[w])
+
+    def _worker(self, num: int) -> WorkerSegment | None:
+        seg = self._workers.get(num)
+        if seg is None:
+            try:
+                seg = WorkerSegment.attach(object_name(self.server_id, "worker", num))
+            except (posix_ipc.ExistentialError, FileNotFoundError, ValueError):
+                return None
+            self._workers[num] = seg
+        return seg
 
     # -- sending --------------------------------------------------------------------------------
     def submit(self, kind: int, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0) -> int:
@@ -149,15 +212,26 @@ class Connection:
                 pos += n
             self._callbacks[slot] = (callback, off)
             self._inflight.add(slot)
+            target = self._route(doc) if kind == REQ_INFER else None
+            worker = self._worker(target) if target is not None else None
+            self.seg.set_target(slot, target + 1 if worker is not None else 0)  # type: ignore[operator]
             self.seg.set_slot_state(slot, SLOT_PENDING)
-            if not self.seg.requests.put(kind, slot, off, total, 0):
+            if worker is not None and self.lane is not None and worker.lanes[self.lane].put(kind, slot, off, total, 0):
+                self._targets[slot] = target + 1  # type: ignore[operator]
+                self._load[target] += 1  # type: ignore[index]
+            elif not self.seg.requests.put(kind, slot, off, total, 0):
                 self.seg.set_slot_state(slot, SLOT_FREE)
                 self._callbacks[slot] = None
                 self._inflight.discard(slot)
                 self._free_slots.append(slot)
                 free_block(buf, off)
                 raise Backpressure("the request ring to the broker is full; retry later")
-        self.broker.waker.notify()
+            else:
+                worker = None
+        if worker is not None:
+            worker.waker.notify()
+        else:
+            self.broker.waker.notify()
         return start
 
     def infer(self, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0) -> int:
@@ -236,6 +310,10 @@ class Connection:
             entry = self._callbacks[slot]
             self._callbacks[slot] = None
             self._inflight.discard(slot)
+            target = self._targets[slot]
+            if target:
+                self._targets[slot] = 0
+                self._load[target - 1] -= 1
             self.seg.set_slot_state(slot, SLOT_FREE)
             self._free_slots.append(slot)
         if entry is None:
@@ -281,6 +359,9 @@ class Connection:
         if self._thread is not None:
             self.seg.waker.post()  # wake the waiter so it sees _closed
             self._thread.join(timeout=2.0)
+        for seg in self._workers.values():
+            seg.close()
+        self._workers.clear()
         self._segments.clear()
         self.broker.close()
         self.seg.close()

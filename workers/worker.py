@@ -20,17 +20,19 @@ import orjson
 import posix_ipc
 
 from shm.arena import Arena, free_block
-from shm.channel import BrokerSegment, ClientSegment, WorkerSegment
-from shm.waker import fence
+from shm.channel import STAT_FIELDS, BrokerSegment, ClientSegment, WorkerSegment
 from shm.names import object_name, pid_alive
 from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
-                          manifest_room, read_manifest, write_manifest)
+                          manifest_room, read_manifest, read_manifest_with_data, write_manifest)
 from shm.segment import SegmentCache
 from shm.tensors import from_buffer, serialize_bytes, wire_datatype
+from shm.waker import fence
 
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
+from .signature import InvalidRequest, ModelSignature
 
 log = logging.getLogger("shmserve.worker")
+SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "0")) / 1e6
 
 
 class RequestError(Exception):
@@ -48,6 +50,8 @@ class Worker:
         self.broker_pid: int = spec["broker_pid"]
         self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num))
         self.seg.set_pid(os.getpid())
+        self.stats = self.seg.stats
+        self.signature: ModelSignature | None = None
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
         self.broker = BrokerSegment.attach(self.server_id)
         self.segments = SegmentCache()
@@ -72,6 +76,7 @@ class Worker:
                                    device_id=0 if spec["kind"] == "GPU" else 0,
                                    physical_device_id=spec.get("device_id", 0))
             self.instance = self.model_state.create_instance(ictx)
+            self.signature = ModelSignature(self.model, ctx.config)
         except BaseException as e:  # noqa: BLE001 - any failure of user code is a load failure
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             log.error("failed to load '%s' version %d: %s\n%s", self.model, self.version, detail,
@@ -91,12 +96,12 @@ class Worker:
 
     # -- serving --------------------------------------------------------------------------------
     def serve(self) -> None:
-        inbox = self.seg.inbox
-        waker = self.seg.waker
-        has_work = lambda: inbox.pending() > 0  # noqa: E731
+        seg = self.seg
+        inbox = seg.inbox
+        has_work = lambda: inbox.pending() > 0 or bool(seg.lanes_pending())  # noqa: E731
         checked = time.monotonic()
         while self.running:
-            waker.sleep(1.0, has_work)
+            seg.waker.sleep(1.0, has_work, SPIN_S)
             if time.monotonic() - checked > 1.0:
                 checked = time.monotonic()
                 if not pid_alive(self.broker_pid):
@@ -104,16 +109,63 @@ class Worker:
                     return
             for kind, _, off, length, batch_id in inbox.drain():
                 if kind == W_STOP:
-                    self.running = False
-                    break
-                if kind == W_BATCH:
+                    self.running = False  # answer what is already on the lanes, then go
+                elif kind == W_BATCH:
                     self._run_batch(off, batch_id)
+            for lane in seg.lanes_pending():
+                client = self.broker.lane_client(lane)
+                for kind, slot, off, length, _ in seg.lanes[lane].drain():
+                    self._run_direct(client, slot, off)
 
     def _run_batch(self, off: int, batch_id: int) -> None:
+        """A batch the broker's scheduler formed (its descriptor is in the broker's arena)."""
         broker_seg = self.segments.get(object_name(self.server_id, "broker", 0))
         manifest = read_manifest(broker_seg.buf, off)
         free_block(broker_seg.buf, off)
-        entries = manifest["requests"]
+        self._execute(manifest["requests"])
+        while not self.seg.outbox.put(W_DONE, 0, 0, 0, batch_id):
+            time.sleep(0.0005)
+        fence()
+        if self.seg.want_wakeup:  # the broker has work queued for this instance
+            self.seg.want_wakeup = False
+            self.broker.waker.notify()
+
+    def _run_direct(self, client_name: str, slot: int, off: int) -> None:
+        """A request a client put on its lane: validated and resolved here instead of the broker."""
+        try:
+            client = self._client(client_name)
+        except (posix_ipc.ExistentialError, ConnectionError, ValueError):
+            return  # the client is gone
+        entry = {"client": client_name, "pid": client.pid, "slot": slot}
+        try:
+            doc, data_start = read_manifest_with_data(client.seg.buf, off)
+            assert self.signature is not None
+            self.signature.check_inputs(doc["inputs"])
+            self.signature.check_outputs(doc.get("outputs"))
+            entry.update(id=doc.get("id", ""), params=doc.get("params"), corr=doc.get("corr", 0),
+                         flags=doc.get("flags", 0))
+            entry["inputs"] = [self._locate(client, t, data_start) for t in doc["inputs"]]
+            outputs = doc.get("outputs")
+            entry["outputs"] = [{"name": o["name"]} if "data" not in o else self._locate(client, o, data_start)
+                                for o in outputs] if outputs else None
+        except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
+            self.stats[STAT_FIELDS.index("rejected")] += 1
+            self._answer_error(entry, 400, str(e))
+            return
+        self._execute([entry])
+
+    @staticmethod
+    def _locate(client: ClientSegment, t: dict, data_start: int) -> dict:
+        size = int(t["size"])
+        off = data_start + int(t["data"])
+        if size < 0 or off < client.arena_offset or off + size > client.seg.size:
+            raise RequestError(f"tensor '{t['name']}' lies outside the client's arena")
+        out = {"name": t["name"], "seg": client.name, "off": off, "size": size}
+        if "datatype" in t:
+            out.update(datatype=t["datatype"], shape=t["shape"])
+        return out
+
+    def _execute(self, entries: list[dict]) -> None:
         live: list[tuple[dict, Request]] = []
         failed = 0
         for entry in entries:
@@ -142,13 +194,18 @@ class Worker:
                 for (entry, _), resp in zip(live, responses):
                     if not self._answer(entry, resp):
                         failed += 1
-        # The broker learns outcomes and compute time from this record (for its statistics).
-        while not self.seg.outbox.put(W_DONE, failed, len(entries) - failed, exec_ns, batch_id):
-            time.sleep(0.0005)
-        fence()
-        if self.seg.want_wakeup:  # the broker has work queued for this instance
-            self.seg.want_wakeup = False
-            self.broker.waker.notify()
+        self._count(entries, live, failed, exec_ns)
+
+    def _count(self, entries: list[dict], live: list[tuple[dict, Request]], failed: int, exec_ns: int) -> None:
+        """Outcome counters in this worker's segment; the broker reads them for metrics."""
+        st = self.stats
+        st[0] += len(entries) - failed
+        st[1] += failed
+        if live:
+            batched = self.signature is not None and self.signature.max_batch_size > 0
+            st[2] += sum(next(iter(r.inputs.values())).shape[0] if batched and r.inputs else 1 for _, r in live)
+            st[3] += 1
+            st[4] += exec_ns
 
     def _build_request(self, entry: dict) -> Request:
         inputs = {}

@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import posix_ipc
 
 from shm.arena import free_block
-from shm.channel import BrokerSegment, ClientSegment, WorkerSegment
+from shm.channel import LANES, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from shm.names import object_name, pid_alive
 from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_PENDING, W_BATCH, W_CONFIG,
                           W_DONE, W_LOAD_FAILED, W_READY, W_STOP, manifest_room, read_manifest, read_manifest_with_data,
@@ -28,10 +29,10 @@ from workers.backend import installed_backends
 
 from . import config as cfgmod
 from .control import ControlHandler
-from .metrics import serve_metrics
+from .metrics import add_worker_counters, serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
 from .options import BrokerOptions
-from .validate import InvalidRequest
+from workers.signature import InvalidRequest
 
 log = logging.getLogger("shmserve.broker")
 
@@ -60,6 +61,8 @@ class Broker:
         self.control = ControlHandler(self)
         self._last_housekeeping = 0.0
         self.restarts: list[tuple[float, ModelVersion, Instance]] = []
+        self.lanes: list[str | None] = [None] * LANES
+        self.routes_doc = b""
         self.metrics = serve_metrics(opts.metrics_port, self._stats_rows)
 
     # -- repository -----------------------------------------------------------------------------
@@ -154,7 +157,9 @@ class Broker:
             else:
                 inst.proc.kill()
 
-    def _reap_instance(self, inst: Instance) -> None:
+    def _reap_instance(self, inst: Instance, mv: ModelVersion | None = None) -> None:
+        if mv is not None:
+            add_worker_counters(mv.stats, inst.seg)  # a dead worker's counts stay in the totals
         self.workers.pop(inst.num, None)
         inst.seg.close()
         inst.seg.unlink()
@@ -162,20 +167,13 @@ class Broker:
     def _on_worker_messages(self, mv: ModelVersion, inst: Instance) -> None:
         for kind, status, off, length, batch_id in inst.seg.outbox.drain():
             if kind == W_DONE:
-                batch = inst.outstanding.pop(batch_id, None)
-                st = mv.stats
-                st.success += off
-                if status:
-                    st.failure["BACKEND"] += status
-                st.execution_count += 1
-                st.compute_infer_ns += length
-                if batch:
-                    st.inference_count += sum(p.batch for p in batch)
+                inst.outstanding.pop(batch_id, None)
             elif kind == W_READY:
                 inst.ready = True
                 if mv.state == State.LOADING and all(i.ready for i in mv.instances):
                     mv.state = State.READY
                     log.info("successfully loaded '%s' version %d", mv.name, mv.version)
+                self.publish_routes()
             elif kind == W_CONFIG:
                 self._on_completed_config(mv, self._take_payload(inst, off, length))
             elif kind == W_LOAD_FAILED:
@@ -211,6 +209,7 @@ class Broker:
         mv.state = State.UNAVAILABLE
         mv.reason = reason
         self.load_errors[mv.name] = reason
+        self.publish_routes()
         for inst in mv.instances:
             self._stop_instance(inst, graceful=False)
         self._fail_pending(list(mv.queue), 400, f"Request for unknown model: '{mv.name}' is not ready")
@@ -225,11 +224,27 @@ class Broker:
             except (posix_ipc.ExistentialError, ConnectionError) as e:
                 log.warning("client %d could not be attached: %s", pid, e)
                 continue
-            self.clients[name] = Client(name=name, pid=pid, seg=seg)
-            log.debug("client %s connected", name)
+            client = Client(name=name, pid=pid, seg=seg)
+            self.clients[name] = client
+            self._give_lane(client)
+            log.debug("client %s connected (lane %s)", name, client.lane)
+
+    def _give_lane(self, client: Client) -> None:
+        """A lane lets the client reach workers of default-scheduled models without our hop."""
+        try:
+            lane = self.lanes.index(None)
+        except ValueError:
+            client.seg.lane = NO_LANE  # all taken: this client goes through the broker only
+            return
+        self.lanes[lane] = client.name
+        self.seg.set_lane_client(lane, client.name)
+        client.lane = lane
+        client.seg.lane = lane
 
     def _drop_client(self, client: Client, unlink: bool) -> None:
         self.clients.pop(client.name, None)
+        if client.lane is not None and self.lanes[client.lane] == client.name:
+            self.lanes[client.lane] = None
         for versions in self.models.values():
             for mv in versions.values():
                 if mv.queue:
@@ -329,11 +344,16 @@ class Broker:
             mv.stats.failure["REJECTED"] += 1
 
     def _stats_rows(self) -> list[tuple[str, int, Any]]:
+        """Per version: what the broker counted itself plus every live worker's counters."""
         rows = []
         for name, versions in list(self.models.items()):
             for v, mv in list(versions.items()):
-                mv.stats.pending = mv.in_flight()
-                rows.append((name, v, mv.stats))
+                total = mv.stats.copy()
+                for inst in list(mv.instances):
+                    if inst.num in self.workers:
+                        add_worker_counters(total, inst.seg)
+                total.pending = mv.in_flight()
+                rows.append((name, v, total))
         return rows
 
     def _locate(self, client: Client, t: dict, what: str, data_start: int) -> tuple[str, int, int]:
@@ -396,6 +416,37 @@ class Broker:
             if p.client.name in self.clients and int(p.client.seg.slot_states[p.slot]) == SLOT_PENDING:
                 self.reply(p.client, p.slot, status, {"error": message})
 
+    def publish_routes(self) -> None:
+        """Tell clients which versions are ready and which workers they may call directly.
+
+        A version is direct when its scheduler is the default one (no dynamic or sequence
+        batching): then any ready instance may take any request, and the broker adds nothing.
+        """
+        models: dict[str, Any] = {}
+        for name, versions in self.models.items():
+            entry = models[name] = {}
+            for v, mv in versions.items():
+                cfg = mv.config
+                direct = not cfg.HasField("dynamic_batching") and not cfg.HasField("sequence_batching")
+                entry[str(v)] = {"ready": mv.state == State.READY, "direct": direct,
+                                 "workers": [i.num for i in mv.instances if i.ready and i.num in self.workers]}
+        doc = orjson.dumps({"models": models})
+        if doc != self.routes_doc:
+            self.routes_doc = doc
+            self.seg.routes.publish(doc)
+
+    def _fail_direct(self, inst: Instance, mv: ModelVersion) -> None:
+        """Fail the direct requests clients had put on a worker that died."""
+        msg = (f"model '{mv.name}' version {mv.version} instance '{inst.name}' exited unexpectedly; "
+               f"the request was not completed")
+        lost = 0
+        for client in self.clients.values():
+            for slot in np.flatnonzero(client.seg.slot_states == SLOT_PENDING).tolist():
+                if client.seg.target(slot) == inst.num + 1:
+                    self.reply(client, slot, 500, {"error": msg})
+                    lost += 1
+        mv.stats.failure["BACKEND"] += lost
+
     # -- housekeeping ---------------------------------------------------------------------------
     def _housekeeping(self) -> None:
         for num, (mv, inst) in list(self.workers.items()):
@@ -403,7 +454,9 @@ class Broker:
             if code is None:
                 continue
             self._on_worker_messages(mv, inst)  # it may have said why before it went
-            self._reap_instance(inst)
+            self._fail_direct(inst, mv)
+            self._reap_instance(inst, mv)
+            self.publish_routes()
             if mv.state == State.UNLOADING or not self.running:
                 continue
             if not inst.ready:
@@ -513,7 +566,7 @@ class Broker:
             except subprocess.TimeoutExpired:
                 inst.proc.kill()
                 inst.proc.wait()
-            self._reap_instance(inst)
+            self._reap_instance(inst, mv)
         for client in list(self.clients.values()):
             client.seg.close()
         self.seg.close()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .models import Client, ModelVersion, State
 from .regions import RegionRegistry
-from .validate import InvalidRequest
+from workers.signature import InvalidRequest
 
 if TYPE_CHECKING:
     from .broker import Broker

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import defaultdict
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import Metric
@@ -28,6 +28,22 @@ class VersionStats:
     compute_infer_ns: int = 0
     pending: int = 0
     worker_restarts: int = 0
+
+    def copy(self) -> "VersionStats":
+        out = dataclasses.replace(self)
+        out.failure = defaultdict(int, self.failure)
+        return out
+
+
+def add_worker_counters(stats: VersionStats, seg: Any) -> None:
+    """Add a worker's own counters (kept in its segment) into ``stats``."""
+    c = seg.stats
+    stats.success += int(c[0])
+    stats.failure["BACKEND"] += int(c[1])
+    stats.failure["REJECTED"] += int(c[5])
+    stats.inference_count += int(c[2])
+    stats.execution_count += int(c[3])
+    stats.compute_infer_ns += int(c[4])
 
 
 StatsSource = Callable[[], Iterable[tuple[str, int, VersionStats]]]

@@ -16,7 +16,7 @@ from typing import Any
 from shm.channel import ClientSegment, WorkerSegment
 
 from .metrics import VersionStats
-from .validate import ModelSignature
+from workers.signature import ModelSignature
 
 
 class State(str, enum.Enum):
@@ -33,6 +33,7 @@ class Client:
     name: str
     pid: int
     seg: ClientSegment
+    lane: int | None = None
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ import posix_ipc
 
 from shm.names import is_server_object
 
-from .validate import InvalidRequest
+from workers.signature import InvalidRequest
 
 _KEY_RE = re.compile(r"^/?[^/\0]{1,250}$")
 

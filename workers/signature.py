@@ -1,7 +1,8 @@
 """Checks of an inference request against the model's configuration, with Triton's error texts.
 
-These run in the broker before a request is queued, so a bad request costs one 400 and never
-reaches a worker, and batches only ever hold requests the model can take.
+They run where a request first meets the server: in the broker before it is queued (so batches
+only hold requests the model can take), or in the worker for a request a client put on its
+direct lane. Either way a bad request costs one 400 and nothing else.
 """
 from __future__ import annotations
 
