@@ -30,6 +30,7 @@ from .names import check_server_id, object_name, pid_alive
 from .protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_NAMES, SLOT_DONE, SLOT_FREE, SLOT_PENDING,
                        manifest_room, read_manifest_with_data, write_manifest)
 from .segment import SegmentCache
+from .tensors import byte_view
 from .waker import read_all
 
 log = logging.getLogger("shmserve.client")
@@ -194,7 +195,8 @@ class Connection:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
         data = orjson.dumps(doc)
         room = manifest_room(len(data))
-        chunks = [memoryview(t).cast("B") if not isinstance(t, (bytes, bytearray)) else t for t in tensors]
+        chunks = [t if isinstance(t, (bytes, bytearray)) else byte_view(t) if isinstance(t, np.ndarray)
+                  else memoryview(t).cast("B") for t in tensors]
         total = room + sum(len(c) for c in chunks) + reserve
         with self._lock:
             if not self._free_slots:

@@ -106,12 +106,17 @@ def deserialize_bytes(buf: memoryview | bytes, count: int | None = None) -> np.n
     return arr
 
 
+def byte_view(array: np.ndarray) -> memoryview:
+    """The raw bytes of a numeric tensor (a view when contiguous), of any shape, empty included
+    (``memoryview.cast`` refuses shapes with a zero in them)."""
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
 def to_wire_bytes(array: np.ndarray, datatype: str) -> bytes | memoryview:
     """Raw bytes of a tensor as they travel (a view when the array is contiguous)."""
     if datatype == "BYTES":
         return serialize_bytes(array)
-    arr = np.ascontiguousarray(array)
-    return memoryview(arr).cast("B")
+    return byte_view(array)
 
 
 def wire_size(array: np.ndarray, datatype: str) -> int:

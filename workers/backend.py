@@ -64,6 +64,7 @@ class Response:
     outputs: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     error: str | None = None
     parameters: dict[str, Any] | None = None
+    status: int = 500  # the HTTP status an error answers with (Triton maps its error codes)
 
 
 class Instance(ABC):

@@ -25,7 +25,7 @@ from shm.names import object_name, pid_alive
 from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_with_data, write_manifest)
 from shm.segment import SegmentCache
-from shm.tensors import from_buffer, serialize_bytes, wire_datatype
+from shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
 from shm.waker import fence
 
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
@@ -52,6 +52,7 @@ class Worker:
         self.seg.set_pid(os.getpid())
         self.stats = self.seg.stats
         self.signature: ModelSignature | None = None
+        self.output_names: list[str] = []
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
         self.broker = BrokerSegment.attach(self.server_id)
         self.segments = SegmentCache()
@@ -77,6 +78,7 @@ class Worker:
                                    physical_device_id=spec.get("device_id", 0))
             self.instance = self.model_state.create_instance(ictx)
             self.signature = ModelSignature(self.model, ctx.config)
+            self.output_names = list(self.signature.outputs)
         except BaseException as e:  # noqa: BLE001 - any failure of user code is a load failure
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             log.error("failed to load '%s' version %d: %s\n%s", self.model, self.version, detail,
@@ -213,7 +215,10 @@ class Worker:
             seg = self.segments.get(t["seg"])
             off, size = t["off"], t["size"]
             inputs[t["name"]] = from_buffer(seg.buf[off:off + size], t["datatype"], t["shape"])
-        return Request(inputs=inputs, requested_outputs=[o["name"] for o in entry.get("outputs") or ()],
+        wanted = entry.get("outputs")
+        # No outputs named: the model is asked for every output its config declares (as Triton).
+        names = [o["name"] for o in wanted] if wanted else self.output_names
+        return Request(inputs=inputs, requested_outputs=names,
                        id=entry.get("id", ""), correlation_id=entry.get("corr", 0),
                        flags=entry.get("flags", 0), parameters=entry.get("params") or {})
 
@@ -257,7 +262,7 @@ class Worker:
     def _answer(self, entry: dict, resp: Response) -> bool:
         """Deliver one response; False if it carried (or became) an error."""
         if resp.error is not None:
-            self._answer_error(entry, 500, resp.error)
+            self._answer_error(entry, resp.status, resp.error)
             return False
         wanted = entry.get("outputs")
         names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
@@ -269,8 +274,7 @@ class Worker:
                     raise RequestError(f"output '{name}' was requested but the model did not produce it")
                 arr = resp.outputs[name]
                 datatype = wire_datatype(arr)
-                data = serialize_bytes(arr) if datatype == "BYTES" else memoryview(
-                    arr if arr.flags.c_contiguous else arr.copy()).cast("B")
+                data = serialize_bytes(arr) if datatype == "BYTES" else byte_view(arr)
                 n = len(data)
                 desc = {"name": name, "datatype": datatype, "shape": list(arr.shape), "size": n}
                 target = placed.get(name)

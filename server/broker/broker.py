@@ -506,6 +506,8 @@ class Broker:
             return False
         if not self.opts.strict_readiness:
             return True
+        if self.load_errors:  # a model that should serve does not (Triton counts every model)
+            return False
         return all(mv.state == State.READY for vs in self.models.values() for mv in vs.values())
 
     # -- the loop -------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from shm.tensors import DTYPES, element_count, itemsize, serialize_bytes
+from shm.tensors import DTYPES, byte_view, element_count, itemsize, serialize_bytes
 
 MAX_JSON_DEPTH = 64
 # Request parameters the server consumes itself; the rest reach the model (as Triton does).
@@ -69,7 +69,7 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: Any) -> 
             return serialize_bytes(arr)
         if datatype == "BF16":
             f32 = np.asarray(flat, dtype=np.float32)
-            return memoryview((f32.view(np.uint32) >> 16).astype(np.uint16)).cast("B")
+            return byte_view((f32.view(np.uint32) >> 16).astype(np.uint16))
         if datatype == "BOOL":
             if not all(isinstance(x, bool) for x in flat):
                 raise BadRequest(f"input '{name}': BOOL data must be true or false")
@@ -78,7 +78,7 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: Any) -> 
         arr = np.asarray(flat, dtype=DTYPES[datatype])
     except (ValueError, TypeError, OverflowError) as e:
         raise BadRequest(f"unable to parse 'data' of input '{name}' as {datatype}: {e}") from None
-    return memoryview(arr).cast("B")
+    return byte_view(arr)
 
 
 def _shape(name: str, raw: Any) -> list[int]:

@@ -14,10 +14,47 @@ from typing import Any
 
 import numpy as np
 
+from shm.tensors import DTYPES
+
 from ..backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
 from . import pb_utils
 
 MODULE_NAME = "triton_python_backend_utils"
+# TritonError codes -> HTTP status, as Triton's HTTP frontend answers them.
+ERROR_STATUS = {
+    pb_utils.TritonError.INVALID_ARG: 400,
+    pb_utils.TritonError.NOT_FOUND: 404,
+    pb_utils.TritonError.ALREADY_EXISTS: 409,
+    pb_utils.TritonError.UNAVAILABLE: 503,
+    pb_utils.TritonError.UNSUPPORTED: 501,
+    pb_utils.TritonError.CANCELLED: 499,
+    pb_utils.TritonError.INTERNAL: 500,
+    pb_utils.TritonError.UNKNOWN: 500,
+}
+
+
+def _tensor(name: str, arr: np.ndarray) -> Any:
+    """A pb_utils.Tensor; BF16 (no numpy type in Triton's API) is torch-backed, as in Triton,
+    and reachable through DLPack."""
+    if arr.dtype == DTYPES["BF16"] and arr.dtype != np.uint16:
+        import torch
+
+        t = torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
+        return pb_utils.Tensor._from_torch(name, t, pb_utils._TYPE_BF16)
+    return pb_utils.Tensor(name, arr)
+
+
+def _array_of(t: Any) -> np.ndarray:
+    """The bytes of an output tensor as numpy, whatever backs it (numpy, or torch for BF16/GPU)."""
+    arr = getattr(t, "_array", None)
+    if arr is not None:
+        return np.asarray(arr)
+    torch_tensor = t._torch.detach().cpu().contiguous()
+    import torch
+
+    if torch_tensor.dtype == torch.bfloat16:
+        return torch_tensor.view(torch.int16).numpy().view(DTYPES["BF16"])
+    return torch_tensor.numpy()
 
 
 def _install_pb_utils() -> None:
@@ -92,7 +129,7 @@ class PythonInstance(Instance):
         pb_requests = [
             pb_utils.InferenceRequest(
                 model_name=self.ctx.name,
-                inputs=[pb_utils.Tensor(name, arr) for name, arr in r.inputs.items()],
+                inputs=[_tensor(name, arr) for name, arr in r.inputs.items()],
                 requested_output_names=r.requested_outputs,
                 request_id=r.id,
                 correlation_id=r.correlation_id,
@@ -109,13 +146,17 @@ class PythonInstance(Instance):
 
     @staticmethod
     def _convert(resp: Any) -> Response:
+        params = resp.parameters() if hasattr(resp, "parameters") else None
+        params = json.loads(params) if isinstance(params, str) and params not in ("", "{}") else None
         if resp.has_error():
             err = resp.error()
-            return Response(error=err.message() if hasattr(err, "message") else str(err))
+            code = err.code() if hasattr(err, "code") else pb_utils.TritonError.INTERNAL
+            return Response(error=err.message() if hasattr(err, "message") else str(err),
+                            status=ERROR_STATUS.get(code, 500), parameters=params)
         outputs: dict[str, np.ndarray] = {}
         for t in resp.output_tensors():
-            outputs[t.name()] = np.asarray(t.as_numpy())
-        return Response(outputs=outputs)
+            outputs[t.name()] = _array_of(t)
+        return Response(outputs=outputs, parameters=params)
 
     def finalize(self) -> None:
         if hasattr(self.model, "finalize"):

@@ -1,0 +1,374 @@
+"""Shared fixtures: real shmserve servers on free loopback ports, each with a unique ``--id``.
+
+Every server is started as its own process group (``start_new_session``), with stdout and stderr
+captured to a log file whose tail is attached to the report of any failing test that used it. On
+teardown the server is stopped with SIGTERM (SIGKILL of the whole group after a timeout) and the
+fixture asserts that no /dev/shm entry of its id is left behind.
+"""
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterable
+
+import pytest
+import tritonclient.http as httpclient
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+PRODUCT_MODELS = ROOT / "model_repository"
+TEST_MODELS = TESTS / "models" / "main"
+PYTHON = sys.executable
+SHM_DIR = "/dev/shm"
+
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 20.0
+
+_ids = itertools.count()
+
+
+def new_server_id() -> str:
+    return f"t{os.getpid()}_{next(_ids)}"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_entries(server_id: str) -> list[str]:
+    """Every /dev/shm entry (segments and semaphores) that belongs to ``server_id``."""
+    stem = f"shmserve.{server_id}."
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith(stem) or n.startswith("sem." + stem))
+
+
+def remove_shm_entries(server_id: str) -> None:
+    for name in shm_entries(server_id):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+
+
+# -- /proc helpers ------------------------------------------------------------------------------
+
+
+def _read_stat(pid: int) -> tuple[int, str, int, int] | None:
+    """(ppid, state, utime, stime) of ``pid``, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    rest = raw[raw.rindex(b")") + 2:].split()
+    # fields after "pid (comm) ": state(3) ppid(4) ... utime(14) stime(15)
+    return int(rest[1]), rest[0].decode(), int(rest[11]), int(rest[12])
+
+
+def descendants(root: int) -> list[int]:
+    """All live descendants of ``root`` (not ``root`` itself)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _read_stat(int(entry))
+            if st is not None:
+                children.setdefault(st[0], []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        for c in children.get(pid, ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    """A process's command line as ``ps`` shows it (setproctitle rewrites it)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def cpu_ticks(pids: Iterable[int]) -> dict[int, int]:
+    out = {}
+    for pid in pids:
+        st = _read_stat(pid)
+        if st is not None and st[1] != "Z":
+            out[pid] = st[2] + st[3]
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    st = _read_stat(pid)
+    return st is not None and st[1] != "Z"
+
+
+# -- HTTP helpers -------------------------------------------------------------------------------
+
+
+class RawResponse:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def json(self):
+        return json.loads(self.body)
+
+    def __repr__(self) -> str:
+        return f"RawResponse({self.status}, {self.body[:300]!r})"
+
+
+def raw_request(port: int, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None, timeout: float = 30.0) -> RawResponse:
+    """One HTTP request with exactly the bytes given (for malformed bodies and header checks)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        data = resp.read()
+        return RawResponse(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data)
+    finally:
+        conn.close()
+
+
+# -- the server under test ----------------------------------------------------------------------
+
+
+class Server:
+    """One ``python -m server`` process tree."""
+
+    def __init__(self, repos: list[Path | str], log_dir: Path, extra_args: Iterable[str] = (),
+                 server_id: str | None = None, http_port: int | None = None) -> None:
+        self.repos = [str(r) for r in repos]
+        self.id = server_id or new_server_id()
+        self.port = http_port or free_port()
+        self.metrics_port = free_port()
+        self.extra_args = list(extra_args)
+        self.log_path = log_dir / f"server-{self.id}-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def command(self) -> list[str]:
+        cmd = [PYTHON, "-m", "server"]
+        for r in self.repos:
+            cmd += ["--model-repository", r]
+        cmd += ["--http-address", "127.0.0.1", "--http-port", str(self.port),
+                "--metrics-port", str(self.metrics_port), "--id", self.id, *self.extra_args]
+        return cmd
+
+    def start(self) -> "Server":
+        self._log_file = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 80) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def http_status(self, path: str, timeout: float = 2.0) -> int | None:
+        try:
+            with urllib.request.urlopen(f"http://{self.url}{path}", timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (OSError, http.client.HTTPException):
+            return None
+
+    def wait_until(self, predicate: Callable[[], bool], what: str, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                pytest.fail(f"server {self.id} exited with code {self.proc.returncode} while waiting for "
+                            f"{what}; log:\n{self.log_tail()}")
+            if predicate():
+                return
+            time.sleep(0.05)
+        pytest.fail(f"server {self.id} not {what} after {timeout:.0f} s; log:\n{self.log_tail()}")
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "Server":
+        self.wait_until(lambda: self.http_status("/v2/health/ready") == 200, "ready", timeout)
+        return self
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"server {self.id} did not exit within {timeout} s; log:\n{self.log_tail()}")
+
+    def client(self, **kw) -> httpclient.InferenceServerClient:
+        return httpclient.InferenceServerClient(self.url, **kw)
+
+    def tree(self) -> list[int]:
+        """The launcher and all its live descendants."""
+        return [self.pid, *descendants(self.pid)]
+
+    def titles(self) -> dict[int, str]:
+        return {pid: cmdline(pid) for pid in descendants(self.pid)}
+
+    def worker_pids(self, model: str) -> list[int]:
+        return [pid for pid, t in self.titles().items() if t.startswith(f"shmserve worker {model} ")]
+
+    def kill_group(self) -> None:
+        """SIGKILL of the whole process group, as a crash or the OOM killer would."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        assert self.proc is not None
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, then SIGKILL of the whole group after ``timeout``; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill_group()
+        # Orphans (a worker whose broker was killed) still belong to the group: reap them too.
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            pass
+        else:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(self.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
+            else:
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return self.proc.returncode
+
+
+class ServerFactory:
+    """Starts servers for one test (or module) and stops and checks them all at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.servers: list[Server] = []
+
+    def create(self, repos: list[Path | str], extra_args: Iterable[str] = (), server_id: str | None = None,
+               http_port: int | None = None) -> Server:
+        s = Server(repos, self.log_dir, extra_args, server_id, http_port)
+        self.servers.append(s)
+        return s
+
+    def start(self, repos: list[Path | str], extra_args: Iterable[str] = (), server_id: str | None = None,
+              wait: bool = True) -> Server:
+        s = self.create(repos, extra_args, server_id).start()
+        return s.wait_ready() if wait else s
+
+    def finish(self) -> None:
+        for s in self.servers:
+            s.stop()
+        problems = []
+        for sid in dict.fromkeys(s.id for s in self.servers):
+            left = shm_entries(sid)
+            if left:
+                problems.append(f"server id {sid} left /dev/shm entries: {left}")
+                remove_shm_entries(sid)
+        if problems:
+            logs = "\n\n".join(f"--- log of {s.id} (port {s.port}) ---\n{s.log_tail(40)}" for s in self.servers)
+            pytest.fail("\n".join(problems) + "\n" + logs)
+
+
+@pytest.fixture(scope="session")
+def _session_factory(tmp_path_factory):
+    factory = ServerFactory(tmp_path_factory.mktemp("logs"))
+    yield factory
+    factory.finish()
+
+
+@pytest.fixture(scope="session")
+def server(_session_factory) -> Server:
+    """The shared server: the product's add_sub and digits models plus the test models."""
+    return _session_factory.start([PRODUCT_MODELS, TEST_MODELS])
+
+
+@pytest.fixture(scope="session")
+def client(server) -> httpclient.InferenceServerClient:
+    return server.client()
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    factory = ServerFactory(tmp_path)
+    yield factory
+    factory.finish()
+
+
+@pytest.fixture(scope="module")
+def module_factory(tmp_path_factory):
+    factory = ServerFactory(tmp_path_factory.mktemp("logs"))
+    yield factory
+    factory.finish()
+
+
+# -- failure reports carry the logs of the servers the test used ----------------------------------
+
+
+def _servers_of(item) -> list[Server]:
+    out: dict[str, Server] = {}
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, Server):
+            out.setdefault(value.id, value)
+        elif isinstance(value, ServerFactory):
+            for s in value.servers:
+                out.setdefault(s.id, s)
+    return list(out.values())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for s in _servers_of(item):
+            report.sections.append((f"shmserve log {s.id} (port {s.port})", s.log_tail(60)))

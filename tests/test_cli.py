@@ -1,0 +1,144 @@
+"""The command line: --help, one-line errors with exit code 2, process titles, --http-workers."""
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from conftest import PRODUCT_MODELS, PYTHON, ROOT, cmdline, descendants, free_port, raw_request, shm_entries
+
+FLAGS = [
+    "--model-repository", "--model-store", "--http-port", "--http-address", "--http-workers",
+    "--http-max-input-size", "--metrics-port", "--allow-metrics", "--model-control-mode", "--load-model",
+    "--strict-model-config", "--strict-readiness", "--exit-on-error", "--exit-timeout-secs", "--log-verbose",
+    "--id", "--allow-remote-shm", "--worker-arena-mb", "--frontend-arena-mb",
+]
+SHMSERVE = Path(PYTHON).parent / "shmserve"
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "server", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("entry", ["python -m server", "shmserve"])
+def test_help_mentions_every_flag(entry):
+    cmd = [PYTHON, "-m", "server", "--help"] if entry == "python -m server" else [str(SHMSERVE), "--help"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    for flag in FLAGS:
+        assert flag in r.stdout, f"--help does not mention {flag}"
+    assert r.stderr == ""
+
+
+def _assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected a one-line error, got:\n{r.stderr}"
+    assert lines[0].startswith("shmserve: error:"), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert r.stdout == ""
+
+
+def test_unknown_flag(tmp_path):
+    _assert_one_line_error(run_cli("--model-repository", str(tmp_path), "--no-such-flag"), "--no-such-flag")
+
+
+def test_missing_repository(tmp_path):
+    missing = tmp_path / "does-not-exist"
+    _assert_one_line_error(run_cli("--model-repository", str(missing)), str(missing))
+
+
+def test_repository_is_a_file(tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("not a directory")
+    _assert_one_line_error(run_cli("--model-repository", str(f)), str(f))
+
+
+def test_repository_flag_required():
+    _assert_one_line_error(run_cli(), "--model-repository")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--http-port", "eighty"], "--http-port"),
+    (["--http-port", "70000"], "--http-port"),
+    (["--http-workers", "0"], "--http-workers"),
+    (["--exit-on-error", "maybe"], "maybe"),
+    (["--model-control-mode", "sometimes"], "sometimes"),
+    (["--id", "bad/id"], "bad/id"),
+    (["--load-model", "add_sub"], "--model-control-mode"),
+], ids=["port-text", "port-range", "workers-0", "bool", "choice", "id", "load-model-without-explicit"])
+def test_bad_flag_values(tmp_path, args, needle):
+    _assert_one_line_error(run_cli("--model-repository", str(tmp_path), *args), needle)
+
+
+def test_busy_port_is_a_one_line_error(server, tmp_path):
+    busy_id = f"{server.id}busy"
+    r = run_cli("--model-repository", str(tmp_path), "--http-address", "127.0.0.1", "--http-port",
+                str(server.port), "--metrics-port", str(free_port()), "--id", busy_id)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("shmserve: error:") and str(server.port) in lines[0], lines
+    assert shm_entries(busy_id) == []
+    assert server.client().is_server_ready()
+
+
+# -- process titles --------------------------------------------------------------------------------
+
+
+def test_process_titles(server):
+    titles = sorted(cmdline(pid) for pid in descendants(server.pid))
+    expected_workers = [
+        "shmserve worker add_sub v1 #0 cpu",
+        "shmserve worker digits v1 #0 cpu",
+        "shmserve worker identity_all v1 #0 cpu",
+        "shmserve worker pbutils_full v1 #0 cpu",
+        "shmserve worker raiser v1 #0 cpu",
+        "shmserve worker sleeper v1 #0 cpu",
+        "shmserve worker sleeper v1 #1 cpu",
+    ]
+    assert sorted(t for t in titles if t.startswith("shmserve worker ")) == expected_workers, titles
+    assert f"shmserve broker {server.id}" in titles
+    assert f"shmserve frontend {server.id} #0" in titles
+    assert cmdline(server.pid) == f"shmserve launcher {server.id}"
+
+
+# -- several frontends ---------------------------------------------------------------------------------
+
+
+def test_two_http_workers_serve_requests(server_factory):
+    s = server_factory.start([PRODUCT_MODELS], ["--http-workers", "2"])
+    titles = {cmdline(pid) for pid in descendants(s.pid)}
+    assert {f"shmserve frontend {s.id} #0", f"shmserve frontend {s.id} #1"} <= titles, titles
+    a = np.arange(16, dtype=np.int32)
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            for i in range(10):
+                c = httpclient.InferenceServerClient(s.url)  # a fresh connection each time
+                i0 = httpclient.InferInput("INPUT0", [16], "INT32")
+                i0.set_data_from_numpy(a * k)
+                i1 = httpclient.InferInput("INPUT1", [16], "INT32")
+                i1.set_data_from_numpy(a + i)
+                r = c.infer("add_sub", [i0, i1])
+                np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), a * k + a + i)
+                np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), a * k - a - i)
+                c.close()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for _ in range(10):
+        assert raw_request(s.port, "GET", "/v2/health/ready").status == 200

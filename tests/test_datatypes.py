@@ -1,0 +1,185 @@
+"""Every Triton datatype through the identity_all Python model, in JSON and in binary mode.
+
+Values include each type's extremes; they must come back bit for bit.
+"""
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from conftest import raw_request
+
+
+def _ints(dtype) -> np.ndarray:
+    info = np.iinfo(dtype)
+    return np.array([[info.min, info.max, 0], [1, info.max - 1, info.min + 1]], dtype=dtype)
+
+
+VALUES: dict[str, np.ndarray] = {
+    "BOOL": np.array([[True, False, True], [False, False, True]], dtype=np.bool_),
+    "UINT8": _ints(np.uint8),
+    "UINT16": _ints(np.uint16),
+    "UINT32": _ints(np.uint32),
+    "UINT64": _ints(np.uint64),
+    "INT8": _ints(np.int8),
+    "INT16": _ints(np.int16),
+    "INT32": _ints(np.int32),
+    "INT64": _ints(np.int64),
+    "FP16": np.array([[0.0, -2.5, 65504.0], [np.finfo(np.float16).tiny, -0.0, 0.333251953125]], dtype=np.float16),
+    "FP32": np.array([[np.float32(0.1), np.finfo(np.float32).max, -np.finfo(np.float32).max],
+                      [np.float32(1e-45), -0.0, np.float32(-123.456)]], dtype=np.float32),
+    "FP64": np.array([[0.1, np.finfo(np.float64).max, -np.finfo(np.float64).max],
+                      [5e-324, -0.0, 2.0 ** -1022]], dtype=np.float64),
+    "BYTES": np.array([[b"hello", b"", "h\u00e9llo w\u00f6rld".encode()],
+                       ["\u65e5\u672c\u8a9e".encode(), b"with space", b"{\"json\": [1, 2]}"]], dtype=np.object_),
+}
+# Binary mode can carry any bytes, including NUL and invalid UTF-8.
+BINARY_BYTES = np.array([[b"\x00\x01\x02", b"\xff\xfe not utf-8", b""],
+                         [b"a" * 1000, b"\x00", b"end"]], dtype=np.object_)
+BF16 = np.array([[1.0, -2.0, 0.5], [3.140625, -0.0, 65280.0]], dtype=ml_dtypes.bfloat16)
+
+DTYPES = list(VALUES)
+
+
+def _roundtrip(client, datatype: str, data: np.ndarray, binary: bool):
+    inp = httpclient.InferInput(f"IN_{datatype}", list(data.shape), datatype)
+    inp.set_data_from_numpy(data, binary_data=binary)
+    out = httpclient.InferRequestedOutput(f"OUT_{datatype}", binary_data=binary)
+    return client.infer("identity_all", [inp], outputs=[out])
+
+
+def _assert_same(datatype: str, got: np.ndarray, want: np.ndarray) -> None:
+    assert got is not None
+    assert list(got.shape) == list(want.shape)
+    if datatype == "BYTES":
+        as_bytes = [x if isinstance(x, bytes) else str(x).encode() for x in got.reshape(-1)]
+        assert as_bytes == list(want.reshape(-1))
+    elif want.dtype.kind == "f" or datatype == "BF16":
+        # Bit for bit: -0.0 stays -0.0, denormals survive.
+        width = {2: np.uint16, 4: np.uint32, 8: np.uint64}[want.dtype.itemsize]
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.ascontiguousarray(got).view(width), want.view(width))
+    else:
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("datatype", DTYPES)
+def test_binary_roundtrip(client, datatype):
+    result = _roundtrip(client, datatype, VALUES[datatype], binary=True)
+    out = result.get_output(f"OUT_{datatype}")
+    assert out["datatype"] == datatype
+    assert out["shape"] == [2, 3]
+    assert "binary_data_size" in out["parameters"]
+    _assert_same(datatype, result.as_numpy(f"OUT_{datatype}"), VALUES[datatype])
+
+
+@pytest.mark.parametrize("datatype", DTYPES)
+def test_json_roundtrip(client, datatype):
+    result = _roundtrip(client, datatype, VALUES[datatype], binary=False)
+    out = result.get_output(f"OUT_{datatype}")
+    assert out["datatype"] == datatype
+    assert out["shape"] == [2, 3]
+    assert "data" in out
+    assert "binary_data_size" not in out.get("parameters", {})
+    _assert_same(datatype, result.as_numpy(f"OUT_{datatype}"), VALUES[datatype])
+
+
+def test_binary_bytes_with_arbitrary_content(client):
+    result = _roundtrip(client, "BYTES", BINARY_BYTES, binary=True)
+    _assert_same("BYTES", result.as_numpy("OUT_BYTES"), BINARY_BYTES)
+
+
+def test_bf16_binary_roundtrip(client):
+    result = _roundtrip(client, "BF16", BF16, binary=True)
+    out = result.get_output("OUT_BF16")
+    assert out["datatype"] == "BF16"
+    assert out["shape"] == [2, 3]
+    assert out["parameters"]["binary_data_size"] == BF16.nbytes
+    _assert_same("BF16", result.as_numpy("OUT_BF16"), BF16)
+
+
+def test_all_datatypes_in_one_request(client):
+    """Thirteen inputs of different types in one body: offsets in the binary tail must line up."""
+    inputs, outputs = [], []
+    for i, (dt, data) in enumerate(VALUES.items()):
+        inp = httpclient.InferInput(f"IN_{dt}", list(data.shape), dt)
+        inp.set_data_from_numpy(data, binary_data=i % 2 == 0)  # mix binary and JSON inputs
+        inputs.append(inp)
+        outputs.append(httpclient.InferRequestedOutput(f"OUT_{dt}", binary_data=i % 3 != 0))
+    result = client.infer("identity_all", inputs, outputs=outputs)
+    for dt, data in VALUES.items():
+        _assert_same(dt, result.as_numpy(f"OUT_{dt}"), data)
+
+
+def test_json_nested_data_is_accepted(server):
+    """KServe allows 'data' as a flat list or nested to the tensor's shape."""
+    body = json.dumps({"inputs": [{"name": "IN_INT16", "datatype": "INT16", "shape": [2, 3],
+                                   "data": [[1, 2, 3], [4, 5, -6]]}],
+                       "outputs": [{"name": "OUT_INT16"}]}).encode()
+    raw = raw_request(server.port, "POST", "/v2/models/identity_all/infer", body)
+    assert raw.status == 200, raw
+    out = raw.json()["outputs"][0]
+    assert out["data"] == [1, 2, 3, 4, 5, -6]
+    assert out["shape"] == [2, 3]
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_empty_tensor_roundtrip(client, binary):
+    data = np.zeros((0, 3), dtype=np.float32)
+    result = _roundtrip(client, "FP32", data, binary=binary)
+    got = result.as_numpy("OUT_FP32")
+    assert got.shape == (0, 3)
+    assert got.dtype == np.float32
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_empty_inputs_and_empty_bytes_output(server, binary):
+    """Zero-element inputs are accepted; an empty BYTES output (serialized, not cast) comes back."""
+    body = {"inputs": [{"name": "IN_INT64", "datatype": "INT64", "shape": [1, 0], "data": []},
+                       {"name": "IN_BYTES", "datatype": "BYTES", "shape": [0, 2], "data": []}],
+            "outputs": [{"name": "OUT_BYTES", "parameters": {"binary_data": binary}}]}
+    raw = raw_request(server.port, "POST", "/v2/models/identity_all/infer", json.dumps(body).encode())
+    assert raw.status == 200, raw
+    header_len = raw.headers.get("inference-header-content-length")
+    doc = json.loads(raw.body[:int(header_len)] if header_len else raw.body)
+    (out,) = doc["outputs"]
+    assert out["name"] == "OUT_BYTES" and out["datatype"] == "BYTES" and out["shape"] == [0, 2]
+    if binary:
+        assert out["parameters"]["binary_data_size"] == 0
+    else:
+        assert out["data"] == []
+
+
+@pytest.mark.parametrize("datatype,bad", [("INT8", 128), ("UINT8", -1), ("UINT16", 70000), ("INT32", 2 ** 31)])
+def test_json_value_out_of_range_is_a_400(server, datatype, bad):
+    body = json.dumps({"inputs": [{"name": f"IN_{datatype}", "datatype": datatype, "shape": [1, 1],
+                                   "data": [bad]}]}).encode()
+    raw = raw_request(server.port, "POST", "/v2/models/identity_all/infer", body)
+    assert raw.status == 400, raw
+    assert f"IN_{datatype}" in raw.json()["error"]
+
+
+def test_json_bool_given_as_number_is_a_400(server):
+    body = json.dumps({"inputs": [{"name": "IN_BOOL", "datatype": "BOOL", "shape": [1, 2],
+                                   "data": [1, 0]}]}).encode()
+    raw = raw_request(server.port, "POST", "/v2/models/identity_all/infer", body)
+    assert raw.status == 400, raw
+    assert "IN_BOOL" in raw.json()["error"]
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_large_tensor_roundtrip(client, compression):
+    """16 MiB each way: larger than any ring record, so it must travel through the arenas."""
+    data = np.random.default_rng(7).standard_normal((1024, 4096)).astype(np.float32)
+    inp = httpclient.InferInput("IN_FP32", list(data.shape), "FP32")
+    inp.set_data_from_numpy(data)
+    result = client.infer("identity_all", [inp], outputs=[httpclient.InferRequestedOutput("OUT_FP32")],
+                          request_compression_algorithm=compression, response_compression_algorithm=compression)
+    got = result.as_numpy("OUT_FP32")
+    assert got.shape == data.shape
+    np.testing.assert_array_equal(got.view(np.uint32), data.view(np.uint32))

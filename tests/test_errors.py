@@ -1,0 +1,242 @@
+"""Bad requests: each is a 400 with a message that says what is wrong, and the server keeps serving."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import raw_request
+
+A = np.arange(16, dtype=np.int32)
+B = np.arange(16, dtype=np.int32) * 10
+
+
+def _input(name, data, datatype="INT32", shape=None, binary=True):
+    t = httpclient.InferInput(name, list(shape if shape is not None else data.shape), datatype)
+    t.set_data_from_numpy(data, binary_data=binary)
+    return t
+
+
+def assert_still_serving(server) -> None:
+    client = server.client()
+    result = client.infer("add_sub", [_input("INPUT0", A), _input("INPUT1", B)])
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), A - B)
+    assert client.is_server_ready()
+
+
+def infer_error(client, *args, **kwargs) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as e:
+        client.infer(*args, **kwargs)
+    return e.value
+
+
+def raw_error(server, body: bytes, headers: dict | None = None, model: str = "add_sub") -> str:
+    raw = raw_request(server.port, "POST", f"/v2/models/{model}/infer", body, headers)
+    assert raw.status == 400, raw
+    assert raw.headers["content-type"].startswith("application/json")
+    doc = raw.json()
+    assert isinstance(doc.get("error"), str) and doc["error"], doc
+    return doc["error"]
+
+
+def _binary_body(inputs: list[tuple[str, str, list[int], bytes]], size_of=None) -> tuple[bytes, dict]:
+    """A binary-extension body; ``size_of`` overrides the binary_data_size each input claims."""
+    size_of = size_of or {}
+    head = json.dumps({"inputs": [
+        {"name": n, "datatype": dt, "shape": shape, "parameters": {"binary_data_size": size_of.get(n, len(data))}}
+        for n, dt, shape, data in inputs]}).encode()
+    body = head + b"".join(data for *_, data in inputs)
+    return body, {"Inference-Header-Content-Length": str(len(head)), "Content-Type": "application/octet-stream"}
+
+
+# -- through tritonclient -----------------------------------------------------------------------
+
+
+def test_unknown_model(server, client):
+    err = infer_error(client, "x", [_input("INPUT0", A), _input("INPUT1", B)])
+    assert err.status() == "400"
+    assert "Request for unknown model: 'x' is not found" in err.message()
+    assert_still_serving(server)
+
+
+def test_wrong_shape(server, client):
+    short = np.arange(3, dtype=np.int32)
+    err = infer_error(client, "add_sub", [_input("INPUT0", short), _input("INPUT1", B)])
+    assert err.status() == "400"
+    msg = err.message()
+    assert "unexpected shape for input 'INPUT0' for model 'add_sub'" in msg
+    assert "[16]" in msg and "[3]" in msg
+    assert_still_serving(server)
+
+
+def test_wrong_datatype(server, client):
+    err = infer_error(client, "add_sub", [_input("INPUT0", A.astype(np.float32), "FP32"), _input("INPUT1", B)])
+    assert err.status() == "400"
+    assert "inference input 'INPUT0' data-type is 'FP32', but model 'add_sub' expects 'INT32'" in err.message()
+    assert_still_serving(server)
+
+
+def test_missing_input(server, client):
+    err = infer_error(client, "add_sub", [_input("INPUT0", A)])
+    assert err.status() == "400"
+    msg = err.message()
+    assert "expected 2 inputs but got 1 inputs for model 'add_sub'" in msg
+    assert "INPUT1" in msg and "missing" in msg
+    assert_still_serving(server)
+
+
+def test_unexpected_input(server, client):
+    err = infer_error(client, "add_sub", [_input("INPUT0", A), _input("INPUT1", B), _input("INPUT9", B)])
+    assert err.status() == "400"
+    assert "unexpected inference input 'INPUT9' for model 'add_sub'" in err.message()
+    assert_still_serving(server)
+
+
+def test_unexpected_output_name(server, client):
+    err = infer_error(client, "add_sub", [_input("INPUT0", A), _input("INPUT1", B)],
+                      outputs=[httpclient.InferRequestedOutput("OUTPUT7")])
+    assert err.status() == "400"
+    assert "unexpected inference output 'OUTPUT7' for model 'add_sub'" in err.message()
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("version", ["7", "0"])
+def test_unknown_version(server, client, version):
+    err = infer_error(client, "add_sub", [_input("INPUT0", A), _input("INPUT1", B)], model_version=version)
+    assert err.status() == "400"
+    assert f"Request for unknown model: 'add_sub' version {version} is not found" in err.message()
+    assert_still_serving(server)
+
+
+def test_non_numeric_version(server):
+    body = json.dumps({"inputs": [
+        {"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": A.tolist()},
+        {"name": "INPUT1", "datatype": "INT32", "shape": [16], "data": B.tolist()}]}).encode()
+    raw = raw_request(server.port, "POST", "/v2/models/add_sub/versions/latest/infer", body)
+    assert raw.status == 400, raw
+    assert "add_sub" in raw.json()["error"] and "latest" in raw.json()["error"]
+    assert_still_serving(server)
+
+
+def test_batch_too_large(server, client):
+    x = np.zeros((65, 1, 8, 8), dtype=np.float32)
+    err = infer_error(client, "digits", [_input("INPUT__0", x, "FP32")])
+    assert err.status() == "400"
+    assert "batch-size must be <= 64" in err.message()
+    assert_still_serving(server)
+
+
+def test_missing_batch_dimension(server, client):
+    x = np.zeros((1, 8, 8), dtype=np.float32)
+    err = infer_error(client, "digits", [_input("INPUT__0", x, "FP32")])
+    assert err.status() == "400"
+    assert "INPUT__0" in err.message() and "digits" in err.message()
+    assert_still_serving(server)
+
+
+# -- malformed bodies, on the wire ---------------------------------------------------------------
+
+
+def test_wrong_byte_size_in_binary_mode(server):
+    # 60 bytes claimed and sent for an INT32 [16] tensor (64 bytes).
+    body, headers = _binary_body([("INPUT0", "INT32", [16], A.tobytes()[:60]),
+                                  ("INPUT1", "INT32", [16], B.tobytes())])
+    msg = raw_error(server, body, headers)
+    assert "INPUT0" in msg and "60" in msg and "64" in msg
+    assert_still_serving(server)
+
+
+def test_binary_size_larger_than_body_is_truncated_body(server):
+    body, headers = _binary_body([("INPUT0", "INT32", [16], A.tobytes()),
+                                  ("INPUT1", "INT32", [16], B.tobytes()[:32])], size_of={"INPUT1": 64})
+    msg = raw_error(server, body, headers)
+    assert "INPUT1" in msg
+    assert "end of the request body" in msg or "truncated" in msg
+    assert_still_serving(server)
+
+
+def test_header_length_beyond_body(server):
+    body, headers = _binary_body([("INPUT0", "INT32", [16], A.tobytes()),
+                                  ("INPUT1", "INT32", [16], B.tobytes())])
+    headers["Inference-Header-Content-Length"] = str(len(body) + 10)
+    msg = raw_error(server, body, headers)
+    assert "Inference-Header-Content-Length" in msg
+    assert_still_serving(server)
+
+
+def test_header_length_not_a_number(server):
+    body, headers = _binary_body([("INPUT0", "INT32", [16], A.tobytes()),
+                                  ("INPUT1", "INT32", [16], B.tobytes())])
+    headers["Inference-Header-Content-Length"] = "twelve"
+    msg = raw_error(server, body, headers)
+    assert "twelve" in msg
+    assert_still_serving(server)
+
+
+def test_truncated_json_body(server):
+    body = json.dumps({"inputs": [
+        {"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": A.tolist()},
+        {"name": "INPUT1", "datatype": "INT32", "shape": [16], "data": B.tolist()}]}).encode()
+    msg = raw_error(server, body[:len(body) // 2])
+    assert "JSON" in msg or "json" in msg
+    assert_still_serving(server)
+
+
+def test_unclaimed_binary_tail(server):
+    body, headers = _binary_body([("INPUT0", "INT32", [16], A.tobytes()),
+                                  ("INPUT1", "INT32", [16], B.tobytes())])
+    msg = raw_error(server, body + b"\x00" * 8, headers)
+    assert "8 bytes" in msg
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("body", [b"{\"inputs\": [}", b"not json at all", b"\xff\xfe\x00garbage", b""],
+                         ids=["broken", "text", "binary-junk", "empty"])
+def test_bad_json(server, body):
+    msg = raw_error(server, body, {"Content-Type": "application/json"})
+    assert "failed to parse the request JSON buffer" in msg
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("doc,needle", [
+    ([1, 2, 3], "JSON object"),
+    ({"inputs": []}, "inputs"),
+    ({"inputs": "INPUT0"}, "inputs"),
+    ({"inputs": [{"datatype": "INT32", "shape": [16], "data": [0] * 16}]}, "name"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT128", "shape": [16], "data": [0] * 16}]}, "INT128"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": "16", "data": [0] * 16}]}, "shape"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [-16], "data": [0] * 16}]}, "negative"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16]}]}, "INPUT0"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": [0] * 15}]}, "15"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": ["a"] * 16}]}, "INPUT0"),
+], ids=["array", "no-inputs", "inputs-not-list", "no-name", "bad-datatype", "shape-not-list", "negative-dim",
+        "no-data", "element-count", "strings-for-ints"])
+def test_malformed_request_documents(server, doc, needle):
+    msg = raw_error(server, json.dumps(doc).encode(), {"Content-Type": "application/json"})
+    assert needle in msg
+    assert_still_serving(server)
+
+
+def test_error_then_good_on_the_same_connection(server):
+    """A 400 must not poison a keep-alive connection: tritonclient reuses its connections."""
+    client = httpclient.InferenceServerClient(server.url, concurrency=1)
+    for _ in range(3):
+        err = infer_error(client, "add_sub", [_input("INPUT0", A)])
+        assert err.status() == "400"
+        result = client.infer("add_sub", [_input("INPUT0", A), _input("INPUT1", B)])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
+    client.close()
+
+
+def test_after_all_errors_a_good_request_still_works(server, client):
+    assert client.is_server_live() and client.is_server_ready()
+    assert_still_serving(server)
+    result = client.infer("add_sub", [_input("INPUT0", A, binary=False), _input("INPUT1", B, binary=False)],
+                          outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)])
+    assert result.get_output("OUTPUT0")["data"] == (A + B).tolist()
+    index = {e["name"]: e["state"] for e in client.get_model_repository_index()}
+    assert index["add_sub"] == "READY" and index["digits"] == "READY"

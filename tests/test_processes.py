@@ -1,0 +1,115 @@
+"""Process lifecycle: clean SIGTERM, recovery after SIGKILL, one server per id, idle CPU."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import tritonclient.http as httpclient
+
+from conftest import PRODUCT_MODELS, TEST_MODELS, cpu_ticks, descendants, pid_alive, shm_entries
+
+
+def _add_sub(server) -> None:
+    a = np.arange(16, dtype=np.int32)
+    c = server.client()
+    i0 = httpclient.InferInput("INPUT0", [16], "INT32")
+    i0.set_data_from_numpy(a)
+    i1 = httpclient.InferInput("INPUT1", [16], "INT32")
+    i1.set_data_from_numpy(a)
+    np.testing.assert_array_equal(c.infer("add_sub", [i0, i1]).as_numpy("OUTPUT0"), 2 * a)
+    c.close()
+
+
+def _inodes(server_id: str) -> dict[str, int]:
+    out = {}
+    for name in shm_entries(server_id):
+        try:
+            out[name] = os.stat(f"/dev/shm/{name}").st_ino
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def test_sigterm_exits_zero_and_leaves_nothing(server_factory):
+    s = server_factory.start([PRODUCT_MODELS, TEST_MODELS])
+    _add_sub(s)  # so that a frontend channel and worker output blocks exist
+    tree = s.tree()
+    assert len(tree) >= 3 + 7, tree  # launcher, broker, frontend and the 7 workers (sleeper has 2)
+    assert shm_entries(s.id), "a running server should own shared-memory objects"
+    s.proc.send_signal(signal.SIGTERM)
+    code = s.wait_exit(30)
+    assert code == 0, s.log_tail()
+    assert shm_entries(s.id) == []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(pid_alive(p) for p in tree):
+        time.sleep(0.05)
+    assert [p for p in tree if pid_alive(p)] == [], "processes outlived the launcher"
+    assert "Traceback" not in s.log(), s.log_tail()
+
+
+def test_sigint_exits_zero_and_leaves_nothing(server_factory):
+    s = server_factory.start([PRODUCT_MODELS])
+    _add_sub(s)
+    s.proc.send_signal(signal.SIGINT)
+    assert s.wait_exit(30) == 0, s.log_tail()
+    assert shm_entries(s.id) == []
+
+
+def test_restart_after_sigkill_of_the_whole_group_removes_stale_objects(server_factory):
+    first = server_factory.start([PRODUCT_MODELS])
+    _add_sub(first)
+    first.kill_group()
+    stale = _inodes(first.id)
+    assert stale, "SIGKILL cannot clean up: stale objects are expected at this point"
+
+    second = server_factory.start([PRODUCT_MODELS], server_id=first.id)
+    _add_sub(second)
+    now = _inodes(second.id)
+    # Every stale object is either gone or was removed and created anew (another inode).
+    survivors = [name for name, ino in stale.items() if now.get(name) == ino]
+    assert survivors == [], f"stale objects of the killed server survived: {survivors}"
+
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.wait_exit(30) == 0
+    assert shm_entries(first.id) == []
+
+
+def test_second_server_with_same_id_is_refused(server_factory):
+    first = server_factory.start([PRODUCT_MODELS])
+    before = _inodes(first.id)
+    second = server_factory.create([PRODUCT_MODELS], server_id=first.id).start()
+    code = second.wait_exit(30)
+    assert code != 0
+    log = second.log()
+    assert "already running" in log and first.id in log, log
+    # The first server is untouched: same objects, still serving.
+    after = _inodes(first.id)
+    assert {n: i for n, i in before.items() if n in after} == {n: i for n, i in after.items() if n in before}
+    assert all(name in after for name in before if ".broker." in name or ".worker." in name)
+    _add_sub(first)
+    assert first.client().is_server_ready()
+
+
+def test_idle_cpu_under_one_percent(server, client):
+    # Some traffic first, so that idle means "after work", not just "after start".
+    a = np.arange(16, dtype=np.int32)
+    for _ in range(20):
+        i0 = httpclient.InferInput("INPUT0", [16], "INT32")
+        i0.set_data_from_numpy(a)
+        i1 = httpclient.InferInput("INPUT1", [16], "INT32")
+        i1.set_data_from_numpy(a)
+        client.infer("add_sub", [i0, i1])
+    time.sleep(1.0)  # let spinning thread pools (torch, OpenMP) go to sleep
+    tree = [server.pid, *descendants(server.pid)]
+    assert len(tree) >= 10, tree
+    hz = os.sysconf("SC_CLK_TCK")
+    t0 = time.monotonic()
+    before = cpu_ticks(tree)
+    time.sleep(3.0)
+    after = cpu_ticks([server.pid, *descendants(server.pid)])
+    elapsed = time.monotonic() - t0
+    used = sum(ticks - before.get(pid, 0) for pid, ticks in after.items()) / hz
+    per_pid = {pid: after[pid] - before.get(pid, 0) for pid in after if after[pid] - before.get(pid, 0)}
+    assert used / elapsed < 0.01, f"idle server used {100 * used / elapsed:.2f}% CPU; ticks by pid: {per_pid}"
