@@ -51,6 +51,8 @@ class Worker:
         self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num))
         self.seg.set_pid(os.getpid())
         self.stats = self.seg.stats
+        self.counts = [0] * len(STAT_FIELDS)
+        self._notes: list[tuple[ClientSegment, int, int, int, int]] = []
         self.signature: ModelSignature | None = None
         self.output_names: list[str] = []
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
@@ -151,8 +153,9 @@ class Worker:
             entry["outputs"] = [{"name": o["name"]} if "data" not in o else self._locate(client, o, data_start)
                                 for o in outputs] if outputs else None
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
-            self.stats[STAT_FIELDS.index("rejected")] += 1
+            self.counts[STAT_FIELDS.index("rejected")] += 1
             self._answer_error(entry, 400, str(e))
+            self._flush_counts()
             return
         self._execute([entry])
 
@@ -197,17 +200,23 @@ class Worker:
                     if not self._answer(entry, resp):
                         failed += 1
         self._count(entries, live, failed, exec_ns)
+        self._flush_counts()
 
     def _count(self, entries: list[dict], live: list[tuple[dict, Request]], failed: int, exec_ns: int) -> None:
-        """Outcome counters in this worker's segment; the broker reads them for metrics."""
-        st = self.stats
-        st[0] += len(entries) - failed
-        st[1] += failed
+        """Outcome counters; kept in Python and flushed to this worker's segment (where the broker
+        reads them for metrics) once per wake-up, not per request."""
+        c = self.counts
+        c[0] += len(entries) - failed
+        c[1] += failed
         if live:
             batched = self.signature is not None and self.signature.max_batch_size > 0
-            st[2] += sum(next(iter(r.inputs.values())).shape[0] if batched and r.inputs else 1 for _, r in live)
-            st[3] += 1
-            st[4] += exec_ns
+            c[2] += sum(next(iter(r.inputs.values())).shape[0] if batched and r.inputs else 1 for _, r in live)
+            c[3] += 1
+            c[4] += exec_ns
+
+    def _flush_counts(self) -> None:
+        self.stats[:] = self.counts
+        self._send_completions()
 
     def _build_request(self, entry: dict) -> Request:
         inputs = {}
@@ -253,8 +262,22 @@ class Worker:
         except (posix_ipc.ExistentialError, ConnectionError):
             self.arena.free(off)
             return  # the client is gone; nothing to answer
-        client.complete(entry["slot"], status, ROLE_WORKER, self.num, off, total)
-        client.waker.notify()
+        self._notes.append((client, entry["slot"], status, off, total))
+
+    def _send_completions(self) -> None:
+        """Complete the answered slots, then wake each client once (not once per response).
+
+        Runs after the counters are flushed, so a client that sees its answer also sees it
+        counted in the metrics.
+        """
+        notes, self._notes = self._notes, []
+        woken = []
+        for client, slot, status, off, total in notes:
+            client.complete(slot, status, ROLE_WORKER, self.num, off, total)
+            if client not in woken:
+                woken.append(client)
+        for client in woken:
+            client.waker.notify()
 
     def _answer_error(self, entry: dict, status: int, message: str) -> None:
         self._deliver(entry, status, orjson.dumps({"error": message}), [])

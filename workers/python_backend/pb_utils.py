@@ -220,6 +220,10 @@ def triton_to_numpy_type(data_type: int) -> Any:
 def numpy_to_triton_type(data_type: Any) -> Optional[int]:
     """numpy dtype/type -> TRITONSERVER_DataType code, or None if Triton has
     no equivalent.  Object and fixed-width bytes (``S``) dtypes are BYTES."""
+    if isinstance(data_type, np.dtype):  # the common case, without np.dtype() again
+        code = _NUMPY_TO_TRITON.get(data_type)
+        if code is not None:
+            return code
     if data_type is None:
         return None
     try:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Measures the real Triton and shmserve one after the other in one run, on the same models
+# (../shared/bench-models), with the same client (tools.bench_http), and leaves JSON per run in
+# $OUT. Only one server runs at a time, so both see the same 2 cores.
+#
+#   tools/side_by_side.sh [add_sub|identity|mlp|ready ...]     (default: all)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-/tmp/side_by_side}
+MODELS=${MODELS:-../shared/bench-models}
+DURATION=${DURATION:-10}
+REPEAT=${REPEAT:-3}
+mkdir -p "$OUT"
+what=${*:-add_sub identity mlp ready}
+
+wait_ready() { for _ in $(seq 600); do curl -sf "localhost:$1/v2/health/ready" >/dev/null && return 0; sleep 0.2; done; return 1; }
+
+run_bench() {  # name port
+  local name=$1 port=$2 B="$PY -m tools.bench_http --url 127.0.0.1:$2 --duration $DURATION --warmup 2 --repeat $REPEAT"
+  for w in $what; do
+    case $w in
+      add_sub)  $B --model add_sub --clients 1,4 --json "$OUT/$name-add_sub.json" ;;
+      identity) $B --model identity --clients 1 --shape-override INPUT0=4194304 --json "$OUT/$name-identity-http.json"
+                $B --model identity --clients 1 --shape-override INPUT0=4194304 --shm system --json "$OUT/$name-identity-shm.json" ;;
+      mlp)      $B --model mlp --clients 8 --json "$OUT/$name-mlp.json" ;;
+    esac
+  done
+}
+
+echo "== Triton"
+setsid ../shared/tools/reference-triton "$MODELS" > "$OUT/triton.log" 2>&1 < /dev/null &
+wait_ready 18000
+run_bench triton 18000
+kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null || true
+while pgrep -x tritonserver >/dev/null; do sleep 0.5; done
+
+echo "== shmserve"
+setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --id sbs \
+  > "$OUT/shmserve.log" 2>&1 < /dev/null &
+pid=$!
+wait_ready 18600
+run_bench shmserve 18600
+kill -TERM "$pid"; wait "$pid" || true
+
+if [[ " $what " == *" ready "* ]]; then
+  echo "== time to ready, 7 models"
+  $PY -m tools.time_to_ready --models 7 --url 127.0.0.1:18000 -- ../shared/tools/reference-triton {repo} | tee "$OUT/triton-ready.txt"
+  $PY -m tools.time_to_ready --models 7 --url 127.0.0.1:18600 -- \
+    .venv/bin/shmserve --model-repository={repo} --http-port=18600 --metrics-port=18602 --id sbsready | tee "$OUT/shmserve-ready.txt"
+fi
