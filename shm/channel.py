@@ -47,6 +47,7 @@ NO_LANE = 0xFFFFFFFF
 LANE_PENDING = 0xFFFFFFFE  # until the broker has seen the client's connect record
 ROUTES_BYTES = 1 << 20
 LANE_OFFSET = 24  # client header: the lane the broker gave this client
+COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
 STATS_OFFSET = 256  # worker header: its counters (see WorkerStats)
 STAT_FIELDS = ("success", "failure", "inference_count", "execution_count", "compute_ns", "rejected")
 
@@ -115,14 +116,18 @@ class BrokerSegment:
     def started_ns(self) -> int:
         return read_header(self.seg)[2]
 
-    def lane_client(self, lane: int) -> str:
+    def lane_client(self, lane: int) -> tuple[str, int]:
+        """(client segment name, cookie) of the lane's current holder. Records carry the cookie,
+        so a worker can tell a lane's new holder from leftovers of a client that died."""
         off = self.lane_names_offset + lane * LANE_NAME_BYTES
-        return bytes(self.seg.buf[off:off + LANE_NAME_BYTES]).rstrip(b"\0").decode()
+        (cookie,) = struct.unpack_from("<Q", self.seg.buf, off)
+        return bytes(self.seg.buf[off + 8:off + LANE_NAME_BYTES]).rstrip(b"\0").decode(), cookie
 
-    def set_lane_client(self, lane: int, name: str) -> None:
+    def set_lane_client(self, lane: int, name: str, cookie: int) -> None:
         off = self.lane_names_offset + lane * LANE_NAME_BYTES
-        raw = name.encode()[:LANE_NAME_BYTES]
-        self.seg.buf[off:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - len(raw))
+        raw = name.encode()[:LANE_NAME_BYTES - 8]
+        self.seg.buf[off + 8:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - 8 - len(raw))
+        struct.pack_into("<Q", self.seg.buf, off, cookie)
 
     def announce(self, client_pid: int, client_name: str, timeout: float = 5.0) -> None:
         """Client side: put a connect record on the shared ring under the mutex, ring the bell."""
@@ -291,6 +296,14 @@ class ClientSegment:
     @lane.setter
     def lane(self, value: int) -> None:
         struct.pack_into("<I", self.seg.buf, LANE_OFFSET, value)
+
+    @property
+    def cookie(self) -> int:
+        return struct.unpack_from("<Q", self.seg.buf, COOKIE_OFFSET)[0]
+
+    @cookie.setter
+    def cookie(self, value: int) -> None:
+        struct.pack_into("<Q", self.seg.buf, COOKIE_OFFSET, value)
 
     def set_target(self, slot: int, worker: int) -> None:
         """Record which worker a direct request went to (worker + 1; 0: through the broker), so the

@@ -114,6 +114,7 @@ class Connection:
         self.alive = True
         self.broker.announce(os.getpid(), self.name)
         self.lane = self._await_lane()
+        self._cookie = self.seg.cookie
         self._states = self.seg.slot_states
         self._routes_gen = -1
         self._routes: dict = {}
@@ -216,12 +217,17 @@ class Connection:
             self._inflight.add(slot)
             target = self._route(doc) if kind == REQ_INFER else None
             worker = self._worker(target) if target is not None else None
-            self.seg.set_target(slot, target + 1 if worker is not None else 0)  # type: ignore[operator]
             self.seg.set_slot_state(slot, SLOT_PENDING)
-            if worker is not None and self.lane is not None and worker.lanes[self.lane].put(kind, slot, off, total, 0):
-                self._targets[slot] = target + 1  # type: ignore[operator]
-                self._load[target] += 1  # type: ignore[index]
-            elif not self.seg.requests.put(kind, slot, off, total, 0):
+            if worker is not None:
+                self.seg.set_target(slot, target + 1)  # type: ignore[operator]
+                if worker.lanes[self.lane].put(kind, slot, off, total, self._cookie):  # type: ignore[index]
+                    self._targets[slot] = target + 1  # type: ignore[operator]
+                    self._load[target] += 1  # type: ignore[index]
+                else:
+                    worker = None  # its lane is full: the broker will queue it
+            if worker is None:
+                self.seg.set_target(slot, 0)
+            if worker is None and not self.seg.requests.put(kind, slot, off, total, 0):
                 self.seg.set_slot_state(slot, SLOT_FREE)
                 self._callbacks[slot] = None
                 self._inflight.discard(slot)

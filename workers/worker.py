@@ -117,9 +117,10 @@ class Worker:
                 elif kind == W_BATCH:
                     self._run_batch(off, batch_id)
             for lane in seg.lanes_pending():
-                client = self.broker.lane_client(lane)
-                for kind, slot, off, length, _ in seg.lanes[lane].drain():
-                    self._run_direct(client, slot, off)
+                client, cookie = self.broker.lane_client(lane)
+                for kind, slot, off, length, record_cookie in seg.lanes[lane].drain():
+                    if record_cookie == cookie and client:
+                        self._run_direct(client, slot, off)
 
     def _run_batch(self, off: int, batch_id: int) -> None:
         """A batch the broker's scheduler formed (its descriptor is in the broker's arena)."""

@@ -62,6 +62,7 @@ class Broker:
         self._last_housekeeping = 0.0
         self.restarts: list[tuple[float, ModelVersion, Instance]] = []
         self.lanes: list[str | None] = [None] * LANES
+        self.next_cookie = 0
         self.routes_doc = b""
         self.metrics = serve_metrics(opts.metrics_port, self._stats_rows)
 
@@ -237,14 +238,17 @@ class Broker:
             client.seg.lane = NO_LANE  # all taken: this client goes through the broker only
             return
         self.lanes[lane] = client.name
-        self.seg.set_lane_client(lane, client.name)
+        self.next_cookie += 1
+        self.seg.set_lane_client(lane, client.name, self.next_cookie)
         client.lane = lane
-        client.seg.lane = lane
+        client.seg.cookie = self.next_cookie
+        client.seg.lane = lane  # last: the client waits for this
 
     def _drop_client(self, client: Client, unlink: bool) -> None:
         self.clients.pop(client.name, None)
         if client.lane is not None and self.lanes[client.lane] == client.name:
             self.lanes[client.lane] = None
+            self.seg.set_lane_client(client.lane, "", 0)
         for versions in self.models.values():
             for mv in versions.values():
                 if mv.queue:
