@@ -234,8 +234,6 @@ class Connection:
                 self._free_slots.append(slot)
                 free_block(buf, off)
                 raise Backpressure("the request ring to the broker is full; retry later")
-            else:
-                worker = None
         if worker is not None:
             worker.waker.notify()
         else:
