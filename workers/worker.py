@@ -7,6 +7,7 @@ per client) and tells the broker the instance is free, ringing the broker only i
 """
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import signal
@@ -29,6 +30,8 @@ from shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
 from shm.waker import fence
 
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
+from .cuda import CudaError
+from .cuda import runtime as cuda_runtime
 from .signature import InvalidRequest, ModelSignature
 
 log = logging.getLogger("shmserve.worker")
@@ -177,7 +180,7 @@ class Worker:
         for entry in entries:
             try:
                 live.append((entry, self._build_request(entry)))
-            except (RequestError, ValueError, OSError, posix_ipc.Error) as e:
+            except (RequestError, ValueError, OSError, posix_ipc.Error, CudaError) as e:
                 self._answer_error(entry, 400, str(e))
                 failed += 1
         exec_ns = 0
@@ -222,8 +225,13 @@ class Worker:
     def _build_request(self, entry: dict) -> Request:
         inputs = {}
         for t in entry["inputs"]:
-            seg = self.segments.get(t["seg"])
             off, size = t["off"], t["size"]
+            if "cuda" in t:  # device memory of a client: copied to host for the backend
+                host = memoryview(bytearray(size))
+                cuda_runtime().to_host(host, cuda_runtime().open(base64.b64decode(t["cuda"]), t["device"]) + off)
+                inputs[t["name"]] = from_buffer(host, t["datatype"], t["shape"])
+                continue
+            seg = self.segments.get(t["seg"])
             inputs[t["name"]] = from_buffer(seg.buf[off:off + size], t["datatype"], t["shape"])
         wanted = entry.get("outputs")
         # No outputs named: the model is asked for every output its config declares (as Triton).
@@ -306,16 +314,20 @@ class Worker:
                     if n > target["size"]:
                         raise RequestError(f"shared memory region for output '{name}' holds "
                                            f"{target['size']} bytes but the output needs {n}")
-                    seg = self.segments.get(target["seg"])
-                    seg.buf[target["off"]:target["off"] + n] = data
+                    if "cuda" in target:
+                        ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
+                        cuda_runtime().to_device(ptr + target["off"], data)
+                    else:
+                        seg = self.segments.get(target["seg"])
+                        seg.buf[target["off"]:target["off"] + n] = data
                     desc["region"] = True
                 else:
                     desc["off"] = pos
                     tensors.append((n, data))
                     pos += n
                 outs.append(desc)
-        except (RequestError, ValueError, TypeError) as e:
-            self._answer_error(entry, 500 if not isinstance(e, RequestError) else 400, str(e))
+        except (RequestError, ValueError, TypeError, CudaError) as e:
+            self._answer_error(entry, 400 if isinstance(e, (RequestError, CudaError)) else 500, str(e))
             return False
         doc = {"version": self.version, "outputs": outs}
         if resp.parameters:

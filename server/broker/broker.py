@@ -375,16 +375,24 @@ class Broker:
             raise InvalidRequest(f"{what} '{t['name']}' lies outside the client's arena")
         return client.name, off, size
 
-    def _resolve(self, client: Client, t: dict, what: str, data_start: int) -> dict:
+    def _place(self, client: Client, t: dict, what: str, data_start: int) -> dict:
+        """Where the worker finds (or puts) a tensor's bytes: host shm, or a CUDA region."""
+        if "region" in t:
+            cuda = self.control.cuda_regions.resolve(t["region"], int(t.get("offset", 0)), int(t["size"]),
+                                                     what, t["name"])
+            if cuda is not None:
+                return cuda
         seg, off, size = self._locate(client, t, what, data_start)
-        return {"name": t["name"], "datatype": t["datatype"], "shape": t["shape"], "seg": seg, "off": off,
-                "size": size}
+        return {"seg": seg, "off": off, "size": size}
+
+    def _resolve(self, client: Client, t: dict, what: str, data_start: int) -> dict:
+        return {"name": t["name"], "datatype": t["datatype"], "shape": t["shape"],
+                **self._place(client, t, what, data_start)}
 
     def _resolve_output(self, client: Client, o: dict, data_start: int) -> dict:
         if "region" not in o and "data" not in o:
             return {"name": o["name"]}
-        seg, off, size = self._locate(client, o, "output", data_start)
-        return {"name": o["name"], "seg": seg, "off": off, "size": size}
+        return {"name": o["name"], **self._place(client, o, "output", data_start)}
 
     def _dispatch(self, mv: ModelVersion) -> None:
         while mv.queue:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 
 from .models import Client, ModelVersion, State
-from .regions import RegionRegistry
+from .regions import CudaRegionRegistry, RegionRegistry
 from workers.signature import InvalidRequest
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ class ControlHandler:
     def __init__(self, broker: "Broker") -> None:
         self.broker = broker
         self.regions = RegionRegistry()
+        self.cuda_regions = CudaRegionRegistry()
         self.ops: dict[str, Callable[[Client, int, dict], Answer]] = {
             "server_ready": self._server_ready,
             "model_ready": self._model_ready,
@@ -30,6 +31,9 @@ class ControlHandler:
             "shm_register": self._shm_register,
             "shm_unregister": self._shm_unregister,
             "shm_status": self._shm_status,
+            "cuda_register": self._cuda_register,
+            "cuda_unregister": self._cuda_unregister,
+            "cuda_status": self._cuda_status,
         }
 
     def handle(self, client: Client, slot: int, doc: dict) -> Answer:
@@ -102,3 +106,15 @@ class ControlHandler:
         return 200, self.regions.status(doc.get("name"))
 
 
+
+    def _cuda_register(self, client: Client, slot: int, doc: dict) -> Answer:
+        self.cuda_regions.register(doc["name"], doc["raw_handle"], int(doc.get("device_id", 0)),
+                                   int(doc["byte_size"]))
+        return 200, {}
+
+    def _cuda_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
+        self.cuda_regions.unregister(doc.get("name"))
+        return 200, {}
+
+    def _cuda_status(self, client: Client, slot: int, doc: dict) -> Answer:
+        return 200, self.cuda_regions.status(doc.get("name"))

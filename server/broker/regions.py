@@ -5,6 +5,8 @@ is checked against those bounds here, in the broker, before a worker ever maps t
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import re
 from typing import Any
@@ -90,3 +92,69 @@ class RegionRegistry:
                               f"({what} '{tensor}': offset {offset} + byte size {size} exceeds the region's "
                               f"{r.byte_size} bytes)")
         return r.key, r.offset + offset
+
+
+class CudaRegion:
+    __slots__ = ("name", "handle_b64", "device_id", "byte_size")
+
+    def __init__(self, name: str, handle_b64: str, device_id: int, byte_size: int) -> None:
+        self.name, self.handle_b64, self.device_id, self.byte_size = name, handle_b64, device_id, byte_size
+
+
+class CudaRegionRegistry:
+    """CUDA shared-memory regions: device memory a client exported with ``cudaIpcGetMemHandle``.
+
+    The broker checks the request (a CUDA device exists, the handle has the size of one, the
+    device is real); the worker that needs the bytes opens the handle (see ``workers/cuda.py``).
+    """
+
+    def __init__(self) -> None:
+        self.regions: dict[str, CudaRegion] = {}
+
+    def register(self, name: str, handle_b64: str, device_id: int, byte_size: int) -> None:
+        from workers.cuda import IPC_HANDLE_BYTES
+        from workers.devices import cuda_device_count
+
+        devices = cuda_device_count()
+        if devices == 0:
+            raise RegionError("CUDA shared memory is not available: this server has no CUDA device")
+        if name in self.regions:
+            raise RegionError(f"shared memory region '{name}' already in manager")
+        try:
+            raw = base64.b64decode(handle_b64, validate=True)
+        except (binascii.Error, ValueError, TypeError):
+            raise RegionError(f"cuda shared memory region '{name}': raw_handle is not valid base64") from None
+        if len(raw) != IPC_HANDLE_BYTES:
+            raise RegionError(f"cuda shared memory region '{name}': raw_handle must be a {IPC_HANDLE_BYTES}-byte "
+                              f"cudaIpcMemHandle_t, got {len(raw)} bytes")
+        if not 0 <= device_id < devices:
+            raise RegionError(f"cuda shared memory region '{name}': device {device_id} does not exist")
+        if byte_size <= 0:
+            raise RegionError(f"cuda shared memory region '{name}': byte_size must be > 0")
+        self.regions[name] = CudaRegion(name, handle_b64, device_id, byte_size)
+
+    def unregister(self, name: str | None) -> None:
+        if name is None:
+            self.regions.clear()
+        else:
+            self.regions.pop(name, None)
+
+    def status(self, name: str | None) -> list[dict[str, Any]]:
+        if name is not None:
+            r = self.regions.get(name)
+            if r is None:
+                raise RegionError(f"Unable to find cuda shared memory region: '{name}'")
+            items = [r]
+        else:
+            items = list(self.regions.values())
+        return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in items]
+
+    def resolve(self, name: str, offset: int, size: int, what: str, tensor: str) -> dict[str, Any] | None:
+        r = self.regions.get(name)
+        if r is None:
+            return None
+        if offset < 0 or size < 0 or offset + size > r.byte_size:
+            raise RegionError(f"Invalid offset + byte size for shared memory region: '{name}' ({what} "
+                              f"'{tensor}': offset {offset} + byte size {size} exceeds the region's "
+                              f"{r.byte_size} bytes)")
+        return {"cuda": r.handle_b64, "device": r.device_id, "off": offset, "size": size}

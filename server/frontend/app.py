@@ -187,18 +187,31 @@ class Frontend:
     async def shm_status(self, request: Request) -> Response:
         return await self._answer({"op": "shm_status", "name": request.path_params.get("name")})
 
-    # -- CUDA shared memory: answered as Triton does where no GPU is (see docs) --------------------
+    # -- CUDA shared memory ----------------------------------------------------------------------
     async def cuda_register(self, request: Request) -> Response:
-        return error_response(400, "CUDA shared memory is not available: this server has no CUDA device")
+        if not self._shm_allowed(request):
+            return error_response(403, "registering CUDA shared memory is only allowed from this host "
+                                       "(start the server with --allow-remote-shm to change that)")
+        try:
+            doc = orjson.loads(await request.body())
+            raw = (doc.get("raw_handle") or {}).get("b64") if isinstance(doc, dict) else None
+            if not isinstance(raw, str) or "byte_size" not in doc:
+                raise BadRequest("the register request must give 'raw_handle': {'b64': ...}, 'device_id' "
+                                 "and 'byte_size'")
+            for field in ("device_id", "byte_size"):
+                v = doc.get(field, 0)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise BadRequest(f"'{field}' must be a non-negative integer")
+        except (orjson.JSONDecodeError, BadRequest) as e:
+            return error_response(400, str(e))
+        return await self._answer({"op": "cuda_register", "name": request.path_params["name"], "raw_handle": raw,
+                                   "device_id": doc.get("device_id", 0), "byte_size": doc["byte_size"]})
 
     async def cuda_unregister(self, request: Request) -> Response:
-        return json_response({})
+        return await self._answer({"op": "cuda_unregister", "name": request.path_params.get("name")})
 
     async def cuda_status(self, request: Request) -> Response:
-        name = request.path_params.get("name")
-        if name:
-            return error_response(400, f"Unable to find cuda shared memory region: '{name}'")
-        return json_response([])
+        return await self._answer({"op": "cuda_status", "name": request.path_params.get("name")})
 
 
 def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bool = False,
