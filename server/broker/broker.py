@@ -28,6 +28,7 @@ from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_PEN
 from workers.backend import installed_backends
 
 from . import config as cfgmod
+from .batcher import DynamicBatcher, QueueFull
 from .control import ControlHandler
 from .metrics import add_worker_counters, serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
@@ -111,6 +112,9 @@ class Broker:
             mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
                               config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
             mv.set_config(mv.config_dict)
+            if config.HasField("dynamic_batching"):
+                mv.batcher = DynamicBatcher(config)
+                mv.pipeline_depth = 1  # let requests gather while the instance is busy
             versions_state[v] = mv
             for group in config.instance_group:
                 kind = "GPU" if group.kind == cfgmod.mc.ModelInstanceGroup.KIND_GPU else "CPU"
@@ -213,8 +217,10 @@ class Broker:
         self.publish_routes()
         for inst in mv.instances:
             self._stop_instance(inst, graceful=False)
-        self._fail_pending(list(mv.queue), 400, f"Request for unknown model: '{mv.name}' is not ready")
+        self._fail_pending(mv.queued(), 400, f"Request for unknown model: '{mv.name}' is not ready")
         mv.queue.clear()
+        if mv.batcher is not None:
+            mv.batcher = DynamicBatcher(mv.config)
 
     # -- clients --------------------------------------------------------------------------------
     def _on_connects(self) -> None:
@@ -253,6 +259,8 @@ class Broker:
             for mv in versions.values():
                 if mv.queue:
                     mv.queue = type(mv.queue)(p for p in mv.queue if p.client is not client)
+                if mv.batcher is not None:
+                    mv.batcher.drop_client(client)
         self.control.forget_client(client)
         client.seg.close()
         if unlink:
@@ -339,7 +347,18 @@ class Broker:
             self._count_rejected(mv)
             self.reply(client, slot, 400, {"error": f"malformed inference request: {e!r}"})
             return
-        mv.queue.append(Pending(client, slot, off, entry, batch, time.monotonic()))
+        now = time.monotonic()
+        pend = Pending(client, slot, off, entry, batch, now, priority=int(doc.get("priority") or 0),
+                       timeout_us=int(doc.get("timeout") or 0))
+        if mv.batcher is not None:
+            try:
+                mv.batcher.enqueue(pend, now)
+            except QueueFull as e:
+                mv.stats.failure["REJECTED"] += 1
+                self.reply(client, slot, e.status, {"error": str(e)})
+                return
+        else:
+            mv.queue.append(pend)
         self._dispatch(mv)
 
     @staticmethod
@@ -395,6 +414,9 @@ class Broker:
         return {"name": o["name"], **self._place(client, o, "output", data_start)}
 
     def _dispatch(self, mv: ModelVersion) -> None:
+        if mv.batcher is not None:
+            self._dispatch_batches(mv)
+            return
         while mv.queue:
             inst = mv.pick_instance()
             if inst is None:
@@ -405,6 +427,36 @@ class Broker:
                 return
             pend = mv.queue.popleft()
             self._send_batch(mv, inst, [pend])
+
+    def _dispatch_batches(self, mv: ModelVersion) -> None:
+        batcher = mv.batcher
+        now = time.monotonic()
+        expired = batcher.expire(now)
+        if expired:
+            mv.stats.failure["OTHER"] += len(expired)
+            self._fail_pending(expired, 503, "Request timeout expired")
+        while len(batcher):
+            inst = mv.pick_instance()
+            if inst is None:
+                for i in mv.instances:
+                    i.seg.want_wakeup = True
+                return
+            batch = batcher.next_batch(now)
+            if batch is None:
+                return  # the loop's timer brings us back when the delay ends
+            self._send_batch(mv, inst, batch)
+
+    def _next_timer(self) -> float:
+        """How long the loop may sleep: until housekeeping or a batcher's delay or timeout."""
+        timeout = HOUSEKEEPING_S
+        now = time.monotonic()
+        for versions in self.models.values():
+            for mv in versions.values():
+                if mv.batcher is not None and len(mv.batcher):
+                    t = mv.batcher.next_timer(now)
+                    if t is not None:
+                        timeout = min(timeout, t)
+        return timeout
 
     def _send_batch(self, mv: ModelVersion, inst: Instance, batch: list[Pending]) -> None:
         data = orjson.dumps({"requests": [p.entry for p in batch]})
@@ -528,7 +580,7 @@ class Broker:
             self.load_model(name)
         waker = self.seg.waker
         while self.running:
-            waker.sleep(HOUSEKEEPING_S, self._has_work)
+            waker.sleep(self._next_timer(), self._has_work)
             self._pump()
             now = time.monotonic()
             if now - self._last_housekeeping >= HOUSEKEEPING_S:
@@ -558,7 +610,7 @@ class Broker:
                 self._on_client_requests(client)
         for versions in self.models.values():
             for mv in versions.values():
-                if mv.queue:
+                if mv.queue or (mv.batcher is not None and len(mv.batcher)):
                     self._dispatch(mv)
 
     def request_stop(self) -> None:

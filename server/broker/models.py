@@ -46,6 +46,15 @@ class Pending:
     entry: dict[str, Any]  # the resolved request, as the worker will read it
     batch: int
     arrived: float
+    priority: int = 0
+    timeout_us: int = 0
+    level: int = 0  # queue index the batcher put it in
+    deadline: float = 0.0  # monotonic time its queue timeout ends (0: none)
+    delayed: bool = False  # timed out under timeout_action DELAY: served after the others
+
+    def shape_key(self) -> tuple:
+        """Requests batch together only when every input matches beyond the batch dimension."""
+        return tuple((t["name"], t["datatype"], tuple(t["shape"][1:])) for t in self.entry["inputs"])
 
 
 @dataclasses.dataclass
@@ -79,6 +88,7 @@ class ModelVersion:
     pipeline_depth: int = 2
     config_confirmed: bool = False
     stats: VersionStats = dataclasses.field(default_factory=VersionStats)
+    batcher: Any = None  # a DynamicBatcher when the config asks for dynamic batching
 
     def set_config(self, config_dict: dict[str, Any]) -> None:
         self.config_dict = config_dict
@@ -86,6 +96,9 @@ class ModelVersion:
 
     def pick_instance(self) -> Instance | None:
         best = None
+        if self.batcher is not None and self.batcher.preserve_ordering and \
+                any(i.outstanding for i in self.instances):
+            return None  # one batch at a time keeps responses in request order
         for inst in self.instances:
             if inst.ready and len(inst.outstanding) < self.pipeline_depth:
                 if best is None or len(inst.outstanding) < len(best.outstanding):
@@ -93,4 +106,8 @@ class ModelVersion:
         return best
 
     def in_flight(self) -> int:
-        return len(self.queue) + sum(len(p) for i in self.instances for p in i.outstanding.values())
+        queued = len(self.queue) + (len(self.batcher) if self.batcher is not None else 0)
+        return queued + sum(len(p) for i in self.instances for p in i.outstanding.values())
+
+    def queued(self) -> list[Pending]:
+        return list(self.queue) + (self.batcher.all() if self.batcher is not None else [])

@@ -1,0 +1,174 @@
+"""Triton's dynamic batcher (``dynamic_batching``), run by the broker for one model version.
+
+Requests wait in one FIFO queue per priority level. When an instance is free, a batch is formed
+from the highest-priority requests whose inputs match beyond the batch dimension, up to
+``max_batch_size``. It is sent at once when it reaches a preferred size (the largest one it can
+fill; ``max_batch_size`` when none is configured), or when the oldest request has waited
+``max_queue_delay_microseconds``; otherwise the broker sleeps until that moment. Queue policies
+(``default_queue_policy``, ``priority_queue_policy``) bound the queues and time requests out,
+rejecting them or (``DELAY``) serving them after everything else.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from .models import Pending
+
+
+class QueueFull(Exception):
+    status = 503
+
+
+@dataclasses.dataclass
+class QueuePolicy:
+    reject_on_timeout: bool = True
+    default_timeout_us: int = 0
+    allow_timeout_override: bool = False
+    max_queue_size: int = 0
+
+    @classmethod
+    def from_config(cls, policy: Any) -> "QueuePolicy":
+        return cls(reject_on_timeout=policy.timeout_action == 0,  # REJECT = 0, DELAY = 1
+                   default_timeout_us=policy.default_timeout_microseconds,
+                   allow_timeout_override=policy.allow_timeout_override,
+                   max_queue_size=policy.max_queue_size)
+
+
+class DynamicBatcher:
+    def __init__(self, config: Any) -> None:
+        db = config.dynamic_batching
+        self.max_batch_size: int = config.max_batch_size
+        self.delay_s = db.max_queue_delay_microseconds / 1e6
+        preferred = sorted(p for p in db.preferred_batch_size if 0 < p <= self.max_batch_size)
+        self.preferred = preferred or [self.max_batch_size]
+        self.preserve_ordering = db.preserve_ordering
+        self.levels = max(1, db.priority_levels)
+        default_level = db.default_priority_level if db.priority_levels else 1
+        self.default_level = min(max(default_level, 1), self.levels)
+        default_policy = QueuePolicy.from_config(db.default_queue_policy) if db.HasField("default_queue_policy") \
+            else QueuePolicy()
+        self.policies = [default_policy] * self.levels
+        for level, policy in db.priority_queue_policy.items():
+            if 1 <= level <= self.levels:
+                self.policies[level - 1] = QueuePolicy.from_config(policy)
+        self.queues: list[collections.deque[Pending]] = [collections.deque() for _ in range(self.levels)]
+        self.delayed: collections.deque[Pending] = collections.deque()
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def all(self) -> list[Pending]:
+        return [p for q in self.queues for p in q] + list(self.delayed)
+
+    def enqueue(self, p: Pending, now: float) -> None:
+        level = p.priority if 1 <= p.priority <= self.levels else self.default_level
+        policy = self.policies[level - 1]
+        queue = self.queues[level - 1]
+        if policy.max_queue_size and len(queue) >= policy.max_queue_size:
+            raise QueueFull(f"Exceeds maximum queue size: the queue of priority level {level} holds "
+                            f"{policy.max_queue_size} request(s)")
+        timeout = policy.default_timeout_us
+        if policy.allow_timeout_override and p.timeout_us:
+            # A request may shorten the default timeout, never lengthen it (Triton's rule).
+            timeout = min(timeout, p.timeout_us) if timeout else p.timeout_us
+        p.level = level
+        p.deadline = now + timeout / 1e6 if timeout else 0.0
+        queue.append(p)
+        self.size += 1
+
+    def drop_client(self, client: Any) -> None:
+        """Forget the queued requests of a client that went away."""
+        for i, q in enumerate(self.queues):
+            self.queues[i] = collections.deque(p for p in q if p.client is not client)
+        self.delayed = collections.deque(p for p in self.delayed if p.client is not client)
+        self.size = sum(len(q) for q in self.queues) + len(self.delayed)
+
+    def expire(self, now: float) -> list[Pending]:
+        """Requests whose queue timeout passed: REJECT ones are returned (to fail), DELAY ones move
+        behind everything else."""
+        rejected: list[Pending] = []
+        for level, queue in enumerate(self.queues):
+            if not any(p.deadline and p.deadline <= now for p in queue):
+                continue
+            keep: collections.deque[Pending] = collections.deque()
+            for p in queue:
+                if p.deadline and p.deadline <= now:
+                    if self.policies[level].reject_on_timeout:
+                        rejected.append(p)
+                        self.size -= 1
+                    else:
+                        p.deadline = 0.0
+                        p.delayed = True
+                        self.delayed.append(p)
+                else:
+                    keep.append(p)
+            self.queues[level] = keep
+        return rejected
+
+    def _ordered(self) -> list[Pending]:
+        out: list[Pending] = []
+        for q in self.queues:
+            out.extend(q)
+        out.extend(self.delayed)
+        return out
+
+    def next_batch(self, now: float) -> list[Pending] | None:
+        """The batch to send to a free instance now, or None to keep waiting (see ``next_timer``)."""
+        if not self.size:
+            return None
+        candidates = self._ordered()
+        first = candidates[0]
+        key = first.shape_key()
+        chosen: list[Pending] = []
+        total = 0
+        target = self.preferred[-1]
+        for p in candidates:
+            if total + p.batch > self.max_batch_size:
+                break
+            if p is not first and p.shape_key() != key:
+                continue
+            chosen.append(p)
+            total += p.batch
+            if total >= target:
+                break
+        oldest = min(p.arrived for p in chosen)
+        if total < target and now < oldest + self.delay_s and total not in self.preferred:
+            return None  # wait for more, until the oldest has waited the configured delay
+        if total > target or (total < target and total not in self.preferred):
+            # Trim to the largest preferred size the batch can fill exactly, if there is one.
+            fits = [s for s in self.preferred if s <= total]
+            if fits and now < oldest + self.delay_s:
+                chosen = self._trim(chosen, fits[-1])
+        for p in chosen:
+            self._remove(p)
+        return chosen
+
+    @staticmethod
+    def _trim(chosen: list[Pending], size: int) -> list[Pending]:
+        out, total = [], 0
+        for p in chosen:
+            if total + p.batch <= size:
+                out.append(p)
+                total += p.batch
+        return out
+
+    def _remove(self, p: Pending) -> None:
+        if p.delayed:
+            self.delayed.remove(p)
+        else:
+            self.queues[p.level - 1].remove(p)
+        self.size -= 1
+
+    def next_timer(self, now: float) -> float | None:
+        """Seconds until the batcher must act without being woken: a delay or a timeout ends."""
+        if not self.size:
+            return None
+        times = []
+        candidates = self._ordered()
+        if candidates:
+            times.append(min(p.arrived for p in candidates) + self.delay_s)
+        times.extend(p.deadline for q in self.queues for p in q if p.deadline)
+        return max(0.0, min(times) - now) if times else None
