@@ -1,0 +1,154 @@
+"""The dynamic batcher against a real server: batches form, the delay holds, priorities order,
+queue policies time out and bound the queue, and a PyTorch model batches too."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+REPO = Path(__file__).parent / "models" / "batching"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def server(module_factory):
+    return module_factory.start([REPO, ROOT / "model_repository"])
+
+
+def infer_with(url: str, model: str, width: int = 3, priority: int = 0, timeout_us: int = 0,
+               sleep_s: float = 0.0, batch: int = 1) -> dict:
+    """One request; what the execute() call that served it saw (requests, total batch, order)."""
+    client = httpclient.InferenceServerClient(url)
+    try:
+        x = httpclient.InferInput("INPUT0", [batch, width], "FP32")
+        x.set_data_from_numpy(np.zeros((batch, width), np.float32))
+        started = time.monotonic()
+        result = client.infer(model, [x], priority=priority, timeout=timeout_us,
+                              parameters={"sleep_s": sleep_s} if sleep_s else None)
+        return {"reqs": int(result.as_numpy("REQS")[0, 0]), "total": int(result.as_numpy("TOTAL")[0, 0]),
+                "order": int(result.as_numpy("ORDER")[0, 0]), "seconds": time.monotonic() - started}
+    finally:
+        client.close()
+
+
+def test_preferred_batch_size_forms_at_once(server):
+    with cf.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: infer_with(server.url, "probe"), range(4)))
+    assert [r["reqs"] for r in results] == [4, 4, 4, 4]
+    # The preferred size was reached, so nobody waited for the 300 ms queue delay.
+    assert max(r["seconds"] for r in results) < 0.25
+
+
+def test_queue_delay_holds_a_partial_batch(server):
+    with cf.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: infer_with(server.url, "probe"), range(2)))
+    assert [r["reqs"] for r in results] == [2, 2]
+    assert min(r["seconds"] for r in results) >= 0.29  # the 300 ms delay ran out first
+    single = infer_with(server.url, "probe")
+    assert single["reqs"] == 1 and 0.29 <= single["seconds"] < 2.0
+
+
+def test_requests_of_different_shapes_never_share_a_batch(server):
+    with cf.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda w: infer_with(server.url, "probe", width=w), [3, 3, 5, 5]))
+    assert [r["reqs"] for r in results] == [2, 2, 2, 2]
+
+
+def test_batch_sizes_add_up_to_the_batch_dimension(server):
+    with cf.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda b: infer_with(server.url, "probe", batch=b), [1, 3]))
+    assert [r["total"] for r in results] == [4, 4]  # 1 + 3 reached the preferred size 4
+
+
+def test_higher_priority_runs_first(server):
+    with cf.ThreadPoolExecutor(4) as pool:
+        busy = pool.submit(infer_with, server.url, "probe_prio", 7, 0, 0, 0.6)
+        time.sleep(0.15)
+        low = [pool.submit(infer_with, server.url, "probe_prio", 3, 2) for _ in range(2)]
+        time.sleep(0.15)
+        high = pool.submit(infer_with, server.url, "probe_prio", 5, 1)
+        results = [busy.result(), *(f.result() for f in low), high.result()]
+    busy_r, low_a, low_b, high_r = results
+    assert high_r["order"] == busy_r["order"] + 1  # straight after the busy batch
+    assert low_a["order"] == low_b["order"] == high_r["order"] + 1  # the two low ones batch together
+    assert low_a["reqs"] == 2
+
+
+def test_queue_timeout_rejects(server):
+    with cf.ThreadPoolExecutor(3) as pool:
+        busy = pool.submit(infer_with, server.url, "probe_timeout", 7, 0, 0, 0.8)
+        time.sleep(0.15)
+        waiting = pool.submit(infer_with, server.url, "probe_timeout", 3)
+        shorter = pool.submit(infer_with, server.url, "probe_timeout", 4, 0, 50_000)
+        assert busy.result()["reqs"] == 1
+        for fut in (waiting, shorter):
+            with pytest.raises(InferenceServerException) as e:
+                fut.result()
+            assert "Request timeout expired" in e.value.message()
+    assert infer_with(server.url, "probe_timeout")["reqs"] == 1  # and it serves on
+
+
+def test_delay_action_serves_timed_out_requests_last(server):
+    with cf.ThreadPoolExecutor(3) as pool:
+        busy = pool.submit(infer_with, server.url, "probe_delay_action", 7, 0, 0, 0.9)
+        time.sleep(0.1)
+        early = pool.submit(infer_with, server.url, "probe_delay_action", 3)  # times out at +0.4 s
+        time.sleep(0.6)
+        late = pool.submit(infer_with, server.url, "probe_delay_action", 5)  # in time when busy ends
+        b, e, l_ = busy.result(), early.result(), late.result()
+    assert l_["order"] == b["order"] + 1
+    assert e["order"] == l_["order"] + 1  # served, but after the one that had not timed out
+
+
+def test_full_queue_rejects_with_503(server):
+    with cf.ThreadPoolExecutor(4) as pool:
+        busy = pool.submit(infer_with, server.url, "probe_qsize", 7, 0, 0, 0.6)
+        time.sleep(0.15)
+        queued = [pool.submit(infer_with, server.url, "probe_qsize", 3) for _ in range(2)]
+        time.sleep(0.15)
+        with pytest.raises(InferenceServerException) as e:
+            infer_with(server.url, "probe_qsize", 3)
+        assert e.value.status() == "503"
+        assert "Exceeds maximum queue size" in e.value.message()
+        assert busy.result()["reqs"] == 1
+        assert all(f.result()["reqs"] >= 1 for f in queued)
+
+
+def metric(server, name: str, model: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'model="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} for {model} not in metrics")
+
+
+def test_pytorch_model_batches_under_concurrency(server):
+    from sklearn.datasets import load_digits
+
+    images = (load_digits().images[:64] / 16.0).astype(np.float32).reshape(64, 1, 1, 8, 8)
+
+    def classify(img: np.ndarray) -> np.ndarray:
+        c = httpclient.InferenceServerClient(server.url)
+        try:
+            x = httpclient.InferInput("INPUT__0", [1, 1, 8, 8], "FP32")
+            x.set_data_from_numpy(img)
+            return c.infer("digits", [x]).as_numpy("OUTPUT__0")
+        finally:
+            c.close()
+
+    before_count = metric(server, "nv_inference_count", "digits")
+    before_exec = metric(server, "nv_inference_exec_count", "digits")
+    with cf.ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(classify, images))
+    assert all(o.shape == (1, 10) for o in outs)
+    count = metric(server, "nv_inference_count", "digits") - before_count
+    execs = metric(server, "nv_inference_exec_count", "digits") - before_exec
+    assert count == 64
+    assert execs < count  # some requests ran together in one forward
