@@ -32,6 +32,7 @@ from shm.waker import fence
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
 from .cuda import CudaError
 from .cuda import runtime as cuda_runtime
+from .sequence import SequenceSupport
 from .signature import InvalidRequest, ModelSignature
 
 log = logging.getLogger("shmserve.worker")
@@ -58,6 +59,7 @@ class Worker:
         self._notes: list[tuple[ClientSegment, int, int, int, int]] = []
         self.signature: ModelSignature | None = None
         self.output_names: list[str] = []
+        self.sequence: SequenceSupport | None = None
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
         self.broker = BrokerSegment.attach(self.server_id)
         self.segments = SegmentCache()
@@ -84,6 +86,8 @@ class Worker:
             self.instance = self.model_state.create_instance(ictx)
             self.signature = ModelSignature(self.model, ctx.config)
             self.output_names = list(self.signature.outputs)
+            if ctx.config.get("sequence_batching"):
+                self.sequence = SequenceSupport(ctx.config)
         except BaseException as e:  # noqa: BLE001 - any failure of user code is a load failure
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             log.error("failed to load '%s' version %d: %s\n%s", self.model, self.version, detail,
@@ -130,7 +134,10 @@ class Worker:
         broker_seg = self.segments.get(object_name(self.server_id, "broker", 0))
         manifest = read_manifest(broker_seg.buf, off)
         free_block(broker_seg.buf, off)
-        self._execute(manifest["requests"])
+        if self.sequence is not None and manifest.get("release"):
+            self.sequence.forget(manifest["release"])
+        if manifest["requests"]:
+            self._execute(manifest["requests"])
         while not self.seg.outbox.put(W_DONE, 0, 0, 0, batch_id):
             time.sleep(0.0005)
         fence()
@@ -201,6 +208,9 @@ class Worker:
             else:
                 exec_ns = time.perf_counter_ns() - started
                 for (entry, _), resp in zip(live, responses):
+                    if self.sequence is not None and resp.error is None:
+                        asked = [o["name"] for o in entry.get("outputs") or ()]
+                        self.sequence.capture(resp.outputs, asked, entry.get("corr", 0), entry.get("flags", 0))
                     if not self._answer(entry, resp):
                         failed += 1
         self._count(entries, live, failed, exec_ns)
@@ -233,6 +243,8 @@ class Worker:
                 continue
             seg = self.segments.get(t["seg"])
             inputs[t["name"]] = from_buffer(seg.buf[off:off + size], t["datatype"], t["shape"])
+        if self.sequence is not None:
+            self.sequence.augment(inputs, entry.get("corr", 0), entry.get("flags", 0))
         wanted = entry.get("outputs")
         # No outputs named: the model is asked for every output its config declares (as Triton).
         names = [o["name"] for o in wanted] if wanted else self.output_names

@@ -29,6 +29,7 @@ from workers.backend import installed_backends
 
 from . import config as cfgmod
 from .batcher import DynamicBatcher, QueueFull
+from .sequencer import SequenceBatcher
 from .control import ControlHandler
 from .metrics import add_worker_counters, serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
@@ -112,7 +113,10 @@ class Broker:
             mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
                               config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
             mv.set_config(mv.config_dict)
-            if config.HasField("dynamic_batching"):
+            if config.HasField("sequence_batching"):
+                mv.sequencer = SequenceBatcher(config)
+                mv.pipeline_depth = 1
+            elif config.HasField("dynamic_batching"):
                 mv.batcher = DynamicBatcher(config)
                 mv.pipeline_depth = 1  # let requests gather while the instance is busy
             versions_state[v] = mv
@@ -221,6 +225,8 @@ class Broker:
         mv.queue.clear()
         if mv.batcher is not None:
             mv.batcher = DynamicBatcher(mv.config)
+        if mv.sequencer is not None:
+            mv.sequencer = SequenceBatcher(mv.config)
 
     # -- clients --------------------------------------------------------------------------------
     def _on_connects(self) -> None:
@@ -259,8 +265,9 @@ class Broker:
             for mv in versions.values():
                 if mv.queue:
                     mv.queue = type(mv.queue)(p for p in mv.queue if p.client is not client)
-                if mv.batcher is not None:
-                    mv.batcher.drop_client(client)
+                for sched in (mv.batcher, mv.sequencer):
+                    if sched is not None:
+                        sched.drop_client(client)
         self.control.forget_client(client)
         client.seg.close()
         if unlink:
@@ -350,7 +357,14 @@ class Broker:
         now = time.monotonic()
         pend = Pending(client, slot, off, entry, batch, now, priority=int(doc.get("priority") or 0),
                        timeout_us=int(doc.get("timeout") or 0))
-        if mv.batcher is not None:
+        if mv.sequencer is not None:
+            try:
+                mv.sequencer.enqueue(pend, mv.instances, now)
+            except InvalidRequest as e:
+                mv.stats.failure["REJECTED"] += 1
+                self.reply(client, slot, e.status, {"error": str(e)})
+                return
+        elif mv.batcher is not None:
             try:
                 mv.batcher.enqueue(pend, now)
             except QueueFull as e:
@@ -414,6 +428,9 @@ class Broker:
         return {"name": o["name"], **self._place(client, o, "output", data_start)}
 
     def _dispatch(self, mv: ModelVersion) -> None:
+        if mv.sequencer is not None:
+            self._dispatch_sequences(mv)
+            return
         if mv.batcher is not None:
             self._dispatch_batches(mv)
             return
@@ -446,20 +463,42 @@ class Broker:
                 return  # the loop's timer brings us back when the delay ends
             self._send_batch(mv, inst, batch)
 
+    def _dispatch_sequences(self, mv: ModelVersion) -> None:
+        seq = mv.sequencer
+        seq.expire(time.monotonic())
+        waiting = False
+        for inst in mv.instances:
+            if not inst.ready:
+                continue
+            if len(inst.outstanding) >= mv.pipeline_depth:
+                waiting = True
+                continue
+            batch = seq.next_batch(inst, mv.instances)
+            releases = seq.take_releases(inst)
+            if batch or releases:
+                self._send_batch(mv, inst, batch or [], {"release": releases} if releases else None)
+        if waiting and len(seq):
+            for i in mv.instances:
+                i.seg.want_wakeup = True
+
     def _next_timer(self) -> float:
         """How long the loop may sleep: until housekeeping or a batcher's delay or timeout."""
         timeout = HOUSEKEEPING_S
         now = time.monotonic()
         for versions in self.models.values():
             for mv in versions.values():
-                if mv.batcher is not None and len(mv.batcher):
-                    t = mv.batcher.next_timer(now)
-                    if t is not None:
-                        timeout = min(timeout, t)
+                for sched in (mv.batcher, mv.sequencer):
+                    if sched is not None:
+                        t = sched.next_timer(now)
+                        if t is not None:
+                            timeout = min(timeout, t)
         return timeout
 
-    def _send_batch(self, mv: ModelVersion, inst: Instance, batch: list[Pending]) -> None:
-        data = orjson.dumps({"requests": [p.entry for p in batch]})
+    def _send_batch(self, mv: ModelVersion, inst: Instance, batch: list[Pending], extra: dict | None = None) -> None:
+        doc = {"requests": [p.entry for p in batch]}
+        if extra:
+            doc.update(extra)
+        data = orjson.dumps(doc)
         off = self.arena.alloc(manifest_room(len(data)), inst.proc.pid)
         if off < 0:
             self._fail_pending(batch, 503, "the broker's arena is full; retry later")
@@ -528,6 +567,8 @@ class Broker:
                                        f"'{inst.name}' exited with code {code} while loading")
                 continue
             lost = [p for batch in inst.outstanding.values() for p in batch]
+            if mv.sequencer is not None:  # its sequences and their state died with it
+                lost += mv.sequencer.forget_instance(inst)
             msg = (f"model '{mv.name}' version {mv.version} instance '{inst.name}' exited unexpectedly "
                    f"(exit code {code}); the request was not completed")
             log.error("%s; %d request(s) failed; restarting it", msg, len(lost))
@@ -610,7 +651,7 @@ class Broker:
                 self._on_client_requests(client)
         for versions in self.models.values():
             for mv in versions.values():
-                if mv.queue or (mv.batcher is not None and len(mv.batcher)):
+                if mv.queue or (mv.batcher is not None and len(mv.batcher)) or mv.sequencer is not None:
                     self._dispatch(mv)
 
     def request_stop(self) -> None:

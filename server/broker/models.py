@@ -89,6 +89,7 @@ class ModelVersion:
     config_confirmed: bool = False
     stats: VersionStats = dataclasses.field(default_factory=VersionStats)
     batcher: Any = None  # a DynamicBatcher when the config asks for dynamic batching
+    sequencer: Any = None  # a SequenceBatcher when the config asks for sequence batching
 
     def set_config(self, config_dict: dict[str, Any]) -> None:
         self.config_dict = config_dict
@@ -106,8 +107,10 @@ class ModelVersion:
         return best
 
     def in_flight(self) -> int:
-        queued = len(self.queue) + (len(self.batcher) if self.batcher is not None else 0)
+        queued = len(self.queue) + (len(self.batcher) if self.batcher is not None else 0) \
+            + (len(self.sequencer) if self.sequencer is not None else 0)
         return queued + sum(len(p) for i in self.instances for p in i.outstanding.values())
 
     def queued(self) -> list[Pending]:
-        return list(self.queue) + (self.batcher.all() if self.batcher is not None else [])
+        return list(self.queue) + (self.batcher.all() if self.batcher is not None else []) \
+            + (self.sequencer.all() if self.sequencer is not None else [])

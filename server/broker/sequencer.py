@@ -1,0 +1,164 @@
+"""Triton's sequence batcher (``sequence_batching``), run by the broker for one model version.
+
+A sequence is a run of requests sharing a correlation id, from one flagged START to one flagged
+END. Each sequence gets a slot on one instance for its whole life (so the instance may keep its
+state), up to ``max_batch_size`` sequences per instance (one when the model does not batch); more
+sequences wait in a backlog for a slot. Each batch takes at most one request per sequence:
+``direct`` walks the instance's slots in order, ``oldest`` takes the sequences whose next request
+is oldest first. A sequence silent for ``max_sequence_idle_microseconds`` loses its slot. The
+control inputs (START/END/READY/CORRID) and implicit state are added by the worker, which owns
+the state.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from workers.signature import InvalidRequest
+
+from .models import Instance, Pending
+
+START, END = 1, 2
+DEFAULT_IDLE_S = 1.0  # Triton's default max_sequence_idle_microseconds
+
+
+@dataclasses.dataclass
+class Sequence:
+    corr: Any
+    pending: collections.deque = dataclasses.field(default_factory=collections.deque)
+    inst: Instance | None = None
+    slot: int = -1
+    last_seen: float = 0.0
+    ending: bool = False  # its END request has been dispatched
+
+
+class SequenceBatcher:
+    def __init__(self, config: Any) -> None:
+        sb = config.sequence_batching
+        self.model = config.name
+        self.oldest = sb.HasField("oldest")
+        idle_us = sb.max_sequence_idle_microseconds
+        self.idle_s = idle_us / 1e6 if idle_us else DEFAULT_IDLE_S
+        self.slots_per_instance = max(1, config.max_batch_size)
+        if self.oldest and sb.oldest.max_candidate_sequences:
+            self.slots_per_instance = max(self.slots_per_instance, sb.oldest.max_candidate_sequences)
+        self.max_batch = max(1, config.max_batch_size)
+        self.sequences: dict[Any, Sequence] = {}
+        self.backlog: collections.deque[Sequence] = collections.deque()
+        self.slots: dict[int, list[Sequence | None]] = {}
+        self.releases: dict[int, list[Any]] = collections.defaultdict(list)  # inst num -> corr ids to forget
+        self.preserve_ordering = False
+
+    # -- queueing -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return sum(len(s.pending) for s in self.sequences.values())
+
+    def all(self) -> list[Pending]:
+        return [p for s in self.sequences.values() for p in s.pending]
+
+    def enqueue(self, p: Pending, instances: list[Instance], now: float) -> None:
+        corr = p.entry.get("corr")
+        flags = p.entry.get("flags", 0)
+        if corr in (None, 0, ""):
+            raise InvalidRequest(f"inference request to model '{self.model}' must specify a non-zero or "
+                                 f"non-empty correlation ID")
+        seq = self.sequences.get(corr)
+        if flags & START:
+            if seq is not None and not seq.pending:
+                self._release(seq)  # a new START restarts the sequence
+                seq = None
+            if seq is None:
+                seq = self.sequences[corr] = Sequence(corr)
+                self._assign(seq, instances)
+        elif seq is None or seq.ending:
+            raise InvalidRequest(f"inference request for sequence {corr} to model '{self.model}' must specify "
+                                 f"the START flag on the first request of the sequence")
+        seq.pending.append(p)
+        seq.last_seen = now
+        if flags & END:
+            seq.ending = True
+
+    def _assign(self, seq: Sequence, instances: list[Instance]) -> None:
+        best, best_free = None, 0
+        for inst in instances:
+            if not inst.ready:
+                continue
+            slots = self.slots.setdefault(inst.num, [None] * self.slots_per_instance)
+            free = slots.count(None)
+            if free > best_free:
+                best, best_free = inst, free
+        if best is None:
+            self.backlog.append(seq)
+            return
+        slots = self.slots[best.num]
+        seq.slot = slots.index(None)
+        slots[seq.slot] = seq
+        seq.inst = best
+
+    def _release(self, seq: Sequence) -> None:
+        self.sequences.pop(seq.corr, None)
+        if seq.inst is not None:
+            slots = self.slots.get(seq.inst.num)
+            if slots is not None and 0 <= seq.slot < len(slots) and slots[seq.slot] is seq:
+                slots[seq.slot] = None
+            self.releases[seq.inst.num].append(seq.corr)
+        elif seq in self.backlog:
+            self.backlog.remove(seq)
+
+    def _fill_from_backlog(self, instances: list[Instance]) -> None:
+        while self.backlog:
+            seq = self.backlog.popleft()
+            self._assign(seq, instances)
+            if seq.inst is None:  # still no room (_assign queued it at the end): keep its place
+                self.backlog.pop()
+                self.backlog.appendleft(seq)
+                return
+
+    # -- batching -------------------------------------------------------------------------------
+    def next_batch(self, inst: Instance, instances: list[Instance]) -> list[Pending] | None:
+        self._fill_from_backlog(instances)
+        slots = self.slots.get(inst.num) or []
+        ready = [s for s in slots if s is not None and s.pending]
+        if not ready:
+            return None
+        if self.oldest:
+            ready.sort(key=lambda s: s.pending[0].arrived)
+        batch = []
+        for seq in ready[:self.max_batch]:
+            p = seq.pending.popleft()
+            p.entry["slot_index"] = seq.slot
+            batch.append(p)
+            if seq.ending and not seq.pending:
+                self._release(seq)
+                self.releases[inst.num].remove(seq.corr)  # the worker forgets it on END itself
+        return batch
+
+    def take_releases(self, inst: Instance) -> list[Any]:
+        return self.releases.pop(inst.num, [])
+
+    def expire(self, now: float) -> None:
+        """Free the slots of sequences idle longer than max_sequence_idle_microseconds."""
+        for seq in list(self.sequences.values()):
+            if not seq.pending and now - seq.last_seen > self.idle_s:
+                self._release(seq)
+
+    def next_timer(self, now: float) -> float | None:
+        idle = [s.last_seen + self.idle_s for s in self.sequences.values() if not s.pending]
+        return max(0.0, min(idle) - now) if idle else None
+
+    def drop_client(self, client: Any) -> None:
+        for seq in self.sequences.values():
+            seq.pending = collections.deque(p for p in seq.pending if p.client is not client)
+
+    def forget_instance(self, inst: Instance) -> list[Pending]:
+        """An instance died: its sequences (and their state) are gone; return their queued requests."""
+        lost = []
+        for seq in list(self.sequences.values()):
+            if seq.inst is inst:
+                lost.extend(seq.pending)
+                seq.pending.clear()
+                self._release(seq)
+        self.slots.pop(inst.num, None)
+        self.releases.pop(inst.num, None)
+        return lost

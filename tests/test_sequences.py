@@ -1,0 +1,116 @@
+"""The sequence batcher against a real server: interleaved sequences keep their state apart under
+both strategies, control inputs carry what Triton's do, idle sequences expire, and a request for
+a sequence that never started is refused."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def server(module_factory):
+    return module_factory.start([Path(__file__).parent / "models" / "sequences", ROOT / "model_repository"])
+
+
+def send(url: str, model: str, seq, value, start: bool = False, end: bool = False, dtype: str = "INT32"):
+    np_type = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32}[dtype]
+    client = httpclient.InferenceServerClient(url)
+    try:
+        x = httpclient.InferInput("VALUE", [1, 1], dtype)
+        x.set_data_from_numpy(np.array([[value]], dtype=np_type))
+        return client.infer(model, [x], sequence_id=seq, sequence_start=start, sequence_end=end)
+    finally:
+        client.close()
+
+
+def run_sequence(url: str, model: str, seq, values: list[int], dtype: str = "INT32", out: str = "SUM") -> list:
+    totals = []
+    for i, v in enumerate(values):
+        r = send(url, model, seq, v, start=i == 0, end=i == len(values) - 1, dtype=dtype)
+        totals.append(int(r.as_numpy(out).reshape(-1)[0]))
+        time.sleep(0.005)
+    return totals
+
+
+@pytest.mark.parametrize("model,dtype,out", [("seq_direct", "INT32", "SUM"), ("seq_oldest", "INT64", "TOTAL")])
+def test_interleaved_sequences_keep_their_state_apart(server, model, dtype, out):
+    plans = {seq: [seq * 10 + i for i in range(6)] for seq in range(1, 9)}
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = {seq: pool.submit(run_sequence, server.url, model, seq, vals, dtype, out)
+                   for seq, vals in plans.items()}
+        for seq, fut in futures.items():
+            assert fut.result() == list(np.cumsum(plans[seq])), f"sequence {seq}"
+
+
+def test_string_correlation_ids(server):
+    assert run_sequence(server.url, "seq_oldest", "alpha", [1, 2, 3], "INT64", "TOTAL") == [1, 3, 6]
+    assert run_sequence(server.url, "seq_oldest", "beta", [5, 5], "INT64", "TOTAL") == [5, 10]
+
+
+def test_control_inputs_carry_start_end_ready_and_corrid(server):
+    infos = []
+    for i, (start, end) in enumerate([(True, False), (False, False), (False, True)]):
+        r = send(server.url, "seq_direct", 4242, i + 1, start=start, end=end)
+        infos.append(json.loads(r.as_numpy("INFO").reshape(-1)[0]))
+    assert [(i["start"], i["end"], i["ready"], i["corr"]) for i in infos] == [
+        (1, 0, 1, 4242), (0, 0, 1, 4242), (0, 1, 1, 4242)]
+
+
+def test_concurrent_sequences_share_batches(server):
+    def step(seq: int) -> dict:
+        send(server.url, "seq_direct", seq, 1, start=True)
+        infos = []
+        for _ in range(10):
+            r = send(server.url, "seq_direct", seq, 1)
+            infos.append(json.loads(r.as_numpy("INFO").reshape(-1)[0]))
+        send(server.url, "seq_direct", seq, 1, end=True)
+        return max(i["batch"] for i in infos)
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        biggest = max(pool.map(step, range(100, 108)))
+    assert biggest > 1  # requests of different sequences ran in one execute()
+
+
+def test_request_without_start_is_refused(server):
+    with pytest.raises(InferenceServerException) as e:
+        send(server.url, "seq_direct", 987654, 1)
+    assert e.value.status() == "400"
+    assert "must specify the START flag" in e.value.message()
+
+
+def test_missing_correlation_id_is_refused(server):
+    client = httpclient.InferenceServerClient(server.url)
+    x = httpclient.InferInput("VALUE", [1, 1], "INT32")
+    x.set_data_from_numpy(np.array([[1]], np.int32))
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("seq_direct", [x])
+    assert "correlation ID" in e.value.message()
+
+
+def test_idle_sequence_expires(server):
+    send(server.url, "seq_direct", 555, 1, start=True)
+    assert int(send(server.url, "seq_direct", 555, 1).as_numpy("SUM")[0, 0]) == 2
+    time.sleep(1.0)  # max_sequence_idle_microseconds is 400 ms
+    with pytest.raises(InferenceServerException) as e:
+        send(server.url, "seq_direct", 555, 1)
+    assert "must specify the START flag" in e.value.message()
+    assert run_sequence(server.url, "seq_direct", 555, [7, 1]) == [7, 8]  # a new START works
+
+
+def test_bundled_running_sum_example(server):
+    totals = []
+    for i, v in enumerate([1.5, 2.0, 0.5]):
+        r = send(server.url, "running_sum", 31, v, start=i == 0, end=i == 2, dtype="FP32")
+        totals.append(float(r.as_numpy("SUM").reshape(-1)[0]))
+        # The state tensor is the server's business, not the client's.
+        assert [o["name"] for o in r.get_response()["outputs"]] == ["SUM"]
+    assert totals == [1.5, 3.5, 4.0]
