@@ -32,7 +32,7 @@ _WANT_WAKEUP = struct.Struct("<I")
 SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag (see waker.py)
 WANT_WAKEUP_OFFSET = 128  # worker header: broker sets it when it waits for this instance
 NOTIFY_KIND_OFFSET = 20  # client header: how to wake the client
-NOTIFY_SEMAPHORE, NOTIFY_FIFO = 0, 1
+NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER = 0, 1, 2  # BROKER: the broker itself (its doorbell)
 
 CONNECT_CAPACITY = 256
 REQUEST_CAPACITY = 4096
@@ -234,7 +234,7 @@ class WorkerSegment:
 class ClientSegment:
     """``fifo=True`` wakes the client through a FIFO an asyncio loop can watch, else a semaphore."""
 
-    def __init__(self, seg: Segment, slots: int, create: bool, fifo: bool = False) -> None:
+    def __init__(self, seg: Segment, slots: int, create: bool, fifo: bool = False, notify: int | None = None) -> None:
         self.seg = seg
         self.name = seg.name
         off = HEADER_BYTES
@@ -251,11 +251,14 @@ class ClientSegment:
         self.sem: posix_ipc.Semaphore | None = None
         flag = flag_view(seg.buf, SLEEPING_FLAG_OFFSET)
         if create:
+            kind = notify if notify is not None else NOTIFY_FIFO if fifo else NOTIFY_SEMAPHORE
             _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
-            struct.pack_into("<III", seg.buf, 16, slots, NOTIFY_FIFO if fifo else NOTIFY_SEMAPHORE, LANE_PENDING)
+            struct.pack_into("<III", seg.buf, 16, slots, kind, LANE_PENDING)
             self.requests.reset()
             self.slot_states[:] = 0
-            if fifo:
+            if kind == NOTIFY_BROKER:
+                pass  # woken through the broker's own doorbell
+            elif fifo:
                 self.fifo_fd = make_fifo(self.fifo_path)
                 flag[0] = SLEEPING  # the owner's loop waits on the FIFO from the start
             else:
@@ -265,15 +268,17 @@ class ClientSegment:
             if struct.unpack_from("<I", seg.buf, NOTIFY_KIND_OFFSET)[0] == NOTIFY_SEMAPHORE:
                 self.sem = posix_ipc.Semaphore(seg.name)
             self.arena = None
-        self.waker = Waker(flag, sem=self.sem, fifo_path=None if self.sem is not None else self.fifo_path)
+        self.notify_kind = struct.unpack_from("<I", seg.buf, NOTIFY_KIND_OFFSET)[0]
+        self.waker = Waker(flag, sem=self.sem, fifo_path=self.fifo_path if self.notify_kind == NOTIFY_FIFO else None)
 
     @staticmethod
     def nbytes(slots: int, arena_bytes: int) -> int:
         return _align(HEADER_BYTES + Ring.nbytes(REQUEST_CAPACITY, RECORD) + slots * SLOT_BYTES) + arena_bytes
 
     @classmethod
-    def create(cls, name: str, arena_bytes: int, slots: int = DEFAULT_SLOTS, fifo: bool = False) -> "ClientSegment":
-        return cls(Segment.create(name, cls.nbytes(slots, arena_bytes)), slots, create=True, fifo=fifo)
+    def create(cls, name: str, arena_bytes: int, slots: int = DEFAULT_SLOTS, fifo: bool = False,
+               notify: int | None = None) -> "ClientSegment":
+        return cls(Segment.create(name, cls.nbytes(slots, arena_bytes)), slots, create=True, fifo=fifo, notify=notify)
 
     @classmethod
     def attach(cls, name: str) -> "ClientSegment":

@@ -65,6 +65,8 @@ class Waker:
         if self.sem is not None:
             self.sem.release()
             return
+        if self.fifo_path is None:
+            return  # a receiver that polls for itself (the broker's own client)
         fd = self._fifo_fd
         if fd is None:
             try:

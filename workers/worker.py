@@ -21,7 +21,7 @@ import orjson
 import posix_ipc
 
 from shm.arena import Arena, free_block
-from shm.channel import STAT_FIELDS, BrokerSegment, ClientSegment, WorkerSegment
+from shm.channel import NOTIFY_BROKER, STAT_FIELDS, BrokerSegment, ClientSegment, WorkerSegment
 from shm.names import object_name, pid_alive
 from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_with_data, write_manifest)
@@ -298,7 +298,7 @@ class Worker:
             if client not in woken:
                 woken.append(client)
         for client in woken:
-            client.waker.notify()
+            (self.broker.waker if client.notify_kind == NOTIFY_BROKER else client.waker).notify()
 
     def _answer_error(self, entry: dict, status: int, message: str) -> None:
         self._deliver(entry, status, orjson.dumps({"error": message}), [])

@@ -6,6 +6,7 @@ and sleeps again until the next post or its nearest timer. No threads touch stat
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -20,9 +21,10 @@ import orjson
 import posix_ipc
 
 from shm.arena import free_block
-from shm.channel import LANES, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
+from shm.channel import LANES, NO_LANE, NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
 from shm.names import object_name, pid_alive
-from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_PENDING, W_BATCH, W_CONFIG,
+from shm.segment import SegmentCache
+from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, W_BATCH, W_CONFIG,
                           W_DONE, W_LOAD_FAILED, W_READY, W_STOP, manifest_room, read_manifest, read_manifest_with_data,
                           write_manifest)
 from workers.backend import installed_backends
@@ -31,6 +33,7 @@ from . import config as cfgmod
 from .batcher import DynamicBatcher, QueueFull
 from .sequencer import SequenceBatcher
 from .control import ControlHandler
+from .ensemble import EnsemblePlan, EnsembleRun, Step
 from .metrics import add_worker_counters, serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
 from .options import BrokerOptions
@@ -67,6 +70,14 @@ class Broker:
         self.next_cookie = 0
         self.routes_doc = b""
         self.metrics = serve_metrics(opts.metrics_port, self._stats_rows)
+        # The broker's own client segment: ensemble steps are requests it makes to step models.
+        own = object_name(self.sid, "client", "broker")
+        self.own = Client(name=own, pid=os.getpid(),
+                          seg=ClientSegment.create(own, 1 << 20, slots=4096, notify=NOTIFY_BROKER))
+        self.clients[own] = self.own
+        self.own_free = collections.deque(range(4096))
+        self.own_inflight: dict[int, tuple[EnsembleRun, Step]] = {}
+        self.segments = SegmentCache()
 
     # -- repository -----------------------------------------------------------------------------
     def scan_repositories(self) -> dict[str, Path]:
@@ -113,6 +124,16 @@ class Broker:
             mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
                               config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
             mv.set_config(mv.config_dict)
+            if config.platform == "ensemble":
+                mv.ensemble = EnsemblePlan(config)
+                mv.state = State.READY
+                log.info("successfully loaded '%s' version %d (ensemble of %s)", name, v,
+                         ", ".join(mv.ensemble.dependencies()))
+                versions_state[v] = mv
+                for dep in mv.ensemble.dependencies():  # as Triton: an ensemble brings its steps
+                    if dep not in self.models and dep not in self.load_errors:
+                        self.load_model(dep)
+                continue
             if config.HasField("sequence_batching"):
                 mv.sequencer = SequenceBatcher(config)
                 mv.pipeline_depth = 1
@@ -354,9 +375,17 @@ class Broker:
             self._count_rejected(mv)
             self.reply(client, slot, 400, {"error": f"malformed inference request: {e!r}"})
             return
+        if mv.ensemble is not None:
+            self._start_ensemble(mv, client, slot, entry)
+            return
         now = time.monotonic()
         pend = Pending(client, slot, off, entry, batch, now, priority=int(doc.get("priority") or 0),
                        timeout_us=int(doc.get("timeout") or 0))
+        self._enqueue(mv, pend)
+
+    def _enqueue(self, mv: ModelVersion, pend: Pending) -> None:
+        """Queue a request for its version's scheduler, or answer why it cannot be queued."""
+        client, slot, now = pend.client, pend.slot, pend.arrived
         if mv.sequencer is not None:
             try:
                 mv.sequencer.enqueue(pend, mv.instances, now)
@@ -550,6 +579,116 @@ class Broker:
                     lost += 1
         mv.stats.failure["BACKEND"] += lost
 
+    # -- ensembles ------------------------------------------------------------------------------
+    def _start_ensemble(self, mv: ModelVersion, client: Client, slot: int, entry: dict) -> None:
+        run = EnsembleRun(mv.ensemble, client, slot, entry)
+        run.version = mv  # type: ignore[attr-defined]
+        self._advance(run)
+
+    def _advance(self, run: EnsembleRun) -> None:
+        """Submit every step whose inputs exist; answer the client when the outputs are all made."""
+        for step in run.ready_steps():
+            run.started.add(step.index)
+            try:
+                mv = self.find_version(step.model, step.version)
+                request = run.step_request(step)
+                assert mv.signature is not None
+                batch = mv.signature.check_inputs(request["inputs"])
+            except InvalidRequest as e:
+                self._fail_run(run, step, 400, str(e))
+                return
+            if not self.own_free:
+                self._fail_run(run, step, 503, "too many ensemble steps in flight; retry later")
+                return
+            slot = self.own_free.popleft()
+            request.update(client=self.own.name, pid=os.getpid(), slot=slot)
+            self.own.seg.set_slot_state(slot, SLOT_PENDING)
+            self.own_inflight[slot] = (run, step)
+            run.running += 1
+            self._enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic()))
+        if not run.failed and run.complete():
+            self._finish_run(run)
+
+    def _on_own_completions(self) -> None:
+        states = self.own.seg.slot_states
+        for slot in [s for s in self.own_inflight if states[s] == SLOT_DONE]:
+            _, status, role, num, off, _, _ = self.own.seg.read_slot(slot)
+            self.own.seg.set_slot_state(slot, SLOT_FREE)
+            run, step = self.own_inflight.pop(slot)
+            self.own_free.append(slot)
+            run.running -= 1
+            owner = self.seg.seg if role == ROLE_BROKER else (self.workers[num][1].seg.seg if num in self.workers
+                                                                  else None)
+            if owner is None:
+                self._fail_run(run, step, 500, "the instance that ran this step is gone")
+                continue
+            doc, data_start = read_manifest_with_data(owner.buf, off)
+            run.blocks.append((owner.buf, off))
+            if status != 200:
+                self._fail_run(run, step, status, doc.get("error", "failed"))
+                continue
+            if run.failed:
+                self._release_run(run)
+                continue
+            for o in doc.get("outputs", ()):
+                name = step.output_map.get(o["name"])
+                if name:
+                    run.tensors[name] = {"name": name, "datatype": o["datatype"], "shape": o["shape"],
+                                         "seg": owner.name, "off": data_start + o["off"], "size": o["size"]}
+            self._advance(run)
+
+    def _fail_run(self, run: EnsembleRun, step: Step, status: int, message: str) -> None:
+        if not run.failed:
+            run.failed = True
+            run.version.stats.failure["BACKEND"] += 1  # type: ignore[attr-defined]
+            self.reply(run.client, run.slot, status,
+                       {"error": f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"})
+        self._release_run(run)
+
+    def _release_run(self, run: EnsembleRun) -> None:
+        """Free the step outputs once no step of the run is still running."""
+        if run.running:
+            return
+        for buf, off in run.blocks:
+            free_block(buf, off)
+        run.blocks.clear()
+
+    def _finish_run(self, run: EnsembleRun) -> None:
+        """Copy the ensemble's outputs into one answer (or the client's regions) and free the steps'."""
+        placed = {o["name"]: o for o in run.entry.get("outputs") or () if "seg" in o}
+        outs, chunks, pos = [], [], 0
+        for name in run.wanted():
+            t = run.tensors[name]
+            data = self.segments.get(t["seg"]).buf[t["off"]:t["off"] + t["size"]]
+            desc = {"name": name, "datatype": t["datatype"], "shape": t["shape"], "size": t["size"]}
+            target = placed.get(name)
+            if target is not None:
+                if t["size"] > target["size"]:
+                    self._fail_run(run, run.plan.steps[-1], 400, f"shared memory region for output '{name}' is "
+                                   f"too small ({target['size']} bytes, {t['size']} needed)")
+                    return
+                self.segments.get(target["seg"]).buf[target["off"]:target["off"] + t["size"]] = data
+                desc["region"] = True
+            else:
+                desc["off"] = pos
+                chunks.append(data)
+                pos += t["size"]
+            outs.append(desc)
+        body = orjson.dumps({"version": run.version.version, "outputs": outs})  # type: ignore[attr-defined]
+        room = manifest_room(len(body))
+        off = self.arena.alloc(room + pos, run.client.pid)
+        if off < 0:
+            self._fail_run(run, run.plan.steps[-1], 503, "the broker's arena is full; retry later")
+            return
+        at = write_manifest(self.seg.seg.buf, off, body)
+        for chunk in chunks:
+            self.seg.seg.buf[at:at + len(chunk)] = chunk
+            at += len(chunk)
+        run.version.stats.success += 1  # type: ignore[attr-defined]
+        run.client.seg.complete(run.slot, 200, ROLE_BROKER, 0, off, room + pos)
+        run.client.seg.waker.notify()
+        self._release_run(run)
+
     # -- housekeeping ---------------------------------------------------------------------------
     def _housekeeping(self) -> None:
         for num, (mv, inst) in list(self.workers.items()):
@@ -632,6 +771,10 @@ class Broker:
     def _has_work(self) -> bool:
         if self.seg.connect.pending():
             return True
+        states = self.own.seg.slot_states
+        for slot in self.own_inflight:
+            if states[slot] == SLOT_DONE:
+                return True
         for client in self.clients.values():
             if client.seg.requests.pending():
                 return True
@@ -643,6 +786,8 @@ class Broker:
     def _pump(self) -> None:
         if self.seg.connect.pending():
             self._on_connects()
+        if self.own_inflight:
+            self._on_own_completions()
         for num, (mv, inst) in list(self.workers.items()):
             if inst.seg.outbox.pending():
                 self._on_worker_messages(mv, inst)

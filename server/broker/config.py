@@ -121,7 +121,13 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
     m = config.name
     backend = backend_of(config)
     if config.platform == "ensemble":
-        raise ConfigError(f"model '{m}': platform 'ensemble' is not supported yet")
+        from .ensemble import check_plan
+
+        problem = check_plan(config)
+        if problem:
+            raise ConfigError(f"model '{m}': ensemble_scheduling: {problem}")
+        _check_tensors(config)
+        return
     if not backend:
         raise ConfigError(f"model '{m}': must specify 'backend' or 'platform' (none could be inferred "
                           f"from the model files)")
@@ -150,6 +156,18 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
             if size < 1 or size > config.max_batch_size:
                 raise ConfigError(f"model '{m}': dynamic_batching.preferred_batch_size {size} must be "
                                   f"between 1 and max_batch_size {config.max_batch_size}")
+    _check_tensors(config)
+    filename = config.default_model_filename or DEFAULT_MODEL_FILES.get(backend)
+    if filename:
+        for v in versions:
+            alternatives = [filename] + (["model.pt2"] if filename == "model.pt" else [])
+            if not any((model_dir / str(v) / f).exists() for f in alternatives):
+                raise ConfigError(f"model '{m}': version {v}: model file '{filename}' is missing in "
+                                  f"{model_dir / str(v)}")
+
+
+def _check_tensors(config: ModelConfig) -> None:
+    m = config.name
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()
         for t in tensors:
@@ -166,13 +184,6 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
                 if d == 0 or d < -1:
                     raise ConfigError(f"model '{m}': {kind} '{t.name}' dims {list(t.dims)}: each "
                                       f"dimension must be >= 1, or -1 for a variable-size dimension")
-    filename = config.default_model_filename or DEFAULT_MODEL_FILES.get(backend)
-    if filename:
-        for v in versions:
-            alternatives = [filename] + (["model.pt2"] if filename == "model.pt" else [])
-            if not any((model_dir / str(v) / f).exists() for f in alternatives):
-                raise ConfigError(f"model '{m}': version {v}: model file '{filename}' is missing in "
-                                  f"{model_dir / str(v)}")
 
 
 def select_versions(config: ModelConfig, available: list[int]) -> list[int]:

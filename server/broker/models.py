@@ -90,6 +90,7 @@ class ModelVersion:
     stats: VersionStats = dataclasses.field(default_factory=VersionStats)
     batcher: Any = None  # a DynamicBatcher when the config asks for dynamic batching
     sequencer: Any = None  # a SequenceBatcher when the config asks for sequence batching
+    ensemble: Any = None  # an EnsemblePlan for platform "ensemble" (no instances of its own)
 
     def set_config(self, config_dict: dict[str, Any]) -> None:
         self.config_dict = config_dict
