@@ -32,6 +32,7 @@ class ModelContext:
     model_dir: Path
     config: dict[str, Any]
     strict_config: bool = False
+    server_id: str = "shmserve"  # lets a model call other models of the same server (BLS)
 
     @property
     def version_dir(self) -> Path:

@@ -73,7 +73,8 @@ class Worker:
     def load(self) -> None:
         spec = self.spec
         ctx = ModelContext(name=self.model, version=self.version, model_dir=Path(spec["model_dir"]),
-                           config=spec["config"], strict_config=spec.get("strict", False))
+                           config=spec["config"], strict_config=spec.get("strict", False),
+                           server_id=self.server_id)
         try:
             self.backend = load_backend(spec["backend"])
             if not ctx.strict_config:

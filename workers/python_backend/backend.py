@@ -6,7 +6,9 @@ objects whose tensors are numpy views over shared memory, and reads back its res
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import json
 import sys
 from types import ModuleType
@@ -18,6 +20,7 @@ from shm.tensors import DTYPES
 
 from ..backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
 from . import pb_utils
+from .bls import Bls
 
 MODULE_NAME = "triton_python_backend_utils"
 # TritonError codes -> HTTP status, as Triton's HTTP frontend answers them.
@@ -96,7 +99,15 @@ class PythonBackend(Backend):
         return completed.as_dict() if completed is not None else ctx.config
 
     def create_model(self, ctx: ModelContext) -> Model:
+        pb_utils._set_model_dir(str(ctx.model_dir))
+        self.bls = Bls(ctx.server_id)
+        pb_utils._set_bls(self.bls)
         return PythonModel(self._model_module(ctx), ctx)
+
+    def finalize(self) -> None:
+        bls = getattr(self, "bls", None)
+        if bls is not None:
+            bls.close()
 
 
 class PythonModel(Model):
@@ -124,6 +135,7 @@ class PythonInstance(Instance):
     def __init__(self, model: Any, ctx: ModelContext) -> None:
         self.model = model
         self.ctx = ctx
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def execute(self, requests: list[Request]) -> list[Response]:
         pb_requests = [
@@ -139,6 +151,10 @@ class PythonInstance(Instance):
             for r in requests
         ]
         results = self.model.execute(pb_requests)
+        if inspect.isawaitable(results):  # async def execute (e.g. with BLS async_exec)
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+            results = self.loop.run_until_complete(results)
         if results is None or len(results) != len(requests):
             got = "None" if results is None else str(len(results))
             raise RuntimeError(f"execute() returned {got} responses for {len(requests)} requests")

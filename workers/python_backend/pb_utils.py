@@ -8,7 +8,7 @@ our own and is pure Python on top of numpy (torch is optional and imported
 lazily, only for DLPack cases numpy cannot handle: GPU and bfloat16 tensors).
 
 Not supported yet (raise ``TritonModelException`` with "not supported yet"):
-BLS (``InferenceRequest.exec``/``async_exec``), decoupled response senders
+BLS to decoupled models (``exec(decoupled=True)``), decoupled response senders
 (``InferenceRequest.get_response_sender``), request rescheduling, the model
 loading API and custom metrics.  See docs/python_backend.md.
 
@@ -739,10 +739,20 @@ class InferenceRequest:
             raise _not_supported("Request rescheduling (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)")
 
     def exec(self, decoupled: bool = False) -> "InferenceResponse":
-        raise _not_supported("BLS (InferenceRequest.exec)")
+        """Run this request on another model (BLS) and wait for its response."""
+        if decoupled:
+            raise _not_supported("BLS with decoupled=True")
+        if _bls is None:
+            raise TritonModelException("BLS is only available inside a model's execute()")
+        return _bls.execute(self)
 
     def async_exec(self, decoupled: bool = False) -> Any:
-        raise _not_supported("BLS (InferenceRequest.async_exec)")
+        """The awaitable form of ``exec`` (for ``async def execute``)."""
+        if decoupled:
+            raise _not_supported("BLS with decoupled=True")
+        if _bls is None:
+            raise TritonModelException("BLS is only available inside a model's execute()")
+        return _bls.execute_async(self)
 
     def get_response_sender(self) -> Any:
         raise _not_supported("Decoupled mode (InferenceRequest.get_response_sender)")
@@ -1058,6 +1068,13 @@ class ModelConfig:
 # ---------------------------------------------------------------------------
 
 _model_dir: Optional[str] = None
+_bls: Any = None  # set by the worker: runs InferenceRequest.exec()
+
+
+def _set_bls(executor: Any) -> None:
+    """Worker hook: the object that carries BLS requests to other models."""
+    global _bls
+    _bls = executor
 
 
 def _set_model_dir(path: str) -> None:

@@ -1,0 +1,70 @@
+"""Business-logic scripting: ``pb_utils.InferenceRequest(...).exec()`` from inside ``execute``.
+
+The worker calls other models the way any local program does: through the local client library
+(``shm.client.Client``) to the broker or straight to a worker's lane. Tensors the model passes
+travel through this worker's client arena; the outputs come back as views, kept alive by the
+response that holds them.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from . import pb_utils
+
+
+class Bls:
+    def __init__(self, server_id: str) -> None:
+        self.server_id = server_id
+        self._client: Any = None
+
+    def client(self) -> Any:
+        if self._client is None:
+            from shm.client import Client
+
+            self._client = Client(self.server_id, arena_bytes=256 << 20)
+        return self._client
+
+    @staticmethod
+    def _call(request: Any) -> tuple[str, dict, list | None, dict]:
+        from .backend import _array_of
+
+        inputs = {t.name(): _array_of(t) for t in request.inputs()}
+        wanted = sorted(request.requested_output_names()) or None
+        flags = request.flags()
+        version = request._model_version
+        params = json.loads(request.parameters() or "{}")
+        options = {"version": str(version) if version and version > 0 else "", "request_id": request.request_id(),
+                   "parameters": params or None, "sequence_id": request.correlation_id(),
+                   "sequence_start": bool(flags & 1), "sequence_end": bool(flags & 2),
+                   "timeout": request.timeout()}
+        return request._model_name, inputs, wanted, options
+
+    @staticmethod
+    def _response(result: Any) -> Any:
+        return pb_utils.InferenceResponse([pb_utils.Tensor(name, result[name]) for name in result])
+
+    def execute(self, request: Any) -> Any:
+        from shm.client import InferenceServerError
+
+        model, inputs, wanted, options = self._call(request)
+        try:
+            return self._response(self.client().infer(model, inputs, wanted, **options))
+        except InferenceServerError as e:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
+
+    async def execute_async(self, request: Any) -> Any:
+        from shm.client import InferenceServerError
+
+        model, inputs, wanted, options = self._call(request)
+        try:
+            result = await asyncio.wrap_future(self.client().infer_async(model, inputs, wanted, **options))
+        except InferenceServerError as e:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
+        return self._response(result)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
