@@ -244,7 +244,7 @@ class Client:
         return doc, chunks, reserve, plan
 
     def _submit_infer(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str,
-                      options: dict, deliver: Any) -> None:
+                      options: dict, deliver: Any, on_response: Any = None) -> None:
         doc, chunks, reserve, plan = self._build(model, inputs, outputs, version, options)
         box: dict[str, int] = {}
         ready = threading.Event()
@@ -253,7 +253,17 @@ class Client:
             ready.wait()  # the data start is known once submit returned
             deliver(completion, plan, box["start"])
 
-        box["start"] = self._conn.infer(doc, chunks, on_done, reserve)
+        streamed = None
+        if on_response is not None:
+            plan.reserved.clear()  # streamed responses each carry their own outputs
+            doc["outputs"] = [{"name": o["name"]} for o in doc["outputs"] or ()] or None
+            reserve = 0
+
+            def streamed(completion: Completion) -> None:
+                ready.wait()
+                on_response(completion, plan, box["start"])
+
+        box["start"] = self._conn.infer(doc, chunks, on_done, reserve, streamed)
         ready.set()
 
     def _result(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
@@ -304,6 +314,61 @@ class Client:
         """The asyncio form: awaits without blocking the loop."""
         return await asyncio.wrap_future(self.infer_async(model, inputs, outputs, **kwargs))
 
+    def stream(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",
+               request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,
+               sequence_start: bool = False, sequence_end: bool = False, priority: int = 0,
+               timeout: int = 0, wait_s: float | None = None) -> Iterator[InferResult]:
+        """Call a decoupled model: yields each of its responses as it arrives (zero or more).
+
+        An error response raises InferenceServerError and ends the stream.
+        """
+        import queue
+
+        options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
+        events: queue.Queue = queue.Queue()
+        self._submit_infer(model, inputs, outputs, version, options,
+                           lambda c, plan, start: events.put(("end", c, plan, start)),
+                           lambda c, plan, start: events.put(("response", c, plan, start)))
+        while True:
+            kind, completion, plan, start = events.get(timeout=wait_s)
+            if kind == "end":
+                try:
+                    if completion.status != 200:
+                        self._check(completion)
+                finally:
+                    completion.release()
+                return
+            try:
+                result = self._result(completion, plan, start)
+            except InferenceServerError:
+                completion.release()
+                _drain_stream(events)
+                raise
+            yield result
+
+    async def stream_aio(self, model: str, inputs: Mapping[str, Any], outputs: Any = None,
+                         **kwargs: Any) -> Any:
+        """The asyncio form of ``stream``: an async iterator of results."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        options = _options(kwargs.pop("request_id", ""), kwargs.pop("parameters", None),
+                           kwargs.pop("sequence_id", 0), kwargs.pop("sequence_start", False),
+                           kwargs.pop("sequence_end", False), kwargs.pop("priority", 0), kwargs.pop("timeout", 0))
+        version = kwargs.pop("version", "")
+        self._submit_infer(model, inputs, outputs, version, options,
+                           lambda c, p, s: loop.call_soon_threadsafe(queue.put_nowait, ("end", c, p, s)),
+                           lambda c, p, s: loop.call_soon_threadsafe(queue.put_nowait, ("response", c, p, s)))
+        while True:
+            kind, completion, plan, start = await queue.get()
+            if kind == "end":
+                try:
+                    if completion.status != 200:
+                        self._check(completion)
+                finally:
+                    completion.release()
+                return
+            yield self._result(completion, plan, start)
+
     def close(self) -> None:
         for name in list(self._regions):
             region = self._regions.pop(name)
@@ -320,6 +385,15 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _drain_stream(events: Any, wait_s: float = 30.0) -> None:
+    """After an error: free what is still coming for the stream, up to its end."""
+    while True:
+        kind, completion, _, _ = events.get(timeout=wait_s)
+        completion.release()
+        if kind == "end":
+            return
 
 
 def _as_numpy(value: Any) -> np.ndarray:

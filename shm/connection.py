@@ -27,8 +27,9 @@ import posix_ipc
 from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from .names import check_server_id, object_name, pid_alive
-from .protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_NAMES, SLOT_DONE, SLOT_FREE, SLOT_PENDING,
-                       manifest_room, read_manifest_with_data, write_manifest)
+from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_NAMES, ROLE_WORKER, SLOT_DONE, SLOT_FREE,
+                       SLOT_PENDING, STREAM_CAPACITY, manifest_room, read_manifest_with_data, write_manifest)
+from .ring import Ring
 from .segment import SegmentCache
 from .tensors import byte_view
 from .waker import read_all
@@ -107,6 +108,7 @@ class Connection:
         assert self.arena is not None
         self._free_slots = collections.deque(range(slots))
         self._inflight: set[int] = set()
+        self._streams: dict[int, tuple[Ring, Callback]] = {}  # slot -> its response ring
         self._callbacks: list[tuple[Callback, int] | None] = [None] * slots
         self._lock = threading.Lock()
         self._segments = SegmentCache()
@@ -185,7 +187,8 @@ class Connection:
         return seg
 
     # -- sending --------------------------------------------------------------------------------
-    def submit(self, kind: int, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0) -> int:
+    def submit(self, kind: int, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
+               on_response: Callback | None = None) -> int:
         """Write the request (descriptor then tensor bytes) into our arena and wake the broker.
 
         Tensor references in ``doc`` give ``data`` as offsets relative to where the tensor bytes
@@ -194,11 +197,16 @@ class Connection:
         """
         if not self.alive:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
-        data = orjson.dumps(doc)
-        room = manifest_room(len(data))
         chunks = [t if isinstance(t, (bytes, bytearray)) else byte_view(t) if isinstance(t, np.ndarray)
                   else memoryview(t).cast("B") for t in tensors]
-        total = room + sum(len(c) for c in chunks) + reserve
+        body = sum(len(c) for c in chunks) + reserve
+        if on_response is not None:
+            # A streaming request: its response ring follows everything else, 64-byte aligned.
+            doc["stream"] = (body + 63) & ~63
+            body = doc["stream"] + Ring.nbytes(STREAM_CAPACITY, RECORD)
+        data = orjson.dumps(doc)
+        room = manifest_room(len(data))
+        total = room + body
         with self._lock:
             if not self._free_slots:
                 raise Backpressure("too many requests in flight on this connection")
@@ -215,6 +223,10 @@ class Connection:
                 pos += n
             self._callbacks[slot] = (callback, off)
             self._inflight.add(slot)
+            if on_response is not None:
+                ring = Ring(buf, start + doc["stream"], STREAM_CAPACITY, RECORD)
+                ring.reset()
+                self._streams[slot] = (ring, on_response)
             target = self._route(doc) if kind == REQ_INFER else None
             worker = self._worker(target) if target is not None else None
             self.seg.set_slot_state(slot, SLOT_PENDING)
@@ -231,6 +243,7 @@ class Connection:
                 self.seg.set_slot_state(slot, SLOT_FREE)
                 self._callbacks[slot] = None
                 self._inflight.discard(slot)
+                self._streams.pop(slot, None)
                 self._free_slots.append(slot)
                 free_block(buf, off)
                 raise Backpressure("the request ring to the broker is full; retry later")
@@ -240,8 +253,9 @@ class Connection:
             self.broker.waker.notify()
         return start
 
-    def infer(self, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0) -> int:
-        return self.submit(REQ_INFER, doc, tensors, callback, reserve)
+    def infer(self, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
+              on_response: Callback | None = None) -> int:
+        return self.submit(REQ_INFER, doc, tensors, callback, reserve, on_response)
 
     def control(self, doc: dict, callback: Callback) -> None:
         self.submit(REQ_CONTROL, doc, (), callback)
@@ -262,10 +276,30 @@ class Connection:
         return np.flatnonzero(states == SLOT_DONE).tolist()
 
     def _has_done(self) -> bool:
+        if self._streams and any(ring.pending() for ring, _ in list(self._streams.values())):
+            return True
         return bool(self._done_slots())
 
+    def _drain_stream(self, ring: Ring, on_response: Callback) -> None:
+        for status, flags, off, length, num in ring.drain():
+            try:
+                completion = Completion(status, self._producer_buf(ROLE_WORKER, num), off)
+            except (posix_ipc.ExistentialError, KeyError, OSError):
+                continue
+            try:
+                on_response(completion)
+            except Exception:  # noqa: BLE001
+                log.exception("stream callback failed")
+                completion.release()
+
     def _complete_all(self) -> None:
+        # Streamed responses first: a request's final completion comes after all of them.
+        for ring, on_response in list(self._streams.values()):
+            self._drain_stream(ring, on_response)
         for slot in self._done_slots():
+            stream = self._streams.pop(slot, None)
+            if stream is not None:  # the worker filled the ring before it completed the slot
+                self._drain_stream(*stream)
             self._complete(slot)
 
     def _wait_loop(self) -> None:

@@ -3,13 +3,29 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import orjson
 
 
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel sends us SIGTERM when the broker dies, so no worker outlives it and none
+    has to poll for it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the broker died before the line above
+        sys.exit(1)
+
+
 def main() -> int:
     spec = orjson.loads(sys.argv[1])
+    _die_with_parent(spec["broker_pid"])
     device = "cpu" if spec["kind"] != "GPU" else f"gpu{spec.get('device_id', 0)}"
     if spec["kind"] == "GPU":
         # Before torch is imported: this process sees only its own GPU (as cuda:0).

@@ -58,6 +58,8 @@ class Request:
     correlation_id: int | str = 0
     flags: int = 0
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Streaming requests (decoupled models): send(response or None, final) any number of times.
+    sender: Any = None
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -34,6 +35,7 @@ from .cuda import CudaError
 from .cuda import runtime as cuda_runtime
 from .sequence import SequenceSupport
 from .signature import InvalidRequest, ModelSignature
+from .stream import StreamSender
 
 log = logging.getLogger("shmserve.worker")
 SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "0")) / 1e6
@@ -60,6 +62,8 @@ class Worker:
         self.signature: ModelSignature | None = None
         self.output_names: list[str] = []
         self.sequence: SequenceSupport | None = None
+        self.decoupled = False
+        self.stream_lock = threading.Lock()
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
         self.broker = BrokerSegment.attach(self.server_id)
         self.segments = SegmentCache()
@@ -89,6 +93,7 @@ class Worker:
             self.output_names = list(self.signature.outputs)
             if ctx.config.get("sequence_batching"):
                 self.sequence = SequenceSupport(ctx.config)
+            self.decoupled = bool((ctx.config.get("model_transaction_policy") or {}).get("decoupled"))
         except BaseException as e:  # noqa: BLE001 - any failure of user code is a load failure
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             log.error("failed to load '%s' version %d: %s\n%s", self.model, self.version, detail,
@@ -113,8 +118,10 @@ class Worker:
         has_work = lambda: inbox.pending() > 0 or bool(seg.lanes_pending())  # noqa: E731
         checked = time.monotonic()
         while self.running:
-            seg.waker.sleep(1.0, has_work, SPIN_S)
-            if time.monotonic() - checked > 1.0:
+            # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
+            # below only covers systems without it.
+            seg.waker.sleep(10.0, has_work, SPIN_S)
+            if time.monotonic() - checked > 10.0:
                 checked = time.monotonic()
                 if not pid_alive(self.broker_pid):
                     log.error("broker %d is gone; worker exits", self.broker_pid)
@@ -164,6 +171,10 @@ class Worker:
             outputs = doc.get("outputs")
             entry["outputs"] = [{"name": o["name"]} if "data" not in o else self._locate(client, o, data_start)
                                 for o in outputs] if outputs else None
+            if "stream" in doc:
+                entry["stream"] = {"seg": client_name, "off": data_start + int(doc["stream"])}
+                if not client.arena_offset <= entry["stream"]["off"] <= client.seg.size - 4096:
+                    raise RequestError("the response ring lies outside the client's arena")
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
             self.counts[STAT_FIELDS.index("rejected")] += 1
             self._answer_error(entry, 400, str(e))
@@ -196,38 +207,55 @@ class Worker:
             started = time.perf_counter_ns()
             try:
                 responses = self.instance.execute([r for _, r in live])  # type: ignore[union-attr]
-                if len(responses) != len(live):
+                if self.decoupled:
+                    responses = [None] * len(live)  # decoupled models answer through their senders
+                elif len(responses) != len(live):
                     raise RuntimeError(f"model returned {len(responses)} responses for {len(live)} requests")
             except Exception as e:  # noqa: BLE001 - model code may raise anything
                 exec_ns = time.perf_counter_ns() - started
                 msg = f"Failed to process the request(s) for model instance '{self.instance_name}', " \
                       f"message: {type(e).__name__}: {e}"
                 log.error("%s\n%s", msg, traceback.format_exc())
-                for entry, _ in live:
-                    self._answer_error(entry, 500, msg)
-                failed += len(live)
+                for entry, req in live:
+                    if req.sender is not None:
+                        req.sender.fail(500, msg)
+                    else:
+                        self._answer_error(entry, 500, msg)
+                        failed += 1
             else:
                 exec_ns = time.perf_counter_ns() - started
-                for (entry, _), resp in zip(live, responses):
+                for (entry, req), resp in zip(live, responses):
+                    if req.sender is not None:
+                        if resp is not None:  # a streaming call to a model that answers once
+                            req.sender(resp, final=True)
+                        continue
                     if self.sequence is not None and resp.error is None:
                         asked = [o["name"] for o in entry.get("outputs") or ()]
                         self.sequence.capture(resp.outputs, asked, entry.get("corr", 0), entry.get("flags", 0))
                     if not self._answer(entry, resp):
                         failed += 1
-        self._count(entries, live, failed, exec_ns)
+        streamed = sum(1 for _, r in live if r.sender is not None)
+        self._count(entries, live, failed, exec_ns, streamed)
         self._flush_counts()
 
-    def _count(self, entries: list[dict], live: list[tuple[dict, Request]], failed: int, exec_ns: int) -> None:
+    def _count(self, entries: list[dict], live: list[tuple[dict, Request]], failed: int, exec_ns: int,
+               streamed: int = 0) -> None:
         """Outcome counters; kept in Python and flushed to this worker's segment (where the broker
-        reads them for metrics) once per wake-up, not per request."""
+        reads them for metrics) after each batch. Streamed requests count when they finish."""
         c = self.counts
-        c[0] += len(entries) - failed
+        c[0] += len(entries) - failed - streamed
         c[1] += failed
         if live:
             batched = self.signature is not None and self.signature.max_batch_size > 0
             c[2] += sum(next(iter(r.inputs.values())).shape[0] if batched and r.inputs else 1 for _, r in live)
             c[3] += 1
             c[4] += exec_ns
+
+    def stream_finished(self, sender: StreamSender) -> None:
+        """A streamed request ended (possibly on another thread): count it."""
+        with self.stream_lock:
+            self.counts[1 if sender.failed else 0] += 1
+            self.stats[:] = self.counts
 
     def _flush_counts(self) -> None:
         self.stats[:] = self.counts
@@ -249,7 +277,13 @@ class Worker:
         wanted = entry.get("outputs")
         # No outputs named: the model is asked for every output its config declares (as Triton).
         names = [o["name"] for o in wanted] if wanted else self.output_names
-        return Request(inputs=inputs, requested_outputs=names,
+        sender = None
+        if "stream" in entry:
+            sender = StreamSender(self, entry)
+        elif self.decoupled:
+            raise RequestError(f"model '{self.model}' is decoupled: HTTP end point doesn't support models with "
+                               f"decoupled transaction policy (use generate_stream or a streaming client)")
+        return Request(sender=sender, inputs=inputs, requested_outputs=names,
                        id=entry.get("id", ""), correlation_id=entry.get("corr", 0),
                        flags=entry.get("flags", 0), parameters=entry.get("params") or {})
 
@@ -262,29 +296,16 @@ class Worker:
         return client
 
     def _deliver(self, entry: dict, status: int, doc: bytes, tensors: list[tuple[int, Any]]) -> None:
-        """Write one response block (JSON, then tensor bytes) and wake the client."""
-        room = manifest_room(len(doc))
-        total = room + sum(n for n, _ in tensors)
-        off = self.arena.alloc(total, entry["pid"])
+        """Write one response block (JSON, then tensor bytes); the client is woken after counting."""
+        override, off, total = self._write_block(entry, doc, tensors)
         if off < 0:
-            doc = orjson.dumps({"error": f"model instance '{self.instance_name}' has no room for a "
-                                         f"{total}-byte response in its output arena; retry later"})
-            status, tensors = 503, []
-            off = self.arena.alloc(manifest_room(len(doc)), entry["pid"])
-            if off < 0:
-                log.error("output arena exhausted; request %s dropped", entry.get("id"))
-                return
-        buf = self.seg.seg.buf
-        pos = write_manifest(buf, off, doc)
-        for n, data in tensors:
-            buf[pos:pos + n] = data
-            pos += n
+            return
         try:
             client = self._client(entry["client"])
         except (posix_ipc.ExistentialError, ConnectionError):
             self.arena.free(off)
             return  # the client is gone; nothing to answer
-        self._notes.append((client, entry["slot"], status, off, total))
+        self._notes.append((client, entry["slot"], override or status, off, total))
 
     def _send_completions(self) -> None:
         """Complete the answered slots, then wake each client once (not once per response).
@@ -306,16 +327,23 @@ class Worker:
 
     def _answer(self, entry: dict, resp: Response) -> bool:
         """Deliver one response; False if it carried (or became) an error."""
+        status, doc, tensors = self._encode(entry, resp)
+        self._deliver(entry, status, doc, tensors)
+        return status == 200
+
+    def _encode(self, entry: dict, resp: Response) -> tuple[int, bytes, list[tuple[int, Any]]]:
+        """(status, JSON, tensor chunks) of a response; outputs placed in regions are written now."""
         if resp.error is not None:
-            self._answer_error(entry, resp.status, resp.error)
-            return False
+            return resp.status, orjson.dumps({"error": resp.error}), []
         wanted = entry.get("outputs")
         names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
-        placed = {o["name"]: o for o in wanted or () if "seg" in o}
+        placed = {o["name"]: o for o in wanted or () if "seg" in o or "cuda" in o}
         outs, tensors, pos = [], [], 0
         try:
             for name in names:
                 if name not in resp.outputs:
+                    if self.decoupled:
+                        continue  # a streamed response may carry only some outputs
                     raise RequestError(f"output '{name}' was requested but the model did not produce it")
                 arr = resp.outputs[name]
                 datatype = wire_datatype(arr)
@@ -340,13 +368,34 @@ class Worker:
                     pos += n
                 outs.append(desc)
         except (RequestError, ValueError, TypeError, CudaError) as e:
-            self._answer_error(entry, 400 if isinstance(e, (RequestError, CudaError)) else 500, str(e))
-            return False
-        doc = {"version": self.version, "outputs": outs}
+            status = 400 if isinstance(e, (RequestError, CudaError)) else 500
+            return status, orjson.dumps({"error": str(e)}), []
+        doc: dict[str, Any] = {"version": self.version, "outputs": outs}
         if resp.parameters:
             doc["params"] = resp.parameters
-        self._deliver(entry, 200, orjson.dumps(doc), tensors)
-        return True
+        return 200, orjson.dumps(doc), tensors
+
+    def _write_block(self, entry: dict, doc: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int]:
+        """(status override or 0, offset, length) of a response block in our arena; -1 offset if none."""
+        room = manifest_room(len(doc))
+        total = room + sum(n for n, _ in tensors)
+        off = self.arena.alloc(total, entry["pid"])
+        status = 0
+        if off < 0:
+            doc = orjson.dumps({"error": f"model instance '{self.instance_name}' has no room for a "
+                                         f"{total}-byte response in its output arena; retry later"})
+            status, tensors = 503, []
+            total = manifest_room(len(doc))
+            off = self.arena.alloc(total, entry["pid"])
+            if off < 0:
+                log.error("output arena exhausted; request %s dropped", entry.get("id"))
+                return 503, -1, 0
+        buf = self.seg.seg.buf
+        pos = write_manifest(buf, off, doc)
+        for n, data in tensors:
+            buf[pos:pos + n] = data
+            pos += n
+        return status, off, total
 
     def close(self) -> None:
         try:

@@ -41,7 +41,7 @@ from workers.signature import InvalidRequest
 
 log = logging.getLogger("shmserve.broker")
 
-HOUSEKEEPING_S = 0.25
+HOUSEKEEPING_S = 1.0  # client liveness, restart back-off; a worker's death wakes us at once (SIGCHLD)
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -65,6 +65,7 @@ class Broker:
         self.backends = set(installed_backends())
         self.control = ControlHandler(self)
         self._last_housekeeping = 0.0
+        self.child_exited = False
         self.restarts: list[tuple[float, ModelVersion, Instance]] = []
         self.lanes: list[str | None] = [None] * LANES
         self.next_cookie = 0
@@ -209,6 +210,8 @@ class Broker:
             elif kind == W_LOAD_FAILED:
                 reason = self._take_payload(inst, off, length).decode(errors="replace")
                 self._fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: {reason}")
+        if not self.startup_done:
+            self._check_startup()
 
     @staticmethod
     def _take_payload(inst: Instance, off: int, length: int) -> bytes:
@@ -367,6 +370,8 @@ class Broker:
                 "inputs": [self._resolve(client, t, "input", data_start) for t in inputs],
                 "outputs": [self._resolve_output(client, o, data_start) for o in outputs] if outputs else None,
             }
+            if "stream" in doc:
+                entry["stream"] = {"seg": client.name, "off": data_start + int(doc["stream"])}
         except InvalidRequest as e:
             self._count_rejected(mv)
             self.reply(client, slot, e.status, {"error": str(e)})
@@ -511,9 +516,11 @@ class Broker:
                 i.seg.want_wakeup = True
 
     def _next_timer(self) -> float:
-        """How long the loop may sleep: until housekeeping or a batcher's delay or timeout."""
+        """How long the loop may sleep: until housekeeping, a restart, or a batcher's delay or timeout."""
         timeout = HOUSEKEEPING_S
         now = time.monotonic()
+        for when, _, _ in self.restarts:
+            timeout = min(timeout, max(0.0, when - now))
         for versions in self.models.values():
             for mv in versions.values():
                 for sched in (mv.batcher, mv.sequencer):
@@ -763,7 +770,8 @@ class Broker:
             waker.sleep(self._next_timer(), self._has_work)
             self._pump()
             now = time.monotonic()
-            if now - self._last_housekeeping >= HOUSEKEEPING_S:
+            if self.child_exited or now - self._last_housekeeping >= HOUSEKEEPING_S:
+                self.child_exited = False
                 self._last_housekeeping = now
                 self._housekeeping()
         return self.shutdown()
@@ -830,4 +838,6 @@ def main(opts: BrokerOptions) -> int:
     broker = Broker(opts)
     signal.signal(signal.SIGTERM, lambda *_: broker.request_stop())
     signal.signal(signal.SIGINT, lambda *_: broker.request_stop())
+    # A dying worker interrupts the doorbell wait, so its requests fail and it restarts at once.
+    signal.signal(signal.SIGCHLD, lambda *_: setattr(broker, "child_exited", True))
     return broker.run()

@@ -5,6 +5,7 @@ processes can serve one port.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
 import zlib
@@ -13,15 +14,17 @@ from typing import Any, AsyncIterator
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from server import __version__
 
 from .codec import BadRequest, build_request, build_response, split_body
+from .generate import build_generate_request, generate_response
 from .link import BrokerError, BrokerLink
 
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "system_shared_memory", "cuda_shared_memory"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "system_shared_memory", "cuda_shared_memory",
+              "generate", "sequence", "schedule_policy"]
 JSON = "application/json"
 JSON_HEADER = (b"content-type", b"application/json")
 
@@ -156,6 +159,73 @@ class Frontend:
                 out_headers.append((b"content-encoding", used.encode()))
         return 200, out, out_headers
 
+    # -- generate extension ---------------------------------------------------------------------
+    async def _generate_queue(self, request: Request) -> "asyncio.Queue | Response":
+        p = request.path_params
+        model, version = p["model"], p.get("version", "")
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"failed to parse the request JSON buffer: {e}")
+        try:
+            status, config = await self._control({"op": "model_config", "model": model, "version": version})
+            if status != 200:
+                return error_response(status, config.get("error", "unknown model"))
+            req, chunks = build_generate_request(model, version, body, config)
+            return self.link.stream(req, chunks)
+        except BadRequest as e:
+            return error_response(e.status, str(e))
+        except BrokerError as e:
+            return error_response(e.status, str(e))
+
+    async def generate(self, request: Request) -> Response:
+        queue = await self._generate_queue(request)
+        if isinstance(queue, Response):
+            return queue
+        model = request.path_params["model"]
+        answers: list[dict] = []
+        error: tuple[int, str] | None = None
+        while True:
+            final, completion = await queue.get()
+            try:
+                doc = completion.doc()
+                if completion.status != 200:
+                    error = error or (completion.status, doc.get("error", "inference failed"))
+                elif not final:
+                    answers.append(generate_response(model, doc, completion.tensor))
+            finally:
+                completion.release()
+            if final:
+                break
+        if error:
+            return error_response(*error)
+        if len(answers) != 1:
+            return error_response(400, f"generate expects exactly one response but model '{model}' sent "
+                                       f"{len(answers)}; use generate_stream")
+        return json_response(answers[0])
+
+    async def generate_stream(self, request: Request) -> Response:
+        queue = await self._generate_queue(request)
+        if isinstance(queue, Response):
+            return queue
+        model = request.path_params["model"]
+
+        async def events() -> AsyncIterator[bytes]:
+            while True:
+                final, completion = await queue.get()
+                try:
+                    doc = completion.doc()
+                    if completion.status != 200:
+                        yield b"data: " + orjson.dumps({"error": doc.get("error", "inference failed")}) + b"\n\n"
+                    elif not final:
+                        yield b"data: " + orjson.dumps(generate_response(model, doc, completion.tensor)) + b"\n\n"
+                finally:
+                    completion.release()
+                if final:
+                    return
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     # -- system shared memory -------------------------------------------------------------------
     async def shm_register(self, request: Request) -> Response:
         if not self._shm_allowed(request):
@@ -227,6 +297,9 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
         Route(m + "/ready", fe.model_ready), Route(mv + "/ready", fe.model_ready),
         Route(m + "/config", fe.model_config), Route(mv + "/config", fe.model_config),
         Route("/v2/repository/index", fe.repository_index, methods=["POST"]),
+        Route(m + "/generate", fe.generate, methods=["POST"]), Route(mv + "/generate", fe.generate, methods=["POST"]),
+        Route(m + "/generate_stream", fe.generate_stream, methods=["POST"]),
+        Route(mv + "/generate_stream", fe.generate_stream, methods=["POST"]),
         Route("/v2/systemsharedmemory/region/{name}/register", fe.shm_register, methods=["POST"]),
         Route("/v2/systemsharedmemory/region/{name}/unregister", fe.shm_unregister, methods=["POST"]),
         Route("/v2/systemsharedmemory/unregister", fe.shm_unregister, methods=["POST"]),

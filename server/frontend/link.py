@@ -78,6 +78,17 @@ class BrokerLink:
             raise BrokerError(503, str(e)) from None
         return await fut
 
+    def stream(self, doc: dict, tensors: Any) -> "asyncio.Queue[tuple[bool, Completion]]":
+        """Submit a streaming request; the queue yields (final, completion) in order."""
+        conn = self.connection()
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            conn.submit(REQ_INFER, doc, tensors, lambda c: queue.put_nowait((True, c)),
+                        on_response=lambda c: queue.put_nowait((False, c)))
+        except (Backpressure, ServerUnavailable) as e:
+            raise BrokerError(503, str(e)) from None
+        return queue
+
     async def infer(self, doc: dict, tensors: Any) -> Completion:
         return await self.call(REQ_INFER, doc, tensors)
 

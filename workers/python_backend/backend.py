@@ -80,6 +80,20 @@ def _import_model(ctx: ModelContext) -> ModuleType:
     return module
 
 
+class ResponseSender:
+    """pb_utils' response sender of a decoupled model: ``send(response=None, flags=0)``."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        converted = PythonInstance._convert(response) if response is not None else None
+        self._send(converted, final=bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
 class PythonBackend(Backend):
     def __init__(self) -> None:
         _install_pb_utils()
@@ -136,8 +150,23 @@ class PythonInstance(Instance):
         self.model = model
         self.ctx = ctx
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(ctx.config)
 
     def execute(self, requests: list[Request]) -> list[Response]:
+        pb_requests = self._pb_requests(requests)
+        results = self.model.execute(pb_requests)
+        if inspect.isawaitable(results):  # async def execute (e.g. with BLS async_exec)
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+            results = self.loop.run_until_complete(results)
+        if self.decoupled:
+            return []  # its responses went through the senders
+        if results is None or len(results) != len(requests):
+            got = "None" if results is None else str(len(results))
+            raise RuntimeError(f"execute() returned {got} responses for {len(requests)} requests")
+        return [self._convert(r) for r in results]
+
+    def _pb_requests(self, requests: list[Request]) -> list[Any]:
         pb_requests = [
             pb_utils.InferenceRequest(
                 model_name=self.ctx.name,
@@ -150,15 +179,10 @@ class PythonInstance(Instance):
             )
             for r in requests
         ]
-        results = self.model.execute(pb_requests)
-        if inspect.isawaitable(results):  # async def execute (e.g. with BLS async_exec)
-            if self.loop is None:
-                self.loop = asyncio.new_event_loop()
-            results = self.loop.run_until_complete(results)
-        if results is None or len(results) != len(requests):
-            got = "None" if results is None else str(len(results))
-            raise RuntimeError(f"execute() returned {got} responses for {len(requests)} requests")
-        return [self._convert(r) for r in results]
+        for r, pb in zip(requests, pb_requests):
+            if r.sender is not None:
+                pb._response_sender = ResponseSender(r.sender)
+        return pb_requests
 
     @staticmethod
     def _convert(resp: Any) -> Response:

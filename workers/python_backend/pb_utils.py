@@ -8,7 +8,7 @@ our own and is pure Python on top of numpy (torch is optional and imported
 lazily, only for DLPack cases numpy cannot handle: GPU and bfloat16 tensors).
 
 Not supported yet (raise ``TritonModelException`` with "not supported yet"):
-BLS to decoupled models (``exec(decoupled=True)``), decoupled response senders
+BLS to decoupled models (``exec(decoupled=True)``)
 (``InferenceRequest.get_response_sender``), request rescheduling, the model
 loading API and custom metrics.  See docs/python_backend.md.
 
@@ -755,7 +755,12 @@ class InferenceRequest:
         return _bls.execute_async(self)
 
     def get_response_sender(self) -> Any:
-        raise _not_supported("Decoupled mode (InferenceRequest.get_response_sender)")
+        """The sender of a decoupled model's responses (``send(response, flags)``)."""
+        sender = getattr(self, "_response_sender", None)
+        if sender is None:
+            raise TritonModelException("get_response_sender() is only available to decoupled models "
+                                       "(model_transaction_policy { decoupled: true })")
+        return sender
 
     def __repr__(self) -> str:
         return (f"InferenceRequest(model_name={self._model_name!r}, "

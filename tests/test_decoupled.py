@@ -1,0 +1,116 @@
+"""Decoupled models against a real server: many responses per request (sent after execute
+returned), over the generate/generate_stream endpoints and the local client's streams."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shm.client import Client, InferenceServerError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def server(module_factory):
+    return module_factory.start([Path(__file__).parent / "models" / "decoupled", ROOT / "model_repository"])
+
+
+def post(server, path: str, body: dict) -> tuple[int, str, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type", ""), resp.read().decode()
+    finally:
+        conn.close()
+
+
+def sse_events(text: str) -> list[dict]:
+    return [json.loads(chunk[len("data: "):]) for chunk in text.split("\n\n") if chunk.startswith("data: ")]
+
+
+def test_generate_stream_sends_each_response_as_an_event(server):
+    status, ctype, text = post(server, "/v2/models/word_stream/generate_stream",
+                               {"text_input": "shared memory all the way", "delay_ms": 20})
+    assert status == 200 and ctype.startswith("text/event-stream")
+    events = sse_events(text)
+    assert [e["text_output"] for e in events] == ["shared", "memory", "all", "the", "way"]
+    assert [e["index"] for e in events] == [0, 1, 2, 3, 4]
+    assert all(e["model_name"] == "word_stream" for e in events)
+
+
+def test_generate_stream_reports_an_error_event(server):
+    status, _, text = post(server, "/v2/models/err_stream/generate_stream", {"N": 2})
+    events = sse_events(text)
+    assert [e.get("OUT") for e in events[:2]] == [0, 1]
+    assert events[2] == {"error": "stream broke"}
+
+
+def test_generate_single_response_and_its_limits(server):
+    status, _, text = post(server, "/v2/models/word_stream/generate", {"text_input": "alone"})
+    assert status == 200 and json.loads(text)["text_output"] == "alone"
+    status, _, text = post(server, "/v2/models/word_stream/generate", {"text_input": "two words"})
+    assert status == 400 and "use generate_stream" in json.loads(text)["error"]
+    status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": list(range(16)), "INPUT1": [1] * 16})
+    assert status == 200 and json.loads(text)["OUTPUT0"] == [i + 1 for i in range(16)]
+    status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": list(range(16))})
+    assert status == 400 and "INPUT1" in json.loads(text)["error"]
+
+
+def test_infer_on_a_decoupled_model_is_refused(server):
+    body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}
+    status, _, text = post(server, "/v2/models/word_stream/infer", body)
+    assert status == 400
+    assert "doesn't support models with decoupled transaction policy" in json.loads(text)["error"]
+
+
+def test_local_client_streams_in_order(server):
+    with Client(server.id) as client:
+        words = [r["text_output"][0].decode() for r in
+                 client.stream("word_stream", {"text_input": np.array([b"a b c d e f g"], dtype=object)})]
+        assert words == list("abcdefg")
+        # Zero responses is a valid stream: it just ends.
+        assert list(client.stream("word_stream", {"text_input": np.array([b""], dtype=object)})) == []
+        # A model that answers once streams one response.
+        once = list(client.stream("add_sub", {"INPUT0": np.ones(16, np.int32), "INPUT1": np.ones(16, np.int32)}))
+        assert len(once) == 1 and once[0]["OUTPUT0"].tolist() == [2] * 16
+
+
+def test_local_client_stream_error_and_recovery(server):
+    with Client(server.id) as client:
+        seen = []
+        with pytest.raises(InferenceServerError) as e:
+            for r in client.stream("err_stream", {"N": np.array([3], np.int32)}):
+                seen.append(int(r["OUT"][0]))
+        assert seen == [0, 1, 2] and "stream broke" in e.value.message
+        words = [r["text_output"][0] for r in client.stream("word_stream", {"text_input": np.array([b"ok"], dtype=object)})]
+        assert words == [b"ok"]
+
+
+def test_local_client_async_stream(server):
+    async def run() -> list[str]:
+        with Client(server.id) as client:
+            out = []
+            async for r in client.stream_aio("word_stream", {"text_input": np.array([b"x y z"], dtype=object)}):
+                out.append(r["text_output"][0].decode())
+            return out
+
+    assert asyncio.run(run()) == ["x", "y", "z"]
+
+
+def test_streamed_requests_are_counted_once(server):
+    def metric() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+        line = [ln for ln in text.splitlines()
+                if ln.startswith('nv_inference_request_success{') and 'model="word_stream"' in ln][0]
+        return float(line.rsplit(" ", 1)[1])
+
+    before = metric()
+    post(server, "/v2/models/word_stream/generate_stream", {"text_input": "one two three"})
+    assert metric() - before == 1
