@@ -374,12 +374,16 @@ class Connection:
 
     def _server_gone(self) -> None:
         self.alive = False
+        self._fail_all(f"the shmserve server '{self.server_id}' went away while the request was in flight")
+
+    def _fail_all(self, msg: str) -> None:
+        """Answer every request still in flight with a 503 carrying ``msg``."""
         with self._lock:
             pending = [(i, e) for i, e in enumerate(self._callbacks) if e is not None]
             for i, _ in pending:
                 self._callbacks[i] = None
             self._inflight.clear()
-        msg = f"the shmserve server '{self.server_id}' went away while the request was in flight"
+            self._streams.clear()
         for _, (callback, req_off) in pending:
             try:
                 callback(Completion(503, None, 0, {"error": msg}, request=(self.seg.seg.buf, req_off)))
@@ -399,6 +403,8 @@ class Connection:
         if self._thread is not None:
             self.seg.waker.post()  # wake the waiter so it sees _closed
             self._thread.join(timeout=2.0)
+        # Nothing will answer what is still in flight on this connection: say so, do not hang.
+        self._fail_all("the connection was closed while the request was in flight")
         for seg in self._workers.values():
             seg.close()
         self._workers.clear()

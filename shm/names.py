@@ -27,8 +27,10 @@ def object_name(server_id: str, role: str, n: int | str) -> str:
 
 
 def is_server_object(name: str) -> bool:
-    """True for any name in the namespace shmserve reserves (clients may never register these)."""
-    return name.lstrip("/").startswith(PREFIX + ".")
+    """True for any name in the namespace shmserve reserves (clients may never register these),
+    including the files that back its semaphores (``sem.shmserve.*``)."""
+    bare = name.lstrip("/")
+    return bare.startswith(PREFIX + ".") or bare.startswith("sem.")
 
 
 def list_objects(server_id: str) -> tuple[list[str], list[str]]:

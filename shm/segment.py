@@ -16,9 +16,10 @@ import posix_ipc
 class Segment:
     """One mapped segment. ``create`` owns the name (and unlinks it); ``attach`` only maps it."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, ino: int = 0) -> None:
         self.name = name
         self.size = size
+        self.ino = ino  # identifies the object: a new object under an old name has another inode
         self._mmap = mm
         self.buf = memoryview(mm)
         self.owner = owner
@@ -36,12 +37,12 @@ class Segment:
     def attach(cls, name: str, readonly: bool = False) -> "Segment":
         shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
         try:
-            size = os.fstat(shm.fd).st_size
+            st = os.fstat(shm.fd)
             access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
-            mm = mmap.mmap(shm.fd, size, access=access)
+            mm = mmap.mmap(shm.fd, st.st_size, access=access)
         finally:
             shm.close_fd()
-        return cls(name, size, mm, owner=False)
+        return cls(name, st.st_size, mm, owner=False, ino=st.st_ino)
 
     def close(self) -> None:
         """Unmap; views still alive keep the mapping until they die (BufferError is expected)."""
@@ -66,19 +67,30 @@ class SegmentCache:
         self._limit = limit
         self._lock = threading.Lock()
 
-    def get(self, name: str) -> Segment:
+    def get(self, name: str, ino: int = 0) -> Segment:
+        """The mapping of ``name``; with ``ino``, re-mapped if the name now names another object
+        (a client region unlinked and created again, then registered anew)."""
         seg = self._items.get(name)
-        if seg is not None:
+        if seg is not None and (not ino or seg.ino == ino):
             return seg
         with self._lock:
             seg = self._items.get(name)
+            if seg is not None and ino and seg.ino != ino:
+                self._items.pop(name).close()
+                seg = None
             if seg is None:
                 seg = Segment.attach(name)
                 self._items[name] = seg
                 while len(self._items) > self._limit:
                     _, old = self._items.popitem(last=False)
                     old.close()
+            if ino and seg.ino != ino:
+                raise ValueError(f"shared memory region '{name}' was replaced since it was registered; "
+                                 f"register it again")
             return seg
+
+    def names(self) -> list[str]:
+        return list(self._items)
 
     def drop(self, name: str) -> None:
         with self._lock:
@@ -106,6 +118,9 @@ class SemaphoreCache:
             sem = posix_ipc.Semaphore(name)
             self._items[name] = sem
         return sem
+
+    def names(self) -> list[str]:
+        return list(self._items)
 
     def drop(self, name: str) -> None:
         sem = self._items.pop(name, None)

@@ -123,6 +123,7 @@ class Worker:
             seg.waker.sleep(10.0, has_work, SPIN_S)
             if time.monotonic() - checked > 10.0:
                 checked = time.monotonic()
+                self._forget_departed_clients()
                 if not pid_alive(self.broker_pid):
                     log.error("broker %d is gone; worker exits", self.broker_pid)
                     return
@@ -270,7 +271,7 @@ class Worker:
                 cuda_runtime().to_host(host, cuda_runtime().open(base64.b64decode(t["cuda"]), t["device"]) + off)
                 inputs[t["name"]] = from_buffer(host, t["datatype"], t["shape"])
                 continue
-            seg = self.segments.get(t["seg"])
+            seg = self.segments.get(t["seg"], t.get("ino", 0))
             inputs[t["name"]] = from_buffer(seg.buf[off:off + size], t["datatype"], t["shape"])
         if self.sequence is not None:
             self.sequence.augment(inputs, entry.get("corr", 0), entry.get("flags", 0))
@@ -288,6 +289,13 @@ class Worker:
                        flags=entry.get("flags", 0), parameters=entry.get("params") or {})
 
     # -- answering ------------------------------------------------------------------------------
+    def _forget_departed_clients(self) -> None:
+        """Unmap the segments of clients that are gone, so their memory is not pinned here."""
+        for name, client in list(self.clients.items()):
+            if not pid_alive(client.pid):
+                self.clients.pop(name).close()
+                self.segments.drop(name)
+
     def _client(self, name: str) -> ClientSegment:
         client = self.clients.get(name)
         if client is None:
@@ -359,7 +367,7 @@ class Worker:
                         ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
                         cuda_runtime().to_device(ptr + target["off"], data)
                     else:
-                        seg = self.segments.get(target["seg"])
+                        seg = self.segments.get(target["seg"], target.get("ino", 0))
                         seg.buf[target["off"]:target["off"] + n] = data
                     desc["region"] = True
                 else:

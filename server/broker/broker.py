@@ -450,7 +450,10 @@ class Broker:
             if cuda is not None:
                 return cuda
         seg, off, size = self._locate(client, t, what, data_start)
-        return {"seg": seg, "off": off, "size": size}
+        place = {"seg": seg, "off": off, "size": size}
+        if "region" in t:
+            place["ino"] = self.control.regions.inode(t["region"])
+        return place
 
     def _resolve(self, client: Client, t: dict, what: str, data_start: int) -> dict:
         return {"name": t["name"], "datatype": t["datatype"], "shape": t["shape"],

@@ -25,10 +25,11 @@ class RegionError(InvalidRequest):
 
 
 class Region:
-    __slots__ = ("name", "key", "offset", "byte_size", "owner")
+    __slots__ = ("name", "key", "offset", "byte_size", "owner", "ino")
 
-    def __init__(self, name: str, key: str, offset: int, byte_size: int, owner: str | None) -> None:
+    def __init__(self, name: str, key: str, offset: int, byte_size: int, owner: str | None, ino: int) -> None:
         self.name, self.key, self.offset, self.byte_size, self.owner = name, key, offset, byte_size, owner
+        self.ino = ino  # the object registered: workers re-map if the key later names another
 
 
 class RegionRegistry:
@@ -55,13 +56,14 @@ class RegionRegistry:
         except posix_ipc.PermissionsError:
             raise RegionError(f"Unable to open shared memory region: '{key}': permission denied") from None
         try:
-            size = os.fstat(shm.fd).st_size
+            st = os.fstat(shm.fd)
+            size = st.st_size
         finally:
             shm.close_fd()
         if offset + byte_size > size:
             raise RegionError(f"shared memory region '{name}': offset {offset} + byte_size {byte_size} "
                               f"exceeds the {size} bytes of '{key}'")
-        self.regions[name] = Region(name, shm_key, offset, byte_size, owner)
+        self.regions[name] = Region(name, shm_key, offset, byte_size, owner, st.st_ino)
 
     def unregister(self, name: str | None) -> None:
         if name is None:
@@ -82,6 +84,9 @@ class RegionRegistry:
     def drop_owner(self, owner: str) -> None:
         for name in [n for n, r in self.regions.items() if r.owner == owner]:
             del self.regions[name]
+
+    def inode(self, name: str) -> int:
+        return self.regions[name].ino
 
     def resolve(self, name: str, offset: int, size: int, what: str, tensor: str) -> tuple[str, int]:
         r = self.regions.get(name)
