@@ -49,6 +49,7 @@ ROUTES_BYTES = 1 << 20
 LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
 STATS_OFFSET = 256  # worker header: its counters (see WorkerStats)
+DEPARTURES_OFFSET = 128  # broker header: count of clients that left
 STAT_FIELDS = ("success", "failure", "inference_count", "execution_count", "compute_ns", "rejected")
 
 
@@ -96,6 +97,8 @@ class BrokerSegment:
             self.mutex = posix_ipc.Semaphore(self.mutex_name)
             self.arena = None
         self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.doorbell)
+        # Bumped whenever a client leaves, so workers know to unmap what they hold of it.
+        self.departures = np.ndarray((1,), dtype=np.uint64, buffer=seg.buf, offset=DEPARTURES_OFFSET)
 
     @classmethod
     def create(cls, server_id: str, arena_bytes: int) -> "BrokerSegment":

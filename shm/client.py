@@ -40,10 +40,21 @@ class InferenceServerError(Exception):
         self.message = message
 
 
-class _Keeper(np.ndarray):
-    """Base of every output view: holds the result, so its shm blocks live as long as the views."""
+class _Holder:
+    """The base object of every output array: it exports the array's memory through
+    ``__array_interface__`` and holds the result, so the shm blocks behind an array live as long
+    as the array or any view of it (numpy keeps the exporter as the arrays' base)."""
 
-    _result: "InferResult | None" = None
+    __slots__ = ("__array_interface__", "result", "source")
+
+    def __init__(self, arr: np.ndarray, result: "InferResult") -> None:
+        self.__array_interface__ = dict(arr.__array_interface__)
+        self.result = result
+        self.source = arr  # keeps the mapping the pointer points into
+
+
+def _kept(arr: np.ndarray, result: "InferResult") -> np.ndarray:
+    return np.asarray(_Holder(arr, result))
 
 
 class InferResult(Mapping[str, np.ndarray]):
@@ -162,7 +173,8 @@ class Client:
 
     def register_array(self, name: str, array: Any) -> Region:
         """Register the shm an existing array or CPU torch tensor lives in (e.g. one made with
-        ``multiprocessing.shared_memory`` or ``torch.Tensor.share_memory_``) and return its region."""
+        ``multiprocessing.shared_memory``, or a torch tensor shared under the 'file_system'
+        strategy) and return its region. The object must still have a name in /dev/shm."""
         arr = _as_numpy(array)
         found = find_shm_mapping(arr.__array_interface__["data"][0])
         if found is None:
@@ -282,11 +294,7 @@ class Client:
             else:
                 view = completion.tensor(o)
             arr = from_buffer(view, datatype, shape)
-            if datatype != "BYTES":
-                keeper = arr.view(_Keeper)
-                keeper._result = result
-                arr = keeper.view(np.ndarray)
-            arrays[name] = arr
+            arrays[name] = _kept(arr, result) if datatype != "BYTES" else arr
         return result
 
     def infer_async(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",

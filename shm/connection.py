@@ -394,6 +394,8 @@ class Connection:
         if self._closed:
             return
         self._closed = True
+        # Names first: once the broker hears BYE, workers drop what no longer has a name.
+        self.seg.unlink()
         if self.alive and pid_alive(self.broker_pid):
             try:
                 self.seg.requests.put(REQ_BYE, 0, 0, 0, 0)
@@ -411,7 +413,6 @@ class Connection:
         self._segments.clear()
         self.broker.close()
         self.seg.close()
-        self.seg.unlink()
 
     def __enter__(self) -> "Connection":
         return self

@@ -61,7 +61,8 @@ class Region:
         if self.buf is not None:
             try:
                 self.buf.release()
-                self._mmap.close()  # type: ignore[union-attr]
+                if self._mmap is not None:  # a registered array's memory is its owner's to unmap
+                    self._mmap.close()
             except BufferError:
                 pass  # arrays still view it; the mapping goes when they do
             self.buf = None
@@ -85,5 +86,10 @@ def find_shm_mapping(address: int) -> tuple[str, int] | None:
                 continue
             start, end = (int(x, 16) for x in parts[0].split("-"))
             if start <= address < end:
-                return "/" + path[len("/dev/shm/"):].removesuffix(" (deleted)"), address - start + int(parts[2], 16)
+                if path.endswith(" (deleted)"):
+                    raise ValueError(
+                        "the array's shared-memory object has no name any more (it was unlinked, as torch's "
+                        "default 'file_descriptor' sharing strategy does), so the server cannot open it: use "
+                        "torch.multiprocessing.set_sharing_strategy('file_system') or Client.create_region()")
+                return "/" + path[len("/dev/shm/"):], address - start + int(parts[2], 16)
     return None

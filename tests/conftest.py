@@ -372,3 +372,89 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         for s in _servers_of(item):
             report.sections.append((f"shmserve log {s.id} (port {s.port})", s.log_tail(60)))
+
+
+# -- shared-memory tests (test_shared_memory.py, test_local_client.py) -----------------------------
+
+SHM_MODELS = TESTS / "models" / "shm"
+# The product's add_sub plus the models of tests/models/shm, and nothing else (fast start).
+SHM_SERVER_ARGS = ["--model-control-mode", "explicit", "--load-model", "add_sub", "--load-model", "bytes_identity",
+                   "--load-model", "slow_reader", "--load-model", "zerocopy_probe", "--load-model", "meta_echo"]
+
+
+def start_shm_server(factory: ServerFactory, extra_args: Iterable[str] = (), server_id: str | None = None) -> Server:
+    return factory.start([PRODUCT_MODELS, SHM_MODELS], [*SHM_SERVER_ARGS, *extra_args], server_id=server_id)
+
+
+def shm_names(prefix: str) -> list[str]:
+    """/dev/shm entries whose name starts with ``prefix`` (no leading slash)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def processes_mapping(pids: Iterable[int], shm_name: str) -> list[int]:
+    """Those of ``pids`` that still map /dev/shm/<shm_name> (deleted or not)."""
+    needle = f"{SHM_DIR}/{shm_name.lstrip('/')}"
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                paths = [parts[5].strip().removesuffix(" (deleted)") for parts in
+                         (line.split(maxsplit=5) for line in f) if len(parts) == 6]
+        except OSError:
+            continue
+        if needle in paths:
+            out.append(pid)
+    return out
+
+
+def non_loopback_ipv4() -> list[str]:
+    """IPv4 addresses of this machine's own interfaces that are not loopback (from the kernel's
+    local routing table; nothing is sent anywhere)."""
+    found: list[str] = []
+    try:
+        out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=5).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if "inet" in parts:
+                addr = parts[parts.index("inet") + 1].split("/")[0]
+                if not addr.startswith("127."):
+                    found.append(addr)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if not found:
+        try:
+            lines = Path("/proc/net/fib_trie").read_text().splitlines()
+        except OSError:
+            lines = []
+        for prev, line in zip(lines, lines[1:]):
+            if "/32 host LOCAL" in line:
+                addr = prev.strip().lstrip("|-+ ").strip()
+                if addr and not addr.startswith("127.") and addr not in found:
+                    found.append(addr)
+    return found
+
+
+@pytest.fixture(scope="session")
+def local_non_loopback_address():
+    """A non-loopback IPv4 address of this machine. If it has none, a dummy interface with a
+    TEST-NET-2 address is made for the session (root only) and removed afterwards."""
+    found = non_loopback_ipv4()
+    if found:
+        yield found[0]
+        return
+    dev, addr = f"shmt{os.getpid() % 100000}", "198.51.100.77"
+    cmds = [["ip", "link", "add", dev, "type", "dummy"], ["ip", "addr", "add", f"{addr}/32", "dev", dev],
+            ["ip", "link", "set", dev, "up"]]
+    try:
+        for cmd in cmds:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        subprocess.run(["ip", "link", "del", dev], capture_output=True, timeout=10)
+        pytest.fail(f"this machine has no non-loopback IPv4 address and a dummy interface cannot be made: {e}")
+    try:
+        yield addr
+    finally:
+        subprocess.run(["ip", "link", "del", dev], capture_output=True, timeout=10)

@@ -117,10 +117,14 @@ class Worker:
         inbox = seg.inbox
         has_work = lambda: inbox.pending() > 0 or bool(seg.lanes_pending())  # noqa: E731
         checked = time.monotonic()
+        departures = int(self.broker.departures[0])
         while self.running:
             # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
             # below only covers systems without it.
             seg.waker.sleep(10.0, has_work, SPIN_S)
+            if int(self.broker.departures[0]) != departures:
+                departures = int(self.broker.departures[0])
+                self._forget_departed_clients()
             if time.monotonic() - checked > 10.0:
                 checked = time.monotonic()
                 self._forget_departed_clients()
@@ -292,7 +296,8 @@ class Worker:
     def _forget_departed_clients(self) -> None:
         """Unmap the segments of clients that are gone, so their memory is not pinned here."""
         for name, client in list(self.clients.items()):
-            if not pid_alive(client.pid):
+            # Gone: the process died, or it closed the connection (which unlinks the segment).
+            if not pid_alive(client.pid) or not os.path.exists("/dev/shm" + name):
                 self.clients.pop(name).close()
                 self.segments.drop(name)
 
@@ -375,7 +380,8 @@ class Worker:
                     tensors.append((n, data))
                     pos += n
                 outs.append(desc)
-        except (RequestError, ValueError, TypeError, CudaError) as e:
+        except (RequestError, ValueError, TypeError, CudaError, OSError, posix_ipc.Error) as e:
+            # OSError/posix_ipc: the segment to write into is gone (its client died): nobody to tell.
             status = 400 if isinstance(e, (RequestError, CudaError)) else 500
             return status, orjson.dumps({"error": str(e)}), []
         doc: dict[str, Any] = {"version": self.version, "outputs": outs}

@@ -296,6 +296,9 @@ class Broker:
         client.seg.close()
         if unlink:
             client.seg.unlink()
+        self.seg.departures[0] += 1
+        for _, inst in self.workers.values():  # let them unmap the client's segment now
+            inst.seg.waker.notify()
         log.debug("client %s disconnected", client.name)
 
     def _on_client_requests(self, client: Client) -> None:
