@@ -21,7 +21,7 @@ import orjson
 from shm.channel import BrokerSegment
 from shm.names import object_name, pid_alive, unlink_all
 
-from .broker.options import BrokerOptions
+from .broker.options import STARTUP_FAILED, BrokerOptions
 
 log = logging.getLogger("shmserve")
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
@@ -125,7 +125,7 @@ class Launcher:
             assert self.broker is not None
             code = self.broker.poll()
             if code is not None and not self.stopping:
-                if code == 1 or code == 2:  # start-up failure (exit-on-error) or bad options: do not loop
+                if code in (2, STARTUP_FAILED):  # bad options, or a model failed at start: do not loop
                     log.error("the broker exited with code %d; shutting down", code)
                     return 1
                 delay = BACKOFF_S[min(broker_restarts, len(BACKOFF_S) - 1)]

@@ -50,7 +50,8 @@ LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
 STATS_OFFSET = 256  # worker header: its counters (see WorkerStats)
 DEPARTURES_OFFSET = 128  # broker header: count of clients that left
-STAT_FIELDS = ("success", "failure", "inference_count", "execution_count", "compute_ns", "rejected")
+STAT_FIELDS = ("success", "failure", "inference_count", "execution_count", "compute_ns", "rejected",
+               "direct_done")
 
 
 def _align(n: int, a: int = 4096) -> int:

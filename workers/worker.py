@@ -38,6 +38,7 @@ from .signature import InvalidRequest, ModelSignature
 from .stream import StreamSender
 
 log = logging.getLogger("shmserve.worker")
+DIRECT_DONE = STAT_FIELDS.index("direct_done")
 SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "0")) / 1e6
 
 
@@ -141,6 +142,8 @@ class Worker:
                 for kind, slot, off, length, record_cookie in seg.lanes[lane].drain():
                     if record_cookie == cookie and client:
                         self._run_direct(client, slot, off)
+                    self.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
+                self._flush_counts()
 
     def _run_batch(self, off: int, batch_id: int) -> None:
         """A batch the broker's scheduler formed (its descriptor is in the broker's arena)."""

@@ -34,9 +34,10 @@ from .batcher import DynamicBatcher, QueueFull
 from .sequencer import SequenceBatcher
 from .control import ControlHandler
 from .ensemble import EnsemblePlan, EnsembleRun, Step
+from .lifecycle import STRAGGLER_GRACE_S, LoadJob, Retiring, idle
 from .metrics import add_worker_counters, serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
-from .options import BrokerOptions
+from .options import STARTUP_FAILED, BrokerOptions
 from workers.signature import InvalidRequest
 
 log = logging.getLogger("shmserve.broker")
@@ -53,7 +54,9 @@ class Broker:
         self.arena = self.seg.arena
         assert self.arena is not None
         self.clients: dict[str, Client] = {}
-        self.models: dict[str, dict[int, ModelVersion]] = {}
+        self.models: dict[str, dict[int, ModelVersion]] = {}  # what serves
+        self.loading: dict[str, LoadJob] = {}  # new versions getting ready beside what serves
+        self.retiring: list[Retiring] = []  # old versions draining before their workers stop
         self.load_errors: dict[str, str] = {}
         self.model_dirs: dict[str, Path] = {}
         self.workers: dict[int, tuple[ModelVersion, Instance]] = {}
@@ -102,9 +105,15 @@ class Broker:
             return list(dict.fromkeys(wanted))
         return list(self.model_dirs)
 
-    def load_model(self, name: str, override_json: str | None = None) -> str | None:
-        """Start loading every version of ``name`` the policy selects; returns an error or None."""
-        model_dir = self.model_dirs.get(name)
+    def load_model(self, name: str, override_json: str | None = None, waiter: tuple[Any, int] | None = None,
+                   model_dir: Path | None = None) -> str | None:
+        """Start loading every version of ``name`` the policy selects beside what serves now;
+        returns an error at once, or None (the swap happens when all are ready)."""
+        if name in self.loading:  # a load in progress: answer with it
+            if waiter is not None:
+                self.loading[name].waiters.append(waiter)
+            return None
+        model_dir = model_dir or self.model_dirs.get(name)
         if model_dir is None:
             self.model_dirs = self.scan_repositories()
             model_dir = self.model_dirs.get(name)
@@ -119,8 +128,8 @@ class Broker:
             cfgmod.validate(config, model_dir, self.backends, versions)
         except cfgmod.ConfigError as e:
             return self._load_failed(name, f"failed to load '{name}', {e}")
-        self.load_errors.pop(name, None)
-        versions_state = self.models.setdefault(name, {})
+        job = self.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [])
+        versions_state = job.versions
         for v in versions:
             mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
                               config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
@@ -132,7 +141,7 @@ class Broker:
                          ", ".join(mv.ensemble.dependencies()))
                 versions_state[v] = mv
                 for dep in mv.ensemble.dependencies():  # as Triton: an ensemble brings its steps
-                    if dep not in self.models and dep not in self.load_errors:
+                    if dep not in self.models and dep not in self.load_errors and dep not in self.loading:
                         self.load_model(dep)
                 continue
             if config.HasField("sequence_batching"):
@@ -151,7 +160,80 @@ class Broker:
                         self._spawn(mv, name_k, len(mv.instances), kind, device)
             log.info("loading '%s' version %d: %d instance(s), backend %s", name, v, len(mv.instances),
                      mv.backend)
+        self._resolve_loads()
         return None
+
+    def _resolve_loads(self) -> None:
+        """Swap in every load whose versions are all READY; abandon those where one failed."""
+        for name, job in list(self.loading.items()):
+            bad = job.failed()
+            if bad is not None:
+                del self.loading[name]
+                for mv in job.versions.values():
+                    for inst in mv.instances:
+                        self._stop_instance(inst, graceful=False)
+                    mv.state = State.UNLOADING  # its workers are reaped, never restarted
+                    self.retiring.append(Retiring(mv, stopping=True))
+                self.load_errors[name] = bad.reason
+                for client, slot in job.waiters:
+                    self.reply(client, slot, 400, {"error": bad.reason})
+                continue
+            if not job.ready():
+                continue
+            del self.loading[name]
+            self.load_errors.pop(name, None)
+            old = self.models.get(name, {})
+            self.models[name] = dict(job.versions)
+            for v, mv in old.items():
+                self._retire(mv)
+            self.publish_routes()
+            for client, slot in job.waiters:
+                self.reply(client, slot, 200, {})
+
+    def _retire(self, mv: ModelVersion, waiter: tuple[Any, int] | None = None) -> None:
+        mv.state = State.UNLOADING
+        entry = Retiring(mv)
+        if waiter is not None:
+            entry.waiters.append(waiter)
+        self.retiring.append(entry)
+        log.info("unloading '%s' version %d: draining", mv.name, mv.version)
+
+    def unload_model(self, name: str, waiter: tuple[Any, int] | None = None, dependents: bool = False) -> None:
+        versions = self.models.pop(name, {})
+        self.load_errors.pop(name, None)
+        for mv in versions.values():
+            if dependents and mv.ensemble is not None:
+                for dep in mv.ensemble.dependencies():
+                    if dep in self.models:
+                        self.unload_model(dep)
+            self._retire(mv)
+        if versions:
+            self.retiring[-1].waiters.extend([waiter] if waiter is not None else [])
+        elif waiter is not None:
+            self.reply(waiter[0], waiter[1], 200, {})
+        self.publish_routes()
+
+    def _progress_retirement(self) -> None:
+        """Stop retired versions' workers once drained (or the exit timeout ran out); forget them
+        once their workers are gone."""
+        now = time.monotonic()
+        for entry in list(self.retiring):
+            mv = entry.version
+            if not entry.stopping:
+                overdue = now - entry.since > self.opts.exit_timeout_s
+                if overdue or (now - entry.since >= STRAGGLER_GRACE_S and idle(mv)):
+                    if overdue and mv.in_flight():
+                        self._fail_pending(mv.queued(), 503, f"model '{mv.name}' version {mv.version} was "
+                                                             f"unloaded before the request ran")
+                    entry.stopping = True
+                    for inst in mv.instances:
+                        self._stop_instance(inst, graceful=not overdue)
+            if entry.stopping and all(inst.num not in self.workers for inst in mv.instances):
+                self.retiring.remove(entry)
+                log.info("unloaded '%s' version %d", mv.name, mv.version)
+                for client, slot in entry.waiters:
+                    if client.name in self.clients:
+                        self.reply(client, slot, 200, {})
 
     def _load_failed(self, name: str, reason: str) -> str:
         log.error("%s", reason)
@@ -210,6 +292,8 @@ class Broker:
             elif kind == W_LOAD_FAILED:
                 reason = self._take_payload(inst, off, length).decode(errors="replace")
                 self._fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: {reason}")
+        if self.loading:
+            self._resolve_loads()
         if not self.startup_done:
             self._check_startup()
 
@@ -523,7 +607,7 @@ class Broker:
 
     def _next_timer(self) -> float:
         """How long the loop may sleep: until housekeeping, a restart, or a batcher's delay or timeout."""
-        timeout = HOUSEKEEPING_S
+        timeout = HOUSEKEEPING_S if not self.retiring else 0.05
         now = time.monotonic()
         for when, _, _ in self.restarts:
             timeout = min(timeout, max(0.0, when - now))
@@ -746,9 +830,9 @@ class Broker:
             self._check_startup()
 
     def _check_startup(self) -> None:
-        states = [mv.state for vs in self.models.values() for mv in vs.values()]
-        if any(s == State.LOADING for s in states):
+        if self.loading:
             return
+        states = [mv.state for vs in self.models.values() for mv in vs.values()]
         self.startup_done = True
         if self.load_errors and self.opts.exit_on_error:
             log.error("failed to load all models; exiting (use --exit-on-error=false to serve the rest)")
@@ -763,8 +847,8 @@ class Broker:
             return False
         if not self.opts.strict_readiness:
             return True
-        if self.load_errors:  # a model that should serve does not (Triton counts every model)
-            return False
+        if any(name not in self.models for name in self.load_errors):
+            return False  # a model that should serve does not (a failed reload keeps the old one serving)
         return all(mv.state == State.READY for vs in self.models.values() for mv in vs.values())
 
     # -- the loop -------------------------------------------------------------------------------
@@ -781,6 +865,10 @@ class Broker:
                 self._last_housekeeping = now
                 self._housekeeping()
         return self.shutdown()
+
+    def _serving_and_retiring(self) -> list[ModelVersion]:
+        out = [mv for versions in self.models.values() for mv in versions.values()]
+        return out + [r.version for r in self.retiring]
 
     def _has_work(self) -> bool:
         if self.seg.connect.pending():
@@ -808,10 +896,11 @@ class Broker:
         for client in list(self.clients.values()):
             if client.seg.requests.pending():
                 self._on_client_requests(client)
-        for versions in self.models.values():
-            for mv in versions.values():
-                if mv.queue or (mv.batcher is not None and len(mv.batcher)) or mv.sequencer is not None:
-                    self._dispatch(mv)
+        for mv in self._serving_and_retiring():
+            if mv.queue or (mv.batcher is not None and len(mv.batcher)) or mv.sequencer is not None:
+                self._dispatch(mv)
+        if self.retiring:
+            self._progress_retirement()
 
     def request_stop(self) -> None:
         self.running = False
@@ -837,7 +926,7 @@ class Broker:
             client.seg.close()
         self.seg.close()
         self.seg.unlink()
-        return 1 if self.startup_failed else 0
+        return STARTUP_FAILED if self.startup_failed else 0
 
 
 def main(opts: BrokerOptions) -> int:

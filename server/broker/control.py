@@ -4,6 +4,11 @@ inference, so the frontend holds no state of its own.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import os
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 
@@ -31,6 +36,8 @@ class ControlHandler:
             "shm_register": self._shm_register,
             "shm_unregister": self._shm_unregister,
             "shm_status": self._shm_status,
+            "load": self._load,
+            "unload": self._unload,
             "cuda_register": self._cuda_register,
             "cuda_unregister": self._cuda_unregister,
             "cuda_status": self._cuda_status,
@@ -79,8 +86,10 @@ class ControlHandler:
     def _repository_index(self, client: Client, slot: int, doc: dict) -> Answer:
         b = self.broker
         out = []
-        for name in sorted(set(b.model_dirs) | set(b.models) | set(b.load_errors)):
+        for name in sorted(set(b.model_dirs) | set(b.models) | set(b.load_errors) | set(b.loading)):
             versions = b.models.get(name, {})
+            if name in b.loading and not versions:
+                versions = b.loading[name].versions
             if versions:
                 for v, mv in sorted(versions.items()):
                     out.append({"name": name, "version": str(v), "state": mv.state.value, "reason": mv.reason})
@@ -91,6 +100,40 @@ class ControlHandler:
         if doc.get("ready"):
             out = [e for e in out if e.get("state") == State.READY.value]
         return 200, out
+
+    # -- repository API -------------------------------------------------------------------------
+    def _explicit_only(self) -> None:
+        mode = self.broker.opts.control_mode
+        if mode != "explicit":
+            raise InvalidRequest(f"explicit model load / unload is not allowed if model control mode is "
+                                 f"'{mode}' (start the server with --model-control-mode=explicit)")
+
+    def _load(self, client: Client, slot: int, doc: dict) -> Answer:
+        """Load (or reload) a model; answered when it serves, or why it does not."""
+        self._explicit_only()
+        name = doc["model"]
+        params = doc.get("parameters") or {}
+        config = params.get("config")
+        if config is not None and not isinstance(config, str):
+            raise InvalidRequest(f"failed to load '{name}', the 'config' parameter must be a JSON string")
+        files = {k[len("file:"):]: v for k, v in params.items() if k.startswith("file:")}
+        model_dir = None
+        if files:
+            if config is None:
+                raise InvalidRequest(f"failed to load '{name}', model files given with 'file:' need a 'config' "
+                                     f"parameter too")
+            model_dir = write_model_files(name, files)
+        error = self.broker.load_model(name, config, waiter=(client, slot), model_dir=model_dir)
+        if error:
+            return 400, {"error": error}
+        return 0, None
+
+    def _unload(self, client: Client, slot: int, doc: dict) -> Answer:
+        self._explicit_only()
+        params = doc.get("parameters") or {}
+        self.broker.unload_model(doc["model"], waiter=(client, slot),
+                                 dependents=bool(params.get("unload_dependents", False)))
+        return 0, None
 
     # -- shared memory --------------------------------------------------------------------------
     def _shm_register(self, client: Client, slot: int, doc: dict) -> Answer:
@@ -118,3 +161,20 @@ class ControlHandler:
 
     def _cuda_status(self, client: Client, slot: int, doc: dict) -> Answer:
         return 200, self.cuda_regions.status(doc.get("name"))
+
+
+def write_model_files(name: str, files: dict[str, Any]) -> Path:
+    """The 'file:<path>' parameters of a load, as a model folder of its own (Triton's override
+    for a model that does not exist in the repository). Paths stay inside the folder."""
+    root = Path(tempfile.mkdtemp(prefix="shmserve-model-")) / name
+    for rel, content in files.items():
+        path = (root / rel).resolve()
+        if not str(path).startswith(str(root.resolve()) + os.sep) or not isinstance(content, str):
+            raise InvalidRequest(f"failed to load '{name}', invalid file parameter 'file:{rel}'")
+        try:
+            data = base64.b64decode(content, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequest(f"failed to load '{name}', 'file:{rel}' is not base64") from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return root

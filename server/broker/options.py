@@ -5,6 +5,9 @@ import dataclasses
 from typing import Any
 
 
+STARTUP_FAILED = 3  # the broker's exit code when a model failed at start with --exit-on-error
+
+
 @dataclasses.dataclass
 class BrokerOptions:
     server_id: str

@@ -24,7 +24,7 @@ from .generate import build_generate_request, generate_response
 from .link import BrokerError, BrokerLink
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "system_shared_memory", "cuda_shared_memory",
-              "generate", "sequence", "schedule_policy"]
+              "generate", "sequence", "schedule_policy", "model_repository"]
 JSON = "application/json"
 JSON_HEADER = (b"content-type", b"application/json")
 
@@ -120,6 +120,30 @@ class Frontend:
         except orjson.JSONDecodeError as e:
             return error_response(400, f"failed to parse the request JSON buffer: {e}")
         return await self._answer({"op": "repository_index", "ready": bool((opts or {}).get("ready"))})
+
+    # -- repository API -------------------------------------------------------------------------
+    async def _repository_call(self, request: Request, op: str) -> Response:
+        body = await request.body()
+        try:
+            doc = orjson.loads(body) if body else {}
+            if not isinstance(doc, dict) or not isinstance(doc.get("parameters", {}), dict):
+                raise BadRequest("the request must be a JSON object whose 'parameters' is an object")
+        except (orjson.JSONDecodeError, BadRequest) as e:
+            return error_response(400, f"failed to parse the request JSON buffer: {e}")
+        try:
+            status, answer = await self._control({"op": op, "model": request.path_params["model"],
+                                                  "parameters": doc.get("parameters") or {}})
+        except BrokerError as e:
+            return error_response(e.status, str(e))
+        if status != 200:
+            return json_response(answer, status)
+        return Response(status_code=200)
+
+    async def repository_load(self, request: Request) -> Response:
+        return await self._repository_call(request, "load")
+
+    async def repository_unload(self, request: Request) -> Response:
+        return await self._repository_call(request, "unload")
 
     # -- inference ------------------------------------------------------------------------------
     async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes
@@ -297,6 +321,8 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
         Route(m + "/ready", fe.model_ready), Route(mv + "/ready", fe.model_ready),
         Route(m + "/config", fe.model_config), Route(mv + "/config", fe.model_config),
         Route("/v2/repository/index", fe.repository_index, methods=["POST"]),
+        Route("/v2/repository/models/{model}/load", fe.repository_load, methods=["POST"]),
+        Route("/v2/repository/models/{model}/unload", fe.repository_unload, methods=["POST"]),
         Route(m + "/generate", fe.generate, methods=["POST"]), Route(mv + "/generate", fe.generate, methods=["POST"]),
         Route(m + "/generate_stream", fe.generate_stream, methods=["POST"]),
         Route(mv + "/generate_stream", fe.generate_stream, methods=["POST"]),
