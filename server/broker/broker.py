@@ -32,6 +32,7 @@ from workers.backend import installed_backends
 from . import config as cfgmod
 from .batcher import DynamicBatcher, QueueFull
 from .sequencer import SequenceBatcher
+from .watcher import RepositoryWatcher
 from .control import ControlHandler
 from .ensemble import EnsemblePlan, EnsembleRun, Step
 from .lifecycle import STRAGGLER_GRACE_S, LoadJob, Retiring, idle
@@ -70,6 +71,7 @@ class Broker:
         self._last_housekeeping = 0.0
         self.child_exited = False
         self.restarts: list[tuple[float, ModelVersion, Instance]] = []
+        self.watcher: RepositoryWatcher | None = None
         self.lanes: list[str | None] = [None] * LANES
         self.next_cookie = 0
         self.routes_doc = b""
@@ -212,6 +214,21 @@ class Broker:
         elif waiter is not None:
             self.reply(waiter[0], waiter[1], 200, {})
         self.publish_routes()
+
+    def _apply_repository_changes(self) -> None:
+        """Poll mode: reload models whose folders changed, load new ones, unload removed ones."""
+        assert self.watcher is not None
+        names = self.watcher.due()
+        if not names:
+            return
+        self.model_dirs = self.scan_repositories()
+        for name in names:
+            if name in self.model_dirs:
+                log.info("repository change: (re)loading '%s'", name)
+                self.load_model(name)
+            elif name in self.models or name in self.load_errors:
+                log.info("repository change: '%s' was removed; unloading it", name)
+                self.unload_model(name)
 
     def _progress_retirement(self) -> None:
         """Stop retired versions' workers once drained (or the exit timeout ran out); forget them
@@ -611,6 +628,10 @@ class Broker:
         now = time.monotonic()
         for when, _, _ in self.restarts:
             timeout = min(timeout, max(0.0, when - now))
+        if self.watcher is not None:
+            due = self.watcher.next_due()
+            if due is not None:
+                timeout = min(timeout, due)
         for versions in self.models.values():
             for mv in versions.values():
                 for sched in (mv.batcher, mv.sequencer):
@@ -855,6 +876,8 @@ class Broker:
     def run(self) -> int:
         for name in self.initial_models():
             self.load_model(name)
+        if self.opts.control_mode == "poll":
+            self.watcher = RepositoryWatcher(self.opts.repositories, self.seg.waker.post)
         waker = self.seg.waker
         while self.running:
             waker.sleep(self._next_timer(), self._has_work)
@@ -901,6 +924,8 @@ class Broker:
                 self._dispatch(mv)
         if self.retiring:
             self._progress_retirement()
+        if self.watcher is not None:
+            self._apply_repository_changes()
 
     def request_stop(self) -> None:
         self.running = False
@@ -912,6 +937,8 @@ class Broker:
                 mv.in_flight() for vs in self.models.values() for mv in vs.values()):
             self.seg.waker.sleep(0.01, self._has_work)
             self._pump()
+        if self.watcher is not None:
+            self.watcher.stop()
         for mv, inst in list(self.workers.values()):
             self._stop_instance(inst)
         stop_deadline = time.monotonic() + 5.0

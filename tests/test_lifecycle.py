@@ -1,0 +1,171 @@
+"""Model lifecycle against a real server: the repository API (load with a config override or
+with file contents, unload, index), reloads under load with no failed request, a failed load that
+leaves the old version serving, and poll mode picking up changes in the repository."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+ADD_SUB = Path(__file__).resolve().parent.parent / "model_repository" / "add_sub"
+
+
+def config(count: int = 1) -> str:
+    return json.dumps({
+        "name": "add_sub", "backend": "python", "max_batch_size": 0,
+        "input": [{"name": "INPUT0", "data_type": "TYPE_INT32", "dims": [16]},
+                  {"name": "INPUT1", "data_type": "TYPE_INT32", "dims": [16]}],
+        "output": [{"name": "OUTPUT0", "data_type": "TYPE_INT32", "dims": [16]},
+                   {"name": "OUTPUT1", "data_type": "TYPE_INT32", "dims": [16]}],
+        "instance_group": [{"count": count, "kind": "KIND_CPU"}]})
+
+
+def add_sub(client: httpclient.InferenceServerClient, model: str = "add_sub") -> np.ndarray:
+    a = np.arange(16, dtype=np.int32)
+    ins = []
+    for name in ("INPUT0", "INPUT1"):
+        t = httpclient.InferInput(name, [16], "INT32")
+        t.set_data_from_numpy(a)
+        ins.append(t)
+    return client.infer(model, ins).as_numpy("OUTPUT0")
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    root.mkdir()
+    shutil.copytree(ADD_SUB, root / "add_sub")
+    return root
+
+
+class Load:
+    """Client threads sending add_sub in closed loops, counting successes and failures."""
+
+    def __init__(self, url: str, threads: int = 3) -> None:
+        self.url, self.ok, self.errors, self.stop = url, 0, [], False
+        self.threads = [threading.Thread(target=self.run) for _ in range(threads)]
+
+    def run(self) -> None:
+        client = httpclient.InferenceServerClient(self.url)
+        while not self.stop:
+            try:
+                assert add_sub(client).tolist() == list(range(0, 32, 2))
+                self.ok += 1
+            except Exception as e:  # noqa: BLE001 - every failure is a finding
+                self.errors.append(repr(e))
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop = True
+        for t in self.threads:
+            t.join(30)
+
+
+def test_repository_api_load_unload_and_index(server_factory, repo):
+    s = server_factory.start([repo], ["--model-control-mode", "explicit"])
+    c = s.client()
+    assert c.get_model_repository_index() == [{"name": "add_sub"}]
+    assert not c.is_model_ready("add_sub")
+    c.load_model("add_sub")
+    assert c.is_model_ready("add_sub")
+    index = c.get_model_repository_index()
+    assert index == [{"name": "add_sub", "version": "1", "state": "READY", "reason": ""}]
+    c.load_model("add_sub", config=config(count=2))
+    assert c.get_model_config("add_sub")["instance_group"][0]["count"] == 2
+    assert add_sub(c).tolist() == list(range(0, 32, 2))
+    c.unload_model("add_sub")
+    assert not c.is_model_ready("add_sub")
+    with pytest.raises(InferenceServerException, match="Request for unknown model"):
+        add_sub(c)
+
+
+def test_load_from_file_contents_of_a_model_not_on_disk(server_factory, repo):
+    s = server_factory.start([repo], ["--model-control-mode", "explicit"])
+    c = s.client()
+    code = (ADD_SUB / "1" / "model.py").read_bytes()
+    cfg = json.loads(config())
+    cfg["name"] = "uploaded"
+    c.load_model("uploaded", config=json.dumps(cfg), files={"file:1/model.py": code})
+    assert add_sub(c, "uploaded").tolist() == list(range(0, 32, 2))
+
+
+def test_reloads_under_load_lose_no_request(server_factory, repo):
+    s = server_factory.start([repo], ["--model-control-mode", "explicit", "--load-model", "add_sub"])
+    c = s.client()
+    with Load(s.url) as load:
+        time.sleep(0.3)
+        for i in range(6):
+            c.load_model("add_sub", config=config(count=1 + i % 2))
+        time.sleep(0.3)
+    assert load.errors == []
+    assert load.ok > 50
+
+
+def test_failed_load_leaves_the_old_version_serving(server_factory, repo):
+    s = server_factory.start([repo], ["--model-control-mode", "explicit", "--load-model", "add_sub"])
+    c = s.client()
+    bad = json.loads(config())
+    bad["backend"] = "no_such_backend"
+    with Load(s.url) as load:
+        with pytest.raises(InferenceServerException) as e:
+            c.load_model("add_sub", config=json.dumps(bad))
+        assert "failed to load 'add_sub'" in e.value.message()
+        time.sleep(0.3)
+    assert load.errors == [] and load.ok > 0
+    assert c.is_model_ready("add_sub") and c.is_server_ready()
+
+
+def test_load_and_unload_need_explicit_mode(server_factory, repo):
+    s = server_factory.start([repo])
+    with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed"):
+        s.client().load_model("add_sub")
+
+
+def wait_for(predicate, timeout: float = 10.0) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if predicate():
+            return time.monotonic() - started
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def test_poll_mode_follows_the_repository(server_factory, repo, tmp_path):
+    s = server_factory.start([repo], ["--model-control-mode", "poll"])
+    c = s.client()
+    assert c.get_model_metadata("add_sub")["versions"] == ["1"]
+    with Load(s.url) as load:
+        # A new version published by atomic rename serves (and the policy retires version 1).
+        staging = repo / ".staging-2"
+        shutil.copytree(repo / "add_sub" / "1", staging)
+        os.rename(staging, repo / "add_sub" / "2")
+        took = wait_for(lambda: c.get_model_metadata("add_sub")["versions"] == ["2"])
+        # Editor temporaries and dot-folders change nothing.
+        (repo / "add_sub" / "config.pbtxt~").write_text("junk")
+        (repo / ".hidden").mkdir()
+        time.sleep(0.8)
+        assert c.get_model_metadata("add_sub")["versions"] == ["2"]
+    assert load.errors == [] and load.ok > 0
+    assert took < 5.0
+    # A new model folder loads; a removed one unloads.
+    shutil.copytree(ADD_SUB, tmp_path / "copy")
+    cfg = (tmp_path / "copy" / "config.pbtxt").read_text().replace('name: "add_sub"', 'name: "twin"')
+    (tmp_path / "copy" / "config.pbtxt").write_text(cfg)
+    os.rename(tmp_path / "copy", repo / "twin")
+    wait_for(lambda: c.is_model_ready("twin"))
+    assert add_sub(c, "twin").tolist() == list(range(0, 32, 2))
+    shutil.rmtree(repo / "twin")
+    wait_for(lambda: not c.is_model_ready("twin"))
