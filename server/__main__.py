@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from shm.names import set_title
+
 
 def main(argv: list[str] | None = None) -> int:
     from .cli import parse_args
@@ -11,12 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.log_verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s [launcher] %(name)s: %(message)s")
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"shmserve launcher {args.id}")
-    except ImportError:  # pragma: no cover
-        pass
+    set_title(f"shmserve launcher {args.id}")
     from .launcher import Launcher
 
     return Launcher(args).run()

@@ -19,7 +19,7 @@ import time
 import orjson
 
 from shm.channel import BrokerSegment
-from shm.names import object_name, pid_alive, unlink_all
+from shm.names import list_objects, object_name, pid_alive, unlink_all, unlink_semaphore, unlink_shm
 
 from .broker.options import STARTUP_FAILED, BrokerOptions
 
@@ -160,22 +160,13 @@ class Launcher:
 
 def unlink_all_but_frontends(server_id: str) -> None:
     """After a broker crash: remove its objects and its workers'; frontends reconnect on their own."""
-    from shm.names import list_objects
-    import posix_ipc
-
     shms, sems = list_objects(server_id)
     for name in shms:
         if ".client." not in name:
-            try:
-                posix_ipc.unlink_shared_memory(name)
-            except posix_ipc.ExistentialError:
-                pass
+            unlink_shm(name)
     for name in sems:
         if ".client." not in name:
-            try:
-                posix_ipc.unlink_semaphore(name)
-            except posix_ipc.ExistentialError:
-                pass
+            unlink_semaphore(name)
 
 
 def _wait(proc: subprocess.Popen | None, timeout: float) -> None:

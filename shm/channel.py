@@ -18,7 +18,7 @@ import numpy as np
 import posix_ipc
 
 from .arena import Arena
-from .names import object_name
+from .names import object_name, unlink_semaphore
 from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
 from .published import Published
@@ -59,10 +59,7 @@ def _align(n: int, a: int = 4096) -> int:
 
 
 def _create_sem(name: str, initial: int = 0) -> posix_ipc.Semaphore:
-    try:
-        posix_ipc.unlink_semaphore(name)
-    except posix_ipc.ExistentialError:
-        pass
+    unlink_semaphore(name)
     return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
 
 
@@ -155,11 +152,8 @@ class BrokerSegment:
         self.seg.close()
 
     def unlink(self) -> None:
-        for name in (self.doorbell_name, self.mutex_name):
-            try:
-                posix_ipc.unlink_semaphore(name)
-            except posix_ipc.ExistentialError:
-                pass
+        unlink_semaphore(self.doorbell_name)
+        unlink_semaphore(self.mutex_name)
         self.seg.unlink()
 
 
@@ -228,10 +222,7 @@ class WorkerSegment:
         self.seg.close()
 
     def unlink(self) -> None:
-        try:
-            posix_ipc.unlink_semaphore(self.name)
-        except posix_ipc.ExistentialError:
-            pass
+        unlink_semaphore(self.name)
         self.seg.unlink()
 
 
@@ -344,10 +335,7 @@ class ClientSegment:
         self.seg.close()
 
     def unlink(self) -> None:
-        try:
-            posix_ipc.unlink_semaphore(self.name)
-        except posix_ipc.ExistentialError:
-            pass
+        unlink_semaphore(self.name)
         try:
             os.unlink(self.fifo_path)
         except FileNotFoundError:

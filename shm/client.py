@@ -340,11 +340,7 @@ class Client:
         while True:
             kind, completion, plan, start = events.get(timeout=wait_s)
             if kind == "end":
-                try:
-                    if completion.status != 200:
-                        self._check(completion)
-                finally:
-                    completion.release()
+                self._end_stream(completion)
                 return
             try:
                 result = self._result(completion, plan, start)
@@ -353,6 +349,14 @@ class Client:
                 _drain_stream(events)
                 raise
             yield result
+
+    def _end_stream(self, completion: Completion) -> None:
+        """The final completion of a stream: raise if the request failed as a whole."""
+        try:
+            if completion.status != 200:
+                self._check(completion)
+        finally:
+            completion.release()
 
     async def stream_aio(self, model: str, inputs: Mapping[str, Any], outputs: Any = None,
                          **kwargs: Any) -> Any:
@@ -369,11 +373,7 @@ class Client:
         while True:
             kind, completion, plan, start = await queue.get()
             if kind == "end":
-                try:
-                    if completion.status != 200:
-                        self._check(completion)
-                finally:
-                    completion.release()
+                self._end_stream(completion)
                 return
             yield self._result(completion, plan, start)
 

@@ -50,23 +50,36 @@ def list_objects(server_id: str) -> tuple[list[str], list[str]]:
     return shms, sems
 
 
+def unlink_semaphore(name: str) -> bool:
+    try:
+        posix_ipc.unlink_semaphore(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+def unlink_shm(name: str) -> bool:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+def set_title(title: str) -> None:
+    """The process title operators see in ``ps`` (setproctitle is a dependency)."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # pragma: no cover
+        pass
+
+
 def unlink_all(server_id: str) -> int:
     """Remove every object of ``server_id``; returns how many were removed."""
     shms, sems = list_objects(server_id)
-    removed = 0
-    for name in shms:
-        try:
-            posix_ipc.unlink_shared_memory(name)
-            removed += 1
-        except posix_ipc.ExistentialError:
-            pass
-    for name in sems:
-        try:
-            posix_ipc.unlink_semaphore(name)
-            removed += 1
-        except posix_ipc.ExistentialError:
-            pass
-    return removed
+    return sum(unlink_shm(n) for n in shms) + sum(unlink_semaphore(n) for n in sems)
 
 
 def pid_alive(pid: int) -> bool:

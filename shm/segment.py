@@ -12,6 +12,8 @@ from collections import OrderedDict
 
 import posix_ipc
 
+from .names import unlink_shm
+
 
 class Segment:
     """One mapped segment. ``create`` owns the name (and unlinks it); ``attach`` only maps it."""
@@ -53,10 +55,7 @@ class Segment:
             pass
 
     def unlink(self) -> None:
-        try:
-            posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
-            pass
+        unlink_shm(self.name)
 
 
 class SegmentCache:

@@ -8,6 +8,8 @@ import sys
 
 import orjson
 
+from shm.names import set_title
+
 
 def _die_with_parent(parent: int) -> None:
     """Linux: the kernel sends us SIGTERM when the broker dies, so no worker outlives it and none
@@ -31,12 +33,7 @@ def main() -> int:
         # Before torch is imported: this process sees only its own GPU (as cuda:0).
         os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.get("device_id", 0))
     title = f"shmserve worker {spec['model']} v{spec['version']} #{spec['instance_index']} {device}"
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(title)
-    except ImportError:  # pragma: no cover - setproctitle is a dependency
-        pass
+    set_title(title)
     logging.basicConfig(
         level=logging.DEBUG if spec.get("log_verbose") else logging.INFO,
         format=f"%(asctime)s %(levelname).1s [{spec['model']} v{spec['version']} #{spec['instance_index']}] "

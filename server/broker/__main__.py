@@ -6,6 +6,8 @@ import sys
 
 import orjson
 
+from shm.names import set_title
+
 from .options import BrokerOptions
 
 
@@ -13,12 +15,7 @@ def main() -> int:
     opts = BrokerOptions.from_json(orjson.loads(sys.argv[1]))
     logging.basicConfig(level=logging.DEBUG if opts.log_verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s [broker] %(name)s: %(message)s")
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"shmserve broker {opts.server_id}")
-    except ImportError:  # pragma: no cover
-        pass
+    set_title(f"shmserve broker {opts.server_id}")
     from shm.profiling import run_profiled
 
     from .broker import main as run

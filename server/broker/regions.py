@@ -32,9 +32,37 @@ class Region:
         self.ino = ino  # the object registered: workers re-map if the key later names another
 
 
-class RegionRegistry:
+class _Registry:
+    """What both registries share: forgetting regions and describing them as Triton does."""
+
+    kind = "system"
+
     def __init__(self) -> None:
-        self.regions: dict[str, Region] = {}
+        self.regions: dict[str, Any] = {}
+
+    def unregister(self, name: str | None) -> None:
+        if name is None:
+            self.regions.clear()
+        else:
+            self.regions.pop(name, None)
+
+    def status(self, name: str | None) -> list[dict[str, Any]]:
+        if name is not None:
+            r = self.regions.get(name)
+            if r is None:
+                raise RegionError(f"Unable to find {self.kind} shared memory region: '{name}'")
+            items = [r]
+        else:
+            items = list(self.regions.values())
+        return [self.describe(r) for r in items]
+
+    def describe(self, r: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class RegionRegistry(_Registry):
+    def describe(self, r: "Region") -> dict[str, Any]:
+        return {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
 
     def register(self, name: str, key: str, offset: int, byte_size: int, owner: str | None = None) -> None:
         if not name:
@@ -65,22 +93,6 @@ class RegionRegistry:
                               f"exceeds the {size} bytes of '{key}'")
         self.regions[name] = Region(name, shm_key, offset, byte_size, owner, st.st_ino)
 
-    def unregister(self, name: str | None) -> None:
-        if name is None:
-            self.regions.clear()
-        else:
-            self.regions.pop(name, None)
-
-    def status(self, name: str | None) -> list[dict[str, Any]]:
-        if name is not None:
-            r = self.regions.get(name)
-            if r is None:
-                raise RegionError(f"Unable to find system shared memory region: '{name}'")
-            items = [r]
-        else:
-            items = list(self.regions.values())
-        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in items]
-
     def drop_owner(self, owner: str) -> None:
         for name in [n for n, r in self.regions.items() if r.owner == owner]:
             del self.regions[name]
@@ -106,15 +118,17 @@ class CudaRegion:
         self.name, self.handle_b64, self.device_id, self.byte_size = name, handle_b64, device_id, byte_size
 
 
-class CudaRegionRegistry:
+class CudaRegionRegistry(_Registry):
     """CUDA shared-memory regions: device memory a client exported with ``cudaIpcGetMemHandle``.
 
     The broker checks the request (a CUDA device exists, the handle has the size of one, the
     device is real); the worker that needs the bytes opens the handle (see ``workers/cuda.py``).
     """
 
-    def __init__(self) -> None:
-        self.regions: dict[str, CudaRegion] = {}
+    kind = "cuda"
+
+    def describe(self, r: "CudaRegion") -> dict[str, Any]:
+        return {"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
 
     def register(self, name: str, handle_b64: str, device_id: int, byte_size: int) -> None:
         from workers.cuda import IPC_HANDLE_BYTES
@@ -137,22 +151,6 @@ class CudaRegionRegistry:
         if byte_size <= 0:
             raise RegionError(f"cuda shared memory region '{name}': byte_size must be > 0")
         self.regions[name] = CudaRegion(name, handle_b64, device_id, byte_size)
-
-    def unregister(self, name: str | None) -> None:
-        if name is None:
-            self.regions.clear()
-        else:
-            self.regions.pop(name, None)
-
-    def status(self, name: str | None) -> list[dict[str, Any]]:
-        if name is not None:
-            r = self.regions.get(name)
-            if r is None:
-                raise RegionError(f"Unable to find cuda shared memory region: '{name}'")
-            items = [r]
-        else:
-            items = list(self.regions.values())
-        return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in items]
 
     def resolve(self, name: str, offset: int, size: int, what: str, tensor: str) -> dict[str, Any] | None:
         r = self.regions.get(name)

@@ -12,15 +12,12 @@ import sys
 import orjson
 import uvicorn
 
+from shm.names import set_title
+
 
 def main() -> int:
     spec = orjson.loads(sys.argv[1])
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"shmserve frontend {spec['server_id']} #{spec['index']}")
-    except ImportError:  # pragma: no cover
-        pass
+    set_title(f"shmserve frontend {spec['server_id']} #{spec['index']}")
     logging.basicConfig(level=logging.DEBUG if spec.get("log_verbose") else logging.INFO,
                         format=f"%(asctime)s %(levelname).1s [frontend #{spec['index']}] %(name)s: %(message)s")
     from .app import build_app
