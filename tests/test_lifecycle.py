@@ -169,3 +169,51 @@ def test_poll_mode_follows_the_repository(server_factory, repo, tmp_path):
     assert add_sub(c, "twin").tolist() == list(range(0, 32, 2))
     shutil.rmtree(repo / "twin")
     wait_for(lambda: not c.is_model_ready("twin"))
+
+
+def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_factory):
+    repo = Path(__file__).parent / "models" / "warmup"
+    s = server_factory.start([repo], ["--exit-on-error=false"], wait=False)
+    s.wait_until(lambda: s.http_status("/v2/models/warm_probe/ready") == 200, "warm_probe ready")
+    c = s.client()
+    x = httpclient.InferInput("X", [4], "FP32")
+    x.set_data_from_numpy(np.ones(4, np.float32))
+    result = c.infer("warm_probe", [x])
+    # zeros x2, random x1, file x1: four warm-up executions before the first real request.
+    assert result.as_numpy("SEEN").tolist() == [4, 4]
+    assert result.as_numpy("LAST_SUM").tolist() == [10.0]  # the file sample (1+2+3+4) ran last
+    index = {m["name"]: m for m in c.get_model_repository_index()}
+    assert index["warm_broken"]["state"] == "UNAVAILABLE"
+    assert "warmup sample 'file' failed" in index["warm_broken"]["reason"] or \
+        "missing.bin" in index["warm_broken"]["reason"]
+
+
+@pytest.mark.parametrize("policy,expected", [
+    ("", ["3"]),
+    ("version_policy { latest { num_versions: 2 } }", ["2", "3"]),
+    ("version_policy { all { } }", ["1", "2", "3"]),
+    ("version_policy { specific { versions: [ 1, 3 ] } }", ["1", "3"]),
+])
+def test_version_policies(server_factory, tmp_path, policy, expected):
+    repo = tmp_path / "repo"
+    model = repo / "add_sub"
+    shutil.copytree(ADD_SUB, model)
+    for v in ("2", "3"):
+        shutil.copytree(model / "1", model / v)
+    (model / "config.pbtxt").write_text((ADD_SUB / "config.pbtxt").read_text() + "\n" + policy + "\n")
+    s = server_factory.start([repo])
+    c = s.client()
+    assert c.get_model_metadata("add_sub")["versions"] == expected
+    a = np.arange(16, dtype=np.int32)
+    ins = []
+    for name in ("INPUT0", "INPUT1"):
+        t = httpclient.InferInput(name, [16], "INT32")
+        t.set_data_from_numpy(a)
+        ins.append(t)
+    # Unversioned requests go to the highest ready version.
+    assert c.infer("add_sub", ins).get_response()["model_version"] == expected[-1]
+    for v in expected:
+        assert c.infer("add_sub", ins, model_version=v).get_response()["model_version"] == v
+    for v in {"1", "2", "3"} - set(expected):
+        with pytest.raises(InferenceServerException, match="Request for unknown model"):
+            c.infer("add_sub", ins, model_version=v)

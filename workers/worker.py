@@ -36,6 +36,7 @@ from .cuda import runtime as cuda_runtime
 from .sequence import SequenceSupport
 from .signature import InvalidRequest, ModelSignature
 from .stream import StreamSender
+from .warmup import run_warmup
 
 log = logging.getLogger("shmserve.worker")
 DIRECT_DONE = STAT_FIELDS.index("direct_done")
@@ -95,6 +96,9 @@ class Worker:
             if ctx.config.get("sequence_batching"):
                 self.sequence = SequenceSupport(ctx.config)
             self.decoupled = bool((ctx.config.get("model_transaction_policy") or {}).get("decoupled"))
+            if ctx.config.get("model_warmup"):
+                runs = run_warmup(self.instance, ctx.config, ctx.model_dir, self.output_names)
+                log.info("warm-up done: %d execution(s)", runs)
         except BaseException as e:  # noqa: BLE001 - any failure of user code is a load failure
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             log.error("failed to load '%s' version %d: %s\n%s", self.model, self.version, detail,

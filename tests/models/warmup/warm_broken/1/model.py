@@ -1,0 +1,1 @@
+../../warm_probe/1/model.py

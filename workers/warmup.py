@@ -1,0 +1,84 @@
+"""``model_warmup``: requests a version runs before it is marked READY (Triton's semantics).
+
+Each sample names its inputs (``zero_data``, ``random_data`` or ``input_data_file`` read from the
+model's ``warmup/`` folder), a ``batch_size`` and a ``count``; the instance executes it that many
+times and its outputs are dropped. A sample that fails fails the load, with the sample named.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes, element_count
+
+from .backend import Instance, Request
+
+
+class WarmupError(Exception):
+    pass
+
+
+def _tensor(spec: dict, shape: list[int], model_dir: Path, sample: str, name: str) -> np.ndarray:
+    datatype = CONFIG_TO_WIRE.get(spec.get("data_type", ""), "")
+    if not datatype:
+        raise WarmupError(f"warmup sample '{sample}': input '{name}' has no valid data_type")
+    dtype = DTYPES[datatype]
+    count = element_count(shape)
+    if spec.get("input_data_file"):
+        path = model_dir / "warmup" / spec["input_data_file"]
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise WarmupError(f"warmup sample '{sample}': cannot read {path}: {e.strerror}") from None
+        if datatype == "BYTES":
+            return deserialize_bytes(raw, count).reshape(shape)
+        arr = np.frombuffer(raw, dtype=dtype)
+        if arr.size != count:
+            raise WarmupError(f"warmup sample '{sample}': {path} holds {arr.size} elements, input '{name}' "
+                              f"needs {count}")
+        return arr.reshape(shape)
+    if datatype == "BYTES":
+        value = b"" if spec.get("zero_data") else b"warmup"
+        out = np.empty(count, dtype=object)
+        out[:] = [value] * count
+        return out.reshape(shape)
+    if spec.get("random_data"):
+        rng = np.random.default_rng(0)
+        if dtype.kind == "f":
+            return rng.random(shape).astype(dtype)
+        if dtype.kind == "b":
+            return rng.integers(0, 2, shape).astype(dtype)
+        return rng.integers(0, 100, shape).astype(dtype)
+    return np.zeros(shape, dtype=dtype)
+
+
+def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, outputs: list[str]) -> int:
+    """Run every sample; returns how many executions it took."""
+    batched = int(config.get("max_batch_size", 0)) > 0
+    executions = 0
+    for i, sample in enumerate(config.get("model_warmup", [])):
+        label = sample.get("name") or f"#{i}"
+        batch = int(sample.get("batch_size", 1) or 1)
+        inputs = {}
+        for name, spec in (sample.get("inputs") or {}).items():
+            dims = [d if d > 0 else 1 for d in spec.get("dims", [])]
+            inputs[name] = _tensor(spec, ([batch] if batched else []) + dims, model_dir, label, name)
+        for _ in range(max(1, int(sample.get("count", 1) or 1))):
+            request = Request(inputs=inputs, requested_outputs=list(outputs), id=f"warmup-{label}",
+                              sender=_discard if config.get("model_transaction_policy", {}).get("decoupled")
+                              else None)
+            try:
+                responses = instance.execute([request])
+            except Exception as e:  # noqa: BLE001 - the model's own failure
+                raise WarmupError(f"warmup sample '{label}' failed: {type(e).__name__}: {e}") from None
+            for r in responses or ():
+                if r is not None and r.error is not None:
+                    raise WarmupError(f"warmup sample '{label}' failed: {r.error}")
+            executions += 1
+    return executions
+
+
+def _discard(response: Any, final: bool) -> None:
+    """A decoupled model's warm-up responses go nowhere."""
