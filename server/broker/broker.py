@@ -27,7 +27,7 @@ from shm.segment import SegmentCache
 from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, W_BATCH, W_CONFIG,
                           W_DONE, W_LOAD_FAILED, W_READY, W_STOP, manifest_room, read_manifest, read_manifest_with_data,
                           write_manifest)
-from workers.backend import installed_backends
+from workers.backend import BUILT_IN, installed_backends
 
 from . import config as cfgmod
 from .batcher import DynamicBatcher, QueueFull
@@ -66,7 +66,7 @@ class Broker:
         self.running = True
         self.startup_done = False
         self.startup_failed = False
-        self.backends = set(installed_backends())
+        self.backends = set(installed_backends()) | set(BUILT_IN)
         self.control = ControlHandler(self)
         self._last_housekeeping = 0.0
         self.child_exited = False
