@@ -217,3 +217,20 @@ def test_version_policies(server_factory, tmp_path, policy, expected):
     for v in {"1", "2", "3"} - set(expected):
         with pytest.raises(InferenceServerException, match="Request for unknown model"):
             c.infer("add_sub", ins, model_version=v)
+
+
+def test_rollback_to_an_older_version_in_one_call_loses_no_request(server_factory, repo):
+    """Versions 1 and 2 on disk, 2 serving; one load call whose config pins version 1 moves the
+    traffic back, while clients keep sending."""
+    shutil.copytree(repo / "add_sub" / "1", repo / "add_sub" / "2")
+    s = server_factory.start([repo], ["--model-control-mode", "explicit", "--load-model", "add_sub"])
+    c = s.client()
+    assert c.get_model_metadata("add_sub")["versions"] == ["2"]
+    pinned = json.loads(config())
+    pinned["version_policy"] = {"specific": {"versions": [1]}}
+    with Load(s.url) as load:
+        time.sleep(0.3)
+        c.load_model("add_sub", config=json.dumps(pinned))
+        time.sleep(0.3)
+    assert c.get_model_metadata("add_sub")["versions"] == ["1"]
+    assert load.errors == [] and load.ok > 0
