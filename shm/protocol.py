@@ -44,7 +44,6 @@ SLOT_BYTES = 64
 # Decoupled (streaming) requests: the client reserves a small ring in its request block; the
 # worker appends one record per response (status, flags, block offset, length, worker number).
 STREAM_CAPACITY = 64
-STREAM_FINAL = 1  # flags: this is the request's last response
 
 # A connect record: client pid, then the client segment's name (NUL padded).
 CONNECT = struct.Struct("<I124s")

@@ -88,9 +88,6 @@ class SegmentCache:
                                  f"register it again")
             return seg
 
-    def names(self) -> list[str]:
-        return list(self._items)
-
     def drop(self, name: str) -> None:
         with self._lock:
             seg = self._items.pop(name, None)
@@ -117,9 +114,6 @@ class SemaphoreCache:
             sem = posix_ipc.Semaphore(name)
             self._items[name] = sem
         return sem
-
-    def names(self) -> list[str]:
-        return list(self._items)
 
     def drop(self, name: str) -> None:
         sem = self._items.pop(name, None)

@@ -112,19 +112,6 @@ def byte_view(array: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
-def to_wire_bytes(array: np.ndarray, datatype: str) -> bytes | memoryview:
-    """Raw bytes of a tensor as they travel (a view when the array is contiguous)."""
-    if datatype == "BYTES":
-        return serialize_bytes(array)
-    return byte_view(array)
-
-
-def wire_size(array: np.ndarray, datatype: str) -> int:
-    if datatype == "BYTES":
-        return sum(4 + len(_as_bytes(x)) for x in array.reshape(-1))
-    return array.nbytes
-
-
 def from_buffer(buf: memoryview, datatype: str, shape: list[int]) -> np.ndarray:
     """A numpy view over ``buf`` (no copy) or, for BYTES, the decoded object array."""
     if datatype == "BYTES":

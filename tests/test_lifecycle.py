@@ -29,14 +29,18 @@ def config(count: int = 1) -> str:
         "instance_group": [{"count": count, "kind": "KIND_CPU"}]})
 
 
-def add_sub(client: httpclient.InferenceServerClient, model: str = "add_sub") -> np.ndarray:
+def add_sub_result(client: httpclient.InferenceServerClient, model: str = "add_sub", version: str = ""):
     a = np.arange(16, dtype=np.int32)
     ins = []
     for name in ("INPUT0", "INPUT1"):
         t = httpclient.InferInput(name, [16], "INT32")
         t.set_data_from_numpy(a)
         ins.append(t)
-    return client.infer(model, ins).as_numpy("OUTPUT0")
+    return client.infer(model, ins, model_version=version)
+
+
+def add_sub(client: httpclient.InferenceServerClient, model: str = "add_sub") -> np.ndarray:
+    return add_sub_result(client, model).as_numpy("OUTPUT0")
 
 
 @pytest.fixture
@@ -204,19 +208,13 @@ def test_version_policies(server_factory, tmp_path, policy, expected):
     s = server_factory.start([repo])
     c = s.client()
     assert c.get_model_metadata("add_sub")["versions"] == expected
-    a = np.arange(16, dtype=np.int32)
-    ins = []
-    for name in ("INPUT0", "INPUT1"):
-        t = httpclient.InferInput(name, [16], "INT32")
-        t.set_data_from_numpy(a)
-        ins.append(t)
     # Unversioned requests go to the highest ready version.
-    assert c.infer("add_sub", ins).get_response()["model_version"] == expected[-1]
+    assert add_sub_result(c).get_response()["model_version"] == expected[-1]
     for v in expected:
-        assert c.infer("add_sub", ins, model_version=v).get_response()["model_version"] == v
+        assert add_sub_result(c, version=v).get_response()["model_version"] == v
     for v in {"1", "2", "3"} - set(expected):
         with pytest.raises(InferenceServerException, match="Request for unknown model"):
-            c.infer("add_sub", ins, model_version=v)
+            add_sub_result(c, version=v)
 
 
 def test_rollback_to_an_older_version_in_one_call_loses_no_request(server_factory, repo):

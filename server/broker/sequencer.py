@@ -48,7 +48,6 @@ class SequenceBatcher:
         self.backlog: collections.deque[Sequence] = collections.deque()
         self.slots: dict[int, list[Sequence | None]] = {}
         self.releases: dict[int, list[Any]] = collections.defaultdict(list)  # inst num -> corr ids to forget
-        self.preserve_ordering = False
 
     # -- queueing -------------------------------------------------------------------------------
     def __len__(self) -> int:
