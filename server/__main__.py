@@ -1,18 +1,18 @@
 """``shmserve`` / ``python -m server``: parse flags, then run the launcher."""
 from __future__ import annotations
 
-import logging
 import sys
 
 from shm.names import set_title
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import parse_args
+    from shm import logs
+
+    from .cli import log_settings, parse_args
 
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.log_verbose else logging.INFO,
-                        format="%(asctime)s %(levelname).1s [launcher] %(name)s: %(message)s")
+    logs.configure(log_settings(args))
     set_title(f"shmserve launcher {args.id}")
     from .launcher import Launcher
 

@@ -51,7 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit if a model fails to load at start (default true)")
     p.add_argument("--exit-timeout-secs", type=float, default=30.0,
                    help="on shutdown, seconds to wait for in-flight requests (default 30)")
-    p.add_argument("--log-verbose", type=int, default=0, help="verbose logging level; 0 is off (default 0)")
+    p.add_argument("--log-verbose", type=int, default=0,
+                   help="verbose logging level: lines of verbose level <= N are logged; 0 is off (default 0)")
+    p.add_argument("--log-info", type=parse_bool, nargs="?", const=True, default=True,
+                   help="log INFO lines (default true)")
+    p.add_argument("--log-warning", type=parse_bool, nargs="?", const=True, default=True,
+                   help="log WARNING lines (default true)")
+    p.add_argument("--log-error", type=parse_bool, nargs="?", const=True, default=True,
+                   help="log ERROR lines (default true)")
+    p.add_argument("--log-format", choices=["default", "ISO8601"], default="default",
+                   help="line format: 'default' starts lines with 'I1122 06:31:41.123456', 'ISO8601' with "
+                        "'2026-11-22T06:31:41Z I' (default 'default')")
+    p.add_argument("--log-file", default="", metavar="PATH",
+                   help="append every process's log lines to this file instead of stderr (default: stderr)")
     p.add_argument("--id", default="shmserve",
                    help="server id; names its shared-memory objects and lets local clients find it "
                         "(default 'shmserve')")
@@ -85,4 +97,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model requires --model-control-mode=explicit")
+    if args.log_verbose < 0:
+        parser.error("--log-verbose must be 0 or more")
+    if args.log_file:
+        args.log_file = os.path.abspath(args.log_file)  # every process opens it, whatever its cwd
+        try:
+            os.close(os.open(args.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+        except OSError as e:
+            parser.error(f"cannot open --log-file '{args.log_file}': {e.strerror}")
     return args
+
+
+def log_settings(args: argparse.Namespace) -> dict:
+    """The flags as Triton's logging-extension settings (what every process configures from)."""
+    return {"log_file": args.log_file, "log_info": args.log_info, "log_warning": args.log_warning,
+            "log_error": args.log_error, "log_verbose_level": args.log_verbose, "log_format": args.log_format}

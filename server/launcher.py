@@ -18,10 +18,12 @@ import time
 
 import orjson
 
+from shm import logs
 from shm.channel import BrokerSegment
 from shm.names import list_objects, object_name, pid_alive, unlink_all, unlink_semaphore, unlink_shm
 
 from .broker.options import STARTUP_FAILED, BrokerOptions
+from .cli import log_settings
 
 log = logging.getLogger("shmserve")
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
@@ -68,7 +70,7 @@ class Launcher:
             control_mode=args.model_control_mode, load_models=args.load_model,
             strict_config=args.strict_model_config, strict_readiness=args.strict_readiness,
             exit_on_error=args.exit_on_error, exit_timeout_s=args.exit_timeout_secs,
-            log_verbose=args.log_verbose, worker_arena_bytes=args.worker_arena_mb << 20,
+            log=log_settings(args), worker_arena_bytes=args.worker_arena_mb << 20,
             allow_remote_shm=args.allow_remote_shm,
             metrics_port=args.metrics_port if args.allow_metrics else 0,
         )
@@ -93,7 +95,7 @@ class Launcher:
         spec = {"server_id": self.sid, "fd": self.sock.fileno(), "index": index,
                 "arena_bytes": self.args.frontend_arena_mb << 20, "allow_remote_shm": self.args.allow_remote_shm,
                 "max_input_bytes": self.args.http_max_input_size, "exit_timeout_s": self.args.exit_timeout_secs,
-                "log_verbose": self.args.log_verbose}
+                "log": log_settings(self.args)}
         return subprocess.Popen([sys.executable, "-m", "server.frontend", orjson.dumps(spec)],
                                 pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL)
 
@@ -109,6 +111,7 @@ class Launcher:
         try:
             self.broker = self._start_broker()
             self.frontends = [self._start_frontend(i) for i in range(self.args.http_workers)]
+            logs.Watcher(self.sid).start()  # follow run-time changes (POST /v2/logging) here too
             log.info("shmserve '%s' serving HTTP on %s:%d with %d frontend(s)", self.sid, self.args.http_address,
                      self.args.http_port, len(self.frontends))
             code = self._supervise()

@@ -15,7 +15,8 @@ FLAGS = [
     "--model-repository", "--model-store", "--http-port", "--http-address", "--http-workers",
     "--http-max-input-size", "--metrics-port", "--allow-metrics", "--model-control-mode", "--load-model",
     "--strict-model-config", "--strict-readiness", "--exit-on-error", "--exit-timeout-secs", "--log-verbose",
-    "--id", "--allow-remote-shm", "--worker-arena-mb", "--frontend-arena-mb",
+    "--id", "--allow-remote-shm", "--worker-arena-mb", "--frontend-arena-mb", "--log-info", "--log-warning",
+    "--log-error", "--log-format", "--log-file",
 ]
 SHMSERVE = Path(PYTHON).parent / "shmserve"
 

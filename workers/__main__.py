@@ -1,7 +1,6 @@
 """Worker entry point: ``python -m workers '<spec JSON>'`` (started by the broker, not by hand)."""
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -34,11 +33,9 @@ def main() -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.get("device_id", 0))
     title = f"shmserve worker {spec['model']} v{spec['version']} #{spec['instance_index']} {device}"
     set_title(title)
-    logging.basicConfig(
-        level=logging.DEBUG if spec.get("log_verbose") else logging.INFO,
-        format=f"%(asctime)s %(levelname).1s [{spec['model']} v{spec['version']} #{spec['instance_index']}] "
-               f"%(name)s: %(message)s",
-    )
+    from shm import logs
+
+    logs.configure(spec.get("log") or {}, prefix=f"[{spec['model']} v{spec['version']} #{spec['instance_index']}] ")
     from shm.profiling import run_profiled
 
     from .worker import run

@@ -18,7 +18,7 @@ class BrokerOptions:
     strict_readiness: bool = True
     exit_on_error: bool = True
     exit_timeout_s: float = 30.0
-    log_verbose: int = 0
+    log: dict[str, Any] = dataclasses.field(default_factory=dict)  # Triton's log settings (shm/logs.py)
     broker_arena_bytes: int = 64 << 20
     worker_arena_bytes: int = 256 << 20
     allow_remote_shm: bool = False

@@ -12,22 +12,28 @@ import sys
 import orjson
 import uvicorn
 
+from shm import logs
 from shm.names import set_title
+
+log = logging.getLogger("shmserve.frontend")
 
 
 def main() -> int:
     spec = orjson.loads(sys.argv[1])
     set_title(f"shmserve frontend {spec['server_id']} #{spec['index']}")
-    logging.basicConfig(level=logging.DEBUG if spec.get("log_verbose") else logging.INFO,
-                        format=f"%(asctime)s %(levelname).1s [frontend #{spec['index']}] %(name)s: %(message)s")
+    logs.configure(spec.get("log") or {})
+    logs.Watcher(spec["server_id"]).start()  # run-time changes (POST /v2/logging) from any frontend
     from .app import build_app
 
     app = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"])
     sock = socket.socket(fileno=spec["fd"])
+    # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.
     config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning",
+                            log_config=None,
                             timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)), lifespan="on", proxy_headers=False, server_header=False, date_header=False)
     from shm.profiling import run_profiled
 
+    log.info("frontend #%d serving HTTP", spec["index"])
     return run_profiled(f"frontend{spec['index']}", lambda: uvicorn.Server(config).run(sockets=[sock]) or 0)
 
 

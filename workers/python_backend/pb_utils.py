@@ -881,7 +881,8 @@ def _emit(message: str, level: _LogLevel) -> None:
 
 class Logger:
     """Model logging (``pb_utils.Logger.log_info(...)``), routed to the
-    Python logger "shmserve.model"; VERBOSE maps to DEBUG."""
+    Python logger "shmserve.model", so its lines share the server's log, format
+    and level switches (shm/logs.py); VERBOSE maps to DEBUG, verbose level 1."""
 
     LogLevel = _LogLevel
     INFO = _LogLevel.INFO

@@ -1,0 +1,283 @@
+"""Triton-style logging: the --log-* flags, line formats, worker prefixes, pb_utils.Logger, --log-file,
+and the logging extension (GET/POST /v2/logging) changing every process at run time."""
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import PYTHON, ROOT, TESTS, raw_request
+
+LOG_MODELS = TESTS / "models" / "logging"
+# Triton's formats: "I1122 06:31:41.123456 1234 file.py:123] msg" and "2026-11-22T06:31:41Z I 1234 file.py:123] msg"
+DEFAULT_RE = re.compile(r"^([IWEV])(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) (\d+) ([\w.]+):(\d+)\] (.*)$")
+ISO_RE = re.compile(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)Z ([IWEV]) (\d+) ([\w.]+):(\d+)\] (.*)$")
+DEFAULTS = {"log_file": "", "log_info": True, "log_warning": True, "log_error": True, "log_verbose_level": 0,
+            "log_format": "default"}
+# What log_probe writes per request, in order (see tests/models/logging/log_probe/1/model.py).
+PROBE_LINES = [("V", "method verbose"), ("E", "method error"), ("W", "method warning"), ("V", "enum verbose"),
+               ("E", "enum error"), ("W", "enum warning"), ("I", "enum info"), ("I", "method info")]
+
+
+def infer(server, request_id: str) -> None:
+    """One request to log_probe; when it returns, the worker has written all of its lines."""
+    x = httpclient.InferInput("X", [2], "INT32")
+    x.set_data_from_numpy(np.array([1, 2], dtype=np.int32))
+    result = server.client().infer("log_probe", [x], request_id=request_id)
+    assert result.as_numpy("Y").tolist() == [1, 2]
+
+
+def whole_lines(text: str) -> list[str]:
+    """Non-empty lines, without a last one another process may still be writing."""
+    lines = text.split("\n")
+    return [line for line in lines[:-1] if line.strip()]
+
+
+def parsed(text: str, pattern: re.Pattern = DEFAULT_RE) -> list[dict]:
+    """Log lines as dicts (level, pid, file, line, msg); lines of another shape are skipped."""
+    out = []
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if m:
+            g = m.groups()
+            level = g[0] if pattern is DEFAULT_RE else g[6]
+            out.append({"level": level, "pid": int(g[7]), "file": g[8], "line": int(g[9]), "msg": g[10],
+                        "raw": line})
+    return out
+
+
+def probe_lines(text: str, request_id: str, pattern: re.Pattern = DEFAULT_RE) -> dict[str, dict]:
+    """log_probe's lines for one request, by marker ("method info", ...)."""
+    out = {}
+    for rec in parsed(text, pattern):
+        m = re.match(r"^\[log_probe v1 #\d\] (\w+ \w+) " + re.escape(request_id) + "$", rec["msg"])
+        if m:
+            out[m.group(1)] = rec
+    return out
+
+
+def pids_by_role(server) -> dict[str, list[int]]:
+    roles: dict[str, list[int]] = {"launcher": [server.pid]}
+    for pid, title in server.titles().items():
+        for role in ("broker", "frontend", "worker"):
+            if title.startswith(f"shmserve {role} "):
+                roles.setdefault(role, []).append(pid)
+    return roles
+
+
+def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def srv(module_factory):
+    """Default flags, two HTTP frontends, log_probe with two instances."""
+    return module_factory.start([LOG_MODELS], ["--http-workers", "2"])
+
+
+# -- formats and flags ----------------------------------------------------------------------------
+
+
+def test_default_format_on_every_line(server_factory):
+    s = server_factory.start([LOG_MODELS])
+    infer(s, "fmt-1")
+    lines = whole_lines(s.log())
+    assert lines
+    bad = [line for line in lines if not DEFAULT_RE.match(line)]
+    assert not bad, f"lines not in Triton's default format: {bad}"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    for rec in parsed(s.log()):
+        m = DEFAULT_RE.match(rec["raw"])
+        assert m is not None
+        month, day, hh, mm, ss = (int(v) for v in m.groups()[1:6])
+        stamp = datetime.datetime(now.year, month, day, hh, mm, ss, tzinfo=datetime.timezone.utc)
+        assert abs((now - stamp).total_seconds()) < 600, rec["raw"]  # UTC, as Triton logs
+    roles = pids_by_role(s)
+    recs = parsed(s.log())
+    ready = [r for r in recs if r["msg"].startswith("server is ready")]
+    assert ready and ready[0]["pid"] in roles["broker"] and ready[0]["file"] == "broker.py"
+    assert any(r["pid"] == s.pid and r["file"] == "launcher.py" for r in recs)
+    assert not any(r["level"] == "V" for r in recs)  # --log-verbose 0
+
+
+def test_iso8601_and_level_flags(server_factory):
+    s = server_factory.start([LOG_MODELS], ["--log-format", "ISO8601", "--log-verbose", "1", "--log-info", "false",
+                                            "--log-warning", "false"])
+    infer(s, "iso-1")
+    lines = whole_lines(s.log())
+    bad = [line for line in lines if not ISO_RE.match(line)]
+    assert not bad, f"lines not in Triton's ISO8601 format: {bad}"
+    recs = parsed(s.log(), ISO_RE)
+    assert {r["level"] for r in recs} == {"V", "E"}  # no INFO, no WARNING lines from any process
+    probe = probe_lines(s.log(), "iso-1", ISO_RE)
+    assert set(probe) == {"method verbose", "enum verbose", "method error", "enum error"}
+    assert all(rec["file"] == "model.py" for rec in probe.values())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    stamp = datetime.datetime.strptime(probe["method error"]["raw"][:20], "%Y-%m-%dT%H:%M:%SZ")
+    assert abs((now - stamp.replace(tzinfo=datetime.timezone.utc)).total_seconds()) < 600
+
+
+def test_bad_flags_are_one_line_errors(tmp_path):
+    for args, needle in [(["--log-format", "json"], "--log-format"), (["--log-info", "maybe"], "--log-info"),
+                         (["--log-verbose", "-1"], "--log-verbose"),
+                         (["--log-file", str(tmp_path / "missing" / "x.log")], "cannot open --log-file")]:
+        r = subprocess.run([PYTHON, "-m", "server", "--model-repository", str(tmp_path), *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+        assert r.returncode == 2, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, (args, r.stderr)
+
+
+# -- worker lines and pb_utils.Logger -----------------------------------------------------------------
+
+
+def test_worker_lines_name_model_version_instance(srv):
+    roles = pids_by_role(srv)
+    recs = parsed(srv.log())
+    for index in (0, 1):
+        init = [r for r in recs if r["msg"] == f"[log_probe v1 #{index}] log_probe initialized as log_probe_0_{index}"]
+        assert len(init) == 1, recs
+        assert init[0]["level"] == "I" and init[0]["file"] == "model.py" and init[0]["line"] == 14
+        assert init[0]["pid"] in roles["worker"]
+    # Every line a worker wrote carries its prefix.
+    for r in recs:
+        if r["pid"] in roles["worker"]:
+            assert re.match(r"^\[log_probe v1 #[01]\] ", r["msg"]), r["raw"]
+
+
+def test_pb_utils_logger_levels(srv):
+    infer(srv, "lvl-1")
+    probe = probe_lines(srv.log(), "lvl-1")
+    expected = {marker: level for level, marker in PROBE_LINES if level != "V"}  # verbose is off
+    assert {m: r["level"] for m, r in probe.items()} == expected
+    lines = [r["line"] for r in probe.values()]
+    assert all(r["file"] == "model.py" for r in probe.values())
+    assert lines == sorted(lines) and len(set(lines)) == len(lines)  # each call's own line in model.py
+
+
+# -- --log-file ------------------------------------------------------------------------------------------
+
+
+def test_log_file_gets_lines_from_every_process(server_factory, tmp_path):
+    path = tmp_path / "shmserve.log"
+    path.write_text("kept from before\n")
+    s = server_factory.start([LOG_MODELS], ["--log-file", str(path), "--http-workers", "2"])
+    infer(s, "file-1")
+    roles = pids_by_role(s)
+    assert len(roles["frontend"]) == 2
+    # Ready means one frontend answers; the other may still be starting.
+    wait_for(lambda: set(roles["frontend"]) <= {r["pid"] for r in parsed(path.read_text())},
+             "both frontends' first line in the log file")
+    text = path.read_text()
+    assert text.startswith("kept from before\n")  # appended, not truncated
+    recs = parsed(text)
+    pids = {r["pid"] for r in recs}
+    assert s.pid in pids, "no launcher line"
+    assert set(roles["broker"]) <= pids, "no broker line"
+    assert set(roles["frontend"]) <= pids, "a frontend wrote no line"
+    assert len(roles["worker"]) == 2 and set(roles["worker"]) <= pids, "a worker wrote no line"
+    assert "method info" in probe_lines(text, "file-1")
+    assert all(line == "kept from before" or DEFAULT_RE.match(line) for line in whole_lines(text))
+    # Nothing went to stderr instead.
+    assert not any(DEFAULT_RE.match(line) for line in s.log().splitlines()), s.log_tail()
+
+
+# -- the logging extension --------------------------------------------------------------------------------
+
+
+def test_logging_extension_is_advertised(srv):
+    assert "logging" in srv.client().get_server_metadata()["extensions"]
+
+
+def test_get_log_settings(srv):
+    assert srv.client().get_log_settings() == DEFAULTS
+    raw = raw_request(srv.port, "GET", "/v2/logging")
+    assert raw.status == 200 and raw.headers["content-type"].startswith("application/json")
+    assert raw.json() == DEFAULTS
+
+
+def test_runtime_verbosity_reaches_every_process(srv):
+    client = srv.client()
+    infer(srv, "rt-before")
+    assert "method verbose" not in probe_lines(srv.log(), "rt-before")
+    mark = len(srv.log())
+    try:
+        answer = client.update_log_settings({"log_verbose_level": 1})
+        assert answer == {**DEFAULTS, "log_verbose_level": 1}
+        assert client.get_log_settings() == answer
+        # Each process logs the change at verbose level 1 once it applies it.
+        roles = pids_by_role(srv)
+
+        def applied() -> set[int]:
+            return {r["pid"] for r in parsed(srv.log()[mark:]) if r["level"] == "V"
+                    and r["msg"].endswith('"log_verbose_level":1,"log_format":"default"}')}
+
+        others = {srv.pid, *roles["broker"], *roles["frontend"]}
+        wait_for(lambda: others <= applied(), "the launcher, broker and both frontends to apply the settings")
+        infer(srv, "rt-on")
+        probe = probe_lines(srv.log(), "rt-on")
+        assert probe["method verbose"]["level"] == "V" and probe["enum verbose"]["level"] == "V"
+        assert probe["method verbose"]["pid"] in applied() & set(roles["worker"])
+    finally:
+        answer = client.update_log_settings({"log_verbose_level": 0})
+    assert answer == DEFAULTS
+    infer(srv, "rt-off")
+    probe = probe_lines(srv.log(), "rt-off")
+    assert "method info" in probe and "method verbose" not in probe and "enum verbose" not in probe
+
+
+def test_runtime_format_and_levels(srv):
+    client = srv.client()
+    try:
+        answer = client.update_log_settings({"log_format": "ISO8601", "log_info": False})
+        assert answer == {**DEFAULTS, "log_format": "ISO8601", "log_info": False}
+        infer(srv, "iso-rt")
+        probe = probe_lines(srv.log(), "iso-rt", ISO_RE)
+        assert set(probe) == {"method error", "method warning", "enum error", "enum warning"}
+    finally:
+        assert client.update_log_settings({"log_format": "default", "log_info": True}) == DEFAULTS
+    infer(srv, "back-rt")
+    assert "method info" in probe_lines(srv.log(), "back-rt")
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"log_verbose_level": -1}, "'log_verbose_level' must be an integer >= 0"),
+    ({"log_verbose_level": "2"}, "'log_verbose_level' must be an integer >= 0"),
+    ({"log_verbose_level": True}, "'log_verbose_level' must be an integer >= 0"),
+    ({"log_info": "yes"}, "'log_info' must be a boolean"),
+    ({"log_error": 1}, "'log_error' must be a boolean"),
+    ({"log_format": "json"}, "'log_format' must be 'default' or 'ISO8601'"),
+    ({"log_file": "/tmp/elsewhere.log"}, "'log_file' cannot be changed at run time"),
+    ({"log_colour": True}, "unknown log setting 'log_colour'"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_bad_log_settings_are_400(srv, body, needle):
+    raw = raw_request(srv.port, "POST", "/v2/logging", json.dumps(body).encode())
+    assert raw.status == 400, raw
+    assert needle in raw.json()["error"]
+    if isinstance(body, dict):
+        with pytest.raises(InferenceServerException) as e:
+            srv.client().update_log_settings(body)
+        assert e.value.status() == "400" and needle in e.value.message()
+    assert srv.client().get_log_settings() == DEFAULTS  # nothing changed
+
+
+def test_unparsable_body_is_400(srv):
+    raw = raw_request(srv.port, "POST", "/v2/logging", b"{not json")
+    assert raw.status == 400 and "failed to parse the request JSON" in raw.json()["error"]
+
+
+def test_empty_post_changes_nothing(srv):
+    raw = raw_request(srv.port, "POST", "/v2/logging", b"{}")
+    assert raw.status == 200 and raw.json() == DEFAULTS
