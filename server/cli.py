@@ -24,6 +24,24 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+METRICS_CONFIG_KEYS = {"summary_latencies"}
+
+
+def metrics_config(items: Sequence[str]) -> dict[str, str]:
+    """``--metrics-config key=value`` pairs; unknown keys and non-boolean values are refused."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in METRICS_CONFIG_KEYS:
+            raise ValueError(f"--metrics-config: unknown option '{item}' (known: {', '.join(sorted(METRICS_CONFIG_KEYS))})")
+        try:
+            out[key] = str(parse_bool(value)).lower()
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"--metrics-config {key}: {e}") from None
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="shmserve", description="Serve Triton model repositories over KServe v2 HTTP and "
                                              "POSIX shared memory.")
@@ -38,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
     p.add_argument("--allow-metrics", type=parse_bool, nargs="?", const=True, default=True,
                    help="serve Prometheus metrics (default true)")
+    p.add_argument("--allow-cpu-metrics", type=parse_bool, nargs="?", const=True, default=True,
+                   help="export nv_cpu_utilization and nv_cpu_memory_* (default true)")
+    p.add_argument("--allow-gpu-metrics", type=parse_bool, nargs="?", const=True, default=True,
+                   help="export nv_gpu_* per CUDA device when the host has any (default true)")
+    p.add_argument("--metrics-interval-ms", type=int, default=2000,
+                   help="how often CPU and GPU figures are sampled, in milliseconds (default 2000)")
+    p.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="metrics options as Triton's: summary_latencies=true adds nv_inference_*_summary_us "
+                        "quantiles (estimated from log-spaced histograms); repeatable")
     p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",
                    help="none: load all models at start; poll: also follow changes in the repository; "
                         "explicit: load only --load-model models and what the repository API asks for")
@@ -95,6 +122,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         check_server_id(args.id)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        args.metrics_config = metrics_config(args.metrics_config)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.metrics_interval_ms < 1:
+        parser.error("--metrics-interval-ms must be at least 1")
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model requires --model-control-mode=explicit")
     if args.log_verbose < 0:

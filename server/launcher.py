@@ -73,6 +73,8 @@ class Launcher:
             log=log_settings(args), worker_arena_bytes=args.worker_arena_mb << 20,
             allow_remote_shm=args.allow_remote_shm,
             metrics_port=args.metrics_port if args.allow_metrics else 0,
+            metrics_interval_ms=args.metrics_interval_ms, metrics_config=args.metrics_config,
+            cpu_metrics=args.allow_cpu_metrics, gpu_metrics=args.allow_gpu_metrics,
         )
         self.stopping = False
         self.broker: subprocess.Popen | None = None

@@ -23,6 +23,7 @@ from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
 from .published import Published
 from .segment import Segment
+from .stats import StatsArea
 from .waker import SLEEPING, Waker, flag_view, make_fifo
 
 HEADER_BYTES = 4096
@@ -46,12 +47,10 @@ LANE_NAME_BYTES = 128
 NO_LANE = 0xFFFFFFFF
 LANE_PENDING = 0xFFFFFFFE  # until the broker has seen the client's connect record
 ROUTES_BYTES = 1 << 20
+SETTINGS_BYTES = 8192  # server settings the broker publishes (log settings; shm/logs.py)
 LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
-STATS_OFFSET = 256  # worker header: its counters (see WorkerStats)
 DEPARTURES_OFFSET = 128  # broker header: count of clients that left
-STAT_FIELDS = ("success", "failure", "inference_count", "execution_count", "compute_ns", "rejected",
-               "direct_done")
 
 
 def _align(n: int, a: int = 4096) -> int:
@@ -78,6 +77,8 @@ class BrokerSegment:
         off = _align(off + LANES * LANE_NAME_BYTES)
         self.routes = Published(seg.buf, off, ROUTES_BYTES)
         off += ROUTES_BYTES
+        self.settings = Published(seg.buf, off, SETTINGS_BYTES)
+        off += SETTINGS_BYTES
         self.arena_offset = off
         self.doorbell_name = object_name(server_id, "doorbell", 0)
         self.mutex_name = object_name(server_id, "connect", 0)
@@ -102,7 +103,7 @@ class BrokerSegment:
     def create(cls, server_id: str, arena_bytes: int) -> "BrokerSegment":
         name = object_name(server_id, "broker", 0)
         size = _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + _align(LANES * LANE_NAME_BYTES) \
-            + ROUTES_BYTES + arena_bytes
+            + ROUTES_BYTES + SETTINGS_BYTES + arena_bytes
         return cls(server_id, Segment.create(name, size), create=True)
 
     @classmethod
@@ -173,7 +174,8 @@ class WorkerSegment:
         self.lane_tails = np.ndarray((LANES,), dtype=np.uint64, buffer=seg.buf, offset=off + 8,
                                      strides=(lane_bytes,))
         off = _align(off + LANES * lane_bytes)
-        self.stats = np.ndarray((len(STAT_FIELDS),), dtype=np.uint64, buffer=seg.buf, offset=STATS_OFFSET)
+        self.stats = StatsArea(seg.buf, off)  # see stats.py: written by the worker, summed by the broker
+        off = _align(off + StatsArea.nbytes())
         self.arena_offset = off
         self.arena_size = seg.size - off
         if create:
@@ -190,13 +192,10 @@ class WorkerSegment:
     def lanes_pending(self) -> list[int]:
         return np.flatnonzero(self.lane_tails != self.lane_heads).tolist()
 
-    def stat(self, field: str) -> int:
-        return int(self.stats[STAT_FIELDS.index(field)])
-
     @staticmethod
     def nbytes(arena_bytes: int) -> int:
         return _align(_align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD))
-                      + LANES * Ring.nbytes(LANE_CAPACITY, RECORD)) + arena_bytes
+                      + LANES * Ring.nbytes(LANE_CAPACITY, RECORD)) + _align(StatsArea.nbytes()) + arena_bytes
 
     @classmethod
     def create(cls, name: str, arena_bytes: int) -> "WorkerSegment":

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import threading
+import random
 import time
 from typing import Any, Callable, Iterable
 
@@ -120,6 +121,7 @@ class Connection:
         self._states = self.seg.slot_states
         self._routes_gen = -1
         self._routes: dict = {}
+        self._splits: dict = {}
         self._workers: dict[int, WorkerSegment] = {}
         self._load: dict[int, int] = collections.defaultdict(int)  # worker -> our requests on it
         self._targets: list[int] = [0] * slots
@@ -151,7 +153,9 @@ class Connection:
         gen = self.broker.routes.generation()
         if gen != self._routes_gen:
             gen, raw = self.broker.routes.read()
-            self._routes = orjson.loads(raw).get("models", {}) if raw else {}
+            routes = orjson.loads(raw) if raw else {}
+            self._routes = routes.get("models", {})
+            self._splits = routes.get("splits", {})
             self._routes_gen = gen
             live = {w for vs in self._routes.values() for e in vs.values() for w in e["workers"]}
             for num in [n for n in self._workers if n not in live]:
@@ -160,11 +164,15 @@ class Connection:
         if not versions:
             return None
         version = doc.get("version") or ""
-        if version:
-            v = versions.get(str(version))
-        else:
-            ready = [int(k) for k, e in versions.items() if e["ready"]]
-            v = versions.get(str(max(ready))) if ready else None
+        if not version:
+            split = self._splits.get(doc["model"])
+            if split is None:
+                return None
+            # The broker's split (a canary's fraction), chosen here; a request that goes through
+            # the broker instead is chosen there, with the same odds.
+            version = split["canary"] if split["canary"] is not None and \
+                random.random() < split["fraction"] else split["stable"]
+        v = versions.get(str(version))
         if not v or not v["ready"] or not v["direct"] or not v["workers"]:
             return None
         for t in doc.get("inputs", ()):
@@ -204,6 +212,8 @@ class Connection:
             # A streaming request: its response ring follows everything else, 64-byte aligned.
             doc["stream"] = (body + 63) & ~63
             body = doc["stream"] + Ring.nbytes(STREAM_CAPACITY, RECORD)
+        if kind == REQ_INFER and "t" not in doc:
+            doc["t"] = time.monotonic_ns()  # when the request arrived, for queue and request durations
         data = orjson.dumps(doc)
         room = manifest_room(len(data))
         total = room + body

@@ -21,8 +21,10 @@ from typing import Any
 import orjson
 import posix_ipc
 
+from shm import logs
 from shm.arena import Arena, free_block
-from shm.channel import NOTIFY_BROKER, STAT_FIELDS, BrokerSegment, ClientSegment, WorkerSegment
+from shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
+from shm.stats import ARENA_BYTES, DIRECT_DONE, StatsWriter
 from shm.names import object_name, pid_alive
 from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_with_data, write_manifest)
@@ -39,7 +41,6 @@ from .stream import StreamSender
 from .warmup import run_warmup
 
 log = logging.getLogger("shmserve.worker")
-DIRECT_DONE = STAT_FIELDS.index("direct_done")
 SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "0")) / 1e6
 
 
@@ -58,8 +59,7 @@ class Worker:
         self.broker_pid: int = spec["broker_pid"]
         self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num))
         self.seg.set_pid(os.getpid())
-        self.stats = self.seg.stats
-        self.counts = [0] * len(STAT_FIELDS)
+        self.stats = StatsWriter(self.seg.stats)
         self._notes: list[tuple[ClientSegment, int, int, int, int]] = []
         self.signature: ModelSignature | None = None
         self.output_names: list[str] = []
@@ -123,10 +123,12 @@ class Worker:
         has_work = lambda: inbox.pending() > 0 or bool(seg.lanes_pending())  # noqa: E731
         checked = time.monotonic()
         departures = int(self.broker.departures[0])
+        log_settings = logs.Follower(self.broker.settings)
         while self.running:
             # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
             # below only covers systems without it.
             seg.waker.sleep(10.0, has_work, SPIN_S)
+            log_settings.check()  # POST /v2/logging: one integer read unless it changed
             if int(self.broker.departures[0]) != departures:
                 departures = int(self.broker.departures[0])
                 self._forget_departed_clients()
@@ -146,7 +148,7 @@ class Worker:
                 for kind, slot, off, length, record_cookie in seg.lanes[lane].drain():
                     if record_cookie == cookie and client:
                         self._run_direct(client, slot, off)
-                    self.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
+                    self.stats.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
                 self._flush_counts()
 
     def _run_batch(self, off: int, batch_id: int) -> None:
@@ -158,6 +160,7 @@ class Worker:
             self.sequence.forget(manifest["release"])
         if manifest["requests"]:
             self._execute(manifest["requests"])
+        self._flush_counts()
         while not self.seg.outbox.put(W_DONE, 0, 0, 0, batch_id):
             time.sleep(0.0005)
         fence()
@@ -178,7 +181,7 @@ class Worker:
             self.signature.check_inputs(doc["inputs"])
             self.signature.check_outputs(doc.get("outputs"))
             entry.update(id=doc.get("id", ""), params=doc.get("params"), corr=doc.get("corr", 0),
-                         flags=doc.get("flags", 0))
+                         flags=doc.get("flags", 0), t=doc.get("t", 0))
             entry["inputs"] = [self._locate(client, t, data_start) for t in doc["inputs"]]
             outputs = doc.get("outputs")
             entry["outputs"] = [{"name": o["name"]} if "data" not in o else self._locate(client, o, data_start)
@@ -188,9 +191,8 @@ class Worker:
                 if not client.arena_offset <= entry["stream"]["off"] <= client.seg.size - 4096:
                     raise RequestError("the response ring lies outside the client's arena")
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
-            self.counts[STAT_FIELDS.index("rejected")] += 1
+            self.stats.rejected()
             self._answer_error(entry, 400, str(e))
-            self._flush_counts()
             return
         self._execute([entry])
 
@@ -206,17 +208,19 @@ class Worker:
         return out
 
     def _execute(self, entries: list[dict]) -> None:
+        """Run one batch and answer each request; time its phases for the statistics."""
+        start = time.monotonic_ns()
         live: list[tuple[dict, Request]] = []
-        failed = 0
         for entry in entries:
             try:
                 live.append((entry, self._build_request(entry)))
             except (RequestError, ValueError, OSError, posix_ipc.Error, CudaError) as e:
                 self._answer_error(entry, 400, str(e))
-                failed += 1
-        exec_ns = 0
+                self.stats.rejected()
+        built = executed = time.monotonic_ns()
+        ok: list[bool] = []
+        raised = False
         if live:
-            started = time.perf_counter_ns()
             try:
                 responses = self.instance.execute([r for _, r in live])  # type: ignore[union-attr]
                 if self.decoupled:
@@ -224,18 +228,19 @@ class Worker:
                 elif len(responses) != len(live):
                     raise RuntimeError(f"model returned {len(responses)} responses for {len(live)} requests")
             except Exception as e:  # noqa: BLE001 - model code may raise anything
-                exec_ns = time.perf_counter_ns() - started
+                executed = time.monotonic_ns()
+                raised = True
                 msg = f"Failed to process the request(s) for model instance '{self.instance_name}', " \
                       f"message: {type(e).__name__}: {e}"
                 log.error("%s\n%s", msg, traceback.format_exc())
                 for entry, req in live:
                     if req.sender is not None:
-                        req.sender.fail(500, msg)
+                        req.sender.fail(500, msg)  # counted when the stream finishes
                     else:
                         self._answer_error(entry, 500, msg)
-                        failed += 1
+                        ok.append(False)
             else:
-                exec_ns = time.perf_counter_ns() - started
+                executed = time.monotonic_ns()
                 for (entry, req), resp in zip(live, responses):
                     if req.sender is not None:
                         if resp is not None:  # a streaming call to a model that answers once
@@ -244,33 +249,25 @@ class Worker:
                     if self.sequence is not None and resp.error is None:
                         asked = [o["name"] for o in entry.get("outputs") or ()]
                         self.sequence.capture(resp.outputs, asked, entry.get("corr", 0), entry.get("flags", 0))
-                    if not self._answer(entry, resp):
-                        failed += 1
-        streamed = sum(1 for _, r in live if r.sender is not None)
-        self._count(entries, live, failed, exec_ns, streamed)
-        self._flush_counts()
-
-    def _count(self, entries: list[dict], live: list[tuple[dict, Request]], failed: int, exec_ns: int,
-               streamed: int = 0) -> None:
-        """Outcome counters; kept in Python and flushed to this worker's segment (where the broker
-        reads them for metrics) after each batch. Streamed requests count when they finish."""
-        c = self.counts
-        c[0] += len(entries) - failed - streamed
-        c[1] += failed
+                    ok.append(self._answer(entry, resp))
         if live:
             batched = self.signature is not None and self.signature.max_batch_size > 0
-            c[2] += sum(next(iter(r.inputs.values())).shape[0] if batched and r.inputs else 1 for _, r in live)
-            c[3] += 1
-            c[4] += exec_ns
+            answered = [(entry, req) for entry, req in live if req.sender is None]
+            sizes_all = [next(iter(r.inputs.values())).shape[0] if batched and r.inputs else 1 for _, r in live]
+            streamed = 0 if raised else sum(size for (_, r), size in zip(live, sizes_all) if r.sender is not None)
+            self.stats.executed([size for (_, r), size in zip(live, sizes_all) if r.sender is None],
+                                [entry.get("t", 0) for entry, _ in answered], start, built - start,
+                                executed - built, time.monotonic_ns() - executed, ok, streamed)
 
     def stream_finished(self, sender: StreamSender) -> None:
         """A streamed request ended (possibly on another thread): count it."""
         with self.stream_lock:
-            self.counts[1 if sender.failed else 0] += 1
-            self.stats[:] = self.counts
+            self.stats.finished_stream(sender.entry.get("t", 0), not sender.failed)
+            self.stats.flush()
 
     def _flush_counts(self) -> None:
-        self.stats[:] = self.counts
+        self.stats.counts[ARENA_BYTES] = self.arena.bytes_in_use
+        self.stats.flush()
         self._send_completions()
 
     def _build_request(self, entry: dict) -> Request:

@@ -7,6 +7,7 @@ and sleeps again until the next post or its nearest timer. No threads touch stat
 from __future__ import annotations
 
 import collections
+import random
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ import orjson
 import posix_ipc
 
 from shm.arena import free_block
+from shm.stats import VersionTotals
 from shm.channel import LANES, NO_LANE, NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
 from shm.names import object_name, pid_alive
 from shm.segment import SegmentCache
@@ -31,12 +33,13 @@ from workers.backend import BUILT_IN, installed_backends
 
 from . import config as cfgmod
 from .batcher import DynamicBatcher, QueueFull
+from .canary import SNAPSHOT_EVERY_S, Canary, CanaryPolicy, Split
 from .sequencer import SequenceBatcher
 from .watcher import RepositoryWatcher
 from .control import ControlHandler
 from .ensemble import EnsemblePlan, EnsembleRun, Step
 from .lifecycle import STRAGGLER_GRACE_S, LoadJob, Retiring, idle
-from .metrics import add_worker_counters, serve_metrics
+from .metrics import MetricsOptions, serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
 from .options import STARTUP_FAILED, BrokerOptions
 from workers.signature import InvalidRequest
@@ -75,7 +78,13 @@ class Broker:
         self.lanes: list[str | None] = [None] * LANES
         self.next_cookie = 0
         self.routes_doc = b""
-        self.metrics = serve_metrics(opts.metrics_port, self._stats_rows)
+        self.load_failures: dict[str, int] = collections.defaultdict(int)  # model -> failed loads
+        self.canaries: dict[str, Canary] = {}
+        self.metrics = serve_metrics(
+            MetricsOptions(port=opts.metrics_port, interval_ms=opts.metrics_interval_ms,
+                           summary_latencies=opts.metrics_config.get("summary_latencies") == "true",
+                           cpu=opts.cpu_metrics, gpu=opts.gpu_metrics),
+            self._stats_rows, self._metric_extras)
         # The broker's own client segment: ensemble steps are requests it makes to step models.
         own = object_name(self.sid, "client", "broker")
         self.own = Client(name=own, pid=os.getpid(),
@@ -128,9 +137,13 @@ class Broker:
             if not versions:
                 raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
             cfgmod.validate(config, model_dir, self.backends, versions)
+            try:
+                canary_policy = CanaryPolicy.from_parameters(cfgmod.string_parameters(config))
+            except ValueError as e:
+                raise cfgmod.ConfigError(f"model '{name}': parameters: {e}") from None
         except cfgmod.ConfigError as e:
             return self._load_failed(name, f"failed to load '{name}', {e}")
-        job = self.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [])
+        job = self.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [], canary_policy)
         versions_state = job.versions
         for v in versions:
             mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
@@ -177,6 +190,7 @@ class Broker:
                     mv.state = State.UNLOADING  # its workers are reaped, never restarted
                     self.retiring.append(Retiring(mv, stopping=True))
                 self.load_errors[name] = bad.reason
+                self.load_failures[name] += 1
                 for client, slot in job.waiters:
                     self.reply(client, slot, 400, {"error": bad.reason})
                 continue
@@ -186,6 +200,10 @@ class Broker:
             self.load_errors.pop(name, None)
             old = self.models.get(name, {})
             self.models[name] = dict(job.versions)
+            canary = self.canaries.setdefault(name, Canary(name))
+            canary.configured = job.canary_policy
+            for v in job.versions:
+                canary.forget_version(v)
             for v, mv in old.items():
                 self._retire(mv)
             self.publish_routes()
@@ -202,6 +220,7 @@ class Broker:
 
     def unload_model(self, name: str, waiter: tuple[Any, int] | None = None, dependents: bool = False) -> None:
         versions = self.models.pop(name, {})
+        self.canaries.pop(name, None)
         self.load_errors.pop(name, None)
         for mv in versions.values():
             if dependents and mv.ensemble is not None:
@@ -254,6 +273,7 @@ class Broker:
 
     def _load_failed(self, name: str, reason: str) -> str:
         log.error("%s", reason)
+        self.load_failures[name] += 1
         self.load_errors[name] = reason
         return reason
 
@@ -267,7 +287,7 @@ class Broker:
             "server_id": self.sid, "num": num, "model": mv.name, "version": mv.version,
             "instance_name": name, "instance_index": index, "kind": kind, "device_id": device,
             "model_dir": mv.model_dir, "config": mv.config_dict, "backend": mv.backend,
-            "strict": self.opts.strict_config, "broker_pid": os.getpid(), "log_verbose": self.opts.log_verbose,
+            "strict": self.opts.strict_config, "broker_pid": os.getpid(), "log": self.control.log_settings,
         }
         proc = subprocess.Popen([sys.executable, "-m", "workers", orjson.dumps(spec).decode()],
                                 stdin=subprocess.DEVNULL)
@@ -289,7 +309,7 @@ class Broker:
 
     def _reap_instance(self, inst: Instance, mv: ModelVersion | None = None) -> None:
         if mv is not None:
-            add_worker_counters(mv.stats, inst.seg)  # a dead worker's counts stay in the totals
+            mv.stats.add_area(inst.seg.stats)  # a dead worker's counts stay in the totals
         self.workers.pop(inst.num, None)
         inst.seg.close()
         inst.seg.unlink()
@@ -302,7 +322,8 @@ class Broker:
                 inst.ready = True
                 if mv.state == State.LOADING and all(i.ready for i in mv.instances):
                     mv.state = State.READY
-                    log.info("successfully loaded '%s' version %d", mv.name, mv.version)
+                    mv.load_seconds = time.monotonic() - mv.created
+                    log.info("successfully loaded '%s' version %d (%.2f s)", mv.name, mv.version, mv.load_seconds)
                 self.publish_routes()
             elif kind == W_CONFIG:
                 self._on_completed_config(mv, self._take_payload(inst, off, length))
@@ -452,10 +473,21 @@ class Broker:
             if mv.state != State.READY:
                 raise InvalidRequest(f"Request for unknown model: '{model}' version {v} is not at ready state")
             return mv
-        ready = [mv for v, mv in sorted(versions.items()) if mv.state == State.READY]
-        if not ready:
+        split = self.split(model)
+        if split is None:
             raise InvalidRequest(f"Request for unknown model: '{model}' has no available versions")
-        return ready[-1]
+        if split.canary is not None and random.random() < split.fraction:
+            return versions[split.canary]
+        return versions[split.stable]
+
+    def split(self, model: str) -> Split | None:
+        """Where unversioned requests for ``model`` go: the newest ready version, or a canary split."""
+        versions = self.models.get(model, {})
+        ready = [v for v, mv in versions.items() if mv.state == State.READY]
+        canary = self.canaries.get(model)
+        if canary is None:
+            return Split(stable=max(ready)) if ready else None
+        return canary.split(ready)
 
     def _infer(self, client: Client, slot: int, off: int) -> None:
         mv: ModelVersion | None = None
@@ -471,6 +503,7 @@ class Broker:
             entry = {
                 "client": client.name, "pid": client.pid, "slot": slot, "id": doc.get("id", ""),
                 "params": doc.get("params"), "corr": doc.get("corr", 0), "flags": doc.get("flags", 0),
+                "t": doc.get("t", 0),
                 "inputs": [self._resolve(client, t, "input", data_start) for t in inputs],
                 "outputs": [self._resolve_output(client, o, data_start) for o in outputs] if outputs else None,
             }
@@ -499,14 +532,14 @@ class Broker:
             try:
                 mv.sequencer.enqueue(pend, mv.instances, now)
             except InvalidRequest as e:
-                mv.stats.failure["REJECTED"] += 1
+                mv.stats.fail("REJECTED", 1)
                 self.reply(client, slot, e.status, {"error": str(e)})
                 return
         elif mv.batcher is not None:
             try:
                 mv.batcher.enqueue(pend, now)
             except QueueFull as e:
-                mv.stats.failure["REJECTED"] += 1
+                mv.stats.fail("REJECTED", 1)
                 self.reply(client, slot, e.status, {"error": str(e)})
                 return
         else:
@@ -516,20 +549,69 @@ class Broker:
     @staticmethod
     def _count_rejected(mv: ModelVersion | None) -> None:
         if mv is not None:
-            mv.stats.failure["REJECTED"] += 1
+            mv.stats.fail("REJECTED", 1)
 
-    def _stats_rows(self) -> list[tuple[str, int, Any]]:
-        """Per version: what the broker counted itself plus every live worker's counters."""
+    def _stats_rows(self) -> list[tuple[str, int, VersionTotals]]:
+        """Per version: what the broker counted itself plus every live worker's statistics."""
         rows = []
         for name, versions in list(self.models.items()):
             for v, mv in list(versions.items()):
-                total = mv.stats.copy()
-                for inst in list(mv.instances):
-                    if inst.num in self.workers:
-                        add_worker_counters(total, inst.seg)
-                total.pending = mv.in_flight()
+                total = self._version_totals(mv)
+                lanes = sum(int(i.seg.lane_tails.sum() - i.seg.lane_heads.sum())
+                            for i in list(mv.instances) if i.num in self.workers)
+                total.pending = mv.in_flight() + lanes
                 rows.append((name, v, total))
         return rows
+
+    def _version_totals(self, mv: ModelVersion) -> VersionTotals:
+        """What the broker counted itself for ``mv`` plus every live worker's statistics."""
+        total = mv.stats.copy()
+        for inst in list(mv.instances):
+            if inst.num in self.workers:
+                total.add_area(inst.seg.stats)
+        return total
+
+    def _metric_extras(self) -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
+        """shmserve's own gauges and counters beside the per-version statistics."""
+        arenas: list[tuple[dict[str, str], float]] = [({"owner": "broker"}, self.arena.bytes_in_use)]
+        loads, regions = [], self.control.regions.regions
+        for name, versions in list(self.models.items()):
+            for v, mv in list(versions.items()):
+                labels = {"model": name, "version": str(v)}
+                loads.append((labels, mv.load_seconds))
+                used = sum(int(i.seg.stats.get("arena_bytes")) for i in mv.instances if i.num in self.workers)
+                arenas.append(({"owner": "worker", **labels}, used))
+        return [
+            ("shmserve_arena_bytes_in_use", "Bytes allocated in shared-memory arenas (broker; workers' output "
+             "arenas per version)", "gauge", arenas),
+            ("shmserve_registered_regions", "System shared-memory regions registered by clients", "gauge",
+             [({}, len(regions))]),
+            ("shmserve_registered_region_bytes", "Bytes of the registered system shared-memory regions", "gauge",
+             [({}, sum(r.byte_size for r in list(regions.values())))]),
+            ("shmserve_model_load_duration_seconds", "Seconds from the start of a version's load until it was "
+             "ready", "gauge", loads),
+            ("shmserve_model_load_failures", "Loads of a model that failed", "counter",
+             [({"model": m}, n) for m, n in list(self.load_failures.items())]),
+            ("shmserve_canary_decisions", "Canary promotions and rollbacks, by trigger (manual, error_rate, "
+             "p99_latency)", "counter",
+             [({"model": c.model, "version": str(v), "action": action, "trigger": trigger}, n)
+              for c in list(self.canaries.values()) for (v, action, trigger), n in list(c.counts.items())]),
+            ("shmserve_canary_traffic_fraction", "Share of a model's unversioned requests each version is sent",
+             "gauge", self._split_samples()),
+        ]
+
+    def _split_samples(self) -> list[tuple[dict[str, str], float]]:
+        out = []
+        for name in list(self.models):
+            split = self.split(name)
+            if split is None:
+                continue
+            if split.canary is None:
+                out.append(({"model": name, "version": str(split.stable)}, 1.0))
+            else:
+                out.append(({"model": name, "version": str(split.stable)}, 1.0 - split.fraction))
+                out.append(({"model": name, "version": str(split.canary)}, split.fraction))
+        return out
 
     def _locate(self, client: Client, t: dict, what: str, data_start: int) -> tuple[str, int, int]:
         """Where a tensor lives: (segment, offset, size), checked against the bounds it may use.
@@ -591,7 +673,7 @@ class Broker:
         now = time.monotonic()
         expired = batcher.expire(now)
         if expired:
-            mv.stats.failure["OTHER"] += len(expired)
+            mv.stats.fail("OTHER", len(expired))
             self._fail_pending(expired, 503, "Request timeout expired")
         while len(batcher):
             inst = mv.pick_instance()
@@ -625,6 +707,8 @@ class Broker:
     def _next_timer(self) -> float:
         """How long the loop may sleep: until housekeeping, a restart, or a batcher's delay or timeout."""
         timeout = HOUSEKEEPING_S if not self.retiring else 0.05
+        if any(c.policy.fraction > 0 for c in self.canaries.values()):
+            timeout = min(timeout, SNAPSHOT_EVERY_S)
         now = time.monotonic()
         for when, _, _ in self.restarts:
             timeout = min(timeout, max(0.0, when - now))
@@ -673,6 +757,7 @@ class Broker:
         batching): then any ready instance may take any request, and the broker adds nothing.
         """
         models: dict[str, Any] = {}
+        splits: dict[str, Any] = {}
         for name, versions in self.models.items():
             entry = models[name] = {}
             for v, mv in versions.items():
@@ -680,7 +765,10 @@ class Broker:
                 direct = not cfg.HasField("dynamic_batching") and not cfg.HasField("sequence_batching")
                 entry[str(v)] = {"ready": mv.state == State.READY, "direct": direct,
                                  "workers": [i.num for i in mv.instances if i.ready and i.num in self.workers]}
-        doc = orjson.dumps({"models": models})
+            split = self.split(name)
+            if split is not None:
+                splits[name] = split.doc()  # where unversioned requests go: see canary.py
+        doc = orjson.dumps({"models": models, "splits": splits})
         if doc != self.routes_doc:
             self.routes_doc = doc
             self.seg.routes.publish(doc)
@@ -695,7 +783,7 @@ class Broker:
                 if client.seg.target(slot) == inst.num + 1:
                     self.reply(client, slot, 500, {"error": msg})
                     lost += 1
-        mv.stats.failure["BACKEND"] += lost
+        mv.stats.fail("BACKEND", lost)
 
     # -- ensembles ------------------------------------------------------------------------------
     def _start_ensemble(self, mv: ModelVersion, client: Client, slot: int, entry: dict) -> None:
@@ -758,7 +846,7 @@ class Broker:
     def _fail_run(self, run: EnsembleRun, step: Step, status: int, message: str) -> None:
         if not run.failed:
             run.failed = True
-            run.version.stats.failure["BACKEND"] += 1  # type: ignore[attr-defined]
+            run.version.stats.fail("BACKEND", 1)  # type: ignore[attr-defined]
             self.reply(run.client, run.slot, status,
                        {"error": f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"})
         self._release_run(run)
@@ -802,7 +890,8 @@ class Broker:
         for chunk in chunks:
             self.seg.seg.buf[at:at + len(chunk)] = chunk
             at += len(chunk)
-        run.version.stats.success += 1  # type: ignore[attr-defined]
+        arrived = run.entry.get("t") or 0
+        run.version.stats.succeed(time.monotonic_ns() - arrived if arrived else 0)  # type: ignore[attr-defined]
         run.client.seg.complete(run.slot, 200, ROLE_BROKER, 0, off, room + pos)
         run.client.seg.waker.notify()
         self._release_run(run)
@@ -830,7 +919,7 @@ class Broker:
                    f"(exit code {code}); the request was not completed")
             log.error("%s; %d request(s) failed; restarting it", msg, len(lost))
             self._fail_pending(lost, 500, msg)
-            mv.stats.failure["BACKEND"] += len(lost)
+            mv.stats.fail("BACKEND", len(lost))
             mv.stats.worker_restarts += 1
             inst.ready = False
             inst.outstanding.clear()
@@ -926,6 +1015,21 @@ class Broker:
             self._progress_retirement()
         if self.watcher is not None:
             self._apply_repository_changes()
+        if self.canaries:
+            self._judge_canaries()
+
+    def _judge_canaries(self) -> None:
+        now = time.monotonic()
+        for name, canary in list(self.canaries.items()):
+            split = self.split(name)
+            if split is None or split.canary is None:
+                continue
+            versions = self.models[name]
+            totals = {}
+            for v in (split.stable, split.canary):
+                totals[v] = (id(versions[v]), self._version_totals(versions[v]))
+            if canary.observe(now, split, totals) is not None:
+                self.publish_routes()
 
     def request_stop(self) -> None:
         self.running = False

@@ -240,3 +240,8 @@ def to_dict(config: ModelConfig) -> dict:
 
 def from_dict(data: dict) -> ModelConfig:
     return json_format.ParseDict(data, ModelConfig(), ignore_unknown_fields=True)
+
+
+def string_parameters(config: mc.ModelConfig) -> dict[str, str]:
+    """The model's ``parameters`` map as plain strings (Triton keeps them in ``string_value``)."""
+    return {key: value.string_value for key, value in config.parameters.items()}

@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 
+from shm import logs
+
+from .canary import Canary
+from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .regions import CudaRegionRegistry, RegionRegistry
 from workers.signature import InvalidRequest
@@ -41,7 +45,16 @@ class ControlHandler:
             "cuda_register": self._cuda_register,
             "cuda_unregister": self._cuda_unregister,
             "cuda_status": self._cuda_status,
+            "log_settings": self._log_settings,
+            "model_stats": self._model_stats,
+            "canary_status": self._canary_status,
+            "canary_set": self._canary_set,
+            "canary_promote": self._canary_decide,
+            "canary_rollback": self._canary_decide,
         }
+        # The broker owns the log settings; every other process follows what it publishes.
+        self.log_settings: dict[str, Any] = {**logs.DEFAULTS, **broker.opts.log}
+        logs.publish(broker.seg.settings, self.log_settings)
 
     def handle(self, client: Client, slot: int, doc: dict) -> Answer:
         op = self.ops.get(doc.get("op", ""))
@@ -101,7 +114,56 @@ class ControlHandler:
             out = [e for e in out if e.get("state") == State.READY.value]
         return 200, out
 
+    def _model_stats(self, client: Client, slot: int, doc: dict) -> Answer:
+        """The statistics extension: every loaded version, one model's, or one version's."""
+        model, version = doc.get("model") or "", doc.get("version") or ""
+        rows = self.broker._stats_rows()
+        if model:
+            if model not in self.broker.models:
+                raise InvalidRequest(f"Request for unknown model: '{model}' is not found")
+            rows = [r for r in rows if r[0] == model]
+            if version:
+                if not version.isdigit() or int(version) not in self.broker.models[model]:
+                    raise InvalidRequest(f"Request for unknown model: '{model}' version {version} is not found")
+                rows = [r for r in rows if r[1] == int(version)]
+        return 200, {"model_stats": [version_stats_json(m, v, st) for m, v, st in rows]}
+
     # -- repository API -------------------------------------------------------------------------
+    def _canary(self, doc: dict) -> tuple[Any, Any]:
+        b = self.broker
+        model = doc.get("model") or ""
+        if model not in b.models:
+            raise InvalidRequest(f"Request for unknown model: '{model}' is not found")
+        return b.canaries.setdefault(model, Canary(model)), b.split(model)
+
+    def _canary_status(self, client: Client, slot: int, doc: dict) -> Answer:
+        canary, split = self._canary(doc)
+        return 200, canary.status(split)
+
+    def _canary_set(self, client: Client, slot: int, doc: dict) -> Answer:
+        """Change the canary policy at run time (it wins over config.pbtxt until a restart)."""
+        canary, _ = self._canary(doc)
+        changes = doc.get("settings")
+        if not isinstance(changes, dict):
+            raise InvalidRequest("the canary settings must be a JSON object")
+        try:
+            canary.policy.updated(changes)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        canary.override.update(changes)
+        self.broker.publish_routes()
+        return 200, canary.status(self.broker.split(canary.model))
+
+    def _canary_decide(self, client: Client, slot: int, doc: dict) -> Answer:
+        """Manual promote or rollback of the canary in progress."""
+        canary, split = self._canary(doc)
+        if split is None or split.canary is None:
+            raise InvalidRequest(f"model '{canary.model}' has no canary in progress")
+        action = "promote" if doc["op"] == "canary_promote" else "rollback"
+        canary.decide(action, split, "manual", doc.get("reason") or f"{action} requested through the API")
+        self.broker.publish_routes()
+        return 200, canary.status(self.broker.split(canary.model))
+
     def _explicit_only(self) -> None:
         mode = self.broker.opts.control_mode
         if mode != "explicit":
@@ -161,6 +223,19 @@ class ControlHandler:
 
     def _cuda_status(self, client: Client, slot: int, doc: dict) -> Answer:
         return 200, self.cuda_regions.status(doc.get("name"))
+
+    # -- logging extension ----------------------------------------------------------------------
+    def _log_settings(self, client: Client, slot: int, doc: dict) -> Answer:
+        """GET /v2/logging, or POST with an 'update': applied here, then published to all."""
+        if "update" in doc:
+            try:
+                new = logs.merge(self.log_settings, doc["update"])
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+            logs.configure(new)
+            self.log_settings = new
+            logs.publish(self.broker.seg.settings, new)
+        return 200, self.log_settings
 
 
 def write_model_files(name: str, files: dict[str, Any]) -> Path:

@@ -14,6 +14,7 @@ import dataclasses
 import time
 from typing import Any
 
+from .canary import CanaryPolicy
 from .models import ModelVersion, State
 
 STRAGGLER_GRACE_S = 0.2  # a client that read the old routes just before the swap lands within this
@@ -24,6 +25,7 @@ class LoadJob:
     name: str
     versions: dict[int, ModelVersion]
     waiters: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (client, slot) to answer
+    canary_policy: CanaryPolicy = dataclasses.field(default_factory=CanaryPolicy)  # from its config.pbtxt
 
     def failed(self) -> ModelVersion | None:
         return next((mv for mv in self.versions.values() if mv.state == State.UNAVAILABLE), None)
@@ -46,6 +48,6 @@ def idle(mv: ModelVersion) -> bool:
         return False
     for inst in mv.instances:
         seg = inst.seg
-        if seg.lanes_pending() or int(seg.lane_tails.sum()) != seg.stat("direct_done"):
+        if seg.lanes_pending() or int(seg.lane_tails.sum()) != seg.stats.get("direct_done"):
             return False
     return True

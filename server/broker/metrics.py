@@ -1,95 +1,223 @@
 """Prometheus metrics, served by the broker on ``--metrics-port`` with Triton's names and labels.
 
-The broker sees every request (it validates and queues them) and every batch outcome (workers
-report successes, failures and compute time in the record that frees the instance), so the counts
-are exact across instances and frontend processes without any aggregation step. The numbers live
-in plain per-version ``VersionStats`` objects that the collector reads at scrape time; the same
-objects will back the statistics extension. Samples keep Triton's exact names (no ``_total``).
+Workers keep per-instance statistics in their segments (see ``shm/stats.py``) and the broker
+counts what it answers itself; the collector sums them per version at scrape time, so counts are
+exact across instances and frontend processes with no aggregation messages. Samples keep Triton's
+exact names (no ``_total``); shmserve's own metrics are prefixed ``shmserve_``.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import defaultdict
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
+import numpy as np
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import Metric
 
+from shm.stats import BUCKETS, PHASES, VersionTotals, bucket_upper_ns, quantile_ns
+
+from .system import CpuSampler, gpu_samples
+
 log = logging.getLogger("shmserve.metrics")
+
+QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.999)
+# Coarse buckets of the request-duration histogram (us): every fine bucket edge at or below one
+# of these is summed into it, so dashboards get percentiles without the summaries' cost.
+HISTOGRAM_EDGES_US = (100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000,
+                      1000000, 2500000, 5000000, 10000000)
+BATCH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+VersionRow = tuple[str, int, VersionTotals]
+Family = tuple[str, str, str, list[tuple[dict[str, str], float]]]  # name, help, type, samples
 
 
 @dataclasses.dataclass
-class VersionStats:
-    success: int = 0
-    failure: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
-    inference_count: int = 0
-    execution_count: int = 0
-    compute_infer_ns: int = 0
-    pending: int = 0
-    worker_restarts: int = 0
-
-    def copy(self) -> "VersionStats":
-        out = dataclasses.replace(self)
-        out.failure = defaultdict(int, self.failure)
-        return out
+class MetricsOptions:
+    port: int = 8002
+    interval_ms: int = 2000
+    summary_latencies: bool = False
+    cpu: bool = True
+    gpu: bool = True
 
 
-def add_worker_counters(stats: VersionStats, seg: Any) -> None:
-    """Add a worker's own counters (kept in its segment) into ``stats``."""
-    c = seg.stats
-    stats.success += int(c[0])
-    stats.failure["BACKEND"] += int(c[1])
-    stats.failure["REJECTED"] += int(c[5])
-    stats.inference_count += int(c[2])
-    stats.execution_count += int(c[3])
-    stats.compute_infer_ns += int(c[4])
-
-
-StatsSource = Callable[[], Iterable[tuple[str, int, VersionStats]]]
+def _fine_to_coarse(hist: np.ndarray) -> list[tuple[str, int]]:
+    """Cumulative counts at the coarse edges (a fine bucket counts below an edge when its upper
+    bound is at or below it) plus +Inf."""
+    cumulative = np.cumsum(hist)
+    out = []
+    for edge in HISTOGRAM_EDGES_US:
+        i = -1
+        while i + 1 < BUCKETS - 1 and bucket_upper_ns(i + 1) <= edge * 1000:
+            i += 1
+        out.append((str(float(edge)), int(cumulative[i]) if i >= 0 else 0))
+    out.append(("+Inf", int(cumulative[-1])))
+    return out
 
 
 class _Collector:
-    def __init__(self, source: StatsSource) -> None:
-        self.source = source
+    def __init__(self, rows: Callable[[], list[VersionRow]], extras: Callable[[], list[Family]],
+                 opts: MetricsOptions) -> None:
+        self.rows = rows
+        self.extras = extras
+        self.opts = opts
+        self.cpu = CpuSampler(opts.interval_ms / 1000.0)
 
     def collect(self) -> Iterator[Metric]:
-        rows = list(self.source())
+        rows = self.rows()
 
-        def family(name: str, doc: str, kind: str, value: Callable[[VersionStats], float]) -> Metric:
+        def family(name: str, doc: str, kind: str, value: Callable[[VersionTotals], float]) -> Metric:
             m = Metric(name, doc, kind)
             for model, version, st in rows:
                 m.add_sample(name, {"model": model, "version": str(version)}, value(st))
             return m
 
         yield family("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
-                     "counter", lambda s: s.success)
+                     "counter", lambda s: s.get("success"))
         failure = Metric("nv_inference_request_failure", "Number of failed inference requests, all batch sizes",
                          "counter")
         for model, version, st in rows:
-            for reason in ("REJECTED", "CANCELED", "BACKEND", "OTHER"):
+            for reason, n in st.failures().items():
                 failure.add_sample("nv_inference_request_failure",
-                                   {"model": model, "version": str(version), "reason": reason},
-                                   st.failure.get(reason, 0))
+                                   {"model": model, "version": str(version), "reason": reason}, n)
         yield failure
         yield family("nv_inference_count", "Number of inferences performed (does not include cached requests)",
-                     "counter", lambda s: s.inference_count)
-        yield family("nv_inference_exec_count", "Number of model executions performed", "counter",
-                     lambda s: s.execution_count)
+                     "counter", lambda s: s.get("inference_count"))
+        yield family("nv_inference_exec_count", "Number of model executions performed (does not include cached "
+                     "requests)", "counter", lambda s: s.get("execution_count"))
+        yield family("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds "
+                     "(includes cached requests)", "counter", lambda s: s.get("success_ns") // 1000)
+        yield family("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds "
+                     "(includes cached requests)", "counter", lambda s: s.get("queue_ns") // 1000)
+        yield family("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds "
+                     "(does not include cached requests)", "counter", lambda s: s.get("compute_input_ns") // 1000)
         yield family("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in "
-                     "microseconds", "counter", lambda s: s.compute_infer_ns // 1000)
+                     "microseconds (does not include cached requests)", "counter",
+                     lambda s: s.get("compute_infer_ns") // 1000)
+        yield family("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in "
+                     "microseconds (does not include cached requests)", "counter",
+                     lambda s: s.get("compute_output_ns") // 1000)
         yield family("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting "
                      "execution per-model.", "gauge", lambda s: s.pending)
+        if self.opts.summary_latencies:
+            yield from self._summaries(rows)
+        yield from self._histograms(rows)
         yield family("shmserve_worker_restarts", "Worker processes restarted after they died", "counter",
                      lambda s: s.worker_restarts)
+        yield family("shmserve_queue_depth", "Requests waiting for an instance: scheduler queues and direct lanes",
+                     "gauge", lambda s: s.pending)
+        for name, doc, kind, samples in self.extras():
+            m = Metric(name, doc, kind)
+            for labels, value in samples:
+                m.add_sample(name, labels, value)
+            yield m
+        if self.opts.cpu:
+            yield from self._cpu()
+        if self.opts.gpu:
+            yield from self._gpu()
+
+    def _summaries(self, rows: list[VersionRow]) -> Iterator[Metric]:
+        """Triton's ``summary_latencies``: quantiles estimated from the log-spaced histograms."""
+        totals = {"request": "success_ns", "queue": "queue_ns", "compute_input": "compute_input_ns",
+                  "compute_infer": "compute_infer_ns", "compute_output": "compute_output_ns"}
+        for p, phase in enumerate(PHASES):
+            name = f"nv_inference_{phase}_summary_us"
+            m = Metric(name, f"Summary of {phase.replace('_', ' ')} durations in microseconds", "summary")
+            for model, version, st in rows:
+                labels = {"model": model, "version": str(version)}
+                hist = st.hist[p]
+                for q in QUANTILES:
+                    m.add_sample(name, {**labels, "quantile": str(q)}, quantile_ns(hist, q) / 1000.0)
+                m.add_sample(name + "_count", labels, int(hist.sum()))
+                m.add_sample(name + "_sum", labels, st.get(totals[phase]) / 1000.0)
+            yield m
+
+    @staticmethod
+    def _histograms(rows: list[VersionRow]) -> Iterator[Metric]:
+        name = "shmserve_request_duration_us"
+        m = Metric(name, "Successful request durations in microseconds (for percentiles in dashboards)",
+                   "histogram")
+        for model, version, st in rows:
+            labels = {"model": model, "version": str(version)}
+            for le, count in _fine_to_coarse(st.hist[0]):
+                m.add_sample(name + "_bucket", {**labels, "le": le}, count)
+            m.add_sample(name + "_count", labels, int(st.hist[0].sum()))
+            m.add_sample(name + "_sum", labels, st.get("success_ns") / 1000.0)
+        yield m
+        name = "shmserve_batch_size"
+        m = Metric(name, "Executions by batch size (inferences per model execution)", "histogram")
+        for model, version, st in rows:
+            labels = {"model": model, "version": str(version)}
+            counts = st.batches[:, 0]
+            for edge in BATCH_EDGES:
+                m.add_sample(name + "_bucket", {**labels, "le": str(float(edge))}, int(counts[:edge].sum()))
+            m.add_sample(name + "_bucket", {**labels, "le": "+Inf"}, int(counts.sum()))
+            m.add_sample(name + "_count", labels, int(counts.sum()))
+            m.add_sample(name + "_sum", labels, st.get("inference_count"))
+        yield m
+
+    def _cpu(self) -> Iterator[Metric]:
+        utilization, total, used = self.cpu.sample()
+        for name, doc, value in (("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", utilization),
+                                 ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", total),
+                                 ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", used)):
+            m = Metric(name, doc, "gauge")
+            m.add_sample(name, {}, value)
+            yield m
+
+    @staticmethod
+    def _gpu() -> Iterator[Metric]:
+        samples = gpu_samples()
+        if not samples:
+            return  # no CUDA device on this host: no GPU families, as Triton
+        for name, doc in (("nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)"),
+                          ("nv_gpu_memory_total_bytes", "GPU total memory, in bytes"),
+                          ("nv_gpu_memory_used_bytes", "GPU used memory, in bytes")):
+            m = Metric(name, doc, "gauge")
+            for gpu in samples:
+                m.add_sample(name, {"gpu_uuid": gpu["uuid"]}, gpu[name])
+            yield m
 
 
-def serve_metrics(port: int, source: StatsSource) -> CollectorRegistry:
+def serve_metrics(opts: MetricsOptions, rows: Callable[[], list[VersionRow]],
+                  extras: Callable[[], list[Family]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(source))  # type: ignore[arg-type]
-    if port > 0:
+    registry.register(_Collector(rows, extras, opts))  # type: ignore[arg-type]
+    if opts.port > 0:
         try:
-            start_http_server(port, registry=registry)
+            start_http_server(opts.port, registry=registry)
         except OSError as e:
-            log.error("cannot serve metrics on port %d: %s", port, e.strerror)
+            log.error("cannot serve metrics on port %d: %s", opts.port, e.strerror)
     return registry
+
+
+def version_stats_json(model: str, version: int, st: VersionTotals) -> dict:
+    """One ``model_stats`` entry of the statistics extension, as Triton writes it."""
+    phase_count = st.get("phase_count")
+
+    def duration(count: int, ns: int) -> dict[str, int]:
+        return {"count": count, "ns": ns}
+
+    batches = []
+    for row in np.flatnonzero(st.batches[:, 0]).tolist():
+        count, input_ns, infer_ns, output_ns = (int(x) for x in st.batches[row])
+        batches.append({"batch_size": row + 1, "compute_input": duration(count, input_ns),
+                        "compute_infer": duration(count, infer_ns), "compute_output": duration(count, output_ns)})
+    return {
+        "name": model, "version": str(version),
+        "last_inference": st.get("last_inference_ms"),
+        "inference_count": st.get("inference_count"), "execution_count": st.get("execution_count"),
+        "inference_stats": {
+            "success": duration(st.get("success"), st.get("success_ns")),
+            "fail": duration(st.get("failure"), st.get("failure_ns")),
+            "queue": duration(phase_count, st.get("queue_ns")),
+            "compute_input": duration(phase_count, st.get("compute_input_ns")),
+            "compute_infer": duration(phase_count, st.get("compute_infer_ns")),
+            "compute_output": duration(phase_count, st.get("compute_output_ns")),
+            "cache_hit": duration(0, 0), "cache_miss": duration(0, 0),
+        },
+        "response_stats": {},
+        "batch_stats": batches,
+        "memory_usage": [],
+    }
+

@@ -15,7 +15,7 @@ from typing import Any
 
 from shm.channel import ClientSegment, WorkerSegment
 
-from .metrics import VersionStats
+from shm.stats import VersionTotals
 from workers.signature import ModelSignature
 
 
@@ -87,7 +87,9 @@ class ModelVersion:
     signature: ModelSignature | None = None
     pipeline_depth: int = 2
     config_confirmed: bool = False
-    stats: VersionStats = dataclasses.field(default_factory=VersionStats)
+    stats: VersionTotals = dataclasses.field(default_factory=VersionTotals)
+    created: float = dataclasses.field(default_factory=time.monotonic)
+    load_seconds: float = 0.0  # from the start of its load until READY
     batcher: Any = None  # a DynamicBatcher when the config asks for dynamic batching
     sequencer: Any = None  # a SequenceBatcher when the config asks for sequence batching
     ensemble: Any = None  # an EnsemblePlan for platform "ensemble" (no instances of its own)

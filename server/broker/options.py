@@ -23,6 +23,10 @@ class BrokerOptions:
     worker_arena_bytes: int = 256 << 20
     allow_remote_shm: bool = False
     metrics_port: int = 8002
+    metrics_interval_ms: int = 2000
+    metrics_config: dict[str, str] = dataclasses.field(default_factory=dict)  # Triton's --metrics-config
+    cpu_metrics: bool = True
+    gpu_metrics: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

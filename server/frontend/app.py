@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import time
 import zlib
 from typing import Any, AsyncIterator
 
@@ -22,9 +23,10 @@ from server import __version__
 from .codec import BadRequest, build_request, build_response, split_body
 from .generate import build_generate_request, generate_response
 from .link import BrokerError, BrokerLink
+from .logsettings import logging_endpoint
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "system_shared_memory", "cuda_shared_memory",
-              "generate", "sequence", "schedule_policy", "model_repository"]
+              "generate", "sequence", "schedule_policy", "model_repository", "statistics", "logging"]
 JSON = "application/json"
 JSON_HEADER = (b"content-type", b"application/json")
 
@@ -106,6 +108,27 @@ class Frontend:
     async def model_config(self, request: Request) -> Response:
         return await self._answer({"op": "model_config", **self._model(request)})
 
+    async def canary(self, request: Request) -> Response:
+        """GET: the canary's policy, split and decisions; POST: change its policy."""
+        model = request.path_params["model"]
+        if request.method == "GET":
+            return await self._answer({"op": "canary_status", "model": model})
+        try:
+            settings = orjson.loads(await request.body() or b"{}")
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"malformed canary settings: {e}")
+        return await self._answer({"op": "canary_set", "model": model, "settings": settings})
+
+    async def canary_decision(self, request: Request) -> Response:
+        model, action = request.path_params["model"], request.path_params["action"]
+        if action not in ("promote", "rollback"):
+            return error_response(404, f"unknown canary action '{action}' (promote or rollback)")
+        return await self._answer({"op": f"canary_{action}", "model": model})
+
+    async def model_stats(self, request: Request) -> Response:
+        p = request.path_params
+        return await self._answer({"op": "model_stats", "model": p.get("model", ""), "version": p.get("version", "")})
+
     async def model_ready(self, request: Request) -> Response:
         try:
             _, answer = await self._control({"op": "model_ready", **self._model(request)})
@@ -149,6 +172,7 @@ class Frontend:
     async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes
                     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         """(status, body, headers) of one inference; the hot path, so no framework objects."""
+        received = time.monotonic_ns()  # the request's duration in the statistics starts here
         try:
             if len(body) > self.max_input_bytes:
                 raise BadRequest(f"the request body of {len(body)} bytes exceeds --http-max-input-size")
@@ -158,6 +182,7 @@ class Frontend:
             header_len = headers.get(b"inference-header-content-length")
             doc, tail = split_body(body, header_len.decode("latin-1") if header_len is not None else None)
             req, chunks = build_request(model, version, doc, tail)
+            req["t"] = received
         except BadRequest as e:
             return e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER]
         try:
@@ -317,12 +342,17 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
         Route("/v2/health/live", fe.live),
         Route("/v2/health/ready", fe.ready),
         Route("/v2", fe.server_metadata),
+        Route("/v2/logging", logging_endpoint(fe), methods=["GET", "POST"]),
+        Route("/v2/models/stats", fe.model_stats),
+        Route(m + "/stats", fe.model_stats), Route(mv + "/stats", fe.model_stats),
         Route(m, fe.model_metadata), Route(mv, fe.model_metadata),
         Route(m + "/ready", fe.model_ready), Route(mv + "/ready", fe.model_ready),
         Route(m + "/config", fe.model_config), Route(mv + "/config", fe.model_config),
         Route("/v2/repository/index", fe.repository_index, methods=["POST"]),
         Route("/v2/repository/models/{model}/load", fe.repository_load, methods=["POST"]),
         Route("/v2/repository/models/{model}/unload", fe.repository_unload, methods=["POST"]),
+        Route("/v2/repository/models/{model}/canary", fe.canary, methods=["GET", "POST"]),
+        Route("/v2/repository/models/{model}/canary/{action}", fe.canary_decision, methods=["POST"]),
         Route(m + "/generate", fe.generate, methods=["POST"]), Route(mv + "/generate", fe.generate, methods=["POST"]),
         Route(m + "/generate_stream", fe.generate_stream, methods=["POST"]),
         Route(mv + "/generate_stream", fe.generate_stream, methods=["POST"]),

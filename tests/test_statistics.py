@@ -1,0 +1,192 @@
+"""Statistics: after requests of known outcomes, the statistics extension (through tritonclient)
+and the Prometheus metrics show exactly those counts, across instances, frontend processes and
+local clients; failures by reason; phase durations that add up; batch statistics."""
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import TESTS, raw_request
+from shm.client import Client, InferenceServerError
+
+STATS_MODELS = TESTS / "models" / "stats"
+
+
+@pytest.fixture(scope="module")
+def stats_server(module_factory):
+    return module_factory.start([STATS_MODELS], ["--http-workers", "2",
+                                                 "--metrics-config", "summary_latencies=true"])
+
+
+def scrape(server) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of the one sample of ``name`` whose labels include ``labels``."""
+    found = []
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            found.append(float(m.group(3)))
+    assert len(found) == 1, f"{name}{labels}: {found}"
+    return found[0]
+
+
+def double(url: str, x: list[int]) -> np.ndarray:
+    client = httpclient.InferenceServerClient(url)
+    try:
+        t = httpclient.InferInput("X", [len(x)], "INT32")
+        t.set_data_from_numpy(np.array(x, dtype=np.int32))
+        return client.infer("doubler", [t]).as_numpy("Y")
+    finally:
+        client.close()
+
+
+def model_stats(server, model: str) -> dict:
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        stats = client.get_inference_statistics(model)
+    finally:
+        client.close()
+    assert [s["name"] for s in stats["model_stats"]] == [model]
+    return stats["model_stats"][0]
+
+
+def test_counts_are_exact_across_instances_frontends_and_local_clients(stats_server):
+    """40 successes over HTTP (2 frontends, 2 instances, concurrent), 10 through the local
+    client, 3 error responses, 2 executions that raise, 4 requests refused for bad input."""
+    url = stats_server.url
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: double(url, [i, i + 1]), range(40)))
+    assert all((r == np.array([2 * i, 2 * i + 2])).all() for i, r in enumerate(results))
+    with Client(stats_server.id) as local:
+        for i in range(10):
+            out = local.infer("doubler", {"X": np.array([i], dtype=np.int32)})
+            assert out["Y"].tolist() == [2 * i]
+        with pytest.raises(InferenceServerError):
+            local.infer("doubler", {"X": np.array([-1], dtype=np.int32)})
+    for x in ([-1], [-2]):
+        with pytest.raises(InferenceServerException, match="negative input"):
+            double(url, x)
+    for _ in range(2):
+        with pytest.raises(InferenceServerException, match="told to raise"):
+            double(url, [-999])
+    client = httpclient.InferenceServerClient(url)
+    for _ in range(4):
+        bad = httpclient.InferInput("X", [2], "FP32")
+        bad.set_data_from_numpy(np.zeros(2, dtype=np.float32))
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("doubler", [bad])
+        assert e.value.status() == "400"
+    client.close()
+
+    st = model_stats(stats_server, "doubler")
+    inf = st["inference_stats"]
+    assert st["version"] == "1"
+    assert inf["success"]["count"] == 50
+    assert inf["fail"]["count"] == 3 + 2 + 4
+    assert st["inference_count"] == 50 and st["execution_count"] == 50
+    for phase in ("queue", "compute_input", "compute_infer", "compute_output"):
+        assert inf[phase]["count"] == 50, phase
+        assert inf[phase]["ns"] > 0, phase
+    phases = sum(inf[p]["ns"] for p in ("queue", "compute_input", "compute_infer", "compute_output"))
+    assert inf["success"]["ns"] >= phases
+    assert st["last_inference"] > 1.7e12  # milliseconds since the epoch
+    assert st["batch_stats"] == [{"batch_size": 1, **{p: {"count": 50, "ns": inf[p]["ns"]} for p in (
+        "compute_input", "compute_infer", "compute_output")}}]
+
+    text = scrape(stats_server)
+    labels = {"model": "doubler", "version": "1"}
+    assert sample(text, "nv_inference_request_success", **labels) == 50
+    assert sample(text, "nv_inference_request_failure", reason="BACKEND", **labels) == 5
+    assert sample(text, "nv_inference_request_failure", reason="REJECTED", **labels) == 4
+    assert sample(text, "nv_inference_request_failure", reason="OTHER", **labels) == 0
+    assert sample(text, "nv_inference_count", **labels) == 50
+    assert sample(text, "nv_inference_exec_count", **labels) == 50
+    assert sample(text, "nv_inference_request_duration_us", **labels) == inf["success"]["ns"] // 1000
+    assert sample(text, "nv_inference_queue_duration_us", **labels) == inf["queue"]["ns"] // 1000
+    assert sample(text, "nv_inference_compute_infer_duration_us", **labels) == inf["compute_infer"]["ns"] // 1000
+    assert sample(text, "nv_inference_pending_request_count", **labels) == 0
+    assert sample(text, "shmserve_request_duration_us_count", **labels) == 50
+    assert sample(text, "shmserve_request_duration_us_bucket", le="+Inf", **labels) == 50
+    # summary_latencies=true: Triton's summaries, quantiles in order
+    q = [sample(text, "nv_inference_request_summary_us", quantile=str(x), **labels) for x in (0.5, 0.9, 0.99)]
+    assert 0 < q[0] <= q[1] <= q[2]
+    assert sample(text, "nv_inference_queue_summary_us_count", **labels) == 50
+
+
+def test_batch_statistics_follow_the_batches_formed(stats_server):
+    url = stats_server.url
+
+    def one(i: int) -> np.ndarray:
+        c = httpclient.InferenceServerClient(url)
+        t = httpclient.InferInput("X", [1, 2], "INT32")
+        t.set_data_from_numpy(np.array([[i, i]], dtype=np.int32))
+        try:
+            return c.infer("batch_doubler", [t]).as_numpy("Y")
+        finally:
+            c.close()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        out = list(pool.map(one, range(8)))
+    assert [o.tolist() for o in out] == [[[2 * i, 2 * i]] for i in range(8)]
+    st = model_stats(stats_server, "batch_doubler")
+    assert st["inference_stats"]["success"]["count"] == 8
+    assert st["inference_count"] == 8
+    rows = {b["batch_size"]: b["compute_infer"]["count"] for b in st["batch_stats"]}
+    assert sum(size * n for size, n in rows.items()) == 8
+    assert sum(rows.values()) == st["execution_count"] < 8  # requests were batched
+    text = scrape(stats_server)
+    assert sample(text, "shmserve_batch_size_count", model="batch_doubler", version="1") == st["execution_count"]
+    assert sample(text, "shmserve_batch_size_sum", model="batch_doubler", version="1") == 8
+
+
+def test_statistics_endpoints_and_errors(stats_server):
+    everything = raw_request(stats_server.port, "GET", "/v2/models/stats")
+    assert everything.status == 200
+    assert {s["name"] for s in everything.json()["model_stats"]} == {"doubler", "batch_doubler"}
+    one = raw_request(stats_server.port, "GET", "/v2/models/doubler/versions/1/stats")
+    assert one.status == 200 and [s["version"] for s in one.json()["model_stats"]] == ["1"]
+    unknown = raw_request(stats_server.port, "GET", "/v2/models/nope/stats")
+    assert unknown.status == 400 and "Request for unknown model" in unknown.json()["error"]
+    bad_version = raw_request(stats_server.port, "GET", "/v2/models/doubler/versions/7/stats")
+    assert bad_version.status == 400 and "version 7" in bad_version.json()["error"]
+    meta = raw_request(stats_server.port, "GET", "/v2").json()
+    assert "statistics" in meta["extensions"]
+
+
+def test_host_metrics_and_shmserve_gauges(stats_server):
+    text = scrape(stats_server)
+    assert 0.0 <= sample(text, "nv_cpu_utilization") <= 1.0
+    total, used = sample(text, "nv_cpu_memory_total_bytes"), sample(text, "nv_cpu_memory_used_bytes")
+    assert 0 < used < total
+    assert "nv_gpu_utilization" not in text  # no CUDA device on this host: no GPU families
+    assert sample(text, "shmserve_model_load_duration_seconds", model="doubler", version="1") > 0
+    assert sample(text, "shmserve_registered_regions") == 0
+    assert sample(text, "shmserve_worker_restarts", model="doubler", version="1") == 0
+    assert sample(text, "shmserve_arena_bytes_in_use", owner="broker") >= 0
+
+
+def test_cpu_metrics_can_be_turned_off_and_summaries_are_off_by_default(server_factory):
+    server = server_factory.start([STATS_MODELS], ["--allow-cpu-metrics=false"])
+    text = scrape(server)
+    assert "nv_cpu_utilization" not in text
+    assert "nv_inference_request_summary_us" not in text
+    assert sample(text, "nv_inference_request_success", model="doubler", version="1") == 0
+
+
+def test_bad_metrics_config_is_refused(server_factory):
+    server = server_factory.create([STATS_MODELS], ["--metrics-config", "bogus=1"])
+    server.start()
+    assert server.wait_exit(20) == 2
+    assert "--metrics-config" in server.log()
