@@ -167,6 +167,13 @@ def test_statistics_endpoints_and_errors(stats_server):
 
 def test_host_metrics_and_shmserve_gauges(stats_server):
     text = scrape(stats_server)
+    # Triton's family names exactly (no _total), in a format Prometheus parses
+    assert "# TYPE nv_inference_request_success counter\n" in text
+    assert "# TYPE nv_inference_count counter\n" in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name for f in text_string_to_metric_families(text)}
+    assert {"nv_inference_request_success", "nv_cpu_utilization", "shmserve_request_duration_us"} <= families
     assert 0.0 <= sample(text, "nv_cpu_utilization") <= 1.0
     total, used = sample(text, "nv_cpu_memory_total_bytes"), sample(text, "nv_cpu_memory_used_bytes")
     assert 0 < used < total
@@ -190,3 +197,20 @@ def test_bad_metrics_config_is_refused(server_factory):
     server.start()
     assert server.wait_exit(20) == 2
     assert "--metrics-config" in server.log()
+
+
+def test_grafana_dashboard_uses_only_metrics_the_server_exports(stats_server):
+    import json
+
+    from conftest import ROOT
+
+    dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 12
+    names = {n for e in exprs for n in re.findall(r"\b((?:nv|shmserve)_[a-z_]+)", e)}
+    exported = set(re.findall(r"^# TYPE (\S+) ", scrape(stats_server), re.M))
+    for name in names:
+        base = re.sub(r"_(bucket|count|sum)$", "", name)
+        assert name in exported or base in exported, f"dashboard uses {name}, which the server does not export"
+    assert {"shmserve_request_duration_us_bucket", "nv_inference_request_success",
+            "shmserve_canary_traffic_fraction"} <= names

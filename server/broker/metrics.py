@@ -8,11 +8,14 @@ exact names (no ``_total``); shmserve's own metrics are prefixed ``shmserve_``.
 from __future__ import annotations
 
 import dataclasses
+import http.server
 import logging
+import threading
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
+from prometheus_client.utils import floatToGoString
 from prometheus_client.metrics_core import Metric
 
 from shm.stats import BUCKETS, PHASES, VersionTotals, bucket_upper_ns, quantile_ns
@@ -179,16 +182,66 @@ class _Collector:
             yield m
 
 
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text format with Triton's exact family names.
+
+    prometheus_client's writer renames counter families to ``<name>_total`` in their TYPE lines
+    (the OpenMetrics convention) while Triton's samples and metadata have no suffix; dashboards
+    and recording rules written for Triton expect its names, so the lines are written here.
+    """
+    out = []
+    for metric in registry.collect():
+        kind = {"unknown": "untyped", "info": "gauge"}.get(metric.type, metric.type)
+        doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        out.append(f"# HELP {metric.name} {doc}\n# TYPE {metric.name} {kind}\n")
+        for sample in metric.samples:
+            labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(sample.labels.items()))
+            out.append(f"{sample.name}{{{labels}}} {floatToGoString(sample.value)}\n" if labels
+                       else f"{sample.name} {floatToGoString(sample.value)}\n")
+    return "".join(out).encode()
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
 def serve_metrics(opts: MetricsOptions, rows: Callable[[], list[VersionRow]],
                   extras: Callable[[], list[Family]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(rows, extras, opts))  # type: ignore[arg-type]
     if opts.port > 0:
         try:
-            start_http_server(opts.port, registry=registry)
+            server = http.server.ThreadingHTTPServer(("0.0.0.0", opts.port), _handler(registry))
         except OSError as e:
             log.error("cannot serve metrics on port %d: %s", opts.port, e.strerror)
+        else:
+            server.daemon_threads = True
+            threading.Thread(target=server.serve_forever, name="shmserve-metrics", daemon=True).start()
     return registry
+
+
+def _handler(registry: CollectorRegistry) -> type[http.server.BaseHTTPRequestHandler]:
+    class MetricsHandler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404, "metrics are served at /metrics")
+                return
+            try:
+                body = render(registry)
+            except Exception:  # noqa: BLE001 - a scrape must never take the broker down
+                log.exception("metrics collection failed")
+                self.send_error(500, "metrics collection failed")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # scrapes are not news
+            pass
+
+    return MetricsHandler
 
 
 def version_stats_json(model: str, version: int, st: VersionTotals) -> dict:
