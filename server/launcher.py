@@ -27,6 +27,7 @@ from .cli import log_settings
 
 log = logging.getLogger("shmserve")
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+STABLE_S = 60.0  # a process that ran this long before dying is restarted without back-off
 
 
 def _check_previous(server_id: str) -> None:
@@ -125,6 +126,8 @@ class Launcher:
     def _supervise(self) -> int:
         broker_restarts = 0
         frontend_restarts = [0] * len(self.frontends)
+        broker_since = time.monotonic()
+        frontend_since = [time.monotonic()] * len(self.frontends)
         while not self.stopping:
             time.sleep(0.25)  # four cheap checks a second keep an idle server well under 1% CPU
             assert self.broker is not None
@@ -133,19 +136,25 @@ class Launcher:
                 if code in (2, STARTUP_FAILED):  # bad options, or a model failed at start: do not loop
                     log.error("the broker exited with code %d; shutting down", code)
                     return 1
+                if time.monotonic() - broker_since > STABLE_S:
+                    broker_restarts = 0  # it had been running fine: not a crash loop
                 delay = BACKOFF_S[min(broker_restarts, len(BACKOFF_S) - 1)]
                 log.error("the broker died (exit code %d); restarting it in %.1f s", code, delay)
                 broker_restarts += 1
                 time.sleep(delay)
                 unlink_all_but_frontends(self.sid)
                 self.broker = self._start_broker()
+                broker_since = time.monotonic()
             for i, fe in enumerate(self.frontends):
                 if fe is not None and fe.poll() is not None and not self.stopping:
+                    if time.monotonic() - frontend_since[i] > STABLE_S:
+                        frontend_restarts[i] = 0
                     delay = BACKOFF_S[min(frontend_restarts[i], len(BACKOFF_S) - 1)]
                     log.error("frontend #%d died (exit code %s); restarting it in %.1f s", i, fe.returncode, delay)
                     frontend_restarts[i] += 1
                     time.sleep(delay)
                     self.frontends[i] = self._start_frontend(i)
+                    frontend_since[i] = time.monotonic()
         return 0
 
     def _stop_all(self) -> None:
@@ -164,13 +173,18 @@ class Launcher:
 
 
 def unlink_all_but_frontends(server_id: str) -> None:
-    """After a broker crash: remove its objects and its workers'; frontends reconnect on their own."""
+    """After a broker crash: remove its objects (its own client channel included) and its
+    workers'; frontends and local clients keep theirs and reconnect on their own."""
     shms, sems = list_objects(server_id)
+
+    def the_brokers(name: str) -> bool:
+        return ".client." not in name or name.endswith(".client.broker")
+
     for name in shms:
-        if ".client." not in name:
+        if the_brokers(name):
             unlink_shm(name)
     for name in sems:
-        if ".client." not in name:
+        if the_brokers(name):
             unlink_semaphore(name)
 
 

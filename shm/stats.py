@@ -23,6 +23,7 @@ S = {name: i for i, name in enumerate(SCALARS)}
 (SUCCESS, SUCCESS_NS, FAILURE, FAILURE_NS, REJECTED, INFERENCE_COUNT, EXECUTION_COUNT, PHASE_COUNT, QUEUE_NS,
  INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES) = range(len(SCALARS))
 SCALAR_SLOTS = 32  # room to add counters without moving the arrays behind them
+BUSY_SINCE = SCALAR_SLOTS - 1  # not a counter: monotonic ns the running execution began, 0 when idle
 PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 BUCKETS = 96
 _FIRST_NS = 10_000.0
@@ -167,7 +168,7 @@ class StatsWriter:
             self.counts[FAILURE_NS] += duration
 
     def flush(self) -> None:
-        self.area.scalars[:] = self.counts
+        self.area.scalars[:len(SCALARS)] = self.counts[:len(SCALARS)]
         if self._cells:
             for cell, value in self._cells.items():
                 self._hist[cell] = value
@@ -201,7 +202,7 @@ class VersionTotals:
 
     def add_area(self, area: StatsArea) -> None:
         last = max(int(self.scalars[LAST_INFERENCE_MS]), int(area.scalars[LAST_INFERENCE_MS]))
-        self.scalars += area.scalars
+        self.scalars[:len(SCALARS)] += area.scalars[:len(SCALARS)]
         self.scalars[LAST_INFERENCE_MS] = last
         self.hist += area.hist
         self.batches += area.batches

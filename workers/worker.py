@@ -24,7 +24,7 @@ import posix_ipc
 from shm import logs
 from shm.arena import Arena, free_block
 from shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
-from shm.stats import ARENA_BYTES, DIRECT_DONE, StatsWriter
+from shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
 from shm.names import object_name, pid_alive
 from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_with_data, write_manifest)
@@ -210,6 +210,8 @@ class Worker:
     def _execute(self, entries: list[dict]) -> None:
         """Run one batch and answer each request; time its phases for the statistics."""
         start = time.monotonic_ns()
+        busy = self.seg.stats.scalars
+        busy[BUSY_SINCE] = start  # the broker enforces execution_timeout_s against this
         live: list[tuple[dict, Request]] = []
         for entry in entries:
             try:
@@ -258,6 +260,7 @@ class Worker:
             self.stats.executed([size for (_, r), size in zip(live, sizes_all) if r.sender is None],
                                 [entry.get("t", 0) for entry, _ in answered], start, built - start,
                                 executed - built, time.monotonic_ns() - executed, ok, streamed)
+        busy[BUSY_SINCE] = 0
 
     def stream_finished(self, sender: StreamSender) -> None:
         """A streamed request ended (possibly on another thread): count it."""

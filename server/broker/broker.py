@@ -22,7 +22,7 @@ import orjson
 import posix_ipc
 
 from shm.arena import free_block
-from shm.stats import VersionTotals
+from shm.stats import BUSY_SINCE, VersionTotals
 from shm.channel import LANES, NO_LANE, NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
 from shm.names import object_name, pid_alive
 from shm.segment import SegmentCache
@@ -34,6 +34,7 @@ from workers.backend import BUILT_IN, installed_backends
 from . import config as cfgmod
 from .batcher import DynamicBatcher, QueueFull
 from .canary import SNAPSHOT_EVERY_S, Canary, CanaryPolicy, Split
+from .config import execution_timeout
 from .sequencer import SequenceBatcher
 from .watcher import RepositoryWatcher
 from .control import ControlHandler
@@ -48,6 +49,7 @@ log = logging.getLogger("shmserve.broker")
 
 HOUSEKEEPING_S = 1.0  # client liveness, restart back-off; a worker's death wakes us at once (SIGCHLD)
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+HUNG_CHECK_S = 0.1  # how often executions are checked against execution_timeout_s
 
 
 class Broker:
@@ -138,7 +140,9 @@ class Broker:
                 raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
             cfgmod.validate(config, model_dir, self.backends, versions)
             try:
-                canary_policy = CanaryPolicy.from_parameters(cfgmod.string_parameters(config))
+                parameters = cfgmod.string_parameters(config)
+                canary_policy = CanaryPolicy.from_parameters(parameters)
+                exec_timeout_s = execution_timeout(parameters)
             except ValueError as e:
                 raise cfgmod.ConfigError(f"model '{name}': parameters: {e}") from None
         except cfgmod.ConfigError as e:
@@ -149,6 +153,7 @@ class Broker:
             mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
                               config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
             mv.set_config(mv.config_dict)
+            mv.exec_timeout_s = exec_timeout_s
             if config.platform == "ensemble":
                 mv.ensemble = EnsemblePlan(config)
                 mv.state = State.READY
@@ -709,6 +714,8 @@ class Broker:
         timeout = HOUSEKEEPING_S if not self.retiring else 0.05
         if any(c.policy.fraction > 0 for c in self.canaries.values()):
             timeout = min(timeout, SNAPSHOT_EVERY_S)
+        if any(mv.exec_timeout_s for mv, _ in self.workers.values()):
+            timeout = min(timeout, HUNG_CHECK_S)
         now = time.monotonic()
         for when, _, _ in self.restarts:
             timeout = min(timeout, max(0.0, when - now))
@@ -773,10 +780,38 @@ class Broker:
             self.routes_doc = doc
             self.seg.routes.publish(doc)
 
-    def _fail_direct(self, inst: Instance, mv: ModelVersion) -> None:
+    @staticmethod
+    def _death_message(mv: ModelVersion, inst: Instance, code: int) -> str:
+        if inst.death_note:
+            why = inst.death_note
+        elif code < 0:
+            try:
+                why = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                why = f"was killed by signal {-code}"
+        else:
+            why = f"exited unexpectedly (exit code {code})"
+        return f"model '{mv.name}' version {mv.version} instance '{inst.name}' {why}; the request was not completed"
+
+    def _kill_hung_instances(self) -> None:
+        """Kill instances whose running execution passed their model's execution_timeout_s; the
+        death path fails their requests (with this reason) and restarts them."""
+        now = time.monotonic_ns()
+        for num, (mv, inst) in list(self.workers.items()):
+            if not mv.exec_timeout_s or inst.death_note:
+                continue
+            since = int(inst.seg.stats.scalars[BUSY_SINCE])
+            if since and now - since > mv.exec_timeout_s * 1e9 and inst.proc.poll() is None:
+                inst.death_note = (f"exceeded its execution timeout of {mv.exec_timeout_s:g} s "
+                                   f"(parameter execution_timeout_s) and was restarted")
+                log.error("model '%s' version %d instance '%s' %s", mv.name, mv.version, inst.name,
+                          inst.death_note)
+                inst.proc.kill()
+                self.child_exited = True
+
+    def _fail_direct(self, inst: Instance, mv: ModelVersion, code: int) -> None:
         """Fail the direct requests clients had put on a worker that died."""
-        msg = (f"model '{mv.name}' version {mv.version} instance '{inst.name}' exited unexpectedly; "
-               f"the request was not completed")
+        msg = self._death_message(mv, inst, code)
         lost = 0
         for client in self.clients.values():
             for slot in np.flatnonzero(client.seg.slot_states == SLOT_PENDING).tolist():
@@ -903,7 +938,7 @@ class Broker:
             if code is None:
                 continue
             self._on_worker_messages(mv, inst)  # it may have said why before it went
-            self._fail_direct(inst, mv)
+            self._fail_direct(inst, mv, code)
             self._reap_instance(inst, mv)
             self.publish_routes()
             if mv.state == State.UNLOADING or not self.running:
@@ -915,8 +950,7 @@ class Broker:
             lost = [p for batch in inst.outstanding.values() for p in batch]
             if mv.sequencer is not None:  # its sequences and their state died with it
                 lost += mv.sequencer.forget_instance(inst)
-            msg = (f"model '{mv.name}' version {mv.version} instance '{inst.name}' exited unexpectedly "
-                   f"(exit code {code}); the request was not completed")
+            msg = self._death_message(mv, inst, code)
             log.error("%s; %d request(s) failed; restarting it", msg, len(lost))
             self._fail_pending(lost, 500, msg)
             mv.stats.fail("BACKEND", len(lost))
@@ -959,7 +993,7 @@ class Broker:
             return True
         if any(name not in self.models for name in self.load_errors):
             return False  # a model that should serve does not (a failed reload keeps the old one serving)
-        return all(mv.state == State.READY for vs in self.models.values() for mv in vs.values())
+        return all(mv.state == State.READY and mv.live() for vs in self.models.values() for mv in vs.values())
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -1017,6 +1051,7 @@ class Broker:
             self._apply_repository_changes()
         if self.canaries:
             self._judge_canaries()
+        self._kill_hung_instances()
 
     def _judge_canaries(self) -> None:
         now = time.monotonic()

@@ -245,3 +245,18 @@ def from_dict(data: dict) -> ModelConfig:
 def string_parameters(config: mc.ModelConfig) -> dict[str, str]:
     """The model's ``parameters`` map as plain strings (Triton keeps them in ``string_value``)."""
     return {key: value.string_value for key, value in config.parameters.items()}
+
+
+def execution_timeout(parameters: dict[str, str]) -> float:
+    """Parameter ``execution_timeout_s`` (shmserve's): seconds one execution may run before its
+    instance is killed and restarted; 0 or absent: no limit."""
+    raw = parameters.get("execution_timeout_s")
+    if raw is None:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"parameter 'execution_timeout_s' must be a number of seconds, got '{raw}'") from None
+    if value < 0:
+        raise ValueError(f"parameter 'execution_timeout_s' must not be negative, got {value}")
+    return value

@@ -74,8 +74,7 @@ class ControlHandler:
 
     def _model_ready(self, client: Client, slot: int, doc: dict) -> Answer:
         try:
-            self._version(doc)
-            return 200, {"ready": True}
+            return 200, {"ready": self._version(doc).live()}  # not while every instance is restarting
         except InvalidRequest:
             return 200, {"ready": False}
 

@@ -70,6 +70,7 @@ class Instance:
     outstanding: dict[int, list[Pending]] = dataclasses.field(default_factory=dict)
     restarts: int = 0
     started: float = dataclasses.field(default_factory=time.monotonic)
+    death_note: str = ""  # why the broker killed it (e.g. a hung execution), for the failed requests
 
 
 @dataclasses.dataclass
@@ -90,6 +91,7 @@ class ModelVersion:
     stats: VersionTotals = dataclasses.field(default_factory=VersionTotals)
     created: float = dataclasses.field(default_factory=time.monotonic)
     load_seconds: float = 0.0  # from the start of its load until READY
+    exec_timeout_s: float = 0.0  # parameter execution_timeout_s: a longer execution kills the instance
     batcher: Any = None  # a DynamicBatcher when the config asks for dynamic batching
     sequencer: Any = None  # a SequenceBatcher when the config asks for sequence batching
     ensemble: Any = None  # an EnsemblePlan for platform "ensemble" (no instances of its own)
@@ -97,6 +99,10 @@ class ModelVersion:
     def set_config(self, config_dict: dict[str, Any]) -> None:
         self.config_dict = config_dict
         self.signature = ModelSignature(self.name, config_dict)
+
+    def live(self) -> bool:
+        """Able to serve now: an ensemble, or a version with at least one ready instance."""
+        return self.ensemble is not None or any(i.ready for i in self.instances)
 
     def pick_instance(self) -> Instance | None:
         best = None

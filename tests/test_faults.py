@@ -1,0 +1,213 @@
+"""Faults caused for real: workers killed, crashing, exiting or hanging; the broker and a frontend
+killed. Requests on the failed instance fail fast with a clear 500 naming model and instance; the
+rest is untouched; what died comes back."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import TESTS, TEST_MODELS, pid_alive
+
+FAULT_MODELS = TESTS / "models" / "faults"
+
+
+@pytest.fixture
+def faulty(server_factory):
+    return server_factory.start([FAULT_MODELS, TEST_MODELS])
+
+
+def call(url: str, x: int, model: str = "crasher", timeout: float = 30.0) -> int:
+    """PID of the worker that answered."""
+    client = httpclient.InferenceServerClient(url, network_timeout=timeout, connection_timeout=timeout)
+    try:
+        t = httpclient.InferInput("X", [1], "INT32")
+        t.set_data_from_numpy(np.array([x], dtype=np.int32))
+        return int(client.infer(model, [t]).as_numpy("PID")[0])
+    finally:
+        client.close()
+
+
+def metric(server, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{{want}}} not exported")
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"{what} not within {timeout} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def other_model_serves(server) -> bool:
+    """Other models are untouched: 'raiser' (a test model) doubles its input."""
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        t = httpclient.InferInput("X", [3], "INT32")
+        t.set_data_from_numpy(np.array([1, 2, 3], dtype=np.int32))
+        return client.infer("raiser", [t]).as_numpy("Y").tolist() == [2, 4, 6]
+    finally:
+        client.close()
+
+
+def test_sigkill_of_a_worker_fails_only_its_request_and_it_comes_back(faulty):
+    before = set(faulty.worker_pids("crasher"))
+    assert len(before) == 2
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = [pool.submit(call, faulty.url, 5) for _ in range(2)]  # one on each instance
+        time.sleep(0.5)
+        victim = sorted(before)[0]
+        os.kill(victim, signal.SIGKILL)
+        assert other_model_serves(faulty)
+        outcomes = []
+        for f in slow:
+            try:
+                outcomes.append(("ok", f.result()))
+            except InferenceServerException as e:
+                outcomes.append(("failed", e))
+    failed = [e for kind, e in outcomes if kind == "failed"]
+    served = [pid for kind, pid in outcomes if kind == "ok"]
+    assert len(failed) == 1 and served and victim not in served, outcomes
+    err = failed[0]
+    assert err.status() == "500"
+    assert "model 'crasher' version 1 instance 'crasher_" in err.message()
+    assert "killed by SIGKILL" in err.message()
+    took = wait_for(lambda: len(faulty.worker_pids("crasher")) == 2 and victim not in faulty.worker_pids("crasher"),
+                    5.0, "the killed instance restarted")
+    assert took < 5.0
+    assert {call(faulty.url, 0) for _ in range(20)} <= set(faulty.worker_pids("crasher"))
+    assert metric(faulty, "shmserve_worker_restarts", model="crasher", version="1") == 1
+    assert metric(faulty, "nv_inference_request_failure", model="crasher", reason="BACKEND", version="1") == 1
+
+
+@pytest.mark.parametrize("x,why", [(1, "exited unexpectedly (exit code 1)"), (2, "was killed by SIGSEGV")])
+def test_model_that_exits_or_segfaults(faulty, x, why):
+    with pytest.raises(InferenceServerException) as e:
+        call(faulty.url, x)
+    assert e.value.status() == "500"
+    assert "model 'crasher' version 1 instance 'crasher_" in e.value.message() and why in e.value.message()
+    assert call(faulty.url, 0) in faulty.worker_pids("crasher")  # the other instance serves meanwhile
+    wait_for(lambda: len(faulty.worker_pids("crasher")) == 2, 5.0, "the instance restarted")
+    assert call(faulty.url, 0) > 0
+
+
+def test_readiness_reflects_a_model_with_no_live_instance(faulty):
+    client = httpclient.InferenceServerClient(faulty.url)
+    assert client.is_model_ready("lonely") and client.is_server_ready()
+    with pytest.raises(InferenceServerException, match="exited unexpectedly"):
+        call(faulty.url, 1, model="lonely")
+    assert not client.is_model_ready("lonely")  # restarting: back-off, then a 1 s initialize
+    assert not client.is_server_ready()
+    assert client.is_model_ready("crasher")
+    wait_for(lambda: client.is_model_ready("lonely"), 10.0, "lonely ready again")
+    assert client.is_server_ready()
+    assert call(faulty.url, 0, model="lonely") > 0
+    client.close()
+
+
+def test_hung_execution_is_killed_after_the_execution_timeout(faulty):
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as e:
+        call(faulty.url, 3)
+    took = time.monotonic() - started
+    assert e.value.status() == "500"
+    assert "exceeded its execution timeout of 2 s (parameter execution_timeout_s)" in e.value.message()
+    assert "instance 'crasher_" in e.value.message()
+    assert 1.9 < took < 6.0, took
+    wait_for(lambda: len(faulty.worker_pids("crasher")) == 2, 5.0, "the hung instance restarted")
+    assert call(faulty.url, 0) > 0
+    assert "exceeded its execution timeout" in faulty.log()
+
+
+def test_under_load_a_killed_instance_loses_at_most_its_in_flight_requests(faulty):
+    stop = threading.Event()
+    served: list[int] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def client_loop() -> None:
+        client = httpclient.InferenceServerClient(faulty.url)
+        t = httpclient.InferInput("X", [1], "INT32")
+        t.set_data_from_numpy(np.array([0], dtype=np.int32))
+        while not stop.is_set():
+            try:
+                pid = int(client.infer("crasher", [t]).as_numpy("PID")[0])
+                with lock:
+                    served.append(pid)
+            except InferenceServerException as e:
+                with lock:
+                    failures.append(e.message())
+        client.close()
+
+    threads = [threading.Thread(target=client_loop) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    victim = sorted(faulty.worker_pids("crasher"))[0]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: len(faulty.worker_pids("crasher")) == 2, 5.0, "restart under load")
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert len(failures) <= 4, failures  # at most one in flight per client on the killed instance
+    assert all("killed by SIGKILL" in m for m in failures), failures
+    pids_now = set(faulty.worker_pids("crasher"))
+    assert pids_now & set(served[-200:]), "the restarted instance serves again"
+    assert time.monotonic() - killed_at < 30
+    assert len(served) > 100
+    assert other_model_serves(faulty)
+
+
+def test_broker_death_answers_503_meanwhile_and_it_is_restarted(faulty):
+    broker = next(pid for pid, t in faulty.titles().items() if t.startswith("shmserve broker "))
+    assert call(faulty.url, 0) > 0
+    os.kill(broker, signal.SIGKILL)
+    saw_503 = False
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline, "the server did not come back within 30 s"
+        started = time.monotonic()
+        try:
+            call(faulty.url, 0, timeout=10)
+            if saw_503:
+                break
+        except InferenceServerException as e:
+            assert e.status() in ("503", "400"), (e.status(), e.message())  # 400: model not loaded yet
+            saw_503 = saw_503 or e.status() == "503"
+        assert time.monotonic() - started < 5, "a request hung while the broker was down"
+        time.sleep(0.05)
+    assert saw_503
+    assert not pid_alive(broker)
+    assert "the broker died" in faulty.log()
+
+
+def test_frontend_death_is_restarted(faulty):
+    frontend = next(pid for pid, t in faulty.titles().items() if t.startswith("shmserve frontend "))
+    assert call(faulty.url, 0) > 0
+    os.kill(frontend, signal.SIGKILL)
+
+    def serves() -> bool:
+        try:
+            return call(faulty.url, 0, timeout=2) > 0
+        except Exception:  # noqa: BLE001 - connection refused while it restarts
+            return False
+
+    wait_for(serves, 15.0, "a restarted frontend serving")
+    assert frontend not in faulty.titles()
+    assert "frontend #0 died" in faulty.log()
