@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frontend processes sharing the HTTP port (default 1)")
     p.add_argument("--http-max-input-size", type=int, default=1 << 31,
                    help="largest request body in bytes, after decompression (default 2 GiB)")
+    p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
+                   help="answer these endpoint groups only for requests with header KEY: VALUE (else 403); "
+                        "groups: health, metadata, inference, shared-memory, model-config, model-repository, "
+                        "statistics, trace, logging; repeatable, as Triton's")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
     p.add_argument("--allow-metrics", type=parse_bool, nargs="?", const=True, default=True,
                    help="serve Prometheus metrics (default true)")
@@ -124,6 +128,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     try:
         args.metrics_config = metrics_config(args.metrics_config)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        from server.frontend.restricted import parse as parse_restricted
+
+        args.http_restricted_api = parse_restricted(args.http_restricted_api)
     except ValueError as e:
         parser.error(str(e))
     if args.metrics_interval_ms < 1:

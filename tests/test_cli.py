@@ -16,7 +16,8 @@ FLAGS = [
     "--http-max-input-size", "--metrics-port", "--allow-metrics", "--model-control-mode", "--load-model",
     "--strict-model-config", "--strict-readiness", "--exit-on-error", "--exit-timeout-secs", "--log-verbose",
     "--id", "--allow-remote-shm", "--worker-arena-mb", "--frontend-arena-mb", "--log-info", "--log-warning",
-    "--log-error", "--log-format", "--log-file",
+    "--log-error", "--log-format", "--log-file", "--http-restricted-api", "--metrics-config",
+    "--metrics-interval-ms", "--allow-cpu-metrics", "--allow-gpu-metrics",
 ]
 SHMSERVE = Path(PYTHON).parent / "shmserve"
 

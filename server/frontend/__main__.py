@@ -24,8 +24,10 @@ def main() -> int:
     logs.configure(spec.get("log") or {})
     logs.Watcher(spec["server_id"]).start()  # run-time changes (POST /v2/logging) from any frontend
     from .app import build_app
+    from .restricted import restrict
 
     app = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"])
+    app = restrict(app, spec.get("restricted") or {})  # --http-restricted-api
     sock = socket.socket(fileno=spec["fd"])
     # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.
     config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning",

@@ -1,0 +1,82 @@
+"""Triton's ``--http-restricted-api``: groups of endpoints that answer only requests carrying a
+given header and value (e.g. the model repository API behind an operator's key).
+
+``--http-restricted-api=model-repository,shared-memory:admin-key=s3cret`` restricts two groups
+to requests with ``admin-key: s3cret``. Others get 403 with Triton's message. The check wraps the
+whole ASGI app, so it is not installed at all (and costs nothing) when no group is restricted.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Awaitable, Callable
+
+import orjson
+
+CATEGORIES = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
+              "statistics", "trace", "logging")
+Restrictions = dict[str, tuple[str, str]]  # category -> (header name, lower case; value)
+
+_MODEL = r"/v2/models/[^/]+(?:/versions/[^/]+)?"
+_RULES = [
+    (re.compile(r"^/v2/health/"), "health"),
+    (re.compile(r"^/v2/repository/"), "model-repository"),
+    (re.compile(r"^/v2/(?:system|cuda)sharedmemory(?:/|$)"), "shared-memory"),
+    (re.compile(r"^/v2/logging/?$"), "logging"),
+    (re.compile(rf"^(?:/v2|{_MODEL})/trace/setting/?$"), "trace"),
+    (re.compile(rf"^(?:/v2/models|{_MODEL})/stats/?$"), "statistics"),
+    (re.compile(rf"^{_MODEL}/config/?$"), "model-config"),
+    (re.compile(rf"^{_MODEL}/ready/?$"), "health"),
+    (re.compile(rf"^{_MODEL}/(?:infer|generate|generate_stream)/?$"), "inference"),
+    (re.compile(rf"^(?:/v2|/v2/openapi\.json|{_MODEL})/?$"), "metadata"),
+]
+
+
+def parse(values: list[str]) -> Restrictions:
+    """``<api>[,<api>...]:<key>=<value>`` flags; a group restricted twice is an error, as in Triton."""
+    out: Restrictions = {}
+    for value in values:
+        apis, sep, header = value.partition(":")
+        key, eq, expected = header.partition("=")
+        if not sep or not eq or not key.strip() or not apis.strip():
+            raise ValueError(f"--http-restricted-api expects <api>[,<api>...]:<key>=<value>, got '{value}'")
+        for api in (a.strip() for a in apis.split(",")):
+            if api not in CATEGORIES:
+                raise ValueError(f"--http-restricted-api: unknown API '{api}' (known: {', '.join(CATEGORIES)})")
+            if api in out:
+                raise ValueError(f"--http-restricted-api: '{api}' is restricted more than once")
+            out[api] = (key.strip().lower(), expected)
+    return out
+
+
+def category_of(path: str) -> str | None:
+    for pattern, category in _RULES:
+        if pattern.match(path):
+            return category
+    return None
+
+
+ASGIApp = Callable[[dict, Any, Any], Awaitable[None]]
+
+
+def restrict(app: ASGIApp, restrictions: dict[str, Any]) -> ASGIApp:
+    """``app`` behind the header checks (``app`` itself when nothing is restricted)."""
+    if not restrictions:
+        return app
+    rules = {category: (key.encode("latin-1"), value.encode("latin-1"))
+             for category, (key, value) in restrictions.items()}
+
+    async def guarded(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            rule = rules.get(category_of(scope["path"]) or "")
+            if rule is not None:
+                key, expected = rule
+                if dict(scope["headers"]).get(key) != expected:
+                    body = orjson.dumps({"error": f"This API is restricted, expecting header '{key.decode()}'"})
+                    await send({"type": "http.response.start", "status": 403,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
+                    return
+        await app(scope, receive, send)
+
+    return guarded
