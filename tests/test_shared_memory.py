@@ -565,6 +565,31 @@ def test_key_reused_for_a_new_object_is_read_afresh(shm_server, http, regions):
         assert written.tolist() == [value + 1] * N, f"round {round_}: the output did not reach the region"
 
 
+@pytest.mark.parametrize("which", ["input", "output"])
+def test_region_truncated_after_registration_is_a_400_not_a_crash(shm_server, http, regions, which):
+    """A client shrinks its region after registering it: touching the lost pages would kill the
+    worker with SIGBUS; the server checks the object's size and refuses the request instead."""
+    tag = f"trunc{next(_keys)}"
+    hin, kin = regions.create(f"{tag}_in", 2 * NB)
+    hout, kout = regions.create(f"{tag}_out", 2 * NB)
+    regions.register(f"{tag}_in", kin, 2 * NB)
+    regions.register(f"{tag}_out", kout, 2 * NB)
+    shm.set_shared_memory_region(hin, [np.arange(N, dtype=np.int32), np.ones(N, dtype=np.int32)])
+    workers = shm_server.worker_pids("add_sub")
+    fd = os.open(f"/dev/shm{kin if which == 'input' else kout}", os.O_RDWR)
+    try:
+        os.ftruncate(fd, 16)
+    finally:
+        os.close(fd)
+    with pytest.raises(InferenceServerException) as e:
+        http.infer("add_sub", [shm_input("INPUT0", f"{tag}_in", NB), shm_input("INPUT1", f"{tag}_in", NB, NB)],
+                   outputs=[shm_output("OUTPUT0", f"{tag}_out", NB), shm_output("OUTPUT1", f"{tag}_out", NB, NB)])
+    assert e.value.status() == "400"
+    assert "was truncated since it was registered" in e.value.message()
+    assert shm_server.worker_pids("add_sub") == workers  # no worker died
+    assert_serves_through_shm(shm_server, regions)
+
+
 # -- D. CUDA shared memory on a machine without a GPU ----------------------------------------------
 
 

@@ -28,7 +28,7 @@ from shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
 from shm.names import object_name, pid_alive
 from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_with_data, write_manifest)
-from shm.segment import SegmentCache
+from shm.segment import SegmentCache, StaleRegion
 from shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
 from shm.waker import fence
 
@@ -282,7 +282,7 @@ class Worker:
                 cuda_runtime().to_host(host, cuda_runtime().open(base64.b64decode(t["cuda"]), t["device"]) + off)
                 inputs[t["name"]] = from_buffer(host, t["datatype"], t["shape"])
                 continue
-            seg = self.segments.get(t["seg"], t.get("ino", 0))
+            seg = self.segments.get(t["seg"], t.get("ino", 0), off + size)
             inputs[t["name"]] = from_buffer(seg.buf[off:off + size], t["datatype"], t["shape"])
         if self.sequence is not None:
             self.sequence.augment(inputs, entry.get("corr", 0), entry.get("flags", 0))
@@ -379,7 +379,7 @@ class Worker:
                         ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
                         cuda_runtime().to_device(ptr + target["off"], data)
                     else:
-                        seg = self.segments.get(target["seg"], target.get("ino", 0))
+                        seg = self.segments.get(target["seg"], target.get("ino", 0), target["off"] + n)
                         seg.buf[target["off"]:target["off"] + n] = data
                     desc["region"] = True
                 else:
@@ -389,7 +389,7 @@ class Worker:
                 outs.append(desc)
         except (RequestError, ValueError, TypeError, CudaError, OSError, posix_ipc.Error) as e:
             # OSError/posix_ipc: the segment to write into is gone (its client died): nobody to tell.
-            status = 400 if isinstance(e, (RequestError, CudaError)) else 500
+            status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion)) else 500
             return status, orjson.dumps({"error": str(e)}), []
         doc: dict[str, Any] = {"version": self.version, "outputs": outs}
         if resp.parameters:

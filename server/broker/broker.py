@@ -25,7 +25,7 @@ from shm.arena import free_block
 from shm.stats import BUSY_SINCE, VersionTotals
 from shm.channel import LANES, NO_LANE, NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
 from shm.names import object_name, pid_alive
-from shm.segment import SegmentCache
+from shm.segment import SegmentCache, StaleRegion
 from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, W_BATCH, W_CONFIG,
                           W_DONE, W_LOAD_FAILED, W_READY, W_STOP, manifest_room, read_manifest, read_manifest_with_data,
                           write_manifest)
@@ -458,6 +458,9 @@ class Broker:
             status, answer = e.status, {"error": str(e)}
         except (ValueError, KeyError, TypeError) as e:
             status, answer = 400, {"error": f"malformed control request: {e}"}
+        except Exception as e:  # noqa: BLE001 - a bug in one control operation must not take the broker down
+            log.exception("control request failed")
+            status, answer = 500, {"error": f"internal error in the control request: {e!r}"}
         if status:  # 0: the handler answers later (e.g. a load in progress)
             self.reply(client, slot, status, answer)
 
@@ -908,7 +911,12 @@ class Broker:
                     self._fail_run(run, run.plan.steps[-1], 400, f"shared memory region for output '{name}' is "
                                    f"too small ({target['size']} bytes, {t['size']} needed)")
                     return
-                self.segments.get(target["seg"]).buf[target["off"]:target["off"] + t["size"]] = data
+                try:
+                    region = self.segments.get(target["seg"], target.get("ino", 0), target["off"] + t["size"])
+                except (StaleRegion, OSError, posix_ipc.Error) as e:
+                    self._fail_run(run, run.plan.steps[-1], 400, str(e))
+                    return
+                region.buf[target["off"]:target["off"] + t["size"]] = data
                 desc["region"] = True
             else:
                 desc["off"] = pos
