@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'2026-11-22T06:31:41Z I' (default 'default')")
     p.add_argument("--log-file", default="", metavar="PATH",
                    help="append every process's log lines to this file instead of stderr (default: stderr)")
+    p.add_argument("--trace-config", action="append", default=[], metavar="[MODE,]SETTING=VALUE",
+                   help="tracing as Triton's: level=OFF|TIMESTAMPS, rate=N (every N-th request), count=N "
+                        "(-1: no limit), mode=triton|opentelemetry, triton,file=PATH, triton,log-frequency=N "
+                        "(a new file PATH.<k> every N traces), opentelemetry,url=URL; repeatable")
     p.add_argument("--id", default="shmserve",
                    help="server id; names its shared-memory objects and lets local clients find it "
                         "(default 'shmserve')")
@@ -142,6 +146,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--load-model requires --model-control-mode=explicit")
     if args.log_verbose < 0:
         parser.error("--log-verbose must be 0 or more")
+    try:
+        args.trace_config = trace_settings(args.trace_config)
+    except ValueError as e:
+        parser.error(str(e))
     if args.log_file:
         args.log_file = os.path.abspath(args.log_file)  # every process opens it, whatever its cwd
         try:
@@ -155,3 +163,27 @@ def log_settings(args: argparse.Namespace) -> dict:
     """The flags as Triton's logging-extension settings (what every process configures from)."""
     return {"log_file": args.log_file, "log_info": args.log_info, "log_warning": args.log_warning,
             "log_error": args.log_error, "log_verbose_level": args.log_verbose, "log_format": args.log_format}
+
+
+def trace_settings(items: Sequence[str]) -> dict:
+    """``--trace-config`` items as the broker's initial trace settings (shm/trace.py); ValueError
+    says what is wrong, including a missing OpenTelemetry SDK for mode=opentelemetry."""
+    from shm.trace import parse_config
+
+    settings = parse_config(list(items))
+    if settings.get("file"):
+        settings["file"] = os.path.abspath(settings["file"])  # every frontend opens it, whatever its cwd
+        folder = os.path.dirname(settings["file"])
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--trace-config triton,file: cannot write trace files in '{folder}'")
+    mode = settings.get("mode", "triton")
+    if mode == "opentelemetry":
+        from server.frontend.otel import missing
+
+        why = missing()
+        if why:
+            raise ValueError(f"--trace-config mode=opentelemetry needs the OpenTelemetry SDK ({why}); install "
+                             f"it with: pip install 'shmserve[trace]'")
+    elif settings.get("level", "OFF") != "OFF" and not settings.get("file"):
+        raise ValueError("--trace-config level=TIMESTAMPS needs a trace file: --trace-config triton,file=<path>")
+    return settings

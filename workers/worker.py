@@ -74,6 +74,7 @@ class Worker:
         self.model_state: Model | None = None
         self.instance: Instance | None = None
         self.running = True
+        self._phases = (0, 0, 0)  # the batch's start, inputs built, executed: trace timestamps
 
     # -- start-up -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -182,6 +183,8 @@ class Worker:
             self.signature.check_outputs(doc.get("outputs"))
             entry.update(id=doc.get("id", ""), params=doc.get("params"), corr=doc.get("corr", 0),
                          flags=doc.get("flags", 0), t=doc.get("t", 0))
+            if "tr" in doc:
+                entry["tr"] = 0  # traced; no broker queue (the frontend's submit is its QUEUE_START)
             entry["inputs"] = [self._locate(client, t, data_start) for t in doc["inputs"]]
             outputs = doc.get("outputs")
             entry["outputs"] = [{"name": o["name"]} if "data" not in o else self._locate(client, o, data_start)
@@ -243,6 +246,7 @@ class Worker:
                         ok.append(False)
             else:
                 executed = time.monotonic_ns()
+                self._phases = (start, built, executed)
                 for (entry, req), resp in zip(live, responses):
                     if req.sender is not None:
                         if resp is not None:  # a streaming call to a model that answers once
@@ -394,6 +398,8 @@ class Worker:
         doc: dict[str, Any] = {"version": self.version, "outputs": outs}
         if resp.parameters:
             doc["params"] = resp.parameters
+        if "tr" in entry:  # traced: QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
+            doc["tr"] = [entry["tr"], *self._phases, time.monotonic_ns()]
         return 200, orjson.dumps(doc), tensors
 
     def _write_block(self, entry: dict, doc: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int]:

@@ -517,6 +517,8 @@ class Broker:
             }
             if "stream" in doc:
                 entry["stream"] = {"seg": client.name, "off": data_start + int(doc["stream"])}
+            if "tr" in doc:  # a traced request: its QUEUE_START is now (the worker sends it back)
+                entry["tr"] = time.monotonic_ns()
         except InvalidRequest as e:
             self._count_rejected(mv)
             self.reply(client, slot, e.status, {"error": str(e)})
@@ -1098,6 +1100,7 @@ class Broker:
             self._reap_instance(inst, mv)
         for client in list(self.clients.values()):
             client.seg.close()
+        self.control.trace.close()  # closes the trace files' JSON arrays
         self.seg.close()
         self.seg.unlink()
         return STARTUP_FAILED if self.startup_failed else 0

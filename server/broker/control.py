@@ -18,6 +18,7 @@ from .canary import Canary
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .regions import CudaRegionRegistry, RegionRegistry
+from .tracing import TraceOwner
 from workers.signature import InvalidRequest
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class ControlHandler:
             "cuda_unregister": self._cuda_unregister,
             "cuda_status": self._cuda_status,
             "log_settings": self._log_settings,
+            "trace_settings": self._trace_settings,
             "model_stats": self._model_stats,
             "canary_status": self._canary_status,
             "canary_set": self._canary_set,
@@ -55,6 +57,7 @@ class ControlHandler:
         # The broker owns the log settings; every other process follows what it publishes.
         self.log_settings: dict[str, Any] = {**logs.DEFAULTS, **broker.opts.log}
         logs.publish(broker.seg.settings, self.log_settings)
+        self.trace = TraceOwner(broker.sid, broker.opts.trace)  # trace extension (server/broker/tracing.py)
 
     def handle(self, client: Client, slot: int, doc: dict) -> Answer:
         op = self.ops.get(doc.get("op", ""))
@@ -235,6 +238,12 @@ class ControlHandler:
             self.log_settings = new
             logs.publish(self.broker.seg.settings, new)
         return 200, self.log_settings
+
+    def _trace_settings(self, client: Client, slot: int, doc: dict) -> Answer:
+        """GET/POST v2[/models/<model>]/trace/setting; a model must exist, as in Triton."""
+        if doc.get("model"):
+            self._version({"model": doc["model"]})
+        return self.trace.handle(doc)
 
 
 def write_model_files(name: str, files: dict[str, Any]) -> Path:

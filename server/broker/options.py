@@ -19,6 +19,7 @@ class BrokerOptions:
     exit_on_error: bool = True
     exit_timeout_s: float = 30.0
     log: dict[str, Any] = dataclasses.field(default_factory=dict)  # Triton's log settings (shm/logs.py)
+    trace: dict[str, Any] = dataclasses.field(default_factory=dict)  # --trace-config settings (shm/trace.py)
     broker_arena_bytes: int = 64 << 20
     worker_arena_bytes: int = 256 << 20
     allow_remote_shm: bool = False

@@ -24,9 +24,10 @@ from .codec import BadRequest, build_request, build_response, split_body
 from .generate import build_generate_request, generate_response
 from .link import BrokerError, BrokerLink
 from .logsettings import logging_endpoint
+from .tracing import Trace, Tracer, trace_endpoint, traced_infer
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "system_shared_memory", "cuda_shared_memory",
-              "generate", "sequence", "schedule_policy", "model_repository", "statistics", "logging"]
+              "generate", "sequence", "schedule_policy", "model_repository", "statistics", "logging", "trace"]
 JSON = "application/json"
 JSON_HEADER = (b"content-type", b"application/json")
 
@@ -72,6 +73,7 @@ class Frontend:
     def __init__(self, server_id: str, arena_bytes: int = 256 << 20, max_input_bytes: int = 1 << 31) -> None:
         self.link = BrokerLink(server_id, arena_bytes)
         self.max_input_bytes = max_input_bytes
+        self.tracer = Tracer(server_id)  # trace extension (server/frontend/tracing.py)
 
     async def _control(self, doc: dict) -> tuple[int, Any]:
         return await self.link.control(doc)
@@ -169,8 +171,8 @@ class Frontend:
         return await self._repository_call(request, "unload")
 
     # -- inference ------------------------------------------------------------------------------
-    async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes
-                    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes,
+                    trace: Trace | None = None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         """(status, body, headers) of one inference; the hot path, so no framework objects."""
         received = time.monotonic_ns()  # the request's duration in the statistics starts here
         try:
@@ -185,12 +187,16 @@ class Frontend:
             req["t"] = received
         except BadRequest as e:
             return e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER]
+        if trace is not None:
+            trace.mark(req)
         try:
             completion = await self.link.infer(req, chunks)
         except BrokerError as e:
             return e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER]
         try:
             result = completion.doc()
+            if trace is not None:
+                trace.collect(result)
             if completion.status != 200:
                 return completion.status, orjson.dumps({"error": result.get("error", "inference failed")}), \
                     [JSON_HEADER]
@@ -343,6 +349,8 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
         Route("/v2/health/ready", fe.ready),
         Route("/v2", fe.server_metadata),
         Route("/v2/logging", logging_endpoint(fe), methods=["GET", "POST"]),
+        Route("/v2/trace/setting", trace_endpoint(fe), methods=["GET", "POST"]),
+        Route(m + "/trace/setting", trace_endpoint(fe), methods=["GET", "POST"]),
         Route("/v2/models/stats", fe.model_stats),
         Route(m + "/stats", fe.model_stats), Route(mv + "/stats", fe.model_stats),
         Route(m, fe.model_metadata), Route(mv, fe.model_metadata),
@@ -369,7 +377,9 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        fe.tracer.start()
         yield
+        fe.tracer.stop()
         fe.link.close()
 
     app = Starlette(routes=routes, lifespan=lifespan)
@@ -403,6 +413,9 @@ class InferFastPath:
         if scope["type"] == "http" and scope["method"] == "POST":
             target = _infer_target(scope["path"])
             if target is not None:
+                if self.fe.tracer.on:  # the one check untraced requests pay
+                    await traced_infer(self, target, scope, receive, send)
+                    return
                 headers = dict(scope["headers"])
                 chunks = []
                 more = True

@@ -1,0 +1,150 @@
+"""The broker owns the trace settings (Triton's trace extension; see shm/trace.py).
+
+It keeps the global setting and each model's overrides, gives every setting object a slot of
+counters in the shared trace segment (a fresh slot when a setting changes, so its sample and count
+start again as Triton's new TraceSetting objects do), and publishes what the frontends need:
+for the global setting and each model with overrides, the effective values and their slots.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+
+from shm import trace
+from shm.trace import TraceShared
+from workers.signature import InvalidRequest
+
+log = logging.getLogger("shmserve.trace")
+
+
+class TraceOwner:
+    def __init__(self, server_id: str, flags: dict[str, Any]) -> None:
+        self.shared = TraceShared.create(server_id)
+        self.start_file: str = flags.get("file", "")
+        self.global_: dict[str, Any] = {**trace.DEFAULTS, **flags}
+        self.overrides: dict[str, dict[str, Any]] = {}  # model -> the keys it sets itself
+        self.objects: dict[str, tuple[int, int]] = {}  # "" (global) or model -> (slot, serial)
+        self.files: dict[str, tuple[int, int]] = {}  # path -> (file slot, serial)
+        self.serial = 0
+        self._new_object("", self.global_)
+        self._publish()
+
+    # -- slots ------------------------------------------------------------------------------------
+    def _new_object(self, owner: str, setting: dict[str, Any]) -> None:
+        """A new setting object: a free slot, reset with the setting's count (under the lock)."""
+        used = {slot for slot, _ in self.objects.values()} - {self.objects.get(owner, (-1, 0))[0]}
+        slot = next((i for i in range(trace.SLOTS) if i not in used), None)
+        if slot is None:
+            raise InvalidRequest(f"too many models with their own trace settings (at most {trace.SLOTS - 1})")
+        self.serial += 1
+        self._file(setting["file"])
+        self.shared.take_over()
+        try:
+            self.shared.slots[slot] = (self.serial, setting["count"], 0, 0)
+        finally:
+            self.shared.unlock()
+        self.objects[owner] = (slot, self.serial)
+
+    def _file(self, path: str) -> None:
+        if not path or path in self.files:
+            return
+        if len(self.files) >= trace.FILES:
+            raise InvalidRequest(f"too many trace files (at most {trace.FILES} in one server's life)")
+        fslot = len(self.files)
+        self.serial += 1
+        self.shared.take_over()
+        try:
+            self.shared.files[fslot] = (self.serial, 0, 0, 0)
+        finally:
+            self.shared.unlock()
+        self.files[path] = (fslot, self.serial)
+
+    def remaining(self, owner: str) -> int:
+        slot, serial = self.objects[owner]
+        row = self.shared.slots[slot]
+        return int(row[1]) if int(row[0]) == serial else 0
+
+    # -- settings ---------------------------------------------------------------------------------
+    def setting(self, model: str) -> dict[str, Any]:
+        return trace.effective(self.global_, self.overrides.get(model))
+
+    def _owner(self, model: str) -> str:
+        return model if model in self.overrides else ""
+
+    def answer(self, model: str) -> dict[str, Any]:
+        return trace.triton_doc(self.setting(model), self.remaining(self._owner(model)))
+
+    def handle(self, doc: dict) -> tuple[int, dict[str, Any]]:
+        """GET or POST ``v2[/models/<model>]/trace/setting`` (POST: ``doc['update']``)."""
+        model = doc.get("model") or ""
+        if "update" in doc:
+            try:
+                update = trace.check_update(doc["update"], model, self.setting(model), self.start_file)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+            self._apply(model, update)
+        return 200, self.answer(model)
+
+    @staticmethod
+    def _check(setting: dict[str, Any]) -> None:
+        """Triton's rule: a setting may be invalid only if it disables tracing."""
+        if setting["level"] != "OFF" and setting["mode"] == "triton" and not setting["file"]:
+            raise InvalidRequest("Attempting to set invalid trace setting: trace file name is not given")
+
+    def _apply(self, model: str, update: dict[str, Any]) -> None:
+        if not update:
+            return
+        if not model:
+            # Keys the update leaves alone keep their values, the count what is left of it.
+            new = {**self.global_, "count": self.remaining(""), **update}
+            self._check(new)
+            for name, own in self.overrides.items():
+                self._check(trace.effective(new, own))
+            self.global_ = new
+            self._new_object("", new)
+            for name, own in self.overrides.items():  # models that fall back on global keys follow them
+                if any(k not in own for k in trace.MODEL_KEYS):
+                    self._new_object(name, {**trace.effective(new, own), "count": self._model_count(name, own)})
+        else:
+            own = dict(self.overrides.get(model, {}))
+            if "count" not in update and "count" in own and model in self.overrides:
+                own["count"] = self.remaining(model)
+            for key, value in update.items():
+                if value is None:
+                    own.pop(key, None)
+                else:
+                    own[key] = value
+            if not own:
+                self.overrides.pop(model, None)  # no key of its own: the model uses the global object
+                self.objects.pop(model, None)
+            else:
+                setting = trace.effective(self.global_, own)
+                if "count" not in own:
+                    setting["count"] = self.remaining("")  # what the global object has left, as Triton
+                self._check(setting)
+                self.overrides[model] = own
+                self._new_object(model, setting)
+        log.info("trace settings of %s: %s", f"model '{model}'" if model else "the server",
+                 orjson.dumps(self.answer(model)).decode())
+        self._publish()
+
+    def _model_count(self, model: str, own: dict[str, Any]) -> int:
+        return self.remaining(model) if "count" in own else self.global_["count"]
+
+    def _publish(self) -> None:
+        def entry(owner: str, setting: dict[str, Any]) -> dict[str, Any]:
+            slot, serial = self.objects[owner]
+            fslot, fserial = self.files.get(setting["file"], (0, 0))
+            return {**setting, "slot": slot, "serial": serial, "fslot": fslot, "fserial": fserial}
+
+        doc = {"global": entry("", self.global_),
+               "models": {m: entry(m, self.setting(m)) for m in self.overrides}}
+        self.shared.doc.publish(orjson.dumps(doc))
+
+    def close(self) -> None:
+        """At exit (frontends have stopped): close the JSON arrays still open, remove the segment."""
+        trace.finish_files(self.shared, self.files)
+        self.shared.close()
+        self.shared.unlink()

@@ -1,0 +1,257 @@
+"""The frontend's part of Triton's trace extension: the endpoints, sampling, and writing records.
+
+The broker owns the settings (server/broker/tracing.py) and publishes them in the trace segment;
+each frontend follows them with a small thread (and at once after a POST it answered), so the
+infer path only reads ``Tracer.on``. When it is set, ``traced_infer`` takes over the request:
+it samples (a local counter per setting object for ``rate``; the trace count and id under the
+shared lock, so they are exact across frontends), stamps the HTTP and request times, lets the
+worker (and the broker, for the requests it queues) add theirs to the response, and writes one
+record when the response is sent. See shm/trace.py for the file format and Triton's sources.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from shm import trace as tr
+from shm.names import pid_alive
+from shm.trace import FileWriter, TraceShared
+
+from .link import BrokerError
+
+if TYPE_CHECKING:
+    from .app import Frontend, InferFastPath
+
+log = logging.getLogger("shmserve.trace")
+POLL_S = 0.25
+(HTTP_RECV_START, HTTP_RECV_END, REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END,
+ COMPUTE_OUTPUT_START, COMPUTE_END, REQUEST_END, HTTP_SEND_START, HTTP_SEND_END) = range(len(tr.STAMPS))
+
+
+class Setting:
+    """One setting object as published; ``n`` counts its requests in this process (for rate)."""
+
+    __slots__ = ("slot", "serial", "rate", "file", "fslot", "fserial", "log_frequency", "mode", "url", "n")
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.slot, self.serial = doc["slot"], doc["serial"]
+        self.rate = doc["rate"]
+        self.file, self.fslot, self.fserial = doc["file"], doc["fslot"], doc["fserial"]
+        self.log_frequency = doc["log_frequency"]
+        self.mode, self.url = doc["mode"], doc["url"]
+        self.n = 0
+
+
+class Trace:
+    """One traced request: its id, setting and timestamps (0: not taken)."""
+
+    __slots__ = ("id", "model", "version", "request_id", "setting", "ns")
+
+    def __init__(self, trace_id: int, model: str, setting: Setting) -> None:
+        self.id = trace_id
+        self.model = model
+        self.version: Any = -1
+        self.request_id = ""
+        self.setting = setting
+        self.ns = [0] * len(tr.STAMPS)
+
+    def mark(self, req: dict) -> None:
+        """Just before the request is submitted: tag it, so the worker times it."""
+        req["tr"] = self.id
+        self.request_id = req.get("id", "")
+        self.ns[REQUEST_START] = req.get("t", 0)
+        self.ns[QUEUE_START] = time.monotonic_ns()  # a direct request queues on the worker's lane now
+
+    def collect(self, result: dict) -> None:
+        """The answer arrived: the worker's (and the broker's) timestamps, and the version served."""
+        self.ns[REQUEST_END] = time.monotonic_ns()
+        self.version = result.get("version", self.version)
+        stamps = result.get("tr")
+        if stamps:
+            queued, self.ns[COMPUTE_START], self.ns[COMPUTE_INPUT_END], self.ns[COMPUTE_OUTPUT_START], \
+                self.ns[COMPUTE_END] = stamps
+            if queued:
+                self.ns[QUEUE_START] = queued  # the broker queued it
+
+    def record(self) -> bytes:
+        try:
+            version = int(self.version)
+        except (TypeError, ValueError):
+            version = -1
+        doc: dict[str, Any] = {"id": self.id, "model_name": self.model, "model_version": version}
+        if self.request_id:
+            doc["request_id"] = self.request_id
+        doc["timestamps"] = [{"name": name, "ns": ns} for name, ns in zip(tr.STAMPS, self.ns) if ns]
+        return orjson.dumps(doc)
+
+
+class Tracer:
+    def __init__(self, server_id: str) -> None:
+        self.server_id = server_id
+        self.on = False  # the only thing an untraced request reads
+        self.shared: TraceShared | None = None
+        self.global_: Setting | None = None  # None: OFF
+        self.models: dict[str, Setting | None] = {}
+        self._gen = -1
+        self._stuck = False  # the shared lock stayed taken: no tracing until the settings change
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._writer: FileWriter | None = None
+        self._otel: Any = None
+
+    # -- following the broker's settings -------------------------------------------------------------
+    def start(self) -> None:
+        self.refresh()
+        threading.Thread(target=self._follow, name="shmserve-trace-settings", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._writer is not None:
+            self._writer.close()
+        if self._otel is not None:
+            self._otel.close()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - the broker is restarting: try again later
+                log.debug("trace settings not readable yet", exc_info=True)
+
+    def refresh(self) -> None:
+        with self._lock:
+            shared = self.shared
+            if shared is not None and not pid_alive(shared.pid):
+                self.on, self.shared, self._gen, self._stuck = False, None, -1, False  # its broker is gone
+                shared = None
+            if shared is None:
+                try:
+                    shared = TraceShared.attach(self.server_id)
+                except Exception:  # noqa: BLE001 - no broker yet
+                    return
+                self.shared = shared
+            if shared.doc.generation() == self._gen:
+                return
+            gen, raw = shared.doc.read()
+            if not raw:
+                return
+            doc = orjson.loads(raw)
+            old = {s.serial: s for s in (self.global_, *self.models.values()) if s is not None}
+
+            def setting(d: dict[str, Any]) -> Setting | None:
+                if d["level"] == "OFF" or (d["mode"] == "triton" and not d["file"]):
+                    return None
+                return old.get(d["serial"]) or Setting(d)
+
+            self.global_ = setting(doc["global"])
+            self.models = {m: setting(d) for m, d in doc["models"].items()}
+            self._gen = gen
+            self._stuck = False  # a settings change took the lock over (see TraceShared.take_over)
+            self.on = self.global_ is not None or any(s is not None for s in self.models.values())
+
+    # -- per request ----------------------------------------------------------------------------------
+    def sample(self, model: str) -> Trace | None:
+        setting = self.models[model] if model in self.models else self.global_
+        shared = self.shared
+        if setting is None or shared is None:
+            return None
+        setting.n += 1
+        if setting.n % setting.rate:
+            return None
+        trace_id = shared.claim(setting.slot, setting.serial)
+        if trace_id < 0:
+            if not self._stuck:
+                log.error("the trace lock stayed taken (a process died holding it?); tracing pauses until "
+                          "the trace settings change")
+            self._stuck, self.on = True, False
+            return None
+        return Trace(trace_id, model, setting) if trace_id else None
+
+    def finish(self, trace: Trace) -> None:
+        """Write the record (or export the span) of a request whose response has been sent."""
+        setting, shared = trace.setting, self.shared
+        try:
+            if setting.mode == "opentelemetry":
+                self._exporter(setting.url).export(trace.id, trace.model, trace.version,
+                                                   [(n, ns) for n, ns in zip(tr.STAMPS, trace.ns) if ns])
+                return
+            if shared is None:
+                return
+            if self._writer is None or self._writer.shared is not shared:
+                if self._writer is not None:
+                    self._writer.close()
+                self._writer = FileWriter(shared)
+            self._writer.write(setting.fslot, setting.fserial, setting.file, setting.log_frequency, trace.record())
+        except Exception:  # noqa: BLE001 - tracing must never fail a request
+            log.exception("cannot write trace %d", trace.id)
+
+    def _exporter(self, url: str) -> Any:
+        if self._otel is None or self._otel.url != url:
+            from .otel import OtelExporter
+
+            if self._otel is not None:
+                self._otel.close()
+            self._otel = OtelExporter(url)
+        return self._otel
+
+
+async def traced_infer(fast: "InferFastPath", target: tuple[str, str], scope: dict, receive: Any,
+                       send: Any) -> None:
+    """InferFastPath's path while tracing is on: the same steps, with timestamps around them."""
+    trace = fast.fe.tracer.sample(target[0])
+    recv_start = time.monotonic_ns()
+    headers = dict(scope["headers"])
+    chunks = []
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    recv_end = time.monotonic_ns()
+    status, out, out_headers = await fast.fe.infer(target[0], target[1], headers, body, trace)
+    out_headers.append((b"content-length", str(len(out)).encode()))
+    send_start = time.monotonic_ns()
+    await send({"type": "http.response.start", "status": status, "headers": out_headers})
+    await send({"type": "http.response.body", "body": out})
+    if trace is not None:
+        ns = trace.ns
+        ns[HTTP_RECV_START], ns[HTTP_RECV_END], ns[HTTP_SEND_START] = recv_start, recv_end, send_start
+        ns[HTTP_SEND_END] = time.monotonic_ns()
+        if not ns[REQUEST_START]:  # refused before it became a request
+            ns[REQUEST_START] = recv_end
+        fast.fe.tracer.finish(trace)
+
+
+def trace_endpoint(fe: "Frontend") -> Callable[[Request], Awaitable[Response]]:
+    """GET/POST ``v2[/models/<model>]/trace/setting``: forwarded to the broker, which owns them."""
+
+    async def endpoint(request: Request) -> Response:
+        doc: dict[str, Any] = {"op": "trace_settings", "model": request.path_params.get("model", "")}
+        if request.method == "POST":
+            body = await request.body()
+            try:
+                doc["update"] = orjson.loads(body) if body else {}
+            except orjson.JSONDecodeError as e:
+                return _json(400, {"error": f"failed to parse the request JSON buffer: {e}"})
+        try:
+            status, answer = await fe.link.control(doc)
+        except BrokerError as e:
+            return _json(e.status, {"error": str(e)})
+        if status == 200 and "update" in doc:
+            fe.tracer.refresh()  # this frontend follows at once; the others within POLL_S
+        return _json(status, answer)
+
+    return endpoint
+
+
+def _json(status: int, doc: object) -> Response:
+    return Response(orjson.dumps(doc), status_code=status, media_type="application/json")

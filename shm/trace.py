@@ -1,0 +1,386 @@
+"""Triton's trace extension (TIMESTAMPS level): the settings, and the state every process shares.
+
+Sources (facts only): Triton's ``docs/user_guide/trace.md`` and ``docs/protocol/extension_trace.md``
+(triton-inference-server/server; docs.nvidia.com "Triton Server Trace" and "Trace Extension"), and
+its ``src/tracer.cc`` for the file format and the per-setting counters. What they say:
+
+- Flags: ``--trace-config <setting>=<value>`` for the global settings ``level`` (OFF, TIMESTAMPS,
+  TENSORS; default OFF), ``rate`` (trace every rate-th request; default 1000), ``count`` (traces
+  left to take, -1 unlimited; default -1) and ``mode`` (triton or opentelemetry); and
+  ``--trace-config <mode>,<setting>=<value>`` for a mode's own: ``triton,file=/tmp/trace.json``,
+  ``triton,log-frequency=50``, ``opentelemetry,url=...``.
+- HTTP: ``GET/POST v2[/models/<model>]/trace/setting`` with ``trace_file``, ``trace_level`` (a list),
+  ``trace_rate``, ``trace_count``, ``log_frequency`` and ``trace_mode``, every value a string (the
+  level a list of strings). A model's settings fall back on the global ones for every key it does not
+  set, and follow later global changes for those keys; posting ``null`` for a key of a model clears
+  it; a model with no key left uses the global setting object itself.
+- Each setting object has its own sample counter (``++n % rate == 0`` is traced) and its own count
+  of traces left; ``trace_count`` answers what is left.
+- The trace file is a JSON array. With ``log_frequency`` 0 every trace goes to ``trace_file`` (Triton
+  writes it when the server stops); with N > 0 every N traces make a complete array in
+  ``<trace_file>.<k>``, k = 0, 1, ... Timestamp names: HTTP_RECV_START, HTTP_RECV_END,
+  REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START, COMPUTE_END,
+  REQUEST_END, HTTP_SEND_START, HTTP_SEND_END (steady-clock ns).
+
+How shmserve differs, and why:
+- One JSON object per traced request: ``{"id", "model_name", "model_version", ["request_id",]
+  "timestamps": [{"name", "ns"}, ...]}``, the schema Triton's trace.md documents (Triton itself
+  writes one object per timestamp under the same id; readers that group by id read both).
+- Traces are appended as they finish, from every frontend process (one write each, under a shared
+  lock that also numbers them), so ``trace_file`` grows while the server runs; its closing ``]`` is
+  appended when the server stops. ``read_trace_file`` reads a file that is still open.
+- When ``trace_count`` runs out, traces stay in the file they were going to (Triton moves the
+  collected ones to an indexed file).
+- ``rate`` is counted per frontend process (with ``--http-workers N`` each traces every rate-th of
+  its own requests); ``count`` and ids are exact across processes (counted in shared memory).
+- TENSORS is refused (only OFF and TIMESTAMPS are implemented).
+- ``trace_file`` may change at run time only to a file in the directory of the start-up trace file
+  (a client must not make the server write wherever it likes); ``trace_mode`` not at all.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any
+
+import numpy as np
+import orjson
+import posix_ipc
+
+from .names import object_name, unlink_semaphore
+from .published import Published
+from .segment import Segment
+
+LEVELS = ("OFF", "TIMESTAMPS")
+MODES = ("triton", "opentelemetry")
+DEFAULT_OTEL_URL = "http://localhost:4318/v1/traces"
+# Internal names; TRITON_KEYS maps the HTTP names onto them.
+DEFAULTS: dict[str, Any] = {"level": "OFF", "rate": 1000, "count": -1, "log_frequency": 0, "file": "",
+                            "mode": "triton", "url": DEFAULT_OTEL_URL}
+TRITON_KEYS = {"trace_file": "file", "trace_level": "level", "trace_rate": "rate", "trace_count": "count",
+               "log_frequency": "log_frequency", "trace_mode": "mode"}
+MODEL_KEYS = ("file", "level", "rate", "count", "log_frequency")  # what a model may override
+STAMPS = ("HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START",
+          "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END", "REQUEST_END", "HTTP_SEND_START",
+          "HTTP_SEND_END")
+MAX_U32 = 0xFFFFFFFF
+MAX_I32 = 0x7FFFFFFF
+
+
+# -- settings -------------------------------------------------------------------------------------
+def _int(key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"trace setting '{key}' must be an integer given as a string, got "
+                         f"{orjson.dumps(value).decode()}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"trace setting '{key}' must be an integer, got '{value}'") from None
+    if not low <= n <= high:
+        raise ValueError(f"trace setting '{key}' must be between {low} and {high}, got {n}")
+    return n
+
+
+def _level(value: Any) -> str:
+    levels = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, str) for v in levels):
+        raise ValueError(f"trace setting 'trace_level' must be a list of strings, got {orjson.dumps(value).decode()}")
+    names = {v.upper() for v in levels}
+    if "TENSORS" in names:
+        raise ValueError("trace level TENSORS is not supported by shmserve (only OFF and TIMESTAMPS)")
+    unknown = names - set(LEVELS)
+    if unknown:
+        raise ValueError(f"unknown trace level '{sorted(unknown)[0]}' (known: OFF, TIMESTAMPS)")
+    return "TIMESTAMPS" if "TIMESTAMPS" in names else "OFF"
+
+
+def check_value(key: str, value: Any) -> Any:
+    """An internal setting's value from a flag or a POST body; ValueError says what is wrong."""
+    if key == "level":
+        return _level(value)
+    if key == "rate":
+        return _int("trace_rate", value, 1, MAX_U32)
+    if key == "count":
+        return _int("trace_count", value, -1, MAX_I32)
+    if key == "log_frequency":
+        return _int("log_frequency", value, 0, MAX_U32)
+    if key in ("file", "url"):
+        if not isinstance(value, str) or "\0" in value:
+            raise ValueError(f"trace setting '{key}' must be a string")
+        return value
+    if key == "mode":
+        if not isinstance(value, str) or value.lower() not in MODES:
+            raise ValueError(f"trace mode must be 'triton' or 'opentelemetry', got {orjson.dumps(value).decode()}")
+        return value.lower()
+    raise ValueError(f"unknown trace setting '{key}'")
+
+
+def parse_config(items: list[str]) -> dict[str, Any]:
+    """``--trace-config`` values (``level=TIMESTAMPS``, ``triton,file=/tmp/t.json``, ...) as settings."""
+    out: dict[str, Any] = {}
+    for item in items:
+        head, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--trace-config '{item}': expected <setting>=<value> or <mode>,<setting>=<value>")
+        mode, comma, key = head.rpartition(",")
+        key = key.strip().replace("-", "_")
+        mode = mode.strip().lower()
+        if comma and mode not in MODES:
+            raise ValueError(f"--trace-config '{item}': unknown mode '{mode}' (triton or opentelemetry)")
+        known = {"": ("level", "rate", "count", "mode", "log_frequency", "file"),
+                 "triton": ("file", "log_frequency"), "opentelemetry": ("url", "resource")}[mode]
+        if key not in known:
+            raise ValueError(f"--trace-config '{item}': unknown setting '{key}'"
+                             + (f" for mode {mode}" if mode else "") + f" (known: {', '.join(known)})")
+        if key == "resource":
+            continue  # OpenTelemetry resource attributes: accepted as Triton does, not used
+        if key == "level" and out.get("level") == "TIMESTAMPS":
+            check_value(key, value)  # repeated levels add up, as Triton's
+            continue
+        out[key] = check_value(key, value)
+    return out
+
+
+def effective(global_: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
+    return {**global_, **(override or {})}
+
+
+def triton_doc(setting: dict[str, Any], remaining: int) -> dict[str, Any]:
+    """A setting as Triton's trace extension shows it (every value a string, the level a list)."""
+    doc: dict[str, Any] = {"trace_level": [setting["level"]], "trace_rate": str(setting["rate"]),
+                           "trace_count": str(remaining), "log_frequency": str(setting["log_frequency"]),
+                           "trace_file": setting["file"], "trace_mode": setting["mode"]}
+    if setting["mode"] == "opentelemetry":
+        doc["url"] = setting["url"]
+    return doc
+
+
+def check_update(update: Any, model: str, current: dict[str, Any], start_file: str) -> dict[str, Any]:
+    """A POST body as internal settings (None: clear a model's key); ValueError says what is wrong.
+
+    ``current`` is the setting in effect for ``model`` (or the global one)."""
+    if not isinstance(update, dict):
+        raise ValueError("the trace setting request must be a JSON object")
+    out: dict[str, Any] = {}
+    for name, value in update.items():
+        key = TRITON_KEYS.get(name)
+        if key is None:
+            raise ValueError(f"unknown trace setting '{name}' (known: {', '.join(TRITON_KEYS)})")
+        if key == "mode":
+            if value is None or check_value("mode", value) == current["mode"]:
+                continue  # as it is: nothing to change
+            raise ValueError("trace setting 'trace_mode' cannot be changed at run time; start the server with "
+                             "--trace-config mode=<mode>")
+        if value is None:
+            if not model:
+                raise ValueError(f"trace setting '{name}' of the global settings cannot be cleared (null)")
+            out[key] = None
+            continue
+        value = check_value(key, value)
+        if key == "file" and value != current["file"]:
+            check_file(value, start_file)
+            value = os.path.realpath(value if os.path.isabs(value) else
+                                     os.path.join(os.path.dirname(start_file), value))
+        out[key] = value
+    return out
+
+
+def check_file(path: str, start_file: str) -> None:
+    """Run-time trace files must lie in the directory of the start-up one (not a symlink out of it)."""
+    if not start_file:
+        raise ValueError("trace setting 'trace_file' can be changed at run time only when the server was "
+                         "started with --trace-config triton,file=<path> (new files must be in its directory)")
+    root = os.path.realpath(os.path.dirname(start_file))
+    target = os.path.realpath(path if os.path.isabs(path) else os.path.join(root, path))
+    if os.path.dirname(target) != root or not os.path.basename(target):
+        raise ValueError(f"trace setting 'trace_file' must name a file in {root} (the directory of the "
+                         f"start-up trace file), got '{path}'")
+    if os.path.exists(target) and not os.path.isfile(target):
+        raise ValueError(f"trace file '{path}' exists and is not a regular file")
+
+
+# -- state shared by the broker and every frontend -------------------------------------------------
+SLOTS = 256  # setting objects (global, and each model with its own settings)
+FILES = 128  # trace files ever named during one broker's life
+_MAGIC = 0x54524345  # "TRCE"
+_HEAD = struct.Struct("<IIQ")  # magic, broker pid, next trace id
+SLOTS_OFF = 64
+FILES_OFF = SLOTS_OFF + SLOTS * 32
+DOC_OFF = (FILES_OFF + FILES * 32 + 4095) & ~4095
+DOC_BYTES = 1 << 16
+SIZE = DOC_OFF + DOC_BYTES
+LOCK_TIMEOUT_S = 1.0
+
+
+class TraceShared:
+    """``/shmserve.<id>.trace.0``: the published settings, and the counters every process updates
+    under one semaphore: per setting object (serial, traces left), per trace file (serial, records
+    in the main file, records in the current indexed file, its index), and the next trace id."""
+
+    def __init__(self, server_id: str, seg: Segment, sem: posix_ipc.Semaphore) -> None:
+        self.name = seg.name
+        self.seg = seg
+        self.sem = sem
+        self.sem_name = object_name(server_id, "trace", 0)
+        self.head = np.ndarray((2,), dtype=np.uint32, buffer=seg.buf, offset=0)
+        self.next_id = np.ndarray((1,), dtype=np.int64, buffer=seg.buf, offset=8)
+        self.slots = np.ndarray((SLOTS, 4), dtype=np.int64, buffer=seg.buf, offset=SLOTS_OFF)
+        self.files = np.ndarray((FILES, 4), dtype=np.int64, buffer=seg.buf, offset=FILES_OFF)
+        self.doc = Published(seg.buf, DOC_OFF, DOC_BYTES)
+
+    @classmethod
+    def create(cls, server_id: str) -> "TraceShared":
+        name = object_name(server_id, "trace", 0)
+        try:
+            Segment.attach(name).unlink()  # left by a broker that crashed
+        except posix_ipc.ExistentialError:
+            pass
+        seg = Segment.create(name, SIZE)
+        unlink_semaphore(name)
+        sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=1)
+        shared = cls(server_id, seg, sem)
+        _HEAD.pack_into(seg.buf, 0, _MAGIC, os.getpid(), 0)
+        return shared
+
+    @classmethod
+    def attach(cls, server_id: str) -> "TraceShared":
+        name = object_name(server_id, "trace", 0)
+        seg = Segment.attach(name)
+        if _HEAD.unpack_from(seg.buf, 0)[0] != _MAGIC:
+            seg.close()
+            raise ConnectionError(f"{name} is not ready")
+        return cls(server_id, seg, posix_ipc.Semaphore(name))
+
+    @property
+    def pid(self) -> int:
+        return int(self.head[1])
+
+    def lock(self) -> bool:
+        try:
+            self.sem.acquire(LOCK_TIMEOUT_S)
+            return True
+        except posix_ipc.BusyError:
+            return False
+
+    def unlock(self) -> None:
+        self.sem.release()
+
+    def take_over(self) -> None:
+        """Broker: take the lock, even from a process that died holding it (after the timeout)."""
+        self.lock()
+
+    def claim(self, slot: int, serial: int) -> int:
+        """A new trace id if the setting object still exists and has traces left, else 0; -1 when
+        the lock stays taken (a process died holding it)."""
+        if not self.lock():
+            return -1
+        try:
+            row = self.slots[slot]
+            if int(row[0]) != serial or int(row[1]) == 0:
+                return 0
+            if int(row[1]) > 0:
+                row[1] -= 1
+            self.next_id[0] += 1
+            return int(self.next_id[0])
+        finally:
+            self.unlock()
+
+    def close(self) -> None:
+        self.sem.close()
+        self.seg.close()
+
+    def unlink(self) -> None:
+        unlink_semaphore(self.sem_name)
+        self.seg.unlink()
+
+
+# -- the trace file -------------------------------------------------------------------------------
+def index_path(path: str, index: int) -> str:
+    return f"{path}.{index}"
+
+
+class FileWriter:
+    """Appends one record to a trace file under the shared lock, keeping each file a JSON array:
+    ``[`` before its first record (which also truncates what an earlier server left), ``,`` before
+    the others, and ``]`` after the last record of an indexed file."""
+
+    def __init__(self, shared: TraceShared) -> None:
+        self.shared = shared
+        self.fds: dict[str, int] = {}
+
+    def write(self, fslot: int, fserial: int, path: str, log_frequency: int, record: bytes) -> bool:
+        shared = self.shared
+        if not shared.lock():
+            return False
+        try:
+            row = shared.files[fslot]
+            if int(row[0]) != fserial:
+                return False
+            if log_frequency == 0:
+                target, n = path, int(row[1])
+                row[1] = n + 1
+                data = (b"[" if n == 0 else b",\n") + record
+                last = False
+            else:
+                index, n = int(row[3]), int(row[2])
+                target = index_path(path, index)
+                data = (b"[" if n == 0 else b",\n") + record
+                last = n + 1 >= log_frequency
+                if last:
+                    data += b"]\n"
+                    row[2], row[3] = 0, index + 1
+                else:
+                    row[2] = n + 1
+            fd = self._fd(target, fresh=n == 0)
+            while data:
+                data = data[os.write(fd, data):]
+            if last:
+                os.close(self.fds.pop(target))
+            return True
+        finally:
+            shared.unlock()
+
+    def _fd(self, path: str, fresh: bool) -> int:
+        fd = self.fds.get(path)
+        if fresh or fd is None:
+            if fd is not None:
+                os.close(fd)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if fresh else 0)
+            fd = self.fds[path] = os.open(path, flags, 0o644)
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def finish_files(shared: TraceShared, paths: dict[str, tuple[int, int]]) -> None:
+    """Broker, at exit: close the arrays still open (the main file, and a partly filled indexed one)."""
+    shared.take_over()
+    try:
+        for path, (fslot, serial) in paths.items():
+            row = shared.files[fslot]
+            if int(row[0]) != serial:
+                continue
+            for target, n in ((path, int(row[1])), (index_path(path, int(row[3])), int(row[2]))):
+                if n > 0:
+                    try:
+                        with open(target, "ab") as f:
+                            f.write(b"]\n")
+                    except OSError:
+                        pass
+            row[1] = row[2] = 0
+    finally:
+        shared.unlock()
+
+
+def read_trace_file(path: str) -> list[dict]:
+    """The records of a trace file, also while the server still appends to it (no ``]`` yet)."""
+    with open(path, "rb") as f:
+        raw = f.read().strip()
+    if not raw:
+        return []
+    if not raw.endswith(b"]"):
+        raw += b"]"
+    return orjson.loads(raw)

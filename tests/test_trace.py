@@ -1,0 +1,351 @@
+"""Triton's trace extension (TIMESTAMPS): --trace-config, GET/POST v2[/models/<m>]/trace/setting,
+and the records frontends, broker and workers write together (see shm/trace.py)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import PYTHON, ROOT, TESTS, raw_request
+from shm.trace import STAMPS, read_trace_file
+
+REPOS = [TESTS / "models" / "batching", ROOT / "model_repository"]
+MODELS = ["--model-control-mode", "explicit", "--load-model", "add_sub", "--load-model", "probe"]
+
+
+def otel_installed() -> bool:
+    try:
+        return importlib.util.find_spec("opentelemetry.sdk.trace") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def start(factory, path: Path, *config: str, workers: int = 1):
+    args = [*MODELS, "--http-workers", str(workers), "--trace-config", f"triton,file={path}"]
+    for c in config:
+        args += ["--trace-config", c]
+    return factory.start(REPOS, args)
+
+
+def add_sub(client: httpclient.InferenceServerClient, request_id: str = "") -> None:
+    a = httpclient.InferInput("INPUT0", [16], "INT32")
+    a.set_data_from_numpy(np.arange(16, dtype=np.int32))
+    b = httpclient.InferInput("INPUT1", [16], "INT32")
+    b.set_data_from_numpy(np.ones(16, dtype=np.int32))
+    result = client.infer("add_sub", [a, b], request_id=request_id)
+    assert result.as_numpy("OUTPUT0").tolist() == list(range(1, 17))
+
+
+def probe(client: httpclient.InferenceServerClient) -> None:
+    x = httpclient.InferInput("INPUT0", [1, 2], "FP32")
+    x.set_data_from_numpy(np.ones((1, 2), dtype=np.float32))
+    client.infer("probe", [x])
+
+
+def stamps(record: dict) -> dict[str, int]:
+    return {t["name"]: t["ns"] for t in record["timestamps"]}
+
+
+def records(path: Path, expected: int, timeout: float = 5.0) -> list[dict]:
+    """The file's records once it holds ``expected`` (a record is written after its response)."""
+    deadline = time.monotonic() + timeout
+    found: list[dict] = []
+    while time.monotonic() < deadline:
+        found = read_trace_file(str(path)) if path.exists() else []
+        if len(found) >= expected:
+            break
+        time.sleep(0.05)
+    time.sleep(0.2)  # nothing more may arrive
+    return read_trace_file(str(path)) if path.exists() else []
+
+
+def assert_ordered(record: dict) -> None:
+    ts = stamps(record)
+    assert list(ts) == list(STAMPS), record
+    values = [ts[name] for name in STAMPS]
+    assert values == sorted(values), record
+
+
+# -- the file -------------------------------------------------------------------------------------
+def test_every_request_traced_at_rate_1(server_factory, tmp_path):
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path, "level=TIMESTAMPS", "rate=1")
+    client = s.client()
+    assert "trace" in client.get_server_metadata()["extensions"]
+    for i in range(6):
+        add_sub(client, f"req{i}")
+    found = records(path, 6)
+    assert len(found) == 6
+    assert sorted(r["id"] for r in found) == list(range(1, 7))
+    for r in found:
+        assert r["model_name"] == "add_sub" and r["model_version"] == 1
+        assert_ordered(r)
+    assert sorted(r["request_id"] for r in found) == [f"req{i}" for i in range(6)]
+    assert s.stop() == 0
+    with open(path) as f:  # a complete JSON array once the server stopped, as Triton's
+        assert len(json.load(f)) == 6
+
+
+def test_rate_and_count(server_factory, tmp_path):
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path, "level=TIMESTAMPS", "rate=2")
+    client = s.client()
+    for _ in range(8):
+        add_sub(client)
+    assert len(records(path, 4)) == 4  # every second request
+    client.update_trace_settings(settings={"trace_rate": "1", "trace_count": "3"})
+    for _ in range(6):
+        add_sub(client)
+    assert len(records(path, 7)) == 7  # three more, then the count is spent
+    assert client.get_trace_settings()["trace_count"] == "0"
+
+
+def test_count_at_start_and_defaults(server_factory, tmp_path):
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path, "level=TIMESTAMPS", "rate=1", "count=3")
+    client = s.client()
+    assert client.get_trace_settings() == {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "3",
+                                           "log_frequency": "0", "trace_file": str(path), "trace_mode": "triton"}
+    for _ in range(5):
+        add_sub(client)
+    assert len(records(path, 3)) == 3
+
+
+def test_untraced_by_default(server_factory, tmp_path):
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path)
+    client = s.client()
+    assert client.get_trace_settings()["trace_level"] == ["OFF"]
+    assert client.get_trace_settings()["trace_rate"] == "1000"  # Triton's default
+    for _ in range(3):
+        add_sub(client)
+    assert not path.exists()
+
+
+# -- settings -------------------------------------------------------------------------------------
+def test_per_model_settings_override_and_clear(server_factory, tmp_path):
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path)  # level OFF globally
+    client = s.client()
+    answer = client.update_trace_settings(model_name="add_sub", settings={"trace_level": ["TIMESTAMPS"],
+                                                                         "trace_rate": "1"})
+    assert answer["trace_level"] == ["TIMESTAMPS"] and answer["trace_rate"] == "1"
+    assert client.get_trace_settings()["trace_level"] == ["OFF"]
+    for _ in range(3):
+        add_sub(client)
+        probe(client)
+    found = records(path, 3)
+    assert [r["model_name"] for r in found] == ["add_sub"] * 3
+    # The keys the model does not set follow the global ones.
+    client.update_trace_settings(settings={"log_frequency": "0", "trace_count": "-1", "trace_rate": "7"})
+    assert client.get_trace_settings(model_name="add_sub")["trace_rate"] == "1"
+    # null clears a key of the model: its level falls back on the global OFF.
+    answer = client.update_trace_settings(model_name="add_sub", settings={"trace_level": None})
+    assert answer["trace_level"] == ["OFF"] and answer["trace_rate"] == "1"
+    for _ in range(3):
+        add_sub(client)
+    assert len(records(path, 4, timeout=1.0)) == 3
+    answer = client.update_trace_settings(model_name="add_sub", settings={"trace_rate": None})
+    assert answer == client.get_trace_settings()  # nothing of its own left
+
+
+def test_runtime_change_reaches_every_frontend_and_count_is_exact(server_factory, tmp_path):
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path, "level=TIMESTAMPS", "rate=1", "count=5", workers=2)
+
+    def one(i: int) -> None:
+        add_sub(httpclient.InferenceServerClient(s.url))  # a new connection: either frontend
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, range(40)))
+    found = records(path, 5)
+    assert sorted(r["id"] for r in found) == [1, 2, 3, 4, 5]
+    s.client().update_trace_settings(settings={"trace_count": "4"})
+    time.sleep(0.6)  # the other frontend follows within a quarter second
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, range(40)))
+    found = records(path, 9)
+    assert sorted(r["id"] for r in found) == list(range(1, 10))
+    for r in found:
+        assert_ordered(r)
+
+
+def test_log_frequency_starts_new_files(server_factory, tmp_path):
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path, "level=TIMESTAMPS", "rate=1", "triton,log-frequency=2")
+    client = s.client()
+    assert client.get_trace_settings()["log_frequency"] == "2"
+    for _ in range(5):
+        add_sub(client)
+    first = Path(f"{path}.0")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not Path(f"{path}.2").exists():
+        time.sleep(0.05)
+    for k in (0, 1):  # full files are complete JSON arrays at once
+        with open(f"{path}.{k}") as f:
+            assert len(json.load(f)) == 2
+    assert first.exists() and not path.exists()
+    assert s.stop() == 0
+    with open(f"{path}.2") as f:
+        assert len(json.load(f)) == 1
+    ids = [r["id"] for k in range(3) for r in json.load(open(f"{path}.{k}"))]
+    assert sorted(ids) == [1, 2, 3, 4, 5]
+
+
+def test_trace_file_changes_only_inside_its_directory(server_factory, tmp_path):
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path, "level=TIMESTAMPS", "rate=1")
+    client = s.client()
+    other = tmp_path / "other.json"
+    assert client.update_trace_settings(settings={"trace_file": str(other)})["trace_file"] == str(other)
+    add_sub(client)
+    assert len(records(other, 1)) == 1
+    for bad in ("/tmp/elsewhere.json", str(tmp_path / "sub" / "x.json"), str(tmp_path / ".." / "x.json")):
+        with pytest.raises(InferenceServerException, match="trace_file"):
+            client.update_trace_settings(settings={"trace_file": bad})
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"trace_rate": "abc"}, "trace_rate"),
+    ({"trace_rate": "0"}, "trace_rate"),
+    ({"trace_count": "-2"}, "trace_count"),
+    ({"log_frequency": "-1"}, "log_frequency"),
+    ({"trace_level": ["TENSORS"]}, "TENSORS"),
+    ({"trace_level": ["LOUD"]}, "LOUD"),
+    ({"trace_level": "TIMESTAMPS", "trace_file": ""}, "trace file"),
+    ({"trace_mode": "opentelemetry"}, "trace_mode"),
+    ({"trace_colour": "red"}, "trace_colour"),
+    ({"trace_rate": None}, "cannot be cleared"),
+    ([1, 2], "JSON object"),
+])
+def test_bad_values_are_400(bad_values_server, body, needle):
+    s = bad_values_server
+    r = raw_request(s.port, "POST", "/v2/trace/setting", json.dumps(body).encode())
+    assert r.status == 400 and needle in r.json()["error"], r
+
+
+@pytest.fixture(scope="module")
+def bad_values_server(module_factory, tmp_path_factory):
+    """One server for the parametrized checks (bad values change nothing)."""
+    s = start(module_factory, tmp_path_factory.mktemp("trace") / "trace.json")
+    yield s
+    assert s.client().get_trace_settings()["trace_rate"] == "1000"
+
+
+def test_unknown_model_and_bad_json(server_factory, tmp_path):
+    s = start(server_factory, tmp_path / "trace.json")
+    r = raw_request(s.port, "POST", "/v2/models/nope/trace/setting", b'{"trace_rate": "1"}')
+    assert r.status == 400 and "nope" in r.json()["error"]
+    r = raw_request(s.port, "POST", "/v2/trace/setting", b"{not json")
+    assert r.status == 400
+    assert s.client().get_trace_settings()["trace_rate"] == "1000"
+
+
+# -- what each process adds --------------------------------------------------------------------------
+def test_batched_and_direct_requests_are_timed_end_to_end(server_factory, tmp_path):
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path, "level=TIMESTAMPS", "rate=1")
+    client = s.client()
+    add_sub(client)  # direct: frontend -> worker
+    probe(client)  # dynamic batching: through the broker, which holds it up to 0.3 s for a batch
+    found = {r["model_name"]: r for r in records(path, 2)}
+    assert set(found) == {"add_sub", "probe"}
+    for r in found.values():
+        assert_ordered(r)
+        ts = stamps(r)
+        assert ts["QUEUE_START"] <= ts["COMPUTE_START"] <= ts["COMPUTE_END"] <= ts["REQUEST_END"]
+    batched = stamps(found["probe"])
+    assert batched["COMPUTE_START"] - batched["QUEUE_START"] > 0.2e9  # the broker's queue, not the lane's
+    assert batched["QUEUE_START"] > batched["REQUEST_START"]
+
+
+# -- flags and OpenTelemetry -----------------------------------------------------------------------------
+@pytest.mark.parametrize("flag,needle", [
+    ("rate=0", "trace_rate"),
+    ("level=TENSORS", "TENSORS"),
+    ("colour=red", "unknown setting 'colour'"),
+    ("jaeger,url=x", "unknown mode"),
+    ("level", "expected"),
+])
+def test_bad_flags_are_one_line_errors(flag, needle, tmp_path):
+    cmd = [PYTHON, "-m", "server", "--model-repository", str(ROOT / "model_repository"), "--trace-config", flag]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr, p.stderr
+
+
+def test_timestamps_without_file_is_refused():
+    cmd = [PYTHON, "-m", "server", "--model-repository", str(ROOT / "model_repository"),
+           "--trace-config", "level=TIMESTAMPS"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "triton,file=" in p.stderr
+
+
+@pytest.mark.skipif(otel_installed(), reason="the OpenTelemetry SDK is installed here")
+def test_opentelemetry_mode_without_the_sdk_exits_2():
+    cmd = [PYTHON, "-m", "server", "--model-repository", str(ROOT / "model_repository"),
+           "--trace-config", "mode=opentelemetry", "--trace-config", "level=TIMESTAMPS"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and "OpenTelemetry SDK" in p.stderr, p.stderr
+
+
+class _Collector(BaseHTTPRequestHandler):
+    bodies: list[bytes] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        if self.path == "/v1/traces":
+            _Collector.bodies.append(body)
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.skipif(not otel_installed(), reason="needs pip install 'shmserve[trace]'")
+def test_opentelemetry_spans_reach_an_otlp_collector(server_factory):
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    collector = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
+        s = server_factory.start(REPOS, [*MODELS, "--trace-config", "mode=opentelemetry", "--trace-config",
+                                         "level=TIMESTAMPS", "--trace-config", "rate=1", "--trace-config",
+                                         f"opentelemetry,url={url}"])
+        client = s.client()
+        assert client.get_trace_settings()["trace_mode"] == "opentelemetry"
+        for _ in range(3):
+            add_sub(client)
+        spans = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(spans) < 3:
+            time.sleep(0.2)
+            spans = []
+            for body in list(_Collector.bodies):
+                req = ExportTraceServiceRequest.FromString(body)
+                spans += [sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans]
+        assert len(spans) == 3
+        for sp in spans:
+            assert sp.name == "InferRequest"
+            assert [e.name for e in sp.events] == list(STAMPS)
+            times = [e.time_unix_nano for e in sp.events]
+            assert times == sorted(times)
+            attrs = {a.key: a.value for a in sp.attributes}
+            assert attrs["triton.model_name"].string_value == "add_sub"
+    finally:
+        collector.shutdown()
