@@ -51,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-address", default="0.0.0.0", help="address the HTTP server binds (default 0.0.0.0)")
     p.add_argument("--http-workers", type=int, default=1,
                    help="frontend processes sharing the HTTP port (default 1)")
-    p.add_argument("--http-max-input-size", type=int, default=1 << 31,
-                   help="largest request body in bytes, after decompression (default 2 GiB)")
+    p.add_argument("--http-max-input-size", type=int, default=1 << 26,
+                   help="largest request body in bytes, before and after decompression (default 64 MiB, "
+                        "as Triton's)")
+    p.add_argument("--http-max-tensor-elements", type=int, default=1 << 31,
+                   help="most elements an input tensor's shape may declare; more is refused with 400 before "
+                        "anything is allocated (default 2^31)")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="answer these endpoint groups only for requests with header KEY: VALUE (else 403); "
                         "groups: health, metadata, inference, shared-memory, model-config, model-repository, "
@@ -121,6 +125,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"model repository '{repo}' does not exist or is not a directory")
     if args.http_workers < 1:
         parser.error("--http-workers must be at least 1")
+    if args.http_max_input_size < 1 or args.http_max_tensor_elements < 1:
+        parser.error("--http-max-input-size and --http-max-tensor-elements must be at least 1")
     for flag in ("http_port", "metrics_port"):
         if not 0 <= getattr(args, flag) <= 65535:
             parser.error(f"--{flag.replace('_', '-')} must be a port number")

@@ -99,6 +99,7 @@ class Launcher:
                 "arena_bytes": self.args.frontend_arena_mb << 20, "allow_remote_shm": self.args.allow_remote_shm,
                 "max_input_bytes": self.args.http_max_input_size, "exit_timeout_s": self.args.exit_timeout_secs,
                 "restricted": self.args.http_restricted_api,
+                "max_tensor_elements": self.args.http_max_tensor_elements,
                 "log": log_settings(self.args)}
         return subprocess.Popen([sys.executable, "-m", "server.frontend", orjson.dumps(spec)],
                                 pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL)

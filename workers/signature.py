@@ -83,6 +83,10 @@ class ModelSignature:
                 if t["size"] != expected:
                     raise InvalidRequest(f"input byte size mismatch for input '{name}' for model '{m}'. "
                                          f"Expected {expected}, got {t['size']}")
+            elif element_count(shape) * 4 > t["size"]:  # each BYTES element has a 4-byte length prefix
+                raise InvalidRequest(f"input byte size mismatch for input '{name}' for model '{m}'. "
+                                     f"{element_count(shape)} BYTES elements need at least "
+                                     f"{element_count(shape) * 4} bytes, got {t['size']}")
         missing = [n for n in self.required if n not in names]
         if missing:
             raise InvalidRequest(f"expected {len(self.required)} inputs but got {len(names)} inputs for "

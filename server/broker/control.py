@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -249,15 +250,25 @@ class ControlHandler:
 def write_model_files(name: str, files: dict[str, Any]) -> Path:
     """The 'file:<path>' parameters of a load, as a model folder of its own (Triton's override
     for a model that does not exist in the repository). Paths stay inside the folder."""
+    # The name comes from the URL: '..' or '.' would put the folder outside its private temp dir.
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise InvalidRequest(f"failed to load '{name}', a model loaded with 'file:' parameters needs a plain name")
     root = Path(tempfile.mkdtemp(prefix="shmserve-model-")) / name
-    for rel, content in files.items():
-        path = (root / rel).resolve()
-        if not str(path).startswith(str(root.resolve()) + os.sep) or not isinstance(content, str):
-            raise InvalidRequest(f"failed to load '{name}', invalid file parameter 'file:{rel}'")
-        try:
-            data = base64.b64decode(content, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidRequest(f"failed to load '{name}', 'file:{rel}' is not base64") from None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+    try:
+        for rel, content in files.items():
+            path = (root / rel).resolve()
+            if not str(path).startswith(str(root.resolve()) + os.sep) or not isinstance(content, str):
+                raise InvalidRequest(f"failed to load '{name}', invalid file parameter 'file:{rel}'")
+            try:
+                data = base64.b64decode(content, validate=True)
+            except (binascii.Error, ValueError):
+                raise InvalidRequest(f"failed to load '{name}', 'file:{rel}' is not base64") from None
+            try:  # a name too long, a file where a folder must go, ...: the client's mistake
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+            except OSError as e:
+                raise InvalidRequest(f"failed to load '{name}', cannot write 'file:{rel}': {e.strerror}") from None
+    except BaseException:
+        shutil.rmtree(root.parent, ignore_errors=True)  # nothing of a refused load stays behind
+        raise
     return root

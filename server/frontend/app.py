@@ -14,16 +14,18 @@ from typing import Any, AsyncIterator
 
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from server import __version__
 
-from .codec import BadRequest, build_request, build_response, split_body
+from .codec import MAX_TENSOR_ELEMENTS, BadRequest, build_request, build_response, parse_json, split_body
 from .generate import build_generate_request, generate_response
 from .link import BrokerError, BrokerLink
 from .logsettings import logging_endpoint
+from .openapi import openapi_endpoint
 from .tracing import Trace, Tracer, trace_endpoint, traced_infer
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "system_shared_memory", "cuda_shared_memory",
@@ -58,6 +60,33 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
+def too_large(size: int, limit: int) -> BadRequest:
+    return BadRequest(f"the request body of {size} bytes exceeds the maximum allowed value of {limit} bytes; "
+                      f"use --http-max-input-size to increase the threshold")
+
+
+async def read_body(scope: dict, receive: Any, limit: int) -> bytes | None:
+    """The whole request body, refused (BadRequest) as soon as its declared or received length
+    passes ``limit``, so a huge body is never held in memory; None when the client went away."""
+    declared = dict(scope["headers"]).get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    chunks = []
+    size = 0
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 def _compress(body: bytes, accept: str | None) -> tuple[bytes, str | None]:
     if not accept:
         return body, None
@@ -70,9 +99,13 @@ def _compress(body: bytes, accept: str | None) -> tuple[bytes, str | None]:
 
 
 class Frontend:
-    def __init__(self, server_id: str, arena_bytes: int = 256 << 20, max_input_bytes: int = 1 << 31) -> None:
+    def __init__(self, server_id: str, arena_bytes: int = 256 << 20, max_input_bytes: int = 1 << 31,
+                 max_tensor_elements: int = MAX_TENSOR_ELEMENTS) -> None:
         self.link = BrokerLink(server_id, arena_bytes)
         self.max_input_bytes = max_input_bytes
+        self.max_tensor_elements = max_tensor_elements
+        # Tensor bytes beyond this can never fit the frontend's arena: a client error, not a 503.
+        self.max_request_bytes = arena_bytes - (64 << 10)
         self.tracer = Tracer(server_id)  # trace extension (server/frontend/tracing.py)
 
     async def _control(self, doc: dict) -> tuple[int, Any]:
@@ -131,6 +164,14 @@ class Frontend:
         p = request.path_params
         return await self._answer({"op": "model_stats", "model": p.get("model", ""), "version": p.get("version", "")})
 
+    async def infer_route(self, request: Request) -> Response:
+        """Inference through Starlette: only when InferFastPath did not take the request (it takes
+        every POST it recognizes); this route makes other methods a 405 instead of a 404."""
+        p = request.path_params
+        status, out, headers = await self.infer(p["model"], p.get("version", ""), dict(request.headers.raw),
+                                                await request.body())
+        return Response(out, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
+
     async def model_ready(self, request: Request) -> Response:
         try:
             _, answer = await self._control({"op": "model_ready", **self._model(request)})
@@ -141,10 +182,12 @@ class Frontend:
     async def repository_index(self, request: Request) -> Response:
         body = await request.body()
         try:
-            opts = orjson.loads(body) if body else {}
-        except orjson.JSONDecodeError as e:
-            return error_response(400, f"failed to parse the request JSON buffer: {e}")
-        return await self._answer({"op": "repository_index", "ready": bool((opts or {}).get("ready"))})
+            opts = parse_json(body) if body else {}
+            if not isinstance(opts, dict) or not isinstance(opts.get("ready", False), bool):
+                raise BadRequest("the repository index request must be a JSON object whose 'ready' is a boolean")
+        except BadRequest as e:
+            return error_response(400, str(e))
+        return await self._answer({"op": "repository_index", "ready": opts.get("ready", False)})
 
     # -- repository API -------------------------------------------------------------------------
     async def _repository_call(self, request: Request, op: str) -> Response:
@@ -177,13 +220,17 @@ class Frontend:
         received = time.monotonic_ns()  # the request's duration in the statistics starts here
         try:
             if len(body) > self.max_input_bytes:
-                raise BadRequest(f"the request body of {len(body)} bytes exceeds --http-max-input-size")
+                raise too_large(len(body), self.max_input_bytes)
             encoding = headers.get(b"content-encoding")
             if encoding:
                 body = _decompress(body, encoding.decode("latin-1").strip().lower(), self.max_input_bytes)
             header_len = headers.get(b"inference-header-content-length")
             doc, tail = split_body(body, header_len.decode("latin-1") if header_len is not None else None)
-            req, chunks = build_request(model, version, doc, tail)
+            req, chunks = build_request(model, version, doc, tail, self.max_tensor_elements)
+            size = sum(len(c) for c in chunks)
+            if size > self.max_request_bytes:
+                raise BadRequest(f"the request's {size} bytes of tensor data exceed the frontend's shared-memory "
+                                 f"arena (--frontend-arena-mb); send large tensors through shared memory")
             req["t"] = received
         except BadRequest as e:
             return e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER]
@@ -219,9 +266,9 @@ class Frontend:
         p = request.path_params
         model, version = p["model"], p.get("version", "")
         try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as e:
-            return error_response(400, f"failed to parse the request JSON buffer: {e}")
+            body = parse_json(await request.body())
+        except BadRequest as e:
+            return error_response(400, str(e))
         try:
             status, config = await self._control({"op": "model_config", "model": model, "version": version})
             if status != 200:
@@ -319,7 +366,8 @@ class Frontend:
                                        "(start the server with --allow-remote-shm to change that)")
         try:
             doc = orjson.loads(await request.body())
-            raw = (doc.get("raw_handle") or {}).get("b64") if isinstance(doc, dict) else None
+            handle = doc.get("raw_handle") if isinstance(doc, dict) else None
+            raw = handle.get("b64") if isinstance(handle, dict) else None
             if not isinstance(raw, str) or "byte_size" not in doc:
                 raise BadRequest("the register request must give 'raw_handle': {'b64': ...}, 'device_id' "
                                  "and 'byte_size'")
@@ -340,14 +388,15 @@ class Frontend:
 
 
 def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bool = False,
-              max_input_bytes: int = 1 << 31) -> Starlette:
-    fe = Frontend(server_id, arena_bytes, max_input_bytes)
+              max_input_bytes: int = 1 << 31, max_tensor_elements: int = MAX_TENSOR_ELEMENTS) -> Starlette:
+    fe = Frontend(server_id, arena_bytes, max_input_bytes, max_tensor_elements)
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version}"
     routes = [
         Route("/v2/health/live", fe.live),
         Route("/v2/health/ready", fe.ready),
         Route("/v2", fe.server_metadata),
+        Route("/v2/openapi.json", openapi_endpoint),
         Route("/v2/logging", logging_endpoint(fe), methods=["GET", "POST"]),
         Route("/v2/trace/setting", trace_endpoint(fe), methods=["GET", "POST"]),
         Route(m + "/trace/setting", trace_endpoint(fe), methods=["GET", "POST"]),
@@ -361,6 +410,7 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
         Route("/v2/repository/models/{model}/unload", fe.repository_unload, methods=["POST"]),
         Route("/v2/repository/models/{model}/canary", fe.canary, methods=["GET", "POST"]),
         Route("/v2/repository/models/{model}/canary/{action}", fe.canary_decision, methods=["POST"]),
+        Route(m + "/infer", fe.infer_route, methods=["POST"]), Route(mv + "/infer", fe.infer_route, methods=["POST"]),
         Route(m + "/generate", fe.generate, methods=["POST"]), Route(mv + "/generate", fe.generate, methods=["POST"]),
         Route(m + "/generate_stream", fe.generate_stream, methods=["POST"]),
         Route(mv + "/generate_stream", fe.generate_stream, methods=["POST"]),
@@ -382,7 +432,13 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
         fe.tracer.stop()
         fe.link.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """404 and 405 as JSON errors like every other answer (405 keeps its Allow header)."""
+        assert isinstance(exc, HTTPException)
+        return Response(orjson.dumps({"error": exc.detail}), status_code=exc.status_code, headers=exc.headers,
+                        media_type=JSON)
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: http_error, 405: http_error})
     app.state.allow_remote_shm = allow_remote_shm
     app.state.frontend = fe
     return InferFastPath(fe, app)
@@ -417,18 +473,47 @@ class InferFastPath:
                     await traced_infer(self, target, scope, receive, send)
                     return
                 headers = dict(scope["headers"])
-                chunks = []
-                more = True
-                while more:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return
-                    chunks.append(message.get("body", b""))
-                    more = message.get("more_body", False)
-                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                try:
+                    body = await read_body(scope, receive, self.fe.max_input_bytes)
+                except BadRequest as e:
+                    await _send_error(send, e)
+                    return
+                if body is None:
+                    return
                 status, out, out_headers = await self.fe.infer(target[0], target[1], headers, body)
                 out_headers.append((b"content-length", str(len(out)).encode()))
                 await send({"type": "http.response.start", "status": status, "headers": out_headers})
                 await send({"type": "http.response.body", "body": out})
                 return
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
+            # Every other body (control requests, generate) is read here under the same limit,
+            # then replayed to Starlette; later receives (disconnects) go to the server's own.
+            try:
+                body = await read_body(scope, receive, self.fe.max_input_bytes)
+            except BadRequest as e:
+                await _send_error(send, e)
+                return
+            if body is None:
+                return
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+
+async def _send_error(send: Any, e: BadRequest) -> None:
+    out = orjson.dumps({"error": str(e)})
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": [JSON_HEADER, (b"content-length", str(len(out)).encode())]})
+    await send({"type": "http.response.body", "body": out})
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -11,6 +11,13 @@ import orjson
 from shm.tensors import DTYPES, byte_view, element_count, itemsize, serialize_bytes
 
 MAX_JSON_DEPTH = 64
+# orjson refuses documents nested deeper than this (arrays and objects); see parse_json.
+ORJSON_MAX_DEPTH = 1024
+# Default --http-max-tensor-elements: no input tensor may declare more elements than this.
+MAX_TENSOR_ELEMENTS = 1 << 31
+# Triton's wire integers are at most 64-bit: shapes are int64, sequence ids uint64.
+INT64_MAX = (1 << 63) - 1
+UINT64_MAX = (1 << 64) - 1
 # Request parameters the server consumes itself; the rest reach the model (as Triton does).
 RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
                                  "binary_data_output", "headers"})
@@ -18,6 +25,17 @@ RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"
 
 class BadRequest(Exception):
     status = 400
+
+
+def parse_json(data: bytes | memoryview, what: str = "the request JSON buffer") -> Any:
+    """orjson.loads with every failure a BadRequest, and a clear word for bodies nested too deeply."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        if "depth limit" in str(e):
+            raise BadRequest(f"failed to parse {what}: JSON nested deeper than {ORJSON_MAX_DEPTH} levels "
+                             f"({e})") from None
+        raise BadRequest(f"failed to parse {what}: {e}") from None
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
@@ -33,10 +51,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview
         head, tail = view[:n], view[n:]
     else:
         head, tail = view, view[len(body):]
-    try:
-        doc = orjson.loads(head)
-    except orjson.JSONDecodeError as e:
-        raise BadRequest(f"failed to parse the request JSON buffer: {e}") from None
+    doc = parse_json(head)
     if not isinstance(doc, dict):
         raise BadRequest("the inference request must be a JSON object")
     return doc, tail
@@ -63,9 +78,11 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: Any) -> 
         raise BadRequest(f"unexpected number of elements for input '{name}': shape {shape} holds {count}, "
                          f"'data' has {len(flat)}")
     try:
-        if datatype == "BYTES":
+        if datatype == "BYTES":  # strings in JSON (Triton's parser takes nothing else)
+            if not all(isinstance(x, str) for x in flat):
+                raise BadRequest(f"input '{name}': BYTES data must be strings")
             arr = np.empty(len(flat), dtype=np.object_)
-            arr[:] = [x.encode() if isinstance(x, str) else x for x in flat]
+            arr[:] = [x.encode("utf-8", "surrogatepass") for x in flat]
             return serialize_bytes(arr)
         if datatype == "BF16":
             f32 = np.asarray(flat, dtype=np.float32)
@@ -81,15 +98,42 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: Any) -> 
     return byte_view(arr)
 
 
-def _shape(name: str, raw: Any) -> list[int]:
+def _shape(name: str, raw: Any, max_elements: int = MAX_TENSOR_ELEMENTS) -> list[int]:
+    """A valid input shape: non-negative int64 dimensions whose elements stay within the limit
+    (checked before anything is allocated for the tensor)."""
     if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in raw):
         raise BadRequest(f"input '{name}': 'shape' must be a list of integers")
     if any(d < 0 for d in raw):
         raise BadRequest(f"input '{name}': 'shape' {raw} has a negative dimension")
+    if len(raw) > 64:
+        raise BadRequest(f"input '{name}': 'shape' has {len(raw)} dimensions, more than the 64 allowed")
+    if any(d > max_elements for d in raw) or element_count(raw) > max_elements:
+        raise BadRequest(f"input '{name}': shape {raw} declares more than {max_elements} elements "
+                         f"(--http-max-tensor-elements)")
     return raw
 
 
-def build_request(model: str, version: str, doc: dict, tail: memoryview) -> tuple[dict, list]:
+def _region_name(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"'shared_memory_region' of '{name}' must be a non-empty string")
+    return value
+
+
+def _params(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"{what}: 'parameters' must be a JSON object")
+    return value
+
+
+def _bool_param(params: dict, key: str, what: str) -> None:
+    if key in params and not isinstance(params[key], bool):
+        raise BadRequest(f"{what}: parameter '{key}' must be true or false")
+
+
+def build_request(model: str, version: str, doc: dict, tail: memoryview,
+                  max_elements: int = MAX_TENSOR_ELEMENTS) -> tuple[dict, list]:
     """The broker descriptor and the tensor chunks (views into the body; no copy yet)."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
@@ -97,6 +141,8 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview) -> tupl
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise BadRequest("'parameters' must be a JSON object")
+    if "id" in doc and not isinstance(doc["id"], str):
+        raise BadRequest("the request 'id' must be a string")
     chunks: list = []
     out_inputs = []
     pos = 0  # position in the binary tail
@@ -106,15 +152,13 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview) -> tupl
             raise BadRequest("each input must be an object with a 'name'")
         name = t["name"]
         datatype = t.get("datatype")
-        if datatype not in DTYPES:
+        if not isinstance(datatype, str) or datatype not in DTYPES:
             raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
-        shape = _shape(name, t.get("shape"))
-        tparams = t.get("parameters") or {}
-        if not isinstance(tparams, dict):
-            raise BadRequest(f"input '{name}': 'parameters' must be a JSON object")
+        shape = _shape(name, t.get("shape"), max_elements)
+        tparams = _params(t.get("parameters"), f"input '{name}'")
         desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
         if "shared_memory_region" in tparams:
-            desc["region"] = tparams["shared_memory_region"]
+            desc["region"] = _region_name(tparams["shared_memory_region"], name)
             desc["offset"] = _nonneg(tparams.get("shared_memory_offset", 0), name, "shared_memory_offset")
             desc["size"] = _nonneg(tparams.get("shared_memory_byte_size"), name, "shared_memory_byte_size")
         elif "binary_data_size" in tparams:
@@ -141,6 +185,10 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview) -> tupl
             if desc["size"] != expected:
                 raise BadRequest(f"input '{name}': {desc['size']} bytes of data do not match shape {shape} "
                                  f"of {datatype} ({expected} bytes)")
+        elif datatype == "BYTES" and element_count(shape) * 4 > desc["size"]:
+            # Every BYTES element has a 4-byte length prefix: more elements than that cannot be there.
+            raise BadRequest(f"input '{name}': shape {shape} of BYTES needs at least {element_count(shape) * 4} "
+                             f"bytes (a 4-byte length per element), the data has {desc['size']}")
         out_inputs.append(desc)
     if pos != len(tail):
         raise BadRequest(f"the request body has {len(tail) - pos} bytes of binary data that no input claims")
@@ -152,19 +200,22 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview) -> tupl
         for o in doc["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise BadRequest("each requested output must be an object with a 'name'")
-            op = o.get("parameters") or {}
+            op = _params(o.get("parameters"), f"output '{o['name']}'")
+            _bool_param(op, "binary_data", f"output '{o['name']}'")
             if op.get("classification"):
                 raise BadRequest(f"output '{o['name']}': the classification extension is not supported")
             od: dict[str, Any] = {"name": o["name"]}
             if "shared_memory_region" in op:
-                od["region"] = op["shared_memory_region"]
+                od["region"] = _region_name(op["shared_memory_region"], o["name"])
                 od["offset"] = _nonneg(op.get("shared_memory_offset", 0), o["name"], "shared_memory_offset")
                 od["size"] = _nonneg(op.get("shared_memory_byte_size"), o["name"], "shared_memory_byte_size")
             outputs.append(od)
     req: dict[str, Any] = {"model": model, "version": version, "inputs": out_inputs, "outputs": outputs}
     if "id" in doc:
-        req["id"] = str(doc["id"])
+        req["id"] = doc["id"]
     if params:
+        for key in ("sequence_start", "sequence_end", "binary_data_output"):
+            _bool_param(params, key, "the request")
         model_params = {}
         for key, value in params.items():
             if key in RESERVED_PARAMETERS:
@@ -176,8 +227,9 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview) -> tupl
             req["params"] = model_params
         if "sequence_id" in params:
             corr = params["sequence_id"]
-            if not isinstance(corr, (int, str)) or isinstance(corr, bool):
-                raise BadRequest("'sequence_id' must be an integer or a string")
+            if not isinstance(corr, (int, str)) or isinstance(corr, bool) or \
+                    (isinstance(corr, int) and not 0 <= corr <= UINT64_MAX):
+                raise BadRequest("'sequence_id' must be an unsigned 64-bit integer or a string")
             req["corr"] = corr
         flags = (1 if params.get("sequence_start") else 0) | (2 if params.get("sequence_end") else 0)
         if flags:

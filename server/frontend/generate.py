@@ -21,7 +21,10 @@ def build_generate_request(model: str, version: str, body: Any, config: dict) ->
         raise BadRequest("the generate request must be a JSON object")
     specs = {t["name"]: t for t in config.get("input", [])}
     batched = int(config.get("max_batch_size", 0)) > 0
-    params = dict(body.get("parameters") or {})
+    raw_params = body.get("parameters") or {}
+    if not isinstance(raw_params, dict):
+        raise BadRequest("the generate request's 'parameters' must be a JSON object")
+    params = dict(raw_params)
     inputs, chunks, rel = [], [], 0
     for key, value in body.items():
         if key in ("parameters", "id"):
@@ -35,6 +38,8 @@ def build_generate_request(model: str, version: str, body: Any, config: dict) ->
         if not datatype:
             raise BadRequest(f"input '{key}' has an unsupported data type")
         values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, (dict, list)) or v is None for v in values):
+            raise BadRequest(f"input '{key}': a generate input is a scalar or a flat list of scalars")
         try:
             if datatype == "BYTES":
                 arr = np.empty(len(values), dtype=object)
@@ -43,7 +48,7 @@ def build_generate_request(model: str, version: str, body: Any, config: dict) ->
             else:
                 arr = np.asarray(values, dtype=DTYPES[datatype])
                 data = arr.tobytes()
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise BadRequest(f"input '{key}': cannot read {value!r} as {datatype}: {e}") from None
         shape = ([1] if batched else []) + list(arr.shape)
         inputs.append({"name": key, "datatype": datatype, "shape": shape, "data": rel, "size": len(data)})
@@ -54,7 +59,9 @@ def build_generate_request(model: str, version: str, body: Any, config: dict) ->
         raise BadRequest(f"the generate request lacks input(s) {missing} of model '{model}'")
     req: dict[str, Any] = {"model": model, "version": version, "inputs": inputs, "outputs": None}
     if "id" in body:
-        req["id"] = str(body["id"])
+        if not isinstance(body["id"], str):
+            raise BadRequest("the generate request 'id' must be a string")
+        req["id"] = body["id"]
     if params:
         req["params"] = {k: v for k, v in params.items() if isinstance(v, (bool, int, float, str))}
     return req, chunks
