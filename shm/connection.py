@@ -239,9 +239,11 @@ class Connection:
                 self._streams[slot] = (ring, on_response)
             target = self._route(doc) if kind == REQ_INFER else None
             worker = self._worker(target) if target is not None else None
+            # The target before the state: the broker reads a pending slot's target to answer
+            # requests lost with a worker, and must never see one left from the slot's last use.
+            self.seg.set_target(slot, target + 1 if worker is not None else 0)  # type: ignore[operator]
             self.seg.set_slot_state(slot, SLOT_PENDING)
             if worker is not None:
-                self.seg.set_target(slot, target + 1)  # type: ignore[operator]
                 if worker.lanes[self.lane].put(kind, slot, off, total, self._cookie):  # type: ignore[index]
                     self._targets[slot] = target + 1  # type: ignore[operator]
                     self._load[target] += 1  # type: ignore[index]

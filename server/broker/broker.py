@@ -49,6 +49,7 @@ log = logging.getLogger("shmserve.broker")
 
 HOUSEKEEPING_S = 1.0  # client liveness, restart back-off; a worker's death wakes us at once (SIGCHLD)
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+GONE_MEMORY_S = 60.0  # how long requests that land on an exited worker's lane are still answered
 HUNG_CHECK_S = 0.1  # how often executions are checked against execution_timeout_s
 
 
@@ -82,6 +83,7 @@ class Broker:
         self.routes_doc = b""
         self.load_failures: dict[str, int] = collections.defaultdict(int)  # model -> failed loads
         self.canaries: dict[str, Canary] = {}
+        self.gone: dict[int, tuple[float, ModelVersion, int, str]] = {}  # exited worker -> when, version, answer
         self.metrics = serve_metrics(
             MetricsOptions(port=opts.metrics_port, interval_ms=opts.metrics_interval_ms,
                            summary_latencies=opts.metrics_config.get("summary_latencies") == "true",
@@ -672,8 +674,7 @@ class Broker:
             if inst is None:
                 # Ask the busy instances to ring us when they finish; has_work() re-reads their
                 # outboxes after the fence in sleep(), so a finish that raced this is not missed.
-                for i in mv.instances:
-                    i.seg.want_wakeup = True
+                self._want_wakeup(mv)
                 return
             pend = mv.queue.popleft()
             self._send_batch(mv, inst, [pend])
@@ -688,8 +689,7 @@ class Broker:
         while len(batcher):
             inst = mv.pick_instance()
             if inst is None:
-                for i in mv.instances:
-                    i.seg.want_wakeup = True
+                self._want_wakeup(mv)
                 return
             batch = batcher.next_batch(now)
             if batch is None:
@@ -711,7 +711,12 @@ class Broker:
             if batch or releases:
                 self._send_batch(mv, inst, batch or [], {"release": releases} if releases else None)
         if waiting and len(seq):
-            for i in mv.instances:
+            self._want_wakeup(mv)
+
+    def _want_wakeup(self, mv: ModelVersion) -> None:
+        """Ask mv's live instances to ring when they finish (a dead one's segment is unmapped)."""
+        for i in mv.instances:
+            if i.num in self.workers:
                 i.seg.want_wakeup = True
 
     def _next_timer(self) -> float:
@@ -815,15 +820,32 @@ class Broker:
                 self.child_exited = True
 
     def _fail_direct(self, inst: Instance, mv: ModelVersion, code: int) -> None:
-        """Fail the direct requests clients had put on a worker that died."""
-        msg = self._death_message(mv, inst, code)
-        lost = 0
-        for client in self.clients.values():
+        """Fail the direct requests clients had put on a worker that exited.
+
+        A client that read the routes just before they changed may still put a request on the
+        gone worker's lane after this sweep; worker numbers are never reused, so the broker
+        remembers gone workers for a while and sweeps again at every housekeeping.
+        """
+        if mv.state == State.UNLOADING and code == 0:
+            answer = (503, f"model '{mv.name}' version {mv.version} was unloaded before the request ran; retry")
+        else:
+            answer = (500, self._death_message(mv, inst, code))
+        self.gone[inst.num] = (time.monotonic(), mv, *answer)
+        self._sweep_gone()
+
+    def _sweep_gone(self) -> None:
+        now = time.monotonic()
+        for num in [n for n, (at, *_) in self.gone.items() if now - at > GONE_MEMORY_S]:
+            del self.gone[num]
+        if not self.gone:
+            return
+        for client in list(self.clients.values()):
             for slot in np.flatnonzero(client.seg.slot_states == SLOT_PENDING).tolist():
-                if client.seg.target(slot) == inst.num + 1:
-                    self.reply(client, slot, 500, {"error": msg})
-                    lost += 1
-        mv.stats.fail("BACKEND", lost)
+                gone = self.gone.get(client.seg.target(slot) - 1)
+                if gone is not None:
+                    _, mv, status, msg = gone
+                    self.reply(client, slot, status, {"error": msg})
+                    mv.stats.fail("BACKEND" if status == 500 else "OTHER", 1)
 
     # -- ensembles ------------------------------------------------------------------------------
     def _start_ensemble(self, mv: ModelVersion, client: Client, slot: int, entry: dict) -> None:
@@ -974,8 +996,12 @@ class Broker:
         for when, mv, old in list(self.restarts):
             if when <= time.monotonic():
                 self.restarts.remove((when, mv, old))
-                if mv.state != State.UNLOADING and self.running and old in mv.instances:
+                # A retiring version still gets its instance back while requests wait for it
+                # (they were queued while it restarted): draining must serve them, not time out.
+                wanted = mv.state != State.UNLOADING or mv.in_flight()
+                if wanted and self.running and old in mv.instances:
                     self._spawn(mv, old.name, old.index, old.kind, old.device_id, replace=old)
+        self._sweep_gone()
         for client in list(self.clients.values()):
             if not pid_alive(client.pid):
                 log.info("client %s (pid %d) died; reclaiming its channel", client.name, client.pid)

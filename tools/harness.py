@@ -1,0 +1,114 @@
+"""What the operator tools share: a server process of their own on free ports, its process tree and
+memory, and a clean stop (the tools must leave nothing behind)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """Resident memory of ``pids``, shared pages counted in each (what ``ps`` adds up)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+class ServerProcess:
+    """``python -m server`` on free loopback ports with a unique id, ready when constructed."""
+
+    def __init__(self, repos: list[Path | str], *flags: str, server_id: str | None = None,
+                 log: Path | None = None) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.url = f"127.0.0.1:{self.port}"
+        self.id = server_id or f"tool{os.getpid()}"
+        cmd = [sys.executable, "-m", "server", *[f"--model-repository={r}" for r in repos],
+               "--http-address=127.0.0.1", f"--http-port={self.port}", f"--metrics-port={self.metrics_port}",
+               f"--id={self.id}", *flags]
+        out = open(log, "ab") if log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if log else out,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        import tritonclient.http as h
+
+        client = h.InferenceServerClient(self.url)
+        deadline = time.monotonic() + 120
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with code {self.proc.returncode} while starting")
+                try:
+                    if client.is_server_ready():
+                        return
+                except Exception:  # noqa: BLE001 - not listening yet
+                    pass
+                time.sleep(0.05)
+            self.stop()
+            raise RuntimeError("the server did not become ready within 120 s")
+        finally:
+            client.close()
+
+    def tree(self) -> list[int]:
+        return [self.proc.pid, *descendants(self.proc.pid)]
+
+    def worker_pids(self, model: str) -> list[int]:
+        return [p for p in descendants(self.proc.pid) if cmdline(p).startswith(f"shmserve worker {model} ")]
+
+    def shm_objects(self) -> list[str]:
+        stem = f"shmserve.{self.id}."
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(stem) or n.startswith("sem." + stem))
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
