@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-max-tensor-elements", type=int, default=1 << 31,
                    help="most elements an input tensor's shape may declare; more is refused with 400 before "
                         "anything is allocated (default 2^31)")
+    p.add_argument("--http-max-inflight", type=int, default=1024,
+                   help="requests one frontend process holds in flight at most; past it a request gets 503 "
+                        "(the bound that keeps an overloaded server's queues and memory flat; default 1024)")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="answer these endpoint groups only for requests with header KEY: VALUE (else 403); "
                         "groups: health, metadata, inference, shared-memory, model-config, model-repository, "
@@ -146,6 +149,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.http_restricted_api = parse_restricted(args.http_restricted_api)
     except ValueError as e:
         parser.error(str(e))
+    if not 1 <= args.http_max_inflight <= 65536:
+        parser.error("--http-max-inflight must lie in [1, 65536]")
     if args.metrics_interval_ms < 1:
         parser.error("--metrics-interval-ms must be at least 1")
     if args.load_model and args.model_control_mode != "explicit":

@@ -98,7 +98,7 @@ class Launcher:
         spec = {"server_id": self.sid, "fd": self.sock.fileno(), "index": index,
                 "arena_bytes": self.args.frontend_arena_mb << 20, "allow_remote_shm": self.args.allow_remote_shm,
                 "max_input_bytes": self.args.http_max_input_size, "exit_timeout_s": self.args.exit_timeout_secs,
-                "restricted": self.args.http_restricted_api,
+                "restricted": self.args.http_restricted_api, "max_inflight": self.args.http_max_inflight,
                 "max_tensor_elements": self.args.http_max_tensor_elements,
                 "log": log_settings(self.args)}
         return subprocess.Popen([sys.executable, "-m", "server.frontend", orjson.dumps(spec)],

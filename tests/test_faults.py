@@ -211,3 +211,20 @@ def test_frontend_death_is_restarted(faulty):
     wait_for(serves, 15.0, "a restarted frontend serving")
     assert frontend not in faulty.titles()
     assert "frontend #0 died" in faulty.log()
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits_clean(faulty):
+    from conftest import shm_entries
+
+    tree = faulty.tree()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = [pool.submit(call, faulty.url, 5) for _ in range(2)]  # 1.5 s each, one per instance
+        time.sleep(0.4)
+        faulty.proc.send_signal(signal.SIGTERM)
+        assert all(f.result() > 0 for f in slow)  # in-flight work finished
+    time.sleep(0.3)
+    with pytest.raises(Exception):  # noqa: B017 - no longer accepting: refused or reset
+        call(faulty.url, 0, timeout=3)
+    assert faulty.wait_exit(30) == 0, faulty.log_tail()
+    assert shm_entries(faulty.id) == []
+    wait_for(lambda: not any(pid_alive(p) for p in tree), 5.0, "every process gone")

@@ -27,7 +27,7 @@ def main() -> int:
     from .restricted import restrict
 
     app = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"],
-                    spec.get("max_tensor_elements", 1 << 31))
+                    spec.get("max_tensor_elements", 1 << 31), spec.get("max_inflight", 1024))
     app = restrict(app, spec.get("restricted") or {})  # --http-restricted-api
     sock = socket.socket(fileno=spec["fd"])
     # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.

@@ -23,7 +23,7 @@ from server import __version__
 
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, build_request, build_response, parse_json, split_body
 from .generate import build_generate_request, generate_response
-from .link import BrokerError, BrokerLink
+from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .logsettings import logging_endpoint
 from .openapi import openapi_endpoint
 from .tracing import Trace, Tracer, trace_endpoint, traced_infer
@@ -100,8 +100,8 @@ def _compress(body: bytes, accept: str | None) -> tuple[bytes, str | None]:
 
 class Frontend:
     def __init__(self, server_id: str, arena_bytes: int = 256 << 20, max_input_bytes: int = 1 << 31,
-                 max_tensor_elements: int = MAX_TENSOR_ELEMENTS) -> None:
-        self.link = BrokerLink(server_id, arena_bytes)
+                 max_tensor_elements: int = MAX_TENSOR_ELEMENTS, max_inflight: int = DEFAULT_SLOTS) -> None:
+        self.link = BrokerLink(server_id, arena_bytes, max_inflight)
         self.max_input_bytes = max_input_bytes
         self.max_tensor_elements = max_tensor_elements
         # Tensor bytes beyond this can never fit the frontend's arena: a client error, not a 503.
@@ -388,8 +388,9 @@ class Frontend:
 
 
 def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bool = False,
-              max_input_bytes: int = 1 << 31, max_tensor_elements: int = MAX_TENSOR_ELEMENTS) -> Starlette:
-    fe = Frontend(server_id, arena_bytes, max_input_bytes, max_tensor_elements)
+              max_input_bytes: int = 1 << 31, max_tensor_elements: int = MAX_TENSOR_ELEMENTS,
+              max_inflight: int = DEFAULT_SLOTS) -> Starlette:
+    fe = Frontend(server_id, arena_bytes, max_input_bytes, max_tensor_elements, max_inflight)
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version}"
     routes = [

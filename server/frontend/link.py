@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from shm.channel import DEFAULT_SLOTS
 from shm.connection import Backpressure, Completion, Connection, ServerUnavailable
 from shm.protocol import REQ_CONTROL, REQ_INFER
 
@@ -23,9 +24,10 @@ class BrokerError(Exception):
 
 
 class BrokerLink:
-    def __init__(self, server_id: str, arena_bytes: int) -> None:
+    def __init__(self, server_id: str, arena_bytes: int, max_inflight: int = DEFAULT_SLOTS) -> None:
         self.server_id = server_id
         self.arena_bytes = arena_bytes
+        self.max_inflight = max_inflight  # requests in flight on the channel; past it: 503
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -37,7 +39,7 @@ class BrokerLink:
         self._drop()
         loop = asyncio.get_running_loop()
         try:
-            conn = Connection(self.server_id, arena_bytes=self.arena_bytes, loop_driven=True)
+            conn = Connection(self.server_id, arena_bytes=self.arena_bytes, slots=self.max_inflight, loop_driven=True)
         except ServerUnavailable as e:
             raise BrokerError(503, f"the server is not available: {e}") from None
         loop.add_reader(conn.fileno(), conn.on_readable)
@@ -74,7 +76,9 @@ class BrokerLink:
 
         try:
             conn.submit(kind, doc, tensors, resolve)
-        except (Backpressure, ServerUnavailable) as e:
+        except Backpressure as e:
+            raise BrokerError(503, f"the server is overloaded ({e}); retry later") from None
+        except ServerUnavailable as e:
             raise BrokerError(503, str(e)) from None
         return await fut
 

@@ -1,0 +1,68 @@
+"""Overload: past the bounds (requests in flight per frontend, the frontend's arena) requests get a
+503 with a clear message at once, nothing queues without bound, and the server serves normally
+as soon as the load drops."""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import numpy as np
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import TESTS, TEST_MODELS
+
+SHM_MODELS = TESTS / "models" / "shm"
+
+
+def sleeper(url: str) -> str:
+    """'ok' or the error's status and message (0.3 s per request, two instances)."""
+    client = httpclient.InferenceServerClient(url, network_timeout=60)
+    try:
+        x = httpclient.InferInput("X", [1], "FP32")
+        x.set_data_from_numpy(np.zeros(1, dtype=np.float32))
+        client.infer("sleeper", [x])
+        return "ok"
+    except InferenceServerException as e:
+        return f"{e.status()} {e.message()}"
+    finally:
+        client.close()
+
+
+def test_requests_past_the_inflight_bound_get_503_and_service_recovers(server_factory):
+    server = server_factory.start([TEST_MODELS], ["--http-max-inflight", "6"])
+    with concurrent.futures.ThreadPoolExecutor(30) as pool:
+        started = time.monotonic()
+        outcomes = list(pool.map(lambda _: sleeper(server.url), range(30)))
+        took = time.monotonic() - started
+    ok = outcomes.count("ok")
+    refused = [o for o in outcomes if o != "ok"]
+    assert ok >= 6 and refused, outcomes
+    assert all(o.startswith("503 the server is overloaded") for o in refused), refused
+    assert took < 10, took  # refusals are immediate: nothing waited in an unbounded queue
+    started = time.monotonic()
+    assert [sleeper(server.url) for _ in range(4)] == ["ok"] * 4  # recovered at once
+    assert time.monotonic() - started < 4
+
+
+def test_requests_past_the_frontend_arena_get_503(server_factory):
+    server = server_factory.start([SHM_MODELS], ["--frontend-arena-mb", "4"])
+    big = np.ones(700_000, dtype=np.int32)  # 2.8 MB: one fits the 4 MiB arena, two do not
+
+    def slow_sum() -> str:
+        client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+        try:
+            x = httpclient.InferInput("X", [big.size], "INT32")
+            x.set_data_from_numpy(big)
+            return str(int(client.infer("slow_reader", [x]).as_numpy("SUM")[0]))
+        except InferenceServerException as e:
+            return f"{e.status()} {e.message()}"
+        finally:
+            client.close()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(lambda _: slow_sum(), range(4)))
+    assert str(big.size) in outcomes, outcomes
+    refused = [o for o in outcomes if o != str(big.size)]
+    assert refused and all(o.startswith("503 the server is overloaded (no room for a") for o in refused), outcomes
+    assert slow_sum() == str(big.size)  # with the arena free again it serves
