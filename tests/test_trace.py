@@ -291,11 +291,18 @@ def test_timestamps_without_file_is_refused():
     assert p.returncode == 2 and "triton,file=" in p.stderr
 
 
-@pytest.mark.skipif(otel_installed(), reason="the OpenTelemetry SDK is installed here")
-def test_opentelemetry_mode_without_the_sdk_exits_2():
+def test_opentelemetry_mode_without_the_sdk_exits_2(tmp_path):
+    """The dev set-up installs the SDK; a package first on the path that refuses to import hides
+    it, as on a host where it was never installed."""
+    import os
+
+    hidden = tmp_path / "opentelemetry"
+    hidden.mkdir()
+    (hidden / "__init__.py").write_text("raise ImportError('opentelemetry is not installed here')\n")
     cmd = [PYTHON, "-m", "server", "--model-repository", str(ROOT / "model_repository"),
            "--trace-config", "mode=opentelemetry", "--trace-config", "level=TIMESTAMPS"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30, env=env)
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1 and "OpenTelemetry SDK" in p.stderr, p.stderr
 
@@ -316,8 +323,8 @@ class _Collector(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.skipif(not otel_installed(), reason="needs pip install 'shmserve[trace]'")
 def test_opentelemetry_spans_reach_an_otlp_collector(server_factory):
+    assert otel_installed(), "the dev set-up installs shmserve[trace]"
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     collector = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)

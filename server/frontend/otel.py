@@ -19,8 +19,8 @@ def missing() -> str:
         try:
             if importlib.util.find_spec(module) is None:
                 return f"module {module} is not installed"
-        except ModuleNotFoundError:
-            return f"module {module} is not installed"
+        except ImportError as e:  # a parent package missing, or one that fails to import
+            return f"module {module} cannot be imported: {e}"
     return ""
 
 

@@ -204,18 +204,18 @@ class Tracer:
 async def traced_infer(fast: "InferFastPath", target: tuple[str, str], scope: dict, receive: Any,
                        send: Any) -> None:
     """InferFastPath's path while tracing is on: the same steps, with timestamps around them."""
+    from .app import BadRequest, _send_error, read_body  # app imports this module
+
     trace = fast.fe.tracer.sample(target[0])
     recv_start = time.monotonic_ns()
     headers = dict(scope["headers"])
-    chunks = []
-    more = True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-        chunks.append(message.get("body", b""))
-        more = message.get("more_body", False)
-    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        body = await read_body(scope, receive, fast.fe.max_input_bytes)  # the same early size check
+    except BadRequest as e:
+        await _send_error(send, e)
+        return
+    if body is None:
+        return
     recv_end = time.monotonic_ns()
     status, out, out_headers = await fast.fe.infer(target[0], target[1], headers, body, trace)
     out_headers.append((b"content-length", str(len(out)).encode()))
