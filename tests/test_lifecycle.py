@@ -102,8 +102,34 @@ def test_load_from_file_contents_of_a_model_not_on_disk(server_factory, repo):
     code = (ADD_SUB / "1" / "model.py").read_bytes()
     cfg = json.loads(config())
     cfg["name"] = "uploaded"
+    before = uploads()
     c.load_model("uploaded", config=json.dumps(cfg), files={"file:1/model.py": code})
     assert add_sub(c, "uploaded").tolist() == list(range(0, 32, 2))
+    first = uploads() - before
+    assert len(first) == 1 and (next(iter(first)) / "uploaded" / "1" / "model.py").read_bytes() == code
+    # Reloaded with new contents: the old private folder goes once the old version has drained.
+    c.load_model("uploaded", config=json.dumps(cfg), files={"file:1/model.py": code + b"\n# v2\n"})
+    wait_until(lambda: not (uploads() & first), 10, "the replaced upload folder removed")
+    assert len(uploads() - before) == 1
+    # A refused load keeps nothing; an unload removes the folder.
+    bad = dict(cfg, backend="no_such_backend")
+    with pytest.raises(InferenceServerException, match="failed to load"):
+        c.load_model("uploaded2", config=json.dumps(dict(bad, name="uploaded2")), files={"file:1/model.py": code})
+    c.unload_model("uploaded")
+    wait_until(lambda: uploads() == before, 10, "every upload folder removed")
+
+
+def uploads() -> set:
+    import tempfile
+
+    return set(Path(tempfile.gettempdir()).glob("shmserve-model-*"))
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.05)
 
 
 def test_reloads_under_load_lose_no_request(server_factory, repo):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import random
+import shutil
+import tempfile
 import logging
 import os
 import signal
@@ -37,7 +39,7 @@ from .canary import SNAPSHOT_EVERY_S, Canary, CanaryPolicy, Split
 from .config import execution_timeout
 from .sequencer import SequenceBatcher
 from .watcher import RepositoryWatcher
-from .control import ControlHandler
+from .control import UPLOAD_PREFIX, ControlHandler
 from .ensemble import EnsemblePlan, EnsembleRun, Step
 from .lifecycle import STRAGGLER_GRACE_S, LoadJob, Retiring, idle
 from .metrics import MetricsOptions, serve_metrics
@@ -274,9 +276,22 @@ class Broker:
             if entry.stopping and all(inst.num not in self.workers for inst in mv.instances):
                 self.retiring.remove(entry)
                 log.info("unloaded '%s' version %d", mv.name, mv.version)
+                self._discard_model_dir(mv.model_dir)
                 for client, slot in entry.waiters:
                     if client.name in self.clients:
                         self.reply(client, slot, 200, {})
+
+    def _discard_model_dir(self, model_dir: str) -> None:
+        """Remove the private folder of a model loaded from 'file:' parameters once no version
+        loaded, loading or draining uses it (repository folders are never touched)."""
+        folder = Path(model_dir).parent
+        if not folder.name.startswith(UPLOAD_PREFIX) or folder.parent != Path(tempfile.gettempdir()):
+            return
+        users = [mv for vs in self.models.values() for mv in vs.values()]
+        users += [mv for job in self.loading.values() for mv in job.versions.values()]
+        users += [r.version for r in self.retiring]
+        if not any(Path(mv.model_dir).parent == folder for mv in users):
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _load_failed(self, name: str, reason: str) -> str:
         log.error("%s", reason)
@@ -1127,6 +1142,9 @@ class Broker:
         for client in list(self.clients.values()):
             client.seg.close()
         self.control.trace.close()  # closes the trace files' JSON arrays
+        for mv in [mv for vs in list(self.models.values()) for mv in vs.values()]:
+            self.models.clear()
+            self._discard_model_dir(mv.model_dir)
         self.seg.close()
         self.seg.unlink()
         return STARTUP_FAILED if self.startup_failed else 0

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .broker import Broker
 
 Answer = tuple[int, Any]
+UPLOAD_PREFIX = "shmserve-model-"  # private folders of models loaded from 'file:' parameters
 
 
 class ControlHandler:
@@ -189,6 +190,8 @@ class ControlHandler:
                                      f"parameter too")
             model_dir = write_model_files(name, files)
         error = self.broker.load_model(name, config, waiter=(client, slot), model_dir=model_dir)
+        if model_dir is not None:  # gone at once unless the load uses it (then: when it retires)
+            self.broker._discard_model_dir(str(model_dir))
         if error:
             return 400, {"error": error}
         return 0, None
@@ -253,7 +256,7 @@ def write_model_files(name: str, files: dict[str, Any]) -> Path:
     # The name comes from the URL: '..' or '.' would put the folder outside its private temp dir.
     if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
         raise InvalidRequest(f"failed to load '{name}', a model loaded with 'file:' parameters needs a plain name")
-    root = Path(tempfile.mkdtemp(prefix="shmserve-model-")) / name
+    root = Path(tempfile.mkdtemp(prefix=UPLOAD_PREFIX)) / name
     try:
         for rel, content in files.items():
             path = (root / rel).resolve()
