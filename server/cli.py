@@ -42,6 +42,11 @@ def metrics_config(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def add_bool(p: argparse.ArgumentParser, flag: str, default: bool, help: str) -> None:
+    """A boolean flag as tritonserver's: ``--flag``, ``--flag=true`` or ``--flag=false``."""
+    p.add_argument(flag, type=parse_bool, nargs="?", const=True, default=default, help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="shmserve", description="Serve Triton model repositories over KServe v2 HTTP and "
                                              "POSIX shared memory.")
@@ -65,12 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "groups: health, metadata, inference, shared-memory, model-config, model-repository, "
                         "statistics, trace, logging; repeatable, as Triton's")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
-    p.add_argument("--allow-metrics", type=parse_bool, nargs="?", const=True, default=True,
-                   help="serve Prometheus metrics (default true)")
-    p.add_argument("--allow-cpu-metrics", type=parse_bool, nargs="?", const=True, default=True,
-                   help="export nv_cpu_utilization and nv_cpu_memory_* (default true)")
-    p.add_argument("--allow-gpu-metrics", type=parse_bool, nargs="?", const=True, default=True,
-                   help="export nv_gpu_* per CUDA device when the host has any (default true)")
+    add_bool(p, "--allow-metrics", True,
+             "serve Prometheus metrics (default true)")
+    add_bool(p, "--allow-cpu-metrics", True,
+             "export nv_cpu_utilization and nv_cpu_memory_* (default true)")
+    add_bool(p, "--allow-gpu-metrics", True,
+             "export nv_gpu_* per CUDA device when the host has any (default true)")
     p.add_argument("--metrics-interval-ms", type=int, default=2000,
                    help="how often CPU and GPU figures are sampled, in milliseconds (default 2000)")
     p.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
@@ -81,22 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "explicit: load only --load-model models and what the repository API asks for")
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="with explicit control, a model to load at start ('*' for all); repeatable")
-    p.add_argument("--strict-model-config", type=parse_bool, nargs="?", const=True, default=False,
-                   help="require a complete config.pbtxt and disable auto-completion (default false)")
-    p.add_argument("--strict-readiness", type=parse_bool, nargs="?", const=True, default=True,
-                   help="report ready only when every model is ready (default true)")
-    p.add_argument("--exit-on-error", type=parse_bool, nargs="?", const=True, default=True,
-                   help="exit if a model fails to load at start (default true)")
+    add_bool(p, "--strict-model-config", False,
+             "require a complete config.pbtxt and disable auto-completion (default false)")
+    add_bool(p, "--strict-readiness", True,
+             "report ready only when every model is ready (default true)")
+    add_bool(p, "--exit-on-error", True,
+             "exit if a model fails to load at start (default true)")
     p.add_argument("--exit-timeout-secs", type=float, default=30.0,
                    help="on shutdown, seconds to wait for in-flight requests (default 30)")
     p.add_argument("--log-verbose", type=int, default=0,
                    help="verbose logging level: lines of verbose level <= N are logged; 0 is off (default 0)")
-    p.add_argument("--log-info", type=parse_bool, nargs="?", const=True, default=True,
-                   help="log INFO lines (default true)")
-    p.add_argument("--log-warning", type=parse_bool, nargs="?", const=True, default=True,
-                   help="log WARNING lines (default true)")
-    p.add_argument("--log-error", type=parse_bool, nargs="?", const=True, default=True,
-                   help="log ERROR lines (default true)")
+    add_bool(p, "--log-info", True,
+             "log INFO lines (default true)")
+    add_bool(p, "--log-warning", True,
+             "log WARNING lines (default true)")
+    add_bool(p, "--log-error", True,
+             "log ERROR lines (default true)")
     p.add_argument("--log-format", choices=["default", "ISO8601"], default="default",
                    help="line format: 'default' starts lines with 'I1122 06:31:41.123456', 'ISO8601' with "
                         "'2026-11-22T06:31:41Z I' (default 'default')")
@@ -109,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", default="shmserve",
                    help="server id; names its shared-memory objects and lets local clients find it "
                         "(default 'shmserve')")
-    p.add_argument("--allow-remote-shm", type=parse_bool, nargs="?", const=True, default=False,
-                   help="let non-loopback HTTP peers register system shared memory. Risky: anyone who "
+    add_bool(p, "--allow-remote-shm", False,
+             "let non-loopback HTTP peers register system shared memory. Risky: anyone who "
                         "reaches the port could make the server read or write this host's shared memory "
                         "objects they name (default false)")
     p.add_argument("--worker-arena-mb", type=int, default=256,

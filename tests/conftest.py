@@ -24,6 +24,8 @@ from typing import Callable, Iterable
 import pytest
 import tritonclient.http as httpclient
 
+from tools.harness import cmdline, descendants  # noqa: F401 - the tests import them from here
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 PRODUCT_MODELS = ROOT / "model_repository"
@@ -78,33 +80,6 @@ def _read_stat(pid: int) -> tuple[int, str, int, int] | None:
     rest = raw[raw.rindex(b")") + 2:].split()
     # fields after "pid (comm) ": state(3) ppid(4) ... utime(14) stime(15)
     return int(rest[1]), rest[0].decode(), int(rest[11]), int(rest[12])
-
-
-def descendants(root: int) -> list[int]:
-    """All live descendants of ``root`` (not ``root`` itself)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _read_stat(int(entry))
-            if st is not None:
-                children.setdefault(st[0], []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        for c in children.get(pid, ()):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def cmdline(pid: int) -> str:
-    """A process's command line as ``ps`` shows it (setproctitle rewrites it)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
 def cpu_ticks(pids: Iterable[int]) -> dict[int, int]:

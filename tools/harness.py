@@ -20,6 +20,7 @@ def free_port() -> int:
 
 
 def descendants(root: int) -> list[int]:
+    """All live descendants of ``root`` (not ``root`` itself), from /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -38,6 +39,7 @@ def descendants(root: int) -> list[int]:
 
 
 def cmdline(pid: int) -> str:
+    """A process's command line as ``ps`` shows it (setproctitle rewrites it); '' when gone."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()

@@ -24,7 +24,7 @@ from server import __version__
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, build_request, build_response, parse_json, split_body
 from .generate import build_generate_request, generate_response
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
-from .logsettings import logging_endpoint
+from .settings import logging_endpoint
 from .openapi import openapi_endpoint
 from .tracing import Trace, Tracer, trace_endpoint, traced_infer
 

@@ -23,7 +23,7 @@ from shm import trace as tr
 from shm.names import pid_alive
 from shm.trace import FileWriter, TraceShared
 
-from .link import BrokerError
+from .settings import settings_endpoint
 
 if TYPE_CHECKING:
     from .app import Frontend, InferFastPath
@@ -232,26 +232,7 @@ async def traced_infer(fast: "InferFastPath", target: tuple[str, str], scope: di
 
 
 def trace_endpoint(fe: "Frontend") -> Callable[[Request], Awaitable[Response]]:
-    """GET/POST ``v2[/models/<model>]/trace/setting``: forwarded to the broker, which owns them."""
+    """GET/POST ``v2[/models/<model>]/trace/setting``: forwarded to the broker, which owns them;
+    this frontend follows a change at once, the others within POLL_S."""
+    return settings_endpoint(fe, "trace_settings", lambda _: fe.tracer.refresh(), per_model=True)
 
-    async def endpoint(request: Request) -> Response:
-        doc: dict[str, Any] = {"op": "trace_settings", "model": request.path_params.get("model", "")}
-        if request.method == "POST":
-            body = await request.body()
-            try:
-                doc["update"] = orjson.loads(body) if body else {}
-            except orjson.JSONDecodeError as e:
-                return _json(400, {"error": f"failed to parse the request JSON buffer: {e}"})
-        try:
-            status, answer = await fe.link.control(doc)
-        except BrokerError as e:
-            return _json(e.status, {"error": str(e)})
-        if status == 200 and "update" in doc:
-            fe.tracer.refresh()  # this frontend follows at once; the others within POLL_S
-        return _json(status, answer)
-
-    return endpoint
-
-
-def _json(status: int, doc: object) -> Response:
-    return Response(orjson.dumps(doc), status_code=status, media_type="application/json")
