@@ -53,6 +53,26 @@ def test_queue_delay_holds_a_partial_batch(server):
     assert single["reqs"] == 1 and 0.29 <= single["seconds"] < 2.0
 
 
+def test_delay_is_skipped_once_the_traffic_of_a_delay_is_there(server):
+    """Closed-loop clients: the first round waits the whole 300 ms delay (3 requests, no
+    preferred size); after that, as soon as 3 wait again the batch goes, without the delay. A
+    smaller round (2) waits the delay again and the size adapts."""
+    def round_of(n: int) -> list[dict]:
+        with cf.ThreadPoolExecutor(n) as pool:
+            return list(pool.map(lambda _: infer_with(server.url, "probe_adaptive"), range(n)))
+
+    first = round_of(3)
+    assert [r["reqs"] for r in first] == [3, 3, 3] and min(r["seconds"] for r in first) >= 0.29
+    for _ in range(3):
+        again = round_of(3)
+        assert [r["reqs"] for r in again] == [3, 3, 3]
+        assert max(r["seconds"] for r in again) < 0.25, again
+    fewer = round_of(2)
+    assert [r["reqs"] for r in fewer] == [2, 2] and min(r["seconds"] for r in fewer) >= 0.29
+    quick = round_of(2)
+    assert [r["reqs"] for r in quick] == [2, 2] and max(r["seconds"] for r in quick) < 0.25
+
+
 def test_requests_of_different_shapes_never_share_a_batch(server):
     with cf.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda w: infer_with(server.url, "probe", width=w), [3, 3, 5, 5]))

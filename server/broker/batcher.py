@@ -7,6 +7,12 @@ fill; ``max_batch_size`` when none is configured), or when the oldest request ha
 ``max_queue_delay_microseconds``; otherwise the broker sleeps until that moment. Queue policies
 (``default_queue_policy``, ``priority_queue_policy``) bound the queues and time requests out,
 rejecting them or (``DELAY``) serving them after everything else.
+
+The delay is a maximum, not a price every batch pays: when a batch had to wait the whole delay,
+its size shows how much traffic one delay gathers. Once as many requests wait again, the batch
+goes at once, as waiting longer would gather nothing more. With closed-loop clients (each waits
+for its answer before sending again) this removes the delay from every round trip after the
+first; a drop in traffic falls back to the full delay and the size adapts.
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ class DynamicBatcher:
         self.queues: list[collections.deque[Pending]] = [collections.deque() for _ in range(self.levels)]
         self.delayed: collections.deque[Pending] = collections.deque()
         self.size = 0
+        self.gathered = 0  # size of the last batch that waited the whole delay (0: none yet)
 
     def __len__(self) -> int:
         return self.size
@@ -135,8 +142,12 @@ class DynamicBatcher:
             if total >= target:
                 break
         oldest = min(p.arrived for p in chosen)
-        if total < target and now < oldest + self.delay_s and total not in self.preferred:
+        waited_out = now >= oldest + self.delay_s
+        everyone = self.gathered > 1 and total >= self.gathered  # what one delay gathers is here
+        if total < target and not waited_out and total not in self.preferred and not everyone:
             return None  # wait for more, until the oldest has waited the configured delay
+        if waited_out and total < target and total not in self.preferred:
+            self.gathered = total
         if total > target or (total < target and total not in self.preferred):
             # Trim to the largest preferred size the batch can fill exactly, if there is one.
             fits = [s for s in self.preferred if s <= total]
