@@ -24,7 +24,9 @@ def main() -> int:
 
     app = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"])
     sock = socket.socket(fileno=spec["fd"])
-    config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning",
+    from .protocol import protocol_for
+
+    config = uvicorn.Config(app, loop="uvloop", http=protocol_for(app.fe), access_log=False, log_level="warning",
                             timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)), lifespan="on", proxy_headers=False, server_header=False, date_header=False)
     from shm.profiling import run_profiled
 

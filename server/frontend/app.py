@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import logging
 import zlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import orjson
 from starlette.applications import Starlette
@@ -21,12 +22,18 @@ from server import __version__
 
 from .codec import BadRequest, build_request, build_response, split_body
 from .generate import build_generate_request, generate_response
+from shm.connection import Completion
+from shm.protocol import REQ_INFER
+
 from .link import BrokerError, BrokerLink
 
+log = logging.getLogger("shmserve.frontend")
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "system_shared_memory", "cuda_shared_memory",
               "generate", "sequence", "schedule_policy", "model_repository"]
 JSON = "application/json"
 JSON_HEADER = (b"content-type", b"application/json")
+# reply(status, body, headers) of one inference
+Reply = Callable[[int, bytes, list[tuple[bytes, bytes]]], None]
 
 
 def json_response(doc: Any, status: int = 200) -> Response:
@@ -146,9 +153,9 @@ class Frontend:
         return await self._repository_call(request, "unload")
 
     # -- inference ------------------------------------------------------------------------------
-    async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes
-                    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        """(status, body, headers) of one inference; the hot path, so no framework objects."""
+    def start_infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes, reply: Reply) -> None:
+        """Parse and submit one inference; ``reply(status, body, headers)`` runs on the loop when it is
+        answered (at once for a bad request). The hot path: no framework objects, no task, no future."""
         try:
             if len(body) > self.max_input_bytes:
                 raise BadRequest(f"the request body of {len(body)} bytes exceeds --http-max-input-size")
@@ -159,29 +166,59 @@ class Frontend:
             doc, tail = split_body(body, header_len.decode("latin-1") if header_len is not None else None)
             req, chunks = build_request(model, version, doc, tail)
         except BadRequest as e:
-            return e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER]
+            reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
+            return
         try:
-            completion = await self.link.infer(req, chunks)
+            self.link.submit(REQ_INFER, req, chunks,
+                             lambda completion: self._finish_infer(model, version, doc, headers, completion, reply))
         except BrokerError as e:
-            return e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER]
+            reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
+
+    @staticmethod
+    def _finish_infer(model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion,
+                      reply: Reply) -> None:
+        try:
+            status, out, out_headers = Frontend._response(model, version, doc, headers, completion)
+        except Exception as e:  # noqa: BLE001 - the client must get an answer whatever went wrong
+            log.exception("building the response of '%s' failed", model)
+            status, out, out_headers = 500, orjson.dumps({"error": f"internal error: {e}"}), [JSON_HEADER]
+        reply(status, out, out_headers)
+
+    @staticmethod
+    def _response(model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion
+                  ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         try:
             result = completion.doc()
             if completion.status != 200:
-                return completion.status, orjson.dumps({"error": result.get("error", "inference failed")}), \
-                    [JSON_HEADER]
-            served = str(result.get("version", version))
-            out, json_len = build_response(model, served, doc, result, completion.tensor)
+                status = completion.status
+                out, out_headers = orjson.dumps({"error": result.get("error", "inference failed")}), [JSON_HEADER]
+            else:
+                status = 200
+                served = str(result.get("version", version))
+                out, json_len = build_response(model, served, doc, result, completion.tensor)
+                out_headers = [JSON_HEADER] if json_len is None else [
+                    (b"content-type", b"application/octet-stream"),
+                    (b"inference-header-content-length", str(json_len).encode())]
         finally:
             completion.release()
-        out_headers = [JSON_HEADER] if json_len is None else [
-            (b"content-type", b"application/octet-stream"),
-            (b"inference-header-content-length", str(json_len).encode())]
         accept = headers.get(b"accept-encoding")
-        if accept:
+        if accept and status == 200:
             out, used = _compress(out, accept.decode("latin-1"))
             if used:
                 out_headers.append((b"content-encoding", used.encode()))
-        return 200, out, out_headers
+        return status, out, out_headers
+
+    async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes
+                    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        """``start_infer`` as a coroutine (the ASGI path)."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def reply(status: int, out: bytes, out_headers: list[tuple[bytes, bytes]]) -> None:
+            if not fut.done():
+                fut.set_result((status, out, out_headers))
+
+        self.start_infer(model, version, headers, body, reply)
+        return await fut
 
     # -- generate extension ---------------------------------------------------------------------
     async def _generate_queue(self, request: Request) -> "asyncio.Queue | Response":
@@ -346,6 +383,18 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
     app.state.allow_remote_shm = allow_remote_shm
     app.state.frontend = fe
     return InferFastPath(fe, app)
+
+
+def infer_target(url: bytes) -> tuple[str, str] | None:
+    """(model, version) when the request target ``url`` is an infer endpoint in plain origin form;
+    None for anything else, percent-escapes included (those take the ASGI path, which decodes)."""
+    path = url.split(b"?", 1)[0]
+    if b"%" in path or not path.startswith(b"/v2/models/"):
+        return None
+    try:
+        return _infer_target(path.decode("ascii"))
+    except UnicodeDecodeError:
+        return None
 
 
 def _infer_target(path: str) -> tuple[str, str] | None:
