@@ -40,6 +40,7 @@ from .warmup import run_warmup
 
 log = logging.getLogger("shmserve.worker")
 DIRECT_DONE = STAT_FIELDS.index("direct_done")
+REJECTED = STAT_FIELDS.index("rejected")
 SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "0")) / 1e6
 
 
@@ -141,12 +142,16 @@ class Worker:
                     self.running = False  # answer what is already on the lanes, then go
                 elif kind == W_BATCH:
                     self._run_batch(off, batch_id)
-            for lane in seg.lanes_pending():
-                client, cookie = self.broker.lane_client(lane)
-                for kind, slot, off, length, record_cookie in seg.lanes[lane].drain():
-                    if record_cookie == cookie and client:
-                        self._run_direct(client, slot, off)
-                    self.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
+            lanes = seg.lanes_pending()
+            if lanes:
+                for lane in lanes:
+                    client, cookie = self.broker.lane_client(lane)
+                    for kind, slot, off, length, record_cookie in seg.lanes[lane].drain():
+                        if record_cookie == cookie and client:
+                            self._run_direct(client, slot, off)
+                        self.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
+                # Once per round, not per request: counters first, then every answer of the round
+                # with one wake-up per client (under load a round holds several requests).
                 self._flush_counts()
 
     def _run_batch(self, off: int, batch_id: int) -> None:
@@ -188,11 +193,10 @@ class Worker:
                 if not client.arena_offset <= entry["stream"]["off"] <= client.seg.size - 4096:
                     raise RequestError("the response ring lies outside the client's arena")
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
-            self.counts[STAT_FIELDS.index("rejected")] += 1
+            self.counts[REJECTED] += 1
             self._answer_error(entry, 400, str(e))
-            self._flush_counts()
-            return
-        self._execute([entry])
+            return  # serve() flushes the counters and sends the answer
+        self._execute([entry], flush=False)
 
     @staticmethod
     def _locate(client: ClientSegment, t: dict, data_start: int) -> dict:
@@ -205,7 +209,8 @@ class Worker:
             out.update(datatype=t["datatype"], shape=t["shape"])
         return out
 
-    def _execute(self, entries: list[dict]) -> None:
+    def _execute(self, entries: list[dict], flush: bool = True) -> None:
+        """Run one batch and answer it; ``flush=False`` leaves counters and wake-ups to the caller."""
         live: list[tuple[dict, Request]] = []
         failed = 0
         for entry in entries:
@@ -248,7 +253,8 @@ class Worker:
                         failed += 1
         streamed = sum(1 for _, r in live if r.sender is not None)
         self._count(entries, live, failed, exec_ns, streamed)
-        self._flush_counts()
+        if flush:
+            self._flush_counts()
 
     def _count(self, entries: list[dict], live: list[tuple[dict, Request]], failed: int, exec_ns: int,
                streamed: int = 0) -> None:
