@@ -190,6 +190,10 @@ class WorkerSegment:
     def lanes_pending(self) -> list[int]:
         return np.flatnonzero(self.lane_tails != self.lane_heads).tolist()
 
+    def any_lane_pending(self) -> bool:
+        """``bool(lanes_pending())`` without building the list (the worker asks before each sleep)."""
+        return self.lane_tails.tobytes() != self.lane_heads.tobytes()  # 0.6 us; numpy's compare 2.5
+
     def stat(self, field: str) -> int:
         return int(self.stats[STAT_FIELDS.index(field)])
 

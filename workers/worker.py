@@ -44,6 +44,15 @@ REJECTED = STAT_FIELDS.index("rejected")
 SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "0")) / 1e6
 
 
+_WIRE_TYPES: dict[Any, str] = {}  # numpy dtype -> wire datatype, as ``wire_datatype`` finds it
+
+
+def _wire_type(arr: Any) -> str:
+    datatype = wire_datatype(arr)
+    _WIRE_TYPES[arr.dtype] = datatype
+    return datatype
+
+
 class RequestError(Exception):
     """A problem with one request (not the batch): answered as a 400 to that client only."""
 
@@ -121,7 +130,7 @@ class Worker:
     def serve(self) -> None:
         seg = self.seg
         inbox = seg.inbox
-        has_work = lambda: inbox.pending() > 0 or bool(seg.lanes_pending())  # noqa: E731
+        has_work = lambda: inbox.pending() > 0 or seg.any_lane_pending()  # noqa: E731
         checked = time.monotonic()
         departures = int(self.broker.departures[0])
         while self.running:
@@ -372,7 +381,7 @@ class Worker:
                         continue  # a streamed response may carry only some outputs
                     raise RequestError(f"output '{name}' was requested but the model did not produce it")
                 arr = resp.outputs[name]
-                datatype = wire_datatype(arr)
+                datatype = _WIRE_TYPES.get(arr.dtype) or _wire_type(arr)
                 data = serialize_bytes(arr) if datatype == "BYTES" else byte_view(arr)
                 n = len(data)
                 desc = {"name": name, "datatype": datatype, "shape": list(arr.shape), "size": n}
