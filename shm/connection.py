@@ -37,6 +37,8 @@ from .waker import read_all
 
 log = logging.getLogger("shmserve.client")
 _counter = itertools.count()
+_UNKNOWN: Any = object()
+ROUTE_CACHE_LIMIT = 256
 
 
 class ServerUnavailable(ConnectionError):
@@ -122,6 +124,7 @@ class Connection:
         self._routes_gen = -1
         self._routes: dict = {}
         self._splits: dict = {}
+        self._route_cache: dict[tuple[Any, Any], list[int] | None] = {}
         self._workers: dict[int, WorkerSegment] = {}
         self._load: dict[int, int] = collections.defaultdict(int)  # worker -> our requests on it
         self._targets: list[int] = [0] * slots
@@ -160,20 +163,23 @@ class Connection:
             live = {w for vs in self._routes.values() for e in vs.values() for w in e["workers"]}
             for num in [n for n in self._workers if n not in live]:
                 self._workers.pop(num).close()  # a stopped worker's mapping would pin its memory
-        versions = self._routes.get(doc.get("model"))
-        if not versions:
-            return None
-        version = doc.get("version") or ""
+            self._route_cache.clear()
+        model, version = doc.get("model"), doc.get("version") or ""
         if not version:
-            split = self._splits.get(doc["model"])
+            split = self._splits.get(model)
             if split is None:
                 return None
             # The broker's split (a canary's fraction), chosen here; a request that goes through
             # the broker instead is chosen there, with the same odds.
             version = split["canary"] if split["canary"] is not None and \
                 random.random() < split["fraction"] else split["stable"]
-        v = versions.get(str(version))
-        if not v or not v["ready"] or not v["direct"] or not v["workers"]:
+        key = (model, str(version))
+        workers = self._route_cache.get(key, _UNKNOWN)
+        if workers is _UNKNOWN:
+            if len(self._route_cache) >= ROUTE_CACHE_LIMIT:  # names a client made up must not pile up
+                self._route_cache.clear()
+            workers = self._route_cache[key] = self._direct_workers(*key)
+        if workers is None:
             return None
         for t in doc.get("inputs", ()):
             if "region" in t:
@@ -181,8 +187,20 @@ class Connection:
         for o in doc.get("outputs") or ():
             if "region" in o:
                 return None
-        load = self._load
-        return min(v["workers"], key=lambda w: load[w])
+        if len(workers) == 1:
+            return workers[0]
+        return min(workers, key=self._load.__getitem__)
+
+    def _direct_workers(self, model: Any, version: str) -> list[int] | None:
+        """The workers serving (model, version) on direct lanes per the routing table, or None;
+        cached per routing-table generation (the lookup is per request otherwise)."""
+        versions = self._routes.get(model)
+        if not versions:
+            return None
+        v = versions.get(version)
+        if not v or not v["ready"] or not v["direct"] or not v["workers"]:
+            return None
+        return list(v["workers"])
 
     def _worker(self, num: int) -> WorkerSegment | None:
         seg = self._workers.get(num)

@@ -44,6 +44,15 @@ log = logging.getLogger("shmserve.worker")
 SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "0")) / 1e6
 
 
+_WIRE_TYPES: dict[Any, str] = {}  # numpy dtype -> wire datatype, as ``wire_datatype`` finds it
+
+
+def _wire_type(arr: Any) -> str:
+    datatype = wire_datatype(arr)
+    _WIRE_TYPES[arr.dtype] = datatype
+    return datatype
+
+
 class RequestError(Exception):
     """A problem with one request (not the batch): answered as a 400 to that client only."""
 
@@ -121,7 +130,7 @@ class Worker:
     def serve(self) -> None:
         seg = self.seg
         inbox = seg.inbox
-        has_work = lambda: inbox.pending() > 0 or bool(seg.lanes_pending())  # noqa: E731
+        has_work = lambda: inbox.pending() > 0 or seg.any_lane_pending()  # noqa: E731
         checked = time.monotonic()
         departures = int(self.broker.departures[0])
         log_settings = logs.Follower(self.broker.settings)
@@ -144,12 +153,16 @@ class Worker:
                     self.running = False  # answer what is already on the lanes, then go
                 elif kind == W_BATCH:
                     self._run_batch(off, batch_id)
-            for lane in seg.lanes_pending():
-                client, cookie = self.broker.lane_client(lane)
-                for kind, slot, off, length, record_cookie in seg.lanes[lane].drain():
-                    if record_cookie == cookie and client:
-                        self._run_direct(client, slot, off)
-                    self.stats.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
+            lanes = seg.lanes_pending()
+            if lanes:
+                for lane in lanes:
+                    client, cookie = self.broker.lane_client(lane)
+                    for kind, slot, off, length, record_cookie in seg.lanes[lane].drain():
+                        if record_cookie == cookie and client:
+                            self._run_direct(client, slot, off)
+                        self.stats.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
+                # Once per round, not per request: counters first, then every answer of the round
+                # with one wake-up per client (under load a round holds several requests).
                 self._flush_counts()
 
     def _run_batch(self, off: int, batch_id: int) -> None:
@@ -196,7 +209,7 @@ class Worker:
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
             self.stats.rejected()
             self._answer_error(entry, 400, str(e))
-            return
+            return  # serve() flushes the counters and sends the answer
         self._execute([entry])
 
     @staticmethod
@@ -370,7 +383,7 @@ class Worker:
                         continue  # a streamed response may carry only some outputs
                     raise RequestError(f"output '{name}' was requested but the model did not produce it")
                 arr = resp.outputs[name]
-                datatype = wire_datatype(arr)
+                datatype = _WIRE_TYPES.get(arr.dtype) or _wire_type(arr)
                 data = serialize_bytes(arr) if datatype == "BYTES" else byte_view(arr)
                 n = len(data)
                 desc = {"name": name, "datatype": datatype, "shape": list(arr.shape), "size": n}

@@ -9,8 +9,8 @@ fill; ``max_batch_size`` when none is configured), or when the oldest request ha
 rejecting them or (``DELAY``) serving them after everything else.
 
 The delay is a maximum, not a price every batch pays: when a batch had to wait the whole delay,
-its size shows how much traffic one delay gathers. Once as many requests wait again, the batch
-goes at once, as waiting longer would gather nothing more. With closed-loop clients (each waits
+its number of requests shows how much traffic one delay gathers. Once as many requests wait
+again, the batch goes at once, as waiting longer would gather nothing more. With closed-loop clients (each waits
 for its answer before sending again) this removes the delay from every round trip after the
 first; a drop in traffic falls back to the full delay and the size adapts.
 """
@@ -62,7 +62,7 @@ class DynamicBatcher:
         self.queues: list[collections.deque[Pending]] = [collections.deque() for _ in range(self.levels)]
         self.delayed: collections.deque[Pending] = collections.deque()
         self.size = 0
-        self.gathered = 0  # size of the last batch that waited the whole delay (0: none yet)
+        self.gathered = 0  # requests in the last batch that waited the whole delay (0: none yet)
 
     def __len__(self) -> int:
         return self.size
@@ -143,11 +143,11 @@ class DynamicBatcher:
                 break
         oldest = min(p.arrived for p in chosen)
         waited_out = now >= oldest + self.delay_s
-        everyone = self.gathered > 1 and total >= self.gathered  # what one delay gathers is here
+        everyone = self.gathered > 1 and len(chosen) >= self.gathered  # what one delay gathers is here
         if total < target and not waited_out and total not in self.preferred and not everyone:
             return None  # wait for more, until the oldest has waited the configured delay
         if waited_out and total < target and total not in self.preferred:
-            self.gathered = total
+            self.gathered = len(chosen)
         if total > target or (total < target and total not in self.preferred):
             # Trim to the largest preferred size the batch can fill exactly, if there is one.
             fits = [s for s in self.preferred if s <= total]

@@ -26,12 +26,17 @@ def main() -> int:
     from .app import build_app
     from .restricted import restrict
 
-    app = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"],
+    app = fast = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"],
                     spec.get("max_tensor_elements", 1 << 31), spec.get("max_inflight", 1024))
     app = restrict(app, spec.get("restricted") or {})  # --http-restricted-api
     sock = socket.socket(fileno=spec["fd"])
+    from .protocol import protocol_for
+
     # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.
-    config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning",
+    # The protocol answers plain infer requests itself; the rest (and traced, restricted or
+    # oversized ones) go through the ASGI app.
+    protocol = protocol_for(fast.fe, (spec.get("restricted") or {}).get("inference"))
+    config = uvicorn.Config(app, loop="uvloop", http=protocol, access_log=False, log_level="warning",
                             log_config=None,
                             timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)), lifespan="on", proxy_headers=False, server_header=False, date_header=False)
     from shm.profiling import run_profiled

@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import logging
 import time
 import zlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import orjson
 from starlette.applications import Starlette
@@ -23,15 +24,21 @@ from server import __version__
 
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, build_request, build_response, parse_json, split_body
 from .generate import build_generate_request, generate_response
+from shm.connection import Completion
+from shm.protocol import REQ_INFER
+
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
-from .settings import logging_endpoint
 from .openapi import openapi_endpoint
+from .settings import logging_endpoint
 from .tracing import Trace, Tracer, trace_endpoint, traced_infer
 
+log = logging.getLogger("shmserve.frontend")
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "system_shared_memory", "cuda_shared_memory",
               "generate", "sequence", "schedule_policy", "model_repository", "statistics", "logging", "trace"]
 JSON = "application/json"
 JSON_HEADER = (b"content-type", b"application/json")
+# reply(status, body, headers) of one inference
+Reply = Callable[[int, bytes, list[tuple[bytes, bytes]]], None]
 
 
 def json_response(doc: Any, status: int = 200) -> Response:
@@ -214,9 +221,10 @@ class Frontend:
         return await self._repository_call(request, "unload")
 
     # -- inference ------------------------------------------------------------------------------
-    async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes,
-                    trace: Trace | None = None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        """(status, body, headers) of one inference; the hot path, so no framework objects."""
+    def start_infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes, reply: Reply,
+                    trace: Trace | None = None) -> None:
+        """Parse and submit one inference; ``reply(status, body, headers)`` runs on the loop when it is
+        answered (at once for a bad request). The hot path: no framework objects, no task, no future."""
         received = time.monotonic_ns()  # the request's duration in the statistics starts here
         try:
             if len(body) > self.max_input_bytes:
@@ -233,33 +241,63 @@ class Frontend:
                                  f"arena (--frontend-arena-mb); send large tensors through shared memory")
             req["t"] = received
         except BadRequest as e:
-            return e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER]
+            reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
+            return
         if trace is not None:
             trace.mark(req)
         try:
-            completion = await self.link.infer(req, chunks)
+            self.link.submit(REQ_INFER, req, chunks, lambda completion: self._finish_infer(
+                model, version, doc, headers, completion, reply, trace))
         except BrokerError as e:
-            return e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER]
+            reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
+
+    @staticmethod
+    def _finish_infer(model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion,
+                      reply: Reply, trace: Trace | None = None) -> None:
+        try:
+            status, out, out_headers = Frontend._response(model, version, doc, headers, completion, trace)
+        except Exception as e:  # noqa: BLE001 - the client must get an answer whatever went wrong
+            log.exception("building the response of '%s' failed", model)
+            status, out, out_headers = 500, orjson.dumps({"error": f"internal error: {e}"}), [JSON_HEADER]
+        reply(status, out, out_headers)
+
+    @staticmethod
+    def _response(model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion,
+                  trace: Trace | None = None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         try:
             result = completion.doc()
             if trace is not None:
                 trace.collect(result)
             if completion.status != 200:
-                return completion.status, orjson.dumps({"error": result.get("error", "inference failed")}), \
-                    [JSON_HEADER]
-            served = str(result.get("version", version))
-            out, json_len = build_response(model, served, doc, result, completion.tensor)
+                status = completion.status
+                out, out_headers = orjson.dumps({"error": result.get("error", "inference failed")}), [JSON_HEADER]
+            else:
+                status = 200
+                served = str(result.get("version", version))
+                out, json_len = build_response(model, served, doc, result, completion.tensor)
+                out_headers = [JSON_HEADER] if json_len is None else [
+                    (b"content-type", b"application/octet-stream"),
+                    (b"inference-header-content-length", str(json_len).encode())]
         finally:
             completion.release()
-        out_headers = [JSON_HEADER] if json_len is None else [
-            (b"content-type", b"application/octet-stream"),
-            (b"inference-header-content-length", str(json_len).encode())]
         accept = headers.get(b"accept-encoding")
-        if accept:
+        if accept and status == 200:
             out, used = _compress(out, accept.decode("latin-1"))
             if used:
                 out_headers.append((b"content-encoding", used.encode()))
-        return 200, out, out_headers
+        return status, out, out_headers
+
+    async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes,
+                    trace: Trace | None = None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        """``start_infer`` as a coroutine (the ASGI path: traced requests and the in-process app)."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def reply(status: int, out: bytes, out_headers: list[tuple[bytes, bytes]]) -> None:
+            if not fut.done():
+                fut.set_result((status, out, out_headers))
+
+        self.start_infer(model, version, headers, body, reply, trace)
+        return await fut
 
     # -- generate extension ---------------------------------------------------------------------
     async def _generate_queue(self, request: Request) -> "asyncio.Queue | Response":
@@ -443,6 +481,18 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
     app.state.allow_remote_shm = allow_remote_shm
     app.state.frontend = fe
     return InferFastPath(fe, app)
+
+
+def infer_target(url: bytes) -> tuple[str, str] | None:
+    """(model, version) when the request target ``url`` is an infer endpoint in plain origin form;
+    None for anything else, percent-escapes included (those take the ASGI path, which decodes)."""
+    path = url.split(b"?", 1)[0]
+    if b"%" in path or not path.startswith(b"/v2/models/"):
+        return None
+    try:
+        return _infer_target(path.decode("ascii"))
+    except UnicodeDecodeError:
+        return None
 
 
 def _infer_target(path: str) -> tuple[str, str] | None:

@@ -8,7 +8,7 @@ requests in flight get a 503 instead of hanging.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable
 
 from shm.channel import DEFAULT_SLOTS
 from shm.connection import Backpressure, Completion, Connection, ServerUnavailable
@@ -64,8 +64,17 @@ class BrokerLink:
             self._conn.close()
             self._conn = None
 
-    async def call(self, kind: int, doc: dict, tensors: Any = ()) -> Completion:
+    def submit(self, kind: int, doc: dict, tensors: Any, callback: Callable[[Completion], None]) -> None:
+        """Send a request; ``callback`` runs on the loop with its completion (and must release it)."""
         conn = self.connection()
+        try:
+            conn.submit(kind, doc, tensors, callback)
+        except Backpressure as e:
+            raise BrokerError(503, f"the server is overloaded ({e}); retry later") from None
+        except ServerUnavailable as e:
+            raise BrokerError(503, str(e)) from None
+
+    async def call(self, kind: int, doc: dict, tensors: Any = ()) -> Completion:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def resolve(completion: Completion) -> None:
@@ -74,12 +83,7 @@ class BrokerLink:
             else:
                 fut.set_result(completion)
 
-        try:
-            conn.submit(kind, doc, tensors, resolve)
-        except Backpressure as e:
-            raise BrokerError(503, f"the server is overloaded ({e}); retry later") from None
-        except ServerUnavailable as e:
-            raise BrokerError(503, str(e)) from None
+        self.submit(kind, doc, tensors, resolve)
         return await fut
 
     def stream(self, doc: dict, tensors: Any) -> "asyncio.Queue[tuple[bool, Completion]]":

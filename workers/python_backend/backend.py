@@ -47,6 +47,19 @@ def _tensor(name: str, arr: np.ndarray) -> Any:
     return pb_utils.Tensor(name, arr)
 
 
+# numpy dtype -> Triton type code of the inputs that need no conversion (BF16 is torch-backed).
+_PLAIN_INPUT_TYPES = {dt: pb_utils.numpy_to_triton_type(dt) for k, dt in DTYPES.items() if k != "BF16"}
+
+
+def _input(name: str, arr: np.ndarray) -> Any:
+    """An input tensor: wrapped as it is in the common case (the worker's arrays are already
+    checked views), else through ``_tensor``."""
+    code = _PLAIN_INPUT_TYPES.get(arr.dtype)
+    if code is not None and arr.flags.c_contiguous:
+        return pb_utils.Tensor._wrap(name, arr, code)
+    return _tensor(name, arr)
+
+
 def _array_of(t: Any) -> np.ndarray:
     """The bytes of an output tensor as numpy, whatever backs it (numpy, or torch for BF16/GPU)."""
     arr = getattr(t, "_array", None)
@@ -167,18 +180,11 @@ class PythonInstance(Instance):
         return [self._convert(r) for r in results]
 
     def _pb_requests(self, requests: list[Request]) -> list[Any]:
-        pb_requests = [
-            pb_utils.InferenceRequest(
-                model_name=self.ctx.name,
-                inputs=[_tensor(name, arr) for name, arr in r.inputs.items()],
-                requested_output_names=r.requested_outputs,
-                request_id=r.id,
-                correlation_id=r.correlation_id,
-                flags=r.flags,
-                parameters=r.parameters,
-            )
-            for r in requests
-        ]
+        name = self.ctx.name
+        incoming = pb_utils.InferenceRequest._incoming
+        pb_requests = [incoming(name, [_input(n, arr) for n, arr in r.inputs.items()], r.requested_outputs,
+                                r.id, r.correlation_id, r.flags, r.parameters)
+                       for r in requests]
         for r, pb in zip(requests, pb_requests):
             if r.sender is not None:
                 pb._response_sender = ResponseSender(r.sender)
@@ -195,7 +201,8 @@ class PythonInstance(Instance):
                             status=ERROR_STATUS.get(code, 500), parameters=params)
         outputs: dict[str, np.ndarray] = {}
         for t in resp.output_tensors():
-            outputs[t.name()] = _array_of(t)
+            arr = getattr(t, "_array", None)
+            outputs[t.name()] = arr if type(arr) is np.ndarray else _array_of(t)
         return Response(outputs=outputs, parameters=params)
 
     def finalize(self) -> None:

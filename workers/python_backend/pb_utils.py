@@ -434,6 +434,18 @@ class Tensor:
         self._dtype = dtype
 
     @classmethod
+    def _wrap(cls, name: str, arr: np.ndarray, dtype: int) -> "Tensor":
+        """Worker hook: an input whose array is known C-contiguous and of Triton type ``dtype``
+        (skips the checks of ``__init__``, which cost more than the model's own work on small
+        requests)."""
+        self = cls.__new__(cls)
+        self._name = name
+        self._array = arr
+        self._torch = None
+        self._dtype = dtype
+        return self
+
+    @classmethod
     def _from_torch(cls, name: str, t: Any, dtype: int) -> "Tensor":
         self = cls.__new__(cls)
         self._name = name
@@ -695,6 +707,31 @@ class InferenceRequest:
         self._trace = trace if trace is not None else InferenceTrace()
         self._parameters = _parameters_to_json(parameters)
         self._cancelled = False
+
+    @classmethod
+    def _incoming(cls, model_name: str, inputs: list[Tensor], requested_output_names: list[str],
+                  request_id: str, correlation_id: int | str, flags: int,
+                  parameters: Optional[Mapping[str, Any]]) -> "InferenceRequest":
+        """Worker hook: a request the server already validated, built without ``__init__``'s
+        argument checks (the same fields, the same values)."""
+        self = cls.__new__(cls)
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._inputs = inputs
+        by_name: dict[str, Tensor] = {}
+        for t in inputs:
+            by_name.setdefault(t._name, t)
+        self._inputs_by_name = by_name
+        self._requested_output_names = list(dict.fromkeys(requested_output_names))
+        self._model_name = model_name
+        self._model_version = -1
+        self._flags = int(flags)
+        self._timeout = 0
+        self._preferred_memory = None
+        self._trace = InferenceTrace()
+        self._parameters = _parameters_to_json(parameters)
+        self._cancelled = False
+        return self
 
     def inputs(self) -> list[Tensor]:
         return list(self._inputs)

@@ -1,0 +1,198 @@
+"""uvicorn's httptools protocol with POST .../infer answered by the protocol itself.
+
+Through ASGI, uvicorn builds a scope, a task, receive/send message dicts and writes the status line
+with its headers and the body in two ``send`` calls: two socket writes per answer, and the first
+one wakes the client only for it to wait for the second. Here an infer request is parsed from the
+parser callbacks, submitted from ``on_message_complete`` with a callback (no task, no future) and
+answered with one write. Every other request goes through the normal ASGI cycle, and requests of
+both kinds share uvicorn's pipeline queue, so pipelined answers keep their order.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from .app import Frontend, infer_target
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+JOIN_LIMIT = 1 << 16  # smaller bodies are copied behind the head: one write, one buffer
+
+
+class _NoEvent:
+    """Stands in for the ASGI cycle's message event, which uvicorn sets on disconnect."""
+
+    @staticmethod
+    def set() -> None:
+        pass
+
+
+class InferCycle:
+    """One infer request on a connection: what uvicorn's code reads of a RequestResponseCycle
+    (``response_complete``, ``disconnected``, ``keep_alive``, ``message_event``) plus its body."""
+
+    __slots__ = ("model", "version", "headers", "keep_alive", "expect_continue", "body", "complete", "turn",
+                 "started", "response_complete", "disconnected")
+    message_event = _NoEvent()
+
+    def __init__(self, model: str, version: str, headers: dict[bytes, bytes], keep_alive: bool,
+                 expect_continue: bool) -> None:
+        self.model = model
+        self.version = version
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self.expect_continue = expect_continue
+        self.body: list[bytes] = []
+        self.complete = False  # the whole body is in
+        self.turn = False  # every earlier request on the connection is answered
+        self.started = False
+        self.response_complete = False
+        self.disconnected = False
+
+
+class InferProtocol(HttpToolsProtocol):
+    """Set ``frontend`` on a subclass (``protocol_for``) before uvicorn instantiates it."""
+
+    frontend: Frontend
+    restricted: tuple[bytes, bytes] | None = None  # --http-restricted-api for group 'inference'
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._feeding = False
+        self._starting = False
+
+    def data_received(self, data: bytes) -> None:
+        self._feeding = True
+        try:
+            super().data_received(data)
+        finally:
+            self._feeding = False
+        cycle = self.cycle
+        if type(cycle) is InferCycle:
+            self._continue(cycle)
+
+    def _continue(self, cycle: InferCycle) -> None:
+        """Answer ``Expect: 100-continue`` once the request's turn has come and its body is missing."""
+        if cycle.turn and not cycle.complete and cycle.expect_continue:
+            cycle.expect_continue = False
+            if not self.transport.is_closing():
+                self.transport.write(CONTINUE)
+
+    # -- parser callbacks -----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        # The ASGI scope is built only for requests that go to the app (``_asgi_scope``).
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
+    def _ours(self, headers: dict[bytes, bytes]) -> bool:
+        """Whether this infer request may skip the ASGI app: not traced, a declared length within
+        --http-max-input-size (the app refuses the rest before reading it), and the header of a
+        restricted ``inference`` group present (the app answers 403 otherwise)."""
+        fe = self.frontend
+        length = headers.get(b"content-length")
+        if fe.tracer.on or length is None or not length.isdigit() or int(length) > fe.max_input_bytes:
+            return False
+        return self.restricted is None or headers.get(self.restricted[0]) == self.restricted[1]
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        if parser.get_method() == b"POST" and self.limit_concurrency is None and not parser.should_upgrade():
+            target = infer_target(self.url)
+            headers = dict(self.headers) if target is not None else {}
+            if target is not None and self._ours(headers):
+                keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
+                cycle = InferCycle(target[0], target[1], headers, keep_alive, self.expect_100_continue)
+                existing = self.cycle
+                self.cycle = cycle  # type: ignore[assignment]
+                if existing is None or existing.response_complete:
+                    cycle.turn = True
+                else:  # pipelined behind an unanswered request: uvicorn's queue starts it in order
+                    self.flow.pause_reading()
+                    self.pipeline.appendleft((cycle, None))  # type: ignore[arg-type]
+                return
+        self._asgi_scope()
+        super().on_headers_complete()
+
+    def _asgi_scope(self) -> None:
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        HttpToolsProtocol.on_message_begin(self)
+        self.url, self.expect_100_continue = url, expect
+        self.headers.extend(headers)  # the scope holds this same list
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if type(cycle) is InferCycle:
+            if not cycle.response_complete:
+                cycle.body.append(body)
+            return
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if type(cycle) is InferCycle:
+            cycle.complete = True
+            if cycle.turn:
+                self._start(cycle)
+            return
+        super().on_message_complete()
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if type(cycle) is InferCycle:  # its turn came in uvicorn's pipeline queue
+            cycle.turn = True
+            if cycle.complete:
+                self._start(cycle)
+            else:
+                self._continue(cycle)
+            return
+        super()._start_asgi_task(cycle, app)
+
+    # -- inference ------------------------------------------------------------------------------
+    def _start(self, cycle: InferCycle) -> None:
+        if cycle.started or cycle.response_complete:
+            return
+        cycle.started = True
+        chunks = cycle.body
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        cycle.body = []
+        self._starting = True
+        try:
+            self.frontend.start_infer(cycle.model, cycle.version, cycle.headers, body,
+                                      lambda status, out, headers: self._reply(cycle, status, out, headers))
+        finally:
+            self._starting = False
+
+    def _reply(self, cycle: InferCycle, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        if self._feeding or self._starting:
+            # Answered at once (a bad request): not from inside the parser's callbacks, and not as a
+            # recursion through uvicorn's pipeline queue.
+            self.loop.call_soon(self._reply, cycle, status, body, headers)
+            return
+        if cycle.response_complete:
+            return
+        cycle.response_complete = True
+        transport = self.transport
+        if cycle.disconnected or transport.is_closing():
+            return
+        head = [STATUS_LINE[status]]
+        for name, value in headers:
+            head += [name, b": ", value, b"\r\n"]
+        head.append(b"content-length: %d\r\n" % len(body))
+        if not cycle.keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        if len(body) < JOIN_LIMIT:
+            head.append(body)
+            transport.write(b"".join(head))
+        else:  # one writev, no copy of a large body
+            transport.writelines([b"".join(head), body])
+        if not cycle.keep_alive:
+            transport.close()
+        self.on_response_complete()
+
+
+def protocol_for(frontend: Frontend, restricted: Any = None) -> type[InferProtocol]:
+    """The protocol class uvicorn instantiates per connection, bound to this process's frontend
+    (and to the header the ``inference`` group needs, if restricted: (name, value))."""
+    rule = (restricted[0].lower().encode("latin-1"), restricted[1].encode("latin-1")) if restricted else None
+    return type("BoundInferProtocol", (InferProtocol,), {"frontend": frontend, "restricted": rule})
