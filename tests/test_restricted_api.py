@@ -80,3 +80,21 @@ def test_bad_restricted_api_flags_exit_2(flag, needle, tmp_path):
                         f"--http-restricted-api={flag}"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and needle in r.stderr, (r.returncode, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_restricted_inference_on_the_fast_path(server_factory):
+    """Infer requests are answered by the frontend's own HTTP protocol; a restricted 'inference'
+    group still needs its header there (and other groups stay open)."""
+    server = server_factory.start([TEST_MODELS], ["--http-restricted-api=inference:infer-key=k1",
+                                                  "--model-control-mode=explicit", "--load-model", "raiser"])
+    client = httpclient.InferenceServerClient(server.url)
+    x = httpclient.InferInput("X", [2], "INT32")
+    x.set_data_from_numpy(np.array([1, 2], dtype=np.int32))
+    for headers in (None, {"infer-key": "wrong"}):
+        with pytest.raises(InferenceServerException, match="expecting header 'infer-key'") as e:
+            client.infer("raiser", [x], headers=headers)
+        assert e.value.status() == "403"
+    assert client.infer("raiser", [x], headers={"infer-key": "k1"}).as_numpy("Y").tolist() == [2, 4]
+    assert client.infer("raiser", [x], headers={"Infer-Key": "k1"}).as_numpy("Y").tolist() == [2, 4]
+    assert client.is_model_ready("raiser")  # health is not restricted
+    client.close()
