@@ -228,3 +228,13 @@ def test_sigterm_finishes_in_flight_requests_then_exits_clean(faulty):
     assert faulty.wait_exit(30) == 0, faulty.log_tail()
     assert shm_entries(faulty.id) == []
     wait_for(lambda: not any(pid_alive(p) for p in tree), 5.0, "every process gone")
+
+
+def test_workers_run_openmp_without_spinning(faulty):
+    """Workers share the cores with the rest of the server: their OpenMP pools sleep when idle
+    (a spinning pool took the CPU of the frontend and the broker between small batches)."""
+    client = httpclient.InferenceServerClient(faulty.url)
+    name = httpclient.InferInput("NAME", [1], "BYTES")
+    name.set_data_from_numpy(np.array([b"OMP_WAIT_POLICY"], dtype=object))
+    assert client.infer("env_probe", [name]).as_numpy("VALUE").tolist() == [b"PASSIVE"]
+    client.close()

@@ -113,3 +113,4 @@ def test_idle_cpu_under_one_percent(server, client):
     used = sum(ticks - before.get(pid, 0) for pid, ticks in after.items()) / hz
     per_pid = {pid: after[pid] - before.get(pid, 0) for pid in after if after[pid] - before.get(pid, 0)}
     assert used / elapsed < 0.01, f"idle server used {100 * used / elapsed:.2f}% CPU; ticks by pid: {per_pid}"
+

@@ -53,6 +53,10 @@ HOUSEKEEPING_S = 1.0  # client liveness, restart back-off; a worker's death wake
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 GONE_MEMORY_S = 60.0  # how long requests that land on an exited worker's lane are still answered
 HUNG_CHECK_S = 0.1  # how often executions are checked against execution_timeout_s
+# OpenMP threads of a model (torch, numpy's BLAS) sleep when idle instead of spinning: a worker
+# shares the cores with the frontends, the broker and other workers, and a spinning pool burns
+# the CPU they need between small batches. An environment that sets it wins.
+WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
 
 
 class Broker:
@@ -312,7 +316,7 @@ class Broker:
             "strict": self.opts.strict_config, "broker_pid": os.getpid(), "log": self.control.log_settings,
         }
         proc = subprocess.Popen([sys.executable, "-m", "workers", orjson.dumps(spec).decode()],
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, env=WORKER_ENV)
         inst = Instance(num=num, name=name, index=index, kind=kind, device_id=device, seg=seg, proc=proc)
         if replace is not None:
             inst.restarts = replace.restarts + 1
