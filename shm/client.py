@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import math
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -58,14 +59,27 @@ def _kept(arr: np.ndarray, result: "InferResult") -> np.ndarray:
 
 
 class InferResult(Mapping[str, np.ndarray]):
-    def __init__(self, completion: Completion, doc: dict, outputs: dict[str, np.ndarray]) -> None:
+    """The outputs of one request. Arrays handed out keep the result (and so its shm blocks)
+    alive; the result holds only raw views and weak references to those arrays, never the arrays
+    themselves: a cycle would leave each result to the cyclic GC, and one result stuck in an old
+    generation stalls the FIFO arena behind it (the client then runs out of room)."""
+
+    def __init__(self, completion: Completion, doc: dict, outputs: dict[str, np.ndarray],
+                 kept: frozenset[str] = frozenset()) -> None:
         self._completion: Completion | None = completion
         self.model_version = str(doc.get("version", ""))
         self.parameters = doc.get("params") or {}
-        self._outputs = outputs
+        self._outputs = outputs  # raw views into shm (or arrays of their own: BYTES, caller regions)
+        self._kept = kept  # names whose arrays must keep this result alive
+        self._handed: weakref.WeakValueDictionary[str, np.ndarray] = weakref.WeakValueDictionary()
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self._outputs[name]
+        if name not in self._kept:
+            return self._outputs[name]
+        arr = self._handed.get(name)
+        if arr is None:
+            arr = self._handed[name] = _kept(self._outputs[name], self)
+        return arr
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._outputs)
@@ -74,7 +88,7 @@ class InferResult(Mapping[str, np.ndarray]):
         return len(self._outputs)
 
     def as_numpy(self, name: str) -> np.ndarray | None:
-        return self._outputs.get(name)
+        return self[name] if name in self._outputs else None
 
     def release(self) -> None:
         """Give the shm blocks back now; arrays taken from this result must not be used after."""
@@ -281,7 +295,7 @@ class Client:
     def _result(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
         doc = self._check(completion)
         arrays: dict[str, np.ndarray] = {}
-        result = InferResult(completion, doc, arrays)
+        kept: set[str] = set()
         own = self._conn.seg.seg.buf
         for o in doc.get("outputs", ()):
             name, datatype, shape = o["name"], o["datatype"], o["shape"]
@@ -293,9 +307,10 @@ class Client:
                 view = own[at:at + o["size"]]
             else:
                 view = completion.tensor(o)
-            arr = from_buffer(view, datatype, shape)
-            arrays[name] = _kept(arr, result) if datatype != "BYTES" else arr
-        return result
+            arrays[name] = from_buffer(view, datatype, shape)
+            if datatype != "BYTES":  # BYTES outputs are copies of their own
+                kept.add(name)
+        return InferResult(completion, doc, arrays, frozenset(kept))
 
     def infer_async(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",
                     request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,

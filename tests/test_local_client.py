@@ -669,3 +669,18 @@ def test_killed_clients_segment_is_unmapped_by_the_server(lc_server, killed_clie
         wait_for(lambda: processes_mapping(lc_server.tree(), segment) == [], left,
                  f"every server process unmaps the killed client's segment {segment}")
 
+
+
+def test_a_long_running_client_never_runs_out_of_arena(lc_server):
+    """Thousands of requests through a small arena (it wraps many times): results dropped by
+    rebinding are freed at once, not left to the cyclic GC; one result stuck in an old GC
+    generation used to stall the FIFO arena behind it, and the client then failed every request
+    with 'no room'."""
+    with Client(lc_server.id, arena_bytes=256 << 10) as c:
+        for _ in range(3000):
+            r = c.infer("add_sub", {"INPUT0": A, "INPUT1": B})
+            assert (r["OUTPUT0"] == A + B).all()
+        out = r["OUTPUT1"]
+        del r
+        assert (out == A - B).all()  # an array outlives its result, and keeps its blocks
+        assert c._conn.arena.bytes_in_use < 16 << 10
