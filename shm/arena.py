@@ -6,6 +6,10 @@ message and no semaphore. The producer reclaims freed blocks lazily, oldest firs
 allocates. Blocks are released in roughly the order they were made, so a FIFO is enough and costs
 O(1); a block held for long only delays reuse of the space behind it. A block whose consumer
 process died is reclaimed as free. A full arena is back-pressure: ``alloc`` returns -1.
+
+Past ``SOFT_LIMIT`` the head goes back to the start as soon as the space there is free, so steady
+small traffic cycles through the first MiB instead of touching (and keeping resident) every page
+of a large arena; the rest is used only while that much is in flight.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ ALIGN = 64
 _HDR = struct.Struct("<QII")  # total bytes, state, consumer pid
 _STATE = struct.Struct("<I")
 USED, FREED, SKIP = 1, 2, 3
+SOFT_LIMIT = 1 << 20
 
 
 def _align(n: int) -> int:
@@ -42,6 +47,7 @@ class Arena:
         self._head = 0  # next allocation, relative to base
         self._tail = 0  # oldest block not yet reclaimed
         self._used = 0  # bytes between tail and head (including skipped end space)
+        self._skipped = 0  # of those, the skipped end space (not in use by anyone)
         self._lock = threading.Lock()
 
     @property
@@ -50,7 +56,7 @@ class Arena:
 
     @property
     def bytes_in_use(self) -> int:
-        return self._used
+        return self._used - self._skipped
 
     def alloc(self, nbytes: int, consumer_pid: int = 0) -> int:
         """Absolute payload offset in the segment, or -1 when the arena cannot hold it now."""
@@ -74,12 +80,14 @@ class Arena:
             self._head = self._tail = 0
             return 0 if need <= size else -1
         if head > tail:
-            if head + need <= size:
+            early = head >= SOFT_LIMIT and need <= tail  # the start is free: stay in the first pages
+            if head + need <= size and not early:
                 return head
             if need <= tail:  # wrap: mark the end as skipped space
                 if head < size:
                     _HDR.pack_into(self._buf, self._base + head, size - head, SKIP, 0)
                     self._used += size - head
+                    self._skipped += size - head
                 return 0
             return -1
         # head <= tail with blocks outstanding: free space is [head, tail)
@@ -91,12 +99,15 @@ class Arena:
             total, state, pid = _HDR.unpack_from(buf, base + self._tail)
             if state == USED and not (check_dead and pid and not pid_alive(pid)):
                 break
+            if state == SKIP:
+                self._skipped -= total
             self._used -= total
             self._tail += total
             if self._tail >= size:
                 self._tail = 0
         if self._used == 0:
             self._head = self._tail = 0
+            self._skipped = 0
 
     def free(self, payload_offset: int) -> None:
         """Owner frees its own block (same flag as a consumer would write)."""

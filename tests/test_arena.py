@@ -1,0 +1,41 @@
+"""The FIFO arena allocator on its own (a pure data structure over a buffer): blocks come back in
+order, a held block only delays the space behind it, and steady small traffic stays in the first
+pages of a large arena instead of touching all of it."""
+from __future__ import annotations
+
+from shm.arena import BLOCK_HEADER, SOFT_LIMIT, Arena, free_block
+
+
+def test_steady_small_traffic_stays_below_the_soft_limit():
+    size = 64 << 20
+    buf = memoryview(bytearray(size))
+    arena = Arena(buf, 0, size)
+    in_flight: list[int] = []
+    highest = 0
+    for _ in range(200_000):  # ~100 MiB of 500-byte blocks: wraps the 64 MiB arena without the limit
+        off = arena.alloc(500)
+        assert off > 0
+        highest = max(highest, off)
+        in_flight.append(off)
+        if len(in_flight) > 4:  # a few in flight, freed in order by their consumer
+            free_block(buf, in_flight.pop(0))
+    assert highest < SOFT_LIMIT + 4096
+    assert arena.bytes_in_use <= 5 * 576
+
+
+def test_held_block_delays_only_the_space_behind_it_and_large_blocks_still_fit():
+    size = 4 << 20
+    buf = memoryview(bytearray(size))
+    arena = Arena(buf, 0, size)
+    held = arena.alloc(100)
+    blocks = [arena.alloc(64 << 10) for _ in range(40)]  # 2.5 MiB behind the held block
+    assert all(b > 0 for b in blocks)
+    for b in blocks:
+        free_block(buf, b)
+    big = arena.alloc(1 << 20)  # fits after the held block's neighbours, or at the end
+    assert big > 0
+    free_block(buf, big)
+    assert arena.alloc(3 << 20) == -1  # the held block keeps the space behind it from coming back
+    free_block(buf, held)
+    assert arena.alloc(3 << 20) == BLOCK_HEADER  # everything free again: from the start
+    assert arena.bytes_in_use >= 3 << 20
