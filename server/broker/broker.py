@@ -989,9 +989,11 @@ class Broker:
             if code is None:
                 continue
             self._on_worker_messages(mv, inst)  # it may have said why before it went
-            self._fail_direct(inst, mv, code)
             self._reap_instance(inst, mv)
+            # Routes first, answers second: a client that gets its failure and sends again at
+            # once must already see the routes without this worker.
             self.publish_routes()
+            self._fail_direct(inst, mv, code)
             if mv.state == State.UNLOADING or not self.running:
                 continue
             if not inst.ready:
