@@ -94,6 +94,15 @@ async def read_body(scope: dict, receive: Any, limit: int) -> bytes | None:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+async def read_or_refuse(scope: dict, receive: Any, send: Any, limit: int) -> bytes | None:
+    """``read_body``, answering a too-large body itself: None when there is nothing left to do."""
+    try:
+        return await read_body(scope, receive, limit)
+    except BadRequest as e:
+        await _send_error(send, e)
+        return None
+
+
 def _compress(body: bytes, accept: str | None) -> tuple[bytes, str | None]:
     if not accept:
         return body, None
@@ -524,11 +533,7 @@ class InferFastPath:
                     await traced_infer(self, target, scope, receive, send)
                     return
                 headers = dict(scope["headers"])
-                try:
-                    body = await read_body(scope, receive, self.fe.max_input_bytes)
-                except BadRequest as e:
-                    await _send_error(send, e)
-                    return
+                body = await read_or_refuse(scope, receive, send, self.fe.max_input_bytes)
                 if body is None:
                     return
                 status, out, out_headers = await self.fe.infer(target[0], target[1], headers, body)
@@ -539,11 +544,7 @@ class InferFastPath:
         if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
             # Every other body (control requests, generate) is read here under the same limit,
             # then replayed to Starlette; later receives (disconnects) go to the server's own.
-            try:
-                body = await read_body(scope, receive, self.fe.max_input_bytes)
-            except BadRequest as e:
-                await _send_error(send, e)
-                return
+            body = await read_or_refuse(scope, receive, send, self.fe.max_input_bytes)
             if body is None:
                 return
             receive = _replay(body, receive)

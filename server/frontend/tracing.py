@@ -204,16 +204,12 @@ class Tracer:
 async def traced_infer(fast: "InferFastPath", target: tuple[str, str], scope: dict, receive: Any,
                        send: Any) -> None:
     """InferFastPath's path while tracing is on: the same steps, with timestamps around them."""
-    from .app import BadRequest, _send_error, read_body  # app imports this module
+    from .app import read_or_refuse  # app imports this module
 
     trace = fast.fe.tracer.sample(target[0])
     recv_start = time.monotonic_ns()
     headers = dict(scope["headers"])
-    try:
-        body = await read_body(scope, receive, fast.fe.max_input_bytes)  # the same early size check
-    except BadRequest as e:
-        await _send_error(send, e)
-        return
+    body = await read_or_refuse(scope, receive, send, fast.fe.max_input_bytes)  # the same early size check
     if body is None:
         return
     recv_end = time.monotonic_ns()
