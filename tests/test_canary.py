@@ -123,7 +123,8 @@ def success_by_version(server) -> dict[str, int]:
 
 
 def test_split_follows_the_configured_fraction_over_http_and_the_local_client(server_factory, tmp_path):
-    server = server_factory.start([make_repo(tmp_path, STABLE, canary_fraction="0.3")])
+    # Both versions are the same model: no automatic decision may interfere with the split.
+    server = server_factory.start([make_repo(tmp_path, STABLE, canary_fraction="0.3", canary_max_p99_margin="1000")])
     status = canary_status(server)
     assert status["split"] == {"stable": 1, "canary": 2, "fraction": 0.3}
     seen = collections.Counter(ask(server.url) for _ in range(300))

@@ -212,8 +212,10 @@ def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_fac
     # zeros x2, random x1, file x1: four warm-up executions before the first real request.
     assert result.as_numpy("SEEN").tolist() == [4, 4]
     assert result.as_numpy("LAST_SUM").tolist() == [10.0]  # the file sample (1+2+3+4) ran last
+    # warm_broken fails in its own worker, on its own time: wait for the broker to hear of it.
+    s.wait_until(lambda: {m["name"]: m for m in c.get_model_repository_index()}["warm_broken"].get("state")
+                 == "UNAVAILABLE", "warm_broken reported UNAVAILABLE", timeout=30)
     index = {m["name"]: m for m in c.get_model_repository_index()}
-    assert index["warm_broken"]["state"] == "UNAVAILABLE"
     assert "warmup sample 'file' failed" in index["warm_broken"]["reason"] or \
         "missing.bin" in index["warm_broken"]["reason"]
 

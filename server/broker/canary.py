@@ -28,7 +28,9 @@ PARAMETERS = {  # config.pbtxt parameter key -> policy field
     "canary_min_requests": "min_requests",
     "canary_max_error_rate_margin": "error_margin",
     "canary_max_p99_margin": "p99_margin",
+    "canary_min_p99_delta_ms": "p99_min_delta_ms",
 }
+P99_MIN_SAMPLES = 100  # per version in the window: fewer, and the "p99" is just the slowest one
 SNAPSHOT_EVERY_S = 0.5
 
 
@@ -39,6 +41,7 @@ class CanaryPolicy:
     min_requests: int = 50  # per version in the window before any automatic decision
     error_margin: float = 0.05  # roll back when canary error rate > stable's + this (absolute)
     p99_margin: float = 0.5  # roll back when canary p99 > stable p99 * (1 + this)
+    p99_min_delta_ms: float = 1.0  # ... and exceeds it by at least this much (host noise is not a regression)
 
     def updated(self, changes: dict[str, Any]) -> "CanaryPolicy":
         """A copy with ``changes`` (policy field names) applied and checked."""
@@ -54,7 +57,8 @@ class CanaryPolicy:
         out = CanaryPolicy(**values)
         if not 0.0 <= out.fraction <= 1.0:
             raise ValueError(f"canary fraction must lie in [0, 1], got {out.fraction}")
-        if out.window_s <= 0 or out.min_requests < 1 or out.error_margin < 0 or out.p99_margin < 0:
+        if out.window_s <= 0 or out.min_requests < 1 or out.error_margin < 0 or out.p99_margin < 0 \
+                or out.p99_min_delta_ms < 0:
             raise ValueError("canary window_s must be > 0, min_requests >= 1 and margins >= 0")
         return out
 
@@ -177,12 +181,13 @@ class Canary:
             return self.decide("rollback", split, "error_rate",
                                f"error rate {canary_err:.3f} over {cs + cf} requests exceeds the stable "
                                f"version's {stable_err:.3f} + margin {policy.error_margin}")
-        if cs >= policy.min_requests and ss >= policy.min_requests:
+        enough = max(policy.min_requests, P99_MIN_SAMPLES)
+        if cs >= enough and ss >= enough:
             cp99, sp99 = quantile_ns(ch, 0.99), quantile_ns(sh, 0.99)
-            if cp99 > sp99 * (1.0 + policy.p99_margin):
+            if cp99 > sp99 * (1.0 + policy.p99_margin) and cp99 - sp99 > policy.p99_min_delta_ms * 1e6:
                 return self.decide("rollback", split, "p99_latency",
                                    f"p99 {cp99 / 1e3:.0f} us exceeds the stable version's {sp99 / 1e3:.0f} us "
-                                   f"x (1 + {policy.p99_margin})")
+                                   f"x (1 + {policy.p99_margin}) by more than {policy.p99_min_delta_ms} ms")
         return None
 
     def status(self, split: Split | None) -> dict[str, Any]:
