@@ -271,12 +271,16 @@ class Worker:
                     ok.append(self._answer(entry, resp))
         if live:
             batched = self.signature is not None and self.signature.max_batch_size > 0
-            answered = [(entry, req) for entry, req in live if req.sender is None]
-            sizes_all = [next(iter(r.inputs.values())).shape[0] if batched and r.inputs else 1 for _, r in live]
-            streamed = 0 if raised else sum(size for (_, r), size in zip(live, sizes_all) if r.sender is not None)
-            self.stats.executed([size for (_, r), size in zip(live, sizes_all) if r.sender is None],
-                                [entry.get("t", 0) for entry, _ in answered], start, built - start,
-                                executed - built, time.monotonic_ns() - executed, ok, streamed)
+            sizes, arrivals, streamed = [], [], 0  # answered here; streamed ones count when they finish
+            for entry, req in live:
+                size = next(iter(req.inputs.values())).shape[0] if batched and req.inputs else 1
+                if req.sender is None:
+                    sizes.append(size)
+                    arrivals.append(entry.get("t", 0))
+                elif not raised:
+                    streamed += size
+            self.stats.executed(sizes, arrivals, start, built - start, executed - built,
+                                time.monotonic_ns() - executed, ok, streamed)
         busy[BUSY_SINCE] = 0
 
     def stream_finished(self, sender: StreamSender) -> None:

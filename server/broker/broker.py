@@ -81,6 +81,7 @@ class Broker:
         self.backends = set(installed_backends()) | set(BUILT_IN)
         self.control = ControlHandler(self)
         self._last_housekeeping = 0.0
+        self._last_watch = 0.0  # canaries and execution timeouts were last looked at
         self.child_exited = False
         self.restarts: list[tuple[float, ModelVersion, Instance]] = []
         self.watcher: RepositoryWatcher | None = None
@@ -1106,13 +1107,16 @@ class Broker:
             self._progress_retirement()
         if self.watcher is not None:
             self._apply_repository_changes()
-        if self.canaries:
-            self._judge_canaries()
-        self._kill_hung_instances()
-
-    def _judge_canaries(self) -> None:
         now = time.monotonic()
+        if now - self._last_watch >= HUNG_CHECK_S:  # periodic checks, not per request
+            self._last_watch = now
+            self._judge_canaries(now)
+            self._kill_hung_instances()
+
+    def _judge_canaries(self, now: float) -> None:
         for name, canary in list(self.canaries.items()):
+            if canary.policy.fraction <= 0:
+                continue
             split = self.split(name)
             if split is None or split.canary is None:
                 continue

@@ -64,11 +64,12 @@ class BrokerLink:
             self._conn.close()
             self._conn = None
 
-    def submit(self, kind: int, doc: dict, tensors: Any, callback: Callable[[Completion], None]) -> None:
+    def submit(self, kind: int, doc: dict, tensors: Any, callback: Callable[[Completion], None],
+               on_response: Callable[[Completion], None] | None = None) -> None:
         """Send a request; ``callback`` runs on the loop with its completion (and must release it)."""
         conn = self.connection()
         try:
-            conn.submit(kind, doc, tensors, callback)
+            conn.submit(kind, doc, tensors, callback, on_response=on_response)
         except Backpressure as e:
             raise BrokerError(503, f"the server is overloaded ({e}); retry later") from None
         except ServerUnavailable as e:
@@ -88,17 +89,10 @@ class BrokerLink:
 
     def stream(self, doc: dict, tensors: Any) -> "asyncio.Queue[tuple[bool, Completion]]":
         """Submit a streaming request; the queue yields (final, completion) in order."""
-        conn = self.connection()
         queue: asyncio.Queue = asyncio.Queue()
-        try:
-            conn.submit(REQ_INFER, doc, tensors, lambda c: queue.put_nowait((True, c)),
-                        on_response=lambda c: queue.put_nowait((False, c)))
-        except (Backpressure, ServerUnavailable) as e:
-            raise BrokerError(503, str(e)) from None
+        self.submit(REQ_INFER, doc, tensors, lambda c: queue.put_nowait((True, c)),
+                    on_response=lambda c: queue.put_nowait((False, c)))
         return queue
-
-    async def infer(self, doc: dict, tensors: Any) -> Completion:
-        return await self.call(REQ_INFER, doc, tensors)
 
     async def control(self, doc: dict) -> tuple[int, Any]:
         completion = await self.call(REQ_CONTROL, doc)
