@@ -152,7 +152,9 @@ class Client:
             finally:
                 c.release()
 
-        return self._call(lambda cb: self._conn.submit(REQ_CONTROL, doc, (), cb), convert).result()
+        fut = self._call(lambda cb: self._conn.submit(REQ_CONTROL, doc, (), cb, waited=True), convert)
+        self._conn.wait_for(fut)
+        return fut.result()
 
     # -- health and metadata --------------------------------------------------------------------
     def is_server_ready(self) -> bool:
@@ -270,7 +272,7 @@ class Client:
         return doc, chunks, reserve, plan
 
     def _submit_infer(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str,
-                      options: dict, deliver: Any, on_response: Any = None) -> None:
+                      options: dict, deliver: Any, on_response: Any = None, waited: bool = False) -> None:
         doc, chunks, reserve, plan = self._build(model, inputs, outputs, version, options)
         box: dict[str, int] = {}
         ready = threading.Event()
@@ -289,7 +291,7 @@ class Client:
                 ready.wait()
                 on_response(completion, plan, box["start"])
 
-        box["start"] = self._conn.infer(doc, chunks, on_done, reserve, streamed)
+        box["start"] = self._conn.infer(doc, chunks, on_done, reserve, streamed, waited)
         ready.set()
 
     def _result(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
@@ -315,7 +317,7 @@ class Client:
     def infer_async(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",
                     request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,
                     sequence_start: bool = False, sequence_end: bool = False, priority: int = 0,
-                    timeout: int = 0) -> concurrent.futures.Future:
+                    timeout: int = 0, _waited: bool = False) -> concurrent.futures.Future:
         """Submit now; the future resolves to an ``InferResult`` (or raises InferenceServerError)."""
         options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -327,11 +329,13 @@ class Client:
                 completion.release()
                 fut.set_exception(e)
 
-        self._submit_infer(model, inputs, outputs, version, options, deliver)
+        self._submit_infer(model, inputs, outputs, version, options, deliver, waited=_waited)
         return fut
 
     def infer(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
-        return self.infer_async(model, inputs, outputs, **kwargs).result()
+        fut = self.infer_async(model, inputs, outputs, _waited=True, **kwargs)
+        self._conn.wait_for(fut)
+        return fut.result()
 
     async def infer_aio(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
         """The asyncio form: awaits without blocking the loop."""

@@ -13,6 +13,7 @@ Completions reach the callback given at submit time in one of two ways:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -33,12 +34,13 @@ from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_NAMES, ROLE
 from .ring import Ring
 from .segment import SegmentCache
 from .tensors import byte_view
-from .waker import read_all
+from .waker import SpinPolicy, read_all
 
 log = logging.getLogger("shmserve.client")
 _counter = itertools.count()
 _UNKNOWN: Any = object()
 ROUTE_CACHE_LIMIT = 256
+CLIENT_SPIN_S = float(os.environ.get("SHMSERVE_CLIENT_SPIN_US", "300")) / 1e6
 
 
 class ServerUnavailable(ConnectionError):
@@ -114,6 +116,9 @@ class Connection:
         self._streams: dict[int, tuple[Ring, Callback]] = {}  # slot -> its response ring
         self._callbacks: list[tuple[Callback, int] | None] = [None] * slots
         self._lock = threading.Lock()
+        self._cond = threading.Condition()  # guards _leading (see "waiting" below)
+        self._leading = False
+        self._spin = SpinPolicy(CLIENT_SPIN_S)
         self._segments = SegmentCache()
         self._closed = False
         self.alive = True
@@ -214,12 +219,14 @@ class Connection:
 
     # -- sending --------------------------------------------------------------------------------
     def submit(self, kind: int, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
-               on_response: Callback | None = None) -> int:
+               on_response: Callback | None = None, waited: bool = False) -> int:
         """Write the request (descriptor then tensor bytes) into our arena and wake the broker.
 
         Tensor references in ``doc`` give ``data`` as offsets relative to where the tensor bytes
         start, in the order of ``tensors``; ``reserve`` more bytes follow them (room the server may
-        write outputs into). Returns the absolute offset where the tensor bytes start.
+        write outputs into). Returns the absolute offset where the tensor bytes start. ``waited``
+        says the caller will block in ``wait_for`` for this request (so it leads; no waiter thread
+        needs waking).
         """
         if not self.alive:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
@@ -281,11 +288,14 @@ class Connection:
             worker.waker.notify()
         else:
             self.broker.waker.notify()
+        if not waited and self._thread is not None and not self._leading:
+            with self._cond:
+                self._cond.notify()  # the waiter thread leads for a request nobody waits for
         return start
 
     def infer(self, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
-              on_response: Callback | None = None) -> int:
-        return self.submit(REQ_INFER, doc, tensors, callback, reserve, on_response)
+              on_response: Callback | None = None, waited: bool = False) -> int:
+        return self.submit(REQ_INFER, doc, tensors, callback, reserve, on_response, waited)
 
     def control(self, doc: dict, callback: Callback) -> None:
         self.submit(REQ_CONTROL, doc, (), callback)
@@ -332,16 +342,69 @@ class Connection:
                 self._drain_stream(*stream)
             self._complete(slot)
 
-    def _wait_loop(self) -> None:
+    # -- waiting (threaded connections) ----------------------------------------------------------
+    # One thread at a time *leads*: it alone sleeps on the connection's semaphore, drains response
+    # rings and completes slots, running every request's callback. A synchronous caller leads
+    # while it waits for its own answer, so that answer costs no hand-off between threads; the
+    # waiter thread leads only while requests are in flight that no caller waits for (futures,
+    # streams, callbacks), or that a caller still waits for after the leader left.
+
+    def _take_lead(self) -> bool:
+        with self._cond:
+            if self._leading:
+                return False
+            self._leading = True
+            return True
+
+    def _leave_lead(self) -> None:
+        with self._cond:
+            self._leading = False
+            if self._inflight:  # somebody else's answers are still coming: the waiter takes over
+                self._cond.notify()
+
+    def _lead_until(self, finished: Callable[[], bool], started: float) -> None:
+        """Complete answers as the leader until ``finished()`` holds or the connection ends."""
         waker = self.seg.waker
+        ready = lambda: self._has_done() or finished()  # noqa: E731
         checked = time.monotonic()
-        while not self._closed:
-            waker.sleep(1.0, self._has_done)
+        while not finished() and not self._closed:
+            waker.sleep(1.0, ready, self._spin if started else None)
             self._complete_all()
             if time.monotonic() - checked > 1.0:
                 checked = time.monotonic()
                 if not self.check_server():
                     return
+
+    def _wait_loop(self) -> None:
+        while not self._closed:
+            with self._cond:
+                while not self._closed and (self._leading or not self._inflight):
+                    if not self._cond.wait(1.0) and not self._leading and not self.check_server():
+                        return
+                if self._closed:
+                    return
+                self._leading = True
+            try:
+                self._lead_until(lambda: not self._inflight, 0.0)
+            finally:
+                with self._cond:
+                    self._leading = False
+
+    def wait_for(self, fut: concurrent.futures.Future) -> None:
+        """A synchronous caller's wait for its own request: lead if nobody does (its answer then
+        arrives on this thread, polled for a moment first while answers come quickly), else wait
+        for the leader to deliver it."""
+        if self._thread is None or fut.done():
+            fut.exception()
+            return
+        if not self._take_lead():
+            fut.exception()  # waits; the caller takes the result or the error
+            return
+        try:
+            self._lead_until(fut.done, time.perf_counter())
+        finally:
+            self._leave_lead()
+        fut.exception()
 
     def fileno(self) -> int:
         """The FIFO a loop-driven owner watches (``loop.add_reader``)."""
@@ -375,9 +438,11 @@ class Connection:
             seg.close()
 
     def _complete(self, slot: int) -> None:
-        _, status, role, num, off, _, _ = self.seg.read_slot(slot)
         with self._lock:
             entry = self._callbacks[slot]
+            if entry is None or self._states[slot] != SLOT_DONE:
+                return  # already completed (by a caller's own poll), or failed with the server
+            _, status, role, num, off, _, _ = self.seg.read_slot(slot)
             self._callbacks[slot] = None
             self._inflight.discard(slot)
             target = self._targets[slot]
@@ -386,8 +451,6 @@ class Connection:
                 self._load[target - 1] -= 1
             self.seg.set_slot_state(slot, SLOT_FREE)
             self._free_slots.append(slot)
-        if entry is None:
-            return
         callback, req_off = entry
         request = (self.seg.seg.buf, req_off)
         try:
@@ -433,7 +496,9 @@ class Connection:
             except posix_ipc.Error:
                 pass
         if self._thread is not None:
-            self.seg.waker.post()  # wake the waiter so it sees _closed
+            with self._cond:
+                self._cond.notify_all()
+            self.seg.waker.post()  # wake the leader so it sees _closed
             self._thread.join(timeout=2.0)
         # Nothing will answer what is still in flight on this connection: say so, do not hang.
         self._fail_all("the connection was closed while the request was in flight")

@@ -131,6 +131,28 @@ def test_infer_async_many_in_flight(client):
             assert result["REQUEST_ID"].tolist() == [f"req-{k}".encode()]
 
 
+def test_sync_callers_in_threads_and_futures_share_one_connection(client):
+    """Synchronous callers lead the connection's waiting in turn (and hand it to the waiter
+    thread when they leave with others' answers still coming); none may lose or swap answers,
+    including a slow request whose caller waits while others come and go."""
+    slow = client.infer_async("slow_reader", {"X": A}, parameters={"sleep_s": 0.5})
+
+    def caller(t: int) -> int:
+        for k in range(60):
+            result = client.infer("add_sub", {"INPUT0": A * t, "INPUT1": B + k})
+            np.testing.assert_array_equal(result["OUTPUT0"], A * t + B + k)
+            if k % 10 == 0:  # futures submitted (and awaited) while other threads lead
+                f = client.infer_async("meta_echo", {"X": A + k})
+                np.testing.assert_array_equal(f.result(timeout=30)["Y"], A + k + 1)
+        return t
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert sorted(pool.map(caller, range(6))) == list(range(6))
+    assert slow.result(timeout=30)["SUM"].tolist() == [int(A.sum())]
+    # A lone synchronous call after all that still gets its answer on its own thread.
+    np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT1"], A - B)
+
+
 def test_infer_aio_gather_many_without_blocking_the_loop(client):
     async def main():
         ticks = 0

@@ -30,7 +30,7 @@ from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED,
                           manifest_room, read_manifest, read_manifest_with_data, write_manifest)
 from shm.segment import SegmentCache, StaleRegion
 from shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
-from shm.waker import fence
+from shm.waker import SpinPolicy, fence
 
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
 from .cuda import CudaError
@@ -41,7 +41,7 @@ from .stream import StreamSender
 from .warmup import run_warmup
 
 log = logging.getLogger("shmserve.worker")
-SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "0")) / 1e6
+SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "200")) / 1e6
 
 
 _WIRE_TYPES: dict[Any, str] = {}  # numpy dtype -> wire datatype, as ``wire_datatype`` finds it
@@ -134,10 +134,11 @@ class Worker:
         checked = time.monotonic()
         departures = int(self.broker.departures[0])
         log_settings = logs.Follower(self.broker.settings)
+        spin = SpinPolicy(SPIN_S)
         while self.running:
             # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
             # below only covers systems without it.
-            seg.waker.sleep(10.0, has_work, SPIN_S)
+            seg.waker.sleep(10.0, has_work, spin)
             log_settings.check()  # POST /v2/logging: one integer read unless it changed
             if int(self.broker.departures[0]) != departures:
                 departures = int(self.broker.departures[0])
