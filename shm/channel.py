@@ -48,6 +48,7 @@ NO_LANE = 0xFFFFFFFF
 LANE_PENDING = 0xFFFFFFFE  # until the broker has seen the client's connect record
 ROUTES_BYTES = 1 << 20
 SETTINGS_BYTES = 8192  # server settings the broker publishes (log settings; shm/logs.py)
+REGIONS_BYTES = 1 << 20  # registered system shm regions (shm/region_table.py)
 LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
 DEPARTURES_OFFSET = 128  # broker header: count of clients that left
@@ -79,6 +80,8 @@ class BrokerSegment:
         off += ROUTES_BYTES
         self.settings = Published(seg.buf, off, SETTINGS_BYTES)
         off += SETTINGS_BYTES
+        self.regions = Published(seg.buf, off, REGIONS_BYTES)
+        off += REGIONS_BYTES
         self.arena_offset = off
         self.doorbell_name = object_name(server_id, "doorbell", 0)
         self.mutex_name = object_name(server_id, "connect", 0)
@@ -103,7 +106,7 @@ class BrokerSegment:
     def create(cls, server_id: str, arena_bytes: int) -> "BrokerSegment":
         name = object_name(server_id, "broker", 0)
         size = _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + _align(LANES * LANE_NAME_BYTES) \
-            + ROUTES_BYTES + SETTINGS_BYTES + arena_bytes
+            + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES + arena_bytes
         return cls(server_id, Segment.create(name, size), create=True)
 
     @classmethod

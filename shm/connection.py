@@ -29,6 +29,7 @@ import posix_ipc
 from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from .names import check_server_id, object_name, pid_alive
+from .region_table import RegionTable
 from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_NAMES, ROLE_WORKER, SLOT_DONE, SLOT_FREE,
                        SLOT_PENDING, STREAM_CAPACITY, manifest_room, read_manifest_with_data, write_manifest)
 from .ring import Ring
@@ -130,6 +131,7 @@ class Connection:
         self._routes: dict = {}
         self._splits: dict = {}
         self._route_cache: dict[tuple[Any, Any], list[int] | None] = {}
+        self._regions = RegionTable(self.broker.regions)
         self._workers: dict[int, WorkerSegment] = {}
         self._load: dict[int, int] = collections.defaultdict(int)  # worker -> our requests on it
         self._targets: list[int] = [0] * slots
@@ -186,11 +188,13 @@ class Connection:
             workers = self._route_cache[key] = self._direct_workers(*key)
         if workers is None:
             return None
+        # Registered regions: the worker resolves (and bounds-checks) those the broker published;
+        # any other name (a CUDA region, one not yet published, a mistake) goes to the broker.
         for t in doc.get("inputs", ()):
-            if "region" in t:
-                return None  # registered regions are resolved (and bounds-checked) by the broker
+            if "region" in t and self._regions.get(t["region"]) is None:
+                return None
         for o in doc.get("outputs") or ():
-            if "region" in o:
+            if "region" in o and self._regions.get(o["region"]) is None:
                 return None
         if len(workers) == 1:
             return workers[0]

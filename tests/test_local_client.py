@@ -265,6 +265,49 @@ def test_region_name_reused_after_unregister_is_a_fresh_object(client):
         client.unregister_region("lc_reuse")
 
 
+def test_regions_change_under_a_connected_client(client, lc_server):
+    """Requests naming regions go straight to the worker, which resolves them against the table
+    the broker publishes: a region registered by another client is usable at once, and once it
+    is unregistered a request naming it is refused with Triton's text, by whichever path."""
+    x = np.arange(N, dtype=np.int32)
+    with Client(lc_server.id) as other:
+        region = other.create_region("lc_shared", 256)
+        region.array(np.int32, (N,))[:] = x
+        doc_inputs = {"INPUT0": x, "INPUT1": B}
+        assert client.infer("add_sub", doc_inputs)["OUTPUT0"].tolist() == (x + B).tolist()
+        # The first client names the other's region through the protocol's own fields.
+        conn = client._conn  # noqa: SLF001 - the raw connection, to name a region it does not own
+        answers: list = []
+        doc = {"model": "add_sub", "version": "", "outputs": None,
+               "inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [N], "region": "lc_shared",
+                           "offset": 0, "size": x.nbytes},
+                          {"name": "INPUT1", "datatype": "INT32", "shape": [N], "data": 0, "size": B.nbytes}]}
+        done = threading.Event()
+
+        def call() -> dict:
+            done.clear()
+            def answered(c) -> None:
+                body = c.doc()
+                data = bytes(c.tensor(body["outputs"][0])) if c.status == 200 else b""
+                answers.append((c.status, body, data))
+                c.release()
+                done.set()
+
+            conn.infer(dict(doc), [B], answered)
+            assert done.wait(10)
+            return answers[-1]
+
+        status, body, data = call()
+        assert status == 200 and np.frombuffer(data, np.int32).tolist() == (x + B).tolist(), body
+        doc["inputs"][0]["offset"] = 224  # 224 + 64 bytes overrun the 256-byte region
+        status, body, _ = call()
+        assert status == 400 and "Invalid offset + byte size for shared memory region: 'lc_shared'" in body["error"]
+        doc["inputs"][0]["offset"] = 0
+        other.unregister_region("lc_shared")
+        status, body, _ = call()
+        assert status == 400 and body["error"] == "Unable to find shared memory region: 'lc_shared'"
+
+
 def test_outputs_go_into_the_callers_region(client, lc_server):
     region = client.create_region("lc_out", 4096)
     raw = region.array(np.uint8, (4096,))

@@ -18,6 +18,7 @@ import time
 import urllib.request
 
 import numpy as np
+import orjson
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
@@ -610,3 +611,14 @@ def test_cuda_endpoints_without_a_cuda_device(shm_server, http):
     for path in ("/v2/cudasharedmemory/region/cuda_r/unregister", "/v2/cudasharedmemory/unregister"):
         assert raw_request(shm_server.port, "POST", path).status == 200
     assert http.is_server_ready()
+
+
+def test_region_table_too_large_for_its_area_is_published_incomplete():
+    """Past its area the table is published empty and incomplete, so clients send requests that
+    name regions through the broker (which resolves them) rather than to workers that could not."""
+    from shm.region_table import RegionEntry, encode
+
+    regions = {f"r{i}": RegionEntry(f"/key{i}", 0, 64, i) for i in range(100)}
+    assert orjson.loads(encode(regions, 1 << 20)) == {"complete": True,
+                                                      "regions": {n: list(r) for n, r in regions.items()}}
+    assert orjson.loads(encode(regions, 256)) == {"complete": False, "regions": {}}

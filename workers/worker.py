@@ -28,6 +28,7 @@ from shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
 from shm.names import object_name, pid_alive
 from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_with_data, write_manifest)
+from shm.region_table import RegionTable, bounds_error, unknown_region
 from shm.segment import SegmentCache, StaleRegion
 from shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
 from shm.waker import SpinPolicy, fence
@@ -77,6 +78,7 @@ class Worker:
         self.stream_lock = threading.Lock()
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
         self.broker = BrokerSegment.attach(self.server_id)
+        self.regions = RegionTable(self.broker.regions)  # for requests naming regions on direct lanes
         self.segments = SegmentCache()
         self.clients: dict[str, ClientSegment] = {}
         self.backend: Backend | None = None
@@ -201,8 +203,8 @@ class Worker:
                 entry["tr"] = 0  # traced; no broker queue (the frontend's submit is its QUEUE_START)
             entry["inputs"] = [self._locate(client, t, data_start) for t in doc["inputs"]]
             outputs = doc.get("outputs")
-            entry["outputs"] = [{"name": o["name"]} if "data" not in o else self._locate(client, o, data_start)
-                                for o in outputs] if outputs else None
+            entry["outputs"] = [{"name": o["name"]} if "data" not in o and "region" not in o
+                                else self._locate(client, o, data_start, "output") for o in outputs] if outputs else None
             if "stream" in doc:
                 entry["stream"] = {"seg": client_name, "off": data_start + int(doc["stream"])}
                 if not client.arena_offset <= entry["stream"]["off"] <= client.seg.size - 4096:
@@ -213,13 +215,24 @@ class Worker:
             return  # serve() flushes the counters and sends the answer
         self._execute([entry])
 
-    @staticmethod
-    def _locate(client: ClientSegment, t: dict, data_start: int) -> dict:
+    def _locate(self, client: ClientSegment, t: dict, data_start: int, what: str = "input") -> dict:
         size = int(t["size"])
-        off = data_start + int(t["data"])
-        if size < 0 or off < client.arena_offset or off + size > client.seg.size:
-            raise RequestError(f"tensor '{t['name']}' lies outside the client's arena")
-        out = {"name": t["name"], "seg": client.name, "off": off, "size": size}
+        if "region" in t:  # a registered region, as the broker published it (shm/region_table.py)
+            name = t["region"]
+            region = self.regions.get(name)
+            if region is None:
+                raise RequestError(unknown_region(name))
+            offset = int(t.get("offset", 0))
+            error = bounds_error(name, region.byte_size, offset, size, what, t["name"])
+            if error:
+                raise RequestError(error)
+            out = {"name": t["name"], "seg": region.key, "ino": region.ino, "off": region.offset + offset,
+                   "size": size}
+        else:
+            off = data_start + int(t["data"])
+            if size < 0 or off < client.arena_offset or off + size > client.seg.size:
+                raise RequestError(f"tensor '{t['name']}' lies outside the client's arena")
+            out = {"name": t["name"], "seg": client.name, "off": off, "size": size}
         if "datatype" in t:
             out.update(datatype=t["datatype"], shape=t["shape"])
         return out

@@ -589,7 +589,9 @@ class Broker:
         for name, versions in list(self.models.items()):
             for v, mv in list(versions.items()):
                 total = self._version_totals(mv)
-                lanes = sum(int(i.seg.lane_tails.sum() - i.seg.lane_heads.sum())
+                # Requests clients put on direct lanes and the worker has not finished (waiting on
+                # a lane or executing), as in_flight() counts the broker's own.
+                lanes = sum(max(0, int(i.seg.lane_tails.sum()) - i.seg.stats.get("direct_done"))
                             for i in list(mv.instances) if i.num in self.workers)
                 total.pending = mv.in_flight() + lanes
                 rows.append((name, v, total))

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 
-from shm import logs
+from shm import logs, region_table
+from shm.channel import REGIONS_BYTES
+from shm.published import HEADER as PUBLISHED_HEADER
 
 from .canary import Canary
 from .metrics import version_stats_json
@@ -34,6 +36,7 @@ class ControlHandler:
         self.broker = broker
         self.regions = RegionRegistry()
         self.cuda_regions = CudaRegionRegistry()
+        self._regions_doc = b""
         self.ops: dict[str, Callable[[Client, int, dict], Answer]] = {
             "server_ready": self._server_ready,
             "model_ready": self._model_ready,
@@ -69,6 +72,15 @@ class ControlHandler:
 
     def forget_client(self, client: Client) -> None:
         self.regions.drop_owner(client.name)
+        self.publish_regions()
+
+    def publish_regions(self) -> None:
+        """Publish the system regions for direct lanes (shm/region_table.py); before any reply
+        to a registration, so a request sent after it finds the region."""
+        doc = region_table.encode(self.regions.table(self.cuda_regions.regions), REGIONS_BYTES - PUBLISHED_HEADER)
+        if doc != self._regions_doc:
+            self._regions_doc = doc
+            self.broker.seg.regions.publish(doc)
 
     # -- health and metadata --------------------------------------------------------------------
     def _server_ready(self, client: Client, slot: int, doc: dict) -> Answer:
@@ -207,10 +219,12 @@ class ControlHandler:
     def _shm_register(self, client: Client, slot: int, doc: dict) -> Answer:
         owner = client.name if doc.get("owned") else None
         self.regions.register(doc["name"], doc["key"], int(doc.get("offset", 0)), int(doc["byte_size"]), owner)
+        self.publish_regions()
         return 200, {}
 
     def _shm_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
         self.regions.unregister(doc.get("name"))
+        self.publish_regions()
         return 200, {}
 
     def _shm_status(self, client: Client, slot: int, doc: dict) -> Answer:
@@ -221,10 +235,12 @@ class ControlHandler:
     def _cuda_register(self, client: Client, slot: int, doc: dict) -> Answer:
         self.cuda_regions.register(doc["name"], doc["raw_handle"], int(doc.get("device_id", 0)),
                                    int(doc["byte_size"]))
+        self.publish_regions()
         return 200, {}
 
     def _cuda_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
         self.cuda_regions.unregister(doc.get("name"))
+        self.publish_regions()
         return 200, {}
 
     def _cuda_status(self, client: Client, slot: int, doc: dict) -> Answer:

@@ -14,6 +14,7 @@ from typing import Any
 import posix_ipc
 
 from shm.names import is_server_object
+from shm.region_table import RegionEntry, bounds_error, unknown_region
 
 from workers.signature import InvalidRequest
 
@@ -103,12 +104,16 @@ class RegionRegistry(_Registry):
     def resolve(self, name: str, offset: int, size: int, what: str, tensor: str) -> tuple[str, int]:
         r = self.regions.get(name)
         if r is None:
-            raise RegionError(f"Unable to find shared memory region: '{name}'")
-        if offset < 0 or size < 0 or offset + size > r.byte_size:
-            raise RegionError(f"Invalid offset + byte size for shared memory region: '{name}' "
-                              f"({what} '{tensor}': offset {offset} + byte size {size} exceeds the region's "
-                              f"{r.byte_size} bytes)")
+            raise RegionError(unknown_region(name))
+        error = bounds_error(name, r.byte_size, offset, size, what, tensor)
+        if error:
+            raise RegionError(error)
         return r.key, r.offset + offset
+
+    def table(self, shadowed: dict[str, Any]) -> dict[str, RegionEntry]:
+        """What workers may resolve themselves: every region whose name no CUDA region shadows."""
+        return {n: RegionEntry(r.key, r.offset, r.byte_size, r.ino) for n, r in self.regions.items()
+                if n not in shadowed}
 
 
 class CudaRegion:
@@ -156,8 +161,7 @@ class CudaRegionRegistry(_Registry):
         r = self.regions.get(name)
         if r is None:
             return None
-        if offset < 0 or size < 0 or offset + size > r.byte_size:
-            raise RegionError(f"Invalid offset + byte size for shared memory region: '{name}' ({what} "
-                              f"'{tensor}': offset {offset} + byte size {size} exceeds the region's "
-                              f"{r.byte_size} bytes)")
+        error = bounds_error(name, r.byte_size, offset, size, what, tensor)
+        if error:
+            raise RegionError(error)
         return {"cuda": r.handle_b64, "device": r.device_id, "off": offset, "size": size}

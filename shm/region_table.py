@@ -1,0 +1,60 @@
+"""The system shared-memory regions as the broker publishes them, so that requests naming a
+region can go straight to a worker on a direct lane (the broker would add a hop of its own).
+
+The broker stays the only one that registers: it checks each key (not the server's own objects,
+existing, large enough) and publishes ``{"complete": bool, "regions": {name: [key, offset,
+byte_size, inode]}}`` in its segment before it answers the registration. Clients route a request
+directly only when every region it names is in the table; workers resolve and bounds-check the
+names against the same table, with the broker's error texts. A table too large for its area is
+published empty and incomplete: requests then take the broker's path, as before.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import orjson
+
+from .published import Published
+
+
+class RegionEntry(NamedTuple):
+    key: str
+    offset: int
+    byte_size: int
+    ino: int
+
+
+def unknown_region(name: str) -> str:
+    return f"Unable to find shared memory region: '{name}'"
+
+
+def bounds_error(name: str, byte_size: int, offset: int, size: int, what: str, tensor: str) -> str | None:
+    """The error text for a tensor outside its region's registered bounds, or None if inside."""
+    if offset < 0 or size < 0 or offset + size > byte_size:
+        return (f"Invalid offset + byte size for shared memory region: '{name}' ({what} '{tensor}': offset "
+                f"{offset} + byte size {size} exceeds the region's {byte_size} bytes)")
+    return None
+
+
+def encode(regions: dict[str, RegionEntry], capacity: int) -> bytes:
+    doc = orjson.dumps({"complete": True, "regions": {n: list(r) for n, r in regions.items()}})
+    if len(doc) > capacity:
+        doc = orjson.dumps({"complete": False, "regions": {}})
+    return doc
+
+
+class RegionTable:
+    """A reader's view of the published table, re-read only when its generation changes."""
+
+    def __init__(self, published: Published) -> None:
+        self._published = published
+        self._gen = -1
+        self._regions: dict[str, RegionEntry] = {}
+
+    def get(self, name: str) -> RegionEntry | None:
+        if self._published.generation() != self._gen:
+            gen, raw = self._published.read()
+            doc = orjson.loads(raw) if raw else {}
+            self._regions = {n: RegionEntry(*r) for n, r in doc.get("regions", {}).items()}
+            self._gen = gen
+        return self._regions.get(name)
