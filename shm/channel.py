@@ -49,6 +49,7 @@ LANE_PENDING = 0xFFFFFFFE  # until the broker has seen the client's connect reco
 ROUTES_BYTES = 1 << 20
 SETTINGS_BYTES = 8192  # server settings the broker publishes (log settings; shm/logs.py)
 REGIONS_BYTES = 1 << 20  # registered system shm regions (shm/region_table.py)
+_COOKIE = struct.Struct("<Q")
 LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
 DEPARTURES_OFFSET = 128  # broker header: count of clients that left
@@ -121,11 +122,14 @@ class BrokerSegment:
     def started_ns(self) -> int:
         return read_header(self.seg)[2]
 
+    def lane_cookie(self, lane: int) -> int:
+        return _COOKIE.unpack_from(self.seg.buf, self.lane_names_offset + lane * LANE_NAME_BYTES)[0]
+
     def lane_client(self, lane: int) -> tuple[str, int]:
         """(client segment name, cookie) of the lane's current holder. Records carry the cookie,
         so a worker can tell a lane's new holder from leftovers of a client that died."""
         off = self.lane_names_offset + lane * LANE_NAME_BYTES
-        (cookie,) = struct.unpack_from("<Q", self.seg.buf, off)
+        (cookie,) = _COOKIE.unpack_from(self.seg.buf, off)
         return bytes(self.seg.buf[off + 8:off + LANE_NAME_BYTES]).rstrip(b"\0").decode(), cookie
 
     def set_lane_client(self, lane: int, name: str, cookie: int) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .connection import Backpressure, Completion, Connection, ServerUnavailable
+from .connection import Answer, Backpressure, Completion, Connection, ServerUnavailable
 from .protocol import REQ_CONTROL
 from .regions import Region, find_shm_mapping
 from .tensors import CONFIG_TO_WIRE, DTYPES, from_buffer, serialize_bytes, wire_datatype
@@ -71,14 +71,17 @@ class InferResult(Mapping[str, np.ndarray]):
         self.parameters = doc.get("params") or {}
         self._outputs = outputs  # raw views into shm (or arrays of their own: BYTES, caller regions)
         self._kept = kept  # names whose arrays must keep this result alive
-        self._handed: weakref.WeakValueDictionary[str, np.ndarray] = weakref.WeakValueDictionary()
+        self._handed: weakref.WeakValueDictionary[str, np.ndarray] | None = None  # made on first use
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._kept:
             return self._outputs[name]
-        arr = self._handed.get(name)
+        handed = self._handed
+        if handed is None:
+            handed = self._handed = weakref.WeakValueDictionary()
+        arr = handed.get(name)
         if arr is None:
-            arr = self._handed[name] = _kept(self._outputs[name], self)
+            arr = handed[name] = _kept(self._outputs[name], self)
         return arr
 
     def __iter__(self) -> Iterator[str]:
@@ -153,7 +156,7 @@ class Client:
                 c.release()
 
         fut = self._call(lambda cb: self._conn.submit(REQ_CONTROL, doc, (), cb, waited=True), convert)
-        self._conn.wait_for(fut)
+        self._conn.wait_for(fut.done, fut.exception)
         return fut.result()
 
     # -- health and metadata --------------------------------------------------------------------
@@ -272,7 +275,7 @@ class Client:
         return doc, chunks, reserve, plan
 
     def _submit_infer(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str,
-                      options: dict, deliver: Any, on_response: Any = None, waited: bool = False) -> None:
+                      options: dict, deliver: Any, on_response: Any = None) -> None:
         doc, chunks, reserve, plan = self._build(model, inputs, outputs, version, options)
         box: dict[str, int] = {}
         ready = threading.Event()
@@ -291,7 +294,7 @@ class Client:
                 ready.wait()
                 on_response(completion, plan, box["start"])
 
-        box["start"] = self._conn.infer(doc, chunks, on_done, reserve, streamed, waited)
+        box["start"] = self._conn.infer(doc, chunks, on_done, reserve, streamed)
         ready.set()
 
     def _result(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
@@ -317,7 +320,7 @@ class Client:
     def infer_async(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",
                     request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,
                     sequence_start: bool = False, sequence_end: bool = False, priority: int = 0,
-                    timeout: int = 0, _waited: bool = False) -> concurrent.futures.Future:
+                    timeout: int = 0) -> concurrent.futures.Future:
         """Submit now; the future resolves to an ``InferResult`` (or raises InferenceServerError)."""
         options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -329,13 +332,27 @@ class Client:
                 completion.release()
                 fut.set_exception(e)
 
-        self._submit_infer(model, inputs, outputs, version, options, deliver, waited=_waited)
+        self._submit_infer(model, inputs, outputs, version, options, deliver)
         return fut
 
-    def infer(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
-        fut = self.infer_async(model, inputs, outputs, _waited=True, **kwargs)
-        self._conn.wait_for(fut)
-        return fut.result()
+    def infer(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",
+              request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,
+              sequence_start: bool = False, sequence_end: bool = False, priority: int = 0,
+              timeout: int = 0) -> InferResult:
+        """Call and wait. The answer is taken on this thread when no other leads the connection's
+        waiting (see Connection.wait_for): no future, event or thread hand-off on the way."""
+        options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
+        doc, chunks, reserve, plan = self._build(model, inputs, outputs, version, options)
+        answer = Answer()
+        start = self._conn.infer(doc, chunks, answer, reserve, waited=True)
+        self._conn.wait_for(answer.done, answer.wait)
+        completion = answer.completion
+        assert completion is not None
+        try:
+            return self._result(completion, plan, start)
+        except BaseException:
+            completion.release()
+            raise
 
     async def infer_aio(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
         """The asyncio form: awaits without blocking the loop."""

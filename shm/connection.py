@@ -13,7 +13,6 @@ Completions reach the callback given at submit time in one of two ways:
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import itertools
 import logging
 import os
@@ -30,7 +29,7 @@ from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from .names import check_server_id, object_name, pid_alive
 from .region_table import RegionTable
-from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_NAMES, ROLE_WORKER, SLOT_DONE, SLOT_FREE,
+from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, REQ_POLLING, ROLE_NAMES, ROLE_WORKER, SLOT_DONE, SLOT_FREE,
                        SLOT_PENDING, STREAM_CAPACITY, manifest_room, read_manifest_with_data, write_manifest)
 from .ring import Ring
 from .segment import SegmentCache
@@ -50,6 +49,34 @@ class ServerUnavailable(ConnectionError):
 
 class Backpressure(RuntimeError):
     """The connection is out of slots or arena space right now; retrying later can succeed."""
+
+
+class Answer:
+    """The completion callback of one synchronous call: keeps the answer, and wakes the caller
+    only if it had to block (a lock, cheaper than a Future or an Event on this hot path)."""
+
+    __slots__ = ("completion", "_lock")
+
+    def __init__(self) -> None:
+        self.completion: Completion | None = None
+        self._lock: Any = None
+
+    def __call__(self, completion: "Completion") -> None:
+        self.completion = completion
+        lock = self._lock
+        if lock is not None:
+            lock.release()
+
+    def done(self) -> bool:
+        return self.completion is not None
+
+    def wait(self) -> None:
+        """Block until answered (the caller and the callback each look after the other's write)."""
+        lock = threading.Lock()
+        lock.acquire()
+        self._lock = lock
+        if self.completion is None:
+            lock.acquire()
 
 
 class Completion:
@@ -273,7 +300,8 @@ class Connection:
             self.seg.set_target(slot, target + 1 if worker is not None else 0)  # type: ignore[operator]
             self.seg.set_slot_state(slot, SLOT_PENDING)
             if worker is not None:
-                if worker.lanes[self.lane].put(kind, slot, off, total, self._cookie):  # type: ignore[index]
+                polling = REQ_POLLING if waited and self._spin.budget() > 0 else 0
+                if worker.lanes[self.lane].put(kind | polling, slot, off, total, self._cookie):  # type: ignore[index]
                     self._targets[slot] = target + 1  # type: ignore[operator]
                     self._load[target] += 1  # type: ignore[index]
                 else:
@@ -394,21 +422,21 @@ class Connection:
                 with self._cond:
                     self._leading = False
 
-    def wait_for(self, fut: concurrent.futures.Future) -> None:
+    def wait_for(self, done: Callable[[], bool], block: Callable[[], Any]) -> None:
         """A synchronous caller's wait for its own request: lead if nobody does (its answer then
-        arrives on this thread, polled for a moment first while answers come quickly), else wait
-        for the leader to deliver it."""
-        if self._thread is None or fut.done():
-            fut.exception()
+        arrives on this thread, polled for a moment first while answers come quickly), else
+        ``block()`` until the leader delivers it."""
+        if done():
             return
-        if not self._take_lead():
-            fut.exception()  # waits; the caller takes the result or the error
+        if self._thread is None or not self._take_lead():
+            block()
             return
         try:
-            self._lead_until(fut.done, time.perf_counter())
+            self._lead_until(done, time.perf_counter())
         finally:
             self._leave_lead()
-        fut.exception()
+        if not done():  # the connection closed under us: close() answers what was in flight
+            block()
 
     def fileno(self) -> int:
         """The FIFO a loop-driven owner watches (``loop.add_reader``)."""

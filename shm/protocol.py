@@ -16,6 +16,9 @@ RECORD = struct.Struct("<IIQQQ")
 REQ_INFER = 1
 REQ_CONTROL = 2
 REQ_BYE = 3
+# Flag on a direct-lane infer record: its client polls for the answer (a closed loop of quick
+# calls), so the worker polls a moment for that client's next request too (SpinPolicy).
+REQ_POLLING = 0x100
 
 # Kinds of records on a worker's inbox (broker -> worker).
 W_BATCH = 1

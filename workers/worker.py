@@ -26,7 +26,7 @@ from shm.arena import Arena, free_block
 from shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
 from shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
 from shm.names import object_name, pid_alive
-from shm.protocol import (ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
+from shm.protocol import (REQ_POLLING, ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_with_data, write_manifest)
 from shm.region_table import RegionTable, bounds_error, unknown_region
 from shm.segment import SegmentCache, StaleRegion
@@ -79,6 +79,7 @@ class Worker:
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
         self.broker = BrokerSegment.attach(self.server_id)
         self.regions = RegionTable(self.broker.regions)  # for requests naming regions on direct lanes
+        self._lane_names: dict[int, tuple[str, int]] = {}
         self.segments = SegmentCache()
         self.clients: dict[str, ClientSegment] = {}
         self.backend: Backend | None = None
@@ -137,10 +138,11 @@ class Worker:
         departures = int(self.broker.departures[0])
         log_settings = logs.Follower(self.broker.settings)
         spin = SpinPolicy(SPIN_S)
+        polled = False  # the last round served a client that polls for its answers
         while self.running:
             # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
             # below only covers systems without it.
-            seg.waker.sleep(10.0, has_work, spin)
+            seg.waker.sleep(10.0, has_work, spin if polled else None)
             log_settings.check()  # POST /v2/logging: one integer read unless it changed
             if int(self.broker.departures[0]) != departures:
                 departures = int(self.broker.departures[0])
@@ -158,15 +160,26 @@ class Worker:
                     self._run_batch(off, batch_id)
             lanes = seg.lanes_pending()
             if lanes:
+                polled = False
                 for lane in lanes:
-                    client, cookie = self.broker.lane_client(lane)
+                    client, cookie = self._lane_holder(lane)
                     for kind, slot, off, length, record_cookie in seg.lanes[lane].drain():
+                        polled = polled or bool(kind & REQ_POLLING)
                         if record_cookie == cookie and client:
                             self._run_direct(client, slot, off)
                         self.stats.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
                 # Once per round, not per request: counters first, then every answer of the round
                 # with one wake-up per client (under load a round holds several requests).
                 self._flush_counts()
+
+    def _lane_holder(self, lane: int) -> tuple[str, int]:
+        """(client segment name, cookie) of a lane's holder; the name is decoded again only
+        when the lane's cookie changed (a new holder)."""
+        cookie = self.broker.lane_cookie(lane)
+        held = self._lane_names.get(lane)
+        if held is None or held[1] != cookie:
+            held = self._lane_names[lane] = self.broker.lane_client(lane)
+        return held
 
     def _run_batch(self, off: int, batch_id: int) -> None:
         """A batch the broker's scheduler formed (its descriptor is in the broker's arena)."""
