@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from typing import Any
 
 import numpy as np
@@ -32,16 +33,20 @@ BATCH_ROWS = 1024  # batch sizes 1..1024 have their own row; larger ones share t
 BATCH_COLS = ("count", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
 
 
-def bucket_of(ns: int) -> int:
-    """Index of the histogram bucket holding a duration of ``ns`` nanoseconds."""
-    if ns <= _FIRST_NS:
-        return 0
-    return min(BUCKETS - 1, 1 + int(_PER_DOUBLING * math.log2(ns / _FIRST_NS)))
-
-
 def bucket_upper_ns(i: int) -> float:
     """Upper bound of bucket ``i`` (the last bucket is unbounded)."""
     return math.inf if i >= BUCKETS - 1 else _FIRST_NS * 2.0 ** (i / _PER_DOUBLING)
+
+
+_UPPERS = [bucket_upper_ns(i) for i in range(BUCKETS - 1)]
+# Offsets of each phase's histogram in the flat array (the request phase is at 0).
+_QUEUE_CELL, _INPUT_CELL, _INFER_CELL, _OUTPUT_CELL = (PHASES.index(p) * BUCKETS for p in PHASES[1:])
+
+
+def bucket_of(ns: int) -> int:
+    """Index of the histogram bucket holding a duration of ``ns`` nanoseconds (a bisection of
+    the bounds: five of these per request, so no logarithm)."""
+    return bisect_left(_UPPERS, ns)
 
 
 def quantile_ns(hist: np.ndarray, q: float) -> float:
@@ -94,7 +99,10 @@ class StatsWriter:
         self.area = area
         self.counts = [0] * SCALAR_SLOTS
         self._hist = area.hist.reshape(-1)
-        self._cells: dict[int, int] = {}  # flat histogram index -> value, waiting for flush
+        # The worker is the area's only writer: it counts in a Python copy of the histograms and
+        # writes the cells that changed at flush.
+        self._cells = [int(x) for x in self._hist]
+        self._dirty: set[int] = set()
         self._rows: set[int] = set()
         self._batch_rows = [[0] * len(BATCH_COLS) for _ in range(BATCH_ROWS)]
 
@@ -102,9 +110,9 @@ class StatsWriter:
         self.counts[S[name]] += n
 
     def _observe(self, phase: int, ns: int) -> None:
-        cell = phase * BUCKETS + bucket_of(ns)
-        value = self._cells.get(cell)
-        self._cells[cell] = (int(self._hist[cell]) if value is None else value) + 1
+        cell = phase * BUCKETS + bisect_left(_UPPERS, ns)
+        self._cells[cell] += 1
+        self._dirty.add(cell)
 
     def executed(self, sizes: list[int], arrivals: list[int], start: int, input_ns: int, infer_ns: int,
                  output_ns: int, ok: list[bool], streamed: int = 0) -> None:
@@ -113,6 +121,7 @@ class StatsWriter:
         (decoupled senders). As Triton, inference and execution counts and batch statistics
         include successful requests only."""
         c = self.counts
+        cells, dirty = self._cells, self._dirty
         now = start + input_ns + infer_ns + output_ns
         batch_size = streamed
         for size, arrived, good in zip(sizes, arrivals, ok):
@@ -130,11 +139,11 @@ class StatsWriter:
             c[INPUT_NS] += input_ns
             c[INFER_NS] += infer_ns
             c[OUTPUT_NS] += output_ns
-            self._observe(0, duration)
-            self._observe(1, queue)
-            self._observe(2, input_ns)
-            self._observe(3, infer_ns)
-            self._observe(4, output_ns)
+            for cell in (bisect_left(_UPPERS, duration), _QUEUE_CELL + bisect_left(_UPPERS, queue),
+                         _INPUT_CELL + bisect_left(_UPPERS, input_ns), _INFER_CELL + bisect_left(_UPPERS, infer_ns),
+                         _OUTPUT_CELL + bisect_left(_UPPERS, output_ns)):
+                cells[cell] += 1
+                dirty.add(cell)
         if batch_size:
             self.count_execution(batch_size, input_ns, infer_ns, output_ns)
 
@@ -169,10 +178,11 @@ class StatsWriter:
 
     def flush(self) -> None:
         self.area.scalars[:len(SCALARS)] = self.counts[:len(SCALARS)]
-        if self._cells:
-            for cell, value in self._cells.items():
-                self._hist[cell] = value
-            self._cells.clear()
+        if self._dirty:
+            cells, hist = self._cells, self._hist
+            for cell in self._dirty:
+                hist[cell] = cells[cell]
+            self._dirty.clear()
         if self._rows:
             for i in self._rows:
                 self.area.batches[i] = self._batch_rows[i]

@@ -11,6 +11,9 @@ from typing import Any
 from shm.tensors import CONFIG_TO_WIRE, element_count, itemsize
 
 
+PASSED_LIMIT = 256  # shapes remembered per model version (cleared when full)
+
+
 class InvalidRequest(Exception):
     """The client's mistake: answered with 400 and the message."""
 
@@ -38,13 +41,30 @@ class ModelSignature:
         self.inputs = {t["name"]: TensorSpec(t) for t in config.get("input", [])}
         self.outputs = {t["name"]: TensorSpec(t) for t in config.get("output", [])}
         self.required = [n for n, s in self.inputs.items() if not s.optional]
+        self._passed: dict[tuple, int] = {}  # inputs' (name, datatype, shape, size) -> batch size
 
     def full_shape(self, spec: TensorSpec) -> list[int]:
         """The shape a client sees: with the batch dimension (-1) first for batching models."""
         return ([-1] + spec.dims) if self.max_batch_size > 0 else list(spec.dims)
 
     def check_inputs(self, inputs: list[dict[str, Any]]) -> int:
-        """Validate names, datatypes, shapes and byte sizes; returns the request's batch size."""
+        """Validate names, datatypes, shapes and byte sizes; returns the request's batch size.
+        Requests of a shape seen before (the usual case: clients repeat themselves) are looked
+        up instead of checked again."""
+        try:
+            key: tuple | None = tuple([(t["name"], t["datatype"], tuple(t["shape"]), t["size"]) for t in inputs])
+            batch = self._passed.get(key)  # type: ignore[arg-type]
+        except (KeyError, TypeError):
+            key = batch = None  # malformed (or unhashable): the full check says what is wrong
+        if batch is None:
+            batch = self._check_inputs(inputs)
+            if key is not None:
+                if len(self._passed) >= PASSED_LIMIT:
+                    self._passed.clear()
+                self._passed[key] = batch
+        return batch
+
+    def _check_inputs(self, inputs: list[dict[str, Any]]) -> int:
         m = self.name
         if not self.inputs:  # nothing declared (an auto-completed model): nothing to check against
             return 1

@@ -168,7 +168,7 @@ class PythonInstance(Instance):
     def execute(self, requests: list[Request]) -> list[Response]:
         pb_requests = self._pb_requests(requests)
         results = self.model.execute(pb_requests)
-        if inspect.isawaitable(results):  # async def execute (e.g. with BLS async_exec)
+        if type(results) is not list and inspect.isawaitable(results):  # async def execute (e.g. BLS async_exec)
             if self.loop is None:
                 self.loop = asyncio.new_event_loop()
             results = self.loop.run_until_complete(results)
