@@ -33,7 +33,9 @@ def main() -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.get("device_id", 0))
     title = f"shmserve worker {spec['model']} v{spec['version']} #{spec['instance_index']} {device}"
     set_title(title)
-    from shm import logs
+    from shm import heap, logs
+
+    heap.keep_large_buffers()  # a model's large outputs reuse memory instead of faulting it in per request
 
     logs.configure(spec.get("log") or {}, prefix=f"[{spec['model']} v{spec['version']} #{spec['instance_index']}] ")
     from shm.profiling import run_profiled

@@ -12,7 +12,7 @@ import sys
 import orjson
 import uvicorn
 
-from shm import logs
+from shm import heap, logs
 from shm.names import set_title
 
 log = logging.getLogger("shmserve.frontend")
@@ -20,6 +20,7 @@ log = logging.getLogger("shmserve.frontend")
 
 def main() -> int:
     spec = orjson.loads(sys.argv[1])
+    heap.keep_large_buffers()  # request and response bodies reuse memory instead of faulting it in
     set_title(f"shmserve frontend {spec['server_id']} #{spec['index']}")
     logs.configure(spec.get("log") or {})
     logs.Watcher(spec["server_id"]).start()  # run-time changes (POST /v2/logging) from any frontend
