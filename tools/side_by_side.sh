@@ -3,7 +3,10 @@
 # (../shared/bench-models), with the same client (tools.bench_http), and leaves JSON per run in
 # $OUT. Only one server runs at a time, so both see the same 2 cores.
 #
-#   tools/side_by_side.sh [add_sub|identity|mlp|ready ...]     (default: all)
+#   tools/side_by_side.sh [add_sub|identity|mlp|local|ready ...]     (default: all)
+#
+# 'local' runs tools.bench_local against the same shmserve (add_sub with 1 and 4 client
+# processes, identity 16 MiB with its input in a client region), to compare with Triton's HTTP.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -12,7 +15,7 @@ MODELS=${MODELS:-../shared/bench-models}
 DURATION=${DURATION:-10}
 REPEAT=${REPEAT:-3}
 mkdir -p "$OUT"
-what=${*:-add_sub identity mlp ready}
+what=${*:-add_sub identity mlp local ready}
 
 wait_ready() { for _ in $(seq 600); do curl -sf "localhost:$1/v2/health/ready" >/dev/null && return 0; sleep 0.2; done; return 1; }
 
@@ -41,6 +44,11 @@ setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metri
 pid=$!
 wait_ready 18600
 run_bench shmserve 18600
+if [[ " $what " == *" local "* ]]; then
+  L="$PY -m tools.bench_local --id sbs --duration $DURATION --warmup 2 --repeat $REPEAT"
+  $L --model add_sub --clients 1,4 --json "$OUT/shmserve-local-add_sub.json"
+  $L --model identity --clients 1 --shape-override INPUT0=4194304 --region --json "$OUT/shmserve-local-identity.json"
+fi
 kill -TERM "$pid"; wait "$pid" || true
 
 if [[ " $what " == *" ready "* ]]; then
