@@ -25,6 +25,9 @@ class Ring:
         self._rec = record
         self._data = offset + HEADER_BYTES
         self._ctr = np.ndarray((2,), dtype=np.uint64, buffer=buf, offset=offset)  # head, tail
+        # The same counters for reading only: a memoryview item is one aligned 8-byte load too,
+        # and five times cheaper than a numpy scalar (``pending`` runs on every broker pump).
+        self._seen = buf[offset:offset + 16].cast("Q")
 
     @staticmethod
     def nbytes(capacity: int, record: struct.Struct) -> int:
@@ -54,4 +57,5 @@ class Ring:
         return out
 
     def pending(self) -> int:
-        return int(self._ctr[1]) - int(self._ctr[0])
+        seen = self._seen
+        return seen[1] - seen[0]

@@ -60,6 +60,8 @@ class DynamicBatcher:
             if 1 <= level <= self.levels:
                 self.policies[level - 1] = QueuePolicy.from_config(policy)
         self.queues: list[collections.deque[Pending]] = [collections.deque() for _ in range(self.levels)]
+        # Whether any request can carry a queue timeout (otherwise no deadline needs looking at).
+        self.timed = any(p.default_timeout_us or p.allow_timeout_override for p in self.policies)
         self.delayed: collections.deque[Pending] = collections.deque()
         self.size = 0
         self.gathered = 0  # requests in the last batch that waited the whole delay (0: none yet)
@@ -97,6 +99,8 @@ class DynamicBatcher:
         """Requests whose queue timeout passed: REJECT ones are returned (to fail), DELAY ones move
         behind everything else."""
         rejected: list[Pending] = []
+        if not self.timed:
+            return rejected  # no request here can carry a deadline
         for level, queue in enumerate(self.queues):
             if not any(p.deadline and p.deadline <= now for p in queue):
                 continue
@@ -177,9 +181,11 @@ class DynamicBatcher:
         """Seconds until the batcher must act without being woken: a delay or a timeout ends."""
         if not self.size:
             return None
-        times = []
-        candidates = self._ordered()
-        if candidates:
-            times.append(min(p.arrived for p in candidates) + self.delay_s)
-        times.extend(p.deadline for q in self.queues for p in q if p.deadline)
+        # Each level's queue is in arrival order, so its oldest is its first; the broker asks on
+        # every pump, so no list of everything queued is built here.
+        arrivals = [q[0].arrived for q in self.queues if q]
+        arrivals.extend(p.arrived for p in self.delayed)
+        times = [min(arrivals) + self.delay_s] if arrivals else []
+        if self.timed:
+            times.extend(p.deadline for q in self.queues for p in q if p.deadline)
         return max(0.0, min(times) - now) if times else None
