@@ -197,7 +197,7 @@ class WorkerSegment:
         self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.sem)
 
     def lanes_pending(self) -> list[int]:
-        if self.lane_tails.tobytes() == self.lane_heads.tobytes():
+        if not self.any_lane_pending():
             return []
         return np.flatnonzero(self.lane_tails != self.lane_heads).tolist()
 

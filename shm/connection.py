@@ -394,13 +394,15 @@ class Connection:
             if self._inflight:  # somebody else's answers are still coming: the waiter takes over
                 self._cond.notify()
 
-    def _lead_until(self, finished: Callable[[], bool], started: float) -> None:
-        """Complete answers as the leader until ``finished()`` holds or the connection ends."""
+    def _lead_until(self, finished: Callable[[], bool], poll: bool) -> None:
+        """Complete answers as the leader until ``finished()`` holds or the connection ends;
+        ``poll``: a caller waiting for its own answer, which may poll first (SpinPolicy)."""
         waker = self.seg.waker
         ready = lambda: self._has_done() or finished()  # noqa: E731
+        spin = self._spin if poll else None
         checked = time.monotonic()
         while not finished() and not self._closed:
-            waker.sleep(1.0, ready, self._spin if started else None)
+            waker.sleep(1.0, ready, spin)
             self._complete_all()
             if time.monotonic() - checked > 1.0:
                 checked = time.monotonic()
@@ -417,7 +419,7 @@ class Connection:
                     return
                 self._leading = True
             try:
-                self._lead_until(lambda: not self._inflight, 0.0)
+                self._lead_until(lambda: not self._inflight, poll=False)
             finally:
                 with self._cond:
                     self._leading = False
@@ -432,7 +434,7 @@ class Connection:
             block()
             return
         try:
-            self._lead_until(done, time.perf_counter())
+            self._lead_until(done, poll=True)
         finally:
             self._leave_lead()
         if not done():  # the connection closed under us: close() answers what was in flight

@@ -10,7 +10,7 @@ published empty and incomplete: requests then take the broker's path, as before.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -24,16 +24,24 @@ class RegionEntry(NamedTuple):
     ino: int
 
 
-def unknown_region(name: str) -> str:
-    return f"Unable to find shared memory region: '{name}'"
+class RegionUseError(ValueError):
+    """A tensor names a region that is not registered, or lies outside its bounds (a 400)."""
 
 
-def bounds_error(name: str, byte_size: int, offset: int, size: int, what: str, tensor: str) -> str | None:
-    """The error text for a tensor outside its region's registered bounds, or None if inside."""
+def check_bounds(name: str, byte_size: int, offset: int, size: int, what: str, tensor: str) -> None:
+    """Refuse a tensor outside its region's registered ``byte_size``, with Triton's text."""
     if offset < 0 or size < 0 or offset + size > byte_size:
-        return (f"Invalid offset + byte size for shared memory region: '{name}' ({what} '{tensor}': offset "
-                f"{offset} + byte size {size} exceeds the region's {byte_size} bytes)")
-    return None
+        raise RegionUseError(f"Invalid offset + byte size for shared memory region: '{name}' ({what} '{tensor}': "
+                             f"offset {offset} + byte size {size} exceeds the region's {byte_size} bytes)")
+
+
+def locate(name: str, region: Any, offset: int, size: int, what: str, tensor: str) -> int:
+    """Where a tensor starts in its region's shm object: the broker and workers resolve alike.
+    ``region`` is the registered entry (``offset`` and ``byte_size``), or None if unknown."""
+    if region is None:
+        raise RegionUseError(f"Unable to find shared memory region: '{name}'")
+    check_bounds(name, region.byte_size, offset, size, what, tensor)
+    return region.offset + offset
 
 
 def encode(regions: dict[str, RegionEntry], capacity: int) -> bytes:

@@ -22,7 +22,8 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from conftest import PYTHON, ROOT, processes_mapping, raw_request, shm_entries, shm_names, start_shm_server
+from conftest import (PYTHON, ROOT, cpu_ticks, processes_mapping, raw_request, shm_entries, shm_names,
+                      start_shm_server)
 from shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
 
 N = 16
@@ -151,6 +152,23 @@ def test_sync_callers_in_threads_and_futures_share_one_connection(client):
     assert slow.result(timeout=30)["SUM"].tolist() == [int(A.sum())]
     # A lone synchronous call after all that still gets its answer on its own thread.
     np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT1"], A - B)
+
+
+def test_polling_stops_when_the_calls_stop(client, lc_server):
+    """A closed loop of quick calls makes the caller and the worker poll for each other
+    (SpinPolicy, REQ_POLLING); once the calls stop, both sleep: the worker and this process use
+    next to no CPU in the second after."""
+    x = np.arange(N, dtype=np.int32)
+    for _ in range(2000):
+        client.infer("add_sub", {"INPUT0": x, "INPUT1": B}).release()
+    time.sleep(0.2)
+    worker = lc_server.worker_pids("add_sub")
+    ticks, ours = cpu_ticks(worker), time.process_time()
+    time.sleep(1.0)
+    after = cpu_ticks(worker)
+    assert sum(after.values()) - sum(ticks.values()) <= 3, (ticks, after)  # ticks of 10 ms
+    assert time.process_time() - ours < 0.03
+    np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": x, "INPUT1": B})["OUTPUT0"], x + B)
 
 
 def test_infer_aio_gather_many_without_blocking_the_loop(client):

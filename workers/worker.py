@@ -28,7 +28,7 @@ from shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
 from shm.names import object_name, pid_alive
 from shm.protocol import (REQ_POLLING, ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_with_data, write_manifest)
-from shm.region_table import RegionTable, bounds_error, unknown_region
+from shm.region_table import RegionTable, locate
 from shm.segment import SegmentCache, StaleRegion
 from shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
 from shm.waker import SpinPolicy, fence
@@ -233,14 +233,9 @@ class Worker:
         if "region" in t:  # a registered region, as the broker published it (shm/region_table.py)
             name = t["region"]
             region = self.regions.get(name)
-            if region is None:
-                raise RequestError(unknown_region(name))
-            offset = int(t.get("offset", 0))
-            error = bounds_error(name, region.byte_size, offset, size, what, t["name"])
-            if error:
-                raise RequestError(error)
-            out = {"name": t["name"], "seg": region.key, "ino": region.ino, "off": region.offset + offset,
-                   "size": size}
+            off = locate(name, region, int(t.get("offset", 0)), size, what, t["name"])  # RegionUseError: a 400
+            assert region is not None
+            out = {"name": t["name"], "seg": region.key, "ino": region.ino, "off": off, "size": size}
         else:
             off = data_start + int(t["data"])
             if size < 0 or off < client.arena_offset or off + size > client.seg.size:

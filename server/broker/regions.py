@@ -14,7 +14,7 @@ from typing import Any
 import posix_ipc
 
 from shm.names import is_server_object
-from shm.region_table import RegionEntry, bounds_error, unknown_region
+from shm.region_table import RegionEntry, RegionUseError, check_bounds, locate
 
 from workers.signature import InvalidRequest
 
@@ -103,12 +103,11 @@ class RegionRegistry(_Registry):
 
     def resolve(self, name: str, offset: int, size: int, what: str, tensor: str) -> tuple[str, int]:
         r = self.regions.get(name)
-        if r is None:
-            raise RegionError(unknown_region(name))
-        error = bounds_error(name, r.byte_size, offset, size, what, tensor)
-        if error:
-            raise RegionError(error)
-        return r.key, r.offset + offset
+        try:
+            at = locate(name, r, offset, size, what, tensor)
+        except RegionUseError as e:
+            raise RegionError(str(e)) from None
+        return r.key, at
 
     def table(self, shadowed: dict[str, Any]) -> dict[str, RegionEntry]:
         """What workers may resolve themselves: every region whose name no CUDA region shadows."""
@@ -161,7 +160,8 @@ class CudaRegionRegistry(_Registry):
         r = self.regions.get(name)
         if r is None:
             return None
-        error = bounds_error(name, r.byte_size, offset, size, what, tensor)
-        if error:
-            raise RegionError(error)
+        try:
+            check_bounds(name, r.byte_size, offset, size, what, tensor)
+        except RegionUseError as e:
+            raise RegionError(str(e)) from None
         return {"cuda": r.handle_b64, "device": r.device_id, "off": offset, "size": size}
