@@ -8,7 +8,7 @@ import time
 import numpy as np
 import tritonclient.http as httpclient
 
-from conftest import PRODUCT_MODELS, TEST_MODELS, cpu_ticks, descendants, pid_alive, shm_entries
+from conftest import PRODUCT_MODELS, TEST_MODELS, cmdline, cpu_ticks, descendants, pid_alive, shm_entries
 
 
 def _add_sub(server) -> None:
@@ -111,6 +111,7 @@ def test_idle_cpu_under_one_percent(server, client):
     after = cpu_ticks([server.pid, *descendants(server.pid)])
     elapsed = time.monotonic() - t0
     used = sum(ticks - before.get(pid, 0) for pid, ticks in after.items()) / hz
-    per_pid = {pid: after[pid] - before.get(pid, 0) for pid in after if after[pid] - before.get(pid, 0)}
-    assert used / elapsed < 0.01, f"idle server used {100 * used / elapsed:.2f}% CPU; ticks by pid: {per_pid}"
+    per_process = {f"{pid} {cmdline(pid)[:40]}": after[pid] - before.get(pid, 0)
+                   for pid in after if after[pid] - before.get(pid, 0)}
+    assert used / elapsed < 0.01, f"idle server used {100 * used / elapsed:.2f}% CPU; ticks by process: {per_process}"
 

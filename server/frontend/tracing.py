@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .app import Frontend, InferFastPath
 
 log = logging.getLogger("shmserve.trace")
-POLL_S = 0.25
+POLL_S = 0.5
 (HTTP_RECV_START, HTTP_RECV_END, REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END,
  COMPUTE_OUTPUT_START, COMPUTE_END, REQUEST_END, HTTP_SEND_START, HTTP_SEND_END) = range(len(tr.STAMPS))
 
