@@ -19,10 +19,10 @@ import numpy as np
 
 SCALARS = ("success", "success_ns", "failure", "failure_ns", "rejected", "inference_count",
            "execution_count", "phase_count", "queue_ns", "compute_input_ns", "compute_infer_ns",
-           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes")
+           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out")
 S = {name: i for i, name in enumerate(SCALARS)}
 (SUCCESS, SUCCESS_NS, FAILURE, FAILURE_NS, REJECTED, INFERENCE_COUNT, EXECUTION_COUNT, PHASE_COUNT, QUEUE_NS,
- INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES) = range(len(SCALARS))
+ INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT) = range(len(SCALARS))
 SCALAR_SLOTS = 32  # room to add counters without moving the arrays behind them
 BUSY_SINCE = SCALAR_SLOTS - 1  # not a counter: monotonic ns the running execution began, 0 when idle
 PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
@@ -165,6 +165,11 @@ class StatsWriter:
         self.counts[FAILURE] += 1
         self.counts[REJECTED] += 1
 
+    def timed_out(self) -> None:
+        """A request whose queue timeout passed in this worker's own batcher (Triton's OTHER)."""
+        self.counts[FAILURE] += 1
+        self.counts[TIMED_OUT] += 1
+
     def finished_stream(self, arrived: int, ok: bool) -> None:
         """A streamed (decoupled) request ended: its outcome and whole duration."""
         duration = time.monotonic_ns() - arrived if arrived else 0
@@ -240,7 +245,8 @@ class VersionTotals:
         for reason, n in self.failure_reasons.items():
             out[reason] = out.get(reason, 0) + n
         broker_counted = sum(self.failure_reasons.values())
-        worker_failed = self.get("failure") - broker_counted - self.get("rejected")
+        worker_failed = self.get("failure") - broker_counted - self.get("rejected") - self.get("timed_out")
         out["BACKEND"] += max(0, worker_failed)
         out["REJECTED"] += self.get("rejected")
+        out["OTHER"] += self.get("timed_out")
         return out

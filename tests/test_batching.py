@@ -102,6 +102,7 @@ def test_higher_priority_runs_first(server):
 
 
 def test_queue_timeout_rejects(server):
+    other_before = metric(server, "nv_inference_request_failure", "probe_timeout", reason="OTHER")
     with cf.ThreadPoolExecutor(3) as pool:
         busy = pool.submit(infer_with, server.url, "probe_timeout", 7, 0, 0, 0.8)
         time.sleep(0.15)
@@ -113,6 +114,8 @@ def test_queue_timeout_rejects(server):
                 fut.result()
             assert "Request timeout expired" in e.value.message()
     assert infer_with(server.url, "probe_timeout")["reqs"] == 1  # and it serves on
+    # Triton counts a queue timeout as reason OTHER (not BACKEND: the model never saw them).
+    assert metric(server, "nv_inference_request_failure", "probe_timeout", reason="OTHER") - other_before == 2
 
 
 def test_delay_action_serves_timed_out_requests_last(server):
@@ -141,14 +144,111 @@ def test_full_queue_rejects_with_503(server):
         assert all(f.result()["reqs"] >= 1 for f in queued)
 
 
-def metric(server, name: str, model: str) -> float:
+def metric(server, name: str, model: str, **labels: str) -> float:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    wanted = [f'model="{model}"', *(f'{k}="{v}"' for k, v in labels.items())]
     for line in text.splitlines():
-        if line.startswith(name + "{") and f'model="{model}"' in line:
+        if line.startswith(name + "{") and all(w in line for w in wanted):
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} for {model} not in metrics")
+    raise AssertionError(f"{name} for {model} {labels} not in metrics")
+
+
+def test_two_instances_batch_through_the_broker(server):
+    """A single-instance version batches in its worker; with two instances the broker batches
+    and picks the instance. Both form the same batches."""
+    with cf.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: infer_with(server.url, "probe_pair"), range(4)))
+    assert [r["reqs"] for r in results] == [4, 4, 4, 4]
+    assert max(r["seconds"] for r in results) < 0.25
+    # What the broker tells clients: send single-instance batching versions to the worker.
+    import orjson
+
+    from shm.channel import BrokerSegment
+    broker = BrokerSegment.attach(server.id)
+    try:
+        routes = orjson.loads(broker.routes.read()[1])["models"]
+    finally:
+        broker.close()
+    assert routes["probe"]["1"]["direct"] is True
+    assert routes["probe_pair"]["1"]["direct"] is False
+
+
+def test_requests_queued_in_the_worker_count_as_pending(server):
+    def pending() -> float:
+        return metric(server, "nv_inference_pending_request_count", "probe_hold")
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        busy = pool.submit(infer_with, server.url, "probe_hold", 7, 0, 0, 0.8)
+        time.sleep(0.15)
+        queued = [pool.submit(infer_with, server.url, "probe_hold", 3) for _ in range(2)]
+        time.sleep(0.25)
+        assert pending() == 3  # one executing, two waiting for it on the worker's lanes
+        assert busy.result()["reqs"] == 1
+        assert [f.result()["reqs"] for f in queued] == [2, 2]  # they waited together: one batch
+    assert pending() == 0
+
+
+KID = """
+import sys, time, numpy as np
+from shm.client import Client
+c = Client(sys.argv[1])
+c.infer_async("probe_hold", {"INPUT0": np.zeros((1, 3), np.float32)})
+print("sent", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_client_killed_while_its_request_waits_in_the_worker(server):
+    """Its queued request is dropped (or answered into the void); the others are served and the
+    pending count returns to zero."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT as PROJECT
+    with cf.ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(infer_with, server.url, "probe_hold", 7, 0, 0, 1.0)
+        time.sleep(0.15)
+        kid = subprocess.Popen([sys.executable, "-c", KID, server.id], cwd=PROJECT, stdout=subprocess.PIPE, text=True)
+        try:
+            assert kid.stdout.readline().strip() == "sent"
+            other = pool.submit(infer_with, server.url, "probe_hold", 3)
+            time.sleep(0.1)
+            kid.kill()
+            kid.wait(10)
+        finally:
+            if kid.poll() is None:
+                kid.kill()
+                kid.wait(10)
+            kid.stdout.close()
+        assert busy.result()["reqs"] == 1
+        assert other.result()["reqs"] >= 1
+    deadline = time.monotonic() + 5
+    while metric(server, "nv_inference_pending_request_count", "probe_hold") != 0:
+        assert time.monotonic() < deadline, "the killed client's request stays pending"
+        time.sleep(0.1)
+    assert infer_with(server.url, "probe_hold")["reqs"] == 1
+
+
+def test_unload_serves_what_waits_in_the_worker_first(server_factory):
+    s = server_factory.start([REPO], ["--model-control-mode", "explicit", "--load-model", "probe_hold"])
+    with cf.ThreadPoolExecutor(3) as pool:
+        busy = pool.submit(infer_with, s.url, "probe_hold", 7, 0, 0, 0.8)
+        time.sleep(0.15)
+        queued = [pool.submit(infer_with, s.url, "probe_hold", 3) for _ in range(2)]
+        time.sleep(0.15)
+        client = httpclient.InferenceServerClient(s.url)
+        try:
+            client.unload_model("probe_hold")
+            assert busy.result()["reqs"] == 1
+            assert [f.result()["reqs"] for f in queued] == [2, 2]
+            deadline = time.monotonic() + 10
+            while client.is_model_ready("probe_hold"):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        finally:
+            client.close()
 
 
 def test_pytorch_model_batches_under_concurrency(server):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 import os
 import signal
 import sys
@@ -32,6 +33,9 @@ from shm.region_table import RegionTable, locate
 from shm.segment import SegmentCache, StaleRegion
 from shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
 from shm.waker import SpinPolicy, fence
+
+from server.broker.batcher import DynamicBatcher, QueueFull
+from server.broker.models import Pending
 
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
 from .cuda import CudaError
@@ -87,6 +91,8 @@ class Worker:
         self.instance: Instance | None = None
         self.running = True
         self._phases = (0, 0, 0)  # the batch's start, inputs built, executed: trace timestamps
+        # Requests from our lanes waiting for a batch, when this instance batches them itself.
+        self.batcher: DynamicBatcher | None = None
 
     # -- start-up -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -108,6 +114,8 @@ class Worker:
             self.output_names = list(self.signature.outputs)
             if ctx.config.get("sequence_batching"):
                 self.sequence = SequenceSupport(ctx.config)
+            if spec.get("batching"):
+                self.batcher = DynamicBatcher(ctx.config)
             self.decoupled = bool((ctx.config.get("model_transaction_policy") or {}).get("decoupled"))
             if ctx.config.get("model_warmup"):
                 runs = run_warmup(self.instance, ctx.config, ctx.model_dir, self.output_names)
@@ -134,6 +142,7 @@ class Worker:
         seg = self.seg
         inbox = seg.inbox
         has_work = lambda: inbox.pending() > 0 or seg.any_lane_pending()  # noqa: E731
+        batcher = self.batcher
         checked = time.monotonic()
         departures = int(self.broker.departures[0])
         log_settings = logs.Follower(self.broker.settings)
@@ -142,7 +151,10 @@ class Worker:
         while self.running:
             # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
             # below only covers systems without it.
-            seg.waker.sleep(10.0, has_work, spin if polled else None)
+            timeout = 10.0
+            if batcher is not None and len(batcher):
+                timeout = min(timeout, batcher.next_timer(time.monotonic()) or 0.0)
+            seg.waker.sleep(timeout, has_work, spin if polled else None)
             log_settings.check()  # POST /v2/logging: one integer read unless it changed
             if int(self.broker.departures[0]) != departures:
                 departures = int(self.broker.departures[0])
@@ -165,9 +177,14 @@ class Worker:
                     client, cookie = self._lane_holder(lane)
                     for kind, slot, off, length, record_cookie in seg.lanes[lane].drain():
                         polled = polled or bool(kind & REQ_POLLING)
-                        if record_cookie == cookie and client:
-                            self._run_direct(client, slot, off)
+                        if record_cookie == cookie and client and self._run_direct(client, slot, off):
+                            continue  # queued for a batch: done when it runs
                         self.stats.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
+            ran = bool(lanes)
+            if batcher is not None and len(batcher):
+                self._run_local_batches(batcher, time.monotonic() if self.running else math.inf)
+                ran = True
+            if ran:
                 # Once per round, not per request: counters first, then every answer of the round
                 # with one wake-up per client (under load a round holds several requests).
                 self._flush_counts()
@@ -198,17 +215,18 @@ class Worker:
             self.seg.want_wakeup = False
             self.broker.waker.notify()
 
-    def _run_direct(self, client_name: str, slot: int, off: int) -> None:
-        """A request a client put on its lane: validated and resolved here instead of the broker."""
+    def _run_direct(self, client_name: str, slot: int, off: int) -> bool:
+        """A request a client put on its lane: validated and resolved here instead of the broker,
+        then run, or queued for a batch (True) when this instance batches its lanes."""
         try:
             client = self._client(client_name)
         except (posix_ipc.ExistentialError, ConnectionError, ValueError):
-            return  # the client is gone
+            return False  # the client is gone
         entry = {"client": client_name, "pid": client.pid, "slot": slot}
         try:
             doc, data_start = read_manifest_with_data(client.seg.buf, off)
             assert self.signature is not None
-            self.signature.check_inputs(doc["inputs"])
+            batch = self.signature.check_inputs(doc["inputs"])
             self.signature.check_outputs(doc.get("outputs"))
             entry.update(id=doc.get("id", ""), params=doc.get("params"), corr=doc.get("corr", 0),
                          flags=doc.get("flags", 0), t=doc.get("t", 0))
@@ -225,8 +243,41 @@ class Worker:
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
             self.stats.rejected()
             self._answer_error(entry, 400, str(e))
-            return  # serve() flushes the counters and sends the answer
-        self._execute([entry])
+            return False  # serve() flushes the counters and sends the answer
+        if self.batcher is None:
+            self._execute([entry])
+            return False
+        now_ns = time.monotonic_ns()
+        if "tr" in entry:
+            entry["tr"] = now_ns  # traced: its QUEUE_START
+        # It waited on the lane while we ran the previous batch: its delay and queue timeout count
+        # from when the client sent it (the same monotonic clock in every process).
+        arrived = min(entry["t"] or now_ns, now_ns) / 1e9
+        pending = Pending(client, slot, off, entry, batch, arrived, priority=int(doc.get("priority") or 0),
+                          timeout_us=int(doc.get("timeout") or 0))
+        try:
+            self.batcher.enqueue(pending, arrived)
+        except QueueFull as e:
+            self.stats.rejected()
+            self._answer_error(entry, e.status, str(e))
+            return False
+        return True
+
+    def _run_local_batches(self, batcher: DynamicBatcher, now: float) -> None:
+        """Answer what timed out in our queue, then run every batch that is due (all of them when
+        ``now`` is infinite: the worker is stopping). Each finished request counts as drained."""
+        expired = batcher.expire(time.monotonic())
+        for p in expired:
+            self.stats.timed_out()
+            self._answer_error(p.entry, 503, "Request timeout expired")
+        done = len(expired)
+        while len(batcher):
+            batch = batcher.next_batch(now)
+            if batch is None:
+                break
+            self._execute([p.entry for p in batch])
+            done += len(batch)
+        self.stats.counts[DIRECT_DONE] += done
 
     def _locate(self, client: ClientSegment, t: dict, data_start: int, what: str = "input") -> dict:
         size = int(t["size"])
@@ -348,6 +399,10 @@ class Worker:
         for name, client in list(self.clients.items()):
             # Gone: the process died, or it closed the connection (which unlinks the segment).
             if not pid_alive(client.pid) or not os.path.exists("/dev/shm" + name):
+                if self.batcher is not None and len(self.batcher):
+                    queued = len(self.batcher)
+                    self.batcher.drop_client(client)
+                    self.stats.counts[DIRECT_DONE] += queued - len(self.batcher)
                 self.clients.pop(name).close()
                 self.segments.drop(name)
 

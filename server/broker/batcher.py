@@ -35,30 +35,42 @@ class QueuePolicy:
     max_queue_size: int = 0
 
     @classmethod
-    def from_config(cls, policy: Any) -> "QueuePolicy":
-        return cls(reject_on_timeout=policy.timeout_action == 0,  # REJECT = 0, DELAY = 1
-                   default_timeout_us=policy.default_timeout_microseconds,
-                   allow_timeout_override=policy.allow_timeout_override,
-                   max_queue_size=policy.max_queue_size)
+    def from_dict(cls, policy: dict[str, Any]) -> "QueuePolicy":
+        """A ``ModelQueuePolicy`` in the config's dict form (``config.to_dict``)."""
+        return cls(reject_on_timeout=policy.get("timeout_action", "REJECT") in ("REJECT", 0),
+                   default_timeout_us=int(policy.get("default_timeout_microseconds", 0)),
+                   allow_timeout_override=bool(policy.get("allow_timeout_override", False)),
+                   max_queue_size=int(policy.get("max_queue_size", 0)))
+
+
+def batches_on_worker(config: dict[str, Any], instances: int) -> bool:
+    """Whether the worker batches the requests clients put on its lanes itself: dynamic batching
+    with a single instance, where the broker would only add a hop and a wake-up per request (it
+    still batches what reaches it: requests of clients without a lane, ensemble steps)."""
+    return instances == 1 and bool(config.get("dynamic_batching") is not None) \
+        and config.get("sequence_batching") is None and int(config.get("max_batch_size", 0)) > 0
 
 
 class DynamicBatcher:
-    def __init__(self, config: Any) -> None:
-        db = config.dynamic_batching
-        self.max_batch_size: int = config.max_batch_size
-        self.delay_s = db.max_queue_delay_microseconds / 1e6
-        preferred = sorted(p for p in db.preferred_batch_size if 0 < p <= self.max_batch_size)
+    """Takes the model config in its dict form (``config.to_dict``), which both the broker and the
+    workers hold."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        db = config.get("dynamic_batching") or {}
+        self.max_batch_size: int = int(config.get("max_batch_size", 0))
+        self.delay_s = int(db.get("max_queue_delay_microseconds", 0)) / 1e6
+        preferred = sorted(int(p) for p in db.get("preferred_batch_size", ()) if 0 < int(p) <= self.max_batch_size)
         self.preferred = preferred or [self.max_batch_size]
-        self.preserve_ordering = db.preserve_ordering
-        self.levels = max(1, db.priority_levels)
-        default_level = db.default_priority_level if db.priority_levels else 1
+        self.preserve_ordering = bool(db.get("preserve_ordering", False))
+        self.levels = max(1, int(db.get("priority_levels", 0)))
+        default_level = int(db.get("default_priority_level", 0)) if int(db.get("priority_levels", 0)) else 1
         self.default_level = min(max(default_level, 1), self.levels)
-        default_policy = QueuePolicy.from_config(db.default_queue_policy) if db.HasField("default_queue_policy") \
-            else QueuePolicy()
+        default_policy = QueuePolicy.from_dict(db["default_queue_policy"]) if db.get("default_queue_policy") \
+            is not None else QueuePolicy()
         self.policies = [default_policy] * self.levels
-        for level, policy in db.priority_queue_policy.items():
-            if 1 <= level <= self.levels:
-                self.policies[level - 1] = QueuePolicy.from_config(policy)
+        for level, policy in (db.get("priority_queue_policy") or {}).items():
+            if 1 <= int(level) <= self.levels:
+                self.policies[int(level) - 1] = QueuePolicy.from_dict(policy)
         self.queues: list[collections.deque[Pending]] = [collections.deque() for _ in range(self.levels)]
         # Whether any request can carry a queue timeout (otherwise no deadline needs looking at).
         self.timed = any(p.default_timeout_us or p.allow_timeout_override for p in self.policies)

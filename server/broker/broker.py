@@ -34,7 +34,7 @@ from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_DON
 from workers.backend import BUILT_IN, installed_backends
 
 from . import config as cfgmod
-from .batcher import DynamicBatcher, QueueFull
+from .batcher import DynamicBatcher, QueueFull, batches_on_worker
 from .canary import SNAPSHOT_EVERY_S, Canary, CanaryPolicy, Split
 from .config import execution_timeout
 from .sequencer import SequenceBatcher
@@ -177,13 +177,13 @@ class Broker:
                 mv.sequencer = SequenceBatcher(config)
                 mv.pipeline_depth = 1
             elif config.HasField("dynamic_batching"):
-                mv.batcher = DynamicBatcher(config)
+                mv.batcher = DynamicBatcher(mv.config_dict)
                 mv.pipeline_depth = 1  # let requests gather while the instance is busy
+            mv.worker_batching = batches_on_worker(mv.config_dict, cfgmod.instance_count(config))
             versions_state[v] = mv
             for group in config.instance_group:
                 kind = "GPU" if group.kind == cfgmod.mc.ModelInstanceGroup.KIND_GPU else "CPU"
-                devices = list(group.gpus) if kind == "GPU" else [0]
-                for device in devices:
+                for device in cfgmod.instance_devices(group):
                     for k in range(group.count):
                         name_k = f"{group.name}_{k}" if kind == "CPU" else f"{group.name}_{k}_gpu{device}"
                         self._spawn(mv, name_k, len(mv.instances), kind, device)
@@ -315,6 +315,7 @@ class Broker:
             "instance_name": name, "instance_index": index, "kind": kind, "device_id": device,
             "model_dir": mv.model_dir, "config": mv.config_dict, "backend": mv.backend,
             "strict": self.opts.strict_config, "broker_pid": os.getpid(), "log": self.control.log_settings,
+            "batching": mv.worker_batching,
         }
         proc = subprocess.Popen([sys.executable, "-m", "workers", orjson.dumps(spec).decode()],
                                 stdin=subprocess.DEVNULL, env=WORKER_ENV)
@@ -397,7 +398,7 @@ class Broker:
         self._fail_pending(mv.queued(), 400, f"Request for unknown model: '{mv.name}' is not ready")
         mv.queue.clear()
         if mv.batcher is not None:
-            mv.batcher = DynamicBatcher(mv.config)
+            mv.batcher = DynamicBatcher(mv.config_dict)
         if mv.sequencer is not None:
             mv.sequencer = SequenceBatcher(mv.config)
 
@@ -793,7 +794,9 @@ class Broker:
         """Tell clients which versions are ready and which workers they may call directly.
 
         A version is direct when its scheduler is the default one (no dynamic or sequence
-        batching): then any ready instance may take any request, and the broker adds nothing.
+        batching): then any ready instance may take any request, and the broker adds nothing. A
+        dynamically batched version with one instance is direct too: its worker batches what
+        arrives on its lanes (``batches_on_worker``).
         """
         models: dict[str, Any] = {}
         splits: dict[str, Any] = {}
@@ -801,7 +804,8 @@ class Broker:
             entry = models[name] = {}
             for v, mv in versions.items():
                 cfg = mv.config
-                direct = not cfg.HasField("dynamic_batching") and not cfg.HasField("sequence_batching")
+                direct = mv.worker_batching or (not cfg.HasField("dynamic_batching")
+                                                and not cfg.HasField("sequence_batching"))
                 entry[str(v)] = {"ready": mv.state == State.READY, "direct": direct,
                                  "workers": [i.num for i in mv.instances if i.ready and i.num in self.workers]}
             split = self.split(name)

@@ -68,6 +68,15 @@ def backend_of(config: ModelConfig) -> str:
     return config.backend or PLATFORM_BACKENDS.get(config.platform, config.platform)
 
 
+def instance_devices(group: mc.ModelInstanceGroup) -> list[int]:
+    """The devices one instance group places ``count`` instances on (CPU groups: one)."""
+    return list(group.gpus) if group.kind == mc.ModelInstanceGroup.KIND_GPU else [0]
+
+
+def instance_count(config: ModelConfig) -> int:
+    return sum(group.count * len(instance_devices(group)) for group in config.instance_group)
+
+
 def load_config(model_dir: Path, strict: bool, override_json: str | None = None) -> ModelConfig:
     """Read (or, without --strict-model-config, complete) a model's configuration."""
     model = model_dir.name
