@@ -51,10 +51,13 @@ class Pending:
     level: int = 0  # queue index the batcher put it in
     deadline: float = 0.0  # monotonic time its queue timeout ends (0: none)
     delayed: bool = False  # timed out under timeout_action DELAY: served after the others
+    key: tuple | None = None  # shape_key, computed once (the batcher asks on every look at the queue)
 
     def shape_key(self) -> tuple:
         """Requests batch together only when every input matches beyond the batch dimension."""
-        return tuple((t["name"], t["datatype"], tuple(t["shape"][1:])) for t in self.entry["inputs"])
+        if self.key is None:
+            self.key = tuple((t["name"], t["datatype"], tuple(t["shape"][1:])) for t in self.entry["inputs"])
+        return self.key
 
 
 @dataclasses.dataclass
