@@ -34,6 +34,7 @@ from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, REQ_POLLING, ROL
 from .ring import Ring
 from .segment import SegmentCache
 from .tensors import byte_view
+from .copying import copy_into
 from .waker import SpinPolicy, read_all
 
 log = logging.getLogger("shmserve.client")
@@ -285,7 +286,7 @@ class Connection:
             pos = start = write_manifest(buf, off, data)
             for c in chunks:
                 n = len(c)
-                buf[pos:pos + n] = c
+                copy_into(buf[pos:pos + n], c)
                 pos += n
             self._callbacks[slot] = (callback, off)
             self._inflight.add(slot)

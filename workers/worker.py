@@ -24,6 +24,7 @@ import posix_ipc
 
 from shm import logs
 from shm.arena import Arena, free_block
+from shm.copying import copy_into
 from shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
 from shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
 from shm.names import object_name, pid_alive
@@ -478,7 +479,7 @@ class Worker:
                         cuda_runtime().to_device(ptr + target["off"], data)
                     else:
                         seg = self.segments.get(target["seg"], target.get("ino", 0), target["off"] + n)
-                        seg.buf[target["off"]:target["off"] + n] = data
+                        copy_into(seg.buf[target["off"]:target["off"] + n], data)
                     desc["region"] = True
                 else:
                     desc["off"] = pos
@@ -514,7 +515,7 @@ class Worker:
         buf = self.seg.seg.buf
         pos = write_manifest(buf, off, doc)
         for n, data in tensors:
-            buf[pos:pos + n] = data
+            copy_into(buf[pos:pos + n], data)
             pos += n
         return status, off, total
 
