@@ -19,14 +19,15 @@ what=${*:-add_sub identity mlp local ready}
 
 wait_ready() { for _ in $(seq 600); do curl -sf "localhost:$1/v2/health/ready" >/dev/null && return 0; sleep 0.2; done; return 1; }
 
-run_bench() {  # name port
+run_bench() {  # name port metrics-port
   local name=$1 port=$2 B="$PY -m tools.bench_http --url 127.0.0.1:$2 --duration $DURATION --warmup 2 --repeat $REPEAT"
   for w in $what; do
     case $w in
       add_sub)  $B --model add_sub --clients 1,4 --json "$OUT/$name-add_sub.json" ;;
       identity) $B --model identity --clients 1 --shape-override INPUT0=4194304 --json "$OUT/$name-identity-http.json"
                 $B --model identity --clients 1 --shape-override INPUT0=4194304 --shm system --json "$OUT/$name-identity-shm.json" ;;
-      mlp)      $B --model mlp --clients 8 --json "$OUT/$name-mlp.json" ;;
+      mlp)      $PY -m tools.batch_size --metrics "127.0.0.1:$3" --model mlp -- \
+                  $B --model mlp --clients 8 --json "$OUT/$name-mlp.json" | tee "$OUT/$name-mlp.txt" ;;
     esac
   done
 }
@@ -34,7 +35,7 @@ run_bench() {  # name port
 echo "== Triton"
 setsid ../shared/tools/reference-triton "$MODELS" > "$OUT/triton.log" 2>&1 < /dev/null &
 wait_ready 18000
-run_bench triton 18000
+run_bench triton 18000 18002
 kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null || true
 while pgrep -x tritonserver >/dev/null; do sleep 0.5; done
 
@@ -43,7 +44,7 @@ setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metri
   > "$OUT/shmserve.log" 2>&1 < /dev/null &
 pid=$!
 wait_ready 18600
-run_bench shmserve 18600
+run_bench shmserve 18600 18602
 if [[ " $what " == *" local "* ]]; then
   L="$PY -m tools.bench_local --id sbs --duration $DURATION --warmup 2 --repeat $REPEAT"
   $L --model add_sub --clients 1,4 --json "$OUT/shmserve-local-add_sub.json"
