@@ -180,11 +180,13 @@ def test_requests_queued_in_the_worker_count_as_pending(server):
         return metric(server, "nv_inference_pending_request_count", "probe_hold")
 
     with cf.ThreadPoolExecutor(3) as pool:
-        busy = pool.submit(infer_with, server.url, "probe_hold", 7, 0, 0, 0.8)
+        busy = pool.submit(infer_with, server.url, "probe_hold", 7, 0, 0, 1.5)
         time.sleep(0.15)
         queued = [pool.submit(infer_with, server.url, "probe_hold", 3) for _ in range(2)]
-        time.sleep(0.25)
-        assert pending() == 3  # one executing, two waiting for it on the worker's lanes
+        deadline = time.monotonic() + 1.0
+        while pending() != 3:  # one executing, two waiting for it on the worker's lanes
+            assert time.monotonic() < deadline, f"pending count {pending()}, expected 3"
+            time.sleep(0.05)
         assert busy.result()["reqs"] == 1
         assert [f.result()["reqs"] for f in queued] == [2, 2]  # they waited together: one batch
     assert pending() == 0
@@ -234,10 +236,10 @@ def test_a_client_killed_while_its_request_waits_in_the_worker(server):
 def test_unload_serves_what_waits_in_the_worker_first(server_factory):
     s = server_factory.start([REPO], ["--model-control-mode", "explicit", "--load-model", "probe_hold"])
     with cf.ThreadPoolExecutor(3) as pool:
-        busy = pool.submit(infer_with, s.url, "probe_hold", 7, 0, 0, 0.8)
+        busy = pool.submit(infer_with, s.url, "probe_hold", 7, 0, 0, 1.2)
         time.sleep(0.15)
         queued = [pool.submit(infer_with, s.url, "probe_hold", 3) for _ in range(2)]
-        time.sleep(0.15)
+        time.sleep(0.3)
         client = httpclient.InferenceServerClient(s.url)
         try:
             client.unload_model("probe_hold")
