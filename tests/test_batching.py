@@ -192,6 +192,21 @@ def test_requests_queued_in_the_worker_count_as_pending(server):
     assert pending() == 0
 
 
+def test_dynamic_batching_asked_for_by_auto_complete_config_batches(server):
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        config = client.get_model_config("probe_auto")
+    finally:
+        client.close()
+    assert config["max_batch_size"] == 16 and "dynamic_batching" in config
+    with cf.ThreadPoolExecutor(4) as pool:
+        busy = pool.submit(infer_with, server.url, "probe_auto", 7, 0, 0, 1.0)
+        time.sleep(0.2)
+        queued = [pool.submit(infer_with, server.url, "probe_auto", 3) for _ in range(3)]
+        assert busy.result()["reqs"] == 1
+        assert [f.result()["reqs"] for f in queued] == [3, 3, 3]  # they gathered while it ran
+
+
 KID = """
 import sys, time, numpy as np
 from shm.client import Client

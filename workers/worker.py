@@ -35,7 +35,7 @@ from shm.segment import SegmentCache, StaleRegion
 from shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
 from shm.waker import SpinPolicy, fence
 
-from server.broker.batcher import DynamicBatcher, QueueFull
+from server.broker.batcher import DynamicBatcher, QueueFull, batches_on_worker
 from server.broker.models import Pending
 
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
@@ -115,7 +115,7 @@ class Worker:
             self.output_names = list(self.signature.outputs)
             if ctx.config.get("sequence_batching"):
                 self.sequence = SequenceSupport(ctx.config)
-            if spec.get("batching"):
+            if batches_on_worker(ctx.config, spec.get("instances", 0)):  # the broker decides alike
                 self.batcher = DynamicBatcher(ctx.config)
             self.decoupled = bool((ctx.config.get("model_transaction_policy") or {}).get("decoupled"))
             if ctx.config.get("model_warmup"):

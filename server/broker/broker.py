@@ -179,7 +179,8 @@ class Broker:
             elif config.HasField("dynamic_batching"):
                 mv.batcher = DynamicBatcher(mv.config_dict)
                 mv.pipeline_depth = 1  # let requests gather while the instance is busy
-            mv.worker_batching = batches_on_worker(mv.config_dict, cfgmod.instance_count(config))
+            mv.planned_instances = cfgmod.instance_count(config)
+            mv.worker_batching = batches_on_worker(mv.config_dict, mv.planned_instances)
             versions_state[v] = mv
             for group in config.instance_group:
                 kind = "GPU" if group.kind == cfgmod.mc.ModelInstanceGroup.KIND_GPU else "CPU"
@@ -315,7 +316,7 @@ class Broker:
             "instance_name": name, "instance_index": index, "kind": kind, "device_id": device,
             "model_dir": mv.model_dir, "config": mv.config_dict, "backend": mv.backend,
             "strict": self.opts.strict_config, "broker_pid": os.getpid(), "log": self.control.log_settings,
-            "batching": mv.worker_batching,
+            "instances": mv.planned_instances,
         }
         proc = subprocess.Popen([sys.executable, "-m", "workers", orjson.dumps(spec).decode()],
                                 stdin=subprocess.DEVNULL, env=WORKER_ENV)
@@ -384,6 +385,11 @@ class Broker:
             return
         mv.config = completed
         mv.set_config(cfgmod.to_dict(completed))
+        if completed.HasField("dynamic_batching") and mv.batcher is None and mv.sequencer is None:
+            # model.py's auto_complete_config asked for the dynamic batcher (set_dynamic_batching)
+            mv.batcher = DynamicBatcher(mv.config_dict)
+            mv.pipeline_depth = 1
+        mv.worker_batching = batches_on_worker(mv.config_dict, mv.planned_instances)
 
     def _fail_version(self, mv: ModelVersion, reason: str) -> None:
         if mv.state == State.UNAVAILABLE:
