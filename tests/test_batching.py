@@ -207,6 +207,36 @@ def test_dynamic_batching_asked_for_by_auto_complete_config_batches(server):
         assert [f.result()["reqs"] for f in queued] == [3, 3, 3]  # they gathered while it ran
 
 
+@pytest.mark.parametrize("model", ["probe_hold", "probe_pair"])  # batched in the worker / in the broker
+def test_descriptors_with_bad_queue_fields_are_400_and_harm_nothing(server, model):
+    """A local program writes its descriptors itself: a priority, timeout or send time that is not
+    a non-negative integer is its error, not the server's."""
+    import threading
+
+    from shm.client import Client
+    pids = server.worker_pids(model)
+    x = np.zeros((1, 3), np.float32)
+    with Client(server.id) as client:
+        conn = client._conn  # noqa: SLF001 - the raw connection, to send what the library never would
+        for field, value in (("priority", "high"), ("timeout", -5), ("t", "soon"), ("priority", True)):
+            doc = {"model": model, "version": "", "outputs": None, field: value,
+                   "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 3], "data": 0, "size": 12}]}
+            answers: list = []
+            done = threading.Event()
+
+            def answered(c, answers=answers, done=done) -> None:
+                answers.append((c.status, c.doc()))
+                c.release()
+                done.set()
+
+            conn.infer(doc, [x], answered)
+            assert done.wait(10), f"no answer for {field}={value!r}"
+            status, body = answers[0]
+            assert status == 400 and f"'{field}' must be a non-negative integer" in body["error"], body
+        assert client.infer(model, {"INPUT0": x})["REQS"].tolist() == [[1]]
+    assert server.worker_pids(model) == pids
+
+
 KID = """
 import sys, time, numpy as np
 from shm.client import Client

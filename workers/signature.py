@@ -20,6 +20,18 @@ class InvalidRequest(Exception):
     status = 400
 
 
+def queue_options(doc: dict[str, Any]) -> tuple[int, int, int]:
+    """(priority, timeout in us, send time in monotonic ns) of a request descriptor, checked: a
+    local program writes descriptors itself, and these feed the batcher's arithmetic."""
+    values = []
+    for key in ("priority", "timeout", "t"):
+        value = doc.get(key) or 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidRequest(f"'{key}' must be a non-negative integer")
+        values.append(value)
+    return values[0], values[1], values[2]
+
+
 class TensorSpec:
     __slots__ = ("name", "datatype", "dims", "optional")
 

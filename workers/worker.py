@@ -42,7 +42,7 @@ from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Re
 from .cuda import CudaError
 from .cuda import runtime as cuda_runtime
 from .sequence import SequenceSupport
-from .signature import InvalidRequest, ModelSignature
+from .signature import InvalidRequest, ModelSignature, queue_options
 from .stream import StreamSender
 from .warmup import run_warmup
 
@@ -229,6 +229,7 @@ class Worker:
             assert self.signature is not None
             batch = self.signature.check_inputs(doc["inputs"])
             self.signature.check_outputs(doc.get("outputs"))
+            priority, timeout_us, sent_ns = queue_options(doc)
             entry.update(id=doc.get("id", ""), params=doc.get("params"), corr=doc.get("corr", 0),
                          flags=doc.get("flags", 0), t=doc.get("t", 0))
             if "tr" in doc:
@@ -253,9 +254,8 @@ class Worker:
             entry["tr"] = now_ns  # traced: its QUEUE_START
         # It waited on the lane while we ran the previous batch: its delay and queue timeout count
         # from when the client sent it (the same monotonic clock in every process).
-        arrived = min(entry["t"] or now_ns, now_ns) / 1e9
-        pending = Pending(client, slot, off, entry, batch, arrived, priority=int(doc.get("priority") or 0),
-                          timeout_us=int(doc.get("timeout") or 0))
+        arrived = min(sent_ns or now_ns, now_ns) / 1e9
+        pending = Pending(client, slot, off, entry, batch, arrived, priority=priority, timeout_us=timeout_us)
         try:
             self.batcher.enqueue(pending, arrived)
         except QueueFull as e:

@@ -45,7 +45,7 @@ from .lifecycle import STRAGGLER_GRACE_S, LoadJob, Retiring, idle
 from .metrics import MetricsOptions, serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
 from .options import STARTUP_FAILED, BrokerOptions
-from workers.signature import InvalidRequest
+from workers.signature import InvalidRequest, queue_options
 
 log = logging.getLogger("shmserve.broker")
 
@@ -537,6 +537,7 @@ class Broker:
             batch = sig.check_inputs(inputs)
             outputs = doc.get("outputs")
             sig.check_outputs(outputs)
+            priority, timeout_us, _ = queue_options(doc)
             entry = {
                 "client": client.name, "pid": client.pid, "slot": slot, "id": doc.get("id", ""),
                 "params": doc.get("params"), "corr": doc.get("corr", 0), "flags": doc.get("flags", 0),
@@ -560,8 +561,7 @@ class Broker:
             self._start_ensemble(mv, client, slot, entry)
             return
         now = time.monotonic()
-        pend = Pending(client, slot, off, entry, batch, now, priority=int(doc.get("priority") or 0),
-                       timeout_us=int(doc.get("timeout") or 0))
+        pend = Pending(client, slot, off, entry, batch, now, priority=priority, timeout_us=timeout_us)
         self._enqueue(mv, pend)
 
     def _enqueue(self, mv: ModelVersion, pend: Pending) -> None:
