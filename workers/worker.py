@@ -183,8 +183,7 @@ class Worker:
                         self.stats.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
             ran = bool(lanes)
             if batcher is not None and len(batcher):
-                self._run_local_batches(batcher, time.monotonic() if self.running else math.inf)
-                ran = True
+                ran = self._run_local_batches(batcher, time.monotonic() if self.running else math.inf) > 0 or ran
             if ran:
                 # Once per round, not per request: counters first, then every answer of the round
                 # with one wake-up per client (under load a round holds several requests).
@@ -231,7 +230,7 @@ class Worker:
             self.signature.check_outputs(doc.get("outputs"))
             priority, timeout_us, sent_ns = queue_options(doc)
             entry.update(id=doc.get("id", ""), params=doc.get("params"), corr=doc.get("corr", 0),
-                         flags=doc.get("flags", 0), t=doc.get("t", 0))
+                         flags=doc.get("flags", 0), t=sent_ns)
             if "tr" in doc:
                 entry["tr"] = 0  # traced; no broker queue (the frontend's submit is its QUEUE_START)
             entry["inputs"] = [self._locate(client, t, data_start) for t in doc["inputs"]]
@@ -264,9 +263,10 @@ class Worker:
             return False
         return True
 
-    def _run_local_batches(self, batcher: DynamicBatcher, now: float) -> None:
+    def _run_local_batches(self, batcher: DynamicBatcher, now: float) -> int:
         """Answer what timed out in our queue, then run every batch that is due (all of them when
-        ``now`` is infinite: the worker is stopping). Each finished request counts as drained."""
+        ``now`` is infinite: the worker is stopping). Each finished request counts as drained;
+        returns how many finished."""
         expired = batcher.expire(time.monotonic())
         for p in expired:
             self.stats.timed_out()
@@ -279,6 +279,7 @@ class Worker:
             self._execute([p.entry for p in batch])
             done += len(batch)
         self.stats.counts[DIRECT_DONE] += done
+        return done
 
     def _locate(self, client: ClientSegment, t: dict, data_start: int, what: str = "input") -> dict:
         size = int(t["size"])

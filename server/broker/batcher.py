@@ -47,7 +47,7 @@ def batches_on_worker(config: dict[str, Any], instances: int) -> bool:
     """Whether the worker batches the requests clients put on its lanes itself: dynamic batching
     with a single instance, where the broker would only add a hop and a wake-up per request (it
     still batches what reaches it: requests of clients without a lane, ensemble steps)."""
-    return instances == 1 and bool(config.get("dynamic_batching") is not None) \
+    return instances == 1 and config.get("dynamic_batching") is not None \
         and config.get("sequence_batching") is None and int(config.get("max_batch_size", 0)) > 0
 
 

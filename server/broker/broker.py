@@ -537,11 +537,11 @@ class Broker:
             batch = sig.check_inputs(inputs)
             outputs = doc.get("outputs")
             sig.check_outputs(outputs)
-            priority, timeout_us, _ = queue_options(doc)
+            priority, timeout_us, sent_ns = queue_options(doc)
             entry = {
                 "client": client.name, "pid": client.pid, "slot": slot, "id": doc.get("id", ""),
                 "params": doc.get("params"), "corr": doc.get("corr", 0), "flags": doc.get("flags", 0),
-                "t": doc.get("t", 0),
+                "t": sent_ns,
                 "inputs": [self._resolve(client, t, "input", data_start) for t in inputs],
                 "outputs": [self._resolve_output(client, o, data_start) for o in outputs] if outputs else None,
             }
