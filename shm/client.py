@@ -15,6 +15,7 @@ result's arrays are views valid while the result (or any of its arrays) is alive
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import math
 import threading
@@ -125,6 +126,7 @@ class Client:
         self._regions: dict[str, Region] = {}
         self._configs: dict[tuple[str, str], dict] = {}
         self._lock = threading.Lock()
+        _open_clients.add(self)
 
     # -- plumbing -------------------------------------------------------------------------------
     def _call(self, submit: Any, convert: Any) -> concurrent.futures.Future:
@@ -178,12 +180,12 @@ class Client:
 
     # -- regions --------------------------------------------------------------------------------
     def create_region(self, name: str, byte_size: int) -> Region:
-        """A new shm region owned by this client, registered under ``name`` (dropped by the
-        server if this process dies)."""
+        """A new shm region owned by this client, registered under ``name``. Its object goes when
+        the client closes, when the process exits, or (unlinked by the server) when it dies."""
         region = Region.create(name, byte_size)
         try:
             self._control({"op": "shm_register", "name": name, "key": region.key, "offset": 0,
-                           "byte_size": byte_size, "owned": True})
+                           "byte_size": byte_size, "owned": True, "created": True})
         except BaseException:
             region.close()
             raise
@@ -414,6 +416,7 @@ class Client:
             yield self._result(completion, plan, start)
 
     def close(self) -> None:
+        _open_clients.discard(self)
         for name in list(self._regions):
             region = self._regions.pop(name)
             try:
@@ -429,6 +432,20 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_open_clients: "set[Client]" = set()  # not weak: an unclosed connection lives on in its waiter thread anyway
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A program that never closed its clients still leaves nothing in /dev/shm: its regions'
+    objects are unlinked and its connections say goodbye (the server drops what they held)."""
+    for client in list(_open_clients):
+        for region in client._regions.values():
+            region.close()
+        client._regions.clear()
+        client._conn.close()
 
 
 def _drain_stream(events: Any, wait_s: float = 30.0) -> None:

@@ -15,6 +15,12 @@ import posix_ipc
 from .names import is_server_object
 
 
+def created_key_prefix(pid: int) -> str:
+    """The key prefix of the regions ``Region.create`` makes in process ``pid``: the server
+    unlinks the ones a dead client registered as created (nobody else could any more)."""
+    return f"/shmclient.{pid}."
+
+
 class Region:
     """A shared-memory object mapped here; ``array`` gives numpy views into it."""
 
@@ -29,7 +35,7 @@ class Region:
 
     @classmethod
     def create(cls, name: str, size: int, key: str | None = None) -> "Region":
-        key = key or f"/shmclient.{os.getpid()}.{name}"
+        key = key or created_key_prefix(os.getpid()) + name
         if is_server_object(key):
             raise ValueError(f"key '{key}' is in the server's own namespace")
         shm = posix_ipc.SharedMemory(key, posix_ipc.O_CREX, mode=0o600, size=size)

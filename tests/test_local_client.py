@@ -554,7 +554,7 @@ def kill_kid(proc: subprocess.Popen, key: str) -> None:
     proc.stdout.close()
     proc.stderr.close()
     if os.path.exists(f"/dev/shm/{key.lstrip('/')}"):
-        os.unlink(f"/dev/shm/{key.lstrip('/')}")  # its own region: only its owner could unlink it
+        os.unlink(f"/dev/shm/{key.lstrip('/')}")  # a test failed before the server reclaimed it
 
 
 class Traffic:
@@ -611,6 +611,8 @@ def test_client_killed_mid_request_is_noticed(lc_server, killed_clients):
                         "the killed client's segment, FIFO and semaphore disappear")
         assert took < 5.0
         assert f"kid_{proc.pid}" not in http_region_names(lc_server), "its region is still registered"
+        wait_for(lambda: not os.path.exists("/dev/shm" + key), 2.0,
+                 "the server unlinks the object of the region the killed client created")
         # The server goes on serving, the slow model included (once the dead client's request is done).
         with Client(lc_server.id) as other:
             r = other.infer("slow_reader", {"X": A}, parameters={"sleep_s": 0})
@@ -639,6 +641,39 @@ def test_client_with_region_inputs_killed_mid_request_leaves_the_worker_alive(se
             assert server.worker_pids("slow_reader") == pid_before, "the worker died"
     finally:
         kill_kid(proc, key)
+
+
+UNCLOSED = r"""
+import sys
+import numpy as np
+from shm.client import Client
+c = Client(sys.argv[1])
+region = c.create_region("unclosed", 4096)
+a = region.array(np.int32, (16,))
+a[:] = 1
+print(region.key, flush=True)
+assert c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == [2] * 16
+"""  # exits without closing the client
+
+
+def test_a_program_that_never_closes_its_client_leaves_nothing(lc_server):
+    proc = subprocess.run([PYTHON, "-c", UNCLOSED, lc_server.id], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    key = proc.stdout.strip()
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert key.startswith("/shmclient."), proc.stdout
+        assert not os.path.exists("/dev/shm" + key), "the region's object outlived the program"
+        assert client_segments(lc_server.id, proc_pid(key)) == [], "its connection's objects outlived it"
+        assert "unclosed" not in http_region_names(lc_server)
+    finally:
+        if key.startswith("/") and os.path.exists("/dev/shm" + key):
+            os.unlink("/dev/shm" + key)
+
+
+def proc_pid(key: str) -> int:
+    """The pid in a key ``Client.create_region`` made (``/shmclient.<pid>.<name>``)."""
+    return int(key.split(".")[1])
 
 
 def test_closed_clients_segment_is_unmapped_by_the_server(lc_server):

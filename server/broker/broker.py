@@ -436,7 +436,8 @@ class Broker:
         client.seg.cookie = self.next_cookie
         client.seg.lane = lane  # last: the client waits for this
 
-    def _drop_client(self, client: Client, unlink: bool) -> None:
+    def _drop_client(self, client: Client, died: bool) -> None:
+        """Forget a client that said goodbye, or that ``died`` (then its objects are unlinked here)."""
         self.clients.pop(client.name, None)
         if client.lane is not None and self.lanes[client.lane] == client.name:
             self.lanes[client.lane] = None
@@ -448,9 +449,9 @@ class Broker:
                 for sched in (mv.batcher, mv.sequencer):
                     if sched is not None:
                         sched.drop_client(client)
-        self.control.forget_client(client)
+        self.control.forget_client(client, died)
         client.seg.close()
-        if unlink:
+        if died:
             client.seg.unlink()
         self.seg.departures[0] += 1
         for _, inst in self.workers.values():  # let them unmap the client's segment now
@@ -464,7 +465,7 @@ class Broker:
             elif kind == REQ_CONTROL:
                 self._control(client, slot, off)
             elif kind == REQ_BYE:
-                self._drop_client(client, unlink=False)
+                self._drop_client(client, died=False)
                 return
 
     def reply(self, client: Client, slot: int, status: int, doc: Any) -> None:
@@ -1039,7 +1040,7 @@ class Broker:
         for client in list(self.clients.values()):
             if not pid_alive(client.pid):
                 log.info("client %s (pid %d) died; reclaiming its channel", client.name, client.pid)
-                self._drop_client(client, unlink=True)
+                self._drop_client(client, died=True)
         if not self.startup_done:
             self._check_startup()
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from shm import logs, region_table
 from shm.channel import REGIONS_BYTES
 from shm.published import HEADER as PUBLISHED_HEADER
+from shm.regions import created_key_prefix
 
 from .canary import Canary
 from .metrics import version_stats_json
@@ -70,8 +71,8 @@ class ControlHandler:
             raise InvalidRequest(f"unknown control operation '{doc.get('op')}'")
         return op(client, slot, doc)
 
-    def forget_client(self, client: Client) -> None:
-        self.regions.drop_owner(client.name)
+    def forget_client(self, client: Client, died: bool = False) -> None:
+        self.regions.drop_owner(client.name, died)
         self.publish_regions()
 
     def publish_regions(self) -> None:
@@ -218,7 +219,11 @@ class ControlHandler:
     # -- shared memory --------------------------------------------------------------------------
     def _shm_register(self, client: Client, slot: int, doc: dict) -> Answer:
         owner = client.name if doc.get("owned") else None
-        self.regions.register(doc["name"], doc["key"], int(doc.get("offset", 0)), int(doc["byte_size"]), owner)
+        # Only an object named as Client.create_region names it in the client's own process.
+        reclaim = owner is not None and bool(doc.get("created")) and \
+            str(doc["key"]).startswith(created_key_prefix(client.pid))
+        self.regions.register(doc["name"], doc["key"], int(doc.get("offset", 0)), int(doc["byte_size"]), owner,
+                              reclaim)
         self.publish_regions()
         return 200, {}
 

@@ -26,11 +26,13 @@ class RegionError(InvalidRequest):
 
 
 class Region:
-    __slots__ = ("name", "key", "offset", "byte_size", "owner", "ino")
+    __slots__ = ("name", "key", "offset", "byte_size", "owner", "ino", "reclaim")
 
-    def __init__(self, name: str, key: str, offset: int, byte_size: int, owner: str | None, ino: int) -> None:
+    def __init__(self, name: str, key: str, offset: int, byte_size: int, owner: str | None, ino: int,
+                 reclaim: bool = False) -> None:
         self.name, self.key, self.offset, self.byte_size, self.owner = name, key, offset, byte_size, owner
         self.ino = ino  # the object registered: workers re-map if the key later names another
+        self.reclaim = reclaim  # the owner's library created the object: unlinked if the owner dies
 
 
 class _Registry:
@@ -65,7 +67,8 @@ class RegionRegistry(_Registry):
     def describe(self, r: "Region") -> dict[str, Any]:
         return {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
 
-    def register(self, name: str, key: str, offset: int, byte_size: int, owner: str | None = None) -> None:
+    def register(self, name: str, key: str, offset: int, byte_size: int, owner: str | None = None,
+                 reclaim: bool = False) -> None:
         if not name:
             raise RegionError("shared memory region name must not be empty")
         if name in self.regions:
@@ -92,11 +95,18 @@ class RegionRegistry(_Registry):
         if offset + byte_size > size:
             raise RegionError(f"shared memory region '{name}': offset {offset} + byte_size {byte_size} "
                               f"exceeds the {size} bytes of '{key}'")
-        self.regions[name] = Region(name, shm_key, offset, byte_size, owner, st.st_ino)
+        self.regions[name] = Region(name, shm_key, offset, byte_size, owner, st.st_ino, reclaim)
 
-    def drop_owner(self, owner: str) -> None:
+    def drop_owner(self, owner: str, died: bool = False) -> None:
+        """Forget an owner's regions; if it died, also unlink the objects its library created
+        for it (``Client.create_region``), which would otherwise stay in /dev/shm for good."""
         for name in [n for n, r in self.regions.items() if r.owner == owner]:
-            del self.regions[name]
+            r = self.regions.pop(name)
+            if died and r.reclaim:
+                try:
+                    posix_ipc.unlink_shared_memory(r.key)
+                except posix_ipc.ExistentialError:
+                    pass
 
     def inode(self, name: str) -> int:
         return self.regions[name].ino
