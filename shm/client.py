@@ -18,6 +18,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import math
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -126,6 +127,7 @@ class Client:
         self._regions: dict[str, Region] = {}
         self._configs: dict[tuple[str, str], dict] = {}
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         _open_clients.add(self)
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -442,6 +444,8 @@ def _close_at_exit() -> None:
     """A program that never closed its clients still leaves nothing in /dev/shm: its regions'
     objects are unlinked and its connections say goodbye (the server drops what they held)."""
     for client in list(_open_clients):
+        if client._pid != os.getpid():
+            continue  # inherited through fork(): the parent's to close, not this child's
         for region in client._regions.values():
             region.close()
         client._regions.clear()

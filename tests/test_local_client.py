@@ -671,6 +671,31 @@ def test_a_program_that_never_closes_its_client_leaves_nothing(lc_server):
             os.unlink("/dev/shm" + key)
 
 
+FORKS = r"""
+import os, sys
+import numpy as np
+from shm.client import Client
+c = Client(sys.argv[1])
+region = c.create_region("forked", 4096)
+a = region.array(np.int32, (16,))
+a[:] = 1
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # runs the atexit hooks it inherited: they must leave the parent's client alone
+os.waitpid(pid, 0)
+assert os.path.exists("/dev/shm" + region.key), "the child unlinked the parent's region"
+assert c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == [2] * 16
+c.close()
+print("ok", flush=True)
+"""
+
+
+def test_a_forked_child_leaves_its_parents_client_alone(lc_server):
+    proc = subprocess.run([PYTHON, "-c", FORKS, lc_server.id], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
 def proc_pid(key: str) -> int:
     """The pid in a key ``Client.create_region`` made (``/shmclient.<pid>.<name>``)."""
     return int(key.split(".")[1])
