@@ -112,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(-1: no limit), mode=triton|opentelemetry, triton,file=PATH, triton,log-frequency=N "
                         "(a new file PATH.<k> every N traces), opentelemetry,url=URL; repeatable")
     p.add_argument("--id", default="shmserve",
-                   help="server id; names its shared-memory objects and lets local clients find it "
-                        "(default 'shmserve')")
+                   help="server id: the name server metadata (GET /v2) reports, as Triton's --id; it also "
+                        "names the server's shared-memory objects and lets local clients find it "
+                        "(default 'shmserve'; '--id triton' for clients that check for Triton's name)")
     add_bool(p, "--allow-remote-shm", False,
              "let non-loopback HTTP peers register system shared memory. Risky: anyone who "
                         "reaches the port could make the server read or write this host's shared memory "

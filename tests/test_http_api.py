@@ -38,7 +38,7 @@ def test_health_live_and_ready(server, client):
 
 def test_server_metadata(server, client):
     meta = client.get_server_metadata()
-    assert meta["name"] == "shmserve"
+    assert meta["name"] == server.id  # the --id, as Triton reports its own (default 'triton' there)
     assert isinstance(meta["version"], str) and meta["version"]
     for ext in ("binary_tensor_data", "model_configuration", "system_shared_memory"):
         assert ext in meta["extensions"]

@@ -117,6 +117,7 @@ def _compress(body: bytes, accept: str | None) -> tuple[bytes, str | None]:
 class Frontend:
     def __init__(self, server_id: str, arena_bytes: int = 256 << 20, max_input_bytes: int = 1 << 31,
                  max_tensor_elements: int = MAX_TENSOR_ELEMENTS, max_inflight: int = DEFAULT_SLOTS) -> None:
+        self.server_id = server_id  # what /v2 reports as the server's name, as Triton reports its --id
         self.link = BrokerLink(server_id, arena_bytes, max_inflight)
         self.max_input_bytes = max_input_bytes
         self.max_tensor_elements = max_tensor_elements
@@ -146,7 +147,7 @@ class Frontend:
         return Response(status_code=200 if answer.get("ready") else 400)
 
     async def server_metadata(self, request: Request) -> Response:
-        return json_response({"name": "shmserve", "version": __version__, "extensions": EXTENSIONS})
+        return json_response({"name": self.server_id, "version": __version__, "extensions": EXTENSIONS})
 
     @staticmethod
     def _model(request: Request) -> dict:
