@@ -94,6 +94,12 @@ def test_repository_api_load_unload_and_index(server_factory, repo):
     assert not c.is_model_ready("add_sub")
     with pytest.raises(InferenceServerException, match="Request for unknown model"):
         add_sub(c)
+    # A name no repository holds fails as in Triton and leaves no trace: Triton's own
+    # model-control examples count the index after loading 'wrong_model_name'.
+    with pytest.raises(InferenceServerException, match="failed to load 'wrong_model_name', failed to poll"):
+        c.load_model("wrong_model_name")
+    assert [e["name"] for e in c.get_model_repository_index()] == ["add_sub"]
+    assert c.is_server_ready()
 
 
 def test_load_from_file_contents_of_a_model_not_on_disk(server_factory, repo):

@@ -140,7 +140,12 @@ class Broker:
             self.model_dirs = self.scan_repositories()
             model_dir = self.model_dirs.get(name)
         if model_dir is None:
-            return self._load_failed(name, f"failed to load '{name}', failed to poll from model repository")
+            # A name no repository holds (a typo, a model not there yet): Triton's text, but no
+            # trace. Recorded, it would enter the index, turn strict readiness off for the whole
+            # server and give the failure metric a label per name a client makes up.
+            reason = f"failed to load '{name}', failed to poll from model repository"
+            log.error("%s", reason)
+            return reason
         try:
             config = cfgmod.load_config(model_dir, self.opts.strict_config, override_json)
             available = cfgmod.version_dirs(model_dir)
