@@ -49,6 +49,7 @@ LANE_PENDING = 0xFFFFFFFE  # until the broker has seen the client's connect reco
 ROUTES_BYTES = 1 << 20
 SETTINGS_BYTES = 8192  # server settings the broker publishes (log settings; shm/logs.py)
 REGIONS_BYTES = 1 << 20  # registered system shm regions (shm/region_table.py)
+CUSTOM_METRICS_BYTES = 256 << 10  # a worker's custom metrics (pb_utils.MetricFamily), as JSON
 _COOKIE = struct.Struct("<Q")
 LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
@@ -183,6 +184,9 @@ class WorkerSegment:
         off = _align(off + LANES * lane_bytes)
         self.stats = StatsArea(seg.buf, off)  # see stats.py: written by the worker, summed by the broker
         off = _align(off + StatsArea.nbytes())
+        # The model's own metrics (workers/custom_metrics.py), read by the broker at scrape time.
+        self.custom_metrics = Published(seg.buf, off, CUSTOM_METRICS_BYTES)
+        off += CUSTOM_METRICS_BYTES
         self.arena_offset = off
         self.arena_size = seg.size - off
         if create:
@@ -208,7 +212,8 @@ class WorkerSegment:
     @staticmethod
     def nbytes(arena_bytes: int) -> int:
         return _align(_align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD))
-                      + LANES * Ring.nbytes(LANE_CAPACITY, RECORD)) + _align(StatsArea.nbytes()) + arena_bytes
+                      + LANES * Ring.nbytes(LANE_CAPACITY, RECORD)) + _align(StatsArea.nbytes()) \
+            + CUSTOM_METRICS_BYTES + arena_bytes
 
     @classmethod
     def create(cls, name: str, arena_bytes: int) -> "WorkerSegment":

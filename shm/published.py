@@ -34,10 +34,16 @@ class Published:
     def generation(self) -> int:
         return int(self._gen[0])
 
-    def read(self) -> tuple[int, bytes]:
+    def read(self, attempts: int = 0) -> tuple[int, bytes]:
+        """(generation, document); with ``attempts``, (-1, b"") after that many tries found a
+        write in progress (a writer that died mid-write must not hang its reader)."""
+        tries = 0
         while True:
             g1 = int(self._gen[0])
             if g1 & 1:
+                tries += 1
+                if attempts and tries >= attempts:
+                    return -1, b""
                 time.sleep(0)
                 continue
             (n,) = _LEN.unpack_from(self._buf, self._off + 8)

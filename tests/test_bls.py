@@ -12,9 +12,18 @@ import tritonclient.http as httpclient
 ROOT = Path(__file__).resolve().parent.parent
 
 
+MODELS = Path(__file__).parent / "models"
+
+
 @pytest.fixture(scope="module")
 def server(module_factory):
-    return module_factory.start([Path(__file__).parent / "models" / "bls", ROOT / "model_repository"])
+    return module_factory.start([MODELS / "bls", MODELS / "decoupled", ROOT / "model_repository"])
+
+
+def string_input(name: str, text: str) -> httpclient.InferInput:
+    t = httpclient.InferInput(name, [1], "BYTES")
+    t.set_data_from_numpy(np.array([text.encode()], dtype=object))
+    return t
 
 
 def add_sub_inputs(a: np.ndarray, b: np.ndarray) -> list:
@@ -54,3 +63,43 @@ def test_async_exec_gathers_and_reports_errors(server):
     result = server.client().infer("bls_async", add_sub_inputs(a, b))
     np.testing.assert_array_equal(result.as_numpy("SUM"), a + b)
     assert "Request for unknown model: 'no_such_model' is not found" in result.as_numpy("ERROR")[0].decode()
+
+
+def test_exec_decoupled_iterates_a_streaming_models_responses(server):
+    """exec(decoupled=True): every response of word_stream, in order; err_stream's values and
+    then its error response (has_error), as Triton gives them."""
+    n = httpclient.InferInput("N", [1], "INT32")
+    n.set_data_from_numpy(np.array([3], np.int32))
+    result = server.client().infer("bls_stream", [string_input("TEXT", "the words come one by one"), n])
+    assert result.as_numpy("WORDS")[0].decode() == "the words come one by one"
+    assert result.as_numpy("OUTS").tolist() == [0, 1, 2]
+    assert result.as_numpy("ERROR")[0].decode() == "stream broke"
+
+
+def test_async_exec_decoupled_gathers_streams(server):
+    result = server.client().infer("bls_stream_async", [string_input("TEXT", "alpha beta gamma")])
+    assert [w.decode() for w in result.as_numpy("WORDS")] == ["alpha beta gamma", "gamma beta alpha"]
+
+
+def loader_action(server, action: str) -> dict:
+    import json
+
+    result = server.client().infer("bls_loader", [string_input("ACTION", action)])
+    return json.loads(result.as_numpy("RESULT")[0])
+
+
+def test_model_loading_api_needs_explicit_mode(server):
+    assert "explicit model load / unload is not allowed" in loader_action(server, "load")["error"]
+
+
+def test_model_loading_api_from_a_model(module_factory):
+    """pb_utils.load_model (config and files uploaded), is_model_ready and unload_model from
+    inside execute(), on a server in explicit mode; a failed load raises TritonModelException."""
+    s = module_factory.start([MODELS / "bls", MODELS / "decoupled", ROOT / "model_repository"],
+                             ["--model-control-mode", "explicit", "--load-model", "bls_loader"])
+    assert loader_action(s, "ready") == {"ready": False}
+    assert loader_action(s, "load") == {"ready": True, "y": 42}
+    assert s.client().is_model_ready("add_one")
+    assert loader_action(s, "unload") == {"ready": False}
+    assert not s.client().is_model_ready("add_one")
+    assert "failed to load 'no_such_model_anywhere'" in loader_action(s, "load_missing")["error"]

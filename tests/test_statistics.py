@@ -214,3 +214,42 @@ def test_grafana_dashboard_uses_only_metrics_the_server_exports(stats_server):
         assert name in exported or base in exported, f"dashboard uses {name}, which the server does not export"
     assert {"shmserve_request_duration_us_bucket", "nv_inference_request_success",
             "shmserve_canary_traffic_fraction"} <= names
+
+
+def test_custom_metrics_of_two_instances_read_as_one(module_factory):
+    """pb_utils.MetricFamily / Metric in a model with two instances: served on the metrics port
+    from the moment the model is ready, merged across the instances as Triton's single process
+    holds them; misuses raise TritonModelException in the model."""
+    import json
+
+    s = module_factory.start([TESTS / "models" / "custom_metrics"])
+    text = scrape(s)
+    assert sample(text, "metered_requests", model="metered") == 0
+    assert "# TYPE metered_requests counter" in text and "# TYPE metered_x histogram" in text
+    sent = [1, 5, 50, 500]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both instances take requests
+        results = list(pool.map(lambda x: metered(s.url, x), sent[:2]))
+    results += [metered(s.url, x) for x in sent[2:]]  # one after the other: 500 is set last
+    checks = json.loads(results[-1])
+    assert all(checks[k] for k in ("negative_counter", "set_counter", "histogram_without_buckets",
+                                   "reserved_name", "other_kind")), checks
+    assert "non-negative" in checks["negative_counter"] and "nv_mine" in checks["reserved_name"]
+    assert checks["counter_value"] is True
+    text = scrape(s)
+    assert sample(text, "metered_requests", model="metered") == 4
+    assert sample(text, "metered_value", model="metered", kind="added") == sum(sent)
+    assert sample(text, "metered_value", model="metered", kind="last") == 500
+    assert [sample(text, "metered_x_bucket", model="metered", le=le) for le in ("1.0", "10.0", "100.0", "+Inf")] \
+        == [1, 2, 3, 4]
+    assert sample(text, "metered_x_count", model="metered") == 4
+    assert sample(text, "metered_x_sum", model="metered") == sum(sent)
+
+
+def metered(url: str, x: int) -> str:
+    client = httpclient.InferenceServerClient(url)
+    try:
+        t = httpclient.InferInput("X", [1], "INT32")
+        t.set_data_from_numpy(np.array([x], dtype=np.int32))
+        return client.infer("metered", [t]).as_numpy("CHECKS")[0].decode()
+    finally:
+        client.close()

@@ -38,6 +38,7 @@ from shm.waker import SpinPolicy, fence
 from server.broker.batcher import DynamicBatcher, QueueFull, batches_on_worker
 from server.broker.models import Pending
 
+from . import custom_metrics
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
 from .cuda import CudaError
 from .cuda import runtime as cuda_runtime
@@ -102,6 +103,7 @@ class Worker:
                            config=spec["config"], strict_config=spec.get("strict", False),
                            server_id=self.server_id)
         try:
+            custom_metrics.REGISTRY.attach(self.seg.custom_metrics)
             self.backend = load_backend(spec["backend"])
             if not ctx.strict_config:
                 ctx.config = self.backend.auto_complete_config(ctx)
@@ -127,6 +129,7 @@ class Worker:
                       traceback.format_exc())
             self._post(W_LOAD_FAILED, 0, detail.encode())
             raise SystemExit(3) from None
+        custom_metrics.REGISTRY.flush()  # families the model made in initialize() show before its first request
         self._post(W_READY, 0, b"")
 
     def _post(self, kind: int, status: int, payload: bytes) -> None:
@@ -367,6 +370,7 @@ class Worker:
     def _flush_counts(self) -> None:
         self.stats.counts[ARENA_BYTES] = self.arena.bytes_in_use
         self.stats.flush()
+        custom_metrics.REGISTRY.flush()
         self._send_completions()
 
     def _build_request(self, entry: dict) -> Request:

@@ -95,7 +95,7 @@ class Broker:
             MetricsOptions(port=opts.metrics_port, interval_ms=opts.metrics_interval_ms,
                            summary_latencies=opts.metrics_config.get("summary_latencies") == "true",
                            cpu=opts.cpu_metrics, gpu=opts.gpu_metrics),
-            self._stats_rows, self._metric_extras)
+            self._stats_rows, self._metric_extras, self._custom_metric_docs)
         # The broker's own client segment: ensemble steps are requests it makes to step models.
         own = object_name(self.sid, "client", "broker")
         self.own = Client(name=own, pid=os.getpid(),
@@ -646,6 +646,16 @@ class Broker:
             ("shmserve_canary_traffic_fraction", "Share of a model's unversioned requests each version is sent",
              "gauge", self._split_samples()),
         ]
+
+    def _custom_metric_docs(self) -> list[bytes]:
+        """Every live worker's published custom metrics (scrape thread: a worker may go meanwhile)."""
+        docs = []
+        for _, inst in list(self.workers.values()):
+            try:
+                docs.append(inst.seg.custom_metrics.read(attempts=1000)[1])
+            except (ValueError, TypeError):  # its segment was closed under us
+                continue
+        return docs
 
     def _split_samples(self) -> list[tuple[dict[str, str], float]]:
         out = []

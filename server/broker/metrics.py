@@ -14,6 +14,7 @@ import threading
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
+import orjson
 from prometheus_client import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 from prometheus_client.metrics_core import Metric
@@ -58,11 +59,63 @@ def _fine_to_coarse(hist: np.ndarray) -> list[tuple[str, int]]:
     return out
 
 
+def merge_custom(docs: Iterable[bytes]) -> Iterator[Metric]:
+    """The models' own families (workers/custom_metrics.py) from every worker's document, merged
+    as one process would hold them: counters and histograms add up; a gauge takes the value of
+    the instance that set it last plus the increments of instances that never set it. A family
+    another instance declared with a different kind first is left out."""
+    families: dict[str, tuple[str, str, dict]] = {}
+    for raw in docs:
+        try:
+            doc = orjson.loads(raw) if raw else []
+        except orjson.JSONDecodeError:
+            continue
+        for f in doc:
+            kind, description, cells = families.setdefault(f["name"], (f["kind"], f["description"], {}))
+            if kind != f["kind"]:
+                continue
+            for m in f["metrics"]:
+                key = (tuple(sorted(m["labels"].items())), tuple(m.get("buckets", ())))
+                got = cells.get(key)
+                if got is None:
+                    cells[key] = {**m, "counts": list(m.get("counts", ())), "setters": [m] if m.get("t") else [],
+                                  "added": 0.0 if m.get("t") else m.get("value", 0.0)}
+                    continue
+                if kind == "histogram":
+                    got["counts"] = [a + b for a, b in zip(got["counts"], m["counts"])]
+                    got["sum"] += m["sum"]
+                    got["count"] += m["count"]
+                elif kind == "counter":
+                    got["value"] += m["value"]
+                elif m.get("t"):
+                    got["setters"].append(m)
+                else:
+                    got["added"] += m["value"]
+    for name, (kind, description, cells) in families.items():
+        metric = Metric(name, description, kind)
+        for c in cells.values():
+            labels = c["labels"]
+            if kind == "histogram":
+                cumulative = 0
+                for upper, n in zip([*c["buckets"], float("inf")], c["counts"]):
+                    cumulative += n
+                    metric.add_sample(name + "_bucket", {**labels, "le": floatToGoString(upper)}, cumulative)
+                metric.add_sample(name + "_count", labels, c["count"])
+                metric.add_sample(name + "_sum", labels, c["sum"])
+            elif kind == "gauge":
+                last = max(c["setters"], key=lambda m: m["t"])["value"] if c["setters"] else 0.0
+                metric.add_sample(name, labels, last + c["added"])
+            else:
+                metric.add_sample(name, labels, c["value"])
+        yield metric
+
+
 class _Collector:
     def __init__(self, rows: Callable[[], list[VersionRow]], extras: Callable[[], list[Family]],
-                 opts: MetricsOptions) -> None:
+                 opts: MetricsOptions, custom: Callable[[], list[bytes]] = list) -> None:
         self.rows = rows
         self.extras = extras
+        self.custom = custom
         self.opts = opts
         self.cpu = CpuSampler(opts.interval_ms / 1000.0)
 
@@ -114,6 +167,7 @@ class _Collector:
             for labels, value in samples:
                 m.add_sample(name, labels, value)
             yield m
+        yield from merge_custom(self.custom())
         if self.opts.cpu:
             yield from self._cpu()
         if self.opts.gpu:
@@ -206,9 +260,9 @@ def _escape(value: str) -> str:
 
 
 def serve_metrics(opts: MetricsOptions, rows: Callable[[], list[VersionRow]],
-                  extras: Callable[[], list[Family]]) -> CollectorRegistry:
+                  extras: Callable[[], list[Family]], custom: Callable[[], list[bytes]] = list) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(rows, extras, opts))  # type: ignore[arg-type]
+    registry.register(_Collector(rows, extras, opts, custom))  # type: ignore[arg-type]
     if opts.port > 0:
         try:
             server = http.server.ThreadingHTTPServer(("0.0.0.0", opts.port), _handler(registry))

@@ -64,6 +64,40 @@ class Bls:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
         return self._response(result)
 
+    def stream(self, request: Any) -> Any:
+        """``exec(decoupled=True)``: the target's responses, one by one as they come; an error
+        response ends them (as an InferenceResponse carrying the error, which Triton gives too)."""
+        from shm.client import InferenceServerError
+
+        model, inputs, wanted, options = self._call(request)
+        try:
+            for result in self.client().stream(model, inputs, wanted, **options):
+                yield self._response(result)
+        except InferenceServerError as e:
+            yield pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
+
+    async def stream_async(self, request: Any) -> list:
+        """``async_exec(decoupled=True)``: awaits the whole stream, then gives its responses."""
+        from shm.client import InferenceServerError
+
+        model, inputs, wanted, options = self._call(request)
+        responses = []
+        try:
+            async for result in self.client().stream_aio(model, inputs, wanted, **options):
+                responses.append(self._response(result))
+        except InferenceServerError as e:
+            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message)))
+        return responses
+
+    def control(self, doc: dict) -> Any:
+        """A model-control call (pb_utils.load_model and friends); TritonModelException on refusal."""
+        from shm.client import InferenceServerError
+
+        try:
+            return self.client()._control(doc)
+        except InferenceServerError as e:
+            raise pb_utils.TritonModelException(e.message) from None
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()

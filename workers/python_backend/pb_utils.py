@@ -18,6 +18,7 @@ Worker-only hooks (not part of Triton's API, underscore-prefixed):
 
 from __future__ import annotations
 
+import base64
 import copy
 import ctypes
 import enum
@@ -775,21 +776,19 @@ class InferenceRequest:
         if int(flags) & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
             raise _not_supported("Request rescheduling (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)")
 
-    def exec(self, decoupled: bool = False) -> "InferenceResponse":
-        """Run this request on another model (BLS) and wait for its response."""
-        if decoupled:
-            raise _not_supported("BLS with decoupled=True")
+    def exec(self, decoupled: bool = False) -> Any:
+        """Run this request on another model (BLS) and wait for its response; with
+        ``decoupled=True``, an iterator over the (zero or more) responses of a decoupled model."""
         if _bls is None:
             raise TritonModelException("BLS is only available inside a model's execute()")
-        return _bls.execute(self)
+        return _bls.stream(self) if decoupled else _bls.execute(self)
 
     def async_exec(self, decoupled: bool = False) -> Any:
-        """The awaitable form of ``exec`` (for ``async def execute``)."""
-        if decoupled:
-            raise _not_supported("BLS with decoupled=True")
+        """The awaitable form of ``exec`` (for ``async def execute``); with ``decoupled=True`` it
+        resolves to the list of the decoupled model's responses."""
         if _bls is None:
             raise TritonModelException("BLS is only available inside a model's execute()")
-        return _bls.execute_async(self)
+        return _bls.stream_async(self) if decoupled else _bls.execute_async(self)
 
     def get_response_sender(self) -> Any:
         """The sender of a decoupled model's responses (``send(response, flags)``)."""
@@ -1133,24 +1132,97 @@ def get_model_dir() -> str:
     return _model_dir
 
 
+def _control(doc: dict) -> Any:
+    if _bls is None:
+        raise TritonModelException("the model loading API is only available inside a running model")
+    return _bls.control(doc)
+
+
 def load_model(model_name: str, config: str = "", files: Optional[dict] = None) -> None:
-    raise _not_supported("The model loading API (load_model)")
+    """Load (or reload) a model, as the repository API does: ``config`` a JSON model config
+    overriding the repository's, ``files`` {"file:<path>": bytes} a model's own files. The server
+    must run with --model-control-mode=explicit; raises TritonModelException if the load fails."""
+    params: dict[str, Any] = {}
+    if config:
+        params["config"] = config
+    for key, content in (files or {}).items():
+        if not isinstance(content, (bytes, bytearray)):
+            raise TritonModelException(f"load_model: the content of '{key}' must be bytes")
+        params[key] = base64.b64encode(bytes(content)).decode("ascii")
+    _control({"op": "load", "model": model_name, "parameters": params})
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
-    raise _not_supported("The model loading API (unload_model)")
+    """Unload a model (explicit model control mode); raises TritonModelException on refusal."""
+    _control({"op": "unload", "model": model_name, "parameters": {"unload_dependents": unload_dependents}})
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
-    raise _not_supported("The model loading API (is_model_ready)")
+    return bool(_control({"op": "model_ready", "model": model_name, "version": str(model_version or "")})["ready"])
+
+
+def _metrics() -> Any:
+    from workers import custom_metrics
+
+    return custom_metrics
 
 
 class MetricFamily:
-    """Custom metrics: kind constants exist, constructing raises."""
+    """A family of the model's own Prometheus metrics, served with the server's on the metrics
+    port. Families of the same name (in any instance) are one family; so are metrics with the
+    same labels."""
 
     COUNTER = 0
     GAUGE = 1
     HISTOGRAM = 2
 
     def __init__(self, name: str, description: str, kind: int) -> None:
-        raise _not_supported("Custom metrics (MetricFamily)")
+        m = _metrics()
+        try:
+            self._family = m.REGISTRY.family(name, description, kind)
+        except m.MetricError as e:
+            raise TritonModelException(str(e)) from None
+
+    def Metric(self, labels: Optional[Mapping[str, str]] = None, buckets: Optional[Sequence[float]] = None) -> "Metric":  # noqa: N802 - Triton's name
+        return Metric(self, labels, buckets)
+
+
+class Metric:
+    """One labelled metric of a family: ``increment`` (counter, gauge), ``set`` (gauge),
+    ``observe`` (histogram), ``value`` (counter, gauge)."""
+
+    def __init__(self, family: MetricFamily, labels: Optional[Mapping[str, str]] = None,
+                 buckets: Optional[Sequence[float]] = None) -> None:
+        m = _metrics()
+        try:
+            self._cell = m.REGISTRY.cell(family._family, dict(labels) if labels is not None else None,
+                                         list(buckets) if buckets is not None else None)
+        except m.MetricError as e:
+            raise TritonModelException(str(e)) from None
+        self._kind = family._family.kind
+
+    def _update(self, op: str, value: float, kinds: tuple[int, ...]) -> None:
+        m = _metrics()
+        if self._kind not in kinds:
+            raise TritonModelException(f"{op}() is not supported by a {m.KINDS[self._kind]} metric")
+        if op == "increment" and self._kind == MetricFamily.COUNTER and isinstance(value, (int, float)) \
+                and value < 0:
+            raise TritonModelException("a counter can only be incremented by a non-negative value")
+        try:
+            m.REGISTRY.update(self._cell, op, value)
+        except m.MetricError as e:
+            raise TritonModelException(str(e)) from None
+
+    def increment(self, value: float) -> None:
+        self._update("increment", value, (MetricFamily.COUNTER, MetricFamily.GAUGE))
+
+    def set(self, value: float) -> None:
+        self._update("set", value, (MetricFamily.GAUGE,))
+
+    def observe(self, value: float) -> None:
+        self._update("observe", value, (MetricFamily.HISTOGRAM,))
+
+    def value(self) -> float:
+        if self._kind == MetricFamily.HISTOGRAM:
+            raise TritonModelException("value() is not supported by a histogram metric")
+        return self._cell.value

@@ -1,0 +1,49 @@
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def refused(call):
+    try:
+        call()
+    except pb_utils.TritonModelException as e:
+        return str(e)
+    return None
+
+
+class TritonPythonModel:
+    """Custom metrics as Triton's docs show them, in two instances: per request a counter, a
+    gauge set to X, a gauge only incremented by X and a histogram of X. CHECKS reports that
+    misuses raise TritonModelException."""
+
+    def initialize(self, args):
+        labels = {"model": args["model_name"]}
+        self.requests = pb_utils.MetricFamily("metered_requests", "Requests seen", pb_utils.MetricFamily.COUNTER
+                                              ).Metric(labels=labels)
+        gauges = pb_utils.MetricFamily("metered_value", "Values", pb_utils.MetricFamily.GAUGE)
+        self.last = gauges.Metric(labels={**labels, "kind": "last"})
+        self.added = gauges.Metric(labels={**labels, "kind": "added"})
+        self.hist = pb_utils.MetricFamily("metered_x", "Distribution of X", pb_utils.MetricFamily.HISTOGRAM
+                                          ).Metric(labels=labels, buckets=[1, 10, 100])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = int(pb_utils.get_input_tensor_by_name(request, "X").as_numpy()[0])
+            self.requests.increment(1)
+            self.last.set(x)
+            self.added.increment(x)
+            self.hist.observe(x)
+            checks = {
+                "negative_counter": refused(lambda: self.requests.increment(-1)),
+                "set_counter": refused(lambda: self.requests.set(3)),
+                "histogram_without_buckets": refused(
+                    lambda: pb_utils.MetricFamily("metered_h2", "", pb_utils.MetricFamily.HISTOGRAM).Metric()),
+                "reserved_name": refused(lambda: pb_utils.MetricFamily("nv_mine", "", pb_utils.MetricFamily.GAUGE)),
+                "other_kind": refused(lambda: pb_utils.MetricFamily("metered_requests", "", pb_utils.MetricFamily.GAUGE)),
+                "counter_value": self.requests.value() > 0,
+            }
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("CHECKS", np.array([json.dumps(checks).encode()], dtype=object))]))
+        return responses
