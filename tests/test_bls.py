@@ -103,3 +103,14 @@ def test_model_loading_api_from_a_model(module_factory):
     assert loader_action(s, "unload") == {"ready": False}
     assert not s.client().is_model_ready("add_one")
     assert "failed to load 'no_such_model_anywhere'" in loader_action(s, "load_missing")["error"]
+
+
+@pytest.mark.parametrize("code", [2, 3, 4, 5, 7])
+def test_bls_error_keeps_its_code(server, code):
+    """The code of a TritonError the called model answers reaches the caller (NOT_FOUND stays
+    NOT_FOUND, not INTERNAL); the target's name may be given as bytes, as Triton allows."""
+    c = httpclient.InferInput("CODE", [1], "INT32")
+    c.set_data_from_numpy(np.array([code], np.int32))
+    result = server.client().infer("error_caller", [c, string_input("TARGET", "error_source")])
+    assert result.as_numpy("GOT").tolist() == [code]
+    assert result.as_numpy("MESSAGE")[0].decode() == f"failed with code {code}"

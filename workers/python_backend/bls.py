@@ -42,6 +42,16 @@ class Bls:
         return request._model_name, inputs, wanted, options
 
     @staticmethod
+    def _error(e: Any) -> Any:
+        """The target's error as the caller sees it in Triton: its message and its code (carried
+        here as the status the code maps to)."""
+        from .backend import ERROR_STATUS
+
+        codes = {status: code for code, status in ERROR_STATUS.items() if code != pb_utils.TritonError.UNKNOWN}
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+            e.message, codes.get(e.status, pb_utils.TritonError.INTERNAL)))
+
+    @staticmethod
     def _response(result: Any) -> Any:
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, result[name]) for name in result])
 
@@ -52,7 +62,7 @@ class Bls:
         try:
             return self._response(self.client().infer(model, inputs, wanted, **options))
         except InferenceServerError as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
+            return self._error(e)
 
     async def execute_async(self, request: Any) -> Any:
         from shm.client import InferenceServerError
@@ -61,7 +71,7 @@ class Bls:
         try:
             result = await asyncio.wrap_future(self.client().infer_async(model, inputs, wanted, **options))
         except InferenceServerError as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
+            return self._error(e)
         return self._response(result)
 
     def stream(self, request: Any) -> Any:
@@ -74,7 +84,7 @@ class Bls:
             for result in self.client().stream(model, inputs, wanted, **options):
                 yield self._response(result)
         except InferenceServerError as e:
-            yield pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
+            yield self._error(e)
 
     async def stream_async(self, request: Any) -> list:
         """``async_exec(decoupled=True)``: awaits the whole stream, then gives its responses."""
@@ -86,7 +96,7 @@ class Bls:
             async for result in self.client().stream_aio(model, inputs, wanted, **options):
                 responses.append(self._response(result))
         except InferenceServerError as e:
-            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message)))
+            responses.append(self._error(e))
         return responses
 
     def control(self, doc: dict) -> Any:

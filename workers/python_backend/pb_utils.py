@@ -646,6 +646,11 @@ def _parameters_to_json(parameters: Optional[Mapping[str, Any]]) -> str:
 _REQUIRED: Any = object()
 
 
+def _text(value: Any) -> Any:
+    """``bytes`` as the str it encodes (UTF-8); anything else unchanged, for the type checks."""
+    return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else value
+
+
 class InferenceRequest:
     """One inference request handed to ``execute``.  Also the BLS request
     type in Triton; BLS execution is not supported yet (exec/async_exec
@@ -673,6 +678,8 @@ class InferenceRequest:
                 raise TypeError(f"InferenceRequest() missing required argument '{arg_name}'")
             if value is None:
                 raise TypeError(f"InferenceRequest() argument '{arg_name}' must not be None")
+        # Strings may come as bytes (e.g. a BYTES input's as_numpy()[0]), as Triton's binding takes them.
+        request_id, model_name = _text(request_id), _text(model_name)
         if not isinstance(request_id, str):
             raise TypeError("request_id must be a str")
         if isinstance(correlation_id, bool) or not isinstance(correlation_id, (int, str)):
@@ -689,7 +696,7 @@ class InferenceRequest:
                 raise TypeError(f"inputs must be Tensor objects, got {type(t).__name__}")
             by_name.setdefault(t.name(), t)
         names: list[str] = []
-        for n in requested_output_names:
+        for n in map(_text, requested_output_names):
             if not isinstance(n, str):
                 raise TypeError("requested_output_names must be strings")
             if n not in names:
@@ -1161,6 +1168,17 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
     return bool(_control({"op": "model_ready", "model": model_name, "version": str(model_version or "")})["ready"])
 
 
+class MetricKind(enum.IntEnum):
+    """Kinds of custom metric families; also ``pb_utils.COUNTER`` etc. and ``MetricFamily.COUNTER``."""
+
+    COUNTER = 0
+    GAUGE = 1
+    HISTOGRAM = 2
+
+
+COUNTER, GAUGE, HISTOGRAM = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM
+
+
 def _metrics() -> Any:
     from workers import custom_metrics
 
@@ -1172,9 +1190,9 @@ class MetricFamily:
     port. Families of the same name (in any instance) are one family; so are metrics with the
     same labels."""
 
-    COUNTER = 0
-    GAUGE = 1
-    HISTOGRAM = 2
+    COUNTER = MetricKind.COUNTER
+    GAUGE = MetricKind.GAUGE
+    HISTOGRAM = MetricKind.HISTOGRAM
 
     def __init__(self, name: str, description: str, kind: int) -> None:
         m = _metrics()
