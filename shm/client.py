@@ -366,7 +366,8 @@ class Client:
                request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,
                sequence_start: bool = False, sequence_end: bool = False, priority: int = 0,
                timeout: int = 0, wait_s: float | None = None) -> Iterator[InferResult]:
-        """Call a decoupled model: yields each of its responses as it arrives (zero or more).
+        """Call a decoupled model: the request is sent now; the iterator yields each of its
+        responses as it arrives (zero or more).
 
         An error response raises InferenceServerError and ends the stream.
         """
@@ -377,6 +378,9 @@ class Client:
         self._submit_infer(model, inputs, outputs, version, options,
                            lambda c, plan, start: events.put(("end", c, plan, start)),
                            lambda c, plan, start: events.put(("response", c, plan, start)))
+        return self._stream_results(events, wait_s)
+
+    def _stream_results(self, events: Any, wait_s: float | None) -> Iterator[InferResult]:
         while True:
             kind, completion, plan, start = events.get(timeout=wait_s)
             if kind == "end":

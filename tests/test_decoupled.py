@@ -114,3 +114,24 @@ def test_streamed_requests_are_counted_once(server):
     before = metric()
     post(server, "/v2/models/word_stream/generate_stream", {"text_input": "one two three"})
     assert metric() - before == 1
+
+
+def test_a_stream_is_sent_before_it_is_iterated(server):
+    """stream() sends the request at once (as Triton's exec(decoupled=True) does): the model
+    runs and finishes while the caller has not looked at the iterator yet."""
+    import time
+
+    def finished() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+        line = [ln for ln in text.splitlines()
+                if ln.startswith('nv_inference_request_success{') and 'model="word_stream"' in ln][0]
+        return float(line.rsplit(" ", 1)[1])
+
+    with Client(server.id) as client:
+        before = finished()
+        responses = client.stream("word_stream", {"text_input": np.array([b"sent early"], dtype=object)})
+        deadline = time.monotonic() + 10
+        while finished() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert finished() == before + 1, "the stream did not run before it was iterated"
+        assert [r["text_output"][0] for r in responses] == [b"sent", b"early"]

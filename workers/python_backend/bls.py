@@ -81,7 +81,16 @@ class Bls:
 
         model, inputs, wanted, options = self._call(request)
         try:
-            for result in self.client().stream(model, inputs, wanted, **options):
+            results = self.client().stream(model, inputs, wanted, **options)  # sent now, as in Triton
+        except InferenceServerError as e:
+            return iter([self._error(e)])
+        return self._responses(results)
+
+    def _responses(self, results: Any) -> Any:
+        from shm.client import InferenceServerError
+
+        try:
+            for result in results:
                 yield self._response(result)
         except InferenceServerError as e:
             yield self._error(e)
