@@ -446,7 +446,8 @@ _open_clients: "set[Client]" = set()  # not weak: an unclosed connection lives o
 @atexit.register
 def _close_at_exit() -> None:
     """A program that never closed its clients still leaves nothing in /dev/shm: its regions'
-    objects are unlinked and its connections say goodbye (the server drops what they held)."""
+    objects are unlinked and its connections say goodbye (the server drops what they held).
+    Not ``close()``: its unregister calls would wait on a server that may already be gone."""
     for client in list(_open_clients):
         if client._pid != os.getpid():
             continue  # inherited through fork(): the parent's to close, not this child's

@@ -77,14 +77,8 @@ class Bls:
     def stream(self, request: Any) -> Any:
         """``exec(decoupled=True)``: the target's responses, one by one as they come; an error
         response ends them (as an InferenceResponse carrying the error, which Triton gives too)."""
-        from shm.client import InferenceServerError
-
         model, inputs, wanted, options = self._call(request)
-        try:
-            results = self.client().stream(model, inputs, wanted, **options)  # sent now, as in Triton
-        except InferenceServerError as e:
-            return iter([self._error(e)])
-        return self._responses(results)
+        return self._responses(self.client().stream(model, inputs, wanted, **options))  # sent now, as in Triton
 
     def _responses(self, results: Any) -> Any:
         from shm.client import InferenceServerError

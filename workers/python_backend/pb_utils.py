@@ -1218,9 +1218,10 @@ class Metric:
         except m.MetricError as e:
             raise TritonModelException(str(e)) from None
         self._kind = family._family.kind
+        self._m = m  # per update: no import lookup
 
     def _update(self, op: str, value: float, kinds: tuple[int, ...]) -> None:
-        m = _metrics()
+        m = self._m
         if self._kind not in kinds:
             raise TritonModelException(f"{op}() is not supported by a {m.KINDS[self._kind]} metric")
         if op == "increment" and self._kind == MetricFamily.COUNTER and isinstance(value, (int, float)) \
