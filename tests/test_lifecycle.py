@@ -60,12 +60,15 @@ class Load:
 
     def run(self) -> None:
         client = httpclient.InferenceServerClient(self.url)
-        while not self.stop:
-            try:
-                assert add_sub(client).tolist() == list(range(0, 32, 2))
-                self.ok += 1
-            except Exception as e:  # noqa: BLE001 - every failure is a finding
-                self.errors.append(repr(e))
+        try:
+            while not self.stop:
+                try:
+                    assert add_sub(client).tolist() == list(range(0, 32, 2))
+                    self.ok += 1
+                except Exception as e:  # noqa: BLE001 - every failure is a finding
+                    self.errors.append(repr(e))
+        finally:
+            client.close()  # on this thread: left to the GC, its __del__ warned from another one
 
     def __enter__(self) -> "Load":
         for t in self.threads:
