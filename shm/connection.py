@@ -35,7 +35,7 @@ from .ring import Ring
 from .segment import SegmentCache
 from .tensors import byte_view
 from .copying import copy_into
-from .waker import SpinPolicy, read_all
+from .waker import AWAKE, SpinPolicy, read_all
 
 log = logging.getLogger("shmserve.client")
 _counter = itertools.count()
@@ -251,14 +251,15 @@ class Connection:
 
     # -- sending --------------------------------------------------------------------------------
     def submit(self, kind: int, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
-               on_response: Callback | None = None, waited: bool = False) -> int:
+               on_response: Callback | None = None, waited: bool = False, polling: bool = False) -> int:
         """Write the request (descriptor then tensor bytes) into our arena and wake the broker.
 
         Tensor references in ``doc`` give ``data`` as offsets relative to where the tensor bytes
         start, in the order of ``tensors``; ``reserve`` more bytes follow them (room the server may
         write outputs into). Returns the absolute offset where the tensor bytes start. ``waited``
         says the caller will block in ``wait_for`` for this request (so it leads; no waiter thread
-        needs waking).
+        needs waking); ``polling`` says the caller polls for the answer on its own (a loop-driven
+        owner), so the worker may poll for the next request too.
         """
         if not self.alive:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
@@ -301,8 +302,8 @@ class Connection:
             self.seg.set_target(slot, target + 1 if worker is not None else 0)  # type: ignore[operator]
             self.seg.set_slot_state(slot, SLOT_PENDING)
             if worker is not None:
-                polling = REQ_POLLING if waited and self._spin.budget() > 0 else 0
-                if worker.lanes[self.lane].put(kind | polling, slot, off, total, self._cookie):  # type: ignore[index]
+                hint = REQ_POLLING if polling or (waited and self._spin.budget() > 0) else 0
+                if worker.lanes[self.lane].put(kind | hint, slot, off, total, self._cookie):  # type: ignore[index]
                     self._targets[slot] = target + 1  # type: ignore[operator]
                     self._load[target] += 1  # type: ignore[index]
                 else:
@@ -446,13 +447,35 @@ class Connection:
         assert self.seg.fifo_fd is not None, "not a loop-driven connection"
         return self.seg.fifo_fd
 
-    def on_readable(self) -> None:
-        """Loop-driven owners call this when the FIFO is readable: runs the ready callbacks."""
+    def on_readable(self, arm: bool = True) -> None:
+        """Loop-driven owners call this when the FIFO is readable: runs the ready callbacks, then
+        (``arm``) declares the owner asleep so that producers wake it for the next answer."""
         read_all(self.fileno())
         while True:
             self._complete_all()
-            if not self.seg.waker.arm(self._has_done):
+            if not arm or not self.seg.waker.arm(self._has_done):
                 return
+
+    # -- polling (loop-driven owners) ------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def stay_awake(self) -> None:
+        """The owner polls from now on (``complete_ready``): producers need not wake it."""
+        self.seg.waker.flag[0] = AWAKE
+
+    def complete_ready(self) -> bool:
+        """Run the callbacks of the requests answered so far; True if there were any."""
+        if not self._has_done():
+            return False
+        self._complete_all()
+        return True
+
+    def sleep_armed(self) -> bool:
+        """The owner stops polling: declare it asleep; True if an answer slipped in meanwhile
+        (it must be completed before relying on a wake-up)."""
+        return self.seg.waker.arm(self._has_done)
 
     def check_server(self) -> bool:
         """False (and every pending request failed) if the broker died or was replaced."""

@@ -115,3 +115,23 @@ def test_idle_cpu_under_one_percent(server, client):
                    for pid in after if after[pid] - before.get(pid, 0)}
     assert used / elapsed < 0.01, f"idle server used {100 * used / elapsed:.2f}% CPU; ticks by process: {per_process}"
 
+
+
+def test_frontend_stops_polling_while_a_request_runs_long(server, client):
+    """The frontend polls for answers only while they keep coming: a request that runs for
+    seconds must cost it no more than a sleeping loop would, and still be answered (the worker
+    then wakes it through its FIFO)."""
+    frontends = [pid for pid, t in server.titles().items() if t.startswith("shmserve frontend ")]
+    assert frontends
+    hz = os.sysconf("SC_CLK_TCK")
+    before = cpu_ticks(frontends)
+    t0 = time.monotonic()
+    for k in range(4):  # 0.3 s each
+        i0 = httpclient.InferInput("X", [1], "FP32")
+        i0.set_data_from_numpy(np.array([float(k)], dtype=np.float32))
+        result = client.infer("sleeper", [i0])
+        assert result.as_numpy("PID")[0] in server.worker_pids("sleeper")
+    elapsed = time.monotonic() - t0
+    assert elapsed >= 1.2
+    used = sum(ticks - before.get(pid, 0) for pid, ticks in cpu_ticks(frontends).items()) / hz
+    assert used / elapsed < 0.05, f"the frontend used {100 * used / elapsed:.1f}% CPU while 4 slow requests ran"

@@ -48,7 +48,7 @@ from .stream import StreamSender
 from .warmup import run_warmup
 
 log = logging.getLogger("shmserve.worker")
-SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "200")) / 1e6
+SPIN_S = float(os.environ.get("SHMSERVE_SPIN_US", "500")) / 1e6
 
 
 _WIRE_TYPES: dict[Any, str] = {}  # numpy dtype -> wire datatype, as ``wire_datatype`` finds it

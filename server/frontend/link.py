@@ -4,10 +4,20 @@ Producers wake the frontend through a FIFO the loop watches with ``add_reader``,
 run on the loop itself: no waiter thread, no ``call_soon_threadsafe`` hop. A timer checks once a
 second that the broker lives; if it restarts, the next request opens a fresh connection and
 requests in flight get a 503 instead of hanging.
+
+While requests are in flight and answers keep coming (one within ``SHMSERVE_FRONTEND_SPIN_US``
+of the last submission or answer), the loop *polls* for answers instead of sleeping: a callback
+that completes what is done, yields the CPU and schedules itself again, so sockets are still
+served between polls. Producers then see the frontend awake and skip the FIFO write (about 30 us
+of a worker's time on a VM), and the answer costs no wake-up of the loop. A request sent while
+nothing else is in flight asks its worker to poll for the next one as well (``REQ_POLLING``):
+one client in a closed loop then crosses no sleep between our processes.
 """
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from typing import Any, Callable
 
 from shm.channel import DEFAULT_SLOTS
@@ -15,6 +25,7 @@ from shm.connection import Backpressure, Completion, Connection, ServerUnavailab
 from shm.protocol import REQ_CONTROL, REQ_INFER
 
 LIVENESS_CHECK_S = 1.0
+POLL_S = float(os.environ.get("SHMSERVE_FRONTEND_SPIN_US", "300")) / 1e6
 
 
 class BrokerError(Exception):
@@ -31,6 +42,8 @@ class BrokerLink:
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._polling = False
+        self._progress = 0.0  # perf_counter of the last submission or answer while polling
 
     def connection(self) -> Connection:
         conn = self._conn
@@ -42,10 +55,31 @@ class BrokerLink:
             conn = Connection(self.server_id, arena_bytes=self.arena_bytes, slots=self.max_inflight, loop_driven=True)
         except ServerUnavailable as e:
             raise BrokerError(503, f"the server is not available: {e}") from None
-        loop.add_reader(conn.fileno(), conn.on_readable)
+        loop.add_reader(conn.fileno(), self._on_readable)
         self._conn, self._loop = conn, loop
         self._timer = loop.call_later(LIVENESS_CHECK_S, self._check)
         return conn
+
+    def _on_readable(self) -> None:
+        conn = self._conn
+        if conn is not None:
+            conn.on_readable(arm=not self._polling)  # a poller stays awake: no wake-ups wanted
+
+    def _poll(self) -> None:
+        conn, loop = self._conn, self._loop
+        if conn is None or loop is None:
+            self._polling = False
+            return
+        now = time.perf_counter()
+        if conn.complete_ready():
+            self._progress = now
+        if conn.in_flight and now - self._progress < POLL_S:
+            os.sched_yield()  # a runnable process on this core (a worker, a client) goes first
+            loop.call_soon(self._poll)
+            return
+        self._polling = False
+        if conn.sleep_armed():
+            loop.call_soon(self._on_readable)
 
     def _check(self) -> None:
         conn = self._conn
@@ -68,12 +102,20 @@ class BrokerLink:
                on_response: Callable[[Completion], None] | None = None) -> None:
         """Send a request; ``callback`` runs on the loop with its completion (and must release it)."""
         conn = self.connection()
+        poll = POLL_S > 0
         try:
-            conn.submit(kind, doc, tensors, callback, on_response=on_response)
+            conn.submit(kind, doc, tensors, callback, on_response=on_response,
+                        polling=poll and conn.in_flight == 0)
         except Backpressure as e:
             raise BrokerError(503, f"the server is overloaded ({e}); retry later") from None
         except ServerUnavailable as e:
             raise BrokerError(503, str(e)) from None
+        if poll:
+            self._progress = time.perf_counter()
+            if not self._polling:
+                self._polling = True
+                conn.stay_awake()
+                self._loop.call_soon(self._poll)  # type: ignore[union-attr]
 
     async def call(self, kind: int, doc: dict, tensors: Any = ()) -> Completion:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
