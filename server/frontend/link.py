@@ -9,9 +9,9 @@ While requests are in flight and answers keep coming (one within ``SHMSERVE_FRON
 of the last submission or answer), the loop *polls* for answers instead of sleeping: a callback
 that completes what is done, yields the CPU and schedules itself again, so sockets are still
 served between polls. Producers then see the frontend awake and skip the FIFO write (about 30 us
-of a worker's time on a VM), and the answer costs no wake-up of the loop. A request sent while
-nothing else is in flight asks its worker to poll for the next one as well (``REQ_POLLING``):
-one client in a closed loop then crosses no sleep between our processes.
+of a worker's time on a VM), and the answer costs no wake-up of the loop. Its requests ask the
+worker to poll for the next one as well (``REQ_POLLING``, within the worker's own limit), so
+requests that follow closely cross no sleep between our processes in either direction.
 """
 from __future__ import annotations
 
@@ -104,8 +104,7 @@ class BrokerLink:
         conn = self.connection()
         poll = POLL_S > 0
         try:
-            conn.submit(kind, doc, tensors, callback, on_response=on_response,
-                        polling=poll and conn.in_flight == 0)
+            conn.submit(kind, doc, tensors, callback, on_response=on_response, polling=poll)
         except Backpressure as e:
             raise BrokerError(503, f"the server is overloaded ({e}); retry later") from None
         except ServerUnavailable as e:
