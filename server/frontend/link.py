@@ -25,7 +25,7 @@ from shm.connection import Backpressure, Completion, Connection, ServerUnavailab
 from shm.protocol import REQ_CONTROL, REQ_INFER
 
 LIVENESS_CHECK_S = 1.0
-POLL_S = float(os.environ.get("SHMSERVE_FRONTEND_SPIN_US", "300")) / 1e6
+POLL_S = float(os.environ.get("SHMSERVE_FRONTEND_SPIN_US", "200")) / 1e6
 
 
 class BrokerError(Exception):
