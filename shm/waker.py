@@ -13,6 +13,7 @@ no extra thread hop.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import threading
 import time
@@ -91,7 +92,7 @@ class Waker:
         """
         if spin is not None:
             started = time.perf_counter()
-            if spin.poll(has_work, started):
+            if spin.poll(has_work, started, timeout):  # never past the caller's timer (a batch delay)
                 return
         self.flag[0] = SLEEPING
         fence()
@@ -99,6 +100,8 @@ class Waker:
             self.flag[0] = AWAKE
             return
         assert self.sem is not None
+        if spin is not None:
+            timeout = max(0.0, timeout - (time.perf_counter() - started))  # the polling counts
         try:
             self.sem.acquire(timeout)
         except (posix_ipc.BusyError, posix_ipc.SignalError):
@@ -145,9 +148,10 @@ class SpinPolicy:
     def budget(self) -> float:
         return self.max_s if 0 < self.max_s and self.average < self.max_s else 0.0
 
-    def poll(self, done: Callable[[], bool], started: float) -> bool:
-        """Poll ``done`` within the budget; True once it holds (the wait is then observed)."""
-        budget = self.budget()
+    def poll(self, done: Callable[[], bool], started: float, limit: float = math.inf) -> bool:
+        """Poll ``done`` within the budget (and ``limit`` seconds); True once it holds (the wait
+        is then observed)."""
+        budget = min(self.budget(), limit)
         if budget <= 0:
             return False
         deadline = started + budget

@@ -1,0 +1,69 @@
+"""Wake-ups with polling first (shm/waker.py), on a real POSIX semaphore: polling must never make a
+receiver overstay the timeout its caller asked for (a batcher's delay, a queue timeout)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from shm.waker import AWAKE, SLEEPING, SpinPolicy, Waker
+
+
+@pytest.fixture
+def waker():
+    sem = posix_ipc.Semaphore(f"/shmtest.waker.{os.getpid()}", posix_ipc.O_CREX)
+    try:
+        yield Waker(np.zeros(1, dtype=np.uint32), sem=sem)
+    finally:
+        sem.unlink()
+        sem.close()
+
+
+def test_polling_ends_at_the_callers_timeout(waker):
+    spin = SpinPolicy(0.5)  # recent waits were short: it would poll for half a second
+    t0 = time.perf_counter()
+    waker.sleep(0.05, lambda: False, spin)
+    elapsed = time.perf_counter() - t0
+    # Polling alone would take 0.5 s, and sleeping the whole timeout after it 0.55 s.
+    assert 0.05 <= elapsed < 0.3, elapsed
+    assert waker.flag[0] == AWAKE
+
+
+def test_a_timeout_spent_polling_is_not_slept_again(waker):
+    spin = SpinPolicy(0.2)
+    t0 = time.perf_counter()
+    waker.sleep(0.3, lambda: False, spin)  # polls 0.2 s, then sleeps what is left of the 0.3 s
+    elapsed = time.perf_counter() - t0
+    assert 0.3 <= elapsed < 0.45, elapsed
+
+
+def test_work_found_while_polling_returns_without_sleeping(waker):
+    spin = SpinPolicy(1.0)
+    ready_at = time.perf_counter() + 0.02
+    t0 = time.perf_counter()
+    waker.sleep(5.0, lambda: time.perf_counter() >= ready_at, spin)
+    assert time.perf_counter() - t0 < 1.0
+    assert waker.flag[0] == AWAKE  # never declared asleep: producers did not need to post
+
+
+def test_a_producer_notify_wakes_a_sleeper(waker):
+    seen_asleep = threading.Event()
+
+    def producer() -> None:
+        while waker.flag[0] != SLEEPING:
+            time.sleep(0.001)
+        seen_asleep.set()
+        waker.notify()
+
+    t = threading.Thread(target=producer)
+    t.start()
+    t0 = time.perf_counter()
+    waker.sleep(5.0, lambda: False)  # no polling: straight to the semaphore
+    t.join()
+    assert seen_asleep.is_set()
+    assert time.perf_counter() - t0 < 2.0
+    assert waker.flag[0] == AWAKE
