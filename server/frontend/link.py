@@ -67,19 +67,23 @@ class BrokerLink:
 
     def _poll(self) -> None:
         conn, loop = self._conn, self._loop
-        if conn is None or loop is None:
-            self._polling = False
-            return
-        now = time.perf_counter()
-        if conn.complete_ready():
-            self._progress = now
-        if conn.in_flight and now - self._progress < POLL_S:
-            os.sched_yield()  # a runnable process on this core (a worker, a client) goes first
-            loop.call_soon(self._poll)
-            return
-        self._polling = False
-        if conn.sleep_armed():
-            loop.call_soon(self._on_readable)
+        keep = False
+        try:
+            if conn is not None:
+                now = time.perf_counter()
+                if conn.complete_ready():
+                    self._progress = now
+                keep = bool(conn.in_flight) and now - self._progress < POLL_S
+        finally:
+            # Whatever happened, either poll again or go back to being woken: a poller that
+            # stopped with its flag left awake would never hear of an answer again.
+            if keep and loop is not None:
+                os.sched_yield()  # a runnable process on this core (a worker, a client) goes first
+                loop.call_soon(self._poll)
+            else:
+                self._polling = False
+                if conn is not None and loop is not None and conn.sleep_armed():
+                    loop.call_soon(self._on_readable)
 
     def _check(self) -> None:
         conn = self._conn
