@@ -354,8 +354,9 @@ class Connection:
             return True
         return bool(self._done_slots())
 
-    def _drain_stream(self, ring: Ring, on_response: Callback) -> None:
-        for status, flags, off, length, num in ring.drain():
+    def _drain_stream(self, ring: Ring, on_response: Callback) -> int:
+        records = ring.drain()
+        for status, flags, off, length, num in records:
             try:
                 completion = Completion(status, self._producer_buf(ROLE_WORKER, num), off)
             except (posix_ipc.ExistentialError, KeyError, OSError):
@@ -365,16 +366,21 @@ class Connection:
             except Exception:  # noqa: BLE001
                 log.exception("stream callback failed")
                 completion.release()
+        return len(records)
 
-    def _complete_all(self) -> None:
+    def _complete_all(self) -> bool:
+        """Run the callbacks of everything answered so far; True if there was anything."""
         # Streamed responses first: a request's final completion comes after all of them.
+        streamed = 0
         for ring, on_response in list(self._streams.values()):
-            self._drain_stream(ring, on_response)
-        for slot in self._done_slots():
+            streamed += self._drain_stream(ring, on_response)
+        done = self._done_slots()
+        for slot in done:
             stream = self._streams.pop(slot, None)
             if stream is not None:  # the worker filled the ring before it completed the slot
                 self._drain_stream(*stream)
             self._complete(slot)
+        return bool(streamed or done)
 
     # -- waiting (threaded connections) ----------------------------------------------------------
     # One thread at a time *leads*: it alone sleeps on the connection's semaphore, drains response
@@ -466,16 +472,9 @@ class Connection:
         self.seg.waker.flag[0] = AWAKE
 
     def complete_ready(self) -> bool:
-        """Run the callbacks of the requests answered so far; True if there were any."""
-        if not self._has_done():
-            return False
-        self._complete_all()
-        return True
-
-    def sleep_armed(self) -> bool:
-        """The owner stops polling: declare it asleep; True if an answer slipped in meanwhile
-        (it must be completed before relying on a wake-up)."""
-        return self.seg.waker.arm(self._has_done)
+        """Run the callbacks of the requests answered so far; True if there were any. (The owner
+        stops polling with ``on_readable()``: it completes what slipped in, then arms.)"""
+        return self._complete_all()
 
     def check_server(self) -> bool:
         """False (and every pending request failed) if the broker died or was replaced."""

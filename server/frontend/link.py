@@ -82,8 +82,8 @@ class BrokerLink:
                 loop.call_soon(self._poll)
             else:
                 self._polling = False
-                if conn is not None and loop is not None and conn.sleep_armed():
-                    loop.call_soon(self._on_readable)
+                if conn is not None:
+                    conn.on_readable()  # what slipped in is completed, then the flag is armed
 
     def _check(self) -> None:
         conn = self._conn
