@@ -41,7 +41,7 @@ log = logging.getLogger("shmserve.client")
 _counter = itertools.count()
 _UNKNOWN: Any = object()
 ROUTE_CACHE_LIMIT = 256
-CLIENT_SPIN_S = float(os.environ.get("SHMSERVE_CLIENT_SPIN_US", "300")) / 1e6
+CLIENT_SPIN_S = float(os.environ.get("SHMSERVE_CLIENT_SPIN_US", "2000")) / 1e6
 
 
 class ServerUnavailable(ConnectionError):
