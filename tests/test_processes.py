@@ -6,6 +6,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 import tritonclient.http as httpclient
 
 from conftest import PRODUCT_MODELS, TEST_MODELS, cmdline, cpu_ticks, descendants, pid_alive, shm_entries
@@ -115,6 +116,46 @@ def test_idle_cpu_under_one_percent(server, client):
                    for pid in after if after[pid] - before.get(pid, 0)}
     assert used / elapsed < 0.01, f"idle server used {100 * used / elapsed:.2f}% CPU; ticks by process: {per_process}"
 
+
+
+def _sleeps(pid: int) -> int:
+    """How often the process's main thread blocked (its voluntary context switches)."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
+@pytest.mark.parametrize("idle_spin_us, polls", [(50_000, True), (0, False)])
+def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, monkeypatch, idle_spin_us, polls):
+    """After an answer the frontend's loop stays hot for SHMSERVE_FRONTEND_IDLE_SPIN_US, so the
+    next request of a client in a closed loop finds it awake; with 0 it sleeps in epoll between
+    requests (the control: the count below does see those sleeps). The budget here is generous
+    so that a slow CI host still sends each next request within it."""
+    monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", str(idle_spin_us))
+    s = server_factory.start([PRODUCT_MODELS])
+    frontend = next(pid for pid, t in s.titles().items() if t.startswith("shmserve frontend "))
+    c = s.client()
+    a = np.arange(16, dtype=np.int32)
+    i0 = httpclient.InferInput("INPUT0", [16], "INT32")
+    i0.set_data_from_numpy(a)
+    i1 = httpclient.InferInput("INPUT1", [16], "INT32")
+    i1.set_data_from_numpy(a)
+    c.infer("add_sub", [i0, i1])  # the connection and the frontend's channel exist from here on
+    n = 200
+    before = _sleeps(frontend)
+    for _ in range(n):
+        np.testing.assert_array_equal(c.infer("add_sub", [i0, i1]).as_numpy("OUTPUT0"), 2 * a)
+    slept = _sleeps(frontend) - before
+    c.close()
+    if polls:
+        assert slept < n // 4, f"the frontend slept {slept} times in {n} closely following requests"
+    else:
+        assert slept >= n // 2, f"without idle polling the frontend should sleep between requests, slept {slept}"
+    time.sleep(0.5)
+    hz = os.sysconf("SC_CLK_TCK")
+    before_cpu = cpu_ticks([frontend])[frontend]
+    time.sleep(2.0)
+    used = (cpu_ticks([frontend])[frontend] - before_cpu) / hz
+    assert used < 0.1, f"once the requests stopped the frontend should sleep, but it used {used:.2f} s of CPU in 2 s"
 
 
 def test_frontend_stops_polling_while_a_request_runs_long(server, client):

@@ -1,0 +1,215 @@
+"""Two endpoints measured in alternating short slices, so that both see the same host.
+
+The host under these VMs runs fast and slow phases (the same code measures up to 2x apart minutes
+later), so a comparison of two runs taken one after the other can say more about the phases than
+about the servers. Here the same client processes take turns on both endpoints: A B B A, A B B A,
+... with slices of a few seconds, and each pair of neighbouring slices gives one ratio. The median
+of those ratios is the figure; their spread shows how far the host moved.
+
+    python -m tools.paired --model add_sub --clients 4 \\
+        --target triton=127.0.0.1:18000 --target shmserve=127.0.0.1:18600 --target local=local:myid
+
+Each target is ``NAME=HOST:PORT`` (KServe v2 over HTTP with ``tritonclient``, loopback only) or
+``NAME=local:SERVER_ID`` (shmserve's local client library). Both servers stay up for the whole
+run; an idle one costs next to nothing. Ratios are reported against the first target.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from tools import bench_http
+
+SETUP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    kind: str  # "http" or "local"
+    address: str  # host:port, or the server id
+
+
+def parse_target(text: str) -> Target:
+    name, sep, address = text.partition("=")
+    if not sep or not name or not address:
+        raise SystemExit(f"bad --target {text!r}; expected NAME=HOST:PORT or NAME=local:SERVER_ID")
+    if address.startswith("local:"):
+        return Target(name, "local", address[len("local:"):])
+    bench_http.require_loopback(address)
+    return Target(name, "http", address)
+
+
+def _http_caller(target: Target, model: str, specs: tuple[bench_http.TensorSpec, ...],
+                 outputs: tuple[bench_http.TensorSpec, ...], seed: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(target.address, connection_timeout=10.0, network_timeout=60.0)
+    inputs = bench_http.build_inputs(specs, np.random.default_rng(seed))
+    wanted = [httpclient.InferRequestedOutput(o.name, binary_data=True) for o in outputs]
+    return (lambda: client.infer(model, inputs, outputs=wanted)), client.close
+
+
+def _local_caller(target: Target, model: str, specs: tuple[bench_http.TensorSpec, ...],
+                  seed: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    from shm.client import Client
+
+    client = Client(target.address)
+    rng = np.random.default_rng(seed)
+    inputs = {s.name: bench_http.random_array(s, rng) for s in specs}
+    return (lambda: client.infer(model, inputs).release()), client.close
+
+
+def client_main(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpec, ...],
+                outputs: tuple[bench_http.TensorSpec, ...], index: int, commands: Any, barrier: Any,
+                results: Any) -> None:
+    """One client process: a caller per target, then one closed-loop slice per command."""
+    callers: list[tuple[Callable[[], None], Callable[[], None]]] = []
+    try:
+        for t in targets:
+            callers.append(_http_caller(t, model, specs, outputs, index) if t.kind == "http"
+                           else _local_caller(t, model, specs, index))
+        while True:
+            cmd = commands.get()
+            if cmd is None:
+                return
+            which, warm_s, slice_s = cmd
+            call = callers[which][0]
+            barrier.wait(timeout=SETUP_TIMEOUT_S)
+            end = time.perf_counter() + warm_s
+            while time.perf_counter() < end:
+                call()
+            latencies: list[int] = []
+            start = time.perf_counter()
+            end = start + slice_s
+            while True:
+                t0 = time.perf_counter_ns()
+                if t0 / 1e9 >= end:
+                    break
+                call()
+                latencies.append(time.perf_counter_ns() - t0)
+            results.put((index, which, len(latencies) / (time.perf_counter() - start), latencies, None))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which stops the run
+        barrier.abort()
+        results.put((index, -1, 0.0, [], f"{type(exc).__name__}: {exc}"))
+    finally:
+        for _, close in callers:
+            close()
+
+
+def slice_order(pairs: int) -> list[tuple[int, int]]:
+    """The roles (0: baseline, 1: the compared target) of each pair in running order, A B B A: a
+    steady drift of the host shifts both members of a
+    pair alike, and alternating which goes first cancels what remains."""
+    return [(0, 1) if p % 2 == 0 else (1, 0) for p in range(pairs)]
+
+
+def measure(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpec, ...],
+            outputs: tuple[bench_http.TensorSpec, ...], clients: int, pairs: int, warm_s: float,
+            slice_s: float, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every further target against the first, ``pairs`` pairs each; the slices' figures and the
+    per-pair ratios (throughput and p50 of the second over the first)."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(clients), ctx.Queue()
+    queues = [ctx.Queue() for _ in range(clients)]
+    procs = [ctx.Process(target=client_main, args=(targets, model, specs, outputs, i, queues[i], barrier, results),
+                         daemon=True) for i in range(clients)]
+    for p in procs:
+        p.start()
+    slices: list[dict[str, Any]] = []
+    comparisons: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets[1:]}
+    try:
+        def run_slice(which: int) -> dict[str, Any]:
+            for q in queues:
+                q.put((which, warm_s, slice_s))
+            got = [results.get(timeout=SETUP_TIMEOUT_S + warm_s + slice_s * 4) for _ in range(clients)]
+            errors = [e for *_, e in got if e]
+            if errors:
+                raise RuntimeError(f"a client failed: {errors[0]}")
+            lat = np.concatenate([np.asarray(ls, dtype=np.float64) for _, _, _, ls, _ in got]) / 1e3
+            row = {"target": targets[which].name, "rps": round(sum(r for _, _, r, _, _ in got), 1),
+                   "p50_us": round(float(np.percentile(lat, 50)), 1) if lat.size else None,
+                   "p99_us": round(float(np.percentile(lat, 99)), 1) if lat.size else None}
+            slices.append(row)
+            log(f"  {row['target']:>12} {row['rps']:>10.1f} req/s  p50 {row['p50_us']:>8.0f} us  "
+                f"p99 {row['p99_us']:>8.0f} us")
+            return row
+
+        for other in range(1, len(targets)):
+            for order in slice_order(pairs):
+                rows = {role: run_slice(other if role else 0) for role in order}  # role 0: the baseline
+                base, cand = rows[0], rows[1]
+                comparisons[targets[other].name].append({
+                    "rps_ratio": cand["rps"] / base["rps"] if base["rps"] else float("nan"),
+                    "p50_ratio": cand["p50_us"] / base["p50_us"] if base["p50_us"] else float("nan")})
+    finally:
+        for q in queues:
+            q.put(None)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    summary = {}
+    for name, pairs_ in comparisons.items():
+        rps = sorted(c["rps_ratio"] for c in pairs_)
+        p50 = sorted(c["p50_ratio"] for c in pairs_)
+        summary[name] = {"rps_ratio_median": statistics.median(rps), "rps_ratio_min": rps[0], "rps_ratio_max": rps[-1],
+                         "p50_ratio_median": statistics.median(p50), "p50_ratio_min": p50[0],
+                         "p50_ratio_max": p50[-1], "pairs": len(pairs_)}
+    return {"model": model, "clients": clients, "baseline": targets[0].name, "slice_s": slice_s,
+            "slices": slices, "vs_baseline": summary}
+
+
+def resolve_specs(targets: list[Target], model: str, overrides: dict[str, tuple[int, ...]]
+                  ) -> tuple[tuple[bench_http.TensorSpec, ...], tuple[bench_http.TensorSpec, ...]]:
+    """Input and output specs from the first HTTP target's metadata (else the local client's)."""
+    http = next((t for t in targets if t.kind == "http"), None)
+    if http is not None:
+        meta = bench_http.fetch_metadata(http.address, model, "")
+    else:
+        from shm.client import Client
+
+        with Client(targets[0].address) as client:
+            meta = client.model_metadata(model)
+    return (bench_http.tensor_specs(meta["inputs"], overrides, 1), bench_http.tensor_specs(meta["outputs"], overrides, 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.paired", description=__doc__.splitlines()[0])
+    p.add_argument("--target", action="append", required=True, metavar="NAME=HOST:PORT|NAME=local:ID",
+                   help="an endpoint (at least two; the first is the baseline)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--clients", type=int, default=1, help="client processes, each in a closed loop")
+    p.add_argument("--pairs", type=int, default=10, help="pairs of slices per compared target")
+    p.add_argument("--slice", type=float, default=2.0, help="measured seconds per slice")
+    p.add_argument("--warmup", type=float, default=0.3, help="unmeasured seconds before each slice")
+    p.add_argument("--shape-override", action="append", default=[], metavar="NAME=d,d")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    targets = [parse_target(t) for t in args.target]
+    if len(targets) < 2 or args.clients < 1 or args.pairs < 1 or args.slice <= 0 or args.warmup < 0:
+        p.error("needs two targets or more, --clients >= 1, --pairs >= 1, --slice > 0, --warmup >= 0")
+    specs, outputs = resolve_specs(targets, args.model, bench_http.parse_overrides(args.shape_override))
+    print(f"# {args.model}, {args.clients} client(s), {args.pairs} pairs of {args.slice:g} s slices per target")
+    result = measure(targets, args.model, specs, outputs, args.clients, args.pairs, args.warmup, args.slice)
+    for name, s in result["vs_baseline"].items():
+        print(f"{name} / {result['baseline']}: throughput {s['rps_ratio_median']:.2f}x "
+              f"(pairs {s['rps_ratio_min']:.2f}-{s['rps_ratio_max']:.2f}), p50 {s['p50_ratio_median']:.2f}x "
+              f"(pairs {s['p50_ratio_min']:.2f}-{s['p50_ratio_max']:.2f}), {s['pairs']} pairs")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
