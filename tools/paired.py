@@ -201,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("needs two targets or more, --clients >= 1, --pairs >= 1, --slice > 0, --warmup >= 0")
     specs, outputs = resolve_specs(targets, args.model, bench_http.parse_overrides(args.shape_override))
     print(f"# {args.model}, {args.clients} client(s), {args.pairs} pairs of {args.slice:g} s slices per target")
-    result = measure(targets, args.model, specs, outputs, args.clients, args.pairs, args.warmup, args.slice)
+    try:
+        result = measure(targets, args.model, specs, outputs, args.clients, args.pairs, args.warmup, args.slice)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     for name, s in result["vs_baseline"].items():
         print(f"{name} / {result['baseline']}: throughput {s['rps_ratio_median']:.2f}x "
               f"(pairs {s['rps_ratio_min']:.2f}-{s['rps_ratio_max']:.2f}), p50 {s['p50_ratio_median']:.2f}x "
