@@ -3,10 +3,13 @@
 # (../shared/bench-models), with the same client (tools.bench_http), and leaves JSON per run in
 # $OUT. Only one server runs at a time, so both see the same 2 cores.
 #
-#   tools/side_by_side.sh [add_sub|identity|mlp|local|ready ...]     (default: all)
+#   tools/side_by_side.sh [add_sub|identity|mlp|local|ready|paired ...]     (default: all)
 #
 # 'local' runs tools.bench_local against the same shmserve (add_sub with 1 and 4 client
 # processes, identity 16 MiB with its input in a client region), to compare with Triton's HTTP.
+# 'paired' then starts both servers together and runs tools.paired: the same client processes
+# alternate between them in 2 s slices (add_sub 1 and 4 clients over HTTP and the local client,
+# mlp 8 clients), which keeps the host's fast and slow phases out of the ratios.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -15,7 +18,7 @@ MODELS=${MODELS:-../shared/bench-models}
 DURATION=${DURATION:-10}
 REPEAT=${REPEAT:-3}
 mkdir -p "$OUT"
-what=${*:-add_sub identity mlp local ready}
+what=${*:-add_sub identity mlp local ready paired}
 
 wait_ready() { for _ in $(seq 600); do curl -sf "localhost:$1/v2/health/ready" >/dev/null && return 0; sleep 0.2; done; return 1; }
 
@@ -57,4 +60,23 @@ if [[ " $what " == *" ready "* ]]; then
   $PY -m tools.time_to_ready --models 7 --url 127.0.0.1:18000 -- ../shared/tools/reference-triton {repo} | tee "$OUT/triton-ready.txt"
   $PY -m tools.time_to_ready --models 7 --url 127.0.0.1:18600 -- \
     .venv/bin/shmserve --model-repository={repo} --http-port=18600 --metrics-port=18602 --id sbsready | tee "$OUT/shmserve-ready.txt"
+fi
+
+if [[ " $what " == *" paired "* ]]; then
+  echo "== paired: both servers up, alternating slices"
+  setsid ../shared/tools/reference-triton "$MODELS" > "$OUT/triton-paired.log" 2>&1 < /dev/null &
+  setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --id sbs \
+    > "$OUT/shmserve-paired.log" 2>&1 < /dev/null &
+  pid=$!
+  wait_ready 18000
+  wait_ready 18600
+  P="$PY -m tools.paired --pairs ${PAIRS:-10} --slice 2 --target triton=127.0.0.1:18000 --target shmserve=127.0.0.1:18600"
+  $P --model add_sub --clients 1 --target local=local:sbs --json "$OUT/paired-add_sub-1.json"
+  $P --model add_sub --clients 4 --target local=local:sbs --json "$OUT/paired-add_sub-4.json"
+  # Each server's average batch over its own slices (outer: Triton's metrics, inner: ours).
+  $PY -m tools.batch_size --metrics 127.0.0.1:18002 --model mlp -- $PY -m tools.batch_size --metrics 127.0.0.1:18602 \
+    --model mlp -- $P --model mlp --clients 8 --json "$OUT/paired-mlp.json" | tee "$OUT/paired-mlp.txt"
+  kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null || true
+  kill -TERM "$pid"; wait "$pid" || true
+  while pgrep -x tritonserver >/dev/null; do sleep 0.5; done
 fi
