@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 
 from conftest import PYTHON, ROOT
@@ -45,3 +46,23 @@ def test_paired_stops_with_an_error_when_a_target_is_gone(server):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "no shmserve server with id 'no_such_server'" in run.stderr
+
+
+def test_paired_through_shared_memory_regions_leaves_none_behind(server, tmp_path):
+    """--shm system: HTTP targets get tritonclient's registered regions, the local client a region
+    of its own; every region is gone afterwards."""
+    out = tmp_path / "paired-shm.json"
+    run = subprocess.run(
+        [PYTHON, "-m", "tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.3", "--warmup", "0.05",
+         "--shm", "system", "--target", f"http={server.url}", "--target", f"local=local:{server.id}",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["shm"] is True
+    assert all(s["rps"] > 0 for s in result["slices"]), result["slices"]
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith("shmbench_paired")]
+    assert not leftovers, leftovers
+    client = server.client()
+    assert client.get_system_shared_memory_status() == [], "the tool's regions are still registered"
+    client.close()

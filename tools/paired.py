@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -50,34 +51,64 @@ def parse_target(text: str) -> Target:
 
 
 def _http_caller(target: Target, model: str, specs: tuple[bench_http.TensorSpec, ...],
-                 outputs: tuple[bench_http.TensorSpec, ...], seed: int) -> tuple[Callable[[], None], Callable[[], None]]:
+                 outputs: tuple[bench_http.TensorSpec, ...], seed: int, shm: bool
+                 ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Binary tensors in the body, or (``shm``) system shared-memory regions registered with the
+    target over HTTP, as ``tools.bench_http --shm system`` does."""
     import tritonclient.http as httpclient
 
-    client = httpclient.InferenceServerClient(target.address, connection_timeout=10.0, network_timeout=60.0)
-    inputs = bench_http.build_inputs(specs, np.random.default_rng(seed))
-    wanted = [httpclient.InferRequestedOutput(o.name, binary_data=True) for o in outputs]
-    return (lambda: client.infer(model, inputs, outputs=wanted)), client.close
+    client = httpclient.InferenceServerClient(target.address, connection_timeout=10.0, network_timeout=120.0)
+    rng = np.random.default_rng(seed)
+    if not shm:
+        inputs = bench_http.build_inputs(specs, rng)
+        wanted = [httpclient.InferRequestedOutput(o.name, binary_data=True) for o in outputs]
+        return (lambda: client.infer(model, inputs, outputs=wanted)), client.close
+    cfg = bench_http.WorkerConfig(url=target.address, model=model, inputs=specs, outputs=outputs, shm="system",
+                                  warmup_s=0.0, duration_s=0.0, max_requests=0, timeout_s=120.0,
+                                  run_id=f"paired{os.getpid()}{target.name}")
+    regions = bench_http.ShmRegions(client, cfg, seed)
+
+    def close() -> None:
+        regions.close()
+        client.close()
+
+    try:
+        inputs, wanted = bench_http.build_shm_request(cfg, regions, rng)
+    except Exception:
+        close()
+        raise
+    return (lambda: client.infer(model, inputs, outputs=wanted)), close
 
 
 def _local_caller(target: Target, model: str, specs: tuple[bench_http.TensorSpec, ...],
-                  seed: int) -> tuple[Callable[[], None], Callable[[], None]]:
+                  seed: int, shm: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The local client; with ``shm`` the inputs live in a region the client created, so they
+    travel by reference (as ``tools.bench_local --region``)."""
     from shm.client import Client
 
     client = Client(target.address)
     rng = np.random.default_rng(seed)
     inputs = {s.name: bench_http.random_array(s, rng) for s in specs}
+    if shm:
+        region = client.create_region(f"paired{os.getpid()}", sum((a.nbytes + 63) & ~63 for a in inputs.values()))
+        off = 0
+        for name, arr in inputs.items():
+            view = region.array(arr.dtype, arr.shape, off)
+            view[...] = arr
+            inputs[name] = view
+            off += (arr.nbytes + 63) & ~63
     return (lambda: client.infer(model, inputs).release()), client.close
 
 
 def client_main(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpec, ...],
-                outputs: tuple[bench_http.TensorSpec, ...], index: int, commands: Any, barrier: Any,
+                outputs: tuple[bench_http.TensorSpec, ...], shm: bool, index: int, commands: Any, barrier: Any,
                 results: Any) -> None:
     """One client process: a caller per target, then one closed-loop slice per command."""
     callers: list[tuple[Callable[[], None], Callable[[], None]]] = []
     try:
         for t in targets:
-            callers.append(_http_caller(t, model, specs, outputs, index) if t.kind == "http"
-                           else _local_caller(t, model, specs, index))
+            callers.append(_http_caller(t, model, specs, outputs, index, shm) if t.kind == "http"
+                           else _local_caller(t, model, specs, index, shm))
         while True:
             cmd = commands.get()
             if cmd is None:
@@ -115,13 +146,13 @@ def slice_order(pairs: int) -> list[tuple[int, int]]:
 
 def measure(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpec, ...],
             outputs: tuple[bench_http.TensorSpec, ...], clients: int, pairs: int, warm_s: float,
-            slice_s: float, log: Callable[[str], None] = print) -> dict[str, Any]:
+            slice_s: float, shm: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every further target against the first, ``pairs`` pairs each; the slices' figures and the
     per-pair ratios (throughput and p50 of the second over the first)."""
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(clients), ctx.Queue()
     queues = [ctx.Queue() for _ in range(clients)]
-    procs = [ctx.Process(target=client_main, args=(targets, model, specs, outputs, i, queues[i], barrier, results),
+    procs = [ctx.Process(target=client_main, args=(targets, model, specs, outputs, shm, i, queues[i], barrier, results),
                          daemon=True) for i in range(clients)]
     for p in procs:
         p.start()
@@ -166,13 +197,14 @@ def measure(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpe
         summary[name] = {"rps_ratio_median": statistics.median(rps), "rps_ratio_min": rps[0], "rps_ratio_max": rps[-1],
                          "p50_ratio_median": statistics.median(p50), "p50_ratio_min": p50[0],
                          "p50_ratio_max": p50[-1], "pairs": len(pairs_)}
-    return {"model": model, "clients": clients, "baseline": targets[0].name, "slice_s": slice_s,
+    return {"model": model, "clients": clients, "shm": shm, "baseline": targets[0].name, "slice_s": slice_s,
             "slices": slices, "vs_baseline": summary}
 
 
 def resolve_specs(targets: list[Target], model: str, overrides: dict[str, tuple[int, ...]]
                   ) -> tuple[tuple[bench_http.TensorSpec, ...], tuple[bench_http.TensorSpec, ...]]:
-    """Input and output specs from the first HTTP target's metadata (else the local client's)."""
+    """Input and output specs from the first HTTP target's metadata (else the local client's);
+    outputs with -1 dims take their shape from one request (shm regions need their size)."""
     http = next((t for t in targets if t.kind == "http"), None)
     if http is not None:
         meta = bench_http.fetch_metadata(http.address, model, "")
@@ -181,7 +213,11 @@ def resolve_specs(targets: list[Target], model: str, overrides: dict[str, tuple[
 
         with Client(targets[0].address) as client:
             meta = client.model_metadata(model)
-    return (bench_http.tensor_specs(meta["inputs"], overrides, 1), bench_http.tensor_specs(meta["outputs"], overrides, 1))
+    inputs = bench_http.tensor_specs(meta["inputs"], overrides, 1)
+    outputs = bench_http.tensor_specs(meta["outputs"], overrides, 1)
+    if http is not None and any(-1 in o["shape"] for o in meta["outputs"]):
+        outputs = bench_http.probe_outputs(http.address, model, inputs, outputs)
+    return inputs, outputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,15 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slice", type=float, default=2.0, help="measured seconds per slice")
     p.add_argument("--warmup", type=float, default=0.3, help="unmeasured seconds before each slice")
     p.add_argument("--shape-override", action="append", default=[], metavar="NAME=d,d")
+    p.add_argument("--shm", choices=["none", "system"], default="none",
+                   help="system: tensors in shm regions (registered over HTTP; the local client's own region)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     targets = [parse_target(t) for t in args.target]
     if len(targets) < 2 or args.clients < 1 or args.pairs < 1 or args.slice <= 0 or args.warmup < 0:
         p.error("needs two targets or more, --clients >= 1, --pairs >= 1, --slice > 0, --warmup >= 0")
     specs, outputs = resolve_specs(targets, args.model, bench_http.parse_overrides(args.shape_override))
-    print(f"# {args.model}, {args.clients} client(s), {args.pairs} pairs of {args.slice:g} s slices per target")
+    print(f"# {args.model}, {args.clients} client(s), {args.pairs} pairs of {args.slice:g} s slices per target"
+          f"{', shm regions' if args.shm == 'system' else ''}")
     try:
-        result = measure(targets, args.model, specs, outputs, args.clients, args.pairs, args.warmup, args.slice)
+        result = measure(targets, args.model, specs, outputs, args.clients, args.pairs, args.warmup, args.slice,
+                         shm=args.shm == "system")
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@
 # processes, identity 16 MiB with its input in a client region), to compare with Triton's HTTP.
 # 'paired' then starts both servers together and runs tools.paired: the same client processes
 # alternate between them in 2 s slices (add_sub 1 and 4 clients over HTTP and the local client,
-# mlp 8 clients), which keeps the host's fast and slow phases out of the ratios.
+# identity 16 MiB in the body and through shm regions, mlp 8 clients), which keeps the host's fast and slow phases out of the ratios.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -73,6 +73,9 @@ if [[ " $what " == *" paired "* ]]; then
   P="$PY -m tools.paired --pairs ${PAIRS:-10} --slice 2 --target triton=127.0.0.1:18000 --target shmserve=127.0.0.1:18600"
   $P --model add_sub --clients 1 --target local=local:sbs --json "$OUT/paired-add_sub-1.json"
   $P --model add_sub --clients 4 --target local=local:sbs --json "$OUT/paired-add_sub-4.json"
+  I="--model identity --clients 1 --shape-override INPUT0=4194304"
+  $P $I --json "$OUT/paired-identity-http.json"
+  $P $I --shm system --target local=local:sbs --json "$OUT/paired-identity-shm.json"
   # Each server's average batch over its own slices (outer: Triton's metrics, inner: ours).
   $PY -m tools.batch_size --metrics 127.0.0.1:18002 --model mlp -- $PY -m tools.batch_size --metrics 127.0.0.1:18602 \
     --model mlp -- $P --model mlp --clients 8 --json "$OUT/paired-mlp.json" | tee "$OUT/paired-mlp.txt"
