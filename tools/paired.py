@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tools import bench_http
+from tools.bench_local import in_region
 
 SETUP_TIMEOUT_S = 120.0
 
@@ -90,13 +91,7 @@ def _local_caller(target: Target, model: str, specs: tuple[bench_http.TensorSpec
     rng = np.random.default_rng(seed)
     inputs = {s.name: bench_http.random_array(s, rng) for s in specs}
     if shm:
-        region = client.create_region(f"paired{os.getpid()}", sum((a.nbytes + 63) & ~63 for a in inputs.values()))
-        off = 0
-        for name, arr in inputs.items():
-            view = region.array(arr.dtype, arr.shape, off)
-            view[...] = arr
-            inputs[name] = view
-            off += (arr.nbytes + 63) & ~63
+        inputs = in_region(client, inputs, f"paired{os.getpid()}")
     return (lambda: client.infer(model, inputs).release()), client.close
 
 
