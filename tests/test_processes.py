@@ -117,7 +117,6 @@ def test_idle_cpu_under_one_percent(server, client):
     assert used / elapsed < 0.01, f"idle server used {100 * used / elapsed:.2f}% CPU; ticks by process: {per_process}"
 
 
-
 def _sleeps(pid: int) -> int:
     """How often the process's main thread blocked (its voluntary context switches)."""
     with open(f"/proc/{pid}/task/{pid}/status") as f:

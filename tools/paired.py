@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import time
@@ -134,8 +135,8 @@ def client_main(targets: list[Target], model: str, specs: tuple[bench_http.Tenso
 
 def slice_order(pairs: int) -> list[tuple[int, int]]:
     """The roles (0: baseline, 1: the compared target) of each pair in running order, A B B A: a
-    steady drift of the host shifts both members of a
-    pair alike, and alternating which goes first cancels what remains."""
+    steady drift of the host shifts both members of a pair alike, and alternating which goes
+    first cancels what remains."""
     return [(0, 1) if p % 2 == 0 else (1, 0) for p in range(pairs)]
 
 
@@ -157,7 +158,10 @@ def measure(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpe
         def run_slice(which: int) -> dict[str, Any]:
             for q in queues:
                 q.put((which, warm_s, slice_s))
-            got = [results.get(timeout=SETUP_TIMEOUT_S + warm_s + slice_s * 4) for _ in range(clients)]
+            try:
+                got = [results.get(timeout=SETUP_TIMEOUT_S + warm_s + slice_s * 4) for _ in range(clients)]
+            except queue.Empty:
+                raise RuntimeError("a client process stopped answering (did it die?)") from None
             errors = [e for *_, e in got if e]
             if errors:
                 raise RuntimeError(f"a client failed: {errors[0]}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Measures the real Triton and shmserve one after the other in one run, on the same models
 # (../shared/bench-models), with the same client (tools.bench_http), and leaves JSON per run in
-# $OUT. Only one server runs at a time, so both see the same 2 cores.
+# $OUT. Only one server runs at a time in these sections, so both see the same 2 cores, though
+# minutes apart (and this host's speed moves within minutes).
 #
 #   tools/side_by_side.sh [add_sub|identity|mlp|local|ready|paired ...]     (default: all)
 #
@@ -9,7 +10,8 @@
 # processes, identity 16 MiB with its input in a client region), to compare with Triton's HTTP.
 # 'paired' then starts both servers together and runs tools.paired: the same client processes
 # alternate between them in 2 s slices (add_sub 1 and 4 clients over HTTP and the local client,
-# identity 16 MiB in the body and through shm regions, mlp 8 clients), which keeps the host's fast and slow phases out of the ratios.
+# identity 16 MiB in the body and through shm regions, mlp 8 clients), which keeps the host's
+# fast and slow phases out of the ratios. An idle server costs the other next to nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

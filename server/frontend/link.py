@@ -11,8 +11,9 @@ that completes what is done, yields the CPU and schedules itself again, so socke
 served between polls (uvloop then checks them without blocking). After the last answer it goes on
 for ``SHMSERVE_FRONTEND_IDLE_SPIN_US`` with nothing in flight: a client in a closed loop sends its
 next request within that time, and the loop sees it without a wake-up from epoll (on a VM an idle
-vCPU's wake-up costs tens of microseconds of latency). Producers then see the frontend awake and skip the FIFO write (about 30 us
-of a worker's time on a VM), and the answer costs no wake-up of the loop. Its requests ask the
+vCPU's wake-up costs tens of microseconds of latency). Producers then see the frontend awake and
+skip the FIFO write (about 30 us of a worker's time on a VM), and the answer costs no wake-up of
+the loop. Its requests ask the
 worker to poll for the next one as well (``REQ_POLLING``, within the worker's own limit), so
 requests that follow closely cross no sleep between our processes in either direction.
 """
