@@ -147,10 +147,12 @@ def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, mo
         np.testing.assert_array_equal(c.infer("add_sub", [i0, i1]).as_numpy("OUTPUT0"), 2 * a)
     slept = _sleeps(frontend) - before
     c.close()
+    # Measured here: 0 sleeps when it polls; 97-200 without (a fast client's next request is
+    # sometimes there before the loop gets to sleep).
     if polls:
-        assert slept < n // 4, f"the frontend slept {slept} times in {n} closely following requests"
+        assert slept < n // 10, f"the frontend slept {slept} times in {n} closely following requests"
     else:
-        assert slept >= n // 2, f"without idle polling the frontend should sleep between requests, slept {slept}"
+        assert slept >= n // 4, f"without idle polling the frontend should sleep between requests, slept {slept}"
     time.sleep(0.5)
     hz = os.sysconf("SC_CLK_TCK")
     before_cpu = cpu_ticks([frontend])[frontend]
