@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -159,6 +160,37 @@ def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, mo
     time.sleep(2.0)
     used = (cpu_ticks([frontend])[frontend] - before_cpu) / hz
     assert used < 0.1, f"once the requests stopped the frontend should sleep, but it used {used:.2f} s of CPU in 2 s"
+
+
+@pytest.mark.parametrize("poll_wait_us, polls", [(1_000, False), (100_000_000, True)])
+def test_frontend_does_not_poll_for_a_model_whose_answers_are_slow(server_factory, monkeypatch, tmp_path,
+                                                                    poll_wait_us, polls):
+    """Once the frontend has seen a model answer slowly (the sleeper: 0.3 s), it waits for that
+    model's answers asleep, even with a polling window far longer than the wait; the control, with
+    a limit above 0.3 s, polls through every request."""
+    monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "2000000")
+    monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", "0")
+    monkeypatch.setenv("SHMSERVE_FRONTEND_POLL_WAIT_US", str(poll_wait_us))
+    repo = tmp_path / "repo"
+    shutil.copytree(TEST_MODELS / "sleeper", repo / "sleeper")
+    s = server_factory.start([repo])
+    frontend = next(pid for pid, t in s.titles().items() if t.startswith("shmserve frontend "))
+    c = s.client()
+    i0 = httpclient.InferInput("X", [1], "FP32")
+    i0.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+    c.infer("sleeper", [i0])  # the first answer of a model is waited for polling: its time is unknown
+    hz = os.sysconf("SC_CLK_TCK")
+    before = cpu_ticks([frontend])[frontend]
+    t0 = time.monotonic()
+    for _ in range(3):
+        assert c.infer("sleeper", [i0]).as_numpy("PID")[0] in s.worker_pids("sleeper")
+    elapsed = time.monotonic() - t0
+    used = (cpu_ticks([frontend])[frontend] - before) / hz
+    c.close()
+    if polls:
+        assert used / elapsed > 0.5, f"the control should poll through the requests; it used {used:.2f} s in {elapsed:.2f} s"
+    else:
+        assert used / elapsed < 0.1, f"the frontend polled for slow answers: {used:.2f} s of CPU in {elapsed:.2f} s"
 
 
 def test_frontend_stops_polling_while_a_request_runs_long(server, client):

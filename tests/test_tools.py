@@ -23,6 +23,7 @@ def test_paired_alternates_targets_and_reports_ratios(server, tmp_path):
     assert [s["target"] for s in result["slices"]] == ["http", "local", "local", "http"]
     for s in result["slices"]:
         assert s["rps"] > 0 and s["p50_us"] > 0 and s["p99_us"] >= s["p50_us"], s
+        assert s["client_cpu_us"] > 0, s  # a closed loop of calls costs its process CPU
     summary = result["vs_baseline"]["local"]
     assert summary["pairs"] == 2
     assert math.isfinite(summary["rps_ratio_median"]) and summary["rps_ratio_median"] > 0

@@ -116,6 +116,7 @@ def client_main(targets: list[Target], model: str, specs: tuple[bench_http.Tenso
             while time.perf_counter() < end:
                 call()
             latencies: list[int] = []
+            cpu0 = time.process_time()
             start = time.perf_counter()
             end = start + slice_s
             while True:
@@ -124,10 +125,12 @@ def client_main(targets: list[Target], model: str, specs: tuple[bench_http.Tenso
                     break
                 call()
                 latencies.append(time.perf_counter_ns() - t0)
-            results.put((index, which, len(latencies) / (time.perf_counter() - start), latencies, None))
+            elapsed = time.perf_counter() - start
+            cpu_us = (time.process_time() - cpu0) * 1e6 / max(len(latencies), 1)
+            results.put((index, which, len(latencies) / elapsed, latencies, cpu_us, None))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which stops the run
         barrier.abort()
-        results.put((index, -1, 0.0, [], f"{type(exc).__name__}: {exc}"))
+        results.put((index, -1, 0.0, [], 0.0, f"{type(exc).__name__}: {exc}"))
     finally:
         for _, close in callers:
             close()
@@ -165,13 +168,14 @@ def measure(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpe
             errors = [e for *_, e in got if e]
             if errors:
                 raise RuntimeError(f"a client failed: {errors[0]}")
-            lat = np.concatenate([np.asarray(ls, dtype=np.float64) for _, _, _, ls, _ in got]) / 1e3
-            row = {"target": targets[which].name, "rps": round(sum(r for _, _, r, _, _ in got), 1),
+            lat = np.concatenate([np.asarray(ls, dtype=np.float64) for _, _, _, ls, _, _ in got]) / 1e3
+            row = {"target": targets[which].name, "rps": round(sum(r for _, _, r, _, _, _ in got), 1),
+                   "client_cpu_us": round(statistics.median(c for *_, c, _ in got), 1),
                    "p50_us": round(float(np.percentile(lat, 50)), 1) if lat.size else None,
                    "p99_us": round(float(np.percentile(lat, 99)), 1) if lat.size else None}
             slices.append(row)
             log(f"  {row['target']:>12} {row['rps']:>10.1f} req/s  p50 {row['p50_us']:>8.0f} us  "
-                f"p99 {row['p99_us']:>8.0f} us")
+                f"p99 {row['p99_us']:>8.0f} us  client CPU {row['client_cpu_us']:>5.0f} us/req")
             return row
 
         for other in range(1, len(targets)):

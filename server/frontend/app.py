@@ -257,7 +257,7 @@ class Frontend:
             trace.mark(req)
         try:
             self.link.submit(REQ_INFER, req, chunks, lambda completion: self._finish_infer(
-                model, version, doc, headers, completion, reply, trace))
+                model, version, doc, headers, completion, reply, trace), model=model)
         except BrokerError as e:
             reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
 

@@ -16,6 +16,12 @@ skip the FIFO write (about 30 us of a worker's time on a VM), and the answer cos
 the loop. Its requests ask the
 worker to poll for the next one as well (``REQ_POLLING``, within the worker's own limit), so
 requests that follow closely cross no sleep between our processes in either direction.
+
+Polling pays only when the answer comes soon. The loop keeps a running average of how long each
+model's answers take; a request to a model whose answers take longer than
+``SHMSERVE_FRONTEND_POLL_WAIT_US`` (a batching model under load, a slow model) neither starts nor
+prolongs the polling, and is not sent with the worker's polling hint: the worker wakes the loop
+once per round instead, and the CPU the polling would burn stays with the worker and the clients.
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ LIVENESS_CHECK_S = 1.0
 POLL_S = float(os.environ.get("SHMSERVE_FRONTEND_SPIN_US", "200")) / 1e6
 # With nothing in flight after an answer: how long the loop stays hot for the client's next request.
 IDLE_POLL_S = float(os.environ.get("SHMSERVE_FRONTEND_IDLE_SPIN_US", "500")) / 1e6
+# Requests to a model whose answers take longer than this on average are waited for asleep.
+POLL_WAIT_S = float(os.environ.get("SHMSERVE_FRONTEND_POLL_WAIT_US", "1000")) / 1e6
 
 
 class BrokerError(Exception):
@@ -50,6 +58,8 @@ class BrokerLink:
         self._timer: asyncio.TimerHandle | None = None
         self._polling = False
         self._progress = 0.0  # perf_counter of the last submission or answer while polling
+        self._answer_s: dict[str, float] = {}  # per model: running average of its answer times
+        self._polled_in_flight = 0  # requests in flight whose answers are polled for
 
     def connection(self) -> Connection:
         conn = self._conn
@@ -79,7 +89,8 @@ class BrokerLink:
                 now = time.perf_counter()
                 if conn.complete_ready():
                     self._progress = now
-                keep = now - self._progress < (POLL_S if conn.in_flight else IDLE_POLL_S)
+                window = POLL_S if self._polled_in_flight else 0.0 if conn.in_flight else IDLE_POLL_S
+                keep = now - self._progress < window
         finally:
             # Whatever happened, either poll again or go back to being woken: a poller that
             # stopped with its flag left awake would never hear of an answer again.
@@ -99,6 +110,7 @@ class BrokerLink:
             self._timer = self._loop.call_later(LIVENESS_CHECK_S, self._check)
 
     def _drop(self) -> None:
+        self._polled_in_flight = 0  # the requests in flight went with the connection
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -109,10 +121,14 @@ class BrokerLink:
             self._conn = None
 
     def submit(self, kind: int, doc: dict, tensors: Any, callback: Callable[[Completion], None],
-               on_response: Callable[[Completion], None] | None = None) -> None:
-        """Send a request; ``callback`` runs on the loop with its completion (and must release it)."""
+               on_response: Callable[[Completion], None] | None = None, model: str | None = None) -> None:
+        """Send a request; ``callback`` runs on the loop with its completion (and must release it).
+        With ``model``, its answer times decide whether the loop polls for this answer."""
         conn = self.connection()
         poll = POLL_S > 0
+        if model is not None:
+            poll = poll and self._answer_s.get(model, 0.0) < POLL_WAIT_S
+            callback = self._timed(model, poll, callback)
         try:
             conn.submit(kind, doc, tensors, callback, on_response=on_response, polling=poll)
         except Backpressure as e:
@@ -120,11 +136,26 @@ class BrokerLink:
         except ServerUnavailable as e:
             raise BrokerError(503, str(e)) from None
         if poll:
+            self._polled_in_flight += model is not None
             self._progress = time.perf_counter()
             if not self._polling:
                 self._polling = True
                 conn.stay_awake()
                 self._loop.call_soon(self._poll)  # type: ignore[union-attr]
+
+    def _timed(self, model: str, polled: bool, callback: Callable[[Completion], None]
+               ) -> Callable[[Completion], None]:
+        """``callback``, after the answer's time went into the model's average."""
+        sent = time.perf_counter()
+
+        def timed(completion: Completion) -> None:
+            took = time.perf_counter() - sent
+            average = self._answer_s.get(model, took)
+            self._answer_s[model] = average + (took - average) * 0.125
+            if polled:  # (never below 0: a dropped connection's count was reset)
+                self._polled_in_flight = max(0, self._polled_in_flight - 1)
+            callback(completion)
+        return timed
 
     async def call(self, kind: int, doc: dict, tensors: Any = ()) -> Completion:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
