@@ -63,29 +63,41 @@ def test_unknown_model(server, client):
     assert_still_serving(server)
 
 
+# The texts below are Triton 2.51's, word for word (taken from the reference server on the same
+# requests), request id prefix and trailing space included: clients compare them.
 def test_wrong_shape(server, client):
     short = np.arange(3, dtype=np.int32)
     err = infer_error(client, "add_sub", [_input("INPUT0", short), _input("INPUT1", B)])
     assert err.status() == "400"
-    msg = err.message()
-    assert "unexpected shape for input 'INPUT0' for model 'add_sub'" in msg
-    assert "[16]" in msg and "[3]" in msg
+    assert err.message() == ("[request id: <id_unknown>] unexpected shape for input 'INPUT0' for model 'add_sub'. "
+                             "Expected [16], got [3]. ")
     assert_still_serving(server)
 
 
-def test_wrong_datatype(server, client):
-    err = infer_error(client, "add_sub", [_input("INPUT0", A.astype(np.float32), "FP32"), _input("INPUT1", B)])
+@pytest.mark.parametrize("request_id, tag", [("", "<id_unknown>"), ("req-7", "req-7")])
+def test_wrong_datatype(server, client, request_id, tag):
+    err = infer_error(client, "add_sub", [_input("INPUT0", A.astype(np.float32), "FP32"), _input("INPUT1", B)],
+                      request_id=request_id)
     assert err.status() == "400"
-    assert "inference input 'INPUT0' data-type is 'FP32', but model 'add_sub' expects 'INT32'" in err.message()
+    assert err.message() == (f"[request id: {tag}] inference input 'INPUT0' data-type is 'FP32', but model "
+                             f"'add_sub' expects 'INT32'")
     assert_still_serving(server)
 
 
 def test_missing_input(server, client):
     err = infer_error(client, "add_sub", [_input("INPUT0", A)])
     assert err.status() == "400"
-    msg = err.message()
-    assert "expected 2 inputs but got 1 inputs for model 'add_sub'" in msg
-    assert "INPUT1" in msg and "missing" in msg
+    assert err.message() == ("[request id: <id_unknown>] expected 2 inputs but got 1 inputs for model 'add_sub'. "
+                             "Got input(s) ['INPUT0'], but missing required input(s) ['INPUT1']. Please provide "
+                             "all required input(s).")
+    assert_still_serving(server)
+
+
+def test_input_given_twice(server):
+    doc = {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": A.tolist()},
+                      {"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": A.tolist()}]}
+    msg = raw_error(server, json.dumps(doc).encode(), {"Content-Type": "application/json"})
+    assert msg == "[request id: <id_unknown>] input 'INPUT0' already exists in request"
     assert_still_serving(server)
 
 
@@ -126,7 +138,7 @@ def test_batch_too_large(server, client):
     x = np.zeros((65, 1, 8, 8), dtype=np.float32)
     err = infer_error(client, "digits", [_input("INPUT__0", x, "FP32")])
     assert err.status() == "400"
-    assert "batch-size must be <= 64" in err.message()
+    assert err.message() == "[request id: <id_unknown>] inference request batch-size must be <= 64 for 'digits'"
     assert_still_serving(server)
 
 
@@ -134,7 +146,12 @@ def test_missing_batch_dimension(server, client):
     x = np.zeros((1, 8, 8), dtype=np.float32)
     err = infer_error(client, "digits", [_input("INPUT__0", x, "FP32")])
     assert err.status() == "400"
-    assert "INPUT__0" in err.message() and "digits" in err.message()
+    assert err.message() == (
+        "[request id: <id_unknown>] unexpected shape for input 'INPUT__0' for model 'digits'. Expected "
+        "[-1,1,8,8], got [1,8,8]. NOTE: Setting a non-zero max_batch_size in the model config requires a batch "
+        "dimension to be prepended to each input shape. If you want to specify the full shape including the "
+        "batch dim in your input dims config, try setting max_batch_size to zero. See the model configuration "
+        "docs for more info on max_batch_size.")
     assert_still_serving(server)
 
 
@@ -146,7 +163,8 @@ def test_wrong_byte_size_in_binary_mode(server):
     body, headers = _binary_body([("INPUT0", "INT32", [16], A.tobytes()[:60]),
                                   ("INPUT1", "INT32", [16], B.tobytes())])
     msg = raw_error(server, body, headers)
-    assert "INPUT0" in msg and "60" in msg and "64" in msg
+    assert msg == ("[request id: <id_unknown>] input byte size mismatch for input 'INPUT0' for model 'add_sub'. "
+                   "Expected 64, got 60")
     assert_still_serving(server)
 
 

@@ -20,6 +20,31 @@ class InvalidRequest(Exception):
     status = 400
 
 
+# Triton appends this to a shape error of a batching model (clients see it, so it is kept as is).
+BATCH_DIM_NOTE = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
+                  "prepended to each input shape. If you want to specify the full shape including the batch dim "
+                  "in your input dims config, try setting max_batch_size to zero. See the model configuration "
+                  "docs for more info on max_batch_size.")
+
+
+def request_tag(request_id: str) -> str:
+    """The prefix Triton gives the errors it finds while checking a request's inputs."""
+    return f"[request id: {request_id or '<id_unknown>'}] "
+
+
+def _names_text(names: list[str]) -> str:
+    return "[" + ",".join(f"'{n}'" for n in names) + "]"
+
+
+def dims_text(dims: Any) -> str:
+    """A shape as Triton writes it in error texts: ``[-1,512]``."""
+    return "[" + ",".join(str(d) for d in dims) + "]"
+
+
+class _RequestScoped(InvalidRequest):
+    """An error Triton reports with the request's id in front (``check_inputs`` adds it)."""
+
+
 def queue_options(doc: dict[str, Any]) -> tuple[int, int, int]:
     """(priority, timeout in us, send time in monotonic ns) of a request descriptor, checked: a
     local program writes descriptors itself, and these feed the batcher's arithmetic."""
@@ -59,17 +84,21 @@ class ModelSignature:
         """The shape a client sees: with the batch dimension (-1) first for batching models."""
         return ([-1] + spec.dims) if self.max_batch_size > 0 else list(spec.dims)
 
-    def check_inputs(self, inputs: list[dict[str, Any]]) -> int:
+    def check_inputs(self, inputs: list[dict[str, Any]], request_id: str = "") -> int:
         """Validate names, datatypes, shapes and byte sizes; returns the request's batch size.
         Requests of a shape seen before (the usual case: clients repeat themselves) are looked
-        up instead of checked again."""
+        up instead of checked again. Errors read as Triton's, with the request's id in front
+        where Triton puts it."""
         try:
             key: tuple | None = tuple([(t["name"], t["datatype"], tuple(t["shape"]), t["size"]) for t in inputs])
             batch = self._passed.get(key)  # type: ignore[arg-type]
         except (KeyError, TypeError):
             key = batch = None  # malformed (or unhashable): the full check says what is wrong
         if batch is None:
-            batch = self._check_inputs(inputs)
+            try:
+                batch = self._check_inputs(inputs)
+            except _RequestScoped as e:
+                raise InvalidRequest(request_tag(request_id) + str(e)) from None
             if key is not None:
                 if len(self._passed) >= PASSED_LIMIT:
                     self._passed.clear()
@@ -88,42 +117,41 @@ class ModelSignature:
             if spec is None:
                 raise InvalidRequest(f"unexpected inference input '{name}' for model '{m}'")
             if name in names:
-                raise InvalidRequest(f"input '{name}' is given more than once for model '{m}'")
+                raise _RequestScoped(f"input '{name}' already exists in request")
             names.add(name)
             if t["datatype"] != spec.datatype:
-                raise InvalidRequest(f"inference input '{name}' data-type is '{t['datatype']}', but model "
+                raise _RequestScoped(f"inference input '{name}' data-type is '{t['datatype']}', but model "
                                      f"'{m}' expects '{spec.datatype}'")
             shape = t["shape"]
             dims = shape
-            if self.max_batch_size > 0:
-                if not shape:
-                    raise InvalidRequest(f"inference input '{name}' for model '{m}' has no batch "
-                                         f"dimension; the model expects shape {self.full_shape(spec)}")
+            if self.max_batch_size > 0 and shape:
                 batch = shape[0]
                 if batch < 1 or batch > self.max_batch_size:
-                    raise InvalidRequest(f"inference request batch-size must be <= {self.max_batch_size} "
+                    raise _RequestScoped(f"inference request batch-size must be <= {self.max_batch_size} "
                                          f"for '{m}'")
                 dims = shape[1:]
-            if len(dims) != len(spec.dims) or any(e != -1 and e != d for e, d in zip(spec.dims, dims)):
-                raise InvalidRequest(f"unexpected shape for input '{name}' for model '{m}'. Expected "
-                                     f"{self.full_shape(spec)}, got {list(shape)}")
+            if len(dims) != len(spec.dims) or (self.max_batch_size > 0 and not shape) \
+                    or any(e != -1 and e != d for e, d in zip(spec.dims, dims)):
+                note = BATCH_DIM_NOTE if self.max_batch_size > 0 else ""
+                raise _RequestScoped(f"unexpected shape for input '{name}' for model '{m}'. Expected "
+                                     f"{dims_text(self.full_shape(spec))}, got {dims_text(shape)}. {note}")
             if any(d < 0 for d in shape):
                 raise InvalidRequest(f"input '{name}' for model '{m}' has a negative dimension {shape}")
             size = itemsize(spec.datatype)
             if size:
                 expected = element_count(shape) * size
                 if t["size"] != expected:
-                    raise InvalidRequest(f"input byte size mismatch for input '{name}' for model '{m}'. "
+                    raise _RequestScoped(f"input byte size mismatch for input '{name}' for model '{m}'. "
                                          f"Expected {expected}, got {t['size']}")
             elif element_count(shape) * 4 > t["size"]:  # each BYTES element has a 4-byte length prefix
-                raise InvalidRequest(f"input byte size mismatch for input '{name}' for model '{m}'. "
+                raise _RequestScoped(f"input byte size mismatch for input '{name}' for model '{m}'. "
                                      f"{element_count(shape)} BYTES elements need at least "
                                      f"{element_count(shape) * 4} bytes, got {t['size']}")
         missing = [n for n in self.required if n not in names]
         if missing:
-            raise InvalidRequest(f"expected {len(self.required)} inputs but got {len(names)} inputs for "
-                                 f"model '{m}'. Got input(s) {sorted(names)}, but missing required input(s) "
-                                 f"{missing}. Please provide all required input(s).")
+            raise _RequestScoped(f"expected {len(self.required)} inputs but got {len(names)} inputs for "
+                                 f"model '{m}'. Got input(s) {_names_text(sorted(names))}, but missing required "
+                                 f"input(s) {_names_text(missing)}. Please provide all required input(s).")
         return batch
 
     def check_outputs(self, outputs: list[dict[str, Any]] | None) -> None:

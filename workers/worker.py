@@ -229,7 +229,7 @@ class Worker:
         try:
             doc, data_start = read_manifest_with_data(client.seg.buf, off)
             assert self.signature is not None
-            batch = self.signature.check_inputs(doc["inputs"])
+            batch = self.signature.check_inputs(doc["inputs"], doc.get("id", ""))
             self.signature.check_outputs(doc.get("outputs"))
             priority, timeout_us, sent_ns = queue_options(doc)
             entry.update(id=doc.get("id", ""), params=doc.get("params"), corr=doc.get("corr", 0),

@@ -540,7 +540,7 @@ class Broker:
             sig = mv.signature
             assert sig is not None
             inputs = doc["inputs"]
-            batch = sig.check_inputs(inputs)
+            batch = sig.check_inputs(inputs, doc.get("id", ""))
             outputs = doc.get("outputs")
             sig.check_outputs(outputs)
             priority, timeout_us, sent_ns = queue_options(doc)
@@ -909,7 +909,7 @@ class Broker:
                 mv = self.find_version(step.model, step.version)
                 request = run.step_request(step)
                 assert mv.signature is not None
-                batch = mv.signature.check_inputs(request["inputs"])
+                batch = mv.signature.check_inputs(request["inputs"], request.get("id", ""))
             except InvalidRequest as e:
                 self._fail_run(run, step, 400, str(e))
                 return

@@ -144,7 +144,9 @@ class Frontend:
             _, answer = await self._control({"op": "server_ready"})
         except BrokerError:
             return Response(status_code=503)
-        return Response(status_code=200 if answer.get("ready") else 400)
+        if answer.get("ready"):
+            return Response(status_code=200)
+        return error_response(400, "Model version not ready")  # Triton's body for a model that is not ready
 
     async def server_metadata(self, request: Request) -> Response:
         return json_response({"name": self.server_id, "version": __version__, "extensions": EXTENSIONS})
@@ -194,7 +196,9 @@ class Frontend:
             _, answer = await self._control({"op": "model_ready", **self._model(request)})
         except BrokerError as e:
             return error_response(e.status, str(e))
-        return Response(status_code=200 if answer.get("ready") else 400)
+        if answer.get("ready"):
+            return Response(status_code=200)
+        return error_response(400, "Model version not ready")  # Triton's body for a model that is not ready
 
     async def repository_index(self, request: Request) -> Response:
         body = await request.body()

@@ -9,6 +9,7 @@ import numpy as np
 import orjson
 
 from shm.tensors import DTYPES, byte_view, element_count, itemsize, serialize_bytes
+from workers.signature import request_tag
 
 MAX_JSON_DEPTH = 64
 # orjson refuses documents nested deeper than this (arrays and objects); see parse_json.
@@ -183,8 +184,8 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview,
         if datatype != "BYTES" and "region" not in desc:
             expected = element_count(shape) * itemsize(datatype)
             if desc["size"] != expected:
-                raise BadRequest(f"input '{name}': {desc['size']} bytes of data do not match shape {shape} "
-                                 f"of {datatype} ({expected} bytes)")
+                raise BadRequest(f"{request_tag(doc.get('id', ''))}input byte size mismatch for input '{name}' "
+                                 f"for model '{model}'. Expected {expected}, got {desc['size']}")
         elif datatype == "BYTES" and element_count(shape) * 4 > desc["size"]:
             # Every BYTES element has a 4-byte length prefix: more elements than that cannot be there.
             raise BadRequest(f"input '{name}': shape {shape} of BYTES needs at least {element_count(shape) * 4} "
