@@ -167,10 +167,16 @@ def test_failed_load_leaves_the_old_version_serving(server_factory, repo):
     assert c.is_model_ready("add_sub") and c.is_server_ready()
 
 
-def test_load_and_unload_need_explicit_mode(server_factory, repo):
-    s = server_factory.start([repo])
-    with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed"):
+@pytest.mark.parametrize("mode", ["none", "poll"])
+def test_load_and_unload_need_explicit_mode(server_factory, repo, mode):
+    s = server_factory.start([repo], ["--model-control-mode", mode])
+    with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed") as e:
         s.client().load_model("add_sub")
+    assert e.value.status() == "503"  # Triton's UNAVAILABLE
+    if mode == "poll":  # Triton 2.51's text word for word
+        assert e.value.message() == "explicit model load / unload is not allowed if polling is enabled"
+    with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed"):
+        s.client().unload_model("add_sub")
 
 
 def wait_for(predicate, timeout: float = 10.0) -> float:

@@ -136,12 +136,13 @@ class ControlHandler:
         model, version = doc.get("model") or "", doc.get("version") or ""
         rows = self.broker._stats_rows()
         if model:
+            # Triton's statistics texts, not its inference ones.
             if model not in self.broker.models:
-                raise InvalidRequest(f"Request for unknown model: '{model}' is not found")
+                raise InvalidRequest(f"requested model '{model}' is not available")
             rows = [r for r in rows if r[0] == model]
             if version:
                 if not version.isdigit() or int(version) not in self.broker.models[model]:
-                    raise InvalidRequest(f"Request for unknown model: '{model}' version {version} is not found")
+                    raise InvalidRequest(f"requested model version is not available for model '{model}'")
                 rows = [r for r in rows if r[1] == int(version)]
         return 200, {"model_stats": [version_stats_json(m, v, st) for m, v, st in rows]}
 
@@ -184,8 +185,13 @@ class ControlHandler:
     def _explicit_only(self) -> None:
         mode = self.broker.opts.control_mode
         if mode != "explicit":
-            raise InvalidRequest(f"explicit model load / unload is not allowed if model control mode is "
-                                 f"'{mode}' (start the server with --model-control-mode=explicit)")
+            # Triton's status (UNAVAILABLE) and, for poll mode, its text; in 'none' mode Triton also
+            # says "if polling is enabled", which would mislead, so the mode is named instead.
+            e = InvalidRequest("explicit model load / unload is not allowed if polling is enabled" if mode == "poll"
+                               else f"explicit model load / unload is not allowed if model control mode is "
+                                    f"'{mode}' (start the server with --model-control-mode=explicit)")
+            e.status = 503
+            raise e
 
     def _load(self, client: Client, slot: int, doc: dict) -> Answer:
         """Load (or reload) a model; answered when it serves, or why it does not."""
