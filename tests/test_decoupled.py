@@ -56,18 +56,43 @@ def test_generate_single_response_and_its_limits(server):
     status, _, text = post(server, "/v2/models/word_stream/generate", {"text_input": "alone"})
     assert status == 200 and json.loads(text)["text_output"] == "alone"
     status, _, text = post(server, "/v2/models/word_stream/generate", {"text_input": "two words"})
-    assert status == 400 and "use generate_stream" in json.loads(text)["error"]
+    assert status == 400 and json.loads(text)["error"] == (  # Triton 2.51's text
+        "generate expects model to produce exactly 1 response, use generate stream for model that generates "
+        "various number of responses")
     status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": list(range(16)), "INPUT1": [1] * 16})
     assert status == 200 and json.loads(text)["OUTPUT0"] == [i + 1 for i in range(16)]
     status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": list(range(16))})
-    assert status == 400 and "INPUT1" in json.loads(text)["error"]
+    assert status == 400 and json.loads(text)["error"] == (  # Triton 2.51's text: the model's input check
+        "[request id: <id_unknown>] expected 2 inputs but got 1 inputs for model 'add_sub'. Got input(s) "
+        "['INPUT0'], but missing required input(s) ['INPUT1']. Please provide all required input(s).")
+    status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": list(range(15)), "INPUT1": [1] * 16})
+    assert status == 400
+    assert json.loads(text)["error"] == "The schema can not convert input 'INPUT0' to tensor with proper shape"
+
+
+def test_generate_shapes_values_by_the_config(server):
+    """Values take the config's dimensions; a batching model's batch dimension takes the rest (so
+    two values for running_sum's [1] are a batch of two, which its sequence batcher refuses)."""
+    status, _, text = post(server, "/v2/models/running_sum/generate",
+                           {"VALUE": [2.0, 3.0], "sequence_id": 9, "sequence_start": True})
+    assert status == 400 and json.loads(text)["error"] == (
+        "inference request to model 'running_sum' must specify batch-size 1 due to requirements of sequence batcher")
+    # One value is a batch of one, [1, 1]; it passes the shape and batch checks and then fails, as in
+    # Triton, for want of a correlation ID (the generate endpoint carries none).
+    status, _, text = post(server, "/v2/models/running_sum/generate",
+                           {"VALUE": 2.0, "sequence_id": 9, "sequence_start": True, "sequence_end": True})
+    assert status == 400 and json.loads(text)["error"] == (
+        "inference request to model 'running_sum' must specify a non-zero or non-empty correlation ID")
 
 
 def test_infer_on_a_decoupled_model_is_refused(server):
     body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}
     status, _, text = post(server, "/v2/models/word_stream/infer", body)
-    assert status == 400
-    assert "doesn't support models with decoupled transaction policy" in json.loads(text)["error"]
+    assert status == 501  # Triton's UNSUPPORTED, with its text
+    assert json.loads(text)["error"] == "HTTP end point doesn't support models with decoupled transaction policy"
+    body["inputs"][0]["name"] = "no_such_input"  # the policy is checked first, as in Triton
+    status, _, text = post(server, "/v2/models/word_stream/infer", body)
+    assert status == 501
 
 
 def test_local_client_streams_in_order(server):

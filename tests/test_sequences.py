@@ -96,6 +96,23 @@ def test_missing_correlation_id_is_refused(server):
     assert "correlation ID" in e.value.message()
 
 
+@pytest.mark.parametrize("seq", [None, 31337], ids=["no-sequence-id", "with-sequence-id"])
+def test_a_batch_of_several_is_refused(server, seq):
+    """One request is one step of one sequence: Triton refuses a batch of more (before it looks at
+    the correlation ID), with this text."""
+    client = httpclient.InferenceServerClient(server.url)
+    x = httpclient.InferInput("VALUE", [2, 1], "INT32")
+    x.set_data_from_numpy(np.array([[1], [2]], np.int32))
+    kwargs = {"sequence_id": seq, "sequence_start": True} if seq else {}
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("seq_direct", [x], **kwargs)
+    client.close()
+    assert e.value.status() == "400"
+    assert e.value.message() == ("inference request to model 'seq_direct' must specify batch-size 1 due to "
+                                 "requirements of sequence batcher")
+    assert run_sequence(server.url, "seq_direct", 31337, [4, 5]) == [4, 9]  # the id was never started
+
+
 def test_idle_sequence_expires(server):
     send(server.url, "seq_direct", 555, 1, start=True)
     assert int(send(server.url, "seq_direct", 555, 1).as_numpy("SUM")[0, 0]) == 2

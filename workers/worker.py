@@ -39,6 +39,7 @@ from server.broker.batcher import DynamicBatcher, QueueFull, batches_on_worker
 from server.broker.models import Pending
 
 from . import custom_metrics
+from .classification import ClassificationError, classify, load_labels
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
 from .cuda import CudaError
 from .cuda import runtime as cuda_runtime
@@ -63,6 +64,17 @@ def _wire_type(arr: Any) -> str:
 class RequestError(Exception):
     """A problem with one request (not the batch): answered as a 400 to that client only."""
 
+    status = 400
+
+
+class DecoupledOnly(RequestError):
+    """A single-answer request to a decoupled model: Triton's UNSUPPORTED (501), with its text."""
+
+    status = 501
+
+    def __init__(self) -> None:
+        super().__init__("HTTP end point doesn't support models with decoupled transaction policy")
+
 
 class Worker:
     def __init__(self, spec: dict[str, Any]) -> None:
@@ -78,6 +90,7 @@ class Worker:
         self.stats = StatsWriter(self.seg.stats)
         self._notes: list[tuple[ClientSegment, int, int, int, int]] = []
         self.signature: ModelSignature | None = None
+        self.labels: dict[str, list[str]] = {}  # output name -> its label_filename's lines
         self.output_names: list[str] = []
         self.sequence: SequenceSupport | None = None
         self.decoupled = False
@@ -114,6 +127,7 @@ class Worker:
                                    physical_device_id=spec.get("device_id", 0))
             self.instance = self.model_state.create_instance(ictx)
             self.signature = ModelSignature(self.model, ctx.config)
+            self.labels = load_labels(ctx.config, ctx.model_dir)
             self.output_names = list(self.signature.outputs)
             if ctx.config.get("sequence_batching"):
                 self.sequence = SequenceSupport(ctx.config)
@@ -228,6 +242,8 @@ class Worker:
         entry = {"client": client_name, "pid": client.pid, "slot": slot}
         try:
             doc, data_start = read_manifest_with_data(client.seg.buf, off)
+            if self.decoupled and "stream" not in doc:
+                raise DecoupledOnly()  # before the inputs are looked at, as in Triton
             assert self.signature is not None
             batch = self.signature.check_inputs(doc["inputs"], doc.get("id", ""))
             self.signature.check_outputs(doc.get("outputs"))
@@ -238,15 +254,14 @@ class Worker:
                 entry["tr"] = 0  # traced; no broker queue (the frontend's submit is its QUEUE_START)
             entry["inputs"] = [self._locate(client, t, data_start) for t in doc["inputs"]]
             outputs = doc.get("outputs")
-            entry["outputs"] = [{"name": o["name"]} if "data" not in o and "region" not in o
-                                else self._locate(client, o, data_start, "output") for o in outputs] if outputs else None
+            entry["outputs"] = [self._output(client, o, data_start) for o in outputs] if outputs else None
             if "stream" in doc:
                 entry["stream"] = {"seg": client_name, "off": data_start + int(doc["stream"])}
                 if not client.arena_offset <= entry["stream"]["off"] <= client.seg.size - 4096:
                     raise RequestError("the response ring lies outside the client's arena")
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
             self.stats.rejected()
-            self._answer_error(entry, 400, str(e))
+            self._answer_error(entry, getattr(e, "status", 400), str(e))
             return False  # serve() flushes the counters and sends the answer
         if self.batcher is None:
             self._execute([entry])
@@ -284,6 +299,13 @@ class Worker:
         self.stats.counts[DIRECT_DONE] += done
         return done
 
+    def _output(self, client: ClientSegment, o: dict, data_start: int) -> dict:
+        out = {"name": o["name"]} if "data" not in o and "region" not in o \
+            else self._locate(client, o, data_start, "output")
+        if "class" in o:
+            out["class"] = o["class"]  # classification: answered as the top classes
+        return out
+
     def _locate(self, client: ClientSegment, t: dict, data_start: int, what: str = "input") -> dict:
         size = int(t["size"])
         if "region" in t:  # a registered region, as the broker published it (shm/region_table.py)
@@ -311,7 +333,7 @@ class Worker:
             try:
                 live.append((entry, self._build_request(entry)))
             except (RequestError, ValueError, OSError, posix_ipc.Error, CudaError) as e:
-                self._answer_error(entry, 400, str(e))
+                self._answer_error(entry, e.status if isinstance(e, RequestError) else 400, str(e))
                 self.stats.rejected()
         built = executed = time.monotonic_ns()
         ok: list[bool] = []
@@ -393,8 +415,7 @@ class Worker:
         if "stream" in entry:
             sender = StreamSender(self, entry)
         elif self.decoupled:
-            raise RequestError(f"model '{self.model}' is decoupled: HTTP end point doesn't support models with "
-                               f"decoupled transaction policy (use generate_stream or a streaming client)")
+            raise DecoupledOnly()  # reached through the broker
         return Request(sender=sender, inputs=inputs, requested_outputs=names,
                        id=entry.get("id", ""), correlation_id=entry.get("corr", 0),
                        flags=entry.get("flags", 0), parameters=entry.get("params") or {})
@@ -462,6 +483,7 @@ class Worker:
         wanted = entry.get("outputs")
         names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
         placed = {o["name"]: o for o in wanted or () if "seg" in o or "cuda" in o}
+        classes = {o["name"]: o["class"] for o in wanted or () if "class" in o}
         outs, tensors, pos = [], [], 0
         try:
             for name in names:
@@ -470,6 +492,9 @@ class Worker:
                         continue  # a streamed response may carry only some outputs
                     raise RequestError(f"output '{name}' was requested but the model did not produce it")
                 arr = resp.outputs[name]
+                if name in classes:
+                    batched = self.signature is not None and self.signature.max_batch_size > 0
+                    arr = classify(name, arr, classes[name], batched, self.labels.get(name))
                 datatype = _WIRE_TYPES.get(arr.dtype) or _wire_type(arr)
                 data = serialize_bytes(arr) if datatype == "BYTES" else byte_view(arr)
                 n = len(data)
@@ -493,7 +518,7 @@ class Worker:
                 outs.append(desc)
         except (RequestError, ValueError, TypeError, CudaError, OSError, posix_ipc.Error) as e:
             # OSError/posix_ipc: the segment to write into is gone (its client died): nobody to tell.
-            status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion)) else 500
+            status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion, ClassificationError)) else 500
             return status, orjson.dumps({"error": str(e)}), []
         doc: dict[str, Any] = {"version": self.version, "outputs": outs}
         if resp.parameters:

@@ -703,9 +703,12 @@ class Broker:
                 **self._place(client, t, what, data_start)}
 
     def _resolve_output(self, client: Client, o: dict, data_start: int) -> dict:
-        if "region" not in o and "data" not in o:
-            return {"name": o["name"]}
-        return {"name": o["name"], **self._place(client, o, "output", data_start)}
+        out = {"name": o["name"]}
+        if "region" in o or "data" in o:
+            out.update(self._place(client, o, "output", data_start))
+        if "class" in o:
+            out["class"] = o["class"]  # classification: the worker answers the top classes
+        return out
 
     def _dispatch(self, mv: ModelVersion) -> None:
         if mv.sequencer is not None:

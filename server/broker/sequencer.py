@@ -59,6 +59,9 @@ class SequenceBatcher:
     def enqueue(self, p: Pending, instances: list[Instance], now: float) -> None:
         corr = p.entry.get("corr")
         flags = p.entry.get("flags", 0)
+        if p.batch != 1:  # one request is one step of one sequence (checked first, as Triton does)
+            raise InvalidRequest(f"inference request to model '{self.model}' must specify batch-size 1 due to "
+                                 f"requirements of sequence batcher")
         if corr in (None, 0, ""):
             raise InvalidRequest(f"inference request to model '{self.model}' must specify a non-zero or "
                                  f"non-empty correlation ID")

@@ -33,8 +33,9 @@ from .settings import logging_endpoint
 from .tracing import Trace, Tracer, trace_endpoint, traced_infer
 
 log = logging.getLogger("shmserve.frontend")
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "system_shared_memory", "cuda_shared_memory",
-              "generate", "sequence", "schedule_policy", "model_repository", "statistics", "logging", "trace"]
+EXTENSIONS = ["classification", "binary_tensor_data", "model_configuration", "system_shared_memory",
+              "cuda_shared_memory", "generate", "sequence", "schedule_policy", "model_repository",
+              "model_repository(unload_dependents)", "parameters", "statistics", "logging", "trace"]
 JSON = "application/json"
 JSON_HEADER = (b"content-type", b"application/json")
 # reply(status, body, headers) of one inference
@@ -354,8 +355,9 @@ class Frontend:
         if error:
             return error_response(*error)
         if len(answers) != 1:
-            return error_response(400, f"generate expects exactly one response but model '{model}' sent "
-                                       f"{len(answers)}; use generate_stream")
+            # Triton's text (Triton sends it with a 200, having started the answer already).
+            return error_response(400, "generate expects model to produce exactly 1 response, use generate stream "
+                                       "for model that generates various number of responses")
         return json_response(answers[0])
 
     async def generate_stream(self, request: Request) -> Response:

@@ -203,9 +203,13 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview,
                 raise BadRequest("each requested output must be an object with a 'name'")
             op = _params(o.get("parameters"), f"output '{o['name']}'")
             _bool_param(op, "binary_data", f"output '{o['name']}'")
-            if op.get("classification"):
-                raise BadRequest(f"output '{o['name']}': the classification extension is not supported")
             od: dict[str, Any] = {"name": o["name"]}
+            if op.get("classification") is not None:  # Triton's classification extension: the top N
+                count = op["classification"]
+                if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                    raise BadRequest(f"output '{o['name']}': 'classification' must be a non-negative integer")
+                if count:
+                    od["class"] = count
             if "shared_memory_region" in op:
                 od["region"] = _region_name(op["shared_memory_region"], o["name"])
                 od["offset"] = _nonneg(op.get("shared_memory_offset", 0), o["name"], "shared_memory_offset")

@@ -1,8 +1,9 @@
 """Triton's generate extension: ``/generate`` and ``/generate_stream`` (server-sent events).
 
 The body is a flat JSON object: keys that name model inputs become tensors (a scalar or a string
-becomes a one-element tensor, a list a tensor of its length; a batching model gets a batch of
-one), ``parameters`` and any other key become request parameters. Each response is a flat JSON
+is one value, a list its values), shaped by the model's config: its dimensions, the one variable
+dimension or a batching model's batch dimension taking what the values leave (Triton's rule, and
+its error text when they do not fit); ``parameters`` and any other key become request parameters. Each response is a flat JSON
 object of the outputs: one-element tensors become scalars (BYTES as text), others lists.
 """
 from __future__ import annotations
@@ -50,13 +51,11 @@ def build_generate_request(model: str, version: str, body: Any, config: dict) ->
                 data = arr.tobytes()
         except (TypeError, ValueError, OverflowError) as e:
             raise BadRequest(f"input '{key}': cannot read {value!r} as {datatype}: {e}") from None
-        shape = ([1] if batched else []) + list(arr.shape)
+        shape = _tensor_shape(key, len(values), [int(d) for d in spec.get("dims", [])], batched)
         inputs.append({"name": key, "datatype": datatype, "shape": shape, "data": rel, "size": len(data)})
         chunks.append(data)
         rel += len(data)
-    missing = [n for n, s in specs.items() if n not in body and not s.get("optional")]
-    if missing:
-        raise BadRequest(f"the generate request lacks input(s) {missing} of model '{model}'")
+    # A missing input is left to the model's input check, which words it as Triton does.
     req: dict[str, Any] = {"model": model, "version": version, "inputs": inputs, "outputs": None}
     if "id" in body:
         if not isinstance(body["id"], str):
@@ -65,6 +64,25 @@ def build_generate_request(model: str, version: str, body: Any, config: dict) ->
     if params:
         req["params"] = {k: v for k, v in params.items() if isinstance(v, (bool, int, float, str))}
     return req, chunks
+
+
+def _tensor_shape(name: str, count: int, dims: list[int], batched: bool) -> list[int]:
+    """The shape the model's config gives ``count`` values, as Triton's generate endpoint forms it:
+    the config's dimensions, with the one variable dimension (or the batch dimension) taking what
+    is left; a batching model's batch dimension is 1 when another dimension varies."""
+    shape = ([-1] if batched else []) + dims
+    if batched and sum(d < 0 for d in shape) > 1:
+        shape[0] = 1
+    fixed = 1
+    for d in shape:
+        fixed *= d if d >= 0 else 1
+    free = [i for i, d in enumerate(shape) if d < 0]
+    if not free and count == fixed:
+        return shape
+    if len(free) == 1 and fixed > 0 and count % fixed == 0 and count:
+        shape[free[0]] = count // fixed
+        return shape
+    raise BadRequest(f"The schema can not convert input '{name}' to tensor with proper shape")
 
 
 def generate_response(model: str, result: dict, tensor_of: Any) -> dict:
