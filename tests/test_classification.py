@@ -3,6 +3,7 @@ are what Triton 2.51 answered for the same models and requests (reference server
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -14,9 +15,22 @@ from conftest import TESTS, raw_request
 X = np.array([[0.1, 0.7, 0.2, 0.7, 0.05], [3.0, -1.0, 2.5, 0.0, 1.0]], dtype=np.float32)
 
 
+# The same model without a batch dimension: classes ranked over the whole tensor.
+FLAT_CONFIG = """name: "classify_flat"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 2, 3 ] } ]
+output [ { name: "PROB" data_type: TYPE_FP32 dims: [ 2, 3 ] }, { name: "IDX" data_type: TYPE_INT32 dims: [ 2, 3 ] } ]
+"""
+
+
 @pytest.fixture(scope="module")
-def server(module_factory):
-    return module_factory.start([TESTS / "models" / "classify"])
+def server(module_factory, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("classify")
+    shutil.copytree(TESTS / "models" / "classify" / "classify", repo / "classify")
+    shutil.copytree(TESTS / "models" / "classify" / "classify" / "1", repo / "classify_flat" / "1")
+    (repo / "classify_flat" / "config.pbtxt").write_text(FLAT_CONFIG)
+    return module_factory.start([repo])
 
 
 def infer(server, model: str, x: np.ndarray, outputs: list[tuple[str, int]], binary: bool = True):
@@ -79,7 +93,6 @@ def test_server_metadata_lists_the_extension(server):
 
 
 def test_a_missing_label_file_fails_the_load(server_factory, tmp_path):
-    import shutil
     repo = tmp_path / "repo"
     shutil.copytree(TESTS / "models" / "classify" / "classify", repo / "classify")
     (repo / "classify" / "labels.txt").unlink()
