@@ -5,6 +5,7 @@ Values include each type's extremes; they must come back bit for bit.
 from __future__ import annotations
 
 import json
+import math
 
 import ml_dtypes
 import numpy as np
@@ -114,6 +115,21 @@ def test_all_datatypes_in_one_request(client):
     result = client.infer("identity_all", inputs, outputs=outputs)
     for dt, data in VALUES.items():
         _assert_same(dt, result.as_numpy(f"OUT_{dt}"), data)
+
+
+@pytest.mark.parametrize("datatype", ["BF16", "FP16"])
+def test_half_precision_as_json_both_ways(server, datatype):
+    """tritonclient sends these only in binary (Triton refuses them as JSON input); a JSON answer
+    must still carry the values, not the raw 16-bit words (BF16 is an FP32's high half)."""
+    values = [1.5, -2.0, 3.0, 0.5, -0.0, 65280.0 if datatype == "BF16" else 65504.0]
+    body = json.dumps({"inputs": [{"name": f"IN_{datatype}", "datatype": datatype, "shape": [2, 3],
+                                   "data": values}],
+                       "outputs": [{"name": f"OUT_{datatype}", "parameters": {"binary_data": False}}]}).encode()
+    raw = raw_request(server.port, "POST", "/v2/models/identity_all/infer", body)
+    assert raw.status == 200, raw
+    out = raw.json()["outputs"][0]
+    assert out["datatype"] == datatype and out["shape"] == [2, 3]
+    assert out["data"] == values and math.copysign(1.0, out["data"][4]) == -1.0
 
 
 def test_json_nested_data_is_accepted(server):

@@ -277,10 +277,9 @@ def json_data(datatype: str, view: memoryview, shape: list[int]) -> list:
         from shm.tensors import deserialize_bytes
 
         return [b.decode("utf-8", errors="replace") for b in deserialize_bytes(view, element_count(shape))]
-    arr = np.frombuffer(view, dtype=DTYPES[datatype])
-    if datatype == "BF16":
-        arr = (arr.astype(np.uint32) << 16).view(np.float32)
-    return arr.tolist()
+    if datatype == "BF16":  # the 16 high bits of an FP32: widen the raw words (not their values)
+        return (np.frombuffer(view, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).tolist()
+    return np.frombuffer(view, dtype=DTYPES[datatype]).tolist()
 
 
 def build_response(model: str, version: str, request: dict, result: dict, tensor_of: Any) -> tuple[bytes, int | None]:

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes, element_count, serialize_bytes
+from shm.tensors import CONFIG_TO_WIRE, DTYPES, serialize_bytes
 
-from .codec import BadRequest
+from .codec import BadRequest, json_data
 
 
 def build_generate_request(model: str, version: str, body: Any, config: dict) -> tuple[dict, list]:
@@ -88,11 +88,6 @@ def _tensor_shape(name: str, count: int, dims: list[int], batched: bool) -> list
 def generate_response(model: str, result: dict, tensor_of: Any) -> dict:
     out: dict[str, Any] = {"model_name": model, "model_version": str(result.get("version", ""))}
     for o in result.get("outputs", ()):
-        view = tensor_of(o)
-        if o["datatype"] == "BYTES":
-            values: list = [b.decode("utf-8", errors="replace")
-                            for b in deserialize_bytes(view, element_count(o["shape"]))]
-        else:
-            values = np.frombuffer(view, dtype=DTYPES[o["datatype"]]).tolist()
+        values = json_data(o["datatype"], tensor_of(o), o["shape"])
         out[o["name"]] = values[0] if len(values) == 1 else values
     return out
