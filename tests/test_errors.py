@@ -231,8 +231,10 @@ def test_bad_json(server, body):
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16]}]}, "INPUT0"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": [0] * 15}]}, "15"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": ["a"] * 16}]}, "INPUT0"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": [1.5] * 16}]}, "must be integers"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": [True] * 16}]}, "must be integers"),
 ], ids=["array", "no-inputs", "inputs-not-list", "no-name", "bad-datatype", "shape-not-list", "negative-dim",
-        "no-data", "element-count", "strings-for-ints"])
+        "no-data", "element-count", "strings-for-ints", "floats-for-ints", "bools-for-ints"])
 def test_malformed_request_documents(server, doc, needle):
     msg = raw_error(server, json.dumps(doc).encode(), {"Content-Type": "application/json"})
     assert needle in msg

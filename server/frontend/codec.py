@@ -91,6 +91,9 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: Any) -> 
         if datatype == "BOOL":
             if not all(isinstance(x, bool) for x in flat):
                 raise BadRequest(f"input '{name}': BOOL data must be true or false")
+        elif datatype[0] in "IU":  # integers only: numpy would silently cut 1.5 to 1
+            if not all(type(x) is int for x in flat):
+                raise BadRequest(f"input '{name}': {datatype} data must be integers")
         elif any(isinstance(x, (str, list, dict)) or x is None for x in flat):
             raise BadRequest(f"input '{name}': {datatype} data must be numbers")
         arr = np.asarray(flat, dtype=DTYPES[datatype])
