@@ -65,6 +65,9 @@ def test_generate_single_response_and_its_limits(server):
     assert status == 400 and json.loads(text)["error"] == (  # Triton 2.51's text: the model's input check
         "[request id: <id_unknown>] expected 2 inputs but got 1 inputs for model 'add_sub'. Got input(s) "
         "['INPUT0'], but missing required input(s) ['INPUT1']. Please provide all required input(s).")
+    # The infer endpoint's checks of JSON values hold here too: 1.5 is not cut to 1.
+    status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": [1.5] * 16, "INPUT1": [1] * 16})
+    assert status == 400 and json.loads(text)["error"] == "input 'INPUT0': INT32 data must be integers"
     status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": list(range(15)), "INPUT1": [1] * 16})
     assert status == 400
     assert json.loads(text)["error"] == "The schema can not convert input 'INPUT0' to tensor with proper shape"

@@ -15,7 +15,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import TESTS, TEST_MODELS, pid_alive
+from conftest import TESTS, TEST_MODELS, pid_alive, raw_request
 
 FAULT_MODELS = TESTS / "models" / "faults"
 
@@ -112,6 +112,10 @@ def test_readiness_reflects_a_model_with_no_live_instance(faulty):
         call(faulty.url, 1, model="lonely")
     assert not client.is_model_ready("lonely")  # restarting: back-off, then a 1 s initialize
     assert not client.is_server_ready()
+    model_ready = raw_request(faulty.port, "GET", "/v2/models/lonely/ready")
+    assert model_ready.status == 400 and model_ready.json() == {"error": "Model version not ready"}  # Triton's
+    server_ready = raw_request(faulty.port, "GET", "/v2/health/ready")
+    assert server_ready.status == 400 and server_ready.body == b""  # no model's text for the server's state
     assert client.is_model_ready("crasher")
     wait_for(lambda: client.is_model_ready("lonely"), 10.0, "lonely ready again")
     assert client.is_server_ready()

@@ -483,7 +483,7 @@ class Worker:
         wanted = entry.get("outputs")
         names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
         placed = {o["name"]: o for o in wanted or () if "seg" in o or "cuda" in o}
-        classes = {o["name"]: o["class"] for o in wanted or () if "class" in o}
+        classes = {o["name"]: o["class"] for o in wanted if "class" in o} if wanted else {}
         outs, tensors, pos = [], [], 0
         try:
             for name in names:

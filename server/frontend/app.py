@@ -145,9 +145,7 @@ class Frontend:
             _, answer = await self._control({"op": "server_ready"})
         except BrokerError:
             return Response(status_code=503)
-        if answer.get("ready"):
-            return Response(status_code=200)
-        return error_response(400, "Model version not ready")  # Triton's body for a model that is not ready
+        return Response(status_code=200 if answer.get("ready") else 400)
 
     async def server_metadata(self, request: Request) -> Response:
         return json_response({"name": self.server_id, "version": __version__, "extensions": EXTENSIONS})

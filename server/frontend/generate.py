@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+from shm.tensors import CONFIG_TO_WIRE
 
-from shm.tensors import CONFIG_TO_WIRE, DTYPES, serialize_bytes
-
-from .codec import BadRequest, json_data
+from .codec import BadRequest, json_data, json_tensor_bytes
 
 
 def build_generate_request(model: str, version: str, body: Any, config: dict) -> tuple[dict, list]:
@@ -41,16 +39,7 @@ def build_generate_request(model: str, version: str, body: Any, config: dict) ->
         values = value if isinstance(value, list) else [value]
         if any(isinstance(v, (dict, list)) or v is None for v in values):
             raise BadRequest(f"input '{key}': a generate input is a scalar or a flat list of scalars")
-        try:
-            if datatype == "BYTES":
-                arr = np.empty(len(values), dtype=object)
-                arr[:] = [v.encode() if isinstance(v, str) else str(v).encode() for v in values]
-                data: Any = serialize_bytes(arr)
-            else:
-                arr = np.asarray(values, dtype=DTYPES[datatype])
-                data = arr.tobytes()
-        except (TypeError, ValueError, OverflowError) as e:
-            raise BadRequest(f"input '{key}': cannot read {value!r} as {datatype}: {e}") from None
+        data = json_tensor_bytes(key, datatype, [len(values)], values)  # the infer endpoint's checks
         shape = _tensor_shape(key, len(values), [int(d) for d in spec.get("dims", [])], batched)
         inputs.append({"name": key, "datatype": datatype, "shape": shape, "data": rel, "size": len(data)})
         chunks.append(data)
