@@ -107,8 +107,14 @@ def deserialize_bytes(buf: memoryview | bytes, count: int | None = None) -> np.n
 
 
 def byte_view(array: np.ndarray) -> memoryview:
-    """The raw bytes of a numeric tensor (a view when contiguous), of any shape, empty included
-    (``memoryview.cast`` refuses shapes with a zero in them)."""
+    """The raw bytes of a numeric tensor (a view when contiguous), of any shape, empty included.
+    A contiguous array's own buffer, cast, is three times cheaper than the numpy way; casts
+    refuse some shapes (zeros in them) and dtypes (bfloat16), which take the numpy way."""
+    if array.flags.c_contiguous:
+        try:
+            return memoryview(array).cast("B")
+        except (TypeError, ValueError, BufferError):
+            pass
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
@@ -116,4 +122,7 @@ def from_buffer(buf: memoryview, datatype: str, shape: list[int]) -> np.ndarray:
     """A numpy view over ``buf`` (no copy) or, for BYTES, the decoded object array."""
     if datatype == "BYTES":
         return deserialize_bytes(buf, element_count(shape)).reshape(shape)
-    return np.frombuffer(buf, dtype=DTYPES[datatype]).reshape(shape)
+    dtype = DTYPES[datatype]
+    if len(buf) != element_count(shape) * dtype.itemsize:
+        raise ValueError(f"{len(buf)} bytes cannot hold a {datatype} tensor of shape {list(shape)}")
+    return np.ndarray(shape, dtype, buf)  # a third of frombuffer + reshape

@@ -199,3 +199,37 @@ def test_large_tensor_roundtrip(client, compression):
     got = result.as_numpy("OUT_FP32")
     assert got.shape == data.shape
     np.testing.assert_array_equal(got.view(np.uint32), data.view(np.uint32))
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(6, dtype=np.int32).reshape(2, 3),
+    np.zeros((2, 0, 3), np.float32),
+    np.array(7, np.int64),
+    np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2],
+    np.asfortranarray(np.arange(6, dtype=np.int16).reshape(2, 3)),
+    np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16),
+    np.array([True, False]),
+], ids=["contiguous", "zero_in_shape", "scalar", "strided", "fortran", "bf16", "bool"])
+def test_byte_view_is_the_tensors_bytes_in_c_order(array):
+    """The fast way (a cast of the array's own buffer) and the numpy way give the same bytes, and
+    a contiguous array is viewed, not copied."""
+    from shm.tensors import byte_view
+
+    view = byte_view(array)
+    assert view.tobytes() == array.tobytes() and view.nbytes == array.nbytes
+    if array.flags.c_contiguous and array.size:
+        assert np.shares_memory(np.frombuffer(view, np.uint8), array)
+
+
+def test_from_buffer_views_exact_sizes_only():
+    from shm.tensors import from_buffer
+
+    raw = bytearray(np.arange(6, dtype=np.int32).tobytes())
+    arr = from_buffer(memoryview(raw), "INT32", [2, 3])
+    assert arr.tolist() == [[0, 1, 2], [3, 4, 5]]
+    arr[0, 0] = 9  # a view: the bytes change under it
+    assert np.frombuffer(raw, np.int32)[0] == 9
+    assert from_buffer(memoryview(raw)[:0], "FP32", [0, 4]).shape == (0, 4)
+    for shape in ([2, 2], [4, 2], [-2, -3]):
+        with pytest.raises(ValueError):
+            from_buffer(memoryview(raw), "INT32", shape)
