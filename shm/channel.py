@@ -24,7 +24,7 @@ from .ring import Ring
 from .published import Published
 from .segment import Segment
 from .stats import StatsArea
-from .waker import SLEEPING, Waker, flag_view, make_fifo
+from .waker import SLEEPING, Waker, fence, flag_view, make_fifo
 
 HEADER_BYTES = 4096
 MAGIC = 0x53484D53  # "SHMS"
@@ -32,6 +32,7 @@ _HEADER = struct.Struct("<IIQ")  # magic, pid, start time (ns) of the creating p
 _WANT_WAKEUP = struct.Struct("<I")
 SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag (see waker.py)
 WANT_WAKEUP_OFFSET = 128  # worker header: broker sets it when it waits for this instance
+LANE_BELLS_OFFSET = 1024  # worker header: one byte per lane, set by its client after a put
 NOTIFY_KIND_OFFSET = 20  # client header: how to wake the client
 NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER = 0, 1, 2  # BROKER: the broker itself (its doorbell)
 
@@ -54,6 +55,9 @@ _COOKIE = struct.Struct("<Q")
 LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
 DEPARTURES_OFFSET = 128  # broker header: count of clients that left
+
+
+_SILENT = bytes(LANES)
 
 
 def _align(n: int, a: int = 4096) -> int:
@@ -182,6 +186,7 @@ class WorkerSegment:
         self.lane_tails = np.ndarray((LANES,), dtype=np.uint64, buffer=seg.buf, offset=off + 8,
                                      strides=(lane_bytes,))
         off = _align(off + LANES * lane_bytes)
+        self.bells = seg.buf[LANE_BELLS_OFFSET:LANE_BELLS_OFFSET + LANES]
         self.stats = StatsArea(seg.buf, off)  # see stats.py: written by the worker, summed by the broker
         off = _align(off + StatsArea.nbytes())
         # The model's own metrics (workers/custom_metrics.py), read by the broker at scrape time.
@@ -201,13 +206,34 @@ class WorkerSegment:
         self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.sem)
 
     def lanes_pending(self) -> list[int]:
-        if not self.any_lane_pending():
+        """Lanes holding records (the broker's check that a retiring worker drained)."""
+        if self.lane_tails.tobytes() == self.lane_heads.tobytes():
             return []
         return np.flatnonzero(self.lane_tails != self.lane_heads).tolist()
 
-    def any_lane_pending(self) -> bool:
-        """``bool(lanes_pending())`` without building the list (the worker asks before each sleep)."""
-        return self.lane_tails.tobytes() != self.lane_heads.tobytes()  # 0.6 us; numpy's compare 2.5
+    # Lane bells: a client sets its lane's byte after each put, the worker clears it before it
+    # drains the lane. The worker then looks at 256 contiguous bytes (one compare, 70 ns) instead
+    # of every lane's counters, 512 cache lines a look, which it did each time it polled.
+    def ring_bell(self, lane: int) -> None:
+        self.bells[lane] = 1
+
+    def bells_rung(self) -> bool:
+        return self.bells.tobytes() != _SILENT
+
+    def take_rung_lanes(self) -> list[int]:
+        """The lanes whose bell rang, with their bells cleared. The fence orders the clearing
+        before the caller's reads of the lanes' tails: a put it misses rings the bell again."""
+        raw = self.bells.tobytes()
+        if raw == _SILENT:
+            return []
+        lanes = []
+        lane = raw.find(1)
+        while lane >= 0:
+            lanes.append(lane)
+            self.bells[lane] = 0
+            lane = raw.find(1, lane + 1)
+        fence()
+        return lanes
 
     @staticmethod
     def nbytes(arena_bytes: int) -> int:

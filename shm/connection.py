@@ -304,6 +304,7 @@ class Connection:
             if worker is not None:
                 hint = REQ_POLLING if polling or (waited and self._spin.budget() > 0) else 0
                 if worker.lanes[self.lane].put(kind | hint, slot, off, total, self._cookie):  # type: ignore[index]
+                    worker.ring_bell(self.lane)  # type: ignore[arg-type]
                     self._targets[slot] = target + 1  # type: ignore[operator]
                     self._load[target] += 1  # type: ignore[index]
                 else:

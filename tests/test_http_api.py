@@ -224,6 +224,40 @@ def test_mixed_binary_and_json_outputs(client):
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
 
 
+def test_repeated_requests_are_answered_from_their_own_bytes(server, client):
+    """The frontend keeps what it parsed of a repeated JSON header and the answer head it built
+    for a repeated worker descriptor: requests that repeat headers with new data, alternate
+    output choices (binary, JSON values, subsets) and request ids must each get their own answer,
+    and a body that repeats a header but not its data length is still refused."""
+    rng = np.random.default_rng(3)
+    choices = [None, [("OUTPUT0", True), ("OUTPUT1", True)], [("OUTPUT1", False)],
+               [("OUTPUT0", True), ("OUTPUT1", False)]]
+    for round_ in range(3):
+        for i, choice in enumerate(choices):
+            a = rng.integers(-100, 100, 16, dtype=np.int32)
+            b = rng.integers(-100, 100, 16, dtype=np.int32)
+            outputs = None if choice is None else \
+                [httpclient.InferRequestedOutput(name, binary_data=binary) for name, binary in choice]
+            result = client.infer("add_sub", add_sub_inputs(a, b), outputs=outputs, request_id=f"r{i % 2}")
+            assert result.get_response()["id"] == f"r{i % 2}"
+            wanted = {"OUTPUT0": a + b, "OUTPUT1": a - b}
+            for name in [n for n, _ in choice] if choice else wanted:
+                np.testing.assert_array_equal(result.as_numpy(name), wanted[name])
+    head = json.dumps({"inputs": [
+        {"name": "INPUT0", "datatype": "INT32", "shape": [16], "parameters": {"binary_data_size": 64}},
+        {"name": "INPUT1", "datatype": "INT32", "shape": [16], "parameters": {"binary_data_size": 64}}]}).encode()
+    headers = {"Inference-Header-Content-Length": str(len(head)), "Content-Type": "application/octet-stream"}
+    for _ in range(2):
+        assert raw_request(server.port, "POST", "/v2/models/add_sub/infer", head + A.tobytes() + B.tobytes(),
+                           headers).status == 200
+    short = raw_request(server.port, "POST", "/v2/models/add_sub/infer", head + A.tobytes() + B.tobytes()[:60],
+                        headers)
+    assert short.status == 400 and "unexpected end of the request body" in short.json()["error"], short
+    long = raw_request(server.port, "POST", "/v2/models/add_sub/infer", head + A.tobytes() + B.tobytes() + b"xx",
+                       headers)
+    assert long.status == 400 and "no input claims" in long.json()["error"], long
+
+
 def test_request_id_is_echoed(client):
     result = client.infer("add_sub", add_sub_inputs(), request_id="my-request-42")
     assert result.get_response()["id"] == "my-request-42"

@@ -212,6 +212,60 @@ def test_request_id_and_parameters_reach_the_model(client):
     assert plain["REQUEST_ID"].tolist() == [b""] and json.loads(plain["PARAMETERS"][0]) == {}
 
 
+def test_repeated_calls_reuse_descriptors_without_mixing_them_up(client):
+    """The client keeps the descriptor of a repeated call (model, input names, dtypes, shapes,
+    outputs asked for) and the worker keeps what it checked of it, by its bytes: calls that
+    alternate shapes, dtypes, output choices and data must each get their own answer, and a
+    dtype the model refuses must be refused every time, not only the first."""
+    rng = np.random.default_rng(7)
+    for round_ in range(3):
+        for n, outputs in ((3, None), (5, ["Y"]), (3, ["PID", "Y"]), (5, None)):
+            x = rng.integers(-1000, 1000, n, dtype=np.int32)
+            result = client.infer("meta_echo", {"X": x}, outputs)
+            assert sorted(result) == sorted(outputs or ["Y", "REQUEST_ID", "PARAMETERS", "PID"])
+            np.testing.assert_array_equal(result["Y"], x + 1)
+            result.release()
+        for _ in range(2):
+            with pytest.raises(InferenceServerError) as e:
+                client.infer("meta_echo", {"X": np.zeros(3, np.int64)})
+            assert e.value.status == 400 and "INT64" in e.value.message
+    # A view into a larger array (not contiguous) is sent as its own bytes, never the base's.
+    base = np.arange(12, dtype=np.int32)
+    np.testing.assert_array_equal(client.infer("meta_echo", {"X": base[::3]})["Y"], base[::3] + 1)
+    np.testing.assert_array_equal(client.infer("meta_echo", {"X": base[:4]})["Y"], base[:4] + 1)
+
+
+def test_a_repeated_descriptor_is_still_checked_where_it_differs(client):
+    """The worker reuses its checks only for a descriptor whose bytes, up to the send time, it
+    has seen before: a send time that is not a non-negative integer is refused all the same."""
+    import threading
+
+    conn = client._conn  # noqa: SLF001 - raw descriptors, to send what the library never would
+    x = np.arange(4, dtype=np.int32)
+
+    def send(t: object) -> tuple[int, dict]:
+        doc = {"model": "meta_echo", "version": "", "inputs": [
+            {"name": "X", "datatype": "INT32", "shape": [4], "data": 0, "size": 16}], "outputs": None, "t": t}
+        answers: list = []
+        done = threading.Event()
+
+        def answered(c) -> None:
+            answers.append((c.status, c.doc()))
+            c.release()
+            done.set()
+
+        conn.infer(doc, [x], answered)
+        assert done.wait(10), f"no answer for t={t!r}"
+        return answers[0]
+
+    assert send(time.monotonic_ns())[0] == 200
+    assert send(time.monotonic_ns())[0] == 200  # the same bytes up to t: the kept checks
+    for bad in (-5, 1.5, "soon"):
+        status, body = send(bad)
+        assert status == 400 and "'t' must be a non-negative integer" in body["error"], (bad, body)
+    assert send(time.monotonic_ns())[0] == 200
+
+
 @pytest.mark.parametrize("model,inputs,status,needle", [
     ("no_such_model", {"X": A}, 400, "no_such_model"),
     ("add_sub", {"INPUT0": A[:5], "INPUT1": B}, 400, "Expected [16], got [5]"),

@@ -22,11 +22,12 @@ from starlette.routing import Route
 
 from server import __version__
 
-from .codec import MAX_TENSOR_ELEMENTS, BadRequest, build_request, build_response, parse_json, split_body
+from .codec import MAX_TENSOR_ELEMENTS, BadRequest, build_response, parse_json
 from .generate import build_generate_request, generate_response
 from shm.connection import Completion
 from shm.protocol import REQ_INFER
 
+from .known import Known, KnownRequests
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .openapi import openapi_endpoint
 from .settings import logging_endpoint
@@ -122,6 +123,7 @@ class Frontend:
         self.link = BrokerLink(server_id, arena_bytes, max_inflight)
         self.max_input_bytes = max_input_bytes
         self.max_tensor_elements = max_tensor_elements
+        self.known = KnownRequests()  # parsed inference headers by their bytes (known.py)
         # Tensor bytes beyond this can never fit the frontend's arena: a client error, not a 503.
         self.max_request_bytes = arena_bytes - (64 << 10)
         self.tracer = Tracer(server_id)  # trace extension (server/frontend/tracing.py)
@@ -246,8 +248,8 @@ class Frontend:
             if encoding:
                 body = _decompress(body, encoding.decode("latin-1").strip().lower(), self.max_input_bytes)
             header_len = headers.get(b"inference-header-content-length")
-            doc, tail = split_body(body, header_len.decode("latin-1") if header_len is not None else None)
-            req, chunks = build_request(model, version, doc, tail, self.max_tensor_elements)
+            doc, req, chunks, known = self.known.parse(model, version, body, header_len.decode("latin-1")
+                                                       if header_len is not None else None, self.max_tensor_elements)
             size = sum(len(c) for c in chunks)
             if size > self.max_request_bytes:
                 raise BadRequest(f"the request's {size} bytes of tensor data exceed the frontend's shared-memory "
@@ -260,15 +262,15 @@ class Frontend:
             trace.mark(req)
         try:
             self.link.submit(REQ_INFER, req, chunks, lambda completion: self._finish_infer(
-                model, version, doc, headers, completion, reply, trace), model=model)
+                model, version, doc, headers, completion, reply, trace, known), model=model)
         except BrokerError as e:
             reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
 
     @staticmethod
     def _finish_infer(model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion,
-                      reply: Reply, trace: Trace | None = None) -> None:
+                      reply: Reply, trace: Trace | None = None, known: Known | None = None) -> None:
         try:
-            status, out, out_headers = Frontend._response(model, version, doc, headers, completion, trace)
+            status, out, out_headers = Frontend._response(model, version, doc, headers, completion, trace, known)
         except Exception as e:  # noqa: BLE001 - the client must get an answer whatever went wrong
             log.exception("building the response of '%s' failed", model)
             status, out, out_headers = 500, orjson.dumps({"error": f"internal error: {e}"}), [JSON_HEADER]
@@ -276,21 +278,24 @@ class Frontend:
 
     @staticmethod
     def _response(model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion,
-                  trace: Trace | None = None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+                  trace: Trace | None = None, known: Known | None = None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         try:
-            result = completion.doc()
-            if trace is not None:
-                trace.collect(result)
-            if completion.status != 200:
-                status = completion.status
-                out, out_headers = orjson.dumps({"error": result.get("error", "inference failed")}), [JSON_HEADER]
-            else:
+            if known is not None and trace is None and completion.status == 200:
                 status = 200
-                served = str(result.get("version", version))
-                out, json_len = build_response(model, served, doc, result, completion.tensor)
-                out_headers = [JSON_HEADER] if json_len is None else [
-                    (b"content-type", b"application/octet-stream"),
-                    (b"inference-header-content-length", str(json_len).encode())]
+                out, json_len = KnownRequests.answer(known, model, version, completion)
+            else:
+                result = completion.doc()
+                if trace is not None:
+                    trace.collect(result)
+                status = completion.status
+                if status != 200:
+                    out, json_len = orjson.dumps({"error": result.get("error", "inference failed")}), None
+                else:
+                    served = str(result.get("version", version))
+                    out, json_len = build_response(model, served, doc, result, completion.tensor)
+            out_headers = [JSON_HEADER] if json_len is None else [
+                (b"content-type", b"application/octet-stream"),
+                (b"inference-header-content-length", str(json_len).encode())]
         finally:
             completion.release()
         accept = headers.get(b"accept-encoding")
