@@ -125,6 +125,8 @@ class StatsWriter:
         now = start + input_ns + infer_ns + output_ns
         batch_size = streamed
         for size, arrived, good in zip(sizes, arrivals, ok):
+            if arrived > start:
+                arrived = 0  # a send time after the execution began is not ours to trust (counters are unsigned)
             duration = now - arrived if arrived else input_ns + infer_ns + output_ns
             if not good:
                 c[FAILURE] += 1
@@ -172,7 +174,8 @@ class StatsWriter:
 
     def finished_stream(self, arrived: int, ok: bool) -> None:
         """A streamed (decoupled) request ended: its outcome and whole duration."""
-        duration = time.monotonic_ns() - arrived if arrived else 0
+        now = time.monotonic_ns()
+        duration = now - arrived if 0 < arrived <= now else 0
         if ok:
             self.counts[SUCCESS] += 1
             self.counts[SUCCESS_NS] += duration

@@ -235,9 +235,11 @@ def test_repeated_calls_reuse_descriptors_without_mixing_them_up(client):
     np.testing.assert_array_equal(client.infer("meta_echo", {"X": base[:4]})["Y"], base[:4] + 1)
 
 
-def test_a_repeated_descriptor_is_still_checked_where_it_differs(client):
+def test_a_repeated_descriptor_is_still_checked_where_it_differs(client, lc_server):
     """The worker reuses its checks only for a descriptor whose bytes, up to the send time, it
-    has seen before: a send time that is not a non-negative integer is refused all the same."""
+    has seen before: a send time that is not a non-negative integer is refused all the same. A
+    send time in the future (a local program writes its own) is served and counted without one;
+    it once made the statistics negative and killed the worker."""
     import threading
 
     conn = client._conn  # noqa: SLF001 - raw descriptors, to send what the library never would
@@ -258,12 +260,16 @@ def test_a_repeated_descriptor_is_still_checked_where_it_differs(client):
         assert done.wait(10), f"no answer for t={t!r}"
         return answers[0]
 
+    pids = lc_server.worker_pids("meta_echo")
     assert send(time.monotonic_ns())[0] == 200
     assert send(time.monotonic_ns())[0] == 200  # the same bytes up to t: the kept checks
     for bad in (-5, 1.5, "soon"):
         status, body = send(bad)
         assert status == 400 and "'t' must be a non-negative integer" in body["error"], (bad, body)
+    for future in (2 ** 62, time.monotonic_ns() + 10 ** 12):
+        assert send(future)[0] == 200
     assert send(time.monotonic_ns())[0] == 200
+    assert lc_server.worker_pids("meta_echo") == pids
 
 
 @pytest.mark.parametrize("model,inputs,status,needle", [

@@ -1008,8 +1008,8 @@ class Broker:
         for chunk in chunks:
             self.seg.seg.buf[at:at + len(chunk)] = chunk
             at += len(chunk)
-        arrived = run.entry.get("t") or 0
-        run.version.stats.succeed(time.monotonic_ns() - arrived if arrived else 0)  # type: ignore[attr-defined]
+        arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
+        run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)  # type: ignore[attr-defined]
         run.client.seg.complete(run.slot, 200, ROLE_BROKER, 0, off, room + pos)
         run.client.seg.waker.notify()
         self._release_run(run)
