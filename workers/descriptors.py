@@ -29,7 +29,7 @@ def split_send_time(raw: bytes) -> tuple[bytes, int] | None:
     if cut <= 0 or raw[-1:] != b"}":
         return None
     digits = raw[cut + len(SEND_TIME):-1]
-    if not digits.isdigit():
+    if not digits.isdigit() or len(digits) > 19:  # past 64 bits: the JSON parser's error
         return None
     return raw[:cut], int(digits)
 

@@ -43,7 +43,10 @@ class KnownRequests:
               max_elements: int) -> tuple[dict, dict, list, Known | None]:
         """(the header document, a fresh descriptor, the tensor chunks, the kept entry or None);
         raises BadRequest as ``build_request`` does."""
-        n = int(header_length) if header_length is not None and header_length.isdigit() else -1
+        n = -1  # not kept unless plain digits (str.isdigit also takes '²', and int() refuses 5000 digits)
+        if header_length is not None and 0 < len(header_length) <= 18 and header_length.isascii() \
+                and header_length.isdigit():
+            n = int(header_length)
         key = None
         if 0 <= n <= len(body):
             key = (model, version, body[:n])
