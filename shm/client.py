@@ -72,7 +72,7 @@ class InferResult(Mapping[str, np.ndarray]):
                  kept: frozenset[str] = frozenset()) -> None:
         self._completion: Completion | None = completion
         self.model_version = str(doc.get("version", ""))
-        self.parameters = doc.get("params") or {}
+        self.parameters = dict(doc.get("params") or {})  # the document may be shared: a copy of its own
         self._outputs = outputs  # raw views into shm (or arrays of their own: BYTES, caller regions)
         self._kept = kept  # names whose arrays must keep this result alive
         self._handed: weakref.WeakValueDictionary[str, np.ndarray] | None = None  # made on first use
@@ -129,6 +129,7 @@ class Client:
         self._regions: dict[str, Region] = {}
         self._configs: dict[tuple[str, str], dict] = {}
         self._built: dict[tuple, tuple] = {}  # see _build
+        self._answers: dict[bytes, dict] = {}  # answer documents by their bytes (Completion.shared_doc)
         self._lock = threading.Lock()
         self._pid = os.getpid()
         _open_clients.add(self)
@@ -148,8 +149,10 @@ class Client:
         return fut
 
     @staticmethod
-    def _check(completion: Completion) -> dict:
-        doc = completion.doc()
+    def _check(completion: Completion, seen: dict[bytes, dict] | None = None) -> dict:
+        """The answer's document (``seen``: shared with earlier answers of the same bytes), or
+        its error raised."""
+        doc = completion.doc() if seen is None else completion.shared_doc(seen)
         if completion.status != 200:
             raise InferenceServerError(completion.status, doc.get("error", "request failed")
                                        if isinstance(doc, dict) else "request failed")
@@ -340,7 +343,7 @@ class Client:
         ready.set()
 
     def _result(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
-        doc = self._check(completion)
+        doc = self._check(completion, self._answers)
         arrays: dict[str, np.ndarray] = {}
         kept: set[str] = set()
         own = self._conn.seg.seg.buf

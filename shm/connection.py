@@ -30,7 +30,8 @@ from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, Client
 from .names import check_server_id, object_name, pid_alive
 from .region_table import RegionTable
 from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, REQ_POLLING, ROLE_NAMES, ROLE_WORKER, SLOT_DONE, SLOT_FREE,
-                       SLOT_PENDING, STREAM_CAPACITY, manifest_room, read_manifest_with_data, write_manifest)
+                       SLOT_PENDING, STREAM_CAPACITY, manifest_room, read_manifest_raw, read_manifest_with_data,
+                       write_manifest)
 from .ring import Ring
 from .segment import SegmentCache
 from .tensors import byte_view
@@ -41,6 +42,7 @@ log = logging.getLogger("shmserve.client")
 _counter = itertools.count()
 _UNKNOWN: Any = object()
 ROUTE_CACHE_LIMIT = 256
+SEEN_ANSWERS_LIMIT = 256  # answer documents a client keeps parsed (Completion.shared_doc)
 CLIENT_SPIN_S = float(os.environ.get("SHMSERVE_CLIENT_SPIN_US", "2000")) / 1e6
 
 
@@ -102,6 +104,22 @@ class Completion:
             self._doc, self._data = read_manifest_with_data(self.buf, self.offset)
         return self._doc
 
+    def shared_doc(self, seen: dict[bytes, dict]) -> dict:
+        """``doc()``, taken from ``seen`` (parsed documents by their bytes) when this answer's
+        document was seen before: a repeated call gets the same answer document, and its parse
+        was most of the cost of reading a small answer. The document is shared: read it only."""
+        if self._doc is None:
+            assert self.buf is not None
+            raw, self._data = read_manifest_raw(self.buf, self.offset)
+            doc = seen.get(raw)
+            if doc is None:
+                doc = orjson.loads(raw)
+                if len(seen) >= SEEN_ANSWERS_LIMIT:
+                    seen.clear()
+                seen[raw] = doc
+            self._doc = doc
+        return self._doc
+
     def tensor(self, desc: dict) -> memoryview:
         """The bytes of an output the response carries (a view: valid until ``release``)."""
         self.doc()
@@ -149,6 +167,7 @@ class Connection:
         self._leading = False
         self._spin = SpinPolicy(CLIENT_SPIN_S)
         self._segments = SegmentCache()
+        self._producer_bufs: dict[tuple[int, int], memoryview] = {}
         self._closed = False
         self.alive = True
         self.broker.announce(os.getpid(), self.name)
@@ -337,9 +356,13 @@ class Connection:
 
     # -- receiving ------------------------------------------------------------------------------
     def _producer_buf(self, role: int, num: int) -> memoryview:
-        if role == 0:
-            return self._segments.get(object_name(self.server_id, "broker", 0)).buf
-        return self._segments.get(object_name(self.server_id, ROLE_NAMES[role], num)).buf
+        """The mapping an answer lies in (kept per producer: the cache unmaps only at close)."""
+        buf = self._producer_bufs.get((role, num))
+        if buf is None:
+            name = object_name(self.server_id, "broker", 0) if role == 0 else \
+                object_name(self.server_id, ROLE_NAMES[role], num)
+            buf = self._producer_bufs[(role, num)] = self._segments.get(name).buf
+        return buf
 
     def _done_slots(self) -> list[int]:
         """Slots answered since we last looked; a plain scan of the few in flight is cheaper than
@@ -563,6 +586,7 @@ class Connection:
         for seg in self._workers.values():
             seg.close()
         self._workers.clear()
+        self._producer_bufs.clear()
         self._segments.clear()
         self.broker.close()
         self.seg.close()
