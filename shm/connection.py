@@ -42,7 +42,8 @@ log = logging.getLogger("shmserve.client")
 _counter = itertools.count()
 _UNKNOWN: Any = object()
 ROUTE_CACHE_LIMIT = 256
-SEEN_ANSWERS_LIMIT = 256  # answer documents a client keeps parsed (Completion.shared_doc)
+SEEN_ANSWERS_LIMIT = 256  # answer documents a client keeps parsed (Completion.shared_doc),
+SEEN_ANSWER_BYTES = 8192  # each at most this long
 CLIENT_SPIN_S = float(os.environ.get("SHMSERVE_CLIENT_SPIN_US", "2000")) / 1e6
 
 
@@ -114,9 +115,10 @@ class Completion:
             doc = seen.get(raw)
             if doc is None:
                 doc = orjson.loads(raw)
-                if len(seen) >= SEEN_ANSWERS_LIMIT:
-                    seen.clear()
-                seen[raw] = doc
+                if len(raw) <= SEEN_ANSWER_BYTES:
+                    if len(seen) >= SEEN_ANSWERS_LIMIT:
+                        seen.clear()
+                    seen[raw] = doc
             self._doc = doc
         return self._doc
 

@@ -243,6 +243,11 @@ def test_repeated_requests_are_answered_from_their_own_bytes(server, client):
             wanted = {"OUTPUT0": a + b, "OUTPUT1": a - b}
             for name in [n for n, _ in choice] if choice else wanted:
                 np.testing.assert_array_equal(result.as_numpy(name), wanted[name])
+        long_id = "x" * 9000  # a header past the size worth keeping: parsed each time, answered alike
+        a = rng.integers(-100, 100, 16, dtype=np.int32)
+        result = client.infer("add_sub", add_sub_inputs(a, B), request_id=long_id)
+        assert result.get_response()["id"] == long_id
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + B)
     head = json.dumps({"inputs": [
         {"name": "INPUT0", "datatype": "INT32", "shape": [16], "parameters": {"binary_data_size": 64}},
         {"name": "INPUT1", "datatype": "INT32", "shape": [16], "parameters": {"binary_data_size": 64}}]}).encode()

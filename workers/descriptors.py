@@ -16,6 +16,7 @@ from typing import Any
 
 SEND_TIME = b',"t":'
 LIMIT = 1024  # descriptors kept per worker; a client that never repeats itself only refills it
+LARGEST = 8192  # bytes of a descriptor worth keeping (many tensors, long parameters: parsed each time)
 _INPUT_KEYS = frozenset({"name", "datatype", "shape", "data", "size"})
 _OUTPUT_KEYS = frozenset({"name", "data", "size", "class"})
 _REQUEST_KEYS = frozenset({"model", "version", "inputs", "outputs", "id", "params", "corr", "flags",
@@ -25,6 +26,8 @@ _REQUEST_KEYS = frozenset({"model", "version", "inputs", "outputs", "id", "param
 def split_send_time(raw: bytes) -> tuple[bytes, int] | None:
     """(the bytes before ``t``, ``t``) of a descriptor whose last member is ``t``, else None.
     JSON strings escape their quotes, so the marker can only be a member name."""
+    if len(raw) > LARGEST:
+        return None
     cut = raw.rfind(SEND_TIME)
     if cut <= 0 or raw[-1:] != b"}":
         return None

@@ -19,6 +19,7 @@ from shm.protocol import read_manifest_raw
 from .codec import build_request, build_response, split_body, wants_binary
 
 LIMIT = 256  # headers kept; each keeps up to LIMIT answer shapes
+LARGEST = 8192  # bytes of a header or answer document worth keeping (larger ones are rare and big)
 
 
 class Known:
@@ -48,7 +49,7 @@ class KnownRequests:
                 and header_length.isdigit():
             n = int(header_length)
         key = None
-        if 0 <= n <= len(body):
+        if 0 <= n <= min(len(body), LARGEST):
             key = (model, version, body[:n])
             known = self._known.get(key)
             if known is not None and known.tail == len(body) - n:
@@ -81,7 +82,8 @@ class KnownRequests:
                                            completion.tensor)
             binary = wants_binary(known.doc)
             outputs = [o for o in result.get("outputs", ()) if not o.get("region")]
-            if json_len is not None and all(binary.get(o["name"], binary["*"]) for o in outputs):
+            if json_len is not None and len(raw) <= LARGEST and \
+                    all(binary.get(o["name"], binary["*"]) for o in outputs):
                 if len(known.answers) >= LIMIT:
                     known.answers.clear()
                 known.answers[raw] = (out[:json_len], json_len, [(o["off"], o["off"] + o["size"]) for o in outputs])
