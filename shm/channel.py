@@ -220,6 +220,12 @@ class WorkerSegment:
     def bells_rung(self) -> bool:
         return self.bells.tobytes() != _SILENT
 
+    def ring_pending_bells(self) -> None:
+        """Ring the bell of every lane holding records: a client killed between its put and its
+        bell left a record no bell announces (drained, it is skipped by its stale cookie)."""
+        for lane in self.lanes_pending():
+            self.bells[lane] = 1
+
     def take_rung_lanes(self) -> list[int]:
         """The lanes whose bell rang, with their bells cleared. The fence orders the clearing
         before the caller's reads of the lanes' tails: a put it misses rings the bell again."""

@@ -278,6 +278,51 @@ def test_a_client_killed_while_its_request_waits_in_the_worker(server):
     assert infer_with(server.url, "probe_hold")["reqs"] == 1
 
 
+SILENT_KID = """
+import sys, time, numpy as np
+from shm.channel import WorkerSegment
+from shm.client import Client
+WorkerSegment.ring_bell = lambda self, lane: None  # as if killed between its put and its bell
+c = Client(sys.argv[1])
+c.infer_async("add_sub", {"INPUT0": np.zeros(16, np.int32), "INPUT1": np.zeros(16, np.int32)})
+print("sent", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_record_whose_bell_never_rang_is_drained_when_its_client_is_gone(server):
+    """Workers find lane records by the bell their client rings after each put. A client killed
+    between the two leaves a record no bell announces: once the client is gone the worker looks
+    at every lane's counters, drains it, and the pending count returns to zero."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT as PROJECT
+    kid = subprocess.Popen([sys.executable, "-c", SILENT_KID, server.id], cwd=PROJECT, stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        assert kid.stdout.readline().strip() == "sent"
+        time.sleep(0.3)
+        assert metric(server, "nv_inference_pending_request_count", "add_sub") == 1  # the silent record
+    finally:
+        kid.kill()
+        kid.wait(10)
+        kid.stdout.close()
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        a = np.arange(16, dtype=np.int32)
+        inputs = [httpclient.InferInput(n, [16], "INT32") for n in ("INPUT0", "INPUT1")]
+        for i in inputs:
+            i.set_data_from_numpy(a)
+        deadline = time.monotonic() + 15  # the broker sees the departure within 1 s
+        while metric(server, "nv_inference_pending_request_count", "add_sub") != 0:
+            assert time.monotonic() < deadline, "the unannounced record stays pending"
+            np.testing.assert_array_equal(client.infer("add_sub", inputs).as_numpy("OUTPUT0"), 2 * a)
+            time.sleep(0.2)
+    finally:
+        client.close()
+
+
 def test_unload_serves_what_waits_in_the_worker_first(server_factory):
     s = server_factory.start([REPO], ["--model-control-mode", "explicit", "--load-model", "probe_hold"])
     with cf.ThreadPoolExecutor(3) as pool:

@@ -180,9 +180,11 @@ class Worker:
             if int(self.broker.departures[0]) != departures:
                 departures = int(self.broker.departures[0])
                 self._forget_departed_clients()
+                seg.ring_pending_bells()  # a client killed between its put and its bell
             if time.monotonic() - checked > 10.0:
                 checked = time.monotonic()
                 self._forget_departed_clients()
+                seg.ring_pending_bells()
                 if not pid_alive(self.broker_pid):
                     log.error("broker %d is gone; worker exits", self.broker_pid)
                     return
