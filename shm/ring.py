@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import struct
 
-import numpy as np
-
 HEADER_BYTES = 64
 
 
@@ -25,19 +23,18 @@ class Ring:
         self._cap = capacity
         self._rec = record
         self._data = offset + HEADER_BYTES
-        self._ctr = np.ndarray((2,), dtype=np.uint64, buffer=buf, offset=offset)  # head, tail
-        self._seen = buf[offset:offset + 16].cast("Q")  # the same counters, as memoryview items
+        self._ctr = buf[offset:offset + 16].cast("Q")  # head, tail
 
     @staticmethod
     def nbytes(capacity: int, record: struct.Struct) -> int:
         return HEADER_BYTES + capacity * record.size
 
     def reset(self) -> None:
-        self._ctr[:] = 0
+        self._ctr[0] = self._ctr[1] = 0
 
     def put(self, *fields: int) -> bool:
         """Append one record; False when the ring is full (the caller decides how to back off)."""
-        ctr = self._seen
+        ctr = self._ctr
         tail = ctr[1]
         if tail - ctr[0] >= self._cap:
             return False
@@ -46,7 +43,7 @@ class Ring:
         return True
 
     def drain(self) -> list[tuple]:
-        ctr = self._seen
+        ctr = self._ctr
         head, tail = ctr[0], ctr[1]
         if head == tail:
             return []
@@ -56,5 +53,5 @@ class Ring:
         return out
 
     def pending(self) -> int:
-        seen = self._seen
+        seen = self._ctr
         return seen[1] - seen[0]

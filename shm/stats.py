@@ -11,7 +11,6 @@ within about 10%, small enough to update in place per request.
 from __future__ import annotations
 
 import array
-
 import math
 import time
 from bisect import bisect_left

@@ -289,6 +289,20 @@ def test_pb_utils_response_parameters_reach_the_client(client):
     assert result.get_response().get("parameters") == {"served_by": "pbutils_full_0_0", "element_count": 3}
 
 
+def test_response_parameters_through_the_local_client_are_each_results_own(server):
+    """The local client shares the parsed answer document of repeated answers: a caller that
+    changes one result's parameters must not change the next result's."""
+    from shm.client import Client
+
+    with Client(server.id) as local:
+        first = local.infer("pbutils_full", {"TEXT": TEXT}, ["UPPER"])
+        assert first.parameters == {"served_by": "pbutils_full_0_0", "element_count": 3}
+        first.parameters["served_by"] = "changed"
+        second = local.infer("pbutils_full", {"TEXT": TEXT}, ["UPPER"])
+        assert second.parameters == {"served_by": "pbutils_full_0_0", "element_count": 3}
+        assert second["UPPER"].tolist() == [b"HELLO", b"SHARED", b"MEMORY"]
+
+
 def test_pb_utils_logger_reaches_the_server_log(server, client):
     _pb_infer(client, request_id="log-me-31337", outputs=("UPPER",))
     with pytest.raises(InferenceServerException):

@@ -60,6 +60,8 @@ class Plan:
     def place(self, entry: dict[str, Any], client_name: str, data_start: int) -> None:
         """Fill ``entry`` as the full way would for this request's data start."""
         entry.update(self.fields)
+        if entry["params"]:
+            entry["params"] = dict(entry["params"])  # each request's own: a backend may change it
         entry["inputs"] = [{"name": name, "seg": client_name, "off": data_start + rel, "size": size,
                             "datatype": datatype, "shape": shape}
                            for name, rel, size, datatype, shape in self.inputs]
