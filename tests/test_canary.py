@@ -232,7 +232,7 @@ def test_bad_canary_settings_are_refused(server_factory, tmp_path):
     assert raw.status == 400
     assert post(server, "/sideways").status == 404
     raw = raw_request(server.port, "GET", "/v2/repository/models/nope/canary")
-    assert raw.status == 400 and "Request for unknown model" in raw.json()["error"]
+    assert raw.status == 404 and "Request for unknown model" in raw.json()["error"]
     assert canary_status(server)["policy"]["fraction"] == 0.0  # nothing changed
 
 

@@ -58,7 +58,7 @@ def _binary_body(inputs: list[tuple[str, str, list[int], bytes]], size_of=None) 
 
 def test_unknown_model(server, client):
     err = infer_error(client, "x", [_input("INPUT0", A), _input("INPUT1", B)])
-    assert err.status() == "400"
+    assert err.status() == "404"  # Triton 2.51's NOT_FOUND
     assert "Request for unknown model: 'x' is not found" in err.message()
     assert_still_serving(server)
 
@@ -116,10 +116,30 @@ def test_unexpected_output_name(server, client):
     assert_still_serving(server)
 
 
+@pytest.mark.parametrize("method,path", [
+    ("POST", "/v2/models/x/infer"),
+    ("GET", "/v2/models/x"),
+    ("GET", "/v2/models/x/config"),
+    ("POST", "/v2/models/add_sub/versions/7/infer"),
+    ("GET", "/v2/models/add_sub/versions/7"),
+    ("GET", "/v2/models/add_sub/versions/7/config"),
+    ("GET", "/v2/models/add_sub/versions/seven"),
+])
+def test_unknown_model_or_version_is_404(server, method, path):
+    """Triton 2.51 answers NOT_FOUND (404) for a model or version it does not have, on infer,
+    metadata and config alike (readiness and statistics keep their 400, as Triton's)."""
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": list(range(16))},
+                                  {"name": "INPUT1", "datatype": "INT32", "shape": [16], "data": list(range(16))}]})
+    raw = raw_request(server.port, method, path, body=body.encode() if method == "POST" else None)
+    assert raw.status == 404, (path, raw.status, raw.body)
+    assert raw.json()["error"].startswith("Request for unknown model: "), raw.json()
+    assert_still_serving(server)
+
+
 @pytest.mark.parametrize("version", ["7", "0"])
 def test_unknown_version(server, client, version):
     err = infer_error(client, "add_sub", [_input("INPUT0", A), _input("INPUT1", B)], model_version=version)
-    assert err.status() == "400"
+    assert err.status() == "404"
     assert f"Request for unknown model: 'add_sub' version {version} is not found" in err.message()
     assert_still_serving(server)
 
@@ -129,7 +149,7 @@ def test_non_numeric_version(server):
         {"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": A.tolist()},
         {"name": "INPUT1", "datatype": "INT32", "shape": [16], "data": B.tolist()}]}).encode()
     raw = raw_request(server.port, "POST", "/v2/models/add_sub/versions/latest/infer", body)
-    assert raw.status == 400, raw
+    assert raw.status == 404, raw  # Triton 2.51: 404 (its route takes digits only)
     assert "add_sub" in raw.json()["error"] and "latest" in raw.json()["error"]
     assert_still_serving(server)
 

@@ -79,7 +79,7 @@ def test_model_metadata_versioned(server, client):
 def test_model_metadata_of_unknown_model(server, client):
     with pytest.raises(InferenceServerException) as e:
         client.get_model_metadata("no_such_model")
-    assert e.value.status() == "400"
+    assert e.value.status() == "404"  # Triton 2.51's NOT_FOUND
     assert "Request for unknown model: 'no_such_model' is not found" in e.value.message()
 
 
@@ -126,7 +126,7 @@ def test_model_config_versioned_raw(server):
     assert raw.status == 200
     assert raw.json()["name"] == "add_sub"
     missing = raw_request(server.port, "GET", "/v2/models/add_sub/versions/3/config")
-    assert missing.status == 400
+    assert missing.status == 404  # Triton 2.51: NOT_FOUND
     assert "add_sub" in missing.json()["error"]
 
 

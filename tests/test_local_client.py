@@ -273,7 +273,7 @@ def test_a_repeated_descriptor_is_still_checked_where_it_differs(client, lc_serv
 
 
 @pytest.mark.parametrize("model,inputs,status,needle", [
-    ("no_such_model", {"X": A}, 400, "no_such_model"),
+    ("no_such_model", {"X": A}, 404, "no_such_model"),
     ("add_sub", {"INPUT0": A[:5], "INPUT1": B}, 400, "Expected [16], got [5]"),
     ("add_sub", {"INPUT0": A.astype(np.float32), "INPUT1": B}, 400, "FP32"),
     ("add_sub", {"INPUT0": A}, 400, "INPUT1"),

@@ -20,6 +20,12 @@ class InvalidRequest(Exception):
     status = 400
 
 
+class UnknownModel(InvalidRequest):
+    """A model or version the server does not have: Triton's NOT_FOUND, answered with 404."""
+
+    status = 404
+
+
 # Triton appends this to a shape error of a batching model (clients see it, so it is kept as is).
 BATCH_DIM_NOTE = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
                   "prepended to each input shape. If you want to specify the full shape including the batch dim "

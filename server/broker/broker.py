@@ -45,7 +45,7 @@ from .lifecycle import STRAGGLER_GRACE_S, LoadJob, Retiring, idle
 from .metrics import MetricsOptions, serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
 from .options import STARTUP_FAILED, BrokerOptions
-from workers.signature import InvalidRequest, queue_options
+from workers.signature import InvalidRequest, UnknownModel, queue_options
 
 log = logging.getLogger("shmserve.broker")
 
@@ -503,16 +503,16 @@ class Broker:
     def find_version(self, model: str, version: str | int | None) -> ModelVersion:
         versions = self.models.get(model)
         if not versions:
-            raise InvalidRequest(f"Request for unknown model: '{model}' is not found")
+            raise UnknownModel(f"Request for unknown model: '{model}' is not found")
         if version not in (None, "", -1, "-1"):
             try:
                 v = int(version)
             except (TypeError, ValueError):
-                raise InvalidRequest(f"Request for unknown model: '{model}' version '{version}' is not a "
+                raise UnknownModel(f"Request for unknown model: '{model}' version '{version}' is not a "
                                      f"valid version") from None
             mv = versions.get(v)
             if mv is None:
-                raise InvalidRequest(f"Request for unknown model: '{model}' version {v} is not found")
+                raise UnknownModel(f"Request for unknown model: '{model}' version {v} is not found")
             if mv.state != State.READY:
                 raise InvalidRequest(f"Request for unknown model: '{model}' version {v} is not at ready state")
             return mv
@@ -914,7 +914,7 @@ class Broker:
                 assert mv.signature is not None
                 batch = mv.signature.check_inputs(request["inputs"], request.get("id", ""))
             except InvalidRequest as e:
-                self._fail_run(run, step, 400, str(e))
+                self._fail_run(run, step, e.status, str(e))
                 return
             if not self.own_free:
                 self._fail_run(run, step, 503, "too many ensemble steps in flight; retry later")

@@ -23,7 +23,7 @@ from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .regions import CudaRegionRegistry, RegionRegistry
 from .tracing import TraceOwner
-from workers.signature import InvalidRequest
+from workers.signature import InvalidRequest, UnknownModel
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -151,7 +151,7 @@ class ControlHandler:
         b = self.broker
         model = doc.get("model") or ""
         if model not in b.models:
-            raise InvalidRequest(f"Request for unknown model: '{model}' is not found")
+            raise UnknownModel(f"Request for unknown model: '{model}' is not found")
         return b.canaries.setdefault(model, Canary(model)), b.split(model)
 
     def _canary_status(self, client: Client, slot: int, doc: dict) -> Answer:
