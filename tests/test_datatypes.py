@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from tritonclient.utils import triton_to_np_dtype
 
 from conftest import raw_request
 
@@ -233,3 +234,37 @@ def test_from_buffer_views_exact_sizes_only():
     for shape in ([2, 2], [4, 2], [-2, -3]):
         with pytest.raises(ValueError):
             from_buffer(memoryview(raw), "INT32", shape)
+
+
+def test_repeated_answers_keep_their_own_shapes_and_types(client):
+    """The frontend keeps the answer head it built for a repeated worker answer: answers that
+    alternate shapes, datatypes (BF16 through torch, BYTES), output subsets, orders and binary or
+    JSON outputs must each describe their own outputs."""
+    rng = np.random.default_rng(11)
+    plans = [(("INT32", (2, 3)),), (("INT32", (3, 2)),), (("FP32", (2, 3)),), (("INT32", (2, 3)), ("FP16", (1, 4))),
+             (("FP16", (1, 4)), ("INT32", (2, 3))), (("BF16", (2, 3)),), (("BYTES", (2, 2)), ("INT32", (2, 3))),
+             (("INT32", (0, 3)),), (("BOOL", (2, 3)),)]
+    for round_ in range(3):
+        for plan in plans:
+            inputs, outputs, want = [], [], {}
+            for datatype, shape in plan:
+                if datatype == "BYTES":
+                    data = np.array([str(x).encode() for x in rng.integers(0, 1000, int(np.prod(shape)))],
+                                    dtype=np.object_).reshape(shape)
+                elif datatype == "BOOL":
+                    data = rng.integers(0, 2, shape).astype(bool)
+                elif datatype == "BF16":
+                    data = rng.integers(-50, 50, shape).astype(ml_dtypes.bfloat16)
+                else:
+                    data = rng.integers(-50, 50, shape).astype(triton_to_np_dtype(datatype))
+                inp = httpclient.InferInput(f"IN_{datatype}", list(shape), datatype)
+                inp.set_data_from_numpy(data, binary_data=True)
+                inputs.append(inp)
+                outputs.append(httpclient.InferRequestedOutput(f"OUT_{datatype}", binary_data=round_ != 1))
+                want[f"OUT_{datatype}"] = (datatype, data)
+            result = client.infer("identity_all", inputs, outputs=None if round_ == 2 else outputs)
+            described = {o["name"]: o for o in result.get_response()["outputs"]}
+            assert set(described) == set(want)
+            for name, (datatype, data) in want.items():
+                assert described[name]["datatype"] == datatype and described[name]["shape"] == list(data.shape)
+                _assert_same(datatype, result.as_numpy(name), data)
