@@ -136,6 +136,20 @@ def test_unknown_model_or_version_is_404(server, method, path):
     assert_still_serving(server)
 
 
+@pytest.mark.parametrize("body", [b'{"inputs": []}', b"{not json", b'{"inputs": [{"name": "X"}]}'])
+def test_unknown_model_wins_over_a_bad_body(server, body):
+    """Triton looks the model up before the body: a malformed request to a model or version the
+    server does not have is its 404, while the same body to a model it has stays a 400."""
+    for path, text in (("/v2/models/nope/infer", "Request for unknown model: 'nope' is not found"),
+                       ("/v2/models/add_sub/versions/7/infer",
+                        "Request for unknown model: 'add_sub' version 7 is not found")):
+        raw = raw_request(server.port, "POST", path, body=body)
+        assert raw.status == 404 and raw.json() == {"error": text}, (path, raw)
+    raw = raw_request(server.port, "POST", "/v2/models/add_sub/infer", body=body)
+    assert raw.status == 400 and "unknown model" not in raw.json()["error"], raw
+    assert_still_serving(server)
+
+
 @pytest.mark.parametrize("version", ["7", "0"])
 def test_unknown_version(server, client, version):
     err = infer_error(client, "add_sub", [_input("INPUT0", A), _input("INPUT1", B)], model_version=version)

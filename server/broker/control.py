@@ -271,9 +271,13 @@ class ControlHandler:
         return 200, self.log_settings
 
     def _trace_settings(self, client: Client, slot: int, doc: dict) -> Answer:
-        """GET/POST v2[/models/<model>]/trace/setting; a model must exist, as in Triton."""
+        """GET/POST v2[/models/<model>]/trace/setting; a model must exist, as in Triton (whose
+        answer here is a 400 with this text)."""
         if doc.get("model"):
-            self._version({"model": doc["model"]})
+            try:
+                self._version({"model": doc["model"]})
+            except UnknownModel:
+                raise InvalidRequest(f"Request for unknown model : {doc['model']}") from None
         return self.trace.handle(doc)
 
 

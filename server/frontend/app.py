@@ -25,7 +25,7 @@ from server import __version__
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, build_response, parse_json
 from .generate import build_generate_request, generate_response
 from shm.connection import Completion
-from shm.protocol import REQ_INFER
+from shm.protocol import REQ_CONTROL, REQ_INFER
 
 from .known import Known, KnownRequests
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
@@ -256,7 +256,7 @@ class Frontend:
                                  f"arena (--frontend-arena-mb); send large tensors through shared memory")
             req["t"] = received
         except BadRequest as e:
-            reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
+            self._refuse(model, version, e, reply)
             return
         if trace is not None:
             trace.mark(req)
@@ -264,6 +264,26 @@ class Frontend:
             self.link.submit(REQ_INFER, req, chunks, lambda completion: self._finish_infer(
                 model, version, doc, headers, completion, reply, trace, known), model=model)
         except BrokerError as e:
+            reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
+
+    def _refuse(self, model: str, version: str, e: BadRequest, reply: Reply) -> None:
+        """Answer a request the frontend could not take. Triton looks the model up before the
+        body, so a model or version the server does not have answers its 404 even then: the
+        broker is asked (on this error path only)."""
+        def answer(completion: Completion) -> None:
+            try:
+                found = completion.status != 404
+                doc = None if found else completion.doc()
+            finally:
+                completion.release()
+            if found:
+                reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
+            else:
+                reply(404, orjson.dumps(doc), [JSON_HEADER])
+
+        try:
+            self.link.submit(REQ_CONTROL, {"op": "model_metadata", "model": model, "version": version}, (), answer)
+        except BrokerError:
             reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
 
     @staticmethod
