@@ -124,10 +124,11 @@ def test_unexpected_output_name(server, client):
     ("GET", "/v2/models/add_sub/versions/7"),
     ("GET", "/v2/models/add_sub/versions/7/config"),
     ("GET", "/v2/models/add_sub/versions/seven"),
+    ("POST", "/v2/models/x/generate"),
 ])
 def test_unknown_model_or_version_is_404(server, method, path):
     """Triton 2.51 answers NOT_FOUND (404) for a model or version it does not have, on infer,
-    metadata and config alike (readiness and statistics keep their 400, as Triton's)."""
+    generate, metadata and config alike (readiness and statistics keep their 400, as Triton's)."""
     body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": list(range(16))},
                                   {"name": "INPUT1", "datatype": "INT32", "shape": [16], "data": list(range(16))}]})
     raw = raw_request(server.port, method, path, body=body.encode() if method == "POST" else None)

@@ -25,6 +25,12 @@ class RegionError(InvalidRequest):
     pass
 
 
+class UnknownRegion(RegionError):
+    """The status of a region nobody registered: Triton's NOT_FOUND."""
+
+    status = 404
+
+
 class Region:
     __slots__ = ("name", "key", "offset", "byte_size", "owner", "ino", "reclaim")
 
@@ -53,7 +59,7 @@ class _Registry:
         if name is not None:
             r = self.regions.get(name)
             if r is None:
-                raise RegionError(f"Unable to find {self.kind} shared memory region: '{name}'")
+                raise UnknownRegion(f"Unable to find {self.kind} shared memory region: '{name}'")
             items = [r]
         else:
             items = list(self.regions.values())
