@@ -62,7 +62,9 @@ def test_async_exec_gathers_and_reports_errors(server):
     b = np.ones(16, np.int32)
     result = server.client().infer("bls_async", add_sub_inputs(a, b))
     np.testing.assert_array_equal(result.as_numpy("SUM"), a + b)
-    assert "Request for unknown model: 'no_such_model' is not found" in result.as_numpy("ERROR")[0].decode()
+    error = result.as_numpy("ERROR")[0].decode()
+    assert "Request for unknown model: 'no_such_model' is not found" in error
+    assert error.endswith("[NOT_FOUND]")  # the code Triton's BLS gives a missing model
 
 
 def test_exec_decoupled_iterates_a_streaming_models_responses(server):

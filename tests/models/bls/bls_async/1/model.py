@@ -16,7 +16,10 @@ class TritonPythonModel:
                                              inputs=[a, b])
             bad = pb_utils.InferenceRequest(model_name="no_such_model", requested_output_names=["X"], inputs=[a])
             ok, failed = await asyncio.gather(good.async_exec(), bad.async_exec())
-            message = failed.error().message() if failed.has_error() else ""
+            message = ""
+            if failed.has_error():  # the message, and whether its code is Triton's NOT_FOUND
+                found = failed.error().code() == pb_utils.TritonError.NOT_FOUND
+                message = failed.error().message() + (" [NOT_FOUND]" if found else " [other code]")
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("SUM", pb_utils.get_output_tensor_by_name(ok, "OUTPUT0").as_numpy()),
                 pb_utils.Tensor("ERROR", np.array([message.encode()], dtype=object)),
