@@ -460,3 +460,58 @@ def test_concurrent_requests_never_mix_up_data(server):
     # Not a performance target: a lost wake-up stalls each request until a 1 s timeout, which
     # turns this ~1 s exchange into 25 s. Anything near that is a bug in the wake-up protocol.
     assert time.monotonic() - started < 12
+
+
+# -- tritonclient's concurrent clients -----------------------------------------------------------
+
+
+def test_async_infer_of_the_gevent_client(server):
+    """``async_infer`` sends from a pool of greenlets over several connections: every answer must
+    reach its own request."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}", concurrency=4)
+    try:
+        pending = [(i, client.async_infer("add_sub", add_sub_inputs(A + i, B), request_id=str(i))) for i in range(12)]
+        for i, request in pending:
+            result = request.get_result(timeout=30)
+            assert result.get_response()["id"] == str(i)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + i + B)
+    finally:
+        client.close()
+
+
+def test_the_asyncio_client(server):
+    """``tritonclient.http.aio`` (aiohttp) against every kind of endpoint it has, including
+    concurrent infers and an error's status."""
+    import asyncio
+
+    import tritonclient.http.aio as aioclient
+
+    def inputs(a):
+        i0 = aioclient.InferInput("INPUT0", [16], "INT32")
+        i0.set_data_from_numpy(a)
+        i1 = aioclient.InferInput("INPUT1", [16], "INT32")
+        i1.set_data_from_numpy(B, binary_data=False)
+        return [i0, i1]
+
+    async def run() -> None:
+        client = aioclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+        try:
+            assert await client.is_server_live() and await client.is_server_ready()
+            assert await client.is_model_ready("add_sub")
+            assert (await client.get_model_metadata("add_sub"))["name"] == "add_sub"
+            assert (await client.get_model_config("add_sub"))["name"] == "add_sub"
+            results = await asyncio.gather(*[
+                client.infer("add_sub", inputs(A * i), outputs=[aioclient.InferRequestedOutput("OUTPUT1")])
+                for i in range(8)])
+            for i, result in enumerate(results):
+                np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), A * i - B)
+            with pytest.raises(InferenceServerException) as e:
+                await client.infer("no_such_model", inputs(A))
+            assert e.value.status() == "404" and "no_such_model" in e.value.message()
+            stats = await client.get_inference_statistics("add_sub")
+            assert stats["model_stats"][0]["name"] == "add_sub"
+            assert any(m["name"] == "add_sub" for m in await client.get_model_repository_index())
+        finally:
+            await client.close()
+
+    asyncio.run(run())
