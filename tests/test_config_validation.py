@@ -167,8 +167,16 @@ def test_bad_config_model_is_not_ready_and_refuses_inference(config_error_server
     inp.set_data_from_numpy(np.zeros(4, dtype=np.float32))
     with pytest.raises(InferenceServerException) as e:
         client.infer(model, [inp])
-    assert e.value.status() == "400"
-    assert f"'{model}'" in e.value.message()
+    # Triton 2.51's answers for a model whose load failed, word for word
+    assert e.value.status() == "404"
+    assert e.value.message() == f"Request for unknown model: '{model}' has no available versions"
+    with pytest.raises(InferenceServerException) as e:
+        client.get_model_metadata(model)
+    assert e.value.status() == "404" and "has no available versions" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        client.infer(model, [inp], model_version="1")
+    assert e.value.status() == "503"
+    assert e.value.message() == f"Request for unknown model: '{model}' version 1 is not at ready state"
 
 
 def test_bad_configs_are_logged(config_error_server):

@@ -348,7 +348,7 @@ def test_system_shared_memory_register_status_unregister(client, shm_regions):
     assert client.get_system_shared_memory_status() == []
     with pytest.raises(InferenceServerException) as e:
         client.get_system_shared_memory_status("tshm_basic")
-    assert e.value.status() == "400"
+    assert e.value.status() == "404"  # Triton 2.51: NOT_FOUND
 
 
 def test_system_shared_memory_register_twice_and_missing_key(client, shm_regions):

@@ -26,6 +26,13 @@ class UnknownModel(InvalidRequest):
     status = 404
 
 
+class VersionNotReady(InvalidRequest):
+    """A version asked for by number that exists but does not serve (loading, failed, retiring):
+    Triton's UNAVAILABLE, answered with 503."""
+
+    status = 503
+
+
 # Triton appends this to a shape error of a batching model (clients see it, so it is kept as is).
 BATCH_DIM_NOTE = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
                   "prepended to each input shape. If you want to specify the full shape including the batch dim "

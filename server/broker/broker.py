@@ -45,7 +45,7 @@ from .lifecycle import STRAGGLER_GRACE_S, LoadJob, Retiring, idle
 from .metrics import MetricsOptions, serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
 from .options import STARTUP_FAILED, BrokerOptions
-from workers.signature import InvalidRequest, UnknownModel, queue_options
+from workers.signature import InvalidRequest, UnknownModel, VersionNotReady, queue_options
 
 log = logging.getLogger("shmserve.broker")
 
@@ -502,23 +502,32 @@ class Broker:
     # -- inference ------------------------------------------------------------------------------
     def find_version(self, model: str, version: str | int | None) -> ModelVersion:
         versions = self.models.get(model)
-        if not versions:
-            raise UnknownModel(f"Request for unknown model: '{model}' is not found")
-        if version not in (None, "", -1, "-1"):
+        latest = version in (None, "", -1, "-1")
+        v = 0
+        if not latest:
             try:
-                v = int(version)
+                v = int(version)  # type: ignore[arg-type]
             except (TypeError, ValueError):
                 raise UnknownModel(f"Request for unknown model: '{model}' version '{version}' is not a "
-                                     f"valid version") from None
+                                   f"valid version") from None
+        # Triton's texts and statuses: a model whose load failed has "no available versions"
+        # (404), and a version that exists but does not serve "is not at ready state" (503).
+        if not versions:
+            if model not in self.load_errors:
+                raise UnknownModel(f"Request for unknown model: '{model}' is not found")
+            if latest:
+                raise UnknownModel(f"Request for unknown model: '{model}' has no available versions")
+            raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")
+        if not latest:
             mv = versions.get(v)
             if mv is None:
                 raise UnknownModel(f"Request for unknown model: '{model}' version {v} is not found")
             if mv.state != State.READY:
-                raise InvalidRequest(f"Request for unknown model: '{model}' version {v} is not at ready state")
+                raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")
             return mv
         split = self.split(model)
         if split is None:
-            raise InvalidRequest(f"Request for unknown model: '{model}' has no available versions")
+            raise UnknownModel(f"Request for unknown model: '{model}' has no available versions")
         if split.canary is not None and random.random() < split.fraction:
             return versions[split.canary]
         return versions[split.stable]
