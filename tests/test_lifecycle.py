@@ -233,6 +233,15 @@ def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_fac
     index = {m["name"]: m for m in c.get_model_repository_index()}
     assert "warmup sample 'file' failed" in index["warm_broken"]["reason"] or \
         "missing.bin" in index["warm_broken"]["reason"]
+    assert index["warm_broken"]["version"] == "1"  # the version the load tried, as Triton lists it
+    # Triton 2.51's answers for a model whose load failed: the latest and an unknown version are
+    # not found (404), the version that failed is not ready (503).
+    for version, status, text in (("", "404", "has no available versions"), ("7", "404", "version 7 is not found"),
+                                  ("1", "503", "version 1 is not at ready state")):
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("warm_broken", [x], model_version=version)
+        assert e.value.status() == status
+        assert e.value.message() == f"Request for unknown model: 'warm_broken' {text}"
 
 
 @pytest.mark.parametrize("policy,expected", [

@@ -71,6 +71,9 @@ class Broker:
         self.loading: dict[str, LoadJob] = {}  # new versions getting ready beside what serves
         self.retiring: list[Retiring] = []  # old versions draining before their workers stop
         self.load_errors: dict[str, str] = {}
+        # The versions a failed load tried (unknown when its config failed first): the index
+        # lists them, as Triton does, and a version outside them is "not found".
+        self.failed_versions: dict[str, list[int]] = {}
         self.model_dirs: dict[str, Path] = {}
         self.workers: dict[int, tuple[ModelVersion, Instance]] = {}
         self.next_worker = 0
@@ -210,6 +213,7 @@ class Broker:
                     mv.state = State.UNLOADING  # its workers are reaped, never restarted
                     self.retiring.append(Retiring(mv, stopping=True))
                 self.load_errors[name] = bad.reason
+                self.failed_versions[name] = sorted(job.versions)
                 self.load_failures[name] += 1
                 for client, slot in job.waiters:
                     self.reply(client, slot, 400, {"error": bad.reason})
@@ -218,6 +222,7 @@ class Broker:
                 continue
             del self.loading[name]
             self.load_errors.pop(name, None)
+            self.failed_versions.pop(name, None)
             old = self.models.get(name, {})
             self.models[name] = dict(job.versions)
             canary = self.canaries.setdefault(name, Canary(name))
@@ -242,6 +247,7 @@ class Broker:
         versions = self.models.pop(name, {})
         self.canaries.pop(name, None)
         self.load_errors.pop(name, None)
+        self.failed_versions.pop(name, None)
         for mv in versions.values():
             if dependents and mv.ensemble is not None:
                 for dep in mv.ensemble.dependencies():
@@ -308,6 +314,7 @@ class Broker:
         log.error("%s", reason)
         self.load_failures[name] += 1
         self.load_errors[name] = reason
+        self.failed_versions.pop(name, None)
         return reason
 
     # -- workers --------------------------------------------------------------------------------
@@ -517,6 +524,8 @@ class Broker:
                 raise UnknownModel(f"Request for unknown model: '{model}' is not found")
             if latest:
                 raise UnknownModel(f"Request for unknown model: '{model}' has no available versions")
+            if model in self.failed_versions and v not in self.failed_versions[model]:
+                raise UnknownModel(f"Request for unknown model: '{model}' version {v} is not found")
             raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")
         if not latest:
             mv = versions.get(v)

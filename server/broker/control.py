@@ -124,7 +124,10 @@ class ControlHandler:
                 for v, mv in sorted(versions.items()):
                     out.append({"name": name, "version": str(v), "state": mv.state.value, "reason": mv.reason})
             elif name in b.load_errors:
-                out.append({"name": name, "state": State.UNAVAILABLE.value, "reason": b.load_errors[name]})
+                failed = {"state": State.UNAVAILABLE.value, "reason": b.load_errors[name]}
+                tried = b.failed_versions.get(name)
+                out += [{"name": name, "version": str(v), **failed} for v in tried] if tried else \
+                    [{"name": name, **failed}]
             else:
                 out.append({"name": name})
         if doc.get("ready"):
