@@ -116,7 +116,7 @@ class Launcher:
         try:
             self.broker = self._start_broker()
             self.frontends = [self._start_frontend(i) for i in range(self.args.http_workers)]
-            logs.Watcher(self.sid).start()  # follow run-time changes (POST /v2/logging) here too
+            self.log_follower = logs.BrokerSettings(self.sid)  # run-time changes (POST /v2/logging) here too
             log.info("shmserve '%s' serving HTTP on %s:%d with %d frontend(s)", self.sid, self.args.http_address,
                      self.args.http_port, len(self.frontends))
             code = self._supervise()
@@ -132,6 +132,7 @@ class Launcher:
         frontend_since = [time.monotonic()] * len(self.frontends)
         while not self.stopping:
             time.sleep(0.25)  # four cheap checks a second keep an idle server well under 1% CPU
+            self.log_follower.check()
             assert self.broker is not None
             code = self.broker.poll()
             if code is not None and not self.stopping:

@@ -243,38 +243,32 @@ class Follower:
         return True
 
 
-class Watcher(threading.Thread):
-    """For processes with no broker loop of their own (launcher, frontends): follows the
-    published settings a few times a second, re-attaching when the broker is replaced."""
+class BrokerSettings:
+    """The log settings a process with no broker loop of its own (launcher, frontends) follows:
+    ``check()`` a few times a second from its own loop (no thread to wake), re-attaching when the
+    broker is replaced."""
 
-    def __init__(self, server_id: str, period_s: float = 0.5) -> None:
-        super().__init__(name="shmserve-log-settings", daemon=True)
+    def __init__(self, server_id: str) -> None:
         self.server_id = server_id
-        self.period_s = period_s
-        self._stop = threading.Event()
+        self._seg: BrokerSegment | None = None
+        self._follower: Follower | None = None
 
-    def run(self) -> None:
-        seg: BrokerSegment | None = None
-        follower: Follower | None = None
-        while not self._stop.wait(self.period_s):
+    def check(self) -> None:
+        try:
+            if self._seg is not None and not pid_alive(self._seg.pid):
+                self.close()
+            if self._seg is None:
+                self._seg = BrokerSegment.attach(self.server_id)
+                self._follower = Follower(self._seg.settings)
+            assert self._follower is not None
+            self._follower.check()
+        except Exception:  # noqa: BLE001 - no broker yet, or it is restarting: try again later
+            self.close()
+
+    def close(self) -> None:
+        if self._seg is not None:
             try:
-                if seg is not None and not pid_alive(seg.pid):
-                    seg.close()
-                    seg = follower = None
-                if seg is None:
-                    seg = BrokerSegment.attach(self.server_id)
-                    follower = Follower(seg.settings)
-                assert follower is not None
-                follower.check()
-            except Exception:  # noqa: BLE001 - no broker yet, or it is restarting: try again later
-                if seg is not None:
-                    try:
-                        seg.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-                seg = follower = None
-        if seg is not None:
-            seg.close()
-
-    def stop(self) -> None:
-        self._stop.set()
+                self._seg.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._seg = self._follower = None

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import socket
 import sys
+from typing import Callable, Iterable
 
 import orjson
 import uvicorn
@@ -24,7 +25,7 @@ def main() -> int:
     heap.keep_large_buffers()  # request and response bodies reuse memory instead of faulting it in
     set_title(f"shmserve frontend {spec['server_id']} #{spec['index']}")
     logs.configure(spec.get("log") or {})
-    logs.Watcher(spec["server_id"]).start()  # run-time changes (POST /v2/logging) from any frontend
+    log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes (POST /v2/logging) from any frontend
     from .app import build_app
     from .restricted import restrict
 
@@ -44,7 +45,10 @@ def main() -> int:
     from shm.profiling import run_profiled
 
     log.info("frontend #%d serving HTTP", spec["index"])
-    return run_profiled(f"frontend{spec['index']}", lambda: QuietServer(config).run(sockets=[sock]) or 0)
+    # The broker's log and trace settings are followed on the loop's own tick: no thread of
+    # their own to wake twice a second.
+    server = QuietServer(config, ticks=[log_settings.check, fast.fe.tracer.follow])
+    return run_profiled(f"frontend{spec['index']}", lambda: server.run(sockets=[sock]) or 0)
 
 
 class QuietServer(uvicorn.Server):
@@ -55,9 +59,15 @@ class QuietServer(uvicorn.Server):
 
     TICK_S = 0.5
 
+    def __init__(self, config: uvicorn.Config, ticks: Iterable[Callable[[], None]] = ()) -> None:
+        super().__init__(config)
+        self.ticks = list(ticks)  # also run every tick (each catches its own errors)
+
     async def main_loop(self) -> None:
         counter = 0  # in uvicorn's units of 0.1 s, so its once-a-second work runs every tick
         while not await self.on_tick(counter):
+            for tick in self.ticks:
+                tick()
             counter = (counter + 10) % 864000
             await asyncio.sleep(self.TICK_S)
 

@@ -101,28 +101,26 @@ class Tracer:
         self._gen = -1
         self._stuck = False  # the shared lock stayed taken: no tracing until the settings change
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._writer: FileWriter | None = None
         self._otel: Any = None
 
     # -- following the broker's settings -------------------------------------------------------------
     def start(self) -> None:
         self.refresh()
-        threading.Thread(target=self._follow, name="shmserve-trace-settings", daemon=True).start()
 
     def stop(self) -> None:
-        self._stop.set()
         if self._writer is not None:
             self._writer.close()
         if self._otel is not None:
             self._otel.close()
 
-    def _follow(self) -> None:
-        while not self._stop.wait(POLL_S):
-            try:
-                self.refresh()
-            except Exception:  # noqa: BLE001 - the broker is restarting: try again later
-                log.debug("trace settings not readable yet", exc_info=True)
+    def follow(self) -> None:
+        """The frontend's periodic look at the broker's settings (its loop's tick, every
+        ``POLL_S``: no thread of its own to wake)."""
+        try:
+            self.refresh()
+        except Exception:  # noqa: BLE001 - the broker is restarting: try again later
+            log.debug("trace settings not readable yet", exc_info=True)
 
     def refresh(self) -> None:
         with self._lock:
