@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
+from conftest import raw_request
 
 ADD_SUB = Path(__file__).resolve().parent.parent / "model_repository" / "add_sub"
 
@@ -242,6 +243,11 @@ def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_fac
             c.infer("warm_broken", [x], model_version=version)
         assert e.value.status() == status
         assert e.value.message() == f"Request for unknown model: 'warm_broken' {text}"
+        # ... even with a body it cannot parse: Triton looks the model up first
+        raw = raw_request(s.port, "POST", f"/v2/models/warm_broken{'/versions/' + version if version else ''}/infer",
+                          b"{not json")
+        assert raw.status == int(status), raw
+        assert raw.json() == {"error": f"Request for unknown model: 'warm_broken' {text}"}
 
 
 @pytest.mark.parametrize("policy,expected", [

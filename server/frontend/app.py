@@ -268,18 +268,18 @@ class Frontend:
 
     def _refuse(self, model: str, version: str, e: BadRequest, reply: Reply) -> None:
         """Answer a request the frontend could not take. Triton looks the model up before the
-        body, so a model or version the server does not have answers its 404 even then: the
-        broker is asked (on this error path only)."""
+        body, so a model or version the server does not have (404) or a version that does not
+        serve (503) answers that even then: the broker is asked (on this error path only)."""
         def answer(completion: Completion) -> None:
             try:
-                found = completion.status != 404
-                doc = None if found else completion.doc()
+                status = completion.status
+                doc = completion.doc() if status in (404, 503) else None
             finally:
                 completion.release()
-            if found:
+            if doc is None:
                 reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
             else:
-                reply(404, orjson.dumps(doc), [JSON_HEADER])
+                reply(status, orjson.dumps(doc), [JSON_HEADER])
 
         try:
             self.link.submit(REQ_CONTROL, {"op": "model_metadata", "model": model, "version": version}, (), answer)

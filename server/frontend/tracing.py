@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from .app import Frontend, InferFastPath
 
 log = logging.getLogger("shmserve.trace")
-POLL_S = 0.5
 (HTTP_RECV_START, HTTP_RECV_END, REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END,
  COMPUTE_OUTPUT_START, COMPUTE_END, REQUEST_END, HTTP_SEND_START, HTTP_SEND_END) = range(len(tr.STAMPS))
 
@@ -115,8 +114,8 @@ class Tracer:
             self._otel.close()
 
     def follow(self) -> None:
-        """The frontend's periodic look at the broker's settings (its loop's tick, every
-        ``POLL_S``: no thread of its own to wake)."""
+        """The frontend's periodic look at the broker's settings (on its loop's tick, twice a
+        second: no thread of its own to wake)."""
         try:
             self.refresh()
         except Exception:  # noqa: BLE001 - the broker is restarting: try again later
@@ -227,6 +226,6 @@ async def traced_infer(fast: "InferFastPath", target: tuple[str, str], scope: di
 
 def trace_endpoint(fe: "Frontend") -> Callable[[Request], Awaitable[Response]]:
     """GET/POST ``v2[/models/<model>]/trace/setting``: forwarded to the broker, which owns them;
-    this frontend follows a change at once, the others within POLL_S."""
+    this frontend follows a change at once, the others within their next tick (0.5 s)."""
     return settings_endpoint(fe, "trace_settings", lambda _: fe.tracer.refresh(), per_model=True)
 
