@@ -26,10 +26,6 @@ USED, FREED, SKIP = 1, 2, 3
 SOFT_LIMIT = 1 << 20
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) & ~(ALIGN - 1)
-
-
 def free_block(buf: memoryview, payload_offset: int) -> None:
     """Consumer side: give the block back (one 4-byte store into its header)."""
     _STATE.pack_into(buf, payload_offset - BLOCK_HEADER + 8, FREED)
@@ -60,10 +56,15 @@ class Arena:
 
     def alloc(self, nbytes: int, consumer_pid: int = 0) -> int:
         """Absolute payload offset in the segment, or -1 when the arena cannot hold it now."""
-        need = _align(BLOCK_HEADER + max(nbytes, 1))
+        need = (BLOCK_HEADER + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1)
         with self._lock:
-            self._reclaim(False)
-            at = self._place(need)
+            if self._used:  # (the common case of nothing outstanding skips two calls)
+                self._reclaim(False)
+            if self._used:
+                at = self._place(need)
+            else:
+                self._tail = 0
+                at = 0 if need <= self._size else -1
             if at < 0:
                 self._reclaim(True)  # only now pay for asking whether consumers still live
                 at = self._place(need)

@@ -29,8 +29,8 @@ from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from .names import check_server_id, object_name, pid_alive
 from .region_table import RegionTable
-from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, REQ_POLLING, ROLE_NAMES, ROLE_WORKER, SLOT_DONE, SLOT_FREE,
-                       SLOT_PENDING, STREAM_CAPACITY, manifest_room, read_manifest_raw, read_manifest_with_data,
+from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, REQ_POLLING, ROLE_NAMES, ROLE_WORKER, SLOT_BYTES,
+                       SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, manifest_room, read_manifest_raw, read_manifest_with_data,
                        write_manifest)
 from .ring import Ring
 from .segment import SegmentCache
@@ -176,6 +176,11 @@ class Connection:
         self.lane = self._await_lane()
         self._cookie = self.seg.cookie
         self._states = self.seg.slot_states
+        # The same states as 32-bit words: a memoryview's item read costs a third of numpy's, and
+        # the waiting caller reads its slot's state on every poll.
+        base = self.seg.slots_offset
+        self._state_words = self.seg.seg.buf[base:base + slots * SLOT_BYTES].cast("I")
+        self._stride = SLOT_BYTES // 4
         self._routes_gen = -1
         self._routes: dict = {}
         self._splits: dict = {}
@@ -207,6 +212,27 @@ class Connection:
     # -- routing --------------------------------------------------------------------------------
     def _route(self, doc: dict) -> int | None:
         """The worker to send ``doc`` to directly, or None to go through the broker."""
+        workers = self._direct_route(doc.get("model"), doc.get("version") or "")
+        if workers is None:
+            return None
+        # Registered regions: the worker resolves (and bounds-checks) those the broker published;
+        # any other name (a CUDA region, one not yet published, a mistake) goes to the broker.
+        for t in doc.get("inputs", ()):
+            if "region" in t and self._regions.get(t["region"]) is None:
+                return None
+        for o in doc.get("outputs") or ():
+            if "region" in o and self._regions.get(o["region"]) is None:
+                return None
+        return self._least_loaded(workers)
+
+    def _least_loaded(self, workers: list[int]) -> int:
+        if len(workers) == 1:
+            return workers[0]
+        return min(workers, key=self._load.__getitem__)
+
+    def _direct_route(self, model: Any, version: str) -> list[int] | None:
+        """The workers that take (model, version) on our lane per the routing table, or None
+        (no lane, not served directly, or a split the broker's odds send elsewhere)."""
         if self.lane is None:
             return None
         gen = self.broker.routes.generation()
@@ -220,34 +246,29 @@ class Connection:
             for num in [n for n in self._workers if n not in live]:
                 self._workers.pop(num).close()  # a stopped worker's mapping would pin its memory
             self._route_cache.clear()
-        model, version = doc.get("model"), doc.get("version") or ""
+        asked = (model, version)
+        workers = self._route_cache.get(asked, _UNKNOWN)
+        if workers is not _UNKNOWN:
+            return workers
+        if len(self._route_cache) >= ROUTE_CACHE_LIMIT:  # names a client made up must not pile up
+            self._route_cache.clear()
+        kept = True  # whether the route of the (model, version) asked for is kept
         if not version:
             split = self._splits.get(model)
             if split is None:
-                return None
+                workers = self._route_cache[asked] = None
+                return workers
             # The broker's split (a canary's fraction), chosen here; a request that goes through
-            # the broker instead is chosen there, with the same odds.
-            version = split["canary"] if split["canary"] is not None and \
-                random.random() < split["fraction"] else split["stable"]
+            # the broker instead is chosen there, with the same odds (drawn per request).
+            kept = split["canary"] is None
+            version = split["canary"] if not kept and random.random() < split["fraction"] else split["stable"]
         key = (model, str(version))
         workers = self._route_cache.get(key, _UNKNOWN)
         if workers is _UNKNOWN:
-            if len(self._route_cache) >= ROUTE_CACHE_LIMIT:  # names a client made up must not pile up
-                self._route_cache.clear()
             workers = self._route_cache[key] = self._direct_workers(*key)
-        if workers is None:
-            return None
-        # Registered regions: the worker resolves (and bounds-checks) those the broker published;
-        # any other name (a CUDA region, one not yet published, a mistake) goes to the broker.
-        for t in doc.get("inputs", ()):
-            if "region" in t and self._regions.get(t["region"]) is None:
-                return None
-        for o in doc.get("outputs") or ():
-            if "region" in o and self._regions.get(o["region"]) is None:
-                return None
-        if len(workers) == 1:
-            return workers[0]
-        return min(workers, key=self._load.__getitem__)
+        if kept:
+            self._route_cache[asked] = workers
+        return workers
 
     def _direct_workers(self, model: Any, version: str) -> list[int] | None:
         """The workers serving (model, version) on direct lanes per the routing table, or None;
@@ -294,6 +315,31 @@ class Connection:
         if kind == REQ_INFER and "t" not in doc:
             doc["t"] = time.monotonic_ns()  # when the request arrived, for queue and request durations
         data = orjson.dumps(doc)
+        return self._send(kind, data, chunks, body, callback, doc if kind == REQ_INFER else None, on_response,
+                          doc.get("stream", 0), waited, polling)
+
+    def submit_prepared(self, prefix: bytes, views: list, body: int, callback: Callback, model: str,
+                        version: str) -> int:
+        """``infer`` of a descriptor serialized before up to its send time (``prepared_prefix``):
+        a client's repeated call, whose tensors are all copied into its arena (no region names),
+        waited for by the caller. ``views``: the tensors' bytes. Returns the data start."""
+        if not self.alive:
+            raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
+        data = b"%b%d}" % (prefix, time.monotonic_ns())
+        return self._send(REQ_INFER, data, views, body, callback, (model, version), None, 0, True, False)
+
+    @staticmethod
+    def prepared_prefix(doc: dict) -> bytes:
+        """A descriptor's bytes up to its send time, which comes last (workers key the checks
+        they did on a descriptor by these bytes: workers/descriptors.py)."""
+        return orjson.dumps(doc)[:-1] + b',"t":'
+
+    def _send(self, kind: int, data: bytes, chunks: list, body: int, callback: Callback,
+              route: dict | tuple[str, str] | None, on_response: Callback | None, stream_at: int, waited: bool,
+              polling: bool) -> int:
+        """Place the descriptor and tensors in the arena and hand the request to a worker's lane
+        or the broker's ring. ``route``: the descriptor to route by, or (model, version) of one
+        without region names, or None for the broker."""
         room = manifest_room(len(data))
         total = room + body
         with self._lock:
@@ -313,15 +359,21 @@ class Connection:
             self._callbacks[slot] = (callback, off)
             self._inflight.add(slot)
             if on_response is not None:
-                ring = Ring(buf, start + doc["stream"], STREAM_CAPACITY, RECORD)
+                ring = Ring(buf, start + stream_at, STREAM_CAPACITY, RECORD)
                 ring.reset()
                 self._streams[slot] = (ring, on_response)
-            target = self._route(doc) if kind == REQ_INFER else None
+            if route is None:
+                target = None
+            elif type(route) is dict:
+                target = self._route(route)
+            else:
+                workers = self._direct_route(*route)
+                target = self._least_loaded(workers) if workers else None
             worker = self._worker(target) if target is not None else None
             # The target before the state: the broker reads a pending slot's target to answer
             # requests lost with a worker, and must never see one left from the slot's last use.
             self.seg.set_target(slot, target + 1 if worker is not None else 0)  # type: ignore[operator]
-            self.seg.set_slot_state(slot, SLOT_PENDING)
+            self._state_words[slot * self._stride] = SLOT_PENDING
             if worker is not None:
                 hint = REQ_POLLING if polling or (waited and self._spin.budget() > 0) else 0
                 if worker.lanes[self.lane].put(kind | hint, slot, off, total, self._cookie):  # type: ignore[index]
@@ -369,15 +421,23 @@ class Connection:
     def _done_slots(self) -> list[int]:
         """Slots answered since we last looked; a plain scan of the few in flight is cheaper than
         numpy over the whole table until many are in flight."""
-        states = self._states
         inflight = self._inflight
         if len(inflight) < 64:
-            return [s for s in list(inflight) if states[s] == SLOT_DONE]
-        return np.flatnonzero(states == SLOT_DONE).tolist()
+            words, stride = self._state_words, self._stride
+            return [s for s in list(inflight) if words[s * stride] == SLOT_DONE]
+        return np.flatnonzero(self._states == SLOT_DONE).tolist()
 
     def _has_done(self) -> bool:
+        """Polled while waiting: anything answered, in the fewest steps for a few in flight."""
         if self._streams and any(ring.pending() for ring, _ in list(self._streams.values())):
             return True
+        inflight = self._inflight
+        if len(inflight) < 64:
+            words, stride = self._state_words, self._stride
+            for s in list(inflight):
+                if words[s * stride] == SLOT_DONE:
+                    return True
+            return False
         return bool(self._done_slots())
 
     def _drain_stream(self, ring: Ring, on_response: Callback) -> int:
@@ -523,7 +583,7 @@ class Connection:
     def _complete(self, slot: int) -> None:
         with self._lock:
             entry = self._callbacks[slot]
-            if entry is None or self._states[slot] != SLOT_DONE:
+            if entry is None or self._state_words[slot * self._stride] != SLOT_DONE:
                 return  # already completed (by a caller's own poll), or failed with the server
             _, status, role, num, off, _, _ = self.seg.read_slot(slot)
             self._callbacks[slot] = None
@@ -532,7 +592,7 @@ class Connection:
             if target:
                 self._targets[slot] = 0
                 self._load[target - 1] -= 1
-            self.seg.set_slot_state(slot, SLOT_FREE)
+            self._state_words[slot * self._stride] = SLOT_FREE
             self._free_slots.append(slot)
         callback, req_off = entry
         request = (self.seg.seg.buf, req_off)
