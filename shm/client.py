@@ -244,10 +244,12 @@ class Client:
             if key is not None:
                 if len(self._built) >= BUILD_CACHE_LIMIT:
                     self._built.clear()
+                reading = _Plan()  # read-only: how _infer_prepared reads its answers
+                reading.reserved.update(plan.reserved)
                 self._built[key] = (doc["inputs"], doc["outputs"], reserve, dict(plan.reserved),
-                                    Connection.prepared_prefix(doc))
+                                    Connection.prepared_prefix(doc), reading)
         else:
-            doc_inputs, doc_outputs, reserve, reserved, _ = built
+            doc_inputs, doc_outputs, reserve, reserved, _, _ = built
             doc = {"model": model, "version": version, "inputs": doc_inputs, "outputs": doc_outputs}
             chunks = list(inputs.values())
             plan = _Plan()
@@ -401,7 +403,7 @@ class Client:
     def _infer_prepared(self, model: str, version: str, inputs: Mapping[str, Any], built: tuple) -> InferResult:
         """``infer`` of a call made before with arrays of the same names, dtypes and shapes and no
         options: its descriptor's bytes are reused as they are."""
-        _, _, reserve, reserved, prefix = built
+        _, _, reserve, _, prefix, reading = built
         views, body = [], reserve
         for arr in inputs.values():
             view = byte_view(arr)
@@ -414,13 +416,7 @@ class Client:
         completion = answer.completion
         assert completion is not None
         try:
-            doc = self._check(completion, self._answers)
-            recipe = self._recipe(doc)
-            if recipe is not None:
-                return self._reserved_result(completion, doc, recipe, reserved, start)
-            plan = _Plan()
-            plan.reserved.update(reserved)
-            return self._result(completion, plan, start)
+            return self._result(completion, reading, start)
         except BaseException:
             completion.release()
             raise
