@@ -410,13 +410,16 @@ class Client:
             views.append(view)
             body += len(view)
         answer = Answer()
-        conn = self._conn
-        start = conn.submit_prepared(prefix, views, body, answer, model, version)
-        conn.wait_for(answer.done, answer.wait)
+        start = self._conn.submit_prepared(prefix, views, body, answer, model, version)
+        return self._answered(answer, reading, start)
+
+    def _answered(self, answer: Answer, plan: _Plan, start: int) -> InferResult:
+        """A synchronous call's answer, waited for and read."""
+        self._conn.wait_for(answer.done, answer.wait)
         completion = answer.completion
         assert completion is not None
         try:
-            return self._result(completion, reading, start)
+            return self._result(completion, plan, start)
         except BaseException:
             completion.release()
             raise
@@ -454,14 +457,7 @@ class Client:
         doc, chunks, reserve, plan = self._build(model, inputs, outputs, version, options)
         answer = Answer()
         start = self._conn.infer(doc, chunks, answer, reserve, waited=True)
-        self._conn.wait_for(answer.done, answer.wait)
-        completion = answer.completion
-        assert completion is not None
-        try:
-            return self._result(completion, plan, start)
-        except BaseException:
-            completion.release()
-            raise
+        return self._answered(answer, plan, start)
 
     async def infer_aio(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
         """The asyncio form: awaits without blocking the loop."""
