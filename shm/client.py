@@ -409,15 +409,11 @@ class Client:
             view = byte_view(arr)
             views.append(view)
             body += len(view)
-        answer = Answer()
-        start = self._conn.submit_prepared(prefix, views, body, answer, model, version)
-        return self._answered(answer, reading, start)
+        completion, start = self._conn.call_prepared(prefix, views, body, model, version)
+        return self._read(completion, reading, start)
 
-    def _answered(self, answer: Answer, plan: _Plan, start: int) -> InferResult:
-        """A synchronous call's answer, waited for and read."""
-        self._conn.wait_for(answer.done, answer.wait)
-        completion = answer.completion
-        assert completion is not None
+    def _read(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
+        """A synchronous call's result (its blocks given back if reading it fails)."""
         try:
             return self._result(completion, plan, start)
         except BaseException:
@@ -457,7 +453,9 @@ class Client:
         doc, chunks, reserve, plan = self._build(model, inputs, outputs, version, options)
         answer = Answer()
         start = self._conn.infer(doc, chunks, answer, reserve, waited=True)
-        return self._answered(answer, plan, start)
+        self._conn.wait_for(answer.done, answer.wait)
+        assert answer.completion is not None
+        return self._read(answer.completion, plan, start)
 
     async def infer_aio(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
         """The asyncio form: awaits without blocking the loop."""

@@ -316,17 +316,56 @@ class Connection:
             doc["t"] = time.monotonic_ns()  # when the request arrived, for queue and request durations
         data = orjson.dumps(doc)
         return self._send(kind, data, chunks, body, callback, doc if kind == REQ_INFER else None, on_response,
-                          doc.get("stream", 0), waited, polling)
+                          doc.get("stream", 0), waited, polling)[0]
 
-    def submit_prepared(self, prefix: bytes, views: list, body: int, callback: Callback, model: str,
-                        version: str) -> int:
-        """``infer`` of a descriptor serialized before up to its send time (``prepared_prefix``):
-        a client's repeated call, whose tensors are all copied into its arena (no region names),
-        waited for by the caller. ``views``: the tensors' bytes. Returns the data start."""
+    def call_prepared(self, prefix: bytes, views: list, body: int, model: str, version: str
+                      ) -> tuple[Completion, int]:
+        """A synchronous call of a descriptor serialized before up to its send time
+        (``prepared_prefix``): a client's repeated call, whose tensors are all copied into its arena
+        (no region names). ``views``: the tensors' bytes. Returns the completion and the data start.
+
+        When this thread may lead the waiting with nothing else in flight (a single-threaded
+        caller), it polls its own slot's state and completes that slot alone: with several client
+        processes on a core every step of this path runs cache-cold, so it takes few of them.
+        Anything else (another request in flight, a long wait) goes the general way."""
         if not self.alive:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
         data = b"%b%d}" % (prefix, time.monotonic_ns())
-        return self._send(REQ_INFER, data, views, body, callback, (model, version), None, 0, True, False)
+        answer = Answer()
+        if self._inflight or self._thread is None or not self._take_lead():
+            start = self._send(REQ_INFER, data, views, body, answer, (model, version), None, 0, True, False)[0]
+            self.wait_for(answer.done, answer.wait)
+        else:
+            try:
+                start, slot = self._send(REQ_INFER, data, views, body, answer, (model, version), None, 0, True, False)
+                self._poll_own(slot)
+                if answer.completion is None:
+                    self._lead_until(answer.done, poll=True)
+            finally:
+                self._leave_lead()
+            if answer.completion is None:  # the connection closed under us: close() answers it
+                answer.wait()
+        assert answer.completion is not None
+        return answer.completion, start
+
+    def _poll_own(self, slot: int) -> None:
+        """The leader's poll for its own answer while it is the only one in flight, within the
+        spin budget; completes it when it came."""
+        words, at, inflight = self._state_words, slot * self._stride, self._inflight
+        if words[at] != SLOT_DONE:
+            spin = self._spin
+            budget = spin.budget()
+            if budget <= 0:
+                return
+            clock, pause = time.perf_counter, os.sched_yield
+            started = clock()
+            deadline = started + budget
+            while words[at] != SLOT_DONE:
+                if len(inflight) != 1 or clock() >= deadline:
+                    return  # another request joined, or the wait is long: the general way
+                pause()
+            spin.observe(clock() - started)
+        self._complete(slot)
 
     @staticmethod
     def prepared_prefix(doc: dict) -> bytes:
@@ -336,10 +375,10 @@ class Connection:
 
     def _send(self, kind: int, data: bytes, chunks: list, body: int, callback: Callback,
               route: dict | tuple[str, str] | None, on_response: Callback | None, stream_at: int, waited: bool,
-              polling: bool) -> int:
+              polling: bool) -> tuple[int, int]:
         """Place the descriptor and tensors in the arena and hand the request to a worker's lane
         or the broker's ring. ``route``: the descriptor to route by, or (model, version) of one
-        without region names, or None for the broker."""
+        without region names, or None for the broker. Returns (data start, slot)."""
         room = manifest_room(len(data))
         total = room + body
         with self._lock:
@@ -399,7 +438,7 @@ class Connection:
         if not waited and self._thread is not None and not self._leading:
             with self._cond:
                 self._cond.notify()  # the waiter thread leads for a request nobody waits for
-        return start
+        return start, slot
 
     def infer(self, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
               on_response: Callback | None = None, waited: bool = False) -> int:

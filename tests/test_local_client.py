@@ -154,6 +154,24 @@ def test_sync_callers_in_threads_and_futures_share_one_connection(client):
     np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT1"], A - B)
 
 
+def test_a_repeated_call_that_outlasts_its_polling_sleeps_for_its_answer(client):
+    """A repeated call (its descriptor reused, Connection.call_prepared) polls its own slot for at
+    most the spin budget, then waits asleep the general way: a slow answer still arrives, and
+    the wait costs this process next to no CPU."""
+    x = np.arange(N, dtype=np.int32)
+    assert client.infer("slow_reader", {"X": x})["SUM"].tolist() == [int(x.sum())]  # keeps the descriptor
+    for _ in range(50):  # quick answers bring the polling back on
+        client.infer("add_sub", {"INPUT0": x, "INPUT1": B}).release()
+    assert client._conn._spin.budget() > 0  # noqa: SLF001 - the case under test: the poll runs out
+    started, cpu = time.monotonic(), time.process_time()
+    result = client.infer("slow_reader", {"X": x + 1})
+    assert time.monotonic() - started >= 0.4
+    assert time.process_time() - cpu < 0.1
+    assert result["SUM"].tolist() == [int((x + 1).sum())]
+    np.testing.assert_array_equal(result["COPY"], x + 1)
+    np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": x, "INPUT1": B})["OUTPUT0"], x + B)
+
+
 def test_polling_stops_when_the_calls_stop(client, lc_server):
     """A closed loop of quick calls makes the caller and the worker poll for each other
     (SpinPolicy, REQ_POLLING); once the calls stop, both sleep: the worker and this process use
