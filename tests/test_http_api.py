@@ -263,6 +263,35 @@ def test_repeated_requests_are_answered_from_their_own_bytes(server, client):
     assert long.status == 400 and "no input claims" in long.json()["error"], long
 
 
+def test_large_repeated_requests_are_answered_from_their_own_bytes(server, client):
+    """A large body reaches the frontend in many reads; a repeated header is cut at its kept
+    offsets (server/frontend/known.py). Each answer must hold its own request's bytes, and a body
+    that repeats the header but not its length is parsed the full way, and refused."""
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        x = rng.random((512, 512), dtype=np.float32)  # 1 MiB
+        y = rng.integers(-1000, 1000, (256, 1024), dtype=np.int32)  # 1 MiB
+        inputs = [httpclient.InferInput("IN_FP32", list(x.shape), "FP32"),
+                  httpclient.InferInput("IN_INT32", list(y.shape), "INT32")]
+        inputs[0].set_data_from_numpy(x, binary_data=True)
+        inputs[1].set_data_from_numpy(y, binary_data=True)
+        outputs = [httpclient.InferRequestedOutput(name, binary_data=True) for name in ("OUT_FP32", "OUT_INT32")]
+        result = client.infer("identity_all", inputs, outputs=outputs)
+        np.testing.assert_array_equal(result.as_numpy("OUT_FP32"), x)
+        np.testing.assert_array_equal(result.as_numpy("OUT_INT32"), y)
+    head = json.dumps({"inputs": [{"name": "IN_FP32", "datatype": "FP32", "shape": [512, 512],
+                                   "parameters": {"binary_data_size": 1 << 20}}],
+                       "parameters": {"binary_data_output": True}}).encode()
+    headers = {"Inference-Header-Content-Length": str(len(head)), "Content-Type": "application/octet-stream"}
+    data = rng.random((512, 512), dtype=np.float32).tobytes()
+    for _ in range(2):
+        ok = raw_request(server.port, "POST", "/v2/models/identity_all/infer", head + data, headers)
+        assert ok.status == 200, ok
+        assert ok.body[-len(data):] == data
+    short = raw_request(server.port, "POST", "/v2/models/identity_all/infer", head + data[:-4], headers)
+    assert short.status == 400 and "unexpected end of the request body" in short.json()["error"], short
+
+
 def test_request_id_is_echoed(client):
     result = client.infer("add_sub", add_sub_inputs(), request_id="my-request-42")
     assert result.get_response()["id"] == "my-request-42"
