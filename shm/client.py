@@ -246,14 +246,13 @@ class Client:
                     self._built.clear()
                 reading = _Plan()  # read-only: how _infer_prepared reads its answers
                 reading.reserved.update(plan.reserved)
-                self._built[key] = (doc["inputs"], doc["outputs"], reserve, dict(plan.reserved),
-                                    Connection.prepared_prefix(doc), reading)
+                self._built[key] = (doc["inputs"], doc["outputs"], reserve, Connection.prepared_prefix(doc), reading)
         else:
-            doc_inputs, doc_outputs, reserve, reserved, _, _ = built
+            doc_inputs, doc_outputs, reserve, _, reading = built
             doc = {"model": model, "version": version, "inputs": doc_inputs, "outputs": doc_outputs}
             chunks = list(inputs.values())
-            plan = _Plan()
-            plan.reserved.update(reserved)
+            plan = _Plan()  # a plan of its own: a stream's submission clears its reservations
+            plan.reserved.update(reading.reserved)
         if options:
             doc.update(options)
         return doc, chunks, reserve, plan
@@ -403,7 +402,7 @@ class Client:
     def _infer_prepared(self, model: str, version: str, inputs: Mapping[str, Any], built: tuple) -> InferResult:
         """``infer`` of a call made before with arrays of the same names, dtypes and shapes and no
         options: its descriptor's bytes are reused as they are."""
-        _, _, reserve, _, prefix, reading = built
+        _, _, reserve, prefix, reading = built
         views, body = [], reserve
         for arr in inputs.values():
             view = byte_view(arr)

@@ -353,18 +353,9 @@ class Connection:
         spin budget; completes it when it came."""
         words, at, inflight = self._state_words, slot * self._stride, self._inflight
         if words[at] != SLOT_DONE:
-            spin = self._spin
-            budget = spin.budget()
-            if budget <= 0:
-                return
-            clock, pause = time.perf_counter, os.sched_yield
-            started = clock()
-            deadline = started + budget
-            while words[at] != SLOT_DONE:
-                if len(inflight) != 1 or clock() >= deadline:
-                    return  # another request joined, or the wait is long: the general way
-                pause()
-            spin.observe(clock() - started)
+            answered_or_joined = lambda: words[at] == SLOT_DONE or len(inflight) != 1  # noqa: E731
+            if not self._spin.poll(answered_or_joined, time.perf_counter()) or words[at] != SLOT_DONE:
+                return  # the wait is long, or another request joined: the general way
         self._complete(slot)
 
     @staticmethod

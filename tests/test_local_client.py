@@ -172,6 +172,29 @@ def test_a_repeated_call_that_outlasts_its_polling_sleeps_for_its_answer(client)
     np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": x, "INPUT1": B})["OUTPUT0"], x + B)
 
 
+def test_a_repeated_call_follows_its_model_through_unload_and_load(server_factory):
+    """A repeated call reuses its descriptor's bytes but is routed anew each time: once its model
+    is unloaded it gets Triton's 404, and once the model is loaded again it is served again."""
+    server = start_shm_server(server_factory)
+    x = np.arange(N, dtype=np.int32)
+
+    def control(action: str) -> None:
+        raw = raw_request(server.port, "POST", f"/v2/repository/models/add_sub/{action}", b"{}")
+        assert raw.status == 200, raw
+
+    with Client(server.id) as c:
+        for _ in range(3):
+            np.testing.assert_array_equal(c.infer("add_sub", {"INPUT0": x, "INPUT1": B})["OUTPUT0"], x + B)
+        control("unload")
+        for _ in range(2):
+            with pytest.raises(InferenceServerError) as e:
+                c.infer("add_sub", {"INPUT0": x, "INPUT1": B})
+            assert e.value.status == 404 and "Request for unknown model: 'add_sub'" in e.value.message
+        control("load")
+        for _ in range(3):
+            np.testing.assert_array_equal(c.infer("add_sub", {"INPUT0": x + 1, "INPUT1": B})["OUTPUT1"], x + 1 - B)
+
+
 def test_polling_stops_when_the_calls_stop(client, lc_server):
     """A closed loop of quick calls makes the caller and the worker poll for each other
     (SpinPolicy, REQ_POLLING); once the calls stop, both sleep: the worker and this process use
