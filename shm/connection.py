@@ -55,6 +55,23 @@ class Backpressure(RuntimeError):
     """The connection is out of slots or arena space right now; retrying later can succeed."""
 
 
+SEND_TIME_DIGITS = 20  # room kept for a reserved request's send time (any 64-bit count of ns)
+
+
+class Reservation:
+    """A request block taken before its tensor bytes have all arrived (``Connection.reserve``)."""
+
+    __slots__ = ("off", "total", "doc_len", "prefix", "route", "data")
+
+    def __init__(self, off: int, total: int, doc_len: int, prefix: bytes, route: dict, data: memoryview) -> None:
+        self.off = off
+        self.total = total
+        self.doc_len = doc_len  # the descriptor's length with the longest send time
+        self.prefix = prefix
+        self.route = route
+        self.data: memoryview | None = data  # where the tensor bytes go; None once sent or discarded
+
+
 class Answer:
     """The completion callback of one synchronous call: keeps the answer, and wakes the caller
     only if it had to block (a lock, cheaper than a Future or an Event on this hot path)."""
@@ -370,58 +387,117 @@ class Connection:
         """Place the descriptor and tensors in the arena and hand the request to a worker's lane
         or the broker's ring. ``route``: the descriptor to route by, or (model, version) of one
         without region names, or None for the broker. Returns (data start, slot)."""
-        room = manifest_room(len(data))
-        total = room + body
+        total = manifest_room(len(data)) + body
         with self._lock:
             if not self._free_slots:
                 raise Backpressure("too many requests in flight on this connection")
-            off = self.arena.alloc(total)  # type: ignore[union-attr]
-            if off < 0:
-                raise Backpressure(f"no room for a {total}-byte request in the shared-memory arena "
-                                   f"({self.arena.capacity} bytes); retry later")  # type: ignore[union-attr]
-            slot = self._free_slots.popleft()
+            off = self._alloc(total)
             buf = self.seg.seg.buf
             pos = start = write_manifest(buf, off, data)
             for c in chunks:
                 n = len(c)
                 copy_into(buf[pos:pos + n], c)
                 pos += n
-            self._callbacks[slot] = (callback, off)
-            self._inflight.add(slot)
-            if on_response is not None:
-                ring = Ring(buf, start + stream_at, STREAM_CAPACITY, RECORD)
-                ring.reset()
-                self._streams[slot] = (ring, on_response)
-            if route is None:
-                target = None
-            elif type(route) is dict:
-                target = self._route(route)
+            slot, worker = self._dispatch(kind, off, total, start, callback, route, on_response, stream_at,
+                                          waited, polling)
+        self._wake(worker, waited)
+        return start, slot
+
+    def _alloc(self, total: int) -> int:
+        off = self.arena.alloc(total)  # type: ignore[union-attr]
+        if off < 0:
+            raise Backpressure(f"no room for a {total}-byte request in the shared-memory arena "
+                               f"({self.arena.capacity} bytes); retry later")  # type: ignore[union-attr]
+        return off
+
+    def reserve(self, prefix: bytes, body: int, route: dict) -> Reservation:
+        """Take a request block before its tensor bytes have all arrived (``send_reserved`` sends
+        it, ``discard`` gives it back): the HTTP frontend copies a large body in as it comes.
+        ``prefix``: the descriptor's bytes up to its send time (``prepared_prefix``)."""
+        if not self.alive:
+            raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
+        doc_len = len(prefix) + SEND_TIME_DIGITS + 1
+        room = manifest_room(doc_len)
+        with self._lock:
+            off = self._alloc(room + body)
+        return Reservation(off, room + body, doc_len, prefix, route, self.seg.seg.buf[off + room:off + room + body])
+
+    def send_reserved(self, r: Reservation, callback: Callback, polling: bool = False) -> None:
+        """Send a reserved request whose tensor bytes are all in place; its send time is now."""
+        if r.data is None:
+            raise ValueError("this reservation was sent or discarded")
+        if not self.alive:
+            self.discard(r)
+            raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
+        data = b"%b%d}" % (r.prefix, time.monotonic_ns())
+        if manifest_room(len(data)) != manifest_room(r.doc_len):
+            # The tensors start where the reserved room ends: pad the document to that room
+            # (whitespace after its opening brace, the same for every request of this shape).
+            data = b"{" + b" " * (r.doc_len - len(data)) + data[1:]
+        buf = self.seg.seg.buf
+        r.data = None
+        with self._lock:
+            start = write_manifest(buf, r.off, data)
+            _, worker = self._dispatch(REQ_INFER, r.off, r.total, start, callback, r.route, None, 0, False, polling)
+        self._wake(worker, False)
+
+    def discard(self, r: Reservation) -> None:
+        """Give back a reserved block that will not be sent (a closed connection's arena is gone)."""
+        if r.data is not None:
+            r.data = None
+            if not self._closed:
+                free_block(self.seg.seg.buf, r.off)
+
+    def _dispatch(self, kind: int, off: int, total: int, start: int, callback: Callback,
+                  route: dict | tuple[str, str] | None, on_response: Callback | None, stream_at: int,
+                  waited: bool, polling: bool) -> tuple[int, WorkerSegment | None]:
+        """Hand a written request block to a worker's lane or the broker's ring, with ``_lock``
+        held; ``_wake`` then wakes the receiver. Returns (slot, the worker, or None: the broker).
+        Frees the block if the request cannot be taken (Backpressure)."""
+        buf = self.seg.seg.buf
+        if not self._free_slots:
+            free_block(buf, off)
+            raise Backpressure("too many requests in flight on this connection")
+        slot = self._free_slots.popleft()
+        self._callbacks[slot] = (callback, off)
+        self._inflight.add(slot)
+        if on_response is not None:
+            ring = Ring(buf, start + stream_at, STREAM_CAPACITY, RECORD)
+            ring.reset()
+            self._streams[slot] = (ring, on_response)
+        if route is None:
+            target = None
+        elif type(route) is dict:
+            target = self._route(route)
+        else:
+            workers = self._direct_route(*route)
+            target = self._least_loaded(workers) if workers else None
+        worker = self._worker(target) if target is not None else None
+        # The target before the state: the broker reads a pending slot's target to answer
+        # requests lost with a worker, and must never see one left from the slot's last use.
+        self.seg.set_target(slot, target + 1 if worker is not None else 0)  # type: ignore[operator]
+        self._state_words[slot * self._stride] = SLOT_PENDING
+        if worker is not None:
+            hint = REQ_POLLING if polling or (waited and self._spin.budget() > 0) else 0
+            if worker.lanes[self.lane].put(kind | hint, slot, off, total, self._cookie):  # type: ignore[index]
+                worker.ring_bell(self.lane)  # type: ignore[arg-type]
+                self._targets[slot] = target + 1  # type: ignore[operator]
+                self._load[target] += 1  # type: ignore[index]
             else:
-                workers = self._direct_route(*route)
-                target = self._least_loaded(workers) if workers else None
-            worker = self._worker(target) if target is not None else None
-            # The target before the state: the broker reads a pending slot's target to answer
-            # requests lost with a worker, and must never see one left from the slot's last use.
-            self.seg.set_target(slot, target + 1 if worker is not None else 0)  # type: ignore[operator]
-            self._state_words[slot * self._stride] = SLOT_PENDING
-            if worker is not None:
-                hint = REQ_POLLING if polling or (waited and self._spin.budget() > 0) else 0
-                if worker.lanes[self.lane].put(kind | hint, slot, off, total, self._cookie):  # type: ignore[index]
-                    worker.ring_bell(self.lane)  # type: ignore[arg-type]
-                    self._targets[slot] = target + 1  # type: ignore[operator]
-                    self._load[target] += 1  # type: ignore[index]
-                else:
-                    worker = None  # its lane is full: the broker will queue it
-            if worker is None:
-                self.seg.set_target(slot, 0)
-            if worker is None and not self.seg.requests.put(kind, slot, off, total, 0):
-                self.seg.set_slot_state(slot, SLOT_FREE)
-                self._callbacks[slot] = None
-                self._inflight.discard(slot)
-                self._streams.pop(slot, None)
-                self._free_slots.append(slot)
-                free_block(buf, off)
-                raise Backpressure("the request ring to the broker is full; retry later")
+                worker = None  # its lane is full: the broker will queue it
+        if worker is None:
+            self.seg.set_target(slot, 0)
+        if worker is None and not self.seg.requests.put(kind, slot, off, total, 0):
+            self.seg.set_slot_state(slot, SLOT_FREE)
+            self._callbacks[slot] = None
+            self._inflight.discard(slot)
+            self._streams.pop(slot, None)
+            self._free_slots.append(slot)
+            free_block(buf, off)
+            raise Backpressure("the request ring to the broker is full; retry later")
+        return slot, worker
+
+    def _wake(self, worker: WorkerSegment | None, waited: bool) -> None:
         if worker is not None:
             worker.waker.notify()
         else:
@@ -429,7 +505,6 @@ class Connection:
         if not waited and self._thread is not None and not self._leading:
             with self._cond:
                 self._cond.notify()  # the waiter thread leads for a request nobody waits for
-        return start, slot
 
     def infer(self, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
               on_response: Callback | None = None, waited: bool = False) -> int:

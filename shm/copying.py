@@ -50,3 +50,18 @@ def copy_into(dst: memoryview, src: Any) -> None:
     np.copyto(d[:step], s[:step])
     for f in others:
         f.result()
+
+
+def joined(parts: list) -> bytes | memoryview:
+    """``b"".join(parts)``, with large parts copied as ``copy_into`` does (into uninitialized
+    memory: a bytearray would be zero-filled first, a third copy)."""
+    total = sum(len(p) for p in parts)
+    if total < PARALLEL_MIN_BYTES or _pieces < 2:
+        return b"".join(parts)
+    out = memoryview(np.empty(total, dtype=np.uint8))
+    pos = 0
+    for p in parts:
+        n = len(p)
+        copy_into(out[pos:pos + n], p)
+        pos += n
+    return out

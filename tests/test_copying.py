@@ -32,3 +32,14 @@ def test_copy_into_refuses_a_length_mismatch():
     dst = bytearray(copying.PARALLEL_MIN_BYTES)
     with pytest.raises(ValueError):
         copying.copy_into(memoryview(dst), bytes(len(dst) - 1))
+
+
+@pytest.mark.parametrize("sizes", [[], [10, 0, 5], [copying.PARALLEL_MIN_BYTES - 100, 99],
+                                   [300, copying.PARALLEL_MIN_BYTES + 777, 0, 4096], [16 << 20]])
+def test_joined_matches_bytes_join(sizes):
+    rng = np.random.default_rng(len(sizes))
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    views = [memoryview(p)[:] for p in parts]  # parts may be any buffer (views into shm, bytes)
+    out = copying.joined(views)
+    assert bytes(out) == b"".join(parts)
+    assert isinstance(out, bytes) == (sum(sizes) < copying.PARALLEL_MIN_BYTES)  # large: no zero-fill

@@ -24,9 +24,10 @@ from server import __version__
 
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, build_response, parse_json
 from .generate import build_generate_request, generate_response
-from shm.connection import Completion
+from shm.connection import Completion, Connection
 from shm.protocol import REQ_CONTROL, REQ_INFER
 
+from .ingest import BodyIngest
 from .known import Known, KnownRequests
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .openapi import openapi_endpoint
@@ -39,8 +40,8 @@ EXTENSIONS = ["classification", "binary_tensor_data", "model_configuration", "sy
               "model_repository(unload_dependents)", "parameters", "statistics", "logging", "trace"]
 JSON = "application/json"
 JSON_HEADER = (b"content-type", b"application/json")
-# reply(status, body, headers) of one inference
-Reply = Callable[[int, bytes, list[tuple[bytes, bytes]]], None]
+# reply(status, body, headers) of one inference (a large body is a memoryview: shm/copying.joined)
+Reply = Callable[[int, bytes | memoryview, list[tuple[bytes, bytes]]], None]
 
 
 def json_response(doc: Any, status: int = 200) -> Response:
@@ -266,6 +267,30 @@ class Frontend:
         except BrokerError as e:
             reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
 
+    def begin_ingest(self, model: str, version: str, head: bytes, tail_len: int) -> BodyIngest | None:
+        """A reserved block for a large body whose JSON header ``head`` has arrived and whose
+        binary tail is still coming (ingest.py), or None: the body goes the ordinary way."""
+        try:
+            if tail_len > self.max_request_bytes:
+                return None
+            doc, req, known = self.known.parse_head(model, version, head, tail_len, self.max_tensor_elements)
+            if any("data" in t for t in doc["inputs"]):
+                return None  # JSON values take room in the block the tail does not fill
+            conn, reservation = self.link.reserve(Connection.prepared_prefix(req), tail_len, req)
+        except (BadRequest, BrokerError):
+            return None
+        return BodyIngest(conn, reservation, head, doc, known)
+
+    def finish_ingest(self, model: str, version: str, headers: dict[bytes, bytes], ingest: BodyIngest,
+                      reply: Reply) -> None:
+        """``start_infer`` for a body that ``begin_ingest`` took in: every byte is in its block."""
+        doc, known = ingest.doc, ingest.known
+        try:
+            self.link.send_reserved(ingest.conn, ingest.reservation, lambda completion: self._finish_infer(
+                model, version, doc, headers, completion, reply, None, known), model)
+        except BrokerError as e:
+            reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
+
     def _refuse(self, model: str, version: str, e: BadRequest, reply: Reply) -> None:
         """Answer a request the frontend could not take. Triton looks the model up before the
         body, so a model or version the server does not have (404) or a version that does not
@@ -298,7 +323,7 @@ class Frontend:
 
     @staticmethod
     def _response(model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion,
-                  trace: Trace | None = None, known: Known | None = None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+                  trace: Trace | None = None, known: Known | None = None) -> tuple[int, bytes | memoryview, list[tuple[bytes, bytes]]]:
         try:
             if known is not None and trace is None and completion.status == 200:
                 status = 200
@@ -330,9 +355,9 @@ class Frontend:
         """``start_infer`` as a coroutine (the ASGI path: traced requests and the in-process app)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
 
-        def reply(status: int, out: bytes, out_headers: list[tuple[bytes, bytes]]) -> None:
-            if not fut.done():
-                fut.set_result((status, out, out_headers))
+        def reply(status: int, out: bytes | memoryview, out_headers: list[tuple[bytes, bytes]]) -> None:
+            if not fut.done():  # (ASGI frameworks want bytes)
+                fut.set_result((status, out if type(out) is bytes else bytes(out), out_headers))
 
         self.start_infer(model, version, headers, body, reply, trace)
         return await fut

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from shm.copying import joined
 from shm.tensors import DTYPES, byte_view, element_count, itemsize, serialize_bytes
 from workers.signature import request_tag
 
@@ -136,9 +137,10 @@ def _bool_param(params: dict, key: str, what: str) -> None:
         raise BadRequest(f"{what}: parameter '{key}' must be true or false")
 
 
-def build_request(model: str, version: str, doc: dict, tail: memoryview,
+def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
                   max_elements: int = MAX_TENSOR_ELEMENTS) -> tuple[dict, list]:
-    """The broker descriptor and the tensor chunks (views into the body; no copy yet)."""
+    """The broker descriptor and the tensor chunks (views into the body; no copy yet). ``tail``
+    may be only the binary tail's length, for a body still arriving: its chunks are then None."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise BadRequest("the request must have an 'inputs' list with at least one input")
@@ -149,6 +151,7 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview,
         raise BadRequest("the request 'id' must be a string")
     chunks: list = []
     out_inputs = []
+    tail_len = tail if type(tail) is int else len(tail)
     pos = 0  # position in the binary tail
     rel = 0  # offset of the next tensor in our arena block
     for t in inputs:
@@ -167,10 +170,10 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview,
             desc["size"] = _nonneg(tparams.get("shared_memory_byte_size"), name, "shared_memory_byte_size")
         elif "binary_data_size" in tparams:
             n = _nonneg(tparams["binary_data_size"], name, "binary_data_size")
-            if pos + n > len(tail):
+            if pos + n > tail_len:
                 raise BadRequest(f"unexpected end of the request body: input '{name}' needs {n} bytes at "
-                                 f"{pos}, the binary data holds {len(tail)}")
-            chunk = tail[pos:pos + n]
+                                 f"{pos}, the binary data holds {tail_len}")
+            chunk = None if type(tail) is int else tail[pos:pos + n]
             pos += n
             desc["data"] = rel
             desc["size"] = n
@@ -194,8 +197,8 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview,
             raise BadRequest(f"input '{name}': shape {shape} of BYTES needs at least {element_count(shape) * 4} "
                              f"bytes (a 4-byte length per element), the data has {desc['size']}")
         out_inputs.append(desc)
-    if pos != len(tail):
-        raise BadRequest(f"the request body has {len(tail) - pos} bytes of binary data that no input claims")
+    if pos != tail_len:
+        raise BadRequest(f"the request body has {tail_len - pos} bytes of binary data that no input claims")
     outputs = None
     if doc.get("outputs") is not None:
         if not isinstance(doc["outputs"], list):
@@ -285,8 +288,10 @@ def json_data(datatype: str, view: memoryview, shape: list[int]) -> list:
     return np.frombuffer(view, dtype=DTYPES[datatype]).tolist()
 
 
-def build_response(model: str, version: str, request: dict, result: dict, tensor_of: Any) -> tuple[bytes, int | None]:
-    """(body, JSON header length when binary data follows) of a KServe v2 infer response."""
+def build_response(model: str, version: str, request: dict, result: dict, tensor_of: Any
+                   ) -> tuple[bytes | memoryview, int | None]:
+    """(body, JSON header length when binary data follows) of a KServe v2 infer response; a large
+    body is a memoryview (copied on every core: shm/copying.py)."""
     binary = wants_binary(request)
     regions = output_region_params(request)
     outputs = []
@@ -311,4 +316,4 @@ def build_response(model: str, version: str, request: dict, result: dict, tensor
     head = orjson.dumps(resp)
     if not blobs:
         return head, None
-    return b"".join([head, *blobs]), len(head)
+    return joined([head, *blobs]), len(head)

@@ -14,6 +14,7 @@ as JSON would differ from one answer to the next).
 from __future__ import annotations
 
 from shm.connection import Completion
+from shm.copying import joined
 from shm.protocol import read_manifest_raw
 
 from .codec import build_request, build_response, split_body, wants_binary
@@ -57,8 +58,23 @@ class KnownRequests:
                 return known.doc, dict(known.req), [view[n + a:n + b] for a, b in known.spans], known
         doc, tail = split_body(body, header_length)
         req, chunks = build_request(model, version, doc, tail, max_elements)
+        return doc, req, chunks, self._keep(key, doc, req, len(tail))
+
+    def parse_head(self, model: str, version: str, head: bytes, tail_len: int, max_elements: int
+                   ) -> tuple[dict, dict, Known | None]:
+        """``parse`` for a body whose binary tail (``tail_len`` bytes) is still arriving: (the header
+        document, a fresh descriptor, the kept entry or None)."""
+        key = (model, version, head) if len(head) <= LARGEST else None
+        known = self._known.get(key) if key is not None else None
+        if known is not None and known.tail == tail_len:
+            return known.doc, dict(known.req), known
+        doc, _ = split_body(head, None)
+        req, _ = build_request(model, version, doc, tail_len, max_elements)
+        return doc, req, self._keep(key, doc, req, tail_len)
+
+    def _keep(self, key: tuple[str, str, bytes] | None, doc: dict, req: dict, tail_len: int) -> Known | None:
         if key is None or any("data" in t for t in doc["inputs"]):
-            return doc, req, chunks, None  # JSON values: the header holds them, so it is not kept
+            return None  # JSON values: the header holds them, so it is not kept
         spans, pos = [], 0
         for t in req["inputs"]:
             if "data" in t:  # binary data, in input order behind the header (as build_request cut it)
@@ -66,11 +82,12 @@ class KnownRequests:
                 pos += t["size"]
         if len(self._known) >= LIMIT:
             self._known.clear()
-        known = self._known[key] = Known(doc, dict(req), spans, len(tail))
-        return doc, req, chunks, known
+        known = self._known[key] = Known(doc, dict(req), spans, tail_len)
+        return known
 
     @staticmethod
-    def answer(known: Known, model: str, version: str, completion: Completion) -> tuple[bytes, int | None]:
+    def answer(known: Known, model: str, version: str, completion: Completion
+               ) -> tuple[bytes | memoryview, int | None]:
         """``build_response`` for a successful completion, from the kept head when the worker's
         descriptor was seen before for this header."""
         assert completion.buf is not None
@@ -90,4 +107,4 @@ class KnownRequests:
             return out, json_len
         head, json_len, blobs = kept
         buf = completion.buf
-        return b"".join([head, *[buf[data + a:data + b] for a, b in blobs]]), json_len
+        return joined([head, *[buf[data + a:data + b] for a, b in blobs]]), json_len

@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable
 
 from shm.channel import DEFAULT_SLOTS
-from shm.connection import Backpressure, Completion, Connection, ServerUnavailable
+from shm.connection import Backpressure, Completion, Connection, Reservation, ServerUnavailable
 from shm.protocol import REQ_CONTROL, REQ_INFER
 
 LIVENESS_CHECK_S = 1.0
@@ -46,6 +46,12 @@ class BrokerError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+def _broker_error(e: Exception) -> BrokerError:
+    if isinstance(e, Backpressure):
+        return BrokerError(503, f"the server is overloaded ({e}); retry later")
+    return BrokerError(503, str(e))
 
 
 class BrokerLink:
@@ -131,17 +137,42 @@ class BrokerLink:
             callback = self._timed(model, poll, callback)
         try:
             conn.submit(kind, doc, tensors, callback, on_response=on_response, polling=poll)
-        except Backpressure as e:
-            raise BrokerError(503, f"the server is overloaded ({e}); retry later") from None
-        except ServerUnavailable as e:
-            raise BrokerError(503, str(e)) from None
+        except (Backpressure, ServerUnavailable) as e:
+            raise _broker_error(e) from None
         if poll:
-            self._polled_in_flight += model is not None
-            self._progress = time.perf_counter()
-            if not self._polling:
-                self._polling = True
-                conn.stay_awake()
-                self._loop.call_soon(self._poll)  # type: ignore[union-attr]
+            self._polling_for(conn, model)
+
+    def reserve(self, prefix: bytes, body: int, route: dict) -> tuple[Connection, Reservation]:
+        """A request block for a body still arriving (``Connection.reserve``), on the connection
+        that ``send_reserved`` must be given back."""
+        conn = self.connection()
+        try:
+            return conn, conn.reserve(prefix, body, route)
+        except (Backpressure, ServerUnavailable) as e:
+            raise _broker_error(e) from None
+
+    def send_reserved(self, conn: Connection, reservation: Reservation, callback: Callable[[Completion], None],
+                      model: str) -> None:
+        """``submit`` of a reserved block whose tensor bytes are all in place."""
+        if conn is not self._conn:  # the server went away since: the block went with its arena
+            conn.discard(reservation)
+            raise BrokerError(503, f"the shmserve server '{self.server_id}' went away while the request arrived")
+        poll = POLL_S > 0 and self._answer_s.get(model, 0.0) < POLL_WAIT_S
+        try:
+            conn.send_reserved(reservation, self._timed(model, poll, callback), polling=poll)
+        except (Backpressure, ServerUnavailable) as e:
+            raise _broker_error(e) from None
+        if poll:
+            self._polling_for(conn, model)
+
+    def _polling_for(self, conn: Connection, model: str | None) -> None:
+        """A request whose answer the loop polls for was sent: start or prolong the polling."""
+        self._polled_in_flight += model is not None
+        self._progress = time.perf_counter()
+        if not self._polling:
+            self._polling = True
+            conn.stay_awake()
+            self._loop.call_soon(self._poll)  # type: ignore[union-attr]
 
     def _timed(self, model: str, polled: bool, callback: Callable[[Completion], None]
                ) -> Callable[[Completion], None]:

@@ -14,6 +14,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from .app import Frontend, infer_target
+from .ingest import HOLD_S, BodyIngest, header_length
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 JOIN_LIMIT = 1 << 16  # smaller bodies are copied behind the head: one write, one buffer
@@ -32,7 +33,7 @@ class InferCycle:
     (``response_complete``, ``disconnected``, ``keep_alive``, ``message_event``) plus its body."""
 
     __slots__ = ("model", "version", "headers", "keep_alive", "expect_continue", "body", "complete", "turn",
-                 "started", "response_complete", "disconnected")
+                 "started", "response_complete", "disconnected", "head_len", "buffered", "ingest", "hold")
     message_event = _NoEvent()
 
     def __init__(self, model: str, version: str, headers: dict[bytes, bytes], keep_alive: bool,
@@ -48,6 +49,18 @@ class InferCycle:
         self.started = False
         self.response_complete = False
         self.disconnected = False
+        self.head_len = header_length(headers)  # > 0: a large binary body, taken in as it comes
+        self.buffered = 0  # bytes in ``body``, until the JSON header is in
+        self.ingest: BodyIngest | None = None
+        self.hold: Any = None  # the timer that moves a slow body out of its reserved block
+
+    def drop_ingest(self) -> None:
+        if self.hold is not None:
+            self.hold.cancel()
+            self.hold = None
+        if self.ingest is not None:
+            self.ingest.discard()
+            self.ingest = None
 
 
 class InferProtocol(HttpToolsProtocol):
@@ -123,10 +136,43 @@ class InferProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
         if type(cycle) is InferCycle:
-            if not cycle.response_complete:
+            if cycle.ingest is not None:
+                cycle.ingest.feed(body)
+            elif not cycle.response_complete:
                 cycle.body.append(body)
+                if cycle.head_len > 0:
+                    cycle.buffered += len(body)
+                    if cycle.buffered >= cycle.head_len:
+                        self._begin_ingest(cycle)
             return
         super().on_body(body)
+
+    def _begin_ingest(self, cycle: InferCycle) -> None:
+        """The JSON header of a large binary body is in: reserve its block and copy the rest there."""
+        n, cycle.head_len = cycle.head_len, -1
+        joined = b"".join(cycle.body)
+        tail_len = int(cycle.headers[b"content-length"]) - n
+        ingest = self.frontend.begin_ingest(cycle.model, cycle.version, joined[:n], tail_len)
+        if ingest is None:
+            cycle.body = [joined]
+            return
+        ingest.feed(memoryview(joined)[n:])
+        cycle.body = []
+        cycle.ingest = ingest
+        cycle.hold = self.loop.call_later(HOLD_S, self._release_hold, cycle)
+
+    def _release_hold(self, cycle: InferCycle) -> None:
+        """A body still arriving, or waiting for its turn, after HOLD_S: out of its block."""
+        cycle.hold = None
+        if cycle.ingest is not None:
+            cycle.body = [cycle.ingest.evacuate()]
+            cycle.ingest = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for cycle in [self.cycle, *(c for c, _ in self.pipeline)]:
+            if type(cycle) is InferCycle:
+                cycle.drop_ingest()
+        super().connection_lost(exc)
 
     def on_message_complete(self) -> None:
         cycle = self.cycle
@@ -152,17 +198,23 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.started or cycle.response_complete:
             return
         cycle.started = True
-        chunks = cycle.body
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        cycle.body = []
+        reply = lambda status, out, headers: self._reply(cycle, status, out, headers)  # noqa: E731
+        ingest = cycle.ingest
         self._starting = True
         try:
-            self.frontend.start_infer(cycle.model, cycle.version, cycle.headers, body,
-                                      lambda status, out, headers: self._reply(cycle, status, out, headers))
+            if ingest is not None:
+                cycle.ingest = None
+                cycle.drop_ingest()  # (its timer)
+                self.frontend.finish_ingest(cycle.model, cycle.version, cycle.headers, ingest, reply)
+            else:
+                chunks = cycle.body
+                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                cycle.body = []
+                self.frontend.start_infer(cycle.model, cycle.version, cycle.headers, body, reply)
         finally:
             self._starting = False
 
-    def _reply(self, cycle: InferCycle, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    def _reply(self, cycle: InferCycle, status: int, body: bytes | memoryview, headers: list[tuple[bytes, bytes]]) -> None:
         if self._feeding or self._starting:
             # Answered at once (a bad request): not from inside the parser's callbacks, and not as a
             # recursion through uvicorn's pipeline queue.
