@@ -200,7 +200,13 @@ class Worker:
                     client, cookie = self._lane_holder(lane)
                     for kind, slot, off, length, record_cookie in seg.lanes[lane].drain():
                         polled = polled or bool(kind & REQ_POLLING)
-                        if record_cookie == cookie and client and self._run_direct(client, slot, off):
+                        if record_cookie != cookie or not client:
+                            # A record of a client that left (its lane was given to another, or to
+                            # no one): nobody waits for it. Said, since a live client's lost
+                            # request would hang its caller.
+                            log.warning("lane %d: dropped a record with cookie %d (the lane's holder: "
+                                        "%r, cookie %d)", lane, record_cookie, client, cookie)
+                        elif self._run_direct(client, slot, off):
                             continue  # queued for a batch: done when it runs
                         self.stats.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
             ran = bool(lanes)
@@ -242,7 +248,8 @@ class Worker:
         then run, or queued for a batch (True) when this instance batches its lanes."""
         try:
             client = self._client(client_name)
-        except (posix_ipc.ExistentialError, ConnectionError, ValueError):
+        except (posix_ipc.ExistentialError, ConnectionError, ValueError) as e:
+            log.warning("slot %d of client %s not answered: its segment cannot be mapped (%s)", slot, client_name, e)
             return False  # the client is gone
         entry = {"client": client_name, "pid": client.pid, "slot": slot}
         try:
