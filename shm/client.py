@@ -440,9 +440,18 @@ class Client:
     def infer(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",
               request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,
               sequence_start: bool = False, sequence_end: bool = False, priority: int = 0,
-              timeout: int = 0) -> InferResult:
+              timeout: int = 0, client_timeout: float | None = None) -> InferResult:
         """Call and wait. The answer is taken on this thread when no other leads the connection's
-        waiting (see Connection.wait_for): no future, event or thread hand-off on the way."""
+        waiting (see Connection.wait_for): no future, event or thread hand-off on the way.
+
+        ``timeout`` is Triton's: microseconds the server may queue the request. ``client_timeout``
+        (seconds, as in tritonclient's gRPC ``infer``) bounds the caller's own wait: past it the
+        call raises a 504 "Deadline Exceeded", and an answer that comes later is given back."""
+        if client_timeout is not None:
+            return self._infer_within(client_timeout, model, inputs, outputs, version=version,
+                                      request_id=request_id, parameters=parameters, sequence_id=sequence_id,
+                                      sequence_start=sequence_start, sequence_end=sequence_end,
+                                      priority=priority, timeout=timeout)
         options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
         if not options:
             key = self._build_key(model, version, inputs, outputs)
@@ -455,6 +464,19 @@ class Client:
         self._conn.wait_for(answer.done, answer.wait)
         assert answer.completion is not None
         return self._read(answer.completion, plan, start)
+
+    def _infer_within(self, client_timeout: float, model: str, inputs: Mapping[str, Any], outputs: Any,
+                      **options: Any) -> InferResult:
+        """``infer`` with a deadline for the caller: through a future, which holds a late answer
+        until it is dropped (``InferResult`` gives its blocks back when it goes)."""
+        if not client_timeout >= 0:
+            raise ValueError(f"client_timeout must be a number of seconds, at least 0 (got {client_timeout!r})")
+        future = self.infer_async(model, inputs, outputs, **options)
+        try:
+            return future.result(timeout=client_timeout)
+        except concurrent.futures.TimeoutError:
+            raise InferenceServerError(504, f"Deadline Exceeded: no answer from '{model}' within "
+                                            f"{client_timeout} s (the server may still run the request)") from None
 
     async def infer_aio(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
         """The asyncio form: awaits without blocking the loop."""

@@ -132,6 +132,26 @@ def test_infer_async_many_in_flight(client):
             assert result["REQUEST_ID"].tolist() == [f"req-{k}".encode()]
 
 
+def test_client_timeout_bounds_a_synchronous_call(client):
+    """``client_timeout`` (seconds, tritonclient's gRPC name) bounds the caller's wait: a 504
+    "Deadline Exceeded" on time, the connection goes on, and the late answer is given back."""
+    started = time.monotonic()
+    with pytest.raises(InferenceServerError) as raised:
+        client.infer("slow_reader", {"X": A}, parameters={"sleep_s": 1.0}, client_timeout=0.2)
+    assert raised.value.status == 504 and "Deadline Exceeded" in raised.value.message, raised.value
+    assert time.monotonic() - started < 0.9  # not the model's whole second
+    result = client.infer("add_sub", {"INPUT0": A, "INPUT1": B}, client_timeout=10)  # answered in time
+    np.testing.assert_array_equal(result["OUTPUT0"], A + B)
+    deadline = time.monotonic() + 10
+    while client._conn.in_flight and time.monotonic() < deadline:  # the slow answer comes in the end
+        time.sleep(0.05)
+    assert client._conn.in_flight == 0
+    assert client.infer("slow_reader", {"X": A}, parameters={"sleep_s": 0}, client_timeout=10)["SUM"].tolist() == \
+        [int(A.sum())]
+    with pytest.raises(ValueError):
+        client.infer("add_sub", {"INPUT0": A, "INPUT1": B}, client_timeout=-1)
+
+
 def test_sync_callers_in_threads_and_futures_share_one_connection(client):
     """Synchronous callers lead the connection's waiting in turn (and hand it to the waiter
     thread when they leave with others' answers still coming); none may lose or swap answers,
