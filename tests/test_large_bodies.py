@@ -3,6 +3,7 @@
 must each be answered from their own bytes, and none may keep its room in the arena."""
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import time
@@ -140,4 +141,18 @@ def test_bad_large_bodies_get_their_usual_errors(server):
     unknown = raw_request(server.port, "POST", "/v2/models/nope/infer", body, headers)
     assert unknown.status == 404 and "Request for unknown model" in unknown.json()["error"], unknown
     ok = raw_request(server.port, "POST", "/v2/models/identity_all/infer", body, headers)
+    assert ok.status == 200 and ok.body[-values.nbytes:] == values.tobytes(), ok
+
+
+def test_a_large_compressed_body_goes_the_ordinary_way(server):
+    """A compressed body's bytes are not the tensors': it is joined and decompressed as before."""
+    rng = np.random.default_rng(6)
+    values = rng.integers(0, 4, (1, 2 * MIB), dtype=np.int32).astype(np.float32)  # compressible
+    http, body = _request(values)
+    head_len = int(http.split(b"Inference-Header-Content-Length: ")[1].split(b"\r\n")[0])
+    packed = gzip.compress(body, compresslevel=1)
+    assert MIB < len(packed) < len(body)
+    headers = {"Inference-Header-Content-Length": str(head_len), "Content-Encoding": "gzip",
+               "Content-Type": "application/octet-stream"}
+    ok = raw_request(server.port, "POST", "/v2/models/identity_all/infer", packed, headers)
     assert ok.status == 200 and ok.body[-values.nbytes:] == values.tobytes(), ok
