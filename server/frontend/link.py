@@ -131,9 +131,8 @@ class BrokerLink:
         """Send a request; ``callback`` runs on the loop with its completion (and must release it).
         With ``model``, its answer times decide whether the loop polls for this answer."""
         conn = self.connection()
-        poll = POLL_S > 0
+        poll = self._polls_for(model)
         if model is not None:
-            poll = poll and self._answer_s.get(model, 0.0) < POLL_WAIT_S
             callback = self._timed(model, poll, callback)
         try:
             conn.submit(kind, doc, tensors, callback, on_response=on_response, polling=poll)
@@ -157,13 +156,17 @@ class BrokerLink:
         if conn is not self._conn:  # the server went away since: the block went with its arena
             conn.discard(reservation)
             raise BrokerError(503, f"the shmserve server '{self.server_id}' went away while the request arrived")
-        poll = POLL_S > 0 and self._answer_s.get(model, 0.0) < POLL_WAIT_S
+        poll = self._polls_for(model)
         try:
             conn.send_reserved(reservation, self._timed(model, poll, callback), polling=poll)
         except (Backpressure, ServerUnavailable) as e:
             raise _broker_error(e) from None
         if poll:
             self._polling_for(conn, model)
+
+    def _polls_for(self, model: str | None) -> bool:
+        """Whether the loop polls for the answer: not for a model whose answers come late."""
+        return POLL_S > 0 and (model is None or self._answer_s.get(model, 0.0) < POLL_WAIT_S)
 
     def _polling_for(self, conn: Connection, model: str | None) -> None:
         """A request whose answer the loop polls for was sent: start or prolong the polling."""
