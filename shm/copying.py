@@ -53,8 +53,8 @@ def copy_into(dst: memoryview, src: Any) -> None:
 
 
 def joined(parts: list) -> bytes | memoryview:
-    """``b"".join(parts)``, with large parts copied as ``copy_into`` does (into uninitialized
-    memory: a bytearray would be zero-filled first, a third copy)."""
+    """``b"".join(parts)``, with large parts copied as ``copy_into`` does, into uninitialized
+    memory (a bytearray would be zero-filled first: one more pass over every byte)."""
     total = sum(len(p) for p in parts)
     if total < PARALLEL_MIN_BYTES or _pieces < 2:
         return b"".join(parts)

@@ -27,12 +27,14 @@ HOLD_S = 0.5
 
 def header_length(headers: dict[bytes, bytes]) -> int:
     """The JSON header's length of a body worth taking in this way, else -1."""
-    length = headers.get(b"content-length", b"")
+    length = headers.get(b"content-length", b"")  # (checked for digits before the request got here)
+    if not length.isdigit() or int(length) < MIN_BODY_BYTES or b"content-encoding" in headers:
+        return -1  # every small request stops here
     head = headers.get(b"inference-header-content-length", b"")
-    if b"content-encoding" in headers or not (length.isdigit() and head.isdigit() and len(head) <= 6):
+    if not head.isdigit() or len(head) > 6:
         return -1
-    body, n = int(length), int(head)
-    return n if body >= MIN_BODY_BYTES and 0 < n <= MAX_HEADER_BYTES and n < body else -1
+    n = int(head)
+    return n if 0 < n <= MAX_HEADER_BYTES and n < int(length) else -1
 
 
 class BodyIngest:

@@ -54,13 +54,18 @@ class InferCycle:
         self.ingest: BodyIngest | None = None
         self.hold: Any = None  # the timer that moves a slow body out of its reserved block
 
-    def drop_ingest(self) -> None:
+    def take_ingest(self) -> BodyIngest | None:
+        """The body's reserved block, handed over (its hold timer stopped)."""
         if self.hold is not None:
             self.hold.cancel()
             self.hold = None
-        if self.ingest is not None:
-            self.ingest.discard()
-            self.ingest = None
+        ingest, self.ingest = self.ingest, None
+        return ingest
+
+    def drop_ingest(self) -> None:
+        ingest = self.take_ingest()
+        if ingest is not None:
+            ingest.discard()
 
 
 class InferProtocol(HttpToolsProtocol):
@@ -199,12 +204,10 @@ class InferProtocol(HttpToolsProtocol):
             return
         cycle.started = True
         reply = lambda status, out, headers: self._reply(cycle, status, out, headers)  # noqa: E731
-        ingest = cycle.ingest
+        ingest = cycle.take_ingest()
         self._starting = True
         try:
             if ingest is not None:
-                cycle.ingest = None
-                cycle.drop_ingest()  # (its timer)
                 self.frontend.finish_ingest(cycle.model, cycle.version, cycle.headers, ingest, reply)
             else:
                 chunks = cycle.body
