@@ -59,6 +59,15 @@ class RegionTable:
         self._gen = -1
         self._regions: dict[str, RegionEntry] = {}
 
+    @property
+    def generation(self) -> int:
+        """The generation of the table ``get`` last resolved against (-1: none yet)."""
+        return self._gen
+
+    def current(self) -> int:
+        """The generation published now."""
+        return self._published.generation()
+
     def get(self, name: str) -> RegionEntry | None:
         if self._published.generation() != self._gen:
             gen, raw = self._published.read()

@@ -566,6 +566,35 @@ def test_key_reused_for_a_new_object_is_read_afresh(shm_server, http, regions):
         assert written.tolist() == [value + 1] * N, f"round {round_}: the output did not reach the region"
 
 
+def test_repeated_requests_follow_their_regions_through_re_registration(shm_server, http, regions):
+    """Workers keep what they resolved for a repeated descriptor, region tensors included: the
+    same request bytes must follow a region registered again at another offset, and fail once it
+    is gone, never read or write where it used to be."""
+    hin, key_in = regions.create("moving_in", 4 * NB)
+    hout, key_out = regions.create("moving_out", 2 * NB)
+    shm.set_shared_memory_region(hin, [np.full(N, 10, dtype=np.int32), np.ones(N, dtype=np.int32),
+                                       np.full(N, 20, dtype=np.int32), np.full(N, 2, dtype=np.int32)])
+
+    def infer():
+        return http.infer("add_sub", [shm_input("INPUT0", "moving_in", NB), shm_input("INPUT1", "moving_in", NB, NB)],
+                          outputs=[shm_output("OUTPUT0", "moving_out", NB),
+                                   httpclient.InferRequestedOutput("OUTPUT1", binary_data=False)])
+
+    for round_, (offset, a, b) in enumerate(((0, 10, 1), (2 * NB, 20, 2))):
+        regions.register("moving_in", key_in, 2 * NB, offset)
+        regions.register("moving_out", key_out, NB, offset // 2)
+        for _ in range(3):  # the first is checked in full, the next ones reuse what it found
+            assert infer().as_numpy("OUTPUT1").tolist() == [a - b] * N, f"round {round_} read the old place"
+            assert contents(hout, np.int32, [N], offset // 2).tolist() == [a + b] * N, \
+                f"round {round_}: the output did not reach the region's new place"
+        http.unregister_system_shared_memory("moving_in")
+        http.unregister_system_shared_memory("moving_out")
+    with pytest.raises(InferenceServerException, match="Unable to find shared memory region: 'moving_in'"):
+        infer()
+    assert contents(hout, np.int32, [N]).tolist() == [11] * N  # round 0's answer, untouched since
+    assert_serves_through_shm(shm_server, regions)
+
+
 @pytest.mark.parametrize("which", ["input", "output"])
 def test_region_truncated_after_registration_is_a_400_not_a_crash(shm_server, http, regions, which):
     """A client shrinks its region after registering it: touching the lost pages would kill the

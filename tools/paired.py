@@ -92,7 +92,7 @@ def _local_caller(target: Target, model: str, specs: tuple[bench_http.TensorSpec
     rng = np.random.default_rng(seed)
     inputs = {s.name: bench_http.random_array(s, rng) for s in specs}
     if shm:
-        inputs = in_region(client, inputs, f"paired{os.getpid()}")
+        inputs = in_region(client, inputs, f"paired{os.getpid()}{target.name}")
     return (lambda: client.infer(model, inputs).release()), client.close
 
 

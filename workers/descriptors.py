@@ -7,8 +7,10 @@ before ``t``; a request with known bytes then costs a lookup, the parse of ``t``
 tensors at its own data start, instead of a JSON parse and every check (about a fifth of the
 worker's own time per request for a small model).
 
-Only descriptors whose meaning cannot change are kept: tensors in the client's own block. Names
-of registered regions (the table changes), streams and traced requests always take the full way.
+Only descriptors whose meaning cannot change are kept: tensors in the client's own block, and
+tensors in registered regions as long as the region table is the one they were resolved against
+(its generation changes with every registration and unregistration). Streams and traced requests
+always take the full way.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from typing import Any
 SEND_TIME = b',"t":'
 LIMIT = 1024  # descriptors kept per worker; a client that never repeats itself only refills it
 LARGEST = 8192  # bytes of a descriptor worth keeping (many tensors, long parameters: parsed each time)
-_INPUT_KEYS = frozenset({"name", "datatype", "shape", "data", "size"})
-_OUTPUT_KEYS = frozenset({"name", "data", "size", "class"})
+_INPUT_KEYS = frozenset({"name", "datatype", "shape", "data", "size", "region", "offset"})
+_OUTPUT_KEYS = frozenset({"name", "data", "size", "class", "region", "offset"})
 _REQUEST_KEYS = frozenset({"model", "version", "inputs", "outputs", "id", "params", "corr", "flags",
                            "priority", "timeout", "t"})
 
@@ -38,24 +40,31 @@ def split_send_time(raw: bytes) -> tuple[bytes, int] | None:
 
 
 class Plan:
-    """What a checked descriptor asks for, with tensor offsets relative to the data start."""
+    """What a checked descriptor asks for: tensors in the client's block by their offsets relative
+    to the data start, tensors in regions as they were resolved (valid while the region table's
+    generation is ``regions``; None: no region named)."""
 
-    __slots__ = ("batch", "priority", "timeout_us", "fields", "inputs", "outputs", "low", "high")
+    __slots__ = ("batch", "priority", "timeout_us", "fields", "inputs", "outputs", "low", "high", "regions")
 
-    def __init__(self, batch: int, priority: int, timeout_us: int, doc: dict[str, Any]) -> None:
+    def __init__(self, batch: int, priority: int, timeout_us: int, doc: dict[str, Any], entry: dict[str, Any],
+                 regions: int | None) -> None:
         self.batch = batch
         self.priority = priority
         self.timeout_us = timeout_us
+        self.regions = regions
         self.fields = {"id": doc.get("id", ""), "params": doc.get("params"), "corr": doc.get("corr", 0),
                        "flags": doc.get("flags", 0)}
-        self.inputs = [(t["name"], int(t["data"]), int(t["size"]), t["datatype"], t["shape"]) for t in doc["inputs"]]
+        # (name, offset from the data start or None, size, datatype, shape, resolved region tensor)
+        self.inputs = [(t["name"], int(t["data"]) if "data" in t else None, int(t["size"]), t["datatype"], t["shape"],
+                        None if "data" in t else placed) for t, placed in zip(doc["inputs"], entry["inputs"])]
         outputs = doc.get("outputs")
-        self.outputs = [(o["name"], int(o["data"]) if "data" in o else None, int(o.get("size", 0)), o.get("class"))
-                        for o in outputs] if outputs else None
-        spans = [(rel, size) for _, rel, size, _, _ in self.inputs]
-        spans += [(rel, size) for _, rel, size, _ in self.outputs or () if rel is not None]
-        self.low = min(rel for rel, _ in spans)
-        self.high = max(rel + size for rel, size in spans)
+        self.outputs = [(o["name"], int(o["data"]) if "data" in o else None, int(o.get("size", 0)), o.get("class"),
+                         placed if "region" in o else None)
+                        for o, placed in zip(outputs, entry["outputs"])] if outputs else None
+        spans = [(t[1], t[2]) for t in self.inputs if t[1] is not None]
+        spans += [(o[1], o[2]) for o in self.outputs or () if o[1] is not None]
+        self.low = min((rel for rel, _ in spans), default=0)
+        self.high = max((rel + size for rel, size in spans), default=0)
 
     def place(self, entry: dict[str, Any], client_name: str, data_start: int) -> None:
         """Fill ``entry`` as the full way would for this request's data start."""
@@ -63,14 +72,14 @@ class Plan:
         if entry["params"]:
             entry["params"] = dict(entry["params"])  # each request's own: a backend may change it
         entry["inputs"] = [{"name": name, "seg": client_name, "off": data_start + rel, "size": size,
-                            "datatype": datatype, "shape": shape}
-                           for name, rel, size, datatype, shape in self.inputs]
+                            "datatype": datatype, "shape": shape} if placed is None else dict(placed)
+                           for name, rel, size, datatype, shape, placed in self.inputs]
         if self.outputs is None:
             entry["outputs"] = None
             return
         outputs = []
-        for name, rel, size, cls in self.outputs:
-            out: dict[str, Any] = {"name": name} if rel is None else \
+        for name, rel, size, cls, placed in self.outputs:
+            out: dict[str, Any] = dict(placed) if placed is not None else {"name": name} if rel is None else \
                 {"name": name, "seg": client_name, "off": data_start + rel, "size": size}
             if cls is not None:
                 out["class"] = cls
@@ -78,13 +87,21 @@ class Plan:
         entry["outputs"] = outputs
 
 
-def plan_of(doc: dict[str, Any], batch: int, priority: int, timeout_us: int) -> Plan | None:
-    """A plan for a descriptor that passed every check, or None if it may not be kept."""
+def plan_of(doc: dict[str, Any], entry: dict[str, Any], batch: int, priority: int, timeout_us: int,
+            regions: int | None) -> Plan | None:
+    """A plan for a descriptor that passed every check (``entry``: what the check resolved, with
+    region tensors resolved against the table of generation ``regions``; None: the table changed
+    meanwhile), or None if it may not be kept."""
     if not _REQUEST_KEYS.issuperset(doc):
-        return None  # streams, traces, regions' tables: the full way each time
+        return None  # streams, traces: the full way each time
     inputs = doc["inputs"]
-    if not inputs or any(not _INPUT_KEYS.issuperset(t) or "data" not in t for t in inputs):
+    if not inputs or any(not _INPUT_KEYS.issuperset(t) or ("data" in t) == ("region" in t) for t in inputs):
         return None
-    if any(not _OUTPUT_KEYS.issuperset(o) or ("data" in o) != ("size" in o) for o in doc.get("outputs") or ()):
+    outputs = doc.get("outputs") or ()
+    if any(not _OUTPUT_KEYS.issuperset(o) or ("data" in o or "region" in o) != ("size" in o)
+           or ("data" in o and "region" in o) for o in outputs):
         return None
-    return Plan(batch, priority, timeout_us, doc)
+    named = any("region" in t for t in inputs) or any("region" in o for o in outputs)
+    if named and regions is None:
+        return None
+    return Plan(batch, priority, timeout_us, doc, entry, regions if named else None)

@@ -257,7 +257,8 @@ class Worker:
             known = split_send_time(raw)
             plan = self._plans.get(known[0]) if known is not None else None
             if plan is not None and client.arena_offset <= data_start + plan.low and \
-                    data_start + plan.high <= client.seg.size:
+                    data_start + plan.high <= client.seg.size and \
+                    (plan.regions is None or plan.regions == self.regions.current()):
                 batch, priority, timeout_us, sent_ns = plan.batch, plan.priority, plan.timeout_us, known[1]  # type: ignore[index]
                 plan.place(entry, client_name, data_start)
                 entry["t"] = sent_ns
@@ -293,6 +294,7 @@ class Worker:
         if self.decoupled and "stream" not in doc:
             raise DecoupledOnly()  # before the inputs are looked at, as in Triton
         assert self.signature is not None
+        regions = self.regions.current()  # a plan keeps region tensors resolved against one table
         batch = self.signature.check_inputs(doc["inputs"], doc.get("id", ""))
         self.signature.check_outputs(doc.get("outputs"))
         priority, timeout_us, sent_ns = queue_options(doc)
@@ -308,7 +310,8 @@ class Worker:
             if not client.arena_offset <= entry["stream"]["off"] <= client.seg.size - 4096:
                 raise RequestError("the response ring lies outside the client's arena")
         if known is not None:
-            plan = plan_of(doc, batch, priority, timeout_us)
+            steady = regions == self.regions.generation  # (else a region changed while it was resolved)
+            plan = plan_of(doc, entry, batch, priority, timeout_us, regions if steady else None)
             if plan is not None:
                 if len(self._plans) >= PLANS_LIMIT:
                     self._plans.clear()
