@@ -269,6 +269,29 @@ def test_batched_and_direct_requests_are_timed_end_to_end(server_factory, tmp_pa
     assert batched["QUEUE_START"] > batched["REQUEST_START"]
 
 
+def test_traced_requests_with_large_bodies_and_answers(server_factory, tmp_path):
+    """Traced requests take the ASGI path, where a large answer joined on both cores arrives as a
+    memoryview: 8 MiB each way, in the body and back, byte for byte, and timed."""
+    path = tmp_path / "trace.json"
+    s = server_factory.start([TESTS / "models" / "main"], ["--model-control-mode", "explicit", "--load-model",
+                                                           "identity_all", "--trace-config", f"triton,file={path}",
+                                                           "--trace-config", "level=TIMESTAMPS",
+                                                           "--trace-config", "rate=1"])
+    client = s.client()
+    data = np.random.default_rng(3).random((2, 1 << 20), dtype=np.float32)
+    for binary in (True, False):  # the answer as binary data, and as JSON (a large body all the same)
+        x = httpclient.InferInput("IN_FP32", list(data.shape), "FP32")
+        x.set_data_from_numpy(data)
+        result = client.infer("identity_all", [x], outputs=[httpclient.InferRequestedOutput("OUT_FP32",
+                                                                                             binary_data=binary)])
+        np.testing.assert_array_equal(result.as_numpy("OUT_FP32"), data)
+    found = records(path, 2)
+    assert len(found) == 2
+    for r in found:
+        assert r["model_name"] == "identity_all"
+        assert_ordered(r)
+
+
 # -- flags and OpenTelemetry -----------------------------------------------------------------------------
 @pytest.mark.parametrize("flag,needle", [
     ("rate=0", "trace_rate"),
