@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import pytest
 import tritonclient.http as httpclient
@@ -123,6 +123,20 @@ def raw_request(port: int, method: str, path: str, body: bytes | None = None,
         return RawResponse(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data)
     finally:
         conn.close()
+
+
+def read_raw_response(reader: Any) -> tuple[int, dict, bytes]:
+    """One HTTP response from ``reader`` (``sock.makefile("rb")``, one per connection, so that
+    pipelined answers read in one go are not lost): status, headers, body."""
+    status_line = reader.readline()
+    assert status_line, "connection closed before the response head"
+    headers = {}
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = reader.read(int(headers["content-length"]))
+    assert len(body) == int(headers["content-length"]), "connection closed in the response body"
+    return int(status_line.split()[1]), headers, body
 
 
 # -- the server under test ----------------------------------------------------------------------

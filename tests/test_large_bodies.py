@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from conftest import TEST_MODELS, raw_request
+from conftest import TEST_MODELS, raw_request, read_raw_response
 
 MIB = 1 << 20
 # A small arena: two 16 MiB bodies fit, so one block that were never given back shows at once.
@@ -35,26 +35,6 @@ def _request(values: np.ndarray, keep_alive: bool = True) -> tuple[bytes, bytes]
             f"Inference-Header-Content-Length: {len(head)}\r\n"
             f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n").encode()
     return http, body
-
-
-def _read_response(sock: socket.socket) -> tuple[int, dict, bytes]:
-    """One HTTP response from ``sock``: status, headers, body."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        more = sock.recv(65536)
-        assert more, f"connection closed before the response head: {data!r}"
-        data += more
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
-    length = int(headers["content-length"])
-    chunks, got = [rest], len(rest)
-    while got < length:
-        more = sock.recv(min(1 << 20, length - got))
-        assert more, "connection closed in the response body"
-        chunks.append(more)
-        got += len(more)
-    return int(lines[0].split()[1]), headers, b"".join(chunks)
 
 
 def _output(headers: dict, body: bytes) -> np.ndarray:
@@ -93,7 +73,7 @@ def test_a_slow_body_is_answered_and_others_go_on(server):
             other = rng.random((1, 4 * MIB), dtype=np.float32)
             np.testing.assert_array_equal(_identity(client, other), other)
         sock.sendall(body[len(body) // 2:])
-        status, headers, out = _read_response(sock)
+        status, headers, out = read_raw_response(sock.makefile("rb"))
     assert status == 200, out[:300]
     np.testing.assert_array_equal(_output(headers, out), slow.ravel())
 
@@ -119,8 +99,9 @@ def test_pipelined_large_bodies_are_answered_in_order(server):
     sent = [rng.random((1, n), dtype=np.float32) for n in (MIB, 3 * MIB, 2 * MIB)]
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(b"".join(b"".join(_request(v)) for v in sent))
+        reader = sock.makefile("rb")
         for values in sent:
-            status, headers, out = _read_response(sock)
+            status, headers, out = read_raw_response(reader)
             assert status == 200, out[:300]
             np.testing.assert_array_equal(_output(headers, out), values.ravel())
 

@@ -255,15 +255,19 @@ class Frontend:
             if size > self.max_request_bytes:
                 raise BadRequest(f"the request's {size} bytes of tensor data exceed the frontend's shared-memory "
                                  f"arena (--frontend-arena-mb); send large tensors through shared memory")
-            req["t"] = received
         except BadRequest as e:
             self._refuse(model, version, e, reply)
             return
-        if trace is not None:
-            trace.mark(req)
+        finish = lambda completion: self._finish_infer(  # noqa: E731
+            model, version, doc, headers, completion, reply, trace, known)
         try:
-            self.link.submit(REQ_INFER, req, chunks, lambda completion: self._finish_infer(
-                model, version, doc, headers, completion, reply, trace, known), model=model)
+            if known is not None and trace is None:  # a header seen before: its descriptor's bytes are kept
+                self.link.submit_prepared(known.prefix, known.req, chunks, finish, model, received)
+            else:
+                req = dict(req, t=received)  # (a kept header's descriptor is shared)
+                if trace is not None:
+                    trace.mark(req)
+                self.link.submit(REQ_INFER, req, chunks, finish, model=model)
         except BrokerError as e:
             reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
 

@@ -4,8 +4,9 @@ tritonclient sends the same JSON header for every request of one shape (the bina
 follows it), and a worker answers those requests with the same response descriptor. The frontend
 keeps the descriptor it built from a header, and the response head it built from a worker's
 descriptor, so a repeated request is neither parsed nor checked again and its answer is not
-rebuilt: its tensors are cut from the body at the kept offsets, and the output bytes are joined
-behind the kept head.
+rebuilt: its tensors are cut from the body at the kept offsets, its descriptor is the kept bytes up
+to the send time (no dict copied, nothing serialized), and the output bytes are joined behind the
+kept head.
 
 Only what the header fully decides is kept: requests whose tensors are all binary data or
 shared-memory regions, and answers whose outputs are all binary data or regions (values written
@@ -13,7 +14,7 @@ as JSON would differ from one answer to the next).
 """
 from __future__ import annotations
 
-from shm.connection import Completion
+from shm.connection import Completion, Connection
 from shm.copying import joined
 from shm.protocol import read_manifest_raw
 
@@ -25,13 +26,15 @@ LARGEST = 8192  # bytes of a header or answer document worth keeping (larger one
 
 class Known:
     """One header: the parsed document (the answer reads it), the descriptor without its send
-    time, where each tensor lies in the binary tail, and the answers built for it."""
+    time (as a dict, to route by: read it only, and as its bytes), where each tensor lies in the
+    binary tail, and the answers built for it."""
 
-    __slots__ = ("doc", "req", "spans", "tail", "answers")
+    __slots__ = ("doc", "req", "prefix", "spans", "tail", "answers")
 
     def __init__(self, doc: dict, req: dict, spans: list[tuple[int, int]], tail: int) -> None:
         self.doc = doc
         self.req = req
+        self.prefix = Connection.prepared_prefix(req)
         self.spans = spans
         self.tail = tail
         self.answers: dict[bytes, tuple[bytes, int, list[tuple[int, int]]]] = {}
@@ -43,8 +46,9 @@ class KnownRequests:
 
     def parse(self, model: str, version: str, body: bytes, header_length: str | None,
               max_elements: int) -> tuple[dict, dict, list, Known | None]:
-        """(the header document, a fresh descriptor, the tensor chunks, the kept entry or None);
-        raises BadRequest as ``build_request`` does."""
+        """(the header document, the descriptor without its send time, the tensor chunks, the kept
+        entry or None); raises BadRequest as ``build_request`` does. The descriptor of a kept
+        entry is shared: copy it to change it."""
         n = -1  # not kept unless plain digits (str.isdigit also takes '²', and int() refuses 5000 digits)
         if header_length is not None and 0 < len(header_length) <= 18 and header_length.isascii() \
                 and header_length.isdigit():
@@ -55,7 +59,7 @@ class KnownRequests:
             known = self._known.get(key)
             if known is not None and known.tail == len(body) - n:
                 view = memoryview(body)
-                return known.doc, dict(known.req), [view[n + a:n + b] for a, b in known.spans], known
+                return known.doc, known.req, [view[n + a:n + b] for a, b in known.spans], known
         doc, tail = split_body(body, header_length)
         req, chunks = build_request(model, version, doc, tail, max_elements)
         return doc, req, chunks, self._keep(key, doc, req, len(tail))

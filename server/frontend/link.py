@@ -141,6 +141,19 @@ class BrokerLink:
         if poll:
             self._polling_for(conn, model)
 
+    def submit_prepared(self, prefix: bytes, route: dict, chunks: list, callback: Callable[[Completion], None],
+                        model: str, sent_ns: int) -> None:
+        """``submit`` of an inference descriptor serialized up to its send time
+        (``Connection.prepared_prefix``); ``route``: that descriptor, read only."""
+        conn = self.connection()
+        poll = self._polls_for(model)
+        try:
+            conn.submit_prepared(prefix, route, chunks, self._timed(model, poll, callback), sent_ns, poll)
+        except (Backpressure, ServerUnavailable) as e:
+            raise _broker_error(e) from None
+        if poll:
+            self._polling_for(conn, model)
+
     def reserve(self, prefix: bytes, body: int, route: dict) -> tuple[Connection, Reservation]:
         """A request block for a body still arriving (``Connection.reserve``), on the connection
         that ``send_reserved`` must be given back."""

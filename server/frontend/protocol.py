@@ -6,6 +6,13 @@ one wakes the client only for it to wait for the second. Here an infer request i
 parser callbacks, submitted from ``on_message_complete`` with a callback (no task, no future) and
 answered with one write. Every other request goes through the normal ASGI cycle, and requests of
 both kinds share uvicorn's pipeline queue, so pipelined answers keep their order.
+
+A client in a closed loop sends the same request head (method, path, headers) every time, and each
+request arrives in one read. A connection keeps the head of its last such request, byte for byte,
+with what the parser made of it; a read that holds exactly one request starting with those bytes,
+arriving between messages, is started without the parser and its eight callbacks: the same bytes
+parse to the same request. Anything else (another head, a partial or pipelined read, a request
+still unanswered) goes through the parser.
 """
 from __future__ import annotations
 
@@ -78,9 +85,20 @@ class InferProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._feeding = False
         self._starting = False
+        self._between = True  # the parser sits between messages (none partly fed)
+        self._begun = 0  # messages begun in the read being parsed
+        self._seen_head = b""  # the head of the last infer request that came in one read
+        self._seen: tuple[str, str, dict[bytes, bytes], bool] | None = None  # what it parsed to
+        self._seen_read = -1  # the length of a read holding one such request
+        self._kept_head: tuple[int, int, list, bytes] | None = None  # (status, length, headers, head) of the last answer
+        self._idle_since = 0.0  # loop time of the last infer answer (for the keep-alive timeout)
 
     def data_received(self, data: bytes) -> None:
+        if len(data) == self._seen_read and self._between and data.startswith(self._seen_head) and self._repeat(data):
+            return
         self._feeding = True
+        self._begun = 0
+        whole = self._between  # the read starts a message: it may be one whole request
         try:
             super().data_received(data)
         finally:
@@ -88,6 +106,34 @@ class InferProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if type(cycle) is InferCycle:
             self._continue(cycle)
+            if whole and self._begun == 1 and cycle.complete and self._between and len(data) <= JOIN_LIMIT:
+                self._learn(cycle, data)
+
+    def _learn(self, cycle: InferCycle, data: bytes) -> None:
+        """Keep the head of a request that was the whole of one read, for ``_repeat``."""
+        headers = cycle.headers
+        head_len = len(data) - int(headers[b"content-length"])
+        # The head ends at the first blank line: the body's length, counted from the end, must
+        # land there (no stray bytes around the request, no chunked body).
+        if cycle.keep_alive and not cycle.expect_continue and b"transfer-encoding" not in headers \
+                and head_len > 4 and data.find(b"\r\n\r\n") == head_len - 4:
+            self._seen_head = data[:head_len]
+            self._seen = (cycle.model, cycle.version, headers, cycle.keep_alive)
+            self._seen_read = len(data)
+
+    def _repeat(self, data: bytes) -> bool:
+        """Start a read that is one request with the kept head, as the parser would have; False if
+        the connection's state asks for the parser (an unanswered request, tracing turned on)."""
+        cycle = self.cycle
+        if (cycle is not None and not cycle.response_complete) or self.frontend.tracer.on or self._seen is None:
+            return False
+        model, version, headers, keep_alive = self._seen  # (the keep-alive timer runs on: _keep_alive_due)
+        cycle = InferCycle(model, version, headers, keep_alive, False)
+        cycle.turn = cycle.complete = True
+        cycle.body.append(data[len(self._seen_head):])
+        self.cycle = cycle  # type: ignore[assignment]
+        self._start(cycle)
+        return True
 
     def _continue(self, cycle: InferCycle) -> None:
         """Answer ``Expect: 100-continue`` once the request's turn has come and its body is missing."""
@@ -99,6 +145,8 @@ class InferProtocol(HttpToolsProtocol):
     # -- parser callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
         # The ASGI scope is built only for requests that go to the app (``_asgi_scope``).
+        self._between = False
+        self._begun += 1
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
@@ -180,6 +228,7 @@ class InferProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def on_message_complete(self) -> None:
+        self._between = True
         cycle = self.cycle
         if type(cycle) is InferCycle:
             cycle.complete = True
@@ -229,21 +278,55 @@ class InferProtocol(HttpToolsProtocol):
         transport = self.transport
         if cycle.disconnected or transport.is_closing():
             return
-        head = [STATUS_LINE[status]]
-        for name, value in headers:
-            head += [name, b": ", value, b"\r\n"]
-        head.append(b"content-length: %d\r\n" % len(body))
-        if not cycle.keep_alive:
-            head.append(b"connection: close\r\n")
-        head.append(b"\r\n")
+        kept = self._kept_head  # a closed-loop client's answers repeat their head too
+        if kept is not None and kept[0] == status and kept[1] == len(body) and kept[2] == headers and cycle.keep_alive:
+            head = kept[3]
+        else:
+            parts = [STATUS_LINE[status]]
+            for name, value in headers:
+                parts += [name, b": ", value, b"\r\n"]
+            parts.append(b"content-length: %d\r\n" % len(body))
+            if not cycle.keep_alive:
+                parts.append(b"connection: close\r\n")
+            parts.append(b"\r\n")
+            head = b"".join(parts)
+            if cycle.keep_alive:
+                self._kept_head = (status, len(body), headers, head)
         if len(body) < JOIN_LIMIT:
-            head.append(body)
-            transport.write(b"".join(head))
+            transport.write(head + body)
         else:  # one writev, no copy of a large body
-            transport.writelines([b"".join(head), body])
+            transport.writelines([head, body])
         if not cycle.keep_alive:
             transport.close()
-        self.on_response_complete()
+        self._answered()
+
+    def _answered(self) -> None:
+        """uvicorn's ``on_response_complete``, but with the keep-alive timer armed once per idle
+        spell instead of cancelled and armed again around every request: when it fires, it
+        closes the connection only if that has been idle for the whole timeout."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            self._unset_keepalive_if_required()
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
+
+    def _keep_alive_due(self) -> None:
+        self.timeout_keep_alive_task = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            return  # a request in flight: its answer arms the timer again
+        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
+        else:
+            self.timeout_keep_alive_handler()
 
 
 def protocol_for(frontend: Frontend, restricted: Any = None) -> type[InferProtocol]:
