@@ -335,17 +335,16 @@ class Connection:
         return self._send(kind, data, chunks, body, callback, doc if kind == REQ_INFER else None, on_response,
                           doc.get("stream", 0), waited, polling)[0]
 
-    def submit_prepared(self, prefix: bytes, route: dict, chunks: list, callback: Callback, sent_ns: int,
-                        polling: bool = False) -> int:
+    def submit_prepared(self, prefix: bytes, route: dict | tuple[str, str], chunks: list, size: int,
+                        callback: Callback, sent_ns: int, polling: bool = False) -> int:
         """``submit`` of an inference descriptor serialized before up to its send time
-        (``prepared_prefix``) with the send time ``sent_ns``; ``route``: that descriptor (read only),
-        ``chunks``: its tensors' bytes. The HTTP frontend's repeated requests: nothing is copied or
-        serialized."""
+        (``prepared_prefix``) with the send time ``sent_ns``; ``route``: that descriptor (read
+        only), or (model, version) if it names no region; ``chunks``: its tensors' bytes, ``size``
+        in all. The HTTP frontend's repeated requests: nothing is copied or serialized."""
         if not self.alive:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
         data = b"%b%d}" % (prefix, sent_ns)
-        return self._send(REQ_INFER, data, chunks, sum(len(c) for c in chunks), callback, route, None, 0, False,
-                          polling)[0]
+        return self._send(REQ_INFER, data, chunks, size, callback, route, None, 0, False, polling)[0]
 
     def call_prepared(self, prefix: bytes, views: list, body: int, model: str, version: str
                       ) -> tuple[Completion, int]:

@@ -251,7 +251,7 @@ class Frontend:
             header_len = headers.get(b"inference-header-content-length")
             doc, req, chunks, known = self.known.parse(model, version, body, header_len.decode("latin-1")
                                                        if header_len is not None else None, self.max_tensor_elements)
-            size = sum(len(c) for c in chunks)
+            size = known.size if known is not None else sum(len(c) for c in chunks)
             if size > self.max_request_bytes:
                 raise BadRequest(f"the request's {size} bytes of tensor data exceed the frontend's shared-memory "
                                  f"arena (--frontend-arena-mb); send large tensors through shared memory")
@@ -262,7 +262,7 @@ class Frontend:
             model, version, doc, headers, completion, reply, trace, known)
         try:
             if known is not None and trace is None:  # a header seen before: its descriptor's bytes are kept
-                self.link.submit_prepared(known.prefix, known.req, chunks, finish, model, received)
+                self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received)
             else:
                 req = dict(req, t=received)  # (a kept header's descriptor is shared)
                 if trace is not None:

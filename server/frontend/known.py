@@ -29,13 +29,18 @@ class Known:
     time (as a dict, to route by: read it only, and as its bytes), where each tensor lies in the
     binary tail, and the answers built for it."""
 
-    __slots__ = ("doc", "req", "prefix", "spans", "tail", "answers")
+    __slots__ = ("doc", "req", "prefix", "route", "spans", "size", "tail", "answers")
 
     def __init__(self, doc: dict, req: dict, spans: list[tuple[int, int]], tail: int) -> None:
         self.doc = doc
         self.req = req
         self.prefix = Connection.prepared_prefix(req)
+        # What the connection routes by: (model, version) unless a tensor names a region, whose
+        # publication it must check per request.
+        named = any("region" in t for t in [*req["inputs"], *(req.get("outputs") or ())])
+        self.route: dict | tuple[str, str] = req if named else (req["model"], req.get("version") or "")
         self.spans = spans
+        self.size = sum(b - a for a, b in spans)  # the tensor bytes sent with the descriptor
         self.tail = tail
         self.answers: dict[bytes, tuple[bytes, int, list[tuple[int, int]]]] = {}
 

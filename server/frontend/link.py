@@ -141,14 +141,14 @@ class BrokerLink:
         if poll:
             self._polling_for(conn, model)
 
-    def submit_prepared(self, prefix: bytes, route: dict, chunks: list, callback: Callable[[Completion], None],
-                        model: str, sent_ns: int) -> None:
+    def submit_prepared(self, prefix: bytes, route: dict | tuple[str, str], chunks: list, size: int,
+                        callback: Callable[[Completion], None], model: str, sent_ns: int) -> None:
         """``submit`` of an inference descriptor serialized up to its send time
-        (``Connection.prepared_prefix``); ``route``: that descriptor, read only."""
+        (``Connection.prepared_prefix``), as ``Connection.submit_prepared`` takes it."""
         conn = self.connection()
         poll = self._polls_for(model)
         try:
-            conn.submit_prepared(prefix, route, chunks, self._timed(model, poll, callback), sent_ns, poll)
+            conn.submit_prepared(prefix, route, chunks, size, self._timed(model, poll, callback), sent_ns, poll)
         except (Backpressure, ServerUnavailable) as e:
             raise _broker_error(e) from None
         if poll:

@@ -44,7 +44,7 @@ class InferCycle:
     message_event = _NoEvent()
 
     def __init__(self, model: str, version: str, headers: dict[bytes, bytes], keep_alive: bool,
-                 expect_continue: bool) -> None:
+                 expect_continue: bool, head_len: int | None = None) -> None:
         self.model = model
         self.version = version
         self.headers = headers
@@ -56,7 +56,8 @@ class InferCycle:
         self.started = False
         self.response_complete = False
         self.disconnected = False
-        self.head_len = header_length(headers)  # > 0: a large binary body, taken in as it comes
+        # > 0: a large binary body, taken in as it comes
+        self.head_len = header_length(headers) if head_len is None else head_len
         self.buffered = 0  # bytes in ``body``, until the JSON header is in
         self.ingest: BodyIngest | None = None
         self.hold: Any = None  # the timer that moves a slow body out of its reserved block
@@ -128,7 +129,7 @@ class InferProtocol(HttpToolsProtocol):
         if (cycle is not None and not cycle.response_complete) or self.frontend.tracer.on or self._seen is None:
             return False
         model, version, headers, keep_alive = self._seen  # (the keep-alive timer runs on: _keep_alive_due)
-        cycle = InferCycle(model, version, headers, keep_alive, False)
+        cycle = InferCycle(model, version, headers, keep_alive, False, -1)  # (small: joined, not taken in)
         cycle.turn = cycle.complete = True
         cycle.body.append(data[len(self._seen_head):])
         self.cycle = cycle  # type: ignore[assignment]
