@@ -28,7 +28,7 @@ from shm.connection import Completion, Connection
 from shm.protocol import REQ_CONTROL, REQ_INFER
 
 from .ingest import BodyIngest
-from .known import Known, KnownRequests
+from .known import JSON_HEADER, Known, KnownRequests, answer_headers
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .openapi import openapi_endpoint
 from .settings import logging_endpoint
@@ -39,7 +39,6 @@ EXTENSIONS = ["classification", "binary_tensor_data", "model_configuration", "sy
               "cuda_shared_memory", "generate", "sequence", "schedule_policy", "model_repository",
               "model_repository(unload_dependents)", "parameters", "statistics", "logging", "trace"]
 JSON = "application/json"
-JSON_HEADER = (b"content-type", b"application/json")
 # reply(status, body, headers) of one inference (a large body is a memoryview: shm/copying.joined)
 Reply = Callable[[int, bytes | memoryview, list[tuple[bytes, bytes]]], None]
 
@@ -331,7 +330,7 @@ class Frontend:
         try:
             if known is not None and trace is None and completion.status == 200:
                 status = 200
-                out, json_len = KnownRequests.answer(known, model, version, completion)
+                out, json_len, out_headers = KnownRequests.answer(known, model, version, completion)
             else:
                 result = completion.doc()
                 if trace is not None:
@@ -342,16 +341,14 @@ class Frontend:
                 else:
                     served = str(result.get("version", version))
                     out, json_len = build_response(model, served, doc, result, completion.tensor)
-            out_headers = [JSON_HEADER] if json_len is None else [
-                (b"content-type", b"application/octet-stream"),
-                (b"inference-header-content-length", str(json_len).encode())]
+                out_headers = answer_headers(json_len)
         finally:
             completion.release()
         accept = headers.get(b"accept-encoding")
         if accept and status == 200:
             out, used = _compress(out, accept.decode("latin-1"))
-            if used:
-                out_headers.append((b"content-encoding", used.encode()))
+            if used:  # (a copy: a kept answer's headers are shared)
+                out_headers = [*out_headers, (b"content-encoding", used.encode())]
         return status, out, out_headers
 
     async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes,
@@ -360,8 +357,8 @@ class Frontend:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def reply(status: int, out: bytes | memoryview, out_headers: list[tuple[bytes, bytes]]) -> None:
-            if not fut.done():  # (ASGI frameworks want bytes)
-                fut.set_result((status, out if type(out) is bytes else bytes(out), out_headers))
+            if not fut.done():  # (ASGI frameworks want bytes, and add to the headers: a kept answer's are shared)
+                fut.set_result((status, out if type(out) is bytes else bytes(out), list(out_headers)))
 
         self.start_infer(model, version, headers, body, reply, trace)
         return await fut

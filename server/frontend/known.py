@@ -15,7 +15,7 @@ as JSON would differ from one answer to the next).
 from __future__ import annotations
 
 from shm.connection import Completion, Connection
-from shm.copying import joined
+from shm.copying import PARALLEL_MIN_BYTES, joined
 from shm.protocol import read_manifest_raw
 
 from .codec import build_request, build_response, split_body, wants_binary
@@ -42,7 +42,9 @@ class Known:
         self.spans = spans
         self.size = sum(b - a for a, b in spans)  # the tensor bytes sent with the descriptor
         self.tail = tail
-        self.answers: dict[bytes, tuple[bytes, int, list[tuple[int, int]]]] = {}
+        # per answer descriptor: (the answer's JSON head, its length, the outputs' spans, the HTTP
+        # headers (shared: read only), whether it is small enough for a plain join)
+        self.answers: dict[bytes, tuple[bytes, int, list[tuple[int, int]], list, bool]] = {}
 
 
 class KnownRequests:
@@ -96,9 +98,10 @@ class KnownRequests:
 
     @staticmethod
     def answer(known: Known, model: str, version: str, completion: Completion
-               ) -> tuple[bytes | memoryview, int | None]:
-        """``build_response`` for a successful completion, from the kept head when the worker's
-        descriptor was seen before for this header."""
+               ) -> tuple[bytes | memoryview, int | None, list[tuple[bytes, bytes]]]:
+        """``build_response`` for a successful completion, with its HTTP headers, from the kept
+        head when the worker's descriptor was seen before for this header (its headers are then
+        the kept list: read it only)."""
         assert completion.buf is not None
         raw, data = read_manifest_raw(completion.buf, completion.offset)
         kept = known.answers.get(raw)
@@ -108,12 +111,25 @@ class KnownRequests:
                                            completion.tensor)
             binary = wants_binary(known.doc)
             outputs = [o for o in result.get("outputs", ()) if not o.get("region")]
+            headers = answer_headers(json_len)
             if json_len is not None and len(raw) <= LARGEST and \
                     all(binary.get(o["name"], binary["*"]) for o in outputs):
                 if len(known.answers) >= LIMIT:
                     known.answers.clear()
-                known.answers[raw] = (out[:json_len], json_len, [(o["off"], o["off"] + o["size"]) for o in outputs])
-            return out, json_len
-        head, json_len, blobs = kept
+                known.answers[raw] = (out[:json_len], json_len, [(o["off"], o["off"] + o["size"]) for o in outputs],
+                                      answer_headers(json_len), len(out) < PARALLEL_MIN_BYTES)
+            return out, json_len, headers
+        head, json_len, blobs, headers, small = kept
         buf = completion.buf
-        return joined([head, *[buf[data + a:data + b] for a, b in blobs]]), json_len
+        parts = [head, *[buf[data + a:data + b] for a, b in blobs]]
+        return b"".join(parts) if small else joined(parts), json_len, headers
+
+
+JSON_HEADER = (b"content-type", b"application/json")
+
+
+def answer_headers(json_len: int | None) -> list[tuple[bytes, bytes]]:
+    """The HTTP headers of a successful answer: JSON, or binary data behind a JSON header."""
+    if json_len is None:
+        return [JSON_HEADER]
+    return [(b"content-type", b"application/octet-stream"), (b"inference-header-content-length", b"%d" % json_len)]

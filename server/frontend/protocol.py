@@ -280,7 +280,8 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.disconnected or transport.is_closing():
             return
         kept = self._kept_head  # a closed-loop client's answers repeat their head too
-        if kept is not None and kept[0] == status and kept[1] == len(body) and kept[2] == headers and cycle.keep_alive:
+        if kept is not None and kept[0] == status and kept[1] == len(body) and cycle.keep_alive and \
+                (kept[2] is headers or kept[2] == headers):
             head = kept[3]
         else:
             parts = [STATUS_LINE[status]]
