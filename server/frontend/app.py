@@ -263,7 +263,8 @@ class Frontend:
             if known is not None and trace is None:  # a header seen before: its descriptor's bytes are kept
                 self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received)
             else:
-                req = dict(req, t=received)  # (a kept header's descriptor is shared)
+                req = dict(req) if known is not None else req  # (a kept header's descriptor is shared)
+                req["t"] = received
                 if trace is not None:
                     trace.mark(req)
                 self.link.submit(REQ_INFER, req, chunks, finish, model=model)

@@ -117,7 +117,7 @@ class KnownRequests:
                 if len(known.answers) >= LIMIT:
                     known.answers.clear()
                 known.answers[raw] = (out[:json_len], json_len, [(o["off"], o["off"] + o["size"]) for o in outputs],
-                                      answer_headers(json_len), len(out) < PARALLEL_MIN_BYTES)
+                                      headers, len(out) < PARALLEL_MIN_BYTES)
             return out, json_len, headers
         head, json_len, blobs, headers, small = kept
         buf = completion.buf

@@ -89,9 +89,10 @@ class InferProtocol(HttpToolsProtocol):
         self._between = True  # the parser sits between messages (none partly fed)
         self._begun = 0  # messages begun in the read being parsed
         self._seen_head = b""  # the head of the last infer request that came in one read
-        self._seen: tuple[str, str, dict[bytes, bytes], bool] | None = None  # what it parsed to
+        self._seen: tuple[str, str, dict[bytes, bytes]] | None = None  # what it parsed to (kept alive)
         self._seen_read = -1  # the length of a read holding one such request
-        self._kept_head: tuple[int, int, list, bytes] | None = None  # (status, length, headers, head) of the last answer
+        # (status, body length, headers, head) of the last answer
+        self._kept_head: tuple[int, int, list, bytes] | None = None
         self._idle_since = 0.0  # loop time of the last infer answer (for the keep-alive timeout)
 
     def data_received(self, data: bytes) -> None:
@@ -119,7 +120,7 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.keep_alive and not cycle.expect_continue and b"transfer-encoding" not in headers \
                 and head_len > 4 and data.find(b"\r\n\r\n") == head_len - 4:
             self._seen_head = data[:head_len]
-            self._seen = (cycle.model, cycle.version, headers, cycle.keep_alive)
+            self._seen = (cycle.model, cycle.version, headers)
             self._seen_read = len(data)
 
     def _repeat(self, data: bytes) -> bool:
@@ -128,8 +129,8 @@ class InferProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if (cycle is not None and not cycle.response_complete) or self.frontend.tracer.on or self._seen is None:
             return False
-        model, version, headers, keep_alive = self._seen  # (the keep-alive timer runs on: _keep_alive_due)
-        cycle = InferCycle(model, version, headers, keep_alive, False, -1)  # (small: joined, not taken in)
+        model, version, headers = self._seen  # (the keep-alive timer runs on: _keep_alive_due)
+        cycle = InferCycle(model, version, headers, True, False, -1)  # (small: joined, not taken in)
         cycle.turn = cycle.complete = True
         cycle.body.append(data[len(self._seen_head):])
         self.cycle = cycle  # type: ignore[assignment]
