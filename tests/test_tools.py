@@ -7,7 +7,19 @@ import math
 import os
 import subprocess
 
+import numpy as np
+import tritonclient.http as httpclient
 from conftest import PYTHON, ROOT
+
+from tools import proc_cpu
+from tools.harness import cmdline, free_port
+
+
+def add_sub_request() -> tuple[list, list]:
+    inputs = [httpclient.InferInput(name, [16], "INT32") for name in ("INPUT0", "INPUT1")]
+    for t in inputs:
+        t.set_data_from_numpy(np.arange(16, dtype=np.int32))
+    return inputs, [httpclient.InferRequestedOutput("OUTPUT0")]
 
 
 def test_paired_alternates_targets_and_reports_ratios(server, tmp_path):
@@ -24,11 +36,39 @@ def test_paired_alternates_targets_and_reports_ratios(server, tmp_path):
     for s in result["slices"]:
         assert s["rps"] > 0 and s["p50_us"] > 0 and s["p99_us"] >= s["p50_us"], s
         assert s["client_cpu_us"] > 0, s  # a closed loop of calls costs its process CPU
+        assert 0 <= s["idle"] <= 1, s
+        # The HTTP target's processes are found by its port and are busy while it serves; a
+        # local target has no port to find them by, and says nothing rather than a wrong figure.
+        assert (s["server_cpu_us"] > 0) if s["target"] == "http" else ("server_cpu_us" not in s), s
+    costs = result["costs"]
+    assert costs["http"]["server_cpu_us"] > 0 and costs["local"]["server_cpu_us"] is None, costs
+    assert "http per request (medians of its slices): a client" in run.stdout
     summary = result["vs_baseline"]["local"]
     assert summary["pairs"] == 2
     assert math.isfinite(summary["rps_ratio_median"]) and summary["rps_ratio_median"] > 0
     assert summary["rps_ratio_min"] <= summary["rps_ratio_median"] <= summary["rps_ratio_max"]
     assert "local / http: throughput" in run.stdout
+
+
+def test_the_server_tree_is_found_by_its_port(server):
+    """The launcher holds the listening socket: the tree is it and all it started (broker,
+    workers, frontends), and nothing listens on a free port."""
+    tree = proc_cpu.server_tree(server.port)
+    assert tree[0] == server.pid or server.pid in tree
+    titles = [cmdline(p) for p in tree]
+    assert any(t.startswith(f"shmserve broker {server.id}") for t in titles), titles
+    assert any(t.startswith("shmserve worker add_sub") for t in titles), titles
+    assert any(t.startswith(f"shmserve frontend {server.id}") for t in titles), titles
+    assert os.getpid() not in tree
+    before = proc_cpu.usage(tree)
+    client = server.client()
+    inputs, outputs = add_sub_request()
+    for _ in range(50):
+        client.infer("add_sub", inputs, outputs=outputs)
+    client.close()
+    spent = proc_cpu.usage(tree) - before
+    assert spent.cpu_us > 0 and spent.voluntary + spent.involuntary > 0, spent
+    assert proc_cpu.server_tree(free_port()) == []
 
 
 def test_paired_refuses_bad_targets():

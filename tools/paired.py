@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tools import bench_http
+from tools import bench_http, proc_cpu
 from tools.bench_local import in_region
 
 SETUP_TIMEOUT_S = 120.0
@@ -157,14 +157,18 @@ def measure(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpe
         p.start()
     slices: list[dict[str, Any]] = []
     comparisons: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets[1:]}
+    trees = [server_processes(t) for t in targets]
     try:
         def run_slice(which: int) -> dict[str, Any]:
             for q in queues:
                 q.put((which, warm_s, slice_s))
+            time.sleep(warm_s)  # the clients warm up; then the server's usage is read around their slice
+            used0, (idle0, all0) = proc_cpu.usage(trees[which]), proc_cpu.machine_ticks()
             try:
                 got = [results.get(timeout=SETUP_TIMEOUT_S + warm_s + slice_s * 4) for _ in range(clients)]
             except queue.Empty:
                 raise RuntimeError("a client process stopped answering (did it die?)") from None
+            used, (idle1, all1) = proc_cpu.usage(trees[which]) - used0, proc_cpu.machine_ticks()
             errors = [e for *_, e in got if e]
             if errors:
                 raise RuntimeError(f"a client failed: {errors[0]}")
@@ -172,10 +176,16 @@ def measure(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpe
             row = {"target": targets[which].name, "rps": round(sum(r for _, _, r, _, _, _ in got), 1),
                    "client_cpu_us": round(statistics.median(c for *_, c, _ in got), 1),
                    "p50_us": round(float(np.percentile(lat, 50)), 1) if lat.size else None,
-                   "p99_us": round(float(np.percentile(lat, 99)), 1) if lat.size else None}
+                   "p99_us": round(float(np.percentile(lat, 99)), 1) if lat.size else None,
+                   "idle": round((idle1 - idle0) / max(all1 - all0, 1), 3)}
+            if trees[which] and lat.size:
+                row["server_cpu_us"] = round(used.cpu_us / lat.size, 1)
+                row["server_switches"] = round((used.voluntary + used.involuntary) / lat.size, 2)
             slices.append(row)
+            server = f"  server CPU {row['server_cpu_us']:>5.0f} us/req" if "server_cpu_us" in row else ""
             log(f"  {row['target']:>12} {row['rps']:>10.1f} req/s  p50 {row['p50_us']:>8.0f} us  "
-                f"p99 {row['p99_us']:>8.0f} us  client CPU {row['client_cpu_us']:>5.0f} us/req")
+                f"p99 {row['p99_us']:>8.0f} us  client CPU {row['client_cpu_us']:>5.0f} us/req{server}  "
+                f"idle {row['idle']:.0%}")
             return row
 
         for other in range(1, len(targets)):
@@ -201,7 +211,25 @@ def measure(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpe
                          "p50_ratio_median": statistics.median(p50), "p50_ratio_min": p50[0],
                          "p50_ratio_max": p50[-1], "pairs": len(pairs_)}
     return {"model": model, "clients": clients, "shm": shm, "baseline": targets[0].name, "slice_s": slice_s,
-            "slices": slices, "vs_baseline": summary}
+            "slices": slices, "vs_baseline": summary, "costs": costs(targets, slices)}
+
+
+def server_processes(target: Target) -> list[int]:
+    """The process tree of an HTTP target's server (by its listening port); none for a local one."""
+    return proc_cpu.server_tree(int(target.address.rsplit(":", 1)[1])) if target.kind == "http" else []
+
+
+def costs(targets: list[Target], slices: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per target, medians over its slices of what one request cost: the clients' and the server's
+    CPU (None where the server's processes could not be read) and the machine's idle share."""
+    out: dict[str, dict[str, float | None]] = {}
+    for t in targets:
+        rows = [r for r in slices if r["target"] == t.name]
+        server = [r["server_cpu_us"] for r in rows if "server_cpu_us" in r]
+        out[t.name] = {"client_cpu_us": statistics.median(r["client_cpu_us"] for r in rows) if rows else None,
+                       "server_cpu_us": statistics.median(server) if server else None,
+                       "idle": statistics.median(r["idle"] for r in rows) if rows else None}
+    return out
 
 
 def resolve_specs(targets: list[Target], model: str, overrides: dict[str, tuple[int, ...]]
@@ -253,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} / {result['baseline']}: throughput {s['rps_ratio_median']:.2f}x "
               f"(pairs {s['rps_ratio_min']:.2f}-{s['rps_ratio_max']:.2f}), p50 {s['p50_ratio_median']:.2f}x "
               f"(pairs {s['p50_ratio_min']:.2f}-{s['p50_ratio_max']:.2f}), {s['pairs']} pairs")
+    for name, c in result["costs"].items():
+        server = f"server {c['server_cpu_us']:.0f} us" if c["server_cpu_us"] is not None else "server not readable"
+        print(f"{name} per request (medians of its slices): a client {c['client_cpu_us']:.0f} us, {server}, "
+              f"machine idle {c['idle']:.0%}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -1,0 +1,113 @@
+"""What a server's processes spend, read from /proc, so a benchmark can say where the CPU went.
+
+On a machine where the clients share the cores with the server, throughput is bounded by the CPU
+that one request costs everybody: the clients' part, the server's part and the cores left idle.
+``tools.paired`` reads the server's part here, for the whole process tree that listens on the
+target's port (shmserve's launcher, broker, workers and frontends; tritonserver and its Python
+stubs), and the idle share of the machine, around each slice.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tools.harness import descendants
+
+_TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
+
+
+@dataclass(frozen=True)
+class Usage:
+    """CPU time (microseconds) and context switches of a set of processes, summed."""
+
+    user_us: float = 0.0
+    system_us: float = 0.0
+    voluntary: int = 0
+    involuntary: int = 0
+
+    def __sub__(self, other: "Usage") -> "Usage":
+        return Usage(self.user_us - other.user_us, self.system_us - other.system_us,
+                     self.voluntary - other.voluntary, self.involuntary - other.involuntary)
+
+    def __add__(self, other: "Usage") -> "Usage":
+        return Usage(self.user_us + other.user_us, self.system_us + other.system_us,
+                     self.voluntary + other.voluntary, self.involuntary + other.involuntary)
+
+    @property
+    def cpu_us(self) -> float:
+        return self.user_us + self.system_us
+
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        except OSError:
+            continue
+    return inodes
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
+
+
+def server_tree(port: int) -> list[int]:
+    """The processes of the server listening on ``port``: the topmost holder of the listening
+    socket and all its descendants; empty if none can be seen (another user's, or no listener)."""
+    wanted = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
+    if not wanted:
+        return []
+    holders = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+            if any(os.readlink(f"/proc/{entry}/fd/{fd}") in wanted for fd in fds):
+                holders.add(int(entry))
+        except OSError:
+            continue
+    roots = []
+    for pid in holders:
+        try:
+            if _parent(pid) not in holders:
+                roots.append(pid)
+        except (OSError, ValueError):
+            continue
+    return sorted({p for root in roots for p in (root, *descendants(root))})
+
+
+def usage(pids: list[int]) -> Usage:
+    """Summed CPU time and context switches (of every thread) of the live ``pids``."""
+    total = Usage()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            voluntary = involuntary = 0
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/status") as f:
+                    for line in f:
+                        if line.startswith("voluntary_ctxt_switches:"):
+                            voluntary += int(line.split()[1])
+                        elif line.startswith("nonvoluntary_ctxt_switches:"):
+                            involuntary += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        total += Usage(int(fields[11]) * _TICK_US, int(fields[12]) * _TICK_US, voluntary, involuntary)
+    return total
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(idle, all) clock ticks of the whole machine since boot; iowait counts as idle."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return ticks[3] + ticks[4], sum(ticks)
