@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(pairs {s['rps_ratio_min']:.2f}-{s['rps_ratio_max']:.2f}), p50 {s['p50_ratio_median']:.2f}x "
               f"(pairs {s['p50_ratio_min']:.2f}-{s['p50_ratio_max']:.2f}), {s['pairs']} pairs")
     for name, c in result["costs"].items():
-        server = f"server {c['server_cpu_us']:.0f} us" if c["server_cpu_us"] is not None else "server not readable"
+        server = f"server {c['server_cpu_us']:.0f} us" if c["server_cpu_us"] is not None else \
+            "server not measured (no port to find it by, or its processes are not readable)"
         print(f"{name} per request (medians of its slices): a client {c['client_cpu_us']:.0f} us, {server}, "
               f"machine idle {c['idle']:.0%}")
     if args.json:
