@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import pytest
 import tritonclient.http as httpclient
 
-from tools.harness import cmdline, descendants  # noqa: F401 - the tests import them from here
+from tools.harness import cmdline, descendants, stat_fields  # noqa: F401 - the tests import them from here
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -72,13 +72,9 @@ def remove_shm_entries(server_id: str) -> None:
 
 def _read_stat(pid: int) -> tuple[int, str, int, int] | None:
     """(ppid, state, utime, stime) of ``pid``, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
+    rest = stat_fields(pid)
+    if rest is None:
         return None
-    rest = raw[raw.rindex(b")") + 2:].split()
-    # fields after "pid (comm) ": state(3) ppid(4) ... utime(14) stime(15)
     return int(rest[1]), rest[0].decode(), int(rest[11]), int(rest[12])
 
 

@@ -54,7 +54,7 @@ def test_the_server_tree_is_found_by_its_port(server):
     """The launcher holds the listening socket: the tree is it and all it started (broker,
     workers, frontends), and nothing listens on a free port."""
     tree = proc_cpu.server_tree(server.port)
-    assert tree[0] == server.pid or server.pid in tree
+    assert server.pid in tree
     titles = [cmdline(p) for p in tree]
     assert any(t.startswith(f"shmserve broker {server.id}") for t in titles), titles
     assert any(t.startswith("shmserve worker add_sub") for t in titles), titles

@@ -19,17 +19,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after "pid (comm)" (the name may hold spaces and
+    parentheses): [0] state, [1] ppid, [11] utime, [12] stime in clock ticks; None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields if len(fields) > 12 else None
+
+
 def descendants(root: int) -> list[int]:
     """All live descendants of ``root`` (not ``root`` itself), from /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+            fields = stat_fields(int(entry))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append(int(entry))
     out, todo = [], [root]
     while todo:
         for child in children.get(todo.pop(), []):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tools.harness import descendants
+from tools.harness import descendants, stat_fields
 
 _TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
@@ -54,11 +54,6 @@ def _listening_inodes(port: int) -> set[str]:
     return inodes
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return int(f.read().rsplit(b")", 1)[1].split()[1])
-
-
 def server_tree(port: int) -> list[int]:
     """The processes of the server listening on ``port``: the topmost holder of the listening
     socket and all its descendants; empty if none can be seen (another user's, or no listener)."""
@@ -77,11 +72,9 @@ def server_tree(port: int) -> list[int]:
             continue
     roots = []
     for pid in holders:
-        try:
-            if _parent(pid) not in holders:
-                roots.append(pid)
-        except (OSError, ValueError):
-            continue
+        fields = stat_fields(pid)
+        if fields is not None and int(fields[1]) not in holders:
+            roots.append(pid)
     return sorted({p for root in roots for p in (root, *descendants(root))})
 
 
@@ -89,9 +82,10 @@ def usage(pids: list[int]) -> Usage:
     """Summed CPU time and context switches (of every thread) of the live ``pids``."""
     total = Usage()
     for pid in pids:
+        fields = stat_fields(pid)
+        if fields is None:
+            continue  # gone meanwhile
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
             voluntary = involuntary = 0
             for task in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{task}/status") as f:
