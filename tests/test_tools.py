@@ -6,8 +6,11 @@ import json
 import math
 import os
 import subprocess
+import sys
+import time
 
 import numpy as np
+import pytest
 import tritonclient.http as httpclient
 from conftest import PYTHON, ROOT
 
@@ -40,6 +43,11 @@ def test_paired_alternates_targets_and_reports_ratios(server, tmp_path):
         # The HTTP target's processes are found by its port and are busy while it serves; a
         # local target has no port to find them by, and says nothing rather than a wrong figure.
         assert (s["server_cpu_us"] > 0) if s["target"] == "http" else ("server_cpu_us" not in s), s
+        if proc_cpu.WAITS_KNOWN:  # the kernel keeps schedstat: waits for a core are read too
+            assert s["client_wait_us"] >= 0, s
+            assert (s["server_wait_us"] >= 0) if s["target"] == "http" else ("server_wait_us" not in s), s
+        else:
+            assert "client_wait_us" not in s and "server_wait_us" not in s, s
     costs = result["costs"]
     assert costs["http"]["server_cpu_us"] > 0 and costs["local"]["server_cpu_us"] is None, costs
     assert "http per request (medians of its slices): a client" in run.stdout
@@ -69,6 +77,28 @@ def test_the_server_tree_is_found_by_its_port(server):
     spent = proc_cpu.usage(tree) - before
     assert spent.cpu_us > 0 and spent.voluntary + spent.involuntary > 0, spent
     assert proc_cpu.server_tree(free_port()) == []
+
+
+def test_waits_for_a_core_are_read_from_schedstat():
+    """Two processes that never block, pinned to one core, each wait for it about half the time."""
+    assert proc_cpu.WAITS_KNOWN == os.path.exists(f"/proc/{os.getpid()}/schedstat")
+    if not proc_cpu.WAITS_KNOWN:
+        pytest.fail("this kernel keeps no schedstat; the waits for a core cannot be checked here")
+    core = min(os.sched_getaffinity(0))
+    spin = "import os, time\nos.sched_setaffinity(0, {%d})\nend = time.time() + 1.0\nwhile time.time() < end: pass" % core
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    try:
+        time.sleep(0.2)  # both started and pinned
+        before, started = proc_cpu.usage([h.pid for h in hogs]), time.monotonic()
+        time.sleep(0.5)
+        spent, elapsed_us = proc_cpu.usage([h.pid for h in hogs]) - before, (time.monotonic() - started) * 1e6
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    # One core for two: together they ran at most the elapsed time and waited about as long.
+    assert spent.cpu_us <= elapsed_us * 1.2, (spent, elapsed_us)
+    assert spent.waited_us >= elapsed_us * 0.5, (spent, elapsed_us)
 
 
 def test_paired_refuses_bad_targets():

@@ -116,6 +116,7 @@ def client_main(targets: list[Target], model: str, specs: tuple[bench_http.Tenso
             while time.perf_counter() < end:
                 call()
             latencies: list[int] = []
+            waited0 = proc_cpu.usage([os.getpid()]).waited_us
             cpu0 = time.process_time()
             start = time.perf_counter()
             end = start + slice_s
@@ -127,10 +128,11 @@ def client_main(targets: list[Target], model: str, specs: tuple[bench_http.Tenso
                 latencies.append(time.perf_counter_ns() - t0)
             elapsed = time.perf_counter() - start
             cpu_us = (time.process_time() - cpu0) * 1e6 / max(len(latencies), 1)
-            results.put((index, which, len(latencies) / elapsed, latencies, cpu_us, None))
+            waited_us = (proc_cpu.usage([os.getpid()]).waited_us - waited0) / max(len(latencies), 1)
+            results.put((index, which, len(latencies) / elapsed, latencies, cpu_us, waited_us, None))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which stops the run
         barrier.abort()
-        results.put((index, -1, 0.0, [], 0.0, f"{type(exc).__name__}: {exc}"))
+        results.put((index, -1, 0.0, [], 0.0, 0.0, f"{type(exc).__name__}: {exc}"))
     finally:
         for _, close in callers:
             close()
@@ -172,20 +174,27 @@ def measure(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpe
             errors = [e for *_, e in got if e]
             if errors:
                 raise RuntimeError(f"a client failed: {errors[0]}")
-            lat = np.concatenate([np.asarray(ls, dtype=np.float64) for _, _, _, ls, _, _ in got]) / 1e3
-            row = {"target": targets[which].name, "rps": round(sum(r for _, _, r, _, _, _ in got), 1),
-                   "client_cpu_us": round(statistics.median(c for *_, c, _ in got), 1),
+            lat = np.concatenate([np.asarray(g[3], dtype=np.float64) for g in got]) / 1e3
+            row = {"target": targets[which].name, "rps": round(sum(g[2] for g in got), 1),
+                   "client_cpu_us": round(statistics.median(g[4] for g in got), 1),
                    "p50_us": round(float(np.percentile(lat, 50)), 1) if lat.size else None,
                    "p99_us": round(float(np.percentile(lat, 99)), 1) if lat.size else None,
                    "idle": round((idle1 - idle0) / max(all1 - all0, 1), 3)}
+            if proc_cpu.WAITS_KNOWN:
+                row["client_wait_us"] = round(statistics.median(g[5] for g in got), 1)
             if trees[which] and lat.size:
                 row["server_cpu_us"] = round(used.cpu_us / lat.size, 1)
                 row["server_switches"] = round((used.voluntary + used.involuntary) / lat.size, 2)
+                if proc_cpu.WAITS_KNOWN:
+                    row["server_wait_us"] = round(used.waited_us / lat.size, 1)
             slices.append(row)
             server = f"  server CPU {row['server_cpu_us']:>5.0f} us/req" if "server_cpu_us" in row else ""
+            waits = f"  waits for a core: clients {row['client_wait_us']:>4.0f}" if "client_wait_us" in row else ""
+            if waits and "server_wait_us" in row:
+                waits += f", server {row['server_wait_us']:>4.0f} us/req"
             log(f"  {row['target']:>12} {row['rps']:>10.1f} req/s  p50 {row['p50_us']:>8.0f} us  "
                 f"p99 {row['p99_us']:>8.0f} us  client CPU {row['client_cpu_us']:>5.0f} us/req{server}  "
-                f"idle {row['idle']:.0%}")
+                f"idle {row['idle']:.0%}{waits}")
             return row
 
         for other in range(1, len(targets)):
@@ -221,15 +230,18 @@ def server_processes(target: Target) -> list[int]:
 
 def costs(targets: list[Target], slices: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Per target, medians over its slices of what one request cost: the clients' and the server's
-    CPU (None where the server's processes could not be read) and the machine's idle share."""
+    CPU and waits for a core (None where they could not be read) and the machine's idle share."""
     out: dict[str, dict[str, float | None]] = {}
     for t in targets:
         rows = [r for r in slices if r["target"] == t.name]
-        server = [r["server_cpu_us"] for r in rows if "server_cpu_us" in r]
-        out[t.name] = {"client_cpu_us": statistics.median(r["client_cpu_us"] for r in rows) if rows else None,
-                       "server_cpu_us": statistics.median(server) if server else None,
-                       "idle": statistics.median(r["idle"] for r in rows) if rows else None}
+        out[t.name] = {key: _median(rows, key) for key in ("client_cpu_us", "server_cpu_us", "idle",
+                                                            "client_wait_us", "server_wait_us")}
     return out
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else None
 
 
 def resolve_specs(targets: list[Target], model: str, overrides: dict[str, tuple[int, ...]]
@@ -284,8 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, c in result["costs"].items():
         server = f"server {c['server_cpu_us']:.0f} us" if c["server_cpu_us"] is not None else \
             "server not measured (no port to find it by, or its processes are not readable)"
+        waits = ""
+        if c["client_wait_us"] is not None:
+            waits = f"; waits for a core: a client {c['client_wait_us']:.0f} us"
+            if c["server_wait_us"] is not None:
+                waits += f", the server {c['server_wait_us']:.0f} us"
         print(f"{name} per request (medians of its slices): a client {c['client_cpu_us']:.0f} us, {server}, "
-              f"machine idle {c['idle']:.0%}")
+              f"machine idle {c['idle']:.0%}{waits}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

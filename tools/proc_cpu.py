@@ -5,6 +5,12 @@ that one request costs everybody: the clients' part, the server's part and the c
 ``tools.paired`` reads the server's part here, for the whole process tree that listens on the
 target's port (shmserve's launcher, broker, workers and frontends; tritonserver and its Python
 stubs), and the idle share of the machine, around each slice.
+
+It also reads how long the processes were runnable but waited for a core (``run_delay`` of
+``/proc/<pid>/task/<tid>/schedstat``). That tells two regimes apart that the CPU figures alone do
+not: clients that wait for their answers, and clients that wait for a core while the server's
+processes hold the other (then the rate is the clients' own cost on one core, and a cheaper
+server changes nothing).
 """
 from __future__ import annotations
 
@@ -15,24 +21,30 @@ from tools.harness import descendants, stat_fields
 
 _TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
+# A kernel without CONFIG_SCHED_INFO keeps no schedstat: waits for a core are then unknown, not 0.
+WAITS_KNOWN = os.path.exists("/proc/self/schedstat")
 
 
 @dataclass(frozen=True)
 class Usage:
-    """CPU time (microseconds) and context switches of a set of processes, summed."""
+    """CPU time and time spent waiting for a core (microseconds) and context switches of a set
+    of processes, summed."""
 
     user_us: float = 0.0
     system_us: float = 0.0
     voluntary: int = 0
     involuntary: int = 0
+    waited_us: float = 0.0  # runnable, but on a run queue behind other tasks
 
     def __sub__(self, other: "Usage") -> "Usage":
         return Usage(self.user_us - other.user_us, self.system_us - other.system_us,
-                     self.voluntary - other.voluntary, self.involuntary - other.involuntary)
+                     self.voluntary - other.voluntary, self.involuntary - other.involuntary,
+                     self.waited_us - other.waited_us)
 
     def __add__(self, other: "Usage") -> "Usage":
         return Usage(self.user_us + other.user_us, self.system_us + other.system_us,
-                     self.voluntary + other.voluntary, self.involuntary + other.involuntary)
+                     self.voluntary + other.voluntary, self.involuntary + other.involuntary,
+                     self.waited_us + other.waited_us)
 
     @property
     def cpu_us(self) -> float:
@@ -79,14 +91,15 @@ def server_tree(port: int) -> list[int]:
 
 
 def usage(pids: list[int]) -> Usage:
-    """Summed CPU time and context switches (of every thread) of the live ``pids``."""
+    """Summed CPU time, waits for a core and context switches (of every thread) of the live
+    ``pids``."""
     total = Usage()
     for pid in pids:
         fields = stat_fields(pid)
         if fields is None:
             continue  # gone meanwhile
         try:
-            voluntary = involuntary = 0
+            voluntary = involuntary = waited_ns = 0
             for task in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{task}/status") as f:
                     for line in f:
@@ -94,10 +107,15 @@ def usage(pids: list[int]) -> Usage:
                             voluntary += int(line.split()[1])
                         elif line.startswith("nonvoluntary_ctxt_switches:"):
                             involuntary += int(line.split()[1])
+                if WAITS_KNOWN:
+                    with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                        waited_ns += int(f.read().split()[1])
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-        total += Usage(int(fields[11]) * _TICK_US, int(fields[12]) * _TICK_US, voluntary, involuntary)
+        total += Usage(int(fields[11]) * _TICK_US, int(fields[12]) * _TICK_US, voluntary, involuntary,
+                       waited_ns / 1e3)
     return total
+
 
 
 def machine_ticks() -> tuple[int, int]:
