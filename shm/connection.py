@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import orjson
 import posix_ipc
+from mypy_extensions import mypyc_attr
 
 from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
@@ -47,10 +48,12 @@ SEEN_ANSWER_BYTES = 8192  # each at most this long
 CLIENT_SPIN_S = float(os.environ.get("SHMSERVE_CLIENT_SPIN_US", "2000")) / 1e6
 
 
+@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class ServerUnavailable(ConnectionError):
     """No server with that id is running, or it went away; a new Connection may succeed later."""
 
 
+@mypyc_attr(native_class=False)
 class Backpressure(RuntimeError):
     """The connection is out of slots or arena space right now; retrying later can succeed."""
 
@@ -107,7 +110,7 @@ class Completion:
 
     __slots__ = ("status", "buf", "offset", "_doc", "_data", "_request")
 
-    def __init__(self, status: int, buf: memoryview | None, offset: int, doc: dict | None = None,
+    def __init__(self, status: int, buf: memoryview | None, offset: int, doc: Any = None,
                  request: tuple[memoryview, int] | None = None) -> None:
         self.status = status
         self.buf = buf
@@ -116,13 +119,14 @@ class Completion:
         self._data = 0
         self._request = request
 
-    def doc(self) -> dict:
+    def doc(self) -> Any:
+        """The answer's JSON document: an object, or a list for some control answers."""
         if self._doc is None:
             assert self.buf is not None
             self._doc, self._data = read_manifest_with_data(self.buf, self.offset)
         return self._doc
 
-    def shared_doc(self, seen: dict[bytes, dict]) -> dict:
+    def shared_doc(self, seen: dict[bytes, Any]) -> Any:
         """``doc()``, taken from ``seen`` (parsed documents by their bytes) when this answer's
         document was seen before: a repeated call gets the same answer document, and its parse
         was most of the cost of reading a small answer. The document is shared: read it only."""
@@ -206,11 +210,11 @@ class Connection:
         self._workers: dict[int, WorkerSegment] = {}
         self._load: dict[int, int] = collections.defaultdict(int)  # worker -> our requests on it
         self._targets: list[int] = [0] * slots
-        self._thread: threading.Thread | None = None
+        self._waiter: threading.Thread | None = None
         if not loop_driven:
-            self._thread = threading.Thread(target=self._wait_loop, name=f"shmserve-completions-{self.name}",
+            self._waiter = threading.Thread(target=self._wait_loop, name=f"shmserve-completions-{self.name}",
                                             daemon=True)
-            self._thread.start()
+            self._waiter.start()
 
     def _await_lane(self, timeout: float = 10.0) -> int | None:
         """Wait until the broker has taken our connect record (and given us a lane, if one is free)."""
@@ -264,7 +268,7 @@ class Connection:
                 self._workers.pop(num).close()  # a stopped worker's mapping would pin its memory
             self._route_cache.clear()
         asked = (model, version)
-        workers = self._route_cache.get(asked, _UNKNOWN)
+        workers: Any = self._route_cache.get(asked, _UNKNOWN)
         if workers is not _UNKNOWN:
             return workers
         if len(self._route_cache) >= ROUTE_CACHE_LIMIT:  # names a client made up must not pile up
@@ -278,7 +282,8 @@ class Connection:
             # The broker's split (a canary's fraction), chosen here; a request that goes through
             # the broker instead is chosen there, with the same odds (drawn per request).
             kept = split["canary"] is None
-            version = split["canary"] if not kept and random.random() < split["fraction"] else split["stable"]
+            # (the table holds versions as numbers: the route cache keys them as text)
+            version = str(split["canary"] if not kept and random.random() < split["fraction"] else split["stable"])
         key = (model, str(version))
         workers = self._route_cache.get(key, _UNKNOWN)
         if workers is _UNKNOWN:
@@ -360,7 +365,7 @@ class Connection:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
         data = b"%b%d}" % (prefix, time.monotonic_ns())
         answer = Answer()
-        if self._inflight or self._thread is None or not self._take_lead():
+        if self._inflight or self._waiter is None or not self._take_lead():
             start = self._send(REQ_INFER, data, views, body, answer, (model, version), None, 0, True, False)[0]
             self.wait_for(answer.done, answer.wait)
         else:
@@ -513,7 +518,7 @@ class Connection:
             worker.waker.notify()
         else:
             self.broker.waker.notify()
-        if not waited and self._thread is not None and not self._leading:
+        if not waited and self._waiter is not None and not self._leading:
             with self._cond:
                 self._cond.notify()  # the waiter thread leads for a request nobody waits for
 
@@ -640,7 +645,7 @@ class Connection:
         ``block()`` until the leader delivers it."""
         if done():
             return
-        if self._thread is None or not self._take_lead():
+        if self._waiter is None or not self._take_lead():
             block()
             return
         try:
@@ -754,11 +759,11 @@ class Connection:
                 self.broker.waker.notify()
             except posix_ipc.Error:
                 pass
-        if self._thread is not None:
+        if self._waiter is not None:
             with self._cond:
                 self._cond.notify_all()
             self.seg.waker.post()  # wake the leader so it sees _closed
-            self._thread.join(timeout=2.0)
+            self._waiter.join(timeout=2.0)
         # Nothing will answer what is still in flight on this connection: say so, do not hang.
         self._fail_all("the connection was closed while the request was in flight")
         for seg in self._workers.values():

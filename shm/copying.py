@@ -58,7 +58,7 @@ def joined(parts: list) -> bytes | memoryview:
     total = sum(len(p) for p in parts)
     if total < PARALLEL_MIN_BYTES or _pieces < 2:
         return b"".join(parts)
-    out = memoryview(np.empty(total, dtype=np.uint8))
+    out = memoryview(np.empty(total, dtype=np.uint8))  # type: ignore[arg-type] # (numpy's stubs lack Buffer)
     pos = 0
     for p in parts:
         n = len(p)

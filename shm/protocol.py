@@ -6,6 +6,7 @@ tensor bytes) by segment and offset. Tensor bytes themselves never travel in a r
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import orjson
 
@@ -67,7 +68,7 @@ def write_manifest(buf: memoryview, offset: int, doc: bytes) -> int:
     return offset + manifest_room(len(doc))
 
 
-def read_manifest(buf: memoryview, offset: int) -> dict:
+def read_manifest(buf: memoryview, offset: int) -> Any:
     (n,) = _MANIFEST_LEN.unpack_from(buf, offset)
     return orjson.loads(buf[offset + 4:offset + 4 + n])
 
@@ -78,7 +79,7 @@ def read_manifest_raw(buf: memoryview, offset: int) -> tuple[bytes, int]:
     return bytes(buf[offset + 4:offset + 4 + n]), offset + manifest_room(n)
 
 
-def read_manifest_with_data(buf: memoryview, offset: int) -> tuple[dict, int]:
+def read_manifest_with_data(buf: memoryview, offset: int) -> tuple[Any, int]:
     """The document and the absolute offset where its tensor data starts."""
     (n,) = _MANIFEST_LEN.unpack_from(buf, offset)
     return orjson.loads(buf[offset + 4:offset + 4 + n]), offset + manifest_room(n)

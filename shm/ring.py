@@ -32,7 +32,7 @@ class Ring:
     def reset(self) -> None:
         self._ctr[0] = self._ctr[1] = 0
 
-    def put(self, *fields: int) -> bool:
+    def put(self, *fields: int | bytes) -> bool:
         """Append one record; False when the ring is full (the caller decides how to back off)."""
         ctr = self._ctr
         tail = ctr[1]

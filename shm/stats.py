@@ -102,9 +102,9 @@ class StatsWriter:
         # (a numpy assignment from a list took 1.5 us; this takes 0.1).
         self.counts = array.array("Q", bytes(8 * SCALAR_SLOTS))
         self._counted = memoryview(self.counts).cast("B")[:len(SCALARS) * 8]
-        self._published = memoryview(area.scalars).cast("B")[:len(SCALARS) * 8]
+        self._published = memoryview(area.scalars).cast("B")[:len(SCALARS) * 8]  # type: ignore[arg-type]
         self._hist = area.hist.reshape(-1)
-        self._hist_words = memoryview(self._hist).cast("B").cast("Q")
+        self._hist_words = memoryview(self._hist).cast("B").cast("Q")  # type: ignore[arg-type]
         # The worker is the area's only writer: it counts in a Python copy of the histograms and
         # writes the cells that changed at flush.
         self._cells = [int(x) for x in self._hist]

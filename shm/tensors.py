@@ -112,10 +112,10 @@ def byte_view(array: np.ndarray) -> memoryview:
     refuse some shapes (zeros in them) and dtypes (bfloat16), which take the numpy way."""
     if array.flags.c_contiguous:
         try:
-            return memoryview(array).cast("B")
+            return memoryview(array).cast("B")  # type: ignore[arg-type] # (numpy's stubs lack Buffer)
         except (TypeError, ValueError, BufferError):
             pass
-    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def from_buffer(buf: memoryview, datatype: str, shape: list[int]) -> np.ndarray:

@@ -6,18 +6,17 @@ import os
 import threading
 import time
 
-import numpy as np
 import posix_ipc
 import pytest
 
-from shm.waker import AWAKE, SLEEPING, SpinPolicy, Waker
+from shm.waker import AWAKE, SLEEPING, SpinPolicy, Waker, flag_view
 
 
 @pytest.fixture
 def waker():
     sem = posix_ipc.Semaphore(f"/shmtest.waker.{os.getpid()}", posix_ipc.O_CREX)
     try:
-        yield Waker(np.zeros(1, dtype=np.uint32), sem=sem)
+        yield Waker(flag_view(memoryview(bytearray(64)), 0), sem=sem)  # the flag as segments hold it
     finally:
         sem.unlink()
         sem.close()

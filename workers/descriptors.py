@@ -14,7 +14,7 @@ always take the full way.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 SEND_TIME = b',"t":'
 LIMIT = 1024  # descriptors kept per worker; a client that never repeats itself only refills it
@@ -71,7 +71,7 @@ class Plan:
         entry.update(self.fields)
         if entry["params"]:
             entry["params"] = dict(entry["params"])  # each request's own: a backend may change it
-        entry["inputs"] = [{"name": name, "seg": client_name, "off": data_start + rel, "size": size,
+        entry["inputs"] = [{"name": name, "seg": client_name, "off": data_start + cast(int, rel), "size": size,
                             "datatype": datatype, "shape": shape} if placed is None else dict(placed)
                            for name, rel, size, datatype, shape, placed in self.inputs]
         if self.outputs is None:

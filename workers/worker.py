@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 import posix_ipc
+from mypy_extensions import mypyc_attr
 
 from shm import logs
 from shm.arena import Arena, free_block
@@ -63,12 +64,14 @@ def _wire_type(arr: Any) -> str:
     return datatype
 
 
+@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class RequestError(Exception):
     """A problem with one request (not the batch): answered as a 400 to that client only."""
 
     status = 400
 
 
+@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class DecoupledOnly(RequestError):
     """A single-answer request to a decoupled model: Triton's UNSUPPORTED (501), with its text."""
 
@@ -605,7 +608,11 @@ class Worker:
 def run(spec: dict[str, Any]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is for the broker to handle
     worker = Worker(spec)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
+
+    def stop(signum: int, frame: Any) -> None:
+        worker.running = False
+
+    signal.signal(signal.SIGTERM, stop)
     worker.load()
     try:
         worker.serve()

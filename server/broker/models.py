@@ -40,7 +40,7 @@ class Client:
 class Pending:
     """A request waiting in a queue or running in a batch."""
 
-    client: Client
+    client: Client | ClientSegment  # the broker's Client; a worker batching its own lanes holds the segment
     slot: int
     manifest_off: int
     entry: dict[str, Any]  # the resolved request, as the worker will read it

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from mypy_extensions import mypyc_attr
 
 from shm.copying import joined
 from shm.tensors import DTYPES, byte_view, element_count, itemsize, serialize_bytes
@@ -25,6 +26,7 @@ RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"
                                  "binary_data_output", "headers"})
 
 
+@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class BadRequest(Exception):
     status = 400
 
@@ -151,7 +153,7 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
         raise BadRequest("the request 'id' must be a string")
     chunks: list = []
     out_inputs = []
-    tail_len = tail if type(tail) is int else len(tail)
+    tail_len = tail if isinstance(tail, int) else len(tail)
     pos = 0  # position in the binary tail
     rel = 0  # offset of the next tensor in our arena block
     for t in inputs:
@@ -173,18 +175,18 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
             if pos + n > tail_len:
                 raise BadRequest(f"unexpected end of the request body: input '{name}' needs {n} bytes at "
                                  f"{pos}, the binary data holds {tail_len}")
-            chunk = None if type(tail) is int else tail[pos:pos + n]
+            chunk = None if isinstance(tail, int) else tail[pos:pos + n]
             pos += n
             desc["data"] = rel
             desc["size"] = n
             chunks.append(chunk)
             rel += n
         elif "data" in t:
-            chunk = json_tensor_bytes(name, datatype, shape, t["data"])
+            encoded = json_tensor_bytes(name, datatype, shape, t["data"])
             desc["data"] = rel
-            desc["size"] = len(chunk)
-            chunks.append(chunk)
-            rel += len(chunk)
+            desc["size"] = len(encoded)
+            chunks.append(encoded)
+            rel += len(encoded)
         else:
             raise BadRequest(f"input '{name}' has no 'data', binary data or shared memory region")
         if datatype != "BYTES" and "region" not in desc:

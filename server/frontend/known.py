@@ -14,6 +14,8 @@ as JSON would differ from one answer to the next).
 """
 from __future__ import annotations
 
+from typing import Any
+
 from shm.connection import Completion, Connection
 from shm.copying import PARALLEL_MIN_BYTES, joined
 from shm.protocol import read_manifest_raw
@@ -44,7 +46,7 @@ class Known:
         self.tail = tail
         # per answer descriptor: (the answer's JSON head, its length, the outputs' spans, the HTTP
         # headers (shared: read only), whether it is small enough for a plain join)
-        self.answers: dict[bytes, tuple[bytes, int, list[tuple[int, int]], list, bool]] = {}
+        self.answers: dict[bytes, tuple[bytes | memoryview, int, list[tuple[int, int]], list, bool]] = {}
 
 
 class KnownRequests:
@@ -121,7 +123,7 @@ class KnownRequests:
             return out, json_len, headers
         head, json_len, blobs, headers, small = kept
         buf = completion.buf
-        parts = [head, *[buf[data + a:data + b] for a, b in blobs]]
+        parts: list[Any] = [head, *[buf[data + a:data + b] for a, b in blobs]]
         return b"".join(parts) if small else joined(parts), json_len, headers
 
 

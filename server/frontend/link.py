@@ -30,6 +30,8 @@ import os
 import time
 from typing import Any, Callable
 
+from mypy_extensions import mypyc_attr
+
 from shm.channel import DEFAULT_SLOTS
 from shm.connection import Backpressure, Completion, Connection, Reservation, ServerUnavailable
 from shm.protocol import REQ_CONTROL, REQ_INFER
@@ -42,6 +44,7 @@ IDLE_POLL_S = float(os.environ.get("SHMSERVE_FRONTEND_IDLE_SPIN_US", "500")) / 1
 POLL_WAIT_S = float(os.environ.get("SHMSERVE_FRONTEND_POLL_WAIT_US", "1000")) / 1e6
 
 
+@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class BrokerError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -60,7 +63,9 @@ class BrokerLink:
         self.arena_bytes = arena_bytes
         self.max_inflight = max_inflight  # requests in flight on the channel; past it: 503
         self._conn: Connection | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # (untyped: uvloop's remove_reader may answer None where asyncio's stub says bool, and the
+        # compiled module checks what a typed call returns)
+        self._loop: Any = None
         self._timer: asyncio.TimerHandle | None = None
         self._polling = False
         self._progress = 0.0  # perf_counter of the last submission or answer while polling

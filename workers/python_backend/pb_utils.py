@@ -657,6 +657,8 @@ class InferenceRequest:
     raise).  The worker builds incoming requests with this same constructor.
     """
 
+    _response_sender: Any = None  # set by the worker for a decoupled model's requests
+
     def __init__(
         self,
         request_id: str = "",
