@@ -6,7 +6,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test install clean
 
-$(STAMP): pyproject.toml
+# The compiled modules (setup.py) are rebuilt whenever one of them changes: an editable install puts
+# each extension beside its source, and a stale one would run instead of the edited code.
+$(STAMP): pyproject.toml setup.py compiled-modules.txt $(shell cat compiled-modules.txt)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned to the CPU build that lies on this machine's disk; a looser pin downloads gigabytes.

@@ -39,6 +39,22 @@ STOP_TIMEOUT_S = 20.0
 _ids = itertools.count()
 
 
+def compiled_modules() -> list[Path]:
+    """The sources setup.py compiles with mypyc (compiled-modules.txt)."""
+    listed = (ROOT / "compiled-modules.txt").read_text().split()
+    return [ROOT / line for line in listed]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """An editable install keeps each compiled module beside its source, and Python imports the
+    extension first: after an edit, the tests would run the old code. Refuse that."""
+    stale = [str(src.relative_to(ROOT)) for src in compiled_modules()
+             for ext in src.parent.glob(src.stem + ".*.so") if ext.stat().st_mtime < src.stat().st_mtime]
+    if stale:
+        pytest.exit(f"compiled modules older than their sources: {', '.join(stale)}; run `make install` "
+                    f"(or `make test`) to rebuild them", returncode=2)
+
+
 def new_server_id() -> str:
     return f"t{os.getpid()}_{next(_ids)}"
 

@@ -71,7 +71,7 @@ def test_the_server_tree_is_found_by_its_port(server):
     before = proc_cpu.usage(tree)
     client = server.client()
     inputs, outputs = add_sub_request()
-    for _ in range(50):
+    for _ in range(300):  # enough CPU to show in clock ticks, the unit /proc/<pid>/stat counts in
         client.infer("add_sub", inputs, outputs=outputs)
     client.close()
     spent = proc_cpu.usage(tree) - before
