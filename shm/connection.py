@@ -233,7 +233,8 @@ class Connection:
     # -- routing --------------------------------------------------------------------------------
     def _route(self, doc: dict) -> int | None:
         """The worker to send ``doc`` to directly, or None to go through the broker."""
-        workers = self._direct_route(doc.get("model"), doc.get("version") or "")
+        # (a local caller may name the version as a number, as the broker accepts it)
+        workers = self._direct_route(doc.get("model"), str(doc.get("version") or ""))
         if workers is None:
             return None
         # Registered regions: the worker resolves (and bounds-checks) those the broker published;
@@ -284,7 +285,7 @@ class Connection:
             kept = split["canary"] is None
             # (the table holds versions as numbers: the route cache keys them as text)
             version = str(split["canary"] if not kept and random.random() < split["fraction"] else split["stable"])
-        key = (model, str(version))
+        key = (model, version)
         workers = self._route_cache.get(key, _UNKNOWN)
         if workers is _UNKNOWN:
             workers = self._route_cache[key] = self._direct_workers(*key)

@@ -1,16 +1,46 @@
-"""The install compiles the request path (setup.py, compiled-modules.txt) unless told not to."""
+"""The install compiles the request path (setup.py, compiled-modules.txt) unless told not to, and
+the server's processes run what it built."""
 from __future__ import annotations
 
 import importlib
 import os
 
+import numpy as np
+import tritonclient.http as httpclient
+
 from conftest import ROOT, compiled_modules
+
+PURE = os.environ.get("SHMSERVE_PURE_PYTHON") == "1"
+
+
+def _module_names() -> list[str]:
+    return [".".join(src.relative_to(ROOT).with_suffix("").parts) for src in compiled_modules()]
 
 
 def test_the_request_path_runs_compiled():
-    modules = [".".join(src.relative_to(ROOT).with_suffix("").parts) for src in compiled_modules()]
+    modules = _module_names()
     assert "shm.connection" in modules and "workers.worker" in modules, modules
-    pure = os.environ.get("SHMSERVE_PURE_PYTHON") == "1"
     for name in modules:
         path = importlib.import_module(name).__file__ or ""
-        assert path.endswith(".py") if pure else path.endswith(".so"), (name, path)
+        assert path.endswith(".py") if PURE else path.endswith(".so"), (name, path)
+
+
+def test_a_served_request_goes_through_the_compiled_modules(server):
+    """The frontend and the worker that answer a request have the extensions mapped (or, for a
+    plain-Python install, none of them)."""
+    client = server.client()
+    inputs = [httpclient.InferInput(name, [16], "INT32") for name in ("INPUT0", "INPUT1")]
+    for t in inputs:
+        t.set_data_from_numpy(np.arange(16, dtype=np.int32))
+    assert client.infer("add_sub", inputs).as_numpy("OUTPUT0").tolist() == list(range(0, 32, 2))
+    client.close()
+    roles = {pid: title for pid, title in server.titles().items()
+             if title.startswith(("shmserve frontend", "shmserve worker add_sub "))}
+    assert len(roles) == 2, server.titles()
+    for pid, title in roles.items():
+        with open(f"/proc/{pid}/maps") as f:
+            mapped = f.read()
+        modules = ("shm/channel", "workers/worker") if "worker" in title else ("shm/connection", "server/frontend/link")
+        for module in modules:
+            loaded = f"{ROOT}/{module}.cpython-" in mapped
+            assert loaded is not PURE, (title, module)

@@ -352,6 +352,18 @@ def test_errors_raise_inference_server_error(client, model, inputs, status, need
     np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"], A + B)
 
 
+def test_a_version_named_as_a_number_or_text_is_the_same_version(client):
+    """The broker takes a version as a number or as text; the direct lane's routing (compiled, so
+    its declared types are checked) must take both too, and an unknown one is a clear 404."""
+    for version in ("1", 1):
+        result = client.infer("add_sub", {"INPUT0": A, "INPUT1": B}, version=version)
+        assert result.model_version == "1", version
+        np.testing.assert_array_equal(result["OUTPUT0"], A + B)
+    with pytest.raises(InferenceServerError) as e:
+        client.infer("add_sub", {"INPUT0": A, "INPUT1": B}, version=7)
+    assert e.value.status == 404 and "version 7 is not found" in e.value.message
+
+
 def test_error_raised_in_the_model_carries_its_message(client):
     with pytest.raises(InferenceServerError) as e:
         client.infer("slow_reader", {"X": A}, parameters={"sleep_s": "not a number"})
