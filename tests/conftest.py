@@ -108,6 +108,24 @@ def pid_alive(pid: int) -> bool:
     return st is not None and st[1] != "Z"
 
 
+class CpuHogs:
+    """``n`` processes that never block (each ends by itself after ``limit_s`` should the test
+    die without cleaning up): tasks that want a core all the time, as busy clients do."""
+
+    def __init__(self, n: int, limit_s: float = 120.0) -> None:
+        spin = f"import time\nend = time.time() + {limit_s}\nwhile time.time() < end: pass"
+        self.procs = [subprocess.Popen([PYTHON, "-c", spin]) for _ in range(n)]
+
+    def __enter__(self) -> "CpuHogs":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+
+
 # -- HTTP helpers -------------------------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from conftest import PRODUCT_MODELS, TEST_MODELS, cmdline, cpu_ticks, descendants, pid_alive, shm_entries
+from conftest import PRODUCT_MODELS, TEST_MODELS, CpuHogs, cmdline, cpu_ticks, descendants, pid_alive, shm_entries
+from shm.cores import CPUS
 
 
 def _add_sub(server) -> None:
@@ -161,6 +162,37 @@ def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, mo
     time.sleep(2.0)
     used = (cpu_ticks([frontend])[frontend] - before_cpu) / hz
     assert used < 0.1, f"once the requests stopped the frontend should sleep, but it used {used:.2f} s of CPU in 2 s"
+
+
+def test_frontend_and_worker_sleep_when_others_want_every_core(server_factory, monkeypatch):
+    """The same closed loop with polling budgets far longer than its gaps, on a host whose cores
+    are all wanted by others (one spinning process per core, and one more): the frontend and the
+    worker wait for each request asleep, as they would with polling off, and leave the cores to
+    the clients (the control is the polling case of the test above)."""
+    monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "50000")
+    monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", "50000")
+    monkeypatch.setenv("SHMSERVE_SPIN_US", "50000")
+    s = server_factory.start([PRODUCT_MODELS])
+    titles = s.titles()
+    frontend = next(pid for pid, t in titles.items() if t.startswith("shmserve frontend "))
+    worker = s.worker_pids("add_sub")[0]
+    c = s.client()
+    a = np.arange(16, dtype=np.int32)
+    i0 = httpclient.InferInput("INPUT0", [16], "INT32")
+    i0.set_data_from_numpy(a)
+    i1 = httpclient.InferInput("INPUT1", [16], "INT32")
+    i1.set_data_from_numpy(a)
+    n = 200
+    with CpuHogs(CPUS + 1):
+        for _ in range(20):
+            c.infer("add_sub", [i0, i1])
+        before = _sleeps(frontend), _sleeps(worker)
+        for _ in range(n):
+            np.testing.assert_array_equal(c.infer("add_sub", [i0, i1]).as_numpy("OUTPUT1"), 0 * a)
+        slept = _sleeps(frontend) - before[0], _sleeps(worker) - before[1]
+    c.close()
+    # Polling, both sleep a handful of times in 200 requests (the test above); asleep, once each.
+    assert slept[0] >= n // 2 and slept[1] >= n // 2, f"(frontend, worker) slept {slept} times in {n} requests"
 
 
 @pytest.mark.parametrize("poll_wait_us, polls", [(1_000, False), (100_000_000, True)])

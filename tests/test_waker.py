@@ -9,6 +9,8 @@ import time
 import posix_ipc
 import pytest
 
+from conftest import CpuHogs
+from shm.cores import CPUS, CoreCheck, runnable
 from shm.waker import AWAKE, SLEEPING, SpinPolicy, Waker, flag_view
 
 
@@ -66,3 +68,32 @@ def test_a_producer_notify_wakes_a_sleeper(waker):
     assert seen_asleep.is_set()
     assert time.perf_counter() - t0 < 2.0
     assert waker.flag[0] == AWAKE
+
+
+def test_runnable_counts_the_tasks_that_want_a_core():
+    """The kernel's count includes the caller, and every process that never blocks."""
+    assert runnable() >= 1
+    with CpuHogs(CPUS + 1):
+        time.sleep(0.2)  # all started and spinning
+        seen = [runnable() for _ in range(20)]
+    assert min(seen) >= CPUS + 2, seen  # the hogs, and this process reading
+
+
+def test_a_host_is_crowded_while_others_want_every_core():
+    """A poller counts itself and the process it waits on; past those, as many runnable tasks as
+    cores (on average) means its spins would be taken from them. The control is this host with its
+    cores to spare (nothing else runs during the tests)."""
+    check = CoreCheck(interval_s=0.0)
+    assert not any(check.crowded() for _ in range(50)), check.average
+    with CpuHogs(CPUS + 1):
+        time.sleep(0.2)
+        check = CoreCheck(interval_s=0.0)
+        verdicts = [check.crowded() for _ in range(50)]
+    # The average of counts of at least CPUS + 2 (the hogs and this process) passes the mark of
+    # CPUS + 1.5 within 16 counts, and a moment's lower count does not undo it.
+    assert not verdicts[0] and all(verdicts[20:]), (verdicts, check.average)
+    slow = CoreCheck(interval_s=10.0)
+    assert not slow.crowded()
+    with CpuHogs(CPUS + 1):
+        time.sleep(0.2)
+        assert not any(slow.crowded() for _ in range(50))  # within its interval the last verdict stands

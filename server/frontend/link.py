@@ -33,6 +33,7 @@ from typing import Any, Callable
 from mypy_extensions import mypyc_attr
 
 from shm.channel import DEFAULT_SLOTS
+from shm.cores import CoreCheck
 from shm.connection import Backpressure, Completion, Connection, Reservation, ServerUnavailable
 from shm.protocol import REQ_CONTROL, REQ_INFER
 
@@ -71,6 +72,7 @@ class BrokerLink:
         self._progress = 0.0  # perf_counter of the last submission or answer while polling
         self._answer_s: dict[str, float] = {}  # per model: running average of its answer times
         self._polled_in_flight = 0  # requests in flight whose answers are polled for
+        self._cores = CoreCheck()  # no polling while others want every core
 
     def connection(self) -> Connection:
         conn = self._conn
@@ -101,7 +103,7 @@ class BrokerLink:
                 if conn.complete_ready():
                     self._progress = now
                 window = POLL_S if self._polled_in_flight else 0.0 if conn.in_flight else IDLE_POLL_S
-                keep = now - self._progress < window
+                keep = now - self._progress < window and not self._cores.crowded()
         finally:
             # Whatever happened, either poll again or go back to being woken: a poller that
             # stopped with its flag left awake would never hear of an answer again.
@@ -184,7 +186,8 @@ class BrokerLink:
 
     def _polls_for(self, model: str | None) -> bool:
         """Whether the loop polls for the answer: not for a model whose answers come late."""
-        return POLL_S > 0 and (model is None or self._answer_s.get(model, 0.0) < POLL_WAIT_S)
+        return POLL_S > 0 and (model is None or self._answer_s.get(model, 0.0) < POLL_WAIT_S) and \
+            not self._cores.crowded()
 
     def _polling_for(self, conn: Connection, model: str | None) -> None:
         """A request whose answer the loop polls for was sent: start or prolong the polling."""
