@@ -5,7 +5,7 @@ because on a VM a wake-up costs tens of microseconds on both sides, and its requ
 to poll for the next one as well. That pays while a core is spare (one client: p50 0.59x of
 Triton's polling, 0.82x asleep, session 17). When every core is wanted (four HTTP clients and the
 server on two cores) each spin is taken from a client waiting in a run queue: the two pollers then
-burned 178-184 us of server CPU per add_sub request against 141-150 asleep, for the same rate.
+burned 172-184 us of server CPU per add_sub request against 138-150 asleep, for the same rate.
 
 The kernel's count of tasks running or waiting for a core (the fourth field of ``/proc/loadavg``)
 says it for about a microsecond. A poller counts itself and the process it waits on (the worker
