@@ -14,13 +14,18 @@ from conftest import PRODUCT_MODELS, TEST_MODELS, CpuHogs, cmdline, cpu_ticks, d
 from shm.cores import CPUS
 
 
+def _add_sub_inputs(a: np.ndarray) -> list[httpclient.InferInput]:
+    """add_sub's two inputs, both ``a``."""
+    inputs = [httpclient.InferInput("INPUT0", [16], "INT32"), httpclient.InferInput("INPUT1", [16], "INT32")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    return inputs
+
+
 def _add_sub(server) -> None:
     a = np.arange(16, dtype=np.int32)
     c = server.client()
-    i0 = httpclient.InferInput("INPUT0", [16], "INT32")
-    i0.set_data_from_numpy(a)
-    i1 = httpclient.InferInput("INPUT1", [16], "INT32")
-    i1.set_data_from_numpy(a)
+    i0, i1 = _add_sub_inputs(a)
     np.testing.assert_array_equal(c.infer("add_sub", [i0, i1]).as_numpy("OUTPUT0"), 2 * a)
     c.close()
 
@@ -99,11 +104,7 @@ def test_idle_cpu_under_one_percent(server, client):
     # Some traffic first, so that idle means "after work", not just "after start".
     a = np.arange(16, dtype=np.int32)
     for _ in range(20):
-        i0 = httpclient.InferInput("INPUT0", [16], "INT32")
-        i0.set_data_from_numpy(a)
-        i1 = httpclient.InferInput("INPUT1", [16], "INT32")
-        i1.set_data_from_numpy(a)
-        client.infer("add_sub", [i0, i1])
+        client.infer("add_sub", _add_sub_inputs(a))
     time.sleep(1.0)  # let spinning thread pools (torch, OpenMP) go to sleep
     tree = [server.pid, *descendants(server.pid)]
     assert len(tree) >= 10, tree
@@ -138,10 +139,7 @@ def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, mo
     frontend = next(pid for pid, t in s.titles().items() if t.startswith("shmserve frontend "))
     c = s.client()
     a = np.arange(16, dtype=np.int32)
-    i0 = httpclient.InferInput("INPUT0", [16], "INT32")
-    i0.set_data_from_numpy(a)
-    i1 = httpclient.InferInput("INPUT1", [16], "INT32")
-    i1.set_data_from_numpy(a)
+    i0, i1 = _add_sub_inputs(a)
     for _ in range(100):  # warm up: the first requests after start-up let the frontend sleep a few
         c.infer("add_sub", [i0, i1])  # times more (10-24 in 200, measured), the steady state is what counts
     n = 200
@@ -178,10 +176,7 @@ def test_frontend_and_worker_sleep_when_others_want_every_core(server_factory, m
     worker = s.worker_pids("add_sub")[0]
     c = s.client()
     a = np.arange(16, dtype=np.int32)
-    i0 = httpclient.InferInput("INPUT0", [16], "INT32")
-    i0.set_data_from_numpy(a)
-    i1 = httpclient.InferInput("INPUT1", [16], "INT32")
-    i1.set_data_from_numpy(a)
+    i0, i1 = _add_sub_inputs(a)
     n = 200
     with CpuHogs(CPUS + 1):
         for _ in range(20):
