@@ -109,12 +109,22 @@ def pid_alive(pid: int) -> bool:
 
 
 class CpuHogs:
-    """``n`` processes that never block (each ends by itself after ``limit_s`` should the test
-    die without cleaning up): tasks that want a core all the time, as busy clients do."""
+    """``n`` processes that never block: tasks that want a core all the time, as busy clients do.
+    Each ends by itself after ``limit_s``, or once this process is gone, should a test die
+    without cleaning up."""
 
     def __init__(self, n: int, limit_s: float = 120.0) -> None:
-        spin = f"import time\nend = time.time() + {limit_s}\nwhile time.time() < end: pass"
-        self.procs = [subprocess.Popen([PYTHON, "-c", spin]) for _ in range(n)]
+        spin = (f"import os, time\nparent, end = os.getppid(), time.time() + {limit_s}\n"
+                f"print(flush=True)\nwhile time.time() < end and os.getppid() == parent: pass")
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for _ in range(n):
+                self.procs.append(subprocess.Popen([PYTHON, "-c", spin], stdout=subprocess.PIPE))
+            for p in self.procs:
+                p.stdout.readline()  # it is about to spin
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __enter__(self) -> "CpuHogs":
         return self
@@ -124,6 +134,7 @@ class CpuHogs:
             p.kill()
         for p in self.procs:
             p.wait()
+            p.stdout.close()
 
 
 # -- HTTP helpers -------------------------------------------------------------------------------

@@ -132,24 +132,31 @@ def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, mo
     next request of a client in a closed loop finds it awake; with 0 it sleeps in epoll between
     requests (the control: the count below does see those sleeps). The budgets here are generous
     so that on a slow CI host each answer and each next request still come within them: with the
-    default 200 us for answers, a worker descheduled for longer lets the frontend sleep too."""
+    default 200 us for answers, a worker descheduled for longer lets the frontend sleep too.
+    The frontend's requests ask the worker to poll for the next one (REQ_POLLING): it hardly
+    sleeps either."""
     monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "50000")
     monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", str(idle_spin_us))
+    monkeypatch.setenv("SHMSERVE_SPIN_US", "50000")
+    # Budgets only: a host busy with other work would turn the polling off (the next test).
+    monkeypatch.setenv("SHMSERVE_FRONTEND_CORE_CHECK", "0")
     s = server_factory.start([PRODUCT_MODELS])
     frontend = next(pid for pid, t in s.titles().items() if t.startswith("shmserve frontend "))
+    worker = s.worker_pids("add_sub")[0]
     c = s.client()
     a = np.arange(16, dtype=np.int32)
     i0, i1 = _add_sub_inputs(a)
     for _ in range(100):  # warm up: the first requests after start-up let the frontend sleep a few
         c.infer("add_sub", [i0, i1])  # times more (10-24 in 200, measured), the steady state is what counts
     n = 200
-    before = _sleeps(frontend)
+    before, worker_before = _sleeps(frontend), _sleeps(worker)
     for _ in range(n):
         np.testing.assert_array_equal(c.infer("add_sub", [i0, i1]).as_numpy("OUTPUT0"), 2 * a)
-    slept = _sleeps(frontend) - before
+    slept, worker_slept = _sleeps(frontend) - before, _sleeps(worker) - worker_before
     c.close()
     # Measured here: 0 sleeps when it polls; 97-200 without (a fast client's next request is
     # sometimes there before the loop gets to sleep).
+    assert worker_slept < n // 10, f"the worker slept {worker_slept} times in {n} closely following requests"
     if polls:
         assert slept < n // 10, f"the frontend slept {slept} times in {n} closely following requests"
     else:
@@ -163,10 +170,10 @@ def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, mo
 
 
 def test_frontend_and_worker_sleep_when_others_want_every_core(server_factory, monkeypatch):
-    """The same closed loop with polling budgets far longer than its gaps, on a host whose cores
-    are all wanted by others (one spinning process per core, and one more): the frontend and the
-    worker wait for each request asleep, as they would with polling off, and leave the cores to
-    the clients (the control is the polling case of the test above)."""
+    """The closed loop of the test above, with its budgets and the core check on, on a host whose
+    cores are all wanted by others (one spinning process per core, and one more): the frontend and
+    the worker wait for each request asleep, as they would with polling off, and leave the cores
+    to the clients. (That a quiet host does not count as crowded: ``test_waker.py``.)"""
     monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "50000")
     monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", "50000")
     monkeypatch.setenv("SHMSERVE_SPIN_US", "50000")
@@ -186,7 +193,8 @@ def test_frontend_and_worker_sleep_when_others_want_every_core(server_factory, m
             np.testing.assert_array_equal(c.infer("add_sub", [i0, i1]).as_numpy("OUTPUT1"), 0 * a)
         slept = _sleeps(frontend) - before[0], _sleeps(worker) - before[1]
     c.close()
-    # Polling, both sleep a handful of times in 200 requests (the test above); asleep, once each.
+    # Asleep: once per request each, the frontend twice (for the request, for the answer);
+    # polling, a handful of times in 200 requests (the test above).
     assert slept[0] >= n // 2 and slept[1] >= n // 2, f"(frontend, worker) slept {slept} times in {n} requests"
 
 
@@ -198,6 +206,7 @@ def test_frontend_does_not_poll_for_a_model_whose_answers_are_slow(server_factor
     a limit above 0.3 s, polls through every request."""
     monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "2000000")
     monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", "0")
+    monkeypatch.setenv("SHMSERVE_FRONTEND_CORE_CHECK", "0")  # answer times only (the core check: above)
     monkeypatch.setenv("SHMSERVE_FRONTEND_POLL_WAIT_US", str(poll_wait_us))
     repo = tmp_path / "repo"
     shutil.copytree(TEST_MODELS / "sleeper", repo / "sleeper")

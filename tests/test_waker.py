@@ -74,7 +74,6 @@ def test_runnable_counts_the_tasks_that_want_a_core():
     """The kernel's count includes the caller, and every process that never blocks."""
     assert runnable() >= 1
     with CpuHogs(CPUS + 1):
-        time.sleep(0.2)  # all started and spinning
         seen = [runnable() for _ in range(20)]
     assert min(seen) >= CPUS + 2, seen  # the hogs, and this process reading
 
@@ -84,16 +83,28 @@ def test_a_host_is_crowded_while_others_want_every_core():
     cores (on average) means its spins would be taken from them. The control is this host with its
     cores to spare (nothing else runs during the tests)."""
     check = CoreCheck(interval_s=0.0)
-    assert not any(check.crowded() for _ in range(50)), check.average
+    assert not any(check.crowded() for _ in range(100)), check.average
     with CpuHogs(CPUS + 1):
-        time.sleep(0.2)
         check = CoreCheck(interval_s=0.0)
-        verdicts = [check.crowded() for _ in range(50)]
-    # The average of counts of at least CPUS + 2 (the hogs and this process) passes the mark of
-    # CPUS + 1.5 within 16 counts, and a moment's lower count does not undo it.
-    assert not verdicts[0] and all(verdicts[20:]), (verdicts, check.average)
+        verdicts = [check.crowded() for _ in range(100)]
+        # The average of counts of at least CPUS + 2 (the hogs and this process) passes the mark
+        # of CPUS + 1.5 within 13 counts on 1 core, 36 on 64, and stays past it.
+        assert check.average >= CPUS + 1.5 and all(verdicts[-20:]), (verdicts, check.average)
+        assert not CoreCheck(enabled=False).crowded()  # SHMSERVE_FRONTEND_CORE_CHECK=0
+    # Once the others are gone the verdict turns, within a few counts (the average falls under the
+    # mark less a half as its 1/8 steps take in the lower counts).
+    assert not [check.crowded() for _ in range(100)][-1], check.average
+
+
+def test_a_crowded_spell_long_past_holds_nothing_back():
+    """Counts taken apart by more than 10 ms restart the average, and within a check's interval
+    the last verdict stands (a count is not read on every turn of a poll loop)."""
+    with CpuHogs(CPUS + 1):
+        check = CoreCheck(interval_s=0.0)
+        assert [check.crowded() for _ in range(100)][-1]
+    time.sleep(0.05)
+    assert not check.crowded(), check.average
     slow = CoreCheck(interval_s=10.0)
     assert not slow.crowded()
     with CpuHogs(CPUS + 1):
-        time.sleep(0.2)
-        assert not any(slow.crowded() for _ in range(50))  # within its interval the last verdict stands
+        assert not any(slow.crowded() for _ in range(50))
