@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import tritonclient.http as httpclient
 from conftest import PYTHON, ROOT
 
 from tools import proc_cpu
-from tools.harness import cmdline, free_port
+from tools.harness import cmdline, descendants, free_port
 
 
 def add_sub_request() -> tuple[list, list]:
@@ -109,6 +110,31 @@ def test_paired_refuses_bad_targets():
     run = subprocess.run([PYTHON, "-m", "tools.paired", "--model", "add_sub", "--target", "a=127.0.0.1:1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "needs two targets" in run.stderr
+
+
+def test_paired_stopped_by_sigterm_takes_its_client_processes_along(server):
+    """`timeout` stops a run with SIGTERM: its client processes go too (they used to stay, idle,
+    holding their connections)."""
+    run = subprocess.Popen([PYTHON, "-m", "tools.paired", "--model", "add_sub", "--clients", "2", "--pairs", "50",
+                            "--slice", "0.5", "--target", f"a={server.url}", "--target", f"b={server.url}"],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run.stdout.readline()  # the heading
+        run.stdout.readline()  # a slice ran: the clients are up
+        clients = [pid for pid in descendants(run.pid) if "spawn_main" in cmdline(pid)]
+        assert len(clients) == 2, clients
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        run.stdout.close()
+        run.stderr.close()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in clients) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in clients if os.path.exists(f"/proc/{pid}")]
 
 
 def test_paired_stops_with_an_error_when_a_target_is_gone(server):

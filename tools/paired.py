@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import statistics
 import sys
 import time
@@ -105,8 +106,14 @@ def client_main(targets: list[Target], model: str, specs: tuple[bench_http.Tenso
         for t in targets:
             callers.append(_http_caller(t, model, specs, outputs, index, shm) if t.kind == "http"
                            else _local_caller(t, model, specs, index, shm))
+        parent = os.getppid()
         while True:
-            cmd = commands.get()
+            try:
+                cmd = commands.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    return  # the run was killed: nobody will send a command, or read a result
+                continue
             if cmd is None:
                 return
             which, warm_s, slice_s = cmd
@@ -263,6 +270,10 @@ def resolve_specs(targets: list[Target], model: str, overrides: dict[str, tuple[
     return inputs, outputs
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.paired", description=__doc__.splitlines()[0])
     p.add_argument("--target", action="append", required=True, metavar="NAME=HOST:PORT|NAME=local:ID",
@@ -277,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="system: tensors in shm regions (registered over HTTP; the local client's own region)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
+    # Stopped with SIGTERM (e.g. by `timeout`): stop the client processes too, as on an error.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     targets = [parse_target(t) for t in args.target]
     if len(targets) < 2 or args.clients < 1 or args.pairs < 1 or args.slice <= 0 or args.warmup < 0:
         p.error("needs two targets or more, --clients >= 1, --pairs >= 1, --slice > 0, --warmup >= 0")
