@@ -138,8 +138,6 @@ def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, mo
     monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "50000")
     monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", str(idle_spin_us))
     monkeypatch.setenv("SHMSERVE_SPIN_US", "50000")
-    # Budgets only: a host busy with other work would turn the polling off (the next test).
-    monkeypatch.setenv("SHMSERVE_FRONTEND_CORE_CHECK", "0")
     s = server_factory.start([PRODUCT_MODELS])
     frontend = next(pid for pid, t in s.titles().items() if t.startswith("shmserve frontend "))
     worker = s.worker_pids("add_sub")[0]
@@ -170,10 +168,12 @@ def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, mo
 
 
 def test_frontend_and_worker_sleep_when_others_want_every_core(server_factory, monkeypatch):
-    """The closed loop of the test above, with its budgets and the core check on, on a host whose
-    cores are all wanted by others (one spinning process per core, and one more): the frontend and
-    the worker wait for each request asleep, as they would with polling off, and leave the cores
-    to the clients. (That a quiet host does not count as crowded: ``test_waker.py``.)"""
+    """The closed loop of the test above, with its budgets and the core check turned on
+    (SHMSERVE_FRONTEND_CORE_CHECK=1), on a host whose cores are all wanted by others (one spinning
+    process per core, and one more): the frontend and the worker wait for each request asleep, as
+    they would with polling off, and leave the cores to the clients. (That a quiet host does not
+    count as crowded: ``test_waker.py``.)"""
+    monkeypatch.setenv("SHMSERVE_FRONTEND_CORE_CHECK", "1")
     monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "50000")
     monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", "50000")
     monkeypatch.setenv("SHMSERVE_SPIN_US", "50000")
@@ -206,7 +206,6 @@ def test_frontend_does_not_poll_for_a_model_whose_answers_are_slow(server_factor
     a limit above 0.3 s, polls through every request."""
     monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "2000000")
     monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", "0")
-    monkeypatch.setenv("SHMSERVE_FRONTEND_CORE_CHECK", "0")  # answer times only (the core check: above)
     monkeypatch.setenv("SHMSERVE_FRONTEND_POLL_WAIT_US", str(poll_wait_us))
     repo = tmp_path / "repo"
     shutil.copytree(TEST_MODELS / "sleeper", repo / "sleeper")

@@ -82,15 +82,15 @@ def test_a_host_is_crowded_while_others_want_every_core():
     """A poller counts itself and the process it waits on; past those, as many runnable tasks as
     cores (on average) means its spins would be taken from them. The control is this host with its
     cores to spare (nothing else runs during the tests)."""
-    check = CoreCheck(interval_s=0.0)
+    check = CoreCheck(interval_s=0.0, enabled=True)
     assert not any(check.crowded() for _ in range(100)), check.average
     with CpuHogs(CPUS + 1):
-        check = CoreCheck(interval_s=0.0)
+        check = CoreCheck(interval_s=0.0, enabled=True)
         verdicts = [check.crowded() for _ in range(100)]
         # The average of counts of at least CPUS + 2 (the hogs and this process) passes the mark
         # of CPUS + 1.5 within 13 counts on 1 core, 36 on 64, and stays past it.
         assert check.average >= CPUS + 1.5 and all(verdicts[-20:]), (verdicts, check.average)
-        assert not CoreCheck(enabled=False).crowded()  # SHMSERVE_FRONTEND_CORE_CHECK=0
+        assert not CoreCheck().crowded()  # off unless SHMSERVE_FRONTEND_CORE_CHECK=1
     # Once the others are gone the verdict turns, within a few counts (the average falls under the
     # mark less a half as its 1/8 steps take in the lower counts).
     assert not [check.crowded() for _ in range(100)][-1], check.average
@@ -100,11 +100,11 @@ def test_a_crowded_spell_long_past_holds_nothing_back():
     """Counts taken apart by more than 10 ms restart the average, and within a check's interval
     the last verdict stands (a count is not read on every turn of a poll loop)."""
     with CpuHogs(CPUS + 1):
-        check = CoreCheck(interval_s=0.0)
+        check = CoreCheck(interval_s=0.0, enabled=True)
         assert [check.crowded() for _ in range(100)][-1]
     time.sleep(0.05)
     assert not check.crowded(), check.average
-    slow = CoreCheck(interval_s=10.0)
+    slow = CoreCheck(interval_s=10.0, enabled=True)
     assert not slow.crowded()
     with CpuHogs(CPUS + 1):
         assert not any(slow.crowded() for _ in range(50))
