@@ -39,3 +39,35 @@ def test_held_block_delays_only_the_space_behind_it_and_large_blocks_still_fit()
     free_block(buf, held)
     assert arena.alloc(3 << 20) == BLOCK_HEADER  # everything free again: from the start
     assert arena.bytes_in_use >= 3 << 20
+
+
+def test_a_block_held_through_steady_traffic_does_not_confine_it():
+    """A request held while thousands of others come and go (one waiting through a reload) keeps
+    the head from going back to the start behind it: the traffic goes on through the rest of the
+    arena, where a wrap to the start would have left it the space before the held block only."""
+    size = 64 << 20
+    buf = memoryview(bytearray(size))
+    arena = Arena(buf, 0, size)
+    in_flight: list[int] = []
+    held = -1
+    for i in range(60_000):  # ~34 MiB of 500-byte blocks, a few in flight
+        off = arena.alloc(500)
+        assert off > 0, f"no room after {i} blocks with one held"
+        if i == 100:  # held a little way in, as a request waiting through a reload would be
+            held = off
+            continue
+        in_flight.append(off)
+        if len(in_flight) > 4:
+            free_block(buf, in_flight.pop(0))
+    assert held > 100 * 500
+    for off in in_flight:
+        free_block(buf, off)
+    free_block(buf, held)
+    # Once the held block is back, steady traffic returns to the first pages.
+    in_flight = []
+    for _ in range(200_000):
+        off = arena.alloc(500)
+        in_flight.append(off)
+        if len(in_flight) > 4:
+            free_block(buf, in_flight.pop(0))
+    assert max(in_flight) < SOFT_LIMIT + 4096

@@ -67,7 +67,7 @@ class Load:
                     assert add_sub(client).tolist() == list(range(0, 32, 2))
                     self.ok += 1
                 except Exception as e:  # noqa: BLE001 - every failure is a finding
-                    self.errors.append(repr(e))
+                    self.errors.append(f"{type(e).__name__}: {e}")
         finally:
             client.close()  # on this thread: left to the GC, its __del__ warned from another one
 
