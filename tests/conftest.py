@@ -109,12 +109,13 @@ def pid_alive(pid: int) -> bool:
 
 
 class CpuHogs:
-    """``n`` processes that never block: tasks that want a core all the time, as busy clients do.
-    Each ends by itself after ``limit_s``, or once this process is gone, should a test die
+    """``n`` processes that never block (on ``core`` only, if given): tasks that want a core all the
+    time, as busy clients do. Each ends by itself after ``limit_s``, or once this process is gone, should a test die
     without cleaning up."""
 
-    def __init__(self, n: int, limit_s: float = 120.0) -> None:
-        spin = (f"import os, time\nparent, end = os.getppid(), time.time() + {limit_s}\n"
+    def __init__(self, n: int, limit_s: float = 120.0, core: int | None = None) -> None:
+        pin = f"os.sched_setaffinity(0, {{{core}}})\n" if core is not None else ""
+        spin = (f"import os, time\n{pin}parent, end = os.getppid(), time.time() + {limit_s}\n"
                 f"print(flush=True)\nwhile time.time() < end and os.getppid() == parent: pass")
         self.procs: list[subprocess.Popen] = []
         try:

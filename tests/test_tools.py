@@ -7,13 +7,12 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from conftest import PYTHON, ROOT
+from conftest import PYTHON, ROOT, CpuHogs
 
 from tools import proc_cpu
 from tools.harness import cmdline, descendants, free_port
@@ -85,18 +84,11 @@ def test_waits_for_a_core_are_read_from_schedstat():
     assert proc_cpu.WAITS_KNOWN == os.path.exists(f"/proc/{os.getpid()}/schedstat")
     if not proc_cpu.WAITS_KNOWN:
         pytest.fail("this kernel keeps no schedstat; the waits for a core cannot be checked here")
-    core = min(os.sched_getaffinity(0))
-    spin = "import os, time\nos.sched_setaffinity(0, {%d})\nend = time.time() + 1.0\nwhile time.time() < end: pass" % core
-    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
-    try:
-        time.sleep(0.2)  # both started and pinned
-        before, started = proc_cpu.usage([h.pid for h in hogs]), time.monotonic()
+    with CpuHogs(2, limit_s=10.0, core=min(os.sched_getaffinity(0))) as hogs:
+        pids = [h.pid for h in hogs.procs]
+        before, started = proc_cpu.usage(pids), time.monotonic()
         time.sleep(0.5)
-        spent, elapsed_us = proc_cpu.usage([h.pid for h in hogs]) - before, (time.monotonic() - started) * 1e6
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
+        spent, elapsed_us = proc_cpu.usage(pids) - before, (time.monotonic() - started) * 1e6
     # One core for two: together they ran at most the elapsed time and waited about as long.
     assert spent.cpu_us <= elapsed_us * 1.2, (spent, elapsed_us)
     assert spent.waited_us >= elapsed_us * 0.5, (spent, elapsed_us)

@@ -22,8 +22,9 @@ model's answers take; a request to a model whose answers take longer than
 ``SHMSERVE_FRONTEND_POLL_WAIT_US`` (a batching model under load, a slow model) neither starts nor
 prolongs the polling, and is not sent with the worker's polling hint: the worker wakes the loop
 once per round instead, and the CPU the polling would burn stays with the worker and the clients.
-Nor does the loop poll while, on average, other tasks want every core (``shm.cores``): its spins
-would be taken from them, clients of this host among them.
+With ``SHMSERVE_FRONTEND_CORE_CHECK=1`` (off by default: it costs batching models their rate) the
+loop does not poll either while, on average, other tasks want every core (``shm.cores``): its
+spins would be taken from them, clients of this host among them.
 """
 from __future__ import annotations
 
