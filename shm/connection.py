@@ -30,14 +30,14 @@ from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from .names import check_server_id, object_name, pid_alive
 from .region_table import RegionTable
-from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, REQ_POLLING, ROLE_NAMES, ROLE_WORKER, SLOT_BYTES,
+from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_DIRECT, REQ_INFER, REQ_POLLING, ROLE_NAMES, ROLE_WORKER, SLOT_BYTES,
                        SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, manifest_room, read_manifest_raw, read_manifest_with_data,
                        write_manifest)
 from .ring import Ring
 from .segment import SegmentCache
 from .tensors import byte_view
 from .copying import copy_into
-from .waker import AWAKE, SpinPolicy, read_all
+from .waker import AWAKE, SpinPolicy, fence, read_all
 
 log = logging.getLogger("shmserve.client")
 _counter = itertools.count()
@@ -108,13 +108,15 @@ class Completion:
     with the request's own block (outputs the server wrote into room reserved there live on
     until then)."""
 
-    __slots__ = ("status", "buf", "offset", "_doc", "_data", "_request")
+    __slots__ = ("status", "buf", "offset", "sent", "sent_at", "_doc", "_data", "_request")
 
     def __init__(self, status: int, buf: memoryview | None, offset: int, doc: Any = None,
-                 request: tuple[memoryview, int] | None = None) -> None:
+                 request: tuple[memoryview, int] | None = None, sent: int = 0, sent_at: int = 0) -> None:
         self.status = status
         self.buf = buf
         self.offset = offset
+        self.sent = sent  # bytes of the answer the worker wrote to the HTTP client itself
+        self.sent_at = sent_at  # when it wrote them (monotonic ns)
         self._doc = doc
         self._data = 0
         self._request = request
@@ -183,6 +185,7 @@ class Connection:
         assert self.arena is not None
         self._free_slots = collections.deque(range(slots))
         self._inflight: set[int] = set()
+        self._woken_slots: set[int] = set()  # slots whose wake-up word we raised (``want_wake``)
         self._streams: dict[int, tuple[Ring, Callback]] = {}  # slot -> its response ring
         self._callbacks: list[tuple[Callback, int] | None] = [None] * slots
         self._lock = threading.Lock()
@@ -342,15 +345,30 @@ class Connection:
                           doc.get("stream", 0), waited, polling)[0]
 
     def submit_prepared(self, prefix: bytes, route: dict | tuple[str, str], chunks: list, size: int,
-                        callback: Callback, sent_ns: int, polling: bool = False) -> int:
+                        callback: Callback, sent_ns: int, polling: bool = False, direct: bytes = b"") -> int:
         """``submit`` of an inference descriptor serialized before up to its send time
         (``prepared_prefix``) with the send time ``sent_ns``; ``route``: that descriptor (read
         only), or (model, version) if it names no region; ``chunks``: its tensors' bytes, ``size``
-        in all. The HTTP frontend's repeated requests: nothing is copied or serialized."""
+        in all. The HTTP frontend's repeated requests: nothing is copied or serialized.
+        ``direct``: a trailer (``DIRECT_TRAILER`` last) that lets the worker write the answer to the
+        HTTP client itself. Returns the request's slot."""
         if not self.alive:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
         data = b"%b%d}" % (prefix, sent_ns)
-        return self._send(REQ_INFER, data, chunks, size, callback, route, None, 0, False, polling)[0]
+        if direct:
+            return self._send(REQ_INFER | REQ_DIRECT, data, [*chunks, direct], size + len(direct), callback, route,
+                              None, 0, False, polling)[1]
+        return self._send(REQ_INFER, data, chunks, size, callback, route, None, 0, False, polling)[1]
+
+    def want_wake(self, slot: int) -> bool:
+        """Ask to be woken when the direct answer in ``slot`` completes; False if it already has
+        (then ``complete_ready`` completes it), so no wake-up is owed."""
+        if slot not in self._inflight:
+            return False
+        self._woken_slots.add(slot)
+        self.seg.set_wake(slot, True)
+        fence()  # the worker completes, fences, then reads the word: one of us sees the other
+        return self._state_words[slot * self._stride] != SLOT_DONE
 
     def call_prepared(self, prefix: bytes, views: list, body: int, model: str, version: str
                       ) -> tuple[Completion, int]:
@@ -478,6 +496,9 @@ class Connection:
         slot = self._free_slots.popleft()
         self._callbacks[slot] = (callback, off)
         self._inflight.add(slot)
+        if slot in self._woken_slots:  # raised by ``want_wake`` in the slot's last use
+            self._woken_slots.discard(slot)
+            self.seg.set_wake(slot, False)
         if on_response is not None:
             ring = Ring(buf, start + stream_at, STREAM_CAPACITY, RECORD)
             ring.reset()
@@ -504,7 +525,7 @@ class Connection:
                 worker = None  # its lane is full: the broker will queue it
         if worker is None:
             self.seg.set_target(slot, 0)
-        if worker is None and not self.seg.requests.put(kind, slot, off, total, 0):
+        if worker is None and not self.seg.requests.put(kind & ~REQ_DIRECT, slot, off, total, 0):
             self.seg.set_slot_state(slot, SLOT_FREE)
             self._callbacks[slot] = None
             self._inflight.discard(slot)
@@ -707,7 +728,7 @@ class Connection:
             entry = self._callbacks[slot]
             if entry is None or self._state_words[slot * self._stride] != SLOT_DONE:
                 return  # already completed (by a caller's own poll), or failed with the server
-            _, status, role, num, off, _, _ = self.seg.read_slot(slot)
+            _, status, role, num, off, _, _, sent, sent_at = self.seg.read_slot(slot)
             self._callbacks[slot] = None
             self._inflight.discard(slot)
             target = self._targets[slot]
@@ -720,7 +741,7 @@ class Connection:
         request = (self.seg.seg.buf, req_off)
         try:
             buf = self._producer_buf(role, num)
-            completion = Completion(status, buf, off, request=request)
+            completion = Completion(status, buf, off, request=request, sent=sent, sent_at=sent_at)
         except (posix_ipc.ExistentialError, KeyError, OSError):
             completion = Completion(500, None, 0, {"error": "the response was lost: its producer is gone"},
                                     request=request)

@@ -20,6 +20,13 @@ REQ_BYE = 3
 # Flag on a direct-lane infer record: its client polls for the answer (a closed loop of quick
 # calls), so the worker polls a moment for that client's next request too (SpinPolicy).
 REQ_POLLING = 0x100
+# Flag on a direct-lane infer record: the request block ends with a DIRECT_TRAILER, and the worker
+# may write a successful answer straight to the HTTP client's socket (shm/peer_fds.py).
+REQ_DIRECT = 0x200
+# The trailer, the block's last bytes, behind the answer descriptor the frontend expects and the
+# bytes to send before the outputs' (the HTTP head and the JSON header): the socket's descriptor
+# number in the frontend, the two lengths, spare, the socket's inode.
+DIRECT_TRAILER = struct.Struct("<IIIIQ")
 
 # Kinds of records on a worker's inbox (broker -> worker).
 W_BATCH = 1
@@ -41,9 +48,16 @@ SLOT_FREE = 0
 SLOT_PENDING = 1
 SLOT_DONE = 2
 
-# A slot: state, status (an HTTP status code), role, segment number, offset, length, spare.
-SLOT = struct.Struct("<IIIIQQQ")
+# A slot: state, status (an HTTP status code), role, segment number, offset, length, target (the
+# worker a direct request went to), bytes of the answer the worker wrote to the HTTP client itself,
+# and when it did (monotonic ns: the frontend learns of such answers late, and times them by it).
+SLOT = struct.Struct("<IIIIQQQQQ")
 SLOT_BYTES = 64
+# A word the owner of a slot answered directly raises when it must hear of that answer (a request
+# came behind it on the same HTTP connection before the slot read done): the worker wakes it then.
+SLOT_WAKE_OFFSET = 56
+# The bytes-sent field of a slot whose whole answer the worker wrote to the HTTP client.
+SENT_ALL = (1 << 64) - 1
 
 # Decoupled (streaming) requests: the client reserves a small ring in its request block; the
 # worker appends one record per response (status, flags, block offset, length, worker number).

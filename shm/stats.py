@@ -20,10 +20,10 @@ import numpy as np
 
 SCALARS = ("success", "success_ns", "failure", "failure_ns", "rejected", "inference_count",
            "execution_count", "phase_count", "queue_ns", "compute_input_ns", "compute_infer_ns",
-           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out")
+           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out", "http_direct")
 S = {name: i for i, name in enumerate(SCALARS)}
 (SUCCESS, SUCCESS_NS, FAILURE, FAILURE_NS, REJECTED, INFERENCE_COUNT, EXECUTION_COUNT, PHASE_COUNT, QUEUE_NS,
- INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT) = range(len(SCALARS))
+ INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT, HTTP_DIRECT) = range(len(SCALARS))
 SCALAR_SLOTS = 32  # room to add counters without moving the arrays behind them
 BUSY_SINCE = SCALAR_SLOTS - 1  # not a counter: monotonic ns the running execution began, 0 when idle
 PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")

@@ -41,6 +41,30 @@ def _pairs(seed: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
             for _ in range(count)]
 
 
+def send_split_and_pipelined(sock: socket.socket, reader, pairs: list, before_each=lambda: None) -> None:
+    """Requests sent in awkward ways, each answer checked in order: ``pairs[0]`` split within its
+    head, its JSON and its last byte; ``pairs[1:3]`` in one write; ``pairs[3]`` in a write that
+    ends with the start of ``pairs[4]``. ``before_each`` runs before each write of a new request."""
+    whole = _add_sub(*pairs[0])
+    for cut in (20, len(whole) - 100, len(whole) - 1):
+        before_each()
+        sock.sendall(whole[:cut])
+        time.sleep(0.05)
+        sock.sendall(whole[cut:])
+        _check(reader, *pairs[0])
+    before_each()
+    sock.sendall(_add_sub(*pairs[1]) + _add_sub(*pairs[2]))
+    _check(reader, *pairs[1])
+    _check(reader, *pairs[2])
+    before_each()
+    first, second = _add_sub(*pairs[3]), _add_sub(*pairs[4])
+    sock.sendall(first + second[:30])
+    time.sleep(0.05)
+    sock.sendall(second[30:])
+    _check(reader, *pairs[3])
+    _check(reader, *pairs[4])
+
+
 def test_repeated_heads_are_answered_from_their_own_bodies(server):
     """The same head with new values each time, one request per write, mixed with other heads
     (another header, the connection's first head again): every answer holds its own sums."""
@@ -62,21 +86,7 @@ def test_a_repeated_head_in_parts_or_pipelined_goes_through_the_parser(server):
         for a, b in pairs[:2]:  # learned
             sock.sendall(_add_sub(a, b))
             _check(reader, a, b)
-        whole = _add_sub(*pairs[2])
-        for cut in (20, len(whole) - 100, len(whole) - 1):  # within the head, the JSON, the last byte
-            sock.sendall(whole[:cut])
-            time.sleep(0.05)
-            sock.sendall(whole[cut:])
-            _check(reader, *pairs[2])
-        sock.sendall(_add_sub(*pairs[3]) + _add_sub(*pairs[4]))
-        _check(reader, *pairs[3])
-        _check(reader, *pairs[4])
-        first, second = _add_sub(*pairs[5]), _add_sub(*pairs[6])
-        sock.sendall(first + second[:30])
-        time.sleep(0.05)
-        sock.sendall(second[30:])
-        _check(reader, *pairs[5])
-        _check(reader, *pairs[6])
+        send_split_and_pipelined(sock, reader, pairs[2:7])
         sock.sendall(_add_sub(*pairs[7]))  # and the known head again, in one write
         _check(reader, *pairs[7])
 

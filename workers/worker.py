@@ -27,9 +27,10 @@ from shm import logs
 from shm.arena import Arena, free_block
 from shm.copying import copy_into
 from shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
-from shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
+from shm.peer_fds import PeerSockets
+from shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, HTTP_DIRECT, StatsWriter
 from shm.names import object_name, pid_alive
-from shm.protocol import (REQ_POLLING, ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
+from shm.protocol import (DIRECT_TRAILER, REQ_DIRECT, REQ_POLLING, SENT_ALL, ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_raw, write_manifest)
 from shm.region_table import RegionTable, locate
 from shm.segment import SegmentCache, StaleRegion
@@ -93,7 +94,10 @@ class Worker:
         self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num))
         self.seg.set_pid(os.getpid())
         self.stats = StatsWriter(self.seg.stats)
-        self._notes: list[tuple[ClientSegment, int, int, int, int]] = []
+        # answered slots: (client, slot, status, offset, length, direct answer or None)
+        self._notes: list[tuple[ClientSegment, int, int, int, int, tuple[int, int, bytes] | None]] = []
+        self._peers = PeerSockets()  # HTTP clients' sockets in the frontends, for direct answers
+        self._alone = False  # the execution answering now ran a single request
         self.signature: ModelSignature | None = None
         self.labels: dict[str, list[str]] = {}  # output name -> its label_filename's lines
         self.output_names: list[str] = []
@@ -209,7 +213,7 @@ class Worker:
                             # request would hang its caller.
                             log.warning("lane %d: dropped a record with cookie %d (the lane's holder: "
                                         "%r, cookie %d)", lane, record_cookie, client, cookie)
-                        elif self._run_direct(client, slot, off):
+                        elif self._run_direct(client, slot, off, length if kind & REQ_DIRECT else 0):
                             continue  # queued for a batch: done when it runs
                         self.stats.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
             ran = bool(lanes)
@@ -246,15 +250,18 @@ class Worker:
             self.seg.want_wakeup = False
             self.broker.waker.notify()
 
-    def _run_direct(self, client_name: str, slot: int, off: int) -> bool:
+    def _run_direct(self, client_name: str, slot: int, off: int, direct_length: int = 0) -> bool:
         """A request a client put on its lane: validated and resolved here instead of the broker,
-        then run, or queued for a batch (True) when this instance batches its lanes."""
+        then run, or queued for a batch (True) when this instance batches its lanes.
+        ``direct_length``: the length of a block that ends with a direct-answer trailer."""
         try:
             client = self._client(client_name)
         except (posix_ipc.ExistentialError, ConnectionError, ValueError) as e:
             log.warning("slot %d of client %s not answered: its segment cannot be mapped (%s)", slot, client_name, e)
             return False  # the client is gone
         entry = {"client": client_name, "pid": client.pid, "slot": slot}
+        if direct_length:
+            self._take_trailer(entry, client, off + direct_length, direct_length)
         try:
             raw, data_start = read_manifest_raw(client.seg.buf, off)
             known = split_send_time(raw)
@@ -289,6 +296,19 @@ class Worker:
             self._answer_error(entry, e.status, str(e))
             return False
         return True
+
+    @staticmethod
+    def _take_trailer(entry: dict, client: ClientSegment, end: int, length: int) -> None:
+        """What a direct answer needs (``shm.protocol.DIRECT_TRAILER``): the HTTP client's socket in
+        the frontend, the answer descriptor the frontend expects and the bytes to send before the
+        outputs (views into the request block, which lives until the frontend releases the answer)."""
+        buf = client.seg.buf
+        at = end - DIRECT_TRAILER.size
+        if at < 0 or end > len(buf):
+            return
+        fd, raw_len, head_len, _, ino = DIRECT_TRAILER.unpack_from(buf, at)
+        if raw_len + head_len + DIRECT_TRAILER.size <= length:
+            entry["http"] = (fd, ino, buf[at - head_len - raw_len:at - head_len], buf[at - head_len:at])
 
     def _check_request(self, entry: dict, client: ClientSegment, doc: dict, data_start: int,
                        known: tuple[bytes, int] | None) -> tuple[int, int, int, int]:
@@ -376,6 +396,7 @@ class Worker:
                 self._answer_error(entry, e.status if isinstance(e, RequestError) else 400, str(e))
                 self.stats.rejected()
         built = executed = time.monotonic_ns()
+        self._alone = len(live) == 1
         ok: list[bool] = []
         raised = False
         if live:
@@ -470,6 +491,7 @@ class Worker:
                     queued = len(self.batcher)
                     self.batcher.drop_client(client)
                     self.stats.counts[DIRECT_DONE] += queued - len(self.batcher)
+                self._peers.forget(client.pid)
                 self.clients.pop(name).close()
                 self.segments.drop(name)
 
@@ -490,7 +512,15 @@ class Worker:
         except (posix_ipc.ExistentialError, ConnectionError):
             self.arena.free(off)
             return  # the client is gone; nothing to answer
-        self._notes.append((client, entry["slot"], override or status, off, total))
+        direct = None
+        http = entry.get("http")
+        # Not for the answers of a batch: one wake-up of the frontend answers them all, while
+        # sending each here would load this process, a batching model's bottleneck.
+        if http is not None and self._alone and status == 200 and not override and http[2] == doc:
+            # The answer the frontend expected: the HTTP head and JSON header it sent, then the
+            # outputs' bytes (binary data, in order: what the frontend would have sent).
+            direct = (http[0], http[1], b"".join([http[3], *[data for _, data in tensors]]))
+        self._notes.append((client, entry["slot"], override or status, off, total, direct))
 
     def _send_completions(self) -> None:
         """Complete the answered slots, then wake each client once (not once per response).
@@ -500,8 +530,16 @@ class Worker:
         """
         notes, self._notes = self._notes, []
         woken = []
-        for client, slot, status, off, total in notes:
-            client.complete(slot, status, ROLE_WORKER, self.num, off, total)
+        for client, slot, status, off, total, direct in notes:
+            sent = 0 if direct is None else self._peers.write(client.pid, direct[0], direct[1], direct[2])
+            whole = direct is not None and sent == len(direct[2])
+            client.complete(slot, status, ROLE_WORKER, self.num, off, total, SENT_ALL if whole else sent,
+                            time.monotonic_ns() if whole else 0)
+            if whole:
+                self.stats.counts[HTTP_DIRECT] += 1
+                fence()  # our completion before its wake-up word (its ``want_wake``, reversed)
+                if not client.wants_wake(slot):
+                    continue  # answered in full: the frontend hears of it when it next looks
             if client not in woken:
                 woken.append(client)
         for client in woken:

@@ -949,7 +949,7 @@ class Broker:
     def _on_own_completions(self) -> None:
         states = self.own.seg.slot_states
         for slot in [s for s in self.own_inflight if states[s] == SLOT_DONE]:
-            _, status, role, num, off, _, _ = self.own.seg.read_slot(slot)
+            _, status, role, num, off, _, _, _, _ = self.own.seg.read_slot(slot)
             self.own.seg.set_slot_state(slot, SLOT_FREE)
             run, step = self.own_inflight.pop(slot)
             self.own_free.append(slot)

@@ -18,12 +18,14 @@ from typing import Any
 
 from shm.connection import Completion, Connection
 from shm.copying import PARALLEL_MIN_BYTES, joined
-from shm.protocol import read_manifest_raw
+from shm.protocol import DIRECT_TRAILER, read_manifest_raw
 
 from .codec import build_request, build_response, split_body, wants_binary
 
 LIMIT = 256  # headers kept; each keeps up to LIMIT answer shapes
 LARGEST = 8192  # bytes of a header or answer document worth keeping (larger ones are rare and big)
+DIRECT_LARGEST = 1 << 16  # the largest answer body a worker may write to the HTTP client itself
+OK_LINE = b"HTTP/1.1 200 OK\r\n"
 
 
 class Known:
@@ -31,7 +33,7 @@ class Known:
     time (as a dict, to route by: read it only, and as its bytes), where each tensor lies in the
     binary tail, and the answers built for it."""
 
-    __slots__ = ("doc", "req", "prefix", "route", "spans", "size", "tail", "answers")
+    __slots__ = ("doc", "req", "prefix", "route", "spans", "size", "tail", "answers", "direct", "direct_raw")
 
     def __init__(self, doc: dict, req: dict, spans: list[tuple[int, int]], tail: int) -> None:
         self.doc = doc
@@ -47,6 +49,15 @@ class Known:
         # per answer descriptor: (the answer's JSON head, its length, the outputs' spans, the HTTP
         # headers (shared: read only), whether it is small enough for a plain join)
         self.answers: dict[bytes, tuple[bytes | memoryview, int, list[tuple[int, int]], list, bool]] = {}
+        # What a worker needs to answer the next request on a keep-alive connection itself: the
+        # last answer descriptor, then its HTTP head and JSON header (b"": none yet, or too big).
+        self.direct = b""
+        self.direct_raw = b""
+
+    def direct_trailer(self, fd: int, ino: int) -> bytes:
+        """The request block's direct-answer trailer for the HTTP connection on socket ``fd``."""
+        return b"%b%b" % (self.direct, DIRECT_TRAILER.pack(fd, len(self.direct_raw),
+                                                            len(self.direct) - len(self.direct_raw), 0, ino))
 
 
 class KnownRequests:
@@ -122,12 +133,29 @@ class KnownRequests:
                                       headers, len(out) < PARALLEL_MIN_BYTES)
             return out, json_len, headers
         head, json_len, blobs, headers, small = kept
+        if known.direct_raw != raw:
+            size = json_len + sum(b - a for a, b in blobs)
+            if size <= DIRECT_LARGEST:
+                known.direct_raw = raw
+                known.direct = raw + http_head(OK_LINE, headers, size, True) + bytes(head)
         buf = completion.buf
         parts: list[Any] = [head, *[buf[data + a:data + b] for a, b in blobs]]
         return b"".join(parts) if small else joined(parts), json_len, headers
 
 
 JSON_HEADER = (b"content-type", b"application/json")
+
+
+def http_head(status_line: bytes, headers: list[tuple[bytes, bytes]], length: int, keep_alive: bool) -> bytes:
+    """An answer's status line and headers, as the protocol writes them."""
+    parts = [status_line]
+    for name, value in headers:
+        parts += [name, b": ", value, b"\r\n"]
+    parts.append(b"content-length: %d\r\n" % length)
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
 
 
 def answer_headers(json_len: int | None) -> list[tuple[bytes, bytes]]:

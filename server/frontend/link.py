@@ -37,6 +37,7 @@ from mypy_extensions import mypyc_attr
 
 from shm.channel import DEFAULT_SLOTS
 from shm.cores import CoreCheck
+from shm.peer_fds import allow_tracing_by
 from shm.connection import Backpressure, Completion, Connection, Reservation, ServerUnavailable
 from shm.protocol import REQ_CONTROL, REQ_INFER
 
@@ -88,6 +89,7 @@ class BrokerLink:
         except ServerUnavailable as e:
             raise BrokerError(503, f"the server is not available: {e}") from None
         loop.add_reader(conn.fileno(), self._on_readable)
+        allow_tracing_by(conn.broker_pid)  # its workers borrow our clients' sockets for direct answers
         self._conn, self._loop = conn, loop
         self._timer = loop.call_later(LIVENESS_CHECK_S, self._check)
         return conn
@@ -123,6 +125,7 @@ class BrokerLink:
         if conn is None or self._loop is None:
             return
         if conn.check_server():
+            conn.complete_ready()  # direct answers of connections that sent nothing since
             self._timer = self._loop.call_later(LIVENESS_CHECK_S, self._check)
 
     def _drop(self) -> None:
@@ -152,17 +155,34 @@ class BrokerLink:
             self._polling_for(conn, model)
 
     def submit_prepared(self, prefix: bytes, route: dict | tuple[str, str], chunks: list, size: int,
-                        callback: Callable[[Completion], None], model: str, sent_ns: int) -> None:
+                        callback: Callable[[Completion], None], model: str, sent_ns: int, direct: bytes = b"") -> int:
         """``submit`` of an inference descriptor serialized up to its send time
-        (``Connection.prepared_prefix``), as ``Connection.submit_prepared`` takes it."""
+        (``Connection.prepared_prefix``), as ``Connection.submit_prepared`` takes it; returns its slot.
+
+        With a ``direct`` trailer the worker may write the answer to the HTTP client itself: the
+        loop does not poll for it (it may learn of it only at the connection's next request,
+        ``reap``), but the worker is still asked to poll for the next request."""
         conn = self.connection()
         poll = self._polls_for(model)
         try:
-            conn.submit_prepared(prefix, route, chunks, size, self._timed(model, poll, callback), sent_ns, poll)
+            if direct:
+                return conn.submit_prepared(prefix, route, chunks, size, self._timed(model, False, callback, sent_ns),
+                                            sent_ns, poll, direct)
+            slot = conn.submit_prepared(prefix, route, chunks, size, self._timed(model, poll, callback), sent_ns, poll)
         except (Backpressure, ServerUnavailable) as e:
             raise _broker_error(e) from None
         if poll:
             self._polling_for(conn, model)
+        return slot
+
+    def reap(self, slot: int) -> None:
+        """Complete what is answered; if the request in ``slot`` (sent with a direct trailer) is
+        not among it, have the worker wake the loop when it is."""
+        conn = self._conn
+        if conn is not None:
+            conn.complete_ready()
+            if not conn.want_wake(slot):
+                conn.complete_ready()  # it completed meanwhile (or was completed above)
 
     def reserve(self, prefix: bytes, body: int, route: dict) -> tuple[Connection, Reservation]:
         """A request block for a body still arriving (``Connection.reserve``), on the connection
@@ -201,13 +221,16 @@ class BrokerLink:
             conn.stay_awake()
             self._loop.call_soon(self._poll)  # type: ignore[union-attr]
 
-    def _timed(self, model: str, polled: bool, callback: Callable[[Completion], None]
+    def _timed(self, model: str, polled: bool, callback: Callable[[Completion], None], sent_ns: int = 0
                ) -> Callable[[Completion], None]:
-        """``callback``, after the answer's time went into the model's average."""
+        """``callback``, after the answer's time went into the model's average. (A direct answer
+        is timed from ``sent_ns`` to when its worker wrote it: the loop may learn of it late.)"""
         sent = time.perf_counter()
 
         def timed(completion: Completion) -> None:
             took = time.perf_counter() - sent
+            if completion.sent_at:
+                took = max(0, completion.sent_at - sent_ns) / 1e9
             average = self._answer_s.get(model, took)
             self._answer_s[model] = average + (took - average) * 0.125
             if polled:  # (never below 0: a dropped connection's count was reset)

@@ -16,12 +16,20 @@ still unanswered) goes through the parser.
 """
 from __future__ import annotations
 
+import asyncio
+import os
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from shm.protocol import SENT_ALL
+
 from .app import Frontend, infer_target
 from .ingest import HOLD_S, BodyIngest, header_length
+from .known import http_head
+
+# Whether workers may write successful small answers to the HTTP client themselves (a direct answer).
+DIRECT_ANSWERS = os.environ.get("SHMSERVE_DIRECT_HTTP_ANSWERS", "1") != "0"
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 JOIN_LIMIT = 1 << 16  # smaller bodies are copied behind the head: one write, one buffer
@@ -40,7 +48,8 @@ class InferCycle:
     (``response_complete``, ``disconnected``, ``keep_alive``, ``message_event``) plus its body."""
 
     __slots__ = ("model", "version", "headers", "keep_alive", "expect_continue", "body", "complete", "turn",
-                 "started", "response_complete", "disconnected", "head_len", "buffered", "ingest", "hold")
+                 "started", "response_complete", "disconnected", "head_len", "buffered", "ingest", "hold",
+                 "direct_slot")
     message_event = _NoEvent()
 
     def __init__(self, model: str, version: str, headers: dict[bytes, bytes], keep_alive: bool,
@@ -61,6 +70,7 @@ class InferCycle:
         self.buffered = 0  # bytes in ``body``, until the JSON header is in
         self.ingest: BodyIngest | None = None
         self.hold: Any = None  # the timer that moves a slow body out of its reserved block
+        self.direct_slot = -1  # the request's slot, if its worker may answer the client itself
 
     def take_ingest(self) -> BodyIngest | None:
         """The body's reserved block, handed over (its hold timer stopped)."""
@@ -94,8 +104,27 @@ class InferProtocol(HttpToolsProtocol):
         # (status, body length, headers, head) of the last answer
         self._kept_head: tuple[int, int, list, bytes] | None = None
         self._idle_since = 0.0  # loop time of the last infer answer (for the keep-alive timeout)
+        self._socket: tuple[int, int] | None = None  # (descriptor, inode), if workers may answer on it
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if DIRECT_ANSWERS and self.scheme == "http" and sock is not None:
+            try:
+                fd = sock.fileno()
+                self._socket = (fd, os.fstat(fd).st_ino)
+            except (OSError, ValueError):
+                pass
+
+    def _hear_of(self, cycle: Any) -> None:
+        """A request arrived behind ``cycle``: if its worker answers the client itself, learn of
+        the answer now if it came, else have the worker wake the loop when it does (it would
+        not otherwise, and the request behind would wait for the next look)."""
+        if type(cycle) is InferCycle and cycle.direct_slot >= 0 and not cycle.response_complete:
+            self.frontend.link.reap(cycle.direct_slot)
 
     def data_received(self, data: bytes) -> None:
+        self._hear_of(self.cycle)  # (a client sends its next request once it has the answer)
         if len(data) == self._seen_read and self._between and data.startswith(self._seen_head) and self._repeat(data):
             return
         self._feeding = True
@@ -178,6 +207,7 @@ class InferProtocol(HttpToolsProtocol):
                 else:  # pipelined behind an unanswered request: uvicorn's queue starts it in order
                     self.flow.pause_reading()
                     self.pipeline.appendleft((cycle, None))  # type: ignore[arg-type]
+                    self._hear_of(existing)
                 return
         self._asgi_scope()
         super().on_headers_complete()
@@ -254,7 +284,7 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.started or cycle.response_complete:
             return
         cycle.started = True
-        reply = lambda status, out, headers: self._reply(cycle, status, out, headers)  # noqa: E731
+        reply = lambda status, out, headers, sent=0: self._reply(cycle, status, out, headers, sent)  # noqa: E731
         ingest = cycle.take_ingest()
         self._starting = True
         try:
@@ -264,15 +294,24 @@ class InferProtocol(HttpToolsProtocol):
                 chunks = cycle.body
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 cycle.body = []
-                self.frontend.start_infer(cycle.model, cycle.version, cycle.headers, body, reply)
+                # Only while nothing else is due on the socket: no write of ours pending, and a
+                # plain answer (not compressed, the connection kept).
+                socket = self._socket if cycle.keep_alive and b"accept-encoding" not in cycle.headers and \
+                    not self.transport.get_write_buffer_size() else None
+                cycle.direct_slot = self.frontend.start_infer(cycle.model, cycle.version, cycle.headers, body, reply,
+                                                              socket=socket)
+                if self.pipeline:  # requests wait behind it
+                    self._hear_of(cycle)
         finally:
             self._starting = False
 
-    def _reply(self, cycle: InferCycle, status: int, body: bytes | memoryview, headers: list[tuple[bytes, bytes]]) -> None:
+    def _reply(self, cycle: InferCycle, status: int, body: bytes | memoryview, headers: list[tuple[bytes, bytes]],
+               sent: int = 0) -> None:
+        """Write the answer, but for the ``sent`` bytes of it its worker wrote already (SENT_ALL: all)."""
         if self._feeding or self._starting:
             # Answered at once (a bad request): not from inside the parser's callbacks, and not as a
             # recursion through uvicorn's pipeline queue.
-            self.loop.call_soon(self._reply, cycle, status, body, headers)
+            self.loop.call_soon(self._reply, cycle, status, body, headers, sent)
             return
         if cycle.response_complete:
             return
@@ -280,28 +319,29 @@ class InferProtocol(HttpToolsProtocol):
         transport = self.transport
         if cycle.disconnected or transport.is_closing():
             return
+        if sent != SENT_ALL:
+            self._write(cycle, status, body, headers, sent)
+        if not cycle.keep_alive:  # (a direct answer's connection may have been told to close since)
+            transport.close()
+        self._answered()
+
+    def _write(self, cycle: InferCycle, status: int, body: bytes | memoryview, headers: list[tuple[bytes, bytes]],
+               sent: int) -> None:
+        transport = self.transport
         kept = self._kept_head  # a closed-loop client's answers repeat their head too
         if kept is not None and kept[0] == status and kept[1] == len(body) and cycle.keep_alive and \
                 (kept[2] is headers or kept[2] == headers):
             head = kept[3]
         else:
-            parts = [STATUS_LINE[status]]
-            for name, value in headers:
-                parts += [name, b": ", value, b"\r\n"]
-            parts.append(b"content-length: %d\r\n" % len(body))
-            if not cycle.keep_alive:
-                parts.append(b"connection: close\r\n")
-            parts.append(b"\r\n")
-            head = b"".join(parts)
+            head = http_head(STATUS_LINE[status], headers, len(body), cycle.keep_alive)
             if cycle.keep_alive:
                 self._kept_head = (status, len(body), headers, head)
-        if len(body) < JOIN_LIMIT:
+        if sent:  # the worker wrote the start of it (its socket's buffer was full)
+            transport.write((head + bytes(body))[sent:])
+        elif len(body) < JOIN_LIMIT:
             transport.write(head + body)
         else:  # one writev, no copy of a large body
             transport.writelines([head, body])
-        if not cycle.keep_alive:
-            transport.close()
-        self._answered()
 
     def _answered(self) -> None:
         """uvicorn's ``on_response_complete``, but with the keep-alive timer armed once per idle
