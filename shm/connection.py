@@ -744,7 +744,7 @@ class Connection:
             completion = Completion(status, buf, off, request=request, sent=sent, sent_at=sent_at)
         except (posix_ipc.ExistentialError, KeyError, OSError):
             completion = Completion(500, None, 0, {"error": "the response was lost: its producer is gone"},
-                                    request=request)
+                                    request=request, sent=sent, sent_at=sent_at)
         try:
             callback(completion)
         except Exception:  # noqa: BLE001 - a faulty callback must not kill the waiter thread
@@ -753,6 +753,9 @@ class Connection:
 
     def _server_gone(self) -> None:
         self.alive = False
+        # What was answered is answered (a worker may have written it to its HTTP client already:
+        # a failure written behind it would answer the client's next request).
+        self._complete_all()
         self._fail_all(f"the shmserve server '{self.server_id}' went away while the request was in flight")
 
     def _fail_all(self, msg: str) -> None:

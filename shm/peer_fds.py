@@ -9,7 +9,7 @@ and closed at once, so that the frontend alone decides when the connection ends.
 
 Borrowing needs the right to trace the holder: the same user, and under Yama's ptrace scope 1
 the holder's leave (``allow_tracing_by``). Where it is refused (seccomp, other users, kernels
-before 5.6), ``borrow`` answers None and the answer goes the usual way.
+before 5.6), ``write`` answers -1 and the answer goes the usual way.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import ctypes
 import errno
 import os
 
-_PIDFD_GETFD = 438  # the same number on every architecture since Linux 5.6
+_PIDFD_GETFD = 438  # Linux 5.6+, on the architectures with the common syscall table (x86-64, arm64, ...)
 _PR_SET_PTRACER = 0x59616D61
 _SEND_FLAGS = 0x40 | 0x4000  # MSG_DONTWAIT | MSG_NOSIGNAL: never block, never SIGPIPE
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -45,7 +45,7 @@ class PeerSockets:
 
     def borrow(self, pid: int, fd: int, ino: int) -> int:
         """A duplicate of ``pid``'s descriptor ``fd`` if it still is the socket with inode ``ino``
-        (close it after use), else -1."""
+        (close it after use); -1 if it is not, -2 if borrowing from ``pid`` is refused."""
         pidfd = self._pidfds.get(pid)
         if pidfd is None:
             try:
@@ -54,7 +54,7 @@ class PeerSockets:
                 pidfd = -1
             self._pidfds[pid] = pidfd
         if pidfd < 0:
-            return -1
+            return -2
         dup = _syscall(_PIDFD_GETFD, pidfd, fd, 0)
         if dup < 0:
             code = ctypes.get_errno()
@@ -62,6 +62,7 @@ class PeerSockets:
                 self.forget(pid)
                 if code != errno.ESRCH:
                     self._pidfds[pid] = -1  # refused: never again for this process
+                    return -2
             return -1
         try:
             if os.fstat(dup).st_ino == ino:
@@ -72,10 +73,11 @@ class PeerSockets:
         return -1
 
     def write(self, pid: int, fd: int, ino: int, data: bytes) -> int:
-        """Bytes of ``data`` written to the peer's socket without blocking (0: none, for any reason)."""
+        """Bytes of ``data`` written to the peer's socket without blocking: 0 if none (a full
+        buffer, a client gone, the descriptor another socket's by now), -1 if borrowing is refused."""
         dup = self.borrow(pid, fd, ino)
         if dup < 0:
-            return 0
+            return -1 if dup == -2 else 0
         try:
             # < 0: EAGAIN (its buffer is full), EPIPE/ECONNRESET (the client left)
             return max(0, _send(dup, data, len(data), _SEND_FLAGS))

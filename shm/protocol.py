@@ -56,8 +56,10 @@ SLOT_BYTES = 64
 # A word the owner of a slot answered directly raises when it must hear of that answer (a request
 # came behind it on the same HTTP connection before the slot read done): the worker wakes it then.
 SLOT_WAKE_OFFSET = 56
-# The bytes-sent field of a slot whose whole answer the worker wrote to the HTTP client.
+# The bytes-sent field of a slot whose whole answer the worker wrote to the HTTP client; and of one
+# it could not, because this host refuses it the client's socket (the frontend then stops asking).
 SENT_ALL = (1 << 64) - 1
+SENT_REFUSED = (1 << 64) - 2
 
 # Decoupled (streaming) requests: the client reserves a small ring in its request block; the
 # worker appends one record per response (status, flags, block offset, length, worker number).

@@ -203,8 +203,7 @@ def test_frontend_does_not_poll_for_a_model_whose_answers_are_slow(server_factor
                                                                     poll_wait_us, polls):
     """Once the frontend has seen a model answer slowly (the sleeper: 0.3 s), it waits for that
     model's answers asleep, even with a polling window far longer than the wait; the control, with
-    a limit above 0.3 s, polls through every request. (The answers are asked for as JSON: a binary
-    one the worker may write to the client itself, and there is no answer to poll for then.)"""
+    a limit above 0.3 s, polls through every request."""
     monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "2000000")
     monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", "0")
     monkeypatch.setenv("SHMSERVE_FRONTEND_POLL_WAIT_US", str(poll_wait_us))
@@ -215,13 +214,12 @@ def test_frontend_does_not_poll_for_a_model_whose_answers_are_slow(server_factor
     c = s.client()
     i0 = httpclient.InferInput("X", [1], "FP32")
     i0.set_data_from_numpy(np.array([1.0], dtype=np.float32))
-    pid = [httpclient.InferRequestedOutput("PID", binary_data=False)]
-    c.infer("sleeper", [i0], outputs=pid)  # the first answer of a model is waited for polling: its time is unknown
+    c.infer("sleeper", [i0])  # the first answer of a model is waited for polling: its time is unknown
     hz = os.sysconf("SC_CLK_TCK")
     before = cpu_ticks([frontend])[frontend]
     t0 = time.monotonic()
     for _ in range(3):
-        assert c.infer("sleeper", [i0], outputs=pid).as_numpy("PID")[0] in s.worker_pids("sleeper")
+        assert c.infer("sleeper", [i0]).as_numpy("PID")[0] in s.worker_pids("sleeper")
     elapsed = time.monotonic() - t0
     used = (cpu_ticks([frontend])[frontend] - before) / hz
     c.close()

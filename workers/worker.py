@@ -30,7 +30,7 @@ from shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegme
 from shm.peer_fds import PeerSockets
 from shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, HTTP_DIRECT, StatsWriter
 from shm.names import object_name, pid_alive
-from shm.protocol import (DIRECT_TRAILER, REQ_DIRECT, REQ_POLLING, SENT_ALL, ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
+from shm.protocol import (DIRECT_TRAILER, REQ_DIRECT, REQ_POLLING, SENT_ALL, SENT_REFUSED, ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_raw, write_manifest)
 from shm.region_table import RegionTable, locate
 from shm.segment import SegmentCache, StaleRegion
@@ -533,8 +533,9 @@ class Worker:
         for client, slot, status, off, total, direct in notes:
             sent = 0 if direct is None else self._peers.write(client.pid, direct[0], direct[1], direct[2])
             whole = direct is not None and sent == len(direct[2])
-            client.complete(slot, status, ROLE_WORKER, self.num, off, total, SENT_ALL if whole else sent,
-                            time.monotonic_ns() if whole else 0)
+            # (refused: the frontend stops asking, and answers this one itself)
+            client.complete(slot, status, ROLE_WORKER, self.num, off, total,
+                            SENT_ALL if whole else SENT_REFUSED if sent < 0 else sent, time.monotonic_ns() if whole else 0)
             if whole:
                 self.stats.counts[HTTP_DIRECT] += 1
                 fence()  # our completion before its wake-up word (its ``want_wake``, reversed)
@@ -628,6 +629,7 @@ class Worker:
         return status, off, total
 
     def close(self) -> None:
+        self._peers.close()
         try:
             if self.instance is not None:
                 self.instance.finalize()

@@ -25,7 +25,7 @@ from server import __version__
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, build_response, parse_json
 from .generate import build_generate_request, generate_response
 from shm.connection import Completion, Connection
-from shm.protocol import REQ_CONTROL, REQ_INFER, SENT_ALL
+from shm.protocol import REQ_CONTROL, REQ_INFER, SENT_ALL, SENT_REFUSED
 
 from .ingest import BodyIngest
 from .known import JSON_HEADER, Known, KnownRequests, answer_headers
@@ -130,6 +130,7 @@ class Frontend:
         self.max_request_bytes = arena_bytes - (64 << 10)
         self.tracer = Tracer(server_id)  # trace extension (server/frontend/tracing.py)
         self._last_socket: tuple[int, int] | None = None  # of the last request workers could answer
+        self.direct_refused = False  # a worker was refused our clients' sockets (shm/peer_fds.py)
 
     async def _control(self, doc: dict) -> tuple[int, Any]:
         return await self.link.control(doc)
@@ -268,7 +269,7 @@ class Frontend:
             model, version, doc, headers, completion, reply, trace, known)
         try:
             if known is not None and trace is None:  # a header seen before: its descriptor's bytes are kept
-                if socket is not None and known.direct and self._several_clients(socket):
+                if socket is not None and known.direct and not self.direct_refused and self._several_clients(socket):
                     return self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received,
                                                      known.direct_trailer(*socket))
                 self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received)
@@ -334,10 +335,14 @@ class Frontend:
         except BrokerError:
             reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
 
-    @staticmethod
-    def _finish_infer(model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion,
+    def _finish_infer(self, model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion,
                       reply: Reply, trace: Trace | None = None, known: Known | None = None) -> None:
         sent = completion.sent  # bytes of the answer the worker wrote to the HTTP client itself
+        if sent == SENT_REFUSED:
+            self.direct_refused = True
+            log.warning("a worker may not write answers to HTTP clients itself on this host (pidfd_getfd "
+                        "refused); the frontend writes every answer")
+            sent = 0
         if sent == SENT_ALL:
             completion.release()
             reply(200, b"", [], sent)

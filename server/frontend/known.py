@@ -135,9 +135,8 @@ class KnownRequests:
         head, json_len, blobs, headers, small = kept
         if known.direct_raw != raw:
             size = json_len + sum(b - a for a, b in blobs)
-            if size <= DIRECT_LARGEST:
-                known.direct_raw = raw
-                known.direct = raw + http_head(OK_LINE, headers, size, True) + bytes(head)
+            known.direct_raw = raw
+            known.direct = raw + http_head(OK_LINE, headers, size, True) + bytes(head) if size <= DIRECT_LARGEST else b""
         buf = completion.buf
         parts: list[Any] = [head, *[buf[data + a:data + b] for a, b in blobs]]
         return b"".join(parts) if small else joined(parts), json_len, headers

@@ -124,8 +124,8 @@ class BrokerLink:
         conn = self._conn
         if conn is None or self._loop is None:
             return
+        conn.complete_ready()  # direct answers of connections that sent nothing since (first: see below)
         if conn.check_server():
-            conn.complete_ready()  # direct answers of connections that sent nothing since
             self._timer = self._loop.call_later(LIVENESS_CHECK_S, self._check)
 
     def _drop(self) -> None:

@@ -193,6 +193,7 @@ class InferProtocol(HttpToolsProtocol):
         return self.restricted is None or headers.get(self.restricted[0]) == self.restricted[1]
 
     def on_headers_complete(self) -> None:
+        self._hear_of(self.cycle)  # a request behind a direct answer, in the same read
         parser = self.parser
         if parser.get_method() == b"POST" and self.limit_concurrency is None and not parser.should_upgrade():
             target = infer_target(self.url)
@@ -207,7 +208,6 @@ class InferProtocol(HttpToolsProtocol):
                 else:  # pipelined behind an unanswered request: uvicorn's queue starts it in order
                     self.flow.pause_reading()
                     self.pipeline.appendleft((cycle, None))  # type: ignore[arg-type]
-                    self._hear_of(existing)
                 return
         self._asgi_scope()
         super().on_headers_complete()
@@ -296,8 +296,9 @@ class InferProtocol(HttpToolsProtocol):
                 cycle.body = []
                 # Only while nothing else is due on the socket: no write of ours pending, and a
                 # plain answer (not compressed, the connection kept).
-                socket = self._socket if cycle.keep_alive and b"accept-encoding" not in cycle.headers and \
-                    not self.transport.get_write_buffer_size() else None
+                accept = cycle.headers.get(b"accept-encoding", b"")
+                socket = self._socket if cycle.keep_alive and b"gzip" not in accept and b"deflate" not in accept \
+                    and not self.transport.get_write_buffer_size() else None
                 cycle.direct_slot = self.frontend.start_infer(cycle.model, cycle.version, cycle.headers, body, reply,
                                                               socket=socket)
                 if self.pipeline:  # requests wait behind it
@@ -319,6 +320,11 @@ class InferProtocol(HttpToolsProtocol):
         transport = self.transport
         if cycle.disconnected or transport.is_closing():
             return
+        if 0 < sent != SENT_ALL and status != 200:
+            # The worker wrote the start of an answer whose rest is lost (its arena went with it):
+            # the connection cannot carry anything sound any more.
+            transport.close()
+            return
         if sent != SENT_ALL:
             self._write(cycle, status, body, headers, sent)
         if not cycle.keep_alive:  # (a direct answer's connection may have been told to close since)
@@ -328,13 +334,16 @@ class InferProtocol(HttpToolsProtocol):
     def _write(self, cycle: InferCycle, status: int, body: bytes | memoryview, headers: list[tuple[bytes, bytes]],
                sent: int) -> None:
         transport = self.transport
+        # A worker that wrote the start of it wrote a keep-alive head, whatever was decided since
+        # (a graceful shutdown asks to close): the rest must follow that head.
+        keep_alive = cycle.keep_alive or sent > 0
         kept = self._kept_head  # a closed-loop client's answers repeat their head too
-        if kept is not None and kept[0] == status and kept[1] == len(body) and cycle.keep_alive and \
+        if kept is not None and kept[0] == status and kept[1] == len(body) and keep_alive and \
                 (kept[2] is headers or kept[2] == headers):
             head = kept[3]
         else:
-            head = http_head(STATUS_LINE[status], headers, len(body), cycle.keep_alive)
-            if cycle.keep_alive:
+            head = http_head(STATUS_LINE[status], headers, len(body), keep_alive)
+            if keep_alive:
                 self._kept_head = (status, len(body), headers, head)
         if sent:  # the worker wrote the start of it (its socket's buffer was full)
             transport.write((head + bytes(body))[sent:])
