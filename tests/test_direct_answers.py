@@ -18,7 +18,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import PRODUCT_MODELS, TEST_MODELS, read_raw_response
-from test_batching import metric
+from test_batching import REPO as BATCHING_MODELS
+from test_batching import infer_with, metric
 from test_repeated_heads import _add_sub, _check, _pairs, send_split_and_pipelined
 
 
@@ -316,3 +317,28 @@ def test_a_direct_answer_is_not_followed_by_an_error_when_the_broker_dies(server
         stray = _stray(sock, 0.5)
         assert stray == b"", stray
     other.close()
+
+
+def test_the_answers_of_a_batch_go_through_the_frontend(server_factory):
+    """A batching model (``probe``: a batch forms at 4 requests, or after 300 ms): the answers of
+    a batch of 4 are written by the frontend, one wake-up for all; a request that runs alone,
+    from a connection after another's, is answered by the worker itself (the control: the
+    frontend did let the worker answer this model)."""
+    import concurrent.futures as cf
+
+    server = server_factory.start([BATCHING_MODELS])
+
+    def batch_of_four() -> None:
+        with cf.ThreadPoolExecutor(4) as pool:  # each call on a connection of its own
+            assert [r["reqs"] for r in pool.map(lambda _: infer_with(server.url, "probe"), range(4))] == [4] * 4
+
+    for _ in range(3):  # the frontend learns the header and the answer's head
+        batch_of_four()
+    # (A worker counts an answer it wrote when it flushes its counters, at its next execution.)
+    infer_with(server.url, "probe")  # A: alone (after 300 ms), answered directly
+    before = _direct(server, "probe")
+    batch_of_four()  # counts A
+    infer_with(server.url, "probe")  # B, alone: counts the batch
+    assert _direct(server, "probe") == before + 1  # A, and none of the four
+    infer_with(server.url, "probe")  # counts B
+    assert _direct(server, "probe") == before + 2
