@@ -740,7 +740,8 @@ class Connection:
         callback, req_off = entry
         request = (self.seg.seg.buf, req_off)
         try:
-            buf = self._producer_buf(role, num)
+            # (no block: a direct answer sent whole; 0 is never a block's offset)
+            buf = self._producer_buf(role, num) if off else None
             completion = Completion(status, buf, off, request=request, sent=sent, sent_at=sent_at)
         except (posix_ipc.ExistentialError, KeyError, OSError):
             completion = Completion(500, None, 0, {"error": "the response was lost: its producer is gone"},

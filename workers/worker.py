@@ -82,6 +82,20 @@ class DecoupledOnly(RequestError):
         super().__init__("HTTP end point doesn't support models with decoupled transaction policy")
 
 
+class DirectSend:
+    """An answer this worker writes to an HTTP client's socket itself (``PeerSockets.write``), and
+    what it takes to write the usual response block instead if the send falls short (no block is
+    written for a whole send: the frontend would only free it)."""
+
+    def __init__(self, fd: int, ino: int, data: bytes, entry: dict, doc: bytes, tensors: list[tuple[int, Any]]) -> None:
+        self.fd = fd
+        self.ino = ino
+        self.data = data
+        self.entry = entry
+        self.doc = doc
+        self.tensors = tensors
+
+
 class Worker:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
@@ -95,7 +109,9 @@ class Worker:
         self.seg.set_pid(os.getpid())
         self.stats = StatsWriter(self.seg.stats)
         # answered slots: (client, slot, status, offset, length, direct answer or None)
-        self._notes: list[tuple[ClientSegment, int, int, int, int, tuple[int, int, bytes] | None]] = []
+        # Answers to complete after the counters are flushed: (client, slot, status, offset, length,
+        # direct send or None). A direct send's response block is written only if the send falls short.
+        self._notes: list[tuple[ClientSegment, int, int, int, int, DirectSend | None]] = []
         self._peers = PeerSockets()  # HTTP clients' sockets in the frontends, for direct answers
         self._alone = False  # the execution answering now ran a single request
         self.signature: ModelSignature | None = None
@@ -503,7 +519,21 @@ class Worker:
         return client
 
     def _deliver(self, entry: dict, status: int, doc: bytes, tensors: list[tuple[int, Any]]) -> None:
-        """Write one response block (JSON, then tensor bytes); the client is woken after counting."""
+        """Write one response block (JSON, then tensor bytes), or keep a direct answer to send;
+        the client is woken after counting."""
+        http = entry.get("http")
+        # Not for the answers of a batch: one wake-up of the frontend answers them all, while
+        # sending each here would load this process, a batching model's bottleneck.
+        if http is not None and self._alone and status == 200 and http[2] == doc:
+            try:
+                client = self._client(entry["client"])
+            except (posix_ipc.ExistentialError, ConnectionError):
+                return  # the client is gone; nothing to answer
+            # The answer the frontend expected: the HTTP head and JSON header it sent, then the
+            # outputs' bytes (binary data, in order: what the frontend would have sent).
+            send = DirectSend(http[0], http[1], b"".join([http[3], *[data for _, data in tensors]]), entry, doc, tensors)
+            self._notes.append((client, entry["slot"], status, 0, 0, send))
+            return
         override, off, total = self._write_block(entry, doc, tensors)
         if off < 0:
             return
@@ -512,15 +542,7 @@ class Worker:
         except (posix_ipc.ExistentialError, ConnectionError):
             self.arena.free(off)
             return  # the client is gone; nothing to answer
-        direct = None
-        http = entry.get("http")
-        # Not for the answers of a batch: one wake-up of the frontend answers them all, while
-        # sending each here would load this process, a batching model's bottleneck.
-        if http is not None and self._alone and status == 200 and not override and http[2] == doc:
-            # The answer the frontend expected: the HTTP head and JSON header it sent, then the
-            # outputs' bytes (binary data, in order: what the frontend would have sent).
-            direct = (http[0], http[1], b"".join([http[3], *[data for _, data in tensors]]))
-        self._notes.append((client, entry["slot"], override or status, off, total, direct))
+        self._notes.append((client, entry["slot"], override or status, off, total, None))
 
     def _send_completions(self) -> None:
         """Complete the answered slots, then wake each client once (not once per response).
@@ -531,8 +553,14 @@ class Worker:
         notes, self._notes = self._notes, []
         woken = []
         for client, slot, status, off, total, direct in notes:
-            sent = 0 if direct is None else self._peers.write(client.pid, direct[0], direct[1], direct[2])
-            whole = direct is not None and sent == len(direct[2])
+            sent = 0 if direct is None else self._peers.write(client.pid, direct.fd, direct.ino, direct.data)
+            whole = direct is not None and sent == len(direct.data)
+            if direct is not None and not whole:
+                # Not sent, or only part of it: the frontend answers (the rest) from a block as usual.
+                override, off, total = self._write_block(direct.entry, direct.doc, direct.tensors)
+                if off < 0:
+                    continue
+                status = override or status
             # (refused: the frontend stops asking, and answers this one itself)
             client.complete(slot, status, ROLE_WORKER, self.num, off, total,
                             SENT_ALL if whole else SENT_REFUSED if sent < 0 else sent, time.monotonic_ns() if whole else 0)

@@ -161,13 +161,15 @@ class BrokerLink:
 
         With a ``direct`` trailer the worker may write the answer to the HTTP client itself: the
         loop does not poll for it (it may learn of it only at the connection's next request,
-        ``reap``), but the worker is still asked to poll for the next request."""
+        ``reap``), nor is the worker asked to poll for the next request: several clients are being
+        served, so the next request is another client's and comes after its own round trip (the
+        worker's polling measured the same rate for 26-31 us more CPU per request)."""
         conn = self.connection()
-        poll = self._polls_for(model)
+        poll = not direct and self._polls_for(model)
         try:
             if direct:
                 return conn.submit_prepared(prefix, route, chunks, size, self._timed(model, False, callback, sent_ns),
-                                            sent_ns, poll, direct)
+                                            sent_ns, False, direct)
             slot = conn.submit_prepared(prefix, route, chunks, size, self._timed(model, poll, callback), sent_ns, poll)
         except (Backpressure, ServerUnavailable) as e:
             raise _broker_error(e) from None
