@@ -30,9 +30,9 @@ from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from .names import check_server_id, object_name, pid_alive
 from .region_table import RegionTable
-from .protocol import (RECORD, REQ_BYE, REQ_CONTROL, REQ_DIRECT, REQ_INFER, REQ_POLLING, ROLE_NAMES, ROLE_WORKER, SLOT_BYTES,
-                       SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, manifest_room, read_manifest_raw, read_manifest_with_data,
-                       write_manifest)
+from .protocol import (NO_ROOM, RECORD, REQ_BYE, REQ_CONTROL, REQ_DIRECT, REQ_INFER, REQ_POLLING, ROLE_NAMES, ROLE_WORKER,
+                       SENT_ALL, SLOT_BYTES, SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, manifest_room,
+                       read_manifest_raw, read_manifest_with_data, write_manifest)
 from .ring import Ring
 from .segment import SegmentCache
 from .tensors import byte_view
@@ -740,9 +740,13 @@ class Connection:
         callback, req_off = entry
         request = (self.seg.seg.buf, req_off)
         try:
-            # (no block: a direct answer sent whole; 0 is never a block's offset)
-            buf = self._producer_buf(role, num) if off else None
-            completion = Completion(status, buf, off, request=request, sent=sent, sent_at=sent_at)
+            if off:
+                completion = Completion(status, self._producer_buf(role, num), off, request=request, sent=sent,
+                                        sent_at=sent_at)
+            elif sent == SENT_ALL:  # no block: a direct answer its worker sent whole (0 is never a block's offset)
+                completion = Completion(status, None, 0, request=request, sent=sent, sent_at=sent_at)
+            else:  # no block: its producer had no room for one, not even for an error
+                completion = Completion(status, None, 0, {"error": NO_ROOM}, request=request, sent=sent)
         except (posix_ipc.ExistentialError, KeyError, OSError):
             completion = Completion(500, None, 0, {"error": "the response was lost: its producer is gone"},
                                     request=request, sent=sent, sent_at=sent_at)

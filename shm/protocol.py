@@ -23,6 +23,9 @@ REQ_POLLING = 0x100
 # Flag on a direct-lane infer record: the request block ends with a DIRECT_TRAILER, and the worker
 # may write a successful answer straight to the HTTP client's socket (shm/peer_fds.py).
 REQ_DIRECT = 0x200
+# The error of an answer completed without a block (offset 0, not a whole direct answer): its
+# producer's arena had no room for it, not even for an error. Its status is 503.
+NO_ROOM = "the server had no room in its shared-memory arena for the response; retry later"
 # The trailer, the block's last bytes, behind the answer descriptor the frontend expects and the
 # bytes to send before the outputs' (the HTTP head and the JSON header): the socket's descriptor
 # number in the frontend, the two lengths, spare, the socket's inode.

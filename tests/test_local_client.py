@@ -25,6 +25,7 @@ import pytest
 from conftest import (PYTHON, ROOT, cpu_ticks, processes_mapping, raw_request, shm_entries, shm_names,
                       start_shm_server)
 from shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
+from shm.protocol import NO_ROOM
 
 N = 16
 A = np.arange(N, dtype=np.int32)
@@ -948,6 +949,28 @@ def test_killed_clients_segment_is_unmapped_by_the_server(lc_server, killed_clie
         wait_for(lambda: processes_mapping(lc_server.tree(), segment) == [], left,
                  f"every server process unmaps the killed client's segment {segment}")
 
+
+
+def test_a_worker_with_no_room_even_for_an_error_still_answers(server_factory):
+    """A result held in a worker's output arena leaves it 0 to 1000 bytes: the next answer does
+    not fit, and at some sizes not even its 503 does. The worker then completes the request
+    without a block, which the client reads as NO_ROOM; before, the request was dropped and its
+    caller waited forever."""
+    server = start_shm_server(server_factory, ["--worker-arena-mb", "1"])
+    tiny = np.array([b"x"], dtype=object)
+    outcomes = set()
+    with Client(server.id) as c:
+        for size in range((1 << 20) - 1000, (1 << 20) - 200, 8):
+            held = c.infer("bytes_identity", {"IN": np.array([b"a" * size], dtype=object)})
+            try:
+                c.infer("bytes_identity", {"IN": tiny}, client_timeout=5).release()
+                outcomes.add("answered")
+            except InferenceServerError as e:
+                assert "no room" in str(e), (size, str(e))  # never 'Deadline Exceeded'
+                outcomes.add("no room for the answer" if "has no room" in str(e) else str(e))
+            held.release()
+        assert outcomes == {"answered", "no room for the answer", NO_ROOM}, outcomes
+        assert (c.infer("bytes_identity", {"IN": tiny})["OUT"] == tiny).all()  # the arena is whole again
 
 
 def test_a_long_running_client_never_runs_out_of_arena(lc_server):

@@ -45,7 +45,7 @@ class StreamSender:
                 override, off, total = self.worker._write_block(self.entry, doc, tensors)
                 status = override or status
                 self.failed |= status != 200
-                if off >= 0:
+                if off > 0:  # (0: not even the error found room; the final answer says so)
                     self._put(status, 0, off, total)
                     self.sent += 1
             if final:
@@ -65,9 +65,8 @@ class StreamSender:
     def _finish(self) -> None:
         """Complete the request's slot: the client then knows no response follows."""
         doc = orjson.dumps({"final": True, "responses": self.sent})
-        _, off, total = self.worker._write_block(self.entry, doc, [])
-        if off >= 0:
-            self.client.complete(self.entry["slot"], 200, ROLE_WORKER, self.worker.num, off, total)
+        override, off, total = self.worker._write_block(self.entry, doc, [])
+        self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.worker.num, off, total)
         self.worker.stream_finished(self)
 
     def fail(self, status: int, message: str) -> None:

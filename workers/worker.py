@@ -535,12 +535,11 @@ class Worker:
             self._notes.append((client, entry["slot"], status, 0, 0, send))
             return
         override, off, total = self._write_block(entry, doc, tensors)
-        if off < 0:
-            return
         try:
             client = self._client(entry["client"])
         except (posix_ipc.ExistentialError, ConnectionError):
-            self.arena.free(off)
+            if off > 0:
+                self.arena.free(off)
             return  # the client is gone; nothing to answer
         self._notes.append((client, entry["slot"], override or status, off, total, None))
 
@@ -558,8 +557,6 @@ class Worker:
             if direct is not None and not whole:
                 # Not sent, or only part of it: the frontend answers (the rest) from a block as usual.
                 override, off, total = self._write_block(direct.entry, direct.doc, direct.tensors)
-                if off < 0:
-                    continue
                 status = override or status
             # (refused: the frontend stops asking, and answers this one itself)
             client.complete(slot, status, ROLE_WORKER, self.num, off, total,
@@ -635,7 +632,9 @@ class Worker:
         return 200, orjson.dumps(doc), tensors
 
     def _write_block(self, entry: dict, doc: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int]:
-        """(status override or 0, offset, length) of a response block in our arena; -1 offset if none."""
+        """(status override or 0, offset, length) of a response block in our arena; (503, 0, 0) if
+        not even an error fits: the slot is completed without a block, which its client reads as
+        ``shm.protocol.NO_ROOM`` (no request is left unanswered)."""
         room = manifest_room(len(doc))
         total = room + sum(n for n, _ in tensors)
         off = self.arena.alloc(total, entry["pid"])
@@ -647,8 +646,8 @@ class Worker:
             total = manifest_room(len(doc))
             off = self.arena.alloc(total, entry["pid"])
             if off < 0:
-                log.error("output arena exhausted; request %s dropped", entry.get("id"))
-                return 503, -1, 0
+                log.error("output arena exhausted; request %s answered 503 without a block", entry.get("id"))
+                return 503, 0, 0
         buf = self.seg.seg.buf
         pos = write_manifest(buf, off, doc)
         for n, data in tensors:

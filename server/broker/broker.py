@@ -28,7 +28,7 @@ from shm.stats import BUSY_SINCE, VersionTotals
 from shm.channel import LANES, NO_LANE, NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
 from shm.names import object_name, pid_alive
 from shm.segment import SegmentCache, StaleRegion
-from shm.protocol import (REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, W_BATCH, W_CONFIG,
+from shm.protocol import (NO_ROOM, REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, W_BATCH, W_CONFIG,
                           W_DONE, W_LOAD_FAILED, W_READY, W_STOP, manifest_room, read_manifest, read_manifest_with_data,
                           write_manifest)
 from workers.backend import BUILT_IN, installed_backends
@@ -485,11 +485,12 @@ class Broker:
         data = orjson.dumps(doc)
         room = manifest_room(len(data))
         off = self.arena.alloc(room, client.pid)
-        if off < 0:
-            log.error("broker arena is full; cannot answer client %s", client.name)
-            return
-        write_manifest(self.seg.seg.buf, off, data)
-        client.seg.complete(slot, status, ROLE_BROKER, 0, off, room)
+        if off < 0:  # answered without a block: the client reads shm.protocol.NO_ROOM (a 503)
+            log.error("broker arena is full; client %s gets a 503 for slot %d", client.name, slot)
+            client.seg.complete(slot, 503, ROLE_BROKER, 0, 0, 0)
+        else:
+            write_manifest(self.seg.seg.buf, off, data)
+            client.seg.complete(slot, status, ROLE_BROKER, 0, off, room)
         client.seg.waker.notify()
 
     def _control(self, client: Client, slot: int, off: int) -> None:
@@ -958,6 +959,9 @@ class Broker:
                                                                   else None)
             if owner is None:
                 self._fail_run(run, step, 500, "the instance that ran this step is gone")
+                continue
+            if not off:  # answered without a block: its producer had no room even for an error
+                self._fail_run(run, step, status, NO_ROOM)
                 continue
             doc, data_start = read_manifest_with_data(owner.buf, off)
             run.blocks.append((owner.buf, off))
