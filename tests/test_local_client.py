@@ -955,8 +955,8 @@ def test_a_worker_with_no_room_even_for_an_error_still_answers(server_factory):
     """A result held in a worker's output arena leaves it 0 to 1000 bytes: the next answer does
     not fit, and at some sizes not even its 503 does. The worker then completes the request
     without a block, which the client reads as NO_ROOM; before, the request was dropped and its
-    caller waited forever."""
-    server = start_shm_server(server_factory, ["--worker-arena-mb", "1"])
+    caller waited forever. The same for a stream whose first response fills the arena."""
+    server = start_shm_server(server_factory, ["--worker-arena-mb", "1", "--load-model", "word_stream"])
     tiny = np.array([b"x"], dtype=object)
     outcomes = set()
     with Client(server.id) as c:
@@ -971,6 +971,21 @@ def test_a_worker_with_no_room_even_for_an_error_still_answers(server_factory):
             held.release()
         assert outcomes == {"answered", "no room for the answer", NO_ROOM}, outcomes
         assert (c.infer("bytes_identity", {"IN": tiny})["OUT"] == tiny).all()  # the arena is whole again
+
+        outcomes.clear()
+        for size in range((1 << 20) - 1000, (1 << 20) - 200, 8):
+            text = np.array([b"a" * size + b" b"], dtype=object)
+            held = []
+            try:
+                for result in c.stream("word_stream", {"text_input": text}, wait_s=5):
+                    held.append(result)  # the first response stays in the arena meanwhile
+                outcomes.add("answered")
+            except InferenceServerError as e:
+                assert "no room" in str(e), (size, str(e))  # never a stream left hanging
+                outcomes.add("no room for the answer" if "has no room" in str(e) else str(e))
+            for result in held:
+                result.release()
+        assert NO_ROOM in outcomes and "no room for the answer" in outcomes, outcomes
 
 
 def test_a_long_running_client_never_runs_out_of_arena(lc_server):

@@ -35,6 +35,7 @@ class StreamSender:
         self.finished = False
         self.sent = 0
         self.failed = False
+        self.dropped = False  # a response found no room in the arena, not even for its error
 
     def __call__(self, response: Response | None, final: bool) -> None:
         with self.lock:
@@ -45,9 +46,11 @@ class StreamSender:
                 override, off, total = self.worker._write_block(self.entry, doc, tensors)
                 status = override or status
                 self.failed |= status != 200
-                if off > 0:  # (0: not even the error found room; the final answer says so)
+                if off > 0:
                     self._put(status, 0, off, total)
                     self.sent += 1
+                else:  # not even its error found room: the final answer says so
+                    self.dropped = True
             if final:
                 self.finished = True
                 self._finish()
@@ -64,9 +67,12 @@ class StreamSender:
 
     def _finish(self) -> None:
         """Complete the request's slot: the client then knows no response follows."""
-        doc = orjson.dumps({"final": True, "responses": self.sent})
-        override, off, total = self.worker._write_block(self.entry, doc, [])
-        self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.worker.num, off, total)
+        if self.dropped:  # the client reads shm.protocol.NO_ROOM
+            self.client.complete(self.entry["slot"], 503, ROLE_WORKER, self.worker.num, 0, 0)
+        else:
+            doc = orjson.dumps({"final": True, "responses": self.sent})
+            override, off, total = self.worker._write_block(self.entry, doc, [])
+            self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.worker.num, off, total)
         self.worker.stream_finished(self)
 
     def fail(self, status: int, message: str) -> None:
