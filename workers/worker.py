@@ -108,7 +108,6 @@ class Worker:
         self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num))
         self.seg.set_pid(os.getpid())
         self.stats = StatsWriter(self.seg.stats)
-        # answered slots: (client, slot, status, offset, length, direct answer or None)
         # Answers to complete after the counters are flushed: (client, slot, status, offset, length,
         # direct send or None). A direct send's response block is written only if the send falls short.
         self._notes: list[tuple[ClientSegment, int, int, int, int, DirectSend | None]] = []
