@@ -361,10 +361,11 @@ class Connection:
         return self._send(REQ_INFER, data, chunks, size, callback, route, None, 0, False, polling)[1]
 
     def want_wake(self, slot: int) -> bool:
-        """Ask to be woken when the direct answer in ``slot`` completes; False if it already has
-        (then ``complete_ready`` completes it), so no wake-up is owed."""
+        """Ask to be woken when the direct answer in ``slot`` completes; False if it came
+        meanwhile (then ``complete_ready`` completes it, and no wake-up is owed). True, asking
+        nothing, if it was completed already."""
         if slot not in self._inflight:
-            return False
+            return True
         self._woken_slots.add(slot)
         self.seg.set_wake(slot, True)
         fence()  # the worker completes, fences, then reads the word: one of us sees the other

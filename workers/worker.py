@@ -520,26 +520,20 @@ class Worker:
     def _deliver(self, entry: dict, status: int, doc: bytes, tensors: list[tuple[int, Any]]) -> None:
         """Write one response block (JSON, then tensor bytes), or keep a direct answer to send;
         the client is woken after counting."""
+        try:
+            client = self._client(entry["client"])
+        except (posix_ipc.ExistentialError, ConnectionError):
+            return  # the client is gone; nothing to answer
         http = entry.get("http")
         # Not for the answers of a batch: one wake-up of the frontend answers them all, while
         # sending each here would load this process, a batching model's bottleneck.
         if http is not None and self._alone and status == 200 and http[2] == doc:
-            try:
-                client = self._client(entry["client"])
-            except (posix_ipc.ExistentialError, ConnectionError):
-                return  # the client is gone; nothing to answer
             # The answer the frontend expected: the HTTP head and JSON header it sent, then the
             # outputs' bytes (binary data, in order: what the frontend would have sent).
             send = DirectSend(http[0], http[1], b"".join([http[3], *[data for _, data in tensors]]), entry, doc, tensors)
             self._notes.append((client, entry["slot"], status, 0, 0, send))
             return
         override, off, total = self._write_block(entry, doc, tensors)
-        try:
-            client = self._client(entry["client"])
-        except (posix_ipc.ExistentialError, ConnectionError):
-            if off > 0:
-                self.arena.free(off)
-            return  # the client is gone; nothing to answer
         self._notes.append((client, entry["slot"], override or status, off, total, None))
 
     def _send_completions(self) -> None:

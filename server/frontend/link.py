@@ -184,7 +184,7 @@ class BrokerLink:
         if conn is not None:
             conn.complete_ready()
             if not conn.want_wake(slot):
-                conn.complete_ready()  # it completed meanwhile (or was completed above)
+                conn.complete_ready()  # it completed between the two looks
 
     def reserve(self, prefix: bytes, body: int, route: dict) -> tuple[Connection, Reservation]:
         """A request block for a body still arriving (``Connection.reserve``), on the connection
