@@ -92,8 +92,13 @@ def test_a_host_is_crowded_while_others_want_every_core():
         assert check.average >= CPUS + 1.5 and all(verdicts[-20:]), (verdicts, check.average)
         assert not CoreCheck().crowded()  # off unless SHMSERVE_FRONTEND_CORE_CHECK=1
     # Once the others are gone the verdict turns, within a few counts (the average falls under the
-    # mark less a half as its 1/8 steps take in the lower counts).
-    assert not [check.crowded() for _ in range(100)][-1], check.average
+    # mark less a half as its 1/8 steps take in the lower counts) of a quiet host: a task of the
+    # shared host that wanted a core just then kept the average at 3 through 100 quick counts once
+    # in CI, so it has up to 2 s to turn.
+    deadline = time.monotonic() + 2.0
+    while check.crowded() and time.monotonic() < deadline:
+        pass
+    assert not check.crowded(), check.average
 
 
 def test_a_crowded_spell_long_past_holds_nothing_back():
