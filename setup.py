@@ -4,6 +4,10 @@ The same source runs as plain Python; compiled, the shm channel, the frontend's 
 the worker's loop take about 14% less CPU per request (tools/README.md, session 16). mypyc checks
 the declared types at run time, so what those modules declare must be true.
 
+The list holds C sources too: hand-written helpers for what Python cannot do in one call, each
+built as the module its path names (``shm/_peer_send.c``: ``shm._peer_send``), whose callers fall
+back to plain Python without it.
+
 SHMSERVE_PURE_PYTHON=1 installs them uncompiled (no C compiler needed).
 """
 from __future__ import annotations
@@ -12,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 HERE = Path(__file__).parent
 
@@ -43,7 +47,10 @@ def ext_modules() -> list:
     from mypyc.build import mypycify
 
     # Third-party packages without type information count as Any (checked where they meet ours).
-    return mypycify(["--ignore-missing-imports", "--follow-imports=silent", *compiled_modules()], opt_level="3")
+    sources = compiled_modules()
+    helpers = [Extension(s[:-2].replace("/", "."), [s]) for s in sources if s.endswith(".c")]
+    python = [s for s in sources if s.endswith(".py")]
+    return mypycify(["--ignore-missing-imports", "--follow-imports=silent", *python], opt_level="3") + helpers
 
 
 setup(ext_modules=ext_modules())

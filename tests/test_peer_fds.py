@@ -5,7 +5,20 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
+
+import shm.peer_fds
 from shm.peer_fds import PeerSockets
+
+
+@pytest.fixture(autouse=True, params=["c", "ctypes"])
+def path(request, monkeypatch):
+    """Each test on both paths: the C helper (shm/_peer_send.c, when built) and ctypes."""
+    if request.param == "ctypes":
+        monkeypatch.setattr(shm.peer_fds, "send_borrowed", None)
+    elif shm.peer_fds.send_borrowed is None:
+        assert os.environ.get("SHMSERVE_PURE_PYTHON") == "1", "the C helper was not built"
+    return request.param
 
 
 def test_a_borrowed_socket_is_written_to_and_a_reused_number_is_not():
