@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gzip
 import logging
-import time
-import zlib
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import orjson
 from starlette.applications import Starlette
@@ -22,13 +19,11 @@ from starlette.routing import Route
 
 from server import __version__
 
-from .codec import MAX_TENSOR_ELEMENTS, BadRequest, build_response, parse_json
+from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from .generate import build_generate_request, generate_response
-from shm.connection import Completion, Connection
-from shm.protocol import REQ_CONTROL, REQ_INFER, SENT_ALL, SENT_REFUSED
 
-from .ingest import BodyIngest
-from .known import JSON_HEADER, Known, KnownRequests, answer_headers
+from .inference import Inference, too_large
+from .known import JSON_HEADER, KnownRequests
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .openapi import openapi_endpoint
 from .settings import logging_endpoint
@@ -39,10 +34,6 @@ EXTENSIONS = ["classification", "binary_tensor_data", "model_configuration", "sy
               "cuda_shared_memory", "generate", "sequence", "schedule_policy", "model_repository",
               "model_repository(unload_dependents)", "parameters", "statistics", "logging", "trace"]
 JSON = "application/json"
-# reply(status, body, headers, sent=0) of one inference (a large body is a memoryview:
-# shm/copying.joined); ``sent`` bytes of the whole answer (its HTTP head, then the body) are already
-# on the client's connection (a worker's direct answer; SENT_ALL: all of it)
-Reply = Callable[..., None]
 
 
 def json_response(doc: Any, status: int = 200) -> Response:
@@ -51,29 +42,6 @@ def json_response(doc: Any, status: int = 200) -> Response:
 
 def error_response(status: int, message: str) -> Response:
     return Response(orjson.dumps({"error": message}), status_code=status, media_type=JSON)
-
-
-def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
-    if not encoding or encoding == "identity":
-        return body
-    try:
-        if encoding == "gzip":
-            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        elif encoding == "deflate":
-            d = zlib.decompressobj()
-        else:
-            raise BadRequest(f"unsupported Content-Encoding '{encoding}'")
-        out = d.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise BadRequest(f"failed to decompress the request body ({encoding}): {e}") from None
-    if len(out) > limit:
-        raise BadRequest(f"the decompressed request body exceeds the {limit}-byte limit")
-    return out
-
-
-def too_large(size: int, limit: int) -> BadRequest:
-    return BadRequest(f"the request body of {size} bytes exceeds the maximum allowed value of {limit} bytes; "
-                      f"use --http-max-input-size to increase the threshold")
 
 
 async def read_body(scope: dict, receive: Any, limit: int) -> bytes | None:
@@ -107,30 +75,19 @@ async def read_or_refuse(scope: dict, receive: Any, send: Any, limit: int) -> by
         return None
 
 
-def _compress(body: bytes, accept: str | None) -> tuple[bytes, str | None]:
-    if not accept:
-        return body, None
-    accepted = [a.split(";")[0].strip() for a in accept.split(",")]
-    if "gzip" in accepted:
-        return gzip.compress(body, compresslevel=1), "gzip"
-    if "deflate" in accepted:
-        return zlib.compress(body, 1), "deflate"
-    return body, None
-
-
 class Frontend:
     def __init__(self, server_id: str, arena_bytes: int = 256 << 20, max_input_bytes: int = 1 << 31,
                  max_tensor_elements: int = MAX_TENSOR_ELEMENTS, max_inflight: int = DEFAULT_SLOTS) -> None:
         self.server_id = server_id  # what /v2 reports as the server's name, as Triton reports its --id
         self.link = BrokerLink(server_id, arena_bytes, max_inflight)
         self.max_input_bytes = max_input_bytes
-        self.max_tensor_elements = max_tensor_elements
         self.known = KnownRequests()  # parsed inference headers by their bytes (known.py)
-        # Tensor bytes beyond this can never fit the frontend's arena: a client error, not a 503.
-        self.max_request_bytes = arena_bytes - (64 << 10)
         self.tracer = Tracer(server_id)  # trace extension (server/frontend/tracing.py)
-        self._last_socket: tuple[int, int] | None = None  # of the last request workers could answer
-        self.direct_refused = False  # a worker was refused our clients' sockets (shm/peer_fds.py)
+        # POST .../infer, compiled (inference.py): the protocol calls these directly.
+        self.inference = Inference(self.link, self.known, max_input_bytes, max_tensor_elements, arena_bytes)
+        self.start_infer = self.inference.start
+        self.begin_ingest = self.inference.begin_ingest
+        self.finish_ingest = self.inference.finish_ingest
 
     async def _control(self, doc: dict) -> tuple[int, Any]:
         return await self.link.control(doc)
@@ -240,147 +197,6 @@ class Frontend:
         return await self._repository_call(request, "unload")
 
     # -- inference ------------------------------------------------------------------------------
-    def start_infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes, reply: Reply,
-                    trace: Trace | None = None, socket: tuple[int, int] | None = None) -> int:
-        """Parse and submit one inference; ``reply(status, body, headers, sent)`` runs on the loop when it
-        is answered (at once for a bad request). The hot path: no framework objects, no task, no future.
-
-        ``socket``: (descriptor, inode) of the HTTP connection's socket, if the worker may write a
-        successful answer to it itself (``sent`` bytes of it then); returns the request's slot if it
-        may, else -1."""
-        received = time.monotonic_ns()  # the request's duration in the statistics starts here
-        try:
-            if len(body) > self.max_input_bytes:
-                raise too_large(len(body), self.max_input_bytes)
-            encoding = headers.get(b"content-encoding")
-            if encoding:
-                body = _decompress(body, encoding.decode("latin-1").strip().lower(), self.max_input_bytes)
-            header_len = headers.get(b"inference-header-content-length")
-            doc, req, chunks, known = self.known.parse(model, version, body, header_len.decode("latin-1")
-                                                       if header_len is not None else None, self.max_tensor_elements)
-            size = known.size if known is not None else sum(len(c) for c in chunks)
-            if size > self.max_request_bytes:
-                raise BadRequest(f"the request's {size} bytes of tensor data exceed the frontend's shared-memory "
-                                 f"arena (--frontend-arena-mb); send large tensors through shared memory")
-        except BadRequest as e:
-            self._refuse(model, version, e, reply)
-            return -1
-        finish = lambda completion: self._finish_infer(  # noqa: E731
-            model, version, doc, headers, completion, reply, trace, known)
-        try:
-            if known is not None and trace is None:  # a header seen before: its descriptor's bytes are kept
-                if socket is not None and known.direct and not self.direct_refused and self._several_clients(socket):
-                    return self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received,
-                                                     known.direct_trailer(*socket))
-                self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received)
-            else:
-                req = dict(req) if known is not None else req  # (a kept header's descriptor is shared)
-                req["t"] = received
-                if trace is not None:
-                    trace.mark(req)
-                self.link.submit(REQ_INFER, req, chunks, finish, model=model)
-        except BrokerError as e:
-            reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
-        return -1
-
-    def _several_clients(self, socket: tuple[int, int]) -> bool:
-        """Whether the last request that could have been answered directly came on another
-        connection: direct answers pay when the loop serves several clients (it is spared a
-        wake-up and an answer per request), but a lone client in a closed loop is answered sooner
-        by the loop polling for its answer (session 18: p50 0.54x Triton's against 0.65x)."""
-        last, self._last_socket = self._last_socket, socket
-        return last is not None and last != socket
-
-    def begin_ingest(self, model: str, version: str, head: bytes, tail_len: int) -> BodyIngest | None:
-        """A reserved block for a large body whose JSON header ``head`` has arrived and whose
-        binary tail is still coming (ingest.py), or None: the body goes the ordinary way."""
-        try:
-            if tail_len > self.max_request_bytes:
-                return None
-            doc, req, known = self.known.parse_head(model, version, head, tail_len, self.max_tensor_elements)
-            if any("data" in t for t in doc["inputs"]):
-                return None  # JSON values take room in the block the tail does not fill
-            conn, reservation = self.link.reserve(Connection.prepared_prefix(req), tail_len, req)
-        except (BadRequest, BrokerError):
-            return None
-        return BodyIngest(conn, reservation, head, doc, known)
-
-    def finish_ingest(self, model: str, version: str, headers: dict[bytes, bytes], ingest: BodyIngest,
-                      reply: Reply) -> None:
-        """``start_infer`` for a body that ``begin_ingest`` took in: every byte is in its block."""
-        doc, known = ingest.doc, ingest.known
-        try:
-            self.link.send_reserved(ingest.conn, ingest.reservation, lambda completion: self._finish_infer(
-                model, version, doc, headers, completion, reply, None, known), model)
-        except BrokerError as e:
-            reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
-
-    def _refuse(self, model: str, version: str, e: BadRequest, reply: Reply) -> None:
-        """Answer a request the frontend could not take. Triton looks the model up before the
-        body, so a model or version the server does not have (404) or a version that does not
-        serve (503) answers that even then: the broker is asked (on this error path only)."""
-        def answer(completion: Completion) -> None:
-            try:
-                status = completion.status
-                doc = completion.doc() if status in (404, 503) else None
-            finally:
-                completion.release()
-            if doc is None:
-                reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
-            else:
-                reply(status, orjson.dumps(doc), [JSON_HEADER])
-
-        try:
-            self.link.submit(REQ_CONTROL, {"op": "model_metadata", "model": model, "version": version}, (), answer)
-        except BrokerError:
-            reply(e.status, orjson.dumps({"error": str(e)}), [JSON_HEADER])
-
-    def _finish_infer(self, model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion,
-                      reply: Reply, trace: Trace | None = None, known: Known | None = None) -> None:
-        sent = completion.sent  # bytes of the answer the worker wrote to the HTTP client itself
-        if sent == SENT_REFUSED:
-            self.direct_refused = True
-            log.warning("a worker may not write answers to HTTP clients itself on this host (pidfd_getfd "
-                        "refused); the frontend writes every answer")
-            sent = 0
-        if sent == SENT_ALL:
-            completion.release()
-            reply(200, b"", [], sent)
-            return
-        try:
-            status, out, out_headers = Frontend._response(model, version, doc, headers, completion, trace, known)
-        except Exception as e:  # noqa: BLE001 - the client must get an answer whatever went wrong
-            log.exception("building the response of '%s' failed", model)
-            status, out, out_headers = 500, orjson.dumps({"error": f"internal error: {e}"}), [JSON_HEADER]
-        reply(status, out, out_headers, sent)
-
-    @staticmethod
-    def _response(model: str, version: str, doc: dict, headers: dict[bytes, bytes], completion: Completion,
-                  trace: Trace | None = None, known: Known | None = None) -> tuple[int, bytes | memoryview, list[tuple[bytes, bytes]]]:
-        try:
-            if known is not None and trace is None and completion.status == 200:
-                status = 200
-                out, json_len, out_headers = KnownRequests.answer(known, model, version, completion)
-            else:
-                result = completion.doc()
-                if trace is not None:
-                    trace.collect(result)
-                status = completion.status
-                if status != 200:
-                    out, json_len = orjson.dumps({"error": result.get("error", "inference failed")}), None
-                else:
-                    served = str(result.get("version", version))
-                    out, json_len = build_response(model, served, doc, result, completion.tensor)
-                out_headers = answer_headers(json_len)
-        finally:
-            completion.release()
-        accept = headers.get(b"accept-encoding")
-        if accept and status == 200:
-            out, used = _compress(out, accept.decode("latin-1"))
-            if used:  # (a copy: a kept answer's headers are shared)
-                out_headers = [*out_headers, (b"content-encoding", used.encode())]
-        return status, out, out_headers
-
     async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes,
                     trace: Trace | None = None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         """``start_infer`` as a coroutine (the ASGI path: traced requests and the in-process app)."""
@@ -390,7 +206,7 @@ class Frontend:
             if not fut.done():  # (ASGI frameworks want bytes, and add to the headers: a kept answer's are shared)
                 fut.set_result((status, out if type(out) is bytes else bytes(out), list(out_headers)))
 
-        self.start_infer(model, version, headers, body, reply, trace)
+        self.inference.start(model, version, headers, body, reply, trace)
         return await fut
 
     # -- generate extension ---------------------------------------------------------------------
@@ -522,7 +338,7 @@ class Frontend:
 
 def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bool = False,
               max_input_bytes: int = 1 << 31, max_tensor_elements: int = MAX_TENSOR_ELEMENTS,
-              max_inflight: int = DEFAULT_SLOTS) -> Starlette:
+              max_inflight: int = DEFAULT_SLOTS) -> "InferFastPath":
     fe = Frontend(server_id, arena_bytes, max_input_bytes, max_tensor_elements, max_inflight)
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version}"
