@@ -111,6 +111,7 @@ class StatsWriter:
         self._dirty: set[int] = set()
         self._rows: set[int] = set()
         self._batch_rows = [[0] * len(BATCH_COLS) for _ in range(BATCH_ROWS)]
+        self._batch_words = memoryview(area.batches.reshape(-1)).cast("B").cast("Q")  # type: ignore[arg-type]
 
     def add(self, name: str, n: int = 1) -> None:
         self.counts[S[name]] += n
@@ -198,8 +199,10 @@ class StatsWriter:
                 hist[cell] = cells[cell]
             self._dirty.clear()
         if self._rows:
+            words, cols = self._batch_words, len(BATCH_COLS)
             for i in self._rows:
-                self.area.batches[i] = self._batch_rows[i]
+                for col, value in enumerate(self._batch_rows[i]):  # (numpy's row assignment: 1.5 us)
+                    words[i * cols + col] = value
             self._rows.clear()
 
 
