@@ -65,8 +65,10 @@ def _compress(body: bytes | memoryview, accept: str | None) -> tuple[bytes | mem
     return body, None
 
 
-
 class Inference:
+    """One frontend's infer requests: the limits they are checked against, the kept headers
+    (known.py) and the broker link they go out on, and whether workers may answer directly."""
+
     def __init__(self, link: BrokerLink, known: KnownRequests, max_input_bytes: int, max_tensor_elements: int,
                  arena_bytes: int) -> None:
         self.link = link
