@@ -97,6 +97,11 @@ class InferProtocol(HttpToolsProtocol):
 
     frontend: ClassVar[Frontend]
     restricted: ClassVar[tuple[bytes, bytes] | None] = None  # --http-restricted-api for group 'inference'
+    # uvicorn's attributes that this class sets, declared here too: the build compiles this module
+    # before pip installs uvicorn into a fresh venv, and mypy must type them without its source.
+    cycle: Any
+    headers: list[tuple[bytes, bytes]]
+    timeout_keep_alive_task: asyncio.TimerHandle | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
