@@ -48,6 +48,6 @@ def test_a_served_request_goes_through_the_compiled_modules(server):
     for pid, title in roles.items():
         with open(f"/proc/{pid}/maps") as f:
             mapped = f.read()
-        module = "workers/worker" if "worker" in title else "server/frontend/protocol"
+        module = "workers/worker" if "worker" in title else "server/frontend/inference"
         assert (f"{ROOT}/{module}.cpython-" in mapped) is not PURE, (title, module)
         assert (re.search(rf"{re.escape(str(ROOT))}/\w+__mypyc\.cpython-", mapped) is not None) is not PURE, title

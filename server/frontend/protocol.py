@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from functools import partial
-from typing import Any, ClassVar
-
-from mypy_extensions import mypyc_attr
+from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -38,7 +35,6 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 JOIN_LIMIT = 1 << 16  # smaller bodies are copied behind the head: one write, one buffer
 
 
-@mypyc_attr(native_class=False)
 class _NoEvent:
     """Stands in for the ASGI cycle's message event, which uvicorn sets on disconnect."""
 
@@ -90,18 +86,11 @@ class InferCycle:
             ingest.discard()
 
 
-@mypyc_attr(native_class=False)
 class InferProtocol(HttpToolsProtocol):
-    """``protocol_for`` sets ``frontend`` before uvicorn instantiates it. Compiled with mypyc
-    (compiled-modules.txt) as a Python class, since it derives from uvicorn's."""
+    """Set ``frontend`` on a subclass (``protocol_for``) before uvicorn instantiates it."""
 
-    frontend: ClassVar[Frontend]
-    restricted: ClassVar[tuple[bytes, bytes] | None] = None  # --http-restricted-api for group 'inference'
-    # uvicorn's attributes that this class sets, declared here too: the build compiles this module
-    # before pip installs uvicorn into a fresh venv, and mypy must type them without its source.
-    cycle: Any
-    headers: list[tuple[bytes, bytes]]
-    timeout_keep_alive_task: asyncio.TimerHandle | None
+    frontend: Frontend
+    restricted: tuple[bytes, bytes] | None = None  # --http-restricted-api for group 'inference'
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -166,8 +155,8 @@ class InferProtocol(HttpToolsProtocol):
     def _repeat(self, data: bytes) -> bool:
         """Start a read that is one request with the kept head, as the parser would have; False if
         the connection's state asks for the parser (an unanswered request, tracing turned on)."""
-        last = self.cycle
-        if (last is not None and not last.response_complete) or self.frontend.tracer.on or self._seen is None:
+        cycle = self.cycle
+        if (cycle is not None and not cycle.response_complete) or self.frontend.tracer.on or self._seen is None:
             return False
         model, version, headers = self._seen  # (the keep-alive timer runs on: _keep_alive_due)
         cycle = InferCycle(model, version, headers, True, False, -1)  # (small: joined, not taken in)
@@ -295,7 +284,7 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.started or cycle.response_complete:
             return
         cycle.started = True
-        reply = partial(self._reply, cycle)  # reply(status, body, headers, sent=0)
+        reply = lambda status, out, headers, sent=0: self._reply(cycle, status, out, headers, sent)  # noqa: E731
         ingest = cycle.take_ingest()
         self._starting = True
         try:
@@ -394,10 +383,6 @@ class InferProtocol(HttpToolsProtocol):
 
 def protocol_for(frontend: Frontend, restricted: Any = None) -> type[InferProtocol]:
     """The protocol class uvicorn instantiates per connection, bound to this process's frontend
-    (and to the header the ``inference`` group needs, if restricted: (name, value)). The class
-    itself is bound, not a subclass: its compiled methods accept instances of it alone, and a
-    frontend process serves one frontend."""
-    InferProtocol.frontend = frontend
-    InferProtocol.restricted = (restricted[0].lower().encode("latin-1"), restricted[1].encode("latin-1")) \
-        if restricted else None
-    return InferProtocol
+    (and to the header the ``inference`` group needs, if restricted: (name, value))."""
+    rule = (restricted[0].lower().encode("latin-1"), restricted[1].encode("latin-1")) if restricted else None
+    return type("BoundInferProtocol", (InferProtocol,), {"frontend": frontend, "restricted": rule})
