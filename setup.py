@@ -25,12 +25,18 @@ def compiled_modules() -> list[str]:
     return [line.strip() for line in (HERE / "compiled-modules.txt").read_text().splitlines() if line.strip()]
 
 
-def remove_extensions() -> None:
-    """A plain-Python install drops the extensions an earlier build left beside the sources:
-    Python would import them before the source."""
-    for source in compiled_modules():
-        for ext in (HERE / source).parent.glob(Path(source).stem + ".*.so"):
-            ext.unlink()
+PACKAGES = ("server", "shm", "workers", "tools")
+
+
+def remove_extensions(keep: list[str]) -> None:
+    """Drop the extensions an earlier build left beside sources that are not (or no longer) to be
+    compiled, and the earlier builds' shared libraries: Python would import a stale extension
+    before its source, and it would bring its own copies of the modules it was built with."""
+    kept = {HERE / Path(source).with_suffix("") for source in keep}
+    for package in PACKAGES:
+        for ext in (HERE / package).rglob("*.so"):
+            if ext.parent / ext.name.split(".")[0] not in kept:
+                ext.unlink()
     for shared in HERE.glob("*__mypyc.*.so"):
         shared.unlink()
 
@@ -40,10 +46,11 @@ def ext_modules() -> list:
     metadata_only = any(cmd in sys.argv for cmd in ("egg_info", "dist_info")) and \
         not any(cmd in sys.argv for cmd in ("build_ext", "editable_wheel", "bdist_wheel", "build"))
     if os.environ.get("SHMSERVE_PURE_PYTHON") == "1":
-        remove_extensions()
+        remove_extensions([])
         return []
     if metadata_only:
         return []
+    remove_extensions(compiled_modules())
     from mypyc.build import mypycify
 
     # Third-party packages without type information count as Any (checked where they meet ours).

@@ -47,11 +47,15 @@ def compiled_modules() -> list[Path]:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """An editable install keeps each compiled module beside its source, and Python imports the
-    extension first: after an edit, the tests would run the old code. Refuse that."""
+    extension first: after an edit, or once a module left the list, the tests would run the old
+    code. Refuse that."""
+    listed = {src.with_suffix("") for src in compiled_modules()}
     stale = [str(src.relative_to(ROOT)) for src in compiled_modules()
              for ext in src.parent.glob(src.stem + ".*.so") if ext.stat().st_mtime < src.stat().st_mtime]
+    stale += [str(ext.relative_to(ROOT)) for package in ("server", "shm", "workers", "tools")
+              for ext in (ROOT / package).rglob("*.so") if ext.parent / ext.name.split(".")[0] not in listed]
     if stale:
-        pytest.exit(f"compiled modules older than their sources: {', '.join(stale)}; run `make install` "
+        pytest.exit(f"compiled modules older than their sources, or no longer listed: {', '.join(stale)}; run `make install` "
                     f"(or `make test`) to rebuild them", returncode=2)
 
 
