@@ -96,8 +96,10 @@ class PeerSockets:
             pidfd = self._pidfd(pid)
             if pidfd < 0:
                 return -1
-            sent = send_borrowed(pidfd, fd, ino, data)
-            return sent if sent >= 0 else 0 if self._failed(pid, -sent) == -1 else -1
+            sent = send_borrowed(pidfd, fd, ino, data)  # < 0: -errno of pidfd_getfd
+            if sent >= 0:
+                return sent
+            return -1 if self._failed(pid, -sent) == -2 else 0
         dup = self.borrow(pid, fd, ino)
         if dup < 0:
             return -1 if dup == -2 else 0
