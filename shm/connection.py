@@ -32,7 +32,7 @@ from .names import check_server_id, object_name, pid_alive
 from .region_table import RegionTable
 from .protocol import (NO_ROOM, RECORD, REQ_BYE, REQ_CONTROL, REQ_DIRECT, REQ_INFER, REQ_POLLING, ROLE_NAMES, ROLE_WORKER,
                        SENT_ALL, SLOT_BYTES, SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, manifest_room,
-                       read_manifest_raw, read_manifest_with_data, write_manifest)
+                       read_manifest_raw, read_manifest_with_data, rewrite_send_time, write_manifest)
 from .ring import Ring
 from .segment import SegmentCache
 from .tensors import byte_view
@@ -213,6 +213,7 @@ class Connection:
         self._workers: dict[int, WorkerSegment] = {}
         self._load: dict[int, int] = collections.defaultdict(int)  # worker -> our requests on it
         self._targets: list[int] = [0] * slots
+        self._totals: list[int] = [0] * slots  # each slot's request block size (``rerun`` sends it again)
         self._waiter: threading.Thread | None = None
         if not loop_driven:
             self._waiter = threading.Thread(target=self._wait_loop, name=f"shmserve-completions-{self.name}",
@@ -360,6 +361,39 @@ class Connection:
                               None, 0, False, polling)[1]
         return self._send(REQ_INFER, data, chunks, size, callback, route, None, 0, False, polling)[1]
 
+    def rerun(self, slot: int, tensors: bytes | memoryview, prefix_len: int, sent_ns: int, callback: Callback,
+              route: dict | tuple[str, str]) -> int:
+        """Send a request again in the slot and block of the last one, sent with a direct trailer
+        and answered whole by its worker, which nobody has completed yet: the HTTP frontend's next
+        request on a keep-alive connection, when its descriptor (``prefix_len`` bytes before the
+        send time) and trailer are those in the block. ``tensors``: its tensor bytes, in the
+        block's order. The last request is then over without a completion (no callback, no block
+        freed, no slot taken). Returns when the worker wrote the last answer (its ``sent_at``), or
+        -1 if the slot cannot be used so (nothing done: the caller goes the usual way)."""
+        if not self.alive:
+            return -1
+        with self._lock:
+            entry = self._callbacks[slot]
+            if entry is None or self._state_words[slot * self._stride] != SLOT_DONE:
+                return -1
+            _, status, _, _, answer_off, _, _, sent, sent_at = self.seg.read_slot(slot)
+            if status != 200 or sent != SENT_ALL or answer_off:
+                return -1  # not answered whole by its worker: the completion has work to do
+            off, total = entry[1], self._totals[slot]
+            buf = self.seg.seg.buf
+            start = rewrite_send_time(buf, off, prefix_len, sent_ns)
+            if start < 0 or start + len(tensors) > off + total:
+                return -1
+            copy_into(buf[start:start + len(tensors)], tensors)
+            target = self._targets[slot]
+            if target:
+                self._targets[slot] = 0
+                self._load[target - 1] -= 1
+            worker = self._hand(slot, REQ_INFER | REQ_DIRECT, off, total, start, callback, route, None, 0, False,
+                                False)
+        self._wake(worker, False)
+        return sent_at
+
     def want_wake(self, slot: int) -> bool:
         """Ask to be woken when the direct answer in ``slot`` completes; False if it came
         meanwhile (then ``complete_ready`` completes it, and no wake-up is owed). True, asking
@@ -490,12 +524,20 @@ class Connection:
         """Hand a written request block to a worker's lane or the broker's ring, with ``_lock``
         held; ``_wake`` then wakes the receiver. Returns (slot, the worker, or None: the broker).
         Frees the block if the request cannot be taken (Backpressure)."""
-        buf = self.seg.seg.buf
         if not self._free_slots:
-            free_block(buf, off)
+            free_block(self.seg.seg.buf, off)
             raise Backpressure("too many requests in flight on this connection")
         slot = self._free_slots.popleft()
+        return slot, self._hand(slot, kind, off, total, start, callback, route, on_response, stream_at, waited,
+                                polling)
+
+    def _hand(self, slot: int, kind: int, off: int, total: int, start: int, callback: Callback,
+              route: dict | tuple[str, str] | None, on_response: Callback | None, stream_at: int,
+              waited: bool, polling: bool) -> WorkerSegment | None:
+        """``_dispatch`` of a slot already taken; returns the worker (None: the broker)."""
+        buf = self.seg.seg.buf
         self._callbacks[slot] = (callback, off)
+        self._totals[slot] = total
         self._inflight.add(slot)
         if slot in self._woken_slots:  # raised by ``want_wake`` in the slot's last use
             self._woken_slots.discard(slot)
@@ -534,7 +576,7 @@ class Connection:
             self._free_slots.append(slot)
             free_block(buf, off)
             raise Backpressure("the request ring to the broker is full; retry later")
-        return slot, worker
+        return worker
 
     def _wake(self, worker: WorkerSegment | None, waited: bool) -> None:
         if worker is not None:

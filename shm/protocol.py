@@ -87,6 +87,20 @@ def write_manifest(buf: memoryview, offset: int, doc: bytes) -> int:
     return offset + manifest_room(len(doc))
 
 
+def rewrite_send_time(buf: memoryview, offset: int, prefix_len: int, sent_ns: int) -> int:
+    """Put a new send time into the manifest at ``offset``, whose document is a prepared prefix
+    of ``prefix_len`` bytes, its send time and ``}``; returns where its tensor data starts, or -1
+    (nothing written) if the new time has another number of digits: the document would change
+    length, and the data would move."""
+    digits = b"%d}" % sent_ns
+    (n,) = _MANIFEST_LEN.unpack_from(buf, offset)
+    if n != prefix_len + len(digits):
+        return -1
+    at = offset + 4 + prefix_len
+    buf[at:at + len(digits)] = digits
+    return offset + manifest_room(n)
+
+
 def read_manifest(buf: memoryview, offset: int) -> Any:
     (n,) = _MANIFEST_LEN.unpack_from(buf, offset)
     return orjson.loads(buf[offset + 4:offset + 4 + n])

@@ -86,6 +86,7 @@ class Frontend:
         # POST .../infer, compiled (inference.py): the protocol calls these directly.
         self.inference = Inference(self.link, self.known, max_input_bytes, max_tensor_elements, arena_bytes)
         self.start_infer = self.inference.start
+        self.rerun_infer = self.inference.rerun
         self.begin_ingest = self.inference.begin_ingest
         self.finish_ingest = self.inference.finish_ingest
 
@@ -398,7 +399,7 @@ def infer_target(url: bytes) -> tuple[str, str] | None:
     """(model, version) when the request target ``url`` is an infer endpoint in plain origin form;
     None for anything else, percent-escapes included (those take the ASGI path, which decodes)."""
     path = url.split(b"?", 1)[0]
-    if b"%" in path or not path.startswith(b"/v2/models/"):
+    if path.find(b"%") >= 0 or not path.startswith(b"/v2/models/"):  # (see protocol._start on ``in``)
         return None
     try:
         return _infer_target(path.decode("ascii"))

@@ -28,6 +28,21 @@ log = logging.getLogger("shmserve.frontend")
 # shm/copying.joined); ``sent`` bytes of the whole answer (its HTTP head, then the body) are already
 # on the client's connection (a worker's direct answer; SENT_ALL: all of it)
 Reply = Callable[..., None]
+RERUN_REFUSED = -2  # ``Inference.rerun``: the broker refused the request (answered); the last one is over
+
+
+class Parked:
+    """A request sent with a direct trailer, as ``Inference.rerun`` needs it: its connection to
+    the broker, the HTTP connection's socket, its kept header and trailer, and its send time."""
+
+    __slots__ = ("conn", "socket", "known", "direct", "sent_ns")
+
+    def __init__(self, conn: Connection | None, socket: tuple[int, int], known: Known, sent_ns: int) -> None:
+        self.conn = conn
+        self.socket = socket
+        self.known = known
+        self.direct = known.direct  # the answer it expected (the trailer's contents)
+        self.sent_ns = sent_ns
 Trace = Any  # tracing.Trace (interpreted; it imports app, which imports this module)
 
 
@@ -79,6 +94,7 @@ class Inference:
         self.max_request_bytes = arena_bytes - (64 << 10)
         self._last_socket: tuple[int, int] | None = None  # of the last request workers could answer
         self.direct_refused = False  # a worker was refused our clients' sockets (shm/peer_fds.py)
+        self._parked: dict[int, Parked] = {}  # by slot: the last request sent there with a direct trailer
 
     def start(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes, reply: Reply,
                     trace: Trace | None = None, socket: tuple[int, int] | None = None) -> int:
@@ -110,8 +126,10 @@ class Inference:
         try:
             if known is not None and trace is None:  # a header seen before: its descriptor's bytes are kept
                 if socket is not None and known.direct and not self.direct_refused and self._several_clients(socket):
-                    return self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received,
+                    slot = self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received,
                                                      known.direct_trailer(*socket))
+                    self._parked[slot] = Parked(self.link.current(), socket, known, received)
+                    return slot
                 self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received)
             else:
                 req = dict(req) if known is not None else req  # (a kept header's descriptor is shared)
@@ -122,6 +140,44 @@ class Inference:
         except BrokerError as refused:  # (not ``e``: compiled, a name keeps the type of its first except)
             reply(refused.status, orjson.dumps({"error": str(refused)}), [JSON_HEADER])
         return -1
+
+    def rerun(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes, reply: Reply, slot: int,
+              socket: tuple[int, int] | None) -> int:
+        """``start`` of the next request on an HTTP connection whose last request, in ``slot``,
+        went with a direct trailer: when its worker answered that one whole and nobody has
+        completed it yet, and this one has the same JSON header and as many tensor bytes, it goes
+        in the same slot and block (``Connection.rerun``): no completion, block or slot to handle,
+        nothing parsed. Returns the slot, RERUN_REFUSED if the broker refused it (answered with
+        ``reply``; the last request is over all the same), or -1, with nothing done: go the usual
+        way (``start``)."""
+        parked = self._parked.get(slot)
+        if parked is None or parked.conn is None or parked.socket != socket or socket is None or self.direct_refused \
+                or headers.get(b"content-encoding"):
+            return -1
+        known = parked.known
+        head = known.head
+        if known.direct is not parked.direct or known.size != known.tail or len(body) != len(head) + known.tail \
+                or not body.startswith(head):
+            return -1  # another answer expected, tensors not all in the body, or another header
+        last = self._last_socket
+        if not self._several_clients(socket):
+            return -1  # (and ``start`` finds the same)
+        received = time.monotonic_ns()
+        doc = known.doc
+        finish = lambda completion: self._finish(  # noqa: E731
+            model, version, doc, headers, completion, reply, None, known)
+        try:
+            sent = self.link.rerun(parked.conn, slot, memoryview(body)[len(head):],  # type: ignore[arg-type]
+                                   known.prefix, known.route, finish, model, received, parked.sent_ns)
+        except BrokerError as refused:
+            del self._parked[slot]
+            reply(refused.status, orjson.dumps({"error": str(refused)}), [JSON_HEADER])
+            return RERUN_REFUSED
+        if not sent:
+            self._last_socket = last
+            return -1
+        parked.sent_ns = received
+        return slot
 
     def _several_clients(self, socket: tuple[int, int]) -> bool:
         """Whether the last request that could have been answered directly came on another

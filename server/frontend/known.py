@@ -33,9 +33,10 @@ class Known:
     time (as a dict, to route by: read it only, and as its bytes), where each tensor lies in the
     binary tail, and the answers built for it."""
 
-    __slots__ = ("doc", "req", "prefix", "route", "spans", "size", "tail", "answers", "direct", "direct_raw")
+    __slots__ = ("head", "doc", "req", "prefix", "route", "spans", "size", "tail", "answers", "direct", "direct_raw")
 
-    def __init__(self, doc: dict, req: dict, spans: list[tuple[int, int]], tail: int) -> None:
+    def __init__(self, head: bytes, doc: dict, req: dict, spans: list[tuple[int, int]], tail: int) -> None:
+        self.head = head  # the JSON header's bytes
         self.doc = doc
         self.req = req
         self.prefix = Connection.prepared_prefix(req)
@@ -106,7 +107,7 @@ class KnownRequests:
                 pos += t["size"]
         if len(self._known) >= LIMIT:
             self._known.clear()
-        known = self._known[key] = Known(doc, dict(req), spans, tail_len)
+        known = self._known[key] = Known(key[2], doc, dict(req), spans, tail_len)
         return known
 
     @staticmethod

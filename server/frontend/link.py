@@ -94,6 +94,10 @@ class BrokerLink:
         self._timer = loop.call_later(LIVENESS_CHECK_S, self._check)
         return conn
 
+    def current(self) -> Connection | None:
+        """The connection requests went out on last (None before the first, or after a loss)."""
+        return self._conn
+
     def _on_readable(self) -> None:
         conn = self._conn
         if conn is not None:
@@ -177,6 +181,22 @@ class BrokerLink:
             self._polling_for(conn, model)
         return slot
 
+    def rerun(self, conn: Connection, slot: int, tensors: bytes | memoryview, prefix: bytes, route: dict | tuple[str, str],
+              callback: Callable[[Completion], None], model: str, sent_ns: int, last_sent_ns: int) -> bool:
+        """``Connection.rerun`` on ``conn`` if it is still ours; False if nothing was sent. The
+        last answer's time goes into the model's average, as its completion would have put it."""
+        if conn is not self._conn:
+            return False
+        try:
+            sent_at = conn.rerun(slot, tensors, len(prefix), sent_ns, self._timed(model, False, callback, sent_ns),
+                                 route)
+        except (Backpressure, ServerUnavailable) as e:
+            raise _broker_error(e) from None
+        if sent_at < 0:
+            return False
+        self._took(model, max(0, sent_at - last_sent_ns) / 1e9)
+        return True
+
     def reap(self, slot: int) -> None:
         """Complete what is answered; if the request in ``slot`` (sent with a direct trailer) is
         not among it, have the worker wake the loop when it is."""
@@ -233,12 +253,16 @@ class BrokerLink:
             took = time.perf_counter() - sent
             if completion.sent_at:
                 took = max(0, completion.sent_at - sent_ns) / 1e9
-            average = self._answer_s.get(model, took)
-            self._answer_s[model] = average + (took - average) * 0.125
+            self._took(model, took)
             if polled:  # (never below 0: a dropped connection's count was reset)
                 self._polled_in_flight = max(0, self._polled_in_flight - 1)
             callback(completion)
         return timed
+
+    def _took(self, model: str, seconds: float) -> None:
+        """One more answer time in the model's running average."""
+        average = self._answer_s.get(model, seconds)
+        self._answer_s[model] = average + (seconds - average) * 0.125
 
     async def call(self, kind: int, doc: dict, tensors: Any = ()) -> Completion:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
