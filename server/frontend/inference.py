@@ -35,11 +35,14 @@ class Parked:
     """A request sent with a direct trailer, as ``Inference.rerun`` needs it: its connection to
     the broker, the HTTP connection's socket, its kept header and trailer, and its send time."""
 
-    __slots__ = ("conn", "socket", "known", "direct", "sent_ns")
+    __slots__ = ("conn", "socket", "model", "version", "known", "direct", "sent_ns")
 
-    def __init__(self, conn: Connection | None, socket: tuple[int, int], known: Known, sent_ns: int) -> None:
+    def __init__(self, conn: Connection | None, socket: tuple[int, int], model: str, version: str, known: Known,
+                 sent_ns: int) -> None:
         self.conn = conn
         self.socket = socket
+        self.model = model  # (a header may be kept for two models with the same inputs)
+        self.version = version
         self.known = known
         self.direct = known.direct  # the answer it expected (the trailer's contents)
         self.sent_ns = sent_ns
@@ -128,7 +131,7 @@ class Inference:
                 if socket is not None and known.direct and not self.direct_refused and self._several_clients(socket):
                     slot = self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received,
                                                      known.direct_trailer(*socket))
-                    self._parked[slot] = Parked(self.link.current(), socket, known, received)
+                    self._parked[slot] = Parked(self.link.current(), socket, model, version, known, received)
                     return slot
                 self.link.submit_prepared(known.prefix, known.route, chunks, size, finish, model, received)
             else:
@@ -152,7 +155,7 @@ class Inference:
         way (``start``)."""
         parked = self._parked.get(slot)
         if parked is None or parked.conn is None or parked.socket != socket or socket is None or self.direct_refused \
-                or headers.get(b"content-encoding"):
+                or parked.model != model or parked.version != version or headers.get(b"content-encoding"):
             return -1
         known = parked.known
         head = known.head

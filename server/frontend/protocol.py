@@ -49,7 +49,7 @@ class InferCycle:
 
     __slots__ = ("model", "version", "headers", "keep_alive", "expect_continue", "body", "complete", "turn",
                  "started", "response_complete", "disconnected", "head_len", "buffered", "ingest", "hold",
-                 "direct_slot")
+                 "direct_slot", "reply")
     message_event = _NoEvent()
 
     def __init__(self, model: str, version: str, headers: dict[bytes, bytes], keep_alive: bool,
@@ -71,6 +71,7 @@ class InferCycle:
         self.ingest: BodyIngest | None = None
         self.hold: Any = None  # the timer that moves a slow body out of its reserved block
         self.direct_slot = -1  # the request's slot, if its worker may answer the client itself
+        self.reply: Any = None  # its answer's way out (``InferProtocol._start``)
 
     def take_ingest(self) -> BodyIngest | None:
         """The body's reserved block, handed over (its hold timer stopped)."""
@@ -175,26 +176,23 @@ class InferProtocol(HttpToolsProtocol):
 
     def _rerun(self, last: InferCycle, data: bytes) -> bool:
         """``_repeat`` behind a direct request nobody has completed: if its worker answered it
-        whole, this one goes in its slot and block (``Inference.rerun``) and the last one is over
-        without a completion. False, with nothing done, otherwise."""
+        whole, this one goes in its slot and block (``Inference.rerun``), and the last one is over
+        without a completion. Its cycle and reply go on to the new request (a reply reads only
+        the cycle's state, and both requests are kept alive). False, with nothing done, otherwise."""
         if self.frontend.tracer.on or self._seen is None or self.transport.get_write_buffer_size():
             return False
         model, version, headers = self._seen
-        cycle = InferCycle(model, version, headers, True, False, -1)
-        cycle.turn = cycle.complete = cycle.started = True
-        reply = lambda status, out, headers, sent=0: self._reply(cycle, status, out, headers, sent)  # noqa: E731
         self._starting = True  # (a refusal is answered from the loop: see _reply)
         try:
-            slot = self.frontend.rerun_infer(model, version, headers, data[len(self._seen_head):], reply,
+            slot = self.frontend.rerun_infer(model, version, headers, data[len(self._seen_head):], last.reply,
                                              last.direct_slot, self._socket)
         finally:
             self._starting = False
         if slot == -1:
             return False
-        last.response_complete = True  # its worker wrote the whole answer
-        cycle.direct_slot = max(slot, -1)
-        self.cycle = cycle  # type: ignore[assignment]
-        self._answered()
+        last.model, last.version, last.headers = model, version, headers
+        last.direct_slot = max(slot, -1)
+        self._answered()  # the last request's (its worker wrote the whole answer)
         return True
 
     def _continue(self, cycle: InferCycle) -> None:
@@ -315,7 +313,7 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.started or cycle.response_complete:
             return
         cycle.started = True
-        reply = lambda status, out, headers, sent=0: self._reply(cycle, status, out, headers, sent)  # noqa: E731
+        reply = cycle.reply = lambda status, out, headers, sent=0: self._reply(cycle, status, out, headers, sent)  # noqa: E731
         ingest = cycle.take_ingest()
         self._starting = True
         try:
