@@ -16,6 +16,7 @@ from shm.connection import Completion, Connection
 from shm.peer_fds import allow_tracing_by
 from shm.protocol import DIRECT_TRAILER, SENT_ALL, SLOT_DONE, read_manifest_raw
 
+from test_direct_answers import _wait_for
 from test_repeated_heads import _add_sub, _pairs
 
 HEAD = b"HTTP/1.1 200 OK\r\n\r\n"  # what the worker writes before the outputs (any bytes will do)
@@ -59,10 +60,7 @@ class Frontend:
 
     def answered(self, slot: int) -> None:
         """Until the slot is answered (the worker completes it right after its send)."""
-        deadline = time.monotonic() + 10
-        while self.conn.seg.slot_states[slot] != SLOT_DONE:
-            assert time.monotonic() < deadline, "the slot was not answered"
-            time.sleep(0.001)
+        _wait_for(lambda: self.conn.seg.slot_states[slot] == SLOT_DONE, "the slot was not answered")
 
     def close(self) -> None:
         self.conn.close()
