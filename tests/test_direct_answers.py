@@ -282,6 +282,28 @@ def test_a_keep_alive_connection_answered_directly_is_still_closed_when_idle(ser
     assert _direct(server, "add_sub") > before
 
 
+def test_a_connection_the_server_closes_after_direct_answers_ends_soon(server):
+    """A request asking to close, right after answers the worker wrote: its answer comes whole,
+    and the connection ends within the time a worker may keep the socket (``peer_fds.HOLD_S``),
+    not when the next client's answer happens to come."""
+    from shm.peer_fds import HOLD_S
+
+    before = _direct(server, "add_sub")
+    other = Other(server)
+    with _turns(server, other, 20) as sock:
+        reader = sock.makefile("rb")
+        a, b = _pairs(21, 1)[0]
+        sock.sendall(_add_sub(a, b, extra="Connection: close\r\n"))
+        _check(reader, a, b)
+        started = time.monotonic()
+        sock.settimeout(5)
+        assert sock.recv(100) == b""  # closed by the server
+        assert time.monotonic() - started < HOLD_S + 0.5
+        reader.close()
+    other.close()
+    assert _direct(server, "add_sub") > before
+
+
 def test_a_failing_model_stays_unharmed_by_direct_answers_of_another(server):
     """Requests to a model that fails, through tritonclient, between direct answers: the errors
     arrive as errors, the answers as answers."""

@@ -196,7 +196,8 @@ class Worker:
         while self.running:
             # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
             # below only covers systems without it.
-            timeout = 10.0
+            # (and no longer than the HTTP clients' sockets we write to may be kept: peer_fds.py)
+            timeout = min(10.0, self._peers.release_due(time.monotonic()))
             if batcher is not None and len(batcher):
                 timeout = min(timeout, batcher.next_timer(time.monotonic()) or 0.0)
             seg.waker.sleep(timeout, has_work, spin if polled else None)
