@@ -385,10 +385,7 @@ class Connection:
             if start < 0 or start + len(tensors) > off + total:
                 return -1
             copy_into(buf[start:start + len(tensors)], tensors)
-            target = self._targets[slot]
-            if target:
-                self._targets[slot] = 0
-                self._load[target - 1] -= 1
+            self._untarget(slot)
             worker = self._hand(slot, REQ_INFER | REQ_DIRECT, off, total, start, callback, route, None, 0, False,
                                 False)
         self._wake(worker, False)
@@ -774,10 +771,7 @@ class Connection:
             _, status, role, num, off, _, _, sent, sent_at = self.seg.read_slot(slot)
             self._callbacks[slot] = None
             self._inflight.discard(slot)
-            target = self._targets[slot]
-            if target:
-                self._targets[slot] = 0
-                self._load[target - 1] -= 1
+            self._untarget(slot)
             self._state_words[slot * self._stride] = SLOT_FREE
             self._free_slots.append(slot)
         callback, req_off = entry
@@ -798,6 +792,13 @@ class Connection:
         except Exception:  # noqa: BLE001 - a faulty callback must not kill the waiter thread
             log.exception("completion callback failed")
             completion.release()
+
+    def _untarget(self, slot: int) -> None:
+        """The slot's request is over: its worker has one of ours fewer in flight (``_lock`` held)."""
+        target = self._targets[slot]
+        if target:
+            self._targets[slot] = 0
+            self._load[target - 1] -= 1
 
     def _server_gone(self) -> None:
         self.alive = False

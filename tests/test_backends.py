@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
@@ -48,8 +49,6 @@ def test_digits_classifies_sklearn_digits(client, digits_data):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.load, as the product itself uses
 def test_digits_matches_the_torchscript_module_run_locally(client, digits_data):
-    import torch
-
     x, _ = digits_data
     batch = x[:37]
     module = torch.jit.load(str(PRODUCT_MODELS / "digits" / "1" / "model.pt"), map_location="cpu").eval()
@@ -331,3 +330,35 @@ def test_pb_utils_model_over_json_wire(server):
     assert outs["UPPER"]["data"] == ["AB", "C\u00e9"]  # bytes.upper() leaves non-ASCII alone
     info = json.loads(outs["INFO"]["data"][0])
     assert info["parameters"] == {"k": "v"} and info["request_id"] == "wire-1"
+
+
+class _Complex(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.complex(x, x)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script/save
+def test_an_output_of_a_type_the_protocol_lacks_is_an_error_and_the_worker_survives(server_factory, tmp_path):
+    """A TorchScript model whose output is complex (no KServe datatype): a 500 naming the dtype,
+    every time, and the same worker answers on."""
+    model = tmp_path / "repo" / "complex" / "1"
+    model.mkdir(parents=True)
+    torch.jit.save(torch.jit.script(_Complex()), str(model / "model.pt"))
+    (model.parent / "config.pbtxt").write_text(
+        'name: "complex"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+        'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n')
+    server = server_factory.start([tmp_path / "repo"])
+    client = server.client()
+    try:
+        x = httpclient.InferInput("INPUT__0", [2], "FP32")
+        x.set_data_from_numpy(np.array([1.0, 2.0], dtype=np.float32))
+        pids = set()
+        for _ in range(3):  # (the second and later answers may take a kept way)
+            with pytest.raises(InferenceServerException) as e:
+                client.infer("complex", [x])
+            assert "unsupported numpy dtype complex64" in e.value.message()
+            pids |= {pid for pid, title in server.titles().items() if title.startswith("shmserve worker complex ")}
+        assert len(pids) == 1
+    finally:
+        client.close()

@@ -65,6 +65,11 @@ def _wire_type(arr: Any) -> str:
     return datatype
 
 
+def _output_desc(name: str, datatype: str, shape: tuple[int, ...], size: int) -> dict[str, Any]:
+    """An output's entry in an answer document, before its place ("off" or "region")."""
+    return {"name": name, "datatype": datatype, "shape": list(shape), "size": size}
+
+
 @mypyc_attr(native_class=False)  # a Python class: see setup.py
 class RequestError(Exception):
     """A problem with one request (not the batch): answered as a 400 to that client only."""
@@ -602,7 +607,7 @@ class Worker:
                 datatype = _WIRE_TYPES.get(arr.dtype) or _wire_type(arr)
                 data = serialize_bytes(arr) if datatype == "BYTES" else byte_view(arr)
                 n = len(data)
-                desc = {"name": name, "datatype": datatype, "shape": list(arr.shape), "size": n}
+                desc = _output_desc(name, datatype, arr.shape, n)
                 target = placed.get(name)
                 if target is not None:
                     if n > target["size"]:
@@ -648,18 +653,24 @@ class Worker:
         shapes, tensors = [], []
         for name in names:
             arr = outputs.get(name)
-            if arr is None or arr.dtype.kind in "OSU":
+            if arr is None:
+                return None
+            # (a dtype not seen yet, or one without a wire type, takes the full way, which
+            # learns it or answers the error)
+            datatype = _WIRE_TYPES.get(arr.dtype)
+            if datatype is None or datatype == "BYTES":
                 return None
             data = byte_view(arr)
             tensors.append((len(data), data))
-            shapes.append((name, arr.dtype, arr.shape))
+            shapes.append((name, datatype, arr.shape))
         key = tuple(shapes)
         doc = self._plain_docs.get(key)
         if doc is None:
             outs, pos = [], 0
-            for (name, _, shape), (n, _) in zip(shapes, tensors):
-                outs.append({"name": name, "datatype": _WIRE_TYPES.get(outputs[name].dtype) or _wire_type(outputs[name]),
-                             "shape": list(shape), "size": n, "off": pos})
+            for (name, datatype, shape), (n, _) in zip(shapes, tensors):
+                desc = _output_desc(name, datatype, shape, n)
+                desc["off"] = pos
+                outs.append(desc)
                 pos += n
             if len(self._plain_docs) >= PLANS_LIMIT:
                 self._plain_docs.clear()
