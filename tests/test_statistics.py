@@ -255,3 +255,19 @@ def metered(url: str, x: int) -> str:
         return client.infer("metered", [t]).as_numpy("CHECKS")[0].decode()
     finally:
         client.close()
+
+
+def test_histogram_buckets_are_the_bounds_bisected():
+    """A duration's bucket is the first whose upper bound holds it: the integer search the
+    worker runs per request agrees with bisecting the (float) bounds, at and around each bound."""
+    from bisect import bisect_left
+
+    from shm.stats import BUCKETS, bucket_of, bucket_upper_ns
+
+    uppers = [bucket_upper_ns(i) for i in range(BUCKETS - 1)]
+    durations = [0, 1, 9_999, 10_000, 10_001, 2**62]
+    for upper in uppers:
+        durations += [int(upper) - 1, int(upper), int(upper) + 1]
+    for ns in durations:
+        assert bucket_of(ns) == bisect_left(uppers, ns), ns
+    assert bucket_of(2**62) == BUCKETS - 1  # the last bucket is unbounded
