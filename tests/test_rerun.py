@@ -157,3 +157,53 @@ def test_a_slot_answered_otherwise_is_not_taken(frontend):
         completion.release()
     assert fe.rerun(slot, a, b, "no") == -1  # completed: not ours any more
     assert "no" not in [n for n, _ in fe.completions] and fe.conn.in_flight == 0
+
+
+def test_a_block_changed_under_a_kept_request_is_read_again(frontend):
+    """The worker keeps what it derived from a direct request by its client and slot, and knows a
+    rerun by the block's bytes. A block whose descriptor changed (here its inputs swapped names:
+    the difference turns over) or whose trailer changed (another socket) is read again, and the
+    answer is the new one's, on the new socket."""
+    fe = frontend
+    raw = _expected_answer(fe)
+    ours, theirs = socket.socketpair()
+    other, other_peer = socket.socketpair()
+    with ours, theirs, other, other_peer:
+        pairs = _pairs(5, 4)
+        slot = fe.send(*pairs[0], "first", _trailer(raw, ours))
+        _read_answer(theirs)
+        fe.answered(slot)
+        assert fe.rerun(slot, *pairs[1], "kept") > 0  # the kept way
+        s, d = _read_answer(theirs)
+        np.testing.assert_array_equal(d, pairs[1][0] - pairs[1][1])
+        fe.answered(slot)
+
+        off = fe.conn._callbacks[slot][1]
+        buf = fe.conn.seg.seg.buf
+        (n,) = np.frombuffer(buf[off:off + 4], dtype="<u4")
+        doc = bytes(buf[off + 4:off + 4 + n])
+        assert doc.count(b'"INPUT0"') == 1 and doc.count(b'"INPUT1"') == 1
+        buf[off + 4:off + 4 + n] = doc.replace(b'"INPUT0"', b'"INPUTX"').replace(b'"INPUT1"', b'"INPUT0"') \
+            .replace(b'"INPUTX"', b'"INPUT1"')
+        a, b = pairs[2]
+        assert fe.rerun(slot, a, b, "swapped") > 0
+        s, d = _read_answer(theirs)
+        np.testing.assert_array_equal(s, a + b)
+        np.testing.assert_array_equal(d, b - a)  # the block's names, not the kept ones
+        fe.answered(slot)
+
+        total = fe.conn._totals[slot]
+        at = off + total - DIRECT_TRAILER.size
+        buf[at:at + DIRECT_TRAILER.size] = DIRECT_TRAILER.pack(
+            other.fileno(), len(raw), len(HEAD), 0, os.fstat(other.fileno()).st_ino)
+        a, b = pairs[3]
+        assert fe.rerun(slot, a, b, "moved") > 0
+        s, d = _read_answer(other_peer)
+        np.testing.assert_array_equal(s, a + b)
+        fe.answered(slot)
+        theirs.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1)  # nothing more on the old socket
+        completion = fe.completed("moved")
+        assert completion.sent == SENT_ALL
+        completion.release()

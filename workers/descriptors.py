@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from shm.segment import Segment
+
 SEND_TIME = b',"t":'
 LIMIT = 1024  # descriptors kept per worker; a client that never repeats itself only refills it
 LARGEST = 8192  # bytes of a descriptor worth keeping (many tensors, long parameters: parsed each time)
@@ -105,3 +107,58 @@ def plan_of(doc: dict[str, Any], entry: dict[str, Any], batch: int, priority: in
     if named and regions is None:
         return None
     return Plan(batch, priority, timeout_us, doc, entry, regions if named else None)
+
+
+class Kept:
+    """A direct request's entry, kept by its client and slot, for a *rerun*: the HTTP frontend
+    sends a keep-alive connection's next request in the slot and block of the last (when its
+    worker answered that one whole), with the same descriptor but for its send time, and the same
+    trailer (``Connection.rerun``). Such a request is recognised by its bytes, not trusted: the
+    block's descriptor up to the send time and its trailer span are compared with what this
+    worker saw there last, so a slot given to another request, or run by another instance
+    between, goes the usual way. It then costs two short copies and compares instead of the
+    plan's lookup and placing and the trailer's reading."""
+
+    __slots__ = ("client", "off", "length", "head", "tail", "digits_end", "entry", "batch", "priority",
+                 "timeout_us")
+
+    def __init__(self, client: object, buf: Any, off: int, length: int, prefix_len: int, doc_len: int,
+                 tail_len: int, entry: dict[str, Any], batch: int, priority: int, timeout_us: int) -> None:
+        """``prefix_len``: the document's bytes before its send time; ``doc_len``: all of them;
+        ``tail_len``: the bytes of the trailer and what it points at."""
+        self.client = client
+        self.off = off
+        self.length = length
+        # the document's length and its bytes up to the send time's digits; the trailer's span
+        self.head = bytes(buf[off:off + 4 + prefix_len + len(SEND_TIME)])
+        self.tail = bytes(buf[off + length - tail_len:off + length])
+        self.digits_end = off + 4 + doc_len - 1  # where the document's closing brace is
+        self.entry = dict(entry)  # as it was before the backend saw it
+        if entry["params"]:
+            self.entry["params"] = dict(entry["params"])
+        self.batch = batch
+        self.priority = priority
+        self.timeout_us = timeout_us
+
+    def send_time(self, client: object, seg: Segment, off: int, length: int) -> int:
+        """The send time of the request in this block of ``client``'s segment ``seg`` if it is the
+        kept one again, else -1."""
+        if client is not self.client or off != self.off or length != self.length:
+            return -1
+        head, tail = self.head, self.tail
+        end = off + length
+        if seg.read(end - len(tail), end) != tail:
+            return -1
+        text = seg.read(off, self.digits_end + 1)  # its length, document up to the digits, digits, "}"
+        digits = text[len(head):-1]
+        if not text.startswith(head) or not text.endswith(b"}") or not digits.isdigit():
+            return -1
+        return int(digits)
+
+    def entry_for(self, sent_ns: int) -> dict[str, Any]:
+        """The entry of this request: the kept one's, with its own send time and parameters."""
+        entry = dict(self.entry)
+        entry["t"] = sent_ns
+        if entry["params"]:
+            entry["params"] = dict(entry["params"])  # each request's own: a backend may change it
+        return entry
