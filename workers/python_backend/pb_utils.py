@@ -415,6 +415,8 @@ class Tensor:
     object arrays of ``bytes``.
     """
 
+    _torch: Any = None  # set only for GPU / bfloat16 DLPack imports
+
     def __init__(self, name: str, numpy_array: Any) -> None:
         if not isinstance(name, str):
             raise TypeError(f"Tensor name must be a str, got {type(name).__name__}")
@@ -442,8 +444,7 @@ class Tensor:
         self = cls.__new__(cls)
         self._name = name
         self._array = arr
-        self._torch = None
-        self._dtype = dtype
+        self._dtype = dtype  # (``_torch``: None, from the class)
         return self
 
     @classmethod
@@ -658,6 +659,13 @@ class InferenceRequest:
     """
 
     _response_sender: Any = None  # set by the worker for a decoupled model's requests
+    # Fields alike for every request the worker builds (``_incoming``); ``__init__`` and
+    # ``_set_cancelled`` set the instance's own. (A trace handle has no state to change.)
+    _model_version = -1
+    _timeout = 0
+    _preferred_memory: Optional[PreferredMemory] = None
+    _trace = InferenceTrace()
+    _cancelled = False
 
     def __init__(
         self,
@@ -722,25 +730,18 @@ class InferenceRequest:
     def _incoming(cls, model_name: str, inputs: list[Tensor], requested_output_names: list[str],
                   request_id: str, correlation_id: int | str, flags: int,
                   parameters: Optional[Mapping[str, Any]]) -> "InferenceRequest":
-        """Worker hook: a request the server already validated, built without ``__init__``'s
-        argument checks (the same fields, the same values)."""
+        """Worker hook: a request the server already validated (its inputs' names are distinct),
+        built without ``__init__``'s argument checks: the same fields, the same values (those that
+        are alike for every such request are the class's)."""
         self = cls.__new__(cls)
         self._request_id = request_id
         self._correlation_id = correlation_id
         self._inputs = inputs
-        by_name: dict[str, Tensor] = {}
-        for t in inputs:
-            by_name.setdefault(t._name, t)
-        self._inputs_by_name = by_name
+        self._inputs_by_name = {t._name: t for t in inputs}
         self._requested_output_names = list(dict.fromkeys(requested_output_names))
         self._model_name = model_name
-        self._model_version = -1
         self._flags = int(flags)
-        self._timeout = 0
-        self._preferred_memory = None
-        self._trace = InferenceTrace()
-        self._parameters = _parameters_to_json(parameters)
-        self._cancelled = False
+        self._parameters = _parameters_to_json(parameters) if parameters else "{}"
         return self
 
     def inputs(self) -> list[Tensor]:
