@@ -117,12 +117,15 @@ class Kept:
     block's descriptor up to the send time and its trailer span are compared with what this
     worker saw there last, so a slot given to another request, or run by another instance
     between, goes the usual way. It then costs two short copies and compares instead of the
-    plan's lookup and placing and the trailer's reading."""
+    plan's lookup and placing and the trailer's reading.
+
+    A request is kept only once its answer went to the HTTP client whole (what a rerun needs):
+    an answer that goes through the frontend (a batch's, for one) is never followed by a rerun."""
 
     __slots__ = ("client", "off", "length", "head", "tail", "digits_end", "entry", "batch", "priority",
-                 "timeout_us")
+                 "timeout_us", "viewed")
 
-    def __init__(self, client: object, buf: Any, off: int, length: int, prefix_len: int, doc_len: int,
+    def __init__(self, client: object, seg: Segment, off: int, length: int, prefix_len: int, doc_len: int,
                  tail_len: int, entry: dict[str, Any], batch: int, priority: int, timeout_us: int) -> None:
         """``prefix_len``: the document's bytes before its send time; ``doc_len``: all of them;
         ``tail_len``: the bytes of the trailer and what it points at."""
@@ -130,8 +133,8 @@ class Kept:
         self.off = off
         self.length = length
         # the document's length and its bytes up to the send time's digits; the trailer's span
-        self.head = bytes(buf[off:off + 4 + prefix_len + len(SEND_TIME)])
-        self.tail = bytes(buf[off + length - tail_len:off + length])
+        self.head = seg.read(off, off + 4 + prefix_len + len(SEND_TIME))
+        self.tail = seg.read(off + length - tail_len, off + length)
         self.digits_end = off + 4 + doc_len - 1  # where the document's closing brace is
         self.entry = dict(entry)  # as it was before the backend saw it
         if entry["params"]:
@@ -139,6 +142,7 @@ class Kept:
         self.batch = batch
         self.priority = priority
         self.timeout_us = timeout_us
+        self.viewed = False  # whether arrays over its inputs were looked for (at its first rerun)
 
     def send_time(self, client: object, seg: Segment, off: int, length: int) -> int:
         """The send time of the request in this block of ``client``'s segment ``seg`` if it is the

@@ -288,8 +288,14 @@ class Worker:
         kept = self._kept.get(key)
         sent_ns = kept.send_time(client, client.seg, off, direct_length) if kept is not None else -1
         if sent_ns >= 0:  # a rerun
-            entry = kept.entry_for(sent_ns)  # type: ignore[union-attr]
-            batch, priority, timeout_us = kept.batch, kept.priority, kept.timeout_us  # type: ignore[union-attr]
+            assert kept is not None
+            if not kept.viewed:  # (its first rerun: the slot is in use by a closed loop)
+                kept.viewed = True
+                templates = self._templates(kept.entry)
+                if templates is not None:
+                    kept.entry["views"] = templates
+            entry = kept.entry_for(sent_ns)
+            batch, priority, timeout_us = kept.batch, kept.priority, kept.timeout_us
         else:
             if kept is not None:
                 del self._kept[key]
@@ -306,11 +312,9 @@ class Worker:
                     plan.place(entry, client_name, data_start)
                     entry["t"] = sent_ns
                     if tail_len and plan.regions is None and known is not None:
-                        kept = self._kept[key] = Kept(client, client.seg.buf, off, direct_length, len(known[0]),
-                                                      len(raw), tail_len, entry, batch, priority, timeout_us)
-                        templates = self._templates(entry)
-                        if templates is not None:
-                            kept.entry["views"] = templates
+                        # kept once its answer is sent whole, which a rerun of it needs (_send_completions)
+                        entry["keep"] = Kept(client, client.seg, off, direct_length, len(known[0]), len(raw),
+                                             tail_len, entry, batch, priority, timeout_us)
                 else:
                     batch, priority, timeout_us, sent_ns = self._check_request(entry, client, orjson.loads(raw),
                                                                                data_start, known)
@@ -605,6 +609,11 @@ class Worker:
                             SENT_ALL if whole else SENT_REFUSED if sent < 0 else sent, time.monotonic_ns() if whole else 0)
             if whole:
                 self.stats.counts[HTTP_DIRECT] += 1
+                keep = direct.entry.get("keep")  # type: ignore[union-attr]
+                if keep is not None:
+                    if len(self._kept) >= PLANS_LIMIT:
+                        self._kept.clear()
+                    self._kept[(direct.entry["client"], slot)] = keep  # type: ignore[union-attr]
                 fence()  # our completion before its wake-up word (its ``want_wake``, reversed)
                 if not client.wants_wake(slot):
                     continue  # answered in full: the frontend hears of it when it next looks
