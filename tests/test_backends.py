@@ -362,3 +362,25 @@ def test_an_output_of_a_type_the_protocol_lacks_is_an_error_and_the_worker_survi
         assert len(pids) == 1
     finally:
         client.close()
+
+
+def test_pb_utils_requests_the_worker_builds_read_as_constructed_ones():
+    """The worker builds incoming requests without ``__init__`` (``_incoming``), with the fields
+    alike for all of them read from the class: each reads as a request constructed with the same
+    values, and each has its own trace handle and cancellation state."""
+    from workers.python_backend import pb_utils
+
+    x = pb_utils.Tensor("INPUT0", np.zeros(4, dtype=np.float32))
+    built = pb_utils.InferenceRequest._incoming("m", [x], ["OUTPUT0"], "id-1", 7, 0, {})
+    other = pb_utils.InferenceRequest._incoming("m", [x], ["OUTPUT0"], "id-2", 8, 0, {"a": 1})
+    made = pb_utils.InferenceRequest(request_id="id-1", correlation_id=7, inputs=[x],
+                                     requested_output_names=["OUTPUT0"], model_name="m")
+    for name in ("request_id", "correlation_id", "flags", "timeout", "parameters", "requested_output_names",
+                 "is_cancelled"):
+        assert getattr(built, name)() == getattr(made, name)(), name
+    assert built.trace().get_context() is None and built.trace() is built.trace()
+    assert built.trace() is not other.trace()
+    assert json.loads(other.parameters()) == {"a": 1}
+    built._set_cancelled()
+    assert built.is_cancelled() and not other.is_cancelled()
+    assert pb_utils.get_input_tensor_by_name(built, "INPUT0") is x

@@ -611,9 +611,10 @@ class Worker:
                 self.stats.counts[HTTP_DIRECT] += 1
                 keep = direct.entry.get("keep")  # type: ignore[union-attr]
                 if keep is not None:
-                    if len(self._kept) >= PLANS_LIMIT:
+                    key = (direct.entry["client"], slot)  # type: ignore[union-attr]
+                    if len(self._kept) >= PLANS_LIMIT and key not in self._kept:
                         self._kept.clear()
-                    self._kept[(direct.entry["client"], slot)] = keep  # type: ignore[union-attr]
+                    self._kept[key] = keep
                 fence()  # our completion before its wake-up word (its ``want_wake``, reversed)
                 if not client.wants_wake(slot):
                     continue  # answered in full: the frontend hears of it when it next looks

@@ -660,11 +660,12 @@ class InferenceRequest:
 
     _response_sender: Any = None  # set by the worker for a decoupled model's requests
     # Fields alike for every request the worker builds (``_incoming``); ``__init__`` and
-    # ``_set_cancelled`` set the instance's own. (A trace handle has no state to change.)
+    # ``_set_cancelled`` set the instance's own, and ``trace()`` makes a request's trace handle
+    # when it is first asked for.
     _model_version = -1
     _timeout = 0
     _preferred_memory: Optional[PreferredMemory] = None
-    _trace = InferenceTrace()
+    _trace: Optional[InferenceTrace] = None
     _cancelled = False
 
     def __init__(
@@ -772,6 +773,8 @@ class InferenceRequest:
         return self._parameters
 
     def trace(self) -> InferenceTrace:
+        if self._trace is None:
+            self._trace = InferenceTrace()  # each request its own, as in Triton
         return self._trace
 
     def is_cancelled(self) -> bool:
