@@ -115,9 +115,9 @@ class Kept:
     worker answered that one whole), with the same descriptor but for its send time, and the same
     trailer (``Connection.rerun``). Such a request is recognised by its bytes, not trusted: the
     block's descriptor up to the send time and its trailer span are compared with what this
-    worker saw there last, and a block whose bytes differ (another request in the slot, run
-    here or by another instance) goes the usual way and drops the kept entry. It then costs two short copies and compares instead of the
-    plan's lookup and placing and the trailer's reading.
+    worker saw there last. A match costs two short copies and compares instead of the plan's
+    lookup and placing and the trailer's reading; a block whose bytes differ (another request
+    in the slot, run here or by another instance) goes the usual way and drops the kept entry.
 
     A request is kept only once its answer went to the HTTP client whole (what a rerun needs):
     an answer that goes through the frontend (a batch's, for one) is never followed by a rerun."""

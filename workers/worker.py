@@ -539,8 +539,9 @@ class Worker:
     def _templates(self, entry: dict) -> list[tuple[str, Any]] | None:
         """Arrays over a kept entry's numeric inputs in its client's block: a rerun's inputs are
         new views of them (a view costs a fifth of building the array again; each request gets its
-        own, as a backend may reshape what it is given). None if any input is not such a tensor."""
-        if any(t["datatype"] == "BYTES" or "cuda" in t or "ino" in t for t in entry["inputs"]):
+        own, as a backend may reshape what it is given). None if any input is BYTES (decoded per
+        request). (Kept entries name no regions, so every input lies in the client's block.)"""
+        if any(t["datatype"] == "BYTES" for t in entry["inputs"]):
             return None
         try:
             return list(self._inputs(entry).items())
