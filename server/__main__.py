@@ -1,13 +1,13 @@
-"""``shmserve`` / ``python -m server``: parse flags, then run the launcher."""
+"""``shmserve`` / ``python -m shmserve``: parse flags, then run the launcher."""
 from __future__ import annotations
 
 import sys
 
-from shm.names import set_title
+from shmserve.shm.names import set_title
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shm import logs
+    from shmserve.shm import logs
 
     from .cli import log_settings, parse_args
 

@@ -140,7 +140,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if not 0 <= getattr(args, flag) <= 65535:
             parser.error(f"--{flag.replace('_', '-')} must be a port number")
     try:
-        from shm.names import check_server_id
+        from shmserve.shm.names import check_server_id
 
         check_server_id(args.id)
     except ValueError as e:
@@ -150,7 +150,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     try:
-        from server.frontend.restricted import parse as parse_restricted
+        from shmserve.server.frontend.restricted import parse as parse_restricted
 
         args.http_restricted_api = parse_restricted(args.http_restricted_api)
     except ValueError as e:
@@ -185,7 +185,7 @@ def log_settings(args: argparse.Namespace) -> dict:
 def trace_settings(items: Sequence[str]) -> dict:
     """``--trace-config`` items as the broker's initial trace settings (shm/trace.py); ValueError
     says what is wrong, including a missing OpenTelemetry SDK for mode=opentelemetry."""
-    from shm.trace import parse_config
+    from shmserve.shm.trace import parse_config
 
     settings = parse_config(list(items))
     if settings.get("file"):
@@ -195,7 +195,7 @@ def trace_settings(items: Sequence[str]) -> dict:
             raise ValueError(f"--trace-config triton,file: cannot write trace files in '{folder}'")
     mode = settings.get("mode", "triton")
     if mode == "opentelemetry":
-        from server.frontend.otel import missing
+        from shmserve.server.frontend.otel import missing
 
         why = missing()
         if why:

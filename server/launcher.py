@@ -18,9 +18,9 @@ import time
 
 import orjson
 
-from shm import logs
-from shm.channel import BrokerSegment
-from shm.names import list_objects, object_name, pid_alive, unlink_all, unlink_semaphore, unlink_shm
+from shmserve.shm import logs
+from shmserve.shm.channel import BrokerSegment
+from shmserve.shm.names import list_objects, object_name, pid_alive, unlink_all, unlink_semaphore, unlink_shm
 
 from .broker.options import STARTUP_FAILED, BrokerOptions
 from .cli import log_settings
@@ -83,7 +83,7 @@ class Launcher:
         self.sock: socket.socket | None = None
 
     def _start_broker(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "server.broker", orjson.dumps(self.broker_opts.to_json())],
+        proc = subprocess.Popen([sys.executable, "-m", "shmserve.server.broker", orjson.dumps(self.broker_opts.to_json())],
                                 stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         name = object_name(self.sid, "broker", 0)
@@ -101,7 +101,7 @@ class Launcher:
                 "restricted": self.args.http_restricted_api, "max_inflight": self.args.http_max_inflight,
                 "max_tensor_elements": self.args.http_max_tensor_elements,
                 "log": log_settings(self.args)}
-        return subprocess.Popen([sys.executable, "-m", "server.frontend", orjson.dumps(spec)],
+        return subprocess.Popen([sys.executable, "-m", "shmserve.server.frontend", orjson.dumps(spec)],
                                 pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL)
 
     def _on_signal(self, signum: int, frame: object) -> None:

@@ -1,7 +1,7 @@
 """The local client library: call models of a server on this host through shared memory, with no
 HTTP and no copy of tensor bytes where the caller's data already lives in shm.
 
-    from shm.client import Client
+    from shmserve import Client
     with Client("shmserve") as client:                 # the server's --id
         result = client.infer("add_sub", {"INPUT0": a, "INPUT1": b})
         print(result["OUTPUT0"])

@@ -24,7 +24,6 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import orjson
 import posix_ipc
-from mypy_extensions import mypyc_attr
 
 from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
@@ -48,12 +47,10 @@ SEEN_ANSWER_BYTES = 8192  # each at most this long
 CLIENT_SPIN_S = float(os.environ.get("SHMSERVE_CLIENT_SPIN_US", "2000")) / 1e6
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class ServerUnavailable(ConnectionError):
     """No server with that id is running, or it went away; a new Connection may succeed later."""
 
 
-@mypyc_attr(native_class=False)
 class Backpressure(RuntimeError):
     """The connection is out of slots or arena space right now; retrying later can succeed."""
 

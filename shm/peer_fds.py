@@ -26,8 +26,8 @@ import os
 import time
 
 try:
-    from shm._peer_send import borrow as c_borrow
-    from shm._peer_send import send_now as c_send_now
+    from shmserve.shm._peer_send import borrow as c_borrow
+    from shmserve.shm._peer_send import send_now as c_send_now
 except ImportError:  # a plain-Python install (setup.py)
     c_borrow = c_send_now = None
 

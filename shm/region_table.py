@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import orjson
-from mypy_extensions import mypyc_attr
 
 from .published import Published
 
@@ -25,7 +24,6 @@ class RegionEntry(NamedTuple):
     ino: int
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class RegionUseError(ValueError):
     """A tensor names a region that is not registered, or lies outside its bounds (a 400)."""
 

@@ -11,12 +11,10 @@ import threading
 from collections import OrderedDict
 
 import posix_ipc
-from mypy_extensions import mypyc_attr
 
 from .names import unlink_shm
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class StaleRegion(ValueError):
     """A client's region changed under a request: replaced by another object, or truncated."""
 

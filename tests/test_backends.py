@@ -291,7 +291,7 @@ def test_pb_utils_response_parameters_reach_the_client(client):
 def test_response_parameters_through_the_local_client_are_each_results_own(server):
     """The local client shares the parsed answer document of repeated answers: a caller that
     changes one result's parameters must not change the next result's."""
-    from shm.client import Client
+    from shmserve.shm.client import Client
 
     with Client(server.id) as local:
         first = local.infer("pbutils_full", {"TEXT": TEXT}, ["UPPER"])
@@ -368,7 +368,7 @@ def test_pb_utils_requests_the_worker_builds_read_as_constructed_ones():
     """The worker builds incoming requests without ``__init__`` (``_incoming``), with the fields
     alike for all of them read from the class: each reads as a request constructed with the same
     values, and each has its own trace handle and cancellation state."""
-    from workers.python_backend import pb_utils
+    from shmserve.workers.python_backend import pb_utils
 
     x = pb_utils.Tensor("INPUT0", np.zeros(4, dtype=np.float32))
     built = pb_utils.InferenceRequest._incoming("m", [x], ["OUTPUT0"], "id-1", 7, 0, {})

@@ -165,7 +165,7 @@ def test_two_instances_batch_through_the_broker(server):
     # What the broker tells clients: send single-instance batching versions to the worker.
     import orjson
 
-    from shm.channel import BrokerSegment
+    from shmserve.shm.channel import BrokerSegment
     broker = BrokerSegment.attach(server.id)
     try:
         routes = orjson.loads(broker.routes.read()[1])["models"]
@@ -213,7 +213,7 @@ def test_descriptors_with_bad_queue_fields_are_400_and_harm_nothing(server, mode
     a non-negative integer is its error, not the server's."""
     import threading
 
-    from shm.client import Client
+    from shmserve.shm.client import Client
     pids = server.worker_pids(model)
     x = np.zeros((1, 3), np.float32)
     with Client(server.id) as client:
@@ -239,7 +239,7 @@ def test_descriptors_with_bad_queue_fields_are_400_and_harm_nothing(server, mode
 
 KID = """
 import sys, time, numpy as np
-from shm.client import Client
+from shmserve.shm.client import Client
 c = Client(sys.argv[1])
 c.infer_async("probe_hold", {"INPUT0": np.zeros((1, 3), np.float32)})
 print("sent", flush=True)
@@ -293,9 +293,9 @@ class FromSource(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, FromSource())
-from shm.channel import WorkerSegment
-assert WorkerSegment.__module__ == "shm.channel" and sys.modules["shm.channel"].__file__.endswith(".py")
-from shm.client import Client
+from shmserve.shm.channel import WorkerSegment
+assert WorkerSegment.__module__ == "shmserve.shm.channel" and sys.modules["shmserve.shm.channel"].__file__.endswith(".py")
+from shmserve.shm.client import Client
 WorkerSegment.ring_bell = lambda self, lane: None  # as if killed between its put and its bell
 c = Client(sys.argv[1])
 c.infer_async("add_sub", {"INPUT0": np.zeros(16, np.int32), "INPUT1": np.zeros(16, np.int32)})

@@ -1,53 +1,40 @@
-"""The install compiles the request path (setup.py, compiled-modules.txt) unless told not to, and
-the server's processes run what it built."""
+"""The install: one public import name, plain Python (no C compiler needed), and no generic
+top-level names left in site-packages."""
 from __future__ import annotations
 
-import importlib
-import os
-import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
-import numpy as np
-import pytest
-import tritonclient.http as httpclient
-
-from conftest import ROOT, compiled_modules
-
-PURE = os.environ.get("SHMSERVE_PURE_PYTHON") == "1"
+from conftest import ROOT
 
 
-def _module_names() -> list[str]:
-    return [".".join(src.relative_to(ROOT).with_suffix("").parts) for src in compiled_modules()]
+def test_the_wheel_installs_one_import_name_and_no_extension(tmp_path: Path):
+    """A wheel of the repository holds ``shmserve`` only (the folders server/, workers/, shm/ and
+    tools/ go under it), every module as source: nothing to compile, nothing to go stale."""
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (wheel,) = tmp_path.glob("shmserve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"shmserve"}, tops
+    for module in ("shmserve/__init__.py", "shmserve/server/broker/broker.py", "shmserve/workers/worker.py",
+                   "shmserve/shm/client.py", "shmserve/tools/paired.py"):
+        assert module in names, module
+    assert not [n for n in names if n.endswith((".so", ".c"))], names
+    assert "shmserve.tools" not in "".join(n for n in names if n.endswith("entry_points.txt"))
 
 
-def test_the_request_path_runs_compiled():
-    modules = _module_names()
-    assert "shm.connection" in modules and "workers.worker" in modules and "shm._peer_send" in modules, modules
-    for src, name in zip(compiled_modules(), modules):
-        if src.suffix == ".c" and PURE:  # a C helper is not built: its caller takes the Python path
-            with pytest.raises(ImportError):
-                importlib.import_module(name)
-            continue
-        path = importlib.import_module(name).__file__ or ""
-        assert path.endswith(".py") if PURE else path.endswith(".so"), (name, path)
+def test_the_public_import_name_gives_the_local_client():
+    run = subprocess.run([sys.executable, "-c", "import sys, shmserve; print('numpy' in sys.modules); "
+                          "from shmserve import Client; print(Client.__module__)"],
+                         capture_output=True, text=True, cwd="/", timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "shmserve.shm.client"]
 
 
-def test_a_served_request_goes_through_the_compiled_modules(server):
-    """The frontend and the worker that answer a request have the extensions mapped (or, for a
-    plain-Python install, none of them): the library mypyc built the modules into, and the
-    module the process's interpreted start imports (a module that only compiled ones import is
-    set up from that library without loading its own file)."""
-    client = server.client()
-    inputs = [httpclient.InferInput(name, [16], "INT32") for name in ("INPUT0", "INPUT1")]
-    for t in inputs:
-        t.set_data_from_numpy(np.arange(16, dtype=np.int32))
-    assert client.infer("add_sub", inputs).as_numpy("OUTPUT0").tolist() == list(range(0, 32, 2))
-    client.close()
-    roles = {pid: title for pid, title in server.titles().items()
-             if title.startswith(("shmserve frontend", "shmserve worker add_sub "))}
-    assert len(roles) == 2, server.titles()
-    for pid, title in roles.items():
-        with open(f"/proc/{pid}/maps") as f:
-            mapped = f.read()
-        module = "workers/worker" if "worker" in title else "server/frontend/inference"
-        assert (f"{ROOT}/{module}.cpython-" in mapped) is not PURE, (title, module)
-        assert (re.search(rf"{re.escape(str(ROOT))}/\w+__mypyc\.cpython-", mapped) is not None) is not PURE, title
+def test_python_dash_m_shmserve_is_the_shmserve_command():
+    run = subprocess.run([sys.executable, "-m", "shmserve", "--help"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "--model-repository" in run.stdout, run.stderr

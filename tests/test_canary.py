@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import raw_request
-from shm.client import Client
+from shmserve.shm.client import Client
 
 MODEL = "cm"
 STABLE = """

@@ -24,13 +24,13 @@ SHMSERVE = Path(PYTHON).parent / "shmserve"
 
 
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "server", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "shmserve", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("entry", ["python -m server", "shmserve"])
+@pytest.mark.parametrize("entry", ["python -m shmserve", "shmserve"])
 def test_help_mentions_every_flag(entry):
-    cmd = [PYTHON, "-m", "server", "--help"] if entry == "python -m server" else [str(SHMSERVE), "--help"]
+    cmd = [PYTHON, "-m", "shmserve", "--help"] if entry == "python -m shmserve" else [str(SHMSERVE), "--help"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     for flag in FLAGS:

@@ -6,7 +6,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from shm import copying
+from shmserve.shm import copying
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, copying.PARALLEL_MIN_BYTES - 1, copying.PARALLEL_MIN_BYTES,

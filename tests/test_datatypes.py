@@ -214,7 +214,7 @@ def test_large_tensor_roundtrip(client, compression):
 def test_byte_view_is_the_tensors_bytes_in_c_order(array):
     """The fast way (a cast of the array's own buffer) and the numpy way give the same bytes, and
     a contiguous array is viewed, not copied."""
-    from shm.tensors import byte_view
+    from shmserve.shm.tensors import byte_view
 
     view = byte_view(array)
     assert view.tobytes() == array.tobytes() and view.nbytes == array.nbytes
@@ -223,7 +223,7 @@ def test_byte_view_is_the_tensors_bytes_in_c_order(array):
 
 
 def test_from_buffer_views_exact_sizes_only():
-    from shm.tensors import from_buffer
+    from shmserve.shm.tensors import from_buffer
 
     raw = bytearray(np.arange(6, dtype=np.int32).tobytes())
     arr = from_buffer(memoryview(raw), "INT32", [2, 3])

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shm.client import Client, InferenceServerError
+from shmserve.shm.client import Client, InferenceServerError
 
 ROOT = Path(__file__).resolve().parent.parent
 

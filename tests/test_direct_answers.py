@@ -286,7 +286,7 @@ def test_a_connection_the_server_closes_after_direct_answers_ends_soon(server):
     """A request asking to close, right after answers the worker wrote: its answer comes whole,
     and the connection ends within the time a worker may keep the socket (``peer_fds.HOLD_S``),
     not when the next client's answer happens to come."""
-    from shm.peer_fds import HOLD_S
+    from shmserve.shm.peer_fds import HOLD_S
 
     before = _direct(server, "add_sub")
     other = Other(server)

@@ -24,8 +24,8 @@ import pytest
 
 from conftest import (PYTHON, ROOT, cpu_ticks, processes_mapping, raw_request, shm_entries, shm_names,
                       start_shm_server)
-from shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
-from shm.protocol import NO_ROOM
+from shmserve.shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
+from shmserve.shm.protocol import NO_ROOM
 
 N = 16
 A = np.arange(N, dtype=np.int32)
@@ -654,7 +654,7 @@ def test_output_array_survives_dropping_its_result(lc_server):
 KID = r"""
 import os, sys, time
 import numpy as np
-from shm.client import Client
+from shmserve.shm.client import Client
 server_id, mode = sys.argv[1], sys.argv[2]
 c = Client(server_id)
 region = c.create_region(f"kid_{os.getpid()}", 4096)
@@ -780,7 +780,7 @@ def test_client_with_region_inputs_killed_mid_request_leaves_the_worker_alive(se
 UNCLOSED = r"""
 import sys
 import numpy as np
-from shm.client import Client
+from shmserve.shm.client import Client
 c = Client(sys.argv[1])
 region = c.create_region("unclosed", 4096)
 a = region.array(np.int32, (16,))
@@ -808,7 +808,7 @@ def test_a_program_that_never_closes_its_client_leaves_nothing(lc_server):
 FORKS = r"""
 import os, sys
 import numpy as np
-from shm.client import Client
+from shmserve.shm.client import Client
 c = Client(sys.argv[1])
 region = c.create_region("forked", 4096)
 a = region.array(np.int32, (16,))

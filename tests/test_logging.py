@@ -133,7 +133,7 @@ def test_bad_flags_are_one_line_errors(tmp_path):
     for args, needle in [(["--log-format", "json"], "--log-format"), (["--log-info", "maybe"], "--log-info"),
                          (["--log-verbose", "-1"], "--log-verbose"),
                          (["--log-file", str(tmp_path / "missing" / "x.log")], "cannot open --log-file")]:
-        r = subprocess.run([PYTHON, "-m", "server", "--model-repository", str(tmp_path), *args], cwd=ROOT,
+        r = subprocess.run([PYTHON, "-m", "shmserve", "--model-repository", str(tmp_path), *args], cwd=ROOT,
                            capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
         assert r.returncode == 2, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, (args, r.stderr)

@@ -11,7 +11,7 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error, r
                                  status_code_conformance)
 
 from conftest import PRODUCT_MODELS, SHM_MODELS, TEST_MODELS, raw_request
-from server.frontend.openapi import openapi_document
+from shmserve.server.frontend.openapi import openapi_document
 
 # Operations left out of the fuzz run: a load with 'file:' parameters writes a model folder (and
 # test_limits.py covers it), and trace settings may name files to write.
@@ -28,7 +28,7 @@ def oa_server(module_factory):
 
 def test_description_matches_the_routes(oa_server):
     """Every route the server serves is described, and every described path exists."""
-    from server.frontend.app import build_app
+    from shmserve.server.frontend.app import build_app
 
     doc = raw_request(oa_server.port, "GET", "/v2/openapi.json").json()
     assert doc == openapi_document()

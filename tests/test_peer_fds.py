@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-import shm.peer_fds
-from shm.peer_fds import PeerSockets
+import shmserve.shm.peer_fds
+from shmserve.shm.peer_fds import PeerSockets
 
 
 @pytest.fixture(autouse=True, params=["c", "ctypes"])

@@ -11,7 +11,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from conftest import PRODUCT_MODELS, TEST_MODELS, CpuHogs, cmdline, cpu_ticks, descendants, pid_alive, shm_entries
-from shm.cores import CPUS
+from shmserve.shm.cores import CPUS
 
 
 def _add_sub_inputs(a: np.ndarray) -> list[httpclient.InferInput]:

@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from server.frontend.codec import build_request, split_body
-from shm.connection import Completion, Connection
-from shm.peer_fds import allow_tracing_by
-from shm.protocol import DIRECT_TRAILER, SENT_ALL, SLOT_DONE, read_manifest_raw
+from shmserve.server.frontend.codec import build_request, split_body
+from shmserve.shm.connection import Completion, Connection
+from shmserve.shm.peer_fds import allow_tracing_by
+from shmserve.shm.protocol import DIRECT_TRAILER, SENT_ALL, SLOT_DONE, read_manifest_raw
 
 from test_direct_answers import _wait_for
 from test_repeated_heads import _add_sub, _pairs

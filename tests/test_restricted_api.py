@@ -76,7 +76,7 @@ def test_tritonclient_with_and_without_the_header(guarded):
 def test_bad_restricted_api_flags_exit_2(flag, needle, tmp_path):
     import subprocess
 
-    r = subprocess.run([PYTHON, "-m", "server", "--model-repository", str(TEST_MODELS),
+    r = subprocess.run([PYTHON, "-m", "shmserve", "--model-repository", str(TEST_MODELS),
                         f"--http-restricted-api={flag}"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and needle in r.stderr, (r.returncode, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1

@@ -645,7 +645,7 @@ def test_cuda_endpoints_without_a_cuda_device(shm_server, http):
 def test_region_table_too_large_for_its_area_is_published_incomplete():
     """Past its area the table is published empty and incomplete, so clients send requests that
     name regions through the broker (which resolves them) rather than to workers that could not."""
-    from shm.region_table import RegionEntry, encode
+    from shmserve.shm.region_table import RegionEntry, encode
 
     regions = {f"r{i}": RegionEntry(f"/key{i}", 0, 64, i) for i in range(100)}
     assert orjson.loads(encode(regions, 1 << 20)) == {"complete": True,

@@ -13,7 +13,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import TESTS, raw_request
-from shm.client import Client, InferenceServerError
+from shmserve.shm.client import Client, InferenceServerError
 
 STATS_MODELS = TESTS / "models" / "stats"
 
@@ -262,7 +262,7 @@ def test_histogram_buckets_are_the_bounds_bisected():
     worker runs per request agrees with bisecting the (float) bounds, at and around each bound."""
     from bisect import bisect_left
 
-    from shm.stats import BUCKETS, bucket_of, bucket_upper_ns
+    from shmserve.shm.stats import BUCKETS, bucket_of, bucket_upper_ns
 
     uppers = [bucket_upper_ns(i) for i in range(BUCKETS - 1)]
     durations = [0, 1, 9_999, 10_000, 10_001, 2**62]
@@ -282,7 +282,7 @@ def test_published_counters_are_never_torn():
     import os
     import time
 
-    from shm.stats import SUCCESS_NS, StatsArea, StatsWriter
+    from shmserve.shm.stats import SUCCESS_NS, StatsArea, StatsWriter
 
     low, high = 0x0000_0000_FFFF_FFFF, 0xFFFF_FFFF_0000_0000
     mm = mmap.mmap(-1, StatsArea.nbytes())  # shared with the child across fork

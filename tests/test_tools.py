@@ -14,8 +14,8 @@ import pytest
 import tritonclient.http as httpclient
 from conftest import PYTHON, ROOT, CpuHogs
 
-from tools import proc_cpu
-from tools.harness import cmdline, descendants, free_port
+from shmserve.tools import proc_cpu
+from shmserve.tools.harness import cmdline, descendants, free_port
 
 
 def add_sub_request() -> tuple[list, list]:
@@ -28,7 +28,7 @@ def add_sub_request() -> tuple[list, list]:
 def test_paired_alternates_targets_and_reports_ratios(server, tmp_path):
     out = tmp_path / "paired.json"
     run = subprocess.run(
-        [PYTHON, "-m", "tools.paired", "--model", "add_sub", "--clients", "2", "--pairs", "2",
+        [PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--clients", "2", "--pairs", "2",
          "--slice", "0.3", "--warmup", "0.05", "--target", f"http={server.url}",
          "--target", f"local=local:{server.id}", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -95,11 +95,11 @@ def test_waits_for_a_core_are_read_from_schedstat():
 
 
 def test_paired_refuses_bad_targets():
-    run = subprocess.run([PYTHON, "-m", "tools.paired", "--model", "add_sub", "--target", "nameless",
+    run = subprocess.run([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--target", "nameless",
                           "--target", "b=127.0.0.1:1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0
     assert "bad --target 'nameless'" in run.stderr
-    run = subprocess.run([PYTHON, "-m", "tools.paired", "--model", "add_sub", "--target", "a=127.0.0.1:1"],
+    run = subprocess.run([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--target", "a=127.0.0.1:1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "needs two targets" in run.stderr
 
@@ -107,7 +107,7 @@ def test_paired_refuses_bad_targets():
 def test_paired_stopped_by_sigterm_takes_its_client_processes_along(server):
     """`timeout` stops a run with SIGTERM: its client processes go too (they used to stay, idle,
     holding their connections)."""
-    run = subprocess.Popen([PYTHON, "-m", "tools.paired", "--model", "add_sub", "--clients", "2", "--pairs", "50",
+    run = subprocess.Popen([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--clients", "2", "--pairs", "50",
                             "--slice", "0.5", "--target", f"a={server.url}", "--target", f"b={server.url}"],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -130,7 +130,7 @@ def test_paired_stopped_by_sigterm_takes_its_client_processes_along(server):
 
 
 def test_paired_stops_with_an_error_when_a_target_is_gone(server):
-    run = subprocess.run([PYTHON, "-m", "tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.1",
+    run = subprocess.run([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.1",
                           "--target", f"up=local:{server.id}", "--target", "gone=local:no_such_server"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
@@ -142,7 +142,7 @@ def test_paired_through_shared_memory_regions_leaves_none_behind(server, tmp_pat
     of its own; every region is gone afterwards."""
     out = tmp_path / "paired-shm.json"
     run = subprocess.run(
-        [PYTHON, "-m", "tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.3", "--warmup", "0.05",
+        [PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.3", "--warmup", "0.05",
          "--shm", "system", "--target", f"http={server.url}", "--target", f"local=local:{server.id}",
          "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=180)

@@ -17,7 +17,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import PYTHON, ROOT, TESTS, raw_request
-from shm.trace import STAMPS, read_trace_file
+from shmserve.shm.trace import STAMPS, read_trace_file
 
 REPOS = [TESTS / "models" / "batching", ROOT / "model_repository"]
 MODELS = ["--model-control-mode", "explicit", "--load-model", "add_sub", "--load-model", "probe"]
@@ -301,14 +301,14 @@ def test_traced_requests_with_large_bodies_and_answers(server_factory, tmp_path)
     ("level", "expected"),
 ])
 def test_bad_flags_are_one_line_errors(flag, needle, tmp_path):
-    cmd = [PYTHON, "-m", "server", "--model-repository", str(ROOT / "model_repository"), "--trace-config", flag]
+    cmd = [PYTHON, "-m", "shmserve", "--model-repository", str(ROOT / "model_repository"), "--trace-config", flag]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr, p.stderr
 
 
 def test_timestamps_without_file_is_refused():
-    cmd = [PYTHON, "-m", "server", "--model-repository", str(ROOT / "model_repository"),
+    cmd = [PYTHON, "-m", "shmserve", "--model-repository", str(ROOT / "model_repository"),
            "--trace-config", "level=TIMESTAMPS"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "triton,file=" in p.stderr
@@ -322,7 +322,7 @@ def test_opentelemetry_mode_without_the_sdk_exits_2(tmp_path):
     hidden = tmp_path / "opentelemetry"
     hidden.mkdir()
     (hidden / "__init__.py").write_text("raise ImportError('opentelemetry is not installed here')\n")
-    cmd = [PYTHON, "-m", "server", "--model-repository", str(ROOT / "model_repository"),
+    cmd = [PYTHON, "-m", "shmserve", "--model-repository", str(ROOT / "model_repository"),
            "--trace-config", "mode=opentelemetry", "--trace-config", "level=TIMESTAMPS"]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30, env=env)

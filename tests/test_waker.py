@@ -10,8 +10,8 @@ import posix_ipc
 import pytest
 
 from conftest import CpuHogs
-from shm.cores import CPUS, CoreCheck, runnable
-from shm.waker import AWAKE, SLEEPING, SpinPolicy, Waker, flag_view
+from shmserve.shm.cores import CPUS, CoreCheck, runnable
+from shmserve.shm.waker import AWAKE, SLEEPING, SpinPolicy, Waker, flag_view
 
 
 @pytest.fixture

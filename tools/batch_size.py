@@ -1,7 +1,7 @@
 """Average batch size of a model between two reads of a server's Prometheus metrics (Triton's
 and ours name them alike): ``nv_inference_count / nv_inference_exec_count`` over the interval.
 
-    python -m tools.batch_size --metrics 127.0.0.1:8002 --model mlp -- <command to run meanwhile>
+    python -m shmserve.tools.batch_size --metrics 127.0.0.1:8002 --model mlp -- <command to run meanwhile>
 """
 from __future__ import annotations
 

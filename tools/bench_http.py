@@ -3,7 +3,7 @@
 Drives the server with ``tritonclient.http`` from separate client *processes*, so
 shmserve and the real Triton are measured by the same client code in one run:
 
-    python -m tools.bench_http --url 127.0.0.1:8000 --model add_sub --clients 1,4 --duration 10
+    python -m shmserve.tools.bench_http --url 127.0.0.1:8000 --model add_sub --clients 1,4 --duration 10
 
 Inputs are built from the model metadata; ``--shm system`` moves tensors through
 tritonclient's system shared-memory regions (the KServe shm extension).
@@ -95,7 +95,7 @@ class WorkerResult:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """CLI; kept flat so the README commands are the whole interface."""
-    p = argparse.ArgumentParser(prog="python -m tools.bench_http", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m shmserve.tools.bench_http", description=__doc__.splitlines()[0])
     p.add_argument("--url", default="127.0.0.1:8000", help="host:port of the HTTP endpoint (loopback only)")
     p.add_argument("--model", required=True)
     p.add_argument("--model-version", default="")

@@ -1,6 +1,6 @@
 """Latency and throughput of the local client library (shm, no HTTP), like tools.bench_http.
 
-    python -m tools.bench_local --id shmserve --model add_sub --clients 1,4 --duration 10
+    python -m shmserve.tools.bench_local --id shmserve --model add_sub --clients 1,4 --duration 10
 
 Inputs come from the model's metadata (random data of the right type; -1 dims take
 ``--shape-override NAME=d,d`` or 1); ``--region`` puts the inputs in a client-owned shm region
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from shm.tensors import DTYPES
+from shmserve.shm.tensors import DTYPES
 
 
 def make_inputs(client: Any, model: str, overrides: dict[str, list[int]], region: bool) -> dict[str, np.ndarray]:
@@ -47,7 +47,7 @@ def in_region(client: Any, arrays: dict[str, np.ndarray], name: str) -> dict[str
 
 
 def run_client(args: argparse.Namespace, barrier: Any, queue: Any) -> None:
-    from shm.client import Client
+    from shmserve.shm.client import Client
 
     with Client(args.id) as client:
         overrides = {k: [int(x) for x in v.split(",")] for k, v in (o.split("=") for o in args.shape_override)}
@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace, n: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_local", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m shmserve.tools.bench_local", description=__doc__.split("\n")[0])
     p.add_argument("--id", default="shmserve", help="the server's --id")
     p.add_argument("--model", required=True)
     p.add_argument("--clients", default="1,4")

@@ -46,7 +46,7 @@ def bls(url: str, server_id: str) -> None:
 
 
 def stream(url: str, server_id: str) -> None:
-    from shm.client import Client
+    from shmserve.shm.client import Client
 
     with Client(server_id) as client:
         words = [r["text_output"][0].decode() for r in
@@ -55,7 +55,7 @@ def stream(url: str, server_id: str) -> None:
 
 
 def local(url: str, server_id: str) -> None:
-    from shm.client import Client
+    from shmserve.shm.client import Client
 
     with Client(server_id) as client:
         region = client.create_region("example", 4096)

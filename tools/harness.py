@@ -70,7 +70,7 @@ def rss_bytes(pids: list[int]) -> int:
 
 
 class ServerProcess:
-    """``python -m server`` on free loopback ports with a unique id, ready when constructed."""
+    """``python -m shmserve`` on free loopback ports with a unique id, ready when constructed."""
 
     def __init__(self, repos: list[Path | str], *flags: str, server_id: str | None = None,
                  log: Path | None = None) -> None:
@@ -78,7 +78,7 @@ class ServerProcess:
         self.metrics_port = free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.id = server_id or f"tool{os.getpid()}"
-        cmd = [sys.executable, "-m", "server", *[f"--model-repository={r}" for r in repos],
+        cmd = [sys.executable, "-m", "shmserve", *[f"--model-repository={r}" for r in repos],
                "--http-address=127.0.0.1", f"--http-port={self.port}", f"--metrics-port={self.metrics_port}",
                f"--id={self.id}", *flags]
         out = open(log, "ab") if log else subprocess.DEVNULL

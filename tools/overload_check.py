@@ -1,7 +1,7 @@
 """Overload: twice the sustainable request rate for a minute; memory must stay flat, the excess
 must be refused (503) rather than queued without bound, and service must recover at once.
 
-    python -m tools.overload_check [--seconds 60] [--factor 2]
+    python -m shmserve.tools.overload_check [--seconds 60] [--factor 2]
 
 Starts its own server on the bundled add_sub. Phase 1 measures the sustainable rate (closed loop,
 32 connections, 10 s) and an idle p50 (1 connection). Phase 2 offers ``factor`` times that rate open
@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any
 
-from tools.harness import ROOT, ServerProcess, rss_bytes
+from shmserve.tools.harness import ROOT, ServerProcess, rss_bytes
 
 
 def request_bytes(port: int) -> bytes:

@@ -6,7 +6,7 @@ about the servers. Here the same client processes take turns on both endpoints: 
 ... with slices of a few seconds, and each pair of neighbouring slices gives one ratio. The median
 of those ratios is the figure; their spread shows how far the host moved.
 
-    python -m tools.paired --model add_sub --clients 4 \\
+    python -m shmserve.tools.paired --model add_sub --clients 4 \\
         --target triton=127.0.0.1:18000 --target shmserve=127.0.0.1:18600 --target local=local:myid
 
 Each target is ``NAME=HOST:PORT`` (KServe v2 over HTTP with ``tritonclient``, loopback only) or
@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tools import bench_http, proc_cpu
-from tools.bench_local import in_region
+from shmserve.tools import bench_http, proc_cpu
+from shmserve.tools.bench_local import in_region
 
 SETUP_TIMEOUT_S = 120.0
 
@@ -87,7 +87,7 @@ def _local_caller(target: Target, model: str, specs: tuple[bench_http.TensorSpec
                   seed: int, shm: bool) -> tuple[Callable[[], None], Callable[[], None]]:
     """The local client; with ``shm`` the inputs live in a region the client created, so they
     travel by reference (as ``tools.bench_local --region``)."""
-    from shm.client import Client
+    from shmserve.shm.client import Client
 
     client = Client(target.address)
     rng = np.random.default_rng(seed)
@@ -259,7 +259,7 @@ def resolve_specs(targets: list[Target], model: str, overrides: dict[str, tuple[
     if http is not None:
         meta = bench_http.fetch_metadata(http.address, model, "")
     else:
-        from shm.client import Client
+        from shmserve.shm.client import Client
 
         with Client(targets[0].address) as client:
             meta = client.model_metadata(model)
@@ -275,7 +275,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.paired", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m shmserve.tools.paired", description=__doc__.splitlines()[0])
     p.add_argument("--target", action="append", required=True, metavar="NAME=HOST:PORT|NAME=local:ID",
                    help="an endpoint (at least two; the first is the baseline)")
     p.add_argument("--model", required=True)

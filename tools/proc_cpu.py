@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tools.harness import descendants, stat_fields
+from shmserve.tools.harness import descendants, stat_fields
 
 _TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp

@@ -1,7 +1,7 @@
 """Lifecycle figures under load: how fast a version dropped into a watched repository serves,
 and how many requests fail across version swaps and a failed load (the target: none).
 
-    python -m tools.reload_check [--swaps 20] [--clients 4]
+    python -m shmserve.tools.reload_check [--swaps 20] [--clients 4]
 
 Starts its own server (poll mode, then explicit mode) on a temporary copy of add_sub, drives it
 with client processes over HTTP, prints the figures and stops everything it started.
@@ -53,7 +53,7 @@ class Server:
     def __init__(self, repo: Path, *flags: str) -> None:
         self.port = free_port()
         self.url = f"127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "server", f"--model-repository={repo}",
+        self.proc = subprocess.Popen([sys.executable, "-m", "shmserve", f"--model-repository={repo}",
                                       f"--http-port={self.port}", f"--metrics-port={free_port()}",
                                       f"--id=reload{os.getpid()}", *flags],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -1,6 +1,6 @@
 """Soak: mixed load for a long while, with a reload every 30 s and a worker killed every 60 s.
 
-    python -m tools.soak [--seconds 600] [--reload-every 30] [--kill-every 60]
+    python -m shmserve.tools.soak [--seconds 600] [--reload-every 30] [--kill-every 60]
 
 Starts its own server (poll mode) on a temporary copy of add_sub and running_sum and drives it
 with HTTP clients (add_sub), a local shared-memory client (add_sub) and a sequence client
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.harness import ROOT, ServerProcess, rss_bytes
+from shmserve.tools.harness import ROOT, ServerProcess, rss_bytes
 
 KILLED = "killed by SIGKILL"
 
@@ -59,7 +59,7 @@ def http_add_sub(url: str, stop: Any, results: Any) -> None:
 def local_add_sub(server_id: str, stop: Any, results: Any) -> None:
     import numpy as np
 
-    from shm.client import Client
+    from shmserve.shm.client import Client
 
     out: dict = {"kind": "local add_sub", "ok": 0, "failed": collections.Counter(), "lat": []}
     a = np.arange(16, dtype=np.int32)

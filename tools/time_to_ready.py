@@ -1,6 +1,6 @@
 """Measure how long a KServe v2 server takes from launch until N models are ready.
 
-    python -m tools.time_to_ready --models 7 [--url 127.0.0.1:8000] -- <server command with {repo}>
+    python -m shmserve.tools.time_to_ready --models 7 [--url 127.0.0.1:8000] -- <server command with {repo}>
 
 Builds a temporary repository of N renamed copies of the small Python-backend model
 add_sub, starts the command with ``{repo}`` replaced by that path, polls the health and
@@ -45,7 +45,7 @@ class ProcInfo:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """CLI: options before `--`, the server command after it."""
-    p = argparse.ArgumentParser(prog="python -m tools.time_to_ready", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m shmserve.tools.time_to_ready", description=__doc__.splitlines()[0],
                                 usage="%(prog)s [options] -- SERVER_COMMAND ... {repo} ...")
     p.add_argument("--models", type=int, default=7, help="number of add_sub copies in the repository")
     p.add_argument("--url", default="127.0.0.1:8000", help="host:port of the server's HTTP endpoint (loopback only)")

@@ -1,4 +1,4 @@
-"""Worker entry point: ``python -m workers '<spec JSON>'`` (started by the broker, not by hand)."""
+"""Worker entry point: ``python -m shmserve.workers '<spec JSON>'`` (started by the broker, not by hand)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import orjson
 
-from shm.names import set_title
+from shmserve.shm.names import set_title
 
 
 def _die_with_parent(parent: int) -> None:
@@ -33,12 +33,12 @@ def main() -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.get("device_id", 0))
     title = f"shmserve worker {spec['model']} v{spec['version']} #{spec['instance_index']} {device}"
     set_title(title)
-    from shm import heap, logs
+    from shmserve.shm import heap, logs
 
     heap.keep_large_buffers()  # a model's large outputs reuse memory instead of faulting it in per request
 
     logs.configure(spec.get("log") or {}, prefix=f"[{spec['model']} v{spec['version']} #{spec['instance_index']}] ")
-    from shm.profiling import run_profiled
+    from shmserve.shm.profiling import run_profiled
 
     from .worker import run
 

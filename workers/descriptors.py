@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from shm.segment import Segment
+from shmserve.shm.segment import Segment
 
 SEND_TIME = b',"t":'
 LIMIT = 1024  # descriptors kept per worker; a client that never repeats itself only refills it

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from shm.tensors import CONFIG_TO_WIRE, DTYPES
+from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES
 
 START, END = 1, 2
 _KINDS = {"CONTROL_SEQUENCE_START": "start", "CONTROL_SEQUENCE_READY": "ready",

@@ -8,29 +8,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from mypy_extensions import mypyc_attr
 
-from shm.tensors import CONFIG_TO_WIRE, element_count, itemsize
+from shmserve.shm.tensors import CONFIG_TO_WIRE, element_count, itemsize
 
 
 PASSED_LIMIT = 256  # shapes remembered per model version (cleared when full)
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class InvalidRequest(Exception):
     """The client's mistake: answered with 400 and the message."""
 
     status = 400
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class UnknownModel(InvalidRequest):
     """A model or version the server does not have: Triton's NOT_FOUND, answered with 404."""
 
     status = 404
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class VersionNotReady(InvalidRequest):
     """A version asked for by number that exists but does not serve (loading, failed, retiring):
     Triton's UNAVAILABLE, answered with 503."""
@@ -59,7 +55,6 @@ def dims_text(dims: Any) -> str:
     return "[" + ",".join(str(d) for d in dims) + "]"
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class _RequestScoped(InvalidRequest):
     """An error Triton reports with the request's id in front (``check_inputs`` adds it)."""
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from shm.protocol import RECORD, ROLE_WORKER, STREAM_CAPACITY
-from shm.ring import Ring
+from shmserve.shm.protocol import RECORD, ROLE_WORKER, STREAM_CAPACITY
+from shmserve.shm.ring import Ring
 
 from .backend import Response
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes, element_count
+from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes, element_count
 
 from .backend import Instance, Request
 

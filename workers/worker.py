@@ -21,24 +21,23 @@ from typing import Any
 
 import orjson
 import posix_ipc
-from mypy_extensions import mypyc_attr
 
-from shm import logs
-from shm.arena import Arena, free_block
-from shm.copying import copy_into
-from shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
-from shm.peer_fds import PeerSockets
-from shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, HTTP_DIRECT, StatsWriter
-from shm.names import object_name, pid_alive
-from shm.protocol import (DIRECT_TRAILER, REQ_DIRECT, REQ_POLLING, SENT_ALL, SENT_REFUSED, ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
+from shmserve.shm import logs
+from shmserve.shm.arena import Arena, free_block
+from shmserve.shm.copying import copy_into
+from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
+from shmserve.shm.peer_fds import PeerSockets
+from shmserve.shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, HTTP_DIRECT, StatsWriter
+from shmserve.shm.names import object_name, pid_alive
+from shmserve.shm.protocol import (DIRECT_TRAILER, REQ_DIRECT, REQ_POLLING, SENT_ALL, SENT_REFUSED, ROLE_WORKER, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP,
                           manifest_room, read_manifest, read_manifest_raw, write_manifest)
-from shm.region_table import RegionTable, locate
-from shm.segment import SegmentCache, StaleRegion
-from shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
-from shm.waker import SpinPolicy, fence
+from shmserve.shm.region_table import RegionTable, locate
+from shmserve.shm.segment import SegmentCache, StaleRegion
+from shmserve.shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
+from shmserve.shm.waker import SpinPolicy, fence
 
-from server.broker.batcher import DynamicBatcher, QueueFull, batches_on_worker
-from server.broker.models import Pending
+from shmserve.server.broker.batcher import DynamicBatcher, QueueFull, batches_on_worker
+from shmserve.server.broker.models import Pending
 
 from . import custom_metrics
 from .classification import ClassificationError, classify, load_labels
@@ -70,14 +69,12 @@ def _output_desc(name: str, datatype: str, shape: tuple[int, ...], size: int) ->
     return {"name": name, "datatype": datatype, "shape": list(shape), "size": size}
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class RequestError(Exception):
     """A problem with one request (not the batch): answered as a 400 to that client only."""
 
     status = 400
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class DecoupledOnly(RequestError):
     """A single-answer request to a decoupled model: Triton's UNSUPPORTED (501), with its text."""
 

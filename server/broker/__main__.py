@@ -1,12 +1,12 @@
-"""Broker entry point: ``python -m server.broker '<options JSON>'`` (started by the launcher)."""
+"""Broker entry point: ``python -m shmserve.server.broker '<options JSON>'`` (started by the launcher)."""
 from __future__ import annotations
 
 import sys
 
 import orjson
 
-from shm import logs
-from shm.names import set_title
+from shmserve.shm import logs
+from shmserve.shm.names import set_title
 
 from .options import BrokerOptions
 
@@ -15,7 +15,7 @@ def main() -> int:
     opts = BrokerOptions.from_json(orjson.loads(sys.argv[1]))
     logs.configure(opts.log)
     set_title(f"shmserve broker {opts.server_id}")
-    from shm.profiling import run_profiled
+    from shmserve.shm.profiling import run_profiled
 
     from .broker import main as run
 

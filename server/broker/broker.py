@@ -23,15 +23,15 @@ import numpy as np
 import orjson
 import posix_ipc
 
-from shm.arena import free_block
-from shm.stats import BUSY_SINCE, VersionTotals
-from shm.channel import LANES, NO_LANE, NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
-from shm.names import object_name, pid_alive
-from shm.segment import SegmentCache, StaleRegion
-from shm.protocol import (NO_ROOM, REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, W_BATCH, W_CONFIG,
+from shmserve.shm.arena import free_block
+from shmserve.shm.stats import BUSY_SINCE, VersionTotals
+from shmserve.shm.channel import LANES, NO_LANE, NOTIFY_BROKER, BrokerSegment, ClientSegment, WorkerSegment
+from shmserve.shm.names import object_name, pid_alive
+from shmserve.shm.segment import SegmentCache, StaleRegion
+from shmserve.shm.protocol import (NO_ROOM, REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, W_BATCH, W_CONFIG,
                           W_DONE, W_LOAD_FAILED, W_READY, W_STOP, manifest_room, read_manifest, read_manifest_with_data,
                           write_manifest)
-from workers.backend import BUILT_IN, installed_backends
+from shmserve.workers.backend import BUILT_IN, installed_backends
 
 from . import config as cfgmod
 from .batcher import DynamicBatcher, QueueFull, batches_on_worker
@@ -45,7 +45,7 @@ from .lifecycle import STRAGGLER_GRACE_S, LoadJob, Retiring, idle
 from .metrics import MetricsOptions, serve_metrics
 from .models import Client, Instance, ModelVersion, Pending, State
 from .options import STARTUP_FAILED, BrokerOptions
-from workers.signature import InvalidRequest, UnknownModel, VersionNotReady, queue_options
+from shmserve.workers.signature import InvalidRequest, UnknownModel, VersionNotReady, queue_options
 
 log = logging.getLogger("shmserve.broker")
 
@@ -330,7 +330,7 @@ class Broker:
             "strict": self.opts.strict_config, "broker_pid": os.getpid(), "log": self.control.log_settings,
             "instances": mv.planned_instances,
         }
-        proc = subprocess.Popen([sys.executable, "-m", "workers", orjson.dumps(spec).decode()],
+        proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers", orjson.dumps(spec).decode()],
                                 stdin=subprocess.DEVNULL, env=WORKER_ENV)
         inst = Instance(num=num, name=name, index=index, kind=kind, device_id=device, seg=seg, proc=proc)
         if replace is not None:

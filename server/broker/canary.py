@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from shm.stats import VersionTotals, quantile_ns
+from shmserve.shm.stats import VersionTotals, quantile_ns
 
 log = logging.getLogger("shmserve.canary")
 

@@ -14,7 +14,7 @@ from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 from tritonclient.grpc import model_config_pb2 as mc
 
-from workers.devices import cuda_device_count
+from shmserve.workers.devices import cuda_device_count
 
 ModelConfig = mc.ModelConfig
 

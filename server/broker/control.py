@@ -13,17 +13,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 
-from shm import logs, region_table
-from shm.channel import REGIONS_BYTES
-from shm.published import HEADER as PUBLISHED_HEADER
-from shm.regions import created_key_prefix
+from shmserve.shm import logs, region_table
+from shmserve.shm.channel import REGIONS_BYTES
+from shmserve.shm.published import HEADER as PUBLISHED_HEADER
+from shmserve.shm.regions import created_key_prefix
 
 from .canary import Canary
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .regions import CudaRegionRegistry, RegionRegistry
 from .tracing import TraceOwner
-from workers.signature import InvalidRequest, UnknownModel
+from shmserve.workers.signature import InvalidRequest, UnknownModel
 
 if TYPE_CHECKING:
     from .broker import Broker

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 from prometheus_client.metrics_core import Metric
 
-from shm.stats import BUCKETS, PHASES, VersionTotals, bucket_upper_ns, quantile_ns
+from shmserve.shm.stats import BUCKETS, PHASES, VersionTotals, bucket_upper_ns, quantile_ns
 
 from .system import CpuSampler, gpu_samples
 

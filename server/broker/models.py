@@ -13,10 +13,10 @@ import subprocess
 import time
 from typing import Any
 
-from shm.channel import ClientSegment, WorkerSegment
+from shmserve.shm.channel import ClientSegment, WorkerSegment
 
-from shm.stats import VersionTotals
-from workers.signature import ModelSignature
+from shmserve.shm.stats import VersionTotals
+from shmserve.workers.signature import ModelSignature
 
 
 class State(str, enum.Enum):

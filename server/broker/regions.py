@@ -13,10 +13,10 @@ from typing import Any
 
 import posix_ipc
 
-from shm.names import is_server_object
-from shm.region_table import RegionEntry, RegionUseError, check_bounds, locate
+from shmserve.shm.names import is_server_object
+from shmserve.shm.region_table import RegionEntry, RegionUseError, check_bounds, locate
 
-from workers.signature import InvalidRequest
+from shmserve.workers.signature import InvalidRequest
 
 _KEY_RE = re.compile(r"^/?[^/\0]{1,250}$")
 
@@ -151,8 +151,8 @@ class CudaRegionRegistry(_Registry):
         return {"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
 
     def register(self, name: str, handle_b64: str, device_id: int, byte_size: int) -> None:
-        from workers.cuda import IPC_HANDLE_BYTES
-        from workers.devices import cuda_device_count
+        from shmserve.workers.cuda import IPC_HANDLE_BYTES
+        from shmserve.workers.devices import cuda_device_count
 
         devices = cuda_device_count()
         if devices == 0:

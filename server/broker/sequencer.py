@@ -15,7 +15,7 @@ import collections
 import dataclasses
 from typing import Any
 
-from workers.signature import InvalidRequest
+from shmserve.workers.signature import InvalidRequest
 
 from .models import Instance, Pending
 

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from workers.devices import cuda_device_count
+from shmserve.workers.devices import cuda_device_count
 
 log = logging.getLogger("shmserve.metrics")
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import orjson
 
-from shm import trace
-from shm.trace import TraceShared
-from workers.signature import InvalidRequest
+from shmserve.shm import trace
+from shmserve.shm.trace import TraceShared
+from shmserve.workers.signature import InvalidRequest
 
 log = logging.getLogger("shmserve.trace")
 

@@ -1,4 +1,4 @@
-"""Frontend entry point: ``python -m server.frontend '<spec JSON>'`` (started by the launcher).
+"""Frontend entry point: ``python -m shmserve.server.frontend '<spec JSON>'`` (started by the launcher).
 
 Serves the socket the launcher bound (inherited by descriptor) with uvicorn on uvloop and
 httptools.
@@ -14,8 +14,8 @@ from typing import Callable, Iterable
 import orjson
 import uvicorn
 
-from shm import heap, logs
-from shm.names import set_title
+from shmserve.shm import heap, logs
+from shmserve.shm.names import set_title
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -42,7 +42,7 @@ def main() -> int:
     config = uvicorn.Config(app, loop="uvloop", http=protocol, access_log=False, log_level="warning",
                             log_config=None,
                             timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)), lifespan="on", proxy_headers=False, server_header=False, date_header=False)
-    from shm.profiling import run_profiled
+    from shmserve.shm.profiling import run_profiled
 
     log.info("frontend #%d serving HTTP", spec["index"])
     # The broker's log and trace settings are followed on the loop's own tick: no thread of

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from server import __version__
+from shmserve.server import __version__
 
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from .generate import build_generate_request, generate_response

@@ -7,11 +7,10 @@ from typing import Any
 
 import numpy as np
 import orjson
-from mypy_extensions import mypyc_attr
 
-from shm.copying import joined
-from shm.tensors import DTYPES, byte_view, element_count, itemsize, serialize_bytes
-from workers.signature import request_tag
+from shmserve.shm.copying import joined
+from shmserve.shm.tensors import DTYPES, byte_view, element_count, itemsize, serialize_bytes
+from shmserve.workers.signature import request_tag
 
 MAX_JSON_DEPTH = 64
 # orjson refuses documents nested deeper than this (arrays and objects); see parse_json.
@@ -26,7 +25,6 @@ RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"
                                  "binary_data_output", "headers"})
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class BadRequest(Exception):
     status = 400
 
@@ -282,7 +280,7 @@ def output_region_params(doc: dict) -> dict[str, dict]:
 
 def json_data(datatype: str, view: memoryview, shape: list[int]) -> list:
     if datatype == "BYTES":
-        from shm.tensors import deserialize_bytes
+        from shmserve.shm.tensors import deserialize_bytes
 
         return [b.decode("utf-8", errors="replace") for b in deserialize_bytes(view, element_count(shape))]
     if datatype == "BF16":  # the 16 high bits of an FP32: widen the raw words (not their values)

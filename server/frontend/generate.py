@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shm.tensors import CONFIG_TO_WIRE
+from shmserve.shm.tensors import CONFIG_TO_WIRE
 
 from .codec import BadRequest, json_data, json_tensor_bytes
 

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import orjson
 
-from shm.connection import Completion, Connection
-from shm.protocol import REQ_CONTROL, REQ_INFER, SENT_ALL, SENT_REFUSED
+from shmserve.shm.connection import Completion, Connection
+from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER, SENT_ALL, SENT_REFUSED
 
 from .codec import BadRequest, build_response
 from .ingest import BodyIngest

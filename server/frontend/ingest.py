@@ -16,7 +16,7 @@ is copied out to process memory, its block is given back, and it goes the ordina
 """
 from __future__ import annotations
 
-from shm.connection import Connection, Reservation
+from shmserve.shm.connection import Connection, Reservation
 
 from .known import Known
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shm.connection import Completion, Connection
-from shm.copying import PARALLEL_MIN_BYTES, joined
-from shm.protocol import DIRECT_TRAILER, read_manifest_raw
+from shmserve.shm.connection import Completion, Connection
+from shmserve.shm.copying import PARALLEL_MIN_BYTES, joined
+from shmserve.shm.protocol import DIRECT_TRAILER, read_manifest_raw
 
 from .codec import build_request, build_response, split_body, wants_binary
 

@@ -33,13 +33,12 @@ import os
 import time
 from typing import Any, Callable
 
-from mypy_extensions import mypyc_attr
 
-from shm.channel import DEFAULT_SLOTS
-from shm.cores import CoreCheck
-from shm.peer_fds import allow_tracing_by
-from shm.connection import Backpressure, Completion, Connection, Reservation, ServerUnavailable
-from shm.protocol import REQ_CONTROL, REQ_INFER
+from shmserve.shm.channel import DEFAULT_SLOTS
+from shmserve.shm.cores import CoreCheck
+from shmserve.shm.peer_fds import allow_tracing_by
+from shmserve.shm.connection import Backpressure, Completion, Connection, Reservation, ServerUnavailable
+from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 
 LIVENESS_CHECK_S = 1.0
 POLL_S = float(os.environ.get("SHMSERVE_FRONTEND_SPIN_US", "200")) / 1e6
@@ -49,7 +48,6 @@ IDLE_POLL_S = float(os.environ.get("SHMSERVE_FRONTEND_IDLE_SPIN_US", "500")) / 1
 POLL_WAIT_S = float(os.environ.get("SHMSERVE_FRONTEND_POLL_WAIT_US", "1000")) / 1e6
 
 
-@mypyc_attr(native_class=False)  # a Python class: see setup.py
 class BrokerError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)

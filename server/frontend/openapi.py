@@ -12,7 +12,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server import __version__
+from shmserve.server import __version__
 
 from .codec import UINT64_MAX
 

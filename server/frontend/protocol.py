@@ -22,7 +22,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from shm.protocol import SENT_ALL
+from shmserve.shm.protocol import SENT_ALL
 
 from .app import Frontend, infer_target
 from .ingest import HOLD_S, BodyIngest, header_length

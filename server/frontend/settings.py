@@ -13,7 +13,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from shm import logs
+from shmserve.shm import logs
 
 from .link import BrokerError
 

@@ -19,9 +19,9 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from shm import trace as tr
-from shm.names import pid_alive
-from shm.trace import FileWriter, TraceShared
+from shmserve.shm import trace as tr
+from shmserve.shm.names import pid_alive
+from shmserve.shm.trace import FileWriter, TraceShared
 
 from .settings import settings_endpoint
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from shm.tensors import DTYPES
+from shmserve.shm.tensors import DTYPES
 
 from ..backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
 from . import pb_utils

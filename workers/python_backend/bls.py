@@ -21,7 +21,7 @@ class Bls:
 
     def client(self) -> Any:
         if self._client is None:
-            from shm.client import Client
+            from shmserve.shm.client import Client
 
             self._client = Client(self.server_id, arena_bytes=256 << 20)
         return self._client
@@ -56,7 +56,7 @@ class Bls:
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, result[name]) for name in result])
 
     def execute(self, request: Any) -> Any:
-        from shm.client import InferenceServerError
+        from shmserve.shm.client import InferenceServerError
 
         model, inputs, wanted, options = self._call(request)
         try:
@@ -65,7 +65,7 @@ class Bls:
             return self._error(e)
 
     async def execute_async(self, request: Any) -> Any:
-        from shm.client import InferenceServerError
+        from shmserve.shm.client import InferenceServerError
 
         model, inputs, wanted, options = self._call(request)
         try:
@@ -81,7 +81,7 @@ class Bls:
         return self._responses(self.client().stream(model, inputs, wanted, **options))  # sent now, as in Triton
 
     def _responses(self, results: Any) -> Any:
-        from shm.client import InferenceServerError
+        from shmserve.shm.client import InferenceServerError
 
         try:
             for result in results:
@@ -91,7 +91,7 @@ class Bls:
 
     async def stream_async(self, request: Any) -> list:
         """``async_exec(decoupled=True)``: awaits the whole stream, then gives its responses."""
-        from shm.client import InferenceServerError
+        from shmserve.shm.client import InferenceServerError
 
         model, inputs, wanted, options = self._call(request)
         responses = []
@@ -104,7 +104,7 @@ class Bls:
 
     def control(self, doc: dict) -> Any:
         """A model-control call (pb_utils.load_model and friends); TritonModelException on refusal."""
-        from shm.client import InferenceServerError
+        from shmserve.shm.client import InferenceServerError
 
         try:
             return self.client()._control(doc)

@@ -1186,7 +1186,7 @@ COUNTER, GAUGE, HISTOGRAM = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HIS
 
 
 def _metrics() -> Any:
-    from workers import custom_metrics
+    from shmserve.workers import custom_metrics
 
     return custom_metrics
 
