@@ -18,6 +18,7 @@ from ..backend import Backend, Instance, InstanceContext, Model, ModelContext, R
 from . import pb_utils
 from .bls import Bls
 from .convert import input_tensor, to_response
+from .pb_utils import runtime
 
 MODULE_NAME = "triton_python_backend_utils"
 
@@ -77,9 +78,9 @@ class PythonBackend(Backend):
         return completed.as_dict() if completed is not None else ctx.config
 
     def create_model(self, ctx: ModelContext) -> Model:
-        pb_utils._set_model_dir(str(ctx.model_dir))
+        runtime.set_model_dir(str(ctx.model_dir))
         self.bls = Bls(ctx.server_id)
-        pb_utils._set_bls(self.bls)
+        runtime.set_executor(self.bls)
         return PythonModel(self._model_module(ctx), ctx)
 
     def finalize(self) -> None:
@@ -133,8 +134,7 @@ class PythonInstance(Instance):
     def _pb_requests(self, requests: list[Request]) -> list[Any]:
         name = self.ctx.name
         incoming = pb_utils.InferenceRequest._incoming
-        pb_requests = [incoming(name, [input_tensor(n, arr) for n, arr in r.inputs.items()], r.requested_outputs,
-                                r.id, r.correlation_id, r.flags, r.parameters)
+        pb_requests = [incoming(name, [input_tensor(n, arr) for n, arr in r.inputs.items()], r)
                        for r in requests]
         for r, pb in zip(requests, pb_requests):
             if r.sender is not None:

@@ -15,8 +15,9 @@ import numpy as np
 from shmserve.shm.tensors import DTYPES
 
 from ..backend import Response
-from .pb_utils import _TYPE_BF16 as TYPE_BF16
-from .pb_utils import Tensor, TritonError, numpy_to_triton_type
+from .pb_utils.datatypes import TYPE_BF16, numpy_to_triton_type
+from .pb_utils.errors import TritonError
+from .pb_utils.tensor import Tensor
 
 # TritonError codes -> HTTP status, as Triton's HTTP frontend answers them.
 ERROR_STATUS = {
