@@ -368,11 +368,13 @@ def test_pb_utils_requests_the_worker_builds_read_as_constructed_ones():
     """The worker builds incoming requests without ``__init__`` (``_incoming``), with the fields
     alike for all of them read from the class: each reads as a request constructed with the same
     values, and each has its own trace handle and cancellation state."""
+    from shmserve.workers.backend import Request
     from shmserve.workers.python_backend import pb_utils
 
     x = pb_utils.Tensor("INPUT0", np.zeros(4, dtype=np.float32))
-    built = pb_utils.InferenceRequest._incoming("m", [x], ["OUTPUT0"], "id-1", 7, 0, {})
-    other = pb_utils.InferenceRequest._incoming("m", [x], ["OUTPUT0"], "id-2", 8, 0, {"a": 1})
+    inputs = {"INPUT0": x.as_numpy()}
+    built = pb_utils.InferenceRequest._incoming("m", [x], Request(inputs, ["OUTPUT0"], "id-1", 7))
+    other = pb_utils.InferenceRequest._incoming("m", [x], Request(inputs, ["OUTPUT0"], "id-2", 8, 0, {"a": 1}))
     made = pb_utils.InferenceRequest(request_id="id-1", correlation_id=7, inputs=[x],
                                      requested_output_names=["OUTPUT0"], model_name="m")
     for name in ("request_id", "correlation_id", "flags", "timeout", "parameters", "requested_output_names",
@@ -384,3 +386,26 @@ def test_pb_utils_requests_the_worker_builds_read_as_constructed_ones():
     built._set_cancelled()
     assert built.is_cancelled() and not other.is_cancelled()
     assert pb_utils.get_input_tensor_by_name(built, "INPUT0") is x
+
+
+def test_pb_utils_star_import_gives_tritons_names_and_ours():
+    """The package a model imports as ``triton_python_backend_utils`` re-exports Triton's names
+    (and the custom-metric kinds), each listed in ``__all__``, so ``import *`` gives them all."""
+    from shmserve.workers.python_backend import pb_utils
+
+    triton = {"Tensor", "InferenceRequest", "InferenceResponse", "TritonError", "TritonModelException", "Logger",
+              "PreferredMemory", "ModelConfig", "MetricFamily", "InferenceTrace",
+              "get_input_tensor_by_name", "get_output_tensor_by_name", "get_input_config_by_name",
+              "get_output_config_by_name", "using_decoupled_model_transaction_policy", "triton_to_numpy_type",
+              "numpy_to_triton_type", "triton_string_to_numpy", "serialize_byte_tensor",
+              "deserialize_bytes_tensor", "get_model_dir", "load_model", "unload_model", "is_model_ready",
+              "TRITON_STRING_TO_NUMPY", "TRITONSERVER_REQUEST_FLAG_SEQUENCE_START",
+              "TRITONSERVER_REQUEST_FLAG_SEQUENCE_END", "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+              "TRITONSERVER_REQUEST_RELEASE_ALL", "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE",
+              "TRITONSERVER_MEMORY_GPU", "TRITONSERVER_MEMORY_CPU"}
+    ours = {"MemoryType", "Metric", "MetricKind", "COUNTER", "GAUGE", "HISTOGRAM"}
+    names: dict = {}
+    exec("from shmserve.workers.python_backend.pb_utils import *", names)
+    assert set(pb_utils.__all__) == triton | ours
+    assert set(names) - {"__builtins__"} == triton | ours
+    assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL == 1 and pb_utils.MetricFamily.COUNTER == pb_utils.COUNTER

@@ -14,63 +14,13 @@ import sys
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
-from shmserve.shm.tensors import DTYPES
-
 from ..backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
 from . import pb_utils
 from .bls import Bls
+from .convert import input_tensor, to_response
+from .pb_utils import runtime
 
 MODULE_NAME = "triton_python_backend_utils"
-# TritonError codes -> HTTP status, as Triton's HTTP frontend answers them.
-ERROR_STATUS = {
-    pb_utils.TritonError.INVALID_ARG: 400,
-    pb_utils.TritonError.NOT_FOUND: 404,
-    pb_utils.TritonError.ALREADY_EXISTS: 409,
-    pb_utils.TritonError.UNAVAILABLE: 503,
-    pb_utils.TritonError.UNSUPPORTED: 501,
-    pb_utils.TritonError.CANCELLED: 499,
-    pb_utils.TritonError.INTERNAL: 500,
-    pb_utils.TritonError.UNKNOWN: 500,
-}
-
-
-def _tensor(name: str, arr: np.ndarray) -> Any:
-    """A pb_utils.Tensor; BF16 (no numpy type in Triton's API) is torch-backed, as in Triton,
-    and reachable through DLPack."""
-    if arr.dtype == DTYPES["BF16"] and arr.dtype != np.uint16:
-        import torch
-
-        t = torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
-        return pb_utils.Tensor._from_torch(name, t, pb_utils._TYPE_BF16)
-    return pb_utils.Tensor(name, arr)
-
-
-# numpy dtype -> Triton type code of the inputs that need no conversion (BF16 is torch-backed).
-_PLAIN_INPUT_TYPES = {dt: pb_utils.numpy_to_triton_type(dt) for k, dt in DTYPES.items() if k != "BF16"}
-
-
-def _input(name: str, arr: np.ndarray) -> Any:
-    """An input tensor: wrapped as it is in the common case (the worker's arrays are already
-    checked views), else through ``_tensor``."""
-    code = _PLAIN_INPUT_TYPES.get(arr.dtype)
-    if code is not None and arr.flags.c_contiguous:
-        return pb_utils.Tensor._wrap(name, arr, code)
-    return _tensor(name, arr)
-
-
-def _array_of(t: Any) -> np.ndarray:
-    """The bytes of an output tensor as numpy, whatever backs it (numpy, or torch for BF16/GPU)."""
-    arr = getattr(t, "_array", None)
-    if arr is not None:
-        return np.asarray(arr)
-    torch_tensor = t._torch.detach().cpu().contiguous()
-    import torch
-
-    if torch_tensor.dtype == torch.bfloat16:
-        return torch_tensor.view(torch.int16).numpy().view(DTYPES["BF16"])
-    return torch_tensor.numpy()
 
 
 def _install_pb_utils() -> None:
@@ -94,14 +44,16 @@ def _import_model(ctx: ModelContext) -> ModuleType:
 
 
 class ResponseSender:
-    """pb_utils' response sender of a decoupled model: ``send(response=None, flags=0)``."""
+    """The response sender a decoupled model's request gives (``get_response_sender()``):
+    ``send(response=None, flags=0)`` converts the response and hands it to ``stream``, the
+    request's ``Request.sender`` (the worker's StreamSender, workers/stream.py)."""
 
-    def __init__(self, send: Any) -> None:
-        self._send = send
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
 
     def send(self, response: Any = None, flags: int = 0) -> None:
-        converted = PythonInstance._convert(response) if response is not None else None
-        self._send(converted, final=bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
+        converted = to_response(response) if response is not None else None
+        self._stream(converted, final=bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
 
     def is_cancelled(self) -> bool:
         return False
@@ -126,9 +78,9 @@ class PythonBackend(Backend):
         return completed.as_dict() if completed is not None else ctx.config
 
     def create_model(self, ctx: ModelContext) -> Model:
-        pb_utils._set_model_dir(str(ctx.model_dir))
+        runtime.set_model_dir(str(ctx.model_dir))
         self.bls = Bls(ctx.server_id)
-        pb_utils._set_bls(self.bls)
+        runtime.set_executor(self.bls)
         return PythonModel(self._model_module(ctx), ctx)
 
     def finalize(self) -> None:
@@ -177,33 +129,17 @@ class PythonInstance(Instance):
         if results is None or len(results) != len(requests):
             got = "None" if results is None else str(len(results))
             raise RuntimeError(f"execute() returned {got} responses for {len(requests)} requests")
-        return [self._convert(r) for r in results]
+        return [to_response(r) for r in results]
 
     def _pb_requests(self, requests: list[Request]) -> list[Any]:
         name = self.ctx.name
         incoming = pb_utils.InferenceRequest._incoming
-        pb_requests = [incoming(name, [_input(n, arr) for n, arr in r.inputs.items()], r.requested_outputs,
-                                r.id, r.correlation_id, r.flags, r.parameters)
+        pb_requests = [incoming(name, [input_tensor(n, arr) for n, arr in r.inputs.items()], r)
                        for r in requests]
         for r, pb in zip(requests, pb_requests):
             if r.sender is not None:
                 pb._response_sender = ResponseSender(r.sender)
         return pb_requests
-
-    @staticmethod
-    def _convert(resp: Any) -> Response:
-        params = resp.parameters() if hasattr(resp, "parameters") else None
-        params = json.loads(params) if isinstance(params, str) and params not in ("", "{}") else None
-        if resp.has_error():
-            err = resp.error()
-            code = err.code() if hasattr(err, "code") else pb_utils.TritonError.INTERNAL
-            return Response(error=err.message() if hasattr(err, "message") else str(err),
-                            status=ERROR_STATUS.get(code, 500), parameters=params)
-        outputs: dict[str, np.ndarray] = {}
-        for t in resp.output_tensors():
-            arr = getattr(t, "_array", None)
-            outputs[t.name()] = arr if type(arr) is np.ndarray else _array_of(t)
-        return Response(outputs, None, params)  # (by position: half the time of a dataclass by name)
 
     def finalize(self) -> None:
         if hasattr(self.model, "finalize"):

@@ -12,9 +12,13 @@ import json
 from typing import Any
 
 from . import pb_utils
+from .convert import ERROR_CODE, array_of
 
 
 class Bls:
+    """The worker's executor of pb_utils' calls out (``pb_utils.runtime.Executor``): BLS requests
+    and the model loading API, through one local client opened on first use."""
+
     def __init__(self, server_id: str) -> None:
         self.server_id = server_id
         self._client: Any = None
@@ -28,16 +32,15 @@ class Bls:
 
     @staticmethod
     def _call(request: Any) -> tuple[str, dict, list | None, dict]:
-        from .backend import _array_of
-
-        inputs = {t.name(): _array_of(t) for t in request.inputs()}
+        inputs = {t.name(): array_of(t) for t in request.inputs()}
         wanted = sorted(request.requested_output_names()) or None
         flags = request.flags()
         version = request._model_version
         params = json.loads(request.parameters() or "{}")
         options = {"version": str(version) if version and version > 0 else "", "request_id": request.request_id(),
                    "parameters": params or None, "sequence_id": request.correlation_id(),
-                   "sequence_start": bool(flags & 1), "sequence_end": bool(flags & 2),
+                   "sequence_start": bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START),
+                   "sequence_end": bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END),
                    "timeout": request.timeout()}
         return request._model_name, inputs, wanted, options
 
@@ -45,11 +48,8 @@ class Bls:
     def _error(e: Any) -> Any:
         """The target's error as the caller sees it in Triton: its message and its code (carried
         here as the status the code maps to)."""
-        from .backend import ERROR_STATUS
-
-        codes = {status: code for code, status in ERROR_STATUS.items() if code != pb_utils.TritonError.UNKNOWN}
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(
-            e.message, codes.get(e.status, pb_utils.TritonError.INTERNAL)))
+            e.message, ERROR_CODE.get(e.status, pb_utils.TritonError.INTERNAL)))
 
     @staticmethod
     def _response(result: Any) -> Any:
