@@ -73,7 +73,8 @@ def test_a_full_config_as_triton_writes_it():
         parameters { key: "execution_timeout_s" value: { string_value: "2.5" } }
         parameters: [ { key: "canary_fraction", value: { string_value: "0.1" } } ]
         output [ { name: "OUT" data_type: TYPE_STRING dims: [ 1 ] label_filename: "labels.txt" } ]
-        model_warmup [ { name: "w" batch_size: 1 inputs { key: "X" value { data_type: TYPE_FP32 dims: 3 zero_data: true } } } ]
+        model_warmup [ { name: "w" batch_size: 1
+                         inputs { key: "X" value { data_type: TYPE_FP32 dims: 3 zero_data: true } } } ]
     ''', "full")
     assert config.platform == "pytorch_libtorch" and cfgmod.backend_of(config) == "pytorch"
     assert list(config.version_policy.specific.versions) == [1, 3]
@@ -87,7 +88,8 @@ def test_a_full_config_as_triton_writes_it():
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("max_batch_size: 8\nbogus_field: 1", '2:1 : Message type "inference.ModelConfig" has no field named "bogus_field"'),
+    ("max_batch_size: 8\nbogus_field: 1",
+     '2:1 : Message type "inference.ModelConfig" has no field named "bogus_field"'),
     ('input [ { name: "X" data_type: TYPE_FLOAT99 } ]', "TYPE_FLOAT99"),
     ("max_batch_size: eight", "max_batch_size"),
     ('input [ { name: "X" ', "1:"),  # unterminated
@@ -127,7 +129,8 @@ def test_the_backend_is_inferred_from_the_model_file(tmp_path, filename, backend
 
 
 def test_a_platform_names_its_backend_and_completion_fills_each_instance_group(tmp_path):
-    d = model_dir(tmp_path, config='platform: "pytorch_libtorch" instance_group [ { count: 0 }, { count: 3 kind: KIND_CPU } ]')
+    d = model_dir(tmp_path, config='platform: "pytorch_libtorch" '
+                                   'instance_group [ { count: 0 }, { count: 3 kind: KIND_CPU } ]')
     config = cfgmod.load_config(d, strict=True)
     assert config.backend == "pytorch" and config.name == "m"
     assert [(g.name, g.count, g.kind) for g in config.instance_group] == [
@@ -216,7 +219,8 @@ def test_a_good_config_passes(tmp_path):
     ('backend: "python" input [ { name: "X" data_type: TYPE_FP32 } ]', "model 'm': input 'X' must specify 'dims'"),
     ('backend: "python" input [ { name: "X" data_type: TYPE_FP32 dims: [ 2, 0 ] } ]',
      "model 'm': input 'X' dims [2, 0]: each dimension must be >= 1, or -1 for a variable-size dimension"),
-    ('backend: "python" output [ { name: "Y" data_type: TYPE_FP32 dims: [ -2 ] } ]', "model 'm': output 'Y' dims [-2]: each dimension"),
+    ('backend: "python" output [ { name: "Y" data_type: TYPE_FP32 dims: [ -2 ] } ]',
+     "model 'm': output 'Y' dims [-2]: each dimension"),
     ('backend: "python" default_model_filename: "net.py"',
      "model 'm': version 1: model file 'net.py' is missing in "),
     ('backend: "pytorch"', "model 'm': version 1: model file 'model.pt' is missing in "),
@@ -228,14 +232,16 @@ def test_each_refused_config_says_what_to_fix(tmp_path, text, message):
 
 
 def test_batching_models_may_leave_dims_to_the_batch_dimension_or_a_reshape(tmp_path):
-    check('backend: "python" max_batch_size: 2 input [ { name: "X" data_type: TYPE_FP32 } ]', tmp_path)
-    check('backend: "python" input [ { name: "X" data_type: TYPE_FP32 reshape { shape: [ ] } } ]', tmp_path,
-          name="reshaped")
+    batching = check('backend: "python" max_batch_size: 2 input [ { name: "X" data_type: TYPE_FP32 } ]', tmp_path)
+    reshaped = check('backend: "python" input [ { name: "X" data_type: TYPE_FP32 reshape { shape: [ ] } } ]',
+                     tmp_path, name="reshaped")
+    assert list(batching.input[0].dims) == [] and reshaped.input[0].HasField("reshape")
 
 
 def test_the_model_file_may_be_named_and_pytorch_accepts_model_pt2(tmp_path):
-    check('backend: "python" default_model_filename: "net.py"', tmp_path, {"1/net.py": ""})
-    check('backend: "pytorch"', tmp_path, {"1/model.pt2": ""}, name="exported")
+    named = check('backend: "python" default_model_filename: "net.py"', tmp_path, {"1/net.py": ""})
+    exported = check('backend: "pytorch"', tmp_path, {"1/model.pt2": ""}, name="exported")
+    assert (named.default_model_filename, exported.backend) == ("net.py", "pytorch")
 
 
 def test_every_selected_version_needs_its_model_file(tmp_path):
@@ -262,29 +268,30 @@ ENSEMBLE_IO = 'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ] ' \
               'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]'
 
 
-def ensemble(steps: str) -> str:
-    return f'platform: "ensemble" {ENSEMBLE_IO} ensemble_scheduling {{ {steps} }}'
+def ensemble(*steps: str) -> str:
+    return f'platform: "ensemble" {ENSEMBLE_IO} ensemble_scheduling {{ {" ".join(steps)} }}'
+
+
+def step(source: str, made: str, model: str = "a", version: int = -1) -> str:
+    named = f'model_name: "{model}" ' if model else ""
+    return (f'step {{ {named}model_version: {version} input_map {{ key: "x" value: "{source}" }} '
+            f'output_map {{ key: "y" value: "{made}" }} }}')
 
 
 @pytest.mark.parametrize("steps, message", [
-    ("", "ensemble_scheduling must have at least one step"),
-    ('step [ { model_name: "a" model_version: -1 input_map { key: "x" value: "NOPE" } output_map { key: "y" value: "OUT" } } ]',
-     "step 'a' needs tensor(s) ['NOPE'] that no ensemble input or earlier step provides"),
-    ('step [ { model_name: "a" model_version: -1 input_map { key: "x" value: "IN" } output_map { key: "y" value: "MID" } } ]',
-     "ensemble output(s) ['OUT'] are not produced by any step"),
-    ('step [ { model_version: -1 input_map { key: "x" value: "IN" } output_map { key: "y" value: "OUT" } } ]',
-     "every step must name a model_name"),
+    ((), "ensemble_scheduling must have at least one step"),
+    ((step("NOPE", "OUT"),), "step 'a' needs tensor(s) ['NOPE'] that no ensemble input or earlier step provides"),
+    ((step("IN", "MID"),), "ensemble output(s) ['OUT'] are not produced by any step"),
+    ((step("IN", "OUT", model=""),), "every step must name a model_name"),
 ])
 def test_an_ensemble_whose_steps_cannot_run_is_refused(tmp_path, steps, message):
     with pytest.raises(ConfigError) as e:
-        check(ensemble(steps), tmp_path, files={})
+        check(ensemble(*steps), tmp_path, files={})
     assert str(e.value) == f"model 'm': ensemble_scheduling: {message}"
 
 
 def test_ensemble_steps_in_any_order_pass(tmp_path):
-    steps = ('step [ { model_name: "b" model_version: -1 input_map { key: "x" value: "MID" } output_map { key: "y" value: "OUT" } }, '
-             '{ model_name: "a" model_version: 1 input_map { key: "x" value: "IN" } output_map { key: "y" value: "MID" } } ]')
-    config = check(ensemble(steps), tmp_path, files={})
+    config = check(ensemble(step("MID", "OUT", model="b"), step("IN", "MID", model="a", version=1)), tmp_path, files={})
     assert [s.model_name for s in config.ensemble_scheduling.step] == ["b", "a"]
 
 

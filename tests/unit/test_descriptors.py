@@ -114,8 +114,10 @@ def test_placing_a_plan_at_another_data_start_gives_the_full_checks_entry_there(
 def test_each_placed_request_gets_its_own_parameters_and_region_tensors():
     """A backend may change what it is handed; the next request from the same plan must not see it."""
     region_in = {"name": "X", "datatype": "FP32", "shape": [1, 3], "region": "r0", "offset": 0, "size": 12}
-    doc = {"model": "m", "params": {"p": 1}, "inputs": [region_in], "outputs": [{"name": "O", "region": "r0", "size": 4}]}
-    resolved_in = {"name": "X", "seg": "/client-region", "ino": 11, "off": 0, "size": 12, "datatype": "FP32", "shape": [1, 3]}
+    doc = {"model": "m", "params": {"p": 1}, "inputs": [region_in],
+           "outputs": [{"name": "O", "region": "r0", "size": 4}]}
+    resolved_in = {"name": "X", "seg": "/client-region", "ino": 11, "off": 0, "size": 12, "datatype": "FP32",
+                   "shape": [1, 3]}
     resolved_out = {"name": "O", "seg": "/client-region", "ino": 11, "off": 64, "size": 4}
     entry = {"inputs": [resolved_in], "outputs": [resolved_out]}
     plan = plan_of(doc, entry, 1, 0, 0, regions=5)
