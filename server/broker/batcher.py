@@ -3,7 +3,8 @@
 Requests wait in one FIFO queue per priority level. When an instance is free, a batch is formed
 from the highest-priority requests whose inputs match beyond the batch dimension, up to
 ``max_batch_size``. It is sent at once when it reaches a preferred size (the largest one it can
-fill; ``max_batch_size`` when none is configured), or when the oldest request has waited
+fill; ``max_batch_size`` when none is configured), when the next request would pass
+``max_batch_size`` (waiting could add nothing), or when the oldest request has waited
 ``max_queue_delay_microseconds``; otherwise the broker sleeps until that moment. Queue policies
 (``default_queue_policy``, ``priority_queue_policy``) bound the queues and time requests out,
 rejecting them or (``DELAY``) serving them after everything else.
@@ -147,40 +148,39 @@ class DynamicBatcher:
         key = first.shape_key()
         chosen: list[Pending] = []
         total = 0
+        filled = 0  # requests in ``chosen`` when they last added up to a preferred size
+        full = False  # the next request would pass max_batch_size: this batch cannot grow
         target = self.preferred[-1]
         for p in candidates:
-            if total + p.batch > self.max_batch_size:
-                break
             if p is not first and p.shape_key() != key:
-                continue
+                continue  # (another shape never limits this batch)
+            if total + p.batch > self.max_batch_size:
+                full = True
+                break
             chosen.append(p)
             total += p.batch
+            if total in self.preferred:
+                filled = len(chosen)
             if total >= target:
                 break
         oldest = min(p.arrived for p in chosen)
         waited_out = now >= oldest + self.delay_s
         everyone = self.gathered > 1 and len(chosen) >= self.gathered  # what one delay gathers is here
-        if total < target and not waited_out and total not in self.preferred and not everyone:
+        if total < target and total not in self.preferred and not (waited_out or everyone or full or filled):
             return None  # wait for more, until the oldest has waited the configured delay
         if waited_out and total < target and total not in self.preferred:
             self.gathered = len(chosen)
-        if total > target or (total < target and total not in self.preferred):
-            # Trim to the largest preferred size the batch can fill exactly, if there is one.
-            fits = [s for s in self.preferred if s <= total]
-            if fits and now < oldest + self.delay_s:
-                chosen = self._trim(chosen, fits[-1])
+        if not waited_out and total not in self.preferred:
+            # Before the delay ends, send the largest preferred size the batch can fill, else
+            # stop short of the request that passed the largest one (unless it is alone), as
+            # Triton does; never an empty batch.
+            if filled:
+                chosen = chosen[:filled]
+            elif total > target and len(chosen) > 1:
+                chosen = chosen[:-1]
         for p in chosen:
             self._remove(p)
         return chosen
-
-    @staticmethod
-    def _trim(chosen: list[Pending], size: int) -> list[Pending]:
-        out, total = [], 0
-        for p in chosen:
-            if total + p.batch <= size:
-                out.append(p)
-                total += p.batch
-        return out
 
     def _remove(self, p: Pending) -> None:
         if p.delayed:

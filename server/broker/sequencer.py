@@ -30,7 +30,7 @@ class Sequence:
     inst: Instance | None = None
     slot: int = -1
     last_seen: float = 0.0
-    ending: bool = False  # its END request has been dispatched
+    ending: bool = False  # its last queued request carries END
 
 
 class SequenceBatcher:
@@ -78,8 +78,9 @@ class SequenceBatcher:
                                  f"the START flag on the first request of the sequence")
         seq.pending.append(p)
         seq.last_seen = now
-        if flags & END:
-            seq.ending = True
+        # Whether its last queued request ends it: a START queued behind an END that has not run
+        # yet begins the sequence again in the same slot (the worker resets its state at START).
+        seq.ending = bool(flags & END)
 
     def _assign(self, seq: Sequence, instances: list[Instance]) -> None:
         best, best_free = None, 0

@@ -1,0 +1,327 @@
+"""Model configuration on its own: config.pbtxt in each of the spellings Triton's files use, the
+defaults auto-completion fills, and the error text for each configuration Triton refuses (each
+names the model and the field). Model folders are made under tmp_path."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shmserve.server.broker import config as cfgmod
+from shmserve.server.broker.config import ConfigError, mc
+from shmserve.workers.devices import cuda_device_count
+
+BACKENDS = {"python", "pytorch"}
+
+
+def parse(text: str, model: str = "m") -> mc.ModelConfig:
+    return cfgmod.parse_config_text(text, model)
+
+
+def model_dir(root: Path, name: str = "m", config: str | None = None, files: dict[str, str] | None = None) -> Path:
+    """A model folder: config.pbtxt (if given) and files by their path inside it."""
+    d = root / name
+    d.mkdir()
+    if config is not None:
+        (d / "config.pbtxt").write_text(config)
+    for rel, text in (files or {}).items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(text)
+    return d
+
+
+def check(text: str, root: Path, files: dict[str, str] | None = None, name: str = "m") -> mc.ModelConfig:
+    """Load and validate as the broker does, the model files of version 1 present by default."""
+    d = model_dir(root, name, text, files if files is not None else {"1/model.py": ""})
+    config = cfgmod.load_config(d, strict=True)
+    available = cfgmod.version_dirs(d)
+    cfgmod.validate(config, d, BACKENDS, cfgmod.select_versions(config, available))
+    return config
+
+
+# -- config.pbtxt syntax --------------------------------------------------------------------------
+
+TENSOR = 'name: "X" data_type: TYPE_FP32 dims: [ -1, 3 ]'
+
+
+@pytest.mark.parametrize("text", [
+    f'input [ {{ {TENSOR} }}, {{ name: "Y" data_type: TYPE_INT64 dims: [ 1 ] }} ]',  # a list
+    f'input {{ {TENSOR} }} input {{ name: "Y" data_type: TYPE_INT64 dims: [ 1 ] }}',  # repeated fields
+    f'input: [ {{ {TENSOR} }}, {{ name: "Y" data_type: TYPE_INT64 dims: 1 }} ]',  # colon; one dim bare
+    'input < name: "X" data_type: TYPE_FP32 dims: -1 dims: 3 >, input < name: "Y", data_type: 9, dims: [1] >;',
+    "# a comment\ninput [ { name: 'X' # names in single quotes\n data_type: TYPE_FP32 dims: [ -1, 3 ] },\n"
+    "  { name: \"Y\"; data_type: TYPE_INT64; dims: [ 1 ] } ]",
+])
+def test_every_spelling_of_a_list_of_tensors_parses_alike(text):
+    config = parse(text)
+    assert [(t.name, t.data_type, list(t.dims)) for t in config.input] == \
+        [("X", mc.TYPE_FP32, [-1, 3]), ("Y", mc.TYPE_INT64, [1])]
+
+
+def test_a_full_config_as_triton_writes_it():
+    config = parse('''
+        name: "full"
+        platform: "pytorch_libtorch"
+        max_batch_size: 8
+        version_policy: { specific: { versions: [1, 3] } }
+        instance_group [ { count: 2, kind: KIND_CPU }, { kind: KIND_MODEL } ]
+        dynamic_batching {
+          preferred_batch_size: [ 4, 8 ]
+          max_queue_delay_microseconds: 100
+          default_queue_policy { timeout_action: DELAY default_timeout_microseconds: 5 }
+        }
+        parameters { key: "execution_timeout_s" value: { string_value: "2.5" } }
+        parameters: [ { key: "canary_fraction", value: { string_value: "0.1" } } ]
+        output [ { name: "OUT" data_type: TYPE_STRING dims: [ 1 ] label_filename: "labels.txt" } ]
+        model_warmup [ { name: "w" batch_size: 1
+                         inputs { key: "X" value { data_type: TYPE_FP32 dims: 3 zero_data: true } } } ]
+    ''', "full")
+    assert config.platform == "pytorch_libtorch" and cfgmod.backend_of(config) == "pytorch"
+    assert list(config.version_policy.specific.versions) == [1, 3]
+    assert [(g.count, g.kind) for g in config.instance_group] == [(2, mc.ModelInstanceGroup.KIND_CPU),
+                                                                   (0, mc.ModelInstanceGroup.KIND_MODEL)]
+    assert list(config.dynamic_batching.preferred_batch_size) == [4, 8]
+    assert config.dynamic_batching.default_queue_policy.timeout_action == mc.ModelQueuePolicy.DELAY
+    assert cfgmod.string_parameters(config) == {"execution_timeout_s": "2.5", "canary_fraction": "0.1"}
+    assert config.output[0].label_filename == "labels.txt"
+    assert config.model_warmup[0].inputs["X"].zero_data
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("max_batch_size: 8\nbogus_field: 1",
+     '2:1 : Message type "inference.ModelConfig" has no field named "bogus_field"'),
+    ('input [ { name: "X" data_type: TYPE_FLOAT99 } ]', "TYPE_FLOAT99"),
+    ("max_batch_size: eight", "max_batch_size"),
+    ('input [ { name: "X" ', "1:"),  # unterminated
+    ("dynamic_batching { } sequence_batching { }", 'Field "sequence_batching" is specified along with field '
+                                                   '"dynamic_batching", another member of oneof "scheduling_choice"'),
+])
+def test_a_config_pbtxt_that_does_not_parse_names_the_model_file_and_position(text, needle):
+    with pytest.raises(ConfigError) as e:
+        parse(text, "broken")
+    assert str(e.value).startswith("model 'broken': config.pbtxt: ")
+    assert needle in str(e.value)
+
+
+# -- loading and auto-completion --------------------------------------------------------------
+
+
+def expected_kind() -> int:
+    return mc.ModelInstanceGroup.KIND_GPU if cuda_device_count() else mc.ModelInstanceGroup.KIND_CPU
+
+
+def test_a_model_without_config_pbtxt_is_completed_from_its_files(tmp_path):
+    d = model_dir(tmp_path, "auto", files={"1/model.pt": "", "2/model.py": "", "notes/x": ""})
+    config = cfgmod.load_config(d, strict=False)
+    assert config.name == "auto"
+    assert config.backend == "python"  # from the newest version's files
+    assert config.version_policy.latest.num_versions == 1
+    [group] = config.instance_group
+    assert (group.name, group.count, group.kind) == ("auto_0", 1, expected_kind())
+    assert cfgmod.select_versions(config, cfgmod.version_dirs(d)) == [2]
+
+
+@pytest.mark.parametrize("filename, backend", [("model.pt", "pytorch"), ("model.pt2", "pytorch"),
+                                               ("model.onnx", "onnxruntime"), ("weights.bin", "")])
+def test_the_backend_is_inferred_from_the_model_file(tmp_path, filename, backend):
+    d = model_dir(tmp_path, files={f"1/{filename}": ""})
+    assert cfgmod.load_config(d, strict=False).backend == backend
+
+
+def test_a_platform_names_its_backend_and_completion_fills_each_instance_group(tmp_path):
+    d = model_dir(tmp_path, config='platform: "pytorch_libtorch" '
+                                   'instance_group [ { count: 0 }, { count: 3 kind: KIND_CPU } ]')
+    config = cfgmod.load_config(d, strict=True)
+    assert config.backend == "pytorch" and config.name == "m"
+    assert [(g.name, g.count, g.kind) for g in config.instance_group] == [
+        ("m_0", 1, expected_kind()), ("m_1", 3, mc.ModelInstanceGroup.KIND_CPU)]
+    assert cfgmod.instance_count(config) == max(1, cuda_device_count()) + 3  # a GPU group: one per GPU
+
+
+def test_strict_mode_needs_config_pbtxt_and_infers_nothing(tmp_path):
+    d = model_dir(tmp_path, files={"1/model.py": ""})
+    with pytest.raises(ConfigError, match="^model 'm': config.pbtxt is missing and --strict-model-config is set$"):
+        cfgmod.load_config(d, strict=True)
+    d2 = model_dir(tmp_path, "m2", config="max_batch_size: 0", files={"1/model.py": ""})
+    assert cfgmod.load_config(d2, strict=True).backend == ""
+    assert cfgmod.load_config(d2, strict=False).backend == "python"
+
+
+def test_the_name_in_config_pbtxt_must_match_the_folder(tmp_path):
+    d = model_dir(tmp_path, "right", config='name: "wrong"')
+    with pytest.raises(ConfigError, match="^model 'right': name 'wrong' in config.pbtxt must match the model "
+                                          "directory name 'right'$"):
+        cfgmod.load_config(d, strict=False)
+
+
+def test_a_config_override_replaces_the_file(tmp_path):
+    d = model_dir(tmp_path, config='backend: "python" max_batch_size: 4')
+    config = cfgmod.load_config(d, strict=True, override_json='{"backend": "python", "max_batch_size": 2}')
+    assert config.max_batch_size == 2
+    with pytest.raises(ConfigError, match="^model 'm': config override: "):
+        cfgmod.load_config(d, strict=True, override_json='{"max_batch_size": "many"}')
+
+
+def test_an_ensemble_gets_no_instance_groups(tmp_path):
+    d = model_dir(tmp_path, config='platform: "ensemble"')
+    config = cfgmod.load_config(d, strict=True)
+    assert not config.instance_group and config.backend == "" and cfgmod.backend_of(config) == ""
+
+
+def test_version_folders_are_numbers_in_numeric_order(tmp_path):
+    d = model_dir(tmp_path, files={"10/a": "", "9/a": "", "2/a": "", "v3/a": "", ".4/a": "", "5": "a file"})
+    assert cfgmod.version_dirs(d) == [2, 9, 10]
+    assert cfgmod.version_dirs(tmp_path / "absent") == []
+
+
+@pytest.mark.parametrize("policy, expected", [
+    ("", [10]),
+    ("version_policy { latest { num_versions: 2 } }", [9, 10]),
+    ("version_policy { latest { num_versions: 9 } }", [2, 9, 10]),
+    ("version_policy { all { } }", [2, 9, 10]),
+    ("version_policy { specific { versions: [ 10, 2, 7, 2 ] } }", [2, 10]),
+])
+def test_version_policy_selects_versions(policy, expected):
+    config = parse(policy)
+    cfgmod.complete_defaults(config)
+    assert cfgmod.select_versions(config, [2, 9, 10]) == expected
+    assert cfgmod.select_versions(config, []) == []
+
+
+# -- validation: Triton's refusals, with the model and field named -------------------------------
+
+GOOD_INPUT = 'input [ { name: "X" data_type: TYPE_FP32 dims: [ 3 ] } ]'
+
+
+def test_a_good_config_passes(tmp_path):
+    config = check(f'backend: "python" max_batch_size: 4 dynamic_batching {{ preferred_batch_size: [ 2, 4 ] }} '
+                   f'{GOOD_INPUT} output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }} ]', tmp_path)
+    assert config.name == "m"
+    auto = check('backend: "python" instance_group [ { kind: KIND_AUTO } ]', tmp_path, name="auto")
+    assert auto.instance_group[0].kind == expected_kind()  # completion resolves KIND_AUTO before the check
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_batch_size: 0", "model 'm': must specify 'backend' or 'platform' (none could be inferred from the "
+                          "model files)"),
+    ('backend: "tensorrt"', "model 'm': unable to find backend 'tensorrt' (installed backends: python, pytorch)"),
+    ('platform: "tensorflow_savedmodel"', "model 'm': unable to find backend 'tensorflow_savedmodel'"),
+    ('backend: "python" max_batch_size: -1', "model 'm': max_batch_size must be >= 0, got -1"),
+    ('backend: "python" dynamic_batching { }', "model 'm': dynamic_batching requires max_batch_size > 0"),
+    ('backend: "python" max_batch_size: 4 dynamic_batching { preferred_batch_size: [ 2, 8 ] }',
+     "model 'm': dynamic_batching.preferred_batch_size 8 must be between 1 and max_batch_size 4"),
+    ('backend: "python" max_batch_size: 4 dynamic_batching { preferred_batch_size: [ 0 ] }',
+     "model 'm': dynamic_batching.preferred_batch_size 0 must be between 1 and max_batch_size 4"),
+    ('backend: "python" input [ { data_type: TYPE_FP32 dims: [ 1 ] } ]', "model 'm': an input has no name"),
+    ('backend: "python" output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] }, '
+     '{ name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]', "model 'm': output 'Y' is declared more than once"),
+    ('backend: "python" input [ { name: "X" dims: [ 1 ] } ]', "model 'm': input 'X' must specify 'data_type'"),
+    ('backend: "python" input [ { name: "X" data_type: TYPE_FP32 } ]', "model 'm': input 'X' must specify 'dims'"),
+    ('backend: "python" input [ { name: "X" data_type: TYPE_FP32 dims: [ 2, 0 ] } ]',
+     "model 'm': input 'X' dims [2, 0]: each dimension must be >= 1, or -1 for a variable-size dimension"),
+    ('backend: "python" output [ { name: "Y" data_type: TYPE_FP32 dims: [ -2 ] } ]',
+     "model 'm': output 'Y' dims [-2]: each dimension"),
+    ('backend: "python" default_model_filename: "net.py"',
+     "model 'm': version 1: model file 'net.py' is missing in "),
+    ('backend: "pytorch"', "model 'm': version 1: model file 'model.pt' is missing in "),
+])
+def test_each_refused_config_says_what_to_fix(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        check(text, tmp_path)
+    assert str(e.value).startswith(message)
+
+
+def test_batching_models_may_leave_dims_to_the_batch_dimension_or_a_reshape(tmp_path):
+    batching = check('backend: "python" max_batch_size: 2 input [ { name: "X" data_type: TYPE_FP32 } ]', tmp_path)
+    reshaped = check('backend: "python" input [ { name: "X" data_type: TYPE_FP32 reshape { shape: [ ] } } ]',
+                     tmp_path, name="reshaped")
+    assert list(batching.input[0].dims) == [] and reshaped.input[0].HasField("reshape")
+
+
+def test_the_model_file_may_be_named_and_pytorch_accepts_model_pt2(tmp_path):
+    named = check('backend: "python" default_model_filename: "net.py"', tmp_path, {"1/net.py": ""})
+    exported = check('backend: "pytorch"', tmp_path, {"1/model.pt2": ""}, name="exported")
+    assert (named.default_model_filename, exported.backend) == ("net.py", "pytorch")
+
+
+def test_every_selected_version_needs_its_model_file(tmp_path):
+    with pytest.raises(ConfigError, match="version 2: model file 'model.py' is missing"):
+        check('backend: "python" version_policy { all { } }', tmp_path, {"1/model.py": "", "2/other.py": ""})
+
+
+def test_gpu_instance_groups_need_an_existing_gpu(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        check('backend: "python" instance_group [ { name: "g" kind: KIND_GPU gpus: [ 999 ] } ]', tmp_path)
+    if cuda_device_count():
+        assert str(e.value) == "model 'm': instance_group 'g' names GPU 999, which does not exist"
+    else:
+        assert str(e.value) == "model 'm': instance_group 'g' asks for KIND_GPU but no GPU is available"
+
+
+def test_an_instance_group_kind_that_completion_did_not_resolve_is_refused(tmp_path):
+    config = parse('name: "m" backend: "python" instance_group [ { name: "a" kind: KIND_AUTO } ]')
+    with pytest.raises(ConfigError, match="^model 'm': instance_group 'a' kind KIND_AUTO is not supported$"):
+        cfgmod.validate(config, tmp_path, BACKENDS, [])
+
+
+ENSEMBLE_IO = 'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ] ' \
+              'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]'
+
+
+def ensemble(*steps: str) -> str:
+    return f'platform: "ensemble" {ENSEMBLE_IO} ensemble_scheduling {{ {" ".join(steps)} }}'
+
+
+def step(source: str, made: str, model: str = "a", version: int = -1) -> str:
+    named = f'model_name: "{model}" ' if model else ""
+    return (f'step {{ {named}model_version: {version} input_map {{ key: "x" value: "{source}" }} '
+            f'output_map {{ key: "y" value: "{made}" }} }}')
+
+
+@pytest.mark.parametrize("steps, message", [
+    ((), "ensemble_scheduling must have at least one step"),
+    ((step("NOPE", "OUT"),), "step 'a' needs tensor(s) ['NOPE'] that no ensemble input or earlier step provides"),
+    ((step("IN", "MID"),), "ensemble output(s) ['OUT'] are not produced by any step"),
+    ((step("IN", "OUT", model=""),), "every step must name a model_name"),
+])
+def test_an_ensemble_whose_steps_cannot_run_is_refused(tmp_path, steps, message):
+    with pytest.raises(ConfigError) as e:
+        check(ensemble(*steps), tmp_path, files={})
+    assert str(e.value) == f"model 'm': ensemble_scheduling: {message}"
+
+
+def test_ensemble_steps_in_any_order_pass(tmp_path):
+    config = check(ensemble(step("MID", "OUT", model="b"), step("IN", "MID", model="a", version=1)), tmp_path, files={})
+    assert [s.model_name for s in config.ensemble_scheduling.step] == ["b", "a"]
+
+
+# -- the dict form and parameters -------------------------------------------------------------
+
+
+def test_the_dict_form_has_defaults_and_64_bit_integers_as_numbers():
+    config = parse('name: "m" max_batch_size: 4 input [ { name: "X" data_type: TYPE_FP32 dims: [ -1, 3 ] } ] '
+                   'dynamic_batching { max_queue_delay_microseconds: 100 priority_queue_policy { key: 1 value { '
+                   'default_timeout_microseconds: 7 } } }')
+    d = cfgmod.to_dict(config)
+    assert d["input"][0]["dims"] == [-1, 3]  # int64: protobuf's JSON would write ["-1", "3"]
+    assert d["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+    assert d["dynamic_batching"]["priority_queue_policy"]["1"]["default_timeout_microseconds"] == 7
+    assert d["platform"] == "" and d["input"][0]["data_type"] == "TYPE_FP32"  # defaults are written out
+    assert "sequence_batching" not in d  # an unset message stays absent
+    assert cfgmod.from_dict(d) == config
+    assert cfgmod.from_dict({**d, "not_a_field": 1}) == config  # unknown fields are ignored
+
+
+@pytest.mark.parametrize("raw, expected", [(None, 0.0), ("0", 0.0), ("2.5", 2.5)])
+def test_execution_timeout_parameter(raw, expected):
+    assert cfgmod.execution_timeout({} if raw is None else {"execution_timeout_s": raw}) == expected
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("soon", "parameter 'execution_timeout_s' must be a number of seconds, got 'soon'"),
+    ("-1", "parameter 'execution_timeout_s' must not be negative, got -1.0"),
+])
+def test_a_bad_execution_timeout_is_refused(raw, message):
+    with pytest.raises(ValueError) as e:
+        cfgmod.execution_timeout({"execution_timeout_s": raw})
+    assert str(e.value) == message
