@@ -31,10 +31,11 @@ from shmserve.shm.segment import SegmentCache, StaleRegion
 from shmserve.shm.protocol import (NO_ROOM, REQ_BYE, REQ_CONTROL, REQ_INFER, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, W_BATCH, W_CONFIG,
                           W_DONE, W_LOAD_FAILED, W_READY, W_STOP, manifest_room, read_manifest, read_manifest_with_data,
                           write_manifest)
+from shmserve.batching import DynamicBatcher, Pending, QueueFull, batches_on_worker
+from shmserve.signature import InvalidRequest, UnknownModel, VersionNotReady, queue_options
 from shmserve.workers.backend import BUILT_IN, installed_backends
 
 from . import config as cfgmod
-from .batcher import DynamicBatcher, QueueFull, batches_on_worker
 from .canary import SNAPSHOT_EVERY_S, Canary, CanaryPolicy, Split
 from .config import execution_timeout
 from .sequencer import SequenceBatcher
@@ -43,9 +44,8 @@ from .control import UPLOAD_PREFIX, ControlHandler
 from .ensemble import EnsemblePlan, EnsembleRun, Step
 from .lifecycle import STRAGGLER_GRACE_S, LoadJob, Retiring, idle
 from .metrics import MetricsOptions, serve_metrics
-from .models import Client, Instance, ModelVersion, Pending, State
+from .models import Client, Instance, ModelVersion, State
 from .options import STARTUP_FAILED, BrokerOptions
-from shmserve.workers.signature import InvalidRequest, UnknownModel, VersionNotReady, queue_options
 
 log = logging.getLogger("shmserve.broker")
 

@@ -23,7 +23,7 @@ from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .regions import CudaRegionRegistry, RegionRegistry
 from .tracing import TraceOwner
-from shmserve.workers.signature import InvalidRequest, UnknownModel
+from shmserve.signature import InvalidRequest, UnknownModel
 
 if TYPE_CHECKING:
     from .broker import Broker

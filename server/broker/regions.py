@@ -16,7 +16,7 @@ import posix_ipc
 from shmserve.shm.names import is_server_object
 from shmserve.shm.region_table import RegionEntry, RegionUseError, check_bounds, locate
 
-from shmserve.workers.signature import InvalidRequest
+from shmserve.signature import InvalidRequest
 
 _KEY_RE = re.compile(r"^/?[^/\0]{1,250}$")
 
