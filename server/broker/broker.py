@@ -98,7 +98,7 @@ class Broker:
             MetricsOptions(port=opts.metrics_port, interval_ms=opts.metrics_interval_ms,
                            summary_latencies=opts.metrics_config.get("summary_latencies") == "true",
                            cpu=opts.cpu_metrics, gpu=opts.gpu_metrics),
-            self._stats_rows, self._metric_extras, self._custom_metric_docs)
+            self)
         # The broker's own client segment: ensemble steps are requests it makes to step models.
         own = object_name(self.sid, "client", "broker")
         self.own = Client(name=own, pid=os.getpid(),
@@ -615,7 +615,7 @@ class Broker:
         if mv is not None:
             mv.stats.fail("REJECTED", 1)
 
-    def _stats_rows(self) -> list[tuple[str, int, VersionTotals]]:
+    def rows(self) -> list[tuple[str, int, VersionTotals]]:
         """Per version: what the broker counted itself plus every live worker's statistics."""
         rows = []
         for name, versions in list(self.models.items()):
@@ -637,7 +637,7 @@ class Broker:
                 total.add_area(inst.seg.stats)
         return total
 
-    def _metric_extras(self) -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
+    def extras(self) -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
         """shmserve's own gauges and counters beside the per-version statistics."""
         arenas: list[tuple[dict[str, str], float]] = [({"owner": "broker"}, self.arena.bytes_in_use)]
         loads, regions = [], self.control.regions.regions
@@ -666,7 +666,7 @@ class Broker:
              "gauge", self._split_samples()),
         ]
 
-    def _custom_metric_docs(self) -> list[bytes]:
+    def custom_docs(self) -> list[bytes]:
         """Every live worker's published custom metrics (scrape thread: a worker may go meanwhile)."""
         docs = []
         for _, inst in list(self.workers.values()):
@@ -1111,7 +1111,7 @@ class Broker:
         for name in self.initial_models():
             self.load_model(name)
         if self.opts.control_mode == "poll":
-            self.watcher = RepositoryWatcher(self.opts.repositories, self.seg.waker.post)
+            self.watcher = RepositoryWatcher(self.opts.repositories, self.seg.waker)
         waker = self.seg.waker
         while self.running:
             waker.sleep(self._next_timer(), self._has_work)

@@ -137,7 +137,7 @@ class ControlHandler:
     def _model_stats(self, client: Client, slot: int, doc: dict) -> Answer:
         """The statistics extension: every loaded version, one model's, or one version's."""
         model, version = doc.get("model") or "", doc.get("version") or ""
-        rows = self.broker._stats_rows()
+        rows = self.broker.rows()
         if model:
             # Triton's statistics texts, not its inference ones.
             if model not in self.broker.models:
