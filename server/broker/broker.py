@@ -640,7 +640,7 @@ class Broker:
     def extras(self) -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
         """shmserve's own gauges and counters beside the per-version statistics."""
         arenas: list[tuple[dict[str, str], float]] = [({"owner": "broker"}, self.arena.bytes_in_use)]
-        loads, regions = [], self.control.regions.regions
+        loads, regions = [], self.control.regions.system.regions
         for name, versions in list(self.models.items()):
             for v, mv in list(versions.items()):
                 labels = {"model": name, "version": str(v)}
@@ -697,7 +697,7 @@ class Broker:
         """
         size = int(t["size"])
         if "region" in t:
-            seg, off = self.control.regions.resolve(t["region"], int(t.get("offset", 0)), size, what, t["name"])
+            seg, off = self.control.regions.system.resolve(t["region"], int(t.get("offset", 0)), size, what, t["name"])
             return seg, off, size
         off = data_start + int(t["data"])
         if size < 0 or off < client.seg.arena_offset or off + size > client.seg.seg.size:
@@ -707,14 +707,14 @@ class Broker:
     def _place(self, client: Client, t: dict, what: str, data_start: int) -> dict:
         """Where the worker finds (or puts) a tensor's bytes: host shm, or a CUDA region."""
         if "region" in t:
-            cuda = self.control.cuda_regions.resolve(t["region"], int(t.get("offset", 0)), int(t["size"]),
+            cuda = self.control.regions.cuda.resolve(t["region"], int(t.get("offset", 0)), int(t["size"]),
                                                      what, t["name"])
             if cuda is not None:
                 return cuda
         seg, off, size = self._locate(client, t, what, data_start)
         place = {"seg": seg, "off": off, "size": size}
         if "region" in t:
-            place["ino"] = self.control.regions.inode(t["region"])
+            place["ino"] = self.control.regions.system.inode(t["region"])
         return place
 
     def _resolve(self, client: Client, t: dict, what: str, data_start: int) -> dict:

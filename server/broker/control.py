@@ -13,15 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 
-from shmserve.shm import logs, region_table
-from shmserve.shm.channel import REGIONS_BYTES
-from shmserve.shm.published import HEADER as PUBLISHED_HEADER
+from shmserve.shm import logs
 from shmserve.shm.regions import created_key_prefix
 
 from .canary import Canary
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
-from .regions import CudaRegionRegistry, RegionRegistry
+from .regions import Regions
 from .tracing import TraceOwner
 from shmserve.signature import InvalidRequest, UnknownModel
 
@@ -35,9 +33,7 @@ UPLOAD_PREFIX = "shmserve-model-"  # private folders of models loaded from 'file
 class ControlHandler:
     def __init__(self, broker: "Broker") -> None:
         self.broker = broker
-        self.regions = RegionRegistry()
-        self.cuda_regions = CudaRegionRegistry()
-        self._regions_doc = b""
+        self.regions = Regions(broker.seg)
         self.ops: dict[str, Callable[[Client, int, dict], Answer]] = {
             "server_ready": self._server_ready,
             "model_ready": self._model_ready,
@@ -72,16 +68,7 @@ class ControlHandler:
         return op(client, slot, doc)
 
     def forget_client(self, client: Client, died: bool = False) -> None:
-        self.regions.drop_owner(client.name, died)
-        self.publish_regions()
-
-    def publish_regions(self) -> None:
-        """Publish the system regions for direct lanes (shm/region_table.py); before any reply
-        to a registration, so a request sent after it finds the region."""
-        doc = region_table.encode(self.regions.table(self.cuda_regions.regions), REGIONS_BYTES - PUBLISHED_HEADER)
-        if doc != self._regions_doc:
-            self._regions_doc = doc
-            self.broker.seg.regions.publish(doc)
+        self.regions.forget_client(client.name, died)
 
     # -- health and metadata --------------------------------------------------------------------
     def _server_ready(self, client: Client, slot: int, doc: dict) -> Answer:
@@ -231,34 +218,34 @@ class ControlHandler:
         # Only an object named as Client.create_region names it in the client's own process.
         reclaim = owner is not None and bool(doc.get("created")) and \
             str(doc["key"]).startswith(created_key_prefix(client.pid))
-        self.regions.register(doc["name"], doc["key"], int(doc.get("offset", 0)), int(doc["byte_size"]), owner,
-                              reclaim)
-        self.publish_regions()
+        self.regions.system.register(doc["name"], doc["key"], int(doc.get("offset", 0)), int(doc["byte_size"]),
+                                     owner, reclaim)
+        self.regions.publish()
         return 200, {}
 
     def _shm_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.regions.unregister(doc.get("name"))
-        self.publish_regions()
+        self.regions.system.unregister(doc.get("name"))
+        self.regions.publish()
         return 200, {}
 
     def _shm_status(self, client: Client, slot: int, doc: dict) -> Answer:
-        return 200, self.regions.status(doc.get("name"))
+        return 200, self.regions.system.status(doc.get("name"))
 
 
 
     def _cuda_register(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.cuda_regions.register(doc["name"], doc["raw_handle"], int(doc.get("device_id", 0)),
+        self.regions.cuda.register(doc["name"], doc["raw_handle"], int(doc.get("device_id", 0)),
                                    int(doc["byte_size"]))
-        self.publish_regions()
+        self.regions.publish()
         return 200, {}
 
     def _cuda_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.cuda_regions.unregister(doc.get("name"))
-        self.publish_regions()
+        self.regions.cuda.unregister(doc.get("name"))
+        self.regions.publish()
         return 200, {}
 
     def _cuda_status(self, client: Client, slot: int, doc: dict) -> Answer:
-        return 200, self.cuda_regions.status(doc.get("name"))
+        return 200, self.regions.cuda.status(doc.get("name"))
 
     # -- logging extension ----------------------------------------------------------------------
     def _log_settings(self, client: Client, slot: int, doc: dict) -> Answer:
