@@ -107,7 +107,7 @@ def test_default_format_on_every_line(server_factory):
     roles = pids_by_role(s)
     recs = parsed(s.log())
     ready = [r for r in recs if r["msg"].startswith("server is ready")]
-    assert ready and ready[0]["pid"] in roles["broker"] and ready[0]["file"] == "broker.py"
+    assert ready and ready[0]["pid"] in roles["broker"] and ready[0]["file"] == "lifecycle.py"
     assert any(r["pid"] == s.pid and r["file"] == "launcher.py" for r in recs)
     assert not any(r["level"] == "V" for r in recs)  # --log-verbose 0
 

@@ -36,8 +36,7 @@ from shmserve.shm.segment import SegmentCache, StaleRegion
 from shmserve.shm.tensors import byte_view, from_buffer, serialize_bytes, wire_datatype
 from shmserve.shm.waker import SpinPolicy, fence
 
-from shmserve.server.broker.batcher import DynamicBatcher, QueueFull, batches_on_worker
-from shmserve.server.broker.models import Pending
+from shmserve.batching import DynamicBatcher, Pending, QueueFull, batches_on_worker
 
 from . import custom_metrics
 from .classification import ClassificationError, classify, load_labels
@@ -47,7 +46,7 @@ from .cuda import runtime as cuda_runtime
 from .sequence import SequenceSupport
 from .descriptors import LIMIT as PLANS_LIMIT
 from .descriptors import Kept, Plan, plan_of, split_send_time
-from .signature import InvalidRequest, ModelSignature, queue_options
+from shmserve.signature import InvalidRequest, ModelSignature, queue_options
 from .stream import StreamSender
 from .warmup import run_warmup
 

@@ -1,6 +1,8 @@
 """Control requests (everything that is not an inference): health, metadata, config, repository
-index and shared-memory registration. They travel as small JSON documents on the same channel as
-inference, so the frontend holds no state of its own.
+index, statistics, canaries, shared-memory registration, logging and trace settings. They travel
+as small JSON documents on the same channel as inference, so the frontend holds no state of its
+own. Each operation asks the broker part whose job it is, and returns (status, answer) for the
+broker to reply with (status 0: the part answers later, e.g. when a load is done).
 """
 from __future__ import annotations
 
@@ -10,34 +12,37 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-
-from shmserve.shm import logs, region_table
-from shmserve.shm.channel import REGIONS_BYTES
-from shmserve.shm.published import HEADER as PUBLISHED_HEADER
+from shmserve.shm import logs
+from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.regions import created_key_prefix
+from shmserve.signature import InvalidRequest, UnknownModel
 
 from .canary import Canary
+from .catalog import Catalog
+from .lifecycle import UPLOAD_PREFIX, Lifecycle
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
-from .regions import CudaRegionRegistry, RegionRegistry
+from .options import BrokerOptions
+from .regions import Regions
+from .routes import Routes
+from .statistics import Statistics
 from .tracing import TraceOwner
-from shmserve.workers.signature import InvalidRequest, UnknownModel
-
-if TYPE_CHECKING:
-    from .broker import Broker
 
 Answer = tuple[int, Any]
-UPLOAD_PREFIX = "shmserve-model-"  # private folders of models loaded from 'file:' parameters
 
 
 class ControlHandler:
-    def __init__(self, broker: "Broker") -> None:
-        self.broker = broker
-        self.regions = RegionRegistry()
-        self.cuda_regions = CudaRegionRegistry()
-        self._regions_doc = b""
+    def __init__(self, opts: BrokerOptions, seg: BrokerSegment, catalog: Catalog, lifecycle: Lifecycle,
+                 routes: Routes, statistics: Statistics, regions: Regions) -> None:
+        self.opts = opts
+        self.seg = seg
+        self.catalog = catalog
+        self.lifecycle = lifecycle
+        self.routes = routes
+        self.statistics = statistics
+        self.regions = regions
         self.ops: dict[str, Callable[[Client, int, dict], Answer]] = {
             "server_ready": self._server_ready,
             "model_ready": self._model_ready,
@@ -60,10 +65,10 @@ class ControlHandler:
             "canary_promote": self._canary_decide,
             "canary_rollback": self._canary_decide,
         }
-        # The broker owns the log settings; every other process follows what it publishes.
-        self.log_settings: dict[str, Any] = {**logs.DEFAULTS, **broker.opts.log}
-        logs.publish(broker.seg.settings, self.log_settings)
-        self.trace = TraceOwner(broker.sid, broker.opts.trace)  # trace extension (server/broker/tracing.py)
+        # The broker owns the log settings (its own, set from the command line and changed here);
+        # every other process follows what it publishes.
+        logs.publish(seg.settings, logs.current())
+        self.trace = TraceOwner(opts.server_id, opts.trace)  # trace extension (server/broker/tracing.py)
 
     def handle(self, client: Client, slot: int, doc: dict) -> Answer:
         op = self.ops.get(doc.get("op", ""))
@@ -71,24 +76,12 @@ class ControlHandler:
             raise InvalidRequest(f"unknown control operation '{doc.get('op')}'")
         return op(client, slot, doc)
 
-    def forget_client(self, client: Client, died: bool = False) -> None:
-        self.regions.drop_owner(client.name, died)
-        self.publish_regions()
-
-    def publish_regions(self) -> None:
-        """Publish the system regions for direct lanes (shm/region_table.py); before any reply
-        to a registration, so a request sent after it finds the region."""
-        doc = region_table.encode(self.regions.table(self.cuda_regions.regions), REGIONS_BYTES - PUBLISHED_HEADER)
-        if doc != self._regions_doc:
-            self._regions_doc = doc
-            self.broker.seg.regions.publish(doc)
-
     # -- health and metadata --------------------------------------------------------------------
     def _server_ready(self, client: Client, slot: int, doc: dict) -> Answer:
-        return 200, {"ready": self.broker.server_ready()}
+        return 200, {"ready": self.lifecycle.server_ready()}
 
     def _version(self, doc: dict) -> ModelVersion:
-        return self.broker.find_version(doc["model"], doc.get("version"))
+        return self.catalog.find_version(doc["model"], doc.get("version"))
 
     def _model_ready(self, client: Client, slot: int, doc: dict) -> Answer:
         try:
@@ -100,7 +93,7 @@ class ControlHandler:
         mv = self._version(doc)
         sig = mv.signature
         assert sig is not None
-        versions = [str(v) for v, m in sorted(self.broker.models[mv.name].items()) if m.state == State.READY]
+        versions = [str(v) for v, m in sorted(self.catalog.models[mv.name].items()) if m.state == State.READY]
 
         def tensors(specs: dict) -> list[dict]:
             return [{"name": s.name, "datatype": s.datatype, "shape": sig.full_shape(s)} for s in specs.values()]
@@ -114,7 +107,7 @@ class ControlHandler:
         return 200, self._version(doc).config_dict
 
     def _repository_index(self, client: Client, slot: int, doc: dict) -> Answer:
-        b = self.broker
+        b = self.catalog
         out = []
         for name in sorted(set(b.model_dirs) | set(b.models) | set(b.load_errors) | set(b.loading)):
             versions = b.models.get(name, {})
@@ -137,21 +130,21 @@ class ControlHandler:
     def _model_stats(self, client: Client, slot: int, doc: dict) -> Answer:
         """The statistics extension: every loaded version, one model's, or one version's."""
         model, version = doc.get("model") or "", doc.get("version") or ""
-        rows = self.broker._stats_rows()
+        rows = self.statistics.rows()
         if model:
             # Triton's statistics texts, not its inference ones.
-            if model not in self.broker.models:
+            if model not in self.catalog.models:
                 raise InvalidRequest(f"requested model '{model}' is not available")
             rows = [r for r in rows if r[0] == model]
             if version:
-                if not version.isdigit() or int(version) not in self.broker.models[model]:
+                if not version.isdigit() or int(version) not in self.catalog.models[model]:
                     raise InvalidRequest(f"requested model version is not available for model '{model}'")
                 rows = [r for r in rows if r[1] == int(version)]
         return 200, {"model_stats": [version_stats_json(m, v, st) for m, v, st in rows]}
 
     # -- repository API -------------------------------------------------------------------------
     def _canary(self, doc: dict) -> tuple[Any, Any]:
-        b = self.broker
+        b = self.catalog
         model = doc.get("model") or ""
         if model not in b.models:
             raise UnknownModel(f"Request for unknown model: '{model}' is not found")
@@ -172,8 +165,8 @@ class ControlHandler:
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         canary.override.update(changes)
-        self.broker.publish_routes()
-        return 200, canary.status(self.broker.split(canary.model))
+        self.routes.publish()
+        return 200, canary.status(self.catalog.split(canary.model))
 
     def _canary_decide(self, client: Client, slot: int, doc: dict) -> Answer:
         """Manual promote or rollback of the canary in progress."""
@@ -182,11 +175,11 @@ class ControlHandler:
             raise InvalidRequest(f"model '{canary.model}' has no canary in progress")
         action = "promote" if doc["op"] == "canary_promote" else "rollback"
         canary.decide(action, split, "manual", doc.get("reason") or f"{action} requested through the API")
-        self.broker.publish_routes()
-        return 200, canary.status(self.broker.split(canary.model))
+        self.routes.publish()
+        return 200, canary.status(self.catalog.split(canary.model))
 
     def _explicit_only(self) -> None:
-        mode = self.broker.opts.control_mode
+        mode = self.opts.control_mode
         if mode != "explicit":
             # Triton's status (UNAVAILABLE) and, for poll mode, its text; in 'none' mode Triton also
             # says "if polling is enabled", which would mislead, so the mode is named instead.
@@ -211,9 +204,9 @@ class ControlHandler:
                 raise InvalidRequest(f"failed to load '{name}', model files given with 'file:' need a 'config' "
                                      f"parameter too")
             model_dir = write_model_files(name, files)
-        error = self.broker.load_model(name, config, waiter=(client, slot), model_dir=model_dir)
+        error = self.lifecycle.load_model(name, config, waiter=(client, slot), model_dir=model_dir)
         if model_dir is not None:  # gone at once unless the load uses it (then: when it retires)
-            self.broker._discard_model_dir(str(model_dir))
+            self.lifecycle.discard_model_dir(str(model_dir))
         if error:
             return 400, {"error": error}
         return 0, None
@@ -221,7 +214,7 @@ class ControlHandler:
     def _unload(self, client: Client, slot: int, doc: dict) -> Answer:
         self._explicit_only()
         params = doc.get("parameters") or {}
-        self.broker.unload_model(doc["model"], waiter=(client, slot),
+        self.lifecycle.unload_model(doc["model"], waiter=(client, slot),
                                  dependents=bool(params.get("unload_dependents", False)))
         return 0, None
 
@@ -231,47 +224,44 @@ class ControlHandler:
         # Only an object named as Client.create_region names it in the client's own process.
         reclaim = owner is not None and bool(doc.get("created")) and \
             str(doc["key"]).startswith(created_key_prefix(client.pid))
-        self.regions.register(doc["name"], doc["key"], int(doc.get("offset", 0)), int(doc["byte_size"]), owner,
-                              reclaim)
-        self.publish_regions()
+        self.regions.system.register(doc["name"], doc["key"], int(doc.get("offset", 0)), int(doc["byte_size"]),
+                                     owner, reclaim)
+        self.regions.publish()
         return 200, {}
 
     def _shm_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.regions.unregister(doc.get("name"))
-        self.publish_regions()
+        self.regions.system.unregister(doc.get("name"))
+        self.regions.publish()
         return 200, {}
 
     def _shm_status(self, client: Client, slot: int, doc: dict) -> Answer:
-        return 200, self.regions.status(doc.get("name"))
-
-
+        return 200, self.regions.system.status(doc.get("name"))
 
     def _cuda_register(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.cuda_regions.register(doc["name"], doc["raw_handle"], int(doc.get("device_id", 0)),
+        self.regions.cuda.register(doc["name"], doc["raw_handle"], int(doc.get("device_id", 0)),
                                    int(doc["byte_size"]))
-        self.publish_regions()
+        self.regions.publish()
         return 200, {}
 
     def _cuda_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.cuda_regions.unregister(doc.get("name"))
-        self.publish_regions()
+        self.regions.cuda.unregister(doc.get("name"))
+        self.regions.publish()
         return 200, {}
 
     def _cuda_status(self, client: Client, slot: int, doc: dict) -> Answer:
-        return 200, self.cuda_regions.status(doc.get("name"))
+        return 200, self.regions.cuda.status(doc.get("name"))
 
     # -- logging extension ----------------------------------------------------------------------
     def _log_settings(self, client: Client, slot: int, doc: dict) -> Answer:
         """GET /v2/logging, or POST with an 'update': applied here, then published to all."""
         if "update" in doc:
             try:
-                new = logs.merge(self.log_settings, doc["update"])
+                new = logs.merge(logs.current(), doc["update"])
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
             logs.configure(new)
-            self.log_settings = new
-            logs.publish(self.broker.seg.settings, new)
-        return 200, self.log_settings
+            logs.publish(self.seg.settings, logs.current())
+        return 200, logs.current()
 
     def _trace_settings(self, client: Client, slot: int, doc: dict) -> Answer:
         """GET/POST v2[/models/<model>]/trace/setting; a model must exist, as in Triton (whose

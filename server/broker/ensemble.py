@@ -6,11 +6,37 @@ it maps in exists, so independent steps run in parallel on their own workers. In
 tensors stay where the producing worker wrote them (its output arena) and the next step's worker
 reads them there: they never pass through a frontend, and no byte is copied between steps. The
 final outputs are copied once into the broker's answer (or into the client's regions).
+
+``EnsemblePlan`` is the config's DAG, ``EnsembleRun`` one request through it, and ``Ensembles``
+the broker's part that runs them.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
+import time
 from typing import Any
+
+import orjson
+import posix_ipc
+
+from shmserve.batching import Pending
+from shmserve.shm.arena import free_block
+from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
+from shmserve.shm.names import object_name
+from shmserve.shm.protocol import (NO_ROOM, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, manifest_room,
+                                   read_manifest_with_data, write_manifest)
+from shmserve.shm.segment import SegmentCache, StaleRegion
+from shmserve.signature import InvalidRequest
+
+from .catalog import Catalog
+from .clients import Clients
+from .instances import Instances
+from .models import Client, ModelVersion
+from .scheduler import Scheduler
+
+OWN_SLOTS = 4096  # ensemble steps in flight at once
 
 
 @dataclasses.dataclass
@@ -62,8 +88,10 @@ def check_plan(config: Any) -> str | None:
 class EnsembleRun:
     """One request through an ensemble."""
 
-    def __init__(self, plan: EnsemblePlan, client: Any, slot: int, entry: dict) -> None:
-        self.plan = plan
+    def __init__(self, version: ModelVersion, client: Client, slot: int, entry: dict) -> None:
+        assert version.ensemble is not None
+        self.version = version
+        self.plan: EnsemblePlan = version.ensemble
         self.client = client
         self.slot = slot
         self.entry = entry
@@ -96,3 +124,150 @@ class EnsembleRun:
     def wanted(self) -> list[str]:
         outs = self.entry.get("outputs")
         return [o["name"] for o in outs] if outs else list(self.plan.outputs)
+
+
+class Ensembles:
+    """Runs ensemble requests: the broker is itself a client of the step models.
+
+    It owns a client segment (``own``) whose slots the step models' workers complete and which
+    rings the broker's doorbell, so a step's answer arrives like any worker message.
+    """
+
+    def __init__(self, server_id: str, seg: BrokerSegment, catalog: Catalog, clients: Clients,
+                 scheduler: Scheduler, instances: Instances) -> None:
+        self.seg = seg
+        assert seg.arena is not None  # the broker's segment, which it created
+        self.arena = seg.arena
+        self.catalog = catalog
+        self.clients = clients
+        self.scheduler = scheduler
+        self.instances = instances
+        name = object_name(server_id, "client", "broker")
+        self.own = Client(name=name, pid=os.getpid(),
+                          seg=ClientSegment.create(name, 1 << 20, slots=OWN_SLOTS, notify=NOTIFY_BROKER))
+        clients.by_name[name] = self.own  # answered, dropped and closed like any client
+        self.free = collections.deque(range(OWN_SLOTS))
+        self.inflight: dict[int, tuple[EnsembleRun, Step]] = {}  # own slot -> the step it runs
+        self.segments = SegmentCache()  # where step outputs and the clients' regions lie
+
+    def start(self, mv: ModelVersion, client: Client, slot: int, entry: dict) -> None:
+        self._advance(EnsembleRun(mv, client, slot, entry))
+
+    def _advance(self, run: EnsembleRun) -> None:
+        """Submit every step whose inputs exist; answer the client when the outputs are all made."""
+        for step in run.ready_steps():
+            run.started.add(step.index)
+            try:
+                mv = self.catalog.find_version(step.model, step.version)
+                request = run.step_request(step)
+                assert mv.signature is not None
+                batch = mv.signature.check_inputs(request["inputs"], request.get("id", ""))
+            except InvalidRequest as e:
+                self._fail_run(run, step, e.status, str(e))
+                return
+            if not self.free:
+                self._fail_run(run, step, 503, "too many ensemble steps in flight; retry later")
+                return
+            slot = self.free.popleft()
+            request.update(client=self.own.name, pid=os.getpid(), slot=slot)
+            self.own.seg.set_slot_state(slot, SLOT_PENDING)
+            self.inflight[slot] = (run, step)
+            run.running += 1
+            self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic()))
+        if not run.failed and run.complete():
+            self._finish_run(run)
+
+    def has_completions(self) -> bool:
+        states = self.own.seg.slot_states
+        return any(states[slot] == SLOT_DONE for slot in self.inflight)
+
+    def on_completions(self) -> None:
+        """Take the answers of finished steps and advance their runs."""
+        states = self.own.seg.slot_states
+        for slot in [s for s in self.inflight if states[s] == SLOT_DONE]:
+            _, status, role, num, off, _, _, _, _ = self.own.seg.read_slot(slot)
+            self.own.seg.set_slot_state(slot, SLOT_FREE)
+            run, step = self.inflight.pop(slot)
+            self.free.append(slot)
+            run.running -= 1
+            workers = self.instances.workers
+            owner = self.seg.seg if role == ROLE_BROKER else (workers[num][1].seg.seg if num in workers else None)
+            if owner is None:
+                self._fail_run(run, step, 500, "the instance that ran this step is gone")
+                continue
+            if not off:  # answered without a block: its producer had no room even for an error
+                self._fail_run(run, step, status, NO_ROOM)
+                continue
+            doc, data_start = read_manifest_with_data(owner.buf, off)
+            run.blocks.append((owner.buf, off))
+            if status != 200:
+                self._fail_run(run, step, status, doc.get("error", "failed"))
+                continue
+            if run.failed:
+                self._release_run(run)
+                continue
+            for o in doc.get("outputs", ()):
+                name = step.output_map.get(o["name"])
+                if name:
+                    run.tensors[name] = {"name": name, "datatype": o["datatype"], "shape": o["shape"],
+                                         "seg": owner.name, "off": data_start + o["off"], "size": o["size"]}
+            self._advance(run)
+
+    def _fail_run(self, run: EnsembleRun, step: Step, status: int, message: str) -> None:
+        if not run.failed:
+            run.failed = True
+            run.version.stats.fail("BACKEND", 1)
+            self.clients.reply(run.client, run.slot, status,
+                               {"error": f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"})
+        self._release_run(run)
+
+    @staticmethod
+    def _release_run(run: EnsembleRun) -> None:
+        """Free the step outputs once no step of the run is still running."""
+        if run.running:
+            return
+        for buf, off in run.blocks:
+            free_block(buf, off)
+        run.blocks.clear()
+
+    def _finish_run(self, run: EnsembleRun) -> None:
+        """Copy the ensemble's outputs into one answer (or the client's regions) and free the steps'."""
+        placed = {o["name"]: o for o in run.entry.get("outputs") or () if "seg" in o}
+        outs, chunks, pos = [], [], 0
+        for name in run.wanted():
+            t = run.tensors[name]
+            data = self.segments.get(t["seg"]).buf[t["off"]:t["off"] + t["size"]]
+            desc = {"name": name, "datatype": t["datatype"], "shape": t["shape"], "size": t["size"]}
+            target = placed.get(name)
+            if target is not None:
+                if t["size"] > target["size"]:
+                    self._fail_run(run, run.plan.steps[-1], 400, f"shared memory region for output '{name}' is "
+                                   f"too small ({target['size']} bytes, {t['size']} needed)")
+                    return
+                try:
+                    region = self.segments.get(target["seg"], target.get("ino", 0), target["off"] + t["size"])
+                except (StaleRegion, OSError, posix_ipc.Error) as e:
+                    self._fail_run(run, run.plan.steps[-1], 400, str(e))
+                    return
+                region.buf[target["off"]:target["off"] + t["size"]] = data
+                desc["region"] = True
+            else:
+                desc["off"] = pos
+                chunks.append(data)
+                pos += t["size"]
+            outs.append(desc)
+        body = orjson.dumps({"version": run.version.version, "outputs": outs})
+        room = manifest_room(len(body))
+        off = self.arena.alloc(room + pos, run.client.pid)
+        if off < 0:
+            self._fail_run(run, run.plan.steps[-1], 503, "the broker's arena is full; retry later")
+            return
+        at = write_manifest(self.seg.seg.buf, off, body)
+        for chunk in chunks:
+            self.seg.seg.buf[at:at + len(chunk)] = chunk
+            at += len(chunk)
+        arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
+        run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
+        run.client.seg.complete(run.slot, 200, ROLE_BROKER, 0, off, room + pos)
+        run.client.seg.waker.notify()
+        self._release_run(run)

@@ -1,5 +1,6 @@
 """Model lifecycle in the broker: loads that become visible only when ready, and retirement that
-drains before it stops anything, so no request is lost while what is served changes.
+drains before it stops anything, so no request is lost while what is served changes; and the
+server's own start (the initial loads) and readiness.
 
 A load builds new versions (new workers) beside what serves. When every new version is READY the
 swap is one step: the routing table moves to the new workers and the old versions retire. If any
@@ -7,39 +8,44 @@ new version fails, the new workers stop and the old ones go on serving; the reas
 the repository index. A retiring version takes no new requests but finishes its queue, its
 batches and its workers' lanes; then its workers get a graceful stop (bounded by
 ``--exit-timeout-secs``).
+
+Workers report their own progress on their outboxes (ready, the auto-completed config, a failed
+load, a batch done); ``on_worker_messages`` takes those reports.
 """
 from __future__ import annotations
 
-import dataclasses
+import logging
+import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from .canary import CanaryPolicy
-from .models import ModelVersion, State
+import orjson
+
+from shmserve.batching import DynamicBatcher, batches_on_worker
+from shmserve.shm.protocol import W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY
+from shmserve.shm.waker import Waker
+from shmserve.workers.backend import BUILT_IN, installed_backends
+
+from . import config as cfgmod
+from .canary import Canary, CanaryPolicy
+from .catalog import Catalog, LoadJob, Retiring
+from .clients import Clients
+from .ensemble import EnsemblePlan
+from .instances import Instances, take_payload
+from .models import Instance, ModelVersion, State
+from .options import BrokerOptions
+from .routes import Routes
+from .sequencer import SequenceBatcher
+from .watcher import RepositoryWatcher
+
+log = logging.getLogger("shmserve.broker")
 
 STRAGGLER_GRACE_S = 0.2  # a client that read the old routes just before the swap lands within this
-
-
-@dataclasses.dataclass
-class LoadJob:
-    name: str
-    versions: dict[int, ModelVersion]
-    waiters: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (client, slot) to answer
-    canary_policy: CanaryPolicy = dataclasses.field(default_factory=CanaryPolicy)  # from its config.pbtxt
-
-    def failed(self) -> ModelVersion | None:
-        return next((mv for mv in self.versions.values() if mv.state == State.UNAVAILABLE), None)
-
-    def ready(self) -> bool:
-        return all(mv.state == State.READY for mv in self.versions.values())
-
-
-@dataclasses.dataclass
-class Retiring:
-    version: ModelVersion
-    since: float = dataclasses.field(default_factory=time.monotonic)
-    stopping: bool = False
-    waiters: list[tuple[Any, int]] = dataclasses.field(default_factory=list)
+RETIRING_CHECK_S = 0.05  # how often a draining version is looked at
+UPLOAD_PREFIX = "shmserve-model-"  # private folders of models loaded from 'file:' parameters
 
 
 def idle(mv: ModelVersion) -> bool:
@@ -51,3 +57,345 @@ def idle(mv: ModelVersion) -> bool:
         if seg.lanes_pending() or int(seg.lane_tails.sum()) != seg.stats.get("direct_done"):
             return False
     return True
+
+
+class Lifecycle:
+    def __init__(self, opts: BrokerOptions, catalog: Catalog, instances: Instances, routes: Routes,
+                 clients: Clients) -> None:
+        self.opts = opts
+        self.catalog = catalog
+        self.instances = instances
+        self.routes = routes
+        self.clients = clients
+        self.backends = set(installed_backends()) | set(BUILT_IN)
+        self.watcher: RepositoryWatcher | None = None  # --model-control-mode=poll
+        self.running = True  # False once a stop was asked for (or the start failed)
+        self.startup_done = False
+        self.startup_failed = False
+
+    # -- the server -----------------------------------------------------------------------------
+    def start(self, waker: Waker) -> None:
+        """Load the models the control mode asks for; in poll mode, watch the repositories."""
+        for name in self._initial_models():
+            self.load_model(name)
+        if self.opts.control_mode == "poll":
+            self.watcher = RepositoryWatcher(self.opts.repositories, waker)
+
+    def stop(self) -> None:
+        self.running = False
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+
+    def check_startup(self) -> None:
+        """Once the initial loads are over: the server is ready, or (--exit-on-error) it stops."""
+        if self.catalog.loading:
+            return
+        states = [mv.state for mv in self.catalog.serving()]
+        self.startup_done = True
+        if self.catalog.load_errors and self.opts.exit_on_error:
+            log.error("failed to load all models; exiting (use --exit-on-error=false to serve the rest)")
+            self.startup_failed = True
+            self.running = False
+        else:
+            log.info("server is ready: %d model version(s) serving",
+                     sum(1 for s in states if s == State.READY))
+
+    def server_ready(self) -> bool:
+        if not self.startup_done or not self.running:
+            return False
+        if not self.opts.strict_readiness:
+            return True
+        if any(name not in self.catalog.models for name in self.catalog.load_errors):
+            return False  # a model that should serve does not (a failed reload keeps the old one serving)
+        return all(mv.state == State.READY and mv.live() for mv in self.catalog.serving())
+
+    def next_timer(self) -> float | None:
+        """Seconds until a draining version or a repository change needs a look (None: nothing)."""
+        timeout = RETIRING_CHECK_S if self.catalog.retiring else None
+        if self.watcher is not None:
+            due = self.watcher.next_due()
+            if due is not None:
+                timeout = due if timeout is None else min(timeout, due)
+        return timeout
+
+    # -- the repository -------------------------------------------------------------------------
+    def _scan_repositories(self) -> dict[str, Path]:
+        found: dict[str, Path] = {}
+        for repo in self.opts.repositories:
+            for entry in sorted(os.scandir(repo), key=lambda e: e.name):
+                if entry.is_dir() and not entry.name.startswith("."):
+                    if entry.name in found:
+                        log.error("model '%s' appears in more than one repository; using %s",
+                                  entry.name, found[entry.name])
+                        continue
+                    found[entry.name] = Path(entry.path)
+        return found
+
+    def _initial_models(self) -> list[str]:
+        self.catalog.model_dirs = self._scan_repositories()
+        if self.opts.control_mode == "explicit":
+            wanted = self.opts.load_models
+            if "*" in wanted:
+                return list(self.catalog.model_dirs)
+            return list(dict.fromkeys(wanted))
+        return list(self.catalog.model_dirs)
+
+    def apply_repository_changes(self) -> None:
+        """Poll mode: reload models whose folders changed, load new ones, unload removed ones."""
+        assert self.watcher is not None
+        names = self.watcher.due()
+        if not names:
+            return
+        self.catalog.model_dirs = self._scan_repositories()
+        for name in names:
+            if name in self.catalog.model_dirs:
+                log.info("repository change: (re)loading '%s'", name)
+                self.load_model(name)
+            elif name in self.catalog.models or name in self.catalog.load_errors:
+                log.info("repository change: '%s' was removed; unloading it", name)
+                self.unload_model(name)
+
+    # -- loading --------------------------------------------------------------------------------
+    def load_model(self, name: str, override_json: str | None = None, waiter: tuple[Any, int] | None = None,
+                   model_dir: Path | None = None) -> str | None:
+        """Start loading every version of ``name`` the policy selects beside what serves now;
+        returns an error at once, or None (the swap happens when all are ready)."""
+        catalog = self.catalog
+        if name in catalog.loading:  # a load in progress: answer with it
+            if waiter is not None:
+                catalog.loading[name].waiters.append(waiter)
+            return None
+        model_dir = model_dir or catalog.model_dirs.get(name)
+        if model_dir is None:
+            catalog.model_dirs = self._scan_repositories()
+            model_dir = catalog.model_dirs.get(name)
+        if model_dir is None:
+            # A name no repository holds (a typo, a model not there yet): Triton's text, but no
+            # trace. Recorded, it would enter the index, turn strict readiness off for the whole
+            # server and give the failure metric a label per name a client makes up.
+            reason = f"failed to load '{name}', failed to poll from model repository"
+            log.error("%s", reason)
+            return reason
+        try:
+            config = cfgmod.load_config(model_dir, self.opts.strict_config, override_json)
+            available = cfgmod.version_dirs(model_dir)
+            versions = cfgmod.select_versions(config, available)
+            if not versions:
+                raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
+            cfgmod.validate(config, model_dir, self.backends, versions)
+            try:
+                parameters = cfgmod.string_parameters(config)
+                canary_policy = CanaryPolicy.from_parameters(parameters)
+                exec_timeout_s = cfgmod.execution_timeout(parameters)
+            except ValueError as e:
+                raise cfgmod.ConfigError(f"model '{name}': parameters: {e}") from None
+        except cfgmod.ConfigError as e:
+            return self._load_failed(name, f"failed to load '{name}', {e}")
+        job = catalog.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [], canary_policy)
+        for v in versions:
+            mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
+                              config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
+            mv.set_config(mv.config_dict)
+            mv.exec_timeout_s = exec_timeout_s
+            job.versions[v] = mv
+            if config.platform == "ensemble":
+                self._load_ensemble(mv)
+            else:
+                self._start_instances(mv)
+        self.resolve_loads()
+        return None
+
+    def _load_ensemble(self, mv: ModelVersion) -> None:
+        """An ensemble has no workers: it is ready at once, and its step models load with it."""
+        mv.ensemble = EnsemblePlan(mv.config)
+        mv.state = State.READY
+        log.info("successfully loaded '%s' version %d (ensemble of %s)", mv.name, mv.version,
+                 ", ".join(mv.ensemble.dependencies()))
+        catalog = self.catalog
+        for dep in mv.ensemble.dependencies():  # as Triton: an ensemble brings its steps
+            if dep not in catalog.models and dep not in catalog.load_errors and dep not in catalog.loading:
+                self.load_model(dep)
+
+    def _start_instances(self, mv: ModelVersion) -> None:
+        """Give ``mv`` its scheduler and start a worker per instance its config asks for."""
+        config = mv.config
+        if config.HasField("sequence_batching"):
+            mv.sequencer = SequenceBatcher(config)
+            mv.pipeline_depth = 1
+        elif config.HasField("dynamic_batching"):
+            mv.batcher = DynamicBatcher(mv.config_dict)
+            mv.pipeline_depth = 1  # let requests gather while the instance is busy
+        mv.planned_instances = cfgmod.instance_count(config)
+        mv.worker_batching = batches_on_worker(mv.config_dict, mv.planned_instances)
+        for group in config.instance_group:
+            kind = "GPU" if group.kind == cfgmod.mc.ModelInstanceGroup.KIND_GPU else "CPU"
+            for device in cfgmod.instance_devices(group):
+                for k in range(group.count):
+                    name_k = f"{group.name}_{k}" if kind == "CPU" else f"{group.name}_{k}_gpu{device}"
+                    self.instances.spawn(mv, name_k, len(mv.instances), kind, device)
+        log.info("loading '%s' version %d: %d instance(s), backend %s", mv.name, mv.version, len(mv.instances),
+                 mv.backend)
+
+    def resolve_loads(self) -> None:
+        """Swap in every load whose versions are all READY; abandon those where one failed."""
+        catalog = self.catalog
+        for name, job in list(catalog.loading.items()):
+            bad = job.failed()
+            if bad is not None:
+                del catalog.loading[name]
+                for mv in job.versions.values():
+                    for inst in mv.instances:
+                        self.instances.stop(inst, graceful=False)
+                    mv.state = State.UNLOADING  # its workers are reaped, never restarted
+                    catalog.retiring.append(Retiring(mv, stopping=True))
+                catalog.load_errors[name] = bad.reason
+                catalog.failed_versions[name] = sorted(job.versions)
+                catalog.load_failures[name] += 1
+                for client, slot in job.waiters:
+                    self.clients.reply(client, slot, 400, {"error": bad.reason})
+                continue
+            if not job.ready():
+                continue
+            del catalog.loading[name]
+            catalog.load_errors.pop(name, None)
+            catalog.failed_versions.pop(name, None)
+            old = catalog.models.get(name, {})
+            catalog.models[name] = dict(job.versions)
+            canary = catalog.canaries.setdefault(name, Canary(name))
+            canary.configured = job.canary_policy
+            for v in job.versions:
+                canary.forget_version(v)
+            for v, mv in old.items():
+                self._retire(mv)
+            self.routes.publish()
+            for client, slot in job.waiters:
+                self.clients.reply(client, slot, 200, {})
+
+    def _load_failed(self, name: str, reason: str) -> str:
+        log.error("%s", reason)
+        self.catalog.load_failures[name] += 1
+        self.catalog.load_errors[name] = reason
+        self.catalog.failed_versions.pop(name, None)
+        return reason
+
+    def fail_version(self, mv: ModelVersion, reason: str) -> None:
+        """A version that cannot serve: its workers stop and what waits for it fails."""
+        if mv.state == State.UNAVAILABLE:
+            return
+        log.error("%s", reason)
+        mv.state = State.UNAVAILABLE
+        mv.reason = reason
+        self.catalog.load_errors[mv.name] = reason
+        self.routes.publish()
+        for inst in mv.instances:
+            self.instances.stop(inst, graceful=False)
+        self.clients.fail_pending(mv.queued(), 400, f"Request for unknown model: '{mv.name}' is not ready")
+        mv.queue.clear()
+        if mv.batcher is not None:
+            mv.batcher = DynamicBatcher(mv.config_dict)
+        if mv.sequencer is not None:
+            mv.sequencer = SequenceBatcher(mv.config)
+
+    # -- what workers report --------------------------------------------------------------------
+    def on_worker_messages(self, mv: ModelVersion, inst: Instance) -> None:
+        """Take what a worker put on its outbox: batches done, ready, its config, a failed load."""
+        for kind, status, off, length, batch_id in inst.seg.outbox.drain():
+            if kind == W_DONE:
+                inst.outstanding.pop(batch_id, None)  # the instance may take the next batch
+            elif kind == W_READY:
+                self._instance_ready(mv, inst)
+            elif kind == W_CONFIG:
+                self._on_completed_config(mv, take_payload(inst, off, length))
+            elif kind == W_LOAD_FAILED:
+                reason = take_payload(inst, off, length).decode(errors="replace")
+                self.fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: {reason}")
+        if self.catalog.loading:
+            self.resolve_loads()
+        if not self.startup_done:
+            self.check_startup()
+
+    def _instance_ready(self, mv: ModelVersion, inst: Instance) -> None:
+        inst.ready = True
+        if mv.state == State.LOADING and all(i.ready for i in mv.instances):
+            mv.state = State.READY
+            mv.load_seconds = time.monotonic() - mv.created
+            log.info("successfully loaded '%s' version %d (%.2f s)", mv.name, mv.version, mv.load_seconds)
+        self.routes.publish()
+
+    def _on_completed_config(self, mv: ModelVersion, data: bytes) -> None:
+        """The config as the backend completed it (e.g. a model.py's auto_complete_config)."""
+        if mv.config_confirmed:
+            return
+        mv.config_confirmed = True
+        try:
+            completed = cfgmod.from_dict(orjson.loads(data))
+            cfgmod.complete_defaults(completed)
+            cfgmod.validate(completed, Path(mv.model_dir), self.backends, [mv.version])
+        except (cfgmod.ConfigError, ValueError) as e:
+            self.fail_version(mv, f"failed to load '{mv.name}', auto-completed config is invalid: {e}")
+            return
+        mv.config = completed
+        mv.set_config(cfgmod.to_dict(completed))
+        if completed.HasField("dynamic_batching") and mv.batcher is None and mv.sequencer is None:
+            # model.py's auto_complete_config asked for the dynamic batcher (set_dynamic_batching)
+            mv.batcher = DynamicBatcher(mv.config_dict)
+            mv.pipeline_depth = 1
+        mv.worker_batching = batches_on_worker(mv.config_dict, mv.planned_instances)
+
+    # -- unloading and retirement ---------------------------------------------------------------
+    def unload_model(self, name: str, waiter: tuple[Any, int] | None = None, dependents: bool = False) -> None:
+        catalog = self.catalog
+        versions = catalog.models.pop(name, {})
+        catalog.canaries.pop(name, None)
+        catalog.load_errors.pop(name, None)
+        catalog.failed_versions.pop(name, None)
+        for mv in versions.values():
+            if dependents and mv.ensemble is not None:
+                for dep in mv.ensemble.dependencies():
+                    if dep in catalog.models:
+                        self.unload_model(dep)
+            self._retire(mv)
+        if versions:
+            catalog.retiring[-1].waiters.extend([waiter] if waiter is not None else [])
+        elif waiter is not None:
+            self.clients.reply(waiter[0], waiter[1], 200, {})
+        self.routes.publish()
+
+    def _retire(self, mv: ModelVersion) -> None:
+        mv.state = State.UNLOADING
+        self.catalog.retiring.append(Retiring(mv))
+        log.info("unloading '%s' version %d: draining", mv.name, mv.version)
+
+    def progress_retirement(self) -> None:
+        """Stop retired versions' workers once drained (or the exit timeout ran out); forget them
+        once their workers are gone."""
+        now = time.monotonic()
+        for entry in list(self.catalog.retiring):
+            mv = entry.version
+            if not entry.stopping:
+                overdue = now - entry.since > self.opts.exit_timeout_s
+                if overdue or (now - entry.since >= STRAGGLER_GRACE_S and idle(mv)):
+                    if overdue and mv.in_flight():
+                        self.clients.fail_pending(mv.queued(), 503, f"model '{mv.name}' version {mv.version} "
+                                                                    f"was unloaded before the request ran")
+                    entry.stopping = True
+                    for inst in mv.instances:
+                        self.instances.stop(inst, graceful=not overdue)
+            if entry.stopping and not any(self.instances.live(inst) for inst in mv.instances):
+                self.catalog.retiring.remove(entry)
+                log.info("unloaded '%s' version %d", mv.name, mv.version)
+                self.discard_model_dir(mv.model_dir)
+                for client, slot in entry.waiters:
+                    if client.name in self.clients.by_name:
+                        self.clients.reply(client, slot, 200, {})
+
+    def discard_model_dir(self, model_dir: str) -> None:
+        """Remove the private folder of a model loaded from 'file:' parameters once no version
+        loaded, loading or draining uses it (repository folders are never touched)."""
+        folder = Path(model_dir).parent
+        if not folder.name.startswith(UPLOAD_PREFIX) or folder.parent != Path(tempfile.gettempdir()):
+            return
+        if not any(Path(mv.model_dir).parent == folder for mv in self.catalog.in_use()):
+            shutil.rmtree(folder, ignore_errors=True)

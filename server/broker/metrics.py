@@ -11,7 +11,7 @@ import dataclasses
 import http.server
 import logging
 import threading
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 import orjson
@@ -110,17 +110,27 @@ def merge_custom(docs: Iterable[bytes]) -> Iterator[Metric]:
         yield metric
 
 
+class MetricSource(Protocol):
+    """What a scrape reads (``statistics.Statistics`` in the broker); called from the scrape thread."""
+
+    def rows(self) -> list[VersionRow]:
+        """Every loaded version's statistics."""
+
+    def extras(self) -> list[Family]:
+        """shmserve's own families beside the per-version statistics."""
+
+    def custom_docs(self) -> list[bytes]:
+        """Every worker's published custom metrics document."""
+
+
 class _Collector:
-    def __init__(self, rows: Callable[[], list[VersionRow]], extras: Callable[[], list[Family]],
-                 opts: MetricsOptions, custom: Callable[[], list[bytes]] = list) -> None:
-        self.rows = rows
-        self.extras = extras
-        self.custom = custom
+    def __init__(self, source: MetricSource, opts: MetricsOptions) -> None:
+        self.source = source
         self.opts = opts
         self.cpu = CpuSampler(opts.interval_ms / 1000.0)
 
     def collect(self) -> Iterator[Metric]:
-        rows = self.rows()
+        rows = self.source.rows()
 
         def family(name: str, doc: str, kind: str, value: Callable[[VersionTotals], float]) -> Metric:
             m = Metric(name, doc, kind)
@@ -165,12 +175,12 @@ class _Collector:
                      lambda s: s.get("http_direct"))
         yield family("shmserve_queue_depth", "Requests waiting for an instance: scheduler queues and direct lanes",
                      "gauge", lambda s: s.pending)
-        for name, doc, kind, samples in self.extras():
+        for name, doc, kind, samples in self.source.extras():
             m = Metric(name, doc, kind)
             for labels, value in samples:
                 m.add_sample(name, labels, value)
             yield m
-        yield from merge_custom(self.custom())
+        yield from merge_custom(self.source.custom_docs())
         if self.opts.cpu:
             yield from self._cpu()
         if self.opts.gpu:
@@ -262,10 +272,10 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
 
 
-def serve_metrics(opts: MetricsOptions, rows: Callable[[], list[VersionRow]],
-                  extras: Callable[[], list[Family]], custom: Callable[[], list[bytes]] = list) -> CollectorRegistry:
+def serve_metrics(opts: MetricsOptions, source: MetricSource) -> CollectorRegistry:
+    """Serve ``source``'s metrics on ``opts.port`` (0: not served) from a thread of their own."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(rows, extras, opts, custom))  # type: ignore[arg-type]
+    registry.register(_Collector(source, opts))  # type: ignore[arg-type]
     if opts.port > 0:
         try:
             server = http.server.ThreadingHTTPServer(("0.0.0.0", opts.port), _handler(registry))

@@ -13,10 +13,10 @@ import subprocess
 import time
 from typing import Any
 
+from shmserve.batching import Pending
 from shmserve.shm.channel import ClientSegment, WorkerSegment
-
 from shmserve.shm.stats import VersionTotals
-from shmserve.workers.signature import ModelSignature
+from shmserve.signature import ModelSignature
 
 
 class State(str, enum.Enum):
@@ -34,30 +34,6 @@ class Client:
     pid: int
     seg: ClientSegment
     lane: int | None = None
-
-
-@dataclasses.dataclass
-class Pending:
-    """A request waiting in a queue or running in a batch."""
-
-    client: Client | ClientSegment  # the broker's Client; a worker batching its own lanes holds the segment
-    slot: int
-    manifest_off: int
-    entry: dict[str, Any]  # the resolved request, as the worker will read it
-    batch: int
-    arrived: float
-    priority: int = 0
-    timeout_us: int = 0
-    level: int = 0  # queue index the batcher put it in
-    deadline: float = 0.0  # monotonic time its queue timeout ends (0: none)
-    delayed: bool = False  # timed out under timeout_action DELAY: served after the others
-    key: tuple | None = None  # shape_key, computed once (the batcher asks on every look at the queue)
-
-    def shape_key(self) -> tuple:
-        """Requests batch together only when every input matches beyond the batch dimension."""
-        if self.key is None:
-            self.key = tuple((t["name"], t["datatype"], tuple(t["shape"][1:])) for t in self.entry["inputs"])
-        return self.key
 
 
 @dataclasses.dataclass

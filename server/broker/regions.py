@@ -1,7 +1,10 @@
-"""Client shared-memory regions registered by name (the KServe system shared-memory extension).
+"""Client shared-memory regions registered by name (the KServe system and CUDA shared-memory
+extensions).
 
 A region names a POSIX shared-memory key, an offset and a size. Every tensor that points into it
-is checked against those bounds here, in the broker, before a worker ever maps the key.
+is checked against those bounds here, in the broker, before a worker ever maps the key. The
+system regions are also published as a table on the broker segment, so that a worker can
+resolve the regions of requests clients put on its lanes itself (``shm/region_table.py``).
 """
 from __future__ import annotations
 
@@ -13,10 +16,12 @@ from typing import Any
 
 import posix_ipc
 
+from shmserve.shm import region_table
+from shmserve.shm.channel import REGIONS_BYTES, BrokerSegment
 from shmserve.shm.names import is_server_object
+from shmserve.shm.published import HEADER as PUBLISHED_HEADER
 from shmserve.shm.region_table import RegionEntry, RegionUseError, check_bounds, locate
-
-from shmserve.workers.signature import InvalidRequest
+from shmserve.signature import InvalidRequest
 
 _KEY_RE = re.compile(r"^/?[^/\0]{1,250}$")
 
@@ -181,3 +186,26 @@ class CudaRegionRegistry(_Registry):
         except RegionUseError as e:
             raise RegionError(str(e)) from None
         return {"cuda": r.handle_b64, "device": r.device_id, "off": offset, "size": size}
+
+
+class Regions:
+    """Both registries, and the table of system regions published for the workers."""
+
+    def __init__(self, seg: BrokerSegment) -> None:
+        self.seg = seg
+        self.system = RegionRegistry()
+        self.cuda = CudaRegionRegistry()
+        self._doc = b""  # the table last published
+
+    def publish(self) -> None:
+        """Publish the system regions for direct lanes; before any reply to a registration, so a
+        request sent after it finds the region."""
+        doc = region_table.encode(self.system.table(self.cuda.regions), REGIONS_BYTES - PUBLISHED_HEADER)
+        if doc != self._doc:
+            self._doc = doc
+            self.seg.regions.publish(doc)
+
+    def forget_client(self, name: str, died: bool) -> None:
+        """Drop the regions a departed client owned (see ``RegionRegistry.drop_owner``)."""
+        self.system.drop_owner(name, died)
+        self.publish()

@@ -15,9 +15,10 @@ import collections
 import dataclasses
 from typing import Any
 
-from shmserve.workers.signature import InvalidRequest
+from shmserve.batching import Pending
+from shmserve.signature import InvalidRequest
 
-from .models import Instance, Pending
+from .models import Instance
 
 START, END = 1, 2
 DEFAULT_IDLE_S = 1.0  # Triton's default max_sequence_idle_microseconds

@@ -14,7 +14,7 @@ import orjson
 
 from shmserve.shm import trace
 from shmserve.shm.trace import TraceShared
-from shmserve.workers.signature import InvalidRequest
+from shmserve.signature import InvalidRequest
 
 log = logging.getLogger("shmserve.trace")
 

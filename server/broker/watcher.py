@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable
-
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+
+from shmserve.shm.waker import Waker
 
 DEBOUNCE_S = 0.2
 _TEMP_SUFFIXES = ("~", ".swp", ".swx", ".swo", ".tmp", ".part", ".crdownload")
@@ -46,8 +46,8 @@ class _Handler(FileSystemEventHandler):
 
 
 class RepositoryWatcher:
-    def __init__(self, repositories: list[str], wake: Callable[[], None], debounce_s: float = DEBOUNCE_S) -> None:
-        self.wake = wake
+    def __init__(self, repositories: list[str], waker: Waker, debounce_s: float = DEBOUNCE_S) -> None:
+        self.waker = waker  # the broker's doorbell: a change wakes its loop
         self.debounce_s = debounce_s
         self._changes: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -60,7 +60,7 @@ class RepositoryWatcher:
     def changed(self, model: str) -> None:
         with self._lock:
             self._changes[model] = time.monotonic()
-        self.wake()
+        self.waker.post()
 
     def due(self) -> list[str]:
         """Models whose folders have been quiet for the debounce time (each reported once)."""

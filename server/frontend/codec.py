@@ -10,7 +10,7 @@ import orjson
 
 from shmserve.shm.copying import joined
 from shmserve.shm.tensors import DTYPES, byte_view, element_count, itemsize, serialize_bytes
-from shmserve.workers.signature import request_tag
+from shmserve.signature import request_tag
 
 MAX_JSON_DEPTH = 64
 # orjson refuses documents nested deeper than this (arrays and objects); see parse_json.

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from shmserve.server.broker import config as cfgmod
-from shmserve.server.broker.batcher import DynamicBatcher, QueueFull, QueuePolicy, batches_on_worker
-from shmserve.server.broker.models import Client, Pending
+from shmserve.batching import DynamicBatcher, QueueFull, QueuePolicy, batches_on_worker
+from shmserve.batching import Pending
+from shmserve.server.broker.models import Client
 
 DELAY_US = 100_000  # 0.1 s
 DELAY_S = DELAY_US / 1e6

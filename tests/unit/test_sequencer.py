@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from shmserve.server.broker.config import parse_config_text
-from shmserve.server.broker.models import Instance, Pending
+from shmserve.batching import Pending
+from shmserve.server.broker.models import Instance
 from shmserve.server.broker.sequencer import DEFAULT_IDLE_S, END, START, SequenceBatcher
-from shmserve.workers.signature import InvalidRequest
+from shmserve.signature import InvalidRequest
 
 
 def sequencer(max_batch_size: int = 2, strategy: str = "direct { }", idle_us: int = 0) -> SequenceBatcher:

@@ -1,19 +1,21 @@
-"""Triton's dynamic batcher (``dynamic_batching``), run by the broker for one model version.
+"""Dynamic batching rules that the broker and a worker both run: the request waiting in a queue
+(``Pending``), Triton's dynamic batcher (``dynamic_batching``) for one model version, and when a
+worker batches its lanes itself (``batches_on_worker``).
 
 Requests wait in one FIFO queue per priority level. When an instance is free, a batch is formed
 from the highest-priority requests whose inputs match beyond the batch dimension, up to
 ``max_batch_size``. It is sent at once when it reaches a preferred size (the largest one it can
 fill; ``max_batch_size`` when none is configured), when the next request would pass
 ``max_batch_size`` (waiting could add nothing), or when the oldest request has waited
-``max_queue_delay_microseconds``; otherwise the broker sleeps until that moment. Queue policies
+``max_queue_delay_microseconds``; otherwise the caller sleeps until that moment. Queue policies
 (``default_queue_policy``, ``priority_queue_policy``) bound the queues and time requests out,
 rejecting them or (``DELAY``) serving them after everything else.
 
 The delay is a maximum, not a price every batch pays: when a batch had to wait the whole delay,
 its number of requests shows how much traffic one delay gathers. Once as many requests wait
-again, the batch goes at once, as waiting longer would gather nothing more. With closed-loop clients (each waits
-for its answer before sending again) this removes the delay from every round trip after the
-first; a drop in traffic falls back to the full delay and the size adapts.
+again, the batch goes at once, as waiting longer would gather nothing more. With closed-loop
+clients (each waits for its answer before sending again) this removes the delay from every round
+trip after the first; a drop in traffic falls back to the full delay and the size adapts.
 """
 from __future__ import annotations
 
@@ -21,7 +23,30 @@ import collections
 import dataclasses
 from typing import Any
 
-from .models import Pending
+
+
+@dataclasses.dataclass
+class Pending:
+    """A request waiting in a queue or running in a batch."""
+
+    client: Any  # who gets the answer: the broker's Client, or the ClientSegment of a lane a worker batches
+    slot: int
+    manifest_off: int
+    entry: dict[str, Any]  # the resolved request, as the worker will read it
+    batch: int
+    arrived: float
+    priority: int = 0
+    timeout_us: int = 0
+    level: int = 0  # queue index the batcher put it in
+    deadline: float = 0.0  # monotonic time its queue timeout ends (0: none)
+    delayed: bool = False  # timed out under timeout_action DELAY: served after the others
+    key: tuple | None = None  # shape_key, computed once (the batcher asks on every look at the queue)
+
+    def shape_key(self) -> tuple:
+        """Requests batch together only when every input matches beyond the batch dimension."""
+        if self.key is None:
+            self.key = tuple((t["name"], t["datatype"], tuple(t["shape"][1:])) for t in self.entry["inputs"])
+        return self.key
 
 
 class QueueFull(Exception):

@@ -1,0 +1,116 @@
+"""What the broker knows about models: the versions that serve, load, retire or failed, and which
+version a request gets.
+
+The catalog holds state and answers lookups; it changes nothing by itself. ``lifecycle.py``
+changes it (loads, swaps, retirement), ``routes.py`` publishes it to clients, and every request
+and control operation looks a version up here (``find_version``), with Triton's texts and
+statuses for a model or version that does not serve.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from shmserve.signature import UnknownModel, VersionNotReady
+
+from .canary import Canary, CanaryPolicy, Split
+from .models import ModelVersion, State
+
+
+@dataclasses.dataclass
+class LoadJob:
+    """A load in progress: its new versions get ready beside what serves (see lifecycle.py)."""
+
+    name: str
+    versions: dict[int, ModelVersion]
+    waiters: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (client, slot) to answer
+    canary_policy: CanaryPolicy = dataclasses.field(default_factory=CanaryPolicy)  # from its config.pbtxt
+
+    def failed(self) -> ModelVersion | None:
+        return next((mv for mv in self.versions.values() if mv.state == State.UNAVAILABLE), None)
+
+    def ready(self) -> bool:
+        return all(mv.state == State.READY for mv in self.versions.values())
+
+
+@dataclasses.dataclass
+class Retiring:
+    """A version that no longer serves: it drains, then its workers stop (see lifecycle.py)."""
+
+    version: ModelVersion
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    stopping: bool = False
+    waiters: list[tuple[Any, int]] = dataclasses.field(default_factory=list)
+
+
+class Catalog:
+    def __init__(self) -> None:
+        self.models: dict[str, dict[int, ModelVersion]] = {}  # what serves
+        self.loading: dict[str, LoadJob] = {}  # new versions getting ready beside what serves
+        self.retiring: list[Retiring] = []  # old versions draining before their workers stop
+        self.load_errors: dict[str, str] = {}
+        # The versions a failed load tried (unknown when its config failed first): the index
+        # lists them, as Triton does, and a version outside them is "not found".
+        self.failed_versions: dict[str, list[int]] = {}
+        self.load_failures: dict[str, int] = collections.defaultdict(int)  # model -> failed loads
+        self.model_dirs: dict[str, Path] = {}  # model -> its folder in a repository
+        self.canaries: dict[str, Canary] = {}  # model -> its canary state (see canary.py)
+
+    def serving(self) -> list[ModelVersion]:
+        return [mv for versions in self.models.values() for mv in versions.values()]
+
+    def serving_and_retiring(self) -> list[ModelVersion]:
+        return self.serving() + [r.version for r in self.retiring]
+
+    def in_use(self) -> list[ModelVersion]:
+        """Every version that serves, loads or drains (and so may still read its model folder)."""
+        users = self.serving_and_retiring()
+        return users + [mv for job in self.loading.values() for mv in job.versions.values()]
+
+    def split(self, model: str) -> Split | None:
+        """Where unversioned requests for ``model`` go: the newest ready version, or a canary split."""
+        versions = self.models.get(model, {})
+        ready = [v for v, mv in versions.items() if mv.state == State.READY]
+        canary = self.canaries.get(model)
+        if canary is None:
+            return Split(stable=max(ready)) if ready else None
+        return canary.split(ready)
+
+    def find_version(self, model: str, version: str | int | None) -> ModelVersion:
+        """The version a request for ``model`` (and ``version``, or the latest) goes to."""
+        versions = self.models.get(model)
+        latest = version in (None, "", -1, "-1")
+        v = 0
+        if not latest:
+            try:
+                v = int(version)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise UnknownModel(f"Request for unknown model: '{model}' version '{version}' is not a "
+                                   f"valid version") from None
+        # Triton's texts and statuses: a model whose load failed has "no available versions"
+        # (404), and a version that exists but does not serve "is not at ready state" (503).
+        if not versions:
+            if model not in self.load_errors:
+                raise UnknownModel(f"Request for unknown model: '{model}' is not found")
+            if latest:
+                raise UnknownModel(f"Request for unknown model: '{model}' has no available versions")
+            if model in self.failed_versions and v not in self.failed_versions[model]:
+                raise UnknownModel(f"Request for unknown model: '{model}' version {v} is not found")
+            raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")
+        if not latest:
+            mv = versions.get(v)
+            if mv is None:
+                raise UnknownModel(f"Request for unknown model: '{model}' version {v} is not found")
+            if mv.state != State.READY:
+                raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")
+            return mv
+        split = self.split(model)
+        if split is None:
+            raise UnknownModel(f"Request for unknown model: '{model}' has no available versions")
+        if split.canary is not None and random.random() < split.fraction:
+            return versions[split.canary]
+        return versions[split.stable]

@@ -1,0 +1,142 @@
+"""The worker processes, one per model instance: the spec each is started with, stopping and
+reaping them, and what the broker reads from their segments (statistics, custom metrics).
+
+An instance's worker number names its segment and is never reused, so a number that is no
+longer in ``workers`` means the worker was reaped and its segment unmapped.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import orjson
+
+from shmserve.shm import logs
+from shmserve.shm.arena import free_block
+from shmserve.shm.channel import WorkerSegment
+from shmserve.shm.names import object_name
+from shmserve.shm.protocol import W_STOP
+from shmserve.shm.stats import VersionTotals
+
+from .models import Instance, ModelVersion
+from .options import BrokerOptions
+
+log = logging.getLogger("shmserve.broker")
+
+# OpenMP threads of a model (torch, numpy's BLAS) sleep when idle instead of spinning: a worker
+# shares the cores with the frontends, the broker and other workers, and a spinning pool burns
+# the CPU they need between small batches. An environment that sets it wins.
+WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+STOP_WAIT_S = 5.0  # at shutdown, how long stopped workers may take before they are killed
+
+
+class Instances:
+    def __init__(self, opts: BrokerOptions) -> None:
+        self.opts = opts
+        self.workers: dict[int, tuple[ModelVersion, Instance]] = {}  # live workers by number
+        self.next_worker = 0
+
+    def spawn(self, mv: ModelVersion, name: str, index: int, kind: str, device: int) -> Instance:
+        """Start a new instance of ``mv``."""
+        inst = self._start(mv, name, index, kind, device)
+        mv.instances.append(inst)
+        return inst
+
+    def restart(self, mv: ModelVersion, old: Instance) -> Instance:
+        """Start a worker in place of ``old``, which exited."""
+        inst = self._start(mv, old.name, old.index, old.kind, old.device_id)
+        inst.restarts = old.restarts + 1
+        mv.instances[mv.instances.index(old)] = inst
+        return inst
+
+    def _start(self, mv: ModelVersion, name: str, index: int, kind: str, device: int) -> Instance:
+        num = self.next_worker
+        self.next_worker += 1
+        seg = WorkerSegment.create(object_name(self.opts.server_id, "worker", num), self.opts.worker_arena_bytes)
+        # The worker spec: everything a worker process starts from (read by workers/worker.py).
+        spec = {
+            "server_id": self.opts.server_id, "num": num, "model": mv.name, "version": mv.version,
+            "instance_name": name, "instance_index": index, "kind": kind, "device_id": device,
+            "model_dir": mv.model_dir, "config": mv.config_dict, "backend": mv.backend,
+            "strict": self.opts.strict_config, "broker_pid": os.getpid(),
+            "log": logs.current(),  # the broker's log settings, which every process follows
+            "instances": mv.planned_instances,
+        }
+        proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers", orjson.dumps(spec).decode()],
+                                stdin=subprocess.DEVNULL, env=WORKER_ENV)
+        inst = Instance(num=num, name=name, index=index, kind=kind, device_id=device, seg=seg, proc=proc)
+        self.workers[num] = (mv, inst)
+        return inst
+
+    def live(self, inst: Instance) -> bool:
+        """Whether the instance's worker is not reaped yet (its segment is still mapped)."""
+        return inst.num in self.workers
+
+    def stop(self, inst: Instance, graceful: bool = True) -> None:
+        """Ask the worker to finish and exit, or kill it."""
+        if inst.proc.poll() is None:
+            if graceful and inst.seg.inbox.put(W_STOP, 0, 0, 0, 0):
+                inst.seg.waker.post()
+            else:
+                inst.proc.kill()
+
+    def reap(self, inst: Instance, mv: ModelVersion | None = None) -> None:
+        """Forget an exited worker and remove its segment; its counts stay in ``mv``'s totals."""
+        if mv is not None:
+            mv.stats.add_area(inst.seg.stats)
+        self.workers.pop(inst.num, None)
+        inst.seg.close()
+        inst.seg.unlink()
+
+    def stop_all(self) -> None:
+        """Stop every worker, kill those that do not exit in time, and reap them all."""
+        for _, inst in list(self.workers.values()):
+            self.stop(inst)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for mv, inst in list(self.workers.values()):
+            try:
+                inst.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                inst.proc.kill()
+                inst.proc.wait()
+            self.reap(inst, mv)
+
+    def wake_all(self) -> None:
+        """Ring every worker (e.g. so that they unmap a departed client's segment now)."""
+        for _, inst in self.workers.values():
+            inst.seg.waker.notify()
+
+    def want_wakeup(self, mv: ModelVersion) -> None:
+        """Ask mv's live instances to ring the broker when they finish a batch."""
+        for inst in mv.instances:
+            if self.live(inst):
+                inst.seg.want_wakeup = True
+
+    def version_totals(self, mv: ModelVersion) -> VersionTotals:
+        """What the broker counted itself for ``mv`` plus every live worker's statistics."""
+        total = mv.stats.copy()
+        for inst in list(mv.instances):
+            if self.live(inst):
+                total.add_area(inst.seg.stats)
+        return total
+
+    def custom_metric_docs(self) -> list[bytes]:
+        """Every live worker's published custom metrics (scrape thread: a worker may go meanwhile)."""
+        docs = []
+        for _, inst in list(self.workers.values()):
+            try:
+                docs.append(inst.seg.custom_metrics.read(attempts=1000)[1])
+            except (ValueError, TypeError):  # its segment was closed under us
+                continue
+        return docs
+
+
+def take_payload(inst: Instance, off: int, length: int) -> bytes:
+    """Copy a worker's message out of its arena and free the block (a held block stalls the arena)."""
+    data = bytes(inst.seg.seg.buf[off:off + length])
+    if length:
+        free_block(inst.seg.seg.buf, off)
+    return data

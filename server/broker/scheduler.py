@@ -1,0 +1,155 @@
+"""Scheduling and dispatch: a version's queue, its dynamic batcher or its sequence batcher, and
+the batches sent to its workers.
+
+Each version has one scheduler, chosen by its config: the default one (a FIFO queue; each
+request goes alone to the least-loaded ready instance), Triton's dynamic batcher
+(``shmserve/batching.py``) or its sequence batcher (``sequencer.py``). A batch is a JSON document
+in the broker's arena listing the requests' resolved entries; its offset goes on the worker's
+inbox ring and the worker is rung. The worker answers each request in the client's slot itself
+and reports the batch done on its outbox (``lifecycle.Lifecycle.on_worker_messages``).
+"""
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from shmserve.batching import Pending, QueueFull
+from shmserve.shm.channel import BrokerSegment
+from shmserve.shm.protocol import W_BATCH, manifest_room, write_manifest
+from shmserve.signature import InvalidRequest
+
+from .clients import Clients
+from .instances import Instances
+from .models import Client, Instance, ModelVersion
+
+
+class Scheduler:
+    def __init__(self, seg: BrokerSegment, clients: Clients, instances: Instances) -> None:
+        self.seg = seg
+        assert seg.arena is not None  # the broker's segment, which it created
+        self.arena = seg.arena
+        self.clients = clients
+        self.instances = instances
+        self.next_batch = 1  # batch ids: a worker names the batch it finished
+
+    def enqueue(self, mv: ModelVersion, pend: Pending) -> None:
+        """Queue a request for its version's scheduler, or answer why it cannot be queued."""
+        client, slot, now = pend.client, pend.slot, pend.arrived
+        if mv.sequencer is not None:
+            try:
+                mv.sequencer.enqueue(pend, mv.instances, now)
+            except InvalidRequest as e:
+                mv.stats.fail("REJECTED", 1)
+                self.clients.reply(client, slot, e.status, {"error": str(e)})
+                return
+        elif mv.batcher is not None:
+            try:
+                mv.batcher.enqueue(pend, now)
+            except QueueFull as e:
+                mv.stats.fail("REJECTED", 1)
+                self.clients.reply(client, slot, e.status, {"error": str(e)})
+                return
+        else:
+            mv.queue.append(pend)
+        self.dispatch(mv)
+
+    @staticmethod
+    def has_queued(mv: ModelVersion) -> bool:
+        """Whether ``dispatch`` may have something to send (a sequence batcher always may)."""
+        return bool(mv.queue) or (mv.batcher is not None and len(mv.batcher) > 0) or mv.sequencer is not None
+
+    def dispatch(self, mv: ModelVersion) -> None:
+        """Send what ``mv``'s scheduler lets go now to its free instances."""
+        if mv.sequencer is not None:
+            self._dispatch_sequences(mv)
+            return
+        if mv.batcher is not None:
+            self._dispatch_batches(mv)
+            return
+        while mv.queue:
+            inst = mv.pick_instance()
+            if inst is None:
+                # Ask the busy instances to ring us when they finish; the loop's has-work check
+                # re-reads their outboxes after the fence in sleep(), so a finish that raced this
+                # is not missed.
+                self.instances.want_wakeup(mv)
+                return
+            pend = mv.queue.popleft()
+            self.send_batch(mv, inst, [pend])
+
+    def _dispatch_batches(self, mv: ModelVersion) -> None:
+        batcher = mv.batcher
+        now = time.monotonic()
+        expired = batcher.expire(now)
+        if expired:
+            mv.stats.fail("OTHER", len(expired))
+            self.clients.fail_pending(expired, 503, "Request timeout expired")
+        while len(batcher):
+            inst = mv.pick_instance()
+            if inst is None:
+                self.instances.want_wakeup(mv)
+                return
+            batch = batcher.next_batch(now)
+            if batch is None:
+                return  # the loop's timer brings us back when the delay ends
+            self.send_batch(mv, inst, batch)
+
+    def _dispatch_sequences(self, mv: ModelVersion) -> None:
+        seq = mv.sequencer
+        seq.expire(time.monotonic())
+        waiting = False
+        for inst in mv.instances:
+            if not inst.ready:
+                continue
+            if len(inst.outstanding) >= mv.pipeline_depth:
+                waiting = True
+                continue
+            batch = seq.next_batch(inst, mv.instances)
+            releases = seq.take_releases(inst)
+            if batch or releases:
+                self.send_batch(mv, inst, batch or [], {"release": releases} if releases else None)
+        if waiting and len(seq):
+            self.instances.want_wakeup(mv)
+
+    def send_batch(self, mv: ModelVersion, inst: Instance, batch: list[Pending], extra: dict | None = None) -> None:
+        """Write the batch into the broker's arena and put it on the instance's inbox."""
+        doc = {"requests": [p.entry for p in batch]}
+        if extra:
+            doc.update(extra)
+        data = orjson.dumps(doc)
+        off = self.arena.alloc(manifest_room(len(data)), inst.proc.pid)
+        if off < 0:
+            self.clients.fail_pending(batch, 503, "the broker's arena is full; retry later")
+            return
+        write_manifest(self.seg.seg.buf, off, data)
+        batch_id = self.next_batch
+        self.next_batch += 1
+        inst.outstanding[batch_id] = batch
+        if not inst.seg.inbox.put(W_BATCH, len(batch), off, len(data), batch_id):
+            inst.outstanding.pop(batch_id)
+            self.arena.free(off)
+            self.clients.fail_pending(batch, 503, f"instance '{inst.name}' inbox is full; retry later")
+            return
+        inst.seg.waker.notify()
+
+    @staticmethod
+    def drop_client(mv: ModelVersion, client: Client) -> None:
+        """Forget the queued requests of a client that went away."""
+        if mv.queue:
+            mv.queue = type(mv.queue)(p for p in mv.queue if p.client is not client)
+        for sched in (mv.batcher, mv.sequencer):
+            if sched is not None:
+                sched.drop_client(client)
+
+    @staticmethod
+    def next_timer(versions: list[ModelVersion], now: float) -> float | None:
+        """Seconds until a batcher's delay or a queue timeout ends (None: nothing is waiting)."""
+        timeout = None
+        for mv in versions:
+            for sched in (mv.batcher, mv.sequencer):
+                if sched is not None:
+                    t = sched.next_timer(now)
+                    if t is not None:
+                        timeout = t if timeout is None else min(timeout, t)
+        return timeout

@@ -1,0 +1,91 @@
+"""The statistics the broker serves: per version, what it counted itself plus every live worker's
+counters (``shm/stats.py``), and shmserve's own gauges and counters.
+
+The statistics extension (``control.py``) and the Prometheus scrape (``metrics.py``, from its
+own thread) read them here; nothing is aggregated ahead of a read.
+"""
+from __future__ import annotations
+
+from shmserve.shm.channel import BrokerSegment
+from shmserve.shm.stats import VersionTotals
+
+from .catalog import Catalog
+from .instances import Instances
+from .metrics import Family, MetricsOptions, serve_metrics
+from .options import BrokerOptions
+from .regions import Regions
+
+
+class Statistics:
+    def __init__(self, seg: BrokerSegment, catalog: Catalog, instances: Instances, regions: Regions) -> None:
+        assert seg.arena is not None  # the broker's segment, which it created
+        self.arena = seg.arena
+        self.catalog = catalog
+        self.instances = instances
+        self.regions = regions
+
+    def serve(self, opts: BrokerOptions) -> None:
+        """Serve the metrics on ``--metrics-port`` (scrapes call rows, extras and custom_docs)."""
+        serve_metrics(MetricsOptions(port=opts.metrics_port, interval_ms=opts.metrics_interval_ms,
+                                     summary_latencies=opts.metrics_config.get("summary_latencies") == "true",
+                                     cpu=opts.cpu_metrics, gpu=opts.gpu_metrics), self)
+
+    def rows(self) -> list[tuple[str, int, VersionTotals]]:
+        """Per version: what the broker counted itself plus every live worker's statistics."""
+        rows = []
+        for name, versions in list(self.catalog.models.items()):
+            for v, mv in list(versions.items()):
+                total = self.instances.version_totals(mv)
+                # Requests clients put on direct lanes and the worker has not finished (waiting on
+                # a lane or executing), as in_flight() counts the broker's own.
+                lanes = sum(max(0, int(i.seg.lane_tails.sum()) - i.seg.stats.get("direct_done"))
+                            for i in list(mv.instances) if self.instances.live(i))
+                total.pending = mv.in_flight() + lanes
+                rows.append((name, v, total))
+        return rows
+
+    def extras(self) -> list[Family]:
+        """shmserve's own gauges and counters beside the per-version statistics."""
+        arenas: list[tuple[dict[str, str], float]] = [({"owner": "broker"}, self.arena.bytes_in_use)]
+        loads, regions = [], self.regions.system.regions
+        for name, versions in list(self.catalog.models.items()):
+            for v, mv in list(versions.items()):
+                labels = {"model": name, "version": str(v)}
+                loads.append((labels, mv.load_seconds))
+                used = sum(int(i.seg.stats.get("arena_bytes")) for i in mv.instances if self.instances.live(i))
+                arenas.append(({"owner": "worker", **labels}, used))
+        return [
+            ("shmserve_arena_bytes_in_use", "Bytes allocated in shared-memory arenas (broker; workers' output "
+             "arenas per version)", "gauge", arenas),
+            ("shmserve_registered_regions", "System shared-memory regions registered by clients", "gauge",
+             [({}, len(regions))]),
+            ("shmserve_registered_region_bytes", "Bytes of the registered system shared-memory regions", "gauge",
+             [({}, sum(r.byte_size for r in list(regions.values())))]),
+            ("shmserve_model_load_duration_seconds", "Seconds from the start of a version's load until it was "
+             "ready", "gauge", loads),
+            ("shmserve_model_load_failures", "Loads of a model that failed", "counter",
+             [({"model": m}, n) for m, n in list(self.catalog.load_failures.items())]),
+            ("shmserve_canary_decisions", "Canary promotions and rollbacks, by trigger (manual, error_rate, "
+             "p99_latency)", "counter",
+             [({"model": c.model, "version": str(v), "action": action, "trigger": trigger}, n)
+              for c in list(self.catalog.canaries.values()) for (v, action, trigger), n in list(c.counts.items())]),
+            ("shmserve_canary_traffic_fraction", "Share of a model's unversioned requests each version is sent",
+             "gauge", self._split_samples()),
+        ]
+
+    def custom_docs(self) -> list[bytes]:
+        """Every live worker's published custom metrics."""
+        return self.instances.custom_metric_docs()
+
+    def _split_samples(self) -> list[tuple[dict[str, str], float]]:
+        out = []
+        for name in list(self.catalog.models):
+            split = self.catalog.split(name)
+            if split is None:
+                continue
+            if split.canary is None:
+                out.append(({"model": name, "version": str(split.stable)}, 1.0))
+            else:
+                out.append(({"model": name, "version": str(split.stable)}, 1.0 - split.fraction))
+                out.append(({"model": name, "version": str(split.canary)}, split.fraction))
+        return out

@@ -1,0 +1,148 @@
+"""Worker deaths: an instance that exits or hangs fails its requests and is restarted.
+
+A dying worker interrupts the broker's sleep (SIGCHLD), so its requests fail at once: those the
+broker had sent it, and those clients put on its lanes directly. It is restarted with a back-off
+that grows while it keeps dying. An execution longer than the model's ``execution_timeout_s``
+kills the instance, and the same path takes over.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import numpy as np
+
+from shmserve.shm.protocol import SLOT_PENDING
+from shmserve.shm.stats import BUSY_SINCE
+
+from .clients import Clients
+from .instances import Instances
+from .lifecycle import Lifecycle
+from .models import Instance, ModelVersion, State
+from .routes import Routes
+
+log = logging.getLogger("shmserve.broker")
+
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+STABLE_RUN_S = 60.0  # an instance that ran this long restarts at once when it dies
+GONE_MEMORY_S = 60.0  # how long requests that land on an exited worker's lane are still answered
+
+
+class Supervisor:
+    def __init__(self, instances: Instances, lifecycle: Lifecycle, routes: Routes, clients: Clients) -> None:
+        self.instances = instances
+        self.lifecycle = lifecycle
+        self.routes = routes
+        self.clients = clients
+        self.restarts: list[tuple[float, ModelVersion, Instance]] = []  # (when, version, exited instance)
+        self.gone: dict[int, tuple[float, ModelVersion, int, str]] = {}  # exited worker -> when, version, answer
+
+    def check_workers(self) -> None:
+        """Handle every worker that exited, start the restarts that are due, answer stragglers."""
+        for num, (mv, inst) in list(self.instances.workers.items()):
+            code = inst.proc.poll()
+            if code is not None:
+                self._on_exit(mv, inst, code)
+        for when, mv, old in list(self.restarts):
+            if when <= time.monotonic():
+                self.restarts.remove((when, mv, old))
+                # A retiring version still gets its instance back while requests wait for it
+                # (they were queued while it restarted): draining must serve them, not time out.
+                wanted = mv.state != State.UNLOADING or mv.in_flight()
+                if wanted and self.lifecycle.running and old in mv.instances:
+                    self.instances.restart(mv, old)
+        self._sweep_gone()
+
+    def _on_exit(self, mv: ModelVersion, inst: Instance, code: int) -> None:
+        self.lifecycle.on_worker_messages(mv, inst)  # it may have said why before it went
+        self.instances.reap(inst, mv)
+        # Routes first, answers second: a client that gets its failure and sends again at
+        # once must already see the routes without this worker.
+        self.routes.publish()
+        self._fail_direct(inst, mv, code)
+        if mv.state == State.UNLOADING or not self.lifecycle.running:
+            return
+        if not inst.ready:
+            self.lifecycle.fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: instance "
+                                            f"'{inst.name}' exited with code {code} while loading")
+            return
+        lost = [p for batch in inst.outstanding.values() for p in batch]
+        if mv.sequencer is not None:  # its sequences and their state died with it
+            lost += mv.sequencer.forget_instance(inst)
+        msg = death_message(mv, inst, code)
+        log.error("%s; %d request(s) failed; restarting it", msg, len(lost))
+        self.clients.fail_pending(lost, 500, msg)
+        mv.stats.fail("BACKEND", len(lost))
+        mv.stats.worker_restarts += 1
+        inst.ready = False
+        inst.outstanding.clear()
+        # Back-off: an instance that keeps dying is restarted less and less often.
+        delay = 0.0 if time.monotonic() - inst.started > STABLE_RUN_S else \
+            RESTART_BACKOFF_S[min(inst.restarts, len(RESTART_BACKOFF_S) - 1)]
+        self.restarts.append((time.monotonic() + delay, mv, inst))
+
+    def next_timer(self, now: float) -> float | None:
+        """Seconds until the next restart is due (None: none is planned)."""
+        return max(0.0, min(when for when, _, _ in self.restarts) - now) if self.restarts else None
+
+    def kill_hung_instances(self) -> bool:
+        """Kill instances whose running execution passed their model's execution_timeout_s; the
+        exit path fails their requests (with this reason) and restarts them. True when one was
+        killed (the loop then checks the workers at once)."""
+        killed = False
+        now = time.monotonic_ns()
+        for num, (mv, inst) in list(self.instances.workers.items()):
+            if not mv.exec_timeout_s or inst.death_note:
+                continue
+            since = int(inst.seg.stats.scalars[BUSY_SINCE])
+            if since and now - since > mv.exec_timeout_s * 1e9 and inst.proc.poll() is None:
+                inst.death_note = (f"exceeded its execution timeout of {mv.exec_timeout_s:g} s "
+                                   f"(parameter execution_timeout_s) and was restarted")
+                log.error("model '%s' version %d instance '%s' %s", mv.name, mv.version, inst.name,
+                          inst.death_note)
+                inst.proc.kill()
+                killed = True
+        return killed
+
+    def _fail_direct(self, inst: Instance, mv: ModelVersion, code: int) -> None:
+        """Fail the direct requests clients had put on a worker that exited.
+
+        A client that read the routes just before they changed may still put a request on the
+        gone worker's lane after this sweep; worker numbers are never reused, so the broker
+        remembers gone workers for a while and sweeps again at every check.
+        """
+        if mv.state == State.UNLOADING and code == 0:
+            answer = (503, f"model '{mv.name}' version {mv.version} was unloaded before the request ran; retry")
+        else:
+            answer = (500, death_message(mv, inst, code))
+        self.gone[inst.num] = (time.monotonic(), mv, *answer)
+        self._sweep_gone()
+
+    def _sweep_gone(self) -> None:
+        now = time.monotonic()
+        for num in [n for n, (at, *_) in self.gone.items() if now - at > GONE_MEMORY_S]:
+            del self.gone[num]
+        if not self.gone:
+            return
+        for client in list(self.clients.by_name.values()):
+            for slot in np.flatnonzero(client.seg.slot_states == SLOT_PENDING).tolist():
+                gone = self.gone.get(client.seg.target(slot) - 1)
+                if gone is not None:
+                    _, mv, status, msg = gone
+                    self.clients.reply(client, slot, status, {"error": msg})
+                    mv.stats.fail("BACKEND" if status == 500 else "OTHER", 1)
+
+
+def death_message(mv: ModelVersion, inst: Instance, code: int) -> str:
+    """Why an instance's requests failed, as their clients read it."""
+    if inst.death_note:
+        why = inst.death_note
+    elif code < 0:
+        try:
+            why = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            why = f"was killed by signal {-code}"
+    else:
+        why = f"exited unexpectedly (exit code {code})"
+    return f"model '{mv.name}' version {mv.version} instance '{inst.name}' {why}; the request was not completed"
