@@ -12,6 +12,8 @@
 # alternate between them in 2 s slices (add_sub 1 and 4 clients over HTTP and the local client,
 # identity 16 MiB in the body and through shm regions, mlp 8 clients), which keeps the host's
 # fast and slow phases out of the ratios. An idle server costs the other next to nothing.
+# BASELINE=/path/to/another/checkout (with its own .venv) adds that shmserve to the paired runs as
+# target 'before' (port 18700), to compare two versions of shmserve against Triton in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -25,13 +27,13 @@ what=${*:-add_sub identity mlp local ready paired}
 wait_ready() { for _ in $(seq 600); do curl -sf "localhost:$1/v2/health/ready" >/dev/null && return 0; sleep 0.2; done; return 1; }
 
 run_bench() {  # name port metrics-port
-  local name=$1 port=$2 B="$PY -m tools.bench_http --url 127.0.0.1:$2 --duration $DURATION --warmup 2 --repeat $REPEAT"
+  local name=$1 port=$2 B="$PY -m shmserve.tools.bench_http --url 127.0.0.1:$2 --duration $DURATION --warmup 2 --repeat $REPEAT"
   for w in $what; do
     case $w in
       add_sub)  $B --model add_sub --clients 1,4 --json "$OUT/$name-add_sub.json" ;;
       identity) $B --model identity --clients 1 --shape-override INPUT0=4194304 --json "$OUT/$name-identity-http.json"
                 $B --model identity --clients 1 --shape-override INPUT0=4194304 --shm system --json "$OUT/$name-identity-shm.json" ;;
-      mlp)      $PY -m tools.batch_size --metrics "127.0.0.1:$3" --model mlp -- \
+      mlp)      $PY -m shmserve.tools.batch_size --metrics "127.0.0.1:$3" --model mlp -- \
                   $B --model mlp --clients 8 --json "$OUT/$name-mlp.json" | tee "$OUT/$name-mlp.txt" ;;
     esac
   done
@@ -51,7 +53,7 @@ pid=$!
 wait_ready 18600
 run_bench shmserve 18600 18602
 if [[ " $what " == *" local "* ]]; then
-  L="$PY -m tools.bench_local --id sbs --duration $DURATION --warmup 2 --repeat $REPEAT"
+  L="$PY -m shmserve.tools.bench_local --id sbs --duration $DURATION --warmup 2 --repeat $REPEAT"
   $L --model add_sub --clients 1,4 --json "$OUT/shmserve-local-add_sub.json"
   $L --model identity --clients 1 --shape-override INPUT0=4194304 --region --json "$OUT/shmserve-local-identity.json"
 fi
@@ -59,8 +61,8 @@ kill -TERM "$pid"; wait "$pid" || true
 
 if [[ " $what " == *" ready "* ]]; then
   echo "== time to ready, 7 models"
-  $PY -m tools.time_to_ready --models 7 --url 127.0.0.1:18000 -- ../shared/tools/reference-triton {repo} | tee "$OUT/triton-ready.txt"
-  $PY -m tools.time_to_ready --models 7 --url 127.0.0.1:18600 -- \
+  $PY -m shmserve.tools.time_to_ready --models 7 --url 127.0.0.1:18000 -- ../shared/tools/reference-triton {repo} | tee "$OUT/triton-ready.txt"
+  $PY -m shmserve.tools.time_to_ready --models 7 --url 127.0.0.1:18600 -- \
     .venv/bin/shmserve --model-repository={repo} --http-port=18600 --metrics-port=18602 --id sbsready | tee "$OUT/shmserve-ready.txt"
 fi
 
@@ -70,18 +72,26 @@ if [[ " $what " == *" paired "* ]]; then
   setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --id sbs \
     > "$OUT/shmserve-paired.log" 2>&1 < /dev/null &
   pid=$!
+  P="$PY -m shmserve.tools.paired --pairs ${PAIRS:-10} --slice 2 --target triton=127.0.0.1:18000 --target shmserve=127.0.0.1:18600"
+  if [[ -n ${BASELINE:-} ]]; then
+    setsid "$BASELINE/.venv/bin/shmserve" --model-repository="$MODELS" --http-port=18700 --metrics-port=18702 --id sbsbefore \
+      > "$OUT/before-paired.log" 2>&1 < /dev/null &
+    before=$!
+    wait_ready 18700
+    P="$P --target before=127.0.0.1:18700"
+  fi
   wait_ready 18000
   wait_ready 18600
-  P="$PY -m tools.paired --pairs ${PAIRS:-10} --slice 2 --target triton=127.0.0.1:18000 --target shmserve=127.0.0.1:18600"
   $P --model add_sub --clients 1 --target local=local:sbs --json "$OUT/paired-add_sub-1.json"
   $P --model add_sub --clients 4 --target local=local:sbs --json "$OUT/paired-add_sub-4.json"
   I="--model identity --clients 1 --shape-override INPUT0=4194304"
   $P $I --json "$OUT/paired-identity-http.json"
   $P $I --shm system --target local=local:sbs --json "$OUT/paired-identity-shm.json"
   # Each server's average batch over its own slices (outer: Triton's metrics, inner: ours).
-  $PY -m tools.batch_size --metrics 127.0.0.1:18002 --model mlp -- $PY -m tools.batch_size --metrics 127.0.0.1:18602 \
+  $PY -m shmserve.tools.batch_size --metrics 127.0.0.1:18002 --model mlp -- $PY -m shmserve.tools.batch_size --metrics 127.0.0.1:18602 \
     --model mlp -- $P --model mlp --clients 8 --json "$OUT/paired-mlp.json" | tee "$OUT/paired-mlp.txt"
   kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null || true
   kill -TERM "$pid"; wait "$pid" || true
+  if [[ -n ${BASELINE:-} ]]; then kill -TERM "$before"; wait "$before" || true; fi
   while pgrep -x tritonserver >/dev/null; do sleep 0.5; done
 fi
