@@ -328,7 +328,7 @@ class Broker:
             "instance_name": name, "instance_index": index, "kind": kind, "device_id": device,
             "model_dir": mv.model_dir, "config": mv.config_dict, "backend": mv.backend,
             "strict": self.opts.strict_config, "broker_pid": os.getpid(), "log": self.control.log_settings,
-            "instances": mv.planned_instances,
+            "instances": mv.planned_instances, "poll_us": self.opts.poll_us,
         }
         proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers", orjson.dumps(spec).decode()],
                                 stdin=subprocess.DEVNULL, env=WORKER_ENV)
@@ -950,7 +950,7 @@ class Broker:
     def _on_own_completions(self) -> None:
         states = self.own.seg.slot_states
         for slot in [s for s in self.own_inflight if states[s] == SLOT_DONE]:
-            _, status, role, num, off, _, _, _, _ = self.own.seg.read_slot(slot)
+            _, status, role, num, off, _, _ = self.own.seg.read_slot(slot)
             self.own.seg.set_slot_state(slot, SLOT_FREE)
             run, step = self.own_inflight.pop(slot)
             self.own_free.append(slot)
