@@ -1,7 +1,7 @@
 """Frontend entry point: ``python -m shmserve.server.frontend '<spec JSON>'`` (started by the launcher).
 
 Serves the socket the launcher bound (inherited by descriptor) with uvicorn on uvloop and
-httptools.
+httptools; the ASGI application is asgi.py's ``FrontendApp`` (built by app.py's ``build_app``).
 """
 from __future__ import annotations
 
@@ -48,9 +48,10 @@ def main() -> int:
 
 class QuietServer(uvicorn.Server):
     """uvicorn's server, ticking twice a second instead of ten times: each tick wakes an idle
-    frontend, and those wake-ups were most of an idle server's CPU (0.3% of a core for one
-    frontend here). A tick only refreshes default headers (we send no date header) and notices
-    a requested exit, which now takes up to 0.5 s."""
+    frontend, and those wake-ups would be most of an idle server's CPU. A tick only refreshes
+    default headers (we send no date header) and notices a requested exit, which takes up to
+    0.5 s. It overrides ``uvicorn.Server.main_loop`` and calls its ``on_tick``, which are not
+    public: pyproject.toml pins uvicorn to the versions tested."""
 
     TICK_S = 0.5
 
