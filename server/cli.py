@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared-memory output arena of each worker, MiB (allocated lazily; default 256)")
     p.add_argument("--frontend-arena-mb", type=int, default=256,
                    help="shared-memory input arena of each HTTP frontend, MiB (lazily; default 256)")
+    p.add_argument("--poll-us", type=int, default=500, metavar="N",
+                   help="how long, in microseconds, a frontend or worker keeps polling for the next message "
+                        "before it sleeps: polling spares the wake-ups of requests that follow closely, at the "
+                        "cost of CPU; a frontend does not poll for a model whose answers take longer on "
+                        "average. 0 never polls (default 500)")
     return p
 
 
@@ -157,6 +162,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     if not 1 <= args.http_max_inflight <= 65536:
         parser.error("--http-max-inflight must lie in [1, 65536]")
+    if not 0 <= args.poll_us <= 1_000_000:
+        parser.error("--poll-us must lie in [0, 1000000]")
     if args.metrics_interval_ms < 1:
         parser.error("--metrics-interval-ms must be at least 1")
     if args.load_model and args.model_control_mode != "explicit":

@@ -75,7 +75,7 @@ class Launcher:
             allow_remote_shm=args.allow_remote_shm,
             metrics_port=args.metrics_port if args.allow_metrics else 0,
             metrics_interval_ms=args.metrics_interval_ms, metrics_config=args.metrics_config,
-            cpu_metrics=args.allow_cpu_metrics, gpu_metrics=args.allow_gpu_metrics,
+            cpu_metrics=args.allow_cpu_metrics, gpu_metrics=args.allow_gpu_metrics, poll_us=args.poll_us,
         )
         self.stopping = False
         self.broker: subprocess.Popen | None = None
@@ -99,7 +99,7 @@ class Launcher:
                 "arena_bytes": self.args.frontend_arena_mb << 20, "allow_remote_shm": self.args.allow_remote_shm,
                 "max_input_bytes": self.args.http_max_input_size, "exit_timeout_s": self.args.exit_timeout_secs,
                 "restricted": self.args.http_restricted_api, "max_inflight": self.args.http_max_inflight,
-                "max_tensor_elements": self.args.http_max_tensor_elements,
+                "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
                 "log": log_settings(self.args)}
         return subprocess.Popen([sys.executable, "-m", "shmserve.server.frontend", orjson.dumps(spec)],
                                 pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL)

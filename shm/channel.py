@@ -19,7 +19,7 @@ import posix_ipc
 
 from .arena import Arena
 from .names import object_name, unlink_semaphore
-from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING, SLOT_WAKE_OFFSET
+from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
 from .published import Published
 from .segment import Segment
@@ -362,25 +362,15 @@ class ClientSegment:
     def target(self, slot: int) -> int:
         return struct.unpack_from("<Q", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + 32)[0]
 
-    def complete(self, slot: int, status: int, role: int, num: int, offset: int, length: int, sent: int = 0,
-                 sent_at: int = 0) -> None:
-        """Answer a request: fields first, state last; the caller then calls ``waker.notify``.
-        ``sent``: bytes of the answer already written to the HTTP client (a direct answer), at
-        ``sent_at`` (monotonic ns)."""
+    def complete(self, slot: int, status: int, role: int, num: int, offset: int, length: int) -> None:
+        """Answer a request: fields first, state last; the caller then calls ``waker.notify``."""
         base = self.slots_offset + slot * SLOT_BYTES
-        SLOT.pack_into(self.seg.buf, base, SLOT_PENDING, status, role, num, offset, length, self.target(slot), sent,
-                       sent_at)
+        SLOT.pack_into(self.seg.buf, base, SLOT_PENDING, status, role, num, offset, length, self.target(slot))
         self.slot_states[slot] = SLOT_DONE  # one aligned store, after the fields
 
-    def read_slot(self, slot: int) -> tuple[int, int, int, int, int, int, int, int, int]:
+    def read_slot(self, slot: int) -> tuple[int, int, int, int, int, int, int]:
+        """(state, status, role, segment number, offset, length, target) of a slot."""
         return SLOT.unpack_from(self.seg.buf, self.slots_offset + slot * SLOT_BYTES)
-
-    def wants_wake(self, slot: int) -> bool:
-        """Whether the owner asked to be woken for this slot's direct answer (after a fence)."""
-        return struct.unpack_from("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + SLOT_WAKE_OFFSET)[0] != 0
-
-    def set_wake(self, slot: int, on: bool) -> None:
-        struct.pack_into("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + SLOT_WAKE_OFFSET, int(on))
 
     def set_slot_state(self, slot: int, state: int) -> None:
         self.slot_states[slot] = state

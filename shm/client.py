@@ -20,20 +20,19 @@ import concurrent.futures
 import math
 import os
 import threading
-import weakref
 from collections.abc import Mapping
 from typing import Any, Iterator
 
 import numpy as np
 
-from .connection import Answer, Backpressure, Completion, Connection, ServerUnavailable
+from .completion import Answer, Completion
+from .connection import DEFAULT_POLL_US, Backpressure, Connection, ServerUnavailable
 from .protocol import REQ_CONTROL
 from .regions import Region, find_shm_mapping
-from .tensors import CONFIG_TO_WIRE, DTYPES, byte_view, from_buffer, serialize_bytes, wire_datatype
+from .results import InferResult
+from .tensors import CONFIG_TO_WIRE, DTYPES, from_buffer, serialize_bytes, wire_datatype
 
 __all__ = ["Client", "InferResult", "InferenceServerError", "Region", "ServerUnavailable", "Backpressure"]
-
-BUILD_CACHE_LIMIT = 256  # request shapes whose descriptors a client keeps (see Client._build)
 
 
 class InferenceServerError(Exception):
@@ -43,74 +42,6 @@ class InferenceServerError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-class _Holder:
-    """The base object of every output array: it exports the array's memory through
-    ``__array_interface__`` and holds the result, so the shm blocks behind an array live as long
-    as the array or any view of it (numpy keeps the exporter as the arrays' base)."""
-
-    __slots__ = ("__array_interface__", "result", "source")
-
-    def __init__(self, arr: np.ndarray, result: "InferResult") -> None:
-        self.__array_interface__ = dict(arr.__array_interface__)
-        self.result = result
-        self.source = arr  # keeps the mapping the pointer points into
-
-
-def _kept(arr: np.ndarray, result: "InferResult") -> np.ndarray:
-    return np.asarray(_Holder(arr, result))
-
-
-class InferResult(Mapping[str, np.ndarray]):
-    """The outputs of one request. Arrays handed out keep the result (and so its shm blocks)
-    alive; the result holds only raw views and weak references to those arrays, never the arrays
-    themselves: a cycle would leave each result to the cyclic GC, and one result stuck in an old
-    generation stalls the FIFO arena behind it (the client then runs out of room)."""
-
-    def __init__(self, completion: Completion, doc: dict, outputs: dict[str, np.ndarray],
-                 kept: frozenset[str] = frozenset()) -> None:
-        self._completion: Completion | None = completion
-        self.model_version = str(doc.get("version", ""))
-        self.parameters = dict(doc.get("params") or {})  # the document may be shared: a copy of its own
-        self._outputs = outputs  # raw views into shm (or arrays of their own: BYTES, caller regions)
-        self._kept = kept  # names whose arrays must keep this result alive
-        self._handed: weakref.WeakValueDictionary[str, np.ndarray] | None = None  # made on first use
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._kept:
-            return self._outputs[name]
-        handed = self._handed
-        if handed is None:
-            handed = self._handed = weakref.WeakValueDictionary()
-        arr = handed.get(name)
-        if arr is None:
-            arr = handed[name] = _kept(self._outputs[name], self)
-        return arr
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._outputs)
-
-    def __len__(self) -> int:
-        return len(self._outputs)
-
-    def as_numpy(self, name: str) -> np.ndarray | None:
-        return self[name] if name in self._outputs else None
-
-    def release(self) -> None:
-        """Give the shm blocks back now; arrays taken from this result must not be used after."""
-        if self._completion is not None:
-            self._completion.release()
-            self._completion = None
-
-    def __enter__(self) -> "InferResult":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        self.release()
 
 
 class _Plan:
@@ -124,13 +55,17 @@ class _Plan:
 
 
 class Client:
-    def __init__(self, server_id: str = "shmserve", arena_bytes: int = 64 << 20) -> None:
-        self._conn = Connection(server_id, arena_bytes=arena_bytes)
+    """A connection to the server ``server_id`` on this host. ``poll_us``: how long, in
+    microseconds, a synchronous call polls for its answer before it sleeps while answers come
+    quickly (its requests then ask the worker to poll for the next one too); 0 never polls."""
+
+    def __init__(self, server_id: str = "shmserve", arena_bytes: int = 64 << 20,
+                 poll_us: int = DEFAULT_POLL_US) -> None:
+        if poll_us < 0:
+            raise ValueError(f"poll_us must be 0 or more (got {poll_us})")
+        self._conn = Connection(server_id, arena_bytes=arena_bytes, poll_us=poll_us)
         self._regions: dict[str, Region] = {}
         self._configs: dict[tuple[str, str], dict] = {}
-        self._built: dict[tuple, tuple] = {}  # see _build
-        self._answers: dict[bytes, dict] = {}  # answer documents by their bytes (Completion.shared_doc)
-        self._recipes: dict[int, tuple[dict, Any]] = {}  # see _recipe
         self._lock = threading.Lock()
         self._pid = os.getpid()
         _open_clients.add(self)
@@ -150,10 +85,9 @@ class Client:
         return fut
 
     @staticmethod
-    def _check(completion: Completion, seen: dict[bytes, dict] | None = None) -> dict:
-        """The answer's document (``seen``: shared with earlier answers of the same bytes), or
-        its error raised."""
-        doc = completion.doc() if seen is None else completion.shared_doc(seen)
+    def _check(completion: Completion) -> dict:
+        """The answer's document, or its error raised."""
+        doc = completion.doc()
         if completion.status != 200:
             raise InferenceServerError(completion.status, doc.get("error", "request failed")
                                        if isinstance(doc, dict) else "request failed")
@@ -234,43 +168,7 @@ class Client:
     def _build(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str,
                options: dict) -> tuple[dict, list, int, _Plan]:
         """The request descriptor, the tensors to copy, the room reserved for outputs and the plan
-        to read them back. A caller repeats itself (same model, input names, dtypes and shapes):
-        the descriptor of plain arrays is kept and reused, which halves the client's own work
-        for small tensors."""
-        key = self._build_key(model, version, inputs, outputs)
-        built = self._built.get(key) if key is not None else None
-        if built is None:
-            doc, chunks, reserve, plan = self._build_new(model, inputs, outputs, version)
-            if key is not None:
-                if len(self._built) >= BUILD_CACHE_LIMIT:
-                    self._built.clear()
-                reading = _Plan()  # read-only: how _infer_prepared reads its answers
-                reading.reserved.update(plan.reserved)
-                self._built[key] = (doc["inputs"], doc["outputs"], reserve, Connection.prepared_prefix(doc), reading)
-        else:
-            doc_inputs, doc_outputs, reserve, _, reading = built
-            doc = {"model": model, "version": version, "inputs": doc_inputs, "outputs": doc_outputs}
-            chunks = list(inputs.values())
-            plan = _Plan()  # a plan of its own: a stream's submission clears its reservations
-            plan.reserved.update(reading.reserved)
-        if options:
-            doc.update(options)
-        return doc, chunks, reserve, plan
-
-    def _build_key(self, model: str, version: str, inputs: Mapping[str, Any], outputs: Any) -> tuple | None:
-        """What a reusable descriptor depends on, or None when it cannot be reused: arrays in
-        registered regions (located by address), strings, non-numpy inputs, outputs into arrays."""
-        if self._regions or not (outputs is None or type(outputs) in (list, tuple)):
-            return None
-        key: list = [model, version, tuple(outputs) if outputs is not None else None]
-        for name, value in inputs.items():
-            if type(value) is not np.ndarray or value.dtype.kind not in "biuf":
-                return None
-            key.append((name, value.dtype, value.shape))
-        return tuple(key)
-
-    def _build_new(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str
-                   ) -> tuple[dict, list, int, _Plan]:
+        to read them back."""
         config = self.model_config(model, version)
         doc_inputs, chunks, rel = [], [], 0
         batch = None
@@ -319,7 +217,7 @@ class Client:
             else:
                 doc_outputs.append({"name": name})
         doc: dict[str, Any] = {"model": model, "version": version, "inputs": doc_inputs,
-                               "outputs": doc_outputs or None}
+                               "outputs": doc_outputs or None, **options}
         return doc, chunks, reserve, plan
 
     def _submit_infer(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str,
@@ -346,11 +244,7 @@ class Client:
         ready.set()
 
     def _result(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
-        doc = self._check(completion, self._answers)
-        if not plan.given:
-            recipe = self._recipe(doc)
-            if recipe is not None:
-                return self._reserved_result(completion, doc, recipe, plan.reserved, start)
+        doc = self._check(completion)
         arrays: dict[str, np.ndarray] = {}
         kept: set[str] = set()
         own = self._conn.seg.seg.buf
@@ -368,48 +262,6 @@ class Client:
             if datatype != "BYTES":  # BYTES outputs are copies of their own
                 kept.add(name)
         return InferResult(completion, doc, arrays, frozenset(kept))
-
-    def _recipe(self, doc: dict) -> tuple[list[tuple[str, int, np.dtype, list[int]]], frozenset[str]] | None:
-        """How to read an answer whose outputs all lie, numeric, in room the request reserved:
-        (name, size, dtype, shape) each, and the names. Kept per answer document (a repeated call
-        gets the same one, see Completion.shared_doc); None for any other answer."""
-        kept = self._recipes.get(id(doc))
-        if kept is not None and kept[0] is doc:
-            return kept[1]
-        recipe: list[tuple[str, int, np.dtype, list[int]]] | None = []
-        for o in doc.get("outputs", ()):
-            dtype = DTYPES.get(o["datatype"]) if o["datatype"] != "BYTES" else None
-            if not o.get("region") or dtype is None or o["size"] != math.prod(o["shape"]) * dtype.itemsize:
-                recipe = None  # the general way (and its errors)
-                break
-            recipe.append((o["name"], o["size"], dtype, o["shape"]))  # type: ignore[union-attr]
-        made = (recipe, frozenset(name for name, _, _, _ in recipe)) if recipe is not None else None
-        if len(self._recipes) >= BUILD_CACHE_LIMIT:
-            self._recipes.clear()
-        self._recipes[id(doc)] = (doc, made)  # holding the document keeps its id from being reused
-        return made
-
-    def _reserved_result(self, completion: Completion, doc: dict, recipe: tuple, reserved: dict[str, int],
-                         start: int) -> InferResult:
-        outputs, names = recipe
-        own = self._conn.seg.seg.buf
-        arrays: dict[str, np.ndarray] = {}
-        for name, size, dtype, shape in outputs:
-            at = start + reserved[name]
-            arrays[name] = np.ndarray(shape, dtype, own[at:at + size])
-        return InferResult(completion, doc, arrays, names)
-
-    def _infer_prepared(self, model: str, version: str, inputs: Mapping[str, Any], built: tuple) -> InferResult:
-        """``infer`` of a call made before with arrays of the same names, dtypes and shapes and no
-        options: its descriptor's bytes are reused as they are."""
-        _, _, reserve, prefix, reading = built
-        views, body = [], reserve
-        for arr in inputs.values():
-            view = byte_view(arr)
-            views.append(view)
-            body += len(view)
-        completion, start = self._conn.call_prepared(prefix, views, body, model, version)
-        return self._read(completion, reading, start)
 
     def _read(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
         """A synchronous call's result (its blocks given back if reading it fails)."""
@@ -453,11 +305,6 @@ class Client:
                                       sequence_start=sequence_start, sequence_end=sequence_end,
                                       priority=priority, timeout=timeout)
         options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
-        if not options:
-            key = self._build_key(model, version, inputs, outputs)
-            built = self._built.get(key) if key is not None else None
-            if built is not None:
-                return self._infer_prepared(model, version, inputs, built)
         doc, chunks, reserve, plan = self._build(model, inputs, outputs, version, options)
         answer = Answer()
         start = self._conn.infer(doc, chunks, answer, reserve, waited=True)

@@ -17,19 +17,12 @@ RECORD = struct.Struct("<IIQQQ")
 REQ_INFER = 1
 REQ_CONTROL = 2
 REQ_BYE = 3
-# Flag on a direct-lane infer record: its client polls for the answer (a closed loop of quick
-# calls), so the worker polls a moment for that client's next request too (SpinPolicy).
+# Flag on a direct-lane infer record: its client polls for the answer, so the worker polls a
+# moment for that client's next request too (shm/waker.py's SpinPolicy).
 REQ_POLLING = 0x100
-# Flag on a direct-lane infer record: the request block ends with a DIRECT_TRAILER, and the worker
-# may write a successful answer straight to the HTTP client's socket (shm/peer_fds.py).
-REQ_DIRECT = 0x200
-# The error of an answer completed without a block (offset 0, not a whole direct answer): its
-# producer's arena had no room for it, not even for an error. Its status is 503.
+# The error of an answer completed without a block (offset 0): its producer's arena had no room
+# for it, not even for an error. Its status is 503.
 NO_ROOM = "the server had no room in its shared-memory arena for the response; retry later"
-# The trailer, the block's last bytes, behind the answer descriptor the frontend expects and the
-# bytes to send before the outputs' (the HTTP head and the JSON header): the socket's descriptor
-# number in the frontend, the two lengths, spare, the socket's inode.
-DIRECT_TRAILER = struct.Struct("<IIIIQ")
 
 # Kinds of records on a worker's inbox (broker -> worker).
 W_BATCH = 1
@@ -51,18 +44,10 @@ SLOT_FREE = 0
 SLOT_PENDING = 1
 SLOT_DONE = 2
 
-# A slot: state, status (an HTTP status code), role, segment number, offset, length, target (the
-# worker a direct request went to), bytes of the answer the worker wrote to the HTTP client itself,
-# and when it did (monotonic ns: the frontend learns of such answers late, and times them by it).
-SLOT = struct.Struct("<IIIIQQQQQ")
+# A slot: state, status (an HTTP status code), role, segment number, offset, length, and target
+# (the worker a direct request went to). Each slot takes a cache line of its own.
+SLOT = struct.Struct("<IIIIQQQ")
 SLOT_BYTES = 64
-# A word the owner of a slot answered directly raises when it must hear of that answer (a request
-# came behind it on the same HTTP connection before the slot read done): the worker wakes it then.
-SLOT_WAKE_OFFSET = 56
-# The bytes-sent field of a slot whose whole answer the worker wrote to the HTTP client; and of one
-# it could not, because this host refuses it the client's socket (the frontend then stops asking).
-SENT_ALL = (1 << 64) - 1
-SENT_REFUSED = (1 << 64) - 2
 
 # Decoupled (streaming) requests: the client reserves a small ring in its request block; the
 # worker appends one record per response (status, flags, block offset, length, worker number).
@@ -85,20 +70,6 @@ def write_manifest(buf: memoryview, offset: int, doc: bytes) -> int:
     _MANIFEST_LEN.pack_into(buf, offset, len(doc))
     buf[offset + 4:offset + 4 + len(doc)] = doc
     return offset + manifest_room(len(doc))
-
-
-def rewrite_send_time(buf: memoryview, offset: int, prefix_len: int, sent_ns: int) -> int:
-    """Put a new send time into the manifest at ``offset``, whose document is a prepared prefix
-    of ``prefix_len`` bytes, its send time and ``}``; returns where its tensor data starts, or -1
-    (nothing written) if the new time has another number of digits: the document would change
-    length, and the data would move."""
-    digits = b"%d}" % sent_ns
-    (n,) = _MANIFEST_LEN.unpack_from(buf, offset)
-    if n != prefix_len + len(digits):
-        return -1
-    at = offset + 4 + prefix_len
-    buf[at:at + len(digits)] = digits
-    return offset + manifest_room(n)
 
 
 def read_manifest(buf: memoryview, offset: int) -> Any:

@@ -18,10 +18,10 @@ import numpy as np
 
 SCALARS = ("success", "success_ns", "failure", "failure_ns", "rejected", "inference_count",
            "execution_count", "phase_count", "queue_ns", "compute_input_ns", "compute_infer_ns",
-           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out", "http_direct")
+           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out")
 S = {name: i for i, name in enumerate(SCALARS)}
 (SUCCESS, SUCCESS_NS, FAILURE, FAILURE_NS, REJECTED, INFERENCE_COUNT, EXECUTION_COUNT, PHASE_COUNT, QUEUE_NS,
- INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT, HTTP_DIRECT) = range(len(SCALARS))
+ INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT) = range(len(SCALARS))
 SCALAR_SLOTS = 32  # room to add counters without moving the arrays behind them
 BUSY_SINCE = SCALAR_SLOTS - 1  # not a counter: monotonic ns the running execution began, 0 when idle
 PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
@@ -42,8 +42,8 @@ _UPPERS = [bucket_upper_ns(i) for i in range(BUCKETS - 1)]
 _QUEUE_CELL, _INPUT_CELL, _INFER_CELL, _OUTPUT_CELL = (PHASES.index(p) * BUCKETS for p in PHASES[1:])
 
 
-# For an integer duration, ``ns <= upper`` exactly when ``ns <= floor(upper)``: integer limits
-# let the search run as native comparisons when compiled.
+# For an integer duration, ``ns <= upper`` exactly when ``ns <= floor(upper)``: the search
+# compares integers.
 _LIMITS: Final[list[int]] = [int(upper) for upper in _UPPERS]
 _LAST: Final = BUCKETS - 1
 
@@ -110,11 +110,10 @@ class StatsWriter:
 
     def __init__(self, area: StatsArea) -> None:
         self.area = area
-        # Plain lists, published at flush: compiled, an increment of a list item costs a tenth of
-        # one on an array or a numpy view. They go out as 8-byte word stores through a memoryview,
-        # as the histogram cells do: ``struct.pack_into`` writes a word byte by byte, and the
-        # broker, reading at scrape time, could see a torn counter (here, 19% of one process's
-        # reads of a word another rewrote with pack_into were torn; none through the view).
+        # Plain lists, published at flush: an increment of a list item is cheaper than one on an
+        # array or a numpy view. They go out as 8-byte word stores through a memoryview, as the
+        # histogram cells do: ``struct.pack_into`` writes a word byte by byte, and the broker,
+        # reading at scrape time, could see a torn counter.
         self.counts: list[int] = [0] * len(SCALARS)
         self._published = memoryview(area.scalars).cast("B").cast("Q")  # type: ignore[arg-type]
         self._hist = area.hist.reshape(-1)

@@ -18,7 +18,7 @@ FLAGS = [
     "--strict-model-config", "--strict-readiness", "--exit-on-error", "--exit-timeout-secs", "--log-verbose",
     "--id", "--allow-remote-shm", "--worker-arena-mb", "--frontend-arena-mb", "--log-info", "--log-warning",
     "--log-error", "--log-format", "--log-file", "--http-restricted-api", "--metrics-config",
-    "--metrics-interval-ms", "--allow-cpu-metrics", "--allow-gpu-metrics",
+    "--metrics-interval-ms", "--allow-cpu-metrics", "--allow-gpu-metrics", "--poll-us",
 ]
 SHMSERVE = Path(PYTHON).parent / "shmserve"
 
@@ -75,7 +75,10 @@ def test_repository_flag_required():
     (["--model-control-mode", "sometimes"], "sometimes"),
     (["--id", "bad/id"], "bad/id"),
     (["--load-model", "add_sub"], "--model-control-mode"),
-], ids=["port-text", "port-range", "workers-0", "bool", "choice", "id", "load-model-without-explicit"])
+    (["--poll-us", "-1"], "--poll-us"),
+    (["--poll-us", "soon"], "--poll-us"),
+], ids=["port-text", "port-range", "workers-0", "bool", "choice", "id", "load-model-without-explicit", "poll-us-range",
+        "poll-us-text"])
 def test_bad_flag_values(tmp_path, args, needle):
     _assert_one_line_error(run_cli("--model-repository", str(tmp_path), *args), needle)
 

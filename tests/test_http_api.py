@@ -225,10 +225,9 @@ def test_mixed_binary_and_json_outputs(client):
 
 
 def test_repeated_requests_are_answered_from_their_own_bytes(server, client):
-    """The frontend keeps what it parsed of a repeated JSON header and the answer head it built
-    for a repeated worker descriptor: requests that repeat headers with new data, alternate
-    output choices (binary, JSON values, subsets) and request ids must each get their own answer,
-    and a body that repeats a header but not its data length is still refused."""
+    """Requests that repeat headers with new data, alternate output choices (binary, JSON values,
+    subsets) and request ids each get their own answer, and a body that repeats a header but not
+    its data length is refused."""
     rng = np.random.default_rng(3)
     choices = [None, [("OUTPUT0", True), ("OUTPUT1", True)], [("OUTPUT1", False)],
                [("OUTPUT0", True), ("OUTPUT1", False)]]
@@ -243,7 +242,7 @@ def test_repeated_requests_are_answered_from_their_own_bytes(server, client):
             wanted = {"OUTPUT0": a + b, "OUTPUT1": a - b}
             for name in [n for n, _ in choice] if choice else wanted:
                 np.testing.assert_array_equal(result.as_numpy(name), wanted[name])
-        long_id = "x" * 9000  # a header past the size worth keeping: parsed each time, answered alike
+        long_id = "x" * 9000  # a long header
         a = rng.integers(-100, 100, 16, dtype=np.int32)
         result = client.infer("add_sub", add_sub_inputs(a, B), request_id=long_id)
         assert result.get_response()["id"] == long_id
@@ -264,9 +263,9 @@ def test_repeated_requests_are_answered_from_their_own_bytes(server, client):
 
 
 def test_large_repeated_requests_are_answered_from_their_own_bytes(server, client):
-    """A large body reaches the frontend in many reads; a repeated header is cut at its kept
-    offsets (server/frontend/known.py). Each answer must hold its own request's bytes, and a body
-    that repeats the header but not its length is parsed the full way, and refused."""
+    """A large body reaches the frontend in many reads (and into its request block as it arrives,
+    server/frontend/ingest.py). Each answer holds its own request's bytes, and a body that repeats
+    the header but not its length is refused."""
     rng = np.random.default_rng(5)
     for _ in range(3):
         x = rng.random((512, 512), dtype=np.float32)  # 1 MiB

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import socket
+import threading
 import time
 
 import numpy as np
@@ -93,17 +94,23 @@ def test_bodies_dropped_mid_way_give_their_room_back(server):
 
 
 def test_pipelined_large_bodies_are_answered_in_order(server):
-    """Three large requests written back to back on one connection: the later bodies arrive while
-    the first is in flight, wait for their turn, and each answer holds its own request's bytes."""
+    """Three large requests written back to back on one connection (by a thread, while this one
+    reads the answers, as a pipelining client does: the server holds back a request's reading
+    until the one before is answered, and its answers' writing until the client reads): the later
+    bodies arrive while the first is in flight, wait for their turn, and each answer holds its
+    own request's bytes."""
     rng = np.random.default_rng(4)
     sent = [rng.random((1, n), dtype=np.float32) for n in (MIB, 3 * MIB, 2 * MIB)]
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"".join(b"".join(_request(v)) for v in sent))
+        writer = threading.Thread(target=sock.sendall, args=(b"".join(b"".join(_request(v)) for v in sent),))
+        writer.start()
         reader = sock.makefile("rb")
         for values in sent:
             status, headers, out = read_raw_response(reader)
             assert status == 200, out[:300]
             np.testing.assert_array_equal(_output(headers, out), values.ravel())
+        writer.join(30)
+        assert not writer.is_alive()
 
 
 def test_bad_large_bodies_get_their_usual_errors(server):

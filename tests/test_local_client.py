@@ -175,12 +175,12 @@ def test_sync_callers_in_threads_and_futures_share_one_connection(client):
     np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT1"], A - B)
 
 
-def test_a_repeated_call_that_outlasts_its_polling_sleeps_for_its_answer(client):
-    """A repeated call (its descriptor reused, Connection.call_prepared) polls its own slot for at
-    most the spin budget, then waits asleep the general way: a slow answer still arrives, and
-    the wait costs this process next to no CPU."""
+def test_a_call_that_outlasts_its_polling_sleeps_for_its_answer(client):
+    """A synchronous call polls for its answer for at most its budget (``Client(poll_us=...)``),
+    then waits asleep: a slow answer still arrives, and the wait costs this process next to no
+    CPU."""
     x = np.arange(N, dtype=np.int32)
-    assert client.infer("slow_reader", {"X": x})["SUM"].tolist() == [int(x.sum())]  # keeps the descriptor
+    assert client.infer("slow_reader", {"X": x})["SUM"].tolist() == [int(x.sum())]
     for _ in range(50):  # quick answers bring the polling back on
         client.infer("add_sub", {"INPUT0": x, "INPUT1": B}).release()
     assert client._conn._spin.budget() > 0  # noqa: SLF001 - the case under test: the poll runs out
@@ -194,8 +194,8 @@ def test_a_repeated_call_that_outlasts_its_polling_sleeps_for_its_answer(client)
 
 
 def test_a_repeated_call_follows_its_model_through_unload_and_load(server_factory):
-    """A repeated call reuses its descriptor's bytes but is routed anew each time: once its model
-    is unloaded it gets Triton's 404, and once the model is loaded again it is served again."""
+    """A repeated call is routed anew each time: once its model is unloaded it gets Triton's 404,
+    and once the model is loaded again it is served again."""
     server = start_shm_server(server_factory)
     x = np.arange(N, dtype=np.int32)
 
@@ -231,6 +231,30 @@ def test_polling_stops_when_the_calls_stop(client, lc_server):
     assert sum(after.values()) - sum(ticks.values()) <= 3, (ticks, after)  # ticks of 10 ms
     assert time.process_time() - ours < 0.03
     np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": x, "INPUT1": B})["OUTPUT0"], x + B)
+
+
+def test_a_client_that_does_not_poll_lets_the_worker_sleep(lc_server):
+    """``Client(poll_us=0)``: the caller never polls, so its requests do not ask the worker to
+    poll either; both sleep between calls, and every answer is right."""
+    with pytest.raises(ValueError):
+        Client(lc_server.id, poll_us=-1)
+    x = np.arange(N, dtype=np.int32)
+    worker = lc_server.worker_pids("add_sub")[0]
+    with Client(lc_server.id, poll_us=0) as c:
+        for _ in range(20):
+            c.infer("add_sub", {"INPUT0": x, "INPUT1": B}).release()
+        before = _voluntary_switches(worker)
+        n = 200
+        for i in range(n):
+            np.testing.assert_array_equal(c.infer("add_sub", {"INPUT0": x + i, "INPUT1": B})["OUTPUT0"], x + i + B)
+        slept = _voluntary_switches(worker) - before
+    assert slept >= n // 2, f"the worker slept {slept} times in {n} calls that did not ask it to poll"
+
+
+def _voluntary_switches(pid: int) -> int:
+    """How often the process's main thread blocked."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
 
 
 def test_infer_aio_gather_many_without_blocking_the_loop(client):
@@ -274,11 +298,9 @@ def test_request_id_and_parameters_reach_the_model(client):
     assert plain["REQUEST_ID"].tolist() == [b""] and json.loads(plain["PARAMETERS"][0]) == {}
 
 
-def test_repeated_calls_reuse_descriptors_without_mixing_them_up(client):
-    """The client keeps the descriptor of a repeated call (model, input names, dtypes, shapes,
-    outputs asked for) and the worker keeps what it checked of it, by its bytes: calls that
-    alternate shapes, dtypes, output choices and data must each get their own answer, and a
-    dtype the model refuses must be refused every time, not only the first."""
+def test_calls_that_alternate_shapes_and_outputs_get_their_own_answers(client):
+    """Calls that alternate shapes, dtypes, output choices and data each get their own answer,
+    and a dtype the model refuses is refused every time, not only the first."""
     rng = np.random.default_rng(7)
     for round_ in range(3):
         for n, outputs in ((3, None), (5, ["Y"]), (3, ["PID", "Y"]), (5, None)):
@@ -297,11 +319,10 @@ def test_repeated_calls_reuse_descriptors_without_mixing_them_up(client):
     np.testing.assert_array_equal(client.infer("meta_echo", {"X": base[:4]})["Y"], base[:4] + 1)
 
 
-def test_a_repeated_descriptor_is_still_checked_where_it_differs(client, lc_server):
-    """The worker reuses its checks only for a descriptor whose bytes, up to the send time, it
-    has seen before: a send time that is not a non-negative integer is refused all the same. A
-    send time in the future (a local program writes its own) is served and counted without one;
-    it once made the statistics negative and killed the worker."""
+def test_send_times_a_local_program_writes_are_checked(client, lc_server):
+    """A local program writes its descriptors itself: a send time that is not a non-negative
+    integer is refused, one in the future is served and counted (the statistics must not turn
+    negative, nor the worker die)."""
     import threading
 
     conn = client._conn  # noqa: SLF001 - raw descriptors, to send what the library never would
@@ -324,7 +345,7 @@ def test_a_repeated_descriptor_is_still_checked_where_it_differs(client, lc_serv
 
     pids = lc_server.worker_pids("meta_echo")
     assert send(time.monotonic_ns())[0] == 200
-    assert send(time.monotonic_ns())[0] == 200  # the same bytes up to t: the kept checks
+    assert send(time.monotonic_ns())[0] == 200
     for bad in (-5, 1.5, "soon"):
         status, body = send(bad)
         assert status == 400 and "'t' must be a non-negative integer" in body["error"], (bad, body)

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from conftest import PRODUCT_MODELS, TEST_MODELS, CpuHogs, cmdline, cpu_ticks, descendants, pid_alive, shm_entries
-from shmserve.shm.cores import CPUS
+from conftest import PRODUCT_MODELS, TEST_MODELS, cmdline, cpu_ticks, descendants, pid_alive, shm_entries
 
 
 def _add_sub_inputs(a: np.ndarray) -> list[httpclient.InferInput]:
@@ -126,19 +125,14 @@ def _sleeps(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
 
 
-@pytest.mark.parametrize("idle_spin_us, polls", [(50_000, True), (0, False)])
-def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, monkeypatch, idle_spin_us, polls):
-    """After an answer the frontend's loop stays hot for SHMSERVE_FRONTEND_IDLE_SPIN_US, so the
-    next request of a client in a closed loop finds it awake; with 0 it sleeps in epoll between
-    requests (the control: the count below does see those sleeps). The budgets here are generous
-    so that on a slow CI host each answer and each next request still come within them: with the
-    default 200 us for answers, a worker descheduled for longer lets the frontend sleep too.
-    The frontend's requests ask the worker to poll for the next one (REQ_POLLING): it hardly
-    sleeps either."""
-    monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "50000")
-    monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", str(idle_spin_us))
-    monkeypatch.setenv("SHMSERVE_SPIN_US", "50000")
-    s = server_factory.start([PRODUCT_MODELS])
+@pytest.mark.parametrize("poll_us, polls", [(50_000, True), (0, False)])
+def test_poll_us_decides_whether_frontend_and_worker_poll(server_factory, poll_us, polls):
+    """``--poll-us`` reaches the frontend and the worker. With a generous budget (so that on a slow
+    CI host each answer and each next request still come within it) the next request of a client
+    in a closed loop finds both awake: neither sleeps between requests. With 0 both sleep between
+    requests (the control: the count below does see those sleeps), and every answer is still
+    right."""
+    s = server_factory.start([PRODUCT_MODELS], ["--poll-us", str(poll_us)])
     frontend = next(pid for pid, t in s.titles().items() if t.startswith("shmserve frontend "))
     worker = s.worker_pids("add_sub")[0]
     c = s.client()
@@ -149,16 +143,19 @@ def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, mo
     n = 200
     before, worker_before = _sleeps(frontend), _sleeps(worker)
     for _ in range(n):
-        np.testing.assert_array_equal(c.infer("add_sub", [i0, i1]).as_numpy("OUTPUT0"), 2 * a)
+        result = c.infer("add_sub", [i0, i1])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * a)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), 0 * a)
     slept, worker_slept = _sleeps(frontend) - before, _sleeps(worker) - worker_before
     c.close()
-    # Measured here: 0 sleeps when it polls; 97-200 without (a fast client's next request is
-    # sometimes there before the loop gets to sleep).
-    assert worker_slept < n // 10, f"the worker slept {worker_slept} times in {n} closely following requests"
+    # Measured here: 0 sleeps when they poll; about once per request each without (a fast
+    # client's next request is sometimes there before the loop gets to sleep).
     if polls:
         assert slept < n // 10, f"the frontend slept {slept} times in {n} closely following requests"
+        assert worker_slept < n // 10, f"the worker slept {worker_slept} times in {n} closely following requests"
     else:
-        assert slept >= n // 4, f"without idle polling the frontend should sleep between requests, slept {slept}"
+        assert slept >= n // 4, f"with --poll-us 0 the frontend should sleep between requests, slept {slept}"
+        assert worker_slept >= n // 4, f"with --poll-us 0 the worker should sleep between requests, slept {worker_slept}"
     time.sleep(0.5)
     hz = os.sysconf("SC_CLK_TCK")
     before_cpu = cpu_ticks([frontend])[frontend]
@@ -167,54 +164,19 @@ def test_frontend_polls_for_the_next_request_of_a_closed_loop(server_factory, mo
     assert used < 0.1, f"once the requests stopped the frontend should sleep, but it used {used:.2f} s of CPU in 2 s"
 
 
-def test_frontend_and_worker_sleep_when_others_want_every_core(server_factory, monkeypatch):
-    """The closed loop of the test above, with its budgets and the core check turned on
-    (SHMSERVE_FRONTEND_CORE_CHECK=1), on a host whose cores are all wanted by others (one spinning
-    process per core, and one more): the frontend and the worker wait for each request asleep, as
-    they would with polling off, and leave the cores to the clients. (That a quiet host does not
-    count as crowded: ``test_waker.py``.)"""
-    monkeypatch.setenv("SHMSERVE_FRONTEND_CORE_CHECK", "1")
-    monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "50000")
-    monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", "50000")
-    monkeypatch.setenv("SHMSERVE_SPIN_US", "50000")
-    s = server_factory.start([PRODUCT_MODELS])
-    titles = s.titles()
-    frontend = next(pid for pid, t in titles.items() if t.startswith("shmserve frontend "))
-    worker = s.worker_pids("add_sub")[0]
-    c = s.client()
-    a = np.arange(16, dtype=np.int32)
-    i0, i1 = _add_sub_inputs(a)
-    n = 200
-    with CpuHogs(CPUS + 1):
-        for _ in range(20):
-            c.infer("add_sub", [i0, i1])
-        before = _sleeps(frontend), _sleeps(worker)
-        for _ in range(n):
-            np.testing.assert_array_equal(c.infer("add_sub", [i0, i1]).as_numpy("OUTPUT1"), 0 * a)
-        slept = _sleeps(frontend) - before[0], _sleeps(worker) - before[1]
-    c.close()
-    # Asleep: once per request each, the frontend twice (for the request, for the answer);
-    # polling, a handful of times in 200 requests (the test above).
-    assert slept[0] >= n // 2 and slept[1] >= n // 2, f"(frontend, worker) slept {slept} times in {n} requests"
-
-
-@pytest.mark.parametrize("poll_wait_us, polls", [(1_000, False), (100_000_000, True)])
-def test_frontend_does_not_poll_for_a_model_whose_answers_are_slow(server_factory, monkeypatch, tmp_path,
-                                                                    poll_wait_us, polls):
-    """Once the frontend has seen a model answer slowly (the sleeper: 0.3 s), it waits for that
-    model's answers asleep, even with a polling window far longer than the wait; the control, with
-    a limit above 0.3 s, polls through every request."""
-    monkeypatch.setenv("SHMSERVE_FRONTEND_SPIN_US", "2000000")
-    monkeypatch.setenv("SHMSERVE_FRONTEND_IDLE_SPIN_US", "0")
-    monkeypatch.setenv("SHMSERVE_FRONTEND_POLL_WAIT_US", str(poll_wait_us))
+@pytest.mark.parametrize("poll_us, polls", [(100_000, False), (1_000_000, True)])
+def test_frontend_does_not_poll_for_a_model_whose_answers_are_slow(server_factory, tmp_path, poll_us, polls):
+    """Once the frontend has seen a model answer more slowly than --poll-us (the sleeper: 0.3 s
+    against 0.1 s), it waits for that model's answers asleep; the control, with a budget above
+    0.3 s, polls through every request."""
     repo = tmp_path / "repo"
     shutil.copytree(TEST_MODELS / "sleeper", repo / "sleeper")
-    s = server_factory.start([repo])
+    s = server_factory.start([repo], ["--poll-us", str(poll_us)])
     frontend = next(pid for pid, t in s.titles().items() if t.startswith("shmserve frontend "))
     c = s.client()
     i0 = httpclient.InferInput("X", [1], "FP32")
     i0.set_data_from_numpy(np.array([1.0], dtype=np.float32))
-    c.infer("sleeper", [i0])  # the first answer of a model is waited for polling: its time is unknown
+    c.infer("sleeper", [i0])  # the first answer of a model is polled for: its time is unknown
     hz = os.sysconf("SC_CLK_TCK")
     before = cpu_ticks([frontend])[frontend]
     t0 = time.monotonic()

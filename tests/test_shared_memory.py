@@ -567,9 +567,8 @@ def test_key_reused_for_a_new_object_is_read_afresh(shm_server, http, regions):
 
 
 def test_repeated_requests_follow_their_regions_through_re_registration(shm_server, http, regions):
-    """Workers keep what they resolved for a repeated descriptor, region tensors included: the
-    same request bytes must follow a region registered again at another offset, and fail once it
-    is gone, never read or write where it used to be."""
+    """The same request bytes follow a region registered again at another offset, and fail once
+    it is gone, never read or write where it used to be."""
     hin, key_in = regions.create("moving_in", 4 * NB)
     hout, key_out = regions.create("moving_out", 2 * NB)
     shm.set_shared_memory_region(hin, [np.full(N, 10, dtype=np.int32), np.ones(N, dtype=np.int32),

@@ -9,8 +9,6 @@ import time
 import posix_ipc
 import pytest
 
-from conftest import CpuHogs
-from shmserve.shm.cores import CPUS, CoreCheck, runnable
 from shmserve.shm.waker import AWAKE, SLEEPING, SpinPolicy, Waker, flag_view
 
 
@@ -68,48 +66,3 @@ def test_a_producer_notify_wakes_a_sleeper(waker):
     assert seen_asleep.is_set()
     assert time.perf_counter() - t0 < 2.0
     assert waker.flag[0] == AWAKE
-
-
-def test_runnable_counts_the_tasks_that_want_a_core():
-    """The kernel's count includes the caller, and every process that never blocks."""
-    assert runnable() >= 1
-    with CpuHogs(CPUS + 1):
-        seen = [runnable() for _ in range(20)]
-    assert min(seen) >= CPUS + 2, seen  # the hogs, and this process reading
-
-
-def test_a_host_is_crowded_while_others_want_every_core():
-    """A poller counts itself and the process it waits on; past those, as many runnable tasks as
-    cores (on average) means its spins would be taken from them. The control is this host with its
-    cores to spare (nothing else runs during the tests)."""
-    check = CoreCheck(interval_s=0.0, enabled=True)
-    assert not any(check.crowded() for _ in range(100)), check.average
-    with CpuHogs(CPUS + 1):
-        check = CoreCheck(interval_s=0.0, enabled=True)
-        verdicts = [check.crowded() for _ in range(100)]
-        # The average of counts of at least CPUS + 2 (the hogs and this process) passes the mark
-        # of CPUS + 1.5 within 13 counts on 1 core, 36 on 64, and stays past it.
-        assert check.average >= CPUS + 1.5 and all(verdicts[-20:]), (verdicts, check.average)
-        assert not CoreCheck().crowded()  # off unless SHMSERVE_FRONTEND_CORE_CHECK=1
-    # Once the others are gone the verdict turns, within a few counts (the average falls under the
-    # mark less a half as its 1/8 steps take in the lower counts) of a quiet host: a task of the
-    # shared host that wanted a core just then kept the average at 3 through 100 quick counts once
-    # in CI, so it has up to 2 s to turn.
-    deadline = time.monotonic() + 2.0
-    while check.crowded() and time.monotonic() < deadline:
-        pass
-    assert not check.crowded(), check.average
-
-
-def test_a_crowded_spell_long_past_holds_nothing_back():
-    """Counts taken apart by more than 10 ms restart the average, and within a check's interval
-    the last verdict stands (a count is not read on every turn of a poll loop)."""
-    with CpuHogs(CPUS + 1):
-        check = CoreCheck(interval_s=0.0, enabled=True)
-        assert [check.crowded() for _ in range(100)][-1]
-    time.sleep(0.05)
-    assert not check.crowded(), check.average
-    slow = CoreCheck(interval_s=10.0, enabled=True)
-    assert not slow.crowded()
-    with CpuHogs(CPUS + 1):
-        assert not any(slow.crowded() for _ in range(50))

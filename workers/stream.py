@@ -9,26 +9,31 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import orjson
 
+from shmserve.shm.channel import ClientSegment
 from shmserve.shm.protocol import RECORD, ROLE_WORKER, STREAM_CAPACITY
 from shmserve.shm.ring import Ring
+from shmserve.shm.stats import StatsWriter
 
+from .answers import Answers
 from .backend import Response
-
-if TYPE_CHECKING:
-    from .worker import Worker
 
 RING_FULL_TIMEOUT_S = 60.0
 
 
 class StreamSender:
-    def __init__(self, worker: "Worker", entry: dict) -> None:
-        self.worker = worker
+    """The sender of one streaming request. ``stats`` counts the request when it finishes,
+    under ``stats_lock`` (senders run on the model's threads, the worker's loop on its own)."""
+
+    def __init__(self, answers: Answers, client: ClientSegment, entry: dict, stats: StatsWriter,
+                 stats_lock: threading.Lock) -> None:
+        self.answers = answers
+        self.client = client
         self.entry = entry
-        self.client = worker._client(entry["client"])
+        self.stats = stats
+        self.stats_lock = stats_lock
         stream = entry["stream"]
         self.ring = Ring(self.client.seg.buf, stream["off"], STREAM_CAPACITY, RECORD)
         self.lock = threading.Lock()
@@ -42,8 +47,8 @@ class StreamSender:
             if self.finished:
                 raise RuntimeError("this request's final response was already sent")
             if response is not None:
-                status, doc, tensors = self.worker._encode(self.entry, response)
-                override, off, total = self.worker._write_block(self.entry, doc, tensors)
+                status, doc, tensors = self.answers.encode(self.entry, response)
+                override, off, total = self.answers.write_block(self.entry, doc, tensors)
                 status = override or status
                 self.failed |= status != 200
                 if off > 0:
@@ -58,9 +63,9 @@ class StreamSender:
 
     def _put(self, status: int, flags: int, off: int, total: int) -> None:
         deadline = time.monotonic() + RING_FULL_TIMEOUT_S
-        while not self.ring.put(status, flags, off, total, self.worker.num):
+        while not self.ring.put(status, flags, off, total, self.answers.num):
             if time.monotonic() > deadline:  # the client stopped reading: drop, do not hang the model
-                self.worker.arena.free(off)
+                self.answers.arena.free(off)
                 return
             self.client.waker.notify()
             time.sleep(0.0005)
@@ -68,12 +73,14 @@ class StreamSender:
     def _finish(self) -> None:
         """Complete the request's slot: the client then knows no response follows."""
         if self.dropped:  # the client reads shm.protocol.NO_ROOM
-            self.client.complete(self.entry["slot"], 503, ROLE_WORKER, self.worker.num, 0, 0)
+            self.client.complete(self.entry["slot"], 503, ROLE_WORKER, self.answers.num, 0, 0)
         else:
             doc = orjson.dumps({"final": True, "responses": self.sent})
-            override, off, total = self.worker._write_block(self.entry, doc, [])
-            self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.worker.num, off, total)
-        self.worker.stream_finished(self)
+            override, off, total = self.answers.write_block(self.entry, doc, [])
+            self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.answers.num, off, total)
+        with self.stats_lock:
+            self.stats.finished_stream(self.entry.get("t", 0), not self.failed)
+            self.stats.flush()
 
     def fail(self, status: int, message: str) -> None:
         """The model raised before finishing: one error response, then the end."""

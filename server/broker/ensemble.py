@@ -185,7 +185,7 @@ class Ensembles:
         """Take the answers of finished steps and advance their runs."""
         states = self.own.seg.slot_states
         for slot in [s for s in self.inflight if states[s] == SLOT_DONE]:
-            _, status, role, num, off, _, _, _, _ = self.own.seg.read_slot(slot)
+            _, status, role, num, off, _, _ = self.own.seg.read_slot(slot)
             self.own.seg.set_slot_state(slot, SLOT_FREE)
             run, step = self.inflight.pop(slot)
             self.free.append(slot)

@@ -63,7 +63,7 @@ class Instances:
             "model_dir": mv.model_dir, "config": mv.config_dict, "backend": mv.backend,
             "strict": self.opts.strict_config, "broker_pid": os.getpid(),
             "log": logs.current(),  # the broker's log settings, which every process follows
-            "instances": mv.planned_instances,
+            "instances": mv.planned_instances, "poll_us": self.opts.poll_us,
         }
         proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers", orjson.dumps(spec).decode()],
                                 stdin=subprocess.DEVNULL, env=WORKER_ENV)

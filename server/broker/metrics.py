@@ -170,9 +170,6 @@ class _Collector:
         yield from self._histograms(rows)
         yield family("shmserve_worker_restarts", "Worker processes restarted after they died", "counter",
                      lambda s: s.worker_restarts)
-        yield family("shmserve_http_direct_answers", "Successful HTTP answers the model instance wrote to the "
-                     "client's connection itself (counted up to one execution late)", "counter",
-                     lambda s: s.get("http_direct"))
         yield family("shmserve_queue_depth", "Requests waiting for an instance: scheduler queues and direct lanes",
                      "gauge", lambda s: s.pending)
         for name, doc, kind, samples in self.source.extras():

@@ -28,6 +28,7 @@ class BrokerOptions:
     metrics_config: dict[str, str] = dataclasses.field(default_factory=dict)  # Triton's --metrics-config
     cpu_metrics: bool = True
     gpu_metrics: bool = True
+    poll_us: int = 500  # --poll-us: how long a worker polls for its next request before it sleeps
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

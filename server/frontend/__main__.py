@@ -1,7 +1,7 @@
 """Frontend entry point: ``python -m shmserve.server.frontend '<spec JSON>'`` (started by the launcher).
 
 Serves the socket the launcher bound (inherited by descriptor) with uvicorn on uvloop and
-httptools.
+httptools; the ASGI application is asgi.py's ``FrontendApp`` (built by app.py's ``build_app``).
 """
 from __future__ import annotations
 
@@ -29,33 +29,29 @@ def main() -> int:
     from .app import build_app
     from .restricted import restrict
 
-    app = fast = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"],
-                    spec.get("max_tensor_elements", 1 << 31), spec.get("max_inflight", 1024))
-    app = restrict(app, spec.get("restricted") or {})  # --http-restricted-api
+    frontend = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"],
+                         spec["max_tensor_elements"], spec["max_inflight"], spec["poll_us"])
+    app = restrict(frontend, spec.get("restricted") or {})  # --http-restricted-api
     sock = socket.socket(fileno=spec["fd"])
-    from .protocol import protocol_for
-
     # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.
-    # The protocol answers plain infer requests itself; the rest (and traced, restricted or
-    # oversized ones) go through the ASGI app.
-    protocol = protocol_for(fast.fe, (spec.get("restricted") or {}).get("inference"))
-    config = uvicorn.Config(app, loop="uvloop", http=protocol, access_log=False, log_level="warning",
-                            log_config=None,
-                            timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)), lifespan="on", proxy_headers=False, server_header=False, date_header=False)
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning",
+                            log_config=None, timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)),
+                            lifespan="on", proxy_headers=False, server_header=False, date_header=False)
     from shmserve.shm.profiling import run_profiled
 
     log.info("frontend #%d serving HTTP", spec["index"])
     # The broker's log and trace settings are followed on the loop's own tick: no thread of
     # their own to wake twice a second.
-    server = QuietServer(config, ticks=[log_settings.check, fast.fe.tracer.follow])
+    server = QuietServer(config, ticks=[log_settings.check, frontend.tracer.follow])
     return run_profiled(f"frontend{spec['index']}", lambda: server.run(sockets=[sock]) or 0)
 
 
 class QuietServer(uvicorn.Server):
     """uvicorn's server, ticking twice a second instead of ten times: each tick wakes an idle
-    frontend, and those wake-ups were most of an idle server's CPU (0.3% of a core for one
-    frontend here). A tick only refreshes default headers (we send no date header) and notices
-    a requested exit, which now takes up to 0.5 s."""
+    frontend, and those wake-ups would be most of an idle server's CPU. A tick only refreshes
+    default headers (we send no date header) and notices a requested exit, which takes up to
+    0.5 s. It overrides ``uvicorn.Server.main_loop`` and calls its ``on_tick``, which are not
+    public: pyproject.toml pins uvicorn to the versions tested."""
 
     TICK_S = 0.5
 

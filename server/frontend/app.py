@@ -1,7 +1,8 @@
 """The HTTP/REST frontend: KServe v2 as Triton serves it, translated onto the broker channel.
 
-The frontend keeps no model state: every answer comes from the broker, so any number of frontend
-processes can serve one port.
+``Frontend`` holds the routes' handlers (Starlette); ``build_app`` puts them behind asgi.py's
+``FrontendApp``, which takes POST .../infer itself. The frontend keeps no model state: every
+answer comes from the broker, so any number of frontend processes can serve one port.
 """
 from __future__ import annotations
 
@@ -19,15 +20,14 @@ from starlette.routing import Route
 
 from shmserve.server import __version__
 
+from .asgi import FrontendApp
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from .generate import build_generate_request, generate_response
-
-from .inference import Inference, too_large
-from .known import JSON_HEADER, KnownRequests
+from .inference import Headers, Inference
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .openapi import openapi_endpoint
 from .settings import logging_endpoint
-from .tracing import Trace, Tracer, trace_endpoint, traced_infer
+from .tracing import Tracer, trace_endpoint
 
 log = logging.getLogger("shmserve.frontend")
 EXTENSIONS = ["classification", "binary_tensor_data", "model_configuration", "system_shared_memory",
@@ -44,51 +44,14 @@ def error_response(status: int, message: str) -> Response:
     return Response(orjson.dumps({"error": message}), status_code=status, media_type=JSON)
 
 
-async def read_body(scope: dict, receive: Any, limit: int) -> bytes | None:
-    """The whole request body, refused (BadRequest) as soon as its declared or received length
-    passes ``limit``, so a huge body is never held in memory; None when the client went away."""
-    declared = dict(scope["headers"]).get(b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit)
-    chunks = []
-    size = 0
-    more = True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large(size, limit)
-        chunks.append(chunk)
-        more = message.get("more_body", False)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def read_or_refuse(scope: dict, receive: Any, send: Any, limit: int) -> bytes | None:
-    """``read_body``, answering a too-large body itself: None when there is nothing left to do."""
-    try:
-        return await read_body(scope, receive, limit)
-    except BadRequest as e:
-        await _send_error(send, e)
-        return None
-
-
 class Frontend:
     def __init__(self, server_id: str, arena_bytes: int = 256 << 20, max_input_bytes: int = 1 << 31,
-                 max_tensor_elements: int = MAX_TENSOR_ELEMENTS, max_inflight: int = DEFAULT_SLOTS) -> None:
+                 max_tensor_elements: int = MAX_TENSOR_ELEMENTS, max_inflight: int = DEFAULT_SLOTS,
+                 poll_us: int = 0) -> None:
         self.server_id = server_id  # what /v2 reports as the server's name, as Triton reports its --id
-        self.link = BrokerLink(server_id, arena_bytes, max_inflight)
-        self.max_input_bytes = max_input_bytes
-        self.known = KnownRequests()  # parsed inference headers by their bytes (known.py)
+        self.link = BrokerLink(server_id, arena_bytes, max_inflight, poll_us)
         self.tracer = Tracer(server_id)  # trace extension (server/frontend/tracing.py)
-        # POST .../infer, compiled (inference.py): the protocol calls these directly.
-        self.inference = Inference(self.link, self.known, max_input_bytes, max_tensor_elements, arena_bytes)
-        self.start_infer = self.inference.start
-        self.rerun_infer = self.inference.rerun
-        self.begin_ingest = self.inference.begin_ingest
-        self.finish_ingest = self.inference.finish_ingest
+        self.inference = Inference(self.link, max_input_bytes, max_tensor_elements, arena_bytes)
 
     async def _control(self, doc: dict) -> tuple[int, Any]:
         return await self.link.control(doc)
@@ -147,12 +110,12 @@ class Frontend:
         return await self._answer({"op": "model_stats", "model": p.get("model", ""), "version": p.get("version", "")})
 
     async def infer_route(self, request: Request) -> Response:
-        """Inference through Starlette: only when InferFastPath did not take the request (it takes
-        every POST it recognizes); this route makes other methods a 405 instead of a 404."""
+        """Inference through Starlette: only for what FrontendApp did not take (it takes every
+        POST to an infer path); this route makes other methods a 405 instead of a 404."""
         p = request.path_params
         status, out, headers = await self.infer(p["model"], p.get("version", ""), dict(request.headers.raw),
                                                 await request.body())
-        return Response(out, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
+        return Response(bytes(out), status_code=status, headers={k.decode(): v.decode() for k, v in headers})
 
     async def model_ready(self, request: Request) -> Response:
         try:
@@ -198,16 +161,16 @@ class Frontend:
         return await self._repository_call(request, "unload")
 
     # -- inference ------------------------------------------------------------------------------
-    async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes,
-                    trace: Trace | None = None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        """``start_infer`` as a coroutine (the ASGI path: traced requests and the in-process app)."""
+    async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes
+                    ) -> tuple[int, bytes | memoryview, Headers]:
+        """``Inference.start`` as a coroutine."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
 
-        def reply(status: int, out: bytes | memoryview, out_headers: list[tuple[bytes, bytes]], sent: int = 0) -> None:
-            if not fut.done():  # (ASGI frameworks want bytes, and add to the headers: a kept answer's are shared)
-                fut.set_result((status, out if type(out) is bytes else bytes(out), list(out_headers)))
+        def reply(status: int, out: bytes | memoryview, out_headers: Headers) -> None:
+            if not fut.done():
+                fut.set_result((status, out, out_headers))
 
-        self.inference.start(model, version, headers, body, reply, trace)
+        self.inference.start(model, version, headers, body, reply)
         return await fut
 
     # -- generate extension ---------------------------------------------------------------------
@@ -339,8 +302,8 @@ class Frontend:
 
 def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bool = False,
               max_input_bytes: int = 1 << 31, max_tensor_elements: int = MAX_TENSOR_ELEMENTS,
-              max_inflight: int = DEFAULT_SLOTS) -> "InferFastPath":
-    fe = Frontend(server_id, arena_bytes, max_input_bytes, max_tensor_elements, max_inflight)
+              max_inflight: int = DEFAULT_SLOTS, poll_us: int = 0) -> FrontendApp:
+    fe = Frontend(server_id, arena_bytes, max_input_bytes, max_tensor_elements, max_inflight, poll_us)
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version}"
     routes = [
@@ -348,9 +311,9 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
         Route("/v2/health/ready", fe.ready),
         Route("/v2", fe.server_metadata),
         Route("/v2/openapi.json", openapi_endpoint),
-        Route("/v2/logging", logging_endpoint(fe), methods=["GET", "POST"]),
-        Route("/v2/trace/setting", trace_endpoint(fe), methods=["GET", "POST"]),
-        Route(m + "/trace/setting", trace_endpoint(fe), methods=["GET", "POST"]),
+        Route("/v2/logging", logging_endpoint(fe.link), methods=["GET", "POST"]),
+        Route("/v2/trace/setting", trace_endpoint(fe.link, fe.tracer), methods=["GET", "POST"]),
+        Route(m + "/trace/setting", trace_endpoint(fe.link, fe.tracer), methods=["GET", "POST"]),
         Route("/v2/models/stats", fe.model_stats),
         Route(m + "/stats", fe.model_stats), Route(mv + "/stats", fe.model_stats),
         Route(m, fe.model_metadata), Route(mv, fe.model_metadata),
@@ -391,84 +354,4 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: http_error, 405: http_error})
     app.state.allow_remote_shm = allow_remote_shm
-    app.state.frontend = fe
-    return InferFastPath(fe, app)
-
-
-def infer_target(url: bytes) -> tuple[str, str] | None:
-    """(model, version) when the request target ``url`` is an infer endpoint in plain origin form;
-    None for anything else, percent-escapes included (those take the ASGI path, which decodes)."""
-    path = url.split(b"?", 1)[0]
-    if path.find(b"%") >= 0 or not path.startswith(b"/v2/models/"):  # (see protocol._start on ``in``)
-        return None
-    try:
-        return _infer_target(path.decode("ascii"))
-    except UnicodeDecodeError:
-        return None
-
-
-def _infer_target(path: str) -> tuple[str, str] | None:
-    """(model, version) when ``path`` is an infer endpoint."""
-    parts = path.split("/")
-    n = len(parts)
-    if n == 5 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "infer":
-        return parts[3], ""
-    if n == 7 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "versions" and parts[6] == "infer":
-        return parts[3], parts[5]
-    return None
-
-
-class InferFastPath:
-    """Plain ASGI in front of Starlette: POST .../infer skips routing, middleware and request
-    objects (a third of the frontend's time per small request); everything else goes to Starlette.
-    """
-
-    def __init__(self, fe: Frontend, app: Starlette) -> None:
-        self.fe = fe
-        self.app = app
-        self.state = app.state
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            target = _infer_target(scope["path"])
-            if target is not None:
-                if self.fe.tracer.on:  # the one check untraced requests pay
-                    await traced_infer(self, target, scope, receive, send)
-                    return
-                headers = dict(scope["headers"])
-                body = await read_or_refuse(scope, receive, send, self.fe.max_input_bytes)
-                if body is None:
-                    return
-                status, out, out_headers = await self.fe.infer(target[0], target[1], headers, body)
-                out_headers.append((b"content-length", str(len(out)).encode()))
-                await send({"type": "http.response.start", "status": status, "headers": out_headers})
-                await send({"type": "http.response.body", "body": out})
-                return
-        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
-            # Every other body (control requests, generate) is read here under the same limit,
-            # then replayed to Starlette; later receives (disconnects) go to the server's own.
-            body = await read_or_refuse(scope, receive, send, self.fe.max_input_bytes)
-            if body is None:
-                return
-            receive = _replay(body, receive)
-        await self.app(scope, receive, send)
-
-
-async def _send_error(send: Any, e: BadRequest) -> None:
-    out = orjson.dumps({"error": str(e)})
-    await send({"type": "http.response.start", "status": e.status,
-                "headers": [JSON_HEADER, (b"content-length", str(len(out)).encode())]})
-    await send({"type": "http.response.body", "body": out})
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    sent = False
-
-    async def replay() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
+    return FrontendApp(fe.inference, fe.tracer, app)

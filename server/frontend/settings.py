@@ -7,7 +7,7 @@ them up from the broker's published copy.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 from starlette.requests import Request
@@ -15,15 +15,12 @@ from starlette.responses import Response
 
 from shmserve.shm import logs
 
-from .link import BrokerError
-
-if TYPE_CHECKING:
-    from .app import Frontend
+from .link import BrokerError, BrokerLink
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def settings_endpoint(fe: "Frontend", op: str, applied: Callable[[Any], None], per_model: bool = False) -> Endpoint:
+def settings_endpoint(link: BrokerLink, op: str, applied: Callable[[Any], None], per_model: bool = False) -> Endpoint:
     """Forward GET/POST to the broker's ``op``; ``applied`` follows a change in this process."""
 
     async def endpoint(request: Request) -> Response:
@@ -37,7 +34,7 @@ def settings_endpoint(fe: "Frontend", op: str, applied: Callable[[Any], None], p
             except orjson.JSONDecodeError as e:
                 return _json(400, {"error": f"failed to parse the request JSON buffer: {e}"})
         try:
-            status, answer = await fe.link.control(doc)
+            status, answer = await link.control(doc)
         except BrokerError as e:
             return _json(e.status, {"error": str(e)})
         if status == 200 and "update" in doc:
@@ -47,9 +44,9 @@ def settings_endpoint(fe: "Frontend", op: str, applied: Callable[[Any], None], p
     return endpoint
 
 
-def logging_endpoint(fe: "Frontend") -> Endpoint:
+def logging_endpoint(link: BrokerLink) -> Endpoint:
     """``GET/POST /v2/logging`` (shm/logs.py holds the settings' meaning)."""
-    return settings_endpoint(fe, "log_settings", logs.configure)
+    return settings_endpoint(link, "log_settings", logs.configure)
 
 
 def _json(status: int, doc: object) -> Response:

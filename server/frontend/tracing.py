@@ -1,19 +1,19 @@
 """The frontend's part of Triton's trace extension: the endpoints, sampling, and writing records.
 
 The broker owns the settings (server/broker/tracing.py) and publishes them in the trace segment;
-each frontend follows them with a small thread (and at once after a POST it answered), so the
-infer path only reads ``Tracer.on``. When it is set, ``traced_infer`` takes over the request:
-it samples (a local counter per setting object for ``rate``; the trace count and id under the
-shared lock, so they are exact across frontends), stamps the HTTP and request times, lets the
-worker (and the broker, for the requests it queues) add theirs to the response, and writes one
-record when the response is sent. See shm/trace.py for the file format and Triton's sources.
+each frontend follows them on its loop's tick (and at once after a POST it answered), so the
+infer path only reads ``Tracer.on``. When it is set, the infer path (asgi.py) samples requests
+(a local counter per setting object for ``rate``; the trace count and id under the shared lock,
+so they are exact across frontends), stamps the HTTP and request times, lets the worker (and
+the broker, for the requests it queues) add theirs to the response, and writes one record when
+the response is sent. See shm/trace.py for the file format and Triton's sources.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 from starlette.requests import Request
@@ -23,10 +23,8 @@ from shmserve.shm import trace as tr
 from shmserve.shm.names import pid_alive
 from shmserve.shm.trace import FileWriter, TraceShared
 
+from .link import BrokerLink
 from .settings import settings_endpoint
-
-if TYPE_CHECKING:
-    from .app import Frontend, InferFastPath
 
 log = logging.getLogger("shmserve.trace")
 (HTTP_RECV_START, HTTP_RECV_END, REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END,
@@ -198,34 +196,8 @@ class Tracer:
         return self._otel
 
 
-async def traced_infer(fast: "InferFastPath", target: tuple[str, str], scope: dict, receive: Any,
-                       send: Any) -> None:
-    """InferFastPath's path while tracing is on: the same steps, with timestamps around them."""
-    from .app import read_or_refuse  # app imports this module
-
-    trace = fast.fe.tracer.sample(target[0])
-    recv_start = time.monotonic_ns()
-    headers = dict(scope["headers"])
-    body = await read_or_refuse(scope, receive, send, fast.fe.max_input_bytes)  # the same early size check
-    if body is None:
-        return
-    recv_end = time.monotonic_ns()
-    status, out, out_headers = await fast.fe.infer(target[0], target[1], headers, body, trace)
-    out_headers.append((b"content-length", str(len(out)).encode()))
-    send_start = time.monotonic_ns()
-    await send({"type": "http.response.start", "status": status, "headers": out_headers})
-    await send({"type": "http.response.body", "body": out})
-    if trace is not None:
-        ns = trace.ns
-        ns[HTTP_RECV_START], ns[HTTP_RECV_END], ns[HTTP_SEND_START] = recv_start, recv_end, send_start
-        ns[HTTP_SEND_END] = time.monotonic_ns()
-        if not ns[REQUEST_START]:  # refused before it became a request
-            ns[REQUEST_START] = recv_end
-        fast.fe.tracer.finish(trace)
-
-
-def trace_endpoint(fe: "Frontend") -> Callable[[Request], Awaitable[Response]]:
+def trace_endpoint(link: BrokerLink, tracer: Tracer) -> Callable[[Request], Awaitable[Response]]:
     """GET/POST ``v2[/models/<model>]/trace/setting``: forwarded to the broker, which owns them;
     this frontend follows a change at once, the others within their next tick (0.5 s)."""
-    return settings_endpoint(fe, "trace_settings", lambda _: fe.tracer.refresh(), per_model=True)
+    return settings_endpoint(link, "trace_settings", lambda _: tracer.refresh(), per_model=True)
 

@@ -1,6 +1,5 @@
 """The wire protocol's fixed layouts: a manifest (length, JSON document, 64-byte aligned tensor
-data) round-trips, the send time is rewritten in place only when its length stays, and the record
-and slot layouts fit where the segments expect them."""
+data) round-trips, and the record and slot layouts fit where the segments expect them."""
 from __future__ import annotations
 
 import struct
@@ -9,7 +8,6 @@ import orjson
 import pytest
 
 from shmserve.shm import protocol as p
-from shmserve.shm.connection import Connection
 
 
 def buffer(size: int = 4096) -> memoryview:
@@ -35,45 +33,24 @@ def test_a_manifest_round_trips_and_its_data_starts_aligned_after_it(offset):
     assert p.read_manifest(buf, offset) == doc
 
 
-def test_the_send_time_is_rewritten_in_place_when_it_keeps_its_length():
-    buf = buffer()
-    prefix = Connection.prepared_prefix({"model": "m", "inputs": []})
-    start = p.write_manifest(buf, 128, b"%b%d}" % (prefix, 1000))
-    buf[start:start + 3] = b"abc"
-    assert p.rewrite_send_time(buf, 128, len(prefix), 9999) == start
-    assert p.read_manifest(buf, 128)["t"] == 9999
-    assert bytes(buf[start:start + 3]) == b"abc"
-
-
-@pytest.mark.parametrize("new", [999, 10000])
-def test_a_send_time_of_another_length_is_refused_and_nothing_written(new):
-    buf = buffer()
-    prefix = Connection.prepared_prefix({"model": "m"})
-    p.write_manifest(buf, 0, b"%b%d}" % (prefix, 1000))
-    before = bytes(buf)
-    assert p.rewrite_send_time(buf, 0, len(prefix), new) == -1
-    assert bytes(buf) == before
-
-
 def test_a_request_record_round_trips_with_its_flags_apart_from_its_kind():
     buf = buffer(p.RECORD.size)
-    kind = p.REQ_INFER | p.REQ_POLLING | p.REQ_DIRECT
+    kind = p.REQ_INFER | p.REQ_POLLING
     p.RECORD.pack_into(buf, 0, kind, 7, 1 << 40, 123, (1 << 64) - 1)
     got = p.RECORD.unpack_from(buf, 0)
     assert got == (kind, 7, 1 << 40, 123, (1 << 64) - 1)
-    assert got[0] & 0xFF == p.REQ_INFER and got[0] & p.REQ_POLLING and got[0] & p.REQ_DIRECT
-    assert {p.REQ_INFER, p.REQ_CONTROL, p.REQ_BYE}.isdisjoint({p.REQ_POLLING, p.REQ_DIRECT})
+    assert got[0] & 0xFF == p.REQ_INFER and got[0] & p.REQ_POLLING
+    assert p.REQ_POLLING not in {p.REQ_INFER, p.REQ_CONTROL, p.REQ_BYE}
     assert p.RECORD.size == 32
 
 
-def test_a_slot_and_its_wake_word_fit_in_its_64_bytes():
-    assert p.SLOT.size <= p.SLOT_WAKE_OFFSET and p.SLOT_WAKE_OFFSET + 4 <= p.SLOT_BYTES == 64
-    buf = buffer(p.SLOT_BYTES)
-    fields = (p.SLOT_DONE, 200, p.ROLE_WORKER, 5, 4096, 100, 2, p.SENT_ALL, 987654321)
+def test_a_slot_round_trips_within_its_64_bytes():
+    assert p.SLOT.size <= p.SLOT_BYTES == 64
+    buf = buffer(p.SLOT_BYTES * 2)
+    fields = (p.SLOT_DONE, 200, p.ROLE_WORKER, 5, 4096, 100, 2)
     p.SLOT.pack_into(buf, 0, *fields)
-    struct.pack_into("<I", buf, p.SLOT_WAKE_OFFSET, 1)
-    assert p.SLOT.unpack_from(buf, 0) == fields  # the wake word is past the slot's fields
-    assert p.SENT_ALL != p.SENT_REFUSED and p.SENT_REFUSED > 0
+    assert p.SLOT.unpack_from(buf, 0) == fields
+    assert bytes(buf[p.SLOT_BYTES:]) == bytes(p.SLOT_BYTES)  # nothing spills into the next slot
     assert len({p.SLOT_FREE, p.SLOT_PENDING, p.SLOT_DONE}) == 3 and p.ROLE_NAMES[p.ROLE_WORKER] == "worker"
 
 
@@ -85,7 +62,3 @@ def test_a_connect_record_carries_a_segment_name_nul_padded():
         p.CONNECT.pack(1, "x")  # type: ignore[arg-type]  # names go as bytes
 
 
-def test_the_direct_trailer_round_trips():
-    fields = (17, 300, 120, 0, 1 << 50)
-    assert p.DIRECT_TRAILER.unpack(p.DIRECT_TRAILER.pack(*fields)) == fields
-    assert p.DIRECT_TRAILER.size == 24

@@ -1,0 +1,197 @@
+"""The frontend's ASGI application as uvicorn runs it: POST .../infer straight to ``Inference``,
+every other request to the Starlette routes of app.py.
+
+An infer request skips Starlette's routing, middleware and request objects: its body is read
+from ``receive`` under the size limit (a large binary body is copied into its shared-memory block
+as it arrives, ingest.py), ``Inference.start`` submits it, and the answer goes out as one
+``http.response.start`` and one ``http.response.body``. While tracing is on, the sampled requests
+carry their HTTP timestamps too.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+
+from .codec import BadRequest
+from .inference import JSON_HEADER, Headers, Inference, too_large
+from .ingest import BodyIngest, header_length
+from .tracing import HTTP_RECV_END, HTTP_RECV_START, HTTP_SEND_END, HTTP_SEND_START, REQUEST_START, Trace, Tracer
+
+
+def infer_target(path: str) -> tuple[str, str] | None:
+    """(model, version) when ``path`` is an infer endpoint."""
+    parts = path.split("/")
+    n = len(parts)
+    if n == 5 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "infer":
+        return parts[3], ""
+    if n == 7 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "versions" and parts[6] == "infer":
+        return parts[3], parts[5]
+    return None
+
+
+class FrontendApp:
+    """Plain ASGI in front of Starlette (see the module's docstring)."""
+
+    def __init__(self, inference: Inference, tracer: Tracer, app: Starlette) -> None:
+        self.inference = inference
+        self.tracer = tracer
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            target = infer_target(scope["path"])
+            if target is not None:
+                await self.infer(target[0], target[1], scope, receive, send)
+                return
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
+            # Every other body (control requests, generate) is read here under the same limit,
+            # then replayed to Starlette; later receives (disconnects) go to the server's own.
+            body = await read_or_refuse(scope, receive, send, self.inference.max_input_bytes)
+            if body is None:
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+    async def infer(self, model: str, version: str, scope: dict, receive: Any, send: Any) -> None:
+        trace = self.tracer.sample(model) if self.tracer.on else None
+        recv_start = time.monotonic_ns()
+        headers = dict(scope["headers"])
+        inference = self.inference
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def reply(status: int, out: bytes | memoryview, out_headers: Headers) -> None:
+            if not fut.done():
+                fut.set_result((status, out, out_headers))
+
+        try:
+            body = await read_infer_body(inference, model, version, headers, receive, None if trace else loop)
+        except BadRequest as e:
+            await send_error(send, e)
+            return
+        if body is None:
+            return  # the client went away
+        recv_end = time.monotonic_ns()
+        if isinstance(body, BodyIngest):
+            inference.finish_ingest(model, version, headers, body, reply)
+        else:
+            inference.start(model, version, headers, body, reply, trace)
+        status, out, out_headers = await fut
+        out_headers.append((b"content-length", b"%d" % len(out)))
+        send_start = time.monotonic_ns()
+        await send({"type": "http.response.start", "status": status, "headers": out_headers})
+        await send({"type": "http.response.body", "body": out})
+        if trace is not None:
+            self._finish_trace(trace, recv_start, recv_end, send_start)
+
+    def _finish_trace(self, trace: Trace, recv_start: int, recv_end: int, send_start: int) -> None:
+        ns = trace.ns
+        ns[HTTP_RECV_START], ns[HTTP_RECV_END], ns[HTTP_SEND_START] = recv_start, recv_end, send_start
+        ns[HTTP_SEND_END] = time.monotonic_ns()
+        if not ns[REQUEST_START]:  # refused before it became a request
+            ns[REQUEST_START] = recv_end
+        self.tracer.finish(trace)
+
+
+async def read_infer_body(inference: Inference, model: str, version: str, headers: dict[bytes, bytes],
+                          receive: Any, loop: asyncio.AbstractEventLoop | None) -> bytes | BodyIngest | None:
+    """An infer request's body (BadRequest past the size limit; None if the client went away).
+    With a ``loop``, a large binary body is taken into its request block as it arrives: a
+    ``BodyIngest`` holding it whole then."""
+    limit = inference.max_input_bytes
+    declared = headers.get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    head_len = header_length(headers) if loop is not None else -1
+    chunks: list[bytes] = []
+    size = 0
+    ingest: BodyIngest | None = None
+    more = True
+    try:
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if ingest is not None:
+                    ingest.discard()
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large(size, limit)
+            more = message.get("more_body", False)
+            if ingest is not None:
+                ingest.feed(chunk)
+                continue
+            chunks.append(chunk)
+            if 0 < head_len <= size and more:
+                joined = b"".join(chunks)
+                chunks = [joined]
+                ingest = inference.begin_ingest(model, version, joined[:head_len],
+                                                int(headers[b"content-length"]) - head_len, loop)  # type: ignore[arg-type]
+                head_len = -1
+                if ingest is not None:
+                    ingest.feed(memoryview(joined)[len(ingest.head):])
+    except BaseException:
+        if ingest is not None:
+            ingest.discard()
+        raise
+    if ingest is not None:
+        spilled = ingest.finish()
+        return ingest if spilled is None else spilled
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def read_body(scope: dict, receive: Any, limit: int) -> bytes | None:
+    """The whole request body, refused (BadRequest) as soon as its declared or received length
+    passes ``limit``, so a huge body is never held in memory; None when the client went away."""
+    declared = dict(scope["headers"]).get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    chunks = []
+    size = 0
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def read_or_refuse(scope: dict, receive: Any, send: Any, limit: int) -> bytes | None:
+    """``read_body``, answering a too-large body itself: None when there is nothing left to do."""
+    try:
+        return await read_body(scope, receive, limit)
+    except BadRequest as e:
+        await send_error(send, e)
+        return None
+
+
+async def send_error(send: Any, e: BadRequest) -> None:
+    out = orjson.dumps({"error": str(e)})
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": [JSON_HEADER, (b"content-length", b"%d" % len(out))]})
+    await send({"type": "http.response.body", "body": out})
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

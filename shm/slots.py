@@ -1,0 +1,196 @@
+"""A connection's completion slots: which are free, what each request in flight waits for, and
+running the callbacks of those answered.
+
+Each request takes a slot in the client segment's table. Whoever answers it (a worker, or the
+broker) writes the answer's place into the slot and marks it done last; the owner then finds it
+done here, builds its ``Completion`` and runs the request's callback. A streaming request also
+has a ring in its own block, where its worker puts one record per response before it completes
+the slot.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+import numpy as np
+import posix_ipc
+
+from .channel import ClientSegment
+from .completion import Callback, Completion
+from .names import object_name
+from .protocol import NO_ROOM, RECORD, ROLE_BROKER, ROLE_NAMES, ROLE_WORKER, SLOT_BYTES, SLOT_DONE, SLOT_FREE, \
+    SLOT_PENDING, STREAM_CAPACITY
+from .ring import Ring
+from .routes import Router
+from .segment import SegmentCache
+
+log = logging.getLogger("shmserve.client")
+
+
+class Slots:
+    """The slot table of one client segment, seen from its owner. ``lock`` guards the
+    bookkeeping (and the connection's arena allocations): callbacks run without it."""
+
+    def __init__(self, server_id: str, seg: ClientSegment, router: Router) -> None:
+        self.server_id = server_id
+        self.seg = seg
+        self.router = router
+        self.lock = threading.Lock()
+        n = seg.nslots
+        self._free = collections.deque(range(n))
+        self.inflight: set[int] = set()
+        self._streams: dict[int, tuple[Ring, Callback]] = {}  # slot -> its response ring
+        self._callbacks: list[tuple[Callback, int] | None] = [None] * n  # slot -> (callback, request block)
+        self._targets: list[int] = [0] * n  # slot -> the worker it went to, plus one (0: the broker)
+        self._states = seg.slot_states
+        # The same states as 32-bit words: a memoryview's item read costs a third of numpy's, and
+        # a waiting caller reads them on every poll.
+        base = seg.slots_offset
+        self._words = seg.seg.buf[base:base + n * SLOT_BYTES].cast("I")
+        self._stride = SLOT_BYTES // 4
+        self._segments = SegmentCache()
+        self._producer_bufs: dict[tuple[int, int], memoryview] = {}
+
+    # -- taking and giving back (``lock`` held) ---------------------------------------------------
+    def take(self, callback: Callback, off: int, stream: tuple[int, Callback] | None) -> int:
+        """A slot for the request whose block is at ``off``; ``stream``: (where its response ring
+        lies, the callback of each response). -1 if none is free."""
+        if not self._free:
+            return -1
+        slot = self._free.popleft()
+        self._callbacks[slot] = (callback, off)
+        self.inflight.add(slot)
+        if stream is not None:
+            ring = Ring(self.seg.seg.buf, stream[0], STREAM_CAPACITY, RECORD)
+            ring.reset()
+            self._streams[slot] = (ring, stream[1])
+        return slot
+
+    def target(self, slot: int, worker: int | None) -> None:
+        """Say where the request went: a worker's lane, or (None) the broker. The target before
+        the state: the broker reads a pending slot's target to answer requests lost with a
+        worker, and must never see one left from the slot's last use."""
+        self.seg.set_target(slot, 0 if worker is None else worker + 1)
+        self._words[slot * self._stride] = SLOT_PENDING
+
+    def went_to(self, slot: int, worker: int) -> None:
+        """The request is on ``worker``'s lane: one more of ours in flight there."""
+        self._targets[slot] = worker + 1
+        self.router.began(worker)
+
+    def give_back(self, slot: int) -> None:
+        """A request that could not be sent after all."""
+        self.seg.set_slot_state(slot, SLOT_FREE)
+        self._callbacks[slot] = None
+        self.inflight.discard(slot)
+        self._streams.pop(slot, None)
+        self._free.append(slot)
+
+    # -- completing -------------------------------------------------------------------------------
+    def has_done(self) -> bool:
+        """Polled while waiting: anything answered, in the fewest steps for a few in flight."""
+        if self._streams and any(ring.pending() for ring, _ in list(self._streams.values())):
+            return True
+        inflight = self.inflight
+        if len(inflight) < 64:
+            words, stride = self._words, self._stride
+            for s in list(inflight):
+                if words[s * stride] == SLOT_DONE:
+                    return True
+            return False
+        return bool(self._done())
+
+    def complete_all(self) -> bool:
+        """Run the callbacks of everything answered so far; True if there was anything."""
+        # Streamed responses first: a request's final completion comes after all of them.
+        streamed = 0
+        for ring, on_response in list(self._streams.values()):
+            streamed += self._drain_stream(ring, on_response)
+        done = self._done()
+        for slot in done:
+            stream = self._streams.pop(slot, None)
+            if stream is not None:  # the worker filled the ring before it completed the slot
+                self._drain_stream(*stream)
+            self._complete(slot)
+        return bool(streamed or done)
+
+    def fail_all(self, msg: str) -> None:
+        """Answer every request still in flight with a 503 carrying ``msg``."""
+        with self.lock:
+            pending = [(i, e) for i, e in enumerate(self._callbacks) if e is not None]
+            for i, _ in pending:
+                self._callbacks[i] = None
+            self.inflight.clear()
+            self._streams.clear()
+        for _, (callback, req_off) in pending:
+            try:
+                callback(Completion(503, None, 0, {"error": msg}, request=(self.seg.seg.buf, req_off)))
+            except Exception:  # noqa: BLE001
+                log.exception("completion callback failed")
+
+    def close(self) -> None:
+        self._producer_bufs.clear()
+        self._segments.clear()
+
+    def _done(self) -> list[int]:
+        """Slots answered since we last looked; a plain scan of the few in flight is cheaper than
+        numpy over the whole table until many are in flight."""
+        inflight = self.inflight
+        if len(inflight) < 64:
+            words, stride = self._words, self._stride
+            return [s for s in list(inflight) if words[s * stride] == SLOT_DONE]
+        return np.flatnonzero(self._states == SLOT_DONE).tolist()
+
+    def _producer_buf(self, role: int, num: int) -> memoryview:
+        """The mapping an answer lies in (kept per producer: the cache unmaps only at close)."""
+        buf = self._producer_bufs.get((role, num))
+        if buf is None:
+            name = object_name(self.server_id, "broker", 0) if role == ROLE_BROKER else \
+                object_name(self.server_id, ROLE_NAMES[role], num)
+            buf = self._producer_bufs[(role, num)] = self._segments.get(name).buf
+        return buf
+
+    def _drain_stream(self, ring: Ring, on_response: Callback) -> int:
+        records = ring.drain()
+        for status, _, off, _, num in records:
+            try:
+                completion = Completion(status, self._producer_buf(ROLE_WORKER, num), off)
+            except (posix_ipc.ExistentialError, KeyError, OSError):
+                continue
+            try:
+                on_response(completion)
+            except Exception:  # noqa: BLE001
+                log.exception("stream callback failed")
+                completion.release()
+        return len(records)
+
+    def _complete(self, slot: int) -> None:
+        with self.lock:
+            entry = self._callbacks[slot]
+            if entry is None or self._words[slot * self._stride] != SLOT_DONE:
+                return  # already completed, or failed with the server
+            _, status, role, num, off, _, _ = self.seg.read_slot(slot)
+            self._callbacks[slot] = None
+            self.inflight.discard(slot)
+            target = self._targets[slot]
+            if target:
+                self._targets[slot] = 0
+                self.router.ended(target - 1)
+            self._words[slot * self._stride] = SLOT_FREE
+            self._free.append(slot)
+        callback, req_off = entry
+        request = (self.seg.seg.buf, req_off)
+        try:
+            if off:
+                completion = Completion(status, self._producer_buf(role, num), off, request=request)
+            else:  # no block (0 is never a block's offset): its producer had no room, not even for an error
+                completion = Completion(status, None, 0, {"error": NO_ROOM}, request=request)
+        except (posix_ipc.ExistentialError, KeyError, OSError):
+            completion = Completion(500, None, 0, {"error": "the response was lost: its producer is gone"},
+                                    request=request)
+        try:
+            callback(completion)
+        except Exception:  # noqa: BLE001 - a faulty callback must not kill the waiter thread
+            log.exception("completion callback failed")
+            completion.release()

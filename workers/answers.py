@@ -1,0 +1,160 @@
+"""A worker's answers: a model's response encoded as a JSON document and output bytes, written as
+a block into the worker's own arena (or into the region the client named), and the client's
+slot completed.
+
+Completions wait until the round's counters are flushed (``send_completions``), so a client that
+sees its answer also sees it counted in the metrics, and each client is woken once per round
+however many of its requests the round answered.
+"""
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from typing import Any
+
+import orjson
+import posix_ipc
+
+from shmserve.shm.arena import Arena
+from shmserve.shm.channel import NOTIFY_BROKER, ClientSegment
+from shmserve.shm.copying import copy_into
+from shmserve.shm.protocol import ROLE_WORKER, manifest_room, write_manifest
+from shmserve.shm.segment import SegmentCache, StaleRegion
+from shmserve.shm.tensors import byte_view, serialize_bytes, wire_datatype
+from shmserve.shm.waker import Waker
+
+from .backend import Response
+from .classification import ClassificationError, classify
+from .cuda import CudaError
+from .cuda import runtime as cuda_runtime
+from .requests import RequestError
+
+log = logging.getLogger("shmserve.worker")
+
+
+class ModelInfo:
+    """What encoding needs to know of the model an instance serves (set once it is loaded)."""
+
+    __slots__ = ("version", "instance_name", "batched", "decoupled", "labels")
+
+    def __init__(self, version: int, instance_name: str, batched: bool = False, decoupled: bool = False,
+                 labels: dict[str, list[str]] | None = None) -> None:
+        self.version = version
+        self.instance_name = instance_name
+        self.batched = batched  # max_batch_size > 0: outputs' first dimension is the batch
+        self.decoupled = decoupled  # responses may carry only some outputs
+        self.labels = labels or {}  # output name -> its label_filename's lines (classification)
+
+
+class Answers:
+    """One worker's output arena, and the answers of the current round waiting to be completed."""
+
+    def __init__(self, num: int, model: ModelInfo, arena: Arena, buf: memoryview, segments: SegmentCache,
+                 broker_waker: Waker) -> None:
+        self.num = num
+        self.model = model
+        self.arena = arena
+        self.buf = buf  # the worker segment's mapping (the arena lies in it)
+        self.segments = segments  # other processes' segments outputs may be placed in
+        self.broker_waker = broker_waker
+        self.phases = (0, 0, 0)  # the running batch's start, inputs built, executed: trace timestamps
+        # answers to complete once the counters are flushed: (client, slot, status, offset, length)
+        self._notes: list[tuple[ClientSegment, int, int, int, int]] = []
+
+    def deliver(self, client: ClientSegment, entry: dict, status: int, doc: bytes, tensors: list[tuple[int, Any]]
+                ) -> None:
+        """Write one response block (JSON, then tensor bytes); its client hears of it in
+        ``send_completions``."""
+        override, off, total = self.write_block(entry, doc, tensors)
+        self._notes.append((client, entry["slot"], override or status, off, total))
+
+    def send_completions(self) -> None:
+        """Complete the answered slots, then wake each client once (not once per response)."""
+        notes, self._notes = self._notes, []
+        woken: list[ClientSegment] = []
+        for client, slot, status, off, total in notes:
+            client.complete(slot, status, ROLE_WORKER, self.num, off, total)
+            if client not in woken:
+                woken.append(client)
+        for client in woken:
+            (self.broker_waker if client.notify_kind == NOTIFY_BROKER else client.waker).notify()
+
+    def encode(self, entry: dict, resp: Response) -> tuple[int, bytes, list[tuple[int, Any]]]:
+        """(status, JSON, tensor chunks) of a response; outputs placed in regions are written now."""
+        if resp.error is not None:
+            return resp.status, orjson.dumps({"error": resp.error}), []
+        model = self.model
+        wanted = entry.get("outputs")
+        names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
+        placed = {o["name"]: o for o in wanted or () if "seg" in o or "cuda" in o}
+        classes = {o["name"]: o["class"] for o in wanted if "class" in o} if wanted else {}
+        outs, tensors, pos = [], [], 0
+        try:
+            for name in names:
+                if name not in resp.outputs:
+                    if model.decoupled:
+                        continue  # a streamed response may carry only some outputs
+                    raise RequestError(f"output '{name}' was requested but the model did not produce it")
+                arr = resp.outputs[name]
+                if name in classes:
+                    arr = classify(name, arr, classes[name], model.batched, model.labels.get(name))
+                datatype = wire_datatype(arr)
+                data = serialize_bytes(arr) if datatype == "BYTES" else byte_view(arr)
+                n = len(data)
+                desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape), "size": n}
+                target = placed.get(name)
+                if target is not None:
+                    self._place(name, target, data)
+                    desc["region"] = True
+                else:
+                    desc["off"] = pos
+                    tensors.append((n, data))
+                    pos += n
+                outs.append(desc)
+        except (RequestError, ValueError, TypeError, CudaError, OSError, posix_ipc.Error) as e:
+            # OSError/posix_ipc: the segment to write into is gone (its client died): nobody to tell.
+            status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion, ClassificationError)) else 500
+            return status, orjson.dumps({"error": str(e)}), []
+        doc: dict[str, Any] = {"version": model.version, "outputs": outs}
+        if resp.parameters:
+            doc["params"] = resp.parameters
+        if "tr" in entry:  # traced: QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
+            doc["tr"] = [entry["tr"], *self.phases, time.monotonic_ns()]
+        return 200, orjson.dumps(doc), tensors
+
+    def _place(self, name: str, target: dict, data: Any) -> None:
+        """Write an output into the region (or device memory) the client named for it."""
+        n = len(data)
+        if n > target["size"]:
+            raise RequestError(f"shared memory region for output '{name}' holds {target['size']} bytes but the "
+                               f"output needs {n}")
+        if "cuda" in target:
+            ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
+            cuda_runtime().to_device(ptr + target["off"], data)
+        else:
+            seg = self.segments.get(target["seg"], target.get("ino", 0), target["off"] + n)
+            copy_into(seg.buf[target["off"]:target["off"] + n], data)
+
+    def write_block(self, entry: dict, doc: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int]:
+        """(status override or 0, offset, length) of a response block in our arena; (503, 0, 0) if
+        not even an error fits: the slot is completed without a block, which its client reads as
+        ``shm.protocol.NO_ROOM`` (no request is left unanswered)."""
+        room = manifest_room(len(doc))
+        total = room + sum(n for n, _ in tensors)
+        off = self.arena.alloc(total, entry["pid"])
+        status = 0
+        if off < 0:
+            doc = orjson.dumps({"error": f"model instance '{self.model.instance_name}' has no room for a "
+                                         f"{total}-byte response in its output arena; retry later"})
+            status, tensors = 503, []
+            total = manifest_room(len(doc))
+            off = self.arena.alloc(total, entry["pid"])
+            if off < 0:
+                log.error("output arena exhausted; request %s answered 503 without a block", entry.get("id"))
+                return 503, 0, 0
+        pos = write_manifest(self.buf, off, doc)
+        for n, data in tensors:
+            copy_into(self.buf[pos:pos + n], data)
+            pos += n
+        return status, off, total

@@ -1,0 +1,101 @@
+"""What a request on a worker's lane asks for, checked here instead of in the broker.
+
+A client puts an inference request straight on a worker's lane: a descriptor in the client's own
+arena (inputs, outputs, options) followed by the tensor bytes. The worker checks the descriptor
+against the model's signature, and turns it into an *entry*: the same request with every tensor
+located (a segment name, an offset, a size), bounds-checked against the client's arena or a
+region the broker published. Requests the broker forwards arrive as entries already.
+"""
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from shmserve.shm.channel import ClientSegment
+from shmserve.shm.region_table import RegionTable, locate
+from shmserve.shm.segment import SegmentCache
+from shmserve.shm.tensors import from_buffer
+
+from .cuda import runtime as cuda_runtime
+from shmserve.signature import ModelSignature, queue_options
+
+
+class RequestError(Exception):
+    """A problem with one request (not the batch): answered as a 400 to that client only."""
+
+    status = 400
+
+
+class DecoupledOnly(RequestError):
+    """A single-answer request to a decoupled model: Triton's UNSUPPORTED (501), with its text."""
+
+    status = 501
+
+    def __init__(self) -> None:
+        super().__init__("HTTP end point doesn't support models with decoupled transaction policy")
+
+
+def check_request(signature: ModelSignature, regions: RegionTable, decoupled: bool, client: ClientSegment,
+                  doc: dict, data_start: int, entry: dict) -> tuple[int, int, int, int]:
+    """Check a lane request's descriptor ``doc`` (its tensor bytes start at ``data_start``) and
+    fill ``entry``; returns (batch size, priority, queue timeout in us, send time). Raises
+    InvalidRequest or RequestError for what the client got wrong."""
+    if decoupled and "stream" not in doc:
+        raise DecoupledOnly()  # before the inputs are looked at, as in Triton
+    batch = signature.check_inputs(doc["inputs"], doc.get("id", ""))
+    signature.check_outputs(doc.get("outputs"))
+    priority, timeout_us, sent_ns = queue_options(doc)
+    entry.update(id=doc.get("id", ""), params=doc.get("params"), corr=doc.get("corr", 0),
+                 flags=doc.get("flags", 0), t=sent_ns)
+    if "tr" in doc:
+        entry["tr"] = 0  # traced; no broker queue (the frontend's submit is its QUEUE_START)
+    entry["inputs"] = [_locate(regions, client, t, data_start) for t in doc["inputs"]]
+    outputs = doc.get("outputs")
+    entry["outputs"] = [_output(regions, client, o, data_start) for o in outputs] if outputs else None
+    if "stream" in doc:
+        entry["stream"] = {"seg": client.name, "off": data_start + int(doc["stream"])}
+        if not client.arena_offset <= entry["stream"]["off"] <= client.seg.size - 4096:
+            raise RequestError("the response ring lies outside the client's arena")
+    return batch, priority, timeout_us, sent_ns
+
+
+def _output(regions: RegionTable, client: ClientSegment, o: dict, data_start: int) -> dict:
+    out = {"name": o["name"]} if "data" not in o and "region" not in o \
+        else _locate(regions, client, o, data_start, "output")
+    if "class" in o:
+        out["class"] = o["class"]  # classification: answered as the top classes
+    return out
+
+
+def _locate(regions: RegionTable, client: ClientSegment, t: dict, data_start: int, what: str = "input") -> dict:
+    size = int(t["size"])
+    if "region" in t:  # a registered region, as the broker published it (shm/region_table.py)
+        name = t["region"]
+        region = regions.get(name)
+        off = locate(name, region, int(t.get("offset", 0)), size, what, t["name"])  # RegionUseError: a 400
+        assert region is not None
+        out = {"name": t["name"], "seg": region.key, "ino": region.ino, "off": off, "size": size}
+    else:
+        off = data_start + int(t["data"])
+        if size < 0 or off < client.arena_offset or off + size > client.seg.size:
+            raise RequestError(f"tensor '{t['name']}' lies outside the client's arena")
+        out = {"name": t["name"], "seg": client.name, "off": off, "size": size}
+    if "datatype" in t:
+        out.update(datatype=t["datatype"], shape=t["shape"])
+    return out
+
+
+def read_inputs(entry: dict, segments: SegmentCache) -> dict[str, Any]:
+    """The entry's inputs as arrays over the memory they lie in (a client's arena or a region);
+    a client's device memory is copied to host for the backend."""
+    inputs = {}
+    for t in entry["inputs"]:
+        off, size = t["off"], t["size"]
+        if "cuda" in t:
+            host = memoryview(bytearray(size))
+            cuda_runtime().to_host(host, cuda_runtime().open(base64.b64decode(t["cuda"]), t["device"]) + off)
+            inputs[t["name"]] = from_buffer(host, t["datatype"], t["shape"])
+            continue
+        seg = segments.get(t["seg"], t.get("ino", 0), off + size)
+        inputs[t["name"]] = from_buffer(seg.buf[off:off + size], t["datatype"], t["shape"])
+    return inputs
