@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from shmserve.shm.arena import ALIGN, BLOCK_HEADER, Arena, free_block
+from segments import segment_pair  # noqa: F401  (a fixture: real segments, mapped twice)
 
 UNIT = 128  # what alloc(64) takes: the header and 64 bytes
 BASE = 256  # the arenas here start inside their segment, as they do in the product

@@ -7,6 +7,7 @@ import struct
 
 from shmserve.shm.protocol import RECORD
 from shmserve.shm.ring import HEADER_BYTES, Ring
+from segments import segment_pair  # noqa: F401  (a fixture: real segments, mapped twice)
 
 SMALL = struct.Struct("<IQ")
 

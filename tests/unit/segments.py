@@ -1,6 +1,7 @@
-"""Shared memory for the unit tests of rings and arenas: real POSIX segments, each mapped twice
-(its creator's mapping and a second one, as another process would have), all unlinked after the
-test, which checks that none is left in /dev/shm."""
+"""The unit tests' shared memory: real POSIX segments, each mapped twice (its creator's mapping
+and a second one, as another process would have), all unlinked after the test, which checks that
+none is left in /dev/shm. A module, not a conftest: a second ``conftest`` module would shadow the
+suite's, which the tests import by that name."""
 from __future__ import annotations
 
 import itertools
