@@ -33,8 +33,9 @@ TEST_MODELS = TESTS / "models" / "main"
 PYTHON = sys.executable
 SHM_DIR = "/dev/shm"
 
-READY_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 20.0
+# Generous: a server starting ten workers that import torch, or draining them, on a loaded 2-core host.
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 60.0
 
 _ids = itertools.count()
 

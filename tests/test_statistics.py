@@ -201,7 +201,7 @@ def test_cpu_metrics_can_be_turned_off_and_summaries_are_off_by_default(server_f
 def test_bad_metrics_config_is_refused(server_factory):
     server = server_factory.create([STATS_MODELS], ["--metrics-config", "bogus=1"])
     server.start()
-    assert server.wait_exit(20) == 2
+    assert server.wait_exit(60) == 2
     assert "--metrics-config" in server.log()
 
 
