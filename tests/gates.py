@@ -7,8 +7,9 @@ and opens the gate. What the test checks then follows from the order of events, 
 fast the host runs the test's threads or the server's processes. A gate opened before the
 requests are sent only marks their starts (which process ran them, and how many ran at once).
 
-The models give up waiting after a while (their own GATE_LIMIT_S, well past any deadline here),
-so that a test that fails before it opens a gate leaves no worker blocked for long.
+A test that fails before it opens a gate must not leave a worker blocked: the models stop
+waiting after their own GATE_LIMIT_S, well past any deadline here (slow_reader then fails the
+request; crasher has none: its execution timeout ends the wait).
 """
 from __future__ import annotations
 
