@@ -33,8 +33,9 @@ TEST_MODELS = TESTS / "models" / "main"
 PYTHON = sys.executable
 SHM_DIR = "/dev/shm"
 
-READY_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 20.0
+# Generous: a server starting ten workers that import torch, or draining them, on a loaded 2-core host.
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 60.0
 
 _ids = itertools.count()
 
@@ -387,6 +388,39 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         for s in _servers_of(item):
             report.sections.append((f"shmserve log {s.id} (port {s.port})", s.log_tail(60)))
+
+
+# -- waiting for a condition --------------------------------------------------------------------
+
+# A deadline for what a loaded host may take long to do (a restart, a cleanup, a request): the
+# tests wait on conditions, which end at once on an idle host, never on a fixed sleep.
+DEADLINE_S = 60.0
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> float:
+    """Poll ``predicate`` until it holds; the seconds that took (for logs, never for assertions)."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            pytest.fail(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def pending_requests(server: Server, model: str) -> int:
+    """The broker's count of requests for ``model`` accepted and not answered yet (validated, their
+    regions resolved; executing, or queued in the broker or on a worker's lanes)."""
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=DEADLINE_S).read().decode()
+    head = f'nv_inference_pending_request_count{{model="{model}",'
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(head)]
+    assert values, f"no pending count for {model}"
+    return int(sum(values))
+
+
+def wait_pending(server: Server, model: str, count: int, timeout: float = DEADLINE_S) -> None:
+    """Wait until at least ``count`` requests for ``model`` are pending (sent ones have arrived)."""
+    wait_until(lambda: pending_requests(server, model) >= count, f"{count} request(s) pending for {model}", timeout)
 
 
 # -- shared-memory tests (test_shared_memory.py, test_local_client.py) -----------------------------

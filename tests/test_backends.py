@@ -1,6 +1,7 @@
 """Backends: TorchScript (digits), Python models that fail, run in parallel, and use pb_utils widely."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import time
@@ -11,7 +12,8 @@ import torch
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import PRODUCT_MODELS, pid_alive, raw_request
+from conftest import PRODUCT_MODELS, pid_alive, raw_request, wait_pending, wait_until
+from gates import Gate
 
 
 def _input(name, data, datatype, binary=True):
@@ -128,64 +130,52 @@ def test_python_model_exception_does_not_affect_other_models(server, client):
 # -- two instances run in parallel ------------------------------------------------------------------
 
 
-def _sleeper_call(server, out: dict, key: int, barrier: threading.Barrier) -> None:
+def _sleeper_call(server, gate: Gate) -> tuple[float, bytes, int]:
+    """(seconds, instance, worker pid) of one sleeper request held by ``gate``."""
     c = server.client()
-    barrier.wait()
-    t0 = time.monotonic()
-    r = c.infer("sleeper", [_input("X", np.array([1.0], dtype=np.float32), "FP32")])
-    out[key] = (time.monotonic() - t0, r.as_numpy("INSTANCE")[0], int(r.as_numpy("PID")[0]))
+    try:
+        t0 = time.monotonic()
+        r = c.infer("sleeper", [_input("X", np.array([1.0], dtype=np.float32), "FP32")],
+                    parameters={"gate": gate.param})
+        return time.monotonic() - t0, r.as_numpy("INSTANCE")[0], int(r.as_numpy("PID")[0])
+    finally:
+        c.close()
 
 
-def test_two_instances_serve_two_requests_in_parallel(server, client):
+def test_two_instances_serve_two_requests_in_parallel(server, client, tmp_path):
+    """Two requests held in the model at the same time, by two worker processes: they ran in
+    parallel (each instance runs one execution at a time, so one instance could not)."""
     pids = server.worker_pids("sleeper")
     assert len(pids) == 2, server.titles()
-    # Warm-up: connections and first-call costs out of the measurement.
-    client.infer("sleeper", [_input("X", np.array([0.0], dtype=np.float32), "FP32")])
-
-    best = None
-    for _ in range(3):  # the machine may be busy: take the best of a few attempts
-        out: dict = {}
-        barrier = threading.Barrier(2)
-        threads = [threading.Thread(target=_sleeper_call, args=(server, out, k, barrier)) for k in range(2)]
-        t0 = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        wall = time.monotonic() - t0
-        assert len(out) == 2, out
-        assert all(d >= 0.29 for d, _, _ in out.values()), out  # each really slept
-        instances = {inst for _, inst, _ in out.values()}
-        worker_pids = {pid for _, _, pid in out.values()}
-        assert len(instances) == 2 and worker_pids == set(pids), out
-        best = wall if best is None else min(best, wall)
-        if best < 0.5:
-            break
-    # Serial would take >= 0.6 s; parallel is ~0.3 s plus overhead.
-    assert best < 0.5, f"two requests on two instances took {best:.3f} s"
+    gate = Gate(tmp_path / "gate")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        try:
+            calls = [pool.submit(_sleeper_call, server, gate) for _ in range(2)]
+            assert sorted(gate.wait_started(2)) == sorted(pids)  # both executing at once
+        finally:
+            gate.open()
+        out = [c.result() for c in calls]
+    assert all(d >= 0.29 for d, _, _ in out), out  # each really slept
+    assert {inst for _, inst, _ in out} == {b"sleeper_0_0", b"sleeper_0_1"}, out
+    assert {pid for _, _, pid in out} == set(pids), out
 
 
-def test_requests_beyond_instances_queue_and_complete(server):
-    """Four 0.3 s requests on two instances: two rounds (>= 0.6 s), not one and not four (1.2 s)."""
-    best = None
-    for _ in range(3):  # the machine may be busy: the upper bound takes the best of a few attempts
-        out: dict = {}
-        barrier = threading.Barrier(4)
-        threads = [threading.Thread(target=_sleeper_call, args=(server, out, k, barrier)) for k in range(4)]
-        t0 = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        wall = time.monotonic() - t0
-        assert len(out) == 4, out
-        assert all(d >= 0.29 for d, _, _ in out.values()), out
-        assert wall >= 0.58, f"four requests finished in {wall:.3f} s: more than two ran at once"
-        assert {inst for _, inst, _ in out.values()} == {b"sleeper_0_0", b"sleeper_0_1"}, out
-        best = wall if best is None else min(best, wall)
-        if best < 1.0:
-            break
-    assert best < 1.0, f"four requests on two instances took {best:.3f} s"
+def test_requests_beyond_instances_queue_and_complete(server, tmp_path):
+    """Four requests on two instances: two run at once and two wait for them, then all complete."""
+    pids = server.worker_pids("sleeper")
+    gate = Gate(tmp_path / "gate")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        try:
+            calls = [pool.submit(_sleeper_call, server, gate) for _ in range(4)]
+            assert sorted(gate.wait_started(2)) == sorted(pids)
+            wait_pending(server, "sleeper", 4)  # the other two have arrived...
+            assert len(gate.started()) == 2  # ... and wait: no third execution at once
+        finally:
+            gate.open()
+        out = [c.result() for c in calls]
+    assert all(d >= 0.29 for d, _, _ in out), out
+    assert {inst for _, inst, _ in out} == {b"sleeper_0_0", b"sleeper_0_1"}, out
+    assert len(gate.started()) == 4 and set(gate.started()) == set(pids)
 
 
 # -- pb_utils API ---------------------------------------------------------------------------------
@@ -306,12 +296,8 @@ def test_pb_utils_logger_reaches_the_server_log(server, client):
     _pb_infer(client, request_id="log-me-31337", outputs=("UPPER",))
     with pytest.raises(InferenceServerException):
         _pb_infer(client, request_id="log-me-too-31338", parameters={"fail": "x"})
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        log = server.log()
-        if "served request 'log-me-31337'" in log and "refusing request 'log-me-too-31338'" in log:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: "served request 'log-me-31337'" in server.log()
+               and "refusing request 'log-me-too-31338'" in server.log(), "the model's log lines in the server log")
     log = server.log()
     assert "pbutils_full initialized as pbutils_full_0_0" in log
     assert "pbutils_full served request 'log-me-31337'" in log

@@ -62,7 +62,7 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
-        time.sleep(0.02)
+        time.sleep(0.05)  # far above the stable version's p99, even on a loaded host
         return [pb_utils.InferenceResponse([pb_utils.Tensor("V", np.array([2], dtype=np.int32))])
                 for _ in requests]
 """
@@ -110,7 +110,7 @@ def post(server, path: str, body: dict | None = None):
 
 
 def metrics(server) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    return urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=60).read().decode()
 
 
 def success_by_version(server) -> dict[str, int]:
@@ -145,9 +145,9 @@ def test_automatic_rollback_on_error_rate(server_factory, tmp_path):
     server = server_factory.start([make_repo(tmp_path, FAILING_HALF, canary_fraction="0.5", canary_window_s="10",
                                              canary_min_requests="20")])
     failures = 0
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 90
     while not canary_status(server)["decisions"]:
-        assert time.monotonic() < deadline, "no rollback decision within 30 s"
+        assert time.monotonic() < deadline, "no rollback decision within 90 s"
         try:
             ask(server.url)
         except InferenceServerException as e:
@@ -171,10 +171,10 @@ def test_automatic_rollback_on_error_rate(server_factory, tmp_path):
 def test_automatic_rollback_on_p99_latency(server_factory, tmp_path):
     server = server_factory.start([make_repo(tmp_path, SLOW, canary_fraction="0.5", canary_window_s="10",
                                              canary_min_requests="20", canary_max_p99_margin="1.0")])
-    deadline = time.monotonic() + 40
+    deadline = time.monotonic() + 120
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         while not canary_status(server)["decisions"]:
-            assert time.monotonic() < deadline, "no rollback decision within 40 s"
+            assert time.monotonic() < deadline, "no rollback decision within 120 s"
             assert set(pool.map(lambda _: ask(server.url), range(10))) <= {1, 2}  # none failed
     decision = canary_status(server)["decisions"][-1]
     assert decision["action"] == "rollback" and decision["trigger"] == "p99_latency", decision

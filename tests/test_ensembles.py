@@ -2,13 +2,15 @@
 parallel, a failing step named in the error, and the bundled digits pipeline."""
 from __future__ import annotations
 
-import time
+import concurrent.futures
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
+
+from gates import Gate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,18 +29,31 @@ def inputs(**arrays: np.ndarray) -> list:
     return out
 
 
-def test_dag_results_and_parallel_steps(server):
-    client = server.client()
+def test_dag_results_and_parallel_steps(server, tmp_path):
     x = np.array([1, 2, 3, 4], np.int32)
     y = np.array([10, 20, 30, 40], np.int32)
-    client.infer("par", inputs(X=x, Y=y))  # warm the workers up
-    started = time.monotonic()
-    result = client.infer("par", inputs(X=x, Y=y))
-    elapsed = time.monotonic() - started
+    gate = Gate(tmp_path / "gate")  # the steps pass the request's parameters on
+
+    def par():
+        client = server.client()
+        try:
+            return client.infer("par", inputs(X=x, Y=y), parameters={"gate": gate.param})
+        finally:
+            client.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            call = pool.submit(par)
+            # The two independent steps are in their models at the same time: they run in parallel.
+            assert len(set(gate.wait_started(2))) == 2
+        finally:
+            gate.open()
+        result = call.result()
     np.testing.assert_array_equal(result.as_numpy("PRODUCT"), x * y)
     np.testing.assert_array_equal(result.as_numpy("RESULT"), (x + y) + x * y)
-    # Three 0.3 s steps, two of them independent: about 0.6 s in parallel, 0.9 s if serialised.
-    assert elapsed < 0.85, elapsed
+    add, mul, last = (result.as_numpy(n) for n in ("ADD_SPAN", "MUL_SPAN", "LAST_SPAN"))
+    assert add[0] < mul[1] and mul[0] < add[1], (add, mul)  # their executions overlap
+    assert last[0] >= max(add[1], mul[1]), (add, mul, last)  # the last step waited for both
 
 
 def test_requested_output_subset(server):

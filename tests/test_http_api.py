@@ -460,11 +460,13 @@ def test_concurrent_requests_never_mix_up_data(server):
     import threading
 
     errors: list[BaseException] = []
+    latencies: list[float] = []
 
     def run(k: int) -> None:
         try:
             c = httpclient.InferenceServerClient(server.url)
             for i in range(25):
+                started = time.monotonic()
                 a = np.full(16, k * 1000 + i, dtype=np.int32)
                 b = np.arange(16, dtype=np.int32) * (k + 1)
                 binary = (k + i) % 2 == 0
@@ -474,20 +476,22 @@ def test_concurrent_requests_never_mix_up_data(server):
                 assert result.get_response()["id"] == f"{k}-{i}"
                 np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
                 np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+                latencies.append(time.monotonic() - started)
             c.close()
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
-    started = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert not errors, errors[:3]
-    # Not a performance target: a lost wake-up stalls each request until a 1 s timeout, which
-    # turns this ~1 s exchange into 25 s. Anything near that is a bug in the wake-up protocol.
-    assert time.monotonic() - started < 12
+    # Not a performance target: a lost wake-up stalls each request until a 1 s timeout. A
+    # typical request here takes milliseconds (tens on a loaded host); half of them near a
+    # second is a bug in the wake-up protocol, not a busy host (which slows some, not most).
+    latencies.sort()
+    assert latencies[len(latencies) // 2] < 0.5, latencies[::20]
 
 
 # -- tritonclient's concurrent clients -----------------------------------------------------------

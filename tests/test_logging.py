@@ -72,7 +72,7 @@ def pids_by_role(server) -> dict[str, list[int]]:
     return roles
 
 
-def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
+def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -12,10 +12,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import orjson
@@ -25,7 +23,8 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import (InferenceServerException, deserialize_bytes_tensor, serialize_byte_tensor,
                                 serialized_byte_size)
 
-from conftest import PRODUCT_MODELS, raw_request, shm_names, start_shm_server
+from conftest import PRODUCT_MODELS, raw_request, shm_names, start_shm_server, wait_pending
+from gates import Gate
 
 N = 16  # add_sub takes and gives INT32 [16]
 NB = N * 4
@@ -441,7 +440,7 @@ def _infer_in_thread(server, *args, **kwargs) -> tuple[threading.Thread, dict]:
     box: dict = {}
 
     def run() -> None:
-        c = server.client(network_timeout=30.0)
+        c = server.client(network_timeout=60.0)
         started = time.monotonic()
         try:
             box["result"] = c.infer(*args, **kwargs)
@@ -454,22 +453,6 @@ def _infer_in_thread(server, *args, **kwargs) -> tuple[threading.Thread, dict]:
     t = threading.Thread(target=run)
     t.start()
     return t, box
-
-
-def pending_requests(server, model: str) -> int:
-    """The broker's count of requests it accepted for ``model`` and that are not answered yet
-    (each was validated and its regions resolved before it counts)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    m = re.search(r'^nv_inference_pending_request_count\{model="%s",version="1"\} (\S+)$' % model, text, re.M)
-    assert m, text
-    return int(float(m.group(1)))
-
-
-def wait_pending(server, model: str, count: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while pending_requests(server, model) < count:
-        assert time.monotonic() < deadline, f"{model} never had {count} request(s) pending"
-        time.sleep(0.01)
 
 
 def _slow_reader_pid(server) -> int:
@@ -490,24 +473,27 @@ def _check_completed_or_clean_error(box: dict, expected_sum: int, pid: int) -> N
 
 
 @pytest.mark.parametrize("unlink", [False, True], ids=["unregister", "unregister_and_unlink"])
-def test_region_removed_while_the_model_uses_it(shm_server, http, regions, unlink):
-    """slow_reader sleeps (0.8 s here) before it reads X; the region X lives in is unregistered (and
-    the object unlinked) during that sleep. The request completes (or fails cleanly), the worker is
-    the same process afterwards, and the server goes on serving."""
+def test_region_removed_while_the_model_uses_it(shm_server, http, regions, unlink, tmp_path):
+    """slow_reader waits at a gate before it reads X; the region X lives in is unregistered (and
+    the object unlinked) meanwhile. The request completes (or fails cleanly), the worker is the
+    same process afterwards, and the server goes on serving."""
     pid = _slow_reader_pid(shm_server)
     x = np.arange(1, 65, dtype=np.int32)
     handle, key = regions.create("busy_in", x.nbytes)
     regions.register("busy_in", key, x.nbytes)
     shm.set_shared_memory_region(handle, [x])
+    gate = Gate(tmp_path / "gate")
     t, box = _infer_in_thread(shm_server, "slow_reader", [shm_input("X", "busy_in", x.nbytes, shape=[64])],
-                              parameters={"sleep_s": 0.8})
-    wait_pending(shm_server, "slow_reader", 1)  # accepted: its region resolved, sent to the instance
-    time.sleep(0.1)  # the model is asleep with it
-    http.unregister_system_shared_memory("busy_in")
-    if unlink:
-        regions.destroy(key)
-        assert shm_names(key.lstrip("/")) == []
-    t.join(30)
+                              parameters={"sleep_s": 0, "gate": gate.param})
+    try:
+        gate.wait_started(1)  # the request is in the model, which has not read X yet
+        http.unregister_system_shared_memory("busy_in")
+        if unlink:
+            regions.destroy(key)
+            assert shm_names(key.lstrip("/")) == []
+    finally:
+        gate.open()
+    t.join(60)
     assert not t.is_alive(), "the request hung"
     _check_completed_or_clean_error(box, int(x.sum()), pid)
     assert _slow_reader_pid(shm_server) == pid, "the worker was replaced"
@@ -517,7 +503,7 @@ def test_region_removed_while_the_model_uses_it(shm_server, http, regions, unlin
     assert_serves_through_shm(shm_server, regions)
 
 
-def test_region_unlinked_while_its_request_waits_for_the_instance(shm_server, http, regions):
+def test_region_unlinked_while_its_request_waits_for_the_instance(shm_server, http, regions, tmp_path):
     """A request waits behind another on the single instance; its input region is unregistered
     and unlinked before the worker gets to it: it fails cleanly (or completes), the worker lives."""
     pid = _slow_reader_pid(shm_server)
@@ -527,17 +513,21 @@ def test_region_unlinked_while_its_request_waits_for_the_instance(shm_server, ht
     shm.set_shared_memory_region(handle, [x])
     ones = regions.make("queued_first", 16)  # through a region too, so that the broker counts it pending
     shm.set_shared_memory_region(ones, [np.ones(4, dtype=np.int32)])
+    gate = Gate(tmp_path / "gate")
     first_t, first = _infer_in_thread(shm_server, "slow_reader", [shm_input("X", "queued_first", 16, shape=[4])],
-                                      parameters={"sleep_s": 1.0})
-    wait_pending(shm_server, "slow_reader", 1)
-    second_t, second = _infer_in_thread(shm_server, "slow_reader",
-                                        [shm_input("X", "queued_in", x.nbytes, shape=[32])],
-                                        parameters={"sleep_s": 0})
-    wait_pending(shm_server, "slow_reader", 2)  # the second waits behind the first, which still sleeps
-    http.unregister_system_shared_memory("queued_in")
-    regions.destroy(key)
-    first_t.join(30)
-    second_t.join(30)
+                                      parameters={"sleep_s": 0, "gate": gate.param})
+    try:
+        gate.wait_started(1)
+        second_t, second = _infer_in_thread(shm_server, "slow_reader",
+                                            [shm_input("X", "queued_in", x.nbytes, shape=[32])],
+                                            parameters={"sleep_s": 0})
+        wait_pending(shm_server, "slow_reader", 2)  # the second waits behind the first, which is held
+        http.unregister_system_shared_memory("queued_in")
+        regions.destroy(key)
+    finally:
+        gate.open()
+    first_t.join(60)
+    second_t.join(60)
     assert not first_t.is_alive() and not second_t.is_alive(), "a request hung"
     assert first["result"].as_numpy("SUM").tolist() == [4]
     _check_completed_or_clean_error(second, int(x.sum()), pid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import threading
 import urllib.request
 
 import numpy as np
@@ -128,11 +129,14 @@ def test_counts_are_exact_across_instances_frontends_and_local_clients(stats_ser
 def test_batch_statistics_follow_the_batches_formed(stats_server):
     url = stats_server.url
 
+    barrier = threading.Barrier(8)  # sent together: well within the 500 ms the batcher waits for more
+
     def one(i: int) -> np.ndarray:
         c = httpclient.InferenceServerClient(url)
         t = httpclient.InferInput("X", [1, 2], "INT32")
         t.set_data_from_numpy(np.array([[i, i]], dtype=np.int32))
         try:
+            barrier.wait()
             return c.infer("batch_doubler", [t]).as_numpy("Y")
         finally:
             c.close()
@@ -197,7 +201,7 @@ def test_cpu_metrics_can_be_turned_off_and_summaries_are_off_by_default(server_f
 def test_bad_metrics_config_is_refused(server_factory):
     server = server_factory.create([STATS_MODELS], ["--metrics-config", "bogus=1"])
     server.start()
-    assert server.wait_exit(20) == 2
+    assert server.wait_exit(60) == 2
     assert "--metrics-config" in server.log()
 
 
@@ -285,32 +289,39 @@ def test_published_counters_are_never_torn():
     from shmserve.shm.stats import SUCCESS_NS, StatsArea, StatsWriter
 
     low, high = 0x0000_0000_FFFF_FFFF, 0xFFFF_FFFF_0000_0000
-    mm = mmap.mmap(-1, StatsArea.nbytes())  # shared with the child across fork
+    mm = mmap.mmap(-1, StatsArea.nbytes() + 8)  # shared with the child across fork; the last word: "stop"
     area = StatsArea(mm, 0)
     writer = StatsWriter(area)
     writer.counts[SUCCESS_NS] = low
     writer.flush()
+    words = memoryview(mm).cast("Q")
+    stop = len(words) - 1
     pid = os.fork()
-    if pid == 0:  # the writer
+    if pid == 0:  # the writer, until told to stop (or after a minute, should this process die)
         try:
-            end = time.monotonic() + 1.0
-            while time.monotonic() < end:
+            end = time.monotonic() + 60.0
+            while not words[stop] and time.monotonic() < end:
                 for value in (high, low) * 500:
                     writer.counts[SUCCESS_NS] = value
                     writer.flush()
         finally:
             os._exit(0)
-    words = memoryview(mm).cast("Q")
-    seen, torn = set(), 0
+    # Read until the value has changed under the reads many times: that many reads overlapped
+    # writes, however the two processes were scheduled (a torn read is one in five of those).
+    seen, torn, changes, last = set(), 0, 0, low
     try:
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end:
+        end = time.monotonic() + 60.0
+        while changes < 1000 and time.monotonic() < end:
             for _ in range(1000):
                 value = words[SUCCESS_NS]
                 seen.add(value)
                 torn += value not in (low, high)
+                changes += value != last
+                last = value
     finally:
+        words[stop] = 1
         os.waitpid(pid, 0)
         del words, area
+    assert changes >= 1000, changes
     assert seen >= {low, high}  # the reads overlapped the writes
     assert torn == 0

@@ -16,7 +16,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import PYTHON, ROOT, TESTS, raw_request
+from conftest import DEADLINE_S, PYTHON, ROOT, TESTS, raw_request
 from shmserve.shm.trace import STAMPS, read_trace_file
 
 REPOS = [TESTS / "models" / "batching", ROOT / "model_repository"]
@@ -56,8 +56,9 @@ def stamps(record: dict) -> dict[str, int]:
     return {t["name"]: t["ns"] for t in record["timestamps"]}
 
 
-def records(path: Path, expected: int, timeout: float = 5.0) -> list[dict]:
-    """The file's records once it holds ``expected`` (a record is written after its response)."""
+def records(path: Path, expected: int, timeout: float = DEADLINE_S) -> list[dict]:
+    """The file's records once it holds ``expected`` (a record is written after its response),
+    and what else came in the 0.2 s after."""
     deadline = time.monotonic() + timeout
     found: list[dict] = []
     while time.monotonic() < deadline:
@@ -154,7 +155,7 @@ def test_per_model_settings_override_and_clear(server_factory, tmp_path):
     assert answer["trace_level"] == ["OFF"] and answer["trace_rate"] == "1"
     for _ in range(3):
         add_sub(client)
-    assert len(records(path, 4, timeout=1.0)) == 3
+    assert len(records(path, 4, timeout=1.0)) == 3  # (none of the three traced: no fourth record comes)
     answer = client.update_trace_settings(model_name="add_sub", settings={"trace_rate": None})
     assert answer == client.get_trace_settings()  # nothing of its own left
 
@@ -188,7 +189,7 @@ def test_log_frequency_starts_new_files(server_factory, tmp_path):
     for _ in range(5):
         add_sub(client)
     first = Path(f"{path}.0")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline and not Path(f"{path}.2").exists():
         time.sleep(0.05)
     for k in (0, 1):  # full files are complete JSON arrays at once
@@ -362,7 +363,7 @@ def test_opentelemetry_spans_reach_an_otlp_collector(server_factory):
         for _ in range(3):
             add_sub(client)
         spans = []
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline and len(spans) < 3:
             time.sleep(0.2)
             spans = []

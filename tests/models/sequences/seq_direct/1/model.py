@@ -1,22 +1,37 @@
 import json
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+GATE_LIMIT_S = 120.0  # a test that never opens its gate: go on, rather than block the instance for good
+
+
+def hold(gate: str) -> None:
+    """Mark this execution's start in the folder ``gate``, then wait until the test opens it
+    (tests/gates.py): steps of other sequences sent meanwhile queue behind this one."""
+    Path(gate, f"started-{os.getpid()}-{time.monotonic_ns()}").touch()
+    deadline = time.monotonic() + GATE_LIMIT_S
+    while not os.path.exists(os.path.join(gate, "open")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
 
 class TritonPythonModel:
     """Keeps per-sequence sums itself, keyed by the CORRID control input; reports the control
-    values and the batch it ran in, so tests can see what the sequence batcher fed it."""
+    values, the batch it ran in and its process, so tests can see what the sequence batcher fed
+    it. A request parameter ``gate`` holds the execution until the test opens it."""
 
     def initialize(self, args):
         self.sums = {}
         self.executions = 0
 
     def execute(self, requests):
-        # A few milliseconds per execution, so that on a loaded host too the requests of other
-        # sequences queue up meanwhile and the batcher has something to put together.
-        time.sleep(0.003)
+        for r in requests:
+            gate = json.loads(r.parameters() or "{}").get("gate")
+            if isinstance(gate, str) and os.path.isdir(gate):
+                hold(gate)
         self.executions += 1
         out = []
         for r in requests:
@@ -31,7 +46,7 @@ class TritonPythonModel:
             self.sums[corr] += int(get("VALUE").reshape(-1)[0])
             total = self.sums[corr]
             info = {"corr": corr, "start": start, "end": end, "ready": ready, "batch": len(requests),
-                    "execution": self.executions}
+                    "execution": self.executions, "pid": os.getpid()}
             if end:
                 del self.sums[corr]
             out.append(pb_utils.InferenceResponse([
