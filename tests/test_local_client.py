@@ -177,15 +177,17 @@ def test_sync_callers_in_threads_and_futures_share_one_connection(client):
     np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT1"], A - B)
 
 
-def test_a_call_that_outlasts_its_polling_sleeps_for_its_answer(client):
+def test_a_call_that_outlasts_its_polling_sleeps_for_its_answer(lc_server):
     """A synchronous call polls for its answer for at most its budget (``Client(poll_us=...)``),
     then waits asleep: a slow answer still arrives, and the wait costs this process next to no
-    CPU."""
+    CPU. (A 20 ms budget: quick answers keep the polling on even on a loaded host.)"""
+    client = Client(lc_server.id, poll_us=20_000)
     x = np.arange(N, dtype=np.int32)
     assert client.infer("slow_reader", {"X": x})["SUM"].tolist() == [int(x.sum())]
-    for _ in range(50):  # quick answers bring the polling back on
+    deadline = time.monotonic() + 60
+    while client._conn._spin.budget() == 0:  # noqa: SLF001 - quick answers bring the polling back on
+        assert time.monotonic() < deadline, "quick answers never brought the polling back on"
         client.infer("add_sub", {"INPUT0": x, "INPUT1": B}).release()
-    assert client._conn._spin.budget() > 0  # noqa: SLF001 - the case under test: the poll runs out
     started, cpu = time.monotonic(), time.process_time()
     result = client.infer("slow_reader", {"X": x + 1})
     assert time.monotonic() - started >= 0.4
@@ -193,6 +195,7 @@ def test_a_call_that_outlasts_its_polling_sleeps_for_its_answer(client):
     assert result["SUM"].tolist() == [int((x + 1).sum())]
     np.testing.assert_array_equal(result["COPY"], x + 1)
     np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": x, "INPUT1": B})["OUTPUT0"], x + B)
+    client.close()
 
 
 def test_a_repeated_call_follows_its_model_through_unload_and_load(server_factory):

@@ -71,16 +71,17 @@ class StreamSender:
             time.sleep(0.0005)
 
     def _finish(self) -> None:
-        """Complete the request's slot: the client then knows no response follows."""
+        """Count the stream, then complete the request's slot: the client then knows no response
+        follows, and statistics read after that already hold this stream."""
+        with self.stats_lock:
+            self.stats.finished_stream(self.entry.get("t", 0), not self.failed)
+            self.stats.flush()
         if self.dropped:  # the client reads shm.protocol.NO_ROOM
             self.client.complete(self.entry["slot"], 503, ROLE_WORKER, self.answers.num, 0, 0)
         else:
             doc = orjson.dumps({"final": True, "responses": self.sent})
             override, off, total = self.answers.write_block(self.entry, doc, [])
             self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.answers.num, off, total)
-        with self.stats_lock:
-            self.stats.finished_stream(self.entry.get("t", 0), not self.failed)
-            self.stats.flush()
 
     def fail(self, status: int, message: str) -> None:
         """The model raised before finishing: one error response, then the end."""
