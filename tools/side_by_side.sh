@@ -39,25 +39,27 @@ run_bench() {  # name port metrics-port
   done
 }
 
-echo "== Triton"
-setsid ../shared/tools/reference-triton "$MODELS" > "$OUT/triton.log" 2>&1 < /dev/null &
-wait_ready 18000
-run_bench triton 18000 18002
-kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null || true
-while pgrep -x tritonserver >/dev/null; do sleep 0.5; done
+if [[ " $what " =~ \ (add_sub|identity|mlp|local)\  ]]; then  # each server alone, one after the other
+  echo "== Triton"
+  setsid ../shared/tools/reference-triton "$MODELS" > "$OUT/triton.log" 2>&1 < /dev/null &
+  wait_ready 18000
+  run_bench triton 18000 18002
+  kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null || true
+  while pgrep -x tritonserver >/dev/null; do sleep 0.5; done
 
-echo "== shmserve"
-setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --id sbs \
-  > "$OUT/shmserve.log" 2>&1 < /dev/null &
-pid=$!
-wait_ready 18600
-run_bench shmserve 18600 18602
-if [[ " $what " == *" local "* ]]; then
-  L="$PY -m shmserve.tools.bench_local --id sbs --duration $DURATION --warmup 2 --repeat $REPEAT"
-  $L --model add_sub --clients 1,4 --json "$OUT/shmserve-local-add_sub.json"
-  $L --model identity --clients 1 --shape-override INPUT0=4194304 --region --json "$OUT/shmserve-local-identity.json"
+  echo "== shmserve"
+  setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --id sbs \
+    > "$OUT/shmserve.log" 2>&1 < /dev/null &
+  pid=$!
+  wait_ready 18600
+  run_bench shmserve 18600 18602
+  if [[ " $what " == *" local "* ]]; then
+    L="$PY -m shmserve.tools.bench_local --id sbs --duration $DURATION --warmup 2 --repeat $REPEAT"
+    $L --model add_sub --clients 1,4 --json "$OUT/shmserve-local-add_sub.json"
+    $L --model identity --clients 1 --shape-override INPUT0=4194304 --region --json "$OUT/shmserve-local-identity.json"
+  fi
+  kill -TERM "$pid"; wait "$pid" || true
 fi
-kill -TERM "$pid"; wait "$pid" || true
 
 if [[ " $what " == *" ready "* ]]; then
   echo "== time to ready, 7 models"
@@ -74,8 +76,10 @@ if [[ " $what " == *" paired "* ]]; then
   pid=$!
   P="$PY -m shmserve.tools.paired --pairs ${PAIRS:-10} --slice 2 --target triton=127.0.0.1:18000 --target shmserve=127.0.0.1:18600"
   if [[ -n ${BASELINE:-} ]]; then
-    setsid "$BASELINE/.venv/bin/shmserve" --model-repository="$MODELS" --http-port=18700 --metrics-port=18702 --id sbsbefore \
-      > "$OUT/before-paired.log" 2>&1 < /dev/null &
+    # (from its own folder: an older layout starts its processes with `python -m server...`)
+    models=$(realpath "$MODELS")
+    (cd "$BASELINE" && exec setsid .venv/bin/shmserve --model-repository="$models" \
+      --http-port=18700 --metrics-port=18702 --id sbsbefore > "$OUT/before-paired.log" 2>&1 < /dev/null) &
     before=$!
     wait_ready 18700
     P="$P --target before=127.0.0.1:18700"
