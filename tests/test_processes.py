@@ -99,7 +99,10 @@ def test_second_server_with_same_id_is_refused(server_factory):
     assert first.client().is_server_ready()
 
 
-def test_idle_cpu_under_one_percent(server, client):
+def test_an_idle_server_uses_next_to_no_cpu(server, client):
+    """An idle server sleeps: under 3% of a core for the whole tree (about 1% on a quiet host; a
+    polling or ticking thread would show tens of percent), with margin for clock-tick sampling and
+    for wake-ups charged late on a loaded VM."""
     # Some traffic first, so that idle means "after work", not just "after start".
     a = np.arange(16, dtype=np.int32)
     for _ in range(20):
@@ -110,13 +113,13 @@ def test_idle_cpu_under_one_percent(server, client):
     hz = os.sysconf("SC_CLK_TCK")
     t0 = time.monotonic()
     before = cpu_ticks(tree)
-    time.sleep(6.0)  # long enough that 1% is 6 clock ticks, not 3: one stray tick is not a verdict
+    time.sleep(6.0)  # long enough that 1% is 6 clock ticks: one stray tick is not a verdict
     after = cpu_ticks([server.pid, *descendants(server.pid)])
     elapsed = time.monotonic() - t0
     used = sum(ticks - before.get(pid, 0) for pid, ticks in after.items()) / hz
     per_process = {f"{pid} {cmdline(pid)[:40]}": after[pid] - before.get(pid, 0)
                    for pid in after if after[pid] - before.get(pid, 0)}
-    assert used / elapsed < 0.01, f"idle server used {100 * used / elapsed:.2f}% CPU; ticks by process: {per_process}"
+    assert used / elapsed < 0.03, f"idle server used {100 * used / elapsed:.2f}% CPU; ticks by process: {per_process}"
 
 
 def _sleeps(pid: int) -> int:
@@ -125,7 +128,7 @@ def _sleeps(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
 
 
-@pytest.mark.parametrize("poll_us, polls", [(50_000, True), (0, False)])
+@pytest.mark.parametrize("poll_us, polls", [(200_000, True), (0, False)])
 def test_poll_us_decides_whether_frontend_and_worker_poll(server_factory, poll_us, polls):
     """``--poll-us`` reaches the frontend and the worker. With a generous budget (so that on a slow
     CI host each answer and each next request still come within it) the next request of a client
@@ -178,16 +181,18 @@ def test_frontend_does_not_poll_for_a_model_whose_answers_are_slow(server_factor
     i0.set_data_from_numpy(np.array([1.0], dtype=np.float32))
     c.infer("sleeper", [i0])  # the first answer of a model is polled for: its time is unknown
     hz = os.sysconf("SC_CLK_TCK")
-    before = cpu_ticks([frontend])[frontend]
+    before, slept_before = cpu_ticks([frontend])[frontend], _sleeps(frontend)
     t0 = time.monotonic()
     for _ in range(3):
         assert c.infer("sleeper", [i0]).as_numpy("PID")[0] in s.worker_pids("sleeper")
     elapsed = time.monotonic() - t0
     used = (cpu_ticks([frontend])[frontend] - before) / hz
     c.close()
-    if polls:
-        assert used / elapsed > 0.5, f"the control should poll through the requests; it used {used:.2f} s in {elapsed:.2f} s"
+    slept = _sleeps(frontend) - slept_before
+    if polls:  # a polling loop yields the CPU but never blocks, however busy the host is
+        assert slept < 3, f"the control should poll through the requests, but its loop blocked {slept} times"
     else:
+        assert slept >= 3, f"the frontend should wait for each slow answer asleep; it blocked {slept} times"
         assert used / elapsed < 0.1, f"the frontend polled for slow answers: {used:.2f} s of CPU in {elapsed:.2f} s"
 
 

@@ -23,21 +23,21 @@ def waker():
 
 
 def test_polling_ends_at_the_callers_timeout(waker):
-    spin = SpinPolicy(0.5)  # recent waits were short: it would poll for half a second
+    spin = SpinPolicy(2.0)  # recent waits were short: it would poll for two seconds
     t0 = time.perf_counter()
-    waker.sleep(0.05, lambda: False, spin)
+    waker.sleep(0.2, lambda: False, spin)
     elapsed = time.perf_counter() - t0
-    # Polling alone would take 0.5 s, and sleeping the whole timeout after it 0.55 s.
-    assert 0.05 <= elapsed < 0.3, elapsed
+    # Polling alone would take 2 s, and sleeping the whole timeout after it 2.2 s.
+    assert 0.2 <= elapsed < 1.5, elapsed
     assert waker.flag[0] == AWAKE
 
 
 def test_a_timeout_spent_polling_is_not_slept_again(waker):
-    spin = SpinPolicy(0.2)
+    spin = SpinPolicy(0.5)
     t0 = time.perf_counter()
-    waker.sleep(0.3, lambda: False, spin)  # polls 0.2 s, then sleeps what is left of the 0.3 s
+    waker.sleep(0.8, lambda: False, spin)  # polls 0.5 s, then sleeps what is left of the 0.8 s
     elapsed = time.perf_counter() - t0
-    assert 0.3 <= elapsed < 0.45, elapsed
+    assert 0.8 <= elapsed < 1.25, elapsed  # sleeping the whole timeout again would take 1.3 s
 
 
 def test_work_found_while_polling_returns_without_sleeping(waker):
