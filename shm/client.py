@@ -19,6 +19,7 @@ import atexit
 import concurrent.futures
 import math
 import os
+import queue
 import threading
 from collections.abc import Mapping
 from typing import Any, Iterator
@@ -30,6 +31,7 @@ from .connection import DEFAULT_POLL_US, Backpressure, Connection, ServerUnavail
 from .protocol import REQ_CONTROL
 from .regions import Region, find_shm_mapping
 from .results import InferResult
+from .streams import StreamEvents
 from .tensors import CONFIG_TO_WIRE, DTYPES, from_buffer, serialize_bytes, wire_datatype
 
 __all__ = ["Client", "InferResult", "InferenceServerError", "Region", "ServerUnavailable", "Backpressure"]
@@ -336,30 +338,29 @@ class Client:
         """Call a decoupled model: the request is sent now; the iterator yields each of its
         responses as it arrives (zero or more).
 
-        An error response raises InferenceServerError and ends the stream.
+        An error response raises InferenceServerError and ends the stream. A caller that stops
+        early (``break``, ``close()``, or dropping the iterator) frees what the stream holds and
+        what it still sends; the model runs on to its end.
         """
-        import queue
-
         options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
-        events: queue.Queue = queue.Queue()
+        events = StreamEvents(queue.Queue())
         self._submit_infer(model, inputs, outputs, version, options,
-                           lambda c, plan, start: events.put(("end", c, plan, start)),
-                           lambda c, plan, start: events.put(("response", c, plan, start)))
+                           lambda c, plan, start: events.put(True, c, (plan, start)),
+                           lambda c, plan, start: events.put(False, c, (plan, start)))
         return self._stream_results(events, wait_s)
 
-    def _stream_results(self, events: Any, wait_s: float | None) -> Iterator[InferResult]:
-        while True:
-            kind, completion, plan, start = events.get(timeout=wait_s)
-            if kind == "end":
-                self._end_stream(completion)
-                return
-            try:
-                result = self._result(completion, plan, start)
-            except InferenceServerError:
-                completion.release()
-                _drain_stream(events)
-                raise
-            yield result
+    def _stream_results(self, events: StreamEvents, wait_s: float | None) -> Iterator[InferResult]:
+        """The results of ``events``; a reader that stops early (a ``break``, an error, ``close``)
+        frees what the stream still holds and what it still sends (shm/streams.py)."""
+        try:
+            while True:
+                final, completion, (plan, start) = events.events.get(timeout=wait_s)
+                if final:
+                    self._end_stream(completion)
+                    return
+                yield self._read(completion, plan, start)
+        finally:
+            events.close()
 
     def _end_stream(self, completion: Completion) -> None:
         """The final completion of a stream: raise if the request failed as a whole."""
@@ -373,20 +374,24 @@ class Client:
                          **kwargs: Any) -> Any:
         """The asyncio form of ``stream``: an async iterator of results."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        events = StreamEvents(asyncio.Queue())
         options = _options(kwargs.pop("request_id", ""), kwargs.pop("parameters", None),
                            kwargs.pop("sequence_id", 0), kwargs.pop("sequence_start", False),
                            kwargs.pop("sequence_end", False), kwargs.pop("priority", 0), kwargs.pop("timeout", 0))
         version = kwargs.pop("version", "")
+        # The callbacks run on the connection's waiter thread; the queue is the loop's.
         self._submit_infer(model, inputs, outputs, version, options,
-                           lambda c, p, s: loop.call_soon_threadsafe(queue.put_nowait, ("end", c, p, s)),
-                           lambda c, p, s: loop.call_soon_threadsafe(queue.put_nowait, ("response", c, p, s)))
-        while True:
-            kind, completion, plan, start = await queue.get()
-            if kind == "end":
-                self._end_stream(completion)
-                return
-            yield self._result(completion, plan, start)
+                           lambda c, p, s: loop.call_soon_threadsafe(events.put, True, c, (p, s)),
+                           lambda c, p, s: loop.call_soon_threadsafe(events.put, False, c, (p, s)))
+        try:
+            while True:
+                final, completion, (plan, start) = await events.events.get()
+                if final:
+                    self._end_stream(completion)
+                    return
+                yield self._read(completion, plan, start)
+        finally:
+            events.close()
 
     def close(self) -> None:
         _open_clients.discard(self)
@@ -422,15 +427,6 @@ def _close_at_exit() -> None:
             region.close()
         client._regions.clear()
         client._conn.close()
-
-
-def _drain_stream(events: Any, wait_s: float = 30.0) -> None:
-    """After an error: free what is still coming for the stream, up to its end."""
-    while True:
-        kind, completion, _, _ = events.get(timeout=wait_s)
-        completion.release()
-        if kind == "end":
-            return
 
 
 def _as_numpy(value: Any) -> np.ndarray:

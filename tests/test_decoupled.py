@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -160,3 +161,72 @@ def test_a_stream_is_sent_before_it_is_iterated(server):
         wait_until(lambda: success_count(server) > before, "the stream run before it is iterated")
         assert success_count(server) == before + 1
         assert [r["text_output"][0] for r in responses] == [b"sent", b"early"]
+
+
+# -- consumers that stop reading mid-stream ---------------------------------------------------------
+
+# Arenas of 1 MiB: a block nobody gives back stalls such a FIFO arena after about 1 MiB of later
+# traffic, which the checks below send several times over.
+SMALL_ARENAS = ["--frontend-arena-mb", "1", "--worker-arena-mb", "1", "--http-workers", "1",
+                "--model-control-mode", "explicit", "--load-model", "word_stream"]
+LONG_TEXT = " ".join(f"w{i}" for i in range(200))  # 200 responses, spaced out: still streaming when left
+BIG_WORD = "x" * 48_000  # one response of 48 kB from a request of 48 kB: 60 of them cross each arena twice
+
+
+@pytest.fixture(scope="module")
+def small_server(module_factory):
+    return module_factory.start([ROOT / "model_repository"], SMALL_ARENAS)
+
+
+def leave_stream_after_first_event(server) -> None:
+    """POST a long generate_stream, read up to its first event, then drop the connection."""
+    body = json.dumps({"text_input": LONG_TEXT, "delay_ms": 5}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v2/models/word_stream/generate_stream HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen = b""
+        while b"data: " not in seen:
+            chunk = sock.recv(4096)
+            assert chunk, f"the server closed the stream before its first event: {seen!r}"
+            seen += chunk
+        assert seen.startswith(b"HTTP/1.1 200")
+
+
+def test_generate_stream_clients_that_disconnect_leave_nothing_held(small_server):
+    before = success_count(small_server)
+    for _ in range(4):
+        leave_stream_after_first_event(small_server)
+    # The model finishes the streams nobody reads any more; what they sent must have been given back.
+    wait_until(lambda: success_count(small_server) - before >= 4, "the abandoned streams finished")
+    for i in range(60):
+        status, _, text = post(small_server, "/v2/models/word_stream/generate_stream",
+                               {"text_input": f"{BIG_WORD}{i}"})
+        assert status == 200, (i, text[:300])
+        assert [e.get("text_output", e) for e in sse_events(text)] == [f"{BIG_WORD}{i}"], i
+
+
+def test_local_client_streams_left_early_leave_nothing_held(small_server):
+    long_text = {"text_input": np.array([LONG_TEXT.encode()], dtype=object)}
+    with Client(small_server.id, arena_bytes=1 << 20) as client:
+        before = success_count(small_server)
+        for _ in range(3):
+            for result in client.stream("word_stream", long_text, parameters={"delay_ms": 5}):
+                assert result["text_output"][0] == b"w0"
+                break  # the loop drops the iterator: what it still holds and what is still coming is freed
+        del result  # (a result the caller keeps holds its own response, rightly)
+        client.stream("word_stream", long_text, parameters={"delay_ms": 5})  # never iterated at all
+        responses = client.stream("word_stream", long_text, parameters={"delay_ms": 5})
+        assert next(responses)["text_output"][0] == b"w0"
+        responses.close()  # closed explicitly, as a generator is
+
+        async def leave_async_stream() -> None:
+            async for result in client.stream_aio("word_stream", long_text, parameters={"delay_ms": 5}):
+                assert result["text_output"][0] == b"w0"
+                break  # asyncio closes the dropped generator
+
+        asyncio.run(leave_async_stream())
+        wait_until(lambda: success_count(small_server) - before >= 6, "the abandoned streams finished")
+        for i in range(60):
+            word = f"{BIG_WORD}{i}".encode()
+            results = list(client.stream("word_stream", {"text_input": np.array([word], dtype=object)}))
+            assert [r["text_output"][0] for r in results] == [word]

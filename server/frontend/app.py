@@ -15,14 +15,15 @@ import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from shmserve.server import __version__
+from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
-from .generate import build_generate_request, generate_response
+from .generate import EventStream, build_generate_request, generate_response
 from .inference import Headers, Inference
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .openapi import openapi_endpoint
@@ -174,7 +175,7 @@ class Frontend:
         return await fut
 
     # -- generate extension ---------------------------------------------------------------------
-    async def _generate_queue(self, request: Request) -> "asyncio.Queue | Response":
+    async def _generate_events(self, request: Request) -> StreamEvents | Response:
         p = request.path_params
         model, version = p["model"], p.get("version", "")
         try:
@@ -193,24 +194,27 @@ class Frontend:
             return error_response(e.status, str(e))
 
     async def generate(self, request: Request) -> Response:
-        queue = await self._generate_queue(request)
-        if isinstance(queue, Response):
-            return queue
+        events = await self._generate_events(request)
+        if isinstance(events, Response):
+            return events
         model = request.path_params["model"]
         answers: list[dict] = []
         error: tuple[int, str] | None = None
-        while True:
-            final, completion = await queue.get()
-            try:
-                doc = completion.doc()
-                if completion.status != 200:
-                    error = error or (completion.status, doc.get("error", "inference failed"))
-                elif not final:
-                    answers.append(generate_response(model, doc, completion.tensor))
-            finally:
-                completion.release()
-            if final:
-                break
+        try:
+            while True:
+                final, completion, _ = await events.events.get()
+                try:
+                    doc = completion.doc()
+                    if completion.status != 200:
+                        error = error or (completion.status, doc.get("error", "inference failed"))
+                    elif not final:
+                        answers.append(generate_response(model, doc, completion.tensor))
+                finally:
+                    completion.release()
+                if final:
+                    break
+        finally:
+            events.close()  # a failure or a cancelled wait before the end: free the rest as it comes
         if error:
             return error_response(*error)
         if len(answers) != 1:
@@ -220,26 +224,10 @@ class Frontend:
         return json_response(answers[0])
 
     async def generate_stream(self, request: Request) -> Response:
-        queue = await self._generate_queue(request)
-        if isinstance(queue, Response):
-            return queue
-        model = request.path_params["model"]
-
-        async def events() -> AsyncIterator[bytes]:
-            while True:
-                final, completion = await queue.get()
-                try:
-                    doc = completion.doc()
-                    if completion.status != 200:
-                        yield b"data: " + orjson.dumps({"error": doc.get("error", "inference failed")}) + b"\n\n"
-                    elif not final:
-                        yield b"data: " + orjson.dumps(generate_response(model, doc, completion.tensor)) + b"\n\n"
-                finally:
-                    completion.release()
-                if final:
-                    return
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        events = await self._generate_events(request)
+        if isinstance(events, Response):
+            return events
+        return EventStream(request.path_params["model"], events)
 
     # -- system shared memory -------------------------------------------------------------------
     async def shm_register(self, request: Request) -> Response:

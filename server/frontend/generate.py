@@ -5,11 +5,19 @@ is one value, a list its values), shaped by the model's config: its dimensions, 
 dimension or a batching model's batch dimension taking what the values leave (Triton's rule, and
 its error text when they do not fit); ``parameters`` and any other key become request parameters. Each response is a flat JSON
 object of the outputs: one-element tensors become scalars (BYTES as text), others lists.
+
+A stream's responses lie in its worker's arena until the frontend frees them: ``EventStream``
+frees what is left (and what still comes) when the client disconnects mid-stream, as at the end.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, AsyncIterator
 
+import orjson
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from shmserve.shm.streams import StreamEvents
 from shmserve.shm.tensors import CONFIG_TO_WIRE
 
 from .codec import BadRequest, json_data, json_tensor_bytes
@@ -80,3 +88,38 @@ def generate_response(model: str, result: dict, tensor_of: Any) -> dict:
         values = json_data(o["datatype"], tensor_of(o), o["shape"])
         out[o["name"]] = values[0] if len(values) == 1 else values
     return out
+
+
+class EventStream(StreamingResponse):
+    """The server-sent events of one ``generate_stream`` request: one event per response, an
+    error as ``{"error": ...}``. However the response ends (the last event sent, or the client
+    gone mid-stream and the sending cancelled or failed), the stream's events are closed: what
+    was not sent is freed, and so is every response the model still sends."""
+
+    def __init__(self, model: str, events: StreamEvents) -> None:
+        self.model = model
+        self.events = events
+        super().__init__(self._lines(), media_type="text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.events.close()
+
+    async def _lines(self) -> AsyncIterator[bytes]:
+        while True:
+            final, completion, _ = await self.events.events.get()
+            try:
+                doc = completion.doc()
+                if completion.status != 200:
+                    line = orjson.dumps({"error": doc.get("error", "inference failed")})
+                elif not final:
+                    line = orjson.dumps(generate_response(self.model, doc, completion.tensor))
+                else:
+                    return
+            finally:
+                completion.release()
+            yield b"data: " + line + b"\n\n"
+            if final:
+                return

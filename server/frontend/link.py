@@ -29,6 +29,7 @@ from shmserve.shm.channel import DEFAULT_SLOTS
 from shmserve.shm.completion import Completion
 from shmserve.shm.connection import Backpressure, Connection, Reservation, ServerUnavailable
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
+from shmserve.shm.streams import StreamEvents
 
 LIVENESS_CHECK_S = 1.0
 
@@ -199,12 +200,13 @@ class BrokerLink:
         self.submit(kind, doc, tensors, resolve)
         return await fut
 
-    def stream(self, doc: dict, tensors: Any) -> "asyncio.Queue[tuple[bool, Completion]]":
-        """Submit a streaming request; the queue yields (final, completion) in order."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self.submit(REQ_INFER, doc, tensors, lambda c: queue.put_nowait((True, c)),
-                    on_response=lambda c: queue.put_nowait((False, c)))
-        return queue
+    def stream(self, doc: dict, tensors: Any) -> StreamEvents:
+        """Submit a streaming request; its events come in order, the final one last. The reader
+        must ``close`` them when it stops, at the end or early (a client that went away)."""
+        events = StreamEvents(asyncio.Queue())
+        self.submit(REQ_INFER, doc, tensors, lambda c: events.put(True, c),
+                    on_response=lambda c: events.put(False, c))
+        return events
 
     async def control(self, doc: dict) -> tuple[int, Any]:
         completion = await self.call(REQ_CONTROL, doc)

@@ -1,0 +1,54 @@
+"""What one streaming request's callbacks hand its reader, until the reader stops reading.
+
+Each response of a stream is a block in its worker's arena, and its final completion frees the
+request's own block in the owner's arena. Arenas are FIFO: one block nobody frees stalls every
+allocation behind it, so a reader that stops early (an HTTP client that disconnects, a loop that
+breaks out of a local stream) must free what is queued for it and what is still to come.
+``close`` does both: it frees the queue and makes every later event be freed as it arrives.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Any
+
+from .completion import Completion
+
+
+class StreamEvents:
+    """The queue between a stream's callbacks and its reader: events ``(final, completion,
+    context)`` in order, the final one last. ``events`` is a ``queue.Queue`` when the callbacks
+    run on another thread than the reader, an ``asyncio.Queue`` when both run on one loop."""
+
+    def __init__(self, events: "queue.Queue | asyncio.Queue") -> None:
+        self.events = events
+        self._lock = threading.Lock()  # orders a late event against ``close`` (they may run on two threads)
+        self._closed = False
+
+    def put(self, final: bool, completion: Completion, context: Any = None) -> None:
+        """A callback's event: queued for the reader, or freed at once once the reader is gone."""
+        with self._lock:
+            if not self._closed:
+                self.events.put_nowait((final, completion, context))
+                return
+        completion.release()
+
+    def close(self) -> None:
+        """The reader stops: free what is queued, and from now on each event as it comes."""
+        with self._lock:
+            self._closed = True
+            left = []
+            while True:
+                try:
+                    left.append(self.events.get_nowait())
+                except (queue.Empty, asyncio.QueueEmpty):
+                    break
+        for _, completion, _ in left:
+            completion.release()
+
+    def __del__(self) -> None:
+        # A reader dropped before it ever read (a generator never started runs no ``finally``):
+        # the callbacks let go of this object after the final event, which is then freed here.
+        if not self._closed:
+            self.close()
