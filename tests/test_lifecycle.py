@@ -16,6 +16,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 from conftest import DEADLINE_S, raw_request
+from gates import Gate
 
 ADD_SUB = Path(__file__).resolve().parent.parent / "model_repository" / "add_sub"
 
@@ -287,3 +288,105 @@ def test_rollback_to_an_older_version_in_one_call_loses_no_request(server_factor
         load.wait_more()  # served by version 1 now
     assert c.get_model_metadata("add_sub")["versions"] == ["1"]
     assert load.errors == [] and load.ok > 0
+
+
+SLOW_START = Path(__file__).resolve().parent / "models" / "lifecycle"
+
+
+def slow_start_config(count: int = 1, gate: Gate | None = None) -> str:
+    """slow_start's config; with a gate, every instance's initialize() waits until it opens."""
+    cfg: dict = {"name": "slow_start", "backend": "python", "max_batch_size": 0,
+                 "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}],
+                 "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [1]}],
+                 "instance_group": [{"count": count, "kind": "KIND_CPU"}]}
+    if gate is not None:
+        cfg["parameters"] = {"gate": {"string_value": gate.param}}
+    return json.dumps(cfg)
+
+
+class LoadCall(threading.Thread):
+    """One load request on its own thread (it is answered only when the load is over): its
+    outcome is None (loaded) or the server's error."""
+
+    def __init__(self, url: str, model: str, cfg: str) -> None:
+        super().__init__()
+        self.url, self.model, self.cfg = url, model, cfg
+        self.error: InferenceServerException | None = None
+        self.start()
+
+    def run(self) -> None:
+        client = httpclient.InferenceServerClient(self.url, network_timeout=2 * DEADLINE_S)
+        try:
+            client.load_model(self.model, config=self.cfg)
+        except InferenceServerException as e:
+            self.error = e
+        finally:
+            client.close()
+
+    def outcome(self) -> InferenceServerException | None:
+        self.join(DEADLINE_S)
+        assert not self.is_alive(), "the load request was never answered"
+        return self.error
+
+
+def test_unload_during_a_load_cancels_it(server_factory, tmp_path):
+    """The last request wins: a model unloaded while it loads (first load or reload) stays
+    unloaded when its initialize() would have finished, and the load's caller is told why."""
+    s = server_factory.start([SLOW_START], ["--model-control-mode", "explicit"])
+    c = s.client()
+    for attempt, serving in enumerate((False, True)):
+        if serving:
+            c.load_model("slow_start")
+            assert c.is_model_ready("slow_start")
+        gate = Gate(tmp_path / f"gate{attempt}")
+        load = LoadCall(s.url, "slow_start", slow_start_config(gate=gate))
+        try:
+            gate.wait_started()
+            c.unload_model("slow_start")
+        finally:
+            gate.open()  # what the cancelled load would have done next, had it not been stopped
+        error = load.outcome()
+        assert error is not None, "the load went on after the unload"
+        assert error.message() == "failed to load 'slow_start', the model was unloaded before the load completed"
+        assert error.status() == "409"
+        assert not c.is_model_ready("slow_start")
+        assert c.get_model_repository_index() == [{"name": "slow_start"}]
+    c.load_model("slow_start")  # a load after all that works
+    assert c.is_model_ready("slow_start") and c.is_server_ready()
+
+
+def test_a_second_load_during_a_load_replaces_it(server_factory, tmp_path):
+    """The last request wins: a load with another config while a load is in progress stops the
+    first one (its caller is told so) and the model serves with the second config."""
+    s = server_factory.start([SLOW_START], ["--model-control-mode", "explicit"])
+    c = s.client()
+    gate = Gate(tmp_path / "gate")
+    first = LoadCall(s.url, "slow_start", slow_start_config(count=1, gate=gate))
+    try:
+        gate.wait_started()
+        second = LoadCall(s.url, "slow_start", slow_start_config(count=2))
+        assert second.outcome() is None
+    finally:
+        gate.open()
+    error = first.outcome()
+    assert error is not None, "the first load was not replaced"
+    assert error.message() == "failed to load 'slow_start', a later load of the model replaced this one"
+    assert error.status() == "409"
+    assert c.get_model_config("slow_start")["instance_group"][0]["count"] == 2
+    x = httpclient.InferInput("X", [1], "FP32")
+    x.set_data_from_numpy(np.array([3.0], np.float32))
+    assert c.infer("slow_start", [x]).as_numpy("Y").tolist() == [3.0]
+    # The same load again while one is in progress joins it: both callers are answered once it serves.
+    gate2 = Gate(tmp_path / "gate2")
+    same = slow_start_config(gate=gate2)
+    loads = [LoadCall(s.url, "slow_start", same)]
+    try:
+        gate2.wait_started()
+        loads.append(LoadCall(s.url, "slow_start", same))
+        s.wait_until(lambda: "joining the load in progress" in s.log(), "the second load joined the first",
+                     timeout=DEADLINE_S)
+    finally:
+        gate2.open()
+    assert [call.outcome() for call in loads] == [None, None]
+    assert len(gate2.started()) == 1  # one load ran, not two
+    assert c.get_model_config("slow_start")["instance_group"][0]["count"] == 1

@@ -29,6 +29,13 @@ class LoadJob:
     versions: dict[int, ModelVersion]
     waiters: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (client, slot) to answer
     canary_policy: CanaryPolicy = dataclasses.field(default_factory=CanaryPolicy)  # from its config.pbtxt
+    # What was asked for (the folder and the config before any auto-completion): a later load
+    # that asks for the same joins this one; one that asks for something else replaces it.
+    model_dir: str = ""
+    config: Any = None  # ModelConfig message
+
+    def same_request(self, model_dir: Path, config: Any) -> bool:
+        return self.model_dir == str(model_dir) and self.config == config
 
     def failed(self) -> ModelVersion | None:
         return next((mv for mv in self.versions.values() if mv.state == State.UNAVAILABLE), None)

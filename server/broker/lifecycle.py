@@ -46,6 +46,11 @@ log = logging.getLogger("shmserve.broker")
 STRAGGLER_GRACE_S = 0.2  # a client that read the old routes just before the swap lands within this
 RETIRING_CHECK_S = 0.05  # how often a draining version is looked at
 UPLOAD_PREFIX = "shmserve-model-"  # private folders of models loaded from 'file:' parameters
+# A load that a later request overtook: the last request wins, and the caller of the one it
+# stopped hears why (409: what it asked for conflicts with what was asked after it).
+CANCELLED_STATUS = 409
+REPLACED = "a later load of the model replaced this one"
+UNLOADED = "the model was unloaded before the load completed"
 
 
 def idle(mv: ModelVersion) -> bool:
@@ -152,6 +157,7 @@ class Lifecycle:
         for name in names:
             if name in self.catalog.model_dirs:
                 log.info("repository change: (re)loading '%s'", name)
+                self.cancel_load(name, REPLACED)  # it read the files before they changed
                 self.load_model(name)
             elif name in self.catalog.models or name in self.catalog.load_errors:
                 log.info("repository change: '%s' was removed; unloading it", name)
@@ -161,12 +167,12 @@ class Lifecycle:
     def load_model(self, name: str, override_json: str | None = None, waiter: tuple[Any, int] | None = None,
                    model_dir: Path | None = None) -> str | None:
         """Start loading every version of ``name`` the policy selects beside what serves now;
-        returns an error at once, or None (the swap happens when all are ready)."""
+        returns an error at once, or None (the swap happens when all are ready).
+
+        A load of ``name`` already in progress that asked for the same folder and config is
+        joined; one that asked for something else is cancelled, so the last request wins. A
+        request refused at once (no folder, an invalid config) leaves a load in progress alone."""
         catalog = self.catalog
-        if name in catalog.loading:  # a load in progress: answer with it
-            if waiter is not None:
-                catalog.loading[name].waiters.append(waiter)
-            return None
         model_dir = model_dir or catalog.model_dirs.get(name)
         if model_dir is None:
             catalog.model_dirs = self._scan_repositories()
@@ -193,7 +199,15 @@ class Lifecycle:
                 raise cfgmod.ConfigError(f"model '{name}': parameters: {e}") from None
         except cfgmod.ConfigError as e:
             return self._load_failed(name, f"failed to load '{name}', {e}")
-        job = catalog.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [], canary_policy)
+        pending = catalog.loading.get(name)
+        if pending is not None and pending.same_request(model_dir, config):
+            log.info("load of '%s' asked for again: joining the load in progress", name)
+            if waiter is not None:
+                pending.waiters.append(waiter)
+            return None
+        self.cancel_load(name, REPLACED)
+        job = catalog.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [], canary_policy,
+                                              str(model_dir), config)
         for v in versions:
             mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
                               config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
@@ -245,16 +259,10 @@ class Lifecycle:
             bad = job.failed()
             if bad is not None:
                 del catalog.loading[name]
-                for mv in job.versions.values():
-                    for inst in mv.instances:
-                        self.instances.stop(inst, graceful=False)
-                    mv.state = State.UNLOADING  # its workers are reaped, never restarted
-                    catalog.retiring.append(Retiring(mv, stopping=True))
+                self._abandon(job, 400, bad.reason)
                 catalog.load_errors[name] = bad.reason
                 catalog.failed_versions[name] = sorted(job.versions)
                 catalog.load_failures[name] += 1
-                for client, slot in job.waiters:
-                    self.clients.reply(client, slot, 400, {"error": bad.reason})
                 continue
             if not job.ready():
                 continue
@@ -273,6 +281,24 @@ class Lifecycle:
             for client, slot in job.waiters:
                 self.clients.reply(client, slot, 200, {})
 
+    def cancel_load(self, name: str, why: str) -> None:
+        """Stop the load of ``name`` in progress, if any, because a later request overtook it;
+        what serves is untouched."""
+        job = self.catalog.loading.pop(name, None)
+        if job is not None:
+            log.info("load of '%s' cancelled: %s", name, why)
+            self._abandon(job, CANCELLED_STATUS, f"failed to load '{name}', {why}")
+
+    def _abandon(self, job: LoadJob, status: int, error: str) -> None:
+        """Kill the workers of a load that will not serve and answer its callers with ``error``."""
+        for mv in job.versions.values():
+            for inst in mv.instances:
+                self.instances.stop(inst, graceful=False)
+            mv.state = State.UNLOADING  # its workers are reaped, never restarted
+            self.catalog.retiring.append(Retiring(mv, stopping=True))
+        for client, slot in job.waiters:
+            self.clients.reply(client, slot, status, {"error": error})
+
     def _load_failed(self, name: str, reason: str) -> str:
         log.error("%s", reason)
         self.catalog.load_failures[name] += 1
@@ -282,8 +308,8 @@ class Lifecycle:
 
     def fail_version(self, mv: ModelVersion, reason: str) -> None:
         """A version that cannot serve: its workers stop and what waits for it fails."""
-        if mv.state == State.UNAVAILABLE:
-            return
+        if mv.state in (State.UNAVAILABLE, State.UNLOADING):
+            return  # already failed, or retired (a cancelled load's late report changes nothing)
         log.error("%s", reason)
         mv.state = State.UNAVAILABLE
         mv.reason = reason
@@ -346,7 +372,11 @@ class Lifecycle:
 
     # -- unloading and retirement ---------------------------------------------------------------
     def unload_model(self, name: str, waiter: tuple[Any, int] | None = None, dependents: bool = False) -> None:
+        """Retire what serves of ``name`` and cancel its load in progress, so the model ends
+        unloaded; answered once its workers are gone."""
         catalog = self.catalog
+        cancelled = name in catalog.loading
+        self.cancel_load(name, UNLOADED)
         versions = catalog.models.pop(name, {})
         catalog.canaries.pop(name, None)
         catalog.load_errors.pop(name, None)
@@ -357,7 +387,7 @@ class Lifecycle:
                     if dep in catalog.models:
                         self.unload_model(dep)
             self._retire(mv)
-        if versions:
+        if versions or cancelled:  # the newest entry: a serving version, which drains last
             catalog.retiring[-1].waiters.extend([waiter] if waiter is not None else [])
         elif waiter is not None:
             self.clients.reply(waiter[0], waiter[1], 200, {})
