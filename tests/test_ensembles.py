@@ -1,18 +1,24 @@
 """Ensembles against a real server: results through a DAG of real models, independent steps in
-parallel, a failing step named in the error, and the bundled digits pipeline."""
+parallel, a failing step named in the error, the bundled digits pipeline, and nested ensembles
+(a step that is itself an ensemble), whose failures, leftovers and cycles are checked too."""
 from __future__ import annotations
 
 import concurrent.futures
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from gates import Gate
+from shmserve.shm.channel import ClientSegment
 
 ROOT = Path(__file__).resolve().parent.parent
+# A nested step that nobody answers would hang the call: it fails after this instead.
+NESTED_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +114,95 @@ def test_invalid_ensemble_config_is_refused(server_factory, tmp_path):
     bad = [m for m in index if m["name"] == "bad_ens"][0]
     assert bad["state"] == "UNAVAILABLE"
     assert "needs tensor(s) ['nowhere']" in bad["reason"]
+
+
+def nested_client(server) -> httpclient.InferenceServerClient:
+    return server.client(network_timeout=NESTED_TIMEOUT_S, connection_timeout=NESTED_TIMEOUT_S)
+
+
+def test_nested_ensemble_results(server):
+    x = np.arange(16, dtype=np.int32)
+    y = np.arange(100, 116, dtype=np.int32)
+    client = nested_client(server)
+    result = client.infer("outer", inputs(X=x, Y=y))  # outer's first step is the ensemble "inner"
+    np.testing.assert_array_equal(result.as_numpy("SUM"), 2 * x + 2 * y)
+    np.testing.assert_array_equal(result.as_numpy("DIFF"), 2 * x - 2 * y)
+    np.testing.assert_array_equal(result.as_numpy("TWO_X"), 2 * x)  # inner's output passed straight out
+    result = client.infer("deep", inputs(X=x))  # three levels: deep -> outer -> inner
+    np.testing.assert_array_equal(result.as_numpy("OUT"), 4 * x)
+
+
+def test_nested_ensemble_failure_reaches_the_outer_caller(server):
+    client = nested_client(server)
+    with pytest.raises(InferenceServerException) as direct:
+        client.infer("broken", inputs(X=np.ones(4, np.int32)))
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("outer_broken", inputs(X=np.ones(4, np.int32)))
+    message = e.value.message()
+    assert "in ensemble 'outer_broken', step 'broken' failed" in message
+    assert direct.value.message() in message  # the inner ensemble's own text, with its step's
+    assert "boom from failer" in message
+    assert e.value.status() == direct.value.status()
+
+
+def arena_use(server) -> dict[tuple[str, str], float]:
+    """Bytes in use in the broker's arena and each version's workers' output arenas."""
+    for _ in range(2):  # the first scrape's answer lets the broker reclaim what was freed before it
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read()
+    family = next(f for f in text_string_to_metric_families(text.decode()) if f.name == "shmserve_arena_bytes_in_use")
+    return {(s.labels["owner"], s.labels.get("model", "")): s.value for s in family.samples}
+
+
+def test_nested_ensembles_leave_nothing_behind(server):
+    """Every step answer (a worker's block, or an inner ensemble's answer in the broker's arena) is
+    freed and every slot of the broker's own client segment is free again."""
+    x = np.arange(16, dtype=np.int32)
+    client = nested_client(server)
+
+    def one_round() -> None:
+        client.infer("deep", inputs(X=x))
+        client.infer("outer", inputs(X=x, Y=x))
+        with pytest.raises(InferenceServerException):
+            client.infer("outer_broken", inputs(X=np.ones(4, np.int32)))
+
+    one_round()
+    before = arena_use(server)
+    for _ in range(8):
+        one_round()
+    after = arena_use(server)
+    # A block never freed stalls its arena: all allocated after it stays in use and grows per round.
+    for owner, used in after.items():
+        assert used <= before.get(owner, 0) + 4096, (owner, before, after)
+    own = ClientSegment.attach(f"/shmserve.{server.id}.client.broker")
+    try:
+        busy = [slot for slot in range(own.nslots) if own.slot_states[slot]]
+    finally:
+        own.close()
+    assert busy == []
+
+
+def write_ensemble(repo: Path, name: str, step: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(
+        f'name: "{name}" platform: "ensemble" max_batch_size: 0\n'
+        'input [ { name: "X" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+        'output [ { name: "Z" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+        f'ensemble_scheduling {{ step [ {{ model_name: "{step}" input_map {{ key: "X" value: "X" }} '
+        'output_map { key: "Z" value: "Z" } } ] }\n')
+
+
+def test_ensemble_cycle_is_refused_at_load(server_factory, tmp_path):
+    repo = tmp_path / "repo"
+    write_ensemble(repo, "cyc_a", "cyc_b")
+    write_ensemble(repo, "cyc_b", "cyc_a")
+    write_ensemble(repo, "cyc_self", "cyc_self")
+    s = server_factory.start([repo, ROOT / "model_repository"], ["--exit-on-error=false"], wait=False)
+    s.wait_until(lambda: s.http_status("/v2/models/add_sub/ready") == 200, "add_sub ready")
+    index = {m["name"]: m for m in s.client().get_model_repository_index()}
+    assert index["cyc_a"]["state"] == "UNAVAILABLE"
+    assert "circular dependency between ensembles: cyc_a -> ... -> cyc_b -> cyc_a" in index["cyc_a"]["reason"]
+    assert index["cyc_b"]["state"] == "UNAVAILABLE"
+    assert "circular dependency between ensembles: cyc_b -> ... -> cyc_a -> cyc_b" in index["cyc_b"]["reason"]
+    assert index["cyc_self"]["state"] == "UNAVAILABLE"
+    assert "circular dependency between ensembles: cyc_self" in index["cyc_self"]["reason"]
+    assert s.http_status("/v2/models/cyc_a/ready") != 200

@@ -7,6 +7,12 @@ tensors stay where the producing worker wrote them (its output arena) and the ne
 reads them there: they never pass through a frontend, and no byte is copied between steps. The
 final outputs are copied once into the broker's answer (or into the client's regions).
 
+A step that names another ensemble (a nested ensemble) has no workers: it runs here as a run of
+its own whose client is the broker's own segment. Its answer lies in the broker's arena like any
+ensemble answer, completes the step's slot, and the outer run reads its tensors there and frees
+it with the other step answers. Ensembles that reach themselves through their steps are refused
+at load (``find_cycle``), so a run never starts runs of itself without end.
+
 ``EnsemblePlan`` is the config's DAG, ``EnsembleRun`` one request through it, and ``Ensembles``
 the broker's part that runs them.
 """
@@ -59,6 +65,27 @@ class EnsemblePlan:
 
     def dependencies(self) -> list[str]:
         return sorted({s.model for s in self.steps})
+
+
+def step_models(config: Any) -> list[str]:
+    """The models an ensemble's config names as steps."""
+    return sorted({s.model_name for s in config.ensemble_scheduling.step})
+
+
+def find_cycle(start: str, graph: dict[str, list[str]]) -> str | None:
+    """Triton's refusal of ensembles that reach themselves through their steps (a run of one
+    would start runs of itself without end). ``graph`` maps each ensemble reachable from
+    ``start`` to its step models; the answer names the ensemble whose step closes the loop."""
+    reached, todo = {start}, [start]
+    while todo:
+        name = todo.pop()
+        for model in graph.get(name, ()):
+            if model == start:
+                return f"circular dependency between ensembles: {start} -> ... -> {name} -> {start}"
+            if model in graph and model not in reached:
+                reached.add(model)
+                todo.append(model)
+    return None
 
 
 def check_plan(config: Any) -> str | None:
@@ -173,7 +200,13 @@ class Ensembles:
             self.own.seg.set_slot_state(slot, SLOT_PENDING)
             self.inflight[slot] = (run, step)
             run.running += 1
-            self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic()))
+            if mv.ensemble is not None:
+                # A nested ensemble has no instances to queue on: it runs here, and its answer
+                # (or error) completes this step's slot in our own segment.
+                request["t"] = time.monotonic_ns()
+                self._advance(EnsembleRun(mv, self.own, slot, request))
+            else:
+                self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic()))
         if not run.failed and run.complete():
             self._finish_run(run)
 

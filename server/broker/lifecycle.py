@@ -33,7 +33,7 @@ from . import config as cfgmod
 from .canary import Canary, CanaryPolicy
 from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
-from .ensemble import EnsemblePlan
+from .ensemble import EnsemblePlan, find_cycle, step_models
 from .instances import Instances, take_payload
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
@@ -191,6 +191,10 @@ class Lifecycle:
             if not versions:
                 raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
             cfgmod.validate(config, model_dir, self.backends, versions)
+            if config.platform == "ensemble":
+                cycle = find_cycle(name, self._ensemble_graph(config))
+                if cycle:
+                    raise cfgmod.ConfigError(cycle)
             try:
                 parameters = cfgmod.string_parameters(config)
                 canary_policy = CanaryPolicy.from_parameters(parameters)
@@ -231,6 +235,32 @@ class Lifecycle:
         for dep in mv.ensemble.dependencies():  # as Triton: an ensemble brings its steps
             if dep not in catalog.models and dep not in catalog.load_errors and dep not in catalog.loading:
                 self.load_model(dep)
+
+    def _ensemble_graph(self, config: Any) -> dict[str, list[str]]:
+        """The step models of the ensemble ``config`` and of every ensemble its steps reach, each
+        from the config that serves or loads, else from its repository folder."""
+        graph = {config.name: step_models(config)}
+        seen, todo = {config.name}, list(graph[config.name])
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            job = self.catalog.loading.get(name)
+            held = job.versions if job is not None else self.catalog.models.get(name)
+            if held:
+                dep = next(iter(held.values())).config
+            elif name in self.catalog.model_dirs:
+                try:
+                    dep = cfgmod.load_config(self.catalog.model_dirs[name], self.opts.strict_config)
+                except (cfgmod.ConfigError, OSError):
+                    continue  # it fails its own load; no loop passes through it
+            else:
+                continue
+            if dep.platform == "ensemble":
+                graph[name] = step_models(dep)
+                todo.extend(graph[name])
+        return graph
 
     def _start_instances(self, mv: ModelVersion) -> None:
         """Give ``mv`` its scheduler and start a worker per instance its config asks for."""

@@ -9,6 +9,7 @@ import pytest
 
 from shmserve.server.broker import config as cfgmod
 from shmserve.server.broker.config import ConfigError, mc
+from shmserve.server.broker.ensemble import find_cycle
 from shmserve.workers.devices import cuda_device_count
 
 BACKENDS = {"python", "pytorch"}
@@ -293,6 +294,21 @@ def test_an_ensemble_whose_steps_cannot_run_is_refused(tmp_path, steps, message)
 def test_ensemble_steps_in_any_order_pass(tmp_path):
     config = check(ensemble(step("MID", "OUT", model="b"), step("IN", "MID", model="a", version=1)), tmp_path, files={})
     assert [s.model_name for s in config.ensemble_scheduling.step] == ["b", "a"]
+
+
+@pytest.mark.parametrize("graph, start, message", [
+    ({"a": ["b", "m"], "b": ["a"]}, "a", "a -> ... -> b -> a"),
+    ({"s": ["s"]}, "s", "s -> ... -> s -> s"),
+    ({"top": ["mid"], "mid": ["low", "m"], "low": ["top"]}, "top", "top -> ... -> low -> top"),
+])
+def test_ensembles_that_reach_themselves_are_named(graph, start, message):
+    assert find_cycle(start, graph) == f"circular dependency between ensembles: {message}"
+
+
+def test_ensembles_without_a_loop_through_them_pass():
+    # "x" reaches a loop (a <-> b) that does not pass through it: a and b fail their own loads.
+    assert find_cycle("x", {"x": ["a", "m"], "a": ["b"], "b": ["a"]}) is None
+    assert find_cycle("x", {"x": ["y", "y"], "y": ["m"]}) is None  # a model named twice is no loop
 
 
 # -- the dict form and parameters -------------------------------------------------------------
