@@ -16,8 +16,10 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 from conftest import DEADLINE_S, raw_request
+from gates import Gate
 
 ADD_SUB = Path(__file__).resolve().parent.parent / "model_repository" / "add_sub"
+GATED_LOAD = Path(__file__).resolve().parent / "models" / "lifecycle" / "gated_load"
 
 
 def config(count: int = 1) -> str:
@@ -212,6 +214,40 @@ def test_poll_mode_follows_the_repository(server_factory, repo, tmp_path):
     # A removed one unloads.
     shutil.rmtree(repo / "twin")
     wait_until(lambda: not c.is_model_ready("twin"), DEADLINE_S, "the removed model unloaded")
+
+
+def publish(path: Path, text: str, staging: Path) -> None:
+    """Write ``path`` as a publisher should: in full beside it, then one atomic rename."""
+    staging.write_text(text)
+    os.replace(staging, path)
+
+
+def test_poll_mode_change_during_a_reload_reloads_again(server_factory, tmp_path):
+    """A change that arrives while the model reloads is not lost: another reload follows."""
+    repo = tmp_path / "repo"
+    model = repo / "gated_load"
+    shutil.copytree(GATED_LOAD, model)
+    first, second = Gate(tmp_path / "first"), Gate(tmp_path / "second")
+    first.open()
+    template = (GATED_LOAD / "config.pbtxt").read_text()
+    (model / "config.pbtxt").write_text(template.replace("GATE", first.param))
+    s = server_factory.start([repo], ["--model-control-mode", "poll"])
+    c = s.client()
+    assert c.get_model_metadata("gated_load")["versions"] == ["1"]
+    # The new config names a closed gate: its load waits in initialize ...
+    publish(model / "config.pbtxt", template.replace("GATE", second.param), tmp_path / "config.staging")
+    second.wait_started()
+    # ... while version 2 appears. The watcher takes the changes in order: once a model added
+    # after it is ready, the broker has seen version 2 too. Then the held load finishes.
+    shutil.copytree(model / "1", tmp_path / "v2")
+    os.rename(tmp_path / "v2", model / "2")
+    shutil.copytree(ADD_SUB, tmp_path / "add_sub")
+    os.rename(tmp_path / "add_sub", repo / "add_sub")
+    wait_until(lambda: c.is_model_ready("add_sub"), DEADLINE_S, "the model added later ready")
+    assert c.get_model_metadata("gated_load")["versions"] == ["1"]
+    second.open()
+    wait_until(lambda: c.get_model_metadata("gated_load")["versions"] == ["2"], DEADLINE_S, "version 2 serving")
+    assert add_sub(c, "gated_load").tolist() == list(range(0, 32, 2))
 
 
 def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_factory):

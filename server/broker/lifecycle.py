@@ -69,6 +69,7 @@ class Lifecycle:
         self.clients = clients
         self.backends = set(installed_backends()) | set(BUILT_IN)
         self.watcher: RepositoryWatcher | None = None  # --model-control-mode=poll
+        self.changed_while_loading: set[str] = set()  # poll mode: look again once their load is over
         self.running = True  # False once a stop was asked for (or the start failed)
         self.startup_done = False
         self.startup_failed = False
@@ -143,13 +144,21 @@ class Lifecycle:
         return list(self.catalog.model_dirs)
 
     def apply_repository_changes(self) -> None:
-        """Poll mode: reload models whose folders changed, load new ones, unload removed ones."""
+        """Poll mode: reload models whose folders changed, load new ones, unload removed ones.
+
+        A load reads the folder when it starts, so a change that arrives while the model loads
+        waits for that load to end (ready or failed) and then starts another."""
         assert self.watcher is not None
-        names = self.watcher.due()
+        loading = self.catalog.loading
+        names = [n for n in self.changed_while_loading if n not in loading] + self.watcher.due()
         if not names:
             return
         self.catalog.model_dirs = self._scan_repositories()
-        for name in names:
+        for name in dict.fromkeys(names):
+            if name in loading:
+                self.changed_while_loading.add(name)
+                continue
+            self.changed_while_loading.discard(name)
             if name in self.catalog.model_dirs:
                 log.info("repository change: (re)loading '%s'", name)
                 self.load_model(name)
