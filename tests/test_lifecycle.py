@@ -199,9 +199,13 @@ def test_poll_mode_follows_the_repository(server_factory, repo, tmp_path):
         wait_until(lambda: c.get_model_metadata("add_sub")["versions"] == ["2"], DEADLINE_S, "version 2 serving")
         load.wait_more()
     assert load.errors == [] and load.ok > 0
-    # Editor temporaries and dot-folders change nothing; a new model folder loads. The watcher
-    # takes the changes in order: once the new model is ready, the others have been seen too.
+    wait_until(lambda: len(s.worker_pids("add_sub")) == 1, DEADLINE_S, "version 1's worker gone")
+    workers = s.worker_pids("add_sub")
+    # Editor temporaries and dot-folders change nothing (no reload: the same worker serves); a new
+    # model folder loads. The watcher takes the changes in order, and a reload starts its workers
+    # at once: once the new model is ready, the others have been seen too.
     (repo / "add_sub" / "config.pbtxt~").write_text("junk")
+    (repo / "add_sub" / ".config.pbtxt.swp").write_text("junk")
     (repo / ".hidden").mkdir()
     shutil.copytree(ADD_SUB, tmp_path / "copy")
     cfg = (tmp_path / "copy" / "config.pbtxt").read_text().replace('name: "add_sub"', 'name: "twin"')
@@ -209,6 +213,7 @@ def test_poll_mode_follows_the_repository(server_factory, repo, tmp_path):
     os.rename(tmp_path / "copy", repo / "twin")
     wait_until(lambda: c.is_model_ready("twin"), DEADLINE_S, "the new model ready")
     assert c.get_model_metadata("add_sub")["versions"] == ["2"]
+    assert s.worker_pids("add_sub") == workers
     assert ".hidden" not in {m["name"] for m in c.get_model_repository_index()}
     assert add_sub(c, "twin").tolist() == list(range(0, 32, 2))
     # A removed one unloads.

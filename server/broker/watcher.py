@@ -33,6 +33,10 @@ class _Handler(FileSystemEventHandler):
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.event_type in ("opened", "closed_no_write"):
             return  # reads (our own workers load the models) change nothing
+        if event.event_type == "modified" and event.is_directory:
+            # An entry inside was created, removed or renamed: that entry has its own event,
+            # judged by its own name (so an editor's 'config.pbtxt~' reloads nothing).
+            return
         for path in (event.src_path, getattr(event, "dest_path", "") or ""):
             if not path:
                 continue
