@@ -255,6 +255,36 @@ def test_poll_mode_change_during_a_reload_reloads_again(server_factory, tmp_path
     assert add_sub(c, "gated_load").tolist() == list(range(0, 32, 2))
 
 
+def test_poll_mode_scan_finds_what_file_events_miss(server_factory, tmp_path):
+    """--repository-poll-secs: a model folder linked into the repository gets no inotify events
+    (watchdog does not follow links; NFS and FUSE mounts get none either): the periodic scan
+    finds its new version. A change the events report reloads once, not again at the scan."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(ADD_SUB, repo / "add_sub")
+    linked = tmp_path / "elsewhere" / "twin"
+    shutil.copytree(ADD_SUB, linked)
+    cfg = (linked / "config.pbtxt").read_text().replace('name: "add_sub"', 'name: "twin"')
+    (linked / "config.pbtxt").write_text(cfg)
+    (repo / "twin").symlink_to(linked, target_is_directory=True)
+    s = server_factory.start([repo], ["--model-control-mode", "poll", "--repository-poll-secs", "1"])
+    c = s.client()
+    assert c.get_model_metadata("twin")["versions"] == ["1"]
+    # A change the events report: one reload.
+    shutil.copytree(repo / "add_sub" / "1", tmp_path / "a2")
+    os.rename(tmp_path / "a2", repo / "add_sub" / "2")
+    wait_until(lambda: c.get_model_metadata("add_sub")["versions"] == ["2"], DEADLINE_S, "add_sub 2 serving")
+    wait_until(lambda: len(s.worker_pids("add_sub")) == 1, DEADLINE_S, "add_sub 1's worker gone")
+    workers = s.worker_pids("add_sub")
+    # A change only the scan sees. The scan that finds it has also looked at add_sub since its
+    # change: a second reload of add_sub would have started its worker by then.
+    shutil.copytree(linked / "1", tmp_path / "t2")
+    os.rename(tmp_path / "t2", linked / "2")
+    wait_until(lambda: c.get_model_metadata("twin")["versions"] == ["2"], DEADLINE_S, "twin 2 serving")
+    assert add_sub(c, "twin").tolist() == list(range(0, 32, 2))
+    assert s.worker_pids("add_sub") == workers
+
+
 def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_factory):
     repo = Path(__file__).parent / "models" / "warmup"
     s = server_factory.start([repo], ["--exit-on-error=false"], wait=False)

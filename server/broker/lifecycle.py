@@ -37,6 +37,7 @@ from .ensemble import EnsemblePlan
 from .instances import Instances, take_payload
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
+from .repository_scan import RepositoryScanner
 from .routes import Routes
 from .sequencer import SequenceBatcher
 from .watcher import RepositoryWatcher
@@ -69,6 +70,7 @@ class Lifecycle:
         self.clients = clients
         self.backends = set(installed_backends()) | set(BUILT_IN)
         self.watcher: RepositoryWatcher | None = None  # --model-control-mode=poll
+        self.scanner: RepositoryScanner | None = None  # poll mode with --repository-poll-secs > 0
         self.changed_while_loading: set[str] = set()  # poll mode: look again once their load is over
         self.running = True  # False once a stop was asked for (or the start failed)
         self.startup_done = False
@@ -76,16 +78,22 @@ class Lifecycle:
 
     # -- the server -----------------------------------------------------------------------------
     def start(self, waker: Waker) -> None:
-        """Load the models the control mode asks for; in poll mode, watch the repositories."""
+        """Load the models the control mode asks for; in poll mode, watch the repositories from
+        before the initial loads read them, so no change made meanwhile goes unseen."""
+        if self.opts.control_mode == "poll":
+            scans = self.opts.repository_poll_s > 0
+            self.watcher = RepositoryWatcher(self.opts.repositories, waker, keep_paths=scans)
+            if scans:
+                self.scanner = RepositoryScanner(self.opts.repositories, self.watcher, self.opts.repository_poll_s)
         for name in self._initial_models():
             self.load_model(name)
-        if self.opts.control_mode == "poll":
-            self.watcher = RepositoryWatcher(self.opts.repositories, waker)
 
     def stop(self) -> None:
         self.running = False
 
     def close(self) -> None:
+        if self.scanner is not None:
+            self.scanner.stop()
         if self.watcher is not None:
             self.watcher.stop()
 
