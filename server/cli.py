@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",
                    help="none: load all models at start; poll: also follow changes in the repository; "
                         "explicit: load only --load-model models and what the repository API asks for")
+    p.add_argument("--repository-poll-secs", type=int, default=15, metavar="N",
+                   help="with poll control, also scan the repositories every N seconds for changes no file "
+                        "event reports (NFS and FUSE mounts, model folders that are links); 0: events only "
+                        "(default 15)")
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="with explicit control, a model to load at start ('*' for all); repeatable")
     add_bool(p, "--strict-model-config", False,
@@ -166,6 +170,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--poll-us must lie in [0, 1000000]")
     if args.metrics_interval_ms < 1:
         parser.error("--metrics-interval-ms must be at least 1")
+    if args.repository_poll_secs < 0:
+        parser.error("--repository-poll-secs must be 0 or more")
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model requires --model-control-mode=explicit")
     if args.log_verbose < 0:

@@ -68,7 +68,8 @@ class Launcher:
         self.sid: str = args.id
         self.broker_opts = BrokerOptions(
             server_id=self.sid, repositories=[os.path.abspath(r) for r in args.model_repository],
-            control_mode=args.model_control_mode, load_models=args.load_model,
+            control_mode=args.model_control_mode, repository_poll_s=args.repository_poll_secs,
+            load_models=args.load_model,
             strict_config=args.strict_model_config, strict_readiness=args.strict_readiness,
             exit_on_error=args.exit_on_error, exit_timeout_s=args.exit_timeout_secs,
             log=log_settings(args), trace=args.trace_config, worker_arena_bytes=args.worker_arena_mb << 20,

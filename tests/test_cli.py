@@ -19,6 +19,7 @@ FLAGS = [
     "--id", "--allow-remote-shm", "--worker-arena-mb", "--frontend-arena-mb", "--log-info", "--log-warning",
     "--log-error", "--log-format", "--log-file", "--http-restricted-api", "--metrics-config",
     "--metrics-interval-ms", "--allow-cpu-metrics", "--allow-gpu-metrics", "--poll-us",
+    "--repository-poll-secs",
 ]
 SHMSERVE = Path(PYTHON).parent / "shmserve"
 
@@ -77,8 +78,10 @@ def test_repository_flag_required():
     (["--load-model", "add_sub"], "--model-control-mode"),
     (["--poll-us", "-1"], "--poll-us"),
     (["--poll-us", "soon"], "--poll-us"),
+    (["--repository-poll-secs", "-1"], "--repository-poll-secs"),
+    (["--repository-poll-secs", "often"], "--repository-poll-secs"),
 ], ids=["port-text", "port-range", "workers-0", "bool", "choice", "id", "load-model-without-explicit", "poll-us-range",
-        "poll-us-text"])
+        "poll-us-text", "repository-poll-secs-range", "repository-poll-secs-text"])
 def test_bad_flag_values(tmp_path, args, needle):
     _assert_one_line_error(run_cli("--model-repository", str(tmp_path), *args), needle)
 

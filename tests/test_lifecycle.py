@@ -19,6 +19,7 @@ from conftest import DEADLINE_S, raw_request
 from gates import Gate
 
 ADD_SUB = Path(__file__).resolve().parent.parent / "model_repository" / "add_sub"
+GATED_LOAD = Path(__file__).resolve().parent / "models" / "lifecycle" / "gated_load"
 
 
 def config(count: int = 1) -> str:
@@ -198,9 +199,13 @@ def test_poll_mode_follows_the_repository(server_factory, repo, tmp_path):
         wait_until(lambda: c.get_model_metadata("add_sub")["versions"] == ["2"], DEADLINE_S, "version 2 serving")
         load.wait_more()
     assert load.errors == [] and load.ok > 0
-    # Editor temporaries and dot-folders change nothing; a new model folder loads. The watcher
-    # takes the changes in order: once the new model is ready, the others have been seen too.
+    wait_until(lambda: len(s.worker_pids("add_sub")) == 1, DEADLINE_S, "version 1's worker gone")
+    workers = s.worker_pids("add_sub")
+    # Editor temporaries and dot-folders change nothing (no reload: the same worker serves); a new
+    # model folder loads. The watcher takes the changes in order, and a reload starts its workers
+    # at once: once the new model is ready, the others have been seen too.
     (repo / "add_sub" / "config.pbtxt~").write_text("junk")
+    (repo / "add_sub" / ".config.pbtxt.swp").write_text("junk")
     (repo / ".hidden").mkdir()
     shutil.copytree(ADD_SUB, tmp_path / "copy")
     cfg = (tmp_path / "copy" / "config.pbtxt").read_text().replace('name: "add_sub"', 'name: "twin"')
@@ -208,11 +213,76 @@ def test_poll_mode_follows_the_repository(server_factory, repo, tmp_path):
     os.rename(tmp_path / "copy", repo / "twin")
     wait_until(lambda: c.is_model_ready("twin"), DEADLINE_S, "the new model ready")
     assert c.get_model_metadata("add_sub")["versions"] == ["2"]
+    assert s.worker_pids("add_sub") == workers
     assert ".hidden" not in {m["name"] for m in c.get_model_repository_index()}
     assert add_sub(c, "twin").tolist() == list(range(0, 32, 2))
     # A removed one unloads.
     shutil.rmtree(repo / "twin")
     wait_until(lambda: not c.is_model_ready("twin"), DEADLINE_S, "the removed model unloaded")
+
+
+def publish(path: Path, text: str, staging: Path) -> None:
+    """Write ``path`` as a publisher should: in full beside it, then one atomic rename."""
+    staging.write_text(text)
+    os.replace(staging, path)
+
+
+def test_poll_mode_change_during_a_reload_reloads_again(server_factory, tmp_path):
+    """A change that arrives while the model reloads is not lost: another reload follows."""
+    repo = tmp_path / "repo"
+    model = repo / "gated_load"
+    shutil.copytree(GATED_LOAD, model)
+    first, second = Gate(tmp_path / "first"), Gate(tmp_path / "second")
+    first.open()
+    template = (GATED_LOAD / "config.pbtxt").read_text()
+    (model / "config.pbtxt").write_text(template.replace("GATE", first.param))
+    s = server_factory.start([repo], ["--model-control-mode", "poll"])
+    c = s.client()
+    assert c.get_model_metadata("gated_load")["versions"] == ["1"]
+    # The new config names a closed gate: its load waits in initialize ...
+    publish(model / "config.pbtxt", template.replace("GATE", second.param), tmp_path / "config.staging")
+    second.wait_started()
+    # ... while version 2 appears. The watcher takes the changes in order: once a model added
+    # after it is ready, the broker has seen version 2 too. Then the held load finishes.
+    shutil.copytree(model / "1", tmp_path / "v2")
+    os.rename(tmp_path / "v2", model / "2")
+    shutil.copytree(ADD_SUB, tmp_path / "add_sub")
+    os.rename(tmp_path / "add_sub", repo / "add_sub")
+    wait_until(lambda: c.is_model_ready("add_sub"), DEADLINE_S, "the model added later ready")
+    assert c.get_model_metadata("gated_load")["versions"] == ["1"]
+    second.open()
+    wait_until(lambda: c.get_model_metadata("gated_load")["versions"] == ["2"], DEADLINE_S, "version 2 serving")
+    assert add_sub(c, "gated_load").tolist() == list(range(0, 32, 2))
+
+
+def test_poll_mode_scan_finds_what_file_events_miss(server_factory, tmp_path):
+    """--repository-poll-secs: a model folder linked into the repository gets no inotify events
+    (watchdog does not follow links; NFS and FUSE mounts get none either): the periodic scan
+    finds its new version. A change the events report reloads once, not again at the scan."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(ADD_SUB, repo / "add_sub")
+    linked = tmp_path / "elsewhere" / "twin"
+    shutil.copytree(ADD_SUB, linked)
+    cfg = (linked / "config.pbtxt").read_text().replace('name: "add_sub"', 'name: "twin"')
+    (linked / "config.pbtxt").write_text(cfg)
+    (repo / "twin").symlink_to(linked, target_is_directory=True)
+    s = server_factory.start([repo], ["--model-control-mode", "poll", "--repository-poll-secs", "1"])
+    c = s.client()
+    assert c.get_model_metadata("twin")["versions"] == ["1"]
+    # A change the events report: one reload.
+    shutil.copytree(repo / "add_sub" / "1", tmp_path / "a2")
+    os.rename(tmp_path / "a2", repo / "add_sub" / "2")
+    wait_until(lambda: c.get_model_metadata("add_sub")["versions"] == ["2"], DEADLINE_S, "add_sub 2 serving")
+    wait_until(lambda: len(s.worker_pids("add_sub")) == 1, DEADLINE_S, "add_sub 1's worker gone")
+    workers = s.worker_pids("add_sub")
+    # A change only the scan sees. The scan that finds it has also looked at add_sub since its
+    # change: a second reload of add_sub would have started its worker by then.
+    shutil.copytree(linked / "1", tmp_path / "t2")
+    os.rename(tmp_path / "t2", linked / "2")
+    wait_until(lambda: c.get_model_metadata("twin")["versions"] == ["2"], DEADLINE_S, "twin 2 serving")
+    assert add_sub(c, "twin").tolist() == list(range(0, 32, 2))
+    assert s.worker_pids("add_sub") == workers
 
 
 def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_factory):

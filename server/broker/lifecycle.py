@@ -37,6 +37,7 @@ from .ensemble import EnsemblePlan, find_cycle, step_models
 from .instances import Instances, take_payload
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
+from .repository_scan import RepositoryScanner
 from .routes import Routes
 from .sequencer import SequenceBatcher
 from .watcher import RepositoryWatcher
@@ -74,22 +75,30 @@ class Lifecycle:
         self.clients = clients
         self.backends = set(installed_backends()) | set(BUILT_IN)
         self.watcher: RepositoryWatcher | None = None  # --model-control-mode=poll
+        self.scanner: RepositoryScanner | None = None  # poll mode with --repository-poll-secs > 0
+        self.changed_while_loading: set[str] = set()  # poll mode: look again once their load is over
         self.running = True  # False once a stop was asked for (or the start failed)
         self.startup_done = False
         self.startup_failed = False
 
     # -- the server -----------------------------------------------------------------------------
     def start(self, waker: Waker) -> None:
-        """Load the models the control mode asks for; in poll mode, watch the repositories."""
+        """Load the models the control mode asks for; in poll mode, watch the repositories from
+        before the initial loads read them, so no change made meanwhile goes unseen."""
+        if self.opts.control_mode == "poll":
+            scans = self.opts.repository_poll_s > 0
+            self.watcher = RepositoryWatcher(self.opts.repositories, waker, keep_paths=scans)
+            if scans:
+                self.scanner = RepositoryScanner(self.opts.repositories, self.watcher, self.opts.repository_poll_s)
         for name in self._initial_models():
             self.load_model(name)
-        if self.opts.control_mode == "poll":
-            self.watcher = RepositoryWatcher(self.opts.repositories, waker)
 
     def stop(self) -> None:
         self.running = False
 
     def close(self) -> None:
+        if self.scanner is not None:
+            self.scanner.stop()
         if self.watcher is not None:
             self.watcher.stop()
 
@@ -148,13 +157,21 @@ class Lifecycle:
         return list(self.catalog.model_dirs)
 
     def apply_repository_changes(self) -> None:
-        """Poll mode: reload models whose folders changed, load new ones, unload removed ones."""
+        """Poll mode: reload models whose folders changed, load new ones, unload removed ones.
+
+        A load reads the folder when it starts, so a change that arrives while the model loads
+        waits for that load to end (ready or failed) and then starts another."""
         assert self.watcher is not None
-        names = self.watcher.due()
+        loading = self.catalog.loading
+        names = [n for n in self.changed_while_loading if n not in loading] + self.watcher.due()
         if not names:
             return
         self.catalog.model_dirs = self._scan_repositories()
-        for name in names:
+        for name in dict.fromkeys(names):
+            if name in loading:
+                self.changed_while_loading.add(name)
+                continue
+            self.changed_while_loading.discard(name)
             if name in self.catalog.model_dirs:
                 log.info("repository change: (re)loading '%s'", name)
                 self.cancel_load(name, REPLACED)  # it read the files before they changed

@@ -13,6 +13,7 @@ class BrokerOptions:
     server_id: str
     repositories: list[str]
     control_mode: str = "none"
+    repository_poll_s: int = 15  # poll mode: seconds between scans of the repositories (0: events only)
     load_models: list[str] = dataclasses.field(default_factory=list)
     strict_config: bool = False
     strict_readiness: bool = True
