@@ -174,7 +174,6 @@ class Lifecycle:
             self.changed_while_loading.discard(name)
             if name in self.catalog.model_dirs:
                 log.info("repository change: (re)loading '%s'", name)
-                self.cancel_load(name, REPLACED)  # it read the files before they changed
                 self.load_model(name)
             elif name in self.catalog.models or name in self.catalog.load_errors:
                 log.info("repository change: '%s' was removed; unloading it", name)
