@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import threading
 import time
 
@@ -14,6 +15,8 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import PRODUCT_MODELS, pid_alive, raw_request, wait_pending, wait_until
 from gates import Gate
+
+from shmserve.workers.devices import cuda_device_count, visible_devices
 
 
 def _input(name, data, datatype, binary=True):
@@ -395,3 +398,50 @@ def test_pb_utils_star_import_gives_tritons_names_and_ours():
     assert set(pb_utils.__all__) == triton | ours
     assert set(names) - {"__builtins__"} == triton | ours
     assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL == 1 and pb_utils.MetricFamily.COUNTER == pb_utils.COUNTER
+
+
+# -- GPU pinning ----------------------------------------------------------------------------------
+
+_WHERE_AM_I = """
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.seen = json.dumps({"mask": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                "device_id": args["model_instance_device_id"]}).encode()
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([self.seen], dtype=object))])
+                for _ in requests]
+"""
+
+
+@pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device (workers.devices.cuda_device_count)")
+def test_a_gpu_worker_sees_its_gpu_within_the_servers_mask(server_factory, tmp_path, monkeypatch):
+    """The server runs under a CUDA_VISIBLE_DEVICES that lists its GPUs last first; the instance on
+    the server's GPU 0 sees only the mask's first entry, and its model is told device 0 (its cuda:0)."""
+    n = cuda_device_count()
+    ours = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible_devices(ours)[:n] if ours is not None else [str(i) for i in range(n)]
+    mask = ",".join(reversed(gpus))
+    model = tmp_path / "repo" / "where" / "1"
+    model.mkdir(parents=True)
+    (model / "model.py").write_text(_WHERE_AM_I)
+    (model.parent / "config.pbtxt").write_text(
+        'name: "where"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+        'instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ]\n')
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mask)
+    server = server_factory.start([tmp_path / "repo"])
+    client = server.client()
+    try:
+        result = client.infer("where", [_input("IN", np.array([1], dtype=np.int32), "INT32")])
+        assert json.loads(result.as_numpy("OUT")[0]) == {"mask": gpus[-1], "device_id": "0"}
+    finally:
+        client.close()

@@ -29,8 +29,14 @@ def main() -> int:
     _die_with_parent(spec["broker_pid"])
     device = "cpu" if spec["kind"] != "GPU" else f"gpu{spec.get('device_id', 0)}"
     if spec["kind"] == "GPU":
-        # Before torch is imported: this process sees only its own GPU (as cuda:0).
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.get("device_id", 0))
+        # Before torch is imported: this process sees only its own GPU, as cuda:0.
+        from .devices import pinned_mask
+
+        try:
+            os.environ["CUDA_VISIBLE_DEVICES"] = pinned_mask(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                             spec.get("device_id", 0))
+        except ValueError as e:
+            sys.exit(f"shmserve worker for '{spec['model']}': {e}")
     title = f"shmserve worker {spec['model']} v{spec['version']} #{spec['instance_index']} {device}"
     set_title(title)
     from shmserve.shm import heap, logs

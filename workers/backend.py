@@ -44,8 +44,8 @@ class InstanceContext:
     name: str
     index: int
     kind: str  # "CPU" or "GPU"
-    device_id: int  # the device as this process sees it (GPU workers see only their own GPU)
-    physical_device_id: int
+    device_id: int  # the device as this process sees it: 0, since a GPU worker sees only its own GPU
+    physical_device_id: int  # the device as the server sees it (an instance_group gpus entry)
 
 
 @dataclasses.dataclass

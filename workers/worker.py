@@ -95,7 +95,7 @@ class Worker:
                 self._post(W_CONFIG, 0, orjson.dumps(ctx.config))
             self.model_state = self.backend.create_model(ctx)
             ictx = InstanceContext(name=self.instance_name, index=spec["instance_index"], kind=spec["kind"],
-                                   device_id=0 if spec["kind"] == "GPU" else 0,
+                                   device_id=0,  # a GPU worker sees only its own GPU (devices.pinned_mask)
                                    physical_device_id=spec.get("device_id", 0))
             self.instance = self.model_state.create_instance(ictx)
             self.signature = ModelSignature(self.model, ctx.config)

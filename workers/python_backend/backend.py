@@ -100,6 +100,8 @@ class PythonModel(Model):
             "model_config": json.dumps(self.ctx.config),
             "model_instance_kind": ictx.kind,
             "model_instance_name": ictx.name,
+            # Triton passes the id valid in the model's process; this worker sees only its GPU, as
+            # cuda:0, so "0" keeps torch.device(f"cuda:{id}") in a Triton model.py on its own GPU.
             "model_instance_device_id": str(ictx.device_id),
             "model_repository": str(self.ctx.model_dir),
             "model_version": str(self.ctx.version),
