@@ -379,6 +379,34 @@ def test_an_absent_optional_input_reaches_a_torchscript_model_as_absent(server_f
         client.close()
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script/save
+def test_a_gpu_instance_without_cuda_is_a_load_error_naming_the_model(server_factory, tmp_path):
+    """KIND_GPU where CUDA is not available (no GPU here, and torch is a CPU build) is the model's
+    load error, UNAVAILABLE with the reason, not a GPU instance quietly running on the CPU."""
+    model = tmp_path / "repo" / "gpu_only" / "1"
+    model.mkdir(parents=True)
+    torch.jit.save(torch.jit.script(_Offset()), str(model / "model.pt"))
+    (model.parent / "config.pbtxt").write_text(
+        'name: "gpu_only"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+        'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_GPU } ]\n')
+    server = server_factory.start([tmp_path / "repo"], ["--exit-on-error=false"], wait=False)
+
+    def entry() -> dict:
+        """The model's repository index entry ({} while the server is still starting)."""
+        try:
+            raw = raw_request(server.port, "POST", "/v2/repository/index", b"{}")
+        except OSError:
+            return {}
+        return {e["name"]: e for e in raw.json()}.get("gpu_only", {}) if raw.status == 200 else {}
+
+    server.wait_until(lambda: entry().get("state") == "UNAVAILABLE", "gpu_only refused")
+    reason = entry()["reason"]
+    assert "gpu_only" in reason and "CUDA is not available" in reason, reason
+    assert server.worker_pids("gpu_only") == []
+
+
 def test_pb_utils_requests_the_worker_builds_read_as_constructed_ones():
     """The worker builds incoming requests without ``__init__`` (``_incoming``), with the fields
     alike for all of them read from the class: each reads as a request constructed with the same

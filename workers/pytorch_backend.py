@@ -44,8 +44,12 @@ class PyTorchModel(Model):
 
     def create_instance(self, ictx: InstanceContext) -> Instance:
         torch = self.torch
-        device = torch.device(f"cuda:{ictx.device_id}" if ictx.kind == "GPU" and torch.cuda.is_available()
-                              else "cpu")
+        if ictx.kind == "GPU" and not torch.cuda.is_available():
+            # The driver shows a GPU but this torch cannot use it (a CPU build, say): running the
+            # instance on the CPU instead would hide that from whoever asked for KIND_GPU.
+            raise RuntimeError(f"model '{self.ctx.name}': instance '{ictx.name}' is KIND_GPU but CUDA is not "
+                               f"available to torch {torch.__version__}")
+        device = torch.device(f"cuda:{ictx.device_id}" if ictx.kind == "GPU" else "cpu")
         filename = self.ctx.config.get("default_model_filename") or ""
         if not filename:
             exported = self.ctx.version_dir / "model.pt2"
