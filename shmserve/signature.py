@@ -124,7 +124,7 @@ class ModelSignature:
         if not self.inputs:  # nothing declared (an auto-completed model): nothing to check against
             return 1
         names = set()
-        batch = 1
+        batch = 0  # the first batching input's batch dimension; every other input must repeat it
         for t in inputs:
             name = t["name"]
             spec = self.inputs.get(name)
@@ -139,6 +139,8 @@ class ModelSignature:
             shape = t["shape"]
             dims = shape
             if self.max_batch_size > 0 and shape:
+                if batch and shape[0] != batch:
+                    raise _RequestScoped(f"input '{name}' batch size does not match other inputs for '{m}'")
                 batch = shape[0]
                 if batch < 1 or batch > self.max_batch_size:
                     raise _RequestScoped(f"inference request batch-size must be <= {self.max_batch_size} "
@@ -166,7 +168,7 @@ class ModelSignature:
             raise _RequestScoped(f"expected {len(self.required)} inputs but got {len(names)} inputs for "
                                  f"model '{m}'. Got input(s) {_names_text(sorted(names))}, but missing required "
                                  f"input(s) {_names_text(missing)}. Please provide all required input(s).")
-        return batch
+        return batch or 1
 
     def check_outputs(self, outputs: list[dict[str, Any]] | None) -> None:
         if not outputs or not self.outputs:

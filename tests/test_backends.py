@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -351,6 +352,62 @@ def test_an_output_of_a_type_the_protocol_lacks_is_an_error_and_the_worker_survi
         assert len(pids) == 1
     finally:
         client.close()
+
+
+class _Offset(torch.nn.Module):
+    def forward(self, x: torch.Tensor, offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return x if offset is None else x + offset
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script/save
+def test_an_absent_optional_input_reaches_a_torchscript_model_as_absent(server_factory, tmp_path):
+    """An input the config marks optional, left out of a request, is left out of forward()'s
+    arguments (its default applies), as Triton's PyTorch backend does, rather than a 500."""
+    model = tmp_path / "repo" / "offset" / "1"
+    model.mkdir(parents=True)
+    torch.jit.save(torch.jit.script(_Offset()), str(model / "model.pt"))
+    (model.parent / "config.pbtxt").write_text(
+        'name: "offset"\nplatform: "pytorch_libtorch"\nmax_batch_size: 4\n'
+        'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] },\n'
+        '        { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 2 ] optional: true } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n')
+    client = server_factory.start([tmp_path / "repo"]).client()
+    try:
+        x = np.array([[1.0, 2.0]], dtype=np.float32)
+        alone = client.infer("offset", [_input("INPUT__0", x, "FP32")])
+        np.testing.assert_array_equal(alone.as_numpy("OUTPUT__0"), x)
+        both = client.infer("offset", [_input("INPUT__0", x, "FP32"), _input("INPUT__1", x * 10, "FP32")])
+        np.testing.assert_array_equal(both.as_numpy("OUTPUT__0"), x * 11)
+    finally:
+        client.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script/save
+def test_a_gpu_instance_without_cuda_is_a_load_error_naming_the_model(server_factory, tmp_path):
+    """KIND_GPU where CUDA is not available (no GPU here, and torch is a CPU build) is the model's
+    load error, UNAVAILABLE with the reason, not a GPU instance quietly running on the CPU."""
+    model = tmp_path / "repo" / "gpu_only" / "1"
+    model.mkdir(parents=True)
+    torch.jit.save(torch.jit.script(_Offset()), str(model / "model.pt"))
+    (model.parent / "config.pbtxt").write_text(
+        'name: "gpu_only"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+        'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_GPU } ]\n')
+    server = server_factory.start([tmp_path / "repo"], ["--exit-on-error=false"], wait=False)
+
+    def entry() -> dict:
+        """The model's repository index entry ({} while the server is still starting)."""
+        try:
+            raw = raw_request(server.port, "POST", "/v2/repository/index", b"{}")
+        except OSError:
+            return {}
+        return {e["name"]: e for e in raw.json()}.get("gpu_only", {}) if raw.status == 200 else {}
+
+    server.wait_until(lambda: entry().get("state") == "UNAVAILABLE", "gpu_only refused")
+    reason = entry()["reason"]
+    assert "gpu_only" in reason and "CUDA is not available" in reason, reason
+    assert server.worker_pids("gpu_only") == []
 
 
 def test_pb_utils_requests_the_worker_builds_read_as_constructed_ones():

@@ -245,3 +245,32 @@ def test_bad_canary_parameter_fails_the_load(server_factory, tmp_path):
     assert "failed to load 'cm'" in entry["reason"] and "canary_fraction" in entry["reason"]
     with pytest.raises(InferenceServerException):
         ask(server.url)
+
+
+CANARY_WITH_EXTRA_OUTPUT = STABLE + """
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        auto_complete_model_config.add_output({"name": "CANARY_ONLY", "data_type": "TYPE_INT32", "dims": [1]})
+        return auto_complete_model_config
+"""
+
+
+def test_unversioned_metadata_and_config_answer_for_the_stable_version(server_factory, tmp_path):
+    """Only inference is split: metadata and config without a version (and so generate, which
+    reads the config) describe the stable version every time, while a named version still
+    describes itself. The canary declares an output the stable version lacks, to tell them apart."""
+    server = server_factory.start([make_repo(tmp_path, CANARY_WITH_EXTRA_OUTPUT, canary_fraction="0.5",
+                                             canary_max_p99_margin="1000")])
+    assert canary_status(server)["split"] == {"stable": 1, "canary": 2, "fraction": 0.5}
+
+    def outputs(path: str) -> list[str]:
+        raw = raw_request(server.port, "GET", path)
+        assert raw.status == 200, raw
+        return [o["name"] for o in raw.json()["output" if path.endswith("/config") else "outputs"]]
+
+    for _ in range(20):
+        assert outputs(f"/v2/models/{MODEL}") == ["V"]
+        assert outputs(f"/v2/models/{MODEL}/config") == ["V"]
+    assert outputs(f"/v2/models/{MODEL}/versions/2") == ["V", "CANARY_ONLY"]
+    assert outputs(f"/v2/models/{MODEL}/versions/2/config") == ["V", "CANARY_ONLY"]
+    assert {ask(server.url) for _ in range(60)} == {1, 2}  # inference is still split

@@ -190,6 +190,39 @@ def test_missing_batch_dimension(server, client):
     assert_still_serving(server)
 
 
+_PAIR_MODEL = """import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("SUM", pb_utils.get_input_tensor_by_name(r, "A").as_numpy()
+                                                            + pb_utils.get_input_tensor_by_name(r, "B").as_numpy())])
+                for r in requests]
+"""
+
+
+def test_inputs_of_different_batch_sizes_are_refused(server_factory, tmp_path):
+    """A batching model's inputs share one batch dimension: a request whose inputs disagree on it
+    is Triton's 400, not a batch the model would see with rows missing."""
+    model = tmp_path / "repo" / "pair" / "1"
+    model.mkdir(parents=True)
+    (model / "model.py").write_text(_PAIR_MODEL)
+    (model.parent / "config.pbtxt").write_text(
+        'name: "pair"\nbackend: "python"\nmax_batch_size: 8\n'
+        'input [ { name: "A" data_type: TYPE_INT32 dims: [ 2 ] }, { name: "B" data_type: TYPE_INT32 dims: [ 2 ] } ]\n'
+        'output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 2 ] } ]\n')
+    client = server_factory.start([tmp_path / "repo"]).client()
+    try:
+        three, two = np.ones((3, 2), dtype=np.int32), np.ones((2, 2), dtype=np.int32)
+        err = infer_error(client, "pair", [_input("A", three), _input("B", two)], request_id="r-1")
+        assert err.status() == "400"
+        assert err.message() == "[request id: r-1] input 'B' batch size does not match other inputs for 'pair'"
+        result = client.infer("pair", [_input("A", three), _input("B", three)])
+        np.testing.assert_array_equal(result.as_numpy("SUM"), three * 2)
+    finally:
+        client.close()
+
+
 # -- malformed bodies, on the wire ---------------------------------------------------------------
 
 

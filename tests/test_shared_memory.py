@@ -412,6 +412,27 @@ def test_registration_from_a_non_loopback_peer_is_refused(shm_server, regions, l
     assert status_names(shm_server) == ["remote_refused"]
 
 
+def test_an_ipv4_loopback_peer_of_a_server_bound_to_every_ipv6_address_may_register(server_factory):
+    """Bound to ``::``, the server sees a client of 127.0.0.1 as ``::ffff:127.0.0.1``: that is
+    still this host, and registers as any loopback peer does."""
+    server = server_factory.start([PRODUCT_MODELS], ["--http-address", "::", "--model-control-mode", "explicit",
+                                                     "--load-model", "add_sub"])
+    key = f"/tshm_{server.id}_mapped"
+    handle = shm.create_shared_memory_region("mapped", key, 2 * NB, create_only=True)
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    try:
+        a = np.arange(N, dtype=np.int32)
+        shm.set_shared_memory_region(handle, [a, a * 3])
+        client.register_system_shared_memory("mapped", key, 2 * NB)
+        result = client.infer("add_sub", [shm_input("INPUT0", "mapped", NB), shm_input("INPUT1", "mapped", NB, NB)])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 4)
+        client.unregister_system_shared_memory("mapped")
+        assert client.get_system_shared_memory_status() == []
+    finally:
+        client.close()
+        shm.destroy_shared_memory_region(handle)
+
+
 def test_allow_remote_shm_lets_a_non_loopback_peer_register(server_factory, local_non_loopback_address):
     server = server_factory.start([PRODUCT_MODELS], ["--http-address", "0.0.0.0", "--allow-remote-shm",
                                                      "--model-control-mode", "explicit", "--load-model", "add_sub"])

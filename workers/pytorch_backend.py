@@ -2,7 +2,9 @@
 ``model.pt``, or a ``torch.export`` program ``model.pt2``.
 
 Inputs bind as Triton's PyTorch backend binds them: names ``<name>__<index>`` give the position,
-otherwise the config's order, or the forward() argument names when they match. Outputs
+otherwise the config's order, or the forward() argument names when they match. An optional
+input a request leaves out is not passed when no later input is (forward()'s default applies),
+and is passed as None before one that is. Outputs
 ``<name>__<index>`` index the returned tuple; otherwise the config's order. A batch of several
 requests runs as one forward over the concatenated batch dimension, then is split per request.
 """
@@ -42,8 +44,12 @@ class PyTorchModel(Model):
 
     def create_instance(self, ictx: InstanceContext) -> Instance:
         torch = self.torch
-        device = torch.device(f"cuda:{ictx.device_id}" if ictx.kind == "GPU" and torch.cuda.is_available()
-                              else "cpu")
+        if ictx.kind == "GPU" and not torch.cuda.is_available():
+            # The driver shows a GPU but this torch cannot use it (a CPU build, say): running the
+            # instance on the CPU instead would hide that from whoever asked for KIND_GPU.
+            raise RuntimeError(f"model '{self.ctx.name}': instance '{ictx.name}' is KIND_GPU but CUDA is not "
+                               f"available to torch {torch.__version__}")
+        device = torch.device(f"cuda:{ictx.device_id}" if ictx.kind == "GPU" else "cpu")
         filename = self.ctx.config.get("default_model_filename") or ""
         if not filename:
             exported = self.ctx.version_dir / "model.pt2"
@@ -79,13 +85,18 @@ class PyTorchInstance(Instance):
     def execute(self, requests: list[Request]) -> list[Response]:
         torch = self.torch
         sizes = [next(iter(r.inputs.values())).shape[0] if self.batched and r.inputs else 1 for r in requests]
-        tensors = []
+        tensors: list[Any] = []
         for name in self.input_names:
+            if name not in requests[0].inputs:  # an optional input left out (a batch shares its inputs' names)
+                tensors.append(None)
+                continue
             arrays = [r.inputs[name] for r in requests]
             arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             if not arr.flags.writeable:
                 arr = arr.copy()
             tensors.append(torch.from_numpy(arr).to(self.device))
+        while tensors and tensors[-1] is None:
+            tensors.pop()  # trailing absent inputs are not passed, so forward()'s defaults apply
         with torch.inference_mode():
             result = self.module(*tensors)
         if isinstance(result, dict):

@@ -87,8 +87,11 @@ class Catalog:
             return Split(stable=max(ready)) if ready else None
         return canary.split(ready)
 
-    def find_version(self, model: str, version: str | int | None) -> ModelVersion:
-        """The version a request for ``model`` (and ``version``, or the latest) goes to."""
+    def find_version(self, model: str, version: str | int | None, *, inference: bool = False) -> ModelVersion:
+        """The version a request for ``model`` (and ``version``, or the latest) goes to. Only
+        inference is split between a canary and the stable version; metadata, config and
+        readiness without a version describe the stable version, so that they do not change
+        from one call to the next."""
         versions = self.models.get(model)
         latest = version in (None, "", -1, "-1")
         v = 0
@@ -118,6 +121,6 @@ class Catalog:
         split = self.split(model)
         if split is None:
             raise UnknownModel(f"Request for unknown model: '{model}' has no available versions")
-        if split.canary is not None and random.random() < split.fraction:
+        if inference and split.canary is not None and random.random() < split.fraction:
             return versions[split.canary]
         return versions[split.stable]

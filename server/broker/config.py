@@ -149,8 +149,8 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
     for group in config.instance_group:
         if group.kind == mc.ModelInstanceGroup.KIND_GPU:
             if not gpus:
-                raise ConfigError(f"model '{m}': instance_group '{group.name}' asks for KIND_GPU but no "
-                                  f"GPU is available")
+                raise ConfigError(f"model '{m}': instance_group '{group.name}' asks for KIND_GPU but CUDA "
+                                  f"is not available (no GPU found)")
             bad = [g for g in group.gpus if g < 0 or g >= gpus]
             if bad:
                 raise ConfigError(f"model '{m}': instance_group '{group.name}' names GPU {bad[0]}, "

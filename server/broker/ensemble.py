@@ -185,7 +185,7 @@ class Ensembles:
         for step in run.ready_steps():
             run.started.add(step.index)
             try:
-                mv = self.catalog.find_version(step.model, step.version)
+                mv = self.catalog.find_version(step.model, step.version, inference=True)
                 request = run.step_request(step)
                 assert mv.signature is not None
                 batch = mv.signature.check_inputs(request["inputs"], request.get("id", ""))

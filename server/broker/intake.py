@@ -35,7 +35,7 @@ class Intake:
         mv: ModelVersion | None = None
         try:
             doc, data_start = read_manifest_with_data(client.seg.seg.buf, off)
-            mv = self.catalog.find_version(doc["model"], doc.get("version"))
+            mv = self.catalog.find_version(doc["model"], doc.get("version"), inference=True)
             sig = mv.signature
             assert sig is not None
             inputs = doc["inputs"]

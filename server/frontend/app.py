@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 from typing import Any, AsyncIterator
 
@@ -39,6 +40,20 @@ JSON = "application/json"
 
 def json_response(doc: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(doc), status_code=status, media_type=JSON)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a peer address is this host. A server bound to ``::`` sees IPv4 clients as
+    IPv4-mapped addresses (``::ffff:127.0.0.1``), which are loopback when the IPv4 one is."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])  # drop an IPv6 zone (``fe80::1%eth0``)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def error_response(status: int, message: str) -> Response:
@@ -251,8 +266,7 @@ class Frontend:
     def _shm_allowed(self, request: Request) -> bool:
         if getattr(request.app.state, "allow_remote_shm", False):
             return True
-        host = request.client.host if request.client else ""
-        return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+        return is_loopback(request.client.host if request.client else "")
 
     async def shm_unregister(self, request: Request) -> Response:
         return await self._answer({"op": "shm_unregister", "name": request.path_params.get("name")})

@@ -256,7 +256,7 @@ def test_gpu_instance_groups_need_an_existing_gpu(tmp_path):
     if cuda_device_count():
         assert str(e.value) == "model 'm': instance_group 'g' names GPU 999, which does not exist"
     else:
-        assert str(e.value) == "model 'm': instance_group 'g' asks for KIND_GPU but no GPU is available"
+        assert str(e.value) == "model 'm': instance_group 'g' asks for KIND_GPU but CUDA is not available (no GPU found)"
 
 
 def test_an_instance_group_kind_that_completion_did_not_resolve_is_refused(tmp_path):
