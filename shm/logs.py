@@ -19,8 +19,8 @@ messages as INFO, letter I), and messages are not JSON-escaped. A worker's lines
 
 Python's DEBUG is verbose level 1; level N is the Python level ``11 - N`` (see ``verbose_level``).
 The broker owns the settings and publishes them in its segment (``BrokerSegment.settings``);
-workers follow them with ``Follower.check()`` when they wake, the launcher and the frontends with a
-``Watcher`` thread.
+workers follow them with ``Follower.check()`` when they wake, the launcher and the frontends with
+``BrokerSettings.check()`` on the ticks of their own loops.
 """
 from __future__ import annotations
 
