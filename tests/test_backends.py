@@ -362,7 +362,8 @@ class _Offset(torch.nn.Module):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script/save
 def test_an_absent_optional_input_reaches_a_torchscript_model_as_absent(server_factory, tmp_path):
     """An input the config marks optional, left out of a request, is left out of forward()'s
-    arguments (its default applies), as Triton's PyTorch backend does, rather than a 500."""
+    arguments (its default applies; one followed by a present input is passed as None), rather than
+    a KeyError and a 500."""
     model = tmp_path / "repo" / "offset" / "1"
     model.mkdir(parents=True)
     torch.jit.save(torch.jit.script(_Offset()), str(model / "model.pt"))
