@@ -77,12 +77,6 @@ def read_manifest(buf: memoryview, offset: int) -> Any:
     return orjson.loads(buf[offset + 4:offset + 4 + n])
 
 
-def read_manifest_raw(buf: memoryview, offset: int) -> tuple[bytes, int]:
-    """The document's bytes, unparsed, and the absolute offset where its tensor data starts."""
-    (n,) = _MANIFEST_LEN.unpack_from(buf, offset)
-    return bytes(buf[offset + 4:offset + 4 + n]), offset + manifest_room(n)
-
-
 def read_manifest_with_data(buf: memoryview, offset: int) -> tuple[Any, int]:
     """The document and the absolute offset where its tensor data starts."""
     (n,) = _MANIFEST_LEN.unpack_from(buf, offset)

@@ -128,27 +128,3 @@ class SegmentCache:
             self._items.clear()
         for seg in items:
             seg.close()
-
-
-class SemaphoreCache:
-    """Named semaphores opened on first use (workers post many clients' semaphores)."""
-
-    def __init__(self) -> None:
-        self._items: dict[str, posix_ipc.Semaphore] = {}
-
-    def get(self, name: str) -> posix_ipc.Semaphore:
-        sem = self._items.get(name)
-        if sem is None:
-            sem = posix_ipc.Semaphore(name)
-            self._items[name] = sem
-        return sem
-
-    def drop(self, name: str) -> None:
-        sem = self._items.pop(name, None)
-        if sem is not None:
-            sem.close()
-
-    def clear(self) -> None:
-        for sem in self._items.values():
-            sem.close()
-        self._items.clear()

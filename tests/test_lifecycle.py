@@ -3,7 +3,6 @@ with file contents, unload, index), reloads under load with no failed request, a
 leaves the old version serving, and poll mode picking up changes in the repository."""
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
