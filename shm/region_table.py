@@ -10,6 +10,7 @@ published empty and incomplete: requests then take the broker's path, as before.
 """
 from __future__ import annotations
 
+import base64
 from typing import Any, NamedTuple
 
 import orjson
@@ -44,10 +45,13 @@ def locate(name: str, region: Any, offset: int, size: int, what: str, tensor: st
     return region.offset + offset
 
 
-def encode(regions: dict[str, RegionEntry], capacity: int) -> bytes:
-    doc = orjson.dumps({"complete": True, "regions": {n: list(r) for n, r in regions.items()}})
+def encode(regions: dict[str, RegionEntry], capacity: int, cuda_handles: list[str] = ()) -> bytes:  # type: ignore[assignment]
+    """The table; ``cuda_handles`` (base64) are the CUDA regions' handles, so that workers close
+    the mappings of the others."""
+    doc = orjson.dumps({"complete": True, "regions": {n: list(r) for n, r in regions.items()},
+                        "cuda": sorted(cuda_handles)})
     if len(doc) > capacity:
-        doc = orjson.dumps({"complete": False, "regions": {}})
+        doc = orjson.dumps({"complete": False, "regions": {}, "cuda": sorted(cuda_handles)})
     return doc
 
 
@@ -58,6 +62,7 @@ class RegionTable:
         self._published = published
         self._gen = -1
         self._regions: dict[str, RegionEntry] = {}
+        self._cuda: set[bytes] = set()
 
     @property
     def generation(self) -> int:
@@ -70,8 +75,18 @@ class RegionTable:
 
     def get(self, name: str) -> RegionEntry | None:
         if self._published.generation() != self._gen:
-            gen, raw = self._published.read()
-            doc = orjson.loads(raw) if raw else {}
-            self._regions = {n: RegionEntry(*r) for n, r in doc.get("regions", {}).items()}
-            self._gen = gen
+            self._refresh()
         return self._regions.get(name)
+
+    def cuda_handles(self) -> set[bytes]:
+        """The handles of the CUDA regions registered now."""
+        if self._published.generation() != self._gen:
+            self._refresh()
+        return self._cuda
+
+    def _refresh(self) -> None:
+        gen, raw = self._published.read()
+        doc = orjson.loads(raw) if raw else {}
+        self._regions = {n: RegionEntry(*r) for n, r in doc.get("regions", {}).items()}
+        self._cuda = {base64.b64decode(h) for h in doc.get("cuda", ())}
+        self._gen = gen

@@ -432,10 +432,12 @@ def test_infer_with_unregistered_region_is_a_400(client):
     assert "tshm_never_registered" in e.value.message()
 
 
-# -- CUDA shared memory (no GPU here) --------------------------------------------------------------
+# -- CUDA shared memory: a handle that is no handle ------------------------------------------------
 
 
-def test_cuda_shared_memory_without_gpu(server, client):
+def test_cuda_shared_memory_refuses_a_handle_of_the_wrong_size(server, client):
+    """A 3-byte "handle" is a 400 naming CUDA: "no CUDA device" on a host without one, the
+    handle's size on a host with one."""
     assert client.get_cuda_shared_memory_status() == []
     with pytest.raises(InferenceServerException) as e:
         client.register_cuda_shared_memory("cuda_region", "AAAA", 0, 64)

@@ -9,6 +9,8 @@ by the ``regions`` fixture, whatever the test's outcome.
 """
 from __future__ import annotations
 
+import base64
+
 import itertools
 import json
 import os
@@ -23,6 +25,7 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import (InferenceServerException, deserialize_bytes_tensor, serialize_byte_tensor,
                                 serialized_byte_size)
 
+from shmserve.workers.devices import cuda_device_count
 from conftest import PRODUCT_MODELS, raw_request, shm_names, start_shm_server, wait_pending
 from gates import Gate
 
@@ -630,17 +633,21 @@ def test_region_truncated_after_registration_is_a_400_not_a_crash(shm_server, ht
     assert_serves_through_shm(shm_server, regions)
 
 
-# -- D. CUDA shared memory on a machine without a GPU ----------------------------------------------
+# -- D. CUDA shared memory registrations that cannot be served ------------------------------------
 
 
-def test_cuda_endpoints_without_a_cuda_device(shm_server, http):
+def test_cuda_registrations_that_cannot_be_served_are_400s(shm_server, http):
+    """Without a CUDA device, every registration is refused saying so; with one, a handle that
+    does not open (64 zero bytes) is refused at registration, as Triton refuses it."""
+    why = "no CUDA device" if cuda_device_count() == 0 else "failed to open CUDA IPC handle"
     with pytest.raises(InferenceServerException) as e:
         http.register_cuda_shared_memory("cuda_r", b"\0" * 64, 0, 1024)
     assert e.value.status() == "400"
-    assert "no CUDA device" in e.value.message(), e.value.message()
+    assert why in e.value.message(), e.value.message()
+    zeros = base64.b64encode(bytes(64)).decode()
     raw = raw_request(shm_server.port, "POST", "/v2/cudasharedmemory/region/cuda_r/register",
-                      json.dumps({"raw_handle": {"b64": "AA" * 43}, "device_id": 0, "byte_size": 64}).encode())
-    assert raw.status == 400 and "no CUDA device" in raw.json()["error"]
+                      json.dumps({"raw_handle": {"b64": zeros}, "device_id": 0, "byte_size": 64}).encode())
+    assert raw.status == 400 and why in raw.json()["error"]
     assert http.get_cuda_shared_memory_status() == []
     raw = raw_request(shm_server.port, "GET", "/v2/cudasharedmemory/status")
     assert raw.status == 200 and raw.json() == []
@@ -658,6 +665,8 @@ def test_region_table_too_large_for_its_area_is_published_incomplete():
     from shmserve.shm.region_table import RegionEntry, encode
 
     regions = {f"r{i}": RegionEntry(f"/key{i}", 0, 64, i) for i in range(100)}
-    assert orjson.loads(encode(regions, 1 << 20)) == {"complete": True,
-                                                      "regions": {n: list(r) for n, r in regions.items()}}
-    assert orjson.loads(encode(regions, 256)) == {"complete": False, "regions": {}}
+    handles = ["QUJD", "REVG"]
+    assert orjson.loads(encode(regions, 1 << 20, handles)) == {
+        "complete": True, "regions": {n: list(r) for n, r in regions.items()}, "cuda": handles}
+    # The CUDA handles stay listed: workers close the mappings of the others.
+    assert orjson.loads(encode(regions, 256, handles)) == {"complete": False, "regions": {}, "cuda": handles}

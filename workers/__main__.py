@@ -27,16 +27,9 @@ def _die_with_parent(parent: int) -> None:
 def main() -> int:
     spec = orjson.loads(sys.argv[1])
     _die_with_parent(spec["broker_pid"])
+    # A GPU worker keeps the server's CUDA_VISIBLE_DEVICES, so device ids mean the same in every
+    # process; its backend makes the instance's GPU the current device.
     device = "cpu" if spec["kind"] != "GPU" else f"gpu{spec.get('device_id', 0)}"
-    if spec["kind"] == "GPU":
-        # Before torch is imported: this process sees only its own GPU, as cuda:0.
-        from .devices import pinned_mask
-
-        try:
-            os.environ["CUDA_VISIBLE_DEVICES"] = pinned_mask(os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                                             spec.get("device_id", 0))
-        except ValueError as e:
-            sys.exit(f"shmserve worker for '{spec['model']}': {e}")
     title = f"shmserve worker {spec['model']} v{spec['version']} #{spec['instance_index']} {device}"
     set_title(title)
     from shmserve.shm import heap, logs

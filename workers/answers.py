@@ -24,6 +24,7 @@ from shmserve.shm.segment import SegmentCache, StaleRegion
 from shmserve.shm.tensors import byte_view, serialize_bytes, wire_datatype
 from shmserve.shm.waker import Waker
 
+from . import device_tensors
 from .backend import Response
 from .classification import ClassificationError, classify
 from .cuda import CudaError
@@ -97,13 +98,20 @@ class Answers:
                         continue  # a streamed response may carry only some outputs
                     raise RequestError(f"output '{name}' was requested but the model did not produce it")
                 arr = resp.outputs[name]
+                target = placed.get(name)
+                if device_tensors.is_tensor(arr):  # a GPU model's output (or a bfloat16 one)
+                    if target is not None and "cuda" in target and name not in classes:
+                        self._place_on_device(name, target, arr)
+                        outs.append({"name": name, "datatype": device_tensors.wire_datatype(arr),
+                                     "shape": list(arr.shape), "size": device_tensors.nbytes(arr), "region": True})
+                        continue
+                    arr = device_tensors.host_array(arr)
                 if name in classes:
                     arr = classify(name, arr, classes[name], model.batched, model.labels.get(name))
                 datatype = wire_datatype(arr)
                 data = serialize_bytes(arr) if datatype == "BYTES" else byte_view(arr)
                 n = len(data)
                 desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape), "size": n}
-                target = placed.get(name)
                 if target is not None:
                     self._place(name, target, data)
                     desc["region"] = True
@@ -112,7 +120,7 @@ class Answers:
                     tensors.append((n, data))
                     pos += n
                 outs.append(desc)
-        except (RequestError, ValueError, TypeError, CudaError, OSError, posix_ipc.Error) as e:
+        except (RequestError, ValueError, TypeError, RuntimeError, OSError, posix_ipc.Error) as e:
             # OSError/posix_ipc: the segment to write into is gone (its client died): nobody to tell.
             status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion, ClassificationError)) else 500
             return status, orjson.dumps({"error": str(e)}), []
@@ -126,15 +134,19 @@ class Answers:
     def _place(self, name: str, target: dict, data: Any) -> None:
         """Write an output into the region (or device memory) the client named for it."""
         n = len(data)
-        if n > target["size"]:
-            raise RequestError(f"shared memory region for output '{name}' holds {target['size']} bytes but the "
-                               f"output needs {n}")
+        _check_room(name, target, n)
         if "cuda" in target:
             ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
             cuda_runtime().to_device(ptr + target["off"], data)
         else:
             seg = self.segments.get(target["seg"], target.get("ino", 0), target["off"] + n)
             copy_into(seg.buf[target["off"]:target["off"] + n], data)
+
+    def _place_on_device(self, name: str, target: dict, t: Any) -> None:
+        """Copy a tensor into the CUDA region the client named for it, device to device."""
+        _check_room(name, target, device_tensors.nbytes(t))
+        ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
+        device_tensors.copy_to_region(t, ptr + target["off"], target["device"])
 
     def write_block(self, entry: dict, doc: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int]:
         """(status override or 0, offset, length) of a response block in our arena; (503, 0, 0) if
@@ -158,3 +170,9 @@ class Answers:
             copy_into(self.buf[pos:pos + n], data)
             pos += n
         return status, off, total
+
+
+def _check_room(name: str, target: dict, n: int) -> None:
+    if n > target["size"]:
+        raise RequestError(f"shared memory region for output '{name}' holds {target['size']} bytes but the "
+                           f"output needs {n}")

@@ -44,13 +44,15 @@ class InstanceContext:
     name: str
     index: int
     kind: str  # "CPU" or "GPU"
-    device_id: int  # the device as this process sees it: 0, since a GPU worker sees only its own GPU
-    physical_device_id: int  # the device as the server sees it (an instance_group gpus entry)
+    # The instance's GPU as the server numbers its visible devices (an instance_group ``gpus``
+    # entry), which is also its number in the worker: a worker sees every GPU the server sees.
+    device_id: int
 
 
 @dataclasses.dataclass
 class Request:
-    """One inference request as a backend sees it: inputs are numpy views over shared memory."""
+    """One inference request as a backend sees it: inputs are numpy views over shared memory, or
+    torch tensors over a client's CUDA region for an instance that takes device inputs."""
 
     inputs: dict[str, np.ndarray]
     requested_outputs: list[str]  # empty: every output the model produces
@@ -60,6 +62,8 @@ class Request:
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Streaming requests (decoupled models): send(response or None, final) any number of times.
     sender: Any = None
+    # Outputs the client placed in CUDA regions: a GPU backend may answer them with device tensors.
+    device_outputs: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass
@@ -71,6 +75,10 @@ class Response:
 
 
 class Instance(ABC):
+    # Whether inputs in a client's CUDA region reach ``execute`` as device tensors (a GPU
+    # instance that can use them) rather than copied to host arrays.
+    device_inputs: bool = False
+
     @abstractmethod
     def execute(self, requests: list[Request]) -> list[Response]:
         """Run one batch; one response per request, in order. Raise to fail the whole batch."""

@@ -7,6 +7,11 @@ input a request leaves out is not passed when no later input is (forward()'s def
 and is passed as None before one that is. Outputs
 ``<name>__<index>`` index the returned tuple; otherwise the config's order. A batch of several
 requests runs as one forward over the concatenated batch dimension, then is split per request.
+
+A GPU instance makes its GPU the worker's current device (a bare ``.cuda()`` lands there), takes
+inputs that lie in a client's CUDA region as they are, and hands back on the device the outputs
+a client placed in a CUDA region (copied device to device into it); other outputs come to the
+host in one copy.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import device_tensors
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
 
 _INDEXED = re.compile(r"^.+__(\d+)$")
@@ -50,6 +56,8 @@ class PyTorchModel(Model):
             raise RuntimeError(f"model '{self.ctx.name}': instance '{ictx.name}' is KIND_GPU but CUDA is not "
                                f"available to torch {torch.__version__}")
         device = torch.device(f"cuda:{ictx.device_id}" if ictx.kind == "GPU" else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         filename = self.ctx.config.get("default_model_filename") or ""
         if not filename:
             exported = self.ctx.version_dir / "model.pt2"
@@ -70,6 +78,7 @@ class PyTorchInstance(Instance):
         self.torch = torch
         self.module = module
         self.device = device
+        self.device_inputs = device.type == "cuda"
         self.batched = config.get("max_batch_size", 0) > 0
         self.input_names = _order([t["name"] for t in config.get("input", [])])
         self.output_names = _order([t["name"] for t in config.get("output", [])])
@@ -90,11 +99,7 @@ class PyTorchInstance(Instance):
             if name not in requests[0].inputs:  # an optional input left out (a batch shares its inputs' names)
                 tensors.append(None)
                 continue
-            arrays = [r.inputs[name] for r in requests]
-            arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-            if not arr.flags.writeable:
-                arr = arr.copy()
-            tensors.append(torch.from_numpy(arr).to(self.device))
+            tensors.append(self._input([r.inputs[name] for r in requests]))
         while tensors and tensors[-1] is None:
             tensors.pop()  # trailing absent inputs are not passed, so forward()'s defaults apply
         with torch.inference_mode():
@@ -108,7 +113,8 @@ class PyTorchInstance(Instance):
                 raise RuntimeError(f"model returned {len(result)} outputs, config declares "
                                    f"{len(self.output_names)}")
             outputs = dict(zip(self.output_names, result))
-        host = {k: v.detach().cpu().numpy() for k, v in outputs.items()}
+        on_device = frozenset().union(*(r.device_outputs for r in requests)) if self.device_inputs else ()
+        host = {k: v.detach() if k in on_device else device_tensors.host_array(v) for k, v in outputs.items()}
         if len(requests) == 1:
             return [Response(outputs=host)]
         responses, start = [], 0
@@ -116,3 +122,16 @@ class PyTorchInstance(Instance):
             responses.append(Response(outputs={k: v[start:start + n] for k, v in host.items()}))
             start += n
         return responses
+
+    def _input(self, parts: list[Any]) -> Any:
+        """One input of the batch as a tensor on the instance's device: host arrays concatenated
+        and copied once; device tensors (a client's CUDA region) used as they are when alone."""
+        torch = self.torch
+        if not any(device_tensors.is_tensor(p) for p in parts):
+            arr = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if not arr.flags.writeable:
+                arr = arr.copy()
+            return torch.from_numpy(arr).to(self.device)
+        tensors = [(p if device_tensors.is_tensor(p) else torch.from_numpy(np.array(p))).to(self.device)
+                   for p in parts]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

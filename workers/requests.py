@@ -16,6 +16,7 @@ from shmserve.shm.region_table import RegionTable, locate
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import from_buffer
 
+from . import device_tensors
 from .cuda import runtime as cuda_runtime
 from shmserve.signature import ModelSignature, queue_options
 
@@ -85,15 +86,20 @@ def _locate(regions: RegionTable, client: ClientSegment, t: dict, data_start: in
     return out
 
 
-def read_inputs(entry: dict, segments: SegmentCache) -> dict[str, Any]:
-    """The entry's inputs as arrays over the memory they lie in (a client's arena or a region);
-    a client's device memory is copied to host for the backend."""
-    inputs = {}
+def read_inputs(entry: dict, segments: SegmentCache, on_device: bool = False) -> dict[str, Any]:
+    """The entry's inputs as arrays over the memory they lie in (a client's arena or a region).
+    An input in a client's CUDA region stays there as a device tensor when the instance takes
+    device inputs (``on_device``), and is copied to the host otherwise."""
+    inputs: dict[str, Any] = {}
     for t in entry["inputs"]:
         off, size = t["off"], t["size"]
         if "cuda" in t:
+            ptr = cuda_runtime().open(base64.b64decode(t["cuda"]), t["device"]) + off
+            if on_device and t["datatype"] != "BYTES":
+                inputs[t["name"]] = device_tensors.region_tensor(ptr, t["datatype"], t["shape"], t["device"])
+                continue
             host = memoryview(bytearray(size))
-            cuda_runtime().to_host(host, cuda_runtime().open(base64.b64decode(t["cuda"]), t["device"]) + off)
+            cuda_runtime().to_host(host, ptr)
             inputs[t["name"]] = from_buffer(host, t["datatype"], t["shape"])
             continue
         seg = segments.get(t["seg"], t.get("ino", 0), off + size)

@@ -38,6 +38,7 @@ from . import custom_metrics
 from .answers import Answers, ModelInfo
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
 from .classification import load_labels
+from . import cuda
 from .cuda import CudaError
 from .requests import DecoupledOnly, RequestError, check_request, read_inputs
 from .sequence import SequenceSupport
@@ -95,8 +96,7 @@ class Worker:
                 self._post(W_CONFIG, 0, orjson.dumps(ctx.config))
             self.model_state = self.backend.create_model(ctx)
             ictx = InstanceContext(name=self.instance_name, index=spec["instance_index"], kind=spec["kind"],
-                                   device_id=0,  # a GPU worker sees only its own GPU (devices.pinned_mask)
-                                   physical_device_id=spec.get("device_id", 0))
+                                   device_id=spec.get("device_id", 0))
             self.instance = self.model_state.create_instance(ictx)
             self.signature = ModelSignature(self.model, ctx.config)
             self.output_names = list(self.signature.outputs)
@@ -151,6 +151,8 @@ class Worker:
                 timeout = min(timeout, batcher.next_timer(time.monotonic()) or 0.0)
             seg.waker.sleep(timeout, has_work, spin if polled else None)
             log_settings.check()  # POST /v2/logging: one integer read unless it changed
+            if cuda.loaded() and self.regions.current() != self.regions.generation:
+                self._close_unregistered_cuda()
             if int(self.broker.departures[0]) != departures:
                 departures = int(self.broker.departures[0])
                 self._forget_departed_clients()
@@ -190,6 +192,13 @@ class Worker:
                 # Once per round, not per request: counters first, then every answer of the round
                 # with one wake-up per client (under load a round holds several requests).
                 self._flush_counts()
+
+    def _close_unregistered_cuda(self) -> None:
+        """Close the mappings of CUDA regions the client unregistered (the broker's table lists
+        the handles still registered), so their device memory is not held here."""
+        closed = cuda.runtime().close_unlisted(self.regions.cuda_handles())
+        if closed:
+            log.debug("closed %d CUDA IPC mapping(s) of unregistered regions", closed)
 
     def _lane_holder(self, lane: int) -> tuple[str, int]:
         """(client segment name, cookie) of a lane's holder; the name is decoded again only
@@ -338,7 +347,7 @@ class Worker:
         self.answers.send_completions()
 
     def _build_request(self, entry: dict) -> Request:
-        inputs = read_inputs(entry, self.segments)
+        inputs = read_inputs(entry, self.segments, self.instance.device_inputs)  # type: ignore[union-attr]
         if self.sequence is not None:
             self.sequence.augment(inputs, entry.get("corr", 0), entry.get("flags", 0))
         wanted = entry.get("outputs")
@@ -349,10 +358,11 @@ class Worker:
             sender = StreamSender(self.answers, self._client(entry["client"]), entry, self.stats, self.stream_lock)
         elif self.decoupled:
             raise DecoupledOnly()  # reached through the broker
-        # (inputs, requested_outputs, id, correlation_id, flags, parameters, sender): by position,
+        on_device = frozenset(o["name"] for o in wanted if "cuda" in o) if wanted else frozenset()
+        # (inputs, requested_outputs, id, correlation_id, flags, parameters, sender, device_outputs): by position,
         # a dataclass is built in half the time
         return Request(inputs, names, entry.get("id", ""), entry.get("corr", 0), entry.get("flags", 0),
-                       entry.get("params") or {}, sender)
+                       entry.get("params") or {}, sender, on_device)
 
     # -- answering ------------------------------------------------------------------------------
     def _forget_departed_clients(self) -> None:

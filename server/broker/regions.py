@@ -146,8 +146,9 @@ class CudaRegion:
 class CudaRegionRegistry(_Registry):
     """CUDA shared-memory regions: device memory a client exported with ``cudaIpcGetMemHandle``.
 
-    The broker checks the request (a CUDA device exists, the handle has the size of one, the
-    device is real); the worker that needs the bytes opens the handle (see ``workers/cuda.py``).
+    The broker checks the request (a CUDA device exists, the handle has the size of one and
+    opens on a real device); the worker that needs the bytes opens the handle again and keeps it
+    open while the region is registered (see ``workers/cuda.py``).
     """
 
     kind = "cuda"
@@ -156,7 +157,7 @@ class CudaRegionRegistry(_Registry):
         return {"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
 
     def register(self, name: str, handle_b64: str, device_id: int, byte_size: int) -> None:
-        from shmserve.workers.cuda import IPC_HANDLE_BYTES
+        from shmserve.workers.cuda import IPC_HANDLE_BYTES, CudaError, runtime
         from shmserve.workers.devices import cuda_device_count
 
         devices = cuda_device_count()
@@ -175,6 +176,10 @@ class CudaRegionRegistry(_Registry):
             raise RegionError(f"cuda shared memory region '{name}': device {device_id} does not exist")
         if byte_size <= 0:
             raise RegionError(f"cuda shared memory region '{name}': byte_size must be > 0")
+        try:  # as Triton does: a handle that does not open is refused now, not at the first request
+            runtime().check(raw, device_id)
+        except CudaError as e:
+            raise RegionError(f"failed to open CUDA IPC handle: {e}") from None
         self.regions[name] = CudaRegion(name, handle_b64, device_id, byte_size)
 
     def resolve(self, name: str, offset: int, size: int, what: str, tensor: str) -> dict[str, Any] | None:
@@ -200,7 +205,8 @@ class Regions:
     def publish(self) -> None:
         """Publish the system regions for direct lanes; before any reply to a registration, so a
         request sent after it finds the region."""
-        doc = region_table.encode(self.system.table(self.cuda.regions), REGIONS_BYTES - PUBLISHED_HEADER)
+        doc = region_table.encode(self.system.table(self.cuda.regions), REGIONS_BYTES - PUBLISHED_HEADER,
+                                  [r.handle_b64 for r in self.cuda.regions.values()])
         if doc != self._doc:
             self._doc = doc
             self.seg.regions.publish(doc)

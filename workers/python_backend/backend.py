@@ -100,16 +100,21 @@ class PythonModel(Model):
             "model_config": json.dumps(self.ctx.config),
             "model_instance_kind": ictx.kind,
             "model_instance_name": ictx.name,
-            # Triton passes the id valid in the model's process; this worker sees only its GPU, as
-            # cuda:0, so "0" keeps torch.device(f"cuda:{id}") in a Triton model.py on its own GPU.
+            # As Triton: the instance's GPU among the server's visible devices, which the worker
+            # sees too, so torch.device(f"cuda:{id}") in a Triton model.py is its own GPU.
             "model_instance_device_id": str(ictx.device_id),
             "model_repository": str(self.ctx.model_dir),
             "model_version": str(self.ctx.version),
             "model_name": self.ctx.name,
         }
+        on_gpu = ictx.kind == "GPU" and _select_gpu(ictx.device_id)
         if hasattr(model, "initialize"):
             model.initialize(args)
-        return PythonInstance(model, self.ctx)
+        if ictx.kind == "GPU" and not on_gpu:  # torch imported by initialize() itself
+            on_gpu = _select_gpu(ictx.device_id)
+        instance = PythonInstance(model, self.ctx)
+        instance.device_inputs = on_gpu and not _force_cpu_inputs(self.ctx.config)
+        return instance
 
 
 class PythonInstance(Instance):
@@ -146,3 +151,22 @@ class PythonInstance(Instance):
     def finalize(self) -> None:
         if hasattr(self.model, "finalize"):
             self.model.finalize()
+
+
+def _select_gpu(device_id: int) -> bool:
+    """Make the instance's GPU the current device of a model that uses torch (a bare ``.cuda()``
+    then lands there); whether torch can use the GPU, so that inputs may stay on it."""
+    if "torch" not in sys.modules:
+        return False
+    torch = sys.modules["torch"]
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.set_device(device_id)
+    return True
+
+
+def _force_cpu_inputs(config: dict[str, Any]) -> bool:
+    """Triton's ``FORCE_CPU_ONLY_INPUT_TENSORS`` parameter (default "yes"): with "no", a GPU
+    instance gets inputs that lie in a client's CUDA region as GPU tensors."""
+    value = (config.get("parameters") or {}).get("FORCE_CPU_ONLY_INPUT_TENSORS") or {}
+    return str(value.get("string_value", "yes")).strip().lower() not in ("no", "false", "0", "off")

@@ -8,14 +8,17 @@ responses in) both cross this border.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import numpy as np
 
 from shmserve.shm.tensors import DTYPES
 
+from .. import device_tensors
 from ..backend import Response
 from .pb_utils.datatypes import TYPE_BF16, numpy_to_triton_type
+from .pb_utils.dlpack import torch_dtype_to_triton
 from .pb_utils.errors import TritonError
 from .pb_utils.tensor import Tensor
 
@@ -48,9 +51,11 @@ def _tensor(name: str, arr: np.ndarray) -> Tensor:
     return Tensor(name, arr)
 
 
-def input_tensor(name: str, arr: np.ndarray) -> Tensor:
+def input_tensor(name: str, arr: Any) -> Tensor:
     """An input tensor: wrapped as it is in the common case (the worker's arrays are already
-    checked views), else through ``_tensor``."""
+    checked views, or device tensors over a client's CUDA region), else through ``_tensor``."""
+    if device_tensors.is_tensor(arr):
+        return Tensor._from_torch(name, arr, torch_dtype_to_triton(sys.modules["torch"], arr.dtype))
     code = _PLAIN_INPUT_TYPES.get(arr.dtype)
     if code is not None and arr.flags.c_contiguous:
         return Tensor._wrap(name, arr, code)
@@ -58,16 +63,20 @@ def input_tensor(name: str, arr: np.ndarray) -> Tensor:
 
 
 def array_of(t: Any) -> np.ndarray:
-    """The bytes of an output tensor as numpy, whatever backs it (numpy, or torch for BF16/GPU)."""
+    """The bytes of a tensor as numpy on the host, whatever backs it (numpy, or torch for BF16/GPU)."""
     arr = getattr(t, "_array", None)
     if arr is not None:
         return np.asarray(arr)
-    torch_tensor = t._torch.detach().cpu().contiguous()
-    import torch
+    return device_tensors.host_array(t._torch)
 
-    if torch_tensor.dtype == torch.bfloat16:
-        return torch_tensor.view(torch.int16).numpy().view(DTYPES["BF16"])
-    return torch_tensor.numpy()
+
+def _output_value(t: Any) -> Any:
+    """An output as the worker takes it: a GPU tensor stays on its device (the worker copies it
+    into the client's CUDA region, or to the host), anything else as a numpy array."""
+    torch_tensor = getattr(t, "_torch", None)
+    if torch_tensor is not None and torch_tensor.is_cuda:
+        return torch_tensor.detach()
+    return array_of(t)
 
 
 def to_response(resp: Any) -> Response:
@@ -82,5 +91,5 @@ def to_response(resp: Any) -> Response:
     outputs: dict[str, np.ndarray] = {}
     for t in resp.output_tensors():
         arr = getattr(t, "_array", None)
-        outputs[t.name()] = arr if type(arr) is np.ndarray else array_of(t)
+        outputs[t.name()] = arr if type(arr) is np.ndarray else _output_value(t)
     return Response(outputs, None, params)  # (by position: half the time of a dataclass by name)
