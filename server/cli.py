@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bool(p, "--allow-cpu-metrics", True,
              "export nv_cpu_utilization and nv_cpu_memory_* (default true)")
     add_bool(p, "--allow-gpu-metrics", True,
-             "export nv_gpu_* per CUDA device when the host has any (default true)")
+             "export nv_gpu_* and nv_energy_consumption per visible CUDA device (default true)")
     p.add_argument("--metrics-interval-ms", type=int, default=2000,
                    help="how often CPU and GPU figures are sampled, in milliseconds (default 2000)")
     p.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",

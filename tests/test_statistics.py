@@ -15,6 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import TESTS, raw_request
 from shmserve.shm.client import Client, InferenceServerError
+from shmserve.workers.devices import cuda_device_count
 
 STATS_MODELS = TESTS / "models" / "stats"
 
@@ -183,11 +184,53 @@ def test_host_metrics_and_shmserve_gauges(stats_server):
     assert 0.0 <= sample(text, "nv_cpu_utilization") <= 1.0
     total, used = sample(text, "nv_cpu_memory_total_bytes"), sample(text, "nv_cpu_memory_used_bytes")
     assert 0 < used < total
-    assert "nv_gpu_utilization" not in text  # no CUDA device on this host: no GPU families
+    check_gpu_families(text)
     assert sample(text, "shmserve_model_load_duration_seconds", model="doubler", version="1") > 0
     assert sample(text, "shmserve_registered_regions") == 0
     assert sample(text, "shmserve_worker_restarts", model="doubler", version="1") == 0
     assert sample(text, "shmserve_arena_bytes_in_use", owner="broker") >= 0
+
+
+GPU_FAMILIES = ("nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes",
+                "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption")
+
+
+def gpu_families(text: str) -> dict[str, dict[str, float]]:
+    """Triton's GPU families in a scrape: family name -> gpu_uuid -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: {s.labels["gpu_uuid"]: s.value for s in f.samples}
+            for f in text_string_to_metric_families(text) if f.name in GPU_FAMILIES}
+
+
+def check_gpu_families(text: str) -> None:
+    """Without a CUDA device no GPU family appears; with them (the server inherits this process's
+    CUDA_VISIBLE_DEVICES) every family has one sample per visible device, labelled by its UUID."""
+    found = gpu_families(text)
+    devices = cuda_device_count()
+    if devices == 0:
+        assert found == {}
+        return
+    assert set(found) == set(GPU_FAMILIES), found
+    uuids = set(found["nv_gpu_utilization"])
+    assert len(uuids) == devices, found
+    assert all(uuid.startswith("GPU-") for uuid in uuids), uuids
+    for name in GPU_FAMILIES:
+        assert set(found[name]) == uuids, (name, found[name])
+    for uuid in uuids:
+        assert 0.0 <= found["nv_gpu_utilization"][uuid] <= 1.0
+        assert 0 <= found["nv_gpu_memory_used_bytes"][uuid] <= found["nv_gpu_memory_total_bytes"][uuid]
+        assert found["nv_gpu_memory_total_bytes"][uuid] > 0
+        assert 0 < found["nv_gpu_power_usage"][uuid]
+        assert 0 < found["nv_gpu_power_limit"][uuid]
+        assert 0 <= found["nv_energy_consumption"][uuid]
+
+
+def test_gpu_metrics_can_be_turned_off(server_factory):
+    server = server_factory.start([STATS_MODELS], ["--allow-gpu-metrics=false"])
+    text = scrape(server)
+    assert gpu_families(text) == {}
+    assert 0.0 <= sample(text, "nv_cpu_utilization") <= 1.0
 
 
 def test_cpu_metrics_can_be_turned_off_and_summaries_are_off_by_default(server_factory):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import http.server
 import logging
+import os
 import threading
 from typing import Callable, Iterable, Iterator, Protocol
 
@@ -21,7 +22,8 @@ from prometheus_client.metrics_core import Metric
 
 from shmserve.shm.stats import BUCKETS, PHASES, VersionTotals, bucket_upper_ns, quantile_ns
 
-from .system import CpuSampler, gpu_samples
+from .gpu_metrics import FAMILIES as GPU_FAMILIES, GpuSampler
+from .system import CpuSampler
 
 log = logging.getLogger("shmserve.metrics")
 
@@ -128,6 +130,9 @@ class _Collector:
         self.source = source
         self.opts = opts
         self.cpu = CpuSampler(opts.interval_ms / 1000.0)
+        # NVML sees every GPU; the server's own mask says which ones it reports, as Triton
+        mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.gpu = GpuSampler(opts.interval_ms / 1000.0, mask) if opts.gpu else None
 
     def collect(self) -> Iterator[Metric]:
         rows = self.source.rows()
@@ -180,8 +185,8 @@ class _Collector:
         yield from merge_custom(self.source.custom_docs())
         if self.opts.cpu:
             yield from self._cpu()
-        if self.opts.gpu:
-            yield from self._gpu()
+        if self.gpu is not None:
+            yield from self._gpu(self.gpu)
 
     def _summaries(self, rows: list[VersionRow]) -> Iterator[Metric]:
         """Triton's ``summary_latencies``: quantiles estimated from the log-spaced histograms."""
@@ -233,16 +238,17 @@ class _Collector:
             yield m
 
     @staticmethod
-    def _gpu() -> Iterator[Metric]:
-        samples = gpu_samples()
-        if not samples:
-            return  # no CUDA device on this host: no GPU families, as Triton
-        for name, doc in (("nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)"),
-                          ("nv_gpu_memory_total_bytes", "GPU total memory, in bytes"),
-                          ("nv_gpu_memory_used_bytes", "GPU used memory, in bytes")):
-            m = Metric(name, doc, "gauge")
-            for gpu in samples:
-                m.add_sample(name, {"gpu_uuid": gpu["uuid"]}, gpu[name])
+    def _gpu(sampler: GpuSampler) -> Iterator[Metric]:
+        """One family per figure, a ``gpu_uuid`` sample per visible device that reported it; no
+        family at all without devices (as Triton on a host without GPUs)."""
+        devices = sampler.sample()
+        for name, doc, kind in GPU_FAMILIES:
+            samples = [(uuid, figures[name]) for uuid, figures in devices if name in figures]
+            if not samples:
+                continue
+            m = Metric(name, doc, kind)
+            for uuid, value in samples:
+                m.add_sample(name, {"gpu_uuid": uuid}, value)
             yield m
 
 
