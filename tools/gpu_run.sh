@@ -36,6 +36,24 @@ else
     timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     rc[install]=$?
+    # A shmserve wheel built before the tree's last edit would run old code: the tree's sources win,
+    # and the copy is named, so rerun tools/gpu_wheels.sh after editing.
+    "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/env.log"
+import filecmp, shutil
+from pathlib import Path
+site = Path("/tmp/site/shmserve")
+stale = []
+for src, dest in (("shmserve", site), ("server", site / "server"), ("workers", site / "workers"),
+                  ("shm", site / "shm"), ("tools", site / "tools")):
+    for f in sorted(Path(src).rglob("*.py")):
+        target = dest / f.relative_to(src)
+        if not target.exists() or not filecmp.cmp(f, target, shallow=False):
+            stale.append(str(f))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, target)
+print(f"WARNING: the shmserve wheel was stale; copied from the tree: {stale}" if stale
+      else "the shmserve wheel matches the tree")
+EOF
 fi
 
 echo "== environment"
