@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The one command for the lent GPU machine, run from the repository root with .whl carried
+# (tools/gpu_wheels.sh fills it here). Phases, each bounded by `timeout` and none stopping the next:
+#   1. install the wheels into /tmp/site (that machine has no package index), then print the GPU,
+#      the versions and the imports that need those wheels                       -> $OUT/env.log
+#   2. the GPU, statistics and metrics tests                                      -> $OUT/gpu-tests.log
+#   3. tools/bench_gpu.py: ResNet-50 through HTTP and the local client vs torch alone
+#                                        -> $OUT/bench-gpu.json, $OUT/bench.log, $OUT/server.log
+# About 4 minutes when all goes well; at most 7 and a half when every phase runs into its limit.
+# A phase that overruns gets SIGINT first, so pytest's fixtures and the bench stop their servers.
+#
+# GPU_RUN_DRY=1 rehearses it here on the CPU: no install, the .venv's python, pytest only collects,
+# and the bench runs the small net on KIND_CPU for 3 s a path.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+# The repository's own shmserve/ holds only the public package's __init__: with the current directory
+# at the head of sys.path it would hide the installed shmserve.server, .workers, .shm and .tools.
+# The variable reaches every process the tests and the server spawn (they use sys.executable).
+export PYTHONSAFEPATH=1
+OUT=${OUT:-/tmp/gpu-run-out}
+mkdir -p "$OUT"
+declare -A rc
+
+if [ -n "${GPU_RUN_DRY:-}" ]; then
+    PY=${PY:-.venv/bin/python}
+    TEST_MODE=(--collect-only)
+    BENCH=(--device cpu --model small --seconds 3 --warmup 1 --floor-seconds 1)
+else
+    PY=python3
+    TEST_MODE=()
+    BENCH=()
+    # The machine's own versions of what the wheels replace or lean on, before /tmp/site hides them.
+    python3 -m pip list 2>/dev/null | grep -iE "^(grpcio|protobuf|ml.dtypes|numpy|cuda-bindings|cuda-python|urllib3) " \
+        | sed 's/^/machine: /' >"$OUT/env.log"
+    timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    rc[install]=$?
+    # A shmserve wheel built before the tree's last edit would run old code: the tree's sources win,
+    # and the copy is named, so rerun tools/gpu_wheels.sh after editing.
+    "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/env.log"
+import filecmp, shutil
+from pathlib import Path
+site = Path("/tmp/site/shmserve")
+stale = []
+for src, dest in (("shmserve", site), ("server", site / "server"), ("workers", site / "workers"),
+                  ("shm", site / "shm"), ("tools", site / "tools")):
+    for f in sorted(Path(src).rglob("*.py")):
+        target = dest / f.relative_to(src)
+        if not target.exists() or not filecmp.cmp(f, target, shallow=False):
+            stale.append(str(f))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, target)
+print(f"WARNING: the shmserve wheel was stale; copied from the tree: {stale}" if stale
+      else "the shmserve wheel matches the tree")
+EOF
+fi
+
+echo "== environment"
+{
+    nvidia-smi || echo "(no nvidia-smi)"
+    timeout -s INT -k 10 40 "$PY" - <<'EOF'
+import importlib.metadata as md, sys
+import torch
+print("python", sys.version.split()[0], sys.executable)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+for name in ("numpy", "protobuf", "grpcio", "ml_dtypes", "tritonclient", "uvicorn", "starlette", "cuda-python",
+             "cuda-bindings"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "-")
+failed = 0
+for module in ("shmserve", "tritonclient.http", "tritonclient.utils.cuda_shared_memory",
+               "shmserve.server.broker.config"):  # the last: tritonclient.grpc's protobuf schema
+    try:
+        __import__(module)
+        print("import", module, "ok")
+    except Exception as exc:  # each import reports on its own
+        print("import", module, "FAILED:", repr(exc))
+        failed = 1
+import shmserve
+print("shmserve from", shmserve.__path__[0])
+sys.exit(failed)
+EOF
+} 2>&1 | tee -a "$OUT/env.log"
+rc[environment]=$?
+
+echo "== tests"
+TESTS=()
+for f in tests/test_gpu.py tests/test_statistics.py tests/test_shared_memory.py tests/test_http_api.py; do
+    if [ -f "$f" ]; then TESTS+=("$f"); else echo "($f is absent)"; fi
+done
+timeout -s INT -k 20 190 "$PY" -m pytest -q -rA -p no:cacheprovider "${TESTS[@]}" \
+    -k "gpu or cuda or statistics or metrics" --timeout 120 "${TEST_MODE[@]}" 2>&1 | tee "$OUT/gpu-tests.log"
+rc[tests]=$?
+
+echo "== bench"
+timeout -s INT -k 20 170 "$PY" -m shmserve.tools.bench_gpu "${BENCH[@]}" --json "$OUT/bench-gpu.json" \
+    --server-log "$OUT/server.log" 2>&1 | tee "$OUT/bench.log"
+rc[bench]=$?
+
+echo "== exit codes (124 or 137: over its time limit)"
+status=0
+for phase in install environment tests bench; do
+    if [ -n "${rc[$phase]+x}" ]; then
+        echo "$phase: ${rc[$phase]}"
+        [ "${rc[$phase]}" -eq 0 ] || status=1
+    fi
+done
+exit $status
