@@ -4,9 +4,13 @@
 #   1. install the wheels into /tmp/site (that machine has no package index), then print the GPU,
 #      the versions and the imports that need those wheels                       -> $OUT/env.log
 #   2. the GPU, statistics and metrics tests                                      -> $OUT/gpu-tests.log
-#   3. tools/bench_gpu.py: ResNet-50 through HTTP and the local client vs torch alone
+#   3. Triton's simple_http_cudashm_client.py and simple_http_shm_client.py, unchanged, when
+#      .triton_examples/ is carried (they are not ours to commit)                 -> $OUT/examples.log
+#   4. tools/bench_cudashm.py: a 64 MiB identity through CUDA shm, host path and device path
+#                                                                                  -> $OUT/cudashm.json
+#   5. tools/bench_gpu.py: ResNet-50 through HTTP and the local client vs torch alone
 #                                        -> $OUT/bench-gpu.json, $OUT/bench.log, $OUT/server.log
-# About 4 minutes when all goes well; at most 7 and a half when every phase runs into its limit.
+# About 4 minutes when all goes well; at most 8 when every phase runs into its limit.
 # A phase that overruns gets SIGINT first, so pytest's fixtures and the bench stop their servers.
 #
 # GPU_RUN_DRY=1 rehearses it here on the CPU: no install, the .venv's python, pytest only collects,
@@ -29,7 +33,7 @@ if [ -n "${GPU_RUN_DRY:-}" ]; then
 else
     PY=python3
     TEST_MODE=()
-    BENCH=()
+    BENCH=(--seconds 10 --warmup 2)
     # The machine's own versions of what the wheels replace or lean on, before /tmp/site hides them.
     python3 -m pip list 2>/dev/null | grep -iE "^(grpcio|protobuf|ml.dtypes|numpy|cuda-bindings|cuda-python|urllib3) " \
         | sed 's/^/machine: /' >"$OUT/env.log"
@@ -89,21 +93,53 @@ rc[environment]=$?
 
 echo "== tests"
 TESTS=()
-for f in tests/test_gpu.py tests/test_statistics.py tests/test_shared_memory.py tests/test_http_api.py; do
+for f in tests/test_gpu.py tests/test_statistics.py tests/test_shared_memory.py tests/test_http_api.py \
+         tests/test_backends.py; do
     if [ -f "$f" ]; then TESTS+=("$f"); else echo "($f is absent)"; fi
 done
-timeout -s INT -k 20 190 "$PY" -m pytest -q -rA -p no:cacheprovider "${TESTS[@]}" \
-    -k "gpu or cuda or statistics or metrics" --timeout 120 "${TEST_MODE[@]}" 2>&1 | tee "$OUT/gpu-tests.log"
+timeout -s INT -k 20 150 "$PY" -m pytest -q -rA -p no:cacheprovider "${TESTS[@]}" \
+    -k "test_gpu or gpu or cuda or statistics or metrics" --timeout 100 "${TEST_MODE[@]}" 2>&1 \
+    | tee "$OUT/gpu-tests.log"
 rc[tests]=$?
 
+echo "== Triton's example client, unchanged (.triton_examples, carried; not in git)"
+if [ -f .triton_examples/simple_http_cudashm_client.py ] && [ -z "${GPU_RUN_DRY:-}" ]; then
+    port=18650
+    "$PY" -m shmserve --model-repository examples/triton_client_models --http-address 127.0.0.1 \
+        --http-port $port --metrics-port $((port + 2)) --id gpurunex >"$OUT/example-server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 300); do
+        curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null && break
+        sleep 0.1
+    done
+    {
+        timeout 30 "$PY" .triton_examples/simple_http_cudashm_client.py -u 127.0.0.1:$port
+        echo "simple_http_cudashm_client.py exit $?"
+        timeout 30 "$PY" .triton_examples/simple_http_shm_client.py -u 127.0.0.1:$port
+        echo "simple_http_shm_client.py exit $?"
+    } 2>&1 | tee "$OUT/examples.log" | tail -4
+    rc[examples]=$(grep -c "exit [^0]" "$OUT/examples.log")
+    kill -TERM $server
+    wait $server
+else
+    echo "(skipped: a dry run, or .triton_examples/ was not carried)"
+fi
+
+echo "== a 64 MiB identity through CUDA shared memory"
+if [ -z "${GPU_RUN_DRY:-}" ]; then
+    timeout -s INT -k 20 60 "$PY" -m shmserve.tools.bench_cudashm --server-log "$OUT/server.log" 2>&1 \
+        | tee "$OUT/cudashm.json"
+    rc[cudashm]=$?
+fi
+
 echo "== bench"
-timeout -s INT -k 20 170 "$PY" -m shmserve.tools.bench_gpu "${BENCH[@]}" --json "$OUT/bench-gpu.json" \
+timeout -s INT -k 20 130 "$PY" -m shmserve.tools.bench_gpu "${BENCH[@]}" --json "$OUT/bench-gpu.json" \
     --server-log "$OUT/server.log" 2>&1 | tee "$OUT/bench.log"
 rc[bench]=$?
 
 echo "== exit codes (124 or 137: over its time limit)"
 status=0
-for phase in install environment tests bench; do
+for phase in install environment tests examples cudashm bench; do
     if [ -n "${rc[$phase]+x}" ]; then
         echo "$phase: ${rc[$phase]}"
         [ "${rc[$phase]}" -eq 0 ] || status=1

@@ -28,8 +28,9 @@ class _DeviceMemory:
     """Device memory described by the CUDA array interface, which ``torch.as_tensor`` wraps as it is."""
 
     def __init__(self, ptr: int, shape: list[int], typestr: str) -> None:
+        # No "stream" entry: the client's bytes are in place before its request is sent.
         self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
-                                         "strides": None, "version": 3, "stream": None}
+                                         "strides": None, "version": 2}
 
 
 def is_tensor(value: Any) -> bool:
