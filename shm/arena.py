@@ -10,12 +10,13 @@ process died is reclaimed as free. A full arena is back-pressure: ``alloc`` retu
 Past ``SOFT_LIMIT`` the head goes back to the start as soon as the space there is free, so steady
 small traffic cycles through the first 4 MiB instead of touching (and keeping resident) every page
 of a large arena; the rest is used only while that much is in flight. It goes back only while what
-is outstanding behind it spans at most half the space it goes back to: after the wrap, nothing can
-pass the oldest outstanding block, so a slow request there (one waiting through a model's reload)
-would confine every later request to the space before it. With 1 MiB and no such rule, add_sub
-requests under reloads got 503s ("no room ... in the shared-memory arena") in about one test run in
-eight once a request had been held through 2,300 others; now a held block far behind the head sends
-it on through the rest of the arena instead.
+is outstanding behind it spans at most an eighth of the space it goes back to (``WRAP_MARGIN``):
+after the wrap, nothing can pass the oldest outstanding block, so a block held there (a request
+waiting through a model's reload, a large body still arriving) would confine every later request
+to the space before it. With no such rule, add_sub requests under reloads got 503s ("no room ... in
+the shared-memory arena") once a request had been held through 2,300 others; with a margin of two,
+16 HTTP clients sending 600 KB bodies got a few 503s in every 10 s from a 256 MiB arena holding
+about 10 MB. A held block far behind the head now sends it on through the rest of the arena.
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ _HDR = struct.Struct("<QII")  # total bytes, state, consumer pid
 _STATE = struct.Struct("<I")
 USED, FREED, SKIP = 1, 2, 3
 SOFT_LIMIT = 4 << 20
+# The head goes back to the start only where the room before the oldest outstanding block is this
+# many times what is outstanding: about that many generations of the requests in flight then pass
+# before the head meets a block still held (a large body still arriving, a request in a later batch).
+WRAP_MARGIN = 8
 
 
 def free_block(buf: memoryview, payload_offset: int) -> None:
@@ -89,7 +94,7 @@ class Arena:
         if head > tail:
             # The start is free: stay in the first pages, unless a block held far behind would
             # then bound the room (see the module's docstring).
-            early = head >= SOFT_LIMIT and need <= tail and 2 * (head - tail) <= tail
+            early = head >= SOFT_LIMIT and need <= tail and WRAP_MARGIN * (head - tail) <= tail
             if head + need <= size and not early:
                 return head
             if need <= tail:  # wrap: mark the end as skipped space

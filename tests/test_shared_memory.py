@@ -640,11 +640,12 @@ def test_cuda_registrations_that_cannot_be_served_are_400s(shm_server, http):
     """Without a CUDA device, every registration is refused saying so; with one, a handle that
     does not open (64 zero bytes) is refused at registration, as Triton refuses it."""
     why = "no CUDA device" if cuda_device_count() == 0 else "failed to open CUDA IPC handle"
+    zeros = base64.b64encode(bytes(64)).decode()
     with pytest.raises(InferenceServerException) as e:
-        http.register_cuda_shared_memory("cuda_r", b"\0" * 64, 0, 1024)
+        # tritonclient sends the handle as given: base64, as cuda_shared_memory.get_raw_handle gives it
+        http.register_cuda_shared_memory("cuda_r", zeros.encode(), 0, 1024)
     assert e.value.status() == "400"
     assert why in e.value.message(), e.value.message()
-    zeros = base64.b64encode(bytes(64)).decode()
     raw = raw_request(shm_server.port, "POST", "/v2/cudasharedmemory/region/cuda_r/register",
                       json.dumps({"raw_handle": {"b64": zeros}, "device_id": 0, "byte_size": 64}).encode())
     assert raw.status == 400 and why in raw.json()["error"]

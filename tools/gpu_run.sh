@@ -8,8 +8,9 @@
 #      .triton_examples/ is carried (they are not ours to commit)                 -> $OUT/examples.log
 #   4. tools/bench_cudashm.py: a 64 MiB identity through CUDA shm, host path and device path
 #                                                                                  -> $OUT/cudashm.json
-#   5. tools/bench_gpu.py: ResNet-50 through HTTP and the local client vs torch alone
-#                                        -> $OUT/bench-gpu.json, $OUT/bench.log, $OUT/server.log
+#   5. tools/bench_gpu.py: ResNet-50 through HTTP and the local client vs torch alone, with one and
+#      with two instances (GPU_BENCH_INSTANCES, default "1 2")
+#                                    -> $OUT/bench-gpu-N.json, $OUT/bench.log, $OUT/server.log
 # About 4 minutes when all goes well; at most 8 when every phase runs into its limit.
 # A phase that overruns gets SIGINT first, so pytest's fixtures and the bench stop their servers.
 #
@@ -106,7 +107,7 @@ echo "== Triton's example client, unchanged (.triton_examples, carried; not in g
 if [ -f .triton_examples/simple_http_cudashm_client.py ] && [ -z "${GPU_RUN_DRY:-}" ]; then
     port=18650
     "$PY" -m shmserve --model-repository examples/triton_client_models --http-address 127.0.0.1 \
-        --http-port $port --metrics-port $((port + 2)) --id gpurunex >"$OUT/example-server.log" 2>&1 &
+        --http-port $port --metrics-port $((port + 2)) --id gpurunex >>"$OUT/server.log" 2>&1 &
     server=$!
     for _ in $(seq 1 300); do
         curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null && break
@@ -133,13 +134,15 @@ if [ -z "${GPU_RUN_DRY:-}" ]; then
 fi
 
 echo "== bench"
-timeout -s INT -k 20 130 "$PY" -m shmserve.tools.bench_gpu "${BENCH[@]}" --json "$OUT/bench-gpu.json" \
-    --server-log "$OUT/server.log" 2>&1 | tee "$OUT/bench.log"
-rc[bench]=$?
+for n in ${GPU_BENCH_INSTANCES:-1 2}; do
+    timeout -s INT -k 20 130 "$PY" -m shmserve.tools.bench_gpu "${BENCH[@]}" --instances "$n" \
+        --json "$OUT/bench-gpu-$n.json" --server-log "$OUT/server.log" 2>&1 | tee -a "$OUT/bench.log"
+    rc[bench$n]=$?
+done
 
 echo "== exit codes (124 or 137: over its time limit)"
 status=0
-for phase in install environment tests examples cudashm bench; do
+for phase in install environment tests examples cudashm bench1 bench2; do
     if [ -n "${rc[$phase]+x}" ]; then
         echo "$phase: ${rc[$phase]}"
         [ "${rc[$phase]}" -eq 0 ] || status=1
