@@ -123,6 +123,23 @@ class Arena:
             self._head = self._tail = 0
             self._skipped = 0
 
+    def live_bytes(self) -> int:
+        """Bytes of the blocks still held (``bytes_in_use`` also counts freed blocks not yet
+        reclaimed because an older one is held). Walks the outstanding blocks: for the rare
+        caller that must tell a full arena from one cut by a held block."""
+        with self._lock:
+            buf, base, size = self._buf, self._base, self._size
+            pos, left, live = self._tail, self._used, 0
+            while left > 0:
+                total, state, _ = _HDR.unpack_from(buf, base + pos)
+                if state == USED:
+                    live += total
+                left -= total
+                pos += total
+                if pos >= size:
+                    pos = 0
+            return live
+
     def free(self, payload_offset: int) -> None:
         """Owner frees its own block (same flag as a consumer would write)."""
         free_block(self._buf, payload_offset)

@@ -55,6 +55,12 @@ class Backpressure(RuntimeError):
     """The connection is out of slots or arena space right now; retrying later can succeed."""
 
 
+class ArenaBusy(Backpressure):
+    """The arena has the room by volume (at most half of it in use) but not in one piece ahead of
+    its oldest outstanding block: that block comes back within moments, so a caller that can wait
+    a little should, rather than refuse (a full arena is overload, and refused at once)."""
+
+
 class Reservation:
     """A request block taken before its tensor bytes have all arrived (``Connection.reserve``)."""
 
@@ -201,10 +207,13 @@ class Connection:
                 free_block(self.seg.seg.buf, r.off)
 
     def _alloc(self, total: int) -> int:
-        off = self.arena.alloc(total)  # type: ignore[union-attr]
+        arena = self.arena
+        off = arena.alloc(total)  # type: ignore[union-attr]
         if off < 0:
-            raise Backpressure(f"no room for a {total}-byte request in the shared-memory arena "
-                               f"({self.arena.capacity} bytes); retry later")  # type: ignore[union-attr]
+            busy = arena.live_bytes() + total <= arena.capacity // 2  # type: ignore[union-attr]
+            raise (ArenaBusy if busy else Backpressure)(
+                f"no room for a {total}-byte request in the shared-memory arena ({arena.capacity} bytes); "  # type: ignore[union-attr]
+                f"retry later")
         return off
 
     def _dispatch(self, kind: int, off: int, total: int, start: int, callback: Callback, route: dict | None,

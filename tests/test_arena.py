@@ -103,3 +103,20 @@ def test_large_bodies_completing_out_of_order_never_find_the_arena_full(late_eve
         while late and late[0][0] <= i:
             free_block(buf, late.pop(0)[1])
     assert full == 0
+
+
+def test_live_bytes_counts_only_the_blocks_still_held():
+    """Behind a held block, freed blocks stay unreclaimed (FIFO) and count in ``bytes_in_use``;
+    ``live_bytes`` tells a full arena from one cut by a single held block."""
+    size = 1 << 20
+    buf = memoryview(bytearray(size))
+    arena = Arena(buf, 0, size)
+    held = arena.alloc(1000)
+    others = [arena.alloc(1000) for _ in range(10)]
+    for off in others:
+        free_block(buf, off)
+    arena.alloc(0)  # an allocation reclaims what it can: nothing, the oldest block is held
+    one = (BLOCK_HEADER + 1000 + 63) & ~63
+    assert arena.bytes_in_use >= 11 * one
+    assert arena.live_bytes() == one + BLOCK_HEADER + 64  # the held block and the last allocation
+    free_block(buf, held)

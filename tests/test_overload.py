@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import numpy as np
 import tritonclient.http as httpclient
@@ -68,3 +69,48 @@ def test_requests_past_the_frontend_arena_get_503(server_factory):
     refused = [o for o in outcomes if o != str(big.size)]
     assert refused and all(o.startswith("503 the server is overloaded (no room for a") for o in refused), outcomes
     assert slow_sum() == str(big.size)  # with the arena free again it serves
+
+
+def test_a_request_that_meets_a_held_block_waits_for_it_rather_than_503(server_factory, tmp_path):
+    """The arena is far from full by volume, but its space is cut by one request held in a model
+    (slow_reader behind a gate) at its start: the request that comes round to it waits for the
+    block to come back, up to a second, instead of a 503 that would refuse load the server can
+    take. Its wait is ended by the held request finishing, and every request is served."""
+    from gates import Gate
+
+    server = server_factory.start([SHM_MODELS], ["--frontend-arena-mb", "4"])
+    gate = Gate(tmp_path / "gate")
+    block = np.ones(200_000, dtype=np.int32)  # 0.8 MB: five fill the 4 MiB arena
+
+    def call(model: str, parameters: dict | None = None) -> str:
+        client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+        try:
+            x = httpclient.InferInput("X", [block.size], "INT32")
+            x.set_data_from_numpy(block)
+            client.infer(model, [x], parameters=parameters)
+            return "ok"
+        except InferenceServerException as e:
+            return f"{e.status()} {e.message()}"
+        finally:
+            client.close()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        held = pool.submit(call, "slow_reader", {"gate": gate.param, "sleep_s": 0})
+        gate.wait_started()
+        in_flight_since: list[float] = []
+        outcomes: list[str] = []
+
+        def send_in_turn() -> None:
+            for _ in range(6):  # the fifth meets the held block
+                in_flight_since.append(time.monotonic())
+                outcomes.append(call("meta_echo"))
+
+        sender = pool.submit(send_in_turn)
+        # Open the gate once a request has been in flight for 0.1 s: it is waiting for the room.
+        while not sender.done() and not (len(in_flight_since) > len(outcomes)
+                                         and time.monotonic() - in_flight_since[-1] > 0.1):
+            time.sleep(0.01)
+        gate.open()
+        sender.result(60)
+        assert held.result(60) == "ok"
+    assert outcomes == ["ok"] * 6, outcomes

@@ -80,7 +80,7 @@ class FrontendApp:
         if isinstance(body, BodyIngest):
             inference.finish_ingest(model, version, headers, body, reply)
         else:
-            inference.start(model, version, headers, body, reply, trace)
+            await inference.start_when_room(model, version, headers, body, reply, trace)
         status, out, out_headers = await fut
         out_headers.append((b"content-length", b"%d" % len(out)))
         send_start = time.monotonic_ns()

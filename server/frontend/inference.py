@@ -23,7 +23,7 @@ from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 
 from .codec import BadRequest, build_request, build_response, split_body
 from .ingest import BodyIngest
-from .link import BrokerError, BrokerLink
+from .link import ArenaWait, BrokerError, BrokerLink
 from .tracing import Trace
 
 log = logging.getLogger("shmserve.frontend")
@@ -78,6 +78,9 @@ def _compress(body: bytes | memoryview, accept: str | None) -> tuple[bytes | mem
     return body, None
 
 
+# How long a request waits for room in a fragmented (not full) arena before it is refused.
+ARENA_WAIT_S = 1.0
+
 class Inference:
     """One frontend's infer requests: the limits they are checked against and the broker link
     they go out on."""
@@ -115,8 +118,26 @@ class Inference:
         try:
             self.link.submit(REQ_INFER, req, chunks, lambda completion: self._finish(
                 model, version, doc, headers, completion, reply, trace), model=model)
+        except ArenaWait:
+            raise  # the caller waits for room and starts it again (``start_when_room``)
         except BrokerError as e:
             reply(*error_answer(e.status, str(e)))
+
+    async def start_when_room(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes,
+                              reply: Reply, trace: Trace | None = None) -> None:
+        """``start``, waiting up to ``ARENA_WAIT_S`` while the arena has room by volume but not yet
+        in one piece (a block held ahead of it comes back within moments): a 503 then would refuse
+        a request the server can take. A full arena (overload) is still refused at once."""
+        deadline = time.monotonic() + ARENA_WAIT_S
+        while True:
+            try:
+                self.start(model, version, headers, body, reply, trace)
+                return
+            except ArenaWait as e:
+                if time.monotonic() > deadline:
+                    reply(*error_answer(e.status, str(e)))
+                    return
+            await asyncio.sleep(0.001)
 
     def begin_ingest(self, model: str, version: str, head: bytes, tail_len: int,
                      loop: asyncio.AbstractEventLoop) -> BodyIngest | None:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from shmserve.shm.channel import DEFAULT_SLOTS
 from shmserve.shm.completion import Completion
-from shmserve.shm.connection import Backpressure, Connection, Reservation, ServerUnavailable
+from shmserve.shm.connection import ArenaBusy, Backpressure, Connection, Reservation, ServerUnavailable
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 from shmserve.shm.streams import StreamEvents
 
@@ -40,7 +40,13 @@ class BrokerError(Exception):
         self.status = status
 
 
+class ArenaWait(BrokerError):
+    """The arena will have room in a moment (``ArenaBusy``): the caller may wait and send again."""
+
+
 def _broker_error(e: Exception) -> BrokerError:
+    if isinstance(e, ArenaBusy):
+        return ArenaWait(503, f"the server is overloaded ({e}); retry later")
     if isinstance(e, Backpressure):
         return BrokerError(503, f"the server is overloaded ({e}); retry later")
     return BrokerError(503, str(e))
