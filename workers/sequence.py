@@ -4,23 +4,75 @@ Triton feeds a sequence model extra inputs the client never sends: START/END/REA
 correlation id (``control_input``), and, for implicit state (``state``), the state tensor the
 previous request of the sequence produced. A sequence stays on one instance, so this worker keeps
 that state in memory, keyed by correlation id, and forgets it at END (or when the broker says the
-sequence went idle).
+sequence went idle). A sequence's first request gets the state's ``initial_state``: zeros
+(``zero_data``) or the row-major contents of ``data_file`` in the model's ``initial_state/``
+folder, as Triton reads it; zeros of the state's own dims when none is configured.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES
+from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes
 
 START, END = 1, 2
 _KINDS = {"CONTROL_SEQUENCE_START": "start", "CONTROL_SEQUENCE_READY": "ready",
           "CONTROL_SEQUENCE_END": "end", "CONTROL_SEQUENCE_CORRID": "corrid"}
 
 
+def initial_state(state: dict[str, Any], dtype: np.dtype, model_dir: Path) -> np.ndarray | None:
+    """The configured ``initial_state`` of one implicit state (without the batch dimension), or None
+    when there is none. A broken one fails the model's load, as it does in Triton, rather than the
+    sequence's first request: Triton's checks, in its order."""
+    inits = state.get("initial_state") or []
+    name = state.get("input_name", "")
+    if len(inits) > 1:
+        raise ValueError(f"initial_state field for state input '{name}' must contain exactly one or zero "
+                         f"element. Found '{len(inits)}' elements.")
+    if not inits:
+        return None
+    init = inits[0]
+    if init.get("data_type", "TYPE_INVALID") != state.get("data_type", "TYPE_INVALID"):
+        raise ValueError(f"The data type used for 'initial_state' field of state '{name}' does not match the "
+                         f"state data type.")
+    if not init.get("name"):
+        raise ValueError(f"Field 'name' must be set when using initial_state for state input '{name}'.")
+    dims = [int(d) for d in init.get("dims", [])]
+    state_dims = [int(d) for d in state.get("dims", [])]
+    if len(dims) != len(state_dims):
+        raise ValueError(f"Number of dimensions in 'initial_state' doesn't match the size of 'state' dimensions "
+                         f"for state input '{name}'. {len(dims)} != {len(state_dims)}")
+    for d, sd in zip(dims, state_dims):
+        if d == -1:
+            raise ValueError(f"'initial_state' field for state input name '{name}' contains variable dimensions.")
+        if sd != -1 and d != sd:
+            raise ValueError(f"'initial_state' dim for input name '{name}' doesn't match 'state' dim description. "
+                             f"{d} != {sd}")
+    count = int(np.prod(dims, dtype=np.int64))
+    if "data_file" not in init:  # zero_data: zeros, or empty strings
+        return np.full(dims, b"", dtype=object) if dtype == np.object_ else np.zeros(dims, dtype=dtype)
+    path = model_dir / "initial_state" / init["data_file"]
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"initial_state of state input '{name}': cannot read {path}: {e.strerror}") from None
+    if dtype == np.object_:  # Triton's BYTES layout: a 4-byte length before each string
+        try:
+            return deserialize_bytes(data, count).reshape(dims)
+        except ValueError as e:
+            raise ValueError(f"initial_state of state input '{name}': {path} does not hold {count} "
+                             f"string(s): {e}") from None
+    need = count * dtype.itemsize
+    if len(data) < need:
+        raise ValueError(f"initial_state setting expects {need} bytes, but the data provided from "
+                         f"{init['data_file']} only has {len(data)} bytes.")
+    return np.frombuffer(data[:need], dtype=dtype).reshape(dims).copy()
+
+
 class SequenceSupport:
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], model_dir: Path) -> None:
         sb = config.get("sequence_batching") or {}
         self.batched = int(config.get("max_batch_size", 0)) > 0
         self.controls: list[tuple[str, str, np.dtype, Any, Any]] = []
@@ -39,12 +91,17 @@ class SequenceSupport:
                 else:
                     f, t = c.get("int32_false_true") or [0, 1]
                     self.controls.append((ci["name"], kind, np.dtype(np.int32), f, t))
-        self.states: list[tuple[str, str, np.dtype, list[int]]] = []
+        # (input name, output name, the state a sequence starts from, batch dimension included)
+        self.states: list[tuple[str, str, np.ndarray]] = []
         for st in sb.get("state", []):
             dtype = DTYPES[CONFIG_TO_WIRE.get(st.get("data_type", "TYPE_FP32"), "FP32")]
-            dims = [d if d > 0 else 1 for d in st.get("dims", [])]
-            self.states.append((st["input_name"], st["output_name"], dtype, dims))
-        self.state_outputs = {out for _, out, _, _ in self.states}
+            first = initial_state(st, dtype, model_dir)
+            if first is None:
+                first = np.zeros([d if d > 0 else 1 for d in st.get("dims", [])], dtype=dtype)
+            if self.batched:
+                first = first[np.newaxis]
+            self.states.append((st["input_name"], st["output_name"], first))
+        self.state_outputs = {out for _, out, _ in self.states}
         self.memory: dict[Any, dict[str, np.ndarray]] = {}
 
     def augment(self, inputs: dict[str, np.ndarray], corr: Any, flags: int) -> None:
@@ -62,11 +119,9 @@ class SequenceSupport:
             if flags & START or corr not in self.memory:
                 self.memory[corr] = {}
             saved = self.memory[corr]
-            for in_name, out_name, dtype, dims in self.states:
+            for in_name, out_name, first in self.states:
                 state = saved.get(out_name)
-                if state is None:
-                    state = np.zeros(([1] if self.batched else []) + dims, dtype=dtype)
-                inputs[in_name] = state
+                inputs[in_name] = first.copy() if state is None else state
 
     def capture(self, outputs: dict[str, np.ndarray], requested: list[str], corr: Any, flags: int) -> None:
         """Keep the state outputs for the sequence's next request; they go back to the client only
@@ -74,7 +129,7 @@ class SequenceSupport:
         if not self.states:
             return
         saved = self.memory.setdefault(corr, {})
-        for _, out_name, _, _ in self.states:
+        for _, out_name, _ in self.states:
             if out_name in outputs:
                 saved[out_name] = np.array(outputs[out_name], copy=True)
                 if out_name not in requested:

@@ -101,7 +101,7 @@ class Worker:
             self.signature = ModelSignature(self.model, ctx.config)
             self.output_names = list(self.signature.outputs)
             if ctx.config.get("sequence_batching"):
-                self.sequence = SequenceSupport(ctx.config)
+                self.sequence = SequenceSupport(ctx.config, ctx.model_dir)
             if batches_on_worker(ctx.config, spec.get("instances", 0)):  # the broker decides alike
                 self.batcher = DynamicBatcher(ctx.config)
             self.decoupled = bool((ctx.config.get("model_transaction_policy") or {}).get("decoupled"))
