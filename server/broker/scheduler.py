@@ -97,7 +97,8 @@ class Scheduler:
 
     def _dispatch_sequences(self, mv: ModelVersion) -> None:
         seq = mv.sequencer
-        seq.expire(time.monotonic())
+        now = time.monotonic()
+        seq.expire(now)
         waiting = False
         for inst in mv.instances:
             if not inst.ready:
@@ -105,7 +106,7 @@ class Scheduler:
             if len(inst.outstanding) >= mv.pipeline_depth:
                 waiting = True
                 continue
-            batch = seq.next_batch(inst, mv.instances)
+            batch = seq.next_batch(inst, mv.instances, now)
             releases = seq.take_releases(inst)
             if batch or releases:
                 self.send_batch(mv, inst, batch or [], {"release": releases} if releases else None)

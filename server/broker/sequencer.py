@@ -4,10 +4,14 @@ A sequence is a run of requests sharing a correlation id, from one flagged START
 END. Each sequence gets a slot on one instance for its whole life (so the instance may keep its
 state), up to ``max_batch_size`` sequences per instance (one when the model does not batch); more
 sequences wait in a backlog for a slot. Each batch takes at most one request per sequence:
-``direct`` walks the instance's slots in order, ``oldest`` takes the sequences whose next request
-is oldest first. A sequence silent for ``max_sequence_idle_microseconds`` loses its slot. The
-control inputs (START/END/READY/CORRID) and implicit state are added by the worker, which owns
-the state.
+``direct`` walks the instance's slots in order and sends what is there at once. ``oldest`` keeps
+``max_candidate_sequences`` slots per instance (``max_batch_size`` when unset) and batches the
+candidates whose next request is oldest first, as Triton's dynamic batcher would: a batch goes
+when it reaches a ``preferred_batch_size`` (the largest it can fill; ``max_batch_size`` when none
+is configured) or when its oldest request has waited ``max_queue_delay_microseconds``; until
+then the scheduler's timer brings the broker back. A sequence silent for
+``max_sequence_idle_microseconds`` loses its slot. The control inputs (START/END/READY/CORRID)
+and implicit state are added by the worker, which owns the state.
 """
 from __future__ import annotations
 
@@ -41,10 +45,17 @@ class SequenceBatcher:
         self.oldest = sb.HasField("oldest")
         idle_us = sb.max_sequence_idle_microseconds
         self.idle_s = idle_us / 1e6 if idle_us else DEFAULT_IDLE_S
-        self.slots_per_instance = max(1, config.max_batch_size)
-        if self.oldest and sb.oldest.max_candidate_sequences:
-            self.slots_per_instance = max(self.slots_per_instance, sb.oldest.max_candidate_sequences)
         self.max_batch = max(1, config.max_batch_size)
+        self.slots_per_instance = self.max_batch
+        # Oldest only: how long a batch may wait for more candidates, and the sizes that end the wait.
+        self.delay_s = 0.0
+        self.preferred = [self.max_batch]
+        if self.oldest:
+            oldest = sb.oldest
+            self.slots_per_instance = oldest.max_candidate_sequences or self.max_batch
+            self.delay_s = oldest.max_queue_delay_microseconds / 1e6
+            self.preferred = sorted({p for p in oldest.preferred_batch_size if 0 < p <= self.max_batch}) \
+                or [self.max_batch]
         self.sequences: dict[Any, Sequence] = {}
         self.backlog: collections.deque[Sequence] = collections.deque()
         self.slots: dict[int, list[Sequence | None]] = {}
@@ -120,7 +131,8 @@ class SequenceBatcher:
                 return
 
     # -- batching -------------------------------------------------------------------------------
-    def next_batch(self, inst: Instance, instances: list[Instance]) -> list[Pending] | None:
+    def next_batch(self, inst: Instance, instances: list[Instance], now: float) -> list[Pending] | None:
+        """The next requests to send to ``inst``, one per sequence, or None to send nothing now."""
         self._fill_from_backlog(instances)
         slots = self.slots.get(inst.num) or []
         ready = [s for s in slots if s is not None and s.pending]
@@ -128,6 +140,10 @@ class SequenceBatcher:
             return None
         if self.oldest:
             ready.sort(key=lambda s: s.pending[0].arrived)
+            size = self._oldest_size(len(ready), ready[0].pending[0].arrived, now)
+            if not size:
+                return None
+            ready = ready[:size]
         batch = []
         for seq in ready[:self.max_batch]:
             p = seq.pending.popleft()
@@ -137,6 +153,17 @@ class SequenceBatcher:
                 self._release(seq)
                 self.releases[inst.num].remove(seq.corr)  # the worker forgets it on END itself
         return batch
+
+    def _oldest_size(self, ready: int, oldest: float, now: float) -> int:
+        """How many of ``ready`` candidates to send now (0: wait), by Triton's dynamic batching
+        rules: the largest preferred size at once, everything once the oldest waited the delay."""
+        target = self.preferred[-1]
+        if ready >= target:
+            return target
+        if not self.delay_s or now >= oldest + self.delay_s:
+            return ready
+        filled = [p for p in self.preferred if p <= ready]
+        return filled[-1] if filled else 0
 
     def take_releases(self, inst: Instance) -> list[Any]:
         return self.releases.pop(inst.num, [])
@@ -148,8 +175,13 @@ class SequenceBatcher:
                 self._release(seq)
 
     def next_timer(self, now: float) -> float | None:
-        idle = [s.last_seen + self.idle_s for s in self.sequences.values() if not s.pending]
-        return max(0.0, min(idle) - now) if idle else None
+        """Seconds until a sequence may go idle or an oldest batch's delay ends (one that ended
+        already waits for its instance, whose finish wakes the broker)."""
+        due = [s.last_seen + self.idle_s for s in self.sequences.values() if not s.pending]
+        if self.delay_s:
+            due.extend(t for s in self.sequences.values() if s.pending and s.inst is not None
+                       and (t := s.pending[0].arrived + self.delay_s) > now)
+        return max(0.0, min(due) - now) if due else None
 
     def drop_client(self, client: Any) -> None:
         for seq in self.sequences.values():

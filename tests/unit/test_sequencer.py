@@ -68,7 +68,7 @@ def test_string_and_integer_correlation_ids_are_different_sequences():
     sb.enqueue(step(1, START, tag="int"), [inst], 0.0)
     sb.enqueue(step("1", START, tag="str"), [inst], 0.0)
     assert set(sb.sequences) == {1, "1"}
-    batch = sb.next_batch(inst, [inst])
+    batch = sb.next_batch(inst, [inst], 0.0)
     assert ids(batch) == ["int", "str"]
     assert [p.entry["slot_index"] for p in batch] == [0, 1]
 
@@ -83,12 +83,12 @@ def test_a_sequence_keeps_its_slot_and_a_batch_takes_one_request_of_it():
     sb.enqueue(step(8, START, tag="b0"), [inst], 0.0)
     sb.enqueue(step(7, END, tag="a2"), [inst], 0.0)
     assert len(sb) == 4 and sorted(ids(sb.all())) == ["a0", "a1", "a2", "b0"]
-    first = sb.next_batch(inst, [inst])
+    first = sb.next_batch(inst, [inst], 0.0)
     assert ids(first) == ["a0", "b0"]
-    assert ids(sb.next_batch(inst, [inst])) == ["a1"]
-    last = sb.next_batch(inst, [inst])
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["a1"]
+    last = sb.next_batch(inst, [inst], 0.0)
     assert ids(last) == ["a2"] and last[0].entry["slot_index"] == 0
-    assert sb.next_batch(inst, [inst]) is None
+    assert sb.next_batch(inst, [inst], 0.0) is None
     # END frees the slot without a release: the worker forgets the sequence at END itself.
     assert 7 not in sb.sequences and sb.slots[0][0] is None
     assert sb.take_releases(inst) == []
@@ -99,11 +99,11 @@ def test_more_sequences_than_slots_wait_in_the_backlog_for_a_freed_slot():
     for corr in (1, 2, 3):
         sb.enqueue(step(corr, START, tag=f"s{corr}"), [inst], 0.0)
     assert [s.corr for s in sb.backlog] == [3]
-    assert ids(sb.next_batch(inst, [inst])) == ["s1", "s2"]
-    assert sb.next_batch(inst, [inst]) is None  # 3 still has no slot
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["s1", "s2"]
+    assert sb.next_batch(inst, [inst], 0.0) is None  # 3 still has no slot
     sb.enqueue(step(1, END, tag="e1"), [inst], 0.0)
-    assert ids(sb.next_batch(inst, [inst])) == ["e1"]
-    batch = sb.next_batch(inst, [inst])  # the slot 1 left goes to the backlog's first
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["e1"]
+    batch = sb.next_batch(inst, [inst], 0.0)  # the slot 1 left goes to the backlog's first
     assert ids(batch) == ["s3"] and batch[0].entry["slot_index"] == 0
     assert not sb.backlog
 
@@ -116,7 +116,7 @@ def test_sequences_go_to_the_ready_instance_with_the_most_free_slots():
         sb.enqueue(step(corr, START), everyone, 0.0)
     assert [sb.sequences[c].inst.num for c in (1, 2, 3)] == [0, 1, 0]
     assert 2 not in sb.slots  # a down instance gets no slot
-    assert ids(sb.next_batch(down, everyone)) is None
+    assert ids(sb.next_batch(down, everyone, 0.0)) is None
 
 
 def test_with_no_ready_instance_a_sequence_waits_until_one_is():
@@ -124,14 +124,14 @@ def test_with_no_ready_instance_a_sequence_waits_until_one_is():
     sb.enqueue(step(1, START, tag="s"), [inst], 0.0)
     assert [s.corr for s in sb.backlog] == [1]
     inst.ready = True
-    assert ids(sb.next_batch(inst, [inst])) == ["s"]
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["s"]
 
 
 def started(sb: SequenceBatcher, inst: Instance, corrs: list[int]) -> None:
     """Sequences ``corrs`` started and their START requests run."""
     for corr in corrs:
         sb.enqueue(step(corr, START), [inst], 0.0)
-    while sb.next_batch(inst, [inst]):
+    while sb.next_batch(inst, [inst], 0.0):
         pass
 
 
@@ -140,7 +140,7 @@ def test_direct_walks_the_slots_in_order():
     started(sb, inst, [1, 2])
     sb.enqueue(step(2, 0, arrived=1.0, tag="s2"), [inst], 1.0)
     sb.enqueue(step(1, 0, arrived=2.0, tag="s1"), [inst], 2.0)
-    assert ids(sb.next_batch(inst, [inst])) == ["s1", "s2"]
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["s1", "s2"]
 
 
 def test_oldest_takes_the_sequences_whose_next_request_is_oldest():
@@ -148,16 +148,48 @@ def test_oldest_takes_the_sequences_whose_next_request_is_oldest():
     started(sb, inst, [1, 2, 3])
     for corr, arrived in ((1, 3.0), (2, 1.0), (3, 2.0)):
         sb.enqueue(step(corr, 0, arrived=arrived, tag=f"s{corr}"), [inst], arrived)
-    assert ids(sb.next_batch(inst, [inst])) == ["s2", "s3"]  # two of three candidates, by age
-    assert ids(sb.next_batch(inst, [inst])) == ["s1"]
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["s2", "s3"]  # two of three candidates, by age
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["s1"]
 
 
 def test_oldest_offers_as_many_slots_as_candidate_sequences():
     assert sequencer(max_batch_size=2, strategy="oldest { max_candidate_sequences: 5 }").slots_per_instance == 5
-    assert sequencer(max_batch_size=4, strategy="oldest { max_candidate_sequences: 2 }").slots_per_instance == 4
+    assert sequencer(max_batch_size=4, strategy="oldest { max_candidate_sequences: 2 }").slots_per_instance == 2
     assert sequencer(max_batch_size=4, strategy="oldest { }").slots_per_instance == 4
     assert sequencer(max_batch_size=0).slots_per_instance == 1  # a model that does not batch: one sequence
     assert sequencer(max_batch_size=0).max_batch == 1
+
+
+def test_oldest_waits_up_to_the_delay_for_a_full_batch():
+    sb, inst = sequencer(max_batch_size=3, strategy="oldest { max_queue_delay_microseconds: 100000 }"), instance(0)
+    sb.enqueue(step(1, START, arrived=1.0, tag="s1"), [inst], 1.0)
+    assert sb.next_batch(inst, [inst], 1.0) is None  # one of three: wait
+    assert sb.next_timer(1.0) == pytest.approx(0.1)
+    sb.enqueue(step(2, START, arrived=1.05, tag="s2"), [inst], 1.05)
+    assert sb.next_batch(inst, [inst], 1.05) is None
+    assert ids(sb.next_batch(inst, [inst], 1.1)) == ["s1", "s2"]  # the oldest waited the delay
+    for corr in (1, 2, 3):
+        sb.enqueue(step(corr, START if corr == 3 else 0, arrived=2.0, tag=f"n{corr}"), [inst], 2.0)
+    assert ids(sb.next_batch(inst, [inst], 2.0)) == ["n1", "n2", "n3"]  # max_batch_size: at once
+
+
+def test_oldest_sends_the_largest_preferred_size_it_can_fill_at_once():
+    strategy = "oldest { max_candidate_sequences: 6 preferred_batch_size: [ 2, 4 ] max_queue_delay_microseconds: 1000000 }"
+    sb, inst = sequencer(max_batch_size=4, strategy=strategy), instance(0)
+    for corr in range(1, 4):
+        sb.enqueue(step(corr, START, arrived=corr / 10, tag=f"s{corr}"), [inst], corr / 10)
+    assert ids(sb.next_batch(inst, [inst], 0.3)) == ["s1", "s2"]  # 2 of 3 ready: the preferred 2
+    assert sb.next_batch(inst, [inst], 0.3) is None  # s3 alone waits
+    for corr in range(4, 7):
+        sb.enqueue(step(corr, START, arrived=0.35, tag=f"s{corr}"), [inst], 0.35)
+    assert ids(sb.next_batch(inst, [inst], 0.35)) == ["s3", "s4", "s5", "s6"]  # the largest preferred size
+
+
+def test_oldest_delay_timer_counts_only_requests_still_waiting():
+    sb, inst = sequencer(max_batch_size=2, strategy="oldest { max_queue_delay_microseconds: 100000 }"), instance(0)
+    sb.enqueue(step(1, START, arrived=0.0), [inst], 0.0)
+    assert sb.next_timer(0.05) == pytest.approx(0.05)
+    assert sb.next_timer(0.2) is None  # its delay ended: it goes when the instance is free
 
 
 def test_a_start_after_a_queued_end_begins_a_sequence_that_goes_on():
@@ -167,21 +199,21 @@ def test_a_start_after_a_queued_end_begins_a_sequence_that_goes_on():
     sb.enqueue(step(9, START, tag="s"), [inst], 0.0)
     sb.enqueue(step(9, END, tag="e"), [inst], 0.0)
     sb.enqueue(step(9, START, tag="s2"), [inst], 0.0)
-    assert [ids(sb.next_batch(inst, [inst])) for _ in range(3)] == [["s"], ["e"], ["s2"]]
+    assert [ids(sb.next_batch(inst, [inst], 0.0)) for _ in range(3)] == [["s"], ["e"], ["s2"]]
     assert sb.sequences[9].slot == 0 and sb.take_releases(inst) == []
     sb.enqueue(step(9, 0, tag="m2"), [inst], 1.0)
-    assert ids(sb.next_batch(inst, [inst])) == ["m2"]
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["m2"]
 
 
 def test_a_start_on_an_idle_sequence_restarts_it_and_tells_the_worker_to_forget_the_old_one():
     sb, inst = sequencer(), instance(0)
     sb.enqueue(step(4, START), [inst], 0.0)
-    sb.next_batch(inst, [inst])
+    sb.next_batch(inst, [inst], 0.0)
     old = sb.sequences[4]
     sb.enqueue(step(4, START, tag="again"), [inst], 0.1)
     assert sb.sequences[4] is not old
     assert sb.take_releases(inst) == [4]
-    assert ids(sb.next_batch(inst, [inst])) == ["again"]
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["again"]
 
 
 # -- idle sequences, clients and instances that go away ---------------------------------------
@@ -191,7 +223,7 @@ def test_an_idle_sequence_loses_its_slot_and_the_worker_is_told():
     sb, inst = sequencer(idle_us=50_000), instance(0)
     sb.enqueue(step(1, START), [inst], 0.0)
     sb.enqueue(step(2, START), [inst], 0.04)
-    sb.next_batch(inst, [inst])
+    sb.next_batch(inst, [inst], 0.0)
     assert sb.next_timer(0.0) == pytest.approx(0.05)  # the first to fall idle
     sb.expire(0.05)  # exactly the limit: still kept
     assert set(sb.sequences) == {1, 2}
