@@ -51,6 +51,7 @@ ROUTES_BYTES = 1 << 20
 SETTINGS_BYTES = 8192  # server settings the broker publishes (log settings; shm/logs.py)
 REGIONS_BYTES = 1 << 20  # registered system shm regions (shm/region_table.py)
 CUSTOM_METRICS_BYTES = 256 << 10  # a worker's custom metrics (pb_utils.MetricFamily), as JSON
+REGION_HOLDS_BYTES = 64 << 10  # the regions a worker's lane requests use (workers/region_holds.py)
 _COOKIE = struct.Struct("<Q")
 LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
@@ -192,6 +193,9 @@ class WorkerSegment:
         # The model's own metrics (workers/custom_metrics.py), read by the broker at scrape time.
         self.custom_metrics = Published(seg.buf, off, CUSTOM_METRICS_BYTES)
         off += CUSTOM_METRICS_BYTES
+        # The regions its unfinished lane requests name, read by the broker to defer unregisters.
+        self.region_holds = Published(seg.buf, off, REGION_HOLDS_BYTES)
+        off += REGION_HOLDS_BYTES
         self.arena_offset = off
         self.arena_size = seg.size - off
         if create:
@@ -245,7 +249,7 @@ class WorkerSegment:
     def nbytes(arena_bytes: int) -> int:
         return _align(_align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD))
                       + LANES * Ring.nbytes(LANE_CAPACITY, RECORD)) + _align(StatsArea.nbytes()) \
-            + CUSTOM_METRICS_BYTES + arena_bytes
+            + CUSTOM_METRICS_BYTES + REGION_HOLDS_BYTES + arena_bytes
 
     @classmethod
     def create(cls, name: str, arena_bytes: int) -> "WorkerSegment":

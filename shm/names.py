@@ -26,11 +26,19 @@ def object_name(server_id: str, role: str, n: int | str) -> str:
     return f"/{PREFIX}.{server_id}.{role}.{n}"
 
 
-def is_server_object(name: str) -> bool:
-    """True for any name in the namespace shmserve reserves (clients may never register these),
-    including the files that back its semaphores (``sem.shmserve.*``)."""
+RESERVED_PREFIXES = (PREFIX + ".", "sem.")
+
+
+def reserved_prefix(name: str) -> str | None:
+    """The prefix of the namespace shmserve reserves that ``name`` lies in (clients may never
+    register these), including the files that back its semaphores (``sem.shmserve.*``)."""
     bare = name.lstrip("/")
-    return bare.startswith(PREFIX + ".") or bare.startswith("sem.")
+    return next((p for p in RESERVED_PREFIXES if bare.startswith(p)), None)
+
+
+def is_server_object(name: str) -> bool:
+    """True for any name in the namespace shmserve reserves."""
+    return reserved_prefix(name) is not None
 
 
 def list_objects(server_id: str) -> tuple[list[str], list[str]]:

@@ -3,10 +3,19 @@ region can go straight to a worker on a direct lane (the broker would add a hop 
 
 The broker stays the only one that registers: it checks each key (not the server's own objects,
 existing, large enough) and publishes ``{"complete": bool, "regions": {name: [key, offset,
-byte_size, inode]}}`` in its segment before it answers the registration. Clients route a request
-directly only when every region it names is in the table; workers resolve and bounds-check the
-names against the same table, with the broker's error texts. A table too large for its area is
-published empty and incomplete: requests then take the broker's path, as before.
+byte_size, inode, leaving]}}`` in its segment before it answers the registration. Clients route a
+request directly only when every region it names is in the table and not leaving; workers resolve
+and bounds-check the names against the same table, with the broker's error texts.
+
+A region unregistered while requests use it stays in the table, marked leaving, until they are
+done (Triton defers such an unregister the same way). Requests naming it then go through the
+broker, which counts them; a worker refuses a leaving region on its lanes (a client that routed
+by the table before the mark), so the broker need only wait for the lane requests that began
+before: each worker publishes the regions its unfinished lane requests name, with the oldest
+table generation they started under (``workers/region_holds.py``).
+
+A table too large for its area is published empty and incomplete: requests then take the
+broker's path.
 """
 from __future__ import annotations
 
@@ -23,25 +32,35 @@ class RegionEntry(NamedTuple):
     offset: int
     byte_size: int
     ino: int
+    leaving: bool = False  # unregistered while requests use it: clients send the next ones to the broker
 
 
 class RegionUseError(ValueError):
     """A tensor names a region that is not registered, or lies outside its bounds (a 400)."""
 
 
-def check_bounds(name: str, byte_size: int, offset: int, size: int, what: str, tensor: str) -> None:
-    """Refuse a tensor outside its region's registered ``byte_size``, with Triton's text."""
-    if offset < 0 or size < 0 or offset + size > byte_size:
-        raise RegionUseError(f"Invalid offset + byte size for shared memory region: '{name}' ({what} '{tensor}': "
-                             f"offset {offset} + byte size {size} exceeds the region's {byte_size} bytes)")
+SIZE_MAX = (1 << 64) - 1  # Triton's size_t: where offset + byte_size overflows
 
 
-def locate(name: str, region: Any, offset: int, size: int, what: str, tensor: str) -> int:
+def check_bounds(name: str, byte_size: int, offset: int, size: int) -> None:
+    """Refuse a tensor outside its region's registered ``byte_size`` with Triton's texts, in
+    Triton's order (clients match on them): the offset, then overflow, then the end."""
+    if offset < 0 or offset >= byte_size:
+        raise RegionUseError(f"Invalid offset for shared memory region: '{name}'")
+    if size > SIZE_MAX - offset:
+        raise RegionUseError(f"Integer overflow detected: byte_size ({size}) + offset ({offset}) exceeds maximum "
+                             f"value ({SIZE_MAX}) for region '{name}'")
+    if size < 0 or offset + size > byte_size:
+        raise RegionUseError(f"Invalid offset + byte size for shared memory region: '{name}'")
+
+
+def locate(name: str, region: Any, offset: int, size: int) -> int:
     """Where a tensor starts in its region's shm object: the broker and workers resolve alike.
-    ``region`` is the registered entry (``offset`` and ``byte_size``), or None if unknown."""
+    ``region`` is the registered entry (``offset`` and ``byte_size``), or None if unknown (or,
+    on a worker's lane, leaving)."""
     if region is None:
         raise RegionUseError(f"Unable to find shared memory region: '{name}'")
-    check_bounds(name, region.byte_size, offset, size, what, tensor)
+    check_bounds(name, region.byte_size, offset, size)
     return region.offset + offset
 
 
@@ -53,6 +72,16 @@ def encode(regions: dict[str, RegionEntry], capacity: int, cuda_handles: list[st
     if len(doc) > capacity:
         doc = orjson.dumps({"complete": False, "regions": {}, "cuda": sorted(cuda_handles)})
     return doc
+
+
+EVERY_REGION = "*"  # a worker's holds when the names do not fit their area: every region is held
+
+
+def read_holds(area: Published) -> dict[str, int]:
+    """What a worker published (``workers/region_holds.py``): region name (or ``EVERY_REGION``)
+    -> the oldest table generation its unfinished lane requests naming it started under."""
+    _, raw = area.read(attempts=1000)
+    return orjson.loads(raw) if raw else {}
 
 
 class RegionTable:

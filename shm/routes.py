@@ -46,15 +46,20 @@ class Router:
             return None
         # Registered regions: the worker resolves (and bounds-checks) those the broker published;
         # any other name (a CUDA region, one not yet published, a mistake) goes to the broker.
+        # A region unregistered while in use (leaving) goes to the broker too, which counts its users.
         for t in doc.get("inputs", ()):
-            if "region" in t and self._regions.get(t["region"]) is None:
+            if "region" in t and not self._published(t["region"]):
                 return None
         for o in doc.get("outputs") or ():
-            if "region" in o and self._regions.get(o["region"]) is None:
+            if "region" in o and not self._published(o["region"]):
                 return None
         num = workers[0] if len(workers) == 1 else min(workers, key=self._load.__getitem__)
         seg = self._worker(num)
         return None if seg is None else (num, seg)
+
+    def _published(self, name: str) -> bool:
+        region = self._regions.get(name)
+        return region is not None and not region.leaving
 
     def began(self, num: int) -> None:
         self._load[num] += 1

@@ -315,21 +315,22 @@ def test_bad_registration_is_a_400(shm_server, http, regions, case):
     regions.register("reg_ok", key, 256)
     name, size, offset = "reg_bad", 64, 0
     if case == "missing_key":
-        bad, needle = f"/tshm_{shm_server.id}_does_not_exist", "does_not_exist"
+        bad = f"/tshm_{shm_server.id}_does_not_exist"
+        needle = f"Unable to open shared memory region: '{bad}'"
     elif case == "dev_shm_path":
         bad, needle = f"/dev/shm{key}", "not a path"  # the object exists, but a key is no path
     elif case == "slash_path":
         bad, needle = "a/b", "not a path"
     elif case == "server_key":
-        bad, needle = f"/shmserve.{shm_server.id}.broker.0", "belongs to the server"
+        bad, needle = f"/shmserve.{shm_server.id}.broker.0", "the key contains the reserved prefix 'shmserve.'"
     elif case == "server_key_bare":
-        bad, needle = f"shmserve.{shm_server.id}.worker.0", "belongs to the server"
+        bad, needle = f"shmserve.{shm_server.id}.worker.0", "the key contains the reserved prefix 'shmserve.'"
     elif case == "duplicate_name":
-        bad, name, needle = key, "reg_ok", "already"
+        bad, name, needle = key, "reg_ok", "shared memory region 'reg_ok' already in manager"
     elif case == "beyond_object":
-        bad, size, offset, needle = key, 200, 100, "exceeds"
+        bad, size, offset, needle = key, 200, 100, "failed to register shared memory region 'reg_bad': invalid args"
     else:
-        bad, size, needle = key, 0, "byte_size"
+        bad, size, needle = key, 0, "failed to register shared memory region 'reg_bad'"
     with pytest.raises(InferenceServerException) as e:
         http.register_system_shared_memory(name, bad, size, offset)
     assert e.value.status() == "400", e.value
@@ -349,7 +350,7 @@ def test_server_semaphore_file_cannot_be_registered(shm_server, http, regions, k
     with pytest.raises(InferenceServerException) as e:
         http.register_system_shared_memory("sem_key", key, 8)
     assert e.value.status() == "400"
-    assert "belongs to the server" in e.value.message()
+    assert "as the key contains the reserved prefix" in e.value.message()
     assert status_names(shm_server) == []
     assert_serves_through_shm(shm_server, regions)
 
@@ -361,20 +362,22 @@ def _infer_error_case(case: str, regions: Regions) -> tuple[str, list, list, str
     region = f"ie_{case}"
     plain = plain_input("INPUT1", a)
     if case == "unknown_region":
-        return "add_sub", [shm_input("INPUT0", "never_registered_region", NB), plain], [], "never_registered_region"
+        return "add_sub", [shm_input("INPUT0", "never_registered_region", NB), plain], [], \
+            "Unable to find shared memory region: 'never_registered_region'"
     if case == "byte_size_mismatch":
         return "add_sub", [shm_input("INPUT0", region, NB - 4), plain], [], f"Expected {NB}, got {NB - 4}"
     if case == "overrun":
-        return "add_sub", [shm_input("INPUT0", region, NB, NB + 4), plain], [], "exceeds"
+        return "add_sub", [shm_input("INPUT0", region, NB, NB + 4), plain], [], \
+            f"Invalid offset + byte size for shared memory region: '{region}'"
     if case == "output_region_too_small":
         return ("add_sub", [shm_input("INPUT0", region, NB), plain], [shm_output("OUTPUT0", region, NB - 8)],
                 f"holds {NB - 8} bytes but the output needs {NB}")
     if case == "output_overrun":
         return "add_sub", [shm_input("INPUT0", region, NB), plain], [shm_output("OUTPUT0", region, NB, NB + 8)], \
-            "exceeds"
+            f"Invalid offset + byte size for shared memory region: '{region}'"
     if case == "output_unknown_region":
         return "add_sub", [shm_input("INPUT0", region, NB), plain], [shm_output("OUTPUT0", "no_out_region", NB)], \
-            "no_out_region"
+            "Unable to find shared memory region: 'no_out_region'"
     assert case == "bytes_size_mismatch"
     data = serialize_byte_tensor(np.array([b"abc", b"defg"], dtype=np.object_))
     shm.set_shared_memory_region(h, [data])

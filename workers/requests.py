@@ -62,18 +62,20 @@ def check_request(signature: ModelSignature, regions: RegionTable, decoupled: bo
 
 def _output(regions: RegionTable, client: ClientSegment, o: dict, data_start: int) -> dict:
     out = {"name": o["name"]} if "data" not in o and "region" not in o \
-        else _locate(regions, client, o, data_start, "output")
+        else _locate(regions, client, o, data_start)
     if "class" in o:
         out["class"] = o["class"]  # classification: answered as the top classes
     return out
 
 
-def _locate(regions: RegionTable, client: ClientSegment, t: dict, data_start: int, what: str = "input") -> dict:
+def _locate(regions: RegionTable, client: ClientSegment, t: dict, data_start: int) -> dict:
     size = int(t["size"])
     if "region" in t:  # a registered region, as the broker published it (shm/region_table.py)
         name = t["region"]
         region = regions.get(name)
-        off = locate(name, region, int(t.get("offset", 0)), size, what, t["name"])  # RegionUseError: a 400
+        if region is not None and region.leaving:
+            region = None  # unregistered: the broker waits only for lane requests that began before
+        off = locate(name, region, int(t.get("offset", 0)), size)  # RegionUseError: a 400
         assert region is not None
         out = {"name": t["name"], "seg": region.key, "ino": region.ino, "off": off, "size": size}
     else:

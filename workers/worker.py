@@ -25,7 +25,7 @@ import posix_ipc
 from shmserve.batching import DynamicBatcher, Pending, QueueFull, batches_on_worker
 from shmserve.shm import logs
 from shmserve.shm.arena import Arena, free_block
-from shmserve.shm.channel import BrokerSegment, ClientSegment, WorkerSegment
+from shmserve.shm.channel import REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
 from shmserve.shm.names import object_name, pid_alive
 from shmserve.shm.protocol import REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP, read_manifest, \
     read_manifest_with_data
@@ -40,6 +40,7 @@ from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Re
 from .classification import load_labels
 from . import cuda
 from .cuda import CudaError
+from .region_holds import RegionHolds
 from .requests import DecoupledOnly, RequestError, check_request, read_inputs
 from .sequence import SequenceSupport
 from shmserve.signature import InvalidRequest, ModelSignature
@@ -70,6 +71,8 @@ class Worker:
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
         self.broker = BrokerSegment.attach(self.server_id)
         self.regions = RegionTable(self.broker.regions)  # for requests naming regions on direct lanes
+        # The regions its lane requests use, published so that the broker can defer unregisters.
+        self.holds = RegionHolds(self.regions, self.seg.region_holds, REGION_HOLDS_BYTES)
         self._lane_names: dict[int, tuple[str, int]] = {}
         self.segments = SegmentCache()
         self.clients: dict[str, ClientSegment] = {}
@@ -238,9 +241,11 @@ class Worker:
         assert self.signature is not None
         try:
             doc, data_start = read_manifest_with_data(client.seg.buf, off)
+            self.holds.hold(doc, entry)  # before its regions are looked up in the table
             batch, priority, timeout_us, sent_ns = check_request(self.signature, self.regions, self.decoupled,
                                                                  client, doc, data_start, entry)
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
+            self.holds.release(entry)
             self.stats.rejected()
             self._answer_error(entry, getattr(e, "status", 400), str(e))
             return False  # serve() flushes the counters and sends the answer
@@ -257,6 +262,7 @@ class Worker:
         try:
             self.batcher.enqueue(pending, arrived)
         except QueueFull as e:
+            self.holds.release(entry)
             self.stats.rejected()
             self._answer_error(entry, e.status, str(e))
             return False
@@ -268,6 +274,7 @@ class Worker:
         returns how many finished."""
         expired = batcher.expire(time.monotonic())
         for p in expired:
+            self.holds.release(p.entry)
             self.stats.timed_out()
             self._answer_error(p.entry, 503, "Request timeout expired")
         done = len(expired)
@@ -338,6 +345,8 @@ class Worker:
                     streamed += size
             self.stats.executed(sizes, arrivals, start, built - start, executed - built,
                                 time.monotonic_ns() - executed, ok, streamed)
+        for entry in entries:
+            self.holds.release(entry)  # answered (a decoupled model's later responses hold nothing)
         busy[BUSY_SINCE] = 0
 
     def _flush_counts(self) -> None:
@@ -371,9 +380,13 @@ class Worker:
             # Gone: the process died, or it closed the connection (which unlinks the segment).
             if not pid_alive(client.pid) or not os.path.exists("/dev/shm" + name):
                 if self.batcher is not None and len(self.batcher):
-                    queued = len(self.batcher)
+                    queued = self.batcher.all()
                     self.batcher.drop_client(client)
-                    self.stats.counts[DIRECT_DONE] += queued - len(self.batcher)
+                    kept = {id(p) for p in self.batcher.all()}
+                    for p in queued:
+                        if id(p) not in kept:
+                            self.holds.release(p.entry)
+                    self.stats.counts[DIRECT_DONE] += len(queued) - len(kept)
                 self.clients.pop(name).close()
                 self.segments.drop(name)
 

@@ -35,6 +35,7 @@ from .intake import Intake
 from .lifecycle import Lifecycle
 from .models import Client
 from .options import STARTUP_FAILED, BrokerOptions
+from .region_users import lane_holds, regions_in_use
 from .regions import Regions
 from .routes import Routes
 from .scheduler import Scheduler
@@ -45,6 +46,7 @@ log = logging.getLogger("shmserve.broker")
 
 HOUSEKEEPING_S = 1.0  # client liveness, restart back-off; a worker's death wakes us at once (SIGCHLD)
 HUNG_CHECK_S = 0.1  # how often canaries and executions (against execution_timeout_s) are looked at
+SETTLE_S = 0.01  # how often regions unregistered while in use are looked at (lane requests ring no bell)
 
 
 class Broker:
@@ -113,6 +115,8 @@ class Broker:
         for mv in self.catalog.serving_and_retiring():
             if self.scheduler.has_queued(mv):
                 self.scheduler.dispatch(mv)
+        if self.regions.any_leaving():  # unregistered regions: forgotten once no request uses them
+            self._settle_regions()
         if self.catalog.retiring:
             self.lifecycle.progress_retirement()
         if self.lifecycle.watcher is not None:
@@ -132,6 +136,8 @@ class Broker:
             timeout = min(timeout, SNAPSHOT_EVERY_S)
         if any(mv.exec_timeout_s for mv, _ in self.instances.workers.values()):
             timeout = min(timeout, HUNG_CHECK_S)
+        if self.regions.any_leaving():
+            timeout = min(timeout, SETTLE_S)
         now = time.monotonic()
         for due in (self.lifecycle.next_timer(), self.supervisor.next_timer(now),
                     self.scheduler.next_timer(self.catalog.serving(), now)):
@@ -163,6 +169,8 @@ class Broker:
         try:
             doc = read_manifest(client.seg.seg.buf, off)
             status, answer = self.control.handle(client, slot, doc)
+            if self.regions.any_leaving():  # an unregister: regions nobody uses go before the answer
+                self._settle_regions()
         except InvalidRequest as e:
             status, answer = e.status, {"error": str(e)}
         except (ValueError, KeyError, TypeError) as e:
@@ -172,6 +180,10 @@ class Broker:
             status, answer = 500, {"error": f"internal error in the control request: {e!r}"}
         if status:  # 0: the handler answers later (e.g. a load in progress)
             self.clients.reply(client, slot, status, answer)
+
+    def _settle_regions(self) -> None:
+        self.regions.settle(regions_in_use(self.catalog.serving_and_retiring(), self.ensembles),
+                            lane_holds(self.instances))
 
     def _drop_client(self, client: Client, died: bool) -> None:
         """Forget a client that said goodbye, or that ``died`` (then its objects are unlinked here)."""

@@ -230,8 +230,9 @@ class ControlHandler:
         return 200, {}
 
     def _shm_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.regions.system.unregister(doc.get("name"))
-        self.regions.publish()
+        """Marks the region leaving; the broker forgets it once no request uses it (before it
+        handles the next request if none does), which needs no second call."""
+        self.regions.unregister(self.regions.system, doc.get("name"))
         return 200, {}
 
     def _shm_status(self, client: Client, slot: int, doc: dict) -> Answer:
@@ -244,8 +245,7 @@ class ControlHandler:
         return 200, {}
 
     def _cuda_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.regions.cuda.unregister(doc.get("name"))
-        self.regions.publish()
+        self.regions.unregister(self.regions.cuda, doc.get("name"))
         return 200, {}
 
     def _cuda_status(self, client: Client, slot: int, doc: dict) -> Answer:

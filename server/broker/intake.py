@@ -50,6 +50,9 @@ class Intake:
                 "inputs": [self._resolve(client, t, "input", data_start) for t in inputs],
                 "outputs": [self._resolve_output(client, o, data_start) for o in outputs] if outputs else None,
             }
+            named = {t["region"] for t in inputs if "region" in t} | {o["region"] for o in outputs or () if "region" in o}
+            if named:  # held while the broker holds the request: an unregister waits for it
+                entry["regions"] = sorted(named)
             if "stream" in doc:
                 entry["stream"] = {"seg": client.name, "off": data_start + int(doc["stream"])}
             if "tr" in doc:  # a traced request: its QUEUE_START is now (the worker sends it back)
@@ -82,7 +85,7 @@ class Intake:
         """
         size = int(t["size"])
         if "region" in t:
-            seg, off = self.regions.system.resolve(t["region"], int(t.get("offset", 0)), size, what, t["name"])
+            seg, off = self.regions.system.resolve(t["region"], int(t.get("offset", 0)), size)
             return seg, off, size
         off = data_start + int(t["data"])
         if size < 0 or off < client.seg.arena_offset or off + size > client.seg.seg.size:
@@ -92,7 +95,7 @@ class Intake:
     def _place(self, client: Client, t: dict, what: str, data_start: int) -> dict:
         """Where the worker finds (or puts) a tensor's bytes: host shm, or a CUDA region."""
         if "region" in t:
-            cuda = self.regions.cuda.resolve(t["region"], int(t.get("offset", 0)), int(t["size"]), what, t["name"])
+            cuda = self.regions.cuda.resolve(t["region"], int(t.get("offset", 0)), int(t["size"]))
             if cuda is not None:
                 return cuda
         seg, off, size = self._locate(client, t, what, data_start)

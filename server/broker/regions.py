@@ -18,9 +18,9 @@ import posix_ipc
 
 from shmserve.shm import region_table
 from shmserve.shm.channel import REGIONS_BYTES, BrokerSegment
-from shmserve.shm.names import is_server_object
+from shmserve.shm.names import reserved_prefix
 from shmserve.shm.published import HEADER as PUBLISHED_HEADER
-from shmserve.shm.region_table import RegionEntry, RegionUseError, check_bounds, locate
+from shmserve.shm.region_table import EVERY_REGION, RegionEntry, RegionUseError, check_bounds, locate
 from shmserve.signature import InvalidRequest
 
 _KEY_RE = re.compile(r"^/?[^/\0]{1,250}$")
@@ -36,6 +36,21 @@ class UnknownRegion(RegionError):
     status = 404
 
 
+# Triton reserves the prefix of its Python backend's own regions; shmserve reserves its own names.
+TRITON_RESERVED_PREFIX = "triton_python_backend_shm_region_"
+
+
+def check_key(name: str, key: Any) -> None:
+    """Refuse keys no client may register, with Triton's texts: a key of slashes only, and a
+    key in a namespace the server reserves (its own objects and its semaphores' files)."""
+    if not isinstance(key, str) or not key.strip("/"):
+        raise RegionError(f"cannot register shared memory region '{name}' - invalid shm key '{key}'")
+    reserved = TRITON_RESERVED_PREFIX if key.lstrip("/").startswith(TRITON_RESERVED_PREFIX) else reserved_prefix(key)
+    if reserved is not None:
+        raise RegionError(f"cannot register shared memory region '{name}' with key '{key}' as the key contains "
+                          f"the reserved prefix '{reserved}'")
+
+
 class Region:
     __slots__ = ("name", "key", "offset", "byte_size", "owner", "ino", "reclaim")
 
@@ -47,18 +62,26 @@ class Region:
 
 
 class _Registry:
-    """What both registries share: forgetting regions and describing them as Triton does."""
+    """What both registries share: forgetting regions and describing them as Triton does.
+
+    An unregistered region is only marked leaving: it stays registered (listed, usable, its name
+    taken) until ``Regions.settle`` finds no request using it, as Triton defers an unregister.
+    """
 
     kind = "system"
 
     def __init__(self) -> None:
         self.regions: dict[str, Any] = {}
+        # name -> the region-table generation that first published it leaving (0: not published yet)
+        self.leaving: dict[str, int] = {}
 
     def unregister(self, name: str | None) -> None:
-        if name is None:
-            self.regions.clear()
-        else:
-            self.regions.pop(name, None)
+        for n in list(self.regions) if name is None else [name] if name in self.regions else []:
+            self.leaving.setdefault(n, 0)
+
+    def forget(self, name: str) -> Any:
+        self.leaving.pop(name, None)
+        return self.regions.pop(name)
 
     def status(self, name: str | None) -> list[dict[str, Any]]:
         if name is not None:
@@ -80,17 +103,14 @@ class RegionRegistry(_Registry):
 
     def register(self, name: str, key: str, offset: int, byte_size: int, owner: str | None = None,
                  reclaim: bool = False) -> None:
+        check_key(name, key)
         if not name:
             raise RegionError("shared memory region name must not be empty")
         if name in self.regions:
             raise RegionError(f"shared memory region '{name}' already in manager")
-        if not isinstance(key, str) or not _KEY_RE.match(key):
+        if not _KEY_RE.match(key):  # shm_open refuses a name with a '/' after the first
             raise RegionError(f"Unable to open shared memory region: '{key}': a key is a single name "
                               f"such as '/my_region', not a path")
-        if is_server_object(key):
-            raise RegionError(f"shared memory key '{key}' belongs to the server and cannot be registered")
-        if offset < 0 or byte_size <= 0:
-            raise RegionError(f"shared memory region '{name}': offset must be >= 0 and byte_size > 0")
         shm_key = key if key.startswith("/") else "/" + key
         try:
             shm = posix_ipc.SharedMemory(shm_key, flags=0)
@@ -103,16 +123,18 @@ class RegionRegistry(_Registry):
             size = st.st_size
         finally:
             shm.close_fd()
-        if offset + byte_size > size:
-            raise RegionError(f"shared memory region '{name}': offset {offset} + byte_size {byte_size} "
-                              f"exceeds the {size} bytes of '{key}'")
+        if offset < 0 or byte_size < 0 or offset + byte_size > size:
+            raise RegionError(f"failed to register shared memory region '{name}': invalid args")
+        if byte_size == 0:  # in bounds, but nothing to map: Triton's mmap fails the same way
+            raise RegionError(f"failed to register shared memory region '{name}': unable to process address "
+                              f"space: a region needs byte_size > 0")
         self.regions[name] = Region(name, shm_key, offset, byte_size, owner, st.st_ino, reclaim)
 
     def drop_owner(self, owner: str, died: bool = False) -> None:
         """Forget an owner's regions; if it died, also unlink the objects its library created
         for it (``Client.create_region``), which would otherwise stay in /dev/shm for good."""
         for name in [n for n, r in self.regions.items() if r.owner == owner]:
-            r = self.regions.pop(name)
+            r = self.forget(name)
             if died and r.reclaim:
                 try:
                     posix_ipc.unlink_shared_memory(r.key)
@@ -122,18 +144,18 @@ class RegionRegistry(_Registry):
     def inode(self, name: str) -> int:
         return self.regions[name].ino
 
-    def resolve(self, name: str, offset: int, size: int, what: str, tensor: str) -> tuple[str, int]:
+    def resolve(self, name: str, offset: int, size: int) -> tuple[str, int]:
         r = self.regions.get(name)
         try:
-            at = locate(name, r, offset, size, what, tensor)
+            at = locate(name, r, offset, size)
         except RegionUseError as e:
             raise RegionError(str(e)) from None
         return r.key, at
 
     def table(self, shadowed: dict[str, Any]) -> dict[str, RegionEntry]:
         """What workers may resolve themselves: every region whose name no CUDA region shadows."""
-        return {n: RegionEntry(r.key, r.offset, r.byte_size, r.ino) for n, r in self.regions.items()
-                if n not in shadowed}
+        return {n: RegionEntry(r.key, r.offset, r.byte_size, r.ino, n in self.leaving)
+                for n, r in self.regions.items() if n not in shadowed}
 
 
 class CudaRegion:
@@ -179,15 +201,16 @@ class CudaRegionRegistry(_Registry):
         try:  # as Triton does: a handle that does not open is refused now, not at the first request
             runtime().check(raw, device_id)
         except CudaError as e:
-            raise RegionError(f"failed to open CUDA IPC handle: {e}") from None
+            raise RegionError(f"failed to register shared memory region: invalid args (failed to open CUDA IPC "
+                              f"handle: {e})") from None
         self.regions[name] = CudaRegion(name, handle_b64, device_id, byte_size)
 
-    def resolve(self, name: str, offset: int, size: int, what: str, tensor: str) -> dict[str, Any] | None:
+    def resolve(self, name: str, offset: int, size: int) -> dict[str, Any] | None:
         r = self.regions.get(name)
         if r is None:
             return None
         try:
-            check_bounds(name, r.byte_size, offset, size, what, tensor)
+            check_bounds(name, r.byte_size, offset, size)
         except RegionUseError as e:
             raise RegionError(str(e)) from None
         return {"cuda": r.handle_b64, "device": r.device_id, "off": offset, "size": size}
@@ -210,6 +233,38 @@ class Regions:
         if doc != self._doc:
             self._doc = doc
             self.seg.regions.publish(doc)
+        gen = self.seg.regions.generation()
+        for registry in (self.system, self.cuda):
+            for name, marked in registry.leaving.items():
+                if not marked:
+                    registry.leaving[name] = gen
+
+    def unregister(self, registry: _Registry, name: str | None) -> None:
+        """Mark the region (or all of them) leaving and publish that; the broker then calls
+        ``settle``, which forgets at once those no request uses."""
+        registry.unregister(name)
+        self.publish()
+
+    def any_leaving(self) -> bool:
+        return bool(self.system.leaving or self.cuda.leaving)
+
+    def settle(self, in_use: set[str], lane_holds: list[dict[str, int]]) -> None:
+        """Forget the leaving regions that no request uses any more. ``in_use``: the regions the
+        requests the broker holds name (queued, sent to an instance, in an ensemble);
+        ``lane_holds``: per worker, region name (or ``EVERY_REGION``) -> the oldest table
+        generation its unfinished lane requests naming it started under, read after this
+        process published the marks."""
+        changed = False
+        for registry in (self.system, self.cuda):
+            for name, marked in list(registry.leaving.items()):
+                # A lane request that started under a generation before the mark may use it.
+                if name in in_use or any(min(h.get(name, marked), h.get(EVERY_REGION, marked)) < marked
+                                         for h in lane_holds):
+                    continue
+                registry.forget(name)
+                changed = True
+        if changed:
+            self.publish()
 
     def forget_client(self, name: str, died: bool) -> None:
         """Drop the regions a departed client owned (see ``RegionRegistry.drop_owner``)."""

@@ -1,0 +1,188 @@
+"""Triton's current system shared-memory behaviour (its qa/L0_shared_memory suite), through
+tritonclient against a real server: the error texts clients match on (an offset outside the
+region, offset + byte size past it or past 2^64, a registration outside the object, keys that
+may not be registered), and an unregister while a request uses the region, which waits for
+the requests to finish and then takes effect with no second call.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from conftest import start_shm_server, wait_until
+from gates import Gate
+from test_shared_memory import NB, N, Regions, _infer_in_thread, shm_input, shm_output, status_names
+
+SIZE_MAX = 2**64 - 1
+
+
+@pytest.fixture(scope="module")
+def shm_server(module_factory):
+    return start_shm_server(module_factory)
+
+
+@pytest.fixture
+def http(shm_server):
+    c = shm_server.client()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def regions(shm_server):
+    r = Regions(shm_server)
+    yield r
+    r.close()
+
+
+# -- requests outside their regions ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset,byte_size,text", [
+    (2**64 - 32, NB, "Invalid offset for shared memory region: '{r}'"),  # Triton's test_infer_offset_out_of_bound
+    (NB, NB, "Invalid offset for shared memory region: '{r}'"),  # the offset is the region's end
+    (1, NB, "Invalid offset + byte size for shared memory region: '{r}'"),  # test_infer_byte_size_out_of_bound
+    (32, 2**64 - 32, "Integer overflow detected: byte_size (18446744073709551584) + offset (32) exceeds "
+                     "maximum value (18446744073709551615) for region '{r}'"),  # test_infer_integer_overflow
+], ids=["offset_past_2_63", "offset_at_end", "end_past_region", "integer_overflow"])
+def test_output_outside_its_region_is_refused_with_tritons_text(http, regions, offset, byte_size, text):
+    a = np.arange(N, dtype=np.int32)
+    hin = regions.make("oob_in", 2 * NB)
+    shm.set_shared_memory_region(hin, [a, a])
+    regions.make("oob_out", NB)
+    with pytest.raises(InferenceServerException) as e:
+        http.infer("add_sub", [shm_input("INPUT0", "oob_in", NB), shm_input("INPUT1", "oob_in", NB, NB)],
+                   outputs=[shm_output("OUTPUT0", "oob_out", byte_size, offset)])
+    assert e.value.status() == "400", e.value
+    assert e.value.message() == text.format(r="oob_out")  # the whole text: clients match on it
+
+
+def test_input_offset_past_its_region_is_refused_with_tritons_text(http, regions):
+    hin = regions.make("oob_input", NB)
+    shm.set_shared_memory_region(hin, [np.arange(N, dtype=np.int32)])
+    with pytest.raises(InferenceServerException) as e:
+        http.infer("add_sub", [shm_input("INPUT0", "oob_input", NB, NB + 4), shm_input("INPUT1", "oob_input", NB)])
+    assert e.value.status() == "400"
+    assert "Invalid offset for shared memory region: 'oob_input'" in e.value.message(), e.value.message()
+
+
+# -- registrations that are refused ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("byte_size,offset", [(NB + 1, 0), (NB, 1), (1, NB), (0, NB + 1)])
+def test_registration_outside_the_object_is_refused_with_tritons_text(shm_server, http, regions, byte_size, offset):
+    """Triton's test_register_out_of_bound: every edge of offset + byte_size past the object."""
+    _, key = regions.create("reg_oob", NB)
+    regions.names.append("reg_oob")  # unregistered on teardown, should the server take it
+    with pytest.raises(InferenceServerException) as e:
+        http.register_system_shared_memory("reg_oob", key, byte_size, offset)
+    assert e.value.status() == "400"
+    assert "failed to register shared memory region 'reg_oob': invalid args" in e.value.message(), e.value.message()
+    assert status_names(shm_server) == []
+
+
+@pytest.mark.parametrize("key", ["/", "///"])
+def test_key_of_slashes_only_is_refused_with_tritons_text(http, key):
+    with pytest.raises(InferenceServerException) as e:
+        http.register_system_shared_memory("my_test_shm_name", key, 10000)
+    assert e.value.status() == "400"
+    assert f"cannot register shared memory region 'my_test_shm_name' - invalid shm key '{key}'" in e.value.message()
+
+
+@pytest.mark.parametrize("key", ["triton_python_backend_shm_region__my_test_shm_key",
+                                 "/triton_python_backend_shm_region__my_test_shm_key",
+                                 "///triton_python_backend_shm_region__my_test_shm_key"])
+def test_key_with_tritons_reserved_prefix_is_refused_with_tritons_text(http, key):
+    with pytest.raises(InferenceServerException) as e:
+        http.register_system_shared_memory("my_test_shm_name", key, 10000)
+    assert e.value.status() == "400"
+    assert (f"cannot register shared memory region 'my_test_shm_name' with key '{key}' as the key contains the "
+            f"reserved prefix 'triton_python_backend_shm_region_'") in e.value.message(), e.value.message()
+
+
+# -- an unregister while a request uses the region ------------------------------------------------
+
+
+def _status_lists(server, name: str) -> bool:
+    return name in status_names(server)
+
+
+def _assert_unregistered(server, http, name: str) -> None:
+    """Gone (with no second unregister) once its requests are done; its name is free again."""
+    wait_until(lambda: not _status_lists(server, name), f"region '{name}' unregistered")
+    with pytest.raises(InferenceServerException) as e:
+        http.get_system_shared_memory_status(name)
+    assert f"Unable to find system shared memory region: '{name}'" in e.value.message()
+
+
+def test_unregister_during_inference_waits_for_the_request(shm_server, http, regions, tmp_path):
+    """Triton's test_unregister_shm_during_inference_single_req: the region stays listed while
+    the request that names it runs (slow_reader reads X only after its gate opens), the request
+    reads the right bytes, and then the region is gone without a second call. A region no
+    request uses goes at once."""
+    x = np.arange(1, 65, dtype=np.int32)
+    handle, key = regions.create("defer_in", x.nbytes)
+    regions.register("defer_in", key, x.nbytes)
+    shm.set_shared_memory_region(handle, [x])
+    regions.make("defer_idle", 16)
+    gate = Gate(tmp_path / "gate")
+    t, box = _infer_in_thread(shm_server, "slow_reader", [shm_input("X", "defer_in", x.nbytes, shape=[64])],
+                              parameters={"sleep_s": 0, "gate": gate.param})
+    try:
+        gate.wait_started(1)
+        http.unregister_system_shared_memory()  # all of them, as Triton's test does
+        assert status_names(shm_server) == ["defer_in"]
+        assert http.get_system_shared_memory_status("defer_in") == [
+            {"name": "defer_in", "key": key, "offset": 0, "byte_size": x.nbytes}]
+    finally:
+        gate.open()
+    t.join(60)
+    assert not t.is_alive(), "the request hung"
+    assert "result" in box, box.get("error")
+    assert box["result"].as_numpy("SUM").tolist() == [int(x.sum())]
+    np.testing.assert_array_equal(box["result"].as_numpy("COPY"), x)
+    _assert_unregistered(shm_server, http, "defer_in")
+    regions.register("defer_in", key, x.nbytes)  # the name may be registered again
+    assert status_names(shm_server) == ["defer_in"]
+
+
+def test_request_sent_after_the_unregister_keeps_the_region_until_it_is_done(shm_server, http, regions, tmp_path):
+    """Triton's test_unregister_shm_during_inference_multiple_req: a second request names the
+    region after the unregister; it is served, and the region stays listed until it is done
+    too, though the first one finished."""
+    x = np.arange(3, 35, dtype=np.int32)
+    handle, key = regions.create("defer_two", x.nbytes)
+    regions.register("defer_two", key, x.nbytes)
+    shm.set_shared_memory_region(handle, [x])
+    first_gate, second_gate = Gate(tmp_path / "first"), Gate(tmp_path / "second")
+    inputs = [shm_input("X", "defer_two", x.nbytes, shape=[32])]
+    first_t, first = _infer_in_thread(shm_server, "slow_reader", inputs,
+                                      parameters={"sleep_s": 0, "gate": first_gate.param})
+    second_t = None
+    try:
+        first_gate.wait_started(1)
+        http.unregister_system_shared_memory("defer_two")
+        assert status_names(shm_server) == ["defer_two"]
+        second_t, second = _infer_in_thread(shm_server, "slow_reader", inputs,
+                                            parameters={"sleep_s": 0, "gate": second_gate.param})
+        first_gate.open()
+        first_t.join(60)
+        assert "result" in first, first.get("error")
+        second_gate.wait_started(1)  # the first is done, the second is in the model
+        assert status_names(shm_server) == ["defer_two"]
+    finally:
+        first_gate.open()
+        second_gate.open()
+    first_t.join(60)
+    if second_t is not None:
+        second_t.join(60)
+    assert not first_t.is_alive() and second_t is not None and not second_t.is_alive(), "a request hung"
+    for box in (first, second):
+        assert "result" in box, box.get("error")
+        assert box["result"].as_numpy("SUM").tolist() == [int(x.sum())]
+        np.testing.assert_array_equal(box["result"].as_numpy("COPY"), x)
+    _assert_unregistered(shm_server, http, "defer_two")
+    with pytest.raises(InferenceServerException, match="Unable to find shared memory region: 'defer_two'"):
+        http.infer("slow_reader", inputs, parameters={"sleep_s": 0})
