@@ -1,6 +1,7 @@
 """``shmserve`` / ``python -m shmserve``: parse flags, then run the launcher."""
 from __future__ import annotations
 
+import logging
 import sys
 
 from shmserve.shm.names import set_title
@@ -13,6 +14,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     logs.configure(log_settings(args))
+    log = logging.getLogger("shmserve")
+    for level, line in args.notices:  # Triton's flags that do less here than there, by name
+        log.log(level, "%s", line)
     set_title(f"shmserve launcher {args.id}")
     from .launcher import Launcher
 

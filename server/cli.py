@@ -6,6 +6,8 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
+from . import triton_flags
+
 
 def parse_bool(value: str | bool) -> bool:
     if isinstance(value, bool):
@@ -42,8 +44,9 @@ def metrics_config(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def add_bool(p: argparse.ArgumentParser, flag: str, default: bool, help: str) -> None:
-    """A boolean flag as tritonserver's: ``--flag``, ``--flag=true`` or ``--flag=false``."""
+def add_bool(p: argparse.ArgumentParser, flag: str, default: bool | None, help: str) -> None:
+    """A boolean flag as tritonserver's: ``--flag``, ``--flag=true`` or ``--flag=false`` (default
+    None: the flag's absence can be told apart)."""
     p.add_argument(flag, type=parse_bool, nargs="?", const=True, default=default, help=help)
 
 
@@ -132,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "before it sleeps: polling spares the wake-ups of requests that follow closely, at the "
                         "cost of CPU; a frontend does not poll for a model whose answers take longer on "
                         "average. 0 never polls (default 500)")
+    triton_flags.add_flags(p, add_bool)
     return p
 
 
@@ -145,6 +149,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--http-workers must be at least 1")
     if args.http_max_input_size < 1 or args.http_max_tensor_elements < 1:
         parser.error("--http-max-input-size and --http-max-tensor-elements must be at least 1")
+    try:
+        args.notices = triton_flags.notices(args)
+    except ValueError as e:
+        parser.error(str(e))
+    args.strict_model_config = args.strict_model_config or args.disable_auto_complete_config
+    if args.metrics_address is None:
+        args.metrics_address = args.http_address  # as Triton's
     for flag in ("http_port", "metrics_port"):
         if not 0 <= getattr(args, flag) <= 65535:
             parser.error(f"--{flag.replace('_', '-')} must be a port number")

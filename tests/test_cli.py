@@ -19,7 +19,9 @@ FLAGS = [
     "--id", "--allow-remote-shm", "--worker-arena-mb", "--frontend-arena-mb", "--log-info", "--log-warning",
     "--log-error", "--log-format", "--log-file", "--http-restricted-api", "--metrics-config",
     "--metrics-interval-ms", "--allow-cpu-metrics", "--allow-gpu-metrics", "--poll-us",
-    "--repository-poll-secs",
+    "--repository-poll-secs", "--disable-auto-complete-config", "--metrics-address", "--allow-http",
+    "--model-load-thread-count", "--backend-config", "--allow-grpc", "--grpc-port", "--grpc-address",
+    "--grpc-use-ssl", "--grpc-infer-allocation-pool-size", "--grpc-restricted-protocol",
 ]
 SHMSERVE = Path(PYTHON).parent / "shmserve"
 
@@ -80,8 +82,12 @@ def test_repository_flag_required():
     (["--poll-us", "soon"], "--poll-us"),
     (["--repository-poll-secs", "-1"], "--repository-poll-secs"),
     (["--repository-poll-secs", "often"], "--repository-poll-secs"),
+    (["--allow-http=false"], "--allow-http=false: HTTP is the only network protocol"),
+    (["--model-load-thread-count", "0"], "--model-load-thread-count must be at least 1"),
+    (["--backend-config", "python"], "--backend-config 'python': expected [<backend>,]<setting>=<value>"),
 ], ids=["port-text", "port-range", "workers-0", "bool", "choice", "id", "load-model-without-explicit", "poll-us-range",
-        "poll-us-text", "repository-poll-secs-range", "repository-poll-secs-text"])
+        "poll-us-text", "repository-poll-secs-range", "repository-poll-secs-text", "allow-http-false",
+        "load-thread-count-0", "backend-config-no-setting"])
 def test_bad_flag_values(tmp_path, args, needle):
     _assert_one_line_error(run_cli("--model-repository", str(tmp_path), *args), needle)
 

@@ -61,6 +61,9 @@ CONFIG_ERRORS = {
     "zero_dims": ["dims", "'X'"],
     "no_model_py": ["model.py"],
     "name_mismatch": ["other_name", "name"],
+    # fields shmserve does not implement and that would change what the model receives
+    "batch_in": ["batch_input", "not supported"],
+    "ragged": ["input.allow_ragged_batch", "not supported"],
 }
 
 
@@ -75,6 +78,13 @@ def config_error_repo(tmp_path_factory) -> Path:
     _model(repo, "no_model_py", _config("no_model_py"), model_py=None)
     (repo / "no_model_py" / "1" / "README.txt").write_text("the model file is missing on purpose\n")
     _model(repo, "name_mismatch", _config("other_name"))
+    _model(repo, "batch_in", _config("batch_in") + textwrap.dedent("""\
+        batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_FP32 source_input: "X" } ]
+        """))
+    _model(repo, "ragged", _config("ragged", input_block=(
+        '{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] allow_ragged_batch: true }')))
+    # a field shmserve does not implement that only loses a feature: the model loads, with a warning
+    _model(repo, "cached", _config("cached") + "response_cache { enable: true }\n")
     return repo
 
 
@@ -112,7 +122,7 @@ def _start_settled(factory, repo: Path, names: set[str]):
 
 @pytest.fixture(scope="module")
 def config_error_server(module_factory, config_error_repo):
-    return _start_settled(module_factory, config_error_repo, {"good", *CONFIG_ERRORS})
+    return _start_settled(module_factory, config_error_repo, {"good", "cached", *CONFIG_ERRORS})
 
 
 @pytest.fixture(scope="module")
@@ -185,10 +195,22 @@ def test_bad_configs_are_logged(config_error_server):
         assert model in log
 
 
-def test_ready_index_lists_only_good(config_error_server):
+def test_ready_index_lists_only_loaded_models(config_error_server):
     raw = raw_request(config_error_server.port, "POST", "/v2/repository/index", json.dumps({"ready": True}).encode())
     assert raw.status == 200
-    assert [e["name"] for e in raw.json()] == ["good"]
+    assert [e["name"] for e in raw.json()] == ["cached", "good"]
+
+
+def test_unimplemented_field_loads_with_a_warning_naming_it(config_error_server):
+    client = config_error_server.client()
+    assert client.is_model_ready("cached")
+    x = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    inp = httpclient.InferInput("X", [4], "FP32")
+    inp.set_data_from_numpy(x)
+    np.testing.assert_array_equal(client.infer("cached", [inp]).as_numpy("Y"), x)
+    warnings = [line for line in config_error_server.log().splitlines()
+                if "model 'cached': config field 'response_cache' is not supported yet and has no effect" in line]
+    assert warnings and all(line.startswith("W") for line in warnings), warnings
 
 
 def test_strict_readiness_counts_bad_configs(config_error_server):

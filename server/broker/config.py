@@ -16,6 +16,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from shmserve.workers.devices import cuda_device_count
 
+from . import unsupported
+
 ModelConfig = mc.ModelConfig
 
 # platform -> backend, as Triton maps them.
@@ -129,6 +131,9 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
     """Refuse what Triton refuses, with the model and field named."""
     m = config.name
     backend = backend_of(config)
+    why = unsupported.refusal(config)
+    if why:
+        raise ConfigError(f"model '{m}': {why}")
     if config.platform == "ensemble":
         from .ensemble import check_plan
 

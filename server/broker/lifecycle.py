@@ -30,6 +30,7 @@ from shmserve.shm.waker import Waker
 from shmserve.workers.backend import BUILT_IN, installed_backends
 
 from . import config as cfgmod
+from . import unsupported
 from .canary import Canary, CanaryPolicy
 from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
@@ -207,6 +208,8 @@ class Lifecycle:
             if not versions:
                 raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
             cfgmod.validate(config, model_dir, self.backends, versions)
+            for warning in unsupported.warnings(config):
+                log.warning("%s", warning)
             if config.platform == "ensemble":
                 cycle = find_cycle(name, self._ensemble_graph(config))
                 if cycle:

@@ -11,6 +11,7 @@ import dataclasses
 import http.server
 import logging
 import os
+import socket
 import threading
 from typing import Callable, Iterable, Iterator, Protocol
 
@@ -41,6 +42,7 @@ Family = tuple[str, str, str, list[tuple[dict[str, str], float]]]  # name, help,
 @dataclasses.dataclass
 class MetricsOptions:
     port: int = 8002
+    address: str = "0.0.0.0"
     interval_ms: int = 2000
     summary_latencies: bool = False
     cpu: bool = True
@@ -276,18 +278,30 @@ def _escape(value: str) -> str:
 
 
 def serve_metrics(opts: MetricsOptions, source: MetricSource) -> CollectorRegistry:
-    """Serve ``source``'s metrics on ``opts.port`` (0: not served) from a thread of their own."""
+    """Serve ``source``'s metrics on ``opts.address``:``opts.port`` (port 0: not served) from a thread
+    of their own."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(source, opts))  # type: ignore[arg-type]
     if opts.port > 0:
         try:
-            server = http.server.ThreadingHTTPServer(("0.0.0.0", opts.port), _handler(registry))
+            server = _server_class(opts.address)((opts.address, opts.port), _handler(registry))
         except OSError as e:
-            log.error("cannot serve metrics on port %d: %s", opts.port, e.strerror)
+            log.error("cannot serve metrics on %s:%d: %s", opts.address, opts.port, e.strerror)
         else:
             server.daemon_threads = True
             threading.Thread(target=server.serve_forever, name="shmserve-metrics", daemon=True).start()
     return registry
+
+
+def _server_class(address: str) -> type[http.server.ThreadingHTTPServer]:
+    """The standard library's server, for an IPv6 address when ``address`` is one."""
+    if ":" not in address:
+        return http.server.ThreadingHTTPServer
+
+    class ServerV6(http.server.ThreadingHTTPServer):
+        address_family = socket.AF_INET6
+
+    return ServerV6
 
 
 def _handler(registry: CollectorRegistry) -> type[http.server.BaseHTTPRequestHandler]:

@@ -25,6 +25,7 @@ class BrokerOptions:
     worker_arena_bytes: int = 256 << 20
     allow_remote_shm: bool = False
     metrics_port: int = 8002
+    metrics_address: str = "0.0.0.0"  # --metrics-address (default: --http-address)
     metrics_interval_ms: int = 2000
     metrics_config: dict[str, str] = dataclasses.field(default_factory=dict)  # Triton's --metrics-config
     cpu_metrics: bool = True

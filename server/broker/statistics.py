@@ -25,8 +25,9 @@ class Statistics:
         self.regions = regions
 
     def serve(self, opts: BrokerOptions) -> None:
-        """Serve the metrics on ``--metrics-port`` (scrapes call rows, extras and custom_docs)."""
-        serve_metrics(MetricsOptions(port=opts.metrics_port, interval_ms=opts.metrics_interval_ms,
+        """Serve the metrics on ``--metrics-address``:``--metrics-port`` (scrapes call rows, extras and custom_docs)."""
+        serve_metrics(MetricsOptions(port=opts.metrics_port, address=opts.metrics_address,
+                                     interval_ms=opts.metrics_interval_ms,
                                      summary_latencies=opts.metrics_config.get("summary_latencies") == "true",
                                      cpu=opts.cpu_metrics, gpu=opts.gpu_metrics), self)
 

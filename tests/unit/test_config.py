@@ -341,3 +341,54 @@ def test_a_bad_execution_timeout_is_refused(raw, message):
     with pytest.raises(ValueError) as e:
         cfgmod.execution_timeout({"execution_timeout_s": raw})
     assert str(e.value) == message
+
+
+# -- fields shmserve does not implement (server/broker/unsupported.py) -----------------------------
+
+
+def test_every_unsupported_path_names_a_field_of_triton_schema():
+    from shmserve.server.broker.unsupported import FIELDS
+
+    for path in FIELDS:
+        descriptor = mc.ModelConfig.DESCRIPTOR
+        for part in path.split("."):
+            assert descriptor is not None and part in descriptor.fields_by_name, path
+            descriptor = descriptor.fields_by_name[part].message_type
+
+
+def test_unsupported_fields_are_found_by_path_through_repeated_fields():
+    from shmserve.server.broker import unsupported
+
+    config = parse("""name: "m" backend: "python"
+        input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] },
+                { name: "B" data_type: TYPE_FP32 dims: [ 1 ] is_shape_tensor: true } ]
+        optimization { cuda { graphs: true } input_pinned_memory { enable: true } }
+        instance_group [ { count: 1 kind: KIND_CPU }, { count: 1 kind: KIND_CPU rate_limiter { priority: 2 } } ]
+        response_cache { enable: true }""")
+    found = {path: action for path, action, _ in unsupported.findings(config)}
+    assert found == {"response_cache": "warn", "optimization.cuda": "warn", "optimization.input_pinned_memory": "warn",
+                     "instance_group.rate_limiter": "warn", "input.is_shape_tensor": "refuse"}
+    assert unsupported.refusal(config) == ("config field 'input.is_shape_tensor' is not supported: a shape tensor "
+                                           "would be batched as a data tensor")
+    assert "model 'm': config field 'optimization.cuda' is not supported yet and has no effect " \
+           "(no CUDA graphs or CUDA options are applied)" in unsupported.warnings(config)
+
+
+def test_fields_at_their_default_are_not_reported():
+    from shmserve.server.broker import unsupported
+
+    config = parse("""name: "m" backend: "python"
+        input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] allow_ragged_batch: false } ]
+        instance_group [ { count: 1 kind: KIND_CPU passive: false } ]""")
+    assert list(unsupported.findings(config)) == []
+
+
+def test_validate_refuses_batch_output_naming_model_and_field(tmp_path):
+    d = model_dir(tmp_path, config="""name: "m" backend: "python" max_batch_size: 4
+        input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        batch_output [ { target_name: "Y" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "X" } ]""",
+                  files={"1/model.py": ""})
+    config = cfgmod.load_config(d, strict=False)
+    with pytest.raises(ConfigError, match="model 'm': config field 'batch_output' is not supported"):
+        cfgmod.validate(config, d, BACKENDS, [1])
