@@ -18,6 +18,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
 from conftest import DEADLINE_S, PRODUCT_MODELS, TEST_MODELS
+from shmserve.shm.client import Client, ServerUnavailable
 
 ADD_SUB_CODE = (PRODUCT_MODELS / "add_sub" / "1" / "model.py").read_bytes()
 NB = 16 * 4
@@ -73,7 +74,9 @@ def restarted(module_factory):
     key = f"/restart_io_{server.id}"
     handle = shm.create_shared_memory_region("restart_io", key, 3 * NB)
     c = server.client()
+    local = Client(server.id)
     try:
+        local.create_region("local_io", 3 * NB)  # the local client's own: not restored
         c.load_model("add_sub", config=add_sub_config("add_sub", 2))  # an override of a repository model
         c.load_model("uploaded", config=add_sub_config("uploaded", 1), files={"file:1/model.py": ADD_SUB_CODE})
         c.unload_model("raiser")
@@ -90,14 +93,15 @@ def restarted(module_factory):
             assert time.monotonic() < deadline, "the broker did not come back ready"
             time.sleep(0.1)
         assert "the broker died" in server.log()
-        yield server, c, handle
+        yield server, c, handle, local
     finally:
+        local.close()
         c.close()
         shm.destroy_shared_memory_region(handle)
 
 
 def test_models_loaded_through_the_api_are_loaded_again(restarted):
-    server, c, _ = restarted
+    server, c, _, _ = restarted
     assert c.is_model_ready("add_sub")
     assert c.get_model_config("add_sub")["instance_group"][0]["count"] == 2  # the override, not the folder's
     assert add_sub(c, "add_sub") == list(range(0, 32, 2))
@@ -106,24 +110,39 @@ def test_models_loaded_through_the_api_are_loaded_again(restarted):
 
 
 def test_models_unloaded_through_the_api_stay_unloaded(restarted):
-    server, c, _ = restarted
+    server, c, _, _ = restarted
     assert not c.is_model_ready("raiser")  # although --load-model names it
     index = {e["name"]: e for e in c.get_model_repository_index()}
     assert index["raiser"].get("state") is None  # in the repository, never loaded by this broker
 
 
 def test_regions_registered_over_http_are_kept(restarted):
-    server, c, handle = restarted
+    server, c, handle, _ = restarted
     assert [r["name"] for r in c.get_system_shared_memory_status()] == ["restart_io"]
     assert add_sub_through_region(c, handle) == list(range(0, 32, 2))
 
 
 def test_log_settings_are_kept(restarted):
-    server, c, _ = restarted
+    server, c, _, _ = restarted
     settings = c.get_log_settings()
     assert {k: settings[k] for k in LOG_SETTINGS} == LOG_SETTINGS
 
 
 def test_trace_settings_are_kept(restarted):
-    server, c, _ = restarted
+    server, c, _, _ = restarted
     assert c.get_trace_settings()["trace_rate"] == TRACE_RATE
+
+
+def test_a_local_client_reconnects_and_registers_its_regions_again(restarted):
+    server, c, _, old = restarted
+    with pytest.raises(ServerUnavailable):
+        old.is_server_ready()
+    assert "local_io" not in [r["name"] for r in c.get_system_shared_memory_status()]
+    old.close()  # its region's object goes with it, so the name is free for the new client
+    new = Client(server.id)
+    try:
+        new.create_region("local_io", 3 * NB)
+        assert "local_io" in [r["name"] for r in c.get_system_shared_memory_status()]
+        new.unregister_region("local_io")
+    finally:
+        new.close()
