@@ -20,8 +20,10 @@ import orjson
 
 from shmserve.shm import logs
 from shmserve.shm.channel import BrokerSegment
-from shmserve.shm.names import list_objects, object_name, pid_alive, unlink_all, unlink_semaphore, unlink_shm
+from shmserve.shm.names import (SHM_DIR, list_objects, object_name, pid_alive, unlink_all, unlink_semaphore,
+                                unlink_shm)
 
+from .broker.journal import journal_path
 from .broker.options import STARTUP_FAILED, BrokerOptions
 from .cli import log_settings
 
@@ -178,10 +180,14 @@ class Launcher:
 
 def unlink_all_but_frontends(server_id: str) -> None:
     """After a broker crash: remove its objects (its own client channel included) and its
-    workers'; frontends and local clients keep theirs and reconnect on their own."""
+    workers'; frontends and local clients keep theirs and reconnect on their own, and the
+    journal stays for the next broker to restore what clients changed (server/broker/journal.py)."""
     shms, sems = list_objects(server_id)
+    journal = journal_path(server_id)[len(SHM_DIR):]
 
     def the_brokers(name: str) -> bool:
+        if name == journal:
+            return False
         return ".client." not in name or name.endswith(".client.broker")
 
     for name in shms:

@@ -32,6 +32,7 @@ from .control import ControlHandler
 from .ensemble import Ensembles
 from .instances import Instances
 from .intake import Intake
+from .journal import Journal
 from .lifecycle import Lifecycle
 from .models import Client
 from .options import STARTUP_FAILED, BrokerOptions
@@ -53,17 +54,18 @@ class Broker:
     def __init__(self, opts: BrokerOptions) -> None:
         self.opts = opts
         self.seg = BrokerSegment.create(opts.server_id, opts.broker_arena_bytes)
+        self.journal = Journal(opts.server_id)  # what a broker before this one was asked to change
         self.catalog = Catalog()
         self.instances = Instances(opts)
         self.clients = Clients(self.seg)
-        self.regions = Regions(self.seg)
+        self.regions = Regions(self.seg, self.journal)
         self.routes = Routes(self.seg, self.catalog, self.instances)
         self.scheduler = Scheduler(self.seg, self.clients, self.instances)
-        self.lifecycle = Lifecycle(opts, self.catalog, self.instances, self.routes, self.clients)
+        self.lifecycle = Lifecycle(opts, self.catalog, self.instances, self.routes, self.clients, self.journal)
         self.supervisor = Supervisor(self.instances, self.lifecycle, self.routes, self.clients)
         self.statistics = Statistics(self.seg, self.catalog, self.instances, self.regions)
         self.control = ControlHandler(opts, self.seg, self.catalog, self.lifecycle, self.routes, self.statistics,
-                                      self.regions)
+                                      self.regions, self.journal)
         self.statistics.serve(opts)
         self.ensembles = Ensembles(opts.server_id, self.seg, self.catalog, self.clients, self.scheduler,
                                    self.instances)

@@ -33,6 +33,7 @@ class LoadJob:
     # that asks for the same joins this one; one that asks for something else replaces it.
     model_dir: str = ""
     config: Any = None  # ModelConfig message
+    override: str | None = None  # the config JSON the load API was given, kept for a broker restart
 
     def same_request(self, model_dir: Path, config: Any) -> bool:
         return self.model_dir == str(model_dir) and self.config == config

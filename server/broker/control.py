@@ -21,6 +21,7 @@ from shmserve.signature import InvalidRequest, UnknownModel
 
 from .canary import Canary
 from .catalog import Catalog
+from .journal import Journal
 from .lifecycle import UPLOAD_PREFIX, Lifecycle
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
@@ -35,8 +36,9 @@ Answer = tuple[int, Any]
 
 class ControlHandler:
     def __init__(self, opts: BrokerOptions, seg: BrokerSegment, catalog: Catalog, lifecycle: Lifecycle,
-                 routes: Routes, statistics: Statistics, regions: Regions) -> None:
+                 routes: Routes, statistics: Statistics, regions: Regions, journal: Journal) -> None:
         self.opts = opts
+        self.journal = journal  # log and trace settings changed through the API outlive a broker restart
         self.seg = seg
         self.catalog = catalog
         self.lifecycle = lifecycle
@@ -65,10 +67,14 @@ class ControlHandler:
             "canary_promote": self._canary_decide,
             "canary_rollback": self._canary_decide,
         }
-        # The broker owns the log settings (its own, set from the command line and changed here);
-        # every other process follows what it publishes.
+        # The broker owns the log settings (its own, set from the command line and changed here,
+        # or as a broker before this one had them); every other process follows what it publishes.
+        if journal.get("log"):
+            logs.configure(journal.get("log"))
         logs.publish(seg.settings, logs.current())
         self.trace = TraceOwner(opts.server_id, opts.trace)  # trace extension (server/broker/tracing.py)
+        if journal.get("trace"):
+            self.trace.restore(journal.get("trace"))
 
     def handle(self, client: Client, slot: int, doc: dict) -> Answer:
         op = self.ops.get(doc.get("op", ""))
@@ -261,6 +267,7 @@ class ControlHandler:
                 raise InvalidRequest(str(e)) from None
             logs.configure(new)
             logs.publish(self.seg.settings, logs.current())
+            self.journal.set("log", logs.current())
         return 200, logs.current()
 
     def _trace_settings(self, client: Client, slot: int, doc: dict) -> Answer:
@@ -271,7 +278,10 @@ class ControlHandler:
                 self._version({"model": doc["model"]})
             except UnknownModel:
                 raise InvalidRequest(f"Request for unknown model : {doc['model']}") from None
-        return self.trace.handle(doc)
+        answer = self.trace.handle(doc)
+        if "update" in doc:
+            self.journal.set("trace", self.trace.saved())
+        return answer
 
 
 def write_model_files(name: str, files: dict[str, Any]) -> Path:

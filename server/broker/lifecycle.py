@@ -36,6 +36,7 @@ from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
 from .ensemble import EnsemblePlan, find_cycle, step_models
 from .instances import Instances, take_payload
+from .journal import Journal
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
 from .repository_scan import RepositoryScanner
@@ -68,8 +69,9 @@ def idle(mv: ModelVersion) -> bool:
 
 class Lifecycle:
     def __init__(self, opts: BrokerOptions, catalog: Catalog, instances: Instances, routes: Routes,
-                 clients: Clients) -> None:
+                 clients: Clients, journal: Journal) -> None:
         self.opts = opts
+        self.journal = journal  # explicit mode: what the API loaded and unloaded, for a restarted broker
         self.catalog = catalog
         self.instances = instances
         self.routes = routes
@@ -91,8 +93,10 @@ class Lifecycle:
             self.watcher = RepositoryWatcher(self.opts.repositories, waker, keep_paths=scans)
             if scans:
                 self.scanner = RepositoryScanner(self.opts.repositories, self.watcher, self.opts.repository_poll_s)
-        for name in self._initial_models():
-            self.load_model(name)
+        for name, override, model_dir in self._initial_models():
+            self.load_model(name, override, model_dir=model_dir)
+            if model_dir is not None:  # a restored upload refused at once: its folder goes now
+                self.discard_model_dir(str(model_dir))
 
     def stop(self) -> None:
         self.running = False
@@ -109,7 +113,8 @@ class Lifecycle:
             return
         states = [mv.state for mv in self.catalog.serving()]
         self.startup_done = True
-        if self.catalog.load_errors and self.opts.exit_on_error:
+        # After a broker restart a model that no longer loads must not stop a server that serves.
+        if self.catalog.load_errors and self.opts.exit_on_error and not self.journal.restarted:
             log.error("failed to load all models; exiting (use --exit-on-error=false to serve the rest)")
             self.startup_failed = True
             self.running = False
@@ -148,14 +153,32 @@ class Lifecycle:
                     found[entry.name] = Path(entry.path)
         return found
 
-    def _initial_models(self) -> list[str]:
+    def _initial_models(self) -> list[tuple[str, str | None, Path | None]]:
+        """(name, override config, uploaded folder) of each model to load at start: in explicit
+        mode the --load-model ones, changed by what the API loaded and unloaded before a broker
+        restart (the journal); else every model in the repositories."""
         self.catalog.model_dirs = self._scan_repositories()
-        if self.opts.control_mode == "explicit":
-            wanted = self.opts.load_models
-            if "*" in wanted:
-                return list(self.catalog.model_dirs)
-            return list(dict.fromkeys(wanted))
-        return list(self.catalog.model_dirs)
+        if self.opts.control_mode != "explicit":
+            return [(name, None, None) for name in self.catalog.model_dirs]
+        wanted = self.opts.load_models
+        names = list(self.catalog.model_dirs) if "*" in wanted else list(dict.fromkeys(wanted))
+        loads: dict[str, tuple[str | None, Path | None]] = {name: (None, None) for name in names}
+        for name, entry in self.journal.get("models", {}).items():
+            if entry is None:
+                loads.pop(name, None)
+            else:
+                loads[name] = (entry.get("config"), Path(entry["dir"]) if entry.get("dir") else None)
+        return [(name, override, model_dir) for name, (override, model_dir) in loads.items()]
+
+    def _record(self, name: str, job: LoadJob | None) -> None:
+        """Explicit mode: journal that ``name`` now serves what ``job`` loaded (None: unloaded)."""
+        if self.opts.control_mode != "explicit":
+            return
+        entry = None
+        if job is not None:
+            uploaded = Path(job.model_dir).parent.name.startswith(UPLOAD_PREFIX)
+            entry = {"config": job.override, "dir": job.model_dir if uploaded else None}
+        self.journal.set("models", {**self.journal.get("models", {}), name: entry})
 
     def apply_repository_changes(self) -> None:
         """Poll mode: reload models whose folders changed, load new ones, unload removed ones.
@@ -230,7 +253,7 @@ class Lifecycle:
             return None
         self.cancel_load(name, REPLACED)
         job = catalog.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [], canary_policy,
-                                              str(model_dir), config)
+                                              str(model_dir), config, override_json)
         for v in versions:
             mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
                               config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
@@ -327,6 +350,7 @@ class Lifecycle:
             for v, mv in old.items():
                 self._retire(mv)
             self.routes.publish()
+            self._record(name, job)
             for client, slot in job.waiters:
                 self.clients.reply(client, slot, 200, {})
 
@@ -441,6 +465,7 @@ class Lifecycle:
         elif waiter is not None:
             self.clients.reply(waiter[0], waiter[1], 200, {})
         self.routes.publish()
+        self._record(name, None)
 
     def _retire(self, mv: ModelVersion) -> None:
         mv.state = State.UNLOADING

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import os
 import re
 from typing import Any
@@ -23,6 +24,9 @@ from shmserve.shm.published import HEADER as PUBLISHED_HEADER
 from shmserve.shm.region_table import EVERY_REGION, RegionEntry, RegionUseError, check_bounds, locate
 from shmserve.signature import InvalidRequest
 
+from .journal import Journal
+
+log = logging.getLogger("shmserve.broker")
 _KEY_RE = re.compile(r"^/?[^/\0]{1,250}$")
 
 
@@ -217,17 +221,24 @@ class CudaRegionRegistry(_Registry):
 
 
 class Regions:
-    """Both registries, and the table of system regions published for the workers."""
+    """Both registries, and the table of system regions published for the workers.
 
-    def __init__(self, seg: BrokerSegment) -> None:
+    Regions nobody owns (registered over HTTP: their clients registered once and go on using the
+    name) are journaled and registered again by a restarted broker. A local client's own regions
+    are not: its connection dies with the broker, and the ``Client`` it opens next registers anew.
+    """
+
+    def __init__(self, seg: BrokerSegment, journal: Journal) -> None:
         self.seg = seg
+        self.journal = journal
         self.system = RegionRegistry()
         self.cuda = CudaRegionRegistry()
         self._doc = b""  # the table last published
+        self._restore()
 
     def publish(self) -> None:
         """Publish the system regions for direct lanes; before any reply to a registration, so a
-        request sent after it finds the region."""
+        request sent after it finds the region. Every change passes here, so it is journaled here."""
         doc = region_table.encode(self.system.table(self.cuda.regions), REGIONS_BYTES - PUBLISHED_HEADER,
                                   [r.handle_b64 for r in self.cuda.regions.values()])
         if doc != self._doc:
@@ -238,6 +249,12 @@ class Regions:
             for name, marked in registry.leaving.items():
                 if not marked:
                     registry.leaving[name] = gen
+        self.journal.set("regions", [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                                     for r in self.system.regions.values()
+                                     if r.owner is None and r.name not in self.system.leaving])
+        self.journal.set("cuda_regions", [{"name": r.name, "raw_handle": r.handle_b64, "device_id": r.device_id,
+                                           "byte_size": r.byte_size} for r in self.cuda.regions.values()
+                                           if r.name not in self.cuda.leaving])
 
     def unregister(self, registry: _Registry, name: str | None) -> None:
         """Mark the region (or all of them) leaving and publish that; the broker then calls
@@ -265,6 +282,27 @@ class Regions:
                 changed = True
         if changed:
             self.publish()
+
+    def _restore(self) -> None:
+        """Register again what a broker before this one had registered; a region whose object (or
+        CUDA allocation) is gone meanwhile is dropped with a log line, and its users get the usual
+        'unknown region' answer."""
+        for saved in self.journal.get("regions", []):
+            try:
+                self.system.register(saved["name"], saved["key"], saved["offset"], saved["byte_size"])
+            except RegionError as e:
+                log.error("system shared-memory region '%s' not restored after a broker restart: %s",
+                          saved["name"], e)
+        for saved in self.journal.get("cuda_regions", []):
+            try:
+                self.cuda.register(saved["name"], saved["raw_handle"], saved["device_id"], saved["byte_size"])
+            except RegionError as e:
+                log.error("CUDA shared-memory region '%s' not restored after a broker restart: %s",
+                          saved["name"], e)
+        if self.system.regions or self.cuda.regions:
+            log.info("restored %d system and %d CUDA shared-memory region(s) after a broker restart",
+                     len(self.system.regions), len(self.cuda.regions))
+        self.publish()
 
     def forget_client(self, name: str, died: bool) -> None:
         """Drop the regions a departed client owned (see ``RegionRegistry.drop_owner``)."""

@@ -143,6 +143,31 @@ class TraceOwner:
                "models": {m: entry(m, self.setting(m)) for m in self.overrides}}
         self.shared.doc.publish(orjson.dumps(doc))
 
+    # -- a broker restart ---------------------------------------------------------------------------
+    def saved(self) -> dict[str, Any]:
+        """The settings to journal (server/broker/journal.py): the global one and each model's own keys."""
+        return {"global": self.global_, "overrides": self.overrides}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Take the settings a broker before this one had. Each setting object starts again with
+        the count it had at its last change (the counters lived in the dead broker's segment)."""
+        start = (self.global_, self.overrides)
+        self.global_ = {**self.global_, **saved.get("global", {})}
+        self.overrides = {m: dict(own) for m, own in saved.get("overrides", {}).items()}
+        try:
+            self._new_object("", self.global_)
+            for name, own in self.overrides.items():
+                self._new_object(name, trace.effective(self.global_, own))
+        except InvalidRequest as e:  # e.g. more trace files than slots: keep the start settings
+            log.error("trace settings not restored after a broker restart: %s", e)
+            self.global_, self.overrides = start
+            self.objects = {}
+            self._new_object("", self.global_)  # its file is known already: this cannot fail
+            self._publish()
+            return
+        log.info("restored the trace settings after a broker restart")
+        self._publish()
+
     def close(self) -> None:
         """At exit (frontends have stopped): close the JSON arrays still open, remove the segment."""
         trace.finish_files(self.shared, self.files)
