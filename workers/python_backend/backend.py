@@ -164,7 +164,8 @@ class PythonInstance(Instance):
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(ctx.config)
 
     def execute(self, requests: list[Request]) -> list[Response]:
-        pb_requests = self._pb_requests(requests)
+        replies = [] if self.decoupled else [Reply() for _ in requests]
+        pb_requests = self._pb_requests(requests, replies)
         results = self.model.execute(pb_requests)
         if type(results) is not list and inspect.isawaitable(results):  # async def execute (e.g. BLS async_exec)
             if self.decoupled:
@@ -175,23 +176,26 @@ class PythonInstance(Instance):
         if self.decoupled:
             return []  # its responses went through the senders
         if results is None:  # it answered through its response senders
-            return [pb._response_sender._stream.result() for pb in pb_requests]
+            return [reply.result() for reply in replies]
         if len(results) != len(requests):
             raise RuntimeError(f"execute() returned {len(results)} responses for {len(requests)} requests")
         return [to_response(r) for r in results]
 
-    def _pb_requests(self, requests: list[Request]) -> list[Any]:
+    def _pb_requests(self, requests: list[Request], replies: list[Reply]) -> list[Any]:
+        """The requests as pb_utils objects, each with its response sender: to its stream for a
+        decoupled model, else to its entry of ``replies``."""
         name = self.ctx.name
         copy_inputs = self.copy_inputs
         incoming = pb_utils.InferenceRequest._incoming
         pb_requests = [incoming(name, [input_tensor(n, arr, copy_inputs) for n, arr in r.inputs.items()], r)
                        for r in requests]
-        decoupled = self.decoupled
-        for r, pb in zip(requests, pb_requests):
-            if not decoupled:
-                pb._response_sender = ResponseSender(Reply())
-            elif r.sender is not None:
-                pb._response_sender = ResponseSender(r.sender)
+        if replies:
+            for pb, reply in zip(pb_requests, replies):
+                pb._response_sender = ResponseSender(reply)
+        else:
+            for r, pb in zip(requests, pb_requests):
+                if r.sender is not None:
+                    pb._response_sender = ResponseSender(r.sender)
         return pb_requests
 
     def _fail_streams(self, senders: list[Any], e: BaseException) -> None:
