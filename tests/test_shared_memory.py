@@ -245,9 +245,10 @@ def test_bytes_inputs_and_outputs_in_regions(http, regions):
     assert deserialize_bytes_tensor(raw).tolist() == values.tolist()
 
 
-def test_model_writes_into_the_http_clients_region_in_place(http, regions):
+def test_model_writing_its_input_leaves_the_http_clients_region_alone(http, regions):
     """zerocopy_probe sets element 0 of its input array to 4242: over HTTP with the input in a
-    region, the change shows in the client's own region (the model worked on that memory)."""
+    region, the client's region is unchanged (the model's inputs are its own copies, as in
+    Triton), while the output goes straight into the client's output region."""
     x = np.arange(10, 20, dtype=np.int32)
     hin = regions.make("zc_in", 64)
     hout = regions.make("zc_out", 64)
@@ -256,9 +257,7 @@ def test_model_writes_into_the_http_clients_region_in_place(http, regions):
                         outputs=[httpclient.InferRequestedOutput("BEFORE"), shm_output("DOUBLED", "zc_out", 64)])
     assert result.as_numpy("BEFORE").tolist() == [10]
     np.testing.assert_array_equal(contents(hout, np.int32, [10]), x * 2)
-    after = contents(hin, np.int32, [10])
-    assert after[0] == 4242, "the model did not see the client's region memory"
-    np.testing.assert_array_equal(after[1:], x[1:])
+    np.testing.assert_array_equal(contents(hin, np.int32, [10]), x)
 
 
 # -- A. status and unregister ------------------------------------------------------------------

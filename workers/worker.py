@@ -343,8 +343,9 @@ class Worker:
                     arrivals.append(entry.get("t", 0))
                 elif not raised:
                     streamed += size
-            self.stats.executed(sizes, arrivals, start, built - start, executed - built,
-                                time.monotonic_ns() - executed, ok, streamed)
+            with self.stream_lock:  # streams may finish meanwhile on the model's threads (an async execute's loop)
+                self.stats.executed(sizes, arrivals, start, built - start, executed - built,
+                                    time.monotonic_ns() - executed, ok, streamed)
         for entry in entries:
             self.holds.release(entry)  # answered (a decoupled model's later responses hold nothing)
         busy[BUSY_SINCE] = 0

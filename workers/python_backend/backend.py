@@ -2,15 +2,19 @@
 
 The worker process plays the part of Triton's Python stub: it imports ``model.py`` with our
 ``triton_python_backend_utils`` installed under that name, hands it ``pb_utils.InferenceRequest``
-objects whose tensors are numpy views over shared memory, and reads back its responses.
+objects whose tensors are copies of the client's inputs (as Triton's stub holds them; read-only
+views with the READ_ONLY_INPUTS parameter), and reads back its responses, returned by ``execute``
+or sent through the requests' response senders. An ``async def execute`` runs on the instance's
+event loop (event_loop.py).
 """
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import inspect
 import json
+import logging
 import sys
+import traceback
 from types import ModuleType
 from typing import Any
 
@@ -18,7 +22,10 @@ from ..backend import Backend, Instance, InstanceContext, Model, ModelContext, R
 from . import pb_utils
 from .bls import Bls
 from .convert import input_tensor, to_response
+from .event_loop import EventLoop
 from .pb_utils import runtime
+
+log = logging.getLogger("shmserve.worker")
 
 MODULE_NAME = "triton_python_backend_utils"
 
@@ -44,9 +51,10 @@ def _import_model(ctx: ModelContext) -> ModuleType:
 
 
 class ResponseSender:
-    """The response sender a decoupled model's request gives (``get_response_sender()``):
-    ``send(response=None, flags=0)`` converts the response and hands it to ``stream``, the
-    request's ``Request.sender`` (the worker's StreamSender, workers/stream.py)."""
+    """The response sender a request gives (``get_response_sender()``): ``send(response=None,
+    flags=0)`` converts the response and hands it to ``stream``: for a decoupled model the
+    request's ``Request.sender`` (the worker's StreamSender, workers/stream.py), for any other
+    a ``Reply`` that keeps it for ``execute`` to return."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
@@ -57,6 +65,32 @@ class ResponseSender:
 
     def is_cancelled(self) -> bool:
         return False
+
+
+class Reply:
+    """The one response a non-decoupled model may send through its response sender (Triton
+    24.06+): it must carry ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``, and ``execute`` then returns
+    None. The worker answers it as if ``execute`` had returned it."""
+
+    def __init__(self) -> None:
+        self.response: Response | None = None
+        self.final = False
+
+    def __call__(self, response: Response | None, final: bool) -> None:
+        if self.final:
+            raise pb_utils.TritonModelException("Unable to send response: the final response was already sent")
+        if response is not None and self.response is not None:
+            raise pb_utils.TritonModelException("Non-decoupled model cannot send more than one response")
+        if not final:
+            raise pb_utils.TritonModelException(
+                "Non-decoupled model must send its response with TRITONSERVER_RESPONSE_COMPLETE_FINAL")
+        self.response = response if response is not None else self.response
+        self.final = True
+
+    def result(self) -> Response:
+        if self.response is None:
+            return Response(error="execute() returned None and sent no response for the request", status=500)
+        return self.response
 
 
 class PythonBackend(Backend):
@@ -112,43 +146,68 @@ class PythonModel(Model):
             model.initialize(args)
         if ictx.kind == "GPU" and not on_gpu:  # torch imported by initialize() itself
             on_gpu = _select_gpu(ictx.device_id)
-        instance = PythonInstance(model, self.ctx)
+        instance = PythonInstance(model, self.ctx, ictx.name, EventLoop(
+            (lambda: _select_gpu(ictx.device_id)) if on_gpu else None))
         instance.device_inputs = on_gpu and not _force_cpu_inputs(self.ctx.config)
+        instance.copy_inputs = not _read_only_inputs(self.ctx.config)
         return instance
 
 
 class PythonInstance(Instance):
-    def __init__(self, model: Any, ctx: ModelContext) -> None:
+    copy_inputs = True  # each request's host inputs are the model's own copies (see convert.input_tensor)
+
+    def __init__(self, model: Any, ctx: ModelContext, name: str, loop: EventLoop) -> None:
         self.model = model
         self.ctx = ctx
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.name = name
+        self.loop = loop  # for ``async def execute``
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(ctx.config)
 
     def execute(self, requests: list[Request]) -> list[Response]:
-        pb_requests = self._pb_requests(requests)
+        replies = [] if self.decoupled else [Reply() for _ in requests]
+        pb_requests = self._pb_requests(requests, replies)
         results = self.model.execute(pb_requests)
         if type(results) is not list and inspect.isawaitable(results):  # async def execute (e.g. BLS async_exec)
-            if self.loop is None:
-                self.loop = asyncio.new_event_loop()
-            results = self.loop.run_until_complete(results)
+            if self.decoupled:
+                senders = [r.sender for r in requests]
+                self.loop.start(results, lambda e: self._fail_streams(senders, e))
+                return []  # its responses go through the senders while the worker takes more requests
+            results = self.loop.run(results)
         if self.decoupled:
             return []  # its responses went through the senders
-        if results is None or len(results) != len(requests):
-            got = "None" if results is None else str(len(results))
-            raise RuntimeError(f"execute() returned {got} responses for {len(requests)} requests")
+        if results is None:  # it answered through its response senders
+            return [reply.result() for reply in replies]
+        if len(results) != len(requests):
+            raise RuntimeError(f"execute() returned {len(results)} responses for {len(requests)} requests")
         return [to_response(r) for r in results]
 
-    def _pb_requests(self, requests: list[Request]) -> list[Any]:
+    def _pb_requests(self, requests: list[Request], replies: list[Reply]) -> list[Any]:
+        """The requests as pb_utils objects, each with its response sender: to its stream for a
+        decoupled model, else to its entry of ``replies``."""
         name = self.ctx.name
+        copy_inputs = self.copy_inputs
         incoming = pb_utils.InferenceRequest._incoming
-        pb_requests = [incoming(name, [input_tensor(n, arr) for n, arr in r.inputs.items()], r)
+        pb_requests = [incoming(name, [input_tensor(n, arr, copy_inputs) for n, arr in r.inputs.items()], r)
                        for r in requests]
-        for r, pb in zip(requests, pb_requests):
-            if r.sender is not None:
-                pb._response_sender = ResponseSender(r.sender)
+        if replies:
+            for pb, reply in zip(pb_requests, replies):
+                pb._response_sender = ResponseSender(reply)
+        else:
+            for r, pb in zip(requests, pb_requests):
+                if r.sender is not None:
+                    pb._response_sender = ResponseSender(r.sender)
         return pb_requests
 
+    def _fail_streams(self, senders: list[Any], e: BaseException) -> None:
+        """A decoupled model's coroutine raised: each of its requests not yet finished ends with
+        the error, as when a synchronous execute raises (workers/worker.py)."""
+        msg = f"Failed to process the request(s) for model instance '{self.name}', message: {type(e).__name__}: {e}"
+        log.error("%s\n%s", msg, "".join(traceback.format_exception(e)))
+        for sender in senders:
+            sender.fail(500, msg)
+
     def finalize(self) -> None:
+        self.loop.close()
         if hasattr(self.model, "finalize"):
             self.model.finalize()
 
@@ -170,3 +229,11 @@ def _force_cpu_inputs(config: dict[str, Any]) -> bool:
     instance gets inputs that lie in a client's CUDA region as GPU tensors."""
     value = (config.get("parameters") or {}).get("FORCE_CPU_ONLY_INPUT_TENSORS") or {}
     return str(value.get("string_value", "yes")).strip().lower() not in ("no", "false", "0", "off")
+
+
+def _read_only_inputs(config: dict[str, Any]) -> bool:
+    """The ``READ_ONLY_INPUTS`` parameter (shmserve's own, default "no"): with "yes", host inputs
+    are read-only views over the client's shared memory instead of copies, for models that never
+    write into their inputs and take large ones."""
+    value = (config.get("parameters") or {}).get("READ_ONLY_INPUTS") or {}
+    return str(value.get("string_value", "no")).strip().lower() in ("yes", "true", "1", "on")

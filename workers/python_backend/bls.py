@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Iterator
 
 from . import pb_utils
 from .convert import ERROR_CODE, array_of
@@ -89,18 +89,10 @@ class Bls:
         except InferenceServerError as e:
             yield self._error(e)
 
-    async def stream_async(self, request: Any) -> list:
-        """``async_exec(decoupled=True)``: awaits the whole stream, then gives its responses."""
-        from shmserve.shm.client import InferenceServerError
-
-        model, inputs, wanted, options = self._call(request)
-        responses = []
-        try:
-            async for result in self.client().stream_aio(model, inputs, wanted, **options):
-                responses.append(self._response(result))
-        except InferenceServerError as e:
-            responses.append(self._error(e))
-        return responses
+    async def stream_async(self, request: Any) -> "ResponseIterator":
+        """``async_exec(decoupled=True)``: the request is sent now; resolves at once to an
+        iterator over the target's responses as they come (Triton's ResponseIterator)."""
+        return ResponseIterator(self.stream(request))
 
     def control(self, doc: dict) -> Any:
         """A model-control call (pb_utils.load_model and friends); TritonModelException on refusal."""
@@ -115,3 +107,31 @@ class Bls:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+_END = object()
+
+
+class ResponseIterator:
+    """What ``await async_exec(decoupled=True)`` resolves to: the responses of a decoupled model
+    as they arrive. ``for`` and ``next()`` wait in the calling thread, as Triton's iterator does
+    (and so block the model's event loop meanwhile); ``async for`` waits in the loop's executor,
+    so other coroutines run on."""
+
+    def __init__(self, responses: Iterator[Any]) -> None:
+        self._responses = responses
+
+    def __iter__(self) -> "ResponseIterator":
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._responses)
+
+    def __aiter__(self) -> "ResponseIterator":
+        return self
+
+    async def __anext__(self) -> Any:
+        response = await asyncio.get_running_loop().run_in_executor(None, next, self._responses, _END)
+        if response is _END:
+            raise StopAsyncIteration
+        return response

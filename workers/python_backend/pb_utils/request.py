@@ -104,7 +104,7 @@ class InferenceRequest:
     ``_incoming``), and those a model builds to call another model with ``exec``.
     """
 
-    _response_sender: Any = None  # set by the worker for a decoupled model's requests
+    _response_sender: Any = None  # set by the worker for the requests handed to ``execute``
     # Fields alike for every request the worker builds (``_incoming``); ``__init__`` and
     # ``_set_cancelled`` set the instance's own, and ``trace()`` makes a request's trace handle
     # when it is first asked for.
@@ -221,16 +221,20 @@ class InferenceRequest:
 
     def async_exec(self, decoupled: bool = False) -> Any:
         """The awaitable form of ``exec`` (for ``async def execute``); with ``decoupled=True`` it
-        resolves to the list of the decoupled model's responses."""
+        resolves, once the request is sent, to an iterator over the decoupled model's responses
+        as they arrive (``for``/``next()`` as in Triton, or ``async for``)."""
         bls = runtime.executor("BLS is only available inside a model's execute()")
         return bls.stream_async(self) if decoupled else bls.execute_async(self)
 
     def get_response_sender(self) -> Any:
-        """The sender of a decoupled model's responses (``send(response, flags)``)."""
-        sender = getattr(self, "_response_sender", None)
+        """The sender of this request's responses (``send(response, flags)``): a decoupled model
+        sends any number, a non-decoupled one exactly one, with
+        ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``, and returns None from ``execute`` (Triton 24.06+).
+        Only requests handed to ``execute`` have one."""
+        sender = self._response_sender
         if sender is None:
-            raise TritonModelException("get_response_sender() is only available to decoupled models "
-                                       "(model_transaction_policy { decoupled: true })")
+            raise TritonModelException("get_response_sender() is only available for the requests "
+                                       "handed to execute()")
         return sender
 
     def __repr__(self) -> str:

@@ -1,7 +1,8 @@
 """``pb_utils.Tensor``: a named array, the unit of every input and output.
 
-Inputs the worker hands to a model are numpy views over shared memory, wrapped as they are; an
-output's array goes back to the worker the same way. torch backs only what numpy cannot hold
+A Tensor holds its array as given, with no copy: the inputs the worker hands to a model are
+its own copies of the client's data (or read-only views over it, see convert.input_tensor), and
+an output's array goes back to the worker as it is. torch backs only what numpy cannot hold
 (GPU and bfloat16 tensors imported through DLPack).
 """
 from __future__ import annotations
@@ -29,10 +30,9 @@ def _check_name(name: Any) -> None:
 class Tensor:
     """Named tensor for request inputs and response outputs.
 
-    The numpy array is kept exactly as given (no copy), so an input that is a
-    view over shared memory stays a view.  Like Triton, a non C-contiguous
-    array is made contiguous (that one case copies).  BYTES tensors are numpy
-    object arrays of ``bytes``.
+    The numpy array is kept exactly as given (no copy).  Like Triton, a non
+    C-contiguous array is made contiguous (that one case copies).  BYTES
+    tensors are numpy object arrays of ``bytes``.
     """
 
     _torch: Any = None  # set only for GPU / bfloat16 DLPack imports
@@ -90,7 +90,8 @@ class Tensor:
         return self._array is not None or self._torch.device.type == "cpu"
 
     def as_numpy(self) -> np.ndarray:
-        """The underlying array itself (not a copy)."""
+        """The tensor's array itself (not a copy): writes to an input's array change only the
+        model's copy, as in Triton."""
         if self._array is not None:
             return self._array
         if self._torch.device.type != "cpu":
@@ -112,7 +113,7 @@ class Tensor:
         except BufferError:
             if self._array.flags.writeable:
                 raise
-        # Read-only arrays (e.g. views of read-only shared memory) can only be
+        # Read-only arrays (e.g. inputs of a model with READ_ONLY_INPUTS) can only be
         # exported with the versioned DLPack protocol, which carries the flag.
         try:
             return self._array.__dlpack__(max_version=(1, 0))

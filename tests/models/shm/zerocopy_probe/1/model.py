@@ -13,7 +13,7 @@ class TritonPythonModel:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
             before = int(x.reshape(-1)[0])
             doubled = x * 2  # computed before the mark, from the client's values
-            x.reshape(-1)[0] = MARK  # in place: the client sees this only if x is its memory
+            x.reshape(-1)[0] = MARK  # in place: the client must not see this (x is the model's own copy)
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("BEFORE", np.array([before], dtype=np.int32)),
                 pb_utils.Tensor("DOUBLED", doubled.astype(np.int32)),
