@@ -374,18 +374,38 @@ class Client:
                          **kwargs: Any) -> Any:
         """The asyncio form of ``stream``: an async iterator of results."""
         loop = asyncio.get_running_loop()
-        events = StreamEvents(asyncio.Queue())
+        # The callbacks run on the connection's waiter thread. They queue each event themselves and
+        # only wake the loop: an event handed to the loop instead would be lost, never released,
+        # if the loop closed before running it (asyncio.run() ending with the stream left early).
+        events = StreamEvents(queue.Queue())
+        arrived = asyncio.Event()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(arrived.set)
+            except RuntimeError:  # the loop is closed: the reader is gone, and close() frees the queue
+                pass
+
+        def on_event(final: bool) -> Any:
+            def put(c: Completion, p: Any, s: Any) -> None:
+                events.put(final, c, (p, s))
+                wake()
+            return put
+
         options = _options(kwargs.pop("request_id", ""), kwargs.pop("parameters", None),
                            kwargs.pop("sequence_id", 0), kwargs.pop("sequence_start", False),
                            kwargs.pop("sequence_end", False), kwargs.pop("priority", 0), kwargs.pop("timeout", 0))
         version = kwargs.pop("version", "")
-        # The callbacks run on the connection's waiter thread; the queue is the loop's.
-        self._submit_infer(model, inputs, outputs, version, options,
-                           lambda c, p, s: loop.call_soon_threadsafe(events.put, True, c, (p, s)),
-                           lambda c, p, s: loop.call_soon_threadsafe(events.put, False, c, (p, s)))
+        self._submit_infer(model, inputs, outputs, version, options, on_event(True), on_event(False))
         try:
             while True:
-                final, completion, (plan, start) = await events.events.get()
+                try:
+                    final, completion, (plan, start) = events.events.get_nowait()
+                except queue.Empty:
+                    arrived.clear()
+                    if events.events.empty():  # (an event queued since is announced by a later set)
+                        await arrived.wait()
+                    continue
                 if final:
                     self._end_stream(completion)
                     return
