@@ -191,6 +191,11 @@ class StatsWriter:
         self.counts[FAILURE] += 1
         self.counts[TIMED_OUT] += 1
 
+    def cancelled(self) -> None:
+        """A request its owner cancelled before it ran: a failure, which Triton counts as OTHER."""
+        self.counts[FAILURE] += 1
+        self.counts[TIMED_OUT] += 1
+
     def finished_stream(self, arrived: int, ok: bool) -> None:
         """A streamed (decoupled) request ended: its outcome and whole duration."""
         now = time.monotonic_ns()

@@ -78,16 +78,7 @@ class Bls:
         """``exec(decoupled=True)``: the target's responses, one by one as they come; an error
         response ends them (as an InferenceResponse carrying the error, which Triton gives too)."""
         model, inputs, wanted, options = self._call(request)
-        return self._responses(self.client().stream(model, inputs, wanted, **options))  # sent now, as in Triton
-
-    def _responses(self, results: Any) -> Any:
-        from shmserve.shm.client import InferenceServerError
-
-        try:
-            for result in results:
-                yield self._response(result)
-        except InferenceServerError as e:
-            yield self._error(e)
+        return ResponseIterator(self.client().stream(model, inputs, wanted, **options))  # sent now, as in Triton
 
     async def stream_async(self, request: Any) -> list:
         """``async_exec(decoupled=True)``: awaits the whole stream, then gives its responses."""
@@ -115,3 +106,34 @@ class Bls:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+class ResponseIterator:
+    """What ``exec(decoupled=True)`` returns, as in Triton: the target's responses as they come
+    (an error response ends them), and ``cancel()``, which cancels the request: the target sees
+    ``is_cancelled()`` and may stop, and what it still sends is freed unread."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream  # shm.client.Stream
+        self._ended = False
+
+    def __iter__(self) -> "ResponseIterator":
+        return self
+
+    def __next__(self) -> Any:
+        from shmserve.shm.client import InferenceServerError
+
+        if self._ended:
+            raise StopIteration
+        try:
+            return Bls._response(next(self._stream))
+        except InferenceServerError as e:
+            self._ended = True
+            return Bls._error(e)
+        except StopIteration:
+            self._ended = True
+            raise
+
+    def cancel(self) -> None:
+        self._ended = True
+        self._stream.cancel()
