@@ -165,3 +165,22 @@ def test_bls_stream_iterator_cancel_stops_the_callee(server, tmp_path):
     with Client(server.id) as local:
         assert len(list(local.stream("ticker", {"N": np.array([1], np.int32)}, parameters={"count": 2}))) == 2
     cross_arenas(server, gate)
+
+
+def test_a_request_cancelled_in_the_brokers_queue_is_dropped_there(server, tmp_path):
+    gate = Gate(tmp_path / "gate")
+    x = {"X": np.array([[5]], np.int32)}
+    with Client(server.id) as client:
+        running = [client.infer_async("held_pair", x, parameters={"gate": gate.param}) for _ in range(2)]
+        gate.wait_started(2)
+        queued = client.infer_async("held_pair", x, parameters={"gate": gate.param})
+        wait_pending(server, "held_pair", 3)
+        assert queued.cancel()
+        # Answered by the broker at once, while both instances still run: no longer pending.
+        wait_until(lambda: pending_requests(server, "held_pair") == 2, "the broker dropped the cancelled request",
+                   timeout=30)
+        gate.open()
+        assert [int(f.result(60)["Y"][0][0]) for f in running] == [5, 5]
+        assert int(client.infer("held_pair", x, parameters={"gate": gate.param})["Y"][0][0]) == 5
+    assert len(gate.started()) == 3, "the cancelled request ran"
+    assert pending_requests(server, "held_pair") == 0

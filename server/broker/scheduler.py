@@ -139,11 +139,9 @@ class Scheduler:
         which sees the slot's cancelled word, or it was answered). Sequence batches keep theirs:
         a sequence's later requests depend on its earlier ones, so its worker answers it."""
         for mv in versions:
-            pend = None
-            if mv.queue:
-                pend = next((p for p in mv.queue if p.client is client and p.slot == slot), None)
-                if pend is not None:
-                    mv.queue.remove(pend)
+            pend = next((p for p in mv.queue if p.client is client and p.slot == slot), None)
+            if pend is not None:
+                mv.queue.remove(pend)
             elif mv.batcher is not None and len(mv.batcher):
                 pend = mv.batcher.take_out(client, slot)
             if pend is not None:
