@@ -151,13 +151,14 @@ def test_local_client_cancel_and_timeout(server, tmp_path):
     assert pending_requests(server, "held") == 0
 
 
-def test_bls_stream_iterator_cancel_stops_the_callee(server, tmp_path):
+@pytest.mark.parametrize("use_async", [False, True], ids=["exec", "async_exec"])
+def test_bls_stream_iterator_cancel_stops_the_callee(server, tmp_path, use_async):
     gate = Gate(tmp_path / "gate")
     client = httpclient.InferenceServerClient(server.url, network_timeout=120)
     try:
         n = httpclient.InferInput("N", [1], "INT32")
         n.set_data_from_numpy(np.array([1], np.int32))
-        result = client.infer("ticker_caller", [n], parameters={"gate": gate.param})
+        result = client.infer("ticker_caller", [n], parameters={"gate": gate.param, "async": use_async})
     finally:
         client.close()
     assert int(result.as_numpy("READ")[0]) == 1

@@ -80,18 +80,11 @@ class Bls:
         model, inputs, wanted, options = self._call(request)
         return ResponseIterator(self.client().stream(model, inputs, wanted, **options))  # sent now, as in Triton
 
-    async def stream_async(self, request: Any) -> list:
-        """``async_exec(decoupled=True)``: awaits the whole stream, then gives its responses."""
-        from shmserve.shm.client import InferenceServerError
-
+    async def stream_async(self, request: Any) -> "ResponseIterator":
+        """``async_exec(decoupled=True)``: as in Triton, the request is sent and its responses'
+        iterator given at once (iterating it waits for each response; ``cancel()`` as above)."""
         model, inputs, wanted, options = self._call(request)
-        responses = []
-        try:
-            async for result in self.client().stream_aio(model, inputs, wanted, **options):
-                responses.append(self._response(result))
-        except InferenceServerError as e:
-            responses.append(self._error(e))
-        return responses
+        return ResponseIterator(self.client().stream(model, inputs, wanted, **options))
 
     def control(self, doc: dict) -> Any:
         """A model-control call (pb_utils.load_model and friends); TritonModelException on refusal."""

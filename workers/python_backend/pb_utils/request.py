@@ -224,7 +224,7 @@ class InferenceRequest:
 
     def async_exec(self, decoupled: bool = False) -> Any:
         """The awaitable form of ``exec`` (for ``async def execute``); with ``decoupled=True`` it
-        resolves to the list of the decoupled model's responses."""
+        resolves, once the request is sent, to the same iterator as ``exec`` (with ``cancel()``)."""
         bls = runtime.executor("BLS is only available inside a model's execute()")
         return bls.stream_async(self) if decoupled else bls.execute_async(self)
 
