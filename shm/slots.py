@@ -55,8 +55,9 @@ class Slots:
 
     # -- taking and giving back (``lock`` held) ---------------------------------------------------
     def take(self, callback: Callback, off: int, start: int, stream: tuple[int, Callback] | None) -> int:
-        """A slot for the request whose block is at ``off`` (its tensor bytes at ``start``); ``stream``: (where its response ring
-        lies, the callback of each response). -1 if none is free."""
+        """A slot for the request whose block is at ``off`` (its tensor bytes at ``start``);
+        ``stream``: (where its response ring lies, the callback of each response). -1 if none is
+        free. A slot starts uncancelled."""
         if not self._free:
             return -1
         slot = self._free.popleft()

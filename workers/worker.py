@@ -27,8 +27,8 @@ from shmserve.shm import logs
 from shmserve.shm.arena import Arena, free_block
 from shmserve.shm.channel import BrokerSegment, ClientSegment, WorkerSegment
 from shmserve.shm.names import object_name, pid_alive
-from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP, read_manifest, \
-    cancelled_error, read_manifest_with_data
+from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
+    W_STOP, cancelled_error, read_manifest, read_manifest_with_data
 from shmserve.shm.region_table import RegionTable
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
