@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -72,18 +73,19 @@ def frontend_barrier(server) -> None:
         assert server.http_status("/v2/health/ready") == 200
 
 
-def held_failures(server) -> int:
-    client = httpclient.InferenceServerClient(server.url)
-    try:
-        stats = client.get_inference_statistics("held")
-    finally:
-        client.close()
-    return int(stats["model_stats"][0]["inference_stats"]["fail"]["count"])
+def cancelled_count(server, model: str) -> int:
+    """Triton's failure counter for the reason CANCELED."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).read().decode()
+    head = f'nv_inference_request_failure{{model="{model}",'
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(head) and 'reason="CANCELED"' in line]
+    assert values, f"no CANCELED failure count for {model}"
+    return int(sum(values))
 
 
 def test_a_queued_http_request_whose_client_disconnects_never_runs(server, tmp_path):
     gate = Gate(tmp_path / "gate")
-    failures = held_failures(server)
+    cancelled = cancelled_count(server, "held")
     first: dict[str, int] = {}
     running = threading.Thread(target=lambda: first.setdefault("y", held_infer(server, gate, 1)))
     running.start()
@@ -98,7 +100,7 @@ def test_a_queued_http_request_whose_client_disconnects_never_runs(server, tmp_p
     assert first == {"y": 1}
     assert held_infer(server, gate, 3) == 3  # the worker serves on; the lane's order puts it after the dropped one
     assert len(gate.started()) == 2, "the cancelled request ran"
-    assert held_failures(server) == failures + 1  # answered with the cancelled error, counted as Triton does
+    assert cancelled_count(server, "held") == cancelled + 1  # answered with the cancelled error, counted as Triton does
     assert pending_requests(server, "held") == 0
     cross_arenas(server, gate)
 
@@ -185,3 +187,4 @@ def test_a_request_cancelled_in_the_brokers_queue_is_dropped_there(server, tmp_p
         assert int(client.infer("held_pair", x, parameters={"gate": gate.param})["Y"][0][0]) == 5
     assert len(gate.started()) == 3, "the cancelled request ran"
     assert pending_requests(server, "held_pair") == 0
+    assert cancelled_count(server, "held_pair") == 1

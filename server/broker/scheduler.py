@@ -145,7 +145,7 @@ class Scheduler:
             elif mv.batcher is not None and len(mv.batcher):
                 pend = mv.batcher.take_out(client, slot)
             if pend is not None:
-                mv.stats.fail("OTHER", 1)
+                mv.stats.fail("CANCELED", 1)
                 self.clients.reply(client, slot, CANCELLED_STATUS, {"error": cancelled_error(pend.entry.get("id", ""))})
                 return True
         return False
