@@ -31,7 +31,7 @@ from .connection import DEFAULT_POLL_US, Backpressure, Connection, ServerUnavail
 from .protocol import REQ_CONTROL
 from .regions import Region, find_shm_mapping
 from .results import InferResult
-from .streams import StreamEvents
+from .streams import Stream, StreamEvents
 from .tensors import CONFIG_TO_WIRE, DTYPES, from_buffer, serialize_bytes, wire_datatype
 
 __all__ = ["Client", "InferResult", "InferenceServerError", "Region", "ServerUnavailable", "Backpressure"]
@@ -432,29 +432,6 @@ class Client:
 
 
 _open_clients: "set[Client]" = set()  # not weak: an unclosed connection lives on in its waiter thread anyway
-
-
-class Stream:
-    """The results of one ``Client.stream`` call, an iterator; ``cancel()`` (or ``close()``)
-    gives up on the rest and cancels the request on the server."""
-
-    def __init__(self, events: StreamEvents, results: Iterator[InferResult]) -> None:
-        self._events = events
-        self._results = results
-
-    def __iter__(self) -> "Stream":
-        return self
-
-    def __next__(self) -> InferResult:
-        return next(self._results)
-
-    def cancel(self) -> None:
-        self._results.close()  # a reader inside it stops (its ``finally`` closes the events)
-        self._events.close()  # one that never started: cancelled and freed here
-
-    def close(self) -> None:
-        """As for a generator: the same as ``cancel``."""
-        self.cancel()
 
 
 @atexit.register

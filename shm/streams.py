@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generator
 
 from .completion import Completion
 
@@ -69,3 +69,26 @@ class StreamEvents:
         # the callbacks let go of this object after the final event, which is then freed here.
         if not self._closed:
             self._discard()  # (never cancels from a collector: the final event has come)
+
+
+class Stream:
+    """The results of one ``Client.stream`` call, an iterator; ``cancel()`` (or ``close()``)
+    gives up on the rest and cancels the request on the server."""
+
+    def __init__(self, events: StreamEvents, results: Generator[Any, None, None]) -> None:
+        self._events = events
+        self._results = results
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._results)
+
+    def cancel(self) -> None:
+        self._results.close()  # a reader inside it stops (its ``finally`` closes the events)
+        self._events.close()  # one that never started: cancelled and freed here
+
+    def close(self) -> None:
+        """As for a generator: the same as ``cancel``."""
+        self.cancel()
