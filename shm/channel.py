@@ -39,6 +39,8 @@ NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER = 0, 1, 2  # BROKER: the broker its
 CONNECT_CAPACITY = 256
 REQUEST_CAPACITY = 4096
 DEFAULT_SLOTS = 1024
+# Where a slot's cancelled word lies, past the fields ``SLOT`` packs (its owner writes it).
+CANCEL_AT = SLOT.size
 WORKER_RING_CAPACITY = 1024
 # Direct lanes: a client with lane i puts requests for default-scheduled models straight on lane i
 # of the chosen worker (one producer per lane, so still lock-free), skipping the broker's hop.
@@ -365,6 +367,18 @@ class ClientSegment:
 
     def target(self, slot: int) -> int:
         return struct.unpack_from("<Q", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + 32)[0]
+
+    def cancel(self, slot: int) -> None:
+        """The owner gave up on the request in ``slot``: its worker's model sees it through
+        ``cancelled`` (Triton's ``is_cancelled``); the slot stays pending until it is answered."""
+        struct.pack_into("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + CANCEL_AT, 1)
+
+    def uncancel(self, slot: int) -> None:
+        """A slot taken for a new request starts uncancelled (before it is marked pending)."""
+        struct.pack_into("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + CANCEL_AT, 0)
+
+    def cancelled(self, slot: int) -> bool:
+        return struct.unpack_from("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + CANCEL_AT)[0] != 0
 
     def complete(self, slot: int, status: int, role: int, num: int, offset: int, length: int) -> None:
         """Answer a request: fields first, state last; the caller then calls ``waker.notify``."""

@@ -31,7 +31,7 @@ from .connection import DEFAULT_POLL_US, Backpressure, Connection, ServerUnavail
 from .protocol import REQ_CONTROL
 from .regions import Region, find_shm_mapping
 from .results import InferResult
-from .streams import StreamEvents
+from .streams import Stream, StreamEvents
 from .tensors import CONFIG_TO_WIRE, DTYPES, from_buffer, serialize_bytes, wire_datatype
 
 __all__ = ["Client", "InferResult", "InferenceServerError", "Region", "ServerUnavailable", "Backpressure"]
@@ -223,7 +223,8 @@ class Client:
         return doc, chunks, reserve, plan
 
     def _submit_infer(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str,
-                      options: dict, deliver: Any, on_response: Any = None) -> None:
+                      options: dict, deliver: Any, on_response: Any = None) -> int:
+        """Send the request; returns where its tensor bytes start (what ``Connection.cancel`` takes)."""
         doc, chunks, reserve, plan = self._build(model, inputs, outputs, version, options)
         box: dict[str, int] = {}
         ready = threading.Event()
@@ -244,6 +245,7 @@ class Client:
 
         box["start"] = self._conn.infer(doc, chunks, on_done, reserve, streamed)
         ready.set()
+        return box["start"]
 
     def _result(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
         doc = self._check(completion)
@@ -277,18 +279,31 @@ class Client:
                     request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,
                     sequence_start: bool = False, sequence_end: bool = False, priority: int = 0,
                     timeout: int = 0) -> concurrent.futures.Future:
-        """Submit now; the future resolves to an ``InferResult`` (or raises InferenceServerError)."""
+        """Submit now; the future resolves to an ``InferResult`` (or raises InferenceServerError).
+        ``future.cancel()`` cancels the request on the server (Triton's semantics: dropped if it
+        has not run, ``is_cancelled()`` for a model running it; its answer is given back unread)."""
         options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def deliver(completion: Completion, plan: _Plan, start: int) -> None:
+            if fut.cancelled():
+                completion.release()
+                return
             try:
-                fut.set_result(self._result(completion, plan, start))
+                result = self._result(completion, plan, start)
             except BaseException as e:  # noqa: BLE001
                 completion.release()
-                fut.set_exception(e)
+                if not fut.cancelled():
+                    fut.set_exception(e)
+                return
+            try:
+                fut.set_result(result)
+            except concurrent.futures.InvalidStateError:  # cancelled meanwhile: the result goes unread
+                result.release()
 
-        self._submit_infer(model, inputs, outputs, version, options, deliver)
+        start = self._submit_infer(model, inputs, outputs, version, options, deliver)
+        conn = self._conn
+        fut.add_done_callback(lambda f: conn.cancel(start) if f.cancelled() else None)
         return fut
 
     def infer(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",
@@ -300,7 +315,8 @@ class Client:
 
         ``timeout`` is Triton's: microseconds the server may queue the request. ``client_timeout``
         (seconds, as in tritonclient's gRPC ``infer``) bounds the caller's own wait: past it the
-        call raises a 504 "Deadline Exceeded", and an answer that comes later is given back."""
+        call raises a 504 "Deadline Exceeded" and the request is cancelled on the server (see
+        ``infer_async``)."""
         if client_timeout is not None:
             return self._infer_within(client_timeout, model, inputs, outputs, version=version,
                                       request_id=request_id, parameters=parameters, sequence_id=sequence_id,
@@ -324,8 +340,9 @@ class Client:
         try:
             return future.result(timeout=client_timeout)
         except concurrent.futures.TimeoutError:
+            future.cancel()
             raise InferenceServerError(504, f"Deadline Exceeded: no answer from '{model}' within "
-                                            f"{client_timeout} s (the server may still run the request)") from None
+                                            f"{client_timeout} s (the request was cancelled)") from None
 
     async def infer_aio(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
         """The asyncio form: awaits without blocking the loop."""
@@ -339,15 +356,16 @@ class Client:
         responses as it arrives (zero or more).
 
         An error response raises InferenceServerError and ends the stream. A caller that stops
-        early (``break``, ``close()``, or dropping the iterator) frees what the stream holds and
-        what it still sends; the model runs on to its end.
+        early (``break``, ``close()`` or ``cancel()``) cancels the request: its model sees
+        ``is_cancelled()`` and may stop; what the stream holds and still sends is freed.
         """
         options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
         events = StreamEvents(queue.Queue())
-        self._submit_infer(model, inputs, outputs, version, options,
-                           lambda c, plan, start: events.put(True, c, (plan, start)),
-                           lambda c, plan, start: events.put(False, c, (plan, start)))
-        return self._stream_results(events, wait_s)
+        start = self._submit_infer(model, inputs, outputs, version, options,
+                                   lambda c, plan, start: events.put(True, c, (plan, start)),
+                                   lambda c, plan, start: events.put(False, c, (plan, start)))
+        events.request = (self._conn, start)
+        return Stream(events, self._stream_results(events, wait_s))
 
     def _stream_results(self, events: StreamEvents, wait_s: float | None) -> Iterator[InferResult]:
         """The results of ``events``; a reader that stops early (a ``break``, an error, ``close``)
@@ -396,7 +414,8 @@ class Client:
                            kwargs.pop("sequence_id", 0), kwargs.pop("sequence_start", False),
                            kwargs.pop("sequence_end", False), kwargs.pop("priority", 0), kwargs.pop("timeout", 0))
         version = kwargs.pop("version", "")
-        self._submit_infer(model, inputs, outputs, version, options, on_event(True), on_event(False))
+        start = self._submit_infer(model, inputs, outputs, version, options, on_event(True), on_event(False))
+        events.request = (self._conn, start)
         try:
             while True:
                 try:

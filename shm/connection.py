@@ -31,8 +31,8 @@ from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, Client
 from .completion import Callback
 from .copying import copy_into
 from .names import check_server_id, object_name, pid_alive
-from .protocol import RECORD, REQ_BYE, REQ_CONTROL, REQ_INFER, REQ_POLLING, STREAM_CAPACITY, manifest_room, \
-    write_manifest
+from .protocol import RECORD, REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER, REQ_POLLING, STREAM_CAPACITY, \
+    manifest_room, write_manifest
 from .ring import Ring
 from .routes import Router
 from .slots import Slots
@@ -180,8 +180,9 @@ class Connection:
             off = self._alloc(room + body)
         return Reservation(off, room + body, doc_len, doc, self.seg.seg.buf[off + room:off + room + body])
 
-    def send_reserved(self, r: Reservation, callback: Callback, polling: bool = False) -> None:
-        """Send a reserved request whose tensor bytes are all in place; its send time is now."""
+    def send_reserved(self, r: Reservation, callback: Callback, polling: bool = False) -> int:
+        """Send a reserved request whose tensor bytes are all in place; its send time is now.
+        Returns where its tensor bytes start (as ``submit``)."""
         if r.data is None:
             raise ValueError("this reservation was sent or discarded")
         if not self.alive:
@@ -198,6 +199,7 @@ class Connection:
             worker = self._dispatch(REQ_INFER | (REQ_POLLING if polling else 0), r.off, r.total, start, callback,
                                     r.doc, None, 0)
         self._wake(worker, False)
+        return start
 
     def discard(self, r: Reservation) -> None:
         """Give back a reserved block that will not be sent (a closed connection's arena is gone)."""
@@ -223,7 +225,7 @@ class Connection:
         receiver. ``kind`` may carry REQ_POLLING, which only a worker reads. Returns the worker,
         or None: the broker. Frees the block if the request cannot be taken (Backpressure)."""
         slots = self._slots
-        slot = slots.take(callback, off, (start + stream_at, on_response) if on_response is not None else None)
+        slot = slots.take(callback, off, start, (start + stream_at, on_response) if on_response is not None else None)
         if slot < 0:
             free_block(self.seg.seg.buf, off)
             raise Backpressure("too many requests in flight on this connection")
@@ -241,6 +243,28 @@ class Connection:
             free_block(self.seg.seg.buf, off)
             raise Backpressure("the request ring to the broker is full; retry later")
         return None
+
+    def cancel(self, start: int) -> bool:
+        """Give up on the request whose tensor bytes start at ``start`` (what ``submit`` returned):
+        its slot's cancelled word is set, which its worker's model reads (``is_cancelled``) and
+        which makes a worker answer it at once instead of running it; one still queued in the
+        broker is dropped there (a ``REQ_CANCEL`` record). The request is still answered (with
+        Triton's cancelled error if it never ran), and its callback must release that answer as
+        usual: only then are its block and its slot free, once no process reads them any more.
+        False if it was answered already."""
+        if not self.alive or self._closed:
+            return False
+        with self._slots.lock:
+            slot = self._slots.find_start(start)
+            if slot < 0:
+                return False
+            self.seg.cancel(slot)
+            to_broker = self.seg.target(slot) == 0
+            if to_broker:
+                to_broker = self.seg.requests.put(REQ_CANCEL, slot, 0, 0, 0)  # full ring: the flag still holds
+        if to_broker:
+            self.broker.waker.notify()
+        return True
 
     def _wake(self, worker: WorkerSegment | None, waited: bool) -> None:
         if worker is not None:

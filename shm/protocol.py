@@ -17,12 +17,24 @@ RECORD = struct.Struct("<IIQQQ")
 REQ_INFER = 1
 REQ_CONTROL = 2
 REQ_BYE = 3
+# The owner cancelled the request in slot ``small int`` (its slot's cancelled word is set): the
+# broker drops it from its queues if it is still there.
+REQ_CANCEL = 4
 # Flag on a direct-lane infer record: its client polls for the answer, so the worker polls a
 # moment for that client's next request too (shm/waker.py's SpinPolicy).
 REQ_POLLING = 0x100
 # The error of an answer completed without a block (offset 0): its producer's arena had no room
 # for it, not even for an error. Its status is 503.
 NO_ROOM = "the server had no room in its shared-memory arena for the response; retry later"
+
+# A cancelled request's answer, as Triton words TRITONSERVER_ERROR_CANCELLED (its HTTP endpoint
+# maps that code to 400). Nobody usually reads it: its owner stopped waiting.
+CANCELLED_STATUS = 400
+
+
+def cancelled_error(request_id: str = "") -> str:
+    return f"[request id: {request_id or '<id_unknown>'}] Request was cancelled"
+
 
 # Kinds of records on a worker's inbox (broker -> worker).
 W_BATCH = 1

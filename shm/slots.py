@@ -42,6 +42,7 @@ class Slots:
         self.inflight: set[int] = set()
         self._streams: dict[int, tuple[Ring, Callback]] = {}  # slot -> its response ring
         self._callbacks: list[tuple[Callback, int] | None] = [None] * n  # slot -> (callback, request block)
+        self._starts: list[int] = [0] * n  # slot -> where its request's tensor bytes start (``find_start``)
         self._targets: list[int] = [0] * n  # slot -> the worker it went to, plus one (0: the broker)
         self._states = seg.slot_states
         # The same states as 32-bit words: a memoryview's item read costs a third of numpy's, and
@@ -53,13 +54,16 @@ class Slots:
         self._producer_bufs: dict[tuple[int, int], memoryview] = {}
 
     # -- taking and giving back (``lock`` held) ---------------------------------------------------
-    def take(self, callback: Callback, off: int, stream: tuple[int, Callback] | None) -> int:
-        """A slot for the request whose block is at ``off``; ``stream``: (where its response ring
-        lies, the callback of each response). -1 if none is free."""
+    def take(self, callback: Callback, off: int, start: int, stream: tuple[int, Callback] | None) -> int:
+        """A slot for the request whose block is at ``off`` (its tensor bytes at ``start``);
+        ``stream``: (where its response ring lies, the callback of each response). -1 if none is
+        free. A slot starts uncancelled."""
         if not self._free:
             return -1
         slot = self._free.popleft()
+        self.seg.uncancel(slot)
         self._callbacks[slot] = (callback, off)
+        self._starts[slot] = start
         self.inflight.add(slot)
         if stream is not None:
             ring = Ring(self.seg.seg.buf, stream[0], STREAM_CAPACITY, RECORD)
@@ -78,6 +82,15 @@ class Slots:
         """The request is on ``worker``'s lane: one more of ours in flight there."""
         self._targets[slot] = worker + 1
         self.router.began(worker)
+
+    def find_start(self, start: int) -> int:
+        """The slot of the request in flight whose tensor bytes start at ``start`` (-1: answered
+        already). A scan: only a cancel asks, and blocks in flight never share an offset."""
+        starts = self._starts
+        for slot in self.inflight:
+            if starts[slot] == start and self._callbacks[slot] is not None:
+                return slot
+        return -1
 
     def give_back(self, slot: int) -> None:
         """A request that could not be sent after all."""

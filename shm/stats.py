@@ -18,10 +18,11 @@ import numpy as np
 
 SCALARS = ("success", "success_ns", "failure", "failure_ns", "rejected", "inference_count",
            "execution_count", "phase_count", "queue_ns", "compute_input_ns", "compute_infer_ns",
-           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out")
+           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out", "cancelled")
 S = {name: i for i, name in enumerate(SCALARS)}
 (SUCCESS, SUCCESS_NS, FAILURE, FAILURE_NS, REJECTED, INFERENCE_COUNT, EXECUTION_COUNT, PHASE_COUNT, QUEUE_NS,
- INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT) = range(len(SCALARS))
+ INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT, CANCELLED) = \
+    range(len(SCALARS))
 SCALAR_SLOTS = 32  # room to add counters without moving the arrays behind them
 BUSY_SINCE = SCALAR_SLOTS - 1  # not a counter: monotonic ns the running execution began, 0 when idle
 PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
@@ -191,6 +192,11 @@ class StatsWriter:
         self.counts[FAILURE] += 1
         self.counts[TIMED_OUT] += 1
 
+    def cancelled(self) -> None:
+        """A request its owner cancelled before it ran: a failure, for Triton's reason CANCELED."""
+        self.counts[FAILURE] += 1
+        self.counts[CANCELLED] += 1
+
     def finished_stream(self, arrived: int, ok: bool) -> None:
         """A streamed (decoupled) request ended: its outcome and whole duration."""
         now = time.monotonic_ns()
@@ -272,8 +278,10 @@ class VersionTotals:
         for reason, n in self.failure_reasons.items():
             out[reason] = out.get(reason, 0) + n
         broker_counted = sum(self.failure_reasons.values())
-        worker_failed = self.get("failure") - broker_counted - self.get("rejected") - self.get("timed_out")
+        worker_failed = self.get("failure") - broker_counted - self.get("rejected") - self.get("timed_out") \
+            - self.get("cancelled")
         out["BACKEND"] += max(0, worker_failed)
         out["REJECTED"] += self.get("rejected")
         out["OTHER"] += self.get("timed_out")
+        out["CANCELED"] += self.get("cancelled")
         return out

@@ -133,6 +133,14 @@ class DynamicBatcher:
         self.delayed = collections.deque(p for p in self.delayed if p.client is not client)
         self.size = sum(len(q) for q in self.queues) + len(self.delayed)
 
+    def take_out(self, client: Any, slot: int) -> Pending | None:
+        """Remove and return the queued request in ``client``'s ``slot`` (a cancelled one)."""
+        for p in self.all():
+            if p.client is client and p.slot == slot:
+                self._remove(p)
+                return p
+        return None
+
     def expire(self, now: float) -> list[Pending]:
         """Requests whose queue timeout passed: REJECT ones are returned (to fail), DELAY ones move
         behind everything else."""

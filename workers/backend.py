@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from shmserve.shm.channel import ClientSegment
+
 ENTRY_POINT_GROUP = "shmserve.backends"
 
 
@@ -64,6 +66,22 @@ class Request:
     sender: Any = None
     # Outputs the client placed in CUDA regions: a GPU backend may answer them with device tensors.
     device_outputs: frozenset[str] = frozenset()
+    # Whether the request's owner cancelled it (Triton's ``is_cancelled``): ``cancel.is_set()``.
+    cancel: "CancelFlag | None" = None
+
+
+class CancelFlag:
+    """A request's cancelled word in its owner's slot, read each time a model asks: the owner
+    sets it whenever it gives up (an HTTP client gone, a local caller's timeout or cancel)."""
+
+    __slots__ = ("client", "slot")
+
+    def __init__(self, client: ClientSegment, slot: int) -> None:
+        self.client = client
+        self.slot = slot
+
+    def is_set(self) -> bool:
+        return self.client.cancelled(self.slot)
 
 
 @dataclasses.dataclass

@@ -27,8 +27,8 @@ from shmserve.shm import logs
 from shmserve.shm.arena import Arena, free_block
 from shmserve.shm.channel import REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
 from shmserve.shm.names import object_name, pid_alive
-from shmserve.shm.protocol import REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, W_STOP, read_manifest, \
-    read_manifest_with_data
+from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
+    W_STOP, cancelled_error, read_manifest, read_manifest_with_data
 from shmserve.shm.region_table import RegionTable
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
@@ -36,7 +36,8 @@ from shmserve.shm.waker import SpinPolicy, fence
 
 from . import custom_metrics
 from .answers import Answers, ModelInfo
-from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response, load_backend
+from .backend import Backend, CancelFlag, Instance, InstanceContext, Model, ModelContext, Request, Response, \
+    load_backend
 from .classification import load_labels
 from . import cuda
 from .cuda import CudaError
@@ -295,7 +296,12 @@ class Worker:
         live: list[tuple[dict, Request]] = []
         for entry in entries:
             try:
-                live.append((entry, self._build_request(entry)))
+                client = self._client(entry["client"])
+                if client.cancelled(entry["slot"]):  # its owner gave up while it waited: never run
+                    self._answer_error(entry, CANCELLED_STATUS, cancelled_error(entry.get("id", "")))
+                    self.stats.cancelled()
+                    continue
+                live.append((entry, self._build_request(entry, client)))
             except (RequestError, ValueError, OSError, posix_ipc.Error, CudaError) as e:
                 self._answer_error(entry, e.status if isinstance(e, RequestError) else 400, str(e))
                 self.stats.rejected()
@@ -356,7 +362,7 @@ class Worker:
         custom_metrics.REGISTRY.flush()
         self.answers.send_completions()
 
-    def _build_request(self, entry: dict) -> Request:
+    def _build_request(self, entry: dict, client: ClientSegment) -> Request:
         inputs = read_inputs(entry, self.segments, self.instance.device_inputs)  # type: ignore[union-attr]
         if self.sequence is not None:
             self.sequence.augment(inputs, entry.get("corr", 0), entry.get("flags", 0))
@@ -365,14 +371,15 @@ class Worker:
         names = [o["name"] for o in wanted] if wanted else self.output_names
         sender = None
         if "stream" in entry:
-            sender = StreamSender(self.answers, self._client(entry["client"]), entry, self.stats, self.stream_lock)
+            sender = StreamSender(self.answers, client, entry, self.stats, self.stream_lock)
         elif self.decoupled:
             raise DecoupledOnly()  # reached through the broker
         on_device = frozenset(o["name"] for o in wanted if "cuda" in o) if wanted else frozenset()
-        # (inputs, requested_outputs, id, correlation_id, flags, parameters, sender, device_outputs): by position,
+        # (inputs, requested_outputs, id, correlation_id, flags, parameters, sender, device_outputs, cancel):
+        # by position,
         # a dataclass is built in half the time
         return Request(inputs, names, entry.get("id", ""), entry.get("corr", 0), entry.get("flags", 0),
-                       entry.get("params") or {}, sender, on_device)
+                       entry.get("params") or {}, sender, on_device, CancelFlag(client, entry["slot"]))
 
     # -- answering ------------------------------------------------------------------------------
     def _forget_departed_clients(self) -> None:

@@ -22,7 +22,7 @@ import time
 
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.names import pid_alive
-from shmserve.shm.protocol import REQ_BYE, REQ_CONTROL, REQ_INFER, read_manifest
+from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER, read_manifest
 from shmserve.signature import InvalidRequest
 
 from .canary import SNAPSHOT_EVERY_S
@@ -163,6 +163,8 @@ class Broker:
                 self.intake.infer(client, slot, off)
             elif kind == REQ_CONTROL:
                 self._control(client, slot, off)
+            elif kind == REQ_CANCEL:
+                self.scheduler.cancel(self.catalog.serving_and_retiring(), client, slot)
             elif kind == REQ_BYE:
                 self._drop_client(client, died=False)
                 return

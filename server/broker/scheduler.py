@@ -16,7 +16,7 @@ import orjson
 
 from shmserve.batching import Pending, QueueFull
 from shmserve.shm.channel import BrokerSegment
-from shmserve.shm.protocol import W_BATCH, manifest_room, write_manifest
+from shmserve.shm.protocol import CANCELLED_STATUS, W_BATCH, cancelled_error, manifest_room, write_manifest
 from shmserve.signature import InvalidRequest
 
 from .clients import Clients
@@ -133,6 +133,23 @@ class Scheduler:
             self.clients.fail_pending(batch, 503, f"instance '{inst.name}' inbox is full; retry later")
             return
         inst.seg.waker.notify()
+
+    def cancel(self, versions: list[ModelVersion], client: Client, slot: int) -> bool:
+        """Drop ``client``'s cancelled request in ``slot`` from the queue holding it and answer it
+        with Triton's cancelled error; False when no queue here holds it (it runs on a worker,
+        which sees the slot's cancelled word, or it was answered). Sequence batches keep theirs:
+        a sequence's later requests depend on its earlier ones, so its worker answers it."""
+        for mv in versions:
+            pend = next((p for p in mv.queue if p.client is client and p.slot == slot), None)
+            if pend is not None:
+                mv.queue.remove(pend)
+            elif mv.batcher is not None and len(mv.batcher):
+                pend = mv.batcher.take_out(client, slot)
+            if pend is not None:
+                mv.stats.fail("CANCELED", 1)
+                self.clients.reply(client, slot, CANCELLED_STATUS, {"error": cancelled_error(pend.entry.get("id", ""))})
+                return True
+        return False
 
     @staticmethod
     def drop_client(mv: ModelVersion, client: Client) -> None:

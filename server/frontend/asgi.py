@@ -5,7 +5,9 @@ An infer request skips Starlette's routing, middleware and request objects: its 
 from ``receive`` under the size limit (a large binary body is copied into its shared-memory block
 as it arrives, ingest.py), ``Inference.start`` submits it, and the answer goes out as one
 ``http.response.start`` and one ``http.response.body``. While tracing is on, the sampled requests
-carry their HTTP timestamps too.
+carry their HTTP timestamps too. A client that disconnects while its request is in flight cancels
+it (``BrokerLink.cancel``): a queued request never runs, a running model sees ``is_cancelled()``,
+and the answer that still comes is freed unsent.
 """
 from __future__ import annotations
 
@@ -78,9 +80,12 @@ class FrontendApp:
             return  # the client went away
         recv_end = time.monotonic_ns()
         if isinstance(body, BodyIngest):
-            inference.finish_ingest(model, version, headers, body, reply)
+            sent = inference.finish_ingest(model, version, headers, body, reply)
         else:
-            await inference.start_when_room(model, version, headers, body, reply, trace)
+            sent = await inference.start_when_room(model, version, headers, body, reply, trace)
+        if sent is not None and not fut.done() and not await answered_or_gone(fut, receive):
+            inference.link.cancel(sent)  # the client went away; the answer is freed when it comes
+            return
         status, out, out_headers = await fut
         out_headers.append((b"content-length", b"%d" % len(out)))
         send_start = time.monotonic_ns()
@@ -96,6 +101,19 @@ class FrontendApp:
         if not ns[REQUEST_START]:  # refused before it became a request
             ns[REQUEST_START] = recv_end
         self.tracer.finish(trace)
+
+
+async def answered_or_gone(fut: asyncio.Future, receive: Any) -> bool:
+    """Wait for the answer while watching the connection: False if the client disconnected
+    first. (With the whole body read, uvicorn's ``receive`` returns only at a disconnect, or
+    once the response is sent.)"""
+    gone = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait((fut, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not gone.done():
+            gone.cancel()
+    return fut.done() or gone.result().get("type") != "http.disconnect"
 
 
 async def read_infer_body(inference: Inference, model: str, version: str, headers: dict[bytes, bytes],

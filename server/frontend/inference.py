@@ -23,7 +23,7 @@ from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 
 from .codec import BadRequest, build_request, build_response, split_body
 from .ingest import BodyIngest
-from .link import ArenaWait, BrokerError, BrokerLink
+from .link import ArenaWait, BrokerError, BrokerLink, Sent
 from .tracing import Trace
 
 log = logging.getLogger("shmserve.frontend")
@@ -93,8 +93,9 @@ class Inference:
         self.max_request_bytes = arena_bytes - (64 << 10)
 
     def start(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes, reply: Reply,
-              trace: Trace | None = None) -> None:
-        """Parse and submit one inference; ``reply`` runs on the loop when it is answered."""
+              trace: Trace | None = None) -> Sent | None:
+        """Parse and submit one inference; ``reply`` runs on the loop when it is answered.
+        Returns the request as sent (None: refused, answered already or soon)."""
         received = time.monotonic_ns()  # the request's duration in the statistics starts here
         try:
             if len(body) > self.max_input_bytes:
@@ -111,32 +112,32 @@ class Inference:
                                  f"arena (--frontend-arena-mb); send large tensors through shared memory")
         except BadRequest as e:
             self._refuse(model, version, e, reply)
-            return
+            return None
         req["t"] = received
         if trace is not None:
             trace.mark(req)
         try:
-            self.link.submit(REQ_INFER, req, chunks, lambda completion: self._finish(
+            return self.link.submit(REQ_INFER, req, chunks, lambda completion: self._finish(
                 model, version, doc, headers, completion, reply, trace), model=model)
         except ArenaWait:
             raise  # the caller waits for room and starts it again (``start_when_room``)
         except BrokerError as e:
             reply(*error_answer(e.status, str(e)))
+            return None
 
     async def start_when_room(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes,
-                              reply: Reply, trace: Trace | None = None) -> None:
+                              reply: Reply, trace: Trace | None = None) -> Sent | None:
         """``start``, waiting up to ``ARENA_WAIT_S`` while the arena has room by volume but not yet
         in one piece (a block held ahead of it comes back within moments): a 503 then would refuse
         a request the server can take. A full arena (overload) is still refused at once."""
         deadline = time.monotonic() + ARENA_WAIT_S
         while True:
             try:
-                self.start(model, version, headers, body, reply, trace)
-                return
+                return self.start(model, version, headers, body, reply, trace)
             except ArenaWait as e:
                 if time.monotonic() > deadline:
                     reply(*error_answer(e.status, str(e)))
-                    return
+                    return None
             await asyncio.sleep(0.001)
 
     def begin_ingest(self, model: str, version: str, head: bytes, tail_len: int,
@@ -156,14 +157,15 @@ class Inference:
         return BodyIngest(conn, reservation, head, doc, loop)
 
     def finish_ingest(self, model: str, version: str, headers: dict[bytes, bytes], ingest: BodyIngest,
-                      reply: Reply) -> None:
+                      reply: Reply) -> Sent | None:
         """``start`` for a body that ``begin_ingest`` took in: every byte is in its block."""
         doc = ingest.doc
         try:
-            self.link.send_reserved(ingest.conn, ingest.reservation, lambda completion: self._finish(
+            return self.link.send_reserved(ingest.conn, ingest.reservation, lambda completion: self._finish(
                 model, version, doc, headers, completion, reply, None), model)
         except BrokerError as e:
             reply(*error_answer(e.status, str(e)))
+            return None
 
     def _refuse(self, model: str, version: str, e: BadRequest, reply: Reply) -> None:
         """Answer a request the frontend could not take. Triton looks the model up before the

@@ -32,6 +32,9 @@ from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 from shmserve.shm.streams import StreamEvents
 
 LIVENESS_CHECK_S = 1.0
+# A request sent on a connection: (the connection, where its tensor bytes start), which is what
+# ``BrokerLink.cancel`` names it by.
+Sent = tuple[Connection, int]
 
 
 class BrokerError(Exception):
@@ -128,7 +131,7 @@ class BrokerLink:
             self._conn = None
 
     def submit(self, kind: int, doc: dict, tensors: Any, callback: Callable[[Completion], None],
-               on_response: Callable[[Completion], None] | None = None, model: str | None = None) -> None:
+               on_response: Callable[[Completion], None] | None = None, model: str | None = None) -> Sent:
         """Send a request; ``callback`` runs on the loop with its completion (and must release it).
         With ``model``, its answer times decide whether the loop polls for this answer."""
         conn = self.connection()
@@ -136,11 +139,19 @@ class BrokerLink:
         if model is not None:
             callback = self._timed(model, poll, callback)
         try:
-            conn.submit(kind, doc, tensors, callback, on_response=on_response, polling=poll)
+            start = conn.submit(kind, doc, tensors, callback, on_response=on_response, polling=poll)
         except (Backpressure, ServerUnavailable) as e:
             raise _broker_error(e) from None
         if poll:
             self._polling_for(conn, model)
+        return conn, start
+
+    @staticmethod
+    def cancel(sent: Sent) -> None:
+        """The HTTP client went away: cancel its request (``Connection.cancel``). Its callback
+        still runs when the answer comes and frees it."""
+        conn, start = sent
+        conn.cancel(start)
 
     def reserve(self, doc: dict, body: int) -> tuple[Connection, Reservation]:
         """A request block for a body still arriving (``Connection.reserve``), on the connection
@@ -152,18 +163,19 @@ class BrokerLink:
             raise _broker_error(e) from None
 
     def send_reserved(self, conn: Connection, reservation: Reservation, callback: Callable[[Completion], None],
-                      model: str) -> None:
+                      model: str) -> Sent:
         """``submit`` of a reserved block whose tensor bytes are all in place."""
         if conn is not self._conn:  # the server went away since: the block went with its arena
             conn.discard(reservation)
             raise BrokerError(503, f"the shmserve server '{self.server_id}' went away while the request arrived")
         poll = self._polls_for(model)
         try:
-            conn.send_reserved(reservation, self._timed(model, poll, callback), polling=poll)
+            start = conn.send_reserved(reservation, self._timed(model, poll, callback), polling=poll)
         except (Backpressure, ServerUnavailable) as e:
             raise _broker_error(e) from None
         if poll:
             self._polling_for(conn, model)
+        return conn, start
 
     def _polls_for(self, model: str | None) -> bool:
         """Whether the loop polls for the answer: not for a model whose answers come late."""
@@ -210,8 +222,8 @@ class BrokerLink:
         """Submit a streaming request; its events come in order, the final one last. The reader
         must ``close`` them when it stops, at the end or early (a client that went away)."""
         events = StreamEvents(asyncio.Queue())
-        self.submit(REQ_INFER, doc, tensors, lambda c: events.put(True, c),
-                    on_response=lambda c: events.put(False, c))
+        events.request = self.submit(REQ_INFER, doc, tensors, lambda c: events.put(True, c),
+                                  on_response=lambda c: events.put(False, c))
         return events
 
     async def control(self, doc: dict) -> tuple[int, Any]:

@@ -56,15 +56,18 @@ class ResponseSender:
     request's ``Request.sender`` (the worker's StreamSender, workers/stream.py), for any other
     a ``Reply`` that keeps it for ``execute`` to return."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, cancel: Any) -> None:
         self._stream = stream
+        self._cancel = cancel  # the request's CancelFlag (workers/backend.py)
 
     def send(self, response: Any = None, flags: int = 0) -> None:
         converted = to_response(response) if response is not None else None
         self._stream(converted, final=bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the client cancelled the request (it disconnected, timed out or cancelled):
+        the model may stop sending; what it still sends is freed unread."""
+        return self._cancel is not None and self._cancel.is_set()
 
 
 class Reply:
@@ -189,13 +192,15 @@ class PythonInstance(Instance):
         incoming = pb_utils.InferenceRequest._incoming
         pb_requests = [incoming(name, [input_tensor(n, arr, copy_inputs) for n, arr in r.inputs.items()], r)
                        for r in requests]
+        for r, pb in zip(requests, pb_requests):
+            pb._cancel = r.cancel
         if replies:
-            for pb, reply in zip(pb_requests, replies):
-                pb._response_sender = ResponseSender(reply)
+            for r, pb, reply in zip(requests, pb_requests, replies):
+                pb._response_sender = ResponseSender(reply, r.cancel)
         else:
             for r, pb in zip(requests, pb_requests):
                 if r.sender is not None:
-                    pb._response_sender = ResponseSender(r.sender)
+                    pb._response_sender = ResponseSender(r.sender, r.cancel)
         return pb_requests
 
     def _fail_streams(self, senders: list[Any], e: BaseException) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Iterator
+from typing import Any
 
 from . import pb_utils
 from .convert import ERROR_CODE, array_of
@@ -78,21 +78,12 @@ class Bls:
         """``exec(decoupled=True)``: the target's responses, one by one as they come; an error
         response ends them (as an InferenceResponse carrying the error, which Triton gives too)."""
         model, inputs, wanted, options = self._call(request)
-        return self._responses(self.client().stream(model, inputs, wanted, **options))  # sent now, as in Triton
-
-    def _responses(self, results: Any) -> Any:
-        from shmserve.shm.client import InferenceServerError
-
-        try:
-            for result in results:
-                yield self._response(result)
-        except InferenceServerError as e:
-            yield self._error(e)
+        return ResponseIterator(self.client().stream(model, inputs, wanted, **options))  # sent now, as in Triton
 
     async def stream_async(self, request: Any) -> "ResponseIterator":
-        """``async_exec(decoupled=True)``: the request is sent now; resolves at once to an
-        iterator over the target's responses as they come (Triton's ResponseIterator)."""
-        return ResponseIterator(self.stream(request))
+        """``async_exec(decoupled=True)``: as in Triton, the request is sent and its responses'
+        iterator given at once (see ``ResponseIterator``)."""
+        return self.stream(request)
 
     def control(self, doc: dict) -> Any:
         """A model-control call (pb_utils.load_model and friends); TritonModelException on refusal."""
@@ -113,25 +104,49 @@ _END = object()
 
 
 class ResponseIterator:
-    """What ``await async_exec(decoupled=True)`` resolves to: the responses of a decoupled model
-    as they arrive. ``for`` and ``next()`` wait in the calling thread, as Triton's iterator does
-    (and so block the model's event loop meanwhile); ``async for`` waits in the loop's executor,
-    so other coroutines run on."""
+    """What ``exec(decoupled=True)`` and ``await async_exec(decoupled=True)`` give, as in Triton:
+    the target's responses as they come (an error response ends them). ``for`` and ``next()`` wait
+    in the calling thread, as Triton's iterator does (and so block a model's event loop meanwhile);
+    ``async for`` waits in the loop's executor, so other coroutines run on. ``cancel()`` cancels
+    the request: the target sees ``is_cancelled()`` and may stop, and what it still sends is freed
+    unread."""
 
-    def __init__(self, responses: Iterator[Any]) -> None:
-        self._responses = responses
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream  # shm.client.Stream
+        self._ended = False
 
     def __iter__(self) -> "ResponseIterator":
         return self
 
     def __next__(self) -> Any:
-        return next(self._responses)
+        from shmserve.shm.client import InferenceServerError
+
+        if self._ended:
+            raise StopIteration
+        try:
+            return Bls._response(next(self._stream))
+        except InferenceServerError as e:
+            self._ended = True
+            return Bls._error(e)
+        except StopIteration:
+            self._ended = True
+            raise
 
     def __aiter__(self) -> "ResponseIterator":
         return self
 
     async def __anext__(self) -> Any:
-        response = await asyncio.get_running_loop().run_in_executor(None, next, self._responses, _END)
+        response = await asyncio.get_running_loop().run_in_executor(None, self._next_or_end)
         if response is _END:
             raise StopAsyncIteration
         return response
+
+    def _next_or_end(self) -> Any:
+        try:
+            return next(self)
+        except StopIteration:
+            return _END
+
+    def cancel(self) -> None:
+        self._ended = True
+        self._stream.cancel()

@@ -113,6 +113,7 @@ class InferenceRequest:
     _preferred_memory: Optional[PreferredMemory] = None
     _trace: Optional[InferenceTrace] = None
     _cancelled = False
+    _cancel: Any = None  # the worker's CancelFlag of an incoming request (its client may cancel it)
 
     def __init__(  # Triton's signature
         self,
@@ -202,7 +203,9 @@ class InferenceRequest:
         return self._trace
 
     def is_cancelled(self) -> bool:
-        return self._cancelled
+        """Whether the client cancelled this request (Triton's semantics: the model may check
+        and stop early; a response it still returns is discarded by the client)."""
+        return self._cancelled or (self._cancel is not None and self._cancel.is_set())
 
     def _set_cancelled(self, cancelled: bool = True) -> None:
         """Worker hook: mark the request cancelled by the client."""
@@ -221,8 +224,8 @@ class InferenceRequest:
 
     def async_exec(self, decoupled: bool = False) -> Any:
         """The awaitable form of ``exec`` (for ``async def execute``); with ``decoupled=True`` it
-        resolves, once the request is sent, to an iterator over the decoupled model's responses
-        as they arrive (``for``/``next()`` as in Triton, or ``async for``)."""
+        resolves, once the request is sent, to the same iterator as ``exec`` (``for``/``next()``
+        as in Triton, ``async for``, and ``cancel()``)."""
         bls = runtime.executor("BLS is only available inside a model's execute()")
         return bls.stream_async(self) if decoupled else bls.execute_async(self)
 

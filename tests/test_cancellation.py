@@ -1,0 +1,190 @@
+"""Request cancellation, Triton's semantics: a request whose client went away (an HTTP client that
+disconnects, a local caller's cancel or timeout, a BLS iterator's ``cancel()``) never runs if it
+has not started, a running model sees ``is_cancelled()`` (request and response sender) and may
+stop, and nothing is left held: the worker serves the next request, and requests that cross the
+frontend's and the worker's arenas (1 MiB each) several times find them free (a block held for
+good would stall these FIFO arenas)."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from conftest import TESTS, pending_requests, wait_pending, wait_until
+from gates import Gate
+from shmserve import Client
+from shmserve.shm.client import InferenceServerError
+
+CANCEL_MODELS = TESTS / "models" / "cancel"
+
+
+@pytest.fixture(scope="module")
+def server(module_factory):
+    return module_factory.start([CANCEL_MODELS], ["--http-workers", "1", "--frontend-arena-mb", "1",
+                                                  "--worker-arena-mb", "1"])
+
+
+def cross_arenas(server, gate: Gate) -> None:
+    """60 requests of 48 kB and their 48 kB answers through an open gate: each arena crosses
+    about three times, which it can only while every earlier block was given back."""
+    gate.open()
+    client = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        for i in range(60):
+            inp = httpclient.InferInput("X", [12_000], "INT32")
+            inp.set_data_from_numpy(np.full(12_000, i, np.int32))
+            out = client.infer("held", [inp], parameters={"gate": gate.param}).as_numpy("Y")
+            assert out.shape == (12_000,) and int(out[-1]) == i
+    finally:
+        client.close()
+
+
+def held_infer(server, gate: Gate, x: int, request_id: str = "") -> int:
+    """One tritonclient call of ``held`` (blocks while its gate is shut); its Y."""
+    client = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        inp = httpclient.InferInput("X", [1], "INT32")
+        inp.set_data_from_numpy(np.array([x], np.int32))
+        result = client.infer("held", [inp], request_id=request_id, parameters={"gate": gate.param})
+        return int(result.as_numpy("Y")[0])
+    finally:
+        client.close()
+
+
+def raw_post(server, path: str, body: dict) -> socket.socket:
+    """A POST sent whole on a connection of its own, left open for the caller to drop."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (path.encode(), len(data), data))
+    return sock
+
+
+def frontend_barrier(server) -> None:
+    """A request through the (one) frontend after a disconnect: its loop has run since, so it has
+    seen the connection close and cancelled what was in flight on it."""
+    for _ in range(2):
+        assert server.http_status("/v2/health/ready") == 200
+
+
+def cancelled_count(server, model: str) -> int:
+    """Triton's failure counter for the reason CANCELED."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).read().decode()
+    head = f'nv_inference_request_failure{{model="{model}",'
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(head) and 'reason="CANCELED"' in line]
+    assert values, f"no CANCELED failure count for {model}"
+    return int(sum(values))
+
+
+def test_a_queued_http_request_whose_client_disconnects_never_runs(server, tmp_path):
+    gate = Gate(tmp_path / "gate")
+    cancelled = cancelled_count(server, "held")
+    first: dict[str, int] = {}
+    running = threading.Thread(target=lambda: first.setdefault("y", held_infer(server, gate, 1)))
+    running.start()
+    gate.wait_started(1)
+    sock = raw_post(server, "/v2/models/held/infer", {
+        "inputs": [{"name": "X", "shape": [1], "datatype": "INT32", "data": [2]}], "parameters": {"gate": gate.param}})
+    wait_pending(server, "held", 2)  # queued on the worker's lane behind the running one
+    sock.close()
+    frontend_barrier(server)
+    gate.open()
+    running.join(120)
+    assert first == {"y": 1}
+    assert held_infer(server, gate, 3) == 3  # the worker serves on; the lane's order puts it after the dropped one
+    assert len(gate.started()) == 2, "the cancelled request ran"
+    assert cancelled_count(server, "held") == cancelled + 1  # answered with the cancelled error, counted as Triton does
+    assert pending_requests(server, "held") == 0
+    cross_arenas(server, gate)
+
+
+def test_a_running_stream_stops_when_its_http_client_disconnects(server, tmp_path):
+    gate = Gate(tmp_path / "gate")
+    sock = raw_post(server, "/v2/models/ticker/generate_stream", {"N": 1, "gate": gate.param})
+    seen = b""
+    while b"data: " not in seen:
+        chunk = sock.recv(4096)
+        assert chunk, f"the stream closed before its first event: {seen!r}"
+        seen += chunk
+    sock.close()
+    wait_until(lambda: any(gate.folder.glob("stopped-*")), "the model saw is_cancelled() and stopped")
+    with Client(server.id) as client:  # the worker serves the next request
+        results = [int(r["T"][0]) for r in client.stream("ticker", {"N": np.array([1], np.int32)},
+                                                         parameters={"count": 3})]
+    assert results == [0, 1, 2]
+    cross_arenas(server, gate)
+
+
+def test_local_client_cancel_and_timeout(server, tmp_path):
+    gate = Gate(tmp_path / "gate")
+    x = {"X": np.array([7], np.int32)}
+    with Client(server.id, arena_bytes=1 << 20) as client:
+        running = client.infer_async("held", x, request_id="running", parameters={"gate": gate.param})
+        gate.wait_started(1)
+        queued = client.infer_async("held", x, request_id="queued", parameters={"gate": gate.param})
+        wait_pending(server, "held", 2)
+        assert queued.cancel()  # queued: it never runs
+        assert running.cancel()  # running: its model sees is_cancelled() and returns
+        wait_until(lambda: (gate.folder / "saw-cancel-running").exists(), "the running model saw the cancel")
+        # A caller's deadline cancels the same way.
+        with pytest.raises(InferenceServerError) as e:
+            client.infer("held", x, request_id="late", parameters={"gate": gate.param}, client_timeout=2.0)
+        assert e.value.status == 504
+        wait_until(lambda: (gate.folder / "saw-cancel-late").exists(), "the model saw the caller's deadline")
+        gate.open()
+        assert int(client.infer("held", x, parameters={"gate": gate.param})["Y"][0]) == 7
+        assert len(gate.started()) == 3, "the cancelled queued request ran"  # running, late, the last one
+        # A stream's cancel() stops its model.
+        stream_gate = Gate(tmp_path / "stream")
+        responses = client.stream("ticker", {"N": np.array([1], np.int32)}, parameters={"gate": stream_gate.param})
+        assert int(next(responses)["T"][0]) == 0
+        responses.cancel()
+        wait_until(lambda: any(stream_gate.folder.glob("stopped-*")), "the streaming model stopped")
+        for i in range(60):  # the client's own arena (1 MiB) and the worker's, crossed as in cross_arenas
+            big = np.full(12_000, i, np.int32)
+            assert int(client.infer("held", {"X": big}, parameters={"gate": gate.param})["Y"][-1]) == i
+    assert pending_requests(server, "held") == 0
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["exec", "async_exec"])
+def test_bls_stream_iterator_cancel_stops_the_callee(server, tmp_path, use_async):
+    gate = Gate(tmp_path / "gate")
+    client = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        n = httpclient.InferInput("N", [1], "INT32")
+        n.set_data_from_numpy(np.array([1], np.int32))
+        result = client.infer("ticker_caller", [n], parameters={"gate": gate.param, "async": use_async})
+    finally:
+        client.close()
+    assert int(result.as_numpy("READ")[0]) == 1
+    wait_until(lambda: any(gate.folder.glob("stopped-*")), "the callee saw is_cancelled() and stopped")
+    with Client(server.id) as local:
+        assert len(list(local.stream("ticker", {"N": np.array([1], np.int32)}, parameters={"count": 2}))) == 2
+    cross_arenas(server, gate)
+
+
+def test_a_request_cancelled_in_the_brokers_queue_is_dropped_there(server, tmp_path):
+    gate = Gate(tmp_path / "gate")
+    x = {"X": np.array([[5]], np.int32)}
+    with Client(server.id) as client:
+        running = [client.infer_async("held_pair", x, parameters={"gate": gate.param}) for _ in range(2)]
+        gate.wait_started(2)
+        queued = client.infer_async("held_pair", x, parameters={"gate": gate.param})
+        wait_pending(server, "held_pair", 3)
+        assert queued.cancel()
+        # Answered by the broker at once, while both instances still run: no longer pending.
+        wait_until(lambda: pending_requests(server, "held_pair") == 2, "the broker dropped the cancelled request",
+                   timeout=30)
+        gate.open()
+        assert [int(f.result(60)["Y"][0][0]) for f in running] == [5, 5]
+        assert int(client.infer("held_pair", x, parameters={"gate": gate.param})["Y"][0][0]) == 5
+    assert len(gate.started()) == 3, "the cancelled request ran"
+    assert pending_requests(server, "held_pair") == 0
+    assert cancelled_count(server, "held_pair") == 1
