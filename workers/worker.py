@@ -376,8 +376,7 @@ class Worker:
             raise DecoupledOnly()  # reached through the broker
         on_device = frozenset(o["name"] for o in wanted if "cuda" in o) if wanted else frozenset()
         # (inputs, requested_outputs, id, correlation_id, flags, parameters, sender, device_outputs, cancel):
-        # by position,
-        # a dataclass is built in half the time
+        # by position, a dataclass is built in half the time
         return Request(inputs, names, entry.get("id", ""), entry.get("corr", 0), entry.get("flags", 0),
                        entry.get("params") or {}, sender, on_device, CancelFlag(client, entry["slot"]))
 
