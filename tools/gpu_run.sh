@@ -9,7 +9,7 @@
 #   4. tools/bench_cudashm.py: a 64 MiB identity through CUDA shm, host path and device path
 #                                                                                  -> $OUT/cudashm.json
 #   5. tools/bench_gpu.py: ResNet-50 through HTTP and the local client vs torch alone, with one and
-#      with two instances (GPU_BENCH_INSTANCES, default "1 2")
+#      with two instances (GPU_BENCH_INSTANCES, default "1 2"; empty: no bench)
 #                                    -> $OUT/bench-gpu-N.json, $OUT/bench.log, $OUT/server.log
 # About 4 minutes when all goes well; at most 8 when every phase runs into its limit.
 # A phase that overruns gets SIGINT first, so pytest's fixtures and the bench stop their servers.
@@ -139,7 +139,7 @@ if [ -z "${GPU_RUN_DRY:-}" ]; then
 fi
 
 echo "== bench"
-for n in ${GPU_BENCH_INSTANCES:-1 2}; do
+for n in ${GPU_BENCH_INSTANCES-1 2}; do
     timeout -s INT -k 20 130 "$PY" -m shmserve.tools.bench_gpu "${BENCH[@]}" --instances "$n" \
         --json "$OUT/bench-gpu-$n.json" --server-log "$OUT/server.log" 2>&1 | tee -a "$OUT/bench.log"
     rc[bench$n]=$?
