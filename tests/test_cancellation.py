@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from shmserve.server.frontend.asgi import WATCH_AFTER_S
 from conftest import TESTS, pending_requests, wait_pending, wait_until
 from gates import Gate
 from shmserve import Client
@@ -68,7 +70,10 @@ def raw_post(server, path: str, body: dict) -> socket.socket:
 
 def frontend_barrier(server) -> None:
     """A request through the (one) frontend after a disconnect: its loop has run since, so it has
-    seen the connection close and cancelled what was in flight on it."""
+    seen the connection close and cancelled what was in flight on it. The frontend watches a
+    connection only once its answer is late (``WATCH_AFTER_S``): that long first, so the watch has
+    begun before the requests that the barrier's answers follow."""
+    time.sleep(2 * WATCH_AFTER_S)
     for _ in range(2):
         assert server.http_status("/v2/health/ready") == 200
 

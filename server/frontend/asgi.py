@@ -35,6 +35,10 @@ def infer_target(path: str) -> tuple[str, str] | None:
     return None
 
 
+# How long an answer may take before the connection is watched for the client leaving.
+WATCH_AFTER_S = 0.01
+
+
 class FrontendApp:
     """Plain ASGI in front of Starlette (see the module's docstring)."""
 
@@ -83,7 +87,7 @@ class FrontendApp:
             sent = inference.finish_ingest(model, version, headers, body, reply)
         else:
             sent = await inference.start_when_room(model, version, headers, body, reply, trace)
-        if sent is not None and not fut.done() and not await answered_or_gone(fut, receive):
+        if sent is not None and not fut.done() and not await answered_or_gone(fut, receive, loop):
             inference.link.cancel(sent)  # the client went away; the answer is freed when it comes
             return
         status, out, out_headers = await fut
@@ -103,10 +107,19 @@ class FrontendApp:
         self.tracer.finish(trace)
 
 
-async def answered_or_gone(fut: asyncio.Future, receive: Any) -> bool:
-    """Wait for the answer while watching the connection: False if the client disconnected
-    first. (With the whole body read, uvicorn's ``receive`` returns only at a disconnect, or
-    once the response is sent.)"""
+async def answered_or_gone(fut: asyncio.Future, receive: Any, loop: asyncio.AbstractEventLoop) -> bool:
+    """Wait for the answer; False if the client disconnected first. The connection is watched
+    only once the answer is late (``WATCH_AFTER_S``): a quick answer costs a timer, not a task
+    (the watch cost 34 µs of server CPU per add_sub request at 4 clients). A client that leaves
+    sooner has its answer freed unsent. (With the whole body read, uvicorn's ``receive`` returns
+    only at a disconnect, or once the response is sent.)"""
+    late = loop.create_future()
+    timer = loop.call_later(WATCH_AFTER_S, _resolve, late)
+    fut.add_done_callback(lambda _: _resolve(late))
+    await late
+    timer.cancel()
+    if fut.done():
+        return True
     gone = asyncio.ensure_future(receive())
     try:
         await asyncio.wait((fut, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -114,6 +127,11 @@ async def answered_or_gone(fut: asyncio.Future, receive: Any) -> bool:
         if not gone.done():
             gone.cancel()
     return fut.done() or gone.result().get("type") != "http.disconnect"
+
+
+def _resolve(f: asyncio.Future) -> None:
+    if not f.done():
+        f.set_result(None)
 
 
 async def read_infer_body(inference: Inference, model: str, version: str, headers: dict[bytes, bytes],
