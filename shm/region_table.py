@@ -80,7 +80,9 @@ EVERY_REGION = "*"  # a worker's holds when the names do not fit their area: eve
 def read_holds(area: Published) -> dict[str, int]:
     """What a worker published (``workers/region_holds.py``): region name (or ``EVERY_REGION``)
     -> the oldest table generation its unfinished lane requests naming it started under."""
-    _, raw = area.read(attempts=1000)
+    gen, raw = area.read(attempts=1000)
+    if gen < 0:  # caught mid-write (the worker preempted): hold everything until the next look
+        return {EVERY_REGION: 0}
     return orjson.loads(raw) if raw else {}
 
 

@@ -86,8 +86,11 @@ class Stream:
         return next(self._results)
 
     def cancel(self) -> None:
-        self._results.close()  # a reader inside it stops (its ``finally`` closes the events)
-        self._events.close()  # one that never started: cancelled and freed here
+        self._events.close()  # cancels the request and frees what is queued and what still comes
+        try:
+            self._results.close()  # a reader inside it stops (its ``finally`` closes the events too)
+        except ValueError:  # the generator is running on another thread (``async for`` in an executor)
+            pass
 
     def close(self) -> None:
         """As for a generator: the same as ``cancel``."""

@@ -81,7 +81,10 @@ class CancelFlag:
         self.slot = slot
 
     def is_set(self) -> bool:
-        return self.client.cancelled(self.slot)
+        try:
+            return self.client.cancelled(self.slot)
+        except (ValueError, OSError, TypeError):  # its client left and its segment is unmapped
+            return True
 
 
 @dataclasses.dataclass

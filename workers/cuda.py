@@ -18,6 +18,7 @@ import functools
 import glob
 import importlib.util
 import os
+import threading
 
 from .devices import cuda_device_count
 
@@ -83,6 +84,7 @@ class CudaRuntime:
         self._lib = lib
         self._lib.cudaGetErrorString.restype = ctypes.c_char_p
         self._opened: dict[tuple[bytes, int], int] = {}
+        self._lock = threading.Lock()  # a model's own threads (async decoupled execute) open handles too
 
     def _check(self, code: int, what: str) -> None:
         if code != 0:
@@ -111,20 +113,19 @@ class CudaRuntime:
     def open(self, handle: bytes, device: int) -> int:
         """Device pointer of the memory behind an IPC handle (opened once, kept until ``close_unlisted``)."""
         key = (handle, device)
-        ptr = self._opened.get(key)
-        if ptr is None:
-            ptr = self._opened[key] = self._open_on(handle, device)
-        return ptr
-
-    def opened(self) -> set[bytes]:
-        return {handle for handle, _ in self._opened}
+        with self._lock:
+            ptr = self._opened.get(key)
+            if ptr is None:
+                ptr = self._opened[key] = self._open_on(handle, device)
+            return ptr
 
     def close_unlisted(self, registered: set[bytes]) -> int:
         """Close the mappings of handles no longer registered; how many were closed."""
-        gone = [key for key in self._opened if key[0] not in registered]
-        for key in gone:
-            self._lib.cudaIpcCloseMemHandle(ctypes.c_void_p(self._opened.pop(key)))
-        return len(gone)
+        with self._lock:
+            gone = [key for key in self._opened if key[0] not in registered]
+            for key in gone:
+                self._lib.cudaIpcCloseMemHandle(ctypes.c_void_p(self._opened.pop(key)))
+            return len(gone)
 
     def to_host(self, dst: memoryview, ptr: int) -> None:
         buf = (ctypes.c_char * len(dst)).from_buffer(dst)
@@ -133,9 +134,6 @@ class CudaRuntime:
     def to_device(self, ptr: int, src: bytes | memoryview) -> None:
         data = bytes(src)
         self._check(self._lib.cudaMemcpy(ctypes.c_void_p(ptr), data, ctypes.c_size_t(len(data)), _H2D), "cudaMemcpy")
-
-    def close_all(self) -> None:
-        self.close_unlisted(set())
 
 
 @functools.lru_cache(maxsize=1)

@@ -17,6 +17,8 @@ import numpy as np
 
 from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes
 
+from . import device_tensors
+
 START, END = 1, 2
 _KINDS = {"CONTROL_SEQUENCE_START": "start", "CONTROL_SEQUENCE_READY": "ready",
           "CONTROL_SEQUENCE_END": "end", "CONTROL_SEQUENCE_CORRID": "corrid"}
@@ -131,10 +133,18 @@ class SequenceSupport:
         saved = self.memory.setdefault(corr, {})
         for _, out_name, _ in self.states:
             if out_name in outputs:
-                saved[out_name] = np.array(outputs[out_name], copy=True)
+                value = outputs[out_name]  # (a GPU model's state output is a device tensor)
+                saved[out_name] = device_tensors.host_array(value) if device_tensors.is_tensor(value) \
+                    else np.array(value, copy=True)
                 if out_name not in requested:
                     del outputs[out_name]
         if flags & END:
+            self.memory.pop(corr, None)
+
+    def skip(self, corr: Any, flags: int) -> None:
+        """A request of the sequence that does not run (it was cancelled): its START still begins
+        the sequence afresh and its END still ends it, so no state outlives it."""
+        if flags & (START | END):
             self.memory.pop(corr, None)
 
     def forget(self, corrs: list[Any]) -> None:

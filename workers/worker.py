@@ -298,13 +298,17 @@ class Worker:
             try:
                 client = self._client(entry["client"])
                 if client.cancelled(entry["slot"]):  # its owner gave up while it waited: never run
+                    if self.sequence is not None:
+                        self.sequence.skip(entry.get("corr", 0), entry.get("flags", 0))
                     self._answer_error(entry, CANCELLED_STATUS, cancelled_error(entry.get("id", "")))
-                    self.stats.cancelled()
+                    with self.stream_lock:  # (a model's own threads count finished streams meanwhile)
+                        self.stats.cancelled()
                     continue
                 live.append((entry, self._build_request(entry, client)))
             except (RequestError, ValueError, OSError, posix_ipc.Error, CudaError) as e:
                 self._answer_error(entry, e.status if isinstance(e, RequestError) else 400, str(e))
-                self.stats.rejected()
+                with self.stream_lock:
+                    self.stats.rejected()
         built = executed = time.monotonic_ns()
         ok: list[bool] = []
         raised = False

@@ -134,7 +134,8 @@ class _Collector:
         self.cpu = CpuSampler(opts.interval_ms / 1000.0)
         # NVML sees every GPU; the server's own mask says which ones it reports, as Triton
         mask = os.environ.get("CUDA_VISIBLE_DEVICES")
-        self.gpu = GpuSampler(opts.interval_ms / 1000.0, mask) if opts.gpu else None
+        # (only where metrics are served: NVML and the CUDA driver are not loaded for nothing)
+        self.gpu = GpuSampler(opts.interval_ms / 1000.0, mask) if opts.gpu and opts.port > 0 else None
 
     def collect(self) -> Iterator[Metric]:
         rows = self.source.rows()

@@ -179,14 +179,14 @@ class Frontend:
     # -- inference ------------------------------------------------------------------------------
     async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes
                     ) -> tuple[int, bytes | memoryview, Headers]:
-        """``Inference.start`` as a coroutine."""
+        """``Inference.start_when_room`` as a coroutine."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def reply(status: int, out: bytes | memoryview, out_headers: Headers) -> None:
             if not fut.done():
                 fut.set_result((status, out, out_headers))
 
-        self.inference.start(model, version, headers, body, reply)
+        await self.inference.start_when_room(model, version, headers, body, reply)
         return await fut
 
     # -- generate extension ---------------------------------------------------------------------

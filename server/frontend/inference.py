@@ -93,10 +93,11 @@ class Inference:
         self.max_request_bytes = arena_bytes - (64 << 10)
 
     def start(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes, reply: Reply,
-              trace: Trace | None = None) -> Sent | None:
+              trace: Trace | None = None, received: int = 0) -> Sent | None:
         """Parse and submit one inference; ``reply`` runs on the loop when it is answered.
-        Returns the request as sent (None: refused, answered already or soon)."""
-        received = time.monotonic_ns()  # the request's duration in the statistics starts here
+        Returns the request as sent (None: refused, answered already or soon). ``received``: when
+        the request came in (its duration in the statistics starts there), if not now."""
+        received = received or time.monotonic_ns()
         try:
             if len(body) > self.max_input_bytes:
                 raise too_large(len(body), self.max_input_bytes)
@@ -131,9 +132,10 @@ class Inference:
         in one piece (a block held ahead of it comes back within moments): a 503 then would refuse
         a request the server can take. A full arena (overload) is still refused at once."""
         deadline = time.monotonic() + ARENA_WAIT_S
+        received = time.monotonic_ns()  # a wait for room counts in the request's duration
         while True:
             try:
-                return self.start(model, version, headers, body, reply, trace)
+                return self.start(model, version, headers, body, reply, trace, received)
             except ArenaWait as e:
                 if time.monotonic() > deadline:
                     reply(*error_answer(e.status, str(e)))

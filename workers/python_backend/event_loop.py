@@ -9,6 +9,7 @@ responses reach the clients through the requests' senders, from the loop's threa
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from typing import Any, Awaitable, Callable
@@ -57,7 +58,7 @@ class EventLoop:
             return
         try:
             asyncio.run_coroutine_threadsafe(_drain(), loop).result(DRAIN_TIMEOUT_S)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # (not the builtin TimeoutError before Python 3.11)
             log.warning("coroutines of execute() still running after %.0f s; stopping the loop", DRAIN_TIMEOUT_S)
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
