@@ -241,3 +241,51 @@ def test_model_infer_on_a_decoupled_model_is_unimplemented(gclient):
     err = _error(lambda: gclient.infer("word_stream", [t]))
     assert err.status() == "StatusCode.UNIMPLEMENTED"
     assert err.message() == "ModelInfer RPC doesn't support models with decoupled transaction policy"
+
+
+# -- streaming ----------------------------------------------------------------------------------
+
+def _stream(gserver, requests: list[tuple[str, list, dict]]) -> list:
+    """Send each (model, inputs, keyword arguments) on one stream; the results and errors that
+    came back, in order, once the stream is closed (which waits for every answer)."""
+    import queue
+
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(gserver.grpc_url) as c:
+        c.start_stream(callback=lambda result, error: got.put(error if error is not None else result))
+        for model, inputs, kw in requests:
+            c.async_stream_infer(model, inputs, **kw)
+        c.stop_stream()
+    return [got.get_nowait() for _ in range(got.qsize())]
+
+
+def _words(text: str) -> list:
+    t = grpcclient.InferInput("text_input", [1], "BYTES")
+    t.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+    return [t]
+
+
+def test_stream_a_decoupled_model(gserver):
+    results = _stream(gserver, [("word_stream", _words("one two three"), {"enable_empty_final_response": True})])
+    assert all(not isinstance(r, Exception) for r in results), results
+    words = [r.as_numpy("text_output").tolist() for r in results[:-1]]
+    assert words == [[b"one"], [b"two"], [b"three"]]
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    assert finals == [False, False, False, True]
+    assert len(results[-1].get_response().outputs) == 0  # the empty final response asked for
+
+
+def test_stream_without_empty_final_and_a_plain_model(gserver):
+    a = np.arange(16, dtype=np.int32)
+    results = _stream(gserver, [("word_stream", _words("x y"), {}), ("add_sub", _add_sub_inputs(a, a), {})])
+    assert [r.as_numpy("text_output").tolist() for r in results[:2]] == [[b"x"], [b"y"]]
+    np.testing.assert_array_equal(results[2].as_numpy("OUTPUT0"), a + a)
+    assert results[2].get_response().parameters["triton_final_response"].bool_param
+
+
+def test_stream_errors_come_as_error_messages(gserver):
+    a = np.arange(16, dtype=np.int32)
+    results = _stream(gserver, [("no_such_model", _add_sub_inputs(a, a), {}), ("add_sub", _add_sub_inputs(a, a), {})])
+    assert isinstance(results[0], InferenceServerException)
+    assert "no_such_model" in results[0].message()
+    np.testing.assert_array_equal(results[1].as_numpy("OUTPUT1"), a - a)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 import grpc
+from tritonclient.grpc import service_pb2 as pb
 
 from shmserve.server.frontend.codec import BadRequest, build_request
 from shmserve.server.frontend.inference import ARENA_WAIT_S
@@ -47,6 +48,68 @@ class GrpcInference:
 
     async def infer(self, request: Any) -> Any:
         """The ``ModelInferResponse`` of ``request``; raises ``Aborted`` for an error answer."""
+        doc, req, chunks = await self._build(request)
+        completion = await self._submit(req, chunks, request.model_name)
+        try:
+            result = completion.doc()
+            if completion.status != 200:
+                error = result.get("error", "inference failed")
+                raise Aborted(code_of(completion.status), GRPC_DECOUPLED if error == HTTP_DECOUPLED else error)
+            return infer_response(request.model_name, str(result.get("version", request.model_version)), doc,
+                                  result, completion.tensor)
+        finally:
+            completion.release()
+
+    async def decoupled(self, model: str, version: str) -> bool:
+        """Whether the model is decoupled (False when the broker cannot say: the request's own
+        answer then says why)."""
+        try:
+            status, config = await self.link.control({"op": "model_config", "model": model, "version": version})
+        except BrokerError:
+            return False
+        return status == 200 and bool((config.get("model_transaction_policy") or {}).get("decoupled"))
+
+    async def stream(self, request: Any, decoupled: bool) -> AsyncIterator[Any]:
+        """The ``ModelStreamInferResponse`` messages of one request on a stream: each response as
+        it comes (a decoupled model's many, another model's one), errors in ``error_message``.
+        A response sent with the final flag carries ``triton_final_response`` true, the others
+        false; a final flag without a response sends an empty response only when the request
+        asks for it (``triton_enable_empty_final_response``), as Triton does. A model that is not
+        ``decoupled`` answers once: that response is the final one."""
+        try:
+            doc, req, chunks = await self._build(request)
+            events = self.link.stream(req, chunks)
+        except Aborted as e:
+            yield pb.ModelStreamInferResponse(error_message=str(e))
+            return
+        except BrokerError as e:
+            yield pb.ModelStreamInferResponse(error_message=str(e))
+            return
+        empty_final = bool(doc["parameters"].get("triton_enable_empty_final_response"))
+        try:
+            final = False
+            while not final:
+                final, completion, _ = await events.events.get()
+                try:
+                    result = completion.doc()
+                    if completion.status != 200:
+                        message = pb.ModelStreamInferResponse(error_message=result.get("error", "inference failed"))
+                    elif final and not result.get("outputs") and (not empty_final or not decoupled):
+                        message = None
+                    else:
+                        response = infer_response(request.model_name, str(result.get("version", "")), doc, result,
+                                                  completion.tensor)
+                        response.parameters["triton_final_response"].bool_param = final or not decoupled
+                        message = pb.ModelStreamInferResponse(infer_response=response)
+                finally:
+                    completion.release()
+                if message is not None:
+                    yield message
+        finally:
+            events.close()  # the stream ended or the client went away: free what still comes
+
+    async def _build(self, request: Any) -> tuple[dict, dict, list]:
+        """The KServe document, the descriptor and its tensor chunks; a refusal raises ``Aborted``."""
         received = time.monotonic_ns()
         model, version = request.model_name, request.model_version
         try:
@@ -59,15 +122,7 @@ class GrpcInference:
         except BadRequest as e:
             raise await self._refusal(model, version, e) from None
         req["t"] = received
-        completion = await self._submit(req, chunks, model)
-        try:
-            result = completion.doc()
-            if completion.status != 200:
-                error = result.get("error", "inference failed")
-                raise Aborted(code_of(completion.status), GRPC_DECOUPLED if error == HTTP_DECOUPLED else error)
-            return infer_response(model, str(result.get("version", version)), doc, result, completion.tensor)
-        finally:
-            completion.release()
+        return doc, req, chunks
 
     async def _submit(self, req: dict, chunks: list, model: str) -> Completion:
         """Send the request, waiting up to ``ARENA_WAIT_S`` for room in a fragmented arena (as

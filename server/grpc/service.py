@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from typing import Any, NoReturn
+from typing import Any, AsyncIterator, NoReturn
 
 import grpc
 from google.protobuf import json_format
@@ -201,6 +201,19 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             return await self.inference.infer(request)
         except Aborted as e:
             await context.abort(e.code, str(e))
+
+
+    async def ModelStreamInfer(self, request_iterator: Any, context: Context) -> AsyncIterator[Any]:
+        """Requests on one stream are answered in the order they come, each to its end before
+        the next starts (so a sequence's requests reach the model in order). Whether a model is
+        decoupled is asked once per model and stream."""
+        decoupled: dict[tuple[str, str], bool] = {}
+        async for request in request_iterator:
+            key = (request.model_name, request.model_version)
+            if key not in decoupled:
+                decoupled[key] = await self.inference.decoupled(*key)
+            async for message in self.inference.stream(request, decoupled[key]):
+                yield message
 
 
 async def _abort(context: Context, status: int, message: str) -> NoReturn:
