@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer these endpoint groups only for requests with header KEY: VALUE (else 403); "
                         "groups: health, metadata, inference, shared-memory, model-config, model-repository, "
                         "statistics, trace, logging; repeatable, as Triton's")
+    add_bool(p, "--allow-grpc", True, "serve Triton's gRPC protocol (GRPCInferenceService) beside HTTP (default true)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
+    p.add_argument("--grpc-address", default="0.0.0.0", help="address the gRPC server binds (default 0.0.0.0)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
     add_bool(p, "--allow-metrics", True,
              "serve Prometheus metrics (default true)")
@@ -156,7 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.strict_model_config = args.strict_model_config or args.disable_auto_complete_config
     if args.metrics_address is None:
         args.metrics_address = args.http_address  # as Triton's
-    for flag in ("http_port", "metrics_port"):
+    for flag in ("http_port", "metrics_port", "grpc_port"):
         if not 0 <= getattr(args, flag) <= 65535:
             parser.error(f"--{flag.replace('_', '-')} must be a port number")
     try:

@@ -50,14 +50,14 @@ def _check_previous(server_id: str) -> None:
         log.warning("removed %d shared-memory object(s) left by a previous server '%s'", removed, server_id)
 
 
-def _bind(address: str, port: int) -> socket.socket:
+def _bind(address: str, port: int, protocol: str = "HTTP") -> socket.socket:
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((address, port))
     except OSError as e:
-        sys.stderr.write(f"shmserve: error: cannot bind HTTP to {address}:{port}: {e.strerror}\n")
+        sys.stderr.write(f"shmserve: error: cannot bind {protocol} to {address}:{port}: {e.strerror}\n")
         sys.exit(1)
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -107,21 +107,42 @@ class Launcher:
         return subprocess.Popen([sys.executable, "-m", "shmserve.server.frontend", orjson.dumps(spec)],
                                 pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL)
 
+    def _start_grpc(self) -> subprocess.Popen:
+        """The gRPC frontend: one process, binding its own port (grpcio takes no inherited socket)."""
+        spec = {"server_id": self.sid, "address": self.args.grpc_address, "port": self.args.grpc_port,
+                "arena_bytes": self.args.frontend_arena_mb << 20, "allow_remote_shm": self.args.allow_remote_shm,
+                "exit_timeout_s": self.args.exit_timeout_secs, "max_inflight": self.args.http_max_inflight,
+                "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
+                "log": log_settings(self.args)}
+        return subprocess.Popen([sys.executable, "-m", "shmserve.server.grpc", orjson.dumps(spec)],
+                                stdin=subprocess.DEVNULL)
+
+    def _start_child(self, index: int) -> subprocess.Popen:
+        """Frontend ``index``: the HTTP ones first, then the gRPC one."""
+        if index < self.args.http_workers:
+            return self._start_frontend(index)
+        return self._start_grpc()
+
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stopping = True
 
     def run(self) -> int:
         _check_previous(self.sid)
         self.sock = _bind(self.args.http_address, self.args.http_port)
+        if self.args.allow_grpc:  # a busy port is a one-line error here too, not a restart loop
+            _bind(self.args.grpc_address, self.args.grpc_port, "gRPC").close()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         code = 0
         try:
             self.broker = self._start_broker()
-            self.frontends = [self._start_frontend(i) for i in range(self.args.http_workers)]
+            count = self.args.http_workers + (1 if self.args.allow_grpc else 0)
+            self.frontends = [self._start_child(i) for i in range(count)]
             self.log_follower = logs.BrokerSettings(self.sid)  # run-time changes (POST /v2/logging) here too
             log.info("shmserve '%s' serving HTTP on %s:%d with %d frontend(s)", self.sid, self.args.http_address,
-                     self.args.http_port, len(self.frontends))
+                     self.args.http_port, self.args.http_workers)
+            if self.args.allow_grpc:
+                log.info("shmserve '%s' serving gRPC on %s:%d", self.sid, self.args.grpc_address, self.args.grpc_port)
             code = self._supervise()
         finally:
             self._stop_all()
@@ -159,7 +180,7 @@ class Launcher:
                     log.error("frontend #%d died (exit code %s); restarting it in %.1f s", i, fe.returncode, delay)
                     frontend_restarts[i] += 1
                     time.sleep(delay)
-                    self.frontends[i] = self._start_frontend(i)
+                    self.frontends[i] = self._start_child(i)
                     frontend_since[i] = time.monotonic()
         return 0
 

@@ -3,7 +3,7 @@
 Operators arrive with ``tritonserver`` command lines: a flag shmserve does not know must neither
 stop the server with a usage error nor be dropped in silence. Each flag here is accepted under
 Triton's exact spelling; ``notices`` says at start, by name, what it does here, and refuses only
-what cannot be honoured (``--allow-http=false``: HTTP is the only network protocol served).
+what cannot be honoured (``--allow-http=false``: the HTTP frontend cannot be turned off).
 """
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import argparse
 import logging
 from typing import Callable
 
-# gRPC is not served yet: Triton's gRPC flags, by name; True where the flag is a boolean.
+# Triton's gRPC flags that the gRPC frontend does not act on yet, by name; True where the flag is
+# a boolean (--allow-grpc, --grpc-port and --grpc-address are cli.py's own).
 GRPC_FLAGS: dict[str, bool] = {
-    "--allow-grpc": True, "--grpc-address": False, "--grpc-port": False, "--grpc-header-forward-pattern": False,
+    "--grpc-header-forward-pattern": False,
     "--grpc-infer-allocation-pool-size": False, "--grpc-max-response-pool-size": False, "--grpc-use-ssl": True,
     "--grpc-use-ssl-mutual": True, "--grpc-server-cert": False, "--grpc-server-key": False,
     "--grpc-root-cert": False, "--grpc-infer-response-compression-level": False, "--grpc-keepalive-time": False,
@@ -42,7 +43,7 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
     p.add_argument("--metrics-address", default=None, metavar="ADDR",
                    help="address the metrics server binds (default: --http-address, as Triton's)")
     add_bool(p, "--allow-http", True,
-             "serve HTTP (default true); false is refused, HTTP being the only network protocol served")
+             "serve HTTP (default true); false is refused: the HTTP frontend cannot be turned off")
     p.add_argument("--model-load-thread-count", type=int, default=None, metavar="N",
                    help="accepted for Triton's command lines; every instance loads in a process of its own, "
                         "all at once, so the count has no effect")
@@ -50,7 +51,7 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
                    help="Triton's backend settings: accepted, and each one named in a warning at start, "
                         "since none applies to shmserve's backends; repeatable")
     for flag, is_bool in GRPC_FLAGS.items():
-        help_text = "gRPC is not served yet: accepted, with a warning naming it"
+        help_text = "not acted on by the gRPC frontend yet: accepted, with a warning naming it"
         if is_bool:
             add_bool(p, flag, None, help_text)  # None: not given
         else:
@@ -72,8 +73,8 @@ def backend_settings(items: list[str]) -> list[tuple[str, str, str]]:
 def notices(args: argparse.Namespace) -> list[tuple[int, str]]:
     """(log level, line) for each of these flags given; ValueError for what is refused."""
     if not args.allow_http:
-        raise ValueError("--allow-http=false: HTTP is the only network protocol shmserve serves (gRPC is not "
-                         "served yet); local programs reach the server through shared memory beside it")
+        raise ValueError("--allow-http=false: HTTP is the only network protocol that cannot be turned off in "
+                         "shmserve; gRPC (--allow-grpc) and local programs through shared memory are served beside it")
     if args.model_load_thread_count is not None and args.model_load_thread_count < 1:
         raise ValueError("--model-load-thread-count must be at least 1")
     out: list[tuple[int, str]] = []
@@ -83,10 +84,9 @@ def notices(args: argparse.Namespace) -> list[tuple[int, str]]:
         out.append((logging.WARNING, f"--backend-config {named}={value} is not supported and has no effect: {why}"))
     for flag in GRPC_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is None or (flag == "--allow-grpc" and value is False):
+        if value is None:
             continue
-        out.append((logging.WARNING, f"{flag} has no effect: gRPC is not served yet (HTTP only, on "
-                                     f"{args.http_address}:{args.http_port})"))
+        out.append((logging.WARNING, f"{flag} has no effect: the gRPC frontend does not act on it yet"))
     if args.model_load_thread_count is not None:
         out.append((logging.INFO, f"--model-load-thread-count {args.model_load_thread_count}: every model "
                                   f"instance loads in a process of its own, all at once; the count has no effect"))

@@ -178,6 +178,7 @@ class Server:
         self.id = server_id or new_server_id()
         self.port = http_port or free_port()
         self.metrics_port = free_port()
+        self.grpc_port = free_port()
         self.extra_args = list(extra_args)
         self.log_path = log_dir / f"server-{self.id}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
@@ -186,6 +187,10 @@ class Server:
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
 
     @property
     def pid(self) -> int:
@@ -197,7 +202,8 @@ class Server:
         for r in self.repos:
             cmd += ["--model-repository", r]
         cmd += ["--http-address", "127.0.0.1", "--http-port", str(self.port),
-                "--metrics-port", str(self.metrics_port), "--id", self.id, *self.extra_args]
+                "--metrics-port", str(self.metrics_port), "--grpc-address", "127.0.0.1",
+                "--grpc-port", str(self.grpc_port), "--id", self.id, *self.extra_args]
         return cmd
 
     def start(self) -> "Server":

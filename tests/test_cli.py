@@ -83,10 +83,11 @@ def test_repository_flag_required():
     (["--repository-poll-secs", "-1"], "--repository-poll-secs"),
     (["--repository-poll-secs", "often"], "--repository-poll-secs"),
     (["--allow-http=false"], "--allow-http=false: HTTP is the only network protocol"),
+    (["--grpc-port", "70000"], "--grpc-port"),
     (["--model-load-thread-count", "0"], "--model-load-thread-count must be at least 1"),
     (["--backend-config", "python"], "--backend-config 'python': expected [<backend>,]<setting>=<value>"),
 ], ids=["port-text", "port-range", "workers-0", "bool", "choice", "id", "load-model-without-explicit", "poll-us-range",
-        "poll-us-text", "repository-poll-secs-range", "repository-poll-secs-text", "allow-http-false",
+        "poll-us-text", "repository-poll-secs-range", "repository-poll-secs-text", "allow-http-false", "grpc-port-range",
         "load-thread-count-0", "backend-config-no-setting"])
 def test_bad_flag_values(tmp_path, args, needle):
     _assert_one_line_error(run_cli("--model-repository", str(tmp_path), *args), needle)
@@ -102,6 +103,18 @@ def test_busy_port_is_a_one_line_error(server, tmp_path):
     assert lines[0].startswith("shmserve: error:") and str(server.port) in lines[0], lines
     assert shm_entries(busy_id) == []
     assert server.client().is_server_ready()
+
+
+def test_busy_grpc_port_is_a_one_line_error(server, tmp_path):
+    busy_id = f"{server.id}busyg"
+    r = run_cli("--model-repository", str(tmp_path), "--http-address", "127.0.0.1", "--http-port", str(free_port()),
+                "--grpc-address", "127.0.0.1", "--grpc-port", str(server.grpc_port),
+                "--metrics-port", str(free_port()), "--id", busy_id)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("shmserve: error: cannot bind gRPC") and str(server.grpc_port) in lines[0], lines
+    assert shm_entries(busy_id) == []
 
 
 # -- process titles --------------------------------------------------------------------------------
@@ -122,6 +135,7 @@ def test_process_titles(server):
     assert {"shmserve worker sleeper v1 #0 cpu", "shmserve worker sleeper v1 #1 cpu"} <= set(workers)
     assert f"shmserve broker {server.id}" in titles
     assert f"shmserve frontend {server.id} #0" in titles
+    assert f"shmserve grpc {server.id}" in titles
     assert cmdline(server.pid) == f"shmserve launcher {server.id}"
 
 

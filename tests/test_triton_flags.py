@@ -45,28 +45,42 @@ def test_triton_flags_start_the_server_and_are_named(server_factory, tmp_path):
         "--model-load-thread-count", "4", "--allow-http=true",
         "--backend-config", "python,shm-default-byte-size=1048576", "--backend-config", "default-max-batch-size=8",
         "--backend-config", "pytorch,no-such-setting=1",
-        "--allow-grpc", "--grpc-port", "8001", "--grpc-address", "0.0.0.0", "--grpc-use-ssl=false",
-        "--grpc-infer-allocation-pool-size", "8"])
+        "--grpc-use-ssl=false", "--grpc-infer-allocation-pool-size", "8"])
     log = s.log()
     for line in [
         "--backend-config python,shm-default-byte-size=1048576 is not supported and has no effect",
         "--backend-config default-max-batch-size=8 is not supported and has no effect",
         "--backend-config pytorch,no-such-setting=1 is not supported and has no effect",
-        "--allow-grpc has no effect: gRPC is not served yet",
-        "--grpc-port has no effect: gRPC is not served yet",
-        "--grpc-address has no effect: gRPC is not served yet",
-        "--grpc-use-ssl has no effect: gRPC is not served yet",
-        "--grpc-infer-allocation-pool-size has no effect: gRPC is not served yet",
+        "--grpc-use-ssl has no effect: the gRPC frontend does not act on it yet",
+        "--grpc-infer-allocation-pool-size has no effect: the gRPC frontend does not act on it yet",
         "--model-load-thread-count 4: every model instance loads in a process of its own",
     ]:
         assert line in log, line
     assert s.client().is_server_ready()
 
 
-def test_allow_grpc_false_is_silent(server_factory, tmp_path):
+def test_allow_grpc_false_serves_no_grpc(server_factory, tmp_path):
     s = server_factory.start([_empty_repo(tmp_path)], ["--allow-grpc=false"])
     assert s.client().is_server_ready()
     assert "gRPC" not in s.log()
+    assert not any(t.startswith("shmserve grpc ") for t in s.titles().values())
+
+
+def test_grpc_port_and_address_are_served(server_factory, tmp_path):
+    s = server_factory.start([_empty_repo(tmp_path)])  # conftest passes --grpc-address and a free --grpc-port
+    assert f"serving gRPC on 127.0.0.1:{s.grpc_port}" in s.log()
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(s.grpc_url) as c:
+        s.wait_until(lambda: _grpc_live(c), "serving gRPC")
+    assert [t for t in s.titles().values() if t.startswith("shmserve grpc ")] == [f"shmserve grpc {s.id}"]
+
+
+def _grpc_live(client) -> bool:
+    try:
+        return client.is_server_live()
+    except Exception:  # noqa: BLE001 - not listening yet
+        return False
 
 
 def test_metrics_address_binds_the_metrics_server_there(server_factory, tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from typing import Any, AsyncIterator
 
@@ -27,33 +26,17 @@ from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from .generate import EventStream, build_generate_request, generate_response
 from .inference import Headers, Inference
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
+from .metadata import EXTENSIONS, is_loopback
 from .openapi import openapi_endpoint
 from .settings import logging_endpoint
 from .tracing import Tracer, trace_endpoint
 
 log = logging.getLogger("shmserve.frontend")
-EXTENSIONS = ["classification", "binary_tensor_data", "model_configuration", "system_shared_memory",
-              "cuda_shared_memory", "generate", "sequence", "schedule_policy", "model_repository",
-              "model_repository(unload_dependents)", "parameters", "statistics", "logging", "trace"]
 JSON = "application/json"
 
 
 def json_response(doc: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(doc), status_code=status, media_type=JSON)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a peer address is this host. A server bound to ``::`` sees IPv4 clients as
-    IPv4-mapped addresses (``::ffff:127.0.0.1``), which are loopback when the IPv4 one is."""
-    if host == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])  # drop an IPv6 zone (``fe80::1%eth0``)
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
 
 
 def error_response(status: int, message: str) -> Response:

@@ -1,0 +1,76 @@
+"""gRPC frontend entry point: ``python -m shmserve.server.grpc '<spec JSON>'`` (started by the
+launcher when ``--allow-grpc`` is true).
+
+grpcio's asyncio server on the standard asyncio loop (grpc.aio does not run on uvloop), with
+Triton's message limit of 2 GiB - 1 each way instead of gRPC's 4 MiB default. SIGTERM stops it
+gracefully within ``--exit-timeout-secs``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+import orjson
+from grpc_health.v1 import health_pb2_grpc
+from tritonclient.grpc import service_pb2_grpc
+
+from shmserve.server.frontend.link import BrokerLink
+from shmserve.shm import heap, logs
+from shmserve.shm.names import set_title
+
+from .health import HealthService
+from .infer import GrpcInference
+from .service import InferenceService
+
+log = logging.getLogger("shmserve.grpc")
+MAX_MESSAGE_BYTES = (1 << 31) - 1  # Triton's limit
+TICK_S = 0.5  # how often the broker's published log settings are followed
+
+
+async def serve(spec: dict) -> int:
+    link = BrokerLink(spec["server_id"], spec["arena_bytes"], spec["max_inflight"], spec["poll_us"])
+    inference = GrpcInference(link, spec["max_tensor_elements"], spec["arena_bytes"])
+    service = InferenceService(spec["server_id"], link, inference, spec["allow_remote_shm"])
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), server)
+    address = f"{spec['address']}:{spec['port']}" if ":" not in spec["address"] else \
+        f"[{spec['address']}]:{spec['port']}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as e:
+        log.error("cannot bind gRPC to %s: %s", address, e)
+        return 1
+    await server.start()
+    log.info("serving gRPC on %s", address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes made through any frontend
+    while not stop.is_set():
+        log_settings.check()
+        try:
+            await asyncio.wait_for(stop.wait(), TICK_S)
+        except asyncio.TimeoutError:
+            pass
+    await server.stop(spec.get("exit_timeout_s", 30))
+    link.close()
+    return 0
+
+
+def main() -> int:
+    spec = orjson.loads(sys.argv[1])
+    heap.keep_large_buffers()
+    set_title(f"shmserve grpc {spec['server_id']}")
+    logs.configure(spec.get("log") or {})
+    return asyncio.run(serve(spec))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

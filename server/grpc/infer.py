@@ -1,0 +1,164 @@
+"""ModelInfer's path: a ``ModelInferRequest`` to the broker link and its answer back.
+
+The request becomes codec.py's descriptor through the KServe document (tensors.py), goes out with
+``BrokerLink.submit`` like an HTTP request, and its completion becomes a ``ModelInferResponse``.
+A client that cancels the call cancels the request (``BrokerLink.cancel``); its answer is freed
+when it comes.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+
+from shmserve.server.frontend.codec import BadRequest, build_request
+from shmserve.server.frontend.inference import ARENA_WAIT_S
+from shmserve.server.frontend.link import ArenaWait, BrokerError, BrokerLink, Sent
+from shmserve.shm.completion import Completion
+from shmserve.shm.protocol import REQ_INFER
+
+from .status import code_of
+from .tensors import infer_response, request_doc
+
+
+# The worker refuses a single-answer request to a decoupled model in the HTTP frontend's words;
+# over gRPC Triton says it in these.
+HTTP_DECOUPLED = "HTTP end point doesn't support models with decoupled transaction policy"
+GRPC_DECOUPLED = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+
+
+class Aborted(Exception):
+    """A request answered with an error status: (gRPC code, message)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class GrpcInference:
+    """One gRPC frontend's inference requests, on its broker link."""
+
+    def __init__(self, link: BrokerLink, max_tensor_elements: int, arena_bytes: int) -> None:
+        self.link = link
+        self.max_tensor_elements = max_tensor_elements
+        self.max_request_bytes = arena_bytes - (64 << 10)  # as Inference: what can never fit the arena
+
+    async def infer(self, request: Any) -> Any:
+        """The ``ModelInferResponse`` of ``request``; raises ``Aborted`` for an error answer."""
+        doc, req, chunks = await self._build(request)
+        completion = await self._submit(req, chunks, request.model_name)
+        try:
+            result = completion.doc()
+            if completion.status != 200:
+                error = result.get("error", "inference failed")
+                raise Aborted(code_of(completion.status), GRPC_DECOUPLED if error == HTTP_DECOUPLED else error)
+            return infer_response(request.model_name, str(result.get("version", request.model_version)), doc,
+                                  result, completion.tensor)
+        finally:
+            completion.release()
+
+    async def decoupled(self, model: str, version: str) -> bool:
+        """Whether the model is decoupled (False when the broker cannot say: the request's own
+        answer then says why)."""
+        try:
+            status, config = await self.link.control({"op": "model_config", "model": model, "version": version})
+        except BrokerError:
+            return False
+        return status == 200 and bool((config.get("model_transaction_policy") or {}).get("decoupled"))
+
+    async def stream(self, request: Any, decoupled: bool) -> AsyncIterator[Any]:
+        """The ``ModelStreamInferResponse`` messages of one request on a stream: each response as
+        it comes (a decoupled model's many, another model's one), errors in ``error_message``.
+        A response sent with the final flag carries ``triton_final_response`` true, the others
+        false; a final flag without a response sends an empty response only when the request
+        asks for it (``triton_enable_empty_final_response``), as Triton does. A model that is not
+        ``decoupled`` answers once: that response is the final one."""
+        try:
+            doc, req, chunks = await self._build(request)
+            events = self.link.stream(req, chunks)
+        except Aborted as e:
+            yield pb.ModelStreamInferResponse(error_message=str(e))
+            return
+        except BrokerError as e:
+            yield pb.ModelStreamInferResponse(error_message=str(e))
+            return
+        empty_final = bool(doc["parameters"].get("triton_enable_empty_final_response"))
+        try:
+            final = False
+            while not final:
+                final, completion, _ = await events.events.get()
+                try:
+                    result = completion.doc()
+                    if completion.status != 200:
+                        message = pb.ModelStreamInferResponse(error_message=result.get("error", "inference failed"))
+                    elif final and not result.get("outputs") and (not empty_final or not decoupled):
+                        message = None
+                    else:
+                        response = infer_response(request.model_name, str(result.get("version", "")), doc, result,
+                                                  completion.tensor)
+                        response.parameters["triton_final_response"].bool_param = final or not decoupled
+                        message = pb.ModelStreamInferResponse(infer_response=response)
+                finally:
+                    completion.release()
+                if message is not None:
+                    yield message
+        finally:
+            events.close()  # the stream ended or the client went away: free what still comes
+
+    async def _build(self, request: Any) -> tuple[dict, dict, list]:
+        """The KServe document, the descriptor and its tensor chunks; a refusal raises ``Aborted``."""
+        received = time.monotonic_ns()
+        model, version = request.model_name, request.model_version
+        try:
+            doc, pieces = request_doc(request)
+            req, chunks = build_request(model, version, doc, pieces, self.max_tensor_elements)  # type: ignore[arg-type]
+            size = sum(len(c) for c in chunks)
+            if size > self.max_request_bytes:
+                raise BadRequest(f"the request's {size} bytes of tensor data exceed the frontend's shared-memory "
+                                 f"arena (--frontend-arena-mb); send large tensors through shared memory")
+        except BadRequest as e:
+            raise await self._refusal(model, version, e) from None
+        req["t"] = received
+        return doc, req, chunks
+
+    async def _submit(self, req: dict, chunks: list, model: str) -> Completion:
+        """Send the request, waiting up to ``ARENA_WAIT_S`` for room in a fragmented arena (as
+        ``Inference.start_when_room``), and await its completion."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def resolve(completion: Completion) -> None:
+            if fut.done():  # the call was cancelled: nobody reads this answer
+                completion.release()
+            else:
+                fut.set_result(completion)
+
+        deadline = time.monotonic() + ARENA_WAIT_S
+        while True:
+            try:
+                sent: Sent = self.link.submit(REQ_INFER, req, chunks, resolve, model=model)
+                break
+            except ArenaWait as e:
+                if time.monotonic() > deadline:
+                    raise Aborted(code_of(e.status), str(e)) from None
+            except BrokerError as e:
+                raise Aborted(code_of(e.status), str(e)) from None
+            await asyncio.sleep(0.001)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            BrokerLink.cancel(sent)  # the client cancelled the call or went away
+            raise
+
+    async def _refusal(self, model: str, version: str, e: BadRequest) -> Aborted:
+        """The error of a request refused here: the model's own 404 or 503 first, as Triton looks
+        the model up before the tensors (``Inference._refuse`` for HTTP)."""
+        try:
+            status, answer = await self.link.control({"op": "model_metadata", "model": model, "version": version})
+        except BrokerError:
+            status, answer = 200, {}
+        if status in (404, 503):
+            return Aborted(code_of(status), answer.get("error", str(e)))
+        return Aborted(code_of(e.status), str(e))

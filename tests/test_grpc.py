@@ -1,0 +1,291 @@
+"""The gRPC frontend against a real server with tritonclient.grpc: every RPC served, inference
+with raw and typed tensors and through shared memory, and Triton's status codes for errors."""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.utils.shared_memory as shm
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from conftest import PRODUCT_MODELS, TEST_MODELS
+
+MODELS = ["add_sub", "identity_all", "word_stream"]
+
+
+@pytest.fixture(scope="module")
+def gserver(module_factory):
+    args = ["--model-control-mode=explicit"]
+    for m in MODELS:
+        args += ["--load-model", m]
+    return module_factory.start([PRODUCT_MODELS, TEST_MODELS], args)
+
+
+@pytest.fixture(scope="module")
+def gclient(gserver):
+    c = grpcclient.InferenceServerClient(gserver.grpc_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def stub(gserver):
+    channel = grpc.insecure_channel(gserver.grpc_url)
+    yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    channel.close()
+
+
+def _add_sub_inputs(a: np.ndarray, b: np.ndarray) -> list:
+    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    return inputs
+
+
+def _error(call) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    return info.value
+
+
+# -- health and metadata ------------------------------------------------------------------------
+
+def test_health_and_readiness(gserver, gclient):
+    assert gclient.is_server_live()
+    assert gclient.is_server_ready()
+    assert gclient.is_model_ready("add_sub")
+    assert not gclient.is_model_ready("no_such_model")
+    with grpc.insecure_channel(gserver.grpc_url) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_server_and_model_metadata_match_http(gserver, gclient):
+    meta = gclient.get_server_metadata()
+    http = gserver.client().get_server_metadata()
+    assert meta.name == gserver.id == http["name"]
+    assert list(meta.extensions) == http["extensions"]
+    model = gclient.get_model_metadata("add_sub", as_json=True)
+    assert model["name"] == "add_sub" and model["versions"] == ["1"]
+    assert [(t["name"], t["datatype"], t["shape"]) for t in model["inputs"]] == \
+        [("INPUT0", "INT32", ["16"]), ("INPUT1", "INT32", ["16"])]
+
+
+def test_model_config_is_the_protobuf(gclient):
+    config = gclient.get_model_config("add_sub").config
+    assert config.name == "add_sub" and config.backend == "python"
+    assert [(i.name, list(i.dims)) for i in config.input] == [("INPUT0", [16]), ("INPUT1", [16])]
+    assert config.input[0].data_type == grpcclient.model_config_pb2.TYPE_INT32
+    decoupled = gclient.get_model_config("word_stream").config
+    assert decoupled.model_transaction_policy.decoupled
+
+
+def test_statistics_count_grpc_inferences(gclient):
+    a = np.arange(16, dtype=np.int32)
+    gclient.infer("add_sub", _add_sub_inputs(a, a))
+    stats = gclient.get_inference_statistics("add_sub", as_json=True)["model_stats"]
+    assert stats[0]["name"] == "add_sub" and int(stats[0]["inference_count"]) >= 1
+    assert int(stats[0]["inference_stats"]["success"]["count"]) >= 1
+
+
+def test_repository_index_load_and_unload(gclient):
+    index = {m.name: m for m in gclient.get_model_repository_index().models}
+    assert index["add_sub"].state == "READY"
+    assert "digits" in index and index["digits"].state == ""
+    gclient.unload_model("identity_all")
+    assert not gclient.is_model_ready("identity_all")
+    gclient.load_model("identity_all")
+    assert gclient.is_model_ready("identity_all")
+    err = _error(lambda: gclient.load_model("no_such_model"))
+    assert err.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_log_and_trace_settings(gclient):
+    settings = gclient.get_log_settings(as_json=True)["settings"]
+    assert "log_info" in settings and "log_verbose_level" in settings
+    changed = gclient.update_log_settings({"log_verbose_level": 1}, as_json=True)["settings"]
+    assert int(changed["log_verbose_level"]["uint32_param"]) == 1
+    gclient.update_log_settings({"log_verbose_level": 0})
+    trace = gclient.get_trace_settings(as_json=True)["settings"]
+    assert trace["trace_level"]["value"] == ["OFF"]
+
+
+# -- inference ----------------------------------------------------------------------------------
+
+def test_add_sub_raw(gclient):
+    a = np.arange(16, dtype=np.int32)
+    b = np.full(16, 3, dtype=np.int32)
+    result = gclient.infer("add_sub", _add_sub_inputs(a, b), request_id="r1",
+                           outputs=[grpcclient.InferRequestedOutput("OUTPUT0"),
+                                    grpcclient.InferRequestedOutput("OUTPUT1")])
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    response = result.get_response()
+    assert response.id == "r1" and response.model_name == "add_sub" and response.model_version == "1"
+
+
+def test_add_sub_typed_contents(stub):
+    request = service_pb2.ModelInferRequest(model_name="add_sub")
+    for name, values in (("INPUT0", range(16)), ("INPUT1", [2] * 16)):
+        t = request.inputs.add(name=name, datatype="INT32", shape=[16])
+        t.contents.int_contents.extend(values)
+    response = stub.ModelInfer(request)
+    out = {o.name: np.frombuffer(raw, dtype=np.int32) for o, raw in zip(response.outputs,
+                                                                        response.raw_output_contents)}
+    np.testing.assert_array_equal(out["OUTPUT0"], np.arange(16) + 2)
+    np.testing.assert_array_equal(out["OUTPUT1"], np.arange(16) - 2)
+
+
+@pytest.mark.parametrize("datatype,field,values,dtype", [
+    ("BOOL", "bool_contents", [True, False, True, True], np.bool_),
+    ("INT8", "int_contents", [-128, 0, 5, 127], np.int8),
+    ("UINT16", "uint_contents", [0, 1, 65535, 7], np.uint16),
+    ("INT64", "int64_contents", [-(1 << 63), 0, 1, (1 << 63) - 1], np.int64),
+    ("UINT64", "uint64_contents", [0, 1, (1 << 64) - 1, 9], np.uint64),
+    ("FP32", "fp32_contents", [0.5, -1.25, 3.0, 1e30], np.float32),
+    ("FP64", "fp64_contents", [0.1, -2.5, 1e300, 0.0], np.float64),
+])
+def test_typed_contents_every_numeric_datatype(stub, datatype, field, values, dtype):
+    request = service_pb2.ModelInferRequest(model_name="identity_all")
+    t = request.inputs.add(name=f"IN_{datatype}", datatype=datatype, shape=[2, 2])
+    getattr(t.contents, field).extend(values)
+    response = stub.ModelInfer(request)
+    assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [(f"OUT_{datatype}", datatype, [2, 2])]
+    np.testing.assert_array_equal(np.frombuffer(response.raw_output_contents[0], dtype=dtype),
+                                  np.array(values, dtype=dtype))
+
+
+def test_typed_bytes_contents(gclient, stub):
+    request = service_pb2.ModelInferRequest(model_name="identity_all")
+    t = request.inputs.add(name="IN_BYTES", datatype="BYTES", shape=[1, 3])
+    t.contents.bytes_contents.extend([b"a", b"", b"\xffz"])
+    response = stub.ModelInfer(request)
+    result = grpcclient.InferResult(response)
+    assert result.as_numpy("OUT_BYTES").tolist() == [[b"a", b"", b"\xffz"]]
+
+
+def test_parameters_and_sequence_fields_reach_the_server(gclient):
+    a = np.ones(16, dtype=np.int32)
+    result = gclient.infer("add_sub", _add_sub_inputs(a, a), priority=1, timeout=10_000_000,
+                           parameters={"note": "x"})
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+
+
+def test_system_shared_memory_inference(gserver, gclient):
+    a = np.arange(16, dtype=np.int32)
+    b = np.full(16, 5, dtype=np.int32)
+    key = f"/grpc_test_{gserver.id}"
+    handle = shm.create_shared_memory_region("grpc_region", key, 128)
+    try:
+        shm.set_shared_memory_region(handle, [a, b])
+        gclient.register_system_shared_memory("grpc_region", key, 128)
+        status = gclient.get_system_shared_memory_status(as_json=True)["regions"]
+        assert status["grpc_region"]["key"] == key and int(status["grpc_region"]["byte_size"]) == 128
+        inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
+        inputs[0].set_shared_memory("grpc_region", 64, 0)
+        inputs[1].set_shared_memory("grpc_region", 64, 64)
+        out0 = grpcclient.InferRequestedOutput("OUTPUT0")
+        out0.set_shared_memory("grpc_region", 64, 0)  # the answer overwrites INPUT0's bytes
+        out1 = grpcclient.InferRequestedOutput("OUTPUT1")
+        result = gclient.infer("add_sub", inputs, outputs=[out0, out1])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+        assert result.get_output("OUTPUT0").parameters["shared_memory_region"].string_param == "grpc_region"
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.int32, [16], 0), a + b)
+        gclient.unregister_system_shared_memory("grpc_region")
+        assert gclient.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
+        err = _error(lambda: gclient.get_system_shared_memory_status("grpc_region"))
+        assert err.status() == "StatusCode.NOT_FOUND"
+        assert err.message() == "Unable to find system shared memory region: 'grpc_region'"
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_cuda_shared_memory_status_and_unregister(gclient):
+    assert gclient.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
+    gclient.unregister_cuda_shared_memory()
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+def test_unknown_model_is_not_found_with_the_http_message(gserver, gclient):
+    a = np.arange(16, dtype=np.int32)
+    err = _error(lambda: gclient.infer("no_such_model", _add_sub_inputs(a, a)))
+    assert err.status() == "StatusCode.NOT_FOUND"
+    with pytest.raises(Exception) as http_err:
+        gserver.client().get_model_metadata("no_such_model")
+    assert err.message() == http_err.value.message()
+    for call in (lambda: gclient.get_model_metadata("no_such_model"),
+                 lambda: gclient.get_model_config("no_such_model")):
+        assert _error(call).status() == "StatusCode.NOT_FOUND"
+
+
+def test_bad_input_is_invalid_argument(gclient):
+    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
+    inputs[0].set_data_from_numpy(np.zeros(16, dtype=np.int32))
+    inputs[1].set_data_from_numpy(np.zeros(16, dtype=np.int32))
+    inputs[1]._raw_content = b"\0" * 12  # fewer bytes than the shape declares
+    err = _error(lambda: gclient.infer("add_sub", inputs))
+    assert err.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "input byte size mismatch for input 'INPUT1' for model 'add_sub'. Expected 64, got 12" in err.message()
+    wrong = [grpcclient.InferInput("NOPE", [16], "INT32")]
+    wrong[0].set_data_from_numpy(np.zeros(16, dtype=np.int32))
+    assert _error(lambda: gclient.infer("add_sub", wrong)).status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_model_infer_on_a_decoupled_model_is_unimplemented(gclient):
+    t = grpcclient.InferInput("text_input", [1], "BYTES")
+    t.set_data_from_numpy(np.array([b"a b"], dtype=np.object_))
+    err = _error(lambda: gclient.infer("word_stream", [t]))
+    assert err.status() == "StatusCode.UNIMPLEMENTED"
+    assert err.message() == "ModelInfer RPC doesn't support models with decoupled transaction policy"
+
+
+# -- streaming ----------------------------------------------------------------------------------
+
+def _stream(gserver, requests: list[tuple[str, list, dict]]) -> list:
+    """Send each (model, inputs, keyword arguments) on one stream; the results and errors that
+    came back, in order, once the stream is closed (which waits for every answer)."""
+    import queue
+
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(gserver.grpc_url) as c:
+        c.start_stream(callback=lambda result, error: got.put(error if error is not None else result))
+        for model, inputs, kw in requests:
+            c.async_stream_infer(model, inputs, **kw)
+        c.stop_stream()
+    return [got.get_nowait() for _ in range(got.qsize())]
+
+
+def _words(text: str) -> list:
+    t = grpcclient.InferInput("text_input", [1], "BYTES")
+    t.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+    return [t]
+
+
+def test_stream_a_decoupled_model(gserver):
+    results = _stream(gserver, [("word_stream", _words("one two three"), {"enable_empty_final_response": True})])
+    assert all(not isinstance(r, Exception) for r in results), results
+    words = [r.as_numpy("text_output").tolist() for r in results[:-1]]
+    assert words == [[b"one"], [b"two"], [b"three"]]
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    assert finals == [False, False, False, True]
+    assert len(results[-1].get_response().outputs) == 0  # the empty final response asked for
+
+
+def test_stream_without_empty_final_and_a_plain_model(gserver):
+    a = np.arange(16, dtype=np.int32)
+    results = _stream(gserver, [("word_stream", _words("x y"), {}), ("add_sub", _add_sub_inputs(a, a), {})])
+    assert [r.as_numpy("text_output").tolist() for r in results[:2]] == [[b"x"], [b"y"]]
+    np.testing.assert_array_equal(results[2].as_numpy("OUTPUT0"), a + a)
+    assert results[2].get_response().parameters["triton_final_response"].bool_param
+
+
+def test_stream_errors_come_as_error_messages(gserver):
+    a = np.arange(16, dtype=np.int32)
+    results = _stream(gserver, [("no_such_model", _add_sub_inputs(a, a), {}), ("add_sub", _add_sub_inputs(a, a), {})])
+    assert isinstance(results[0], InferenceServerException)
+    assert "no_such_model" in results[0].message()
+    np.testing.assert_array_equal(results[1].as_numpy("OUTPUT1"), a - a)
