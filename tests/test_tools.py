@@ -79,6 +79,34 @@ def test_the_server_tree_is_found_by_its_port(server):
     assert proc_cpu.server_tree(free_port()) == []
 
 
+def test_the_grpc_port_finds_the_whole_server_tree(server):
+    """The gRPC process binds its own port below the launcher: by that port the tree is still
+    the launcher's, broker and workers included, so its CPU per request is the server's."""
+    tree = proc_cpu.server_tree(server.grpc_port)
+    assert tree == proc_cpu.server_tree(server.port)
+    titles = [cmdline(p) for p in tree]
+    assert server.pid in tree
+    assert any(t.startswith(f"shmserve grpc {server.id}") for t in titles), titles
+    assert any(t.startswith(f"shmserve broker {server.id}") for t in titles), titles
+
+
+def test_paired_measures_grpc_targets(server, tmp_path):
+    out = tmp_path / "paired-grpc.json"
+    run = subprocess.run(
+        [PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.3",
+         "--warmup", "0.05", "--target", f"http={server.url}", "--target", f"grpc=grpc:{server.grpc_url}",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert [s["target"] for s in result["slices"]] == ["http", "grpc"]
+    for s in result["slices"]:
+        assert s["rps"] > 0 and s["p50_us"] > 0, s
+        assert s["server_cpu_us"] > 0, s  # found by the gRPC port too
+    assert result["costs"]["grpc"]["server_cpu_us"] > 0
+    assert "grpc / http: throughput" in run.stdout
+
+
 def test_waits_for_a_core_are_read_from_schedstat():
     """Two processes that never block, pinned to one core, each wait for it about half the time."""
     assert proc_cpu.WAITS_KNOWN == os.path.exists(f"/proc/{os.getpid()}/schedstat")
@@ -102,6 +130,10 @@ def test_paired_refuses_bad_targets():
     run = subprocess.run([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--target", "a=127.0.0.1:1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "needs two targets" in run.stderr
+    run = subprocess.run([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--shm", "system",
+                          "--target", "a=127.0.0.1:1", "--target", "b=grpc:127.0.0.1:2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--shm system is for HTTP and local targets" in run.stderr
 
 
 def test_paired_stopped_by_sigterm_takes_its_client_processes_along(server):

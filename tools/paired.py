@@ -9,9 +9,12 @@ of those ratios is the figure; their spread shows how far the host moved.
     python -m shmserve.tools.paired --model add_sub --clients 4 \\
         --target triton=127.0.0.1:18000 --target shmserve=127.0.0.1:18600 --target local=local:myid
 
-Each target is ``NAME=HOST:PORT`` (KServe v2 over HTTP with ``tritonclient``, loopback only) or
-``NAME=local:SERVER_ID`` (shmserve's local client library). Both servers stay up for the whole
-run; an idle one costs next to nothing. Ratios are reported against the first target.
+Each target is ``NAME=HOST:PORT`` (KServe v2 over HTTP with ``tritonclient``, loopback only),
+``NAME=grpc:HOST:PORT`` (Triton's GRPCInferenceService with ``tritonclient.grpc``, tensors as raw
+binary contents, loopback only) or ``NAME=local:SERVER_ID`` (shmserve's local client library).
+The server CPU per request is read for the process tree that listens on an HTTP or gRPC target's
+port. Both servers stay up for the whole run; an idle one costs next to nothing. Ratios are
+reported against the first target.
 """
 from __future__ import annotations
 
@@ -39,16 +42,21 @@ SETUP_TIMEOUT_S = 120.0
 @dataclass(frozen=True)
 class Target:
     name: str
-    kind: str  # "http" or "local"
+    kind: str  # "http", "grpc" or "local"
     address: str  # host:port, or the server id
 
 
 def parse_target(text: str) -> Target:
     name, sep, address = text.partition("=")
     if not sep or not name or not address:
-        raise SystemExit(f"bad --target {text!r}; expected NAME=HOST:PORT or NAME=local:SERVER_ID")
+        raise SystemExit(f"bad --target {text!r}; expected NAME=HOST:PORT, NAME=grpc:HOST:PORT "
+                         "or NAME=local:SERVER_ID")
     if address.startswith("local:"):
         return Target(name, "local", address[len("local:"):])
+    kind, _, rest = address.partition(":")
+    if kind == "grpc":
+        bench_http.require_loopback(rest)
+        return Target(name, "grpc", rest)
     bench_http.require_loopback(address)
     return Target(name, "http", address)
 
@@ -83,6 +91,23 @@ def _http_caller(target: Target, model: str, specs: tuple[bench_http.TensorSpec,
     return (lambda: client.infer(model, inputs, outputs=wanted)), close
 
 
+def _grpc_caller(target: Target, model: str, specs: tuple[bench_http.TensorSpec, ...],
+                 outputs: tuple[bench_http.TensorSpec, ...], seed: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Tensors as raw binary contents of the request and response messages (what
+    ``set_data_from_numpy`` sends over gRPC)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(target.address)
+    rng = np.random.default_rng(seed)
+    inputs = []
+    for spec in specs:
+        inp = grpcclient.InferInput(spec.name, list(spec.shape), spec.datatype)
+        inp.set_data_from_numpy(bench_http.random_array(spec, rng))
+        inputs.append(inp)
+    wanted = [grpcclient.InferRequestedOutput(o.name) for o in outputs]
+    return (lambda: client.infer(model, inputs, outputs=wanted, client_timeout=120.0)), client.close
+
+
 def _local_caller(target: Target, model: str, specs: tuple[bench_http.TensorSpec, ...],
                   seed: int, shm: bool) -> tuple[Callable[[], None], Callable[[], None]]:
     """The local client; with ``shm`` the inputs live in a region the client created, so they
@@ -104,8 +129,12 @@ def client_main(targets: list[Target], model: str, specs: tuple[bench_http.Tenso
     callers: list[tuple[Callable[[], None], Callable[[], None]]] = []
     try:
         for t in targets:
-            callers.append(_http_caller(t, model, specs, outputs, index, shm) if t.kind == "http"
-                           else _local_caller(t, model, specs, index, shm))
+            if t.kind == "http":
+                callers.append(_http_caller(t, model, specs, outputs, index, shm))
+            elif t.kind == "grpc":
+                callers.append(_grpc_caller(t, model, specs, outputs, index))
+            else:
+                callers.append(_local_caller(t, model, specs, index, shm))
         parent = os.getppid()
         while True:
             try:
@@ -231,8 +260,9 @@ def measure(targets: list[Target], model: str, specs: tuple[bench_http.TensorSpe
 
 
 def server_processes(target: Target) -> list[int]:
-    """The process tree of an HTTP target's server (by its listening port); none for a local one."""
-    return proc_cpu.server_tree(int(target.address.rsplit(":", 1)[1])) if target.kind == "http" else []
+    """The process tree of an HTTP or gRPC target's server (by its listening port); none for a
+    local one."""
+    return proc_cpu.server_tree(int(target.address.rsplit(":", 1)[1])) if target.kind != "local" else []
 
 
 def costs(targets: list[Target], slices: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -253,11 +283,15 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
 
 def resolve_specs(targets: list[Target], model: str, overrides: dict[str, tuple[int, ...]]
                   ) -> tuple[tuple[bench_http.TensorSpec, ...], tuple[bench_http.TensorSpec, ...]]:
-    """Input and output specs from the first HTTP target's metadata (else the local client's);
-    outputs with -1 dims take their shape from one request (shm regions need their size)."""
+    """Input and output specs from the first HTTP target's metadata (else the first gRPC
+    target's, else the local client's); outputs with -1 dims take their shape from one request
+    (shm regions need their size)."""
     http = next((t for t in targets if t.kind == "http"), None)
+    grpc_target = next((t for t in targets if t.kind == "grpc"), None)
     if http is not None:
         meta = bench_http.fetch_metadata(http.address, model, "")
+    elif grpc_target is not None:
+        meta = grpc_metadata(grpc_target.address, model)
     else:
         from shmserve.shm.client import Client
 
@@ -270,13 +304,26 @@ def resolve_specs(targets: list[Target], model: str, overrides: dict[str, tuple[
     return inputs, outputs
 
 
+def grpc_metadata(address: str, model: str) -> dict[str, Any]:
+    """Model metadata over gRPC, shaped as the HTTP answer (the JSON form of the message spells
+    int64 dims as strings)."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(address) as client:
+        if not client.is_model_ready(model):
+            raise SystemExit(f"model {model!r} is not ready at {address}")
+        meta = client.get_model_metadata(model, as_json=True)
+    return {key: [{"name": e["name"], "datatype": e["datatype"], "shape": [int(d) for d in e["shape"]]}
+                  for e in meta.get(key, [])] for key in ("inputs", "outputs")}
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shmserve.tools.paired", description=__doc__.splitlines()[0])
-    p.add_argument("--target", action="append", required=True, metavar="NAME=HOST:PORT|NAME=local:ID",
+    p.add_argument("--target", action="append", required=True, metavar="NAME=HOST:PORT|NAME=grpc:HOST:PORT|NAME=local:ID",
                    help="an endpoint (at least two; the first is the baseline)")
     p.add_argument("--model", required=True)
     p.add_argument("--clients", type=int, default=1, help="client processes, each in a closed loop")
@@ -293,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = [parse_target(t) for t in args.target]
     if len(targets) < 2 or args.clients < 1 or args.pairs < 1 or args.slice <= 0 or args.warmup < 0:
         p.error("needs two targets or more, --clients >= 1, --pairs >= 1, --slice > 0, --warmup >= 0")
+    if args.shm == "system" and any(t.kind == "grpc" for t in targets):
+        p.error("--shm system is for HTTP and local targets; gRPC targets send raw binary contents")
     specs, outputs = resolve_specs(targets, args.model, bench_http.parse_overrides(args.shape_override))
     print(f"# {args.model}, {args.clients} client(s), {args.pairs} pairs of {args.slice:g} s slices per target"
           f"{', shm regions' if args.shm == 'system' else ''}")

@@ -3,8 +3,9 @@
 On a machine where the clients share the cores with the server, throughput is bounded by the CPU
 that one request costs everybody: the clients' part, the server's part and the cores left idle.
 ``tools.paired`` reads the server's part here, for the whole process tree that listens on the
-target's port (shmserve's launcher, broker, workers and frontends; tritonserver and its Python
-stubs), and the idle share of the machine, around each slice.
+target's port (shmserve's launcher, broker, workers and frontends, whether the port is the HTTP
+or the gRPC one; tritonserver and its Python stubs), and the idle share of the machine, around
+each slice.
 
 It also reads how long the processes were runnable but waited for a core (``run_delay`` of
 ``/proc/<pid>/task/<tid>/schedstat``). That tells two regimes apart that the CPU figures alone do
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from shmserve.tools.harness import descendants, stat_fields
+from shmserve.tools.harness import cmdline, descendants, stat_fields
 
 _TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
@@ -68,7 +69,8 @@ def _listening_inodes(port: int) -> set[str]:
 
 def server_tree(port: int) -> list[int]:
     """The processes of the server listening on ``port``: the topmost holder of the listening
-    socket and all its descendants; empty if none can be seen (another user's, or no listener)."""
+    socket (or the shmserve launcher above it) and all its descendants; empty if none can be seen
+    (another user's, or no listener)."""
     wanted = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
     if not wanted:
         return []
@@ -86,8 +88,14 @@ def server_tree(port: int) -> list[int]:
     for pid in holders:
         fields = stat_fields(pid)
         if fields is not None and int(fields[1]) not in holders:
-            roots.append(pid)
+            roots.append(_server_root(pid, int(fields[1])))
     return sorted({p for root in roots for p in (root, *descendants(root))})
+
+
+def _server_root(holder: int, parent: int) -> int:
+    """shmserve's gRPC process binds its own port (grpcio takes no inherited socket), one level
+    below the launcher that holds the HTTP socket: its server is the launcher's whole tree."""
+    return parent if cmdline(parent).startswith("shmserve launcher ") else holder
 
 
 def usage(pids: list[int]) -> Usage:
@@ -115,7 +123,6 @@ def usage(pids: list[int]) -> Usage:
         total += Usage(int(fields[11]) * _TICK_US, int(fields[12]) * _TICK_US, voluntary, involuntary,
                        waited_ns / 1e3)
     return total
-
 
 
 def machine_ticks() -> tuple[int, int]:

@@ -10,8 +10,9 @@
 # processes, identity 16 MiB with its input in a client region), to compare with Triton's HTTP.
 # 'paired' then starts both servers together and runs tools.paired: the same client processes
 # alternate between them in 2 s slices (add_sub 1 and 4 clients over HTTP and the local client,
-# identity 16 MiB in the body and through shm regions, mlp 8 clients), which keeps the host's
-# fast and slow phases out of the ratios. An idle server costs the other next to nothing.
+# identity 16 MiB in the body and through shm regions, mlp 8 clients; then the gRPC endpoints,
+# Triton's on 18001 and ours on 18601: add_sub 1 and 4 clients, identity 16 MiB), which keeps the
+# host's fast and slow phases out of the ratios. An idle server costs the other next to nothing.
 # BASELINE=/path/to/another/checkout (with its own .venv) adds that shmserve to the paired runs as
 # target 'before' (port 18700), to compare two versions of shmserve against Triton in one run.
 set -euo pipefail
@@ -25,6 +26,7 @@ mkdir -p "$OUT"
 what=${*:-add_sub identity mlp local ready paired}
 
 wait_ready() { for _ in $(seq 600); do curl -sf "localhost:$1/v2/health/ready" >/dev/null && return 0; sleep 0.2; done; return 1; }
+wait_port() { for _ in $(seq 600); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.2; done; return 1; }
 
 run_bench() {  # name port metrics-port
   local name=$1 port=$2 B="$PY -m shmserve.tools.bench_http --url 127.0.0.1:$2 --duration $DURATION --warmup 2 --repeat $REPEAT"
@@ -48,7 +50,7 @@ if [[ " $what " =~ \ (add_sub|identity|mlp|local)\  ]]; then  # each server alon
   while pgrep -x tritonserver >/dev/null; do sleep 0.5; done
 
   echo "== shmserve"
-  setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --id sbs \
+  setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --grpc-port=18601 --id sbs \
     > "$OUT/shmserve.log" 2>&1 < /dev/null &
   pid=$!
   wait_ready 18600
@@ -65,13 +67,13 @@ if [[ " $what " == *" ready "* ]]; then
   echo "== time to ready, 7 models"
   $PY -m shmserve.tools.time_to_ready --models 7 --url 127.0.0.1:18000 -- ../shared/tools/reference-triton {repo} | tee "$OUT/triton-ready.txt"
   $PY -m shmserve.tools.time_to_ready --models 7 --url 127.0.0.1:18600 -- \
-    .venv/bin/shmserve --model-repository={repo} --http-port=18600 --metrics-port=18602 --id sbsready | tee "$OUT/shmserve-ready.txt"
+    .venv/bin/shmserve --model-repository={repo} --http-port=18600 --metrics-port=18602 --grpc-port=18601 --id sbsready | tee "$OUT/shmserve-ready.txt"
 fi
 
 if [[ " $what " == *" paired "* ]]; then
   echo "== paired: both servers up, alternating slices"
   setsid ../shared/tools/reference-triton "$MODELS" > "$OUT/triton-paired.log" 2>&1 < /dev/null &
-  setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --id sbs \
+  setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --grpc-port=18601 --id sbs \
     > "$OUT/shmserve-paired.log" 2>&1 < /dev/null &
   pid=$!
   P="$PY -m shmserve.tools.paired --pairs ${PAIRS:-10} --slice 2 --target triton=127.0.0.1:18000 --target shmserve=127.0.0.1:18600"
@@ -94,6 +96,14 @@ if [[ " $what " == *" paired "* ]]; then
   # Each server's average batch over its own slices (outer: Triton's metrics, inner: ours).
   $PY -m shmserve.tools.batch_size --metrics 127.0.0.1:18002 --model mlp -- $PY -m shmserve.tools.batch_size --metrics 127.0.0.1:18602 \
     --model mlp -- $P --model mlp --clients 8 --json "$OUT/paired-mlp.json" | tee "$OUT/paired-mlp.txt"
+  # Triton's GRPCInferenceService against ours, raw binary tensors.
+  wait_port 18001
+  wait_port 18601
+  G="$PY -m shmserve.tools.paired --pairs ${PAIRS:-10} --slice 2 --target triton-grpc=grpc:127.0.0.1:18001"
+  G="$G --target shmserve-grpc=grpc:127.0.0.1:18601"
+  $G --model add_sub --clients 1 --json "$OUT/paired-grpc-add_sub-1.json"
+  $G --model add_sub --clients 4 --json "$OUT/paired-grpc-add_sub-4.json"
+  $G $I --json "$OUT/paired-grpc-identity.json"
   kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null || true
   kill -TERM "$pid"; wait "$pid" || true
   if [[ -n ${BASELINE:-} ]]; then kill -TERM "$before"; wait "$before" || true; fi
