@@ -99,6 +99,31 @@ class TritonPythonModel:
 '''
 
 
+STATEFUL = '''
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """SEEN is the state this request got; the state it leaves (one more) is a tensor on the
+    instance's device, which the server keeps for the sequence's next request."""
+
+    def initialize(self, args):
+        gpu = args["model_instance_kind"] == "GPU"
+        self.device = torch.device(f"cuda:{args['model_instance_device_id']}" if gpu else "cpu")
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            state = torch.from_numpy(pb_utils.get_input_tensor_by_name(r, "STATE_IN").as_numpy()).to(self.device)
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("SEEN", state.cpu().numpy()),
+                pb_utils.Tensor.from_dlpack("STATE_OUT", state + 1)]))
+        return out
+'''
+
+
 def python_config(name: str, inputs: str, outputs: str, instances: str, extra: str = "") -> str:
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n{extra}input [ {inputs} ]\n'
             f'output [ {outputs} ]\n{instances}\n')
@@ -126,6 +151,16 @@ def build_repository(root: Path) -> Path:
         (root / name / "1" / "model.py").write_text(DOUBLER)
         (root / name / "config.pbtxt").write_text(
             python_config(name, *doubler_io, "instance_group [ { kind: KIND_GPU } ]", extra))
+    (root / "gpu_state" / "1").mkdir(parents=True)
+    (root / "gpu_state" / "1" / "model.py").write_text(STATEFUL)
+    (root / "gpu_state" / "config.pbtxt").write_text(
+        'name: "gpu_state"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "VALUE" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "SEEN" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'sequence_batching { max_sequence_idle_microseconds: 60000000\n'
+        '  state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 2 ]\n'
+        '            initial_state { data_type: TYPE_FP32 dims: [ 2 ] zero_data: true name: "zeros" } } ] }\n'
+        'instance_group [ { kind: KIND_GPU } ]\n')
     return root
 
 
@@ -355,3 +390,16 @@ def test_a_region_registered_again_over_new_memory_is_read_anew(gpu_server, http
             http.unregister_cuda_shared_memory()
             for h in handles:
                 cudashm.destroy_shared_memory_region(h)
+
+
+def test_a_gpu_models_state_output_on_the_device_carries_to_the_next_request(gpu_server, http):
+    """Implicit state that a GPU model leaves as a device tensor is kept for the sequence's next
+    request (the worker brings it to the host), step after step, and a new START begins afresh."""
+    def step(seq: int, start: bool = False, end: bool = False) -> list[float]:
+        x = httpclient.InferInput("VALUE", [1], "FP32")
+        x.set_data_from_numpy(np.zeros(1, np.float32))
+        result = http.infer("gpu_state", [x], sequence_id=seq, sequence_start=start, sequence_end=end)
+        return result.as_numpy("SEEN").tolist()
+
+    assert [step(5, start=True), step(5), step(5, end=True)] == [[0, 0], [1, 1], [2, 2]]
+    assert step(5, start=True, end=True) == [0, 0]
