@@ -161,8 +161,8 @@ def test_explicit_byte_contents(stub):
     assert raw == serialize_byte_tensor(np.array([str(i + 1).encode() for i in range(16)], dtype=np.object_)).item()
 
 
-def _sequence(gclient, seq_id, values: list[int], stream: bool) -> list[int]:
-    """One sequence to simple_sequence, as the sequence examples send it (START on the first
+def _sequence(gclient, seq_id, values: list[int], stream: bool, model: str = "simple_sequence") -> list[int]:
+    """One sequence to ``model``, as the sequence examples send it (START on the first
     request, END on the last), its answers in order."""
     answers: queue.Queue = queue.Queue()
     if stream:
@@ -175,11 +175,11 @@ def _sequence(gclient, seq_id, values: list[int], stream: bool) -> list[int]:
             kw = dict(sequence_id=seq_id, sequence_start=i == 0, sequence_end=i == len(values) - 1,
                       request_id=f"{seq_id}_{i}")
             if stream:
-                gclient.async_stream_infer("simple_sequence", [t], **kw)
+                gclient.async_stream_infer(model, [t], **kw)
                 r = answers.get(timeout=30)
                 assert not isinstance(r, Exception), r
             else:
-                r = gclient.infer("simple_sequence", [t], **kw)
+                r = gclient.infer(model, [t], **kw)
             results.append(int(r.as_numpy("OUTPUT")[0][0]))
     finally:
         if stream:
@@ -262,3 +262,42 @@ def test_system_shared_memory_numbers_and_strings(ex_server, gclient):
         assert len(gclient.get_system_shared_memory_status().regions) == 0
         for handle in handles.values():
             shm.destroy_shared_memory_region(handle)
+
+
+def test_dyna_sequences_add_the_correlation_id_at_the_end(gclient):
+    """The sequence examples with --dyna: simple_dyna_sequence (UINT64 ids) answers as
+    simple_sequence plus the id on the last request; simple_string_dyna_sequence (string ids
+    that hold integers) answers the running sum, plus the id on the last request."""
+    values = [0, 11, 7, 1]
+    for stream in (False, True):
+        int_out = _sequence(gclient, 1000, values, stream, "simple_dyna_sequence")
+        assert int_out == [1, 11, 7, 1 + 1000]
+        str_out = _sequence(gclient, "1002", values, stream, "simple_string_dyna_sequence")
+        assert str_out == [0, 11, 18, 19 + 1002]
+
+
+def test_model_control_in_explicit_mode(module_factory):
+    """simple_grpc_model_control.py: eight models in the index (it counts Triton's example
+    repository), load and unload, a malformed override refused with 'failed to load', a JSON
+    override that changes max_batch_size, a file name longer than NAME_MAX refused as Triton
+    refuses it (INTERNAL, 'failed to poll from model repository') with the server still live,
+    and an unknown model that fails to load."""
+    s = module_factory.start([EXAMPLES], ["--model-control-mode", "explicit"])
+    with grpcclient.InferenceServerClient(s.grpc_url) as c:
+        s.wait_until(lambda: _live(c), "serving gRPC")
+        assert len(c.get_model_repository_index().models) == 8
+        c.load_model("simple")
+        assert c.is_model_ready("simple")
+        with pytest.raises(InferenceServerException, match="failed to load"):
+            c.load_model("simple", config='"parameters": {"config": {{"max_batch_size": "16"}}}')
+        c.load_model("simple", config='{"max_batch_size":"16"}')
+        assert c.get_model_config("simple").config.max_batch_size == 16
+        c.unload_model("simple")
+        assert not c.is_model_ready("simple")
+        with pytest.raises(InferenceServerException) as e:
+            c.load_model("simple", config="{}", files={"file:" + "A" * 256: b"a"})
+        assert e.value.status() == "StatusCode.INTERNAL"
+        assert "failed to poll from model repository" in e.value.message()
+        assert c.is_server_live()
+        with pytest.raises(InferenceServerException, match="failed to load"):
+            c.load_model("wrong_model_name")
