@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import os
 import shutil
 import tempfile
@@ -284,6 +285,13 @@ class ControlHandler:
         return answer
 
 
+class RepositoryPollFailed(InvalidRequest):
+    """A path component longer than the file system allows: Triton reports it as a failed poll
+    of the model repository, INTERNAL (500), and Triton's own example programs check for that."""
+
+    status = 500
+
+
 def write_model_files(name: str, files: dict[str, Any]) -> Path:
     """The 'file:<path>' parameters of a load, as a model folder of its own (Triton's override
     for a model that does not exist in the repository). Paths stay inside the folder."""
@@ -304,7 +312,11 @@ def write_model_files(name: str, files: dict[str, Any]) -> Path:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
             except OSError as e:
-                raise InvalidRequest(f"failed to load '{name}', cannot write 'file:{rel}': {e.strerror}") from None
+                reason = f"cannot write 'file:{rel}': {e.strerror}"
+                if e.errno == errno.ENAMETOOLONG:
+                    raise RepositoryPollFailed(f"failed to load '{name}', failed to poll from model repository: "
+                                               f"{reason}") from None
+                raise InvalidRequest(f"failed to load '{name}', {reason}") from None
     except BaseException:
         shutil.rmtree(root.parent, ignore_errors=True)  # nothing of a refused load stays behind
         raise

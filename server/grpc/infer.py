@@ -8,6 +8,7 @@ when it comes.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any, AsyncIterator
 
@@ -36,6 +37,26 @@ class Aborted(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+# What C++'s std::stol reads, as Triton parses a request's model_version: optional blanks and sign,
+# then digits; anything after them is ignored.
+STOL = re.compile(r"\s*[+-]?\d+")
+
+
+def check_version(version: str) -> None:
+    """Refuse a model_version that Triton's gRPC frontend refuses before it looks the model up
+    (``GetModelVersionFromString``): not an integer, or negative. Empty means the latest."""
+    if not version:
+        return
+    number = STOL.match(version)
+    if number is None:
+        raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"failed to get model version from specified version string '{version}' (details: stol), "
+                      f"version should be an integral value > 0")
+    if int(number.group()) < 0:
+        raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"invalid model version specified '{version}' , version should be an integral value > 0")
 
 
 class GrpcInference:
@@ -112,6 +133,7 @@ class GrpcInference:
         """The KServe document, the descriptor and its tensor chunks; a refusal raises ``Aborted``."""
         received = time.monotonic_ns()
         model, version = request.model_name, request.model_version
+        check_version(version)
         try:
             doc, pieces = request_doc(request)
             req, chunks = build_request(model, version, doc, pieces, self.max_tensor_elements)  # type: ignore[arg-type]
