@@ -289,3 +289,35 @@ def test_stream_errors_come_as_error_messages(gserver):
     assert isinstance(results[0], InferenceServerException)
     assert "no_such_model" in results[0].message()
     np.testing.assert_array_equal(results[1].as_numpy("OUTPUT1"), a - a)
+
+
+def _bad_add_sub_inputs() -> list:
+    inputs = _add_sub_inputs(np.zeros(16, dtype=np.int32), np.zeros(16, dtype=np.int32))
+    inputs[1]._raw_content = b"\0" * 12  # fewer bytes than the shape declares
+    return inputs
+
+
+@pytest.mark.parametrize("model, inputs, status", [
+    ("no_such_model", lambda: _add_sub_inputs(np.zeros(16, np.int32), np.zeros(16, np.int32)), "StatusCode.NOT_FOUND"),
+    ("add_sub", _bad_add_sub_inputs, "StatusCode.INVALID_ARGUMENT"),
+])
+def test_triton_grpc_error_header_ends_the_stream_with_the_status(gserver, model, inputs, status):
+    import queue
+
+    got: queue.Queue = queue.Queue()
+    a = np.arange(16, dtype=np.int32)
+    with grpcclient.InferenceServerClient(gserver.grpc_url) as c:
+        c.start_stream(callback=lambda result, error: got.put(error if error is not None else result),
+                       headers={"triton_grpc_error": "true"})
+        c.async_stream_infer("add_sub", _add_sub_inputs(a, a))
+        np.testing.assert_array_equal(got.get(timeout=30).as_numpy("OUTPUT0"), a + a)
+        c.async_stream_infer(model, inputs())
+        err = got.get(timeout=30)
+        assert isinstance(err, InferenceServerException)
+        assert err.status() == status
+        plain = _stream(gserver, [(model, inputs(), {})])[0]
+        assert err.message() == plain.message() and plain.status() is None
+        with pytest.raises(InferenceServerException, match="no longer in valid state"):
+            c.async_stream_infer("add_sub", _add_sub_inputs(a, a))
+        c.stop_stream()
+    assert got.empty()

@@ -92,7 +92,9 @@ class GrpcInference:
 
     async def stream(self, request: Any, decoupled: bool) -> AsyncIterator[Any]:
         """The ``ModelStreamInferResponse`` messages of one request on a stream: each response as
-        it comes (a decoupled model's many, another model's one), errors in ``error_message``.
+        it comes (a decoupled model's many, another model's one), and each error as an
+        ``Aborted`` with its code, which the caller sends as ``error_message`` or as the stream's
+        status (the ``triton_grpc_error`` header).
         A response sent with the final flag carries ``triton_final_response`` true, the others
         false; a final flag without a response sends an empty response only when the request
         asks for it (``triton_enable_empty_final_response``), as Triton does. A model that is not
@@ -101,10 +103,10 @@ class GrpcInference:
             doc, req, chunks = await self._build(request)
             events = self.link.stream(req, chunks)
         except Aborted as e:
-            yield pb.ModelStreamInferResponse(error_message=str(e))
+            yield e
             return
         except BrokerError as e:
-            yield pb.ModelStreamInferResponse(error_message=str(e))
+            yield Aborted(code_of(e.status), str(e))
             return
         empty_final = bool(doc["parameters"].get("triton_enable_empty_final_response"))
         try:
@@ -113,8 +115,9 @@ class GrpcInference:
                 final, completion, _ = await events.events.get()
                 try:
                     result = completion.doc()
+                    message: Any
                     if completion.status != 200:
-                        message = pb.ModelStreamInferResponse(error_message=result.get("error", "inference failed"))
+                        message = Aborted(code_of(completion.status), result.get("error", "inference failed"))
                     elif final and not result.get("outputs") and (not empty_final or not decoupled):
                         message = None
                     else:

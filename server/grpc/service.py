@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import logging
+from contextlib import aclosing
 from typing import Any, AsyncIterator, NoReturn
 
 import grpc
@@ -206,14 +207,22 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator: Any, context: Context) -> AsyncIterator[Any]:
         """Requests on one stream are answered in the order they come, each to its end before
         the next starts (so a sequence's requests reach the model in order). Whether a model is
-        decoupled is asked once per model and stream."""
+        decoupled is asked once per model and stream. An error is an ``error_message`` and the
+        stream goes on, or, for a client that opened the stream with the ``triton_grpc_error:
+        true`` header, the status that ends the stream, as Triton does."""
+        grpc_error = ("triton_grpc_error", "true") in (context.invocation_metadata() or ())
         decoupled: dict[tuple[str, str], bool] = {}
         async for request in request_iterator:
             key = (request.model_name, request.model_version)
             if key not in decoupled:
                 decoupled[key] = await self.inference.decoupled(*key)
-            async for message in self.inference.stream(request, decoupled[key]):
-                yield message
+            async with aclosing(self.inference.stream(request, decoupled[key])) as messages:
+                async for message in messages:
+                    if isinstance(message, Aborted):
+                        if grpc_error:
+                            await context.abort(message.code, str(message))
+                        message = pb.ModelStreamInferResponse(error_message=str(message))
+                    yield message
 
 
 async def _abort(context: Context, status: int, message: str) -> NoReturn:
