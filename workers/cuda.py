@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import glob
 import importlib.util
 import os
@@ -136,14 +135,23 @@ class CudaRuntime:
         self._check(self._lib.cudaMemcpy(ctypes.c_void_p(ptr), data, ctypes.c_size_t(len(data)), _H2D), "cudaMemcpy")
 
 
-@functools.lru_cache(maxsize=1)
+_runtime: CudaRuntime | None = None
+_runtime_lock = threading.Lock()
+
+
 def runtime() -> CudaRuntime:
     """The process's CUDA runtime; raises CudaError where there is no CUDA device."""
-    if cuda_device_count() == 0:
-        raise CudaError("CUDA shared memory is not available: this server has no CUDA device")
-    return CudaRuntime()
+    global _runtime
+    if _runtime is None:
+        with _runtime_lock:
+            if _runtime is None:
+                if cuda_device_count() == 0:
+                    raise CudaError("CUDA shared memory is not available: this server has no CUDA device")
+                _runtime = CudaRuntime()
+    return _runtime
 
 
 def loaded() -> bool:
-    """Whether this process has used CUDA IPC at all (so there may be mappings to close)."""
-    return runtime.cache_info().currsize > 0
+    """Whether this process has used CUDA IPC at all (so there may be mappings to close): one
+    read, for the worker's loop."""
+    return _runtime is not None

@@ -23,7 +23,7 @@ from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 
 from .codec import BadRequest, build_request, build_response, split_body
 from .ingest import BodyIngest
-from .link import ArenaWait, BrokerError, BrokerLink, Sent
+from .link import ArenaWait, BrokerError, BrokerLink, when_room, Sent
 from .tracing import Trace
 
 log = logging.getLogger("shmserve.frontend")
@@ -78,9 +78,6 @@ def _compress(body: bytes | memoryview, accept: str | None) -> tuple[bytes | mem
     return body, None
 
 
-# How long a request waits for room in a fragmented (not full) arena before it is refused.
-ARENA_WAIT_S = 1.0
-
 class Inference:
     """One frontend's infer requests: the limits they are checked against and the broker link
     they go out on."""
@@ -128,19 +125,13 @@ class Inference:
 
     async def start_when_room(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes,
                               reply: Reply, trace: Trace | None = None) -> Sent | None:
-        """``start``, waiting up to ``ARENA_WAIT_S`` while the arena has room by volume but not yet
-        in one piece (a block held ahead of it comes back within moments): a 503 then would refuse
-        a request the server can take. A full arena (overload) is still refused at once."""
-        deadline = time.monotonic() + ARENA_WAIT_S
+        """``start``, waiting for room in a fragmented arena (``link.when_room``)."""
         received = time.monotonic_ns()  # a wait for room counts in the request's duration
-        while True:
-            try:
-                return self.start(model, version, headers, body, reply, trace, received)
-            except ArenaWait as e:
-                if time.monotonic() > deadline:
-                    reply(*error_answer(e.status, str(e)))
-                    return None
-            await asyncio.sleep(0.001)
+        try:
+            return await when_room(lambda: self.start(model, version, headers, body, reply, trace, received))
+        except ArenaWait as e:
+            reply(*error_answer(e.status, str(e)))
+            return None
 
     def begin_ingest(self, model: str, version: str, head: bytes, tail_len: int,
                      loop: asyncio.AbstractEventLoop) -> BodyIngest | None:

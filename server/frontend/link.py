@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from shmserve.shm.channel import DEFAULT_SLOTS
 from shmserve.shm.completion import Completion
@@ -45,6 +45,27 @@ class BrokerError(Exception):
 
 class ArenaWait(BrokerError):
     """The arena will have room in a moment (``ArenaBusy``): the caller may wait and send again."""
+
+
+# How long a request waits for room in a fragmented (not full) arena before it is refused.
+ARENA_WAIT_S = 1.0
+
+T = TypeVar("T")
+
+
+async def when_room(attempt: Callable[[], T]) -> T:
+    """``attempt()`` (a send), tried again each millisecond for up to ``ARENA_WAIT_S`` while it
+    raises ``ArenaWait``: the arena has room by volume but not yet in one piece (a block held ahead
+    comes back within moments), so a 503 then would refuse a request the server can take. A full
+    arena (overload) is refused at once; the last ``ArenaWait`` is the caller's to answer."""
+    deadline = time.monotonic() + ARENA_WAIT_S
+    while True:
+        try:
+            return attempt()
+        except ArenaWait:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.001)
 
 
 def _broker_error(e: Exception) -> BrokerError:

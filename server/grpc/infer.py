@@ -16,8 +16,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from shmserve.server.frontend.codec import BadRequest, build_request
-from shmserve.server.frontend.inference import ARENA_WAIT_S
-from shmserve.server.frontend.link import ArenaWait, BrokerError, BrokerLink, Sent
+from shmserve.server.frontend.link import BrokerError, BrokerLink, Sent, when_room
 from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import REQ_INFER
 
@@ -150,8 +149,8 @@ class GrpcInference:
         return doc, req, chunks
 
     async def _submit(self, req: dict, chunks: list, model: str) -> Completion:
-        """Send the request, waiting up to ``ARENA_WAIT_S`` for room in a fragmented arena (as
-        ``Inference.start_when_room``), and await its completion."""
+        """Send the request, waiting for room in a fragmented arena (``link.when_room``), and
+        await its completion."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def resolve(completion: Completion) -> None:
@@ -160,17 +159,10 @@ class GrpcInference:
             else:
                 fut.set_result(completion)
 
-        deadline = time.monotonic() + ARENA_WAIT_S
-        while True:
-            try:
-                sent: Sent = self.link.submit(REQ_INFER, req, chunks, resolve, model=model)
-                break
-            except ArenaWait as e:
-                if time.monotonic() > deadline:
-                    raise Aborted(code_of(e.status), str(e)) from None
-            except BrokerError as e:
-                raise Aborted(code_of(e.status), str(e)) from None
-            await asyncio.sleep(0.001)
+        try:
+            sent: Sent = await when_room(lambda: self.link.submit(REQ_INFER, req, chunks, resolve, model=model))
+        except BrokerError as e:  # (ArenaWait too, once its wait is over)
+            raise Aborted(code_of(e.status), str(e)) from None
         try:
             return await fut
         except asyncio.CancelledError:
