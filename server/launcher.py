@@ -29,6 +29,7 @@ from .cli import log_settings
 
 log = logging.getLogger("shmserve")
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+GRPC_START_S = 30.0  # the longest the HTTP frontends wait for the gRPC port to open
 STABLE_S = 60.0  # a process that ran this long before dying is restarted without back-off
 
 
@@ -136,8 +137,12 @@ class Launcher:
         code = 0
         try:
             self.broker = self._start_broker()
-            count = self.args.http_workers + (1 if self.args.allow_grpc else 0)
-            self.frontends = [self._start_child(i) for i in range(count)]
+            # gRPC first, HTTP once gRPC accepts connections (Triton's order): a readiness probe
+            # answered over HTTP then also means the gRPC port is open.
+            grpc = [self._start_grpc()] if self.args.allow_grpc else []
+            if grpc:
+                _wait_listening(self.args.grpc_address, self.args.grpc_port, grpc[0], GRPC_START_S)
+            self.frontends = [self._start_frontend(i) for i in range(self.args.http_workers)] + grpc
             self.log_follower = logs.BrokerSettings(self.sid)  # run-time changes (POST /v2/logging) here too
             log.info("shmserve '%s' serving HTTP on %s:%d with %d frontend(s)", self.sid, self.args.http_address,
                      self.args.http_port, self.args.http_workers)
@@ -217,6 +222,19 @@ def unlink_all_but_frontends(server_id: str) -> None:
     for name in sems:
         if the_brokers(name):
             unlink_semaphore(name)
+
+
+def _wait_listening(address: str, port: int, proc: subprocess.Popen, timeout: float) -> None:
+    """Until ``address:port`` accepts a connection, ``proc`` exits, or ``timeout`` passes (then
+    the supervisor's restarts and the frontend's own log say what went wrong)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(address, address)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.02)
 
 
 def _wait(proc: subprocess.Popen | None, timeout: float) -> None:

@@ -53,6 +53,18 @@ def _error(call) -> InferenceServerException:
 
 # -- health and metadata ------------------------------------------------------------------------
 
+def test_grpc_accepts_connections_once_http_says_ready(server_factory, tmp_path):
+    """A readiness probe over HTTP (a load balancer's, a test's) vouches for the gRPC port too:
+    with no model to load the broker is ready at once, before gRPC's imports are done."""
+    server = server_factory.start([tmp_path], ["--model-control-mode=explicit"])
+    with grpc.insecure_channel(server.grpc_url) as channel:  # no retries: one try, now
+        health = health_pb2_grpc.HealthStub(channel)
+        answer = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    log = server.log()  # Triton's order: the HTTP frontend starts once gRPC listens
+    assert log.index("] serving gRPC on") < log.index("] frontend #0 serving HTTP")
+
+
 def test_health_and_readiness(gserver, gclient):
     assert gclient.is_server_live()
     assert gclient.is_server_ready()
