@@ -107,6 +107,43 @@ def test_paired_measures_grpc_targets(server, tmp_path):
     assert "grpc / http: throughput" in run.stdout
 
 
+def test_grpc_floor_echoes_and_is_measured_beside_the_server(server, tmp_path):
+    """The floor answers tritonclient's add_sub call with its inputs, and paired.py prices it."""
+    import tritonclient.grpc as grpcclient
+
+    port = free_port()
+    floor = subprocess.Popen([PYTHON, "-m", "shmserve.tools.grpc_floor", "--port", str(port)], cwd=ROOT)
+    try:
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as c:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if c.is_server_ready():
+                        break
+                except Exception:  # noqa: BLE001 - not listening yet
+                    if time.monotonic() > deadline:
+                        raise
+                time.sleep(0.1)
+            a = np.arange(16, dtype=np.int32)
+            inputs = [grpcclient.InferInput(n, [16], "INT32") for n in ("INPUT0", "INPUT1")]
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(a * 2)
+            result = c.infer("add_sub", inputs)
+            assert (result.as_numpy("OUTPUT0") == a).all() and (result.as_numpy("OUTPUT1") == a * 2).all()
+        out = tmp_path / "paired-floor.json"
+        run = subprocess.run(
+            [PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.3",
+             "--warmup", "0.05", "--target", f"shmserve=grpc:{server.grpc_url}",
+             "--target", f"floor=grpc:127.0.0.1:{port}", "--json", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, run.stderr
+        costs = json.loads(out.read_text())["costs"]
+        assert costs["floor"]["server_cpu_us"] > 0 and costs["shmserve"]["server_cpu_us"] > 0
+    finally:
+        floor.terminate()
+        floor.wait(10)
+
+
 def test_waits_for_a_core_are_read_from_schedstat():
     """Two processes that never block, pinned to one core, each wait for it about half the time."""
     assert proc_cpu.WAITS_KNOWN == os.path.exists(f"/proc/{os.getpid()}/schedstat")

@@ -11,7 +11,8 @@
 # 'paired' then starts both servers together and runs tools.paired: the same client processes
 # alternate between them in 2 s slices (add_sub 1 and 4 clients over HTTP and the local client,
 # identity 16 MiB in the body and through shm regions, mlp 8 clients; then the gRPC endpoints,
-# Triton's on 18001 and ours on 18601: add_sub 1 and 4 clients, identity 16 MiB), which keeps the
+# Triton's on 18001, ours on 18601 and grpcio alone (tools/grpc_floor.py) on 18701: add_sub 1 and 4
+# clients, identity 16 MiB), which keeps the
 # host's fast and slow phases out of the ratios. An idle server costs the other next to nothing.
 # BASELINE=/path/to/another/checkout (with its own .venv) adds that shmserve to the paired runs as
 # target 'before' (port 18700), to compare two versions of shmserve against Triton in one run.
@@ -100,10 +101,15 @@ if [[ " $what " == *" paired "* ]]; then
   wait_port 18001
   wait_port 18601
   G="$PY -m shmserve.tools.paired --pairs ${PAIRS:-10} --slice 2 --target triton-grpc=grpc:127.0.0.1:18001"
-  G="$G --target shmserve-grpc=grpc:127.0.0.1:18601"
+  G="$G --target shmserve-grpc=grpc:127.0.0.1:18601 --target grpcio-floor=grpc:127.0.0.1:18701"
+  # grpcio alone (tools/grpc_floor.py: echo, nothing else): the part of our cost no code of ours sets.
+  $PY -m shmserve.tools.grpc_floor --port 18701 &
+  floor=$!
+  wait_port 18701
   $G --model add_sub --clients 1 --json "$OUT/paired-grpc-add_sub-1.json"
   $G --model add_sub --clients 4 --json "$OUT/paired-grpc-add_sub-4.json"
   $G $I --json "$OUT/paired-grpc-identity.json"
+  kill -TERM "$floor"; wait "$floor" || true
   kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null || true
   kill -TERM "$pid"; wait "$pid" || true
   if [[ -n ${BASELINE:-} ]]; then kill -TERM "$before"; wait "$before" || true; fi

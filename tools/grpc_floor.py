@@ -1,0 +1,63 @@
+"""The floor of any Python gRPC frontend: grpcio's asyncio server, with the options of shmserve's
+gRPC frontend, answering each ``ModelInfer`` with its own inputs as outputs and doing nothing else.
+
+Run as a third target beside Triton's and shmserve's gRPC endpoints (``tools/side_by_side.sh
+paired``), it shows how much of shmserve's gRPC cost per request is grpcio's own, which no change
+to shmserve's code can remove::
+
+    python -m shmserve.tools.grpc_floor --port 18701 &
+    python -m shmserve.tools.paired --target floor=grpc:127.0.0.1:18701 ... --model add_sub
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from shmserve.server.grpc.__main__ import MAX_MESSAGE_BYTES
+
+
+class EchoService(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Live, ready, and every model's outputs are its inputs (named OUTPUT<k>)."""
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=True)
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        return pb.ModelReadyResponse(ready=True)
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        response = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+        for k, tensor in enumerate(request.inputs):
+            response.outputs.add(name=f"OUTPUT{k}", datatype=tensor.datatype, shape=tensor.shape)
+        response.raw_output_contents.extend(request.raw_input_contents)
+        return response
+
+
+async def serve(address: str, port: int) -> None:
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(EchoService(), server)
+    server.add_insecure_port(f"{address}:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=18701)
+    args = p.parse_args()
+    asyncio.run(serve(args.address, args.port))
+
+
+if __name__ == "__main__":
+    main()
