@@ -21,9 +21,12 @@ ADD_SUB = Path(__file__).resolve().parent.parent / "model_repository" / "add_sub
 GATED_LOAD = Path(__file__).resolve().parent / "models" / "lifecycle" / "gated_load"
 
 
-def config(count: int = 1) -> str:
+def config(count: int = 1, generation: int | None = None) -> str:
+    """add_sub's config; a ``generation`` (a parameter) that changes makes a load a full reload
+    rather than a change of instances in place."""
+    params = {} if generation is None else {"parameters": {"generation": {"string_value": str(generation)}}}
     return json.dumps({
-        "name": "add_sub", "backend": "python", "max_batch_size": 0,
+        "name": "add_sub", "backend": "python", "max_batch_size": 0, **params,
         "input": [{"name": "INPUT0", "data_type": "TYPE_INT32", "dims": [16]},
                   {"name": "INPUT1", "data_type": "TYPE_INT32", "dims": [16]}],
         "output": [{"name": "OUTPUT0", "data_type": "TYPE_INT32", "dims": [16]},
@@ -154,7 +157,7 @@ def test_reloads_under_load_lose_no_request(server_factory, repo):
     with Load(s.url) as load:
         load.wait_more()
         for i in range(6):
-            c.load_model("add_sub", config=config(count=1 + i % 2))
+            c.load_model("add_sub", config=config(count=1 + i % 2, generation=i))
             load.wait_more()  # the clients are served by each new version
     assert load.errors == []
 

@@ -121,6 +121,8 @@ class Broker:
             self._settle_regions()
         if self.catalog.retiring:
             self.lifecycle.progress_retirement()
+        if self.lifecycle.updates.busy():
+            self.lifecycle.updates.progress()
         if self.lifecycle.watcher is not None:
             self.lifecycle.apply_repository_changes()
         now = time.monotonic()

@@ -30,7 +30,8 @@ from shmserve.shm.waker import Waker
 from shmserve.workers.backend import BUILT_IN, installed_backends
 
 from . import config as cfgmod
-from . import unsupported
+from . import instance_update, unsupported
+from .instance_update import STRAGGLER_GRACE_S, InstanceUpdates
 from .canary import Canary, CanaryPolicy
 from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
@@ -46,7 +47,6 @@ from .watcher import RepositoryWatcher
 
 log = logging.getLogger("shmserve.broker")
 
-STRAGGLER_GRACE_S = 0.2  # a client that read the old routes just before the swap lands within this
 RETIRING_CHECK_S = 0.05  # how often a draining version is looked at
 UPLOAD_PREFIX = "shmserve-model-"  # private folders of models loaded from 'file:' parameters
 # A load that a later request overtook: the last request wins, and the caller of the one it
@@ -58,13 +58,7 @@ UNLOADED = "the model was unloaded before the load completed"
 
 def idle(mv: ModelVersion) -> bool:
     """Nothing queued, nothing running, nothing left on any of its workers' lanes."""
-    if mv.in_flight():
-        return False
-    for inst in mv.instances:
-        seg = inst.seg
-        if seg.lanes_pending() or int(seg.lane_tails.sum()) != seg.stats.get("direct_done"):
-            return False
-    return True
+    return not mv.in_flight() and all(inst.lanes_drained() for inst in mv.instances)
 
 
 class Lifecycle:
@@ -83,6 +77,7 @@ class Lifecycle:
         self.running = True  # False once a stop was asked for (or the start failed)
         self.startup_done = False
         self.startup_failed = False
+        self.updates = InstanceUpdates(catalog, instances, routes, clients)  # live instance changes
 
     # -- the server -----------------------------------------------------------------------------
     def start(self, waker: Waker) -> None:
@@ -133,7 +128,7 @@ class Lifecycle:
 
     def next_timer(self) -> float | None:
         """Seconds until a draining version or a repository change needs a look (None: nothing)."""
-        timeout = RETIRING_CHECK_S if self.catalog.retiring else None
+        timeout = RETIRING_CHECK_S if self.catalog.retiring or self.updates.busy() else None
         if self.watcher is not None:
             due = self.watcher.next_due()
             if due is not None:
@@ -170,14 +165,15 @@ class Lifecycle:
                 loads[name] = (entry.get("config"), Path(entry["dir"]) if entry.get("dir") else None)
         return [(name, override, model_dir) for name, (override, model_dir) in loads.items()]
 
-    def _record(self, name: str, job: LoadJob | None) -> None:
-        """Explicit mode: journal that ``name`` now serves what ``job`` loaded (None: unloaded)."""
+    def _record(self, name: str, model_dir: str | None, override: str | None = None) -> None:
+        """Explicit mode: journal that ``name`` now serves from ``model_dir`` with the config
+        ``override`` (``model_dir`` None: unloaded)."""
         if self.opts.control_mode != "explicit":
             return
         entry = None
-        if job is not None:
-            uploaded = Path(job.model_dir).parent.name.startswith(UPLOAD_PREFIX)
-            entry = {"config": job.override, "dir": job.model_dir if uploaded else None}
+        if model_dir is not None:
+            uploaded = Path(model_dir).parent.name.startswith(UPLOAD_PREFIX)
+            entry = {"config": override, "dir": model_dir if uploaded else None}
         self.journal.set("models", {**self.journal.get("models", {}), name: entry})
 
     def apply_repository_changes(self) -> None:
@@ -245,6 +241,11 @@ class Lifecycle:
                 raise cfgmod.ConfigError(f"model '{name}': parameters: {e}") from None
         except cfgmod.ConfigError as e:
             return self._load_failed(name, f"failed to load '{name}', {e}")
+        serving = catalog.models.get(name)
+        if serving and name not in catalog.loading and instance_update.updatable(serving, model_dir, config, versions):
+            self.updates.apply(serving, config, waiter)
+            self._record(name, str(model_dir), override_json)
+            return None
         pending = catalog.loading.get(name)
         if pending is not None and pending.same_request(model_dir, config):
             log.info("load of '%s' asked for again: joining the load in progress", name)
@@ -259,6 +260,7 @@ class Lifecycle:
                               config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
             mv.set_config(mv.config_dict)
             mv.exec_timeout_s = exec_timeout_s
+            mv.requested_config, mv.files = config, instance_update.folder_fingerprint(str(model_dir))
             job.versions[v] = mv
             if config.platform == "ensemble":
                 self._load_ensemble(mv)
@@ -315,12 +317,8 @@ class Lifecycle:
             mv.pipeline_depth = 1  # let requests gather while the instance is busy
         mv.planned_instances = cfgmod.instance_count(config)
         mv.worker_batching = batches_on_worker(mv.config_dict, mv.planned_instances)
-        for group in config.instance_group:
-            kind = "GPU" if group.kind == cfgmod.mc.ModelInstanceGroup.KIND_GPU else "CPU"
-            for device in cfgmod.instance_devices(group):
-                for k in range(group.count):
-                    name_k = f"{group.name}_{k}" if kind == "CPU" else f"{group.name}_{k}_gpu{device}"
-                    self.instances.spawn(mv, name_k, len(mv.instances), kind, device)
+        for plan in instance_update.planned_instances(config):
+            self.instances.spawn(mv, plan.name, len(mv.instances), plan.kind, plan.device)
         log.info("loading '%s' version %d: %d instance(s), backend %s", mv.name, mv.version, len(mv.instances),
                  mv.backend)
 
@@ -349,8 +347,9 @@ class Lifecycle:
                 canary.forget_version(v)
             for v, mv in old.items():
                 self._retire(mv)
+            self.updates.abandon(name, CANCELLED_STATUS, REPLACED)
             self.routes.publish()
-            self._record(name, job)
+            self._record(name, job.model_dir, job.override)
             for client, slot in job.waiters:
                 self.clients.reply(client, slot, 200, {})
 
@@ -409,19 +408,26 @@ class Lifecycle:
                 self._on_completed_config(mv, take_payload(inst, off, length))
             elif kind == W_LOAD_FAILED:
                 reason = take_payload(inst, off, length).decode(errors="replace")
-                self.fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: {reason}")
+                if inst.added:  # a live instance change: the version serves on without it
+                    self.updates.failed(mv, inst, f"failed to load '{mv.name}' version {mv.version}: {reason}")
+                else:
+                    self.fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: {reason}")
         if self.catalog.loading:
             self.resolve_loads()
         if not self.startup_done:
             self.check_startup()
 
     def _instance_ready(self, mv: ModelVersion, inst: Instance) -> None:
+        if inst.removed:
+            return  # removed (or failed) while it loaded: it stops without serving
         inst.ready = True
         if mv.state == State.LOADING and all(i.ready for i in mv.instances):
             mv.state = State.READY
             mv.load_seconds = time.monotonic() - mv.created
             log.info("successfully loaded '%s' version %d (%.2f s)", mv.name, mv.version, mv.load_seconds)
         self.routes.publish()
+        if inst.added:
+            self.updates.ready(mv, inst)
 
     def _on_completed_config(self, mv: ModelVersion, data: bytes) -> None:
         """The config as the backend completed it (e.g. a model.py's auto_complete_config)."""
@@ -464,6 +470,7 @@ class Lifecycle:
             catalog.retiring[-1].waiters.extend([waiter] if waiter is not None else [])
         elif waiter is not None:
             self.clients.reply(waiter[0], waiter[1], 200, {})
+        self.updates.abandon(name, CANCELLED_STATUS, UNLOADED)
         self.routes.publish()
         self._record(name, None)
 

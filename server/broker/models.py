@@ -50,6 +50,17 @@ class Instance:
     restarts: int = 0
     started: float = dataclasses.field(default_factory=time.monotonic)
     death_note: str = ""  # why the broker killed it (e.g. a hung execution), for the failed requests
+    added: bool = False  # added to a serving version by a live instance change, not ready yet
+    removed_since: float = 0.0  # when a live instance change removed it (0: not removed)
+
+    @property
+    def removed(self) -> bool:
+        return self.removed_since > 0
+
+    def lanes_drained(self) -> bool:
+        """Nothing left on the worker's lanes: every direct request put there was answered."""
+        seg = self.seg
+        return not seg.lanes_pending() and int(seg.lane_tails.sum()) == seg.stats.get("direct_done")
 
 
 @dataclasses.dataclass
@@ -76,6 +87,8 @@ class ModelVersion:
     planned_instances: int = 0  # instances its config asks for
     sequencer: Any = None  # a SequenceBatcher when the config asks for sequence batching
     ensemble: Any = None  # an EnsemblePlan for platform "ensemble" (no instances of its own)
+    requested_config: Any = None  # the config loaded, before the backend completed it
+    files: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # instance_update.folder_fingerprint
 
     def set_config(self, config_dict: dict[str, Any]) -> None:
         self.config_dict = config_dict

@@ -63,6 +63,9 @@ class Supervisor:
         self._fail_direct(inst, mv, code)
         if mv.state == State.UNLOADING or not self.lifecycle.running:
             return
+        if inst.removed or inst.added:  # a live instance change took it away, or it failed to join
+            self.lifecycle.updates.gone(mv, inst, code)
+            return
         if not inst.ready:
             self.lifecycle.fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: instance "
                                             f"'{inst.name}' exited with code {code} while loading")
@@ -114,6 +117,9 @@ class Supervisor:
         """
         if mv.state == State.UNLOADING and code == 0:
             answer = (503, f"model '{mv.name}' version {mv.version} was unloaded before the request ran; retry")
+        elif inst.removed and code == 0:
+            answer = (503, f"model '{mv.name}' version {mv.version} instance '{inst.name}' was removed before the "
+                           f"request ran; retry")
         else:
             answer = (500, death_message(mv, inst, code))
         self.gone[inst.num] = (time.monotonic(), mv, *answer)

@@ -1,0 +1,198 @@
+"""Live instance changes: a new config of a serving model that differs from the one it serves only
+in ``instance_group`` (count, kind, devices), with its files unchanged, adds and removes instances
+of the versions that serve instead of loading the model again, as Triton's model update does.
+
+Instances are named as at load (``<group>_<k>``, ``<group>_<k>_gpu<d>``); an instance whose name,
+kind and device the new config still asks for keeps running. An added instance serves once it is
+ready. A removed one leaves the routes at once, finishes what it holds (its batches, its lanes,
+stragglers that read the old routes within ``STRAGGLER_GRACE_S``) and then gets a graceful stop;
+no request fails. Sequence batching and ensembles load anew (a sequence is bound to its instance).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from shmserve.batching import batches_on_worker
+
+from . import config as cfgmod
+from .catalog import Catalog
+from .clients import Clients
+from .instances import Instances
+from .models import Instance, ModelVersion, State
+from .routes import Routes
+
+log = logging.getLogger("shmserve.broker")
+Fingerprint = dict[str, tuple[int, int]]
+Waiter = tuple[Any, int]  # (client, slot) of a load request to answer
+STRAGGLER_GRACE_S = 0.2  # a client that read the old routes just before they changed lands within this
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedInstance:
+    """An instance a config asks for: its name, kind ("CPU" or "GPU") and device."""
+
+    name: str
+    kind: str
+    device: int
+
+
+def planned_instances(config: Any) -> list[PlannedInstance]:
+    """Every instance of ``config``'s instance groups, in load order."""
+    out = []
+    for group in config.instance_group:
+        kind = "GPU" if group.kind == cfgmod.mc.ModelInstanceGroup.KIND_GPU else "CPU"
+        for device in cfgmod.instance_devices(group):
+            for k in range(group.count):
+                name = f"{group.name}_{k}" if kind == "CPU" else f"{group.name}_{k}_gpu{device}"
+                out.append(PlannedInstance(name, kind, device))
+    return out
+
+
+def folder_fingerprint(model_dir: str) -> Fingerprint:
+    """Size and modification time of every file of the model but its config: what tells an
+    instance change from a new model."""
+    prints: Fingerprint = {}
+    for root, _, files in os.walk(model_dir):
+        for f in files:
+            path = os.path.join(root, f)
+            rel = os.path.relpath(path, model_dir)
+            if rel == "config.pbtxt":
+                continue
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            prints[rel] = (st.st_size, st.st_mtime_ns)
+    return prints
+
+
+def without_instances(config: Any) -> Any:
+    copy = type(config)()
+    copy.CopyFrom(config)
+    copy.ClearField("instance_group")
+    return copy
+
+
+def updatable(serving: dict[int, ModelVersion], model_dir: Path, config: Any, versions: list[int]) -> bool:
+    """Whether loading ``config`` from ``model_dir`` only changes the instances of what serves."""
+    if sorted(serving) != sorted(versions) or config.platform == "ensemble" or config.HasField("sequence_batching"):
+        return False
+    for mv in serving.values():
+        if mv.state != State.READY or mv.model_dir != str(model_dir) or mv.requested_config is None:
+            return False
+        if without_instances(mv.requested_config) != without_instances(config):
+            return False
+        if folder_fingerprint(str(model_dir)) != mv.files:
+            return False
+    return True
+
+
+def instance_changes(mv: ModelVersion, config: Any) -> tuple[list[PlannedInstance], list[Instance]]:
+    """(instances to add, instances to remove) for ``mv`` to serve with ``config``'s groups."""
+    wanted = planned_instances(config)
+    current = {PlannedInstance(i.name, i.kind, i.device_id): i for i in mv.instances if not i.removed}
+    add = [p for p in wanted if p not in current]
+    keep = set(wanted)
+    remove = [inst for plan, inst in current.items() if plan not in keep]
+    return add, remove
+
+
+def with_groups(completed: Any, config: Any) -> Any:
+    """The serving (auto-completed) config with ``config``'s instance groups."""
+    merged = type(completed)()
+    merged.CopyFrom(completed)
+    merged.ClearField("instance_group")
+    merged.instance_group.extend(config.instance_group)
+    return merged
+
+
+class InstanceUpdates:
+    """The live instance changes in progress: added instances loading, removed ones draining, and
+    the load requests that wait for them."""
+
+    def __init__(self, catalog: Catalog, instances: Instances, routes: Routes, clients: Clients) -> None:
+        self.catalog = catalog
+        self.instances = instances
+        self.routes = routes
+        self.clients = clients
+        self.waiters: dict[str, list[Waiter]] = {}
+        self.errors: dict[str, str] = {}  # model -> why an added instance failed
+
+    def apply(self, serving: dict[int, ModelVersion], config: Any, waiter: Waiter | None) -> None:
+        """Give every serving version ``config``'s instance groups."""
+        now = time.monotonic()
+        name = config.name
+        for mv in serving.values():
+            add, remove = instance_changes(mv, config)
+            mv.config = with_groups(mv.config, config)
+            mv.set_config(cfgmod.to_dict(mv.config))
+            mv.requested_config = config
+            mv.planned_instances = cfgmod.instance_count(config)
+            # The one instance batches its own lanes only if it was started as the only one.
+            mv.worker_batching = mv.worker_batching and batches_on_worker(mv.config_dict, mv.planned_instances)
+            for plan in add:
+                self.instances.spawn(mv, plan.name, len(mv.instances), plan.kind, plan.device).added = True
+            for inst in remove:
+                inst.ready = False  # out of the routes and the scheduler's choice from now on
+                inst.removed_since = now
+            log.info("model '%s' version %d: instances changed in place (%d added, %d removed)", name, mv.version,
+                     len(add), len(remove))
+        self.routes.publish()
+        if waiter is not None:
+            self.waiters.setdefault(name, []).append(waiter)
+        self.check(name)
+
+    def busy(self) -> bool:
+        """Whether a removed instance still waits for its stop (the broker's timer looks again)."""
+        return any(inst.removed for _, inst in self.instances.workers.values())
+
+    def progress(self) -> None:
+        """Stop each removed instance once it finished what it holds."""
+        now = time.monotonic()
+        for _, inst in list(self.instances.workers.values()):
+            if inst.removed and now - inst.removed_since >= STRAGGLER_GRACE_S and not inst.outstanding \
+                    and inst.lanes_drained() and not inst.death_note:
+                inst.death_note = "was removed by a change of the model's instance groups"
+                self.instances.stop(inst)
+
+    def ready(self, mv: ModelVersion, inst: Instance) -> None:
+        inst.added = False
+        self.check(mv.name)
+
+    def failed(self, mv: ModelVersion, inst: Instance, reason: str) -> None:
+        """An added instance did not load: the others serve on; the load request hears why."""
+        log.error("model '%s' version %d: added instance '%s' failed: %s", mv.name, mv.version, inst.name, reason)
+        self.errors[mv.name] = reason
+        inst.added = False
+        inst.removed_since = time.monotonic()
+        self.instances.stop(inst, graceful=False)
+        self.check(mv.name)
+
+    def gone(self, mv: ModelVersion, inst: Instance, code: int) -> None:
+        """A removed (or failed added) instance exited: it is no longer part of its version."""
+        if inst.added:
+            self.failed(mv, inst, f"instance '{inst.name}' exited with code {code} while loading")
+        if inst in mv.instances:
+            mv.instances.remove(inst)
+        log.info("model '%s' version %d: instance '%s' removed", mv.name, mv.version, inst.name)
+        self.routes.publish()
+
+    def check(self, name: str) -> None:
+        """Answer the load requests of ``name`` once no added instance is still loading."""
+        versions = self.catalog.models.get(name, {}).values()
+        if any(inst.added for mv in versions for inst in mv.instances):
+            return
+        error = self.errors.pop(name, None)
+        for client, slot in self.waiters.pop(name, []):
+            self.clients.reply(client, slot, 400 if error else 200, {"error": error} if error else {})
+
+    def abandon(self, name: str, status: int, why: str) -> None:
+        """The versions being changed stopped serving (an unload, a new load): say so."""
+        self.errors.pop(name, None)
+        for client, slot in self.waiters.pop(name, []):
+            self.clients.reply(client, slot, status, {"error": why})
