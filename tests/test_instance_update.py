@@ -7,40 +7,25 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from pathlib import Path
 
 import pytest
 from tritonclient.utils import InferenceServerException
 from conftest import DEADLINE_S
-from test_lifecycle import ADD_SUB, Load, add_sub, config, wait_until
+from test_lifecycle import Load, add_sub, config, repo, wait_until  # noqa: F401 - repo: a fixture
 
+# Appended to add_sub's model.py: its second instance fails to start.
 FAIL_SECOND = '''
-import triton_python_backend_utils as pb_utils
+
+_AddSub = TritonPythonModel
 
 
-class TritonPythonModel:
+class TritonPythonModel(_AddSub):
     def initialize(self, args):
         if args["model_instance_name"].endswith("_1"):
             raise RuntimeError("this instance does not start")
-
-    def execute(self, requests):
-        out = []
-        for r in requests:
-            a = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
-            b = pb_utils.get_input_tensor_by_name(r, "INPUT1").as_numpy()
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", a + b),
-                                                   pb_utils.Tensor("OUTPUT1", a - b)]))
-        return out
+        if hasattr(_AddSub, "initialize"):
+            _AddSub.initialize(self, args)
 '''
-
-
-@pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    root = tmp_path / "repo"
-    root.mkdir()
-    shutil.copytree(ADD_SUB, root / "add_sub")
-    return root
 
 
 def explicit(server_factory, repo):
@@ -110,7 +95,8 @@ def test_poll_mode_changes_instances_in_place(server_factory, repo):
 
 
 def test_an_added_instance_that_fails_leaves_the_model_serving(server_factory, repo):
-    (repo / "add_sub" / "1" / "model.py").write_text(FAIL_SECOND)
+    model_py = repo / "add_sub" / "1" / "model.py"
+    model_py.write_text(model_py.read_text() + FAIL_SECOND)
     s = explicit(server_factory, repo)
     c = s.client()
     first = s.worker_pids("add_sub")
