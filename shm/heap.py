@@ -22,14 +22,27 @@ TRIM_THRESHOLD = 256 << 20
 TOP_PAD = 16 << 20
 
 
-def keep_large_buffers() -> bool:
-    """Apply the settings; False where the C library is not glibc (nothing to tune, no harm)."""
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        mallopt = None
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def give_back_free_memory() -> None:
+    """Return the heap's free pages to the kernel now (``malloc_trim``): after a large private
+    copy was dropped (weights moved to shared memory), which the thresholds above would keep."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is not None:
+        trim(0)
+
+
+def keep_large_buffers() -> bool:
+    """Apply the settings; False where the C library is not glibc (nothing to tune, no harm)."""
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
     if mallopt is None:
         return False
     ok = all(mallopt(param, value) == 1 for param, value in

@@ -35,6 +35,7 @@ class ModelContext:
     config: dict[str, Any]
     strict_config: bool = False
     server_id: str = "shmserve"  # lets a model call other models of the same server (BLS)
+    weights_key: str = ""  # names this load's shared copy of the weights (shared_weights.py)
 
     @property
     def version_dir(self) -> Path:

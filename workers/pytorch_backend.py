@@ -15,15 +15,19 @@ host in one copy.
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 import numpy as np
 
-from . import device_tensors
+from shmserve.shm import heap
+
+from . import device_tensors, shared_weights
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
 
 _INDEXED = re.compile(r"^.+__(\d+)$")
+log = logging.getLogger("shmserve.worker")
 
 
 def _order(names: list[str]) -> list[str]:
@@ -70,7 +74,26 @@ class PyTorchModel(Model):
         else:
             module = torch.jit.load(str(path), map_location=device)
             module.eval()
+        if device.type == "cpu":
+            self._share_weights(module, ictx)
         return PyTorchInstance(torch, module, device, self.ctx.config)
+
+    def _share_weights(self, module: Any, ictx: InstanceContext) -> None:
+        """One copy of the weights for every CPU instance of this load (shared_weights.py),
+        unless the parameter ``SHARE_WEIGHTS`` says "no"; where /dev/shm has no room for it the
+        instance keeps its own copy, and says so."""
+        setting = (self.ctx.config.get("parameters", {}).get("SHARE_WEIGHTS") or {}).get("string_value", "yes")
+        if setting.strip().lower() in ("no", "false", "off", "0") or not self.ctx.weights_key:
+            return
+        try:
+            shared = shared_weights.share(module, self.ctx.server_id, self.ctx.weights_key)
+        except OSError as e:
+            log.warning("model '%s' instance '%s' keeps its own copy of the weights: %s", self.ctx.name,
+                        ictx.name, e)
+            return
+        heap.give_back_free_memory()  # the private copy just dropped
+        log.info("model '%s' instance '%s': %.1f MB of weights in one shared copy", self.ctx.name, ictx.name,
+                 shared / 1e6)
 
 
 class PyTorchInstance(Instance):

@@ -91,7 +91,7 @@ class Worker:
         spec = self.spec
         ctx = ModelContext(name=self.model, version=self.version, model_dir=Path(spec["model_dir"]),
                            config=spec["config"], strict_config=spec.get("strict", False),
-                           server_id=self.server_id)
+                           server_id=self.server_id, weights_key=spec.get("weights_key", ""))
         try:
             custom_metrics.REGISTRY.attach(self.seg.custom_metrics)
             self.backend = load_backend(spec["backend"])

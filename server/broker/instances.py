@@ -17,7 +17,7 @@ import orjson
 from shmserve.shm import logs
 from shmserve.shm.arena import free_block
 from shmserve.shm.channel import WorkerSegment
-from shmserve.shm.names import object_name
+from shmserve.shm.names import object_name, unlink_shm
 from shmserve.shm.protocol import W_STOP
 from shmserve.shm.stats import VersionTotals
 
@@ -63,7 +63,7 @@ class Instances:
             "model_dir": mv.model_dir, "config": mv.config_dict, "backend": mv.backend,
             "strict": self.opts.strict_config, "broker_pid": os.getpid(),
             "log": logs.current(),  # the broker's log settings, which every process follows
-            "instances": mv.planned_instances, "poll_us": self.opts.poll_us,
+            "instances": mv.planned_instances, "poll_us": self.opts.poll_us, "weights_key": mv.weights_key,
         }
         proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers", orjson.dumps(spec).decode()],
                                 stdin=subprocess.DEVNULL, env=WORKER_ENV)
@@ -90,6 +90,14 @@ class Instances:
         self.workers.pop(inst.num, None)
         inst.seg.close()
         inst.seg.unlink()
+
+    def forget_weights(self, mv: ModelVersion) -> None:
+        """Remove the version's shared copy of its weights (workers/shared_weights.py); mappings
+        that instances still hold stay valid until they exit."""
+        if mv.weights_key:
+            name = object_name(self.opts.server_id, "weights", mv.weights_key)
+            unlink_shm(name)
+            unlink_shm(name + ".lock")
 
     def stop_all(self) -> None:
         """Stop every worker, kill those that do not exit in time, and reap them all."""

@@ -14,6 +14,7 @@ load, a batch done); ``on_worker_messages`` takes those reports.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -78,6 +79,7 @@ class Lifecycle:
         self.startup_done = False
         self.startup_failed = False
         self.updates = InstanceUpdates(catalog, instances, routes, clients)  # live instance changes
+        self.load_ids = itertools.count(1)  # one per version load: names its shared weights
 
     # -- the server -----------------------------------------------------------------------------
     def start(self, waker: Waker) -> None:
@@ -261,6 +263,7 @@ class Lifecycle:
             mv.set_config(mv.config_dict)
             mv.exec_timeout_s = exec_timeout_s
             mv.requested_config, mv.files = config, instance_update.folder_fingerprint(str(model_dir))
+            mv.weights_key = f"{name}.{v}.{next(self.load_ids)}"
             job.versions[v] = mv
             if config.platform == "ensemble":
                 self._load_ensemble(mv)
@@ -497,6 +500,7 @@ class Lifecycle:
             if entry.stopping and not any(self.instances.live(inst) for inst in mv.instances):
                 self.catalog.retiring.remove(entry)
                 log.info("unloaded '%s' version %d", mv.name, mv.version)
+                self.instances.forget_weights(mv)
                 self.discard_model_dir(mv.model_dir)
                 for client, slot in entry.waiters:
                     if client.name in self.clients.by_name:

@@ -88,6 +88,7 @@ class ModelVersion:
     sequencer: Any = None  # a SequenceBatcher when the config asks for sequence batching
     ensemble: Any = None  # an EnsemblePlan for platform "ensemble" (no instances of its own)
     requested_config: Any = None  # the config loaded, before the backend completed it
+    weights_key: str = ""  # names this load's shared weights (workers/shared_weights.py)
     files: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # instance_update.folder_fingerprint
 
     def set_config(self, config_dict: dict[str, Any]) -> None:

@@ -1,0 +1,124 @@
+"""Memory of N CPU instances of one PyTorch model, with its weights shared (the default) and with
+``SHARE_WEIGHTS: "no"``: a TorchScript model of ``--mb`` megabytes of weights is written to a
+temporary repository, shmserve serves it with each instance count, one request checks the answer,
+and the workers' memory is read from ``/proc/<pid>/smaps_rollup``:
+
+- PSS (proportional set size): each shared page counted once across the processes that map it,
+  so the sum over the workers is what they cost the machine together;
+- private: pages only that worker holds (its own heap, its own copy of the weights if any).
+
+    python -m shmserve.tools.weights_memory --mb 128 --instances 1,2,4 [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .harness import cmdline, descendants, free_port
+
+CONFIG = '''name: "weights"
+platform: "pytorch_libtorch"
+max_batch_size: 0
+input [ {{ name: "INPUT__0" data_type: TYPE_FP32 dims: [ {width} ] }} ]
+output [ {{ name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ {width} ] }} ]
+instance_group [ {{ count: {count} kind: KIND_CPU }} ]
+parameters {{ key: "SHARE_WEIGHTS" value: {{ string_value: "{share}" }} }}
+'''
+
+
+def write_model(repo: Path, mb: int, count: int, share: bool) -> int:
+    """A chain of square linear layers holding about ``mb`` MB of FP32 weights; returns its width."""
+    import torch
+
+    width = 1024
+    layers = max(1, round(mb * 1e6 / (width * width * 4)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    folder = repo / "weights"
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    torch.jit.save(torch.jit.script(model.eval()), str(folder / "1" / "model.pt"))
+    (folder / "config.pbtxt").write_text(CONFIG.format(width=width, count=count, share="yes" if share else "no"))
+    return width
+
+
+def memory_kb(pid: int) -> dict[str, int]:
+    """Pss and private kB of one process (smaps_rollup)."""
+    out = {"pss": 0, "private": 0, "rss": 0}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            value = int(rest.split()[0]) if rest.strip() else 0
+            if key == "Pss":
+                out["pss"] = value
+            elif key == "Rss":
+                out["rss"] = value
+            elif key in ("Private_Clean", "Private_Dirty"):
+                out["private"] += value
+    return out
+
+
+def measure(mb: int, count: int, share: bool) -> dict[str, Any]:
+    """Serve the model with ``count`` instances; the workers' memory once one request is answered."""
+    import tritonclient.http as httpclient
+
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp)
+        width = write_model(repo, mb, count, share)
+        port, sid = free_port(), f"wm{count}{int(share)}{free_port()}"
+        proc = subprocess.Popen([sys.executable, "-m", "shmserve", "--model-repository", str(repo),
+                                 "--http-address", "127.0.0.1", "--http-port", str(port), "--allow-metrics", "false",
+                                 "--allow-grpc", "false", "--id", sid], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    if client.is_server_ready():
+                        break
+                except Exception:  # noqa: BLE001 - not listening yet
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the server did not get ready")
+                time.sleep(0.2)
+            x = httpclient.InferInput("INPUT__0", [width], "FP32")
+            x.set_data_from_numpy(np.ones(width, dtype=np.float32))
+            answer = client.infer("weights", [x]).as_numpy("OUTPUT__0")
+            assert answer.shape == (width,) and np.isfinite(answer).all()
+            workers = [p for p in descendants(proc.pid) if cmdline(p).startswith("shmserve worker weights ")]
+            per = [memory_kb(p) for p in workers]
+            return {"instances": count, "shared": share, "weights_mb": mb, "workers": len(workers),
+                    "pss_mb": sum(m["pss"] for m in per) / 1024, "private_mb": sum(m["private"] for m in per) / 1024,
+                    "rss_mb": sum(m["rss"] for m in per) / 1024}
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, default=128, help="megabytes of weights (default 128)")
+    p.add_argument("--instances", default="1,2,4", help="instance counts to try (default 1,2,4)")
+    p.add_argument("--json", help="write the rows here too")
+    args = p.parse_args()
+    rows = []
+    print("| instances | weights | workers' PSS, shared | workers' PSS, own copies | private, shared | private, own |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for count in [int(n) for n in args.instances.split(",")]:
+        shared, own = measure(args.mb, count, True), measure(args.mb, count, False)
+        rows += [shared, own]
+        print(f"| {count} | {args.mb} MB | {shared['pss_mb']:.0f} MB | {own['pss_mb']:.0f} MB | "
+              f"{shared['private_mb']:.0f} MB | {own['private_mb']:.0f} MB |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
