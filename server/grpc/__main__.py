@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from shmserve.server.frontend.link import BrokerLink
+from shmserve.server.frontend.tracing import Tracer
 from shmserve.shm import heap, logs
 from shmserve.shm.names import set_title
 
@@ -30,7 +31,7 @@ from .service import InferenceService
 
 log = logging.getLogger("shmserve.grpc")
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # Triton's limit
-TICK_S = 0.5  # how often the broker's published log settings are followed
+TICK_S = 0.5  # how often the broker's published log and trace settings are followed
 
 
 def credentials(tls: dict) -> grpc.ServerCredentials:
@@ -54,7 +55,8 @@ def bind(server: grpc.aio.Server, spec: dict) -> str:
 
 async def serve(spec: dict) -> int:
     link = BrokerLink(spec["server_id"], spec["arena_bytes"], spec["max_inflight"], spec["poll_us"])
-    inference = GrpcInference(link, spec["max_tensor_elements"], spec["arena_bytes"])
+    tracer = Tracer(spec["server_id"])
+    inference = GrpcInference(link, tracer, spec["max_tensor_elements"], spec["arena_bytes"])
     service = InferenceService(spec["server_id"], link, inference, spec["allow_remote_shm"])
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0),
@@ -69,6 +71,7 @@ async def serve(spec: dict) -> int:
         log.error("cannot serve gRPC on %s:%s: %s", spec["address"], spec["port"], e)
         return 1
     await server.start()
+    tracer.start()
     log.info("serving gRPC on %s", address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -77,11 +80,13 @@ async def serve(spec: dict) -> int:
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes made through any frontend
     while not stop.is_set():
         log_settings.check()
+        tracer.follow()
         try:
             await asyncio.wait_for(stop.wait(), TICK_S)
         except asyncio.TimeoutError:
             pass
     await server.stop(spec.get("exit_timeout_s", 30))
+    tracer.stop()
     link.close()
     return 0
 
