@@ -7,6 +7,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from . import triton_flags
+from .grpc import options as grpc_options
 
 
 def parse_bool(value: str | bool) -> bool:
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer these endpoint groups only for requests with header KEY: VALUE (else 403); "
                         "groups: health, metadata, inference, shared-memory, model-config, model-repository, "
                         "statistics, trace, logging; repeatable, as Triton's")
+    add_bool(p, "--allow-http", True, "serve HTTP (default true); false with --allow-grpc serves gRPC only, and "
+                                      "with both false only local clients (shmserve.Client) are served, as in Triton")
     add_bool(p, "--allow-grpc", True, "serve Triton's gRPC protocol (GRPCInferenceService) beside HTTP (default true)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
     p.add_argument("--grpc-address", default="0.0.0.0", help="address the gRPC server binds (default 0.0.0.0)")
@@ -138,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "before it sleeps: polling spares the wake-ups of requests that follow closely, at the "
                         "cost of CPU; a frontend does not poll for a model whose answers take longer on "
                         "average. 0 never polls (default 500)")
+    grpc_options.add_flags(p, add_bool)
     triton_flags.add_flags(p, add_bool)
     return p
 
@@ -176,6 +180,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         from shmserve.server.frontend.restricted import parse as parse_restricted
 
         args.http_restricted_api = parse_restricted(args.http_restricted_api)
+        args.grpc = grpc_options.grpc_spec(args)
     except ValueError as e:
         parser.error(str(e))
     if not 1 <= args.http_max_inflight <= 65536:

@@ -2,8 +2,8 @@
 
 Like uvicorn's supervisor it restarts what dies (with back-off), forwards SIGTERM/SIGINT for a
 graceful drain, and unlinks every shared-memory object of its server id when it leaves. It binds
-the HTTP socket itself, so a busy port is a one-line error before anything starts, and every
-frontend process accepts on that one socket.
+the HTTP socket itself (under ``--allow-http``), so a busy port is a one-line error before anything
+starts, and every HTTP frontend process accepts on that one socket.
 """
 from __future__ import annotations
 
@@ -114,13 +114,16 @@ class Launcher:
                 "arena_bytes": self.args.frontend_arena_mb << 20, "allow_remote_shm": self.args.allow_remote_shm,
                 "exit_timeout_s": self.args.exit_timeout_secs, "max_inflight": self.args.http_max_inflight,
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
-                "log": log_settings(self.args)}
+                "log": log_settings(self.args), **self.args.grpc}  # grpc: server/grpc/options.py
         return subprocess.Popen([sys.executable, "-m", "shmserve.server.grpc", orjson.dumps(spec)],
                                 stdin=subprocess.DEVNULL)
 
+    def _http_frontends(self) -> int:
+        return self.args.http_workers if self.args.allow_http else 0
+
     def _start_child(self, index: int) -> subprocess.Popen:
         """Frontend ``index``: the HTTP ones first, then the gRPC one."""
-        if index < self.args.http_workers:
+        if index < self._http_frontends():
             return self._start_frontend(index)
         return self._start_grpc()
 
@@ -129,7 +132,8 @@ class Launcher:
 
     def run(self) -> int:
         _check_previous(self.sid)
-        self.sock = _bind(self.args.http_address, self.args.http_port)
+        if self.args.allow_http:
+            self.sock = _bind(self.args.http_address, self.args.http_port)
         if self.args.allow_grpc:  # a busy port is a one-line error here too, not a restart loop
             _bind(self.args.grpc_address, self.args.grpc_port, "gRPC").close()
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -142,17 +146,25 @@ class Launcher:
             grpc = [self._start_grpc()] if self.args.allow_grpc else []
             if grpc:
                 _wait_listening(self.args.grpc_address, self.args.grpc_port, grpc[0], GRPC_START_S)
-            self.frontends = [self._start_frontend(i) for i in range(self.args.http_workers)] + grpc
+            self.frontends = [self._start_frontend(i) for i in range(self._http_frontends())] + grpc
             self.log_follower = logs.BrokerSettings(self.sid)  # run-time changes (POST /v2/logging) here too
-            log.info("shmserve '%s' serving HTTP on %s:%d with %d frontend(s)", self.sid, self.args.http_address,
-                     self.args.http_port, self.args.http_workers)
-            if self.args.allow_grpc:
-                log.info("shmserve '%s' serving gRPC on %s:%d", self.sid, self.args.grpc_address, self.args.grpc_port)
+            self._log_serving()
             code = self._supervise()
         finally:
             self._stop_all()
             unlink_all(self.sid)
         return code
+
+    def _log_serving(self) -> None:
+        a = self.args
+        if a.allow_http:
+            log.info("shmserve '%s' serving HTTP on %s:%d with %d frontend(s)", self.sid, a.http_address,
+                     a.http_port, a.http_workers)
+        if a.allow_grpc:
+            log.info("shmserve '%s' serving gRPC on %s:%d%s", self.sid, a.grpc_address, a.grpc_port,
+                     " over TLS" if a.grpc["tls"] else "")
+        if not (a.allow_http or a.allow_grpc):
+            log.info("shmserve '%s' serving local clients only (--allow-http=false --allow-grpc=false)", self.sid)
 
     def _supervise(self) -> int:
         broker_restarts = 0

@@ -2,8 +2,7 @@
 
 Operators arrive with ``tritonserver`` command lines: a flag shmserve does not know must neither
 stop the server with a usage error nor be dropped in silence. Each flag here is accepted under
-Triton's exact spelling; ``notices`` says at start, by name, what it does here, and refuses only
-what cannot be honoured (``--allow-http=false``: the HTTP frontend cannot be turned off).
+Triton's exact spelling, and ``notices`` says at start, by name, what it does here.
 """
 from __future__ import annotations
 
@@ -11,16 +10,15 @@ import argparse
 import logging
 from typing import Callable
 
-# Triton's gRPC flags that the gRPC frontend does not act on yet, by name; True where the flag is
-# a boolean (--allow-grpc, --grpc-port and --grpc-address are cli.py's own).
-GRPC_FLAGS: dict[str, bool] = {
-    "--grpc-header-forward-pattern": False,
-    "--grpc-infer-allocation-pool-size": False, "--grpc-max-response-pool-size": False, "--grpc-use-ssl": True,
-    "--grpc-use-ssl-mutual": True, "--grpc-server-cert": False, "--grpc-server-key": False,
-    "--grpc-root-cert": False, "--grpc-infer-response-compression-level": False, "--grpc-keepalive-time": False,
-    "--grpc-keepalive-timeout": False, "--grpc-keepalive-permit-without-calls": True,
-    "--grpc-http2-max-pings-without-data": False, "--grpc-http2-min-recv-ping-interval-without-data": False,
-    "--grpc-http2-max-ping-strikes": False, "--grpc-restricted-protocol": False,
+# Triton's gRPC flags that grpcio's asyncio server in one process has nothing to map onto, by
+# name, with what stands in their place (the others are server/grpc/options.py's and cli.py's).
+GRPC_FLAGS: dict[str, str] = {
+    "--grpc-header-forward-pattern": "gRPC metadata is not forwarded as request parameters (neither are HTTP "
+                                     "headers)",
+    "--grpc-infer-allocation-pool-size": "grpcio allocates each call's state itself; there is no pool to size",
+    "--grpc-max-response-pool-size": "each response is sent as soon as it is built; there is no response pool",
+    "--grpc-infer-thread-count": "one gRPC process serves every call on one asyncio loop, and the models run in "
+                                 "worker processes of their own; --http-max-inflight bounds the calls in flight",
 }
 
 # (backend, setting) of --backend-config -> why it has no effect here. None of Triton's backend
@@ -42,20 +40,15 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
              "(the same as --strict-model-config=true; default false)")
     p.add_argument("--metrics-address", default=None, metavar="ADDR",
                    help="address the metrics server binds (default: --http-address, as Triton's)")
-    add_bool(p, "--allow-http", True,
-             "serve HTTP (default true); false is refused: the HTTP frontend cannot be turned off")
     p.add_argument("--model-load-thread-count", type=int, default=None, metavar="N",
                    help="accepted for Triton's command lines; every instance loads in a process of its own, "
                         "all at once, so the count has no effect")
     p.add_argument("--backend-config", action="append", default=[], metavar="[BACKEND,]SETTING=VALUE",
                    help="Triton's backend settings: accepted, and each one named in a warning at start, "
                         "since none applies to shmserve's backends; repeatable")
-    for flag, is_bool in GRPC_FLAGS.items():
-        help_text = "not acted on by the gRPC frontend yet: accepted, with a warning naming it"
-        if is_bool:
-            add_bool(p, flag, None, help_text)  # None: not given
-        else:
-            p.add_argument(flag, default=None, metavar="VALUE", help=help_text)
+    for flag in GRPC_FLAGS:
+        p.add_argument(flag, default=None, metavar="VALUE", help="accepted for Triton's command lines, with a "
+                                                                  "warning at start: no effect here")
 
 
 def backend_settings(items: list[str]) -> list[tuple[str, str, str]]:
@@ -72,9 +65,6 @@ def backend_settings(items: list[str]) -> list[tuple[str, str, str]]:
 
 def notices(args: argparse.Namespace) -> list[tuple[int, str]]:
     """(log level, line) for each of these flags given; ValueError for what is refused."""
-    if not args.allow_http:
-        raise ValueError("--allow-http=false: HTTP is the only network protocol that cannot be turned off in "
-                         "shmserve; gRPC (--allow-grpc) and local programs through shared memory are served beside it")
     if args.model_load_thread_count is not None and args.model_load_thread_count < 1:
         raise ValueError("--model-load-thread-count must be at least 1")
     out: list[tuple[int, str]] = []
@@ -86,7 +76,7 @@ def notices(args: argparse.Namespace) -> list[tuple[int, str]]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is None:
             continue
-        out.append((logging.WARNING, f"{flag} has no effect: the gRPC frontend does not act on it yet"))
+        out.append((logging.WARNING, f"{flag} {value} has no effect: {GRPC_FLAGS[flag]}"))
     if args.model_load_thread_count is not None:
         out.append((logging.INFO, f"--model-load-thread-count {args.model_load_thread_count}: every model "
                                   f"instance loads in a process of its own, all at once; the count has no effect"))

@@ -20,7 +20,8 @@ its ``src/tracer.cc`` for the file format and the per-setting counters. What the
   writes it when the server stops); with N > 0 every N traces make a complete array in
   ``<trace_file>.<k>``, k = 0, 1, ... Timestamp names: HTTP_RECV_START, HTTP_RECV_END,
   REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START, COMPUTE_END,
-  REQUEST_END, HTTP_SEND_START, HTTP_SEND_END (steady-clock ns).
+  REQUEST_END, HTTP_SEND_START, HTTP_SEND_END (steady-clock ns); over gRPC the first two are
+  GRPC_WAITREAD_START and GRPC_WAITREAD_END and the last two GRPC_SEND_START and GRPC_SEND_END.
 
 How shmserve differs, and why:
 - One JSON object per traced request: ``{"id", "model_name", "model_version", ["request_id",]
@@ -63,6 +64,8 @@ MODEL_KEYS = ("file", "level", "rate", "count", "log_frequency")  # what a model
 STAMPS = ("HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START",
           "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END", "REQUEST_END", "HTTP_SEND_START",
           "HTTP_SEND_END")
+# Over gRPC, Triton names the frontend's own four stamps so (src/grpc/infer_handler.cc).
+GRPC_STAMPS = ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END", *STAMPS[2:-2], "GRPC_SEND_START", "GRPC_SEND_END")
 MAX_U32 = 0xFFFFFFFF
 MAX_I32 = 0x7FFFFFFF
 

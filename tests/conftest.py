@@ -246,6 +246,21 @@ class Server:
         self.wait_until(lambda: self.http_status("/v2/health/ready") == 200, "ready", timeout)
         return self
 
+    def wait_grpc_ready(self, timeout: float = READY_TIMEOUT_S) -> "Server":
+        """Until ServerReady over gRPC answers true (a server without HTTP has no other probe)."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        def ready() -> bool:
+            try:
+                return client.is_server_ready(client_timeout=5)
+            except InferenceServerException:
+                return False
+
+        with grpcclient.InferenceServerClient(self.grpc_url) as client:
+            self.wait_until(ready, "ready over gRPC", timeout)
+        return self
+
     def wait_exit(self, timeout: float) -> int:
         assert self.proc is not None
         try:

@@ -21,7 +21,12 @@ FLAGS = [
     "--metrics-interval-ms", "--allow-cpu-metrics", "--allow-gpu-metrics", "--poll-us",
     "--repository-poll-secs", "--disable-auto-complete-config", "--metrics-address", "--allow-http",
     "--model-load-thread-count", "--backend-config", "--allow-grpc", "--grpc-port", "--grpc-address",
-    "--grpc-use-ssl", "--grpc-infer-allocation-pool-size", "--grpc-restricted-protocol",
+    "--grpc-use-ssl", "--grpc-use-ssl-mutual", "--grpc-server-cert", "--grpc-server-key", "--grpc-root-cert",
+    "--grpc-infer-response-compression-level", "--grpc-keepalive-time", "--grpc-keepalive-timeout",
+    "--grpc-keepalive-permit-without-calls", "--grpc-http2-max-pings-without-data",
+    "--grpc-http2-min-recv-ping-interval-without-data", "--grpc-http2-max-ping-strikes", "--grpc-max-connection-age",
+    "--grpc-max-connection-age-grace", "--grpc-restricted-protocol", "--grpc-header-forward-pattern",
+    "--grpc-infer-allocation-pool-size", "--grpc-max-response-pool-size", "--grpc-infer-thread-count",
 ]
 SHMSERVE = Path(PYTHON).parent / "shmserve"
 
@@ -82,13 +87,29 @@ def test_repository_flag_required():
     (["--poll-us", "soon"], "--poll-us"),
     (["--repository-poll-secs", "-1"], "--repository-poll-secs"),
     (["--repository-poll-secs", "often"], "--repository-poll-secs"),
-    (["--allow-http=false"], "--allow-http=false: HTTP is the only network protocol"),
+    (["--grpc-infer-response-compression-level", "max"], "must be none, low, medium or high, got 'max'"),
+    (["--grpc-keepalive-time", "0"], "--grpc-keepalive-time must lie in [1, 2147483647], got 0"),
+    (["--grpc-http2-max-ping-strikes", "-1"], "--grpc-http2-max-ping-strikes must lie in [0, 2147483647]"),
+    (["--grpc-keepalive-timeout", "soon"], "--grpc-keepalive-timeout"),
+    (["--grpc-restricted-protocol", "bogus:k=v"], "--grpc-restricted-protocol: unknown protocol 'bogus'"),
+    (["--grpc-restricted-protocol", "inference"], "expects <protocol>[,<protocol>...]:<key>=<value>"),
+    (["--grpc-restricted-protocol", "health:a=1", "--grpc-restricted-protocol", "health:b=2"],
+     "'health' is restricted more than once"),
+    (["--grpc-use-ssl"], "--grpc-use-ssl needs --grpc-server-cert, --grpc-server-key"),
+    (["--grpc-use-ssl-mutual", "--grpc-server-cert", "c", "--grpc-server-key", "k"],
+     "--grpc-use-ssl-mutual needs --grpc-server-cert, --grpc-server-key, --grpc-root-cert"),
+    (["--grpc-use-ssl", "--grpc-server-cert", "/no/such.crt", "--grpc-server-key", "/no/such.key"],
+     "cannot read --grpc-server-cert '/no/such.crt'"),
+    (["--grpc-use-ssl", "--grpc-server-cert", "/dev/null", "--grpc-server-key", "/dev/null"],
+     "--grpc-server-cert '/dev/null' holds no PEM data"),
     (["--grpc-port", "70000"], "--grpc-port"),
     (["--model-load-thread-count", "0"], "--model-load-thread-count must be at least 1"),
     (["--backend-config", "python"], "--backend-config 'python': expected [<backend>,]<setting>=<value>"),
 ], ids=["port-text", "port-range", "workers-0", "bool", "choice", "id", "load-model-without-explicit", "poll-us-range",
-        "poll-us-text", "repository-poll-secs-range", "repository-poll-secs-text", "allow-http-false", "grpc-port-range",
-        "load-thread-count-0", "backend-config-no-setting"])
+        "poll-us-text", "repository-poll-secs-range", "repository-poll-secs-text", "compression-level",
+        "keepalive-time-0", "ping-strikes-negative", "keepalive-timeout-text", "restricted-protocol-unknown",
+        "restricted-protocol-form", "restricted-protocol-twice", "ssl-without-files", "ssl-mutual-without-root",
+        "ssl-missing-file", "ssl-not-pem", "grpc-port-range", "load-thread-count-0", "backend-config-no-setting"])
 def test_bad_flag_values(tmp_path, args, needle):
     _assert_one_line_error(run_cli("--model-repository", str(tmp_path), *args), needle)
 

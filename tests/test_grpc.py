@@ -1,6 +1,10 @@
 """The gRPC frontend against a real server with tritonclient.grpc: every RPC served, inference
-with raw and typed tensors and through shared memory, and Triton's status codes for errors."""
+with raw and typed tensors, a 100 MiB tensor and through shared memory, cancelled calls, and
+Triton's status codes for errors."""
 from __future__ import annotations
+
+import base64
+import queue
 
 import grpc
 import numpy as np
@@ -11,9 +15,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from conftest import PRODUCT_MODELS, TEST_MODELS
+from conftest import PRODUCT_MODELS, TEST_MODELS, TESTS, wait_until
+from gates import Gate
+from shmserve.workers.devices import cuda_device_count
 
-MODELS = ["add_sub", "identity_all", "word_stream"]
+MODELS = ["add_sub", "identity_all", "word_stream", "held"]
+CANCEL_MODELS = TESTS / "models" / "cancel"
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +28,7 @@ def gserver(module_factory):
     args = ["--model-control-mode=explicit"]
     for m in MODELS:
         args += ["--load-model", m]
-    return module_factory.start([PRODUCT_MODELS, TEST_MODELS], args)
+    return module_factory.start([PRODUCT_MODELS, TEST_MODELS, CANCEL_MODELS], args)
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +186,40 @@ def test_typed_bytes_contents(gclient, stub):
     assert result.as_numpy("OUT_BYTES").tolist() == [[b"a", b"", b"\xffz"]]
 
 
+def test_a_100_mib_tensor_round_trip(gclient):
+    n = 100 << 20
+    data = (np.arange(n, dtype=np.uint32) % 251).astype(np.uint8).reshape(1, n)
+    inp = grpcclient.InferInput("IN_UINT8", [1, n], "UINT8")
+    inp.set_data_from_numpy(data)
+    result = gclient.infer("identity_all", [inp], outputs=[grpcclient.InferRequestedOutput("OUT_UINT8")])
+    out = result.as_numpy("OUT_UINT8")
+    assert out.shape == (1, n) and np.array_equal(out, data)
+
+
+def _held_input(x: int) -> list:
+    inp = grpcclient.InferInput("X", [1], "INT32")
+    inp.set_data_from_numpy(np.array([x], np.int32))
+    return [inp]
+
+
+def test_a_cancelled_call_cancels_its_request_and_the_server_serves_on(gclient, tmp_path):
+    """``held`` runs until its gate opens or its request is cancelled; a cancelled one leaves
+    ``saw-cancel-<request id>`` in the gate's folder."""
+    gate = Gate(tmp_path / "gate")
+    answers: queue.Queue = queue.Queue()
+    call = gclient.async_infer("held", _held_input(1), lambda result, error: answers.put((result, error)),
+                               request_id="cancel-me", parameters={"gate": gate.param})
+    gate.wait_started(1)
+    call.cancel()
+    result, error = answers.get(timeout=60)
+    assert result is None and error.status() == "StatusCode.CANCELLED"
+    wait_until(lambda: (gate.folder / "saw-cancel-cancel-me").exists(), "the model saw the call's cancel")
+    gate.open()
+    answer = gclient.infer("held", _held_input(2), request_id="next", parameters={"gate": gate.param})
+    assert answer.as_numpy("Y").tolist() == [2]
+    assert len(gate.started()) == 2 and not (gate.folder / "saw-cancel-next").exists()
+
+
 def test_parameters_and_sequence_fields_reach_the_server(gclient):
     a = np.ones(16, dtype=np.int32)
     result = gclient.infer("add_sub", _add_sub_inputs(a, a), priority=1, timeout=10_000_000,
@@ -218,6 +259,18 @@ def test_system_shared_memory_inference(gserver, gclient):
 def test_cuda_shared_memory_status_and_unregister(gclient):
     assert gclient.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
     gclient.unregister_cuda_shared_memory()
+
+
+def test_cuda_registration_that_cannot_be_served_is_refused_as_over_http(gserver, gclient):
+    """A handle that is no CUDA IPC handle (64 zero bytes; on a host without a device, any
+    handle): the same message as HTTP's 400, with INVALID_ARGUMENT."""
+    why = "no CUDA device" if cuda_device_count() == 0 else "failed to open CUDA IPC handle"
+    handle = base64.b64encode(bytes(64))  # tritonclient takes the handle base64-encoded on both protocols
+    http_err = _error(lambda: gserver.client().register_cuda_shared_memory("cuda_r", handle, 0, 1024))
+    err = _error(lambda: gclient.register_cuda_shared_memory("cuda_r", handle, 0, 1024))
+    assert http_err.status() == "400" and err.status() == "StatusCode.INVALID_ARGUMENT"
+    assert why in err.message() and err.message() == http_err.message()
+    assert gclient.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
 
 
 # -- errors -------------------------------------------------------------------------------------

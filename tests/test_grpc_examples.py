@@ -30,18 +30,7 @@ KEEPALIVE_ARGS = [("grpc.max_send_message_length", 1024 * 1024), ("grpc.max_rece
 
 @pytest.fixture(scope="module")
 def ex_server(module_factory):
-    server = module_factory.start([EXAMPLES])
-    # the server is ready once HTTP answers; its gRPC frontend may open its port a moment later
-    with grpcclient.InferenceServerClient(server.grpc_url) as c:
-        server.wait_until(lambda: _live(c), "serving gRPC")
-    return server
-
-
-def _live(c: grpcclient.InferenceServerClient) -> bool:
-    try:
-        return c.is_server_live()
-    except InferenceServerException:
-        return False
+    return module_factory.start([EXAMPLES]).wait_grpc_ready()
 
 
 @pytest.fixture(scope="module")
@@ -282,9 +271,8 @@ def test_model_control_in_explicit_mode(module_factory):
     override that changes max_batch_size, a file name longer than NAME_MAX refused as Triton
     refuses it (INTERNAL, 'failed to poll from model repository') with the server still live,
     and an unknown model that fails to load."""
-    s = module_factory.start([EXAMPLES], ["--model-control-mode", "explicit"])
+    s = module_factory.start([EXAMPLES], ["--model-control-mode", "explicit"]).wait_grpc_ready()
     with grpcclient.InferenceServerClient(s.grpc_url) as c:
-        s.wait_until(lambda: _live(c), "serving gRPC")
         assert len(c.get_model_repository_index().models) == 8
         c.load_model("simple")
         assert c.is_model_ready("simple")

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import DEADLINE_S, PYTHON, ROOT, TESTS, raw_request
-from shmserve.shm.trace import STAMPS, read_trace_file
+from shmserve.shm.trace import GRPC_STAMPS, STAMPS, read_trace_file
 
 REPOS = [TESTS / "models" / "batching", ROOT / "model_repository"]
 MODELS = ["--model-control-mode", "explicit", "--load-model", "add_sub", "--load-model", "probe"]
@@ -70,10 +71,10 @@ def records(path: Path, expected: int, timeout: float = DEADLINE_S) -> list[dict
     return read_trace_file(str(path)) if path.exists() else []
 
 
-def assert_ordered(record: dict) -> None:
+def assert_ordered(record: dict, names: tuple[str, ...] = STAMPS) -> None:
     ts = stamps(record)
-    assert list(ts) == list(STAMPS), record
-    values = [ts[name] for name in STAMPS]
+    assert list(ts) == list(names), record
+    values = [ts[name] for name in names]
     assert values == sorted(values), record
 
 
@@ -268,6 +269,33 @@ def test_batched_and_direct_requests_are_timed_end_to_end(server_factory, tmp_pa
     batched = stamps(found["probe"])
     assert batched["COMPUTE_START"] - batched["QUEUE_START"] > 0.2e9  # the broker's queue, not the lane's
     assert batched["QUEUE_START"] > batched["REQUEST_START"]
+
+
+def test_grpc_inferences_are_traced_with_grpc_timestamps(server_factory, tmp_path):
+    """gRPC ModelInfer calls share the server's trace ids and count with HTTP requests; their
+    records name the frontend's stamps as Triton's gRPC frontend does. A TraceSetting call applies
+    in the gRPC frontend at once."""
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path, "level=TIMESTAMPS", "rate=1")
+    add_sub(s.client(), "http")
+    a = np.arange(16, dtype=np.int32)
+    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    with grpcclient.InferenceServerClient(s.grpc_url) as g:
+        for i in range(2):
+            g.infer("add_sub", inputs, request_id=f"grpc{i}")
+        g.update_trace_settings(settings={"trace_count": "1"})  # one more trace
+        for i in range(2, 5):
+            g.infer("add_sub", inputs, request_id=f"grpc{i}")
+    found = records(path, 4)
+    assert sorted(r["id"] for r in found) == [1, 2, 3, 4]
+    by_request = {r["request_id"]: r for r in found}
+    assert sorted(by_request) == ["grpc0", "grpc1", "grpc2", "http"]
+    assert_ordered(by_request["http"])
+    for name in ("grpc0", "grpc1", "grpc2"):
+        assert by_request[name]["model_name"] == "add_sub" and by_request[name]["model_version"] == 1
+        assert_ordered(by_request[name], GRPC_STAMPS)
 
 
 def test_traced_requests_with_large_bodies_and_answers(server_factory, tmp_path):

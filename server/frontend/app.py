@@ -28,8 +28,8 @@ from .inference import Headers, Inference
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .metadata import EXTENSIONS, is_loopback
 from .openapi import openapi_endpoint
-from .settings import logging_endpoint
-from .tracing import Tracer, trace_endpoint
+from .settings import logging_endpoint, trace_endpoint
+from .tracing import Tracer
 
 log = logging.getLogger("shmserve.frontend")
 JSON = "application/json"

@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from .codec import BadRequest
 from .inference import JSON_HEADER, Headers, Inference, too_large
 from .ingest import BodyIngest, header_length
-from .tracing import HTTP_RECV_END, HTTP_RECV_START, HTTP_SEND_END, HTTP_SEND_START, REQUEST_START, Trace, Tracer
+from .tracing import RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer
 
 
 def infer_target(path: str) -> tuple[str, str] | None:
@@ -100,8 +100,8 @@ class FrontendApp:
 
     def _finish_trace(self, trace: Trace, recv_start: int, recv_end: int, send_start: int) -> None:
         ns = trace.ns
-        ns[HTTP_RECV_START], ns[HTTP_RECV_END], ns[HTTP_SEND_START] = recv_start, recv_end, send_start
-        ns[HTTP_SEND_END] = time.monotonic_ns()
+        ns[RECV_START], ns[RECV_END], ns[SEND_START] = recv_start, recv_end, send_start
+        ns[SEND_END] = time.monotonic_ns()
         if not ns[REQUEST_START]:  # refused before it became a request
             ns[REQUEST_START] = recv_end
         self.tracer.finish(trace)

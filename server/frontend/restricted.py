@@ -31,19 +31,22 @@ _RULES = [
 ]
 
 
-def parse(values: list[str]) -> Restrictions:
-    """``<api>[,<api>...]:<key>=<value>`` flags; a group restricted twice is an error, as in Triton."""
+def parse(values: list[str], flag: str = "--http-restricted-api", kind: str = "API") -> Restrictions:
+    """``<group>[,<group>...]:<key>=<value>`` flags (``flag``: Triton's ``--http-restricted-api``
+    or ``--grpc-restricted-protocol``, whose groups are the same and called protocols); a group
+    restricted twice is an error, as in Triton."""
     out: Restrictions = {}
+    name = kind.lower()
     for value in values:
         apis, sep, header = value.partition(":")
         key, eq, expected = header.partition("=")
         if not sep or not eq or not key.strip() or not apis.strip():
-            raise ValueError(f"--http-restricted-api expects <api>[,<api>...]:<key>=<value>, got '{value}'")
+            raise ValueError(f"{flag} expects <{name}>[,<{name}>...]:<key>=<value>, got '{value}'")
         for api in (a.strip() for a in apis.split(",")):
             if api not in CATEGORIES:
-                raise ValueError(f"--http-restricted-api: unknown API '{api}' (known: {', '.join(CATEGORIES)})")
+                raise ValueError(f"{flag}: unknown {kind} '{api}' (known: {', '.join(CATEGORIES)})")
             if api in out:
-                raise ValueError(f"--http-restricted-api: '{api}' is restricted more than once")
+                raise ValueError(f"{flag}: '{api}' is restricted more than once")
             out[api] = (key.strip().lower(), expected)
     return out
 

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from shmserve.shm import logs
 
 from .link import BrokerError, BrokerLink
+from .tracing import Tracer
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -47,6 +48,12 @@ def settings_endpoint(link: BrokerLink, op: str, applied: Callable[[Any], None],
 def logging_endpoint(link: BrokerLink) -> Endpoint:
     """``GET/POST /v2/logging`` (shm/logs.py holds the settings' meaning)."""
     return settings_endpoint(link, "log_settings", logs.configure)
+
+
+def trace_endpoint(link: BrokerLink, tracer: Tracer) -> Endpoint:
+    """GET/POST ``v2[/models/<model>]/trace/setting``: forwarded to the broker, which owns them;
+    this frontend follows a change at once, the others within their next tick (0.5 s)."""
+    return settings_endpoint(link, "trace_settings", lambda _: tracer.refresh(), per_model=True)
 
 
 def _json(status: int, doc: object) -> Response:

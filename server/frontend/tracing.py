@@ -6,29 +6,27 @@ infer path only reads ``Tracer.on``. When it is set, the infer path (asgi.py) sa
 (a local counter per setting object for ``rate``; the trace count and id under the shared lock,
 so they are exact across frontends), stamps the HTTP and request times, lets the worker (and
 the broker, for the requests it queues) add theirs to the response, and writes one record when
-the response is sent. See shm/trace.py for the file format and Triton's sources.
+the response is sent. The gRPC frontend (server/grpc/infer.py) traces ModelInfer calls the same
+way, with Triton's GRPC_* names for the frontend's own stamps. See shm/trace.py for the file
+format and Triton's sources.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import orjson
-from starlette.requests import Request
-from starlette.responses import Response
 
 from shmserve.shm import trace as tr
 from shmserve.shm.names import pid_alive
 from shmserve.shm.trace import FileWriter, TraceShared
 
-from .link import BrokerLink
-from .settings import settings_endpoint
-
 log = logging.getLogger("shmserve.trace")
-(HTTP_RECV_START, HTTP_RECV_END, REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END,
- COMPUTE_OUTPUT_START, COMPUTE_END, REQUEST_END, HTTP_SEND_START, HTTP_SEND_END) = range(len(tr.STAMPS))
+# Positions in Trace.ns. A record names the frontend's own four (RECV_*, SEND_*) HTTP_* or GRPC_*.
+(RECV_START, RECV_END, REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END,
+ COMPUTE_OUTPUT_START, COMPUTE_END, REQUEST_END, SEND_START, SEND_END) = range(len(tr.STAMPS))
 
 
 class Setting:
@@ -46,17 +44,19 @@ class Setting:
 
 
 class Trace:
-    """One traced request: its id, setting and timestamps (0: not taken)."""
+    """One traced request: its id, setting and timestamps (0: not taken), named by ``names``
+    (``tr.STAMPS`` over HTTP, ``tr.GRPC_STAMPS`` over gRPC; the same positions)."""
 
-    __slots__ = ("id", "model", "version", "request_id", "setting", "ns")
+    __slots__ = ("id", "model", "version", "request_id", "setting", "names", "ns")
 
-    def __init__(self, trace_id: int, model: str, setting: Setting) -> None:
+    def __init__(self, trace_id: int, model: str, setting: Setting, names: tuple[str, ...] = tr.STAMPS) -> None:
         self.id = trace_id
         self.model = model
         self.version: Any = -1
         self.request_id = ""
         self.setting = setting
-        self.ns = [0] * len(tr.STAMPS)
+        self.names = names
+        self.ns = [0] * len(names)
 
     def mark(self, req: dict) -> None:
         """Just before the request is submitted: tag it, so the worker times it."""
@@ -84,7 +84,7 @@ class Trace:
         doc: dict[str, Any] = {"id": self.id, "model_name": self.model, "model_version": version}
         if self.request_id:
             doc["request_id"] = self.request_id
-        doc["timestamps"] = [{"name": name, "ns": ns} for name, ns in zip(tr.STAMPS, self.ns) if ns]
+        doc["timestamps"] = [{"name": name, "ns": ns} for name, ns in zip(self.names, self.ns) if ns]
         return orjson.dumps(doc)
 
 
@@ -151,7 +151,7 @@ class Tracer:
             self.on = self.global_ is not None or any(s is not None for s in self.models.values())
 
     # -- per request ----------------------------------------------------------------------------------
-    def sample(self, model: str) -> Trace | None:
+    def sample(self, model: str, names: tuple[str, ...] = tr.STAMPS) -> Trace | None:
         setting = self.models[model] if model in self.models else self.global_
         shared = self.shared
         if setting is None or shared is None:
@@ -166,7 +166,7 @@ class Tracer:
                           "the trace settings change")
             self._stuck, self.on = True, False
             return None
-        return Trace(trace_id, model, setting) if trace_id else None
+        return Trace(trace_id, model, setting, names) if trace_id else None
 
     def finish(self, trace: Trace) -> None:
         """Write the record (or export the span) of a request whose response has been sent."""
@@ -174,7 +174,7 @@ class Tracer:
         try:
             if setting.mode == "opentelemetry":
                 self._exporter(setting.url).export(trace.id, trace.model, trace.version,
-                                                   [(n, ns) for n, ns in zip(tr.STAMPS, trace.ns) if ns])
+                                                   [(n, ns) for n, ns in zip(trace.names, trace.ns) if ns])
                 return
             if shared is None:
                 return
@@ -194,10 +194,4 @@ class Tracer:
                 self._otel.close()
             self._otel = OtelExporter(url)
         return self._otel
-
-
-def trace_endpoint(link: BrokerLink, tracer: Tracer) -> Callable[[Request], Awaitable[Response]]:
-    """GET/POST ``v2[/models/<model>]/trace/setting``: forwarded to the broker, which owns them;
-    this frontend follows a change at once, the others within their next tick (0.5 s)."""
-    return settings_endpoint(link, "trace_settings", lambda _: tracer.refresh(), per_model=True)
 

@@ -2,8 +2,9 @@
 launcher when ``--allow-grpc`` is true).
 
 grpcio's asyncio server on the standard asyncio loop (grpc.aio does not run on uvloop), with
-Triton's message limit of 2 GiB - 1 each way instead of gRPC's 4 MiB default. SIGTERM stops it
-gracefully within ``--exit-timeout-secs``.
+Triton's message limit of 2 GiB - 1 each way instead of gRPC's 4 MiB default, and the settings of
+Triton's gRPC flags (options.py): channel arguments, TLS credentials, the restricted-protocol
+interceptor (restricted.py). SIGTERM stops it gracefully within ``--exit-timeout-secs``.
 """
 from __future__ import annotations
 
@@ -18,35 +19,59 @@ from grpc_health.v1 import health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from shmserve.server.frontend.link import BrokerLink
+from shmserve.server.frontend.tracing import Tracer
 from shmserve.shm import heap, logs
 from shmserve.shm.names import set_title
 
 from .health import HealthService
 from .infer import GrpcInference
+from .options import read_pem
+from .restricted import RestrictedProtocols
 from .service import InferenceService
 
 log = logging.getLogger("shmserve.grpc")
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # Triton's limit
-TICK_S = 0.5  # how often the broker's published log settings are followed
+TICK_S = 0.5  # how often the broker's published log and trace settings are followed
+
+
+def credentials(tls: dict) -> grpc.ServerCredentials:
+    """Triton's TLS: the server's key and certificate; with mutual TLS, a client certificate
+    that chains to the root certificate is required."""
+    root = read_pem(tls["root"], "--grpc-root-cert") if tls["root"] else None
+    pair = (read_pem(tls["key"], "--grpc-server-key"), read_pem(tls["cert"], "--grpc-server-cert"))
+    return grpc.ssl_server_credentials([pair], root_certificates=root, require_client_auth=tls["mutual"])
+
+
+def bind(server: grpc.aio.Server, spec: dict) -> str:
+    """Listen on the spec's address (plaintext, or TLS); its text. Raises RuntimeError or ValueError."""
+    address = f"{spec['address']}:{spec['port']}" if ":" not in spec["address"] else \
+        f"[{spec['address']}]:{spec['port']}"
+    if spec["tls"]:
+        server.add_secure_port(address, credentials(spec["tls"]))
+        return address + " over TLS"
+    server.add_insecure_port(address)
+    return address
 
 
 async def serve(spec: dict) -> int:
     link = BrokerLink(spec["server_id"], spec["arena_bytes"], spec["max_inflight"], spec["poll_us"])
-    inference = GrpcInference(link, spec["max_tensor_elements"], spec["arena_bytes"])
+    tracer = Tracer(spec["server_id"])
+    inference = GrpcInference(link, tracer, spec["max_tensor_elements"], spec["arena_bytes"])
     service = InferenceService(spec["server_id"], link, inference, spec["allow_remote_shm"])
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
-    server = grpc.aio.server(options=options)
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0),
+               *map(tuple, spec["options"])]
+    interceptors = [RestrictedProtocols(spec["restricted"])] if spec["restricted"] else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), server)
-    address = f"{spec['address']}:{spec['port']}" if ":" not in spec["address"] else \
-        f"[{spec['address']}]:{spec['port']}"
     try:
-        server.add_insecure_port(address)
-    except RuntimeError as e:
-        log.error("cannot bind gRPC to %s: %s", address, e)
+        address = bind(server, spec)
+    except (RuntimeError, ValueError) as e:
+        log.error("cannot serve gRPC on %s:%s: %s", spec["address"], spec["port"], e)
         return 1
     await server.start()
+    tracer.start()
     log.info("serving gRPC on %s", address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -55,11 +80,13 @@ async def serve(spec: dict) -> int:
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes made through any frontend
     while not stop.is_set():
         log_settings.check()
+        tracer.follow()
         try:
             await asyncio.wait_for(stop.wait(), TICK_S)
         except asyncio.TimeoutError:
             pass
     await server.stop(spec.get("exit_timeout_s", 30))
+    tracer.stop()
     link.close()
     return 0
 

@@ -3,7 +3,8 @@
 The request becomes codec.py's descriptor through the KServe document (tensors.py), goes out with
 ``BrokerLink.submit`` like an HTTP request, and its completion becomes a ``ModelInferResponse``.
 A client that cancels the call cancels the request (``BrokerLink.cancel``); its answer is freed
-when it comes.
+when it comes. While tracing is on, a sampled call is traced as an HTTP request is
+(server/frontend/tracing.py), its record written once the call has ended.
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from tritonclient.grpc import service_pb2 as pb
 
 from shmserve.server.frontend.codec import BadRequest, build_request
 from shmserve.server.frontend.link import BrokerError, BrokerLink, Sent, when_room
+from shmserve.server.frontend.tracing import RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer
 from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import REQ_INFER
+from shmserve.shm.trace import GRPC_STAMPS
 
 from .status import code_of
 from .tensors import infer_response, request_doc
@@ -61,24 +64,44 @@ def check_version(version: str) -> None:
 class GrpcInference:
     """One gRPC frontend's inference requests, on its broker link."""
 
-    def __init__(self, link: BrokerLink, max_tensor_elements: int, arena_bytes: int) -> None:
+    def __init__(self, link: BrokerLink, tracer: Tracer, max_tensor_elements: int, arena_bytes: int) -> None:
         self.link = link
+        self.tracer = tracer
         self.max_tensor_elements = max_tensor_elements
         self.max_request_bytes = arena_bytes - (64 << 10)  # as Inference: what can never fit the arena
 
-    async def infer(self, request: Any) -> Any:
+    async def infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """The ``ModelInferResponse`` of ``request``; raises ``Aborted`` for an error answer."""
+        trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
+        if trace is not None:
+            trace.ns[RECV_START] = trace.ns[RECV_END] = time.monotonic_ns()  # the message is read
+            context.add_done_callback(lambda _: self._finish_trace(trace))
         doc, req, chunks = await self._build(request)
+        if trace is not None:
+            trace.mark(req)
         completion = await self._submit(req, chunks, request.model_name)
         try:
             result = completion.doc()
+            if trace is not None:
+                trace.collect(result)
             if completion.status != 200:
                 error = result.get("error", "inference failed")
                 raise Aborted(code_of(completion.status), GRPC_DECOUPLED if error == HTTP_DECOUPLED else error)
-            return infer_response(request.model_name, str(result.get("version", request.model_version)), doc,
-                                  result, completion.tensor)
+            response = infer_response(request.model_name, str(result.get("version", request.model_version)), doc,
+                                      result, completion.tensor)
         finally:
             completion.release()
+        if trace is not None:
+            trace.ns[SEND_START] = time.monotonic_ns()
+        return response
+
+    def _finish_trace(self, trace: Trace) -> None:
+        """The call has ended (its status sent): write the record, as HTTP's once its answer is sent."""
+        ns = trace.ns
+        ns[SEND_END] = time.monotonic_ns()
+        ns[SEND_START] = ns[SEND_START] or ns[SEND_END]  # an error status
+        ns[REQUEST_START] = ns[REQUEST_START] or ns[RECV_END]  # refused before it became a request
+        self.tracer.finish(trace)
 
     async def decoupled(self, model: str, version: str) -> bool:
         """Whether the model is decoupled (False when the broker cannot say: the request's own

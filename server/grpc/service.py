@@ -190,6 +190,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 update[key] = None if not values else values[0] if len(values) == 1 else values
             doc["update"] = update
         answer = await self._control(doc, context)
+        if "update" in doc:
+            self.inference.tracer.refresh()  # this frontend follows at once, the others on their tick
         resp = pb.TraceSettingResponse()
         for key, value in answer.items():
             values = value if isinstance(value, list) else [] if value is None else [value]
@@ -199,7 +201,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- inference ------------------------------------------------------------------------------
     async def ModelInfer(self, request: Any, context: Context) -> Any:
         try:
-            return await self.inference.infer(request)
+            return await self.inference.infer(request, context)
         except Aborted as e:
             await context.abort(e.code, str(e))
 

@@ -1,0 +1,118 @@
+"""Triton's gRPC server flags (TLS, keepalive, response compression, restricted protocols): their
+definitions, their checks at start, and the grpc server settings they become.
+
+The launcher parses these without importing grpcio: ``grpc_spec`` turns the flags into plain data
+(channel arguments, certificate paths, restrictions) for the gRPC process's spec, which
+``__main__.py`` hands to ``grpc.aio.server`` as they are. Defaults and meanings are Triton's
+(``src/command_line_parser.cc``, ``src/grpc/grpc_server.h``).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from shmserve.server.frontend.restricted import parse as parse_restricted
+
+# Triton's --grpc-infer-response-compression-level as grpc_compression_level. The level becomes
+# grpc's default for the server's responses: grpc picks the algorithm among those the client
+# accepts (low: gzip; medium and high: deflate when the client takes it).
+COMPRESSION_LEVELS = {"none": 0, "low": 1, "medium": 2, "high": 3}
+
+# Integer flag -> (grpc channel argument, Triton's default, smallest value). The connection-age
+# pair defaults to 0, which (as in Triton) leaves the argument unset: grpc's own default, no limit.
+INT_FLAGS: dict[str, tuple[str, int, int]] = {
+    "--grpc-keepalive-time": ("grpc.keepalive_time_ms", 7_200_000, 1),
+    "--grpc-keepalive-timeout": ("grpc.keepalive_timeout_ms", 20_000, 1),
+    "--grpc-http2-max-pings-without-data": ("grpc.http2.max_pings_without_data", 2, 0),
+    "--grpc-http2-min-recv-ping-interval-without-data": ("grpc.http2.min_ping_interval_without_data_ms", 300_000, 0),
+    "--grpc-http2-max-ping-strikes": ("grpc.http2.max_ping_strikes", 2, 0),
+    "--grpc-max-connection-age": ("grpc.max_connection_age_ms", 0, 0),
+    "--grpc-max-connection-age-grace": ("grpc.max_connection_age_grace_ms", 0, 0),
+}
+INT_HELP = {
+    "--grpc-keepalive-time": "milliseconds between the server's keepalive pings (default 7200000, as Triton's)",
+    "--grpc-keepalive-timeout": "milliseconds the server waits for a keepalive ping's ack before it closes the "
+                                "connection (default 20000)",
+    "--grpc-http2-max-pings-without-data": "pings the server sends with no data between them; 0: no limit (default 2)",
+    "--grpc-http2-min-recv-ping-interval-without-data": "milliseconds a client must leave between pings while no "
+                                                        "data flows; a ping sooner is a strike (default 300000)",
+    "--grpc-http2-max-ping-strikes": "strikes before the server closes the connection with GOAWAY too_many_pings; "
+                                     "0: any number (default 2)",
+    "--grpc-max-connection-age": "milliseconds a connection may live before the server asks the client to "
+                                 "reconnect; 0: no limit (default 0)",
+    "--grpc-max-connection-age-grace": "milliseconds calls may go on after that; 0: no limit (default 0)",
+}
+MAX_INT = (1 << 31) - 1
+RESTRICTED_FLAG = "--grpc-restricted-protocol"
+
+
+def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None:
+    """Add the flags of this module to ``p`` (``add_bool`` is cli.add_bool)."""
+    add_bool(p, "--grpc-use-ssl", False, "serve gRPC over TLS with --grpc-server-cert and --grpc-server-key "
+                                         "(default false)")
+    add_bool(p, "--grpc-use-ssl-mutual", False, "serve gRPC over TLS and require a client certificate signed by "
+                                                "--grpc-root-cert; implies --grpc-use-ssl (default false)")
+    p.add_argument("--grpc-server-cert", default="", metavar="PATH", help="PEM server certificate (chain) for TLS")
+    p.add_argument("--grpc-server-key", default="", metavar="PATH", help="PEM private key of --grpc-server-cert")
+    p.add_argument("--grpc-root-cert", default="", metavar="PATH",
+                   help="PEM root certificate(s) that client certificates must chain to (mutual TLS)")
+    p.add_argument("--grpc-infer-response-compression-level", default="none", metavar="LEVEL",
+                   help="compress gRPC responses: none, low, medium or high (default none)")
+    for flag, (_, default, _) in INT_FLAGS.items():
+        p.add_argument(flag, type=int, default=default, metavar="N", help=INT_HELP[flag])
+    add_bool(p, "--grpc-keepalive-permit-without-calls", False,
+             "let clients send keepalive pings on a connection with no call (default false)")
+    p.add_argument(RESTRICTED_FLAG, action="append", default=[], metavar="PROTOCOL[,PROTOCOL...]:KEY=VALUE",
+                   help="answer these RPC groups only for calls with metadata triton-grpc-protocol-KEY: VALUE (else "
+                        "UNAVAILABLE); groups as --http-restricted-api's; repeatable, as Triton's")
+
+
+def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as the gRPC process's settings: ``options`` (grpc channel arguments), ``tls``
+    (certificate paths, or None) and ``restricted`` (group -> (key, value)). ValueError says
+    what is wrong, by flag."""
+    options: list[tuple[str, int]] = []
+    for flag, (argument, default, low) in INT_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not low <= value <= MAX_INT:
+            raise ValueError(f"{flag} must lie in [{low}, {MAX_INT}], got {value}")
+        if value or default:
+            options.append((argument, value))
+    options.append(("grpc.keepalive_permit_without_calls", int(args.grpc_keepalive_permit_without_calls)))
+    level = args.grpc_infer_response_compression_level.lower()  # Triton's is case-insensitive
+    if level not in COMPRESSION_LEVELS:
+        raise ValueError(f"--grpc-infer-response-compression-level must be none, low, medium or high, got "
+                         f"'{args.grpc_infer_response_compression_level}'")
+    if COMPRESSION_LEVELS[level]:
+        options.append(("grpc.default_compression_level", COMPRESSION_LEVELS[level]))
+    return {"options": options, "tls": tls(args),
+            "restricted": parse_restricted(args.grpc_restricted_protocol, RESTRICTED_FLAG, "protocol")}
+
+
+def tls(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The TLS settings (None: plaintext); the files must hold PEM data."""
+    mutual = bool(args.grpc_use_ssl_mutual)
+    if not (args.grpc_use_ssl or mutual):
+        return None
+    needed = ["--grpc-server-cert", "--grpc-server-key"] + (["--grpc-root-cert"] if mutual else [])
+    for flag in needed:
+        if not getattr(args, flag[2:].replace("-", "_")):
+            raise ValueError(f"{'--grpc-use-ssl-mutual' if mutual else '--grpc-use-ssl'} needs {', '.join(needed)}")
+    paths = {"cert": args.grpc_server_cert, "key": args.grpc_server_key, "root": args.grpc_root_cert}
+    flags = {"cert": "--grpc-server-cert", "key": "--grpc-server-key", "root": "--grpc-root-cert"}
+    for name, path in paths.items():
+        if path:
+            read_pem(path, flags[name])
+    return {**paths, "mutual": mutual}
+
+
+def read_pem(path: str, flag: str) -> bytes:
+    """The file's bytes; ValueError (naming ``flag``) when it cannot be read or holds no PEM block."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {flag} '{path}': {e.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{flag} '{path}' holds no PEM data")
+    return data

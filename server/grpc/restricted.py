@@ -1,0 +1,65 @@
+"""Triton's ``--grpc-restricted-protocol``: RPC groups that answer only calls whose metadata
+carries ``triton-grpc-protocol-<key>: <value>``; any other call ends with UNAVAILABLE and
+Triton's message before the servicer runs.
+
+The groups are ``--http-restricted-api``'s (server/frontend/restricted.py parses both flags).
+The interceptor is installed only when some group is restricted; then a call pays one dict
+lookup of its method name, plus the metadata check when its group is restricted.
+"""
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+HEADER_PREFIX = "triton-grpc-protocol-"  # Triton's; gRPC metadata keys are lower case
+SERVICE = "/inference.GRPCInferenceService/"
+
+# Each RPC's group, as Triton's gRPC server assigns them (src/grpc/grpc_server.cc).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "health": ("ServerLive", "ServerReady", "ModelReady"),
+    "metadata": ("ServerMetadata", "ModelMetadata"),
+    "inference": ("ModelInfer", "ModelStreamInfer"),
+    "shared-memory": ("SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+                      "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"),
+    "model-config": ("ModelConfig",),
+    "model-repository": ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"),
+    "statistics": ("ModelStatistics",),
+    "trace": ("TraceSetting",),
+    "logging": ("LogSettings",),
+}
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # in Triton's health group too
+
+
+def method_rules(restricted: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Full method name -> (metadata key, expected value) for each RPC of a restricted group."""
+    rules: dict[str, tuple[str, str]] = {}
+    for group, (key, value) in restricted.items():
+        rule = (HEADER_PREFIX + key, value)
+        for name in GROUPS[group]:
+            rules[SERVICE + name] = rule
+        if group == "health":
+            rules[HEALTH_CHECK] = rule
+    return rules
+
+
+class RestrictedProtocols(grpc.aio.ServerInterceptor):
+    def __init__(self, restricted: dict[str, Any]) -> None:
+        self.rules = method_rules(restricted)
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        rule = self.rules.get(details.method)
+        if rule is None or handler is None or rule in (details.invocation_metadata or ()):
+            return handler
+        return _refusal(handler, f"This protocol is restricted, expecting header '{rule[0]}'")
+
+
+def _refusal(handler: Any, message: str) -> Any:
+    """A handler of ``handler``'s kind that ends the call with Triton's status and message."""
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+    make = grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
+    return make(refuse, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
