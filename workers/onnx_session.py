@@ -214,8 +214,9 @@ def open_session(ort: Any, path: Path, config: dict[str, Any], placement: Placem
         raise ValueError(f"onnxruntime could not enable {', '.join(missing)} for '{path}' (it runs on "
                                  f"{', '.join(session.get_providers())}); see the worker's log for why")
     so = session.get_session_options()
-    log.info("onnxruntime %s session for '%s': providers %s, graph optimization %s, execution mode %s, "
+    device = session.get_provider_options().get("CUDAExecutionProvider", {}).get("device_id")
+    log.info("onnxruntime %s session for '%s': providers %s%s, graph optimization %s, execution mode %s, "
              "intra-op threads %d, inter-op threads %d", ort.__version__, path, session.get_providers(),
-             so.graph_optimization_level.name, so.execution_mode.name, so.intra_op_num_threads,
-             so.inter_op_num_threads)
+             f" on GPU {device}" if device is not None else "", so.graph_optimization_level.name,
+             so.execution_mode.name, so.intra_op_num_threads, so.inter_op_num_threads)
     return session
