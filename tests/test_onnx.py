@@ -32,6 +32,23 @@ def add_sub_config(name: str, extra: str = "", io: str = ADD_SUB_IO, max_batch: 
     return f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {max_batch}\n{io}{extra}\n'
 
 
+def accumulator_config(name: str, start_values: str) -> str:
+    """The sequence model of om.accumulator: START is a control of the kind ``start_values``
+    (the graph takes FP32), STATE_IN/STATE_OUT its implicit state."""
+    return textwrap.dedent(f"""\
+        name: "{name}"
+        platform: "onnxruntime_onnx"
+        max_batch_size: 4
+        input [ {{ name: "VALUE" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+        output [ {{ name: "SUM" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+        sequence_batching {{
+          max_sequence_idle_microseconds: 60000000
+          control_input [ {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START {start_values}: [ 0, 1 ] }} ] }} ]
+          state [ {{ input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+        }}
+        """)
+
+
 SCALE_PY = '''
 import triton_python_backend_utils as pb_utils
 
@@ -98,18 +115,7 @@ def build_repository(repo: Path) -> Path:
                        'name: "external"\nbackend: "onnxruntime"\nmax_batch_size: 2\n')
     om.write(repo, "types", om.identity_all([dt for dt in om.ELEMENT_TYPES if dt != "BF16"]), None)
     om.write(repo, "bf16", om.identity_all(["BF16", "FP32"]), None)
-    om.write(repo, "accumulate", om.accumulator(), textwrap.dedent("""\
-        name: "accumulate"
-        platform: "onnxruntime_onnx"
-        max_batch_size: 4
-        input [ { name: "VALUE" data_type: TYPE_FP32 dims: [ 1 ] } ]
-        output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 1 ] } ]
-        sequence_batching {
-          max_sequence_idle_microseconds: 60000000
-          control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] } ]
-          state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
-        }
-        """))
+    om.write(repo, "accumulate", om.accumulator(), accumulator_config("accumulate", "fp32_false_true"))
     om.write(repo, "warm", om.add_sub(), add_sub_config("warm", textwrap.dedent("""\
         model_warmup [ { name: "zeros" batch_size: 2 count: 3
           inputs { key: "INPUT0" value: { data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } }
@@ -171,17 +177,7 @@ def build_repository(repo: Path) -> Path:
     om.write(repo, "bad_threads", om.add_sub(), add_sub_config(
         "bad_threads", 'parameters { key: "intra_op_thread_count" value: { string_value: "many" } }'))
     om.write(repo, "strings_to_bf16", om.identity_all(["BYTES", "BF16"]), None)
-    om.write(repo, "bad_control", om.accumulator(), textwrap.dedent("""\
-        name: "bad_control"
-        platform: "onnxruntime_onnx"
-        max_batch_size: 4
-        input [ { name: "VALUE" data_type: TYPE_FP32 dims: [ 1 ] } ]
-        output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 1 ] } ]
-        sequence_batching {
-          control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
-          state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
-        }
-        """))
+    om.write(repo, "bad_control", om.accumulator(), accumulator_config("bad_control", "int32_false_true"))
     return repo
 
 

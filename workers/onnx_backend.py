@@ -8,15 +8,16 @@ and execution providers come from the config and the instance's kind (onnx_sessi
 A batch of several requests runs as one session run over the concatenated batch dimension and is
 split back per request. Inputs reach the graph as the config declares them inside the model (a
 ``reshape`` applied); the sequence batcher's controls and implicit states are fed like any input,
-and the state outputs are computed on every run so the server can keep them. BYTES tensors are
+and the state outputs are fetched on every run so the server can keep them. BYTES tensors are
 ONNX string tensors: onnxruntime's Python API takes and gives text, so elements cross as UTF-8
 (an element that is not valid UTF-8 fails its own request). BF16 tensors cross as their 2-byte
-words through ``OrtValue``, numpy having no bfloat16 onnxruntime accepts.
+words through ``OrtValue``, numpy having no bfloat16 onnxruntime accepts; a bfloat16 output needs
+every input as an ``OrtValue``, which a string tensor cannot be, so a graph taking strings and
+giving bfloat16 is refused at load.
 """
 from __future__ import annotations
 
 import ctypes
-import logging
 from typing import Any
 
 import numpy as np
@@ -26,8 +27,6 @@ from shmserve.shm.tensors import DTYPES
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
 from .onnx_graph import GraphTensor, auto_complete, check, graph_tensor, model_dims
 from .onnx_session import Placement, model_path, open_session, run_options
-
-log = logging.getLogger("shmserve.worker")
 
 _BF16_ONNX = 16  # TensorProto.BFLOAT16
 
@@ -104,8 +103,8 @@ class OnnxInstance(Instance):
         self.bf16_outputs = {t.name for t in outputs if t.data_type == "TYPE_BF16"}
         if self.bf16_outputs and any(t.data_type == "TYPE_STRING" for t in inputs):
             raise ValueError("onnxruntime's Python API cannot run a graph that takes string tensors and gives "
-                                "bfloat16 ones (a bfloat16 output needs every input as an OrtValue, which a "
-                                "string tensor cannot be)")
+                             "bfloat16 ones (a bfloat16 output needs every input as an OrtValue, which a "
+                             "string tensor cannot be)")
         # Config tensors whose shape inside the model differs from the one clients use (a reshape,
         # or a scalar declared dims [1]): name -> (the model's dims, the client's dims).
         self.reshaped: dict[str, tuple[list[int], list[int]]] = {}

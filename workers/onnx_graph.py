@@ -102,7 +102,7 @@ def auto_complete(config: dict[str, Any], model: str, inputs: list[GraphTensor],
             done["dynamic_batching"] = {}
     elif max_batch != 0:
         raise ValueError(f"autofill failed for model '{model}': model does not support batching while "
-                            f"non-zero max_batch_size is specified")
+                         f"non-zero max_batch_size is specified")
     fed, taken = _sequence_names(done)
     if not done.get("input"):
         done["input"] = [_config_tensor(t, max_batch > 0) for t in inputs if t.name not in fed]
@@ -125,26 +125,26 @@ def _check_dims(model: str, kind: str, entry: dict[str, Any], t: GraphTensor, ma
     if max_batch > 0:
         if not shape or shape[0] != -1:
             raise ValueError(f"unable to load model '{model}', model configuration supports batching but "
-                                f"first dimension of {kind} '{t.name}' expected by framework is not a "
-                                f"variable-size batch dimension: {dims_text(shape)} whereas model "
-                                f"configuration shape is: {dims_text(dims)}")
+                             f"first dimension of {kind} '{t.name}' expected by framework is not a "
+                             f"variable-size batch dimension: {dims_text(shape)} whereas model "
+                             f"configuration shape is: {dims_text(dims)}")
         shape = shape[1:]
     if not shape:  # a scalar: Triton declares it dims [1]
         if any(d != 1 for d in dims):
             raise ValueError(f"unable to load model '{model}', scalar tensor '{t.name}', should only provide 1 "
-                                f"in the model configuration when the model doesn't support batching. Model "
-                                f"configuration provided: {dims_text(dims)}.")
+                             f"in the model configuration when the model doesn't support batching. Model "
+                             f"configuration provided: {dims_text(dims)}.")
         return
     if len(shape) != len(dims) or any(m != -1 and m != d for m, d in zip(shape, dims)):
         raise ValueError(f"unable to load model '{model}', {kind} '{t.name}' shape expected by framework "
-                            f"{dims_text(shape)} doesn't match model configuration shape {dims_text(dims)}")
+                         f"{dims_text(shape)} doesn't match model configuration shape {dims_text(dims)}")
 
 
 def _check_type(model: str, kind: str, name: str, want: str, t: GraphTensor) -> None:
     if want != t.data_type:
         provides = t.data_type or t.onnx_type
         raise ValueError(f"unable to load model '{model}', configuration expects datatype {want} for {kind} "
-                            f"'{name}', model provides {provides}")
+                         f"'{name}', model provides {provides}")
 
 
 def _control_type(control: dict[str, Any]) -> str:
@@ -166,52 +166,47 @@ def check(config: dict[str, Any], model: str, inputs: list[GraphTensor], outputs
     graph_in = {t.name: t for t in initializers} | {t.name: t for t in inputs}
     graph_out = {t.name: t for t in outputs}
     for entry in config.get("input", []):
-        name = entry["name"]
         if entry.get("optional") and max_batch != 0:
-            raise ValueError(f"unable to load model '{model}', optional input '{name}' is not supported for "
-                                f"models that support batching")
-        t = graph_in.get(name)
-        if t is None:
-            raise ValueError(f"unable to load model '{model}', unexpected inference input '{name}', allowed "
-                                f"inputs are: {', '.join(sorted(graph_in))}")
-        _check_type(model, "input", name, entry.get("data_type", ""), t)
-        _check_dims(model, "input", entry, t, max_batch)
-    for entry in config.get("output", []):
-        name = entry["name"]
-        t = graph_out.get(name)
-        if t is None:
-            raise ValueError(f"unable to load model '{model}', unexpected inference output '{name}', allowed "
-                                f"outputs are: {', '.join(sorted(graph_out))}")
-        _check_type(model, "output", name, entry.get("data_type", ""), t)
-        _check_dims(model, "output", entry, t, max_batch)
+            raise ValueError(f"unable to load model '{model}', optional input '{entry['name']}' is not supported "
+                             f"for models that support batching")
+    for kind, entries, graph in (("input", config.get("input", []), graph_in),
+                                 ("output", config.get("output", []), graph_out)):
+        for entry in entries:
+            name = entry["name"]
+            t = graph.get(name)
+            if t is None:
+                raise ValueError(f"unable to load model '{model}', unexpected inference {kind} '{name}', allowed "
+                                 f"{kind}s are: {', '.join(sorted(graph))}")
+            _check_type(model, kind, name, entry.get("data_type", ""), t)
+            _check_dims(model, kind, entry, t, max_batch)
     sb = config.get("sequence_batching") or {}
     for ci in sb.get("control_input", []):
         name = ci.get("name", "")
         t = graph_in.get(name)
         if t is None:
             raise ValueError(f"unable to load model '{model}', configuration specified sequence control "
-                                f"'{name}', but model does not provide that input")
+                             f"'{name}', but model does not provide that input")
         dims = list(t.dims[1:] if max_batch > 0 else t.dims)
         if dims != [1]:
             raise ValueError(f"unable to load model '{model}', sequence control '{name}' in model has dims "
-                                f"{dims_text(dims)} but dims [1] is expected")
+                             f"{dims_text(dims)} but dims [1] is expected")
         for control in ci.get("control", []):
             want = _control_type(control)
             if want != t.data_type:
                 raise ValueError(f"unable to load model '{model}', sequence control '{name}', the model "
-                                    f"expects data-type {t.data_type or t.onnx_type} but the model "
-                                    f"configuration specifies data-type {want}")
+                                 f"expects data-type {t.data_type or t.onnx_type} but the model "
+                                 f"configuration specifies data-type {want}")
     for st in sb.get("state", []):
         for kind, name, graph in (("input", st.get("input_name", ""), graph_in),
                                   ("output", st.get("output_name", ""), graph_out)):
             t = graph.get(name)
             if t is None:
                 raise ValueError(f"unable to load model '{model}', state {kind} '{name}' is not an {kind} of "
-                                    f"the model (its {kind}s: {', '.join(sorted(graph))})")
+                                 f"the model (its {kind}s: {', '.join(sorted(graph))})")
             _check_type(model, f"state {kind}", name, st.get("data_type", ""), t)
     fed = {e["name"] for e in config.get("input", [])} | _sequence_names(config)[0]
     unfed = [t.name for t in inputs if t.name not in fed]
     if unfed:
         raise ValueError(f"unable to load model '{model}', the model's input(s) {', '.join(unfed)} are not in "
-                            f"the configuration (its inputs, sequence controls or states): the model could not "
-                            f"run")
+                         f"the configuration (its inputs, sequence controls or states): the model could not "
+                         f"run")

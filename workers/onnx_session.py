@@ -95,7 +95,7 @@ def session_options(ort: Any, config: dict[str, Any]) -> Any:
     mode = _int_parameter(params, "execution_mode")
     if mode not in (0, 1):
         raise ValueError(f"Invalid configuration value provided. Expected values for execution_mode are "
-                                 f"0 or 1 but got {mode} .")
+                         f"0 or 1 but got {mode} .")
     so.execution_mode = ort.ExecutionMode.ORT_PARALLEL if mode == 1 else ort.ExecutionMode.ORT_SEQUENTIAL
     intra = _int_parameter(params, "intra_op_thread_count")
     inter = _int_parameter(params, "inter_op_thread_count")
@@ -174,7 +174,7 @@ def _cuda_options(config: dict[str, Any], ea_params: dict[str, str], device_id: 
 def _require(available: list[str], provider: str, why: str) -> None:
     if provider not in available:
         raise ValueError(f"{why} needs onnxruntime's {provider}, which this onnxruntime does not have "
-                                 f"(its providers: {', '.join(available)})")
+                         f"(its providers: {', '.join(available)})")
 
 
 def providers(config: dict[str, Any], placement: Placement, available: list[str]) -> list[tuple[str, dict]]:
@@ -212,7 +212,7 @@ def open_session(ort: Any, path: Path, config: dict[str, Any], placement: Placem
     missing = [name for name, _ in wanted if name not in session.get_providers()]
     if missing:
         raise ValueError(f"onnxruntime could not enable {', '.join(missing)} for '{path}' (it runs on "
-                                 f"{', '.join(session.get_providers())}); see the worker's log for why")
+                         f"{', '.join(session.get_providers())}); see the worker's log for why")
     so = session.get_session_options()
     device = session.get_provider_options().get("CUDAExecutionProvider", {}).get("device_id")
     log.info("onnxruntime %s session for '%s': providers %s%s, graph optimization %s, execution mode %s, "
