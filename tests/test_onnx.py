@@ -292,7 +292,8 @@ def test_auto_complete_takes_tensors_from_the_graph_and_batches_a_free_first_dim
     """No config.pbtxt: inputs, outputs, datatypes and dims from the graph; every first dimension
     is free, so max_batch_size is Triton's default 4 and the dynamic batcher is on."""
     config = onnx_client.get_model_config("add_sub_auto")
-    assert config["backend"] == "onnxruntime"
+    assert (config["backend"], config["platform"], config["default_model_filename"]) == (
+        "onnxruntime", "onnxruntime_onnx", "model.onnx")
     assert config["max_batch_size"] == 4
     assert "dynamic_batching" in config
     assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [

@@ -103,6 +103,9 @@ def load_config(model_dir: Path, strict: bool, override_json: str | None = None)
         config.backend = _infer_backend(model_dir)
     if config.platform in PLATFORM_BACKENDS and not config.backend and config.platform != "ensemble":
         config.backend = PLATFORM_BACKENDS[config.platform]
+    if config.backend == "onnxruntime":  # as Triton fills an ONNX model's backend fields
+        config.platform = config.platform or "onnxruntime_onnx"
+        config.default_model_filename = config.default_model_filename or DEFAULT_MODEL_FILES["onnxruntime"]
     complete_defaults(config)
     return config
 
