@@ -50,7 +50,8 @@ def mlp_weights() -> list[np.ndarray]:
 def onnx_bytes(weights: list[np.ndarray]) -> bytes:
     from onnx import TensorProto, helper, numpy_helper
 
-    w1, b1, w2, b2 = (numpy_helper.from_array(np.ascontiguousarray(w), n) for w, n in zip(weights, ("w1", "b1", "w2", "b2")))
+    w1, b1, w2, b2 = (numpy_helper.from_array(np.ascontiguousarray(w), name)
+                      for w, name in zip(weights, ("w1", "b1", "w2", "b2")))
     graph = helper.make_graph(
         [helper.make_node("Gemm", ["INPUT0", "w1", "b1"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["r"]),
          helper.make_node("Gemm", ["r", "w2", "b2"], ["OUTPUT0"], transB=1)], "mlp",
