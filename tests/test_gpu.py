@@ -403,3 +403,59 @@ def test_a_gpu_models_state_output_on_the_device_carries_to_the_next_request(gpu
 
     assert [step(5, start=True), step(5), step(5, end=True)] == [[0, 0], [1, 1], [2, 2]]
     assert step(5, start=True, end=True) == [0, 0]
+
+
+# -- ONNX Runtime -----------------------------------------------------------------------------------
+
+def test_onnx_models_on_a_gpu_instance_run_on_cuda_or_are_refused_naming_the_provider(server_factory, tmp_path):
+    """A KIND_GPU ONNX instance runs on CUDAExecutionProvider for its device (TensorrtExecutionProvider
+    first where a gpu_execution_accelerator names tensorrt) and answers as on the CPU; where this
+    host's onnxruntime lacks the provider (a CPU build of onnxruntime), the load fails naming it,
+    rather than running on the CPU (onnxruntime-gpu without TensorRT's libraries, say). Which one
+    holds depends on the onnxruntime installed."""
+    import onnxruntime
+
+    import onnx_models as om
+
+    io = ('input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, '
+          '{ name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+          'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, '
+          '{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
+    repo = tmp_path / "repo"
+    trt = 'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt" } ] } }\n'
+    providers = {"onnx_cuda": "CUDAExecutionProvider", "onnx_trt": "TensorrtExecutionProvider"}
+    for name, extra in (("onnx_cuda", ""), ("onnx_trt", trt)):
+        om.write(repo, name, om.add_sub(), f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n{io}'
+                                           f'{extra}instance_group [ {{ count: 1 kind: KIND_GPU gpus: [ 0 ] }} ]\n')
+    server = server_factory.create([repo], ["--exit-on-error=false"]).start()
+
+    def states() -> dict[str, dict]:
+        try:
+            raw = raw_request(server.port, "POST", "/v2/repository/index", b"{}")
+        except OSError:
+            return {}
+        return {e["name"]: e for e in raw.json()} if raw.status == 200 else {}
+
+    server.wait_until(lambda: all(states().get(n, {}).get("state") in ("READY", "UNAVAILABLE") for n in providers),
+                      "both ONNX models loaded or refused")
+    available = onnxruntime.get_available_providers()
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((3, 4), dtype=np.float32), rng.standard_normal((3, 4), dtype=np.float32)
+    client = server.client()
+    try:
+        for name, provider in providers.items():
+            entry = states()[name]
+            if entry["state"] == "UNAVAILABLE":  # never served from the CPU instead
+                assert provider in entry["reason"], entry
+                continue
+            assert entry["state"] == "READY" and provider in available and "CUDAExecutionProvider" in available, entry
+            inputs = [httpclient.InferInput("INPUT0", [3, 4], "FP32"), httpclient.InferInput("INPUT1", [3, 4], "FP32")]
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(b)
+            result = client.infer(name, inputs)
+            np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b, rtol=1e-5)
+            np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b, rtol=1e-5)
+            line = next(line for line in server.log().splitlines() if f"{name}/1/model.onnx': providers" in line)
+            assert f"'{provider}'" in line and "on GPU 0" in line, line
+    finally:
+        client.close()

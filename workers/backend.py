@@ -136,7 +136,8 @@ class Backend(ABC):
 # shmserve's own backends, loaded without scanning every installed distribution's entry points
 # (a scan costs a worker ~0.1 s of start-up); the entry-point group also lists them.
 BUILT_IN = {"python": "shmserve.workers.python_backend.backend:PythonBackend",
-            "pytorch": "shmserve.workers.pytorch_backend:PyTorchBackend"}
+            "pytorch": "shmserve.workers.pytorch_backend:PyTorchBackend",
+            "onnxruntime": "shmserve.workers.onnx_backend:OnnxRuntimeBackend"}
 
 
 def installed_backends() -> dict[str, metadata.EntryPoint]:

@@ -103,6 +103,9 @@ def load_config(model_dir: Path, strict: bool, override_json: str | None = None)
         config.backend = _infer_backend(model_dir)
     if config.platform in PLATFORM_BACKENDS and not config.backend and config.platform != "ensemble":
         config.backend = PLATFORM_BACKENDS[config.platform]
+    if config.backend == "onnxruntime":  # as Triton fills an ONNX model's backend fields
+        config.platform = config.platform or "onnxruntime_onnx"
+        config.default_model_filename = config.default_model_filename or DEFAULT_MODEL_FILES["onnxruntime"]
     complete_defaults(config)
     return config
 
@@ -127,8 +130,12 @@ def complete_defaults(config: ModelConfig) -> None:
             group.gpus.extend(range(gpus))
 
 
-def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], versions: list[int]) -> None:
-    """Refuse what Triton refuses, with the model and field named."""
+def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], versions: list[int],
+             completed_later: bool = False) -> None:
+    """Refuse what Triton refuses, with the model and field named. ``completed_later``: the
+    backend will complete the config (no --strict-model-config), and this completed config is
+    validated again; until then an unset ``max_batch_size`` is not held against the batcher's
+    settings, as the backend may set it (Triton validates only the completed config)."""
     m = config.name
     backend = backend_of(config)
     why = unsupported.refusal(config)
@@ -163,7 +170,7 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
         elif group.kind not in (mc.ModelInstanceGroup.KIND_CPU, mc.ModelInstanceGroup.KIND_MODEL):
             raise ConfigError(f"model '{m}': instance_group '{group.name}' kind "
                               f"{mc.ModelInstanceGroup.Kind.Name(group.kind)} is not supported")
-    if config.HasField("dynamic_batching"):
+    if config.HasField("dynamic_batching") and not (completed_later and config.max_batch_size == 0):
         if config.max_batch_size == 0:
             raise ConfigError(f"model '{m}': dynamic_batching requires max_batch_size > 0")
         for size in config.dynamic_batching.preferred_batch_size:

@@ -228,7 +228,7 @@ class Lifecycle:
             versions = cfgmod.select_versions(config, available)
             if not versions:
                 raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
-            cfgmod.validate(config, model_dir, self.backends, versions)
+            cfgmod.validate(config, model_dir, self.backends, versions, completed_later=not self.opts.strict_config)
             for warning in unsupported.warnings(config):
                 log.warning("%s", warning)
             if config.platform == "ensemble":
@@ -446,8 +446,10 @@ class Lifecycle:
             return
         mv.config = completed
         mv.set_config(cfgmod.to_dict(completed))
-        if completed.HasField("dynamic_batching") and mv.batcher is None and mv.sequencer is None:
-            # model.py's auto_complete_config asked for the dynamic batcher (set_dynamic_batching)
+        if completed.HasField("dynamic_batching") and mv.sequencer is None and (
+                mv.batcher is None or mv.batcher.max_batch_size != completed.max_batch_size):
+            # The backend asked for the dynamic batcher (model.py's set_dynamic_batching, or an ONNX
+            # graph that batches), or set max_batch_size; nothing is queued before the version is READY.
             mv.batcher = DynamicBatcher(mv.config_dict)
             mv.pipeline_depth = 1
         mv.worker_batching = batches_on_worker(mv.config_dict, mv.planned_instances)

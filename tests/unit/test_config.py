@@ -392,3 +392,28 @@ def test_validate_refuses_batch_output_naming_model_and_field(tmp_path):
     config = cfgmod.load_config(d, strict=False)
     with pytest.raises(ConfigError, match="model 'm': config field 'batch_output' is not supported"):
         cfgmod.validate(config, d, BACKENDS, [1])
+
+
+def test_the_onnx_backends_own_optimization_fields_are_not_findings():
+    """``optimization.graph`` and ``execution_accelerators`` are applied by the onnxruntime
+    backend; for any other backend they stay warnings."""
+    from shmserve.server.broker import unsupported
+
+    fields = """optimization { graph { level: 1 } priority: PRIORITY_MAX
+        execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt" } ] } }"""
+    onnx = parse(f'name: "m" platform: "onnxruntime_onnx" backend: "onnxruntime" {fields}')
+    assert [path for path, _, _ in unsupported.findings(onnx)] == ["optimization.priority"]
+    python = parse(f'name: "m" backend: "python" {fields}')
+    assert {path for path, _, _ in unsupported.findings(python)} == {
+        "optimization.graph", "optimization.priority", "optimization.execution_accelerators"}
+
+
+def test_a_dynamic_batcher_waits_for_the_backend_to_complete_max_batch_size(tmp_path):
+    """Without --strict-model-config the backend may set max_batch_size (an ONNX graph that
+    batches), so the batcher is not refused before the completed config is validated."""
+    d = model_dir(tmp_path, config='name: "m" platform: "onnxruntime_onnx" dynamic_batching { }',
+                  files={"1/model.onnx": ""})
+    config = cfgmod.load_config(d, strict=False)
+    cfgmod.validate(config, d, BACKENDS | {"onnxruntime"}, [1], completed_later=True)
+    with pytest.raises(ConfigError, match="model 'm': dynamic_batching requires max_batch_size > 0"):
+        cfgmod.validate(config, d, BACKENDS | {"onnxruntime"}, [1])
