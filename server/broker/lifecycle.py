@@ -30,7 +30,7 @@ from shmserve.shm.waker import Waker
 from shmserve.workers.backend import BUILT_IN, installed_backends
 
 from . import config as cfgmod
-from . import unsupported
+from . import response_cache, unsupported
 from .canary import Canary, CanaryPolicy
 from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
@@ -233,6 +233,9 @@ class Lifecycle:
             cfgmod.validate(config, model_dir, self.backends, versions)
             for warning in unsupported.warnings(config):
                 log.warning("%s", warning)
+            note = response_cache.load_note(config, self.opts.response_cache_bytes)
+            if note:
+                log.warning("%s", note)
             if config.platform == "ensemble":
                 cycle = find_cycle(name, self._ensemble_graph(config))
                 if cycle:
