@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 
 import posix_ipc
 
@@ -41,7 +42,8 @@ _MAGIC = 0x52434348454D5300  # "\0SMEHCCR"
 _HEADER = 128  # nine words used
 _ENTRY = 32  # an entry's header: total length, digest (two words), payload length
 _ALIGN = 64
-_BYTES_PER_SLOT = 512  # index slots for this many bytes of cache (16 bytes each: about 3%)
+_BYTES_PER_SLOT = 256  # an index slot per this many bytes of cache (16 bytes each: about 6%)
+_KEY = struct.Struct("<QQ")  # a digest as the two words the log and the index hold
 # header words
 _W_MAGIC, _W_LOG, _W_SLOTS, _W_HEAD, _W_TAIL, _W_USED, _W_COUNT, _W_HOLDER, _W_OPS = range(9)
 
@@ -69,7 +71,7 @@ class CacheStore:
         self.capacity = self.words[_W_LOG]
         self.log = seg.buf[self.log_off:self.log_off + self.capacity]
         self.log_words = self.log.cast("Q")
-        self.max_entries = self.slots * 3 // 4  # the index stays at most 3/4 full
+        self.max_entries = self.slots // 2  # the index stays at most half full: probe runs stay short
         self.pid = os.getpid()
         self._stuck_at = -1  # broker: the lock count when the lock was last seen held by nobody alive
 
@@ -135,7 +137,7 @@ class CacheStore:
     # -- lookup and insert ------------------------------------------------------------------------
     def lookup(self, key: bytes) -> bytes | None:
         """A copy of the payload stored under ``key`` (a 16-byte digest), or None."""
-        k0, k1 = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
+        k0, k1 = _KEY.unpack(key)
         if not self._lock():
             return None
         try:
@@ -162,7 +164,7 @@ class CacheStore:
         there already, the entry is larger than the cache, or the lock stayed taken."""
         if not self.fits(n):
             return False
-        k0, k1 = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
+        k0, k1 = _KEY.unpack(key)
         if not self._lock():
             return False
         try:
@@ -234,13 +236,15 @@ class CacheStore:
             size = len(part)
             buf[pos:pos + size] = part
             pos += size
-        head += total
-        w[_W_HEAD] = 0 if head == cap else head
+        w[_W_HEAD] = 0 if head + total == cap else head + total
         w[_W_USED] += total
         w[_W_COUNT] += 1
-        i = self._find(k0, k1)[1]
-        self.index[2 * i] = k0
-        self.index[2 * i + 1] = head - total + 1
+        index, mask = self.index, self.mask
+        i = k0 & mask  # the digest is not indexed (looked for under the lock): its first free slot
+        while index[2 * i + 1]:
+            i = (i + 1) & mask
+        index[2 * i] = k0
+        index[2 * i + 1] = head + 1
 
     def _evict_oldest(self) -> None:
         w, lw, cap = self.words, self.log_words, self.capacity
@@ -250,11 +254,19 @@ class CacheStore:
             w[_W_USED] -= cap - tail
             w[_W_TAIL] = 0
             return
-        off, slot = self._find(lw[(tail >> 3) + 1], lw[(tail >> 3) + 2])
-        if off == tail:  # (an entry written anew elsewhere leaves its old copy unindexed)
-            self._delete(slot)
-        tail += total
-        w[_W_TAIL] = 0 if tail == cap else tail
+        # Its index slot is the one that holds its offset (an entry written anew elsewhere has
+        # none for its old copy): on the probe run from the digest's home slot.
+        index, mask, stored = self.index, self.mask, tail + 1
+        i = lw[(tail >> 3) + 1] & mask
+        while True:
+            found = index[2 * i + 1]
+            if found == stored:
+                self._delete(i)
+                break
+            if found == 0:
+                break
+            i = (i + 1) & mask
+        w[_W_TAIL] = 0 if tail + total == cap else tail + total
         w[_W_USED] -= total
         w[_W_COUNT] -= 1
 

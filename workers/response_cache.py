@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 import time
 from typing import Any
 
+import numpy as np
 import orjson
 
 from shmserve.shm.protocol import manifest_room, read_manifest_with_data
@@ -37,6 +39,7 @@ from .backend import Response
 log = logging.getLogger("shmserve.worker")
 
 _ALIGN = 8  # tensor bytes in a stored payload start on 8-byte boundaries (numpy reads them in place)
+_name = operator.itemgetter("name")
 
 
 class ResponseCache:
@@ -85,7 +88,7 @@ class ResponseCache:
         """The request's digest, or None when it is not cacheable."""
         if "stream" in entry:
             return None
-        inputs = sorted(entry["inputs"], key=lambda t: t["name"])
+        inputs = sorted(entry["inputs"], key=_name)
         wanted = entry.get("outputs")
         asked = sorted(o["name"] for o in wanted) if wanted else self.outputs
         h = hashlib.sha256(self.prefix)
@@ -118,7 +121,7 @@ class ResponseCache:
         described, chunks, pos = [], [], 0
         for name in names:
             arr = resp.outputs[name]
-            if device_tensors.is_tensor(arr):
+            if not isinstance(arr, np.ndarray) and device_tensors.is_tensor(arr):
                 if arr.is_cuda:
                     return  # outputs on the device are not cached (as Triton)
                 arr = device_tensors.host_array(arr)
@@ -142,5 +145,5 @@ class ResponseCache:
                 log.warning("a response of %d bytes does not fit in the response cache (%d bytes for entries): "
                             "such responses are not cached", room + pos, self.store.capacity)
             return
-        head = len(raw).to_bytes(4, "little") + raw + bytes(room - 4 - len(raw))
+        head = len(raw).to_bytes(4, "little") + raw.ljust(room - 4, b"\0")  # read_manifest's layout
         self.store.insert(entry["ck"], [head, *chunks], room + pos)
