@@ -10,6 +10,8 @@ Layout: a 128-byte header, an index (open addressing with linear probing, 16 byt
 digest's first word and the entry's offset + 1), then the log. Entries lie in the log one after
 another, each a 32-byte header (length, digest, payload length) and its payload, 64-byte
 aligned; the log is circular, and writing at its head evicts the oldest entries in the way.
+The index has a slot per 256 bytes and is kept at most half full (short probe runs): a cache of
+many tiny answers holds size / 512 of them, evicting the oldest beyond.
 
 How close to LRU: eviction takes the oldest *written* entry; a hit on an entry in the older half
 of the log writes it again at the head. So an entry hit at least once while half the cache's
@@ -38,7 +40,7 @@ log = logging.getLogger("shmserve.cache")
 
 MIN_BYTES = 1024  # Triton's local cache may fail below about this size too
 LOCK_WAIT_S = 0.2
-_MAGIC = 0x52434348454D5300  # "\0SMEHCCR"
+_MAGIC = 0x52434348454D5300  # marks a finished header (any constant)
 _HEADER = 128  # nine words used
 _ENTRY = 32  # an entry's header: total length, digest (two words), payload length
 _ALIGN = 64
