@@ -6,7 +6,7 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
-from . import triton_flags
+from . import cache_flags, triton_flags
 from .grpc import options as grpc_options
 
 
@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "average. 0 never polls (default 500)")
     grpc_options.add_flags(p, add_bool)
     triton_flags.add_flags(p, add_bool)
+    cache_flags.add_flags(p)
     return p
 
 
@@ -158,8 +159,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--http-max-input-size and --http-max-tensor-elements must be at least 1")
     try:
         args.notices = triton_flags.notices(args)
+        args.response_cache_bytes, cache_notices = cache_flags.response_cache(args)
     except ValueError as e:
         parser.error(str(e))
+    args.notices += cache_notices
     args.strict_model_config = args.strict_model_config or args.disable_auto_complete_config
     if args.metrics_address is None:
         args.metrics_address = args.http_address  # as Triton's

@@ -53,6 +53,12 @@ class Segment:
         return cls(name, size, mm, owner=True)
 
     @classmethod
+    def create_anew(cls, name: str, size: int) -> "Segment":
+        """``create``, after removing an object of that name a crashed predecessor left."""
+        unlink_shm(name)
+        return cls.create(name, size)
+
+    @classmethod
     def attach(cls, name: str, readonly: bool = False, keep_fd: bool = False) -> "Segment":
         shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
         try:

@@ -18,11 +18,12 @@ import numpy as np
 
 SCALARS = ("success", "success_ns", "failure", "failure_ns", "rejected", "inference_count",
            "execution_count", "phase_count", "queue_ns", "compute_input_ns", "compute_infer_ns",
-           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out", "cancelled")
+           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out", "cancelled",
+           "cache_hit", "cache_hit_ns", "cache_miss", "cache_miss_ns")
 S = {name: i for i, name in enumerate(SCALARS)}
 (SUCCESS, SUCCESS_NS, FAILURE, FAILURE_NS, REJECTED, INFERENCE_COUNT, EXECUTION_COUNT, PHASE_COUNT, QUEUE_NS,
- INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT, CANCELLED) = \
-    range(len(SCALARS))
+ INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT, CANCELLED, CACHE_HIT,
+ CACHE_HIT_NS, CACHE_MISS, CACHE_MISS_NS) = range(len(SCALARS))
 SCALAR_SLOTS = 32  # room to add counters without moving the arrays behind them
 BUSY_SINCE = SCALAR_SLOTS - 1  # not a counter: monotonic ns the running execution began, 0 when idle
 PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
@@ -182,6 +183,33 @@ class StatsWriter:
         self._rows.append(row_index)
         c[LAST_INFERENCE_MS] = time.time_ns() // 1_000_000
 
+    def cache_hit(self, arrived: int, looked_up: int, lookup_ns: int, ok: bool) -> None:
+        """A request answered from the response cache, looked up at ``looked_up`` (monotonic ns)
+        in ``lookup_ns``. As Triton counts it: a success, its queue time up to the lookup, and no
+        inference, execution or compute phase."""
+        c = self.counts
+        if not 0 < arrived <= looked_up:
+            arrived = looked_up
+        duration = time.monotonic_ns() - arrived
+        if not ok:  # the stored outputs could not be answered (a region too small, no room)
+            c[FAILURE] += 1
+            c[FAILURE_NS] += duration
+            return
+        c[SUCCESS] += 1
+        c[SUCCESS_NS] += duration
+        c[QUEUE_NS] += looked_up - arrived
+        c[CACHE_HIT] += 1
+        c[CACHE_HIT_NS] += lookup_ns
+        for cell in (bucket_of(duration), _QUEUE_CELL + bucket_of(looked_up - arrived)):
+            self._cells[cell] += 1
+            self._dirty.append(cell)
+
+    def cache_miss(self, ns: int) -> None:
+        """A request the response cache did not hold, run and answered: ``ns`` is its lookup
+        and the insertion of its outputs."""
+        self.counts[CACHE_MISS] += 1
+        self.counts[CACHE_MISS_NS] += ns
+
     def rejected(self) -> None:
         """A request refused before execution (bad input): a failure, and counted as REJECTED."""
         self.counts[FAILURE] += 1
@@ -238,6 +266,7 @@ class VersionTotals:
         self.failure_reasons: dict[str, int] = {}
         self.worker_restarts = 0
         self.pending = 0
+        self.cached = False  # the version uses the response cache: its cache metrics are reported
 
     def copy(self) -> "VersionTotals":
         out = VersionTotals()

@@ -234,11 +234,7 @@ class TraceShared:
     @classmethod
     def create(cls, server_id: str) -> "TraceShared":
         name = object_name(server_id, "trace", 0)
-        try:
-            Segment.attach(name).unlink()  # left by a broker that crashed
-        except posix_ipc.ExistentialError:
-            pass
-        seg = Segment.create(name, SIZE)
+        seg = Segment.create_anew(name, SIZE)
         unlink_semaphore(name)
         sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=1)
         shared = cls(server_id, seg, sem)

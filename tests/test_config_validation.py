@@ -83,8 +83,10 @@ def config_error_repo(tmp_path_factory) -> Path:
         """))
     _model(repo, "ragged", _config("ragged", input_block=(
         '{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] allow_ragged_batch: true }')))
-    # a field shmserve does not implement that only loses a feature: the model loads, with a warning
-    _model(repo, "cached", _config("cached") + "response_cache { enable: true }\n")
+    # a field shmserve does not implement that only loses a feature: the model loads, with a warning;
+    # and the response cache asked for on a server without one: the model loads, caching nothing
+    _model(repo, "cached", _config("cached") + 'model_operations { op_library_filename: "libnone.so" }\n'
+           "response_cache { enable: true }\n")
     return repo
 
 
@@ -209,8 +211,25 @@ def test_unimplemented_field_loads_with_a_warning_naming_it(config_error_server)
     inp.set_data_from_numpy(x)
     np.testing.assert_array_equal(client.infer("cached", [inp]).as_numpy("Y"), x)
     warnings = [line for line in config_error_server.log().splitlines()
-                if "model 'cached': config field 'response_cache' is not supported yet and has no effect" in line]
+                if "model 'cached': config field 'model_operations' is not supported yet and has no effect" in line]
     assert warnings and all(line.startswith("W") for line in warnings), warnings
+
+
+def test_response_cache_without_a_server_cache_runs_every_request(config_error_server):
+    """As Triton: the model loads and nothing is cached (the server has no --cache-config);
+    here the load also says so."""
+    client = config_error_server.client()
+    before = client.get_inference_statistics("cached")["model_stats"][0]["execution_count"]
+    inp = httpclient.InferInput("X", [4], "FP32")
+    inp.set_data_from_numpy(np.array([5.0, 6.0, 7.0, 8.0], dtype=np.float32))
+    for _ in range(2):
+        client.infer("cached", [inp])
+    stats = client.get_inference_statistics("cached")["model_stats"][0]
+    assert stats["execution_count"] == before + 2
+    assert stats["inference_stats"]["cache_hit"]["count"] == 0
+    notes = [line for line in config_error_server.log().splitlines()
+             if "model 'cached': response_cache is enabled but the server has no response cache" in line]
+    assert notes and all(line.startswith("W") for line in notes), notes
 
 
 def test_strict_readiness_counts_bad_configs(config_error_server):

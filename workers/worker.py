@@ -43,6 +43,7 @@ from . import cuda
 from .cuda import CudaError
 from .region_holds import RegionHolds
 from .requests import DecoupledOnly, RequestError, check_request, read_inputs
+from .response_cache import ResponseCache
 from .sequence import SequenceSupport
 from shmserve.signature import InvalidRequest, ModelSignature
 from .stream import StreamSender
@@ -85,6 +86,7 @@ class Worker:
         self.running = True
         # Requests from our lanes waiting for a batch, when this instance batches them itself.
         self.batcher: DynamicBatcher | None = None
+        self.cache: ResponseCache | None = None  # the server's response cache, if this model uses it
 
     # -- start-up -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -109,6 +111,7 @@ class Worker:
             if batches_on_worker(ctx.config, spec.get("instances", 0)):  # the broker decides alike
                 self.batcher = DynamicBatcher(ctx.config)
             self.decoupled = bool((ctx.config.get("model_transaction_policy") or {}).get("decoupled"))
+            self.cache = ResponseCache.open(spec, ctx.config, self.segments)
             self.answers.model = ModelInfo(self.version, self.instance_name, self.signature.max_batch_size > 0,
                                            self.decoupled, load_labels(ctx.config, ctx.model_dir))
             if ctx.config.get("model_warmup"):
@@ -253,6 +256,8 @@ class Worker:
         if self.batcher is None:
             self._execute([entry])
             return False
+        if self.cache is not None and not self._answer_cached([entry]):
+            return False  # answered from the response cache: never queued
         now_ns = time.monotonic_ns()
         if "tr" in entry:
             entry["tr"] = now_ns  # traced: its QUEUE_START
@@ -288,8 +293,24 @@ class Worker:
         self.stats.counts[DIRECT_DONE] += done
         return done
 
+    def _answer_cached(self, entries: list[dict]) -> list[dict]:
+        """Answer the requests the response cache holds; returns the others, to run. Triton
+        looks each request up on its own: a batch's hits are answered, its misses run together."""
+        hits, misses = self.cache.split(entries)  # type: ignore[union-attr]
+        for entry, resp, looked_up, lookup_ns in hits:
+            self.answers.phases = (looked_up, looked_up + lookup_ns, looked_up + lookup_ns)
+            ok = self._answer(entry, resp)
+            with self.stream_lock:
+                self.stats.cache_hit(entry.get("t", 0), looked_up, lookup_ns, ok)
+            self.holds.release(entry)
+        return misses
+
     def _execute(self, entries: list[dict]) -> None:
         """Run one batch and answer each request; time its phases for the statistics."""
+        if self.cache is not None:
+            entries = self._answer_cached(entries)
+            if not entries:
+                return
         start = time.monotonic_ns()
         busy = self.seg.stats.scalars
         busy[BUSY_SINCE] = start  # the broker enforces execution_timeout_s against this
@@ -343,6 +364,10 @@ class Worker:
                         asked = [o["name"] for o in entry.get("outputs") or ()]
                         self.sequence.capture(resp.outputs, asked, entry.get("corr", 0), entry.get("flags", 0))
                     ok.append(self._answer(entry, resp))
+                    if self.cache is not None and ok[-1] and entry.get("ck"):
+                        inserting = time.monotonic_ns()
+                        self.cache.insert(entry, resp)
+                        self.stats.cache_miss(entry["cn"] + time.monotonic_ns() - inserting)
         if live:
             batched = self.signature is not None and self.signature.max_batch_size > 0
             sizes, arrivals, streamed = [], [], 0  # answered here; streamed ones count when they finish

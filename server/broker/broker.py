@@ -38,6 +38,7 @@ from .models import Client
 from .options import STARTUP_FAILED, BrokerOptions
 from .region_users import lane_holds, regions_in_use
 from .regions import Regions
+from .response_cache import create_store
 from .routes import Routes
 from .scheduler import Scheduler
 from .statistics import Statistics
@@ -55,6 +56,7 @@ class Broker:
         self.opts = opts
         self.seg = BrokerSegment.create(opts.server_id, opts.broker_arena_bytes)
         self.journal = Journal(opts.server_id)  # what a broker before this one was asked to change
+        self.cache = create_store(opts.server_id, opts.response_cache_bytes)  # workers attach it
         self.catalog = Catalog()
         self.instances = Instances(opts)
         self.clients = Clients(self.seg)
@@ -151,6 +153,8 @@ class Broker:
 
     def _housekeeping(self) -> None:
         self.supervisor.check_workers()
+        if self.cache is not None:
+            self.cache.recover()  # a worker that died holding the cache's lock
         for client in list(self.clients.by_name.values()):
             if not pid_alive(client.pid):
                 log.info("client %s (pid %d) died; reclaiming its channel", client.name, client.pid)
@@ -215,6 +219,9 @@ class Broker:
         self.catalog.models.clear()
         for mv in served:
             self.lifecycle.discard_model_dir(mv.model_dir)
+        if self.cache is not None:
+            self.cache.close()
+            self.cache.unlink()
         self.seg.close()
         self.seg.unlink()
         return STARTUP_FAILED if self.lifecycle.startup_failed else 0

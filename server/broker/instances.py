@@ -64,6 +64,8 @@ class Instances:
             "strict": self.opts.strict_config, "broker_pid": os.getpid(),
             "log": logs.current(),  # the broker's log settings, which every process follows
             "instances": mv.planned_instances, "poll_us": self.opts.poll_us, "weights_key": mv.weights_key,
+            # the response cache's key part for this load (0: the server has no cache)
+            "cache_load": int(mv.created * 1e9) if self.opts.response_cache_bytes else 0,
         }
         proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers", orjson.dumps(spec).decode()],
                                 stdin=subprocess.DEVNULL, env=WORKER_ENV)

@@ -31,7 +31,7 @@ from shmserve.shm.waker import Waker
 from shmserve.workers.backend import BUILT_IN, installed_backends
 
 from . import config as cfgmod
-from . import instance_update, unsupported
+from . import instance_update, response_cache, unsupported
 from .instance_update import STRAGGLER_GRACE_S, InstanceUpdates
 from .canary import Canary, CanaryPolicy
 from .catalog import Catalog, LoadJob, Retiring
@@ -231,6 +231,9 @@ class Lifecycle:
             cfgmod.validate(config, model_dir, self.backends, versions, completed_later=not self.opts.strict_config)
             for warning in unsupported.warnings(config):
                 log.warning("%s", warning)
+            note = response_cache.load_note(config, self.opts.response_cache_bytes)
+            if note:
+                log.warning("%s", note)
             if config.platform == "ensemble":
                 cycle = find_cycle(name, self._ensemble_graph(config))
                 if cycle:

@@ -171,6 +171,8 @@ class _Collector:
         yield family("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in "
                      "microseconds (does not include cached requests)", "counter",
                      lambda s: s.get("compute_output_ns") // 1000)
+        if any(st.cached for _, _, st in rows):  # as Triton: only for models that use the response cache
+            yield from _cache_families([row for row in rows if row[2].cached])
         yield family("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting "
                      "execution per-model.", "gauge", lambda s: s.pending)
         if self.opts.summary_latencies:
@@ -253,6 +255,21 @@ class _Collector:
             for uuid, value in samples:
                 m.add_sample(name, {"gpu_uuid": uuid}, value)
             yield m
+
+
+def _cache_families(rows: list[VersionRow]) -> Iterator[Metric]:
+    """Triton's per-model response cache counters (hits, misses, and their durations in us)."""
+    for name, doc, value in (
+            ("nv_cache_num_hits_per_model", "Number of cache hits per model", lambda s: s.get("cache_hit")),
+            ("nv_cache_num_misses_per_model", "Number of cache misses per model", lambda s: s.get("cache_miss")),
+            ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds",
+             lambda s: s.get("cache_hit_ns") // 1000),
+            ("nv_cache_miss_duration_per_model", "Total cache miss (insert+lookup) duration per model, in "
+             "microseconds", lambda s: s.get("cache_miss_ns") // 1000)):
+        m = Metric(name, doc, "counter")
+        for model, version, st in rows:
+            m.add_sample(name, {"model": model, "version": str(version)}, value(st))
+        yield m
 
 
 def render(registry: CollectorRegistry) -> bytes:
@@ -348,11 +365,12 @@ def version_stats_json(model: str, version: int, st: VersionTotals) -> dict:
         "inference_stats": {
             "success": duration(st.get("success"), st.get("success_ns")),
             "fail": duration(st.get("failure"), st.get("failure_ns")),
-            "queue": duration(phase_count, st.get("queue_ns")),
+            "queue": duration(phase_count + st.get("cache_hit"), st.get("queue_ns")),  # hits wait too
             "compute_input": duration(phase_count, st.get("compute_input_ns")),
             "compute_infer": duration(phase_count, st.get("compute_infer_ns")),
             "compute_output": duration(phase_count, st.get("compute_output_ns")),
-            "cache_hit": duration(0, 0), "cache_miss": duration(0, 0),
+            "cache_hit": duration(st.get("cache_hit"), st.get("cache_hit_ns")),
+            "cache_miss": duration(st.get("cache_miss"), st.get("cache_miss_ns")),
         },
         "response_stats": {},
         "batch_stats": batches,

@@ -31,6 +31,7 @@ class BrokerOptions:
     cpu_metrics: bool = True
     gpu_metrics: bool = True
     poll_us: int = 500  # --poll-us: how long a worker polls for its next request before it sleeps
+    response_cache_bytes: int = 0  # --cache-config local,size=<bytes>: the response cache (0: none)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.stats import VersionTotals
 
+from . import response_cache
 from .catalog import Catalog
 from .instances import Instances
 from .metrics import Family, MetricsOptions, serve_metrics
@@ -42,6 +43,7 @@ class Statistics:
                 lanes = sum(max(0, int(i.seg.lane_tails.sum()) - i.seg.stats.get("direct_done"))
                             for i in list(mv.instances) if self.instances.live(i))
                 total.pending = mv.in_flight() + lanes
+                total.cached = response_cache.enabled(mv.config_dict, self.instances.opts.response_cache_bytes)
                 rows.append((name, v, total))
         return rows
 

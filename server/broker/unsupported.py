@@ -19,7 +19,6 @@ REFUSE = "refuse"
 
 # field path -> (action, what happens instead)
 FIELDS: dict[str, tuple[str, str]] = {
-    "response_cache": (WARN, "every request executes; nothing is cached"),
     "runtime": (WARN, "the backend named by 'backend' runs the model"),
     "cc_model_filenames": (WARN, "the default model file is loaded whatever the GPU"),
     "metric_tags": (WARN, "metrics carry only the model and version labels"),

@@ -366,7 +366,7 @@ def test_unsupported_fields_are_found_by_path_through_repeated_fields():
         instance_group [ { count: 1 kind: KIND_CPU }, { count: 1 kind: KIND_CPU rate_limiter { priority: 2 } } ]
         response_cache { enable: true }""")
     found = {path: action for path, action, _ in unsupported.findings(config)}
-    assert found == {"response_cache": "warn", "optimization.cuda": "warn", "optimization.input_pinned_memory": "warn",
+    assert found == {"optimization.cuda": "warn", "optimization.input_pinned_memory": "warn",
                      "instance_group.rate_limiter": "warn", "input.is_shape_tensor": "refuse"}
     assert unsupported.refusal(config) == ("config field 'input.is_shape_tensor' is not supported: a shape tensor "
                                            "would be batched as a data tensor")

@@ -1,0 +1,1 @@
+../../cached/1/model.py

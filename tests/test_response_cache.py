@@ -1,0 +1,337 @@
+"""Triton's response cache (``--cache-config local,size=<bytes>`` and ``response_cache { enable:
+true }``) against real servers and clients: a hit answers without running the model; other bytes,
+another shape or other requested outputs miss; eviction takes the least recently used; one cache
+serves every process (two HTTP frontends, the local client, two instances of a model); decoupled
+and sequence models are refused as Triton refuses them; the statistics extension and the metrics
+count hits and misses as Triton does. (tests/unit/test_response_cache_store.py covers the store.)
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import TESTS
+from gates import Gate
+from shmserve import Client
+from shmserve.server.cli import parse_args
+
+CACHE_MODELS = TESTS / "models" / "cache"
+LOADED = ["cached", "uncached", "batched", "batched_pair"]
+
+
+@pytest.fixture(scope="module")
+def cache_server(module_factory):
+    # The size twice, as Triton's command lines may repeat a setting: the last one counts.
+    args = ["--cache-config=local,size=1024", "--cache-config", "local,size=4194304", "--http-workers", "2",
+            "--model-control-mode", "explicit"]
+    for model in LOADED:
+        args += ["--load-model", model]
+    return module_factory.start([CACHE_MODELS], args)
+
+
+@pytest.fixture(scope="module")
+def small_cache_server(module_factory):
+    """64 KiB through Triton's deprecated flag: room for three of the LRU test's answers."""
+    return module_factory.start([CACHE_MODELS], ["--response-cache-byte-size", "65536", "--model-control-mode",
+                                                 "explicit", "--load-model", "cached"])
+
+
+_seeds = iter(range(1, 1 << 20))
+
+
+def fresh(shape: tuple[int, ...] = (2, 3)) -> np.ndarray:
+    """An input no other test of the module sends."""
+    return (np.arange(np.prod(shape), dtype=np.float32) + 1000 * next(_seeds)).reshape(shape)
+
+
+def infer(server, model: str, x: np.ndarray, outputs: list | None = None, **options) -> httpclient.InferResult:
+    client = server.client()
+    try:
+        t = httpclient.InferInput("X", list(x.shape), "FP32")
+        t.set_data_from_numpy(x)
+        return client.infer(model, [t], outputs=outputs, **options)
+    finally:
+        client.close()
+
+
+def stats(server, model: str) -> dict:
+    client = server.client()
+    try:
+        return client.get_inference_statistics(model)["model_stats"][0]
+    finally:
+        client.close()
+
+
+def counts(server, model: str) -> dict[str, int]:
+    s = stats(server, model)
+    inference = s["inference_stats"]
+    return {"executions": s["execution_count"], "inferences": s["inference_count"],
+            "success": inference["success"]["count"], "hits": inference["cache_hit"]["count"],
+            "misses": inference["cache_miss"]["count"]}
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in before}
+
+
+def test_a_hit_answers_without_running_the_model(cache_server):
+    x = fresh()
+    before = counts(cache_server, "cached")
+    first = infer(cache_server, "cached", x)
+    second = infer(cache_server, "cached", x)
+    np.testing.assert_array_equal(first.as_numpy("Y"), x * 2)
+    for name in ("Y", "Z"):
+        np.testing.assert_array_equal(second.as_numpy(name), first.as_numpy(name))
+    # the response parameters are stored too: the pid of the process that ran the model
+    assert second.get_response()["parameters"] == first.get_response()["parameters"]
+    # As Triton counts: both succeeded, one ran (one inference, one execution), one hit, one miss.
+    assert delta(before, counts(cache_server, "cached")) == \
+        {"executions": 1, "inferences": 1, "success": 2, "hits": 1, "misses": 1}
+
+
+def test_other_bytes_shape_or_outputs_miss(cache_server):
+    x = fresh((2, 3))
+    y_only = [httpclient.InferRequestedOutput("Y")]
+    both = [httpclient.InferRequestedOutput("Y"), httpclient.InferRequestedOutput("Z")]
+    variants = [(x, None), (x + 0.5, None), (x.reshape(3, 2), None), (x, y_only)]
+    before = counts(cache_server, "cached")
+    for data, outputs in variants:
+        result = infer(cache_server, "cached", data, outputs)
+        np.testing.assert_array_equal(result.as_numpy("Y"), data * 2)  # (3, 2) answered as (3, 2)
+    assert delta(before, counts(cache_server, "cached"))["executions"] == len(variants)
+    for data, outputs in variants:  # each is now stored under its own key
+        result = infer(cache_server, "cached", data, outputs)
+        np.testing.assert_array_equal(result.as_numpy("Y"), data * 2)
+        assert (result.as_numpy("Z") is None) == (outputs is y_only)
+    # Naming every output asks for what naming none does; request parameters are not part of the
+    # key, as in Triton.
+    infer(cache_server, "cached", x, both)
+    infer(cache_server, "cached", x, parameters={"note": "not in the key"})
+    assert delta(before, counts(cache_server, "cached")) == \
+        {"executions": 4, "inferences": 4, "success": 10, "hits": 6, "misses": 4}
+
+
+def test_a_hit_is_classified_like_an_answer_of_the_model(cache_server):
+    """The cache holds the model's outputs; classification is applied to a hit as to a run."""
+    x = np.array([[1.0, 4.0, 2.0, 3.0]], dtype=np.float32) + next(_seeds)
+    top2 = [httpclient.InferRequestedOutput("Y", class_count=2)]
+    raw = infer(cache_server, "cached", x, [httpclient.InferRequestedOutput("Y")])  # stored
+    before = counts(cache_server, "cached")
+    classified = infer(cache_server, "cached", x, top2)
+    assert delta(before, counts(cache_server, "cached"))["hits"] == 1
+    expected = infer(cache_server, "uncached", x, top2)
+    np.testing.assert_array_equal(classified.as_numpy("Y"), expected.as_numpy("Y"))
+    assert classified.as_numpy("Y").shape != raw.as_numpy("Y").shape
+
+
+@pytest.mark.parametrize("model", ["batched", "batched_pair"])
+def test_in_a_batch_hits_are_answered_and_misses_run_together(cache_server, model):
+    """One instance batching its own lanes, or two batched by the broker: of three requests
+    sent together, the one stored is answered from the cache, the other two run as one batch
+    (the batcher waits up to 1 s for them)."""
+    a, b, c = (fresh((1, 4)) for _ in range(3))
+    infer(cache_server, model, a)
+    before = counts(cache_server, model)
+    pairs_before = _batches_of(stats(cache_server, model), 2)
+    client = httpclient.InferenceServerClient(cache_server.url, concurrency=3)
+    try:
+        pending = []
+        for x in (a, b, c):
+            t = httpclient.InferInput("X", [1, 4], "FP32")
+            t.set_data_from_numpy(x)
+            pending.append((x, client.async_infer(model, [t])))
+        for x, request in pending:
+            np.testing.assert_array_equal(request.get_result().as_numpy("Y"), x * 2)
+    finally:
+        client.close()
+    after = stats(cache_server, model)
+    assert delta(before, counts(cache_server, model)) == \
+        {"executions": 1, "inferences": 2, "success": 3, "hits": 1, "misses": 2}
+    assert _batches_of(after, 2) == pairs_before + 1
+
+
+def _batches_of(model_stats: dict, size: int) -> int:
+    return sum(b["compute_infer"]["count"] for b in model_stats["batch_stats"] if b["batch_size"] == size)
+
+
+def test_one_cache_for_frontends_local_clients_and_instances(cache_server, tmp_path):
+    """A request first sent over HTTP is a hit through the local client on the other instance
+    of the model, and over HTTP through each of the two frontends."""
+    x = fresh()
+    marks = Gate(tmp_path / "marks")
+    marks.open()  # only marks which process ran what
+    before = counts(cache_server, "cached")
+    first = infer(cache_server, "cached", x, parameters={"gate": marks.param})
+    [ran_x] = marks.started()
+    assert first.get_response()["parameters"]["pid"] == ran_x
+
+    # The local client sends each request to the instance where it has fewest requests in flight
+    # (the first one on a tie). Held executions steer its request for x to the instance that did
+    # not run x.
+    held = Gate(tmp_path / "held")
+    with Client(cache_server.id) as local:
+        holding = [local.infer_async("cached", {"X": fresh()}, parameters={"gate": held.param})]
+        if held.wait_started(1)[0] != ran_x:  # the first instance is not x's: hold x's too
+            holding.append(local.infer_async("cached", {"X": fresh()}, parameters={"gate": held.param}))
+            assert held.wait_started(2)[1] == ran_x
+        again = local.infer_async("cached", {"X": x})  # to the held instance that is not x's
+        held.open()
+        result = again.result(timeout=60)
+        np.testing.assert_array_equal(result["Y"], x * 2)
+        assert result.parameters["pid"] == ran_x  # the stored answer
+        for h in holding:
+            h.result(timeout=60)
+    ran = len(holding)
+
+    for frontend in _frontends(cache_server):
+        body = _json_request(x, http_port=cache_server.port, only=frontend, others=_frontends(cache_server))
+        y = next(o for o in body["outputs"] if o["name"] == "Y")
+        np.testing.assert_array_equal(np.array(y["data"], np.float32).reshape(x.shape), x * 2)
+        assert body["parameters"]["pid"] == ran_x
+    assert delta(before, counts(cache_server, "cached")) == \
+        {"executions": 1 + ran, "inferences": 1 + ran, "success": 4 + ran, "hits": 3, "misses": 1 + ran}
+
+
+def _frontends(server) -> list[int]:
+    return sorted(pid for pid, title in server.titles().items() if title.startswith(f"shmserve frontend {server.id} "))
+
+
+def _json_request(x: np.ndarray, http_port: int, only: int, others: list[int]) -> dict:
+    """A KServe v2 JSON request accepted by the frontend ``only``: the others are stopped while
+    the connection is made and answered (they share the listening socket)."""
+    stopped = [pid for pid in others if pid != only]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)
+        body = json.dumps({"inputs": [{"name": "X", "shape": list(x.shape), "datatype": "FP32",
+                                       "data": x.reshape(-1).tolist()}]})
+        conn.request("POST", "/v2/models/cached/infer", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        answer = json.loads(response.read())
+        conn.close()
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    return answer
+
+
+def test_a_model_without_response_cache_is_not_cached(cache_server):
+    x = fresh()
+    before = counts(cache_server, "uncached")
+    for _ in range(2):
+        infer(cache_server, "uncached", x)
+    assert delta(before, counts(cache_server, "uncached")) == \
+        {"executions": 2, "inferences": 2, "success": 2, "hits": 0, "misses": 0}
+
+
+def test_metrics_count_hits_and_misses_per_model(cache_server):
+    x = fresh()
+    infer(cache_server, "cached", x)
+    infer(cache_server, "cached", x)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cache_server.metrics_port}/metrics", timeout=5).read().decode()
+    s = stats(cache_server, "cached")["inference_stats"]
+    labels = '{model="cached",version="1"}'
+    assert f"nv_cache_num_hits_per_model{labels} {float(s['cache_hit']['count'])}" in text
+    assert f"nv_cache_num_misses_per_model{labels} {float(s['cache_miss']['count'])}" in text
+    assert f"nv_cache_hit_duration_per_model{labels} {float(s['cache_hit']['ns'] // 1000)}" in text
+    assert f"nv_cache_miss_duration_per_model{labels} {float(s['cache_miss']['ns'] // 1000)}" in text
+    assert "# HELP nv_cache_miss_duration_per_model Total cache miss (insert+lookup) duration per model, in " \
+           "microseconds" in text
+    assert s["cache_hit"]["ns"] > 0 and s["cache_miss"]["ns"] > 0
+    # as Triton: the families list only the models that use the cache
+    assert 'nv_cache_num_hits_per_model{model="uncached"' not in text
+    assert 'nv_cache_num_hits_per_model{model="batched",version="1"}' in text
+
+
+@pytest.mark.parametrize("model,words", [
+    ("refused_decoupled", "Response Cache does not currently support model refused_decoupled with 'decoupled' "
+                          "transaction policy. Please disable the response cache."),
+    ("refused_sequence", "Response Cache does not currently support model refused_sequence with sequence "
+                         "batching scheduler. Please disable the response cache."),
+])
+def test_decoupled_and_sequence_models_are_refused_at_load(cache_server, model, words):
+    client = cache_server.client()
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            client.load_model(model)
+        assert words in str(e.value)
+        assert not client.is_model_ready(model)
+    finally:
+        client.close()
+
+
+def test_the_cache_size_in_use_is_the_last_one_given(cache_server):
+    assert "response cache 'local': 4194304 bytes" in cache_server.log()
+
+
+LRU_ELEMENTS = 4000  # three such answers fit in the 64 KiB cache, four do not
+
+
+def test_the_least_recently_used_answer_is_evicted(small_cache_server):
+    y_only = [httpclient.InferRequestedOutput("Y")]
+    a, b, c, d = (fresh((1, LRU_ELEMENTS)) for _ in range(4))
+    for x in (a, b, c, a, d):  # a is used again after b and c: b is the least recently used
+        infer(small_cache_server, "cached", x, y_only)
+    before = counts(small_cache_server, "cached")
+    for x in (c, a, d):
+        infer(small_cache_server, "cached", x, y_only)
+    assert delta(before, counts(small_cache_server, "cached"))["hits"] == 3
+    np.testing.assert_array_equal(infer(small_cache_server, "cached", b, y_only).as_numpy("Y"), b * 2)
+    assert delta(before, counts(small_cache_server, "cached")) == \
+        {"executions": 1, "inferences": 1, "success": 4, "hits": 3, "misses": 1}
+    assert "'--response-cache-byte-size' has been deprecated!" in small_cache_server.log()
+
+
+def test_an_answer_larger_than_the_cache_is_not_stored(small_cache_server):
+    x = fresh((1, 20000))  # 80 KB of output
+    before = counts(small_cache_server, "cached")
+    for _ in range(2):
+        np.testing.assert_array_equal(infer(small_cache_server, "cached", x).as_numpy("Y"), x * 2)
+    assert delta(before, counts(small_cache_server, "cached")) == \
+        {"executions": 2, "inferences": 2, "success": 2, "hits": 0, "misses": 2}
+    assert "does not fit in the response cache" in small_cache_server.log()
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--cache-config", "local"], "No cache specified. --cache-config option format is <cache name>,<setting>=<value>. "
+                                  "Got local"),
+    (["--cache-config", "local,size"], "--cache-config option format is '<cache name>,<setting>=<value>'. Got local,size"),
+    (["--cache-config", "local,size="], "--cache-config option format is"),
+    (["--cache-config", "local,size=4096", "--cache-config", "redis,host=localhost"],
+     "found multiple cache configurations, but only a single cache is currently supported"),
+    (["--cache-config", "redis,host=localhost"], "'local' cache only"),
+    (["--cache-config", "local,max=4096"], "Failed to initialize LocalCache: config didn't contain a valid 'size' field."),
+    (["--cache-config", "local,size=lots"], "Failed to initialize LocalCache: 'size' must be a number of bytes"),
+    (["--cache-config", "local,size=100"], "too small"),
+    (["--cache-config", "local,size=4096", "--response-cache-byte-size", "4096"],
+     "Error: Incompatible flags --response-cache-byte-size and --cache-config both provided."),
+], ids=["no-cache-name", "no-value", "empty-value", "two-caches", "other-cache", "no-size", "size-text", "too-small",
+        "both-flags"])
+def test_bad_cache_flags_are_refused_with_triton_s_words(tmp_path, capsys, flags, words):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model-repository", str(tmp_path), *flags])
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_cache_flags_give_the_size_in_bytes(tmp_path):
+    repo = ["--model-repository", str(tmp_path)]
+    assert parse_args(repo).response_cache_bytes == 0
+    assert parse_args([*repo, "--cache-config=local,size=1048576"]).response_cache_bytes == 1048576
+    assert parse_args([*repo, "--response-cache-byte-size", "0"]).response_cache_bytes == 0  # Triton: no cache
+    args = parse_args([*repo, "--cache-config", "local,size=2048", "--cache-config", "local,policy=lru",
+                       "--cache-directory", "/opt/tritonserver/caches"])
+    assert args.response_cache_bytes == 2048
+    assert [line for _, line in args.notices if "policy" in line or "--cache-directory" in line] == [
+        "--cache-directory /opt/tritonserver/caches: the local cache is built in; no cache library is loaded",
+        "--cache-config local,policy=lru: the local cache has no setting 'policy'; ignored"]
