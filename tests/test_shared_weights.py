@@ -66,3 +66,12 @@ def test_the_shared_file_goes_with_the_version(server_factory, tmp_path):
     s.client().unload_model("weights")
     s.wait_until(lambda: not [f for f in os.listdir(SHM_DIR) if f.startswith(f"shmserve.{s.id}.weights.")],
                  "the shared weights removed")
+
+
+def test_onnx_instances_share_weights_in_an_external_data_file():
+    """SHARE_WEIGHTS "yes" turns onnxruntime's prepacking off: it then reads the weights from
+    its mapping of the external data file, one copy in the page cache for every instance."""
+    shared = weights_memory.measure(MB, 2, True, "onnx")
+    own = weights_memory.measure(MB, 2, False, "onnx")
+    assert shared["workers"] == own["workers"] == 2
+    assert own["pss_mb"] - shared["pss_mb"] > MB * 0.6, (shared, own)

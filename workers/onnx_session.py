@@ -85,7 +85,7 @@ def _bool_value(key: str, value: str) -> bool:
 def session_options(ort: Any, config: dict[str, Any]) -> Any:
     """The options Triton's backend sets from the config: graph optimization level, execution
     mode, intra- and inter-op thread counts, the CPU memory arena and memory pattern, and
-    ``session.use_device_allocator_for_initializers``."""
+    ``session.use_device_allocator_for_initializers``; and shmserve's ``SHARE_WEIGHTS``."""
     params = string_parameters(config)
     so = ort.SessionOptions()
     graph = (config.get("optimization") or {}).get("graph")
@@ -110,6 +110,10 @@ def session_options(ort: Any, config: dict[str, Any]) -> Any:
     key = "session.use_device_allocator_for_initializers"
     if key in params:
         so.add_session_config_entry(key, params[key])
+    if _bool_value("SHARE_WEIGHTS", params.get("SHARE_WEIGHTS") or "no"):
+        # Without prepacking, onnxruntime reads the weights from its mapping of the model file,
+        # so every instance on this host shares those pages (docs/backends.md, one copy).
+        so.add_session_config_entry("session.disable_prepacking", "1")
     return so
 
 
