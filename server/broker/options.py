@@ -31,6 +31,8 @@ class BrokerOptions:
     cpu_metrics: bool = True
     gpu_metrics: bool = True
     poll_us: int = 500  # --poll-us: how long a worker polls for its next request before it sleeps
+    rate_limit: str = "off"  # --rate-limit: off or execution_count (rate_limiter.py)
+    rate_limit_resources: list[tuple[str, int, int | None]] = dataclasses.field(default_factory=list)  # (name, count, device)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
