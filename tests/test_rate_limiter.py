@@ -11,6 +11,7 @@ follows from the order of events, not from how fast the host runs them.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import PYTHON, ROOT, wait_pending
+from conftest import PYTHON, ROOT, cpu_ticks, wait_pending
 from gates import Gate
 
 MODELS = Path(__file__).parent / "models" / "ratelimit"
@@ -145,6 +146,27 @@ def test_many_executions_of_two_models_never_overlap(limited, folders):
     found = runs(log)
     assert {r[0] for r in found} == {"rl_a", "rl_b"}
     assert overlapping(found) == []
+
+
+def test_the_broker_sleeps_while_a_batch_waits_for_its_resource(limited, folders):
+    """rl_b's batch is due at once (no delay) but waits for R: the broker sleeps until rl_a's
+    finish gives R back instead of spinning on the due batch (a spinning broker takes what it can
+    of a core: tens of percent even on a loaded host; a sleeping one next to nothing)."""
+    gate, log = folders
+    (broker,) = [pid for pid, title in limited.titles().items() if title.startswith("shmserve broker")]
+    with gated(limited, gate, 2) as client:
+        held = send(client, "rl_a", gate=gate.param)
+        gate.wait_started(1)
+        waiting = send(client, "rl_b", log=log)
+        wait_pending(limited, "rl_b", 1)
+        before, started = cpu_ticks([broker])[broker], time.monotonic()
+        time.sleep(2.0)  # (a window to measure in, not a wait for something to happen)
+        used = (cpu_ticks([broker])[broker] - before) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - started)
+        assert used < 0.1, f"the broker used {100 * used:.0f}% of a core while the batch waited"
+        gate.open()
+        held.get_result()
+        waiting.get_result()
+    assert [r[0] for r in runs(log)] == ["rl_b"]
 
 
 def test_a_model_without_rate_limiter_is_unaffected(limited, folders):

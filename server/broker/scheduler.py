@@ -68,6 +68,7 @@ class Scheduler:
         """Send what ``mv``'s scheduler lets go now to its free instances (under the rate limiter:
         what the limiter lets go now, across every rate-limited version)."""
         now = time.monotonic()
+        mv.dispatched = now
         self._expire(mv, now)
         if mv.rate_limited:
             self._dispatch_limited(now)
@@ -227,12 +228,9 @@ class Scheduler:
 
     @staticmethod
     def next_timer(versions: list[ModelVersion], now: float) -> float | None:
-        """Seconds until a batcher's delay or a queue timeout ends (None: nothing is waiting)."""
-        timeout = None
-        for mv in versions:
-            for sched in (mv.batcher, mv.sequencer):
-                if sched is not None:
-                    t = sched.next_timer(now)
-                    if t is not None:
-                        timeout = t if timeout is None else min(timeout, t)
-        return timeout
+        """Seconds until a batcher's delay or a queue timeout ends (None: nothing is waiting); a
+        batch that was due when its version was last dispatched waits for an instance (or its
+        resources) instead, whose finish wakes the broker."""
+        timers = [mv.batcher.next_timer(now, mv.dispatched) for mv in versions if mv.batcher is not None]
+        timers += [mv.sequencer.next_timer(now) for mv in versions if mv.sequencer is not None]
+        return min((t for t in timers if t is not None), default=None)
