@@ -263,6 +263,6 @@ class RateLimiter:
 
     def describe(self) -> str:
         """The pools, for the log."""
-        pools = ", ".join(f"{name}{'' if scope == GLOBAL else f'@{scope}'}={n}"
+        pools = ", ".join(f"{name} ({'global' if scope == GLOBAL else f'device {scope}'}): {n}"
                           for (scope, name), n in sorted(self.capacity.items(), key=str))
         return pools or "none"
