@@ -153,7 +153,7 @@ class Scheduler:
             if batch_id and batch:
                 limiter.acquire(mv, inst, batch_id, lender)
         still_waiting = False
-        for mv in versions:
+        for mv in limiter.limited():
             if mv.sequencer is not None:  # sequences to forget go to idle instances without a turn
                 for inst in self._idle(mv):
                     releases = mv.sequencer.take_releases(inst)
