@@ -142,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "cost of CPU; a frontend does not poll for a model whose answers take longer on "
                         "average. 0 never polls (default 500)")
     grpc_options.add_flags(p, add_bool)
+    p.add_argument("--rate-limit", default="off", metavar="MODE",
+                   help="Triton's rate limiter: 'execution_count' runs an instance of a model whose instance group "
+                        "has a rate_limiter only when its resources are free, in priority order; 'off' ignores "
+                        "rate_limiter blocks (default off, as Triton's)")
+    p.add_argument("--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
+                   help="copies of a rate-limiter resource: on DEVICE, or on every device (a global resource "
+                        "takes the largest count given for its name); once one is given, a resource no flag "
+                        "names has none; repeatable")
     triton_flags.add_flags(p, add_bool)
     cache_flags.add_flags(p)
     return p
@@ -198,6 +206,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--load-model requires --model-control-mode=explicit")
     if args.log_verbose < 0:
         parser.error("--log-verbose must be 0 or more")
+    try:
+        from shmserve.server.broker.rate_limiter import parse_mode, parse_resource
+
+        args.rate_limit = parse_mode(args.rate_limit)
+        args.rate_limit_resource = [parse_resource(item) for item in args.rate_limit_resource]
+    except ValueError as e:
+        parser.error(str(e))
     try:
         args.trace_config = trace_settings(args.trace_config)
     except ValueError as e:

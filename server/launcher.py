@@ -81,6 +81,7 @@ class Launcher:
             metrics_interval_ms=args.metrics_interval_ms, metrics_config=args.metrics_config,
             cpu_metrics=args.allow_cpu_metrics, gpu_metrics=args.allow_gpu_metrics, poll_us=args.poll_us,
             response_cache_bytes=args.response_cache_bytes,
+            rate_limit=args.rate_limit, rate_limit_resources=args.rate_limit_resource,
         )
         self.stopping = False
         self.broker: subprocess.Popen | None = None

@@ -222,8 +222,11 @@ class DynamicBatcher:
             self.queues[p.level - 1].remove(p)
         self.size -= 1
 
-    def next_timer(self, now: float) -> float | None:
-        """Seconds until the batcher must act without being woken: a delay or a timeout ends."""
+    def next_timer(self, now: float, looked: float = 0.0) -> float | None:
+        """Seconds until the batcher must act without being woken: a delay or a timeout ends.
+        What was due by ``looked`` (when the caller last asked for a batch, and could not send it
+        for want of a free instance) waits for an instance to finish, which wakes the caller: a
+        timer for it would only spin."""
         if not self.size:
             return None
         # Each level's queue is in arrival order, so its oldest is its first; the broker asks on
@@ -233,4 +236,5 @@ class DynamicBatcher:
         times = [min(arrivals) + self.delay_s] if arrivals else []
         if self.timed:
             times.extend(p.deadline for q in self.queues for p in q if p.deadline)
+        times = [t for t in times if t > looked]
         return max(0.0, min(times) - now) if times else None

@@ -10,7 +10,9 @@ and sleeps again until the next post or its nearest timer. No threads touch stat
 - a client's inference request: ``Intake.infer`` (intake.py), then ``Scheduler.enqueue`` and
   ``Scheduler.send_batch`` (scheduler.py) onto the worker's inbox, or ``Ensembles`` (ensemble.py)
 - a client's control request: ``ControlHandler.handle`` (control.py)
-- a worker's outbox: ``Lifecycle.on_worker_messages`` (lifecycle.py)
+- a worker's outbox: ``Lifecycle.on_worker_messages`` (lifecycle.py); a finished batch gives
+  back its rate-limiter resources (rate_limiter.py), and the dispatch pass that follows starts
+  what waited for them
 - a finished ensemble step: ``Ensembles.on_completions``
 - a worker that exited or hung: ``Supervisor`` (supervisor.py), at housekeeping
 """
@@ -36,6 +38,7 @@ from .journal import Journal
 from .lifecycle import Lifecycle
 from .models import Client
 from .options import STARTUP_FAILED, BrokerOptions
+from .rate_limiter import RateLimiter
 from .region_users import lane_holds, regions_in_use
 from .regions import Regions
 from .response_cache import create_store
@@ -62,9 +65,11 @@ class Broker:
         self.clients = Clients(self.seg)
         self.regions = Regions(self.seg, self.journal)
         self.routes = Routes(self.seg, self.catalog, self.instances)
-        self.scheduler = Scheduler(self.seg, self.clients, self.instances)
-        self.lifecycle = Lifecycle(opts, self.catalog, self.instances, self.routes, self.clients, self.journal)
-        self.supervisor = Supervisor(self.instances, self.lifecycle, self.routes, self.clients)
+        self.limiter = RateLimiter(opts.rate_limit, opts.rate_limit_resources)
+        self.scheduler = Scheduler(self.seg, self.clients, self.instances, self.limiter)
+        self.lifecycle = Lifecycle(opts, self.catalog, self.instances, self.routes, self.clients, self.journal,
+                                   self.limiter)
+        self.supervisor = Supervisor(self.instances, self.lifecycle, self.routes, self.clients, self.limiter)
         self.statistics = Statistics(self.seg, self.catalog, self.instances, self.regions)
         self.control = ControlHandler(opts, self.seg, self.catalog, self.lifecycle, self.routes, self.statistics,
                                       self.regions, self.journal)

@@ -6,7 +6,8 @@ Instances are named as at load (``<group>_<k>``, ``<group>_<k>_gpu<d>``); an ins
 kind and device the new config still asks for keeps running. An added instance serves once it is
 ready. A removed one leaves the routes at once, finishes what it holds (its batches, its lanes,
 stragglers that read the old routes within ``STRAGGLER_GRACE_S``) and then gets a graceful stop;
-no request fails. Sequence batching and ensembles load anew (a sequence is bound to its instance).
+no request fails. Sequence batching (a sequence is bound to its instance), ensembles and instance
+groups with a ``rate_limiter`` (the limiter sizes its pools at load) load anew.
 """
 from __future__ import annotations
 
@@ -80,16 +81,23 @@ def without_instances(config: Any) -> Any:
 
 def updatable(serving: dict[int, ModelVersion], model_dir: Path, config: Any, versions: list[int]) -> bool:
     """Whether loading ``config`` from ``model_dir`` only changes the instances of what serves."""
-    if sorted(serving) != sorted(versions) or config.platform == "ensemble" or config.HasField("sequence_batching"):
+    if sorted(serving) != sorted(versions) or config.platform == "ensemble" or config.HasField("sequence_batching") \
+            or _rate_limited(config):
         return False
     for mv in serving.values():
-        if mv.state != State.READY or mv.model_dir != str(model_dir) or mv.requested_config is None:
+        if mv.state != State.READY or mv.model_dir != str(model_dir) or mv.requested_config is None \
+                or _rate_limited(mv.requested_config):
             return False
         if without_instances(mv.requested_config) != without_instances(config):
             return False
         if folder_fingerprint(str(model_dir)) != mv.files:
             return False
     return True
+
+
+def _rate_limited(config: Any) -> bool:
+    """Instances with rate_limiter resources load anew: the limiter sizes its pools at load."""
+    return any(group.HasField("rate_limiter") for group in config.instance_group)
 
 
 def instance_changes(mv: ModelVersion, config: Any) -> tuple[list[PlannedInstance], list[Instance]]:

@@ -41,6 +41,7 @@ from .instances import Instances, take_payload
 from .journal import Journal
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
+from .rate_limiter import Needs, RateLimiter, needs_of
 from .repository_scan import RepositoryScanner
 from .routes import Routes
 from .sequencer import SequenceBatcher
@@ -57,6 +58,12 @@ REPLACED = "a later load of the model replaced this one"
 UNLOADED = "the model was unloaded before the load completed"
 
 
+def instance_needs(config: Any) -> list[Needs]:
+    """What each instance ``_start_instances`` starts needs from the rate limiter, by index."""
+    return [needs_of(group, device) for group in config.instance_group
+            for device in cfgmod.instance_devices(group) for _ in range(group.count)]
+
+
 def idle(mv: ModelVersion) -> bool:
     """Nothing queued, nothing running, nothing left on any of its workers' lanes."""
     return not mv.in_flight() and all(inst.lanes_drained() for inst in mv.instances)
@@ -64,8 +71,9 @@ def idle(mv: ModelVersion) -> bool:
 
 class Lifecycle:
     def __init__(self, opts: BrokerOptions, catalog: Catalog, instances: Instances, routes: Routes,
-                 clients: Clients, journal: Journal) -> None:
+                 clients: Clients, journal: Journal, limiter: RateLimiter) -> None:
         self.opts = opts
+        self.limiter = limiter  # --rate-limit: checks configs at load, holds resources per execution
         self.journal = journal  # explicit mode: what the API loaded and unloaded, for a restarted broker
         self.catalog = catalog
         self.instances = instances
@@ -234,6 +242,11 @@ class Lifecycle:
             note = response_cache.load_note(config, self.opts.response_cache_bytes)
             if note:
                 log.warning("%s", note)
+            if self.limiter.applies_to(config):
+                try:
+                    self.limiter.check(instance_needs(config))
+                except ValueError as e:
+                    raise cfgmod.ConfigError(str(e)) from None
             if config.platform == "ensemble":
                 cycle = find_cycle(name, self._ensemble_graph(config))
                 if cycle:
@@ -323,6 +336,10 @@ class Lifecycle:
             mv.pipeline_depth = 1  # let requests gather while the instance is busy
         mv.planned_instances = cfgmod.instance_count(config)
         mv.worker_batching = batches_on_worker(mv.config_dict, mv.planned_instances)
+        if self.limiter.applies_to(config):
+            mv.rate_limited = True
+            mv.pipeline_depth = 1  # resources are held per execution: one batch at a time per instance
+            self.limiter.register(mv, instance_needs(config))
         for plan in instance_update.planned_instances(config):
             self.instances.spawn(mv, plan.name, len(mv.instances), plan.kind, plan.device)
         log.info("loading '%s' version %d: %d instance(s), backend %s", mv.name, mv.version, len(mv.instances),
@@ -408,6 +425,7 @@ class Lifecycle:
         for kind, status, off, length, batch_id in inst.seg.outbox.drain():
             if kind == W_DONE:
                 inst.outstanding.pop(batch_id, None)  # the instance may take the next batch
+                self.limiter.release(inst, batch_id)  # and what it held may let another go
             elif kind == W_READY:
                 self._instance_ready(mv, inst)
             elif kind == W_CONFIG:
@@ -504,6 +522,7 @@ class Lifecycle:
                         self.instances.stop(inst, graceful=not overdue)
             if entry.stopping and not any(self.instances.live(inst) for inst in mv.instances):
                 self.catalog.retiring.remove(entry)
+                self.limiter.unregister(mv)
                 log.info("unloaded '%s' version %d", mv.name, mv.version)
                 self.instances.forget_weights(mv)
                 self.discard_model_dir(mv.model_dir)

@@ -84,6 +84,8 @@ class ModelVersion:
     exec_timeout_s: float = 0.0  # parameter execution_timeout_s: a longer execution kills the instance
     batcher: Any = None  # a DynamicBatcher when the config asks for dynamic batching
     worker_batching: bool = False  # the single instance batches its lanes itself (batches_on_worker)
+    rate_limited: bool = False  # its instances execute when the rate limiter lets them (rate_limiter.py)
+    dispatched: float = 0.0  # when its scheduler last looked for batches to send (Scheduler.next_timer)
     planned_instances: int = 0  # instances its config asks for
     sequencer: Any = None  # a SequenceBatcher when the config asks for sequence batching
     ensemble: Any = None  # an EnsemblePlan for platform "ensemble" (no instances of its own)

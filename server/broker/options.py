@@ -32,6 +32,8 @@ class BrokerOptions:
     gpu_metrics: bool = True
     poll_us: int = 500  # --poll-us: how long a worker polls for its next request before it sleeps
     response_cache_bytes: int = 0  # --cache-config local,size=<bytes>: the response cache (0: none)
+    rate_limit: str = "off"  # --rate-limit: off or execution_count (rate_limiter.py)
+    rate_limit_resources: list[tuple[str, int, int | None]] = dataclasses.field(default_factory=list)  # (name, count, device)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -32,7 +32,8 @@ class Routes:
         A version is direct when its scheduler is the default one (no dynamic or sequence
         batching): then any ready instance may take any request, and the broker adds nothing. A
         dynamically batched version with one instance is direct too: its worker batches what
-        arrives on its lanes (``batches_on_worker``).
+        arrives on its lanes (``batches_on_worker``). A rate-limited version never is: the broker
+        starts each of its executions when the rate limiter lets it.
         """
         models: dict[str, Any] = {}
         splits: dict[str, Any] = {}
@@ -40,8 +41,8 @@ class Routes:
             entry = models[name] = {}
             for v, mv in versions.items():
                 cfg = mv.config
-                direct = mv.worker_batching or (not cfg.HasField("dynamic_batching")
-                                                and not cfg.HasField("sequence_batching"))
+                direct = not mv.rate_limited and (mv.worker_batching or (
+                    not cfg.HasField("dynamic_batching") and not cfg.HasField("sequence_batching")))
                 entry[str(v)] = {"ready": mv.state == State.READY, "direct": direct,
                                  "workers": [i.num for i in mv.instances if i.ready and self.instances.live(i)]}
             split = self.catalog.split(name)

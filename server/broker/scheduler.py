@@ -7,6 +7,9 @@ request goes alone to the least-loaded ready instance), Triton's dynamic batcher
 in the broker's arena listing the requests' resolved entries; its offset goes on the worker's
 inbox ring and the worker is rung. The worker answers each request in the client's slot itself
 and reports the batch done on its outbox (``lifecycle.Lifecycle.on_worker_messages``).
+
+A rate-limited version (``rate_limiter.py``) forms its batches the same way, but an instance
+takes one only when the rate limiter gives it the turn and its resources; each one at a time.
 """
 from __future__ import annotations
 
@@ -22,15 +25,17 @@ from shmserve.signature import InvalidRequest
 from .clients import Clients
 from .instances import Instances
 from .models import Client, Instance, ModelVersion
+from .rate_limiter import RateLimiter
 
 
 class Scheduler:
-    def __init__(self, seg: BrokerSegment, clients: Clients, instances: Instances) -> None:
+    def __init__(self, seg: BrokerSegment, clients: Clients, instances: Instances, limiter: RateLimiter) -> None:
         self.seg = seg
         assert seg.arena is not None  # the broker's segment, which it created
         self.arena = seg.arena
         self.clients = clients
         self.instances = instances
+        self.limiter = limiter
         self.next_batch = 1  # batch ids: a worker names the batch it finished
 
     def enqueue(self, mv: ModelVersion, pend: Pending) -> None:
@@ -60,14 +65,31 @@ class Scheduler:
         return bool(mv.queue) or (mv.batcher is not None and len(mv.batcher) > 0) or mv.sequencer is not None
 
     def dispatch(self, mv: ModelVersion) -> None:
-        """Send what ``mv``'s scheduler lets go now to its free instances."""
-        if mv.sequencer is not None:
-            self._dispatch_sequences(mv)
-            return
+        """Send what ``mv``'s scheduler lets go now to its free instances (under the rate limiter:
+        what the limiter lets go now, across every rate-limited version)."""
+        now = time.monotonic()
+        mv.dispatched = now
+        self._expire(mv, now)
+        if mv.rate_limited:
+            self._dispatch_limited(now)
+        elif mv.sequencer is not None:
+            self._dispatch_sequences(mv, now)
+        else:
+            self._dispatch_queue(mv, now)
+
+    def _expire(self, mv: ModelVersion, now: float) -> None:
+        """Requests past their queue timeout fail; idle sequences lose their slots."""
         if mv.batcher is not None:
-            self._dispatch_batches(mv)
-            return
-        while mv.queue:
+            expired = mv.batcher.expire(now)
+            if expired:
+                mv.stats.fail("OTHER", len(expired))
+                self.clients.fail_pending(expired, 503, "Request timeout expired")
+        elif mv.sequencer is not None:
+            mv.sequencer.expire(now)
+
+    def _dispatch_queue(self, mv: ModelVersion, now: float) -> None:
+        """The default queue or the dynamic batcher: batches to the least-loaded instances."""
+        while mv.queue or (mv.batcher is not None and len(mv.batcher)):
             inst = mv.pick_instance()
             if inst is None:
                 # Ask the busy instances to ring us when they finish; the loop's has-work check
@@ -75,30 +97,12 @@ class Scheduler:
                 # is not missed.
                 self.instances.want_wakeup(mv)
                 return
-            pend = mv.queue.popleft()
-            self.send_batch(mv, inst, [pend])
+            taken = self._take(mv, inst, now)
+            if taken is None:
+                return  # the batcher waits for more; the loop's timer brings us back when the delay ends
+            self.send_batch(mv, inst, *taken)
 
-    def _dispatch_batches(self, mv: ModelVersion) -> None:
-        batcher = mv.batcher
-        now = time.monotonic()
-        expired = batcher.expire(now)
-        if expired:
-            mv.stats.fail("OTHER", len(expired))
-            self.clients.fail_pending(expired, 503, "Request timeout expired")
-        while len(batcher):
-            inst = mv.pick_instance()
-            if inst is None:
-                self.instances.want_wakeup(mv)
-                return
-            batch = batcher.next_batch(now)
-            if batch is None:
-                return  # the loop's timer brings us back when the delay ends
-            self.send_batch(mv, inst, batch)
-
-    def _dispatch_sequences(self, mv: ModelVersion) -> None:
-        seq = mv.sequencer
-        now = time.monotonic()
-        seq.expire(now)
+    def _dispatch_sequences(self, mv: ModelVersion, now: float) -> None:
         waiting = False
         for inst in mv.instances:
             if not inst.ready:
@@ -106,15 +110,76 @@ class Scheduler:
             if len(inst.outstanding) >= mv.pipeline_depth:
                 waiting = True
                 continue
-            batch = seq.next_batch(inst, mv.instances, now)
-            releases = seq.take_releases(inst)
-            if batch or releases:
-                self.send_batch(mv, inst, batch or [], {"release": releases} if releases else None)
-        if waiting and len(seq):
+            taken = self._take(mv, inst, now)
+            if taken is not None:
+                self.send_batch(mv, inst, *taken)
+        if waiting and len(mv.sequencer):
             self.instances.want_wakeup(mv)
 
-    def send_batch(self, mv: ModelVersion, inst: Instance, batch: list[Pending], extra: dict | None = None) -> None:
-        """Write the batch into the broker's arena and put it on the instance's inbox."""
+    def _take(self, mv: ModelVersion, inst: Instance, now: float) -> tuple[list[Pending], dict | None] | None:
+        """The next batch of ``mv`` for ``inst`` (with the sequences it is to forget), or None
+        when its scheduler sends nothing now."""
+        if mv.sequencer is not None:
+            batch = mv.sequencer.next_batch(inst, mv.instances, now)
+            releases = mv.sequencer.take_releases(inst)
+            if not batch and not releases:
+                return None
+            return batch or [], {"release": releases} if releases else None
+        if mv.batcher is not None:
+            batch = mv.batcher.next_batch(now)
+            return (batch, None) if batch else None
+        return ([mv.queue.popleft()], None) if mv.queue else None
+
+    def _dispatch_limited(self, now: float) -> None:
+        """Rate-limited versions share resources by name across models: the limiter picks, one at
+        a time, which idle instance with work executes next, until it picks none; each execution
+        holds its resources until its batch is done (``Lifecycle.on_worker_messages``)."""
+        limiter = self.limiter
+        versions = [mv for mv in limiter.limited() if self._has_work(mv)]
+        tried: set[int] = set()
+        while True:
+            waiting = [(mv, inst) for mv in versions for inst in self._idle(mv)
+                       if inst.num not in tried and (mv.sequencer is None or mv.sequencer.has_work_for(inst))]
+            turn = limiter.choose(waiting)
+            if turn is None:
+                break
+            mv, inst, lender = turn
+            tried.add(inst.num)
+            taken = self._take(mv, inst, now)
+            if taken is None:
+                continue  # its batcher waits for more: the next in line may go
+            batch, extra = taken
+            batch_id = self.send_batch(mv, inst, batch, extra)
+            if batch_id and batch:
+                limiter.acquire(mv, inst, batch_id, lender)
+        still_waiting = False
+        for mv in limiter.limited():
+            if mv.sequencer is not None:  # sequences to forget go to idle instances without a turn
+                for inst in self._idle(mv):
+                    releases = mv.sequencer.take_releases(inst)
+                    if releases:
+                        self.send_batch(mv, inst, [], {"release": releases})
+            if self._has_work(mv):
+                still_waiting = True
+                self.instances.want_wakeup(mv)
+        if still_waiting:
+            for holder in limiter.holders():  # a finish anywhere may free what the waiting need
+                holder.seg.want_wakeup = True
+
+    @staticmethod
+    def _has_work(mv: ModelVersion) -> bool:
+        return bool(mv.queue) or any(s is not None and len(s) > 0 for s in (mv.batcher, mv.sequencer))
+
+    @staticmethod
+    def _idle(mv: ModelVersion) -> list[Instance]:
+        """Instances of a rate-limited version that may take a batch: one execution at a time each."""
+        if mv.batcher is not None and mv.batcher.preserve_ordering and any(i.outstanding for i in mv.instances):
+            return []  # one batch at a time keeps responses in request order
+        return [inst for inst in mv.instances if inst.ready and not inst.outstanding]
+
+    def send_batch(self, mv: ModelVersion, inst: Instance, batch: list[Pending], extra: dict | None = None) -> int:
+        """Write the batch into the broker's arena and put it on the instance's inbox; its id, or 0
+        when it could not be sent (its requests are answered with 503)."""
         doc = {"requests": [p.entry for p in batch]}
         if extra:
             doc.update(extra)
@@ -122,7 +187,7 @@ class Scheduler:
         off = self.arena.alloc(manifest_room(len(data)), inst.proc.pid)
         if off < 0:
             self.clients.fail_pending(batch, 503, "the broker's arena is full; retry later")
-            return
+            return 0
         write_manifest(self.seg.seg.buf, off, data)
         batch_id = self.next_batch
         self.next_batch += 1
@@ -131,8 +196,9 @@ class Scheduler:
             inst.outstanding.pop(batch_id)
             self.arena.free(off)
             self.clients.fail_pending(batch, 503, f"instance '{inst.name}' inbox is full; retry later")
-            return
+            return 0
         inst.seg.waker.notify()
+        return batch_id
 
     def cancel(self, versions: list[ModelVersion], client: Client, slot: int) -> bool:
         """Drop ``client``'s cancelled request in ``slot`` from the queue holding it and answer it
@@ -162,12 +228,9 @@ class Scheduler:
 
     @staticmethod
     def next_timer(versions: list[ModelVersion], now: float) -> float | None:
-        """Seconds until a batcher's delay or a queue timeout ends (None: nothing is waiting)."""
-        timeout = None
-        for mv in versions:
-            for sched in (mv.batcher, mv.sequencer):
-                if sched is not None:
-                    t = sched.next_timer(now)
-                    if t is not None:
-                        timeout = t if timeout is None else min(timeout, t)
-        return timeout
+        """Seconds until a batcher's delay or a queue timeout ends (None: nothing is waiting); a
+        batch that was due when its version was last dispatched waits for an instance (or its
+        resources) instead, whose finish wakes the broker."""
+        timers = [mv.batcher.next_timer(now, mv.dispatched) for mv in versions if mv.batcher is not None]
+        timers += [mv.sequencer.next_timer(now) for mv in versions if mv.sequencer is not None]
+        return min((t for t in timers if t is not None), default=None)

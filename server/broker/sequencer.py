@@ -165,6 +165,11 @@ class SequenceBatcher:
         filled = [p for p in self.preferred if p <= ready]
         return filled[-1] if filled else 0
 
+    def has_work_for(self, inst: Instance) -> bool:
+        """Whether ``next_batch`` may find requests for ``inst``: its slots hold some, or
+        sequences wait for a slot."""
+        return bool(self.backlog) or any(s is not None and s.pending for s in self.slots.get(inst.num, ()))
+
     def take_releases(self, inst: Instance) -> list[Any]:
         return self.releases.pop(inst.num, [])
 

@@ -20,6 +20,7 @@ from .clients import Clients
 from .instances import Instances
 from .lifecycle import Lifecycle
 from .models import Instance, ModelVersion, State
+from .rate_limiter import RateLimiter
 from .routes import Routes
 
 log = logging.getLogger("shmserve.broker")
@@ -30,8 +31,10 @@ GONE_MEMORY_S = 60.0  # how long requests that land on an exited worker's lane a
 
 
 class Supervisor:
-    def __init__(self, instances: Instances, lifecycle: Lifecycle, routes: Routes, clients: Clients) -> None:
+    def __init__(self, instances: Instances, lifecycle: Lifecycle, routes: Routes, clients: Clients,
+                 limiter: RateLimiter) -> None:
         self.instances = instances
+        self.limiter = limiter
         self.lifecycle = lifecycle
         self.routes = routes
         self.clients = clients
@@ -56,6 +59,7 @@ class Supervisor:
 
     def _on_exit(self, mv: ModelVersion, inst: Instance, code: int) -> None:
         self.lifecycle.on_worker_messages(mv, inst)  # it may have said why before it went
+        self.limiter.forget(inst)  # what its execution held goes back
         self.instances.reap(inst, mv)
         # Routes first, answers second: a client that gets its failure and sends again at
         # once must already see the routes without this worker.

@@ -39,7 +39,6 @@ FIELDS: dict[str, tuple[str, str]] = {
     "optimization.output_pinned_memory": (WARN, "outputs are not staged in pinned memory"),
     "optimization.gather_kernel_buffer_threshold": (WARN, "no gather kernel is used"),
     "optimization.eager_batching": (WARN, "batches form as the dynamic batcher decides"),
-    "instance_group.rate_limiter": (WARN, "instances run as soon as a request is scheduled; no rate limit"),
     "instance_group.host_policy": (WARN, "no host policy (NUMA placement) is applied"),
     "instance_group.passive": (WARN, "the instances receive requests like any other"),
     "instance_group.secondary_devices": (WARN, "no secondary device is given to the instance"),

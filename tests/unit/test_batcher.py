@@ -195,6 +195,16 @@ def test_next_timer_is_the_earliest_of_the_delay_and_the_queue_timeouts():
     assert b.next_timer(0.05) == 0.0  # past due: never negative
 
 
+def test_what_was_due_when_the_caller_last_looked_sets_no_timer():
+    """A batch due when the broker last asked (and had no free instance) waits for an instance's
+    finish, which wakes the broker: a timer for it would make the broker spin."""
+    b = batcher(8, preferred_batch_size=[4], default_queue_policy={"default_timeout_microseconds": 300_000})
+    b.enqueue(request(0, 0.0), 0.0)
+    assert b.next_timer(0.15, looked=0.15) == pytest.approx(0.15)  # the delay passed; its timeout has not
+    assert b.next_timer(0.05, looked=0.0) == pytest.approx(0.05)  # looked before the delay ended: it still counts
+    assert b.next_timer(0.4, looked=0.35) is None  # both were due when it looked
+
+
 # -- priorities and queue policies ------------------------------------------------------------
 
 

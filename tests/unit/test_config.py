@@ -363,11 +363,11 @@ def test_unsupported_fields_are_found_by_path_through_repeated_fields():
         input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] },
                 { name: "B" data_type: TYPE_FP32 dims: [ 1 ] is_shape_tensor: true } ]
         optimization { cuda { graphs: true } input_pinned_memory { enable: true } }
-        instance_group [ { count: 1 kind: KIND_CPU }, { count: 1 kind: KIND_CPU rate_limiter { priority: 2 } } ]
+        instance_group [ { count: 1 kind: KIND_CPU }, { count: 1 kind: KIND_CPU passive: true } ]
         response_cache { enable: true }""")
     found = {path: action for path, action, _ in unsupported.findings(config)}
     assert found == {"optimization.cuda": "warn", "optimization.input_pinned_memory": "warn",
-                     "instance_group.rate_limiter": "warn", "input.is_shape_tensor": "refuse"}
+                     "instance_group.passive": "warn", "input.is_shape_tensor": "refuse"}
     assert unsupported.refusal(config) == ("config field 'input.is_shape_tensor' is not supported: a shape tensor "
                                            "would be batched as a data tensor")
     assert "model 'm': config field 'optimization.cuda' is not supported yet and has no effect " \

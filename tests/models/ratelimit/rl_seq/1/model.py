@@ -1,0 +1,1 @@
+../../../sequences/seq_direct/1/model.py
