@@ -32,6 +32,9 @@ class BrokerOptions:
     gpu_metrics: bool = True
     poll_us: int = 500  # --poll-us: how long a worker polls for its next request before it sleeps
     response_cache_bytes: int = 0  # --cache-config local,size=<bytes>: the response cache (0: none)
+    # The local copies of cloud repositories (s3://, gs://, as://) among ``repositories``:
+    # {local repository folder: its URL}, re-synced while serving (cloud_sync.py)
+    cloud_repositories: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
