@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -23,7 +22,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import DEADLINE_S, PYTHON, ROOT, free_port, new_server_id
+from conftest import DEADLINE_S, PYTHON, ROOT, ServerFactory, free_port, new_server_id, wait_until
 from shmserve.server.broker.cloud_repository import CloudError, Mirror, parse, storage_options
 
 ADD_SUB = ROOT / "model_repository" / "add_sub"
@@ -31,15 +30,15 @@ ALL_VERSIONS = 'version_policy: { all { } }\n'
 
 
 def _wait_port(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         assert proc.poll() is None, "the object-store server exited at start"
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
+            return True
         except OSError:
-            time.sleep(0.05)
-    pytest.fail(f"nothing listens on port {port}")
+            return False
+
+    wait_until(listening, f"an object-store server listening on port {port}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -136,13 +135,12 @@ def versions(client: httpclient.InferenceServerClient, model: str = "add_sub") -
         return []
 
 
-def wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    pytest.fail(f"not {what} after {DEADLINE_S:.0f} s")
+def serve_from_bucket(s3: S3, factory: ServerFactory, bucket: str, flags: list[str] | None = None,
+                      url: str = "", server_id: str | None = None):
+    """add_sub copied to ``repo/`` in a new bucket, and a server started on it (by default from
+    Triton's ``s3://host:port/bucket/path``, HTTP)."""
+    s3.upload(ADD_SUB, s3.bucket(bucket), "repo/add_sub")
+    return factory.start([url or f"s3://127.0.0.1:{s3.port}/{bucket}/repo"], flags or [], server_id=server_id)
 
 
 def start_fails(repo: str, *flags: str) -> tuple[int, list[str], str]:
@@ -159,9 +157,7 @@ def start_fails(repo: str, *flags: str) -> tuple[int, list[str], str]:
 
 
 def test_serves_a_model_from_s3_and_removes_its_copy_at_exit(aws_env: S3, server_factory):
-    bucket = aws_env.bucket("serve")
-    aws_env.upload(ADD_SUB, bucket, "models/add_sub")
-    server = server_factory.start([f"s3://127.0.0.1:{aws_env.port}/{bucket}/models"])  # Triton's host:port form
+    server = serve_from_bucket(aws_env, server_factory, "serve")
     assert add_sub(server.client()) == EXPECTED
     [folder] = copies_of(server.id)
     assert sorted(os.listdir(os.path.join(folder, "repository", "add_sub"))) == ["1", "config.pbtxt"]
@@ -170,34 +166,31 @@ def test_serves_a_model_from_s3_and_removes_its_copy_at_exit(aws_env: S3, server
 
 
 def test_poll_mode_loads_a_new_version_and_a_changed_config_from_the_bucket(aws_env: S3, server_factory):
-    bucket = aws_env.bucket("poll")
-    aws_env.upload(ADD_SUB, bucket, "repo/add_sub")
-    server = server_factory.start([f"s3://http://127.0.0.1:{aws_env.port}/{bucket}/repo"],
-                                  ["--model-control-mode=poll", "--repository-poll-secs=1"])
+    bucket = "poll"
+    server = serve_from_bucket(aws_env, server_factory, bucket, ["--model-control-mode=poll", "--repository-poll-secs=1"],
+                               url=f"s3://http://127.0.0.1:{aws_env.port}/{bucket}/repo")  # the endpoint's protocol named
     client = server.client()
     assert versions(client) == ["1"]
 
     aws_env.upload(ADD_SUB / "1", bucket, "repo/add_sub/2")  # a new version, while serving
-    wait_for(lambda: versions(client) == ["2"], "serving version 2")
+    wait_until(lambda: versions(client) == ["2"], "serving version 2")
     assert add_sub(client) == EXPECTED
 
     config = (ADD_SUB / "config.pbtxt").read_text() + ALL_VERSIONS  # every version, not the latest only
     aws_env.put(bucket, "repo/add_sub/config.pbtxt", config.encode())
-    wait_for(lambda: versions(client) == ["1", "2"], "serving versions 1 and 2")
+    wait_until(lambda: versions(client) == ["1", "2"], "serving versions 1 and 2")
     assert add_sub(client, "1") == add_sub(client, "2") == EXPECTED
 
     aws_env.delete_prefix(bucket, "repo/add_sub/2")  # a version gone from the bucket is unloaded
-    wait_for(lambda: versions(client) == ["1"], "serving version 1 only")
+    wait_until(lambda: versions(client) == ["1"], "serving version 1 only")
 
     aws_env.delete_prefix(bucket, "repo/add_sub")  # and a model gone is unloaded
-    wait_for(lambda: not client.is_model_ready("add_sub"), "unloading add_sub")
+    wait_until(lambda: not client.is_model_ready("add_sub"), "unloading add_sub")
 
 
 def test_explicit_load_syncs_the_model_from_the_bucket_first(aws_env: S3, server_factory):
-    bucket = aws_env.bucket("explicit")
-    aws_env.upload(ADD_SUB, bucket, "repo/add_sub")
-    server = server_factory.start([f"s3://127.0.0.1:{aws_env.port}/{bucket}/repo"],
-                                  ["--model-control-mode=explicit", "--load-model=add_sub"])
+    bucket = "explicit"
+    server = serve_from_bucket(aws_env, server_factory, bucket, ["--model-control-mode=explicit", "--load-model=add_sub"])
     client = server.client()
     assert versions(client) == ["1"]
 
@@ -216,7 +209,7 @@ def test_explicit_load_syncs_the_model_from_the_bucket_first(aws_env: S3, server
     with pytest.raises(InferenceServerException, match="failed to poll from model repository"):
         client.load_model("not_in_the_bucket")
     client.unload_model("adder")
-    wait_for(lambda: not client.is_model_ready("adder"), "unloading adder")
+    wait_until(lambda: not client.is_model_ready("adder"), "unloading adder")
 
 
 def test_a_missing_bucket_fails_at_start_in_one_line(aws_env: S3):
@@ -243,9 +236,7 @@ def test_bad_credentials_fail_at_start_in_one_line(aws_env: S3, monkeypatch, var
 
 def test_the_credential_file_wins_over_the_environment(aws_env: S3, monkeypatch, tmp_path, server_factory):
     """TRITON_CLOUD_CREDENTIAL_PATH: the longest key that starts the URL is used."""
-    bucket = aws_env.bucket("credential-file")
-    aws_env.upload(ADD_SUB, bucket, "repo/add_sub")
-    url = f"s3://http://127.0.0.1:{aws_env.port}/{bucket}/repo"
+    bucket = "credential-file"
     creds = tmp_path / "cloud_credential.json"
     creds.write_text(json.dumps({"s3": {
         "": {"key_id": "AKIAWRONGWRONGWRONG0", "secret_key": "wrong", "region": "us-east-1"},
@@ -254,19 +245,17 @@ def test_the_credential_file_wins_over_the_environment(aws_env: S3, monkeypatch,
     }}))
     monkeypatch.setenv("TRITON_CLOUD_CREDENTIAL_PATH", str(creds))
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
-    server = server_factory.start([url])
+    server = serve_from_bucket(aws_env, server_factory, bucket, url=f"s3://http://127.0.0.1:{aws_env.port}/{bucket}/repo")
     assert add_sub(server.client()) == EXPECTED
 
 
 def test_a_copy_left_by_a_killed_server_is_removed_at_the_next_start(aws_env: S3, server_factory):
-    bucket = aws_env.bucket("stale")
-    aws_env.upload(ADD_SUB, bucket, "repo/add_sub")
     sid = new_server_id()
     dead = subprocess.Popen([PYTHON, "-c", "pass"])
     dead.wait()
     stale = Path(tempfile.mkdtemp(prefix=f"shmserve-repository.{sid}."))
     (stale / "owner").write_text(str(dead.pid))
-    server = server_factory.start([f"s3://127.0.0.1:{aws_env.port}/{bucket}/repo"], server_id=sid)
+    server = serve_from_bucket(aws_env, server_factory, "stale", server_id=sid)
     assert not stale.exists()
     assert len(copies_of(sid)) == 1
     assert add_sub(server.client()) == EXPECTED
@@ -301,7 +290,7 @@ def test_serves_a_model_from_gcs_and_follows_it_in_poll_mode(gcs, server_factory
     client = server.client()
     assert add_sub(client) == EXPECTED
     gcs.put(str(ADD_SUB / "1" / "model.py"), "models/repo/add_sub/2/model.py")
-    wait_for(lambda: versions(client) == ["2"], "serving version 2")
+    wait_until(lambda: versions(client) == ["2"], "serving version 2")
     assert server.stop() == 0
     assert copies_of(server.id) == []
 
