@@ -44,6 +44,9 @@ log = logging.getLogger("shmserve")
 
 # scheme -> (the fsspec package that reads it, the extra that installs that package)
 SCHEMES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "as": ("adlfs", "azure")}
+# Where Triton puts its copy when told; here the copy's place follows $TMPDIR (a warning says so).
+MOUNT_VARIABLES = {"s3": "TRITON_AWS_MOUNT_DIRECTORY", "gs": "TRITON_GCS_MOUNT_DIRECTORY",
+                   "as": "TRITON_AZURE_MOUNT_DIRECTORY"}
 FOLDER_PREFIX = "shmserve-repository."
 
 
@@ -322,7 +325,10 @@ def make_copies(repositories: Iterable[str], server_id: str) -> dict[str, str]:
         for url in repositories:
             if not is_cloud(url) or url in copies:
                 continue
-            parse(url)  # a bad URL fails before a folder is made
+            mount = MOUNT_VARIABLES[parse(url).scheme]  # a bad URL fails before a folder is made
+            if os.environ.get(mount):
+                log.warning("%s is not read: the copy of '%s' goes under %s (set TMPDIR to move it)", mount, url,
+                            tempfile.gettempdir())
             folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{server_id}.")
             copies[url] = os.path.join(folder, "repository")
             with open(os.path.join(folder, "owner"), "w", encoding="ascii") as f:
