@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="shmserve", description="Serve Triton model repositories over KServe v2 HTTP and "
                                              "POSIX shared memory.")
     p.add_argument("--model-repository", "--model-store", action="append", required=True, metavar="PATH",
-                   help="a model repository (Triton's layout); repeat to serve several")
+                   help="a model repository (Triton's layout): a folder, or s3://, gs://, as:// (served from a "
+                        "local copy; docs/cloud_repository.md); repeat to serve several")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--http-address", default="0.0.0.0", help="address the HTTP server binds (default 0.0.0.0)")
     p.add_argument("--http-workers", type=int, default=1,
@@ -158,8 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.cloud_repositories = {}  # {local copy: URL}, filled once the copies are made (__main__.py)
     for repo in args.model_repository:
-        if not os.path.isdir(repo):
+        if "://" in repo:  # s3://, gs://, as://: checked here, read at start (server/broker/cloud_repository.py)
+            from .broker.cloud_repository import CloudError, parse
+
+            try:
+                parse(repo)
+            except CloudError as e:
+                parser.error(str(e))
+            if args.model_control_mode == "poll" and args.repository_poll_secs == 0:
+                parser.error(f"model repository '{repo}': poll mode follows a cloud repository by polling it; "
+                             f"--repository-poll-secs must be more than 0")
+        elif not os.path.isdir(repo):
             parser.error(f"model repository '{repo}' does not exist or is not a directory")
     if args.http_workers < 1:
         parser.error("--http-workers must be at least 1")

@@ -80,7 +80,7 @@ class Launcher:
             metrics_port=args.metrics_port if args.allow_metrics else 0, metrics_address=args.metrics_address,
             metrics_interval_ms=args.metrics_interval_ms, metrics_config=args.metrics_config,
             cpu_metrics=args.allow_cpu_metrics, gpu_metrics=args.allow_gpu_metrics, poll_us=args.poll_us,
-            response_cache_bytes=args.response_cache_bytes,
+            response_cache_bytes=args.response_cache_bytes, cloud_repositories=args.cloud_repositories,
             rate_limit=args.rate_limit, rate_limit_resources=args.rate_limit_resource,
         )
         self.stopping = False

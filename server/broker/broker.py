@@ -9,7 +9,9 @@ and sleeps again until the next post or its nearest timer. No threads touch stat
 - connects: ``Clients.on_connects`` (clients.py)
 - a client's inference request: ``Intake.infer`` (intake.py), then ``Scheduler.enqueue`` and
   ``Scheduler.send_batch`` (scheduler.py) onto the worker's inbox, or ``Ensembles`` (ensemble.py)
-- a client's control request: ``ControlHandler.handle`` (control.py)
+- a client's control request: ``ControlHandler.handle`` (control.py); an explicit load from a
+  cloud repository syncs its folder first (cloud_sync.py) and returns through
+  ``ControlHandler.start_synced_loads``
 - a worker's outbox: ``Lifecycle.on_worker_messages`` (lifecycle.py); a finished batch gives
   back its rate-limiter resources (rate_limiter.py), and the dispatch pass that follows starts
   what waited for them
@@ -132,6 +134,8 @@ class Broker:
             self.lifecycle.updates.progress()
         if self.lifecycle.watcher is not None:
             self.lifecycle.apply_repository_changes()
+        if self.lifecycle.cloud is not None and self.lifecycle.cloud.has_synced():
+            self.control.start_synced_loads()
         now = time.monotonic()
         if now - self._last_watch >= HUNG_CHECK_S:  # periodic checks, not per request
             self._last_watch = now

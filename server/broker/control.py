@@ -23,7 +23,7 @@ from shmserve.signature import InvalidRequest, UnknownModel
 from .canary import Canary
 from .catalog import Catalog
 from .journal import Journal
-from .lifecycle import UPLOAD_PREFIX, Lifecycle
+from .lifecycle import CANCELLED_STATUS, UNLOADED, UPLOAD_PREFIX, Lifecycle
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .options import BrokerOptions
@@ -211,6 +211,9 @@ class ControlHandler:
                 raise InvalidRequest(f"failed to load '{name}', model files given with 'file:' need a 'config' "
                                      f"parameter too")
             model_dir = write_model_files(name, files)
+        elif self.lifecycle.cloud is not None:  # its folder in the bucket may have changed: sync it first
+            self.lifecycle.cloud.request(name, config, (client, slot))
+            return 0, None  # answered by start_synced_loads, or when the load it starts is over
         error = self.lifecycle.load_model(name, config, waiter=(client, slot), model_dir=model_dir)
         if model_dir is not None:  # gone at once unless the load uses it (then: when it retires)
             self.lifecycle.discard_model_dir(str(model_dir))
@@ -218,8 +221,26 @@ class ControlHandler:
             return 400, {"error": error}
         return 0, None
 
+    def start_synced_loads(self) -> None:
+        """Explicit mode with cloud repositories: start the loads whose model folders are synced
+        (a client gone meanwhile is not answered, but its load still happens)."""
+        assert self.lifecycle.cloud is not None
+        clients = self.lifecycle.clients
+        for load in self.lifecycle.cloud.take_synced():
+            client, slot = load.waiter
+            waiter = load.waiter if clients.by_name.get(client.name) is client else None
+            status, error = 400, load.error
+            if load.cancelled:
+                status, error = CANCELLED_STATUS, f"failed to load '{load.name}', {UNLOADED}"
+            elif error is None:
+                error = self.lifecycle.load_model(load.name, load.config, waiter=waiter)
+            if error and waiter is not None:
+                clients.reply(client, slot, status, {"error": error})
+
     def _unload(self, client: Client, slot: int, doc: dict) -> Answer:
         self._explicit_only()
+        if self.lifecycle.cloud is not None:
+            self.lifecycle.cloud.cancel(doc["model"])
         params = doc.get("parameters") or {}
         self.lifecycle.unload_model(doc["model"], waiter=(client, slot),
                                  dependents=bool(params.get("unload_dependents", False)))

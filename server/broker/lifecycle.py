@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -46,6 +46,9 @@ from .repository_scan import RepositoryScanner
 from .routes import Routes
 from .sequencer import SequenceBatcher
 from .watcher import RepositoryWatcher
+
+if TYPE_CHECKING:  # imported only with a cloud repository (its packages are optional)
+    from .cloud_sync import CloudSyncs
 
 log = logging.getLogger("shmserve.broker")
 
@@ -82,6 +85,7 @@ class Lifecycle:
         self.backends = set(installed_backends()) | set(BUILT_IN)
         self.watcher: RepositoryWatcher | None = None  # --model-control-mode=poll
         self.scanner: RepositoryScanner | None = None  # poll mode with --repository-poll-secs > 0
+        self.cloud: CloudSyncs | None = None  # re-syncs of the cloud repositories' local copies
         self.changed_while_loading: set[str] = set()  # poll mode: look again once their load is over
         self.running = True  # False once a stop was asked for (or the start failed)
         self.startup_done = False
@@ -93,11 +97,16 @@ class Lifecycle:
     def start(self, waker: Waker) -> None:
         """Load the models the control mode asks for; in poll mode, watch the repositories from
         before the initial loads read them, so no change made meanwhile goes unseen."""
+        if self.opts.cloud_repositories:
+            from .cloud_sync import CloudSyncs
+
+            self.cloud = CloudSyncs(self.opts.cloud_repositories, waker)
         if self.opts.control_mode == "poll":
             scans = self.opts.repository_poll_s > 0
             self.watcher = RepositoryWatcher(self.opts.repositories, waker, keep_paths=scans)
             if scans:
-                self.scanner = RepositoryScanner(self.opts.repositories, self.watcher, self.opts.repository_poll_s)
+                self.scanner = RepositoryScanner(self.opts.repositories, self.watcher, self.opts.repository_poll_s,
+                                                 self.cloud)
         for name, override, model_dir in self._initial_models():
             self.load_model(name, override, model_dir=model_dir)
             if model_dir is not None:  # a restored upload refused at once: its folder goes now
@@ -107,6 +116,8 @@ class Lifecycle:
         self.running = False
 
     def close(self) -> None:
+        if self.cloud is not None:
+            self.cloud.stop()
         if self.scanner is not None:
             self.scanner.stop()
         if self.watcher is not None:

@@ -34,6 +34,9 @@ class BrokerOptions:
     response_cache_bytes: int = 0  # --cache-config local,size=<bytes>: the response cache (0: none)
     rate_limit: str = "off"  # --rate-limit: off or execution_count (rate_limiter.py)
     rate_limit_resources: list[tuple[str, int, int | None]] = dataclasses.field(default_factory=list)  # (name, count, device)
+    # The local copies of cloud repositories (s3://, gs://, as://) among ``repositories``:
+    # {local repository folder: its URL}, re-synced while serving (cloud_sync.py)
+    cloud_repositories: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

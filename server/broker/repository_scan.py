@@ -8,6 +8,9 @@ files) and reports a model whose snapshot differs from the last one to the same 
 take long, and the broker's loop must not wait for it; it touches nothing but the watcher's
 locked table.
 
+With cloud repositories (cloud_sync.py) each scan first re-syncs their local copies from the
+store, so what changed in a bucket is found by the same comparison.
+
 A change the events reported is not reported again: a changed path that an event named (or a
 folder above it) was reloaded after that event, as the watcher debounces every event it hears.
 """
@@ -16,8 +19,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import TYPE_CHECKING
 
 from .watcher import RepositoryWatcher, ignored
+
+if TYPE_CHECKING:  # imported only with a cloud repository (its packages are optional)
+    from .cloud_sync import CloudSyncs
 
 log = logging.getLogger("shmserve.broker")
 
@@ -84,10 +91,12 @@ def covered(path: str, event_paths: set[str]) -> bool:
 
 
 class RepositoryScanner:
-    def __init__(self, repositories: list[str], watcher: RepositoryWatcher, every_s: float) -> None:
+    def __init__(self, repositories: list[str], watcher: RepositoryWatcher, every_s: float,
+                 cloud: CloudSyncs | None = None) -> None:
         self.repositories = repositories
         self.watcher = watcher
         self.every_s = every_s
+        self.cloud = cloud
         self._last = snapshot(repositories)  # what the initial loads are about to read
         # The event paths of the previous scan too: an event can arrive after the scan that
         # read its change took the paths, and before the scan that finds the change.
@@ -104,6 +113,8 @@ class RepositoryScanner:
                 log.exception("repository scan failed")
 
     def scan_once(self) -> None:
+        if self.cloud is not None:
+            self.cloud.sync_all()
         now = snapshot(self.repositories)
         taken = self.watcher.take_event_paths()
         previous, self._previous_events = self._previous_events, taken
