@@ -31,17 +31,18 @@ from shmserve.shm.waker import Waker
 from shmserve.workers.backend import BUILT_IN, installed_backends
 
 from . import config as cfgmod
-from . import instance_update, response_cache, unsupported
+from . import instance_update
 from .instance_update import STRAGGLER_GRACE_S, InstanceUpdates
-from .canary import Canary, CanaryPolicy
+from .canary import Canary
 from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
-from .ensemble import EnsemblePlan, find_cycle, step_models
+from .ensemble import EnsemblePlan
 from .instances import Instances, take_payload
 from .journal import Journal
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
-from .rate_limiter import Needs, RateLimiter, needs_of
+from .load_plan import LoadPlanner, instance_needs
+from .rate_limiter import RateLimiter
 from .repository_scan import RepositoryScanner
 from .routes import Routes
 from .sequencer import SequenceBatcher
@@ -61,12 +62,6 @@ REPLACED = "a later load of the model replaced this one"
 UNLOADED = "the model was unloaded before the load completed"
 
 
-def instance_needs(config: Any) -> list[Needs]:
-    """What each instance ``_start_instances`` starts needs from the rate limiter, by index."""
-    return [needs_of(group, device) for group in config.instance_group
-            for device in cfgmod.instance_devices(group) for _ in range(group.count)]
-
-
 def idle(mv: ModelVersion) -> bool:
     """Nothing queued, nothing running, nothing left on any of its workers' lanes."""
     return not mv.in_flight() and all(inst.lanes_drained() for inst in mv.instances)
@@ -83,6 +78,7 @@ class Lifecycle:
         self.routes = routes
         self.clients = clients
         self.backends = set(installed_backends()) | set(BUILT_IN)
+        self.planner = LoadPlanner(opts, self.backends, limiter, catalog)  # reads and checks what a load asks for
         self.watcher: RepositoryWatcher | None = None  # --model-control-mode=poll
         self.scanner: RepositoryScanner | None = None  # poll mode with --repository-poll-secs > 0
         self.cloud: CloudSyncs | None = None  # re-syncs of the cloud repositories' local copies
@@ -242,34 +238,10 @@ class Lifecycle:
             log.error("%s", reason)
             return reason
         try:
-            config = cfgmod.load_config(model_dir, self.opts.strict_config, override_json)
-            available = cfgmod.version_dirs(model_dir)
-            versions = cfgmod.select_versions(config, available)
-            if not versions:
-                raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
-            cfgmod.validate(config, model_dir, self.backends, versions, completed_later=not self.opts.strict_config)
-            for warning in unsupported.warnings(config):
-                log.warning("%s", warning)
-            note = response_cache.load_note(config, self.opts.response_cache_bytes)
-            if note:
-                log.warning("%s", note)
-            if self.limiter.applies_to(config):
-                try:
-                    self.limiter.check(instance_needs(config))
-                except ValueError as e:
-                    raise cfgmod.ConfigError(str(e)) from None
-            if config.platform == "ensemble":
-                cycle = find_cycle(name, self._ensemble_graph(config))
-                if cycle:
-                    raise cfgmod.ConfigError(cycle)
-            try:
-                parameters = cfgmod.string_parameters(config)
-                canary_policy = CanaryPolicy.from_parameters(parameters)
-                exec_timeout_s = cfgmod.execution_timeout(parameters)
-            except ValueError as e:
-                raise cfgmod.ConfigError(f"model '{name}': parameters: {e}") from None
+            plan = self.planner.plan(name, model_dir, override_json)
         except cfgmod.ConfigError as e:
             return self._load_failed(name, f"failed to load '{name}', {e}")
+        config, versions = plan.config, plan.versions
         serving = catalog.models.get(name)
         if serving and name not in catalog.loading and instance_update.updatable(serving, model_dir, config, versions):
             self.updates.apply(serving, config, waiter)
@@ -282,13 +254,13 @@ class Lifecycle:
                 pending.waiters.append(waiter)
             return None
         self.cancel_load(name, REPLACED)
-        job = catalog.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [], canary_policy,
+        job = catalog.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [], plan.canary_policy,
                                               str(model_dir), config, override_json)
         for v in versions:
             mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
                               config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
             mv.set_config(mv.config_dict)
-            mv.exec_timeout_s = exec_timeout_s
+            mv.exec_timeout_s = plan.exec_timeout_s
             mv.requested_config, mv.files = config, instance_update.folder_fingerprint(str(model_dir))
             mv.weights_key = f"{name}.{v}.{next(self.load_ids)}"
             job.versions[v] = mv
@@ -309,32 +281,6 @@ class Lifecycle:
         for dep in mv.ensemble.dependencies():  # as Triton: an ensemble brings its steps
             if dep not in catalog.models and dep not in catalog.load_errors and dep not in catalog.loading:
                 self.load_model(dep)
-
-    def _ensemble_graph(self, config: Any) -> dict[str, list[str]]:
-        """The step models of the ensemble ``config`` and of every ensemble its steps reach, each
-        from the config that serves or loads, else from its repository folder."""
-        graph = {config.name: step_models(config)}
-        seen, todo = {config.name}, list(graph[config.name])
-        while todo:
-            name = todo.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            job = self.catalog.loading.get(name)
-            held = job.versions if job is not None else self.catalog.models.get(name)
-            if held:
-                dep = next(iter(held.values())).config
-            elif name in self.catalog.model_dirs:
-                try:
-                    dep = cfgmod.load_config(self.catalog.model_dirs[name], self.opts.strict_config)
-                except (cfgmod.ConfigError, OSError):
-                    continue  # it fails its own load; no loop passes through it
-            else:
-                continue
-            if dep.platform == "ensemble":
-                graph[name] = step_models(dep)
-                todo.extend(graph[name])
-        return graph
 
     def _start_instances(self, mv: ModelVersion) -> None:
         """Give ``mv`` its scheduler and start a worker per instance its config asks for."""

@@ -1,0 +1,99 @@
+"""What a load asks for, read and checked before anything starts: the config (the override the
+repository API was given, or the folder's), the versions its policy selects, its parameters, and
+what Triton refuses at this point (an invalid config, resources the rate limiter cannot give, a
+loop of ensembles). Warnings about fields shmserve does not act on are logged here too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from . import config as cfgmod
+from . import response_cache, unsupported
+from .canary import CanaryPolicy
+from .catalog import Catalog
+from .ensemble import find_cycle, step_models
+from .options import BrokerOptions
+from .rate_limiter import Needs, RateLimiter, needs_of
+
+log = logging.getLogger("shmserve.broker")
+
+
+def instance_needs(config: Any) -> list[Needs]:
+    """What each instance ``Lifecycle._start_instances`` starts needs from the rate limiter, by index."""
+    return [needs_of(group, device) for group in config.instance_group
+            for device in cfgmod.instance_devices(group) for _ in range(group.count)]
+
+
+@dataclasses.dataclass
+class LoadPlan:
+    config: Any  # ModelConfig message, as asked for (before the backend completes it)
+    versions: list[int]
+    canary_policy: CanaryPolicy
+    exec_timeout_s: float
+
+
+class LoadPlanner:
+    def __init__(self, opts: BrokerOptions, backends: set[str], limiter: RateLimiter, catalog: Catalog) -> None:
+        self.opts = opts
+        self.backends = backends
+        self.limiter = limiter
+        self.catalog = catalog
+
+    def plan(self, name: str, model_dir: Path, override_json: str | None) -> LoadPlan:
+        """The plan of a load of ``name`` from ``model_dir``; raises ``ConfigError`` with the reason."""
+        config = cfgmod.load_config(model_dir, self.opts.strict_config, override_json)
+        available = cfgmod.version_dirs(model_dir)
+        versions = cfgmod.select_versions(config, available)
+        if not versions:
+            raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
+        cfgmod.validate(config, model_dir, self.backends, versions, completed_later=not self.opts.strict_config)
+        for warning in unsupported.warnings(config):
+            log.warning("%s", warning)
+        note = response_cache.load_note(config, self.opts.response_cache_bytes)
+        if note:
+            log.warning("%s", note)
+        if self.limiter.applies_to(config):
+            try:
+                self.limiter.check(instance_needs(config))
+            except ValueError as e:
+                raise cfgmod.ConfigError(str(e)) from None
+        if config.platform == "ensemble":
+            cycle = find_cycle(name, self.ensemble_graph(config))
+            if cycle:
+                raise cfgmod.ConfigError(cycle)
+        try:
+            parameters = cfgmod.string_parameters(config)
+            return LoadPlan(config, versions, CanaryPolicy.from_parameters(parameters),
+                            cfgmod.execution_timeout(parameters))
+        except ValueError as e:
+            raise cfgmod.ConfigError(f"model '{name}': parameters: {e}") from None
+
+    def ensemble_graph(self, config: Any) -> dict[str, list[str]]:
+        """The step models of the ensemble ``config`` and of every ensemble its steps reach, each
+        from the config that serves or loads, else from its repository folder."""
+        catalog = self.catalog
+        graph = {config.name: step_models(config)}
+        seen, todo = {config.name}, list(graph[config.name])
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            job = catalog.loading.get(name)
+            held = job.versions if job is not None else catalog.models.get(name)
+            if held:
+                dep = next(iter(held.values())).config
+            elif name in catalog.model_dirs:
+                try:
+                    dep = cfgmod.load_config(catalog.model_dirs[name], self.opts.strict_config)
+                except (cfgmod.ConfigError, OSError):
+                    continue  # it fails its own load; no loop passes through it
+            else:
+                continue
+            if dep.platform == "ensemble":
+                graph[name] = step_models(dep)
+                todo.extend(graph[name])
+        return graph
