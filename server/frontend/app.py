@@ -27,6 +27,7 @@ from .generate import EventStream, build_generate_request, generate_response
 from .inference import Headers, Inference
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .metadata import EXTENSIONS, is_loopback
+from .openai import OpenAIFront
 from .openapi import openapi_endpoint
 from .settings import logging_endpoint, trace_endpoint
 from .tracing import Tracer
@@ -51,6 +52,7 @@ class Frontend:
         self.link = BrokerLink(server_id, arena_bytes, max_inflight, poll_us)
         self.tracer = Tracer(server_id)  # trace extension (server/frontend/tracing.py)
         self.inference = Inference(self.link, max_input_bytes, max_tensor_elements, arena_bytes)
+        self.openai = OpenAIFront(self.link)
 
     async def _control(self, doc: dict) -> tuple[int, Any]:
         return await self.link.control(doc)
@@ -323,6 +325,11 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
         Route("/v2/cudasharedmemory/unregister", fe.cuda_unregister, methods=["POST"]),
         Route("/v2/cudasharedmemory/region/{name}/status", fe.cuda_status),
         Route("/v2/cudasharedmemory/status", fe.cuda_status),
+        # OpenAI-compatible endpoints over text models (openai.py)
+        Route("/v1/models", fe.openai.models),
+        Route("/v1/completions", fe.openai.completions, methods=["POST"]),
+        Route("/v1/chat/completions", fe.openai.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", fe.openai.embeddings, methods=["POST"]),
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -82,12 +82,17 @@ def _tensor_shape(name: str, count: int, dims: list[int], batched: bool) -> list
     raise BadRequest(f"The schema can not convert input '{name}' to tensor with proper shape")
 
 
-def generate_response(model: str, result: dict, tensor_of: Any) -> dict:
-    out: dict[str, Any] = {"model_name": model, "model_version": str(result.get("version", ""))}
+def output_values(result: dict, tensor_of: Any) -> dict[str, Any]:
+    """A response's outputs by name: one-element tensors as scalars (BYTES as text), others lists."""
+    out: dict[str, Any] = {}
     for o in result.get("outputs", ()):
         values = json_data(o["datatype"], tensor_of(o), o["shape"])
         out[o["name"]] = values[0] if len(values) == 1 else values
     return out
+
+
+def generate_response(model: str, result: dict, tensor_of: Any) -> dict:
+    return {"model_name": model, "model_version": str(result.get("version", "")), **output_values(result, tensor_of)}
 
 
 class EventStream(StreamingResponse):

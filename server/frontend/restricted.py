@@ -28,6 +28,8 @@ _RULES = [
     (re.compile(rf"^{_MODEL}/ready/?$"), "health"),
     (re.compile(rf"^{_MODEL}/(?:infer|generate|generate_stream)/?$"), "inference"),
     (re.compile(rf"^(?:/v2|/v2/openapi\.json|{_MODEL})/?$"), "metadata"),
+    (re.compile(r"^/v1/(?:completions|chat/completions|embeddings)/?$"), "inference"),  # openai.py
+    (re.compile(r"^/v1/models/?$"), "metadata"),
 ]
 
 
