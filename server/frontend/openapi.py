@@ -77,6 +77,9 @@ def _schemas() -> dict[str, Any]:
         "additionalProperties": True}
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
+        "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"}}}}},
         "ServerMetadata": {"type": "object", "required": ["name", "version", "extensions"], "properties": {
             "name": {"type": "string"}, "version": {"type": "string"},
             "extensions": {"type": "array", "items": {"type": "string"}}}},
@@ -254,7 +257,30 @@ def _paths() -> dict[str, Any]:
         "get": _op("A model's trace settings", {"200": _json(_ref("TraceSettings"), "current settings")}),
         "post": _op("Change a model's trace settings", {"200": _json(_ref("TraceSettings"), "new settings")},
                     _ref("TraceSettings"), required=False)}
+    paths.update(_openai_paths())
     return paths
+
+
+def _openai_paths() -> dict[str, Any]:
+    """The OpenAI-compatible routes (openai.py): errors in OpenAI's form, bodies as OpenAI's API."""
+    def op(summary: str, ok: dict[str, Any], body: bool = True) -> dict[str, Any]:
+        responses = {"200": ok, "405": _json(_ref("Error"), "method not allowed on this endpoint")}
+        responses.update({str(c): _json(_ref("OpenAIError"), "the error, in OpenAI's form") for c in (400, 404, 503)})
+        out: dict[str, Any] = {"summary": summary, "responses": responses}
+        if body:
+            out["requestBody"] = {"required": True, "content": {JSON: {"schema": {
+                "type": "object", "required": ["model"], "properties": {"model": {"type": "string"}}}}}}
+        return out
+
+    answer = {"type": "object", "required": ["object"], "properties": {"object": {"type": "string"}}}
+    generated = {"description": "the answer, or with 'stream': true server-sent events ('data: [DONE]' last)",
+                 "content": {JSON: {"schema": answer}, "text/event-stream": {"schema": {"type": "string"}}}}
+    return {
+        "/v1/models": {"get": op("OpenAI: the ready models", _json(answer, "a list of models"), body=False)},
+        "/v1/completions": {"post": op("OpenAI: text completion", generated)},
+        "/v1/chat/completions": {"post": op("OpenAI: chat completion", generated)},
+        "/v1/embeddings": {"post": op("OpenAI: embeddings", _json(answer, "one vector per input"))},
+    }
 
 
 def openapi_document() -> dict[str, Any]:
