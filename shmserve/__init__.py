@@ -8,6 +8,9 @@ The public import name. The repository keeps its process layout at the top (``se
     from shmserve import Client
     with Client("shmserve") as client:                 # the server's --id
         result = client.infer("add_sub", {"INPUT0": a, "INPUT1": b})
+
+and, to serve functions from a script with no repository, ``shmserve.model`` and
+``shmserve.serve`` (bind.py, docs/binding.md).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ __version__ = "0.1.0"
 # Loaded on first use: every process of the server imports this package first, and most of them
 # never need the client library (numpy and the connection code).
 _CLIENT_NAMES = ("Client", "InferResult", "InferenceServerError", "Region", "ServerUnavailable", "Backpressure")
-__all__ = [*_CLIENT_NAMES, "__version__"]
+_BIND_NAMES = ("model", "serve")  # serving functions from a script (bind.py)
+__all__ = [*_CLIENT_NAMES, *_BIND_NAMES, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,4 +30,8 @@ def __getattr__(name: str) -> Any:
         from .shm import client
 
         return getattr(client, name)
+    if name in _BIND_NAMES:
+        from . import bind
+
+        return getattr(bind, name)
     raise AttributeError(f"module 'shmserve' has no attribute {name!r}")
