@@ -31,6 +31,7 @@ from conftest import PRODUCT_MODELS, ROOT
 from shmserve.server import cache_flags
 from shmserve.server.cli import build_parser
 from shmserve.server.shm_needs import instance_bytes, startup_bytes
+from shmserve.shm import space
 
 DEPLOY = ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"
@@ -292,3 +293,12 @@ def test_the_metrics_the_autoscaler_reads_are_served(server_factory, tmp_path):
     assert used == {"nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us"}
     for name in used:
         assert re.search(rf'^{name}\{{[^}}]*model="add_sub"[^}}]*\}} \d', text, re.M), f"{name} not served"
+
+
+def test_the_docs_dev_shm_figures_are_the_servers():
+    """README.md and docs/deploy.md quote the default start and per-instance sizes."""
+    args = server_args(["--model-repository=/models"])
+    start, each = space.mib(startup_bytes(args)), space.mib(instance_bytes(args.worker_arena_mb << 20))
+    for doc in (ROOT / "README.md", ROOT / "docs" / "deploy.md"):
+        text = " ".join(doc.read_text().split())  # figures may wrap
+        assert f"{start} at start" in text and f"{each} per model instance" in text, doc
