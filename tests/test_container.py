@@ -28,6 +28,7 @@ import tritonclient.http as httpclient
 
 from conftest import PRODUCT_MODELS, ROOT, TEST_MODELS, free_port
 from gates import Gate
+import tmpfs
 
 from shmserve.server.cli import parse_args
 from shmserve.server.shm_needs import startup_bytes
@@ -124,14 +125,10 @@ def image(podman_env, base_image, tmp_path_factory) -> str:
 
 @pytest.fixture
 def shm_dir(tmp_path) -> Path:
-    """A tmpfs mounted as the container's /dev/shm, so the test sees what the server leaves there."""
-    folder = tmp_path / "shm"
-    folder.mkdir()
-    # Room for the README's repository and the test's model: 581 MiB + 10 x 257 MiB (docs/deploy.md);
-    # a tmpfs takes only the pages written.
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4g,mode=1777", "tmpfs", str(folder)], check=True)
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
+    """A tmpfs mounted as the container's /dev/shm, so the test sees what the server leaves there:
+    room for the README's repository and the test's model, 581 MiB + 10 x 257 MiB (docs/deploy.md)."""
+    with tmpfs.mounted(tmp_path / "shm", "4g") as folder:
+        yield folder
 
 
 def shm_objects(folder: Path) -> list[str]:

@@ -19,6 +19,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from conftest import PRODUCT_MODELS, PYTHON, ROOT, TEST_MODELS, Server
+import tmpfs
 
 from shmserve.shm import space
 from shmserve.server.cli import parse_args
@@ -108,30 +109,27 @@ def test_a_load_that_does_not_fit_fails_in_one_line_and_the_server_goes_on(serve
 
 
 @pytest.fixture
-def tmpfs(tmp_path) -> Path:
-    """A 8 MiB tmpfs on a folder of the test's own (as root), unmounted after it."""
-    folder = tmp_path / "shm"
-    folder.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)], check=True)
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
+def shm(tmp_path) -> Path:
+    """A 8 MiB tmpfs of the test's own."""
+    with tmpfs.mounted(tmp_path / "shm", "8m", mode="755") as folder:
+        yield folder
 
 
-def test_room_is_the_free_space_less_what_the_servers_objects_may_still_take(tmpfs):
-    assert space.free_bytes(str(tmpfs)) == 8 * MIB
-    fd = os.open(tmpfs / "shmserve.s1.worker.0", os.O_CREAT | os.O_RDWR, 0o600)
+def test_room_is_the_free_space_less_what_the_servers_objects_may_still_take(shm):
+    assert space.free_bytes(str(shm)) == 8 * MIB
+    fd = os.open(shm / "shmserve.s1.worker.0", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, 4 * MIB)  # reserves nothing on tmpfs
-        assert space.free_bytes(str(tmpfs)) == 8 * MIB
-        assert space.unbacked_bytes("s1", str(tmpfs)) == 4 * MIB
-        assert space.unbacked_bytes("s2", str(tmpfs)) == 0  # another server's objects are its own
+        assert space.free_bytes(str(shm)) == 8 * MIB
+        assert space.unbacked_bytes("s1", str(shm)) == 4 * MIB
+        assert space.unbacked_bytes("s2", str(shm)) == 0  # another server's objects are its own
         os.pwrite(fd, b"x" * MIB, 0)  # the pages a writer touches are taken
-        assert space.unbacked_bytes("s1", str(tmpfs)) == 3 * MIB
-        assert space.room("s1", str(tmpfs)) == 4 * MIB
-        space.check("s1", 4 * MIB, "a segment", folder=str(tmpfs))
+        assert space.unbacked_bytes("s1", str(shm)) == 3 * MIB
+        assert space.room("s1", str(shm)) == 4 * MIB
+        space.check("s1", 4 * MIB, "a segment", folder=str(shm))
         with pytest.raises(space.NoRoom) as caught:
-            space.check("s1", 4 * MIB + 1, "a segment", " (a note)", folder=str(tmpfs))
-        assert str(caught.value) == (f"a segment needs 5 MiB of shared memory (a note), and {tmpfs} has 4 MiB left; "
+            space.check("s1", 4 * MIB + 1, "a segment", " (a note)", folder=str(shm))
+        assert str(caught.value) == (f"a segment needs 5 MiB of shared memory (a note), and {shm} has 4 MiB left; "
                                      f"{space.HOW_TO_RAISE}")
         assert caught.value.errno == 28  # ENOSPC, as the write that would have failed
     finally:
