@@ -18,7 +18,7 @@ import time
 
 import orjson
 
-from shmserve.shm import logs
+from shmserve.shm import logs, space
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.names import (SHM_DIR, list_objects, object_name, pid_alive, unlink_all, unlink_semaphore,
                                 unlink_shm)
@@ -26,6 +26,7 @@ from shmserve.shm.names import (SHM_DIR, list_objects, object_name, pid_alive, u
 from .broker.journal import journal_path
 from .broker.options import STARTUP_FAILED, BrokerOptions
 from .cli import log_settings
+from .shm_needs import check_startup
 
 log = logging.getLogger("shmserve")
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
@@ -84,6 +85,7 @@ class Launcher:
             rate_limit=args.rate_limit, rate_limit_resources=args.rate_limit_resource,
         )
         self.stopping = False
+        self.stop_signal = 0  # the signal that asked us to stop (logged outside the handler)
         self.broker: subprocess.Popen | None = None
         self.frontends: list[subprocess.Popen | None] = []
         self.sock: socket.socket | None = None
@@ -131,9 +133,15 @@ class Launcher:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stopping = True
+        self.stop_signal = signum
 
     def run(self) -> int:
         _check_previous(self.sid)
+        try:  # a container's /dev/shm is small unless raised: say so now, not with a SIGBUS later
+            check_startup(self.args)
+        except space.NoRoom as e:
+            sys.stderr.write(f"shmserve: error: {e}\n")
+            return 1
         if self.args.allow_http:
             self.sock = _bind(self.args.http_address, self.args.http_port)
         if self.args.allow_grpc:  # a busy port is a one-line error here too, not a restart loop
@@ -152,9 +160,13 @@ class Launcher:
             self.log_follower = logs.BrokerSettings(self.sid)  # run-time changes (POST /v2/logging) here too
             self._log_serving()
             code = self._supervise()
+            if self.stop_signal:
+                log.info("%s received: draining in-flight requests (up to %g s, --exit-timeout-secs), then "
+                         "stopping", signal.Signals(self.stop_signal).name, self.args.exit_timeout_secs)
         finally:
             self._stop_all()
             unlink_all(self.sid)
+        log.info("shmserve '%s' stopped; its shared-memory objects are removed", self.sid)
         return code
 
     def _log_serving(self) -> None:

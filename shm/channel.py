@@ -111,12 +111,15 @@ class BrokerSegment:
         # Bumped whenever a client leaves, so workers know to unmap what they hold of it.
         self.departures = np.ndarray((1,), dtype=np.uint64, buffer=seg.buf, offset=DEPARTURES_OFFSET)
 
+    @staticmethod
+    def nbytes(arena_bytes: int) -> int:
+        return _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + _align(LANES * LANE_NAME_BYTES) \
+            + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES + arena_bytes
+
     @classmethod
     def create(cls, server_id: str, arena_bytes: int) -> "BrokerSegment":
         name = object_name(server_id, "broker", 0)
-        size = _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + _align(LANES * LANE_NAME_BYTES) \
-            + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES + arena_bytes
-        return cls(server_id, Segment.create(name, size), create=True)
+        return cls(server_id, Segment.create(name, cls.nbytes(arena_bytes)), create=True)
 
     @classmethod
     def attach(cls, server_id: str) -> "BrokerSegment":

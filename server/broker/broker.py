@@ -216,9 +216,16 @@ class Broker:
     def shutdown(self) -> int:
         """Finish in-flight work within the exit timeout, stop workers, remove our objects."""
         deadline = time.monotonic() + self.opts.exit_timeout_s
+        waiting = sum(mv.in_flight() for mv in self.catalog.serving())
+        if waiting:
+            log.info("stopping: waiting up to %g s for %d request(s) in flight", self.opts.exit_timeout_s, waiting)
         while time.monotonic() < deadline and any(mv.in_flight() for mv in self.catalog.serving()):
             self.seg.waker.sleep(0.01, self._has_work)
             self._pump()
+        left = sum(mv.in_flight() for mv in self.catalog.serving())
+        if left:
+            log.warning("stopping with %d request(s) still in flight after %g s (--exit-timeout-secs)", left,
+                        self.opts.exit_timeout_s)
         self.lifecycle.close()
         self.instances.stop_all()
         for client in list(self.clients.by_name.values()):

@@ -43,6 +43,7 @@ from .models import Client, ModelVersion
 from .scheduler import Scheduler
 
 OWN_SLOTS = 4096  # ensemble steps in flight at once
+OWN_ARENA_BYTES = 1 << 20  # the broker's own client segment: step descriptors only, tensors stay where they are
 
 
 @dataclasses.dataclass
@@ -171,7 +172,7 @@ class Ensembles:
         self.instances = instances
         name = object_name(server_id, "client", "broker")
         self.own = Client(name=name, pid=os.getpid(),
-                          seg=ClientSegment.create(name, 1 << 20, slots=OWN_SLOTS, notify=NOTIFY_BROKER))
+                          seg=ClientSegment.create(name, OWN_ARENA_BYTES, slots=OWN_SLOTS, notify=NOTIFY_BROKER))
         clients.by_name[name] = self.own  # answered, dropped and closed like any client
         self.free = collections.deque(range(OWN_SLOTS))
         self.inflight: dict[int, tuple[EnsembleRun, Step]] = {}  # own slot -> the step it runs

@@ -14,7 +14,7 @@ import time
 
 import orjson
 
-from shmserve.shm import logs
+from shmserve.shm import logs, space
 from shmserve.shm.arena import free_block
 from shmserve.shm.channel import WorkerSegment
 from shmserve.shm.names import object_name, unlink_shm
@@ -38,6 +38,21 @@ class Instances:
         self.opts = opts
         self.workers: dict[int, tuple[ModelVersion, Instance]] = {}  # live workers by number
         self.next_worker = 0
+
+    def shm_shortfall(self, count: int) -> str | None:
+        """Why /dev/shm cannot hold ``count`` more worker segments (None: it can). Checked for a
+        whole load before any worker starts: a segment that does not fit would not fail when it
+        is made, but kill its worker with SIGBUS when its arena fills (shm/space.py)."""
+        if count <= 0:
+            return None
+        each = WorkerSegment.nbytes(self.opts.worker_arena_bytes)
+        try:
+            space.check(self.opts.server_id, count * each, "the load",
+                        f" ({count} instance(s) of {space.mib(each)} each: "
+                        f"--worker-arena-mb={self.opts.worker_arena_bytes >> 20})")
+        except space.NoRoom as e:
+            return str(e)
+        return None
 
     def spawn(self, mv: ModelVersion, name: str, index: int, kind: str, device: int) -> Instance:
         """Start a new instance of ``mv``."""

@@ -244,6 +244,11 @@ class Lifecycle:
         config, versions = plan.config, plan.versions
         serving = catalog.models.get(name)
         if serving and name not in catalog.loading and instance_update.updatable(serving, model_dir, config, versions):
+            added = sum(len(instance_update.instance_changes(mv, config)[0]) for mv in serving.values())
+            shortfall = self.instances.shm_shortfall(added)
+            if shortfall:  # what serves goes on serving as it is
+                log.error("failed to load '%s', %s", name, shortfall)
+                return f"failed to load '{name}', {shortfall}"
             self.updates.apply(serving, config, waiter)
             self._record(name, str(model_dir), override_json)
             return None
@@ -253,6 +258,10 @@ class Lifecycle:
             if waiter is not None:
                 pending.waiters.append(waiter)
             return None
+        per_version = 0 if config.platform == "ensemble" else len(instance_update.planned_instances(config))
+        shortfall = self.instances.shm_shortfall(len(versions) * per_version)
+        if shortfall:
+            return self._load_failed(name, f"failed to load '{name}', {shortfall}")
         self.cancel_load(name, REPLACED)
         job = catalog.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [], plan.canary_policy,
                                               str(model_dir), config, override_json)

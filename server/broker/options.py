@@ -6,6 +6,7 @@ from typing import Any
 
 
 STARTUP_FAILED = 3  # the broker's exit code when a model failed at start with --exit-on-error
+BROKER_ARENA_BYTES = 64 << 20  # the broker's own arena (batch descriptors, control replies)
 
 
 @dataclasses.dataclass
@@ -21,7 +22,7 @@ class BrokerOptions:
     exit_timeout_s: float = 30.0
     log: dict[str, Any] = dataclasses.field(default_factory=dict)  # Triton's log settings (shm/logs.py)
     trace: dict[str, Any] = dataclasses.field(default_factory=dict)  # --trace-config settings (shm/trace.py)
-    broker_arena_bytes: int = 64 << 20
+    broker_arena_bytes: int = BROKER_ARENA_BYTES
     worker_arena_bytes: int = 256 << 20
     allow_remote_shm: bool = False
     metrics_port: int = 8002

@@ -1,0 +1,136 @@
+"""Room in /dev/shm (shm/space.py, server/shm_needs.py): a server whose /dev/shm cannot hold its
+segments fails at start with one line that says how to raise it, and a model load that would not
+fit fails with the same kind of line while the server goes on, instead of a SIGBUS later.
+
+The servers run in a mount namespace of their own (unshare, as root) with a small tmpfs on
+/dev/shm, as a container with a small --shm-size has.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from conftest import PRODUCT_MODELS, PYTHON, ROOT, TEST_MODELS, Server
+import tmpfs
+
+from shmserve.shm import space
+from shmserve.server.cli import parse_args
+from shmserve.server.shm_needs import instance_bytes, startup_bytes
+
+MIB = 1 << 20
+
+
+def small_shm(size_bytes: int) -> list[str]:
+    """A command prefix: a private mount namespace whose /dev/shm is a tmpfs of ``size_bytes``."""
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+            f'mount -t tmpfs -o size={size_bytes},mode=1777 tmpfs /dev/shm && exec "$@"', "sh"]
+
+
+class SmallShmServer(Server):
+    """A server started under ``small_shm``; its objects vanish with its namespace."""
+
+    def __init__(self, shm_bytes: int, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.shm_bytes = shm_bytes
+
+    def command(self) -> list[str]:
+        return small_shm(self.shm_bytes) + super().command()
+
+
+def post(server: Server, path: str, body: bytes = b"{}") -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{server.url}{path}", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def add_sub(server: Server) -> None:
+    a = np.arange(16, dtype=np.int32)
+    inputs = [httpclient.InferInput("INPUT0", [16], "INT32"), httpclient.InferInput("INPUT1", [16], "INT32")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    with server.client() as c:
+        np.testing.assert_array_equal(c.infer("add_sub", inputs).as_numpy("OUTPUT0"), 2 * a)
+
+
+def test_a_server_refuses_a_dev_shm_too_small_for_its_start_in_one_line(tmp_path):
+    flags = ["--model-repository", str(PRODUCT_MODELS), "--http-port", "0", "--grpc-port", "0",
+             "--metrics-port", "0", "--id", f"small{os.getpid()}"]
+    done = subprocess.run(small_shm(8 * MIB) + [PYTHON, "-m", "shmserve", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    lines = (done.stdout + done.stderr).splitlines()
+    assert len(lines) == 1, lines
+    need = startup_bytes(parse_args(flags))
+    assert lines[0].startswith(f"shmserve: error: shmserve at start (2 frontend(s) with --frontend-arena-mb=256, "
+                               f"the broker) needs {space.mib(need)} of shared memory"), lines[0]
+    assert "and /dev/shm has 8 MiB left" in lines[0]
+    for how in ("docker run --shm-size", "podman run --shm-size", "emptyDir (medium: Memory, sizeLimit)"):
+        assert how in lines[0]
+
+
+def test_a_load_that_does_not_fit_fails_in_one_line_and_the_server_goes_on(server_factory, tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for model in (PRODUCT_MODELS / "add_sub", TEST_MODELS / "sleeper"):
+        os.symlink(model, repo / model.name)
+    flags = ["--model-control-mode", "explicit", "--frontend-arena-mb", "4", "--worker-arena-mb", "16"]
+    need = startup_bytes(parse_args(["--model-repository", str(repo), *flags]))
+    each = instance_bytes(16 * MIB)
+    # Room for the start and one instance and a half: add_sub's one fits, sleeper's two do not.
+    s = SmallShmServer(need + each * 3 // 2, [repo], tmp_path, flags)
+    server_factory.servers.append(s)
+    s.start().wait_ready()
+
+    assert post(s, "/v2/repository/models/add_sub/load") == (200, {})
+    add_sub(s)
+    status, body = post(s, "/v2/repository/models/sleeper/load")
+    assert status == 400
+    message = body["error"]
+    assert message.startswith(f"failed to load 'sleeper', the load needs {space.mib(2 * each)} of shared memory "
+                              f"(2 instance(s) of {space.mib(each)} each: --worker-arena-mb=16), and /dev/shm has ")
+    assert "docker run --shm-size" in message and "emptyDir" in message
+    assert "\n" not in message
+    add_sub(s)  # what serves goes on serving
+    assert s.http_status("/v2/health/live") == 200
+    assert s.stop() == 0, s.log_tail()
+    assert "Bus error" not in s.log() and "Traceback" not in s.log()
+
+
+@pytest.fixture
+def shm(tmp_path) -> Path:
+    """A 8 MiB tmpfs of the test's own."""
+    with tmpfs.mounted(tmp_path / "shm", "8m", mode="755") as folder:
+        yield folder
+
+
+def test_room_is_the_free_space_less_what_the_servers_objects_may_still_take(shm):
+    assert space.free_bytes(str(shm)) == 8 * MIB
+    fd = os.open(shm / "shmserve.s1.worker.0", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 4 * MIB)  # reserves nothing on tmpfs
+        assert space.free_bytes(str(shm)) == 8 * MIB
+        assert space.unbacked_bytes("s1", str(shm)) == 4 * MIB
+        assert space.unbacked_bytes("s2", str(shm)) == 0  # another server's objects are its own
+        os.pwrite(fd, b"x" * MIB, 0)  # the pages a writer touches are taken
+        assert space.unbacked_bytes("s1", str(shm)) == 3 * MIB
+        assert space.room("s1", str(shm)) == 4 * MIB
+        space.check("s1", 4 * MIB, "a segment", folder=str(shm))
+        with pytest.raises(space.NoRoom) as caught:
+            space.check("s1", 4 * MIB + 1, "a segment", " (a note)", folder=str(shm))
+        assert str(caught.value) == (f"a segment needs 5 MiB of shared memory (a note), and {shm} has 4 MiB left; "
+                                     f"{space.HOW_TO_RAISE}")
+        assert caught.value.errno == 28  # ENOSPC, as the write that would have failed
+    finally:
+        os.close(fd)
