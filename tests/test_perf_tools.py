@@ -1,0 +1,161 @@
+"""shmserve-perf against a real server, with short windows: what it writes must agree with the
+server's own statistics, or its figures mean nothing."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import PYTHON, ROOT
+
+from shmserve.tools.perf.cli import build_parser
+from shmserve.tools.perf.report import CSV_COLUMNS, STREAM_COLUMNS
+
+PERF = str(Path(PYTHON).parent / "shmserve-perf")
+FAST = ["-p", "250", "-r", "3", "-s", "1000"]  # three short windows; no waiting for stability
+
+
+def success_count(server, model: str) -> tuple[int, int]:
+    """(successful requests, inferences) of ``model`` from the server's statistics extension."""
+    client = server.client()
+    try:
+        row = client.get_inference_statistics(model)["model_stats"][0]
+    finally:
+        client.close()
+    return int(row["inference_stats"]["success"]["count"]), int(row["inference_count"])
+
+
+def perf(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([PERF, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open() as fh:
+        rows = list(csv.reader(fh))
+    return rows[0], [dict(zip(rows[0], r)) for r in rows[1:]]
+
+
+def exported_requests(path: Path) -> list[dict]:
+    doc = json.loads(path.read_text())
+    return [r for e in doc["experiments"] for r in e["requests"]]
+
+
+def address(server, protocol: str) -> str:
+    return {"http": server.url, "grpc": server.grpc_url, "local": server.id}[protocol]
+
+
+@pytest.mark.parametrize("protocol,shm", [("http", "none"), ("grpc", "system"), ("local", "system"),
+                                          ("http", "system")])
+def test_csv_and_profile_export_agree_with_the_servers_statistics(server, tmp_path, protocol, shm):
+    out_csv, export = tmp_path / "perf.csv", tmp_path / "export.json"
+    before = success_count(server, "add_sub")
+    run = perf("-m", "add_sub", "-i", protocol, "-u", address(server, protocol), "--shared-memory", shm,
+               "--concurrency-range", "1:2", *FAST, "-f", str(out_csv), "--profile-export-file", str(export), "-q")
+    assert run.returncode == 0, run.stderr
+    after = success_count(server, "add_sub")
+    header, rows = read_csv(out_csv)
+    assert header == ["Concurrency", *CSV_COLUMNS]
+    assert sorted(int(r["Concurrency"]) for r in rows) == [1, 2]
+    throughputs = [float(r["Inferences/Second"]) for r in rows]
+    assert throughputs == sorted(throughputs) and throughputs[0] > 0  # perf_analyzer's order
+    for r in rows:
+        assert int(r["p50 latency"]) <= int(r["p90 latency"]) <= int(r["p95 latency"]) <= int(r["p99 latency"]), r
+        assert int(r["Server Compute Infer"]) > 0, r  # from the statistics extension
+    doc = json.loads(export.read_text())
+    assert [e["experiment"] for e in doc["experiments"]] == [{"mode": "concurrency", "value": 1},
+                                                             {"mode": "concurrency", "value": 2}]
+    sent = exported_requests(export)
+    # Every request the tool sent is in the export, and the server counted exactly those.
+    assert len(sent) == after[0] - before[0] and after[1] - before[1] == len(sent)
+    for e in doc["experiments"]:
+        edges = e["window_boundaries"]
+        assert edges == sorted(edges) and len(edges) >= 2
+        for r in e["requests"]:
+            assert len(r["response_timestamps"]) == 1 and r["response_timestamps"][0] > r["timestamp"]
+    assert "Successful request count:" in run.stdout and "Concurrency: 2, throughput:" in run.stdout
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("shmperf_")]
+    client = server.client()
+    try:
+        assert client.get_system_shared_memory_status() == [], "the tool's regions are still registered"
+    finally:
+        client.close()
+
+
+def test_open_loop_request_rate(server, tmp_path):
+    out_csv, export = tmp_path / "rate.csv", tmp_path / "rate.json"
+    before = success_count(server, "add_sub")
+    run = perf("-m", "add_sub", "-u", server.url, "--request-rate-range", "40:80:40", "--request-distribution",
+               "poisson", "--max-threads", "4", *FAST, "-f", str(out_csv), "--profile-export-file", str(export))
+    assert run.returncode == 0, run.stderr
+    assert success_count(server, "add_sub")[0] - before[0] == len(exported_requests(export))
+    header, rows = read_csv(out_csv)
+    assert header[0] == "Request Rate" and sorted(float(r["Request Rate"]) for r in rows) == [40, 80]
+    assert [e["experiment"]["mode"] for e in json.loads(export.read_text())["experiments"]] == ["request_rate"] * 2
+    assert "Request Rate: 40 inference requests per seconds" in run.stdout
+    assert "window" in run.stderr  # the progress line (not with -q)
+
+
+def test_sequences_get_ids_and_each_one_ends(server, tmp_path):
+    export = tmp_path / "seq.json"
+    before = success_count(server, "running_sum")
+    run = perf("-m", "running_sum", "-i", "grpc", "-u", server.grpc_url, "--sequence-length", "4",
+               "--concurrency-range", "2", *FAST, "--profile-export-file", str(export), "-q")
+    assert run.returncode == 0, run.stderr
+    sent = exported_requests(export)
+    assert success_count(server, "running_sum")[0] - before[0] == len(sent)
+    by_id: dict[int, int] = {}
+    for r in sent:
+        by_id[r["sequence_id"]] = by_id.get(r["sequence_id"], 0) + 1
+    assert 0 not in by_id and len(by_id) >= 2
+    assert max(by_id.values()) <= 5  # 4 give or take 20%
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "local"])
+def test_a_decoupled_model_streams_and_each_response_is_timed(server, tmp_path, protocol):
+    data, out_csv, export = tmp_path / "words.json", tmp_path / "words.csv", tmp_path / "words-export.json"
+    data.write_text(json.dumps({"data": [{"text_input": ["one two three four"]}, {"text_input": ["a b"]}]}))
+    run = perf("-m", "word_stream", "-i", protocol, "-u", address(server, protocol), "--input-data", str(data),
+               *FAST, "-f", str(out_csv), "--profile-export-file", str(export), "-q")
+    assert run.returncode == 0, run.stderr
+    header, rows = read_csv(out_csv)
+    assert header[-3:] == STREAM_COLUMNS
+    assert float(rows[0]["Avg Time To First Response"]) > 0 and float(rows[0]["Avg Time Between Responses"]) > 0
+    counts = {len(r["response_timestamps"]) for r in exported_requests(export)}
+    assert counts == {2, 4}, counts  # a response per word
+    assert "Avg time to first response:" in run.stdout
+
+
+def test_what_cannot_work_is_refused_with_the_reason(server):
+    run = perf("-m", "word_stream", "-u", server.url)
+    assert run.returncode == 2 and "decoupled (streaming): measure it with -i grpc or -i local" in run.stderr
+    run = perf("-m", "add_sub", "-u", server.url, "-b", "2")
+    assert run.returncode == 2 and "-b 2: the model takes batches of 1 to 1" in run.stderr
+    run = perf("-m", "add_sub", "-u", server.url, "--concurrency-range", "4:2")
+    assert run.returncode == 2 and "bad range '4:2'" in run.stderr
+    run = perf("-m", "no_such_model", "-u", server.url)
+    assert run.returncode == 2 and "no_such_model" in run.stderr
+    run = perf("-m", "add_sub", "-i", "local", "-u", server.id, "--shared-memory", "cuda")
+    assert run.returncode == 2 and "--shared-memory cuda is for http and grpc" in run.stderr
+
+
+def test_cuda_shared_memory_needs_a_gpu(server):
+    """Here (no GPU) the answer is a clear refusal; on a GPU machine, a run."""
+    from shmserve.tools.perf.shm_regions import cuda_available
+
+    run = perf("-m", "add_sub", "-u", server.url, "--shared-memory", "cuda", *FAST, "-q")
+    if cuda_available() is None:
+        assert run.returncode == 0, run.stderr
+    else:
+        assert run.returncode == 2 and "--shared-memory cuda needs a CUDA GPU on this machine" in run.stderr
+
+
+def test_help_explains_every_flag():
+    parser = build_parser()
+    text = subprocess.run([PERF, "--help"], capture_output=True, text=True, timeout=60).stdout
+    for action in parser._actions:
+        if action.option_strings:
+            assert action.help, action.option_strings
+            assert all(opt in text for opt in action.option_strings), action.option_strings
