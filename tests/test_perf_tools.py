@@ -159,3 +159,32 @@ def test_help_explains_every_flag():
         if action.option_strings:
             assert action.help, action.option_strings
             assert all(opt in text for opt in action.option_strings), action.option_strings
+
+
+def test_plots_of_one_server_and_of_two_compared(server, tmp_path):
+    from PIL import Image
+
+    png, html, both = tmp_path / "sweep.png", tmp_path / "sweep.html", tmp_path / "both.html"
+    run = perf("-m", "add_sub", "-u", server.url, "--concurrency-range", "1:2", *FAST, "--plot", str(png), "-q")
+    assert run.returncode == 0, run.stderr
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size[0] > 300
+        image.verify()
+    run = perf("-m", "add_sub", "-u", server.url, "--concurrency-range", "1:2", *FAST, "--plot", str(html), "-q")
+    assert run.returncode == 0, run.stderr
+    text = html.read_text()
+    assert text.lstrip().lower().startswith("<!doctype html>") and text.rstrip().endswith("</html>")
+    assert "Plotly.newPlot" in text  # the figure, drawn by plotly.js inside the file
+    assert '"name":"127.0.0.1' in text and "p99" in text
+    # --compare: both servers' curves on one figure
+    run = perf("-m", "add_sub", "-u", server.url, "--name", "http", "--compare", f"local=local:{server.id}",
+               "--pairs", "1", "-p", "200", "--plot", str(both), "-q")
+    assert run.returncode == 0, run.stderr
+    text = both.read_text()
+    assert '"name":"http p50"' in text and '"name":"local p50"' in text
+
+
+def test_a_plot_that_cannot_be_drawn_is_refused_before_measuring(server, tmp_path):
+    run = perf("-m", "add_sub", "-u", server.url, "--plot", str(tmp_path / "plot.svg"))
+    assert run.returncode == 2 and "must end in .png or .html" in run.stderr
+    assert not (tmp_path / "plot.svg").exists()

@@ -12,6 +12,7 @@ One request's path through the tool, file by file:
 - ``measure.py`` cuts the records into measurement windows until three agree
   (``--stability-percentage``), with the server's own statistics (``server_stats.py``) read at
   every window's edges; ``windows.py`` does the arithmetic;
+- ``compare.py`` is ``--compare``: the same plan against several servers in A B B A slices;
 - ``report.py`` prints perf_analyzer's summary and writes ``-f`` CSV and ``--profile-export-file``;
-  ``progress.py`` is the live line on stderr.
+  ``plot.py`` draws ``--plot``; ``progress.py`` is the live line on stderr.
 """

@@ -18,6 +18,7 @@ from shmserve.tools.perf.describe import ModelInfo, describe
 from shmserve.tools.perf.measure import LevelResult, Session, sweep
 from shmserve.tools.perf.plan import (DEFAULT_URLS, PROTOCOLS, Load, Measurement, Requests, Target, parse_range,
                                       parse_target)
+from shmserve.tools.perf.plot import check_plot_path
 from shmserve.tools.perf.pool import Pool, process_count
 from shmserve.tools.perf.progress import Bar, Quiet
 from shmserve.tools.perf.server_stats import StatsReader
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--percentile", type=int, help="stabilize on this latency percentile (default: the average)")
     g.add_argument("-s", "--stability-percentage", type=float, default=10.0,
                    help="the last three windows must agree within this percentage (default 10)")
+    g.add_argument("--warmup", type=int, metavar="MS",
+                   help="unmeasured load before each level's first window, and before each --compare slice "
+                        "(default 0, and 300 with --compare)")
     g.add_argument("-r", "--max-trials", type=int, default=10, help="most windows per level (default 10)")
     g.add_argument("-l", "--latency-threshold", type=float, default=0.0, metavar="MS",
                    help="stop the sweep once a level's latency passes this (default 0: no limit)")
@@ -85,8 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure this server, in alternating slices with the -u one (A B B A ...), and "
                         "print throughput and p50 ratios with their ranges (repeatable)")
     g.add_argument("--pairs", type=int, default=10, help="--compare: pairs of slices per level (default 10)")
-    g.add_argument("--compare-warmup", type=int, default=300, metavar="MS",
-                   help="--compare: unmeasured time before each slice (default 300)")
     g = p.add_argument_group("output")
     g.add_argument("-f", dest="csv", type=Path, help="write perf_analyzer's CSV here")
     g.add_argument("--verbose-csv", action="store_true", help="add the average latency columns to the CSV")
@@ -137,10 +139,14 @@ def make_load(args: argparse.Namespace) -> Load:
     return Load("concurrency", parse_range(args.concurrency_range or "1", integer=True))
 
 
-def check(args: argparse.Namespace, targets: list[Target], info: ModelInfo) -> None:
-    """Refuse up front what cannot work, with the reason."""
-    if info.decoupled and any(t.protocol == "http" for t in targets):
-        raise ValueError(f"{args.model} is decoupled (streaming): measure it with -i grpc or -i local")
+def check_flags(args: argparse.Namespace, targets: list[Target]) -> None:
+    """Refuse up front what the flags alone rule out, with the reason."""
+    if args.measurement_interval < 50 or args.max_trials < 1 or args.pairs < 1:
+        raise ValueError("needs --measurement-interval >= 50, --max-trials >= 1 and --pairs >= 1")
+    if args.plot:
+        check_plot_path(args.plot)
+    if args.shared_memory == "system" and len(targets) > 1 and any(t.protocol == "grpc" for t in targets):
+        raise ValueError("--compare with --shared-memory system is for http and local servers")
     if args.shared_memory == "cuda":
         if any(t.protocol == "local" for t in targets):
             raise ValueError("--shared-memory cuda is for http and grpc; the local client takes system")
@@ -148,8 +154,6 @@ def check(args: argparse.Namespace, targets: list[Target], info: ModelInfo) -> N
         if reason:
             raise ValueError(f"--shared-memory cuda needs a CUDA GPU on this machine and tritonclient's CUDA "
                              f"support (cuda-python); here: {reason}")
-    if args.measurement_interval < 50 or args.max_trials < 1 or args.pairs < 1:
-        raise ValueError("needs --measurement-interval >= 50, --max-trials >= 1 and --pairs >= 1")
 
 
 @dataclass(frozen=True)
@@ -166,9 +170,12 @@ def prepare(args: argparse.Namespace) -> Prepared:
     """Everything a run needs, from the flags and the model's description; ValueError (bad
     flags), RuntimeError (model not ready) or the client's error (server unreachable)."""
     targets = make_targets(args)
+    check_flags(args, targets)
     info = describe(targets[0], args.model, args.version)
-    check(args, targets, info)
-    meas = Measurement(args.measurement_interval, args.percentile, args.stability_percentage, args.max_trials)
+    if info.decoupled and any(t.protocol == "http" for t in targets):
+        raise ValueError(f"{args.model} is decoupled (streaming): measure it with -i grpc or -i local")
+    warmup = args.warmup if args.warmup is not None else (300 if args.compare else 0)
+    meas = Measurement(args.measurement_interval, args.percentile, args.stability_percentage, args.max_trials, warmup)
     return Prepared(targets, make_requests(args, info), make_load(args), meas)
 
 
@@ -177,6 +184,18 @@ def measure(argv: list[str], progress: Any = None) -> list[LevelResult]:
     analyzer, the benchmarks): the flags as on the command line, the results per level."""
     args = build_parser().parse_args(argv)
     return run(args, prepare(args), progress or Quiet(), lambda result: None)[0]
+
+
+def fixed_window(flags: list[str], clients: int, seconds: float, warmup_s: float) -> dict[str, Any]:
+    """One window of ``seconds`` at ``clients`` concurrent requests after ``warmup_s`` unmeasured
+    (``flags`` name the model and server): the row the benchmark tools print."""
+    [result] = measure([*flags, "--concurrency-range", str(clients), "-p", str(int(seconds * 1000)), "-r", "1",
+                        "--warmup", str(int(warmup_s * 1000))])
+    f = result.figures
+    errors = [r.error for r in result.records if r.error]
+    return {"clients": clients, "requests": f.requests, "throughput_rps": round(f.requests / f.duration_s, 1),
+            "p50_us": round(f.p50_us, 1), "p99_us": round(f.p99_us, 1), "errors": len(errors),
+            "first_error": errors[0] if errors else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         progress.close()
     print(report.closing_text(results, meas))
+    if "compare" in extra:
+        from shmserve.tools.perf.compare import compare_text
+
+        print(compare_text(extra, req.model))
     write_outputs(args, results, req, extra)
     failed = [x.error for r in results for x in r.records if x.error]
     if failed:
@@ -223,7 +246,7 @@ def run(args: argparse.Namespace, prepared: Prepared, progress: Any, report_leve
         if args.compare:
             from shmserve.tools.perf.compare import compare
 
-            return compare(session, args.pairs, args.compare_warmup / 1000, report_level)
+            return compare(session, args.pairs, report_level)
         return sweep(session, 0, args.latency_threshold, report_level), {}
     finally:
         pool.close()

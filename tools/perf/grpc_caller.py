@@ -7,11 +7,9 @@ import queue
 import time
 from typing import Any
 
-import numpy as np
-
-from shmserve.tools.perf.http_caller import Seq, output_size
+from shmserve.tools.perf.http_caller import Seq, prebuilt_inputs, prebuilt_outputs
 from shmserve.tools.perf.plan import Requests, Target
-from shmserve.tools.perf.shm_regions import Regions, byte_size
+from shmserve.tools.perf.shm_regions import Regions
 
 
 class GrpcCaller:
@@ -26,36 +24,14 @@ class GrpcCaller:
         self.responses: queue.Queue = queue.Queue()
         self.sent = 0
         try:
-            self.outputs = self._outputs(grpcclient)
-            self.requests = [self._inputs(grpcclient, i, entry) for i, entry in enumerate(req.entries())]
+            self.outputs = prebuilt_outputs(grpcclient, req, self.regions)
+            self.requests = [prebuilt_inputs(grpcclient, req, self.regions, i, entry)
+                             for i, entry in enumerate(req.entries())]
             if req.decoupled:
                 self.client.start_stream(callback=self._arrived)
         except Exception:
             self.close()
             raise
-
-    def _inputs(self, grpcclient: Any, index: int, entry: dict[str, np.ndarray]) -> list[Any]:
-        inputs = []
-        for spec in self.req.inputs:
-            array = entry[spec.name]
-            inp = grpcclient.InferInput(spec.name, list(array.shape), spec.datatype)
-            if self.regions is None:
-                inp.set_data_from_numpy(array)
-            else:
-                size = byte_size(array)
-                inp.set_shared_memory(self.regions.add(f"in{index}_{spec.name}", size, array), size)
-            inputs.append(inp)
-        return inputs
-
-    def _outputs(self, grpcclient: Any) -> list[Any]:
-        outputs = []
-        for spec in self.req.outputs:
-            out = grpcclient.InferRequestedOutput(spec.name)
-            if self.regions is not None:
-                size = output_size(spec, self.req.output_shm_size)
-                out.set_shared_memory(self.regions.add(f"out_{spec.name}", size), size)
-            outputs.append(out)
-        return outputs
 
     def _arrived(self, result: Any, error: Any) -> None:
         self.responses.put((time.monotonic_ns(), result, error))

@@ -22,6 +22,35 @@ def output_size(spec: TensorSpec, default: int) -> int:
     return int(np.prod(spec.shape, dtype=np.int64)) * DTYPES[spec.datatype].itemsize
 
 
+def prebuilt_inputs(module: Any, req: Requests, regions: Regions | None, index: int,
+                    entry: dict[str, np.ndarray], **data_options: Any) -> list[Any]:
+    """Data entry ``index`` as tritonclient InferInputs of ``module`` (tritonclient.http or
+    .grpc): in the message, or in regions written once."""
+    inputs = []
+    for spec in req.inputs:
+        array = entry[spec.name]
+        inp = module.InferInput(spec.name, list(array.shape), spec.datatype)
+        if regions is None:
+            inp.set_data_from_numpy(array, **data_options)
+        else:
+            size = byte_size(array)
+            inp.set_shared_memory(regions.add(f"in{index}_{spec.name}", size, array), size)
+        inputs.append(inp)
+    return inputs
+
+
+def prebuilt_outputs(module: Any, req: Requests, regions: Regions | None, **options: Any) -> list[Any]:
+    """The outputs asked for, each into a region of its own when there are regions."""
+    outputs = []
+    for spec in req.outputs:
+        out = module.InferRequestedOutput(spec.name, **options)
+        if regions is not None:
+            size = output_size(spec, req.output_shm_size)
+            out.set_shared_memory(regions.add(f"out_{spec.name}", size), size)
+        outputs.append(out)
+    return outputs
+
+
 class HttpCaller:
     """Prebuilt requests (one per data entry) on one tritonclient HTTP connection."""
 
@@ -33,34 +62,12 @@ class HttpCaller:
                                                        network_timeout=req.timeout_s)
         self.regions = Regions(self.client, req.shared_memory, tag) if req.shared_memory != "none" else None
         try:
-            self.outputs = self._outputs(httpclient)
-            self.requests = [self._inputs(httpclient, i, entry) for i, entry in enumerate(req.entries())]
+            self.outputs = prebuilt_outputs(httpclient, req, self.regions, binary_data=True)
+            self.requests = [prebuilt_inputs(httpclient, req, self.regions, i, entry, binary_data=True)
+                             for i, entry in enumerate(req.entries())]
         except Exception:
             self.close()
             raise
-
-    def _inputs(self, httpclient: Any, index: int, entry: dict[str, np.ndarray]) -> list[Any]:
-        inputs = []
-        for spec in self.req.inputs:
-            array = entry[spec.name]
-            inp = httpclient.InferInput(spec.name, list(array.shape), spec.datatype)
-            if self.regions is None:
-                inp.set_data_from_numpy(array, binary_data=True)
-            else:
-                size = byte_size(array)
-                inp.set_shared_memory(self.regions.add(f"in{index}_{spec.name}", size, array), size)
-            inputs.append(inp)
-        return inputs
-
-    def _outputs(self, httpclient: Any) -> list[Any]:
-        outputs = []
-        for spec in self.req.outputs:
-            out = httpclient.InferRequestedOutput(spec.name, binary_data=True)
-            if self.regions is not None:
-                size = output_size(spec, self.req.output_shm_size)
-                out.set_shared_memory(self.regions.add(f"out_{spec.name}", size), size)
-            outputs.append(out)
-        return outputs
 
     def call(self, entry: int, seq: Seq) -> list[int]:
         """One request; the time its answer came (monotonic ns)."""

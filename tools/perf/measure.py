@@ -77,6 +77,7 @@ def measure_level(session: Session, target: int, level: float) -> LevelResult:
     """Windows until stable (or the trials run out) at ``level`` on ``targets[target]``."""
     meas = session.measurement
     session.pool.start(jobs(session.load, level, target, session.processes))
+    time.sleep(meas.warmup_ms / 1000)
     edges = [read_edge(session, target)]
     kept: list[Record] = []
     pending: list[Record] = []
@@ -90,7 +91,7 @@ def measure_level(session: Session, target: int, level: float) -> LevelResult:
             time.sleep(GRACE_S)
             new = session.pool.collect()
             kept.extend(new)
-            done, pending = completed_by(pending + new, edges[-1].at)
+            done, pending = completed_by(pending + new, edges[-2].at, edges[-1].at)
             in_windows.append(done)
             windows.append(window_figures(session, done, edges[-2], edges[-1]))
             session.progress.window(session.targets[target].name, level, trial + 1, windows[-1])

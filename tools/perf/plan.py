@@ -93,12 +93,13 @@ class Load:
 class Measurement:
     """perf_analyzer's stabilization: windows of ``interval_ms`` until the last three agree
     within ``stability_pct`` in throughput and latency (``percentile``, or the average), at most
-    ``max_trials`` windows."""
+    ``max_trials`` windows, after ``warmup_ms`` of unmeasured load."""
 
     interval_ms: int = 5000
     percentile: int | None = None
     stability_pct: float = 10.0
     max_trials: int = 10
+    warmup_ms: int = 0
 
 
 @dataclass(frozen=True)

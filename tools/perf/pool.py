@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -53,7 +54,8 @@ def jobs(load: Load, level: float, target: int, processes: int) -> list[Job]:
 
 
 class Pool:
-    """``processes`` client processes holding callers to every target."""
+    """``processes`` client processes holding callers to every target. A thread of the parent
+    reads what they send as it comes (a pipe left unread would hold their records back)."""
 
     def __init__(self, targets: list[Target], req: Requests, processes: int) -> None:
         ctx = mp.get_context("spawn")
@@ -66,8 +68,28 @@ class Pool:
                       for i in range(processes)]
         for p in self.procs:
             p.start()
+        self.lock = threading.Lock()
         self.inbox: list[Record] = []
+        self.events: queue.Queue = queue.Queue()  # ("ready" | "stopped" | "error", process, ...)
+        self.failure: str | None = None
         self.usage: dict[int, ClientUsage] = {}
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            message = self.results.get()
+            if message[0] == "closed":
+                return
+            if message[0] == "records":
+                with self.lock:
+                    self.inbox.extend(Record(*r) for r in message[2])
+                continue
+            if message[0] == "error":
+                self.failure = message[2]
+            elif message[0] == "stopped":
+                self.usage[message[1]] = ClientUsage(*message[2:])
+            self.events.put(message)
 
     def start(self, work: list[Job]) -> None:
         """Hand out a job each, and wait until every process given one is sending."""
@@ -78,8 +100,10 @@ class Pool:
 
     def collect(self) -> list[Record]:
         """The records that arrived since the last call."""
-        self._drain(block_s=0.0)
-        got, self.inbox = self.inbox, []
+        if self.failure is not None:
+            raise RuntimeError(f"a client failed: {self.failure}")
+        with self.lock:
+            got, self.inbox = self.inbox, []
         return got
 
     def stop(self, timeout_s: float) -> list[ClientUsage]:
@@ -96,28 +120,18 @@ class Pool:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"client process(es) {sorted(pending)} stopped answering (did they die?)")
-            for message in self._drain(block_s=min(left, 1.0)):
-                if message[0] == kind:
-                    pending.discard(message[1])
-            if not all(p.is_alive() for p in self.procs):
-                self._drain(block_s=1.0)  # its last words (an error) come before its exit
-                raise RuntimeError("a client process died")
-
-    def _drain(self, block_s: float) -> list[tuple]:
-        """Read what the processes sent: records go to the inbox, errors stop the run."""
-        messages = []
-        while True:
             try:
-                message = self.results.get(timeout=block_s) if block_s and not messages else self.results.get_nowait()
+                message = self.events.get(timeout=min(left, 1.0))
             except queue.Empty:
-                return messages
-            if message[0] == "records":
-                self.inbox.extend(Record(*r) for r in message[2])
-            elif message[0] == "error":
-                raise RuntimeError(f"a client failed: {message[2]}")
-            elif message[0] == "stopped":
-                self.usage[message[1]] = ClientUsage(*message[2:])
-            messages.append(message)
+                if not all(p.is_alive() for p in self.procs):
+                    time.sleep(1.0)  # its last words (an error) come before its exit
+                    if self.failure is None:
+                        raise RuntimeError("a client process died") from None
+                message = ("",)
+            if self.failure is not None:
+                raise RuntimeError(f"a client failed: {self.failure}")
+            if message[0] == kind:
+                pending.discard(message[1])
 
     def close(self) -> None:
         for q in self.commands:
@@ -127,4 +141,6 @@ class Pool:
             if p.is_alive():
                 p.kill()
                 p.join()
+        self.results.put(("closed",))
+        self.reader.join(10)
         remove_leftovers(self.run_id)

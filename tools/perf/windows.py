@@ -99,7 +99,8 @@ def server_sum(parts: list[Counters | None]) -> Counters | None:
     return total
 
 
-def completed_by(pending: list[Record], end_ns: int) -> tuple[list[Record], list[Record]]:
-    """Split ``pending`` into the requests done before ``end_ns`` and the rest."""
-    done = [r for r in pending if r.end < end_ns]
+def completed_by(pending: list[Record], start_ns: int, end_ns: int) -> tuple[list[Record], list[Record]]:
+    """The requests of ``pending`` done within [start_ns, end_ns), and those not done yet (those
+    done before ``start_ns``, in a warm-up, are in neither)."""
+    done = [r for r in pending if start_ns <= r.end < end_ns]
     return done, [r for r in pending if r.end >= end_ns]
