@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -188,3 +189,116 @@ def test_a_plot_that_cannot_be_drawn_is_refused_before_measuring(server, tmp_pat
     run = perf("-m", "add_sub", "-u", server.url, "--plot", str(tmp_path / "plot.svg"))
     assert run.returncode == 2 and "must end in .png or .html" in run.stderr
     assert not (tmp_path / "plot.svg").exists()
+
+
+# -- shmserve-analyzer -----------------------------------------------------------------------------
+
+ANALYZER = str(Path(PYTHON).parent / "shmserve-analyzer")
+
+TINY_MLP_CONFIG = """name: "tiny_mlp"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+TINY_MLP = '''import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+W = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.004)  # a fixed cost per execution, as a kernel launch has: a batch shares it
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", np.maximum(x @ W, 0))]))
+        return responses
+'''
+
+
+def tiny_mlp(root: Path) -> Path:
+    """A small MLP that batches (max_batch_size 8) but, as written, has no dynamic batcher."""
+    (root / "tiny_mlp" / "1").mkdir(parents=True)
+    (root / "tiny_mlp" / "config.pbtxt").write_text(TINY_MLP_CONFIG)
+    (root / "tiny_mlp" / "1" / "model.py").write_text(TINY_MLP)
+    return root
+
+
+def test_the_analyzer_finds_a_better_config_and_writes_one_that_loads(server_factory, tmp_path):
+    repo, out = tiny_mlp(tmp_path / "repo"), tmp_path / "report"
+    before = (repo / "tiny_mlp" / "config.pbtxt").read_text()
+    run = subprocess.run(
+        [ANALYZER, "--model-repository", str(repo), "-m", "tiny_mlp", "--run-config-search-mode", "brute",
+         "--run-config-search-max-instance-count", "1", "--run-config-search-min-model-batch-size", "8",
+         "--run-config-search-max-model-batch-size", "8", "--run-config-search-max-preferred-batch-size", "1",
+         "--queue-delays", "0", "--run-config-search-max-concurrency", "8", "-p", "300", "-r", "3",
+         "--perf-args", "-s 1000", "-e", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (repo / "tiny_mlp" / "config.pbtxt").read_text() == before  # the user's repository is untouched
+    with (out / "results.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    best = {r["config"]: float(r["inferences_per_second"]) for r in rows if r["chosen"] == "yes"}
+    default = max(float(r["inferences_per_second"]) for r in rows if r["config"] == "default")
+    assert list(best) == ["instances1_batch8_delay0us"], rows
+    assert best["instances1_batch8_delay0us"] > default  # the dynamic batcher shares the 4 ms per execution
+    assert {r["concurrency"] for r in rows} == {"1", "2", "4", "8"}
+    assert all(float(r["memory_mb"]) > 0 for r in rows)
+    lines = run.stdout.splitlines()
+    assert lines[lines.index(next(x for x in lines if x.startswith("Top 2 of 2"))) + 1].startswith(
+        "1. instances1_batch8_delay0us: ")
+    report_html = (out / "report.html").read_text()
+    assert report_html.startswith("<!doctype html>") and report_html.count("Plotly.newPlot") == 2
+    assert "instances1_batch8_delay0us (chosen)" in report_html
+    assert (out / "logs" / "default.log").is_file()
+    # The config it wrote loads, with the dynamic batcher on.
+    (repo / "tiny_mlp" / "config.pbtxt").write_text((out / "config.pbtxt").read_text())
+    served = server_factory.start([repo])
+    client = served.client()
+    try:
+        assert client.is_model_ready("tiny_mlp")
+        assert "dynamic_batching" in client.get_model_config("tiny_mlp")
+    finally:
+        client.close()
+
+
+def test_the_quick_search_climbs_to_the_best_neighbour():
+    from shmserve.tools.analyzer.space import Bounds, Candidate, brute, quick
+
+    bounds = Bounds(instances=(1, 2, 3), batch_sizes=(1, 2, 4, 8), delays_us=(0, 500), max_preferred=1)
+    assert len(list(brute(bounds))) == 3 * 4 * 2
+    tried: list[Candidate] = []
+
+    def landscape(c: Candidate) -> float:  # best at 2 instances, batch 4, delay 500
+        return -abs(c.instances - 2) - abs(c.max_batch_size - 4) - (0 if c.queue_delay_us == 500 else 1)
+
+    def score(c: Candidate) -> float:
+        tried.append(c)
+        return landscape(c)
+
+    quick(bounds, score)
+    assert max(tried, key=landscape) == Candidate(2, 4, (), 500)
+    assert len(tried) < len(list(brute(bounds)))  # it did not try everything
+
+
+def test_the_analyzer_says_what_it_needs(tmp_path):
+    repo = tiny_mlp(tmp_path / "repo")
+    run = subprocess.run([ANALYZER, "--model-repository", str(repo), "-m", "tiny_mlp", "--triton"],
+                         capture_output=True, text=True, timeout=60)
+    if shutil.which("tritonserver") is None:
+        assert run.returncode == 2 and "tritonserver, and there is none on PATH" in run.stderr
+    run = subprocess.run([ANALYZER, "--model-repository", str(repo), "-m", "missing"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "has no config.pbtxt" in run.stderr
+    text = subprocess.run([ANALYZER, "--help"], capture_output=True, text=True, timeout=60).stdout
+    from shmserve.tools.analyzer.cli import build_parser as analyzer_parser
+
+    for action in analyzer_parser()._actions:
+        if action.option_strings:
+            assert action.help and all(opt in text for opt in action.option_strings), action.option_strings

@@ -62,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "their time to first response and between responses is reported")
     g = p.add_argument_group("load")
     g.add_argument("--concurrency-range", default=None, metavar="START:END:STEP",
-                   help="closed loops: this many requests in flight, from START to END (default 1)")
+                   help="closed loops: this many requests in flight, from START to END (default 1); or a "
+                        "comma list of levels")
     g.add_argument("--request-rate-range", default=None, metavar="START:END:STEP",
-                   help="open loop: requests per second, from START to END, sent on time whatever the answers")
+                   help="open loop: requests per second, from START to END (or a comma list), sent on time "
+                        "whatever the answers")
     g.add_argument("--request-distribution", choices=("constant", "poisson"), default="constant",
                    help="intervals of the open loop: even, or Poisson (exponential gaps)")
     g.add_argument("--max-threads", type=int, default=16,

@@ -52,11 +52,20 @@ def require_loopback(address: str) -> None:
 
 
 def parse_range(text: str, integer: bool) -> tuple[float, ...]:
-    """perf_analyzer's ``START[:END[:STEP]]`` to the levels it names, END included."""
+    """perf_analyzer's ``START[:END[:STEP]]`` to the levels it names, END included; or the
+    levels themselves, ``A,B,C`` (1,2,4,8 is no single step)."""
+    num = int if integer else float
+    if "," in text:
+        try:
+            levels = tuple(num(v) for v in text.split(","))
+        except ValueError:
+            raise ValueError(f"bad levels {text!r}: expected numbers, comma-separated") from None
+        if min(levels) <= 0:
+            raise ValueError(f"bad levels {text!r}: each must be above 0")
+        return levels
     parts = text.split(":")
     if not 1 <= len(parts) <= 3 or not all(parts):
         raise ValueError(f"bad range {text!r}: expected START[:END[:STEP]]")
-    num = int if integer else float
     start = num(parts[0])
     end = num(parts[1]) if len(parts) > 1 else start
     step = num(parts[2]) if len(parts) > 2 else num(1)
