@@ -302,3 +302,31 @@ def test_the_analyzer_says_what_it_needs(tmp_path):
     for action in analyzer_parser()._actions:
         if action.option_strings:
             assert action.help and all(opt in text for opt in action.option_strings), action.option_strings
+
+
+def test_input_data_in_perf_analyzers_json_format(tmp_path):
+    """Flat lists, base64 (little-endian) and content with a shape; a stream per sequence; -b
+    repeats each entry along the batch."""
+    import base64
+
+    import numpy as np
+
+    from shmserve.tools.perf.inputs import from_json
+    from shmserve.tools.perf.plan import TensorSpec
+
+    specs = (TensorSpec("A", "INT32", (2, 4)), TensorSpec("B", "FP32", (2, 4)), TensorSpec("S", "BYTES", (2, 1)))
+    path = tmp_path / "data.json"
+    raw = base64.b64encode(np.array([1, 2, 3, 4], dtype="<f4").tobytes()).decode()
+    path.write_text(json.dumps({"data": [
+        [{"A": [1, 2, 3, 4], "B": {"b64": raw}, "S": ["x"]},
+         {"A": {"content": [5, 6, 7, 8], "shape": [4]}, "B": [0, 0, 0, 0], "S": ["y z"]}],
+        [{"A": [9, 9, 9, 9], "B": [1, 1, 1, 1], "S": ["w"]}]]}))
+    streams = from_json(path, specs, batch=2, batched=True)
+    assert [len(s) for s in streams] == [2, 1]
+    first, second = streams[0]
+    assert first["A"].shape == (2, 4) and (first["A"][1] == [1, 2, 3, 4]).all() and first["A"].dtype == np.int32
+    assert (first["B"][0] == [1, 2, 3, 4]).all() and first["B"].dtype == np.float32
+    assert second["S"].tolist() == [[b"y z"], [b"y z"]]
+    path.write_text(json.dumps({"data": [{"A": [1, 2, 3], "B": [0, 0, 0, 0], "S": ["x"]}]}))
+    with pytest.raises(ValueError, match="input A: 3 values where shape \\[4\\] needs 4"):
+        from_json(path, specs, batch=2, batched=True)

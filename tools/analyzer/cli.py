@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shmserve-perf's measurement window (default 2000)")
     g.add_argument("-r", "--max-trials", type=int, default=5, help="shmserve-perf's most windows per level (default 5)")
     g.add_argument("--perf-args", default="", metavar="'FLAGS'",
-                   help="more shmserve-perf flags for every sweep, e.g. '--shape INPUT0:16 -b 2' (see shmserve-perf -h)")
+                   help="more shmserve-perf flags for every sweep, e.g. '--shape INPUT0:16 -b 2' "
+                        "(see shmserve-perf -h)")
     g.add_argument("--triton", action="store_true",
                    help="serve each configuration with tritonserver instead of shmserve (needs tritonserver on PATH)")
     g = p.add_argument_group("output")

@@ -39,7 +39,8 @@ def write_csv(path: Path, outcomes: list[Outcome], best: Outcome | None, goal: G
                 f, s = lv.figures, lv.figures.server
                 out.writerow([o.name, *knobs(o), f"{lv.level:g}", round(f.throughput, 2),
                               *(round(getattr(f, f"p{q}_us") / 1000, 3) for q in (50, 90, 95, 99)),
-                              round(s.average_us("queue")) if s else "", round(s.average_us("compute_infer")) if s else "",
+                              round(s.average_us("queue")) if s else "",
+                              round(s.average_us("compute_infer")) if s else "",
                               _mb(o.memory_mb), "yes" if goal.meets(lv) else "",
                               "yes" if o is best and lv is o.chosen else "", ""])
 

@@ -47,8 +47,8 @@ class Goal:
 
     def meets(self, level: LevelResult) -> bool:
         f = level.figures
-        return bool(f.requests) and (self.latency_budget_ms is None or self.latency_ms(level) <= self.latency_budget_ms) \
-            and (self.min_throughput is None or f.throughput >= self.min_throughput)
+        within = self.latency_budget_ms is None or self.latency_ms(level) <= self.latency_budget_ms
+        return bool(f.requests) and within and (self.min_throughput is None or f.throughput >= self.min_throughput)
 
     def pick(self, levels: list[LevelResult]) -> tuple[LevelResult | None, float | None]:
         """The level that meets the goal best, and the configuration's score (higher is better)."""
@@ -106,8 +106,8 @@ def evaluate(setup: Setup, name: str, candidate: Candidate | None, config: Model
     try:
         levels = measure(["-m", setup.model_dir.name, "-u", server.url, *setup.perf_flags], progress)
         memory = _memory_mb(server.tree())
-    except (RuntimeError, ValueError) as exc:
-        return Outcome(name, candidate, text, [], None, None, None, str(exc))
+    except Exception as exc:  # noqa: BLE001 - this configuration failed; the search goes on
+        return Outcome(name, candidate, text, [], None, None, None, f"{type(exc).__name__}: {exc}")
     finally:
         server.stop()
     chosen, score = goal.pick(levels)

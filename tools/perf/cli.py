@@ -24,6 +24,8 @@ from shmserve.tools.perf.progress import Bar, Quiet
 from shmserve.tools.perf.server_stats import StatsReader
 from shmserve.tools.perf.shm_regions import cuda_available
 
+LEVEL_HEADING_SHORT = {"concurrency": "concurrency", "request_rate": "rate"}  # the progress line's word
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shmserve-perf", description=__doc__,
@@ -254,9 +256,6 @@ def run(args: argparse.Namespace, prepared: Prepared, progress: Any, report_leve
         pool.close()
         for r in readers:
             r.close()
-
-
-LEVEL_HEADING_SHORT = {"concurrency": "concurrency", "request_rate": "rate"}
 
 
 def _print_level(result: LevelResult) -> None:

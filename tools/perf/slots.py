@@ -189,7 +189,8 @@ def client_main(index: int, targets: list[Target], req: Requests, run_id: str, c
                 if (job.target, s) not in slots:
                     slots[job.target, s] = SlotThread(targets[job.target], req, f"{run_id}_{index}_{s}_{job.target}")
             results.put(("ready", index))
-            _run_job(index, job, [slots[job.target, s] for s in range(job.slots)], req, (commands, results))
+            if _run_job(index, job, [slots[job.target, s] for s in range(job.slots)], req, (commands, results)):
+                return
     except Exception as exc:  # noqa: BLE001 - the parent stops the run with this message
         results.put(("error", index, f"{type(exc).__name__}: {exc}"))
     finally:
@@ -197,9 +198,10 @@ def client_main(index: int, targets: list[Target], req: Requests, run_id: str, c
             slot.close()
 
 
-def _run_job(index: int, job: Job, slots: list[SlotThread], req: Requests, pipes: tuple[Any, Any]) -> None:
-    """Run the loops until the parent says "stop"; then the process's CPU time and waits for a
-    core over the job, and its count of requests."""
+def _run_job(index: int, job: Job, slots: list[SlotThread], req: Requests, pipes: tuple[Any, Any]) -> bool:
+    """Run the loops until the parent says "stop" (or None: the run ends, and so does the
+    process); then the process's CPU time and waits for a core over the job, and its count of
+    requests. True when the process is to end."""
     commands, results = pipes
     stop, out = threading.Event(), []
     share = job.rate / job.total_slots * job.slots if job.rate else 0.0
@@ -207,14 +209,14 @@ def _run_job(index: int, job: Job, slots: list[SlotThread], req: Requests, pipes
     usage0, cpu0 = proc_cpu.usage([os.getpid()]), time.process_time()
     for s, slot in enumerate(slots):
         slot.work.put((Sequencer(req, job.first_slot + s, job.total_slots), schedule, stop, out))
-    sent = 0
+    sent, parent = 0, os.getppid()
     while True:
         try:
             command = commands.get(timeout=FLUSH_S)
         except queue.Empty:
-            command = None
+            command = None if os.getppid() != parent else ""  # a parent gone (killed) ends the run
         sent += _flush(index, out, results)
-        if command == "stop":
+        if command in ("stop", None):
             break
     stop.set()
     for slot in slots:
@@ -222,6 +224,7 @@ def _run_job(index: int, job: Job, slots: list[SlotThread], req: Requests, pipes
     sent += _flush(index, out, results)
     waited = proc_cpu.usage([os.getpid()]).waited_us - usage0.waited_us
     results.put(("stopped", index, (time.process_time() - cpu0) * 1e6, waited, sent))
+    return command is None
 
 
 def _flush(index: int, out: list[Record], results: Any) -> int:
