@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from shmserve.tools import batch_size
+from shmserve.tools.harness import ServerProcess, gpu_memory_mib
 from shmserve.tools.perf.cli import fixed_window
-from shmserve.tools.harness import ServerProcess
 
 MAX_BATCH = 32
 SHAPE = (3, 224, 224)
@@ -115,18 +114,10 @@ def local_row(server: ServerProcess, model: str, args: argparse.Namespace) -> di
 
 def gpu_memory(worker_pids: list[int]) -> dict[str, Any]:
     """nvidia-smi's per-process memory, the server's workers picked out by pid."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        return {"error": f"nvidia-smi: {exc}", "worker_pids": worker_pids}
-    apps = {}
-    for line in out.strip().splitlines():
-        pid, _, mib = line.partition(",")
-        if pid.strip().isdigit():
-            apps[int(pid)] = int(mib.strip()) if mib.strip().isdigit() else mib.strip()
-    return {"worker_pids": worker_pids, "per_instance_mib": {str(p): apps[p] for p in worker_pids if p in apps},
-            "all_compute_apps_mib": {str(p): m for p, m in apps.items()}}
+    mib = gpu_memory_mib(worker_pids)
+    if mib is None:
+        return {"error": "nvidia-smi did not answer", "worker_pids": worker_pids}
+    return {"worker_pids": worker_pids, "per_instance_mib": {str(p): m for p, m in mib.items()}}
 
 
 # ---------------------------------------------------------------- the floor

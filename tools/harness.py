@@ -85,6 +85,21 @@ def memory_kb(pid: int) -> dict[str, int]:
     return out
 
 
+def gpu_memory_mib(pids: list[int]) -> dict[int, int] | None:
+    """GPU memory (MiB) nvidia-smi sees each of ``pids`` hold; None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    wanted, found = set(pids), {}
+    for line in out.strip().splitlines():
+        pid, _, mib = (part.strip() for part in line.partition(","))
+        if pid.isdigit() and int(pid) in wanted and mib.isdigit():
+            found[int(pid)] = found.get(int(pid), 0) + int(mib)
+    return found
+
+
 class ServerProcess:
     """``python -m shmserve`` on free loopback ports with a unique id, ready when constructed."""
 

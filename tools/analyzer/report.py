@@ -13,7 +13,7 @@ from shmserve.tools.analyzer.runner import Goal, Outcome
 
 COLUMNS = ["config", "instances", "max_batch_size", "preferred_batch_size", "max_queue_delay_us", "concurrency",
            "inferences_per_second", "p50_ms", "p90_ms", "p95_ms", "p99_ms", "server_queue_us",
-           "server_compute_infer_us", "memory_mb", "meets_goal", "chosen", "error"]
+           "server_compute_infer_us", "memory_mb", "gpu_memory_mb", "meets_goal", "chosen", "error"]
 
 
 def ranked(outcomes: list[Outcome]) -> list[Outcome]:
@@ -34,14 +34,14 @@ def write_csv(path: Path, outcomes: list[Outcome], best: Outcome | None, goal: G
         out.writerow(COLUMNS)
         for o in ranked(outcomes):
             if o.error:
-                out.writerow([o.name, *knobs(o), "", "", "", "", "", "", "", "", "", "", "", "", o.error])
+                out.writerow([o.name, *knobs(o), *[""] * 12, o.error])
             for lv in o.levels:
                 f, s = lv.figures, lv.figures.server
                 out.writerow([o.name, *knobs(o), f"{lv.level:g}", round(f.throughput, 2),
                               *(round(getattr(f, f"p{q}_us") / 1000, 3) for q in (50, 90, 95, 99)),
                               round(s.average_us("queue")) if s else "",
                               round(s.average_us("compute_infer")) if s else "",
-                              _mb(o.memory_mb), "yes" if goal.meets(lv) else "",
+                              _mb(o.memory_mb), _mb(o.gpu_memory_mb), "yes" if goal.meets(lv) else "",
                               "yes" if o is best and lv is o.chosen else "", ""])
 
 
@@ -56,7 +56,7 @@ def summary_line(rank: int, o: Outcome, goal: Goal) -> str:
     f = o.chosen.figures
     return (f"{rank}. {o.name}: {f.throughput:,.1f} infer/s at concurrency {o.chosen.level:g}, "
             f"p{goal.percentile} {goal.latency_ms(o.chosen):.2f} ms, p50 {f.p50_us / 1000:.2f} ms, "
-            f"memory {_mb(o.memory_mb)} MB")
+            f"memory {_mb(o.memory_mb)} MB" + (f", GPU {_mb(o.gpu_memory_mb)} MB" if o.gpu_memory_mb else ""))
 
 
 def write_html(path: Path, outcomes: list[Outcome], best: Outcome | None, goal: Goal, title: str) -> None:
@@ -105,9 +105,12 @@ def _plots(outcomes: list[Outcome], best: Outcome | None, goal: Goal) -> str:
     curves.update_layout(title="Throughput against latency, per configuration", template="plotly_white",
                          xaxis_title="throughput (inferences/s)", yaxis_title=f"p{goal.percentile} latency (ms)")
     measured = [o for o in ranked(outcomes) if o.memory_mb is not None]
-    memory = go.Figure(go.Bar(x=[o.name for o in measured], y=[o.memory_mb for o in measured],
+    memory = go.Figure(go.Bar(x=[o.name for o in measured], y=[o.memory_mb for o in measured], name="CPU (PSS)",
                               marker_color=["#d62728" if o is best else "#1f77b4" for o in measured]))
-    memory.update_layout(title="Memory of the server's processes (PSS, from /proc), per configuration",
-                         template="plotly_white", yaxis_title="MB")
+    if any(o.gpu_memory_mb is not None for o in measured):
+        memory.add_trace(go.Bar(x=[o.name for o in measured], y=[o.gpu_memory_mb or 0 for o in measured], name="GPU",
+                                marker_color="#2ca02c"))
+    memory.update_layout(title="Memory of the server's processes per configuration: CPU (PSS, from /proc), and "
+                         "GPU (nvidia-smi) where there is one", template="plotly_white", yaxis_title="MB")
     return (curves.to_html(full_html=False, include_plotlyjs=True)
             + memory.to_html(full_html=False, include_plotlyjs=False))

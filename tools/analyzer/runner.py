@@ -1,6 +1,7 @@
 """One configuration tried: written into a temporary repository, served by a server of its own
 (shmserve, or tritonserver with ``--triton``), measured by shmserve-perf's internals over the
-concurrency sweep, its memory read from /proc, and the server stopped. The goal (a latency budget
+concurrency sweep, its memory read from /proc (and nvidia-smi, where there is one), and the
+server stopped. The goal (a latency budget
 or a throughput to reach) turns the sweep into the configuration's score."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 from shmserve.server.broker.config import ModelConfig
 from shmserve.tools.analyzer.configs import config_text, write_repository
 from shmserve.tools.analyzer.space import Candidate
-from shmserve.tools.harness import ServerProcess, free_port, memory_kb
+from shmserve.tools.harness import ServerProcess, free_port, gpu_memory_mib, memory_kb
 from shmserve.tools.perf.cli import measure
 from shmserve.tools.perf.measure import LevelResult
 
@@ -79,6 +80,7 @@ class Outcome:
     score: float | None
     memory_mb: float | None
     error: str | None = None
+    gpu_memory_mb: float | None = None  # where nvidia-smi answers
 
 
 @dataclass(frozen=True)
@@ -105,13 +107,14 @@ def evaluate(setup: Setup, name: str, candidate: Candidate | None, config: Model
         return Outcome(name, candidate, text, [], None, None, None, f"the server did not start: {exc}")
     try:
         levels = measure(["-m", setup.model_dir.name, "-u", server.url, *setup.perf_flags], progress)
-        memory = _memory_mb(server.tree())
+        memory, gpu = _memory_mb(server.tree()), gpu_memory_mib(server.tree())
     except Exception as exc:  # noqa: BLE001 - this configuration failed; the search goes on
         return Outcome(name, candidate, text, [], None, None, None, f"{type(exc).__name__}: {exc}")
     finally:
         server.stop()
     chosen, score = goal.pick(levels)
-    return Outcome(name, candidate, text, levels, chosen, score, memory)
+    return Outcome(name, candidate, text, levels, chosen, score, memory,
+                   gpu_memory_mb=float(sum(gpu.values())) if gpu is not None else None)
 
 
 def _memory_mb(pids: list[int]) -> float:
