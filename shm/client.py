@@ -123,6 +123,11 @@ class Client:
             config = self._configs[key] = self._control({"op": "model_config", "model": model, "version": version})
         return config
 
+    def model_statistics(self, model: str = "", version: str = "") -> dict:
+        """The statistics extension's answer (``{"model_stats": [...]}``, as HTTP's
+        ``/v2/models/<model>/stats``): every loaded version, one model's, or one version's."""
+        return self._control({"op": "model_stats", "model": model, "version": version})
+
     # -- regions --------------------------------------------------------------------------------
     def create_region(self, name: str, byte_size: int) -> Region:
         """A new shm region owned by this client, registered under ``name``. Its object goes when

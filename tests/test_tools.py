@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,13 @@ from conftest import PYTHON, ROOT, CpuHogs
 from shmserve.tools import proc_cpu
 from shmserve.tools.harness import cmdline, descendants, free_port
 
+PERF = str(Path(PYTHON).parent / "shmserve-perf")
+
+
+def compared(out: Path) -> dict:
+    """The first level of --compare's summary: its slices, ratios and costs."""
+    return json.loads(out.read_text())["compare"]["levels"][0]
+
 
 def add_sub_request() -> tuple[list, list]:
     inputs = [httpclient.InferInput(name, [16], "INT32") for name in ("INPUT0", "INPUT1")]
@@ -25,15 +33,14 @@ def add_sub_request() -> tuple[list, list]:
     return inputs, [httpclient.InferRequestedOutput("OUTPUT0")]
 
 
-def test_paired_alternates_targets_and_reports_ratios(server, tmp_path):
+def test_compare_alternates_servers_and_reports_ratios(server, tmp_path):
     out = tmp_path / "paired.json"
     run = subprocess.run(
-        [PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--clients", "2", "--pairs", "2",
-         "--slice", "0.3", "--warmup", "0.05", "--target", f"http={server.url}",
-         "--target", f"local=local:{server.id}", "--json", str(out)],
+        [PERF, "-m", "add_sub", "--concurrency-range", "2", "--pairs", "2", "-p", "300", "--warmup", "50",
+         "-u", server.url, "--name", "http", "--compare", f"local=local:{server.id}", "--summary-json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
-    result = json.loads(out.read_text())
+    result = compared(out)
     # A B B A: the order alternates so that a drifting host weighs on both alike.
     assert [s["target"] for s in result["slices"]] == ["http", "local", "local", "http"]
     for s in result["slices"]:
@@ -90,15 +97,14 @@ def test_the_grpc_port_finds_the_whole_server_tree(server):
     assert any(t.startswith(f"shmserve broker {server.id}") for t in titles), titles
 
 
-def test_paired_measures_grpc_targets(server, tmp_path):
+def test_compare_measures_grpc_servers(server, tmp_path):
     out = tmp_path / "paired-grpc.json"
     run = subprocess.run(
-        [PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.3",
-         "--warmup", "0.05", "--target", f"http={server.url}", "--target", f"grpc=grpc:{server.grpc_url}",
-         "--json", str(out)],
+        [PERF, "-m", "add_sub", "--pairs", "1", "-p", "300", "--warmup", "50", "-u", server.url, "--name", "http",
+         "--compare", f"grpc=grpc:{server.grpc_url}", "--summary-json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
-    result = json.loads(out.read_text())
+    result = compared(out)
     assert [s["target"] for s in result["slices"]] == ["http", "grpc"]
     for s in result["slices"]:
         assert s["rps"] > 0 and s["p50_us"] > 0, s
@@ -108,7 +114,7 @@ def test_paired_measures_grpc_targets(server, tmp_path):
 
 
 def test_grpc_floor_echoes_and_is_measured_beside_the_server(server, tmp_path):
-    """The floor answers tritonclient's add_sub call with its inputs, and paired.py prices it."""
+    """The floor answers tritonclient's add_sub call with its inputs, and --compare prices it."""
     import tritonclient.grpc as grpcclient
 
     port = free_port()
@@ -132,12 +138,11 @@ def test_grpc_floor_echoes_and_is_measured_beside_the_server(server, tmp_path):
             assert (result.as_numpy("OUTPUT0") == a).all() and (result.as_numpy("OUTPUT1") == a * 2).all()
         out = tmp_path / "paired-floor.json"
         run = subprocess.run(
-            [PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.3",
-             "--warmup", "0.05", "--target", f"shmserve=grpc:{server.grpc_url}",
-             "--target", f"floor=grpc:127.0.0.1:{port}", "--json", str(out)],
+            [PERF, "-m", "add_sub", "--pairs", "1", "-p", "300", "--warmup", "50", "-i", "grpc", "-u", server.grpc_url,
+             "--name", "shmserve", "--compare", f"floor=grpc:127.0.0.1:{port}", "--summary-json", str(out)],
             cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert run.returncode == 0, run.stderr
-        costs = json.loads(out.read_text())["costs"]
+        costs = compared(out)["costs"]
         assert costs["floor"]["server_cpu_us"] > 0 and costs["shmserve"]["server_cpu_us"] > 0
     finally:
         floor.terminate()
@@ -159,67 +164,64 @@ def test_waits_for_a_core_are_read_from_schedstat():
     assert spent.waited_us >= elapsed_us * 0.5, (spent, elapsed_us)
 
 
-def test_paired_refuses_bad_targets():
-    run = subprocess.run([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--target", "nameless",
-                          "--target", "b=127.0.0.1:1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert run.returncode != 0
-    assert "bad --target 'nameless'" in run.stderr
-    run = subprocess.run([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--target", "a=127.0.0.1:1"],
+def test_compare_refuses_bad_servers():
+    run = subprocess.run([PERF, "-m", "add_sub", "-u", "127.0.0.1:1", "--compare", "nameless"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and "needs two targets" in run.stderr
-    run = subprocess.run([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--shm", "system",
-                          "--target", "a=127.0.0.1:1", "--target", "b=grpc:127.0.0.1:2"],
+    assert run.returncode == 2 and "bad server 'nameless'" in run.stderr
+    run = subprocess.run([PERF, "-m", "add_sub", "-u", "127.0.0.1:1", "--compare", "127.0.0.1:1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and "--shm system is for HTTP and local targets" in run.stderr
+    assert run.returncode == 2 and "every server needs its own name" in run.stderr
+    run = subprocess.run([PERF, "-m", "add_sub", "--shared-memory", "system", "-u", "127.0.0.1:1",
+                          "--compare", "b=grpc:127.0.0.1:2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--compare with --shared-memory system is for http and local servers" in run.stderr
 
 
-def test_paired_stopped_by_sigterm_takes_its_client_processes_along(server):
-    """`timeout` stops a run with SIGTERM: its client processes go too (they used to stay, idle,
-    holding their connections)."""
-    run = subprocess.Popen([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--clients", "2", "--pairs", "50",
-                            "--slice", "0.5", "--target", f"a={server.url}", "--target", f"b={server.url}"],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_a_run_stopped_by_sigterm_takes_its_client_processes_along(server):
+    """`timeout` stops a run with SIGTERM: its client processes go too."""
+    run = subprocess.Popen([PERF, "-m", "add_sub", "--concurrency-range", "2", "--pairs", "50", "-p", "500",
+                            "-u", server.url, "--name", "a", "--compare", f"b={server.url}", "-q"],
+                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     try:
-        run.stdout.readline()  # the heading
-        run.stdout.readline()  # a slice ran: the clients are up
-        clients = [pid for pid in descendants(run.pid) if "spawn_main" in cmdline(pid)]
+        deadline = time.monotonic() + 120
+        clients: list[int] = []
+        while len(clients) < 2 and time.monotonic() < deadline:
+            clients = [pid for pid in descendants(run.pid) if "spawn_main" in cmdline(pid)]
+            time.sleep(0.1)
         assert len(clients) == 2, clients
+        time.sleep(1.0)  # the clients are up and measuring
         run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
-        run.stdout.close()
-        run.stderr.close()
     deadline = time.monotonic() + 60  # (a loaded host may take its time to reap them)
     while any(os.path.exists(f"/proc/{pid}") for pid in clients) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in clients if os.path.exists(f"/proc/{pid}")]
 
 
-def test_paired_stops_with_an_error_when_a_target_is_gone(server):
-    run = subprocess.run([PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.1",
-                          "--target", f"up=local:{server.id}", "--target", "gone=local:no_such_server"],
+def test_compare_stops_with_an_error_when_a_server_is_gone(server):
+    run = subprocess.run([PERF, "-m", "add_sub", "--pairs", "1", "-p", "100", "-i", "local", "-u", server.id,
+                          "--name", "up", "--compare", "gone=local:no_such_server", "-q"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "no shmserve server with id 'no_such_server'" in run.stderr
 
 
-def test_paired_through_shared_memory_regions_leaves_none_behind(server, tmp_path):
-    """--shm system: HTTP targets get tritonclient's registered regions, the local client a region
-    of its own; every region is gone afterwards."""
+def test_compare_through_shared_memory_regions_leaves_none_behind(server, tmp_path):
+    """--shared-memory system: HTTP servers get tritonclient's registered regions, the local client
+    a region of its own; every region is gone afterwards."""
     out = tmp_path / "paired-shm.json"
     run = subprocess.run(
-        [PYTHON, "-m", "shmserve.tools.paired", "--model", "add_sub", "--pairs", "1", "--slice", "0.3", "--warmup", "0.05",
-         "--shm", "system", "--target", f"http={server.url}", "--target", f"local=local:{server.id}",
-         "--json", str(out)],
+        [PERF, "-m", "add_sub", "--pairs", "1", "-p", "300", "--warmup", "50", "--shared-memory", "system",
+         "-u", server.url, "--name", "http", "--compare", f"local=local:{server.id}", "--summary-json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
-    result = json.loads(out.read_text())
-    assert result["shm"] is True
+    assert json.loads(out.read_text())["shared_memory"] == "system"
+    result = compared(out)
     assert all(s["rps"] > 0 for s in result["slices"]), result["slices"]
-    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith("shmbench_paired")]
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith("shmperf_")]
     assert not leftovers, leftovers
     client = server.client()
     assert client.get_system_shared_memory_status() == [], "the tool's regions are still registered"

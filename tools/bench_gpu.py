@@ -7,8 +7,8 @@ A ResNet-50 with random weights (torchvision; ``--model small`` is a small conv 
 is traced to TorchScript into a temporary repository (``pytorch_libtorch``, max_batch_size 32,
 INPUT__0 FP32 [3,224,224] -> OUTPUT__0 FP32 [1000], dynamic batching with
 ``--queue-delay-us``, ``--instances`` instances). A server of its own (tools.harness) then takes
-closed loops from ``--clients`` HTTP client processes (tools.bench_http, binary data) and from as
-many local-client processes (tools.bench_local); for each: inferences/s, p50, p99 and the average
+closed loops from ``--clients`` HTTP client processes (shmserve-perf's, binary data) and from as
+many local-client processes (shmserve-perf -i local); for each: inferences/s, p50, p99 and the average
 batch the server formed (tools.batch_size's counters, read around warm-up and measurement). The
 floor is the same TorchScript file run in this process at batch 1 and at those batch sizes, with
 the host->device input copy, forward, device->host output copy and a synchronize the worker also
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from shmserve.tools import batch_size, bench_http, bench_local
-from shmserve.tools.harness import ServerProcess
+from shmserve.tools import batch_size
+from shmserve.tools.harness import ServerProcess, gpu_memory_mib
+from shmserve.tools.perf.cli import fixed_window
 
 MAX_BATCH = 32
 SHAPE = (3, 224, 224)
@@ -105,38 +105,19 @@ def with_batch_size(server: ServerProcess, model: str, run: Any) -> dict[str, An
 
 
 def http_row(server: ServerProcess, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    ns = argparse.Namespace(url=server.url, model=model, model_version="", overrides={}, default_dim=1,
-                            shm="none", warmup=args.warmup, duration=args.seconds, max_requests=10_000_000,
-                            timeout=60.0)
-    cfg = bench_http.make_config(ns)
-    row = bench_http.summarize(args.clients, bench_http.run_clients(cfg, args.clients))
-    return {"clients": row["clients"], "requests": row["requests"], "throughput_rps": row["throughput_rps"],
-            "p50_us": row["p50_us"], "p99_us": row["p99_us"], "errors": row["errors"],
-            "first_error": row["first_error"]}
+    return fixed_window(["-m", model, "-u", server.url], args.clients, args.seconds, args.warmup)
 
 
 def local_row(server: ServerProcess, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    ns = argparse.Namespace(id=server.id, model=model, warmup=args.warmup, duration=args.seconds,
-                            max_requests=2_000_000, shape_override=[], region=False)
-    row = bench_local.measure(ns, args.clients)
-    return {"clients": row["clients"], "requests": row["requests"], "throughput_rps": round(row["rps"], 1),
-            "p50_us": round(row["p50_us"], 1), "p99_us": round(row["p99_us"], 1), "errors": 0}
+    return fixed_window(["-m", model, "-i", "local", "-u", server.id], args.clients, args.seconds, args.warmup)
 
 
 def gpu_memory(worker_pids: list[int]) -> dict[str, Any]:
     """nvidia-smi's per-process memory, the server's workers picked out by pid."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        return {"error": f"nvidia-smi: {exc}", "worker_pids": worker_pids}
-    apps = {}
-    for line in out.strip().splitlines():
-        pid, _, mib = line.partition(",")
-        if pid.strip().isdigit():
-            apps[int(pid)] = int(mib.strip()) if mib.strip().isdigit() else mib.strip()
-    return {"worker_pids": worker_pids, "per_instance_mib": {str(p): apps[p] for p in worker_pids if p in apps},
-            "all_compute_apps_mib": {str(p): m for p, m in apps.items()}}
+    mib = gpu_memory_mib(worker_pids)
+    if mib is None:
+        return {"error": "nvidia-smi did not answer", "worker_pids": worker_pids}
+    return {"worker_pids": worker_pids, "per_instance_mib": {str(p): m for p, m in mib.items()}}
 
 
 # ---------------------------------------------------------------- the floor

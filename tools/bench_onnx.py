@@ -9,7 +9,7 @@ The model is ``../shared/bench-models/mlp``'s network (``Linear(512, 2048)``, Re
 as an ONNX graph (Gemm, Relu, Gemm) into a temporary repository: ``onnxruntime_onnx``,
 max_batch_size 64, INPUT0 FP32 [512] -> OUTPUT0 FP32 [512], one KIND_CPU instance, dynamic
 batching with ``--queue-delay-us`` (the mlp's 2000 by default). ``--clients`` HTTP client
-processes (tools.bench_http, binary data, one row per request) run closed loops against a server
+processes (shmserve-perf's, binary data, one row per request) run closed loops against a server
 of its own (tools.harness): requests/s, p50, p99 and the average batch the server formed
 (tools.batch_size). The floor is an ``InferenceSession`` on the same file with the session
 options the backend builds from the same config (workers.onnx_session), run in a closed loop at
@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from shmserve.tools import batch_size, bench_http
+from shmserve.tools import batch_size
 from shmserve.tools.harness import ServerProcess, free_port
+from shmserve.tools.perf.cli import fixed_window
 
 MODEL = "mlp_onnx"
 MAX_BATCH = 64
@@ -96,17 +97,13 @@ def write_repository(root: Path, args: argparse.Namespace) -> Path:
 
 def http_row(server: ServerProcess, args: argparse.Namespace) -> dict[str, Any]:
     """The clients' closed loops, with the average batch the server formed meanwhile."""
-    ns = argparse.Namespace(url=server.url, model=MODEL, model_version="", overrides={}, default_dim=1, shm="none",
-                            warmup=args.warmup, duration=args.seconds, max_requests=10_000_000, timeout=60.0)
     metrics = f"127.0.0.1:{server.metrics_port}"
     before = batch_size.counts(metrics, MODEL)
-    row = bench_http.summarize(args.clients, bench_http.run_clients(bench_http.make_config(ns), args.clients))
+    row = fixed_window(["-m", MODEL, "-u", server.url], args.clients, args.seconds, args.warmup)
     after = batch_size.counts(metrics, MODEL)
     executions = after[1] - before[1]
-    return {"clients": row["clients"], "requests": row["requests"], "throughput_rps": row["throughput_rps"],
-            "p50_us": row["p50_us"], "p99_us": row["p99_us"], "errors": row["errors"],
-            "first_error": row["first_error"],
-            "avg_batch": round((after[0] - before[0]) / executions, 2) if executions else None}
+    row["avg_batch"] = round((after[0] - before[0]) / executions, 2) if executions else None
+    return row
 
 
 def floor_row(model_file: Path, config: dict[str, Any], batch: int, seconds: float) -> dict[str, Any]:

@@ -1,12 +1,12 @@
 """The floor of any Python gRPC frontend: grpcio's asyncio server, with the options of shmserve's
 gRPC frontend, answering each ``ModelInfer`` with its own inputs as outputs and doing nothing else.
 
-Run as a third target beside Triton's and shmserve's gRPC endpoints (``tools/side_by_side.sh
+Run as a third server beside Triton's and shmserve's gRPC endpoints (``tools/side_by_side.sh
 paired``), it shows how much of shmserve's gRPC cost per request is grpcio's own, which no change
 to shmserve's code can remove::
 
     python -m shmserve.tools.grpc_floor --port 18701 &
-    python -m shmserve.tools.paired --target floor=grpc:127.0.0.1:18701 ... --model add_sub
+    shmserve-perf -m add_sub -i grpc -u 127.0.0.1:18601 --compare floor=grpc:127.0.0.1:18701 ...
 """
 from __future__ import annotations
 

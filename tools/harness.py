@@ -69,6 +69,37 @@ def rss_bytes(pids: list[int]) -> int:
     return total
 
 
+def memory_kb(pid: int) -> dict[str, int]:
+    """Pss and private kB of one process (smaps_rollup)."""
+    out = {"pss": 0, "private": 0, "rss": 0}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            value = int(rest.split()[0]) if rest.strip() else 0
+            if key == "Pss":
+                out["pss"] = value
+            elif key == "Rss":
+                out["rss"] = value
+            elif key in ("Private_Clean", "Private_Dirty"):
+                out["private"] += value
+    return out
+
+
+def gpu_memory_mib(pids: list[int]) -> dict[int, int] | None:
+    """GPU memory (MiB) nvidia-smi sees each of ``pids`` hold; None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    wanted, found = set(pids), {}
+    for line in out.strip().splitlines():
+        pid, _, mib = (part.strip() for part in line.partition(","))
+        if pid.isdigit() and int(pid) in wanted and mib.isdigit():
+            found[int(pid)] = found.get(int(pid), 0) + int(mib)
+    return found
+
+
 class ServerProcess:
     """``python -m shmserve`` on free loopback ports with a unique id, ready when constructed."""
 
@@ -78,9 +109,7 @@ class ServerProcess:
         self.metrics_port = free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.id = server_id or f"tool{os.getpid()}"
-        cmd = [sys.executable, "-m", "shmserve", *[f"--model-repository={r}" for r in repos],
-               "--http-address=127.0.0.1", f"--http-port={self.port}", f"--metrics-port={self.metrics_port}",
-               f"--id={self.id}", *flags]
+        cmd = self.command(repos, flags)
         out = open(log, "ab") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if log else out,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -102,6 +131,12 @@ class ServerProcess:
             raise RuntimeError("the server did not become ready within 120 s")
         finally:
             client.close()
+
+    def command(self, repos: list[Path | str], flags: tuple[str, ...]) -> list[str]:
+        """The server's command line (another server's, in a subclass)."""
+        return [sys.executable, "-m", "shmserve", *[f"--model-repository={r}" for r in repos],
+                "--http-address=127.0.0.1", f"--http-port={self.port}", f"--metrics-port={self.metrics_port}",
+                f"--id={self.id}", *flags]
 
     def tree(self) -> list[int]:
         return [self.proc.pid, *descendants(self.proc.pid)]

@@ -2,10 +2,10 @@
 
 On a machine where the clients share the cores with the server, throughput is bounded by the CPU
 that one request costs everybody: the clients' part, the server's part and the cores left idle.
-``tools.paired`` reads the server's part here, for the whole process tree that listens on the
-target's port (shmserve's launcher, broker, workers and frontends, whether the port is the HTTP
-or the gRPC one; tritonserver and its Python stubs), and the idle share of the machine, around
-each slice.
+``shmserve-perf`` (tools/perf/measure.py, compare.py) reads the server's part here, for the
+whole process tree that listens on the server's port (shmserve's launcher, broker, workers and
+frontends, whether the port is the HTTP or the gRPC one; tritonserver and its Python stubs), and
+the idle share of the machine, around each window.
 
 It also reads how long the processes were runnable but waited for a core (``run_delay`` of
 ``/proc/<pid>/task/<tid>/schedstat``). That tells two regimes apart that the CPU figures alone do

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .harness import cmdline, descendants, free_port
+from .harness import cmdline, descendants, free_port, memory_kb
 
 CONFIG = '''name: "weights"
 platform: "{platform}"
@@ -72,22 +72,6 @@ def _write_onnx(path: Path, layers: int) -> None:
     onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
                     save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data",
                     size_threshold=0)
-
-
-def memory_kb(pid: int) -> dict[str, int]:
-    """Pss and private kB of one process (smaps_rollup)."""
-    out = {"pss": 0, "private": 0, "rss": 0}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            value = int(rest.split()[0]) if rest.strip() else 0
-            if key == "Pss":
-                out["pss"] = value
-            elif key == "Rss":
-                out["rss"] = value
-            elif key in ("Private_Clean", "Private_Dirty"):
-                out["private"] += value
-    return out
 
 
 def measure(mb: int, count: int, share: bool, backend: str = "pytorch") -> dict[str, Any]:
