@@ -45,9 +45,22 @@ def new_server_id() -> str:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: each socket stays bound until all are chosen, so the kernel cannot
+    hand the same port out twice (a server's HTTP and gRPC ports once collided that way)."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def shm_entries(server_id: str) -> list[str]:
@@ -176,9 +189,11 @@ class Server:
                  server_id: str | None = None, http_port: int | None = None) -> None:
         self.repos = [str(r) for r in repos]
         self.id = server_id or new_server_id()
-        self.port = http_port or free_port()
-        self.metrics_port = free_port()
-        self.grpc_port = free_port()
+        if http_port is None:
+            self.port, self.metrics_port, self.grpc_port = free_ports(3)
+        else:
+            self.port = http_port
+            self.metrics_port, self.grpc_port = [p for p in free_ports(3) if p != http_port][:2]
         self.extra_args = list(extra_args)
         self.log_path = log_dir / f"server-{self.id}-{self.port}.log"
         self.proc: subprocess.Popen | None = None

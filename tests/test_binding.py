@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from conftest import PRODUCT_MODELS, PYTHON, READY_TIMEOUT_S, ROOT, free_port, new_server_id, shm_entries
+from conftest import PRODUCT_MODELS, PYTHON, READY_TIMEOUT_S, ROOT, free_ports, new_server_id, shm_entries
 from shmserve import Client
 
 APP = '''
@@ -58,7 +58,7 @@ class App:
 
     def __init__(self, folder: Path) -> None:
         self.sid = new_server_id()
-        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        self.http, self.grpc, self.metrics = free_ports(3)
         self.script = folder / "app.py"
         text = APP
         for key, value in (("@REPO@", repr(str(PRODUCT_MODELS))), ("@HTTP@", self.http), ("@GRPC@", self.grpc),

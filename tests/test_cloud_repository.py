@@ -22,7 +22,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import DEADLINE_S, PYTHON, ROOT, ServerFactory, free_port, new_server_id, wait_until
+from conftest import DEADLINE_S, PYTHON, ROOT, ServerFactory, free_port, free_ports, new_server_id, wait_until
 from shmserve.server.broker.cloud_repository import CloudError, Mirror, parse, storage_options
 
 ADD_SUB = ROOT / "model_repository" / "add_sub"
@@ -146,9 +146,10 @@ def serve_from_bucket(s3: S3, factory: ServerFactory, bucket: str, flags: list[s
 def start_fails(repo: str, *flags: str) -> tuple[int, list[str], str]:
     """Run shmserve on ``repo``, which must fail at start: (exit code, stderr lines, server id)."""
     sid = new_server_id()
+    http, grpc, metrics = free_ports(3)
     r = subprocess.run([PYTHON, "-m", "shmserve", "--model-repository", repo, "--id", sid,
-                        "--http-address", "127.0.0.1", "--http-port", str(free_port()), "--grpc-address", "127.0.0.1",
-                        "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), *flags],
+                        "--http-address", "127.0.0.1", "--http-port", str(http), "--grpc-address", "127.0.0.1",
+                        "--grpc-port", str(grpc), "--metrics-port", str(metrics), *flags],
                        cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=DEADLINE_S)
     return r.returncode, r.stderr.strip().splitlines(), sid
 

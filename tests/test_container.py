@@ -26,7 +26,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from conftest import PRODUCT_MODELS, ROOT, TEST_MODELS, free_port
+from conftest import PRODUCT_MODELS, ROOT, TEST_MODELS, free_ports
 from gates import Gate
 import tmpfs
 
@@ -150,7 +150,7 @@ def logs(name: str, env: dict) -> str:
 def test_the_image_serves_http_and_grpc_and_drains_on_sigterm(image, podman_env, shm_dir, tmp_path):
     gate = Gate(tmp_path / "gate")
     gate.folder.chmod(0o777)  # the server runs as uid 1000
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     name = f"shmserve-test-{os.getpid()}"
     # --read-only, as the Deployment's readOnlyRootFilesystem (podman puts a tmpfs on /tmp as its emptyDir).
     started = run(PODMAN + ["run", "-d", "--name", name, "--network", "host", "--read-only",
@@ -229,8 +229,8 @@ def _ready(client: httpclient.InferenceServerClient) -> bool:
 
 
 def test_the_image_refuses_a_small_dev_shm_in_one_line(image, podman_env):
-    flags = ["--model-repository=/models", f"--http-port={free_port()}", f"--grpc-port={free_port()}",
-             f"--metrics-port={free_port()}"]
+    http, grpc, metrics = free_ports(3)
+    flags = ["--model-repository=/models", f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"]
     done = run(PODMAN + ["run", "--rm", "--network", "host", "--no-healthcheck", "--shm-size", "8m", image, *flags],
                podman_env)
     assert done.returncode == 1, done.stdout + done.stderr
