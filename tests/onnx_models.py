@@ -84,6 +84,20 @@ def accumulator() -> onnx.ModelProto:
                  [tensor("SUM", TensorProto.FLOAT, shape), tensor("STATE_OUT", TensorProto.FLOAT, shape)], [one])
 
 
+def mlp(features: int, hidden: int, classes: int, seed: int = 0) -> onnx.ModelProto:
+    """Y = relu(X @ W1 + B1) @ W2 + B2 over FP32 [batch, features], with fixed random weights: a
+    model whose answer on one device can be checked against onnxruntime's on another."""
+    rng = np.random.default_rng(seed)
+    weights = {"W1": rng.standard_normal((features, hidden)), "B1": rng.standard_normal(hidden),
+               "W2": rng.standard_normal((hidden, classes)), "B2": rng.standard_normal(classes)}
+    return model([helper.make_node("MatMul", ["X", "W1"], ["H0"]), helper.make_node("Add", ["H0", "B1"], ["H1"]),
+                  helper.make_node("Relu", ["H1"], ["H"]), helper.make_node("MatMul", ["H", "W2"], ["Y0"]),
+                  helper.make_node("Add", ["Y0", "B2"], ["Y"])],
+                 [tensor("X", TensorProto.FLOAT, ["batch", features])],
+                 [tensor("Y", TensorProto.FLOAT, ["batch", classes])],
+                 [numpy_helper.from_array(w.astype(np.float32), name) for name, w in weights.items()])
+
+
 def matmul_external(repo: Path, name: str, weights: np.ndarray, config: str) -> None:
     """Y = X @ W with W stored as external data: the version folder holds a directory
     ``model.onnx`` with ``model.onnx`` and ``weights.bin`` inside, as Triton takes such models."""

@@ -1,6 +1,7 @@
 """GPU paths on a real GPU: where instances land and the device id they are told, PyTorch models
-(TorchScript and ``torch.export``) on the GPU under dynamic batching, and CUDA shared memory end to
-end with tritonclient, including inputs and outputs that stay on the device.
+(TorchScript and ``torch.export``) and ONNX models (onnxruntime's CUDA provider) on the GPU under
+dynamic batching, and CUDA shared memory end to end with tritonclient over HTTP and gRPC, including
+inputs and outputs that stay on the device.
 
 Selected by device detection: on a host without a CUDA device that torch can use, every test here
 is reported as skipped with that reason (the one skip the suite allows). ``tools/gpu_run.sh`` runs
@@ -312,6 +313,58 @@ def test_a_bad_cuda_handle_is_refused_at_registration(gpu_server, http):
     assert http.is_server_ready()
 
 
+def test_cuda_shared_memory_end_to_end_over_grpc(gpu_server):
+    """Triton's simple_grpc_cudashm_client.py flow with tritonclient.grpc: the same regions,
+    registered, served and unregistered over gRPC as over HTTP."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.cuda_shared_memory as cudashm
+
+    rows = np.random.default_rng(3).standard_normal((3, FEATURES), dtype=np.float32)
+    out_bytes = 3 * CLASSES * 4
+    client = grpcclient.InferenceServerClient(gpu_server.wait_grpc_ready().grpc_url)
+    handles = [_region("g_in", rows), _region("g_out", None, out_bytes)]
+    try:
+        client.register_cuda_shared_memory("g_in", cudashm.get_raw_handle(handles[0]), 0, rows.nbytes)
+        client.register_cuda_shared_memory("g_out", cudashm.get_raw_handle(handles[1]), 0, out_bytes)
+        regions = client.get_cuda_shared_memory_status(as_json=True)["regions"]
+        assert set(regions) == {"g_in", "g_out"} and int(regions["g_in"]["byte_size"]) == rows.nbytes, regions
+        inp = grpcclient.InferInput("INPUT__0", list(rows.shape), "FP32")
+        inp.set_shared_memory("g_in", rows.nbytes)
+        out = grpcclient.InferRequestedOutput("OUTPUT__0")
+        out.set_shared_memory("g_out", out_bytes)
+        result = client.infer("net_ts", [inp], outputs=[out])
+        assert list(result.get_output("OUTPUT__0").shape) == [3, CLASSES]
+        assert result.get_response().raw_output_contents == [b""]  # in the region, as Triton answers
+        with torch.no_grad():
+            want = small_net()(torch.from_numpy(rows)).numpy()
+        np.testing.assert_allclose(cudashm.get_contents_as_numpy(handles[1], np.float32, [3, CLASSES]), want,
+                                   rtol=1e-3, atol=1e-4)
+        client.unregister_cuda_shared_memory("g_in")
+        assert set(client.get_cuda_shared_memory_status(as_json=True)["regions"]) == {"g_out"}
+    finally:
+        client.unregister_cuda_shared_memory()
+        for h in handles:
+            cudashm.destroy_shared_memory_region(h)
+    assert client.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
+    client.close()
+
+
+def test_a_region_on_a_device_the_server_does_not_have_is_refused(gpu_server, http):
+    """Registering device memory under a device id past the server's GPUs is a 400 naming the id,
+    before any handle is opened; nothing is registered."""
+    import tritonclient.utils.cuda_shared_memory as cudashm
+
+    missing = cuda_device_count()
+    handle = _region("x", np.zeros(16, dtype=np.float32))
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            http.register_cuda_shared_memory("elsewhere", cudashm.get_raw_handle(handle), missing, 64)
+        assert e.value.status() == "400" and f"device {missing} does not exist" in e.value.message(), e.value
+        assert http.get_cuda_shared_memory_status() == []
+    finally:
+        cudashm.destroy_shared_memory_region(handle)
+
+
 def _doubler_call(http, model: str, x: np.ndarray, out_handle=None) -> tuple[np.ndarray | None, bool]:
     import tritonclient.utils.cuda_shared_memory as cudashm
 
@@ -407,6 +460,15 @@ def test_a_gpu_models_state_output_on_the_device_carries_to_the_next_request(gpu
 
 # -- ONNX Runtime -----------------------------------------------------------------------------------
 
+def _model_states(server) -> dict[str, dict]:
+    """The repository index by model name ({} while the server does not answer)."""
+    try:
+        raw = raw_request(server.port, "POST", "/v2/repository/index", b"{}")
+    except OSError:
+        return {}
+    return {e["name"]: e for e in raw.json()} if raw.status == 200 else {}
+
+
 def test_onnx_models_on_a_gpu_instance_run_on_cuda_or_are_refused_naming_the_provider(server_factory, tmp_path):
     """A KIND_GPU ONNX instance runs on CUDAExecutionProvider for its device (TensorrtExecutionProvider
     first where a gpu_execution_accelerator names tensorrt) and answers as on the CPU; where this
@@ -430,11 +492,7 @@ def test_onnx_models_on_a_gpu_instance_run_on_cuda_or_are_refused_naming_the_pro
     server = server_factory.create([repo], ["--exit-on-error=false"]).start()
 
     def states() -> dict[str, dict]:
-        try:
-            raw = raw_request(server.port, "POST", "/v2/repository/index", b"{}")
-        except OSError:
-            return {}
-        return {e["name"]: e for e in raw.json()} if raw.status == 200 else {}
+        return _model_states(server)
 
     server.wait_until(lambda: all(states().get(n, {}).get("state") in ("READY", "UNAVAILABLE") for n in providers),
                       "both ONNX models loaded or refused")
@@ -459,3 +517,52 @@ def test_onnx_models_on_a_gpu_instance_run_on_cuda_or_are_refused_naming_the_pro
             assert f"'{provider}'" in line and "on GPU 0" in line, line
     finally:
         client.close()
+
+
+def test_an_onnx_model_batches_on_the_gpu_and_answers_as_onnxruntime_on_the_cpu(server_factory, tmp_path):
+    """Two KIND_GPU instances of an ONNX MLP under dynamic batching (workers titled gpu0): 32
+    concurrent requests of 1-3 rows are batched, and each answer equals onnxruntime's on the CPU
+    within TF32's tolerance (onnxruntime's CUDA provider allows TF32 by default). Where this host's
+    onnxruntime has no CUDA provider (a CPU build), the load is refused naming it instead."""
+    import onnxruntime
+
+    import onnx_models as om
+
+    graph = om.mlp(FEATURES, 64, CLASSES)
+    om.write(tmp_path / "repo", "onnx_mlp", graph,
+             'name: "onnx_mlp"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+             f'input [ {{ name: "X" data_type: TYPE_FP32 dims: [ {FEATURES} ] }} ]\n'
+             f'output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ {CLASSES} ] }} ]\n'
+             'dynamic_batching { max_queue_delay_microseconds: 20000 }\n'
+             'instance_group [ { count: 2 kind: KIND_GPU } ]\n')
+    server = server_factory.create([tmp_path / "repo"], ["--exit-on-error=false"]).start()
+    server.wait_until(lambda: _model_states(server).get("onnx_mlp", {}).get("state") in ("READY", "UNAVAILABLE"),
+                      "the ONNX model loaded or refused")
+    entry = _model_states(server)["onnx_mlp"]
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        assert entry["state"] == "UNAVAILABLE" and "CUDAExecutionProvider" in entry["reason"], entry
+        return
+    assert entry["state"] == "READY", entry
+    titles = [server.titles()[pid] for pid in server.worker_pids("onnx_mlp")]
+    assert len(titles) == 2 and all(t.endswith(" gpu0") for t in titles), titles
+    sessions = [line for line in server.log().splitlines() if "onnx_mlp/1/model.onnx': providers" in line]
+    assert len(sessions) == 2 and all("'CUDAExecutionProvider'" in s and "on GPU 0" in s for s in sessions), sessions
+
+    cpu = onnxruntime.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(4)
+    batches = [rng.standard_normal((1 + i % 3, FEATURES), dtype=np.float32) for i in range(32)]
+    client = server.client(concurrency=16)
+    try:
+        pending = []
+        for rows in batches:
+            inp = httpclient.InferInput("X", list(rows.shape), "FP32")
+            inp.set_data_from_numpy(rows)
+            pending.append(client.async_infer("onnx_mlp", [inp]))
+        answers = [p.get_result(timeout=60).as_numpy("Y") for p in pending]
+        for rows, got in zip(batches, answers):
+            np.testing.assert_allclose(got, cpu.run(["Y"], {"X": rows})[0], rtol=1e-2, atol=5e-2)
+        stats = client.get_inference_statistics("onnx_mlp")["model_stats"][0]
+    finally:
+        client.close()
+    assert stats["inference_count"] == sum(len(b) for b in batches)
+    assert stats["execution_count"] < len(batches), stats  # requests were batched together

@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # The one command for the lent GPU machine, run from the repository root with .whl carried
 # (tools/gpu_wheels.sh fills it here). Phases, each bounded by `timeout` and none stopping the next:
-#   1. install the wheels into /tmp/site (that machine has no package index), then print the GPU,
-#      the versions and the imports that need those wheels                       -> $OUT/env.log
+#   1. install the wheels into /tmp/site (that machine has no package index) and onnxruntime-gpu
+#      into /tmp/ort-site (see below), then print the GPU, the versions, onnxruntime's providers
+#      and the imports that need those wheels                                    -> $OUT/env.log
 #   2. the GPU, statistics and metrics tests                                      -> $OUT/gpu-tests.log
-#   3. Triton's simple_http_cudashm_client.py and simple_http_shm_client.py, unchanged, when
-#      .triton_examples/ is carried (they are not ours to commit)                 -> $OUT/examples.log
+#   3. Triton's simple_{http,grpc}_cudashm_client.py and simple_{http,grpc}_shm_client.py,
+#      unchanged, when .triton_examples/ is carried (they are not ours to commit), then
+#      shmserve-perf with inputs and outputs in CUDA regions over HTTP and gRPC  -> $OUT/examples.log
 #   4. tools/bench_cudashm.py: a 64 MiB identity through CUDA shm, host path and device path
 #                                                                                  -> $OUT/cudashm.json
 #   5. tools/bench_gpu.py: ResNet-50 through HTTP and the local client vs torch alone, with one and
 #      with two instances (GPU_BENCH_INSTANCES, default "1 2"; empty: no bench)
 #                                    -> $OUT/bench-gpu-N.json, $OUT/bench.log, $OUT/server.log
-# About 4 minutes when all goes well; at most 8 when every phase runs into its limit.
+# About 5 minutes when all goes well; at most 9 when every phase runs into its limit.
+#
+# onnxruntime-gpu is larger than one call may carry: tools/gpu_onnxruntime.py packs it in .ort/part1
+# and .ort/part2. A first call carries .ort/part1 and runs `mkdir -p /tmp/ort-parts && cp .ort/part1
+# /tmp/ort-parts/`; this script, run by the next call on the same warm machine with .ort/part2
+# carried, joins them. Without them the machine's own onnxruntime (a CPU build) stays, and the
+# ONNX GPU tests check that a KIND_GPU instance is refused naming the CUDA provider.
 # A phase that overruns gets SIGINT first, so pytest's fixtures and the bench stop their servers.
 #
 # GPU_RUN_TESTS=0 leaves the tests out (a second run for figures only).
@@ -42,6 +50,24 @@ else
     timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     rc[install]=$?
+    mkdir -p /tmp/ort-parts
+    cp .ort/part* /tmp/ort-parts/ 2>/dev/null
+    if [ -f /tmp/ort-parts/part1 ] && [ -f /tmp/ort-parts/part2 ]; then
+        rm -rf /tmp/ort-site
+        cat /tmp/ort-parts/part* | timeout 60 python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, \
+            mode='r|xz').extractall('/tmp/ort-site', filter='data')"
+        rc[onnxruntime]=$?
+        export PYTHONPATH=/tmp/ort-site:$PYTHONPATH
+        # Its CUDA provider opens cuBLAS, cuFFT, cuRAND and cuDNN by name, as on a host with CUDA
+        # installed: here those of the machine's torch (CUDA 13), put on the loader's path.
+        LD_LIBRARY_PATH=$(python3 -c "import glob, os, nvidia
+print(':'.join(sorted({os.path.dirname(f) for d in nvidia.__path__ for f in glob.glob(d + '/**/lib*.so*', recursive=True)})))")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+        export LD_LIBRARY_PATH
+    else
+        echo "onnxruntime-gpu: .ort parts missing (ls /tmp/ort-parts: $(ls /tmp/ort-parts)); the machine's onnxruntime stays" \
+            | tee -a "$OUT/env.log"
+        rc[onnxruntime]=1
+    fi
     # A shmserve wheel built before the tree's last edit would run old code: the tree's sources win,
     # and the copy is named, so rerun tools/gpu_wheels.sh after editing.
     "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/env.log"
@@ -88,6 +114,21 @@ for module in ("shmserve", "tritonclient.http", "tritonclient.utils.cuda_shared_
         failed = 1
 import shmserve
 print("shmserve from", shmserve.__path__[0])
+try:
+    import onnxruntime
+    print("onnxruntime", onnxruntime.__version__, "from", onnxruntime.__file__, onnxruntime.get_available_providers())
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        import numpy as np, onnx
+        from onnx import TensorProto, helper
+        g = helper.make_graph([helper.make_node("Relu", ["X"], ["Y"])], "g",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2])])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 8
+        s = onnxruntime.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"])
+        print("onnxruntime CUDA session:", s.get_providers(), s.run(None, {"X": np.array([-1, 2], np.float32)}))
+except Exception as exc:  # reported, and the ONNX GPU tests say what it means
+    print("onnxruntime FAILED:", repr(exc))
 sys.exit(failed)
 EOF
 } 2>&1 | tee -a "$OUT/env.log"
@@ -96,11 +137,11 @@ rc[environment]=$?
 echo "== tests"
 TESTS=()
 for f in tests/test_gpu.py tests/test_statistics.py tests/test_shared_memory.py tests/test_http_api.py \
-         tests/test_backends.py; do
+         tests/test_backends.py tests/test_grpc.py; do
     if [ -f "$f" ]; then TESTS+=("$f"); else echo "($f is absent)"; fi
 done
 if [ "${GPU_RUN_TESTS:-1}" = 1 ]; then
-    timeout -s INT -k 20 150 "$PY" -m pytest -q -rA -p no:cacheprovider "${TESTS[@]}" \
+    timeout -s INT -k 20 200 "$PY" -m pytest -q -rA -p no:cacheprovider "${TESTS[@]}" \
         -k "test_gpu or gpu or cuda or statistics or metrics" --timeout 100 "${TEST_MODE[@]}" 2>&1 \
         | tee "$OUT/gpu-tests.log"
     rc[tests]=$?
@@ -108,22 +149,29 @@ else
     echo "(skipped: GPU_RUN_TESTS=0)"
 fi
 
-echo "== Triton's example client, unchanged (.triton_examples, carried; not in git)"
+echo "== Triton's example clients, unchanged (.triton_examples, carried; not in git), and shmserve-perf"
 if [ -f .triton_examples/simple_http_cudashm_client.py ] && [ -z "${GPU_RUN_DRY:-}" ]; then
     port=18650
     "$PY" -m shmserve --model-repository examples/triton_client_models --http-address 127.0.0.1 \
-        --http-port $port --metrics-port $((port + 2)) --id gpurunex >>"$OUT/server.log" 2>&1 &
+        --http-port $port --grpc-address 127.0.0.1 --grpc-port $((port + 1)) --metrics-port $((port + 2)) \
+        --id gpurunex >>"$OUT/server.log" 2>&1 &
     server=$!
     for _ in $(seq 1 300); do
         curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null && break
         sleep 0.1
     done
     {
-        timeout 30 "$PY" .triton_examples/simple_http_cudashm_client.py -u 127.0.0.1:$port
-        echo "simple_http_cudashm_client.py exit $?"
-        timeout 30 "$PY" .triton_examples/simple_http_shm_client.py -u 127.0.0.1:$port
-        echo "simple_http_shm_client.py exit $?"
-    } 2>&1 | tee "$OUT/examples.log" | tail -4
+        for protocol in http grpc; do
+            [ $protocol = http ] && url=127.0.0.1:$port || url=127.0.0.1:$((port + 1))
+            for example in cudashm shm; do
+                timeout 30 "$PY" .triton_examples/simple_${protocol}_${example}_client.py -u $url
+                echo "simple_${protocol}_${example}_client.py exit $?"
+            done
+            timeout -s INT -k 10 40 "$PY" -m shmserve.tools.perf.cli -m simple -i $protocol -u $url \
+                --shared-memory cuda --concurrency-range 1:4:3 -p 1000 -r 4 -s 50 -q
+            echo "shmserve-perf -i $protocol --shared-memory cuda exit $?"
+        done
+    } 2>&1 | tee "$OUT/examples.log" | tail -30
     rc[examples]=$(grep -c "exit [^0]" "$OUT/examples.log")
     kill -TERM $server
     wait $server
@@ -147,7 +195,7 @@ done
 
 echo "== exit codes (124 or 137: over its time limit)"
 status=0
-for phase in install environment tests examples cudashm bench1 bench2; do
+for phase in install onnxruntime environment tests examples cudashm bench1 bench2; do
     if [ -n "${rc[$phase]+x}" ]; then
         echo "$phase: ${rc[$phase]}"
         [ "${rc[$phase]}" -eq 0 ] || status=1

@@ -16,7 +16,7 @@ KINDS_MD=${KINDS_MD:-/work/.library/device/KINDS.md}
 WHEELS=(
     # pyproject.toml dependencies
     uvicorn==0.54.0 starlette==1.10.0 posix-ipc==1.3.2 watchdog==7.1.0 tritonclient==2.73.0
-    orjson==3.13.0 setproctitle==1.3.8
+    orjson==3.13.0 setproctitle==1.3.8 grpcio-health-checking==1.81.1
     # uvicorn[standard]: the C HTTP parser; websockets because uvicorn's auto mode imports it
     httptools==0.9.0 websockets==17.4
     # tritonclient[http,grpc]
