@@ -13,7 +13,7 @@
 #   5. tools/bench_gpu.py: ResNet-50 through HTTP and the local client vs torch alone, with one and
 #      with two instances (GPU_BENCH_INSTANCES, default "1 2"; empty: no bench)
 #                                    -> $OUT/bench-gpu-N.json, $OUT/bench.log, $OUT/server.log
-# About 5 minutes when all goes well; at most 9 when every phase runs into its limit.
+# About 4 minutes when all goes well; at most 9 when every phase runs into its limit.
 #
 # onnxruntime-gpu is larger than one call may carry: tools/gpu_onnxruntime.py packs it in .ort/part1
 # and .ort/part2. A first call carries .ort/part1 and runs `mkdir -p /tmp/ort-parts && cp .ort/part1
