@@ -121,8 +121,6 @@ class ModelSignature:
 
     def _check_inputs(self, inputs: list[dict[str, Any]]) -> int:
         m = self.name
-        if not self.inputs:  # nothing declared (an auto-completed model): nothing to check against
-            return 1
         names = set()
         batch = 0  # the first batching input's batch dimension; every other input must repeat it
         for t in inputs:

@@ -223,6 +223,36 @@ def test_inputs_of_different_batch_sizes_are_refused(server_factory, tmp_path):
         client.close()
 
 
+_CONSTANT_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([7], dtype=np.int32))])
+                for _ in requests]
+"""
+
+
+def test_a_model_that_declares_no_inputs_refuses_any_input(server_factory, tmp_path):
+    """A config with no inputs (a model that makes its answer from nothing) takes requests with no
+    inputs; an input it did not declare is Triton's 400, as for any other model."""
+    model = tmp_path / "repo" / "constant" / "1"
+    model.mkdir(parents=True)
+    (model / "model.py").write_text(_CONSTANT_MODEL)
+    (model.parent / "config.pbtxt").write_text(
+        'name: "constant"\nbackend: "python"\nmax_batch_size: 0\n'
+        'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]\n')
+    client = server_factory.start([tmp_path / "repo"]).client()
+    try:
+        err = infer_error(client, "constant", [_input("X", A)])
+        assert err.status() == "400" and "unexpected inference input 'X' for model 'constant'" in err.message()
+        assert client.infer("constant", []).as_numpy("OUT").tolist() == [7]
+    finally:
+        client.close()
+
+
 # -- malformed bodies, on the wire ---------------------------------------------------------------
 
 

@@ -142,8 +142,8 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
     """The broker descriptor and the tensor chunks (views into the body; no copy yet). ``tail``
     may be only the binary tail's length, for a body still arriving: its chunks are then None."""
     inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise BadRequest("the request must have an 'inputs' list with at least one input")
+    if not isinstance(inputs, list):  # empty for a model that declares no inputs, as Triton takes it
+        raise BadRequest("the request must have an 'inputs' list")
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise BadRequest("'parameters' must be a JSON object")

@@ -106,7 +106,7 @@ def _schemas() -> dict[str, Any]:
                 "sequence_start": {"type": "boolean"}, "sequence_end": {"type": "boolean"},
                 "priority": u64, "timeout": u64, "binary_data_output": {"type": "boolean"}},
                 "additionalProperties": {"oneOf": [{"type": "boolean"}, {"type": "number"}, {"type": "string"}]}},
-            "inputs": {"type": "array", "minItems": 1, "items": _ref("InferInput")},
+            "inputs": {"type": "array", "items": _ref("InferInput")},
             "outputs": {"type": "array", "items": _ref("InferRequestedOutput")}}},
         "InferResponse": {"type": "object", "required": ["model_name", "outputs"], "properties": {
             "model_name": {"type": "string"}, "model_version": {"type": "string"}, "id": {"type": "string"},
