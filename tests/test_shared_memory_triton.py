@@ -6,6 +6,8 @@ the requests to finish and then takes effect with no second call.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import tritonclient.utils.shared_memory as shm
@@ -186,3 +188,51 @@ def test_request_sent_after_the_unregister_keeps_the_region_until_it_is_done(shm
     _assert_unregistered(shm_server, http, "defer_two")
     with pytest.raises(InferenceServerException, match="Unable to find shared memory region: 'defer_two'"):
         http.infer("slow_reader", inputs, parameters={"sleep_s": 0})
+
+
+# word_stream as it is (its requests go straight to the worker), and with two instances and the
+# dynamic batcher (they go through the broker, which lets go of them once execute returns).
+_WORD_STREAM_THROUGH_THE_BROKER = json.dumps({
+    "name": "word_stream", "backend": "python", "max_batch_size": 4,
+    "model_transaction_policy": {"decoupled": True},
+    "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]}],
+    "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [1]},
+               {"name": "index", "data_type": "TYPE_INT32", "dims": [1]}],
+    "instance_group": [{"count": 2, "kind": "KIND_CPU"}], "dynamic_batching": {}})
+
+
+@pytest.mark.parametrize("config", [None, _WORD_STREAM_THROUGH_THE_BROKER], ids=["direct", "through-the-broker"])
+def test_a_stream_answered_after_execute_keeps_its_region_until_its_final_response(shm_server, http, regions,
+                                                                                   config):
+    """word_stream returns from execute at once and speaks from a thread, one word a second: its
+    input region, unregistered after the first word, stays listed until the final response, then
+    goes with no second call. The words all arrive."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import serialize_byte_tensor, serialized_byte_size
+
+    text = serialize_byte_tensor(np.array([b"one two three four"], dtype=object))
+    size = serialized_byte_size(text)
+    handle, key = regions.create("stream_in", size)
+    regions.register("stream_in", key, size)
+    shm.set_shared_memory_region(handle, [text])
+    answers: queue.Queue = queue.Queue()
+    http.load_model("word_stream", config=config)  # a product model this server loads only here
+    client = grpcclient.InferenceServerClient(shm_server.wait_grpc_ready().grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        inp = grpcclient.InferInput("text_input", [1] if config is None else [1, 1], "BYTES")
+        inp.set_shared_memory("stream_in", size)
+        client.async_stream_infer("word_stream", [inp], parameters={"delay_ms": 1000})
+        first = answers.get(timeout=60)
+        assert not isinstance(first, Exception), str(first)
+        http.unregister_system_shared_memory("stream_in")
+        assert status_names(shm_server) == ["stream_in"]  # three words still to come
+        rest = [answers.get(timeout=60) for _ in range(3)]
+        assert [r.as_numpy("text_output")[0] for r in [first, *rest]] == [b"one", b"two", b"three", b"four"]
+        _assert_unregistered(shm_server, http, "stream_in")
+    finally:
+        client.stop_stream()
+        client.close()
+        http.unload_model("word_stream")

@@ -9,10 +9,16 @@ no worker holds it under a generation before M: later lane requests saw the mark
 refused (``workers/requests.py``). A request's names are published before it reads the table,
 with a fence between, so a broker that reads them after publishing M either sees the hold or
 knows the request reads M or later.
+
+A streaming request to a decoupled model may be answered after ``execute`` returns, from the
+model's own threads: its hold passes to its sender, which lets go with the final response
+(``workers/stream.py``). Hence the lock: holds are taken on the worker's loop and may be let go
+on a model's thread.
 """
 from __future__ import annotations
 
 import collections
+import threading
 
 import orjson
 
@@ -26,11 +32,19 @@ def region_names(doc: dict) -> set[str]:
         {o["region"] for o in doc.get("outputs") or () if "region" in o}
 
 
+# The generation a request the broker forwarded is held under once the broker lets go of it: it
+# was admitted while its regions were registered, so it started before any leaving mark.
+ADMITTED = -1
+
+Held = tuple[int, list[str]]
+
+
 class RegionHolds:
     def __init__(self, regions: RegionTable, area: Published, capacity: int) -> None:
         self.regions = regions
         self.area = area
         self.capacity = capacity - HEADER
+        self.lock = threading.Lock()
         # region name -> {generation -> unfinished requests}
         self.held: dict[str, collections.Counter[int]] = {}
         self._published: dict[str, int] = {}
@@ -39,29 +53,43 @@ class RegionHolds:
         """Before the request's regions are looked up in the table: note them, under the
         generation published now."""
         names = region_names(doc)
-        if not names:
-            return
-        gen = self.regions.current()
-        for name in names:
-            self.held.setdefault(name, collections.Counter())[gen] += 1
-        entry["held"] = (gen, sorted(names))
-        self._publish()
-        fence()
+        if names:
+            entry["held"] = self._take(self.regions.current(), sorted(names))
+
+    def hand_to_sender(self, entry: dict) -> Held | None:
+        """A streaming request's hold, taken out of ``entry`` for its sender to let go of with the
+        final response. A request the broker forwarded holds its regions from here on (the
+        broker forgets it once ``execute`` returns)."""
+        held = entry.pop("held", None)
+        if held is None and entry.get("regions"):
+            held = self._take(ADMITTED, list(entry["regions"]))
+        return held
 
     def release(self, entry: dict) -> None:
         """The request is answered (or refused): its regions are no longer used here."""
-        held = entry.pop("held", None)
+        self.let_go(entry.pop("held", None))
+
+    def let_go(self, held: Held | None) -> None:
         if held is None:
             return
         gen, names = held
-        for name in names:
-            counts = self.held[name]
-            counts[gen] -= 1
-            if counts[gen] <= 0:
-                del counts[gen]
-            if not counts:
-                del self.held[name]
-        self._publish()
+        with self.lock:
+            for name in names:
+                counts = self.held[name]
+                counts[gen] -= 1
+                if counts[gen] <= 0:
+                    del counts[gen]
+                if not counts:
+                    del self.held[name]
+            self._publish()
+
+    def _take(self, gen: int, names: list[str]) -> Held:
+        with self.lock:
+            for name in names:
+                self.held.setdefault(name, collections.Counter())[gen] += 1
+            self._publish()
+        fence()
+        return gen, names
 
     def _publish(self) -> None:
         oldest = {name: min(counts) for name, counts in self.held.items()}

@@ -19,21 +19,26 @@ from shmserve.shm.stats import StatsWriter
 
 from .answers import Answers
 from .backend import Response
+from .region_holds import RegionHolds
 
 RING_FULL_TIMEOUT_S = 60.0
 
 
 class StreamSender:
     """The sender of one streaming request. ``stats`` counts the request when it finishes,
-    under ``stats_lock`` (senders run on the model's threads, the worker's loop on its own)."""
+    under ``stats_lock`` (senders run on the model's threads, the worker's loop on its own). It
+    holds the request's shared-memory regions until then (``holds``): later responses may still
+    write output regions or come from views of input regions."""
 
     def __init__(self, answers: Answers, client: ClientSegment, entry: dict, stats: StatsWriter,
-                 stats_lock: threading.Lock) -> None:
+                 stats_lock: threading.Lock, holds: RegionHolds) -> None:
         self.answers = answers
         self.client = client
         self.entry = entry
         self.stats = stats
         self.stats_lock = stats_lock
+        self.holds = holds
+        self.held = holds.hand_to_sender(entry)
         stream = entry["stream"]
         self.ring = Ring(self.client.seg.buf, stream["off"], STREAM_CAPACITY, RECORD)
         self.lock = threading.Lock()
@@ -82,6 +87,7 @@ class StreamSender:
             doc = orjson.dumps({"final": True, "responses": self.sent})
             override, off, total = self.answers.write_block(self.entry, doc, [])
             self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.answers.num, off, total)
+        self.holds.let_go(self.held)
 
     def fail(self, status: int, message: str) -> None:
         """The model raised before finishing: one error response, then the end."""

@@ -382,7 +382,7 @@ class Worker:
                 self.stats.executed(sizes, arrivals, start, built - start, executed - built,
                                     time.monotonic_ns() - executed, ok, streamed)
         for entry in entries:
-            self.holds.release(entry)  # answered (a decoupled model's later responses hold nothing)
+            self.holds.release(entry)  # answered (a stream's hold went to its sender)
         busy[BUSY_SINCE] = 0
 
     def _flush_counts(self) -> None:
@@ -400,7 +400,7 @@ class Worker:
         names = [o["name"] for o in wanted] if wanted else self.output_names
         sender = None
         if "stream" in entry:
-            sender = StreamSender(self.answers, client, entry, self.stats, self.stream_lock)
+            sender = StreamSender(self.answers, client, entry, self.stats, self.stream_lock, self.holds)
         elif self.decoupled:
             raise DecoupledOnly()  # reached through the broker
         on_device = frozenset(o["name"] for o in wanted if "cuda" in o) if wanted else frozenset()
