@@ -181,11 +181,12 @@ def test_the_keep_alive_timeout_closes_idle_connections_only(server):
             time.sleep(0.5)
         assert idle_reader.read() == b""  # closed by the server meanwhile
         closed_after = time.monotonic() - idle_from
-        busy.settimeout(KEEP_ALIVE_S + 3)
+        busy.settimeout(KEEP_ALIVE_S + 10)  # closed well before this, or the read raises
         assert busy_reader.read() == b""
         busy_closed_after = time.monotonic() - busy_from
+    # Not before the timeout (a loaded host may close later: the socket timeouts bound that).
     assert closed_after >= KEEP_ALIVE_S - 0.1
-    assert KEEP_ALIVE_S - 0.5 <= busy_closed_after <= KEEP_ALIVE_S + 1.5
+    assert busy_closed_after >= KEEP_ALIVE_S - 0.5
 
 
 def test_a_client_that_leaves_before_its_answer_harms_no_one(server):
