@@ -7,7 +7,7 @@
 # fetched (torch above all never travels), except grpcio and protobuf, named below. Versions are those `make install` resolves here, so the
 # GPU run uses the code the CPU tests ran.
 #
-#   tools/gpu_wheels.sh            # then tools/gpu_run.sh there, with .whl carried
+#   tools/gpu_wheels.sh            # then tools/gpu_run.sh there, with .whl carried (and .ort: tools/gpu_onnxruntime.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -90,5 +90,19 @@ total=$(du -cb .whl/*.whl | tail -1 | cut -f1)
 echo "total: $((total / 1024)) KiB in .whl ($(awk "BEGIN {printf \"%.1f\", $total / 1048576}") MiB)"
 if [ "$total" -gt $((50 * 1024 * 1024)) ]; then
     echo "error: over 50 MiB" >&2
+    exit 1
+fi
+
+# What each call carries must fit the 64 MiB that travels: the tree (tracked and untracked files
+# git does not ignore) plus, for gpu_run.sh, .whl, .triton_examples and .ort/part2, and for the
+# call before it .ort/part1 (tools/gpu_onnxruntime.py).
+tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+size_of() { du -cb "$@" 2>/dev/null | tail -1 | cut -f1; }
+run_call=$((tree + $(size_of .whl .triton_examples .ort/part2)))
+stash_call=$((tree + $(size_of .ort/part1)))
+echo "carried: $((run_call / 1048576)) MiB by the gpu_run.sh call, $((stash_call / 1048576)) MiB by the one before"
+[ -f .ort/part1 ] || echo "(no .ort parts: run python -m shmserve.tools.gpu_onnxruntime for onnxruntime-gpu)"
+if [ "$run_call" -gt $((64 * 1024 * 1024)) ] || [ "$stash_call" -gt $((64 * 1024 * 1024)) ]; then
+    echo "error: a call would carry over 64 MiB" >&2
     exit 1
 fi
