@@ -1,8 +1,8 @@
 # shmserve's container image: docs/deploy.md.
 #
 #   CPU:  docker build -t shmserve .
-#   CUDA: docker build -t shmserve:cuda --build-arg VARIANT=cuda \
-#           --build-arg BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 .
+#   CUDA: docker build -t shmserve:cuda --build-arg VARIANT=cuda .
+#         (the wheels bring the CUDA libraries; the host brings the driver: docs/deploy.md)
 #   run:  docker run --shm-size=3g -p 8000-8002:8000-8002 -v $PWD/model_repository:/models:ro shmserve
 #
 # BASE is any Debian or Ubuntu image; python3 (3.10 or newer), its venv module and tini are

@@ -10,8 +10,9 @@ unpacked on the machine) goes into an xz tarball split in two parts, each carrie
     python -m shmserve.tools.gpu_onnxruntime          # -> .ort/part1, .ort/part2 (~50 + ~18 MB)
 
 ``tools/gpu_run.sh`` joins the parts (the first stashed in /tmp/ort-parts by an earlier call on the
-same warm machine) and unpacks them into /tmp/ort-site. onnxruntime-gpu 1.31 is built for CUDA 13,
-which the machine's torch brings (``nvidia/cu13/lib``, cuDNN 9).
+same warm machine) and unpacks them in place of the machine's onnxruntime, beside the NVIDIA pip
+packages of its torch: onnxruntime-gpu 1.31 is built for CUDA 13, which that torch brings
+(``nvidia/cu13/lib``, cuDNN 9), and the backend loads those libraries from there.
 """
 from __future__ import annotations
 

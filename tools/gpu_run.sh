@@ -2,8 +2,8 @@
 # The one command for the lent GPU machine, run from the repository root with .whl carried
 # (tools/gpu_wheels.sh fills it here). Phases, each bounded by `timeout` and none stopping the next:
 #   1. install the wheels into /tmp/site (that machine has no package index) and onnxruntime-gpu
-#      into /tmp/ort-site (see below), then print the GPU, the versions, onnxruntime's providers
-#      and the imports that need those wheels                                    -> $OUT/env.log
+#      in place of the machine's onnxruntime (see below), then print the GPU, the versions,
+#      onnxruntime's providers and the imports that need those wheels            -> $OUT/env.log
 #   2. the GPU, statistics and metrics tests                                      -> $OUT/gpu-tests.log
 #   3. Triton's simple_{http,grpc}_cudashm_client.py and simple_{http,grpc}_shm_client.py,
 #      unchanged, when .triton_examples/ is carried (they are not ours to commit), then
@@ -53,16 +53,14 @@ else
     mkdir -p /tmp/ort-parts
     cp .ort/part* /tmp/ort-parts/ 2>/dev/null
     if [ -f /tmp/ort-parts/part1 ] && [ -f /tmp/ort-parts/part2 ]; then
-        rm -rf /tmp/ort-site
+        # In place of the machine's onnxruntime, beside the NVIDIA pip packages its torch brings,
+        # as `pip install onnxruntime-gpu` would put it: the backend loads their CUDA libraries
+        # from there (onnxruntime.preload_dlls), with nothing on LD_LIBRARY_PATH.
+        site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        rm -rf "$site"/onnxruntime "$site"/onnxruntime-*.dist-info
         cat /tmp/ort-parts/part* | timeout 60 python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, \
-            mode='r|xz').extractall('/tmp/ort-site', filter='data')"
+            mode='r|xz').extractall(sys.argv[1], filter='data')" "$site"
         rc[onnxruntime]=$?
-        export PYTHONPATH=/tmp/ort-site:$PYTHONPATH
-        # Its CUDA provider opens cuBLAS, cuFFT, cuRAND and cuDNN by name, as on a host with CUDA
-        # installed: here those of the machine's torch (CUDA 13), put on the loader's path.
-        LD_LIBRARY_PATH=$(python3 -c "import glob, os, nvidia
-print(':'.join(sorted({os.path.dirname(f) for d in nvidia.__path__ for f in glob.glob(d + '/**/lib*.so*', recursive=True)})))")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-        export LD_LIBRARY_PATH
     else
         echo "onnxruntime-gpu: .ort parts missing (ls /tmp/ort-parts: $(ls /tmp/ort-parts)); the machine's onnxruntime stays" \
             | tee -a "$OUT/env.log"
@@ -118,6 +116,7 @@ try:
     import onnxruntime
     print("onnxruntime", onnxruntime.__version__, "from", onnxruntime.__file__, onnxruntime.get_available_providers())
     if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        onnxruntime.preload_dlls()  # as the backend does for a GPU instance
         import numpy as np, onnx
         from onnx import TensorProto, helper
         g = helper.make_graph([helper.make_node("Relu", ["X"], ["Y"])], "g",

@@ -211,6 +211,12 @@ def open_session(ort: Any, path: Path, config: dict[str, Any], placement: Placem
     """An ``InferenceSession`` on the providers the instance asks for; refused if onnxruntime
     quietly left one of them out (a CUDA library it could not load, say)."""
     wanted = providers(config, placement, ort.get_available_providers())
+    if placement.kind == "GPU" and hasattr(ort, "preload_dlls"):
+        # onnxruntime-gpu opens cuBLAS, cuFFT, cuRAND and cuDNN by name. This loads those of
+        # NVIDIA's pip packages beside it (torch's, or onnxruntime-gpu[cuda,cudnn]'s) first, as
+        # onnxruntime advises, so a GPU instance needs no CUDA toolkit and no LD_LIBRARY_PATH;
+        # libraries already loaded or on the loader's path serve as they are.
+        ort.preload_dlls()
     session = ort.InferenceSession(str(path), sess_options=session_options(ort, config),
                                    providers=[name for name, _ in wanted], provider_options=[o for _, o in wanted])
     missing = [name for name, _ in wanted if name not in session.get_providers()]
