@@ -4,8 +4,9 @@ another shape or other requested outputs miss; eviction takes the least recently
 serves every process (two HTTP frontends, the local client, two instances of a model); decoupled
 and sequence models are refused as Triton refuses them; the statistics extension and the metrics
 count hits and misses as Triton does. An ensemble that enables the cache is answered from it
-without running a step (nested too), independently of its composing models' caches.
-(tests/unit/test_response_cache_store.py covers the store.)
+without running a step (nested too), independently of its composing models' caches; one that
+reaches a decoupled model is refused as Triton refuses it. (tests/unit/test_response_cache_store.py
+covers the store.)
 """
 from __future__ import annotations
 
@@ -368,6 +369,23 @@ def test_metrics_count_an_ensemble_s_hits_and_misses(cache_server):
     assert f"nv_cache_num_misses_per_model{labels} {float(s['cache_miss']['count'])}" in text
     assert s["cache_hit"]["count"] > 0 and s["cache_miss"]["count"] > 0
     assert 'nv_cache_num_hits_per_model{model="ensemble_plain"' not in text
+
+
+@pytest.mark.parametrize("model", ["refused_decoupled_ensemble", "refused_nested_decoupled"])
+def test_an_ensemble_reaching_a_decoupled_model_is_refused_with_the_cache(cache_server, model):
+    """Triton marks an ensemble decoupled when a model its steps reach is, then refuses its
+    response_cache as any decoupled model's. The same ensemble without the cache loads."""
+    client = cache_server.client()
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            client.load_model(model)
+        assert (f"Response Cache does not currently support model {model} with 'decoupled' transaction policy. "
+                f"Please disable the response cache.") in str(e.value)
+        assert not client.is_model_ready(model)
+        client.load_model("decoupled_pipeline")
+        assert client.is_model_ready("decoupled_pipeline")
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("model,words", [

@@ -31,6 +31,19 @@ def refusal(config: Any) -> str | None:
     return None
 
 
+def ensemble_refusal(config: Any, reached: dict[str, Any]) -> str | None:
+    """Triton's refusal of ``response_cache`` for an ensemble that is decoupled because a model it
+    reaches through its steps is (Triton marks such an ensemble decoupled, then refuses it as any
+    decoupled model). ``reached`` maps each model the steps reach, nested ensembles' steps
+    included, to its config."""
+    if not config.response_cache.enable or config.model_transaction_policy.decoupled:
+        return None  # (a decoupled ensemble's own config is refused by ``refusal``)
+    if any(c.model_transaction_policy.decoupled for c in reached.values()):
+        return (f"Response Cache does not currently support model {config.name} with 'decoupled' "
+                f"transaction policy. Please disable the response cache.")
+    return None
+
+
 def load_note(config: Any, cache_bytes: int) -> str | None:
     """What a load says about a model's ``response_cache`` that has no effect: Triton loads such
     a model and caches nothing, without a word."""
