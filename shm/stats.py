@@ -297,6 +297,28 @@ class VersionTotals:
         self.hist[0, bucket_of(ns)] += 1
         self.scalars[LAST_INFERENCE_MS] = time.time_ns() // 1_000_000
 
+    def cache_hit(self, arrived: int, looked_up: int, lookup_ns: int) -> None:
+        """A request the broker answered from the response cache (an ensemble's), looked up at
+        ``looked_up`` (monotonic ns) in ``lookup_ns``: counted as ``StatsWriter.cache_hit`` counts
+        a worker's, a success with its queue time up to the lookup and no inference."""
+        if not 0 < arrived <= looked_up:
+            arrived = looked_up
+        duration = time.monotonic_ns() - arrived
+        s = self.scalars
+        s[SUCCESS] += 1
+        s[SUCCESS_NS] += duration
+        s[QUEUE_NS] += looked_up - arrived
+        s[CACHE_HIT] += 1
+        s[CACHE_HIT_NS] += lookup_ns
+        self.hist[0, bucket_of(duration)] += 1
+        self.hist[PHASES.index("queue"), bucket_of(looked_up - arrived)] += 1
+
+    def cache_miss(self, ns: int) -> None:
+        """A request the broker ran after a miss and stored (an ensemble's): ``ns`` is its lookup
+        and the insertion of its answer."""
+        self.scalars[CACHE_MISS] += 1
+        self.scalars[CACHE_MISS_NS] += ns
+
     def get(self, name: str) -> int:
         return int(self.scalars[S[name]])
 

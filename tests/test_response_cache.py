@@ -3,7 +3,10 @@ true }``) against real servers and clients: a hit answers without running the mo
 another shape or other requested outputs miss; eviction takes the least recently used; one cache
 serves every process (two HTTP frontends, the local client, two instances of a model); decoupled
 and sequence models are refused as Triton refuses them; the statistics extension and the metrics
-count hits and misses as Triton does. (tests/unit/test_response_cache_store.py covers the store.)
+count hits and misses as Triton does. An ensemble that enables the cache is answered from it
+without running a step (nested too), independently of its composing models' caches; one that
+reaches a decoupled model is refused as Triton refuses it. (tests/unit/test_response_cache_store.py
+covers the store.)
 """
 from __future__ import annotations
 
@@ -16,15 +19,17 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from conftest import TESTS
 from gates import Gate
 from shmserve import Client
 from shmserve.server.cli import parse_args
+from test_shared_memory import Regions
 
 CACHE_MODELS = TESTS / "models" / "cache"
-LOADED = ["cached", "uncached", "batched", "batched_pair"]
+LOADED = ["cached", "uncached", "batched", "batched_pair", "ensemble_cached", "ensemble_plain", "ensemble_outer"]
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +256,136 @@ def test_metrics_count_hits_and_misses_per_model(cache_server):
     # as Triton: the families list only the models that use the cache
     assert 'nv_cache_num_hits_per_model{model="uncached"' not in text
     assert 'nv_cache_num_hits_per_model{model="batched",version="1"}' in text
+
+
+def test_an_ensemble_hit_runs_no_step(cache_server):
+    """ensemble_cached: cached (which caches its own answers) then uncached. The repeated
+    request is answered by the broker from the cache: no step model sees it."""
+    x = fresh()
+    models = ("ensemble_cached", "cached", "uncached")
+    before = {m: counts(cache_server, m) for m in models}
+    first = infer(cache_server, "ensemble_cached", x)
+    second = infer(cache_server, "ensemble_cached", x)
+    np.testing.assert_array_equal(first.as_numpy("Y"), x * 4)
+    np.testing.assert_array_equal(first.as_numpy("Z"), x + 1)
+    assert second.get_response() == first.get_response()
+    for name in ("Y", "Z"):
+        np.testing.assert_array_equal(second.as_numpy(name), first.as_numpy(name))
+    after = {m: counts(cache_server, m) for m in models}
+    # As Triton counts an ensemble: two successes, one miss (run and stored), one hit.
+    assert delta(before["ensemble_cached"], after["ensemble_cached"]) == \
+        {"executions": 0, "inferences": 0, "success": 2, "hits": 1, "misses": 1}
+    # The steps ran for the first request only.
+    assert delta(before["cached"], after["cached"]) == \
+        {"executions": 1, "inferences": 1, "success": 1, "hits": 0, "misses": 1}
+    assert delta(before["uncached"], after["uncached"]) == \
+        {"executions": 1, "inferences": 1, "success": 1, "hits": 0, "misses": 0}
+
+
+def test_an_ensemble_s_other_inputs_or_outputs_miss(cache_server):
+    x = fresh((2, 3))
+    y_only = [httpclient.InferRequestedOutput("Y")]
+    z_then_y = [httpclient.InferRequestedOutput("Z"), httpclient.InferRequestedOutput("Y")]
+    variants = [(x, None), (x + 0.5, None), (x.reshape(3, 2), None), (x, y_only)]
+    before = {m: counts(cache_server, m) for m in ("ensemble_cached", "uncached")}
+    for data, outputs in variants:
+        np.testing.assert_array_equal(infer(cache_server, "ensemble_cached", data, outputs).as_numpy("Y"), data * 4)
+    for data, outputs in variants:  # each is now stored under its own key
+        result = infer(cache_server, "ensemble_cached", data, outputs)
+        np.testing.assert_array_equal(result.as_numpy("Y"), data * 4)
+        assert (result.as_numpy("Z") is None) == (outputs is y_only)
+    # Naming every output, in any order, asks for what naming none does: a hit, answered in the
+    # order asked.
+    both = infer(cache_server, "ensemble_cached", x, z_then_y)
+    assert [o["name"] for o in both.get_response()["outputs"]] == ["Z", "Y"]
+    np.testing.assert_array_equal(both.as_numpy("Z"), x + 1)
+    assert delta(before["ensemble_cached"], counts(cache_server, "ensemble_cached")) == \
+        {"executions": 0, "inferences": 0, "success": 9, "hits": 5, "misses": 4}
+    assert delta(before["uncached"], counts(cache_server, "uncached"))["executions"] == len(variants)
+
+
+def test_an_ensemble_without_response_cache_is_not_cached(cache_server):
+    """ensemble_plain has ensemble_cached's steps and no response_cache of its own: on a server
+    with a cache, every request runs its steps; its first step's model still uses its own cache."""
+    x = fresh()
+    models = ("ensemble_plain", "cached", "uncached")
+    before = {m: counts(cache_server, m) for m in models}
+    for _ in range(2):
+        np.testing.assert_array_equal(infer(cache_server, "ensemble_plain", x).as_numpy("Y"), x * 4)
+    after = {m: counts(cache_server, m) for m in models}
+    assert delta(before["ensemble_plain"], after["ensemble_plain"]) == \
+        {"executions": 0, "inferences": 0, "success": 2, "hits": 0, "misses": 0}
+    assert delta(before["cached"], after["cached"]) == \
+        {"executions": 1, "inferences": 1, "success": 2, "hits": 1, "misses": 1}
+    assert delta(before["uncached"], after["uncached"])["executions"] == 2
+
+
+def test_a_nested_ensemble_is_answered_from_its_cache(cache_server):
+    """ensemble_outer, without a cache, has ensemble_cached as its step: as in Triton, the
+    nested ensemble's request is looked up like any request to it."""
+    x = fresh()
+    models = ("ensemble_outer", "ensemble_cached", "uncached")
+    before = {m: counts(cache_server, m) for m in models}
+    first = infer(cache_server, "ensemble_outer", x)
+    second = infer(cache_server, "ensemble_outer", x)
+    np.testing.assert_array_equal(first.as_numpy("Y"), x * 4)
+    assert second.get_response() == first.get_response()
+    after = {m: counts(cache_server, m) for m in models}
+    assert delta(before["ensemble_outer"], after["ensemble_outer"]) == \
+        {"executions": 0, "inferences": 0, "success": 2, "hits": 0, "misses": 0}
+    assert delta(before["ensemble_cached"], after["ensemble_cached"]) == \
+        {"executions": 0, "inferences": 0, "success": 2, "hits": 1, "misses": 1}
+    assert delta(before["uncached"], after["uncached"])["executions"] == 1
+
+
+def test_an_ensemble_hit_fills_the_client_s_output_region(cache_server):
+    x = fresh()
+    infer(cache_server, "ensemble_cached", x)  # stored
+    regions = Regions(cache_server)
+    try:
+        region = regions.make("ens_out", x.nbytes)
+        out = httpclient.InferRequestedOutput("Y")
+        out.set_shared_memory("ens_out", x.nbytes)
+        before = counts(cache_server, "ensemble_cached")
+        result = infer(cache_server, "ensemble_cached", x, [out])
+        assert delta(before, counts(cache_server, "ensemble_cached"))["hits"] == 0  # only Y asked: another key
+        again = infer(cache_server, "ensemble_cached", x, [out])
+        assert delta(before, counts(cache_server, "ensemble_cached"))["hits"] == 1
+        for answer in (result, again):
+            assert answer.get_output("Y")["parameters"]["shared_memory_region"] == "ens_out"
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(region, np.float32, list(x.shape)), x * 4)
+    finally:
+        regions.close()
+
+
+def test_metrics_count_an_ensemble_s_hits_and_misses(cache_server):
+    x = fresh()
+    for _ in range(2):
+        infer(cache_server, "ensemble_cached", x)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cache_server.metrics_port}/metrics", timeout=5).read().decode()
+    s = stats(cache_server, "ensemble_cached")["inference_stats"]
+    labels = '{model="ensemble_cached",version="1"}'
+    assert f"nv_cache_num_hits_per_model{labels} {float(s['cache_hit']['count'])}" in text
+    assert f"nv_cache_num_misses_per_model{labels} {float(s['cache_miss']['count'])}" in text
+    assert s["cache_hit"]["count"] > 0 and s["cache_miss"]["count"] > 0
+    assert 'nv_cache_num_hits_per_model{model="ensemble_plain"' not in text
+
+
+@pytest.mark.parametrize("model", ["refused_decoupled_ensemble", "refused_nested_decoupled"])
+def test_an_ensemble_reaching_a_decoupled_model_is_refused_with_the_cache(cache_server, model):
+    """Triton marks an ensemble decoupled when a model its steps reach is, then refuses its
+    response_cache as any decoupled model's. The same ensemble without the cache loads."""
+    client = cache_server.client()
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            client.load_model(model)
+        assert (f"Response Cache does not currently support model {model} with 'decoupled' transaction policy. "
+                f"Please disable the response cache.") in str(e.value)
+        assert not client.is_model_ready(model)
+        client.load_model("decoupled_pipeline")
+        assert client.is_model_ready("decoupled_pipeline")
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("model,words", [

@@ -61,7 +61,7 @@ class Broker:
         self.opts = opts
         self.seg = BrokerSegment.create(opts.server_id, opts.broker_arena_bytes)
         self.journal = Journal(opts.server_id)  # what a broker before this one was asked to change
-        self.cache = create_store(opts.server_id, opts.response_cache_bytes)  # workers attach it
+        self.cache = create_store(opts.server_id, opts.response_cache_bytes)  # workers attach it; ensembles use it
         self.catalog = Catalog()
         self.instances = Instances(opts)
         self.clients = Clients(self.seg)
@@ -77,7 +77,7 @@ class Broker:
                                       self.regions, self.journal)
         self.statistics.serve(opts)
         self.ensembles = Ensembles(opts.server_id, self.seg, self.catalog, self.clients, self.scheduler,
-                                   self.instances)
+                                   self.instances, self.cache)
         self.intake = Intake(self.catalog, self.regions, self.clients, self.scheduler, self.ensembles)
         self.child_exited = False  # set by SIGCHLD: check the workers now
         self._last_housekeeping = 0.0

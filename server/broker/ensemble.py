@@ -13,6 +13,11 @@ ensemble answer, completes the step's slot, and the outer run reads its tensors 
 it with the other step answers. Ensembles that reach themselves through their steps are refused
 at load (``find_cycle``), so a run never starts runs of itself without end.
 
+A request to an ensemble whose own config enables the response cache is looked up before its
+first step (``EnsembleCache``, ensemble_cache.py): a hit is answered from the cache and no step
+runs; after a miss, the final outputs are stored before they are answered. This holds for a
+nested ensemble's run too, as Triton looks up every request an ensemble is sent.
+
 ``EnsemblePlan`` is the config's DAG, ``EnsembleRun`` one request through it, and ``Ensembles``
 the broker's part that runs them.
 """
@@ -29,15 +34,18 @@ import posix_ipc
 
 from shmserve.batching import Pending
 from shmserve.shm.arena import free_block
+from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
 from shmserve.shm.names import object_name
 from shmserve.shm.protocol import (NO_ROOM, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, manifest_room,
                                    read_manifest_with_data, write_manifest)
+from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.segment import SegmentCache, StaleRegion
 from shmserve.signature import InvalidRequest
 
 from .catalog import Catalog
 from .clients import Clients
+from .ensemble_cache import EnsembleCache
 from .instances import Instances
 from .models import Client, ModelVersion
 from .scheduler import Scheduler
@@ -128,6 +136,8 @@ class EnsembleRun:
         self.running = 0
         self.blocks: list[tuple[memoryview, int]] = []  # step responses to free when the run ends
         self.failed = False
+        self.cache_key: bytes | None = None  # set after a miss: the final answer is stored under it
+        self.lookup_ns = 0
 
     def ready_steps(self) -> list[Step]:
         out = []
@@ -162,7 +172,7 @@ class Ensembles:
     """
 
     def __init__(self, server_id: str, seg: BrokerSegment, catalog: Catalog, clients: Clients,
-                 scheduler: Scheduler, instances: Instances) -> None:
+                 scheduler: Scheduler, instances: Instances, cache: CacheStore | None) -> None:
         self.seg = seg
         assert seg.arena is not None  # the broker's segment, which it created
         self.arena = seg.arena
@@ -177,9 +187,24 @@ class Ensembles:
         self.free = collections.deque(range(OWN_SLOTS))
         self.inflight: dict[int, tuple[EnsembleRun, Step]] = {}  # own slot -> the step it runs
         self.segments = SegmentCache()  # where step outputs and the clients' regions lie
+        self.cache = EnsembleCache(cache, self.segments) if cache is not None else None
 
     def start(self, mv: ModelVersion, client: Client, slot: int, entry: dict) -> None:
-        self._advance(EnsembleRun(mv, client, slot, entry))
+        self._begin(EnsembleRun(mv, client, slot, entry))
+
+    def _begin(self, run: EnsembleRun) -> None:
+        """Answer from the response cache when the ensemble enables it and holds this request's
+        answer, without running a step; otherwise start the steps."""
+        if self.cache is not None and self.cache.applies_to(run.version):
+            looked_up = time.monotonic_ns()
+            run.cache_key = self.cache.key(run.version, run.entry)
+            stored = self.cache.lookup(run.cache_key, run.wanted()) if run.cache_key is not None else None
+            run.lookup_ns = time.monotonic_ns() - looked_up
+            if stored is not None:
+                if self._reply(run, stored):
+                    run.version.stats.cache_hit(run.entry.get("t") or 0, looked_up, run.lookup_ns)
+                return
+        self._advance(run)
 
     def _advance(self, run: EnsembleRun) -> None:
         """Submit every step whose inputs exist; answer the client when the outputs are all made."""
@@ -205,7 +230,7 @@ class Ensembles:
                 # A nested ensemble has no instances to queue on: it runs here, and its answer
                 # (or error) completes this step's slot in our own segment.
                 request["t"] = time.monotonic_ns()
-                self._advance(EnsembleRun(mv, self.own, slot, request))
+                self._begin(EnsembleRun(mv, self.own, slot, request))
             else:
                 self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic()))
         if not run.failed and run.complete():
@@ -265,43 +290,58 @@ class Ensembles:
         run.blocks.clear()
 
     def _finish_run(self, run: EnsembleRun) -> None:
-        """Copy the ensemble's outputs into one answer (or the client's regions) and free the steps'."""
-        placed = {o["name"]: o for o in run.entry.get("outputs") or () if "seg" in o}
-        outs, chunks, pos = [], [], 0
+        """Answer the ensemble's outputs (stored in the response cache first, after a miss) and free
+        the steps'."""
+        outputs: list[Output] = []
         for name in run.wanted():
             t = run.tensors[name]
-            data = self.segments.get(t["seg"]).buf[t["off"]:t["off"] + t["size"]]
-            desc = {"name": name, "datatype": t["datatype"], "shape": t["shape"], "size": t["size"]}
+            outputs.append((name, t["datatype"], t["shape"],
+                            self.segments.get(t["seg"]).buf[t["off"]:t["off"] + t["size"]]))
+        if run.cache_key is not None and self.cache is not None:
+            inserting = time.monotonic_ns()
+            self.cache.insert(run.version, run.cache_key, outputs)
+            run.version.stats.cache_miss(run.lookup_ns + time.monotonic_ns() - inserting)
+        if self._reply(run, outputs):
+            arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
+            run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
+            self._release_run(run)
+
+    def _reply(self, run: EnsembleRun, outputs: list[Output]) -> bool:
+        """Copy the outputs into one answer (or the client's regions) and complete the client's
+        slot; False when the run failed instead (its error answered)."""
+        placed = {o["name"]: o for o in run.entry.get("outputs") or () if "seg" in o}
+        outs, chunks, pos = [], [], 0
+        for name, datatype, shape, data in outputs:
+            size = len(data)
+            desc = {"name": name, "datatype": datatype, "shape": shape, "size": size}
             target = placed.get(name)
             if target is not None:
-                if t["size"] > target["size"]:
+                if size > target["size"]:
                     self._fail_run(run, run.plan.steps[-1], 400, f"shared memory region for output '{name}' is "
-                                   f"too small ({target['size']} bytes, {t['size']} needed)")
-                    return
+                                   f"too small ({target['size']} bytes, {size} needed)")
+                    return False
                 try:
-                    region = self.segments.get(target["seg"], target.get("ino", 0), target["off"] + t["size"])
+                    region = self.segments.get(target["seg"], target.get("ino", 0), target["off"] + size)
                 except (StaleRegion, OSError, posix_ipc.Error) as e:
                     self._fail_run(run, run.plan.steps[-1], 400, str(e))
-                    return
-                region.buf[target["off"]:target["off"] + t["size"]] = data
+                    return False
+                region.buf[target["off"]:target["off"] + size] = data
                 desc["region"] = True
             else:
                 desc["off"] = pos
                 chunks.append(data)
-                pos += t["size"]
+                pos += size
             outs.append(desc)
         body = orjson.dumps({"version": run.version.version, "outputs": outs})
         room = manifest_room(len(body))
         off = self.arena.alloc(room + pos, run.client.pid)
         if off < 0:
             self._fail_run(run, run.plan.steps[-1], 503, "the broker's arena is full; retry later")
-            return
+            return False
         at = write_manifest(self.seg.seg.buf, off, body)
         for chunk in chunks:
             self.seg.seg.buf[at:at + len(chunk)] = chunk
             at += len(chunk)
-        arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
-        run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
         run.client.seg.complete(run.slot, 200, ROLE_BROKER, 0, off, room + pos)
         run.client.seg.waker.notify()
-        self._release_run(run)
+        return True

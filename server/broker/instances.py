@@ -23,6 +23,7 @@ from shmserve.shm.stats import VersionTotals
 
 from .models import Instance, ModelVersion
 from .options import BrokerOptions
+from .response_cache import load_key
 
 log = logging.getLogger("shmserve.broker")
 
@@ -80,7 +81,7 @@ class Instances:
             "log": logs.current(),  # the broker's log settings, which every process follows
             "instances": mv.planned_instances, "poll_us": self.opts.poll_us, "weights_key": mv.weights_key,
             # the response cache's key part for this load (0: the server has no cache)
-            "cache_load": int(mv.created * 1e9) if self.opts.response_cache_bytes else 0,
+            "cache_load": load_key(mv) if self.opts.response_cache_bytes else 0,
         }
         proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers", orjson.dumps(spec).decode()],
                                 stdin=subprocess.DEVNULL, env=WORKER_ENV)

@@ -1,7 +1,8 @@
 """What a load asks for, read and checked before anything starts: the config (the override the
 repository API was given, or the folder's), the versions its policy selects, its parameters, and
 what Triton refuses at this point (an invalid config, resources the rate limiter cannot give, a
-loop of ensembles). Warnings about fields shmserve does not act on are logged here too.
+loop of ensembles, the response cache on an ensemble that reaches a decoupled model). Warnings
+about fields shmserve does not act on are logged here too.
 """
 from __future__ import annotations
 
@@ -61,9 +62,14 @@ class LoadPlanner:
             except ValueError as e:
                 raise cfgmod.ConfigError(str(e)) from None
         if config.platform == "ensemble":
-            cycle = find_cycle(name, self.ensemble_graph(config))
+            reached = self.reached_configs(config)
+            graph = {n: step_models(c) for n, c in reached.items() if c.platform == "ensemble"}
+            cycle = find_cycle(name, {**graph, name: step_models(config)})
             if cycle:
                 raise cfgmod.ConfigError(cycle)
+            why = response_cache.ensemble_refusal(config, reached)
+            if why:
+                raise cfgmod.ConfigError(why)
         try:
             parameters = cfgmod.string_parameters(config)
             return LoadPlan(config, versions, CanaryPolicy.from_parameters(parameters),
@@ -71,12 +77,13 @@ class LoadPlanner:
         except ValueError as e:
             raise cfgmod.ConfigError(f"model '{name}': parameters: {e}") from None
 
-    def ensemble_graph(self, config: Any) -> dict[str, list[str]]:
-        """The step models of the ensemble ``config`` and of every ensemble its steps reach, each
-        from the config that serves or loads, else from its repository folder."""
+    def reached_configs(self, config: Any) -> dict[str, Any]:
+        """The config of every model the ensemble ``config`` reaches through its steps, nested
+        ensembles' steps included: the config that serves or loads, else the one in its repository
+        folder (a model with neither is left out: it fails its own load)."""
         catalog = self.catalog
-        graph = {config.name: step_models(config)}
-        seen, todo = {config.name}, list(graph[config.name])
+        reached: dict[str, Any] = {}
+        seen, todo = {config.name}, step_models(config)
         while todo:
             name = todo.pop()
             if name in seen:
@@ -93,7 +100,7 @@ class LoadPlanner:
                     continue  # it fails its own load; no loop passes through it
             else:
                 continue
+            reached[name] = dep
             if dep.platform == "ensemble":
-                graph[name] = step_models(dep)
-                todo.extend(graph[name])
-        return graph
+                todo.extend(step_models(dep))
+        return reached

@@ -1,0 +1,61 @@
+"""The response cache for ensembles, as Triton caches a request to an ensemble whose own config
+says ``response_cache { enable: true }``.
+
+The broker runs ensembles (``ensemble.py``), so it is the broker that looks such a request up
+before the first step and stores the final answer after the last one. It uses the server's one
+cache (``shm/response_cache.py``, the segment the broker created and the workers attach) and the
+key and layout every worker uses (``shm/cache_entry.py``), here for the ensemble's name, version
+and load. A hit is answered without running any step. The composing models' caches are
+independent of the ensemble's: a step's request is looked up by its model's worker where that
+model's own config enables the cache, whether or not the ensemble's does.
+"""
+from __future__ import annotations
+
+import logging
+
+from shmserve.shm import cache_entry
+from shmserve.shm.response_cache import CacheStore
+from shmserve.shm.segment import SegmentCache
+
+from .models import ModelVersion
+from .response_cache import load_key
+
+log = logging.getLogger("shmserve.broker")
+
+
+class EnsembleCache:
+    def __init__(self, store: CacheStore, segments: SegmentCache) -> None:
+        self.store = store
+        self.segments = segments  # where the requests' inputs lie (clients' arenas and regions, step outputs)
+        self._too_large_said: set[str] = set()
+
+    @staticmethod
+    def applies_to(mv: ModelVersion) -> bool:
+        """Whether the ensemble's own config enables the cache."""
+        return bool(mv.config.response_cache.enable)
+
+    def key(self, mv: ModelVersion, entry: dict) -> bytes | None:
+        """The digest of a request to the ensemble ``mv``; None when it is not cacheable (inputs
+        in CUDA regions, a streamed request)."""
+        keys = cache_entry.RequestKeys(mv.name, mv.version, load_key(mv), mv.ensemble.outputs)
+        return keys.key(entry, self.segments)
+
+    def lookup(self, key: bytes, names: list[str]) -> list[cache_entry.Output] | None:
+        """The stored outputs in the order of ``names`` (requests that name the same outputs in
+        another order share the key), as views of a copy of the entry; None on a miss."""
+        payload = self.store.lookup(key)
+        if payload is None:
+            return None
+        stored = {output[0]: output for output in cache_entry.unpack(payload)[0]}
+        return [stored[name] for name in names] if stored.keys() == set(names) else None
+
+    def insert(self, mv: ModelVersion, key: bytes, outputs: list[cache_entry.Output]) -> None:
+        """Store an ensemble's final outputs (an ensemble answer has no response parameters)."""
+        parts, n = cache_entry.pack(outputs, None)
+        if not self.store.fits(n):
+            if mv.name not in self._too_large_said:  # (Triton logs an error for each one)
+                self._too_large_said.add(mv.name)
+                log.warning("an answer of ensemble '%s' of %d bytes does not fit in the response cache (%d bytes "
+                            "for entries): such answers are not cached", mv.name, n, self.store.capacity)
+            return
+        self.store.insert(key, parts, n)

@@ -1,0 +1,94 @@
+"""What the response cache holds under what key: the digest of a request and the layout of a
+stored answer. Workers use it for their model's requests (``workers/response_cache.py``), the
+broker for an ensemble's (``server/broker/ensemble_cache.py``), so both read and write entries
+of one format in the one store (``shm/response_cache.py``).
+
+The key is a digest of the model, its version and load, every input's name, datatype, shape and
+bytes (inputs sorted by name, as Triton hashes them), and the names of the outputs asked for
+(none named: all those the config declares, so a request naming them all is the same request).
+Triton's key has no datatypes, shapes or output names; here two requests whose bytes agree but
+whose shapes or requested outputs differ never share an answer. The load is part of the key, so
+a reloaded model never answers with its predecessor's outputs. Request parameters are not (as in
+Triton): a model whose answer depends on them should not enable the cache. The digest is SHA-256
+cut to 16 bytes: a client cannot make two requests collide and so place an answer under another
+request's key. Requests with inputs in CUDA regions and streamed requests have no key (not
+cached, as in Triton).
+
+A stored answer is a manifest ``{"o": [[name, datatype, shape, offset, size], ...], "p":
+parameters}`` followed by each output's bytes in the wire layout (BYTES as 4-byte lengths and
+bytes), each starting on an 8-byte boundary so numpy reads it in place.
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+from typing import Any
+
+import orjson
+
+from .protocol import manifest_room, read_manifest_with_data
+from .segment import SegmentCache
+
+_ALIGN = 8
+_name = operator.itemgetter("name")
+
+Output = tuple[str, str, list[int], Any]  # name, datatype, shape, bytes (bytes or a one-dimensional byte view)
+
+
+class RequestKeys:
+    """The keys of one model version's load."""
+
+    def __init__(self, model: str, version: int, load: int, outputs: list[str]) -> None:
+        self.prefix = orjson.dumps([model, version, load])
+        self.outputs = sorted(outputs)  # the config's outputs: what a request naming none asks for
+
+    def key(self, entry: dict, segments: SegmentCache) -> bytes | None:
+        """The digest of a request entry (its inputs where ``segments`` maps them), or None when
+        it is not cacheable."""
+        if "stream" in entry:
+            return None
+        inputs = sorted(entry["inputs"], key=_name)
+        wanted = entry.get("outputs")
+        asked = sorted(o["name"] for o in wanted) if wanted else self.outputs
+        h = hashlib.sha256(self.prefix)
+        h.update(orjson.dumps([[[t["name"], t["datatype"], t["shape"], t["size"]] for t in inputs], asked]))
+        for t in inputs:
+            if "cuda" in t:
+                return None
+            off, size = t["off"], t["size"]
+            try:
+                seg = segments.get(t["seg"], t.get("ino", 0), off + size)
+            except (OSError, ValueError):  # the run that follows reports it
+                return None
+            h.update(seg.buf[off:off + size])
+        return h.digest()[:16]
+
+
+def pack(outputs: list[Output], parameters: dict | None) -> tuple[list, int]:
+    """A stored answer as the parts ``CacheStore.insert`` copies in turn, and their length."""
+    described, chunks, pos = [], [], 0
+    for name, datatype, shape, data in outputs:
+        pad = -pos % _ALIGN
+        if pad:
+            chunks.append(bytes(pad))
+            pos += pad
+        size = len(data)
+        described.append([name, datatype, list(shape), pos, size])
+        chunks.append(data)
+        pos += size
+    doc: dict[str, Any] = {"o": described}
+    if parameters:
+        doc["p"] = parameters
+    raw = orjson.dumps(doc)
+    room = manifest_room(len(raw))
+    head = len(raw).to_bytes(4, "little") + raw.ljust(room - 4, b"\0")  # read_manifest's layout
+    return [head, *chunks], room + pos
+
+
+def unpack(payload: bytes) -> tuple[list[Output], dict | None]:
+    """A stored answer's outputs (their bytes as views of ``payload``) and response parameters."""
+    view = memoryview(payload)
+    doc, start = read_manifest_with_data(view, 0)
+    outputs = [(name, datatype, shape, view[start + off:start + off + size])
+               for name, datatype, shape, off, size in doc["o"]]
+    return outputs, doc.get("p")
