@@ -225,4 +225,5 @@ class GrpcInference:
 
 
 async def _one(message: Any) -> AsyncGenerator[Any, None]:
+    """The messages of a request refused before it was submitted: its error alone."""
     yield message
