@@ -27,6 +27,8 @@ How shmserve differs, and why:
 - One JSON object per traced request: ``{"id", "model_name", "model_version", ["request_id",]
   "timestamps": [{"name", "ns"}, ...]}``, the schema Triton's trace.md documents (Triton itself
   writes one object per timestamp under the same id; readers that group by id read both).
+  A streamed request (gRPC ModelStreamInfer, HTTP generate_stream) has a SEND pair per response,
+  as Triton records, and its timestamps listed in the order they were taken.
 - Traces are appended as they finish, from every frontend process (one write each, under a shared
   lock that also numbers them), so ``trace_file`` grows while the server runs; its closing ``]`` is
   appended when the server stops. ``read_trace_file`` reads a file that is still open.

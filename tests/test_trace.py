@@ -31,8 +31,10 @@ def otel_installed() -> bool:
         return False
 
 
-def start(factory, path: Path, *config: str, workers: int = 1):
+def start(factory, path: Path, *config: str, workers: int = 1, models: tuple[str, ...] = ()):
     args = [*MODELS, "--http-workers", str(workers), "--trace-config", f"triton,file={path}"]
+    for m in models:
+        args += ["--load-model", m]
     for c in config:
         args += ["--trace-config", c]
     return factory.start(REPOS, args)

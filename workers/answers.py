@@ -127,7 +127,8 @@ class Answers:
         doc: dict[str, Any] = {"version": model.version, "outputs": outs}
         if resp.parameters:
             doc["params"] = resp.parameters
-        if "tr" in entry:  # traced: QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
+        if "tr" in entry and "stream" not in entry:  # traced (a stream's final answer times it: stream.py):
+            # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
             doc["tr"] = [entry["tr"], *self.phases, time.monotonic_ns()]
         return 200, orjson.dumps(doc), tensors
 

@@ -4,6 +4,11 @@ Each streaming request carries a small ring the client reserved in its own reque
 ``send`` writes a response block into this worker's arena, puts a record on that ring and wakes
 the client; the final send also completes the request's slot. Senders may be called from any
 thread of the model, during or after ``execute``.
+
+A traced request (``"tr"`` in its entry) is timed as one whole: its responses carry no trace
+timestamps of their own, and the final answer carries the stream's QUEUE_START and COMPUTE_*:
+the batch's start, its inputs read, the first response (the model's output starts), the final
+flag (the model is done with the request, however long after ``execute`` it comes).
 """
 from __future__ import annotations
 
@@ -46,12 +51,16 @@ class StreamSender:
         self.sent = 0
         self.failed = False
         self.dropped = False  # a response found no room in the arena, not even for its error
+        self.computing = (0, 0)  # traced: the batch's start and this request's inputs read (worker.py)
+        self.output_start = 0  # traced: when the first response came
 
     def __call__(self, response: Response | None, final: bool) -> None:
         with self.lock:
             if self.finished:
                 raise RuntimeError("this request's final response was already sent")
             if response is not None:
+                if not self.output_start and "tr" in self.entry:
+                    self.output_start = time.monotonic_ns()
                 status, doc, tensors = self.answers.encode(self.entry, response)
                 override, off, total = self.answers.write_block(self.entry, doc, tensors)
                 status = override or status
@@ -84,7 +93,11 @@ class StreamSender:
         if self.dropped:  # the client reads shm.protocol.NO_ROOM
             self.client.complete(self.entry["slot"], 503, ROLE_WORKER, self.answers.num, 0, 0)
         else:
-            doc = orjson.dumps({"final": True, "responses": self.sent})
+            final: dict = {"final": True, "responses": self.sent}
+            if "tr" in self.entry:  # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
+                now = time.monotonic_ns()
+                final["tr"] = [self.entry["tr"], *self.computing, self.output_start or now, now]
+            doc = orjson.dumps(final)
             override, off, total = self.answers.write_block(self.entry, doc, [])
             self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.answers.num, off, total)
         self.holds.let_go(self.held)

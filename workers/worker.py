@@ -325,7 +325,7 @@ class Worker:
                     with self.stream_lock:  # (a model's own threads count finished streams meanwhile)
                         self.stats.cancelled()
                     continue
-                live.append((entry, self._build_request(entry, client)))
+                live.append((entry, self._build_request(entry, client, start)))
             except (RequestError, ValueError, OSError, posix_ipc.Error, CudaError) as e:
                 self._answer_error(entry, e.status if isinstance(e, RequestError) else 400, str(e))
                 with self.stream_lock:
@@ -391,7 +391,8 @@ class Worker:
         custom_metrics.REGISTRY.flush()
         self.answers.send_completions()
 
-    def _build_request(self, entry: dict, client: ClientSegment) -> Request:
+    def _build_request(self, entry: dict, client: ClientSegment, start: int) -> Request:
+        """The model's request for ``entry``, its inputs read; ``start``: when its batch began."""
         inputs = read_inputs(entry, self.segments, self.instance.device_inputs)  # type: ignore[union-attr]
         if self.sequence is not None:
             self.sequence.augment(inputs, entry.get("corr", 0), entry.get("flags", 0))
@@ -401,6 +402,8 @@ class Worker:
         sender = None
         if "stream" in entry:
             sender = StreamSender(self.answers, client, entry, self.stats, self.stream_lock, self.holds)
+            if "tr" in entry:  # traced: its compute began with the batch, and its inputs are read now
+                sender.computing = (start, time.monotonic_ns())
         elif self.decoupled:
             raise DecoupledOnly()  # reached through the broker
         on_device = frozenset(o["name"] for o in wanted if "cuda" in o) if wanted else frozenset()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any, AsyncIterator
 
 import orjson
@@ -23,14 +24,14 @@ from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
-from .generate import EventStream, build_generate_request, generate_response
+from .generate import EventStream, build_generate_request, generate_response, traced
 from .inference import Headers, Inference
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .metadata import EXTENSIONS, is_loopback
 from .openai import OpenAIFront
 from .openapi import openapi_endpoint
 from .settings import logging_endpoint, trace_endpoint
-from .tracing import Tracer
+from .tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
 
 log = logging.getLogger("shmserve.frontend")
 JSON = "application/json"
@@ -175,7 +176,10 @@ class Frontend:
         return await fut
 
     # -- generate extension ---------------------------------------------------------------------
-    async def _generate_events(self, request: Request) -> StreamEvents | Response:
+    async def _generate_events(self, request: Request) -> tuple[StreamEvents, Trace | None] | Response:
+        """The submitted request's events and its trace (None: not traced), or the answer of a
+        request refused before it was submitted (never traced, as a gRPC stream's; see
+        ``_sample``)."""
         p = request.path_params
         model, version = p["model"], p.get("version", "")
         try:
@@ -187,16 +191,32 @@ class Frontend:
             if status != 200:
                 return error_response(status, config.get("error", "unknown model"))
             req, chunks = build_generate_request(model, version, body, config)
-            return self.link.stream(req, chunks)
         except BadRequest as e:
             return error_response(e.status, str(e))
         except BrokerError as e:
             return error_response(e.status, str(e))
+        trace = self._sample(request, model, req) if self.tracer.on else None
+        try:
+            return self.link.stream(req, chunks), trace
+        except BrokerError as e:
+            return traced(error_response(e.status, str(e)), trace, self.tracer)
+
+    def _sample(self, request: Request, model: str, req: dict) -> Trace | None:
+        """A generate request's trace, if it is sampled: HTTP_RECV_* as asgi.py took them, and its
+        other stamps as an infer request's (each response of generate_stream its own HTTP_SEND
+        pair, as Triton's generate handler records)."""
+        trace = self.tracer.sample(model)
+        if trace is not None:
+            req["t"] = time.monotonic_ns()
+            trace.ns[RECV_START], trace.ns[RECV_END] = request.scope.get(RECEIVED) or (req["t"], req["t"])
+            trace.mark(req)
+        return trace
 
     async def generate(self, request: Request) -> Response:
-        events = await self._generate_events(request)
-        if isinstance(events, Response):
-            return events
+        started = await self._generate_events(request)
+        if isinstance(started, Response):
+            return started
+        events, trace = started
         model = request.path_params["model"]
         answers: list[dict] = []
         error: tuple[int, str] | None = None
@@ -205,6 +225,8 @@ class Frontend:
                 final, completion, _ = await events.events.get()
                 try:
                     doc = completion.doc()
+                    if trace is not None:
+                        trace.collect(doc)  # the version served; the final one ends the request
                     if completion.status != 200:
                         error = error or (completion.status, doc.get("error", "inference failed"))
                     elif not final:
@@ -213,21 +235,27 @@ class Frontend:
                     completion.release()
                 if final:
                     break
+        except BaseException:
+            if trace is not None:
+                self.tracer.finish(trace)  # cancelled (the client went away): what was timed
+            raise
         finally:
             events.close()  # a failure or a cancelled wait before the end: free the rest as it comes
         if error:
-            return error_response(*error)
+            return traced(error_response(*error), trace, self.tracer)
         if len(answers) != 1:
             # Triton's text (Triton sends it with a 200, having started the answer already).
-            return error_response(400, "generate expects model to produce exactly 1 response, use generate stream "
-                                       "for model that generates various number of responses")
-        return json_response(answers[0])
+            return traced(error_response(400, "generate expects model to produce exactly 1 response, use generate "
+                                              "stream for model that generates various number of responses"),
+                          trace, self.tracer)
+        return traced(json_response(answers[0]), trace, self.tracer)
 
     async def generate_stream(self, request: Request) -> Response:
-        events = await self._generate_events(request)
-        if isinstance(events, Response):
-            return events
-        return EventStream(request.path_params["model"], events)
+        started = await self._generate_events(request)
+        if isinstance(started, Response):
+            return started
+        events, trace = started
+        return EventStream(request.path_params["model"], events, trace, self.tracer)
 
     # -- system shared memory -------------------------------------------------------------------
     async def shm_register(self, request: Request) -> Response:

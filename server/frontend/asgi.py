@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from .codec import BadRequest
 from .inference import JSON_HEADER, Headers, Inference, too_large
 from .ingest import BodyIngest, header_length
-from .tracing import RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer
+from .tracing import RECEIVED, RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer
 
 
 def infer_target(path: str) -> tuple[str, str] | None:
@@ -57,9 +57,12 @@ class FrontendApp:
         if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
             # Every other body (control requests, generate) is read here under the same limit,
             # then replayed to Starlette; later receives (disconnects) go to the server's own.
+            recv_start = time.monotonic_ns() if self.tracer.on else 0
             body = await read_or_refuse(scope, receive, send, self.inference.max_input_bytes)
             if body is None:
                 return
+            if recv_start:  # a traced generate request's HTTP_RECV_START and _END (app.py)
+                scope[RECEIVED] = (recv_start, time.monotonic_ns())
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
 

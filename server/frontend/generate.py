@@ -11,16 +11,17 @@ frees what is left (and what still comes) when the client disconnects mid-stream
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 import orjson
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from shmserve.shm.streams import StreamEvents
 from shmserve.shm.tensors import CONFIG_TO_WIRE
 
 from .codec import BadRequest, json_data, json_tensor_bytes
+from .tracing import Trace, Tracer, timed_sends
 
 
 def build_generate_request(model: str, version: str, body: Any, config: dict) -> tuple[dict, list]:
@@ -99,24 +100,31 @@ class EventStream(StreamingResponse):
     """The server-sent events of one ``generate_stream`` request: one event per response, an
     error as ``{"error": ...}``. However the response ends (the last event sent, or the client
     gone mid-stream and the sending cancelled or failed), the stream's events are closed: what
-    was not sent is freed, and so is every response the model still sends."""
+    was not sent is freed, and so is every response the model still sends. A traced request's
+    events are timed as they are sent (``timed_sends``), its trace written when the response ends."""
 
-    def __init__(self, model: str, events: StreamEvents) -> None:
+    def __init__(self, model: str, events: StreamEvents, trace: Trace | None, tracer: Tracer) -> None:
         self.model = model
         self.events = events
-        super().__init__(self._lines(), media_type="text/event-stream")
+        self.trace = trace
+        lines = self._lines()
+        super().__init__(lines if trace is None else timed_sends(lines, trace, tracer), media_type="text/event-stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.events.close()
+            if self.trace is not None:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]  # writes the trace if not yet
 
-    async def _lines(self) -> AsyncIterator[bytes]:
+    async def _lines(self) -> AsyncGenerator[bytes, None]:
         while True:
             final, completion, _ = await self.events.events.get()
             try:
                 doc = completion.doc()
+                if self.trace is not None:
+                    self.trace.collect(doc)  # the version served; the final one ends the request
                 if completion.status != 200:
                     line = orjson.dumps({"error": doc.get("error", "inference failed")})
                 elif not final:
@@ -128,3 +136,26 @@ class EventStream(StreamingResponse):
             yield b"data: " + line + b"\n\n"
             if final:
                 return
+
+
+class TracedAnswer(Response):
+    """A generate answer of a traced request: its send timed (HTTP_SEND_START, _END), its trace
+    written once it is sent."""
+
+    def __init__(self, answer: Response, trace: Trace, tracer: Tracer) -> None:
+        super().__init__(bytes(answer.body), answer.status_code, media_type=answer.media_type)
+        self.trace = trace
+        self.tracer = tracer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.trace.sending()
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.trace.sent()
+            self.tracer.finish(self.trace)
+
+
+def traced(answer: Response, trace: Trace | None, tracer: Tracer) -> Response:
+    """``answer``, its send timed when its request is traced."""
+    return answer if trace is None else TracedAnswer(answer, trace, tracer)

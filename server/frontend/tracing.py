@@ -7,15 +7,18 @@ infer path only reads ``Tracer.on``. When it is set, the infer path (asgi.py) sa
 so they are exact across frontends), stamps the HTTP and request times, lets the worker (and
 the broker, for the requests it queues) add theirs to the response, and writes one record when
 the response is sent. The gRPC frontend (server/grpc/infer.py) traces ModelInfer calls the same
-way, with Triton's GRPC_* names for the frontend's own stamps. See shm/trace.py for the file
-format and Triton's sources.
+way, with Triton's GRPC_* names for the frontend's own stamps. Streamed requests (each request
+on a ModelStreamInfer stream, HTTP generate and generate_stream: app.py) take the same path,
+with a SEND pair for each response (``timed_sends``) and the worker's timestamps on the final
+answer (workers/stream.py). See shm/trace.py for the file format and Triton's sources.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any
+from contextlib import aclosing
+from typing import Any, AsyncGenerator, TypeVar
 
 import orjson
 
@@ -27,6 +30,12 @@ log = logging.getLogger("shmserve.trace")
 # Positions in Trace.ns. A record names the frontend's own four (RECV_*, SEND_*) HTTP_* or GRPC_*.
 (RECV_START, RECV_END, REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END,
  COMPUTE_OUTPUT_START, COMPUTE_END, REQUEST_END, SEND_START, SEND_END) = range(len(tr.STAMPS))
+
+
+T = TypeVar("T")
+# The ASGI scope's key for when a request's body began to arrive and was read (asgi.py), while
+# tracing is on: the HTTP_RECV stamps of a request Starlette's routes answer (generate).
+RECEIVED = "shmserve.received"
 
 
 class Setting:
@@ -47,7 +56,7 @@ class Trace:
     """One traced request: its id, setting and timestamps (0: not taken), named by ``names``
     (``tr.STAMPS`` over HTTP, ``tr.GRPC_STAMPS`` over gRPC; the same positions)."""
 
-    __slots__ = ("id", "model", "version", "request_id", "setting", "names", "ns")
+    __slots__ = ("id", "model", "version", "request_id", "setting", "names", "ns", "sends")
 
     def __init__(self, trace_id: int, model: str, setting: Setting, names: tuple[str, ...] = tr.STAMPS) -> None:
         self.id = trace_id
@@ -57,6 +66,7 @@ class Trace:
         self.setting = setting
         self.names = names
         self.ns = [0] * len(names)
+        self.sends: list[int] = []  # a streamed request's: start, end, start, end... one pair per response
 
     def mark(self, req: dict) -> None:
         """Just before the request is submitted: tag it, so the worker times it."""
@@ -76,6 +86,26 @@ class Trace:
             if queued:
                 self.ns[QUEUE_START] = queued  # the broker queued it
 
+    def sending(self) -> None:
+        """A streamed request's response is about to be sent (each has its own SEND pair, as
+        Triton's stream handlers record; the fixed SEND slots are a single answer's)."""
+        self.sends.append(time.monotonic_ns())
+
+    def sent(self) -> None:
+        """The response ``sending`` announced is sent (or, at a stream's end, given up on)."""
+        if len(self.sends) % 2:
+            self.sends.append(time.monotonic_ns())
+
+    def stamps(self) -> list[tuple[str, int]]:
+        """(name, ns) of every timestamp taken, in the order taken: a stream's response sends fall
+        between the model's timestamps, as its responses come while the model runs."""
+        out = [(name, ns) for name, ns in zip(self.names, self.ns) if ns]
+        if self.sends:
+            pair = (self.names[SEND_START], self.names[SEND_END])
+            out += [(pair[i % 2], ns) for i, ns in enumerate(self.sends)]
+            out.sort(key=lambda stamp: stamp[1])
+        return out
+
     def record(self) -> bytes:
         try:
             version = int(self.version)
@@ -84,7 +114,7 @@ class Trace:
         doc: dict[str, Any] = {"id": self.id, "model_name": self.model, "model_version": version}
         if self.request_id:
             doc["request_id"] = self.request_id
-        doc["timestamps"] = [{"name": name, "ns": ns} for name, ns in zip(self.names, self.ns) if ns]
+        doc["timestamps"] = [{"name": name, "ns": ns} for name, ns in self.stamps()]
         return orjson.dumps(doc)
 
 
@@ -173,8 +203,7 @@ class Tracer:
         setting, shared = trace.setting, self.shared
         try:
             if setting.mode == "opentelemetry":
-                self._exporter(setting.url).export(trace.id, trace.model, trace.version,
-                                                   [(n, ns) for n, ns in zip(trace.names, trace.ns) if ns])
+                self._exporter(setting.url).export(trace.id, trace.model, trace.version, trace.stamps())
                 return
             if shared is None:
                 return
@@ -195,3 +224,18 @@ class Tracer:
             self._otel = OtelExporter(url)
         return self._otel
 
+
+async def timed_sends(messages: AsyncGenerator[T, None], trace: Trace, tracer: Tracer) -> AsyncGenerator[T, None]:
+    """A traced stream's ``messages`` as they are sent, each send timed (the server asks for the
+    next message once the last one is sent: gRPC's stream handler and Starlette's streaming
+    response both do); the trace is written when the stream ends, however it ends (its last
+    message sent, the client gone, an error status)."""
+    try:
+        async with aclosing(messages):
+            async for message in messages:
+                trace.sending()
+                yield message
+                trace.sent()
+    finally:
+        trace.sent()  # a send the stream ended in the middle of
+        tracer.finish(trace)

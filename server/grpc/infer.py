@@ -1,24 +1,27 @@
-"""ModelInfer's path: a ``ModelInferRequest`` to the broker link and its answer back.
+"""ModelInfer's path: a ``ModelInferRequest`` to the broker link and its answer back; and
+ModelStreamInfer's, one request of a stream to its responses (``stream``).
 
 The request becomes codec.py's descriptor through the KServe document (tensors.py), goes out with
 ``BrokerLink.submit`` like an HTTP request, and its completion becomes a ``ModelInferResponse``.
 A client that cancels the call cancels the request (``BrokerLink.cancel``); its answer is freed
 when it comes. While tracing is on, a sampled call is traced as an HTTP request is
-(server/frontend/tracing.py), its record written once the call has ended.
+(server/frontend/tracing.py), its record written once the call has ended; each request on a
+stream is sampled and traced on its own, its record written once its last response is sent.
 """
 from __future__ import annotations
 
 import asyncio
 import re
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from shmserve.server.frontend.codec import BadRequest, build_request
 from shmserve.server.frontend.link import BrokerError, BrokerLink, Sent, when_room
-from shmserve.server.frontend.tracing import RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer
+from shmserve.server.frontend.tracing import (RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer,
+                                              timed_sends)
 from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import REQ_INFER
 from shmserve.shm.trace import GRPC_STAMPS
@@ -112,21 +115,36 @@ class GrpcInference:
             return False
         return status == 200 and bool((config.get("model_transaction_policy") or {}).get("decoupled"))
 
-    async def stream(self, request: Any, decoupled: bool) -> AsyncIterator[Any]:
-        """The ``ModelStreamInferResponse`` messages of one request on a stream: each response as
-        it comes (a decoupled model's many, another model's one), and each error as an
-        ``Aborted`` with its code, which the caller sends as ``error_message`` or as the stream's
-        status (the ``triton_grpc_error`` header).
+    async def stream(self, request: Any, decoupled: bool, read: tuple[int, int]) -> AsyncGenerator[Any, None]:
+        """The messages of one request on a stream (``_messages``). While tracing is on, a request
+        the frontend takes is sampled as Triton's stream handler samples it: each request its own
+        trace, its frontend stamps the wait for it and its read (``read``: GRPC_WAITREAD_START and
+        _END, 0 when tracing was off then) and a GRPC_SEND pair per message sent; a request refused
+        before it is submitted is not traced."""
+        try:
+            doc, req, chunks = await self._build(request)
+        except Aborted as e:
+            return _one(e)
+        trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
+        if trace is None:
+            return self._messages(request, decoupled, (doc, req, chunks), None)
+        trace.ns[RECV_START], trace.ns[RECV_END] = read if read[0] else (req["t"], req["t"])
+        trace.mark(req)
+        return timed_sends(self._messages(request, decoupled, (doc, req, chunks), trace), trace, self.tracer)
+
+    async def _messages(self, request: Any, decoupled: bool, built: tuple[dict, dict, list],
+                        trace: Trace | None) -> AsyncGenerator[Any, None]:
+        """The ``ModelStreamInferResponse`` messages of one request ``built`` (``_build``): each
+        response as it comes (a decoupled model's many, another model's one), and each error as
+        an ``Aborted`` with its code, which the caller sends as ``error_message`` or as the
+        stream's status (the ``triton_grpc_error`` header).
         A response sent with the final flag carries ``triton_final_response`` true, the others
         false; a final flag without a response sends an empty response only when the request
         asks for it (``triton_enable_empty_final_response``), as Triton does. A model that is not
         ``decoupled`` answers once: that response is the final one."""
+        doc, req, chunks = built
         try:
-            doc, req, chunks = await self._build(request)
             events = self.link.stream(req, chunks)
-        except Aborted as e:
-            yield e
-            return
         except BrokerError as e:
             yield Aborted(code_of(e.status), str(e))
             return
@@ -137,6 +155,8 @@ class GrpcInference:
                 final, completion, _ = await events.events.get()
                 try:
                     result = completion.doc()
+                    if trace is not None:
+                        trace.collect(result)  # the version served; the final one ends the request
                     message: Any
                     if completion.status != 200:
                         message = Aborted(code_of(completion.status), result.get("error", "inference failed"))
@@ -202,3 +222,8 @@ class GrpcInference:
         if status in (404, 503):
             return Aborted(code_of(status), answer.get("error", str(e)))
         return Aborted(code_of(e.status), str(e))
+
+
+async def _one(message: Any) -> AsyncGenerator[Any, None]:
+    """The messages of a request refused before it was submitted: its error alone."""
+    yield message

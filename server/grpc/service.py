@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, NoReturn
 
@@ -211,20 +212,26 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         the next starts (so a sequence's requests reach the model in order). Whether a model is
         decoupled is asked once per model and stream. An error is an ``error_message`` and the
         stream goes on, or, for a client that opened the stream with the ``triton_grpc_error:
-        true`` header, the status that ends the stream, as Triton does."""
+        true`` header, the status that ends the stream, as Triton does. While tracing is on, the
+        wait for each request and its read are timed (Triton's GRPC_WAITREAD_START and _END) for
+        the trace it may get (infer.py)."""
         grpc_error = ("triton_grpc_error", "true") in (context.invocation_metadata() or ())
         decoupled: dict[tuple[str, str], bool] = {}
+        tracer = self.inference.tracer
+        waiting = time.monotonic_ns() if tracer.on else 0
         async for request in request_iterator:
+            read = (waiting, time.monotonic_ns()) if waiting else (0, 0)
             key = (request.model_name, request.model_version)
             if key not in decoupled:
                 decoupled[key] = await self.inference.decoupled(*key)
-            async with aclosing(self.inference.stream(request, decoupled[key])) as messages:
+            async with aclosing(await self.inference.stream(request, decoupled[key], read)) as messages:
                 async for message in messages:
                     if isinstance(message, Aborted):
                         if grpc_error:
                             await context.abort(message.code, str(message))
                         message = pb.ModelStreamInferResponse(error_message=str(message))
                     yield message
+            waiting = time.monotonic_ns() if tracer.on else 0
 
 
 async def _abort(context: Context, status: int, message: str) -> NoReturn:
