@@ -4,12 +4,13 @@ worker batches its lanes itself (``batches_on_worker``).
 
 Requests wait in one FIFO queue per priority level. When an instance is free, a batch is formed
 from the highest-priority requests whose inputs match beyond the batch dimension, up to
-``max_batch_size``. It is sent at once when it reaches a preferred size (the largest one it can
-fill; ``max_batch_size`` when none is configured), when the next request would pass
-``max_batch_size`` (waiting could add nothing), or when the oldest request has waited
-``max_queue_delay_microseconds``; otherwise the caller sleeps until that moment. Queue policies
-(``default_queue_policy``, ``priority_queue_policy``) bound the queues and time requests out,
-rejecting them or (``DELAY``) serving them after everything else.
+``max_batch_size``; a ragged input (``allow_ragged_batch``) need not match, as in Triton: the
+backend concatenates its elements (workers/batch_io.py). It is sent at once when it reaches a
+preferred size (the largest one it can fill; ``max_batch_size`` when none is configured), when
+the next request would pass ``max_batch_size`` (waiting could add nothing), or when the oldest
+request has waited ``max_queue_delay_microseconds``; otherwise the caller sleeps until that
+moment. Queue policies (``default_queue_policy``, ``priority_queue_policy``) bound the queues and
+time requests out, rejecting them or (``DELAY``) serving them after everything else.
 
 The delay is a maximum, not a price every batch pays: when a batch had to wait the whole delay,
 its number of requests shows how much traffic one delay gathers. Once as many requests wait
@@ -22,7 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 from typing import Any
-
 
 
 @dataclasses.dataclass
@@ -42,10 +42,13 @@ class Pending:
     delayed: bool = False  # timed out under timeout_action DELAY: served after the others
     key: tuple | None = None  # shape_key, computed once (the batcher asks on every look at the queue)
 
-    def shape_key(self) -> tuple:
-        """Requests batch together only when every input matches beyond the batch dimension."""
+    def shape_key(self, ragged: frozenset[str] = frozenset()) -> tuple:
+        """Requests batch together only when every input matches beyond the batch dimension,
+        except the ``ragged`` ones, whose shapes may differ (one batcher always passes the same
+        set, so the key is computed once)."""
         if self.key is None:
-            self.key = tuple((t["name"], t["datatype"], tuple(t["shape"][1:])) for t in self.entry["inputs"])
+            self.key = tuple((t["name"], t["datatype"], None if t["name"] in ragged else tuple(t["shape"][1:]))
+                             for t in self.entry["inputs"])
         return self.key
 
 
@@ -69,6 +72,11 @@ class QueuePolicy:
                    max_queue_size=int(policy.get("max_queue_size", 0)))
 
 
+def ragged_inputs(config: dict[str, Any]) -> frozenset[str]:
+    """The inputs whose shapes may differ within a batch (``allow_ragged_batch``)."""
+    return frozenset(t["name"] for t in config.get("input") or () if t.get("allow_ragged_batch"))
+
+
 def batches_on_worker(config: dict[str, Any], instances: int) -> bool:
     """Whether the worker batches the requests clients put on its lanes itself: dynamic batching
     with a single instance, where the broker would only add a hop and a wake-up per request (it
@@ -84,6 +92,7 @@ class DynamicBatcher:
     def __init__(self, config: dict[str, Any]) -> None:
         db = config.get("dynamic_batching") or {}
         self.max_batch_size: int = int(config.get("max_batch_size", 0))
+        self.ragged = ragged_inputs(config)
         self.delay_s = int(db.get("max_queue_delay_microseconds", 0)) / 1e6
         preferred = sorted(int(p) for p in db.get("preferred_batch_size", ()) if 0 < int(p) <= self.max_batch_size)
         self.preferred = preferred or [self.max_batch_size]
@@ -178,14 +187,14 @@ class DynamicBatcher:
             return None
         candidates = self._ordered()
         first = candidates[0]
-        key = first.shape_key()
+        key = first.shape_key(self.ragged)
         chosen: list[Pending] = []
         total = 0
         filled = 0  # requests in ``chosen`` when they last added up to a preferred size
         full = False  # the next request would pass max_batch_size: this batch cannot grow
         target = self.preferred[-1]
         for p in candidates:
-            if p is not first and p.shape_key() != key:
+            if p is not first and p.shape_key(self.ragged) != key:
                 continue  # (another shape never limits this batch)
             if total + p.batch > self.max_batch_size:
                 full = True

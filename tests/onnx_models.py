@@ -70,6 +70,18 @@ def per_row_scalar() -> onnx.ModelProto:
                  [tensor("X", TensorProto.FLOAT, ["batch"])], [tensor("Y", TensorProto.FLOAT, ["batch"])], [two])
 
 
+def ragged_io() -> onnx.ModelProto:
+    """Triton's ragged test model: OUTPUT0 = INPUT0, a ragged input that arrives as one flat [-1]
+    tensor of a batch's elements (scattered back as a batch output), and N = COUNTS, the
+    BATCH_ELEMENT_COUNT batch input [requests], as a column [requests, 1] split back by rows."""
+    column = numpy_helper.from_array(np.array([1], np.int64), "column")
+    return model([helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"]),
+                  helper.make_node("Unsqueeze", ["COUNTS", "column"], ["N"])],
+                 [tensor("INPUT0", TensorProto.FLOAT, ["elements"]), tensor("COUNTS", TensorProto.INT32, ["requests"])],
+                 [tensor("OUTPUT0", TensorProto.FLOAT, ["elements"]), tensor("N", TensorProto.INT32, ["requests", 1])],
+                 [column])
+
+
 def accumulator() -> onnx.ModelProto:
     """A sequence model with implicit state: SUM = STATE_IN * (1 - START) + VALUE, and the state
     it leaves is SUM; all FP32 [batch, 1]."""

@@ -61,9 +61,9 @@ CONFIG_ERRORS = {
     "zero_dims": ["dims", "'X'"],
     "no_model_py": ["model.py"],
     "name_mismatch": ["other_name", "name"],
-    # fields shmserve does not implement and that would change what the model receives
-    "batch_in": ["batch_input", "not supported"],
-    "ragged": ["input.allow_ragged_batch", "not supported"],
+    # Triton's checks of batch inputs and outputs, with its texts (ragged batching itself loads)
+    "batch_in": ["unknown source input name 'Z' for batch_in"],
+    "batch_out": ["unknown target output name 'Q' for batch_out"],
 }
 
 
@@ -79,10 +79,12 @@ def config_error_repo(tmp_path_factory) -> Path:
     (repo / "no_model_py" / "1" / "README.txt").write_text("the model file is missing on purpose\n")
     _model(repo, "name_mismatch", _config("other_name"))
     _model(repo, "batch_in", _config("batch_in") + textwrap.dedent("""\
-        batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_FP32 source_input: "X" } ]
+        batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_FP32 source_input: "Z" } ]
         """))
-    _model(repo, "ragged", _config("ragged", input_block=(
-        '{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] allow_ragged_batch: true }')))
+    _model(repo, "batch_out", _config("batch_out", input_block=(
+        '{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] allow_ragged_batch: true }')) + textwrap.dedent("""\
+        batch_output [ { target_name: "Q" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "X" } ]
+        """))
     # a field shmserve does not implement that only loses a feature: the model loads, with a warning;
     # and the response cache asked for on a server without one: the model loads, caching nothing
     _model(repo, "cached", _config("cached") + 'model_operations { op_library_filename: "libnone.so" }\n'

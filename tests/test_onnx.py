@@ -92,6 +92,8 @@ LOAD_ERRORS = {
     "unknown_input": ["unexpected inference input 'EXTRA'", "allowed inputs are: INPUT0, INPUT1"],
     "unknown_output": ["unexpected inference output 'EXTRA'", "allowed outputs are: OUTPUT0, OUTPUT1"],
     "unfed_input": ["the model's input(s) INPUT1 are not in the configuration"],
+    "ragged_not_flat": ["configuration expects model provides input with shape [-1]  for ragged input 'INPUT0'",
+                        "model provides [-1,4]"],
     "openvino": ["cpu_execution_accelerator 'openvino'", "OpenVINOExecutionProvider"],
     "unknown_accel": ["unknown Execution Accelerator 'fpga' is requested"],
     "bad_mode": ["execution_mode are 0 or 1 but got 2"],
@@ -168,6 +170,8 @@ def build_repository(repo: Path) -> Path:
         "output [ ", 'output [ { name: "EXTRA" data_type: TYPE_FP32 dims: [ 4 ] }, ')))
     om.write(repo, "unfed_input", om.add_sub(), add_sub_config("unfed_input", io=ADD_SUB_IO.replace(
         ', { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]', " ]")))
+    om.write(repo, "ragged_not_flat", om.add_sub(), add_sub_config("ragged_not_flat", io=ADD_SUB_IO.replace(
+        'dims: [ 4 ] }, { name: "INPUT1"', 'dims: [ 4 ] allow_ragged_batch: true }, { name: "INPUT1"')))
     om.write(repo, "openvino", om.add_sub(), add_sub_config(
         "openvino", 'optimization { execution_accelerators { cpu_execution_accelerator [ { name: "openvino" } ] } }'))
     om.write(repo, "unknown_accel", om.add_sub(), add_sub_config(

@@ -6,14 +6,15 @@ checked against it as Triton's onnxruntime backend does (onnx_graph.py); the ses
 and execution providers come from the config and the instance's kind (onnx_session.py).
 
 A batch of several requests runs as one session run over the concatenated batch dimension and is
-split back per request. Inputs reach the graph as the config declares them inside the model (a
-``reshape`` applied); the sequence batcher's controls and implicit states are fed like any input,
-and the state outputs are fetched on every run so the server can keep them. BYTES tensors are
-ONNX string tensors: onnxruntime's Python API takes and gives text, so elements cross as UTF-8
-(an element that is not valid UTF-8 fails its own request). BF16 tensors cross as their 2-byte
-words through ``OrtValue``, numpy having no bfloat16 onnxruntime accepts; a bfloat16 output needs
-every input as an ``OrtValue``, which a string tensor cannot be, so a graph taking strings and
-giving bfloat16 is refused at load.
+split back per request; ragged inputs, batch inputs and batch outputs are Triton's (batch_io.py):
+a ragged input reaches the graph as one flat tensor of the batch's elements. Inputs reach the
+graph as the config declares them inside the model (a ``reshape`` applied); the sequence
+batcher's controls and implicit states are fed like any input, and the state outputs are fetched
+on every run so the server can keep them. BYTES tensors are ONNX string tensors: onnxruntime's
+Python API takes and gives text, so elements cross as UTF-8 (an element that is not valid UTF-8
+fails its own request). BF16 tensors cross as their 2-byte words through ``OrtValue``, numpy
+having no bfloat16 onnxruntime accepts; a bfloat16 output needs every input as an ``OrtValue``,
+which a string tensor cannot be, so a graph taking strings and giving bfloat16 is refused at load.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import numpy as np
 from shmserve.shm.tensors import DTYPES
 
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
+from .batch_io import BatchIO
 from .onnx_graph import GraphTensor, auto_complete, check, graph_tensor, model_dims
 from .onnx_session import Placement, model_path, open_session, run_options
 
@@ -98,6 +100,7 @@ class OnnxInstance(Instance):
         self.graph_inputs = {t.name: t for t in inputs}
         self.graph_outputs = [t.name for t in outputs]
         self.config_outputs = [e["name"] for e in config.get("output", [])]
+        self.batch_io = BatchIO(config)
         # BF16 tensors cross as OrtValues of their 2-byte words (numpy has no bfloat16 onnxruntime takes).
         self.bf16_inputs = {t.name for t in inputs if t.data_type == "TYPE_BF16"}
         self.bf16_outputs = {t.name for t in outputs if t.data_type == "TYPE_BF16"}
@@ -110,6 +113,8 @@ class OnnxInstance(Instance):
         self.reshaped: dict[str, tuple[list[int], list[int]]] = {}
         rank = {t.name: len(t.dims) - (1 if self.batched else 0) for t in inputs + outputs}
         for entry in list(config.get("input", [])) + list(config.get("output", [])):
+            if entry["name"] in self.batch_io.outputs or entry["name"] in self.batch_io.ragged:
+                continue  # flattened for the model, or scattered with an input's shape: never reshaped
             inner, outer = model_dims(entry), list(entry.get("dims") or [])
             if rank.get(entry["name"]) == 0:
                 inner = []
@@ -128,19 +133,28 @@ class OnnxInstance(Instance):
                 responses[i] = Response(error=str(e), status=400)
         wanted = list(dict.fromkeys([n for i in feeds for n in requests[i].requested_outputs or self.config_outputs
                                      if n in self.graph_outputs] + self.state_outputs))
-        if not self.batched or len(feeds) == 1:  # (without batching each request is a run of its own)
-            for i, feed in feeds.items():
-                responses[i].outputs = {k: self._output(k, v) for k, v in self._run(wanted, feed).items()}
-            return responses
-        if feeds:
-            first = next(iter(feeds.values()))
-            results = self._run(wanted, {name: np.concatenate([f[name] for f in feeds.values()]) for name in first})
-            start = 0
-            for i, feed in feeds.items():
-                n = len(next(iter(feed.values())))
-                responses[i].outputs = {k: self._output(k, v[start:start + n]) for k, v in results.items()}
-                start += n
+        # Without batching each request is a run of its own.
+        for group in [list(feeds)] if self.batched else [[i] for i in feeds]:
+            if group:
+                self._run_group(group, feeds, [requests[i].inputs for i in group], wanted, responses)
         return responses
+
+    def _run_group(self, group: list[int], feeds: dict[int, dict[str, np.ndarray]], inputs: list[dict[str, Any]],
+                   wanted: list[str], responses: list[Response]) -> None:
+        """One session run for the requests ``group`` indexes (their graph ``feeds``, their
+        ``inputs`` as sent): inputs concatenated, each output split back by rows or scattered."""
+        io = self.batch_io
+        feed = {name: _join(io.parts(name, [feeds[i][name] for i in group])) for name in feeds[group[0]]}
+        feed.update(io.batch_inputs(inputs))
+        results = self._run(wanted, feed)
+        scattered = {k: io.scatter(k, v, inputs) for k, v in results.items() if k in io.outputs}
+        start = 0
+        for j, i in enumerate(group):
+            n = len(next(iter(feeds[i].values()))) if len(group) > 1 else 0
+            responses[i].outputs = {k: self._output(k, scattered[k][j] if k in scattered else
+                                                    v if len(group) == 1 else v[start:start + n])
+                                    for k, v in results.items()}
+            start += n
 
     def _input(self, name: str, arr: np.ndarray) -> np.ndarray:
         """One request's input as the graph takes it: reshaped to the model's dims, strings as
@@ -184,6 +198,11 @@ class OnnxInstance(Instance):
         if name in self.bf16_outputs:
             return value.view(DTYPES["BF16"])
         return value
+
+
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    """One input of a run: a lone request's array as it is, several requests' concatenated."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _bf16_words(value: Any) -> np.ndarray:

@@ -80,14 +80,16 @@ def auto_complete(config: dict[str, Any], model: str, inputs: list[GraphTensor],
                   outputs: list[GraphTensor]) -> dict[str, Any]:
     """The config completed from the graph, as Triton's onnxruntime backend completes it.
 
-    A config that declares both inputs and outputs is left as it is. Otherwise ``max_batch_size``
-    becomes 4 when it is unset and every input and output has a free first dimension (a model
-    that cannot batch with a non-zero ``max_batch_size`` is refused), a ``dynamic_batching``
-    section is added when the model batches and names no scheduler, and the missing inputs or
-    outputs are taken from the graph. The sequence batcher's controls and states are not made
+    A config that declares both inputs (or batch inputs) and outputs is left as it is. Otherwise
+    ``max_batch_size`` becomes 4 when it is unset and every input and output has a free first
+    dimension (a model that cannot batch with a non-zero ``max_batch_size`` is refused), a
+    ``dynamic_batching`` section is added when the model batches and names no scheduler, and the
+    missing inputs or outputs are taken from the graph. The sequence batcher's controls and states are not made
     inputs and outputs clients must send: they are fed by the server (Triton would list them).
     """
-    if config.get("input") and config.get("output"):
+    # Batch inputs count as inputs here, as in Triton: a config with them and outputs is not completed.
+    declared_inputs = bool(config.get("input") or config.get("batch_input"))
+    if declared_inputs and config.get("output"):
         log.info("skipping model configuration auto-complete for '%s': inputs and outputs already specified", model)
         return config
     done = copy.deepcopy(config)
@@ -104,7 +106,7 @@ def auto_complete(config: dict[str, Any], model: str, inputs: list[GraphTensor],
         raise ValueError(f"autofill failed for model '{model}': model does not support batching while "
                          f"non-zero max_batch_size is specified")
     fed, taken = _sequence_names(done)
-    if not done.get("input"):
+    if not declared_inputs:
         done["input"] = [_config_tensor(t, max_batch > 0) for t in inputs if t.name not in fed]
     if not done.get("output"):
         done["output"] = [_config_tensor(t, max_batch > 0) for t in outputs if t.name not in taken]
@@ -140,6 +142,18 @@ def _check_dims(model: str, kind: str, entry: dict[str, Any], t: GraphTensor, ma
                          f"{dims_text(shape)} doesn't match model configuration shape {dims_text(dims)}")
 
 
+def _check_ragged(model: str, entry: dict[str, Any], t: GraphTensor) -> None:
+    """A ragged input reaches the graph as one flat tensor of the batch's elements, so the graph
+    must take it as ``[-1]`` (Triton's check and text)."""
+    name = entry["name"]
+    if entry.get("optional"):
+        raise ValueError(f"unable to load model '{model}', configuration expects model provides input with shape "
+                         f"[-1] for ragged input '{name}', which is not supported for optional input")
+    if list(t.dims) != [-1]:
+        raise ValueError(f"unable to load model '{model}', configuration expects model provides input with shape "
+                         f"[-1]  for ragged input '{name}', model provides {dims_text(t.dims)}")
+
+
 def _check_type(model: str, kind: str, name: str, want: str, t: GraphTensor) -> None:
     if want != t.data_type:
         provides = t.data_type or t.onnx_type
@@ -160,12 +174,20 @@ def check(config: dict[str, Any], model: str, inputs: list[GraphTensor], outputs
           initializers: list[GraphTensor]) -> None:
     """Refuse a config the graph cannot serve, as Triton's instance initialization does: every
     config input is a graph input (or an initializer a request may override) of the same
-    datatype and shape, every config output a graph output; every graph input is fed by the
-    config, a sequence control or a state; controls are ``[1]`` tensors of their kind's type."""
+    datatype and shape (a ragged input: ``[-1]``; a batch output: any shape), every config output a
+    graph output; every graph input is fed by the config, a batch input, a sequence control or a
+    state; controls are ``[1]`` tensors of their kind's type."""
     max_batch = int(config.get("max_batch_size", 0) or 0)
     graph_in = {t.name: t for t in initializers} | {t.name: t for t in inputs}
     graph_out = {t.name: t for t in outputs}
+    # Shapes the server decides at run time (batch_io.py): ragged inputs are flat, batch outputs
+    # take an input's shape.
+    unchecked = {b for o in config.get("batch_output") or () for b in o.get("target_name") or ()}
     for entry in config.get("input", []):
+        if entry.get("allow_ragged_batch"):
+            unchecked.add(entry["name"])
+            if entry["name"] in graph_in:
+                _check_ragged(model, entry, graph_in[entry["name"]])
         if entry.get("optional") and max_batch != 0:
             raise ValueError(f"unable to load model '{model}', optional input '{entry['name']}' is not supported "
                              f"for models that support batching")
@@ -178,7 +200,8 @@ def check(config: dict[str, Any], model: str, inputs: list[GraphTensor], outputs
                 raise ValueError(f"unable to load model '{model}', unexpected inference {kind} '{name}', allowed "
                                  f"{kind}s are: {', '.join(sorted(graph))}")
             _check_type(model, kind, name, entry.get("data_type", ""), t)
-            _check_dims(model, kind, entry, t, max_batch)
+            if name not in unchecked:
+                _check_dims(model, kind, entry, t, max_batch)
     sb = config.get("sequence_batching") or {}
     for ci in sb.get("control_input", []):
         name = ci.get("name", "")
@@ -205,8 +228,9 @@ def check(config: dict[str, Any], model: str, inputs: list[GraphTensor], outputs
                                  f"the model (its {kind}s: {', '.join(sorted(graph))})")
             _check_type(model, f"state {kind}", name, st.get("data_type", ""), t)
     fed = {e["name"] for e in config.get("input", [])} | _sequence_names(config)[0]
+    fed |= {name for b in config.get("batch_input") or () for name in b.get("target_name") or ()}
     unfed = [t.name for t in inputs if t.name not in fed]
     if unfed:
         raise ValueError(f"unable to load model '{model}', the model's input(s) {', '.join(unfed)} are not in "
-                         f"the configuration (its inputs, sequence controls or states): the model could not "
-                         f"run")
+                         f"the configuration (its inputs, batch inputs, sequence controls or states): the model "
+                         f"could not run")

@@ -7,6 +7,9 @@ input a request leaves out is not passed when no later input is (forward()'s def
 and is passed as None before one that is. Outputs
 ``<name>__<index>`` index the returned tuple; otherwise the config's order. A batch of several
 requests runs as one forward over the concatenated batch dimension, then is split per request.
+Ragged inputs, batch inputs and batch outputs are Triton's (batch_io.py): a ragged input is one
+flat tensor of the batch's elements, and the batch inputs come after the config's inputs (or
+where their ``__<index>`` or forward() argument name puts them).
 
 A GPU instance makes its GPU the worker's current device (a bare ``.cuda()`` lands there), takes
 inputs that lie in a client's CUDA region as they are, and hands back on the device the outputs
@@ -25,6 +28,7 @@ from shmserve.shm import heap
 
 from . import device_tensors, shared_weights
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
+from .batch_io import BatchIO
 
 _INDEXED = re.compile(r"^.+__(\d+)$")
 log = logging.getLogger("shmserve.worker")
@@ -103,7 +107,8 @@ class PyTorchInstance(Instance):
         self.device = device
         self.device_inputs = device.type == "cuda"
         self.batched = config.get("max_batch_size", 0) > 0
-        self.input_names = _order([t["name"] for t in config.get("input", [])])
+        self.batch_io = BatchIO(config)
+        self.input_names = _order([t["name"] for t in config.get("input", [])] + self.batch_io.targets)
         self.output_names = _order([t["name"] for t in config.get("output", [])])
         self.by_keyword = False
         try:
@@ -117,12 +122,17 @@ class PyTorchInstance(Instance):
     def execute(self, requests: list[Request]) -> list[Response]:
         torch = self.torch
         sizes = [next(iter(r.inputs.values())).shape[0] if self.batched and r.inputs else 1 for r in requests]
+        io = self.batch_io
+        inputs = [r.inputs for r in requests]
+        generated = io.batch_inputs(inputs)
         tensors: list[Any] = []
         for name in self.input_names:
-            if name not in requests[0].inputs:  # an optional input left out (a batch shares its inputs' names)
+            if name in generated:
+                tensors.append(torch.from_numpy(generated[name]).to(self.device))
+            elif name not in requests[0].inputs:  # an optional input left out (a batch shares its inputs' names)
                 tensors.append(None)
-                continue
-            tensors.append(self._input([r.inputs[name] for r in requests]))
+            else:
+                tensors.append(self._input(io.parts(name, [i[name] for i in inputs])))
         while tensors and tensors[-1] is None:
             tensors.pop()  # trailing absent inputs are not passed, so forward()'s defaults apply
         with torch.inference_mode():
@@ -138,11 +148,14 @@ class PyTorchInstance(Instance):
             outputs = dict(zip(self.output_names, result))
         on_device = frozenset().union(*(r.device_outputs for r in requests)) if self.device_inputs else ()
         host = {k: v.detach() if k in on_device else device_tensors.host_array(v) for k, v in outputs.items()}
-        if len(requests) == 1:
+        scattered = {k: io.scatter(k, v, inputs) for k, v in host.items() if k in io.outputs}
+        if len(requests) == 1 and not scattered:
             return [Response(outputs=host)]
         responses, start = [], 0
-        for n in sizes:
-            responses.append(Response(outputs={k: v[start:start + n] for k, v in host.items()}))
+        for j, n in enumerate(sizes):
+            responses.append(Response(outputs={k: scattered[k][j] if k in scattered else
+                                               v if len(requests) == 1 else v[start:start + n]
+                                               for k, v in host.items()}))
             start += n
         return responses
 

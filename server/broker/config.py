@@ -16,7 +16,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from shmserve.workers.devices import cuda_device_count
 
-from . import response_cache, unsupported
+from . import batch_io_checks, response_cache, unsupported
 
 ModelConfig = mc.ModelConfig
 
@@ -141,7 +141,7 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
     why = unsupported.refusal(config)
     if why:
         raise ConfigError(f"model '{m}': {why}")
-    why = response_cache.refusal(config)
+    why = response_cache.refusal(config) or batch_io_checks.problem(config)
     if why:
         raise ConfigError(why)  # Triton's text names the model
     if config.platform == "ensemble":

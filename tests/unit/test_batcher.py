@@ -174,6 +174,22 @@ def test_requests_of_another_shape_wait_for_a_batch_of_their_own():
     assert slots(b.next_batch(DELAY_S)) == [1]
 
 
+def test_a_ragged_input_batches_whatever_its_shape_and_the_others_still_must_match():
+    """``allow_ragged_batch`` lifts the shape rule for that input only (Triton's rule)."""
+    b = DynamicBatcher({"max_batch_size": 8, "dynamic_batching": {"preferred_batch_size": [3]},
+                        "input": [{"name": "INPUT0", "allow_ragged_batch": True}, {"name": "MASK"}]})
+
+    def ragged(slot: int, width: int, mask: int) -> Pending:
+        entry = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, width]},
+                            {"name": "MASK", "datatype": "FP32", "shape": [1, mask]}]}
+        return Pending(None, slot, 0, entry, 1, 0.0)
+
+    for slot, (width, mask) in enumerate([(3, 2), (5, 2), (4, 7), (9, 2)]):
+        b.enqueue(ragged(slot, width, mask), 0.0)
+    assert slots(b.next_batch(0.0)) == [0, 1, 3]  # widths 3, 5, 9 together; MASK [1, 7] waits
+    assert slots(b.next_batch(DELAY_S)) == [2]
+
+
 def test_the_delay_is_skipped_once_the_traffic_of_one_delay_waits_again():
     b = batcher(16)
     fill(b, 3)

@@ -383,15 +383,43 @@ def test_fields_at_their_default_are_not_reported():
     assert list(unsupported.findings(config)) == []
 
 
-def test_validate_refuses_batch_output_naming_model_and_field(tmp_path):
-    d = model_dir(tmp_path, config="""name: "m" backend: "python" max_batch_size: 4
-        input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
-        output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+RAGGED_IO = """name: "m" backend: "python" max_batch_size: 4
+    input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true } ]
+    output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+
+def test_ragged_inputs_batch_inputs_and_batch_outputs_load(tmp_path):
+    config = check(RAGGED_IO + """
+        batch_input [ { kind: BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO target_name: "OFFSETS"
+                        data_type: TYPE_INT32 source_input: "X" } ]
         batch_output [ { target_name: "Y" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "X" } ]""",
-                  files={"1/model.py": ""})
-    config = cfgmod.load_config(d, strict=False)
-    with pytest.raises(ConfigError, match="model 'm': config field 'batch_output' is not supported"):
-        cfgmod.validate(config, d, BACKENDS, [1])
+                   tmp_path)
+    assert config.input[0].allow_ragged_batch and config.batch_input[0].target_name == ["OFFSETS"]
+
+
+@pytest.mark.parametrize("extra, why", [
+    ('batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_FP32 source_input: "Z" } ]',
+     "unknown source input name 'Z' for m"),
+    ('batch_input [ { kind: BATCH_ITEM_SHAPE target_name: "N" data_type: TYPE_INT64 source_input: "X" } ]',
+     "batch input data type must be TYPE_INT32 or TYPE_FP32 for m"),
+    ('batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_INT32 } ]',
+     "batch input kind 'BATCH_ELEMENT_COUNT' expects 1 source input, got 0 for m"),
+    ('batch_input [ { kind: 9 target_name: "N" data_type: TYPE_INT32 source_input: "X" } ]',
+     "unknown batch input kind '9' for m"),
+    ('batch_output [ { target_name: "Q" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "X" } ]',
+     "unknown target output name 'Q' for m"),
+    ('batch_output [ { target_name: "Y" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "Z" } ]',
+     "unknown source input name 'Z' for m"),
+    ('batch_output [ { target_name: [ "Y", "Y" ] kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "X" } ]',
+     "target output name 'Y' can only be specified once for m"),
+    ('batch_output [ { target_name: "Y" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: [ "X", "X" ] } ]',
+     "batch output kind 'BATCH_SCATTER_WITH_INPUT_SHAPE' expects 1 source input, got 2 for m"),
+])
+def test_batch_inputs_and_outputs_are_refused_with_tritons_text(tmp_path, extra, why):
+    with pytest.raises(ConfigError) as e:
+        check(RAGGED_IO + extra, tmp_path)
+    assert str(e.value) == why
 
 
 def test_the_onnx_backends_own_optimization_fields_are_not_findings():

@@ -1,0 +1,1 @@
+../../ragged_py/1/model.py
