@@ -96,6 +96,16 @@ def accumulator() -> onnx.ModelProto:
                  [tensor("SUM", TensorProto.FLOAT, shape), tensor("STATE_OUT", TensorProto.FLOAT, shape)], [one])
 
 
+def row_sum() -> onnx.ModelProto:
+    """A sequence model whose requests vary in length: SUM = the sum of VALUE's row, VALUE FP32
+    [batch, length]; START (FP32 [batch, 1], its control) is fed and unused."""
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    return model([helper.make_node("ReduceSum", ["VALUE", "axes"], ["SUM"], keepdims=1)],
+                 [tensor("VALUE", TensorProto.FLOAT, ["batch", "length"]),
+                  tensor("START", TensorProto.FLOAT, ["batch", 1])],
+                 [tensor("SUM", TensorProto.FLOAT, ["batch", 1])], [axes])
+
+
 def mlp(features: int, hidden: int, classes: int, seed: int = 0) -> onnx.ModelProto:
     """Y = relu(X @ W1 + B1) @ W2 + B2 over FP32 [batch, features], with fixed random weights: a
     model whose answer on one device can be checked against onnxruntime's on another."""

@@ -118,6 +118,18 @@ def build_repository(repo: Path) -> Path:
     om.write(repo, "types", om.identity_all([dt for dt in om.ELEMENT_TYPES if dt != "BF16"]), None)
     om.write(repo, "bf16", om.identity_all(["BF16", "FP32"]), None)
     om.write(repo, "accumulate", om.accumulator(), accumulator_config("accumulate", "fp32_false_true"))
+    om.write(repo, "row_sums", om.row_sum(), textwrap.dedent("""\
+        name: "row_sums"
+        platform: "onnxruntime_onnx"
+        max_batch_size: 4
+        input [ { name: "VALUE" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        sequence_batching {
+          max_sequence_idle_microseconds: 60000000
+          control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] } ]
+        }
+        instance_group [ { count: 1 kind: KIND_CPU } ]
+        """))
     om.write(repo, "warm", om.add_sub(), add_sub_config("warm", textwrap.dedent("""\
         model_warmup [ { name: "zeros" batch_size: 2 count: 3
           inputs { key: "INPUT0" value: { data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } }
@@ -395,6 +407,29 @@ def test_implicit_state_carries_a_running_sum_per_sequence(onnx_server):
         assert step(11, 1.0, end=True) == 11.0
     finally:
         c.close()
+
+
+def test_sequences_of_different_lengths_are_never_batched_together(onnx_server):
+    """Four sequences whose requests differ in length, all in flight at once on one instance: the
+    sequence batcher batches only requests of one shape (the backend concatenates them), so every
+    step gets its own row's sum and none fails."""
+    import concurrent.futures
+
+    def run(seq: int) -> list[float]:
+        c = onnx_server.client()
+        try:
+            sums = []
+            for i in range(6):
+                x = _input("VALUE", np.full((1, seq), float(i), np.float32), "FP32")
+                r = c.infer("row_sums", [x], sequence_id=seq, sequence_start=i == 0, sequence_end=i == 5)
+                sums.append(float(r.as_numpy("SUM")[0, 0]))
+            return sums
+        finally:
+            c.close()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = dict(zip((2, 3, 4, 5), pool.map(run, (2, 3, 4, 5))))
+    assert got == {seq: [float(seq * i) for i in range(6)] for seq in (2, 3, 4, 5)}
 
 
 TYPED_VALUES = {

@@ -3,8 +3,11 @@
 A sequence is a run of requests sharing a correlation id, from one flagged START to one flagged
 END. Each sequence gets a slot on one instance for its whole life (so the instance may keep its
 state), up to ``max_batch_size`` sequences per instance (one when the model does not batch); more
-sequences wait in a backlog for a slot. Each batch takes at most one request per sequence:
-``direct`` walks the instance's slots in order and sends what is there at once. ``oldest`` keeps
+sequences wait in a backlog for a slot. Each batch takes at most one request per sequence, and
+only requests whose inputs match beyond the batch dimension (ragged inputs aside), as Triton's
+sequence batcher enforces equal shapes: the first candidate's shapes rule, and a sequence whose
+next request differs waits for a later batch. ``direct`` walks the instance's slots in order and
+sends what is there at once. ``oldest`` keeps
 ``max_candidate_sequences`` slots per instance (``max_batch_size`` when unset) and batches the
 candidates whose next request is oldest first, as Triton's dynamic batcher would: a batch goes
 when it reaches a ``preferred_batch_size`` (the largest it can fill; ``max_batch_size`` when none
@@ -46,6 +49,7 @@ class SequenceBatcher:
         idle_us = sb.max_sequence_idle_microseconds
         self.idle_s = idle_us / 1e6 if idle_us else DEFAULT_IDLE_S
         self.max_batch = max(1, config.max_batch_size)
+        self.ragged = frozenset(t.name for t in config.input if t.allow_ragged_batch)
         self.slots_per_instance = self.max_batch
         # Oldest only: how long a batch may wait for more candidates, and the sizes that end the wait.
         self.delay_s = 0.0
@@ -140,6 +144,10 @@ class SequenceBatcher:
             return None
         if self.oldest:
             ready.sort(key=lambda s: s.pending[0].arrived)
+        if len(ready) > 1:  # (the backends concatenate a batch's inputs: their shapes must agree)
+            key = ready[0].pending[0].shape_key(self.ragged)
+            ready = [s for s in ready if s.pending[0].shape_key(self.ragged) == key]
+        if self.oldest:
             size = self._oldest_size(len(ready), ready[0].pending[0].arrived, now)
             if not size:
                 return None

@@ -270,3 +270,33 @@ def test_a_dead_instance_loses_its_sequences_and_their_queued_requests():
     assert set(sb.sequences) == {2, 3} and 0 not in sb.slots and sb.take_releases(a) == []
     with pytest.raises(InvalidRequest, match="START"):
         sb.enqueue(step(1), [b], 0.0)  # its state died with the instance: the client starts again
+
+
+# -- shapes ---------------------------------------------------------------------------------------
+
+
+def shaped(corr, dims: list[int], flags: int = 0, arrived: float = 0.0, tag: str = "") -> Pending:
+    p = step(corr, flags, arrived, tag=tag)
+    p.entry["inputs"] = [{"name": "VALUE", "datatype": "FP32", "shape": [1, *dims]}]
+    return p
+
+
+@pytest.mark.parametrize("strategy", ["direct { }", "oldest { max_candidate_sequences: 4 }"])
+def test_a_batch_takes_only_requests_of_the_first_ones_shapes(strategy):
+    """As Triton's sequence batcher enforces equal shapes: the backends concatenate a batch's
+    inputs, so a sequence whose next request has other dims waits for the next batch."""
+    sb, inst = sequencer(max_batch_size=4, strategy=strategy), instance(0)
+    sb.enqueue(shaped(1, [3], START, 0.0, "a3"), [inst], 0.0)
+    sb.enqueue(shaped(2, [5], START, 0.1, "b5"), [inst], 0.1)
+    sb.enqueue(shaped(3, [3], START, 0.2, "c3"), [inst], 0.2)
+    assert ids(sb.next_batch(inst, [inst], 10.0)) == ["a3", "c3"]
+    assert ids(sb.next_batch(inst, [inst], 10.0)) == ["b5"]
+
+
+def test_ragged_inputs_need_not_match():
+    text = ('name: "seq" max_batch_size: 4 input [ { name: "VALUE" data_type: TYPE_FP32 dims: [ -1 ] '
+            'allow_ragged_batch: true } ] sequence_batching { direct { } }')
+    sb, inst = SequenceBatcher(parse_config_text(text, "seq")), instance(0)
+    sb.enqueue(shaped(1, [3], START, tag="a3"), [inst], 0.0)
+    sb.enqueue(shaped(2, [5], START, tag="b5"), [inst], 0.0)
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["a3", "b5"]
