@@ -300,6 +300,26 @@ def test_grpc_inferences_are_traced_with_grpc_timestamps(server_factory, tmp_pat
         assert_ordered(by_request[name], GRPC_STAMPS)
 
 
+def test_a_grpc_call_refused_for_its_inputs_is_not_traced(server_factory, tmp_path):
+    """Triton samples a ModelInfer call once its request is built: a call whose input carries no
+    data is refused untraced and takes nothing from trace_count, which the next call then uses."""
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path, "level=TIMESTAMPS", "rate=1", "count=1")
+    a = np.arange(16, dtype=np.int32)
+    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
+    inputs[0].set_data_from_numpy(a)  # INPUT1 has none
+    with grpcclient.InferenceServerClient(s.grpc_url) as g:
+        with pytest.raises(InferenceServerException) as e:
+            g.infer("add_sub", inputs, request_id="refused")
+        assert "unable to find data for input 'INPUT1'" in e.value.message(), e.value.message()
+        inputs[1].set_data_from_numpy(a)
+        g.infer("add_sub", inputs, request_id="served")
+        g.infer("add_sub", inputs, request_id="past the count")
+    found = records(path, 1)
+    assert [r["request_id"] for r in found] == ["served"], found
+    assert_ordered(found[0], GRPC_STAMPS)
+
+
 def test_traced_requests_with_large_bodies_and_answers(server_factory, tmp_path):
     """Traced requests take the ASGI path, where a large answer joined on both cores arrives as a
     memoryview: 8 MiB each way, in the body and back, byte for byte, and timed."""

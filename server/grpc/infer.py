@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from shmserve.server.frontend.codec import BadRequest, build_request
 from shmserve.server.frontend.link import BrokerError, BrokerLink, Sent, when_room
-from shmserve.server.frontend.tracing import (RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer,
+from shmserve.server.frontend.tracing import (RECV_END, RECV_START, SEND_END, SEND_START, Trace, Tracer,
                                               timed_sends)
 from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import REQ_INFER
@@ -74,13 +74,15 @@ class GrpcInference:
         self.max_request_bytes = arena_bytes - (64 << 10)  # as Inference: what can never fit the arena
 
     async def infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """The ``ModelInferResponse`` of ``request``; raises ``Aborted`` for an error answer."""
+        """The ``ModelInferResponse`` of ``request``; raises ``Aborted`` for an error answer.
+        Sampled for tracing once the request is built, as Triton samples a ModelInfer call: one
+        refused for its inputs is not traced."""
+        read = time.monotonic_ns()  # the message is read
+        doc, req, chunks = await self._build(request)
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
         if trace is not None:
-            trace.ns[RECV_START] = trace.ns[RECV_END] = time.monotonic_ns()  # the message is read
+            trace.ns[RECV_START] = trace.ns[RECV_END] = read
             context.add_done_callback(lambda _: self._finish_trace(trace))
-        doc, req, chunks = await self._build(request)
-        if trace is not None:
             trace.mark(req)
         completion = await self._submit(req, chunks, request.model_name)
         try:
@@ -103,7 +105,6 @@ class GrpcInference:
         ns = trace.ns
         ns[SEND_END] = time.monotonic_ns()
         ns[SEND_START] = ns[SEND_START] or ns[SEND_END]  # an error status
-        ns[REQUEST_START] = ns[REQUEST_START] or ns[RECV_END]  # refused before it became a request
         self.tracer.finish(trace)
 
     async def decoupled(self, model: str, version: str) -> bool:
