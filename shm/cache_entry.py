@@ -25,6 +25,7 @@ import operator
 from typing import Any
 
 import orjson
+import posix_ipc
 
 from .protocol import manifest_room, read_manifest_with_data
 from .segment import SegmentCache
@@ -58,7 +59,7 @@ class RequestKeys:
             off, size = t["off"], t["size"]
             try:
                 seg = segments.get(t["seg"], t.get("ino", 0), off + size)
-            except (OSError, ValueError):  # the run that follows reports it
+            except (OSError, ValueError, posix_ipc.Error):  # a region gone, say: the run that follows reports it
                 return None
             h.update(seg.buf[off:off + size])
         return h.digest()[:16]

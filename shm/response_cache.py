@@ -102,11 +102,12 @@ class CacheStore:
         return cls(seg, posix_ipc.Semaphore(name))
 
     # -- the lock ---------------------------------------------------------------------------------
-    def _lock(self) -> bool:
+    def _lock(self, wait: float) -> bool:
         try:
-            self.sem.acquire(LOCK_WAIT_S)
+            self.sem.acquire(wait)
         except posix_ipc.BusyError:
-            log.warning("the response cache stayed locked for %.1f s; this request runs uncached", LOCK_WAIT_S)
+            if wait:
+                log.warning("the response cache stayed locked for %.1f s; this request runs uncached", wait)
             return False
         self.words[_W_HOLDER] = self.pid
         self.words[_W_OPS] += 1
@@ -137,10 +138,11 @@ class CacheStore:
         return True
 
     # -- lookup and insert ------------------------------------------------------------------------
-    def lookup(self, key: bytes) -> bytes | None:
-        """A copy of the payload stored under ``key`` (a 16-byte digest), or None."""
+    def lookup(self, key: bytes, wait: float = LOCK_WAIT_S) -> bytes | None:
+        """A copy of the payload stored under ``key`` (a 16-byte digest), or None (also when the
+        lock stays taken for ``wait`` seconds: the broker, which serves everyone, passes 0)."""
         k0, k1 = _KEY.unpack(key)
-        if not self._lock():
+        if not self._lock(wait):
             return None
         try:
             off, slot = self._find(k0, k1)
@@ -161,13 +163,13 @@ class CacheStore:
         """Whether a payload of ``n`` bytes can be stored at all."""
         return _ENTRY + n <= self.capacity
 
-    def insert(self, key: bytes, parts: list, n: int) -> bool:
+    def insert(self, key: bytes, parts: list, n: int, wait: float = LOCK_WAIT_S) -> bool:
         """Store ``parts`` (bytes-like, ``n`` bytes together) under ``key``; False when the key is
-        there already, the entry is larger than the cache, or the lock stayed taken."""
+        there already, the entry is larger than the cache, or the lock stayed taken ``wait`` s."""
         if not self.fits(n):
             return False
         k0, k1 = _KEY.unpack(key)
-        if not self._lock():
+        if not self._lock(wait):
             return False
         try:
             if self._find(k0, k1)[0] >= 0:

@@ -128,6 +128,15 @@ class SegmentCache:
         if seg is not None:
             seg.close()
 
+    def drop_unlinked(self, prefix: str) -> None:
+        """Unmap the segments named ``prefix...`` whose object is gone from /dev/shm (a client
+        that left unlinks its segment), so their memory is not pinned here."""
+        with self._lock:
+            gone = [n for n in self._items if n.startswith(prefix) and not os.path.exists("/dev/shm" + n)]
+            segs = [self._items.pop(n) for n in gone]
+        for seg in segs:
+            seg.close()
+
     def clear(self) -> None:
         with self._lock:
             items = list(self._items.values())

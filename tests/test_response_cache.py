@@ -22,7 +22,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from conftest import TESTS
+from conftest import DEADLINE_S, TESTS, processes_mapping, shm_names, wait_until
 from gates import Gate
 from shmserve import Client
 from shmserve.server.cli import parse_args
@@ -470,3 +470,42 @@ def test_cache_flags_give_the_size_in_bytes(tmp_path):
     assert [line for _, line in args.notices if "policy" in line or "--cache-directory" in line] == [
         "--cache-directory /opt/tritonserver/caches: the local cache is built in; no cache library is loaded",
         "--cache-config local,policy=lru: the local cache has no setting 'policy'; ignored"]
+
+
+def test_an_input_region_deleted_under_a_cached_ensemble_fails_its_request_only(cache_server):
+    """A client that unlinks a registered region's object and then names it as an input of a
+    cached ensemble gets an error for that request; the broker, which reads the input to key it,
+    serves on."""
+    x = fresh()
+    broker = [pid for pid, title in cache_server.titles().items() if title.startswith("shmserve broker")]
+    regions = Regions(cache_server)
+    client = cache_server.client()
+    try:
+        handle, key = regions.create("gone_in", x.nbytes)
+        regions.register("gone_in", key, x.nbytes)
+        regions.destroy(key)  # unlinked, still registered
+        t = httpclient.InferInput("X", list(x.shape), "FP32")
+        t.set_shared_memory("gone_in", x.nbytes)
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("ensemble_cached", [t])
+        assert e.value.status() == "400", e.value
+        np.testing.assert_array_equal(infer(cache_server, "ensemble_cached", x).as_numpy("Y"), x * 4)
+        assert [pid for pid, title in cache_server.titles().items() if title.startswith("shmserve broker")] == broker
+    finally:
+        client.close()
+        regions.close()
+
+
+def test_no_process_keeps_a_departed_clients_arena_an_ensemble_read(cache_server):
+    """To key a request to a cached ensemble the broker reads the client's arena, and the first
+    step's worker reads its inputs there too; once the client leaves, no server process keeps
+    that memory mapped (a later client of the same name is read anew)."""
+    stem = f"shmserve.{cache_server.id}.client.{os.getpid()}-"
+    before = set(shm_names(stem))
+    local = Client(cache_server.id)
+    (name,) = set(shm_names(stem)) - before
+    x = fresh()
+    np.testing.assert_array_equal(local.infer("ensemble_cached", {"X": x})["Y"], x * 4)
+    local.close()
+    wait_until(lambda: processes_mapping(cache_server.tree(), name) == [],
+               "no server process maps the departed client's arena", DEADLINE_S)

@@ -43,7 +43,6 @@ class StreamSender:
         self.stats = stats
         self.stats_lock = stats_lock
         self.holds = holds
-        self.held = holds.hand_to_sender(entry)
         stream = entry["stream"]
         self.ring = Ring(self.client.seg.buf, stream["off"], STREAM_CAPACITY, RECORD)
         self.lock = threading.Lock()
@@ -53,6 +52,7 @@ class StreamSender:
         self.dropped = False  # a response found no room in the arena, not even for its error
         self.computing = (0, 0)  # traced: the batch's start and this request's inputs read (worker.py)
         self.output_start = 0  # traced: when the first response came
+        self.held = holds.hand_to_sender(entry)  # last: nothing above may fail with it taken
 
     def __call__(self, response: Response | None, final: bool) -> None:
         with self.lock:
@@ -86,7 +86,14 @@ class StreamSender:
 
     def _finish(self) -> None:
         """Count the stream, then complete the request's slot: the client then knows no response
-        follows, and statistics read after that already hold this stream."""
+        follows, and statistics read after that already hold this stream. Its regions are let go
+        whatever happens here."""
+        try:
+            self._complete()
+        finally:
+            self.holds.let_go(self.held)
+
+    def _complete(self) -> None:
         with self.stats_lock:
             self.stats.finished_stream(self.entry.get("t", 0), not self.failed)
             self.stats.flush()
@@ -100,7 +107,6 @@ class StreamSender:
             doc = orjson.dumps(final)
             override, off, total = self.answers.write_block(self.entry, doc, [])
             self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.answers.num, off, total)
-        self.holds.let_go(self.held)
 
     def fail(self, status: int, message: str) -> None:
         """The model raised before finishing: one error response, then the end."""

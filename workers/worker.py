@@ -428,6 +428,9 @@ class Worker:
                     self.stats.counts[DIRECT_DONE] += len(queued) - len(kept)
                 self.clients.pop(name).close()
                 self.segments.drop(name)
+        # Arenas of clients this worker never answered are mapped through ``segments`` too (an
+        # ensemble's first step reads its caller's inputs there): unmapped once they are gone.
+        self.segments.drop_unlinked(object_name(self.server_id, "client", ""))
 
     def _client(self, name: str) -> ClientSegment:
         client = self.clients.get(name)

@@ -209,6 +209,8 @@ class Broker:
         for mv in self.catalog.serving():
             self.scheduler.drop_client(mv, client)
         self.regions.forget_client(client.name, died)
+        if self.ensembles.cache is not None:
+            self.ensembles.cache.forget_client(client.name)
         self.clients.remove(client, died)
         self.instances.wake_all()  # let them unmap the client's segment now
 

@@ -40,10 +40,15 @@ class EnsembleCache:
         keys = cache_entry.RequestKeys(mv.name, mv.version, load_key(mv), mv.ensemble.outputs)
         return keys.key(entry, self.segments)
 
+    def forget_client(self, name: str) -> None:
+        """Unmap a departed client's arena, which keys were read from: its memory is freed, and a
+        later client of the same name is read anew."""
+        self.segments.drop(name)
+
     def lookup(self, key: bytes, names: list[str]) -> list[cache_entry.Output] | None:
         """The stored outputs in the order of ``names`` (requests that name the same outputs in
         another order share the key), as views of a copy of the entry; None on a miss."""
-        payload = self.store.lookup(key)
+        payload = self.store.lookup(key, wait=0)  # the broker's loop serves everyone: a taken lock is a miss
         if payload is None:
             return None
         stored = {output[0]: output for output in cache_entry.unpack(payload)[0]}
@@ -58,4 +63,4 @@ class EnsembleCache:
                 log.warning("an answer of ensemble '%s' of %d bytes does not fit in the response cache (%d bytes "
                             "for entries): such answers are not cached", mv.name, n, self.store.capacity)
             return
-        self.store.insert(key, parts, n)
+        self.store.insert(key, parts, n, wait=0)  # (a taken lock: not stored this time)

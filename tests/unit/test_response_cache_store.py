@@ -111,7 +111,7 @@ HOLD_AND_DIE = """
 import os, signal, sys
 from shmserve.shm.response_cache import CacheStore
 store = CacheStore.attach(sys.argv[1])
-store._lock()  # the lock, as a lookup takes it ...
+store._lock(1.0)  # the lock, as a lookup takes it ...
 os.kill(os.getpid(), signal.SIGKILL)  # ... and a death before it is released
 """
 
