@@ -71,11 +71,6 @@ class BatchIO:
                 self.outputs[name] = BatchOutput((b.get("source_input") or [""])[0], tuple(shape))
 
     @property
-    def active(self) -> bool:
-        """Whether a batch needs anything done here (else backends run it as they always do)."""
-        return bool(self.ragged or self.inputs or self.outputs)
-
-    @property
     def targets(self) -> list[str]:
         """The model inputs the batch inputs feed, in config order (after the config's inputs)."""
         return [name for b in self.inputs for name in b.targets]

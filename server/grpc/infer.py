@@ -77,7 +77,7 @@ class GrpcInference:
         """The ``ModelInferResponse`` of ``request``; raises ``Aborted`` for an error answer.
         Sampled for tracing once the request is built, as Triton samples a ModelInfer call: one
         refused for its inputs is not traced."""
-        read = time.monotonic_ns()  # the message is read
+        read = time.monotonic_ns() if self.tracer.on else 0  # the message is read
         doc, req, chunks = await self._build(request)
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
         if trace is not None:

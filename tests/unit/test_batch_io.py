@@ -52,7 +52,7 @@ def test_only_ragged_inputs_are_flattened():
     io = batch_io()
     assert [p.shape for p in io.parts("R", [np.zeros((1, 3)), np.zeros((1, 5))])] == [(3,), (5,)]
     assert [p.shape for p in io.parts("M", [np.zeros((1, 2)), np.zeros((2, 2))])] == [(1, 2), (2, 2)]
-    assert io.targets == [k.lower() for k in KINDS] and io.active
+    assert io.targets == [k.lower() for k in KINDS]
 
 
 def test_a_batch_output_is_scattered_with_each_requests_input_shape():
@@ -72,4 +72,5 @@ def test_a_batch_output_too_small_for_the_requests_is_an_error():
 
 def test_a_config_without_ragged_batching_leaves_batches_alone():
     io = BatchIO({"max_batch_size": 8, "input": [{"name": "X", "dims": [4]}], "output": [{"name": "Y", "dims": [4]}]})
-    assert not io.active and io.batch_inputs(requests((1, 4))) == {} and io.targets == []
+    assert not io.ragged and not io.outputs and io.batch_inputs(requests((1, 4))) == {} and io.targets == []
+    assert [p.shape for p in io.parts("X", [np.zeros((1, 4)), np.zeros((2, 4))])] == [(1, 4), (2, 4)]
