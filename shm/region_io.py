@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
+from .names import SHM_DIR
+
 
 class StaleRegion(ValueError):
     """A client's region changed under a request: replaced by another object, or truncated (a 400)."""
@@ -30,9 +32,6 @@ class StaleRegion(ValueError):
 
 def _shown(key: str, region: str | None) -> str:
     return f"shared memory region '{region}'" if region else f"shared memory object '{key}'"
-
-
-SHM_DIR = "/dev/shm"
 
 
 def _check_still_named(key: str, ino: int, region: str | None) -> None:
@@ -101,7 +100,10 @@ class RegionFile:
             self._truncated(off + n, region)
         done = 0
         while done < n:
-            done += os.pwrite(self.fd, src[done:], off + done)
+            wrote = os.pwrite(self.fd, src[done:], off + done)
+            if wrote <= 0:
+                raise OSError(f"could not write into {_shown(self.key, region)}")
+            done += wrote
 
     def _truncated(self, end: int, region: str | None) -> None:
         size = os.fstat(self.fd).st_size
