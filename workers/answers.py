@@ -20,7 +20,8 @@ from shmserve.shm.arena import Arena
 from shmserve.shm.channel import NOTIFY_BROKER, ClientSegment
 from shmserve.shm.copying import copy_into
 from shmserve.shm.protocol import ROLE_WORKER, manifest_room, write_manifest
-from shmserve.shm.segment import SegmentCache, StaleRegion
+from shmserve.shm.region_io import StaleRegion
+from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import byte_view, serialize_bytes, wire_datatype
 from shmserve.shm.waker import Waker
 
@@ -139,8 +140,10 @@ class Answers:
         if "cuda" in target:
             ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
             cuda_runtime().to_device(ptr + target["off"], data)
-        else:
-            seg = self.segments.get(target["seg"], target.get("ino", 0), target["off"] + n)
+        elif "ino" in target:  # a registered region: written through its descriptor (region_io.py)
+            self.segments.regions.write(target, data)
+        else:  # room the client reserved in its request's block
+            seg = self.segments.get(target["seg"])
             copy_into(seg.buf[target["off"]:target["off"] + n], data)
 
     def _place_on_device(self, name: str, target: dict, t: Any) -> None:

@@ -77,7 +77,7 @@ def _locate(regions: RegionTable, client: ClientSegment, t: dict, data_start: in
             region = None  # unregistered: the broker waits only for lane requests that began before
         off = locate(name, region, int(t.get("offset", 0)), size)  # RegionUseError: a 400
         assert region is not None
-        out = {"name": t["name"], "seg": region.key, "ino": region.ino, "off": off, "size": size}
+        out = {"name": t["name"], "seg": region.key, "ino": region.ino, "region": name, "off": off, "size": size}
     else:
         off = data_start + int(t["data"])
         if size < 0 or off < client.arena_offset or off + size > client.seg.size:
@@ -88,11 +88,14 @@ def _locate(regions: RegionTable, client: ClientSegment, t: dict, data_start: in
     return out
 
 
-def read_inputs(entry: dict, segments: SegmentCache, on_device: bool = False) -> dict[str, Any]:
-    """The entry's inputs as arrays over the memory they lie in (a client's arena or a region).
-    An input in a client's CUDA region stays there as a device tensor when the instance takes
-    device inputs (``on_device``), and is copied to the host otherwise."""
+def read_inputs(entry: dict, segments: SegmentCache, on_device: bool = False) -> tuple[dict[str, Any], frozenset[str]]:
+    """The entry's inputs as arrays, and the names of those that are this process's own copies.
+    An input in a client's arena (or a step's output in a worker's) is a view over that memory;
+    one in a registered region is read into memory of our own (its client may truncate it under
+    us, ``shm/region_io.py``); one in a client's CUDA region stays there as a device tensor when
+    the instance takes device inputs (``on_device``), and is copied to the host otherwise."""
     inputs: dict[str, Any] = {}
+    own: list[str] = []
     for t in entry["inputs"]:
         off, size = t["off"], t["size"]
         if "cuda" in t:
@@ -103,7 +106,12 @@ def read_inputs(entry: dict, segments: SegmentCache, on_device: bool = False) ->
             host = memoryview(bytearray(size))
             cuda_runtime().to_host(host, ptr)
             inputs[t["name"]] = from_buffer(host, t["datatype"], t["shape"])
+            own.append(t["name"])
             continue
-        seg = segments.get(t["seg"], t.get("ino", 0), off + size)
-        inputs[t["name"]] = from_buffer(seg.buf[off:off + size], t["datatype"], t["shape"])
-    return inputs
+        if "ino" in t:  # a registered region: StaleRegion (a 400) if it was truncated
+            data = memoryview(segments.regions.read(t))  # type: ignore[arg-type] # (numpy's stubs lack Buffer)
+            own.append(t["name"])
+        else:
+            data = segments.get(t["seg"]).buf[off:off + size]
+        inputs[t["name"]] = from_buffer(data, t["datatype"], t["shape"])
+    return inputs, frozenset(own)

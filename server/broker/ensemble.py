@@ -40,7 +40,8 @@ from shmserve.shm.names import object_name
 from shmserve.shm.protocol import (NO_ROOM, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, manifest_room,
                                    read_manifest_with_data, write_manifest)
 from shmserve.shm.response_cache import CacheStore
-from shmserve.shm.segment import SegmentCache, StaleRegion
+from shmserve.shm.region_io import StaleRegion
+from shmserve.shm.segment import SegmentCache
 from shmserve.signature import InvalidRequest
 
 from .catalog import Catalog
@@ -293,10 +294,13 @@ class Ensembles:
         """Answer the ensemble's outputs (stored in the response cache first, after a miss) and free
         the steps'."""
         outputs: list[Output] = []
-        for name in run.wanted():
-            t = run.tensors[name]
-            outputs.append((name, t["datatype"], t["shape"],
-                            self.segments.get(t["seg"]).buf[t["off"]:t["off"] + t["size"]]))
+        try:
+            for name in run.wanted():
+                t = run.tensors[name]
+                outputs.append((name, t["datatype"], t["shape"], self._tensor_bytes(t)))
+        except (ValueError, OSError, posix_ipc.Error) as e:  # an input in a region its client truncated
+            self._fail_run(run, run.plan.steps[-1], 400 if isinstance(e, StaleRegion) else 500, str(e))
+            return
         if run.cache_key is not None and self.cache is not None:
             inserting = time.monotonic_ns()
             self.cache.insert(run.version, run.cache_key, outputs)
@@ -305,6 +309,14 @@ class Ensembles:
             arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
             run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
             self._release_run(run)
+
+    def _tensor_bytes(self, t: dict) -> Any:
+        """A tensor's bytes: a view of a step's output in its worker's arena; a copy of an
+        ensemble input that lies in a client's region, which is never mapped here (its client may
+        truncate it, and a touched page past its end would kill the broker: ``shm/region_io.py``)."""
+        if "ino" in t:
+            return memoryview(self.segments.regions.read(t))
+        return self.segments.get(t["seg"]).buf[t["off"]:t["off"] + t["size"]]
 
     def _reply(self, run: EnsembleRun, outputs: list[Output]) -> bool:
         """Copy the outputs into one answer (or the client's regions) and complete the client's
@@ -320,12 +332,11 @@ class Ensembles:
                     self._fail_run(run, run.plan.steps[-1], 400, f"shared memory region for output '{name}' is "
                                    f"too small ({target['size']} bytes, {size} needed)")
                     return False
-                try:
-                    region = self.segments.get(target["seg"], target.get("ino", 0), target["off"] + size)
-                except (StaleRegion, OSError, posix_ipc.Error) as e:
+                try:  # through the region's descriptor: never a mapping its client could truncate
+                    self.segments.regions.write(target, data)
+                except (ValueError, OSError, posix_ipc.Error) as e:
                     self._fail_run(run, run.plan.steps[-1], 400, str(e))
                     return False
-                region.buf[target["off"]:target["off"] + size] = data
                 desc["region"] = True
             else:
                 desc["off"] = pos

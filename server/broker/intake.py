@@ -100,8 +100,9 @@ class Intake:
                 return cuda
         seg, off, size = self._locate(client, t, what, data_start)
         place = {"seg": seg, "off": off, "size": size}
-        if "region" in t:
+        if "region" in t:  # a registered region: read and written through its descriptor (shm/region_io.py)
             place["ino"] = self.regions.system.inode(t["region"])
+            place["region"] = t["region"]
         return place
 
     def _resolve(self, client: Client, t: dict, what: str, data_start: int) -> dict:

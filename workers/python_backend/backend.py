@@ -190,7 +190,10 @@ class PythonInstance(Instance):
         name = self.ctx.name
         copy_inputs = self.copy_inputs
         incoming = pb_utils.InferenceRequest._incoming
-        pb_requests = [incoming(name, [input_tensor(n, arr, copy_inputs) for n, arr in r.inputs.items()], r)
+        # An input read from a client's region is already the worker's own copy (the read was the
+        # copy): given as it is.
+        pb_requests = [incoming(name, [input_tensor(n, arr, copy_inputs, n in r.own_inputs)
+                                       for n, arr in r.inputs.items()], r)
                        for r in requests]
         for r, pb in zip(requests, pb_requests):
             pb._cancel = r.cancel

@@ -51,19 +51,20 @@ def _tensor(name: str, arr: np.ndarray) -> Tensor:
     return Tensor(name, arr)
 
 
-def input_tensor(name: str, arr: Any, copy: bool = True) -> Tensor:
+def input_tensor(name: str, arr: Any, copy: bool = True, own: bool = False) -> Tensor:
     """An input tensor. Host arrays are views over the client's shared memory: with ``copy`` the
     model gets its own writable copy (as in Triton, whose stub holds copies: a model may write
     into its inputs without touching the client's memory), else the view itself, made read-only
-    (zero copy; a write raises ValueError). BYTES inputs are decoded arrays of their own either
-    way. Device tensors over a client's CUDA region are given as they are, as in Triton."""
+    (zero copy; a write raises ValueError). An ``own`` array is already the worker's copy (read
+    from a client's region): it is not copied again. BYTES inputs are decoded arrays of their own
+    either way. Device tensors over a client's CUDA region are given as they are, as in Triton."""
     if device_tensors.is_tensor(arr):
         return Tensor._from_torch(name, arr, torch_dtype_to_triton(sys.modules["torch"], arr.dtype))
     if arr.dtype != np.object_:
-        if copy:
+        if not copy:
+            arr.flags.writeable = False  # as promised to a READ_ONLY_INPUTS model, copy or not
+        elif not own:
             arr = arr.copy()
-        else:
-            arr.flags.writeable = False
     code = _PLAIN_INPUT_TYPES.get(arr.dtype)
     if code is not None and arr.flags.c_contiguous:
         return Tensor._wrap(name, arr, code)
