@@ -52,10 +52,14 @@ def _check_previous(server_id: str) -> None:
         log.warning("removed %d shared-memory object(s) left by a previous server '%s'", removed, server_id)
 
 
-def _bind(address: str, port: int, protocol: str = "HTTP") -> socket.socket:
+def _bind(address: str, port: int, protocol: str = "HTTP", reuse_port: bool = False) -> socket.socket:
+    """The listening socket; ``reuse_port`` (Triton's --reuse-http-port, --reuse-grpc-port) lets
+    other servers bind the same port, the kernel spreading connections between them."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((address, port))
     except OSError as e:
@@ -83,6 +87,7 @@ class Launcher:
             cpu_metrics=args.allow_cpu_metrics, gpu_metrics=args.allow_gpu_metrics, poll_us=args.poll_us,
             response_cache_bytes=args.response_cache_bytes, cloud_repositories=args.cloud_repositories,
             rate_limit=args.rate_limit, rate_limit_resources=args.rate_limit_resource,
+            config_name=args.model_config_name, load_retries=args.model_load_retry_count,
         )
         self.stopping = False
         self.stop_signal = 0  # the signal that asked us to stop (logged outside the handler)
@@ -143,9 +148,9 @@ class Launcher:
             sys.stderr.write(f"shmserve: error: {e}\n")
             return 1
         if self.args.allow_http:
-            self.sock = _bind(self.args.http_address, self.args.http_port)
+            self.sock = _bind(self.args.http_address, self.args.http_port, reuse_port=self.args.reuse_http_port)
         if self.args.allow_grpc:  # a busy port is a one-line error here too, not a restart loop
-            _bind(self.args.grpc_address, self.args.grpc_port, "gRPC").close()
+            _bind(self.args.grpc_address, self.args.grpc_port, "gRPC", self.args.reuse_grpc_port).close()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         code = 0

@@ -34,6 +34,7 @@ class LoadJob:
     model_dir: str = ""
     config: Any = None  # ModelConfig message
     override: str | None = None  # the config JSON the load API was given, kept for a broker restart
+    retries: int = 0  # how many times this load was started again after it failed (--model-load-retry-count)
 
     def same_request(self, model_dir: Path, config: Any) -> bool:
         return self.model_dir == str(model_dir) and self.config == config

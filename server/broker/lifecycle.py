@@ -318,6 +318,9 @@ class Lifecycle:
             bad = job.failed()
             if bad is not None:
                 del catalog.loading[name]
+                if job.retries < self.opts.load_retries:
+                    self._retry(job, bad.reason)
+                    continue
                 self._abandon(job, 400, bad.reason)
                 catalog.load_errors[name] = bad.reason
                 catalog.failed_versions[name] = sorted(job.versions)
@@ -341,6 +344,21 @@ class Lifecycle:
             self._record(name, job.model_dir, job.override)
             for client, slot in job.waiters:
                 self.clients.reply(client, slot, 200, {})
+
+    def _retry(self, job: LoadJob, reason: str) -> None:
+        """Start a failed load again (Triton's --model-load-retry-count), with the same folder,
+        config and callers; they are answered once it serves or its last try fails."""
+        waiters, job.waiters = job.waiters, []
+        self._abandon(job, 400, reason)  # its workers stop; nobody is answered yet
+        log.warning("%s; trying again (retry %d of %d)", reason, job.retries + 1, self.opts.load_retries)
+        error = self.load_model(job.name, job.override, model_dir=Path(job.model_dir))
+        again = self.catalog.loading.get(job.name)
+        if again is not None:
+            again.retries = job.retries + 1
+            again.waiters.extend(waiters)
+        else:
+            for client, slot in waiters:
+                self.clients.reply(client, slot, 400 if error else 200, {"error": error} if error else {})
 
     def cancel_load(self, name: str, why: str) -> None:
         """Stop the load of ``name`` in progress, if any, because a later request overtook it;
