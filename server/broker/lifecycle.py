@@ -250,6 +250,7 @@ class Lifecycle:
                 log.error("failed to load '%s', %s", name, shortfall)
                 return f"failed to load '{name}', {shortfall}"
             self.updates.apply(serving, config, waiter)
+            catalog.load_errors.pop(name, None)  # this load supersedes one that failed before
             self._record(name, str(model_dir), override_json)
             return None
         pending = catalog.loading.get(name)
@@ -374,7 +375,7 @@ class Lifecycle:
             for inst in mv.instances:
                 self.instances.stop(inst, graceful=False)
             mv.state = State.UNLOADING  # its workers are reaped, never restarted
-            self.catalog.retiring.append(Retiring(mv, stopping=True))
+            self.catalog.retiring.append(Retiring(mv, stopping=True, abandoned=True))
         for client, slot in job.waiters:
             self.clients.reply(client, slot, status, {"error": error})
 
@@ -507,7 +508,11 @@ class Lifecycle:
             if entry.stopping and not any(self.instances.live(inst) for inst in mv.instances):
                 self.catalog.retiring.remove(entry)
                 self.limiter.unregister(mv)
-                log.info("unloaded '%s' version %d", mv.name, mv.version)
+                if entry.abandoned:  # not "unloaded": what serves, if anything, is another version
+                    log.info("stopped the instances of the load of '%s' version %d that did not complete",
+                             mv.name, mv.version)
+                else:
+                    log.info("unloaded '%s' version %d", mv.name, mv.version)
                 self.instances.forget_weights(mv)
                 self.discard_model_dir(mv.model_dir)
                 for client, slot in entry.waiters:
