@@ -8,6 +8,8 @@ starts, and every HTTP frontend process accepts on that one socket.
 from __future__ import annotations
 
 import argparse
+import errno
+import functools
 import logging
 import os
 import signal
@@ -15,9 +17,11 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import orjson
 
+from shmserve.parent_death import ORPHANED, die_with_parent
 from shmserve.shm import logs, space
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.names import (SHM_DIR, list_objects, object_name, pid_alive, unlink_all, unlink_semaphore,
@@ -26,6 +30,7 @@ from shmserve.shm.names import (SHM_DIR, list_objects, object_name, pid_alive, u
 from .broker.journal import journal_path
 from .broker.options import STARTUP_FAILED, BrokerOptions
 from .cli import log_settings
+from .port_holder import describe as describe_port_holders
 from .shm_needs import check_startup
 
 log = logging.getLogger("shmserve")
@@ -52,14 +57,19 @@ def _check_previous(server_id: str) -> None:
         log.warning("removed %d shared-memory object(s) left by a previous server '%s'", removed, server_id)
 
 
-def _bind(address: str, port: int, protocol: str = "HTTP") -> socket.socket:
+def _bind(address: str, port: int, protocol: str = "HTTP", reuse_port: bool = False) -> socket.socket:
+    """The listening socket; ``reuse_port`` (Triton's --reuse-http-port, --reuse-grpc-port) lets
+    other servers bind the same port, the kernel spreading connections between them."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((address, port))
     except OSError as e:
-        sys.stderr.write(f"shmserve: error: cannot bind {protocol} to {address}:{port}: {e.strerror}\n")
+        held = describe_port_holders(port) if e.errno == errno.EADDRINUSE else ""
+        sys.stderr.write(f"shmserve: error: cannot bind {protocol} to {address}:{port}: {e.strerror}{held}\n")
         sys.exit(1)
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -83,6 +93,7 @@ class Launcher:
             cpu_metrics=args.allow_cpu_metrics, gpu_metrics=args.allow_gpu_metrics, poll_us=args.poll_us,
             response_cache_bytes=args.response_cache_bytes, cloud_repositories=args.cloud_repositories,
             rate_limit=args.rate_limit, rate_limit_resources=args.rate_limit_resource,
+            config_name=args.model_config_name, load_retries=args.model_load_retry_count,
         )
         self.stopping = False
         self.stop_signal = 0  # the signal that asked us to stop (logged outside the handler)
@@ -92,7 +103,7 @@ class Launcher:
 
     def _start_broker(self) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "shmserve.server.broker", orjson.dumps(self.broker_opts.to_json())],
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, preexec_fn=_dies_with_us(ORPHANED))
         deadline = time.monotonic() + 30
         name = object_name(self.sid, "broker", 0)
         while time.monotonic() < deadline and proc.poll() is None:
@@ -110,7 +121,8 @@ class Launcher:
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
                 "log": log_settings(self.args)}
         return subprocess.Popen([sys.executable, "-m", "shmserve.server.frontend", orjson.dumps(spec)],
-                                pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL)
+                                pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL,
+                                preexec_fn=_dies_with_us(signal.SIGKILL))
 
     def _start_grpc(self) -> subprocess.Popen:
         """The gRPC frontend: one process, binding its own port (grpcio takes no inherited socket)."""
@@ -120,7 +132,7 @@ class Launcher:
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
                 "log": log_settings(self.args), **self.args.grpc}  # grpc: server/grpc/options.py
         return subprocess.Popen([sys.executable, "-m", "shmserve.server.grpc", orjson.dumps(spec)],
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, preexec_fn=_dies_with_us(signal.SIGKILL))
 
     def _http_frontends(self) -> int:
         return self.args.http_workers if self.args.allow_http else 0
@@ -143,9 +155,9 @@ class Launcher:
             sys.stderr.write(f"shmserve: error: {e}\n")
             return 1
         if self.args.allow_http:
-            self.sock = _bind(self.args.http_address, self.args.http_port)
+            self.sock = _bind(self.args.http_address, self.args.http_port, reuse_port=self.args.reuse_http_port)
         if self.args.allow_grpc:  # a busy port is a one-line error here too, not a restart loop
-            _bind(self.args.grpc_address, self.args.grpc_port, "gRPC").close()
+            _bind(self.args.grpc_address, self.args.grpc_port, "gRPC", self.args.reuse_grpc_port).close()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         code = 0
@@ -228,6 +240,14 @@ class Launcher:
         _wait(self.broker, timeout)
         if self.sock is not None:
             self.sock.close()
+
+
+def _dies_with_us(signum: int) -> Callable[[], None]:
+    """A child's ``preexec_fn``: if the launcher dies (even by SIGKILL, as the OOM killer or a
+    supervisor's grace period ends it), the child gets ``signum``. Frontends are killed (they hold
+    nothing of their own to clean); the broker gets ``ORPHANED`` and removes the server's objects."""
+    launcher = os.getpid()
+    return functools.partial(die_with_parent, signum, launcher)
 
 
 def unlink_all_but_frontends(server_id: str) -> None:

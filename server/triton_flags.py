@@ -21,6 +21,48 @@ GRPC_FLAGS: dict[str, str] = {
                                  "worker processes of their own; --http-max-inflight bounds the calls in flight",
 }
 
+# Triton's other flags that have nothing to act on here: flag -> (metavar, why). Each one given is
+# accepted and named in a WARNING at start (the test walks Triton's help text against these tables).
+NO_EFFECT_FLAGS: dict[str, tuple[str, str]] = {
+    "--http-thread-count": ("N", "each HTTP frontend process serves its connections on one event loop; "
+                                 "--http-workers sets the number of processes"),
+    "--http-header-forward-pattern": ("REGEX", "HTTP headers are not forwarded as request parameters"),
+    "--enable-peer-access": ("BOOL", "no CUDA peer access is set up: each instance works on its one device"),
+    "--backend-directory": ("PATH", "backends are Python packages (the 'shmserve.backends' entry points), not "
+                                    "shared libraries in a directory"),
+    "--repoagent-directory": ("PATH", "repository agents are not supported"),
+    "--pinned-memory-pool-byte-size": ("BYTES", "tensors are copied between host and device by each worker's "
+                                                "framework; there is no pinned-memory pool to size"),
+    "--cuda-memory-pool-byte-size": ("GPU:BYTES", "each worker's framework allocates its own device memory; "
+                                                  "there is no CUDA memory pool to size"),
+    "--cuda-virtual-address-size": ("GPU:BYTES", "each worker's framework allocates its own device memory; "
+                                                 "there is no virtual address space to reserve"),
+    "--min-supported-compute-capability": ("X.Y", "a GPU is used if the worker's framework supports it"),
+    "--buffer-manager-thread-count": ("N", "tensors move through shared memory with no buffer manager threads"),
+    "--host-policy": ("NAME,SETTING=VALUE", "no NUMA or CPU placement policy is applied to workers"),
+    "--model-load-gpu-limit": ("GPU:FRACTION", "loads are not held back by the memory a GPU has in use"),
+    "--sagemaker-port": ("PORT", "the SageMaker endpoint is not served"),
+    "--sagemaker-safe-port-range": ("LOW-HIGH", "the SageMaker endpoint is not served"),
+    "--sagemaker-thread-count": ("N", "the SageMaker endpoint is not served"),
+    "--vertex-ai-port": ("PORT", "the Vertex AI endpoint is not served"),
+    "--vertex-ai-thread-count": ("N", "the Vertex AI endpoint is not served"),
+    "--vertex-ai-default-model": ("MODEL", "the Vertex AI endpoint is not served"),
+}
+
+# Triton's switches for what shmserve does not have: false (their default) is accepted, true is
+# refused at start by name: the server would not do what the command line asks.
+REFUSED_WHEN_TRUE: dict[str, str] = {
+    "--model-namespacing": "model namespacing is not supported: a model name is unique across the repositories",
+    "--allow-sagemaker": "the SageMaker endpoint is not served",
+    "--allow-vertex-ai": "the Vertex AI endpoint is not served",
+}
+
+# Triton's deprecated trace flags, each the same as one --trace-config setting (as Triton maps them).
+TRACE_FLAGS: dict[str, str] = {
+    "--trace-file": "triton,file", "--trace-level": "level", "--trace-rate": "rate", "--trace-count": "count",
+    "--trace-log-frequency": "triton,log_frequency",
+}
+
 # (backend, setting) of --backend-config -> why it has no effect here. None of Triton's backend
 # settings maps onto something shmserve has; the known ones say what plays their part instead.
 BACKEND_SETTINGS: dict[tuple[str, str], str] = {
@@ -49,6 +91,21 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
     for flag in GRPC_FLAGS:
         p.add_argument(flag, default=None, metavar="VALUE", help="accepted for Triton's command lines, with a "
                                                                   "warning at start: no effect here")
+    for flag, (metavar, why) in NO_EFFECT_FLAGS.items():
+        p.add_argument(flag, default=None, metavar=metavar, help=f"accepted for Triton's command lines, with a "
+                                                                  f"warning at start: {why}")
+    for flag, why in REFUSED_WHEN_TRUE.items():
+        add_bool(p, flag, None, f"false is accepted; true is refused: {why}")
+    for flag, setting in TRACE_FLAGS.items():
+        p.add_argument(flag, action="append", default=[], metavar="VALUE",
+                       help=f"deprecated in Triton: the same as --trace-config {setting}=VALUE")
+    p.add_argument("--model-config-name", default="", metavar="NAME",
+                   help="as Triton's: load each model's configs/NAME.pbtxt where it exists, else its config.pbtxt")
+    p.add_argument("--model-load-retry-count", type=int, default=0, metavar="N",
+                   help="as Triton's: a model whose load fails is tried again up to N more times (default 0)")
+    add_bool(p, "--reuse-http-port", False, "as Triton's: bind the HTTP port with SO_REUSEPORT, so that several "
+                                            "servers may share it (default false)")
+    add_bool(p, "--reuse-grpc-port", False, "as Triton's: bind the gRPC port with SO_REUSEPORT (default false)")
 
 
 def backend_settings(items: list[str]) -> list[tuple[str, str, str]]:
@@ -63,11 +120,38 @@ def backend_settings(items: list[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def trace_items(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """Fold the deprecated trace flags into ``args.trace_config`` (before it is parsed; a
+    --trace-config setting given too wins, as it comes later) and name each in a WARNING."""
+    items, out = [], []
+    for flag, setting in TRACE_FLAGS.items():
+        for value in getattr(args, _dest(flag)):
+            items.append(f"{setting}={value}")
+            out.append((logging.WARNING, f"{flag} is deprecated: use --trace-config {setting}={value}"))
+    args.trace_config = items + list(args.trace_config)
+    return out
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
 def notices(args: argparse.Namespace) -> list[tuple[int, str]]:
     """(log level, line) for each of these flags given; ValueError for what is refused."""
     if args.model_load_thread_count is not None and args.model_load_thread_count < 1:
         raise ValueError("--model-load-thread-count must be at least 1")
-    out: list[tuple[int, str]] = []
+    if args.model_load_retry_count < 0:
+        raise ValueError("--model-load-retry-count must be 0 or more")
+    if any(c.isspace() for c in args.model_config_name) or "/" in args.model_config_name:
+        raise ValueError(f"--model-config-name '{args.model_config_name}': a name, with no space or '/'")
+    for flag, why in REFUSED_WHEN_TRUE.items():
+        if getattr(args, _dest(flag)):
+            raise ValueError(f"{flag}=true is not supported: {why}")
+    out: list[tuple[int, str]] = trace_items(args)
+    for flag, (_, why) in NO_EFFECT_FLAGS.items():
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            out.append((logging.WARNING, f"{flag} {value} has no effect: {why}"))
     for backend, setting, value in backend_settings(args.backend_config):
         why = BACKEND_SETTINGS.get((backend, setting), "shmserve's backends have no such setting")
         named = f"{backend},{setting}" if backend else setting

@@ -283,6 +283,11 @@ class Server:
         except subprocess.TimeoutExpired:
             pytest.fail(f"server {self.id} did not exit within {timeout} s; log:\n{self.log_tail()}")
 
+    def metrics_text(self, timeout: float = 60.0) -> str:
+        """The Prometheus page of the metrics port."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return urllib.request.urlopen(url, timeout=timeout).read().decode()
+
     def client(self, **kw) -> httpclient.InferenceServerClient:
         return httpclient.InferenceServerClient(self.url, **kw)
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from conftest import PRODUCT_MODELS, PYTHON, READY_TIMEOUT_S, ROOT, free_ports, new_server_id, shm_entries
 from shmserve import Client
@@ -45,6 +46,14 @@ class Summer:
 
     def __call__(self, a):
         return np.array([a.sum() + self.offset])
+
+
+@shmserve.model(inputs={"mode": (np.int32, [1])}, outputs={"y": (np.float32, [2]), "n": (np.int32, [1])},
+                name="wrong")
+def wrong(mode):
+    good = {"y": np.zeros(2, np.float32), "n": np.array([1], np.int32)}
+    return [good, {**good, "z": np.zeros(1)}, {"y": good["y"]}, {**good, "y": np.array(["a", "b"])},
+            {**good, "y": np.zeros(3, np.float32)}, {**good, "n": np.array([1.5])}][int(mode[0])]
 
 
 if __name__ == "__main__":
@@ -158,3 +167,35 @@ def test_a_script_that_declares_nothing_says_so(tmp_path):
     script.write_text("import shmserve\nshmserve.serve()\n")
     run = subprocess.run([PYTHON, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "no model is declared" in run.stderr
+
+
+@pytest.mark.parametrize("mode, error", [
+    (1, "model 'wrong' returned output(s) ['z'] it does not declare (declared: ['y', 'n'])"),
+    (2, "model 'wrong' did not return its declared output(s) ['n']"),
+    (3, "model 'wrong' returned output 'y' as <U1, which does not convert to the declared float32"),
+    (4, "model 'wrong' returned output 'y' with shape [3], but declared [2]"),
+    (5, "model 'wrong' returned output 'n' as float64, which does not convert to the declared int32"),
+])
+def test_outputs_other_than_declared_are_an_error_naming_them(app, mode, error):
+    """Not a 200 without the output: the client hears which output was wrong and how."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{app.http}")
+    m = httpclient.InferInput("mode", [1], "INT32")
+    m.set_data_from_numpy(np.array([mode], dtype=np.int32))
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("wrong", [m])
+    assert error in e.value.message()
+    m.set_data_from_numpy(np.array([0], dtype=np.int32))
+    result = client.infer("wrong", [m])
+    np.testing.assert_array_equal(result.as_numpy("y"), np.zeros(2, np.float32))
+    np.testing.assert_array_equal(result.as_numpy("n"), np.array([1], np.int32))
+
+
+def test_a_batched_function_must_answer_every_row_of_its_batch():
+    """The outputs of a batched function keep the batch as their first dimension."""
+    from shmserve.bind import Declaration, TensorSpec
+    from shmserve.bound_model import OutputError, checked_outputs
+
+    declared = Declaration("b", None, [], [TensorSpec("y", "TYPE_FP32", (-1,))], max_batch_size=8)
+    assert checked_outputs(declared, {"y": np.zeros((3, 5))}, 3)["y"].dtype == np.float32
+    with pytest.raises(OutputError, match=r"output 'y' with shape \[2, 5\] for a batch of 3"):
+        checked_outputs(declared, {"y": np.zeros((2, 5))}, 3)

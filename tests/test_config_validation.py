@@ -88,7 +88,9 @@ def config_error_repo(tmp_path_factory) -> Path:
     # a field shmserve does not implement that only loses a feature: the model loads, with a warning;
     # and the response cache asked for on a server without one: the model loads, caching nothing
     _model(repo, "cached", _config("cached") + 'model_operations { op_library_filename: "libnone.so" }\n'
-           "response_cache { enable: true }\n")
+           "response_cache { enable: true }\n"
+           'model_metrics { metric_control [ { metric_identifier { family: "nv_inference_first_response_histogram_ms" }'
+           " histogram_options { buckets: [ 1, 10 ] } } ] }\n")
     return repo
 
 
@@ -212,9 +214,10 @@ def test_unimplemented_field_loads_with_a_warning_naming_it(config_error_server)
     inp = httpclient.InferInput("X", [4], "FP32")
     inp.set_data_from_numpy(x)
     np.testing.assert_array_equal(client.infer("cached", [inp]).as_numpy("Y"), x)
-    warnings = [line for line in config_error_server.log().splitlines()
-                if "model 'cached': config field 'model_operations' is not supported yet and has no effect" in line]
-    assert warnings and all(line.startswith("W") for line in warnings), warnings
+    for field in ("model_operations", "model_metrics"):
+        warnings = [line for line in config_error_server.log().splitlines()
+                    if f"model 'cached': config field '{field}' is not supported yet and has no effect" in line]
+        assert warnings and all(line.startswith("W") for line in warnings), warnings
 
 
 def test_response_cache_without_a_server_cache_runs_every_request(config_error_server):

@@ -174,6 +174,16 @@ def test_failed_load_leaves_the_old_version_serving(server_factory, repo):
         load.wait_more()
     assert load.errors == [] and load.ok > 0
     assert c.is_model_ready("add_sub") and c.is_server_ready()
+    # The index and a metric say the last load failed, and why, while version 1 serves.
+    [entry] = [e for e in c.get_model_repository_index() if e["name"] == "add_sub"]
+    assert entry["state"] == "READY", entry
+    assert entry["reason"].startswith("serving the previous version; the last load failed: failed to load "
+                                      "'add_sub'") and "no_such_backend" in entry["reason"], entry
+    assert 'shmserve_model_serving_after_failed_load{model="add_sub"} 1.0' in s.metrics_text()
+    c.load_model("add_sub", config=config())  # a load that works clears both
+    [entry] = [e for e in c.get_model_repository_index() if e["name"] == "add_sub"]
+    assert entry["reason"] == "", entry
+    assert "shmserve_model_serving_after_failed_load{" not in s.metrics_text()
 
 
 @pytest.mark.parametrize("mode", ["none", "poll"])

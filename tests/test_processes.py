@@ -4,13 +4,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from conftest import PRODUCT_MODELS, TEST_MODELS, cmdline, cpu_ticks, descendants, pid_alive, shm_entries
+from conftest import PRODUCT_MODELS, PYTHON, TEST_MODELS, cmdline, cpu_ticks, descendants, pid_alive, shm_entries
 
 
 def _add_sub_inputs(a: np.ndarray) -> list[httpclient.InferInput]:
@@ -214,3 +215,42 @@ def test_frontend_stops_polling_while_a_request_runs_long(server, client):
     assert elapsed >= 1.2
     used = sum(ticks - before.get(pid, 0) for pid, ticks in cpu_ticks(frontends).items()) / hz
     assert used / elapsed < 0.05, f"the frontend used {100 * used / elapsed:.1f}% CPU while 4 slow requests ran"
+
+
+def test_sigkill_of_the_launcher_alone_leaves_no_process_and_nothing_in_dev_shm(server_factory):
+    """The OOM killer or a supervisor's SIGKILL ends only the launcher: every other process of
+    the server follows it (the kernel signals them), the broker removes the server's objects, and
+    the next start under the same id and ports works."""
+    first = server_factory.start([PRODUCT_MODELS])
+    _add_sub(first)
+    tree = [p for p in first.tree() if p != first.pid]
+    assert len(tree) >= 3, tree  # broker, frontend(s), workers
+    os.kill(first.pid, signal.SIGKILL)
+    first.proc.wait(10)
+    killed = time.monotonic()
+    while time.monotonic() - killed < 10 and any(pid_alive(p) for p in tree):
+        time.sleep(0.02)
+    took = time.monotonic() - killed
+    assert [p for p in tree if pid_alive(p)] == [], "processes outlived the launcher"
+    assert took < 2.0, f"the server's processes took {took:.2f} s to follow the launcher"
+    assert shm_entries(first.id) == []
+
+    second = server_factory.create([PRODUCT_MODELS], server_id=first.id, http_port=first.port)
+    second.metrics_port, second.grpc_port = first.metrics_port, first.grpc_port
+    second.start().wait_ready()
+    _add_sub(second)
+
+
+def test_a_busy_port_names_the_process_that_holds_it(server_factory, tmp_path):
+    holder = subprocess.Popen([PYTHON, "-c", "import socket, time\ns = socket.socket()\n"
+                               "s.bind(('127.0.0.1', 0))\ns.listen()\nprint(s.getsockname()[1], flush=True)\n"
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(holder.stdout.readline())
+        s = server_factory.create([tmp_path], http_port=port).start()
+        assert s.wait_exit(60) != 0
+        assert (f"cannot bind HTTP to 127.0.0.1:{port}: Address already in use (held by pid {holder.pid}: "
+                f"{PYTHON} -c import socket") in s.log(), s.log()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -2,11 +2,15 @@
 works or is named in the log at start (server/triton_flags.py)."""
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import textwrap
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 from conftest import wait_until
 
 AUTO_COMPLETING_PY = textwrap.dedent("""\
@@ -105,3 +109,113 @@ def test_disable_auto_complete_config_keeps_the_config_as_written(server_factory
     completing = server_factory.start([repo])
     config = completing.client().get_model_config("auto")
     assert [t["name"] for t in config["input"]] == ["X"] and [t["name"] for t in config["output"]] == ["Y"]
+
+
+# `tritonserver --help` of Triton 2.51, as test data: every flag it lists must be known here.
+TRITON_HELP = Path(__file__).parent / "data" / "tritonserver-2.51-help.txt"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _triton_flags() -> list[str]:
+    flags = [f for f in re.findall(r"^  (--[a-z0-9-]+)", TRITON_HELP.read_text(), re.M) if f != "--help"]
+    assert len(flags) > 80, "the help text lists Triton's flags"
+    return flags
+
+
+def test_every_tritonserver_flag_is_known_and_in_the_docs():
+    """A Triton command line never meets 'unrecognized arguments': each flag of Triton's help
+    text is parsed here and either works (docs/flags.md) or is in docs/compatibility.md's table
+    of flags that do less, which says what it does here."""
+    from shmserve.server.cli import build_parser
+
+    known = {opt for action in build_parser()._actions for opt in action.option_strings}
+    documented = (DOCS / "flags.md").read_text() + (DOCS / "compatibility.md").read_text()
+    missing = [f for f in _triton_flags() if f not in known]
+    assert missing == [], f"tritonserver flags shmserve does not parse: {missing}"
+    undocumented = [f for f in _triton_flags() if not re.search(rf"`{re.escape(f)}[` =\[]", documented)]
+    assert undocumented == [], f"tritonserver flags no doc names: {undocumented}"
+
+
+def test_every_flag_that_does_nothing_here_is_named_at_start(server_factory, tmp_path):
+    """Each of Triton's flags with nothing to act on is accepted and named in a WARNING, with
+    why; the deprecated trace flags are read as their --trace-config settings."""
+    from shmserve.server.triton_flags import NO_EFFECT_FLAGS
+
+    values = {"BOOL": "true", "N": "2", "PATH": str(tmp_path), "GPU:BYTES": "0:1024", "GPU:FRACTION": "0:0.5",
+              "X.Y": "6.0", "REGEX": "x-.*", "NAME,SETTING=VALUE": "numa0,cpu-cores=0-1", "PORT": "8080",
+              "LOW-HIGH": "8080-8090", "MODEL": "m", "BYTES": "1024"}
+    args = [f"{flag}={values[metavar]}" for flag, (metavar, _) in NO_EFFECT_FLAGS.items()]
+    trace = tmp_path / "trace.json"
+    s = server_factory.start([_empty_repo(tmp_path)], [*args, f"--trace-file={trace}", "--trace-level=TIMESTAMPS",
+                                                        "--trace-rate=1", "--trace-count=5",
+                                                        "--model-namespacing=false", "--allow-sagemaker=false",
+                                                        "--allow-vertex-ai=false"])
+    log = s.log()
+    for flag, (metavar, why) in NO_EFFECT_FLAGS.items():
+        assert f"{flag} {values[metavar]} has no effect: {why}" in log, flag
+    assert "--trace-rate is deprecated: use --trace-config rate=1" in log
+    setting = s.client().get_trace_settings()
+    assert setting["trace_level"] == ["TIMESTAMPS"] and setting["trace_rate"] == "1", setting
+    assert setting["trace_count"] == "5" and setting["trace_file"] == str(trace), setting
+
+
+@pytest.mark.parametrize("flag", ["--model-namespacing", "--allow-sagemaker", "--allow-vertex-ai"])
+def test_a_switch_for_what_is_not_served_is_refused_by_name(flag, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "shmserve", "--model-repository", str(_empty_repo(tmp_path)),
+                        f"{flag}=true"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert f"{flag}=true is not supported" in r.stderr
+
+
+def test_model_config_name_picks_the_custom_config(server_factory, tmp_path):
+    """As Triton's --model-config-name: configs/<name>.pbtxt where a model has it, else its
+    config.pbtxt."""
+    repo = _empty_repo(tmp_path)
+    for model in ("custom", "plain"):
+        (repo / model / "1").mkdir(parents=True)
+        (repo / model / "1" / "model.py").write_text(AUTO_COMPLETING_PY)
+        (repo / model / "config.pbtxt").write_text(f'name: "{model}"\nbackend: "python"\nmax_batch_size: 2\n')
+    (repo / "custom" / "configs").mkdir()
+    (repo / "custom" / "configs" / "small.pbtxt").write_text('name: "custom"\nbackend: "python"\nmax_batch_size: 7\n')
+    s = server_factory.start([repo], ["--model-config-name=small"])
+    assert s.client().get_model_config("custom")["max_batch_size"] == 7
+    assert s.client().get_model_config("plain")["max_batch_size"] == 2
+
+
+FAILS_ONCE_PY = textwrap.dedent("""\
+    import os
+    import triton_python_backend_utils as pb_utils
+
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            marker = os.path.join(os.path.dirname(__file__), "tried")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                raise RuntimeError("the first load fails")
+
+        def execute(self, requests):
+            return [pb_utils.InferenceResponse([]) for _ in requests]
+    """)
+
+
+def test_model_load_retry_count_tries_a_failed_load_again(server_factory, tmp_path):
+    repo = _empty_repo(tmp_path)
+    (repo / "flaky" / "1").mkdir(parents=True)
+    (repo / "flaky" / "config.pbtxt").write_text('name: "flaky"\nbackend: "python"\nmax_batch_size: 0\n'
+                                                 'input [{ name: "X" data_type: TYPE_FP32 dims: [1] }]\n'
+                                                 'output [{ name: "Y" data_type: TYPE_FP32 dims: [1] }]\n')
+    (repo / "flaky" / "1" / "model.py").write_text(FAILS_ONCE_PY)
+    s = server_factory.start([repo], ["--model-load-retry-count=1"])
+    assert s.client().is_model_ready("flaky")
+    assert "the first load fails; trying again (retry 1 of 1)" in s.log()
+    (repo / "flaky" / "1" / "tried").unlink()
+    no_retry = server_factory.start([repo], ["--exit-on-error=false", "--strict-readiness=false"])
+    assert not no_retry.client().is_model_ready("flaky")
+
+
+def test_reuse_http_port_lets_two_servers_share_the_port(server_factory, tmp_path):
+    first = server_factory.start([_empty_repo(tmp_path)], ["--reuse-http-port=true"])
+    second = server_factory.create([tmp_path / "repo"], ["--reuse-http-port=true"], http_port=first.port)
+    second.start().wait_ready()
+    assert first.port == second.port and first.client().is_server_ready()

@@ -25,7 +25,8 @@ import signal
 import time
 
 from shmserve.shm.channel import BrokerSegment
-from shmserve.shm.names import pid_alive
+from shmserve.parent_death import ORPHANED
+from shmserve.shm.names import pid_alive, unlink_all
 from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER, read_manifest
 from shmserve.signature import InvalidRequest
 
@@ -80,6 +81,7 @@ class Broker:
                                    self.instances, self.cache)
         self.intake = Intake(self.catalog, self.regions, self.clients, self.scheduler, self.ensembles)
         self.child_exited = False  # set by SIGCHLD: check the workers now
+        self.orphaned = False  # set by ORPHANED: the launcher died (parent_death.py)
         self._last_housekeeping = 0.0
         self._last_watch = 0.0  # canaries and execution timeouts were last looked at
 
@@ -97,7 +99,10 @@ class Broker:
                 self._housekeeping()
         return self.shutdown()
 
-    def request_stop(self) -> None:
+    def request_stop(self, orphaned: bool = False) -> None:
+        """Stop serving; ``orphaned``: the launcher is gone, so stop at once (no frontend is left
+        to wait for answers) and remove every object of the server, which the launcher would."""
+        self.orphaned = self.orphaned or orphaned
         self.lifecycle.stop()
 
     def _has_work(self) -> bool:
@@ -217,7 +222,9 @@ class Broker:
     # -- the end --------------------------------------------------------------------------------
     def shutdown(self) -> int:
         """Finish in-flight work within the exit timeout, stop workers, remove our objects."""
-        deadline = time.monotonic() + self.opts.exit_timeout_s
+        deadline = time.monotonic() + (0 if self.orphaned else self.opts.exit_timeout_s)
+        if self.orphaned:
+            log.error("the launcher died: stopping at once and removing the server's shared memory")
         waiting = sum(mv.in_flight() for mv in self.catalog.serving())
         if waiting:
             log.info("stopping: waiting up to %g s for %d request(s) in flight", self.opts.exit_timeout_s, waiting)
@@ -229,7 +236,7 @@ class Broker:
             log.warning("stopping with %d request(s) still in flight after %g s (--exit-timeout-secs)", left,
                         self.opts.exit_timeout_s)
         self.lifecycle.close()
-        self.instances.stop_all()
+        self.instances.stop_all(graceful=not self.orphaned)  # orphaned: nothing is left to answer
         for client in list(self.clients.by_name.values()):
             client.seg.close()
         self.control.trace.close()  # closes the trace files' JSON arrays
@@ -242,6 +249,8 @@ class Broker:
             self.cache.unlink()
         self.seg.close()
         self.seg.unlink()
+        if self.orphaned:
+            unlink_all(self.opts.server_id)  # the frontends' objects and the journal too: nobody restarts us
         return STARTUP_FAILED if self.lifecycle.startup_failed else 0
 
 
@@ -249,6 +258,7 @@ def main(opts: BrokerOptions) -> int:
     broker = Broker(opts)
     signal.signal(signal.SIGTERM, lambda *_: broker.request_stop())
     signal.signal(signal.SIGINT, lambda *_: broker.request_stop())
+    signal.signal(ORPHANED, lambda *_: broker.request_stop(orphaned=True))
     # A dying worker interrupts the doorbell wait, so its requests fail and it restarts at once.
     signal.signal(signal.SIGCHLD, lambda *_: setattr(broker, "child_exited", True))
     return broker.run()

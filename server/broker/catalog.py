@@ -34,6 +34,7 @@ class LoadJob:
     model_dir: str = ""
     config: Any = None  # ModelConfig message
     override: str | None = None  # the config JSON the load API was given, kept for a broker restart
+    retries: int = 0  # how many times this load was started again after it failed (--model-load-retry-count)
 
     def same_request(self, model_dir: Path, config: Any) -> bool:
         return self.model_dir == str(model_dir) and self.config == config
@@ -52,6 +53,7 @@ class Retiring:
     version: ModelVersion
     since: float = dataclasses.field(default_factory=time.monotonic)
     stopping: bool = False
+    abandoned: bool = False  # a load that failed or was cancelled: it never served
     waiters: list[tuple[Any, int]] = dataclasses.field(default_factory=list)
 
 
@@ -60,7 +62,7 @@ class Catalog:
         self.models: dict[str, dict[int, ModelVersion]] = {}  # what serves
         self.loading: dict[str, LoadJob] = {}  # new versions getting ready beside what serves
         self.retiring: list[Retiring] = []  # old versions draining before their workers stop
-        self.load_errors: dict[str, str] = {}
+        self.load_errors: dict[str, str] = {}  # model -> why its last load failed (cleared when one succeeds)
         # The versions a failed load tried (unknown when its config failed first): the index
         # lists them, as Triton does, and a version outside them is "not found".
         self.failed_versions: dict[str, list[int]] = {}
@@ -87,6 +89,13 @@ class Catalog:
         if canary is None:
             return Split(stable=max(ready)) if ready else None
         return canary.split(ready)
+
+    def failed_reload(self, model: str) -> str:
+        """Why the last load of ``model`` failed while older versions of it serve on ("" when its
+        last load succeeded, or when nothing of it serves): the index's reason for those versions."""
+        if model in self.models and model in self.load_errors:
+            return f"serving the previous version; the last load failed: {self.load_errors[model]}"
+        return ""
 
     def find_version(self, model: str, version: str | int | None, *, inference: bool = False) -> ModelVersion:
         """The version a request for ``model`` (and ``version``, or the latest) goes to. Only

@@ -79,10 +79,20 @@ def instance_count(config: ModelConfig) -> int:
     return sum(group.count * len(instance_devices(group)) for group in config.instance_group)
 
 
-def load_config(model_dir: Path, strict: bool, override_json: str | None = None) -> ModelConfig:
+def config_path(model_dir: Path, config_name: str = "") -> Path:
+    """The file a model's configuration is read from: ``configs/<name>.pbtxt`` where
+    --model-config-name names one that exists (as Triton), else ``config.pbtxt``."""
+    if config_name:
+        custom = model_dir / "configs" / f"{config_name}.pbtxt"
+        if custom.is_file():
+            return custom
+    return model_dir / "config.pbtxt"
+
+
+def load_config(model_dir: Path, strict: bool, override_json: str | None = None, config_name: str = "") -> ModelConfig:
     """Read (or, without --strict-model-config, complete) a model's configuration."""
     model = model_dir.name
-    path = model_dir / "config.pbtxt"
+    path = config_path(model_dir, config_name)
     if override_json is not None:
         try:
             config = json_format.Parse(override_json, ModelConfig())

@@ -121,8 +121,10 @@ class ControlHandler:
             if name in b.loading and not versions:
                 versions = b.loading[name].versions
             if versions:
+                stale = b.failed_reload(name)  # the old versions serve on after a later load failed
                 for v, mv in sorted(versions.items()):
-                    out.append({"name": name, "version": str(v), "state": mv.state.value, "reason": mv.reason})
+                    reason = mv.reason or (stale if mv.state == State.READY else "")
+                    out.append({"name": name, "version": str(v), "state": mv.state.value, "reason": reason})
             elif name in b.load_errors:
                 failed = {"state": State.UNAVAILABLE.value, "reason": b.load_errors[name]}
                 tried = b.failed_versions.get(name)

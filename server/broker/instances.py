@@ -117,10 +117,11 @@ class Instances:
             unlink_shm(name)
             unlink_shm(name + ".lock")
 
-    def stop_all(self) -> None:
-        """Stop every worker, kill those that do not exit in time, and reap them all."""
+    def stop_all(self, graceful: bool = True) -> None:
+        """Stop every worker (kill it when not ``graceful``), kill those that do not exit in time,
+        and reap them all."""
         for _, inst in list(self.workers.values()):
-            self.stop(inst)
+            self.stop(inst, graceful)
         deadline = time.monotonic() + STOP_WAIT_S
         for mv, inst in list(self.workers.values()):
             try:

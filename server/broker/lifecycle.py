@@ -250,6 +250,7 @@ class Lifecycle:
                 log.error("failed to load '%s', %s", name, shortfall)
                 return f"failed to load '{name}', {shortfall}"
             self.updates.apply(serving, config, waiter)
+            catalog.load_errors.pop(name, None)  # this load supersedes one that failed before
             self._record(name, str(model_dir), override_json)
             return None
         pending = catalog.loading.get(name)
@@ -318,6 +319,9 @@ class Lifecycle:
             bad = job.failed()
             if bad is not None:
                 del catalog.loading[name]
+                if job.retries < self.opts.load_retries:
+                    self._retry(job, bad.reason)
+                    continue
                 self._abandon(job, 400, bad.reason)
                 catalog.load_errors[name] = bad.reason
                 catalog.failed_versions[name] = sorted(job.versions)
@@ -342,6 +346,21 @@ class Lifecycle:
             for client, slot in job.waiters:
                 self.clients.reply(client, slot, 200, {})
 
+    def _retry(self, job: LoadJob, reason: str) -> None:
+        """Start a failed load again (Triton's --model-load-retry-count), with the same folder,
+        config and callers; they are answered once it serves or its last try fails."""
+        waiters, job.waiters = job.waiters, []
+        self._abandon(job, 400, reason)  # its workers stop; nobody is answered yet
+        log.warning("%s; trying again (retry %d of %d)", reason, job.retries + 1, self.opts.load_retries)
+        error = self.load_model(job.name, job.override, model_dir=Path(job.model_dir))
+        again = self.catalog.loading.get(job.name)
+        if again is not None:
+            again.retries = job.retries + 1
+            again.waiters.extend(waiters)
+        else:
+            for client, slot in waiters:
+                self.clients.reply(client, slot, 400 if error else 200, {"error": error} if error else {})
+
     def cancel_load(self, name: str, why: str) -> None:
         """Stop the load of ``name`` in progress, if any, because a later request overtook it;
         what serves is untouched."""
@@ -356,7 +375,7 @@ class Lifecycle:
             for inst in mv.instances:
                 self.instances.stop(inst, graceful=False)
             mv.state = State.UNLOADING  # its workers are reaped, never restarted
-            self.catalog.retiring.append(Retiring(mv, stopping=True))
+            self.catalog.retiring.append(Retiring(mv, stopping=True, abandoned=True))
         for client, slot in job.waiters:
             self.clients.reply(client, slot, status, {"error": error})
 
@@ -489,7 +508,11 @@ class Lifecycle:
             if entry.stopping and not any(self.instances.live(inst) for inst in mv.instances):
                 self.catalog.retiring.remove(entry)
                 self.limiter.unregister(mv)
-                log.info("unloaded '%s' version %d", mv.name, mv.version)
+                if entry.abandoned:  # not "unloaded": what serves, if anything, is another version
+                    log.info("stopped the instances of the load of '%s' version %d that did not complete",
+                             mv.name, mv.version)
+                else:
+                    log.info("unloaded '%s' version %d", mv.name, mv.version)
                 self.instances.forget_weights(mv)
                 self.discard_model_dir(mv.model_dir)
                 for client, slot in entry.waiters:

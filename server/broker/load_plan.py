@@ -45,7 +45,7 @@ class LoadPlanner:
 
     def plan(self, name: str, model_dir: Path, override_json: str | None) -> LoadPlan:
         """The plan of a load of ``name`` from ``model_dir``; raises ``ConfigError`` with the reason."""
-        config = cfgmod.load_config(model_dir, self.opts.strict_config, override_json)
+        config = cfgmod.load_config(model_dir, self.opts.strict_config, override_json, self.opts.config_name)
         available = cfgmod.version_dirs(model_dir)
         versions = cfgmod.select_versions(config, available)
         if not versions:
@@ -95,7 +95,7 @@ class LoadPlanner:
                 dep = next(iter(held.values())).config
             elif name in catalog.model_dirs:
                 try:
-                    dep = cfgmod.load_config(catalog.model_dirs[name], self.opts.strict_config)
+                    dep = cfgmod.load_config(catalog.model_dirs[name], self.opts.strict_config, config_name=self.opts.config_name)
                 except (cfgmod.ConfigError, OSError):
                     continue  # it fails its own load; no loop passes through it
             else:

@@ -17,6 +17,8 @@ class BrokerOptions:
     repository_poll_s: int = 15  # poll mode: seconds between scans of the repositories (0: events only)
     load_models: list[str] = dataclasses.field(default_factory=list)
     strict_config: bool = False
+    config_name: str = ""  # --model-config-name: each model's configs/<name>.pbtxt where it exists
+    load_retries: int = 0  # --model-load-retry-count: more tries of a load whose instances fail
     strict_readiness: bool = True
     exit_on_error: bool = True
     exit_timeout_s: float = 30.0

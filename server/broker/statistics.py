@@ -68,6 +68,9 @@ class Statistics:
              "ready", "gauge", loads),
             ("shmserve_model_load_failures", "Loads of a model that failed", "counter",
              [({"model": m}, n) for m, n in list(self.catalog.load_failures.items())]),
+            ("shmserve_model_serving_after_failed_load", "1 while a model's older versions serve because its "
+             "last load failed", "gauge",
+             [({"model": m}, 1) for m in list(self.catalog.models) if self.catalog.failed_reload(m)]),
             ("shmserve_canary_decisions", "Canary promotions and rollbacks, by trigger (manual, error_rate, "
              "p99_latency)", "counter",
              [({"model": c.model, "version": str(v), "action": action, "trigger": trigger}, n)

@@ -45,7 +45,62 @@ FIELDS: dict[str, tuple[str, str]] = {
     "sequence_batching.direct.minimum_slot_utilization": (WARN, "sequence batches form without delay"),
     "sequence_batching.state.use_same_buffer_for_input_output": (WARN, "state tensors are copied"),
     "sequence_batching.state.use_growable_memory": (WARN, "state tensors are copied"),
+    "sequence_batching.oldest.preserve_ordering": (WARN, "batches of several instances may answer out of order"),
+    "ensemble_scheduling.step.model_namespace": (WARN, "model namespacing is not supported: the step runs the "
+                                                       "model of that name"),
+    "ensemble_scheduling.max_inflight_requests": (WARN, "a step's one response per request goes to the next "
+                                                        "step at once: ensemble steps cannot be decoupled "
+                                                        "here, so there are no extra responses to bound"),
+    "model_metrics": (WARN, "histograms keep the server's buckets (--metrics-config); no per-model override"),
 }
+
+# Every other field of Triton's ModelConfig is implemented: read by the loader, the schedulers, the
+# backends or the API that shows the config. tests/unit/test_config.py walks the schema so that a
+# field Triton adds is either listed here, once implemented, or in FIELDS above: never ignored.
+IMPLEMENTED: frozenset[str] = frozenset({
+    "name", "platform", "backend", "max_batch_size", "default_model_filename", "parameters",
+    "version_policy", "version_policy.latest", "version_policy.latest.num_versions", "version_policy.all",
+    "version_policy.specific", "version_policy.specific.versions",
+    "input", "input.name", "input.data_type", "input.dims", "input.reshape", "input.reshape.shape",
+    "input.allow_ragged_batch", "input.optional",
+    "input.format",  # kept and shown in the model's config: Triton too uses it only to describe the input
+    "output", "output.name", "output.data_type", "output.dims", "output.reshape", "output.reshape.shape",
+    "output.label_filename",
+    "batch_input", "batch_input.kind", "batch_input.target_name", "batch_input.data_type",
+    "batch_input.source_input", "batch_output", "batch_output.target_name", "batch_output.kind",
+    "batch_output.source_input",
+    "optimization",  # a message of settings, each listed in FIELDS
+    "dynamic_batching", "dynamic_batching.preferred_batch_size", "dynamic_batching.max_queue_delay_microseconds",
+    "dynamic_batching.preserve_ordering", "dynamic_batching.priority_levels",
+    "dynamic_batching.default_priority_level", "dynamic_batching.default_queue_policy",
+    "dynamic_batching.default_queue_policy.timeout_action",
+    "dynamic_batching.default_queue_policy.default_timeout_microseconds",
+    "dynamic_batching.default_queue_policy.allow_timeout_override",
+    "dynamic_batching.default_queue_policy.max_queue_size", "dynamic_batching.priority_queue_policy",
+    "sequence_batching", "sequence_batching.direct", "sequence_batching.oldest",
+    "sequence_batching.oldest.max_candidate_sequences", "sequence_batching.oldest.preferred_batch_size",
+    "sequence_batching.oldest.max_queue_delay_microseconds", "sequence_batching.max_sequence_idle_microseconds",
+    "sequence_batching.control_input", "sequence_batching.control_input.name",
+    "sequence_batching.control_input.control", "sequence_batching.control_input.control.kind",
+    "sequence_batching.control_input.control.int32_false_true",
+    "sequence_batching.control_input.control.fp32_false_true",
+    "sequence_batching.control_input.control.bool_false_true",
+    "sequence_batching.control_input.control.data_type",
+    "sequence_batching.state", "sequence_batching.state.input_name", "sequence_batching.state.output_name",
+    "sequence_batching.state.data_type", "sequence_batching.state.dims", "sequence_batching.state.initial_state",
+    "sequence_batching.state.initial_state.data_type", "sequence_batching.state.initial_state.dims",
+    "sequence_batching.state.initial_state.zero_data", "sequence_batching.state.initial_state.data_file",
+    "sequence_batching.state.initial_state.name",
+    "ensemble_scheduling", "ensemble_scheduling.step", "ensemble_scheduling.step.model_name",
+    "ensemble_scheduling.step.model_version", "ensemble_scheduling.step.input_map",
+    "ensemble_scheduling.step.output_map",
+    "instance_group", "instance_group.name", "instance_group.kind", "instance_group.count",
+    "instance_group.gpus", "instance_group.rate_limiter", "instance_group.rate_limiter.resources",
+    "instance_group.rate_limiter.resources.name", "instance_group.rate_limiter.resources.global",
+    "instance_group.rate_limiter.resources.count", "instance_group.rate_limiter.priority",
+    "model_warmup", "model_warmup.name", "model_warmup.batch_size", "model_warmup.inputs", "model_warmup.count",
+    "model_transaction_policy", "model_transaction_policy.decoupled", "response_cache", "response_cache.enable",
+})
 # Fields of the table above that a backend implements itself: not warned about for its models.
 HONOURED: dict[str, set[str]] = {
     "onnxruntime": {"optimization.graph", "optimization.execution_accelerators"},

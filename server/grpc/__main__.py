@@ -59,7 +59,7 @@ async def serve(spec: dict) -> int:
     inference = GrpcInference(link, tracer, spec["max_tensor_elements"], spec["arena_bytes"])
     service = InferenceService(spec["server_id"], link, inference, spec["allow_remote_shm"])
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                *map(tuple, spec["options"])]
     interceptors = [RestrictedProtocols(spec["restricted"])] if spec["restricted"] else []
     server = grpc.aio.server(options=options, interceptors=interceptors)

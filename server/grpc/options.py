@@ -79,6 +79,7 @@ def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
         if value or default:
             options.append((argument, value))
     options.append(("grpc.keepalive_permit_without_calls", int(args.grpc_keepalive_permit_without_calls)))
+    options.append(("grpc.so_reuseport", int(bool(args.reuse_grpc_port))))  # grpcio's default is on, Triton's off
     level = args.grpc_infer_response_compression_level.lower()  # Triton's is case-insensitive
     if level not in COMPRESSION_LEVELS:
         raise ValueError(f"--grpc-infer-response-compression-level must be none, low, medium or high, got "

@@ -356,6 +356,34 @@ def test_every_unsupported_path_names_a_field_of_triton_schema():
             descriptor = descriptor.fields_by_name[part].message_type
 
 
+def _schema_paths(descriptor, prefix: str = "", seen: frozenset = frozenset()) -> list[str]:
+    """Every field path of Triton's ModelConfig (a map is one field; a message type already on the
+    path is not entered again, e.g. a CUDA graph spec's lower bound)."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    out = []
+    for field in descriptor.fields:
+        path = prefix + field.name
+        out.append(path)
+        sub = field.message_type
+        if field.type == FieldDescriptor.TYPE_MESSAGE and not sub.GetOptions().map_entry and sub.full_name not in seen:
+            out += _schema_paths(sub, path + ".", seen | {sub.full_name})
+    return out
+
+
+def test_every_field_of_triton_schema_is_implemented_or_named_at_load():
+    """A field of config.pbtxt is never ignored in silence: it is implemented, or it (or a message
+    holding it) is in the table of fields warned about or refused by name."""
+    from shmserve.server.broker.unsupported import FIELDS, IMPLEMENTED
+
+    paths = _schema_paths(mc.ModelConfig.DESCRIPTOR)
+    assert len(paths) > 150
+    covered = [p for p in paths if p in IMPLEMENTED or any(p == f or p.startswith(f + ".") for f in FIELDS)]
+    assert sorted(set(paths) - set(covered)) == []
+    assert sorted(IMPLEMENTED - set(paths)) == [], "IMPLEMENTED names paths Triton's schema does not have"
+    assert sorted(IMPLEMENTED & set(FIELDS)) == []
+
+
 def test_unsupported_fields_are_found_by_path_through_repeated_fields():
     from shmserve.server.broker import unsupported
 
