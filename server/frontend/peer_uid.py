@@ -36,34 +36,51 @@ def normal_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return address
 
 
+def _kernel_hex(packed: bytes) -> str:
+    """An address as the tables write it: each 32-bit word in host byte order, in hex."""
+    words = (packed[i:i + 4][::-1] if _LITTLE else packed[i:i + 4] for i in range(0, len(packed), 4))
+    return b"".join(words).hex().upper()
+
+
 def _kernel_address(text: str) -> Address:
-    """``0100007F:8F63`` (tcp) or 32 hex digits (tcp6): 32-bit words in host byte order."""
+    """``0100007F:8F63`` (tcp) or 32 hex digits and a port (tcp6), back to an address."""
     hex_ip, hex_port = text.split(":")
     raw = bytes.fromhex(hex_ip)
-    packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)) if _LITTLE else raw
-    ip = ipaddress.ip_address(packed)
+    ip = ipaddress.ip_address(bytes.fromhex(_kernel_hex(raw)))  # the same word swap undoes itself
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return ip, int(hex_port, 16)
 
 
-def socket_rows() -> list[SocketRow]:
+def _needles(address: Address) -> list[str]:
+    """How ``address`` appears in the tables: in tcp, or in tcp6 (an IPv4 one as IPv4-mapped)."""
+    ip, port = address
+    forms = [ip.packed]
+    if isinstance(ip, ipaddress.IPv4Address):
+        forms.append(ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed).packed)
+    return [f"{_kernel_hex(packed)}:{port:04X}" for packed in forms]
+
+
+def socket_rows(address: Address) -> list[SocketRow]:
+    """The rows of the kernel's TCP tables with ``address`` at either end (the tables hold
+    every socket of the host: only the lines that name it are parsed)."""
+    needles = _needles(address)
     rows: list[SocketRow] = []
     for table in TABLES:
         try:
             with open(table) as f:
-                next(f, None)  # the header
-                for line in f:
-                    fields = line.split()
-                    if len(fields) < 10:
-                        continue
-                    try:
-                        rows.append(SocketRow(_kernel_address(fields[1]), _kernel_address(fields[2]),
-                                              int(fields[3], 16), int(fields[7]), int(fields[9])))
-                    except ValueError:
-                        continue
+                lines = f.readlines()[1:]  # after the header
         except OSError:  # no IPv6 in this kernel, or no /proc
             continue
+        for line in lines:
+            if not any(n in line for n in needles):
+                continue
+            fields = line.split()
+            try:
+                rows.append(SocketRow(_kernel_address(fields[1]), _kernel_address(fields[2]),
+                                      int(fields[3], 16), int(fields[7]), int(fields[9])))
+            except (ValueError, IndexError):
+                continue
     return rows
 
 
@@ -96,7 +113,7 @@ def peer_uid(peer_host: str, peer_port: int, server: tuple[str, int] | None = No
         ours = {(normal_ip(server[0]), int(server[1]))} if server is not None else None
     except (ValueError, TypeError):
         return None
-    rows = socket_rows()
+    rows = socket_rows(peer)
     if ours is None:
         mine = _own_socket_inodes()
         ours = {r.local for r in rows if r.remote == peer and r.inode in mine}
