@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from as_nobody import run_as_nobody
 from conftest import raw_request, start_shm_server
+from shmserve.server.grpc.service import peer_address
 from shmserve.shm.client import Client, InferenceServerError
 
 N = 16  # add_sub takes and gives INT32 [16]
@@ -307,3 +308,34 @@ def test_allow_client_shm_false_refuses_client_regions_with_tritons_text(module_
         http.close()
         grpc_client.close()
         shm.destroy_shared_memory_region(handle)
+
+
+def test_a_peer_on_this_host_is_checked_under_allow_remote_shm_too(module_factory, local_non_loopback_address):
+    """--allow-remote-shm lets other hosts in; a peer of this host that comes through a
+    non-loopback address is still known by its socket, and still may not open root's objects."""
+    srv = start_shm_server(module_factory, ["--http-address", "0.0.0.0", "--grpc-address", "0.0.0.0",
+                                            "--allow-remote-shm"])
+    key = f"/tshm_{srv.id}_root_remote"
+    handle = shm.create_shared_memory_region("root", key, 2 * NB, create_only=True)
+    try:
+        for proto in ("http", "grpc"):
+            got = run_as_nobody(STEAL, {"proto": proto, "url": url(srv, proto, local_non_loopback_address),
+                                        "name": "stolen", "key": key})
+            assert got.get("status") == ("403" if proto == "http" else "StatusCode.PERMISSION_DENIED"), got
+    finally:
+        shm.destroy_shared_memory_region(handle)
+    assert status_names(srv) == []
+
+
+@pytest.mark.parametrize("peer, address", [
+    ("ipv4:127.0.0.1:5000", ("127.0.0.1", 5000)),
+    ("ipv6:[::1]:5000", ("::1", 5000)),
+    ("ipv6:%5B::1%5D:5000", ("::1", 5000)),  # grpcio's form for a client of localhost
+    ("ipv6:%5B::ffff:127.0.0.1%5D:5000", ("::ffff:127.0.0.1", 5000)),
+    ("ipv6:%5Bfe80::1%25eth0%5D:5000", ("fe80::1%eth0", 5000)),
+    ("unix:/tmp/socket", ("localhost", None)),
+    ("unix-abstract:name", ("localhost", None)),
+    ("vsock:3:5000", ("", None)),
+])
+def test_every_grpc_peer_form_is_read(peer, address):
+    assert peer_address(peer) == address
