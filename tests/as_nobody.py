@@ -17,6 +17,7 @@ _PRELUDE = """
 import encodings.idna, json, os, sys
 import numpy as np
 import grpc
+import posix_ipc
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -339,3 +340,28 @@ def test_a_peer_on_this_host_is_checked_under_allow_remote_shm_too(module_factor
 ])
 def test_every_grpc_peer_form_is_read(peer, address):
     assert peer_address(peer) == address
+
+
+def test_a_restarted_broker_checks_a_restored_region_against_its_owner_again(server_factory):
+    """nobody registers its own object; root then takes the object over (chown to root, 0600).
+    The broker restarted after that does not register it again for nobody, and serves on."""
+    srv = start_shm_server(server_factory)
+    key = f"/tshm_{srv.id}_taken_over"
+    try:
+        got = run_as_nobody("""
+posix_ipc.SharedMemory(args["key"], posix_ipc.O_CREX, mode=0o600, size=128).close_fd()  # no tracker to unlink it
+httpclient.InferenceServerClient(args["url"]).register_system_shared_memory("mine", args["key"], 128)
+result = os.stat("/dev/shm" + args["key"]).st_uid
+""", {"url": srv.url, "key": key})
+        assert got == 65534 and status_names(srv) == ["mine"]
+        os.chown("/dev/shm" + key, 0, 0)
+        broker = next(pid for pid, t in srv.titles().items() if t.startswith("shmserve broker "))
+        os.kill(broker, signal.SIGKILL)
+        srv.wait_until(lambda: next((p for p, t in srv.titles().items() if t.startswith("shmserve broker ")),
+                                    broker) != broker and srv.http_status("/v2/health/ready") == 200,
+                       "a new broker serving")
+        assert status_names(srv) == []
+        assert "'mine' not restored after a broker restart: Unable to open shared memory region" in srv.log()
+    finally:
+        if os.path.exists("/dev/shm" + key):
+            os.unlink("/dev/shm" + key)

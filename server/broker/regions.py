@@ -313,14 +313,14 @@ class Regions:
             try:
                 self.system.register(saved["name"], saved["key"], saved["offset"], saved["byte_size"],
                                      Caller(owner_from_json(saved)))
-            except RegionError as e:
+            except InvalidRequest as e:  # gone, replaced, or no longer the owner's to open
                 log.error("system shared-memory region '%s' not restored after a broker restart: %s",
                           saved["name"], e)
         for saved in self.journal.get("cuda_regions", []):
             try:
                 self.cuda.register(saved["name"], saved["raw_handle"], saved["device_id"], saved["byte_size"],
                                    Caller(owner_from_json(saved)))
-            except RegionError as e:
+            except InvalidRequest as e:
                 log.error("CUDA shared-memory region '%s' not restored after a broker restart: %s",
                           saved["name"], e)
         if self.system.regions or self.cuda.regions:
