@@ -10,8 +10,8 @@ import base64
 import logging
 import time
 from contextlib import aclosing
-from urllib.parse import unquote
 from typing import Any, AsyncIterator, NoReturn
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf import json_format
