@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server id: the name server metadata (GET /v2) reports, as Triton's --id; it also "
                         "names the server's shared-memory objects and lets local clients find it "
                         "(default 'shmserve'; '--id triton' for clients that check for Triton's name)")
+    add_bool(p, "--allow-client-shm", True,
+             "let clients register and unregister system and CUDA shared-memory regions, as Triton's flag "
+             "(default true: a caller may register only an object it could open itself; see "
+             "docs/serving.md)")
     add_bool(p, "--allow-remote-shm", False,
              "let non-loopback HTTP peers register system shared memory. Risky: anyone who "
                         "reaches the port could make the server read or write this host's shared memory "

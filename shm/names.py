@@ -27,6 +27,9 @@ def object_name(server_id: str, role: str, n: int | str) -> str:
 
 
 RESERVED_PREFIXES = (PREFIX + ".", "sem.")
+# The local client's own regions (``Client.create_region``): ``/shmclient.<pid>.<name>``. Not in
+# RESERVED_PREFIXES: only the client ``<pid>`` may register one (server/broker/region_access.py).
+CLIENT_PREFIX = "shmclient."
 
 
 def reserved_prefix(name: str) -> str | None:

@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
-from .names import is_server_object
+from .names import CLIENT_PREFIX, is_server_object
 
 
 def created_key_prefix(pid: int) -> str:
     """The key prefix of the regions ``Region.create`` makes in process ``pid``: the server
     unlinks the ones a dead client registered as created (nobody else could any more)."""
-    return f"/shmclient.{pid}."
+    return f"/{CLIENT_PREFIX}{pid}."
 
 
 class Region:

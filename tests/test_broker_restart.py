@@ -17,6 +17,7 @@ import pytest
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
+from as_nobody import run_as_nobody
 from conftest import DEADLINE_S, PRODUCT_MODELS, TEST_MODELS
 from shmserve.shm.client import Client, ServerUnavailable
 
@@ -146,3 +147,21 @@ def test_a_local_client_reconnects_and_registers_its_regions_again(restarted):
         new.unregister_region("local_io")
     finally:
         new.close()
+
+
+def test_a_restored_region_keeps_its_owner(restarted):
+    """The journal keeps who registered a region: another uid still may not unregister it, and
+    its owner (root over HTTP) still may. Last: it unregisters the module's region."""
+    server, c, _, _ = restarted
+    refused = run_as_nobody("""
+c = httpclient.InferenceServerClient(args)
+try:
+    c.unregister_system_shared_memory("restart_io")
+    result = "unregistered"
+except InferenceServerException as e:
+    result = str(e.status())
+""", server.url)
+    assert refused == "403"
+    assert [r["name"] for r in c.get_system_shared_memory_status()] == ["restart_io"]
+    c.unregister_system_shared_memory("restart_io")
+    assert c.get_system_shared_memory_status() == []

@@ -27,6 +27,7 @@ from .lifecycle import CANCELLED_STATUS, UNLOADED, UPLOAD_PREFIX, Lifecycle
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .options import BrokerOptions
+from .region_access import CLIENT_SHM_DISABLED, Caller, ClientShmDisabled, caller_of
 from .regions import Regions
 from .routes import Routes
 from .statistics import Statistics
@@ -249,20 +250,27 @@ class ControlHandler:
         return 0, None
 
     # -- shared memory --------------------------------------------------------------------------
+    def _client_shm(self, doc: dict, client: Client) -> Caller:
+        """The caller of a register or unregister (region_access.py), unless --allow-client-shm
+        is false: then Triton's refusal."""
+        if not self.opts.allow_client_shm:
+            raise ClientShmDisabled(CLIENT_SHM_DISABLED)
+        return caller_of(doc, client)
+
     def _shm_register(self, client: Client, slot: int, doc: dict) -> Answer:
-        owner = client.name if doc.get("owned") else None
+        caller = self._client_shm(doc, client)  # a local client's region is its connection's
         # Only an object named as Client.create_region names it in the client's own process.
-        reclaim = owner is not None and bool(doc.get("created")) and \
+        reclaim = caller.owner.connection is not None and bool(doc.get("created")) and \
             str(doc["key"]).startswith(created_key_prefix(client.pid))
         self.regions.system.register(doc["name"], doc["key"], int(doc.get("offset", 0)), int(doc["byte_size"]),
-                                     owner, reclaim)
+                                     caller, reclaim)
         self.regions.publish()
         return 200, {}
 
     def _shm_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
         """Marks the region leaving; the broker forgets it once no request uses it (before it
         handles the next request if none does), which needs no second call."""
-        self.regions.unregister(self.regions.system, doc.get("name"))
+        self.regions.unregister(self.regions.system, doc.get("name"), self._client_shm(doc, client))
         return 200, {}
 
     def _shm_status(self, client: Client, slot: int, doc: dict) -> Answer:
@@ -270,12 +278,12 @@ class ControlHandler:
 
     def _cuda_register(self, client: Client, slot: int, doc: dict) -> Answer:
         self.regions.cuda.register(doc["name"], doc["raw_handle"], int(doc.get("device_id", 0)),
-                                   int(doc["byte_size"]))
+                                   int(doc["byte_size"]), self._client_shm(doc, client))
         self.regions.publish()
         return 200, {}
 
     def _cuda_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.regions.unregister(self.regions.cuda, doc.get("name"))
+        self.regions.unregister(self.regions.cuda, doc.get("name"), self._client_shm(doc, client))
         return 200, {}
 
     def _cuda_status(self, client: Client, slot: int, doc: dict) -> Answer:

@@ -25,6 +25,7 @@ from shmserve.shm.region_table import EVERY_REGION, RegionEntry, RegionUseError,
 from shmserve.signature import InvalidRequest
 
 from .journal import Journal
+from .region_access import Caller, Owner, RegionDenied, check_client_key, check_may_open, owner_from_json, owner_json
 
 log = logging.getLogger("shmserve.broker")
 _KEY_RE = re.compile(r"^/?[^/\0]{1,250}$")
@@ -58,7 +59,7 @@ def check_key(name: str, key: Any) -> None:
 class Region:
     __slots__ = ("name", "key", "offset", "byte_size", "owner", "ino", "reclaim")
 
-    def __init__(self, name: str, key: str, offset: int, byte_size: int, owner: str | None, ino: int,
+    def __init__(self, name: str, key: str, offset: int, byte_size: int, owner: Owner, ino: int,
                  reclaim: bool = False) -> None:
         self.name, self.key, self.offset, self.byte_size, self.owner = name, key, offset, byte_size, owner
         self.ino = ino  # the object registered: workers re-map if the key later names another
@@ -79,8 +80,19 @@ class _Registry:
         # name -> the region-table generation that first published it leaving (0: not published yet)
         self.leaving: dict[str, int] = {}
 
-    def unregister(self, name: str | None) -> None:
-        for n in list(self.regions) if name is None else [name] if name in self.regions else []:
+    def unregister(self, name: str | None, caller: Caller) -> None:
+        """Mark leaving the region ``name`` (None: every region the caller may unregister); the
+        region of another owner is refused, one nobody registered is no error (as in Triton)."""
+        if name is None:
+            names = [n for n, r in self.regions.items() if caller.may_unregister(r.owner)]
+        elif name in self.regions:
+            if not caller.may_unregister(self.regions[name].owner):
+                raise RegionDenied(f"shared memory region '{name}' was registered by another client: only it, or "
+                                   f"a request with the restricted 'shared-memory' API key, may unregister it")
+            names = [name]
+        else:
+            names = []
+        for n in names:
             self.leaving.setdefault(n, 0)
 
     def forget(self, name: str) -> Any:
@@ -105,9 +117,11 @@ class RegionRegistry(_Registry):
     def describe(self, r: "Region") -> dict[str, Any]:
         return {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
 
-    def register(self, name: str, key: str, offset: int, byte_size: int, owner: str | None = None,
+    def register(self, name: str, key: str, offset: int, byte_size: int, caller: Caller,
                  reclaim: bool = False) -> None:
+        """Register ``key`` for ``caller``, who must be able to open it itself (region_access.py)."""
         check_key(name, key)
+        check_client_key(name, key, caller)
         if not name:
             raise RegionError("shared memory region name must not be empty")
         if name in self.regions:
@@ -121,23 +135,24 @@ class RegionRegistry(_Registry):
         except posix_ipc.ExistentialError:
             raise RegionError(f"Unable to open shared memory region: '{key}'") from None
         except posix_ipc.PermissionsError:
-            raise RegionError(f"Unable to open shared memory region: '{key}': permission denied") from None
+            raise RegionDenied(f"Unable to open shared memory region: '{key}': permission denied") from None
         try:
             st = os.fstat(shm.fd)
             size = st.st_size
         finally:
             shm.close_fd()
+        check_may_open(key, st, caller)  # the object opened: its inode is what the region pins
         if offset < 0 or byte_size < 0 or offset + byte_size > size:
             raise RegionError(f"failed to register shared memory region '{name}': invalid args")
         if byte_size == 0:  # in bounds, but nothing to map: Triton's mmap fails the same way
             raise RegionError(f"failed to register shared memory region '{name}': unable to process address "
                               f"space: a region needs byte_size > 0")
-        self.regions[name] = Region(name, shm_key, offset, byte_size, owner, st.st_ino, reclaim)
+        self.regions[name] = Region(name, shm_key, offset, byte_size, caller.owner, st.st_ino, reclaim)
 
-    def drop_owner(self, owner: str, died: bool = False) -> None:
-        """Forget an owner's regions; if it died, also unlink the objects its library created
-        for it (``Client.create_region``), which would otherwise stay in /dev/shm for good."""
-        for name in [n for n, r in self.regions.items() if r.owner == owner]:
+    def drop_owner(self, connection: str, died: bool = False) -> None:
+        """Forget a local client's regions; if it died, also unlink the objects its library
+        created for it (``Client.create_region``), which would otherwise stay in /dev/shm for good."""
+        for name in [n for n, r in self.regions.items() if r.owner.connection == connection]:
             r = self.forget(name)
             if died and r.reclaim:
                 try:
@@ -163,10 +178,11 @@ class RegionRegistry(_Registry):
 
 
 class CudaRegion:
-    __slots__ = ("name", "handle_b64", "device_id", "byte_size")
+    __slots__ = ("name", "handle_b64", "device_id", "byte_size", "owner")
 
-    def __init__(self, name: str, handle_b64: str, device_id: int, byte_size: int) -> None:
+    def __init__(self, name: str, handle_b64: str, device_id: int, byte_size: int, owner: Owner) -> None:
         self.name, self.handle_b64, self.device_id, self.byte_size = name, handle_b64, device_id, byte_size
+        self.owner = owner
 
 
 class CudaRegionRegistry(_Registry):
@@ -175,6 +191,10 @@ class CudaRegionRegistry(_Registry):
     The broker checks the request (a CUDA device exists, the handle has the size of one and
     opens on a real device); the worker that needs the bytes opens the handle again and keeps it
     open while the region is registered (see ``workers/cuda.py``).
+
+    A CUDA IPC handle has no owner or mode to check: whoever holds the 64 bytes may open the
+    allocation, as any process of the GPU's users could. Registration keeps the rest of the
+    rules (this host only, --allow-client-shm), and the region belongs to its registrant.
     """
 
     kind = "cuda"
@@ -182,7 +202,7 @@ class CudaRegionRegistry(_Registry):
     def describe(self, r: "CudaRegion") -> dict[str, Any]:
         return {"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
 
-    def register(self, name: str, handle_b64: str, device_id: int, byte_size: int) -> None:
+    def register(self, name: str, handle_b64: str, device_id: int, byte_size: int, caller: Caller) -> None:
         from shmserve.workers.cuda import IPC_HANDLE_BYTES, CudaError, runtime
         from shmserve.workers.devices import cuda_device_count
 
@@ -207,7 +227,7 @@ class CudaRegionRegistry(_Registry):
         except CudaError as e:
             raise RegionError(f"failed to register shared memory region: invalid args (failed to open CUDA IPC "
                               f"handle: {e})") from None
-        self.regions[name] = CudaRegion(name, handle_b64, device_id, byte_size)
+        self.regions[name] = CudaRegion(name, handle_b64, device_id, byte_size, caller.owner)
 
     def resolve(self, name: str, offset: int, size: int) -> dict[str, Any] | None:
         r = self.regions.get(name)
@@ -223,9 +243,10 @@ class CudaRegionRegistry(_Registry):
 class Regions:
     """Both registries, and the table of system regions published for the workers.
 
-    Regions nobody owns (registered over HTTP: their clients registered once and go on using the
-    name) are journaled and registered again by a restarted broker. A local client's own regions
-    are not: its connection dies with the broker, and the ``Client`` it opens next registers anew.
+    Regions of network callers (their clients registered once and go on using the name) are
+    journaled with their owner's uid, and registered again by a restarted broker, checked again
+    against that uid. A local client's own regions are not: its connection dies with the broker,
+    and the ``Client`` it opens next registers anew.
     """
 
     def __init__(self, seg: BrokerSegment, journal: Journal) -> None:
@@ -249,17 +270,18 @@ class Regions:
             for name, marked in registry.leaving.items():
                 if not marked:
                     registry.leaving[name] = gen
-        self.journal.set("regions", [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
-                                     for r in self.system.regions.values()
-                                     if r.owner is None and r.name not in self.system.leaving])
+        self.journal.set("regions", [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size,
+                                      **owner_json(r.owner)} for r in self.system.regions.values()
+                                     if r.owner.connection is None and r.name not in self.system.leaving])
         self.journal.set("cuda_regions", [{"name": r.name, "raw_handle": r.handle_b64, "device_id": r.device_id,
-                                           "byte_size": r.byte_size} for r in self.cuda.regions.values()
-                                           if r.name not in self.cuda.leaving])
+                                           "byte_size": r.byte_size, **owner_json(r.owner)}
+                                          for r in self.cuda.regions.values()
+                                          if r.owner.connection is None and r.name not in self.cuda.leaving])
 
-    def unregister(self, registry: _Registry, name: str | None) -> None:
-        """Mark the region (or all of them) leaving and publish that; the broker then calls
+    def unregister(self, registry: _Registry, name: str | None, caller: Caller) -> None:
+        """Mark the region (or all the caller's) leaving and publish that; the broker then calls
         ``settle``, which forgets at once those no request uses."""
-        registry.unregister(name)
+        registry.unregister(name, caller)
         self.publish()
 
     def any_leaving(self) -> bool:
@@ -289,14 +311,16 @@ class Regions:
         'unknown region' answer."""
         for saved in self.journal.get("regions", []):
             try:
-                self.system.register(saved["name"], saved["key"], saved["offset"], saved["byte_size"])
-            except RegionError as e:
+                self.system.register(saved["name"], saved["key"], saved["offset"], saved["byte_size"],
+                                     Caller(owner_from_json(saved)))
+            except InvalidRequest as e:  # gone, replaced, or no longer the owner's to open
                 log.error("system shared-memory region '%s' not restored after a broker restart: %s",
                           saved["name"], e)
         for saved in self.journal.get("cuda_regions", []):
             try:
-                self.cuda.register(saved["name"], saved["raw_handle"], saved["device_id"], saved["byte_size"])
-            except RegionError as e:
+                self.cuda.register(saved["name"], saved["raw_handle"], saved["device_id"], saved["byte_size"],
+                                   Caller(owner_from_json(saved)))
+            except InvalidRequest as e:
                 log.error("CUDA shared-memory region '%s' not restored after a broker restart: %s",
                           saved["name"], e)
         if self.system.regions or self.cuda.regions:

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from shmserve.server import __version__
+from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
 from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
@@ -27,10 +28,12 @@ from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from .generate import EventStream, build_generate_request, generate_response, traced
 from .inference import Headers, Inference
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
-from .metadata import EXTENSIONS, is_loopback
+from .metadata import EXTENSIONS
 from .openai import OpenAIFront
 from .openapi import openapi_endpoint
+from .restricted import passed_group
 from .settings import logging_endpoint, trace_endpoint
+from .shm_callers import ShmRefused, registering_caller, unregistering_caller
 from .tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
 
 log = logging.getLogger("shmserve.frontend")
@@ -258,10 +261,34 @@ class Frontend:
         return EventStream(request.path_params["model"], events, trace, self.tracer)
 
     # -- system shared memory -------------------------------------------------------------------
+    @staticmethod
+    def _peer(request: Request) -> tuple[str, int | None, tuple[str, int] | None]:
+        """(peer host, peer port, our end) of the request's connection."""
+        host, port = (request.client.host, request.client.port) if request.client else ("", None)
+        server = request.scope.get("server")
+        return host, port, (server[0], server[1]) if server and server[1] is not None else None
+
+    @staticmethod
+    def _admin(request: Request) -> bool:
+        return passed_group(request.scope) == ADMIN_GROUP
+
+    async def _registering(self, request: Request, kind: str) -> CallerDoc | Response:
+        """The caller of a register request, or the refusal of a peer that may not register."""
+        try:
+            return await registering_caller(kind, *self._peer(request),
+                                             getattr(request.app.state, "allow_remote_shm", False),
+                                             self._admin(request))
+        except ShmRefused as e:
+            return error_response(e.status, str(e))
+
+    async def _unregister(self, request: Request, op: str) -> Response:
+        caller = await unregistering_caller(*self._peer(request), self._admin(request))
+        return await self._answer({"op": op, "name": request.path_params.get("name"), CALLER: caller})
+
     async def shm_register(self, request: Request) -> Response:
-        if not self._shm_allowed(request):
-            return error_response(403, "registering system shared memory is only allowed from this host "
-                                       "(start the server with --allow-remote-shm to change that)")
+        caller = await self._registering(request, "system")
+        if isinstance(caller, Response):
+            return caller
         try:
             doc = orjson.loads(await request.body())
             if not isinstance(doc, dict) or "key" not in doc or "byte_size" not in doc:
@@ -274,24 +301,19 @@ class Frontend:
             return error_response(400, str(e))
         return await self._answer({"op": "shm_register", "name": request.path_params["name"],
                                    "key": doc["key"], "offset": doc.get("offset", 0),
-                                   "byte_size": doc["byte_size"]})
-
-    def _shm_allowed(self, request: Request) -> bool:
-        if getattr(request.app.state, "allow_remote_shm", False):
-            return True
-        return is_loopback(request.client.host if request.client else "")
+                                   "byte_size": doc["byte_size"], CALLER: caller})
 
     async def shm_unregister(self, request: Request) -> Response:
-        return await self._answer({"op": "shm_unregister", "name": request.path_params.get("name")})
+        return await self._unregister(request, "shm_unregister")
 
     async def shm_status(self, request: Request) -> Response:
         return await self._answer({"op": "shm_status", "name": request.path_params.get("name")})
 
     # -- CUDA shared memory ----------------------------------------------------------------------
     async def cuda_register(self, request: Request) -> Response:
-        if not self._shm_allowed(request):
-            return error_response(403, "registering CUDA shared memory is only allowed from this host "
-                                       "(start the server with --allow-remote-shm to change that)")
+        caller = await self._registering(request, "CUDA")
+        if isinstance(caller, Response):
+            return caller
         try:
             doc = orjson.loads(await request.body())
             handle = doc.get("raw_handle") if isinstance(doc, dict) else None
@@ -306,10 +328,11 @@ class Frontend:
         except (orjson.JSONDecodeError, BadRequest) as e:
             return error_response(400, str(e))
         return await self._answer({"op": "cuda_register", "name": request.path_params["name"], "raw_handle": raw,
-                                   "device_id": doc.get("device_id", 0), "byte_size": doc["byte_size"]})
+                                   "device_id": doc.get("device_id", 0), "byte_size": doc["byte_size"],
+                                   CALLER: caller})
 
     async def cuda_unregister(self, request: Request) -> Response:
-        return await self._answer({"op": "cuda_unregister", "name": request.path_params.get("name")})
+        return await self._unregister(request, "cuda_unregister")
 
     async def cuda_status(self, request: Request) -> Response:
         return await self._answer({"op": "cuda_status", "name": request.path_params.get("name")})

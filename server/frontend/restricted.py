@@ -61,6 +61,13 @@ def category_of(path: str) -> str | None:
 
 
 ASGIApp = Callable[[dict, Any, Any], Awaitable[None]]
+PASSED = "shmserve.restricted_group"  # scope key: the restricted group whose key the request carried
+
+
+def passed_group(scope: dict) -> str | None:
+    """The restricted group whose key this request carried (None: no key was needed, or none is
+    restricted): how a shared-memory handler knows it serves an admin."""
+    return scope.get(PASSED)
 
 
 def restrict(app: ASGIApp, restrictions: dict[str, Any]) -> ASGIApp:
@@ -72,7 +79,8 @@ def restrict(app: ASGIApp, restrictions: dict[str, Any]) -> ASGIApp:
 
     async def guarded(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            rule = rules.get(category_of(scope["path"]) or "")
+            category = category_of(scope["path"]) or ""
+            rule = rules.get(category)
             if rule is not None:
                 key, expected = rule
                 if dict(scope["headers"]).get(key) != expected:
@@ -82,6 +90,7 @@ def restrict(app: ASGIApp, restrictions: dict[str, Any]) -> ASGIApp:
                                             (b"content-length", str(len(body)).encode())]})
                     await send({"type": "http.response.body", "body": body})
                     return
+                scope[PASSED] = category
         await app(scope, receive, send)
 
     return guarded

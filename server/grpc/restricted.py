@@ -8,9 +8,12 @@ lookup of its method name, plus the metadata check when its group is restricted.
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Awaitable, Callable
 
 import grpc
+
+from shmserve.server.shm_caller import ADMIN_GROUP
 
 HEADER_PREFIX = "triton-grpc-protocol-"  # Triton's; gRPC metadata keys are lower case
 SERVICE = "/inference.GRPCInferenceService/"
@@ -30,12 +33,16 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # in Triton's health group too
 
+# The restricted group whose key the call being served carried (None: none was needed): how a
+# shared-memory RPC knows it serves an admin. Set around the servicer's own coroutine.
+PASSED_GROUP: contextvars.ContextVar[str | None] = contextvars.ContextVar("restricted_group", default=None)
 
-def method_rules(restricted: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    """Full method name -> (metadata key, expected value) for each RPC of a restricted group."""
-    rules: dict[str, tuple[str, str]] = {}
+
+def method_rules(restricted: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
+    """Full method name -> (metadata key, expected value, group) for each RPC of a restricted group."""
+    rules: dict[str, tuple[str, str, str]] = {}
     for group, (key, value) in restricted.items():
-        rule = (HEADER_PREFIX + key, value)
+        rule = (HEADER_PREFIX + key, value, group)
         for name in GROUPS[group]:
             rules[SERVICE + name] = rule
         if group == "health":
@@ -50,9 +57,27 @@ class RestrictedProtocols(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)
         rule = self.rules.get(details.method)
-        if rule is None or handler is None or rule in (details.invocation_metadata or ()):
+        if rule is None or handler is None:
             return handler
-        return _refusal(handler, f"This protocol is restricted, expecting header '{rule[0]}'")
+        key, value, group = rule
+        if (key, value) in (details.invocation_metadata or ()):
+            return _admitted(handler, group) if group == ADMIN_GROUP else handler
+        return _refusal(handler, f"This protocol is restricted, expecting header '{key}'")
+
+
+def _admitted(handler: Any, group: str) -> Any:
+    """``handler`` (a unary shared-memory RPC) run with ``PASSED_GROUP`` set to ``group``."""
+    behaviour = handler.unary_unary
+
+    async def admitted(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        token = PASSED_GROUP.set(group)
+        try:
+            return await behaviour(request, context)
+        finally:
+            PASSED_GROUP.reset(token)
+
+    return grpc.unary_unary_rpc_method_handler(admitted, request_deserializer=handler.request_deserializer,
+                                               response_serializer=handler.response_serializer)
 
 
 def _refusal(handler: Any, message: str) -> Any:

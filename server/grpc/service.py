@@ -11,6 +11,7 @@ import logging
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, NoReturn
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf import json_format
@@ -20,10 +21,13 @@ from tritonclient.grpc import service_pb2_grpc
 
 from shmserve.server import __version__
 from shmserve.server.frontend.link import BrokerError, BrokerLink
-from shmserve.server.frontend.metadata import EXTENSIONS, is_loopback
+from shmserve.server.frontend.metadata import EXTENSIONS
+from shmserve.server.frontend.shm_callers import ShmRefused, registering_caller, unregistering_caller
+from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
 from shmserve.shm import logs
 
 from .infer import Aborted, GrpcInference
+from .restricted import PASSED_GROUP
 from .status import code_of
 from .tensors import param_value
 
@@ -31,14 +35,19 @@ log = logging.getLogger("shmserve.grpc")
 Context = grpc.aio.ServicerContext
 
 
-def peer_host(peer: str) -> str:
-    """The host of a gRPC peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``)."""
-    kind, _, rest = peer.partition(":")
-    if kind == "unix":
-        return "localhost"
+def peer_address(peer: str) -> tuple[str, int | None]:
+    """(host, port) of a gRPC peer string: ``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, which
+    grpcio percent-encodes (``ipv6:%5B::1%5D:5000``), or a Unix socket (``unix:/path``,
+    ``unix-abstract:name``: this host, no port). ('', None) for a form it does not know."""
+    kind, _, rest = unquote(peer).partition(":")
+    if kind in ("unix", "unix-abstract"):
+        return "localhost", None
+    if kind not in ("ipv4", "ipv6"):
+        return "", None
+    host, _, port = rest.rpartition(":")
     if kind == "ipv6":
-        return rest.rpartition("]")[0].lstrip("[")
-    return rest.rpartition(":")[0]
+        host = host.removeprefix("[").removesuffix("]")
+    return host, int(port) if port.isdigit() else None
 
 
 class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -120,10 +129,16 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
     # -- shared memory --------------------------------------------------------------------------
-    async def _check_local(self, context: Context, kind: str) -> None:
-        if not self.allow_remote_shm and not is_loopback(peer_host(context.peer())):
-            await _abort(context, 403, f"registering {kind} shared memory is only allowed from this host "
-                                       f"(start the server with --allow-remote-shm to change that)")
+    async def _registering(self, context: Context, kind: str) -> CallerDoc:
+        """Who registers (server/frontend/shm_callers.py); a peer that may not is refused."""
+        try:
+            return await registering_caller(kind, *peer_address(context.peer()), None, self.allow_remote_shm,
+                                            PASSED_GROUP.get() == ADMIN_GROUP)
+        except ShmRefused as e:
+            await _abort(context, e.status, str(e))
+
+    async def _unregistering(self, context: Context) -> CallerDoc:
+        return await unregistering_caller(*peer_address(context.peer()), None, PASSED_GROUP.get() == ADMIN_GROUP)
 
     async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
         answer = await self._control({"op": "shm_status", "name": request.name or None}, context)
@@ -133,13 +148,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return resp
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        await self._check_local(context, "system")
+        caller = await self._registering(context, "system")
         await self._control({"op": "shm_register", "name": request.name, "key": request.key,
-                             "offset": request.offset, "byte_size": request.byte_size}, context)
+                             "offset": request.offset, "byte_size": request.byte_size, CALLER: caller}, context)
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        await self._control({"op": "shm_unregister", "name": request.name or None}, context)
+        await self._control({"op": "shm_unregister", "name": request.name or None,
+                             CALLER: await self._unregistering(context)}, context)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
@@ -150,14 +166,16 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return resp
 
     async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        await self._check_local(context, "CUDA")
+        caller = await self._registering(context, "CUDA")
         await self._control({"op": "cuda_register", "name": request.name,
                              "raw_handle": base64.b64encode(request.raw_handle).decode(),
-                             "device_id": request.device_id, "byte_size": request.byte_size}, context)
+                             "device_id": request.device_id, "byte_size": request.byte_size, CALLER: caller},
+                            context)
         return pb.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        await self._control({"op": "cuda_unregister", "name": request.name or None}, context)
+        await self._control({"op": "cuda_unregister", "name": request.name or None,
+                             CALLER: await self._unregistering(context)}, context)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # -- logging and trace extensions -----------------------------------------------------------

@@ -1,0 +1,134 @@
+"""Who may register a shared-memory region, and who may unregister it.
+
+Registering makes the server read and write an object on the caller's behalf, so it is allowed
+only for an object the caller could open itself for reading and writing, as ``shm_open(O_RDWR)``
+would decide for that user: the object's owner, group and mode against the caller's uid and
+groups (from the user database), uid 0 opening anything. A key under ``/shmclient.<pid>.`` is
+the local client ``<pid>``'s own (``Client.create_region``) and no one else may name it.
+
+A region belongs to whoever registered it: a local client's connection, or a network caller's
+uid. Only its owner unregisters it, or an admin (a request that carried the key of the
+restricted 'shared-memory' group); an unregister-all unregisters what the caller may.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pwd
+import stat
+from typing import Any
+
+from shmserve.shm.names import CLIENT_PREFIX, SHM_DIR
+from shmserve.server.shm_caller import FIELD
+from shmserve.signature import InvalidRequest
+
+from .models import Client
+
+
+class RegionDenied(InvalidRequest):
+    """The caller may not do this to the region: 403 (gRPC PERMISSION_DENIED)."""
+
+    status = 403
+
+
+# Triton's status and text when the server is started with --allow-client-shm=false (UNSUPPORTED).
+CLIENT_SHM_DISABLED = ("Client shared memory is disabled. Start the server with '--allow-client-shm=true' "
+                       "to enable.")
+
+
+class ClientShmDisabled(InvalidRequest):
+    status = 501
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """Who registered a region. ``uid`` None: a peer on another host, which no one here can be
+    told apart from (``--allow-remote-shm``); ``connection``: the local client's, else None."""
+
+    uid: int | None
+    connection: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    owner: Owner
+    admin: bool = False
+    pid: int | None = None  # a local client's process
+
+    def may_unregister(self, owner: Owner) -> bool:
+        return self.admin or owner == self.owner
+
+
+def caller_of(doc: dict, client: Client) -> Caller:
+    """The caller of a control request: the network caller a frontend named
+    (``server/shm_caller.py``), else the local client itself, as the owner of its segment."""
+    named = doc.get(FIELD)
+    if isinstance(named, dict):
+        uid = named.get("uid")
+        return Caller(Owner(uid if isinstance(uid, int) and not isinstance(uid, bool) else None),
+                      named.get("admin") is True)
+    try:
+        uid = os.stat(SHM_DIR + client.name).st_uid
+    except OSError:
+        raise RegionDenied("this client's connection is gone") from None
+    return Caller(Owner(uid, client.name), False, client.pid)
+
+
+def check_client_key(name: str, key: str, caller: Caller) -> None:
+    """A key under ``/shmclient.<pid>.`` may be registered only by the local client ``<pid>``."""
+    bare = key.lstrip("/")
+    if not bare.startswith(CLIENT_PREFIX):
+        return
+    pid = bare[len(CLIENT_PREFIX):].partition(".")[0]
+    if caller.owner.connection is None or str(caller.pid) != pid:
+        raise InvalidRequest(f"cannot register shared memory region '{name}' with key '{key}' as the key "
+                             f"contains the reserved prefix '{CLIENT_PREFIX}' (the objects of another "
+                             f"local client)")
+
+
+def check_may_open(key: str, st: os.stat_result, caller: Caller) -> None:
+    """Refuse an object the caller could not open for reading and writing itself. A caller of
+    unknown uid (a remote peer under --allow-remote-shm) has the server's rights."""
+    uid = caller.owner.uid
+    if uid is None or may_open_rw(st, uid):
+        return
+    raise RegionDenied(f"Unable to open shared memory region: '{key}': permission denied (uid {uid} may not "
+                       f"read and write it)")
+
+
+def may_open_rw(st: os.stat_result, uid: int) -> bool:
+    """Whether user ``uid`` may open an object of this owner and mode for reading and writing
+    (the owner's bits for its owner, the group's for a member, else the others')."""
+    if uid == 0:
+        return True
+    if uid == st.st_uid:
+        bits = st.st_mode >> 6
+    elif st.st_gid in groups_of(uid):
+        bits = st.st_mode >> 3
+    else:
+        bits = st.st_mode
+    need = stat.S_IROTH | stat.S_IWOTH
+    return bits & need == need
+
+
+def groups_of(uid: int) -> set[int]:
+    """The user's primary and supplementary groups from the user database (none for a uid it
+    does not know): the groups a login of that user would have."""
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return set()
+    try:
+        return set(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    except OSError:
+        return {entry.pw_gid}
+
+
+def owner_json(owner: Owner) -> dict[str, Any]:
+    """What the journal keeps of a network caller's region (local clients' are not journaled)."""
+    return {"uid": owner.uid}
+
+
+def owner_from_json(saved: dict[str, Any]) -> Owner:
+    uid = saved.get("uid")
+    return Owner(uid if isinstance(uid, int) else None)

@@ -1,0 +1,49 @@
+"""Run a client program as the unprivileged user ``nobody``, for tests of what one user may do
+to another's shared memory. The interpreter and packages live under /root (not readable by
+nobody), so the child imports what the program needs first and then drops to nobody's uid and
+groups; every socket and object it then makes is nobody's. The program gets ``args`` (JSON) and
+sets ``result``, which comes back decoded."""
+from __future__ import annotations
+
+import json
+import pwd
+import subprocess
+import sys
+from typing import Any
+
+NOBODY = pwd.getpwnam("nobody")
+
+_PRELUDE = """
+import encodings.idna, json, os, sys
+import numpy as np
+import grpc
+import posix_ipc
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+from shmserve.shm.client import Client, InferenceServerError
+from multiprocessing import resource_tracker
+resource_tracker.ensure_running()  # tritonclient's regions are tracked by it; nobody could not start it
+for _make in (httpclient.InferenceServerClient, grpcclient.InferenceServerClient):
+    try:  # once as root: the modules the clients import when first used are loaded now
+        _make("localhost:1").is_server_live()
+    except Exception:
+        pass
+os.setgroups([])
+os.setgid({gid})
+os.setuid({uid})
+args = json.loads(sys.argv[1])
+result = None
+"""
+_EPILOGUE = "\nprint('RESULT ' + json.dumps(result))\n"
+
+
+def run_as_nobody(program: str, args: Any = None, timeout: float = 120.0) -> Any:
+    """Run ``program`` (Python source) as nobody; its ``result``. Fails the test if it raised."""
+    source = _PRELUDE.format(uid=NOBODY.pw_uid, gid=NOBODY.pw_gid) + program + _EPILOGUE
+    proc = subprocess.run([sys.executable, "-c", source, json.dumps(args)], capture_output=True, text=True,
+                          timeout=timeout, cwd="/")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"as nobody: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1][len("RESULT "):])
