@@ -174,7 +174,16 @@ def test_a_huge_head_is_refused_while_other_clients_go_on(edge):
     assert "--http-max-header-bytes" in _error(answer[0], 431)
     assert slowest < 1.0, slowest
     assert _rss(frontend) - before < 32 << 20
-    # A head just under the limit is served.
+    # A complete head over the limit, whether it arrives in one read or in several, is refused too;
+    # one just under the limit is served.
+    for pieces in (1, 3):
+        with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+            head = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (MAX_HEAD * 3) + b"\r\n\r\n"
+            step = -(-len(head) // pieces)
+            for i in range(0, len(head), step):
+                sock.sendall(head[i:i + step])
+                time.sleep(0.05)
+            assert "--http-max-header-bytes" in _error(_until_closed(sock, BODY_S + SLACK_S + 5)[0], 431)
     assert raw_request(edge.port, "GET", "/v2/health/live", headers={"X-Big": "b" * (MAX_HEAD - 200)}).status == 200
 
 

@@ -10,8 +10,8 @@ whole) or a body that stops half-way each held a descriptor and memory for good.
 - idle: no request in progress for ``idle_timeout_s`` (from the accept on, and after each answer)
   closes it, as uvicorn's keep-alive timeout did after answers only;
 - head: a request line and header fields must be complete within ``header_timeout_s`` of their
-  first byte (408) and hold at most ``max_header_bytes`` (431; a head still arriving is cut once it
-  passes the limit by one socket read at most);
+  first byte (408) and hold at most ``max_header_bytes`` (431, measured once the head is complete;
+  a head still arriving is cut once it passes the limit by one socket read at most);
 - body: while a body is read, nothing arriving for ``body_timeout_s`` is a 408 (time the frontend
   itself stops reading, to let a request ahead finish, does not count);
 - answered early: a request answered before its body has all come (refused for its size, ...)
@@ -83,7 +83,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = True  # between requests or in a head: the parser waits for a head's end
         self._in_body = False  # a head is complete and its body is not
-        self._head_bytes = 0  # bytes of the head so far, counted a read at a time
+        # Bytes of the head in progress, counted a read at a time: at least (the read it began in
+        # not counted) and at most (that read counted whole).
+        self._head_min = self._head_max = 0
         self._head_deadline = 0.0  # when the head in progress must be complete (0: none started)
         self._fed = 0  # length of the read being parsed
         self._began = False  # a request began within the read being parsed
@@ -132,10 +134,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                 self._unsupported_upgrade_warning()
             return
         if self._in_head and self._head_deadline:
-            # A head that began in this read is counted from the next one (one read of slack).
-            self._head_bytes = 0 if self._began else self._head_bytes + len(data)
-            if self._head_bytes > self.limits.max_header_bytes:
-                self._head_too_large(self._head_bytes)
+            self._head_max += len(data)
+            if not self._began:
+                self._head_min += len(data)
+                if self._head_min > self.limits.max_header_bytes:
+                    self._head_too_large(self._head_min)
         elif self._in_body:
             self._watch_at(now + self.limits.body_timeout_s)
 
@@ -143,18 +146,19 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._began = True
+        self._head_min = self._head_max = 0
         if not self._head_deadline:
             self._start_head(self.loop.time())
 
     def on_headers_complete(self) -> None:
         limit = self.limits.max_header_bytes
-        if self._head_bytes + self._fed > limit:  # it may be too large: measure what was parsed
+        if self._head_max + self._fed > limit:  # it may be too large: measure what was parsed
             size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers) + 16
             if size > limit:
                 self._head_too_large(size)
                 raise _StopParsing
         self._in_head, self._in_body = False, True
-        self._head_bytes, self._head_deadline = 0, 0.0
+        self._head_deadline = 0.0
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
