@@ -316,7 +316,9 @@ def test_a_frontend_out_of_descriptors_fails_liveness_and_recovers_from_a_broker
         started = time.monotonic()
         probe.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
         probe.settimeout(10)
-        assert read_raw_response(reader)[0] == 503  # promptly: the broker it knew is gone
+        # Promptly: 503 (the broker it knew is gone, and no descriptor for a new connection) or, if
+        # a descriptor came free, the new broker's "not ready yet" (400).
+        assert read_raw_response(reader)[0] in (503, 400)
         assert time.monotonic() - started < 5
     finally:
         for sock in socks:

@@ -70,9 +70,9 @@ class Frontend:
 
     # -- health and metadata --------------------------------------------------------------------
     async def live(self, request: Request) -> Response:
-        """200 while this frontend can serve; 503 naming why not: its broker checks stopped
-        succeeding, or it cannot open a descriptor (a broker that is down is readiness's matter)."""
-        problem = self.link.problem() or descriptors_problem()
+        """200 while this frontend can serve; 503 naming why not: it cannot open a descriptor, or
+        its broker checks stopped succeeding (a broker that is down is readiness's matter)."""
+        problem = descriptors_problem() or self.link.problem()
         return Response(status_code=200) if problem is None else error_response(503, problem)
 
     async def ready(self, request: Request) -> Response:
