@@ -153,11 +153,12 @@ def test_a_huge_head_is_refused_while_other_clients_go_on(edge):
     frontend = _frontend(edge)
     before = _rss(frontend)
     answer: list[bytes] = []
+    huge_head = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Huge: " + b"a" * (100 << 20) + b"\r\n\r\n"
 
     def send_huge() -> None:
         with socket.create_connection(("127.0.0.1", edge.port)) as sock:
             try:
-                sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Huge: " + b"a" * (100 << 20) + b"\r\n\r\n")
+                sock.sendall(huge_head)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # cut once the answer was out: the rest was not read
             answer.append(_until_closed(sock, BODY_S + SLACK_S + 5)[0])
