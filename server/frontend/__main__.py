@@ -46,7 +46,8 @@ def main() -> int:
     sock = socket.socket(fileno=spec["fd"])
     # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.
     config = uvicorn.Config(app, loop="uvloop", http=protocol_class(limits, max_connections), access_log=False,
-                            log_level="warning", log_config=None, timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
+                            log_level="warning", log_config=None,
+                            timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
                             timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)),
                             lifespan="on", proxy_headers=False, server_header=False, date_header=False)
     from shmserve.shm.profiling import run_profiled
@@ -77,7 +78,7 @@ class QuietServer(uvicorn.Server):
             for tick in self.ticks:
                 try:
                     tick()
-                except Exception:  # noqa: BLE001 - one failing tick (out of descriptors...) stops no other, nor the loop
+                except Exception:  # noqa: BLE001 - one failing tick (out of descriptors...) stops no other
                     log.exception("a periodic task of the frontend failed; it runs again next tick")
             counter = (counter + 10) % 864000
             await asyncio.sleep(self.TICK_S)

@@ -220,7 +220,7 @@ class BrokerLink:
         conn = self.connection()
         try:
             return conn, conn.reserve(doc, body)
-        except (Backpressure, ServerUnavailable) as e:
+        except (Backpressure, OSError) as e:  # (ServerUnavailable is a ConnectionError)
             raise _broker_error(e) from None
 
     def send_reserved(self, conn: Connection, reservation: Reservation, callback: Callable[[Completion], None],
@@ -232,7 +232,7 @@ class BrokerLink:
         poll = self._polls_for(model)
         try:
             start = conn.send_reserved(reservation, self._timed(model, poll, callback), polling=poll)
-        except (Backpressure, ServerUnavailable) as e:
+        except (Backpressure, OSError) as e:  # (ServerUnavailable is a ConnectionError)
             raise _broker_error(e) from None
         if poll:
             self._polling_for(conn, model)
