@@ -7,6 +7,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from . import cache_flags, triton_flags
+from .frontend.limits import HttpLimits
 from .grpc import options as grpc_options
 
 
@@ -70,6 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-max-inflight", type=int, default=1024,
                    help="requests one frontend process holds in flight at most; past it a request gets 503 "
                         "(the bound that keeps an overloaded server's queues and memory flat; default 1024)")
+    p.add_argument("--http-idle-timeout-secs", type=float, default=5.0, metavar="SECONDS",
+                   help="close a connection with no request in progress for this long: from its accept, and "
+                        "after each answer (default 5, the keep-alive timeout it had)")
+    p.add_argument("--http-header-timeout-secs", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's head (request line and header fields) must be complete this long after "
+                        "its first byte, else 408 and the connection is closed (default 30)")
+    p.add_argument("--http-body-timeout-secs", type=float, default=60.0, metavar="SECONDS",
+                   help="while a request body is read, the longest wait for its next bytes, else 408 and the "
+                        "connection is closed (default 60)")
+    p.add_argument("--http-max-header-bytes", type=int, default=64 << 10, metavar="BYTES",
+                   help="largest request head (request line and header fields); larger is refused with 431 "
+                        "(default 65536)")
+    p.add_argument("--http-max-connections", type=int, default=0, metavar="N",
+                   help="connections one frontend process holds at most; past it a new connection is answered "
+                        "503 and closed (default 0: its descriptor limit, less 128 and one in 16 kept for itself)")
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
                    help="answer these endpoint groups only for requests with header KEY: VALUE (else 403); "
                         "groups: health, metadata, inference, shared-memory, model-config, model-repository, "
@@ -210,6 +226,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.grpc = grpc_options.grpc_spec(args)
     except ValueError as e:
         parser.error(str(e))
+    for flag in ("http_idle_timeout_secs", "http_header_timeout_secs", "http_body_timeout_secs"):
+        if not 0 < getattr(args, flag) <= 86400:
+            parser.error(f"--{flag.replace('_', '-')} must lie in (0, 86400]")
+    if args.http_max_header_bytes < 1024:
+        parser.error("--http-max-header-bytes must be at least 1024")
+    if args.http_max_connections < 0:
+        parser.error("--http-max-connections must be 0 (derived) or more")
     if not 1 <= args.http_max_inflight <= 65536:
         parser.error("--http-max-inflight must lie in [1, 65536]")
     if not 0 <= args.poll_us <= 1_000_000:
@@ -246,6 +269,13 @@ def log_settings(args: argparse.Namespace) -> dict:
     """The flags as Triton's logging-extension settings (what every process configures from)."""
     return {"log_file": args.log_file, "log_info": args.log_info, "log_warning": args.log_warning,
             "log_error": args.log_error, "log_verbose_level": args.log_verbose, "log_format": args.log_format}
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    """The HTTP connection limits each frontend keeps (server/frontend/protocol.py)."""
+    return HttpLimits(idle_timeout_s=args.http_idle_timeout_secs, header_timeout_s=args.http_header_timeout_secs,
+                      body_timeout_s=args.http_body_timeout_secs, max_header_bytes=args.http_max_header_bytes,
+                      max_connections=args.http_max_connections)
 
 
 def trace_settings(items: Sequence[str]) -> dict:

@@ -29,7 +29,7 @@ from shmserve.shm.names import (SHM_DIR, list_objects, object_name, pid_alive, u
 
 from .broker.journal import journal_path
 from .broker.options import STARTUP_FAILED, BrokerOptions
-from .cli import log_settings
+from .cli import http_limits, log_settings
 from .port_holder import describe as describe_port_holders
 from .shm_needs import check_startup
 
@@ -119,7 +119,7 @@ class Launcher:
                 "max_input_bytes": self.args.http_max_input_size, "exit_timeout_s": self.args.exit_timeout_secs,
                 "restricted": self.args.http_restricted_api, "max_inflight": self.args.http_max_inflight,
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
-                "log": log_settings(self.args)}
+                "http_limits": http_limits(self.args).to_spec(), "log": log_settings(self.args)}
         return subprocess.Popen([sys.executable, "-m", "shmserve.server.frontend", orjson.dumps(spec)],
                                 pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL,
                                 preexec_fn=_dies_with_us(signal.SIGKILL))

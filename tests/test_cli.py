@@ -14,6 +14,8 @@ from conftest import PRODUCT_MODELS, PYTHON, ROOT, cmdline, descendants, free_po
 
 FLAGS = [
     "--model-repository", "--model-store", "--http-port", "--http-address", "--http-workers",
+    "--http-idle-timeout-secs", "--http-header-timeout-secs", "--http-body-timeout-secs", "--http-max-header-bytes",
+    "--http-max-connections",
     "--http-max-input-size", "--metrics-port", "--allow-metrics", "--model-control-mode", "--load-model",
     "--strict-model-config", "--strict-readiness", "--exit-on-error", "--exit-timeout-secs", "--log-verbose",
     "--id", "--allow-remote-shm", "--worker-arena-mb", "--frontend-arena-mb", "--log-info", "--log-warning",
@@ -105,11 +107,15 @@ def test_repository_flag_required():
     (["--grpc-port", "70000"], "--grpc-port"),
     (["--model-load-thread-count", "0"], "--model-load-thread-count must be at least 1"),
     (["--backend-config", "python"], "--backend-config 'python': expected [<backend>,]<setting>=<value>"),
+    (["--http-header-timeout-secs", "0"], "--http-header-timeout-secs must lie in (0, 86400]"),
+    (["--http-max-header-bytes", "10"], "--http-max-header-bytes must be at least 1024"),
+    (["--http-max-connections", "-1"], "--http-max-connections must be 0 (derived) or more"),
 ], ids=["port-text", "port-range", "workers-0", "bool", "choice", "id", "load-model-without-explicit", "poll-us-range",
         "poll-us-text", "repository-poll-secs-range", "repository-poll-secs-text", "compression-level",
         "keepalive-time-0", "ping-strikes-negative", "keepalive-timeout-text", "restricted-protocol-unknown",
         "restricted-protocol-form", "restricted-protocol-twice", "ssl-without-files", "ssl-mutual-without-root",
-        "ssl-missing-file", "ssl-not-pem", "grpc-port-range", "load-thread-count-0", "backend-config-no-setting"])
+        "ssl-missing-file", "ssl-not-pem", "grpc-port-range", "load-thread-count-0", "backend-config-no-setting",
+        "http-header-timeout-0", "http-max-header-bytes-small", "http-max-connections-negative"])
 def test_bad_flag_values(tmp_path, args, needle):
     _assert_one_line_error(run_cli("--model-repository", str(tmp_path), *args), needle)
 

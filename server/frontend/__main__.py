@@ -1,7 +1,8 @@
 """Frontend entry point: ``python -m shmserve.server.frontend '<spec JSON>'`` (started by the launcher).
 
 Serves the socket the launcher bound (inherited by descriptor) with uvicorn on uvloop and
-httptools; the ASGI application is asgi.py's ``FrontendApp`` (built by app.py's ``build_app``).
+httptools, each connection under the limits of protocol.py; the ASGI application is asgi.py's
+``FrontendApp`` (built by app.py's ``build_app``).
 """
 from __future__ import annotations
 
@@ -27,19 +28,31 @@ def main() -> int:
     logs.configure(spec.get("log") or {})
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes (POST /v2/logging) from any frontend
     from .app import build_app
+    from .limits import HttpLimits, connection_bound, raise_descriptor_limit
+    from .protocol import protocol_class
     from .restricted import restrict
+
+    limits = HttpLimits.from_spec(spec.get("http_limits"))
+    descriptors = raise_descriptor_limit()
+    max_connections = limits.max_connections or connection_bound(descriptors)
+    if max_connections > connection_bound(descriptors):
+        log.warning("--http-max-connections %d leaves fewer than %d of this frontend's %d descriptors for "
+                    "itself: it may run out of them", max_connections, descriptors - connection_bound(descriptors),
+                    descriptors)
 
     frontend = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"],
                          spec["max_tensor_elements"], spec["max_inflight"], spec["poll_us"])
     app = restrict(frontend, spec.get("restricted") or {})  # --http-restricted-api
     sock = socket.socket(fileno=spec["fd"])
     # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.
-    config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning",
-                            log_config=None, timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)),
+    config = uvicorn.Config(app, loop="uvloop", http=protocol_class(limits, max_connections), access_log=False,
+                            log_level="warning", log_config=None,
+                            timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)),
                             lifespan="on", proxy_headers=False, server_header=False, date_header=False)
     from shmserve.shm.profiling import run_profiled
 
-    log.info("frontend #%d serving HTTP", spec["index"])
+    log.info("frontend #%d serving HTTP (at most %d connections)", spec["index"], max_connections)
     # The broker's log and trace settings are followed on the loop's own tick: no thread of
     # their own to wake twice a second.
     server = QuietServer(config, ticks=[log_settings.check, frontend.tracer.follow])
@@ -57,13 +70,16 @@ class QuietServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, ticks: Iterable[Callable[[], None]] = ()) -> None:
         super().__init__(config)
-        self.ticks = list(ticks)  # also run every tick (each catches its own errors)
+        self.ticks = list(ticks)  # also run every tick
 
     async def main_loop(self) -> None:
         counter = 0  # in uvicorn's units of 0.1 s, so its once-a-second work runs every tick
         while not await self.on_tick(counter):
             for tick in self.ticks:
-                tick()
+                try:
+                    tick()
+                except Exception:  # noqa: BLE001 - one failing tick (out of descriptors...) stops no other
+                    log.exception("a periodic task of the frontend failed; it runs again next tick")
             counter = (counter + 10) % 864000
             await asyncio.sleep(self.TICK_S)
 

@@ -27,6 +27,7 @@ from .asgi import FrontendApp
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from .generate import EventStream, build_generate_request, generate_response, traced
 from .inference import Headers, Inference
+from .limits import descriptors_problem
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .metadata import EXTENSIONS
 from .openai import OpenAIFront
@@ -38,6 +39,8 @@ from .tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
 
 log = logging.getLogger("shmserve.frontend")
 JSON = "application/json"
+# How long readiness waits for the broker's answer before it says 503 (a wedged broker must not hang probes).
+READY_WAIT_S = 3.0
 
 
 def json_response(doc: Any, status: int = 200) -> Response:
@@ -70,12 +73,16 @@ class Frontend:
 
     # -- health and metadata --------------------------------------------------------------------
     async def live(self, request: Request) -> Response:
-        return Response(status_code=200)
+        """200 while this frontend can serve; 503 naming why not: it cannot open a descriptor, or
+        its broker checks stopped succeeding (a broker that is down is readiness's matter)."""
+        problem = descriptors_problem() or self.link.problem()
+        return Response(status_code=200) if problem is None else error_response(503, problem)
 
     async def ready(self, request: Request) -> Response:
+        """The broker's answer; 503 at once without a broker, and within READY_WAIT_S if it does not answer."""
         try:
-            _, answer = await self._control({"op": "server_ready"})
-        except BrokerError:
+            _, answer = await asyncio.wait_for(self._control({"op": "server_ready"}), READY_WAIT_S)
+        except (BrokerError, asyncio.TimeoutError):
             return Response(status_code=503)
         return Response(status_code=200 if answer.get("ready") else 400)
 

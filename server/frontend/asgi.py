@@ -80,8 +80,8 @@ class FrontendApp:
 
         try:
             body = await read_infer_body(inference, model, version, headers, receive, None if trace else loop)
-        except BadRequest as e:
-            await send_error(send, e)
+        except BadRequest as e:  # too large: the rest of the body is not read (protocol.py)
+            await send_error(send, e, close=True)
             return
         if body is None:
             return  # the client went away
@@ -211,15 +211,22 @@ async def read_or_refuse(scope: dict, receive: Any, send: Any, limit: int) -> by
     """``read_body``, answering a too-large body itself: None when there is nothing left to do."""
     try:
         return await read_body(scope, receive, limit)
-    except BadRequest as e:
-        await send_error(send, e)
+    except BadRequest as e:  # too large: the rest of the body is not read (protocol.py)
+        await send_error(send, e, close=True)
         return None
 
 
-async def send_error(send: Any, e: BadRequest) -> None:
+CLOSE_HEADER = (b"connection", b"close")
+
+
+async def send_error(send: Any, e: BadRequest, close: bool = False) -> None:
+    """The JSON error answer; ``close`` for a request whose body was left unread: its connection
+    ends (protocol.py drops the rest for a moment, so the client still reads this answer)."""
     out = orjson.dumps({"error": str(e)})
-    await send({"type": "http.response.start", "status": e.status,
-                "headers": [JSON_HEADER, (b"content-length", b"%d" % len(out))]})
+    headers = [JSON_HEADER, (b"content-length", b"%d" % len(out))]
+    if close:
+        headers.append(CLOSE_HEADER)
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
     await send({"type": "http.response.body", "body": out})
 
 

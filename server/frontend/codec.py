@@ -48,7 +48,9 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview
             n = int(header_length)
         except ValueError:
             raise BadRequest(f"Inference-Header-Content-Length '{header_length}' is not an integer") from None
-        if n < 0 or n > len(body):
+        if n < 0:
+            raise BadRequest(f"Inference-Header-Content-Length {n} is invalid: it must not be negative")
+        if n > len(body):
             raise BadRequest(f"Inference-Header-Content-Length {n} exceeds the request body of {len(body)} bytes")
         head, tail = view[:n], view[n:]
     else:

@@ -3,7 +3,9 @@
 Producers wake the frontend through a FIFO the loop watches with ``add_reader``, so completions
 run on the loop itself: no waiter thread, no ``call_soon_threadsafe`` hop. A timer checks once a
 second that the broker lives; if it restarts, the next request opens a fresh connection and
-requests in flight get a 503 instead of hanging.
+requests in flight get a 503 instead of hanging. The timer runs again whatever a check raised
+(out of descriptors, say): a check that stopped for good once left every later request waiting
+on a broker that had been replaced. ``problem`` tells liveness when the checks stopped succeeding.
 
 Polling (``--poll-us``, ``poll_s`` here): after each submission or answer the loop keeps polling
 for the next answer for up to ``poll_s`` instead of sleeping: a callback that completes what is
@@ -21,6 +23,7 @@ average neither starts nor prolongs the polling, and is not sent with the worker
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any, Callable, TypeVar
@@ -31,7 +34,11 @@ from shmserve.shm.connection import ArenaBusy, Backpressure, Connection, Reserva
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 from shmserve.shm.streams import StreamEvents
 
+log = logging.getLogger("shmserve.frontend")
+
 LIVENESS_CHECK_S = 1.0
+# How long the broker check may go without succeeding before this frontend reports it cannot serve.
+CHECK_STALE_S = 5.0
 # A request sent on a connection: (the connection, where its tensor bytes start), which is what
 # ``BrokerLink.cancel`` names it by.
 Sent = tuple[Connection, int]
@@ -73,6 +80,8 @@ def _broker_error(e: Exception) -> BrokerError:
         return ArenaWait(503, f"the server is overloaded ({e}); retry later")
     if isinstance(e, Backpressure):
         return BrokerError(503, f"the server is overloaded ({e}); retry later")
+    if isinstance(e, OSError) and not isinstance(e, ConnectionError):  # out of descriptors, say
+        return BrokerError(503, f"the frontend cannot reach the server now ({e}); retry later")
     return BrokerError(503, str(e))
 
 
@@ -89,6 +98,8 @@ class BrokerLink:
         self._progress = 0.0  # perf_counter of the last submission or answer while polling
         self._answer_s: dict[str, float] = {}  # per model: running average of its answer times
         self._polled_in_flight = 0  # requests in flight whose answers are polled for
+        self._checked = 0.0  # monotonic time of the last broker check that succeeded
+        self._check_error = ""  # what the failing checks since then raised
 
     def connection(self) -> Connection:
         conn = self._conn
@@ -101,8 +112,11 @@ class BrokerLink:
                               poll_us=round(self.poll_s * 1e6))
         except ServerUnavailable as e:
             raise BrokerError(503, f"the server is not available: {e}") from None
+        except OSError as e:
+            raise _broker_error(e) from None
         loop.add_reader(conn.fileno(), self._on_readable)
         self._conn, self._loop = conn, loop
+        self._checked, self._check_error = time.monotonic(), ""
         self._timer = loop.call_later(LIVENESS_CHECK_S, self._check)
         return conn
 
@@ -134,11 +148,37 @@ class BrokerLink:
                     conn.on_readable()  # what slipped in is completed, then the flag is armed
 
     def _check(self) -> None:
-        conn = self._conn
-        if conn is None or self._loop is None:
+        """Is the broker still the one connected to? Scheduled again while the connection lives,
+        whatever the check raised (it is then unknown: look again in a second)."""
+        conn, loop = self._conn, self._loop
+        self._timer = None
+        if conn is None or loop is None:
             return
-        if conn.check_server():
-            self._timer = self._loop.call_later(LIVENESS_CHECK_S, self._check)
+        try:
+            alive = conn.check_server()
+        except Exception as e:  # noqa: BLE001 - out of descriptors, say: the next check may succeed
+            alive = True
+            if not self._check_error:
+                log.warning("cannot check the broker connection (tried again every %g s): %s", LIVENESS_CHECK_S, e)
+            self._check_error = str(e) or type(e).__name__
+        else:
+            if self._check_error:
+                log.warning("the broker connection can be checked again")
+            self._checked, self._check_error = time.monotonic(), ""
+        if alive and conn is self._conn:
+            self._timer = loop.call_later(LIVENESS_CHECK_S, self._check)
+
+    def problem(self) -> str | None:
+        """Why this link cannot serve, if it cannot: its broker checks have not succeeded for
+        ``CHECK_STALE_S`` (they fail, or their timer stopped). None while not connected."""
+        conn = self._conn
+        if conn is None or not conn.alive:
+            return None
+        late = time.monotonic() - self._checked
+        if late <= CHECK_STALE_S:
+            return None
+        why = f": {self._check_error}" if self._check_error else ""
+        return f"the frontend could not check its broker connection for {late:.0f} s{why}"
 
     def _drop(self) -> None:
         self._polled_in_flight = 0  # the requests in flight went with the connection
@@ -161,7 +201,7 @@ class BrokerLink:
             callback = self._timed(model, poll, callback)
         try:
             start = conn.submit(kind, doc, tensors, callback, on_response=on_response, polling=poll)
-        except (Backpressure, ServerUnavailable) as e:
+        except (Backpressure, OSError) as e:  # (ServerUnavailable is a ConnectionError)
             raise _broker_error(e) from None
         if poll:
             self._polling_for(conn, model)
@@ -180,7 +220,7 @@ class BrokerLink:
         conn = self.connection()
         try:
             return conn, conn.reserve(doc, body)
-        except (Backpressure, ServerUnavailable) as e:
+        except (Backpressure, OSError) as e:  # (ServerUnavailable is a ConnectionError)
             raise _broker_error(e) from None
 
     def send_reserved(self, conn: Connection, reservation: Reservation, callback: Callable[[Completion], None],
@@ -192,7 +232,7 @@ class BrokerLink:
         poll = self._polls_for(model)
         try:
             start = conn.send_reserved(reservation, self._timed(model, poll, callback), polling=poll)
-        except (Backpressure, ServerUnavailable) as e:
+        except (Backpressure, OSError) as e:  # (ServerUnavailable is a ConnectionError)
             raise _broker_error(e) from None
         if poll:
             self._polling_for(conn, model)

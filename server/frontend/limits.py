@@ -1,0 +1,70 @@
+"""The HTTP connection limits a frontend keeps (``--http-*-timeout-secs``, ``--http-max-header-bytes``,
+``--http-max-connections``): one typed structure, built by the launcher from its flags and handed
+to each frontend in its spec, and the descriptor arithmetic behind the connection bound's default.
+
+Kept free of uvicorn and Starlette so that the launcher can import it cheaply.
+"""
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Descriptors a frontend keeps for itself besides its connections: the listening socket, its
+# epoll and event fds, log files, its client segment and FIFO, the broker's and the trace
+# segment, and one per worker segment it routes to (16 in all with one worker, measured): a
+# fixed floor plus a share of the limit, so a server with many workers is not starved either.
+RESERVED_FDS = 128
+RESERVED_SHARE = 16  # and one descriptor in every 16
+# A soft limit is raised to the hard one at start, but not past this (a huge hard limit would
+# only make the bound meaningless).
+MAX_FDS = 1 << 20
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """How long a connection may take over each part of a request, and how many a frontend holds."""
+
+    idle_timeout_s: float = 5.0  # no request in progress: from the accept, and after each answer
+    header_timeout_s: float = 30.0  # from a request head's first byte until it is complete
+    body_timeout_s: float = 60.0  # while a body is read, between two reads
+    max_header_bytes: int = 64 << 10  # request line and header fields
+    max_connections: int = 0  # per frontend process; 0: derived from its descriptor limit
+
+    def to_spec(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_spec(cls, doc: dict[str, Any] | None) -> "HttpLimits":
+        return cls(**(doc or {}))
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (capped at ``MAX_FDS``), as Go's
+    runtime and nginx's ``worker_rlimit_nofile`` do; returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = MAX_FDS if hard == resource.RLIM_INFINITY else min(hard, MAX_FDS)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return min(soft, MAX_FDS) if soft != resource.RLIM_INFINITY else MAX_FDS
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        return soft
+    return want
+
+
+def connection_bound(descriptor_limit: int) -> int:
+    """The default ``max_connections`` under ``descriptor_limit``: what is left once the frontend's
+    own descriptors are kept aside (``RESERVED_FDS`` plus one in ``RESERVED_SHARE``)."""
+    return max(1, descriptor_limit - RESERVED_FDS - descriptor_limit // RESERVED_SHARE)
+
+
+def descriptors_problem() -> str | None:
+    """Why this process cannot take one more descriptor, if it cannot (a probe: open and close
+    /dev/null): a frontend out of descriptors can neither accept nor reach its broker."""
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY))
+    except OSError as e:
+        return f"the frontend cannot open a file descriptor: {e}"
+    return None

@@ -1,0 +1,295 @@
+"""The HTTP/1.1 connection as a frontend keeps it: uvicorn's httptools protocol with the limits
+production servers keep (``HttpLimits``, limits.py).
+
+uvicorn's protocol (pinned, pyproject.toml) arms its keep-alive timeout only after a first
+answer and has no limit on a request head's size or time, no body timeout and no bound on
+connections: a connection that never sends a byte, a head that never ends (httptools buffers it
+whole) or a body that stops half-way each held a descriptor and memory for good.
+``LimitedHttpProtocol`` adds, per connection:
+
+- idle: no request in progress for ``idle_timeout_s`` (from the accept on, and after each answer)
+  closes it, as uvicorn's keep-alive timeout did after answers only;
+- head: a request line and header fields must be complete within ``header_timeout_s`` of their
+  first byte (408) and hold at most ``max_header_bytes`` (431, measured once the head is complete;
+  a head still arriving is cut once it passes the limit by one socket read at most);
+- body: while a body is read, nothing arriving for ``body_timeout_s`` is a 408 (time the frontend
+  itself stops reading, to let a request ahead finish, does not count);
+- answered early: a request answered before its body has all come (refused for its size, ...)
+  ends its connection. What the client still sends is dropped unread for at most ``LINGER_S``
+  after the answer, so that a client still writing reads the answer rather than a reset (nginx's
+  lingering close), then the connection closes: a never-ending body is cut;
+- bound: past ``max_connections`` connections in this process a new one is answered 503 at once
+  and closed, so idle connections cannot take the descriptors the frontend needs for itself.
+
+Every refusal is a JSON ``{"error": ...}`` naming its flag, with ``connection: close``; where an
+answer to an earlier request is still being made, nothing can be written in between and the
+connection is closed without one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import httptools
+import orjson
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+
+from .limits import HttpLimits
+
+log = logging.getLogger("shmserve.frontend")
+
+LINGER_S = 5.0  # the most a refused body is read and dropped (nginx: lingering_timeout 5 s)
+BUSY_LINGER_S = 1.0  # the same for a connection past the bound: its descriptor is what is short
+WARN_EVERY_S = 10.0  # one warning line per kind this often at most: refusals come in floods
+
+
+class _StopParsing(Exception):
+    """Raised from a parser callback once the connection is refused: the parser stops there."""
+
+
+class _CycleTransport:
+    """The transport as one request's cycle sees it: ``close`` (an answer with ``connection:
+    close``) lingers while the request's body is still coming (``LimitedHttpProtocol.end``)."""
+
+    __slots__ = ("_protocol", "_transport")
+
+    def __init__(self, protocol: "LimitedHttpProtocol", transport: asyncio.Transport) -> None:
+        self._protocol = protocol
+        self._transport = transport
+
+    def write(self, data: bytes) -> None:
+        self._transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self._protocol.end()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class LimitedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's ``HttpToolsProtocol`` with the limits of the module's docstring."""
+
+    limits = HttpLimits()  # set per frontend by ``protocol_class``
+    max_connections = 1 << 20
+    _warned: dict[str, float] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # between requests or in a head: the parser waits for a head's end
+        self._in_body = False  # a head is complete and its body is not
+        # Bytes of the head in progress, counted a read at a time: at least (the read it began in
+        # not counted) and at most (that read counted whole).
+        self._head_min = self._head_max = 0
+        self._head_deadline = 0.0  # when the head in progress must be complete (0: none started)
+        self._fed = 0  # length of the read being parsed
+        self._began = False  # a request began within the read being parsed
+        self._last_read = 0.0
+        self._watch: asyncio.TimerHandle | None = None  # the one timer of the head, body and linger limits
+        self._lingering = False
+
+    # -- connections -----------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._warn("bound", "refusing connections past --http-max-connections %d (503)", self.max_connections)
+            self._refuse(503, f"the frontend holds its limit of {self.max_connections} connections "
+                              f"(--http-max-connections); retry later", BUSY_LINGER_S)
+            return
+        self._cycle_transport = _CycleTransport(self, transport)
+        # uvicorn arms its keep-alive timeout after an answer only; a silent new connection is idle too.
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_watch()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        """uvicorn's, counting and timing the head, and dropping what a refused request still sends."""
+        if self._lingering:
+            return
+        self._unset_keepalive_if_required()
+        self._last_read = now = self.loop.time()
+        if self._in_head and not self._head_deadline:
+            self._start_head(now)  # (also when the first bytes are only line ends)
+        self._fed, self._began = len(data), False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self._lingering or self.transport.is_closing():
+                return  # refused in a callback (_StopParsing)
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        if self._in_head and self._head_deadline:
+            self._head_max += len(data)
+            if not self._began:
+                self._head_min += len(data)
+                if self._head_min > self.limits.max_header_bytes:
+                    self._head_too_large(self._head_min)
+        elif self._in_body:
+            self._watch_at(now + self.limits.body_timeout_s)
+
+    # -- parser callbacks ------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._began = True
+        self._head_min = self._head_max = 0
+        if not self._head_deadline:
+            self._start_head(self.loop.time())
+
+    def on_headers_complete(self) -> None:
+        limit = self.limits.max_header_bytes
+        if self._head_max + self._fed > limit:  # it may be too large: measure what was parsed
+            size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers) + 16
+            if size > limit:
+                self._head_too_large(size)
+                raise _StopParsing
+        self._in_head, self._in_body = False, True
+        self._head_deadline = 0.0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head, self._in_body = True, False
+        super().on_message_complete()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        cycle.transport = self._cycle_transport  # type: ignore[assignment]
+        super()._start_asgi_task(cycle, app)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # (arms the keep-alive timeout, or starts a pipelined request)
+        if self._lingering:
+            self._unset_keepalive_if_required()  # the linger ends it
+        elif self._answered_early() and not self.transport.is_closing():
+            self._linger(LINGER_S)
+
+    # -- ending a connection ---------------------------------------------------------------------
+    def end(self) -> None:
+        """Close after an answer: at once, or lingering if the request's body is still coming."""
+        if self._answered_early():
+            self._linger(LINGER_S)
+        else:
+            self.transport.close()
+
+    def _answered_early(self) -> bool:
+        cycle = self.cycle
+        return self._in_body and cycle is not None and cycle.response_complete
+
+    def _linger(self, seconds: float) -> None:
+        """Read and drop what the client still sends for up to ``seconds``, then close (earlier if
+        the client closes its side). Our side is shut once the answer is out: the client sees the end."""
+        if self._lingering:
+            return
+        self._lingering = True
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        transport = self.transport
+        if not transport.is_closing() and transport.can_write_eof():
+            transport.write_eof()
+        self._cancel_watch()
+        self._watch = self.loop.call_later(min(seconds, self.limits.body_timeout_s), transport.close)
+
+    def _refuse(self, status: int, message: str, linger_s: float = LINGER_S) -> None:
+        if self.transport.is_closing():
+            return
+        body = orjson.dumps({"error": message})
+        self.transport.write(b"%scontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+                             % (STATUS_LINE[status], len(body), body))
+        self._linger(linger_s)
+
+    def _answer_in_progress(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _head_too_large(self, size: int) -> None:
+        self._warn("head", "refused a request head of at least %d bytes (--http-max-header-bytes %d)", size,
+                   self.limits.max_header_bytes)
+        if self._answer_in_progress():
+            self._lingering = True  # no answer can go in between: just close
+            self.transport.close()
+            return
+        self._refuse(431, f"the request head of at least {size} bytes exceeds the limit of "
+                          f"{self.limits.max_header_bytes} bytes (--http-max-header-bytes)")
+
+    # -- the head and body timeouts --------------------------------------------------------------
+    def _start_head(self, now: float) -> None:
+        self._head_deadline = now + self.limits.header_timeout_s
+        self._watch_at(self._head_deadline)
+
+    def _watch_at(self, when: float) -> None:
+        """Have ``_on_watch`` run at ``when`` at the latest (a timer due earlier stays: it re-arms)."""
+        watch = self._watch
+        if watch is not None:
+            if watch.when() <= when:
+                return
+            watch.cancel()
+        self._watch = self.loop.call_at(when, self._on_watch)
+
+    def _cancel_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def _on_watch(self) -> None:
+        self._watch = None
+        if self._lingering or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        limits = self.limits
+        if self._in_head and self._head_deadline:
+            if self._answer_in_progress():  # not the client's time: a request ahead is being answered
+                self._head_deadline = max(self._head_deadline, now + limits.header_timeout_s)
+            elif now >= self._head_deadline:
+                self._warn("head-timeout", "closed a connection whose request head took over %g s "
+                                           "(--http-header-timeout-secs)", limits.header_timeout_s)
+                self._refuse(408, f"the request head was not complete within {limits.header_timeout_s:g} s "
+                                  f"(--http-header-timeout-secs)")
+                return
+            self._watch_at(self._head_deadline)
+        elif self._in_body:
+            if self.flow.read_paused:  # the frontend stopped reading, not the client sending
+                self._last_read = now
+            due = self._last_read + limits.body_timeout_s
+            if now < due:
+                self._watch_at(due)
+                return
+            self._body_timed_out()
+
+    def _body_timed_out(self) -> None:
+        limits = self.limits
+        self._warn("body-timeout", "closed a connection whose request body stalled for %g s "
+                                   "(--http-body-timeout-secs)", limits.body_timeout_s)
+        cycle = self.cycle
+        if cycle is None or cycle.response_started:
+            self._lingering = True
+            self.transport.close()
+            return
+        cycle.disconnected = True  # the request's reader sees the client gone and lets go of it
+        cycle.message_event.set()
+        self._refuse(408, f"no part of the request body arrived for {limits.body_timeout_s:g} s "
+                          f"(--http-body-timeout-secs)")
+
+    @classmethod
+    def _warn(cls, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - cls._warned.get(kind, -WARN_EVERY_S) >= WARN_EVERY_S:
+            cls._warned[kind] = now
+            log.warning(msg, *args)
+
+
+def protocol_class(limits: HttpLimits, max_connections: int) -> type[LimitedHttpProtocol]:
+    """The protocol uvicorn builds per connection (``uvicorn.Config(http=...)``), with these limits."""
+    return type("FrontendHttpProtocol", (LimitedHttpProtocol,),
+                {"limits": limits, "max_connections": max_connections, "_warned": {}})

@@ -1,0 +1,331 @@
+"""The limits an HTTP frontend keeps on its connections (server/frontend/protocol.py): idle, head and
+body timeouts, the head size limit, a refused body left unread, the connection bound under the
+descriptor limit, and a frontend that runs out of descriptors while its broker restarts.
+
+Each fault is caused against a real server with its limit lowered by flag, so each test takes
+seconds; the limits' defaults are in docs/flags.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import TEST_MODELS, Server, raw_request, read_raw_response, wait_until
+
+IDLE_S = HEAD_S = BODY_S = 1.5
+MAX_HEAD = 16 << 10
+MAX_INPUT = 4 << 20
+SLACK_S = 3.0  # what a loaded host may add to a timeout
+
+
+@pytest.fixture(scope="module")
+def edge(module_factory):
+    return module_factory.start([TEST_MODELS], [
+        "--model-control-mode", "explicit", "--load-model", "identity_all",
+        "--http-idle-timeout-secs", str(IDLE_S), "--http-header-timeout-secs", str(HEAD_S),
+        "--http-body-timeout-secs", str(BODY_S), "--http-max-header-bytes", str(MAX_HEAD),
+        "--http-max-input-size", str(MAX_INPUT)])
+
+
+def _identity_request(values: np.ndarray) -> tuple[bytes, bytes]:
+    """(HTTP head, body) of an identity_all request with ``values`` as binary data."""
+    head = json.dumps({"inputs": [{"name": "IN_FP32", "datatype": "FP32", "shape": list(values.shape),
+                                   "parameters": {"binary_data_size": values.nbytes}}],
+                       "outputs": [{"name": "OUT_FP32", "parameters": {"binary_data": True}}]}).encode()
+    body = head + values.tobytes()
+    return (f"POST /v2/models/identity_all/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            f"Inference-Header-Content-Length: {len(head)}\r\n\r\n").encode(), body
+
+
+def _identity(port: int, values: np.ndarray) -> None:
+    http, body = _identity_request(values)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(http + body)
+        status, headers, out = read_raw_response(sock.makefile("rb"))
+    assert status == 200, out[:300]
+    n = int(headers["inference-header-content-length"])
+    np.testing.assert_array_equal(np.frombuffer(out[n:], dtype=np.float32), values.ravel())
+
+
+def _until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and when that was (seconds
+    from now); fails if it stays open ``timeout`` seconds."""
+    started = time.monotonic()
+    sock.settimeout(timeout)
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except socket.timeout:
+        pytest.fail(f"the connection was still open after {timeout} s; it sent {out[:200]!r}")
+    except ConnectionResetError:
+        pass
+    return out, time.monotonic() - started
+
+
+def _error(answer: bytes, status: int) -> str:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), answer[:300]
+    assert b"connection: close" in head.lower(), head
+    return json.loads(body)["error"]
+
+
+def _frontend(server: Server) -> int:
+    return next(pid for pid, title in server.titles().items() if title.startswith("shmserve frontend"))
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+# -- timeouts --------------------------------------------------------------------------------------
+
+
+def test_connections_that_never_send_a_byte_are_closed(edge):
+    """Silent connections are idle from their accept on: closed after the idle timeout, not kept
+    for good (uvicorn's keep-alive timeout once started only after a first answer)."""
+    socks = [socket.create_connection(("127.0.0.1", edge.port)) for _ in range(50)]
+    try:
+        started = time.monotonic()
+        for sock in socks:
+            out, _ = _until_closed(sock, IDLE_S + SLACK_S + 5)
+            assert out == b""
+        assert time.monotonic() - started >= IDLE_S - 0.2
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_head_that_never_ends_gets_408(edge):
+    """A head sent a field at a time, or as nothing but line ends, well within the idle timeout
+    between writes: answered 408 once the head timeout passed since its first byte."""
+    for opening, more in ((b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n", b"X-More: y\r\n"), (b"\r\n", b"\r\n")):
+        with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+            sock.sendall(opening)
+            started = time.monotonic()
+            sock.settimeout(0.3)
+            answer = b""
+            while time.monotonic() - started < HEAD_S + SLACK_S + 5:
+                try:
+                    sock.sendall(more)
+                    chunk = sock.recv(4096)
+                except socket.timeout:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                if not chunk:
+                    break
+                answer += chunk
+            took = time.monotonic() - started
+        assert "--http-header-timeout-secs" in _error(answer, 408)
+        assert HEAD_S - 0.2 <= took < HEAD_S + SLACK_S
+
+
+def test_a_body_that_stops_half_way_gets_408_and_gives_its_room_back(edge):
+    """A Content-Length larger than what is sent, for a small body and for a large one (copied into
+    the frontend's arena as it arrives): 408 after the body timeout, and the arena has room again."""
+    values = np.arange(1 << 20, dtype=np.float32).reshape(1, -1)  # 4 MiB: taken into its block as it arrives
+    for size in (100, 2 << 20):
+        http, body = _identity_request(values[:, :size // 4])
+        with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+            sock.sendall(http + body[:len(body) // 2])
+            out, took = _until_closed(sock, BODY_S + SLACK_S + 5)
+        assert "--http-body-timeout-secs" in _error(out, 408)
+        assert BODY_S - 0.2 <= took < BODY_S + SLACK_S
+    _identity(edge.port, values[:, :(3 << 20) // 4])
+
+
+# -- heads and bodies too large ---------------------------------------------------------------------
+
+
+def test_a_huge_head_is_refused_while_other_clients_go_on(edge):
+    """A 100 MB header field is refused with 431 once it passes the limit (it is not gathered: the
+    frontend's memory stays flat), and another client's requests meanwhile are answered promptly."""
+    frontend = _frontend(edge)
+    before = _rss(frontend)
+    answer: list[bytes] = []
+    huge_head = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Huge: " + b"a" * (100 << 20) + b"\r\n\r\n"
+
+    def send_huge() -> None:
+        with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+            try:
+                sock.sendall(huge_head)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # cut once the answer was out: the rest was not read
+            answer.append(_until_closed(sock, BODY_S + SLACK_S + 5)[0])
+
+    huge = threading.Thread(target=send_huge)
+    huge.start()
+    slowest = 0.0
+    values = np.arange(256, dtype=np.float32).reshape(1, -1)
+    while huge.is_alive():
+        started = time.monotonic()
+        _identity(edge.port, values)
+        slowest = max(slowest, time.monotonic() - started)
+    huge.join()
+    assert "--http-max-header-bytes" in _error(answer[0], 431)
+    assert slowest < 1.0, slowest
+    assert _rss(frontend) - before < 32 << 20
+    # A complete head over the limit, whether it arrives in one read or in several, is refused too;
+    # one just under the limit is served.
+    for pieces in (1, 3):
+        with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+            head = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (MAX_HEAD * 3) + b"\r\n\r\n"
+            step = -(-len(head) // pieces)
+            for i in range(0, len(head), step):
+                sock.sendall(head[i:i + step])
+                time.sleep(0.05)
+            assert "--http-max-header-bytes" in _error(_until_closed(sock, BODY_S + SLACK_S + 5)[0], 431)
+    assert raw_request(edge.port, "GET", "/v2/health/live", headers={"X-Big": "b" * (MAX_HEAD - 200)}).status == 200
+
+
+def test_an_endless_chunked_body_is_cut(edge):
+    """A chunked body that never ends is refused once it passes --http-max-input-size; the client
+    reads that answer, and the connection is closed a moment later instead of read for good."""
+    with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+        sock.sendall(b"POST /v2/models/identity_all/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"10000\r\n" + b" " * 0x10000 + b"\r\n"
+        stopped = threading.Event()
+
+        def endless() -> None:
+            try:
+                while not stopped.is_set():
+                    sock.sendall(chunk)
+            except OSError:
+                pass  # the server closed the connection
+
+        sender = threading.Thread(target=endless)
+        sender.start()
+        try:
+            out, took = _until_closed(sock, BODY_S + SLACK_S + 10)
+        finally:
+            stopped.set()
+            sender.join(10)
+    assert "--http-max-input-size" in _error(out, 400)
+    assert took < BODY_S + SLACK_S + 5
+
+
+def test_a_refused_declared_length_ends_the_connection(edge):
+    """A Content-Length past the limit is refused before the body is read, and what the client
+    sends after is dropped, not read on the keep-alive connection for as long as it comes."""
+    with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+        sock.sendall(b"POST /v2/logging HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{" % (1 << 40))
+        stopped = threading.Event()
+
+        def trickle() -> None:
+            try:
+                while not stopped.wait(0.1):  # slow enough that no body timeout ends it
+                    sock.sendall(b" " * 1000)
+            except OSError:
+                pass
+
+        sender = threading.Thread(target=trickle)
+        sender.start()
+        try:
+            out, took = _until_closed(sock, BODY_S + SLACK_S + 10)
+        finally:
+            stopped.set()
+            sender.join(10)
+    assert "--http-max-input-size" in _error(out, 400)
+    assert took < BODY_S + SLACK_S
+
+
+# -- descriptors -------------------------------------------------------------------------------------
+
+
+class _LimitedServer(Server):
+    """A server whose processes start with a descriptor limit of ``nofile`` (prlimit)."""
+
+    nofile = 300
+
+    def command(self) -> list[str]:
+        return ["prlimit", f"--nofile={self.nofile}:{self.nofile}", *super().command()]
+
+
+def test_connections_past_the_bound_get_503_and_the_frontend_keeps_serving(server_factory):
+    """Under a 300-descriptor limit the frontend holds 300 - 128 - 300 // 16 = 154 connections by
+    default: past that a new connection is answered 503 at once, while a connection it holds is
+    served, liveness stays 200 and its broker checks go on (no descriptor runs out)."""
+    bound = 300 - 128 - 300 // 16
+    server = _LimitedServer([TEST_MODELS], server_factory.log_dir, ["--model-control-mode", "explicit",
+                                                                    "--load-model", "identity_all",
+                                                                    "--http-idle-timeout-secs", "60"])
+    server_factory.servers.append(server)
+    server.start().wait_ready()
+    kept = socket.create_connection(("127.0.0.1", server.port))
+    reader = kept.makefile("rb")
+    socks = []
+    try:
+        for _ in range(bound + 20):
+            socks.append(socket.create_connection(("127.0.0.1", server.port)))
+        refused = 0
+        for sock in socks[bound - 5:]:  # (the first ones are held: the frontend answers none of them)
+            sock.settimeout(0.5)
+            try:
+                answer = sock.recv(4096)
+            except socket.timeout:
+                continue
+            assert "--http-max-connections" in _error(answer, 503)
+            refused += 1
+        assert refused >= 15
+        for path in ("/v2/health/live", "/v2/health/ready"):
+            kept.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert read_raw_response(reader)[0] == 200
+        assert "cannot check the broker connection" not in server.log()
+    finally:
+        for sock in socks:
+            sock.close()
+        kept.close()
+
+
+def test_a_frontend_out_of_descriptors_fails_liveness_and_recovers_from_a_broker_restart(server_factory):
+    """The frontend's descriptor limit lowered under its connection bound (prlimit) and filled with
+    idle connections: liveness answers 503 on a connection it already held, its broker is killed
+    and restarted meanwhile, and once the connections go the frontend serves again at once. (Its
+    broker check once died of 'too many open files' and every request after the broker's restart
+    hung, readiness too, while liveness said 200.)"""
+    server = server_factory.start([TEST_MODELS], ["--model-control-mode", "explicit", "--load-model",
+                                                  "identity_all", "--http-idle-timeout-secs", "60"])
+    values = np.arange(16, dtype=np.float32).reshape(1, -1)
+    _identity(server.port, values)  # connected to the broker
+    frontend = _frontend(server)
+    broker = next(pid for pid, title in server.titles().items() if title.startswith("shmserve broker"))
+    probe = socket.create_connection(("127.0.0.1", server.port))
+    reader = probe.makefile("rb")
+    open_fds = len(os.listdir(f"/proc/{frontend}/fd"))
+    resource.prlimit(frontend, resource.RLIMIT_NOFILE, (open_fds + 10, open_fds + 10))
+    socks = []
+    try:
+        for _ in range(30):  # more than the frontend can take: it runs out
+            socks.append(socket.create_connection(("127.0.0.1", server.port)))
+        wait_until(lambda: "cannot check the broker connection" in server.log(), "the broker check failing", 20)
+        probe.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, body = read_raw_response(reader)
+        assert status == 503 and "descriptor" in json.loads(body)["error"], body
+        os.kill(broker, signal.SIGKILL)
+        wait_until(lambda: any(t.startswith("shmserve broker") and p != broker for p, t in server.titles().items()),
+                   "a new broker", 30)
+        started = time.monotonic()
+        probe.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        probe.settimeout(10)
+        # Promptly: 503 (the broker it knew is gone, and no descriptor for a new connection) or, if
+        # a descriptor came free, the new broker's "not ready yet" (400).
+        assert read_raw_response(reader)[0] in (503, 400)
+        assert time.monotonic() - started < 5
+    finally:
+        for sock in socks:
+            sock.close()
+    server.wait_ready(30)
+    _identity(server.port, values)
+    probe.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert read_raw_response(reader)[0] == 200
+    probe.close()
