@@ -323,6 +323,7 @@ class ClientSegment:
                                       strides=(SLOT_BYTES,))
         off = _align(off + slots * SLOT_BYTES)
         self.arena_offset = off
+        self.layout = Layout(slots, off, seg.size)  # what its records are checked against (untrusted.py)
         self.fifo_path = f"/dev/shm{seg.name}.fifo"
         self.fifo_fd: int | None = None
         self.sem: posix_ipc.Semaphore | None = None
@@ -375,11 +376,6 @@ class ClientSegment:
         except BaseException:
             seg.close()
             raise
-
-    @property
-    def layout(self) -> Layout:
-        """The sizes its records are checked against (``untrusted.check_record``)."""
-        return Layout(self.nslots, self.arena_offset, self.seg.size)
 
     def cancel_pending(self) -> int:
         """Set the cancelled word of every pending slot (its owner died or was disconnected):
