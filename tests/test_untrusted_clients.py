@@ -4,7 +4,7 @@ A local client (same user) owns its segment and writes its request ring, its lan
 and the broker's connect ring. Here a client writes what the library never would, through the raw
 layouts: a record with an offset of 2**40 or a slot of 0xFFFFFFFF, a ring tail of 2**62, a
 descriptor whose length prefix runs past its block, a connect record whose name is not text or
-names another process's segment. Each time the broker and the workers live on (same pids, no
+names another process's segment, sequence fields the broker's batcher cannot use. Each time the broker and the workers live on (same pids, no
 ballooning memory), another client's requests sent meanwhile all succeed, and the bad client is
 disconnected: a warning naming it, its segment unlinked, its queued request failed. A client
 killed by SIGKILL with many requests queued behind a slow model has none of them run after it is
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 import signal
 import struct
 import subprocess
@@ -40,7 +41,7 @@ def server(module_factory):
     return module_factory.start(
         [PRODUCT_MODELS, SHM_MODELS, TESTS / "models" / "cancel"],
         ["--model-control-mode", "explicit", "--load-model", "add_sub", "--load-model", "held",
-         "--load-model", "held_pair"])
+         "--load-model", "held_pair", "--load-model", "running_sum"])
 
 
 def rss_kb(pid: int) -> int:
@@ -57,8 +58,6 @@ class Traffic:
     """A well-behaved client sending add_sub requests on its own thread, counting failures."""
 
     def __init__(self, server_id: str) -> None:
-        import threading
-
         self.client = Client(server_id)
         self.done = 0
         self.failures: list[BaseException] = []
@@ -219,6 +218,40 @@ def test_garbage_on_the_connect_ring_is_refused(server):
         with Client(server.id) as fresh:
             assert fresh.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
         assert good.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT1"].tolist() == (A - B).tolist()
+    assert server_processes(server) == processes
+
+
+def test_sequence_fields_a_program_writes_are_checked(server):
+    """A correlation ID the broker's sequence batcher cannot key, or flags it cannot test, is a
+    400 (a list as correlation ID took the broker down)."""
+    processes = server_processes(server)
+    value = np.array([[2.0]], np.float32)
+    with Client(server.id) as client:
+        conn = client._conn  # noqa: SLF001 - raw descriptors, to send what the library never would
+
+        def send(fields: dict) -> tuple[int, dict]:
+            doc = {"model": "running_sum", "version": "", "inputs": [
+                {"name": "VALUE", "datatype": "FP32", "shape": [1, 1], "data": 0, "size": 4}], "outputs": None,
+                **fields}
+            answers: list = []
+            done = threading.Event()
+
+            def answered(c) -> None:
+                answers.append((c.status, c.doc()))
+                c.release()
+                done.set()
+
+            conn.infer(doc, [value], answered)
+            assert done.wait(DEADLINE_S), f"no answer for {fields}"
+            return answers[0]
+
+        for bad in ({"corr": [1], "flags": 1}, {"corr": {"k": 1}, "flags": 1},
+                    {"corr": 9, "flags": "start"}, {"corr": 9, "flags": -1}, {"corr": 9, "flags": [1]}):
+            status, body = send(bad)
+            assert status == 400 and "must be an unsigned" in body["error"], (bad, status, body)
+        assert send({"corr": 9, "flags": 1})[0] == 200
+        r = client.infer("running_sum", {"VALUE": value}, sequence_id="s", sequence_start=True)
+        assert r["SUM"].tolist() == [[2.0]]
     assert server_processes(server) == processes
 
 
