@@ -305,3 +305,22 @@ def test_a_killed_clients_queued_work_is_dropped_and_its_running_work_cancelled(
         proc.stdout.close()
         proc.stderr.close()
     assert server_processes(server) == processes
+
+
+def test_a_closed_clients_work_in_flight_is_cancelled(server, tmp_path):
+    """close() fails what is in flight on the client's side; on the server's, nobody waits for
+    it any more: the running request sees is_cancelled() and the queued one never runs."""
+    gate = Gate(tmp_path / "gate")
+    client = Client(server.id)
+    try:
+        client.infer_async("held", X, request_id="running", parameters={"gate": gate.param})
+        gate.wait_started(1)
+        client.infer_async("held", X, request_id="queued", parameters={"gate": gate.param})
+        wait_pending(server, "held", 2)
+        client.close()
+        wait_until(lambda: (gate.folder / "saw-cancel-running").exists(), "the running model saw is_cancelled()")
+        wait_until(lambda: pending_requests(server, "held") == 0, "the queued request dropped")
+        assert len(gate.started()) == 1, "the closed client's queued request ran"
+    finally:
+        gate.open()
+        client.close()

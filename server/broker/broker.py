@@ -238,11 +238,10 @@ class Broker:
 
     def _drop_client(self, client: Client, died: bool, owner_alive: bool = False) -> None:
         """Forget a client that said goodbye, or that ``died`` (then its segment is unlinked here,
-        and its library's regions too unless it was refused alive, ``owner_alive``). A dead
-        client's pending requests are cancelled first: workers drop what they have not run, and a
-        running model sees ``is_cancelled()``."""
-        if died:
-            client.seg.cancel_pending()
+        and its library's regions too unless it was refused alive, ``owner_alive``). Its pending
+        requests are cancelled first, since nobody waits for them any more: workers drop what
+        they have not run, and a running model sees ``is_cancelled()``."""
+        client.seg.cancel_pending()
         for mv in self.catalog.serving_and_retiring():
             self.scheduler.drop_client(mv, client)
         self.regions.forget_client(client.name, died and not owner_alive)
