@@ -24,6 +24,7 @@ from .ring import Ring
 from .published import Published
 from .segment import Segment
 from .stats import StatsArea
+from .untrusted import Fault, Garbage, Layout, check_layout
 from .waker import SLEEPING, Waker, fence, flag_view, make_fifo
 
 HEADER_BYTES = 4096
@@ -35,6 +36,9 @@ WANT_WAKEUP_OFFSET = 128  # worker header: broker sets it when it waits for this
 LANE_BELLS_OFFSET = 1024  # worker header: one byte per lane, set by its client after a put
 NOTIFY_KIND_OFFSET = 20  # client header: how to wake the client
 NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER = 0, 1, 2  # BROKER: the broker itself (its doorbell)
+NOTIFY_KINDS = frozenset({NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER})
+GARBAGE_OFFSET = 2048  # worker header: per lane, the cookie (and Fault) of a holder that wrote garbage
+_FAULT_SHIFT = 56  # a garbage word: Fault << 56 | cookie (cookies count up from 1, never near 2**56)
 
 CONNECT_CAPACITY = 256
 REQUEST_CAPACITY = 4096
@@ -49,6 +53,7 @@ LANE_CAPACITY = 64
 LANE_NAME_BYTES = 128
 NO_LANE = 0xFFFFFFFF
 LANE_PENDING = 0xFFFFFFFE  # until the broker has seen the client's connect record
+LANE_REFUSED = 0xFFFFFFFD  # the broker disconnected the client for garbage it wrote (untrusted.py)
 ROUTES_BYTES = 1 << 20
 SETTINGS_BYTES = 8192  # server settings the broker publishes (log settings; shm/logs.py)
 REGIONS_BYTES = 1 << 20  # registered system shm regions (shm/region_table.py)
@@ -193,6 +198,8 @@ class WorkerSegment:
                                      strides=(lane_bytes,))
         off = _align(off + LANES * lane_bytes)
         self.bells = seg.buf[LANE_BELLS_OFFSET:LANE_BELLS_OFFSET + LANES]
+        # Written by the worker, read by the broker's housekeeping: who to disconnect.
+        self.garbage = np.ndarray((LANES,), dtype=np.uint64, buffer=seg.buf, offset=GARBAGE_OFFSET)
         self.stats = StatsArea(seg.buf, off)  # see stats.py: written by the worker, summed by the broker
         off = _align(off + StatsArea.nbytes())
         # The model's own metrics (workers/custom_metrics.py), read by the broker at scrape time.
@@ -213,6 +220,23 @@ class WorkerSegment:
         else:
             self.sem = posix_ipc.Semaphore(seg.name)
         self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.sem)
+
+    def report_garbage(self, lane: int, cookie: int, fault: Fault) -> None:
+        """Worker side: the holder of ``lane`` with ``cookie`` wrote garbage (the broker
+        disconnects it). A word per lane, rewritten, never cleared: cookies are never reused."""
+        self.garbage[lane] = (int(fault) << _FAULT_SHIFT) | (cookie & ((1 << _FAULT_SHIFT) - 1))
+
+    def garbage_reports(self) -> list[tuple[int, int, Fault]]:
+        """Broker side: (lane, cookie, fault) of every lane a report names."""
+        out = []
+        for lane in np.flatnonzero(self.garbage).tolist():
+            word = int(self.garbage[lane])
+            try:
+                fault = Fault(word >> _FAULT_SHIFT)
+            except ValueError:
+                continue  # torn or scribbled on: the worker rewrites it on the next garbage
+            out.append((lane, word & ((1 << _FAULT_SHIFT) - 1), fault))
+        return out
 
     def lanes_pending(self) -> list[int]:
         """Lanes holding records (the broker's check that a retiring worker drained)."""
@@ -299,6 +323,7 @@ class ClientSegment:
                                       strides=(SLOT_BYTES,))
         off = _align(off + slots * SLOT_BYTES)
         self.arena_offset = off
+        self.layout = Layout(slots, off, seg.size)  # what its records are checked against (untrusted.py)
         self.fifo_path = f"/dev/shm{seg.name}.fifo"
         self.fifo_fd: int | None = None
         self.sem: posix_ipc.Semaphore | None = None
@@ -335,13 +360,35 @@ class ClientSegment:
 
     @classmethod
     def attach(cls, name: str) -> "ClientSegment":
+        """Map a client's segment (the broker and workers do), its header checked against its
+        size first: a client may have written anything there (raises ``untrusted.Garbage``)."""
         seg = Segment.attach(name)
-        magic, _, _ = read_header(seg)
-        if magic != MAGIC:
+        try:
+            if seg.size < HEADER_BYTES:
+                raise Garbage(Fault.HEADER, f"{name} has {seg.size} bytes")
+            magic, _, _ = read_header(seg)
+            if magic != MAGIC:
+                raise ConnectionError(f"{name} is not a shmserve client segment")
+            slots, notify_kind = struct.unpack_from("<II", seg.buf, 16)
+            check_layout(seg.size, slots, notify_kind, NOTIFY_KINDS, HEADER_BYTES,
+                         Ring.nbytes(REQUEST_CAPACITY, RECORD), SLOT_BYTES)
+            return cls(seg, slots, create=False)
+        except BaseException:
             seg.close()
-            raise ConnectionError(f"{name} is not a shmserve client segment")
-        (slots,) = struct.unpack_from("<I", seg.buf, 16)
-        return cls(seg, slots, create=False)
+            raise
+
+    def cancel_pending(self) -> int:
+        """Set the cancelled word of every pending slot (its owner died or was disconnected):
+        workers then drop its requests they have not run, and a running model sees
+        ``is_cancelled()``. Returns how many."""
+        pending = np.flatnonzero(self.slot_states == SLOT_PENDING).tolist()
+        for slot in pending:
+            self.cancel(slot)
+        return len(pending)
+
+    def disconnected(self) -> bool:
+        """Whether the broker refused this connection for what it wrote (``LANE_REFUSED``)."""
+        return self.lane == LANE_REFUSED
 
     @property
     def pid(self) -> int:

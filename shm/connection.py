@@ -370,7 +370,12 @@ class Connection:
         return self._slots.complete_all()
 
     def check_server(self) -> bool:
-        """False (and every pending request failed) if the broker died or was replaced."""
+        """False (and every pending request failed) if the broker died or was replaced, or it
+        disconnected us for what this process wrote into shared memory (see the server's log)."""
+        if self.alive and self.seg.disconnected():
+            self._server_gone(f"the shmserve server '{self.server_id}' disconnected this client: it found "
+                              f"garbage in the client's shared memory (the server's log says what)")
+            return False
         if self.alive and pid_alive(self.broker_pid) and self.broker.started_ns == self._broker_started():
             return True
         if self.alive:
@@ -387,10 +392,10 @@ class Connection:
         finally:
             seg.close()
 
-    def _server_gone(self) -> None:
+    def _server_gone(self, why: str = "") -> None:
         self.alive = False
         self._slots.complete_all()  # what was answered is answered
-        self._slots.fail_all(f"the shmserve server '{self.server_id}' went away while the request was in flight")
+        self._slots.fail_all(why or f"the shmserve server '{self.server_id}' went away while the request was in flight")
 
     def close(self) -> None:
         if self._closed:

@@ -8,12 +8,27 @@ The counters are read and written through an aligned memoryview cast to 'Q': one
 store each (CPython packs a 'Q' item with a single fixed-size copy), and about three times cheaper
 than a numpy scalar. ``struct.pack_into`` writes integers byte by byte, and a reader on another
 core could then see a torn counter (a tail that jumps back) and lose records.
+
+A ring between processes of different trust (a client's request ring, its lanes, the connect
+ring) holds counters the other side may scribble on: ``drain`` refuses a distance between them
+outside ``[0, capacity]`` (``RingCorrupt``), so a reader never does more than one ring's worth of
+work, and ``resync`` lets the consumer skip what it cannot trust.
 """
 from __future__ import annotations
 
 import struct
 
 HEADER_BYTES = 64
+
+
+class RingCorrupt(Exception):
+    """The ring's counters say it holds a negative number of records, or more than fit: its
+    producer wrote garbage into them. Nothing was read or consumed."""
+
+    def __init__(self, head: int, tail: int, capacity: int) -> None:
+        super().__init__(f"ring counters corrupt: head {head}, tail {tail} (capacity {capacity})")
+        self.head = head
+        self.tail = tail
 
 
 class Ring:
@@ -43,14 +58,26 @@ class Ring:
         return True
 
     def drain(self) -> list[tuple]:
+        """Every record published so far, consumed. Raises RingCorrupt (consuming nothing) when the
+        counters are impossible, rather than read far more records than the ring holds."""
         ctr = self._ctr
         head, tail = ctr[0], ctr[1]
         if head == tail:
             return []
+        if not 0 < tail - head <= self._cap:
+            raise RingCorrupt(head, tail, self._cap)
         rec, cap, data, size = self._rec, self._cap, self._data, self._rec.size
         out = [rec.unpack_from(self._buf, data + (i % cap) * size) for i in range(head, tail)]
         ctr[0] = tail
         return out
+
+    def resync(self) -> int:
+        """Consumer side, after RingCorrupt: skip to the producer's tail (the only counter we may
+        write is our own head); returns how many records that skipped, modulo 2**64."""
+        ctr = self._ctr
+        head, tail = ctr[0], ctr[1]
+        ctr[0] = tail
+        return (tail - head) % (1 << 64)
 
     def pending(self) -> int:
         seen = self._ctr

@@ -28,6 +28,7 @@ SCALAR_SLOTS = 32  # room to add counters without moving the arrays behind them
 BUSY_SINCE = SCALAR_SLOTS - 1  # not a counter: monotonic ns the running execution began, 0 when idle
 PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 BUCKETS = 96
+_U64 = (1 << 64) - 1
 _FIRST_NS = 10_000.0
 _PER_DOUBLING = 4
 BATCH_ROWS = 1024  # batch sizes 1..1024 have their own row; larger ones share the last
@@ -240,7 +241,7 @@ class StatsWriter:
     def flush(self) -> None:
         published = self._published
         for i, value in enumerate(self.counts):
-            published[i] = value
+            published[i] = value & _U64  # (direct_done counts modulo 2**64: a lane resynced past garbage)
         # (the lists are swapped out first: a decoupled model's thread may count meanwhile)
         if self._dirty:
             dirty, self._dirty = self._dirty, []

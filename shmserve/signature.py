@@ -60,14 +60,21 @@ class _RequestScoped(InvalidRequest):
 
 
 def queue_options(doc: dict[str, Any]) -> tuple[int, int, int]:
-    """(priority, timeout in us, send time in monotonic ns) of a request descriptor, checked: a
-    local program writes descriptors itself, and these feed the batcher's arithmetic."""
+    """(priority, timeout in us, send time in monotonic ns) of a request descriptor, checked (and
+    its sequence fields): a local program writes descriptors itself, and these feed the
+    batchers' arithmetic."""
     values = []
     for key in ("priority", "timeout", "t"):
         value = doc.get(key) or 0
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidRequest(f"'{key}' must be a non-negative integer")
         values.append(value)
+    # Sequence fields, which the broker's sequence batcher keys and tests bits of.
+    corr, flags = doc.get("corr", 0), doc.get("flags", 0)
+    if not isinstance(corr, str) and (not isinstance(corr, int) or isinstance(corr, bool) or not 0 <= corr < 1 << 64):
+        raise InvalidRequest("'corr' (the correlation ID) must be an unsigned 64-bit integer or a string")
+    if not isinstance(flags, int) or isinstance(flags, bool) or not 0 <= flags < 1 << 32:
+        raise InvalidRequest("'flags' (the sequence flags) must be an unsigned 32-bit integer")
     return values[0], values[1], values[2]
 
 

@@ -28,8 +28,10 @@ from shmserve.shm.arena import Arena, free_block
 from shmserve.shm.channel import REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
 from shmserve.shm.names import object_name, pid_alive
 from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
-    W_STOP, cancelled_error, read_manifest, read_manifest_with_data
+    W_STOP, cancelled_error, read_manifest
 from shmserve.shm.region_table import RegionTable
+from shmserve.shm.ring import RingCorrupt
+from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_descriptor
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
 from shmserve.shm.waker import SpinPolicy, fence
@@ -76,6 +78,7 @@ class Worker:
         # The regions its lane requests use, published so that the broker can defer unregisters.
         self.holds = RegionHolds(self.regions, self.seg.region_holds, REGION_HOLDS_BYTES)
         self._lane_names: dict[int, tuple[str, int]] = {}
+        self._refused: set[int] = set()  # cookies of lane holders that wrote garbage (the broker disconnects them)
         self.segments = SegmentCache()
         self.clients: dict[str, ClientSegment] = {}
         self.answers = Answers(self.num, ModelInfo(self.version, self.instance_name), self.arena, self.seg.seg.buf,
@@ -180,18 +183,7 @@ class Worker:
             if lanes:
                 polled = False
                 for lane in lanes:
-                    client, cookie = self._lane_holder(lane)
-                    for kind, slot, off, _, record_cookie in seg.lanes[lane].drain():
-                        polled = polled or bool(kind & REQ_POLLING)
-                        if record_cookie != cookie or not client:
-                            # A record of a client that left (its lane was given to another, or to
-                            # no one): nobody waits for it. Said, since a live client's lost
-                            # request would hang its caller.
-                            log.warning("lane %d: dropped a record with cookie %d (the lane's holder: "
-                                        "%r, cookie %d)", lane, record_cookie, client, cookie)
-                        elif self._take_request(client, slot, off):
-                            continue  # queued for a batch: done when it runs
-                        self.stats.counts[DIRECT_DONE] += 1  # lets the broker see this worker drained
+                    polled = self._serve_lane(lane) or polled
             ran = bool(lanes)
             if batcher is not None and len(batcher):
                 ran = self._run_local_batches(batcher, time.monotonic() if self.running else math.inf) > 0 or ran
@@ -206,6 +198,71 @@ class Worker:
         closed = cuda.runtime().close_unlisted(self.regions.cuda_handles())
         if closed:
             log.debug("closed %d CUDA IPC mapping(s) of unregistered regions", closed)
+
+    def _serve_lane(self, lane: int) -> bool:
+        """Take the requests on one lane, each record checked before use (shm/untrusted.py);
+        True if one asks us to poll (REQ_POLLING). Records of a holder that left, or that wrote
+        garbage, are dropped; every record taken off counts in DIRECT_DONE once it is done (the
+        broker's sign that this worker drained its lanes)."""
+        counts = self.stats.counts
+        ring = self.seg.lanes[lane]
+        name, cookie = self._lane_holder(lane)
+        try:
+            raws = ring.drain()
+        except RingCorrupt as e:
+            counts[DIRECT_DONE] = (counts[DIRECT_DONE] + ring.resync()) % (1 << 64)
+            self._garbage(lane, name, cookie, Garbage(Fault.RING, str(e)))
+            return False
+        polled = False
+        dropped = 0
+        for raw in raws:
+            # Looked up again for each record: a holder that left (died, or was refused) while we
+            # ran its earlier requests gets nothing more run (its cookie changed).
+            if raw[4] != cookie or not name or cookie in self._refused or self.broker.lane_cookie(lane) != cookie:
+                dropped += 1
+                counts[DIRECT_DONE] += 1
+                continue
+            try:
+                client = self._client(name)
+            except (posix_ipc.ExistentialError, ConnectionError, ValueError) as e:
+                log.warning("slot %d of client %s not answered: its segment cannot be mapped (%s)", raw[1], name, e)
+                counts[DIRECT_DONE] += 1
+                continue
+            try:
+                rec = check_record(client.layout, raw, LANE_KINDS)
+            except Garbage as e:
+                self._garbage(lane, name, cookie, e, client, raw[1])
+                counts[DIRECT_DONE] += 1
+                continue
+            polled = polled or bool(rec.flags & REQ_POLLING)
+            if not self._take_request(lane, cookie, name, client, rec):
+                counts[DIRECT_DONE] += 1
+            # (else queued for a batch: counted when it runs)
+        if dropped and cookie not in self._refused:
+            # Records of a client that left (its lane was given to another, or to no one): nobody
+            # waits for them. Said, since a live client's lost request would hang its caller.
+            log.warning("lane %d: dropped %d record(s) of a client that left (the lane's holder: %r, cookie %d)",
+                        lane, dropped, name, cookie)
+        return polled
+
+    def _garbage(self, lane: int, name: str, cookie: int, e: Garbage, client: ClientSegment | None = None,
+                 slot: int | None = None) -> None:
+        """The holder of ``lane`` wrote garbage there: the record is dropped, its request failed
+        if its slot is a real one, and the broker is told (it disconnects the client); its later
+        records are dropped unread."""
+        if client is not None and slot is not None and slot < client.nslots:
+            self._answer_error({"client": name, "pid": client.pid, "slot": slot}, 400,
+                               f"the server disconnected this client: {e}")
+        if cookie in self._refused:
+            return
+        if not name:
+            log.warning("lane %d, which no client holds, holds garbage: %s", lane, e)
+            return
+        self._refused.add(cookie)
+        log.warning("lane %d: client %s (pid %s) wrote garbage: %s; the broker disconnects it", lane, name,
+                    client.pid if client is not None else "?", e)
+        self.seg.report_garbage(lane, cookie, e.fault)
+        self.broker.waker.notify()
 
     def _lane_holder(self, lane: int) -> tuple[str, int]:
         """(client segment name, cookie) of a lane's holder; the name is decoded again only
@@ -233,18 +290,18 @@ class Worker:
             self.seg.want_wakeup = False
             self.broker.waker.notify()
 
-    def _take_request(self, client_name: str, slot: int, off: int) -> bool:
+    def _take_request(self, lane: int, cookie: int, client_name: str, client: ClientSegment, rec: Record) -> bool:
         """A request a client put on its lane: checked here instead of in the broker, then run,
         or queued for a batch (True) when this instance batches its lanes."""
-        try:
-            client = self._client(client_name)
-        except (posix_ipc.ExistentialError, ConnectionError, ValueError) as e:
-            log.warning("slot %d of client %s not answered: its segment cannot be mapped (%s)", slot, client_name, e)
-            return False  # the client is gone
+        slot, off = rec.slot, rec.off
         entry = {"client": client_name, "pid": client.pid, "slot": slot}
         assert self.signature is not None
         try:
-            doc, data_start = read_manifest_with_data(client.seg.buf, off)
+            doc, data_start = read_descriptor(client.seg.buf, rec)
+        except Garbage as e:
+            self._garbage(lane, client_name, cookie, e, client, slot)
+            return False
+        try:
             self.holds.hold(doc, entry)  # before its regions are looked up in the table
             batch, priority, timeout_us, sent_ns = check_request(self.signature, self.regions, self.decoupled,
                                                                  client, doc, data_start, entry)

@@ -27,7 +27,9 @@ import time
 from shmserve.shm.channel import BrokerSegment
 from shmserve.parent_death import ORPHANED
 from shmserve.shm.names import pid_alive, unlink_all
-from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER, read_manifest
+from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER
+from shmserve.shm.ring import RingCorrupt
+from shmserve.shm.untrusted import RING_KINDS, Garbage, Record, check_record, read_descriptor
 from shmserve.signature import InvalidRequest
 
 from .canary import SNAPSHOT_EVERY_S
@@ -65,7 +67,7 @@ class Broker:
         self.cache = create_store(opts.server_id, opts.response_cache_bytes)  # workers attach it; ensembles use it
         self.catalog = Catalog()
         self.instances = Instances(opts)
-        self.clients = Clients(self.seg)
+        self.clients = Clients(self.seg, opts.server_id)
         self.regions = Regions(self.seg, self.journal)
         self.routes = Routes(self.seg, self.catalog, self.instances)
         self.limiter = RateLimiter(opts.rate_limit, opts.rate_limit_resources)
@@ -169,6 +171,7 @@ class Broker:
         self.supervisor.check_workers()
         if self.cache is not None:
             self.cache.recover()  # a worker that died holding the cache's lock
+        self._refuse_reported_clients()
         for client in list(self.clients.by_name.values()):
             if not pid_alive(client.pid):
                 log.info("client %s (pid %d) died; reclaiming its channel", client.name, client.pid)
@@ -178,20 +181,49 @@ class Broker:
 
     # -- clients --------------------------------------------------------------------------------
     def _on_client_requests(self, client: Client) -> None:
-        for kind, slot, off, length, _ in client.seg.requests.drain():
-            if kind == REQ_INFER:
-                self.intake.infer(client, slot, off)
-            elif kind == REQ_CONTROL:
-                self._control(client, slot, off)
-            elif kind == REQ_CANCEL:
-                self.scheduler.cancel(self.catalog.serving_and_retiring(), client, slot)
-            elif kind == REQ_BYE:
-                self._drop_client(client, died=False)
-                return
-
-    def _control(self, client: Client, slot: int, off: int) -> None:
+        """The records on a client's request ring, each checked before use (shm/untrusted.py); the
+        first that is garbage disconnects the client, and the records behind it are dropped."""
         try:
-            doc = read_manifest(client.seg.seg.buf, off)
+            raws = client.seg.requests.drain()
+            layout = client.seg.layout
+            for raw in raws:
+                rec = check_record(layout, raw, RING_KINDS)
+                if rec.kind == REQ_INFER:
+                    self.intake.infer(client, rec)
+                elif rec.kind == REQ_CONTROL:
+                    self._control(client, rec)
+                elif rec.kind == REQ_CANCEL:
+                    self.scheduler.cancel(self.catalog.serving_and_retiring(), client, rec.slot)
+                elif rec.kind == REQ_BYE:
+                    self._drop_client(client, died=False)
+                    return
+        except (RingCorrupt, Garbage) as e:
+            self._refuse_client(client, f"its request ring: {e}")
+
+    def _refuse_client(self, client: Client, what: str) -> None:
+        """Disconnect a live client that wrote garbage: as if it had died (its lane, queued
+        requests and registrations dropped, its segment unlinked), its pending requests
+        cancelled, and its library told (``Clients.refuse``)."""
+        if client.name not in self.clients.by_name:
+            return
+        log.warning("disconnected client %s (pid %d), which wrote garbage into shared memory: %s", client.name,
+                    client.pid, what)
+        self.clients.refuse(client)
+        self._drop_client(client, died=True, owner_alive=True)
+
+    def _refuse_reported_clients(self) -> None:
+        """Clients a worker found garbage from on their lanes (``WorkerSegment.report_garbage``)."""
+        for _, inst in list(self.instances.workers.values()):
+            for lane, cookie, fault in inst.seg.garbage_reports():
+                name = self.clients.lanes[lane]
+                client = self.clients.by_name.get(name) if name is not None else None
+                if client is not None and client.seg.cookie == cookie and client.lane == lane:
+                    self._refuse_client(client, f"its lane on worker {inst.name} ({fault.text}; see that worker's log)")
+
+    def _control(self, client: Client, rec: Record) -> None:
+        doc, _ = read_descriptor(client.seg.seg.buf, rec)  # Garbage: the caller disconnects the client
+        slot = rec.slot
+        try:
             status, answer = self.control.handle(client, slot, doc)
             if self.regions.any_leaving():  # an unregister: regions nobody uses go before the answer
                 self._settle_regions()
@@ -209,11 +241,15 @@ class Broker:
         self.regions.settle(regions_in_use(self.catalog.serving_and_retiring(), self.ensembles),
                             lane_holds(self.instances))
 
-    def _drop_client(self, client: Client, died: bool) -> None:
-        """Forget a client that said goodbye, or that ``died`` (then its objects are unlinked here)."""
-        for mv in self.catalog.serving():
+    def _drop_client(self, client: Client, died: bool, owner_alive: bool = False) -> None:
+        """Forget a client that said goodbye, or that ``died`` (then its segment is unlinked here,
+        and its library's regions too unless it was refused alive, ``owner_alive``). Its pending
+        requests are cancelled first, since nobody waits for them any more: workers drop what
+        they have not run, and a running model sees ``is_cancelled()``."""
+        client.seg.cancel_pending()
+        for mv in self.catalog.serving_and_retiring():
             self.scheduler.drop_client(mv, client)
-        self.regions.forget_client(client.name, died)
+        self.regions.forget_client(client.name, died and not owner_alive)
         if self.ensembles.cache is not None:
             self.ensembles.cache.forget_client(client.name)
         self.clients.remove(client, died)

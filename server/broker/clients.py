@@ -16,30 +16,52 @@ import orjson
 import posix_ipc
 
 from shmserve.batching import Pending
-from shmserve.shm.channel import LANES, NO_LANE, BrokerSegment, ClientSegment
+from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment
+from shmserve.shm.names import pid_alive
 from shmserve.shm.protocol import ROLE_BROKER, SLOT_PENDING, manifest_room, write_manifest
+from shmserve.shm.ring import RingCorrupt
+from shmserve.shm.untrusted import Fault, Garbage, check_connect, client_name_pattern
 
 from .models import Client
 
 log = logging.getLogger("shmserve.broker")
 
+_QUARANTINED = "<refused>"  # the lane of a refused client, until its process is gone
+
 
 class Clients:
-    def __init__(self, seg: BrokerSegment) -> None:
+    def __init__(self, seg: BrokerSegment, server_id: str) -> None:
         self.seg = seg
         assert seg.arena is not None  # the broker's segment, which it created
         self.arena = seg.arena
         self.by_name: dict[str, Client] = {}
         self.lanes: list[str | None] = [None] * LANES  # lane -> the client holding it
         self.next_cookie = 0
+        self._names = client_name_pattern(server_id)
+        self.quarantined: dict[int, int] = {}  # lane -> pid of the refused client that held it
 
     def on_connects(self) -> None:
-        """Attach every client that announced itself on the connect ring."""
-        for pid, raw in self.seg.connect.drain():
-            name = raw.rstrip(b"\0").decode()
+        """Attach every client that announced itself on the connect ring. Any process of our user
+        may write that ring: a record that names no client segment of its own pid is refused, with
+        a warning, and so is a ring whose counters were scribbled on (its records are skipped)."""
+        try:
+            records = self.seg.connect.drain()
+        except RingCorrupt as e:
+            skipped = self.seg.connect.resync()
+            log.warning("refused %d connect record(s): the connect ring's %s", skipped, e)
+            return
+        for pid, raw in records:
             try:
+                name = check_connect(self._names, pid, raw)
+                if name in self.by_name:
+                    raise Garbage(Fault.CONNECT, f"pid {pid}: {name} is connected already")
+                if not pid_alive(pid):
+                    raise Garbage(Fault.CONNECT, f"pid {pid} is not a live process")
                 seg = ClientSegment.attach(name)
-            except (posix_ipc.ExistentialError, ConnectionError) as e:
+                if seg.pid != pid:
+                    seg.close()
+                    raise Garbage(Fault.HEADER, f"{name} was made by pid {seg.pid}, not {pid}")
+            except (posix_ipc.Error, ConnectionError, OSError, ValueError) as e:
                 log.warning("client %d could not be attached: %s", pid, e)
                 continue
             client = Client(name=name, pid=pid, seg=seg)
@@ -49,6 +71,7 @@ class Clients:
 
     def _give_lane(self, client: Client) -> None:
         """A lane lets the client reach workers of default-scheduled models without our hop."""
+        self._release_quarantined()
         try:
             lane = self.lanes.index(None)
         except ValueError:
@@ -72,6 +95,25 @@ class Clients:
             client.seg.unlink()
         self.seg.departures[0] += 1  # workers unmap departed clients' segments when this moves
         log.debug("client %s disconnected", client.name)
+
+    def refuse(self, client: Client) -> None:
+        """A client that wrote garbage (it is about to be removed, ``remove(died=True)``): every
+        request it has pending is cancelled, so workers drop what they have not run and a running
+        model sees ``is_cancelled()``; its header says it was refused (its library then fails what
+        is in flight); and its lane is given to nobody while the process lives, so that whatever it
+        still writes there never lands in another client's requests."""
+        client.seg.cancel_pending()
+        client.seg.lane = LANE_REFUSED
+        if client.lane is not None and self.lanes[client.lane] == client.name:
+            self.lanes[client.lane] = _QUARANTINED
+            self.quarantined[client.lane] = client.pid
+            self.seg.set_lane_client(client.lane, "", 0)
+
+    def _release_quarantined(self) -> None:
+        for lane, pid in list(self.quarantined.items()):
+            if not pid_alive(pid):
+                del self.quarantined[lane]
+                self.lanes[lane] = None
 
     def reply(self, client: Client, slot: int, status: int, doc: Any) -> None:
         """Answer a client from the broker's own arena (control replies and early errors)."""

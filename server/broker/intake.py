@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from shmserve.batching import Pending
-from shmserve.shm.protocol import read_manifest_with_data
+from shmserve.shm.untrusted import Record, read_descriptor
 from shmserve.signature import InvalidRequest, queue_options
 
 from .catalog import Catalog
@@ -30,11 +30,13 @@ class Intake:
         self.scheduler = scheduler
         self.ensembles = ensembles
 
-    def infer(self, client: Client, slot: int, off: int) -> None:
-        """Take the request whose manifest lies at ``off`` in the client's arena."""
+    def infer(self, client: Client, rec: Record) -> None:
+        """Take the request of a checked record (its descriptor in the client's arena). Raises
+        Garbage for a descriptor no client writes (the broker then disconnects the client)."""
         mv: ModelVersion | None = None
+        slot, off = rec.slot, rec.off
+        doc, data_start = read_descriptor(client.seg.seg.buf, rec)
         try:
-            doc, data_start = read_manifest_with_data(client.seg.seg.buf, off)
             mv = self.catalog.find_version(doc["model"], doc.get("version"), inference=True)
             sig = mv.signature
             assert sig is not None
@@ -55,6 +57,8 @@ class Intake:
                 entry["regions"] = sorted(named)
             if "stream" in doc:
                 entry["stream"] = {"seg": client.name, "off": data_start + int(doc["stream"])}
+                if not client.seg.arena_offset <= entry["stream"]["off"] <= client.seg.seg.size - 4096:
+                    raise InvalidRequest("the response ring lies outside the client's arena")
             if "tr" in doc:  # a traced request: its QUEUE_START is now (the worker sends it back)
                 entry["tr"] = time.monotonic_ns()
         except InvalidRequest as e:

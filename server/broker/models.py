@@ -59,8 +59,14 @@ class Instance:
 
     def lanes_drained(self) -> bool:
         """Nothing left on the worker's lanes: every direct request put there was answered."""
-        seg = self.seg
-        return not seg.lanes_pending() and int(seg.lane_tails.sum()) == seg.stats.get("direct_done")
+        return not self.seg.lanes_pending() and self.lanes_unfinished() == 0
+
+    def lanes_unfinished(self) -> int:
+        """Requests put on the worker's lanes it has not finished (waiting there, or executing).
+        Counted modulo 2**64 on both sides (a worker skips a lane's scribbled-on counters, adding
+        what it skipped); a worker that finished more since the tails were read counts as none."""
+        left = (int(self.seg.lane_tails.sum()) - self.seg.stats.get("direct_done")) % (1 << 64)
+        return 0 if left >= 1 << 63 else left
 
 
 @dataclasses.dataclass

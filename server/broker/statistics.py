@@ -40,8 +40,7 @@ class Statistics:
                 total = self.instances.version_totals(mv)
                 # Requests clients put on direct lanes and the worker has not finished (waiting on
                 # a lane or executing), as in_flight() counts the broker's own.
-                lanes = sum(max(0, int(i.seg.lane_tails.sum()) - i.seg.stats.get("direct_done"))
-                            for i in list(mv.instances) if self.instances.live(i))
+                lanes = sum(i.lanes_unfinished() for i in list(mv.instances) if self.instances.live(i))
                 total.pending = mv.in_flight() + lanes
                 total.cached = response_cache.enabled(mv.config_dict, self.instances.opts.response_cache_bytes)
                 rows.append((name, v, total))

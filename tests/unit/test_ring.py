@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import struct
 
+import pytest
+
 from shmserve.shm.protocol import RECORD
-from shmserve.shm.ring import HEADER_BYTES, Ring
+from shmserve.shm.ring import HEADER_BYTES, Ring, RingCorrupt
 from segments import segment_pair  # noqa: F401  (a fixture: real segments, mapped twice)
 
 SMALL = struct.Struct("<IQ")
@@ -88,3 +90,17 @@ def test_records_with_bytes_fields_round_trip(segment_pair):
     rec = struct.Struct("<I12s")
     Ring(seg.buf, 0, 2, rec).put(7, b"hello")
     assert Ring(other.buf, 0, 2, rec).drain() == [(7, b"hello" + b"\0" * 7)]
+
+
+def test_impossible_counters_are_refused_and_the_consumer_resyncs_past_them(segment_pair):
+    seg, other = segment_pair(4096)
+    producer, consumer = Ring(seg.buf, 0, 4, SMALL), Ring(other.buf, 0, 4, SMALL)
+    producer.put(1, 1)
+    for head, tail in ((0, 1 << 62), (5, 2), (0, 5)):  # far past, behind, one more than fits
+        consumer._ctr[0], producer._ctr[1] = head, tail  # noqa: SLF001 - a producer scribbling
+        with pytest.raises(RingCorrupt):
+            consumer.drain()
+        assert consumer._ctr[0] == head  # noqa: SLF001 - nothing consumed
+        assert consumer.resync() == (tail - head) % (1 << 64)
+        assert consumer.pending() == 0 and consumer.drain() == []
+    assert producer.put(2, 2) and consumer.drain() == [(2, 2)]  # and the ring works on from there

@@ -1,0 +1,328 @@
+"""Local clients that write garbage into shared memory, and clients that die with work queued.
+
+A local client (same user) owns its segment and writes its request ring, its lanes on every worker
+and the broker's connect ring. Here a client writes what the library never would, through the raw
+layouts: a record with an offset of 2**40 or a slot of 0xFFFFFFFF, a ring tail of 2**62, a
+descriptor whose length prefix runs past its block, a connect record whose name is not text or
+names another process's segment, sequence fields the broker's batcher cannot use. Each time the broker and the workers live on (same pids, no
+ballooning memory), another client's requests sent meanwhile all succeed, and the bad client is
+disconnected: a warning naming it, its segment unlinked, its queued request failed. A client
+killed by SIGKILL with many requests queued behind a slow model has none of them run after it is
+gone, and the ones running see ``is_cancelled()``.
+"""
+from __future__ import annotations
+
+import os
+import select
+import threading
+import signal
+import struct
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import (DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, SHM_MODELS, TESTS, pending_requests, wait_pending,
+                      wait_until)
+from gates import Gate
+from shmserve.shm.client import Client, InferenceServerError, ServerUnavailable
+from shmserve.shm.names import object_name
+from shmserve.shm.protocol import REQ_INFER, write_manifest
+
+A = np.arange(16, dtype=np.int32)
+B = np.full(16, 3, dtype=np.int32)
+X = {"X": np.array([7], np.int32)}
+RSS_GROWTH_LIMIT_KB = 64 << 10  # the broken drain grew by about 500 MB a second
+
+
+@pytest.fixture(scope="module")
+def server(module_factory):
+    return module_factory.start(
+        [PRODUCT_MODELS, SHM_MODELS, TESTS / "models" / "cancel"],
+        ["--model-control-mode", "explicit", "--load-model", "add_sub", "--load-model", "held",
+         "--load-model", "held_pair", "--load-model", "running_sum"])
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def server_processes(server) -> dict[int, str]:
+    """The broker's and the workers' pids, with their titles."""
+    return {pid: t for pid, t in server.titles().items() if t.startswith(("shmserve broker", "shmserve worker"))}
+
+
+class Traffic:
+    """A well-behaved client sending add_sub requests on its own thread, counting failures."""
+
+    def __init__(self, server_id: str) -> None:
+        self.client = Client(server_id)
+        self.done = 0
+        self.failures: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        k = 0
+        while not self._stop.is_set():
+            k += 1
+            try:
+                r = self.client.infer("add_sub", {"INPUT0": A + k, "INPUT1": B})
+                assert r["OUTPUT0"].tolist() == (A + k + B).tolist(), f"wrong answer for request {k}"
+                self.done += 1
+            except BaseException as e:  # noqa: BLE001 - the test reports it
+                self.failures.append(e)
+            time.sleep(0.002)
+
+    def wait_more(self, n: int) -> None:
+        target = self.done + n
+        wait_until(lambda: self.done >= target or bool(self.failures), f"{n} more answers to the good client")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(DEADLINE_S)
+        self.client.close()
+
+
+# -- what a bad client writes ------------------------------------------------------------------------
+
+
+def block(bad: Client, length_prefix: int | None = None) -> tuple[int, int]:
+    """A real block in the bad client's arena holding a descriptor (an empty JSON object, or just
+    a length prefix of ``length_prefix``): (offset, length)."""
+    conn = bad._conn  # noqa: SLF001 - the attack writes the raw layouts
+    off = conn.arena.alloc(256)
+    if length_prefix is None:
+        write_manifest(conn.seg.seg.buf, off, b"{}")
+    else:
+        struct.pack_into("<I", conn.seg.seg.buf, off, length_prefix)
+    return off, 256
+
+
+FREE_SLOT = 1000  # a slot the bad client's few requests never take
+
+
+def on_ring(bad: Client, kind: int, slot: int, off: int, length: int) -> None:
+    conn = bad._conn  # noqa: SLF001
+    assert conn.seg.requests.put(kind, slot, off, length, 0)
+    conn.broker.waker.notify()
+
+
+def on_lane(bad: Client, kind: int, slot: int, off: int, length: int) -> None:
+    conn = bad._conn  # noqa: SLF001
+    _, worker = conn._router.pick({"model": "add_sub", "version": ""})  # noqa: SLF001
+    assert worker.lanes[conn.lane].put(kind, slot, off, length, conn._cookie)  # noqa: SLF001
+    worker.ring_bell(conn.lane)
+    worker.waker.notify()
+
+
+def ring_tail(bad: Client) -> None:
+    conn = bad._conn  # noqa: SLF001
+    conn.seg.requests._ctr[1] = 1 << 62  # noqa: SLF001 - the client's own counter
+    conn.broker.waker.notify()
+
+
+def lane_tail(bad: Client) -> None:
+    conn = bad._conn  # noqa: SLF001
+    _, worker = conn._router.pick({"model": "add_sub", "version": ""})  # noqa: SLF001
+    worker.lanes[conn.lane]._ctr[1] = 1 << 62  # noqa: SLF001 - the lane's producer counter is the client's
+    worker.ring_bell(conn.lane)
+    worker.waker.notify()
+
+
+ATTACKS = {
+    "ring_offset": lambda bad: on_ring(bad, REQ_INFER, FREE_SLOT, 1 << 40, 256),
+    "ring_slot": lambda bad: on_ring(bad, REQ_INFER, 0xFFFFFFFF, *block(bad)),
+    "ring_tail": ring_tail,
+    "ring_descriptor_length": lambda bad: on_ring(bad, REQ_INFER, FREE_SLOT, *block(bad, 0x7FFFFFF0)),
+    "ring_unknown_kind": lambda bad: on_ring(bad, 0x77, FREE_SLOT, *block(bad)),
+    "lane_offset": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT, 1 << 40, 256),
+    "lane_slot": lambda bad: on_lane(bad, REQ_INFER, 0xFFFFFFFF, *block(bad)),
+    "lane_tail": lane_tail,
+    "lane_descriptor_length": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT, *block(bad, 0x7FFFFFF0)),
+    "lane_descriptor_not_json": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT, *block(bad, 3)),
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_a_client_writing_garbage_is_disconnected_and_nothing_else_breaks(server, tmp_path, attack):
+    processes = server_processes(server)
+    rss = {pid: rss_kb(pid) for pid in processes}
+    gate = Gate(tmp_path / "gate")
+    traffic = Traffic(server.id)
+    bad = Client(server.id)
+    name = bad._conn.name  # noqa: SLF001
+    try:
+        running = bad.infer_async("held", X, request_id="running", parameters={"gate": gate.param})
+        gate.wait_started(1)
+        queued = bad.infer_async("held", X, request_id="queued", parameters={"gate": gate.param})
+        wait_pending(server, "held", 2)
+        traffic.wait_more(3)
+        ATTACKS[attack](bad)
+        line = f"disconnected client {name} (pid {os.getpid()})"
+        wait_until(lambda: line in server.log(), "the broker logs the bad client's disconnection")
+        wait_until(lambda: not os.path.exists("/dev/shm" + name), "the bad client's segment is unlinked")
+        # Its running request is cancelled (the model sees it); its queued one never runs and fails.
+        wait_until(lambda: (gate.folder / "saw-cancel-running").exists(), "the running model saw is_cancelled()")
+        with pytest.raises(InferenceServerError) as failed:
+            queued.result(DEADLINE_S)
+        assert "disconnected this client" in failed.value.message, failed.value.message
+        running.exception(DEADLINE_S)  # answered or failed, not left hanging
+        with pytest.raises((ServerUnavailable, InferenceServerError)):
+            bad.infer("add_sub", {"INPUT0": A, "INPUT1": B})
+        traffic.wait_more(5)  # the good client was served all along, and still is
+        wait_until(lambda: pending_requests(server, "held") == 0, "the queued request dropped")
+        assert len(gate.started()) == 1, "the disconnected client's queued request ran"
+    finally:
+        gate.open()
+        traffic.stop()
+        bad.close()
+    assert traffic.failures == [], traffic.failures[:3]
+    assert server_processes(server) == processes, "a server process died or was restarted"
+    # Skipped lane records count as finished: nothing stays pending, and add_sub could still drain.
+    wait_until(lambda: pending_requests(server, "add_sub") == 0, "nothing pending for add_sub")
+    for pid, before in rss.items():
+        assert rss_kb(pid) - before < RSS_GROWTH_LIMIT_KB, (processes[pid], before, rss_kb(pid))
+    with Client(server.id) as fresh:  # and the server serves on as before
+        assert fresh.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
+
+
+def test_garbage_on_the_connect_ring_is_refused(server):
+    processes = server_processes(server)
+    pid = os.getpid()
+    with Client(server.id) as good:
+        broker = good._conn.broker  # noqa: SLF001
+
+        def announce(raw: bytes) -> None:
+            broker.mutex.acquire(5)
+            try:
+                assert broker.connect.put(pid, raw)
+            finally:
+                broker.mutex.release()
+            broker.waker.notify()
+
+        announce(b"\xff\xfe\xfd not text")
+        wait_until(lambda: f"client {pid} could not be attached: malformed connect record" in server.log(),
+                   "the broker refuses a name that is not text")
+        # A name of a segment that is not this process's own client segment: the broker's own.
+        announce(object_name(server.id, "broker", 0).encode())
+        wait_until(lambda: "is not a client segment of that process" in server.log(),
+                   "the broker refuses to take its own segment for a client's")
+        # Scribbled counters: the records are skipped, and the next client connects as usual.
+        broker.mutex.acquire(5)
+        broker.connect._ctr[1] = 1 << 62  # noqa: SLF001
+        broker.mutex.release()
+        broker.waker.notify()
+        wait_until(lambda: "the connect ring's ring counters corrupt" in server.log(), "the broker resyncs the ring")
+        with Client(server.id) as fresh:
+            assert fresh.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
+        assert good.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT1"].tolist() == (A - B).tolist()
+    assert server_processes(server) == processes
+
+
+def test_sequence_fields_a_program_writes_are_checked(server):
+    """A correlation ID the broker's sequence batcher cannot key, or flags it cannot test, is a
+    400 (a list as correlation ID took the broker down)."""
+    processes = server_processes(server)
+    value = np.array([[2.0]], np.float32)
+    with Client(server.id) as client:
+        conn = client._conn  # noqa: SLF001 - raw descriptors, to send what the library never would
+
+        def send(fields: dict) -> tuple[int, dict]:
+            doc = {"model": "running_sum", "version": "", "inputs": [
+                {"name": "VALUE", "datatype": "FP32", "shape": [1, 1], "data": 0, "size": 4}], "outputs": None,
+                **fields}
+            answers: list = []
+            done = threading.Event()
+
+            def answered(c) -> None:
+                answers.append((c.status, c.doc()))
+                c.release()
+                done.set()
+
+            conn.infer(doc, [value], answered)
+            assert done.wait(DEADLINE_S), f"no answer for {fields}"
+            return answers[0]
+
+        for bad in ({"corr": [1], "flags": 1}, {"corr": {"k": 1}, "flags": 1},
+                    {"corr": 9, "flags": "start"}, {"corr": 9, "flags": -1}, {"corr": 9, "flags": [1]}):
+            status, body = send(bad)
+            assert status == 400 and "must be an unsigned" in body["error"], (bad, status, body)
+        assert send({"corr": 9, "flags": 1})[0] == 200
+        r = client.infer("running_sum", {"VALUE": value}, sequence_id="s", sequence_start=True)
+        assert r["SUM"].tolist() == [[2.0]]
+    assert server_processes(server) == processes
+
+
+KID = r"""
+import sys
+import numpy as np
+from shmserve.shm.client import Client
+server_id, gate, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+c = Client(server_id)
+x = {"X": np.array([1], np.int32)}
+lane = [c.infer_async("held", x, request_id=f"lane{i}", parameters={"gate": gate}) for i in range(n)]
+pair = [c.infer_async("held_pair", {"X": np.array([[1]], np.int32)}, request_id=f"pair{i}",
+                      parameters={"gate": gate}) for i in range(6)]
+print("sent", flush=True)
+import time
+time.sleep(120)
+"""
+
+
+def test_a_killed_clients_queued_work_is_dropped_and_its_running_work_cancelled(server, tmp_path):
+    processes = server_processes(server)
+    gate = Gate(tmp_path / "gate")
+    n = 20
+    proc = subprocess.Popen([PYTHON, "-c", KID, server.id, gate.param, str(n)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], DEADLINE_S)
+        assert ready and proc.stdout.readline().strip() == "sent", proc.stderr.read() if proc.poll() else ""
+        gate.wait_started(3)  # one on held's lane, two on held_pair's instances
+        wait_pending(server, "held", n)  # the rest queued on held's lane ...
+        wait_pending(server, "held_pair", 6)  # ... and in the broker's queue
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(DEADLINE_S)
+        wait_until(lambda: (gate.folder / "saw-cancel-lane0").exists(), "the running lane request saw is_cancelled()")
+        wait_until(lambda: len(list(gate.folder.glob("saw-cancel-pair*"))) == 2,
+                   "the running broker-path requests saw is_cancelled()")
+        wait_until(lambda: pending_requests(server, "held") == 0, "held's queued requests dropped")
+        wait_until(lambda: pending_requests(server, "held_pair") == 0, "held_pair's queued requests dropped")
+        assert len(gate.started()) == 3, "a dead client's queued request ran"
+        gate.open()
+        with Client(server.id) as good:  # the instances serve the next client at once
+            assert int(good.infer("held", X, parameters={"gate": gate.param})["Y"][0]) == 7
+            assert int(good.infer("held_pair", {"X": np.array([[7]], np.int32)},
+                                  parameters={"gate": gate.param})["Y"][0][0]) == 7
+        assert len(gate.started()) == 5
+    finally:
+        gate.open()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
+    assert server_processes(server) == processes
+
+
+def test_a_closed_clients_work_in_flight_is_cancelled(server, tmp_path):
+    """close() fails what is in flight on the client's side; on the server's, nobody waits for
+    it any more: the running request sees is_cancelled() and the queued one never runs."""
+    gate = Gate(tmp_path / "gate")
+    client = Client(server.id)
+    try:
+        client.infer_async("held", X, request_id="running", parameters={"gate": gate.param})
+        gate.wait_started(1)
+        client.infer_async("held", X, request_id="queued", parameters={"gate": gate.param})
+        wait_pending(server, "held", 2)
+        client.close()
+        wait_until(lambda: (gate.folder / "saw-cancel-running").exists(), "the running model saw is_cancelled()")
+        wait_until(lambda: pending_requests(server, "held") == 0, "the queued request dropped")
+        assert len(gate.started()) == 1, "the closed client's queued request ran"
+    finally:
+        gate.open()
+        client.close()
