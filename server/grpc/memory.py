@@ -1,14 +1,13 @@
 """The gRPC frontend gives the memory of large messages back to the kernel once they are freed.
 
 grpc reads a message into many small buffers across its threads' malloc arenas before the
-frontend sees it, and glibc keeps such freed memory in the process (more so with heap.py's
-thresholds, kept so that one large message's memory serves the next): six 300 MB messages,
+frontend sees it, and glibc keeps such freed memory in the process: six 300 MB messages,
 refused or served, used to leave gigabytes resident. ``HeapWatch.check``, on the frontend's
-tick, measures what glibc keeps without handing out (private resident memory less the bytes
-malloc has allocated) and trims the heap (``malloc_trim``, in a thread: it releases the GIL)
-when that has grown by ``SLACK_BYTES`` since the last trim. Memory that calls in flight use is
-not counted, so a large call in progress neither triggers trims nor hides its memory from the
-trim after it ends.
+tick, reads the process's private resident memory (one small /proc read) and, once it has grown
+``SLACK_BYTES`` past where it was after the last trim, trims the heap (``malloc_trim``, in a
+thread: it releases the GIL). Memory that calls in flight still use does not go; while it stays
+above, the trim is tried again at doubling intervals (up to ``MAX_RETRY_S``), so memory freed
+when a long call ends goes back too.
 
 ``malloc_trim`` gives back free pages inside each arena but not the top of the arenas of grpc's
 threads, which glibc shrinks by itself only past its trim threshold: so the gRPC frontend leaves
@@ -18,32 +17,15 @@ the HTTP frontend (with them, each of those arenas kept up to 256 MiB).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
-from typing import Any
+import time
 
 from shmserve.shm import heap
 
 SLACK_BYTES = 64 << 20  # more than small calls leave behind; less than one large message
+FIRST_RETRY_S = 0.5
+MAX_RETRY_S = 30.0
 PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _mallinfo2() -> Any:
-    try:
-        function = ctypes.CDLL(None).mallinfo2  # glibc 2.33 and later
-    except (OSError, AttributeError):
-        return None
-    function.restype = _Mallinfo2
-    function.argtypes = []
-    return function
-
-
-MALLINFO2 = _mallinfo2()
 
 
 def private_resident_bytes() -> int:
@@ -53,25 +35,26 @@ def private_resident_bytes() -> int:
     return (int(fields[1]) - int(fields[2])) * PAGE
 
 
-def kept_bytes() -> int | None:
-    """Private resident memory not allocated through malloc: memory glibc keeps after it was
-    freed, plus what is not malloc's (code, stacks, Python's small-object arenas), which varies
-    little. None where the C library has no ``mallinfo2``."""
-    if MALLINFO2 is None:
-        return None
-    info = MALLINFO2()
-    return private_resident_bytes() - (info.uordblks + info.hblkhd)
-
-
 class HeapWatch:
     def __init__(self, slack: int = SLACK_BYTES) -> None:
         self.slack = slack
-        self.floor = kept_bytes()
+        self.floor = private_resident_bytes()
+        self.retry_s = FIRST_RETRY_S
+        self.not_before = 0.0
 
     async def check(self) -> None:
-        """Trim when glibc keeps ``slack`` more than after the last trim."""
-        kept = kept_bytes()
-        if kept is None or self.floor is None or kept < self.floor + self.slack:
+        """Trim if the private memory lies ``slack`` over the floor; back off while it stays there."""
+        now = time.monotonic()
+        if now < self.not_before:
+            return
+        if private_resident_bytes() < self.floor + self.slack:
+            self.retry_s = FIRST_RETRY_S
             return
         await asyncio.get_running_loop().run_in_executor(None, heap.give_back_free_memory)
-        self.floor = kept_bytes()  # what a trim cannot give back (fragments) does not trigger the next
+        after = private_resident_bytes()
+        if after < self.floor + self.slack:
+            self.floor = min(self.floor, after)
+            self.retry_s = FIRST_RETRY_S
+        else:  # still in use (a call in flight), or grown for good (then a trim each MAX_RETRY_S)
+            self.not_before = now + self.retry_s
+            self.retry_s = min(self.retry_s * 2, MAX_RETRY_S)
