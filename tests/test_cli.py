@@ -105,6 +105,7 @@ def test_repository_flag_required():
     (["--grpc-use-ssl", "--grpc-server-cert", "/dev/null", "--grpc-server-key", "/dev/null"],
      "--grpc-server-cert '/dev/null' holds no PEM data"),
     (["--grpc-port", "70000"], "--grpc-port"),
+    (["--grpc-max-input-size", "0"], "--grpc-max-input-size must lie in [1, 2147483647], got 0"),
     (["--model-load-thread-count", "0"], "--model-load-thread-count must be at least 1"),
     (["--backend-config", "python"], "--backend-config 'python': expected [<backend>,]<setting>=<value>"),
     (["--http-header-timeout-secs", "0"], "--http-header-timeout-secs must lie in (0, 86400]"),
@@ -114,8 +115,9 @@ def test_repository_flag_required():
         "poll-us-text", "repository-poll-secs-range", "repository-poll-secs-text", "compression-level",
         "keepalive-time-0", "ping-strikes-negative", "keepalive-timeout-text", "restricted-protocol-unknown",
         "restricted-protocol-form", "restricted-protocol-twice", "ssl-without-files", "ssl-mutual-without-root",
-        "ssl-missing-file", "ssl-not-pem", "grpc-port-range", "load-thread-count-0", "backend-config-no-setting",
-        "http-header-timeout-0", "http-max-header-bytes-small", "http-max-connections-negative"])
+        "ssl-missing-file", "ssl-not-pem", "grpc-port-range", "grpc-max-input-size-0", "load-thread-count-0",
+        "backend-config-no-setting", "http-header-timeout-0", "http-max-header-bytes-small",
+        "http-max-connections-negative"])
 def test_bad_flag_values(tmp_path, args, needle):
     _assert_one_line_error(run_cli("--model-repository", str(tmp_path), *args), needle)
 

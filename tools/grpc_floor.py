@@ -18,8 +18,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from shmserve.server.grpc.__main__ import MAX_MESSAGE_BYTES
-from shmserve.shm import heap
+from shmserve.server.grpc.options import MAX_INT as MAX_MESSAGE_BYTES  # Triton's message limit
 
 
 class EchoService(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -57,7 +56,6 @@ def main() -> None:
     p.add_argument("--address", default="127.0.0.1")
     p.add_argument("--port", type=int, default=18701)
     args = p.parse_args()
-    heap.keep_large_buffers()  # as the gRPC frontend: large messages reuse memory
     asyncio.run(serve(args.address, args.port))
 
 

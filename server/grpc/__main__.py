@@ -1,10 +1,11 @@
 """gRPC frontend entry point: ``python -m shmserve.server.grpc '<spec JSON>'`` (started by the
 launcher when ``--allow-grpc`` is true).
 
-grpcio's asyncio server on the standard asyncio loop (grpc.aio does not run on uvloop), with
-Triton's message limit of 2 GiB - 1 each way instead of gRPC's 4 MiB default, and the settings of
-Triton's gRPC flags (options.py): channel arguments, TLS credentials, the restricted-protocol
-interceptor (restricted.py). SIGTERM stops it gracefully within ``--exit-timeout-secs``.
+grpcio's asyncio server on the standard asyncio loop (grpc.aio does not run on uvloop), with the
+settings of Triton's gRPC flags (options.py): channel arguments (the message limits among them:
+Triton's 2 GiB - 1 for responses, ``--grpc-max-input-size`` for requests), TLS credentials, the
+restricted-protocol interceptor (restricted.py); handlers registered by handlers.py. SIGTERM stops
+it gracefully within ``--exit-timeout-secs``.
 """
 from __future__ import annotations
 
@@ -20,17 +21,18 @@ from tritonclient.grpc import service_pb2_grpc
 
 from shmserve.server.frontend.link import BrokerLink
 from shmserve.server.frontend.tracing import Tracer
-from shmserve.shm import heap, logs
+from shmserve.shm import logs
 from shmserve.shm.names import set_title
 
+from .handlers import add_servicer
 from .health import HealthService
 from .infer import GrpcInference
+from .memory import HeapWatch
 from .options import read_pem
 from .restricted import RestrictedProtocols
 from .service import InferenceService
 
 log = logging.getLogger("shmserve.grpc")
-MAX_MESSAGE_BYTES = (1 << 31) - 1  # Triton's limit
 TICK_S = 0.5  # how often the broker's published log and trace settings are followed
 
 
@@ -58,13 +60,11 @@ async def serve(spec: dict) -> int:
     tracer = Tracer(spec["server_id"])
     inference = GrpcInference(link, tracer, spec["max_tensor_elements"], spec["arena_bytes"])
     service = InferenceService(spec["server_id"], link, inference, spec["allow_remote_shm"])
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               *map(tuple, spec["options"])]
+    options = [*map(tuple, spec["options"])]  # message sizes, keepalive, SO_REUSEPORT: options.py
     interceptors = [RestrictedProtocols(spec["restricted"])] if spec["restricted"] else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), server)
+    add_servicer(server, service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, service)
+    add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, HealthService(service))
     try:
         address = bind(server, spec)
     except (RuntimeError, ValueError) as e:
@@ -78,9 +78,11 @@ async def serve(spec: dict) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes made through any frontend
+    heap_watch = HeapWatch()  # large messages' memory goes back to the kernel once freed
     while not stop.is_set():
         log_settings.check()
         tracer.follow()
+        await heap_watch.check()
         try:
             await asyncio.wait_for(stop.wait(), TICK_S)
         except asyncio.TimeoutError:
@@ -93,7 +95,6 @@ async def serve(spec: dict) -> int:
 
 def main() -> int:
     spec = orjson.loads(sys.argv[1])
-    heap.keep_large_buffers()
     set_title(f"shmserve grpc {spec['server_id']}")
     logs.configure(spec.get("log") or {})
     return asyncio.run(serve(spec))

@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .service import InferenceService
+from .status import Aborted
 
 SERVICES = ("", "inference.GRPCInferenceService")
 
@@ -18,7 +19,7 @@ class HealthService(health_pb2_grpc.HealthServicer):
 
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if request.service not in SERVICES:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service '{request.service}'")
+            raise Aborted(grpc.StatusCode.NOT_FOUND, f"unknown service '{request.service}'")
         ready = await self.inference.server_ready()
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)

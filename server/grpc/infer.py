@@ -26,7 +26,7 @@ from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import REQ_INFER
 from shmserve.shm.trace import GRPC_STAMPS
 
-from .status import code_of
+from .status import Aborted, code_of
 from .tensors import infer_response, request_doc
 
 
@@ -34,14 +34,6 @@ from .tensors import infer_response, request_doc
 # over gRPC Triton says it in these.
 HTTP_DECOUPLED = "HTTP end point doesn't support models with decoupled transaction policy"
 GRPC_DECOUPLED = "ModelInfer RPC doesn't support models with decoupled transaction policy"
-
-
-class Aborted(Exception):
-    """A request answered with an error status: (gRPC code, message)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 # What C++'s std::stol reads, as Triton parses a request's model_version: optional blanks and sign,
@@ -125,7 +117,7 @@ class GrpcInference:
         try:
             doc, req, chunks = await self._build(request)
         except Aborted as e:
-            return _one(e)
+            return refused(e)
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
         if trace is None:
             return self._messages(request, decoupled, (doc, req, chunks), None)
@@ -225,6 +217,6 @@ class GrpcInference:
         return Aborted(code_of(e.status), str(e))
 
 
-async def _one(message: Any) -> AsyncGenerator[Any, None]:
+async def refused(error: Aborted) -> AsyncGenerator[Any, None]:
     """The messages of a request refused before it was submitted: its error alone."""
-    yield message
+    yield error

@@ -42,8 +42,9 @@ INT_HELP = {
                                  "reconnect; 0: no limit (default 0)",
     "--grpc-max-connection-age-grace": "milliseconds calls may go on after that; 0: no limit (default 0)",
 }
-MAX_INT = (1 << 31) - 1
+MAX_INT = (1 << 31) - 1  # grpc's limit for a channel argument, and Triton's message limit
 RESTRICTED_FLAG = "--grpc-restricted-protocol"
+MAX_INPUT_FLAG = "--grpc-max-input-size"  # Triton has none: its limit is fixed at MAX_INT
 
 
 def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None:
@@ -62,16 +63,21 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
         p.add_argument(flag, type=int, default=default, metavar="N", help=INT_HELP[flag])
     add_bool(p, "--grpc-keepalive-permit-without-calls", False,
              "let clients send keepalive pings on a connection with no call (default false)")
+    p.add_argument(MAX_INPUT_FLAG, type=int, default=None, metavar="BYTES",
+                   help="largest request message, after decompression: grpc refuses a larger one with "
+                        "RESOURCE_EXHAUSTED as its length arrives, before reading it (default: the frontend "
+                        "arena, --frontend-arena-mb, the most tensor data a request can carry; at most 2^31-1)")
     p.add_argument(RESTRICTED_FLAG, action="append", default=[], metavar="PROTOCOL[,PROTOCOL...]:KEY=VALUE",
                    help="answer these RPC groups only for calls with metadata triton-grpc-protocol-KEY: VALUE (else "
                         "UNAVAILABLE); groups as --http-restricted-api's; repeatable, as Triton's")
 
 
 def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags as the gRPC process's settings: ``options`` (grpc channel arguments), ``tls``
-    (certificate paths, or None) and ``restricted`` (group -> (key, value)). ValueError says
-    what is wrong, by flag."""
-    options: list[tuple[str, int]] = []
+    """The flags as the gRPC process's settings: ``options`` (grpc channel arguments, the
+    message limits among them), ``tls`` (certificate paths, or None) and ``restricted`` (group ->
+    (key, value)). ValueError says what is wrong, by flag."""
+    options = [("grpc.max_receive_message_length", max_input_size(args)),
+               ("grpc.max_send_message_length", MAX_INT)]  # Triton's
     for flag, (argument, default, low) in INT_FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if not low <= value <= MAX_INT:
@@ -88,6 +94,18 @@ def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
         options.append(("grpc.default_compression_level", COMPRESSION_LEVELS[level]))
     return {"options": options, "tls": tls(args),
             "restricted": parse_restricted(args.grpc_restricted_protocol, RESTRICTED_FLAG, "protocol")}
+
+
+def max_input_size(args: argparse.Namespace) -> int:
+    """``--grpc-max-input-size``, by default the frontend arena's size: a message larger than the
+    arena could never be served (its tensor data goes through the arena), and grpc would read it
+    whole before the frontend refused it."""
+    value = args.grpc_max_input_size
+    if value is None:
+        return min(args.frontend_arena_mb << 20, MAX_INT)
+    if not 1 <= value <= MAX_INT:
+        raise ValueError(f"{MAX_INPUT_FLAG} must lie in [1, {MAX_INT}], got {value}")
+    return value
 
 
 def tls(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -15,6 +15,8 @@ import grpc
 
 from shmserve.server.shm_caller import ADMIN_GROUP
 
+from .handlers import refuse
+
 HEADER_PREFIX = "triton-grpc-protocol-"  # Triton's; gRPC metadata keys are lower case
 SERVICE = "/inference.GRPCInferenceService/"
 
@@ -82,9 +84,9 @@ def _admitted(handler: Any, group: str) -> Any:
 
 def _refusal(handler: Any, message: str) -> Any:
     """A handler of ``handler``'s kind that ends the call with Triton's status and message."""
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+    async def refusal(request: Any, context: grpc.aio.ServicerContext) -> None:
+        refuse(context, grpc.StatusCode.UNAVAILABLE, message)  # not context.abort: see handlers.py
 
     make = grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
-    return make(refuse, request_deserializer=handler.request_deserializer,
+    return make(refusal, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)

@@ -26,9 +26,10 @@ from shmserve.server.frontend.shm_callers import ShmRefused, registering_caller,
 from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
 from shmserve.shm import logs
 
-from .infer import Aborted, GrpcInference
+from .handlers import Malformed, refuse
+from .infer import GrpcInference, refused
 from .restricted import PASSED_GROUP
-from .status import code_of
+from .status import Aborted, code_of
 from .tensors import param_value
 
 log = logging.getLogger("shmserve.grpc")
@@ -219,39 +220,46 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ------------------------------------------------------------------------------
     async def ModelInfer(self, request: Any, context: Context) -> Any:
-        try:
-            return await self.inference.infer(request, context)
-        except Aborted as e:
-            await context.abort(e.code, str(e))
-
+        return await self.inference.infer(request, context)  # an Aborted is the call's status (handlers.py)
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Context) -> AsyncIterator[Any]:
         """Requests on one stream are answered in the order they come, each to its end before
         the next starts (so a sequence's requests reach the model in order). Whether a model is
         decoupled is asked once per model and stream. An error is an ``error_message`` and the
         stream goes on, or, for a client that opened the stream with the ``triton_grpc_error:
-        true`` header, the status that ends the stream, as Triton does. While tracing is on, the
-        wait for each request and its read are timed (Triton's GRPC_WAITREAD_START and _END) for
-        the trace it may get (infer.py)."""
+        true`` header, the status that ends the stream, as Triton does; a message that is not a
+        ModelInferRequest is such an error (INVALID_ARGUMENT). While tracing is on, the wait for
+        each request and its read are timed (Triton's GRPC_WAITREAD_START and _END) for the trace
+        it may get (infer.py).
+        Messages are read with ``context.read`` rather than ``request_iterator``, whose generator
+        would hold the last request (up to the message limit) while the stream waits."""
         grpc_error = ("triton_grpc_error", "true") in (context.invocation_metadata() or ())
         decoupled: dict[tuple[str, str], bool] = {}
         tracer = self.inference.tracer
-        waiting = time.monotonic_ns() if tracer.on else 0
-        async for request in request_iterator:
+        while True:
+            waiting = time.monotonic_ns() if tracer.on else 0
+            request = await context.read()
+            if request is grpc.aio.EOF:
+                return
             read = (waiting, time.monotonic_ns()) if waiting else (0, 0)
-            key = (request.model_name, request.model_version)
-            if key not in decoupled:
-                decoupled[key] = await self.inference.decoupled(*key)
-            async with aclosing(await self.inference.stream(request, decoupled[key], read)) as messages:
+            if type(request) is Malformed:
+                messages = refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message))
+            else:
+                key = (request.model_name, request.model_version)
+                if key not in decoupled:
+                    decoupled[key] = await self.inference.decoupled(*key)
+                messages = await self.inference.stream(request, decoupled[key], read)
+            del request  # its memory goes as soon as its messages are sent
+            async with aclosing(messages):
                 async for message in messages:
                     if isinstance(message, Aborted):
                         if grpc_error:
-                            await context.abort(message.code, str(message))
+                            refuse(context, message.code, str(message))
+                            return
                         message = pb.ModelStreamInferResponse(error_message=str(message))
                     yield message
-            waiting = time.monotonic_ns() if tracer.on else 0
 
 
 async def _abort(context: Context, status: int, message: str) -> NoReturn:
-    await context.abort(code_of(status), message)
-    raise AssertionError("context.abort returns only by raising")
+    """End the call with the code of the broker's ``status`` (handlers.py sends it)."""
+    raise Aborted(code_of(status), message)

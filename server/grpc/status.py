@@ -18,5 +18,15 @@ CODES = {
 }
 
 
+class Aborted(Exception):
+    """A call or a stream's request answered with an error status: (gRPC code, message). Raised
+    by a handler, it ends the call with that status (handlers.py), with no exception left in the
+    call's state to keep the request's memory."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def code_of(status: int) -> grpc.StatusCode:
     return CODES.get(status, grpc.StatusCode.INTERNAL if status >= 500 else grpc.StatusCode.INVALID_ARGUMENT)

@@ -1,0 +1,223 @@
+"""The gRPC frontend's edge against real servers and tritonclient.grpc: a message over
+--grpc-max-input-size (by default the frontend arena) is refused by grpc before it is read; one
+read and then refused gives its memory back at once; a message that is not a protobuf of the
+RPC's type is INVALID_ARGUMENT, on a stream too, and the server serves on.
+
+Memory is the gRPC process's private resident memory (RssAnon: the arena's pages are shared
+memory, which a served request touches and keeps mapped by design)."""
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
+from conftest import TEST_MODELS, DEADLINE_S
+
+MIB = 1 << 20
+ARENA_MB = 32  # the default message limit follows it: --grpc-max-input-size is 32 MiB
+LARGE = 96 * MIB  # three times the arena: refused, and big enough that keeping it shows
+MEMORY_BOUND = 100 * MIB  # what the gRPC process may keep above where it started
+METHOD = "/inference.GRPCInferenceService/"
+
+
+def _server(factory, *extra: str):
+    return factory.start([TEST_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity_all",
+                                         "--frontend-arena-mb", str(ARENA_MB), *extra])
+
+
+def _grpc_pid(server) -> int:
+    return next(pid for pid, title in server.titles().items() if title.startswith("shmserve grpc "))
+
+
+def _private_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon")
+
+
+def _identity_inputs(nbytes: int) -> list:
+    inp = grpcclient.InferInput("IN_UINT8", [1, nbytes], "UINT8")
+    inp.set_data_from_numpy(np.full((1, nbytes), 7, np.uint8))
+    return [inp]
+
+
+def _small_round_trip(client: grpcclient.InferenceServerClient, k: int) -> None:
+    data = np.arange(k, k + 1000, dtype=np.int64).astype(np.uint8).reshape(1, 1000)
+    inp = grpcclient.InferInput("IN_UINT8", [1, 1000], "UINT8")
+    inp.set_data_from_numpy(data)
+    out = client.infer("identity_all", [inp], outputs=[grpcclient.InferRequestedOutput("OUT_UINT8")])
+    np.testing.assert_array_equal(out.as_numpy("OUT_UINT8"), data)
+
+
+class SmallTraffic:
+    """Small requests on their own connection, one after another, while the large ones are sent:
+    each must be answered with its own data."""
+
+    def __init__(self, url: str) -> None:
+        self.client = grpcclient.InferenceServerClient(url)
+        self.stop = threading.Event()
+        self.done = 0
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                _small_round_trip(self.client, self.done)
+                self.done += 1
+            except BaseException as e:  # noqa: BLE001 - reported by finish()
+                self.errors.append(e)
+                return
+            time.sleep(0.02)
+
+    def __enter__(self) -> "SmallTraffic":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(DEADLINE_S)
+        self.client.close()
+        assert not self.errors, self.errors
+        assert self.done > 0, "no small request was answered meanwhile"
+
+
+def _large_calls(url: str, sequential: int, concurrent: int, nbytes: int = LARGE) -> list[InferenceServerException]:
+    """The errors of ``sequential`` large calls one after another, then ``concurrent`` at once,
+    each on its own connection (every one must fail)."""
+    errors: list[InferenceServerException] = []
+
+    def call() -> None:
+        with grpcclient.InferenceServerClient(url) as client:
+            with pytest.raises(InferenceServerException) as info:
+                client.infer("identity_all", _identity_inputs(nbytes))
+            errors.append(info.value)
+
+    for _ in range(sequential):
+        call()
+    threads = [threading.Thread(target=call) for _ in range(concurrent)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert len(errors) == sequential + concurrent, errors
+    return errors
+
+
+def _assert_memory_returns(pid: int, start: int) -> None:
+    """The private memory comes back within the bound of ``start`` (the frontend trims its heap
+    on its half-second tick)."""
+    deadline = time.monotonic() + 10
+    while (now := _private_bytes(pid)) > start + MEMORY_BOUND and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert now <= start + MEMORY_BOUND, f"the gRPC frontend keeps {(now - start) / MIB:.0f} MiB more than at start"
+
+
+def test_a_message_over_the_limit_is_refused_before_it_is_read(server_factory):
+    """Three large messages one after another and three at once: RESOURCE_EXHAUSTED with grpc's
+    (and so Triton's) text, from the length alone; the frontend's memory stays where it was and
+    a client sending small requests meanwhile is served."""
+    server = _server(server_factory)
+    pid = _grpc_pid(server)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        _small_round_trip(client, 0)
+    start = _private_bytes(pid)
+    with SmallTraffic(server.grpc_url):
+        errors = _large_calls(server.grpc_url, sequential=3, concurrent=3)
+    for e in errors:
+        assert e.status() == "StatusCode.RESOURCE_EXHAUSTED", e
+        assert re.search(rf"Received message larger than max \(\d+ vs\. {ARENA_MB * MIB}\)", e.message()), e
+    _assert_memory_returns(pid, start)
+
+
+def test_a_request_just_under_the_limit_is_served(server_factory):
+    """The default limit lets through what the arena can take."""
+    server = _server(server_factory)
+    n = ARENA_MB * MIB - (128 << 10)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        out = client.infer("identity_all", _identity_inputs(n), outputs=[grpcclient.InferRequestedOutput("OUT_UINT8")])
+    assert out.as_numpy("OUT_UINT8").shape == (1, n)
+
+
+def test_messages_read_and_then_refused_give_their_memory_back(server_factory):
+    """With the limit raised over the arena, large requests are read whole and refused by the
+    frontend (their tensor data cannot fit the arena): each one's memory goes back at once,
+    unary or on a stream, while small requests go on; the stream then serves a request."""
+    server = _server(server_factory, "--grpc-max-input-size", str(4 * LARGE))
+    pid = _grpc_pid(server)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        _small_round_trip(client, 0)
+    start = _private_bytes(pid)
+    with SmallTraffic(server.grpc_url):
+        errors = _large_calls(server.grpc_url, sequential=2, concurrent=3)
+        got: queue.Queue = queue.Queue()
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            client.start_stream(callback=lambda result, error: got.put((result, error)))
+            client.async_stream_infer("identity_all", _identity_inputs(LARGE))
+            result, error = got.get(timeout=DEADLINE_S)
+            assert result is None and "exceed the frontend's shared-memory arena" in error.message(), error
+            _assert_memory_returns(pid, start)  # the stream is still open: it keeps nothing of it
+            small = _identity_inputs(1000)
+            client.async_stream_infer("identity_all", small, outputs=[grpcclient.InferRequestedOutput("OUT_UINT8")])
+            result, error = got.get(timeout=DEADLINE_S)
+            assert error is None and result.as_numpy("OUT_UINT8").shape == (1, 1000), error
+            client.stop_stream()
+    for e in errors:
+        assert e.status() == "StatusCode.INVALID_ARGUMENT", e
+        assert f"the request's {LARGE} bytes of tensor data exceed the frontend's shared-memory arena" in e.message()
+    _assert_memory_returns(pid, start)
+
+
+GARBAGE = b"\xff\xff\xff\x07not a protobuf"
+
+
+def test_a_malformed_message_is_invalid_argument(server_factory):
+    """Unary calls, and a stream: the bad message gets INVALID_ARGUMENT's text as its error and
+    the stream goes on; with triton_grpc_error the stream ends with INVALID_ARGUMENT. No
+    traceback is logged for it."""
+    server = _server(server_factory)
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        for name in ("ModelInfer", "ServerMetadata", "RepositoryModelLoad"):
+            with pytest.raises(grpc.RpcError) as info:
+                channel.unary_unary(METHOD + name)(GARBAGE, timeout=DEADLINE_S)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+            assert "is not a valid inference." in info.value.details()
+
+        stream = channel.stream_stream(METHOD + "ModelStreamInfer", request_serializer=None,
+                                       response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
+        good = service_pb2.ModelInferRequest(model_name="identity_all", raw_input_contents=[b"\x01\x02"])
+        good.inputs.add(name="IN_UINT8", datatype="UINT8", shape=[1, 2])
+        answers = list(stream(iter([GARBAGE, good.SerializeToString()]), timeout=DEADLINE_S))
+        assert answers[0].error_message == "the request is not a valid inference.ModelInferRequest message"
+        assert answers[1].error_message == "" and answers[1].infer_response.raw_output_contents == [b"\x01\x02"]
+
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream(iter([GARBAGE, good.SerializeToString()]), timeout=DEADLINE_S,
+                        metadata=[("triton_grpc_error", "true")]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        _small_round_trip(client, 1)
+    assert "DecodeError" not in server.log()
+
+
+def test_a_compressed_message_is_limited_by_its_inflated_size(server_factory):
+    """A gzip message a thousandth of the limit that inflates past it is refused as it inflates."""
+    server = _server(server_factory)
+    pid = _grpc_pid(server)
+    start = _private_bytes(pid)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("identity_all", _identity_inputs(LARGE), compression_algorithm="gzip")
+        assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED", info.value
+        _small_round_trip(client, 2)
+    _assert_memory_returns(pid, start)
