@@ -77,7 +77,7 @@ class Launcher:
             strict_config=args.strict_model_config, strict_readiness=args.strict_readiness,
             exit_on_error=args.exit_on_error, exit_timeout_s=args.exit_timeout_secs,
             log=log_settings(args), trace=args.trace_config, worker_arena_bytes=args.worker_arena_mb << 20,
-            allow_remote_shm=args.allow_remote_shm,
+            allow_remote_shm=args.allow_remote_shm, allow_file_uploads=args.allow_model_file_uploads,
             metrics_port=args.metrics_port if args.allow_metrics else 0, metrics_address=args.metrics_address,
             metrics_interval_ms=args.metrics_interval_ms, metrics_config=args.metrics_config,
             cpu_metrics=args.allow_cpu_metrics, gpu_metrics=args.allow_gpu_metrics, poll_us=args.poll_us,

@@ -30,7 +30,7 @@ def lim(module_factory):
         ["--model-control-mode", "explicit", "--load-model", "add_sub", "--load-model", "identity_all",
          "--load-model", "bytes_identity", "--load-model", "running_sum",
          "--http-max-input-size", str(MAX_INPUT), "--http-max-tensor-elements", str(MAX_ELEMENTS),
-         "--frontend-arena-mb", "1"])
+         "--frontend-arena-mb", "1", "--allow-model-file-uploads"])
 
 
 def post(server, path: str, body, headers: dict | None = None):

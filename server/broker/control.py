@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from shmserve.shm import logs
 from shmserve.shm.channel import BrokerSegment
+from shmserve.shm.protocol import LOAD_KEY_CHECKED
 from shmserve.shm.regions import created_key_prefix
 from shmserve.signature import InvalidRequest, UnknownModel
 
@@ -206,6 +207,11 @@ class ControlHandler:
             raise InvalidRequest(f"failed to load '{name}', the 'config' parameter must be a JSON string")
         files = {k[len("file:"):]: v for k, v in params.items() if k.startswith("file:")}
         model_dir = None
+        if files and not (self.opts.allow_file_uploads or doc.get(LOAD_KEY_CHECKED) is True):
+            raise UploadsRefused(f"failed to load '{name}', loading a model from 'file:' contents runs the code "
+                                 f"sent as the server's user and is not enabled: start the server with "
+                                 f"--allow-model-file-uploads, or restrict the model-repository API "
+                                 f"(--http-restricted-api, --grpc-restricted-protocol) and send its key")
         if files:
             if config is None:
                 raise InvalidRequest(f"failed to load '{name}', model files given with 'file:' need a 'config' "
@@ -304,6 +310,12 @@ class ControlHandler:
         if "update" in doc:
             self.journal.set("trace", self.trace.saved())
         return answer
+
+
+class UploadsRefused(InvalidRequest):
+    """A load with 'file:' contents the server does not take (--allow-model-file-uploads): 403."""
+
+    status = 403
 
 
 class RepositoryPollFailed(InvalidRequest):

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from shmserve.server import __version__
+from shmserve.shm.protocol import LOAD_KEY_CHECKED
 from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
@@ -30,6 +31,7 @@ from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .metadata import EXTENSIONS, is_loopback
 from .openai import OpenAIFront
 from .openapi import openapi_endpoint
+from .restricted import KEY_CHECKED
 from .settings import logging_endpoint, trace_endpoint
 from .tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
 
@@ -147,9 +149,11 @@ class Frontend:
                 raise BadRequest("the request must be a JSON object whose 'parameters' is an object")
         except (orjson.JSONDecodeError, BadRequest) as e:
             return error_response(400, f"failed to parse the request JSON buffer: {e}")
+        call = {"op": op, "model": request.path_params["model"], "parameters": doc.get("parameters") or {}}
+        if request.scope.get(KEY_CHECKED) == "model-repository":
+            call[LOAD_KEY_CHECKED] = True  # it may load 'file:' contents (server/broker/control.py)
         try:
-            status, answer = await self._control({"op": op, "model": request.path_params["model"],
-                                                  "parameters": doc.get("parameters") or {}})
+            status, answer = await self._control(call)
         except BrokerError as e:
             return error_response(e.status, str(e))
         if status != 200:

@@ -15,6 +15,9 @@ import orjson
 CATEGORIES = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
               "statistics", "trace", "logging")
 Restrictions = dict[str, tuple[str, str]]  # category -> (header name, lower case; value)
+# The ASGI scope's key naming the restricted group whose key a request carried (a load with
+# 'file:' contents needs the model-repository group's, unless --allow-model-file-uploads).
+KEY_CHECKED = "shmserve.key_checked"
 
 _MODEL = r"/v2/models/[^/]+(?:/versions/[^/]+)?"
 _RULES = [
@@ -72,10 +75,13 @@ def restrict(app: ASGIApp, restrictions: dict[str, Any]) -> ASGIApp:
 
     async def guarded(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            rule = rules.get(category_of(scope["path"]) or "")
+            category = category_of(scope["path"]) or ""
+            rule = rules.get(category)
             if rule is not None:
                 key, expected = rule
-                if dict(scope["headers"]).get(key) != expected:
+                if dict(scope["headers"]).get(key) == expected:
+                    scope[KEY_CHECKED] = category
+                else:
                     body = orjson.dumps({"error": f"This API is restricted, expecting header '{key.decode()}'"})
                     await send({"type": "http.response.start", "status": 403,
                                 "headers": [(b"content-type", b"application/json"),

@@ -8,6 +8,7 @@ lookup of its method name, plus the metadata check when its group is restricted.
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -29,6 +30,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "logging": ("LogSettings",),
 }
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # in Triton's health group too
+LOAD = SERVICE + "RepositoryModelLoad"
+# True while RepositoryModelLoad runs for a call that carried the restricted model-repository
+# group's key: it may load 'file:' contents without --allow-model-file-uploads (service.py).
+KEY_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("repository_key_checked", default=False)
 
 
 def method_rules(restricted: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -50,9 +55,26 @@ class RestrictedProtocols(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)
         rule = self.rules.get(details.method)
-        if rule is None or handler is None or rule in (details.invocation_metadata or ()):
+        if rule is None or handler is None:
             return handler
+        if rule in (details.invocation_metadata or ()):
+            return _key_checked(handler) if details.method == LOAD else handler
         return _refusal(handler, f"This protocol is restricted, expecting header '{rule[0]}'")
+
+
+def _key_checked(handler: Any) -> Any:
+    """``handler`` (a unary call's) with ``KEY_CHECKED`` set while it runs."""
+    behavior = handler.unary_unary
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        token = KEY_CHECKED.set(True)
+        try:
+            return await behavior(request, context)
+        finally:
+            KEY_CHECKED.reset(token)
+
+    return grpc.unary_unary_rpc_method_handler(checked, request_deserializer=handler.request_deserializer,
+                                               response_serializer=handler.response_serializer)
 
 
 def _refusal(handler: Any, message: str) -> Any:

@@ -22,8 +22,10 @@ from shmserve.server import __version__
 from shmserve.server.frontend.link import BrokerError, BrokerLink
 from shmserve.server.frontend.metadata import EXTENSIONS, is_loopback
 from shmserve.shm import logs
+from shmserve.shm.protocol import LOAD_KEY_CHECKED
 
 from .infer import Aborted, GrpcInference
+from .restricted import KEY_CHECKED
 from .status import code_of
 from .tensors import param_value
 
@@ -111,7 +113,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             value = param_value(p)
             # file contents travel as base64 strings to the broker, as over HTTP
             params[key] = base64.b64encode(value).decode() if isinstance(value, bytes) else value
-        await self._control({"op": "load", "model": request.model_name, "parameters": params}, context)
+        call = {"op": "load", "model": request.model_name, "parameters": params}
+        if KEY_CHECKED.get():
+            call[LOAD_KEY_CHECKED] = True  # it may load 'file:' contents (server/broker/control.py)
+        await self._control(call, context)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
