@@ -16,9 +16,9 @@ import subprocess
 import sys
 import time
 
-import orjson
 
 from shmserve.shm import logs, space
+from shmserve.shm.child_spec import spec_file
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.names import (SHM_DIR, list_objects, object_name, pid_alive, unlink_all, unlink_semaphore,
                                 unlink_shm)
@@ -91,8 +91,8 @@ class Launcher:
         self.sock: socket.socket | None = None
 
     def _start_broker(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "shmserve.server.broker", orjson.dumps(self.broker_opts.to_json())],
-                                stdin=subprocess.DEVNULL)
+        with spec_file(self.broker_opts.to_json()) as stdin:
+            proc = subprocess.Popen([sys.executable, "-m", "shmserve.server.broker"], stdin=stdin)
         deadline = time.monotonic() + 30
         name = object_name(self.sid, "broker", 0)
         while time.monotonic() < deadline and proc.poll() is None:
@@ -109,8 +109,9 @@ class Launcher:
                 "restricted": self.args.http_restricted_api, "max_inflight": self.args.http_max_inflight,
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
                 "log": log_settings(self.args)}
-        return subprocess.Popen([sys.executable, "-m", "shmserve.server.frontend", orjson.dumps(spec)],
-                                pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL)
+        with spec_file(spec) as stdin:
+            return subprocess.Popen([sys.executable, "-m", "shmserve.server.frontend"],
+                                    pass_fds=(self.sock.fileno(),), stdin=stdin)
 
     def _start_grpc(self) -> subprocess.Popen:
         """The gRPC frontend: one process, binding its own port (grpcio takes no inherited socket)."""
@@ -119,8 +120,8 @@ class Launcher:
                 "exit_timeout_s": self.args.exit_timeout_secs, "max_inflight": self.args.http_max_inflight,
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
                 "log": log_settings(self.args), **self.args.grpc}  # grpc: server/grpc/options.py
-        return subprocess.Popen([sys.executable, "-m", "shmserve.server.grpc", orjson.dumps(spec)],
-                                stdin=subprocess.DEVNULL)
+        with spec_file(spec) as stdin:
+            return subprocess.Popen([sys.executable, "-m", "shmserve.server.grpc"], stdin=stdin)
 
     def _http_frontends(self) -> int:
         return self.args.http_workers if self.args.allow_http else 0
