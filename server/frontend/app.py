@@ -25,6 +25,7 @@ from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
+from .disconnect import ClientGone, unless_gone
 from .generate import EventStream, build_generate_request, generate_response, traced
 from .inference import Headers, Inference
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
@@ -221,7 +222,28 @@ class Frontend:
         if isinstance(started, Response):
             return started
         events, trace = started
-        model = request.path_params["model"]
+        try:
+            answers, error = await unless_gone(self._generate_answers(request.path_params["model"], events, trace),
+                                               request.receive)
+        except BaseException as e:
+            if trace is not None:
+                self.tracer.finish(trace)  # cancelled (the client went away): what was timed
+            if isinstance(e, ClientGone):
+                return Response(status_code=499)  # nobody reads it
+            raise
+        if error:
+            return traced(error_response(*error), trace, self.tracer)
+        if len(answers) != 1:
+            # Triton's text (Triton sends it with a 200, having started the answer already).
+            return traced(error_response(400, "generate expects model to produce exactly 1 response, use generate "
+                                              "stream for model that generates various number of responses"),
+                          trace, self.tracer)
+        return traced(json_response(answers[0]), trace, self.tracer)
+
+    @staticmethod
+    async def _generate_answers(model: str, events: StreamEvents, trace: Trace | None
+                                ) -> tuple[list[dict], tuple[int, str] | None]:
+        """Every response of a generate request, and its first error."""
         answers: list[dict] = []
         error: tuple[int, str] | None = None
         try:
@@ -238,21 +260,9 @@ class Frontend:
                 finally:
                     completion.release()
                 if final:
-                    break
-        except BaseException:
-            if trace is not None:
-                self.tracer.finish(trace)  # cancelled (the client went away): what was timed
-            raise
+                    return answers, error
         finally:
             events.close()  # a failure or a cancelled wait before the end: free the rest as it comes
-        if error:
-            return traced(error_response(*error), trace, self.tracer)
-        if len(answers) != 1:
-            # Triton's text (Triton sends it with a 200, having started the answer already).
-            return traced(error_response(400, "generate expects model to produce exactly 1 response, use generate "
-                                              "stream for model that generates various number of responses"),
-                          trace, self.tracer)
-        return traced(json_response(answers[0]), trace, self.tracer)
 
     async def generate_stream(self, request: Request) -> Response:
         started = await self._generate_events(request)

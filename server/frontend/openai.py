@@ -28,6 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from shmserve.shm.streams import StreamEvents
 
 from .codec import BadRequest, parse_json
+from .disconnect import ClientGone, unless_gone
 from .generate import build_generate_request, output_values
 from .link import BrokerError, BrokerLink
 
@@ -90,7 +91,8 @@ class OpenAIFront:
                 raise OpenAIError(400, f"model '{model}' has no BYTES input to embed text with")
             data = []
             for i, text in enumerate(texts):
-                pieces = await self._collect(self._start(model, {text_input: text}, config))
+                pieces = await unless_gone(self._collect(self._start(model, {text_input: text}, config)),
+                                           request.receive)
                 if len(pieces) != 1:
                     raise OpenAIError(500, f"model '{model}' gave {len(pieces)} responses for one text")
                 vector = next(iter(pieces[0].values()), [])
@@ -98,6 +100,8 @@ class OpenAIFront:
                              "embedding": vector if isinstance(vector, list) else [vector]})
         except OpenAIError as e:
             return openai_error(e.status, str(e))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
         words = sum(len(t.split()) for t in texts)
         return Response(orjson.dumps({"object": "list", "data": data, "model": model,
                                       "usage": {"prompt_tokens": words, "total_tokens": words}}), media_type=JSON)
@@ -116,9 +120,11 @@ class OpenAIFront:
         if body.get("stream"):
             return StreamingResponse(self._sse(events, reply), media_type="text/event-stream")
         try:
-            pieces = await self._collect(events)
+            pieces = await unless_gone(self._collect(events), request.receive)
         except OpenAIError as e:
             return openai_error(e.status, str(e))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
         text = "".join(_text(p) for p in pieces)
         return Response(orjson.dumps(reply.whole(text, len(pieces), body.get("max_tokens"))), media_type=JSON)
 
