@@ -282,3 +282,23 @@ def test_a_queued_stream_whose_client_disconnects_never_runs(server, tmp_path):
     assert_stopped_after_one_word(after)
     assert not list(queued.iterdir()), "the cancelled queued stream ran"
     wait_until(lambda: pending_requests(server, "slow_words") == 0, "nothing pending")
+
+
+def test_a_slow_grpc_stream_stops_when_its_client_cancels_it(server, tmp_path):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([str(tmp_path).encode()], dtype=object))
+        client.async_stream_infer("slow_words", [text])
+        result, error = results.get(timeout=60)
+        assert error is None and result.as_numpy("text_output")[0] == b"word0 "
+        client.stop_stream(cancel_requests=True)  # the RPC ends as it does when the client's connection drops
+    finally:
+        client.close()
+    assert_stopped_after_one_word(tmp_path)
