@@ -70,6 +70,10 @@ def test_generate_single_response_and_its_limits(server):
     # The infer endpoint's checks of JSON values hold here too: 1.5 is not cut to 1.
     status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": [1.5] * 16, "INPUT1": [1] * 16})
     assert status == 400 and json.loads(text)["error"] == "input 'INPUT0': INT32 data must be integers"
+    for big in (2 ** 31, 2 ** 63, -2 ** 63):  # out of INT32's range: said so, not in Python's words
+        status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": [big] * 16, "INPUT1": [1] * 16})
+        assert status == 400 and json.loads(text)["error"] == (
+            "unable to parse 'data' of input 'INPUT0' as INT32: a value is out of its range")
     status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": list(range(15)), "INPUT1": [1] * 16})
     assert status == 400
     assert json.loads(text)["error"] == "The schema can not convert input 'INPUT0' to tensor with proper shape"
