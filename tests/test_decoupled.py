@@ -234,3 +234,19 @@ def test_local_client_streams_left_early_leave_nothing_held(small_server):
             word = f"{BIG_WORD}{i}".encode()
             results = list(client.stream("word_stream", {"text_input": np.array([word], dtype=object)}))
             assert [r["text_output"][0] for r in results] == [word]
+
+
+def test_word_stream_stops_when_its_client_disconnects(small_server):
+    """The bundled streaming model checks is_cancelled(): a stream of 200 words 200 ms apart (40 s)
+    whose client leaves ends within a word: its final flag is sent, which counts it."""
+    before = success_count(small_server)
+    body = json.dumps({"text_input": LONG_TEXT, "delay_ms": 200}).encode()
+    with socket.create_connection(("127.0.0.1", small_server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v2/models/word_stream/generate_stream HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen = b""
+        while b"data: " not in seen:
+            chunk = sock.recv(4096)
+            assert chunk, f"the server closed the stream before its first event: {seen!r}"
+            seen += chunk
+    wait_until(lambda: success_count(small_server) > before, "the abandoned stream ended", timeout=10)
