@@ -1,7 +1,8 @@
 """Loads with 'file:' contents run the uploaded code as the server's user: refused (HTTP 403, gRPC
 PERMISSION_DENIED, a text naming --allow-model-file-uploads) unless the server enables them or the
 request carries the key of the restricted model-repository group. A load with only a 'config'
-stays allowed. (The enabled path: test_lifecycle.py, test_broker_restart.py, test_limits.py.)"""
+stays allowed. (The enabled path: test_lifecycle.py, test_broker_restart.py, test_limits.py; a
+model's own pb_utils.load_model with files, allowed without the flag: test_bls.py.)"""
 from __future__ import annotations
 
 import json

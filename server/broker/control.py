@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from shmserve.shm import logs
 from shmserve.shm.channel import BrokerSegment
-from shmserve.shm.protocol import LOAD_KEY_CHECKED
+from shmserve.shm.protocol import LOAD_FROM_NETWORK
 from shmserve.shm.regions import created_key_prefix
 from shmserve.signature import InvalidRequest, UnknownModel
 
@@ -207,7 +207,8 @@ class ControlHandler:
             raise InvalidRequest(f"failed to load '{name}', the 'config' parameter must be a JSON string")
         files = {k[len("file:"):]: v for k, v in params.items() if k.startswith("file:")}
         model_dir = None
-        if files and not (self.opts.allow_file_uploads or doc.get(LOAD_KEY_CHECKED) is True):
+        network = doc.get(LOAD_FROM_NETWORK)  # (a local client or a model already runs as the server's user)
+        if files and network is not None and network != "key" and not self.opts.allow_file_uploads:
             raise UploadsRefused(f"failed to load '{name}', loading a model from 'file:' contents runs the code "
                                  f"sent as the server's user and is not enabled: start the server with "
                                  f"--allow-model-file-uploads, or restrict the model-repository API "

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from shmserve.server import __version__
-from shmserve.shm.protocol import LOAD_KEY_CHECKED
+from shmserve.shm.protocol import LOAD_FROM_NETWORK
 from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
@@ -151,8 +151,8 @@ class Frontend:
         except (orjson.JSONDecodeError, BadRequest) as e:
             return error_response(400, f"failed to parse the request JSON buffer: {e}")
         call = {"op": op, "model": request.path_params["model"], "parameters": doc.get("parameters") or {}}
-        if request.scope.get(KEY_CHECKED) == "model-repository":
-            call[LOAD_KEY_CHECKED] = True  # it may load 'file:' contents (server/broker/control.py)
+        if op == "load":  # whether it may load 'file:' contents (server/broker/control.py)
+            call[LOAD_FROM_NETWORK] = "key" if request.scope.get(KEY_CHECKED) == "model-repository" else "open"
         try:
             status, answer = await self._control(call)
         except BrokerError as e:

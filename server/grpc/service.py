@@ -22,7 +22,7 @@ from shmserve.server import __version__
 from shmserve.server.frontend.link import BrokerError, BrokerLink
 from shmserve.server.frontend.metadata import EXTENSIONS, is_loopback
 from shmserve.shm import logs
-from shmserve.shm.protocol import LOAD_KEY_CHECKED
+from shmserve.shm.protocol import LOAD_FROM_NETWORK
 
 from .infer import Aborted, GrpcInference
 from .restricted import KEY_CHECKED
@@ -113,9 +113,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             value = param_value(p)
             # file contents travel as base64 strings to the broker, as over HTTP
             params[key] = base64.b64encode(value).decode() if isinstance(value, bytes) else value
-        call = {"op": "load", "model": request.model_name, "parameters": params}
-        if KEY_CHECKED.get():
-            call[LOAD_KEY_CHECKED] = True  # it may load 'file:' contents (server/broker/control.py)
+        # whether it may load 'file:' contents (server/broker/control.py)
+        call = {"op": "load", "model": request.model_name, "parameters": params,
+                LOAD_FROM_NETWORK: "key" if KEY_CHECKED.get() else "open"}
         await self._control(call, context)
         return pb.RepositoryModelLoadResponse()
 
