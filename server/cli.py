@@ -153,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
              "let non-loopback HTTP peers register system shared memory. Risky: anyone who "
                         "reaches the port could make the server read or write this host's shared memory "
                         "objects they name (default false)")
+    add_bool(p, "--allow-model-file-uploads", False,
+             "let the repository API load a model from 'file:' contents sent with the request (a model.py "
+             "runs as the server's user). Risky: anyone who reaches the port could run code on this host; "
+             "without it such loads are refused (403) unless the model-repository group is restricted and "
+             "the request carries its key (default false)")
     p.add_argument("--worker-arena-mb", type=int, default=256,
                    help="shared-memory output arena of each worker, MiB (allocated lazily; default 256)")
     p.add_argument("--frontend-arena-mb", type=int, default=256,

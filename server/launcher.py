@@ -19,10 +19,10 @@ import sys
 import time
 from typing import Callable
 
-import orjson
 
 from shmserve.parent_death import ORPHANED, die_with_parent
 from shmserve.shm import logs, space
+from shmserve.shm.child_spec import spec_file
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.names import (SHM_DIR, list_objects, object_name, pid_alive, unlink_all, unlink_semaphore,
                                 unlink_shm)
@@ -88,6 +88,7 @@ class Launcher:
             exit_on_error=args.exit_on_error, exit_timeout_s=args.exit_timeout_secs,
             log=log_settings(args), trace=args.trace_config, worker_arena_bytes=args.worker_arena_mb << 20,
             allow_remote_shm=args.allow_remote_shm, allow_client_shm=args.allow_client_shm,
+            allow_file_uploads=args.allow_model_file_uploads,
             metrics_port=args.metrics_port if args.allow_metrics else 0, metrics_address=args.metrics_address,
             metrics_interval_ms=args.metrics_interval_ms, metrics_config=args.metrics_config,
             cpu_metrics=args.allow_cpu_metrics, gpu_metrics=args.allow_gpu_metrics, poll_us=args.poll_us,
@@ -102,8 +103,9 @@ class Launcher:
         self.sock: socket.socket | None = None
 
     def _start_broker(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "shmserve.server.broker", orjson.dumps(self.broker_opts.to_json())],
-                                stdin=subprocess.DEVNULL, preexec_fn=_dies_with_us(ORPHANED))
+        with spec_file(self.broker_opts.to_json()) as stdin:
+            proc = subprocess.Popen([sys.executable, "-m", "shmserve.server.broker"], stdin=stdin,
+                                    preexec_fn=_dies_with_us(ORPHANED))
         deadline = time.monotonic() + 30
         name = object_name(self.sid, "broker", 0)
         while time.monotonic() < deadline and proc.poll() is None:
@@ -120,9 +122,9 @@ class Launcher:
                 "restricted": self.args.http_restricted_api, "max_inflight": self.args.http_max_inflight,
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
                 "http_limits": http_limits(self.args).to_spec(), "log": log_settings(self.args)}
-        return subprocess.Popen([sys.executable, "-m", "shmserve.server.frontend", orjson.dumps(spec)],
-                                pass_fds=(self.sock.fileno(),), stdin=subprocess.DEVNULL,
-                                preexec_fn=_dies_with_us(signal.SIGKILL))
+        with spec_file(spec) as stdin:
+            return subprocess.Popen([sys.executable, "-m", "shmserve.server.frontend"],
+                                    pass_fds=(self.sock.fileno(),), stdin=stdin, preexec_fn=_dies_with_us(signal.SIGKILL))
 
     def _start_grpc(self) -> subprocess.Popen:
         """The gRPC frontend: one process, binding its own port (grpcio takes no inherited socket)."""
@@ -131,8 +133,9 @@ class Launcher:
                 "exit_timeout_s": self.args.exit_timeout_secs, "max_inflight": self.args.http_max_inflight,
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
                 "log": log_settings(self.args), **self.args.grpc}  # grpc: server/grpc/options.py
-        return subprocess.Popen([sys.executable, "-m", "shmserve.server.grpc", orjson.dumps(spec)],
-                                stdin=subprocess.DEVNULL, preexec_fn=_dies_with_us(signal.SIGKILL))
+        with spec_file(spec) as stdin:
+            return subprocess.Popen([sys.executable, "-m", "shmserve.server.grpc"], stdin=stdin,
+                                    preexec_fn=_dies_with_us(signal.SIGKILL))
 
     def _http_frontends(self) -> int:
         return self.args.http_workers if self.args.allow_http else 0

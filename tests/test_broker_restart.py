@@ -71,7 +71,7 @@ def restarted(module_factory):
     """A server whose broker was killed after the API changed models, regions and settings."""
     server = module_factory.start([PRODUCT_MODELS, TEST_MODELS],
                                   ["--model-control-mode", "explicit", "--load-model", "add_sub",
-                                   "--load-model", "raiser"])
+                                   "--load-model", "raiser", "--allow-model-file-uploads"])
     key = f"/restart_io_{server.id}"
     handle = shm.create_shared_memory_region("restart_io", key, 3 * NB)
     c = server.client()

@@ -194,3 +194,111 @@ def test_a_request_cancelled_in_the_brokers_queue_is_dropped_there(server, tmp_p
     # (the pending count is the broker's, which learns of the last answer just after its client)
     wait_until(lambda: pending_requests(server, "held_pair") == 0, "nothing pending")
     assert cancelled_count(server, "held_pair") == 1
+
+
+# A disconnect must reach a model that is between two responses (a long prefill, a slow token): the
+# frontend listens for it while it waits, not only when it next sends. "Soon" is far below the 30 s
+# the model waits between words, and generous for a loaded host.
+STOPPED_WITHIN_S = 10.0
+
+
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    seen = b""
+    while marker not in seen:
+        chunk = sock.recv(4096)
+        assert chunk, f"the stream closed before {marker!r}: {seen!r}"
+        seen += chunk
+    return seen
+
+
+def assert_stopped_after_one_word(folder: Path) -> None:
+    wait_until(lambda: any(folder.glob("stopped-*")), "the model saw is_cancelled() and stopped",
+               timeout=STOPPED_WITHIN_S)
+    assert sorted(p.name for p in folder.glob("sent-*")) == ["sent-0"]
+
+
+def test_a_slow_generate_stream_stops_when_its_client_disconnects(server, tmp_path):
+    sock = raw_post(server, "/v2/models/slow_words/generate_stream", {"text_input": str(tmp_path)})
+    try:
+        assert b"word0" in read_until(sock, b"word0")
+    finally:
+        sock.close()
+    assert_stopped_after_one_word(tmp_path)
+    cross_arenas(server, Gate(tmp_path / "gate"))
+
+
+def test_a_slow_openai_chat_stream_stops_when_its_client_disconnects(server, tmp_path):
+    import openai
+
+    with openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="unused", max_retries=0) as client:
+        stream = client.chat.completions.create(model="slow_words", stream=True,
+                                                messages=[{"role": "user", "content": str(tmp_path)}])
+        text = ""
+        for chunk in stream:
+            text += chunk.choices[0].delta.content or ""
+            if "word0" in text:
+                break
+        stream.close()  # an unread response: httpx drops its connection
+    assert_stopped_after_one_word(tmp_path)
+    cross_arenas(server, Gate(tmp_path / "gate"))
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v2/models/slow_words/generate", lambda folder: {"text_input": folder}),
+    ("/v1/chat/completions", lambda folder: {"model": "slow_words", "messages": [{"role": "user", "content": folder}]}),
+    ("/v1/completions", lambda folder: {"model": "slow_words", "prompt": folder}),
+], ids=["generate", "chat", "completion"])
+def test_a_slow_answer_collected_whole_stops_when_its_client_disconnects(server, tmp_path, path, body):
+    """The routes that collect a model's responses into one answer send nothing until the end:
+    the frontend listens for the disconnect while it waits."""
+    sock = raw_post(server, path, body(str(tmp_path)))
+    try:
+        wait_until(lambda: (tmp_path / "sent-0").exists(), "the model sent its first word")
+    finally:
+        sock.close()
+    assert_stopped_after_one_word(tmp_path)
+    cross_arenas(server, Gate(tmp_path / "gate"))
+
+
+def test_a_queued_stream_whose_client_disconnects_never_runs(server, tmp_path):
+    running, queued, after = (tmp_path / name for name in ("running", "queued", "after"))
+    for folder in (running, queued, after):
+        folder.mkdir()
+    first = raw_post(server, "/v2/models/slow_words/generate_stream", {"text_input": str(running)})
+    try:
+        read_until(first, b"word0")
+        second = raw_post(server, "/v2/models/slow_words/generate_stream", {"text_input": str(queued)})
+        wait_pending(server, "slow_words", 2)  # behind the running one (one instance)
+        second.close()
+        frontend_barrier(server)
+    finally:
+        first.close()
+    assert_stopped_after_one_word(running)
+    third = raw_post(server, "/v2/models/slow_words/generate_stream", {"text_input": str(after)})
+    try:
+        read_until(third, b"word0")  # the model serves on: whatever came before it is over
+    finally:
+        third.close()
+    assert_stopped_after_one_word(after)
+    assert not list(queued.iterdir()), "the cancelled queued stream ran"
+    wait_until(lambda: pending_requests(server, "slow_words") == 0, "nothing pending")
+
+
+def test_a_slow_grpc_stream_stops_when_its_client_cancels_it(server, tmp_path):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([str(tmp_path).encode()], dtype=object))
+        client.async_stream_infer("slow_words", [text])
+        result, error = results.get(timeout=60)
+        assert error is None and result.as_numpy("text_output")[0] == b"word0 "
+        client.stop_stream(cancel_requests=True)  # the RPC ends as it does when the client's connection drops
+    finally:
+        client.close()
+    assert_stopped_after_one_word(tmp_path)

@@ -18,7 +18,7 @@ FLAGS = [
     "--http-max-connections",
     "--http-max-input-size", "--metrics-port", "--allow-metrics", "--model-control-mode", "--load-model",
     "--strict-model-config", "--strict-readiness", "--exit-on-error", "--exit-timeout-secs", "--log-verbose",
-    "--id", "--allow-remote-shm", "--worker-arena-mb", "--frontend-arena-mb", "--log-info", "--log-warning",
+    "--id", "--allow-remote-shm", "--allow-model-file-uploads", "--worker-arena-mb", "--frontend-arena-mb", "--log-info", "--log-warning",
     "--log-error", "--log-format", "--log-file", "--http-restricted-api", "--metrics-config",
     "--metrics-interval-ms", "--allow-cpu-metrics", "--allow-gpu-metrics", "--poll-us",
     "--repository-poll-secs", "--disable-auto-complete-config", "--metrics-address", "--allow-http",

@@ -70,6 +70,10 @@ def test_generate_single_response_and_its_limits(server):
     # The infer endpoint's checks of JSON values hold here too: 1.5 is not cut to 1.
     status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": [1.5] * 16, "INPUT1": [1] * 16})
     assert status == 400 and json.loads(text)["error"] == "input 'INPUT0': INT32 data must be integers"
+    for big in (2 ** 31, 2 ** 63, -2 ** 63):  # out of INT32's range: said so, not in Python's words
+        status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": [big] * 16, "INPUT1": [1] * 16})
+        assert status == 400 and json.loads(text)["error"] == (
+            "unable to parse 'data' of input 'INPUT0' as INT32: a value is out of its range")
     status, _, text = post(server, "/v2/models/add_sub/generate", {"INPUT0": list(range(15)), "INPUT1": [1] * 16})
     assert status == 400
     assert json.loads(text)["error"] == "The schema can not convert input 'INPUT0' to tensor with proper shape"
@@ -230,3 +234,19 @@ def test_local_client_streams_left_early_leave_nothing_held(small_server):
             word = f"{BIG_WORD}{i}".encode()
             results = list(client.stream("word_stream", {"text_input": np.array([word], dtype=object)}))
             assert [r["text_output"][0] for r in results] == [word]
+
+
+def test_word_stream_stops_when_its_client_disconnects(small_server):
+    """The bundled streaming model checks is_cancelled(): a stream of 200 words 200 ms apart (40 s)
+    whose client leaves ends within a word: its final flag is sent, which counts it."""
+    before = success_count(small_server)
+    body = json.dumps({"text_input": LONG_TEXT, "delay_ms": 200}).encode()
+    with socket.create_connection(("127.0.0.1", small_server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v2/models/word_stream/generate_stream HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen = b""
+        while b"data: " not in seen:
+            chunk = sock.recv(4096)
+            assert chunk, f"the server closed the stream before its first event: {seen!r}"
+            seen += chunk
+    wait_until(lambda: success_count(small_server) > before, "the abandoned stream ended", timeout=10)

@@ -271,7 +271,8 @@ def test_model_control_in_explicit_mode(module_factory):
     override that changes max_batch_size, a file name longer than NAME_MAX refused as Triton
     refuses it (INTERNAL, 'failed to poll from model repository') with the server still live,
     and an unknown model that fails to load."""
-    s = module_factory.start([EXAMPLES], ["--model-control-mode", "explicit"]).wait_grpc_ready()
+    s = module_factory.start([EXAMPLES], ["--model-control-mode", "explicit",
+                                         "--allow-model-file-uploads"]).wait_grpc_ready()
     with grpcclient.InferenceServerClient(s.grpc_url) as c:
         assert len(c.get_model_repository_index().models) == 8
         c.load_model("simple")

@@ -116,7 +116,7 @@ def test_repository_api_load_unload_and_index(server_factory, repo):
 
 
 def test_load_from_file_contents_of_a_model_not_on_disk(server_factory, repo):
-    s = server_factory.start([repo], ["--model-control-mode", "explicit"])
+    s = server_factory.start([repo], ["--model-control-mode", "explicit", "--allow-model-file-uploads"])
     c = s.client()
     code = (ADD_SUB / "1" / "model.py").read_bytes()
     cfg = json.loads(config())

@@ -30,7 +30,7 @@ def lim(module_factory):
         ["--model-control-mode", "explicit", "--load-model", "add_sub", "--load-model", "identity_all",
          "--load-model", "bytes_identity", "--load-model", "running_sum",
          "--http-max-input-size", str(MAX_INPUT), "--http-max-tensor-elements", str(MAX_ELEMENTS),
-         "--frontend-arena-mb", "1"])
+         "--frontend-arena-mb", "1", "--allow-model-file-uploads"])
 
 
 def post(server, path: str, body, headers: dict | None = None):
@@ -275,3 +275,21 @@ def test_server_processes_keep_large_buffers_in_their_heap(server_factory):
 def minor_faults(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def test_a_config_override_larger_than_an_argument_may_be_loads(lim):
+    """A worker's spec (with the config) once travelled on its command line, where one argument
+    is at most 128 KiB: a larger override failed with 500 'Argument list too long'."""
+    big = "x" * (200 << 10)
+    config = {"name": "add_sub", "backend": "python", "max_batch_size": 0,
+              "input": [{"name": f"INPUT{i}", "data_type": "TYPE_INT32", "dims": [16]} for i in (0, 1)],
+              "output": [{"name": f"OUTPUT{i}", "data_type": "TYPE_INT32", "dims": [16]} for i in (0, 1)],
+              "parameters": {"padding": {"string_value": big}}}
+    try:
+        resp = post(lim, "/v2/repository/models/add_sub/load", {"parameters": {"config": json.dumps(config)}})
+        assert resp.status == 200, resp
+        served = raw_request(lim.port, "GET", "/v2/models/add_sub/config").json()
+        assert served["parameters"]["padding"]["string_value"] == big
+        assert_still_serving(lim)
+    finally:
+        assert post(lim, "/v2/repository/models/add_sub/load", {}).status == 200  # the repository's again

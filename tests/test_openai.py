@@ -2,12 +2,14 @@
 serving the bundled echo_llm (decoupled, Triton's text conventions) and text_embedding models."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import openai
 import pytest
 import urllib.request
 
-from conftest import PRODUCT_MODELS
+from conftest import PRODUCT_MODELS, raw_request
 
 MODELS = ["echo_llm", "text_embedding", "add_sub"]
 
@@ -84,3 +86,40 @@ def test_a_restricted_inference_group_guards_the_openai_routes(server_factory):
     with openai.OpenAI(base_url=f"http://{s.url}/v1", api_key="unused", max_retries=0,
                        default_headers={"key": "secret"}) as client:
         assert client.completions.create(model="echo_llm", prompt="hi").choices[0].text == "hi [end]"
+
+
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+@pytest.mark.parametrize("path, body, needle", [
+    ("/v1/completions", {"prompt": "a b", "max_tokens": 2 ** 63}, "'max_tokens' must be an integer from 1 to 2147483647"),
+    ("/v1/completions", {"prompt": "a b", "max_tokens": 2 ** 31}, "'max_tokens' must be an integer"),
+    ("/v1/completions", {"prompt": "a b", "max_tokens": 0}, "'max_tokens' must be an integer"),
+    ("/v1/completions", {"prompt": "a b", "max_tokens": "5"}, "'max_tokens' must be an integer"),
+    ("/v1/completions", {"prompt": "a b", "max_tokens": True}, "'max_tokens' must be an integer"),
+    ("/v1/completions", {"prompt": "a b", "seed": 2 ** 64}, "'seed' must be an integer"),
+    ("/v1/completions", {"prompt": "a b", "temperature": 3}, "'temperature' must be a number from 0 to 2"),
+    ("/v1/completions", {"prompt": "a b", "top_p": "high"}, "'top_p' must be a number"),
+    ("/v1/completions", {"prompt": "a b", "stream": "yes"}, "'stream' must be a boolean"),
+    ("/v1/completions", {"prompt": "a b", "stream": 1}, "'stream' must be a boolean"),
+    ("/v1/completions", {"prompt": "a b", "stop": [1]}, "'stop' must be a string or a list"),
+    ("/v1/completions", {"prompt": "a b", "n": True}, "only n=1"),
+    ("/v1/chat/completions", {"messages": [{"role": "hacker", "content": "x"}]}, "'role' must be one of system"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0]: 'role' must be one of"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": "yes"}, "'stream' must be a boolean"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1}, "'max_completion_tokens' must be"),
+])
+def test_fields_of_the_wrong_type_or_range_are_refused_in_openai_form(oserver, path, body, needle):
+    resp = raw_request(oserver.port, "POST", path, json.dumps({"model": "echo_llm", **body}).encode())
+    assert resp.status == 400, resp
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and needle in error["message"], error
+    assert "Python" not in error["message"]
+
+
+def test_every_openai_role_is_accepted(oai):
+    roles = ["system", "developer", "user", "assistant", "tool", "function"]
+    messages = [{"role": r, "content": f"from {r}"} for r in roles]
+    answer = oai.chat.completions.create(model="echo_llm", messages=messages, max_tokens=2, seed=2 ** 63 - 1,
+                                         temperature=2, top_p=0, stop=["x", "y"], stream=False)
+    assert answer.choices[0].message.content == "from function"

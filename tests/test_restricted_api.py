@@ -98,3 +98,20 @@ def test_restricted_inference_on_the_fast_path(server_factory):
     assert client.infer("raiser", [x], headers={"Infer-Key": "k1"}).as_numpy("Y").tolist() == [2, 4]
     assert client.is_model_ready("raiser")  # health is not restricted
     client.close()
+
+
+def test_restrictions_larger_than_an_argument_may_be_start(server_factory):
+    """The frontends' specs (with every restriction) once travelled on their command lines, where
+    one argument is at most 128 KiB: larger ones failed every frontend's start."""
+    value = "k" * (60 << 10)  # each flag fits an argument; together they do not
+    flags = [f"--http-restricted-api={group}:{group}-key={value}" for group in ("statistics", "logging", "trace")]
+    flags += [f"--grpc-restricted-protocol={group}:{group}-key={value}" for group in ("statistics", "logging", "trace")]
+    server = server_factory.start([TEST_MODELS], [*flags, "--model-control-mode=explicit", "--load-model", "raiser"])
+    assert raw_request(server.port, "GET", "/v2/logging").status == 403
+    assert raw_request(server.port, "GET", "/v2/logging", headers={"logging-key": value}).status == 200
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:  # (its keys are past gRPC's metadata limit)
+        assert c.is_model_ready("raiser")
+        with pytest.raises(InferenceServerException, match="expecting header 'triton-grpc-protocol-logging-key'"):
+            c.get_log_settings()

@@ -1,12 +1,12 @@
-"""Worker entry point: ``python -m shmserve.workers '<spec JSON>'`` (started by the broker, not by hand)."""
+"""Worker entry point: ``python -m shmserve.workers`` with its spec as stdin (started by the broker,
+not by hand: shm/child_spec.py)."""
 from __future__ import annotations
 
 import os
 import signal
 import sys
 
-import orjson
-
+from shmserve.shm.child_spec import read_spec
 from shmserve.shm.names import set_title
 
 
@@ -25,7 +25,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main() -> int:
-    spec = orjson.loads(sys.argv[1])
+    spec = read_spec()
     _die_with_parent(spec["broker_pid"])
     # A GPU worker keeps the server's CUDA_VISIBLE_DEVICES, so device ids mean the same in every
     # process; its backend makes the instance's GPU the current device.

@@ -1,18 +1,18 @@
-"""Broker entry point: ``python -m shmserve.server.broker '<options JSON>'`` (started by the launcher)."""
+"""Broker entry point: ``python -m shmserve.server.broker`` with its options as stdin (started by the
+launcher: shm/child_spec.py)."""
 from __future__ import annotations
 
 import sys
 
-import orjson
-
 from shmserve.shm import logs
+from shmserve.shm.child_spec import read_spec
 from shmserve.shm.names import set_title
 
 from .options import BrokerOptions
 
 
 def main() -> int:
-    opts = BrokerOptions.from_json(orjson.loads(sys.argv[1]))
+    opts = BrokerOptions.from_json(read_spec())
     logs.configure(opts.log)
     set_title(f"shmserve broker {opts.server_id}")
     from shmserve.shm.profiling import run_profiled

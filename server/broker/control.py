@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from shmserve.shm import logs
 from shmserve.shm.channel import BrokerSegment
+from shmserve.shm.protocol import LOAD_FROM_NETWORK
 from shmserve.shm.regions import created_key_prefix
 from shmserve.signature import InvalidRequest, UnknownModel
 
@@ -209,6 +210,12 @@ class ControlHandler:
             raise InvalidRequest(f"failed to load '{name}', the 'config' parameter must be a JSON string")
         files = {k[len("file:"):]: v for k, v in params.items() if k.startswith("file:")}
         model_dir = None
+        network = doc.get(LOAD_FROM_NETWORK)  # (a local client or a model already runs as the server's user)
+        if files and network is not None and network != "key" and not self.opts.allow_file_uploads:
+            raise UploadsRefused(f"failed to load '{name}', loading a model from 'file:' contents runs the code "
+                                 f"sent as the server's user and is not enabled: start the server with "
+                                 f"--allow-model-file-uploads, or restrict the model-repository API "
+                                 f"(--http-restricted-api, --grpc-restricted-protocol) and send its key")
         if files:
             if config is None:
                 raise InvalidRequest(f"failed to load '{name}', model files given with 'file:' need a 'config' "
@@ -314,6 +321,12 @@ class ControlHandler:
         if "update" in doc:
             self.journal.set("trace", self.trace.saved())
         return answer
+
+
+class UploadsRefused(InvalidRequest):
+    """A load with 'file:' contents the server does not take (--allow-model-file-uploads): 403."""
+
+    status = 403
 
 
 class RepositoryPollFailed(InvalidRequest):

@@ -1,4 +1,4 @@
-"""The worker processes, one per model instance: the spec each is started with, stopping and
+"""The worker processes, one per model instance: the spec each is started with (its stdin), stopping and
 reaping them, and what the broker reads from their segments (statistics, custom metrics).
 
 An instance's worker number names its segment and is never reused, so a number that is no
@@ -12,11 +12,10 @@ import subprocess
 import sys
 import time
 
-import orjson
-
 from shmserve.shm import logs, space
 from shmserve.shm.arena import free_block
 from shmserve.shm.channel import WorkerSegment
+from shmserve.shm.child_spec import spec_file
 from shmserve.shm.names import object_name, unlink_shm
 from shmserve.shm.protocol import W_STOP
 from shmserve.shm.stats import VersionTotals
@@ -83,8 +82,8 @@ class Instances:
             # the response cache's key part for this load (0: the server has no cache)
             "cache_load": load_key(mv) if self.opts.response_cache_bytes else 0,
         }
-        proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers", orjson.dumps(spec).decode()],
-                                stdin=subprocess.DEVNULL, env=WORKER_ENV)
+        with spec_file(spec) as stdin:  # not on argv: a large config override would not fit
+            proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers"], stdin=stdin, env=WORKER_ENV)
         inst = Instance(num=num, name=name, index=index, kind=kind, device_id=device, seg=seg, proc=proc)
         self.workers[num] = (mv, inst)
         return inst

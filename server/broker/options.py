@@ -28,6 +28,7 @@ class BrokerOptions:
     worker_arena_bytes: int = 256 << 20
     allow_remote_shm: bool = False
     allow_client_shm: bool = True  # --allow-client-shm: false refuses every client region (region_access.py)
+    allow_file_uploads: bool = False  # --allow-model-file-uploads: loads with 'file:' contents from any client
     metrics_port: int = 8002
     metrics_address: str = "0.0.0.0"  # --metrics-address (default: --http-address)
     metrics_interval_ms: int = 2000

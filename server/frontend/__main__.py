@@ -1,4 +1,4 @@
-"""Frontend entry point: ``python -m shmserve.server.frontend '<spec JSON>'`` (started by the launcher).
+"""Frontend entry point: ``python -m shmserve.server.frontend``, its spec as stdin (started by the launcher).
 
 Serves the socket the launcher bound (inherited by descriptor) with uvicorn on uvloop and
 httptools, each connection under the limits of protocol.py; the ASGI application is asgi.py's
@@ -12,17 +12,17 @@ import socket
 import sys
 from typing import Callable, Iterable
 
-import orjson
 import uvicorn
 
 from shmserve.shm import heap, logs
+from shmserve.shm.child_spec import read_spec
 from shmserve.shm.names import set_title
 
 log = logging.getLogger("shmserve.frontend")
 
 
 def main() -> int:
-    spec = orjson.loads(sys.argv[1])
+    spec = read_spec()  # stdin (shm/child_spec.py)
     heap.keep_large_buffers()  # request and response bodies reuse memory instead of faulting it in
     set_title(f"shmserve frontend {spec['server_id']} #{spec['index']}")
     logs.configure(spec.get("log") or {})

@@ -21,10 +21,12 @@ from starlette.routing import Route
 
 from shmserve.server import __version__
 from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
+from shmserve.shm.protocol import LOAD_FROM_NETWORK
 from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
+from .disconnect import ClientGone, unless_gone
 from .generate import EventStream, build_generate_request, generate_response, traced
 from .inference import Headers, Inference
 from .limits import descriptors_problem
@@ -157,9 +159,11 @@ class Frontend:
                 raise BadRequest("the request must be a JSON object whose 'parameters' is an object")
         except (orjson.JSONDecodeError, BadRequest) as e:
             return error_response(400, f"failed to parse the request JSON buffer: {e}")
+        call = {"op": op, "model": request.path_params["model"], "parameters": doc.get("parameters") or {}}
+        if op == "load":  # whether it may load 'file:' contents (server/broker/control.py)
+            call[LOAD_FROM_NETWORK] = "key" if passed_group(request.scope) == "model-repository" else "open"
         try:
-            status, answer = await self._control({"op": op, "model": request.path_params["model"],
-                                                  "parameters": doc.get("parameters") or {}})
+            status, answer = await self._control(call)
         except BrokerError as e:
             return error_response(e.status, str(e))
         if status != 200:
@@ -227,7 +231,28 @@ class Frontend:
         if isinstance(started, Response):
             return started
         events, trace = started
-        model = request.path_params["model"]
+        try:
+            answers, error = await unless_gone(self._generate_answers(request.path_params["model"], events, trace),
+                                               request.receive)
+        except BaseException as e:
+            if trace is not None:
+                self.tracer.finish(trace)  # cancelled (the client went away): what was timed
+            if isinstance(e, ClientGone):
+                return Response(status_code=499)  # nobody reads it
+            raise
+        if error:
+            return traced(error_response(*error), trace, self.tracer)
+        if len(answers) != 1:
+            # Triton's text (Triton sends it with a 200, having started the answer already).
+            return traced(error_response(400, "generate expects model to produce exactly 1 response, use generate "
+                                              "stream for model that generates various number of responses"),
+                          trace, self.tracer)
+        return traced(json_response(answers[0]), trace, self.tracer)
+
+    @staticmethod
+    async def _generate_answers(model: str, events: StreamEvents, trace: Trace | None
+                                ) -> tuple[list[dict], tuple[int, str] | None]:
+        """Every response of a generate request, and its first error."""
         answers: list[dict] = []
         error: tuple[int, str] | None = None
         try:
@@ -244,21 +269,9 @@ class Frontend:
                 finally:
                     completion.release()
                 if final:
-                    break
-        except BaseException:
-            if trace is not None:
-                self.tracer.finish(trace)  # cancelled (the client went away): what was timed
-            raise
+                    return answers, error
         finally:
             events.close()  # a failure or a cancelled wait before the end: free the rest as it comes
-        if error:
-            return traced(error_response(*error), trace, self.tracer)
-        if len(answers) != 1:
-            # Triton's text (Triton sends it with a 200, having started the answer already).
-            return traced(error_response(400, "generate expects model to produce exactly 1 response, use generate "
-                                              "stream for model that generates various number of responses"),
-                          trace, self.tracer)
-        return traced(json_response(answers[0]), trace, self.tracer)
 
     async def generate_stream(self, request: Request) -> Response:
         started = await self._generate_events(request)

@@ -100,7 +100,10 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: Any) -> 
         elif any(isinstance(x, (str, list, dict)) or x is None for x in flat):
             raise BadRequest(f"input '{name}': {datatype} data must be numbers")
         arr = np.asarray(flat, dtype=DTYPES[datatype])
-    except (ValueError, TypeError, OverflowError) as e:
+    except OverflowError:  # numpy's text names Python's C types
+        raise BadRequest(f"unable to parse 'data' of input '{name}' as {datatype}: a value is out of its "
+                         f"range") from None
+    except (ValueError, TypeError) as e:
         raise BadRequest(f"unable to parse 'data' of input '{name}' as {datatype}: {e}") from None
     return byte_view(arr)
 

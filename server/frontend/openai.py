@@ -28,11 +28,20 @@ from starlette.responses import Response, StreamingResponse
 from shmserve.shm.streams import StreamEvents
 
 from .codec import BadRequest, parse_json
+from .disconnect import ClientGone, unless_gone
 from .generate import build_generate_request, output_values
 from .link import BrokerError, BrokerLink
 
 JSON = "application/json"
 FORWARDED = ("max_tokens", "stream", "temperature", "top_p", "seed", "stop")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
+INT32_MAX, INT64_MIN, INT64_MAX = (1 << 31) - 1, -(1 << 63), (1 << 63) - 1
+# Each checked field's accepted values, as OpenAI's API reference gives them (null: left out).
+INTEGERS = {"max_tokens": (1, INT32_MAX), "max_completion_tokens": (1, INT32_MAX), "n": (1, 1),
+            "seed": (INT64_MIN, INT64_MAX), "top_logprobs": (0, 20)}
+NUMBERS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+           "frequency_penalty": (-2.0, 2.0)}
+BOOLEANS = ("stream", "echo", "logprobs")
 
 
 def openai_error(status: int, message: str, kind: str = "invalid_request_error") -> Response:
@@ -82,7 +91,8 @@ class OpenAIFront:
                 raise OpenAIError(400, f"model '{model}' has no BYTES input to embed text with")
             data = []
             for i, text in enumerate(texts):
-                pieces = await self._collect(self._start(model, {text_input: text}, config))
+                pieces = await unless_gone(self._collect(self._start(model, {text_input: text}, config)),
+                                           request.receive)
                 if len(pieces) != 1:
                     raise OpenAIError(500, f"model '{model}' gave {len(pieces)} responses for one text")
                 vector = next(iter(pieces[0].values()), [])
@@ -90,6 +100,8 @@ class OpenAIFront:
                              "embedding": vector if isinstance(vector, list) else [vector]})
         except OpenAIError as e:
             return openai_error(e.status, str(e))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
         words = sum(len(t.split()) for t in texts)
         return Response(orjson.dumps({"object": "list", "data": data, "model": model,
                                       "usage": {"prompt_tokens": words, "total_tokens": words}}), media_type=JSON)
@@ -108,9 +120,11 @@ class OpenAIFront:
         if body.get("stream"):
             return StreamingResponse(self._sse(events, reply), media_type="text/event-stream")
         try:
-            pieces = await self._collect(events)
+            pieces = await unless_gone(self._collect(events), request.receive)
         except OpenAIError as e:
             return openai_error(e.status, str(e))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
         text = "".join(_text(p) for p in pieces)
         return Response(orjson.dumps(reply.whole(text, len(pieces), body.get("max_tokens"))), media_type=JSON)
 
@@ -223,9 +237,33 @@ async def _body(request: Request) -> dict:
         raise OpenAIError(400, str(e)) from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request must be a JSON object")
-    if body.get("n", 1) != 1:
-        raise OpenAIError(400, "only n=1 is supported")
+    check_fields(body)
     return body
+
+
+def check_fields(body: dict) -> None:
+    """Refuse a field of the wrong type or out of its range (``INTEGERS``, ``NUMBERS``,
+    ``BOOLEANS``; ``stop``), as OpenAI does: nothing unchecked reaches a model's typed input."""
+    for key, (low, high) in INTEGERS.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            if key == "n":
+                raise OpenAIError(400, "only n=1 is supported")
+            raise OpenAIError(400, f"'{key}' must be an integer from {low} to {high}")
+    for key, (lo, hi) in NUMBERS.items():
+        value = body.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not lo <= value <= hi):
+            raise OpenAIError(400, f"'{key}' must be a number from {lo:g} to {hi:g}")
+    for key in BOOLEANS:
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise OpenAIError(400, f"'{key}' must be a boolean (true or false)")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and 0 < len(stop) <= 4 and all(isinstance(s, str) for s in stop)):
+        raise OpenAIError(400, "'stop' must be a string or a list of 1 to 4 strings")
 
 
 def _generate_doc(body: dict, chat: bool, inputs: set[str]) -> dict:
@@ -236,10 +274,14 @@ def _generate_doc(body: dict, chat: bool, inputs: set[str]) -> dict:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in messages):
             raise OpenAIError(400, "'messages' must be a list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if m.get("role") not in ROLES:
+                raise OpenAIError(400, f"messages[{i}]: 'role' must be one of {', '.join(ROLES)}, "
+                                       f"not {orjson.dumps(m.get('role')).decode()[:64]}")
         if "messages" in inputs:
             doc["messages"] = orjson.dumps(messages).decode()
         else:
-            lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
+            lines = [f"{m['role']}: {m.get('content', '')}" for m in messages]
             doc["text_input"] = "\n".join(lines + ["assistant:"])
     else:
         prompt = body.get("prompt")

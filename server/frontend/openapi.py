@@ -186,7 +186,9 @@ def _paths() -> dict[str, Any]:
         "/v2/repository/index": {"post": _op("Repository index", {"200": _json(_ref("RepositoryIndex"), "index")},
                                              _ref("RepositoryIndexRequest"), required=False)},
         "/v2/repository/models/{model}/load": {"post": {
-            **_op("Load or reload a model", {"200": _empty("loaded")}, _ref("RepositoryRequest"), required=False),
+            **_op("Load or reload a model (403: 'file:' contents without --allow-model-file-uploads)",
+                  {"200": _empty("loaded")}, _ref("RepositoryRequest"), required=False,
+                  errors=tuple(sorted({*COMMON_ERRORS, 403}))),
             "parameters": [MODEL]}},
         "/v2/repository/models/{model}/unload": {"post": {
             **_op("Unload a model", {"200": _empty("unloaded")}, _ref("RepositoryRequest"), required=False),

@@ -66,7 +66,8 @@ PASSED = "shmserve.restricted_group"  # scope key: the restricted group whose ke
 
 def passed_group(scope: dict) -> str | None:
     """The restricted group whose key this request carried (None: no key was needed, or none is
-    restricted): how a shared-memory handler knows it serves an admin."""
+    restricted): how a shared-memory handler knows it serves an admin, and a load with 'file:'
+    contents that the model-repository key allows it (unless --allow-model-file-uploads)."""
     return scope.get(PASSED)
 
 

@@ -1,4 +1,4 @@
-"""gRPC frontend entry point: ``python -m shmserve.server.grpc '<spec JSON>'`` (started by the
+"""gRPC frontend entry point: ``python -m shmserve.server.grpc``, its spec as stdin (started by the
 launcher when ``--allow-grpc`` is true).
 
 grpcio's asyncio server on the standard asyncio loop (grpc.aio does not run on uvloop), with the
@@ -15,13 +15,13 @@ import signal
 import sys
 
 import grpc
-import orjson
 from grpc_health.v1 import health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from shmserve.server.frontend.link import BrokerLink
 from shmserve.server.frontend.tracing import Tracer
 from shmserve.shm import logs
+from shmserve.shm.child_spec import read_spec
 from shmserve.shm.names import set_title
 
 from .handlers import add_servicer
@@ -94,7 +94,7 @@ async def serve(spec: dict) -> int:
 
 
 def main() -> int:
-    spec = orjson.loads(sys.argv[1])
+    spec = read_spec()  # stdin (shm/child_spec.py)
     set_title(f"shmserve grpc {spec['server_id']}")
     logs.configure(spec.get("log") or {})
     return asyncio.run(serve(spec))

@@ -35,9 +35,12 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # in Triton's health group too
 
-# The restricted group whose key the call being served carried (None: none was needed): how a
-# shared-memory RPC knows it serves an admin. Set around the servicer's own coroutine.
+# The restricted group whose key the call being served carried (None: none was needed, or its
+# group does not ask). Set around the servicer's own coroutine.
 PASSED_GROUP: contextvars.ContextVar[str | None] = contextvars.ContextVar("restricted_group", default=None)
+# The groups whose RPCs ask which key a call carried: an admin's shared-memory calls, and a load
+# with 'file:' contents that the model-repository key allows (unless --allow-model-file-uploads).
+ASKS_FOR_KEY = (ADMIN_GROUP, "model-repository")
 
 
 def method_rules(restricted: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
@@ -63,12 +66,12 @@ class RestrictedProtocols(grpc.aio.ServerInterceptor):
             return handler
         key, value, group = rule
         if (key, value) in (details.invocation_metadata or ()):
-            return _admitted(handler, group) if group == ADMIN_GROUP else handler
+            return _admitted(handler, group) if group in ASKS_FOR_KEY else handler
         return _refusal(handler, f"This protocol is restricted, expecting header '{key}'")
 
 
 def _admitted(handler: Any, group: str) -> Any:
-    """``handler`` (a unary shared-memory RPC) run with ``PASSED_GROUP`` set to ``group``."""
+    """``handler`` (a unary RPC's) run with ``PASSED_GROUP`` set to ``group``."""
     behaviour = handler.unary_unary
 
     async def admitted(request: Any, context: grpc.aio.ServicerContext) -> Any:

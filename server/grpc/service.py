@@ -25,6 +25,7 @@ from shmserve.server.frontend.metadata import EXTENSIONS
 from shmserve.server.frontend.shm_callers import ShmRefused, registering_caller, unregistering_caller
 from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
 from shmserve.shm import logs
+from shmserve.shm.protocol import LOAD_FROM_NETWORK
 
 from .handlers import Malformed, refuse
 from .infer import GrpcInference, refused
@@ -121,7 +122,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             value = param_value(p)
             # file contents travel as base64 strings to the broker, as over HTTP
             params[key] = base64.b64encode(value).decode() if isinstance(value, bytes) else value
-        await self._control({"op": "load", "model": request.model_name, "parameters": params}, context)
+        # whether it may load 'file:' contents (server/broker/control.py)
+        call = {"op": "load", "model": request.model_name, "parameters": params,
+                LOAD_FROM_NETWORK: "key" if PASSED_GROUP.get() == "model-repository" else "open"}
+        await self._control(call, context)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:

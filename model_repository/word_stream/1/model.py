@@ -9,7 +9,8 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     """A decoupled (streaming) model: one response per word of the input text, like a token
     stream. Responses are sent from a thread after execute() returns, as decoupled models may.
-    Parameter ``delay_ms`` spaces the words out."""
+    Parameter ``delay_ms`` spaces the words out. A request its client gave up on
+    (``is_cancelled()``: the client disconnected or cancelled) stops at the next word."""
 
     def execute(self, requests):
         for request in requests:
@@ -25,6 +26,8 @@ class TritonPythonModel:
         for i, word in enumerate(words):
             if delay:
                 time.sleep(delay)
+            if sender.is_cancelled():
+                break
             out = pb_utils.Tensor("text_output", np.array([word.encode()], dtype=object))
             index = pb_utils.Tensor("index", np.array([i], dtype=np.int32))
             sender.send(pb_utils.InferenceResponse([out, index]))
