@@ -1,6 +1,6 @@
 """Long-run memory, shortened: reloads, local clients that connect and leave, and killed workers
 must leave every lasting process of the server (launcher, broker, frontends) where it was. The
-full run (1,000 reloads, 1,000 clients, 200 kills) is ``python -m shmserve.tools.soak --churn``
+full run (1,000 reloads, 1,000 clients, 200 kills) is ``python -m shmserve.tools.churn``
 (docs/performance.md)."""
 from __future__ import annotations
 
