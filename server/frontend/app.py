@@ -404,6 +404,7 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        fe.link.open_early()
         fe.tracer.start()
         yield
         fe.tracer.stop()
