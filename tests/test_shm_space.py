@@ -158,3 +158,21 @@ def test_the_frontends_segments_exist_from_the_start_so_loads_cannot_take_their_
     assert post(s, "/v2/repository/models/add_sub/load") == (200, {})
     add_sub(s)
     assert s.stop() == 0, s.log_tail()
+
+
+def test_the_readme_sizes_dev_shm_for_the_repository_it_serves():
+    """The README's container command must hold what model_repository/ starts: the start's
+    segments and one per model instance."""
+    import re
+
+    from shmserve.server.broker.config import instance_count, load_config
+
+    readme = (ROOT / "README.md").read_text()
+    instances = sum(instance_count(load_config(folder, strict=False)) for folder in sorted(PRODUCT_MODELS.iterdir())
+                    if (folder / "config.pbtxt").exists())
+    words = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+    assert f"per model instance ({words[instances]} here" in readme
+    need = startup_bytes(parse_args(["--model-repository", str(PRODUCT_MODELS)])) + instances * instance_bytes(256 * MIB)
+    for doc in (readme, (ROOT / "docs" / "deploy.md").read_text()):
+        sizes = re.findall(r"--shm-size=(\d+)g -p 8000-8002:8000-8002 -v \"\$PWD/model_repository", doc)
+        assert sizes and all(int(g) << 30 >= need for g in sizes), (sizes, need >> 20)
