@@ -36,7 +36,7 @@ from .instance_update import STRAGGLER_GRACE_S, InstanceUpdates
 from .canary import Canary
 from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
-from .ensemble import EnsemblePlan
+from .ensemble import EnsemblePlan, ensemble_labels
 from .instances import Instances, take_payload
 from .journal import Journal
 from .models import Instance, ModelVersion, State
@@ -283,7 +283,11 @@ class Lifecycle:
 
     def _load_ensemble(self, mv: ModelVersion) -> None:
         """An ensemble has no workers: it is ready at once, and its step models load with it."""
-        mv.ensemble = EnsemblePlan(mv.config)
+        try:
+            labels = ensemble_labels(mv.config, mv.model_dir)
+        except ValueError:  # gone since the load was planned (load_plan.py refuses an unreadable one)
+            labels = {}
+        mv.ensemble = EnsemblePlan(mv.config, labels)
         mv.state = State.READY
         log.info("successfully loaded '%s' version %d (ensemble of %s)", mv.name, mv.version,
                  ", ".join(mv.ensemble.dependencies()))
