@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
@@ -24,12 +25,35 @@ output [ { name: "PROB" data_type: TYPE_FP32 dims: [ 2, 3 ] }, { name: "IDX" dat
 """
 
 
+
+def ensemble_config(name: str, step: str, max_batch_size: int, dims: str, label_file: str = "") -> str:
+    """An ensemble that passes X to ``step`` and answers its PROB and IDX; PROB labelled by the
+    ensemble's own ``label_file`` (as Triton, which labels with the ensemble's files)."""
+    label = f' label_filename: "{label_file}"' if label_file else ""
+    return (f'name: "{name}" platform: "ensemble" max_batch_size: {max_batch_size}\n'
+            f'input [ {{ name: "X" data_type: TYPE_FP32 dims: {dims} }} ]\n'
+            f'output [ {{ name: "PROB" data_type: TYPE_FP32 dims: {dims}{label} }}, '
+            f'{{ name: "IDX" data_type: TYPE_INT32 dims: {dims} }} ]\n'
+            f'ensemble_scheduling {{ step [ {{ model_name: "{step}" input_map {{ key: "X" value: "X" }} '
+            'output_map [ { key: "PROB" value: "PROB" }, { key: "IDX" value: "IDX" } ] } ] }\n')
+
+
+def write_ensemble(repo, name: str, config: str, labels: bool) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(config)
+    if labels:
+        shutil.copy(TESTS / "models" / "classify" / "classify" / "labels.txt", repo / name / "labels.txt")
+
+
 @pytest.fixture(scope="module")
 def server(module_factory, tmp_path_factory):
     repo = tmp_path_factory.mktemp("classify")
     shutil.copytree(TESTS / "models" / "classify" / "classify", repo / "classify")
     shutil.copytree(TESTS / "models" / "classify" / "classify" / "1", repo / "classify_flat" / "1")
     (repo / "classify_flat" / "config.pbtxt").write_text(FLAT_CONFIG)
+    write_ensemble(repo, "classify_ens", ensemble_config("classify_ens", "classify", 4, "[ 5 ]", "labels.txt"), True)
+    write_ensemble(repo, "classify_flat_ens", ensemble_config("classify_flat_ens", "classify_flat", 0, "[ 2, 3 ]"),
+                   False)
     return module_factory.start([repo])
 
 
@@ -76,6 +100,32 @@ def test_a_model_without_batch_dimension_ranks_the_whole_tensor(server):
     assert result.as_numpy("IDX").tolist() == [b"90:3", b"42:5", b"25:1", b"15:0"]
 
 
+def classes(server, protocol: str, model: str, x: np.ndarray, outputs: list[tuple[str, int]]) -> dict:
+    """Each output's (shape, strings) as ``model`` answers ``class_count`` over HTTP or gRPC."""
+    if protocol == "http":
+        result = infer(server, model, x, outputs)
+    else:
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            i = grpcclient.InferInput("X", list(x.shape), "FP32")
+            i.set_data_from_numpy(x)
+            result = client.infer(model, [i], outputs=[grpcclient.InferRequestedOutput(n, class_count=k)
+                                                       for n, k in outputs])
+    return {n: (list(result.as_numpy(n).shape), result.as_numpy(n).tolist()) for n, _ in outputs}
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_ensemble_output_is_classified_as_its_model_does(server, protocol):
+    # Labelled (the ensemble's label file, the same lines as its step's) and unlabelled, per batch row.
+    direct = classes(server, protocol, "classify", X, [("PROB", 3), ("IDX", 2)])
+    assert direct["PROB"][1][0][0] == b"0.700000:1:dog"
+    assert classes(server, protocol, "classify_ens", X, [("PROB", 3), ("IDX", 2)]) == direct
+    # Without a batch dimension: ranked over the whole tensor; a count of 0 is the tensor itself.
+    x = np.array([[1.5, 2.5, 0.5], [9.0, -3.0, 4.25]], dtype=np.float32)
+    direct = classes(server, protocol, "classify_flat", x, [("PROB", 2), ("IDX", 0)])
+    assert direct["PROB"] == ([2], [b"9.000000:3", b"4.250000:5"])
+    assert classes(server, protocol, "classify_flat_ens", x, [("PROB", 2), ("IDX", 0)]) == direct
+
+
 @pytest.mark.parametrize("count", [-1, "3", True, 2.5])
 def test_a_bad_count_is_a_400(server, count):
     body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 5], "data": X[0].tolist()}],
@@ -96,6 +146,7 @@ def test_a_missing_label_file_fails_the_load(server_factory, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(TESTS / "models" / "classify" / "classify", repo / "classify")
     (repo / "classify" / "labels.txt").unlink()
+    write_ensemble(repo, "classify_ens", ensemble_config("classify_ens", "classify", 4, "[ 5 ]", "labels.txt"), False)
     s = server_factory.start([repo], ["--exit-on-error=false", "--strict-readiness=false"])
     client = s.client()
     assert not client.is_model_ready("classify")
@@ -103,5 +154,7 @@ def test_a_missing_label_file_fails_the_load(server_factory, tmp_path):
     assert index["classify"]["state"] == "UNAVAILABLE"
     assert "failed to open text file for read" in index["classify"]["reason"]
     assert "labels.txt: No such file or directory" in index["classify"]["reason"]
+    assert index["classify_ens"]["state"] == "UNAVAILABLE"  # an ensemble's label file too, as in Triton
+    assert f"failed to open text file for read {repo / 'classify_ens' / 'labels.txt'}" in index["classify_ens"]["reason"]
     with pytest.raises(InferenceServerException):
         infer(s, "classify", X, [("PROB", 1)])
