@@ -2,7 +2,8 @@
 as in Triton's ensemble scheduler, a tensor made without batching gets a batch dimension of 1
 going into a batching step and loses it going out, so such pipelines run with the right values;
 a batching ensemble may hold a non-batching step, but not a batching step of a smaller
-max_batch_size (refused at load with Triton's text)."""
+max_batch_size; and tensors a step does not take (type, shape, unmapped or unknown inputs) are
+refused at load with Triton's texts."""
 from __future__ import annotations
 
 import shutil
@@ -30,12 +31,44 @@ ensemble_scheduling {
 """
 
 
+def one_step(name: str, x: str, step: str, input_map: str) -> str:
+    """A non-batching ensemble of one step, whose input X is declared as ``x``."""
+    return (f'name: "{name}" platform: "ensemble" max_batch_size: 0\n'
+            f'input [ {{ name: "X" {x} }} ]\n'
+            'output [ { name: "Y" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+            f'ensemble_scheduling {{ step [ {{ model_name: "{step}" input_map [ {input_map} ] '
+            f'output_map {{ key: "{"SUM" if step == "batch_add" else "OUT"}" value: "Y" }} }} ] }}\n')
+
+
+# Ensembles whose tensors their steps do not take: each refused at load with Triton's text.
+REFUSED = {
+    "too_large": ("ensemble too_large allows maximum batch size 16, but it contains model batch_inc which only "
+                  "allows maximum batch size to be 8"),
+    "bad_type": ("in ensemble bad_type, ensemble tensor X: inconsistent data type: TYPE_FP32 is inferred from "
+                 "model bad_type while TYPE_INT32 is inferred from model batch_inc"),
+    "bad_shape": ("in ensemble bad_shape, ensemble tensor X: inconsistent shape: [8] is inferred from model "
+                  "bad_shape while [-1,16] is inferred from model batch_inc"),
+    "unmapped": "in ensemble unmapped, input B in model batch_add is not mapped to any ensemble tensors",
+    "no_such_input": ("in ensemble no_such_input, ensemble tensor X is mapping to non-existing input NOPE in "
+                      "model flat_double"),
+}
+REFUSED_CONFIGS = {
+    "too_large": TOO_LARGE,
+    "bad_type": one_step("bad_type", 'data_type: TYPE_FP32 dims: [ 16 ]', "batch_inc", '{ key: "IN" value: "X" }'),
+    "bad_shape": one_step("bad_shape", 'data_type: TYPE_INT32 dims: [ 8 ]', "batch_inc", '{ key: "IN" value: "X" }'),
+    "unmapped": one_step("unmapped", 'data_type: TYPE_INT32 dims: [ 16 ]', "batch_add", '{ key: "A" value: "X" }'),
+    "no_such_input": one_step("no_such_input", 'data_type: TYPE_INT32 dims: [ 16 ]', "flat_double",
+                              '{ key: "IN" value: "X" }, { key: "NOPE" value: "X" }'),
+}
+
+
 @pytest.fixture(scope="module")
 def server(module_factory, tmp_path_factory):
     repo = tmp_path_factory.mktemp("mixed") / "repo"
     shutil.copytree(MODELS, repo)
-    (repo / "too_large" / "1").mkdir(parents=True)
-    (repo / "too_large" / "config.pbtxt").write_text(TOO_LARGE)
+    for name, config in REFUSED_CONFIGS.items():
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(config)
     s = module_factory.start([repo], ["--exit-on-error=false"], wait=False)
     for name in READY:
         s.wait_until(lambda name=name: s.http_status(f"/v2/models/{name}/ready") == 200, f"{name} ready")
@@ -90,9 +123,9 @@ def test_batching_ensemble_over_a_non_batching_step(server, protocol):
     assert "unexpected shape for input 'IN' for model 'flat_double'. Expected [16], got [2,16]" in e.value.message()
 
 
-def test_ensemble_batching_more_than_its_step_is_refused(server):
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_ensembles_whose_steps_cannot_take_their_tensors_are_refused(server, name):
     index = {m["name"]: m for m in server.client().get_model_repository_index()}
-    assert index["too_large"]["state"] == "UNAVAILABLE"
-    assert ("ensemble too_large allows maximum batch size 16, but it contains model batch_inc which only "
-            "allows maximum batch size to be 8") in index["too_large"]["reason"]
-    assert server.http_status("/v2/models/too_large/ready") != 200
+    assert index[name]["state"] == "UNAVAILABLE"
+    assert REFUSED[name] in index[name]["reason"]
+    assert server.http_status(f"/v2/models/{name}/ready") != 200

@@ -2,7 +2,8 @@
 repository API was given, or the folder's), the versions its policy selects, its parameters, and
 what Triton refuses at this point (an invalid config, resources the rate limiter cannot give, a
 loop of ensembles, the response cache on an ensemble that reaches a decoupled model, an
-ensemble allowing larger batches than a batching step, a label file it cannot read). Warnings
+ensemble allowing larger batches than a batching step or passing tensors its steps do not take,
+a label file it cannot read). Warnings
 about fields shmserve does not act on are logged here too.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from . import response_cache, unsupported
 from .canary import CanaryPolicy
 from .catalog import Catalog
 from .ensemble import batch_size_refusal, ensemble_labels, find_cycle, step_models
+from .ensemble_tensors import tensor_refusal
 from .options import BrokerOptions
 from .rate_limiter import Needs, RateLimiter, needs_of
 
@@ -68,7 +70,8 @@ class LoadPlanner:
             cycle = find_cycle(name, {**graph, name: step_models(config)})
             if cycle:
                 raise cfgmod.ConfigError(cycle)
-            why = response_cache.ensemble_refusal(config, reached) or batch_size_refusal(config, reached)
+            why = response_cache.ensemble_refusal(config, reached) or batch_size_refusal(config, reached) \
+                or tensor_refusal(config, reached)
             if why:
                 raise cfgmod.ConfigError(why)
             try:
