@@ -155,6 +155,7 @@ def test_a_missing_label_file_fails_the_load(server_factory, tmp_path):
     assert "failed to open text file for read" in index["classify"]["reason"]
     assert "labels.txt: No such file or directory" in index["classify"]["reason"]
     assert index["classify_ens"]["state"] == "UNAVAILABLE"  # an ensemble's label file too, as in Triton
-    assert f"failed to open text file for read {repo / 'classify_ens' / 'labels.txt'}" in index["classify_ens"]["reason"]
+    ensemble_labels = repo / "classify_ens" / "labels.txt"
+    assert f"failed to open text file for read {ensemble_labels}" in index["classify_ens"]["reason"]
     with pytest.raises(InferenceServerException):
         infer(s, "classify", X, [("PROB", 1)])

@@ -27,7 +27,6 @@ import collections
 import dataclasses
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -45,7 +44,7 @@ from shmserve.shm.region_io import StaleRegion
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import from_buffer, serialize_bytes
 from shmserve.signature import InvalidRequest, ModelSignature
-from shmserve.workers.classification import ClassificationError, classify, load_labels
+from shmserve.workers.classification import ClassificationError, classify
 
 from .catalog import Catalog
 from .clients import Clients
@@ -81,14 +80,6 @@ class EnsemblePlan:
 
     def dependencies(self) -> list[str]:
         return sorted({s.model for s in self.steps})
-
-
-def ensemble_labels(config: Any, model_dir: str) -> dict[str, list[str]]:
-    """The ensemble's own outputs' labels (Triton classifies an ensemble's outputs with the
-    ensemble's label files); raises ``ValueError`` with Triton's text when one cannot be read."""
-    from .config import to_dict  # config imports this module (check_plan)
-
-    return load_labels(to_dict(config), Path(model_dir))
 
 
 def batch_size_refusal(config: Any, steps: dict[str, Any]) -> str | None:

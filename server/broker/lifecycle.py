@@ -29,6 +29,7 @@ from shmserve.batching import DynamicBatcher, batches_on_worker
 from shmserve.shm.protocol import W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY
 from shmserve.shm.waker import Waker
 from shmserve.workers.backend import BUILT_IN, installed_backends
+from shmserve.workers.classification import load_labels
 
 from . import config as cfgmod
 from . import instance_update
@@ -36,7 +37,7 @@ from .instance_update import STRAGGLER_GRACE_S, InstanceUpdates
 from .canary import Canary
 from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
-from .ensemble import EnsemblePlan, ensemble_labels
+from .ensemble import EnsemblePlan
 from .instances import Instances, take_payload
 from .journal import Journal
 from .models import Instance, ModelVersion, State
@@ -284,7 +285,8 @@ class Lifecycle:
     def _load_ensemble(self, mv: ModelVersion) -> None:
         """An ensemble has no workers: it is ready at once, and its step models load with it."""
         try:
-            labels = ensemble_labels(mv.config, mv.model_dir)
+            # Triton labels an ensemble's outputs with the ensemble's own label files
+            labels = load_labels(mv.config_dict, Path(mv.model_dir))
         except ValueError:  # gone since the load was planned (load_plan.py refuses an unreadable one)
             labels = {}
         mv.ensemble = EnsemblePlan(mv.config, labels)

@@ -13,11 +13,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from shmserve.workers.classification import load_labels
+
 from . import config as cfgmod
 from . import response_cache, unsupported
 from .canary import CanaryPolicy
 from .catalog import Catalog
-from .ensemble import batch_size_refusal, ensemble_labels, find_cycle, step_models
+from .ensemble import batch_size_refusal, find_cycle, step_models
 from .ensemble_tensors import tensor_refusal
 from .options import BrokerOptions
 from .rate_limiter import Needs, RateLimiter, needs_of
@@ -75,7 +77,7 @@ class LoadPlanner:
             if why:
                 raise cfgmod.ConfigError(why)
             try:
-                ensemble_labels(config, str(model_dir))
+                load_labels(cfgmod.to_dict(config), model_dir)  # the ensemble's own, for classification
             except ValueError as e:
                 raise cfgmod.ConfigError(f"model '{name}': {e}") from None
         try:
