@@ -45,6 +45,26 @@ def write_ensemble(repo, name: str, config: str, labels: bool) -> None:
         shutil.copy(TESTS / "models" / "classify" / "classify" / "labels.txt", repo / name / "labels.txt")
 
 
+# A model whose output is text (BYTES), which Triton does not classify.
+TEXT_CONFIG = """name: "text_of"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 2, 3 ] } ]
+output [ { name: "PROB" data_type: TYPE_STRING dims: [ 2 ] }, { name: "IDX" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+TEXT_MODEL = """import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("PROB", np.array([b"a", b"b"], dtype=object)),
+                                            pb_utils.Tensor("IDX", np.zeros(1, np.int32))]) for _ in requests]
+"""
+# The classify model with one dimension of any length (no batch dimension).
+WIDE_CONFIG = FLAT_CONFIG.replace("classify_flat", "classify_wide").replace("[ 2, 3 ]", "[ -1 ]")
+
+
 @pytest.fixture(scope="module")
 def server(module_factory, tmp_path_factory):
     repo = tmp_path_factory.mktemp("classify")
@@ -54,6 +74,17 @@ def server(module_factory, tmp_path_factory):
     write_ensemble(repo, "classify_ens", ensemble_config("classify_ens", "classify", 4, "[ 5 ]", "labels.txt"), True)
     write_ensemble(repo, "classify_flat_ens", ensemble_config("classify_flat_ens", "classify_flat", 0, "[ 2, 3 ]"),
                    False)
+    (repo / "text_of" / "1").mkdir(parents=True)
+    (repo / "text_of" / "1" / "model.py").write_text(TEXT_MODEL)
+    (repo / "text_of" / "config.pbtxt").write_text(TEXT_CONFIG)
+    write_ensemble(repo, "text_ens", ensemble_config("text_ens", "text_of", 0, "[ 2, 3 ]")
+                   .replace('{ name: "PROB" data_type: TYPE_FP32 dims: [ 2, 3 ] }',
+                            '{ name: "PROB" data_type: TYPE_STRING dims: [ 2 ] }')
+                   .replace('{ name: "IDX" data_type: TYPE_INT32 dims: [ 2, 3 ] }',
+                            '{ name: "IDX" data_type: TYPE_INT32 dims: [ 1 ] }'), False)
+    shutil.copytree(TESTS / "models" / "classify" / "classify" / "1", repo / "classify_wide" / "1")
+    (repo / "classify_wide" / "config.pbtxt").write_text(WIDE_CONFIG)
+    write_ensemble(repo, "wide_ens", ensemble_config("wide_ens", "classify_wide", 0, "[ -1 ]"), False)
     return module_factory.start([repo])
 
 
@@ -124,6 +155,27 @@ def test_an_ensemble_output_is_classified_as_its_model_does(server, protocol):
     direct = classes(server, protocol, "classify_flat", x, [("PROB", 2), ("IDX", 0)])
     assert direct["PROB"] == ([2], [b"9.000000:3", b"4.250000:5"])
     assert classes(server, protocol, "classify_flat_ens", x, [("PROB", 2), ("IDX", 0)]) == direct
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("model", ["text_of", "text_ens"])
+def test_text_is_not_classified(server, protocol, model):
+    x = np.zeros((2, 3), np.float32)
+    with pytest.raises(InferenceServerException) as e:
+        classes(server, protocol, model, x, [("PROB", 1)])
+    assert "class result not available for output due to unsupported type 'BYTES'" in e.value.message()
+    assert classes(server, protocol, model, x, [("IDX", 1)])["IDX"] == ([1], [b"0:0"])  # it keeps serving
+
+
+@pytest.mark.parametrize("model", ["classify_wide", "wide_ens"])
+def test_more_than_a_million_values_are_not_ranked(server, model):
+    # Newer Triton's limit per batch row; it bounds what one request costs the broker's loop.
+    x = np.zeros(1_000_001, np.float32)
+    x[123_456] = 1.0
+    with pytest.raises(InferenceServerException) as e:
+        classes(server, "http", model, x, [("PROB", 1)])
+    assert "classification output tensor too large" in e.value.message()
+    assert classes(server, "http", model, x[:1_000_000], [("PROB", 1)])["PROB"] == ([1], [b"1.000000:123456"])
 
 
 @pytest.mark.parametrize("count", [-1, "3", True, 2.5])

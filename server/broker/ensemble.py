@@ -44,7 +44,7 @@ from shmserve.shm.region_io import StaleRegion
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import from_buffer, serialize_bytes
 from shmserve.signature import InvalidRequest, ModelSignature
-from shmserve.workers.classification import ClassificationError, classify
+from shmserve.workers.classification import ClassificationError, classify, unsupported_type
 
 from .catalog import Catalog
 from .clients import Clients
@@ -358,9 +358,8 @@ class Ensembles:
         out: list[Output] = []
         for name, datatype, shape, data in outputs:
             if name in classes:
-                if datatype == "BYTES":
-                    raise ClassificationError(f"output '{name}': classification needs a numeric tensor, not "
-                                              f"{datatype}")
+                if datatype == "BYTES":  # refused before its strings are decoded
+                    raise unsupported_type(datatype)
                 try:
                     arr = from_buffer(memoryview(data), datatype, shape)
                 except (ValueError, KeyError) as e:
