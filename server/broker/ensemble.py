@@ -304,13 +304,13 @@ class Ensembles:
             self._advance(run)
 
     def _fail_run(self, run: EnsembleRun, step: Step | None, status: int, message: str) -> None:
-        """Answer the run's error (naming the step that failed, if one did) and free what it holds."""
+        """Answer the run's error and free what it holds: named after the ensemble and the step that
+        failed, or as it is without a step (a classification refused, in Triton's words as for a model)."""
         if not run.failed:
             run.failed = True
             run.version.stats.fail("BACKEND", 1)
-            where = f"step '{step.model}' failed: " if step is not None else ""
-            self.clients.reply(run.client, run.slot, status,
-                               {"error": f"in ensemble '{run.plan.name}', {where}{message}"})
+            text = message if step is None else f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"
+            self.clients.reply(run.client, run.slot, status, {"error": text})
         self._release_run(run)
 
     @staticmethod
@@ -362,7 +362,7 @@ class Ensembles:
                     raise unsupported_type(datatype)
                 try:
                     arr = from_buffer(memoryview(data), datatype, shape)
-                except (ValueError, KeyError) as e:
+                except (ValueError, KeyError, TypeError) as e:  # a shape its bytes do not fill
                     raise ClassificationError(f"output '{name}': {e}") from None
                 top = classify(name, arr, classes[name], run.plan.batching, run.plan.labels.get(name))
                 datatype, shape, data = "BYTES", list(top.shape), serialize_bytes(top)
