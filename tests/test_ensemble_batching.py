@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 MODELS = Path(__file__).parent / "models" / "mixed_batching"
 X = np.arange(16, dtype=np.int32)
-READY = ["flat_pipeline", "mixed_fan", "direct_batch", "batched_over_flat"]
+READY = ["flat_pipeline", "mixed_fan", "direct_batch", "batched_over_flat", "nested_mixed"]
 
 # A batching ensemble over a batching step that allows smaller batches: Triton refuses it.
 TOO_LARGE = """name: "too_large"
@@ -121,6 +121,13 @@ def test_batching_ensemble_over_a_non_batching_step(server, protocol):
     with pytest.raises(InferenceServerException) as e:
         infer(server, protocol, "batched_over_flat", np.stack([X, X]), ["Y"])
     assert "unexpected shape for input 'IN' for model 'flat_double'. Expected [16], got [2,16]" in e.value.message()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_nested_ensemble_of_the_other_kind(server, protocol):
+    out = infer(server, protocol, "nested_mixed", X, ["Y"])
+    assert out["Y"].shape == (16,)
+    np.testing.assert_array_equal(out["Y"], 2 * X)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
