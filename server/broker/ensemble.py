@@ -82,19 +82,6 @@ class EnsemblePlan:
         return sorted({s.model for s in self.steps})
 
 
-def batch_size_refusal(config: Any, steps: dict[str, Any]) -> str | None:
-    """Triton's refusal of an ensemble whose ``max_batch_size`` exceeds a batching step's (a step
-    without batching is allowed: its tensors are converted, ``ensemble_shapes.py``). ``steps``
-    maps step model names to their configs."""
-    for step in config.ensemble_scheduling.step:
-        dep = steps.get(step.model_name)
-        if dep is not None and dep.max_batch_size != 0 and dep.max_batch_size < config.max_batch_size:
-            return (f"ensemble {config.name} allows maximum batch size {config.max_batch_size}, but it "
-                    f"contains model {step.model_name} which only allows maximum batch size to be "
-                    f"{dep.max_batch_size}")
-    return None
-
-
 def step_models(config: Any) -> list[str]:
     """The models an ensemble's config names as steps."""
     return sorted({s.model_name for s in config.ensemble_scheduling.step})

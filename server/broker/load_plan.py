@@ -19,8 +19,8 @@ from . import config as cfgmod
 from . import response_cache, unsupported
 from .canary import CanaryPolicy
 from .catalog import Catalog
-from .ensemble import batch_size_refusal, find_cycle, step_models
-from .ensemble_tensors import tensor_refusal
+from .ensemble import find_cycle, step_models
+from .ensemble_steps import steps_refusal
 from .options import BrokerOptions
 from .rate_limiter import Needs, RateLimiter, needs_of
 
@@ -72,8 +72,7 @@ class LoadPlanner:
             cycle = find_cycle(name, {**graph, name: step_models(config)})
             if cycle:
                 raise cfgmod.ConfigError(cycle)
-            why = response_cache.ensemble_refusal(config, reached) or batch_size_refusal(config, reached) \
-                or tensor_refusal(config, reached)
+            why = response_cache.ensemble_refusal(config, reached) or steps_refusal(config, reached)
             if why:
                 raise cfgmod.ConfigError(why)
             try:
