@@ -38,7 +38,7 @@ from .codec import BadRequest, parse_json
 from .disconnect import ClientGone, unless_gone
 from .generate import build_generate_request, output_values
 from .link import BrokerError, BrokerLink
-from .openai_errors import JSON, MODEL_NOT_FOUND, OpenAIError, error_response
+from .openai_errors import JSON, MODEL_NOT_FOUND, OpenAIError, error_body, error_response
 
 FORWARDED = ("max_tokens", "stream", "temperature", "top_p", "seed", "stop")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
@@ -157,8 +157,7 @@ class OpenAIFront:
                 try:
                     doc = completion.doc()
                     if completion.status != 200:
-                        yield _event({"error": {"message": doc.get("error", "inference failed"),
-                                                "type": "server_error", "param": None, "code": None}})
+                        yield b"data: " + error_body(completion.status, doc.get("error", "inference failed")) + b"\n\n"
                         return
                     piece = None if final and not doc.get("outputs") else \
                         _text(output_values(doc, completion.tensor))
