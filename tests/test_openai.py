@@ -2,6 +2,7 @@
 serving the bundled echo_llm (decoupled, Triton's text conventions) and text_embedding models."""
 from __future__ import annotations
 
+import base64
 import json
 
 import numpy as np
@@ -88,6 +89,30 @@ def test_a_restricted_inference_group_guards_the_openai_routes(server_factory):
         assert client.completions.create(model="echo_llm", prompt="hi").choices[0].text == "hi [end]"
 
 
+def test_a_restricted_metadata_group_guards_model_retrieval_in_openai_form(server_factory):
+    s = server_factory.start([PRODUCT_MODELS], ["--model-control-mode=explicit", "--load-model", "echo_llm",
+                                                "--http-restricted-api=metadata:key=secret"])
+    with openai.OpenAI(base_url=f"http://{s.url}/v1", api_key="unused", max_retries=0) as client:
+        for call in (client.models.list, lambda: client.models.retrieve("echo_llm")):
+            with pytest.raises(openai.PermissionDeniedError) as e:
+                call()
+            assert e.value.body["message"] == "This API is restricted, expecting header 'key'", e.value.body
+    with openai.OpenAI(base_url=f"http://{s.url}/v1", api_key="unused", max_retries=0,
+                       default_headers={"key": "secret"}) as client:
+        assert client.models.retrieve("echo_llm").id == "echo_llm"
+    assert raw_request(s.port, "GET", "/v2", b"").json() == \
+        {"error": "This API is restricted, expecting header 'key'"}  # Triton's form outside /v1
+
+
+def test_a_body_over_the_limit_is_refused_in_openai_form(server_factory):
+    s = server_factory.start([PRODUCT_MODELS], ["--model-control-mode=explicit", "--load-model", "echo_llm",
+                                                "--http-max-input-size=1000"])
+    with openai.OpenAI(base_url=f"http://{s.url}/v1", api_key="unused", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as e:  # 400, as Triton answers a body over the limit
+            client.completions.create(model="echo_llm", prompt="x" * 2000)
+    assert "--http-max-input-size" in e.value.body["message"], e.value.body
+
+
 CHAT = [{"role": "user", "content": "hello"}]
 
 
@@ -123,3 +148,95 @@ def test_every_openai_role_is_accepted(oai):
     answer = oai.chat.completions.create(model="echo_llm", messages=messages, max_tokens=2, seed=2 ** 63 - 1,
                                          temperature=2, top_p=0, stop=["x", "y"], stream=False)
     assert answer.choices[0].message.content == "from function"
+
+
+def test_a_model_is_retrieved_by_its_id(oai):
+    model = oai.models.retrieve("echo_llm")
+    assert (model.id, model.object, model.owned_by) == ("echo_llm", "model", "shmserve")
+    assert model.created == next(m.created for m in oai.models.list().data if m.id == "echo_llm")
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.models.retrieve("no_such_model"),
+    lambda c: c.completions.create(model="no_such_model", prompt="x"),
+    lambda c: c.chat.completions.create(model="no_such_model", messages=CHAT),
+    lambda c: c.embeddings.create(model="no_such_model", input="x"),
+])
+def test_a_missing_model_is_a_404_in_openai_form(oai, call):
+    with pytest.raises(openai.NotFoundError) as e:
+        call(oai)
+    error = e.value.body
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["type"] == "invalid_request_error" and error["code"] == "model_not_found", error
+    assert error["param"] == "model" and "no_such_model" in error["message"], error
+
+
+def test_an_unknown_v1_route_or_method_answers_in_openai_form(oserver):
+    for method, path, status in [("GET", "/v1/no/such/route", 404), ("GET", "/v1/completions", 405)]:
+        resp = raw_request(oserver.port, method, path, b"")
+        assert resp.status == status, resp
+        error = resp.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_options_include_usage_adds_a_final_usage_chunk(oai, chat):
+    if chat:
+        stream = oai.chat.completions.create(model="echo_llm", messages=[{"role": "user", "content": "one two"}],
+                                             stream=True, stream_options={"include_usage": True})
+    else:
+        stream = oai.completions.create(model="echo_llm", prompt="one two", stream=True,
+                                        stream_options={"include_usage": True})
+    chunks = list(stream)
+    *pieces, last = chunks
+    assert last.choices == [] and last.usage is not None
+    prompt_words = 4 if chat else 2  # chat: the prompt "user: one two\nassistant:"
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == \
+        (prompt_words, 3, prompt_words + 3)
+    assert all(c.usage is None and len(c.choices) == 1 for c in pieces)
+    text = "".join((c.choices[0].delta.content or "") if chat else c.choices[0].text for c in pieces)
+    assert text == "one two [end]"
+
+
+def test_stream_options_without_stream_is_refused(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="echo_llm", prompt="x", stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
+
+
+def test_base64_embeddings_decode_to_the_float_ones(oai):
+    texts = ["shared memory", "gpu"]
+    floats = oai.embeddings.create(model="text_embedding", input=texts, encoding_format="float")
+    encoded = oai.embeddings.create(model="text_embedding", input=texts, encoding_format="base64")
+    assert all(isinstance(d.embedding, str) for d in encoded.data)
+    for f, b in zip(floats.data, encoded.data):
+        decoded = np.frombuffer(base64.b64decode(b.embedding), dtype="<f4")
+        assert decoded.tolist() == np.array(f.embedding, dtype="<f4").tolist()
+    by_default = oai.embeddings.create(model="text_embedding", input=texts)  # the SDK asks for base64, decodes
+    assert [d.embedding for d in by_default.data] == [d.embedding for d in floats.data]
+
+
+def test_embedding_fields_are_checked(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.embeddings.create(model="text_embedding", input="x", encoding_format="hex")
+    assert e.value.body["param"] == "encoding_format"
+    assert len(oai.embeddings.create(model="text_embedding", input="x", dimensions=64).data[0].embedding) == 64
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.embeddings.create(model="text_embedding", input="x", dimensions=8)
+    assert e.value.body["param"] == "dimensions" and "64" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda c: c.chat.completions.create(model="text_embedding", messages=CHAT), "not a generative model"),
+    (lambda c: c.completions.create(model="text_embedding", prompt="x"), "not a generative model"),
+    (lambda c: c.completions.create(model="add_sub", prompt="x"), "not a generative model"),
+    (lambda c: c.embeddings.create(model="echo_llm", input="x"), "not an embedding model"),
+])
+def test_a_model_of_the_wrong_kind_is_a_400_that_says_why(oai, call, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        call(oai)
+    error = e.value.body
+    assert error["param"] == "model" and needle in error["message"], error
+    model = "echo_llm" if "embedding model" in needle else ("add_sub" if "add_sub" in error["message"]
+                                                               else "text_embedding")
+    assert f"'{model}'" in error["message"], error

@@ -282,6 +282,19 @@ def test_an_ensemble_hit_runs_no_step(cache_server):
         {"executions": 1, "inferences": 1, "success": 1, "hits": 0, "misses": 0}
 
 
+def test_an_ensemble_hit_is_classified_like_its_answer(cache_server):
+    """The ensemble's cache holds its outputs; the broker classifies a hit as it does a run."""
+    x = np.array([[1.0, 4.0, 2.0, 3.0]], dtype=np.float32) + next(_seeds)
+    top2 = [httpclient.InferRequestedOutput("Y", class_count=2)]
+    infer(cache_server, "ensemble_cached", x, [httpclient.InferRequestedOutput("Y")])  # stored
+    before = counts(cache_server, "ensemble_cached")
+    classified = infer(cache_server, "ensemble_cached", x, top2)
+    assert delta(before, counts(cache_server, "ensemble_cached"))["hits"] == 1
+    expected = infer(cache_server, "uncached", x * 2, top2)  # the ensemble's Y is uncached's of 2 X
+    assert classified.as_numpy("Y").tolist() == expected.as_numpy("Y").tolist()
+    assert classified.as_numpy("Y").shape == (2,)
+
+
 def test_an_ensemble_s_other_inputs_or_outputs_miss(cache_server):
     x = fresh((2, 3))
     y_only = [httpclient.InferRequestedOutput("Y")]

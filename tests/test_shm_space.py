@@ -134,3 +134,45 @@ def test_room_is_the_free_space_less_what_the_servers_objects_may_still_take(shm
         assert caught.value.errno == 28  # ENOSPC, as the write that would have failed
     finally:
         os.close(fd)
+
+
+def test_the_frontends_segments_exist_from_the_start_so_loads_cannot_take_their_room(server_factory, tmp_path):
+    """The start's check counts every frontend's segment; they are made at start, not at a first
+    request, so the room a load is given never includes a frontend's (the gRPC frontend made its
+    own at its first call, and a later load could overcommit /dev/shm by its size)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for model in (PRODUCT_MODELS / "add_sub", TEST_MODELS / "sleeper"):
+        os.symlink(model, repo / model.name)
+    flags = ["--model-control-mode", "explicit", "--frontend-arena-mb", "16", "--worker-arena-mb", "16"]
+    need = startup_bytes(parse_args(["--model-repository", str(repo), *flags]))
+    each = instance_bytes(16 * MIB)
+    # Room for the start and one instance and a half: with a frontend's 16 MiB not yet made, a
+    # load would see room for two and a half, and sleeper's two instances would be let in.
+    s = SmallShmServer(need + each * 3 // 2, [repo], tmp_path, flags)
+    server_factory.servers.append(s)
+    s.start().wait_ready()
+    status, body = post(s, "/v2/repository/models/sleeper/load")
+    assert status == 400, body
+    assert body["error"].startswith(f"failed to load 'sleeper', the load needs {space.mib(2 * each)}")
+    assert post(s, "/v2/repository/models/add_sub/load") == (200, {})
+    add_sub(s)
+    assert s.stop() == 0, s.log_tail()
+
+
+def test_the_readme_sizes_dev_shm_for_the_repository_it_serves():
+    """The README's container command must hold what model_repository/ starts: the start's
+    segments and one per model instance."""
+    import re
+
+    from shmserve.server.broker.config import instance_count, load_config
+
+    readme = (ROOT / "README.md").read_text()
+    instances = sum(instance_count(load_config(folder, strict=False)) for folder in sorted(PRODUCT_MODELS.iterdir())
+                    if (folder / "config.pbtxt").exists())
+    words = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+    assert f"per model instance ({words[instances]} here" in readme
+    need = startup_bytes(parse_args(["--model-repository", str(PRODUCT_MODELS)])) + instances * instance_bytes(256 * MIB)
+    for doc in (readme, (ROOT / "docs" / "deploy.md").read_text()):
+        sizes = re.findall(r"--shm-size=(\d+)g -p 8000-8002:8000-8002 -v \"\$PWD/model_repository", doc)
+        assert sizes and all(int(g) << 30 >= need for g in sizes), (sizes, need >> 20)

@@ -42,11 +42,14 @@ from shmserve.shm.protocol import (NO_ROOM, ROLE_BROKER, SLOT_DONE, SLOT_FREE, S
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.region_io import StaleRegion
 from shmserve.shm.segment import SegmentCache
-from shmserve.signature import InvalidRequest
+from shmserve.shm.tensors import from_buffer, serialize_bytes
+from shmserve.signature import InvalidRequest, ModelSignature
+from shmserve.workers.classification import ClassificationError, classify, unsupported_type
 
 from .catalog import Catalog
 from .clients import Clients
 from .ensemble_cache import EnsembleCache
+from .ensemble_shapes import converted_shape
 from .instances import Instances
 from .models import Client, ModelVersion
 from .scheduler import Scheduler
@@ -65,8 +68,10 @@ class Step:
 
 
 class EnsemblePlan:
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, labels: dict[str, list[str]] | None = None) -> None:
         self.name = config.name
+        self.batching = config.max_batch_size > 0
+        self.labels = labels or {}  # output -> its label_filename's lines, for classification
         self.steps = [Step(i, s.model_name, str(s.model_version) if s.model_version > 0 else "",
                            dict(s.input_map), dict(s.output_map))
                       for i, s in enumerate(config.ensemble_scheduling.step)]
@@ -133,6 +138,11 @@ class EnsembleRun:
         self.slot = slot
         self.entry = entry
         self.tensors: dict[str, dict] = {t["name"]: t for t in entry["inputs"]}
+        # The batch size each tensor was made with, 0 without batching: Triton converts shapes
+        # between batching and non-batching steps by it (ensemble_shapes.py).
+        request_batch = next((t["shape"][0] for t in entry["inputs"] if t["shape"]), 1) if self.plan.batching else 0
+        self.batch_sizes: dict[str, int] = {name: request_batch for name in self.tensors}
+        self.step_batch: dict[int, int] = {}  # step index -> its request's batch size (0: no batching)
         self.started: set[int] = set()
         self.running = 0
         self.blocks: list[tuple[memoryview, int]] = []  # step responses to free when the run ends
@@ -147,12 +157,17 @@ class EnsembleRun:
                 out.append(step)
         return out
 
-    def step_request(self, step: Step) -> dict:
-        """The request a step's model gets: its inputs are ensemble tensors, wherever they live."""
+    def step_request(self, step: Step, signature: ModelSignature) -> dict:
+        """The request a step's model gets: its inputs are ensemble tensors, wherever they live,
+        shaped for the model's batching."""
         inputs = []
+        batching = signature.max_batch_size > 0
         for model_input, tensor in step.input_map.items():
             t = self.tensors[tensor]
-            inputs.append({**t, "name": model_input})
+            spec = signature.inputs.get(model_input)
+            shape = t["shape"] if spec is None else \
+                converted_shape(spec.dims, batching, self.batch_sizes[tensor], t["shape"])
+            inputs.append({**t, "name": model_input, "shape": shape})
         return {"id": self.entry.get("id", ""), "params": self.entry.get("params"),
                 "corr": self.entry.get("corr", 0), "flags": self.entry.get("flags", 0), "inputs": inputs,
                 "outputs": [{"name": n} for n in step.output_map]}
@@ -213,9 +228,10 @@ class Ensembles:
             run.started.add(step.index)
             try:
                 mv = self.catalog.find_version(step.model, step.version, inference=True)
-                request = run.step_request(step)
                 assert mv.signature is not None
+                request = run.step_request(step, mv.signature)
                 batch = mv.signature.check_inputs(request["inputs"], request.get("id", ""))
+                run.step_batch[step.index] = batch if mv.signature.max_batch_size > 0 else 0
             except InvalidRequest as e:
                 self._fail_run(run, step, e.status, str(e))
                 return
@@ -271,14 +287,17 @@ class Ensembles:
                 if name:
                     run.tensors[name] = {"name": name, "datatype": o["datatype"], "shape": o["shape"],
                                          "seg": owner.name, "off": data_start + o["off"], "size": o["size"]}
+                    run.batch_sizes[name] = run.step_batch[step.index]
             self._advance(run)
 
-    def _fail_run(self, run: EnsembleRun, step: Step, status: int, message: str) -> None:
+    def _fail_run(self, run: EnsembleRun, step: Step | None, status: int, message: str) -> None:
+        """Answer the run's error and free what it holds: named after the ensemble and the step that
+        failed, or as it is without a step (a classification refused, in Triton's words as for a model)."""
         if not run.failed:
             run.failed = True
             run.version.stats.fail("BACKEND", 1)
-            self.clients.reply(run.client, run.slot, status,
-                               {"error": f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"})
+            text = message if step is None else f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"
+            self.clients.reply(run.client, run.slot, status, {"error": text})
         self._release_run(run)
 
     @staticmethod
@@ -294,10 +313,15 @@ class Ensembles:
         """Answer the ensemble's outputs (stored in the response cache first, after a miss) and free
         the steps'."""
         outputs: list[Output] = []
+        signature = run.version.signature
+        assert signature is not None
         try:
             for name in run.wanted():
                 t = run.tensors[name]
-                outputs.append((name, t["datatype"], t["shape"], self._tensor_bytes(t)))
+                spec = signature.outputs.get(name)
+                shape = t["shape"] if spec is None else \
+                    converted_shape(spec.dims, run.plan.batching, run.batch_sizes[name], t["shape"])
+                outputs.append((name, t["datatype"], shape, self._tensor_bytes(t)))
         except (ValueError, OSError, posix_ipc.Error) as e:  # an input in a region its client truncated
             self._fail_run(run, run.plan.steps[-1], 400 if isinstance(e, StaleRegion) else 500, str(e))
             return
@@ -309,6 +333,28 @@ class Ensembles:
             arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
             run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
             self._release_run(run)
+
+    @staticmethod
+    def _classified(run: EnsembleRun, outputs: list[Output]) -> list[Output]:
+        """The outputs with those the request asked classification of replaced by their top
+        classes, as a model's worker answers them (workers/classification.py), labelled by the
+        ensemble's own label files as in Triton."""
+        classes = {o["name"]: o["class"] for o in run.entry.get("outputs") or () if "class" in o}
+        if not classes:
+            return outputs
+        out: list[Output] = []
+        for name, datatype, shape, data in outputs:
+            if name in classes:
+                if datatype == "BYTES":  # refused before its strings are decoded
+                    raise unsupported_type(datatype)
+                try:
+                    arr = from_buffer(memoryview(data), datatype, shape)
+                except (ValueError, KeyError, TypeError) as e:  # a shape its bytes do not fill
+                    raise ClassificationError(f"output '{name}': {e}") from None
+                top = classify(name, arr, classes[name], run.plan.batching, run.plan.labels.get(name))
+                datatype, shape, data = "BYTES", list(top.shape), serialize_bytes(top)
+            out.append((name, datatype, shape, data))
+        return out
 
     def _tensor_bytes(self, t: dict) -> Any:
         """A tensor's bytes: a view of a step's output in its worker's arena; a copy of an
@@ -322,6 +368,11 @@ class Ensembles:
         """Copy the outputs into one answer (or the client's regions) and complete the client's
         slot; False when the run failed instead (its error answered)."""
         placed = {o["name"]: o for o in run.entry.get("outputs") or () if "seg" in o}
+        try:
+            outputs = self._classified(run, outputs)
+        except ClassificationError as e:
+            self._fail_run(run, None, 400, str(e))
+            return False
         outs, chunks, pos = [], [], 0
         for name, datatype, shape, data in outputs:
             size = len(data)

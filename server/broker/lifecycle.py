@@ -29,6 +29,7 @@ from shmserve.batching import DynamicBatcher, batches_on_worker
 from shmserve.shm.protocol import W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY
 from shmserve.shm.waker import Waker
 from shmserve.workers.backend import BUILT_IN, installed_backends
+from shmserve.workers.classification import load_labels
 
 from . import config as cfgmod
 from . import instance_update
@@ -283,7 +284,12 @@ class Lifecycle:
 
     def _load_ensemble(self, mv: ModelVersion) -> None:
         """An ensemble has no workers: it is ready at once, and its step models load with it."""
-        mv.ensemble = EnsemblePlan(mv.config)
+        try:
+            # Triton labels an ensemble's outputs with the ensemble's own label files
+            labels = load_labels(mv.config_dict, Path(mv.model_dir))
+        except ValueError:  # gone since the load was planned (load_plan.py refuses an unreadable one)
+            labels = {}
+        mv.ensemble = EnsemblePlan(mv.config, labels)
         mv.state = State.READY
         log.info("successfully loaded '%s' version %d (ensemble of %s)", mv.name, mv.version,
                  ", ".join(mv.ensemble.dependencies()))

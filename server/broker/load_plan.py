@@ -1,7 +1,9 @@
 """What a load asks for, read and checked before anything starts: the config (the override the
 repository API was given, or the folder's), the versions its policy selects, its parameters, and
 what Triton refuses at this point (an invalid config, resources the rate limiter cannot give, a
-loop of ensembles, the response cache on an ensemble that reaches a decoupled model). Warnings
+loop of ensembles, the response cache on an ensemble that reaches a decoupled model, an
+ensemble allowing larger batches than a batching step or passing tensors its steps do not take,
+a label file it cannot read). Warnings
 about fields shmserve does not act on are logged here too.
 """
 from __future__ import annotations
@@ -11,11 +13,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from shmserve.workers.classification import load_labels
+
 from . import config as cfgmod
 from . import response_cache, unsupported
 from .canary import CanaryPolicy
 from .catalog import Catalog
 from .ensemble import find_cycle, step_models
+from .ensemble_steps import steps_refusal
 from .options import BrokerOptions
 from .rate_limiter import Needs, RateLimiter, needs_of
 
@@ -67,9 +72,13 @@ class LoadPlanner:
             cycle = find_cycle(name, {**graph, name: step_models(config)})
             if cycle:
                 raise cfgmod.ConfigError(cycle)
-            why = response_cache.ensemble_refusal(config, reached)
+            why = response_cache.ensemble_refusal(config, reached) or steps_refusal(config, reached)
             if why:
                 raise cfgmod.ConfigError(why)
+            try:
+                load_labels(cfgmod.to_dict(config), model_dir)  # the ensemble's own, for classification
+            except ValueError as e:
+                raise cfgmod.ConfigError(f"model '{name}': {e}") from None
         try:
             parameters = cfgmod.string_parameters(config)
             return LoadPlan(config, versions, CanaryPolicy.from_parameters(parameters),

@@ -33,6 +33,8 @@ from .limits import descriptors_problem
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .metadata import EXTENSIONS
 from .openai import OpenAIFront
+from .openai_errors import OpenAIError, is_openai_path
+from .openai_errors import error_response as openai_error_response
 from .openapi import openapi_endpoint
 from .restricted import passed_group
 from .settings import logging_endpoint, trace_endpoint
@@ -398,20 +400,25 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
         Route("/v2/cudasharedmemory/status", fe.cuda_status),
         # OpenAI-compatible endpoints over text models (openai.py)
         Route("/v1/models", fe.openai.models),
+        Route("/v1/models/{model}", fe.openai.model),
         Route("/v1/completions", fe.openai.completions, methods=["POST"]),
         Route("/v1/chat/completions", fe.openai.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", fe.openai.embeddings, methods=["POST"]),
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        fe.link.open_early()
         fe.tracer.start()
         yield
         fe.tracer.stop()
         fe.link.close()
 
     async def http_error(request: Request, exc: Exception) -> Response:
-        """404 and 405 as JSON errors like every other answer (405 keeps its Allow header)."""
+        """404 and 405 as JSON errors like every other answer (405 keeps its Allow header); in
+        OpenAI's form under /v1/."""
         assert isinstance(exc, HTTPException)
+        if is_openai_path(request.url.path):
+            return openai_error_response(OpenAIError(exc.status_code, exc.detail), exc.headers)
         return Response(orjson.dumps({"error": exc.detail}), status_code=exc.status_code, headers=exc.headers,
                         media_type=JSON)
 

@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 from .codec import BadRequest
 from .inference import JSON_HEADER, Headers, Inference, too_large
 from .ingest import BodyIngest, header_length
+from .openai_errors import error_body, is_openai_path
 from .tracing import RECEIVED, RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer
 
 
@@ -212,17 +213,18 @@ async def read_or_refuse(scope: dict, receive: Any, send: Any, limit: int) -> by
     try:
         return await read_body(scope, receive, limit)
     except BadRequest as e:  # too large: the rest of the body is not read (protocol.py)
-        await send_error(send, e, close=True)
+        await send_error(send, e, close=True, openai=is_openai_path(scope["path"]))
         return None
 
 
 CLOSE_HEADER = (b"connection", b"close")
 
 
-async def send_error(send: Any, e: BadRequest, close: bool = False) -> None:
-    """The JSON error answer; ``close`` for a request whose body was left unread: its connection
-    ends (protocol.py drops the rest for a moment, so the client still reads this answer)."""
-    out = orjson.dumps({"error": str(e)})
+async def send_error(send: Any, e: BadRequest, close: bool = False, openai: bool = False) -> None:
+    """The JSON error answer (``openai``: in OpenAI's form); ``close`` for a request whose body was
+    left unread: its connection ends (protocol.py drops the rest for a moment, so the client still
+    reads this answer)."""
+    out = error_body(e.status, str(e)) if openai else orjson.dumps({"error": str(e)})
     headers = [JSON_HEADER, (b"content-length", b"%d" % len(out))]
     if close:
         headers.append(CLOSE_HEADER)

@@ -120,6 +120,15 @@ class BrokerLink:
         self._timer = loop.call_later(LIVENESS_CHECK_S, self._check)
         return conn
 
+    def open_early(self) -> None:
+        """Make this frontend's client segment at start rather than at its first request: the
+        launcher counted it in /dev/shm's room at start, and the broker's room check for a load
+        counts only segments that exist, so one made later could take room a load was given."""
+        try:
+            self.connection()
+        except BrokerError as e:  # the broker not there (yet): the first request connects
+            log.warning("not connected to the broker at start (%s); the first request will connect", e)
+
     def _on_readable(self) -> None:
         conn = self._conn
         if conn is not None:

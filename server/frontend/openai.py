@@ -10,13 +10,20 @@ models that follow Triton's conventions for text, as Triton's OpenAI frontend do
 - Chat: the messages become one prompt, a line ``<role>: <content>`` each and ``assistant:``
   last (no tokenizer or chat template is applied), unless the model declares a ``messages``
   input, which then gets the messages as JSON.
-- Embeddings: the model's first BYTES input gets each text, its first output is the vector.
+- Embeddings: the model's first BYTES input gets each text, its first output is the vector
+  (``encoding_format: "base64"``: its float32 values, little-endian, in base64, as OpenAI sends).
+
+A model's kind is read from its config: a generative model gives a BYTES ``text_output`` (and takes
+``text_input``, or ``messages`` for chat); an embedding model takes a BYTES input and its first
+output is numeric. A route asked for a model of the other kind answers 400 naming the model and why.
 
 Token counts in ``usage`` are the number of pieces the model sent (its own tokens), and the
 prompt's whitespace-separated words: shmserve has no tokenizer of the model.
 """
 from __future__ import annotations
 
+import base64
+import struct
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -31,8 +38,8 @@ from .codec import BadRequest, parse_json
 from .disconnect import ClientGone, unless_gone
 from .generate import build_generate_request, output_values
 from .link import BrokerError, BrokerLink
+from .openai_errors import JSON, MODEL_NOT_FOUND, OpenAIError, error_body, error_response
 
-JSON = "application/json"
 FORWARDED = ("max_tokens", "stream", "temperature", "top_p", "seed", "stop")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 INT32_MAX, INT64_MIN, INT64_MAX = (1 << 31) - 1, -(1 << 63), (1 << 63) - 1
@@ -42,17 +49,8 @@ INTEGERS = {"max_tokens": (1, INT32_MAX), "max_completion_tokens": (1, INT32_MAX
 NUMBERS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
            "frequency_penalty": (-2.0, 2.0)}
 BOOLEANS = ("stream", "echo", "logprobs")
-
-
-def openai_error(status: int, message: str, kind: str = "invalid_request_error") -> Response:
-    return Response(orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}),
-                    status_code=status, media_type=JSON)
-
-
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+ENCODINGS = ("float", "base64")
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the texts of one embeddings request
 
 
 class OpenAIFront:
@@ -60,16 +58,38 @@ class OpenAIFront:
 
     def __init__(self, link: BrokerLink) -> None:
         self.link = link
+        self.created = int(time.time())  # a model's 'created': when this frontend started
 
     async def models(self, request: Request) -> Response:
-        status, index = await self.link.control({"op": "repository_index", "ready": True})
+        try:
+            names = await self._ready_models()
+        except OpenAIError as e:
+            return error_response(e)
+        return Response(orjson.dumps({"object": "list", "data": [self._model_object(n) for n in names]}),
+                        media_type=JSON)
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}``: one ready model, as ``client.models.retrieve`` parses it."""
+        model = request.path_params["model"]
+        try:
+            if model not in await self._ready_models():
+                raise OpenAIError(404, f"The model '{model}' does not exist or is not ready", "model",
+                                  MODEL_NOT_FOUND)
+        except OpenAIError as e:
+            return error_response(e)
+        return Response(orjson.dumps(self._model_object(model)), media_type=JSON)
+
+    async def _ready_models(self) -> list[str]:
+        try:
+            status, index = await self.link.control({"op": "repository_index", "ready": True})
+        except BrokerError as e:
+            raise OpenAIError(e.status, str(e)) from None
         if status != 200:
-            return openai_error(status, "the model index is not available", "server_error")
-        names = sorted({m["name"] for m in index})
-        created = int(time.time())
-        return Response(orjson.dumps({"object": "list", "data": [
-            {"id": n, "object": "model", "created": created, "owned_by": "shmserve"} for n in names]}),
-            media_type=JSON)
+            raise OpenAIError(status if status >= 500 else 503, "the model index is not available")
+        return sorted({m["name"] for m in index})
+
+    def _model_object(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "shmserve"}
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -80,15 +100,9 @@ class OpenAIFront:
     async def embeddings(self, request: Request) -> Response:
         try:
             body = await _body(request)
+            texts, encoding, dimensions = embedding_fields(body)
             model, config = await self._model(body)
-            texts = body.get("input")
-            texts = [texts] if isinstance(texts, str) else texts
-            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-                raise OpenAIError(400, "'input' must be a string or a list of strings")
-            text_input = next((t["name"] for t in config.get("input", []) if t.get("data_type") == "TYPE_STRING"),
-                              None)
-            if text_input is None:
-                raise OpenAIError(400, f"model '{model}' has no BYTES input to embed text with")
+            text_input = embedding_input(model, config)
             data = []
             for i, text in enumerate(texts):
                 pieces = await unless_gone(self._collect(self._start(model, {text_input: text}, config)),
@@ -96,10 +110,13 @@ class OpenAIFront:
                 if len(pieces) != 1:
                     raise OpenAIError(500, f"model '{model}' gave {len(pieces)} responses for one text")
                 vector = next(iter(pieces[0].values()), [])
-                data.append({"object": "embedding", "index": i,
-                             "embedding": vector if isinstance(vector, list) else [vector]})
+                vector = [float(v) for v in (vector if isinstance(vector, list) else [vector])]
+                if dimensions is not None and dimensions != len(vector):
+                    raise OpenAIError(400, f"model '{model}' gives {len(vector)}-dimensional vectors: "
+                                           f"'dimensions' must be {len(vector)} or left out", "dimensions")
+                data.append({"object": "embedding", "index": i, "embedding": _encoded(vector, encoding)})
         except OpenAIError as e:
-            return openai_error(e.status, str(e))
+            return error_response(e)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
         words = sum(len(t.split()) for t in texts)
@@ -111,18 +128,20 @@ class OpenAIFront:
         try:
             body = await _body(request)
             model, config = await self._model(body)
+            check_generative(model, config, chat)
             inputs = {t["name"] for t in config.get("input", [])}
             doc = _generate_doc(body, chat, inputs)
             events = self._start(model, doc, config)
         except OpenAIError as e:
-            return openai_error(e.status, str(e))
-        reply = _Reply(model, chat, prompt_words=len(str(doc.get("text_input", "")).split()))
+            return error_response(e)
+        usage = bool(body.get("stream") and (body.get("stream_options") or {}).get("include_usage"))
+        reply = _Reply(model, chat, prompt_words=len(str(doc.get("text_input", "")).split()), stream_usage=usage)
         if body.get("stream"):
             return StreamingResponse(self._sse(events, reply), media_type="text/event-stream")
         try:
             pieces = await unless_gone(self._collect(events), request.receive)
         except OpenAIError as e:
-            return openai_error(e.status, str(e))
+            return error_response(e)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
         text = "".join(_text(p) for p in pieces)
@@ -138,8 +157,7 @@ class OpenAIFront:
                 try:
                     doc = completion.doc()
                     if completion.status != 200:
-                        yield _event({"error": {"message": doc.get("error", "inference failed"),
-                                                "type": "server_error", "param": None, "code": None}})
+                        yield b"data: " + error_body(completion.status, doc.get("error", "inference failed")) + b"\n\n"
                         return
                     piece = None if final and not doc.get("outputs") else \
                         _text(output_values(doc, completion.tensor))
@@ -151,6 +169,8 @@ class OpenAIFront:
                 if final:
                     break
             yield _event(reply.chunk({} if reply.chat else "", "stop"))
+            if reply.stream_usage:  # stream_options.include_usage: OpenAI's last chunk, no choices
+                yield _event({**reply.chunk(None, None), "choices": [], "usage": reply.usage(count)})
             yield b"data: [DONE]\n\n"
         finally:
             events.close()
@@ -158,13 +178,16 @@ class OpenAIFront:
     async def _model(self, body: dict) -> tuple[str, dict]:
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise OpenAIError(400, "'model' must name a model")
+            raise OpenAIError(400, "'model' must name a model", "model")
         try:
             status, config = await self.link.control({"op": "model_config", "model": model, "version": ""})
         except BrokerError as e:
             raise OpenAIError(e.status, str(e)) from None
+        if status == 404:
+            raise OpenAIError(404, config.get("error", f"The model '{model}' does not exist"), "model",
+                              MODEL_NOT_FOUND)
         if status != 200:
-            raise OpenAIError(status, config.get("error", f"The model '{model}' does not exist"))
+            raise OpenAIError(status, config.get("error", f"model '{model}' is not available"))
         return model, config
 
     def _start(self, model: str, doc: dict, config: dict) -> StreamEvents:
@@ -203,10 +226,15 @@ class OpenAIFront:
 class _Reply:
     """The OpenAI objects of one generation: a whole answer, or the chunks of a stream."""
 
-    def __init__(self, model: str, chat: bool, prompt_words: int) -> None:
+    def __init__(self, model: str, chat: bool, prompt_words: int, stream_usage: bool = False) -> None:
         self.model, self.chat, self.prompt_words = model, chat, prompt_words
+        self.stream_usage = stream_usage  # every chunk carries 'usage' (null but in the last)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+
+    def usage(self, pieces: int) -> dict:
+        return {"prompt_tokens": self.prompt_words, "completion_tokens": pieces,
+                "total_tokens": self.prompt_words + pieces}
 
     def whole(self, text: str, pieces: int, max_tokens: Any) -> dict:
         finish = "length" if isinstance(max_tokens, int) and pieces >= max_tokens > 0 else "stop"
@@ -215,10 +243,8 @@ class _Reply:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        usage = {"prompt_tokens": self.prompt_words, "completion_tokens": pieces,
-                 "total_tokens": self.prompt_words + pieces}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": usage}
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(pieces)}
 
     def chunk(self, delta: Any, finish: str | None) -> dict:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -226,8 +252,11 @@ class _Reply:
             choice["delta"] = delta
         else:
             choice["text"] = delta
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice]}
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [choice]}
+        if self.stream_usage:
+            out["usage"] = None
+        return out
 
 
 async def _body(request: Request) -> dict:
@@ -250,20 +279,93 @@ def check_fields(body: dict) -> None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             if key == "n":
-                raise OpenAIError(400, "only n=1 is supported")
-            raise OpenAIError(400, f"'{key}' must be an integer from {low} to {high}")
+                raise OpenAIError(400, "only n=1 is supported", key)
+            raise OpenAIError(400, f"'{key}' must be an integer from {low} to {high}", key)
     for key, (lo, hi) in NUMBERS.items():
         value = body.get(key)
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                   or not lo <= value <= hi):
-            raise OpenAIError(400, f"'{key}' must be a number from {lo:g} to {hi:g}")
+            raise OpenAIError(400, f"'{key}' must be a number from {lo:g} to {hi:g}", key)
     for key in BOOLEANS:
         if body.get(key) is not None and not isinstance(body[key], bool):
-            raise OpenAIError(400, f"'{key}' must be a boolean (true or false)")
+            raise OpenAIError(400, f"'{key}' must be a boolean (true or false)", key)
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and 0 < len(stop) <= 4 and all(isinstance(s, str) for s in stop)):
-        raise OpenAIError(400, "'stop' must be a string or a list of 1 to 4 strings")
+        raise OpenAIError(400, "'stop' must be a string or a list of 1 to 4 strings", "stop")
+    options = body.get("stream_options")
+    if options is not None:
+        if not body.get("stream"):
+            raise OpenAIError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise OpenAIError(400, "'stream_options' must be an object whose 'include_usage' is a boolean",
+                              "stream_options")
+
+
+def embedding_fields(body: dict) -> tuple[list[str], str, int | None]:
+    """An embeddings request's texts, ``encoding_format`` and ``dimensions``, checked as OpenAI
+    does (token arrays are refused: shmserve has no tokenizer of the model)."""
+    texts = body.get("input")
+    texts = [texts] if isinstance(texts, str) else texts
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise OpenAIError(400, "'input' must be a string or a list of strings", "input")
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise OpenAIError(400, f"'input' must have at most {MAX_EMBEDDING_INPUTS} texts", "input")
+    encoding = body.get("encoding_format")
+    encoding = "float" if encoding is None else encoding
+    if encoding not in ENCODINGS:
+        raise OpenAIError(400, "'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)
+                                   or not 1 <= dimensions <= INT32_MAX):
+        raise OpenAIError(400, "'dimensions' must be a positive integer", "dimensions")
+    return texts, encoding, dimensions
+
+
+def _gives_text(config: dict) -> bool:
+    return any(o.get("name") == "text_output" and o.get("data_type") == "TYPE_STRING"
+               for o in config.get("output", []))
+
+
+def _text_inputs(config: dict) -> list[str]:
+    return [t["name"] for t in config.get("input", []) if t.get("data_type") == "TYPE_STRING"]
+
+
+def check_generative(model: str, config: dict, chat: bool) -> None:
+    """Refuse (400) a model that is not generative (see the module's docstring)."""
+    if not _gives_text(config):
+        hint = "; use /v1/embeddings for an embedding model" if _text_inputs(config) else ""
+        raise OpenAIError(400, f"model '{model}' is not a generative model: it gives no BYTES output "
+                               f"'text_output'{hint}", "model")
+    wanted = ("text_input", "messages") if chat else ("text_input",)
+    if not set(wanted) & set(_text_inputs(config)):
+        raise OpenAIError(400, f"model '{model}' is not a generative model for this route: it takes no BYTES "
+                               f"input {' or '.join(repr(w) for w in wanted)}", "model")
+
+
+def embedding_input(model: str, config: dict) -> str:
+    """The input an embedding model takes its text on; 400 for a model of another kind."""
+    inputs = _text_inputs(config)
+    if not inputs:
+        raise OpenAIError(400, f"model '{model}' has no BYTES input to embed text with", "model")
+    if _gives_text(config):
+        raise OpenAIError(400, f"model '{model}' is not an embedding model: it is a generative model (it gives "
+                               f"'text_output'); use /v1/completions or /v1/chat/completions", "model")
+    outputs = config.get("output", [])
+    if not outputs or outputs[0].get("data_type") in ("TYPE_STRING", "TYPE_BOOL"):
+        raise OpenAIError(400, f"model '{model}' is not an embedding model: its first output is not a "
+                               f"numeric vector", "model")
+    return inputs[0]
+
+
+def _encoded(vector: list[float], encoding: str) -> list[float] | str:
+    """``base64``: the float32 values, little-endian, in base64 (what the openai package decodes)."""
+    if encoding == "float":
+        return vector
+    try:
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    except OverflowError:
+        raise OpenAIError(500, "the model's vector has values out of float32's range (use 'float')") from None
 
 
 def _generate_doc(body: dict, chat: bool, inputs: set[str]) -> dict:
@@ -273,11 +375,11 @@ def _generate_doc(body: dict, chat: bool, inputs: set[str]) -> dict:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in messages):
-            raise OpenAIError(400, "'messages' must be a list of {role, content} objects")
+            raise OpenAIError(400, "'messages' must be a list of {role, content} objects", "messages")
         for i, m in enumerate(messages):
             if m.get("role") not in ROLES:
                 raise OpenAIError(400, f"messages[{i}]: 'role' must be one of {', '.join(ROLES)}, "
-                                       f"not {orjson.dumps(m.get('role')).decode()[:64]}")
+                                       f"not {orjson.dumps(m.get('role')).decode()[:64]}", f"messages[{i}].role")
         if "messages" in inputs:
             doc["messages"] = orjson.dumps(messages).decode()
         else:
@@ -288,7 +390,7 @@ def _generate_doc(body: dict, chat: bool, inputs: set[str]) -> dict:
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            raise OpenAIError(400, "'prompt' must be a string (one prompt per request)")
+            raise OpenAIError(400, "'prompt' must be a string (one prompt per request)", "prompt")
         doc["text_input"] = prompt
     for key in FORWARDED:
         value = body.get(key)

@@ -78,8 +78,10 @@ def _schemas() -> dict[str, Any]:
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
         "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["message", "type"],
-            "properties": {"message": {"type": "string"}, "type": {"type": "string"}}}}},
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": "string", "nullable": True},
+                           "code": {"type": "string", "nullable": True}}}}},
         "ServerMetadata": {"type": "object", "required": ["name", "version", "extensions"], "properties": {
             "name": {"type": "string"}, "version": {"type": "string"},
             "extensions": {"type": "array", "items": {"type": "string"}}}},
@@ -279,6 +281,8 @@ def _openai_paths() -> dict[str, Any]:
                  "content": {JSON: {"schema": answer}, "text/event-stream": {"schema": {"type": "string"}}}}
     return {
         "/v1/models": {"get": op("OpenAI: the ready models", _json(answer, "a list of models"), body=False)},
+        "/v1/models/{model}": {"parameters": [MODEL],
+                               "get": op("OpenAI: one ready model", _json(answer, "the model"), body=False)},
         "/v1/completions": {"post": op("OpenAI: text completion", generated)},
         "/v1/chat/completions": {"post": op("OpenAI: chat completion", generated)},
         "/v1/embeddings": {"post": op("OpenAI: embeddings", _json(answer, "one vector per input"))},

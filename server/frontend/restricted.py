@@ -12,6 +12,8 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
+from .openai_errors import error_body, is_openai_path
+
 CATEGORIES = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
               "statistics", "trace", "logging")
 Restrictions = dict[str, tuple[str, str]]  # category -> (header name, lower case; value)
@@ -29,7 +31,7 @@ _RULES = [
     (re.compile(rf"^{_MODEL}/(?:infer|generate|generate_stream)/?$"), "inference"),
     (re.compile(rf"^(?:/v2|/v2/openapi\.json|{_MODEL})/?$"), "metadata"),
     (re.compile(r"^/v1/(?:completions|chat/completions|embeddings)/?$"), "inference"),  # openai.py
-    (re.compile(r"^/v1/models/?$"), "metadata"),
+    (re.compile(r"^/v1/models(?:/[^/]+)?/?$"), "metadata"),
 ]
 
 
@@ -85,7 +87,9 @@ def restrict(app: ASGIApp, restrictions: dict[str, Any]) -> ASGIApp:
             if rule is not None:
                 key, expected = rule
                 if dict(scope["headers"]).get(key) != expected:
-                    body = orjson.dumps({"error": f"This API is restricted, expecting header '{key.decode()}'"})
+                    message = f"This API is restricted, expecting header '{key.decode()}'"
+                    body = error_body(403, message) if is_openai_path(scope["path"]) else \
+                        orjson.dumps({"error": message})
                     await send({"type": "http.response.start", "status": 403,
                                 "headers": [(b"content-type", b"application/json"),
                                             (b"content-length", str(len(body)).encode())]})

@@ -70,6 +70,7 @@ async def serve(spec: dict) -> int:
     except (RuntimeError, ValueError) as e:
         log.error("cannot serve gRPC on %s:%s: %s", spec["address"], spec["port"], e)
         return 1
+    link.open_early()
     await server.start()
     tracer.start()
     log.info("serving gRPC on %s", address)
