@@ -4,47 +4,29 @@ full run (1,000 reloads, 1,000 clients, 200 kills) is ``python -m shmserve.tools
 (docs/performance.md)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 
 import numpy as np
 import tritonclient.http as httpclient
 
-from conftest import PYTHON, cmdline, descendants, wait_until
+from conftest import cmdline, wait_until
 from shmserve import Client
+from shmserve.tools.churn import lasting, reload_config, write_model
 from shmserve.tools.harness import rss_bytes
 
-MODEL_PY = """import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())])
-                for r in requests]
-"""
-CONFIG = {"name": "m", "backend": "python", "max_batch_size": 0,
-          "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [4]}],
-          "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [4]}]}
 LIMIT = 10 << 20  # the issue's bound for every process
 
 
-def lasting(server) -> dict[int, str]:
-    """The server's processes that live as long as it does: all but the workers."""
-    return {p: cmdline(p) for p in [server.pid, *descendants(server.pid)] if " worker " not in cmdline(p)}
-
-
 def test_reloads_clients_and_kills_leave_each_process_where_it_was(server_factory, tmp_path):
-    (tmp_path / "m" / "1").mkdir(parents=True)
-    (tmp_path / "m" / "1" / "model.py").write_text(MODEL_PY)
-    (tmp_path / "m" / "config.pbtxt").write_text('name: "m"\nbackend: "python"\n')
+    write_model(tmp_path)
     s = server_factory.start([tmp_path], ["--model-control-mode=explicit"])
     c = s.client()
     x = httpclient.InferInput("X", [4], "FP32")
     x.set_data_from_numpy(np.ones(4, np.float32))
 
     def reload(i: int) -> None:
-        c.load_model("m", config=json.dumps({**CONFIG, "parameters": {"generation": {"string_value": str(i)}}}))
+        c.load_model("m", config=reload_config(i))
         for _ in range(3):
             np.testing.assert_array_equal(c.infer("m", [x]).as_numpy("Y"), np.ones(4, np.float32))
 
@@ -56,7 +38,7 @@ def test_reloads_clients_and_kills_leave_each_process_where_it_was(server_factor
     for i in range(5):  # warm-up: every lasting process has built what it keeps
         reload(i)
     churn_clients(10)
-    before = {p: rss_bytes([p]) for p in lasting(s)}
+    before = {p: rss_bytes([p]) for p in lasting(s.pid)}
     for i in range(5, 45):
         reload(i)
     churn_clients(100)

@@ -80,18 +80,25 @@ def test_a_server_refuses_a_dev_shm_too_small_for_its_start_in_one_line(tmp_path
         assert how in lines[0]
 
 
-def test_a_load_that_does_not_fit_fails_in_one_line_and_the_server_goes_on(server_factory, tmp_path):
+def start_with_room_for_one_and_a_half(server_factory, tmp_path, frontend_mb: int) -> tuple[Server, int]:
+    """A server (explicit mode, add_sub and sleeper in its repository) whose /dev/shm holds its
+    start and one model instance and a half, with 16 MiB worker arenas; and one instance's bytes."""
     repo = tmp_path / "repo"
     repo.mkdir()
     for model in (PRODUCT_MODELS / "add_sub", TEST_MODELS / "sleeper"):
         os.symlink(model, repo / model.name)
-    flags = ["--model-control-mode", "explicit", "--frontend-arena-mb", "4", "--worker-arena-mb", "16"]
+    flags = ["--model-control-mode", "explicit", "--frontend-arena-mb", str(frontend_mb), "--worker-arena-mb", "16"]
     need = startup_bytes(parse_args(["--model-repository", str(repo), *flags]))
     each = instance_bytes(16 * MIB)
-    # Room for the start and one instance and a half: add_sub's one fits, sleeper's two do not.
     s = SmallShmServer(need + each * 3 // 2, [repo], tmp_path, flags)
     server_factory.servers.append(s)
     s.start().wait_ready()
+    return s, each
+
+
+def test_a_load_that_does_not_fit_fails_in_one_line_and_the_server_goes_on(server_factory, tmp_path):
+    # add_sub's one instance fits, sleeper's two do not.
+    s, each = start_with_room_for_one_and_a_half(server_factory, tmp_path, frontend_mb=4)
 
     assert post(s, "/v2/repository/models/add_sub/load") == (200, {})
     add_sub(s)
@@ -139,19 +146,10 @@ def test_room_is_the_free_space_less_what_the_servers_objects_may_still_take(shm
 def test_the_frontends_segments_exist_from_the_start_so_loads_cannot_take_their_room(server_factory, tmp_path):
     """The start's check counts every frontend's segment; they are made at start, not at a first
     request, so the room a load is given never includes a frontend's (the gRPC frontend made its
-    own at its first call, and a later load could overcommit /dev/shm by its size)."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for model in (PRODUCT_MODELS / "add_sub", TEST_MODELS / "sleeper"):
-        os.symlink(model, repo / model.name)
-    flags = ["--model-control-mode", "explicit", "--frontend-arena-mb", "16", "--worker-arena-mb", "16"]
-    need = startup_bytes(parse_args(["--model-repository", str(repo), *flags]))
-    each = instance_bytes(16 * MIB)
-    # Room for the start and one instance and a half: with a frontend's 16 MiB not yet made, a
-    # load would see room for two and a half, and sleeper's two instances would be let in.
-    s = SmallShmServer(need + each * 3 // 2, [repo], tmp_path, flags)
-    server_factory.servers.append(s)
-    s.start().wait_ready()
+    own at its first call, and a later load could overcommit /dev/shm by its size). With a
+    frontend's 16 MiB not yet made, a load would see room for two instances and a half, and
+    sleeper's two would be let in."""
+    s, each = start_with_room_for_one_and_a_half(server_factory, tmp_path, frontend_mb=16)
     status, body = post(s, "/v2/repository/models/sleeper/load")
     assert status == 400, body
     assert body["error"].startswith(f"failed to load 'sleeper', the load needs {space.mib(2 * each)}")

@@ -34,9 +34,21 @@ CONFIG = {"name": "m", "backend": "python", "max_batch_size": 0,
           "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [4]}]}
 
 
-def lasting(server: ServerProcess) -> dict[int, str]:
+def write_model(repo: Path) -> None:
+    """The one small Python model ``m`` that reloads churn through."""
+    (repo / "m" / "1").mkdir(parents=True)
+    (repo / "m" / "1" / "model.py").write_text(MODEL_PY)
+    (repo / "m" / "config.pbtxt").write_text('name: "m"\nbackend: "python"\n')
+
+
+def reload_config(generation: int) -> str:
+    """``m``'s config, changed by ``generation``: each load of it is a new version in new workers."""
+    return json.dumps({**CONFIG, "parameters": {"generation": {"string_value": str(generation)}}})
+
+
+def lasting(launcher: int) -> dict[int, str]:
     """The server's processes that live as long as it does: all but the workers."""
-    return {p: cmdline(p) for p in [server.proc.pid, *descendants(server.proc.pid)] if " worker " not in cmdline(p)}
+    return {p: cmdline(p) for p in [launcher, *descendants(launcher)] if " worker " not in cmdline(p)}
 
 
 def main() -> int:
@@ -53,9 +65,7 @@ def main() -> int:
     from shmserve import Client
 
     repo = Path(tempfile.mkdtemp(prefix="shmserve-churn-"))
-    (repo / "m" / "1").mkdir(parents=True)
-    (repo / "m" / "1" / "model.py").write_text(MODEL_PY)
-    (repo / "m" / "config.pbtxt").write_text('name: "m"\nbackend: "python"\n')
+    write_model(repo)
     server = ServerProcess([repo], "--model-control-mode=explicit", server_id=f"churn{os.getpid()}",
                            log=repo / "server.log")
     client = h.InferenceServerClient(server.url, network_timeout=120)
@@ -64,7 +74,7 @@ def main() -> int:
     ones = np.ones(4, np.float32)
 
     def reload(i: int) -> None:
-        client.load_model("m", config=json.dumps({**CONFIG, "parameters": {"generation": {"string_value": str(i)}}}))
+        client.load_model("m", config=reload_config(i))
         for _ in range(3):
             assert client.infer("m", [x]).as_numpy("Y").tolist() == ones.tolist()
 
@@ -84,7 +94,7 @@ def main() -> int:
             reload(i)
         for _ in range(10):
             one_client()
-        titles = lasting(server)  # captured now: after the stop the processes are gone
+        titles = lasting(server.proc.pid)  # captured now: after the stop the processes are gone
         before = {pid: rss_bytes([pid]) for pid in titles}
         started = time.monotonic()
         every = max(1, args.reloads // args.kills) if args.kills else 0
