@@ -26,7 +26,7 @@ import time
 
 from shmserve.shm.channel import BrokerSegment
 from shmserve.parent_death import ORPHANED
-from shmserve.shm.names import pid_alive, unlink_all
+from shmserve.shm.names import object_name, pid_alive, unlink_all
 from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import RING_KINDS, Garbage, Record, check_record, read_descriptor
@@ -172,6 +172,8 @@ class Broker:
         if self.cache is not None:
             self.cache.recover()  # a worker that died holding the cache's lock
         self._refuse_reported_clients()
+        # Step outputs of workers now gone (reloaded, restarted) are never read again: unmap them.
+        self.ensembles.segments.drop_unlinked(object_name(self.opts.server_id, "worker", ""))
         for client in list(self.clients.by_name.values()):
             if not pid_alive(client.pid):
                 log.info("client %s (pid %d) died; reclaiming its channel", client.name, client.pid)
