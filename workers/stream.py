@@ -85,19 +85,25 @@ class StreamSender:
             time.sleep(0.0005)
 
     def _finish(self) -> None:
-        """Count the stream, then complete the request's slot: the client then knows no response
-        follows, and statistics read after that already hold this stream. Its regions are let go
-        whatever happens here."""
+        """Count the stream, let go of its regions, then complete the request's slot: the client
+        then knows no response follows, statistics read after that already hold this stream, and
+        a region it unregistered meanwhile is gone from the next status it asks for. Its regions
+        are let go whatever happens here."""
         try:
             self._complete()
         finally:
-            self.holds.let_go(self.held)
+            self._let_go()
+
+    def _let_go(self) -> None:
+        held, self.held = self.held, None
+        self.holds.let_go(held)
 
     def _complete(self) -> None:
         with self.stats_lock:
             self.stats.finished_stream(self.entry.get("t", 0), not self.failed)
             self.stats.flush()
         if self.dropped:  # the client reads shm.protocol.NO_ROOM
+            self._let_go()
             self.client.complete(self.entry["slot"], 503, ROLE_WORKER, self.answers.num, 0, 0)
         else:
             final: dict = {"final": True, "responses": self.sent}
@@ -106,6 +112,7 @@ class StreamSender:
                 final["tr"] = [self.entry["tr"], *self.computing, self.output_start or now, now]
             doc = orjson.dumps(final)
             override, off, total = self.answers.write_block(self.entry, doc, [])
+            self._let_go()
             self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.answers.num, off, total)
 
     def fail(self, status: int, message: str) -> None:
