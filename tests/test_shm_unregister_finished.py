@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor, serialized_byte_size
 
-from conftest import start_shm_server
+from conftest import PRODUCT_MODELS, SHM_MODELS, SHM_SERVER_ARGS, TESTS
 from gates import Gate
 from test_shared_memory import Regions
 
@@ -45,9 +45,19 @@ _WORD_STREAM_THROUGH_THE_BROKER = json.dumps({
     "instance_group": [{"count": 2, "kind": "KIND_CPU"}], "dynamic_batching": {}})
 
 
+# final_in_execute through the broker: a request that ends inside execute, its batch still running.
+_FINAL_IN_EXECUTE_THROUGH_THE_BROKER = json.dumps({
+    "name": "final_in_execute", "backend": "python", "max_batch_size": 4,
+    "model_transaction_policy": {"decoupled": True},
+    "input": [{"name": "X", "data_type": "TYPE_INT32", "dims": [-1]}],
+    "output": [{"name": "SUM", "data_type": "TYPE_INT64", "dims": []}],
+    "instance_group": [{"count": 2, "kind": "KIND_CPU"}], "dynamic_batching": {}})
+
+
 @pytest.fixture(scope="module")
 def shm_server(module_factory):
-    return start_shm_server(module_factory)
+    """The shared-memory test server, with final_in_execute (tests/models/shm_streams) too."""
+    return module_factory.start([PRODUCT_MODELS, SHM_MODELS, TESTS / "models" / "shm_streams"], SHM_SERVER_ARGS)
 
 
 @pytest.fixture
@@ -134,6 +144,80 @@ def test_region_is_gone_once_the_client_has_the_answer(shm_server, regions, prot
     finally:
         if config is not None:
             protocol.client.load_model("slow_reader")  # as the repository has it
+
+
+@pytest.mark.parametrize("config", [None, _SLOW_READER_THROUGH_THE_BROKER], ids=["direct", "through-the-broker"])
+def test_region_is_gone_once_a_stream_has_the_one_response(shm_server, regions, tmp_path, config):
+    """A model that is not decoupled, called on a gRPC stream: its one response is the final one."""
+    client = grpcclient.InferenceServerClient(shm_server.wait_grpc_ready().grpc_url)
+    if config is not None:
+        client.load_model("slow_reader", config=config)
+    answers: queue.Queue = queue.Queue()
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        for i in range(ROUNDS):
+            name = f"fin_one_{i}"
+            size = _register(regions, name, [X])
+            gate = Gate(tmp_path / f"gate{i}")
+            x = grpcclient.InferInput("X", [len(X)] if config is None else [1, len(X)], "INT32")
+            x.set_shared_memory(name, size)
+            client.async_stream_infer("slow_reader", [x], parameters={"sleep_s": 0, "gate": gate.param})
+            try:
+                gate.wait_started(1)
+                client.unregister_system_shared_memory(name)
+                assert list(client.get_system_shared_memory_status(name).regions) == [name]
+            finally:
+                gate.open()
+            result = answers.get(timeout=60)
+            assert not isinstance(result, Exception), str(result)
+            assert result.get_response().parameters["triton_final_response"].bool_param
+            with pytest.raises(InferenceServerException) as e:  # at once: no waiting
+                client.get_system_shared_memory_status(name)
+            assert f"Unable to find system shared memory region: '{name}'" in e.value.message()
+            assert result.as_numpy("SUM").tolist() == [int(X.sum())]
+    finally:
+        client.stop_stream()
+        if config is not None:
+            client.load_model("slow_reader")
+        client.close()
+
+
+@pytest.mark.parametrize("config", [None, _FINAL_IN_EXECUTE_THROUGH_THE_BROKER], ids=["direct", "through-the-broker"])
+def test_region_is_gone_once_a_stream_that_ends_inside_execute_is_final(shm_server, regions, tmp_path, config):
+    """final_in_execute sends its final response from execute and stays there a while: the
+    region is gone when that final response arrives, though the batch still runs."""
+    client = grpcclient.InferenceServerClient(shm_server.wait_grpc_ready().grpc_url)
+    client.load_model("final_in_execute", config=config)  # loaded only here
+    answers: queue.Queue = queue.Queue()
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        for i in range(ROUNDS):
+            name = f"fin_early_{i}"
+            size = _register(regions, name, [X])
+            gate = Gate(tmp_path / f"gate{i}")
+            x = grpcclient.InferInput("X", [len(X)] if config is None else [1, len(X)], "INT32")
+            x.set_shared_memory(name, size)
+            client.async_stream_infer("final_in_execute", [x], enable_empty_final_response=True,
+                                      parameters={"linger_s": 0.5, "gate": gate.param})
+            try:
+                gate.wait_started(1)
+                client.unregister_system_shared_memory(name)
+                assert list(client.get_system_shared_memory_status(name).regions) == [name]
+            finally:
+                gate.open()
+            result = answers.get(timeout=60)
+            assert not isinstance(result, Exception), str(result)
+            assert result.as_numpy("SUM").tolist() == [int(X.sum())]
+            final = answers.get(timeout=60)
+            assert not isinstance(final, Exception), str(final)
+            assert final.get_response().parameters["triton_final_response"].bool_param
+            with pytest.raises(InferenceServerException) as e:  # at once: no waiting
+                client.get_system_shared_memory_status(name)
+            assert f"Unable to find system shared memory region: '{name}'" in e.value.message()
+    finally:
+        client.stop_stream()
+        client.unload_model("final_in_execute")
+        client.close()
 
 
 @pytest.mark.parametrize("config", [None, _WORD_STREAM_THROUGH_THE_BROKER], ids=["direct", "through-the-broker"])
