@@ -5,7 +5,10 @@ the client reads the response; a client that asks for the region's status right 
 ``get_result()`` (or a stream's final response) must find it gone. Each case runs a few rounds
 (the order is what is checked, not timing), over HTTP and gRPC, for a request on a worker's lane
 (slow_reader as it is), one the broker forwards (slow_reader with two instances and the dynamic
-batcher), and a decoupled stream whose sender holds the region until its final response.
+batcher) and an ensemble the broker runs and answers (reader_pipeline); then for gRPC streams: a model that is not decoupled (its one response is final), a
+decoupled model that ends a request inside execute and stays there (final_in_execute: the broker
+holds the batch until execute returns), and one that speaks from a thread after execute returns
+(word_stream: its sender holds the region until the final response).
 """
 from __future__ import annotations
 
@@ -56,8 +59,8 @@ _FINAL_IN_EXECUTE_THROUGH_THE_BROKER = json.dumps({
 
 @pytest.fixture(scope="module")
 def shm_server(module_factory):
-    """The shared-memory test server, with final_in_execute (tests/models/shm_streams) too."""
-    return module_factory.start([PRODUCT_MODELS, SHM_MODELS, TESTS / "models" / "shm_streams"], SHM_SERVER_ARGS)
+    """The shared-memory test server, with final_in_execute and reader_pipeline (tests/models/shm_unregister) too."""
+    return module_factory.start([PRODUCT_MODELS, SHM_MODELS, TESTS / "models" / "shm_unregister"], SHM_SERVER_ARGS)
 
 
 @pytest.fixture
@@ -120,10 +123,11 @@ def _register(regions: Regions, name: str, payload: list) -> int:
     return size
 
 
-@pytest.mark.parametrize("config", [None, _SLOW_READER_THROUGH_THE_BROKER], ids=["direct", "through-the-broker"])
-def test_region_is_gone_once_the_client_has_the_answer(shm_server, regions, protocol, tmp_path, config):
-    if config is not None:
-        protocol.client.load_model("slow_reader", config=config)
+@pytest.mark.parametrize("model,config", [("slow_reader", None), ("slow_reader", _SLOW_READER_THROUGH_THE_BROKER),
+                                          ("reader_pipeline", None)], ids=["direct", "through-the-broker", "ensemble"])
+def test_region_is_gone_once_the_client_has_the_answer(shm_server, regions, protocol, tmp_path, model, config):
+    if model != "slow_reader" or config is not None:
+        protocol.client.load_model(model, config=config)
     try:
         for i in range(ROUNDS):
             name = f"fin_{protocol.kind}_{i}"
@@ -131,7 +135,7 @@ def test_region_is_gone_once_the_client_has_the_answer(shm_server, regions, prot
             gate = Gate(tmp_path / f"gate{i}")
             x = protocol.mod.InferInput("X", [len(X)] if config is None else [1, len(X)], "INT32")
             x.set_shared_memory(name, size)
-            get_result = protocol.infer_async("slow_reader", [x], {"sleep_s": 0, "gate": gate.param})
+            get_result = protocol.infer_async(model, [x], {"sleep_s": 0, "gate": gate.param})
             try:
                 gate.wait_started(1)  # in the model, before it reads X
                 protocol.client.unregister_system_shared_memory(name)
@@ -142,7 +146,9 @@ def test_region_is_gone_once_the_client_has_the_answer(shm_server, regions, prot
             protocol.assert_gone(name)  # at once: no waiting
             assert result.as_numpy("SUM").tolist() == [int(X.sum())]
     finally:
-        if config is not None:
+        if model != "slow_reader":
+            protocol.client.unload_model(model)
+        elif config is not None:
             protocol.client.load_model("slow_reader")  # as the repository has it
 
 
