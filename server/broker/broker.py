@@ -124,9 +124,7 @@ class Broker:
             self.clients.on_connects()
         if self.ensembles.inflight:
             self.ensembles.on_completions()
-        for mv, inst in list(self.instances.workers.values()):
-            if inst.seg.outbox.pending():
-                self.lifecycle.on_worker_messages(mv, inst)
+        self._take_worker_messages()
         for client in list(self.clients.by_name.values()):
             if client.seg.requests.pending():
                 self._on_client_requests(client)
@@ -149,6 +147,11 @@ class Broker:
             self.routes.judge_canaries(now)
             if self.supervisor.kill_hung_instances():
                 self.child_exited = True
+
+    def _take_worker_messages(self) -> None:
+        for mv, inst in list(self.instances.workers.values()):
+            if inst.seg.outbox.pending():
+                self.lifecycle.on_worker_messages(mv, inst)
 
     def _next_timer(self) -> float:
         """How long the loop may sleep: until housekeeping, a restart, a draining version's check,
@@ -225,6 +228,9 @@ class Broker:
     def _control(self, client: Client, rec: Record) -> None:
         doc, _ = read_descriptor(client.seg.seg.buf, rec)  # Garbage: the caller disconnects the client
         slot = rec.slot
+        if self.regions.any_leaving():  # its sender may have the answers of their regions' last users:
+            self._take_worker_messages()  # batches done (a worker says so before it answers them)
+            self._settle_regions()
         try:
             status, answer = self.control.handle(client, slot, doc)
             if self.regions.any_leaving():  # an unregister: regions nobody uses go before the answer
