@@ -377,6 +377,7 @@ class Connection:
                               f"garbage in the client's shared memory (the server's log says what)")
             return False
         if self.alive and pid_alive(self.broker_pid) and self.broker.started_ns == self._broker_started():
+            self._slots.forget_gone_producers()  # once a second or so, with the other checks
             return True
         if self.alive:
             self._server_gone()

@@ -27,6 +27,13 @@ class Segment:
         self._mmap = mm
         self.buf = memoryview(mm)
         self.owner = owner
+        self.closed = False  # close() was called: ``buf`` may be released, ``view`` may fail
+
+    def view(self) -> memoryview:
+        """A view of the whole mapping that stays valid after ``close`` (which then leaves the
+        mapping in place until the view dies): for an answer a caller may still be reading when
+        the segment is dropped from a cache. ValueError once the mapping is gone."""
+        return memoryview(self._mmap)
 
     def read(self, start: int, end: int) -> bytes:
         """A copy of the bytes from ``start`` to ``end``: one step through the map (a slice of
@@ -61,6 +68,7 @@ class Segment:
 
     def close(self) -> None:
         """Unmap; views still alive keep the mapping until they die (BufferError is expected)."""
+        self.closed = True
         try:
             self.buf.release()
             self._mmap.close()

@@ -23,7 +23,7 @@ from .protocol import NO_ROOM, RECORD, ROLE_BROKER, ROLE_NAMES, ROLE_WORKER, SLO
     SLOT_PENDING, STREAM_CAPACITY
 from .ring import Ring
 from .routes import Router
-from .segment import SegmentCache
+from .segment import Segment, SegmentCache
 
 log = logging.getLogger("shmserve.client")
 
@@ -51,7 +51,7 @@ class Slots:
         self._words = seg.seg.buf[base:base + n * SLOT_BYTES].cast("I")
         self._stride = SLOT_BYTES // 4
         self._segments = SegmentCache()
-        self._producer_bufs: dict[tuple[int, int], memoryview] = {}
+        self._producers: dict[tuple[int, int], Segment] = {}  # (role, worker number) -> its mapping
 
     # -- taking and giving back (``lock`` held) ---------------------------------------------------
     def take(self, callback: Callback, off: int, start: int, stream: tuple[int, Callback] | None) -> int:
@@ -143,7 +143,7 @@ class Slots:
                 log.exception("completion callback failed")
 
     def close(self) -> None:
-        self._producer_bufs.clear()
+        self._producers.clear()
         self._segments.clear()
 
     def _done(self) -> list[int]:
@@ -156,13 +156,29 @@ class Slots:
         return np.flatnonzero(self._states == SLOT_DONE).tolist()
 
     def _producer_buf(self, role: int, num: int) -> memoryview:
-        """The mapping an answer lies in (kept per producer: the cache unmaps only at close)."""
-        buf = self._producer_bufs.get((role, num))
-        if buf is None:
-            name = object_name(self.server_id, "broker", 0) if role == ROLE_BROKER else \
-                object_name(self.server_id, ROLE_NAMES[role], num)
-            buf = self._producer_bufs[(role, num)] = self._segments.get(name).buf
-        return buf
+        """A view of the mapping an answer lies in, its own: it stays valid while the answer is
+        read even if the cache drops the segment meanwhile (its producer is gone, or the cache is
+        full); a cached buffer would be released under it."""
+        key = (role, num)
+        seg = self._producers.get(key)
+        if seg is not None and not seg.closed:
+            try:
+                return seg.view()
+            except ValueError:  # closed since we looked
+                pass
+        name = object_name(self.server_id, "broker", 0) if role == ROLE_BROKER else \
+            object_name(self.server_id, ROLE_NAMES[role], num)
+        seg = self._producers[key] = self._segments.get(name)
+        return seg.view()
+
+    def forget_gone_producers(self) -> None:
+        """Unmap the segments of workers that are gone (the broker unlinks a worker's segment
+        once it has exited): a long-lived client would otherwise keep a mapping for every worker
+        ever restarted or reloaded, until its cache's bound made it drop mappings still in use."""
+        self._segments.drop_unlinked(object_name(self.server_id, "worker", ""))
+        for key, seg in list(self._producers.items()):
+            if seg.closed:
+                self._producers.pop(key, None)
 
     def _drain_stream(self, ring: Ring, on_response: Callback) -> int:
         records = ring.drain()

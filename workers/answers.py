@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 import posix_ipc
@@ -63,6 +63,7 @@ class Answers:
         self.phases = (0, 0, 0)  # the running batch's start, inputs built, executed: trace timestamps
         # answers to complete once the counters are flushed: (client, slot, status, offset, length)
         self._notes: list[tuple[ClientSegment, int, int, int, int]] = []
+        self._later: list[Callable[[], None]] = []  # streams' ends that wait for the round's completions
 
     def deliver(self, client: ClientSegment, entry: dict, status: int, doc: bytes, tensors: list[tuple[int, Any]]
                 ) -> None:
@@ -71,8 +72,16 @@ class Answers:
         override, off, total = self.write_block(entry, doc, tensors)
         self._notes.append((client, entry["slot"], override or status, off, total))
 
+    def later(self, send: Callable[[], None]) -> None:
+        """Run ``send`` (a stream's end) with the round's completions; the worker's loop only."""
+        self._later.append(send)
+
     def send_completions(self) -> None:
         """Complete the answered slots, then wake each client once (not once per response)."""
+        if self._later:
+            later, self._later = self._later, []
+            for send in later:
+                send()
         notes, self._notes = self._notes, []
         woken: list[ClientSegment] = []
         for client, slot, status, off, total in notes:

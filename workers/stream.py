@@ -20,13 +20,15 @@ import orjson
 from shmserve.shm.channel import ClientSegment
 from shmserve.shm.protocol import RECORD, ROLE_WORKER, STREAM_CAPACITY
 from shmserve.shm.ring import Ring
-from shmserve.shm.stats import StatsWriter
+from shmserve.shm.stats import BUSY_SINCE, StatsWriter
 
 from .answers import Answers
 from .backend import Response
 from .region_holds import RegionHolds
 
 RING_FULL_TIMEOUT_S = 60.0
+
+Block = tuple[int, int, int]  # a response block: (status, offset in this worker's arena, length)
 
 
 class StreamSender:
@@ -52,12 +54,14 @@ class StreamSender:
         self.dropped = False  # a response found no room in the arena, not even for its error
         self.computing = (0, 0)  # traced: the batch's start and this request's inputs read (worker.py)
         self.output_start = 0  # traced: when the first response came
+        self.forwarded = bool(entry.get("regions"))  # by the broker, which holds them until the batch is done
         self.held = holds.hand_to_sender(entry)  # last: nothing above may fail with it taken
 
     def __call__(self, response: Response | None, final: bool) -> None:
         with self.lock:
             if self.finished:
                 raise RuntimeError("this request's final response was already sent")
+            last: Block | None = None
             if response is not None:
                 if not self.output_start and "tr" in self.entry:
                     self.output_start = time.monotonic_ns()
@@ -66,39 +70,47 @@ class StreamSender:
                 status = override or status
                 self.failed |= status != 200
                 if off > 0:
-                    self._put(status, 0, off, total)
+                    last = (status, off, total)
+                    if not final:
+                        self._put(*last)
                     self.sent += 1
                 else:  # not even its error found room: the final answer says so
                     self.dropped = True
             if final:
                 self.finished = True
-                self._finish()
+                self._finish(last)
         self.client.waker.notify()
 
-    def _put(self, status: int, flags: int, off: int, total: int) -> None:
+    def _put(self, status: int, off: int, total: int) -> None:
         deadline = time.monotonic() + RING_FULL_TIMEOUT_S
-        while not self.ring.put(status, flags, off, total, self.answers.num):
+        while not self.ring.put(status, 0, off, total, self.answers.num):
             if time.monotonic() > deadline:  # the client stopped reading: drop, do not hang the model
                 self.answers.arena.free(off)
                 return
             self.client.waker.notify()
             time.sleep(0.0005)
 
-    def _finish(self) -> None:
-        """Count the stream, then complete the request's slot: the client then knows no response
-        follows, and statistics read after that already hold this stream. Its regions are let go
-        whatever happens here."""
+    def _finish(self, last: Block | None) -> None:
+        """Count the stream, let go of its regions, then send the ``last`` response (a model that
+        is not decoupled answers once: the frontend passes that on as final) and complete the
+        request's slot: the client then knows no response follows, statistics read after that
+        already hold this stream, and a region it unregistered meanwhile is gone from the next
+        status it asks for. Its regions are let go whatever happens here."""
         try:
-            self._complete()
+            self._complete(last)
         finally:
-            self.holds.let_go(self.held)
+            self._let_go()
 
-    def _complete(self) -> None:
+    def _let_go(self) -> None:
+        held, self.held = self.held, None
+        self.holds.let_go(held)
+
+    def _complete(self, last: Block | None) -> None:
         with self.stats_lock:
             self.stats.finished_stream(self.entry.get("t", 0), not self.failed)
             self.stats.flush()
         if self.dropped:  # the client reads shm.protocol.NO_ROOM
-            self.client.complete(self.entry["slot"], 503, ROLE_WORKER, self.answers.num, 0, 0)
+            end: Block = (503, 0, 0)
         else:
             final: dict = {"final": True, "responses": self.sent}
             if "tr" in self.entry:  # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
@@ -106,7 +118,22 @@ class StreamSender:
                 final["tr"] = [self.entry["tr"], *self.computing, self.output_start or now, now]
             doc = orjson.dumps(final)
             override, off, total = self.answers.write_block(self.entry, doc, [])
-            self.client.complete(self.entry["slot"], override or 200, ROLE_WORKER, self.answers.num, off, total)
+            end = (override or 200, off, total)
+        self._let_go()
+        # A request the broker forwarded that ends inside ``execute``, on the worker's loop, ends
+        # with its batch, after the worker told the broker the batch is done (the broker then no
+        # longer counts its regions as in use).
+        if (self.forwarded and threading.current_thread() is threading.main_thread()
+                and self.stats.area.scalars[BUSY_SINCE]):
+            self.answers.later(lambda: self._end(last, end))
+        else:
+            self._end(last, end)
+
+    def _end(self, last: Block | None, end: Block) -> None:
+        if last is not None:
+            self._put(*last)
+        self.client.complete(self.entry["slot"], end[0], ROLE_WORKER, self.answers.num, end[1], end[2])
+        self.client.waker.notify()
 
     def fail(self, status: int, message: str) -> None:
         """The model raised before finishing: one error response, then the end."""

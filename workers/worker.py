@@ -282,13 +282,15 @@ class Worker:
             self.sequence.forget(manifest["release"])
         if manifest["requests"]:
             self._execute(manifest["requests"])
-        self._flush_counts()
+        # Done before the answers are completed: the broker, asked anything by a client that has
+        # its answer, then no longer counts the batch's regions as in use (Broker._control).
         while not self.seg.outbox.put(W_DONE, 0, 0, 0, batch_id):
             time.sleep(0.0005)
         fence()
         if self.seg.want_wakeup:  # the broker has work queued for this instance
             self.seg.want_wakeup = False
             self.broker.waker.notify()
+        self._flush_counts()
 
     def _take_request(self, lane: int, cookie: int, client_name: str, client: ClientSegment, rec: Record) -> bool:
         """A request a client put on its lane: checked here instead of in the broker, then run,

@@ -26,7 +26,7 @@ import time
 
 from shmserve.shm.channel import BrokerSegment
 from shmserve.parent_death import ORPHANED
-from shmserve.shm.names import pid_alive, unlink_all
+from shmserve.shm.names import object_name, pid_alive, unlink_all
 from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import RING_KINDS, Garbage, Record, check_record, read_descriptor
@@ -124,9 +124,7 @@ class Broker:
             self.clients.on_connects()
         if self.ensembles.inflight:
             self.ensembles.on_completions()
-        for mv, inst in list(self.instances.workers.values()):
-            if inst.seg.outbox.pending():
-                self.lifecycle.on_worker_messages(mv, inst)
+        self._take_worker_messages()
         for client in list(self.clients.by_name.values()):
             if client.seg.requests.pending():
                 self._on_client_requests(client)
@@ -150,6 +148,11 @@ class Broker:
             if self.supervisor.kill_hung_instances():
                 self.child_exited = True
 
+    def _take_worker_messages(self) -> None:
+        for mv, inst in list(self.instances.workers.values()):
+            if inst.seg.outbox.pending():
+                self.lifecycle.on_worker_messages(mv, inst)
+
     def _next_timer(self) -> float:
         """How long the loop may sleep: until housekeeping, a restart, a draining version's check,
         a repository change, or a batcher's delay or timeout."""
@@ -172,6 +175,8 @@ class Broker:
         if self.cache is not None:
             self.cache.recover()  # a worker that died holding the cache's lock
         self._refuse_reported_clients()
+        # Step outputs of workers now gone (reloaded, restarted) are never read again: unmap them.
+        self.ensembles.segments.drop_unlinked(object_name(self.opts.server_id, "worker", ""))
         for client in list(self.clients.by_name.values()):
             if not pid_alive(client.pid):
                 log.info("client %s (pid %d) died; reclaiming its channel", client.name, client.pid)
@@ -223,6 +228,9 @@ class Broker:
     def _control(self, client: Client, rec: Record) -> None:
         doc, _ = read_descriptor(client.seg.seg.buf, rec)  # Garbage: the caller disconnects the client
         slot = rec.slot
+        if self.regions.any_leaving():  # its sender may have the answers of their regions' last users:
+            self._take_worker_messages()  # batches done (a worker says so before it answers them)
+            self._settle_regions()
         try:
             status, answer = self.control.handle(client, slot, doc)
             if self.regions.any_leaving():  # an unregister: regions nobody uses go before the answer
