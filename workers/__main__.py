@@ -2,31 +2,17 @@
 not by hand: shm/child_spec.py)."""
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
+from shmserve.parent_death import die_with_parent
 from shmserve.shm.child_spec import read_spec
 from shmserve.shm.names import set_title
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel sends us SIGTERM when the broker dies, so no worker outlives it and none
-    has to poll for it."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the broker died before the line above
-        sys.exit(1)
-
-
 def main() -> int:
     spec = read_spec()
-    _die_with_parent(spec["broker_pid"])
+    die_with_parent(signal.SIGTERM, spec["broker_pid"])  # no worker outlives its broker, none polls for it
     # A GPU worker keeps the server's CUDA_VISIBLE_DEVICES, so device ids mean the same in every
     # process; its backend makes the instance's GPU the current device.
     device = "cpu" if spec["kind"] != "GPU" else f"gpu{spec.get('device_id', 0)}"
