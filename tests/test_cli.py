@@ -28,6 +28,7 @@ FLAGS = [
     "--grpc-keepalive-permit-without-calls", "--grpc-http2-max-pings-without-data",
     "--grpc-http2-min-recv-ping-interval-without-data", "--grpc-http2-max-ping-strikes", "--grpc-max-connection-age",
     "--grpc-max-connection-age-grace", "--grpc-restricted-protocol", "--grpc-header-forward-pattern",
+    "--http-header-forward-pattern",
     "--grpc-infer-allocation-pool-size", "--grpc-max-response-pool-size", "--grpc-infer-thread-count",
 ]
 SHMSERVE = Path(PYTHON).parent / "shmserve"
