@@ -132,6 +132,12 @@ def test_grpc_infer_forwards_matching_metadata(forwarding):
     assert params == {"x-tenant-id": "acme", "traceparent": "00-4bf9-01"}
 
 
+def test_grpc_binary_metadata_is_forwarded_as_text(forwarding):
+    """A ``-bin`` key's value arrives as bytes: it is read as UTF-8, what is not UTF-8 replaced."""
+    params = _grpc_params(forwarding, headers={"x-tenant-bin": b"\xffid\x00"})
+    assert params == {"x-tenant-bin": "\ufffdid\x00"}
+
+
 def test_grpc_metadata_wins_over_a_request_parameter_of_its_name(forwarding):
     params = _grpc_params(forwarding, headers={"x-tenant-id": "from-metadata"},
                           parameters={"x-tenant-id": "from-request", "kept": "yes"})
