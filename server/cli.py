@@ -7,6 +7,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from . import cache_flags, triton_flags
+from .frontend.header_forward import HTTP_FLAG as HTTP_FORWARD_FLAG, compile_pattern
 from .frontend.limits import HttpLimits
 from .grpc import options as grpc_options
 
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer these endpoint groups only for requests with header KEY: VALUE (else 403); "
                         "groups: health, metadata, inference, shared-memory, model-config, model-repository, "
                         "statistics, trace, logging; repeatable, as Triton's")
+    p.add_argument(HTTP_FORWARD_FLAG, default=None, metavar="REGEX",
+                   help="forward the headers of infer and generate requests whose names match REGEX (searched "
+                        "anywhere in the name, ignoring case, as Triton's) to the model as string request "
+                        "parameters; a header wins over a body parameter of its name (default: none forwarded)")
     add_bool(p, "--allow-http", True, "serve HTTP (default true); false with --allow-grpc serves gRPC only, and "
                                       "with both false only local clients (shmserve.Client) are served, as in Triton")
     add_bool(p, "--allow-grpc", True, "serve Triton's gRPC protocol (GRPCInferenceService) beside HTTP (default true)")
@@ -228,6 +233,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         from shmserve.server.frontend.restricted import parse as parse_restricted
 
         args.http_restricted_api = parse_restricted(args.http_restricted_api)
+        compile_pattern(args.http_header_forward_pattern, HTTP_FORWARD_FLAG)
         args.grpc = grpc_options.grpc_spec(args)
     except ValueError as e:
         parser.error(str(e))

@@ -13,8 +13,6 @@ from typing import Callable
 # Triton's gRPC flags that grpcio's asyncio server in one process has nothing to map onto, by
 # name, with what stands in their place (the others are server/grpc/options.py's and cli.py's).
 GRPC_FLAGS: dict[str, str] = {
-    "--grpc-header-forward-pattern": "gRPC metadata is not forwarded as request parameters (neither are HTTP "
-                                     "headers)",
     "--grpc-infer-allocation-pool-size": "grpcio allocates each call's state itself; there is no pool to size",
     "--grpc-max-response-pool-size": "each response is sent as soon as it is built; there is no response pool",
     "--grpc-infer-thread-count": "one gRPC process serves every call on one asyncio loop, and the models run in "
@@ -26,7 +24,6 @@ GRPC_FLAGS: dict[str, str] = {
 NO_EFFECT_FLAGS: dict[str, tuple[str, str]] = {
     "--http-thread-count": ("N", "each HTTP frontend process serves its connections on one event loop; "
                                  "--http-workers sets the number of processes"),
-    "--http-header-forward-pattern": ("REGEX", "HTTP headers are not forwarded as request parameters"),
     "--enable-peer-access": ("BOOL", "no CUDA peer access is set up: each instance works on its one device"),
     "--backend-directory": ("PATH", "backends are Python packages (the 'shmserve.backends' entry points), not "
                                     "shared libraries in a directory"),

@@ -28,6 +28,7 @@ FLAGS = [
     "--grpc-keepalive-permit-without-calls", "--grpc-http2-max-pings-without-data",
     "--grpc-http2-min-recv-ping-interval-without-data", "--grpc-http2-max-ping-strikes", "--grpc-max-connection-age",
     "--grpc-max-connection-age-grace", "--grpc-restricted-protocol", "--grpc-header-forward-pattern",
+    "--http-header-forward-pattern",
     "--grpc-infer-allocation-pool-size", "--grpc-max-response-pool-size", "--grpc-infer-thread-count",
 ]
 SHMSERVE = Path(PYTHON).parent / "shmserve"
@@ -93,10 +94,11 @@ def test_repository_flag_required():
     (["--grpc-keepalive-time", "0"], "--grpc-keepalive-time must lie in [1, 2147483647], got 0"),
     (["--grpc-http2-max-ping-strikes", "-1"], "--grpc-http2-max-ping-strikes must lie in [0, 2147483647]"),
     (["--grpc-keepalive-timeout", "soon"], "--grpc-keepalive-timeout"),
-    (["--grpc-restricted-protocol", "bogus:k=v"], "--grpc-restricted-protocol: unknown protocol 'bogus'"),
-    (["--grpc-restricted-protocol", "inference"], "expects <protocol>[,<protocol>...]:<key>=<value>"),
+    (["--grpc-restricted-protocol", "bogus:k=v"], "unknown restricted protocol 'bogus'"),
+    (["--grpc-restricted-protocol", "inference"],
+     "--grpc-restricted-protocol option format is '<config name>:<setting>=<value>'. Got inference"),
     (["--grpc-restricted-protocol", "health:a=1", "--grpc-restricted-protocol", "health:b=2"],
-     "'health' is restricted more than once"),
+     "restricted protocol 'health' can not be specified in multiple config groups"),
     (["--grpc-use-ssl"], "--grpc-use-ssl needs --grpc-server-cert, --grpc-server-key"),
     (["--grpc-use-ssl-mutual", "--grpc-server-cert", "c", "--grpc-server-key", "k"],
      "--grpc-use-ssl-mutual needs --grpc-server-cert, --grpc-server-key, --grpc-root-cert"),

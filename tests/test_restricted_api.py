@@ -68,10 +68,11 @@ def test_tritonclient_with_and_without_the_header(guarded):
 
 
 @pytest.mark.parametrize("flag,needle", [
-    ("inference", "expects <api>"),
-    ("bogus:k=v", "unknown API 'bogus'"),
-    ("inference:k", "expects <api>"),
-    ("inference,inference:k=v", "more than once"),
+    ("inference", "--http-restricted-api option format is '<config name>:<setting>=<value>'. Got inference"),
+    ("bogus:k=v", "unknown restricted api 'bogus'"),
+    ("inference:k", "option format is '<config name>:<setting>=<value>'. Got inference:k"),
+    ("inference:k=", "option format is '<config name>:<setting>=<value>'. Got inference:k="),
+    ("inference,inference:k=v", "restricted api 'inference' can not be specified in multiple config groups"),
 ])
 def test_bad_restricted_api_flags_exit_2(flag, needle, tmp_path):
     import subprocess

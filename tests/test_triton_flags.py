@@ -50,7 +50,7 @@ def test_triton_flags_start_the_server_and_are_named(server_factory, tmp_path):
         "--backend-config", "python,shm-default-byte-size=1048576", "--backend-config", "default-max-batch-size=8",
         "--backend-config", "pytorch,no-such-setting=1",
         "--grpc-use-ssl=false", "--grpc-infer-allocation-pool-size", "8", "--grpc-max-response-pool-size", "4",
-        "--grpc-header-forward-pattern", "x-.*", "--grpc-infer-thread-count", "4"])
+        "--grpc-infer-thread-count", "4"])
     log = s.log()
     for line in [
         "--backend-config python,shm-default-byte-size=1048576 is not supported and has no effect",
@@ -58,7 +58,6 @@ def test_triton_flags_start_the_server_and_are_named(server_factory, tmp_path):
         "--backend-config pytorch,no-such-setting=1 is not supported and has no effect",
         "--grpc-infer-allocation-pool-size 8 has no effect: grpcio allocates each call's state itself",
         "--grpc-max-response-pool-size 4 has no effect: each response is sent as soon as it is built",
-        "--grpc-header-forward-pattern x-.* has no effect: gRPC metadata is not forwarded as request parameters",
         "--grpc-infer-thread-count 4 has no effect: one gRPC process serves every call on one asyncio loop",
         "--model-load-thread-count 4: every model instance loads in a process of its own",
     ]:

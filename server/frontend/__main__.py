@@ -28,6 +28,7 @@ def main() -> int:
     logs.configure(spec.get("log") or {})
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes (POST /v2/logging) from any frontend
     from .app import build_app
+    from .header_forward import HTTP_FLAG, compile_pattern
     from .limits import HttpLimits, connection_bound, raise_descriptor_limit
     from .protocol import protocol_class
     from .restricted import restrict
@@ -40,13 +41,14 @@ def main() -> int:
                     "itself: it may run out of them", max_connections, descriptors - connection_bound(descriptors),
                     descriptors)
 
+    header_forward = compile_pattern(spec.get("header_forward_pattern"), HTTP_FLAG)  # checked at start (cli.py)
     frontend = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"],
-                         spec["max_tensor_elements"], spec["max_inflight"], spec["poll_us"])
+                         spec["max_tensor_elements"], spec["max_inflight"], spec["poll_us"], header_forward)
     app = restrict(frontend, spec.get("restricted") or {})  # --http-restricted-api
     sock = socket.socket(fileno=spec["fd"])
     # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.
-    config = uvicorn.Config(app, loop="uvloop", http=protocol_class(limits, max_connections), access_log=False,
-                            log_level="warning", log_config=None,
+    http = protocol_class(limits, max_connections, keep_header_names=header_forward is not None)
+    config = uvicorn.Config(app, loop="uvloop", http=http, access_log=False, log_level="warning", log_config=None,
                             timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
                             timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)),
                             lifespan="on", proxy_headers=False, server_header=False, date_header=False)

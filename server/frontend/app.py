@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from typing import Any, AsyncIterator
 
@@ -28,6 +29,7 @@ from .asgi import FrontendApp
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from .disconnect import ClientGone, unless_gone
 from .generate import EventStream, build_generate_request, generate_response, traced
+from .header_forward import add_to_request
 from .inference import Headers, Inference
 from .limits import descriptors_problem
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
@@ -58,11 +60,11 @@ def error_response(status: int, message: str) -> Response:
 class Frontend:
     def __init__(self, server_id: str, arena_bytes: int = 256 << 20, max_input_bytes: int = 1 << 31,
                  max_tensor_elements: int = MAX_TENSOR_ELEMENTS, max_inflight: int = DEFAULT_SLOTS,
-                 poll_us: int = 0) -> None:
+                 poll_us: int = 0, header_forward: re.Pattern[str] | None = None) -> None:
         self.server_id = server_id  # what /v2 reports as the server's name, as Triton reports its --id
         self.link = BrokerLink(server_id, arena_bytes, max_inflight, poll_us)
         self.tracer = Tracer(server_id)  # trace extension (server/frontend/tracing.py)
-        self.inference = Inference(self.link, max_input_bytes, max_tensor_elements, arena_bytes)
+        self.inference = Inference(self.link, max_input_bytes, max_tensor_elements, arena_bytes, header_forward)
         self.openai = OpenAIFront(self.link)
 
     async def _control(self, doc: dict) -> tuple[int, Any]:
@@ -207,6 +209,7 @@ class Frontend:
             if status != 200:
                 return error_response(status, config.get("error", "unknown model"))
             req, chunks = build_generate_request(model, version, body, config)
+            add_to_request(req, self.inference.header_params(request.scope))
         except BadRequest as e:
             return error_response(e.status, str(e))
         except BrokerError as e:
@@ -362,8 +365,9 @@ class Frontend:
 
 def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bool = False,
               max_input_bytes: int = 1 << 31, max_tensor_elements: int = MAX_TENSOR_ELEMENTS,
-              max_inflight: int = DEFAULT_SLOTS, poll_us: int = 0) -> FrontendApp:
-    fe = Frontend(server_id, arena_bytes, max_input_bytes, max_tensor_elements, max_inflight, poll_us)
+              max_inflight: int = DEFAULT_SLOTS, poll_us: int = 0,
+              header_forward: re.Pattern[str] | None = None) -> FrontendApp:
+    fe = Frontend(server_id, arena_bytes, max_input_bytes, max_tensor_elements, max_inflight, poll_us, header_forward)
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version}"
     routes = [

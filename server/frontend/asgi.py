@@ -72,6 +72,7 @@ class FrontendApp:
         recv_start = time.monotonic_ns()
         headers = dict(scope["headers"])
         inference = self.inference
+        forwarded = inference.header_params(scope)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
@@ -80,7 +81,8 @@ class FrontendApp:
                 fut.set_result((status, out, out_headers))
 
         try:
-            body = await read_infer_body(inference, model, version, headers, receive, None if trace else loop)
+            body = await read_infer_body(inference, model, version, headers, receive, None if trace else loop,
+                                         forwarded)
         except BadRequest as e:  # too large: the rest of the body is not read (protocol.py)
             await send_error(send, e, close=True)
             return
@@ -90,7 +92,7 @@ class FrontendApp:
         if isinstance(body, BodyIngest):
             sent = inference.finish_ingest(model, version, headers, body, reply)
         else:
-            sent = await inference.start_when_room(model, version, headers, body, reply, trace)
+            sent = await inference.start_when_room(model, version, headers, body, reply, trace, forwarded)
         if sent is not None and not fut.done() and not await answered_or_gone(fut, receive, loop):
             inference.link.cancel(sent)  # the client went away; the answer is freed when it comes
             return
@@ -139,10 +141,11 @@ def _resolve(f: asyncio.Future) -> None:
 
 
 async def read_infer_body(inference: Inference, model: str, version: str, headers: dict[bytes, bytes],
-                          receive: Any, loop: asyncio.AbstractEventLoop | None) -> bytes | BodyIngest | None:
+                          receive: Any, loop: asyncio.AbstractEventLoop | None,
+                          forwarded: dict[str, str] | None = None) -> bytes | BodyIngest | None:
     """An infer request's body (BadRequest past the size limit; None if the client went away).
     With a ``loop``, a large binary body is taken into its request block as it arrives: a
-    ``BodyIngest`` holding it whole then."""
+    ``BodyIngest`` holding it whole then (with the parameters ``forwarded`` from its headers)."""
     limit = inference.max_input_bytes
     declared = headers.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -171,8 +174,8 @@ async def read_infer_body(inference: Inference, model: str, version: str, header
             if 0 < head_len <= size and more:
                 joined = b"".join(chunks)
                 chunks = [joined]
-                ingest = inference.begin_ingest(model, version, joined[:head_len],
-                                                int(headers[b"content-length"]) - head_len, loop)  # type: ignore[arg-type]
+                tail_len = int(headers[b"content-length"]) - head_len  # type: ignore[arg-type]
+                ingest = inference.begin_ingest(model, version, joined[:head_len], tail_len, loop, forwarded)
                 head_len = -1
                 if ingest is not None:
                     ingest.feed(memoryview(joined)[len(ingest.head):])

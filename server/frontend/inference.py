@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
+import re
 import time
 import zlib
 from typing import Callable
@@ -22,6 +23,7 @@ from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 
 from .codec import BadRequest, build_request, build_response, split_body
+from .header_forward import add_to_request, forwarded_params, http_headers
 from .ingest import BodyIngest
 from .link import ArenaWait, BrokerError, BrokerLink, when_room, Sent
 from .tracing import Trace
@@ -82,18 +84,25 @@ class Inference:
     """One frontend's infer requests: the limits they are checked against and the broker link
     they go out on."""
 
-    def __init__(self, link: BrokerLink, max_input_bytes: int, max_tensor_elements: int, arena_bytes: int) -> None:
+    def __init__(self, link: BrokerLink, max_input_bytes: int, max_tensor_elements: int, arena_bytes: int,
+                 header_forward: re.Pattern[str] | None = None) -> None:
         self.link = link
+        self.header_forward = header_forward  # --http-header-forward-pattern (header_forward.py)
         self.max_input_bytes = max_input_bytes
         self.max_tensor_elements = max_tensor_elements
         # Tensor bytes beyond this can never fit the frontend's arena: a client error, not a 503.
         self.max_request_bytes = arena_bytes - (64 << 10)
 
+    def header_params(self, scope: dict) -> dict[str, str]:
+        """The request parameters the request's headers add under --http-header-forward-pattern."""
+        return forwarded_params(self.header_forward, http_headers(scope)) if self.header_forward is not None else {}
+
     def start(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes, reply: Reply,
-              trace: Trace | None = None, received: int = 0) -> Sent | None:
+              trace: Trace | None = None, received: int = 0, forwarded: dict[str, str] | None = None) -> Sent | None:
         """Parse and submit one inference; ``reply`` runs on the loop when it is answered.
         Returns the request as sent (None: refused, answered already or soon). ``received``: when
-        the request came in (its duration in the statistics starts there), if not now."""
+        the request came in (its duration in the statistics starts there), if not now;
+        ``forwarded``: parameters from its headers (``header_params``)."""
         received = received or time.monotonic_ns()
         try:
             if len(body) > self.max_input_bytes:
@@ -104,6 +113,7 @@ class Inference:
             header_len = headers.get(b"inference-header-content-length")
             doc, tail = split_body(body, header_len.decode("latin-1") if header_len is not None else None)
             req, chunks = build_request(model, version, doc, tail, self.max_tensor_elements)
+            add_to_request(req, forwarded)
             size = sum(len(c) for c in chunks)
             if size > self.max_request_bytes:
                 raise BadRequest(f"the request's {size} bytes of tensor data exceed the frontend's shared-memory "
@@ -124,17 +134,19 @@ class Inference:
             return None
 
     async def start_when_room(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes,
-                              reply: Reply, trace: Trace | None = None) -> Sent | None:
+                              reply: Reply, trace: Trace | None = None,
+                              forwarded: dict[str, str] | None = None) -> Sent | None:
         """``start``, waiting for room in a fragmented arena (``link.when_room``)."""
         received = time.monotonic_ns()  # a wait for room counts in the request's duration
         try:
-            return await when_room(lambda: self.start(model, version, headers, body, reply, trace, received))
+            return await when_room(lambda: self.start(model, version, headers, body, reply, trace, received,
+                                                      forwarded))
         except ArenaWait as e:
             reply(*error_answer(e.status, str(e)))
             return None
 
     def begin_ingest(self, model: str, version: str, head: bytes, tail_len: int,
-                     loop: asyncio.AbstractEventLoop) -> BodyIngest | None:
+                     loop: asyncio.AbstractEventLoop, forwarded: dict[str, str] | None = None) -> BodyIngest | None:
         """A reserved block for a large body whose JSON header ``head`` has arrived and whose
         binary tail is still coming (ingest.py), or None: the body goes the ordinary way."""
         try:
@@ -142,6 +154,7 @@ class Inference:
                 return None
             doc, _ = split_body(head, None)
             req, _ = build_request(model, version, doc, tail_len, self.max_tensor_elements)
+            add_to_request(req, forwarded)
             if any("data" in t for t in doc["inputs"]):
                 return None  # JSON values take room in the block the tail does not fill
             conn, reservation = self.link.reserve(req, tail_len)

@@ -36,6 +36,7 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
+from .header_forward import RAW_HEADER_NAMES
 from .limits import HttpLimits
 
 log = logging.getLogger("shmserve.frontend")
@@ -289,7 +290,24 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             log.warning(msg, *args)
 
 
-def protocol_class(limits: HttpLimits, max_connections: int) -> type[LimitedHttpProtocol]:
-    """The protocol uvicorn builds per connection (``uvicorn.Config(http=...)``), with these limits."""
-    return type("FrontendHttpProtocol", (LimitedHttpProtocol,),
-                {"limits": limits, "max_connections": max_connections, "_warned": {}})
+class NameKeepingHttpProtocol(LimitedHttpProtocol):
+    """``LimitedHttpProtocol`` that also keeps each header's name as the client sent it (uvicorn
+    lowers them) under ``scope[RAW_HEADER_NAMES]``, in the order of ``scope["headers"]``: a
+    forwarded header reaches the model named as sent, as in Triton (header_forward.py). Used
+    only under --http-header-forward-pattern."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[RAW_HEADER_NAMES] = self._raw_names = []  # type: ignore[typeddict-unknown-key]
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._raw_names.append(name)
+        super().on_header(name, value)
+
+
+def protocol_class(limits: HttpLimits, max_connections: int, keep_header_names: bool = False
+                   ) -> type[LimitedHttpProtocol]:
+    """The protocol uvicorn builds per connection (``uvicorn.Config(http=...)``), with these
+    limits; ``keep_header_names``: one that keeps the names as sent (``NameKeepingHttpProtocol``)."""
+    base = NameKeepingHttpProtocol if keep_header_names else LimitedHttpProtocol
+    return type("FrontendHttpProtocol", (base,), {"limits": limits, "max_connections": max_connections, "_warned": {}})

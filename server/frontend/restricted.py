@@ -35,22 +35,22 @@ _RULES = [
 ]
 
 
-def parse(values: list[str], flag: str = "--http-restricted-api", kind: str = "API") -> Restrictions:
+def parse(values: list[str], flag: str = "--http-restricted-api", kind: str = "api") -> Restrictions:
     """``<group>[,<group>...]:<key>=<value>`` flags (``flag``: Triton's ``--http-restricted-api``
-    or ``--grpc-restricted-protocol``, whose groups are the same and called protocols); a group
-    restricted twice is an error, as in Triton."""
+    or ``--grpc-restricted-protocol``, whose groups are the same and called protocols). ValueError
+    says what is wrong in Triton's words (command_line_parser.cc), which operators' scripts match:
+    a malformed value, an unknown group, a group in two flags."""
     out: Restrictions = {}
-    name = kind.lower()
     for value in values:
         apis, sep, header = value.partition(":")
         key, eq, expected = header.partition("=")
-        if not sep or not eq or not key.strip() or not apis.strip():
-            raise ValueError(f"{flag} expects <{name}>[,<{name}>...]:<key>=<value>, got '{value}'")
+        if not sep or not eq or not key.strip() or not apis.strip() or not expected:
+            raise ValueError(f"{flag} option format is '<config name>:<setting>=<value>'. Got {value}")
         for api in (a.strip() for a in apis.split(",")):
             if api not in CATEGORIES:
-                raise ValueError(f"{flag}: unknown {kind} '{api}' (known: {', '.join(CATEGORIES)})")
+                raise ValueError(f"unknown restricted {kind} '{api}'")
             if api in out:
-                raise ValueError(f"{flag}: '{api}' is restricted more than once")
+                raise ValueError(f"restricted {kind} '{api}' can not be specified in multiple config groups")
             out[api] = (key.strip().lower(), expected)
     return out
 

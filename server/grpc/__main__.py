@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
+from shmserve.server.frontend.header_forward import GRPC_FLAG, compile_pattern
 from shmserve.server.frontend.link import BrokerLink
 from shmserve.server.frontend.tracing import Tracer
 from shmserve.shm import logs
@@ -58,7 +59,8 @@ def bind(server: grpc.aio.Server, spec: dict) -> str:
 async def serve(spec: dict) -> int:
     link = BrokerLink(spec["server_id"], spec["arena_bytes"], spec["max_inflight"], spec["poll_us"])
     tracer = Tracer(spec["server_id"])
-    inference = GrpcInference(link, tracer, spec["max_tensor_elements"], spec["arena_bytes"])
+    inference = GrpcInference(link, tracer, spec["max_tensor_elements"], spec["arena_bytes"],
+                              compile_pattern(spec.get("header_forward_pattern"), GRPC_FLAG))
     service = InferenceService(spec["server_id"], link, inference, spec["allow_remote_shm"])
     options = [*map(tuple, spec["options"])]  # message sizes, keepalive, SO_REUSEPORT: options.py
     interceptors = [RestrictedProtocols(spec["restricted"])] if spec["restricted"] else []

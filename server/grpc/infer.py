@@ -19,6 +19,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from shmserve.server.frontend.codec import BadRequest, build_request
+from shmserve.server.frontend.header_forward import add_to_request, forwarded_params
 from shmserve.server.frontend.link import BrokerError, BrokerLink, Sent, when_room
 from shmserve.server.frontend.tracing import (RECV_END, RECV_START, SEND_END, SEND_START, Trace, Tracer,
                                               timed_sends)
@@ -59,18 +60,27 @@ def check_version(version: str) -> None:
 class GrpcInference:
     """One gRPC frontend's inference requests, on its broker link."""
 
-    def __init__(self, link: BrokerLink, tracer: Tracer, max_tensor_elements: int, arena_bytes: int) -> None:
+    def __init__(self, link: BrokerLink, tracer: Tracer, max_tensor_elements: int, arena_bytes: int,
+                 header_forward: re.Pattern[str] | None = None) -> None:
         self.link = link
+        self.header_forward = header_forward  # --grpc-header-forward-pattern (frontend/header_forward.py)
         self.tracer = tracer
         self.max_tensor_elements = max_tensor_elements
         self.max_request_bytes = arena_bytes - (64 << 10)  # as Inference: what can never fit the arena
+
+    def metadata_params(self, context: grpc.aio.ServicerContext) -> dict[str, str]:
+        """The request parameters a call's metadata adds under --grpc-header-forward-pattern
+        (every request of a stream gets its stream's)."""
+        if self.header_forward is None:
+            return {}
+        return forwarded_params(self.header_forward, context.invocation_metadata() or ())
 
     async def infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """The ``ModelInferResponse`` of ``request``; raises ``Aborted`` for an error answer.
         Sampled for tracing once the request is built, as Triton samples a ModelInfer call: one
         refused for its inputs is not traced."""
         read = time.monotonic_ns() if self.tracer.on else 0  # the message is read
-        doc, req, chunks = await self._build(request)
+        doc, req, chunks = await self._build(request, self.metadata_params(context))
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
         if trace is not None:
             trace.ns[RECV_START] = trace.ns[RECV_END] = read
@@ -108,14 +118,15 @@ class GrpcInference:
             return False
         return status == 200 and bool((config.get("model_transaction_policy") or {}).get("decoupled"))
 
-    async def stream(self, request: Any, decoupled: bool, read: tuple[int, int]) -> AsyncGenerator[Any, None]:
+    async def stream(self, request: Any, decoupled: bool, read: tuple[int, int],
+                     forwarded: dict[str, str] | None = None) -> AsyncGenerator[Any, None]:
         """The messages of one request on a stream (``_messages``). While tracing is on, a request
         the frontend takes is sampled as Triton's stream handler samples it: each request its own
         trace, its frontend stamps the wait for it and its read (``read``: GRPC_WAITREAD_START and
         _END, 0 when tracing was off then) and a GRPC_SEND pair per message sent; a request refused
-        before it is submitted is not traced."""
+        before it is submitted is not traced. ``forwarded``: the stream's ``metadata_params``."""
         try:
-            doc, req, chunks = await self._build(request)
+            doc, req, chunks = await self._build(request, forwarded)
         except Aborted as e:
             return refused(e)
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
@@ -167,14 +178,16 @@ class GrpcInference:
         finally:
             events.close()  # the stream ended or the client went away: free what still comes
 
-    async def _build(self, request: Any) -> tuple[dict, dict, list]:
-        """The KServe document, the descriptor and its tensor chunks; a refusal raises ``Aborted``."""
+    async def _build(self, request: Any, forwarded: dict[str, str] | None = None) -> tuple[dict, dict, list]:
+        """The KServe document, the descriptor (with the ``forwarded`` parameters) and its tensor
+        chunks; a refusal raises ``Aborted``."""
         received = time.monotonic_ns()
         model, version = request.model_name, request.model_version
         check_version(version)
         try:
             doc, pieces = request_doc(request)
             req, chunks = build_request(model, version, doc, pieces, self.max_tensor_elements)  # type: ignore[arg-type]
+            add_to_request(req, forwarded)
             size = sum(len(c) for c in chunks)
             if size > self.max_request_bytes:
                 raise BadRequest(f"the request's {size} bytes of tensor data exceed the frontend's shared-memory "

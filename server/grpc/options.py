@@ -1,5 +1,5 @@
-"""Triton's gRPC server flags (TLS, keepalive, response compression, restricted protocols): their
-definitions, their checks at start, and the grpc server settings they become.
+"""Triton's gRPC server flags (TLS, keepalive, response compression, restricted protocols, header
+forwarding): their definitions, their checks at start, and the grpc server settings they become.
 
 The launcher parses these without importing grpcio: ``grpc_spec`` turns the flags into plain data
 (channel arguments, certificate paths, restrictions) for the gRPC process's spec, which
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from shmserve.server.frontend.header_forward import GRPC_FLAG as FORWARD_FLAG, compile_pattern
 from shmserve.server.frontend.restricted import parse as parse_restricted
 
 # Triton's --grpc-infer-response-compression-level as grpc_compression_level. The level becomes
@@ -70,12 +71,16 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
     p.add_argument(RESTRICTED_FLAG, action="append", default=[], metavar="PROTOCOL[,PROTOCOL...]:KEY=VALUE",
                    help="answer these RPC groups only for calls with metadata triton-grpc-protocol-KEY: VALUE (else "
                         "UNAVAILABLE); groups as --http-restricted-api's; repeatable, as Triton's")
+    p.add_argument(FORWARD_FLAG, default=None, metavar="REGEX",
+                   help="forward the metadata of ModelInfer and ModelStreamInfer calls whose keys match REGEX "
+                        "(searched anywhere in the key, ignoring case, as Triton's) to the model as string request "
+                        "parameters; metadata wins over a request parameter of its name (default: none forwarded)")
 
 
 def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as the gRPC process's settings: ``options`` (grpc channel arguments, the
-    message limits among them), ``tls`` (certificate paths, or None) and ``restricted`` (group ->
-    (key, value)). ValueError says what is wrong, by flag."""
+    message limits among them), ``tls`` (certificate paths, or None), ``restricted`` (group ->
+    (key, value)) and ``header_forward_pattern`` (None: none). ValueError says what is wrong, by flag."""
     options = [("grpc.max_receive_message_length", max_input_size(args)),
                ("grpc.max_send_message_length", MAX_INT)]  # Triton's
     for flag, (argument, default, low) in INT_FLAGS.items():
@@ -92,8 +97,10 @@ def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
                          f"'{args.grpc_infer_response_compression_level}'")
     if COMPRESSION_LEVELS[level]:
         options.append(("grpc.default_compression_level", COMPRESSION_LEVELS[level]))
+    compile_pattern(args.grpc_header_forward_pattern, FORWARD_FLAG)
     return {"options": options, "tls": tls(args),
-            "restricted": parse_restricted(args.grpc_restricted_protocol, RESTRICTED_FLAG, "protocol")}
+            "restricted": parse_restricted(args.grpc_restricted_protocol, RESTRICTED_FLAG, "protocol"),
+            "header_forward_pattern": args.grpc_header_forward_pattern}
 
 
 def max_input_size(args: argparse.Namespace) -> int:

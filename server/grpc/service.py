@@ -238,6 +238,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         Messages are read with ``context.read`` rather than ``request_iterator``, whose generator
         would hold the last request (up to the message limit) while the stream waits."""
         grpc_error = ("triton_grpc_error", "true") in (context.invocation_metadata() or ())
+        forwarded = self.inference.metadata_params(context)
         decoupled: dict[tuple[str, str], bool] = {}
         tracer = self.inference.tracer
         while True:
@@ -252,7 +253,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 key = (request.model_name, request.model_version)
                 if key not in decoupled:
                     decoupled[key] = await self.inference.decoupled(*key)
-                messages = await self.inference.stream(request, decoupled[key], read)
+                messages = await self.inference.stream(request, decoupled[key], read, forwarded)
             del request  # its memory goes as soon as its messages are sent
             async with aclosing(messages):
                 async for message in messages:
