@@ -4,6 +4,7 @@ and texts, duplicate output names, and the refusal texts clients match on (Trito
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import http.client
 import json
@@ -89,6 +90,15 @@ def test_raw_binary_chunked_body(srv):
     assert status == 200, body
     entry, data = binary_outputs(headers, body)["DOUBLED"]
     assert entry["shape"] == [1, 1000]
+    np.testing.assert_array_equal(np.frombuffer(data, np.float32), values * 2)
+
+
+def test_raw_binary_gzip_body_is_inflated_first(srv):
+    values = np.arange(64, dtype=np.float32)
+    status, headers, body = post_raw(srv, "raw_vec", gzip.compress(values.tobytes()), {"Content-Encoding": "gzip"})
+    assert status == 200, body
+    entry, data = binary_outputs(headers, body)["DOUBLED"]
+    assert entry["shape"] == [1, 64]
     np.testing.assert_array_equal(np.frombuffer(data, np.float32), values * 2)
 
 
