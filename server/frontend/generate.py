@@ -1,10 +1,14 @@
 """Triton's generate extension: ``/generate`` and ``/generate_stream`` (server-sent events).
 
-The body is a flat JSON object: keys that name model inputs become tensors (a scalar or a string
-is one value, a list its values), shaped by the model's config: its dimensions, the one variable
-dimension or a batching model's batch dimension taking what the values leave (Triton's rule, and
-its error text when they do not fit); ``parameters`` and any other key become request parameters. Each response is a flat JSON
-object of the outputs: one-element tensors become scalars (BYTES as text), others lists.
+The body is a JSON object read as Triton 2.51 reads it (``ConvertGenerateRequest``): its members
+in order, duplicates kept. A member that names a model input becomes that tensor (a scalar or a
+string is one value, a list its values), shaped by the model's metadata: the fixed dimensions
+must divide the count, the innermost variable dimension takes the rest, any other is 1 (Triton's
+rule, and its error text when they do not fit). Any other member, and each member of a
+``parameters`` object, is a request parameter. Each refusal is Triton's, at the point Triton
+makes it. Each response is a flat JSON object: the request's id, the model's name and version,
+the response's parameters and its outputs (one-element tensors as scalars, BYTES as text,
+others lists).
 
 A stream's responses lie in its worker's arena until the frontend frees them: ``EventStream``
 frees what is left (and what still comes) when the client disconnects mid-stream, as at the end.
