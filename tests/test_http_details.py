@@ -119,8 +119,8 @@ def test_raw_binary_image_into_a_bytes_input(srv):
     ("raw_two_var", b"x" * 8, f"{UNKNOWN}The shape of the raw input 'INPUT' can not be deduced because there are "
                               f"more than one variable-sized dimension"),
     ("raw_text_var", b"x" * 8, f"{UNKNOWN}For BYTE datatype raw input 'INPUT', the model must have input shape [1]"),
-    ("raw_vec", b"x" * 10, f"{UNKNOWN}input byte size mismatch for input 'INPUT' for model 'raw_vec'. Expected 8, "
-                           f"got 10"),
+    ("raw_vec", b"x" * 10, f"{UNKNOWN}input byte size mismatch for input 'raw_input' for model 'raw_vec'. Expected "
+                           f"8, got 10"),  # (Triton names the body's tensor so)
 ], ids=["three-inputs", "two-variable-dims", "bytes-not-one", "size-not-a-multiple"])
 def test_raw_binary_refusals_are_tritons(srv, model, body, text):
     assert error_of(*post_raw(srv, model, body)) == text
@@ -222,11 +222,22 @@ def test_generate_echoes_the_request_id(srv):
     assert status == 200, body
     doc = json.loads(body)
     assert doc["id"] == "req-7" and doc["TEXT"] == "abab" and doc["model_name"] == "gen"
-    assert json.loads(doc["PARAMS"])["top_k"] == 3
+    assert json.loads(doc["PARAMS"]) == {"id": "req-7", "top_k": 3}  # (Triton passes the id as a parameter too)
     status, body = generate(srv, {"id": "req-8", "PROMPT": "c", "MAX_TOKENS": 1}, stream=True)
     assert status == 200, body
     events = [json.loads(line[len(b"data: "):]) for line in body.split(b"\n\n") if line.startswith(b"data: ")]
     assert [(e["id"], e["TEXT"]) for e in events] == [("req-8", "c")]
+
+
+def test_generate_repeated_parameter_reads_as_in_triton(srv):
+    """Triton reads a repeated key's first value in its object each time the key comes: the
+    model sees the top level's first value, or a later ``parameters`` object's."""
+    status, body = generate(srv, b'{"PROMPT": "a", "MAX_TOKENS": 1, "k": 1, "k": 2, "j": true, "j": {}}')
+    assert status == 200, body
+    assert json.loads(json.loads(body)["PARAMS"]) == {"k": 1, "j": True}
+    status, body = generate(srv, b'{"PROMPT": "a", "MAX_TOKENS": 1, "k": 1, "parameters": {"k": 3, "k": 4}}')
+    assert status == 200, body
+    assert json.loads(json.loads(body)["PARAMS"]) == {"k": 3}
 
 
 def test_generate_without_id_has_none(srv):
@@ -256,9 +267,12 @@ def test_generate_without_id_has_none(srv):
     (b'{"PARAMS": {}, "PROMPT": 1}', "parameter 'PARAMS' has invalid type. It should be either 'int', 'bool', or "
                                      "'string'."),
     (b'{"PROMPT": 1, "PARAMS": {}}', "Unable to parse JSON bytes array: attempt to access JSON non-string as string"),
+    (b'{"parameters": 3}', "Expected JSON object for keyword: 'parameters': attempt to access JSON non-object as "
+                           "object"),
+    (b'[1]', "attempt to get members for non-object (the generate request must be a JSON object)"),
 ], ids=["duplicate-input", "duplicate-in-parameters", "missing-inputs", "number-for-bytes", "string-for-int",
         "object-parameter", "nested-array-parameter", "shape", "id-not-string", "order-parameter-first",
-        "order-input-first"])
+        "order-input-first", "parameters-not-object", "body-not-object"])
 def test_generate_refusals_are_tritons(srv, body, text):
     for stream in (False, True):
         assert error_of(*generate(srv, body, stream)) == text

@@ -80,15 +80,17 @@ class _GenerateRequest:
                     e.args = (f"Converting keyword: 'parameters': {e}",)
                     raise
             elif key in self.specs:
-                self.tensor(key, next(v for k, v in pairs if k == key))  # Triton reads the first of its name
+                self.tensor(key, _first(pairs, key))
             else:
-                self.parameter(key, value)
+                self.parameter(key, _first(pairs, key))
 
     def parameter(self, key: str, value: Any) -> None:
         if value is None or not isinstance(value, (bool, int, float, str)):
             raise BadRequest(f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'.")
         if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
             value = float(value)  # a JSON number past int64 is a double to Triton
+        # Triton passes each occurrence (with its object's first value for the key); a model reads
+        # the last one passed
         self.params[key] = value
 
     def tensor(self, name: str, value: Any) -> None:
@@ -117,6 +119,11 @@ class _GenerateRequest:
                             "size": len(data)})
         self.chunks.append(data)
         self.offset += len(data)
+
+
+def _first(pairs: Pairs, key: str) -> Any:
+    """The value of ``key``'s first member: what Triton reads each time the key comes."""
+    return next(v for k, v in pairs if k == key)
 
 
 def _leaves(values: list) -> list:

@@ -5,22 +5,23 @@ deduced from the byte size.
 The body stands for the JSON header ``raw_request_doc`` makes from the model's config, so the
 request goes on as any binary request does: the same checks, the same descriptor. Triton's
 rules (its core's ``InferenceRequest::Normalize``) and its refusal texts: exactly one input in the
-config; at most one variable dimension (it takes what the byte size leaves, rounded down, so a
-size that does not fit is refused by the byte-size check); BYTES only with dims [1], the body
-being that one element (its 4-byte length is put in front); a batching model gets a batch of
-one; every output comes back as binary data.
+config; at most one variable dimension (it takes what the byte size leaves, rounded down; a size
+that does not fit is refused with Triton's byte-size text, which names the input ``raw_input``);
+BYTES only with dims [1], the body being that one element (its 4-byte length is put in front); a
+batching model gets a batch of one; every output comes back as binary data.
 """
 from __future__ import annotations
 
 import struct
 
-from shmserve.shm.tensors import CONFIG_TO_WIRE, itemsize
+from shmserve.shm.tensors import CONFIG_TO_WIRE, element_count, itemsize
 from shmserve.signature import request_tag
 
 from .codec import BadRequest
 
 # A raw request carries no id: Triton's errors name it as unknown.
 RAW_TAG = request_tag("")
+RAW_INPUT = "raw_input"  # the name Triton's HTTP frontend gives the body's tensor
 
 
 def is_raw(header_length: bytes | None) -> bool:
@@ -64,8 +65,12 @@ def raw_request_doc(model: str, config: dict, body: bytes | memoryview) -> tuple
         data = memoryview(struct.pack("<I", len(body)) + bytes(body))
     else:
         data = memoryview(body)
-        if variable != -1:  # rounded down, as Triton does: a size that does not fit is refused later
+        if variable != -1:  # rounded down, as Triton does
             shape[variable] = len(body) // fixed // itemsize(datatype) if fixed else 0
+        expected = element_count(shape) * itemsize(datatype)
+        if len(body) != expected:  # Triton's words name the raw input as its HTTP frontend does
+            raise BadRequest(f"{RAW_TAG}input byte size mismatch for input '{RAW_INPUT}' for model '{model}'. "
+                             f"Expected {expected}, got {len(body)}")
     doc = {"inputs": [{"name": name, "datatype": datatype, "shape": shape,
                        "parameters": {"binary_data_size": len(data)}}],
            "parameters": {"binary_data_output": True}}
