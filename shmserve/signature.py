@@ -170,7 +170,10 @@ class ModelSignature:
                                      f"{element_count(shape) * 4} bytes, got {t['size']}")
         missing = [n for n in self.required if n not in names]
         if missing:
-            raise _RequestScoped(f"expected {len(self.required)} inputs but got {len(names)} inputs for "
+            # Triton names the range when the model has optional inputs, the count when it has none.
+            expected = (f"{len(self.required)} inputs" if len(self.required) == len(self.inputs)
+                        else f"number of inputs between {len(self.required)} and {len(self.inputs)}")
+            raise _RequestScoped(f"expected {expected} but got {len(names)} inputs for "
                                  f"model '{m}'. Got input(s) {_names_text(sorted(names))}, but missing required "
                                  f"input(s) {_names_text(missing)}. Please provide all required input(s).")
         return batch or 1

@@ -280,7 +280,7 @@ def test_header_length_beyond_body(server):
                                   ("INPUT1", "INT32", [16], B.tobytes())])
     headers["Inference-Header-Content-Length"] = str(len(body) + 10)
     msg = raw_error(server, body, headers)
-    assert "Inference-Header-Content-Length" in msg
+    assert msg == f"inference header size should be in range (0, {len(body)}), got: {len(body) + 10}"  # Triton's
     assert_still_serving(server)
 
 
@@ -325,7 +325,8 @@ def test_bad_json(server, body):
     ({"inputs": [{"datatype": "INT32", "shape": [16], "data": [0] * 16}]}, "name"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT128", "shape": [16], "data": [0] * 16}]}, "INT128"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": "16", "data": [0] * 16}]}, "shape"),
-    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [-16], "data": [0] * 16}]}, "negative"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [-16], "data": [0] * 16}]},
+     "Unable to parse 'shape'"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16]}]}, "INPUT0"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": [0] * 15}]}, "15"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": ["a"] * 16}]}, "INPUT0"),

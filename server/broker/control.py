@@ -192,11 +192,11 @@ class ControlHandler:
     def _explicit_only(self) -> None:
         mode = self.opts.control_mode
         if mode != "explicit":
-            # Triton's status (UNAVAILABLE) and, for poll mode, its text; in 'none' mode Triton also
-            # says "if polling is enabled", which would mislead, so the mode is named instead.
-            e = InvalidRequest("explicit model load / unload is not allowed if polling is enabled" if mode == "poll"
-                               else f"explicit model load / unload is not allowed if model control mode is "
-                                    f"'{mode}' (start the server with --model-control-mode=explicit)")
+            # Triton's status (UNAVAILABLE) and text in both modes (clients match on it); in 'none'
+            # mode "polling" would mislead, so the mode is named in a hint after it.
+            hint = "" if mode == "poll" else (f" (the model control mode is '{mode}': start the server with "
+                                               f"--model-control-mode=explicit)")
+            e = InvalidRequest("explicit model load / unload is not allowed if polling is enabled" + hint)
             e.status = 503
             raise e
 

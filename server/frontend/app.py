@@ -28,7 +28,7 @@ from shmserve.shm.streams import StreamEvents
 from .asgi import FrontendApp
 from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from .disconnect import ClientGone, unless_gone
-from .generate import EventStream, build_generate_request, generate_response, traced
+from .generate import EventStream, build_generate_request, generate_response, parse_generate_body, traced
 from .header_forward import add_to_request
 from .inference import Headers, Inference
 from .limits import descriptors_problem
@@ -194,20 +194,19 @@ class Frontend:
         return await fut
 
     # -- generate extension ---------------------------------------------------------------------
-    async def _generate_events(self, request: Request) -> tuple[StreamEvents, Trace | None] | Response:
-        """The submitted request's events and its trace (None: not traced), or the answer of a
-        request refused before it was submitted (never traced, as a gRPC stream's; see
-        ``_sample``)."""
+    async def _generate_events(self, request: Request) -> tuple[StreamEvents, Trace | None, str] | Response:
+        """The submitted request's events, its trace (None: not traced) and its id, or the answer
+        of a request refused before it was submitted (never traced, as a gRPC stream's; see
+        ``_sample``). Triton's order: the model, the body's encoding, then the body."""
         p = request.path_params
         model, version = p["model"], p.get("version", "")
-        try:
-            body = parse_json(await request.body())
-        except BadRequest as e:
-            return error_response(400, str(e))
         try:
             status, config = await self._control({"op": "model_config", "model": model, "version": version})
             if status != 200:
                 return error_response(status, config.get("error", "unknown model"))
+            if request.headers.get("content-encoding", "identity") != "identity":
+                raise BadRequest("Unsupported content-encoding, only 'identity' is supported.")
+            body = parse_generate_body(await request.body())
             req, chunks = build_generate_request(model, version, body, config)
             add_to_request(req, self.inference.header_params(request.scope))
         except BadRequest as e:
@@ -216,7 +215,7 @@ class Frontend:
             return error_response(e.status, str(e))
         trace = self._sample(request, model, req) if self.tracer.on else None
         try:
-            return self.link.stream(req, chunks), trace
+            return self.link.stream(req, chunks), trace, req.get("id", "")
         except BrokerError as e:
             return traced(error_response(e.status, str(e)), trace, self.tracer)
 
@@ -235,10 +234,10 @@ class Frontend:
         started = await self._generate_events(request)
         if isinstance(started, Response):
             return started
-        events, trace = started
+        events, trace, request_id = started
         try:
-            answers, error = await unless_gone(self._generate_answers(request.path_params["model"], events, trace),
-                                               request.receive)
+            answers, error = await unless_gone(
+                self._generate_answers(request.path_params["model"], events, trace, request_id), request.receive)
         except BaseException as e:
             if trace is not None:
                 self.tracer.finish(trace)  # cancelled (the client went away): what was timed
@@ -255,7 +254,7 @@ class Frontend:
         return traced(json_response(answers[0]), trace, self.tracer)
 
     @staticmethod
-    async def _generate_answers(model: str, events: StreamEvents, trace: Trace | None
+    async def _generate_answers(model: str, events: StreamEvents, trace: Trace | None, request_id: str
                                 ) -> tuple[list[dict], tuple[int, str] | None]:
         """Every response of a generate request, and its first error."""
         answers: list[dict] = []
@@ -270,7 +269,7 @@ class Frontend:
                     if completion.status != 200:
                         error = error or (completion.status, doc.get("error", "inference failed"))
                     elif not final:
-                        answers.append(generate_response(model, doc, completion.tensor))
+                        answers.append(generate_response(model, doc, completion.tensor, request_id))
                 finally:
                     completion.release()
                 if final:
@@ -282,8 +281,25 @@ class Frontend:
         started = await self._generate_events(request)
         if isinstance(started, Response):
             return started
-        events, trace = started
-        return EventStream(request.path_params["model"], events, trace, self.tracer)
+        events, trace, request_id = started
+        try:  # nothing is sent before the first event, as in Triton: a request refused is a plain error
+            first = await unless_gone(events.events.get(), request.receive)
+        except BaseException as e:
+            events.close()
+            if trace is not None:
+                self.tracer.finish(trace)
+            if isinstance(e, ClientGone):
+                return Response(status_code=499)  # nobody reads it
+            raise
+        final, completion, _ = first
+        if final and completion.status != 200:
+            try:
+                message = completion.doc().get("error", "inference failed")
+            finally:
+                completion.release()
+                events.close()
+            return traced(error_response(completion.status, message), trace, self.tracer)
+        return EventStream(request.path_params["model"], events, trace, self.tracer, request_id, first)
 
     # -- system shared memory -------------------------------------------------------------------
     @staticmethod

@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 from .codec import BadRequest
 from .inference import JSON_HEADER, Headers, Inference, too_large
 from .ingest import BodyIngest, header_length
+from .raw_binary import is_raw
 from .openai_errors import error_body, is_openai_path
 from .tracing import RECEIVED, RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer
 
@@ -147,9 +148,10 @@ async def read_infer_body(inference: Inference, model: str, version: str, header
     With a ``loop``, a large binary body is taken into its request block as it arrives: a
     ``BodyIngest`` holding it whole then (with the parameters ``forwarded`` from its headers)."""
     limit = inference.max_input_bytes
+    raw = is_raw(headers.get(b"inference-header-content-length"))
     declared = headers.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit)
+        raise too_large(int(declared), limit, raw)
     head_len = header_length(headers) if loop is not None else -1
     chunks: list[bytes] = []
     size = 0
@@ -165,7 +167,7 @@ async def read_infer_body(inference: Inference, model: str, version: str, header
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise too_large(size, limit)
+                raise too_large(size, limit, raw)
             more = message.get("more_body", False)
             if ingest is not None:
                 ingest.feed(chunk)

@@ -19,6 +19,7 @@ ORJSON_MAX_DEPTH = 1024
 MAX_TENSOR_ELEMENTS = 1 << 31
 # Triton's wire integers are at most 64-bit: shapes are int64, sequence ids uint64.
 INT64_MAX = (1 << 63) - 1
+INT64_MIN = -(1 << 63)
 UINT64_MAX = (1 << 64) - 1
 # Request parameters the server consumes itself; the rest reach the model (as Triton does).
 RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
@@ -26,6 +27,14 @@ RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"
 
 
 class BadRequest(Exception):
+    status = 400
+
+
+class JsonTypeError(BadRequest):
+    """A JSON value of the wrong type, in TritonJson's words. Triton answers these 500 (its JSON
+    library tags every error INTERNAL); they are the client's mistake, so they are 400 here
+    (docs/compatibility.md)."""
+
     status = 400
 
 
@@ -40,21 +49,25 @@ def parse_json(data: bytes | memoryview, what: str = "the request JSON buffer") 
         raise BadRequest(f"failed to parse {what}: {e}") from None
 
 
+def header_size(header_length: str | None, body_len: int) -> int | None:
+    """The JSON header's length from ``Inference-Header-Content-Length`` (None: the header is
+    absent, the body is all JSON; 0: a raw binary request), with Triton's refusals."""
+    if header_length is None:
+        return None
+    try:
+        n = int(header_length)
+    except ValueError:  # Triton's atoi would read a raw request: refused, the client meant something else
+        raise BadRequest(f"Unable to parse Inference-Header-Content-Length, got: {header_length}") from None
+    if n < 0 or n > body_len:
+        raise BadRequest(f"inference header size should be in range (0, {body_len}), got: {header_length}")
+    return n
+
+
 def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
-    """The JSON header and the binary tail of an inference body."""
+    """The JSON header and the binary tail of an inference body (not a raw one: ``header_size`` 0)."""
     view = memoryview(body)
-    if header_length is not None:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise BadRequest(f"Inference-Header-Content-Length '{header_length}' is not an integer") from None
-        if n < 0:
-            raise BadRequest(f"Inference-Header-Content-Length {n} is invalid: it must not be negative")
-        if n > len(body):
-            raise BadRequest(f"Inference-Header-Content-Length {n} exceeds the request body of {len(body)} bytes")
-        head, tail = view[:n], view[n:]
-    else:
-        head, tail = view, view[len(body):]
+    n = header_size(header_length, len(body))
+    head, tail = (view, view[len(body):]) if n is None else (view[:n], view[n:])
     doc = parse_json(head)
     if not isinstance(doc, dict):
         raise BadRequest("the inference request must be a JSON object")
@@ -108,16 +121,30 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: Any) -> 
     return byte_view(arr)
 
 
-def _shape(name: str, raw: Any, max_elements: int = MAX_TENSOR_ELEMENTS) -> list[int]:
+def _shape(name: str, raw: Any, datatype: str, max_elements: int = MAX_TENSOR_ELEMENTS,
+           json_body: bool = False) -> list[int]:
     """A valid input shape: non-negative int64 dimensions whose elements stay within the limit
-    (checked before anything is allocated for the tensor)."""
+    (checked before anything is allocated for the tensor). ``json_body``: the shape came in an
+    HTTP body, where Triton reads each dimension as an unsigned integer (its words for one that is not)."""
     if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in raw):
         raise BadRequest(f"input '{name}': 'shape' must be a list of integers")
-    if any(d < 0 for d in raw):
+    if any(d < 0 or d > UINT64_MAX for d in raw):
+        if json_body:
+            raise BadRequest(f"Unable to parse 'shape': attempt to access JSON non-unsigned-integer as "
+                             f"unsigned-integer (input '{name}' has shape {raw})")
         raise BadRequest(f"input '{name}': 'shape' {raw} has a negative dimension")
     if len(raw) > 64:
         raise BadRequest(f"input '{name}': 'shape' has {len(raw)} dimensions, more than the 64 allowed")
-    if any(d > max_elements for d in raw) or element_count(raw) > max_elements:
+    count = element_count(raw)
+    shape_text = "[" + ",".join(str(d) for d in raw) + "]"
+    if count > INT64_MAX or any(d > INT64_MAX for d in raw):
+        raise BadRequest(f"invalid shape for input '{name}': shape {shape_text} causes total element count to "
+                         f"exceed maximum size of {INT64_MAX}")
+    size = itemsize(datatype)
+    if size > 1 and count > INT64_MAX // size:
+        raise BadRequest(f"byte size overflow for input '{name}': element count ({count}) * data type size "
+                         f"({size}) exceeds maximum allowed size ({INT64_MAX})")
+    if count > max_elements or any(d > max_elements for d in raw):  # (a 0 dimension zeroes the count)
         raise BadRequest(f"input '{name}': shape {raw} declares more than {max_elements} elements "
                          f"(--http-max-tensor-elements)")
     return raw
@@ -143,9 +170,10 @@ def _bool_param(params: dict, key: str, what: str) -> None:
 
 
 def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
-                  max_elements: int = MAX_TENSOR_ELEMENTS) -> tuple[dict, list]:
+                  max_elements: int = MAX_TENSOR_ELEMENTS, json_body: bool = False) -> tuple[dict, list]:
     """The broker descriptor and the tensor chunks (views into the body; no copy yet). ``tail``
-    may be only the binary tail's length, for a body still arriving: its chunks are then None."""
+    may be only the binary tail's length, for a body still arriving: its chunks are then None.
+    ``json_body``: the document came as an HTTP body (some refusals then read as Triton's HTTP ones)."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list):  # empty for a model that declares no inputs, as Triton takes it
         raise BadRequest("the request must have an 'inputs' list")
@@ -166,7 +194,7 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
         datatype = t.get("datatype")
         if not isinstance(datatype, str) or datatype not in DTYPES:
             raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
-        shape = _shape(name, t.get("shape"), max_elements)
+        shape = _shape(name, t.get("shape"), datatype, max_elements, json_body)
         tparams = _params(t.get("parameters"), f"input '{name}'")
         desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
         if "shared_memory_region" in tparams:
@@ -209,9 +237,13 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
         if not isinstance(doc["outputs"], list):
             raise BadRequest("'outputs' must be a list")
         outputs = []
+        named: set[str] = set()
         for o in doc["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise BadRequest("each requested output must be an object with a 'name'")
+            if o["name"] in named:  # Triton's core refuses it (one answer per output name)
+                raise BadRequest(f"{request_tag(doc.get('id', ''))}output '{o['name']}' already exists in request")
+            named.add(o["name"])
             op = _params(o.get("parameters"), f"output '{o['name']}'")
             _bool_param(op, "binary_data", f"output '{o['name']}'")
             od: dict[str, Any] = {"name": o["name"]}

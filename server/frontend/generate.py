@@ -1,16 +1,21 @@
 """Triton's generate extension: ``/generate`` and ``/generate_stream`` (server-sent events).
 
-The body is a flat JSON object: keys that name model inputs become tensors (a scalar or a string
-is one value, a list its values), shaped by the model's config: its dimensions, the one variable
-dimension or a batching model's batch dimension taking what the values leave (Triton's rule, and
-its error text when they do not fit); ``parameters`` and any other key become request parameters. Each response is a flat JSON
-object of the outputs: one-element tensors become scalars (BYTES as text), others lists.
+The body is a JSON object read as Triton 2.51 reads it (``ConvertGenerateRequest``): its members
+in order, duplicates kept. A member that names a model input becomes that tensor (a scalar or a
+string is one value, a list its values), shaped by the model's metadata: the fixed dimensions
+must divide the count, the innermost variable dimension takes the rest, any other is 1 (Triton's
+rule, and its error text when they do not fit). Any other member, and each member of a
+``parameters`` object, is a request parameter. Each refusal is Triton's, at the point Triton
+makes it. Each response is a flat JSON object: the request's id, the model's name and version,
+the response's parameters and its outputs (one-element tensors as scalars, BYTES as text,
+others lists).
 
 A stream's responses lie in its worker's arena until the frontend frees them: ``EventStream``
 frees what is left (and what still comes) when the client disconnects mid-stream, as at the end.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, AsyncGenerator
 
 import orjson
@@ -20,67 +25,170 @@ from starlette.types import Receive, Scope, Send
 from shmserve.shm.streams import StreamEvents
 from shmserve.shm.tensors import CONFIG_TO_WIRE
 
-from .codec import BadRequest, json_data, json_tensor_bytes
+from shmserve.signature import request_tag
+
+from .codec import INT64_MAX, INT64_MIN, UINT64_MAX, BadRequest, JsonTypeError, json_data, json_tensor_bytes, parse_json
 from .tracing import Trace, Tracer, timed_sends
 
 
-def build_generate_request(model: str, version: str, body: Any, config: dict) -> tuple[dict, list]:
-    if not isinstance(body, dict):
-        raise BadRequest("the generate request must be a JSON object")
-    specs = {t["name"]: t for t in config.get("input", [])}
-    batched = int(config.get("max_batch_size", 0)) > 0
-    raw_params = body.get("parameters") or {}
-    if not isinstance(raw_params, dict):
-        raise BadRequest("the generate request's 'parameters' must be a JSON object")
-    params = dict(raw_params)
-    inputs, chunks, rel = [], [], 0
-    for key, value in body.items():
-        if key in ("parameters", "id"):
-            continue
-        spec = specs.get(key)
-        if spec is None:
-            if isinstance(value, (bool, int, float, str)):
-                params[key] = value
-            continue
+class Pairs(list):
+    """A JSON object as its (key, value) pairs in order, duplicate keys kept: Triton reads every
+    member, so a key given twice is seen twice (an input given twice is refused)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_generate_body(data: bytes) -> Any:
+    """The body with its objects as ``Pairs``: checked by orjson first, so a bad body is refused
+    in the same words as on every other endpoint."""
+    parse_json(data)
+    try:
+        return json.loads(data, object_pairs_hook=Pairs, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"failed to parse the request JSON buffer: {e}") from None
+
+
+class _GenerateRequest:
+    """One generate body turned into inputs and parameters as Triton's ``ConvertGenerateRequest``
+    does: every member in order (``parameters`` an object whose members are read the same way),
+    a member naming a model input a tensor, any other a request parameter, each refusal in
+    Triton's words at the point Triton makes it."""
+
+    def __init__(self, model: str, config: dict, request_id: str) -> None:
+        self.specs = {t["name"]: t for t in config.get("input", [])}
+        self.batched = int(config.get("max_batch_size", 0)) > 0
+        self.tag = request_tag(request_id)
+        self.inputs: list[dict] = []
+        self.chunks: list[bytes | memoryview] = []
+        self.params: dict[str, Any] = {}
+        self.added: set[str] = set()
+        self.offset = 0
+
+    def members(self, pairs: Pairs, nested: bool = False) -> None:
+        for key, value in pairs:
+            if key == "parameters" and not nested:
+                if key in self.specs:
+                    raise BadRequest("Keyword 'parameters' for nested schema also given as input tensor name")
+                if not isinstance(value, Pairs):
+                    raise JsonTypeError("Expected JSON object for keyword: 'parameters': attempt to access JSON "
+                                        "non-object as object")
+                try:
+                    self.members(value, nested=True)
+                except BadRequest as e:
+                    e.args = (f"Converting keyword: 'parameters': {e}",)
+                    raise
+            elif key in self.specs:
+                self.tensor(key, _first(pairs, key))
+            else:
+                self.parameter(key, _first(pairs, key))
+
+    def parameter(self, key: str, value: Any) -> None:
+        if value is None or not isinstance(value, (bool, int, float, str)):
+            raise BadRequest(f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'.")
+        if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+            value = float(value)  # a JSON number past int64 is a double to Triton
+        # Triton passes each occurrence (with its object's first value for the key); a model reads
+        # the last one passed
+        self.params[key] = value
+
+    def tensor(self, name: str, value: Any) -> None:
+        spec = self.specs[name]
         datatype = CONFIG_TO_WIRE.get(spec.get("data_type", ""), "")
         if not datatype:
-            raise BadRequest(f"input '{key}' has an unsupported data type")
+            raise BadRequest(f"input '{name}' has an unsupported data type")
         values = value if isinstance(value, list) else [value]
-        if any(isinstance(v, (dict, list)) or v is None for v in values):
-            raise BadRequest(f"input '{key}': a generate input is a scalar or a flat list of scalars")
-        data = json_tensor_bytes(key, datatype, [len(values)], values)  # the infer endpoint's checks
-        shape = _tensor_shape(key, len(values), [int(d) for d in spec.get("dims", [])], batched)
-        inputs.append({"name": key, "datatype": datatype, "shape": shape, "data": rel, "size": len(data)})
-        chunks.append(data)
-        rel += len(data)
-    # A missing input is left to the model's input check, which words it as Triton does.
-    req: dict[str, Any] = {"model": model, "version": version, "inputs": inputs, "outputs": None}
-    if "id" in body:
-        if not isinstance(body["id"], str):
-            raise BadRequest("the generate request 'id' must be a string")
-        req["id"] = body["id"]
-    if params:
-        req["params"] = {k: v for k, v in params.items() if isinstance(v, (bool, int, float, str))}
-    return req, chunks
+        if datatype == "BYTES" and not all(isinstance(v, str) for v in _leaves(values)):
+            raise JsonTypeError("Unable to parse JSON bytes array: attempt to access JSON non-string as string")
+        dims = ([-1] if self.batched else []) + [int(d) for d in spec.get("dims", [])]  # the model's metadata
+        shape = _tensor_shape(name, len(values), dims)
+        if datatype in ("FP16", "BF16"):
+            raise BadRequest(f"receiving {datatype} data via JSON is not supported. Please use the binary data "
+                             f"format for input {name}")
+        if any(isinstance(v, list) for v in values):
+            raise JsonTypeError("Unable to parse 'data': Shape does not match true shape of 'data' field")
+        wrong = _json_type_error(datatype, values)
+        if wrong:
+            raise JsonTypeError(f"Unable to parse 'data': {wrong}")
+        if name in self.added:
+            raise BadRequest(f"{self.tag}input '{name}' already exists in request")
+        self.added.add(name)
+        data = json_tensor_bytes(name, datatype, [len(values)], values)  # the infer endpoint's range checks
+        self.inputs.append({"name": name, "datatype": datatype, "shape": shape, "data": self.offset,
+                            "size": len(data)})
+        self.chunks.append(data)
+        self.offset += len(data)
 
 
-def _tensor_shape(name: str, count: int, dims: list[int], batched: bool) -> list[int]:
-    """The shape the model's config gives ``count`` values, as Triton's generate endpoint forms it:
-    the config's dimensions, with the one variable dimension (or the batch dimension) taking what
-    is left; a batching model's batch dimension is 1 when another dimension varies."""
-    shape = ([-1] if batched else []) + dims
-    if batched and sum(d < 0 for d in shape) > 1:
-        shape[0] = 1
-    fixed = 1
-    for d in shape:
-        fixed *= d if d >= 0 else 1
-    free = [i for i, d in enumerate(shape) if d < 0]
-    if not free and count == fixed:
-        return shape
-    if len(free) == 1 and fixed > 0 and count % fixed == 0 and count:
-        shape[free[0]] = count // fixed
-        return shape
-    raise BadRequest(f"The schema can not convert input '{name}' to tensor with proper shape")
+def _first(pairs: Pairs, key: str) -> Any:
+    """The value of ``key``'s first member: what Triton reads each time the key comes."""
+    return next(v for k, v in pairs if k == key)
+
+
+def _leaves(values: list) -> list:
+    out: list = []
+    for v in values:
+        out.extend(_leaves(v) if isinstance(v, list) else [v])
+    return out
+
+
+def _json_type_error(datatype: str, values: list) -> str | None:
+    """TritonJson's words for the first value that is not of the JSON type ``datatype`` reads."""
+    for v in values:
+        if datatype == "BOOL":
+            if not isinstance(v, bool):
+                return "attempt to access JSON non-boolean as boolean"
+        elif datatype[0] == "U":
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= UINT64_MAX:
+                return "attempt to access JSON non-unsigned-integer as unsigned-integer"
+        elif datatype[0] == "I":
+            if not isinstance(v, int) or isinstance(v, bool) or not INT64_MIN <= v <= INT64_MAX:
+                return "attempt to access JSON non-signed-integer as signed-integer"
+        elif datatype[0] == "F" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            return "attempt to access JSON non-number as double"
+    return None
+
+
+def build_generate_request(model: str, version: str, body: Any, config: dict) -> tuple[dict, list]:
+    """The broker descriptor of a generate body (``parse_generate_body``) for a model of ``config``.
+    The request's id is read first; a missing input is left to the model's input check, which
+    words it as Triton does. (A dict, as the OpenAI routes make, is read as its pairs.)"""
+    if isinstance(body, dict):
+        body = Pairs(body.items())
+    if not isinstance(body, Pairs):
+        raise JsonTypeError("attempt to get members for non-object (the generate request must be a JSON object)")
+    request_id = next((v for k, v in body if k == "id"), "")
+    if not isinstance(request_id, str):
+        raise JsonTypeError("Unable to parse 'id': attempt to access JSON non-string as string")
+    conversion = _GenerateRequest(model, config, request_id)
+    conversion.members(body)
+    req: dict[str, Any] = {"model": model, "version": version, "inputs": conversion.inputs, "outputs": None}
+    if request_id:
+        req["id"] = request_id
+    if conversion.params:
+        req["params"] = conversion.params
+    return req, conversion.chunks
+
+
+def _tensor_shape(name: str, count: int, dims: list[int]) -> list[int]:
+    """The shape ``count`` values take in an input of the model's metadata shape ``dims`` (a
+    batching model's batch dimension first, as -1), as Triton's generate endpoint forms it: the
+    fixed dimensions must divide the count; the innermost variable dimension takes what is left,
+    any other is 1."""
+    shape = list(dims)
+    left = count
+    for d in reversed(shape):
+        if d != -1:
+            if d <= 0 or left % d:
+                raise BadRequest(f"The schema can not convert input '{name}' to tensor with proper shape")
+            left //= d
+    for i in range(len(shape) - 1, -1, -1):
+        if shape[i] == -1:
+            shape[i], left = left, 1
+    if left != 1:
+        raise BadRequest(f"The schema can not convert input '{name}' to tensor with proper shape")
+    return shape
 
 
 def output_values(result: dict, tensor_of: Any) -> dict[str, Any]:
@@ -92,8 +200,18 @@ def output_values(result: dict, tensor_of: Any) -> dict[str, Any]:
     return out
 
 
-def generate_response(model: str, result: dict, tensor_of: Any) -> dict:
-    return {"model_name": model, "model_version": str(result.get("version", "")), **output_values(result, tensor_of)}
+def generate_response(model: str, result: dict, tensor_of: Any, request_id: str = "") -> dict:
+    """One response as Triton's generate endpoint writes it: the request's id (if it had one),
+    the model's name and version, the response's parameters and its outputs, one flat object
+    (where names meet, that order wins)."""
+    resp: dict[str, Any] = {"id": request_id} if request_id else {}
+    resp["model_name"] = model
+    resp["model_version"] = str(result.get("version", ""))
+    for key, value in (result.get("params") or {}).items():
+        resp.setdefault(key, value)
+    for key, value in output_values(result, tensor_of).items():
+        resp.setdefault(key, value)
+    return resp
 
 
 class EventStream(StreamingResponse):
@@ -103,8 +221,11 @@ class EventStream(StreamingResponse):
     was not sent is freed, and so is every response the model still sends. A traced request's
     events are timed as they are sent (``timed_sends``), its trace written when the response ends."""
 
-    def __init__(self, model: str, events: StreamEvents, trace: Trace | None, tracer: Tracer) -> None:
+    def __init__(self, model: str, events: StreamEvents, trace: Trace | None, tracer: Tracer,
+                 request_id: str = "", first: tuple | None = None) -> None:
         self.model = model
+        self.request_id = request_id
+        self.first = first  # the stream's first event, if the caller has taken it already
         self.events = events
         self.trace = trace
         lines = self._lines()
@@ -114,13 +235,19 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if self.first is not None:  # never read (the client left first)
+                self.first[1].release()
+                self.first = None
             self.events.close()
             if self.trace is not None:
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]  # writes the trace if not yet
 
     async def _lines(self) -> AsyncGenerator[bytes, None]:
         while True:
-            final, completion, _ = await self.events.events.get()
+            if self.first is not None:
+                (final, completion, _), self.first = self.first, None
+            else:
+                final, completion, _ = await self.events.events.get()
             try:
                 doc = completion.doc()
                 if self.trace is not None:
@@ -128,7 +255,7 @@ class EventStream(StreamingResponse):
                 if completion.status != 200:
                     line = orjson.dumps({"error": doc.get("error", "inference failed")})
                 elif not final:
-                    line = orjson.dumps(generate_response(self.model, doc, completion.tensor))
+                    line = orjson.dumps(generate_response(self.model, doc, completion.tensor, self.request_id))
                 else:
                     return
             finally:

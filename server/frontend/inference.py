@@ -26,6 +26,7 @@ from .codec import BadRequest, build_request, build_response, split_body
 from .header_forward import add_to_request, forwarded_params, http_headers
 from .ingest import BodyIngest
 from .link import ArenaWait, BrokerError, BrokerLink, when_room, Sent
+from .raw_binary import is_raw, raw_request_doc
 from .tracing import Trace
 
 log = logging.getLogger("shmserve.frontend")
@@ -46,9 +47,13 @@ def error_answer(status: int, message: str) -> tuple[int, bytes, Headers]:
     return status, orjson.dumps({"error": message}), [JSON_HEADER]
 
 
-def too_large(size: int, limit: int) -> BadRequest:
-    return BadRequest(f"the request body of {size} bytes exceeds the maximum allowed value of {limit} bytes; "
-                      f"use --http-max-input-size to increase the threshold")
+def too_large(size: int, limit: int, raw: bool = False) -> BadRequest:
+    """Triton's refusal of a body over --http-max-input-size (a raw binary body is all tensor)."""
+    if raw:
+        return BadRequest(f"Raw input has a byte_size ({size} bytes) that exceeds the maximum allowed value of "
+                          f"{limit} bytes. Use --http-max-input-size to increase the limit.")
+    return BadRequest(f"request JSON size of {size} bytes exceeds the maximum allowed input size of {limit} bytes. "
+                      f"Use --http-max-input-size to increase the limit.")
 
 
 def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -98,21 +103,28 @@ class Inference:
         return forwarded_params(self.header_forward, http_headers(scope)) if self.header_forward is not None else {}
 
     def start(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes, reply: Reply,
-              trace: Trace | None = None, received: int = 0, forwarded: dict[str, str] | None = None) -> Sent | None:
+              trace: Trace | None = None, received: int = 0, config: dict | None = None,
+              forwarded: dict[str, str] | None = None) -> Sent | None:
         """Parse and submit one inference; ``reply`` runs on the loop when it is answered.
         Returns the request as sent (None: refused, answered already or soon). ``received``: when
-        the request came in (its duration in the statistics starts there), if not now;
+        the request came in (its duration in the statistics starts there), if not now. ``config``:
+        the model's, which a raw binary body needs (``start_when_room`` asks for it);
         ``forwarded``: parameters from its headers (``header_params``)."""
         received = received or time.monotonic_ns()
+        header_len = headers.get(b"inference-header-content-length")
         try:
             if len(body) > self.max_input_bytes:
-                raise too_large(len(body), self.max_input_bytes)
+                raise too_large(len(body), self.max_input_bytes, is_raw(header_len))
             encoding = headers.get(b"content-encoding")
             if encoding:
                 body = _decompress(body, encoding.decode("latin-1").strip().lower(), self.max_input_bytes)
-            header_len = headers.get(b"inference-header-content-length")
-            doc, tail = split_body(body, header_len.decode("latin-1") if header_len is not None else None)
-            req, chunks = build_request(model, version, doc, tail, self.max_tensor_elements)
+            if is_raw(header_len):
+                if config is None:
+                    raise BadRequest("a raw binary request needs the model's configuration")
+                doc, tail = raw_request_doc(model, config, body)
+            else:
+                doc, tail = split_body(body, header_len.decode("latin-1") if header_len is not None else None)
+            req, chunks = build_request(model, version, doc, tail, self.max_tensor_elements, json_body=True)
             add_to_request(req, forwarded)
             size = sum(len(c) for c in chunks)
             if size > self.max_request_bytes:
@@ -138,12 +150,30 @@ class Inference:
                               forwarded: dict[str, str] | None = None) -> Sent | None:
         """``start``, waiting for room in a fragmented arena (``link.when_room``)."""
         received = time.monotonic_ns()  # a wait for room counts in the request's duration
+        config = None
+        if is_raw(headers.get(b"inference-header-content-length")):
+            config = await self._raw_config(model, version, reply)
+            if config is None:
+                return None
         try:
             return await when_room(lambda: self.start(model, version, headers, body, reply, trace, received,
-                                                      forwarded))
+                                                      config, forwarded))
         except ArenaWait as e:
             reply(*error_answer(e.status, str(e)))
             return None
+
+    async def _raw_config(self, model: str, version: str, reply: Reply) -> dict | None:
+        """The model's config for a raw binary body (raw_binary.py); None once ``reply`` has
+        answered why there is none (the model or version is not there: Triton's 404 or 503)."""
+        try:
+            status, config = await self.link.control({"op": "model_config", "model": model, "version": version})
+        except BrokerError as e:
+            reply(*error_answer(e.status, str(e)))
+            return None
+        if status != 200:
+            reply(status, orjson.dumps(config), [JSON_HEADER])
+            return None
+        return config
 
     def begin_ingest(self, model: str, version: str, head: bytes, tail_len: int,
                      loop: asyncio.AbstractEventLoop, forwarded: dict[str, str] | None = None) -> BodyIngest | None:
@@ -153,7 +183,7 @@ class Inference:
             if tail_len > self.max_request_bytes:
                 return None
             doc, _ = split_body(head, None)
-            req, _ = build_request(model, version, doc, tail_len, self.max_tensor_elements)
+            req, _ = build_request(model, version, doc, tail_len, self.max_tensor_elements, json_body=True)
             add_to_request(req, forwarded)
             if any("data" in t for t in doc["inputs"]):
                 return None  # JSON values take room in the block the tail does not fill

@@ -125,7 +125,8 @@ def _schemas() -> dict[str, Any]:
                             "properties": {"id": {"type": "string"}, "parameters": params},
                             "additionalProperties": True},
         "GenerateResponse": {"type": "object", "required": ["model_name", "model_version"], "properties": {
-            "model_name": {"type": "string"}, "model_version": {"type": "string"}}, "additionalProperties": True},
+            "id": {"type": "string"}, "model_name": {"type": "string"}, "model_version": {"type": "string"}},
+            "additionalProperties": True},
         "RepositoryIndexRequest": {"type": "object", "properties": {"ready": {"type": "boolean"}}},
         "RepositoryIndex": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
             "name": {"type": "string"}, "version": {"type": "string"}, "state": {"type": "string"},
@@ -230,7 +231,8 @@ def _paths() -> dict[str, Any]:
     for prefix, params in (("/v2/models/{model}", [MODEL]), ("/v2/models/{model}/versions/{version}",
                                                                [MODEL, VERSION])):
         infer = _op("Inference (KServe v2; with the binary tensor extension the JSON header is followed by "
-                    "tensor bytes and its length is in Inference-Header-Content-Length)",
+                    "tensor bytes and its length is in Inference-Header-Content-Length; with a length of 0 the body is "
+                    "one input's bytes alone, a raw binary request)",
                     {"200": {"description": "the outputs", "content": {
                         JSON: {"schema": _ref("InferResponse")},
                         "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},

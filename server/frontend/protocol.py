@@ -44,6 +44,8 @@ log = logging.getLogger("shmserve.frontend")
 LINGER_S = 5.0  # the most a refused body is read and dropped (nginx: lingering_timeout 5 s)
 BUSY_LINGER_S = 1.0  # the same for a connection past the bound: its descriptor is what is short
 WARN_EVERY_S = 10.0  # one warning line per kind this often at most: refusals come in floods
+# Triton's bound on a chunked body's non-empty chunks (each costs a buffer entry, however small).
+MAX_CHUNKS = 1 << 16
 
 
 class _StopParsing(Exception):
@@ -93,6 +95,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._last_read = 0.0
         self._watch: asyncio.TimerHandle | None = None  # the one timer of the head, body and linger limits
         self._lingering = False
+        self._chunks = 0  # chunk headers of the body in progress (its last, empty chunk included)
 
     # -- connections -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -147,6 +150,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._began = True
+        self._chunks = 0
         self._head_min = self._head_max = 0
         if not self._head_deadline:
             self._start_head(self.loop.time())
@@ -161,6 +165,21 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._in_head, self._in_body = False, True
         self._head_deadline = 0.0
         super().on_headers_complete()
+
+    def on_chunk_header(self) -> None:
+        """Count a chunked body's chunks: past ``MAX_CHUNKS`` non-empty ones (the one more is the
+        empty last chunk) the request is refused as Triton refuses it, and the rest is dropped."""
+        self._chunks += 1
+        if self._chunks <= MAX_CHUNKS + 1:
+            return
+        self._warn("chunks", "refused a chunked body of more than %d chunks", MAX_CHUNKS)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the application reads no more of it, and answers nothing
+            cycle.message_event.set()
+        self._refuse(400, f"Chunked request body exceeds maximum of {MAX_CHUNKS} non-empty chunks. Send fewer or "
+                          f"larger HTTP chunks.")
+        raise _StopParsing
 
     def on_message_complete(self) -> None:
         self._in_head, self._in_body = True, False

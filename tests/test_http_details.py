@@ -1,0 +1,295 @@
+"""The HTTP details Triton's clients rely on, against a real server: raw binary requests (a body
+that is one tensor's bytes, as curl posts an image), the generate endpoint's checks, order, id
+and texts, duplicate output names, and the refusal texts clients match on (Triton's words).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.client
+import json
+import os
+import socket
+import struct
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import TESTS, raw_request, read_raw_response
+
+MODELS = TESTS / "models" / "http_details"
+MAX_INPUT = 1 << 20
+UNKNOWN = "[request id: <id_unknown>] "
+
+
+@pytest.fixture(scope="module")
+def srv(module_factory):
+    return module_factory.start([MODELS], ["--http-max-input-size", str(MAX_INPUT)])
+
+
+def post_raw(server, model: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    """What ``curl --data-binary @file -H 'Inference-Header-Content-Length: 0'`` sends."""
+    sent = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": "0", **(headers or {})}
+    r = raw_request(server.port, "POST", f"/v2/models/{model}/infer", body, sent)
+    return r.status, r.headers, r.body
+
+
+def post_chunked(server, path: str, pieces: list[bytes], headers: dict) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", path, body=iter(pieces), headers=headers, encode_chunked=True)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def binary_outputs(headers: dict, body: bytes) -> dict[str, tuple[dict, bytes]]:
+    """The outputs of a binary answer: each one's JSON entry and its bytes."""
+    assert headers["content-type"] == "application/octet-stream", headers
+    n = int(headers["inference-header-content-length"])
+    doc = json.loads(body[:n])
+    out, pos = {}, n
+    for o in doc["outputs"]:
+        size = o["parameters"]["binary_data_size"]
+        out[o["name"]] = (o, body[pos:pos + size])
+        pos += size
+    assert pos == len(body)
+    return out
+
+
+def error_of(status: int, *answer, expected: int = 400) -> str:
+    """The error text of an answer ``(status, [headers,] body)``, which must have ``expected``."""
+    body = answer[-1]
+    assert status == expected, (status, body)
+    return json.loads(body)["error"]
+
+
+# -- raw binary requests ---------------------------------------------------------------------------
+
+def test_raw_binary_body_is_a_batch_of_one_with_every_output_binary(srv):
+    values = np.arange(4, dtype=np.float32)
+    status, headers, body = post_raw(srv, "raw_vec", values.tobytes())
+    assert status == 200, body
+    outputs = binary_outputs(headers, body)
+    assert set(outputs) == {"DOUBLED", "SHAPE"}  # every output, each as binary data
+    entry, data = outputs["DOUBLED"]
+    assert entry["shape"] == [1, 4] and entry["datatype"] == "FP32"
+    np.testing.assert_array_equal(np.frombuffer(data, np.float32), values * 2)
+    assert np.frombuffer(outputs["SHAPE"][1], np.int64).tolist() == [1, 4]
+
+
+def test_raw_binary_chunked_body(srv):
+    """curl -H 'Transfer-Encoding: chunked': the same request without a Content-Length."""
+    values = np.arange(1000, dtype=np.float32)
+    raw = values.tobytes()
+    status, headers, body = post_chunked(srv, "/v2/models/raw_vec/infer", [raw[:1000], raw[1000:2500], raw[2500:]],
+                                         {"Inference-Header-Content-Length": "0"})
+    assert status == 200, body
+    entry, data = binary_outputs(headers, body)["DOUBLED"]
+    assert entry["shape"] == [1, 1000]
+    np.testing.assert_array_equal(np.frombuffer(data, np.float32), values * 2)
+
+
+def test_raw_binary_gzip_body_is_inflated_first(srv):
+    values = np.arange(64, dtype=np.float32)
+    status, headers, body = post_raw(srv, "raw_vec", gzip.compress(values.tobytes()), {"Content-Encoding": "gzip"})
+    assert status == 200, body
+    entry, data = binary_outputs(headers, body)["DOUBLED"]
+    assert entry["shape"] == [1, 64]
+    np.testing.assert_array_equal(np.frombuffer(data, np.float32), values * 2)
+
+
+def test_raw_binary_image_into_a_bytes_input(srv):
+    """The body is the one BYTES element, as an image posted with curl."""
+    image = os.urandom(300_000)
+    status, headers, body = post_raw(srv, "raw_text", image, {"Content-Type": "image/jpeg"})
+    assert status == 200, body
+    outputs = binary_outputs(headers, body)
+    assert np.frombuffer(outputs["LENGTH"][1], np.int64).tolist() == [len(image)]
+    digest = outputs["DIGEST"][1]
+    assert struct.unpack("<I", digest[:4])[0] == 64 and digest[4:].decode() == hashlib.sha256(image).hexdigest()
+
+
+@pytest.mark.parametrize("model, body, text", [
+    ("gen", b"x" * 8, f"{UNKNOWN}Raw request must only have 1 input (found 1) to be deduced but got 3 inputs in "
+                      f"'gen' model configuration"),
+    ("raw_two_var", b"x" * 8, f"{UNKNOWN}The shape of the raw input 'INPUT' can not be deduced because there are "
+                              f"more than one variable-sized dimension"),
+    ("raw_text_var", b"x" * 8, f"{UNKNOWN}For BYTE datatype raw input 'INPUT', the model must have input shape [1]"),
+    ("raw_vec", b"x" * 10, f"{UNKNOWN}input byte size mismatch for input 'raw_input' for model 'raw_vec'. Expected "
+                           f"8, got 10"),  # (Triton names the body's tensor so)
+], ids=["three-inputs", "two-variable-dims", "bytes-not-one", "size-not-a-multiple"])
+def test_raw_binary_refusals_are_tritons(srv, model, body, text):
+    assert error_of(*post_raw(srv, model, body)) == text
+    assert_still_serving_here(srv)
+
+
+def test_raw_binary_to_an_unknown_model_is_404(srv):
+    status, _, body = post_raw(srv, "no_such_model", b"1234")
+    assert status == 404 and "no_such_model" in json.loads(body)["error"]
+
+
+def test_raw_binary_body_over_the_limit(srv):
+    """Triton's text for a raw body over --http-max-input-size, declared or chunked."""
+    big = b"\0" * (MAX_INPUT + 8)
+    text = (f"Raw input has a byte_size ({len(big)} bytes) that exceeds the maximum allowed value of {MAX_INPUT} "
+            f"bytes. Use --http-max-input-size to increase the limit.")
+    assert error_of(*post_raw(srv, "raw_vec", big)) == text
+    msg = error_of(*post_chunked(srv, "/v2/models/raw_vec/infer", [big[:MAX_INPUT // 2]] * 4,
+                                 {"Inference-Header-Content-Length": "0"}))
+    assert msg.startswith("Raw input has a byte_size (") and "Use --http-max-input-size" in msg
+    assert_still_serving_here(srv)
+
+
+@pytest.mark.parametrize("value", ["-1", "3"])
+def test_inference_header_length_out_of_range(srv, value):
+    status, _, body = post_raw(srv, "raw_vec", b"{}", {"Inference-Header-Content-Length": value})
+    assert error_of(status, body) == f"inference header size should be in range (0, 2), got: {value}"
+
+
+def assert_still_serving_here(server) -> None:
+    status, _, body = post_raw(server, "raw_vec", np.ones(2, np.float32).tobytes())
+    assert status == 200, body
+
+
+# -- duplicate outputs, shapes ---------------------------------------------------------------------
+
+def test_duplicate_output_names_are_refused(srv):
+    client = httpclient.InferenceServerClient(srv.url)
+    try:
+        inp = httpclient.InferInput("INPUT", [1, 3], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 3), np.float32))
+        outputs = [httpclient.InferRequestedOutput("DOUBLED"), httpclient.InferRequestedOutput("DOUBLED")]
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("raw_vec", [inp], outputs=outputs, request_id="r-9")
+        assert e.value.status() == "400"
+        assert e.value.message() == "[request id: r-9] output 'DOUBLED' already exists in request"
+        result = client.infer("raw_vec", [inp], outputs=outputs[:1])
+        np.testing.assert_array_equal(result.as_numpy("DOUBLED"), np.full((1, 3), 2, np.float32))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("shape, datatype, text", [
+    ([1, -3], "FP32", "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer"),
+    ([1 << 62, 4], "FP32", f"invalid shape for input 'INPUT': shape [{1 << 62},4] causes total element count to "
+                           f"exceed maximum size of {(1 << 63) - 1}"),
+    ([1, 1 << 61], "FP64", f"byte size overflow for input 'INPUT': element count ({1 << 61}) * data type size (8) "
+                           f"exceeds maximum allowed size ({(1 << 63) - 1})"),
+], ids=["negative", "element-count", "byte-size"])
+def test_shape_refusals_use_tritons_words(srv, shape, datatype, text):
+    doc = {"inputs": [{"name": "INPUT", "datatype": datatype, "shape": shape, "data": [1.0]}]}
+    r = raw_request(srv.port, "POST", "/v2/models/raw_vec/infer", json.dumps(doc).encode())
+    assert error_of(r.status, r.body).startswith(text)
+
+
+def test_too_many_chunks_are_refused_as_triton_does(srv):
+    """More than 65536 non-empty chunks: Triton's 400 and text; the server goes on."""
+    head = (b"POST /v2/models/raw_vec/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Inference-Header-Content-Length: 0\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=60) as sock:
+        sock.sendall(head + b"4\r\n\0\0\0\0\r\n" * 65537 + b"0\r\n\r\n")
+        status, _, body = read_raw_response(sock.makefile("rb"))
+    assert error_of(status, body) == ("Chunked request body exceeds maximum of 65536 non-empty chunks. Send fewer "
+                                      "or larger HTTP chunks.")
+    assert_still_serving_here(srv)
+
+
+def test_as_many_chunks_as_allowed_are_taken(srv):
+    head = (b"POST /v2/models/raw_vec/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Inference-Header-Content-Length: 0\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=60) as sock:
+        sock.sendall(head + b"4\r\n\0\0\0\0\r\n" * 65536 + b"0\r\n\r\n")
+        status, headers, body = read_raw_response(sock.makefile("rb"))
+    assert status == 200, body[:300]
+    assert binary_outputs(headers, body)["DOUBLED"][0]["shape"] == [1, 65536]
+
+
+# -- the generate endpoint -------------------------------------------------------------------------
+
+def generate(server, body: bytes | dict, stream: bool = False) -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = raw_request(server.port, "POST", f"/v2/models/gen/generate{'_stream' if stream else ''}", data,
+                    {"Content-Type": "application/json"})
+    return r.status, r.body
+
+
+def test_generate_echoes_the_request_id(srv):
+    status, body = generate(srv, {"id": "req-7", "PROMPT": "ab", "MAX_TOKENS": 2, "top_k": 3})
+    assert status == 200, body
+    doc = json.loads(body)
+    assert doc["id"] == "req-7" and doc["TEXT"] == "abab" and doc["model_name"] == "gen"
+    assert json.loads(doc["PARAMS"]) == {"id": "req-7", "top_k": 3}  # (Triton passes the id as a parameter too)
+    status, body = generate(srv, {"id": "req-8", "PROMPT": "c", "MAX_TOKENS": 1}, stream=True)
+    assert status == 200, body
+    events = [json.loads(line[len(b"data: "):]) for line in body.split(b"\n\n") if line.startswith(b"data: ")]
+    assert [(e["id"], e["TEXT"]) for e in events] == [("req-8", "c")]
+
+
+def test_generate_repeated_parameter_reads_as_in_triton(srv):
+    """Triton reads a repeated key's first value in its object each time the key comes: the
+    model sees the top level's first value, or a later ``parameters`` object's."""
+    status, body = generate(srv, b'{"PROMPT": "a", "MAX_TOKENS": 1, "k": 1, "k": 2, "j": true, "j": {}}')
+    assert status == 200, body
+    assert json.loads(json.loads(body)["PARAMS"]) == {"k": 1, "j": True}
+    status, body = generate(srv, b'{"PROMPT": "a", "MAX_TOKENS": 1, "k": 1, "parameters": {"k": 3, "k": 4}}')
+    assert status == 200, body
+    assert json.loads(json.loads(body)["PARAMS"]) == {"k": 3}
+
+
+def test_generate_without_id_has_none(srv):
+    status, body = generate(srv, {"PROMPT": "a", "MAX_TOKENS": 1})
+    assert status == 200 and "id" not in json.loads(body)
+
+
+@pytest.mark.parametrize("body, text", [
+    (b'{"PROMPT": "a", "MAX_TOKENS": 1, "PROMPT": "b"}', f"{UNKNOWN}input 'PROMPT' already exists in request"),
+    (b'{"id": "x1", "MAX_TOKENS": 1, "parameters": {"MAX_TOKENS": 2}}',
+     "Converting keyword: 'parameters': [request id: x1] input 'MAX_TOKENS' already exists in request"),
+    (b'{}', f"{UNKNOWN}expected number of inputs between 2 and 3 but got 0 inputs for model 'gen'. Got input(s) "
+            f"[], but missing required input(s) ['PROMPT','MAX_TOKENS']. Please provide all required input(s)."),
+    (b'{"PROMPT": 1, "MAX_TOKENS": 1}', "Unable to parse JSON bytes array: attempt to access JSON non-string as "
+                                        "string"),
+    (b'{"PROMPT": "a", "MAX_TOKENS": "1"}', "Unable to parse 'data': attempt to access JSON non-signed-integer as "
+                                            "signed-integer"),
+    (b'{"PROMPT": "a", "MAX_TOKENS": 1, "PARAMS": {"k": 1}}',
+     "parameter 'PARAMS' has invalid type. It should be either 'int', 'bool', or 'string'."),
+    (b'{"PROMPT": "a", "MAX_TOKENS": 1, "parameters": {"PARAMS": [1]}}',
+     "Converting keyword: 'parameters': parameter 'PARAMS' has invalid type. It should be either 'int', 'bool', "
+     "or 'string'."),
+    (b'{"PROMPT": "a", "MAX_TOKENS": [1, 2]}', "The schema can not convert input 'MAX_TOKENS' to tensor with proper "
+                                               "shape"),
+    (b'{"id": 3, "PROMPT": 1}', "Unable to parse 'id': attempt to access JSON non-string as string"),
+    # Triton's order: members as they come, so the first bad one is named.
+    (b'{"PARAMS": {}, "PROMPT": 1}', "parameter 'PARAMS' has invalid type. It should be either 'int', 'bool', or "
+                                     "'string'."),
+    (b'{"PROMPT": 1, "PARAMS": {}}', "Unable to parse JSON bytes array: attempt to access JSON non-string as string"),
+    (b'{"parameters": 3}', "Expected JSON object for keyword: 'parameters': attempt to access JSON non-object as "
+                           "object"),
+    (b'[1]', "attempt to get members for non-object (the generate request must be a JSON object)"),
+], ids=["duplicate-input", "duplicate-in-parameters", "missing-inputs", "number-for-bytes", "string-for-int",
+        "object-parameter", "nested-array-parameter", "shape", "id-not-string", "order-parameter-first",
+        "order-input-first", "parameters-not-object", "body-not-object"])
+def test_generate_refusals_are_tritons(srv, body, text):
+    for stream in (False, True):
+        assert error_of(*generate(srv, body, stream)) == text
+
+
+def test_generate_refuses_a_compressed_body(srv):
+    r = raw_request(srv.port, "POST", "/v2/models/gen/generate", b"\x1f\x8b", {"Content-Encoding": "gzip"})
+    assert error_of(r.status, r.body) == "Unsupported content-encoding, only 'identity' is supported."
+
+
+def test_generate_to_an_unknown_model_is_404_whatever_the_body(srv):
+    r = raw_request(srv.port, "POST", "/v2/models/nope/generate", b"not json")
+    assert r.status == 404, r
+
+
+def test_server_still_serves_after_all(srv):
+    assert_still_serving_here(srv)
+    status, body = generate(srv, {"PROMPT": "z", "MAX_TOKENS": 3})
+    assert status == 200 and json.loads(body)["TEXT"] == "zzz"
+
