@@ -7,6 +7,7 @@ worker's memory and arena where they were."""
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import threading
 import time
 
@@ -69,6 +70,24 @@ def test_one_response_and_the_final_flag_however_sent(server, protocol):
     call = CALLERS[protocol]
     for i, mode in enumerate(ANSWERED):
         assert call(server, mode, [i, 7], delay_ms=300) == [2 * i, 14], mode
+
+
+def test_streaming_calls_get_the_late_answer_as_their_one_response(server):
+    """The local client's ``stream()`` and gRPC's ModelStreamInfer to such a model: one response,
+    sent from a thread after execute returned, then the stream ends."""
+    with Client(server.id) as client:
+        once = list(client.stream(MODEL, {"X": np.array([3], np.int32)}, parameters={"mode": "thread"}))
+        assert [r["Y"].tolist() for r in once] == [[6]]
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        c.start_stream(callback=lambda result, error: got.put(error if error is not None else result))
+        for i in range(3):
+            inp = grpcclient.InferInput("X", [1], "INT32")
+            inp.set_data_from_numpy(np.array([i], np.int32))
+            c.async_stream_infer(MODEL, [inp], parameters={"mode": "thread", "delay_ms": 100 * (3 - i)})
+        c.stop_stream()  # (waits for every answer)
+    results = [got.get_nowait() for _ in range(got.qsize())]
+    assert sorted(r.as_numpy("Y").tolist() for r in results) == [[0], [2], [4]]
 
 
 def test_a_late_answer_does_not_hold_up_other_requests(server):
