@@ -32,7 +32,8 @@ ANSWERED = ["one_call", "two_calls", "thread", "thread_one_call", "list_none"]
 
 @pytest.fixture(scope="module")
 def server(module_factory):
-    return module_factory.start([TESTS / "models" / "sender"])
+    return module_factory.start([TESTS / "models" / "sender"], ["--model-control-mode", "explicit",
+                                                                 "--load-model", MODEL, "--load-model", "sender_batch"])
 
 
 def http_y(server, mode: str, x: list[int], **params) -> list[int]:
@@ -217,5 +218,54 @@ def stats_success(server) -> int:
     try:
         stats = client.get_inference_statistics(MODEL)["model_stats"][0]
         return int(stats["inference_stats"]["success"]["count"])
+    finally:
+        client.close()
+
+
+def test_a_worker_that_dies_fails_the_requests_it_kept(server):
+    """A batch the broker forwarded is done for the broker once execute returns; if the worker then
+    dies before its thread answers, the broker still fails the request (its slot names the
+    worker), and the restarted instance serves."""
+    with Client(server.id) as client:
+        with pytest.raises(InferenceServerError) as e:
+            client.infer("sender_batch", {"X": np.array([[-1]], np.int32)}, client_timeout=60)
+        assert e.value.status == 500 and "sender_batch" in e.value.message, e.value.message
+        wait_until(lambda: ready(server, "sender_batch"), "sender_batch ready again")
+        futures = [client.infer_async("sender_batch", {"X": np.array([[i]], np.int32)}) for i in range(4)]
+        assert [f.result(60)["Y"].tolist() for f in futures] == [[[4000 + i]] for i in range(4)]
+
+
+def test_unloading_answers_what_the_model_never_finished(server):
+    """The instance stops with a request still kept: it is answered with a 503 naming the instance
+    (the model held its sender and never sent the final flag), and the model loads again."""
+    http = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        with Client(server.id) as client:
+            executions = stats_executions(server)
+            kept = client.infer_async(MODEL, {"X": np.array([1], np.int32)}, parameters={"mode": "never"})
+            wait_until(lambda: stats_executions(server) > executions, "the never-answered request ran")
+            http.unload_model(MODEL)
+            with pytest.raises(InferenceServerError) as e:
+                kept.result(60)
+            assert e.value.status == 503 and "stopped before its model sent the request's final response" in \
+                e.value.message, e.value.message
+        http.load_model(MODEL)
+        assert http_y(server, "one_call", [2]) == [4]
+    finally:
+        http.close()
+
+
+def ready(server, model: str) -> bool:
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        return client.is_model_ready(model)
+    finally:
+        client.close()
+
+
+def stats_executions(server) -> int:
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        return int(client.get_inference_statistics(MODEL)["model_stats"][0]["execution_count"])
     finally:
         client.close()

@@ -1,5 +1,7 @@
 """Y = X + 1000 * (the size of the batch the request came in); the batch's requests are answered
-from threads after execute returned, the last request first."""
+from threads after execute returned, the last request first. X = -1: the thread ends the process
+instead (a worker that dies while requests wait for their answers)."""
+import os
 import threading
 import time
 
@@ -18,5 +20,7 @@ class TritonPythonModel:
     @staticmethod
     def answer(sender, y, delay):
         time.sleep(delay)
+        if int(y.flat[0]) % 1000 == 999:  # X = -1
+            os._exit(1)
         sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
