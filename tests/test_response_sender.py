@@ -32,8 +32,9 @@ ANSWERED = ["one_call", "two_calls", "thread", "thread_one_call", "list_none"]
 
 @pytest.fixture(scope="module")
 def server(module_factory):
-    return module_factory.start([TESTS / "models" / "sender"], ["--model-control-mode", "explicit",
-                                                                 "--load-model", MODEL, "--load-model", "sender_batch"])
+    return module_factory.start([TESTS / "models" / "sender"], [
+        "--model-control-mode", "explicit", "--load-model", MODEL, "--load-model", "sender_batch",
+        "--http-workers", "1", "--frontend-arena-mb", "1"])
 
 
 def http_y(server, mode: str, x: list[int], **params) -> list[int]:
@@ -167,7 +168,8 @@ def test_a_sender_released_without_the_final_flag_answers_an_error(server):
 def test_a_model_that_never_sends_the_final_flag(server):
     """The client's own timeout ends its call (the server then answers the kept request as
     cancelled, so its slot and its block in the client's 1 MiB arena come back: 40 requests of
-    100 kB cross that arena four times after it), and the model still holds the senders."""
+    100 kB cross that arena four times after it; over HTTP, the frontend's), and the model still
+    holds the senders."""
     with Client(server.id, arena_bytes=1 << 20) as client:
         for _ in range(2):
             with pytest.raises(InferenceServerError, match="Deadline Exceeded"):
@@ -177,6 +179,23 @@ def test_a_model_that_never_sends_the_final_flag(server):
         for _ in range(40):
             assert client.infer(MODEL, {"X": x}, parameters={"mode": "one_call"})["Y"][-1] == 2 * x[-1]
         wait_until(lambda: not client._conn._slots.inflight, "the kept requests answered as cancelled", 30)
+    # An HTTP client that gives up disconnects: the frontend cancels, and its 1 MiB arena, which
+    # held the 100 kB request, comes back too.
+    x = np.arange(25_000, dtype=np.int32)
+    http = httpclient.InferenceServerClient(server.url, network_timeout=1)
+    try:
+        inp = httpclient.InferInput("X", [len(x)], "INT32")
+        inp.set_data_from_numpy(x)
+        with pytest.raises(Exception):
+            http.infer(MODEL, [inp], parameters={"mode": "never"})
+    finally:
+        http.close()
+    http = httpclient.InferenceServerClient(server.url, network_timeout=120)
+    try:
+        for _ in range(40):
+            assert http.infer(MODEL, [inp], parameters={"mode": "one_call"}).as_numpy("Y")[-1] == 2 * x[-1]
+    finally:
+        http.close()
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         inp = grpcclient.InferInput("X", [1], "INT32")
@@ -187,7 +206,7 @@ def test_a_model_that_never_sends_the_final_flag(server):
         grpc.close()
     with Client(server.id) as client:
         report = client.infer(MODEL, {"X": np.array([0], np.int32)}, parameters={"mode": "release"})
-        assert report["ERRORS"].tolist() == [b"3"]  # the model held every sender meanwhile
+        assert report["ERRORS"].tolist() == [b"4"]  # the model held every sender meanwhile
 
 
 def test_hundreds_of_late_answers_leave_nothing_behind(server):
