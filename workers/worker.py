@@ -423,7 +423,7 @@ class Worker:
                 executed = time.monotonic_ns()
                 self.answers.phases = (start, built, executed)
                 for (entry, req), resp in zip(live, responses):
-                    if type(resp) is Deferred:
+                    if isinstance(resp, Deferred):
                         resp = self._keep(entry, req, resp)
                         if resp is None:
                             kept.add(id(entry))

@@ -145,11 +145,11 @@ class PythonInstance(Instance):
             for sender in senders:
                 if sender is not None:
                     sender.close()
-            if any(reply.deferred.done for reply in replies):
+            if any(reply.done for reply in replies):
                 return self._failed(e, replies)
             raise  # the worker answers every request with the error
         for pb, answer in zip(pb_requests, answers):
-            if type(answer) is Deferred:
+            if isinstance(answer, Deferred):
                 # Once the model holds neither the request nor its sender, no final flag can come.
                 weakref.finalize(pb._response_sender, answer.abandon)
         return answers
@@ -175,8 +175,8 @@ class PythonInstance(Instance):
         sent it already) and the others get the error the worker gives when ``execute`` raises."""
         msg = f"Failed to process the request(s) for model instance '{self.name}', message: {type(e).__name__}: {e}"
         log.error("%s\n%s", msg, "".join(traceback.format_exception(e)))
-        return [reply.deferred.response if reply.deferred.done and reply.deferred.response is not None
-                else Response(error=msg, status=500) for reply in replies]
+        return [reply.response if reply.done and reply.response is not None else Response(error=msg, status=500)
+                for reply in replies]
 
     def _pb_requests(self, requests: list[Request], replies: list[Reply]) -> list[Any]:
         """The requests as pb_utils objects, each with its response sender: to its stream for a

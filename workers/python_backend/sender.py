@@ -34,6 +34,8 @@ class ResponseSender:
     """A request's sender. Sends are taken one at a time (a model may send from several threads),
     so responses reach the client in the order their sends were accepted."""
 
+    __slots__ = ("_deliver", "_cancel", "_decoupled", "_lock", "_sent", "_closed", "__weakref__")
+
     def __init__(self, deliver: Deliver, cancel: Any, decoupled: bool) -> None:
         self._deliver = deliver
         self._cancel = cancel  # the request's CancelFlag (workers/backend.py)
@@ -81,23 +83,22 @@ class ResponseSender:
         return self._cancel is not None and self._cancel.is_set()
 
 
-class Reply:
-    """Where a non-decoupled model's sends go: the response is kept until the final flag hands it
-    to the request's ``Deferred`` (a send's rules are checked by the sender first)."""
+class Reply(Deferred):
+    """Where a non-decoupled model's sends go: the request's ``Deferred``, which keeps the response
+    until the final flag finishes it (a send's rules are checked by the sender first)."""
 
-    __slots__ = ("deferred", "_response")
+    __slots__ = ("_first",)
 
     def __init__(self) -> None:
-        self.deferred = Deferred()
-        self._response: Response | None = None
+        super().__init__()
+        self._first: Response | None = None
 
     def __call__(self, response: Response | None, final: bool) -> None:
         if response is not None:
-            self._response = response
-        if final and self._response is not None:
-            self.deferred.finish(self._response)
+            self._first = response
+        if final and self._first is not None:
+            self.finish(self._first)
 
     def answer(self) -> Response | Deferred:
-        """The response if the final flag came, else the Deferred the worker waits on."""
-        deferred = self.deferred
-        return deferred.response if deferred.done and deferred.response is not None else deferred
+        """The response if the final flag came, else itself, for the worker to wait on."""
+        return self.response if self.done and self.response is not None else self
