@@ -192,7 +192,7 @@ class Worker:
             ran = bool(lanes)
             if batcher is not None and len(batcher):
                 ran = self._run_local_batches(batcher, time.monotonic() if self.running else math.inf) > 0 or ran
-            if late:
+            if late or late.has_finished():  # (also sends that came after their request was answered)
                 ran = self._answer_late() or ran
             if ran:
                 # Once per round, not per request: counters first, then every answer of the round
