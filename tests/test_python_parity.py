@@ -60,7 +60,7 @@ class TritonPythonModel:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
             response = pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)])
             sender = request.get_response_sender()
-            if x[0] == 0:  # no final flag: refused
+            if x[0] == 0:  # a second response: refused
                 sender.send(response)
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
@@ -172,7 +172,7 @@ def test_non_decoupled_model_answers_through_its_response_sender(server):
     assert client.infer("sender_once", [x]).as_numpy("Y").tolist() == [2, 4, 6]
     x = httpclient.InferInput("X", [2], "INT32")
     x.set_data_from_numpy(np.array([0, 1], np.int32))
-    with pytest.raises(InferenceServerException, match="TRITONSERVER_RESPONSE_COMPLETE_FINAL"):
+    with pytest.raises(InferenceServerException, match="Non-decoupled model cannot send more than one response"):
         client.infer("sender_once", [x])
     with Client(server.id) as local:  # a streaming call to it gets its one response
         once = list(local.stream("sender_once", {"X": np.array([5], np.int32)}))

@@ -41,6 +41,7 @@ from .answers import Answers, ModelInfo
 from .backend import Backend, CancelFlag, Instance, InstanceContext, Model, ModelContext, Request, Response, \
     load_backend
 from .classification import load_labels
+from .late_answers import CANCEL_CHECK_S, Deferred, Kept, LateAnswers
 from . import cuda
 from .cuda import CudaError
 from .region_holds import RegionHolds
@@ -90,6 +91,7 @@ class Worker:
         # Requests from our lanes waiting for a batch, when this instance batches them itself.
         self.batcher: DynamicBatcher | None = None
         self.cache: ResponseCache | None = None  # the server's response cache, if this model uses it
+        self.late = LateAnswers(self.seg.waker)  # requests a model answers after execute returned
 
     # -- start-up -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -146,7 +148,8 @@ class Worker:
         calls then crosses no sleep in either direction."""
         seg = self.seg
         inbox = seg.inbox
-        has_work = lambda: inbox.pending() > 0 or seg.bells_rung()  # noqa: E731
+        late = self.late
+        has_work = lambda: inbox.pending() > 0 or seg.bells_rung() or late.has_finished()  # noqa: E731
         batcher = self.batcher
         checked = time.monotonic()
         departures = int(self.broker.departures[0])
@@ -159,6 +162,8 @@ class Worker:
             timeout = 10.0
             if batcher is not None and len(batcher):
                 timeout = min(timeout, batcher.next_timer(time.monotonic()) or 0.0)
+            if late:
+                timeout = min(timeout, CANCEL_CHECK_S)
             seg.waker.sleep(timeout, has_work, spin if polled else None)
             log_settings.check()  # POST /v2/logging: one integer read unless it changed
             if cuda.loaded() and self.regions.current() != self.regions.generation:
@@ -187,6 +192,8 @@ class Worker:
             ran = bool(lanes)
             if batcher is not None and len(batcher):
                 ran = self._run_local_batches(batcher, time.monotonic() if self.running else math.inf) > 0 or ran
+            if late or late.has_finished():  # (also sends that came after their request was answered)
+                ran = self._answer_late() or ran
             if ran:
                 # Once per round, not per request: counters first, then every answer of the round
                 # with one wake-up per client (under load a round holds several requests).
@@ -392,6 +399,7 @@ class Worker:
         built = executed = time.monotonic_ns()
         ok: list[bool] = []
         raised = False
+        kept: set[int] = set()  # id() of the entries answered later (late_answers.py)
         if live:
             try:
                 responses = self.instance.execute([r for _, r in live])  # type: ignore[union-attr]
@@ -415,24 +423,22 @@ class Worker:
                 executed = time.monotonic_ns()
                 self.answers.phases = (start, built, executed)
                 for (entry, req), resp in zip(live, responses):
+                    if isinstance(resp, Deferred):
+                        resp = self._keep(entry, req, resp)
+                        if resp is None:
+                            kept.add(id(entry))
+                            continue
                     if req.sender is not None:
                         if resp is not None:  # a streaming call to a model that answers once
                             req.sender(resp, final=True)
                         continue
-                    if self.sequence is not None and resp.error is None:
-                        asked = [o["name"] for o in entry.get("outputs") or ()]
-                        self.sequence.capture(resp.outputs, asked, entry.get("corr", 0), entry.get("flags", 0))
-                    ok.append(self._answer(entry, resp))
-                    if self.cache is not None and ok[-1] and entry.get("ck"):
-                        inserting = time.monotonic_ns()
-                        self.cache.insert(entry, resp)
-                        self.stats.cache_miss(entry["cn"] + time.monotonic_ns() - inserting)
+                    ok.append(self._answer_ran(entry, resp))
         if live:
             batched = self.signature is not None and self.signature.max_batch_size > 0
             sizes, arrivals, streamed = [], [], 0  # answered here; streamed ones count when they finish
             for entry, req in live:
                 size = next(iter(req.inputs.values())).shape[0] if batched and req.inputs else 1
-                if req.sender is None:
+                if req.sender is None and id(entry) not in kept:
                     sizes.append(size)
                     arrivals.append(entry.get("t", 0))
                 elif not raised:
@@ -441,8 +447,86 @@ class Worker:
                 self.stats.executed(sizes, arrivals, start, built - start, executed - built,
                                     time.monotonic_ns() - executed, ok, streamed)
         for entry in entries:
-            self.holds.release(entry)  # answered (a stream's hold went to its sender)
+            self.holds.release(entry)  # answered (a stream's hold went to its sender, a kept one's to late)
         busy[BUSY_SINCE] = 0
+
+    def _answer_ran(self, entry: dict, resp: Response) -> bool:
+        """Answer a request the model ran: its sequence's state kept, the response cache filled;
+        False if the answer is an error."""
+        if self.sequence is not None and resp.error is None:
+            asked = [o["name"] for o in entry.get("outputs") or ()]
+            self.sequence.capture(resp.outputs, asked, entry.get("corr", 0), entry.get("flags", 0))
+        ok = self._answer(entry, resp)
+        if self.cache is not None and ok and entry.get("ck"):
+            inserting = time.monotonic_ns()
+            self.cache.insert(entry, resp)
+            self.stats.cache_miss(entry["cn"] + time.monotonic_ns() - inserting)
+        return ok
+
+    # -- answers after execute returned (workers/late_answers.py) ---------------------------------
+    def _keep(self, entry: dict, req: Request, deferred: Deferred) -> Response | None:
+        """Keep a request its model answers later; its response instead if that came already.
+        A request the broker forwarded now names this worker in its slot, so that the broker
+        fails it if this worker dies before answering (the broker forgets the batch now)."""
+        kept = Kept(entry, deferred, req.sender, self.answers.phases)
+        if not self.late.keep(kept):
+            return deferred.response
+        if req.sender is None:
+            kept.held = self.holds.hand_to_sender(entry)
+        client = self.clients.get(entry["client"])
+        if client is not None and client.target(entry["slot"]) == 0:
+            client.set_target(entry["slot"], self.num + 1)
+        return None
+
+    def _answer_late(self) -> bool:
+        """Answer the kept requests their models finished, and those their clients cancelled
+        (Triton's client sees its call end then, whatever the model does); True if any."""
+        late = self.late
+        finished = late.take_finished()
+        for kept, resp in finished:
+            if kept.sender is not None:
+                kept.sender(resp, final=True)  # counted by the stream
+                continue
+            self.answers.phases = kept.phases
+            ok = self._answer_ran(kept.entry, resp)
+            self._count_late(kept, ok)
+        cancelled = late.take(self._cancelled) if late else []
+        for kept in cancelled:
+            message = cancelled_error(kept.entry.get("id", ""))
+            if kept.sender is not None:
+                kept.sender.fail(CANCELLED_STATUS, message)
+                continue
+            self._answer_error(kept.entry, CANCELLED_STATUS, message)
+            self._count_late(kept, False)
+        return bool(finished or cancelled)
+
+    def _count_late(self, kept: Kept, ok: bool) -> None:
+        self.holds.let_go(kept.held)
+        with self.stream_lock:  # (a decoupled model's threads count finished streams meanwhile)
+            self.stats.finished_stream(kept.entry.get("t", 0), ok)
+
+    def _cancelled(self, kept: Kept) -> bool:
+        client = self.clients.get(kept.entry["client"])
+        return client is not None and client.cancelled(kept.entry["slot"])
+
+    def _drop_late(self, name: str) -> None:
+        """Client ``name`` left: stop keeping its requests (nobody waits for their answers)."""
+        for kept in self.late.take(lambda k: k.entry["client"] == name):
+            if kept.sender is not None:  # its stream ends (and lets go of its regions) while still mapped
+                kept.sender.fail(CANCELLED_STATUS, cancelled_error(kept.entry.get("id", "")))
+            else:
+                self._count_late(kept, False)
+
+    def _fail_late(self, message: str) -> None:
+        """The worker stops: answer what the models finished, and fail the rest with ``message``."""
+        self._answer_late()
+        for kept in self.late.take(lambda k: True):
+            if kept.sender is not None:
+                kept.sender.fail(503, message)
+            else:
+                self._answer_error(kept.entry, 503, message)
+                self._count_late(kept, False)
+        self._flush_counts()
 
     def _flush_counts(self) -> None:
         self.stats.counts[ARENA_BYTES] = self.arena.bytes_in_use
@@ -477,6 +561,8 @@ class Worker:
         for name, client in list(self.clients.items()):
             # Gone: the process died, or it closed the connection (which unlinks the segment).
             if not pid_alive(client.pid) or not os.path.exists("/dev/shm" + name):
+                if self.late:
+                    self._drop_late(name)
                 if self.batcher is not None and len(self.batcher):
                     queued = self.batcher.all()
                     self.batcher.drop_client(client)
@@ -517,7 +603,10 @@ class Worker:
     def close(self) -> None:
         try:
             if self.instance is not None:
-                self.instance.finalize()
+                self.instance.finalize()  # (a model's finalize may join the threads that still send)
+            if self.late:
+                self._fail_late(f"model instance '{self.instance_name}' stopped before its model sent the "
+                                f"request's final response; retry")
             if self.model_state is not None:
                 self.model_state.finalize()
             if self.backend is not None:

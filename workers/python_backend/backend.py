@@ -15,15 +15,18 @@ import json
 import logging
 import sys
 import traceback
+import weakref
 from types import ModuleType
 from typing import Any
 
 from ..backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
+from ..late_answers import Deferred
 from . import pb_utils
 from .bls import Bls
 from .convert import input_tensor, to_response
 from .event_loop import EventLoop
 from .pb_utils import runtime
+from .sender import Reply, ResponseSender
 
 log = logging.getLogger("shmserve.worker")
 
@@ -48,52 +51,6 @@ def _import_model(ctx: ModelContext) -> ModuleType:
     if not hasattr(module, "TritonPythonModel"):
         raise AttributeError(f"{path} does not define class TritonPythonModel")
     return module
-
-
-class ResponseSender:
-    """The response sender a request gives (``get_response_sender()``): ``send(response=None,
-    flags=0)`` converts the response and hands it to ``stream``: for a decoupled model the
-    request's ``Request.sender`` (the worker's StreamSender, workers/stream.py), for any other
-    a ``Reply`` that keeps it for ``execute`` to return."""
-
-    def __init__(self, stream: Any, cancel: Any) -> None:
-        self._stream = stream
-        self._cancel = cancel  # the request's CancelFlag (workers/backend.py)
-
-    def send(self, response: Any = None, flags: int = 0) -> None:
-        converted = to_response(response) if response is not None else None
-        self._stream(converted, final=bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
-
-    def is_cancelled(self) -> bool:
-        """Whether the client cancelled the request (it disconnected, timed out or cancelled):
-        the model may stop sending; what it still sends is freed unread."""
-        return self._cancel is not None and self._cancel.is_set()
-
-
-class Reply:
-    """The one response a non-decoupled model may send through its response sender (Triton
-    24.06+): it must carry ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``, and ``execute`` then returns
-    None. The worker answers it as if ``execute`` had returned it."""
-
-    def __init__(self) -> None:
-        self.response: Response | None = None
-        self.final = False
-
-    def __call__(self, response: Response | None, final: bool) -> None:
-        if self.final:
-            raise pb_utils.TritonModelException("Unable to send response: the final response was already sent")
-        if response is not None and self.response is not None:
-            raise pb_utils.TritonModelException("Non-decoupled model cannot send more than one response")
-        if not final:
-            raise pb_utils.TritonModelException(
-                "Non-decoupled model must send its response with TRITONSERVER_RESPONSE_COMPLETE_FINAL")
-        self.response = response if response is not None else self.response
-        self.final = True
-
-    def result(self) -> Response:
-        if self.response is None:
-            return Response(error="execute() returned None and sent no response for the request", status=500)
-        return self.response
 
 
 class PythonBackend(Backend):
@@ -166,23 +123,60 @@ class PythonInstance(Instance):
         self.loop = loop  # for ``async def execute``
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(ctx.config)
 
-    def execute(self, requests: list[Request]) -> list[Response]:
+    def execute(self, requests: list[Request]) -> list[Response | Deferred]:
+        """The requests' responses; for a non-decoupled model's request still to be answered
+        through its sender (``execute`` returned None, or None in its place in the list), the
+        Deferred the worker keeps it under (workers/late_answers.py)."""
         replies = [] if self.decoupled else [Reply() for _ in requests]
         pb_requests = self._pb_requests(requests, replies)
-        results = self.model.execute(pb_requests)
-        if type(results) is not list and inspect.isawaitable(results):  # async def execute (e.g. BLS async_exec)
+        senders = [pb._response_sender for pb in pb_requests]
+        try:
+            results = self.model.execute(pb_requests)
+            if type(results) is not list and inspect.isawaitable(results):  # async def execute (e.g. BLS async_exec)
+                if self.decoupled:
+                    streams = [r.sender for r in requests]
+                    self.loop.start(results, lambda e: self._fail_streams(streams, senders, e))
+                    return []  # its responses go through the senders while the worker takes more requests
+                results = self.loop.run(results)
             if self.decoupled:
-                senders = [r.sender for r in requests]
-                self.loop.start(results, lambda e: self._fail_streams(senders, e))
-                return []  # its responses go through the senders while the worker takes more requests
-            results = self.loop.run(results)
-        if self.decoupled:
-            return []  # its responses went through the senders
-        if results is None:  # it answered through its response senders
-            return [reply.result() for reply in replies]
-        if len(results) != len(requests):
-            raise RuntimeError(f"execute() returned {len(results)} responses for {len(requests)} requests")
-        return [to_response(r) for r in results]
+                return []  # its responses went through the senders
+            answers = self._answers(results, replies, senders)
+        except Exception as e:  # noqa: BLE001 - model code may raise anything
+            for sender in senders:
+                if sender is not None:
+                    sender.close()
+            if any(reply.done for reply in replies):
+                return self._failed(e, replies)
+            raise  # the worker answers every request with the error
+        for pb, answer in zip(pb_requests, answers):
+            if isinstance(answer, Deferred):
+                # Once the model holds neither the request nor its sender, no final flag can come.
+                weakref.finalize(pb._response_sender, answer.abandon)
+        return answers
+
+    def _answers(self, results: Any, replies: list[Reply], senders: list[ResponseSender]) -> list[Response | Deferred]:
+        """What a non-decoupled ``execute`` gave: None (every request answers through its
+        sender), or one entry per request, None for those that do (Triton's stub alike)."""
+        if results is None:
+            return [reply.answer() for reply in replies]
+        if len(results) != len(replies):
+            raise RuntimeError(f"execute() returned {len(results)} responses for {len(replies)} requests")
+        answers: list[Response | Deferred] = []
+        for result, reply, sender in zip(results, replies, senders):
+            if result is None:
+                answers.append(reply.answer())
+            else:
+                sender.returned()  # refused if the sender already sent a response
+                answers.append(to_response(result))
+        return answers
+
+    def _failed(self, e: Exception, replies: list[Reply]) -> list[Response | Deferred]:
+        """``execute`` raised after some requests had their final response: those keep it (Triton
+        sent it already) and the others get the error the worker gives when ``execute`` raises."""
+        msg = f"Failed to process the request(s) for model instance '{self.name}', message: {type(e).__name__}: {e}"
+        log.error("%s\n%s", msg, "".join(traceback.format_exception(e)))
+        return [reply.response if reply.done and reply.response is not None else Response(error=msg, status=500)
+                for reply in replies]
 
     def _pb_requests(self, requests: list[Request], replies: list[Reply]) -> list[Any]:
         """The requests as pb_utils objects, each with its response sender: to its stream for a
@@ -199,20 +193,24 @@ class PythonInstance(Instance):
             pb._cancel = r.cancel
         if replies:
             for r, pb, reply in zip(requests, pb_requests, replies):
-                pb._response_sender = ResponseSender(reply, r.cancel)
+                pb._response_sender = ResponseSender(reply, r.cancel, False)
         else:
             for r, pb in zip(requests, pb_requests):
                 if r.sender is not None:
-                    pb._response_sender = ResponseSender(r.sender, r.cancel)
+                    pb._response_sender = ResponseSender(r.sender, r.cancel, True)
         return pb_requests
 
-    def _fail_streams(self, senders: list[Any], e: BaseException) -> None:
+    def _fail_streams(self, streams: list[Any], senders: list[Any], e: BaseException) -> None:
         """A decoupled model's coroutine raised: each of its requests not yet finished ends with
-        the error, as when a synchronous execute raises (workers/worker.py)."""
+        the error, as when a synchronous execute raises (workers/worker.py), and its senders
+        take nothing more."""
         msg = f"Failed to process the request(s) for model instance '{self.name}', message: {type(e).__name__}: {e}"
         log.error("%s\n%s", msg, "".join(traceback.format_exception(e)))
         for sender in senders:
-            sender.fail(500, msg)
+            if sender is not None:
+                sender.close()
+        for stream in streams:
+            stream.fail(500, msg)
 
     def finalize(self) -> None:
         self.loop.close()

@@ -230,9 +230,10 @@ class InferenceRequest:
         return bls.stream_async(self) if decoupled else bls.execute_async(self)
 
     def get_response_sender(self) -> Any:
-        """The sender of this request's responses (``send(response, flags)``): a decoupled model
-        sends any number, a non-decoupled one exactly one, with
-        ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``, and returns None from ``execute`` (Triton 24.06+).
+        """The sender of this request's responses (``send(response, flags)``, from any thread,
+        also after ``execute`` returned): a decoupled model sends any number, a non-decoupled one
+        exactly one, then ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` (with it or in a later send),
+        and returns None for it from ``execute`` (Triton 24.06+; see python_backend/sender.py).
         Only requests handed to ``execute`` have one."""
         sender = self._response_sender
         if sender is None:
