@@ -86,7 +86,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px}} tr.best{{background:#fff3bf;font-
 def _plots(outcomes: list[Outcome], best: Outcome | None, goal: Goal) -> str:
     """Throughput against latency per configuration, and memory per configuration (plotly)."""
     if importlib.util.find_spec("plotly") is None:
-        return "<p>(No plots: plotly is not installed; pip install 'shmserve[plots]'.)</p>"
+        return "<p>(No plots: plotly is not installed: the plots extra, from the checkout .venv/bin/pip install -e '.[plots]'.)</p>"
     import plotly.graph_objects as go
 
     curves = go.Figure()

@@ -19,7 +19,8 @@ def check_plot_path(path: Path) -> None:
     if module is None:
         raise ValueError(f"--plot {path}: the name must end in .png or .html")
     if importlib.util.find_spec(module) is None:
-        raise ValueError(f"--plot {path} needs {module}: pip install 'shmserve[plots]'")
+        raise ValueError(f"--plot {path} needs {module}, in the plots extra: from the checkout, "
+                         ".venv/bin/pip install -e '.[plots]'")
 
 
 def curves(results: list[LevelResult]) -> dict[str, list[LevelResult]]:
