@@ -22,7 +22,7 @@ import pytest
 from conftest import PYTHON, ROOT, free_ports, new_server_id, remove_shm_entries, shm_entries
 
 VENV = Path(PYTHON).parent.parent
-DOCS = ("README.md", "docs/tools.md")
+DOCS = ("README.md", "docs/tools.md", "docs/local_client.md", "docs/binding.md")
 # First words of a block that is not run here, and why.
 NOT_RUN = {
     "make serve": "the server under test is the one `make serve` starts (tests/conftest.py)",
@@ -40,7 +40,9 @@ EXPECTED = {
     "/v2/health/ready": "200",
     "/v2/models/add_sub/infer": '"OUTPUT0"',
     "nv_inference_request_success": "nv_inference_request_success{",
-    "client.infer(\"add_sub\"": "[ 1  2  3  4",
+    "client.infer(\"add_sub\", inputs)": "[ 1  2  3  4",  # a + b, a - b
+    '{"INPUT0": a, "INPUT1": b}': "[ 1  2  3  4",
+    'client.stream("word_stream"': "world",
     "shmserve-perf -m add_sub -u": "Throughput:",
     "shmserve-perf -m word_stream": "Avg time to first response",
     "shmserve-analyzer": "Report: ",
@@ -83,8 +85,8 @@ def skipped_because(text: str) -> str | None:
 
 
 ALL_BLOCKS = [b for doc in DOCS for b in blocks(doc)]
-FUNCTION_EXAMPLE = next(b for b in ALL_BLOCKS if "shmserve.serve(" in b.text)
-RUN_BLOCKS = [b for b in ALL_BLOCKS if b is not FUNCTION_EXAMPLE and not skipped_because(b.text)]
+FUNCTION_EXAMPLES = [b for b in ALL_BLOCKS if "shmserve.serve(" in b.text]  # a script serving functions
+RUN_BLOCKS = [b for b in ALL_BLOCKS if b not in FUNCTION_EXAMPLES and not skipped_because(b.text)]
 
 
 def for_server(text: str, url: str, grpc_url: str, metrics: str, server_id: str) -> str:
@@ -185,30 +187,35 @@ def test_readme_inline_command_runs_as_written(command: str, server, checkout):
     check_output(text, run_shell(shortened(text, server.url, server.id), checkout))
 
 
-def test_the_readme_function_example_serves_and_answers(checkout):
-    """`.venv/bin/python app.py` with the README's code, then the README's curl call to it."""
+@pytest.mark.parametrize("block", FUNCTION_EXAMPLES, ids=lambda b: b.id)
+def test_a_function_example_serves_and_answers(block: Block, checkout):
+    """`.venv/bin/python app.py` with the doc's code: every function it declares is served, and
+    the doc's own curl call to one (the README's) answers."""
     http, grpc, metrics = free_ports(3)
     server_id = new_server_id()
-    code = FUNCTION_EXAMPLE.text.replace(
+    code = block.text.replace(
         "http_port=8000", f"http_port={http}, grpc_port={grpc}, metrics_port={metrics}, id={server_id!r}")
-    assert code != FUNCTION_EXAMPLE.text, "the README's example no longer serves on port 8000"
+    assert code != block.text, "the example no longer serves on port 8000"
     (checkout / "app.py").write_text(code)
-    assert ".venv/bin/python app.py" in (ROOT / "README.md").read_text()
+    assert "python app.py" in (ROOT / block.doc).read_text()
+    models = re.findall(r"^def (\w+)\(", block.text, re.M)
+    calls = [c for c in inline_commands(block.doc) if any(f"/v2/models/{m}/" in c for m in models)]
     log = checkout.parent / "app.log"
     with log.open("wb") as out:
         app = subprocess.Popen([".venv/bin/python", "app.py"], cwd=checkout, env=user_env(checkout),
                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        [call] = [c for c in inline_commands("README.md") if "/models/scale/" in c]
-        call = for_server(call, f"127.0.0.1:{http}", "", "", server_id)
-        deadline = time.monotonic() + 120
-        while True:
-            run = run_shell(call, checkout, timeout=30)
-            if run.stdout or time.monotonic() > deadline or app.poll() is not None:  # (answered, or gone)
-                break
-            time.sleep(0.5)
-        assert '"outputs"' in run.stdout, f"{run.stdout}\n{run.stderr}\n{log.read_text()[-3000:]}"
-        assert '"data":[2.0,4.0,6.0]' in run.stdout.replace(" ", ""), run.stdout
+        for model in models:
+            ready = f"curl -s -o /dev/null -w '%{{http_code}}' 127.0.0.1:{http}/v2/models/{model}/ready"
+            deadline = time.monotonic() + 120
+            while (run := run_shell(ready + " || true", checkout, timeout=30)).stdout != "200":
+                assert app.poll() is None and time.monotonic() < deadline, f"{model}: {log.read_text()[-3000:]}"
+                time.sleep(0.5)
+        for call in calls:
+            run = run_shell(for_server(call, f"127.0.0.1:{http}", "", "", server_id), checkout, timeout=30)
+            assert '"outputs"' in run.stdout, f"{run.stdout}\n{run.stderr}\n{log.read_text()[-3000:]}"
+            if "/models/scale/" in call:
+                assert '"data":[2.0,4.0,6.0]' in run.stdout.replace(" ", ""), run.stdout
     finally:
         if app.poll() is None:
             os.killpg(app.pid, signal.SIGTERM)
@@ -220,6 +227,7 @@ def test_the_readme_function_example_serves_and_answers(checkout):
         left = shm_entries(server_id)
         remove_shm_entries(server_id)
     assert not left, left
+    assert block.doc != "README.md" or calls, "the README's call to its function example"
 
 
 def test_the_extras_the_docs_name_are_installed():
