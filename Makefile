@@ -45,7 +45,7 @@ $(TEST_STAMP): $(SERVE_STAMP)
 install: $(TEST_STAMP)
 
 serve: $(SERVE_STAMP)
-	@echo "make: serving model_repository/ on HTTP :8000, gRPC :8001, metrics :8002 (Ctrl-C stops it)"
+	@echo "make: starting shmserve on model_repository/ (HTTP :8000, gRPC :8001, metrics :8002; Ctrl-C stops it)"
 	$(VENV)/bin/shmserve --model-repository=model_repository --http-port=8000 --metrics-port=8002
 
 # tests/test_container.py builds and runs the image (Dockerfile) with Debian's podman, from a base
