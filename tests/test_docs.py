@@ -30,9 +30,8 @@ NOT_RUN = {
     "git clone": "Triton's programs need a network; tests/test_triton_examples.py and test_grpc_examples.py "
                  "check what they rely on",
 }
-# A line of a block that is not run: installing an extra, which `make test` has done (checked in
+# Lines that are not run: `pip install` of an extra, which `make test` has done (checked in
 # test_the_extras_the_docs_name_are_installed).
-PIP_INSTALL = "pip install "
 # The checkout's parts the commands use, linked into the folder they run in.
 CHECKOUT = ("model_repository", "tools", "examples")
 # What a block's output shows when it worked, by a piece of its text.
@@ -76,7 +75,7 @@ def inline_commands(doc: str) -> list[str]:
     text = (ROOT / doc).read_text()
     text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S).replace("\n", " ")
     return [c for c in re.findall(r"`([^`]+)`", text)
-            if c.startswith("curl ") or (c.startswith(".venv/bin/") and " " in c)]
+            if c.startswith("curl ") or (c.startswith(".venv/bin/") and " " in c and " install " not in c)]
 
 
 def skipped_because(text: str) -> str | None:
@@ -112,7 +111,7 @@ def shortened(text: str, server_url: str, server_id: str) -> str:
                 command += f" -u {server_url}"
         elif tool == "shmserve-analyzer":  # (and a goal this loaded host meets)
             command += f" {QUICK_ANALYZER}" + (" --min-throughput 1" if "--min-throughput" in command else "")
-        elif command.startswith(PIP_INSTALL):
+        elif tool == "pip" and words[1:2] == ["install"]:
             command = ": " + command
         elif words[:2] in ([".venv/bin/python", "tools/examples.py"], [".venv/bin/python", "tools/digits_client.py"]):
             command += f" --url {server_url}" + (f" --id {server_id}" if "examples.py" in command else "")
@@ -235,7 +234,9 @@ def test_the_extras_the_docs_name_are_installed():
     import importlib.util
 
     pyproject = (ROOT / "pyproject.toml").read_text()
-    for doc in DOCS:
-        for extra in re.findall(r"pip install -e '\.\[(\w+)\]'", (ROOT / doc).read_text()):
-            assert re.search(rf"^{extra} = \[", pyproject, re.M), extra
+    named = [extra for doc in DOCS
+             for extra in re.findall(r"pip install\s+-e\s+'\.\[([\w-]+)\]'", (ROOT / doc).read_text())]
+    assert {"plots", "s3"} <= set(named), named
+    for extra in named:
+        assert re.search(rf"^{extra} = \[", pyproject, re.M), extra
     assert importlib.util.find_spec("matplotlib") and importlib.util.find_spec("plotly")
