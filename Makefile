@@ -2,21 +2,50 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# Serving: the package, onnxruntime for model_repository/'s ONNX model, scikit-learn for the
+# README's digits client. The tests add the test extra on top (pytest, moto, schemathesis ...).
+SERVE_STAMP := $(VENV)/.installed-serve
+SERVE_EXTRAS := onnx,examples
+TEST_STAMP := $(VENV)/.installed-test
+# torch, pinned. Where it comes from: empty means pip's own indexes, where a plain `pip install
+# torch` on Linux x86_64 is the CUDA build (gigabytes, with NVIDIA's libraries); the README says
+# when to pass TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU build instead
+# (about 200 MB). An index set up with the CPU build (as in CI) needs nothing here.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
+TORCH_FROM := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL) --extra-index-url https://pypi.org/simple)
+# pip's progress, one line per package it collects, downloads or installs; its whole output goes to
+# $(VENV)/pip.log, whose end is shown when a step fails.
+SHELL := bash
+.SHELLFLAGS := -o pipefail -ec
+PIP_LOG := $(VENV)/pip.log
+PIP = $(PY) -m pip install $(1) >>$(PIP_LOG) 2>&1 || { tail -n 30 $(PIP_LOG); echo "make: pip failed; its output: $(PIP_LOG)"; exit 1; }
+PIP_SHOWN = $(PY) -m pip install $(1) 2>&1 | tee -a $(PIP_LOG) \
+	| { grep --line-buffered -E '^ *(Collecting|Downloading|Installing collected|Successfully installed)' || true; } \
+	|| { tail -n 30 $(PIP_LOG); echo "make: pip failed; its output: $(PIP_LOG)"; exit 1; }
 
 .PHONY: serve test install container-tools clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch pinned to the CPU build that lies on this machine's disk; a looser pin downloads gigabytes.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+$(SERVE_STAMP): pyproject.toml
+	@test -x $(PY) || { echo "make: creating the virtual environment $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make: [1/3] upgrading pip"
+	@: > $(PIP_LOG)
+	@$(call PIP,--upgrade pip)
+	@echo "make: [2/3] torch $(TORCH_VERSION)$(if $(TORCH_INDEX_URL), from $(TORCH_INDEX_URL))"
+	@$(call PIP_SHOWN,$(TORCH_FROM) torch==$(TORCH_VERSION))
+	@echo "make: [3/3] shmserve and what serving needs (extras $(SERVE_EXTRAS))"
+	@$(call PIP_SHOWN,-e '.[$(SERVE_EXTRAS)]')
+	@touch $@
 
-install: $(STAMP)
+$(TEST_STAMP): $(SERVE_STAMP)
+	@echo "make: the test extra (pytest, moto, schemathesis, ...)"
+	@$(call PIP_SHOWN,-e '.[test]')
+	@touch $@
 
-serve: $(STAMP)
+install: $(TEST_STAMP)
+
+serve: $(SERVE_STAMP)
+	@echo "make: starting shmserve on model_repository/ (HTTP :8000, gRPC :8001, metrics :8002; Ctrl-C stops it)"
 	$(VENV)/bin/shmserve --model-repository=model_repository --http-port=8000 --metrics-port=8002
 
 # tests/test_container.py builds and runs the image (Dockerfile) with Debian's podman, from a base
@@ -32,7 +61,7 @@ container-tools:
 	fi
 
 # The suite prints its duration (pytest's closing line) and each test slower than 10 s.
-test: $(STAMP) container-tools
+test: $(TEST_STAMP) container-tools
 	$(PY) -m pytest -q --durations=15 --durations-min=10 tests
 
 clean:

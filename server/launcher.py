@@ -187,9 +187,6 @@ class Launcher:
 
     def _log_serving(self) -> None:
         a = self.args
-        if a.allow_http:
-            log.info("shmserve '%s' serving HTTP on %s:%d with %d frontend(s)", self.sid, a.http_address,
-                     a.http_port, a.http_workers)
         if a.allow_grpc:
             log.info("shmserve '%s' serving gRPC on %s:%d%s", self.sid, a.grpc_address, a.grpc_port,
                      " over TLS" if a.grpc["tls"] else "")

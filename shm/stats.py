@@ -171,6 +171,23 @@ class StatsWriter:
         if batch_size:
             self.count_execution(batch_size, input_ns, infer_ns, output_ns)
 
+    def stream_phases(self, arrivals: list[int], start: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        """The queue and compute phases of streamed (decoupled) requests, whose outcome and whole
+        duration count when their stream ends (``finished_stream``): the execution that started
+        them, as Triton reports a decoupled request's queue and compute."""
+        c, cells, dirty = self.counts, self._cells, self._dirty
+        for arrived in arrivals:
+            queue = start - arrived if 0 < arrived <= start else 0
+            c[PHASE_COUNT] += 1
+            c[QUEUE_NS] += queue
+            c[INPUT_NS] += input_ns
+            c[INFER_NS] += infer_ns
+            c[OUTPUT_NS] += output_ns
+            for cell in (_QUEUE_CELL + bucket_of(queue), _INPUT_CELL + bucket_of(input_ns),
+                         _INFER_CELL + bucket_of(infer_ns), _OUTPUT_CELL + bucket_of(output_ns)):
+                cells[cell] += 1
+                dirty.append(cell)
+
     def count_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         c = self.counts
         c[INFERENCE_COUNT] += batch_size

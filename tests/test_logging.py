@@ -281,3 +281,36 @@ def test_unparsable_body_is_400(srv):
 def test_empty_post_changes_nothing(srv):
     raw = raw_request(srv.port, "POST", "/v2/logging", b"{}")
     assert raw.status == 200 and raw.json() == DEFAULTS
+
+
+def test_the_start_says_only_what_is_true(server_factory):
+    """model_repository/ as `make serve` starts it: no step of its ensemble is "asked for again",
+    the digits model's few kilobytes of shared weights are not "0.0 MB", and no line says HTTP is
+    served while the frontend is not serving yet (held stopped here until the models are loaded)."""
+    import os
+    import signal
+
+    from conftest import PRODUCT_MODELS
+
+    s = server_factory.create([PRODUCT_MODELS]).start()
+    deadline = time.monotonic() + 120
+    frontend = None
+    while frontend is None and time.monotonic() < deadline:
+        frontend = next((pid for pid, title in s.titles().items()
+                         if title.startswith(f"shmserve frontend {s.id} #0")), None)
+        time.sleep(0.01)
+    assert frontend is not None, s.log_tail()
+    os.kill(frontend, signal.SIGSTOP)
+    try:
+        s.wait_until(lambda: "server is ready" in s.log(), "the models loaded")
+        time.sleep(1.0)  # (the launcher's supervision loop has run meanwhile)
+        assert "serving HTTP" not in s.log(), s.log_tail()
+    finally:
+        os.kill(frontend, signal.SIGCONT)
+    s.wait_ready()
+    s.wait_until(lambda: "serving HTTP on" in s.log(), "the frontend's line")
+    log = s.log()
+    assert re.search(rf"\] frontend #0 serving HTTP on 127\.0\.0\.1:{s.port} \(at most \d+ connections\)", log), log
+    assert "asked for again" not in log, log
+    sizes = re.findall(r"'digits' instance '\w+': ([\d.]+) (kB|MB) of weights in one shared copy", log)
+    assert sizes and all(float(n) > 0 for n, _ in sizes), sizes

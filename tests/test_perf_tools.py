@@ -118,6 +118,7 @@ def test_sequences_get_ids_and_each_one_ends(server, tmp_path):
 def test_a_decoupled_model_streams_and_each_response_is_timed(server, tmp_path, protocol):
     data, out_csv, export = tmp_path / "words.json", tmp_path / "words.csv", tmp_path / "words-export.json"
     data.write_text(json.dumps({"data": [{"text_input": ["one two three four"]}, {"text_input": ["a b"]}]}))
+    before = phase_counts(server, "word_stream")
     run = perf("-m", "word_stream", "-i", protocol, "-u", address(server, protocol), "--input-data", str(data),
                *FAST, "-f", str(out_csv), "--profile-export-file", str(export), "-q")
     assert run.returncode == 0, run.stderr
@@ -127,6 +128,24 @@ def test_a_decoupled_model_streams_and_each_response_is_timed(server, tmp_path, 
     counts = {len(r["response_timestamps"]) for r in exported_requests(export)}
     assert counts == {2, 4}, counts  # a response per word
     assert "Avg time to first response:" in run.stdout
+    # The server's queue and compute of each streamed request (the execution that started it), so
+    # that the rest of its time reads as streaming, not as overhead.
+    after = phase_counts(server, "word_stream")
+    grown = {phase: after[phase] - before[phase] for phase in after}
+    assert grown["success"] > 0 and set(grown.values()) == {grown["success"]}, grown
+    assert int(rows[0]["Server Queue"]) > 0 and int(rows[0]["Server Compute Infer"]) > 0, rows[0]
+    assert "streaming after execute returned" in run.stdout and "(overhead" not in run.stdout, run.stdout
+
+
+def phase_counts(server, model: str) -> dict[str, int]:
+    """How many requests each phase of the statistics extension counts."""
+    client = server.client()
+    try:
+        stats = client.get_inference_statistics(model)["model_stats"][0]["inference_stats"]
+    finally:
+        client.close()
+    return {phase: int(stats[phase]["count"])
+            for phase in ("success", "queue", "compute_input", "compute_infer", "compute_output")}
 
 
 def test_what_cannot_work_is_refused_with_the_reason(server):
@@ -183,6 +202,25 @@ def test_plots_of_one_server_and_of_two_compared(server, tmp_path):
     assert run.returncode == 0, run.stderr
     text = both.read_text()
     assert '"name":"http p50"' in text and '"name":"local p50"' in text
+
+
+def test_each_curve_joins_its_points_in_concurrency_order(server, tmp_path):
+    """Levels measured out of order (2, 3, then 1) are drawn 1, 2, 3: a line joins a curve's
+    points by concurrency, never by throughput, so it turns back only where throughput fell."""
+    import re
+
+    html, summary = tmp_path / "order.html", tmp_path / "order.json"
+    run = perf("-m", "add_sub", "-u", server.url, "--concurrency-range", "2,3,1", *FAST, "--plot", str(html),
+               "--summary-json", str(summary), "-q")
+    assert run.returncode == 0, run.stderr
+    measured = [lv["level"] for lv in json.loads(summary.read_text())["levels"]]
+    assert measured == [2, 3, 1], measured
+    drawn = re.findall(r'"text":\[([^\]]*)\]', html.read_text())
+    assert drawn and set(drawn) == {'"concurrency 1","concurrency 2","concurrency 3"'}, drawn
+    # The points of the curve, from the same run's figures, in that order.
+    by_level = {lv["level"]: lv["throughput"] for lv in json.loads(summary.read_text())["levels"]}
+    xs = json.loads("[" + re.search(r'"x":\[([^\]]*)\]', html.read_text()).group(1) + "]")
+    assert xs == pytest.approx([by_level[1], by_level[2], by_level[3]]), (xs, by_level)
 
 
 def test_a_plot_that_cannot_be_drawn_is_refused_before_measuring(server, tmp_path):

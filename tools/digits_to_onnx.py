@@ -8,7 +8,7 @@ computes), rather than by a torch exporter: the result depends only on those wei
 committed file is reproduced byte for byte, and no exporter package is needed. Before writing,
 onnxruntime runs the graph on the held-out digits beside torch and the two must agree.
 
-Usage (from the project root; needs torch, onnx and onnxruntime: ``pip install -e '.[dev]'``)::
+Usage (from the project root; needs torch, onnx and onnxruntime: ``pip install -e '.[test]'``)::
 
     python tools/digits_to_onnx.py
     python tools/digits_to_onnx.py --torchscript model.pt --output /tmp/model.onnx

@@ -96,8 +96,8 @@ class PyTorchModel(Model):
                         ictx.name, e)
             return
         heap.give_back_free_memory()  # the private copy just dropped
-        log.info("model '%s' instance '%s': %.1f MB of weights in one shared copy", self.ctx.name, ictx.name,
-                 shared / 1e6)
+        log.info("model '%s' instance '%s': %s of weights in one shared copy", self.ctx.name, ictx.name,
+                 f"{shared / 1e6:.1f} MB" if shared >= 100_000 else f"{shared / 1e3:.1f} kB")
 
 
 class PyTorchInstance(Instance):

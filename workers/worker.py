@@ -436,6 +436,7 @@ class Worker:
         if live:
             batched = self.signature is not None and self.signature.max_batch_size > 0
             sizes, arrivals, streamed = [], [], 0  # answered here; streamed ones count when they finish
+            streamed_arrivals: list[int] = []
             for entry, req in live:
                 size = next(iter(req.inputs.values())).shape[0] if batched and req.inputs else 1
                 if req.sender is None and id(entry) not in kept:
@@ -443,9 +444,11 @@ class Worker:
                     arrivals.append(entry.get("t", 0))
                 elif not raised:
                     streamed += size
+                    streamed_arrivals.append(entry.get("t", 0))
             with self.stream_lock:  # streams may finish meanwhile on the model's threads (an async execute's loop)
-                self.stats.executed(sizes, arrivals, start, built - start, executed - built,
-                                    time.monotonic_ns() - executed, ok, streamed)
+                output_ns = time.monotonic_ns() - executed
+                self.stats.executed(sizes, arrivals, start, built - start, executed - built, output_ns, ok, streamed)
+                self.stats.stream_phases(streamed_arrivals, start, built - start, executed - built, output_ns)
         for entry in entries:
             self.holds.release(entry)  # answered (a stream's hold went to its sender, a kept one's to late)
         busy[BUSY_SINCE] = 0

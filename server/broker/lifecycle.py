@@ -105,6 +105,8 @@ class Lifecycle:
                 self.scanner = RepositoryScanner(self.opts.repositories, self.watcher, self.opts.repository_poll_s,
                                                  self.cloud)
         for name, override, model_dir in self._initial_models():
+            if name in self.catalog.loading and override is None and model_dir is None:
+                continue  # an ensemble's step, loading since the ensemble's load asked for it
             self.load_model(name, override, model_dir=model_dir)
             if model_dir is not None:  # a restored upload refused at once: its folder goes now
                 self.discard_model_dir(str(model_dir))

@@ -54,10 +54,12 @@ def main() -> int:
                             lifespan="on", proxy_headers=False, server_header=False, date_header=False)
     from shmserve.shm.profiling import run_profiled
 
-    log.info("frontend #%d serving HTTP (at most %d connections)", spec["index"], max_connections)
     # The broker's log and trace settings are followed on the loop's own tick: no thread of
-    # their own to wake twice a second.
-    server = QuietServer(config, ticks=[log_settings.check, frontend.tracer.follow])
+    # their own to wake twice a second. The line that says it serves comes once it does.
+    host, port = sock.getsockname()[:2]
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    server = QuietServer(config, ticks=[log_settings.check, frontend.tracer.follow], serving=lambda: log.info(
+        "frontend #%d serving HTTP on %s (at most %d connections)", spec["index"], address, max_connections))
     return run_profiled(f"frontend{spec['index']}", lambda: server.run(sockets=[sock]) or 0)
 
 
@@ -70,11 +72,14 @@ class QuietServer(uvicorn.Server):
 
     TICK_S = 0.5
 
-    def __init__(self, config: uvicorn.Config, ticks: Iterable[Callable[[], None]] = ()) -> None:
+    def __init__(self, config: uvicorn.Config, ticks: Iterable[Callable[[], None]] = (),
+                 serving: Callable[[], None] = lambda: None) -> None:
         super().__init__(config)
         self.ticks = list(ticks)  # also run every tick
+        self.serving = serving  # called once uvicorn has started serving the socket
 
     async def main_loop(self) -> None:
+        self.serving()
         counter = 0  # in uvicorn's units of 0.1 s, so its once-a-second work runs every tick
         while not await self.on_tick(counter):
             for tick in self.ticks:

@@ -9,6 +9,7 @@ results.csv and the best config.pbtxt. See docs/tools.md.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import tempfile
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve each configuration with tritonserver instead of shmserve (needs tritonserver on PATH)")
     g = p.add_argument_group("output")
     g.add_argument("-e", "--export-path", type=Path,
-                   help="the report folder (default analyzer_results/MODEL); server logs go to its logs/")
+                   help="the report folder (default $XDG_DATA_HOME/shmserve-analyzer/MODEL, that is "
+                        "~/.local/share/shmserve-analyzer/MODEL: outside any checkout); server logs go to its logs/")
     g.add_argument("--top", type=int, default=3, help="how many configurations the terminal shows (default 3)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
@@ -79,6 +81,13 @@ def bounds_of(args: argparse.Namespace, batching: bool) -> Bounds:
     return Bounds(instances, batches, delays, args.run_config_search_max_preferred_batch_size)
 
 
+def default_export_path(model: str) -> Path:
+    """Where reports go unless ``-e`` says: the user's data folder (XDG), so that a run from a
+    checkout does not leave an untracked folder in it."""
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "shmserve-analyzer" / model
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model_dir = args.model_repository / args.model
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     goal = Goal(args.latency_budget_ms, args.min_throughput, args.latency_percentile)
-    export = args.export_path or Path("analyzer_results") / args.model
+    export = args.export_path or default_export_path(args.model)
     (export / "logs").mkdir(parents=True, exist_ok=True)
     levels = ",".join(map(str, powers_of_two(1, args.run_config_search_max_concurrency)))
     perf_flags = ["--concurrency-range", levels, "-p", str(args.measurement_interval), "-r", str(args.max_trials),

@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 
 from shmserve.tools.analyzer.runner import Goal, Outcome
+from shmserve.tools.perf.plot import in_level_order
 
 COLUMNS = ["config", "instances", "max_batch_size", "preferred_batch_size", "max_queue_delay_us", "concurrency",
            "inferences_per_second", "p50_ms", "p90_ms", "p95_ms", "p99_ms", "server_queue_us",
@@ -86,18 +87,18 @@ td,th{{border:1px solid #ccc;padding:4px 8px}} tr.best{{background:#fff3bf;font-
 def _plots(outcomes: list[Outcome], best: Outcome | None, goal: Goal) -> str:
     """Throughput against latency per configuration, and memory per configuration (plotly)."""
     if importlib.util.find_spec("plotly") is None:
-        return "<p>(No plots: plotly is not installed; pip install 'shmserve[plots]'.)</p>"
+        return "<p>(No plots: plotly is not installed: the plots extra, from the checkout .venv/bin/pip install -e '.[plots]'.)</p>"
     import plotly.graph_objects as go
 
     curves = go.Figure()
     for o in ranked(outcomes):
         if not o.levels:
             continue
-        chosen = o is best
+        chosen, levels = o is best, in_level_order(o.levels)
         curves.add_trace(go.Scatter(
-            x=[lv.figures.throughput for lv in o.levels], y=[goal.latency_ms(lv) for lv in o.levels],
+            x=[lv.figures.throughput for lv in levels], y=[goal.latency_ms(lv) for lv in levels],
             mode="lines+markers", name=o.name + (" (chosen)" if chosen else ""),
-            text=[f"concurrency {lv.level:g}" for lv in o.levels],
+            text=[f"concurrency {lv.level:g}" for lv in levels],
             line={"width": 4 if chosen else 1.5, "color": "#d62728" if chosen else None},
             opacity=1.0 if chosen else 0.6))
     if goal.latency_budget_ms is not None:

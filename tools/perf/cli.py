@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--summary-json", type=Path, help="write every level's figures here (and --compare's ratios)")
     g.add_argument("--plot", type=Path, metavar="FILE.png|FILE.html",
                    help="latency percentiles against throughput over the sweep (PNG with matplotlib, HTML with "
-                        "plotly: pip install 'shmserve[plots]')")
+                        "plotly: the plots extra)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     return p
 

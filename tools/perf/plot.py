@@ -19,15 +19,23 @@ def check_plot_path(path: Path) -> None:
     if module is None:
         raise ValueError(f"--plot {path}: the name must end in .png or .html")
     if importlib.util.find_spec(module) is None:
-        raise ValueError(f"--plot {path} needs {module}: pip install 'shmserve[plots]'")
+        raise ValueError(f"--plot {path} needs {module}, in the plots extra: from the checkout, "
+                         ".venv/bin/pip install -e '.[plots]'")
+
+
+def in_level_order(levels: list[LevelResult]) -> list[LevelResult]:
+    """A curve's points by concurrency (or request rate), whatever order they were measured or
+    listed in (the CSV's rows go by throughput): where throughput falls at a higher level, the
+    line turns back, which is what it should show."""
+    return sorted(levels, key=lambda r: r.level)
 
 
 def curves(results: list[LevelResult]) -> dict[str, list[LevelResult]]:
-    """Each server's levels in sweep order."""
+    """Each server's levels, in level order."""
     out: dict[str, list[LevelResult]] = {}
     for r in results:
         out.setdefault(r.target, []).append(r)
-    return {name: sorted(rs, key=lambda r: r.level) for name, rs in out.items()}
+    return {name: in_level_order(rs) for name, rs in out.items()}
 
 
 def plot(path: Path, results: list[LevelResult], title: str) -> None:

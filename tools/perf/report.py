@@ -67,10 +67,13 @@ def level_text(r: LevelResult) -> str:
     if f.server is not None:
         p = server_parts(r)
         overhead = max(0.0, p["request"] - p["queue"] - p["compute_input"] - p["compute_infer"] - p["compute_output"])
+        # A decoupled request lasts until its stream ends; its phases are those of the execution
+        # that started it, and what follows is the model's streaming, not the server's overhead.
+        rest = "streaming after execute returned" if f.first_response_us is not None else "overhead"
         lines += ["  Server:", f"    Inference count: {f.server.inference_count}",
                   f"    Execution count: {f.server.execution_count}",
                   f"    Successful request count: {f.server.success_count}",
-                  f"    Avg request latency: {p['request']:.0f} usec (overhead {overhead:.0f} usec + queue "
+                  f"    Avg request latency: {p['request']:.0f} usec ({rest} {overhead:.0f} usec + queue "
                   f"{p['queue']:.0f} usec + compute input {p['compute_input']:.0f} usec + compute infer "
                   f"{p['compute_infer']:.0f} usec + compute output {p['compute_output']:.0f} usec)"]
     if r.server_cpu_us is not None:
