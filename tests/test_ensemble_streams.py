@@ -198,3 +198,22 @@ def test_steps_fed_by_different_decoupled_models_are_refused_at_load(server):
                 "different decoupled models") in e.value.message()
     finally:
         client.close()
+
+
+def broker_pid(server) -> int:
+    return next(pid for pid, title in server.titles().items() if "shmserve broker" in title)
+
+
+def test_a_stream_given_up_early_cancels_the_run_and_frees_it(server):
+    broker = broker_pid(server)
+    with Client(server.id) as client:
+        for _ in range(3):
+            stream = client.stream("repeat_pipe", {"N": np.array([40], np.int32)}, parameters={"sleep_ms": 20})
+            first = next(stream)
+            assert int(first["W"][0]) in {2 * (4000 + i) for i in range(40)}
+            stream.cancel()
+        got = [int(r["W"][0]) for r in client.stream("repeat_pipe", {"N": np.array([2], np.int32)})]
+        assert sorted(got) == [400, 402]
+    assert broker_pid(server) == broker  # no restart: the broker kept serving
+    stats = server.client().get_inference_statistics("repeat_pipe")["model_stats"][0]["inference_stats"]
+    assert stats["fail"]["count"] >= 3  # the cancelled runs, counted as failed requests

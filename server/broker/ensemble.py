@@ -118,7 +118,7 @@ class Ensembles:
     def has_completions(self) -> bool:
         """A step answered, or a decoupled step's response waits to be taken."""
         states = self.own.seg.slot_states
-        return any(states[slot] == SLOT_DONE or (call.ring is not None and not call.stalled and call.ring.pending())
+        return any(states[slot] == SLOT_DONE or (call.ring is not None and call.taking() and call.ring.pending())
                    for slot, call in self.inflight.items())
 
     def next_timer(self) -> float | None:
@@ -136,14 +136,14 @@ class Ensembles:
                 continue  # answered meanwhile (its slot may carry another call now)
             if call.ring is not None:
                 self._take_responses(call)
-                if call.stalled or call.ring.pending():
+                if not call.taking() or call.ring.pending():
                     continue  # its final comes after its responses
             if states[slot] == SLOT_DONE:
                 self._on_answer(call)
 
     def cancel(self, client: Client, slot: int) -> None:
         """The client gave up on its request in ``slot`` (a closed stream, a cancelled call)."""
-        for run in self.runs:
+        for run in list(self.runs):
             if run.client is client and run.slot == slot:
                 self._fail_run(run, None, CANCELLED_STATUS, cancelled_error(run.entry.get("id", "")), "CANCELED")
                 self._settle(run, run.root)
@@ -264,7 +264,7 @@ class Ensembles:
         model's ``send`` waits once it is full (Triton's backpressure)."""
         run = call.run
         assert call.ring is not None
-        while not call.stalled and not (run.outbox and not run.answered):
+        while call.taking():
             try:
                 record = call.ring.take()
             except RingCorrupt as e:

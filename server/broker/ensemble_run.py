@@ -63,6 +63,11 @@ class StepCall:
     received: int = 0  # responses taken from the ring
     stalled: int = 0  # calls made from its responses that wait for their step's limit
 
+    def taking(self) -> bool:
+        """Whether its next response may be taken: no call made from one waits for its step's
+        limit, and no response of the run waits for room on the client's ring."""
+        return not self.stalled and not (self.run.outbox and not self.run.answered)
+
 
 class EnsembleRun:
     """One request through an ensemble."""
