@@ -142,19 +142,30 @@ def test_a_single_answer_request_is_refused_as_triton_refuses_it(server):
         client.close()
 
 
-def test_http_generate_stream_sends_each_response_as_an_event(server):
+def post(server, path: str, body: dict) -> tuple[int, str]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     try:
-        conn.request("POST", "/v2/models/repeat_pipe/generate_stream", json.dumps({"N": 3}),
-                     {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        text = resp.read().decode()
+        return resp.status, resp.read().decode()
     finally:
         conn.close()
-    assert resp.status == 200
+
+
+def test_http_generate_stream_sends_each_response_as_an_event(server):
+    status, text = post(server, "/v2/models/repeat_pipe/generate_stream", {"N": 3})
+    assert status == 200
     events = [json.loads(chunk[len("data: "):]) for chunk in text.split("\n\n") if chunk.startswith("data: ")]
     assert sorted(e["W"] for e in events) == [600, 602, 604]
     assert all(e["model_name"] == "repeat_pipe" for e in events)
+    status, text = post(server, "/v2/models/repeat_pipe/generate_stream", {"N": -1})
+    events = [json.loads(chunk[len("data: "):]) for chunk in text.split("\n\n") if chunk.startswith("data: ")]
+    assert events[-1] == {"error": "in ensemble 'repeat_pipe', step 'repeat' failed: repeat broke"}
+    # generate takes a decoupled ensemble's one response, and refuses more in Triton's words.
+    status, text = post(server, "/v2/models/repeat_pipe/generate", {"N": 1})
+    assert status == 200 and json.loads(text)["W"] == 200
+    status, text = post(server, "/v2/models/repeat_pipe/generate", {"N": 2})
+    assert status == 400 and json.loads(text)["error"].startswith("generate expects model to produce exactly 1 response")
 
 
 def test_the_local_client_streams_a_decoupled_ensemble(server):
@@ -217,3 +228,19 @@ def test_a_stream_given_up_early_cancels_the_run_and_frees_it(server):
     assert broker_pid(server) == broker  # no restart: the broker kept serving
     stats = server.client().get_inference_statistics("repeat_pipe")["model_stats"][0]["inference_stats"]
     assert stats["fail"]["count"] >= 3  # the cancelled runs, counted as failed requests
+
+
+def test_a_single_answer_ensemble_on_a_stream_answers_once_as_final(server):
+    got: queue.Queue = queue.Queue()
+    v = grpcclient.InferInput("V", [1], "INT32")
+    v.set_data_from_numpy(np.array([5], np.int32))
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        try:
+            client.async_stream_infer("plain_pipe", [v], enable_empty_final_response=True)
+            result, error = got.get(timeout=60)
+        finally:
+            client.stop_stream()
+    assert error is None and result.as_numpy("W").tolist() == [10]
+    assert result.get_response().parameters["triton_final_response"].bool_param
+    assert got.empty()
