@@ -159,7 +159,7 @@ class Ensembles:
     def _begin(self, run: EnsembleRun) -> None:
         """Answer from the response cache when the ensemble enables it and holds this request's
         answer, without running a step; otherwise start the steps."""
-        if self.cache is not None and self.cache.applies_to(run.version) and not run.streaming:
+        if self.cache is not None and self.cache.applies_to(run.version):
             looked_up = time.monotonic_ns()
             run.cache_key = self.cache.key(run.version, run.entry)
             stored = self.cache.lookup(run.cache_key, run.wanted()) if run.cache_key is not None else None
@@ -371,6 +371,7 @@ class Ensembles:
         outputs = self._outputs(run, branch)
         if outputs is None:
             return
+        self._store(run, outputs)  # (a cached ensemble is never decoupled: its one answer)
         block = self._answer_block(run, outputs)
         if block is not None:
             run.sent += 1
@@ -440,13 +441,18 @@ class Ensembles:
         outputs = self._outputs(run, branch)
         if outputs is None:
             return
+        self._store(run, outputs)
+        if self._reply(run, outputs):
+            arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
+            run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
+
+    def _store(self, run: EnsembleRun, outputs: list[Output]) -> None:
+        """After a cache miss: store the answer under the request's key."""
         if run.cache_key is not None and self.cache is not None:
             inserting = time.monotonic_ns()
             self.cache.insert(run.version, run.cache_key, outputs)
             run.version.stats.cache_miss(run.lookup_ns + time.monotonic_ns() - inserting)
-        if self._reply(run, outputs):
-            arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
-            run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
+            run.cache_key = None
 
     def _client_gone(self, run: EnsembleRun) -> bool:
         """Whether nobody reads the run's answers any more (its client left: its segment is closed)."""
