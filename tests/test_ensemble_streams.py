@@ -244,3 +244,21 @@ def test_a_single_answer_ensemble_on_a_stream_answers_once_as_final(server):
     assert error is None and result.as_numpy("W").tolist() == [10]
     assert result.get_response().parameters["triton_final_response"].bool_param
     assert got.empty()
+
+
+def test_a_bounded_consumer_holds_back_the_producer_s_sends(server, tmp_path):
+    # 100 responses, far more than a response ring holds (64): with one consumer call at a time,
+    # the producer's sends wait for the consumer (its last returns only once most of the
+    # consumer's calls have ended), and every response still arrives, none lost.
+    n, log = 100, tmp_path / "consumer.log"
+    got = grpc_stream(server, "repeat_limited", n, {"sleep_ms": 5, "log": str(log)})
+    assert got[-1] == "final"
+    assert sorted(got[:-1]) == [2 * (100 * n + i) for i in range(n)]
+    ended_when_sent = int(Path(f"{log}.sent").read_text())
+    assert ended_when_sent >= n - 64 - 2  # the ring's 64, the call in flight, the one taken
+    assert overlap(log) == 1
+    # Unbounded, the producer is never held back: it sends all before the consumer is done.
+    free_log = tmp_path / "free.log"
+    got = grpc_stream(server, "repeat_pipe", n, {"sleep_ms": 5, "log": str(free_log)})
+    assert sorted(got[:-1]) == [2 * (100 * n + i) for i in range(n)]
+    assert int(Path(f"{free_log}.sent").read_text()) < n - 64 - 2

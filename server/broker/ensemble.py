@@ -116,9 +116,11 @@ class Ensembles:
         return bool(self.runs or self.inflight)
 
     def has_completions(self) -> bool:
-        """A step answered, or a decoupled step's response waits to be taken."""
+        """A step answered, or a decoupled step's response waits to be taken (not while it is held
+        back: its final waits for its responses)."""
         states = self.own.seg.slot_states
-        return any(states[slot] == SLOT_DONE or (call.ring is not None and call.taking() and call.ring.pending())
+        return any(states[slot] == SLOT_DONE if call.ring is None else
+                   call.taking() and (states[slot] == SLOT_DONE or call.ring.pending())
                    for slot, call in self.inflight.items())
 
     def next_timer(self) -> float | None:

@@ -1,3 +1,6 @@
+import json
+import os
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -10,6 +13,11 @@ class TritonPythonModel:
             for i in range(abs(n)):
                 v = np.array([100 * abs(n) + i], np.int32)
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("V", v)]))
+            log = json.loads(request.parameters() or "{}").get("log")
+            if log:  # how many of the consumer's calls had ended when its last send returned
+                ended = len(open(log).read().splitlines()) if os.path.exists(log) else 0
+                with open(log + ".sent", "a") as f:
+                    f.write(f"{ended}\n")
             if n < 0:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("repeat broke")))
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
