@@ -262,3 +262,18 @@ def test_a_bounded_consumer_holds_back_the_producer_s_sends(server, tmp_path):
     got = grpc_stream(server, "repeat_pipe", n, {"sleep_ms": 5, "log": str(free_log)})
     assert sorted(got[:-1]) == [2 * (100 * n + i) for i in range(n)]
     assert int(Path(f"{free_log}.sent").read_text()) < n - 64 - 2
+
+
+def test_a_bounded_run_that_fails_or_is_given_up_lets_go_of_its_bound(server):
+    # Calls waiting for the bound are dropped with their run, and the bound's count comes back:
+    # later requests run (the bound is shared, so a leaked count would stall them for good).
+    got = grpc_stream(server, "repeat_limited", -5, {"sleep_ms": 30})
+    assert isinstance(got[-1], InferenceServerException)
+    assert got[-1].message() == "in ensemble 'repeat_limited', step 'repeat' failed: repeat broke"
+    with Client(server.id) as client:
+        for _ in range(2):
+            stream = client.stream("repeat_limited", {"N": np.array([30], np.int32)}, parameters={"sleep_ms": 30})
+            next(stream)
+            stream.cancel()
+    got = grpc_stream(server, "repeat_limited", 3)
+    assert got[-1] == "final" and sorted(got[:-1]) == [600, 602, 604]

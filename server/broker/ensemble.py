@@ -399,7 +399,8 @@ class Ensembles:
 
     def _settle(self, run: EnsembleRun, branch: Branch) -> None:
         """End ``branch`` if nothing is left to do in it, then its parents; the run with its root."""
-        while not branch.busy:
+        while not branch.busy and not branch.ended:
+            branch.ended = True
             parent = branch.parent
             if parent is None:
                 self._end_run(run)

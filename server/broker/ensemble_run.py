@@ -37,6 +37,7 @@ class Branch:
     parent: "Branch | None" = None
     blocks: list[Block] = dataclasses.field(default_factory=list)  # step answers its tensors lie in
     busy: int = 0
+    ended: bool = False  # settled: nothing more happens in it (settling it again changes nothing)
 
     def child(self) -> "Branch":
         """A branch for one response of a decoupled step run in this one."""
