@@ -277,3 +277,31 @@ def test_a_bounded_run_that_fails_or_is_given_up_lets_go_of_its_bound(server):
             stream.cancel()
     got = grpc_stream(server, "repeat_limited", 3)
     assert got[-1] == "final" and sorted(got[:-1]) == [600, 602, 604]
+
+
+def test_a_producer_that_dies_mid_stream_ends_the_stream_with_an_error(server):
+    # The worker of the decoupled step is killed between its responses, sent from a thread after
+    # execute returned (its batch is done): the stream ends with the death, and the step serves
+    # again once restarted.
+    import os
+    import signal
+    import time
+
+    with Client(server.id) as client:
+        stream = client.stream("repeat_pipe", {"N": np.array([20], np.int32)}, parameters={"pause_ms": 300, "later": True}, wait_s=60)
+        assert int(next(stream)["W"][0]) in {2 * (2000 + i) for i in range(20)}
+        worker = next(pid for pid, title in server.titles().items() if "shmserve worker repeat v1" in title)
+        os.kill(worker, signal.SIGKILL)
+        with pytest.raises(InferenceServerError) as e:
+            for _ in stream:
+                pass
+        assert "in ensemble 'repeat_pipe', step 'repeat' failed:" in str(e.value)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                got = [int(r["W"][0]) for r in client.stream("repeat_pipe", {"N": np.array([2], np.int32)})]
+                break
+            except InferenceServerError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        assert sorted(got) == [400, 402]

@@ -218,6 +218,7 @@ class Ensembles:
         slot = call.slot = self.free.popleft()
         request.update(client=self.own.name, pid=os.getpid(), slot=slot)
         self.own.seg.uncancel(slot)
+        self.own.seg.set_target(slot, 0)  # (set once a decoupled step's first response names its worker)
         self.own.seg.set_slot_state(slot, SLOT_PENDING)
         self.inflight[slot] = call
         run.calls.add(call)
@@ -277,6 +278,10 @@ class Ensembles:
                 return
             status, flags, off, _, num = record
             call.received += 1
+            if flags != STREAM_FROM_BROKER and not self.own.seg.target(call.slot):
+                # Its worker is known now: should it die, the call fails with it (Supervisor),
+                # even after its batch is done and while its model still sends.
+                self.own.seg.set_target(call.slot, num + 1)
             owner = self._owner(ROLE_BROKER if flags == STREAM_FROM_BROKER else ROLE_WORKER, num)
             if owner is None:
                 self._fail_run(run, call.step, 500, "the instance that ran this step is gone")
