@@ -305,3 +305,42 @@ def test_a_producer_that_dies_mid_stream_ends_the_stream_with_an_error(server):
                 assert time.monotonic() < deadline
                 time.sleep(0.5)
         assert sorted(got) == [400, 402]
+
+
+CLIENT = """
+import json, sys
+import numpy as np
+from shmserve.shm.client import Client
+with Client(sys.argv[1]) as client:
+    got = []
+    for r in client.stream("repeat_pipe", {"N": np.array([int(sys.argv[2])], np.int32)}, wait_s=120):
+        got.append(int(r["W"][0]))
+        if len(got) == 1:
+            print("first", flush=True)
+    print(json.dumps(got), flush=True)
+"""
+
+
+def test_a_client_that_stops_reading_for_a_while_loses_nothing(server):
+    # The client is stopped after its first response: the ensemble's responses wait for room on
+    # its ring (64), then the producer's on its own ring, then its sends; all arrive once it reads.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    n = 200
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, server.id, str(n)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "first"
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(2.5)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    assert sorted(json.loads(out)) == [2 * (100 * n + i) for i in range(n)]

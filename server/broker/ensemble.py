@@ -70,7 +70,9 @@ OWN_SLOTS = 4096  # ensemble steps in flight at once
 OWN_ARENA_BYTES = 1 << 20  # the broker's own client segment: decoupled steps' response rings, tensors stay where they are
 RING_POOL = 256  # decoupled steps in flight at once
 RING_BYTES = Ring.nbytes(STREAM_CAPACITY, RECORD)
-RETRY_S = 0.002  # how soon to look again when responses wait for room on a client's ring
+RETRY_S = 0.002  # how soon to look again when responses wait for room on a client's ring,
+SLOW_RETRY_S = 0.05  # and once it has taken none for SLOW_READER_S
+SLOW_READER_S = 1.0
 
 
 class Ensembles:
@@ -124,8 +126,11 @@ class Ensembles:
                    for slot, call in self.inflight.items())
 
     def next_timer(self) -> float | None:
-        """Responses wait for room on a client's ring: look again soon."""
-        return RETRY_S if any(run.outbox for run in self.runs) else None
+        """Responses wait for room on a client's ring: look again soon (less soon once that client
+        has not read for a while)."""
+        now = time.monotonic()
+        waits = [RETRY_S if now - run.full_since < SLOW_READER_S else SLOW_RETRY_S for run in self.runs if run.outbox]
+        return min(waits) if waits else None
 
     def on_completions(self) -> None:
         """Pass on what waits for a client's ring, take the responses of decoupled steps, and
@@ -382,6 +387,8 @@ class Ensembles:
         block = self._answer_block(run, outputs)
         if block is not None:
             run.sent += 1
+            if not run.outbox:
+                run.full_since = time.monotonic()
             run.outbox.append((200, *block))
             self._flush(run)
 
@@ -487,6 +494,7 @@ class Ensembles:
                 put += 1
             if put:
                 run.client.seg.waker.notify()
+                run.full_since = time.monotonic()
         if run.ending and not run.outbox:
             self._end_run(run)
 
