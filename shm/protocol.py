@@ -70,6 +70,9 @@ SLOT_BYTES = 64
 # Decoupled (streaming) requests: the client reserves a small ring in its request block; the
 # worker appends one record per response (status, flags, block offset, length, worker number).
 STREAM_CAPACITY = 64
+# A stream record's flags: its block lies in the broker's arena (a decoupled ensemble's response),
+# not in the arena of the worker it names.
+STREAM_FROM_BROKER = 1
 
 # A connect record: client pid, then the client segment's name (NUL padded).
 CONNECT = struct.Struct("<I124s")

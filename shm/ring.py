@@ -71,6 +71,20 @@ class Ring:
         ctr[0] = tail
         return out
 
+    def take(self) -> tuple | None:
+        """The oldest record, consumed; None when there is none. A reader that takes records one
+        at a time can leave the rest where they are, so a producer that finds the ring full waits
+        (backpressure). Raises RingCorrupt as ``drain``."""
+        ctr = self._ctr
+        head, tail = ctr[0], ctr[1]
+        if head == tail:
+            return None
+        if not 0 < tail - head <= self._cap:
+            raise RingCorrupt(head, tail, self._cap)
+        out = self._rec.unpack_from(self._buf, self._data + (head % self._cap) * self._rec.size)
+        ctr[0] = head + 1
+        return out
+
     def resync(self) -> int:
         """Consumer side, after RingCorrupt: skip to the producer's tail (the only counter we may
         write is our own head); returns how many records that skipped, modulo 2**64."""

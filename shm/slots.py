@@ -20,7 +20,7 @@ from .channel import ClientSegment
 from .completion import Callback, Completion
 from .names import object_name
 from .protocol import NO_ROOM, RECORD, ROLE_BROKER, ROLE_NAMES, ROLE_WORKER, SLOT_BYTES, SLOT_DONE, SLOT_FREE, \
-    SLOT_PENDING, STREAM_CAPACITY
+    SLOT_PENDING, STREAM_CAPACITY, STREAM_FROM_BROKER
 from .ring import Ring
 from .routes import Router
 from .segment import Segment, SegmentCache
@@ -182,9 +182,10 @@ class Slots:
 
     def _drain_stream(self, ring: Ring, on_response: Callback) -> int:
         records = ring.drain()
-        for status, _, off, _, num in records:
+        for status, flags, off, _, num in records:
+            role = ROLE_BROKER if flags == STREAM_FROM_BROKER else ROLE_WORKER
             try:
-                completion = Completion(status, self._producer_buf(ROLE_WORKER, num), off)
+                completion = Completion(status, self._producer_buf(role, num), off)
             except (posix_ipc.ExistentialError, KeyError, OSError):
                 continue
             try:

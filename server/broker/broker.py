@@ -122,7 +122,7 @@ class Broker:
         """Drain every ring, then send what the schedulers let go and run the periodic checks."""
         if self.seg.connect.pending():
             self.clients.on_connects()
-        if self.ensembles.inflight:
+        if self.ensembles.active():
             self.ensembles.on_completions()
         self._take_worker_messages()
         for client in list(self.clients.by_name.values()):
@@ -165,7 +165,7 @@ class Broker:
             timeout = min(timeout, SETTLE_S)
         now = time.monotonic()
         for due in (self.lifecycle.next_timer(), self.supervisor.next_timer(now),
-                    self.scheduler.next_timer(self.catalog.serving(), now)):
+                    self.scheduler.next_timer(self.catalog.serving(), now), self.ensembles.next_timer()):
             if due is not None:
                 timeout = min(timeout, due)
         return timeout
@@ -198,7 +198,8 @@ class Broker:
                 elif rec.kind == REQ_CONTROL:
                     self._control(client, rec)
                 elif rec.kind == REQ_CANCEL:
-                    self.scheduler.cancel(self.catalog.serving_and_retiring(), client, rec.slot)
+                    if not self.scheduler.cancel(self.catalog.serving_and_retiring(), client, rec.slot):
+                        self.ensembles.cancel(client, rec.slot)
                 elif rec.kind == REQ_BYE:
                     self._drop_client(client, died=False)
                     return
@@ -260,6 +261,7 @@ class Broker:
         self.regions.forget_client(client.name, died and not owner_alive)
         if self.ensembles.cache is not None:
             self.ensembles.cache.forget_client(client.name)
+        self.ensembles.drop_client(client)
         self.clients.remove(client, died)
         self.instances.wake_all()  # let them unmap the client's segment now
 

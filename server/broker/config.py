@@ -155,7 +155,7 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
     if why:
         raise ConfigError(why)  # Triton's text names the model
     if config.platform == "ensemble":
-        from .ensemble import check_plan
+        from .ensemble_plan import check_plan
 
         problem = check_plan(config)
         if problem:

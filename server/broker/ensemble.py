@@ -18,13 +18,21 @@ first step (``EnsembleCache``, ensemble_cache.py): a hit is answered from the ca
 runs; after a miss, the final outputs are stored before they are answered. This holds for a
 nested ensemble's run too, as Triton looks up every request an ensemble is sent.
 
-``EnsemblePlan`` is the config's DAG, ``EnsembleRun`` one request through it, and ``Ensembles``
-the broker's part that runs them.
+An ensemble with a decoupled step is decoupled (its config says so, as Triton fills it in): each
+response of that step goes on through the later steps in a branch of its own (ensemble_run.py),
+and each branch that makes the outputs is one response on the client's stream, written into the
+broker's arena and put on the request's response ring as a worker's stream response is; the
+slot's completion is the final flag, after the last (zero responses: the flag alone). A decoupled
+step's responses come on a ring in our own segment; ``max_inflight_requests`` bounds each step's
+calls in flight (ensemble_plan.py), and while a call made from a response waits for that bound,
+the step's later responses stay on its ring, so its model's ``send`` waits once the ring is full.
+
+``EnsemblePlan`` (ensemble_plan.py) is the config's DAG, ``EnsembleRun`` (ensemble_run.py) one
+request through it, and ``Ensembles`` the broker's part that runs them.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
 import time
 from typing import Any
@@ -37,10 +45,12 @@ from shmserve.shm.arena import free_block
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
 from shmserve.shm.names import object_name
-from shmserve.shm.protocol import (NO_ROOM, ROLE_BROKER, SLOT_DONE, SLOT_FREE, SLOT_PENDING, manifest_room,
-                                   read_manifest_with_data, write_manifest)
+from shmserve.shm.protocol import (CANCELLED_STATUS, NO_ROOM, RECORD, ROLE_BROKER, ROLE_WORKER, SLOT_DONE,
+                                   SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, STREAM_FROM_BROKER, cancelled_error,
+                                   manifest_room, read_manifest_with_data, write_manifest)
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.region_io import StaleRegion
+from shmserve.shm.ring import Ring, RingCorrupt
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import from_buffer, serialize_bytes
 from shmserve.signature import InvalidRequest, ModelSignature
@@ -49,142 +59,28 @@ from shmserve.workers.classification import ClassificationError, classify, unsup
 from .catalog import Catalog
 from .clients import Clients
 from .ensemble_cache import EnsembleCache
+from .ensemble_plan import Step
+from .ensemble_run import Branch, EnsembleRun, StepCall
 from .ensemble_shapes import converted_shape
 from .instances import Instances
 from .models import Client, ModelVersion
 from .scheduler import Scheduler
 
 OWN_SLOTS = 4096  # ensemble steps in flight at once
-OWN_ARENA_BYTES = 1 << 20  # the broker's own client segment: step descriptors only, tensors stay where they are
-
-
-@dataclasses.dataclass
-class Step:
-    index: int
-    model: str
-    version: str
-    input_map: dict[str, str]  # model input -> ensemble tensor
-    output_map: dict[str, str]  # model output -> ensemble tensor
-
-
-class EnsemblePlan:
-    def __init__(self, config: Any, labels: dict[str, list[str]] | None = None) -> None:
-        self.name = config.name
-        self.batching = config.max_batch_size > 0
-        self.labels = labels or {}  # output -> its label_filename's lines, for classification
-        self.steps = [Step(i, s.model_name, str(s.model_version) if s.model_version > 0 else "",
-                           dict(s.input_map), dict(s.output_map))
-                      for i, s in enumerate(config.ensemble_scheduling.step)]
-        self.inputs = [t.name for t in config.input]
-        self.outputs = [t.name for t in config.output]
-
-    def dependencies(self) -> list[str]:
-        return sorted({s.model for s in self.steps})
-
-
-def step_models(config: Any) -> list[str]:
-    """The models an ensemble's config names as steps."""
-    return sorted({s.model_name for s in config.ensemble_scheduling.step})
-
-
-def find_cycle(start: str, graph: dict[str, list[str]]) -> str | None:
-    """Triton's refusal of ensembles that reach themselves through their steps (a run of one
-    would start runs of itself without end). ``graph`` maps each ensemble reachable from
-    ``start`` to its step models; the answer names the ensemble whose step closes the loop."""
-    reached, todo = {start}, [start]
-    while todo:
-        name = todo.pop()
-        for model in graph.get(name, ()):
-            if model == start:
-                return f"circular dependency between ensembles: {start} -> ... -> {name} -> {start}"
-            if model in graph and model not in reached:
-                reached.add(model)
-                todo.append(model)
-    return None
-
-
-def check_plan(config: Any) -> str | None:
-    """Why an ensemble's steps cannot run (a tensor nobody produces, an output never made)."""
-    steps = config.ensemble_scheduling.step
-    if not steps:
-        return "ensemble_scheduling must have at least one step"
-    available = {t.name for t in config.input}
-    remaining = list(steps)
-    while remaining:
-        runnable = [s for s in remaining if set(s.input_map.values()) <= available]
-        if not runnable:
-            missing = sorted(set(remaining[0].input_map.values()) - available)
-            return (f"step '{remaining[0].model_name}' needs tensor(s) {missing} that no ensemble input or "
-                    f"earlier step provides")
-        for s in runnable:
-            if not s.model_name:
-                return "every step must name a model_name"
-            available |= set(s.output_map.values())
-            remaining.remove(s)
-    unmade = [t.name for t in config.output if t.name not in available]
-    if unmade:
-        return f"ensemble output(s) {unmade} are not produced by any step"
-    return None
-
-
-class EnsembleRun:
-    """One request through an ensemble."""
-
-    def __init__(self, version: ModelVersion, client: Client, slot: int, entry: dict) -> None:
-        assert version.ensemble is not None
-        self.version = version
-        self.plan: EnsemblePlan = version.ensemble
-        self.client = client
-        self.slot = slot
-        self.entry = entry
-        self.tensors: dict[str, dict] = {t["name"]: t for t in entry["inputs"]}
-        # The batch size each tensor was made with, 0 without batching: Triton converts shapes
-        # between batching and non-batching steps by it (ensemble_shapes.py).
-        request_batch = next((t["shape"][0] for t in entry["inputs"] if t["shape"]), 1) if self.plan.batching else 0
-        self.batch_sizes: dict[str, int] = {name: request_batch for name in self.tensors}
-        self.step_batch: dict[int, int] = {}  # step index -> its request's batch size (0: no batching)
-        self.started: set[int] = set()
-        self.running = 0
-        self.blocks: list[tuple[memoryview, int]] = []  # step responses to free when the run ends
-        self.failed = False
-        self.cache_key: bytes | None = None  # set after a miss: the final answer is stored under it
-        self.lookup_ns = 0
-
-    def ready_steps(self) -> list[Step]:
-        out = []
-        for step in self.plan.steps:
-            if step.index not in self.started and set(step.input_map.values()) <= self.tensors.keys():
-                out.append(step)
-        return out
-
-    def step_request(self, step: Step, signature: ModelSignature) -> dict:
-        """The request a step's model gets: its inputs are ensemble tensors, wherever they live,
-        shaped for the model's batching."""
-        inputs = []
-        batching = signature.max_batch_size > 0
-        for model_input, tensor in step.input_map.items():
-            t = self.tensors[tensor]
-            spec = signature.inputs.get(model_input)
-            shape = t["shape"] if spec is None else \
-                converted_shape(spec.dims, batching, self.batch_sizes[tensor], t["shape"])
-            inputs.append({**t, "name": model_input, "shape": shape})
-        return {"id": self.entry.get("id", ""), "params": self.entry.get("params"),
-                "corr": self.entry.get("corr", 0), "flags": self.entry.get("flags", 0), "inputs": inputs,
-                "outputs": [{"name": n} for n in step.output_map]}
-
-    def complete(self) -> bool:
-        return all(name in self.tensors for name in self.wanted()) and not self.running
-
-    def wanted(self) -> list[str]:
-        outs = self.entry.get("outputs")
-        return [o["name"] for o in outs] if outs else list(self.plan.outputs)
+OWN_ARENA_BYTES = 1 << 20  # the broker's own client segment: decoupled steps' response rings, tensors stay where they are
+RING_POOL = 256  # decoupled steps in flight at once
+RING_BYTES = Ring.nbytes(STREAM_CAPACITY, RECORD)
+RETRY_S = 0.002  # how soon to look again when responses wait for room on a client's ring,
+SLOW_RETRY_S = 0.05  # and once it has taken none for SLOW_READER_S
+SLOW_READER_S = 1.0
 
 
 class Ensembles:
     """Runs ensemble requests: the broker is itself a client of the step models.
 
     It owns a client segment (``own``) whose slots the step models' workers complete and which
-    rings the broker's doorbell, so a step's answer arrives like any worker message.
+    rings the broker's doorbell, so a step's answer arrives like any worker message. A decoupled
+    step's responses come on a ring in that segment (one of ``RING_POOL``, set aside at start).
     """
 
     def __init__(self, server_id: str, seg: BrokerSegment, catalog: Catalog, clients: Clients,
@@ -201,13 +97,72 @@ class Ensembles:
                           seg=ClientSegment.create(name, OWN_ARENA_BYTES, slots=OWN_SLOTS, notify=NOTIFY_BROKER))
         clients.by_name[name] = self.own  # answered, dropped and closed like any client
         self.free = collections.deque(range(OWN_SLOTS))
-        self.inflight: dict[int, tuple[EnsembleRun, Step]] = {}  # own slot -> the step it runs
+        self.inflight: dict[int, StepCall] = {}  # own slot -> the step call it carries
+        assert self.own.seg.arena is not None
+        pool = self.own.seg.arena.alloc(RING_POOL * RING_BYTES)  # held for the broker's life
+        assert pool > 0
+        self.rings = [pool + i * RING_BYTES for i in range(RING_POOL)]
+        self.free_rings = collections.deque(range(RING_POOL))
+        self.runs: set[EnsembleRun] = set()
         self.segments = SegmentCache()  # where step outputs and the clients' regions lie
         self.cache = EnsembleCache(cache, self.segments) if cache is not None else None
 
+    # -- the broker's loop ----------------------------------------------------------------------
     def start(self, mv: ModelVersion, client: Client, slot: int, entry: dict) -> None:
         self._begin(EnsembleRun(mv, client, slot, entry))
 
+    def live_runs(self) -> list[EnsembleRun]:
+        return list(self.runs)
+
+    def active(self) -> bool:
+        return bool(self.runs or self.inflight)
+
+    def has_completions(self) -> bool:
+        """A step answered, or a decoupled step's response waits to be taken (not while it is held
+        back: its final waits for its responses)."""
+        states = self.own.seg.slot_states
+        return any(states[slot] == SLOT_DONE if call.ring is None else
+                   call.taking() and (states[slot] == SLOT_DONE or call.ring.pending())
+                   for slot, call in self.inflight.items())
+
+    def next_timer(self) -> float | None:
+        """Responses wait for room on a client's ring: look again soon (less soon once that client
+        has not read for a while)."""
+        now = time.monotonic()
+        waits = [RETRY_S if now - run.full_since < SLOW_READER_S else SLOW_RETRY_S for run in self.runs if run.outbox]
+        return min(waits) if waits else None
+
+    def on_completions(self) -> None:
+        """Pass on what waits for a client's ring, take the responses of decoupled steps, and
+        the answers of finished steps; advance their runs."""
+        for run in [r for r in self.runs if r.outbox or r.ending]:
+            self._flush(run)
+        states = self.own.seg.slot_states
+        for slot, call in list(self.inflight.items()):
+            if self.inflight.get(slot) is not call:
+                continue  # answered meanwhile (its slot may carry another call now)
+            if call.ring is not None:
+                self._take_responses(call)
+                if not call.taking() or call.ring.pending():
+                    continue  # its final comes after its responses
+            if states[slot] == SLOT_DONE:
+                self._on_answer(call)
+
+    def cancel(self, client: Client, slot: int) -> None:
+        """The client gave up on its request in ``slot`` (a closed stream, a cancelled call)."""
+        for run in list(self.runs):
+            if run.client is client and run.slot == slot:
+                self._fail_run(run, None, CANCELLED_STATUS, cancelled_error(run.entry.get("id", "")), "CANCELED")
+                self._settle(run, run.root)
+                return
+
+    def drop_client(self, client: Client) -> None:
+        """The client is gone: nobody reads its runs' answers; their steps are cancelled."""
+        for run in [r for r in self.runs if r.client is client]:
+            self._give_up(run)
+            self._settle(run, run.root)
+
+    # -- starting steps -------------------------------------------------------------------------
     def _begin(self, run: EnsembleRun) -> None:
         """Answer from the response cache when the ensemble enables it and holds this request's
         answer, without running a step; otherwise start the steps."""
@@ -220,119 +175,362 @@ class Ensembles:
                 if self._reply(run, stored):
                     run.version.stats.cache_hit(run.entry.get("t") or 0, looked_up, run.lookup_ns)
                 return
-        self._advance(run)
+        self.runs.add(run)
+        self._made(run, run.root, set(run.root.tensors), None)
 
-    def _advance(self, run: EnsembleRun) -> None:
-        """Submit every step whose inputs exist; answer the client when the outputs are all made."""
-        for step in run.ready_steps():
-            run.started.add(step.index)
-            try:
-                mv = self.catalog.find_version(step.model, step.version, inference=True)
-                assert mv.signature is not None
-                request = run.step_request(step, mv.signature)
-                batch = mv.signature.check_inputs(request["inputs"], request.get("id", ""))
-                run.step_batch[step.index] = batch if mv.signature.max_batch_size > 0 else 0
-            except InvalidRequest as e:
-                self._fail_run(run, step, e.status, str(e))
-                return
-            if not self.free:
-                self._fail_run(run, step, 503, "too many ensemble steps in flight; retry later")
-                return
-            slot = self.free.popleft()
-            request.update(client=self.own.name, pid=os.getpid(), slot=slot)
-            self.own.seg.set_slot_state(slot, SLOT_PENDING)
-            self.inflight[slot] = (run, step)
-            run.running += 1
-            if mv.ensemble is not None:
-                # A nested ensemble has no instances to queue on: it runs here, and its answer
-                # (or error) completes this step's slot in our own segment.
-                request["t"] = time.monotonic_ns()
-                self._begin(EnsembleRun(mv, self.own, slot, request))
+    def _made(self, run: EnsembleRun, branch: Branch, made: set[str], origin: StepCall | None) -> None:
+        """``made`` are new in ``branch``: answer if they complete the outputs, start the steps
+        they make ready, and end the branch if nothing is left to do in it."""
+        self._answer_if_complete(run, branch, made)
+        for step in branch.ready_steps(run.plan):
+            if run.answered:
+                break
+            branch.started.add(step.index)
+            branch.busy += 1
+            call = StepCall(run, branch, step, origin)
+            plan = run.plan
+            if plan.limit and plan.inflight[step.index] >= plan.limit:
+                plan.waiting[step.index].append(call)  # its limit: it waits, in order, for a call to end
+                if origin is not None:
+                    origin.stalled += 1  # and the responses behind the one that made it wait too
             else:
-                self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic()))
-        if not run.failed and run.complete():
-            self._finish_run(run)
+                self._send(call)
+        self._settle(run, branch)
 
-    def has_completions(self) -> bool:
-        states = self.own.seg.slot_states
-        return any(states[slot] == SLOT_DONE for slot in self.inflight)
+    def _send(self, call: StepCall) -> None:
+        """Send a step call to its model (or run it here: a nested ensemble)."""
+        run, step = call.run, call.step
+        try:
+            mv = self.catalog.find_version(step.model, step.version, inference=True)
+            assert mv.signature is not None
+            request = self._step_request(call, mv.signature)
+            batch = mv.signature.check_inputs(request["inputs"], request.get("id", ""))
+            call.batch = batch if mv.signature.max_batch_size > 0 else 0
+        except InvalidRequest as e:
+            self._unsent(call, e.status, str(e))
+            return
+        if not self.free:
+            self._unsent(call, 503, "too many ensemble steps in flight; retry later")
+            return
+        if (mv.config_dict.get("model_transaction_policy") or {}).get("decoupled"):
+            if not self.free_rings:
+                self._unsent(call, 503, "too many decoupled ensemble steps in flight; retry later")
+                return
+            call.ring_index = self.free_rings.popleft()
+            call.ring = Ring(self.own.seg.seg.buf, self.rings[call.ring_index], STREAM_CAPACITY, RECORD)
+            call.ring.reset()
+            request["stream"] = {"seg": self.own.name, "off": self.rings[call.ring_index]}
+        slot = call.slot = self.free.popleft()
+        request.update(client=self.own.name, pid=os.getpid(), slot=slot)
+        self.own.seg.uncancel(slot)
+        self.own.seg.set_target(slot, 0)  # (set once a decoupled step's first response names its worker)
+        self.own.seg.set_slot_state(slot, SLOT_PENDING)
+        self.inflight[slot] = call
+        run.calls.add(call)
+        run.plan.inflight[step.index] += 1
+        if mv.ensemble is not None:
+            # A nested ensemble has no instances to queue on: it runs here, and its answer
+            # (or error) completes this step's slot in our own segment.
+            request["t"] = time.monotonic_ns()
+            self._begin(EnsembleRun(mv, self.own, slot, request))
+        else:
+            self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic()))
 
-    def on_completions(self) -> None:
-        """Take the answers of finished steps and advance their runs."""
-        states = self.own.seg.slot_states
-        for slot in [s for s in self.inflight if states[s] == SLOT_DONE]:
-            _, status, role, num, off, _, _ = self.own.seg.read_slot(slot)
-            self.own.seg.set_slot_state(slot, SLOT_FREE)
-            run, step = self.inflight.pop(slot)
-            self.free.append(slot)
-            run.running -= 1
-            workers = self.instances.workers
-            owner = self.seg.seg if role == ROLE_BROKER else (workers[num][1].seg.seg if num in workers else None)
-            if owner is None:
-                self._fail_run(run, step, 500, "the instance that ran this step is gone")
+    def _unsent(self, call: StepCall, status: int, message: str) -> None:
+        """A call that could not be sent fails its run (its branch is settled by the caller)."""
+        call.branch.busy -= 1
+        self._fail_run(call.run, call.step, status, message)
+
+    def _step_request(self, call: StepCall, signature: ModelSignature) -> dict:
+        """The request a step's model gets: its inputs are ensemble tensors, wherever they live,
+        shaped for the model's batching."""
+        run, step, branch = call.run, call.step, call.branch
+        inputs = []
+        batching = signature.max_batch_size > 0
+        for model_input, tensor in step.input_map.items():
+            t = branch.tensors[tensor]
+            spec = signature.inputs.get(model_input)
+            shape = t["shape"] if spec is None else \
+                converted_shape(spec.dims, batching, branch.batch_sizes[tensor], t["shape"])
+            inputs.append({**t, "name": model_input, "shape": shape})
+        entry = run.entry
+        return {"id": entry.get("id", ""), "params": entry.get("params"), "corr": entry.get("corr", 0),
+                "flags": entry.get("flags", 0), "inputs": inputs, "outputs": [{"name": n} for n in step.output_map]}
+
+    # -- what steps answer ----------------------------------------------------------------------
+    def _owner(self, role: int, num: int) -> Any:
+        """The segment a step's answer lies in: the broker's (a nested ensemble's), or its worker's."""
+        if role == ROLE_BROKER:
+            return self.seg.seg
+        workers = self.instances.workers
+        return workers[num][1].seg.seg if num in workers else None
+
+    def _take_responses(self, call: StepCall) -> None:
+        """A decoupled step's responses, in order, each through the later steps in a branch of its
+        own. Taking stops while a call made from one waits for its step's limit, or while the
+        run's responses wait for room on its client's ring: the rest stay on the ring, and the
+        model's ``send`` waits once it is full (Triton's backpressure)."""
+        run = call.run
+        assert call.ring is not None
+        while call.taking():
+            try:
+                record = call.ring.take()
+            except RingCorrupt as e:
+                call.ring.resync()
+                self._fail_run(run, call.step, 500, f"its response ring: {e}")
                 continue
-            if not off:  # answered without a block: its producer had no room even for an error
-                self._fail_run(run, step, status, NO_ROOM)
+            if record is None:
+                return
+            status, flags, off, _, num = record
+            call.received += 1
+            if flags != STREAM_FROM_BROKER and not self.own.seg.target(call.slot):
+                # Its worker is known now: should it die, the call fails with it (Supervisor),
+                # even after its batch is done and while its model still sends.
+                self.own.seg.set_target(call.slot, num + 1)
+            owner = self._owner(ROLE_BROKER if flags == STREAM_FROM_BROKER else ROLE_WORKER, num)
+            if owner is None:
+                self._fail_run(run, call.step, 500, "the instance that ran this step is gone")
+                continue
+            if run.answered:
+                free_block(owner.buf, off)
                 continue
             doc, data_start = read_manifest_with_data(owner.buf, off)
-            run.blocks.append((owner.buf, off))
             if status != 200:
-                self._fail_run(run, step, status, doc.get("error", "failed"))
+                free_block(owner.buf, off)
+                self._fail_run(run, call.step, status, doc.get("error", "failed"))
                 continue
-            if run.failed:
-                self._release_run(run)
-                continue
-            for o in doc.get("outputs", ()):
-                name = step.output_map.get(o["name"])
-                if name:
-                    run.tensors[name] = {"name": name, "datatype": o["datatype"], "shape": o["shape"],
-                                         "seg": owner.name, "off": data_start + o["off"], "size": o["size"]}
-                    run.batch_sizes[name] = run.step_batch[step.index]
-            self._advance(run)
+            branch = call.branch.child()
+            branch.blocks.append((owner.buf, off))
+            self._made(run, branch, self._outputs_of(call, branch, owner, doc, data_start), call)
 
-    def _fail_run(self, run: EnsembleRun, step: Step | None, status: int, message: str) -> None:
-        """Answer the run's error and free what it holds: named after the ensemble and the step that
-        failed, or as it is without a step (a classification refused, in Triton's words as for a model)."""
-        if not run.failed:
-            run.failed = True
-            run.version.stats.fail("BACKEND", 1)
-            text = message if step is None else f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"
-            self.clients.reply(run.client, run.slot, status, {"error": text})
-        self._release_run(run)
+    def _on_answer(self, call: StepCall) -> None:
+        """A step call's slot is complete: a plain step's answer, or a decoupled step's final."""
+        run, branch = call.run, call.branch
+        slot = call.slot
+        _, status, role, num, off, _, _ = self.own.seg.read_slot(slot)
+        self.own.seg.set_slot_state(slot, SLOT_FREE)
+        del self.inflight[slot]
+        self.free.append(slot)
+        run.calls.discard(call)
+        if call.ring is not None:
+            self.free_rings.append(call.ring_index)
+            call.ring = None
+        branch.busy -= 1
+        made: set[str] = set()
+        owner = self._owner(role, num)
+        if owner is None:
+            self._fail_run(run, call.step, 500, "the instance that ran this step is gone")
+        elif not off:  # answered without a block: its producer had no room even for an error
+            self._fail_run(run, call.step, status, NO_ROOM)
+        else:
+            doc, data_start = read_manifest_with_data(owner.buf, off)
+            if status != 200:
+                free_block(owner.buf, off)
+                self._fail_run(run, call.step, status, doc.get("error", "failed"))
+            elif doc.get("final"):  # a decoupled step's end: its responses were all taken
+                free_block(owner.buf, off)
+                if doc.get("responses", call.received) != call.received:
+                    self._fail_run(run, call.step, 500, f"{doc['responses'] - call.received} of its responses "
+                                   f"were lost (the ensemble stopped taking them for too long)")
+            elif run.answered:
+                free_block(owner.buf, off)
+            else:
+                branch.blocks.append((owner.buf, off))
+                made = self._outputs_of(call, branch, owner, doc, data_start)
+        self._step_ended(call)
+        self._made(run, branch, made, call.origin)
 
-    @staticmethod
-    def _release_run(run: EnsembleRun) -> None:
-        """Free the step outputs once no step of the run is still running."""
-        if run.running:
+    def _outputs_of(self, call: StepCall, branch: Branch, owner: Any, doc: dict, data_start: int) -> set[str]:
+        """Put a step answer's outputs into ``branch`` as the ensemble tensors they map to."""
+        made = set()
+        for o in doc.get("outputs", ()):
+            name = call.step.output_map.get(o["name"])
+            if name:
+                branch.tensors[name] = {"name": name, "datatype": o["datatype"], "shape": o["shape"],
+                                        "seg": owner.name, "off": data_start + o["off"], "size": o["size"]}
+                branch.batch_sizes[name] = call.batch
+                made.add(name)
+        return made
+
+    def _step_ended(self, call: StepCall) -> None:
+        """A call of a step is done: the first call waiting for the step's limit goes."""
+        plan, index = call.run.plan, call.step.index
+        plan.inflight[index] -= 1
+        waiting = plan.waiting[index]
+        while waiting and plan.inflight[index] < plan.limit:
+            nxt = waiting.popleft()
+            if nxt.origin is not None:
+                nxt.origin.stalled -= 1
+            if nxt.run.answered:
+                nxt.branch.busy -= 1
+            else:
+                self._send(nxt)
+            if nxt.branch is not call.branch:
+                self._settle(nxt.run, nxt.branch)
+
+    # -- answering ------------------------------------------------------------------------------
+    def _answer_if_complete(self, run: EnsembleRun, branch: Branch, made: set[str]) -> None:
+        """Triton's rule: a branch answers when a tensor just made is a wanted output and every
+        wanted output is there. A stream gets each such answer as a response; a single-answer
+        request the first, once the run has ended."""
+        wanted = run.wanted()
+        if run.answered or not made.intersection(wanted) or not all(n in branch.tensors for n in wanted):
             return
-        for buf, off in run.blocks:
-            free_block(buf, off)
-        run.blocks.clear()
+        if not run.streaming:
+            if run.answer is None:
+                run.answer = branch
+            return
+        outputs = self._outputs(run, branch)
+        if outputs is None:
+            return
+        self._store(run, outputs)  # (a cached ensemble is never decoupled: its one answer)
+        block = self._answer_block(run, outputs)
+        if block is not None:
+            run.sent += 1
+            if not run.outbox:
+                run.full_since = time.monotonic()
+            run.outbox.append((200, *block))
+            self._flush(run)
 
-    def _finish_run(self, run: EnsembleRun) -> None:
-        """Answer the ensemble's outputs (stored in the response cache first, after a miss) and free
-        the steps'."""
+    def _outputs(self, run: EnsembleRun, branch: Branch) -> list[Output] | None:
+        """The wanted outputs of ``branch``, shaped as the ensemble declares them."""
         outputs: list[Output] = []
         signature = run.version.signature
         assert signature is not None
         try:
             for name in run.wanted():
-                t = run.tensors[name]
+                t = branch.tensors[name]
                 spec = signature.outputs.get(name)
                 shape = t["shape"] if spec is None else \
-                    converted_shape(spec.dims, run.plan.batching, run.batch_sizes[name], t["shape"])
+                    converted_shape(spec.dims, run.plan.batching, branch.batch_sizes[name], t["shape"])
                 outputs.append((name, t["datatype"], shape, self._tensor_bytes(t)))
         except (ValueError, OSError, posix_ipc.Error) as e:  # an input in a region its client truncated
             self._fail_run(run, run.plan.steps[-1], 400 if isinstance(e, StaleRegion) else 500, str(e))
+            return None
+        return outputs
+
+    def _settle(self, run: EnsembleRun, branch: Branch) -> None:
+        """End ``branch`` if nothing is left to do in it, then its parents; the run with its root."""
+        while not branch.busy and not branch.ended:
+            branch.ended = True
+            parent = branch.parent
+            if parent is None:
+                self._end_run(run)
+                return
+            if branch is run.answer:
+                run.kept.extend(branch.blocks)  # read when the run ends
+            else:
+                for buf, off in branch.blocks:
+                    free_block(buf, off)
+            branch.blocks.clear()
+            parent.busy -= 1
+            branch = parent
+
+    def _end_run(self, run: EnsembleRun) -> None:
+        """Nothing is left to run: a stream's end, once its responses are on its ring; a
+        single answer's outputs (stored in the response cache first, after a miss), or Triton's
+        deadlock error when no branch made them. Then what the run holds is freed."""
+        if run.ended:
             return
+        if run.outbox and not run.answered:
+            run.ending = True  # ``_flush`` ends it once they are on the ring
+            return
+        run.ended, run.ending = True, False
+        self.runs.discard(run)
+        if not run.answered:
+            if run.streaming:
+                self._complete(run, {"final": True, "responses": run.sent})
+            elif run.answer is None:
+                request_id = run.entry.get("id", "") or "<id_unknown>"
+                self._fail_run(run, None, 400, f"in ensemble '{run.plan.name}', [request id: {request_id}] unexpected "
+                               f"deadlock, at least one output is not set while no more ensemble steps can be made")
+            else:
+                self._finish_single(run, run.answer)
+        for buf, off in [*run.root.blocks, *run.kept]:
+            free_block(buf, off)
+        run.root.blocks.clear()
+        run.kept.clear()
+
+    def _finish_single(self, run: EnsembleRun, branch: Branch) -> None:
+        """Answer a single-answer request with ``branch``'s outputs."""
+        outputs = self._outputs(run, branch)
+        if outputs is None:
+            return
+        self._store(run, outputs)
+        if self._reply(run, outputs):
+            arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
+            run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
+
+    def _store(self, run: EnsembleRun, outputs: list[Output]) -> None:
+        """After a cache miss: store the answer under the request's key."""
         if run.cache_key is not None and self.cache is not None:
             inserting = time.monotonic_ns()
             self.cache.insert(run.version, run.cache_key, outputs)
             run.version.stats.cache_miss(run.lookup_ns + time.monotonic_ns() - inserting)
-        if self._reply(run, outputs):
+            run.cache_key = None
+
+    def _client_gone(self, run: EnsembleRun) -> bool:
+        """Whether nobody reads the run's answers any more (its client left: its segment is closed)."""
+        return run.client is not self.own and self.clients.by_name.get(run.client.name) is not run.client
+
+    def _complete(self, run: EnsembleRun, doc: dict, status: int = 200) -> None:
+        """Complete the client's slot: the run's last word."""
+        run.answered = True
+        if status == 200 and run.streaming:
             arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
             run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
-            self._release_run(run)
+        if not self._client_gone(run):
+            self.clients.reply(run.client, run.slot, status, doc)
+
+    def _flush(self, run: EnsembleRun) -> None:
+        """Put a stream's waiting responses on its client's ring, as far as there is room."""
+        if run.answered or self._client_gone(run):
+            self._drop_outbox(run)
+        else:
+            ring = Ring(run.client.seg.seg.buf, run.entry["stream"]["off"], STREAM_CAPACITY, RECORD)
+            put = 0
+            while run.outbox and ring.put(run.outbox[0][0], STREAM_FROM_BROKER, run.outbox[0][1], run.outbox[0][2], 0):
+                run.outbox.popleft()
+                put += 1
+            if put:
+                run.client.seg.waker.notify()
+                run.full_since = time.monotonic()
+        if run.ending and not run.outbox:
+            self._end_run(run)
+
+    def _drop_outbox(self, run: EnsembleRun) -> None:
+        while run.outbox:
+            free_block(self.seg.seg.buf, run.outbox.popleft()[1])
+
+    def _give_up(self, run: EnsembleRun) -> None:
+        """The run answers nothing more: its steps in flight are cancelled (their models see
+        ``is_cancelled()``), those waiting for a step's limit are dropped, and what waits for
+        the client's ring is freed."""
+        run.answered = True
+        for call in run.calls:
+            self.own.seg.cancel(call.slot)
+        for index, waiting in enumerate(run.plan.waiting):
+            mine = [c for c in waiting if c.run is run]
+            if mine:
+                run.plan.waiting[index] = collections.deque(c for c in waiting if c.run is not run)
+                for c in mine:
+                    if c.origin is not None:
+                        c.origin.stalled -= 1
+                    c.branch.busy -= 1
+                    self._settle(run, c.branch)
+        self._drop_outbox(run)
+
+    def _fail_run(self, run: EnsembleRun, step: Step | None, status: int, message: str,
+                  reason: str = "BACKEND") -> None:
+        """Answer the run's error (once) and give up on the rest: named after the ensemble and the
+        step that failed, or as it is without a step (a classification refused, in Triton's words
+        as for a model). What it holds is freed as its branches end (the caller settles them)."""
+        if run.answered:
+            return
+        run.version.stats.fail(reason, 1)
+        text = message if step is None else f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"
+        self._complete(run, {"error": text}, status)
+        self._give_up(run)
 
     @staticmethod
     def _classified(run: EnsembleRun, outputs: list[Output]) -> list[Output]:
@@ -365,14 +563,28 @@ class Ensembles:
         return self.segments.get(t["seg"]).buf[t["off"]:t["off"] + t["size"]]
 
     def _reply(self, run: EnsembleRun, outputs: list[Output]) -> bool:
-        """Copy the outputs into one answer (or the client's regions) and complete the client's
-        slot; False when the run failed instead (its error answered)."""
+        """Answer a single-answer request with ``outputs`` and complete the client's slot; False
+        when the run failed instead (its error answered)."""
+        block = self._answer_block(run, outputs)
+        if block is None:
+            return False
+        run.answered = True
+        if self._client_gone(run):
+            self.arena.free(block[0])
+        else:
+            run.client.seg.complete(run.slot, 200, ROLE_BROKER, 0, *block)
+            run.client.seg.waker.notify()
+        return True
+
+    def _answer_block(self, run: EnsembleRun, outputs: list[Output]) -> tuple[int, int] | None:
+        """Copy the outputs into one answer in the broker's arena (or into the client's regions):
+        its (offset, length); None when the run failed instead (its error answered)."""
         placed = {o["name"]: o for o in run.entry.get("outputs") or () if "seg" in o}
         try:
             outputs = self._classified(run, outputs)
         except ClassificationError as e:
             self._fail_run(run, None, 400, str(e))
-            return False
+            return None
         outs, chunks, pos = [], [], 0
         for name, datatype, shape, data in outputs:
             size = len(data)
@@ -382,12 +594,12 @@ class Ensembles:
                 if size > target["size"]:
                     self._fail_run(run, run.plan.steps[-1], 400, f"shared memory region for output '{name}' is "
                                    f"too small ({target['size']} bytes, {size} needed)")
-                    return False
+                    return None
                 try:  # through the region's descriptor: never a mapping its client could truncate
                     self.segments.regions.write(target, data)
                 except (ValueError, OSError, posix_ipc.Error) as e:
                     self._fail_run(run, run.plan.steps[-1], 400, str(e))
-                    return False
+                    return None
                 desc["region"] = True
             else:
                 desc["off"] = pos
@@ -399,11 +611,9 @@ class Ensembles:
         off = self.arena.alloc(room + pos, run.client.pid)
         if off < 0:
             self._fail_run(run, run.plan.steps[-1], 503, "the broker's arena is full; retry later")
-            return False
+            return None
         at = write_manifest(self.seg.seg.buf, off, body)
         for chunk in chunks:
             self.seg.seg.buf[at:at + len(chunk)] = chunk
             at += len(chunk)
-        run.client.seg.complete(run.slot, 200, ROLE_BROKER, 0, off, room + pos)
-        run.client.seg.waker.notify()
-        return True
+        return off, room + pos

@@ -8,6 +8,7 @@ Refused with Triton's texts.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -95,3 +96,85 @@ def steps_refusal(config: Any, steps: dict[str, Any]) -> str | None:
             if why:
                 return why
     return None
+
+
+@dataclasses.dataclass(eq=False)
+class FlowNode:
+    """An ensemble tensor in Triton's walk of the data flow (or the ensemble's outputs together,
+    its sink): which decoupled step's responses it descends from (``label``, 0: none)."""
+
+    model: str  # the model it was first seen with: the name Triton's refusal gives
+    decoupled: bool = False  # made by a decoupled step
+    label: int = 0
+    visited: bool = False
+    prev: list["FlowNode"] = dataclasses.field(default_factory=list)
+    next: list["FlowNode"] = dataclasses.field(default_factory=list)
+    sibling: "FlowNode | None" = None  # shared by the outputs of one step: they descend alike
+
+
+def step_decoupled(config: Any, configs: dict[str, Any], seen: frozenset[str] = frozenset()) -> bool:
+    """Whether a step model answers as a decoupled one: its policy, or for a nested ensemble
+    whether its own steps make it decoupled (as Triton fills its config in)."""
+    if config.platform != "ensemble":
+        return bool(config.model_transaction_policy.decoupled)
+    if config.name in seen:
+        return False  # a loop: refused at load by find_cycle
+    return decoupled_flow(config, configs, seen | {config.name})[0]
+
+
+def decoupled_flow(config: Any, configs: dict[str, Any], seen: frozenset[str] = frozenset()) -> tuple[bool, str | None]:
+    """Triton's walk of an ensemble's data flow (``ValidateEnsembleConfig``): the ensemble is
+    decoupled when a decoupled step's responses reach any tensor, and a step (or the ensemble's
+    outputs) may not take tensors that descend from different decoupled steps. ``configs`` maps
+    step model names to their configs. Returns (decoupled, the refusal or None)."""
+    name = config.name
+    nodes: dict[str, FlowNode] = {}
+
+    def node(tensor: str, model: str) -> FlowNode:
+        return nodes.setdefault(tensor, FlowNode(model))
+
+    for t in config.input:
+        node(t.name, name)
+    sink = FlowNode(name)
+    for t in config.output:
+        out = node(t.name, name)
+        sink.prev.append(out)
+        out.next.append(sink)
+    for step in config.ensemble_scheduling.step:
+        dep = configs.get(step.model_name)
+        if dep is None:
+            continue
+        inputs = [node(step.input_map[i.name], step.model_name) for i in dep.input if i.name in step.input_map]
+        decoupled = step_decoupled(dep, configs, seen)
+        sibling = FlowNode(step.model_name)
+        for tensor in step.output_map.values():
+            out = node(tensor, step.model_name)
+            out.decoupled, out.sibling = decoupled, sibling
+            for prev in inputs:
+                out.prev.append(prev)
+                prev.next.append(out)
+    label = 0
+    todo = collections.deque(nodes[t.name] for t in config.input)
+    for n in todo:
+        n.visited = True
+    while todo:
+        current = todo[0]
+        for n in current.next:
+            if n.visited or not all(p.visited for p in n.prev):
+                continue
+            first = n.prev[0].label
+            if any(p.label != first for p in n.prev):
+                return label != 0, (f"in ensemble {name}, step of model '{n.model}' receives inputs originated "
+                                    f"from different decoupled models")
+            if n.sibling is not None and n.sibling.visited:
+                n.label = n.sibling.label
+            else:
+                if n.decoupled:
+                    label += 1
+                n.label = label if n.decoupled else first
+                if n.sibling is not None:
+                    n.sibling.label, n.sibling.visited = n.label, True
+            n.visited = True
+            todo.append(n)
+        todo.popleft()
+    return label != 0, None

@@ -16,6 +16,7 @@ from shmserve.signature import InvalidRequest, queue_options
 from .catalog import Catalog
 from .clients import Clients
 from .ensemble import Ensembles
+from .ensemble_plan import DecoupledOnly
 from .models import Client, ModelVersion
 from .regions import Regions
 from .scheduler import Scheduler
@@ -38,6 +39,8 @@ class Intake:
         doc, data_start = read_descriptor(client.seg.seg.buf, rec)
         try:
             mv = self.catalog.find_version(doc["model"], doc.get("version"), inference=True)
+            if mv.ensemble is not None and mv.ensemble.decoupled and "stream" not in doc:
+                raise DecoupledOnly()  # before the inputs are looked at, as in Triton
             sig = mv.signature
             assert sig is not None
             inputs = doc["inputs"]

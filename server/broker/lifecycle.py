@@ -37,7 +37,7 @@ from .instance_update import STRAGGLER_GRACE_S, InstanceUpdates
 from .canary import Canary
 from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
-from .ensemble import EnsemblePlan
+from .ensemble_plan import EnsemblePlan
 from .instances import Instances, take_payload
 from .journal import Journal
 from .models import Instance, ModelVersion, State

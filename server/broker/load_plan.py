@@ -19,8 +19,8 @@ from . import config as cfgmod
 from . import response_cache, unsupported
 from .canary import CanaryPolicy
 from .catalog import Catalog
-from .ensemble import find_cycle, step_models
-from .ensemble_steps import steps_refusal
+from .ensemble_plan import find_cycle, step_models
+from .ensemble_steps import decoupled_flow, steps_refusal
 from .options import BrokerOptions
 from .rate_limiter import Needs, RateLimiter, needs_of
 
@@ -73,8 +73,11 @@ class LoadPlanner:
             if cycle:
                 raise cfgmod.ConfigError(cycle)
             why = response_cache.ensemble_refusal(config, reached) or steps_refusal(config, reached)
-            if why:
-                raise cfgmod.ConfigError(why)
+            decoupled, flow_refusal = decoupled_flow(config, reached)
+            if why or flow_refusal:
+                raise cfgmod.ConfigError(why or flow_refusal)
+            # As Triton fills it in: decoupled when a decoupled step's responses flow through it.
+            config.model_transaction_policy.decoupled = decoupled
             try:
                 load_labels(cfgmod.to_dict(config), model_dir)  # the ensemble's own, for classification
             except ValueError as e:

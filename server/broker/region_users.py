@@ -28,7 +28,7 @@ def regions_in_use(versions: Iterable[ModelVersion], ensembles: Ensembles) -> se
             for batch in inst.outstanding.values():
                 for p in batch:
                     names.update(p.entry.get("regions", ()))
-    for run, _ in ensembles.inflight.values():
+    for run in ensembles.live_runs():
         names.update(run.entry.get("regions", ()))
     return names
 

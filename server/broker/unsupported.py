@@ -48,9 +48,6 @@ FIELDS: dict[str, tuple[str, str]] = {
     "sequence_batching.oldest.preserve_ordering": (WARN, "batches of several instances may answer out of order"),
     "ensemble_scheduling.step.model_namespace": (WARN, "model namespacing is not supported: the step runs the "
                                                        "model of that name"),
-    "ensemble_scheduling.max_inflight_requests": (WARN, "a step's one response per request goes to the next "
-                                                        "step at once: ensemble steps cannot be decoupled "
-                                                        "here, so there are no extra responses to bound"),
     "model_metrics": (WARN, "histograms keep the server's buckets (--metrics-config); no per-model override"),
 }
 
@@ -93,7 +90,7 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "sequence_batching.state.initial_state.name",
     "ensemble_scheduling", "ensemble_scheduling.step", "ensemble_scheduling.step.model_name",
     "ensemble_scheduling.step.model_version", "ensemble_scheduling.step.input_map",
-    "ensemble_scheduling.step.output_map",
+    "ensemble_scheduling.step.output_map", "ensemble_scheduling.max_inflight_requests",
     "instance_group", "instance_group.name", "instance_group.kind", "instance_group.count",
     "instance_group.gpus", "instance_group.rate_limiter", "instance_group.rate_limiter.resources",
     "instance_group.rate_limiter.resources.name", "instance_group.rate_limiter.resources.global",

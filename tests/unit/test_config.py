@@ -9,7 +9,7 @@ import pytest
 
 from shmserve.server.broker import config as cfgmod
 from shmserve.server.broker.config import ConfigError, mc
-from shmserve.server.broker.ensemble import find_cycle
+from shmserve.server.broker.ensemble_plan import find_cycle
 from shmserve.workers.devices import cuda_device_count
 
 BACKENDS = {"python", "pytorch"}

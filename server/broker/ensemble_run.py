@@ -1,0 +1,103 @@
+"""One request through an ensemble, as the broker runs it (ensemble.py).
+
+A decoupled step answers a request with zero or many responses. As in Triton's ensemble
+scheduler, each response goes on through the later steps on its own: it starts a *branch*, a
+line of descent that sees every tensor its parent had when it began plus what that response and
+the steps after it make. The request's own branch is the root. A branch that makes every output
+the request wants is one response of the ensemble; at load Triton refuses a step (or the outputs)
+taking tensors that descend from different decoupled steps (ensemble_steps.decoupled_flow), so
+the tensors a step takes always lie in one branch.
+
+A branch is *busy* while one of its step calls is in flight or waits for the step's limit
+(``max_inflight_requests``), and while one of its child branches lives. A branch that is no
+longer busy can make nothing more: it ends, and frees the step answers only it read. The run
+ends with its root.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import TYPE_CHECKING
+
+from shmserve.shm.ring import Ring
+
+from .ensemble_plan import EnsemblePlan, Step
+
+if TYPE_CHECKING:
+    from .models import Client, ModelVersion
+
+Block = tuple[memoryview, int]  # a step's answer: the buffer it lies in and its offset there
+
+
+@dataclasses.dataclass(eq=False)
+class Branch:
+    tensors: dict[str, dict]  # ensemble tensor -> where it lies
+    batch_sizes: dict[str, int]  # the batch size each tensor was made with, 0 without batching
+    started: set[int]  # step indices run in this branch (or its parent before it began)
+    parent: "Branch | None" = None
+    blocks: list[Block] = dataclasses.field(default_factory=list)  # step answers its tensors lie in
+    busy: int = 0
+    ended: bool = False  # settled: nothing more happens in it (settling it again changes nothing)
+
+    def child(self) -> "Branch":
+        """A branch for one response of a decoupled step run in this one."""
+        self.busy += 1
+        return Branch(dict(self.tensors), dict(self.batch_sizes), set(self.started), self)
+
+    def ready_steps(self, plan: "EnsemblePlan") -> list["Step"]:
+        return [s for s in plan.steps
+                if s.index not in self.started and set(s.input_map.values()) <= self.tensors.keys()]
+
+
+@dataclasses.dataclass(eq=False)
+class StepCall:
+    """One request of a run to one step model."""
+
+    run: "EnsembleRun"
+    branch: Branch
+    step: "Step"
+    origin: "StepCall | None"  # the decoupled step whose response started ``branch``, if any
+    batch: int = 0  # its request's batch size (0: the model does not batch)
+    slot: int = -1  # in the broker's own client segment, once sent
+    ring: Ring | None = None  # a decoupled step's response ring, in our own segment
+    ring_index: int = -1
+    received: int = 0  # responses taken from the ring
+    stalled: int = 0  # calls made from its responses that wait for their step's limit
+
+    def taking(self) -> bool:
+        """Whether its next response may be taken: no call made from one waits for its step's
+        limit, and no response of the run waits for room on the client's ring."""
+        return not self.stalled and not (self.run.outbox and not self.run.answered)
+
+
+class EnsembleRun:
+    """One request through an ensemble."""
+
+    def __init__(self, version: "ModelVersion", client: "Client", slot: int, entry: dict) -> None:
+        assert version.ensemble is not None
+        self.version = version
+        self.plan: EnsemblePlan = version.ensemble
+        self.client = client
+        self.slot = slot
+        self.entry = entry
+        self.streaming = "stream" in entry  # answered response by response on the request's ring
+        tensors: dict[str, dict] = {t["name"]: t for t in entry["inputs"]}
+        # Triton converts shapes between batching and non-batching steps by the batch size each
+        # tensor was made with (ensemble_shapes.py).
+        request_batch = next((t["shape"][0] for t in entry["inputs"] if t["shape"]), 1) if self.plan.batching else 0
+        self.root = Branch(tensors, {name: request_batch for name in tensors}, set())
+        self.calls: set[StepCall] = set()  # sent and not yet finished
+        self.answered = False  # the client's slot is completed (an error, a cancel, or the end)
+        self.ended = False
+        self.ending = False  # done, but responses still wait for room on the client's ring
+        self.answer: Branch | None = None  # a single-answer run: the branch whose outputs answer it
+        self.kept: list[Block] = []  # the blocks of ``answer``, freed when the run ends
+        self.sent = 0  # stream responses
+        self.outbox: collections.deque[tuple[int, int, int]] = collections.deque()  # (status, off, length)
+        self.full_since = 0.0  # since when the client's ring has taken no response that waits
+        self.cache_key: bytes | None = None  # set after a miss: the final answer is stored under it
+        self.lookup_ns = 0
+
+    def wanted(self) -> list[str]:
+        outs = self.entry.get("outputs")
+        return [o["name"] for o in outs] if outs else list(self.plan.outputs)
