@@ -266,8 +266,7 @@ class Ensembles:
             run, step = self.inflight.pop(slot)
             self.free.append(slot)
             run.running -= 1
-            workers = self.instances.workers
-            owner = self.seg.seg if role == ROLE_BROKER else (workers[num][1].seg.seg if num in workers else None)
+            owner = self.seg.seg if role == ROLE_BROKER else self.instances.answer_segment(num, role, self.segments)
             if owner is None:
                 self._fail_run(run, step, 500, "the instance that ran this step is gone")
                 continue
