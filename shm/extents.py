@@ -107,22 +107,28 @@ class OutputArenas:
                 off = self._grown[current][1].alloc(nbytes, consumer_pid)
                 if off >= 0:
                     return current, off
-            extent, arena = self._grow(BLOCK_HEADER + _round_up(max(nbytes, 1), ALIGN))
+            grown = self._grow(BLOCK_HEADER + _round_up(max(nbytes, 1), ALIGN))
+            if grown is None:
+                return 0, -1
+            extent, arena = grown
             off = arena.alloc(nbytes, consumer_pid)
             if off < 0:  # cannot happen: the extent was sized for it
                 raise GrowthRefused(self._refusal(nbytes, "the new extent could not hold it"))
             return extent, off
 
-    def _grow(self, need: int) -> tuple[int, Arena]:
+    def _grow(self, need: int) -> tuple[int, Arena] | None:
+        """A new extent that holds ``need``; None when the cap leaves no room now but would once
+        answers are read (back-pressure, as a full arena always was)."""
         largest = max([self.first.capacity] + [a.capacity for _, a in self._grown.values()])
         size = _round_up(max(2 * largest, largest + self.growth, need), MIB)
         used = self.capacity
         if used + size > self.cap:
             size = (self.cap - used) // MIB * MIB  # what the cap leaves, if the answer fits in that
         if size < need:
-            raise GrowthRefused(self._refusal(need, f"the instance's output arena would pass its cap, "
-                                                    f"--worker-arena-mb={self.cap >> 20} ({space.mib(used)} "
-                                                    f"in use, {space.mib(need)} more needed)"))
+            if need <= max(self.cap - self.first.capacity, self.first.capacity):
+                return None
+            raise GrowthRefused(self._refusal(need, f"no room under the cap of the instance's output arena, "
+                                                    f"--worker-arena-mb={self.cap >> 20} ({space.mib(used)} in use)"))
         if self._next >= MAX_EXTENTS:
             raise GrowthRefused(self._refusal(need, f"it has grown {MAX_EXTENTS - 1} times; raise "
                                                     f"--backend-config=python,{DEFAULT_BYTES_SETTING}"))
@@ -134,7 +140,7 @@ class OutputArenas:
                                                                          f"caps one instance's extents)")
             seg = Segment.create_anew(name, size)
         except space.NoRoom as e:
-            raise GrowthRefused(self._refusal(need, str(e))) from None
+            raise GrowthRefused(self._refusal(need, f"no room in /dev/shm: {e}")) from None
         except (OSError, posix_ipc.Error) as e:
             raise GrowthRefused(self._refusal(need, f"{name}: {e}")) from None
         self._next += 1
