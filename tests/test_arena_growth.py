@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from as_nobody import NOBODY, run_as_nobody
 from conftest import TESTS, shm_entries
 from test_shm_space import SmallShmServer, post
 
@@ -24,7 +25,10 @@ from shmserve import Client
 from shmserve.server.cli import parse_args
 from shmserve.server.shm_needs import SMALL_OBJECTS_BYTES, instance_bytes, startup_bytes
 from shmserve.shm import space
-from shmserve.shm.extents import DEFAULT_START_BYTES
+from shmserve.shm.channel import EXTENTS_OFFSET, WorkerSegment
+from shmserve.shm.extents import DEFAULT_START_BYTES, map_extent
+from shmserve.shm.names import extent_name, object_name
+from shmserve.shm.segment import SegmentCache
 
 MIB = 1 << 20
 GROWTH_MODELS = TESTS / "models" / "growth"
@@ -113,6 +117,61 @@ def test_a_retired_extent_is_unlinked_once_drained(server_factory):
     assert len(after) == 1 and after != first, (first, after)
     http_identity(s, 10 * MIB)  # served from extent 2, which stays
     assert extents(s.id) == after
+
+
+SQUAT = """
+fd = os.open(args["path"], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o666)
+os.ftruncate(fd, 64 << 20)
+os.close(fd)
+result = os.stat(args["path"]).st_uid
+"""
+
+
+def test_an_extent_name_another_user_made_first_is_never_used(server_factory):
+    """Anyone may make a name in /dev/shm: another user who makes the next extent's name first
+    (world-writable) gets neither the answer nor a say in where it is read from."""
+    s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
+    path = "/dev/shm" + extent_name(s.id, 0, 1)
+    assert run_as_nobody(SQUAT, {"path": path}) == NOBODY.pw_uid
+    http_identity(s, BIG)
+    st = os.stat(path)  # the worker made its own in its place
+    assert (st.st_uid, st.st_mode & 0o777) == (os.geteuid(), 0o600)
+    with Client(s.id) as c:
+        x = np.arange(BIG, dtype=np.float32)
+        with c.infer("identity", {"IN": x}) as result:
+            np.testing.assert_array_equal(result["OUT"], x)
+
+
+def test_a_consumer_maps_an_extent_only_if_the_server_owns_it_at_its_size(server_factory):
+    """``map_extent``, as every consumer calls it, against a live server's worker segment: an
+    extent the worker never made, one of the wrong size and one of another user are refused."""
+    s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
+    http_identity(s, 2 * MIB)  # extent 1, 8 MiB
+    cache = SegmentCache()
+    try:
+        worker = cache.get(object_name(s.id, "worker", 0))
+        size = WorkerSegment.extent_size_in(worker.buf, 1)
+        assert map_extent(cache, s.id, 0, 1, worker).size == size > 0
+        with pytest.raises(OSError, match="not an extent worker 0 made"):
+            map_extent(cache, s.id, 0, 2, worker)
+        path = "/dev/shm" + extent_name(s.id, 0, 2)
+        at = EXTENTS_OFFSET + 8 * 2  # the worker's table says extent 2 has 64 MiB
+        worker.buf[at:at + 8] = (64 << 20).to_bytes(8, "little")
+        try:
+            run_as_nobody(SQUAT, {"path": path})  # another user's, of that size
+            with pytest.raises(OSError, match="is not the server's"):
+                map_extent(cache, s.id, 0, 2, worker)
+            os.unlink(path)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # the server's uid, the wrong size
+            os.ftruncate(fd, 16 << 20)
+            os.close(fd)
+            with pytest.raises(OSError, match="is not the server's"):
+                map_extent(cache, s.id, 0, 2, worker)
+        finally:
+            worker.buf[at:at + 8] = bytes(8)
+            os.unlink(path)
+    finally:
+        cache.clear()
 
 
 def test_a_growth_past_the_cap_is_a_503_naming_the_flag_and_the_next_request_works(server_factory):
