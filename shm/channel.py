@@ -35,9 +35,11 @@ _WANT_WAKEUP = struct.Struct("<I")
 SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag (see waker.py)
 WANT_WAKEUP_OFFSET = 128  # worker header: broker sets it when it waits for this instance
 # Worker header: the size of each grown output extent (shm/extents.py), written by the worker before
-# any answer in it is published; a consumer maps an extent only at that size.
+# any answer in it is published; a consumer maps an extent only at that size. Extent k's entry is
+# k % EXTENT_ENTRIES: at most that many extents live at once, and numbers are never reused.
 EXTENTS_OFFSET = 256
-MAX_EXTENTS = 32
+EXTENT_ENTRIES = 32
+MAX_EXTENTS = 1 << 24  # what a slot's role word can name (shm/protocol.py EXTENT_SHIFT)
 _EXTENT_SIZE = struct.Struct("<Q")
 LANE_BELLS_OFFSET = 1024  # worker header: one byte per lane, set by its client after a put
 NOTIFY_KIND_OFFSET = 20  # client header: how to wake the client
@@ -229,7 +231,7 @@ class WorkerSegment:
 
     def set_extent_size(self, extent: int, size: int) -> None:
         """Worker side: extent ``extent`` (1 .. MAX_EXTENTS-1) exists with ``size`` bytes."""
-        _EXTENT_SIZE.pack_into(self.seg.buf, EXTENTS_OFFSET + 8 * extent, size)
+        _EXTENT_SIZE.pack_into(self.seg.buf, EXTENTS_OFFSET + 8 * (extent % EXTENT_ENTRIES), size)
 
     @staticmethod
     def extent_size_in(buf: memoryview, extent: int) -> int:
@@ -237,7 +239,7 @@ class WorkerSegment:
         never made or out of range."""
         if not 0 < extent < MAX_EXTENTS or len(buf) < HEADER_BYTES:
             return 0
-        return _EXTENT_SIZE.unpack_from(buf, EXTENTS_OFFSET + 8 * extent)[0]
+        return _EXTENT_SIZE.unpack_from(buf, EXTENTS_OFFSET + 8 * (extent % EXTENT_ENTRIES))[0]
 
     def report_garbage(self, lane: int, cookie: int, fault: Fault) -> None:
         """Worker side: the holder of ``lane`` with ``cookie`` wrote garbage (the broker

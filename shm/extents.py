@@ -23,7 +23,7 @@ import posix_ipc
 
 from . import space
 from .arena import ALIGN, BLOCK_HEADER, Arena
-from .channel import MAX_EXTENTS, WorkerSegment
+from .channel import EXTENT_ENTRIES, MAX_EXTENTS, WorkerSegment
 from .names import PREFIX, SHM_DIR, extent_name, unlink_shm
 from .segment import Segment, SegmentCache
 
@@ -107,7 +107,7 @@ class OutputArenas:
                 off = self._grown[current][1].alloc(nbytes, consumer_pid)
                 if off >= 0:
                     return current, off
-            grown = self._grow(BLOCK_HEADER + _round_up(max(nbytes, 1), ALIGN))
+            grown = self._grow(BLOCK_HEADER + _round_up(max(nbytes, 1), ALIGN), nbytes)
             if grown is None:
                 return 0, -1
             extent, arena = grown
@@ -116,7 +116,7 @@ class OutputArenas:
                 raise GrowthRefused(self._refusal(nbytes, "the new extent could not hold it"))
             return extent, off
 
-    def _grow(self, need: int) -> tuple[int, Arena] | None:
+    def _grow(self, need: int, response: int) -> tuple[int, Arena] | None:
         """A new extent that holds ``need``; None when the cap leaves no room now but would once
         answers are read (back-pressure, as a full arena always was)."""
         largest = max([self.first.capacity] + [a.capacity for _, a in self._grown.values()])
@@ -127,12 +127,14 @@ class OutputArenas:
         if size < need:
             if need <= max(self.cap - self.first.capacity, self.first.capacity):
                 return None
-            raise GrowthRefused(self._refusal(need, f"no room under the cap of the instance's output arena, "
+            raise GrowthRefused(self._refusal(response, f"no room under the cap of the instance's output arena, "
                                                     f"--worker-arena-mb={self.cap >> 20} ({space.mib(used)} in use)"))
-        if self._next >= MAX_EXTENTS:
-            raise GrowthRefused(self._refusal(need, f"it has grown {MAX_EXTENTS - 1} times; raise "
-                                                    f"--backend-config=python,{DEFAULT_BYTES_SETTING}"))
         extent = self._next
+        if any(e % EXTENT_ENTRIES == extent % EXTENT_ENTRIES for e in self._grown):
+            return None  # its entry in the header still describes a live extent: wait for it to drain
+        if extent >= MAX_EXTENTS:
+            raise GrowthRefused(self._refusal(response, f"it has grown {MAX_EXTENTS - 1} times; raise "
+                                                    f"--backend-config=python,{DEFAULT_BYTES_SETTING}"))
         name = extent_name(self.server_id, self.num, extent)
         try:
             space.check(self.server_id, size, f"a {space.mib(size)} output extent of model instance "
@@ -140,9 +142,9 @@ class OutputArenas:
                                                                          f"caps one instance's extents)")
             seg = Segment.create_anew(name, size)
         except space.NoRoom as e:
-            raise GrowthRefused(self._refusal(need, f"no room in /dev/shm: {e}")) from None
+            raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
         except (OSError, posix_ipc.Error) as e:
-            raise GrowthRefused(self._refusal(need, f"{name}: {e}")) from None
+            raise GrowthRefused(self._refusal(response, f"{name}: {e}")) from None
         self._next += 1
         self.seg.set_extent_size(extent, size)  # before any answer in it is published
         arena = Arena(seg.buf, 0, size)
