@@ -137,10 +137,11 @@ class OutputArenas:
                                                     f"--backend-config=python,{DEFAULT_BYTES_SETTING}"))
         name = extent_name(self.server_id, self.num, extent)
         try:
-            space.check(self.server_id, size, f"a {space.mib(size)} output extent of model instance "
-                                              f"'{self.instance_name}'", f" (--worker-arena-mb={self.cap >> 20} "
-                                                                         f"caps one instance's extents)")
-            seg = Segment.create_anew(name, size)
+            with space.counting(self.server_id):  # checked and made with no other growth in between
+                space.check(self.server_id, size, f"a {space.mib(size)} output extent of model instance "
+                                                  f"'{self.instance_name}'", f" (--worker-arena-mb={self.cap >> 20} "
+                                                                             f"caps one instance's extents)")
+                seg = Segment.create_anew(name, size)
         except space.NoRoom as e:
             raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
         except (OSError, posix_ipc.Error) as e:

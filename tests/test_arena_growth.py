@@ -174,6 +174,28 @@ def test_a_consumer_maps_an_extent_only_if_the_server_owns_it_at_its_size(server
         cache.clear()
 
 
+def test_a_growth_counts_and_makes_its_extent_under_the_servers_lock(server_factory):
+    """Two workers growing at once would each see the same room in /dev/shm and take, between
+    them, more than there is: a growth counts and makes its extent holding the lock on the
+    broker segment's file (space.counting), which this test holds for a while."""
+    import fcntl
+    import threading
+
+    s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
+    fd = os.open(f"/dev/shm/shmserve.{s.id}.broker.0", os.O_RDONLY)
+    done = threading.Event()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        worker = threading.Thread(target=lambda: (http_identity(s, 2 * MIB), done.set()), daemon=True)
+        worker.start()
+        assert not done.wait(3.0), "the growth did not wait for the lock"
+        assert not extents(s.id)
+    finally:
+        os.close(fd)
+    assert done.wait(60.0)
+    assert len(extents(s.id)) == 1
+
+
 def test_a_growth_past_the_cap_is_a_503_naming_the_flag_and_the_next_request_works(server_factory):
     s = server_factory.start([GROWTH_MODELS], ["--worker-arena-mb", "16"])
     x = np.zeros(8 * MIB, np.float32)  # 32 MiB: more than the cap
