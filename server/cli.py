@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
              "without it such loads are refused (403) unless the model-repository group is restricted and "
              "the request carries its key (default false)")
     p.add_argument("--worker-arena-mb", type=int, default=256,
-                   help="shared-memory output arena of each worker, MiB (allocated lazily; default 256)")
+                   help="cap of each worker's shared-memory output arena, MiB: it starts at --backend-config "
+                        "python,shm-default-byte-size (4 MiB) and grows with its answers (default 256)")
     p.add_argument("--frontend-arena-mb", type=int, default=256,
                    help="shared-memory input arena of each HTTP frontend, MiB (lazily; default 256)")
     p.add_argument("--poll-us", type=int, default=500, metavar="N",

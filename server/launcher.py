@@ -87,6 +87,8 @@ class Launcher:
             strict_config=args.strict_model_config, strict_readiness=args.strict_readiness,
             exit_on_error=args.exit_on_error, exit_timeout_s=args.exit_timeout_secs,
             log=log_settings(args), trace=args.trace_config, worker_arena_bytes=args.worker_arena_mb << 20,
+            worker_arena_start_bytes=args.worker_arena_start_bytes,
+            worker_arena_growth_bytes=args.worker_arena_growth_bytes,
             allow_remote_shm=args.allow_remote_shm, allow_client_shm=args.allow_client_shm,
             allow_file_uploads=args.allow_model_file_uploads,
             metrics_port=args.metrics_port if args.allow_metrics else 0, metrics_address=args.metrics_address,

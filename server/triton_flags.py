@@ -10,6 +10,9 @@ import argparse
 import logging
 from typing import Callable
 
+from shmserve.shm.extents import DEFAULT_BYTES_SETTING, DEFAULT_GROWTH_BYTES, DEFAULT_START_BYTES, \
+    GROWTH_BYTES_SETTING, MIN_START_BYTES
+
 # Triton's gRPC flags that grpcio's asyncio server in one process has nothing to map onto, by
 # name, with what stands in their place (the others are server/grpc/options.py's and cli.py's).
 GRPC_FLAGS: dict[str, str] = {
@@ -60,11 +63,11 @@ TRACE_FLAGS: dict[str, str] = {
     "--trace-log-frequency": "triton,log_frequency",
 }
 
-# (backend, setting) of --backend-config -> why it has no effect here. None of Triton's backend
-# settings maps onto something shmserve has; the known ones say what plays their part instead.
+# (backend, setting) of --backend-config -> why it has no effect here; the known ones say what plays
+# their part instead. The python backend's shm-default-byte-size and shm-growth-byte-size are
+# honoured (``worker_arena_sizes``): they size each worker's output arena as it starts and grows.
+HONOURED_BACKEND_SETTINGS = frozenset({("python", DEFAULT_BYTES_SETTING), ("python", GROWTH_BYTES_SETTING)})
 BACKEND_SETTINGS: dict[tuple[str, str], str] = {
-    ("python", "shm-default-byte-size"): "tensors travel through each worker's arena, sized by --worker-arena-mb",
-    ("python", "shm-growth-byte-size"): "tensors travel through each worker's arena, sized by --worker-arena-mb",
     ("python", "shm-region-prefix-name"): "shared-memory names derive from --id",
     ("python", "stub-timeout-seconds"): "workers report to the broker through shared memory, with no stub timeout",
     ("python", "shm-message-queue-size"): "requests reach workers through shared-memory rings of fixed size",
@@ -117,6 +120,32 @@ def backend_settings(items: list[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def worker_arena_sizes(args: argparse.Namespace) -> tuple[int, int]:
+    """(first extent, least growth) of each worker's output arena, in bytes, from
+    ``--backend-config python,shm-default-byte-size=N`` and ``shm-growth-byte-size=N`` (Triton's
+    python backend's names); ValueError names a value that is not a size or passes the cap."""
+    cap = args.worker_arena_mb << 20
+    start, growth = min(DEFAULT_START_BYTES, cap), DEFAULT_GROWTH_BYTES
+    for backend, setting, value in backend_settings(args.backend_config):
+        if (backend, setting) not in HONOURED_BACKEND_SETTINGS:
+            continue
+        named = f"--backend-config {backend},{setting}={value}"
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"{named}: expected a number of bytes") from None
+        if setting == DEFAULT_BYTES_SETTING:
+            if not MIN_START_BYTES <= n <= cap:
+                raise ValueError(f"{named}: must lie between {MIN_START_BYTES} and --worker-arena-mb "
+                                 f"({args.worker_arena_mb} MiB = {cap} bytes), which caps the arena's growth")
+            start = -(-n // 4096) * 4096  # whole pages
+        else:
+            if n < 1:
+                raise ValueError(f"{named}: must be at least 1")
+            growth = n
+    return start, growth
+
+
 def trace_items(args: argparse.Namespace) -> list[tuple[int, str]]:
     """Fold the deprecated trace flags into ``args.trace_config`` (before it is parsed; a
     --trace-config setting given too wins, as it comes later) and name each in a WARNING."""
@@ -149,7 +178,10 @@ def notices(args: argparse.Namespace) -> list[tuple[int, str]]:
         value = getattr(args, _dest(flag))
         if value is not None:
             out.append((logging.WARNING, f"{flag} {value} has no effect: {why}"))
+    args.worker_arena_start_bytes, args.worker_arena_growth_bytes = worker_arena_sizes(args)
     for backend, setting, value in backend_settings(args.backend_config):
+        if (backend, setting) in HONOURED_BACKEND_SETTINGS:
+            continue
         why = BACKEND_SETTINGS.get((backend, setting), "shmserve's backends have no such setting")
         named = f"{backend},{setting}" if backend else setting
         out.append((logging.WARNING, f"--backend-config {named}={value} is not supported and has no effect: {why}"))

@@ -140,6 +140,13 @@ class Arena:
                     pos = 0
             return live
 
+    def drained(self) -> bool:
+        """Whether every block was given back (or its consumer died): nothing in it is read any more."""
+        with self._lock:
+            if self._used:
+                self._reclaim(True)
+            return self._used == 0
+
     def free(self, payload_offset: int) -> None:
         """Owner frees its own block (same flag as a consumer would write)."""
         free_block(self._buf, payload_offset)

@@ -3,7 +3,8 @@
 Each segment starts with a small header, then its rings, then an arena:
 - broker.0: the connect ring (clients announce themselves; guarded by a semaphore mutex because
   many clients write it) and the broker's arena (batch descriptors, control replies).
-- worker.<n>: inbox (broker -> worker), outbox (worker -> broker) and the worker's output arena.
+- worker.<n>: inbox (broker -> worker), outbox (worker -> broker) and the first extent of the worker's
+  output arena; the arena grows into more segments, worker.<n>.arena.<k> (shm/extents.py).
 - client.<pid>-<k>: request ring (client -> broker), completion slots (written by whoever answers)
   and the client's arena (request descriptors and input tensors).
 Semaphores carry the same names as the segments they wake (POSIX keeps the two apart).
@@ -33,6 +34,13 @@ _HEADER = struct.Struct("<IIQ")  # magic, pid, start time (ns) of the creating p
 _WANT_WAKEUP = struct.Struct("<I")
 SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag (see waker.py)
 WANT_WAKEUP_OFFSET = 128  # worker header: broker sets it when it waits for this instance
+# Worker header: the size of each grown output extent (shm/extents.py), written by the worker before
+# any answer in it is published; a consumer maps an extent only at that size. Extent k's entry is
+# k % EXTENT_ENTRIES: at most that many extents live at once, and numbers are never reused.
+EXTENTS_OFFSET = 256
+EXTENT_ENTRIES = 32
+MAX_EXTENTS = 1 << 24  # what a slot's role word can name (shm/protocol.py EXTENT_SHIFT)
+_EXTENT_SIZE = struct.Struct("<Q")
 LANE_BELLS_OFFSET = 1024  # worker header: one byte per lane, set by its client after a put
 NOTIFY_KIND_OFFSET = 20  # client header: how to wake the client
 NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER = 0, 1, 2  # BROKER: the broker itself (its doorbell)
@@ -220,6 +228,18 @@ class WorkerSegment:
         else:
             self.sem = posix_ipc.Semaphore(seg.name)
         self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.sem)
+
+    def set_extent_size(self, extent: int, size: int) -> None:
+        """Worker side: extent ``extent`` (1 .. MAX_EXTENTS-1) exists with ``size`` bytes."""
+        _EXTENT_SIZE.pack_into(self.seg.buf, EXTENTS_OFFSET + 8 * (extent % EXTENT_ENTRIES), size)
+
+    @staticmethod
+    def extent_size_in(buf: memoryview, extent: int) -> int:
+        """The size the worker gave extent ``extent`` in the header ``buf`` maps; 0 for one it
+        never made or out of range."""
+        if not 0 < extent < MAX_EXTENTS or len(buf) < HEADER_BYTES:
+            return 0
+        return _EXTENT_SIZE.unpack_from(buf, EXTENTS_OFFSET + 8 * (extent % EXTENT_ENTRIES))[0]
 
     def report_garbage(self, lane: int, cookie: int, fault: Fault) -> None:
         """Worker side: the holder of ``lane`` with ``cookie`` wrote garbage (the broker

@@ -26,6 +26,11 @@ def object_name(server_id: str, role: str, n: int | str) -> str:
     return f"/{PREFIX}.{server_id}.{role}.{n}"
 
 
+def extent_name(server_id: str, worker: int, extent: int) -> str:
+    """A worker's grown output extent ``extent`` (1, 2, ...; extent 0 lies in its own segment)."""
+    return object_name(server_id, "worker", f"{worker}.arena.{extent}")
+
+
 RESERVED_PREFIXES = (PREFIX + ".", "sem.")
 # The local client's own regions (``Client.create_region``): ``/shmclient.<pid>.<name>``. Not in
 # RESERVED_PREFIXES: only the client ``<pid>`` may register one (server/broker/region_access.py).

@@ -56,6 +56,14 @@ W_CONFIG = 4
 ROLE_BROKER = 0
 ROLE_WORKER = 1
 ROLE_NAMES = {ROLE_BROKER: "broker", ROLE_WORKER: "worker"}
+# A slot's role word also says which of its producer's output extents holds the answer
+# (shm/extents.py): role | extent << EXTENT_SHIFT. Extent 0 lies in the producer's own segment.
+EXTENT_SHIFT = 8
+ROLE_MASK = (1 << EXTENT_SHIFT) - 1
+
+
+def role_word(role: int, extent: int) -> int:
+    return role | extent << EXTENT_SHIFT
 
 # Completion slot states in a client's slot table.
 SLOT_FREE = 0
@@ -68,11 +76,10 @@ SLOT = struct.Struct("<IIIIQQQ")
 SLOT_BYTES = 64
 
 # Decoupled (streaming) requests: the client reserves a small ring in its request block; the
-# worker appends one record per response (status, flags, block offset, length, worker number).
+# producer appends one record per response (status, role word, block offset, length, worker
+# number). The role word is a slot's (``role_word``): a worker's extent, or ROLE_BROKER when the
+# block lies in the broker's arena (a decoupled ensemble's response).
 STREAM_CAPACITY = 64
-# A stream record's flags: its block lies in the broker's arena (a decoupled ensemble's response),
-# not in the arena of the worker it names.
-STREAM_FROM_BROKER = 1
 
 # A connect record: client pid, then the client segment's name (NUL padded).
 CONNECT = struct.Struct("<I124s")

@@ -21,9 +21,10 @@ from .region_io import RegionFiles
 class Segment:
     """One mapped segment. ``create`` owns the name (and unlinks it); ``attach`` only maps it."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, uid: int = -1) -> None:
         self.name = name
         self.size = size
+        self.uid = uid if uid >= 0 else os.geteuid()  # the object's owner, as fstat said when mapped
         self._mmap = mm
         self.buf = memoryview(mm)
         self.owner = owner
@@ -59,12 +60,13 @@ class Segment:
     def attach(cls, name: str, readonly: bool = False) -> "Segment":
         shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
         try:
-            size = os.fstat(shm.fd).st_size
+            st = os.fstat(shm.fd)
+            size = st.st_size
             access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
             mm = mmap.mmap(shm.fd, size, access=access)
         finally:
             shm.close_fd()
-        return cls(name, size, mm, owner=False)
+        return cls(name, size, mm, owner=False, uid=st.st_uid)
 
     def close(self) -> None:
         """Unmap; views still alive keep the mapping until they die (BufferError is expected)."""

@@ -18,9 +18,10 @@ import posix_ipc
 
 from .channel import ClientSegment
 from .completion import Callback, Completion
+from .extents import map_extent
 from .names import object_name
-from .protocol import NO_ROOM, RECORD, ROLE_BROKER, ROLE_NAMES, ROLE_WORKER, SLOT_BYTES, SLOT_DONE, SLOT_FREE, \
-    SLOT_PENDING, STREAM_CAPACITY, STREAM_FROM_BROKER
+from .protocol import EXTENT_SHIFT, NO_ROOM, RECORD, ROLE_BROKER, ROLE_MASK, ROLE_NAMES, ROLE_WORKER, SLOT_BYTES, \
+    SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY
 from .ring import Ring
 from .routes import Router
 from .segment import Segment, SegmentCache
@@ -51,7 +52,8 @@ class Slots:
         self._words = seg.seg.buf[base:base + n * SLOT_BYTES].cast("I")
         self._stride = SLOT_BYTES // 4
         self._segments = SegmentCache()
-        self._producers: dict[tuple[int, int], Segment] = {}  # (role, worker number) -> its mapping
+        # (role, worker number, extent) -> its mapping (shm/extents.py: a worker's arena grows)
+        self._producers: dict[tuple[int, int, int], Segment] = {}
 
     # -- taking and giving back (``lock`` held) ---------------------------------------------------
     def take(self, callback: Callback, off: int, start: int, stream: tuple[int, Callback] | None) -> int:
@@ -155,20 +157,26 @@ class Slots:
             return [s for s in list(inflight) if words[s * stride] == SLOT_DONE]
         return np.flatnonzero(self._states == SLOT_DONE).tolist()
 
-    def _producer_buf(self, role: int, num: int) -> memoryview:
+    def _producer_buf(self, role: int, num: int, extent: int = 0) -> memoryview:
         """A view of the mapping an answer lies in, its own: it stays valid while the answer is
         read even if the cache drops the segment meanwhile (its producer is gone, or the cache is
-        full); a cached buffer would be released under it."""
-        key = (role, num)
+        full); a cached buffer would be released under it. ``extent``: which of a worker's
+        output extents (0: its own segment; others are checked by ``extents.map_extent``)."""
+        key = (role, num, extent)
         seg = self._producers.get(key)
         if seg is not None and not seg.closed:
             try:
                 return seg.view()
             except ValueError:  # closed since we looked
                 pass
+        if role not in ROLE_NAMES or (extent and role != ROLE_WORKER):
+            raise KeyError(f"no producer of role {role}, extent {extent}")
         name = object_name(self.server_id, "broker", 0) if role == ROLE_BROKER else \
             object_name(self.server_id, ROLE_NAMES[role], num)
-        seg = self._producers[key] = self._segments.get(name)
+        seg = self._segments.get(name)
+        if extent:
+            seg = map_extent(self._segments, self.server_id, num, extent, seg)
+        self._producers[key] = seg
         return seg.view()
 
     def forget_gone_producers(self) -> None:
@@ -182,10 +190,12 @@ class Slots:
 
     def _drain_stream(self, ring: Ring, on_response: Callback) -> int:
         records = ring.drain()
-        for status, flags, off, _, num in records:
-            role = ROLE_BROKER if flags == STREAM_FROM_BROKER else ROLE_WORKER
+        for status, word, off, length, num in records:
             try:
-                completion = Completion(status, self._producer_buf(role, num), off)
+                buf = self._producer_buf(word & ROLE_MASK, num, word >> EXTENT_SHIFT)
+                if not 0 < off <= off + length <= len(buf):
+                    continue  # not a block of that mapping: nothing to read, nothing to free
+                completion = Completion(status, buf, off)
             except (posix_ipc.ExistentialError, KeyError, OSError):
                 continue
             try:
@@ -200,7 +210,7 @@ class Slots:
             entry = self._callbacks[slot]
             if entry is None or self._words[slot * self._stride] != SLOT_DONE:
                 return  # already completed, or failed with the server
-            _, status, role, num, off, _, _ = self.seg.read_slot(slot)
+            _, status, role, num, off, length, _ = self.seg.read_slot(slot)
             self._callbacks[slot] = None
             self.inflight.discard(slot)
             target = self._targets[slot]
@@ -213,7 +223,10 @@ class Slots:
         request = (self.seg.seg.buf, req_off)
         try:
             if off:
-                completion = Completion(status, self._producer_buf(role, num), off, request=request)
+                buf = self._producer_buf(role & ROLE_MASK, num, role >> EXTENT_SHIFT)
+                if off + length > len(buf):
+                    raise OSError(f"the answer's block ({off}+{length}) lies outside its segment ({len(buf)})")
+                completion = Completion(status, buf, off, request=request)
             else:  # no block (0 is never a block's offset): its producer had no room, not even for an error
                 completion = Completion(status, None, 0, {"error": NO_ROOM}, request=request)
         except (posix_ipc.ExistentialError, KeyError, OSError):

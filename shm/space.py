@@ -13,10 +13,13 @@ one's size less the pages it holds), and a new segment must fit in what is left.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
+from typing import Iterator
 
-from .names import PREFIX, SHM_DIR
+from .names import PREFIX, SHM_DIR, object_name
 
 MIB = 1 << 20
 HOW_TO_RAISE = ("raise it with 'docker run --shm-size' or 'podman run --shm-size', or in Kubernetes mount a "
@@ -77,3 +80,20 @@ def check(server_id: str, need: int, what: str, note: str = "", folder: str = SH
     if left < need:
         raise NoRoom(f"{what} needs {mib(need)} of shared memory{note}, and {folder} has {mib(max(left, 0), up=False)} "
                      f"left; {HOW_TO_RAISE}")
+
+
+@contextlib.contextmanager
+def counting(server_id: str, folder: str = SHM_DIR) -> Iterator[None]:
+    """Hold the server's lock for counting and making a segment (a lock on its broker segment's
+    file): two workers that grow at once would otherwise each see the same room and, between
+    them, take more than there is. Without that file (the broker is gone) it does not lock."""
+    try:
+        fd = os.open(folder + object_name(server_id, "broker", 0), os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing lets go of the lock)

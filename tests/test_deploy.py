@@ -28,7 +28,7 @@ from referencing import Registry, Resource
 
 from conftest import PRODUCT_MODELS, ROOT
 
-from shmserve.server import cache_flags
+from shmserve.server import cache_flags, triton_flags
 from shmserve.server.cli import build_parser
 from shmserve.server.shm_needs import instance_bytes, startup_bytes
 from shmserve.shm import space
@@ -76,6 +76,7 @@ def server_args(argv: list[str]) -> argparse.Namespace:
     """``argv`` as the server reads it (the repository need not exist here)."""
     args = build_parser().parse_args(argv)
     args.response_cache_bytes, _ = cache_flags.response_cache(args)
+    args.worker_arena_start_bytes, args.worker_arena_growth_bytes = triton_flags.worker_arena_sizes(args)
     return args
 
 
@@ -106,7 +107,7 @@ def volume_of(pod: dict, container: dict, mount_path: str) -> dict:
 
 def shm_need(argv: list[str], instances: int) -> int:
     args = server_args(argv)
-    return startup_bytes(args) + instances * instance_bytes(args.worker_arena_mb << 20)
+    return startup_bytes(args) + instances * instance_bytes(args.worker_arena_start_bytes)
 
 
 # -- schemas ------------------------------------------------------------------------------------
@@ -298,7 +299,7 @@ def test_the_metrics_the_autoscaler_reads_are_served(server_factory, tmp_path):
 def test_the_docs_dev_shm_figures_are_the_servers():
     """README.md and docs/deploy.md quote the default start and per-instance sizes."""
     args = server_args(["--model-repository=/models"])
-    start, each = space.mib(startup_bytes(args)), space.mib(instance_bytes(args.worker_arena_mb << 20))
+    start, each = space.mib(startup_bytes(args)), space.mib(instance_bytes(args.worker_arena_start_bytes))
     for doc in (ROOT / "README.md", ROOT / "docs" / "deploy.md"):
         text = " ".join(doc.read_text().split())  # figures may wrap
         assert f"{start} at start" in text and f"{each} per model instance" in text, doc

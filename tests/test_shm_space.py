@@ -82,12 +82,14 @@ def test_a_server_refuses_a_dev_shm_too_small_for_its_start_in_one_line(tmp_path
 
 def start_with_room_for_one_and_a_half(server_factory, tmp_path, frontend_mb: int) -> tuple[Server, int]:
     """A server (explicit mode, add_sub and sleeper in its repository) whose /dev/shm holds its
-    start and one model instance and a half, with 16 MiB worker arenas; and one instance's bytes."""
+    start and one model instance and a half, with 16 MiB worker arenas made whole at the start;
+    and one instance's bytes."""
     repo = tmp_path / "repo"
     repo.mkdir()
     for model in (PRODUCT_MODELS / "add_sub", TEST_MODELS / "sleeper"):
         os.symlink(model, repo / model.name)
-    flags = ["--model-control-mode", "explicit", "--frontend-arena-mb", str(frontend_mb), "--worker-arena-mb", "16"]
+    flags = ["--model-control-mode", "explicit", "--frontend-arena-mb", str(frontend_mb), "--worker-arena-mb", "16",
+             "--backend-config", f"python,shm-default-byte-size={16 * MIB}"]  # arenas made whole from the start
     need = startup_bytes(parse_args(["--model-repository", str(repo), *flags]))
     each = instance_bytes(16 * MIB)
     s = SmallShmServer(need + each * 3 // 2, [repo], tmp_path, flags)
@@ -106,7 +108,9 @@ def test_a_load_that_does_not_fit_fails_in_one_line_and_the_server_goes_on(serve
     assert status == 400
     message = body["error"]
     assert message.startswith(f"failed to load 'sleeper', the load needs {space.mib(2 * each)} of shared memory "
-                              f"(2 instance(s) of {space.mib(each)} each: --worker-arena-mb=16), and /dev/shm has ")
+                              f"(2 instance(s) of {space.mib(each)} each, growing up to --worker-arena-mb=16 with answers: "
+                              f"--backend-config=python,shm-default-byte-size={16 * MIB} sets the start), and "
+                              f"/dev/shm has ")
     assert "docker run --shm-size" in message and "emptyDir" in message
     assert "\n" not in message
     add_sub(s)  # what serves goes on serving
@@ -170,7 +174,8 @@ def test_the_readme_sizes_dev_shm_for_the_repository_it_serves():
                     if (folder / "config.pbtxt").exists())
     words = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
     assert f"per model instance ({words[instances]} here" in readme
-    need = startup_bytes(parse_args(["--model-repository", str(PRODUCT_MODELS)])) + instances * instance_bytes(256 * MIB)
+    args = parse_args(["--model-repository", str(PRODUCT_MODELS)])
+    need = startup_bytes(args) + instances * instance_bytes(args.worker_arena_start_bytes)
     for doc in (readme, (ROOT / "docs" / "deploy.md").read_text()):
         sizes = re.findall(r"--shm-size=(\d+)g -p 8000-8002:8000-8002 -v \"\$PWD/model_repository", doc)
         assert sizes and all(int(g) << 30 >= need for g in sizes), (sizes, need >> 20)

@@ -16,10 +16,10 @@ from typing import Any, Callable
 import orjson
 import posix_ipc
 
-from shmserve.shm.arena import Arena
 from shmserve.shm.channel import NOTIFY_BROKER, ClientSegment
 from shmserve.shm.copying import copy_into
-from shmserve.shm.protocol import ROLE_WORKER, manifest_room, write_manifest
+from shmserve.shm.extents import GrowthRefused, OutputArenas
+from shmserve.shm.protocol import ROLE_WORKER, manifest_room, role_word, write_manifest
 from shmserve.shm.region_io import StaleRegion
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import byte_view, serialize_bytes, wire_datatype
@@ -52,25 +52,24 @@ class ModelInfo:
 class Answers:
     """One worker's output arena, and the answers of the current round waiting to be completed."""
 
-    def __init__(self, num: int, model: ModelInfo, arena: Arena, buf: memoryview, segments: SegmentCache,
+    def __init__(self, num: int, model: ModelInfo, arena: OutputArenas, segments: SegmentCache,
                  broker_waker: Waker) -> None:
         self.num = num
         self.model = model
-        self.arena = arena
-        self.buf = buf  # the worker segment's mapping (the arena lies in it)
+        self.arena = arena  # its extents (shm/extents.py)
         self.segments = segments  # other processes' segments outputs may be placed in
         self.broker_waker = broker_waker
         self.phases = (0, 0, 0)  # the running batch's start, inputs built, executed: trace timestamps
-        # answers to complete once the counters are flushed: (client, slot, status, offset, length)
-        self._notes: list[tuple[ClientSegment, int, int, int, int]] = []
+        # answers to complete once the counters are flushed: (client, slot, status, extent, offset, length)
+        self._notes: list[tuple[ClientSegment, int, int, int, int, int]] = []
         self._later: list[Callable[[], None]] = []  # streams' ends that wait for the round's completions
 
     def deliver(self, client: ClientSegment, entry: dict, status: int, doc: bytes, tensors: list[tuple[int, Any]]
                 ) -> None:
         """Write one response block (JSON, then tensor bytes); its client hears of it in
         ``send_completions``."""
-        override, off, total = self.write_block(entry, doc, tensors)
-        self._notes.append((client, entry["slot"], override or status, off, total))
+        override, extent, off, total = self.write_block(entry, doc, tensors)
+        self._notes.append((client, entry["slot"], override or status, extent, off, total))
 
     def later(self, send: Callable[[], None]) -> None:
         """Run ``send`` (a stream's end) with the round's completions; the worker's loop only."""
@@ -84,12 +83,13 @@ class Answers:
                 send()
         notes, self._notes = self._notes, []
         woken: list[ClientSegment] = []
-        for client, slot, status, off, total in notes:
-            client.complete(slot, status, ROLE_WORKER, self.num, off, total)
+        for client, slot, status, extent, off, total in notes:
+            client.complete(slot, status, role_word(ROLE_WORKER, extent), self.num, off, total)
             if client not in woken:
                 woken.append(client)
         for client in woken:
             (self.broker_waker if client.notify_kind == NOTIFY_BROKER else client.waker).notify()
+        self.arena.tidy()  # a retired extent whose answers were all read is unlinked
 
     def encode(self, entry: dict, resp: Response) -> tuple[int, bytes, list[tuple[int, Any]]]:
         """(status, JSON, tensor chunks) of a response; outputs placed in regions are written now."""
@@ -161,28 +161,40 @@ class Answers:
         ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
         device_tensors.copy_to_region(t, ptr + target["off"], target["device"])
 
-    def write_block(self, entry: dict, doc: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int]:
-        """(status override or 0, offset, length) of a response block in our arena; (503, 0, 0) if
-        not even an error fits: the slot is completed without a block, which its client reads as
+    def write_block(self, entry: dict, doc: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int, int]:
+        """(status override or 0, extent, offset, length) of a response block in our arena, which
+        grows for a response that does not fit (shm/extents.py); (503, 0, 0, 0) if not even an
+        error fits: the slot is completed without a block, which its client reads as
         ``shm.protocol.NO_ROOM`` (no request is left unanswered)."""
         room = manifest_room(len(doc))
         total = room + sum(n for n, _ in tensors)
-        off = self.arena.alloc(total, entry["pid"])
         status = 0
+        try:
+            extent, off = self.arena.alloc(total, entry["pid"])
+        except GrowthRefused as e:
+            refused = str(e)
+            log.warning("%s", refused)
+            extent, off = 0, -1
+        else:
+            refused = ""
         if off < 0:
-            doc = orjson.dumps({"error": f"model instance '{self.model.instance_name}' has no room for a "
-                                         f"{total}-byte response in its output arena; retry later"})
+            doc = orjson.dumps({"error": refused or f"model instance '{self.model.instance_name}' has no room "
+                                                    f"for a {total}-byte response in its output arena; retry later"})
             status, tensors = 503, []
             total = manifest_room(len(doc))
-            off = self.arena.alloc(total, entry["pid"])
+            try:
+                extent, off = self.arena.alloc(total, entry["pid"])
+            except GrowthRefused:
+                off = -1
             if off < 0:
                 log.error("output arena exhausted; request %s answered 503 without a block", entry.get("id"))
-                return 503, 0, 0
-        pos = write_manifest(self.buf, off, doc)
+                return 503, 0, 0, 0
+        buf = self.arena.buf(extent)
+        pos = write_manifest(buf, off, doc)
         for n, data in tensors:
-            copy_into(self.buf[pos:pos + n], data)
+            copy_into(buf[pos:pos + n], data)
             pos += n
-        return status, off, total
+        return status, extent, off, total
 
 
 def _check_room(name: str, target: dict, n: int) -> None:

@@ -18,7 +18,7 @@ import time
 import orjson
 
 from shmserve.shm.channel import ClientSegment
-from shmserve.shm.protocol import RECORD, ROLE_WORKER, STREAM_CAPACITY
+from shmserve.shm.protocol import RECORD, ROLE_WORKER, STREAM_CAPACITY, role_word
 from shmserve.shm.ring import Ring
 from shmserve.shm.stats import BUSY_SINCE, StatsWriter
 
@@ -28,7 +28,7 @@ from .region_holds import RegionHolds
 
 RING_FULL_TIMEOUT_S = 60.0
 
-Block = tuple[int, int, int]  # a response block: (status, offset in this worker's arena, length)
+Block = tuple[int, int, int, int]  # a response block: (status, extent of this worker's arena, offset, length)
 
 
 class StreamSender:
@@ -66,11 +66,11 @@ class StreamSender:
                 if not self.output_start and "tr" in self.entry:
                     self.output_start = time.monotonic_ns()
                 status, doc, tensors = self.answers.encode(self.entry, response)
-                override, off, total = self.answers.write_block(self.entry, doc, tensors)
+                override, extent, off, total = self.answers.write_block(self.entry, doc, tensors)
                 status = override or status
                 self.failed |= status != 200
                 if off > 0:
-                    last = (status, off, total)
+                    last = (status, extent, off, total)
                     if not final:
                         self._put(*last)
                     self.sent += 1
@@ -81,11 +81,11 @@ class StreamSender:
                 self._finish(last)
         self.client.waker.notify()
 
-    def _put(self, status: int, off: int, total: int) -> None:
+    def _put(self, status: int, extent: int, off: int, total: int) -> None:
         deadline = time.monotonic() + RING_FULL_TIMEOUT_S
-        while not self.ring.put(status, 0, off, total, self.answers.num):
+        while not self.ring.put(status, role_word(ROLE_WORKER, extent), off, total, self.answers.num):
             if time.monotonic() > deadline:  # the client stopped reading: drop, do not hang the model
-                self.answers.arena.free(off)
+                self.answers.arena.free(extent, off)
                 return
             self.client.waker.notify()
             time.sleep(0.0005)
@@ -110,15 +110,15 @@ class StreamSender:
             self.stats.finished_stream(self.entry.get("t", 0), not self.failed)
             self.stats.flush()
         if self.dropped:  # the client reads shm.protocol.NO_ROOM
-            end: Block = (503, 0, 0)
+            end: Block = (503, 0, 0, 0)
         else:
             final: dict = {"final": True, "responses": self.sent}
             if "tr" in self.entry:  # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
                 now = time.monotonic_ns()
                 final["tr"] = [self.entry["tr"], *self.computing, self.output_start or now, now]
             doc = orjson.dumps(final)
-            override, off, total = self.answers.write_block(self.entry, doc, [])
-            end = (override or 200, off, total)
+            override, extent, off, total = self.answers.write_block(self.entry, doc, [])
+            end = (override or 200, extent, off, total)
         self._let_go()
         # A request the broker forwarded that ends inside ``execute``, on the worker's loop, ends
         # with its batch, after the worker told the broker the batch is done (the broker then no
@@ -132,7 +132,8 @@ class StreamSender:
     def _end(self, last: Block | None, end: Block) -> None:
         if last is not None:
             self._put(*last)
-        self.client.complete(self.entry["slot"], end[0], ROLE_WORKER, self.answers.num, end[1], end[2])
+        self.client.complete(self.entry["slot"], end[0], role_word(ROLE_WORKER, end[1]), self.answers.num, end[2],
+                             end[3])
         self.client.waker.notify()
 
     def fail(self, status: int, message: str) -> None:

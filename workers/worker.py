@@ -26,6 +26,7 @@ from shmserve.batching import DynamicBatcher, Pending, QueueFull, batches_on_wor
 from shmserve.shm import logs
 from shmserve.shm.arena import Arena, free_block
 from shmserve.shm.channel import REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
+from shmserve.shm.extents import OutputArenas
 from shmserve.shm.names import object_name, pid_alive
 from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
     W_STOP, cancelled_error, read_manifest
@@ -82,8 +83,12 @@ class Worker:
         self._refused: set[int] = set()  # cookies of lane holders that wrote garbage (the broker disconnects them)
         self.segments = SegmentCache()
         self.clients: dict[str, ClientSegment] = {}
-        self.answers = Answers(self.num, ModelInfo(self.version, self.instance_name), self.arena, self.seg.seg.buf,
-                               self.segments, self.broker.waker)
+        # Answers go to the arena's first extent (``self.arena``, which also carries messages to
+        # the broker) and to extents it grows into, up to the cap (shm/extents.py).
+        arenas = OutputArenas(self.arena, self.seg, self.server_id, self.num, spec.get("arena_cap", 0) or
+                              self.seg.arena_size, spec.get("arena_growth", 0), self.instance_name)
+        self.answers = Answers(self.num, ModelInfo(self.version, self.instance_name), arenas, self.segments,
+                               self.broker.waker)
         self.backend: Backend | None = None
         self.model_state: Model | None = None
         self.instance: Instance | None = None
@@ -532,7 +537,7 @@ class Worker:
         self._flush_counts()
 
     def _flush_counts(self) -> None:
-        self.stats.counts[ARENA_BYTES] = self.arena.bytes_in_use
+        self.stats.counts[ARENA_BYTES] = self.answers.arena.bytes_in_use
         self.stats.flush()
         custom_metrics.REGISTRY.flush()
         self.answers.send_completions()
@@ -579,6 +584,8 @@ class Worker:
         # Arenas of clients this worker never answered are mapped through ``segments`` too (an
         # ensemble's first step reads its caller's inputs there): unmapped once they are gone.
         self.segments.drop_unlinked(object_name(self.server_id, "client", ""))
+        # Likewise other workers' segments and retired extents an ensemble step's inputs lay in.
+        self.segments.drop_unlinked(object_name(self.server_id, "worker", ""))
 
     def _client(self, name: str) -> ClientSegment:
         client = self.clients.get(name)

@@ -45,8 +45,8 @@ from shmserve.shm.arena import free_block
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
 from shmserve.shm.names import object_name
-from shmserve.shm.protocol import (CANCELLED_STATUS, NO_ROOM, RECORD, ROLE_BROKER, ROLE_WORKER, SLOT_DONE,
-                                   SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, STREAM_FROM_BROKER, cancelled_error,
+from shmserve.shm.protocol import (CANCELLED_STATUS, NO_ROOM, RECORD, ROLE_BROKER, SLOT_DONE,
+                                   SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, cancelled_error,
                                    manifest_room, read_manifest_with_data, write_manifest)
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.region_io import StaleRegion
@@ -262,8 +262,7 @@ class Ensembles:
         """The segment a step's answer lies in: the broker's (a nested ensemble's), or its worker's."""
         if role == ROLE_BROKER:
             return self.seg.seg
-        workers = self.instances.workers
-        return workers[num][1].seg.seg if num in workers else None
+        return self.instances.answer_segment(num, role, self.segments)
 
     def _take_responses(self, call: StepCall) -> None:
         """A decoupled step's responses, in order, each through the later steps in a branch of its
@@ -281,13 +280,13 @@ class Ensembles:
                 continue
             if record is None:
                 return
-            status, flags, off, _, num = record
+            status, role, off, _, num = record
             call.received += 1
-            if flags != STREAM_FROM_BROKER and not self.own.seg.target(call.slot):
+            if role != ROLE_BROKER and not self.own.seg.target(call.slot):
                 # Its worker is known now: should it die, the call fails with it (Supervisor),
                 # even after its batch is done and while its model still sends.
                 self.own.seg.set_target(call.slot, num + 1)
-            owner = self._owner(ROLE_BROKER if flags == STREAM_FROM_BROKER else ROLE_WORKER, num)
+            owner = self._owner(role, num)
             if owner is None:
                 self._fail_run(run, call.step, 500, "the instance that ran this step is gone")
                 continue
@@ -489,7 +488,7 @@ class Ensembles:
         else:
             ring = Ring(run.client.seg.seg.buf, run.entry["stream"]["off"], STREAM_CAPACITY, RECORD)
             put = 0
-            while run.outbox and ring.put(run.outbox[0][0], STREAM_FROM_BROKER, run.outbox[0][1], run.outbox[0][2], 0):
+            while run.outbox and ring.put(run.outbox[0][0], ROLE_BROKER, run.outbox[0][1], run.outbox[0][2], 0):
                 run.outbox.popleft()
                 put += 1
             if put:

@@ -16,8 +16,10 @@ from shmserve.shm import logs, space
 from shmserve.shm.arena import free_block
 from shmserve.shm.channel import WorkerSegment
 from shmserve.shm.child_spec import spec_file
+from shmserve.shm.extents import map_extent, unlink_extents
 from shmserve.shm.names import object_name, unlink_shm
-from shmserve.shm.protocol import W_STOP
+from shmserve.shm.protocol import EXTENT_SHIFT, ROLE_MASK, ROLE_WORKER, W_STOP
+from shmserve.shm.segment import Segment, SegmentCache
 from shmserve.shm.stats import VersionTotals
 
 from .models import Instance, ModelVersion
@@ -42,14 +44,17 @@ class Instances:
     def shm_shortfall(self, count: int) -> str | None:
         """Why /dev/shm cannot hold ``count`` more worker segments (None: it can). Checked for a
         whole load before any worker starts: a segment that does not fit would not fail when it
-        is made, but kill its worker with SIGBUS when its arena fills (shm/space.py)."""
+        is made, but kill its worker with SIGBUS when its arena fills (shm/space.py). A segment
+        holds its arena's first extent; each extent it grows is counted when it is made."""
         if count <= 0:
             return None
-        each = WorkerSegment.nbytes(self.opts.worker_arena_bytes)
+        each = WorkerSegment.nbytes(self.opts.worker_arena_start_bytes)
         try:
             space.check(self.opts.server_id, count * each, "the load",
-                        f" ({count} instance(s) of {space.mib(each)} each: "
-                        f"--worker-arena-mb={self.opts.worker_arena_bytes >> 20})")
+                        f" ({count} instance(s) of {space.mib(each)} each, growing up to "
+                        f"--worker-arena-mb={self.opts.worker_arena_bytes >> 20} with answers: "
+                        f"--backend-config=python,shm-default-byte-size="
+                        f"{self.opts.worker_arena_start_bytes} sets the start)")
         except space.NoRoom as e:
             return str(e)
         return None
@@ -70,7 +75,7 @@ class Instances:
     def _start(self, mv: ModelVersion, name: str, index: int, kind: str, device: int) -> Instance:
         num = self.next_worker
         self.next_worker += 1
-        seg = WorkerSegment.create(object_name(self.opts.server_id, "worker", num), self.opts.worker_arena_bytes)
+        seg = WorkerSegment.create(object_name(self.opts.server_id, "worker", num), self.opts.worker_arena_start_bytes)
         # The worker spec: everything a worker process starts from (read by workers/worker.py).
         spec = {
             "server_id": self.opts.server_id, "num": num, "model": mv.name, "version": mv.version,
@@ -81,6 +86,8 @@ class Instances:
             "instances": mv.planned_instances, "poll_us": self.opts.poll_us, "weights_key": mv.weights_key,
             # the response cache's key part for this load (0: the server has no cache)
             "cache_load": load_key(mv) if self.opts.response_cache_bytes else 0,
+            # its output arena: the cap of all its extents and their least growth (shm/extents.py)
+            "arena_cap": self.opts.worker_arena_bytes, "arena_growth": self.opts.worker_arena_growth_bytes,
         }
         with spec_file(spec) as stdin:  # not on argv: a large config override would not fit
             proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers"], stdin=stdin, env=WORKER_ENV)
@@ -107,6 +114,22 @@ class Instances:
         self.workers.pop(inst.num, None)
         inst.seg.close()
         inst.seg.unlink()
+        unlink_extents(self.opts.server_id, inst.num)  # the extents its arena grew (a crash leaves them)
+
+    def answer_segment(self, num: int, role: int, cache: SegmentCache) -> Segment | None:
+        """The mapping that holds an answer of worker ``num`` (``role``: a slot's role word, which
+        names the extent), grown extents mapped through ``cache``; None when that worker or
+        extent is gone or not the server's."""
+        live = self.workers.get(num)
+        if live is None or role & ROLE_MASK != ROLE_WORKER:
+            return None
+        extent = role >> EXTENT_SHIFT
+        if not extent:
+            return live[1].seg.seg
+        try:
+            return map_extent(cache, self.opts.server_id, num, extent, live[1].seg.seg)
+        except (OSError, ValueError):
+            return None
 
     def forget_weights(self, mv: ModelVersion) -> None:
         """Remove the version's shared copy of its weights (workers/shared_weights.py); mappings

@@ -25,7 +25,10 @@ class BrokerOptions:
     log: dict[str, Any] = dataclasses.field(default_factory=dict)  # Triton's log settings (shm/logs.py)
     trace: dict[str, Any] = dataclasses.field(default_factory=dict)  # --trace-config settings (shm/trace.py)
     broker_arena_bytes: int = BROKER_ARENA_BYTES
-    worker_arena_bytes: int = 256 << 20
+    worker_arena_bytes: int = 256 << 20  # --worker-arena-mb: the cap of one instance's output extents
+    # --backend-config python,shm-default-byte-size / shm-growth-byte-size (shm/extents.py)
+    worker_arena_start_bytes: int = 4 << 20
+    worker_arena_growth_bytes: int = 1 << 20
     allow_remote_shm: bool = False
     allow_client_shm: bool = True  # --allow-client-shm: false refuses every client region (region_access.py)
     allow_file_uploads: bool = False  # --allow-model-file-uploads: loads with 'file:' contents from any client

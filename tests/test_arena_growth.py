@@ -1,0 +1,292 @@
+"""A worker's output arena starts small and grows with its answers (shm/extents.py): a large
+answer makes a new extent, counted against /dev/shm first, and is read over HTTP, gRPC, the local
+client, an ensemble and a stream; a growth past the cap or the room left is a clear 503 and the
+next request is served; a retired extent is unlinked once drained; and many small models load
+where each instance used to be counted at its whole arena.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from as_nobody import NOBODY, run_as_nobody
+from conftest import TESTS, shm_entries
+from test_shm_space import SmallShmServer, post
+
+from shmserve import Client
+from shmserve.server.cli import parse_args
+from shmserve.server.shm_needs import SMALL_OBJECTS_BYTES, instance_bytes, startup_bytes
+from shmserve.shm import space
+from shmserve.shm.channel import EXTENTS_OFFSET, WorkerSegment
+from shmserve.shm.extents import DEFAULT_START_BYTES, map_extent
+from shmserve.shm.names import extent_name, object_name
+from shmserve.shm.segment import SegmentCache
+
+MIB = 1 << 20
+GROWTH_MODELS = TESTS / "models" / "growth"
+BIG = 12 * MIB  # float32 elements: a 48 MiB answer, far past the 4 MiB first extent
+
+
+def extents(server_id: str) -> list[str]:
+    return sorted(n for n in shm_entries(server_id) if ".arena." in n)
+
+
+def worker_segments(server_id: str) -> dict[str, int]:
+    """Worker segments (no extents) and their sizes."""
+    out = {}
+    for name in shm_entries(server_id):
+        if ".worker." in name and ".arena." not in name and not name.startswith("sem."):
+            out[name] = os.stat(f"/dev/shm/{name.lstrip('/')}").st_size
+    return out
+
+
+def namespace_shm_sizes(server) -> dict[str, int]:
+    """Sizes of the objects in a SmallShmServer's own /dev/shm (seen through its root)."""
+    folder = Path(f"/proc/{server.pid}/root/dev/shm")
+    return {e.name: e.stat().st_size for e in os.scandir(folder) if e.is_file()}
+
+
+def http_identity(server, n: int) -> np.ndarray:
+    x = np.arange(n, dtype=np.float32)
+    inp = httpclient.InferInput("IN", [n], "FP32")
+    inp.set_data_from_numpy(x)
+    with server.client() as c:
+        out = c.infer("identity", [inp]).as_numpy("OUT")
+    np.testing.assert_array_equal(out, x)
+    return out
+
+
+@pytest.fixture(scope="module")
+def growth_server(module_factory):
+    return module_factory.start([GROWTH_MODELS])
+
+
+def test_a_large_answer_grows_the_arena_and_is_read_over_every_protocol(growth_server):
+    s = growth_server
+    sizes = worker_segments(s.id).values()  # before: a whole 256 MiB arena per instance
+    assert sizes and all(size < DEFAULT_START_BYTES + 2 * MIB for size in sizes), sizes
+    http_identity(s, BIG)
+    assert extents(s.id), "no extent was made for the large answer"
+
+    x = np.arange(BIG, dtype=np.float32)[::-1].copy()
+    with grpcclient.InferenceServerClient(s.grpc_url) as c:
+        inp = grpcclient.InferInput("IN", [BIG], "FP32")
+        inp.set_data_from_numpy(x)
+        np.testing.assert_array_equal(c.infer("identity", [inp]).as_numpy("OUT"), x)
+    with Client(s.id) as c:
+        with c.infer("identity", {"IN": x}) as result:
+            np.testing.assert_array_equal(result["OUT"], x)
+        with c.infer("identity_ens", {"IN": x}) as result:  # the broker reads the step's extent
+            np.testing.assert_array_equal(result["OUT"], x)
+        small = np.ones(4, np.float32)
+        with c.infer("identity", {"IN": small}) as result:  # small answers: the first extent
+            np.testing.assert_array_equal(result["OUT"], small)
+    assert "Traceback" not in s.log()
+
+
+def test_a_stream_of_large_responses_is_read_from_its_extents(growth_server):
+    n, size = 3, 3 * MIB  # 12 MiB each
+    with Client(growth_server.id) as c:
+        got = []
+        for result in c.stream("big_stream", {"N": np.array([n], np.int32), "SIZE": np.array([size], np.int32)}):
+            out = result["OUT"]
+            assert out.shape == (size,)
+            got.append(float(out[0]))
+            assert float(out[-1]) == got[-1]
+            result.release()
+    assert got == [0.0, 1.0, 2.0]
+
+
+def test_a_retired_extent_is_unlinked_once_drained(server_factory):
+    s = server_factory.start([GROWTH_MODELS])
+    http_identity(s, 2 * MIB)  # 8 MiB: extent 1
+    first = extents(s.id)
+    assert len(first) == 1, first
+    http_identity(s, 10 * MIB)  # 40 MiB: extent 2; extent 1 is retired and nobody holds its answer
+    time.sleep(0.2)
+    http_identity(s, 4)
+    after = extents(s.id)
+    assert len(after) == 1 and after != first, (first, after)
+    http_identity(s, 10 * MIB)  # served from extent 2, which stays
+    assert extents(s.id) == after
+
+
+SQUAT = """
+fd = os.open(args["path"], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o666)
+os.ftruncate(fd, 64 << 20)
+os.close(fd)
+result = os.stat(args["path"]).st_uid
+"""
+
+
+def test_an_extent_name_another_user_made_first_is_never_used(server_factory):
+    """Anyone may make a name in /dev/shm: another user who makes the next extent's name first
+    (world-writable) gets neither the answer nor a say in where it is read from."""
+    s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
+    path = "/dev/shm" + extent_name(s.id, 0, 1)
+    assert run_as_nobody(SQUAT, {"path": path}) == NOBODY.pw_uid
+    http_identity(s, BIG)
+    st = os.stat(path)  # the worker made its own in its place
+    assert (st.st_uid, st.st_mode & 0o777) == (os.geteuid(), 0o600)
+    with Client(s.id) as c:
+        x = np.arange(BIG, dtype=np.float32)
+        with c.infer("identity", {"IN": x}) as result:
+            np.testing.assert_array_equal(result["OUT"], x)
+
+
+def test_a_consumer_maps_an_extent_only_if_the_server_owns_it_at_its_size(server_factory):
+    """``map_extent``, as every consumer calls it, against a live server's worker segment: an
+    extent the worker never made, one of the wrong size and one of another user are refused."""
+    s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
+    http_identity(s, 2 * MIB)  # extent 1, 8 MiB
+    cache = SegmentCache()
+    try:
+        worker = cache.get(object_name(s.id, "worker", 0))
+        size = WorkerSegment.extent_size_in(worker.buf, 1)
+        assert map_extent(cache, s.id, 0, 1, worker).size == size > 0
+        with pytest.raises(OSError, match="not an extent worker 0 made"):
+            map_extent(cache, s.id, 0, 2, worker)
+        path = "/dev/shm" + extent_name(s.id, 0, 2)
+        at = EXTENTS_OFFSET + 8 * 2  # the worker's table says extent 2 has 64 MiB
+        worker.buf[at:at + 8] = (64 << 20).to_bytes(8, "little")
+        try:
+            run_as_nobody(SQUAT, {"path": path})  # another user's, of that size
+            with pytest.raises(OSError, match="is not the server's"):
+                map_extent(cache, s.id, 0, 2, worker)
+            os.unlink(path)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # the server's uid, the wrong size
+            os.ftruncate(fd, 16 << 20)
+            os.close(fd)
+            with pytest.raises(OSError, match="is not the server's"):
+                map_extent(cache, s.id, 0, 2, worker)
+        finally:
+            worker.buf[at:at + 8] = bytes(8)
+            os.unlink(path)
+    finally:
+        cache.clear()
+
+
+def test_a_growth_counts_and_makes_its_extent_under_the_servers_lock(server_factory):
+    """Two workers growing at once would each see the same room in /dev/shm and take, between
+    them, more than there is: a growth counts and makes its extent holding the lock on the
+    broker segment's file (space.counting), which this test holds for a while."""
+    import fcntl
+    import threading
+
+    s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
+    fd = os.open(f"/dev/shm/shmserve.{s.id}.broker.0", os.O_RDONLY)
+    done = threading.Event()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        worker = threading.Thread(target=lambda: (http_identity(s, 2 * MIB), done.set()), daemon=True)
+        worker.start()
+        assert not done.wait(3.0), "the growth did not wait for the lock"
+        assert not extents(s.id)
+    finally:
+        os.close(fd)
+    assert done.wait(60.0)
+    assert len(extents(s.id)) == 1
+
+
+def test_a_growth_past_the_cap_is_a_503_naming_the_flag_and_the_next_request_works(server_factory):
+    s = server_factory.start([GROWTH_MODELS], ["--worker-arena-mb", "16"])
+    x = np.zeros(8 * MIB, np.float32)  # 32 MiB: more than the cap
+    inp = httpclient.InferInput("IN", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    with s.client() as c:
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("identity", [inp])
+    assert e.value.status() in ("503", 503, "StatusCode.UNAVAILABLE")
+    assert "Failed to increase the shared memory pool size" in str(e.value)
+    assert ("model instance 'identity_0_0' for a 33554560-byte response: no room under the cap of the instance's "
+            "output arena, --worker-arena-mb=16 (4 MiB in use)") in str(e.value)  # as docs/deploy.md quotes it
+    http_identity(s, 16)
+    http_identity(s, 2 * MIB)  # 8 MiB: a growth within the cap still works
+    assert s.http_status("/v2/health/ready") == 200
+
+
+def test_the_backend_config_sets_the_first_extent(server_factory):
+    s = server_factory.start([GROWTH_MODELS], ["--backend-config", "python,shm-default-byte-size=1048576",
+                                               "--backend-config", "python,shm-growth-byte-size=2097152"])
+    assert set(worker_segments(s.id).values()) == {instance_bytes(1 * MIB)}
+    assert "shm-default-byte-size" not in s.log()  # honoured: no warning that it has no effect
+    http_identity(s, MIB // 2)
+
+
+@pytest.mark.parametrize("setting, why", [
+    ("python,shm-default-byte-size=lots", "expected a number of bytes"),
+    ("python,shm-default-byte-size=1024", "must lie between"),
+    (f"python,shm-default-byte-size={512 * MIB}", "--worker-arena-mb"),
+    ("python,shm-growth-byte-size=0", "must be at least 1"),
+])
+def test_a_bad_arena_setting_is_refused_by_name(setting, why, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model-repository", str(GROWTH_MODELS), "--backend-config", setting])
+    err = capsys.readouterr().err
+    assert f"--backend-config {setting}" in err and why in err, err
+
+
+def test_a_growth_that_does_not_fit_dev_shm_is_a_503_and_nothing_breaks(server_factory, tmp_path):
+    flags = ["--model-control-mode", "explicit", "--load-model", "identity", "--frontend-arena-mb", "64",
+             "--allow-grpc=false"]
+    args = parse_args(["--model-repository", str(GROWTH_MODELS), *flags])
+    need = startup_bytes(args) + instance_bytes(args.worker_arena_start_bytes)
+    s = SmallShmServer(need + 24 * MIB, [GROWTH_MODELS], tmp_path, flags)
+    server_factory.servers.append(s)
+    s.start().wait_ready()
+    x = np.zeros(8 * MIB, np.float32)  # 32 MiB: under the cap, over the room left
+    inp = httpclient.InferInput("IN", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    with s.client() as c:
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("identity", [inp])
+    text = str(e.value)
+    assert "Failed to increase the shared memory pool size" in text and "docker run --shm-size" in text, text
+    http_identity(s, 16)
+    http_identity(s, MIB)  # 4 MiB: a growth that fits
+    assert s.stop() == 0, s.log_tail()
+    assert "Bus error" not in s.log() and "Traceback" not in s.log()
+
+
+MANY = 40
+
+
+def test_many_small_models_load_with_default_flags_in_little_dev_shm(server_factory, tmp_path):
+    """MANY python models load on a /dev/shm that would not have held MANY whole arenas (each
+    instance was counted at 257 MiB), and the server's objects total what docs/deploy.md says."""
+    repo = tmp_path / "many"
+    repo.mkdir()
+    for i in range(MANY):
+        model = repo / f"m{i}"
+        shutil.copytree(GROWTH_MODELS / "identity", model)
+        config = (model / "config.pbtxt").read_text().replace('name: "identity"', f'name: "m{i}"')
+        (model / "config.pbtxt").write_text(config)
+    args = parse_args(["--model-repository", str(repo)])
+    need = startup_bytes(args) + MANY * instance_bytes(args.worker_arena_start_bytes)
+    assert need < MANY * instance_bytes(args.worker_arena_mb << 20) // 8
+    s = SmallShmServer(need + 16 * MIB, [repo], tmp_path)
+    server_factory.servers.append(s)
+    started = time.monotonic()
+    s.start().wait_ready(timeout=600)
+    loaded = time.monotonic() - started
+    status, index = post(s, "/v2/repository/index")
+    assert status == 200 and sum(m.get("state") == "READY" for m in index) == MANY, index
+    with s.client() as c:
+        for i in (0, MANY - 1):
+            inp = httpclient.InferInput("IN", [4], "FP32")
+            inp.set_data_from_numpy(np.ones(4, np.float32))
+            assert c.infer(f"m{i}", [inp]).as_numpy("OUT").tolist() == [1, 1, 1, 1]
+    # What the namespace's /dev/shm holds by size: the start's share and MANY first extents.
+    sizes = namespace_shm_sizes(s)
+    total = sum(sizes.values())
+    assert total <= need + SMALL_OBJECTS_BYTES, (space.mib(total), space.mib(need), sorted(sizes.items())[:5])
+    print(f"{MANY} models: loaded in {loaded:.1f} s, /dev/shm objects {space.mib(total)}")
+    assert s.stop() == 0, s.log_tail()
