@@ -42,6 +42,18 @@ def cancelled_error(request_id: str = "") -> str:
     return f"[request id: {request_id or '<id_unknown>'}] Request was cancelled"
 
 
+# An error answer's document: {ERROR: text}, with REFUSED: true when the request was refused
+# before its model ran (Triton's InferAsync failing): generate_stream answers such an error as a
+# plain JSON error, and one from a model that ran as an event of its stream, as Triton does.
+ERROR = "error"
+REFUSED = "refused"
+
+
+def refusal(message: str) -> dict[str, object]:
+    """The answer document of a request refused before its model ran."""
+    return {ERROR: message, REFUSED: True}
+
+
 # Kinds of records on a worker's inbox (broker -> worker).
 W_BATCH = 1
 W_STOP = 2

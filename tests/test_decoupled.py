@@ -54,6 +54,18 @@ def test_generate_stream_reports_an_error_event(server):
     assert events[2] == {"error": "stream broke"}
 
 
+def test_generate_stream_streams_a_model_error_and_answers_a_refusal_plainly(server):
+    """As Triton: an error from a model that ran is an event of a 200 stream (even when it is the
+    only response); a request refused before its model ran (InferAsync failing) is a plain error."""
+    status, ctype, text = post(server, "/v2/models/plain_fails/generate_stream", {"N": 1})
+    assert status == 200 and ctype.startswith("text/event-stream")
+    assert sse_events(text) == [{"error": "plain broke"}]
+    # The sequence batcher refuses a request without a sequence id before the model runs.
+    status, ctype, text = post(server, "/v2/models/running_sum/generate_stream", {"VALUE": 1.0})
+    assert status == 400 and ctype.startswith("application/json")
+    assert "correlation ID" in json.loads(text)["error"]
+
+
 def test_generate_single_response_and_its_limits(server):
     status, _, text = post(server, "/v2/models/word_stream/generate", {"text_input": "alone"})
     assert status == 200 and json.loads(text)["text_output"] == "alone"

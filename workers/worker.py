@@ -29,7 +29,7 @@ from shmserve.shm.channel import REGION_HOLDS_BYTES, BrokerSegment, ClientSegmen
 from shmserve.shm.extents import OutputArenas
 from shmserve.shm.names import object_name, pid_alive
 from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
-    W_STOP, cancelled_error, read_manifest
+    W_STOP, cancelled_error, read_manifest, refusal
 from shmserve.shm.region_table import RegionTable
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_descriptor
@@ -264,7 +264,7 @@ class Worker:
         records are dropped unread."""
         if client is not None and slot is not None and slot < client.nslots:
             self._answer_error({"client": name, "pid": client.pid, "slot": slot}, 400,
-                               f"the server disconnected this client: {e}")
+                               f"the server disconnected this client: {e}", refused=True)
         if cookie in self._refused:
             return
         if not name:
@@ -322,7 +322,7 @@ class Worker:
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
             self.holds.release(entry)
             self.stats.rejected()
-            self._answer_error(entry, getattr(e, "status", 400), str(e))
+            self._answer_error(entry, getattr(e, "status", 400), str(e), refused=True)
             return False  # serve() flushes the counters and sends the answer
         if self.batcher is None:
             self._execute([entry])
@@ -341,7 +341,7 @@ class Worker:
         except QueueFull as e:
             self.holds.release(entry)
             self.stats.rejected()
-            self._answer_error(entry, e.status, str(e))
+            self._answer_error(entry, e.status, str(e), refused=True)
             return False
         return True
 
@@ -594,8 +594,9 @@ class Worker:
             self.clients[name] = client
         return client
 
-    def _answer_error(self, entry: dict, status: int, message: str) -> None:
-        self._deliver(entry, status, orjson.dumps({"error": message}), [])
+    def _answer_error(self, entry: dict, status: int, message: str, refused: bool = False) -> None:
+        """Answer an error; ``refused``: before the model ran (shm.protocol.refusal)."""
+        self._deliver(entry, status, orjson.dumps(refusal(message) if refused else {"error": message}), [])
 
     def _answer(self, entry: dict, resp: Response) -> bool:
         """Deliver one response; False if it carried (or became) an error."""

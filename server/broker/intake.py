@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from shmserve.batching import Pending
+from shmserve.shm.protocol import refusal
 from shmserve.shm.untrusted import Record, read_descriptor
 from shmserve.signature import InvalidRequest, queue_options
 
@@ -66,11 +67,11 @@ class Intake:
                 entry["tr"] = time.monotonic_ns()
         except InvalidRequest as e:
             self._count_rejected(mv)
-            self.clients.reply(client, slot, e.status, {"error": str(e)})
+            self.clients.reply(client, slot, e.status, refusal(str(e)))
             return
         except (ValueError, KeyError, TypeError) as e:
             self._count_rejected(mv)
-            self.clients.reply(client, slot, 400, {"error": f"malformed inference request: {e!r}"})
+            self.clients.reply(client, slot, 400, refusal(f"malformed inference request: {e!r}"))
             return
         if mv.ensemble is not None:
             self.ensembles.start(mv, client, slot, entry)

@@ -19,7 +19,7 @@ import orjson
 
 from shmserve.batching import Pending, QueueFull
 from shmserve.shm.channel import BrokerSegment
-from shmserve.shm.protocol import CANCELLED_STATUS, W_BATCH, cancelled_error, manifest_room, write_manifest
+from shmserve.shm.protocol import CANCELLED_STATUS, W_BATCH, cancelled_error, manifest_room, refusal, write_manifest
 from shmserve.signature import InvalidRequest
 
 from .clients import Clients
@@ -46,14 +46,14 @@ class Scheduler:
                 mv.sequencer.enqueue(pend, mv.instances, now)
             except InvalidRequest as e:
                 mv.stats.fail("REJECTED", 1)
-                self.clients.reply(client, slot, e.status, {"error": str(e)})
+                self.clients.reply(client, slot, e.status, refusal(str(e)))
                 return
         elif mv.batcher is not None:
             try:
                 mv.batcher.enqueue(pend, now)
             except QueueFull as e:
                 mv.stats.fail("REJECTED", 1)
-                self.clients.reply(client, slot, e.status, {"error": str(e)})
+                self.clients.reply(client, slot, e.status, refusal(str(e)))
                 return
         else:
             mv.queue.append(pend)

@@ -22,7 +22,8 @@ from starlette.routing import Route
 
 from shmserve.server import __version__
 from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
-from shmserve.shm.protocol import LOAD_FROM_NETWORK
+from shmserve.shm.completion import Completion
+from shmserve.shm.protocol import ERROR, LOAD_FROM_NETWORK, REFUSED
 from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
@@ -51,6 +52,12 @@ READY_WAIT_S = 3.0
 
 def json_response(doc: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(doc), status_code=status, media_type=JSON)
+
+
+def _refused(completion: Completion) -> bool:
+    """Whether an error answer is a refusal from before its model ran (shm.protocol.refusal)."""
+    doc = completion.doc()
+    return not isinstance(doc, dict) or bool(doc.get(REFUSED))
 
 
 def error_response(status: int, message: str) -> Response:
@@ -282,7 +289,8 @@ class Frontend:
         if isinstance(started, Response):
             return started
         events, trace, request_id = started
-        try:  # nothing is sent before the first event, as in Triton: a request refused is a plain error
+        try:  # nothing is sent before the first event: a request refused before its model ran is a
+            # plain error, as Triton's InferAsync failing; a model's error is an event of the stream
             first = await unless_gone(events.events.get(), request.receive)
         except BaseException as e:
             events.close()
@@ -292,9 +300,9 @@ class Frontend:
                 return Response(status_code=499)  # nobody reads it
             raise
         final, completion, _ = first
-        if final and completion.status != 200:
+        if final and completion.status != 200 and _refused(completion):
             try:
-                message = completion.doc().get("error", "inference failed")
+                message = completion.doc().get(ERROR, "inference failed")
             finally:
                 completion.release()
                 events.close()
