@@ -141,6 +141,20 @@ def test_model_metrics_sets_a_models_buckets(hist_server):
     assert "'model_metrics' is not supported" not in hist_server.log()
 
 
+def test_ensemble_answers_are_counted_by_the_broker(hist_server):
+    """An ensemble has no worker of its own: the broker's observations are served, beside its
+    step's."""
+    before = families(hist_server)[0]
+    steps_before = histogram(before, FIRST, "timed")[1]
+    for _ in range(2):
+        timed(hist_server.url, 30, "pipeline")
+    fams, _ = families(hist_server)
+    for name in (FIRST, "shmserve_inference_request_histogram_ms"):
+        _, count, total = histogram(fams, name, "pipeline")
+        assert count == 2 and total >= 2 * 30, name
+    assert histogram(fams, FIRST, "timed")[1] == steps_before + 2
+
+
 def test_model_load_time_histogram(hist_server):
     fams, _ = families(hist_server)
     for model in ("timed", "streamer", "ladder"):
