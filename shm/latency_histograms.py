@@ -34,6 +34,7 @@ FAMILIES: tuple[tuple[str, str, str], ...] = (
      "Time successful requests spent processing outputs in milliseconds (does not include cached requests)"),
 )
 KEYS = tuple(key for key, _, _ in FAMILIES)
+# The rows, in FAMILIES' order (LatencyRecorder.observe_all relies on it).
 FIRST_RESPONSE, REQUEST, QUEUE, COMPUTE_INPUT, COMPUTE_INFER, COMPUTE_OUTPUT = range(len(FAMILIES))
 BY_FAMILY = {family: key for key, family, _ in FAMILIES}
 
@@ -96,34 +97,37 @@ def _limits_ns(bounds: tuple[float, ...]) -> list[int]:
 
 
 class LatencyRecorder:
-    """The worker's side, the area's only writer: counts in Python lists, written out word by word
-    at ``flush`` (as ``StatsWriter`` does: whole 8-byte stores, never a torn counter)."""
+    """The worker's side, the area's only writer (under the worker's stream lock): each count and
+    sum is a whole 8-byte store into the area, so the broker never reads a torn word, and a
+    request is counted before its answer is completed."""
 
     def __init__(self, area: np.ndarray, buckets: Mapping[str, Any]) -> None:
         self._limits = [_limits_ns(tuple(float(b) for b in buckets.get(key, DEFAULT_BUCKETS_MS[key])))
                         for key in KEYS]
-        flat = area.reshape(-1)
-        self._words = memoryview(flat).cast("B").cast("Q")  # type: ignore[arg-type]
-        self._cells: list[int] = [int(x) for x in flat]
-        self._dirty: list[int] = []
+        self._words = memoryview(area.reshape(-1)).cast("B").cast("Q")  # type: ignore[arg-type]
 
     def observe(self, family: int, ns: int) -> None:
         row = family * COLUMNS
-        bucket = row + bisect.bisect_left(self._limits[family], ns)
-        cells = self._cells
-        cells[bucket] += 1
-        cells[row + SUM] += ns
-        self._dirty.append(bucket)
+        words = self._words
+        words[row + bisect.bisect_left(self._limits[family], ns)] += 1
+        words[row + SUM] += ns
 
-    def flush(self) -> None:
-        if not self._dirty:
-            return
-        dirty, self._dirty = self._dirty, []
-        cells, words = self._cells, self._words
-        for cell in dirty:
-            words[cell] = cells[cell]
-            row = cell - cell % COLUMNS
-            words[row + SUM] = cells[row + SUM]
+    def observe_all(self, request: int, queue: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        """A request answered once (its only response is its first): one call per request, the
+        worker's hot path."""
+        words, limits, find = self._words, self._limits, bisect.bisect_left
+        words[find(limits[0], request)] += 1  # FIRST_RESPONSE's row is 0
+        words[SUM] += request
+        words[COLUMNS + find(limits[1], request)] += 1
+        words[COLUMNS + SUM] += request
+        words[2 * COLUMNS + find(limits[2], queue)] += 1
+        words[2 * COLUMNS + SUM] += queue
+        words[3 * COLUMNS + find(limits[3], input_ns)] += 1
+        words[3 * COLUMNS + SUM] += input_ns
+        words[4 * COLUMNS + find(limits[4], infer_ns)] += 1
+        words[4 * COLUMNS + SUM] += infer_ns
+        words[5 * COLUMNS + find(limits[5], output_ns)] += 1
+        words[5 * COLUMNS + SUM] += output_ns
 
 
 class BrokerHistograms:

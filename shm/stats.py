@@ -176,10 +176,8 @@ class StatsWriter:
                          _INFER_CELL + bucket_of(infer_ns), _OUTPUT_CELL + bucket_of(output_ns)):
                 cells[cell] += 1
                 dirty.append(cell)
-            if self.latency is not None:  # answered once: its only response is its first
-                self._observe_phases(queue, input_ns, infer_ns, output_ns)
-                self.latency.observe(lh.REQUEST, duration)
-                self.latency.observe(lh.FIRST_RESPONSE, duration)
+            if self.latency is not None:
+                self.latency.observe_all(duration, queue, input_ns, infer_ns, output_ns)
         if batch_size:
             self.count_execution(batch_size, input_ns, infer_ns, output_ns)
 
@@ -308,8 +306,6 @@ class StatsWriter:
             for i in rows:
                 for col, value in enumerate(self._batch_rows[i]):  # (numpy's row assignment: 1.5 us)
                     words[i * cols + col] = value
-        if self.latency is not None:
-            self.latency.flush()
 
 
 class VersionTotals:
