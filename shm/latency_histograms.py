@@ -97,37 +97,39 @@ def _limits_ns(bounds: tuple[float, ...]) -> list[int]:
 
 
 class LatencyRecorder:
-    """The worker's side, the area's only writer (under the worker's stream lock): each count and
-    sum is a whole 8-byte store into the area, so the broker never reads a torn word, and a
-    request is counted before its answer is completed."""
+    """The worker's side, the area's only writer (under the worker's stream lock). It counts in
+    its own Python list and stores each changed count and sum into the area as a whole 8-byte
+    word, so the broker never reads a torn word and a request is counted before its answer is
+    completed. It never reads the area back: a lane's client maps the segment and could write
+    anything there, which must not make the worker fail (the broker's sums may be wrong then)."""
 
     def __init__(self, area: np.ndarray, buckets: Mapping[str, Any]) -> None:
         self._limits = [_limits_ns(tuple(float(b) for b in buckets.get(key, DEFAULT_BUCKETS_MS[key])))
                         for key in KEYS]
         self._words = memoryview(area.reshape(-1)).cast("B").cast("Q")  # type: ignore[arg-type]
+        self._cells = [0] * (len(FAMILIES) * COLUMNS)  # (a worker's area starts zeroed: a new segment)
 
     def observe(self, family: int, ns: int) -> None:
         row = family * COLUMNS
-        words = self._words
-        words[row + bisect.bisect_left(self._limits[family], ns)] += 1
-        words[row + SUM] += ns
+        cell = row + bisect.bisect_left(self._limits[family], ns)
+        cells, words = self._cells, self._words
+        cells[cell] += 1
+        cells[row + SUM] += ns
+        words[cell] = cells[cell]
+        words[row + SUM] = cells[row + SUM]
 
     def observe_all(self, request: int, queue: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """A request answered once (its only response is its first): one call per request, the
         worker's hot path."""
-        words, limits, find = self._words, self._limits, bisect.bisect_left
-        words[find(limits[0], request)] += 1  # FIRST_RESPONSE's row is 0
-        words[SUM] += request
-        words[COLUMNS + find(limits[1], request)] += 1
-        words[COLUMNS + SUM] += request
-        words[2 * COLUMNS + find(limits[2], queue)] += 1
-        words[2 * COLUMNS + SUM] += queue
-        words[3 * COLUMNS + find(limits[3], input_ns)] += 1
-        words[3 * COLUMNS + SUM] += input_ns
-        words[4 * COLUMNS + find(limits[4], infer_ns)] += 1
-        words[4 * COLUMNS + SUM] += infer_ns
-        words[5 * COLUMNS + find(limits[5], output_ns)] += 1
-        words[5 * COLUMNS + SUM] += output_ns
+        cells, words, limits, find = self._cells, self._words, self._limits, bisect.bisect_left
+        for row, family, ns in ((0, FIRST_RESPONSE, request), (COLUMNS, REQUEST, request),
+                                (2 * COLUMNS, QUEUE, queue), (3 * COLUMNS, COMPUTE_INPUT, input_ns),
+                                (4 * COLUMNS, COMPUTE_INFER, infer_ns), (5 * COLUMNS, COMPUTE_OUTPUT, output_ns)):
+            cell = row + find(limits[family], ns)
+            cells[cell] += 1
+            words[cell] = cells[cell]
+            cells[row + SUM] += ns
+            words[row + SUM] = cells[row + SUM]
 
 
 class BrokerHistograms:
@@ -137,11 +139,17 @@ class BrokerHistograms:
     def __init__(self, buckets: Buckets) -> None:
         self.buckets = buckets
         self._limits = [_limits_ns(buckets[key]) for key in KEYS]
-        self.words = np.zeros((len(FAMILIES), COLUMNS), dtype=np.uint64)
+        # Python ints: workers' words a client may have overwritten add up without wrapping, so
+        # the served buckets stay cumulative whatever an area holds.
+        self.words = np.zeros((len(FAMILIES), COLUMNS), dtype=object)
 
     def observe(self, family: int, ns: int) -> None:
         self.words[family, bisect.bisect_left(self._limits[family], ns)] += 1
         self.words[family, SUM] += ns
+
+    def add(self, area: np.ndarray) -> None:
+        """A worker's area (untrusted words: see LatencyRecorder)."""
+        self.words += area.astype(object)
 
     def copy(self) -> "BrokerHistograms":
         out = BrokerHistograms(self.buckets)

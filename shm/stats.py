@@ -339,7 +339,7 @@ class VersionTotals:
         self.scalars[LAST_INFERENCE_MS] = last
         self.hist += area.hist
         self.batches += area.batches
-        self.latency.words += area.latency
+        self.latency.add(area.latency)
 
     def fail(self, reason: str, n: int = 1, ns: int = 0) -> None:
         """Failures the broker answered itself (the workers count their own)."""

@@ -155,6 +155,30 @@ def test_ensemble_answers_are_counted_by_the_broker(hist_server):
     assert histogram(fams, FIRST, "timed")[1] == steps_before + 2
 
 
+def test_garbage_in_a_workers_area_breaks_nothing(hist_server):
+    """A lane's client maps the worker's segment and may write its statistics: all ones in every
+    histogram word. The worker never reads them back (it keeps answering and counting), and the
+    broker serves a well-formed page."""
+    import os
+
+    from shmserve.shm.channel import WorkerSegment
+
+    prefix = f"shmserve.{hist_server.id}.worker."
+    names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix) and n[len(prefix):].isdigit()]
+    assert names
+    for name in names:
+        seg = WorkerSegment.attach("/" + name)
+        try:
+            seg.stats.latency[:] = np.iinfo(np.uint64).max
+        finally:
+            seg.close()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: timed(hist_server.url, 1), range(8)))
+    fams, _ = families(hist_server)
+    histogram(fams, FIRST, "timed")  # parsed, cumulative, +Inf is the count
+    assert value(fams, "nv_inference_request_success", "timed") >= 8
+
+
 def test_model_load_time_histogram(hist_server):
     fams, _ = families(hist_server)
     for model in ("timed", "streamer", "ladder"):
