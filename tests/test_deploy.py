@@ -293,8 +293,8 @@ def test_the_metrics_the_autoscaler_reads_are_served(server_factory, tmp_path):
         text = r.read().decode()
     (rule,) = by_kind("PrometheusRule")["spec"]["groups"][0]["rules"]
     used = set(re.findall(r"\b((?:nv|shmserve)_[a-z_]+)\{", rule["expr"]))
-    assert used == {"shmserve_inference_queue_histogram_ms_bucket", "shmserve_inference_compute_infer_histogram_ms_bucket",
-                    "nv_inference_pending_request_count"}
+    assert used == {"shmserve_inference_queue_histogram_ms_bucket",
+                    "shmserve_inference_compute_infer_histogram_ms_bucket", "nv_inference_pending_request_count"}
     for name in used:
         assert re.search(rf'^{name}\{{[^}}]*model="add_sub"[^}}]*\}} \d', text, re.M), f"{name} not served"
 
