@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-METRICS_CONFIG_KEYS = {"summary_latencies"}
+METRICS_CONFIG_KEYS = {"summary_latencies", "histogram_latencies"}
 
 
 def metrics_config(items: Sequence[str]) -> dict[str, str]:
@@ -111,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often CPU and GPU figures are sampled, in milliseconds (default 2000)")
     p.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
                    help="metrics options as Triton's: summary_latencies=true adds nv_inference_*_summary_us "
-                        "quantiles (estimated from log-spaced histograms); repeatable")
+                        "quantiles (estimated from log-spaced histograms); histogram_latencies=true adds "
+                        "nv_inference_first_response_histogram_ms and shmserve's request, queue and compute "
+                        "histograms (buckets per model through model_metrics); repeatable")
     p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",
                    help="none: load all models at start; poll: also follow changes in the repository; "
                         "explicit: load only --load-model models and what the repository API asks for")

@@ -16,6 +16,9 @@ from typing import Any, Final
 
 import numpy as np
 
+from . import latency_histograms as lh
+from .latency_histograms import BrokerHistograms, LatencyRecorder
+
 SCALARS = ("success", "success_ns", "failure", "failure_ns", "rejected", "inference_count",
            "execution_count", "phase_count", "queue_ns", "compute_input_ns", "compute_infer_ns",
            "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out", "cancelled",
@@ -93,15 +96,18 @@ class StatsArea:
         self.hist = np.ndarray((len(PHASES), BUCKETS), dtype=np.uint64, buffer=buf, offset=offset)
         offset += len(PHASES) * BUCKETS * 8
         self.batches = np.ndarray((BATCH_ROWS, len(BATCH_COLS)), dtype=np.uint64, buffer=buf, offset=offset)
+        offset += BATCH_ROWS * len(BATCH_COLS) * 8
+        self.latency = lh.view(buf, offset)  # in the model's buckets (shm/latency_histograms.py)
 
     @staticmethod
     def nbytes() -> int:
-        return (SCALAR_SLOTS + len(PHASES) * BUCKETS + BATCH_ROWS * len(BATCH_COLS)) * 8
+        return (SCALAR_SLOTS + len(PHASES) * BUCKETS + BATCH_ROWS * len(BATCH_COLS)) * 8 + lh.nbytes()
 
     def clear(self) -> None:
         self.scalars[:] = 0
         self.hist[:] = 0
         self.batches[:] = 0
+        self.latency[:] = 0
 
     def get(self, name: str) -> int:
         return int(self.scalars[S[name]])
@@ -111,8 +117,10 @@ class StatsWriter:
     """The worker's side: counts in Python, written to the segment by ``flush`` before answers
     are completed, so a client that sees its answer also sees it counted."""
 
-    def __init__(self, area: StatsArea) -> None:
+    def __init__(self, area: StatsArea, latency_buckets: dict[str, Any] | None = None) -> None:
         self.area = area
+        # The model's latency histograms, counted only when the server exports them.
+        self.latency = LatencyRecorder(area.latency, latency_buckets) if latency_buckets is not None else None
         # Plain lists, published at flush: an increment of a list item is cheaper than one on an
         # array or a numpy view. They go out as 8-byte word stores through a memoryview, as the
         # histogram cells do: ``struct.pack_into`` writes a word byte by byte, and the broker,
@@ -168,6 +176,8 @@ class StatsWriter:
                          _INFER_CELL + bucket_of(infer_ns), _OUTPUT_CELL + bucket_of(output_ns)):
                 cells[cell] += 1
                 dirty.append(cell)
+            if self.latency is not None:
+                self.latency.observe_all(duration, queue, input_ns, infer_ns, output_ns)
         if batch_size:
             self.count_execution(batch_size, input_ns, infer_ns, output_ns)
 
@@ -187,6 +197,22 @@ class StatsWriter:
                          _INFER_CELL + bucket_of(infer_ns), _OUTPUT_CELL + bucket_of(output_ns)):
                 cells[cell] += 1
                 dirty.append(cell)
+            if self.latency is not None:
+                self._observe_phases(queue, input_ns, infer_ns, output_ns)
+
+    def _observe_phases(self, queue: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        latency = self.latency
+        assert latency is not None
+        latency.observe(lh.QUEUE, queue)
+        latency.observe(lh.COMPUTE_INPUT, input_ns)
+        latency.observe(lh.COMPUTE_INFER, infer_ns)
+        latency.observe(lh.COMPUTE_OUTPUT, output_ns)
+
+    def first_response(self, arrived: int) -> None:
+        """A streamed request sent its first response now (under the stream lock)."""
+        if self.latency is not None:
+            now = time.monotonic_ns()
+            self.latency.observe(lh.FIRST_RESPONSE, now - arrived if 0 < arrived <= now else 0)
 
     def count_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         c = self.counts
@@ -221,6 +247,10 @@ class StatsWriter:
         for cell in (bucket_of(duration), _QUEUE_CELL + bucket_of(looked_up - arrived)):
             self._cells[cell] += 1
             self._dirty.append(cell)
+        if self.latency is not None:
+            self.latency.observe(lh.REQUEST, duration)
+            self.latency.observe(lh.FIRST_RESPONSE, duration)
+            self.latency.observe(lh.QUEUE, looked_up - arrived)
 
     def cache_miss(self, ns: int) -> None:
         """A request the response cache did not hold, run and answered: ``ns`` is its lookup
@@ -243,14 +273,19 @@ class StatsWriter:
         self.counts[FAILURE] += 1
         self.counts[CANCELLED] += 1
 
-    def finished_stream(self, arrived: int, ok: bool) -> None:
-        """A streamed (decoupled) request ended: its outcome and whole duration."""
+    def finished_stream(self, arrived: int, ok: bool, answered_once: bool = False) -> None:
+        """A streamed (decoupled) request ended: its outcome and whole duration. ``answered_once``:
+        a request answered after execute returned with its only response (its first)."""
         now = time.monotonic_ns()
         duration = now - arrived if 0 < arrived <= now else 0
         if ok:
             self.counts[SUCCESS] += 1
             self.counts[SUCCESS_NS] += duration
             self._observe(0, duration)
+            if self.latency is not None:
+                self.latency.observe(lh.REQUEST, duration)
+                if answered_once:
+                    self.latency.observe(lh.FIRST_RESPONSE, duration)
         else:
             self.counts[FAILURE] += 1
             self.counts[FAILURE_NS] += duration
@@ -277,7 +312,9 @@ class VersionTotals:
     """The sum for one model version: every instance's area plus what the broker counted itself
     (rejections it answered, ensemble outcomes, requests lost with a dead worker)."""
 
-    def __init__(self) -> None:
+    def __init__(self, latency_buckets: lh.Buckets | None = None) -> None:
+        # The version's latency histograms: the broker's own observations, workers' areas added.
+        self.latency = BrokerHistograms(latency_buckets or dict(lh.DEFAULT_BUCKETS_MS))
         self.scalars = np.zeros(SCALAR_SLOTS, dtype=np.uint64)
         self.hist = np.zeros((len(PHASES), BUCKETS), dtype=np.uint64)
         self.batches = np.zeros((BATCH_ROWS, len(BATCH_COLS)), dtype=np.uint64)
@@ -288,6 +325,7 @@ class VersionTotals:
 
     def copy(self) -> "VersionTotals":
         out = VersionTotals()
+        out.latency = self.latency.copy()
         out.scalars[:] = self.scalars
         out.hist[:] = self.hist
         out.batches[:] = self.batches
@@ -301,6 +339,7 @@ class VersionTotals:
         self.scalars[LAST_INFERENCE_MS] = last
         self.hist += area.hist
         self.batches += area.batches
+        self.latency.add(area.latency)
 
     def fail(self, reason: str, n: int = 1, ns: int = 0) -> None:
         """Failures the broker answered itself (the workers count their own)."""
@@ -313,7 +352,12 @@ class VersionTotals:
         self.scalars[SUCCESS] += 1
         self.scalars[SUCCESS_NS] += ns
         self.hist[0, bucket_of(ns)] += 1
+        self.latency.observe(lh.REQUEST, ns)
         self.scalars[LAST_INFERENCE_MS] = time.time_ns() // 1_000_000
+
+    def first_response(self, ns: int) -> None:
+        """An answer the broker passed on (an ensemble's) was its request's first."""
+        self.latency.observe(lh.FIRST_RESPONSE, ns)
 
     def cache_hit(self, arrived: int, looked_up: int, lookup_ns: int) -> None:
         """A request the broker answered from the response cache (an ensemble's), looked up at
@@ -330,6 +374,8 @@ class VersionTotals:
         s[CACHE_HIT_NS] += lookup_ns
         self.hist[0, bucket_of(duration)] += 1
         self.hist[PHASES.index("queue"), bucket_of(looked_up - arrived)] += 1
+        for family, ns in ((lh.REQUEST, duration), (lh.FIRST_RESPONSE, duration), (lh.QUEUE, looked_up - arrived)):
+            self.latency.observe(family, ns)
 
     def cache_miss(self, ns: int) -> None:
         """A request the broker ran after a miss and stored (an ensemble's): ``ns`` is its lookup

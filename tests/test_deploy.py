@@ -267,7 +267,7 @@ def test_the_dockerfile_agrees_with_the_makefile_and_the_flags():
     dockerfile = (ROOT / "Dockerfile").read_text()
     makefile = (ROOT / "Makefile").read_text()
     torch = re.search(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M).group(1)
-    assert f"torch=={torch}" in makefile
+    assert re.search(rf"^TORCH_VERSION \?= {re.escape(torch)}$", makefile, re.M)
     defaults = build_parser().parse_args(["--model-repository=x"])
     exposed = re.search(r"^EXPOSE (.+)$", dockerfile, re.M).group(1).split()
     assert exposed == [str(defaults.http_port), str(defaults.grpc_port), str(defaults.metrics_port)]
@@ -277,10 +277,12 @@ def test_the_dockerfile_agrees_with_the_makefile_and_the_flags():
 
 
 def test_the_metrics_the_autoscaler_reads_are_served(server_factory, tmp_path):
-    """The recording rule's two series exist on a real server's metrics port, per model."""
+    """The recording rule's series exist, per model, on the metrics port of a real server given the
+    Deployment's --metrics-config."""
     repo = tmp_path / "repo"
     shutil.copytree(PRODUCT_MODELS / "add_sub", repo / "add_sub")
-    s = server_factory.start([repo])
+    (c,) = pod_spec(by_kind("Deployment"))["containers"]
+    s = server_factory.start([repo], [a for a in c["args"] if a.startswith("--metrics-config")])
     a = np.arange(16, dtype=np.int32)
     inputs = [httpclient.InferInput("INPUT0", [16], "INT32"), httpclient.InferInput("INPUT1", [16], "INT32")]
     for i in inputs:
@@ -290,8 +292,9 @@ def test_the_metrics_the_autoscaler_reads_are_served(server_factory, tmp_path):
     with urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=10) as r:
         text = r.read().decode()
     (rule,) = by_kind("PrometheusRule")["spec"]["groups"][0]["rules"]
-    used = set(re.findall(r"\b(nv_[a-z_]+)\{", rule["expr"]))
-    assert used == {"nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us"}
+    used = set(re.findall(r"\b((?:nv|shmserve)_[a-z_]+)\{", rule["expr"]))
+    assert used == {"shmserve_inference_queue_histogram_ms_bucket",
+                    "shmserve_inference_compute_infer_histogram_ms_bucket", "nv_inference_pending_request_count"}
     for name in used:
         assert re.search(rf'^{name}\{{[^}}]*model="add_sub"[^}}]*\}} \d', text, re.M), f"{name} not served"
 

@@ -23,7 +23,8 @@ STATS_MODELS = TESTS / "models" / "stats"
 @pytest.fixture(scope="module")
 def stats_server(module_factory):
     return module_factory.start([STATS_MODELS], ["--http-workers", "2",
-                                                 "--metrics-config", "summary_latencies=true"])
+                                                 "--metrics-config", "summary_latencies=true",
+                                                 "--metrics-config", "histogram_latencies=true"])
 
 
 def scrape(server) -> str:
@@ -261,8 +262,9 @@ def test_grafana_dashboard_uses_only_metrics_the_server_exports(stats_server):
     for name in names:
         base = re.sub(r"_(bucket|count|sum)$", "", name)
         assert name in exported or base in exported, f"dashboard uses {name}, which the server does not export"
-    assert {"shmserve_request_duration_us_bucket", "nv_inference_request_success",
-            "shmserve_canary_traffic_fraction"} <= names
+    assert {"shmserve_inference_request_histogram_ms_bucket", "nv_inference_first_response_histogram_ms_bucket",
+            "shmserve_inference_queue_histogram_ms_bucket", "shmserve_model_load_histogram_seconds_bucket",
+            "nv_inference_request_success", "shmserve_canary_traffic_fraction"} <= names
 
 
 def test_custom_metrics_of_two_instances_read_as_one(module_factory):

@@ -71,6 +71,9 @@ class StreamSender:
                 self.failed |= status != 200
                 if off > 0:
                     last = (status, extent, off, total)
+                    if not self.sent and status == 200:  # (counted before it can reach the client)
+                        with self.stats_lock:
+                            self.stats.first_response(self.entry.get("t", 0))
                     if not final:
                         self._put(*last)
                     self.sent += 1

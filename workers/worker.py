@@ -68,7 +68,7 @@ class Worker:
         self.poll_s: float = spec["poll_us"] / 1e6  # --poll-us
         self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num))
         self.seg.set_pid(os.getpid())
-        self.stats = StatsWriter(self.seg.stats)
+        self.stats = StatsWriter(self.seg.stats, spec.get("latency_buckets"))
         self.signature: ModelSignature | None = None
         self.output_names: list[str] = []
         self.sequence: SequenceSupport | None = None
@@ -511,7 +511,7 @@ class Worker:
     def _count_late(self, kept: Kept, ok: bool) -> None:
         self.holds.let_go(kept.held)
         with self.stream_lock:  # (a decoupled model's threads count finished streams meanwhile)
-            self.stats.finished_stream(kept.entry.get("t", 0), ok)
+            self.stats.finished_stream(kept.entry.get("t", 0), ok, answered_once=kept.sender is None)
 
     def _cancelled(self, kept: Kept) -> bool:
         client = self.clients.get(kept.entry["client"])

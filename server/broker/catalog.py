@@ -18,6 +18,7 @@ from typing import Any
 from shmserve.signature import UnknownModel, VersionNotReady
 
 from .canary import Canary, CanaryPolicy, Split
+from .load_times import LoadTimes
 from .models import ModelVersion, State
 
 
@@ -67,6 +68,7 @@ class Catalog:
         # lists them, as Triton does, and a version outside them is "not found".
         self.failed_versions: dict[str, list[int]] = {}
         self.load_failures: dict[str, int] = collections.defaultdict(int)  # model -> failed loads
+        self.load_times = LoadTimes()  # every successful load's duration (load_times.py)
         self.model_dirs: dict[str, Path] = {}  # model -> its folder in a repository
         self.canaries: dict[str, Canary] = {}  # model -> its canary state (see canary.py)
 

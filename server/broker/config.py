@@ -14,6 +14,7 @@ from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 from tritonclient.grpc import model_config_pb2 as mc
 
+from shmserve.shm import latency_histograms
 from shmserve.workers.devices import cuda_device_count
 
 from . import batch_io_checks, response_cache, unsupported
@@ -154,6 +155,9 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
     why = response_cache.refusal(config) or batch_io_checks.problem(config)
     if why:
         raise ConfigError(why)  # Triton's text names the model
+    why = latency_histograms.problem(model_metrics(config))
+    if why:
+        raise ConfigError(f"model '{m}': {why}")
     if config.platform == "ensemble":
         from .ensemble_plan import check_plan
 
@@ -259,6 +263,11 @@ def _fix_int64(descriptor: Any, value: Any) -> Any:
         else:
             out[key] = v
     return out
+
+
+def model_metrics(config: ModelConfig) -> dict:
+    """The config's ``model_metrics`` alone, as ``to_dict`` shows it (for shm/latency_histograms.py)."""
+    return {"model_metrics": json_format.MessageToDict(config.model_metrics, preserving_proto_field_name=True)}
 
 
 def to_dict(config: ModelConfig) -> dict:

@@ -386,6 +386,9 @@ class Ensembles:
         block = self._answer_block(run, outputs)
         if block is not None:
             run.sent += 1
+            if run.sent == 1:
+                arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
+                run.version.stats.first_response(now - arrived if 0 < arrived <= now else 0)
             if not run.outbox:
                 run.full_since = time.monotonic()
             run.outbox.append((200, *block))
@@ -459,6 +462,7 @@ class Ensembles:
         if self._reply(run, outputs):
             arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
             run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
+            run.version.stats.first_response(now - arrived if 0 < arrived <= now else 0)
 
     def _store(self, run: EnsembleRun, outputs: list[Output]) -> None:
         """After a cache miss: store the answer under the request's key."""

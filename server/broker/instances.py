@@ -88,6 +88,8 @@ class Instances:
             "cache_load": load_key(mv) if self.opts.response_cache_bytes else 0,
             # its output arena: the cap of all its extents and their least growth (shm/extents.py)
             "arena_cap": self.opts.worker_arena_bytes, "arena_growth": self.opts.worker_arena_growth_bytes,
+            # the buckets of its latency histograms; None: not exported, not counted
+            "latency_buckets": mv.stats.latency.buckets if self.opts.histogram_latencies else None,
         }
         with spec_file(spec) as stdin:  # not on argv: a large config override would not fit
             proc = subprocess.Popen([sys.executable, "-m", "shmserve.workers"], stdin=stdin, env=WORKER_ENV)

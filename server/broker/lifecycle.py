@@ -441,6 +441,7 @@ class Lifecycle:
         if mv.state == State.LOADING and all(i.ready for i in mv.instances):
             mv.state = State.READY
             mv.load_seconds = time.monotonic() - mv.created
+            self.catalog.load_times.observe(mv.name, mv.version, mv.load_seconds)
             log.info("successfully loaded '%s' version %d (%.2f s)", mv.name, mv.version, mv.load_seconds)
         self.routes.publish()
         if inst.added:

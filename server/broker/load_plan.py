@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from shmserve.shm import latency_histograms
 from shmserve.workers.classification import load_labels
 
 from . import config as cfgmod
@@ -58,6 +59,8 @@ class LoadPlanner:
         cfgmod.validate(config, model_dir, self.backends, versions, completed_later=not self.opts.strict_config)
         for warning in unsupported.warnings(config):
             log.warning("%s", warning)
+        for warning in latency_histograms.resolve(cfgmod.model_metrics(config))[1]:
+            log.warning("model '%s': %s", name, warning)
         note = response_cache.load_note(config, self.opts.response_cache_bytes)
         if note:
             log.warning("%s", note)

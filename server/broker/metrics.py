@@ -21,8 +21,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 from prometheus_client.metrics_core import Metric
 
+from shmserve.shm import latency_histograms as lh
 from shmserve.shm.stats import BUCKETS, PHASES, VersionTotals, bucket_upper_ns, quantile_ns
 
+from . import load_times
 from .gpu_metrics import FAMILIES as GPU_FAMILIES, GpuSampler
 from .system import CpuSampler
 
@@ -45,6 +47,7 @@ class MetricsOptions:
     address: str = "0.0.0.0"
     interval_ms: int = 2000
     summary_latencies: bool = False
+    histogram_latencies: bool = False  # --metrics-config histogram_latencies=true
     cpu: bool = True
     gpu: bool = True
 
@@ -126,6 +129,9 @@ class MetricSource(Protocol):
     def custom_docs(self) -> list[bytes]:
         """Every worker's published custom metrics document."""
 
+    def load_times(self) -> dict[tuple[str, int], tuple[list[int], float]]:
+        """Per (model, version) ever loaded: counts per load time bucket and their sum in seconds."""
+
 
 class _Collector:
     def __init__(self, source: MetricSource, opts: MetricsOptions) -> None:
@@ -177,6 +183,9 @@ class _Collector:
                      "execution per-model.", "gauge", lambda s: s.pending)
         if self.opts.summary_latencies:
             yield from self._summaries(rows)
+        if self.opts.histogram_latencies:
+            yield from latency_families(rows)
+            yield load_time_family(self.source.load_times())
         yield from self._histograms(rows)
         yield family("shmserve_worker_restarts", "Worker processes restarted after they died", "counter",
                      lambda s: s.worker_restarts)
@@ -255,6 +264,35 @@ class _Collector:
             for uuid, value in samples:
                 m.add_sample(name, {"gpu_uuid": uuid}, value)
             yield m
+
+
+def latency_families(rows: list[VersionRow]) -> Iterator[Metric]:
+    """``histogram_latencies``: per version, in the buckets its config sets, summed over its
+    workers and the broker's own observations."""
+    for family, (key, name, doc) in enumerate(lh.FAMILIES):
+        m = Metric(name, doc, "histogram")
+        for model, version, st in rows:
+            labels = {"model": model, "version": str(version)}
+            buckets, count, total_ms = lh.samples(st.latency.words, family, st.latency.buckets[key])
+            for le, n in buckets:
+                m.add_sample(name + "_bucket", {**labels, "le": le}, n)
+            m.add_sample(name + "_count", labels, count)
+            m.add_sample(name + "_sum", labels, total_ms)
+        yield m
+
+
+def load_time_family(rows: dict[tuple[str, int], tuple[list[int], float]]) -> Metric:
+    name = load_times.FAMILY
+    m = Metric(name, load_times.HELP, "histogram")
+    for (model, version), (counts, total) in sorted(rows.items()):
+        labels = {"model": model, "version": str(version)}
+        cumulative = 0
+        for le, n in zip([*map(lh.format_le, load_times.LOAD_BUCKETS_S), "+Inf"], counts):
+            cumulative += n
+            m.add_sample(name + "_bucket", {**labels, "le": le}, cumulative)
+        m.add_sample(name + "_count", labels, cumulative)
+        m.add_sample(name + "_sum", labels, total)
+    return m
 
 
 def _cache_families(rows: list[VersionRow]) -> Iterator[Metric]:

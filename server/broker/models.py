@@ -15,6 +15,7 @@ from typing import Any
 
 from shmserve.batching import Pending
 from shmserve.shm.channel import ClientSegment, WorkerSegment
+from shmserve.shm import latency_histograms
 from shmserve.shm.stats import VersionTotals
 from shmserve.signature import ModelSignature
 
@@ -98,6 +99,10 @@ class ModelVersion:
     requested_config: Any = None  # the config loaded, before the backend completed it
     weights_key: str = ""  # names this load's shared weights (workers/shared_weights.py)
     files: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # instance_update.folder_fingerprint
+
+    def __post_init__(self) -> None:
+        # Counted in the buckets its config sets (model_metrics), as its workers count.
+        self.stats = VersionTotals(latency_histograms.resolve(self.config_dict)[0])
 
     def set_config(self, config_dict: dict[str, Any]) -> None:
         self.config_dict = config_dict

@@ -46,6 +46,11 @@ class BrokerOptions:
     # {local repository folder: its URL}, re-synced while serving (cloud_sync.py)
     cloud_repositories: dict[str, str] = dataclasses.field(default_factory=dict)
 
+    @property
+    def histogram_latencies(self) -> bool:
+        """``--metrics-config histogram_latencies=true``: workers count latency histograms."""
+        return self.metrics_config.get("histogram_latencies") == "true"
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -30,6 +30,7 @@ class Statistics:
         serve_metrics(MetricsOptions(port=opts.metrics_port, address=opts.metrics_address,
                                      interval_ms=opts.metrics_interval_ms,
                                      summary_latencies=opts.metrics_config.get("summary_latencies") == "true",
+                                     histogram_latencies=opts.histogram_latencies,
                                      cpu=opts.cpu_metrics, gpu=opts.gpu_metrics), self)
 
     def rows(self) -> list[tuple[str, int, VersionTotals]]:
@@ -77,6 +78,10 @@ class Statistics:
             ("shmserve_canary_traffic_fraction", "Share of a model's unversioned requests each version is sent",
              "gauge", self._split_samples()),
         ]
+
+    def load_times(self) -> dict[tuple[str, int], tuple[list[int], float]]:
+        """Every successful load's duration, per version (kept after unloads)."""
+        return dict(self.catalog.load_times.rows)
 
     def custom_docs(self) -> list[bytes]:
         """Every live worker's published custom metrics."""

@@ -48,7 +48,6 @@ FIELDS: dict[str, tuple[str, str]] = {
     "sequence_batching.oldest.preserve_ordering": (WARN, "batches of several instances may answer out of order"),
     "ensemble_scheduling.step.model_namespace": (WARN, "model namespacing is not supported: the step runs the "
                                                        "model of that name"),
-    "model_metrics": (WARN, "histograms keep the server's buckets (--metrics-config); no per-model override"),
 }
 
 # Every other field of Triton's ModelConfig is implemented: read by the loader, the schedulers, the
@@ -97,6 +96,9 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "instance_group.rate_limiter.resources.count", "instance_group.rate_limiter.priority",
     "model_warmup", "model_warmup.name", "model_warmup.batch_size", "model_warmup.inputs", "model_warmup.count",
     "model_transaction_policy", "model_transaction_policy.decoupled", "response_cache", "response_cache.enable",
+    "model_metrics", "model_metrics.metric_control", "model_metrics.metric_control.metric_identifier",
+    "model_metrics.metric_control.metric_identifier.family", "model_metrics.metric_control.histogram_options",
+    "model_metrics.metric_control.histogram_options.buckets",  # shm/latency_histograms.py
 })
 # Fields of the table above that a backend implements itself: not warned about for its models.
 HONOURED: dict[str, set[str]] = {
