@@ -174,15 +174,16 @@ class BrokerSegment:
         self.seg.buf[off + 8:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - 8 - len(raw))
         struct.pack_into("<Q", self.seg.buf, off, cookie)
 
-    def announce(self, client_pid: int, client_name: str, timeout: float = 5.0) -> None:
-        """Client side: put a connect record on the shared ring under the mutex, ring the bell."""
+    def announce(self, ticket: int, client_name: str, timeout: float = 5.0) -> None:
+        """Client side: put a connect record (its ticket, its segment's name) on the shared ring
+        under the mutex, ring the bell."""
         try:
             self.mutex.acquire(timeout)
         except posix_ipc.BusyError:
             raise ConnectionError("the broker's connect ring is locked; is the server alive?") from None
         try:
             deadline = time.monotonic() + timeout
-            while not self.connect.put(client_pid, client_name.encode()):
+            while not self.connect.put(ticket, client_name.encode()):
                 if time.monotonic() > deadline:
                     raise ConnectionError("the broker's connect ring stays full")
                 time.sleep(0.001)

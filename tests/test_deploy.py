@@ -220,7 +220,8 @@ def test_the_pod_with_the_application_shares_only_dev_shm_as_one_user():
     uid = pod["securityContext"]["runAsUser"]
     assert all(c.get("securityContext", {}).get("runAsUser", uid) == uid for c in (server, app))
     notes = deployment["spec"]["template"]["metadata"]["annotations"]
-    need = shm_need(server["args"], int(notes["shmserve/instances-per-pod"])) + quantity(notes["shmserve/local-clients-bytes"])
+    need = shm_need(server["args"], int(notes["shmserve/instances-per-pod"])) \
+        + quantity(notes["shmserve/local-clients-bytes"])
     assert quantity(dshm["emptyDir"]["sizeLimit"]) >= need
     # The example application is this repository's, where the image copies it.
     script = app["command"][1]

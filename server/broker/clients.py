@@ -49,7 +49,8 @@ class Clients:
     def on_connects(self) -> None:
         """Attach every client that announced itself on the connect ring. Any process of our user
         may write that ring: a record that names no client segment of its own ticket, or whose
-        ticket no live process holds, is refused, with a warning, and so is a ring whose counters were scribbled on (its records are skipped)."""
+        ticket no live process holds, is refused, with a warning, and so is a ring whose counters
+        were scribbled on (its records are skipped)."""
         try:
             records = self.seg.connect.drain()
         except RingCorrupt as e:

@@ -4,7 +4,8 @@ Registering makes the server read and write an object on the caller's behalf, so
 only for an object the caller could open itself for reading and writing, as ``shm_open(O_RDWR)``
 would decide for that user: the object's owner, group and mode against the caller's uid and
 groups (from the user database), uid 0 opening anything. A key under ``/shmclient.<ticket>.`` is
-the local client process's own (its liveness ticket, shm/liveness.py) (``Client.create_region``) and no one else may name it.
+the local client process's own (``Client.create_region``; the ticket is its liveness lock,
+shm/liveness.py) and no one else may name it.
 
 A region belongs to whoever registered it: a local client's connection, or a network caller's
 uid. Only its owner unregisters it, or an admin (a request that carried the key of the
