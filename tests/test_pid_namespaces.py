@@ -20,6 +20,7 @@ from conftest import DEADLINE_S, ROOT, shm_names, start_shm_server, wait_until
 from gates import Gate
 
 from as_nobody import NOBODY, run_as_nobody
+from shmserve.shm.channel import LANE_PENDING, ClientSegment
 from shmserve.shm.client import Client
 
 # A client that is pid 1 of its own PID namespace: it says its pid and ticket, serves one request
@@ -28,6 +29,7 @@ from shmserve.shm.client import Client
 NAMESPACED = r"""
 import os, sys
 import numpy as np
+from shmserve.shm.channel import LANE_PENDING, ClientSegment
 from shmserve.shm.client import Client
 server_id, gate = sys.argv[1], sys.argv[2]
 c = Client(server_id)
@@ -130,3 +132,23 @@ except ServerUnavailable as e:
     result = str(e)
 """, ns_server.id)
     assert "runs as another user" in got and f"uid {NOBODY.pw_uid}" in got, got
+
+
+def test_a_connect_record_whose_ticket_no_process_holds_is_refused(ns_server):
+    """A segment announced under a ticket no live process holds (its maker is gone, or never held
+    it) is not attached: liveness is the kernel's lock, not what the record or header says."""
+    with Client(ns_server.id) as good:
+        conn = good._conn  # noqa: SLF001
+        free = next(t for t in range(conn.ticket + 1, conn.ticket + 1000) if not conn._tickets.held(t))  # noqa: SLF001
+        name = f"/shmserve.{ns_server.id}.client.{free}-0"
+        seg = ClientSegment.create(name, 1 << 20, free)
+        try:
+            conn.broker.announce(free, name)
+            wait_until(lambda: f"ticket {free} is held by no live process" in ns_server.log(),
+                       "the broker refuses a ticket nobody holds")
+            assert seg.lane == LANE_PENDING, "the broker attached it"
+        finally:
+            seg.close()
+            seg.unlink()
+        a = np.arange(16, dtype=np.int32)
+        assert good.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == (2 * a).tolist()
