@@ -23,11 +23,11 @@ from __future__ import annotations
 import struct
 import threading
 
-from .names import pid_alive
+from .liveness import consumer_alive
 
 BLOCK_HEADER = 64  # keeps every payload 64-byte aligned for numpy/torch
 ALIGN = 64
-_HDR = struct.Struct("<QII")  # total bytes, state, consumer pid
+_HDR = struct.Struct("<QII")  # total bytes, state, consumer (its liveness ticket, liveness.py)
 _STATE = struct.Struct("<I")
 USED, FREED, SKIP = 1, 2, 3
 SOFT_LIMIT = 4 << 20
@@ -65,7 +65,7 @@ class Arena:
     def bytes_in_use(self) -> int:
         return self._used - self._skipped
 
-    def alloc(self, nbytes: int, consumer_pid: int = 0) -> int:
+    def alloc(self, nbytes: int, consumer: int = 0) -> int:
         """Absolute payload offset in the segment, or -1 when the arena cannot hold it now."""
         need = (BLOCK_HEADER + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1)
         with self._lock:
@@ -81,7 +81,7 @@ class Arena:
                 at = self._place(need)
                 if at < 0:
                     return -1
-            _HDR.pack_into(self._buf, self._base + at, need, USED, consumer_pid)
+            _HDR.pack_into(self._buf, self._base + at, need, USED, consumer)
             self._head = at + need
             self._used += need
             return self._base + at + BLOCK_HEADER
@@ -110,8 +110,8 @@ class Arena:
     def _reclaim(self, check_dead: bool) -> None:
         buf, base, size = self._buf, self._base, self._size
         while self._used > 0:
-            total, state, pid = _HDR.unpack_from(buf, base + self._tail)
-            if state == USED and not (check_dead and pid and not pid_alive(pid)):
+            total, state, consumer = _HDR.unpack_from(buf, base + self._tail)
+            if state == USED and not (check_dead and consumer and not consumer_alive(consumer)):
                 break
             if state == SKIP:
                 self._skipped -= total

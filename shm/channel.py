@@ -5,8 +5,10 @@ Each segment starts with a small header, then its rings, then an arena:
   many clients write it) and the broker's arena (batch descriptors, control replies).
 - worker.<n>: inbox (broker -> worker), outbox (worker -> broker) and the first extent of the worker's
   output arena; the arena grows into more segments, worker.<n>.arena.<k> (shm/extents.py).
-- client.<pid>-<k>: request ring (client -> broker), completion slots (written by whoever answers)
-  and the client's arena (request descriptors and input tensors).
+- client.<ticket>-<k>: request ring (client -> broker), completion slots (written by whoever answers)
+  and the client's arena (request descriptors and input tensors). The ticket is the client
+  process's liveness lock (shm/liveness.py), not its pid: the client may live in another PID
+  namespace.
 Semaphores carry the same names as the segments they wake (POSIX keeps the two apart).
 """
 from __future__ import annotations
@@ -70,6 +72,8 @@ REGION_HOLDS_BYTES = 64 << 10  # the regions a worker's lane requests use (worke
 _COOKIE = struct.Struct("<Q")
 LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
+PROCESS_OFFSET = 40  # client header: its process's pid and PID namespace (inode), for logs only
+_PROCESS = struct.Struct("<II")
 DEPARTURES_OFFSET = 128  # broker header: count of clients that left
 
 
@@ -83,6 +87,14 @@ def _align(n: int, a: int = 4096) -> int:
 def _create_sem(name: str, initial: int = 0) -> posix_ipc.Semaphore:
     unlink_semaphore(name)
     return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
+
+
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of /proc/self/ns/pid; 0 where unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF
+    except OSError:
+        return 0
 
 
 def read_header(seg: Segment) -> tuple[int, int, int]:
@@ -162,15 +174,16 @@ class BrokerSegment:
         self.seg.buf[off + 8:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - 8 - len(raw))
         struct.pack_into("<Q", self.seg.buf, off, cookie)
 
-    def announce(self, client_pid: int, client_name: str, timeout: float = 5.0) -> None:
-        """Client side: put a connect record on the shared ring under the mutex, ring the bell."""
+    def announce(self, ticket: int, client_name: str, timeout: float = 5.0) -> None:
+        """Client side: put a connect record (its ticket, its segment's name) on the shared ring
+        under the mutex, ring the bell."""
         try:
             self.mutex.acquire(timeout)
         except posix_ipc.BusyError:
             raise ConnectionError("the broker's connect ring is locked; is the server alive?") from None
         try:
             deadline = time.monotonic() + timeout
-            while not self.connect.put(client_pid, client_name.encode()):
+            while not self.connect.put(ticket, client_name.encode()):
                 if time.monotonic() > deadline:
                     raise ConnectionError("the broker's connect ring stays full")
                 time.sleep(0.001)
@@ -331,7 +344,8 @@ class WorkerSegment:
 class ClientSegment:
     """``fifo=True`` wakes the client through a FIFO an asyncio loop can watch, else a semaphore."""
 
-    def __init__(self, seg: Segment, slots: int, create: bool, fifo: bool = False, notify: int | None = None) -> None:
+    def __init__(self, seg: Segment, slots: int, create: bool, fifo: bool = False, notify: int | None = None,
+                 ticket: int = 0) -> None:
         self.seg = seg
         self.name = seg.name
         off = HEADER_BYTES
@@ -350,7 +364,8 @@ class ClientSegment:
         flag = flag_view(seg.buf, SLEEPING_FLAG_OFFSET)
         if create:
             kind = notify if notify is not None else NOTIFY_FIFO if fifo else NOTIFY_SEMAPHORE
-            _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
+            _HEADER.pack_into(seg.buf, 0, MAGIC, ticket, time.time_ns())
+            _PROCESS.pack_into(seg.buf, PROCESS_OFFSET, os.getpid(), pid_namespace())
             struct.pack_into("<III", seg.buf, 16, slots, kind, LANE_PENDING)
             self.requests.reset()
             self.slot_states[:] = 0
@@ -374,9 +389,12 @@ class ClientSegment:
         return _align(HEADER_BYTES + Ring.nbytes(REQUEST_CAPACITY, RECORD) + slots * SLOT_BYTES) + arena_bytes
 
     @classmethod
-    def create(cls, name: str, arena_bytes: int, slots: int = DEFAULT_SLOTS, fifo: bool = False,
+    def create(cls, name: str, arena_bytes: int, ticket: int, slots: int = DEFAULT_SLOTS, fifo: bool = False,
                notify: int | None = None) -> "ClientSegment":
-        return cls(Segment.create(name, cls.nbytes(slots, arena_bytes)), slots, create=True, fifo=fifo, notify=notify)
+        """``ticket``: the creating process's liveness ticket (shm/liveness.py), kept in the
+        header where the other segments keep their pid."""
+        return cls(Segment.create(name, cls.nbytes(slots, arena_bytes)), slots, create=True, fifo=fifo, notify=notify,
+                   ticket=ticket)
 
     @classmethod
     def attach(cls, name: str) -> "ClientSegment":
@@ -411,8 +429,14 @@ class ClientSegment:
         return self.lane == LANE_REFUSED
 
     @property
-    def pid(self) -> int:
+    def ticket(self) -> int:
+        """The creator's liveness ticket (shm/liveness.py)."""
         return read_header(self.seg)[1]
+
+    def process(self) -> tuple[int, int]:
+        """(pid, PID namespace inode) the creator wrote: its pid means something here only if the
+        namespace is ours (``pid_namespace()``), and even then it is the client's word."""
+        return _PROCESS.unpack_from(self.seg.buf, PROCESS_OFFSET)
 
     @property
     def lane(self) -> int:

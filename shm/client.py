@@ -29,7 +29,7 @@ import numpy as np
 from .completion import Answer, Completion
 from .connection import DEFAULT_POLL_US, Backpressure, Connection, ServerUnavailable
 from .protocol import REQ_CONTROL
-from .regions import Region, find_shm_mapping
+from .regions import Region, created_key_prefix, find_shm_mapping
 from .results import InferResult
 from .streams import Stream, StreamEvents
 from .tensors import CONFIG_TO_WIRE, DTYPES, from_buffer, serialize_bytes, wire_datatype
@@ -132,7 +132,7 @@ class Client:
     def create_region(self, name: str, byte_size: int) -> Region:
         """A new shm region owned by this client, registered under ``name``. Its object goes when
         the client closes, when the process exits, or (unlinked by the server) when it dies."""
-        region = Region.create(name, byte_size)
+        region = Region.create(name, byte_size, created_key_prefix(self._conn.ticket) + name)
         try:
             self._control({"op": "shm_register", "name": name, "key": region.key, "offset": 0,
                            "byte_size": byte_size, "owned": True, "created": True})

@@ -30,7 +30,8 @@ from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from .completion import Callback
 from .copying import copy_into
-from .names import check_server_id, object_name, pid_alive
+from .liveness import BROKER_TICKET, Tickets, process_ticket
+from .names import check_server_id, object_name
 from .protocol import RECORD, REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER, REQ_POLLING, STREAM_CAPACITY, \
     manifest_room, write_manifest
 from .ring import Ring
@@ -82,12 +83,21 @@ class Connection:
             self.broker = BrokerSegment.attach(server_id)
         except (posix_ipc.ExistentialError, ConnectionError, FileNotFoundError):
             raise ServerUnavailable(f"no shmserve server with id '{server_id}' is running on this host") from None
-        self.broker_pid = self.broker.pid
-        if not pid_alive(self.broker_pid):
+        except (posix_ipc.PermissionsError, PermissionError):
+            raise ServerUnavailable(f"the shmserve server '{server_id}' runs as another user: this process (uid "
+                                    f"{os.getuid()}) may not open its shared memory; run the client as the "
+                                    f"server's user (docs/deploy.md)") from None
+        # Liveness both ways by tickets, not pids: we may be in another PID namespace (another
+        # container of the pod) than the server (shm/liveness.py).
+        try:
+            self._tickets, self.ticket = process_ticket(server_id)
+        except OSError:
+            self.broker.close()
+            raise ServerUnavailable(f"no shmserve server with id '{server_id}' is running on this host") from None
+        if not self._broker_alive():
             self.broker.close()
             raise ServerUnavailable(f"the shmserve server with id '{server_id}' is not running (stale objects)")
-        self.name = object_name(server_id, "client", f"{os.getpid()}-{next(_counter)}")
-        self.seg = ClientSegment.create(self.name, arena_bytes, slots, fifo=loop_driven)
+        self.name, self.seg = self._create_segment(arena_bytes, slots, loop_driven)
         self.arena = self.seg.arena
         assert self.arena is not None
         self._cond = threading.Condition()  # guards _leading (see "waiting" below)
@@ -95,7 +105,7 @@ class Connection:
         self._spin = SpinPolicy(poll_us / 1e6)
         self._closed = False
         self.alive = True
-        self.broker.announce(os.getpid(), self.name)
+        self.broker.announce(self.ticket, self.name)
         self.lane = self._await_lane()
         self._router = Router(self.server_id, self.broker, self.lane)
         self._slots = Slots(self.server_id, self.seg, self._router)
@@ -106,12 +116,28 @@ class Connection:
                                             daemon=True)
             self._waiter.start()
 
+    def _create_segment(self, arena_bytes: int, slots: int, fifo: bool) -> tuple[str, ClientSegment]:
+        """Our segment, ``client.<ticket>-<k>``: a name no live client has (the ticket is ours);
+        one a dead holder of the same ticket left behind is passed over."""
+        while True:
+            name = object_name(self.server_id, "client", f"{self.ticket}-{next(_counter)}")
+            try:
+                return name, ClientSegment.create(name, arena_bytes, self.ticket, slots, fifo=fifo)
+            except posix_ipc.ExistentialError:
+                continue
+
+    def _broker_alive(self) -> bool:
+        """Whether the broker we attached still holds its ticket (not: its pid lives, which we
+        may not see)."""
+        tickets: Tickets = self._tickets
+        return tickets.fd >= 0 and tickets.held(BROKER_TICKET)
+
     def _await_lane(self, timeout: float = 10.0) -> int | None:
         """Wait until the broker has taken our connect record (and given us a lane, if one is free)."""
         deadline = time.monotonic() + timeout
         delay = 0.0001
         while self.seg.lane == LANE_PENDING:
-            if time.monotonic() > deadline or not pid_alive(self.broker_pid):
+            if time.monotonic() > deadline or not self._broker_alive():
                 self.seg.close()
                 self.seg.unlink()
                 raise ServerUnavailable(f"the shmserve server '{self.server_id}' did not accept the connection")
@@ -376,7 +402,7 @@ class Connection:
             self._server_gone(f"the shmserve server '{self.server_id}' disconnected this client: it found "
                               f"garbage in the client's shared memory (the server's log says what)")
             return False
-        if self.alive and pid_alive(self.broker_pid) and self.broker.started_ns == self._broker_started():
+        if self.alive and self._broker_alive() and self.broker.started_ns == self._broker_started():
             self._slots.forget_gone_producers()  # once a second or so, with the other checks
             return True
         if self.alive:
@@ -404,7 +430,7 @@ class Connection:
         self._closed = True
         # Names first: once the broker hears BYE, workers drop what no longer has a name.
         self.seg.unlink()
-        if self.alive and pid_alive(self.broker_pid):
+        if self.alive and self._broker_alive():
             try:
                 self.seg.requests.put(REQ_BYE, 0, 0, 0, 0)
                 self.broker.waker.notify()

@@ -68,12 +68,12 @@ class OutputArenas:
         self._lock = threading.Lock()
 
     # -- the request path --------------------------------------------------------------------------
-    def alloc(self, nbytes: int, consumer_pid: int = 0) -> tuple[int, int]:
+    def alloc(self, nbytes: int, consumer: int = 0) -> tuple[int, int]:
         """(extent, payload offset) of a new block; raises GrowthRefused when the arena cannot grow."""
-        off = self.first.alloc(nbytes, consumer_pid)
+        off = self.first.alloc(nbytes, consumer)
         if off >= 0:
             return 0, off
-        return self._alloc_beyond(nbytes, consumer_pid)
+        return self._alloc_beyond(nbytes, consumer)
 
     def buf(self, extent: int) -> memoryview:
         return self.first_buf if extent == 0 else self._grown[extent][0].buf
@@ -99,19 +99,19 @@ class OutputArenas:
         return sorted(self._grown)
 
     # -- growth ------------------------------------------------------------------------------------
-    def _alloc_beyond(self, nbytes: int, consumer_pid: int) -> tuple[int, int]:
+    def _alloc_beyond(self, nbytes: int, consumer: int) -> tuple[int, int]:
         with self._lock:
             self._unlink_drained()
             current = self._current
             if current:
-                off = self._grown[current][1].alloc(nbytes, consumer_pid)
+                off = self._grown[current][1].alloc(nbytes, consumer)
                 if off >= 0:
                     return current, off
             grown = self._grow(BLOCK_HEADER + _round_up(max(nbytes, 1), ALIGN), nbytes)
             if grown is None:
                 return 0, -1
             extent, arena = grown
-            off = arena.alloc(nbytes, consumer_pid)
+            off = arena.alloc(nbytes, consumer)
             if off < 0:  # cannot happen: the extent was sized for it
                 raise GrowthRefused(self._refusal(nbytes, "the new extent could not hold it"))
             return extent, off

@@ -32,8 +32,9 @@ def extent_name(server_id: str, worker: int, extent: int) -> str:
 
 
 RESERVED_PREFIXES = (PREFIX + ".", "sem.")
-# The local client's own regions (``Client.create_region``): ``/shmclient.<pid>.<name>``. Not in
-# RESERVED_PREFIXES: only the client ``<pid>`` may register one (server/broker/region_access.py).
+# The local client's own regions (``Client.create_region``): ``/shmclient.<ticket>.<name>`` (its
+# process's liveness ticket, liveness.py). Not in RESERVED_PREFIXES: only the client process
+# holding ``<ticket>`` may register one (server/broker/region_access.py).
 CLIENT_PREFIX = "shmclient."
 
 

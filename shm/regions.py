@@ -6,7 +6,6 @@ tensors inside it travel by (region, offset, size) with no byte copied.
 from __future__ import annotations
 
 import mmap
-import os
 from typing import Any
 
 import numpy as np
@@ -15,10 +14,11 @@ import posix_ipc
 from .names import CLIENT_PREFIX, is_server_object
 
 
-def created_key_prefix(pid: int) -> str:
-    """The key prefix of the regions ``Region.create`` makes in process ``pid``: the server
+def created_key_prefix(ticket: int) -> str:
+    """The key prefix of the regions ``Region.create`` makes for the client process holding
+    liveness ``ticket`` (shm/liveness.py; a pid would repeat across PID namespaces): the server
     unlinks the ones a dead client registered as created (nobody else could any more)."""
-    return f"/{CLIENT_PREFIX}{pid}."
+    return f"/{CLIENT_PREFIX}{ticket}."
 
 
 class Region:
@@ -34,8 +34,7 @@ class Region:
         self.owner = owner
 
     @classmethod
-    def create(cls, name: str, size: int, key: str | None = None) -> "Region":
-        key = key or created_key_prefix(os.getpid()) + name
+    def create(cls, name: str, size: int, key: str) -> "Region":
         if is_server_object(key):
             raise ValueError(f"key '{key}' is in the server's own namespace")
         shm = posix_ipc.SharedMemory(key, posix_ipc.O_CREX, mode=0o600, size=size)

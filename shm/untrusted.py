@@ -112,13 +112,15 @@ def read_descriptor(buf: memoryview, rec: Record) -> tuple[dict[str, Any], int]:
 
 
 def client_name_pattern(server_id: str) -> re.Pattern[str]:
-    """The names ``Connection`` gives client segments: ``/shmserve.<id>.client.<pid>-<n>``."""
+    """The names ``Connection`` gives client segments: ``/shmserve.<id>.client.<ticket>-<n>``
+    (the ticket: its process's liveness lock, liveness.py)."""
     return re.compile(rf"/shmserve\.{re.escape(server_id)}\.client\.([0-9]{{1,10}})-[0-9]{{1,10}}")
 
 
 def check_connect(pattern: re.Pattern[str], pid: int, raw: bytes) -> str:
-    """The client segment a connect record names. The name must be the client's own (carry its
-    pid), so that a client can only ever hand the broker its own segment. Raises Garbage."""
+    """The client segment a connect record names. The name must be the client's own (carry the
+    record's number, its ticket, which the broker then checks is held), so that a client can
+    only ever hand the broker a segment of its own process. Raises Garbage."""
     body = raw.rstrip(b"\0")
     try:
         name = body.decode("ascii")

@@ -203,6 +203,31 @@ def test_the_deployment_agrees_with_the_server_flags(path):
     assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"]["runAsNonRoot"]
 
 
+def test_the_pod_with_the_application_shares_only_dev_shm_as_one_user():
+    """deploy/kubernetes/pod-local-client/: the application's container reaches the server through
+    one memory-backed emptyDir at /dev/shm, as the server's uid, and shares nothing else."""
+    deployment = yaml.safe_load((KUBE / "pod-local-client" / "deployment.yaml").read_text())
+    pod = pod_spec(deployment)
+    server, app = pod["containers"]
+    args = server_args(server["args"])
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    assert ports == {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
+    assert volume_of(pod, server, args.model_repository[0])
+    dshm = volume_of(pod, server, "/dev/shm")
+    assert volume_of(pod, app, "/dev/shm") is dshm and dshm["emptyDir"]["medium"] == "Memory"
+    assert [m["mountPath"] for m in app["volumeMounts"]] == ["/dev/shm"]
+    assert not any(pod.get(k) for k in ("shareProcessNamespace", "hostIPC", "hostPID"))
+    uid = pod["securityContext"]["runAsUser"]
+    assert all(c.get("securityContext", {}).get("runAsUser", uid) == uid for c in (server, app))
+    notes = deployment["spec"]["template"]["metadata"]["annotations"]
+    need = shm_need(server["args"], int(notes["shmserve/instances-per-pod"])) \
+        + quantity(notes["shmserve/local-clients-bytes"])
+    assert quantity(dshm["emptyDir"]["sizeLimit"]) >= need
+    # The example application is this repository's, where the image copies it.
+    script = app["command"][1]
+    assert script.startswith("/opt/shmserve/src/") and (ROOT / script.removeprefix("/opt/shmserve/src/")).is_file()
+
+
 def test_the_service_monitoring_and_autoscaling_agree_with_the_deployment():
     deployment = by_kind("Deployment")
     labels = deployment["spec"]["template"]["metadata"]["labels"]

@@ -27,6 +27,7 @@ from conftest import (DEADLINE_S, PYTHON, ROOT, cpu_ticks, pending_requests, pro
 from gates import Gate
 from shmserve.shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
 from shmserve.shm.protocol import NO_ROOM
+from shmserve.shm.liveness import process_ticket
 
 N = 16
 A = np.arange(N, dtype=np.int32)
@@ -45,9 +46,10 @@ def client(lc_server):
     c.close()
 
 
-def client_segments(server_id: str, pid: int | None = None) -> list[str]:
-    """/dev/shm entries (segments, FIFOs, semaphores) of the local clients of ``pid`` (default: us)."""
-    stem = f"shmserve.{server_id}.client.{pid or os.getpid()}-"
+def client_segments(server_id: str, ticket: int | None = None) -> list[str]:
+    """/dev/shm entries (segments, FIFOs, semaphores) of the local clients of the process holding
+    liveness ``ticket`` (default: us)."""
+    stem = f"shmserve.{server_id}.client.{ticket or process_ticket(server_id)[1]}-"
     return shm_names(stem) + shm_names("sem." + stem)
 
 
@@ -777,7 +779,7 @@ def test_client_killed_mid_request_is_noticed(lc_server, killed_clients, tmp_pat
     gate = Gate(tmp_path / "gate")
     proc, key = start_kid(lc_server.id, "plain", gate)
     try:
-        kid_objects = client_segments(lc_server.id, proc.pid)
+        kid_objects = client_segments(lc_server.id, key_ticket(key))
         assert kid_objects, "the client process has no client segment"
         (segment,) = [n for n in kid_objects if not n.startswith("sem.") and not n.endswith(".fifo")]
         assert f"kid_{proc.pid}" in http_region_names(lc_server)
@@ -787,7 +789,7 @@ def test_client_killed_mid_request_is_noticed(lc_server, killed_clients, tmp_pat
         proc.wait(DEADLINE_S)
         killed_clients.append((segment, time.monotonic()))
         gate.open()  # the model finishes the dead client's request
-        wait_for(lambda: client_segments(lc_server.id, proc.pid) == [], DEADLINE_S,
+        wait_for(lambda: client_segments(lc_server.id, key_ticket(key)) == [], DEADLINE_S,
                  "the killed client's segment, FIFO and semaphore disappear")
         assert f"kid_{proc.pid}" not in http_region_names(lc_server), "its region is still registered"
         wait_for(lambda: not os.path.exists("/dev/shm" + key), DEADLINE_S,
@@ -849,7 +851,7 @@ def test_a_program_that_never_closes_its_client_leaves_nothing(lc_server):
         assert proc.returncode == 0, proc.stderr
         assert key.startswith("/shmclient."), proc.stdout
         assert not os.path.exists("/dev/shm" + key), "the region's object outlived the program"
-        assert client_segments(lc_server.id, proc_pid(key)) == [], "its connection's objects outlived it"
+        assert client_segments(lc_server.id, key_ticket(key)) == [], "its connection's objects outlived it"
         assert "unclosed" not in http_region_names(lc_server)
     finally:
         if key.startswith("/") and os.path.exists("/dev/shm" + key):
@@ -881,8 +883,8 @@ def test_a_forked_child_leaves_its_parents_client_alone(lc_server):
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
-def proc_pid(key: str) -> int:
-    """The pid in a key ``Client.create_region`` made (``/shmclient.<pid>.<name>``)."""
+def key_ticket(key: str) -> int:
+    """The liveness ticket in a key ``Client.create_region`` made (``/shmclient.<ticket>.<name>``)."""
     return int(key.split(".")[1])
 
 
@@ -940,9 +942,9 @@ def test_server_restart_gives_a_connected_client_a_clear_error(server_factory):
         answer = bounded(lambda: fresh.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT1"].copy(), DEADLINE_S)
         assert "value" in answer, f"the new server's client got no answer: {answer}"
         np.testing.assert_array_equal(answer["value"], A - B)
-        server_objects = [n for n in shm_entries(second.id) if f".client.{os.getpid()}-" not in n]
+        server_objects = [n for n in shm_entries(second.id) if f".client.{process_ticket(second.id)[1]}-" not in n]
         assert bounded(old.close, DEADLINE_S) == {"value": None}  # closing the stale client is harmless...
-        assert [n for n in shm_entries(second.id) if f".client.{os.getpid()}-" not in n] == server_objects
+        assert [n for n in shm_entries(second.id) if f".client.{process_ticket(second.id)[1]}-" not in n] == server_objects
         np.testing.assert_array_equal(fresh.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"], A + B)
     assert client_segments(second.id) == []
 
@@ -998,7 +1000,7 @@ def test_killed_clients_segment_is_unmapped_by_the_server(lc_server, killed_clie
         gate = Gate(tmp_path / "gate")
         gate.open()  # (its request need not wait)
         proc, key = start_kid(lc_server.id, "plain", gate)
-        (segment,) = [n for n in client_segments(lc_server.id, proc.pid)
+        (segment,) = [n for n in client_segments(lc_server.id, key_ticket(key))
                       if not n.startswith("sem.") and not n.endswith(".fifo")]
         kill_kid(proc, key)
         killed_clients.append((segment, time.monotonic()))

@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 from conftest import DEADLINE_S, TESTS, processes_mapping, shm_names, wait_until
 from gates import Gate
 from shmserve import Client
+from shmserve.shm.liveness import process_ticket
 from shmserve.server.cli import parse_args
 from test_shared_memory import Regions
 
@@ -513,7 +514,7 @@ def test_no_process_keeps_a_departed_clients_arena_an_ensemble_read(cache_server
     """To key a request to a cached ensemble the broker reads the client's arena, and the first
     step's worker reads its inputs there too; once the client leaves, no server process keeps
     that memory mapped (a later client of the same name is read anew)."""
-    stem = f"shmserve.{cache_server.id}.client.{os.getpid()}-"
+    stem = f"shmserve.{cache_server.id}.client.{process_ticket(cache_server.id)[1]}-"
     before = set(shm_names(stem))
     local = Client(cache_server.id)
     (name,) = set(shm_names(stem)) - before

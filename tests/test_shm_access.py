@@ -2,7 +2,7 @@
 
 Loopback is not a user boundary: a client running as ``nobody`` may register only objects it
 could open itself (its own, or one whose mode lets it), never root's mode-0600 objects; a local
-client's own objects (``/shmclient.<pid>.*``) are its alone; a region is unregistered only by
+client's own objects (``/shmclient.<ticket>.*``, its process's liveness ticket) are its alone; a region is unregistered only by
 whoever registered it, or by a caller with the shared-memory restricted-API key;
 ``--allow-client-shm=false`` refuses client regions with Triton's text; and gRPC peers that
 grpcio names in any of its forms (``localhost`` is ``ipv6:%5B::1%5D:port``) are recognised.
@@ -194,7 +194,7 @@ def test_a_local_clients_objects_are_its_own(server, local, root_object):
     b = region.array(np.int32, (N,), offset=NB)
     a[:] = np.arange(N)
     b[:] = 1000
-    assert region.key.startswith(f"/shmclient.{os.getpid()}.")
+    assert region.key.startswith(f"/shmclient.{local._conn.ticket}.")  # noqa: SLF001
     http = httpclient.InferenceServerClient(url(server, "http"))
     try:
         with pytest.raises(InferenceServerException) as e:
@@ -217,8 +217,8 @@ def test_a_local_clients_objects_are_its_own(server, local, root_object):
 
 
 def test_another_local_clients_key_is_refused(server, local):
-    """A local client may name only its own process's ``/shmclient.<pid>.`` objects."""
-    key = f"/shmclient.{os.getppid()}.not_mine_{next(_keys)}"
+    """A local client may name only its own process's ``/shmclient.<ticket>.`` objects."""
+    key = f"/shmclient.{local._conn.ticket + 1}.not_mine_{next(_keys)}"  # noqa: SLF001
     handle = shm.create_shared_memory_region("nm", key, NB, create_only=True)
     try:
         with pytest.raises(InferenceServerError) as e:
@@ -299,7 +299,7 @@ def test_allow_client_shm_false_refuses_client_regions_with_tritons_text(module_
             with pytest.raises(InferenceServerError) as e2:
                 lc.create_region("lc_off", NB)
             assert (e2.value.status, e2.value.message) == (501, DISABLED)
-            assert not os.path.exists(f"/dev/shm/shmclient.{os.getpid()}.lc_off")  # its object went too
+            assert not os.path.exists(f"/dev/shm/shmclient.{lc._conn.ticket}.lc_off")  # noqa: SLF001  # its object went too
             # inference without regions is served as ever
             assert lc.infer("add_sub", {"INPUT0": np.ones(N, np.int32),
                                         "INPUT1": np.ones(N, np.int32)})["OUTPUT0"].tolist() == [2] * N

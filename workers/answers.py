@@ -170,7 +170,7 @@ class Answers:
         total = room + sum(n for n, _ in tensors)
         status = 0
         try:
-            extent, off = self.arena.alloc(total, entry["pid"])
+            extent, off = self.arena.alloc(total, entry["ticket"])
         except GrowthRefused as e:
             refused = str(e)
             log.warning("%s", refused)
@@ -183,7 +183,7 @@ class Answers:
             status, tensors = 503, []
             total = manifest_room(len(doc))
             try:
-                extent, off = self.arena.alloc(total, entry["pid"])
+                extent, off = self.arena.alloc(total, entry["ticket"])
             except GrowthRefused:
                 off = -1
             if off < 0:

@@ -23,7 +23,7 @@ import orjson
 import posix_ipc
 
 from shmserve.batching import DynamicBatcher, Pending, QueueFull, batches_on_worker
-from shmserve.shm import logs
+from shmserve.shm import liveness, logs
 from shmserve.shm.arena import Arena, free_block
 from shmserve.shm.channel import REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
 from shmserve.shm.extents import OutputArenas
@@ -76,6 +76,7 @@ class Worker:
         self.stream_lock = threading.Lock()  # streams finish on the model's threads: their counting
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
         self.broker = BrokerSegment.attach(self.server_id)
+        liveness.watch(self.server_id)  # whether clients live: their tickets, not pids (another namespace)
         self.regions = RegionTable(self.broker.regions)  # for requests naming regions on direct lanes
         # The regions its lane requests use, published so that the broker can defer unregisters.
         self.holds = RegionHolds(self.regions, self.seg.region_holds, REGION_HOLDS_BYTES)
@@ -263,7 +264,7 @@ class Worker:
         if its slot is a real one, and the broker is told (it disconnects the client); its later
         records are dropped unread."""
         if client is not None and slot is not None and slot < client.nslots:
-            self._answer_error({"client": name, "pid": client.pid, "slot": slot}, 400,
+            self._answer_error({"client": name, "ticket": client.ticket, "slot": slot}, 400,
                                f"the server disconnected this client: {e}", refused=True)
         if cookie in self._refused:
             return
@@ -272,7 +273,7 @@ class Worker:
             return
         self._refused.add(cookie)
         log.warning("lane %d: client %s (pid %s) wrote garbage: %s; the broker disconnects it", lane, name,
-                    client.pid if client is not None else "?", e)
+                    client.process()[0] if client is not None else "?", e)
         self.seg.report_garbage(lane, cookie, e.fault)
         self.broker.waker.notify()
 
@@ -308,7 +309,7 @@ class Worker:
         """A request a client put on its lane: checked here instead of in the broker, then run,
         or queued for a batch (True) when this instance batches its lanes."""
         slot, off = rec.slot, rec.off
-        entry = {"client": client_name, "pid": client.pid, "slot": slot}
+        entry = {"client": client_name, "ticket": client.ticket, "slot": slot}
         assert self.signature is not None
         try:
             doc, data_start = read_descriptor(client.seg.buf, rec)
@@ -568,7 +569,7 @@ class Worker:
         """Unmap the segments of clients that are gone, so their memory is not pinned here."""
         for name, client in list(self.clients.items()):
             # Gone: the process died, or it closed the connection (which unlinks the segment).
-            if not pid_alive(client.pid) or not os.path.exists("/dev/shm" + name):
+            if not liveness.consumer_alive(client.ticket) or not os.path.exists("/dev/shm" + name):
                 if self.late:
                     self._drop_late(name)
                 if self.batcher is not None and len(self.batcher):

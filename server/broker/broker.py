@@ -26,7 +26,9 @@ import time
 
 from shmserve.shm.channel import BrokerSegment
 from shmserve.parent_death import ORPHANED
-from shmserve.shm.names import object_name, pid_alive, unlink_all
+from shmserve.shm import liveness
+from shmserve.shm.liveness import BROKER_TICKET
+from shmserve.shm.names import object_name, unlink_all
 from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import RING_KINDS, Garbage, Record, check_record, read_descriptor
@@ -67,7 +69,10 @@ class Broker:
         self.cache = create_store(opts.server_id, opts.response_cache_bytes)  # workers attach it; ensembles use it
         self.catalog = Catalog()
         self.instances = Instances(opts)
-        self.clients = Clients(self.seg, opts.server_id)
+        # Byte 0 of our segment's file: clients in any PID namespace see that we live (shm/liveness.py).
+        self.tickets = liveness.watch(opts.server_id)
+        self.tickets.hold(BROKER_TICKET)
+        self.clients = Clients(self.seg, opts.server_id, self.tickets)
         self.regions = Regions(self.seg, self.journal)
         self.routes = Routes(self.seg, self.catalog, self.instances)
         self.limiter = RateLimiter(opts.rate_limit, opts.rate_limit_resources)
@@ -178,7 +183,7 @@ class Broker:
         # Step outputs of workers now gone (reloaded, restarted) are never read again: unmap them.
         self.ensembles.segments.drop_unlinked(object_name(self.opts.server_id, "worker", ""))
         for client in list(self.clients.by_name.values()):
-            if not pid_alive(client.pid):
+            if not self.clients.tickets.held(client.ticket):
                 log.info("client %s (pid %d) died; reclaiming its channel", client.name, client.pid)
                 self._drop_client(client, died=True)
         if not self.lifecycle.startup_done:

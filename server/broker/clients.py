@@ -16,8 +16,8 @@ import orjson
 import posix_ipc
 
 from shmserve.batching import Pending
-from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment
-from shmserve.shm.names import pid_alive
+from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment, pid_namespace
+from shmserve.shm.liveness import Tickets
 from shmserve.shm.protocol import ROLE_BROKER, SLOT_PENDING, manifest_room, write_manifest
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import Fault, Garbage, check_connect, client_name_pattern
@@ -30,41 +30,49 @@ _QUARANTINED = "<refused>"  # the lane of a refused client, until its process is
 
 
 class Clients:
-    def __init__(self, seg: BrokerSegment, server_id: str) -> None:
+    """``tickets``: the broker's view of the clients' liveness tickets (shm/liveness.py): a
+    client may live in another PID namespace (another container of the pod), so its pid means
+    nothing here; whether it lives is whether its ticket is held."""
+
+    def __init__(self, seg: BrokerSegment, server_id: str, tickets: Tickets) -> None:
         self.seg = seg
+        self.tickets = tickets
+        self._pid_namespace = pid_namespace()
         assert seg.arena is not None  # the broker's segment, which it created
         self.arena = seg.arena
         self.by_name: dict[str, Client] = {}
         self.lanes: list[str | None] = [None] * LANES  # lane -> the client holding it
         self.next_cookie = 0
         self._names = client_name_pattern(server_id)
-        self.quarantined: dict[int, int] = {}  # lane -> pid of the refused client that held it
+        self.quarantined: dict[int, int] = {}  # lane -> ticket of the refused client that held it
 
     def on_connects(self) -> None:
         """Attach every client that announced itself on the connect ring. Any process of our user
-        may write that ring: a record that names no client segment of its own pid is refused, with
-        a warning, and so is a ring whose counters were scribbled on (its records are skipped)."""
+        may write that ring: a record that names no client segment of its own ticket, or whose
+        ticket no live process holds, is refused, with a warning, and so is a ring whose counters
+        were scribbled on (its records are skipped)."""
         try:
             records = self.seg.connect.drain()
         except RingCorrupt as e:
             skipped = self.seg.connect.resync()
             log.warning("refused %d connect record(s): the connect ring's %s", skipped, e)
             return
-        for pid, raw in records:
+        for ticket, raw in records:
             try:
-                name = check_connect(self._names, pid, raw)
+                name = check_connect(self._names, ticket, raw)
                 if name in self.by_name:
-                    raise Garbage(Fault.CONNECT, f"pid {pid}: {name} is connected already")
-                if not pid_alive(pid):
-                    raise Garbage(Fault.CONNECT, f"pid {pid} is not a live process")
+                    raise Garbage(Fault.CONNECT, f"ticket {ticket}: {name} is connected already")
+                if not self.tickets.held(ticket):
+                    raise Garbage(Fault.CONNECT, f"ticket {ticket} is held by no live process")
                 seg = ClientSegment.attach(name)
-                if seg.pid != pid:
+                if seg.ticket != ticket:
                     seg.close()
-                    raise Garbage(Fault.HEADER, f"{name} was made by pid {seg.pid}, not {pid}")
+                    raise Garbage(Fault.HEADER, f"{name} was made under ticket {seg.ticket}, not {ticket}")
             except (posix_ipc.Error, ConnectionError, OSError, ValueError) as e:
-                log.warning("client %d could not be attached: %s", pid, e)
+                log.warning("client %d could not be attached: %s", ticket, e)
                 continue
-            client = Client(name=name, pid=pid, seg=seg)
+            pid, namespace = seg.process()
+            client = Client(name=name, ticket=ticket, seg=seg, pid=pid if namespace == self._pid_namespace else 0)
             self.by_name[name] = client
             self._give_lane(client)
             log.debug("client %s connected (lane %s)", name, client.lane)
@@ -106,12 +114,12 @@ class Clients:
         client.seg.lane = LANE_REFUSED
         if client.lane is not None and self.lanes[client.lane] == client.name:
             self.lanes[client.lane] = _QUARANTINED
-            self.quarantined[client.lane] = client.pid
+            self.quarantined[client.lane] = client.ticket
             self.seg.set_lane_client(client.lane, "", 0)
 
     def _release_quarantined(self) -> None:
-        for lane, pid in list(self.quarantined.items()):
-            if not pid_alive(pid):
+        for lane, ticket in list(self.quarantined.items()):
+            if not self.tickets.held(ticket):
                 del self.quarantined[lane]
                 self.lanes[lane] = None
 
@@ -119,7 +127,7 @@ class Clients:
         """Answer a client from the broker's own arena (control replies and early errors)."""
         data = orjson.dumps(doc)
         room = manifest_room(len(data))
-        off = self.arena.alloc(room, client.pid)
+        off = self.arena.alloc(room, client.ticket)
         if off < 0:  # answered without a block: the client reads shm.protocol.NO_ROOM (a 503)
             log.error("broker arena is full; client %s gets a 503 for slot %d", client.name, slot)
             client.seg.complete(slot, 503, ROLE_BROKER, 0, 0, 0)

@@ -268,7 +268,7 @@ class ControlHandler:
         caller = self._client_shm(doc, client)  # a local client's region is its connection's
         # Only an object named as Client.create_region names it in the client's own process.
         reclaim = caller.owner.connection is not None and bool(doc.get("created")) and \
-            str(doc["key"]).startswith(created_key_prefix(client.pid))
+            str(doc["key"]).startswith(created_key_prefix(client.ticket))
         self.regions.system.register(doc["name"], doc["key"], int(doc.get("offset", 0)), int(doc["byte_size"]),
                                      caller, reclaim)
         self.regions.publish()

@@ -44,6 +44,7 @@ from shmserve.batching import Pending
 from shmserve.shm.arena import free_block
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
+from shmserve.shm.liveness import BROKER_TICKET
 from shmserve.shm.names import object_name
 from shmserve.shm.protocol import (CANCELLED_STATUS, NO_ROOM, RECORD, ROLE_BROKER, SLOT_DONE,
                                    SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, cancelled_error,
@@ -93,8 +94,9 @@ class Ensembles:
         self.scheduler = scheduler
         self.instances = instances
         name = object_name(server_id, "client", "broker")
-        self.own = Client(name=name, pid=os.getpid(),
-                          seg=ClientSegment.create(name, OWN_ARENA_BYTES, slots=OWN_SLOTS, notify=NOTIFY_BROKER))
+        self.own = Client(name=name, ticket=BROKER_TICKET, pid=os.getpid(),
+                          seg=ClientSegment.create(name, OWN_ARENA_BYTES, BROKER_TICKET, slots=OWN_SLOTS,
+                                                   notify=NOTIFY_BROKER))
         clients.by_name[name] = self.own  # answered, dropped and closed like any client
         self.free = collections.deque(range(OWN_SLOTS))
         self.inflight: dict[int, StepCall] = {}  # own slot -> the step call it carries
@@ -221,7 +223,7 @@ class Ensembles:
             call.ring.reset()
             request["stream"] = {"seg": self.own.name, "off": self.rings[call.ring_index]}
         slot = call.slot = self.free.popleft()
-        request.update(client=self.own.name, pid=os.getpid(), slot=slot)
+        request.update(client=self.own.name, ticket=BROKER_TICKET, slot=slot)
         self.own.seg.uncancel(slot)
         self.own.seg.set_target(slot, 0)  # (set once a decoupled step's first response names its worker)
         self.own.seg.set_slot_state(slot, SLOT_PENDING)
@@ -611,7 +613,7 @@ class Ensembles:
             outs.append(desc)
         body = orjson.dumps({"version": run.version.version, "outputs": outs})
         room = manifest_room(len(body))
-        off = self.arena.alloc(room + pos, run.client.pid)
+        off = self.arena.alloc(room + pos, run.client.ticket)
         if off < 0:
             self._fail_run(run, run.plan.steps[-1], 503, "the broker's arena is full; retry later")
             return None

@@ -50,7 +50,7 @@ class Intake:
             sig.check_outputs(outputs)
             priority, timeout_us, sent_ns = queue_options(doc)
             entry = {
-                "client": client.name, "pid": client.pid, "slot": slot, "id": doc.get("id", ""),
+                "client": client.name, "ticket": client.ticket, "slot": slot, "id": doc.get("id", ""),
                 "params": doc.get("params"), "corr": doc.get("corr", 0), "flags": doc.get("flags", 0),
                 "t": sent_ns,
                 "inputs": [self._resolve(client, t, "input", data_start) for t in inputs],

@@ -32,9 +32,10 @@ class Client:
     """A connected client (a frontend process or a local program) as the broker sees it."""
 
     name: str
-    pid: int
+    ticket: int  # its process's liveness ticket (shm/liveness.py): what the server keys it on
     seg: ClientSegment
     lane: int | None = None
+    pid: int = 0  # its process's pid, when it shares our PID namespace (0: it does not); for logs and BLS
 
 
 @dataclasses.dataclass

@@ -3,8 +3,9 @@
 Registering makes the server read and write an object on the caller's behalf, so it is allowed
 only for an object the caller could open itself for reading and writing, as ``shm_open(O_RDWR)``
 would decide for that user: the object's owner, group and mode against the caller's uid and
-groups (from the user database), uid 0 opening anything. A key under ``/shmclient.<pid>.`` is
-the local client ``<pid>``'s own (``Client.create_region``) and no one else may name it.
+groups (from the user database), uid 0 opening anything. A key under ``/shmclient.<ticket>.`` is
+the local client process's own (``Client.create_region``; the ticket is its liveness lock,
+shm/liveness.py) and no one else may name it.
 
 A region belongs to whoever registered it: a local client's connection, or a network caller's
 uid. Only its owner unregisters it, or an admin (a request that carried the key of the
@@ -53,7 +54,7 @@ class Owner:
 class Caller:
     owner: Owner
     admin: bool = False
-    pid: int | None = None  # a local client's process
+    ticket: int | None = None  # a local client's process's liveness ticket (shm/liveness.py)
 
     def may_unregister(self, owner: Owner) -> bool:
         return self.admin or owner == self.owner
@@ -71,16 +72,17 @@ def caller_of(doc: dict, client: Client) -> Caller:
         uid = os.stat(SHM_DIR + client.name).st_uid
     except OSError:
         raise RegionDenied("this client's connection is gone") from None
-    return Caller(Owner(uid, client.name), False, client.pid)
+    return Caller(Owner(uid, client.name), False, client.ticket)
 
 
 def check_client_key(name: str, key: str, caller: Caller) -> None:
-    """A key under ``/shmclient.<pid>.`` may be registered only by the local client ``<pid>``."""
+    """A key under ``/shmclient.<ticket>.`` may be registered only by the local client process
+    holding ``<ticket>`` (shm/liveness.py), not by its pid: pids repeat across PID namespaces."""
     bare = key.lstrip("/")
     if not bare.startswith(CLIENT_PREFIX):
         return
-    pid = bare[len(CLIENT_PREFIX):].partition(".")[0]
-    if caller.owner.connection is None or str(caller.pid) != pid:
+    ticket = bare[len(CLIENT_PREFIX):].partition(".")[0]
+    if caller.owner.connection is None or str(caller.ticket) != ticket:
         raise InvalidRequest(f"cannot register shared memory region '{name}' with key '{key}' as the key "
                              f"contains the reserved prefix '{CLIENT_PREFIX}' (the objects of another "
                              f"local client)")

@@ -4,11 +4,12 @@ blocks freed by a consumer over a second mapping, and blocks of a dead consumer 
 (tests/test_arena.py covers the soft limit over large arenas.)"""
 from __future__ import annotations
 
-import os
 import subprocess
+import sys
 
 import pytest
 
+from shmserve.shm import liveness
 from shmserve.shm.arena import ALIGN, BLOCK_HEADER, Arena, free_block
 from segments import segment_pair  # noqa: F401  (a fixture: real segments, mapped twice)
 
@@ -108,19 +109,45 @@ def test_an_arena_writes_nothing_outside_its_range(segment_pair):
     assert bytes(created.buf[BASE + 1024:]) == b"\x5a" * (total - BASE - 1024)
 
 
-def test_blocks_of_a_dead_consumer_are_taken_back_once_room_runs_out(segment_pair):
+@pytest.fixture
+def tickets(tmp_path):
+    """Liveness tickets on a file of their own (as the broker's segment file in a server)."""
+    path = tmp_path / "tickets"
+    path.touch()
+    yield liveness.watch_file(str(path))
+    liveness.stop_watching()
+
+
+def held_ticket(path: str) -> subprocess.Popen:
+    """A process that holds ticket 7 until its stdin closes; it says 'held' once it does."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys\nfrom shmserve.shm.liveness import Tickets\n"
+                             f"t = Tickets({path!r}); assert t.hold(7); print('held', flush=True); sys.stdin.read()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_blocks_of_a_dead_consumer_are_taken_back_once_room_runs_out(segment_pair, tickets):
     arena, _, _ = arena_in(segment_pair, 1024)
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # reaped: its pid names no process
-    held_by_dead = [arena.alloc(64, consumer_pid=gone.pid) for _ in range(4)]
-    mine = [arena.alloc(64, consumer_pid=0) for _ in range(4)]  # 0: the owner's own, never taken back
+    holder = held_ticket(tickets.path)
+    assert tickets.held(7)
+    holder.stdin.close()
+    holder.wait()  # gone: the kernel dropped its lock
+    assert not tickets.held(7)
+    held_by_dead = [arena.alloc(64, consumer=7) for _ in range(4)]
+    mine = [arena.alloc(64, consumer=0) for _ in range(4)]  # 0: the owner's own, never taken back
     assert all(b > 0 for b in held_by_dead + mine)
     assert arena.alloc(UNIT * 4 - BLOCK_HEADER) == held_by_dead[0]  # the dead consumer's space
     assert arena.alloc(1) == -1  # the owner's own blocks stay until freed
 
 
-def test_a_live_consumers_blocks_are_kept(segment_pair):
+def test_a_live_consumers_blocks_are_kept(segment_pair, tickets):
     arena, _, _ = arena_in(segment_pair, 1024)
-    for _ in range(8):
-        assert arena.alloc(64, consumer_pid=os.getpid()) > 0
-    assert arena.alloc(1) == -1
+    holder = held_ticket(tickets.path)  # in a process of its own: as a client in another container
+    try:
+        for _ in range(8):
+            assert arena.alloc(64, consumer=7) > 0
+        assert arena.alloc(1) == -1
+    finally:
+        holder.stdin.close()
+        holder.wait()

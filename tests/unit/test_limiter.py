@@ -108,7 +108,7 @@ def test_a_bls_call_runs_on_its_callers_resources_given_back_once_neither_runs()
     parent, child, other = (version(n, '{ name: "R" count: 1 }') for n in ("parent", "child", "other"))
     rl = limiter(parent, child, other)
     run(rl, [parent])
-    caller = Client("client.x", parent.instances[0].proc.pid, None)  # type: ignore[arg-type]
+    caller = Client("client.x", 1, None, pid=parent.instances[0].proc.pid)  # type: ignore[arg-type]
     child.queue.append(Pending(caller, 0, 0, {}, 1, 0.0))  # parent's BLS request
     mv, inst, lender = run(rl, [other, child], batch_id=2)
     assert (mv, lender) == (child, rl.running[parent.instances[0].num])  # ahead of other, on parent's copy
