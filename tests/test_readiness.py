@@ -139,3 +139,44 @@ def test_the_drain_lasts_at_most_exit_timeout_secs(server_factory, tmp_path):
     assert 2 <= took < 20, took
     assert "still in flight after 2 s (--exit-timeout-secs)" in server.log()
     assert shm_entries(server.id) == []
+
+
+def test_is_ready_of_a_python_model_decides_its_readiness_off_the_request_path(server_factory, monkeypatch,
+                                                                               tmp_path):
+    doubt = tmp_path / "doubt"
+    doubt.mkdir()
+    monkeypatch.setenv("SHMSERVE_TEST_DOUBT_DIR", str(doubt))
+    server = server_factory.start([READINESS_MODELS]).wait_ready()
+    http = server.client()
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    x = httpclient.InferInput("X", [1], "INT32")
+    x.set_data_from_numpy(np.array([0], dtype=np.int32))
+
+    def verdict_becomes(ready: bool) -> None:  # each check answers with the verdict of the one before
+        wait_for(lambda: http.is_model_ready("doubtful") == ready, f"is_ready() verdict {ready}")
+        assert grpc.is_model_ready("doubtful") == ready
+
+    verdict_becomes(True)
+    for cause in ("no", "raise", "text"):
+        (doubt / cause).touch()
+        verdict_becomes(False)
+        assert http.infer("doubtful", [x]).as_numpy("PID")[0] > 0  # readiness only: requests still run
+        (doubt / cause).unlink()
+        verdict_becomes(True)
+    assert "is_ready() raised RuntimeError('the feature store is unreachable')" in server.log()
+    assert "is_ready() must return a boolean value" in server.log()
+    assert http.is_server_ready()  # the server's readiness is the models' load state, as Triton's
+
+    (doubt / "hang").touch()  # a check that never returns: not ready after 5 s, inference unharmed
+    http.is_model_ready("doubtful")
+    started = time.monotonic()
+    while time.monotonic() - started < 4:
+        begin = time.monotonic()
+        assert http.infer("doubtful", [x]).as_numpy("PID")[0] > 0
+        assert time.monotonic() - begin < 2.0  # never behind is_ready()
+        time.sleep(0.2)
+    verdict_becomes(False)
+    (doubt / "hang").unlink()
+    verdict_becomes(True)
+    http.close()
+    grpc.close()

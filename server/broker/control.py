@@ -28,6 +28,7 @@ from .lifecycle import CANCELLED_STATUS, UNLOADED, UPLOAD_PREFIX, Lifecycle
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .options import BrokerOptions
+from .readiness import version_ready
 from .region_access import CLIENT_SHM_DISABLED, Caller, ClientShmDisabled, caller_of
 from .regions import Regions
 from .routes import Routes
@@ -96,7 +97,7 @@ class ControlHandler:
         if not self.lifecycle.running:
             return 200, {"ready": False}  # draining before a stop: the model takes no new requests
         try:
-            return 200, {"ready": self._version(doc).live()}  # not while every instance is restarting
+            return 200, {"ready": version_ready(self._version(doc))}  # not while every instance is restarting
         except InvalidRequest:
             return 200, {"ready": False}
 
