@@ -25,14 +25,14 @@ from gates import Gate
 READINESS_MODELS = TESTS / "models" / "readiness"
 
 
-def call(url: str, gate: Gate | None = None, timeout: float = DEADLINE_S) -> int:
+def call(url: str, gate: Gate | None = None, timeout: float = DEADLINE_S, model: str = "relapse") -> int:
     """PID of the worker of 'relapse' that answered (held at ``gate`` until it opens)."""
     client = httpclient.InferenceServerClient(url, network_timeout=timeout, connection_timeout=timeout)
     try:
         t = httpclient.InferInput("X", [1], "INT32")
         t.set_data_from_numpy(np.array([0], dtype=np.int32))
         parameters = {"gate": gate.param} if gate is not None else None
-        return int(client.infer("relapse", [t], parameters=parameters).as_numpy("PID")[0])
+        return int(client.infer(model, [t], parameters=parameters).as_numpy("PID")[0])
     finally:
         client.close()
 
@@ -90,9 +90,10 @@ def test_sigterm_drains_answering_503_with_retry_after_and_failing_readiness(ser
     # A keep-alive connection opened before the stop, as a load balancer's pool holds one.
     pooled = httpclient.InferenceServerClient(server.url, network_timeout=DEADLINE_S)
     assert pooled.is_server_ready()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
         held = pool.submit(call, server.url, gate)
-        gate.wait_started(1)
+        relayed = pool.submit(call, server.url, gate, model="relay")  # its BLS call comes after SIGTERM
+        gate.wait_started(2)
         server.proc.send_signal(signal.SIGTERM)
 
         wait_for(lambda: raw_request(server.port, "GET", "/v2/health/ready").status != 200,
@@ -117,6 +118,7 @@ def test_sigterm_drains_answering_503_with_retry_after_and_failing_readiness(ser
         assert server.proc.poll() is None  # still draining: the held request is in flight
         gate.open()
         assert held.result() > 0  # what was in flight finished
+        assert relayed.result() == held.result()  # its BLS call too (relapse's one instance answered)
     assert server.wait_exit(DEADLINE_S) == 0, server.log_tail()
     assert shm_entries(server.id) == []
     wait_for(lambda: not any(pid_alive(p) for p in tree), "every process gone")

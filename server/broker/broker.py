@@ -105,8 +105,7 @@ class Broker:
         """Stop serving; ``orphaned``: the launcher is gone, so stop at once (no frontend is left
         to wait for answers) and remove every object of the server, which the launcher would."""
         self.orphaned = self.orphaned or orphaned
-        self.lifecycle.stop()  # readiness (server and models) says no from now on
-        self.intake.refusal = EXITING
+        self.lifecycle.stop()  # readiness (server and models) says no from now on; shutdown() refuses the rest
 
     def _in_flight(self) -> int:
         """Requests the drain waits for: queued or running in the broker's versions, on workers'
@@ -279,7 +278,11 @@ class Broker:
         deadline = time.monotonic() + (0 if self.orphaned else self.opts.exit_timeout_s)
         if self.orphaned:
             log.error("the launcher died: stopping at once and removing the server's shared memory")
-        self.routes.draining = True  # new requests come to the broker, which refuses them (intake.py)
+        # New requests come to the broker, which refuses them (intake.py), but our workers' BLS
+        # calls: they are part of requests in flight.
+        self.intake.exempt_pids = {inst.proc.pid for _, inst in self.instances.workers.values()}
+        self.intake.refusal = EXITING
+        self.routes.draining = True
         self.routes.publish()
         waiting = self._in_flight()
         if waiting:

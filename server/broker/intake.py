@@ -39,7 +39,8 @@ class Intake:
         self.clients = clients
         self.scheduler = scheduler
         self.ensembles = ensembles
-        self.refusal = ""  # set when the server stops: every new request is refused with it (503)
+        self.refusal = ""  # set when the server stops: every new request is refused with it (503)...
+        self.exempt_pids: set[int] = set()  # ... but those of our workers (BLS: part of a request in flight)
 
     def infer(self, client: Client, rec: Record) -> None:
         """Take the request of a checked record (its descriptor in the client's arena). Raises
@@ -48,7 +49,7 @@ class Intake:
         slot, off = rec.slot, rec.off
         doc, data_start = read_descriptor(client.seg.seg.buf, rec)
         try:
-            if self.refusal:  # draining before a stop: what is in flight finishes, nothing new starts
+            if self.refusal and client.pid not in self.exempt_pids:  # draining before a stop: what is in flight finishes, nothing new starts
                 raise ServerExiting(self.refusal)
             mv = self.catalog.find_version(doc["model"], doc.get("version"), inference=True)
             if mv.ensemble is not None and mv.ensemble.decoupled and "stream" not in doc:
