@@ -49,7 +49,8 @@ class Intake:
         slot, off = rec.slot, rec.off
         doc, data_start = read_descriptor(client.seg.seg.buf, rec)
         try:
-            if self.refusal and client.pid not in self.exempt_pids:  # draining before a stop: what is in flight finishes, nothing new starts
+            # Draining before a stop: what is in flight finishes, nothing new starts.
+            if self.refusal and client.pid not in self.exempt_pids:
                 raise ServerExiting(self.refusal)
             mv = self.catalog.find_version(doc["model"], doc.get("version"), inference=True)
             if mv.ensemble is not None and mv.ensemble.decoupled and "stream" not in doc:
