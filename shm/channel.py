@@ -46,6 +46,7 @@ _EXTENT_SIZE = struct.Struct("<Q")
 READINESS_OFFSET = 512
 _READINESS = struct.Struct("<QQQQ")  # has is_ready, asked (broker), answered (worker), verdict (worker)
 READY_YES, READY_NO = 1, 2  # verdicts (0: none yet)
+R_HAS, R_ASKED, R_ANSWERED, R_VERDICT = range(4)  # its words
 LANE_BELLS_OFFSET = 1024  # worker header: one byte per lane, set by its client after a put
 NOTIFY_KIND_OFFSET = 20  # client header: how to wake the client
 NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER = 0, 1, 2  # BROKER: the broker itself (its doorbell)

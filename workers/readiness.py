@@ -14,11 +14,9 @@ import logging
 import threading
 from typing import Callable
 
-from shmserve.shm.channel import READY_NO, READY_YES, WorkerSegment
+from shmserve.shm.channel import R_ANSWERED, R_ASKED, R_HAS, R_VERDICT, READY_NO, READY_YES, WorkerSegment
 
 log = logging.getLogger("shmserve.worker")
-
-HAS, ASKED, ANSWERED, VERDICT = range(4)  # the words of the header's readiness block
 
 
 class ReadinessCheck:
@@ -28,7 +26,7 @@ class ReadinessCheck:
         self.name = name
         self.asked = threading.Event()
         self.last_problem = ""
-        seg.set_readiness_word(HAS, 1)
+        seg.set_readiness_word(R_HAS, 1)
         self.asked.set()  # a first verdict right after the load
         threading.Thread(target=self._run, name="is_ready", daemon=True).start()
 
@@ -39,13 +37,13 @@ class ReadinessCheck:
         while True:
             self.asked.wait()
             self.asked.clear()
-            asks = self.seg.readiness()[ASKED]
+            asks = self.seg.readiness()[R_ASKED]
             ready, problem = self._call()
             if problem != self.last_problem and problem:
                 log.warning("instance '%s' is not ready: %s", self.name, problem)
             self.last_problem = problem
-            self.seg.set_readiness_word(VERDICT, READY_YES if ready else READY_NO)
-            self.seg.set_readiness_word(ANSWERED, asks)  # after the verdict: the broker reads in that order
+            self.seg.set_readiness_word(R_VERDICT, READY_YES if ready else READY_NO)
+            self.seg.set_readiness_word(R_ANSWERED, asks)  # after the verdict: the broker reads in that order
 
     def _call(self) -> tuple[bool, str]:
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from shmserve.shm.channel import READY_YES
+from shmserve.shm.channel import R_ASKED, READY_YES
 from shmserve.shm.protocol import W_CHECK_READY
 
 from .models import Instance, ModelVersion
@@ -32,11 +32,14 @@ def instance_ready(inst: Instance, now: float) -> bool:
     if not has:
         return True
     if answered >= inst.readiness_asks:  # no check running: start one (one at a time, as Triton)
-        inst.readiness_asks += 1
-        inst.seg.set_readiness_word(1, inst.readiness_asks)
+        asks = inst.readiness_asks + 1
+        inst.seg.set_readiness_word(R_ASKED, asks)  # before the record: the worker reads it when woken
         if inst.seg.inbox.put(W_CHECK_READY, 0, 0, 0, 0):
+            inst.readiness_asks = asks
+            inst.readiness_asked_at = now
             inst.seg.waker.post()
-        inst.readiness_asked_at = now
+        else:  # a full inbox: ask at the next check
+            inst.seg.set_readiness_word(R_ASKED, inst.readiness_asks)
     elif now - inst.readiness_asked_at > READINESS_TIMEOUT_S:
         return False  # a check that hangs: not ready until it answers
     return verdict == READY_YES
