@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -19,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import DEADLINE_S, TESTS, pid_alive, raw_request, shm_entries
+from conftest import DEADLINE_S, PYTHON, TESTS, pid_alive, raw_request, shm_entries
 from gates import Gate
 
 READINESS_MODELS = TESTS / "models" / "readiness"
@@ -182,3 +183,11 @@ def test_is_ready_of_a_python_model_decides_its_readiness_off_the_request_path(s
     verdict_becomes(True)
     http.close()
     grpc.close()
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+def test_a_drain_length_that_is_no_length_stops_the_start(value):
+    run = subprocess.run([PYTHON, "-m", "shmserve", "--model-repository", str(READINESS_MODELS),
+                          "--exit-timeout-secs", value], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert run.returncode == 2, run.stderr
+    assert "--exit-timeout-secs" in run.stderr
