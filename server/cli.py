@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bool(p, "--exit-on-error", True,
              "exit if a model fails to load at start (default true)")
     p.add_argument("--exit-timeout-secs", type=float, default=30.0,
-                   help="on shutdown, seconds to wait for in-flight requests (default 30)")
+                   help="on SIGTERM, how long the drain waits for requests in flight; meanwhile readiness says no "
+                        "and new requests get 503 (default 30)")
     p.add_argument("--log-verbose", type=int, default=0,
                    help="verbose logging level: lines of verbose level <= N are logged; 0 is off (default 0)")
     add_bool(p, "--log-info", True,
@@ -208,6 +209,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"model repository '{repo}' does not exist or is not a directory")
     if args.http_workers < 1:
         parser.error("--http-workers must be at least 1")
+    if not 0 <= args.exit_timeout_secs < 1e9:  # (nan fails too) a negative drain would kill the broker at once
+        parser.error("--exit-timeout-secs must be a number of seconds, 0 or more")
     if args.http_max_input_size < 1 or args.http_max_tensor_elements < 1:
         parser.error("--http-max-input-size and --http-max-tensor-elements must be at least 1")
     try:

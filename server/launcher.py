@@ -231,16 +231,20 @@ class Launcher:
         return 0
 
     def _stop_all(self) -> None:
-        """Frontends first (stop accepting, finish responses), then the broker (drain, stop workers)."""
+        """The broker first, then the frontends. While the broker drains (up to
+        ``--exit-timeout-secs``) the frontends stay up: readiness says no at once, requests in
+        flight finish, and new ones get a 503 with Retry-After rather than a reset connection or a
+        hang in the accept queue. Once the broker is gone the frontends stop, finishing the
+        responses they are sending."""
         timeout = self.args.exit_timeout_secs + 5
+        if self.broker is not None and self.broker.poll() is None:
+            self.broker.send_signal(signal.SIGTERM)
+        _wait(self.broker, timeout)
         for fe in self.frontends:
             if fe is not None and fe.poll() is None:
                 fe.send_signal(signal.SIGTERM)
         for fe in self.frontends:
             _wait(fe, timeout)
-        if self.broker is not None and self.broker.poll() is None:
-            self.broker.send_signal(signal.SIGTERM)
-        _wait(self.broker, timeout)
         if self.sock is not None:
             self.sock.close()
 

@@ -43,6 +43,12 @@ EXTENTS_OFFSET = 256
 EXTENT_ENTRIES = 32
 MAX_EXTENTS = 1 << 24  # what a slot's role word can name (shm/protocol.py EXTENT_SHIFT)
 _EXTENT_SIZE = struct.Struct("<Q")
+# worker header: the model's own readiness check (is_ready(), workers/readiness.py): whether the
+# model has one, how many checks the broker asked for, and the last answer (asks answered, verdict)
+READINESS_OFFSET = 512
+_READINESS = struct.Struct("<QQQQ")  # has is_ready, asked (broker), answered (worker), verdict (worker)
+READY_YES, READY_NO = 1, 2  # verdicts (0: none yet)
+R_HAS, R_ASKED, R_ANSWERED, R_VERDICT = range(4)  # its words
 LANE_BELLS_OFFSET = 1024  # worker header: one byte per lane, set by its client after a put
 NOTIFY_KIND_OFFSET = 20  # client header: how to wake the client
 NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER = 0, 1, 2  # BROKER: the broker itself (its doorbell)
@@ -241,6 +247,14 @@ class WorkerSegment:
         else:
             self.sem = posix_ipc.Semaphore(seg.name)
         self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.sem)
+
+    def readiness(self) -> tuple[int, int, int, int]:
+        """(has is_ready, asks, asks answered, verdict): see READINESS_OFFSET."""
+        return _READINESS.unpack_from(self.seg.buf, READINESS_OFFSET)
+
+    def set_readiness_word(self, index: int, value: int) -> None:
+        """One word of the readiness block, each written by one side only (see _READINESS)."""
+        struct.pack_into("<Q", self.seg.buf, READINESS_OFFSET + 8 * index, value)
 
     def set_extent_size(self, extent: int, size: int) -> None:
         """Worker side: extent ``extent`` (1 .. MAX_EXTENTS-1) exists with ``size`` bytes."""

@@ -57,6 +57,7 @@ def refusal(message: str) -> dict[str, object]:
 # Kinds of records on a worker's inbox (broker -> worker).
 W_BATCH = 1
 W_STOP = 2
+W_CHECK_READY = 3  # run the model's is_ready() (workers/readiness.py); the answer goes in the header
 
 # Kinds of records on a worker's outbox (worker -> broker).
 W_READY = 1

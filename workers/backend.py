@@ -16,7 +16,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -110,6 +110,11 @@ class Instance(ABC):
 
     def finalize(self) -> None:
         """Instance finalize: release what ``Model.create_instance`` took."""
+
+    def readiness_check(self) -> Callable[[], Any] | None:
+        """The model's own readiness check (a Python model's ``is_ready``), or None: then the
+        instance is ready while its worker serves (workers/readiness.py)."""
+        return None
 
 
 class Model(ABC):

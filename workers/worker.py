@@ -29,7 +29,7 @@ from shmserve.shm.channel import REGION_HOLDS_BYTES, BrokerSegment, ClientSegmen
 from shmserve.shm.extents import OutputArenas
 from shmserve.shm.names import object_name, pid_alive
 from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
-    W_STOP, cancelled_error, read_manifest, refusal
+    W_CHECK_READY, W_STOP, cancelled_error, read_manifest, refusal
 from shmserve.shm.region_table import RegionTable
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_descriptor
@@ -45,6 +45,7 @@ from .classification import load_labels
 from .late_answers import CANCEL_CHECK_S, Deferred, Kept, LateAnswers
 from . import cuda
 from .cuda import CudaError
+from .readiness import ReadinessCheck
 from .region_holds import RegionHolds
 from .requests import DecoupledOnly, RequestError, check_request, read_inputs
 from .response_cache import ResponseCache
@@ -93,6 +94,7 @@ class Worker:
         self.backend: Backend | None = None
         self.model_state: Model | None = None
         self.instance: Instance | None = None
+        self.readiness: ReadinessCheck | None = None  # the model's is_ready(), if it has one
         self.running = True
         # Requests from our lanes waiting for a batch, when this instance batches them itself.
         self.batcher: DynamicBatcher | None = None
@@ -135,6 +137,8 @@ class Worker:
             self._post(W_LOAD_FAILED, 0, detail.encode())
             raise SystemExit(3) from None
         custom_metrics.REGISTRY.flush()  # families the model made in initialize() show before its first request
+        check = self.instance.readiness_check()
+        self.readiness = ReadinessCheck(self.seg, check, self.instance_name) if check is not None else None
         self._post(W_READY, 0, b"")
 
     def _post(self, kind: int, status: int, payload: bytes) -> None:
@@ -190,6 +194,8 @@ class Worker:
                     self.running = False  # answer what is already on the lanes, then go
                 elif kind == W_BATCH:
                     self._run_batch(off, batch_id)
+                elif kind == W_CHECK_READY and self.readiness is not None:
+                    self.readiness.ask()  # its own thread runs is_ready(): never in this loop
             lanes = seg.take_rung_lanes()
             if lanes:
                 polled = False

@@ -40,7 +40,7 @@ from .clients import Clients
 from .control import ControlHandler
 from .ensemble import Ensembles
 from .instances import Instances
-from .intake import Intake
+from .intake import EXITING, Intake
 from .journal import Journal
 from .lifecycle import Lifecycle
 from .models import Client
@@ -110,7 +110,14 @@ class Broker:
         """Stop serving; ``orphaned``: the launcher is gone, so stop at once (no frontend is left
         to wait for answers) and remove every object of the server, which the launcher would."""
         self.orphaned = self.orphaned or orphaned
-        self.lifecycle.stop()
+        self.lifecycle.stop()  # readiness (server and models) says no from now on; shutdown() refuses the rest
+
+    def _in_flight(self) -> int:
+        """Requests the drain waits for: queued or running in the broker's versions, on workers'
+        direct lanes, and ensembles in progress."""
+        count = sum(mv.in_flight() for mv in self.catalog.serving_and_retiring())
+        count += sum(inst.lanes_unfinished() for _, inst in self.instances.workers.values())
+        return count + (1 if self.ensembles.active() else 0)
 
     def _has_work(self) -> bool:
         if self.seg.connect.pending() or self.ensembles.has_completions():
@@ -276,13 +283,22 @@ class Broker:
         deadline = time.monotonic() + (0 if self.orphaned else self.opts.exit_timeout_s)
         if self.orphaned:
             log.error("the launcher died: stopping at once and removing the server's shared memory")
-        waiting = sum(mv.in_flight() for mv in self.catalog.serving())
+        # New requests come to the broker, which refuses them (intake.py), but our workers' BLS
+        # calls: they are part of requests in flight.
+        self.intake.exempt_pids = {inst.proc.pid for _, inst in self.instances.workers.values()}
+        self.intake.refusal = EXITING
+        self.routes.draining = True
+        self.routes.publish()
+        waiting = self._in_flight()
         if waiting:
             log.info("stopping: waiting up to %g s for %d request(s) in flight", self.opts.exit_timeout_s, waiting)
-        while time.monotonic() < deadline and any(mv.in_flight() for mv in self.catalog.serving()):
+        while time.monotonic() < deadline and self._in_flight():
             self.seg.waker.sleep(0.01, self._has_work)
             self._pump()
-        left = sum(mv.in_flight() for mv in self.catalog.serving())
+            if self.child_exited:  # a worker that dies now fails its requests at once
+                self.child_exited = False
+                self.supervisor.check_workers()
+        left = self._in_flight()
         if left:
             log.warning("stopping with %d request(s) still in flight after %g s (--exit-timeout-secs)", left,
                         self.opts.exit_timeout_s)

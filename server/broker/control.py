@@ -28,6 +28,7 @@ from .lifecycle import CANCELLED_STATUS, UNLOADED, UPLOAD_PREFIX, Lifecycle
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .options import BrokerOptions
+from .readiness import version_ready
 from .region_access import CLIENT_SHM_DISABLED, Caller, ClientShmDisabled, caller_of
 from .regions import Regions
 from .routes import Routes
@@ -93,8 +94,10 @@ class ControlHandler:
         return self.catalog.find_version(doc["model"], doc.get("version"))
 
     def _model_ready(self, client: Client, slot: int, doc: dict) -> Answer:
+        if not self.lifecycle.running:
+            return 200, {"ready": False}  # draining before a stop: the model takes no new requests
         try:
-            return 200, {"ready": self._version(doc).live()}  # not while every instance is restarting
+            return 200, {"ready": version_ready(self._version(doc))}  # not while every instance is restarting
         except InvalidRequest:
             return 200, {"ready": False}
 
@@ -125,8 +128,7 @@ class ControlHandler:
             if versions:
                 stale = b.failed_reload(name)  # the old versions serve on after a later load failed
                 for v, mv in sorted(versions.items()):
-                    reason = mv.reason or (stale if mv.state == State.READY else "")
-                    out.append({"name": name, "version": str(v), "state": mv.state.value, "reason": reason})
+                    out.append({"name": name, "version": str(v), **index_state(mv, stale)})
             elif name in b.load_errors:
                 failed = {"state": State.UNAVAILABLE.value, "reason": b.load_errors[name]}
                 tried = b.failed_versions.get(name)
@@ -334,6 +336,16 @@ class RepositoryPollFailed(InvalidRequest):
     of the model repository, INTERNAL (500), and Triton's own example programs check for that."""
 
     status = 500
+
+
+def index_state(mv: ModelVersion, stale: str) -> dict[str, str]:
+    """A version's state and reason in the repository index. A loaded version none of whose
+    instances serves (each dead or restarting) is UNAVAILABLE until one is back, as its ready
+    endpoint says."""
+    if mv.state == State.READY and not mv.live():
+        return {"state": State.UNAVAILABLE.value,
+                "reason": "no instance serves: every instance is restarting after it exited"}
+    return {"state": mv.state.value, "reason": mv.reason or (stale if mv.state == State.READY else "")}
 
 
 def write_model_files(name: str, files: dict[str, Any]) -> Path:

@@ -22,6 +22,14 @@ from .models import Client, ModelVersion
 from .regions import Regions
 from .scheduler import Scheduler
 
+EXITING = "Server is exiting: it finishes the requests in flight and takes no new ones; retry on another replica"
+
+
+class ServerExiting(InvalidRequest):
+    """A request that arrived while the server drains before it stops (Triton's UNAVAILABLE)."""
+
+    status = 503
+
 
 class Intake:
     def __init__(self, catalog: Catalog, regions: Regions, clients: Clients, scheduler: Scheduler,
@@ -31,6 +39,8 @@ class Intake:
         self.clients = clients
         self.scheduler = scheduler
         self.ensembles = ensembles
+        self.refusal = ""  # set when the server stops: every new request is refused with it (503)...
+        self.exempt_pids: set[int] = set()  # ... but those of our workers (BLS: part of a request in flight)
 
     def infer(self, client: Client, rec: Record) -> None:
         """Take the request of a checked record (its descriptor in the client's arena). Raises
@@ -39,6 +49,9 @@ class Intake:
         slot, off = rec.slot, rec.off
         doc, data_start = read_descriptor(client.seg.seg.buf, rec)
         try:
+            # Draining before a stop: what is in flight finishes, nothing new starts.
+            if self.refusal and client.pid not in self.exempt_pids:
+                raise ServerExiting(self.refusal)
             mv = self.catalog.find_version(doc["model"], doc.get("version"), inference=True)
             if mv.ensemble is not None and mv.ensemble.decoupled and "stream" not in doc:
                 raise DecoupledOnly()  # before the inputs are looked at, as in Triton

@@ -427,6 +427,8 @@ class Lifecycle:
                 reason = take_payload(inst, off, length).decode(errors="replace")
                 if inst.added:  # a live instance change: the version serves on without it
                     self.updates.failed(mv, inst, f"failed to load '{mv.name}' version {mv.version}: {reason}")
+                elif mv.state == State.READY:  # a restart failed: tried again with back-off (supervisor.py)
+                    inst.death_note = f"failed to restart: {reason}"
                 else:
                     self.fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: {reason}")
         if self.catalog.loading:

@@ -25,6 +25,7 @@ class Routes:
         self.catalog = catalog
         self.instances = instances
         self.doc = b""  # the table last published
+        self.draining = False  # the server stops: no direct lanes, so every new request meets the broker's refusal
 
     def publish(self) -> None:
         """Tell clients which versions are ready and which workers they may call directly.
@@ -44,7 +45,8 @@ class Routes:
                 direct = not mv.rate_limited and (mv.worker_batching or (
                     not cfg.HasField("dynamic_batching") and not cfg.HasField("sequence_batching")))
                 entry[str(v)] = {"ready": mv.state == State.READY, "direct": direct,
-                                 "workers": [i.num for i in mv.instances if i.ready and self.instances.live(i)]}
+                                 "workers": [] if self.draining else
+                                 [i.num for i in mv.instances if i.ready and self.instances.live(i)]}
             split = self.catalog.split(name)
             if split is not None:
                 splits[name] = split.doc()  # where unversioned requests go: see canary.py

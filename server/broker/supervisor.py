@@ -70,15 +70,21 @@ class Supervisor:
         if inst.removed or inst.added:  # a live instance change took it away, or it failed to join
             self.lifecycle.updates.gone(mv, inst, code)
             return
-        if not inst.ready:
+        if not inst.ready and mv.state != State.READY:  # its first load: the version fails
             self.lifecycle.fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: instance "
                                             f"'{inst.name}' exited with code {code} while loading")
             return
+        # A version that served keeps its state when an instance dies, or fails to restart: it is
+        # tried again with back-off, and the version is ready whenever one instance serves.
         lost = [p for batch in inst.outstanding.values() for p in batch]
         if mv.sequencer is not None:  # its sequences and their state died with it
             lost += mv.sequencer.forget_instance(inst)
         msg = death_message(mv, inst, code)
-        log.error("%s; %d request(s) failed; restarting it", msg, len(lost))
+        if inst.ready:
+            log.error("%s; %d request(s) failed; restarting it", msg, len(lost))
+        else:  # a restart that failed (said why in death_note); its version serves if another instance does
+            log.error("model '%s' version %d instance '%s' %s; trying again", mv.name, mv.version, inst.name,
+                      inst.death_note or f"exited with code {code} while restarting")
         self.clients.fail_pending(lost, 500, msg)
         mv.stats.fail("BACKEND", len(lost))
         mv.stats.worker_restarts += 1

@@ -31,7 +31,7 @@ from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from .disconnect import ClientGone, unless_gone
 from .generate import EventStream, build_generate_request, generate_response, parse_generate_body, traced
 from .header_forward import add_to_request
-from .inference import Headers, Inference
+from .inference import RETRY_AFTER_S, Headers, Inference
 from .limits import descriptors_problem
 from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from .metadata import EXTENSIONS
@@ -61,7 +61,8 @@ def _refused(completion: Completion) -> bool:
 
 
 def error_response(status: int, message: str) -> Response:
-    return Response(orjson.dumps({"error": message}), status_code=status, media_type=JSON)
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else None
+    return Response(orjson.dumps({"error": message}), status_code=status, media_type=JSON, headers=headers)
 
 
 class Frontend:

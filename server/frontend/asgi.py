@@ -19,7 +19,7 @@ import orjson
 from starlette.applications import Starlette
 
 from .codec import BadRequest
-from .inference import JSON_HEADER, Headers, Inference, too_large
+from .inference import JSON_HEADER, RETRY_AFTER_HEADER, Headers, Inference, too_large
 from .ingest import BodyIngest, header_length
 from .raw_binary import is_raw
 from .openai_errors import error_body, is_openai_path
@@ -99,6 +99,8 @@ class FrontendApp:
             return
         status, out, out_headers = await fut
         out_headers.append((b"content-length", b"%d" % len(out)))
+        if status == 503:
+            out_headers.append(RETRY_AFTER_HEADER)
         send_start = time.monotonic_ns()
         await send({"type": "http.response.start", "status": status, "headers": out_headers})
         await send({"type": "http.response.body", "body": out})
@@ -231,6 +233,8 @@ async def send_error(send: Any, e: BadRequest, close: bool = False, openai: bool
     reads this answer)."""
     out = error_body(e.status, str(e)) if openai else orjson.dumps({"error": str(e)})
     headers = [JSON_HEADER, (b"content-length", b"%d" % len(out))]
+    if e.status == 503:
+        headers.append(RETRY_AFTER_HEADER)
     if close:
         headers.append(CLOSE_HEADER)
     await send({"type": "http.response.start", "status": e.status, "headers": headers})

@@ -31,6 +31,10 @@ from .tracing import Trace
 
 log = logging.getLogger("shmserve.frontend")
 JSON_HEADER = (b"content-type", b"application/json")
+# Sent with every 503 (overloaded, the broker away, the server draining before it stops): a client
+# that honours it retries after a second, which a drain's refusal sends to another replica.
+RETRY_AFTER_S = 1
+RETRY_AFTER_HEADER = (b"retry-after", b"%d" % RETRY_AFTER_S)
 Headers = list[tuple[bytes, bytes]]
 # reply(status, body, headers) of one inference (a large body is a memoryview: shm/copying.joined)
 Reply = Callable[[int, "bytes | memoryview", Headers], None]

@@ -9,6 +9,7 @@ event loop (event_loop.py).
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import inspect
 import json
@@ -122,6 +123,17 @@ class PythonInstance(Instance):
         self.name = name
         self.loop = loop  # for ``async def execute``
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(ctx.config)
+
+    def readiness_check(self) -> Any:
+        """``is_ready()`` when the model defines it (sync or ``async def``; an async one runs on
+        an event loop of the readiness thread's own, not on the execution's)."""
+        if not hasattr(self.model, "is_ready"):
+            return None
+
+        def check() -> Any:
+            answer = self.model.is_ready()
+            return asyncio.run(answer) if inspect.iscoroutine(answer) else answer
+        return check
 
     def execute(self, requests: list[Request]) -> list[Response | Deferred]:
         """The requests' responses; for a non-decoupled model's request still to be answered
