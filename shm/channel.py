@@ -21,6 +21,7 @@ import numpy as np
 import posix_ipc
 
 from .arena import Arena
+from .liveness import BROKER_TICKET
 from .names import object_name, unlink_semaphore
 from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
@@ -444,8 +445,12 @@ class ClientSegment:
 
     @property
     def ticket(self) -> int:
-        """The creator's liveness ticket (shm/liveness.py)."""
-        return read_header(self.seg)[1]
+        """The creator's liveness ticket (shm/liveness.py), from the segment's name
+        (``client.<ticket>-<k>``, checked against the ticket's lock when the broker took the
+        connect record; ``client.broker``: the broker's), never from the header the creator may
+        rewrite later."""
+        tail = self.name.rsplit(".", 1)[-1]
+        return BROKER_TICKET if tail == "broker" else int(tail.split("-", 1)[0])
 
     def process(self) -> tuple[int, int]:
         """(pid, PID namespace inode) the creator wrote: its pid means something here only if the

@@ -70,9 +70,10 @@ class OutputArenas:
     # -- the request path --------------------------------------------------------------------------
     def alloc(self, nbytes: int, consumer: int = 0) -> tuple[int, int]:
         """(extent, payload offset) of a new block; raises GrowthRefused when the arena cannot grow."""
-        off = self.first.alloc(nbytes, consumer)
-        if off >= 0:
-            return 0, off
+        if BLOCK_HEADER + nbytes <= self.first.capacity:  # (an answer larger than extent 0 skips it)
+            off = self.first.alloc(nbytes, consumer)
+            if off >= 0:
+                return 0, off
         return self._alloc_beyond(nbytes, consumer)
 
     def buf(self, extent: int) -> memoryview:
@@ -93,10 +94,6 @@ class OutputArenas:
     @property
     def capacity(self) -> int:
         return self.first.capacity + sum(a.capacity for _, a in list(self._grown.values()))
-
-    def extents(self) -> list[int]:
-        """The grown extents that exist now (for tests and statistics)."""
-        return sorted(self._grown)
 
     # -- growth ------------------------------------------------------------------------------------
     def _alloc_beyond(self, nbytes: int, consumer: int) -> tuple[int, int]:

@@ -57,7 +57,7 @@ def json_response(doc: Any, status: int = 200) -> Response:
 def _refused(completion: Completion) -> bool:
     """Whether an error answer is a refusal from before its model ran (shm.protocol.refusal)."""
     doc = completion.doc()
-    return not isinstance(doc, dict) or bool(doc.get(REFUSED))
+    return isinstance(doc, dict) and bool(doc.get(REFUSED))
 
 
 def error_response(status: int, message: str) -> Response:

@@ -136,8 +136,8 @@ def _shape(name: str, raw: Any, datatype: str, max_elements: int = MAX_TENSOR_EL
     if len(raw) > 64:
         raise BadRequest(f"input '{name}': 'shape' has {len(raw)} dimensions, more than the 64 allowed")
     count = element_count(raw)
-    shape_text = "[" + ",".join(str(d) for d in raw) + "]"
     if count > INT64_MAX or any(d > INT64_MAX for d in raw):
+        shape_text = "[" + ",".join(str(d) for d in raw) + "]"
         raise BadRequest(f"invalid shape for input '{name}': shape {shape_text} causes total element count to "
                          f"exceed maximum size of {INT64_MAX}")
     size = itemsize(datatype)

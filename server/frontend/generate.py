@@ -67,6 +67,9 @@ class _GenerateRequest:
         self.offset = 0
 
     def members(self, pairs: Pairs, nested: bool = False) -> None:
+        first: dict[str, Any] = {}  # each key's first value: what Triton reads each time the key comes
+        for key, value in pairs:
+            first.setdefault(key, value)
         for key, value in pairs:
             if key == "parameters" and not nested:
                 if key in self.specs:
@@ -80,9 +83,9 @@ class _GenerateRequest:
                     e.args = (f"Converting keyword: 'parameters': {e}",)
                     raise
             elif key in self.specs:
-                self.tensor(key, _first(pairs, key))
+                self.tensor(key, first[key])
             else:
-                self.parameter(key, _first(pairs, key))
+                self.parameter(key, first[key])
 
     def parameter(self, key: str, value: Any) -> None:
         if value is None or not isinstance(value, (bool, int, float, str)):
@@ -119,11 +122,6 @@ class _GenerateRequest:
                             "size": len(data)})
         self.chunks.append(data)
         self.offset += len(data)
-
-
-def _first(pairs: Pairs, key: str) -> Any:
-    """The value of ``key``'s first member: what Triton reads each time the key comes."""
-    return next(v for k, v in pairs if k == key)
 
 
 def _leaves(values: list) -> list:
