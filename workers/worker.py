@@ -100,6 +100,7 @@ class Worker:
         self.batcher: DynamicBatcher | None = None
         self.cache: ResponseCache | None = None  # the server's response cache, if this model uses it
         self.late = LateAnswers(self.seg.waker)  # requests a model answers after execute returned
+        self._late_checked = 0.0  # when kept requests were last checked for cancellation
 
     # -- start-up -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -505,7 +506,11 @@ class Worker:
             self.answers.phases = kept.phases
             ok = self._answer_ran(kept.entry, resp)
             self._count_late(kept, ok)
-        cancelled = late.take(self._cancelled) if late else []
+        cancelled: list[Kept] = []
+        now = time.monotonic()
+        if late and now - self._late_checked >= CANCEL_CHECK_S:  # at most every 50 ms, not every pass
+            self._late_checked = now
+            cancelled = late.take(self._cancelled)
         for kept in cancelled:
             message = cancelled_error(kept.entry.get("id", ""))
             if kept.sender is not None:
