@@ -37,9 +37,10 @@ $(SERVE_STAMP): pyproject.toml
 	@$(call PIP_SHOWN,-e '.[$(SERVE_EXTRAS)]')
 	@touch $@
 
-$(TEST_STAMP): $(SERVE_STAMP)
+# The test extra, under tests/constraints.txt: versions known to resolve together (see its header).
+$(TEST_STAMP): $(SERVE_STAMP) tests/constraints.txt
 	@echo "make: the test extra (pytest, moto, schemathesis, ...)"
-	@$(call PIP_SHOWN,-e '.[test]')
+	@$(call PIP_SHOWN,-c tests/constraints.txt -e '.[test]')
 	@touch $@
 
 install: $(TEST_STAMP)
