@@ -7,7 +7,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from . import cache_flags, triton_flags
-from .frontend.header_forward import HTTP_FLAG as HTTP_FORWARD_FLAG, compile_pattern
+from .edge.header_forward import HTTP_FLAG as HTTP_FORWARD_FLAG, compile_pattern
 from .frontend.limits import HttpLimits
 from .grpc import options as grpc_options
 
@@ -236,7 +236,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     try:
-        from shmserve.server.frontend.restricted import parse as parse_restricted
+        from shmserve.server.edge.restrictions import parse as parse_restricted
 
         args.http_restricted_api = parse_restricted(args.http_restricted_api)
         compile_pattern(args.http_header_forward_pattern, HTTP_FORWARD_FLAG)
@@ -308,7 +308,7 @@ def trace_settings(items: Sequence[str]) -> dict:
             raise ValueError(f"--trace-config triton,file: cannot write trace files in '{folder}'")
     mode = settings.get("mode", "triton")
     if mode == "opentelemetry":
-        from shmserve.server.frontend.otel import missing
+        from shmserve.server.edge.otel import missing
 
         why = missing()
         if why:

@@ -28,7 +28,7 @@ def main() -> int:
     logs.configure(spec.get("log") or {})
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes (POST /v2/logging) from any frontend
     from .app import build_app
-    from .header_forward import HTTP_FLAG, compile_pattern
+    from shmserve.server.edge.header_forward import HTTP_FLAG, compile_pattern
     from .limits import HttpLimits, connection_bound, raise_descriptor_limit
     from .protocol import protocol_class
     from .restricted import restrict

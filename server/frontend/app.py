@@ -21,28 +21,28 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from shmserve.server import __version__
+from shmserve.server.edge.header_forward import add_to_request
+from shmserve.server.edge.link import DEFAULT_SLOTS, BrokerError, BrokerLink
+from shmserve.server.edge.metadata import EXTENSIONS
+from shmserve.server.edge.requests import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
+from shmserve.server.edge.shm_callers import ShmRefused, registering_caller, unregistering_caller
+from shmserve.server.edge.tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
 from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
 from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import ERROR, LOAD_FROM_NETWORK, REFUSED
 from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
-from .codec import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from .disconnect import ClientGone, unless_gone
 from .generate import EventStream, build_generate_request, generate_response, parse_generate_body, traced
-from .header_forward import add_to_request
 from .inference import RETRY_AFTER_S, Headers, Inference
 from .limits import descriptors_problem
-from .link import DEFAULT_SLOTS, BrokerError, BrokerLink
-from .metadata import EXTENSIONS
 from .openai import OpenAIFront
 from .openai_errors import OpenAIError, is_openai_path
 from .openai_errors import error_response as openai_error_response
 from .openapi import openapi_endpoint
 from .restricted import passed_group
 from .settings import logging_endpoint, trace_endpoint
-from .shm_callers import ShmRefused, registering_caller, unregistering_caller
-from .tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
 
 log = logging.getLogger("shmserve.frontend")
 JSON = "application/json"
@@ -71,7 +71,7 @@ class Frontend:
                  poll_us: int = 0, header_forward: re.Pattern[str] | None = None) -> None:
         self.server_id = server_id  # what /v2 reports as the server's name, as Triton reports its --id
         self.link = BrokerLink(server_id, arena_bytes, max_inflight, poll_us)
-        self.tracer = Tracer(server_id)  # trace extension (server/frontend/tracing.py)
+        self.tracer = Tracer(server_id)  # trace extension (server/edge/tracing.py)
         self.inference = Inference(self.link, max_input_bytes, max_tensor_elements, arena_bytes, header_forward)
         self.openai = OpenAIFront(self.link)
 

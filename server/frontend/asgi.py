@@ -18,12 +18,13 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 
-from .codec import BadRequest
+from shmserve.server.edge.requests import BadRequest
+from shmserve.server.edge.tracing import RECEIVED, RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer
+
 from .inference import JSON_HEADER, RETRY_AFTER_HEADER, Headers, Inference, too_large
 from .ingest import BodyIngest, header_length
 from .raw_binary import is_raw
 from .openai_errors import error_body, is_openai_path
-from .tracing import RECEIVED, RECV_END, RECV_START, REQUEST_START, SEND_END, SEND_START, Trace, Tracer
 
 
 def infer_target(path: str) -> tuple[str, str] | None:

@@ -22,13 +22,13 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from shmserve.server.edge.requests import INT64_MAX, INT64_MIN, UINT64_MAX, BadRequest, JsonTypeError, json_tensor_bytes, parse_json
+from shmserve.server.edge.tracing import Trace, Tracer, timed_sends
 from shmserve.shm.streams import StreamEvents
 from shmserve.shm.tensors import CONFIG_TO_WIRE
-
 from shmserve.signature import request_tag
 
-from .codec import INT64_MAX, INT64_MIN, UINT64_MAX, BadRequest, JsonTypeError, json_data, json_tensor_bytes, parse_json
-from .tracing import Trace, Tracer, timed_sends
+from .codec import json_data
 
 
 class Pairs(list):

@@ -2,7 +2,7 @@
 answer it.
 
 ``Inference.start`` takes a request's headers and body and a ``reply`` callback; the request is
-checked and turned into a descriptor (codec.py), submitted (link.py), and ``reply(status, body,
+checked and turned into a descriptor (edge/requests.py), submitted (edge/link.py), and ``reply(status, body,
 headers)`` runs on the event loop once the answer is in (at once for a request refused here).
 asgi.py calls it for every infer request. A large binary body may instead be copied into its
 request block while it arrives (``begin_ingest``/``finish_ingest``, ingest.py).
@@ -19,15 +19,16 @@ from typing import Callable
 
 import orjson
 
+from shmserve.server.edge.header_forward import add_to_request, forwarded_params, http_headers
+from shmserve.server.edge.link import ArenaWait, BrokerError, BrokerLink, when_room, Sent
+from shmserve.server.edge.requests import BadRequest, build_request
+from shmserve.server.edge.tracing import Trace
 from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 
-from .codec import BadRequest, build_request, build_response, split_body
-from .header_forward import add_to_request, forwarded_params, http_headers
+from .codec import build_response, split_body
 from .ingest import BodyIngest
-from .link import ArenaWait, BrokerError, BrokerLink, when_room, Sent
 from .raw_binary import is_raw, raw_request_doc
-from .tracing import Trace
 
 log = logging.getLogger("shmserve.frontend")
 JSON_HEADER = (b"content-type", b"application/json")

@@ -32,12 +32,12 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from shmserve.server.edge.link import BrokerError, BrokerLink
+from shmserve.server.edge.requests import BadRequest, parse_json
 from shmserve.shm.streams import StreamEvents
 
-from .codec import BadRequest, parse_json
 from .disconnect import ClientGone, unless_gone
 from .generate import build_generate_request, output_values
-from .link import BrokerError, BrokerLink
 from .openai_errors import JSON, MODEL_NOT_FOUND, OpenAIError, error_body, error_response
 
 FORWARDED = ("max_tokens", "stream", "temperature", "top_p", "seed", "stop")

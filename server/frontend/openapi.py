@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from shmserve.server import __version__
 
-from .codec import UINT64_MAX
+from shmserve.server.edge.requests import UINT64_MAX
 
 JSON = "application/json"
 DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",

@@ -36,7 +36,8 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-from .header_forward import RAW_HEADER_NAMES
+from shmserve.server.edge.header_forward import RAW_HEADER_NAMES
+
 from .limits import HttpLimits
 
 log = logging.getLogger("shmserve.frontend")

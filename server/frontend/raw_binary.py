@@ -17,7 +17,7 @@ import struct
 from shmserve.shm.tensors import CONFIG_TO_WIRE, element_count, itemsize
 from shmserve.signature import request_tag
 
-from .codec import BadRequest
+from shmserve.server.edge.requests import BadRequest
 
 # A raw request carries no id: Triton's errors name it as unknown.
 RAW_TAG = request_tag("")

@@ -15,8 +15,8 @@ from starlette.responses import Response
 
 from shmserve.shm import logs
 
-from .link import BrokerError, BrokerLink
-from .tracing import Tracer
+from shmserve.server.edge.link import BrokerError, BrokerLink
+from shmserve.server.edge.tracing import Tracer
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 

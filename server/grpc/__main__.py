@@ -18,9 +18,9 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
-from shmserve.server.frontend.header_forward import GRPC_FLAG, compile_pattern
-from shmserve.server.frontend.link import BrokerLink
-from shmserve.server.frontend.tracing import Tracer
+from shmserve.server.edge.header_forward import GRPC_FLAG, compile_pattern
+from shmserve.server.edge.link import BrokerLink
+from shmserve.server.edge.tracing import Tracer
 from shmserve.shm import logs
 from shmserve.shm.child_spec import read_spec
 from shmserve.shm.names import set_title

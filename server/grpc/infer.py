@@ -1,11 +1,11 @@
 """ModelInfer's path: a ``ModelInferRequest`` to the broker link and its answer back; and
 ModelStreamInfer's, one request of a stream to its responses (``stream``).
 
-The request becomes codec.py's descriptor through the KServe document (tensors.py), goes out with
+The request becomes edge/requests.py's descriptor through the KServe document (tensors.py), goes out with
 ``BrokerLink.submit`` like an HTTP request, and its completion becomes a ``ModelInferResponse``.
 A client that cancels the call cancels the request (``BrokerLink.cancel``); its answer is freed
 when it comes. While tracing is on, a sampled call is traced as an HTTP request is
-(server/frontend/tracing.py), its record written once the call has ended; each request on a
+(server/edge/tracing.py), its record written once the call has ended; each request on a
 stream is sampled and traced on its own, its record written once its last response is sent.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, AsyncGenerator
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.server.frontend.codec import BadRequest, build_request
-from shmserve.server.frontend.header_forward import add_to_request, forwarded_params
-from shmserve.server.frontend.link import BrokerError, BrokerLink, Sent, when_room
-from shmserve.server.frontend.tracing import (RECV_END, RECV_START, SEND_END, SEND_START, Trace, Tracer,
+from shmserve.server.edge.requests import BadRequest, build_request
+from shmserve.server.edge.header_forward import add_to_request, forwarded_params
+from shmserve.server.edge.link import BrokerError, BrokerLink, Sent, when_room
+from shmserve.server.edge.tracing import (RECV_END, RECV_START, SEND_END, SEND_START, Trace, Tracer,
                                               timed_sends)
 from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import REQ_INFER

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from shmserve.server.frontend.header_forward import GRPC_FLAG as FORWARD_FLAG, compile_pattern
-from shmserve.server.frontend.restricted import parse as parse_restricted
+from shmserve.server.edge.header_forward import GRPC_FLAG as FORWARD_FLAG, compile_pattern
+from shmserve.server.edge.restrictions import parse as parse_restricted
 
 # Triton's --grpc-infer-response-compression-level as grpc_compression_level. The level becomes
 # grpc's default for the server's responses: grpc picks the algorithm among those the client

@@ -2,7 +2,7 @@
 carries ``triton-grpc-protocol-<key>: <value>``; any other call ends with UNAVAILABLE and
 Triton's message before the servicer runs.
 
-The groups are ``--http-restricted-api``'s (server/frontend/restricted.py parses both flags).
+The groups are ``--http-restricted-api``'s (server/edge/restrictions.py parses both flags).
 The interceptor is installed only when some group is restricted; then a call pays one dict
 lookup of its method name, plus the metadata check when its group is restricted.
 """

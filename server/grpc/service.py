@@ -20,9 +20,9 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from shmserve.server import __version__
-from shmserve.server.frontend.link import BrokerError, BrokerLink
-from shmserve.server.frontend.metadata import EXTENSIONS
-from shmserve.server.frontend.shm_callers import ShmRefused, registering_caller, unregistering_caller
+from shmserve.server.edge.link import BrokerError, BrokerLink
+from shmserve.server.edge.metadata import EXTENSIONS
+from shmserve.server.edge.shm_callers import ShmRefused, registering_caller, unregistering_caller
 from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
 from shmserve.shm import logs
 from shmserve.shm.protocol import LOAD_FROM_NETWORK
@@ -135,7 +135,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- shared memory --------------------------------------------------------------------------
     async def _registering(self, context: Context, kind: str) -> CallerDoc:
-        """Who registers (server/frontend/shm_callers.py); a peer that may not is refused."""
+        """Who registers (server/edge/shm_callers.py); a peer that may not is refused."""
         try:
             return await registering_caller(kind, *peer_address(context.peer()), None, self.allow_remote_shm,
                                             PASSED_GROUP.get() == ADMIN_GROUP)

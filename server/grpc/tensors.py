@@ -1,7 +1,7 @@
 """gRPC inference messages <-> the KServe v2 request document and its tensor pieces.
 
 A ``ModelInferRequest`` becomes the same document an HTTP client sends (inputs with
-``binary_data_size`` or shared-memory parameters, request parameters, outputs), so codec.py's
+``binary_data_size`` or shared-memory parameters, request parameters, outputs), so edge/requests.py's
 ``build_request`` checks it and makes the broker descriptor exactly as for HTTP: the worker side
 cannot tell the two frontends apart. Tensor bytes stay in the protobuf's own buffers (``Pieces``)
 until the connection copies them into the request block.
@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.server.frontend.codec import INT64_MAX, BadRequest
+from shmserve.server.edge.requests import INT64_MAX, BadRequest
 from shmserve.shm.tensors import DTYPES, byte_view, serialize_bytes
 
 # The typed ``contents`` field that holds each datatype (FP16 and BF16 travel raw only, as in Triton).
