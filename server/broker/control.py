@@ -28,7 +28,7 @@ from .lifecycle import CANCELLED_STATUS, UNLOADED, UPLOAD_PREFIX, Lifecycle
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .options import BrokerOptions
-from .readiness import version_ready
+from .readiness import blocked_step, version_ready
 from .region_access import CLIENT_SHM_DISABLED, Caller, ClientShmDisabled, caller_of
 from .regions import Regions
 from .routes import Routes
@@ -97,7 +97,8 @@ class ControlHandler:
         if not self.lifecycle.running:
             return 200, {"ready": False}  # draining before a stop: the model takes no new requests
         try:
-            return 200, {"ready": version_ready(self._version(doc))}  # not while every instance is restarting
+            # not while every instance is restarting, nor for an ensemble while a step is not ready
+            return 200, {"ready": version_ready(self._version(doc), self.catalog)}
         except InvalidRequest:
             return 200, {"ready": False}
 
@@ -128,7 +129,7 @@ class ControlHandler:
             if versions:
                 stale = b.failed_reload(name)  # the old versions serve on after a later load failed
                 for v, mv in sorted(versions.items()):
-                    out.append({"name": name, "version": str(v), **index_state(mv, stale)})
+                    out.append({"name": name, "version": str(v), **index_state(mv, stale, b)})
             elif name in b.load_errors:
                 failed = {"state": State.UNAVAILABLE.value, "reason": b.load_errors[name]}
                 tried = b.failed_versions.get(name)
@@ -338,13 +339,16 @@ class RepositoryPollFailed(InvalidRequest):
     status = 500
 
 
-def index_state(mv: ModelVersion, stale: str) -> dict[str, str]:
+def index_state(mv: ModelVersion, stale: str, catalog: Catalog) -> dict[str, str]:
     """A version's state and reason in the repository index. A loaded version none of whose
     instances serves (each dead or restarting) is UNAVAILABLE until one is back, as its ready
-    endpoint says."""
+    endpoint says; so is an ensemble while one of its steps is (readiness.py)."""
     if mv.state == State.READY and not mv.live():
         return {"state": State.UNAVAILABLE.value,
                 "reason": "no instance serves: every instance is restarting after it exited"}
+    blocked = blocked_step(mv, catalog) if mv.state == State.READY and mv.ensemble is not None else None
+    if blocked:
+        return {"state": State.UNAVAILABLE.value, "reason": blocked}
     return {"state": mv.state.value, "reason": mv.reason or (stale if mv.state == State.READY else "")}
 
 
