@@ -1,20 +1,71 @@
 """What the server says while it cannot serve, against a real server.
 
+- During the drain the repository index is refused as Triton refuses it while it exits
+  (UNAVAILABLE, "Server not ready"), over HTTP (503, Retry-After) and gRPC; it no longer lists
+  models as READY while readiness already fails.
 - An ensemble is ready only while each of its steps is, nested ensembles included: not while its
   step's only instance is dead and fails to restart, nor while the step is unloaded.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import signal
+from typing import Iterator
 
+import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
-from conftest import TESTS, raw_request
+from conftest import DEADLINE_S, TESTS, raw_request, shm_entries
+from gates import Gate
 from test_readiness import READINESS_MODELS, call, wait_for
 
 ENSEMBLE_MODELS = TESTS / "models" / "ensemble_readiness"
 ENSEMBLES = ("ens_relapse", "ens_nested")
+
+
+@contextlib.contextmanager
+def draining(server, tmp_path) -> Iterator[None]:
+    """SIGTERM while a request to 'relapse' is held at a gate: the server drains until the block
+    ends (the gate opens, also when the block fails), then it must stop cleanly."""
+    gate = Gate(tmp_path / "gate")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(call, server.url, gate)
+        try:
+            gate.wait_started(1)
+            server.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: raw_request(server.port, "GET", "/v2/health/ready").status != 200,
+                     "readiness failing after SIGTERM", timeout=10)
+            yield
+            assert server.proc.poll() is None  # still draining: the held request is in flight
+        finally:
+            gate.open()
+        assert held.result() > 0
+    assert server.wait_exit(DEADLINE_S) == 0, server.log_tail()
+    assert shm_entries(server.id) == []
+
+
+def test_the_repository_index_is_refused_as_triton_does_during_a_drain(server_factory, tmp_path):
+    server = server_factory.start([READINESS_MODELS], ["--exit-timeout-secs", "60"])
+    http = httpclient.InferenceServerClient(server.url, network_timeout=DEADLINE_S)
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    assert {e["name"]: e["state"] for e in http.get_model_repository_index()}["relapse"] == "READY"
+    with draining(server, tmp_path):
+        for body in (b"{}", b'{"ready": true}'):
+            answer = raw_request(server.port, "POST", "/v2/repository/index", body)
+            assert answer.status == 503, answer
+            assert answer.headers.get("retry-after") == "1", answer.headers
+            assert answer.json() == {"error": "Server not ready"}
+        with pytest.raises(InferenceServerException, match="Server not ready"):
+            http.get_model_repository_index()
+        with pytest.raises(InferenceServerException, match="Server not ready") as e:
+            grpc.get_model_repository_index()
+        assert e.value.status() == "StatusCode.UNAVAILABLE"
+    http.close()
+    grpc.close()
 
 
 def index_states(port: int) -> dict[str, dict]:

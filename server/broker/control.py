@@ -120,6 +120,8 @@ class ControlHandler:
         return 200, self._version(doc).config_dict
 
     def _repository_index(self, client: Client, slot: int, doc: dict) -> Answer:
+        if not self.lifecycle.running:
+            raise ServerNotReady()  # draining before a stop, as Triton refuses the index while it exits
         b = self.catalog
         out = []
         for name in sorted(set(b.model_dirs) | set(b.models) | set(b.load_errors) | set(b.loading)):
@@ -337,6 +339,15 @@ class RepositoryPollFailed(InvalidRequest):
     of the model repository, INTERNAL (500), and Triton's own example programs check for that."""
 
     status = 500
+
+
+class ServerNotReady(InvalidRequest):
+    """The server stops: what Triton answers (UNAVAILABLE, its words) to a repository index then."""
+
+    status = 503
+
+    def __init__(self) -> None:
+        super().__init__("Server not ready")
 
 
 def index_state(mv: ModelVersion, stale: str, catalog: Catalog) -> dict[str, str]:

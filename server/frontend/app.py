@@ -51,7 +51,8 @@ READY_WAIT_S = 3.0
 
 
 def json_response(doc: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(doc), status_code=status, media_type=JSON)
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else None  # the broker's 503s too
+    return Response(orjson.dumps(doc), status_code=status, media_type=JSON, headers=headers)
 
 
 def _refused(completion: Completion) -> bool:
