@@ -1,5 +1,8 @@
 """What the server says while it cannot serve, against a real server.
 
+- During the drain after SIGTERM the OpenAI routes answer 503 with Retry-After in OpenAI's error
+  form (a stream too: its status, not a 200 whose stream holds the error), and the ``openai``
+  package waits what Retry-After says before it retries.
 - During the drain the repository index is refused as Triton refuses it while it exits
   (UNAVAILABLE, "Server not ready"), over HTTP (503, Retry-After) and gRPC; it no longer lists
   models as READY while readiness already fails.
@@ -12,14 +15,16 @@ import concurrent.futures
 import contextlib
 import os
 import signal
+import time
 from typing import Iterator
 
+import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import DEADLINE_S, TESTS, raw_request, shm_entries
+from conftest import DEADLINE_S, PRODUCT_MODELS, TESTS, raw_request, shm_entries
 from gates import Gate
 from test_readiness import READINESS_MODELS, call, wait_for
 
@@ -46,6 +51,46 @@ def draining(server, tmp_path) -> Iterator[None]:
         assert held.result() > 0
     assert server.wait_exit(DEADLINE_S) == 0, server.log_tail()
     assert shm_entries(server.id) == []
+
+
+def assert_retry_later(e: openai.APIStatusError) -> None:
+    assert e.status_code == 503, e
+    assert e.response.headers.get("retry-after") == "1", dict(e.response.headers)
+    assert isinstance(e.body, dict) and e.body.get("type") == "server_error", e.body  # OpenAI's error form
+
+
+def test_openai_routes_answer_503_with_retry_after_during_a_drain(server_factory, tmp_path):
+    args = ["--model-control-mode=explicit", "--exit-timeout-secs", "60"]
+    for model in ("relapse", "echo_llm", "text_embedding"):
+        args += ["--load-model", model]
+    server = server_factory.start([READINESS_MODELS, PRODUCT_MODELS], args)
+    base = f"http://{server.url}/v1"
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0) as oai:
+        assert oai.completions.create(model="echo_llm", prompt="before the stop").choices[0].text
+        with draining(server, tmp_path):
+            with pytest.raises(openai.APIStatusError) as e:
+                oai.completions.create(model="echo_llm", prompt="after the stop")
+            assert_retry_later(e.value)
+            assert "Server is exiting" in e.value.message
+            with pytest.raises(openai.APIStatusError) as e:  # refused before the stream began: its status
+                list(oai.chat.completions.create(model="echo_llm", messages=[{"role": "user", "content": "x"}],
+                                                 stream=True))
+            assert_retry_later(e.value)
+            with pytest.raises(openai.APIStatusError) as e:
+                oai.embeddings.create(model="text_embedding", input="after the stop")
+            assert_retry_later(e.value)
+            with pytest.raises(openai.APIStatusError) as e:  # the index it reads is refused (Server not ready)
+                oai.models.list()
+            assert_retry_later(e.value)
+
+            # The openai package honours Retry-After: one retry a second later (its own back-off
+            # would wait 0.5 s at most).
+            with openai.OpenAI(base_url=base, api_key="unused", max_retries=1) as retrying:
+                started = time.monotonic()
+                with pytest.raises(openai.APIStatusError) as e:
+                    retrying.completions.create(model="echo_llm", prompt="after the stop")
+                assert_retry_later(e.value)
+                assert time.monotonic() - started >= 1.0
 
 
 def test_the_repository_index_is_refused_as_triton_does_during_a_drain(server_factory, tmp_path):

@@ -84,8 +84,9 @@ class OpenAIFront:
             status, index = await self.link.control({"op": "repository_index", "ready": True})
         except BrokerError as e:
             raise OpenAIError(e.status, str(e)) from None
-        if status != 200:
-            raise OpenAIError(status if status >= 500 else 503, "the model index is not available")
+        if status != 200:  # the server stops (Triton's "Server not ready"), or the broker failed
+            error = index.get("error") if isinstance(index, dict) else None
+            raise OpenAIError(status if status >= 500 else 503, error or "the model index is not available")
         return sorted({m["name"] for m in index})
 
     def _model_object(self, name: str) -> dict:
@@ -137,7 +138,13 @@ class OpenAIFront:
         usage = bool(body.get("stream") and (body.get("stream_options") or {}).get("include_usage"))
         reply = _Reply(model, chat, prompt_words=len(str(doc.get("text_input", "")).split()), stream_usage=usage)
         if body.get("stream"):
-            return StreamingResponse(self._sse(events, reply), media_type="text/event-stream")
+            try:
+                first = await unless_gone(_first_event(events), request.receive)
+            except OpenAIError as e:
+                return error_response(e)  # refused before the stream began: its status, Retry-After on a 503
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it
+            return StreamingResponse(self._sse(events, reply, first), media_type="text/event-stream")
         try:
             pieces = await unless_gone(self._collect(events), request.receive)
         except OpenAIError as e:
@@ -147,13 +154,15 @@ class OpenAIFront:
         text = "".join(_text(p) for p in pieces)
         return Response(orjson.dumps(reply.whole(text, len(pieces), body.get("max_tokens"))), media_type=JSON)
 
-    async def _sse(self, events: StreamEvents, reply: "_Reply") -> AsyncIterator[bytes]:
+    async def _sse(self, events: StreamEvents, reply: "_Reply", first: tuple) -> AsyncIterator[bytes]:
         count = 0
         try:
             if reply.chat:
                 yield _event(reply.chunk({"role": "assistant", "content": ""}, None))
+            event: tuple | None = first
             while True:
-                final, completion, _ = await events.events.get()
+                final, completion, _ = event or await events.events.get()
+                event = None
                 try:
                     doc = completion.doc()
                     if completion.status != 200:
@@ -221,6 +230,26 @@ class OpenAIFront:
         if error is not None:
             raise error
         return pieces
+
+
+async def _first_event(events: StreamEvents) -> tuple:
+    """A stream's first event, waited for before the answer's status is sent: a request refused
+    (the server draining, overloaded) or failed at once gets its own status, not a 200 whose
+    stream holds the error. Raises OpenAIError then; the events are closed unless returned."""
+    try:
+        event = await events.events.get()
+    except BaseException:
+        events.close()
+        raise
+    final, completion, _ = event
+    if completion.status == 200:
+        return event
+    try:
+        error = OpenAIError(completion.status, completion.doc().get("error", "inference failed"))
+    finally:
+        completion.release()
+        events.close()
+    raise error
 
 
 class _Reply:
