@@ -2,7 +2,8 @@
 
 - During the drain after SIGTERM the OpenAI routes answer 503 with Retry-After in OpenAI's error
   form (a stream too: its status, not a 200 whose stream holds the error), and the ``openai``
-  package waits what Retry-After says before it retries.
+  package waits what Retry-After says before it retries. A stream whose client leaves before its
+  first response is still cancelled.
 - During the drain the repository index is refused as Triton refuses it while it exits
   (UNAVAILABLE, "Server not ready"), over HTTP (503, Retry-After) and gRPC; it no longer lists
   models as READY while readiness already fails.
@@ -24,8 +25,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import DEADLINE_S, PRODUCT_MODELS, TESTS, raw_request, shm_entries
+from conftest import DEADLINE_S, PRODUCT_MODELS, TESTS, pending_requests, raw_request, shm_entries, wait_pending, \
+    wait_until
 from gates import Gate
+from test_cancellation import (CANCEL_MODELS, assert_stopped_after_one_word, cross_arenas, frontend_barrier,
+                               raw_post, read_until)
 from test_readiness import READINESS_MODELS, call, wait_for
 
 ENSEMBLE_MODELS = TESTS / "models" / "ensemble_readiness"
@@ -181,3 +185,34 @@ def test_an_ensemble_is_not_ready_while_its_step_is_unloaded(server_factory):
     assert call(server.url, model="ens_nested") in server.worker_pids("relapse")
     http.close()
     grpc.close()
+
+
+@pytest.fixture(scope="module")
+def cancel_server(module_factory):
+    return module_factory.start([CANCEL_MODELS], ["--http-workers", "1", "--frontend-arena-mb", "1",
+                                                  "--worker-arena-mb", "1"])
+
+
+def test_a_queued_openai_stream_whose_client_disconnects_before_its_first_response_never_runs(cancel_server,
+                                                                                               tmp_path):
+    """An OpenAI stream's status waits for its first response (so that a refusal gets its own):
+    a client that leaves meanwhile still cancels it, and nothing stays held."""
+    server = cancel_server
+    running, queued = tmp_path / "running", tmp_path / "queued"
+    running.mkdir()
+    queued.mkdir()
+    chat = {"model": "slow_words", "stream": True}
+    first = raw_post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": str(running)}]})
+    try:
+        read_until(first, b"word0")
+        second = raw_post(server, "/v1/chat/completions",
+                          {**chat, "messages": [{"role": "user", "content": str(queued)}]})
+        wait_pending(server, "slow_words", 2)  # behind the running one (one instance): no status sent yet
+        second.close()
+        frontend_barrier(server)
+    finally:
+        first.close()
+    assert_stopped_after_one_word(running)
+    wait_until(lambda: pending_requests(server, "slow_words") == 0, "nothing pending")
+    assert not list(queued.iterdir()), "the cancelled queued stream ran"
+    cross_arenas(server, Gate(tmp_path / "gate"))
