@@ -26,7 +26,7 @@ import base64
 import struct
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import orjson
 from starlette.requests import Request
@@ -144,7 +144,7 @@ class OpenAIFront:
                 return error_response(e)  # refused before the stream began: its status, Retry-After on a 503
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it
-            return StreamingResponse(self._sse(events, reply, first), media_type="text/event-stream")
+            return _Stream(events, first, lambda take_first: self._sse(events, reply, take_first))
         try:
             pieces = await unless_gone(self._collect(events), request.receive)
         except OpenAIError as e:
@@ -154,15 +154,14 @@ class OpenAIFront:
         text = "".join(_text(p) for p in pieces)
         return Response(orjson.dumps(reply.whole(text, len(pieces), body.get("max_tokens"))), media_type=JSON)
 
-    async def _sse(self, events: StreamEvents, reply: "_Reply", first: tuple) -> AsyncIterator[bytes]:
+    async def _sse(self, events: StreamEvents, reply: "_Reply", take_first: Callable[[], tuple | None]
+                   ) -> AsyncIterator[bytes]:
         count = 0
         try:
             if reply.chat:
                 yield _event(reply.chunk({"role": "assistant", "content": ""}, None))
-            event: tuple | None = first
             while True:
-                final, completion, _ = event or await events.events.get()
-                event = None
+                final, completion, _ = take_first() or await events.events.get()
                 try:
                     doc = completion.doc()
                     if completion.status != 200:
@@ -250,6 +249,30 @@ async def _first_event(events: StreamEvents) -> tuple:
         completion.release()
         events.close()
     raise error
+
+
+class _Stream(StreamingResponse):
+    """An OpenAI stream's answer. However it ends (its last chunk sent, or the client gone before
+    or while it is sent, so that its body may never start), its events are closed and a first
+    event never sent is freed: nothing stays held in the arenas."""
+
+    def __init__(self, events: StreamEvents, first: tuple,
+                 body: Callable[[Callable[[], tuple | None]], AsyncIterator[bytes]]) -> None:
+        self.events, self.first = events, first
+        super().__init__(body(self.take_first), media_type="text/event-stream")
+
+    def take_first(self) -> tuple | None:
+        first, self.first = self.first, None
+        return first
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            first = self.take_first()
+            if first is not None:
+                first[1].release()
+            self.events.close()
 
 
 class _Reply:
