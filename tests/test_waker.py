@@ -10,10 +10,12 @@ import os
 import threading
 import time
 
+import numpy as np
 import posix_ipc
 import pytest
+import tritonclient.http as httpclient
 
-from conftest import CpuHogs
+from conftest import PRODUCT_MODELS, CpuHogs
 
 from shmserve.shm.waker import AWAKE, SLEEPING, RunQueue, SpinPolicy, Waker, flag_view, run_queue
 
@@ -160,3 +162,99 @@ def test_a_busy_host_sleeps_a_non_polling_receiver_at_once_whatever_the_budget(w
         waker.sleep(1.0, lambda: False, spin)  # polling would take the whole second
         assert spin.busy == 1 and spin.found == spin.missed == 0
         assert time.process_time() - cpu < 0.1
+
+
+# -- with a real server ------------------------------------------------------------------------
+
+ADD_SUB = ["--model-control-mode", "explicit", "--load-model", "add_sub"]
+
+
+class MainThread:
+    """CPU time (ns, exact) and blocking sleeps of a process's main thread, where our pollers run."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def read(self) -> tuple[int, int]:
+        with open(f"/proc/{self.pid}/task/{self.pid}/schedstat") as f:
+            cpu_ns = int(f.read().split()[0])
+        with open(f"/proc/{self.pid}/task/{self.pid}/status") as f:
+            slept = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        return cpu_ns, slept
+
+
+def _pollers(server) -> list[MainThread]:
+    """The add_sub worker and the HTTP frontend(s): the server's processes that poll."""
+    pids = [pid for pid, title in server.titles().items()
+            if title.startswith("shmserve worker add_sub ") or title.startswith(f"shmserve frontend {server.id}")]
+    assert len(pids) >= 2, server.titles()
+    return [MainThread(pid) for pid in pids]
+
+
+def _closed_loops(server, clients: int, requests: int) -> tuple[float, int]:
+    """``clients`` requests of add_sub in flight over HTTP (tritonclient's connection pool),
+    ``requests`` rounds of them: (CPU of the pollers' main threads in us per request, their
+    blocking sleeps per request)."""
+    x = np.arange(16, dtype=np.int32)
+    inputs = [httpclient.InferInput("INPUT0", [16], "INT32"), httpclient.InferInput("INPUT1", [16], "INT32")]
+    inputs[0].set_data_from_numpy(x)
+    inputs[1].set_data_from_numpy(x)
+
+    def rounds(conn: httpclient.InferenceServerClient, n: int) -> None:
+        for _ in range(n):
+            for pending in [conn.async_infer("add_sub", inputs) for _ in range(clients)]:
+                assert pending.get_result().as_numpy("OUTPUT0").tolist() == (2 * x).tolist()
+
+    conn = httpclient.InferenceServerClient(server.url, concurrency=clients)
+    try:
+        rounds(conn, 5)  # connected and warm
+        pollers = _pollers(server)
+        before = [p.read() for p in pollers]
+        rounds(conn, requests)
+        after = [p.read() for p in pollers]
+    finally:
+        conn.close()
+    n = clients * requests
+    cpu_us = sum(a[0] - b[0] for a, b in zip(after, before)) / 1e3 / n
+    slept = sum(a[1] - b[1] for a, b in zip(after, before)) / n
+    return cpu_us, slept
+
+
+def test_a_polling_server_on_a_busy_host_costs_what_a_non_polling_one_does(server_factory):
+    """Every core taken by processes that never block (as busy clients are): a server with a long
+    poll budget must not poll, so its frontend and worker cost per request about what they cost
+    with --poll-us 0, and they sleep between requests instead. Before, each poll ran for its
+    whole budget (yielding, but still taking a share of a core from the busy processes)."""
+    polling = server_factory.start([PRODUCT_MODELS], [*ADD_SUB, "--poll-us", "20000"])
+    still = server_factory.start([PRODUCT_MODELS], [*ADD_SUB, "--poll-us", "0"])
+    with CpuHogs(2 * os.cpu_count() + 2):
+        rounds = []
+        for _ in range(2):  # interleaved: the host's phases hit both alike
+            rounds.append((_closed_loops(polling, 4, 40), _closed_loops(still, 4, 40)))
+        lone, lone_still = _closed_loops(polling, 1, 80), _closed_loops(still, 1, 80)
+    cpu = min(r[0][0] for r in rounds)
+    cpu_still = min(r[1][0] for r in rounds)
+    # Polling 20 ms a wait at a quarter of a core or so would cost a few ms a request.
+    assert cpu < 1.5 * cpu_still + 200, (rounds, lone, lone_still)
+    # One client: the pollers sleep on every request (two sleeps, and more), as without polling.
+    assert lone[1] >= 1.0 and lone[0] < 1.5 * lone_still[0] + 200, (lone, lone_still)
+
+
+def test_with_an_idle_core_a_closed_loop_is_answered_by_polling(server_factory, tmp_path, monkeypatch):
+    """The run queue says a core is idle (a file in /proc/loadavg's format: this shared host
+    cannot promise one): one client's closed loop is then served by polling, the frontend and the
+    worker sleeping on few of its requests; with --poll-us 0 they sleep on every one. Once the
+    file says the cores are busy, the same loop is served by sleeping."""
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.10 0.10 0.10 1/200 4242\n")
+    monkeypatch.setenv("SHMSERVE_TEST_LOADAVG", str(loadavg))
+    polling = server_factory.start([PRODUCT_MODELS], [*ADD_SUB, "--poll-us", "50000"])
+    still = server_factory.start([PRODUCT_MODELS], [*ADD_SUB, "--poll-us", "0"])
+    _, slept = _closed_loops(polling, 1, 200)
+    _, slept_still = _closed_loops(still, 1, 200)
+    assert slept_still >= 1.5, slept_still  # the frontend and the worker, each once a request at least
+    assert slept < 0.5, (slept, slept_still)
+    loadavg.write_text(f"9.00 9.00 9.00 {os.cpu_count() + 2}/200 4242\n")
+    time.sleep(0.1)  # (read at most every 2 ms)
+    _, slept_busy = _closed_loops(polling, 1, 200)
+    assert slept_busy >= 1.0, (slept, slept_busy)
