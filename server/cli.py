@@ -172,10 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frontend-arena-mb", type=int, default=256,
                    help="shared-memory input arena of each HTTP frontend, MiB (lazily; default 256)")
     p.add_argument("--poll-us", type=int, default=500, metavar="N",
-                   help="how long, in microseconds, a frontend or worker keeps polling for the next message "
-                        "before it sleeps: polling spares the wake-ups of requests that follow closely, at the "
-                        "cost of CPU; a frontend does not poll for a model whose answers take longer on "
-                        "average. 0 never polls (default 500)")
+                   help="the most, in microseconds, a frontend or worker polls for the next message before it "
+                        "sleeps: polling spares the wake-ups of requests that follow closely, at the cost of CPU; "
+                        "polls that find nothing get shorter, nobody polls while no core of the host is idle, "
+                        "and a frontend does not poll for a model whose answers take longer on average. 0 never "
+                        "polls (default 500)")
     grpc_options.add_flags(p, add_bool)
     p.add_argument("--rate-limit", default="off", metavar="MODE",
                    help="Triton's rate limiter: 'execution_count' runs an instance of a model whose instance group "

@@ -110,7 +110,7 @@ class Waker:
         self.flag[0] = AWAKE
         drain(self.sem)
         if spin is not None:
-            spin.observe(time.perf_counter() - started)
+            spin.waited(time.perf_counter() - started)  # a short wait brings the polling back
 
     def arm(self, has_work: Callable[[], bool]) -> bool:
         """FIFO receivers: declare sleep; True if work slipped in and must be handled first."""
@@ -130,37 +130,140 @@ class Waker:
             self._fifo_fd = None
 
 
+# The kernel's run queue, or (tests only) a file in its format that a test writes: a host shared
+# with other work cannot promise an idle core, and a test of what polling does with one needs it.
+LOADAVG = os.environ.get("SHMSERVE_TEST_LOADAVG", "/proc/loadavg")
+
+
+class RunQueue:
+    """Whether this host has an idle core, from the kernel's count of runnable tasks (the fourth
+    field of /proc/loadavg, "running/total"), read at most every ``REFRESH_S``.
+
+    A read costs about 4 us, so a poller that asks on every pass pays a small fraction of a
+    microsecond per pass amortized. The count includes the reader itself, and in a closed loop of
+    one client its partner poller too (the frontend polls while the worker works, and the other
+    way round): a core counts as idle while at most ``cores + 1`` tasks are runnable. Any more and
+    a task waits for a core that polling would take from it. The count is the whole host's, so it
+    is compared with the host's cores (``os.cpu_count``), not this process's affinity.
+    """
+
+    REFRESH_S = 0.002
+
+    def __init__(self, path: str = LOADAVG, cores: int | None = None) -> None:
+        self.cores = cores or os.cpu_count() or 1
+        self._fd = -1
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # no /proc: always idle, as before this check existed
+            pass
+        self._read_at = -math.inf
+        self._idle = True
+        self.runnable = 0  # at the last read (0: unknown)
+
+    def idle_core(self) -> bool:
+        now = time.perf_counter()
+        if now - self._read_at >= self.REFRESH_S:
+            self._read_at = now
+            self._refresh()
+        return self._idle
+
+    def _refresh(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            field = os.pread(self._fd, 128, 0).split()[3]
+            self.runnable = int(field[:field.index(b"/")])
+        except (OSError, IndexError, ValueError):  # unreadable or malformed: poll as before
+            self._idle = True
+            return
+        self._idle = self.runnable <= self.cores + 1
+
+
+_run_queue: RunQueue | None = None
+
+
+def run_queue() -> RunQueue:
+    """The process's one reader of the run queue (one descriptor, one cached answer)."""
+    global _run_queue
+    if _run_queue is None:
+        _run_queue = RunQueue()
+    return _run_queue
+
+
 class SpinPolicy:
-    """When to poll before sleeping: only while recent waits were shorter than ``max_s``.
+    """How long to poll before sleeping; every poller uses one (the local client waiting for its
+    answer, a worker for its polling client's next request, a frontend's link for its answers).
 
     Polling saves both sides of a wake-up (the producer's post and the sleeper's return from the
     futex, tens of microseconds each on a VM) when the next record comes within microseconds, as
-    in a closed loop of one caller. Under load waits are long or absent, the average rises past
-    ``max_s`` and nothing is spent polling; an idle receiver never polls after its first wait.
+    in a closed loop of one caller. It pays only then, and only with a core to spare:
+
+    - the budget (``limit``) starts at ``max_s``, halves after each poll that found nothing, and
+      drops to 0 below an eighth of ``max_s``; a wait shorter than ``max_s`` (found polling, or
+      after a sleep) brings it back to at least twice that wait. An idle receiver thus stops
+      polling after a few waits, and a closed loop keeps polling for its next record;
+    - nobody polls while the run queue says no core is idle (``RunQueue``): with more runnable
+      tasks than cores a poller's CPU is CPU that somebody else waits for. The poll stops as soon
+      as a refreshed count says so.
+
+    The counters say what polling did, for tests and profiles: ``found`` (polls that found work),
+    ``missed`` (polls that gave up), ``busy`` (polls not started or cut short for lack of an idle
+    core).
     """
 
-    def __init__(self, max_s: float) -> None:
-        self.max_s = max_s
-        self.average = 0.0  # of recent waits, seconds
-
-    def observe(self, waited_s: float) -> None:
-        self.average += (min(waited_s, 10 * self.max_s) - self.average) * 0.125
+    def __init__(self, max_s: float, queue: RunQueue | None = None) -> None:
+        self.max_s = max(0.0, max_s)
+        self.limit = self.max_s
+        self._queue = queue if queue is not None else run_queue() if self.max_s > 0 else None
+        self.found = self.missed = self.busy = 0
 
     def budget(self) -> float:
-        return self.max_s if 0 < self.max_s and self.average < self.max_s else 0.0
+        """What the recent waits say a poll may take (seconds), whatever the host's load."""
+        return self.limit
+
+    def allowance(self) -> float:
+        """How long to poll now: the budget, or 0 while no core is idle."""
+        if self.limit <= 0:
+            return 0.0
+        if not self._queue.idle_core():  # type: ignore[union-attr]
+            self.busy += 1
+            return 0.0
+        return self.limit
+
+    def idle_core(self) -> bool:
+        return self._queue is None or self._queue.idle_core()
+
+    def waited(self, waited_s: float) -> None:
+        """Work came after ``waited_s``: a poll that long would have found it (or did)."""
+        if waited_s < self.max_s and self.limit < 2 * waited_s:
+            self.limit = min(self.max_s, max(2 * waited_s, self.max_s / 8))
+
+    def gave_up(self) -> None:
+        """A poll found nothing within its budget: poll half as long next time."""
+        self.missed += 1
+        self.limit /= 2
+        if self.limit < self.max_s / 8:
+            self.limit = 0.0
 
     def poll(self, done: Callable[[], bool], started: float, limit: float = math.inf) -> bool:
-        """Poll ``done`` within the budget (and ``limit`` seconds); True once it holds (the wait
-        is then observed)."""
-        budget = min(self.budget(), limit)
-        if budget <= 0:
+        """Poll ``done`` within the allowance (and ``limit`` seconds); True once it holds."""
+        allowance = self.allowance()
+        if allowance <= 0:
             return False
-        deadline = started + budget
+        deadline = started + min(allowance, limit)
+        queue = self._queue
         while True:
             if done():
-                self.observe(time.perf_counter() - started)
+                self.found += 1
+                self.waited(time.perf_counter() - started)
                 return True
-            if time.perf_counter() >= deadline:
+            now = time.perf_counter()
+            if now >= deadline:
+                if now - started >= allowance:  # (not when the caller's timer ended it)
+                    self.gave_up()
+                return False
+            if not queue.idle_core():  # type: ignore[union-attr]
+                self.busy += 1
                 return False
             os.sched_yield()
 

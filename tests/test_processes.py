@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,13 +130,22 @@ def _sleeps(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
 
 
+def _idle_core_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers started from now on read a run queue with a core idle (shm/waker.py ``RunQueue``):
+    nobody polls while none is, and this shared host cannot promise one."""
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.10 0.10 0.10 1/200 4242\n")
+    monkeypatch.setenv("SHMSERVE_TEST_LOADAVG", str(loadavg))
+
+
 @pytest.mark.parametrize("poll_us, polls", [(200_000, True), (0, False)])
-def test_poll_us_decides_whether_frontend_and_worker_poll(server_factory, poll_us, polls):
+def test_poll_us_decides_whether_frontend_and_worker_poll(server_factory, tmp_path, monkeypatch, poll_us, polls):
     """``--poll-us`` reaches the frontend and the worker. With a generous budget (so that on a slow
     CI host each answer and each next request still come within it) the next request of a client
     in a closed loop finds both awake: neither sleeps between requests. With 0 both sleep between
     requests (the control: the count below does see those sleeps), and every answer is still
     right."""
+    _idle_core_shown(tmp_path, monkeypatch)
     s = server_factory.start([PRODUCT_MODELS], ["--poll-us", str(poll_us)])
     frontend = next(pid for pid, t in s.titles().items() if t.startswith("shmserve frontend "))
     worker = s.worker_pids("add_sub")[0]
@@ -169,12 +179,14 @@ def test_poll_us_decides_whether_frontend_and_worker_poll(server_factory, poll_u
 
 
 @pytest.mark.parametrize("poll_us, polls", [(100_000, False), (1_000_000, True)])
-def test_frontend_does_not_poll_for_a_model_whose_answers_are_slow(server_factory, tmp_path, poll_us, polls):
+def test_frontend_does_not_poll_for_a_model_whose_answers_are_slow(server_factory, tmp_path, monkeypatch, poll_us,
+                                                                   polls):
     """Once the frontend has seen a model answer more slowly than --poll-us (the sleeper: 0.3 s
     against 0.1 s), it waits for that model's answers asleep; the control, with a budget above
     0.3 s, polls through every request."""
     repo = tmp_path / "repo"
     shutil.copytree(TEST_MODELS / "sleeper", repo / "sleeper")
+    _idle_core_shown(tmp_path, monkeypatch)
     s = server_factory.start([repo], ["--poll-us", str(poll_us)])
     frontend = next(pid for pid, t in s.titles().items() if t.startswith("shmserve frontend "))
     c = s.client()

@@ -155,8 +155,8 @@ class Worker:
     def serve(self) -> None:
         """The loop. After a round that served a client polling for its answers (its requests
         carry REQ_POLLING), the worker polls for that client's next request for up to --poll-us
-        before it sleeps, while recent waits were that short (SpinPolicy): a closed loop of quick
-        calls then crosses no sleep in either direction."""
+        before it sleeps, while such polls pay and a core is idle (SpinPolicy): a closed loop of
+        quick calls then crosses no sleep in either direction, and a busy host is not polled on."""
         seg = self.seg
         inbox = seg.inbox
         late = self.late

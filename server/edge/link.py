@@ -15,10 +15,12 @@ without a wake-up from epoll. While the loop polls, producers see it awake and s
 write, and its requests ask the worker to poll for the next one as well (``REQ_POLLING``), so
 requests that follow closely cross no sleep between our processes in either direction.
 
-Polling pays only when the answer comes soon: the loop keeps a running average of how long each
-model's answers take, and a request to a model whose answers take longer than ``poll_s`` on
-average neither starts nor prolongs the polling, and is not sent with the worker's polling hint.
-``poll_s`` 0 never polls.
+Polling pays only when the answer comes soon and a core is idle: the loop keeps a running average
+of how long each model's answers take, and a request to a model whose answers take longer than
+``poll_s`` on average neither starts nor prolongs the polling, and is not sent with the worker's
+polling hint. How long the loop polls is the shared policy's (shm/waker.py ``SpinPolicy``): its
+budget shrinks while polls find nothing and comes back when work follows closely, and nothing is
+polled while no core is idle. ``poll_s`` 0 never polls.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from shmserve.shm.completion import Completion
 from shmserve.shm.connection import ArenaBusy, Backpressure, Connection, Reservation, ServerUnavailable
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 from shmserve.shm.streams import StreamEvents
+from shmserve.shm.waker import SpinPolicy
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -95,7 +98,8 @@ class BrokerLink:
         self._loop: Any = None
         self._timer: asyncio.TimerHandle | None = None
         self._polling = False
-        self._progress = 0.0  # perf_counter of the last submission or answer while polling
+        self._spin = SpinPolicy(self.poll_s)  # how long to poll, and whether a core is idle for it
+        self._progress = 0.0  # perf_counter of the last submission or answer
         self._answer_s: dict[str, float] = {}  # per model: running average of its answer times
         self._polled_in_flight = 0  # requests in flight whose answers are polled for
         self._checked = 0.0  # monotonic time of the last broker check that succeeded
@@ -141,10 +145,18 @@ class BrokerLink:
             if conn is not None:
                 now = time.perf_counter()
                 if conn.complete_ready():
+                    self._spin.found += 1
+                    self._spin.waited(now - self._progress)
                     self._progress = now
                 # (not for answers that come late: nothing in flight is polled for)
-                window = 0.0 if conn.in_flight and not self._polled_in_flight else self.poll_s
-                keep = now - self._progress < window
+                if conn.in_flight and not self._polled_in_flight:
+                    keep = False
+                elif now - self._progress >= self._spin.budget():
+                    self._spin.gave_up()  # nothing came within the budget: poll less next time
+                    keep = False
+                else:
+                    keep = self._spin.idle_core()
+                    self._spin.busy += not keep
         finally:
             # Whatever happened, either poll again or go back to being woken: a poller that
             # stopped with its flag left awake would never hear of an answer again.
@@ -248,8 +260,17 @@ class BrokerLink:
         return conn, start
 
     def _polls_for(self, model: str | None) -> bool:
-        """Whether the loop polls for the answer: not for a model whose answers come late."""
-        return self.poll_s > 0 and (model is None or self._answer_s.get(model, 0.0) < self.poll_s)
+        """Whether the loop polls for the answer (called once per submission): not for a model
+        whose answers come late, nor while the policy says polling does not pay or no core is idle."""
+        if self.poll_s <= 0:
+            return False
+        spin = self._spin
+        now = time.perf_counter()
+        if self._polling:
+            spin.found += 1  # the loop was polling when this request came
+        spin.waited(now - self._progress)
+        self._progress = now
+        return (model is None or self._answer_s.get(model, 0.0) < self.poll_s) and spin.allowance() > 0
 
     def _polling_for(self, conn: Connection, model: str | None) -> None:
         """A request whose answer the loop polls for was sent: start or prolong the polling."""
