@@ -103,6 +103,9 @@ class Instance(ABC):
     # Whether inputs in a client's CUDA region reach ``execute`` as device tensors (a GPU
     # instance that can use them) rather than copied to host arrays.
     device_inputs: bool = False
+    # Whether the model may write into its host inputs (they are its own): large ones in shared
+    # arenas then come as copy-on-write views (workers/input_views.py), smaller ones as copies.
+    writable_inputs: bool = False
 
     @abstractmethod
     def execute(self, requests: list[Request]) -> list[Response]:

@@ -111,6 +111,7 @@ class PythonModel(Model):
             (lambda: _select_gpu(ictx.device_id)) if on_gpu else None))
         instance.device_inputs = on_gpu and not _force_cpu_inputs(self.ctx.config)
         instance.copy_inputs = not _read_only_inputs(self.ctx.config)
+        instance.writable_inputs = instance.copy_inputs and not instance.decoupled
         return instance
 
 
