@@ -28,7 +28,9 @@ from shmserve.workers.input_views import VIEW_MIN_BYTES
 SMALL = 1024  # FP32 elements: 4 KiB, copied
 LARGE = 1 << 20  # 4 MiB, a view
 assert SMALL * 4 < VIEW_MIN_BYTES <= LARGE * 4
+STRIDE = 1 << 14  # the writer writes every 16384th element: one page in 16
 
+# Writes into a few pages of its input in place (as Triton allows) and answers with it.
 WRITER = '''
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -39,10 +41,13 @@ class TritonPythonModel:
         for r in requests:
             x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
             owned = np.array([x.flags.owndata or x.base is None], np.int32)
-            x += 1  # in place, as Triton allows
+            x[::%d] += 1
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x), pb_utils.Tensor("OWNED", owned)]))
         return out
-'''
+''' % STRIDE
+
+# Writes into all of its input: views cost it more than copies, so it gets copies after its first.
+SCRIBBLER = WRITER.replace("x[::%d] += 1" % STRIDE, "x += 1")
 
 # Keeps the first input it is given, as is, and answers every request with it.
 KEEPER = '''
@@ -123,6 +128,7 @@ def _model(repo: Path, name: str, source: str, inputs: list[str], outputs: list[
 def server(module_factory, tmp_path_factory):
     repo = tmp_path_factory.mktemp("input_view_models")
     _model(repo, "writer", WRITER, [_io("X")], [_io("Y"), _io("OWNED", "1", "TYPE_INT32")])
+    _model(repo, "scribbler", SCRIBBLER, [_io("X")], [_io("Y"), _io("OWNED", "1", "TYPE_INT32")])
     _model(repo, "keeper", KEEPER, [_io("X")], [_io("Y")])
     _model(repo, "hoarder", HOARDER, [_io("X")], [_io("Y")])
     _model(repo, "pass", PASS, [_io("Y"), _io("W")], [_io("Z")])
@@ -134,6 +140,13 @@ def server(module_factory, tmp_path_factory):
 
 def _data(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def _written(x: np.ndarray) -> np.ndarray:
+    """What the writer answers for ``x``."""
+    y = x.copy()
+    y[::STRIDE] += 1
+    return y
 
 
 def _infer(client, model: str, x: np.ndarray, outputs: list[str]) -> dict[str, np.ndarray]:
@@ -189,15 +202,26 @@ def regions(server):
 @pytest.mark.parametrize("n", [SMALL, LARGE])
 def test_model_writing_its_http_input_answers_from_its_own_view(server, n):
     """Over an HTTP binary body: a large input is a view (zero copy), a small one a copy, and
-    either way each answer is its own input plus one, also once the frontend's arena has wrapped
-    round (a page written for an earlier request never shows in a later one)."""
+    either way each answer is its own input as the model wrote it, also once the frontend's arena
+    has wrapped round (a page written for an earlier request never shows in a later one)."""
     client = server.client()
     runs = 12 if n == LARGE else 4  # 12 x 4 MiB wraps the 32 MiB arena
     for i in range(runs):
         x = _data(n, i)
         got = _infer(client, "writer", x, ["Y", "OWNED"])
-        np.testing.assert_array_equal(got["Y"], x + 1)
+        np.testing.assert_array_equal(got["Y"], _written(x))
         assert got["OWNED"].tolist() == [0 if n == LARGE else 1], "a large input is a view, a small one a copy"
+
+
+def test_a_model_writing_all_of_its_inputs_gets_copies_after_its_first(server):
+    client = server.client()
+    owned = []
+    for i in range(4):
+        x = _data(LARGE, 50 + i)
+        got = _infer(client, "scribbler", x, ["Y", "OWNED"])
+        np.testing.assert_array_equal(got["Y"], x + 1)
+        owned += got["OWNED"].tolist()
+    assert owned == [0, 1, 1, 1]
 
 
 @pytest.mark.parametrize("n", [SMALL, LARGE])
@@ -209,18 +233,18 @@ def test_model_writing_its_region_input_leaves_the_region_alone(server, regions,
     inp = httpclient.InferInput("X", [n], "FP32")
     inp.set_shared_memory(region.name, n * 4)
     res = client.infer("writer", [inp], outputs=[httpclient.InferRequestedOutput("Y", binary_data=True)])
-    np.testing.assert_array_equal(res.as_numpy("Y"), x + 1)
+    np.testing.assert_array_equal(res.as_numpy("Y"), _written(x))
     np.testing.assert_array_equal(region.read(n), x)  # the model wrote into its own bytes only
 
 
 @pytest.mark.parametrize("n", [SMALL, LARGE])
 def test_model_writing_its_input_leaves_a_local_clients_arena_alone(server, n):
-    """Through the local client (inputs in its own arena) twice with the same array: the second
-    answer is x + 1 again, not x + 2."""
+    """Through the local client (inputs in its own arena), the same array again and again: each
+    answer is it as written once, never written twice."""
     x = _data(n, 3)
     with Client(server.id) as c:
         for _ in range(3):
-            np.testing.assert_array_equal(c.infer("writer", {"X": x})["Y"], x + 1)
+            np.testing.assert_array_equal(c.infer("writer", {"X": x})["Y"], _written(x))
 
 
 @pytest.mark.parametrize("n", [SMALL, LARGE])
@@ -230,7 +254,7 @@ def test_a_step_writing_its_input_leaves_it_alone_for_the_next_steps(server, n):
     as they were made."""
     x = _data(n, 11)
     got = _infer(server.client(), "write_chain", x, ["Z", "X_AGAIN"])
-    np.testing.assert_array_equal(got["Z"], x + 1)
+    np.testing.assert_array_equal(got["Z"], _written(x))
     np.testing.assert_array_equal(got["X_AGAIN"], x)
 
 
@@ -278,11 +302,11 @@ def _maps_and_rss(pid: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("model", ["writer", "hoarder"])
 def test_a_long_run_leaves_the_workers_mappings_and_memory_alone(server, model):
-    """300 requests of 1 MiB, each written into (writer) or kept (hoarder, up to 21 at once):
-    the worker's mappings and resident memory end where the first requests left them."""
+    """300 requests of 2 MiB (views), each written into (writer) or kept (hoarder, up to 21 at
+    once): the worker's mappings and resident memory end where the first requests left them."""
     client = server.client()
     (pid,) = server.worker_pids(model)
-    n = 1 << 18  # 1 MiB
+    n = VIEW_MIN_BYTES // 4
     x = _data(n, 1)
     for _ in range(30):
         _infer(client, model, x, ["Y"])

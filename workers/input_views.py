@@ -1,7 +1,7 @@
 """Copy-on-write views of large inputs that lie in shared arenas, for models that may write into them.
 
 Triton's Python stub gives a model its own copies of its inputs, so that ``x += 1`` on an input
-changes nothing the client (or another model) reads. A copy of 16 MiB costs a worker about 1.2 ms
+changes nothing the client (or another model) reads. A copy of 16 MiB costs a worker 1.2-2.5 ms
 here. Instead, the worker keeps one private mapping (``MAP_PRIVATE``) of each arena segment that
 large inputs lie in (a frontend's or local client's request blocks, another worker's output arena
 for an ensemble step, the broker's) and gives the model numpy views over it: once its page tables
@@ -25,19 +25,26 @@ made (the input is copied), since it would show that page as it was when it was 
 Not mapped, copied instead: inputs under ``VIEW_MIN_BYTES``, where the copy is cheaper (below);
 inputs in a client's registered region (``shm/region_io.py``: its owner may truncate it, and a
 touched page past the end of a truncated object kills the process with SIGBUS, private mapping or
-not: even pages already copied on write are dropped by a truncation); inputs of streaming requests
-and decoupled models (they are used after the round, so they would be copied at keep anyway).
+not: a truncation drops even the pages already copied on write); inputs of streaming requests and
+decoupled models (used after the round, they would be copied at keep anyway); and every input of
+a model seen writing into a quarter of a view's pages (each written page costs a fault and a page
+copy, and the next request's view a fault again: 5x the copy for a model that writes it all).
 
-Why one mapping kept per segment, not one per request: on the 2-core VM a fresh private mapping
-costs about 0.5 us a page to fill and unmap (16 MiB read once through it: 1.2-2.3 ms), no less
-than copying the bytes (1.2-1.7 ms for 16 MiB), while a kept mapping costs only the pagemap look
-at settle (16 KiB: 7 us, 1 MiB: 13 us, 4 MiB: 32 us, 16 MiB: 150 us against 2, 24, 92 and 1,150
-us for the copy). The crossover lies between 256 KiB (8 us against 7) and 1 MiB.
+Measured on the 2-core VM, loaded (``tools/bench_input_views.py``: worker thread CPU per input,
+the model reading all of it; three runs): 512 KiB: view 48-94 us, copy 37-59; 1 MiB: 74-139
+against 71-114; 2 MiB: 160-174 against 182-227; 4 MiB: 280-371 against 378-527; 16 MiB:
+1,316-1,494 against 2,264-2,552. The view's cost
+is mostly the pagemap look (about 25 us a MiB), so the crossover lies between 1 and 2 MiB. The
+first time a range of the mapping is used its pages fault in (16 MiB: 2.9-3.3 ms, more than the
+copy), once per arena round. One fresh private mapping per request instead would pay that every
+time: 0.5 us a page to fill and unmap, no cheaper than the copy at any size here.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -49,12 +56,15 @@ from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import DTYPES
 
 # Inputs smaller than this are copied: below it the copy costs less than the pagemap look (measured
-# above: crossover between 256 KiB and 1 MiB on the 2-core VM).
-VIEW_MIN_BYTES = 512 << 10
+# above: the crossover lies between 1 and 2 MiB on the 2-core VM).
+VIEW_MIN_BYTES = 2 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14; not in Python 3.11's mmap module
 PAGE = mmap.PAGESIZE
 MAX_MAPPINGS = 64  # segments mapped privately at once (LRU)
 MAX_RETIRED = 8  # retired mappings a model keeps alive before its inputs are copied instead
+WRITER_SHARE = 4  # a model that wrote a quarter of a view's pages gets copies from then on
+
+log = logging.getLogger("shmserve.worker")
 
 _PRESENT, _SWAPPED, _FILE = np.uint64(1 << 63), np.uint64(1 << 62), np.uint64(1 << 61)
 
@@ -161,6 +171,11 @@ class InputViews:
         pages = self._written(m, start, end)
         if not len(pages):
             return
+        if len(pages) * WRITER_SHARE >= (end - start) // PAGE:
+            # A page written costs a fault and its copy, and the next request's view a fault
+            # again: a model that writes into much of its inputs is cheaper served with copies.
+            self.min_bytes = sys.maxsize
+            log.info("the model writes into its inputs: they are copied from now on")
         # runs of consecutive written pages, one madvise each
         breaks = np.flatnonzero(np.diff(pages) != 1)
         firsts = np.concatenate(([pages[0]], pages[breaks + 1]))
