@@ -118,7 +118,10 @@ class InputViews:
         if size < self.min_bytes or datatype == "BYTES" or len(self._retired) >= MAX_RETIRED:
             return None
         m = self._mapping(name)
-        if m is None or off + size > m.size or len(self._written(m, off, off + size, edges=True)):
+        try:
+            if m is None or off + size > m.size or len(self._written(m, off, off + size, edges=True)):
+                return None
+        except OSError:
             return None
         arr = np.ndarray(shape, DTYPES[datatype], m.buf[off:off + size])
         self._given.append((m, weakref.ref(arr), off, off + size))
@@ -161,17 +164,21 @@ class InputViews:
         for views in by_map.values():
             m = views[0][0]
             kept = [(start, end) for _, ref, start, end in views if ref() is not None]
-            if kept:
-                self._retire(m, kept)
-                continue
-            for _, _, start, end in views:
-                self._reset(m, start, end)
+            try:
+                if kept:
+                    self._retire(m, kept)
+                    continue
+                for _, _, start, end in views:
+                    self._reset(m, start, end)
+            except OSError as e:  # (an arena its owner truncated: nothing more is shown from it)
+                log.warning("input views of %s: %s; no more views in that mapping", m.name, e)
+                self.forget(m.name)
 
     def _reset(self, m: _Mapping, start: int, end: int) -> None:
         pages = self._written(m, start, end)
         if not len(pages):
             return
-        if len(pages) * WRITER_SHARE >= (end - start) // PAGE:
+        if len(pages) * WRITER_SHARE >= (end - start) // PAGE and self.min_bytes != sys.maxsize:
             # A page written costs a fault and its copy, and the next request's view a fault
             # again: a model that writes into much of its inputs is cheaper served with copies.
             self.min_bytes = sys.maxsize
