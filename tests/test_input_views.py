@@ -21,7 +21,7 @@ import pytest
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
-from conftest import raw_request
+from conftest import raw_request, wait_until
 from shmserve import Client
 from shmserve.workers.input_views import VIEW_MIN_BYTES
 
@@ -316,3 +316,22 @@ def test_a_long_run_leaves_the_workers_mappings_and_memory_alone(server, model):
     maps1, rss1 = _maps_and_rss(pid)
     assert maps1 <= maps0 + 4, f"{maps0} mappings before, {maps1} after"
     assert rss1 <= rss0 + 16 * 1024, f"VmRSS {rss0} KiB before, {rss1} KiB after"
+
+
+def _client_segments_mapped(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[5] for line in f if ".client." in line and len(line.split()) > 5}
+
+
+def test_a_local_clients_private_mapping_goes_with_it(server):
+    """A local client's arena, mapped privately for its large inputs, is unmapped from the worker
+    once the client has gone, as the worker's shared mapping of it is."""
+    (pid,) = server.worker_pids("writer")
+    before = _client_segments_mapped(pid)
+    x = _data(LARGE, 9)
+    with Client(server.id) as c:
+        np.testing.assert_array_equal(c.infer("writer", {"X": x})["Y"], _written(x))
+        with open(f"/proc/{pid}/maps") as f:
+            private = [line for line in f if ".client." in line and line.split()[1] == "rw-p"]
+        assert private, "the local client's arena is not mapped privately"
+    wait_until(lambda: _client_segments_mapped(pid) <= before, "the gone client's arena unmapped", 30)
