@@ -11,6 +11,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
+from typing import Callable
 
 import posix_ipc
 
@@ -90,6 +91,13 @@ class SegmentCache:
         self._limit = limit
         self._lock = threading.Lock()
         self.regions = RegionFiles(limit)
+        # Called with each name dropped, so that other mappings of it (workers/input_views.py) go too.
+        self.forgetting: list[Callable[[str], None]] = []
+
+    def _forgot(self, names: list[str]) -> None:
+        for name in names:
+            for forget in self.forgetting:
+                forget(name)
 
     def get(self, name: str) -> Segment:
         """The mapping of ``name`` (a segment of the server's or a client's arena)."""
@@ -104,6 +112,7 @@ class SegmentCache:
                 while len(self._items) > self._limit:
                     _, old = self._items.popitem(last=False)
                     old.close()
+                    self._forgot([old.name])
             return seg
 
     def drop(self, name: str) -> None:
@@ -111,6 +120,7 @@ class SegmentCache:
             seg = self._items.pop(name, None)
         if seg is not None:
             seg.close()
+            self._forgot([name])
 
     def drop_unlinked(self, prefix: str) -> None:
         """Unmap the segments named ``prefix...`` whose object is gone from /dev/shm (a client
@@ -120,6 +130,7 @@ class SegmentCache:
             segs = [self._items.pop(n) for n in gone]
         for seg in segs:
             seg.close()
+        self._forgot(gone)
 
     def clear(self) -> None:
         with self._lock:
@@ -128,3 +139,4 @@ class SegmentCache:
         self.regions.clear()
         for seg in items:
             seg.close()
+        self._forgot([seg.name for seg in items])

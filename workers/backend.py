@@ -54,9 +54,9 @@ class InstanceContext:
 
 @dataclasses.dataclass
 class Request:
-    """One inference request as a backend sees it: inputs are numpy views over shared memory (copies
-    for those in a client's registered region, ``own_inputs``), or torch tensors over a client's
-    CUDA region for an instance that takes device inputs."""
+    """One inference request as a backend sees it: inputs are numpy views over shared memory (the
+    process's own for those in ``own_inputs``: copies of a client's registered region, private
+    views), or torch tensors over a client's CUDA region for an instance that takes device inputs."""
 
     inputs: dict[str, np.ndarray]
     requested_outputs: list[str]  # empty: every output the model produces
@@ -70,7 +70,8 @@ class Request:
     device_outputs: frozenset[str] = frozenset()
     # Whether the request's owner cancelled it (Triton's ``is_cancelled``): ``cancel.is_set()``.
     cancel: "CancelFlag | None" = None
-    # Inputs that are this process's own copies (read from a client's region), not views of shared memory.
+    # Inputs that are this process's own (read from a client's region, or private copy-on-write views of
+    # an arena, workers/input_views.py), not views of memory others read.
     own_inputs: frozenset[str] = frozenset()
 
 
@@ -103,6 +104,9 @@ class Instance(ABC):
     # Whether inputs in a client's CUDA region reach ``execute`` as device tensors (a GPU
     # instance that can use them) rather than copied to host arrays.
     device_inputs: bool = False
+    # Whether the model may write into its host inputs (they are its own): large ones in shared
+    # arenas then come as copy-on-write views (workers/input_views.py), smaller ones as copies.
+    writable_inputs: bool = False
 
     @abstractmethod
     def execute(self, requests: list[Request]) -> list[Response]:

@@ -18,6 +18,7 @@ from shmserve.shm.tensors import from_buffer
 
 from . import device_tensors
 from .cuda import runtime as cuda_runtime
+from .input_views import InputViews
 from shmserve.signature import ModelSignature, queue_options
 
 
@@ -88,12 +89,17 @@ def _locate(regions: RegionTable, client: ClientSegment, t: dict, data_start: in
     return out
 
 
-def read_inputs(entry: dict, segments: SegmentCache, on_device: bool = False) -> tuple[dict[str, Any], frozenset[str]]:
-    """The entry's inputs as arrays, and the names of those that are this process's own copies.
-    An input in a client's arena (or a step's output in a worker's) is a view over that memory;
-    one in a registered region is read into memory of our own (its client may truncate it under
-    us, ``shm/region_io.py``); one in a client's CUDA region stays there as a device tensor when
+def read_inputs(entry: dict, segments: SegmentCache, on_device: bool = False,
+                views: InputViews | None = None) -> tuple[dict[str, Any], frozenset[str]]:
+    """The entry's inputs as arrays, and the names of those that are this process's own (a model
+    may write into them). An input in a client's arena (or a step's output in a worker's) is a
+    view over that memory, or with ``views`` a private copy-on-write view when it is large
+    (``input_views.py``; not for a stream, whose request outlives the round); one in a
+    registered region is read into memory of our own (its client may truncate it under us,
+    ``shm/region_io.py``); one in a client's CUDA region stays there as a device tensor when
     the instance takes device inputs (``on_device``), and is copied to the host otherwise."""
+    if "stream" in entry:
+        views = None
     inputs: dict[str, Any] = {}
     own: list[str] = []
     for t in entry["inputs"]:
@@ -112,6 +118,11 @@ def read_inputs(entry: dict, segments: SegmentCache, on_device: bool = False) ->
             data = memoryview(segments.regions.read(t))  # type: ignore[arg-type] # (numpy's stubs lack Buffer)
             own.append(t["name"])
         else:
+            view = views.array(t["seg"], off, size, t["datatype"], t["shape"]) if views is not None else None
+            if view is not None:
+                inputs[t["name"]] = view
+                own.append(t["name"])
+                continue
             data = segments.get(t["seg"]).buf[off:off + size]
         inputs[t["name"]] = from_buffer(data, t["datatype"], t["shape"])
     return inputs, frozenset(own)

@@ -45,6 +45,7 @@ from .classification import load_labels
 from .late_answers import CANCEL_CHECK_S, Deferred, Kept, LateAnswers
 from . import cuda
 from .cuda import CudaError
+from .input_views import InputViews
 from .readiness import ReadinessCheck
 from .region_holds import RegionHolds
 from .requests import DecoupledOnly, RequestError, check_request, read_inputs
@@ -94,6 +95,7 @@ class Worker:
         self.backend: Backend | None = None
         self.model_state: Model | None = None
         self.instance: Instance | None = None
+        self.input_views: InputViews | None = None  # large inputs as copy-on-write views (input_views.py)
         self.readiness: ReadinessCheck | None = None  # the model's is_ready(), if it has one
         self.running = True
         # Requests from our lanes waiting for a batch, when this instance batches them itself.
@@ -118,6 +120,8 @@ class Worker:
             ictx = InstanceContext(name=self.instance_name, index=spec["instance_index"], kind=spec["kind"],
                                    device_id=spec.get("device_id", 0))
             self.instance = self.model_state.create_instance(ictx)
+            if self.instance.writable_inputs:
+                self.input_views = InputViews.open(self.segments)
             self.signature = ModelSignature(self.model, ctx.config)
             self.output_names = list(self.signature.outputs)
             if ctx.config.get("sequence_batching"):
@@ -552,11 +556,14 @@ class Worker:
         self.stats.counts[ARENA_BYTES] = self.answers.arena.bytes_in_use
         self.stats.flush()
         custom_metrics.REGISTRY.flush()
+        if self.input_views is not None:  # before the clients may reuse the blocks the views show
+            self.input_views.settle()
         self.answers.send_completions()
 
     def _build_request(self, entry: dict, client: ClientSegment, start: int) -> Request:
         """The model's request for ``entry``, its inputs read; ``start``: when its batch began."""
-        inputs, own = read_inputs(entry, self.segments, self.instance.device_inputs)  # type: ignore[union-attr]
+        inputs, own = read_inputs(entry, self.segments, self.instance.device_inputs,  # type: ignore[union-attr]
+                                  self.input_views)
         if self.sequence is not None:
             self.sequence.augment(inputs, entry.get("corr", 0), entry.get("flags", 0))
         wanted = entry.get("outputs")

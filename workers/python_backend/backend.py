@@ -2,8 +2,9 @@
 
 The worker process plays the part of Triton's Python stub: it imports ``model.py`` with our
 ``triton_python_backend_utils`` installed under that name, hands it ``pb_utils.InferenceRequest``
-objects whose tensors are copies of the client's inputs (as Triton's stub holds them; read-only
-views with the READ_ONLY_INPUTS parameter), and reads back its responses, returned by ``execute``
+objects whose tensors are the model's own (copies, as Triton's stub holds them, or from 2 MiB
+private copy-on-write views, workers/input_views.py; read-only views with the READ_ONLY_INPUTS
+parameter), and reads back its responses, returned by ``execute``
 or sent through the requests' response senders. An ``async def execute`` runs on the instance's
 event loop (event_loop.py).
 """
@@ -111,6 +112,7 @@ class PythonModel(Model):
             (lambda: _select_gpu(ictx.device_id)) if on_gpu else None))
         instance.device_inputs = on_gpu and not _force_cpu_inputs(self.ctx.config)
         instance.copy_inputs = not _read_only_inputs(self.ctx.config)
+        instance.writable_inputs = instance.copy_inputs and not instance.decoupled
         return instance
 
 
@@ -196,8 +198,8 @@ class PythonInstance(Instance):
         name = self.ctx.name
         copy_inputs = self.copy_inputs
         incoming = pb_utils.InferenceRequest._incoming
-        # An input read from a client's region is already the worker's own copy (the read was the
-        # copy): given as it is.
+        # An input read from a client's region (the read was the copy), or given as a private view,
+        # is already the worker's own: given as it is.
         pb_requests = [incoming(name, [input_tensor(n, arr, copy_inputs, n in r.own_inputs)
                                        for n, arr in r.inputs.items()], r)
                        for r in requests]

@@ -55,8 +55,9 @@ def input_tensor(name: str, arr: Any, copy: bool = True, own: bool = False) -> T
     """An input tensor. Host arrays are views over the client's shared memory: with ``copy`` the
     model gets its own writable copy (as in Triton, whose stub holds copies: a model may write
     into its inputs without touching the client's memory), else the view itself, made read-only
-    (zero copy; a write raises ValueError). An ``own`` array is already the worker's copy (read
-    from a client's region): it is not copied again. BYTES inputs are decoded arrays of their own
+    (zero copy; a write raises ValueError). An ``own`` array is already the worker's own (a
+    copy read from a client's region, or a private copy-on-write view, workers/input_views.py): it
+    is not copied again. BYTES inputs are decoded arrays of their own
     either way. Device tensors over a client's CUDA region are given as they are, as in Triton."""
     if device_tensors.is_tensor(arr):
         return Tensor._from_torch(name, arr, torch_dtype_to_triton(sys.modules["torch"], arr.dtype))

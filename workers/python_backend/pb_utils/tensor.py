@@ -1,7 +1,8 @@
 """``pb_utils.Tensor``: a named array, the unit of every input and output.
 
 A Tensor holds its array as given, with no copy: the inputs the worker hands to a model are
-its own copies of the client's data (or read-only views over it, see convert.input_tensor), and
+its own (copies of the client's data, or private copy-on-write views of it from 2 MiB; read-only
+views with READ_ONLY_INPUTS: see convert.input_tensor), and
 an output's array goes back to the worker as it is. torch backs only what numpy cannot hold
 (GPU and bfloat16 tensors imported through DLPack).
 """
@@ -91,7 +92,7 @@ class Tensor:
 
     def as_numpy(self) -> np.ndarray:
         """The tensor's array itself (not a copy): writes to an input's array change only the
-        model's copy, as in Triton."""
+        model's own bytes, as in Triton."""
         if self._array is not None:
             return self._array
         if self._torch.device.type != "cpu":
