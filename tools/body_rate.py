@@ -143,7 +143,7 @@ class Window:
 
     def row(self) -> dict[str, Any]:
         n = max(self.requests, 1)
-        return {"target": self.target, "gb_s": round(self.requests * self.body_bytes / self.seconds / 1e9, 3),
+        return {"target": self.target, "requests": self.requests, "seconds": round(self.seconds, 3), "gb_s": round(self.requests * self.body_bytes / self.seconds / 1e9, 3),
                 "rps": round(self.requests / self.seconds, 1), "server_cpu_us": round(self.server_cpu_us / n, 1),
                 "client_cpu_us": round(self.client_cpu_us / n, 1)}
 
