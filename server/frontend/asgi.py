@@ -147,7 +147,7 @@ def _resolve(f: asyncio.Future) -> None:
 async def read_infer_body(inference: Inference, model: str, version: str, headers: dict[bytes, bytes],
                           receive: Any, loop: asyncio.AbstractEventLoop | None,
                           forwarded: dict[str, str] | None = None,
-                          take_body: Callable[[Callable[[bytes], None]], None] | None = None
+                          take_body: Callable[[Callable[[bytes], None] | None], None] | None = None
                           ) -> bytes | BodyIngest | None:
     """An infer request's body (BadRequest past the size limit; None if the client went away).
     With a ``loop``, a large binary body is taken into its request block as it arrives: a
@@ -191,6 +191,8 @@ async def read_infer_body(inference: Inference, model: str, version: str, header
                         take_body(ingest.feed)
     except BaseException:
         if ingest is not None:
+            if take_body is not None:
+                take_body(None)  # (cancelled mid-body: the parser keeps the rest to itself)
             ingest.discard()
         raise
     if ingest is not None:

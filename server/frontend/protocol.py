@@ -177,10 +177,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         self.scope[BODY_SINK] = self._take_body  # type: ignore[typeddict-unknown-key]
 
-    def _take_body(self, feed: Callable[[bytes], None]) -> None:
-        """Send the rest of the body in progress to ``feed`` (``BODY_SINK``). Called by the
-        application right after a ``receive`` that said more is coming, with no await between:
-        the body the parser is in is that request's."""
+    def _take_body(self, feed: Callable[[bytes], None] | None) -> None:
+        """Send the rest of the body in progress to ``feed`` (``BODY_SINK``; None: back to
+        ``receive``). Called by the application right after a ``receive`` that said more is
+        coming, with no await between: the body the parser is in is that request's."""
         self._sink = feed
 
     def on_body(self, body: bytes) -> None:
