@@ -195,6 +195,9 @@ class Server:
             self.port = http_port
             self.metrics_port, self.grpc_port = [p for p in free_ports(3) if p != http_port][:2]
         self.extra_args = list(extra_args)
+        # One HTTP frontend, whatever the host's cores (--http-workers' default): the tests' counts
+        # and per-process limits assume it. A test of the default sets this False.
+        self.one_frontend = True
         self.log_path = log_dir / f"server-{self.id}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
         self._log_file = None
@@ -218,8 +221,10 @@ class Server:
             cmd += ["--model-repository", r]
         cmd += ["--http-address", "127.0.0.1", "--http-port", str(self.port),
                 "--metrics-port", str(self.metrics_port), "--grpc-address", "127.0.0.1",
-                "--grpc-port", str(self.grpc_port), "--id", self.id, *self.extra_args]
-        return cmd
+                "--grpc-port", str(self.grpc_port), "--id", self.id]
+        if self.one_frontend:  # (a test's own --http-workers, later on the line, wins)
+            cmd += ["--http-workers", "1"]
+        return cmd + self.extra_args
 
     def start(self) -> "Server":
         self._log_file = open(self.log_path, "ab")

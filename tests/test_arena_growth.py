@@ -236,7 +236,7 @@ def test_a_bad_arena_setting_is_refused_by_name(setting, why, capsys):
 
 def test_a_growth_that_does_not_fit_dev_shm_is_a_503_and_nothing_breaks(server_factory, tmp_path):
     flags = ["--model-control-mode", "explicit", "--load-model", "identity", "--frontend-arena-mb", "64",
-             "--allow-grpc=false"]
+             "--allow-grpc=false", "--http-workers", "1"]
     args = parse_args(["--model-repository", str(GROWTH_MODELS), *flags])
     need = startup_bytes(args) + instance_bytes(args.worker_arena_start_bytes)
     s = SmallShmServer(need + 24 * MIB, [GROWTH_MODELS], tmp_path, flags)
@@ -269,7 +269,7 @@ def test_many_small_models_load_with_default_flags_in_little_dev_shm(server_fact
         shutil.copytree(GROWTH_MODELS / "identity", model)
         config = (model / "config.pbtxt").read_text().replace('name: "identity"', f'name: "m{i}"')
         (model / "config.pbtxt").write_text(config)
-    args = parse_args(["--model-repository", str(repo)])
+    args = parse_args(["--model-repository", str(repo), "--http-workers", "1"])  # (as the tests' servers)
     need = startup_bytes(args) + MANY * instance_bytes(args.worker_arena_start_bytes)
     assert need < MANY * instance_bytes(args.worker_arena_mb << 20) // 8
     s = SmallShmServer(need + 16 * MIB, [repo], tmp_path)

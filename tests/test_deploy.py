@@ -325,8 +325,9 @@ def test_the_metrics_the_autoscaler_reads_are_served(server_factory, tmp_path):
 
 
 def test_the_docs_dev_shm_figures_are_the_servers():
-    """README.md and docs/deploy.md quote the default start and per-instance sizes."""
-    args = server_args(["--model-repository=/models"])
+    """README.md and docs/deploy.md quote the start's size with one HTTP frontend (the default
+    follows the host's cores), and the per-instance size."""
+    args = server_args(["--model-repository=/models", "--http-workers=1"])
     start, each = space.mib(startup_bytes(args)), space.mib(instance_bytes(args.worker_arena_start_bytes))
     for doc in (ROOT / "README.md", ROOT / "docs" / "deploy.md"):
         text = " ".join(doc.read_text().split())  # figures may wrap

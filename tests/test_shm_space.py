@@ -23,7 +23,7 @@ import tmpfs
 
 from shmserve.shm import space
 from shmserve.server.cli import parse_args
-from shmserve.server.shm_needs import instance_bytes, startup_bytes
+from shmserve.server.shm_needs import frontend_count, instance_bytes, startup_bytes
 
 MIB = 1 << 20
 
@@ -72,8 +72,10 @@ def test_a_server_refuses_a_dev_shm_too_small_for_its_start_in_one_line(tmp_path
     assert done.returncode == 1, done.stderr
     lines = (done.stdout + done.stderr).splitlines()
     assert len(lines) == 1, lines
-    need = startup_bytes(parse_args(flags))
-    assert lines[0].startswith(f"shmserve: error: shmserve at start (2 frontend(s) with --frontend-arena-mb=256, "
+    args = parse_args(flags)
+    need = startup_bytes(args)
+    assert lines[0].startswith(f"shmserve: error: shmserve at start ({frontend_count(args)} frontend(s) with "
+                               f"--frontend-arena-mb=256, "
                                f"the broker) needs {space.mib(need)} of shared memory"), lines[0]
     assert "and /dev/shm has 8 MiB left" in lines[0]
     for how in ("docker run --shm-size", "podman run --shm-size", "emptyDir (medium: Memory, sizeLimit)"):
@@ -89,6 +91,7 @@ def start_with_room_for_one_and_a_half(server_factory, tmp_path, frontend_mb: in
     for model in (PRODUCT_MODELS / "add_sub", TEST_MODELS / "sleeper"):
         os.symlink(model, repo / model.name)
     flags = ["--model-control-mode", "explicit", "--frontend-arena-mb", str(frontend_mb), "--worker-arena-mb", "16",
+             "--http-workers", "1",
              "--backend-config", f"python,shm-default-byte-size={16 * MIB}"]  # arenas made whole from the start
     need = startup_bytes(parse_args(["--model-repository", str(repo), *flags]))
     each = instance_bytes(16 * MIB)

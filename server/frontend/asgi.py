@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 from starlette.applications import Starlette
@@ -25,6 +25,7 @@ from .inference import JSON_HEADER, RETRY_AFTER_HEADER, Headers, Inference, too_
 from .ingest import BodyIngest, header_length
 from .raw_binary import is_raw
 from .openai_errors import error_body, is_openai_path
+from .protocol import BODY_SINK
 
 
 def infer_target(path: str) -> tuple[str, str] | None:
@@ -84,7 +85,7 @@ class FrontendApp:
 
         try:
             body = await read_infer_body(inference, model, version, headers, receive, None if trace else loop,
-                                         forwarded)
+                                         forwarded, scope.get(BODY_SINK))
         except BadRequest as e:  # too large: the rest of the body is not read (protocol.py)
             await send_error(send, e, close=True)
             return
@@ -146,10 +147,13 @@ def _resolve(f: asyncio.Future) -> None:
 
 async def read_infer_body(inference: Inference, model: str, version: str, headers: dict[bytes, bytes],
                           receive: Any, loop: asyncio.AbstractEventLoop | None,
-                          forwarded: dict[str, str] | None = None) -> bytes | BodyIngest | None:
+                          forwarded: dict[str, str] | None = None,
+                          take_body: Callable[[Callable[[bytes], None] | None], None] | None = None
+                          ) -> bytes | BodyIngest | None:
     """An infer request's body (BadRequest past the size limit; None if the client went away).
     With a ``loop``, a large binary body is taken into its request block as it arrives: a
-    ``BodyIngest`` holding it whole then (with the parameters ``forwarded`` from its headers)."""
+    ``BodyIngest`` holding it whole then (with the parameters ``forwarded`` from its headers);
+    ``take_body`` (the protocol's ``BODY_SINK``) has the parser hand it the rest directly."""
     limit = inference.max_input_bytes
     raw = is_raw(headers.get(b"inference-header-content-length"))
     declared = headers.get(b"content-length")
@@ -177,15 +181,19 @@ async def read_infer_body(inference: Inference, model: str, version: str, header
                 continue
             chunks.append(chunk)
             if 0 < head_len <= size and more:
-                joined = b"".join(chunks)
+                joined = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks = [joined]
                 tail_len = int(headers[b"content-length"]) - head_len  # type: ignore[arg-type]
                 ingest = inference.begin_ingest(model, version, joined[:head_len], tail_len, loop, forwarded)
                 head_len = -1
                 if ingest is not None:
                     ingest.feed(memoryview(joined)[len(ingest.head):])
+                    if take_body is not None:  # (no await since ``receive``: the parser is in this body)
+                        take_body(ingest.feed)
     except BaseException:
         if ingest is not None:
+            if take_body is not None:
+                take_body(None)  # (cancelled mid-body: the parser keeps the rest to itself)
             ingest.discard()
         raise
     if ingest is not None:

@@ -21,6 +21,11 @@ whole) or a body that stops half-way each held a descriptor and memory for good.
 - bound: past ``max_connections`` connections in this process a new one is answered 503 at once
   and closed, so idle connections cannot take the descriptors the frontend needs for itself.
 
+It also lets the application take the rest of a body straight from the parser
+(``scope[BODY_SINK](feed)``, ingest.py): each piece goes to ``feed`` as it is parsed, instead of
+being gathered in uvicorn's buffer, copied out of it by ``receive`` and read with reading paused
+past 64 KiB, a pause, a resume and a task wake-up per 64 KiB.
+
 Every refusal is a JSON ``{"error": ...}`` naming its flag, with ``connection: close``; where an
 answer to an earlier request is still being made, nothing can be written in between and the
 connection is closed without one.
@@ -30,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httptools
 import orjson
@@ -47,6 +52,9 @@ BUSY_LINGER_S = 1.0  # the same for a connection past the bound: its descriptor 
 WARN_EVERY_S = 10.0  # one warning line per kind this often at most: refusals come in floods
 # Triton's bound on a chunked body's non-empty chunks (each costs a buffer entry, however small).
 MAX_CHUNKS = 1 << 16
+# scope key: a callable taking ``feed``; the rest of the request's body goes to ``feed(bytes)`` as
+# it is parsed, and ``receive`` returns only its end (an empty last message) or the disconnect.
+BODY_SINK = "shmserve.body_sink"
 
 
 class _StopParsing(Exception):
@@ -97,6 +105,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._watch: asyncio.TimerHandle | None = None  # the one timer of the head, body and linger limits
         self._lingering = False
         self._chunks = 0  # chunk headers of the body in progress (its last, empty chunk included)
+        self._sink: Callable[[bytes], None] | None = None  # where the body in progress goes (BODY_SINK)
 
     # -- connections -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -112,6 +121,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_watch()
+        self._sink = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -166,6 +176,20 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._in_head, self._in_body = False, True
         self._head_deadline = 0.0
         super().on_headers_complete()
+        self.scope[BODY_SINK] = self._take_body  # type: ignore[typeddict-unknown-key]
+
+    def _take_body(self, feed: Callable[[bytes], None] | None) -> None:
+        """Send the rest of the body in progress to ``feed`` (``BODY_SINK``; None: back to
+        ``receive``). Called by the application right after a ``receive`` that said more is
+        coming, with no await between: the body the parser is in is that request's."""
+        self._sink = feed
+
+    def on_body(self, body: bytes) -> None:
+        sink = self._sink
+        if sink is None:
+            super().on_body(body)
+        elif not self.cycle.response_complete:
+            sink(body)
 
     def on_chunk_header(self) -> None:
         """Count a chunked body's chunks: past ``MAX_CHUNKS`` non-empty ones (the one more is the
@@ -184,6 +208,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_head, self._in_body = True, False
+        self._sink = None
         super().on_message_complete()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
