@@ -185,7 +185,8 @@ def _decode(buf: memoryview, start: int, end: int) -> InferRequest:
     if at + seq_len + params_len > blob_len:
         raise DescriptorError("its strings past its text")
     if ascii_only:
-        model, version, rid = text[:model_len], text[model_len:model_len + version_len], text[model_len + version_len:at]
+        version_at = model_len + version_len
+        model, version, rid = text[:model_len], text[model_len:version_at], text[version_at:at]
     else:
         model, version = blob[:model_len].decode(), blob[model_len:model_len + version_len].decode()
         rid = blob[model_len + version_len:at].decode()

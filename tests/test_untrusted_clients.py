@@ -166,7 +166,8 @@ ATTACKS = {
     # The binary descriptor (shm/descriptor.py): counts and lengths past the block, bad text.
     "ring_string_past_block": lambda bad: on_ring(bad, REQ_INFER, FREE_SLOT,
                                                   *block(bad, descriptor=patched(model_len=1 << 20, text_len=1 << 20))),
-    "lane_tensor_count": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT, *block(bad, descriptor=patched(n_inputs=1 << 31))),
+    "lane_tensor_count": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT,
+                                             *block(bad, descriptor=patched(n_inputs=1 << 31))),
     "lane_bad_utf8": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT, *block(bad, descriptor=bad_text())),
 }
 
