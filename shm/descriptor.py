@@ -22,7 +22,9 @@ sizes, regions) is checked later, as a request error.
 from __future__ import annotations
 
 import struct
+import sys
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import orjson
@@ -32,7 +34,6 @@ DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "IN
              "FP64", "BF16", "BYTES")
 _CODES = {name: code for code, name in enumerate(DATATYPES)}
 MAGIC = 0x31515253  # "SRQ1"
-MAX_DIMS = 64  # as the frontends accept (server/edge/requests.py)
 
 # Option bits of the header.
 TRACED = 1  # the frontend traces it: broker and worker add their timestamps to the answer
@@ -55,7 +56,9 @@ SENT_AT = 40  # the send time's offset in the header
 _SENT = struct.Struct("<Q")
 _INPUT = struct.Struct("<IIBB2xQQ")
 _OUTPUT = struct.Struct("<IIIB4xQQ")
-_DIMS = [struct.Struct(f"<{n}q") for n in range(257)]
+_DIM = struct.Struct("<q")
+_LITTLE = sys.byteorder == "little"
+_LAYOUTS: dict[tuple[int, int, int], struct.Struct] = {}  # (inputs, outputs, dimensions) -> their records
 
 
 class DescriptorError(ValueError):
@@ -125,34 +128,57 @@ class InferRequest:
         bits = (TRACED if self.traced else 0) | (STREAMED if self.stream is not None else 0) | \
             (OUTPUTS_LISTED if self.outputs is not None else 0) | (TEXT_SEQUENCE_ID if text_seq else 0)
         outputs = self.outputs or ()
-        records: list[bytes] = []
+        fields: list[Any] = [MAGIC, bits, self.sequence_flags, len(self.inputs), len(outputs), 0, self.priority,
+                             self.timeout_us, self.sent_ns, 0 if text_seq else seq, self.stream or 0,
+                             len(texts[0]), len(texts[1]), len(texts[2]), len(texts[3]), len(params), 0]
         dims: list[int] = []
         try:
             for t in self.inputs:
                 name, region = t.name.encode(), t.region.encode()
                 texts += (name, region)
-                records.append(_INPUT.pack(len(name), len(region), _CODES[t.datatype], len(t.shape), t.size,
-                                           t.offset if region else t.data))
+                fields += (len(name), len(region), _CODES[t.datatype], len(t.shape), t.size,
+                           t.offset if region else t.data)
                 dims += t.shape
             for o in outputs:
                 name, region = o.name.encode(), o.region.encode()
                 texts += (name, region)
-                where = OUT_REGION if region else OUT_ANSWER if o.data is None else OUT_BLOCK
-                records.append(_OUTPUT.pack(len(name), len(region), o.classes, where, o.size,
-                                            o.offset if region else o.data or 0))
+                fields += (len(name), len(region), o.classes,
+                           OUT_REGION if region else OUT_ANSWER if o.data is None else OUT_BLOCK, o.size,
+                           o.offset if region else o.data or 0)
             blob = b"".join(texts)
-            header = _HEADER.pack(MAGIC, bits, self.sequence_flags, len(self.inputs), len(outputs), len(dims),
-                                  self.priority, self.timeout_us, self.sent_ns, 0 if text_seq else seq,
-                                  self.stream or 0, *map(len, texts[:5]), len(blob))
-            shape = struct.pack(f"<{len(dims)}q", *dims)
+            fields[5], fields[16] = len(dims), len(blob)
+            # One pack of the fixed part (struct keeps the formats it compiled), then the text.
+            return struct.pack(f"<IIIIIIQQQQQIIIIII{'IIBB2xQQ' * len(self.inputs)}{'IIIB4xQQ' * len(outputs)}"
+                               f"{len(dims)}q", *fields, *dims) + blob
         except (struct.error, KeyError, TypeError) as e:
             raise ValueError(f"the request cannot be encoded: {e}") from None
-        return b"".join((header, *records, shape, blob))
 
 
 def stamp_sent(buf: memoryview, at: int, sent_ns: int) -> None:
     """Set the send time of the descriptor written at ``at`` (a request reserved before it is sent)."""
     _SENT.pack_into(buf, at + SENT_AT, sent_ns)
+
+
+def _records(buf: memoryview, at: int, n_in: int, n_out: int, n_dims: int) -> tuple:
+    """The input and output records and the dimensions at ``at``, one flat tuple (bounds checked
+    by the caller). A request of few tensors takes one unpack of a layout compiled once."""
+    if n_in <= 8 and n_out <= 8 and n_dims <= 32:
+        layout = _LAYOUTS.get((n_in, n_out, n_dims))
+        if layout is None:
+            layout = _LAYOUTS[n_in, n_out, n_dims] = struct.Struct(
+                f"<{_INPUT.format[1:] * n_in}{_OUTPUT.format[1:] * n_out}{n_dims}q")
+        return layout.unpack_from(buf, at)
+    # (any count the block holds: no format of a length the client chose is compiled)
+    out: list = []
+    for rec in _INPUT.iter_unpack(buf[at:at + n_in * _INPUT.size]):
+        out += rec
+    at += n_in * _INPUT.size
+    for rec in _OUTPUT.iter_unpack(buf[at:at + n_out * _OUTPUT.size]):
+        out += rec
+    at += n_out * _OUTPUT.size
+    out += memoryview(bytes(buf[at:at + 8 * n_dims])).cast("q") if _LITTLE else \
+        [v for (v,) in _DIM.iter_unpack(buf[at:at + 8 * n_dims])]
+    return tuple(out)
 
 
 def decode(buf: memoryview, start: int, end: int) -> InferRequest:
@@ -161,6 +187,8 @@ def decode(buf: memoryview, start: int, end: int) -> InferRequest:
         return _decode(buf, start, end)
     except (struct.error, UnicodeDecodeError, orjson.JSONDecodeError) as e:
         raise DescriptorError(str(e)) from None
+    except IndexError:
+        raise DescriptorError("a datatype code past the known ones") from None
 
 
 def _decode(buf: memoryview, start: int, end: int) -> InferRequest:
@@ -177,14 +205,16 @@ def _decode(buf: memoryview, start: int, end: int) -> InferRequest:
     if blob_at + blob_len > end:
         raise DescriptorError(f"{n_in} inputs, {n_out} outputs, {n_dims} dimensions and {blob_len} bytes of text "
                               f"past its block")
-    blob = bytes(buf[blob_at:blob_at + blob_len])
-    text = blob.decode()
-    ascii_only = len(text) == blob_len  # then byte offsets are character offsets
-    dims = list((_DIMS[n_dims] if n_dims <= 256 else struct.Struct(f"<{n_dims}q")).unpack_from(buf, dims_at))
+    text = str(buf[blob_at:blob_at + blob_len], "utf-8")
+    blob = None if len(text) == blob_len else bytes(buf[blob_at:blob_at + blob_len])  # None: ASCII
+    # byte offsets are character offsets in ASCII text (the usual case); otherwise each piece is decoded
+    records = _records(buf, pos, n_in, n_out, n_dims)
+    dims = list(records[-n_dims:]) if n_dims else []
+    grouped = zip(*[iter(records)] * 6)  # one record's six fields at a time: inputs, then outputs
     at = model_len + version_len + id_len
     if at + seq_len + params_len > blob_len:
         raise DescriptorError("its strings past its text")
-    if ascii_only:
+    if blob is None:
         version_at = model_len + version_len
         model, version, rid = text[:model_len], text[model_len:version_at], text[version_at:at]
     else:
@@ -192,24 +222,22 @@ def _decode(buf: memoryview, start: int, end: int) -> InferRequest:
         rid = blob[model_len + version_len:at].decode()
     sequence_id: int | str = seq
     if bits & TEXT_SEQUENCE_ID:
-        sequence_id = blob[at:at + seq_len].decode()
+        sequence_id = text[at:at + seq_len] if blob is None else blob[at:at + seq_len].decode()
     at += seq_len
     params = None
     if params_len:
-        params = orjson.loads(blob[at:at + params_len])
+        params = orjson.loads(buf[blob_at + at:blob_at + at + params_len])
         if not isinstance(params, dict):
             raise DescriptorError("its parameters are not a JSON object")
         at += params_len
     inputs = []
     d = 0
-    for name_len, region_len, code, ndim, size, where in _INPUT.iter_unpack(buf[pos:outputs_at]):
-        if code >= len(DATATYPES):
-            raise DescriptorError(f"datatype code {code}")
+    for name_len, region_len, code, ndim, size, where in islice(grouped, n_in):
         name_end = at + name_len
-        name = text[at:name_end] if ascii_only else blob[at:name_end].decode()
+        name = text[at:name_end] if blob is None else blob[at:name_end].decode()
         if region_len:
             at = name_end + region_len
-            region = text[name_end:at] if ascii_only else blob[name_end:at].decode()
+            region = text[name_end:at] if blob is None else blob[name_end:at].decode()
             inputs.append(InputTensor(name, DATATYPES[code], dims[d:d + ndim], size, 0, region, where))
         else:
             at = name_end
@@ -218,17 +246,17 @@ def _decode(buf: memoryview, start: int, end: int) -> InferRequest:
     outputs: list[RequestedOutput] | None = None
     if bits & OUTPUTS_LISTED:
         outputs = []
-        for name_len, region_len, classes, kind, size, where in _OUTPUT.iter_unpack(buf[outputs_at:dims_at]):
+        for name_len, region_len, classes, kind, size, where in islice(grouped, n_out):
             if kind > OUT_REGION or (kind == OUT_REGION) != (region_len > 0):
                 raise DescriptorError(f"output kind {kind} with a region of {region_len} bytes")
             name_end = at + name_len
-            name = text[at:name_end] if ascii_only else blob[at:name_end].decode()
+            name = text[at:name_end] if blob is None else blob[at:name_end].decode()
             if kind == OUT_ANSWER:
                 outputs.append(RequestedOutput(name, classes))
             elif kind == OUT_BLOCK:
                 outputs.append(RequestedOutput(name, classes, "", 0, size, where))
             else:
-                region = text[name_end:name_end + region_len] if ascii_only \
+                region = text[name_end:name_end + region_len] if blob is None \
                     else blob[name_end:name_end + region_len].decode()
                 outputs.append(RequestedOutput(name, classes, region, where, size))
             at = name_end + region_len

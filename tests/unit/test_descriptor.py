@@ -118,3 +118,14 @@ def test_bad_utf8_and_parameters_that_are_not_an_object():
     raw = InferRequest("m", parameters={"a": 1}).encode().replace(b'{"a":1}', b'[1,2,3]')
     with pytest.raises(DescriptorError, match="not a JSON object"):
         decode(memoryview(raw), 0, len(raw))
+
+
+def test_a_request_of_many_tensors_round_trips():
+    """Past the counts whose layouts are compiled once (8 inputs, 8 outputs, 32 dimensions)."""
+    req = InferRequest("m", "2", [InputTensor(f"in{i}", "FP32", [1, 2, 3, 4, 5], 480, i * 480) for i in range(10)],
+                       [RequestedOutput(f"out{i}", size=4, data=i) for i in range(9)], sequence_id=7)
+    assert roundtrip(req) == req
+    raw = bytearray(req.encode())
+    struct.pack_into("<B", raw, 88 + 8, 99)  # the first input's datatype code
+    with pytest.raises(DescriptorError, match="datatype code"):
+        decode(memoryview(raw), 0, len(raw))
