@@ -3,16 +3,18 @@ for, as it lies at the start of its request block in the client's arena, before 
 
 Defined once here, typed; nothing else knows its bytes. The layout (little-endian):
 
-- a header (``_HEADER``, 80 bytes): magic, option bits, sequence flags, input and output counts,
-  priority, timeout (us), send time (ns, at ``SENT_AT``: a reserved request stamps it when sent),
-  a numeric sequence id, the response ring's offset, and the byte lengths of the strings that
-  follow it: model, version, request id, a text sequence id, the model parameters (a JSON object,
-  present only when there are any);
+- a header (``_HEADER``, 88 bytes): magic, option bits, sequence flags, the counts of inputs,
+  outputs and dimensions, priority, timeout (us), send time (ns, at ``SENT_AT``: a reserved
+  request is stamped when sent), a numeric sequence id, the response ring's offset, and the byte
+  lengths of the model, version, request id, text sequence id and model parameters, and of all
+  the text;
 - one record per input (``_INPUT``, 28 bytes: name and region lengths, datatype code, rank, byte
-  size, offset in the block's tensor bytes or in the region), then its name, region and shape
-  (int64 per dimension);
-- one record per requested output (``_OUTPUT``, 32 bytes: name and region lengths, classification
-  count, where its bytes go, byte size, offset), then its name and region.
+  size, offset in the block's tensor bytes or in the region), then one per requested output
+  (``_OUTPUT``, 32 bytes: name and region lengths, classification count, where its bytes go,
+  byte size, offset);
+- every input's dimensions (int64), in order;
+- the text (UTF-8): model, version, request id, text sequence id, the model parameters (a JSON
+  object, only when there are any), then each input's and each output's name and region.
 
 A client writes it and may write anything: ``decode`` reads it as untrusted bytes, bounds-checked
 against the block, counts and lengths capped by what the block can hold, and raises
