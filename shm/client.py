@@ -28,6 +28,7 @@ import numpy as np
 
 from .completion import Answer, Completion
 from .connection import DEFAULT_POLL_US, Backpressure, Connection, ServerUnavailable
+from .descriptor import SEQUENCE_END, SEQUENCE_START, InferRequest, InputTensor, RequestedOutput
 from .protocol import REQ_CONTROL
 from .regions import Region, created_key_prefix, find_shm_mapping
 from .results import InferResult
@@ -173,30 +174,31 @@ class Client:
 
     # -- inference ------------------------------------------------------------------------------
     def _build(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str,
-               options: dict) -> tuple[dict, list, int, _Plan]:
+               options: dict) -> tuple[InferRequest, list, int, _Plan]:
         """The request descriptor, the tensors to copy, the room reserved for outputs and the plan
         to read them back."""
         config = self.model_config(model, version)
-        doc_inputs, chunks, rel = [], [], 0
+        doc_inputs: list[InputTensor] = []
+        chunks: list = []
+        rel = 0
         batch = None
         for name, value in inputs.items():
             arr = _as_numpy(value)
             datatype = wire_datatype(arr)
             if batch is None and arr.ndim:
                 batch = arr.shape[0]
-            desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
             ref = self._region_ref(arr) if datatype != "BYTES" else None
             if ref is not None:
-                desc.update(region=ref[0], offset=ref[1], size=arr.nbytes)
+                doc_inputs.append(InputTensor(name, datatype, list(arr.shape), arr.nbytes, region=ref[0],
+                                              offset=ref[1]))
             else:
                 data = serialize_bytes(arr) if datatype == "BYTES" else np.ascontiguousarray(arr)
                 size = len(data) if datatype == "BYTES" else data.nbytes
-                desc.update(data=rel, size=size)
+                doc_inputs.append(InputTensor(name, datatype, list(arr.shape), size, rel))
                 chunks.append(data)
                 rel += size
-            doc_inputs.append(desc)
         plan = _Plan()
-        doc_outputs = []
+        doc_outputs: list[RequestedOutput] = []
         if isinstance(outputs, Mapping):
             wanted = list(outputs)
         elif outputs is None:
@@ -212,20 +214,20 @@ class Client:
                 ref = self._region_ref(arr)
                 if ref is None:
                     raise ValueError(f"output '{name}': the destination array is not in a registered region")
-                doc_outputs.append({"name": name, "region": ref[0], "offset": ref[1], "size": arr.nbytes})
+                doc_outputs.append(RequestedOutput(name, region=ref[0], offset=ref[1], size=arr.nbytes))
                 plan.given[name] = arr
                 continue
             size = _known_size(out_cfg.get(name), config.get("max_batch_size", 0), batch)
             if size:
                 pos = (rel + reserve + 63) & ~63
                 reserve = pos - rel + size
-                doc_outputs.append({"name": name, "data": pos, "size": size})
+                doc_outputs.append(RequestedOutput(name, size=size, data=pos))
                 plan.reserved[name] = pos
             else:
-                doc_outputs.append({"name": name})
-        doc: dict[str, Any] = {"model": model, "version": version, "inputs": doc_inputs,
-                               "outputs": doc_outputs or None, **options}
-        return doc, chunks, reserve, plan
+                doc_outputs.append(RequestedOutput(name))
+        # (a caller may name the version as a number, as the server accepts it)
+        request = InferRequest(model, str(version or ""), doc_inputs, doc_outputs or None, **options)
+        return request, chunks, reserve, plan
 
     def _submit_infer(self, model: str, inputs: Mapping[str, Any], outputs: Any, version: str,
                       options: dict, deliver: Any, on_response: Any = None) -> int:
@@ -241,7 +243,7 @@ class Client:
         streamed = None
         if on_response is not None:
             plan.reserved.clear()  # streamed responses each carry their own outputs
-            doc["outputs"] = [{"name": o["name"]} for o in doc["outputs"] or ()] or None
+            doc.outputs = [RequestedOutput(o.name) for o in doc.outputs or ()] or None
             reserve = 0
 
             def streamed(completion: Completion) -> None:
@@ -499,19 +501,8 @@ def _known_size(cfg: dict | None, max_batch_size: int, batch: int | None) -> int
 
 
 def _options(request_id: str, parameters: dict | None, sequence_id: int | str, start: bool, end: bool,
-             priority: int, timeout: int) -> dict:
-    out: dict[str, Any] = {}
-    if request_id:
-        out["id"] = request_id
-    if parameters:
-        out["params"] = parameters
-    if sequence_id:
-        out["corr"] = sequence_id
-    flags = (1 if start else 0) | (2 if end else 0)
-    if flags:
-        out["flags"] = flags
-    if priority:
-        out["priority"] = priority
-    if timeout:
-        out["timeout"] = timeout
-    return out
+             priority: int, timeout: int) -> dict[str, Any]:
+    """``InferRequest``'s fields for a call's options (``timeout``: Triton's, in microseconds)."""
+    return {"id": request_id, "parameters": parameters or None, "sequence_id": sequence_id or 0,
+            "sequence_flags": (SEQUENCE_START if start else 0) | (SEQUENCE_END if end else 0),
+            "priority": priority, "timeout_us": timeout}

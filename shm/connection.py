@@ -30,6 +30,7 @@ from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from .completion import Callback
 from .copying import copy_into
+from .descriptor import InferRequest, stamp_sent
 from .liveness import BROKER_TICKET, Tickets, process_ticket
 from .names import check_server_id, object_name
 from .protocol import RECORD, REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER, REQ_POLLING, STREAM_CAPACITY, \
@@ -44,8 +45,6 @@ _counter = itertools.count()
 # How long a synchronous caller polls for its answer before it sleeps (microseconds), unless the
 # owner says otherwise (``Client(poll_us=...)``); its requests then ask the worker to poll too.
 DEFAULT_POLL_US = 2000
-SEND_TIME = b',"t":'
-SEND_TIME_DIGITS = 20  # room kept for a reserved request's send time (any 64-bit count of ns)
 
 
 class ServerUnavailable(ConnectionError):
@@ -65,13 +64,13 @@ class ArenaBusy(Backpressure):
 class Reservation:
     """A request block taken before its tensor bytes have all arrived (``Connection.reserve``)."""
 
-    __slots__ = ("off", "total", "doc_len", "doc", "data")
+    __slots__ = ("off", "start", "total", "request", "data")
 
-    def __init__(self, off: int, total: int, doc_len: int, doc: dict, data: memoryview) -> None:
+    def __init__(self, off: int, start: int, total: int, request: InferRequest, data: memoryview) -> None:
         self.off = off
+        self.start = start  # where its tensor bytes start
         self.total = total
-        self.doc_len = doc_len  # the descriptor's length with the longest send time
-        self.doc = doc  # the descriptor, without its send time
+        self.request = request  # written in the block already; its send time is stamped when sent
         self.data: memoryview | None = data  # where the tensor bytes go; None once sent or discarded
 
 
@@ -147,17 +146,19 @@ class Connection:
         return None if lane == NO_LANE else lane
 
     # -- sending --------------------------------------------------------------------------------
-    def submit(self, kind: int, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
-               on_response: Callback | None = None, waited: bool = False, polling: bool = False) -> int:
+    def submit(self, kind: int, doc: InferRequest | dict, tensors: Iterable[Any], callback: Callback,
+               reserve: int = 0, on_response: Callback | None = None, waited: bool = False,
+               polling: bool = False) -> int:
         """Write the request (descriptor then tensor bytes) into our arena and hand it to a worker
         or the broker; ``callback`` gets its completion.
 
-        Tensor references in ``doc`` give ``data`` as offsets relative to where the tensor bytes
-        start, in the order of ``tensors``; ``reserve`` more bytes follow them (room the server may
-        write outputs into). Returns the absolute offset where the tensor bytes start. ``waited``
-        says the caller will block in ``wait_for`` for this request (so it leads; no waiter thread
-        needs waking); ``polling`` says the caller polls for the answer on its own (a loop-driven
-        owner), so the worker may poll for the next request too.
+        ``doc``: an inference request (REQ_INFER), or a control request's JSON document. An
+        inference request's tensors in the block give ``data`` as offsets relative to where the
+        tensor bytes start, in the order of ``tensors``; ``reserve`` more bytes follow them (room
+        the server may write outputs into). Returns the absolute offset where the tensor bytes
+        start. ``waited`` says the caller will block in ``wait_for`` for this request (so it
+        leads; no waiter thread needs waking); ``polling`` says the caller polls for the answer on
+        its own (a loop-driven owner), so the worker may poll for the next request too.
         """
         if not self.alive:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
@@ -165,13 +166,17 @@ class Connection:
                   else memoryview(t).cast("B") for t in tensors]
         body = sum(len(c) for c in chunks) + reserve
         stream_at = 0
-        if on_response is not None:
-            # A streaming request: its response ring follows everything else, 64-byte aligned.
-            stream_at = doc["stream"] = (body + 63) & ~63
-            body = stream_at + Ring.nbytes(STREAM_CAPACITY, RECORD)
-        if kind == REQ_INFER and "t" not in doc:
-            doc["t"] = time.monotonic_ns()  # when the request arrived, for queue and request durations
-        data = orjson.dumps(doc)
+        request = doc if isinstance(doc, InferRequest) else None
+        if request is not None:
+            if on_response is not None:
+                # A streaming request: its response ring follows everything else, 64-byte aligned.
+                stream_at = request.stream = (body + 63) & ~63
+                body = stream_at + Ring.nbytes(STREAM_CAPACITY, RECORD)
+            if not request.sent_ns:
+                request.sent_ns = time.monotonic_ns()  # when it arrived, for queue and request durations
+            data = request.encode()
+        else:
+            data = orjson.dumps(doc)
         total = manifest_room(len(data)) + body
         with self._slots.lock:
             off = self._alloc(total)
@@ -182,29 +187,29 @@ class Connection:
                 copy_into(buf[pos:pos + n], c)
                 pos += n
             hint = REQ_POLLING if polling or (waited and self._spin.budget() > 0) else 0
-            worker = self._dispatch(kind | hint, off, total, start, callback, doc if kind == REQ_INFER else None,
-                                    on_response, stream_at)
+            worker = self._dispatch(kind | hint, off, total, start, callback, request, on_response, stream_at)
         self._wake(worker, waited)
         return start
 
-    def infer(self, doc: dict, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
+    def infer(self, request: InferRequest, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
               on_response: Callback | None = None, waited: bool = False) -> int:
-        return self.submit(REQ_INFER, doc, tensors, callback, reserve, on_response, waited)
+        return self.submit(REQ_INFER, request, tensors, callback, reserve, on_response, waited)
 
     def control(self, doc: dict, callback: Callback) -> None:
         self.submit(REQ_CONTROL, doc, (), callback)
 
-    def reserve(self, doc: dict, body: int) -> Reservation:
+    def reserve(self, request: InferRequest, body: int) -> Reservation:
         """Take a request block before its tensor bytes have all arrived (``send_reserved`` sends
         it, ``discard`` gives it back): the HTTP frontend copies a large body in as it comes.
-        ``doc``: the inference descriptor, without its send time (set when it is sent)."""
+        The descriptor is written now; its send time is set when it is sent."""
         if not self.alive:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
-        doc_len = len(orjson.dumps(doc)) + len(SEND_TIME) + SEND_TIME_DIGITS
-        room = manifest_room(doc_len)
+        data = request.encode()
+        room = manifest_room(len(data))
         with self._slots.lock:
             off = self._alloc(room + body)
-        return Reservation(off, room + body, doc_len, doc, self.seg.seg.buf[off + room:off + room + body])
+            write_manifest(self.seg.seg.buf, off, data)
+        return Reservation(off, off + room, room + body, request, self.seg.seg.buf[off + room:off + room + body])
 
     def send_reserved(self, r: Reservation, callback: Callback, polling: bool = False) -> int:
         """Send a reserved request whose tensor bytes are all in place; its send time is now.
@@ -214,16 +219,13 @@ class Connection:
         if not self.alive:
             self.discard(r)
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
-        r.doc["t"] = time.monotonic_ns()
-        data = orjson.dumps(r.doc)
-        # The tensors start where the reserved room ends: the document is padded to the length it
-        # was reserved for (whitespace after its opening brace).
-        data = b"{" + b" " * (r.doc_len - len(data)) + data[1:]
+        r.request.sent_ns = time.monotonic_ns()
         r.data = None
+        start = r.start
         with self._slots.lock:
-            start = write_manifest(self.seg.seg.buf, r.off, data)
+            stamp_sent(self.seg.seg.buf, r.off + 4, r.request.sent_ns)  # (past the manifest's length prefix)
             worker = self._dispatch(REQ_INFER | (REQ_POLLING if polling else 0), r.off, r.total, start, callback,
-                                    r.doc, None, 0)
+                                    r.request, None, 0)
         self._wake(worker, False)
         return start
 
@@ -244,7 +246,7 @@ class Connection:
                 f"retry later")
         return off
 
-    def _dispatch(self, kind: int, off: int, total: int, start: int, callback: Callback, route: dict | None,
+    def _dispatch(self, kind: int, off: int, total: int, start: int, callback: Callback, route: InferRequest | None,
                   on_response: Callback | None, stream_at: int) -> WorkerSegment | None:
         """Hand a written request block to a worker's lane (``route``: the inference descriptor to
         route by) or the broker's ring, with the slots' lock held; ``_wake`` then wakes the

@@ -15,6 +15,7 @@ import orjson
 import posix_ipc
 
 from .channel import BrokerSegment, WorkerSegment
+from .descriptor import InferRequest
 from .names import object_name
 from .region_table import RegionTable
 
@@ -38,20 +39,19 @@ class Router:
         self._workers: dict[int, WorkerSegment] = {}
         self._load: dict[int, int] = collections.defaultdict(int)  # worker -> our requests on it
 
-    def pick(self, doc: dict) -> tuple[int, WorkerSegment] | None:
-        """The worker to send the inference ``doc`` to directly, or None to go through the broker."""
-        # (a local caller may name the version as a number, as the broker accepts it)
-        workers = self._direct_route(doc.get("model"), str(doc.get("version") or ""))
+    def pick(self, request: InferRequest) -> tuple[int, WorkerSegment] | None:
+        """The worker to send ``request`` to directly, or None to go through the broker."""
+        workers = self._direct_route(request.model, request.version)
         if workers is None:
             return None
         # Registered regions: the worker resolves (and bounds-checks) those the broker published;
         # any other name (a CUDA region, one not yet published, a mistake) goes to the broker.
         # A region unregistered while in use (leaving) goes to the broker too, which counts its users.
-        for t in doc.get("inputs", ()):
-            if "region" in t and not self._published(t["region"]):
+        for t in request.inputs:
+            if t.region and not self._published(t.region):
                 return None
-        for o in doc.get("outputs") or ():
-            if "region" in o and not self._published(o["region"]):
+        for o in request.outputs or ():
+            if o.region and not self._published(o.region):
                 return None
         num = workers[0] if len(workers) == 1 else min(workers, key=self._load.__getitem__)
         seg = self._worker(num)

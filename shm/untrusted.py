@@ -2,7 +2,8 @@
 
 A client owns its segment (header, request ring, slots, arena) and writes its lanes' counters and
 records and the broker's connect ring. Everything read from there is checked here against the
-real sizes first: a record's kind, slot, offset and length, a descriptor's length prefix and JSON,
+real sizes first: a record's kind, slot, offset and length, a descriptor's length prefix and its bytes
+(an inference request's: shm/descriptor.py; a control request's: a JSON object),
 a connect record's pid and name, a segment's header. What fails is ``Garbage``, something no
 shmserve client writes: its reader disconnects that client (the broker) or reports it to the
 broker (a worker); it never takes a server process down. What a descriptor *says* (models,
@@ -17,6 +18,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from .descriptor import DescriptorError, InferRequest, decode
 from .protocol import MANIFEST_ALIGN, REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER, REQ_POLLING, manifest_room
 
 _U32 = struct.Struct("<I")
@@ -36,7 +38,7 @@ class Fault(enum.IntEnum):
     KIND = 2  # a record's kind or flags
     SLOT = 3  # a slot number past its table
     BLOCK = 4  # a record's offset and length outside its arena
-    DESCRIPTOR = 5  # a descriptor's length prefix, or JSON that is not an object
+    DESCRIPTOR = 5  # a descriptor's length prefix, an inference request's bytes, a control's JSON
     CONNECT = 6  # a connect record: pid or name
     HEADER = 7  # its segment's header (size, slot count, wake-up kind)
 
@@ -96,12 +98,27 @@ def check_record(layout: Layout, raw: tuple, kinds: frozenset[int]) -> Record:
     return Record(kind, flags, slot, off, length, cookie)
 
 
-def read_descriptor(buf: memoryview, rec: Record) -> tuple[dict[str, Any], int]:
-    """The JSON object a checked record's block starts with, and where its tensor bytes start
-    (as ``protocol.read_manifest_with_data``). Raises Garbage."""
+def _descriptor_length(buf: memoryview, rec: Record) -> int:
     (n,) = _U32.unpack_from(buf, rec.off)
     if 4 + n > rec.length:
         raise Garbage(Fault.DESCRIPTOR, f"length {n} in a block of {rec.length} bytes")
+    return n
+
+
+def read_request(buf: memoryview, rec: Record) -> tuple[InferRequest, int]:
+    """The inference request a checked record's block starts with, and where its tensor bytes
+    start (as ``protocol.read_manifest_with_data``). Raises Garbage."""
+    n = _descriptor_length(buf, rec)
+    try:
+        return decode(buf, rec.off + 4, rec.off + 4 + n), rec.off + manifest_room(n)
+    except DescriptorError as e:
+        raise Garbage(Fault.DESCRIPTOR, str(e)) from None
+
+
+def read_descriptor(buf: memoryview, rec: Record) -> tuple[dict[str, Any], int]:
+    """The JSON object a checked control record's block starts with, and where the bytes after
+    it start. Raises Garbage."""
+    n = _descriptor_length(buf, rec)
     try:
         doc = orjson.loads(buf[rec.off + 4:rec.off + 4 + n])
     except orjson.JSONDecodeError as e:

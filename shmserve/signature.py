@@ -6,9 +6,9 @@ direct lane. Either way a bad request costs one 400 and nothing else.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
-
+from shmserve.shm.descriptor import InputTensor, RequestedOutput
 from shmserve.shm.tensors import CONFIG_TO_WIRE, element_count, itemsize
 
 
@@ -59,25 +59,6 @@ class _RequestScoped(InvalidRequest):
     """An error Triton reports with the request's id in front (``check_inputs`` adds it)."""
 
 
-def queue_options(doc: dict[str, Any]) -> tuple[int, int, int]:
-    """(priority, timeout in us, send time in monotonic ns) of a request descriptor, checked (and
-    its sequence fields): a local program writes descriptors itself, and these feed the
-    batchers' arithmetic."""
-    values = []
-    for key in ("priority", "timeout", "t"):
-        value = doc.get(key) or 0
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidRequest(f"'{key}' must be a non-negative integer")
-        values.append(value)
-    # Sequence fields, which the broker's sequence batcher keys and tests bits of.
-    corr, flags = doc.get("corr", 0), doc.get("flags", 0)
-    if not isinstance(corr, str) and (not isinstance(corr, int) or isinstance(corr, bool) or not 0 <= corr < 1 << 64):
-        raise InvalidRequest("'corr' (the correlation ID) must be an unsigned 64-bit integer or a string")
-    if not isinstance(flags, int) or isinstance(flags, bool) or not 0 <= flags < 1 << 32:
-        raise InvalidRequest("'flags' (the sequence flags) must be an unsigned 32-bit integer")
-    return values[0], values[1], values[2]
-
-
 class TensorSpec:
     __slots__ = ("name", "datatype", "dims", "optional")
 
@@ -105,43 +86,39 @@ class ModelSignature:
         """The shape a client sees: with the batch dimension (-1) first for batching models."""
         return ([-1] + spec.dims) if self.max_batch_size > 0 else list(spec.dims)
 
-    def check_inputs(self, inputs: list[dict[str, Any]], request_id: str = "") -> int:
+    def check_inputs(self, inputs: Sequence[InputTensor], request_id: str = "") -> int:
         """Validate names, datatypes, shapes and byte sizes; returns the request's batch size.
         Requests of a shape seen before (the usual case: clients repeat themselves) are looked
         up instead of checked again. Errors read as Triton's, with the request's id in front
         where Triton puts it."""
-        try:
-            key: tuple | None = tuple([(t["name"], t["datatype"], tuple(t["shape"]), t["size"]) for t in inputs])
-            batch = self._passed.get(key)  # type: ignore[arg-type]
-        except (KeyError, TypeError):
-            key = batch = None  # malformed (or unhashable): the full check says what is wrong
+        key = tuple([(t.name, t.datatype, tuple(t.shape), t.size) for t in inputs])
+        batch = self._passed.get(key)
         if batch is None:
             try:
                 batch = self._check_inputs(inputs)
             except _RequestScoped as e:
                 raise InvalidRequest(request_tag(request_id) + str(e)) from None
-            if key is not None:
-                if len(self._passed) >= PASSED_LIMIT:
-                    self._passed.clear()
-                self._passed[key] = batch
+            if len(self._passed) >= PASSED_LIMIT:
+                self._passed.clear()
+            self._passed[key] = batch
         return batch
 
-    def _check_inputs(self, inputs: list[dict[str, Any]]) -> int:
+    def _check_inputs(self, inputs: Sequence[InputTensor]) -> int:
         m = self.name
         names = set()
         batch = 0  # the first batching input's batch dimension; every other input must repeat it
         for t in inputs:
-            name = t["name"]
+            name = t.name
             spec = self.inputs.get(name)
             if spec is None:
                 raise InvalidRequest(f"unexpected inference input '{name}' for model '{m}'")
             if name in names:
                 raise _RequestScoped(f"input '{name}' already exists in request")
             names.add(name)
-            if t["datatype"] != spec.datatype:
-                raise _RequestScoped(f"inference input '{name}' data-type is '{t['datatype']}', but model "
+            if t.datatype != spec.datatype:
+                raise _RequestScoped(f"inference input '{name}' data-type is '{t.datatype}', but model "
                                      f"'{m}' expects '{spec.datatype}'")
-            shape = t["shape"]
+            shape = t.shape
             dims = shape
             if self.max_batch_size > 0 and shape:
                 if batch and shape[0] != batch:
@@ -161,13 +138,13 @@ class ModelSignature:
             size = itemsize(spec.datatype)
             if size:
                 expected = element_count(shape) * size
-                if t["size"] != expected:
+                if t.size != expected:
                     raise _RequestScoped(f"input byte size mismatch for input '{name}' for model '{m}'. "
-                                         f"Expected {expected}, got {t['size']}")
-            elif element_count(shape) * 4 > t["size"]:  # each BYTES element has a 4-byte length prefix
+                                         f"Expected {expected}, got {t.size}")
+            elif element_count(shape) * 4 > t.size:  # each BYTES element has a 4-byte length prefix
                 raise _RequestScoped(f"input byte size mismatch for input '{name}' for model '{m}'. "
                                      f"{element_count(shape)} BYTES elements need at least "
-                                     f"{element_count(shape) * 4} bytes, got {t['size']}")
+                                     f"{element_count(shape) * 4} bytes, got {t.size}")
         missing = [n for n in self.required if n not in names]
         if missing:
             # Triton names the range when the model has optional inputs, the count when it has none.
@@ -178,9 +155,9 @@ class ModelSignature:
                                  f"input(s) {_names_text(missing)}. Please provide all required input(s).")
         return batch or 1
 
-    def check_outputs(self, outputs: list[dict[str, Any]] | None) -> None:
+    def check_outputs(self, outputs: Sequence[RequestedOutput] | None) -> None:
         if not outputs or not self.outputs:
             return
         for o in outputs:
-            if o["name"] not in self.outputs:
-                raise InvalidRequest(f"unexpected inference output '{o['name']}' for model '{self.name}'")
+            if o.name not in self.outputs:
+                raise InvalidRequest(f"unexpected inference output '{o.name}' for model '{self.name}'")

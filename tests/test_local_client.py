@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import gc
 import json
 import os
@@ -26,6 +27,7 @@ from conftest import (DEADLINE_S, PYTHON, ROOT, cpu_ticks, pending_requests, pro
                       shm_entries, shm_names, start_shm_server, wait_pending)
 from gates import Gate
 from shmserve.shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
+from shmserve.shm.descriptor import InferRequest, InputTensor
 from shmserve.shm.protocol import NO_ROOM
 from shmserve.shm.liveness import process_ticket
 
@@ -339,17 +341,16 @@ def test_calls_that_alternate_shapes_and_outputs_get_their_own_answers(client):
 
 
 def test_send_times_a_local_program_writes_are_checked(client, lc_server):
-    """A local program writes its descriptors itself: a send time that is not a non-negative
-    integer is refused, one in the future is served and counted (the statistics must not turn
-    negative, nor the worker die)."""
+    """A local program writes its descriptors itself: the layout holds only an unsigned 64-bit
+    send time (the library refuses to encode another), and one in the future is served and
+    counted (the statistics must not turn negative, nor the worker die)."""
     import threading
 
     conn = client._conn  # noqa: SLF001 - raw descriptors, to send what the library never would
     x = np.arange(4, dtype=np.int32)
 
-    def send(t: object) -> tuple[int, dict]:
-        doc = {"model": "meta_echo", "version": "", "inputs": [
-            {"name": "X", "datatype": "INT32", "shape": [4], "data": 0, "size": 16}], "outputs": None, "t": t}
+    def send(t: int) -> tuple[int, dict]:
+        doc = InferRequest("meta_echo", "", [InputTensor("X", "INT32", [4], 16, 0)], sent_ns=t)
         answers: list = []
         done = threading.Event()
 
@@ -365,10 +366,10 @@ def test_send_times_a_local_program_writes_are_checked(client, lc_server):
     pids = lc_server.worker_pids("meta_echo")
     assert send(time.monotonic_ns())[0] == 200
     assert send(time.monotonic_ns())[0] == 200
-    for bad in (-5, 1.5, "soon"):
-        status, body = send(bad)
-        assert status == 400 and "'t' must be a non-negative integer" in body["error"], (bad, body)
-    for future in (2 ** 62, time.monotonic_ns() + 10 ** 12):
+    for bad in (-5, 1.5, "soon", 1 << 64):
+        with pytest.raises(ValueError, match="cannot be encoded"):
+            send(bad)  # type: ignore[arg-type]
+    for future in (2 ** 62, (1 << 64) - 1, time.monotonic_ns() + 10 ** 12):
         assert send(future)[0] == 200
     assert send(time.monotonic_ns())[0] == 200
     assert lc_server.worker_pids("meta_echo") == pids
@@ -470,10 +471,8 @@ def test_regions_change_under_a_connected_client(client, lc_server):
         # The first client names the other's region through the protocol's own fields.
         conn = client._conn  # noqa: SLF001 - the raw connection, to name a region it does not own
         answers: list = []
-        doc = {"model": "add_sub", "version": "", "outputs": None,
-               "inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [N], "region": "lc_shared",
-                           "offset": 0, "size": x.nbytes},
-                          {"name": "INPUT1", "datatype": "INT32", "shape": [N], "data": 0, "size": B.nbytes}]}
+        doc = InferRequest("add_sub", "", [InputTensor("INPUT0", "INT32", [N], x.nbytes, region="lc_shared"),
+                                           InputTensor("INPUT1", "INT32", [N], B.nbytes, 0)])
         done = threading.Event()
 
         def call() -> dict:
@@ -485,16 +484,16 @@ def test_regions_change_under_a_connected_client(client, lc_server):
                 c.release()
                 done.set()
 
-            conn.infer(dict(doc), [B], answered)
+            conn.infer(dataclasses.replace(doc, sent_ns=0), [B], answered)
             assert done.wait(DEADLINE_S)
             return answers[-1]
 
         status, body, data = call()
         assert status == 200 and np.frombuffer(data, np.int32).tolist() == (x + B).tolist(), body
-        doc["inputs"][0]["offset"] = 224  # 224 + 64 bytes overrun the 256-byte region
+        doc.inputs[0].offset = 224  # 224 + 64 bytes overrun the 256-byte region
         status, body, _ = call()
         assert status == 400 and "Invalid offset + byte size for shared memory region: 'lc_shared'" in body["error"]
-        doc["inputs"][0]["offset"] = 0
+        doc.inputs[0].offset = 0
         other.unregister_region("lc_shared")
         status, body, _ = call()
         assert status == 400 and body["error"] == "Unable to find shared memory region: 'lc_shared'"

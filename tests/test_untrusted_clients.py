@@ -28,6 +28,7 @@ from conftest import (DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, SHM_MODELS, TEST
 from gates import Gate
 from shmserve.shm.client import Client, InferenceServerError, ServerUnavailable
 from shmserve.shm.names import object_name
+from shmserve.shm.descriptor import InferRequest, InputTensor
 from shmserve.shm.protocol import REQ_INFER, write_manifest
 
 A = np.arange(16, dtype=np.int32)
@@ -90,13 +91,31 @@ class Traffic:
 # -- what a bad client writes ------------------------------------------------------------------------
 
 
-def block(bad: Client, length_prefix: int | None = None) -> tuple[int, int]:
-    """A real block in the bad client's arena holding a descriptor (an empty JSON object, or just
-    a length prefix of ``length_prefix``): (offset, length)."""
+GOOD = InferRequest("add_sub", "", [InputTensor("INPUT0", "INT32", [16], 64, 0)]).encode()
+
+
+def patched(**fields: int) -> bytes:
+    """A valid descriptor's bytes with header words overwritten, as a broken client writes them:
+    ``n_inputs`` (offset 12), ``model_len`` (64), ``text_len`` (84: all its strings)."""
+    raw = bytearray(GOOD)
+    at = {"n_inputs": 12, "model_len": 64, "text_len": 84}
+    for name, value in fields.items():
+        struct.pack_into("<I", raw, at[name], value)
+    return bytes(raw)
+
+
+def bad_text() -> bytes:
+    """A descriptor whose model name is not UTF-8 (same length as 'add_sub')."""
+    return GOOD.replace(b"add_sub", b"add\xff\xfeub")
+
+
+def block(bad: Client, length_prefix: int | None = None, descriptor: bytes = GOOD) -> tuple[int, int]:
+    """A real block in the bad client's arena holding ``descriptor`` (or just a length prefix of
+    ``length_prefix``): (offset, length)."""
     conn = bad._conn  # noqa: SLF001 - the attack writes the raw layouts
     off = conn.arena.alloc(256)
     if length_prefix is None:
-        write_manifest(conn.seg.seg.buf, off, b"{}")
+        write_manifest(conn.seg.seg.buf, off, descriptor)
     else:
         struct.pack_into("<I", conn.seg.seg.buf, off, length_prefix)
     return off, 256
@@ -113,7 +132,7 @@ def on_ring(bad: Client, kind: int, slot: int, off: int, length: int) -> None:
 
 def on_lane(bad: Client, kind: int, slot: int, off: int, length: int) -> None:
     conn = bad._conn  # noqa: SLF001
-    _, worker = conn._router.pick({"model": "add_sub", "version": ""})  # noqa: SLF001
+    _, worker = conn._router.pick(InferRequest("add_sub"))  # noqa: SLF001
     assert worker.lanes[conn.lane].put(kind, slot, off, length, conn._cookie)  # noqa: SLF001
     worker.ring_bell(conn.lane)
     worker.waker.notify()
@@ -127,7 +146,7 @@ def ring_tail(bad: Client) -> None:
 
 def lane_tail(bad: Client) -> None:
     conn = bad._conn  # noqa: SLF001
-    _, worker = conn._router.pick({"model": "add_sub", "version": ""})  # noqa: SLF001
+    _, worker = conn._router.pick(InferRequest("add_sub"))  # noqa: SLF001
     worker.lanes[conn.lane]._ctr[1] = 1 << 62  # noqa: SLF001 - the lane's producer counter is the client's
     worker.ring_bell(conn.lane)
     worker.waker.notify()
@@ -143,7 +162,13 @@ ATTACKS = {
     "lane_slot": lambda bad: on_lane(bad, REQ_INFER, 0xFFFFFFFF, *block(bad)),
     "lane_tail": lane_tail,
     "lane_descriptor_length": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT, *block(bad, 0x7FFFFFF0)),
-    "lane_descriptor_not_json": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT, *block(bad, 3)),
+    "lane_descriptor_short": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT, *block(bad, 3)),
+    # The binary descriptor (shm/descriptor.py): counts and lengths past the block, bad text.
+    "ring_string_past_block": lambda bad: on_ring(bad, REQ_INFER, FREE_SLOT,
+                                                  *block(bad, descriptor=patched(model_len=1 << 20, text_len=1 << 20))),
+    "lane_tensor_count": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT,
+                                             *block(bad, descriptor=patched(n_inputs=1 << 31))),
+    "lane_bad_utf8": lambda bad: on_lane(bad, REQ_INFER, FREE_SLOT, *block(bad, descriptor=bad_text())),
 }
 
 
@@ -223,18 +248,17 @@ def test_garbage_on_the_connect_ring_is_refused(server):
     assert server_processes(server) == processes
 
 
-def test_sequence_fields_a_program_writes_are_checked(server):
-    """A correlation ID the broker's sequence batcher cannot key, or flags it cannot test, is a
-    400 (a list as correlation ID took the broker down)."""
+def test_sequence_fields_a_program_writes_are_typed(server):
+    """The descriptor holds only a correlation ID the broker's sequence batcher can key (an
+    unsigned 64-bit integer or a string) and flags it can test (a list as correlation ID once
+    took the broker down): the library refuses to encode another, and the extremes are served."""
     processes = server_processes(server)
     value = np.array([[2.0]], np.float32)
     with Client(server.id) as client:
         conn = client._conn  # noqa: SLF001 - raw descriptors, to send what the library never would
 
         def send(fields: dict) -> tuple[int, dict]:
-            doc = {"model": "running_sum", "version": "", "inputs": [
-                {"name": "VALUE", "datatype": "FP32", "shape": [1, 1], "data": 0, "size": 4}], "outputs": None,
-                **fields}
+            doc = InferRequest("running_sum", "", [InputTensor("VALUE", "FP32", [1, 1], 4, 0)], **fields)
             answers: list = []
             done = threading.Event()
 
@@ -247,11 +271,13 @@ def test_sequence_fields_a_program_writes_are_checked(server):
             assert done.wait(DEADLINE_S), f"no answer for {fields}"
             return answers[0]
 
-        for bad in ({"corr": [1], "flags": 1}, {"corr": {"k": 1}, "flags": 1},
-                    {"corr": 9, "flags": "start"}, {"corr": 9, "flags": -1}, {"corr": 9, "flags": [1]}):
-            status, body = send(bad)
-            assert status == 400 and "must be an unsigned" in body["error"], (bad, status, body)
-        assert send({"corr": 9, "flags": 1})[0] == 200
+        for bad in ({"sequence_id": [1], "sequence_flags": 1}, {"sequence_id": {"k": 1}, "sequence_flags": 1},
+                    {"sequence_id": 9, "sequence_flags": "start"}, {"sequence_id": 9, "sequence_flags": -1},
+                    {"sequence_id": -9, "sequence_flags": 1}, {"sequence_id": 1 << 64, "sequence_flags": 1}):
+            with pytest.raises(ValueError, match="cannot be encoded"):
+                send(bad)
+        assert send({"sequence_id": 9, "sequence_flags": 1})[0] == 200
+        assert send({"sequence_id": (1 << 64) - 1, "sequence_flags": 0xFFFFFFFF})[0] == 200
         r = client.infer("running_sum", {"VALUE": value}, sequence_id="s", sequence_start=True)
         assert r["SUM"].tolist() == [[2.0]]
     assert server_processes(server) == processes

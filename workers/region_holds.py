@@ -22,15 +22,10 @@ import threading
 
 import orjson
 
+from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.published import HEADER, Published
 from shmserve.shm.region_table import EVERY_REGION, RegionTable
 from shmserve.shm.waker import fence
-
-def region_names(doc: dict) -> set[str]:
-    """The registered regions a lane request's descriptor names."""
-    return {t["region"] for t in doc.get("inputs", ()) if "region" in t} | \
-        {o["region"] for o in doc.get("outputs") or () if "region" in o}
-
 
 # The generation a request the broker forwarded is held under once the broker lets go of it: it
 # was admitted while its regions were registered, so it started before any leaving mark.
@@ -49,10 +44,10 @@ class RegionHolds:
         self.held: dict[str, collections.Counter[int]] = {}
         self._published: dict[str, int] = {}
 
-    def hold(self, doc: dict, entry: dict) -> None:
+    def hold(self, request: InferRequest, entry: dict) -> None:
         """Before the request's regions are looked up in the table: note them, under the
         generation published now."""
-        names = region_names(doc)
+        names = request.regions()
         if names:
             entry["held"] = self._take(self.regions.current(), sorted(names))
 

@@ -12,6 +12,7 @@ import base64
 from typing import Any
 
 from shmserve.shm.channel import ClientSegment
+from shmserve.shm.descriptor import InferRequest, InputTensor, RequestedOutput
 from shmserve.shm.region_table import RegionTable, locate
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import from_buffer
@@ -19,7 +20,7 @@ from shmserve.shm.tensors import from_buffer
 from . import device_tensors
 from .cuda import runtime as cuda_runtime
 from .input_views import InputViews
-from shmserve.signature import ModelSignature, queue_options
+from shmserve.signature import ModelSignature
 
 
 class RequestError(Exception):
@@ -38,55 +39,53 @@ class DecoupledOnly(RequestError):
 
 
 def check_request(signature: ModelSignature, regions: RegionTable, decoupled: bool, client: ClientSegment,
-                  doc: dict, data_start: int, entry: dict) -> tuple[int, int, int, int]:
-    """Check a lane request's descriptor ``doc`` (its tensor bytes start at ``data_start``) and
-    fill ``entry``; returns (batch size, priority, queue timeout in us, send time). Raises
-    InvalidRequest or RequestError for what the client got wrong."""
-    if decoupled and "stream" not in doc:
+                  req: InferRequest, data_start: int, entry: dict) -> int:
+    """Check a lane request ``req`` (its tensor bytes start at ``data_start``) and fill
+    ``entry``; returns its batch size. Raises InvalidRequest or RequestError for what the client
+    got wrong."""
+    if decoupled and req.stream is None:
         raise DecoupledOnly()  # before the inputs are looked at, as in Triton
-    batch = signature.check_inputs(doc["inputs"], doc.get("id", ""))
-    signature.check_outputs(doc.get("outputs"))
-    priority, timeout_us, sent_ns = queue_options(doc)
-    entry.update(id=doc.get("id", ""), params=doc.get("params"), corr=doc.get("corr", 0),
-                 flags=doc.get("flags", 0), t=sent_ns)
-    if "tr" in doc:
-        entry["tr"] = 0  # traced; no broker queue (the frontend's submit is its QUEUE_START)
-    entry["inputs"] = [_locate(regions, client, t, data_start) for t in doc["inputs"]]
-    outputs = doc.get("outputs")
+    batch = signature.check_inputs(req.inputs, req.id)
+    signature.check_outputs(req.outputs)
+    entry.update(id=req.id, params=req.parameters, corr=req.sequence_id, flags=req.sequence_flags, t=req.sent_ns)
+    if req.traced:
+        entry["tr"] = 0  # no broker queue (the frontend's submit is its QUEUE_START)
+    entry["inputs"] = [_input(regions, client, t, data_start) for t in req.inputs]
+    outputs = req.outputs
     entry["outputs"] = [_output(regions, client, o, data_start) for o in outputs] if outputs else None
-    if "stream" in doc:
-        entry["stream"] = {"seg": client.name, "off": data_start + int(doc["stream"])}
+    if req.stream is not None:
+        entry["stream"] = {"seg": client.name, "off": data_start + req.stream}
         if not client.arena_offset <= entry["stream"]["off"] <= client.seg.size - 4096:
             raise RequestError("the response ring lies outside the client's arena")
-    return batch, priority, timeout_us, sent_ns
+    return batch
 
 
-def _output(regions: RegionTable, client: ClientSegment, o: dict, data_start: int) -> dict:
-    out = {"name": o["name"]} if "data" not in o and "region" not in o \
-        else _locate(regions, client, o, data_start)
-    if "class" in o:
-        out["class"] = o["class"]  # classification: answered as the top classes
+def _input(regions: RegionTable, client: ClientSegment, t: InputTensor, data_start: int) -> dict:
+    return {**_locate(regions, client, t.name, t.region, t.offset, t.size, t.data, data_start),
+            "datatype": t.datatype, "shape": t.shape}
+
+
+def _output(regions: RegionTable, client: ClientSegment, o: RequestedOutput, data_start: int) -> dict:
+    out = {"name": o.name} if o.data is None and not o.region \
+        else _locate(regions, client, o.name, o.region, o.offset, o.size, o.data or 0, data_start)
+    if o.classes:
+        out["class"] = o.classes  # classification: answered as the top classes
     return out
 
 
-def _locate(regions: RegionTable, client: ClientSegment, t: dict, data_start: int) -> dict:
-    size = int(t["size"])
-    if "region" in t:  # a registered region, as the broker published it (shm/region_table.py)
-        name = t["region"]
-        region = regions.get(name)
+def _locate(regions: RegionTable, client: ClientSegment, name: str, region_name: str, offset: int, size: int,
+            data: int, data_start: int) -> dict:
+    if region_name:  # a registered region, as the broker published it (shm/region_table.py)
+        region = regions.get(region_name)
         if region is not None and region.leaving:
             region = None  # unregistered: the broker waits only for lane requests that began before
-        off = locate(name, region, int(t.get("offset", 0)), size)  # RegionUseError: a 400
+        off = locate(region_name, region, offset, size)  # RegionUseError: a 400
         assert region is not None
-        out = {"name": t["name"], "seg": region.key, "ino": region.ino, "region": name, "off": off, "size": size}
-    else:
-        off = data_start + int(t["data"])
-        if size < 0 or off < client.arena_offset or off + size > client.seg.size:
-            raise RequestError(f"tensor '{t['name']}' lies outside the client's arena")
-        out = {"name": t["name"], "seg": client.name, "off": off, "size": size}
-    if "datatype" in t:
-        out.update(datatype=t["datatype"], shape=t["shape"])
-    return out
+        return {"name": name, "seg": region.key, "ino": region.ino, "region": region_name, "off": off, "size": size}
+    off = data_start + data
+    if off < client.arena_offset or off + size > client.seg.size:
+        raise RequestError(f"tensor '{name}' lies outside the client's arena")
+    return {"name": name, "seg": client.name, "off": off, "size": size}
 
 
 def read_inputs(entry: dict, segments: SegmentCache, on_device: bool = False,

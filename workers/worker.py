@@ -32,7 +32,7 @@ from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONF
     W_CHECK_READY, W_STOP, cancelled_error, read_manifest, refusal
 from shmserve.shm.region_table import RegionTable
 from shmserve.shm.ring import RingCorrupt
-from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_descriptor
+from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_request
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
 from shmserve.shm.waker import SpinPolicy, fence
@@ -323,14 +323,13 @@ class Worker:
         entry = {"client": client_name, "ticket": client.ticket, "slot": slot}
         assert self.signature is not None
         try:
-            doc, data_start = read_descriptor(client.seg.buf, rec)
+            req, data_start = read_request(client.seg.buf, rec)
         except Garbage as e:
             self._garbage(lane, client_name, cookie, e, client, slot)
             return False
         try:
-            self.holds.hold(doc, entry)  # before its regions are looked up in the table
-            batch, priority, timeout_us, sent_ns = check_request(self.signature, self.regions, self.decoupled,
-                                                                 client, doc, data_start, entry)
+            self.holds.hold(req, entry)  # before its regions are looked up in the table
+            batch = check_request(self.signature, self.regions, self.decoupled, client, req, data_start, entry)
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
             self.holds.release(entry)
             self.stats.rejected()
@@ -346,8 +345,8 @@ class Worker:
             entry["tr"] = now_ns  # traced: its QUEUE_START
         # It waited on the lane while we ran the previous batch: its delay and queue timeout count
         # from when the client sent it (the same monotonic clock in every process).
-        arrived = min(sent_ns or now_ns, now_ns) / 1e9
-        pending = Pending(client, slot, off, entry, batch, arrived, priority=priority, timeout_us=timeout_us)
+        arrived = min(req.sent_ns or now_ns, now_ns) / 1e9
+        pending = Pending(client, slot, off, entry, batch, arrived, priority=req.priority, timeout_us=req.timeout_us)
         try:
             self.batcher.enqueue(pending, arrived)
         except QueueFull as e:

@@ -44,6 +44,7 @@ from shmserve.batching import Pending
 from shmserve.shm.arena import free_block
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
+from shmserve.shm.descriptor import InputTensor
 from shmserve.shm.liveness import BROKER_TICKET
 from shmserve.shm.names import object_name
 from shmserve.shm.protocol import (CANCELLED_STATUS, NO_ROOM, RECORD, ROLE_BROKER, SLOT_DONE,
@@ -206,7 +207,8 @@ class Ensembles:
             mv = self.catalog.find_version(step.model, step.version, inference=True)
             assert mv.signature is not None
             request = self._step_request(call, mv.signature)
-            batch = mv.signature.check_inputs(request["inputs"], request.get("id", ""))
+            batch = mv.signature.check_inputs([InputTensor(t["name"], t["datatype"], t["shape"], t["size"])
+                                               for t in request["inputs"]], request.get("id", ""))
             call.batch = batch if mv.signature.max_batch_size > 0 else 0
         except InvalidRequest as e:
             self._unsent(call, e.status, str(e))

@@ -11,8 +11,9 @@ import time
 
 from shmserve.batching import Pending
 from shmserve.shm.protocol import refusal
-from shmserve.shm.untrusted import Record, read_descriptor
-from shmserve.signature import InvalidRequest, queue_options
+from shmserve.shm.descriptor import InputTensor, RequestedOutput
+from shmserve.shm.untrusted import Record, read_request
+from shmserve.signature import InvalidRequest
 
 from .catalog import Catalog
 from .clients import Clients
@@ -47,36 +48,34 @@ class Intake:
         Garbage for a descriptor no client writes (the broker then disconnects the client)."""
         mv: ModelVersion | None = None
         slot, off = rec.slot, rec.off
-        doc, data_start = read_descriptor(client.seg.seg.buf, rec)
+        req, data_start = read_request(client.seg.seg.buf, rec)
         try:
             # Draining before a stop: what is in flight finishes, nothing new starts.
             if self.refusal and client.pid not in self.exempt_pids:
                 raise ServerExiting(self.refusal)
-            mv = self.catalog.find_version(doc["model"], doc.get("version"), inference=True)
-            if mv.ensemble is not None and mv.ensemble.decoupled and "stream" not in doc:
+            mv = self.catalog.find_version(req.model, req.version, inference=True)
+            if mv.ensemble is not None and mv.ensemble.decoupled and req.stream is None:
                 raise DecoupledOnly()  # before the inputs are looked at, as in Triton
             sig = mv.signature
             assert sig is not None
-            inputs = doc["inputs"]
-            batch = sig.check_inputs(inputs, doc.get("id", ""))
-            outputs = doc.get("outputs")
+            batch = sig.check_inputs(req.inputs, req.id)
+            outputs = req.outputs
             sig.check_outputs(outputs)
-            priority, timeout_us, sent_ns = queue_options(doc)
             entry = {
-                "client": client.name, "ticket": client.ticket, "slot": slot, "id": doc.get("id", ""),
-                "params": doc.get("params"), "corr": doc.get("corr", 0), "flags": doc.get("flags", 0),
-                "t": sent_ns,
-                "inputs": [self._resolve(client, t, "input", data_start) for t in inputs],
+                "client": client.name, "ticket": client.ticket, "slot": slot, "id": req.id,
+                "params": req.parameters, "corr": req.sequence_id, "flags": req.sequence_flags,
+                "t": req.sent_ns,
+                "inputs": [self._resolve(client, t, data_start) for t in req.inputs],
                 "outputs": [self._resolve_output(client, o, data_start) for o in outputs] if outputs else None,
             }
-            named = {t["region"] for t in inputs if "region" in t} | {o["region"] for o in outputs or () if "region" in o}
+            named = req.regions()
             if named:  # held while the broker holds the request: an unregister waits for it
                 entry["regions"] = sorted(named)
-            if "stream" in doc:
-                entry["stream"] = {"seg": client.name, "off": data_start + int(doc["stream"])}
+            if req.stream is not None:
+                entry["stream"] = {"seg": client.name, "off": data_start + req.stream}
                 if not client.seg.arena_offset <= entry["stream"]["off"] <= client.seg.seg.size - 4096:
                     raise InvalidRequest("the response ring lies outside the client's arena")
-            if "tr" in doc:  # a traced request: its QUEUE_START is now (the worker sends it back)
+            if req.traced:  # its QUEUE_START is now (the worker sends it back)
                 entry["tr"] = time.monotonic_ns()
         except InvalidRequest as e:
             self._count_rejected(mv)
@@ -90,7 +89,7 @@ class Intake:
             self.ensembles.start(mv, client, slot, entry)
             return
         now = time.monotonic()
-        pend = Pending(client, slot, off, entry, batch, now, priority=priority, timeout_us=timeout_us)
+        pend = Pending(client, slot, off, entry, batch, now, priority=req.priority, timeout_us=req.timeout_us)
         self.scheduler.enqueue(mv, pend)
 
     @staticmethod
@@ -98,42 +97,31 @@ class Intake:
         if mv is not None:
             mv.stats.fail("REJECTED", 1)
 
-    def _locate(self, client: Client, t: dict, what: str, data_start: int) -> tuple[str, int, int]:
-        """Where a tensor lives: (segment, offset, size), checked against the bounds it may use.
-
-        ``region`` names a registered region; ``data`` is an offset into the request's own block
-        in the client's arena (inputs the client wrote, or room it reserved for an output).
-        """
-        size = int(t["size"])
-        if "region" in t:
-            seg, off = self.regions.system.resolve(t["region"], int(t.get("offset", 0)), size)
-            return seg, off, size
-        off = data_start + int(t["data"])
-        if size < 0 or off < client.seg.arena_offset or off + size > client.seg.seg.size:
-            raise InvalidRequest(f"{what} '{t['name']}' lies outside the client's arena")
-        return client.name, off, size
-
-    def _place(self, client: Client, t: dict, what: str, data_start: int) -> dict:
-        """Where the worker finds (or puts) a tensor's bytes: host shm, or a CUDA region."""
-        if "region" in t:
-            cuda = self.regions.cuda.resolve(t["region"], int(t.get("offset", 0)), int(t["size"]))
+    def _place(self, client: Client, name: str, region: str, offset: int, size: int, what: str,
+               data: int, data_start: int) -> dict:
+        """Where the worker finds (or puts) a tensor's bytes, checked against the bounds it may
+        use: a registered region (host shm or CUDA) at ``offset``, or the request's own block in
+        the client's arena at ``data`` (inputs the client wrote, or room it reserved for an output)."""
+        if region:
+            cuda = self.regions.cuda.resolve(region, offset, size)
             if cuda is not None:
                 return cuda
-        seg, off, size = self._locate(client, t, what, data_start)
-        place = {"seg": seg, "off": off, "size": size}
-        if "region" in t:  # a registered region: read and written through its descriptor (shm/region_io.py)
-            place["ino"] = self.regions.system.inode(t["region"])
-            place["region"] = t["region"]
-        return place
+            seg, off = self.regions.system.resolve(region, offset, size)
+            # read and written through its descriptor (shm/region_io.py)
+            return {"seg": seg, "off": off, "size": size, "ino": self.regions.system.inode(region), "region": region}
+        off = data_start + data
+        if off < client.seg.arena_offset or off + size > client.seg.seg.size:
+            raise InvalidRequest(f"{what} '{name}' lies outside the client's arena")
+        return {"seg": client.name, "off": off, "size": size}
 
-    def _resolve(self, client: Client, t: dict, what: str, data_start: int) -> dict:
-        return {"name": t["name"], "datatype": t["datatype"], "shape": t["shape"],
-                **self._place(client, t, what, data_start)}
+    def _resolve(self, client: Client, t: InputTensor, data_start: int) -> dict:
+        return {"name": t.name, "datatype": t.datatype, "shape": t.shape,
+                **self._place(client, t.name, t.region, t.offset, t.size, "input", t.data, data_start)}
 
-    def _resolve_output(self, client: Client, o: dict, data_start: int) -> dict:
-        out = {"name": o["name"]}
-        if "region" in o or "data" in o:
-            out.update(self._place(client, o, "output", data_start))
-        if "class" in o:
-            out["class"] = o["class"]  # classification: the worker answers the top classes
+    def _resolve_output(self, client: Client, o: RequestedOutput, data_start: int) -> dict:
+        out: dict = {"name": o.name}
+        if o.region or o.data is not None:
+            out.update(self._place(client, o.name, o.region, o.offset, o.size, "output", o.data or 0, data_start))
+        if o.classes:
+            out["class"] = o.classes  # classification: the worker answers the top classes
         return out

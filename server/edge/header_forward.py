@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
+from shmserve.shm.descriptor import InferRequest
+
 HTTP_FLAG = "--http-header-forward-pattern"
 GRPC_FLAG = "--grpc-header-forward-pattern"
 # ASGI scope key: the request's header names as the client sent them, in the order of
@@ -56,7 +58,7 @@ def http_headers(scope: dict) -> Iterable[tuple[str, bytes]]:
     return [(name.decode("latin-1"), value) for name, (_, value) in zip(names, pairs)]
 
 
-def add_to_request(req: dict, params: dict[str, str] | None) -> None:
-    """Add forwarded ``params`` to the descriptor ``req``'s model parameters (over the body's)."""
+def add_to_request(req: InferRequest, params: dict[str, str] | None) -> None:
+    """Add forwarded ``params`` to ``req``'s model parameters (over the body's)."""
     if params:
-        req["params"] = {**(req.get("params") or {}), **params}
+        req.parameters = {**(req.parameters or {}), **params}

@@ -33,6 +33,7 @@ from typing import Any, Callable, TypeVar
 from shmserve.shm.channel import DEFAULT_SLOTS
 from shmserve.shm.completion import Completion
 from shmserve.shm.connection import ArenaBusy, Backpressure, Connection, Reservation, ServerUnavailable
+from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 from shmserve.shm.streams import StreamEvents
 from shmserve.shm.waker import SpinPolicy
@@ -212,7 +213,7 @@ class BrokerLink:
             self._conn.close()
             self._conn = None
 
-    def submit(self, kind: int, doc: dict, tensors: Any, callback: Callable[[Completion], None],
+    def submit(self, kind: int, doc: InferRequest | dict, tensors: Any, callback: Callable[[Completion], None],
                on_response: Callable[[Completion], None] | None = None, model: str | None = None) -> Sent:
         """Send a request; ``callback`` runs on the loop with its completion (and must release it).
         With ``model``, its answer times decide whether the loop polls for this answer."""
@@ -235,7 +236,7 @@ class BrokerLink:
         conn, start = sent
         conn.cancel(start)
 
-    def reserve(self, doc: dict, body: int) -> tuple[Connection, Reservation]:
+    def reserve(self, doc: InferRequest, body: int) -> tuple[Connection, Reservation]:
         """A request block for a body still arriving (``Connection.reserve``), on the connection
         that ``send_reserved`` must be given back."""
         conn = self.connection()
@@ -309,7 +310,7 @@ class BrokerLink:
         self.submit(kind, doc, tensors, resolve)
         return await fut
 
-    def stream(self, doc: dict, tensors: Any) -> StreamEvents:
+    def stream(self, doc: InferRequest, tensors: Any) -> StreamEvents:
         """Submit a streaming request; its events come in order, the final one last. The reader
         must ``close`` them when it stops, at the end or early (a client that went away)."""
         events = StreamEvents(asyncio.Queue())

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from shmserve.shm.descriptor import SEQUENCE_END, SEQUENCE_START, InferRequest, InputTensor, RequestedOutput
 from shmserve.shm.tensors import DTYPES, byte_view, element_count, itemsize, serialize_bytes
 from shmserve.signature import request_tag
 
@@ -20,6 +21,7 @@ MAX_TENSOR_ELEMENTS = 1 << 31
 INT64_MAX = (1 << 63) - 1
 INT64_MIN = -(1 << 63)
 UINT64_MAX = (1 << 64) - 1
+UINT32_MAX = (1 << 32) - 1
 # Request parameters the server consumes itself; the rest reach the model (as Triton does).
 RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
                                  "binary_data_output", "headers"})
@@ -144,8 +146,8 @@ def _bool_param(params: dict, key: str, what: str) -> None:
 
 
 def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
-                  max_elements: int = MAX_TENSOR_ELEMENTS, json_body: bool = False) -> tuple[dict, list]:
-    """The broker descriptor and the tensor chunks (views into the body; no copy yet). ``tail``
+                  max_elements: int = MAX_TENSOR_ELEMENTS, json_body: bool = False) -> tuple[InferRequest, list]:
+    """The request descriptor and the tensor chunks (views into the body; no copy yet). ``tail``
     may be only the binary tail's length, for a body still arriving: its chunks are then None.
     ``json_body``: the document came as an HTTP body (some refusals then read as Triton's HTTP ones)."""
     inputs = doc.get("inputs")
@@ -157,7 +159,7 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
     if "id" in doc and not isinstance(doc["id"], str):
         raise BadRequest("the request 'id' must be a string")
     chunks: list = []
-    out_inputs = []
+    out_inputs: list[InputTensor] = []
     tail_len = tail if isinstance(tail, int) else len(tail)
     pos = 0  # position in the binary tail
     rel = 0  # offset of the next tensor in our arena block
@@ -170,11 +172,11 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
             raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
         shape = _shape(name, t.get("shape"), datatype, max_elements, json_body)
         tparams = _params(t.get("parameters"), f"input '{name}'")
-        desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
         if "shared_memory_region" in tparams:
-            desc["region"] = _region_name(tparams["shared_memory_region"], name)
-            desc["offset"] = _nonneg(tparams.get("shared_memory_offset", 0), name, "shared_memory_offset")
-            desc["size"] = _nonneg(tparams.get("shared_memory_byte_size"), name, "shared_memory_byte_size")
+            desc = InputTensor(name, datatype, shape,
+                               _nonneg(tparams.get("shared_memory_byte_size"), name, "shared_memory_byte_size"),
+                               region=_region_name(tparams["shared_memory_region"], name),
+                               offset=_nonneg(tparams.get("shared_memory_offset", 0), name, "shared_memory_offset"))
         elif "binary_data_size" in tparams:
             n = _nonneg(tparams["binary_data_size"], name, "binary_data_size")
             if pos + n > tail_len:
@@ -182,31 +184,29 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
                                  f"{pos}, the binary data holds {tail_len}")
             chunk = None if isinstance(tail, int) else tail[pos:pos + n]
             pos += n
-            desc["data"] = rel
-            desc["size"] = n
+            desc = InputTensor(name, datatype, shape, n, rel)
             chunks.append(chunk)
             rel += n
         elif "data" in t:
             encoded = json_tensor_bytes(name, datatype, shape, t["data"])
-            desc["data"] = rel
-            desc["size"] = len(encoded)
+            desc = InputTensor(name, datatype, shape, len(encoded), rel)
             chunks.append(encoded)
             rel += len(encoded)
         else:
             raise BadRequest(f"input '{name}' has no 'data', binary data or shared memory region")
-        if datatype != "BYTES" and "region" not in desc:
+        if datatype != "BYTES" and not desc.region:
             expected = element_count(shape) * itemsize(datatype)
-            if desc["size"] != expected:
+            if desc.size != expected:
                 raise BadRequest(f"{request_tag(doc.get('id', ''))}input byte size mismatch for input '{name}' "
-                                 f"for model '{model}'. Expected {expected}, got {desc['size']}")
-        elif datatype == "BYTES" and element_count(shape) * 4 > desc["size"]:
+                                 f"for model '{model}'. Expected {expected}, got {desc.size}")
+        elif datatype == "BYTES" and element_count(shape) * 4 > desc.size:
             # Every BYTES element has a 4-byte length prefix: more elements than that cannot be there.
             raise BadRequest(f"input '{name}': shape {shape} of BYTES needs at least {element_count(shape) * 4} "
-                             f"bytes (a 4-byte length per element), the data has {desc['size']}")
+                             f"bytes (a 4-byte length per element), the data has {desc.size}")
         out_inputs.append(desc)
     if pos != tail_len:
         raise BadRequest(f"the request body has {tail_len - pos} bytes of binary data that no input claims")
-    outputs = None
+    outputs: list[RequestedOutput] | None = None
     if doc.get("outputs") is not None:
         if not isinstance(doc["outputs"], list):
             raise BadRequest("'outputs' must be a list")
@@ -220,21 +220,18 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
             named.add(o["name"])
             op = _params(o.get("parameters"), f"output '{o['name']}'")
             _bool_param(op, "binary_data", f"output '{o['name']}'")
-            od: dict[str, Any] = {"name": o["name"]}
+            od = RequestedOutput(o["name"])
             if op.get("classification") is not None:  # Triton's classification extension: the top N
                 count = op["classification"]
-                if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= UINT32_MAX:
                     raise BadRequest(f"output '{o['name']}': 'classification' must be a non-negative integer")
-                if count:
-                    od["class"] = count
+                od.classes = count
             if "shared_memory_region" in op:
-                od["region"] = _region_name(op["shared_memory_region"], o["name"])
-                od["offset"] = _nonneg(op.get("shared_memory_offset", 0), o["name"], "shared_memory_offset")
-                od["size"] = _nonneg(op.get("shared_memory_byte_size"), o["name"], "shared_memory_byte_size")
+                od.region = _region_name(op["shared_memory_region"], o["name"])
+                od.offset = _nonneg(op.get("shared_memory_offset", 0), o["name"], "shared_memory_offset")
+                od.size = _nonneg(op.get("shared_memory_byte_size"), o["name"], "shared_memory_byte_size")
             outputs.append(od)
-    req: dict[str, Any] = {"model": model, "version": version, "inputs": out_inputs, "outputs": outputs}
-    if "id" in doc:
-        req["id"] = doc["id"]
+    req = InferRequest(model, version, out_inputs, outputs, doc.get("id", ""))
     if params:
         for key in ("sequence_start", "sequence_end", "binary_data_output"):
             _bool_param(params, key, "the request")
@@ -246,25 +243,29 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
                 raise BadRequest(f"parameter '{key}' must be a bool, a number or a string")
             model_params[key] = value
         if model_params:
-            req["params"] = model_params
+            req.parameters = model_params
         if "sequence_id" in params:
             corr = params["sequence_id"]
             if not isinstance(corr, (int, str)) or isinstance(corr, bool) or \
                     (isinstance(corr, int) and not 0 <= corr <= UINT64_MAX):
                 raise BadRequest("'sequence_id' must be an unsigned 64-bit integer or a string")
-            req["corr"] = corr
-        flags = (1 if params.get("sequence_start") else 0) | (2 if params.get("sequence_end") else 0)
-        if flags:
-            req["flags"] = flags
-        for key in ("priority", "timeout"):
-            if key in params:
-                if not isinstance(params[key], int) or isinstance(params[key], bool) or params[key] < 0:
-                    raise BadRequest(f"'{key}' must be a non-negative integer")
-                req[key] = params[key]
+            req.sequence_id = corr
+        req.sequence_flags = (SEQUENCE_START if params.get("sequence_start") else 0) | \
+            (SEQUENCE_END if params.get("sequence_end") else 0)
+        req.priority = _queue_option(params, "priority")
+        req.timeout_us = _queue_option(params, "timeout")
     return req, chunks
 
 
+def _queue_option(params: dict, key: str) -> int:
+    """Triton's ``priority`` and ``timeout`` (microseconds): unsigned 64-bit integers."""
+    value = params.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= UINT64_MAX:
+        raise BadRequest(f"'{key}' must be a non-negative integer")
+    return value
+
+
 def _nonneg(value: Any, name: str, field: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= UINT64_MAX:
         raise BadRequest(f"'{field}' of '{name}' must be a non-negative integer")
     return value

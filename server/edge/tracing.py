@@ -23,6 +23,7 @@ from typing import Any, AsyncGenerator, TypeVar
 import orjson
 
 from shmserve.shm import trace as tr
+from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.names import pid_alive
 from shmserve.shm.trace import FileWriter, TraceShared
 
@@ -68,11 +69,11 @@ class Trace:
         self.ns = [0] * len(names)
         self.sends: list[int] = []  # a streamed request's: start, end, start, end... one pair per response
 
-    def mark(self, req: dict) -> None:
+    def mark(self, req: InferRequest) -> None:
         """Just before the request is submitted: tag it, so the worker times it."""
-        req["tr"] = self.id
-        self.request_id = req.get("id", "")
-        self.ns[REQUEST_START] = req.get("t", 0)
+        req.traced = True
+        self.request_id = req.id
+        self.ns[REQUEST_START] = req.sent_ns
         self.ns[QUEUE_START] = time.monotonic_ns()  # a direct request queues on the worker's lane now
 
     def collect(self, result: dict) -> None:

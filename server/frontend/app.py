@@ -29,6 +29,7 @@ from shmserve.server.edge.shm_callers import ShmRefused, registering_caller, unr
 from shmserve.server.edge.tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
 from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
 from shmserve.shm.completion import Completion
+from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import ERROR, LOAD_FROM_NETWORK, REFUSED
 from shmserve.shm.streams import StreamEvents
 
@@ -224,18 +225,18 @@ class Frontend:
             return error_response(e.status, str(e))
         trace = self._sample(request, model, req) if self.tracer.on else None
         try:
-            return self.link.stream(req, chunks), trace, req.get("id", "")
+            return self.link.stream(req, chunks), trace, req.id
         except BrokerError as e:
             return traced(error_response(e.status, str(e)), trace, self.tracer)
 
-    def _sample(self, request: Request, model: str, req: dict) -> Trace | None:
+    def _sample(self, request: Request, model: str, req: InferRequest) -> Trace | None:
         """A generate request's trace, if it is sampled: HTTP_RECV_* as asgi.py took them, and its
         other stamps as an infer request's (each response of generate_stream its own HTTP_SEND
         pair, as Triton's generate handler records)."""
         trace = self.tracer.sample(model)
         if trace is not None:
-            req["t"] = time.monotonic_ns()
-            trace.ns[RECV_START], trace.ns[RECV_END] = request.scope.get(RECEIVED) or (req["t"], req["t"])
+            req.sent_ns = time.monotonic_ns()
+            trace.ns[RECV_START], trace.ns[RECV_END] = request.scope.get(RECEIVED) or (req.sent_ns, req.sent_ns)
             trace.mark(req)
         return trace
 

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from shmserve.server.edge.requests import INT64_MAX, INT64_MIN, UINT64_MAX, BadRequest, JsonTypeError, json_tensor_bytes, parse_json
 from shmserve.server.edge.tracing import Trace, Tracer, timed_sends
+from shmserve.shm.descriptor import InferRequest, InputTensor
 from shmserve.shm.streams import StreamEvents
 from shmserve.shm.tensors import CONFIG_TO_WIRE
 from shmserve.signature import request_tag
@@ -60,7 +61,7 @@ class _GenerateRequest:
         self.specs = {t["name"]: t for t in config.get("input", [])}
         self.batched = int(config.get("max_batch_size", 0)) > 0
         self.tag = request_tag(request_id)
-        self.inputs: list[dict] = []
+        self.inputs: list[InputTensor] = []
         self.chunks: list[bytes | memoryview] = []
         self.params: dict[str, Any] = {}
         self.added: set[str] = set()
@@ -118,8 +119,7 @@ class _GenerateRequest:
             raise BadRequest(f"{self.tag}input '{name}' already exists in request")
         self.added.add(name)
         data = json_tensor_bytes(name, datatype, [len(values)], values)  # the infer endpoint's range checks
-        self.inputs.append({"name": name, "datatype": datatype, "shape": shape, "data": self.offset,
-                            "size": len(data)})
+        self.inputs.append(InputTensor(name, datatype, shape, len(data), self.offset))
         self.chunks.append(data)
         self.offset += len(data)
 
@@ -148,8 +148,8 @@ def _json_type_error(datatype: str, values: list) -> str | None:
     return None
 
 
-def build_generate_request(model: str, version: str, body: Any, config: dict) -> tuple[dict, list]:
-    """The broker descriptor of a generate body (``parse_generate_body``) for a model of ``config``.
+def build_generate_request(model: str, version: str, body: Any, config: dict) -> tuple[InferRequest, list]:
+    """The request descriptor of a generate body (``parse_generate_body``) for a model of ``config``.
     The request's id is read first; a missing input is left to the model's input check, which
     words it as Triton does. (A dict, as the OpenAI routes make, is read as its pairs.)"""
     if isinstance(body, dict):
@@ -161,12 +161,8 @@ def build_generate_request(model: str, version: str, body: Any, config: dict) ->
         raise JsonTypeError("Unable to parse 'id': attempt to access JSON non-string as string")
     conversion = _GenerateRequest(model, config, request_id)
     conversion.members(body)
-    req: dict[str, Any] = {"model": model, "version": version, "inputs": conversion.inputs, "outputs": None}
-    if request_id:
-        req["id"] = request_id
-    if conversion.params:
-        req["params"] = conversion.params
-    return req, conversion.chunks
+    return InferRequest(model, version, conversion.inputs, None, request_id, conversion.params or None), \
+        conversion.chunks
 
 
 def _tensor_shape(name: str, count: int, dims: list[int]) -> list[int]:

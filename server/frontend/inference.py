@@ -138,7 +138,7 @@ class Inference:
         except BadRequest as e:
             self._refuse(model, version, e, reply)
             return None
-        req["t"] = received
+        req.sent_ns = received
         if trace is not None:
             trace.mark(req)
         try:

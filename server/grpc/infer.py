@@ -24,6 +24,7 @@ from shmserve.server.edge.link import BrokerError, BrokerLink, Sent, when_room
 from shmserve.server.edge.tracing import (RECV_END, RECV_START, SEND_END, SEND_START, Trace, Tracer,
                                               timed_sends)
 from shmserve.shm.completion import Completion
+from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import REQ_INFER
 from shmserve.shm.trace import GRPC_STAMPS
 
@@ -132,7 +133,7 @@ class GrpcInference:
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
         if trace is None:
             return self._messages(request, decoupled, (doc, req, chunks), None)
-        trace.ns[RECV_START], trace.ns[RECV_END] = read if read[0] else (req["t"], req["t"])
+        trace.ns[RECV_START], trace.ns[RECV_END] = read if read[0] else (req.sent_ns, req.sent_ns)
         trace.mark(req)
         return timed_sends(self._messages(request, decoupled, (doc, req, chunks), trace), trace, self.tracer)
 
@@ -178,7 +179,7 @@ class GrpcInference:
         finally:
             events.close()  # the stream ended or the client went away: free what still comes
 
-    async def _build(self, request: Any, forwarded: dict[str, str] | None = None) -> tuple[dict, dict, list]:
+    async def _build(self, request: Any, forwarded: dict[str, str] | None = None) -> tuple[dict, InferRequest, list]:
         """The KServe document, the descriptor (with the ``forwarded`` parameters) and its tensor
         chunks; a refusal raises ``Aborted``."""
         received = time.monotonic_ns()
@@ -194,10 +195,10 @@ class GrpcInference:
                                  f"arena (--frontend-arena-mb); send large tensors through shared memory")
         except BadRequest as e:
             raise await self._refusal(model, version, e) from None
-        req["t"] = received
+        req.sent_ns = received
         return doc, req, chunks
 
-    async def _submit(self, req: dict, chunks: list, model: str) -> Completion:
+    async def _submit(self, req: InferRequest, chunks: list, model: str) -> Completion:
         """Send the request, waiting for room in a fragmented arena (``link.when_room``), and
         await its completion."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
