@@ -269,14 +269,14 @@ def test_descriptors_with_bad_queue_fields_are_400_and_harm_nothing(server, mode
             done = threading.Event()
 
             def answered(c, answers=answers, done=done) -> None:
-                answers.append((c.status, c.doc()))
+                answers.append((c.status, c.answer))
                 c.release()
                 done.set()
 
             conn.infer(doc, [x], answered)
             assert done.wait(60), f"no answer for {field}={value!r}"
             status, body = answers[0]
-            assert status == 400 and f"'{field}' must be a non-negative integer" in body["error"], body
+            assert status == 400 and f"'{field}' must be a non-negative integer" in body.error, body
         # A batch of the preferred size 4 (probe_pair would hold a smaller one for its long delay)
         assert client.infer(model, {"INPUT0": np.zeros((4, 3), np.float32)})["REQS"].tolist() == [[1]] * 4
     assert server.worker_pids(model) == pids

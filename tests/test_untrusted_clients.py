@@ -26,6 +26,7 @@ import pytest
 from conftest import (DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, SHM_MODELS, TESTS, pending_requests, wait_pending,
                       wait_until)
 from gates import Gate
+from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.client import Client, InferenceServerError, ServerUnavailable
 from shmserve.shm.names import object_name
 from shmserve.shm.protocol import REQ_INFER, write_manifest
@@ -231,7 +232,7 @@ def test_sequence_fields_a_program_writes_are_checked(server):
     with Client(server.id) as client:
         conn = client._conn  # noqa: SLF001 - raw descriptors, to send what the library never would
 
-        def send(fields: dict) -> tuple[int, dict]:
+        def send(fields: dict) -> tuple[int, AnswerDescriptor]:
             doc = {"model": "running_sum", "version": "", "inputs": [
                 {"name": "VALUE", "datatype": "FP32", "shape": [1, 1], "data": 0, "size": 4}], "outputs": None,
                 **fields}
@@ -239,7 +240,7 @@ def test_sequence_fields_a_program_writes_are_checked(server):
             done = threading.Event()
 
             def answered(c) -> None:
-                answers.append((c.status, c.doc()))
+                answers.append((c.status, c.answer))
                 c.release()
                 done.set()
 
@@ -250,7 +251,7 @@ def test_sequence_fields_a_program_writes_are_checked(server):
         for bad in ({"corr": [1], "flags": 1}, {"corr": {"k": 1}, "flags": 1},
                     {"corr": 9, "flags": "start"}, {"corr": 9, "flags": -1}, {"corr": 9, "flags": [1]}):
             status, body = send(bad)
-            assert status == 400 and "must be an unsigned" in body["error"], (bad, status, body)
+            assert status == 400 and "must be an unsigned" in body.error, (bad, status, body)
         assert send({"corr": 9, "flags": 1})[0] == 200
         r = client.infer("running_sum", {"VALUE": value}, sequence_id="s", sequence_start=True)
         assert r["SUM"].tolist() == [[2.0]]

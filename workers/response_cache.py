@@ -74,9 +74,10 @@ class ResponseCache:
 
     def lookup(self, key: bytes) -> Response | None:
         payload = self.store.lookup(key)
-        if payload is None:
+        entry = cache_entry.unpack(payload) if payload is not None else None
+        if entry is None:
             return None
-        stored, parameters = cache_entry.unpack(payload)
+        stored, parameters = entry
         return Response(outputs={name: from_buffer(data, datatype, shape) for name, datatype, shape, data in stored},
                         parameters=parameters)
 

@@ -49,9 +49,10 @@ class EnsembleCache:
         """The stored outputs in the order of ``names`` (requests that name the same outputs in
         another order share the key), as views of a copy of the entry; None on a miss."""
         payload = self.store.lookup(key, wait=0)  # the broker's loop serves everyone: a taken lock is a miss
-        if payload is None:
+        entry = cache_entry.unpack(payload) if payload is not None else None
+        if entry is None:
             return None
-        stored = {output[0]: output for output in cache_entry.unpack(payload)[0]}
+        stored = {output[0]: output for output in entry[0]}
         return [stored[name] for name in names] if stored.keys() == set(names) else None
 
     def insert(self, mv: ModelVersion, key: bytes, outputs: list[cache_entry.Output]) -> None:
