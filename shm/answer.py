@@ -22,7 +22,7 @@ the broker's control answers are answers too: an error text, or a JSON document.
 from __future__ import annotations
 
 import struct
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import orjson
 
@@ -33,6 +33,7 @@ _MAGIC = 0x4E41  # "AN"
 _HEADER = struct.Struct("<HBBHIqIIII")
 _HEADER_SIZE = _HEADER.size
 _unpack_header = _HEADER.unpack_from
+_pack_header = _HEADER.pack
 _META = struct.Struct("<IBB?")  # an output's name length, datatype code, dimension count, in-region flag
 _PLACE = struct.Struct("<QQ")  # an output's data offset and size
 
@@ -106,85 +107,95 @@ class AnswerDescriptor(NamedTuple):
     # -- bytes ------------------------------------------------------------------------------------
     def encode(self) -> bytes:
         """The descriptor's bytes (``write_answer`` places them)."""
-        outputs = self.outputs
-        table = _table(outputs) if outputs else b""
-        flags = (REFUSED if self.refused else 0) | (FINAL if self.final else 0)
-        error = b""
-        if self.error is not None:
+        outputs, version, params, error, refused, trace, final, responses, document = self
+        if not (error is not None or refused or final or responses or document is not None):
+            return encode_outputs(outputs, version, params, trace)
+        flags = (REFUSED if refused else 0) | (FINAL if final else 0)
+        error_raw = b""
+        if error is not None:
             flags |= _ERROR
-            error = self.error.encode()
-        params = orjson.dumps(self.params) if self.params else b""
-        document = b""
-        if self.document is not None:
+            error_raw = error.encode()
+        params_raw = orjson.dumps(params) if params else b""
+        document_raw = b""
+        if document is not None:
             flags |= _DOCUMENT
-            document = orjson.dumps(self.document)
-        trace = self.trace
-        head = _HEADER.pack(_MAGIC, flags, len(trace), len(outputs), len(table), self.version, self.responses,
-                            len(error), len(params), len(document))
-        if not (flags or trace or params):
-            return head + table
-        if trace:
-            return b"".join((head, table, struct.pack(f"<{len(trace)}q", *trace), error, params, document))
-        return b"".join((head, table, error, params, document))
+            document_raw = orjson.dumps(document)
+        table = _table(outputs) if outputs else b""
+        return b"".join((_pack_header(_MAGIC, flags, len(trace), len(outputs), len(table), version, responses,
+                                      len(error_raw), len(params_raw), len(document_raw)),
+                         table, struct.pack(f"<{len(trace)}q", *trace), error_raw, params_raw, document_raw))
 
-    @classmethod
-    def decode(cls, buf: Any, offset: int, end: int | None = None) -> tuple["AnswerDescriptor", int]:
-        """The answer at ``offset`` of ``buf`` and where its data starts; nothing is read at or past
-        ``end`` (default: the buffer's end), and every output's bytes lie before it."""
-        if end is None or end > len(buf):
-            end = len(buf)
-        if not 0 <= offset <= end - _HEADER_SIZE:
-            raise AnswerCorrupt(f"an answer at {offset} does not fit before {end}")
-        magic, flags, nstamps, n, table_len, version, responses, error_len, params_len, doc_len = \
-            _unpack_header(buf, offset)
-        if magic != _MAGIC:
-            raise AnswerCorrupt(f"no answer at {offset} (magic {magic:#x})")
-        pos = offset + _HEADER_SIZE
-        data = offset + ((_HEADER_SIZE + table_len + nstamps * 8 + error_len + params_len + doc_len + _PAD) & ~_PAD)
-        if data > end:
-            raise AnswerCorrupt(f"an answer at {offset} runs past {end}")
-        if n:
-            raw = buf[pos:pos + table_len].tobytes()
-            known = _decoded.get(raw)
-            if known is None:
-                known = _read_table(raw, n)
-                if len(_decoded) >= _TABLES_MAX:
-                    _decoded.clear()
-                _decoded[raw] = known
-            outputs, need = known
-            if need > end - data or len(outputs) != n:
-                raise AnswerCorrupt(f"an answer's outputs run past its block ({need} bytes, {end - data} there)")
-        elif table_len:
-            raise AnswerCorrupt("an answer without outputs has an output table")
-        else:
-            outputs = ()
-        if not (flags or nstamps or error_len or params_len or doc_len):
-            return _new(cls, (outputs, version, None, None, False, (), False, responses, None)), data
-        pos += table_len
-        trace = struct.unpack_from(f"<{nstamps}q", buf, pos) if nstamps else ()
-        pos += nstamps * 8
-        if flags & _ERROR:
-            error: str | None = _utf8(bytes(buf[pos:pos + error_len]))
-        elif error_len:
-            raise AnswerCorrupt("an answer has error text but no error flag")
-        else:
-            error = None
-        pos += error_len
-        params = _json(buf, pos, params_len) if params_len else None
-        if params is not None and not isinstance(params, dict):
-            raise AnswerCorrupt("an answer's parameters are not a JSON object")
-        pos += params_len
-        if flags & _DOCUMENT:
-            document = _json(buf, pos, doc_len)
-        elif doc_len:
-            raise AnswerCorrupt("an answer has a document but no document flag")
-        else:
-            document = None
-        return _new(cls, (outputs, version, params, error, bool(flags & REFUSED), trace, bool(flags & FINAL),
-                          responses, document)), data
+
+def encode_outputs(outputs: Sequence[OutputTensor], version: int, params: dict | None = None,
+                   trace: Sequence[int] = ()) -> bytes:
+    """The bytes of a model's answer (``AnswerDescriptor(outputs, version, params, trace=trace)``),
+    without making the descriptor first: every answer a worker writes takes this path."""
+    table = _table(outputs) if outputs else b""
+    if not (params or trace):
+        return _pack_header(_MAGIC, 0, 0, len(outputs), len(table), version, 0, 0, 0, 0) + table
+    params_raw = orjson.dumps(params) if params else b""
+    return b"".join((_pack_header(_MAGIC, 0, len(trace), len(outputs), len(table), version, 0, 0, len(params_raw), 0),
+                     table, struct.pack(f"<{len(trace)}q", *trace), params_raw))
 
 
 _new = tuple.__new__
+
+
+def decode_answer(buf: Any, offset: int, end: int | None = None) -> tuple[AnswerDescriptor, int]:
+    """The answer at ``offset`` of ``buf`` and where its data starts; nothing is read at or past
+    ``end`` (default: the buffer's end), and every output's bytes lie before it."""
+    if end is None or end > len(buf):
+        end = len(buf)
+    if offset < 0 or offset > end - _HEADER_SIZE:
+        raise AnswerCorrupt(f"an answer at {offset} does not fit before {end}")
+    magic, flags, nstamps, n, table_len, version, responses, error_len, params_len, doc_len = \
+        _unpack_header(buf, offset)
+    if magic != _MAGIC:
+        raise AnswerCorrupt(f"no answer at {offset} (magic {magic:#x})")
+    rest = nstamps * 8 + error_len + params_len + doc_len
+    data = offset + ((_HEADER_SIZE + table_len + rest + _PAD) & ~_PAD)
+    if data > end:
+        raise AnswerCorrupt(f"an answer at {offset} runs past {end}")
+    pos = offset + _HEADER_SIZE
+    if n:
+        raw = buf[pos:pos + table_len].tobytes()
+        known = _decoded.get(raw)
+        if known is None:
+            known = _read_table(raw, n)
+            if len(_decoded) >= _TABLES_MAX:
+                _decoded.clear()
+            _decoded[raw] = known
+        outputs, need = known
+        if need > end - data or len(outputs) != n:
+            raise AnswerCorrupt(f"an answer's outputs run past its block ({need} bytes, {end - data} there)")
+    elif table_len:
+        raise AnswerCorrupt("an answer without outputs has an output table")
+    else:
+        outputs = ()
+    if not (flags or rest):
+        return _new(AnswerDescriptor, (outputs, version, None, None, False, (), False, responses, None)), data
+    pos += table_len
+    trace = struct.unpack_from(f"<{nstamps}q", buf, pos) if nstamps else ()
+    pos += nstamps * 8
+    if flags & _ERROR:
+        error: str | None = _utf8(bytes(buf[pos:pos + error_len]))
+    elif error_len:
+        raise AnswerCorrupt("an answer has error text but no error flag")
+    else:
+        error = None
+    pos += error_len
+    params = _json(buf, pos, params_len) if params_len else None
+    if params is not None and not isinstance(params, dict):
+        raise AnswerCorrupt("an answer's parameters are not a JSON object")
+    pos += params_len
+    if flags & _DOCUMENT:
+        document = _json(buf, pos, doc_len)
+    elif doc_len:
+        raise AnswerCorrupt("an answer has a document but no document flag")
+    else:
+        document = None
+    return _new(AnswerDescriptor, (outputs, version, params, error, bool(flags & REFUSED), trace,
+                                   bool(flags & FINAL), responses, document)), data
 
 
 def _table(outputs: Any) -> bytes:

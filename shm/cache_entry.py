@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 import posix_ipc
 
-from .answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room
+from .answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, decode_answer
 from .segment import SegmentCache
 
 _ALIGN = 8
@@ -89,7 +89,7 @@ def unpack(payload: bytes) -> tuple[list[Output], dict | None] | None:
     None when the payload holds no answer."""
     view = memoryview(payload)
     try:
-        answer, start = AnswerDescriptor.decode(view, 0, len(view))
+        answer, start = decode_answer(view, 0, len(view))
     except AnswerCorrupt:
         return None
     outputs = [(o.name, o.datatype, list(o.shape), view[start + o.offset:start + o.offset + o.size])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from .answer import AnswerCorrupt, AnswerDescriptor, OutputTensor
+from .answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, decode_answer
 from .arena import free_block
 
 
@@ -37,7 +37,7 @@ class Completion:
         if answer is None:
             assert self.buf is not None
             try:
-                answer, self._data = AnswerDescriptor.decode(self.buf, self.offset, self.end)
+                answer, self._data = decode_answer(self.buf, self.offset, self.end)
             except AnswerCorrupt as e:
                 self.status = 500
                 answer = AnswerDescriptor(error=f"the server's answer is unreadable: {e}")

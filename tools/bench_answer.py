@@ -1,5 +1,6 @@
 """Microbenchmark: an add_sub answer (two INT32[16] outputs) made, written into a block, read
-back and every field looked at, as the JSON document it used to be (orjson) and as the binary
+back and every field looked at, as the JSON document it used to be (orjson, in the manifest
+framing requests still use) and as the binary
 answer descriptor (shm/answer.py). Interleaved, best of many rounds, in microseconds of this
 thread's CPU time (a shared host's waits left out).
 
@@ -12,7 +13,8 @@ import timeit
 
 import orjson
 
-from shmserve.shm.answer import AnswerDescriptor, OutputTensor, answer_room, write_answer
+from shmserve.shm.answer import OutputTensor, answer_room, decode_answer, encode_outputs, write_answer
+from shmserve.shm.protocol import read_manifest_with_data, write_manifest
 
 BUF = memoryview(bytearray(1 << 16))
 NAMES = ("OUTPUT0", "OUTPUT1")
@@ -23,11 +25,8 @@ def with_json() -> object:
     for name in NAMES:
         outs.append({"name": name, "datatype": "INT32", "shape": [16], "size": 64, "off": pos})
         pos += 64
-    raw = orjson.dumps({"version": 1, "outputs": outs})
-    BUF[0:4] = len(raw).to_bytes(4, "little")
-    BUF[4:4 + len(raw)] = raw
-    n = int.from_bytes(BUF[0:4], "little")
-    doc = orjson.loads(BUF[4:4 + n])
+    write_manifest(BUF, 0, orjson.dumps({"version": 1, "outputs": outs}))
+    doc, _ = read_manifest_with_data(BUF, 0)
     return ([(o["name"], o["datatype"], o["shape"], o["off"], o["size"], o.get("region")) for o in doc["outputs"]],
             doc.get("version"), doc.get("params"), doc.get("error"))
 
@@ -37,8 +36,8 @@ def with_descriptor() -> object:
     for name in NAMES:
         outs.append(OutputTensor(name, "INT32", (16,), pos, 64))
         pos += 64
-    write_answer(BUF, 0, AnswerDescriptor(outs, 1).encode())
-    answer, _ = AnswerDescriptor.decode(BUF, 0, len(BUF))
+    write_answer(BUF, 0, encode_outputs(outs, 1))  # as a worker writes a model's answer
+    answer, _ = decode_answer(BUF, 0, len(BUF))
     return ([(o.name, o.datatype, o.shape, o.offset, o.size, o.in_region) for o in answer.outputs],
             answer.version, answer.params, answer.error)
 

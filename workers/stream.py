@@ -118,7 +118,7 @@ class StreamSender:
             if "tr" in self.entry:  # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
                 now = time.monotonic_ns()
                 trace = (self.entry["tr"], *self.computing, self.output_start or now, now)
-            final = AnswerDescriptor(final=True, responses=self.sent, trace=trace)
+            final = AnswerDescriptor(final=True, responses=self.sent, trace=trace).encode()
             override, extent, off, total = self.answers.write_block(self.entry, final, [])
             end = (override or 200, extent, off, total)
         self._let_go()

@@ -609,7 +609,7 @@ class Worker:
 
     def _answer_error(self, entry: dict, status: int, message: str, refused: bool = False) -> None:
         """Answer an error; ``refused``: before the model ran (shm.answer.refusal)."""
-        self._deliver(entry, status, AnswerDescriptor(error=message, refused=refused), [])
+        self._deliver(entry, status, AnswerDescriptor(error=message, refused=refused).encode(), [])
 
     def _answer(self, entry: dict, resp: Response) -> bool:
         """Deliver one response; False if it carried (or became) an error."""
@@ -617,7 +617,7 @@ class Worker:
         self._deliver(entry, status, answer, tensors)
         return status == 200
 
-    def _deliver(self, entry: dict, status: int, answer: AnswerDescriptor, tensors: list[tuple[int, Any]]) -> None:
+    def _deliver(self, entry: dict, status: int, answer: bytes, tensors: list[tuple[int, Any]]) -> None:
         try:
             client = self._client(entry["client"])
         except (posix_ipc.ExistentialError, ConnectionError):

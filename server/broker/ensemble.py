@@ -40,7 +40,7 @@ from typing import Any
 import posix_ipc
 
 from shmserve.batching import Pending
-from shmserve.shm.answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, write_answer
+from shmserve.shm.answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, decode_answer, write_answer
 from shmserve.shm.arena import free_block
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
@@ -627,6 +627,6 @@ def _step_answer(buf: Any, off: int, end: int) -> tuple[AnswerDescriptor, int]:
     """A step's answer (a worker's block, or a nested ensemble's in our arena), checked: one that
     cannot be read fails the step."""
     try:
-        return AnswerDescriptor.decode(buf, off, end)
+        return decode_answer(buf, off, end)
     except AnswerCorrupt as e:
         return AnswerDescriptor(error=f"its answer is unreadable: {e}"), 0

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmserve.shm.answer import (ALIGN, DATATYPES, AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, refusal,
-                                 write_answer)
+from shmserve.shm.answer import (ALIGN, DATATYPES, AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room,
+                                 decode_answer, refusal, write_answer)
 
 names = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
 shapes = st.lists(st.integers(min_value=-1, max_value=1 << 40), max_size=8).map(tuple)
@@ -37,7 +37,7 @@ def placed(answer: AnswerDescriptor, offset: int = 0) -> tuple[memoryview, int]:
 @given(answers, st.sampled_from([0, 64, 192]))
 def test_every_answer_reads_back_as_written(answer, offset):
     buf, data = placed(answer, offset)
-    got, start = AnswerDescriptor.decode(buf, offset, len(buf))
+    got, start = decode_answer(buf, offset, len(buf))
     assert start == data and start % ALIGN == 0
     assert got == answer
 
@@ -48,7 +48,7 @@ def test_a_typical_answer_reads_back_with_its_tensor_bytes_after_it():
     answer = AnswerDescriptor(outs, 3, {"p": 1}, trace=(1, 2, 3, 4, 5))
     buf, data = placed(answer)
     buf[data:data + 128] = bytes(range(128))
-    got, start = AnswerDescriptor.decode(buf, 0, len(buf))
+    got, start = decode_answer(buf, 0, len(buf))
     assert got == answer and start == data
     assert bytes(buf[start + got.outputs[1].offset:start + 128]) == bytes(range(64, 128))
 
@@ -58,7 +58,7 @@ def test_errors_refusals_stream_ends_and_control_documents_are_answers():
                    AnswerDescriptor.of_document({"ready": True}), AnswerDescriptor.of_document(["a", "b"]),
                    AnswerDescriptor.of_document({"error": "gone"})):
         buf, _ = placed(answer)
-        assert AnswerDescriptor.decode(buf, 0)[0] == answer
+        assert decode_answer(buf, 0)[0] == answer
     assert refusal("no").refused and not AnswerDescriptor(error="x").refused
     assert AnswerDescriptor.of_document({"error": "gone"}).control_document() == {"error": "gone"}
     assert AnswerDescriptor.of_document({"error": "x", "more": 1}).error == "x"
@@ -70,7 +70,7 @@ def test_errors_refusals_stream_ends_and_control_documents_are_answers():
 def test_garbage_reads_as_corrupt_and_nothing_else(junk, offset):
     buf = memoryview(bytearray(offset) + junk)
     try:
-        answer, data = AnswerDescriptor.decode(buf, offset, len(buf))
+        answer, data = decode_answer(buf, offset, len(buf))
     except AnswerCorrupt:
         return
     for o in answer.outputs:  # whatever reads must still lie inside the block
@@ -87,7 +87,7 @@ def test_an_answer_cut_short_or_scribbled_on_reads_as_corrupt_or_in_bounds(answe
         at = data.draw(st.integers(0, len(raw) - 1))
         raw[at] = data.draw(st.integers(0, 255))
     try:
-        got, data_start = AnswerDescriptor.decode(memoryview(raw), 0, end)
+        got, data_start = decode_answer(memoryview(raw), 0, end)
     except AnswerCorrupt:
         return
     for o in got.outputs:
@@ -97,11 +97,11 @@ def test_an_answer_cut_short_or_scribbled_on_reads_as_corrupt_or_in_bounds(answe
 def test_an_output_past_its_block_is_refused_even_when_its_table_was_read_before():
     answer = AnswerDescriptor((OutputTensor("Y", "UINT8", (100,), 0, 100),))
     buf, data = placed(answer)
-    AnswerDescriptor.decode(buf, 0, len(buf))
+    decode_answer(buf, 0, len(buf))
     with pytest.raises(AnswerCorrupt):
-        AnswerDescriptor.decode(buf, 0, data + 99)  # the same table, in a block one byte short
+        decode_answer(buf, 0, data + 99)  # the same table, in a block one byte short
     raw = bytearray(buf)
     struct.pack_into("<H", raw, 4, 2)  # the header claims two outputs; the table holds one
     with pytest.raises(AnswerCorrupt):
-        AnswerDescriptor.decode(memoryview(raw), 0)
+        decode_answer(memoryview(raw), 0)
 
