@@ -4,19 +4,18 @@ binary layout that only this module knows.
 An answer block is the descriptor, then (64-byte aligned) the bytes of the outputs it carries.
 Layout, little-endian:
 
-- header (``_HEADER``, 40 bytes): magic, flags (refused, final, error, document), trace stamp
-  count, output count, the model version served (0: not said), the response count of a stream's
-  end, the total of shape dimensions, and the byte lengths of the names, error, parameters and
-  document areas;
-- one 21-byte record per output (``_RECORD``): data offset (from the data start), size, name
-  length, datatype code (``DATATYPES``), dimension count, in-region flag;
-- the trace stamps and every output's dimensions, int64 each;
-- the names (UTF-8, one after another), the error text (UTF-8), the response parameters (a JSON
-  object, only when there are any) and a control answer's JSON document.
+- header (``_HEADER``, 36 bytes): magic, flags (refused, final, error, document), trace stamp
+  count, output count, the output table's length, the model version served (0: not said), the
+  response count of a stream's end, and the byte lengths of the error, parameters and document;
+- the output table, per output: name length, datatype code (``DATATYPES``), dimension count and
+  in-region flag (``_META``), the name (UTF-8), its dimensions (int64 each), its data offset
+  (from the data start) and size (``_PLACE``);
+- the trace stamps (int64 each), the error text (UTF-8), the response parameters (a JSON object,
+  only when there are any) and a control answer's JSON document.
 
 Answers come from memory another process wrote (a worker may crash, or a model scribble), so
-``decode`` checks every count and length against the end of the block before it reads, and
-raises ``AnswerCorrupt`` for anything no producer writes. Error answers (refusals included) and
+``decode_answer`` checks every count and length against the end of the block before it reads,
+and raises ``AnswerCorrupt`` for anything no producer writes. Error answers (refusals included) and
 the broker's control answers are answers too: an error text, or a JSON document.
 """
 from __future__ import annotations
@@ -30,7 +29,7 @@ ALIGN = 64  # where an answer's tensor data starts
 _PAD = ALIGN - 1
 _MAGIC = 0x4E41  # "AN"
 # magic, flags, trace stamps, outputs, table bytes, version, responses, error, params, document bytes
-_HEADER = struct.Struct("<HBBHIqIIII")
+_HEADER = struct.Struct("<HBBIIqIIII")
 _HEADER_SIZE = _HEADER.size
 _unpack_header = _HEADER.unpack_from
 _pack_header = _HEADER.pack
@@ -51,7 +50,7 @@ _CODES = {name: code for code, name in enumerate(DATATYPES)}
 # the same table for every request, whatever its inputs, and it is then read without a loop in
 # Python. Bounded: emptied when full.
 _TABLES_MAX = 256
-_decoded: dict[bytes, tuple["OutputTensor", ...]] = {}
+_decoded: dict[bytes, tuple[tuple["OutputTensor", ...], int]] = {}
 _encoded: dict[tuple, bytes] = {}
 
 
@@ -114,7 +113,7 @@ class AnswerDescriptor(NamedTuple):
         error_raw = b""
         if error is not None:
             flags |= _ERROR
-            error_raw = error.encode()
+            error_raw = error.encode(errors="replace")
         params_raw = orjson.dumps(params) if params else b""
         document_raw = b""
         if document is not None:
@@ -210,7 +209,7 @@ def _table(outputs: Any) -> bytes:
         return raw
     parts = []
     for name, datatype, shape, offset, size, in_region in outputs:
-        encoded = name.encode()
+        encoded = name.encode(errors="replace")
         parts += (_META.pack(len(encoded), _CODES[datatype], len(shape), in_region), encoded,
                   struct.pack(f"<{len(shape)}q", *shape), _PLACE.pack(offset, size))
     raw = b"".join(parts)

@@ -101,7 +101,16 @@ def test_an_output_past_its_block_is_refused_even_when_its_table_was_read_before
     with pytest.raises(AnswerCorrupt):
         decode_answer(buf, 0, data + 99)  # the same table, in a block one byte short
     raw = bytearray(buf)
-    struct.pack_into("<H", raw, 4, 2)  # the header claims two outputs; the table holds one
+    struct.pack_into("<I", raw, 4, 2)  # the header claims two outputs; the table holds one
     with pytest.raises(AnswerCorrupt):
         decode_answer(memoryview(raw), 0)
 
+
+
+def test_text_that_is_not_utf8_encodable_is_replaced_not_raised():
+    """An error text or output name may carry lone surrogates (a file name decoded with
+    surrogateescape): the worker must still answer."""
+    answer = AnswerDescriptor((OutputTensor("out\udcff", "BYTES", (1,), 0, 5),), error="bad \udcff")
+    buf, _ = placed(answer)
+    got, _ = decode_answer(buf, 0)
+    assert got.error == "bad ?" and got.outputs[0].name == "out?"
