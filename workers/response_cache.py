@@ -74,8 +74,11 @@ class ResponseCache:
 
     def lookup(self, key: bytes) -> Response | None:
         payload = self.store.lookup(key)
-        entry = cache_entry.unpack(payload) if payload is not None else None
-        if entry is None:
+        if payload is None:
+            return None
+        entry = cache_entry.unpack(payload)
+        if entry is None:  # not an answer (the cache lies in memory every worker writes): a miss
+            self.store.forget(key)
             return None
         stored, parameters = entry
         return Response(outputs={name: from_buffer(data, datatype, shape) for name, datatype, shape, data in stored},

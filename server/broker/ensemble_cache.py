@@ -49,8 +49,11 @@ class EnsembleCache:
         """The stored outputs in the order of ``names`` (requests that name the same outputs in
         another order share the key), as views of a copy of the entry; None on a miss."""
         payload = self.store.lookup(key, wait=0)  # the broker's loop serves everyone: a taken lock is a miss
-        entry = cache_entry.unpack(payload) if payload is not None else None
-        if entry is None:
+        if payload is None:
+            return None
+        entry = cache_entry.unpack(payload)
+        if entry is None:  # not an answer (the cache lies in memory every worker writes): a miss
+            self.store.forget(key, wait=0)
             return None
         stored = {output[0]: output for output in entry[0]}
         return [stored[name] for name in names] if stored.keys() == set(names) else None
