@@ -14,9 +14,10 @@ cut to 16 bytes: a client cannot make two requests collide and so place an answe
 request's key. Requests with inputs in CUDA regions and streamed requests have no key (not
 cached, as in Triton).
 
-A stored answer is a manifest ``{"o": [[name, datatype, shape, offset, size], ...], "p":
-parameters}`` followed by each output's bytes in the wire layout (BYTES as 4-byte lengths and
-bytes), each starting on an 8-byte boundary so numpy reads it in place.
+A stored answer is an answer descriptor (shm/answer.py: the outputs and the response's
+parameters) followed by each output's bytes in the wire layout (BYTES as 4-byte lengths and
+bytes), each starting on an 8-byte boundary so numpy reads it in place. A payload that does not
+read as one (the cache lives in memory every worker writes) is a miss.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Any
 import orjson
 import posix_ipc
 
-from .protocol import manifest_room, read_manifest_with_data
+from .answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, decode_answer
 from .segment import SegmentCache
 
 _ALIGN = 8
@@ -66,29 +67,31 @@ class RequestKeys:
 
 def pack(outputs: list[Output], parameters: dict | None) -> tuple[list, int]:
     """A stored answer as the parts ``CacheStore.insert`` copies in turn, and their length."""
-    described, chunks, pos = [], [], 0
+    described: list[OutputTensor] = []
+    chunks: list[Any] = []
+    pos = 0
     for name, datatype, shape, data in outputs:
         pad = -pos % _ALIGN
         if pad:
             chunks.append(bytes(pad))
             pos += pad
         size = len(data)
-        described.append([name, datatype, list(shape), pos, size])
+        described.append(OutputTensor(name, datatype, tuple(shape), pos, size))
         chunks.append(data)
         pos += size
-    doc: dict[str, Any] = {"o": described}
-    if parameters:
-        doc["p"] = parameters
-    raw = orjson.dumps(doc)
-    room = manifest_room(len(raw))
-    head = len(raw).to_bytes(4, "little") + raw.ljust(room - 4, b"\0")  # read_manifest's layout
-    return [head, *chunks], room + pos
+    raw = AnswerDescriptor(described, params=parameters or None).encode()
+    room = answer_room(len(raw))
+    return [raw.ljust(room, b"\0"), *chunks], room + pos
 
 
-def unpack(payload: bytes) -> tuple[list[Output], dict | None]:
-    """A stored answer's outputs (their bytes as views of ``payload``) and response parameters."""
+def unpack(payload: bytes) -> tuple[list[Output], dict | None] | None:
+    """A stored answer's outputs (their bytes as views of ``payload``) and response parameters;
+    None when the payload holds no answer."""
     view = memoryview(payload)
-    doc, start = read_manifest_with_data(view, 0)
-    outputs = [(name, datatype, shape, view[start + off:start + off + size])
-               for name, datatype, shape, off, size in doc["o"]]
-    return outputs, doc.get("p")
+    try:
+        answer, start = decode_answer(view, 0, len(view))
+    except AnswerCorrupt:
+        return None
+    outputs = [(o.name, o.datatype, list(o.shape), view[start + o.offset:start + o.offset + o.size])
+               for o in answer.outputs]
+    return outputs, answer.params

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .answer import AnswerDescriptor
 from .completion import Answer, Completion
 from .connection import DEFAULT_POLL_US, Backpressure, Connection, ServerUnavailable
 from .descriptor import SEQUENCE_END, SEQUENCE_START, InferRequest, InputTensor, RequestedOutput
@@ -88,18 +89,17 @@ class Client:
         return fut
 
     @staticmethod
-    def _check(completion: Completion) -> dict:
-        """The answer's document, or its error raised."""
-        doc = completion.doc()
+    def _check(completion: Completion) -> AnswerDescriptor:
+        """The answer, or its error raised."""
+        answer = completion.answer
         if completion.status != 200:
-            raise InferenceServerError(completion.status, doc.get("error", "request failed")
-                                       if isinstance(doc, dict) else "request failed")
-        return doc
+            raise InferenceServerError(completion.status, answer.error or "request failed")
+        return answer
 
     def _control(self, doc: dict) -> Any:
         def convert(c: Completion) -> Any:
             try:
-                return self._check(c)
+                return self._check(c).control_document()
             finally:
                 c.release()
 
@@ -255,24 +255,26 @@ class Client:
         return box["start"]
 
     def _result(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
-        doc = self._check(completion)
+        answer = self._check(completion)
         arrays: dict[str, np.ndarray] = {}
         kept: set[str] = set()
         own = self._conn.seg.seg.buf
-        for o in doc.get("outputs", ()):
-            name, datatype, shape = o["name"], o["datatype"], o["shape"]
+        for o in answer.outputs:
+            name, datatype, shape = o.name, o.datatype, o.shape
             if name in plan.given:
                 arrays[name] = plan.given[name]
                 continue
-            if o.get("region"):
+            if o.in_region:
+                if name not in plan.reserved:
+                    raise InferenceServerError(500, f"the server placed output '{name}' where none was reserved")
                 at = start + plan.reserved[name]
-                view = own[at:at + o["size"]]
+                view = own[at:at + o.size]
             else:
                 view = completion.tensor(o)
             arrays[name] = from_buffer(view, datatype, shape)
             if datatype != "BYTES":  # BYTES outputs are copies of their own
                 kept.add(name)
-        return InferResult(completion, doc, arrays, frozenset(kept))
+        return InferResult(completion, answer, arrays, frozenset(kept))
 
     def _read(self, completion: Completion, plan: _Plan, start: int) -> InferResult:
         """A synchronous call's result (its blocks given back if reading it fails)."""

@@ -1,16 +1,16 @@
 """One answer as a connection's owner receives it, and the callback a synchronous caller waits on.
 
-A completion points at a block in its producer's arena (a worker's or the broker's): a small
-JSON document, then the outputs' bytes. The owner reads what it needs and calls ``release``,
-which frees that block together with the request's own block in the owner's arena.
+A completion points at a block in its producer's arena (a worker's or the broker's): an answer
+descriptor (shm/answer.py), then the outputs' bytes. The owner reads what it needs and calls
+``release``, which frees that block together with the request's own block in the owner's arena.
 """
 from __future__ import annotations
 
 import threading
 from typing import Any, Callable
 
+from .answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, decode_answer
 from .arena import free_block
-from .protocol import read_manifest_with_data
 
 
 class Completion:
@@ -18,30 +18,38 @@ class Completion:
     with the request's own block (outputs the server wrote into room reserved there live on
     until then)."""
 
-    __slots__ = ("status", "buf", "offset", "_doc", "_data", "_request")
+    __slots__ = ("status", "buf", "offset", "end", "_answer", "_data", "_request")
 
-    def __init__(self, status: int, buf: memoryview | None, offset: int, doc: Any = None,
-                 request: tuple[memoryview, int] | None = None) -> None:
+    def __init__(self, status: int, buf: memoryview | None, offset: int, answer: AnswerDescriptor | None = None,
+                 request: tuple[memoryview, int] | None = None, end: int | None = None) -> None:
         self.status = status
         self.buf = buf
         self.offset = offset
-        self._doc = doc
+        self.end = end  # where the block ends (None: the mapping's end)
+        self._answer = answer
         self._data = 0
         self._request = request
 
-    def doc(self) -> Any:
-        """The answer's JSON document: an object, or a list for some control answers."""
-        if self._doc is None:
+    @property
+    def answer(self) -> AnswerDescriptor:
+        """The answer, read once (bounds-checked: a block that holds no answer reads as a 500)."""
+        answer = self._answer
+        if answer is None:
             assert self.buf is not None
-            self._doc, self._data = read_manifest_with_data(self.buf, self.offset)
-        return self._doc
+            try:
+                answer, self._data = decode_answer(self.buf, self.offset, self.end)
+            except AnswerCorrupt as e:
+                self.status = 500
+                answer = AnswerDescriptor(error=f"the server's answer is unreadable: {e}")
+            self._answer = answer
+        return answer
 
-    def tensor(self, desc: dict) -> memoryview:
-        """The bytes of an output the response carries (a view: valid until ``release``)."""
-        self.doc()
+    def tensor(self, output: OutputTensor) -> memoryview:
+        """The bytes of an output the answer carries (a view: valid until ``release``)."""
+        self.answer
         assert self.buf is not None
-        start = self._data + desc["off"]
-        return self.buf[start:start + desc["size"]]
+        start = self._data + output.offset
+        return self.buf[start:start + output.size]
 
     def release(self) -> None:
         try:

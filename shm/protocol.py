@@ -1,7 +1,8 @@
 """Fixed layouts of the records that move between processes, and the codes they carry.
 
-Records are tiny: they point at a *manifest* (a block holding a small JSON document followed by
-tensor bytes) by segment and offset. Tensor bytes themselves never travel in a record.
+Records are tiny: they point at a block by segment and offset: a request's *manifest* (a small
+JSON document followed by tensor bytes), or an answer (shm/answer.py). Tensor bytes themselves
+never travel in a record.
 """
 from __future__ import annotations
 
@@ -40,18 +41,6 @@ CANCELLED_STATUS = 400
 
 def cancelled_error(request_id: str = "") -> str:
     return f"[request id: {request_id or '<id_unknown>'}] Request was cancelled"
-
-
-# An error answer's document: {ERROR: text}, with REFUSED: true when the request was refused
-# before its model ran (Triton's InferAsync failing): generate_stream answers such an error as a
-# plain JSON error, and one from a model that ran as an event of its stream, as Triton does.
-ERROR = "error"
-REFUSED = "refused"
-
-
-def refusal(message: str) -> dict[str, object]:
-    """The answer document of a request refused before its model ran."""
-    return {ERROR: message, REFUSED: True}
 
 
 # Kinds of records on a worker's inbox (broker -> worker).

@@ -179,6 +179,19 @@ class CacheStore:
         finally:
             self._unlock()
 
+    def forget(self, key: bytes, wait: float = LOCK_WAIT_S) -> None:
+        """Drop ``key`` from the index (its payload did not read as an answer: the next answer
+        stored under it replaces it); its bytes stay in the log until the log passes them."""
+        k0, k1 = _KEY.unpack(key)
+        if not self._lock(wait):
+            return
+        try:
+            off, slot = self._find(k0, k1)
+            if off >= 0:
+                self._delete(slot)
+        finally:
+            self._unlock()
+
     # -- the log and the index (lock held) --------------------------------------------------------
     def _find(self, k0: int, k1: int) -> tuple[int, int]:
         """(offset in the log, index slot) of the entry of this digest; (-1, free slot) if none."""

@@ -8,6 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .answer import AnswerDescriptor
 from .completion import Completion
 
 
@@ -34,11 +35,11 @@ class InferResult(Mapping[str, np.ndarray]):
     themselves: a cycle would leave each result to the cyclic GC, and one result stuck in an old
     generation stalls the FIFO arena behind it (the client then runs out of room)."""
 
-    def __init__(self, completion: Completion, doc: dict, outputs: dict[str, np.ndarray],
+    def __init__(self, completion: Completion, answer: AnswerDescriptor, outputs: dict[str, np.ndarray],
                  kept: frozenset[str] = frozenset()) -> None:
         self._completion: Completion | None = completion
-        self.model_version = str(doc.get("version", ""))
-        self.parameters = dict(doc.get("params") or {})
+        self.model_version = str(answer.version or "")
+        self.parameters = dict(answer.params or {})
         self._outputs = outputs  # raw views into shm (or arrays of their own: BYTES, caller regions)
         self._kept = kept  # names whose arrays must keep this result alive
         self._handed: weakref.WeakValueDictionary[str, np.ndarray] | None = None  # made on first use

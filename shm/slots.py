@@ -16,6 +16,7 @@ import threading
 import numpy as np
 import posix_ipc
 
+from .answer import AnswerDescriptor
 from .channel import ClientSegment
 from .completion import Callback, Completion
 from .extents import map_extent
@@ -140,7 +141,7 @@ class Slots:
             self._streams.clear()
         for _, (callback, req_off) in pending:
             try:
-                callback(Completion(503, None, 0, {"error": msg}, request=(self.seg.seg.buf, req_off)))
+                callback(Completion(503, None, 0, AnswerDescriptor.failure(msg), request=(self.seg.seg.buf, req_off)))
             except Exception:  # noqa: BLE001
                 log.exception("completion callback failed")
 
@@ -195,7 +196,7 @@ class Slots:
                 buf = self._producer_buf(word & ROLE_MASK, num, word >> EXTENT_SHIFT)
                 if not 0 < off <= off + length <= len(buf):
                     continue  # not a block of that mapping: nothing to read, nothing to free
-                completion = Completion(status, buf, off)
+                completion = Completion(status, buf, off, end=off + length)
             except (posix_ipc.ExistentialError, KeyError, OSError):
                 continue
             try:
@@ -226,11 +227,11 @@ class Slots:
                 buf = self._producer_buf(role & ROLE_MASK, num, role >> EXTENT_SHIFT)
                 if off + length > len(buf):
                     raise OSError(f"the answer's block ({off}+{length}) lies outside its segment ({len(buf)})")
-                completion = Completion(status, buf, off, request=request)
+                completion = Completion(status, buf, off, request=request, end=off + length)
             else:  # no block (0 is never a block's offset): its producer had no room, not even for an error
-                completion = Completion(status, None, 0, {"error": NO_ROOM}, request=request)
+                completion = Completion(status, None, 0, AnswerDescriptor.failure(NO_ROOM), request=request)
         except (posix_ipc.ExistentialError, KeyError, OSError):
-            completion = Completion(500, None, 0, {"error": "the response was lost: its producer is gone"},
+            completion = Completion(500, None, 0, AnswerDescriptor.failure("the response was lost: its producer is gone"),
                                     request=request)
         try:
             callback(completion)

@@ -274,7 +274,7 @@ def test_descriptors_with_extreme_queue_fields_harm_nothing(server, model):
             done = threading.Event()
 
             def answered(c, answers=answers, done=done) -> None:
-                answers.append((c.status, c.doc()))
+                answers.append((c.status, c.answer))
                 c.release()
                 done.set()
 

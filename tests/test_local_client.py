@@ -26,6 +26,7 @@ import pytest
 from conftest import (DEADLINE_S, PYTHON, ROOT, cpu_ticks, pending_requests, processes_mapping, raw_request,
                       shm_entries, shm_names, start_shm_server, wait_pending)
 from gates import Gate
+from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
 from shmserve.shm.descriptor import InferRequest, InputTensor
 from shmserve.shm.protocol import NO_ROOM
@@ -349,13 +350,13 @@ def test_send_times_a_local_program_writes_are_checked(client, lc_server):
     conn = client._conn  # noqa: SLF001 - raw descriptors, to send what the library never would
     x = np.arange(4, dtype=np.int32)
 
-    def send(t: int) -> tuple[int, dict]:
+    def send(t: int) -> tuple[int, AnswerDescriptor]:
         doc = InferRequest("meta_echo", "", [InputTensor("X", "INT32", [4], 16, 0)], sent_ns=t)
         answers: list = []
         done = threading.Event()
 
         def answered(c) -> None:
-            answers.append((c.status, c.doc()))
+            answers.append((c.status, c.answer))
             c.release()
             done.set()
 
@@ -475,11 +476,11 @@ def test_regions_change_under_a_connected_client(client, lc_server):
                                            InputTensor("INPUT1", "INT32", [N], B.nbytes, 0)])
         done = threading.Event()
 
-        def call() -> dict:
+        def call() -> tuple:
             done.clear()
             def answered(c) -> None:
-                body = c.doc()
-                data = bytes(c.tensor(body["outputs"][0])) if c.status == 200 else b""
+                body = c.answer
+                data = bytes(c.tensor(body.outputs[0])) if c.status == 200 else b""
                 answers.append((c.status, body, data))
                 c.release()
                 done.set()
@@ -492,11 +493,11 @@ def test_regions_change_under_a_connected_client(client, lc_server):
         assert status == 200 and np.frombuffer(data, np.int32).tolist() == (x + B).tolist(), body
         doc.inputs[0].offset = 224  # 224 + 64 bytes overrun the 256-byte region
         status, body, _ = call()
-        assert status == 400 and "Invalid offset + byte size for shared memory region: 'lc_shared'" in body["error"]
+        assert status == 400 and "Invalid offset + byte size for shared memory region: 'lc_shared'" in body.error
         doc.inputs[0].offset = 0
         other.unregister_region("lc_shared")
         status, body, _ = call()
-        assert status == 400 and body["error"] == "Unable to find shared memory region: 'lc_shared'"
+        assert status == 400 and body.error == "Unable to find shared memory region: 'lc_shared'"
 
 
 def test_outputs_go_into_the_callers_region(client, lc_server):
@@ -1016,7 +1017,7 @@ def test_a_worker_with_no_room_even_for_an_error_still_answers(server_factory):
     without a block, which the client reads as NO_ROOM; before, the request was dropped and its
     caller waited forever. The same for a stream whose first response fills the arena."""
     server = start_shm_server(server_factory, ["--worker-arena-mb", "1", "--load-model", "word_stream"])
-    tiny = np.array([b"x"], dtype=object)
+    tiny = np.array([b"x" * 300], dtype=object)  # its answer takes more room than its 503 would
     outcomes = set()
     with Client(server.id) as c:
         for size in range((1 << 20) - 1000, (1 << 20) - 200, 8):
@@ -1033,7 +1034,7 @@ def test_a_worker_with_no_room_even_for_an_error_still_answers(server_factory):
 
         outcomes.clear()
         for size in range((1 << 20) - 1000, (1 << 20) - 200, 8):
-            text = np.array([b"a" * size + b" b"], dtype=object)
+            text = np.array([b"a" * size + b" " + b"b" * 300], dtype=object)
             held = []
             try:
                 for result in c.stream("word_stream", {"text_input": text}, wait_s=DEADLINE_S):

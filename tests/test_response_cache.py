@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import mmap
 import os
 import signal
 import urllib.request
@@ -25,7 +26,9 @@ from tritonclient.utils import InferenceServerException
 from conftest import DEADLINE_S, TESTS, processes_mapping, shm_names, wait_until
 from gates import Gate
 from shmserve import Client
+from shmserve.shm.answer import AnswerCorrupt, decode_answer
 from shmserve.shm.liveness import process_ticket
+from shmserve.shm.names import object_name
 from shmserve.server.cli import parse_args
 from test_shared_memory import Regions
 
@@ -101,6 +104,40 @@ def test_a_hit_answers_without_running_the_model(cache_server):
     # As Triton counts: both succeeded, one ran (one inference, one execution), one hit, one miss.
     assert delta(before, counts(cache_server, "cached")) == \
         {"executions": 1, "inferences": 1, "success": 2, "hits": 1, "misses": 1}
+
+
+def test_a_stored_answer_scribbled_on_is_a_miss_and_the_model_runs(cache_server):
+    """The cache lies in memory every worker writes. An entry whose stored answer no longer reads
+    (here its descriptor, after its first two bytes, overwritten) is a miss: the model runs and answers,
+    and the next identical request is a hit again. Before, the worker parsed whatever was there."""
+    x = fresh()
+    first = infer(cache_server, "cached", x)
+    y = first.as_numpy("Y").tobytes()
+    with open(f"/dev/shm/{object_name(cache_server.id, 'cache', 0)}", "r+b") as f, \
+            mmap.mmap(f.fileno(), 0) as mm:
+        view = memoryview(mm)
+        try:
+            at = mm.find(y)
+            starts = [i for i in range(max(0, at - 512), at)  # the answer whose data starts with Y
+                      if _data_start(view, i) == at]
+            assert at > 0 and len(starts) == 1, (at, starts)
+            view[starts[0] + 2:_data_start(view, starts[0])] = b"\xff" * (_data_start(view, starts[0]) - starts[0] - 2)
+        finally:
+            view.release()
+    before = counts(cache_server, "cached")
+    again = infer(cache_server, "cached", x)
+    np.testing.assert_array_equal(again.as_numpy("Y"), x * 2)
+    third = infer(cache_server, "cached", x)
+    np.testing.assert_array_equal(third.as_numpy("Z"), first.as_numpy("Z"))
+    assert delta(before, counts(cache_server, "cached")) == \
+        {"executions": 1, "inferences": 1, "success": 2, "hits": 1, "misses": 1}
+
+
+def _data_start(view: memoryview, offset: int) -> int | None:
+    try:
+        return decode_answer(view, offset, offset + 512)[1]
+    except AnswerCorrupt:
+        return None
 
 
 def test_other_bytes_shape_or_outputs_miss(cache_server):

@@ -26,6 +26,7 @@ import pytest
 from conftest import (DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, SHM_MODELS, TESTS, pending_requests, wait_pending,
                       wait_until)
 from gates import Gate
+from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.client import Client, InferenceServerError, ServerUnavailable
 from shmserve.shm.names import object_name
 from shmserve.shm.descriptor import InferRequest, InputTensor
@@ -257,13 +258,13 @@ def test_sequence_fields_a_program_writes_are_typed(server):
     with Client(server.id) as client:
         conn = client._conn  # noqa: SLF001 - raw descriptors, to send what the library never would
 
-        def send(fields: dict) -> tuple[int, dict]:
+        def send(fields: dict) -> tuple[int, AnswerDescriptor]:
             doc = InferRequest("running_sum", "", [InputTensor("VALUE", "FP32", [1, 1], 4, 0)], **fields)
             answers: list = []
             done = threading.Event()
 
             def answered(c) -> None:
-                answers.append((c.status, c.doc()))
+                answers.append((c.status, c.answer))
                 c.release()
                 done.set()
 

@@ -1,6 +1,6 @@
-"""A worker's answers: a model's response encoded as a JSON document and output bytes, written as
-a block into the worker's own arena (or into the region the client named), and the client's
-slot completed.
+"""A worker's answers: a model's response encoded as an answer descriptor (shm/answer.py) and
+output bytes, written as a block into the worker's own arena (or into the region the client
+named), and the client's slot completed.
 
 Completions wait until the round's counters are flushed (``send_completions``), so a client that
 sees its answer also sees it counted in the metrics, and each client is woken once per round
@@ -13,13 +13,13 @@ import logging
 import time
 from typing import Any, Callable
 
-import orjson
 import posix_ipc
 
+from shmserve.shm.answer import AnswerDescriptor, OutputTensor, answer_room, encode_outputs, write_answer
 from shmserve.shm.channel import NOTIFY_BROKER, ClientSegment
 from shmserve.shm.copying import copy_into
 from shmserve.shm.extents import GrowthRefused, OutputArenas
-from shmserve.shm.protocol import ROLE_WORKER, manifest_room, role_word, write_manifest
+from shmserve.shm.protocol import ROLE_WORKER, role_word
 from shmserve.shm.region_io import StaleRegion
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import byte_view, serialize_bytes, wire_datatype
@@ -64,11 +64,11 @@ class Answers:
         self._notes: list[tuple[ClientSegment, int, int, int, int, int]] = []
         self._later: list[Callable[[], None]] = []  # streams' ends that wait for the round's completions
 
-    def deliver(self, client: ClientSegment, entry: dict, status: int, doc: bytes, tensors: list[tuple[int, Any]]
-                ) -> None:
-        """Write one response block (JSON, then tensor bytes); its client hears of it in
-        ``send_completions``."""
-        override, extent, off, total = self.write_block(entry, doc, tensors)
+    def deliver(self, client: ClientSegment, entry: dict, status: int, answer: bytes,
+                tensors: list[tuple[int, Any]]) -> None:
+        """Write one response block (the encoded answer, then tensor bytes); its client hears of it
+        in ``send_completions``."""
+        override, extent, off, total = self.write_block(entry, answer, tensors)
         self._notes.append((client, entry["slot"], override or status, extent, off, total))
 
     def later(self, send: Callable[[], None]) -> None:
@@ -92,15 +92,17 @@ class Answers:
         self.arena.tidy()  # a retired extent whose answers were all read is unlinked
 
     def encode(self, entry: dict, resp: Response) -> tuple[int, bytes, list[tuple[int, Any]]]:
-        """(status, JSON, tensor chunks) of a response; outputs placed in regions are written now."""
+        """(status, encoded answer, tensor chunks) of a response; outputs placed in regions are
+        written now."""
         if resp.error is not None:
-            return resp.status, orjson.dumps({"error": resp.error}), []
+            return resp.status, AnswerDescriptor(error=resp.error).encode(), []
         model = self.model
         wanted = entry.get("outputs")
         names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
         placed = {o["name"]: o for o in wanted or () if "seg" in o or "cuda" in o}
         classes = {o["name"]: o["class"] for o in wanted if "class" in o} if wanted else {}
-        outs, tensors, pos = [], [], 0
+        outs: list[OutputTensor] = []
+        tensors, pos = [], 0
         try:
             for name in names:
                 if name not in resp.outputs:
@@ -112,8 +114,8 @@ class Answers:
                 if device_tensors.is_tensor(arr):  # a GPU model's output (or a bfloat16 one)
                     if target is not None and "cuda" in target and name not in classes:
                         self._place_on_device(name, target, arr)
-                        outs.append({"name": name, "datatype": device_tensors.wire_datatype(arr),
-                                     "shape": list(arr.shape), "size": device_tensors.nbytes(arr), "region": True})
+                        outs.append(OutputTensor(name, device_tensors.wire_datatype(arr), tuple(arr.shape), 0,
+                                                 device_tensors.nbytes(arr), True))
                         continue
                     arr = device_tensors.host_array(arr)
                 if name in classes:
@@ -121,26 +123,22 @@ class Answers:
                 datatype = wire_datatype(arr)
                 data = serialize_bytes(arr) if datatype == "BYTES" else byte_view(arr)
                 n = len(data)
-                desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape), "size": n}
                 if target is not None:
                     self._place(name, target, data)
-                    desc["region"] = True
+                    outs.append(OutputTensor(name, datatype, arr.shape, 0, n, True))
                 else:
-                    desc["off"] = pos
+                    outs.append(OutputTensor(name, datatype, arr.shape, pos, n))
                     tensors.append((n, data))
                     pos += n
-                outs.append(desc)
         except (RequestError, ValueError, TypeError, RuntimeError, OSError, posix_ipc.Error) as e:
             # OSError/posix_ipc: the segment to write into is gone (its client died): nobody to tell.
             status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion, ClassificationError)) else 500
-            return status, orjson.dumps({"error": str(e)}), []
-        doc: dict[str, Any] = {"version": model.version, "outputs": outs}
-        if resp.parameters:
-            doc["params"] = resp.parameters
+            return status, AnswerDescriptor(error=str(e)).encode(), []
+        trace: tuple[int, ...] = ()
         if "tr" in entry and "stream" not in entry:  # traced (a stream's final answer times it: stream.py):
             # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
-            doc["tr"] = [entry["tr"], *self.phases, time.monotonic_ns()]
-        return 200, orjson.dumps(doc), tensors
+            trace = (entry["tr"], *self.phases, time.monotonic_ns())
+        return 200, encode_outputs(outs, model.version, resp.parameters or None, trace), tensors
 
     def _place(self, name: str, target: dict, data: Any) -> None:
         """Write an output into the region (or device memory) the client named for it."""
@@ -161,12 +159,12 @@ class Answers:
         ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
         device_tensors.copy_to_region(t, ptr + target["off"], target["device"])
 
-    def write_block(self, entry: dict, doc: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int, int]:
+    def write_block(self, entry: dict, raw: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int, int]:
         """(status override or 0, extent, offset, length) of a response block in our arena, which
         grows for a response that does not fit (shm/extents.py); (503, 0, 0, 0) if not even an
         error fits: the slot is completed without a block, which its client reads as
         ``shm.protocol.NO_ROOM`` (no request is left unanswered)."""
-        room = manifest_room(len(doc))
+        room = answer_room(len(raw))
         total = room + sum(n for n, _ in tensors)
         status = 0
         try:
@@ -178,10 +176,11 @@ class Answers:
         else:
             refused = ""
         if off < 0:
-            doc = orjson.dumps({"error": refused or f"model instance '{self.model.instance_name}' has no room "
-                                                    f"for a {total}-byte response in its output arena; retry later"})
+            raw = AnswerDescriptor(error=refused or f"model instance '{self.model.instance_name}' has no room "
+                                                   f"for a {total}-byte response in its output arena; retry later"
+                                   ).encode()
             status, tensors = 503, []
-            total = manifest_room(len(doc))
+            total = answer_room(len(raw))
             try:
                 extent, off = self.arena.alloc(total, entry["ticket"])
             except GrowthRefused:
@@ -190,7 +189,7 @@ class Answers:
                 log.error("output arena exhausted; request %s answered 503 without a block", entry.get("id"))
                 return 503, 0, 0, 0
         buf = self.arena.buf(extent)
-        pos = write_manifest(buf, off, doc)
+        pos = write_answer(buf, off, raw)
         for n, data in tensors:
             copy_into(buf[pos:pos + n], data)
             pos += n

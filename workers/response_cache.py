@@ -76,7 +76,11 @@ class ResponseCache:
         payload = self.store.lookup(key)
         if payload is None:
             return None
-        stored, parameters = cache_entry.unpack(payload)
+        entry = cache_entry.unpack(payload)
+        if entry is None:  # not an answer (the cache lies in memory every worker writes): a miss
+            self.store.forget(key)
+            return None
+        stored, parameters = entry
         return Response(outputs={name: from_buffer(data, datatype, shape) for name, datatype, shape, data in stored},
                         parameters=parameters)
 

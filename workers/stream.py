@@ -15,8 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
-import orjson
-
+from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.channel import ClientSegment
 from shmserve.shm.protocol import RECORD, ROLE_WORKER, STREAM_CAPACITY, role_word
 from shmserve.shm.ring import Ring
@@ -65,8 +64,8 @@ class StreamSender:
             if response is not None:
                 if not self.output_start and "tr" in self.entry:
                     self.output_start = time.monotonic_ns()
-                status, doc, tensors = self.answers.encode(self.entry, response)
-                override, extent, off, total = self.answers.write_block(self.entry, doc, tensors)
+                status, answer, tensors = self.answers.encode(self.entry, response)
+                override, extent, off, total = self.answers.write_block(self.entry, answer, tensors)
                 status = override or status
                 self.failed |= status != 200
                 if off > 0:
@@ -115,12 +114,12 @@ class StreamSender:
         if self.dropped:  # the client reads shm.protocol.NO_ROOM
             end: Block = (503, 0, 0, 0)
         else:
-            final: dict = {"final": True, "responses": self.sent}
+            trace: tuple[int, ...] = ()
             if "tr" in self.entry:  # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
                 now = time.monotonic_ns()
-                final["tr"] = [self.entry["tr"], *self.computing, self.output_start or now, now]
-            doc = orjson.dumps(final)
-            override, extent, off, total = self.answers.write_block(self.entry, doc, [])
+                trace = (self.entry["tr"], *self.computing, self.output_start or now, now)
+            final = AnswerDescriptor(final=True, responses=self.sent, trace=trace).encode()
+            override, extent, off, total = self.answers.write_block(self.entry, final, [])
             end = (override or 200, extent, off, total)
         self._let_go()
         # A request the broker forwarded that ends inside ``execute``, on the worker's loop, ends

@@ -24,12 +24,13 @@ import posix_ipc
 
 from shmserve.batching import DynamicBatcher, Pending, QueueFull, batches_on_worker
 from shmserve.shm import liveness, logs
+from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.arena import Arena, free_block
 from shmserve.shm.channel import REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
 from shmserve.shm.extents import OutputArenas
 from shmserve.shm.names import object_name, pid_alive
 from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
-    W_CHECK_READY, W_STOP, cancelled_error, read_manifest, refusal
+    W_CHECK_READY, W_STOP, cancelled_error, read_manifest
 from shmserve.shm.region_table import RegionTable
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_request
@@ -613,21 +614,21 @@ class Worker:
         return client
 
     def _answer_error(self, entry: dict, status: int, message: str, refused: bool = False) -> None:
-        """Answer an error; ``refused``: before the model ran (shm.protocol.refusal)."""
-        self._deliver(entry, status, orjson.dumps(refusal(message) if refused else {"error": message}), [])
+        """Answer an error; ``refused``: before the model ran (shm.answer.refusal)."""
+        self._deliver(entry, status, AnswerDescriptor(error=message, refused=refused).encode(), [])
 
     def _answer(self, entry: dict, resp: Response) -> bool:
         """Deliver one response; False if it carried (or became) an error."""
-        status, doc, tensors = self.answers.encode(entry, resp)
-        self._deliver(entry, status, doc, tensors)
+        status, answer, tensors = self.answers.encode(entry, resp)
+        self._deliver(entry, status, answer, tensors)
         return status == 200
 
-    def _deliver(self, entry: dict, status: int, doc: bytes, tensors: list[tuple[int, Any]]) -> None:
+    def _deliver(self, entry: dict, status: int, answer: bytes, tensors: list[tuple[int, Any]]) -> None:
         try:
             client = self._client(entry["client"])
         except (posix_ipc.ExistentialError, ConnectionError):
             return  # the client is gone; nothing to answer
-        self.answers.deliver(client, entry, status, doc, tensors)
+        self.answers.deliver(client, entry, status, answer, tensors)
 
     def close(self) -> None:
         try:

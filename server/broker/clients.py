@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import orjson
 import posix_ipc
 
 from shmserve.batching import Pending
+from shmserve.shm.answer import AnswerDescriptor, answer_room, write_answer
 from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment, pid_namespace
 from shmserve.shm.liveness import Tickets
-from shmserve.shm.protocol import ROLE_BROKER, SLOT_PENDING, manifest_room, write_manifest
+from shmserve.shm.protocol import ROLE_BROKER, SLOT_PENDING
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import Fault, Garbage, check_connect, client_name_pattern
 
@@ -123,16 +123,19 @@ class Clients:
                 del self.quarantined[lane]
                 self.lanes[lane] = None
 
-    def reply(self, client: Client, slot: int, status: int, doc: Any) -> None:
-        """Answer a client from the broker's own arena (control replies and early errors)."""
-        data = orjson.dumps(doc)
-        room = manifest_room(len(data))
+    def reply(self, client: Client, slot: int, status: int, answer: AnswerDescriptor | Any) -> None:
+        """Answer a client from the broker's own arena: an answer (early errors and refusals), or
+        a control request's JSON document (``AnswerDescriptor.of_document``)."""
+        if not isinstance(answer, AnswerDescriptor):
+            answer = AnswerDescriptor.of_document(answer)
+        data = answer.encode()
+        room = answer_room(len(data))
         off = self.arena.alloc(room, client.ticket)
         if off < 0:  # answered without a block: the client reads shm.protocol.NO_ROOM (a 503)
             log.error("broker arena is full; client %s gets a 503 for slot %d", client.name, slot)
             client.seg.complete(slot, 503, ROLE_BROKER, 0, 0, 0)
         else:
-            write_manifest(self.seg.seg.buf, off, data)
+            write_answer(self.seg.seg.buf, off, data)
             client.seg.complete(slot, status, ROLE_BROKER, 0, off, room)
         client.seg.waker.notify()
 
@@ -140,4 +143,4 @@ class Clients:
         """Answer with an error every request of ``batch`` whose client still waits for it."""
         for p in batch:
             if p.client.name in self.by_name and int(p.client.seg.slot_states[p.slot]) == SLOT_PENDING:
-                self.reply(p.client, p.slot, status, {"error": message})
+                self.reply(p.client, p.slot, status, AnswerDescriptor(error=message))

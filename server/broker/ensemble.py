@@ -37,10 +37,10 @@ import os
 import time
 from typing import Any
 
-import orjson
 import posix_ipc
 
 from shmserve.batching import Pending
+from shmserve.shm.answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, decode_answer, write_answer
 from shmserve.shm.arena import free_block
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
@@ -48,8 +48,7 @@ from shmserve.shm.descriptor import InputTensor
 from shmserve.shm.liveness import BROKER_TICKET
 from shmserve.shm.names import object_name
 from shmserve.shm.protocol import (CANCELLED_STATUS, NO_ROOM, RECORD, ROLE_BROKER, SLOT_DONE,
-                                   SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, cancelled_error,
-                                   manifest_room, read_manifest_with_data, write_manifest)
+                                   SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, cancelled_error)
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.region_io import StaleRegion
 from shmserve.shm.ring import Ring, RingCorrupt
@@ -284,7 +283,7 @@ class Ensembles:
                 continue
             if record is None:
                 return
-            status, role, off, _, num = record
+            status, role, off, length, num = record
             call.received += 1
             if role != ROLE_BROKER and not self.own.seg.target(call.slot):
                 # Its worker is known now: should it die, the call fails with it (Supervisor),
@@ -297,20 +296,20 @@ class Ensembles:
             if run.answered:
                 free_block(owner.buf, off)
                 continue
-            doc, data_start = read_manifest_with_data(owner.buf, off)
-            if status != 200:
+            answer, data_start = _step_answer(owner.buf, off, off + length)
+            if status != 200 or answer.error is not None:
                 free_block(owner.buf, off)
-                self._fail_run(run, call.step, status, doc.get("error", "failed"))
+                self._fail_run(run, call.step, status if status != 200 else 500, answer.error or "failed")
                 continue
             branch = call.branch.child()
             branch.blocks.append((owner.buf, off))
-            self._made(run, branch, self._outputs_of(call, branch, owner, doc, data_start), call)
+            self._made(run, branch, self._outputs_of(call, branch, owner, answer, data_start), call)
 
     def _on_answer(self, call: StepCall) -> None:
         """A step call's slot is complete: a plain step's answer, or a decoupled step's final."""
         run, branch = call.run, call.branch
         slot = call.slot
-        _, status, role, num, off, _, _ = self.own.seg.read_slot(slot)
+        _, status, role, num, off, length, _ = self.own.seg.read_slot(slot)
         self.own.seg.set_slot_state(slot, SLOT_FREE)
         del self.inflight[slot]
         self.free.append(slot)
@@ -326,31 +325,32 @@ class Ensembles:
         elif not off:  # answered without a block: its producer had no room even for an error
             self._fail_run(run, call.step, status, NO_ROOM)
         else:
-            doc, data_start = read_manifest_with_data(owner.buf, off)
-            if status != 200:
+            answer, data_start = _step_answer(owner.buf, off, off + length)
+            if status != 200 or answer.error is not None:
                 free_block(owner.buf, off)
-                self._fail_run(run, call.step, status, doc.get("error", "failed"))
-            elif doc.get("final"):  # a decoupled step's end: its responses were all taken
+                self._fail_run(run, call.step, status if status != 200 else 500, answer.error or "failed")
+            elif answer.final:  # a decoupled step's end: its responses were all taken
                 free_block(owner.buf, off)
-                if doc.get("responses", call.received) != call.received:
-                    self._fail_run(run, call.step, 500, f"{doc['responses'] - call.received} of its responses "
+                if answer.responses != call.received:
+                    self._fail_run(run, call.step, 500, f"{answer.responses - call.received} of its responses "
                                    f"were lost (the ensemble stopped taking them for too long)")
             elif run.answered:
                 free_block(owner.buf, off)
             else:
                 branch.blocks.append((owner.buf, off))
-                made = self._outputs_of(call, branch, owner, doc, data_start)
+                made = self._outputs_of(call, branch, owner, answer, data_start)
         self._step_ended(call)
         self._made(run, branch, made, call.origin)
 
-    def _outputs_of(self, call: StepCall, branch: Branch, owner: Any, doc: dict, data_start: int) -> set[str]:
+    def _outputs_of(self, call: StepCall, branch: Branch, owner: Any, answer: AnswerDescriptor, data_start: int
+                    ) -> set[str]:
         """Put a step answer's outputs into ``branch`` as the ensemble tensors they map to."""
         made = set()
-        for o in doc.get("outputs", ()):
-            name = call.step.output_map.get(o["name"])
-            if name:
-                branch.tensors[name] = {"name": name, "datatype": o["datatype"], "shape": o["shape"],
-                                        "seg": owner.name, "off": data_start + o["off"], "size": o["size"]}
+        for o in answer.outputs:
+            name = call.step.output_map.get(o.name)
+            if name and not o.in_region:
+                branch.tensors[name] = {"name": name, "datatype": o.datatype, "shape": list(o.shape),
+                                        "seg": owner.name, "off": data_start + o.offset, "size": o.size}
                 branch.batch_sizes[name] = call.batch
                 made.add(name)
         return made
@@ -445,7 +445,7 @@ class Ensembles:
         self.runs.discard(run)
         if not run.answered:
             if run.streaming:
-                self._complete(run, {"final": True, "responses": run.sent})
+                self._complete(run, AnswerDescriptor(final=True, responses=run.sent))
             elif run.answer is None:
                 request_id = run.entry.get("id", "") or "<id_unknown>"
                 self._fail_run(run, None, 400, f"in ensemble '{run.plan.name}', [request id: {request_id}] unexpected "
@@ -480,14 +480,14 @@ class Ensembles:
         """Whether nobody reads the run's answers any more (its client left: its segment is closed)."""
         return run.client is not self.own and self.clients.by_name.get(run.client.name) is not run.client
 
-    def _complete(self, run: EnsembleRun, doc: dict, status: int = 200) -> None:
+    def _complete(self, run: EnsembleRun, answer: AnswerDescriptor, status: int = 200) -> None:
         """Complete the client's slot: the run's last word."""
         run.answered = True
         if status == 200 and run.streaming:
             arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
             run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
         if not self._client_gone(run):
-            self.clients.reply(run.client, run.slot, status, doc)
+            self.clients.reply(run.client, run.slot, status, answer)
 
     def _flush(self, run: EnsembleRun) -> None:
         """Put a stream's waiting responses on its client's ring, as far as there is room."""
@@ -536,7 +536,7 @@ class Ensembles:
             return
         run.version.stats.fail(reason, 1)
         text = message if step is None else f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"
-        self._complete(run, {"error": text}, status)
+        self._complete(run, AnswerDescriptor(error=text), status)
         self._give_up(run)
 
     @staticmethod
@@ -592,10 +592,10 @@ class Ensembles:
         except ClassificationError as e:
             self._fail_run(run, None, 400, str(e))
             return None
-        outs, chunks, pos = [], [], 0
+        outs: list[OutputTensor] = []
+        chunks, pos = [], 0
         for name, datatype, shape, data in outputs:
             size = len(data)
-            desc = {"name": name, "datatype": datatype, "shape": shape, "size": size}
             target = placed.get(name)
             if target is not None:
                 if size > target["size"]:
@@ -607,20 +607,28 @@ class Ensembles:
                 except (ValueError, OSError, posix_ipc.Error) as e:
                     self._fail_run(run, run.plan.steps[-1], 400, str(e))
                     return None
-                desc["region"] = True
+                outs.append(OutputTensor(name, datatype, tuple(shape), 0, size, True))
             else:
-                desc["off"] = pos
+                outs.append(OutputTensor(name, datatype, tuple(shape), pos, size))
                 chunks.append(data)
                 pos += size
-            outs.append(desc)
-        body = orjson.dumps({"version": run.version.version, "outputs": outs})
-        room = manifest_room(len(body))
+        body = AnswerDescriptor(outs, run.version.version).encode()
+        room = answer_room(len(body))
         off = self.arena.alloc(room + pos, run.client.ticket)
         if off < 0:
             self._fail_run(run, run.plan.steps[-1], 503, "the broker's arena is full; retry later")
             return None
-        at = write_manifest(self.seg.seg.buf, off, body)
+        at = write_answer(self.seg.seg.buf, off, body)
         for chunk in chunks:
             self.seg.seg.buf[at:at + len(chunk)] = chunk
             at += len(chunk)
         return off, room + pos
+
+
+def _step_answer(buf: Any, off: int, end: int) -> tuple[AnswerDescriptor, int]:
+    """A step's answer (a worker's block, or a nested ensemble's in our arena), checked: one that
+    cannot be read fails the step."""
+    try:
+        return decode_answer(buf, off, end)
+    except AnswerCorrupt as e:
+        return AnswerDescriptor(error=f"its answer is unreadable: {e}"), 0

@@ -51,7 +51,11 @@ class EnsembleCache:
         payload = self.store.lookup(key, wait=0)  # the broker's loop serves everyone: a taken lock is a miss
         if payload is None:
             return None
-        stored = {output[0]: output for output in cache_entry.unpack(payload)[0]}
+        entry = cache_entry.unpack(payload)
+        if entry is None:  # not an answer (the cache lies in memory every worker writes): a miss
+            self.store.forget(key, wait=0)
+            return None
+        stored = {output[0]: output for output in entry[0]}
         return [stored[name] for name in names] if stored.keys() == set(names) else None
 
     def insert(self, mv: ModelVersion, key: bytes, outputs: list[cache_entry.Output]) -> None:

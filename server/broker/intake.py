@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from shmserve.batching import Pending
-from shmserve.shm.protocol import refusal
+from shmserve.shm.answer import refusal
 from shmserve.shm.descriptor import InputTensor, RequestedOutput
 from shmserve.shm.untrusted import Record, read_request
 from shmserve.signature import InvalidRequest

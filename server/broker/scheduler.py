@@ -18,8 +18,9 @@ import time
 import orjson
 
 from shmserve.batching import Pending, QueueFull
+from shmserve.shm.answer import refusal
 from shmserve.shm.channel import BrokerSegment
-from shmserve.shm.protocol import CANCELLED_STATUS, W_BATCH, cancelled_error, manifest_room, refusal, write_manifest
+from shmserve.shm.protocol import CANCELLED_STATUS, W_BATCH, cancelled_error, manifest_room, write_manifest
 from shmserve.signature import InvalidRequest
 
 from .clients import Clients

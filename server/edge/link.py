@@ -321,7 +321,7 @@ class BrokerLink:
     async def control(self, doc: dict) -> tuple[int, Any]:
         completion = await self.call(REQ_CONTROL, doc)
         try:
-            return completion.status, completion.doc()
+            return completion.status, completion.answer.control_document()
         finally:
             completion.release()
 

@@ -23,6 +23,7 @@ from typing import Any, AsyncGenerator, TypeVar
 import orjson
 
 from shmserve.shm import trace as tr
+from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.names import pid_alive
 from shmserve.shm.trace import FileWriter, TraceShared
@@ -76,12 +77,12 @@ class Trace:
         self.ns[REQUEST_START] = req.sent_ns
         self.ns[QUEUE_START] = time.monotonic_ns()  # a direct request queues on the worker's lane now
 
-    def collect(self, result: dict) -> None:
+    def collect(self, answer: AnswerDescriptor) -> None:
         """The answer arrived: the worker's (and the broker's) timestamps, and the version served."""
         self.ns[REQUEST_END] = time.monotonic_ns()
-        self.version = result.get("version", self.version)
-        stamps = result.get("tr")
-        if stamps:
+        self.version = answer.version or self.version
+        stamps = answer.trace
+        if len(stamps) == 5:
             queued, self.ns[COMPUTE_START], self.ns[COMPUTE_INPUT_END], self.ns[COMPUTE_OUTPUT_START], \
                 self.ns[COMPUTE_END] = stamps
             if queued:

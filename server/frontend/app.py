@@ -30,7 +30,7 @@ from shmserve.server.edge.tracing import RECEIVED, RECV_END, RECV_START, Trace, 
 from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
 from shmserve.shm.completion import Completion
 from shmserve.shm.descriptor import InferRequest
-from shmserve.shm.protocol import ERROR, LOAD_FROM_NETWORK, REFUSED
+from shmserve.shm.protocol import LOAD_FROM_NETWORK
 from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
@@ -57,9 +57,8 @@ def json_response(doc: Any, status: int = 200) -> Response:
 
 
 def _refused(completion: Completion) -> bool:
-    """Whether an error answer is a refusal from before its model ran (shm.protocol.refusal)."""
-    doc = completion.doc()
-    return isinstance(doc, dict) and bool(doc.get(REFUSED))
+    """Whether an error answer is a refusal from before its model ran (shm.answer.refusal)."""
+    return completion.answer.refused
 
 
 def error_response(status: int, message: str) -> Response:
@@ -273,13 +272,13 @@ class Frontend:
             while True:
                 final, completion, _ = await events.events.get()
                 try:
-                    doc = completion.doc()
+                    answer = completion.answer
                     if trace is not None:
-                        trace.collect(doc)  # the version served; the final one ends the request
+                        trace.collect(answer)  # the version served; the final one ends the request
                     if completion.status != 200:
-                        error = error or (completion.status, doc.get("error", "inference failed"))
+                        error = error or (completion.status, answer.error or "inference failed")
                     elif not final:
-                        answers.append(generate_response(model, doc, completion.tensor, request_id))
+                        answers.append(generate_response(model, answer, completion.tensor, request_id))
                 finally:
                     completion.release()
                 if final:
@@ -305,7 +304,7 @@ class Frontend:
         final, completion, _ = first
         if final and completion.status != 200 and _refused(completion):
             try:
-                message = completion.doc().get(ERROR, "inference failed")
+                message = completion.answer.error or "inference failed"
             finally:
                 completion.release()
                 events.close()

@@ -10,6 +10,7 @@ import numpy as np
 import orjson
 
 from shmserve.server.edge.requests import BadRequest, parse_json
+from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.copying import joined
 from shmserve.shm.tensors import DTYPES, element_count
 
@@ -57,7 +58,7 @@ def output_region_params(doc: dict) -> dict[str, dict]:
     return out
 
 
-def json_data(datatype: str, view: memoryview, shape: list[int]) -> list:
+def json_data(datatype: str, view: memoryview, shape: "list[int] | tuple[int, ...]") -> list:
     if datatype == "BYTES":
         from shmserve.shm.tensors import deserialize_bytes
 
@@ -67,7 +68,7 @@ def json_data(datatype: str, view: memoryview, shape: list[int]) -> list:
     return np.frombuffer(view, dtype=DTYPES[datatype]).tolist()
 
 
-def build_response(model: str, version: str, request: dict, result: dict, tensor_of: Any
+def build_response(model: str, version: str, request: dict, answer: AnswerDescriptor, tensor_of: Any
                    ) -> tuple[bytes | memoryview, int | None]:
     """(body, JSON header length when binary data follows) of a KServe v2 infer response; a large
     body is a memoryview (copied on every core: shm/copying.py)."""
@@ -75,22 +76,22 @@ def build_response(model: str, version: str, request: dict, result: dict, tensor
     regions = output_region_params(request)
     outputs = []
     blobs: list = []
-    for o in result.get("outputs", ()):
-        name = o["name"]
-        entry: dict[str, Any] = {"name": name, "datatype": o["datatype"], "shape": o["shape"]}
-        if o.get("region"):
+    for o in answer.outputs:
+        name = o.name
+        entry: dict[str, Any] = {"name": name, "datatype": o.datatype, "shape": o.shape}
+        if o.in_region:
             entry["parameters"] = regions.get(name, {})
         elif binary.get(name, binary["*"]):
-            entry["parameters"] = {"binary_data_size": o["size"]}
+            entry["parameters"] = {"binary_data_size": o.size}
             blobs.append(tensor_of(o))
         else:
-            entry["data"] = json_data(o["datatype"], tensor_of(o), o["shape"])
+            entry["data"] = json_data(o.datatype, tensor_of(o), o.shape)
         outputs.append(entry)
     resp: dict[str, Any] = {"model_name": model, "model_version": version}
     if "id" in request:
         resp["id"] = str(request["id"])
-    if result.get("params"):
-        resp["parameters"] = result["params"]
+    if answer.params:
+        resp["parameters"] = answer.params
     resp["outputs"] = outputs
     head = orjson.dumps(resp)
     if not blobs:

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from shmserve.server.edge.requests import INT64_MAX, INT64_MIN, UINT64_MAX, BadRequest, JsonTypeError, json_tensor_bytes, parse_json
 from shmserve.server.edge.tracing import Trace, Tracer, timed_sends
+from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.descriptor import InferRequest, InputTensor
 from shmserve.shm.streams import StreamEvents
 from shmserve.shm.tensors import CONFIG_TO_WIRE
@@ -185,25 +186,25 @@ def _tensor_shape(name: str, count: int, dims: list[int]) -> list[int]:
     return shape
 
 
-def output_values(result: dict, tensor_of: Any) -> dict[str, Any]:
+def output_values(answer: AnswerDescriptor, tensor_of: Any) -> dict[str, Any]:
     """A response's outputs by name: one-element tensors as scalars (BYTES as text), others lists."""
     out: dict[str, Any] = {}
-    for o in result.get("outputs", ()):
-        values = json_data(o["datatype"], tensor_of(o), o["shape"])
-        out[o["name"]] = values[0] if len(values) == 1 else values
+    for o in answer.outputs:
+        values = json_data(o.datatype, tensor_of(o), o.shape)
+        out[o.name] = values[0] if len(values) == 1 else values
     return out
 
 
-def generate_response(model: str, result: dict, tensor_of: Any, request_id: str = "") -> dict:
+def generate_response(model: str, answer: AnswerDescriptor, tensor_of: Any, request_id: str = "") -> dict:
     """One response as Triton's generate endpoint writes it: the request's id (if it had one),
     the model's name and version, the response's parameters and its outputs, one flat object
     (where names meet, that order wins)."""
     resp: dict[str, Any] = {"id": request_id} if request_id else {}
     resp["model_name"] = model
-    resp["model_version"] = str(result.get("version", ""))
-    for key, value in (result.get("params") or {}).items():
+    resp["model_version"] = str(answer.version or "")
+    for key, value in (answer.params or {}).items():
         resp.setdefault(key, value)
-    for key, value in output_values(result, tensor_of).items():
+    for key, value in output_values(answer, tensor_of).items():
         resp.setdefault(key, value)
     return resp
 
@@ -243,13 +244,13 @@ class EventStream(StreamingResponse):
             else:
                 final, completion, _ = await self.events.events.get()
             try:
-                doc = completion.doc()
+                answer = completion.answer
                 if self.trace is not None:
-                    self.trace.collect(doc)  # the version served; the final one ends the request
+                    self.trace.collect(answer)  # the version served; the final one ends the request
                 if completion.status != 200:
-                    line = orjson.dumps({"error": doc.get("error", "inference failed")})
+                    line = orjson.dumps({"error": answer.error or "inference failed"})
                 elif not final:
-                    line = orjson.dumps(generate_response(self.model, doc, completion.tensor, self.request_id))
+                    line = orjson.dumps(generate_response(self.model, answer, completion.tensor, self.request_id))
                 else:
                     return
             finally:

@@ -215,7 +215,7 @@ class Inference:
         def answer(completion: Completion) -> None:
             try:
                 status = completion.status
-                doc = completion.doc() if status in (404, 503) else None
+                doc = completion.answer.control_document() if status in (404, 503) else None
             finally:
                 completion.release()
             if doc is None:
@@ -242,15 +242,14 @@ def _response(model: str, version: str, doc: dict, headers: dict[bytes, bytes], 
               trace: Trace | None) -> tuple[int, bytes | memoryview, Headers]:
     """The HTTP answer (status, body, headers) to the request ``doc`` from its completion."""
     try:
-        result = completion.doc()
+        answer = completion.answer
         if trace is not None:
-            trace.collect(result)
+            trace.collect(answer)
         status = completion.status
         if status != 200:
-            out, json_len = orjson.dumps({"error": result.get("error", "inference failed")}), None
+            out, json_len = orjson.dumps({"error": answer.error or "inference failed"}), None
         else:
-            out, json_len = build_response(model, str(result.get("version", version)), doc, result,
-                                           completion.tensor)
+            out, json_len = build_response(model, str(answer.version or version), doc, answer, completion.tensor)
         out_headers = answer_headers(json_len)
     finally:
         completion.release()

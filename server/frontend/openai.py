@@ -163,12 +163,12 @@ class OpenAIFront:
             while True:
                 final, completion, _ = take_first() or await events.events.get()
                 try:
-                    doc = completion.doc()
+                    answer = completion.answer
                     if completion.status != 200:
-                        yield b"data: " + error_body(completion.status, doc.get("error", "inference failed")) + b"\n\n"
+                        yield b"data: " + error_body(completion.status, answer.error or "inference failed") + b"\n\n"
                         return
-                    piece = None if final and not doc.get("outputs") else \
-                        _text(output_values(doc, completion.tensor))
+                    piece = None if final and not answer.outputs else \
+                        _text(output_values(answer, completion.tensor))
                 finally:
                     completion.release()
                 if piece:
@@ -215,11 +215,11 @@ class OpenAIFront:
             while True:
                 final, completion, _ = await events.events.get()
                 try:
-                    doc = completion.doc()
+                    answer = completion.answer
                     if completion.status != 200:
-                        error = error or OpenAIError(completion.status, doc.get("error", "inference failed"))
-                    elif doc.get("outputs"):
-                        pieces.append(output_values(doc, completion.tensor))
+                        error = error or OpenAIError(completion.status, answer.error or "inference failed")
+                    elif answer.outputs:
+                        pieces.append(output_values(answer, completion.tensor))
                 finally:
                     completion.release()
                 if final:
@@ -244,7 +244,7 @@ async def _first_event(events: StreamEvents) -> tuple:
     if completion.status == 200:
         return event
     try:
-        error = OpenAIError(completion.status, completion.doc().get("error", "inference failed"))
+        error = OpenAIError(completion.status, completion.answer.error or "inference failed")
     finally:
         completion.release()
         events.close()

@@ -89,14 +89,14 @@ class GrpcInference:
             trace.mark(req)
         completion = await self._submit(req, chunks, request.model_name)
         try:
-            result = completion.doc()
+            answer = completion.answer
             if trace is not None:
-                trace.collect(result)
+                trace.collect(answer)
             if completion.status != 200:
-                error = result.get("error", "inference failed")
+                error = answer.error or "inference failed"
                 raise Aborted(code_of(completion.status), GRPC_DECOUPLED if error == HTTP_DECOUPLED else error)
-            response = infer_response(request.model_name, str(result.get("version", request.model_version)), doc,
-                                      result, completion.tensor)
+            response = infer_response(request.model_name, str(answer.version or request.model_version), doc,
+                                      answer, completion.tensor)
         finally:
             completion.release()
         if trace is not None:
@@ -159,16 +159,16 @@ class GrpcInference:
             while not final:
                 final, completion, _ = await events.events.get()
                 try:
-                    result = completion.doc()
+                    answer = completion.answer
                     if trace is not None:
-                        trace.collect(result)  # the version served; the final one ends the request
+                        trace.collect(answer)  # the version served; the final one ends the request
                     message: Any
                     if completion.status != 200:
-                        message = Aborted(code_of(completion.status), result.get("error", "inference failed"))
-                    elif final and not result.get("outputs") and (not empty_final or not decoupled):
+                        message = Aborted(code_of(completion.status), answer.error or "inference failed")
+                    elif final and not answer.outputs and (not empty_final or not decoupled):
                         message = None
                     else:
-                        response = infer_response(request.model_name, str(result.get("version", "")), doc, result,
+                        response = infer_response(request.model_name, str(answer.version or ""), doc, answer,
                                                   completion.tensor)
                         response.parameters["triton_final_response"].bool_param = final or not decoupled
                         message = pb.ModelStreamInferResponse(infer_response=response)

@@ -14,6 +14,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from shmserve.server.edge.requests import INT64_MAX, BadRequest
+from shmserve.shm.answer import AnswerDescriptor, OutputTensor
 from shmserve.shm.tensors import DTYPES, byte_view, serialize_bytes
 
 # The typed ``contents`` field that holds each datatype (FP16 and BF16 travel raw only, as in Triton).
@@ -125,18 +126,18 @@ def request_doc(request: Any) -> tuple[dict, Pieces]:
     return doc, pieces
 
 
-def infer_response(model: str, version: str, doc: dict, result: dict,
-                   tensor_of: Callable[[dict], memoryview]) -> Any:
+def infer_response(model: str, version: str, doc: dict, answer: AnswerDescriptor,
+                   tensor_of: Callable[[OutputTensor], memoryview]) -> Any:
     """The ``ModelInferResponse`` of a completed request: outputs in ``raw_output_contents``, one
     per output in order (empty for one written to shared memory, whose parameters say where)."""
     resp = pb.ModelInferResponse(model_name=model, model_version=version, id=str(doc.get("id", "")))
-    for key, value in (result.get("params") or {}).items():
+    for key, value in (answer.params or {}).items():
         set_param(resp.parameters[key], value)
     requested = {o["name"]: o["parameters"] for o in doc.get("outputs") or ()}
-    for o in result.get("outputs", ()):
-        out = resp.outputs.add(name=o["name"], datatype=o["datatype"], shape=o["shape"])
-        if o.get("region"):
-            for key, value in requested.get(o["name"], {}).items():
+    for o in answer.outputs:
+        out = resp.outputs.add(name=o.name, datatype=o.datatype, shape=o.shape)
+        if o.in_region:
+            for key, value in requested.get(o.name, {}).items():
                 if key.startswith("shared_memory"):
                     set_param(out.parameters[key], value)
             resp.raw_output_contents.append(b"")

@@ -52,6 +52,21 @@ def test_a_payload_inserted_by_one_process_is_found_by_the_other(stores):
     assert worker.lookup(key("a")) == b"head-and-tail"
 
 
+def test_a_forgotten_key_is_a_miss_and_takes_the_next_insert(stores):
+    """What a reader found unreadable is forgotten: the next answer stored under its key replaces
+    it, and the log still wraps past its old bytes."""
+    _, store = stores(16 << 10)
+    assert store.insert(key("a"), [b"garbage"], 7)
+    store.forget(key("a"))
+    store.forget(key("never stored"))
+    assert store.lookup(key("a")) is None
+    assert store.insert(key("a"), [b"answer"], 6)
+    assert store.lookup(key("a")) == b"answer"
+    for i in range(200):  # wrap the log many times over the forgotten copy
+        assert store.insert(key(i), [bytes(300)], 300)
+    assert store.lookup(key(199)) == bytes(300)
+
+
 def test_random_use_never_returns_a_wrong_payload(stores):
     """Inserts and lookups of payloads from 1 byte to a third of the cache, wrapping the log
     many times: what comes back is always what was stored under that key."""
