@@ -268,3 +268,83 @@ def _nonneg(value: Any, name: str, field: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise BadRequest(f"'{field}' of '{name}' must be a non-negative integer")
     return value
+
+
+# -- Checks for a frontend that builds the descriptor from its own message (gRPC's protobuf) rather
+# than from a KServe document: the same rules and texts as ``build_request``, one piece at a time.
+
+def check_shape(name: str, shape: list[int], datatype: str, max_elements: int = MAX_TENSOR_ELEMENTS) -> list[int]:
+    """``shape`` of input ``name`` checked as ``build_request`` checks it (the dimensions, the
+    element and byte counts, the element limit); raises BadRequest."""
+    return _shape(name, shape, datatype, max_elements)
+
+
+def region_fields(params: dict, name: str) -> dict[str, Any]:
+    """The descriptor's ``region``, ``offset`` and ``size`` of a tensor whose parameters name a
+    shared-memory region, checked as ``build_request`` checks them."""
+    return {"region": _region_name(params["shared_memory_region"], name),
+            "offset": _nonneg(params.get("shared_memory_offset", 0), name, "shared_memory_offset"),
+            "size": _nonneg(params.get("shared_memory_byte_size"), name, "shared_memory_byte_size")}
+
+
+def check_data_size(model: str, request_id: str, name: str, datatype: str, shape: list[int], size: int) -> None:
+    """Input ``name``'s ``size`` bytes (not in a region) fit its shape: exactly for a fixed-size
+    datatype (Triton's text), at least a 4-byte length per element for BYTES."""
+    count = element_count(shape)
+    if datatype != "BYTES":
+        expected = count * itemsize(datatype)
+        if size != expected:
+            raise BadRequest(f"{request_tag(request_id)}input byte size mismatch for input '{name}' "
+                             f"for model '{model}'. Expected {expected}, got {size}")
+    elif count * 4 > size:
+        raise BadRequest(f"input '{name}': shape {shape} of BYTES needs at least {count * 4} "
+                         f"bytes (a 4-byte length per element), the data has {size}")
+
+
+def output_descriptor(name: str, params: dict, request_id: str, named: set[str]) -> dict[str, Any]:
+    """The descriptor of requested output ``name`` with its ``params`` (``named``: the outputs
+    requested before it, to which it is added), checked as ``build_request`` checks it."""
+    if name in named:  # Triton's core refuses it (one answer per output name)
+        raise BadRequest(f"{request_tag(request_id)}output '{name}' already exists in request")
+    named.add(name)
+    _bool_param(params, "binary_data", f"output '{name}'")
+    od: dict[str, Any] = {"name": name}
+    if params.get("classification") is not None:
+        count = params["classification"]
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise BadRequest(f"output '{name}': 'classification' must be a non-negative integer")
+        if count:
+            od["class"] = count
+    if "shared_memory_region" in params:
+        od.update(region_fields(params, name))
+    return od
+
+
+def add_request_parameters(req: dict, params: dict) -> None:
+    """The request ``params`` into descriptor ``req``: the model's own parameters, and the
+    sequence, priority and timeout ones the server reads, checked as ``build_request`` does."""
+    for key in ("sequence_start", "sequence_end", "binary_data_output"):
+        _bool_param(params, key, "the request")
+    model_params = {}
+    for key, value in params.items():
+        if key in RESERVED_PARAMETERS:
+            continue
+        if not isinstance(value, (bool, int, float, str)):
+            raise BadRequest(f"parameter '{key}' must be a bool, a number or a string")
+        model_params[key] = value
+    if model_params:
+        req["params"] = model_params
+    if "sequence_id" in params:
+        corr = params["sequence_id"]
+        if not isinstance(corr, (int, str)) or isinstance(corr, bool) or \
+                (isinstance(corr, int) and not 0 <= corr <= UINT64_MAX):
+            raise BadRequest("'sequence_id' must be an unsigned 64-bit integer or a string")
+        req["corr"] = corr
+    flags = (1 if params.get("sequence_start") else 0) | (2 if params.get("sequence_end") else 0)
+    if flags:
+        req["flags"] = flags
+    for key in ("priority", "timeout"):
+        if key in params:
+            if not isinstance(params[key], int) or isinstance(params[key], bool) or params[key] < 0:
+                raise BadRequest(f"'{key}' must be a non-negative integer")
+            req[key] = params[key]

@@ -60,6 +60,13 @@ def _unary(behavior: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any
     return call
 
 
+def passing_bytes(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    """``serialize``, except for a response already serialized (responses.py), sent as it is."""
+    def serializer(message: Any) -> bytes:
+        return message if type(message) is bytes else serialize(message)
+    return serializer
+
+
 def _type_name(parse: Callable[[bytes], Any]) -> str:
     owner = getattr(parse, "__self__", None)  # FromString is a class method of the message type
     descriptor = getattr(owner, "DESCRIPTOR", None)
@@ -67,15 +74,17 @@ def _type_name(parse: Callable[[bytes], Any]) -> str:
 
 
 def _wrapped(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """``handler`` with a lenient deserializer; a unary-unary one also answers ``Malformed`` and
-    ``Aborted`` itself (streaming handlers see the ``Malformed`` and answer it as they answer
-    errors)."""
+    """``handler`` with a lenient deserializer and a serializer that passes serialized responses;
+    a unary-unary one also answers ``Malformed`` and ``Aborted`` itself (streaming handlers see
+    the ``Malformed`` and answer it as they answer errors)."""
     parse = handler.request_deserializer
     changes: dict[str, Any] = {}
     if parse is not None:
         changes["request_deserializer"] = lenient(parse, _type_name(parse))
     if handler.unary_unary is not None:
         changes["unary_unary"] = _unary(handler.unary_unary)
+    if handler.response_serializer is not None:
+        changes["response_serializer"] = passing_bytes(handler.response_serializer)
     return handler._replace(**changes)  # type: ignore[attr-defined]
 
 

@@ -1,0 +1,118 @@
+"""A ``ModelInferRequest`` made straight into the broker's request descriptor and its tensor chunks.
+
+The one place where the gRPC frontend reads a request message: every check HTTP's
+``build_request`` makes (server/edge/requests.py, whose pieces it calls, with Triton's texts),
+without first turning the message into a KServe document. Raw tensors stay the protobuf's own
+bytes until the connection copies them into the request block; typed ``contents`` are encoded
+here. Each ``raw_input_contents`` item is read once: protobuf copies it on every read.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shmserve.server.edge.header_forward import add_to_request
+from shmserve.server.edge.requests import (BadRequest, add_request_parameters, check_data_size, check_shape,
+                                           output_descriptor, region_fields)
+from shmserve.shm.tensors import DTYPES, byte_view, serialize_bytes
+
+# The typed ``contents`` field that holds each datatype (FP16 and BF16 travel raw only, as in Triton).
+CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+                  "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+                  "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+                  "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+_FIELDS = tuple(sorted(set(CONTENTS_FIELD.values())))
+
+
+def param_value(p: Any) -> Any:
+    """The Python value of an ``InferParameter`` or ``ModelRepositoryParameter`` (None: unset)."""
+    kind = p.WhichOneof("parameter_choice")
+    return getattr(p, kind) if kind else None
+
+
+def params_dict(params: Any) -> dict[str, Any]:
+    """A protobuf parameter map as a dict (``{}`` at once for an empty one)."""
+    return {k: param_value(v) for k, v in params.items()} if len(params) else {}
+
+
+def typed_bytes(name: str, datatype: str, contents: Any) -> bytes | memoryview:
+    """The wire bytes of a tensor given in typed ``contents``."""
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise BadRequest(f"unable to find data for input '{name}': datatype {datatype} can only be sent in "
+                         f"raw_input_contents")
+    values = getattr(contents, field)
+    if datatype == "BYTES":
+        arr = np.empty(len(values), dtype=np.object_)
+        arr[:] = list(values)
+        return serialize_bytes(arr)
+    try:
+        return byte_view(np.asarray(values, dtype=DTYPES[datatype]))
+    except OverflowError as e:
+        raise BadRequest(f"input '{name}': a value does not fit {datatype}: {e}") from None
+
+
+def _has_contents(tensor: Any) -> bool:
+    """Whether an input carries typed contents (the message field is set only when sent)."""
+    if not tensor.HasField("contents"):
+        return False
+    contents = tensor.contents
+    return any(len(getattr(contents, f)) for f in _FIELDS)
+
+
+def descriptor_from_message(msg: Any, max_elements: int, max_bytes: int,
+                            forwarded: dict[str, str] | None = None) -> tuple[dict, list]:
+    """The broker descriptor of request ``msg`` and its tensor chunks in order, with the
+    ``forwarded`` metadata as parameters (header_forward.py). ``max_elements``: the most elements
+    an input may declare; ``max_bytes``: the most tensor bytes that can fit the arena.
+    Raises BadRequest with the text Triton's gRPC frontend gives where it has one."""
+    model, request_id = msg.model_name, msg.id
+    raw = msg.raw_input_contents
+    raw_count = len(raw)
+    used = 0  # raw contents are given in order for the inputs not in shared memory
+    chunks: list = []
+    inputs = []
+    rel = 0  # offset of the next tensor in the request block's tensor bytes
+    for t in msg.inputs:
+        name, datatype = t.name, t.datatype
+        if datatype not in DTYPES:
+            raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
+        shape = check_shape(name, list(t.shape), datatype, max_elements)
+        desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
+        params = params_dict(t.parameters)
+        if "shared_memory_region" in params:
+            desc.update(region_fields(params, name))
+        else:
+            if _has_contents(t):
+                if raw_count:
+                    raise BadRequest(f"contents field must not be specified when using raw_input_contents for "
+                                     f"'{name}' for model '{model}'")
+                data: bytes | memoryview = typed_bytes(name, datatype, t.contents)
+            elif used < raw_count:
+                data = raw[used]
+                used += 1
+            else:
+                raise BadRequest(f"unable to find data for input '{name}' for model '{model}'")
+            size = len(data)
+            check_data_size(model, request_id, name, datatype, shape, size)
+            desc["data"], desc["size"] = rel, size
+            chunks.append(data)
+            rel += size
+        inputs.append(desc)
+    if used != raw_count:
+        raise BadRequest(f"the request has {raw_count - used} raw_input_contents that no input claims")
+    outputs = None
+    if len(msg.outputs):
+        named: set[str] = set()
+        outputs = [output_descriptor(o.name, params_dict(o.parameters), request_id, named) for o in msg.outputs]
+    req: dict[str, Any] = {"model": model, "version": msg.model_version, "inputs": inputs, "outputs": outputs}
+    if request_id:
+        req["id"] = request_id
+    if len(msg.parameters):
+        add_request_parameters(req, params_dict(msg.parameters))
+    add_to_request(req, forwarded)
+    if rel > max_bytes:
+        raise BadRequest(f"the request's {rel} bytes of tensor data exceed the frontend's shared-memory "
+                         f"arena (--frontend-arena-mb); send large tensors through shared memory")
+    return req, chunks
