@@ -19,13 +19,15 @@ NUMERIC = {"BOOL": ("bool_contents", np.bool_), "INT8": ("int_contents", np.int8
            "UINT16": ("uint_contents", np.uint16), "UINT32": ("uint_contents", np.uint32),
            "UINT64": ("uint64_contents", np.uint64), "FP32": ("fp32_contents", np.float32),
            "FP64": ("fp64_contents", np.float64)}
+MAX_ELEMENTS = 1_000_000
 
 
 @pytest.fixture(scope="module")
 def stub(module_factory):
     server = module_factory.start([PRODUCT_MODELS, TEST_MODELS, SHM_MODELS],
                                   ["--model-control-mode=explicit", "--load-model", "identity_all",
-                                   "--load-model", "meta_echo", "--load-model", "add_sub"])
+                                   "--load-model", "meta_echo", "--load-model", "add_sub",
+                                   f"--http-max-tensor-elements={MAX_ELEMENTS}"])
     server.wait_grpc_ready()
     channel = grpc.insecure_channel(server.grpc_url)
     yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
@@ -129,6 +131,24 @@ def test_sizes_and_shapes_are_checked(stub):
     request.inputs[1].shape[:] = [16]
     request.inputs[1].datatype = "INT33"
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT, "input 'INPUT1': unknown datatype 'INT33'")
+
+
+@pytest.mark.parametrize("datatype,shape,details", [
+    ("INT8", [1, MAX_ELEMENTS + 1], f"input 'IN_INT8': shape [1, {MAX_ELEMENTS + 1}] declares more than "
+                                    f"{MAX_ELEMENTS} elements (--http-max-tensor-elements)"),
+    ("INT8", [0, MAX_ELEMENTS + 1], f"input 'IN_INT8': shape [0, {MAX_ELEMENTS + 1}] declares more than "
+                                    f"{MAX_ELEMENTS} elements (--http-max-tensor-elements)"),
+    ("INT8", [1 << 62, 4], f"invalid shape for input 'IN_INT8': shape [{1 << 62},4] causes total element count "
+                           f"to exceed maximum size of {(1 << 63) - 1}"),
+    ("INT64", [1 << 61, 1], f"byte size overflow for input 'IN_INT64': element count ({1 << 61}) * data type "
+                            f"size (8) exceeds maximum allowed size ({(1 << 63) - 1})"),
+    ("INT8", [1] * 65, "input 'IN_INT8': 'shape' has 65 dimensions, more than the 64 allowed"),
+])
+def test_shapes_past_the_limits_are_refused_before_any_data_is_read(stub, datatype, shape, details):
+    request = service_pb2.ModelInferRequest(model_name="identity_all")
+    request.inputs.add(name=f"IN_{datatype}", datatype=datatype, shape=shape)
+    request.raw_input_contents.append(b"\x00")
+    assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
 def test_bytes_need_a_length_prefix_per_element(stub):

@@ -15,7 +15,7 @@ import numpy as np
 from shmserve.server.edge.header_forward import add_to_request
 from shmserve.server.edge.requests import (BadRequest, add_request_parameters, check_data_size, check_shape,
                                            output_descriptor, region_fields)
-from shmserve.shm.tensors import DTYPES, byte_view, serialize_bytes
+from shmserve.shm.tensors import DTYPES, byte_view, element_count, serialize_bytes
 
 # The typed ``contents`` field that holds each datatype (FP16 and BF16 travel raw only, as in Triton).
 CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
@@ -23,6 +23,8 @@ CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int
                   "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
                   "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 _FIELDS = tuple(sorted(set(CONTENTS_FIELD.values())))
+# Past this many elements even a 16-byte element could overflow int64 bytes: the full check decides.
+_SURELY_SAFE_COUNT = 1 << 59
 
 
 def param_value(p: Any) -> Any:
@@ -61,6 +63,17 @@ def _has_contents(tensor: Any) -> bool:
     return any(len(getattr(contents, f)) for f in _FIELDS)
 
 
+def _shape(name: str, tensor: Any, datatype: str, max_elements: int) -> list[int]:
+    """The input's shape, checked: a protobuf shape is int64 already, so one in the limits passes
+    on a few comparisons; any other goes through ``check_shape``, which names what is wrong."""
+    shape = list(tensor.shape)
+    count = element_count(shape)
+    if len(shape) <= 64 and count <= max_elements and count <= _SURELY_SAFE_COUNT and \
+            (not shape or (min(shape) >= 0 and max(shape) <= max_elements)):
+        return shape
+    return check_shape(name, shape, datatype, max_elements)
+
+
 def descriptor_from_message(msg: Any, max_elements: int, max_bytes: int,
                             forwarded: dict[str, str] | None = None) -> tuple[dict, list]:
     """The broker descriptor of request ``msg`` and its tensor chunks in order, with the
@@ -78,7 +91,7 @@ def descriptor_from_message(msg: Any, max_elements: int, max_bytes: int,
         name, datatype = t.name, t.datatype
         if datatype not in DTYPES:
             raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
-        shape = check_shape(name, list(t.shape), datatype, max_elements)
+        shape = _shape(name, t, datatype, max_elements)
         desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
         params = params_dict(t.parameters)
         if "shared_memory_region" in params:
