@@ -23,15 +23,20 @@ MAX_ELEMENTS = 1_000_000
 
 
 @pytest.fixture(scope="module")
-def stub(module_factory):
+def channel(module_factory):
     server = module_factory.start([PRODUCT_MODELS, TEST_MODELS, SHM_MODELS],
                                   ["--model-control-mode=explicit", "--load-model", "identity_all",
                                    "--load-model", "meta_echo", "--load-model", "add_sub",
                                    f"--http-max-tensor-elements={MAX_ELEMENTS}"])
     server.wait_grpc_ready()
     channel = grpc.insecure_channel(server.grpc_url)
-    yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    yield channel
     channel.close()
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
 def _refusal(stub, request) -> tuple[grpc.StatusCode, str]:
@@ -219,3 +224,46 @@ def test_a_stream_answers_in_one_well_formed_message_each(stub):
         assert a.infer_response.parameters["triton_final_response"].bool_param is True
         outputs = dict(zip((o.name for o in a.infer_response.outputs), a.infer_response.raw_output_contents))
         assert np.frombuffer(outputs["Y"], np.int32).tolist() == [2, 3]
+
+
+# -- large messages: raw tensors read as views of the received bytes (read_infer_request) --------
+
+def test_a_large_message_keeps_every_raw_tensor_in_order(stub):
+    big = (np.arange(300_000, dtype=np.int64) * 7).reshape(1, -1)
+    small = np.array([[1, 2, 3]], dtype=np.int16)
+    request = service_pb2.ModelInferRequest(model_name="identity_all", id="big")
+    request.inputs.add(name="IN_INT64", datatype="INT64", shape=list(big.shape))
+    request.inputs.add(name="IN_INT16", datatype="INT16", shape=list(small.shape))
+    request.raw_input_contents.extend([big.tobytes(), small.tobytes()])
+    request.parameters["note"].string_param = "kept"
+    response = stub.ModelInfer(request)
+    assert response.id == "big"
+    outputs = dict(zip((o.name for o in response.outputs), response.raw_output_contents))
+    assert outputs == {"OUT_INT64": big.tobytes(), "OUT_INT16": small.tobytes()}
+    answers = list(stub.ModelStreamInfer(iter([request])))
+    assert answers[0].error_message == ""
+    assert list(answers[0].infer_response.raw_output_contents) == [big.tobytes(), small.tobytes()]
+
+
+def test_a_large_message_with_raw_and_contents_is_refused(stub):
+    request = service_pb2.ModelInferRequest(model_name="identity_all")
+    t = request.inputs.add(name="IN_INT32", datatype="INT32", shape=[1, 4])
+    t.contents.int_contents.extend([1, 2, 3, 4])
+    request.inputs.add(name="IN_UINT8", datatype="UINT8", shape=[1, 100_000])
+    request.raw_input_contents.append(b"\x01" * 100_000)
+    assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                       "contents field must not be specified when using raw_input_contents for "
+                                       "'IN_INT32' for model 'identity_all'")
+
+
+@pytest.mark.parametrize("cut", [1, 10, 99_990])
+def test_a_truncated_large_message_is_invalid(channel, cut):
+    request = service_pb2.ModelInferRequest(model_name="identity_all")
+    request.inputs.add(name="IN_UINT8", datatype="UINT8", shape=[1, 100_000])
+    request.raw_input_contents.append(b"\x01" * 100_000)
+    data = request.SerializeToString()[:-cut]
+    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes as they are
+    with pytest.raises(grpc.RpcError) as info:
+        call(data, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "the request is not a valid inference.ModelInferRequest message"
