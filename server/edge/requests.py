@@ -1,6 +1,7 @@
-"""A KServe v2 inference request (the JSON document of an HTTP body, or gRPC's message turned into
-one) checked and turned into the broker's request descriptor, with Triton's refusals word for word.
-Shared by both frontends; HTTP's body framing is in frontend/codec.py."""
+"""A KServe v2 inference request checked and turned into the request descriptor (shm/descriptor.py),
+with Triton's refusals word for word: ``build_request`` reads the JSON document of an HTTP body (or
+of a generate request); gRPC reads its message with the same checks (grpc/requests.py). HTTP's
+body framing is in frontend/codec.py."""
 from __future__ import annotations
 
 from typing import Any
@@ -173,36 +174,25 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
         shape = _shape(name, t.get("shape"), datatype, max_elements, json_body)
         tparams = _params(t.get("parameters"), f"input '{name}'")
         if "shared_memory_region" in tparams:
-            desc = InputTensor(name, datatype, shape,
-                               _nonneg(tparams.get("shared_memory_byte_size"), name, "shared_memory_byte_size"),
-                               region=_region_name(tparams["shared_memory_region"], name),
-                               offset=_nonneg(tparams.get("shared_memory_offset", 0), name, "shared_memory_offset"))
-        elif "binary_data_size" in tparams:
-            n = _nonneg(tparams["binary_data_size"], name, "binary_data_size")
-            if pos + n > tail_len:
-                raise BadRequest(f"unexpected end of the request body: input '{name}' needs {n} bytes at "
-                                 f"{pos}, the binary data holds {tail_len}")
-            chunk = None if isinstance(tail, int) else tail[pos:pos + n]
-            pos += n
+            region, offset, size = region_fields(tparams, name)
+            desc = InputTensor(name, datatype, shape, size, region=region, offset=offset)
+        else:
+            if "binary_data_size" in tparams:
+                n = _nonneg(tparams["binary_data_size"], name, "binary_data_size")
+                if pos + n > tail_len:
+                    raise BadRequest(f"unexpected end of the request body: input '{name}' needs {n} bytes at "
+                                     f"{pos}, the binary data holds {tail_len}")
+                chunk = None if isinstance(tail, int) else tail[pos:pos + n]
+                pos += n
+            elif "data" in t:
+                chunk = json_tensor_bytes(name, datatype, shape, t["data"])
+                n = len(chunk)
+            else:
+                raise BadRequest(f"input '{name}' has no 'data', binary data or shared memory region")
+            check_data_size(model, doc.get("id", ""), name, datatype, shape, n)
             desc = InputTensor(name, datatype, shape, n, rel)
             chunks.append(chunk)
             rel += n
-        elif "data" in t:
-            encoded = json_tensor_bytes(name, datatype, shape, t["data"])
-            desc = InputTensor(name, datatype, shape, len(encoded), rel)
-            chunks.append(encoded)
-            rel += len(encoded)
-        else:
-            raise BadRequest(f"input '{name}' has no 'data', binary data or shared memory region")
-        if datatype != "BYTES" and not desc.region:
-            expected = element_count(shape) * itemsize(datatype)
-            if desc.size != expected:
-                raise BadRequest(f"{request_tag(doc.get('id', ''))}input byte size mismatch for input '{name}' "
-                                 f"for model '{model}'. Expected {expected}, got {desc.size}")
-        elif datatype == "BYTES" and element_count(shape) * 4 > desc.size:
-            # Every BYTES element has a 4-byte length prefix: more elements than that cannot be there.
-            raise BadRequest(f"input '{name}': shape {shape} of BYTES needs at least {element_count(shape) * 4} "
-                             f"bytes (a 4-byte length per element), the data has {desc.size}")
         out_inputs.append(desc)
     if pos != tail_len:
         raise BadRequest(f"the request body has {tail_len - pos} bytes of binary data that no input claims")
@@ -215,45 +205,11 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
         for o in doc["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise BadRequest("each requested output must be an object with a 'name'")
-            if o["name"] in named:  # Triton's core refuses it (one answer per output name)
-                raise BadRequest(f"{request_tag(doc.get('id', ''))}output '{o['name']}' already exists in request")
-            named.add(o["name"])
             op = _params(o.get("parameters"), f"output '{o['name']}'")
-            _bool_param(op, "binary_data", f"output '{o['name']}'")
-            od = RequestedOutput(o["name"])
-            if op.get("classification") is not None:  # Triton's classification extension: the top N
-                count = op["classification"]
-                if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= UINT32_MAX:
-                    raise BadRequest(f"output '{o['name']}': 'classification' must be a non-negative integer")
-                od.classes = count
-            if "shared_memory_region" in op:
-                od.region = _region_name(op["shared_memory_region"], o["name"])
-                od.offset = _nonneg(op.get("shared_memory_offset", 0), o["name"], "shared_memory_offset")
-                od.size = _nonneg(op.get("shared_memory_byte_size"), o["name"], "shared_memory_byte_size")
-            outputs.append(od)
+            outputs.append(output_descriptor(o["name"], op, doc.get("id", ""), named))
     req = InferRequest(model, version, out_inputs, outputs, doc.get("id", ""))
     if params:
-        for key in ("sequence_start", "sequence_end", "binary_data_output"):
-            _bool_param(params, key, "the request")
-        model_params = {}
-        for key, value in params.items():
-            if key in RESERVED_PARAMETERS:
-                continue
-            if not isinstance(value, (bool, int, float, str)):
-                raise BadRequest(f"parameter '{key}' must be a bool, a number or a string")
-            model_params[key] = value
-        if model_params:
-            req.parameters = model_params
-        if "sequence_id" in params:
-            corr = params["sequence_id"]
-            if not isinstance(corr, (int, str)) or isinstance(corr, bool) or \
-                    (isinstance(corr, int) and not 0 <= corr <= UINT64_MAX):
-                raise BadRequest("'sequence_id' must be an unsigned 64-bit integer or a string")
-            req.sequence_id = corr
-        req.sequence_flags = (SEQUENCE_START if params.get("sequence_start") else 0) | \
-            (SEQUENCE_END if params.get("sequence_end") else 0)
-        req.priority = _queue_option(params, "priority")
-        req.timeout_us = _queue_option(params, "timeout")
+        add_request_parameters(req, params)
     return req, chunks
 
 
@@ -269,3 +225,77 @@ def _nonneg(value: Any, name: str, field: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= UINT64_MAX:
         raise BadRequest(f"'{field}' of '{name}' must be a non-negative integer")
     return value
+
+
+# -- The pieces of a request, checked one at a time: ``build_request`` uses them, and so does a
+# frontend that builds the descriptor from its own message (gRPC's protobuf, grpc/requests.py).
+
+def check_shape(name: str, shape: list[int], datatype: str, max_elements: int = MAX_TENSOR_ELEMENTS) -> list[int]:
+    """``shape`` of input ``name`` checked as ``build_request`` checks it (the dimensions, the
+    element and byte counts, the element limit); raises BadRequest."""
+    return _shape(name, shape, datatype, max_elements)
+
+
+def region_fields(params: dict, name: str) -> tuple[str, int, int]:
+    """The region, offset and byte size of a tensor whose parameters name a shared-memory region."""
+    return (_region_name(params["shared_memory_region"], name),
+            _nonneg(params.get("shared_memory_offset", 0), name, "shared_memory_offset"),
+            _nonneg(params.get("shared_memory_byte_size"), name, "shared_memory_byte_size"))
+
+
+def check_data_size(model: str, request_id: str, name: str, datatype: str, shape: list[int], size: int) -> None:
+    """Input ``name``'s ``size`` bytes (not in a region) fit its shape: exactly for a fixed-size
+    datatype (Triton's text), at least a 4-byte length per element for BYTES."""
+    count = element_count(shape)
+    if datatype != "BYTES":
+        expected = count * itemsize(datatype)
+        if size != expected:
+            raise BadRequest(f"{request_tag(request_id)}input byte size mismatch for input '{name}' "
+                             f"for model '{model}'. Expected {expected}, got {size}")
+    elif count * 4 > size:  # every BYTES element has a 4-byte length prefix
+        raise BadRequest(f"input '{name}': shape {shape} of BYTES needs at least {count * 4} "
+                         f"bytes (a 4-byte length per element), the data has {size}")
+
+
+def output_descriptor(name: str, params: dict, request_id: str, named: set[str]) -> RequestedOutput:
+    """Requested output ``name`` with its ``params`` (``named``: the outputs requested before it,
+    to which it is added): where it goes, and Triton's classification count."""
+    if name in named:  # Triton's core refuses it (one answer per output name)
+        raise BadRequest(f"{request_tag(request_id)}output '{name}' already exists in request")
+    named.add(name)
+    _bool_param(params, "binary_data", f"output '{name}'")
+    od = RequestedOutput(name)
+    if params.get("classification") is not None:  # Triton's classification extension: the top N
+        count = params["classification"]
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= UINT32_MAX:
+            raise BadRequest(f"output '{name}': 'classification' must be a non-negative integer")
+        od.classes = count
+    if "shared_memory_region" in params:
+        od.region, od.offset, od.size = region_fields(params, name)
+    return od
+
+
+def add_request_parameters(req: InferRequest, params: dict) -> None:
+    """The request ``params`` into ``req``: the model's own parameters, and the sequence,
+    priority and timeout ones the server reads."""
+    for key in ("sequence_start", "sequence_end", "binary_data_output"):
+        _bool_param(params, key, "the request")
+    model_params = {}
+    for key, value in params.items():
+        if key in RESERVED_PARAMETERS:
+            continue
+        if not isinstance(value, (bool, int, float, str)):
+            raise BadRequest(f"parameter '{key}' must be a bool, a number or a string")
+        model_params[key] = value
+    if model_params:
+        req.parameters = model_params
+    if "sequence_id" in params:
+        corr = params["sequence_id"]
+        if not isinstance(corr, (int, str)) or isinstance(corr, bool) or \
+                (isinstance(corr, int) and not 0 <= corr <= UINT64_MAX):
+            raise BadRequest("'sequence_id' must be an unsigned 64-bit integer or a string")
+        req.sequence_id = corr
+    req.sequence_flags = (SEQUENCE_START if params.get("sequence_start") else 0) | \
+        (SEQUENCE_END if params.get("sequence_end") else 0)
+    req.priority = _queue_option(params, "priority")
+    req.timeout_us = _queue_option(params, "timeout")

@@ -30,6 +30,7 @@ from .health import HealthService
 from .infer import GrpcInference
 from .memory import HeapWatch
 from .options import read_pem
+from .requests import read_infer_request
 from .restricted import RestrictedProtocols
 from .service import InferenceService
 
@@ -65,7 +66,8 @@ async def serve(spec: dict) -> int:
     options = [*map(tuple, spec["options"])]  # message sizes, keepalive, SO_REUSEPORT: options.py
     interceptors = [RestrictedProtocols(spec["restricted"])] if spec["restricted"] else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    add_servicer(server, service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, service)
+    add_servicer(server, service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, service,
+                 {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request})
     add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, HealthService(service))
     try:
         address = bind(server, spec)

@@ -60,22 +60,32 @@ def _unary(behavior: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any
     return call
 
 
+def passing_bytes(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    """``serialize``, except for a response already serialized (responses.py), sent as it is."""
+    def serializer(message: Any) -> bytes:
+        return message if type(message) is bytes else serialize(message)
+    return serializer
+
+
 def _type_name(parse: Callable[[bytes], Any]) -> str:
     owner = getattr(parse, "__self__", None)  # FromString is a class method of the message type
     descriptor = getattr(owner, "DESCRIPTOR", None)
     return getattr(descriptor, "full_name", "request")
 
 
-def _wrapped(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """``handler`` with a lenient deserializer; a unary-unary one also answers ``Malformed`` and
-    ``Aborted`` itself (streaming handlers see the ``Malformed`` and answer it as they answer
-    errors)."""
-    parse = handler.request_deserializer
+def _wrapped(handler: grpc.RpcMethodHandler, parse: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
+    """``handler`` with a lenient deserializer and a serializer that passes serialized responses;
+    a unary-unary one also answers ``Malformed`` and ``Aborted`` itself (streaming handlers see
+    the ``Malformed`` and answer it as they answer errors). ``parse``: reads the request in place
+    of the generated deserializer."""
+    generated = handler.request_deserializer
     changes: dict[str, Any] = {}
-    if parse is not None:
-        changes["request_deserializer"] = lenient(parse, _type_name(parse))
+    if generated is not None:
+        changes["request_deserializer"] = lenient(parse or generated, _type_name(generated))
     if handler.unary_unary is not None:
         changes["unary_unary"] = _unary(handler.unary_unary)
+    if handler.response_serializer is not None:
+        changes["response_serializer"] = passing_bytes(handler.response_serializer)
     return handler._replace(**changes)  # type: ignore[attr-defined]
 
 
@@ -93,12 +103,14 @@ class _Registration:
         self.service, self.handlers = service, handlers
 
 
-def add_servicer(server: grpc.aio.Server, add_to_server: Callable[[Any, Any], None], servicer: Any) -> None:
-    """Register ``servicer`` as the generated ``add_to_server`` would, each handler ``_wrapped``."""
+def add_servicer(server: grpc.aio.Server, add_to_server: Callable[[Any, Any], None], servicer: Any,
+                 parsers: dict[str, Callable[[bytes], Any]] | None = None) -> None:
+    """Register ``servicer`` as the generated ``add_to_server`` would, each handler ``_wrapped``;
+    ``parsers``: a method's own request reader, by method name."""
     registration = _Registration()
     add_to_server(servicer, registration)
     if not registration.handlers:
         raise RuntimeError(f"{add_to_server.__name__} registered no method handlers by name")
-    handlers = {name: _wrapped(h) for name, h in registration.handlers.items()}
+    handlers = {name: _wrapped(h, (parsers or {}).get(name)) for name, h in registration.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(registration.service, handlers),))
     server.add_registered_method_handlers(registration.service, handlers)

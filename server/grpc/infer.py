@@ -1,8 +1,9 @@
 """ModelInfer's path: a ``ModelInferRequest`` to the broker link and its answer back; and
 ModelStreamInfer's, one request of a stream to its responses (``stream``).
 
-The request becomes edge/requests.py's descriptor through the KServe document (tensors.py), goes out with
-``BrokerLink.submit`` like an HTTP request, and its completion becomes a ``ModelInferResponse``.
+The message becomes the broker descriptor at once (requests.py, with edge/requests.py's checks),
+goes out with ``BrokerLink.submit`` like an HTTP request, and its completion becomes the
+serialized ``ModelInferResponse`` (responses.py).
 A client that cancels the call cancels the request (``BrokerLink.cancel``); its answer is freed
 when it comes. While tracing is on, a sampled call is traced as an HTTP request is
 (server/edge/tracing.py), its record written once the call has ended; each request on a
@@ -16,11 +17,10 @@ import time
 from typing import Any, AsyncGenerator
 
 import grpc
-from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.server.edge.requests import BadRequest, build_request
-from shmserve.server.edge.header_forward import add_to_request, forwarded_params
-from shmserve.server.edge.link import BrokerError, BrokerLink, Sent, when_room
+from shmserve.server.edge.header_forward import forwarded_params
+from shmserve.server.edge.link import ArenaWait, BrokerError, BrokerLink, Sent, when_room
+from shmserve.server.edge.requests import BadRequest
 from shmserve.server.edge.tracing import (RECV_END, RECV_START, SEND_END, SEND_START, Trace, Tracer,
                                               timed_sends)
 from shmserve.shm.completion import Completion
@@ -29,13 +29,16 @@ from shmserve.shm.protocol import REQ_INFER
 from shmserve.shm.trace import GRPC_STAMPS
 
 from .status import Aborted, code_of
-from .tensors import infer_response, request_doc
+from .requests import descriptor_from_message, param_value
+from .responses import infer_response
 
 
 # The worker refuses a single-answer request to a decoupled model in the HTTP frontend's words;
 # over gRPC Triton says it in these.
 HTTP_DECOUPLED = "HTTP end point doesn't support models with decoupled transaction policy"
 GRPC_DECOUPLED = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+# The request parameter that asks for an empty response carrying only the final flag.
+EMPTY_FINAL = "triton_enable_empty_final_response"
 
 
 # What C++'s std::stol reads, as Triton parses a request's model_version: optional blanks and sign,
@@ -76,13 +79,14 @@ class GrpcInference:
             return {}
         return forwarded_params(self.header_forward, context.invocation_metadata() or ())
 
-    async def infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """The ``ModelInferResponse`` of ``request``; raises ``Aborted`` for an error answer.
-        Sampled for tracing once the request is built, as Triton samples a ModelInfer call: one
-        refused for its inputs is not traced."""
-        read = time.monotonic_ns() if self.tracer.on else 0  # the message is read
-        doc, req, chunks = await self._build(request, self.metadata_params(context))
-        trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
+    async def infer(self, request: Any, context: grpc.aio.ServicerContext) -> bytes:
+        """The serialized ``ModelInferResponse`` of ``request``; raises ``Aborted`` for an error
+        answer. Sampled for tracing once the request is built, as Triton samples a ModelInfer
+        call: one refused for its inputs is not traced."""
+        tracer = self.tracer
+        read = time.monotonic_ns() if tracer.on else 0  # the message is read
+        req, chunks = await self._build(request, self.metadata_params(context))
+        trace = tracer.sample(request.model_name, GRPC_STAMPS) if tracer.on else None
         if trace is not None:
             trace.ns[RECV_START] = trace.ns[RECV_END] = read
             context.add_done_callback(lambda _: self._finish_trace(trace))
@@ -95,8 +99,8 @@ class GrpcInference:
             if completion.status != 200:
                 error = answer.error or "inference failed"
                 raise Aborted(code_of(completion.status), GRPC_DECOUPLED if error == HTTP_DECOUPLED else error)
-            response = infer_response(request.model_name, str(answer.version or request.model_version), doc,
-                                      answer, completion.tensor)
+            response = infer_response(request, str(answer.version or request.model_version), answer,
+                                      completion.tensor)
         finally:
             completion.release()
         if trace is not None:
@@ -127,17 +131,17 @@ class GrpcInference:
         _END, 0 when tracing was off then) and a GRPC_SEND pair per message sent; a request refused
         before it is submitted is not traced. ``forwarded``: the stream's ``metadata_params``."""
         try:
-            doc, req, chunks = await self._build(request, forwarded)
+            req, chunks = await self._build(request, forwarded)
         except Aborted as e:
             return refused(e)
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
         if trace is None:
-            return self._messages(request, decoupled, (doc, req, chunks), None)
+            return self._messages(request, decoupled, (req, chunks), None)
         trace.ns[RECV_START], trace.ns[RECV_END] = read if read[0] else (req.sent_ns, req.sent_ns)
         trace.mark(req)
-        return timed_sends(self._messages(request, decoupled, (doc, req, chunks), trace), trace, self.tracer)
+        return timed_sends(self._messages(request, decoupled, (req, chunks), trace), trace, self.tracer)
 
-    async def _messages(self, request: Any, decoupled: bool, built: tuple[dict, dict, list],
+    async def _messages(self, request: Any, decoupled: bool, built: tuple[InferRequest, list],
                         trace: Trace | None) -> AsyncGenerator[Any, None]:
         """The ``ModelStreamInferResponse`` messages of one request ``built`` (``_build``): each
         response as it comes (a decoupled model's many, another model's one), and each error as
@@ -147,13 +151,13 @@ class GrpcInference:
         false; a final flag without a response sends an empty response only when the request
         asks for it (``triton_enable_empty_final_response``), as Triton does. A model that is not
         ``decoupled`` answers once: that response is the final one."""
-        doc, req, chunks = built
+        req, chunks = built
         try:
             events = self.link.stream(req, chunks)
         except BrokerError as e:
             yield Aborted(code_of(e.status), str(e))
             return
-        empty_final = bool(doc["parameters"].get("triton_enable_empty_final_response"))
+        empty_final = EMPTY_FINAL in request.parameters and bool(param_value(request.parameters[EMPTY_FINAL]))
         try:
             final = False
             while not final:
@@ -162,16 +166,14 @@ class GrpcInference:
                     answer = completion.answer
                     if trace is not None:
                         trace.collect(answer)  # the version served; the final one ends the request
-                    message: Any
+                    message: Aborted | bytes | None
                     if completion.status != 200:
                         message = Aborted(code_of(completion.status), answer.error or "inference failed")
                     elif final and not answer.outputs and (not empty_final or not decoupled):
                         message = None
                     else:
-                        response = infer_response(request.model_name, str(answer.version or ""), doc, answer,
-                                                  completion.tensor)
-                        response.parameters["triton_final_response"].bool_param = final or not decoupled
-                        message = pb.ModelStreamInferResponse(infer_response=response)
+                        message = infer_response(request, str(answer.version or ""), answer, completion.tensor,
+                                                 final=final or not decoupled, stream=True)
                 finally:
                     completion.release()
                 if message is not None:
@@ -179,28 +181,21 @@ class GrpcInference:
         finally:
             events.close()  # the stream ended or the client went away: free what still comes
 
-    async def _build(self, request: Any, forwarded: dict[str, str] | None = None) -> tuple[dict, InferRequest, list]:
-        """The KServe document, the descriptor (with the ``forwarded`` parameters) and its tensor
-        chunks; a refusal raises ``Aborted``."""
+    async def _build(self, request: Any, forwarded: dict[str, str] | None = None) -> tuple[InferRequest, list]:
+        """The descriptor (with the ``forwarded`` parameters) and its tensor chunks; a refusal
+        raises ``Aborted``."""
         received = time.monotonic_ns()
-        model, version = request.model_name, request.model_version
-        check_version(version)
+        check_version(request.model_version)
         try:
-            doc, pieces = request_doc(request)
-            req, chunks = build_request(model, version, doc, pieces, self.max_tensor_elements)  # type: ignore[arg-type]
-            add_to_request(req, forwarded)
-            size = sum(len(c) for c in chunks)
-            if size > self.max_request_bytes:
-                raise BadRequest(f"the request's {size} bytes of tensor data exceed the frontend's shared-memory "
-                                 f"arena (--frontend-arena-mb); send large tensors through shared memory")
+            req, chunks = descriptor_from_message(request, self.max_tensor_elements, self.max_request_bytes, forwarded)
         except BadRequest as e:
-            raise await self._refusal(model, version, e) from None
+            raise await self._refusal(request.model_name, request.model_version, e) from None
         req.sent_ns = received
-        return doc, req, chunks
+        return req, chunks
 
     async def _submit(self, req: InferRequest, chunks: list, model: str) -> Completion:
-        """Send the request, waiting for room in a fragmented arena (``link.when_room``), and
-        await its completion."""
+        """Send the request and await its completion: its callback sets the future this call's
+        task waits on, the one hop back to it. A fragmented arena is waited for (``when_room``)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def resolve(completion: Completion) -> None:
@@ -209,8 +204,14 @@ class GrpcInference:
             else:
                 fut.set_result(completion)
 
+        def send() -> Sent:
+            return self.link.submit(REQ_INFER, req, chunks, resolve, model=model)
+
         try:
-            sent: Sent = await when_room(lambda: self.link.submit(REQ_INFER, req, chunks, resolve, model=model))
+            try:
+                sent = send()
+            except ArenaWait:
+                sent = await when_room(send)
         except BrokerError as e:  # (ArenaWait too, once its wait is over)
             raise Aborted(code_of(e.status), str(e)) from None
         try:

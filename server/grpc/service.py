@@ -31,7 +31,7 @@ from .handlers import Malformed, refuse
 from .infer import GrpcInference, refused
 from .restricted import PASSED_GROUP
 from .status import Aborted, code_of
-from .tensors import param_value
+from .requests import param_value
 
 log = logging.getLogger("shmserve.grpc")
 Context = grpc.aio.ServicerContext
