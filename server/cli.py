@@ -184,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
              "let clients register and unregister system and CUDA shared-memory regions, as Triton's flag "
              "(default true: a caller may register only an object it could open itself; see "
              "docs/serving.md)")
+    p.add_argument("--local-client-users", default="", metavar="USER[,USER...]",
+                   help="other users (names or uids) whose local clients may call this server through "
+                        "/dev/shm, as an application container of another runAsUser in the pod: each gets "
+                        "read and write on the objects clients open, by an ACL entry (no one else: the owning "
+                        "group and others get nothing); their "
+                        "clients can read the answers these objects hold for every client, as clients of the "
+                        "server's own user can (default none; docs/deploy.md)")
     add_bool(p, "--allow-remote-shm", False,
              "let non-loopback HTTP peers register system shared memory. Risky: anyone who "
                         "reaches the port could make the server read or write this host's shared memory "
@@ -237,6 +244,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"model repository '{repo}' does not exist or is not a directory")
     if args.http_workers < 1:
         parser.error("--http-workers must be at least 1")
+    from shmserve.shm.access import parse_users
+
+    try:
+        args.local_client_users = parse_users(args.local_client_users)
+    except ValueError as e:
+        parser.error(f"--local-client-users: {e}")
     if not 0 <= args.exit_timeout_secs < 1e9:  # (nan fails too) a negative drain would kill the broker at once
         parser.error("--exit-timeout-secs must be a number of seconds, 0 or more")
     if args.http_max_input_size < 1 or args.http_max_tensor_elements < 1:

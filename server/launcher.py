@@ -22,6 +22,7 @@ from typing import Callable
 
 from shmserve.parent_death import ORPHANED, die_with_parent
 from shmserve.shm import logs, space
+from shmserve.shm.access import readers_environment
 from shmserve.shm.child_spec import spec_file
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.names import (SHM_DIR, list_objects, object_name, pid_alive, unlink_all, unlink_semaphore,
@@ -106,8 +107,10 @@ class Launcher:
 
     def _start_broker(self) -> subprocess.Popen:
         with spec_file(self.broker_opts.to_json()) as stdin:
+            # The users whose local clients may open the broker's and workers' objects (shm/access.py).
+            env = {**os.environ, **readers_environment(self.args.local_client_users)}
             proc = subprocess.Popen([sys.executable, "-m", "shmserve.server.broker"], stdin=stdin,
-                                    preexec_fn=_dies_with_us(ORPHANED))
+                                    preexec_fn=_dies_with_us(ORPHANED), env=env)
         deadline = time.monotonic() + 30
         name = object_name(self.sid, "broker", 0)
         while time.monotonic() < deadline and proc.poll() is None:

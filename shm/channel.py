@@ -20,9 +20,10 @@ import time
 import numpy as np
 import posix_ipc
 
+from .access import grant
 from .arena import Arena
 from .liveness import BROKER_TICKET
-from .names import object_name, unlink_semaphore
+from .names import SHM_DIR, object_name, unlink_semaphore
 from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
 from .published import Published
@@ -91,9 +92,16 @@ def _align(n: int, a: int = 4096) -> int:
     return (n + a - 1) & ~(a - 1)
 
 
-def _create_sem(name: str, initial: int = 0) -> posix_ipc.Semaphore:
+def _create_sem(name: str, initial: int = 0, readers: tuple[int, ...] = ()) -> posix_ipc.Semaphore:
+    """A new semaphore (mode 0600) that ``readers`` (other users, access.py) may open too."""
     unlink_semaphore(name)
-    return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
+    try:
+        grant(f"{SHM_DIR}/sem.{name.lstrip('/')}", readers)
+    except BaseException:
+        sem.unlink()
+        raise
+    return sem
 
 
 def pid_namespace() -> int:
@@ -109,7 +117,7 @@ def read_header(seg: Segment) -> tuple[int, int, int]:
 
 
 class BrokerSegment:
-    def __init__(self, server_id: str, seg: Segment, create: bool) -> None:
+    def __init__(self, server_id: str, seg: Segment, create: bool, readers: tuple[int, ...] = ()) -> None:
         self.seg = seg
         self.name = seg.name
         off = HEADER_BYTES
@@ -129,8 +137,8 @@ class BrokerSegment:
         if create:
             _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
             self.connect.reset()
-            self.doorbell = _create_sem(self.doorbell_name)
-            self.mutex = _create_sem(self.mutex_name, 1)
+            self.doorbell = _create_sem(self.doorbell_name, readers=readers)
+            self.mutex = _create_sem(self.mutex_name, 1, readers)
             self.arena: Arena | None = Arena(seg.buf, off, seg.size - off)
         else:
             magic, _, _ = read_header(seg)
@@ -149,9 +157,10 @@ class BrokerSegment:
             + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES + arena_bytes
 
     @classmethod
-    def create(cls, server_id: str, arena_bytes: int) -> "BrokerSegment":
+    def create(cls, server_id: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "BrokerSegment":
+        """``readers``: the other users whose local clients may connect (access.py)."""
         name = object_name(server_id, "broker", 0)
-        return cls(server_id, Segment.create(name, cls.nbytes(arena_bytes)), create=True)
+        return cls(server_id, Segment.create(name, cls.nbytes(arena_bytes), readers), create=True, readers=readers)
 
     @classmethod
     def attach(cls, server_id: str) -> "BrokerSegment":
@@ -210,7 +219,7 @@ class BrokerSegment:
 
 
 class WorkerSegment:
-    def __init__(self, seg: Segment, create: bool) -> None:
+    def __init__(self, seg: Segment, create: bool, readers: tuple[int, ...] = ()) -> None:
         self.seg = seg
         self.name = seg.name
         off = HEADER_BYTES
@@ -244,7 +253,7 @@ class WorkerSegment:
             self.outbox.reset()
             self.lane_heads[:] = 0
             self.lane_tails[:] = 0
-            self.sem = _create_sem(seg.name)
+            self.sem = _create_sem(seg.name, readers=readers)
         else:
             self.sem = posix_ipc.Semaphore(seg.name)
         self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.sem)
@@ -329,8 +338,9 @@ class WorkerSegment:
             + CUSTOM_METRICS_BYTES + REGION_HOLDS_BYTES + arena_bytes
 
     @classmethod
-    def create(cls, name: str, arena_bytes: int) -> "WorkerSegment":
-        return cls(Segment.create(name, cls.nbytes(arena_bytes)), create=True)
+    def create(cls, name: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "WorkerSegment":
+        """``readers``: the other users whose local clients may call it (access.py)."""
+        return cls(Segment.create(name, cls.nbytes(arena_bytes), readers), create=True, readers=readers)
 
     @classmethod
     def attach(cls, name: str) -> "WorkerSegment":
@@ -360,7 +370,7 @@ class ClientSegment:
     """``fifo=True`` wakes the client through a FIFO an asyncio loop can watch, else a semaphore."""
 
     def __init__(self, seg: Segment, slots: int, create: bool, fifo: bool = False, notify: int | None = None,
-                 ticket: int = 0) -> None:
+                 ticket: int = 0, readers: tuple[int, ...] = ()) -> None:
         self.seg = seg
         self.name = seg.name
         off = HEADER_BYTES
@@ -387,10 +397,10 @@ class ClientSegment:
             if kind == NOTIFY_BROKER:
                 pass  # woken through the broker's own doorbell
             elif fifo:
-                self.fifo_fd = make_fifo(self.fifo_path)
+                self.fifo_fd = make_fifo(self.fifo_path, readers)
                 flag[0] = SLEEPING  # the owner's loop waits on the FIFO from the start
             else:
-                self.sem = _create_sem(seg.name)
+                self.sem = _create_sem(seg.name, readers=readers)
             self.arena: Arena | None = Arena(seg.buf, off, seg.size - off)
         else:
             if struct.unpack_from("<I", seg.buf, NOTIFY_KIND_OFFSET)[0] == NOTIFY_SEMAPHORE:
@@ -405,11 +415,12 @@ class ClientSegment:
 
     @classmethod
     def create(cls, name: str, arena_bytes: int, ticket: int, slots: int = DEFAULT_SLOTS, fifo: bool = False,
-               notify: int | None = None) -> "ClientSegment":
+               notify: int | None = None, readers: tuple[int, ...] = ()) -> "ClientSegment":
         """``ticket``: the creating process's liveness ticket (shm/liveness.py), kept in the
-        header where the other segments keep their pid."""
-        return cls(Segment.create(name, cls.nbytes(slots, arena_bytes)), slots, create=True, fifo=fifo, notify=notify,
-                   ticket=ticket)
+        header where the other segments keep their pid. ``readers``: the server's user, when it
+        is not ours (access.py)."""
+        return cls(Segment.create(name, cls.nbytes(slots, arena_bytes), readers), slots, create=True, fifo=fifo,
+                   notify=notify, ticket=ticket, readers=readers)
 
     @classmethod
     def attach(cls, name: str) -> "ClientSegment":

@@ -133,7 +133,7 @@ class Client:
     def create_region(self, name: str, byte_size: int) -> Region:
         """A new shm region owned by this client, registered under ``name``. Its object goes when
         the client closes, when the process exits, or (unlinked by the server) when it dies."""
-        region = Region.create(name, byte_size, created_key_prefix(self._conn.ticket) + name)
+        region = Region.create(name, byte_size, created_key_prefix(self._conn.ticket) + name, self._conn.readers)
         try:
             self._control({"op": "shm_register", "name": name, "key": region.key, "offset": 0,
                            "byte_size": byte_size, "owned": True, "created": True})

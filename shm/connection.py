@@ -26,6 +26,7 @@ import numpy as np
 import orjson
 import posix_ipc
 
+from .access import others
 from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
 from .completion import Callback
@@ -84,8 +85,11 @@ class Connection:
             raise ServerUnavailable(f"no shmserve server with id '{server_id}' is running on this host") from None
         except (posix_ipc.PermissionsError, PermissionError):
             raise ServerUnavailable(f"the shmserve server '{server_id}' runs as another user: this process (uid "
-                                    f"{os.getuid()}) may not open its shared memory; run the client as the "
-                                    f"server's user (docs/deploy.md)") from None
+                                    f"{os.geteuid()}) may not open its shared memory; run the client as the "
+                                    f"server's user, or start the server with --local-client-users={os.geteuid()} "
+                                    f"(docs/deploy.md)") from None
+        # The server's user must open what we create when it is not ours (shm/access.py).
+        self.readers = others((self.broker.seg.uid,))
         # Liveness both ways by tickets, not pids: we may be in another PID namespace (another
         # container of the pod) than the server (shm/liveness.py).
         try:
@@ -121,7 +125,8 @@ class Connection:
         while True:
             name = object_name(self.server_id, "client", f"{self.ticket}-{next(_counter)}")
             try:
-                return name, ClientSegment.create(name, arena_bytes, self.ticket, slots, fifo=fifo)
+                return name, ClientSegment.create(name, arena_bytes, self.ticket, slots, fifo=fifo,
+                                                  readers=self.readers)
             except posix_ipc.ExistentialError:
                 continue
 

@@ -22,6 +22,7 @@ import threading
 import posix_ipc
 
 from . import space
+from .access import server_readers
 from .arena import ALIGN, BLOCK_HEADER, Arena
 from .channel import EXTENT_ENTRIES, MAX_EXTENTS, WorkerSegment
 from .names import PREFIX, SHM_DIR, extent_name, unlink_shm
@@ -138,7 +139,7 @@ class OutputArenas:
                 space.check(self.server_id, size, f"a {space.mib(size)} output extent of model instance "
                                                   f"'{self.instance_name}'", f" (--worker-arena-mb={self.cap >> 20} "
                                                                              f"caps one instance's extents)")
-                seg = Segment.create_anew(name, size)
+                seg = Segment.create_anew(name, size, server_readers())
         except space.NoRoom as e:
             raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
         except (OSError, posix_ipc.Error) as e:

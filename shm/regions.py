@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
+from .access import grant
 from .names import CLIENT_PREFIX, is_server_object
 
 
@@ -34,14 +35,20 @@ class Region:
         self.owner = owner
 
     @classmethod
-    def create(cls, name: str, size: int, key: str) -> "Region":
+    def create(cls, name: str, size: int, key: str, readers: tuple[int, ...] = ()) -> "Region":
+        """A new object of mode 0600 that ``readers`` (the server's user when it is not ours,
+        access.py) may open too."""
         if is_server_object(key):
             raise ValueError(f"key '{key}' is in the server's own namespace")
         shm = posix_ipc.SharedMemory(key, posix_ipc.O_CREX, mode=0o600, size=size)
         try:
+            grant(shm.fd, readers)
             mm = mmap.mmap(shm.fd, size)
-        finally:
+        except BaseException:
             shm.close_fd()
+            shm.unlink()
+            raise
+        shm.close_fd()
         return cls(name, key, size, mm, owner=True)
 
     def array(self, dtype: Any, shape: tuple[int, ...] | list[int], offset: int = 0) -> np.ndarray:

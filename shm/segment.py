@@ -15,6 +15,7 @@ from typing import Callable
 
 import posix_ipc
 
+from .access import grant
 from .names import unlink_shm
 from .region_io import RegionFiles
 
@@ -43,19 +44,24 @@ class Segment:
         return self._mmap[start:end]
 
     @classmethod
-    def create(cls, name: str, size: int) -> "Segment":
+    def create(cls, name: str, size: int, readers: tuple[int, ...] = ()) -> "Segment":
+        """A new segment of mode 0600 that ``readers`` (other users, access.py) may open too."""
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         try:
+            grant(shm.fd, readers)
             mm = mmap.mmap(shm.fd, size)
-        finally:
+        except BaseException:
             shm.close_fd()
+            shm.unlink()
+            raise
+        shm.close_fd()
         return cls(name, size, mm, owner=True)
 
     @classmethod
-    def create_anew(cls, name: str, size: int) -> "Segment":
+    def create_anew(cls, name: str, size: int, readers: tuple[int, ...] = ()) -> "Segment":
         """``create``, after removing an object of that name a crashed predecessor left."""
         unlink_shm(name)
-        return cls.create(name, size)
+        return cls.create(name, size, readers)
 
     @classmethod
     def attach(cls, name: str, readonly: bool = False) -> "Segment":

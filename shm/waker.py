@@ -21,6 +21,8 @@ from typing import Callable
 
 import posix_ipc
 
+from .access import grant
+
 AWAKE, SLEEPING = 0, 1
 _fence_lock = threading.Lock()
 
@@ -268,13 +270,15 @@ class SpinPolicy:
             os.sched_yield()
 
 
-def make_fifo(path: str) -> int:
-    """Create the FIFO and open it for reading (O_RDWR keeps it from ever reporting EOF)."""
+def make_fifo(path: str, readers: tuple[int, ...] = ()) -> int:
+    """Create the FIFO (``readers``: other users who may open it, access.py) and open it for
+    reading (O_RDWR keeps it from ever reporting EOF)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     os.mkfifo(path, 0o600)
+    grant(path, readers)
     return os.open(path, os.O_RDWR | os.O_NONBLOCK)
 
 

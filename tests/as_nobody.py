@@ -41,9 +41,20 @@ _EPILOGUE = "\nprint('RESULT ' + json.dumps(result))\n"
 
 def run_as_nobody(program: str, args: Any = None, timeout: float = 120.0) -> Any:
     """Run ``program`` (Python source) as nobody; its ``result``. Fails the test if it raised."""
-    source = _PRELUDE.format(uid=NOBODY.pw_uid, gid=NOBODY.pw_gid) + program + _EPILOGUE
-    proc = subprocess.run([sys.executable, "-c", source, json.dumps(args)], capture_output=True, text=True,
-                          timeout=timeout, cwd="/")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"as nobody: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return run_as(NOBODY.pw_uid, NOBODY.pw_gid, program, args, timeout)
+
+
+def run_as(uid: int, gid: int, program: str, args: Any = None, timeout: float = 120.0) -> Any:
+    """``run_as_nobody`` for any user and group (one the user database need not know)."""
+    proc = start_as(uid, gid, program, args)
+    out, err = proc.communicate(timeout=timeout)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"as uid {uid}: rc {proc.returncode}\n{out}\n{err}"
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def start_as(uid: int, gid: int, program: str, args: Any = None) -> subprocess.Popen:
+    """``program`` started as ``uid``:``gid``, its stdin, stdout and stderr pipes (text)."""
+    source = _PRELUDE.format(uid=uid, gid=gid) + program + _EPILOGUE
+    return subprocess.Popen([sys.executable, "-c", source, json.dumps(args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")

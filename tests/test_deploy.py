@@ -28,6 +28,7 @@ from referencing import Registry, Resource
 
 from conftest import PRODUCT_MODELS, ROOT
 
+from shmserve.shm.access import parse_users
 from shmserve.server import cache_flags, triton_flags
 from shmserve.server.cli import build_parser
 from shmserve.server.shm_needs import instance_bytes, startup_bytes
@@ -203,9 +204,10 @@ def test_the_deployment_agrees_with_the_server_flags(path):
     assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"]["runAsNonRoot"]
 
 
-def test_the_pod_with_the_application_shares_only_dev_shm_as_one_user():
+def test_the_pod_with_the_application_shares_only_dev_shm_under_a_named_user():
     """deploy/kubernetes/pod-local-client/: the application's container reaches the server through
-    one memory-backed emptyDir at /dev/shm, as the server's uid, and shares nothing else."""
+    one memory-backed emptyDir at /dev/shm, as a user of its own that the server's
+    --local-client-users names, and shares nothing else."""
     deployment = yaml.safe_load((KUBE / "pod-local-client" / "deployment.yaml").read_text())
     pod = pod_spec(deployment)
     server, app = pod["containers"]
@@ -218,7 +220,9 @@ def test_the_pod_with_the_application_shares_only_dev_shm_as_one_user():
     assert [m["mountPath"] for m in app["volumeMounts"]] == ["/dev/shm"]
     assert not any(pod.get(k) for k in ("shareProcessNamespace", "hostIPC", "hostPID"))
     uid = pod["securityContext"]["runAsUser"]
-    assert all(c.get("securityContext", {}).get("runAsUser", uid) == uid for c in (server, app))
+    assert server.get("securityContext", {}).get("runAsUser", uid) == uid
+    app_uid = app.get("securityContext", {}).get("runAsUser", uid)
+    assert app_uid != uid and parse_users(args.local_client_users) == [app_uid]
     notes = deployment["spec"]["template"]["metadata"]["annotations"]
     need = shm_need(server["args"], int(notes["shmserve/instances-per-pod"])) \
         + quantity(notes["shmserve/local-clients-bytes"])

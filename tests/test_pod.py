@@ -1,8 +1,10 @@
-"""The local client from another container of the pod (deploy/kubernetes/pod-local-client.yaml),
-with podman: a server container and an application container that share only a tmpfs as
-/dev/shm (the pod's `emptyDir: {medium: Memory}`), each in its own PID namespace, as the same
-uid (the pod's runAsUser). The client is killed mid-request; the server reclaims what it held
-and serves on. A process of another uid in the server's container is refused.
+"""The local client from another container of the pod (deploy/kubernetes/pod-local-client/), with
+podman: a server container (uid 1000, the image's) and an application container (uid 2000) that
+share only a tmpfs as /dev/shm (the pod's `emptyDir: {medium: Memory}`: mode 0777, no sticky bit),
+each in its own PID namespace. The server names the application's user with
+--local-client-users; the application's objects name the server's user (shm/access.py) and no
+one else. The client is killed mid-request; the server reclaims what it held and serves on. A
+process of a third uid is refused, and cannot open the application's objects.
 
 The image is the one tests/test_container.py builds (built here if it is missing); the package's
 sources of this checkout are mounted over the installed ones, so that what runs is this code
@@ -21,6 +23,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from conftest import PRODUCT_MODELS, ROOT, SHM_MODELS, free_ports
+from shmserve.shm.access import readers_of
 from gates import Gate
 import tmpfs
 from test_container import IMAGE, PODMAN, READY_S, _ready, base_image, image, logs, podman_env, run  # noqa: F401
@@ -47,6 +50,8 @@ print(os.getpid(), os.stat("/proc/self/ns/pid").st_ino, region.key, c._conn.name
 sys.stdin.read()
 """
 
+SERVER_UID, APP_UID, THIRD_UID = 1000, 2000, 3000
+
 OTHER_USER = r"""
 from shmserve import Client, ServerUnavailable
 try:
@@ -54,6 +59,16 @@ try:
     print("connected")
 except ServerUnavailable as e:
     print(e)
+"""
+
+# Another user's process opening the application's segment (argv[1]).
+OPEN_SEGMENT = r"""
+import sys, posix_ipc
+try:
+    posix_ipc.SharedMemory(sys.argv[1])
+    print("opened")
+except posix_ipc.PermissionsError as e:
+    print("refused", e)
 """
 
 
@@ -71,7 +86,10 @@ def source_mounts(image_name: str, env: dict) -> list[str]:
                          "-c", "import os, shmserve; print(os.path.dirname(shmserve.__file__))"], env)
     assert done.returncode == 0, done.stderr
     site = done.stdout.strip()
-    return [opt for folder in SOURCES for opt in ("-v", f"{ROOT / folder}:{site}/{folder}:ro")]
+    folders = [opt for folder in SOURCES for opt in ("-v", f"{ROOT / folder}:{site}/{folder}:ro")]
+    # and the modules of the package's own folder (shmserve/: signature.py, batching.py ...)
+    return folders + [opt for module in sorted((ROOT / "shmserve").glob("*.py"))
+                      for opt in ("-v", f"{module}:{site}/{module.name}:ro")]
 
 
 def namespace_of(container: str, env: dict) -> str:
@@ -89,18 +107,18 @@ def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
 
 def test_an_application_container_uses_the_local_client_and_is_killed_mid_request(pod_image, podman_env, tmp_path):
     gate = Gate(tmp_path / "gate")
-    gate.folder.chmod(0o777)  # both containers run as uid 1000
+    gate.folder.chmod(0o777)  # the containers run as uids 1000 and 2000
     http, grpc, metrics = free_ports(3)
     server, app = f"shmserve-pod-{os.getpid()}", f"shmserve-app-{os.getpid()}"
     mounts = source_mounts(pod_image, podman_env)
-    with tmpfs.mounted(tmp_path / "shm", "4g") as shm_dir:
+    with tmpfs.mounted(tmp_path / "shm", "4g", mode="0777") as shm_dir:
         started = run(PODMAN + ["run", "-d", "--name", server, "--network", "host", "--read-only",
                                 "-v", f"{shm_dir}:/dev/shm", "-v", f"{gate.folder}:/gate", *mounts,
                                 "-v", f"{PRODUCT_MODELS / 'add_sub'}:/models/add_sub:ro",
                                 "-v", f"{SHM_MODELS / 'slow_reader'}:/models/slow_reader:ro",
                                 "-e", f"SHMSERVE_HEALTH_URL=http://127.0.0.1:{http}/v2/health/ready", pod_image,
                                 "--model-repository=/models", f"--http-port={http}", f"--grpc-port={grpc}",
-                                f"--metrics-port={metrics}"], podman_env)
+                                f"--metrics-port={metrics}", f"--local-client-users={APP_UID}"], podman_env)
         assert started.returncode == 0, started.stderr
         client = None
         try:
@@ -110,7 +128,8 @@ def test_an_application_container_uses_the_local_client_and_is_killed_mid_reques
                     assert time.monotonic() < deadline, logs(server, podman_env)
                     time.sleep(0.2)
                 # The application container: no network, its own PID namespace, /dev/shm shared.
-                client = subprocess.Popen(PODMAN + ["run", "-i", "--name", app, "--network", "none", "--read-only",
+                client = subprocess.Popen(PODMAN + ["run", "-i", "--name", app, "--user", f"{APP_UID}:{APP_UID}",
+                                                    "--network", "none", "--read-only",
                                                     "--no-healthcheck", "-v", f"{shm_dir}:/dev/shm",
                                                     "-v", f"{gate.folder}:/gate", *mounts, "--entrypoint", "python3",
                                                     pod_image, "-c", APP],
@@ -122,6 +141,14 @@ def test_an_application_container_uses_the_local_client_and_is_killed_mid_reques
                 pid, namespace, key, segment = int(said[0]), said[1], said[2], said[3]
                 assert pid == 1 and namespace != namespace_of(server, podman_env)
                 assert (shm_dir / key.lstrip("/")).exists() and (shm_dir / segment.lstrip("/")).exists()
+                # The application's objects: its own, with the server's user named and no one else.
+                for name in (key, segment):
+                    st = os.stat(shm_dir / name.lstrip("/"))
+                    assert st.st_uid == APP_UID and st.st_mode & 0o007 == 0, (name, st)
+                    assert readers_of(str(shm_dir / name.lstrip("/"))) == (SERVER_UID,), name
+                third = run(PODMAN + ["exec", "--user", f"{THIRD_UID}:{THIRD_UID}", server, "python3", "-c",
+                                      OPEN_SEGMENT, segment], podman_env)
+                assert third.stdout.startswith("refused"), third.stdout + third.stderr
                 gate.wait_started(1)  # its slow_reader request is in the model now
                 killed = run(PODMAN + ["kill", "-s", "KILL", app], podman_env)
                 assert killed.returncode == 0, killed.stderr
@@ -139,9 +166,11 @@ def test_an_application_container_uses_the_local_client_and_is_killed_mid_reques
                 x = httpclient.InferInput("X", [4], "INT32")
                 x.set_data_from_numpy(np.arange(4, dtype=np.int32))
                 assert http_client.infer("slow_reader", [x], parameters={"sleep_s": 0}).as_numpy("SUM").tolist() == [6]
-            # Another user, even in the server's own container, may not attach: a clear refusal.
-            other = run(PODMAN + ["exec", "--user", "2000:2000", server, "python3", "-c", OTHER_USER], podman_env)
-            assert "runs as another user" in other.stdout and "uid 2000" in other.stdout, other.stdout + other.stderr
+            # A user not named, even in the server's own container, may not attach: a clear refusal.
+            other = run(PODMAN + ["exec", "--user", f"{THIRD_UID}:{THIRD_UID}", server, "python3", "-c", OTHER_USER],
+                        podman_env)
+            assert "runs as another user" in other.stdout and f"uid {THIRD_UID}" in other.stdout, \
+                other.stdout + other.stderr
             stopped = run(PODMAN + ["stop", "-t", "60", server], podman_env, timeout=90)
             assert stopped.returncode == 0, stopped.stderr
             text = logs(server, podman_env)

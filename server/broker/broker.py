@@ -24,6 +24,7 @@ import logging
 import signal
 import time
 
+from shmserve.shm.access import server_readers
 from shmserve.shm.channel import BrokerSegment
 from shmserve.parent_death import ORPHANED
 from shmserve.shm import liveness
@@ -64,7 +65,7 @@ SETTLE_S = 0.01  # how often regions unregistered while in use are looked at (la
 class Broker:
     def __init__(self, opts: BrokerOptions) -> None:
         self.opts = opts
-        self.seg = BrokerSegment.create(opts.server_id, opts.broker_arena_bytes)
+        self.seg = BrokerSegment.create(opts.server_id, opts.broker_arena_bytes, server_readers())
         self.journal = Journal(opts.server_id)  # what a broker before this one was asked to change
         self.cache = create_store(opts.server_id, opts.response_cache_bytes)  # workers attach it; ensembles use it
         self.catalog = Catalog()

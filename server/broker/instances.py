@@ -13,6 +13,7 @@ import sys
 import time
 
 from shmserve.shm import logs, space
+from shmserve.shm.access import server_readers
 from shmserve.shm.arena import free_block
 from shmserve.shm.channel import WorkerSegment
 from shmserve.shm.child_spec import spec_file
@@ -75,7 +76,8 @@ class Instances:
     def _start(self, mv: ModelVersion, name: str, index: int, kind: str, device: int) -> Instance:
         num = self.next_worker
         self.next_worker += 1
-        seg = WorkerSegment.create(object_name(self.opts.server_id, "worker", num), self.opts.worker_arena_start_bytes)
+        seg = WorkerSegment.create(object_name(self.opts.server_id, "worker", num), self.opts.worker_arena_start_bytes,
+                                   server_readers())
         # The worker spec: everything a worker process starts from (read by workers/worker.py).
         spec = {
             "server_id": self.opts.server_id, "num": num, "model": mv.name, "version": mv.version,

@@ -1,0 +1,97 @@
+"""Which other users may open a shared-memory object: a POSIX ACL entry for each, on an object
+whose mode stays 0600.
+
+By default no one: the server's objects are its user's, a client's are the client's. Two
+containers of one pod may run as different users (docs/deploy.md). Then the server, started
+with ``--local-client-users``, names those users ``readers`` of what local clients must open
+(the broker's and workers' segments and their semaphores); and a local client of another user
+names the server's user reader of its own objects (its segment, semaphore or FIFO, and the
+regions it creates). Neither names anyone else, so one client's objects stay closed to another
+client. tmpfs keeps ACLs (``CONFIG_TMPFS_POSIX_ACL``, on in common kernels); where it does not,
+granting fails with a clear error rather than opening the object wider.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import struct
+from typing import Iterable, Sequence
+
+# The broker passes the server's readers to its workers in the environment (the launcher gives
+# them to the broker in its options; frontends, mere clients of the broker, never get them).
+READERS_ENV = "SHMSERVE_LOCAL_CLIENT_UIDS"
+
+_XATTR = "system.posix_acl_access"
+_VERSION = 2
+_ENTRY = struct.Struct("<HHI")
+_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_RW, _NONE = 6, 0
+_UNDEFINED_ID = 0xFFFFFFFF
+
+
+class GrantError(OSError):
+    """The filesystem would not take the ACL (no ACL support): the object stays its owner's."""
+
+
+def parse_users(text: str) -> list[int]:
+    """``--local-client-users``: user names or uids, comma-separated. Raises ValueError naming
+    one that this host's user database does not know (a bare uid need not be known)."""
+    uids: list[int] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if item.isdigit():
+            uids.append(int(item))
+            continue
+        try:
+            uids.append(pwd.getpwnam(item).pw_uid)
+        except KeyError:
+            raise ValueError(f"unknown user '{item}' (give its uid)") from None
+    return sorted(set(uids))
+
+
+def others(uids: Iterable[int]) -> tuple[int, ...]:
+    """``uids`` without this process's own user and root (who need no entry to open anything)."""
+    me = os.geteuid()
+    return tuple(sorted({u for u in uids if u not in (me, 0)}))
+
+
+def server_readers() -> tuple[int, ...]:
+    """The readers a server process (broker, worker) gives the objects local clients open."""
+    return others(int(u) for u in os.environ.get(READERS_ENV, "").split(",") if u.strip().isdigit())
+
+
+def readers_environment(uids: Sequence[int]) -> dict[str, str]:
+    """The environment entry that makes ``uids`` a child's ``server_readers``."""
+    return {READERS_ENV: ",".join(str(u) for u in uids)}
+
+
+def acl(readers: Sequence[int]) -> bytes:
+    """The ACL of a 0600 object that ``readers`` may also read and write."""
+    entries = [(_USER_OBJ, _RW, _UNDEFINED_ID)]
+    entries += [(_USER, _RW, uid) for uid in sorted(readers)]
+    entries += [(_GROUP_OBJ, _NONE, _UNDEFINED_ID), (_MASK, _RW, _UNDEFINED_ID), (_OTHER, _NONE, _UNDEFINED_ID)]
+    return struct.pack("<I", _VERSION) + b"".join(_ENTRY.pack(*e) for e in entries)
+
+
+def grant(target: int | str, readers: Sequence[int]) -> None:
+    """Let ``readers`` open ``target`` (an open descriptor, or a path) for reading and writing.
+    Nothing to do without readers."""
+    if not readers:
+        return
+    try:
+        os.setxattr(target, _XATTR, acl(readers))
+    except OSError as e:
+        what = target if isinstance(target, str) else "a shared-memory object"
+        raise GrantError(e.errno, f"cannot let users {list(readers)} open {what}: {e.strerror} (the "
+                                  f"shared-memory filesystem must support POSIX ACLs for local clients of "
+                                  f"another user)") from None
+
+
+def readers_of(path: str) -> tuple[int, ...]:
+    """The users an object's ACL names besides its owner (none without an ACL)."""
+    try:
+        raw = os.getxattr(path, _XATTR)
+    except OSError:
+        return ()
+    return tuple(uid for tag, _, uid in _ENTRY.iter_unpack(raw[4:]) if tag == _USER)

@@ -1,0 +1,154 @@
+"""Local clients of another user than the server's, as an application container with its own
+runAsUser beside the server in one pod: ``--local-client-users`` names them (shm/access.py).
+They get an ACL entry on what clients open (owner, and the users named; `ls` shows the ACL's
+mask as the group's bits, but the owning group and others get nothing), and nothing else changes for
+them: a user not named is refused with a clear error, a named client's own objects stay its own,
+and one killed mid-request is reclaimed. The server runs as root here (this host's interpreter
+lies under /root); the podman test (tests/test_pod.py) runs it as uid 1000 and the application
+as uid 2000, where the client's objects must name the server's user too.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+
+import numpy as np
+import pytest
+
+from as_nobody import NOBODY, run_as, run_as_nobody, start_as
+from conftest import DEADLINE_S, PRODUCT_MODELS, SHM_MODELS, TESTS, shm_names, wait_until
+from gates import Gate
+from shmserve.shm.access import acl, readers_of
+
+GROWTH_MODELS = TESTS / "models" / "growth"
+STRANGER = 4321  # a user no one named (not even in the user database): a third container's
+LOADED = ["add_sub", "slow_reader", "identity", "identity_ens"]
+
+# A client of a named user: plain inputs, a region of its own, an answer large enough to grow the
+# worker's arena into a new extent, and an ensemble; then what it sees of the objects.
+CLIENT = r"""
+from shmserve.shm.access import readers_of
+from shmserve.shm.client import ServerUnavailable
+c = Client(args["server"])
+a = np.arange(16, dtype=np.int32)
+result = {"add": c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist()}
+region = c.create_region("users_mine", 4096)
+x = region.array(np.int32, (16,))
+x[:] = 5
+result["region"] = c.infer("add_sub", {"INPUT0": x, "INPUT1": a})["OUTPUT0"].tolist()
+big = np.full(3 << 20, 1.5, dtype=np.float32)  # 12 MiB: past extent 0 (4 MiB)
+out = c.infer("identity", {"IN": big})["OUT"]
+result["big"] = [int(out.size), float(out.sum())]
+result["ensemble"] = c.infer("identity_ens", {"IN": np.ones(8, np.float32)})["OUT"].tolist()
+seg = "/dev/shm" + c._conn.name
+result["segment"] = [c._conn.name, oct(os.stat(seg).st_mode & 0o777), list(readers_of(seg))]
+c.close()
+"""
+
+STRANGER_CLIENT = r"""
+from shmserve.shm.client import ServerUnavailable
+try:
+    Client(args["server"])
+    result = "connected"
+except ServerUnavailable as e:
+    result = str(e)
+"""
+
+# Holds a request in slow_reader at the gate, says its segment, then waits to be killed.
+HELD = r"""
+c = Client(args["server"])
+a = np.arange(8, dtype=np.int32)
+held = c.infer_async("slow_reader", {"X": a}, parameters={"sleep_s": 0, "gate": args["gate"]})
+print("SEGMENT " + c._conn.name, flush=True)
+sys.stdin.read()
+"""
+
+
+def _start(factory, *flags: str):
+    loads = [arg for name in LOADED for arg in ("--load-model", name)]
+    return factory.start([PRODUCT_MODELS, SHM_MODELS, GROWTH_MODELS],
+                         ["--model-control-mode", "explicit", *loads, *flags])
+
+
+@pytest.fixture(scope="module")
+def users_server(module_factory):
+    return _start(module_factory, "--local-client-users=nobody")
+
+
+def test_a_client_of_a_named_user_is_served_over_every_object_it_opens(users_server):
+    got = run_as_nobody(CLIENT, {"server": users_server.id})
+    a = np.arange(16)
+    assert got["add"] == (2 * a).tolist() and got["region"] == (5 + a).tolist()
+    assert got["big"] == [3 << 20, 1.5 * (3 << 20)]
+    assert got["ensemble"] == [1.0] * 8
+    name, mode, readers = got["segment"]
+    # The server is root here: the client's segment needs no entry, and stays its own.
+    assert mode == "0o600" and readers == [], got["segment"]  # (no ACL: its mode is what it says)
+    assert not shm_names(name.lstrip("/")), "the client removed its segment when it closed"
+    # The server's objects clients open: 0600, with one entry for nobody.
+    objects = [n for n in os.listdir("/dev/shm") if users_server.id in n]
+    broker = f"/dev/shm/shmserve.{users_server.id}.broker.0"
+    assert os.getxattr(broker, "system.posix_acl_access") == acl((NOBODY.pw_uid,))  # group and others: none
+    assert os.stat(broker).st_mode & 0o007 == 0
+    workers = [n for n in objects if ".worker." in n and not n.endswith(".fifo")]
+    assert workers and all(readers_of("/dev/shm/" + n) == (NOBODY.pw_uid,) for n in workers), objects
+    semaphores = [n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmserve.{users_server.id}.")]
+    shared = [n for n in semaphores if ".trace." not in n]  # the tracer's is the server's alone
+    assert shared and all(readers_of("/dev/shm/" + n) == (NOBODY.pw_uid,) for n in shared), semaphores
+    assert all(readers_of("/dev/shm/" + n) == () for n in semaphores if n not in shared)
+    extents = [n for n in workers if ".arena." in n]
+    assert extents, f"the 12 MiB answer grew an extent: {objects}"
+
+
+def test_a_user_not_named_is_refused_by_name(users_server):
+    said = run_as(STRANGER, STRANGER, STRANGER_CLIENT, {"server": users_server.id})
+    assert "runs as another user" in said and f"--local-client-users={STRANGER}" in said, said
+
+
+def test_without_the_flag_another_user_is_refused(server_factory):
+    plain = _start(server_factory)
+    said = run_as_nobody(STRANGER_CLIENT, {"server": plain.id})
+    assert "runs as another user" in said and f"uid {NOBODY.pw_uid}" in said, said
+    assert readers_of(f"/dev/shm/shmserve.{plain.id}.broker.0") == ()
+
+
+def test_a_client_of_another_user_killed_mid_request_is_reclaimed(users_server, tmp_path):
+    gate = Gate(tmp_path / "gate")
+    gate.folder.chmod(0o777)
+    tmp_path.chmod(0o755)
+    proc = start_as(NOBODY.pw_uid, NOBODY.pw_gid, HELD, {"server": users_server.id, "gate": gate.param})
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], DEADLINE_S)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("SEGMENT "), (line, proc.stderr.read() if proc.poll() is not None else "")
+        segment = line.split()[1].lstrip("/")
+        gate.wait_started(1)
+        workers = users_server.worker_pids("slow_reader")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(DEADLINE_S)
+        wait_until(lambda: not shm_names(segment), "the killed client's segment is reclaimed", DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=DEADLINE_S)
+    gate.open()
+    with users_server.client() as http:
+        import tritonclient.http as httpclient
+
+        x = httpclient.InferInput("X", [4], "INT32")
+        x.set_data_from_numpy(np.arange(4, dtype=np.int32))
+        assert http.infer("slow_reader", [x], parameters={"sleep_s": 0}).as_numpy("SUM").tolist() == [6]
+    assert users_server.worker_pids("slow_reader") == workers
+
+
+def test_the_flag_refuses_an_unknown_user_name(tmp_path):
+    import subprocess
+
+    from conftest import PYTHON, ROOT
+
+    done = subprocess.run([PYTHON, "-m", "shmserve", "--model-repository", str(PRODUCT_MODELS),
+                           "--local-client-users=nobody,no-such-user-here"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--local-client-users: unknown user 'no-such-user-here'" in done.stderr, \
+        done.stderr
