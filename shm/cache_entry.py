@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 import posix_ipc
 
+from .batch_entry import BatchEntry
 from .answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, decode_answer
 from .segment import SegmentCache
 
@@ -44,7 +45,7 @@ class RequestKeys:
         self.prefix = orjson.dumps([model, version, load])
         self.outputs = sorted(outputs)  # the config's outputs: what a request naming none asks for
 
-    def key(self, entry: dict, segments: SegmentCache) -> bytes | None:
+    def key(self, entry: BatchEntry, segments: SegmentCache) -> bytes | None:
         """The digest of a request entry (its inputs where ``segments`` maps them), or None when
         it is not cacheable."""
         if "stream" in entry:

@@ -24,6 +24,8 @@ import collections
 import dataclasses
 from typing import Any
 
+from shmserve.shm.batch_entry import BatchEntry
+
 
 @dataclasses.dataclass
 class Pending:
@@ -32,7 +34,7 @@ class Pending:
     client: Any  # who gets the answer: the broker's Client, or the ClientSegment of a lane a worker batches
     slot: int
     manifest_off: int
-    entry: dict[str, Any]  # the resolved request, as the worker will read it
+    entry: BatchEntry  # the resolved request, as the worker will read it
     batch: int
     arrived: float
     priority: int = 0

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import posix_ipc
 
+from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.answer import AnswerDescriptor, OutputTensor, answer_room, encode_outputs, write_answer
 from shmserve.shm.channel import NOTIFY_BROKER, ClientSegment
 from shmserve.shm.copying import copy_into
@@ -64,7 +65,7 @@ class Answers:
         self._notes: list[tuple[ClientSegment, int, int, int, int, int]] = []
         self._later: list[Callable[[], None]] = []  # streams' ends that wait for the round's completions
 
-    def deliver(self, client: ClientSegment, entry: dict, status: int, answer: bytes,
+    def deliver(self, client: ClientSegment, entry: BatchEntry, status: int, answer: bytes,
                 tensors: list[tuple[int, Any]]) -> None:
         """Write one response block (the encoded answer, then tensor bytes); its client hears of it
         in ``send_completions``."""
@@ -91,7 +92,7 @@ class Answers:
             (self.broker_waker if client.notify_kind == NOTIFY_BROKER else client.waker).notify()
         self.arena.tidy()  # a retired extent whose answers were all read is unlinked
 
-    def encode(self, entry: dict, resp: Response) -> tuple[int, bytes, list[tuple[int, Any]]]:
+    def encode(self, entry: BatchEntry, resp: Response) -> tuple[int, bytes, list[tuple[int, Any]]]:
         """(status, encoded answer, tensor chunks) of a response; outputs placed in regions are
         written now."""
         if resp.error is not None:
@@ -135,9 +136,9 @@ class Answers:
             status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion, ClassificationError)) else 500
             return status, AnswerDescriptor(error=str(e)).encode(), []
         trace: tuple[int, ...] = ()
-        if "tr" in entry and "stream" not in entry:  # traced (a stream's final answer times it: stream.py):
+        if "trace_queued_ns" in entry and "stream" not in entry:  # traced (a stream's final answer times it: stream.py):
             # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
-            trace = (entry["tr"], *self.phases, time.monotonic_ns())
+            trace = (entry["trace_queued_ns"], *self.phases, time.monotonic_ns())
         return 200, encode_outputs(outs, model.version, resp.parameters or None, trace), tensors
 
     def _place(self, name: str, target: dict, data: Any) -> None:
@@ -159,7 +160,7 @@ class Answers:
         ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
         device_tensors.copy_to_region(t, ptr + target["off"], target["device"])
 
-    def write_block(self, entry: dict, raw: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int, int]:
+    def write_block(self, entry: BatchEntry, raw: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int, int]:
         """(status override or 0, extent, offset, length) of a response block in our arena, which
         grows for a response that does not fit (shm/extents.py); (503, 0, 0, 0) if not even an
         error fits: the slot is completed without a block, which its client reads as

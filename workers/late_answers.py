@@ -16,6 +16,7 @@ import dataclasses
 import threading
 from typing import Any, Callable
 
+from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.waker import Waker, fence
 
 from .backend import Response
@@ -67,7 +68,7 @@ class Deferred:
 class Kept:
     """A request the worker keeps until its model finishes it."""
 
-    entry: dict
+    entry: BatchEntry
     deferred: Deferred
     sender: Any  # a streaming call's StreamSender (workers/stream.py), which then answers; else None
     phases: tuple[int, int, int]  # its batch's start, inputs built, executed: trace timestamps

@@ -22,6 +22,7 @@ import threading
 
 import orjson
 
+from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.published import HEADER, Published
 from shmserve.shm.region_table import EVERY_REGION, RegionTable
@@ -44,14 +45,14 @@ class RegionHolds:
         self.held: dict[str, collections.Counter[int]] = {}
         self._published: dict[str, int] = {}
 
-    def hold(self, request: InferRequest, entry: dict) -> None:
+    def hold(self, request: InferRequest, entry: BatchEntry) -> None:
         """Before the request's regions are looked up in the table: note them, under the
         generation published now."""
         names = request.regions()
         if names:
             entry["held"] = self._take(self.regions.current(), sorted(names))
 
-    def hand_to_sender(self, entry: dict) -> Held | None:
+    def hand_to_sender(self, entry: BatchEntry) -> Held | None:
         """A streaming request's hold, taken out of ``entry`` for its sender to let go of with the
         final response. A request the broker forwarded holds its regions from here on (the
         broker forgets it once ``execute`` returns)."""
@@ -60,7 +61,7 @@ class RegionHolds:
             held = self._take(ADMITTED, list(entry["regions"]))
         return held
 
-    def release(self, entry: dict) -> None:
+    def release(self, entry: BatchEntry) -> None:
         """The request is answered (or refused): its regions are no longer used here."""
         self.let_go(entry.pop("held", None))
 

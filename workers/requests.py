@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from shmserve.shm.batch_entry import BatchEntry, LocatedTensor
 from shmserve.shm.channel import ClientSegment
 from shmserve.shm.descriptor import InferRequest, InputTensor, RequestedOutput
 from shmserve.shm.region_table import RegionTable, locate
@@ -39,7 +40,7 @@ class DecoupledOnly(RequestError):
 
 
 def check_request(signature: ModelSignature, regions: RegionTable, decoupled: bool, client: ClientSegment,
-                  req: InferRequest, data_start: int, entry: dict) -> int:
+                  req: InferRequest, data_start: int, entry: BatchEntry) -> int:
     """Check a lane request ``req`` (its tensor bytes start at ``data_start``) and fill
     ``entry``; returns its batch size. Raises InvalidRequest or RequestError for what the client
     got wrong."""
@@ -47,9 +48,10 @@ def check_request(signature: ModelSignature, regions: RegionTable, decoupled: bo
         raise DecoupledOnly()  # before the inputs are looked at, as in Triton
     batch = signature.check_inputs(req.inputs, req.id)
     signature.check_outputs(req.outputs)
-    entry.update(id=req.id, params=req.parameters, corr=req.sequence_id, flags=req.sequence_flags, t=req.sent_ns)
+    entry.update(id=req.id, parameters=req.parameters, sequence_id=req.sequence_id,
+                 sequence_flags=req.sequence_flags, sent_ns=req.sent_ns)
     if req.traced:
-        entry["tr"] = 0  # no broker queue (the frontend's submit is its QUEUE_START)
+        entry["trace_queued_ns"] = 0  # no broker queue (the frontend's submit is its QUEUE_START)
     entry["inputs"] = [_input(regions, client, t, data_start) for t in req.inputs]
     outputs = req.outputs
     entry["outputs"] = [_output(regions, client, o, data_start) for o in outputs] if outputs else None
@@ -60,12 +62,12 @@ def check_request(signature: ModelSignature, regions: RegionTable, decoupled: bo
     return batch
 
 
-def _input(regions: RegionTable, client: ClientSegment, t: InputTensor, data_start: int) -> dict:
+def _input(regions: RegionTable, client: ClientSegment, t: InputTensor, data_start: int) -> LocatedTensor:
     return {**_locate(regions, client, t.name, t.region, t.offset, t.size, t.data, data_start),
             "datatype": t.datatype, "shape": t.shape}
 
 
-def _output(regions: RegionTable, client: ClientSegment, o: RequestedOutput, data_start: int) -> dict:
+def _output(regions: RegionTable, client: ClientSegment, o: RequestedOutput, data_start: int) -> LocatedTensor:
     out = {"name": o.name} if o.data is None and not o.region \
         else _locate(regions, client, o.name, o.region, o.offset, o.size, o.data or 0, data_start)
     if o.classes:
@@ -74,7 +76,7 @@ def _output(regions: RegionTable, client: ClientSegment, o: RequestedOutput, dat
 
 
 def _locate(regions: RegionTable, client: ClientSegment, name: str, region_name: str, offset: int, size: int,
-            data: int, data_start: int) -> dict:
+            data: int, data_start: int) -> LocatedTensor:
     if region_name:  # a registered region, as the broker published it (shm/region_table.py)
         region = regions.get(region_name)
         if region is not None and region.leaving:
@@ -88,7 +90,7 @@ def _locate(regions: RegionTable, client: ClientSegment, name: str, region_name:
     return {"name": name, "seg": client.name, "off": off, "size": size}
 
 
-def read_inputs(entry: dict, segments: SegmentCache, on_device: bool = False,
+def read_inputs(entry: BatchEntry, segments: SegmentCache, on_device: bool = False,
                 views: InputViews | None = None) -> tuple[dict[str, Any], frozenset[str]]:
     """The entry's inputs as arrays, and the names of those that are this process's own (a model
     may write into them). An input in a client's arena (or a step's output in a worker's) is a

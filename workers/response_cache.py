@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm import cache_entry
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.segment import SegmentCache
@@ -47,14 +48,14 @@ class ResponseCache:
         outputs = [o["name"] for o in config.get("output") or ()]
         return cls(CacheStore.attach(spec["server_id"]), spec["model"], spec["version"], load, outputs, segments)
 
-    def split(self, entries: list[dict]) -> tuple[list[tuple[dict, Response, int, int]], list[dict]]:
+    def split(self, entries: list[BatchEntry]) -> tuple[list[tuple[BatchEntry, Response, int, int]], list[BatchEntry]]:
         """Each request looked up on its own: ([(entry, cached response, lookup start, lookup ns)],
         the requests to run). A request looked up already (when it was queued) is not looked up
-        again. Each entry to run keeps its key in ``ck`` (None: not cacheable) and its lookup time
-        in ``cn``."""
+        again. Each entry to run keeps its key in ``cache_key`` (None: not cacheable) and its lookup time
+        in ``cache_lookup_ns``."""
         hits, misses = [], []
         for entry in entries:
-            if "ck" in entry:
+            if "cache_key" in entry:
                 misses.append(entry)
                 continue
             start = time.monotonic_ns()
@@ -64,11 +65,11 @@ class ResponseCache:
             if resp is not None:
                 hits.append((entry, resp, start, ns))
             else:
-                entry["ck"], entry["cn"] = key, ns
+                entry["cache_key"], entry["cache_lookup_ns"] = key, ns
                 misses.append(entry)
         return hits, misses
 
-    def key(self, entry: dict) -> bytes | None:
+    def key(self, entry: BatchEntry) -> bytes | None:
         """The request's digest, or None when it is not cacheable."""
         return self.keys.key(entry, self.segments)
 
@@ -84,8 +85,8 @@ class ResponseCache:
         return Response(outputs={name: from_buffer(data, datatype, shape) for name, datatype, shape, data in stored},
                         parameters=parameters)
 
-    def insert(self, entry: dict, resp: Response) -> None:
-        """Store a successful response's outputs under the request's key (``ck``)."""
+    def insert(self, entry: BatchEntry, resp: Response) -> None:
+        """Store a successful response's outputs under the request's key (``cache_key``)."""
         wanted = entry.get("outputs")
         names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
         outputs: list[cache_entry.Output] = []
@@ -105,4 +106,4 @@ class ResponseCache:
                 log.warning("a response of %d bytes does not fit in the response cache (%d bytes for entries): "
                             "such responses are not cached", n, self.store.capacity)
             return
-        self.store.insert(entry["ck"], parts, n)
+        self.store.insert(entry["cache_key"], parts, n)

@@ -5,7 +5,7 @@ Each streaming request carries a small ring the client reserved in its own reque
 the client; the final send also completes the request's slot. Senders may be called from any
 thread of the model, during or after ``execute``.
 
-A traced request (``"tr"`` in its entry) is timed as one whole: its responses carry no trace
+A traced request (``"trace_queued_ns"`` in its entry) is timed as one whole: its responses carry no trace
 timestamps of their own, and the final answer carries the stream's QUEUE_START and COMPUTE_*:
 the batch's start, its inputs read, the first response (the model's output starts), the final
 flag (the model is done with the request, however long after ``execute`` it comes).
@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
+from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.channel import ClientSegment
 from shmserve.shm.protocol import RECORD, ROLE_WORKER, STREAM_CAPACITY, role_word
@@ -36,7 +37,7 @@ class StreamSender:
     holds the request's shared-memory regions until then (``holds``): later responses may still
     write output regions or come from views of input regions."""
 
-    def __init__(self, answers: Answers, client: ClientSegment, entry: dict, stats: StatsWriter,
+    def __init__(self, answers: Answers, client: ClientSegment, entry: BatchEntry, stats: StatsWriter,
                  stats_lock: threading.Lock, holds: RegionHolds) -> None:
         self.answers = answers
         self.client = client
@@ -62,7 +63,7 @@ class StreamSender:
                 raise RuntimeError("this request's final response was already sent")
             last: Block | None = None
             if response is not None:
-                if not self.output_start and "tr" in self.entry:
+                if not self.output_start and "trace_queued_ns" in self.entry:
                     self.output_start = time.monotonic_ns()
                 status, answer, tensors = self.answers.encode(self.entry, response)
                 override, extent, off, total = self.answers.write_block(self.entry, answer, tensors)
@@ -72,7 +73,7 @@ class StreamSender:
                     last = (status, extent, off, total)
                     if not self.sent and status == 200:  # (counted before it can reach the client)
                         with self.stats_lock:
-                            self.stats.first_response(self.entry.get("t", 0))
+                            self.stats.first_response(self.entry.get("sent_ns", 0))
                     if not final:
                         self._put(*last)
                     self.sent += 1
@@ -109,15 +110,15 @@ class StreamSender:
 
     def _complete(self, last: Block | None) -> None:
         with self.stats_lock:
-            self.stats.finished_stream(self.entry.get("t", 0), not self.failed)
+            self.stats.finished_stream(self.entry.get("sent_ns", 0), not self.failed)
             self.stats.flush()
         if self.dropped:  # the client reads shm.protocol.NO_ROOM
             end: Block = (503, 0, 0, 0)
         else:
             trace: tuple[int, ...] = ()
-            if "tr" in self.entry:  # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
+            if "trace_queued_ns" in self.entry:  # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
                 now = time.monotonic_ns()
-                trace = (self.entry["tr"], *self.computing, self.output_start or now, now)
+                trace = (self.entry["trace_queued_ns"], *self.computing, self.output_start or now, now)
             final = AnswerDescriptor(final=True, responses=self.sent, trace=trace).encode()
             override, extent, off, total = self.answers.write_block(self.entry, final, [])
             end = (override or 200, extent, off, total)

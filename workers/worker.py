@@ -23,6 +23,7 @@ import orjson
 import posix_ipc
 
 from shmserve.batching import DynamicBatcher, Pending, QueueFull, batches_on_worker
+from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm import liveness, logs
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.arena import Arena, free_block
@@ -321,7 +322,7 @@ class Worker:
         """A request a client put on its lane: checked here instead of in the broker, then run,
         or queued for a batch (True) when this instance batches its lanes."""
         slot, off = rec.slot, rec.off
-        entry = {"client": client_name, "ticket": client.ticket, "slot": slot}
+        entry: BatchEntry = {"client": client_name, "ticket": client.ticket, "slot": slot}
         assert self.signature is not None
         try:
             req, data_start = read_request(client.seg.buf, rec)
@@ -342,8 +343,8 @@ class Worker:
         if self.cache is not None and not self._answer_cached([entry]):
             return False  # answered from the response cache: never queued
         now_ns = time.monotonic_ns()
-        if "tr" in entry:
-            entry["tr"] = now_ns  # traced: its QUEUE_START
+        if "trace_queued_ns" in entry:
+            entry["trace_queued_ns"] = now_ns  # traced: its QUEUE_START
         # It waited on the lane while we ran the previous batch: its delay and queue timeout count
         # from when the client sent it (the same monotonic clock in every process).
         arrived = min(req.sent_ns or now_ns, now_ns) / 1e9
@@ -376,7 +377,7 @@ class Worker:
         self.stats.counts[DIRECT_DONE] += done
         return done
 
-    def _answer_cached(self, entries: list[dict]) -> list[dict]:
+    def _answer_cached(self, entries: list[BatchEntry]) -> list[BatchEntry]:
         """Answer the requests the response cache holds; returns the others, to run. Triton
         looks each request up on its own: a batch's hits are answered, its misses run together."""
         hits, misses = self.cache.split(entries)  # type: ignore[union-attr]
@@ -384,11 +385,11 @@ class Worker:
             self.answers.phases = (looked_up, looked_up + lookup_ns, looked_up + lookup_ns)
             ok = self._answer(entry, resp)
             with self.stream_lock:
-                self.stats.cache_hit(entry.get("t", 0), looked_up, lookup_ns, ok)
+                self.stats.cache_hit(entry.get("sent_ns", 0), looked_up, lookup_ns, ok)
             self.holds.release(entry)
         return misses
 
-    def _execute(self, entries: list[dict]) -> None:
+    def _execute(self, entries: list[BatchEntry]) -> None:
         """Run one batch and answer each request; time its phases for the statistics."""
         if self.cache is not None:
             entries = self._answer_cached(entries)
@@ -397,13 +398,13 @@ class Worker:
         start = time.monotonic_ns()
         busy = self.seg.stats.scalars
         busy[BUSY_SINCE] = start  # the broker enforces execution_timeout_s against this
-        live: list[tuple[dict, Request]] = []
+        live: list[tuple[BatchEntry, Request]] = []
         for entry in entries:
             try:
                 client = self._client(entry["client"])
                 if client.cancelled(entry["slot"]):  # its owner gave up while it waited: never run
                     if self.sequence is not None:
-                        self.sequence.skip(entry.get("corr", 0), entry.get("flags", 0))
+                        self.sequence.skip(entry.get("sequence_id", 0), entry.get("sequence_flags", 0))
                     self._answer_error(entry, CANCELLED_STATUS, cancelled_error(entry.get("id", "")))
                     with self.stream_lock:  # (a model's own threads count finished streams meanwhile)
                         self.stats.cancelled()
@@ -458,10 +459,10 @@ class Worker:
                 size = next(iter(req.inputs.values())).shape[0] if batched and req.inputs else 1
                 if req.sender is None and id(entry) not in kept:
                     sizes.append(size)
-                    arrivals.append(entry.get("t", 0))
+                    arrivals.append(entry.get("sent_ns", 0))
                 elif not raised:
                     streamed += size
-                    streamed_arrivals.append(entry.get("t", 0))
+                    streamed_arrivals.append(entry.get("sent_ns", 0))
             with self.stream_lock:  # streams may finish meanwhile on the model's threads (an async execute's loop)
                 output_ns = time.monotonic_ns() - executed
                 self.stats.executed(sizes, arrivals, start, built - start, executed - built, output_ns, ok, streamed)
@@ -470,21 +471,21 @@ class Worker:
             self.holds.release(entry)  # answered (a stream's hold went to its sender, a kept one's to late)
         busy[BUSY_SINCE] = 0
 
-    def _answer_ran(self, entry: dict, resp: Response) -> bool:
+    def _answer_ran(self, entry: BatchEntry, resp: Response) -> bool:
         """Answer a request the model ran: its sequence's state kept, the response cache filled;
         False if the answer is an error."""
         if self.sequence is not None and resp.error is None:
             asked = [o["name"] for o in entry.get("outputs") or ()]
-            self.sequence.capture(resp.outputs, asked, entry.get("corr", 0), entry.get("flags", 0))
+            self.sequence.capture(resp.outputs, asked, entry.get("sequence_id", 0), entry.get("sequence_flags", 0))
         ok = self._answer(entry, resp)
-        if self.cache is not None and ok and entry.get("ck"):
+        if self.cache is not None and ok and entry.get("cache_key"):
             inserting = time.monotonic_ns()
             self.cache.insert(entry, resp)
-            self.stats.cache_miss(entry["cn"] + time.monotonic_ns() - inserting)
+            self.stats.cache_miss(entry["cache_lookup_ns"] + time.monotonic_ns() - inserting)
         return ok
 
     # -- answers after execute returned (workers/late_answers.py) ---------------------------------
-    def _keep(self, entry: dict, req: Request, deferred: Deferred) -> Response | None:
+    def _keep(self, entry: BatchEntry, req: Request, deferred: Deferred) -> Response | None:
         """Keep a request its model answers later; its response instead if that came already.
         A request the broker forwarded now names this worker in its slot, so that the broker
         fails it if this worker dies before answering (the broker forgets the batch now)."""
@@ -527,7 +528,7 @@ class Worker:
     def _count_late(self, kept: Kept, ok: bool) -> None:
         self.holds.let_go(kept.held)
         with self.stream_lock:  # (a decoupled model's threads count finished streams meanwhile)
-            self.stats.finished_stream(kept.entry.get("t", 0), ok, answered_once=kept.sender is None)
+            self.stats.finished_stream(kept.entry.get("sent_ns", 0), ok, answered_once=kept.sender is None)
 
     def _cancelled(self, kept: Kept) -> bool:
         client = self.clients.get(kept.entry["client"])
@@ -560,27 +561,27 @@ class Worker:
             self.input_views.settle()
         self.answers.send_completions()
 
-    def _build_request(self, entry: dict, client: ClientSegment, start: int) -> Request:
+    def _build_request(self, entry: BatchEntry, client: ClientSegment, start: int) -> Request:
         """The model's request for ``entry``, its inputs read; ``start``: when its batch began."""
         inputs, own = read_inputs(entry, self.segments, self.instance.device_inputs,  # type: ignore[union-attr]
                                   self.input_views)
         if self.sequence is not None:
-            self.sequence.augment(inputs, entry.get("corr", 0), entry.get("flags", 0))
+            self.sequence.augment(inputs, entry.get("sequence_id", 0), entry.get("sequence_flags", 0))
         wanted = entry.get("outputs")
         # No outputs named: the model is asked for every output its config declares (as Triton).
         names = [o["name"] for o in wanted] if wanted else self.output_names
         sender = None
         if "stream" in entry:
             sender = StreamSender(self.answers, client, entry, self.stats, self.stream_lock, self.holds)
-            if "tr" in entry:  # traced: its compute began with the batch, and its inputs are read now
+            if "trace_queued_ns" in entry:  # traced: its compute began with the batch, and its inputs are read now
                 sender.computing = (start, time.monotonic_ns())
         elif self.decoupled:
             raise DecoupledOnly()  # reached through the broker
         on_device = frozenset(o["name"] for o in wanted if "cuda" in o) if wanted else frozenset()
         # (inputs, requested_outputs, id, correlation_id, flags, parameters, sender, device_outputs, cancel,
         # own_inputs): by position, a dataclass is built in half the time
-        return Request(inputs, names, entry.get("id", ""), entry.get("corr", 0), entry.get("flags", 0),
-                       entry.get("params") or {}, sender, on_device, CancelFlag(client, entry["slot"]), own)
+        return Request(inputs, names, entry.get("id", ""), entry.get("sequence_id", 0), entry.get("sequence_flags", 0),
+                       entry.get("parameters") or {}, sender, on_device, CancelFlag(client, entry["slot"]), own)
 
     # -- answering ------------------------------------------------------------------------------
     def _forget_departed_clients(self) -> None:
@@ -613,17 +614,17 @@ class Worker:
             self.clients[name] = client
         return client
 
-    def _answer_error(self, entry: dict, status: int, message: str, refused: bool = False) -> None:
+    def _answer_error(self, entry: BatchEntry, status: int, message: str, refused: bool = False) -> None:
         """Answer an error; ``refused``: before the model ran (shm.answer.refusal)."""
         self._deliver(entry, status, AnswerDescriptor(error=message, refused=refused).encode(), [])
 
-    def _answer(self, entry: dict, resp: Response) -> bool:
+    def _answer(self, entry: BatchEntry, resp: Response) -> bool:
         """Deliver one response; False if it carried (or became) an error."""
         status, answer, tensors = self.answers.encode(entry, resp)
         self._deliver(entry, status, answer, tensors)
         return status == 200
 
-    def _deliver(self, entry: dict, status: int, answer: bytes, tensors: list[tuple[int, Any]]) -> None:
+    def _deliver(self, entry: BatchEntry, status: int, answer: bytes, tensors: list[tuple[int, Any]]) -> None:
         try:
             client = self._client(entry["client"])
         except (posix_ipc.ExistentialError, ConnectionError):

@@ -40,6 +40,7 @@ from typing import Any
 import posix_ipc
 
 from shmserve.batching import Pending
+from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, decode_answer, write_answer
 from shmserve.shm.arena import free_block
 from shmserve.shm.cache_entry import Output
@@ -110,7 +111,7 @@ class Ensembles:
         self.cache = EnsembleCache(cache, self.segments) if cache is not None else None
 
     # -- the broker's loop ----------------------------------------------------------------------
-    def start(self, mv: ModelVersion, client: Client, slot: int, entry: dict) -> None:
+    def start(self, mv: ModelVersion, client: Client, slot: int, entry: BatchEntry) -> None:
         self._begin(EnsembleRun(mv, client, slot, entry))
 
     def live_runs(self) -> list[EnsembleRun]:
@@ -175,7 +176,7 @@ class Ensembles:
             run.lookup_ns = time.monotonic_ns() - looked_up
             if stored is not None:
                 if self._reply(run, stored):
-                    run.version.stats.cache_hit(run.entry.get("t") or 0, looked_up, run.lookup_ns)
+                    run.version.stats.cache_hit(run.entry.get("sent_ns") or 0, looked_up, run.lookup_ns)
                 return
         self.runs.add(run)
         self._made(run, run.root, set(run.root.tensors), None)
@@ -234,7 +235,7 @@ class Ensembles:
         if mv.ensemble is not None:
             # A nested ensemble has no instances to queue on: it runs here, and its answer
             # (or error) completes this step's slot in our own segment.
-            request["t"] = time.monotonic_ns()
+            request["sent_ns"] = time.monotonic_ns()
             self._begin(EnsembleRun(mv, self.own, slot, request))
         else:
             self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic()))
@@ -244,7 +245,7 @@ class Ensembles:
         call.branch.busy -= 1
         self._fail_run(call.run, call.step, status, message)
 
-    def _step_request(self, call: StepCall, signature: ModelSignature) -> dict:
+    def _step_request(self, call: StepCall, signature: ModelSignature) -> BatchEntry:
         """The request a step's model gets: its inputs are ensemble tensors, wherever they live,
         shaped for the model's batching."""
         run, step, branch = call.run, call.step, call.branch
@@ -257,8 +258,9 @@ class Ensembles:
                 converted_shape(spec.dims, batching, branch.batch_sizes[tensor], t["shape"])
             inputs.append({**t, "name": model_input, "shape": shape})
         entry = run.entry
-        return {"id": entry.get("id", ""), "params": entry.get("params"), "corr": entry.get("corr", 0),
-                "flags": entry.get("flags", 0), "inputs": inputs, "outputs": [{"name": n} for n in step.output_map]}
+        return {"id": entry.get("id", ""), "parameters": entry.get("parameters"),
+                "sequence_id": entry.get("sequence_id", 0), "sequence_flags": entry.get("sequence_flags", 0),
+                "inputs": inputs, "outputs": [{"name": n} for n in step.output_map]}
 
     # -- what steps answer ----------------------------------------------------------------------
     def _owner(self, role: int, num: int) -> Any:
@@ -391,7 +393,7 @@ class Ensembles:
         if block is not None:
             run.sent += 1
             if run.sent == 1:
-                arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
+                arrived, now = run.entry.get("sent_ns") or 0, time.monotonic_ns()
                 run.version.stats.first_response(now - arrived if 0 < arrived <= now else 0)
             if not run.outbox:
                 run.full_since = time.monotonic()
@@ -464,7 +466,7 @@ class Ensembles:
             return
         self._store(run, outputs)
         if self._reply(run, outputs):
-            arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
+            arrived, now = run.entry.get("sent_ns") or 0, time.monotonic_ns()
             run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
             run.version.stats.first_response(now - arrived if 0 < arrived <= now else 0)
 
@@ -484,7 +486,7 @@ class Ensembles:
         """Complete the client's slot: the run's last word."""
         run.answered = True
         if status == 200 and run.streaming:
-            arrived, now = run.entry.get("t") or 0, time.monotonic_ns()
+            arrived, now = run.entry.get("sent_ns") or 0, time.monotonic_ns()
             run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
         if not self._client_gone(run):
             self.clients.reply(run.client, run.slot, status, answer)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm import cache_entry
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.segment import SegmentCache
@@ -34,7 +35,7 @@ class EnsembleCache:
         """Whether the ensemble's own config enables the cache."""
         return bool(mv.config.response_cache.enable)
 
-    def key(self, mv: ModelVersion, entry: dict) -> bytes | None:
+    def key(self, mv: ModelVersion, entry: BatchEntry) -> bytes | None:
         """The digest of a request to the ensemble ``mv``; None when it is not cacheable (inputs
         in CUDA regions, a streamed request)."""
         keys = cache_entry.RequestKeys(mv.name, mv.version, load_key(mv), mv.ensemble.outputs)

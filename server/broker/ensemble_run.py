@@ -19,6 +19,7 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING
 
+from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.ring import Ring
 
 from .ensemble_plan import EnsemblePlan, Step
@@ -73,7 +74,7 @@ class StepCall:
 class EnsembleRun:
     """One request through an ensemble."""
 
-    def __init__(self, version: "ModelVersion", client: "Client", slot: int, entry: dict) -> None:
+    def __init__(self, version: "ModelVersion", client: "Client", slot: int, entry: BatchEntry) -> None:
         assert version.ensemble is not None
         self.version = version
         self.plan: EnsemblePlan = version.ensemble

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from shmserve.batching import Pending
+from shmserve.shm.batch_entry import BatchEntry, LocatedTensor
 from shmserve.shm.answer import refusal
 from shmserve.shm.descriptor import InputTensor, RequestedOutput
 from shmserve.shm.untrusted import Record, read_request
@@ -61,10 +62,10 @@ class Intake:
             batch = sig.check_inputs(req.inputs, req.id)
             outputs = req.outputs
             sig.check_outputs(outputs)
-            entry = {
+            entry: BatchEntry = {
                 "client": client.name, "ticket": client.ticket, "slot": slot, "id": req.id,
-                "params": req.parameters, "corr": req.sequence_id, "flags": req.sequence_flags,
-                "t": req.sent_ns,
+                "parameters": req.parameters, "sequence_id": req.sequence_id, "sequence_flags": req.sequence_flags,
+                "sent_ns": req.sent_ns,
                 "inputs": [self._resolve(client, t, data_start) for t in req.inputs],
                 "outputs": [self._resolve_output(client, o, data_start) for o in outputs] if outputs else None,
             }
@@ -76,7 +77,7 @@ class Intake:
                 if not client.seg.arena_offset <= entry["stream"]["off"] <= client.seg.seg.size - 4096:
                     raise InvalidRequest("the response ring lies outside the client's arena")
             if req.traced:  # its QUEUE_START is now (the worker sends it back)
-                entry["tr"] = time.monotonic_ns()
+                entry["trace_queued_ns"] = time.monotonic_ns()
         except InvalidRequest as e:
             self._count_rejected(mv)
             self.clients.reply(client, slot, e.status, refusal(str(e)))
@@ -98,7 +99,7 @@ class Intake:
             mv.stats.fail("REJECTED", 1)
 
     def _place(self, client: Client, name: str, region: str, offset: int, size: int, what: str,
-               data: int, data_start: int) -> dict:
+               data: int, data_start: int) -> LocatedTensor:
         """Where the worker finds (or puts) a tensor's bytes, checked against the bounds it may
         use: a registered region (host shm or CUDA) at ``offset``, or the request's own block in
         the client's arena at ``data`` (inputs the client wrote, or room it reserved for an output)."""
@@ -114,12 +115,12 @@ class Intake:
             raise InvalidRequest(f"{what} '{name}' lies outside the client's arena")
         return {"seg": client.name, "off": off, "size": size}
 
-    def _resolve(self, client: Client, t: InputTensor, data_start: int) -> dict:
+    def _resolve(self, client: Client, t: InputTensor, data_start: int) -> LocatedTensor:
         return {"name": t.name, "datatype": t.datatype, "shape": t.shape,
                 **self._place(client, t.name, t.region, t.offset, t.size, "input", t.data, data_start)}
 
-    def _resolve_output(self, client: Client, o: RequestedOutput, data_start: int) -> dict:
-        out: dict = {"name": o.name}
+    def _resolve_output(self, client: Client, o: RequestedOutput, data_start: int) -> LocatedTensor:
+        out: LocatedTensor = {"name": o.name}
         if o.region or o.data is not None:
             out.update(self._place(client, o.name, o.region, o.offset, o.size, "output", o.data or 0, data_start))
         if o.classes:

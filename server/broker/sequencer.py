@@ -73,8 +73,8 @@ class SequenceBatcher:
         return [p for s in self.sequences.values() for p in s.pending]
 
     def enqueue(self, p: Pending, instances: list[Instance], now: float) -> None:
-        corr = p.entry.get("corr")
-        flags = p.entry.get("flags", 0)
+        corr = p.entry.get("sequence_id")
+        flags = p.entry.get("sequence_flags", 0)
         if p.batch != 1:  # one request is one step of one sequence (checked first, as Triton does)
             raise InvalidRequest(f"inference request to model '{self.model}' must specify batch-size 1 due to "
                                  f"requirements of sequence batcher")
