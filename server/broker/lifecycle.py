@@ -321,11 +321,27 @@ class Lifecycle:
                  mv.backend)
 
     def resolve_loads(self) -> None:
-        """Swap in every load whose versions are all READY; abandon those where one failed."""
+        """Swap in every load whose versions are all READY; abandon those where one failed. An
+        ensemble's load ends once its steps' loads have (as Triton loads the composing models
+        first): its caller then finds it ready. Passes repeat while one ends, for nested ensembles."""
+        while self._resolve_pass():
+            pass
+
+    def _waits_for_steps(self, job: LoadJob) -> bool:
+        loading = self.catalog.loading
+        return any(mv.ensemble is not None and any(dep in loading for dep in mv.ensemble.dependencies())
+                   for mv in job.versions.values())
+
+    def _resolve_pass(self) -> bool:
+        """One pass of ``resolve_loads``; True if a load ended."""
         catalog = self.catalog
+        ended = False
         for name, job in list(catalog.loading.items()):
+            if catalog.loading.get(name) is not job:
+                continue  # ended (or replaced) earlier in this pass
             bad = job.failed()
             if bad is not None:
+                ended = True
                 del catalog.loading[name]
                 if job.retries < self.opts.load_retries:
                     self._retry(job, bad.reason)
@@ -335,8 +351,9 @@ class Lifecycle:
                 catalog.failed_versions[name] = sorted(job.versions)
                 catalog.load_failures[name] += 1
                 continue
-            if not job.ready():
+            if not job.ready() or self._waits_for_steps(job):
                 continue
+            ended = True
             del catalog.loading[name]
             catalog.load_errors.pop(name, None)
             catalog.failed_versions.pop(name, None)
@@ -353,6 +370,7 @@ class Lifecycle:
             self._record(name, job.model_dir, job.override)
             for client, slot in job.waiters:
                 self.clients.reply(client, slot, 200, {})
+        return ended
 
     def _retry(self, job: LoadJob, reason: str) -> None:
         """Start a failed load again (Triton's --model-load-retry-count), with the same folder,
