@@ -69,11 +69,11 @@ def test_requests_that_are_never_cached(cache):
 def test_stored_outputs_come_back_with_their_datatypes_shapes_and_parameters(cache):
     rc, seg = cache
     e = entry(seg, ("A", "FP32", [4], 0, 16))
-    e["ck"] = rc.key(e)
+    e["cache_key"] = rc.key(e)
     words = np.array([b"one", b"", b"three"], dtype=np.object_).reshape(1, 3)
     rc.insert(e, Response(outputs={"Y": np.arange(6, dtype=np.float16).reshape(2, 3), "Z": words},
                           parameters={"p": "v"}))
-    got = rc.lookup(e["ck"])
+    got = rc.lookup(e["cache_key"])
     assert got is not None and got.parameters == {"p": "v"}
     np.testing.assert_array_equal(got.outputs["Y"], np.arange(6, dtype=np.float16).reshape(2, 3))
     assert got.outputs["Y"].dtype == np.float16

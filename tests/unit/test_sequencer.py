@@ -25,7 +25,7 @@ def instance(num: int, ready: bool = True) -> Instance:
 
 
 def step(corr, flags: int = 0, arrived: float = 0.0, batch: int = 1, tag: str = "") -> Pending:
-    entry = {"corr": corr, "flags": flags, "id": tag, "inputs": []}
+    entry = {"sequence_id": corr, "sequence_flags": flags, "id": tag, "inputs": []}
     return Pending(None, 0, 0, entry, batch, arrived)
 
 
