@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-us", type=int, default=500, metavar="N",
                    help="the most, in microseconds, a frontend or worker polls for the next message before it "
                         "sleeps: polling spares the wake-ups of requests that follow closely, at the cost of CPU; "
-                        "polls that find nothing get shorter, nobody polls while no core of the host is idle, "
+                        "a poller whose recent waits average longer stops, nobody polls while no core of the host is idle, "
                         "and a frontend does not poll for a model whose answers take longer on average. 0 never "
                         "polls (default 500)")
     grpc_options.add_flags(p, add_bool)

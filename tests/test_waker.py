@@ -94,30 +94,54 @@ def test_a_producer_notify_wakes_a_sleeper(waker):
     assert waker.flag[0] == AWAKE
 
 
-def test_polls_that_find_nothing_shrink_the_budget_to_nothing_and_quick_work_brings_it_back(waker, idle):
-    """An idle receiver stops polling after a few empty polls; work that follows closely again
-    makes the next waits polled."""
+def test_an_idle_receiver_stops_polling_and_quick_work_brings_the_polling_back(waker, idle):
+    """A poll that finds nothing, then a long sleep: the receiver sleeps at once next time; waits
+    that come quickly again make the next ones polled."""
     spin = SpinPolicy(0.1, idle.queue)
-    for _ in range(5):
-        waker.sleep(0.15, lambda: False, spin)
-    assert spin.budget() == 0 and spin.missed == 4  # 100, 50, 25, 12.5 ms, then below 12.5 ms: none
+    waker.sleep(1.0, lambda: False, spin)  # polls 100 ms, then sleeps the rest: ten times the budget
+    assert spin.missed == 1 and spin.budget() == 0
     cpu = time.process_time()
     waker.sleep(0.2, lambda: False, spin)
     assert time.process_time() - cpu < 0.1  # slept, not polled
-    ready = threading.Event()
+    assert spin.missed == 1
+    for woken in range(1, 11):  # slept, woken after 5 ms each time: a poll would have paid
+        ready = threading.Event()
 
-    def produce() -> None:
-        ready.set()
-        waker.notify()
+        def produce() -> None:
+            ready.set()
+            waker.notify()
 
-    producer = threading.Timer(0.005, produce)
-    producer.start()
-    waker.sleep(5.0, ready.is_set, spin)  # slept, woken soon after: a poll would have paid
-    producer.join()
-    assert spin.budget() >= 0.0125 and spin.found == 0
+        producer = threading.Timer(0.005, produce)
+        producer.start()
+        waker.sleep(5.0, ready.is_set, spin)
+        producer.join()
+        if spin.budget() > 0:
+            break
+    assert spin.budget() == 0.1 and woken <= 4 and spin.found == 0
     ready_at = time.perf_counter() + 0.001
     waker.sleep(5.0, lambda: time.perf_counter() >= ready_at, spin)
     assert spin.found == 1 and waker.flag[0] == AWAKE
+
+
+def test_a_loop_whose_waits_lie_just_under_the_budget_keeps_polling_past_a_late_one(waker, idle):
+    """A closed loop's next request comes a little before the budget ends; one that comes late
+    must not cost the following ones their poll (they would each pay a sleep and a wake-up)."""
+    spin = SpinPolicy(0.05, idle.queue)
+
+    def wait_for(after_s: float) -> None:
+        ready_at = time.perf_counter() + after_s
+        producer = threading.Timer(after_s, waker.notify)
+        producer.start()
+        waker.sleep(5.0, lambda: time.perf_counter() >= ready_at, spin)
+        producer.join()
+
+    for _ in range(3):
+        wait_for(0.03)
+    wait_for(0.08)  # late: the poll gives up and the receiver sleeps until it comes
+    assert spin.missed == 1 and spin.found == 3
+    for _ in range(3):
+        wait_for(0.03)
+    assert spin.found == 6 and spin.missed == 1  # each found by polling again
 
 
 def test_no_polling_while_no_core_is_idle(waker, idle):

@@ -19,7 +19,7 @@ Polling pays only when the answer comes soon and a core is idle: the loop keeps 
 of how long each model's answers take, and a request to a model whose answers take longer than
 ``poll_s`` on average neither starts nor prolongs the polling, and is not sent with the worker's
 polling hint. How long the loop polls is the shared policy's (shm/waker.py ``SpinPolicy``): its
-budget shrinks while polls find nothing and comes back when work follows closely, and nothing is
+budget is none while recent waits average longer than ``poll_s`` and comes back when work follows closely, and nothing is
 polled while no core is idle. ``poll_s`` 0 never polls.
 """
 from __future__ import annotations
