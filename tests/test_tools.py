@@ -233,12 +233,10 @@ def test_the_side_by_side_bench_measures_every_shmserve_path_on_the_cpu(tmp_path
     and path with its rate, batch formed and server CPU, the HTTP/local ratios, the markdown table,
     and nothing left in /dev/shm."""
     out = tmp_path / "side-by-side.json"
-    shm_before = set(os.listdir("/dev/shm"))
-    run = subprocess.run([PYTHON, "-m", "shmserve.tools.bench_gpu_triton", "--device", "cpu", "--model", "small",
-                          "--servers", "shmserve-python", "shmserve-torchscript", "--instances", "1",
-                          "--seconds", "1", "--warmup", "0.5", "--floor-seconds", "0.5", "--clients", "2",
-                          "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=400)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = finished([PYTHON, "-m", "shmserve.tools.bench_gpu_triton", "--device", "cpu", "--model", "small",
+                    "--servers", "shmserve-python", "shmserve-torchscript", "--instances", "1",
+                    "--seconds", "1", "--warmup", "0.5", "--floor-seconds", "0.5", "--clients", "2",
+                    "--json", str(out)], tmp_path)
     doc = json.loads(out.read_text())
     rows = {(r["backend"], r["path"]): r for r in doc["rows"]}
     assert set(rows) == {(b, p) for b in ("python", "torchscript") for p in ("http", "grpc", "local")}
@@ -248,7 +246,6 @@ def test_the_side_by_side_bench_measures_every_shmserve_path_on_the_cpu(tmp_path
     assert {r["backend"] for r in doc["http_over_local"]} == {"python", "torchscript"}
     assert [f["batch"] for f in doc["floor"]][0] == 1
     assert "| 1 | shmserve | python | http |" in run.stdout and "HTTP / local" in run.stdout
-    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(("shmserve.", "sem.shmserve."))]
 
 
 def test_the_side_by_side_models_answer_alike_on_both_backends(tmp_path):
@@ -276,3 +273,29 @@ def test_the_side_by_side_models_answer_alike_on_both_backends(tmp_path):
         np.testing.assert_allclose(answers[0], answers[1], rtol=1e-4, atol=1e-5)
     finally:
         server.stop()
+
+
+def test_the_cudashm_bench_rehearses_on_the_cpu():
+    """tools/bench_cudashm.py --device cpu: the same models (KIND_CPU) answer the identity with the
+    tensor in the body; one row per model, nothing left behind."""
+    run = finished([PYTHON, "-m", "shmserve.tools.bench_cudashm", "--device", "cpu", "--mib", "1",
+                    "--servers", "shmserve"], ROOT)
+    rows = json.loads(run.stdout)["identity_through_cuda_shm"]
+    assert [(r["server"], r["model"], r["output_equals_input"]) for r in rows] == [
+        ("shmserve", m, True) for m in ("host_path", "device_path", "torchscript")]
+
+
+def finished(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """A tool run to its end with exit 0, and nothing left in /dev/shm by the servers it started
+    (tools.harness names them ``tool<its pid>``)."""
+    tool = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = tool.communicate(timeout=400)
+    finally:
+        if tool.poll() is None:
+            tool.kill()
+            tool.wait()
+    assert tool.returncode == 0, err[-3000:]
+    stem = f"shmserve.tool{tool.pid}."
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith((stem, "sem." + stem))]
+    return subprocess.CompletedProcess(command, tool.returncode, out, err)

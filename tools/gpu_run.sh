@@ -25,7 +25,7 @@
 #                                           /tmp/ort-parts/ && cp .trt/part* /tmp/trt-parts/
 #                                           (15.7 + 32.4 + 3.5 = 51.6 MiB)
 #   3. carry [".whl", ".triton_examples"]   tools/gpu_run.sh     (15.4 + 0.03 + 3.5 = 19 MiB; timeout_s 600)
-# (.ort: python -m shmserve.tools.gpu_onnxruntime; .trt: python -m shmserve.tools.gpu_triton;
+# (.ort: .venv/bin/python -m shmserve.tools.gpu_onnxruntime; .trt: .venv/bin/python -m shmserve.tools.gpu_triton;
 # .whl: tools/gpu_wheels.sh, which checks these sizes.) A phase rerun alone: call 3 again with
 # GPU_RUN_PHASES=... before the command, on the same machine while warm (else calls 1 and 2 first).
 # Without the .ort parts the machine's onnxruntime (a CPU build) stays and the ONNX GPU tests check
@@ -36,7 +36,7 @@
 #
 # GPU_RUN_DRY=1 rehearses it here on the CPU: no install, the .venv's python, pytest only collects,
 # the examples are the shm (system memory) clients only, cudashm and bench run KIND_CPU (small net,
-# 2 s paths, 4 clients), against a Triton unpacked from /tmp/trt311 (python -m shmserve.tools.gpu_triton
+# 2 s paths, 4 clients), against a Triton unpacked from /tmp/trt311 (.venv/bin/python -m shmserve.tools.gpu_triton
 # --python 3.11 --out /tmp/trt311: this host's Python) or else ../shared/tools/reference-triton's venv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -237,7 +237,7 @@ if wants examples; then
             curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null && break
             sleep 0.1
         done
-        for _ in $(seq 1 100); do
+        for _ in $(seq 1 200); do
             [ -s "$ready" ] || ! kill -0 $triton 2>/dev/null && break
             sleep 0.1
         done
