@@ -286,8 +286,10 @@ def table(doc: dict[str, Any]) -> str:
     for f in doc["floor"]:
         lines.append(f"| | torch alone | torchscript | batch {f['batch']} | {f['inferences_per_s']:,.0f} | "
                      f"{f['p50_batch_us'] / 1e3:.1f} ms (batch) | | {f['batch']} | | |")
+    if doc["http_over_local"]:
+        lines.append("")
     for r in doc["http_over_local"]:
-        lines.append(f"\nshmserve {r['backend']}, {r['instances']} instance(s): HTTP / local = {r['http_over_local']}")
+        lines.append(f"shmserve {r['backend']}, {r['instances']} instance(s): HTTP / local = {r['http_over_local']}")
     return "\n".join(lines)
 
 

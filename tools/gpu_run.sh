@@ -60,7 +60,6 @@ limit() { local left=$((555 - (SECONDS - started))); echo $(($1 < left ? $1 : (l
 if [ -n "${GPU_RUN_DRY:-}" ]; then
     PY=${PY:-.venv/bin/python}
     TEST_MODE=(--collect-only)
-    DEVICE=(--device cpu)
     BENCH=(--device cpu --model small --seconds 2 --warmup 1 --floor-seconds 1 --clients 4)
     CUDASHM=(--device cpu --mib 4)
     TRT_PARTS=${TRT_PARTS:-/tmp/trt311}
@@ -73,7 +72,6 @@ if [ -n "${GPU_RUN_DRY:-}" ]; then
 else
     PY=python3
     TEST_MODE=()
-    DEVICE=()
     BENCH=(--seconds 4 --warmup 1.5 --floor-seconds 1.5)
     CUDASHM=(--calls 10)
     TRT_PARTS=/tmp/trt-parts
