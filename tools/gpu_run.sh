@@ -19,12 +19,14 @@
 #
 # What travels: each call carries the checkout (~3.5 MiB) and at most 64 MiB in all, so the parts go
 # in three calls on the same warm machine (it stays warm 30 s after a call; /tmp survives meanwhile):
-#   1. carry [".ort/part1"]                 mkdir -p /tmp/ort-parts && cp .ort/part1 /tmp/ort-parts/
-#                                           (50.0 + 3.5 = 53.5 MiB)
-#   2. carry [".ort/part2", ".trt"]         mkdir -p /tmp/ort-parts /tmp/trt-parts && cp .ort/part2
-#                                           /tmp/ort-parts/ && cp .trt/part* /tmp/trt-parts/
-#                                           (15.7 + 32.4 + 3.5 = 51.6 MiB)
-#   3. carry [".whl", ".triton_examples"]   tools/gpu_run.sh     (15.4 + 0.03 + 3.5 = 19 MiB; timeout_s 600)
+#   1. carry [".ort/part1"]                 53.4 MiB with the tree:
+#        mkdir -p /tmp/ort-parts && cp .ort/part1 /tmp/ort-parts/ && python3 -c "import sys, sysconfig;
+#        print(sys.version, sys._base_executable, sysconfig.get_config_var('LIBDIR'))"; ls -l /usr/lib/x86_64-linux-gnu/libpython3*
+#        (the last two: whether Triton's stub will find libpython3.12.so.1.0, seen before anything is spent on it)
+#   2. carry [".ort/part2", ".trt"]         51.7 MiB:
+#        mkdir -p /tmp/ort-parts /tmp/trt-parts && cp .ort/part2 /tmp/ort-parts/ && cp .trt/part* /tmp/trt-parts/
+#   3. carry [".whl", ".triton_examples"]   18.9 MiB, timeout_s 600:
+#        tools/gpu_run.sh
 # (.ort: .venv/bin/python -m shmserve.tools.gpu_onnxruntime; .trt: .venv/bin/python -m shmserve.tools.gpu_triton;
 # .whl: tools/gpu_wheels.sh, which checks these sizes.) A phase rerun alone: call 3 again with
 # GPU_RUN_PHASES=... before the command, on the same machine while warm (else calls 1 and 2 first).
