@@ -101,10 +101,10 @@ def write_python_repository(root: Path, args: argparse.Namespace, instances: int
 
 def have_torchvision() -> bool:
     try:
-        import torchvision  # noqa: F401 - whether it imports
+        import torchvision
     except ImportError:
         return False
-    return True
+    return bool(torchvision)
 
 
 # ---------------------------------------------------------------- one path, bounded
@@ -112,6 +112,16 @@ def have_torchvision() -> bool:
 
 class PathTimeout(Exception):
     pass
+
+
+INTERRUPTED: list[int] = []  # SIGINT seen: a path's own cleanup may turn the KeyboardInterrupt into
+# another error (shmserve-perf's pool, its clients gone), so the bench checks this after each path
+
+
+def on_sigint(signum: int, frame: Any) -> None:
+    INTERRUPTED.append(signum)
+    print(f"# SIGINT at {time.strftime('%H:%M:%S')}", flush=True)
+    raise KeyboardInterrupt
 
 
 def bounded(seconds: float, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -179,11 +189,15 @@ def serve(doc: dict[str, Any], args: argparse.Namespace, label: dict[str, Any], 
                 row.update(measure_path(server, model, flags(server), args))
             except (Exception, SystemExit) as exc:  # noqa: BLE001 - the next path still runs
                 row["error"] = repr(exc)
+            if INTERRUPTED:
+                row["error"] = "stopped by SIGINT (a time limit)"
+                doc["rows"].append(row)
+                raise KeyboardInterrupt
             if args.device == "cuda" and not memory:
                 memory = gpu_memory(server, model)
             row["gpu_memory"] = memory or None
             doc["rows"].append(row)
-            print(f"# {row}", flush=True)
+            print(f"# {time.strftime('%H:%M:%S')} {row}", flush=True)
     except (Exception, SystemExit) as exc:  # noqa: BLE001
         doc["rows"].extend({**label, "path": p, "error": repr(exc)} for p in paths if p not in done)
     finally:
@@ -210,11 +224,13 @@ def shmserve_paths() -> dict[str, Callable[[ServerProcess], list[str]]]:
 
 
 class ShmserveProcess(ServerProcess):
-    """shmserve with its gRPC frontend on a free port too."""
+    """shmserve with its gRPC frontend on a free port too, and the drain at its stop bounded as
+    Triton's (tools/triton_process.py): requests of clients stopped midway are not waited for long."""
 
     def __init__(self, repos: list[Path | str], log: Path | None) -> None:
         self.grpc_port = free_port()
-        super().__init__(repos, "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}", log=log)
+        super().__init__(repos, "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
+                         "--exit-timeout-secs=10", log=log)
 
 
 def run_instances(doc: dict[str, Any], args: argparse.Namespace, instances: int, root: Path) -> None:
@@ -317,6 +333,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the Python whose libpython and site-packages Triton's stub uses")
     p.add_argument("--server-log", type=Path, help="append the servers' output here")
     p.add_argument("--json", type=Path, help="write the JSON document here (after each server, too)")
+    p.add_argument("--table-from", type=Path, metavar="JSON",
+                   help="only print the table of a JSON document an earlier run wrote (one stopped midway too)")
     args = p.parse_args(argv)
     if min(args.instances) < 1 or args.clients < 1 or args.seconds <= 0:
         p.error("--instances and --clients must be >= 1, --seconds > 0")
@@ -325,11 +343,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.table_from:
+        doc = json.loads(args.table_from.read_text())
+        doc.setdefault("http_over_local", ratios(doc))
+        print(table(doc))
+        return 0
     started = time.perf_counter()
     doc: dict[str, Any] = {"environment": bench_gpu.environment(args.device), "rows": [], "floor": [],
                            "model_files": {}, "model_py": MODEL_PY, "errors": [],
                            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     root = Path(tempfile.mkdtemp(prefix="shmserve-bench-gpu-triton-"))
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         for n in args.instances:
             run_instances(doc, args, n, root)
@@ -337,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             measure_floor(doc, args)
         except (Exception, SystemExit) as exc:  # noqa: BLE001
             doc["errors"].append(f"floor: {exc!r}")
+    except KeyboardInterrupt:  # `timeout -s INT`: the rows measured so far still make the table
+        doc["errors"].append("stopped by SIGINT (a time limit) before the end")
     finally:
         shutil.rmtree(root, ignore_errors=True)
         doc["http_over_local"] = ratios(doc)

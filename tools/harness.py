@@ -127,8 +127,10 @@ class ServerProcess:
                 except Exception:  # noqa: BLE001 - not listening yet
                     pass
                 time.sleep(0.05)
-            self.stop()
             raise RuntimeError("the server did not become ready within 120 s")
+        except BaseException:  # (a KeyboardInterrupt too: the server is in a session of its own)
+            self.stop()
+            raise
         finally:
             client.close()
 
