@@ -13,7 +13,8 @@
 #               path, 10 calls each, on shmserve and on Triton (65 s)                                      -> cudashm.json
 #   bench       tools/bench_gpu_triton.py: ResNet-50 on Triton (Python backend) and on shmserve (the
 #               same model.py, and TorchScript), HTTP, gRPC and local, 1 and 2 instances, and torch
-#               alone; 1.5 + 4 s a path (245 s)                 -> side-by-side.json, bench.log (the markdown table), server.log
+#               alone; 1.5 + 4 s a path (240 s)   -> side-by-side.json, bench.log (the markdown table), server.log
+#               (a run cut short keeps its rows: python3 -m shmserve.tools.bench_gpu_triton --table-from JSON)
 # About 8 minutes when all goes well (the bench about 225 s of it); never over 570 s: each phase's limit
 # is cut to what is left of the run's 555 s (limit() below; 10 s more for a kill), so a phase that overran shortens the next.
 #
@@ -74,7 +75,7 @@ if [ -n "${GPU_RUN_DRY:-}" ]; then
 else
     PY=python3
     TEST_MODE=()
-    BENCH=(--seconds 4 --warmup 1.5 --floor-seconds 1.5)
+    BENCH=(--seconds 4 --warmup 1.5 --floor-seconds 1 --path-timeout 40)
     CUDASHM=(--calls 10)
     TRT_PARTS=/tmp/trt-parts
     TRITON_ROOT=/tmp/triton
@@ -288,7 +289,7 @@ fi
 if wants bench; then
     echo "== bench: Triton beside shmserve, ResNet-50"
     t=$SECONDS
-    timeout -s INT -k 5 "$(limit 245)" "$PY" -m shmserve.tools.bench_gpu_triton "${BENCH[@]}" "${TRITON[@]}" \
+    timeout -s INT -k 15 "$(limit 240)" "$PY" -m shmserve.tools.bench_gpu_triton "${BENCH[@]}" "${TRITON[@]}" \
         --json "$OUT/side-by-side.json" --server-log "$OUT/server.log" 2>&1 | tee "$OUT/bench.log"
     rc[bench]=$?
     stamp bench $t
