@@ -24,7 +24,7 @@
 #        mkdir -p /tmp/ort-parts && cp .ort/part1 /tmp/ort-parts/ && python3 -c "import sys, sysconfig;
 #        print(sys.version, sys._base_executable, sysconfig.get_config_var('LIBDIR'))"; ls -l /usr/lib/x86_64-linux-gnu/libpython3*
 #        (the last two: whether Triton's stub will find libpython3.12.so.1.0, seen before anything is spent on it)
-#   2. carry [".ort/part2", ".trt"]         51.7 MiB:
+#   2. carry [".ort/part2", ".trt"]         59.0 MiB:
 #        mkdir -p /tmp/ort-parts /tmp/trt-parts && cp .ort/part2 /tmp/ort-parts/ && cp .trt/part* /tmp/trt-parts/
 #   3. carry [".whl", ".triton_examples"]   18.9 MiB, timeout_s 600:
 #        tools/gpu_run.sh
@@ -32,9 +32,9 @@
 # .whl: tools/gpu_wheels.sh, which checks these sizes.) A phase rerun alone: call 3 again with
 # GPU_RUN_PHASES=... before the command, on the same machine while warm (else calls 1 and 2 first).
 # Without the .ort parts the machine's onnxruntime (a CPU build) stays and the ONNX GPU tests check
-# that a KIND_GPU instance is refused naming the CUDA provider. Without the .trt parts, or without
-# the machine's libpython3.12.so.1.0 (which Triton's Python stub links), the Triton rows are errors
-# that say why and everything else runs.
+# that a KIND_GPU instance is refused naming the CUDA provider. Triton's Python stub links
+# libpython3.12.so.1.0: the machine's if it has one, else the one .trt carries (tools/gpu_triton.py);
+# without the .trt parts the Triton rows are errors that say why and everything else runs.
 # A phase that overruns gets SIGINT first, so pytest's fixtures and the benchmarks stop their servers.
 #
 # GPU_RUN_DRY=1 rehearses it here on the CPU: no install, the .venv's python, pytest only collects,
@@ -146,12 +146,13 @@ from pathlib import Path
 from shmserve.tools.triton_process import libpython_dir, python_facts, stub_version
 root, python = Path(sys.argv[1]), sys.argv[2]
 facts = python_facts(python)
-found = libpython_dir(facts)
+found = libpython_dir(facts, root / "triton-lib")
 print(f"Triton: tritonserver {'present' if (root / 'pytriton/tritonserver/bin/tritonserver').exists() else 'MISSING'}"
       f" in {root}; its stub links Python {stub_version(root)}; {python} is {facts['version']}; "
-      + (f"libpython{facts['version']}.so.1.0 in {found}" if found else
+      + (f"libpython{facts['version']}.so.1.0 in {found}"
+         + (" (the one carried in .trt: the machine has none)" if found.name == "triton-lib" else "") if found else
          f"libpython{facts['version']}.so.1.0 NOT FOUND (LIBDIR {facts['libdir']}, {facts['base_prefix']}/lib, "
-         "/usr/lib/x86_64-linux-gnu): the Triton rows will be errors"))
+         "/usr/lib/x86_64-linux-gnu, triton-lib): the Triton rows will be errors"))
 EOF
 stamp triton $t
 

@@ -11,7 +11,10 @@ in ``triton-site/``: Triton 2.51's stub is built with a pybind11 that reads nump
 their 1.x layout, so under numpy 2 (the GPU machine has 2.5) every output a model hands over as a
 numpy array has a byte size of 0 ("output tensor shape does not match size of output");
 tools/triton_process.py puts that folder ahead of the machine's packages for the stub. The result
-goes into an xz tarball in parts of at most 50 MB:
+goes into an xz tarball in parts of at most 50 MB. The stub also needs the machine's
+``libpython3.12.so.1.0``, which a Python without its shared library lacks: the tarball carries one
+in ``triton-lib/``, from nvidia-pytriton 0.5.5 (whose wheel bundles a 3.12 build), used only when
+the machine has none:
 
     python -m shmserve.tools.gpu_triton                   # -> .trt/part1 (...): the 3.12 stub
     python -m shmserve.tools.gpu_triton --python 3.11 --out /tmp/trt311 --check   # a CPU rehearsal here
@@ -37,6 +40,8 @@ from pathlib import Path
 VERSION = "0.7.0"  # Triton 2.51, as ../shared/tools/reference-triton
 NUMPY = "1.26.4"  # the last numpy whose dtype layout the stub's pybind11 reads right
 SITE = "triton-site"
+LIBPYTHON_FROM = "0.5.5"  # an nvidia-pytriton whose wheel bundles libpython3.12 (0.6 and 0.7: 3.13)
+FALLBACK_LIB = "triton-lib"
 PART_BYTES = 50 * 1024 * 1024
 SERVER = "pytriton/tritonserver"
 LIBS = "nvidia_pytriton.libs"
@@ -63,7 +68,18 @@ def needed_libraries(tree: Path, binaries: list[str]) -> set[str]:
     return names
 
 
-def pack(wheel: Path, numpy_wheel: Path, python: str) -> tuple[bytes, list[str]]:
+def bundled_libpython(wheel: Path, python: str) -> bytes | None:
+    """The libpython of ``python``'s version that an nvidia-pytriton wheel bundles (renamed by
+    auditwheel: ``libpython3-<hash>.12.so.1.0``), if it has one."""
+    minor = python.split(".")[1]
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if re.fullmatch(rf"{re.escape(LIBS)}/libpython3-[0-9a-f]+\.{minor}\.so\.1\.0", name):
+                return z.read(name)
+    return None
+
+
+def pack(wheel: Path, numpy_wheel: Path, python: str, libpython: bytes | None) -> tuple[bytes, list[str]]:
     """The xz tarball of the kept files (the wheel's layout, the stub of ``python`` in place, numpy
     1.x in ``triton-site``, its tests left out), and the names of the libraries kept."""
     stub_src = f"{SERVER}/python_backend_stubs/{python}/triton_python_backend_stub"
@@ -91,6 +107,10 @@ def pack(wheel: Path, numpy_wheel: Path, python: str) -> tuple[bytes, list[str]]
                     data = npz.read(info)
                     member.size, member.mode = len(data), 0o755 if ".so" in info.filename else 0o644
                     tar.addfile(member, io.BytesIO(data))
+            if libpython is not None:
+                member = tarfile.TarInfo(f"{FALLBACK_LIB}/libpython{python}.so.1.0")
+                member.size, member.mode = len(libpython), 0o755
+                tar.addfile(member, io.BytesIO(libpython))
     return buffer.getvalue(), libs
 
 
@@ -141,13 +161,17 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         wheel = args.wheel or download(Path(tmp), f"nvidia-pytriton=={VERSION}", "3.12")
-        packed, libs = pack(wheel, download(Path(tmp), f"numpy=={NUMPY}", args.python), args.python)
+        older = Path(tmp) / "older"
+        libpython = bundled_libpython(download(older, f"nvidia-pytriton=={LIBPYTHON_FROM}", "3.12"), args.python)
+        if libpython is None:
+            print(f"(nvidia-pytriton {LIBPYTHON_FROM} bundles no libpython{args.python}: none carried)")
+        packed, libs = pack(wheel, download(Path(tmp), f"numpy=={NUMPY}", args.python), args.python, libpython)
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     for i in range(0, len(packed), PART_BYTES):
         (args.out / f"part{i // PART_BYTES + 1}").write_bytes(packed[i:i + PART_BYTES])
     print(f"tritonserver (nvidia-pytriton {VERSION}), Python {args.python} stub, {len(libs)} libraries, "
-          f"numpy {NUMPY}: "
+          f"numpy {NUMPY}{', a fallback libpython' if libpython else ''}: "
           f"{len(packed) / 2**20:.1f} MiB in "
           f"{', '.join(f'{p} ({p.stat().st_size / 2**20:.1f} MiB)' for p in sorted(args.out.iterdir()))}")
     if args.check:

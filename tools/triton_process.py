@@ -4,9 +4,10 @@ site-packages of ../shared/tools/reference-triton's venv here) on free ports, re
 constructed, its tritonserver and Python-backend stub pids for CPU time and GPU memory, a clean stop.
 
 The stub embeds the Python of ``python`` (default: this interpreter): it needs that version's
-``libpython3.X.so.1.0``, looked up in the interpreter's LIBDIR, its base prefix's ``lib`` and the
-system's library folders (then put on LD_LIBRARY_PATH). Without it the server cannot run a Python
-model: ``TritonUnavailable`` says so before anything starts. The embedded interpreter ignores
+``libpython3.X.so.1.0``, looked up in the interpreter's LIBDIR, its base prefix's ``lib``, the
+system's library folders and last the tree's ``triton-lib`` (tools/gpu_triton.py's fallback), then
+put on LD_LIBRARY_PATH. Without it the server cannot run a Python model: ``TritonUnavailable`` says
+so before anything starts. The embedded interpreter ignores
 PYTHONPATH and takes its prefix from the first ``python3`` on PATH, so the server gets a venv of its
 own on PATH: over ``python``'s base interpreter, its site-packages holding ``triton-site`` first (the
 tree's numpy 1.26: see tools/gpu_triton.py) and then ``python``'s own (torch, torchvision, numpy).
@@ -43,10 +44,11 @@ def python_facts(python: str) -> dict[str, str]:
             "base_executable": base_executable}
 
 
-def libpython_dir(facts: dict[str, str]) -> Path | None:
-    """The folder holding ``libpython<version>.so.1.0``: the interpreter's LIBDIR first."""
+def libpython_dir(facts: dict[str, str], fallback: Path | None = None) -> Path | None:
+    """The folder holding ``libpython<version>.so.1.0``: the interpreter's LIBDIR first,
+    ``fallback`` (a tree's ``triton-lib``) last."""
     name = f"libpython{facts['version']}.so.1.0"
-    for folder in (facts["libdir"], f"{facts['base_prefix']}/lib", *SYSTEM_LIBS):
+    for folder in (facts["libdir"], f"{facts['base_prefix']}/lib", *SYSTEM_LIBS, str(fallback or "")):
         if folder and (Path(folder) / name).exists():
             return Path(folder)
     return None
@@ -107,7 +109,7 @@ class TritonProcess(ServerProcess):
         if linked != facts["version"]:
             raise TritonUnavailable(f"the Python backend stub in {self.root} links Python {linked}, "
                                     f"{python} is {facts['version']}")
-        libdir = libpython_dir(facts)
+        libdir = libpython_dir(facts, self.root / "triton-lib")
         if libdir is None:
             raise TritonUnavailable(
                 f"libpython{facts['version']}.so.1.0 is not in {facts['libdir']} (LIBDIR of {python}) nor in "
