@@ -226,3 +226,76 @@ def test_compare_through_shared_memory_regions_leaves_none_behind(server, tmp_pa
     client = server.client()
     assert client.get_system_shared_memory_status() == [], "the tool's regions are still registered"
     client.close()
+
+
+def test_the_side_by_side_bench_measures_every_shmserve_path_on_the_cpu(tmp_path):
+    """tools/bench_gpu_triton.py's shmserve part, as gpu_run.sh's dry run runs it: a row per backend
+    and path with its rate, batch formed and server CPU, the HTTP/local ratios, the markdown table,
+    and nothing left in /dev/shm."""
+    out = tmp_path / "side-by-side.json"
+    run = finished([PYTHON, "-m", "shmserve.tools.bench_gpu_triton", "--device", "cpu", "--model", "small",
+                    "--servers", "shmserve-python", "shmserve-torchscript", "--instances", "1",
+                    "--seconds", "1", "--warmup", "0.5", "--floor-seconds", "0.5", "--clients", "2",
+                    "--json", str(out)], tmp_path)
+    doc = json.loads(out.read_text())
+    rows = {(r["backend"], r["path"]): r for r in doc["rows"]}
+    assert set(rows) == {(b, p) for b in ("python", "torchscript") for p in ("http", "grpc", "local")}
+    for row in rows.values():
+        assert row["server"] == "shmserve" and row["instances"] == 1 and row["errors"] == 0
+        assert row["throughput_rps"] > 0 and row["avg_batch"] >= 1 and row["server_cpu_us_per_inference"] > 0
+    assert {r["backend"] for r in doc["http_over_local"]} == {"python", "torchscript"}
+    assert [f["batch"] for f in doc["floor"]][0] == 1
+    assert "| 1 | shmserve | python | http |" in run.stdout and "HTTP / local" in run.stdout
+
+
+def test_the_side_by_side_models_answer_alike_on_both_backends(tmp_path):
+    """The Python-backend model.py and the TorchScript file are the same net: one input, one answer."""
+    import argparse
+
+    from shmserve.tools import bench_gpu, bench_gpu_triton
+    from shmserve.tools.harness import ServerProcess
+
+    args = argparse.Namespace(model="small", device="cpu", instances=1, queue_delay_us=100)
+    py_model = bench_gpu_triton.write_python_repository(tmp_path / "py", args, 1)
+    ts_model, _ = bench_gpu.write_repository(tmp_path / "ts", args)
+    server = ServerProcess([tmp_path / "py", tmp_path / "ts"])
+    try:
+        bench_gpu.wait_model_ready(server, py_model)
+        bench_gpu.wait_model_ready(server, ts_model)
+        x = np.random.default_rng(1).random((2, *bench_gpu.SHAPE), dtype=np.float32)
+        answers = []
+        with httpclient.InferenceServerClient(server.url) as client:
+            for model in (py_model, ts_model):
+                inp = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
+                inp.set_data_from_numpy(x)
+                answers.append(client.infer(model, [inp]).as_numpy("OUTPUT__0"))
+        assert answers[0].shape == (2, bench_gpu.CLASSES)
+        np.testing.assert_allclose(answers[0], answers[1], rtol=1e-4, atol=1e-5)
+    finally:
+        server.stop()
+
+
+def test_the_cudashm_bench_rehearses_on_the_cpu():
+    """tools/bench_cudashm.py --device cpu: the same models (KIND_CPU) answer the identity with the
+    tensor in the body; one row per model, nothing left behind."""
+    run = finished([PYTHON, "-m", "shmserve.tools.bench_cudashm", "--device", "cpu", "--mib", "1",
+                    "--servers", "shmserve"], ROOT)
+    rows = json.loads(run.stdout)["identity_through_cuda_shm"]
+    assert [(r["server"], r["model"], r["output_equals_input"]) for r in rows] == [
+        ("shmserve", m, True) for m in ("host_path", "device_path", "torchscript")]
+
+
+def finished(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """A tool run to its end with exit 0, and nothing left in /dev/shm by the servers it started
+    (tools.harness names them ``tool<its pid>``)."""
+    tool = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = tool.communicate(timeout=400)
+    finally:
+        if tool.poll() is None:
+            tool.kill()
+            tool.wait()
+    assert tool.returncode == 0, err[-3000:]
+    stem = f"shmserve.tool{tool.pid}."
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith((stem, "sem." + stem))]
+    return subprocess.CompletedProcess(command, tool.returncode, out, err)

@@ -1,5 +1,8 @@
 """A 64 MiB identity through CUDA shared memory: the input and the output both in client device
-memory, over HTTP with ``tritonclient.utils.cuda_shared_memory``. Needs a CUDA GPU.
+memory, over HTTP with ``tritonclient.utils.cuda_shared_memory``, on shmserve and on Triton (the
+Python-backend models; Triton's tree as tools/bench_gpu_triton.py takes it). Needs a CUDA GPU;
+``--device cpu`` rehearses it without one: KIND_CPU instances, the tensor in the request body, one
+call per model.
 
 Three models, each one GPU instance:
 - ``host_path``: a Python model that gets its input on the host (Triton's default,
@@ -10,13 +13,14 @@ Three models, each one GPU instance:
   tensor over the client's region and the output is copied device to device into the output region.
 - ``torchscript``: a TorchScript identity on the PyTorch backend (device inputs always).
 
-Prints one JSON document: per model, the median and mean milliseconds per call.
+Prints one JSON document: per server and model, the median and mean milliseconds per call.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from shmserve.tools.harness import ServerProcess
+from shmserve.tools.triton_process import TritonProcess
 
 MODEL_PY = '''
 import torch
@@ -32,11 +37,15 @@ import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        gpu = args["model_instance_kind"] == "GPU"
+        self.device = torch.device(f"cuda:{args['model_instance_device_id']}" if gpu else "cpu")
+
     def execute(self, requests):
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "INPUT0")
-            on_gpu = torch.from_dlpack(x.to_dlpack()).cuda()  # no copy when it is there already
+            on_gpu = torch.from_dlpack(x.to_dlpack()).to(self.device)  # no copy when it is there already
             out = pb_utils.Tensor.from_dlpack("OUTPUT0", on_gpu) if not x.is_cpu() \\
                 else pb_utils.Tensor("OUTPUT0", on_gpu.cpu().numpy())
             responses.append(pb_utils.InferenceResponse([out]))
@@ -46,17 +55,22 @@ class TritonPythonModel:
 IO = ('input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
       'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
       'instance_group [ { count: 1 kind: KIND_GPU } ]\n')
+PYTHON_MODELS = ("host_path", "device_path")
 
 
-def write_repository(root: Path) -> None:
+def write_repository(root: Path, kind: str = "KIND_GPU", torchscript: bool = True) -> None:
+    """The Python models (both servers), and the TorchScript one (shmserve's) when asked."""
     import torch
 
+    io = IO.replace("KIND_GPU", kind)
     for name, force in (("host_path", "yes"), ("device_path", "no")):
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text(MODEL_PY)
         (root / name / "config.pbtxt").write_text(
             f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
-            f'parameters {{ key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: {{ string_value: "{force}" }} }}\n{IO}')
+            f'parameters {{ key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: {{ string_value: "{force}" }} }}\n{io}')
+    if not torchscript:
+        return
 
     class Identity(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +80,7 @@ def write_repository(root: Path) -> None:
     torch.jit.save(torch.jit.script(Identity()), str(root / "torchscript" / "1" / "model.pt"))
     (root / "torchscript" / "config.pbtxt").write_text(
         'name: "torchscript"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
-        + IO.replace("INPUT0", "INPUT__0").replace("OUTPUT0", "OUTPUT__0"))
+        + io.replace("INPUT0", "INPUT__0").replace("OUTPUT0", "OUTPUT__0"))
 
 
 def measure(url: str, model: str, mib: int, calls: int) -> dict[str, Any]:
@@ -101,22 +115,65 @@ def measure(url: str, model: str, mib: int, calls: int) -> dict[str, Any]:
             "mean_ms": round(statistics.mean(times) * 1e3, 2), "output_equals_input": same}
 
 
+def measure_in_body(url: str, model: str, mib: int) -> dict[str, Any]:
+    """The CPU rehearsal: one call with the tensor in the request body, output compared."""
+    import tritonclient.http as httpclient
+
+    x = np.random.default_rng(0).standard_normal(mib * (1 << 20) // 4, dtype=np.float32)
+    names = ("INPUT__0", "OUTPUT__0") if model == "torchscript" else ("INPUT0", "OUTPUT0")
+    with httpclient.InferenceServerClient(url, network_timeout=300) as client:
+        inp = httpclient.InferInput(names[0], [x.size], "FP32")
+        inp.set_data_from_numpy(x)
+        start = time.perf_counter()
+        got = client.infer(model, [inp], outputs=[httpclient.InferRequestedOutput(names[1], binary_data=True)])
+        elapsed = time.perf_counter() - start
+        same = bool(np.array_equal(got.as_numpy(names[1]), x))
+    return {"model": model, "mib": mib, "calls": 1, "median_ms": round(elapsed * 1e3, 2),
+            "mean_ms": round(elapsed * 1e3, 2), "output_equals_input": same, "in": "request body (--device cpu)"}
+
+
+def run_server(server_name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Rows for one server's models; one error row when the server does not start."""
+    cpu = args.device == "cpu"
+    models = PYTHON_MODELS if server_name == "triton" else (*PYTHON_MODELS, "torchscript")
+    with tempfile.TemporaryDirectory(prefix="bench_cudashm") as tmp:
+        write_repository(Path(tmp), "KIND_CPU" if cpu else "KIND_GPU", torchscript=server_name == "shmserve")
+        try:
+            server = (TritonProcess(args.triton_root, [tmp], python=args.triton_python, log=args.server_log)
+                      if server_name == "triton" else ServerProcess([tmp], log=args.server_log))
+        except Exception as exc:  # noqa: BLE001 - the other server still runs
+            return [{"server": server_name, "error": f"server: {exc}"}]
+        rows = []
+        try:
+            for model in models:
+                try:
+                    row = measure_in_body(server.url, model, args.mib) if cpu else \
+                        measure(server.url, model, args.mib, args.calls)
+                except Exception as exc:  # noqa: BLE001 - the next model still runs
+                    row = {"model": model, "error": repr(exc)}
+                rows.append({"server": server_name, **row})
+                print(f"# {rows[-1]}", file=sys.stderr, flush=True)
+        finally:
+            server.stop()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=64, help="tensor size in MiB (default 64)")
     parser.add_argument("--calls", type=int, default=20, help="timed calls per model (default 20)")
-    parser.add_argument("--server-log", type=Path, default=None, help="append the server's log here")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a rehearsal without CUDA regions (KIND_CPU, tensors in the body)")
+    parser.add_argument("--servers", nargs="+", choices=["shmserve", "triton"], default=["shmserve", "triton"])
+    parser.add_argument("--triton-root", type=Path, default=Path("/tmp/triton"),
+                        help="folder holding pytriton/tritonserver and nvidia_pytriton.libs")
+    parser.add_argument("--triton-python", default=sys.executable,
+                        help="the Python whose libpython and site-packages Triton's stub uses")
+    parser.add_argument("--server-log", type=Path, default=None, help="append the servers' logs here")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench_cudashm") as tmp:
-        write_repository(Path(tmp))
-        server = ServerProcess([tmp], log=args.server_log)
-        try:
-            rows = [measure(server.url, model, args.mib, args.calls)
-                    for model in ("host_path", "device_path", "torchscript")]
-        finally:
-            server.stop()
+    rows = [row for name in args.servers for row in run_server(name, args)]
     print(json.dumps({"identity_through_cuda_shm": rows}, indent=1))
-    return 0 if all(r["output_equals_input"] for r in rows) else 1
+    return 0 if all(r.get("output_equals_input") for r in rows) else 1
 
 
 if __name__ == "__main__":

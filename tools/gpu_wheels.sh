@@ -7,7 +7,7 @@
 # fetched (torch above all never travels), except grpcio and protobuf, named below. Versions are those `make install` resolves here, so the
 # GPU run uses the code the CPU tests ran.
 #
-#   tools/gpu_wheels.sh            # then tools/gpu_run.sh there, with .whl carried (and .ort: tools/gpu_onnxruntime.py)
+#   tools/gpu_wheels.sh            # then tools/gpu_run.sh there, in the calls its header lists
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -94,15 +94,25 @@ if [ "$total" -gt $((50 * 1024 * 1024)) ]; then
 fi
 
 # What each call carries must fit the 64 MiB that travels: the tree (tracked and untracked files
-# git does not ignore) plus, for gpu_run.sh, .whl, .triton_examples and .ort/part2, and for the
-# call before it .ort/part1 (tools/gpu_onnxruntime.py).
+# git does not ignore) plus, per call of tools/gpu_run.sh's header, (1) .ort/part1, (2) .ort/part2
+# and .trt (python -m shmserve.tools.gpu_triton), (3) .whl and .triton_examples, which runs gpu_run.sh.
 tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-size_of() { du -cb "$@" 2>/dev/null | tail -1 | cut -f1; }
-run_call=$((tree + $(size_of .whl .triton_examples .ort/part2)))
-stash_call=$((tree + $(size_of .ort/part1)))
-echo "carried: $((run_call / 1048576)) MiB by the gpu_run.sh call, $((stash_call / 1048576)) MiB by the one before"
+size_of() { local total=0 f; for f in "$@"; do [ -e "$f" ] && total=$((total + $(du -sb "$f" | cut -f1))); done; echo $total; }
+mib() { awk "BEGIN {printf \"%.1f\", $1 / 1048576}"; }
+over=0
+n=0
+for carried in ".ort/part1" ".ort/part2 .trt" ".whl .triton_examples"; do
+    n=$((n + 1))
+    # shellcheck disable=SC2086  # (the list is split on purpose)
+    size=$((tree + $(size_of $carried)))
+    echo "call $n carries [$carried] and the tree ($(mib $tree) MiB): $(mib $size) MiB"
+    [ "$size" -le $((64 * 1024 * 1024)) ] || over=1
+done
 [ -f .ort/part1 ] || echo "(no .ort parts: run python -m shmserve.tools.gpu_onnxruntime for onnxruntime-gpu)"
-if [ "$run_call" -gt $((64 * 1024 * 1024)) ] || [ "$stash_call" -gt $((64 * 1024 * 1024)) ]; then
+[ -f .trt/part1 ] || echo "(no .trt parts: run python -m shmserve.tools.gpu_triton for the reference Triton)"
+[ -f .triton_examples/simple_http_cudashm_client.py ] || echo "(no .triton_examples: Triton's example clients)"
+[ -z "$(ls .trt/part2 .ort/part3 2>/dev/null)" ] || { echo "error: more parts than the plan carries" >&2; exit 1; }
+if [ "$over" -ne 0 ]; then
     echo "error: a call would carry over 64 MiB" >&2
     exit 1
 fi

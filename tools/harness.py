@@ -112,7 +112,7 @@ class ServerProcess:
         cmd = self.command(repos, flags)
         out = open(log, "ab") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if log else out,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, env=self.environment())
         import tritonclient.http as h
 
         client = h.InferenceServerClient(self.url)
@@ -127,8 +127,10 @@ class ServerProcess:
                 except Exception:  # noqa: BLE001 - not listening yet
                     pass
                 time.sleep(0.05)
-            self.stop()
             raise RuntimeError("the server did not become ready within 120 s")
+        except BaseException:  # (a KeyboardInterrupt too: the server is in a session of its own)
+            self.stop()
+            raise
         finally:
             client.close()
 
@@ -137,6 +139,10 @@ class ServerProcess:
         return [sys.executable, "-m", "shmserve", *[f"--model-repository={r}" for r in repos],
                 "--http-address=127.0.0.1", f"--http-port={self.port}", f"--metrics-port={self.metrics_port}",
                 f"--id={self.id}", *flags]
+
+    def environment(self) -> dict[str, str] | None:
+        """The server's environment (None: this process's; another server's, in a subclass)."""
+        return None
 
     def tree(self) -> list[int]:
         return [self.proc.pid, *descendants(self.proc.pid)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import random
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -173,6 +174,9 @@ class SlotThread:
 
 def client_main(index: int, targets: list[Target], req: Requests, run_id: str, commands: Any, results: Any) -> None:
     """The process's life: a job at a time until the parent sends None (or is gone)."""
+    # Ctrl-C or `timeout -s INT` reach the whole process group: the parent, interrupted, stops the
+    # job here as at a window's end; a client that died of it would leave the parent waiting for it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     slots: dict[tuple[int, int], SlotThread] = {}
     parent = os.getppid()
     try:
