@@ -13,9 +13,9 @@
 #               path, 10 calls each, on shmserve and on Triton (65 s)                                      -> cudashm.json
 #   bench       tools/bench_gpu_triton.py: ResNet-50 on Triton (Python backend) and on shmserve (the
 #               same model.py, and TorchScript), HTTP, gRPC and local, 1 and 2 instances, and torch
-#               alone; 1.5 + 4 s a path (240 s)   -> side-by-side.json, bench.log (the markdown table), server.log
+#               alone; 1.5 + 4 s a path (330 s)   -> side-by-side.json, bench.log (the markdown table), server.log
 #               (a run cut short keeps its rows: python3 -m shmserve.tools.bench_gpu_triton --table-from JSON)
-# About 8 minutes when all goes well (the bench about 225 s of it); never over 570 s: each phase's limit
+# About 8 minutes when all goes well (the bench about 300 s of it: 13 of its 16 paths took 240 s on an H200); never over 570 s: each phase's limit
 # is cut to what is left of the run's 555 s (limit() below; 10 s more for a kill), so a phase that overran shortens the next.
 #
 # What travels: each call carries the checkout (~3.5 MiB) and at most 64 MiB in all, so the parts go
@@ -290,7 +290,10 @@ fi
 if wants bench; then
     echo "== bench: Triton beside shmserve, ResNet-50"
     t=$SECONDS
-    timeout -s INT -k 15 "$(limit 240)" "$PY" -m shmserve.tools.bench_gpu_triton "${BENCH[@]}" "${TRITON[@]}" \
+    # GPU_BENCH_ARGS: more bench flags, e.g. "--instances 2 --servers shmserve-torchscript" for the rows a
+    # run cut short (later flags win).
+    # shellcheck disable=SC2086
+    timeout -s INT -k 15 "$(limit 330)" "$PY" -m shmserve.tools.bench_gpu_triton "${BENCH[@]}" "${TRITON[@]}" ${GPU_BENCH_ARGS:-} \
         --json "$OUT/side-by-side.json" --server-log "$OUT/server.log" 2>&1 | tee "$OUT/bench.log"
     rc[bench]=$?
     stamp bench $t
