@@ -19,7 +19,8 @@ Polling pays only when the answer comes soon and a core is idle: the loop keeps 
 of how long each model's answers take, and a request to a model whose answers take longer than
 ``poll_s`` on average neither starts nor prolongs the polling, and is not sent with the worker's
 polling hint. How long the loop polls is the shared policy's (shm/waker.py ``SpinPolicy``): its
-budget is none while recent waits average longer than ``poll_s`` and comes back when work follows closely, and nothing is
+budget is none while recent answers (polled or not) average longer than ``poll_s`` and comes back when they come
+quickly again, and nothing is
 polled while no core is idle. ``poll_s`` 0 never polls.
 """
 from __future__ import annotations
@@ -146,8 +147,7 @@ class BrokerLink:
             if conn is not None:
                 now = time.perf_counter()
                 if conn.complete_ready():
-                    self._spin.found += 1
-                    self._spin.waited(now - self._progress)
+                    self._spin.found += 1  # (its time goes to the policy with every answer's, _took)
                     self._progress = now
                 # (not for answers that come late: nothing in flight is polled for)
                 if conn.in_flight and not self._polled_in_flight:
@@ -269,7 +269,9 @@ class BrokerLink:
         now = time.perf_counter()
         if self._polling:
             spin.found += 1  # the loop was polling when this request came
-        spin.waited(now - self._progress)
+        # (the policy hears of answer times only, polled or not (_took): the time since the last
+        # answer is the client's own, and a client slower than --poll-us would end the polling;
+        # fed only by polled answers, one slow answer would end it for good)
         self._progress = now
         return (model is None or self._answer_s.get(model, 0.0) < self.poll_s) and spin.allowance() > 0
 
@@ -297,6 +299,7 @@ class BrokerLink:
         """One more answer time in the model's running average."""
         average = self._answer_s.get(model, seconds)
         self._answer_s[model] = average + (seconds - average) * 0.125
+        self._spin.waited(seconds)
 
     async def call(self, kind: int, doc: dict, tensors: Any = ()) -> Completion:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
