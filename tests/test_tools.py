@@ -299,3 +299,20 @@ def finished(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     stem = f"shmserve.tool{tool.pid}."
     assert not [n for n in os.listdir("/dev/shm") if n.startswith((stem, "sem." + stem))]
     return subprocess.CompletedProcess(command, tool.returncode, out, err)
+
+
+def test_a_tools_server_takes_a_repository_relative_to_the_callers_folder(tmp_path, monkeypatch):
+    """tools.harness runs its servers in the package's folder (on the GPU machine, an installed
+    copy): a repository named relative to the caller's folder must still be found there."""
+    import shutil
+
+    from shmserve.tools.harness import ServerProcess
+
+    shutil.copytree(ROOT / "model_repository" / "add_sub", tmp_path / "repo" / "add_sub")
+    monkeypatch.chdir(tmp_path)
+    server = ServerProcess(["repo"])
+    try:
+        with httpclient.InferenceServerClient(server.url) as client:
+            assert client.is_model_ready("add_sub")
+    finally:
+        server.stop()

@@ -109,7 +109,8 @@ class ServerProcess:
         self.metrics_port = free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.id = server_id or f"tool{os.getpid()}"
-        cmd = self.command(repos, flags)
+        # (absolute: the server runs in ROOT, which is not the caller's folder when installed)
+        cmd = self.command([Path(r).resolve() for r in repos], flags)
         out = open(log, "ab") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if log else out,
                                      stdin=subprocess.DEVNULL, start_new_session=True, env=self.environment())

@@ -130,7 +130,7 @@ class TritonProcess(ServerProcess):
 
     def command(self, repos: list[Path | str], flags: tuple[str, ...]) -> list[str]:
         backends = self.root / SERVER / "backends"
-        return [str(self.binary), *[f"--model-repository={Path(r).resolve()}" for r in repos], f"--backend-directory={backends}",
+        return [str(self.binary), *[f"--model-repository={r}" for r in repos], f"--backend-directory={backends}",
                 f"--cache-directory={self.root / SERVER / 'caches'}", "--http-address=127.0.0.1",
                 f"--http-port={self.port}", "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
                 f"--metrics-port={self.metrics_port}", "--exit-timeout-secs=10", *flags]
