@@ -18,10 +18,10 @@ requests that follow closely cross no sleep between our processes in either dire
 Polling pays only when the answer comes soon and a core is idle: the loop keeps a running average
 of how long each model's answers take, and a request to a model whose answers take longer than
 ``poll_s`` on average neither starts nor prolongs the polling, and is not sent with the worker's
-polling hint. How long the loop polls is the shared policy's (shm/waker.py ``SpinPolicy``): its
-budget is none while recent answers (polled or not) average longer than ``poll_s`` and comes back when they come
-quickly again, and nothing is
-polled while no core is idle. ``poll_s`` 0 never polls.
+polling hint. How long the loop polls is the shared policy's (shm/waker.py ``SpinPolicy``), which
+hears of the answer times of the models polled for (polled or not): its budget is none while they
+average longer than ``poll_s`` and comes back when they come quickly again, and nothing is polled
+while no core is idle. ``poll_s`` 0 never polls.
 """
 from __future__ import annotations
 
@@ -269,9 +269,8 @@ class BrokerLink:
         now = time.perf_counter()
         if self._polling:
             spin.found += 1  # the loop was polling when this request came
-        # (the policy hears of answer times only, polled or not (_took): the time since the last
-        # answer is the client's own, and a client slower than --poll-us would end the polling;
-        # fed only by polled answers, one slow answer would end it for good)
+        # (the policy hears of answer times only (_took): the time since the last answer is the
+        # client's own, and a client slower than --poll-us would end the polling)
         self._progress = now
         return (model is None or self._answer_s.get(model, 0.0) < self.poll_s) and spin.allowance() > 0
 
@@ -298,8 +297,12 @@ class BrokerLink:
     def _took(self, model: str, seconds: float) -> None:
         """One more answer time in the model's running average."""
         average = self._answer_s.get(model, seconds)
-        self._answer_s[model] = average + (seconds - average) * 0.125
-        self._spin.waited(seconds)
+        self._answer_s[model] = average = average + (seconds - average) * 0.125
+        if average < self.poll_s:
+            # A model polled for: its answer counts, polled or not (fed by polled answers alone,
+            # one slow answer would end the polling for good). A slow model's never do: they
+            # would end the polling for the quick models beside it.
+            self._spin.waited(seconds)
 
     async def call(self, kind: int, doc: dict, tensors: Any = ()) -> Completion:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
