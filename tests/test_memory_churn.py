@@ -44,7 +44,9 @@ def test_reloads_clients_and_kills_leave_each_process_where_it_was(server_factor
     for i in range(5):  # warm-up: every lasting process has built what it keeps
         reload(i)
     churn_clients(10)
-    before = {p: rss_bytes([p]) for p in lasting(s.pid)}
+    roles = lasting(s.pid)
+    assert sorted(t.split()[1] for t in roles.values()) == ["broker", "frontend", "grpc", "launcher"], roles
+    before = {p: rss_bytes([p]) for p in roles}
     for i in range(5, 45):
         reload(i)
     churn_clients(100)

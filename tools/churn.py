@@ -46,9 +46,17 @@ def reload_config(generation: int) -> str:
     return json.dumps({**CONFIG, "parameters": {"generation": {"string_value": str(generation)}}})
 
 
+LASTING_ROLES = ("launcher", "broker", "frontend", "grpc")
+
+
 def lasting(launcher: int) -> dict[int, str]:
-    """The server's processes that live as long as it does: all but the workers."""
-    return {p: cmdline(p) for p in [launcher, *descendants(launcher)] if " worker " not in cmdline(p)}
+    """The server's processes that live as long as it does, by the role in their title.
+
+    Named, not "all but the workers": a worker just started has not set its title yet, and one
+    that has exited but is not yet reaped has an empty command line; both would pass for lasting.
+    """
+    titles = {p: cmdline(p) for p in [launcher, *descendants(launcher)]}
+    return {p: t for p, t in titles.items() if t.split()[:2] in (["shmserve", r] for r in LASTING_ROLES)}
 
 
 def main() -> int:
