@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from conftest import read_raw_response
+from shmserve.tools.harness import cmdline, descendants
 
 HEAD_FIELDS = "Host: x\r\nUser-Agent: http-connections\r\n"
 KEEP_ALIVE_S = 5.0  # uvicorn's default, which the frontend keeps
@@ -81,6 +82,30 @@ def test_repeated_heads_are_answered_from_their_own_bodies(server):
             extra = "X-Round: odd\r\n" if i in (5, 6) else ""
             sock.sendall(_add_sub(a, b, extra))
             _check(reader, a, b)
+
+
+def _write_calls(pid: int) -> int:
+    """The write system calls ``pid`` has made (write and writev; /proc/<pid>/io's syscw)."""
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("syscw:"))
+
+
+def test_an_answer_goes_out_in_one_write(server):
+    """uvicorn writes an answer's head and its body in two sends, and a client woken by the head
+    waits again for the body: the frontend holds the head for the body (protocol.ONE_WRITE). 40
+    answers on one connection take 40 of the frontend's write calls, not 80."""
+    [frontend] = [p for p in descendants(server.pid) if cmdline(p).startswith("shmserve frontend ")]
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        reader = sock.makefile("rb")
+        pairs = _pairs(7, 41)
+        sock.sendall(_add_sub(*pairs[0]))
+        _check(reader, *pairs[0])
+        before = _write_calls(frontend)
+        for a, b in pairs[1:]:
+            sock.sendall(_add_sub(a, b))
+            _check(reader, a, b)
+        writes = _write_calls(frontend) - before
+    assert 40 <= writes < 50, f"{writes} write calls for 40 answers"
 
 
 def test_split_and_pipelined_requests_are_answered_in_order(server):

@@ -4,10 +4,11 @@ every other request to the Starlette routes of app.py.
 An infer request skips Starlette's routing, middleware and request objects: its body is read
 from ``receive`` under the size limit (a large binary body is copied into its shared-memory block
 as it arrives, ingest.py), ``Inference.start`` submits it, and the answer goes out as one
-``http.response.start`` and one ``http.response.body``. While tracing is on, the sampled requests
-carry their HTTP timestamps too. A client that disconnects while its request is in flight cancels
-it (``BrokerLink.cancel``): a queued request never runs, a running model sees ``is_cancelled()``,
-and the answer that still comes is freed unsent.
+``http.response.start`` and one ``http.response.body``, written in one send (``ONE_WRITE``).
+While tracing is on, the sampled requests carry their HTTP timestamps too. A client that
+disconnects while its request is in flight cancels it (``BrokerLink.cancel``): a queued request
+never runs, a running model sees ``is_cancelled()``, and the answer that still comes is freed
+unsent.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from .inference import JSON_HEADER, RETRY_AFTER_HEADER, Headers, Inference, too_
 from .ingest import BodyIngest, header_length
 from .raw_binary import is_raw
 from .openai_errors import error_body, is_openai_path
-from .protocol import BODY_SINK
+from .protocol import BODY_SINK, ONE_WRITE
 
 
 def infer_target(path: str) -> tuple[str, str] | None:
@@ -104,6 +105,9 @@ class FrontendApp:
         if status == 503:
             out_headers.append(RETRY_AFTER_HEADER)
         send_start = time.monotonic_ns()
+        one_write = scope.get(ONE_WRITE)
+        if one_write is not None:
+            one_write()  # the head waits for the body: the client gets both in one send
         await send({"type": "http.response.start", "status": status, "headers": out_headers})
         await send({"type": "http.response.body", "body": out})
         if trace is not None:

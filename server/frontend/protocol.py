@@ -55,6 +55,10 @@ MAX_CHUNKS = 1 << 16
 # scope key: a callable taking ``feed``; the rest of the request's body goes to ``feed(bytes)`` as
 # it is parsed, and ``receive`` returns only its end (an empty last message) or the disconnect.
 BODY_SINK = "shmserve.body_sink"
+# scope key: a callable the application calls right before it sends a response's start and its
+# whole body, with no await between that could wait: uvicorn writes the head and the body in two
+# sends, and the client, woken by the head, waits again for the body. Held, they go in one.
+ONE_WRITE = "shmserve.one_write"
 
 
 class _StopParsing(Exception):
@@ -63,16 +67,35 @@ class _StopParsing(Exception):
 
 class _CycleTransport:
     """The transport as one request's cycle sees it: ``close`` (an answer with ``connection:
-    close``) lingers while the request's body is still coming (``LimitedHttpProtocol.end``)."""
+    close``) lingers while the request's body is still coming (``LimitedHttpProtocol.end``), and
+    an answer's head can wait for its body (``ONE_WRITE``)."""
 
-    __slots__ = ("_protocol", "_transport")
+    __slots__ = ("_protocol", "_transport", "_hold", "_held")
 
     def __init__(self, protocol: "LimitedHttpProtocol", transport: asyncio.Transport) -> None:
         self._protocol = protocol
         self._transport = transport
+        self._hold = False  # the next write is an answer's head, kept for the write after it
+        self._held: bytes | None = None
+
+    def hold_next(self) -> None:
+        """``scope[ONE_WRITE]``: keep the next write (the answer's head) for the one after it."""
+        self._hold = True
 
     def write(self, data: bytes) -> None:
-        self._transport.write(data)
+        if self._hold:
+            self._hold, self._held = False, data
+            return
+        held = self._held
+        if held is None:
+            self._transport.write(data)
+        else:
+            self._held = None
+            self._transport.writelines((held, data))  # one send for both
+
+    def forget(self) -> None:
+        """A new request: nothing held from one whose body was never written (its client left)."""
+        self._hold, self._held = False, None
 
     def is_closing(self) -> bool:
         return self._transport.is_closing()
@@ -116,6 +139,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                               f"(--http-max-connections); retry later", BUSY_LINGER_S)
             return
         self._cycle_transport = _CycleTransport(self, transport)
+        self._one_write = self._cycle_transport.hold_next
         # uvicorn arms its keep-alive timeout after an answer only; a silent new connection is idle too.
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
@@ -177,6 +201,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._head_deadline = 0.0
         super().on_headers_complete()
         self.scope[BODY_SINK] = self._take_body  # type: ignore[typeddict-unknown-key]
+        self.scope[ONE_WRITE] = self._one_write  # type: ignore[typeddict-unknown-key]
 
     def _take_body(self, feed: Callable[[bytes], None] | None) -> None:
         """Send the rest of the body in progress to ``feed`` (``BODY_SINK``; None: back to
@@ -212,6 +237,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._cycle_transport.forget()
         cycle.transport = self._cycle_transport  # type: ignore[assignment]
         super()._start_asgi_task(cycle, app)
 
