@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
+import signal
+import threading
 import socket
 import urllib.request
 from pathlib import Path
@@ -264,3 +267,89 @@ def test_word_stream_stops_when_its_client_disconnects(small_server):
             assert chunk, f"the server closed the stream before its first event: {seen!r}"
             seen += chunk
     wait_until(lambda: success_count(small_server) > before, "the abandoned stream ended", timeout=10)
+
+
+# -- a worker that dies while its streams are open ------------------------------------------------
+
+HELD_STREAM_MODEL = """import os, threading, time
+import triton_python_backend_utils as pb_utils
+
+REPO = {repo!r}
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+
+            def later(sender=sender, x=x):  # answers once the test releases it (30 s at most)
+                deadline = time.time() + 30
+                while not os.path.exists(os.path.join(REPO, "release")) and time.time() < deadline:
+                    time.sleep(0.01)
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            threading.Thread(target=later, daemon=True).start()
+        open(os.path.join(REPO, f"executed.{{os.getpid()}}"), "w").close()
+        return None
+"""
+HELD_STREAM_CONFIG = """name: "held"
+backend: "python"
+max_batch_size: 4
+model_transaction_policy { decoupled: true }
+dynamic_batching { }
+instance_group [ { count: 2 kind: KIND_CPU } ]
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+
+def test_a_stream_open_past_its_batch_fails_with_its_worker_and_only_with_it(server_factory, tmp_path):
+    """Two instances: the broker forms the batches and forgets each once its worker says it is
+    done. A request whose model answers after ``execute`` returned is then named by its worker in
+    its slot: the death of that worker fails it at once (it waited forever), the death of the
+    other instance leaves it to be answered."""
+    (tmp_path / "held" / "1").mkdir(parents=True)
+    (tmp_path / "held" / "1" / "model.py").write_text(HELD_STREAM_MODEL.format(repo=str(tmp_path)))
+    (tmp_path / "held" / "config.pbtxt").write_text(HELD_STREAM_CONFIG)
+    s = server_factory.start([tmp_path])
+    outcomes: list = []
+
+    def stream(client: Client, value: float) -> threading.Thread:
+        def run() -> None:
+            try:
+                inputs = {"IN": np.full((1, 1), value, np.float32)}
+                outcomes.append([r["OUT"].tolist() for r in client.stream("held", inputs)])
+            except InferenceServerError as e:
+                outcomes.append(e)
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    def executed_by() -> int:
+        wait_until(lambda: list(tmp_path.glob("executed.*")), "the model's execute returned", 30)
+        [marker] = list(tmp_path.glob("executed.*"))
+        marker.unlink()
+        return int(marker.suffix[1:])
+
+    with Client(s.id) as client:
+        # The other instance dies: the open stream is answered once released.
+        t = stream(client, 1.0)
+        running = executed_by()
+        [other] = [p for p in s.worker_pids("held") if p != running]
+        os.kill(other, signal.SIGKILL)
+        wait_until(lambda: len(s.worker_pids("held")) == 2 and other not in s.worker_pids("held"),
+                   "the other instance restarted", 60)
+        (tmp_path / "release").touch()
+        t.join(30)
+        assert outcomes.pop() == [[[1.0]]]
+        (tmp_path / "release").unlink()
+        # Its own worker dies: the open stream fails with that worker's death, not after 30 s.
+        t = stream(client, 2.0)
+        running = executed_by()
+        os.kill(running, signal.SIGKILL)
+        t.join(10)
+        assert not t.is_alive(), "the stream still waits for a dead worker"
+        [error] = outcomes
+        assert isinstance(error, InferenceServerError) and "killed by SIGKILL" in str(error), error
+    wait_until(lambda: "1 request(s) failed" in s.log(), "the death logged with the request it failed", 10)

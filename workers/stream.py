@@ -84,6 +84,17 @@ class StreamSender:
                 self._finish(last)
         self.client.waker.notify()
 
+    def name_worker(self, num: int) -> None:
+        """Its batch is done and the broker forgets it: a request the broker forwarded that is
+        still open names worker ``num`` in its slot, so that the broker fails it if this worker
+        dies before the final response (as a direct request's slot names its worker). Under the
+        lock: a final response cannot complete the slot meanwhile, and a finished one is left
+        alone (its slot may already carry the client's next request)."""
+        with self.lock:
+            slot = self.entry["slot"]
+            if not self.finished and self.client.target(slot) == 0:
+                self.client.set_target(slot, num + 1)
+
     def _put(self, status: int, extent: int, off: int, total: int) -> None:
         deadline = time.monotonic() + RING_FULL_TIMEOUT_S
         while not self.ring.put(status, role_word(ROLE_WORKER, extent), off, total, self.answers.num):

@@ -467,6 +467,9 @@ class Worker:
                 output_ns = time.monotonic_ns() - executed
                 self.stats.executed(sizes, arrivals, start, built - start, executed - built, output_ns, ok, streamed)
                 self.stats.stream_phases(streamed_arrivals, start, built - start, executed - built, output_ns)
+        for _, req in live:
+            if req.sender is not None:  # still open, it outlives the batch the broker forgets now
+                req.sender.name_worker(self.num)
         for entry in entries:
             self.holds.release(entry)  # answered (a stream's hold went to its sender, a kept one's to late)
         busy[BUSY_SINCE] = 0

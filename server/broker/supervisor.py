@@ -64,7 +64,7 @@ class Supervisor:
         # Routes first, answers second: a client that gets its failure and sends again at
         # once must already see the routes without this worker.
         self.routes.publish()
-        self._fail_direct(inst, mv, code)
+        swept = self._fail_direct(inst, mv, code)
         if mv.state == State.UNLOADING or not self.lifecycle.running:
             return
         if inst.removed or inst.added:  # a live instance change took it away, or it failed to join
@@ -81,7 +81,7 @@ class Supervisor:
             lost += mv.sequencer.forget_instance(inst)
         msg = death_message(mv, inst, code)
         if inst.ready:
-            log.error("%s; %d request(s) failed; restarting it", msg, len(lost))
+            log.error("%s; %d request(s) failed; restarting it", msg, len(lost) + swept)
         else:  # a restart that failed (said why in death_note); its version serves if another instance does
             log.error("model '%s' version %d instance '%s' %s; trying again", mv.name, mv.version, inst.name,
                       inst.death_note or f"exited with code {code} while restarting")
@@ -118,8 +118,9 @@ class Supervisor:
                 killed = True
         return killed
 
-    def _fail_direct(self, inst: Instance, mv: ModelVersion, code: int) -> None:
-        """Fail the direct requests clients had put on a worker that exited.
+    def _fail_direct(self, inst: Instance, mv: ModelVersion, code: int) -> int:
+        """Fail the requests whose slots name a worker that exited (direct ones, and forwarded ones
+        it still answered after their batch: workers/stream.py, ``_keep``); how many of its own.
 
         A client that read the routes just before they changed may still put a request on the
         gone worker's lane after this sweep; worker numbers are never reused, so the broker
@@ -135,21 +136,26 @@ class Supervisor:
         # Only the version's counts: keeping the version would keep its instances and their mapped
         # segments for GONE_MEMORY_S after every reload (0.7 MB of the broker's memory each).
         self.gone[inst.num] = (time.monotonic(), mv.stats, *answer)
-        self._sweep_gone()
+        return self._sweep_gone().get(inst.num, 0)
 
-    def _sweep_gone(self) -> None:
+    def _sweep_gone(self) -> dict[int, int]:
+        """Fail every pending request whose slot names a gone worker; how many, by worker."""
         now = time.monotonic()
         for num in [n for n, (at, *_) in self.gone.items() if now - at > GONE_MEMORY_S]:
             del self.gone[num]
+        failed: dict[int, int] = {}
         if not self.gone:
-            return
+            return failed
         for client in list(self.clients.by_name.values()):
             for slot in np.flatnonzero(client.seg.slot_states == SLOT_PENDING).tolist():
-                gone = self.gone.get(client.seg.target(slot) - 1)
+                num = client.seg.target(slot) - 1
+                gone = self.gone.get(num)
                 if gone is not None:
                     _, stats, status, msg = gone
                     self.clients.reply(client, slot, status, {"error": msg})
                     stats.fail("BACKEND" if status == 500 else "OTHER", 1)
+                    failed[num] = failed.get(num, 0) + 1
+        return failed
 
 
 def death_message(mv: ModelVersion, inst: Instance, code: int) -> str:
