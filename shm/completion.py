@@ -18,14 +18,15 @@ class Completion:
     with the request's own block (outputs the server wrote into room reserved there live on
     until then)."""
 
-    __slots__ = ("status", "buf", "offset", "end", "_answer", "_data", "_request")
+    __slots__ = ("status", "buf", "offset", "end", "last", "_answer", "_data", "_request")
 
     def __init__(self, status: int, buf: memoryview | None, offset: int, answer: AnswerDescriptor | None = None,
-                 request: tuple[memoryview, int] | None = None, end: int | None = None) -> None:
+                 request: tuple[memoryview, int] | None = None, end: int | None = None, last: bool = False) -> None:
         self.status = status
         self.buf = buf
         self.offset = offset
         self.end = end  # where the block ends (None: the mapping's end)
+        self.last = last  # a stream's response sent with the final flag (protocol.LAST_RESPONSE)
         self._answer = answer
         self._data = 0
         self._request = request

@@ -61,7 +61,10 @@ ROLE_NAMES = {ROLE_BROKER: "broker", ROLE_WORKER: "worker"}
 # A slot's role word also says which of its producer's output extents holds the answer
 # (shm/extents.py): role | extent << EXTENT_SHIFT. Extent 0 lies in the producer's own segment.
 EXTENT_SHIFT = 8
-ROLE_MASK = (1 << EXTENT_SHIFT) - 1
+# A stream record's role word also marks the response a model sent with the final flag (Triton's
+# gRPC stream marks that one final); the stream's end still completes the slot after it.
+LAST_RESPONSE = 1 << (EXTENT_SHIFT - 1)
+ROLE_MASK = LAST_RESPONSE - 1
 
 
 def role_word(role: int, extent: int) -> int:

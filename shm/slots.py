@@ -21,8 +21,8 @@ from .channel import ClientSegment
 from .completion import Callback, Completion
 from .extents import map_extent
 from .names import object_name
-from .protocol import EXTENT_SHIFT, NO_ROOM, RECORD, ROLE_BROKER, ROLE_MASK, ROLE_NAMES, ROLE_WORKER, SLOT_BYTES, \
-    SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY
+from .protocol import EXTENT_SHIFT, LAST_RESPONSE, NO_ROOM, RECORD, ROLE_BROKER, ROLE_MASK, ROLE_NAMES, ROLE_WORKER, \
+    SLOT_BYTES, SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY
 from .ring import Ring
 from .routes import Router
 from .segment import Segment, SegmentCache
@@ -196,7 +196,7 @@ class Slots:
                 buf = self._producer_buf(word & ROLE_MASK, num, word >> EXTENT_SHIFT)
                 if not 0 < off <= off + length <= len(buf):
                     continue  # not a block of that mapping: nothing to read, nothing to free
-                completion = Completion(status, buf, off, end=off + length)
+                completion = Completion(status, buf, off, end=off + length, last=bool(word & LAST_RESPONSE))
             except (posix_ipc.ExistentialError, KeyError, OSError):
                 continue
             try:

@@ -19,8 +19,9 @@ from conftest import PRODUCT_MODELS, TEST_MODELS, TESTS, wait_until
 from gates import Gate
 from shmserve.workers.devices import cuda_device_count
 
-MODELS = ["add_sub", "identity_all", "word_stream", "held"]
+MODELS = ["add_sub", "identity_all", "word_stream", "held", "final_with_last"]
 CANCEL_MODELS = TESTS / "models" / "cancel"
+FINAL_FLAG_MODELS = TESTS / "models" / "final_flag"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def gserver(module_factory):
     args = ["--model-control-mode=explicit"]
     for m in MODELS:
         args += ["--load-model", m]
-    return module_factory.start([PRODUCT_MODELS, TEST_MODELS, CANCEL_MODELS], args)
+    return module_factory.start([PRODUCT_MODELS, TEST_MODELS, CANCEL_MODELS, FINAL_FLAG_MODELS], args)
 
 
 @pytest.fixture(scope="module")
@@ -338,6 +339,19 @@ def test_stream_a_decoupled_model(gserver):
     finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
     assert finals == [False, False, False, True]
     assert len(results[-1].get_response().outputs) == 0  # the empty final response asked for
+
+
+def test_a_response_sent_with_the_final_flag_is_the_final_one(gserver):
+    """As Triton: the response a model sends together with the final flag carries
+    ``triton_final_response`` true, and no empty response follows it, asked for or not (a client
+    that reads until the final one saw none before, or an extra empty one)."""
+    x = grpcclient.InferInput("IN", [1], "FP32")
+    x.set_data_from_numpy(np.array([1.0], np.float32))
+    for empty_final in (True, False):
+        results = _stream(gserver, [("final_with_last", [x], {"enable_empty_final_response": empty_final})])
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert [r.as_numpy("OUT").tolist() for r in results] == [[1.0], [2.0]]
+        assert [r.get_response().parameters["triton_final_response"].bool_param for r in results] == [False, True]
 
 
 def test_stream_without_empty_final_and_a_plain_model(gserver):

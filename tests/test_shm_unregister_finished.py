@@ -191,7 +191,8 @@ def test_region_is_gone_once_a_stream_has_the_one_response(shm_server, regions, 
 @pytest.mark.parametrize("config", [None, _FINAL_IN_EXECUTE_THROUGH_THE_BROKER], ids=["direct", "through-the-broker"])
 def test_region_is_gone_once_a_stream_that_ends_inside_execute_is_final(shm_server, regions, tmp_path, config):
     """final_in_execute sends its final response from execute and stays there a while: the
-    region is gone when that final response arrives, though the batch still runs."""
+    region is gone when that final response arrives, though the batch still runs. The response
+    came with the final flag, so it is the final one and no empty one follows (Triton's way)."""
     client = grpcclient.InferenceServerClient(shm_server.wait_grpc_ready().grpc_url)
     client.load_model("final_in_execute", config=config)  # loaded only here
     answers: queue.Queue = queue.Queue()
@@ -211,12 +212,10 @@ def test_region_is_gone_once_a_stream_that_ends_inside_execute_is_final(shm_serv
                 assert list(client.get_system_shared_memory_status(name).regions) == [name]
             finally:
                 gate.open()
-            result = answers.get(timeout=60)
+            result = answers.get(timeout=60)  # sent with the final flag: the final one, as in Triton
             assert not isinstance(result, Exception), str(result)
             assert result.as_numpy("SUM").tolist() == [int(X.sum())]
-            final = answers.get(timeout=60)
-            assert not isinstance(final, Exception), str(final)
-            assert final.get_response().parameters["triton_final_response"].bool_param
+            assert result.get_response().parameters["triton_final_response"].bool_param
             with pytest.raises(InferenceServerException) as e:  # at once: no waiting
                 client.get_system_shared_memory_status(name)
             assert f"Unable to find system shared memory region: '{name}'" in e.value.message()

@@ -18,7 +18,7 @@ import time
 from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.channel import ClientSegment
-from shmserve.shm.protocol import RECORD, ROLE_WORKER, STREAM_CAPACITY, role_word
+from shmserve.shm.protocol import LAST_RESPONSE, RECORD, ROLE_WORKER, STREAM_CAPACITY, role_word
 from shmserve.shm.ring import Ring
 from shmserve.shm.stats import BUSY_SINCE, StatsWriter
 
@@ -95,9 +95,11 @@ class StreamSender:
             if not self.finished and self.client.target(slot) == 0:
                 self.client.set_target(slot, num + 1)
 
-    def _put(self, status: int, extent: int, off: int, total: int) -> None:
+    def _put(self, status: int, extent: int, off: int, total: int, last: bool = False) -> None:
+        """Put a response on the request's ring; ``last``: it came with the final flag."""
         deadline = time.monotonic() + RING_FULL_TIMEOUT_S
-        while not self.ring.put(status, role_word(ROLE_WORKER, extent), off, total, self.answers.num):
+        word = role_word(ROLE_WORKER, extent) | (LAST_RESPONSE if last else 0)
+        while not self.ring.put(status, word, off, total, self.answers.num):
             if time.monotonic() > deadline:  # the client stopped reading: drop, do not hang the model
                 self.answers.arena.free(extent, off)
                 return
@@ -145,7 +147,7 @@ class StreamSender:
 
     def _end(self, last: Block | None, end: Block) -> None:
         if last is not None:
-            self._put(*last)
+            self._put(*last, last=True)
         self.client.complete(self.entry["slot"], end[0], role_word(ROLE_WORKER, end[1]), self.answers.num, end[2],
                              end[3])
         self.client.waker.notify()

@@ -147,10 +147,11 @@ class GrpcInference:
         response as it comes (a decoupled model's many, another model's one), and each error as
         an ``Aborted`` with its code, which the caller sends as ``error_message`` or as the
         stream's status (the ``triton_grpc_error`` header).
-        A response sent with the final flag carries ``triton_final_response`` true, the others
-        false; a final flag without a response sends an empty response only when the request
-        asks for it (``triton_enable_empty_final_response``), as Triton does. A model that is not
-        ``decoupled`` answers once: that response is the final one."""
+        A response sent with the final flag carries ``triton_final_response`` true
+        (``Completion.last``), the others false; a final flag without a response sends an empty
+        response only when the request asks for it (``triton_enable_empty_final_response``), as
+        Triton does. A model that is not ``decoupled`` answers once: that response is the final
+        one."""
         req, chunks = built
         try:
             events = self.link.stream(req, chunks)
@@ -159,7 +160,7 @@ class GrpcInference:
             return
         empty_final = EMPTY_FINAL in request.parameters and bool(param_value(request.parameters[EMPTY_FINAL]))
         try:
-            final = False
+            final = ended = False  # ended: a response came with the final flag
             while not final:
                 final, completion, _ = await events.events.get()
                 try:
@@ -169,11 +170,12 @@ class GrpcInference:
                     message: Aborted | bytes | None
                     if completion.status != 200:
                         message = Aborted(code_of(completion.status), answer.error or "inference failed")
-                    elif final and not answer.outputs and (not empty_final or not decoupled):
+                    elif final and not answer.outputs and (not empty_final or not decoupled or ended):
                         message = None
                     else:
+                        ended |= completion.last
                         message = infer_response(request, str(answer.version or ""), answer, completion.tensor,
-                                                 final=final or not decoupled, stream=True)
+                                                 final=final or not decoupled or completion.last, stream=True)
                 finally:
                     completion.release()
                 if message is not None:
