@@ -7,8 +7,8 @@ import http.client
 import json
 import os
 import signal
-import threading
 import socket
+import threading
 import urllib.request
 from pathlib import Path
 

@@ -56,7 +56,7 @@ def lasting(launcher: int) -> dict[int, str]:
     that has exited but is not yet reaped has an empty command line; both would pass for lasting.
     """
     titles = {p: cmdline(p) for p in [launcher, *descendants(launcher)]}
-    return {p: t for p, t in titles.items() if t.split()[:2] in (["shmserve", r] for r in LASTING_ROLES)}
+    return {p: t for p, t in titles.items() if t.startswith(tuple(f"shmserve {r} " for r in LASTING_ROLES))}
 
 
 def main() -> int:

@@ -49,6 +49,7 @@ class StreamSender:
         self.ring = Ring(self.client.seg.buf, stream["off"], STREAM_CAPACITY, RECORD)
         self.lock = threading.Lock()
         self.finished = False
+        self.completed = False  # its slot is completed (after ``finished``: a forwarded end may wait)
         self.sent = 0
         self.failed = False
         self.dropped = False  # a response found no room in the arena, not even for its error
@@ -87,12 +88,13 @@ class StreamSender:
     def name_worker(self, num: int) -> None:
         """Its batch is done and the broker forgets it: a request the broker forwarded that is
         still open names worker ``num`` in its slot, so that the broker fails it if this worker
-        dies before the final response (as a direct request's slot names its worker). Under the
-        lock: a final response cannot complete the slot meanwhile, and a finished one is left
-        alone (its slot may already carry the client's next request)."""
+        dies before the final response (as a direct request's slot names its worker), also one
+        whose end waits for the batch (``_complete``). Under the lock, on the worker's loop: no
+        final response completes the slot meanwhile, and a completed one is left alone (its slot
+        may already carry the client's next request)."""
         with self.lock:
             slot = self.entry["slot"]
-            if not self.finished and self.client.target(slot) == 0:
+            if not self.completed and self.client.target(slot) == 0:
                 self.client.set_target(slot, num + 1)
 
     def _put(self, status: int, extent: int, off: int, total: int, last: bool = False) -> None:
@@ -150,6 +152,7 @@ class StreamSender:
             self._put(*last, last=True)
         self.client.complete(self.entry["slot"], end[0], role_word(ROLE_WORKER, end[1]), self.answers.num, end[2],
                              end[3])
+        self.completed = True
         self.client.waker.notify()
 
     def fail(self, status: int, message: str) -> None:
