@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import pytest
 import tritonclient.http as httpclient
 
+from gates import pause
 from shmserve.tools.harness import cmdline, descendants, stat_fields  # noqa: F401 - the tests import them from here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,7 +260,7 @@ class Server:
                             f"{what}; log:\n{self.log_tail()}")
             if predicate():
                 return
-            time.sleep(0.05)
+            pause(0.05)
         pytest.fail(f"server {self.id} not {what} after {timeout:.0f} s; log:\n{self.log_tail()}")
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "Server":
@@ -449,7 +450,7 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLI
     while not predicate():
         if time.monotonic() - started > timeout:
             pytest.fail(f"{what}: not within {timeout:.0f} s")
-        time.sleep(0.02)
+        pause(0.02)  # (lets requests that tritonclient.http still has to send go: gates.pause)
     return time.monotonic() - started
 
 

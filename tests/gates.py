@@ -16,7 +16,19 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import gevent
+
 START_TIMEOUT_S = 60.0
+
+
+def pause(seconds: float) -> None:
+    """Sleep while a test waits for something a request it sent must cause. ``tritonclient.http``
+    sends an ``async_infer`` from a gevent greenlet and gives it only 10 ms (``gevent.sleep(0.01)``)
+    before returning; on a loaded host the greenlet may not have written its request by then, and a
+    plain ``time.sleep`` never lets it run again: the request stays unsent for as long as the test
+    waits. ``gevent.sleep`` runs the greenlets that are ready meanwhile (and is a plain sleep when
+    there are none)."""
+    gevent.sleep(seconds)
 
 
 class Gate:
@@ -39,7 +51,7 @@ class Gate:
         deadline = time.monotonic() + timeout
         while len(found := self.started()) < count:
             assert time.monotonic() < deadline, f"{len(found)} of {count} executions started within {timeout} s"
-            time.sleep(0.01)
+            pause(0.01)
         return found
 
     def open(self) -> None:

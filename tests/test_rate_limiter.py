@@ -24,7 +24,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import PYTHON, ROOT, cpu_ticks, wait_pending
-from gates import Gate
+from gates import Gate, pause
 
 MODELS = Path(__file__).parent / "models" / "ratelimit"
 # How long a test gives a wrongly started execution to show up before it checks that none did:
@@ -102,7 +102,7 @@ def no_more_starts(gate: Gate, count: int) -> bool:
     while time.monotonic() < deadline:
         if len(gate.started()) > count:
             return False
-        time.sleep(0.02)
+        pause(0.02)  # (a request still to be sent must get its chance to start: gates.pause)
     return len(gate.started()) == count
 
 
