@@ -26,7 +26,7 @@ from .inference import JSON_HEADER, RETRY_AFTER_HEADER, Headers, Inference, too_
 from .ingest import BodyIngest, header_length
 from .raw_binary import is_raw
 from .openai_errors import error_body, is_openai_path
-from .protocol import BODY_SINK, ONE_WRITE
+from .protocol import BODY_SINK, ONE_WRITE, BodySink
 
 
 def infer_target(path: str) -> tuple[str, str] | None:
@@ -152,12 +152,12 @@ def _resolve(f: asyncio.Future) -> None:
 async def read_infer_body(inference: Inference, model: str, version: str, headers: dict[bytes, bytes],
                           receive: Any, loop: asyncio.AbstractEventLoop | None,
                           forwarded: dict[str, str] | None = None,
-                          take_body: Callable[[Callable[[bytes], None] | None], None] | None = None
+                          take_body: Callable[[BodySink | None], None] | None = None
                           ) -> bytes | BodyIngest | None:
     """An infer request's body (BadRequest past the size limit; None if the client went away).
     With a ``loop``, a large binary body is taken into its request block as it arrives: a
     ``BodyIngest`` holding it whole then (with the parameters ``forwarded`` from its headers);
-    ``take_body`` (the protocol's ``BODY_SINK``) has the parser hand it the rest directly."""
+    ``take_body`` (the protocol's ``BODY_SINK``) has the connection read the rest into its block."""
     limit = inference.max_input_bytes
     raw = is_raw(headers.get(b"inference-header-content-length"))
     declared = headers.get(b"content-length")
@@ -193,7 +193,7 @@ async def read_infer_body(inference: Inference, model: str, version: str, header
                 if ingest is not None:
                     ingest.feed(memoryview(joined)[len(ingest.head):])
                     if take_body is not None:  # (no await since ``receive``: the parser is in this body)
-                        take_body(ingest.feed)
+                        take_body(ingest)
     except BaseException:
         if ingest is not None:
             if take_body is not None:

@@ -5,8 +5,9 @@ them (uvicorn copies each into its buffer and out again per ``receive``), joinin
 copying the body into the arena once it is complete would cost three copies of every byte and a
 task wake-up per 64 KiB. Instead, once the JSON header of a binary body of ``MIN_BODY_BYTES`` or
 more is in, the frontend parses it, reserves the request's block in its arena
-(``Connection.reserve``) and has the HTTP parser hand it every later piece (``BODY_SINK``,
-protocol.py), which is copied straight to its place; when the body ends only the send is left.
+(``Connection.reserve``) and has the connection read the rest of the body straight into its
+place (``BODY_SINK``, protocol.py): the kernel's copy from the socket is the only one. When the
+body ends only the send is left.
 Requests whose tensor bytes are not all binary data behind the header (JSON values), compressed
 bodies and anything the header check refuses go the ordinary way, which also gives every error
 its usual words.
@@ -41,7 +42,10 @@ def header_length(headers: dict[bytes, bytes]) -> int:
 
 class BodyIngest:
     """One body being copied into its reserved block: what the header said, and how far it got;
-    after ``HOLD_S`` (``spill``), the body so far and the rest in process memory instead."""
+    after ``HOLD_S`` (``spill``), the body so far and the rest in process memory instead.
+
+    It is the connection's ``BodySink`` (protocol.py): ``room`` is where the next bytes read go,
+    ``took`` counts them there, ``feed`` takes bytes read elsewhere, ``left`` is what is to come."""
 
     def __init__(self, conn: Connection, reservation: Reservation, head: bytes, doc: dict,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -49,20 +53,34 @@ class BodyIngest:
         self.reservation = reservation
         self.head = head
         self.doc = doc
-        self.pos = 0
+        self.total = len(reservation.data)  # type: ignore[arg-type] - the binary tail's length
+        self.pos = 0  # of the tail, in (in the block, or spilled)
         self.spilled: list[bytes] | None = None  # the body, once out of its block
         self._timer: asyncio.TimerHandle | None = loop.call_later(HOLD_S, self.spill)
 
+    def left(self) -> int:
+        return self.total - self.pos
+
+    def room(self) -> memoryview | None:
+        """The rest of the block, where the next bytes read go (``took`` counts them); None once
+        the body has spilled out of it."""
+        data = self.reservation.data
+        return data[self.pos:] if self.spilled is None and data is not None else None
+
+    def took(self, n: int) -> None:
+        """``n`` more bytes were read into ``room``."""
+        self.pos += n
+
     def feed(self, chunk: bytes | memoryview) -> None:
+        n = len(chunk)
+        if self.pos + n > self.total:
+            raise ValueError("the body runs past its declared length")
         if self.spilled is not None:
             self.spilled.append(bytes(chunk))
-            return
-        data = self.reservation.data
-        assert data is not None
-        n = len(chunk)
-        if self.pos + n > len(data):
-            raise ValueError("the body runs past its declared length")
-        data[self.pos:self.pos + n] = chunk
+        else:
+            data = self.reservation.data
+            assert data is not None
+            data[self.pos:self.pos + n] = chunk
         self.pos += n
 
     def spill(self) -> None:

@@ -21,10 +21,14 @@ whole) or a body that stops half-way each held a descriptor and memory for good.
 - bound: past ``max_connections`` connections in this process a new one is answered 503 at once
   and closed, so idle connections cannot take the descriptors the frontend needs for itself.
 
-It also lets the application take the rest of a body straight from the parser
-(``scope[BODY_SINK](feed)``, ingest.py): each piece goes to ``feed`` as it is parsed, instead of
-being gathered in uvicorn's buffer, copied out of it by ``receive`` and read with reading paused
-past 64 KiB, a pause, a resume and a task wake-up per 64 KiB.
+It also lets the application take the rest of a body straight from the socket
+(``scope[BODY_SINK](sink)``, ingest.py): the connection is a ``BufferedProtocol``, and while a
+sink takes a body the socket is read into the sink's ``room`` (a large request's block in the
+arena), at most the body's bytes left, and the parser never sees them; once they are all in, the
+request is complete and a fresh parser takes the next one. Before, each piece went through
+uvicorn's buffer (or, later, the parser's ``on_body``) and was copied twice more on its way, with
+a pause, a resume and a task wake-up per 64 KiB. Everything else read goes to the parser as
+before, from one buffer the process's connections share (each read is parsed before the next).
 
 Every refusal is a JSON ``{"error": ...}`` naming its flag, with ``connection: close``; where an
 answer to an earlier request is still being made, nothing can be written in between and the
@@ -35,7 +39,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+import typing
+from typing import Any
 
 import httptools
 import orjson
@@ -52,13 +57,33 @@ BUSY_LINGER_S = 1.0  # the same for a connection past the bound: its descriptor 
 WARN_EVERY_S = 10.0  # one warning line per kind this often at most: refusals come in floods
 # Triton's bound on a chunked body's non-empty chunks (each costs a buffer entry, however small).
 MAX_CHUNKS = 1 << 16
-# scope key: a callable taking ``feed``; the rest of the request's body goes to ``feed(bytes)`` as
-# it is parsed, and ``receive`` returns only its end (an empty last message) or the disconnect.
+# scope key: a callable taking a ``BodySink`` (or None: the application stops taking the body);
+# the rest of the request's body goes to it as it is read, and ``receive`` returns only its end (an
+# empty last message) or the disconnect.
 BODY_SINK = "shmserve.body_sink"
+# What one socket read of a connection not taking a body directly goes into (uvloop's own size).
+READ_BYTES = 256 << 10
 # scope key: a callable the application calls right before it sends a response's start and its
 # whole body, with no await between that could wait: uvicorn writes the head and the body in two
 # sends, and the client, woken by the head, waits again for the body. Held, they go in one.
 ONE_WRITE = "shmserve.one_write"
+
+
+class BodySink(typing.Protocol):
+    """Where a request's body goes past the parser (``BODY_SINK``; ingest.py's ``BodyIngest``)."""
+
+    def left(self) -> int:
+        """Bytes of the body still to come (more than 0 when the sink is given)."""
+
+    def room(self) -> memoryview | None:
+        """Where the next bytes read go directly, exactly ``left`` long; None: read them elsewhere
+        and ``feed`` them."""
+
+    def took(self, n: int) -> None:
+        """``n`` bytes were read into ``room``."""
+
+    def feed(self, chunk: memoryview) -> None:
+        """``chunk`` was read elsewhere (a copy is the sink's to make)."""
 
 
 class _StopParsing(Exception):
@@ -108,11 +133,16 @@ class _CycleTransport:
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's ``HttpToolsProtocol`` with the limits of the module's docstring."""
+    """uvicorn's ``HttpToolsProtocol`` with the limits of the module's docstring, reading into
+    buffers it chooses (``get_buffer``, through ``BufferedConnection``): a body a sink takes
+    straight into the sink's room."""
 
     limits = HttpLimits()  # set per frontend by ``protocol_class``
     max_connections = 1 << 20
     _warned: dict[str, float] = {}
+    # The one buffer reads to be parsed go into: each is parsed (copied out) in ``buffer_updated``
+    # before the loop reads again, for whichever connection.
+    _shared_read = memoryview(bytearray(READ_BYTES))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -128,7 +158,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._watch: asyncio.TimerHandle | None = None  # the one timer of the head, body and linger limits
         self._lingering = False
         self._chunks = 0  # chunk headers of the body in progress (its last, empty chunk included)
-        self._sink: Callable[[bytes], None] | None = None  # where the body in progress goes (BODY_SINK)
+        self._sink: BodySink | None = None  # where the body in progress goes (BODY_SINK); None: dropped
+        self._body_left = 0  # bytes of the body in progress still to be read past the parser (0: none)
+        self._into_room = False  # the last buffer given was the sink's room
 
     # -- connections -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -145,8 +177,49 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_watch()
-        self._sink = None
+        self._sink, self._body_left = None, 0
         super().connection_lost(exc)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the loop reads next: the sink's room while a sink takes the body, otherwise the
+        shared buffer (at most the body's bytes left, so that what follows is parsed)."""
+        left = self._body_left
+        if not left or self._lingering:
+            return self._shared_read
+        sink = self._sink
+        room = sink.room() if sink is not None else None
+        self._into_room = room is not None
+        if room is not None:
+            return room
+        return self._shared_read[:left] if left < READ_BYTES else self._shared_read
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if not self._body_left or self._lingering:
+            self.data_received(self._shared_read[:nbytes])  # type: ignore[arg-type] - httptools takes any buffer
+            return
+        sink = self._sink
+        if sink is not None:
+            if self._into_room:
+                sink.took(nbytes)
+            else:
+                sink.feed(self._shared_read[:nbytes])
+        self._body_left -= nbytes
+        self._last_read = now = self.loop.time()
+        if self._body_left:
+            self._watch_at(now + self.limits.body_timeout_s)
+        else:  # the parser waits for bytes it will never see: the next request gets a fresh one
+            self.parser = self._new_parser()
+            self.on_message_complete()
+
+    def _new_parser(self) -> httptools.HttpRequestParser:
+        """A parser as uvicorn makes one (``HttpToolsProtocol.__init__``)."""
+        parser = httptools.HttpRequestParser(self)
+        try:
+            parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:  # httptools < 0.6.3, as uvicorn allows
+            pass
+        return parser
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, counting and timing the head, and dropping what a refused request still sends."""
@@ -203,18 +276,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.scope[BODY_SINK] = self._take_body  # type: ignore[typeddict-unknown-key]
         self.scope[ONE_WRITE] = self._one_write  # type: ignore[typeddict-unknown-key]
 
-    def _take_body(self, feed: Callable[[bytes], None] | None) -> None:
-        """Send the rest of the body in progress to ``feed`` (``BODY_SINK``; None: back to
-        ``receive``). Called by the application right after a ``receive`` that said more is
-        coming, with no await between: the body the parser is in is that request's."""
-        self._sink = feed
-
-    def on_body(self, body: bytes) -> None:
-        sink = self._sink
-        if sink is None:
-            super().on_body(body)
-        elif not self.cycle.response_complete:
-            sink(body)
+    def _take_body(self, sink: BodySink | None) -> None:
+        """Read the rest of the body in progress into ``sink`` (``BODY_SINK``), past the parser.
+        Called by the application right after a ``receive`` that said more is coming, with no
+        await between: the body the parser is in is that request's, and all of it read so far
+        was parsed. None (the application stopped early): the rest is read and dropped, which
+        keeps the next request's bytes where they start."""
+        if sink is not None and not self._body_left:
+            self._body_left = sink.left()
+        self._sink = sink
 
     def on_chunk_header(self) -> None:
         """Count a chunked body's chunks: past ``MAX_CHUNKS`` non-empty ones (the one more is the
@@ -233,7 +303,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_head, self._in_body = True, False
-        self._sink = None
+        self._sink, self._body_left = None, 0
         super().on_message_complete()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
@@ -376,9 +446,29 @@ class NameKeepingHttpProtocol(LimitedHttpProtocol):
         super().on_header(name, value)
 
 
+class BufferedConnection(asyncio.BufferedProtocol):
+    """What the loop sees of a connection: a ``BufferedProtocol`` around its HTTP protocol.
+    uvloop reads into a protocol's own buffers only if it is not an ``asyncio.Protocol``, which
+    uvicorn's protocol is; the HTTP protocol's methods are bound here, so no call goes through
+    this object on the way."""
+
+    http_class: type[LimitedHttpProtocol] = LimitedHttpProtocol  # set per frontend by ``protocol_class``
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.http = http = self.http_class(*args, **kwargs)
+        self.connection_made = http.connection_made  # type: ignore[method-assign]
+        self.connection_lost = http.connection_lost  # type: ignore[method-assign]
+        self.eof_received = http.eof_received  # type: ignore[method-assign]
+        self.pause_writing = http.pause_writing  # type: ignore[method-assign]
+        self.resume_writing = http.resume_writing  # type: ignore[method-assign]
+        self.get_buffer = http.get_buffer  # type: ignore[method-assign]
+        self.buffer_updated = http.buffer_updated  # type: ignore[method-assign]
+
+
 def protocol_class(limits: HttpLimits, max_connections: int, keep_header_names: bool = False
-                   ) -> type[LimitedHttpProtocol]:
+                   ) -> type[BufferedConnection]:
     """The protocol uvicorn builds per connection (``uvicorn.Config(http=...)``), with these
     limits; ``keep_header_names``: one that keeps the names as sent (``NameKeepingHttpProtocol``)."""
     base = NameKeepingHttpProtocol if keep_header_names else LimitedHttpProtocol
-    return type("FrontendHttpProtocol", (base,), {"limits": limits, "max_connections": max_connections, "_warned": {}})
+    http = type("FrontendHttpProtocol", (base,), {"limits": limits, "max_connections": max_connections, "_warned": {}})
+    return type("FrontendHttpConnection", (BufferedConnection,), {"http_class": http})
