@@ -61,8 +61,11 @@ MAX_CHUNKS = 1 << 16
 # the rest of the request's body goes to it as it is read, and ``receive`` returns only its end (an
 # empty last message) or the disconnect.
 BODY_SINK = "shmserve.body_sink"
-# What one socket read of a connection not taking a body directly goes into (uvloop's own size).
-READ_BYTES = 256 << 10
+# What one socket read of a connection not taking a body directly goes into: as much as uvicorn
+# buffers of a body before it pauses reading. A large body's first reads are parsed (the request
+# has not seen its header yet); reads of 256 KiB (uvloop's own size) parsed more of a 600 KB body
+# that way: 0.95x the rate at 1.12x the CPU of 64 KiB, and no change for 200 KB bodies.
+READ_BYTES = 64 << 10
 # scope key: a callable the application calls right before it sends a response's start and its
 # whole body, with no await between that could wait: uvicorn writes the head and the body in two
 # sends, and the client, woken by the head, waits again for the body. Held, they go in one.
