@@ -1,6 +1,6 @@
-"""Binary bodies from ``ingest.MIN_BODY_BYTES`` on, which the HTTP parser hands straight to their
-block in the frontend's arena (server/frontend/ingest.py, ``BODY_SINK`` in protocol.py): sizes
-on either side of the threshold and of uvicorn's 64 KiB reads, bodies that arrive slowly in
+"""Binary bodies from ``ingest.MIN_BODY_BYTES`` on, which the frontend reads from the socket straight
+into their block in its arena (server/frontend/ingest.py, ``BODY_SINK`` in protocol.py): sizes
+on either side of the threshold and of the connection's 64 KiB parsed reads, bodies that arrive slowly in
 pieces (cut inside the JSON header too) or stall past the block's hold, and connections cut
 mid-body. The arena is small (2 MiB, three 600 KB bodies): one block that were never given back
 stalls it (a FIFO), and the requests after it would get 503."""
@@ -92,8 +92,8 @@ def test_bodies_arriving_in_pieces(server, pause_s):
 
 
 def test_a_body_stalled_past_its_hold_is_answered_and_others_go_on(server):
-    """A body that stops half-way for longer than ``HOLD_S`` leaves its block (the parser goes on
-    handing the rest to it, now in process memory); other bodies go through the arena meanwhile."""
+    """A body that stops half-way for longer than ``HOLD_S`` leaves its block (the connection goes
+    on reading the rest into it, now in process memory); other bodies go through the arena meanwhile."""
     slow = _values_for_body(600_171, seed=20)
     request = _request(slow)
     with socket.create_connection(("127.0.0.1", server.port)) as sock, \

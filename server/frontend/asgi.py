@@ -197,7 +197,7 @@ async def read_infer_body(inference: Inference, model: str, version: str, header
     except BaseException:
         if ingest is not None:
             if take_body is not None:
-                take_body(None)  # (cancelled mid-body: the parser keeps the rest to itself)
+                take_body(None)  # (cancelled mid-body: the connection reads the rest and drops it)
             ingest.discard()
         raise
     if ingest is not None:
