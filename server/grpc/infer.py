@@ -149,8 +149,8 @@ class GrpcInference:
         stream's status (the ``triton_grpc_error`` header).
         A response sent with the final flag carries ``triton_final_response`` true
         (``Completion.last``), the others false; a final flag without a response sends an empty
-        response only when the request asks for it (``triton_enable_empty_final_response``), as
-        Triton does. A model that is not ``decoupled`` answers once: that response is the final
+        response only when the request asks for it (``triton_enable_empty_final_response``), and
+        never after a response or an error sent with the final flag, as Triton does. A model that is not ``decoupled`` answers once: that response is the final
         one."""
         req, chunks = built
         try:
@@ -169,6 +169,7 @@ class GrpcInference:
                         trace.collect(answer)  # the version served; the final one ends the request
                     message: Aborted | bytes | None
                     if completion.status != 200:
+                        ended |= completion.last  # an error sent with the final flag ends it too
                         message = Aborted(code_of(completion.status), answer.error or "inference failed")
                     elif final and not answer.outputs and (not empty_final or not decoupled or ended):
                         message = None
