@@ -1,7 +1,9 @@
 """A body taken past the parser (server/frontend/protocol.py, ``BODY_SINK``): the connection reads
 it straight into the sink's room, reads no byte past its end, and parses what follows as the next
 request; a sink dropped half-way has the rest of its body read and thrown away, and the connection
-still serves the next request.
+still serves the next request; after a request that ends the connection (``Connection: close``,
+HTTP/1.0) whatever follows its body is dropped, as uvicorn's parser drops it, and the request is
+answered.
 
 The frontend's protocol runs here under uvicorn and uvloop, as the frontend runs it, with an app of
 the test's own that takes the body with a sink recording how each byte came; clients are plain
@@ -93,8 +95,9 @@ def port() -> Iterator[int]:
     assert not thread.is_alive()
 
 
-def request(path: str, body: bytes) -> bytes:
-    return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+def request(path: str, body: bytes, version: bytes = b"1.1", headers: bytes = b"") -> bytes:
+    return b"POST %s HTTP/%s\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n%s" % (
+        path.encode(), version, len(body), headers, body)
 
 
 def answers(port: int, *requests: bytes) -> list[dict]:
@@ -130,3 +133,19 @@ def test_a_sink_dropped_half_way_has_the_rest_read_and_the_connection_goes_on(po
     dropped, after = answers(port, request("/drop", BODY), request("/echo", small))
     assert dropped["took"] == dropped["fed"] == 0 and dropped["parsed"] < len(BODY)
     assert (after["length"], after["sha"]) == (len(small), hashlib.sha256(small).hexdigest())
+
+
+@pytest.mark.parametrize("version, headers", [(b"1.1", b"Connection: close\r\n"), (b"1.0", b"")])
+def test_what_follows_a_request_that_ends_the_connection_is_dropped(port, version, headers):
+    """Bytes after such a request's body were parsed by a fresh parser as a new request: junk got a
+    400 that cut the request's own answer, a head over the limit closed the connection unanswered."""
+    for after in (b"JUNK JUNK\r\n\r\n", b"GET / HTTP/1.1\r\nX: " + b"a" * 200_000 + b"\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(request("/sink", BODY, version, headers) + after)
+            reader = sock.makefile("rb")
+            status, _, body = read_raw_response(reader)
+            assert status == 200, body[:300]
+            sunk = json.loads(body)
+            assert (sunk["length"], sunk["sha"]) == (len(BODY), hashlib.sha256(BODY).hexdigest())
+            assert sunk["took"] > 0
+            assert reader.read() == b""  # then the connection ends, with nothing more said

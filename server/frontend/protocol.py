@@ -28,7 +28,7 @@ arena), at most the body's bytes left, and the parser never sees them; once they
 request is complete and a fresh parser takes the next one. Before, each piece went through
 uvicorn's buffer (or, later, the parser's ``on_body``) and was copied twice more on its way, with
 a pause, a resume and a task wake-up per 64 KiB. Everything else read goes to the parser as
-before, from one buffer the process's connections share (each read is parsed before the next).
+before, from one buffer the loop's connections share (each read is parsed before the next).
 
 Every refusal is a JSON ``{"error": ...}`` naming its flag, with ``connection: close``; where an
 answer to an earlier request is still being made, nothing can be written in between and the
@@ -40,6 +40,7 @@ import asyncio
 import logging
 import time
 import typing
+import weakref
 from typing import Any
 
 import httptools
@@ -87,6 +88,20 @@ class BodySink(typing.Protocol):
 
     def feed(self, chunk: memoryview) -> None:
         """``chunk`` was read elsewhere (a copy is the sink's to make)."""
+
+
+_read_buffers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, memoryview] = weakref.WeakKeyDictionary()
+
+
+def _read_buffer(loop: asyncio.AbstractEventLoop) -> memoryview:
+    """The buffer that the connections of ``loop`` read into for the parser: one per loop, since a
+    loop parses each read (``buffer_updated``, which copies what it keeps) before it reads again.
+    Not one per process: uvloop runs a loop without the GIL, so two loops of one process (servers
+    in threads) would read into one buffer at once."""
+    buffer = _read_buffers.get(loop)
+    if buffer is None:
+        buffer = _read_buffers[loop] = memoryview(bytearray(READ_BYTES))
+    return buffer
 
 
 class _StopParsing(Exception):
@@ -143,9 +158,6 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     limits = HttpLimits()  # set per frontend by ``protocol_class``
     max_connections = 1 << 20
     _warned: dict[str, float] = {}
-    # The one buffer reads to be parsed go into: each is parsed (copied out) in ``buffer_updated``
-    # before the loop reads again, for whichever connection.
-    _shared_read = memoryview(bytearray(READ_BYTES))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -164,6 +176,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._sink: BodySink | None = None  # where the body in progress goes (BODY_SINK); None: dropped
         self._body_left = 0  # bytes of the body in progress still to be read past the parser (0: none)
         self._into_room = False  # the last buffer given was the sink's room
+        self._shared_read = _read_buffer(self.loop)
+        # A request that ends the connection had its body read past the parser: what follows is
+        # dropped, as uvicorn's parser drops what comes after such a request (lenient_data_after_close).
+        self._input_done = False
 
     # -- connections -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -212,6 +228,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self._body_left:
             self._watch_at(now + self.limits.body_timeout_s)
         else:  # the parser waits for bytes it will never see: the next request gets a fresh one
+            self._input_done = not self.parser.should_keep_alive()  # (the old parser knows from the head)
             self.parser = self._new_parser()
             self.on_message_complete()
 
@@ -225,8 +242,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         return parser
 
     def data_received(self, data: bytes) -> None:
-        """uvicorn's, counting and timing the head, and dropping what a refused request still sends."""
-        if self._lingering:
+        """uvicorn's, counting and timing the head, and dropping what a refused request still sends
+        (and what follows a request that ends the connection)."""
+        if self._lingering or self._input_done:
             return
         self._unset_keepalive_if_required()
         self._last_read = now = self.loop.time()
