@@ -19,7 +19,7 @@ from conftest import PRODUCT_MODELS, TEST_MODELS, TESTS, wait_until
 from gates import Gate
 from shmserve.workers.devices import cuda_device_count
 
-MODELS = ["add_sub", "identity_all", "word_stream", "held", "final_with_last", "error_with_last", "error_then_final"]
+MODELS = ["add_sub", "identity_all", "word_stream", "held", "final_with_last", "error_end"]
 CANCEL_MODELS = TESTS / "models" / "cancel"
 FINAL_FLAG_MODELS = TESTS / "models" / "final_flag"
 
@@ -362,16 +362,17 @@ def test_an_error_sent_with_the_final_flag_ends_the_request(gserver):
     x = grpcclient.InferInput("IN", [1], "FP32")
     x.set_data_from_numpy(np.array([1.0], np.float32))
     for empty_final in (True, False):
-        for model in ("error_with_last", "error_then_final"):
-            results = _stream(gserver, [(model, [x], {"enable_empty_final_response": empty_final})])
+        for apart in (False, True):
+            results = _stream(gserver, [("error_end", [x], {"enable_empty_final_response": empty_final,
+                                                             "parameters": {"final_apart": apart}})])
             assert results[0].as_numpy("OUT").tolist() == [1.0]
             assert isinstance(results[1], InferenceServerException) and "the stream broke" in results[1].message()
             empty_after = results[2:]
-            if model == "error_then_final" and empty_final:
+            if apart and empty_final:
                 assert len(empty_after) == 1 and len(empty_after[0].get_response().outputs) == 0, results
                 assert empty_after[0].get_response().parameters["triton_final_response"].bool_param
             else:
-                assert empty_after == [], (model, empty_final, results)
+                assert empty_after == [], (apart, empty_final, results)
 
 
 def test_stream_without_empty_final_and_a_plain_model(gserver):
