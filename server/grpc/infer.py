@@ -150,8 +150,8 @@ class GrpcInference:
         A response sent with the final flag carries ``triton_final_response`` true
         (``Completion.last``), the others false; a final flag without a response sends an empty
         response only when the request asks for it (``triton_enable_empty_final_response``), and
-        never after a response or an error sent with the final flag, as Triton does. A model that is not ``decoupled`` answers once: that response is the final
-        one."""
+        never after a response or an error sent with the final flag, as Triton does. A model that
+        is not ``decoupled`` answers once: that response is the final one."""
         req, chunks = built
         try:
             events = self.link.stream(req, chunks)
@@ -160,7 +160,7 @@ class GrpcInference:
             return
         empty_final = EMPTY_FINAL in request.parameters and bool(param_value(request.parameters[EMPTY_FINAL]))
         try:
-            final = ended = False  # ended: a response came with the final flag
+            final = ended = False  # ended: a response or an error came with the final flag
             while not final:
                 final, completion, _ = await events.events.get()
                 try:
