@@ -6,7 +6,7 @@ direct lane. Either way a bad request costs one 400 and nothing else.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from shmserve.shm.descriptor import InputTensor, RequestedOutput
 from shmserve.shm.tensors import CONFIG_TO_WIRE, element_count, itemsize
@@ -105,6 +105,10 @@ class ModelSignature:
 
     def _check_inputs(self, inputs: Sequence[InputTensor]) -> int:
         m = self.name
+        if len(inputs) > len(self.inputs):  # Triton counts before it looks at any input
+            given = [t.name for t in inputs]
+            if len(set(given)) == len(given):  # (a name given twice is refused as such below)
+                raise _RequestScoped(self._count_text(given))
         names = set()
         batch = 0  # the first batching input's batch dimension; every other input must repeat it
         for t in inputs:
@@ -145,15 +149,21 @@ class ModelSignature:
                 raise _RequestScoped(f"input byte size mismatch for input '{name}' for model '{m}'. "
                                      f"{element_count(shape)} BYTES elements need at least "
                                      f"{element_count(shape) * 4} bytes, got {t.size}")
-        missing = [n for n in self.required if n not in names]
-        if missing:
-            # Triton names the range when the model has optional inputs, the count when it has none.
-            expected = (f"{len(self.required)} inputs" if len(self.required) == len(self.inputs)
-                        else f"number of inputs between {len(self.required)} and {len(self.inputs)}")
-            raise _RequestScoped(f"expected {expected} but got {len(names)} inputs for "
-                                 f"model '{m}'. Got input(s) {_names_text(sorted(names))}, but missing required "
-                                 f"input(s) {_names_text(missing)}. Please provide all required input(s).")
+        if any(n not in names for n in self.required):
+            raise _RequestScoped(self._count_text(names))
         return batch or 1
+
+    def _count_text(self, given: Iterable[str]) -> str:
+        """Triton's refusal of a request with too many inputs or a required one missing. It names
+        the range when the model has optional inputs, the count when it has none; with nothing
+        missing its list of missing inputs reads "]" (its text drops the opening bracket)."""
+        names = sorted(set(given))
+        missing = [n for n in self.required if n not in names]
+        expected = (f"{len(self.required)} inputs" if len(self.required) == len(self.inputs)
+                    else f"number of inputs between {len(self.required)} and {len(self.inputs)}")
+        return (f"expected {expected} but got {len(names)} inputs for model '{self.name}'. Got input(s) "
+                f"{_names_text(names)}, but missing required input(s) {_names_text(missing) if missing else ']'}. "
+                f"Please provide all required input(s).")
 
     def check_outputs(self, outputs: Sequence[RequestedOutput] | None) -> None:
         if not outputs or not self.outputs:

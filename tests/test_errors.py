@@ -102,9 +102,16 @@ def test_input_given_twice(server):
 
 
 def test_unexpected_input(server, client):
+    """An input the model does not have: named when the count is right, counted (Triton counts
+    first) when it is one too many."""
+    err = infer_error(client, "add_sub", [_input("INPUT0", A), _input("INPUT9", B)])
+    assert err.status() == "400"
+    assert err.message() == "unexpected inference input 'INPUT9' for model 'add_sub'"
     err = infer_error(client, "add_sub", [_input("INPUT0", A), _input("INPUT1", B), _input("INPUT9", B)])
     assert err.status() == "400"
-    assert "unexpected inference input 'INPUT9' for model 'add_sub'" in err.message()
+    assert err.message() == (
+        "[request id: <id_unknown>] expected 2 inputs but got 3 inputs for model 'add_sub'. Got input(s) "
+        "['INPUT0','INPUT1','INPUT9'], but missing required input(s) ]. Please provide all required input(s).")
     assert_still_serving(server)
 
 
@@ -123,7 +130,6 @@ def test_unexpected_output_name(server, client):
     ("POST", "/v2/models/add_sub/versions/7/infer"),
     ("GET", "/v2/models/add_sub/versions/7"),
     ("GET", "/v2/models/add_sub/versions/7/config"),
-    ("GET", "/v2/models/add_sub/versions/seven"),
     ("POST", "/v2/models/x/generate"),
 ])
 def test_unknown_model_or_version_is_404(server, method, path):
@@ -164,8 +170,8 @@ def test_non_numeric_version(server):
         {"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": A.tolist()},
         {"name": "INPUT1", "datatype": "INT32", "shape": [16], "data": B.tolist()}]}).encode()
     raw = raw_request(server.port, "POST", "/v2/models/add_sub/versions/latest/infer", body)
-    assert raw.status == 404, raw  # Triton 2.51: 404 (its route takes digits only)
-    assert "add_sub" in raw.json()["error"] and "latest" in raw.json()["error"]
+    assert raw.status == 404, raw  # Triton 2.51: its route takes digits only, so no route: its plain 404
+    assert raw.json() == {"error": "Not Found"}
     assert_still_serving(server)
 
 
@@ -247,7 +253,9 @@ def test_a_model_that_declares_no_inputs_refuses_any_input(server_factory, tmp_p
     client = server_factory.start([tmp_path / "repo"]).client()
     try:
         err = infer_error(client, "constant", [_input("X", A)])
-        assert err.status() == "400" and "unexpected inference input 'X' for model 'constant'" in err.message()
+        assert err.status() == "400" and err.message() == (
+            "[request id: <id_unknown>] expected 0 inputs but got 1 inputs for model 'constant'. Got input(s) "
+            "['X'], but missing required input(s) ]. Please provide all required input(s).")
         assert client.infer("constant", []).as_numpy("OUT").tolist() == [7]
     finally:
         client.close()
@@ -327,7 +335,7 @@ def test_bad_json(server, body):
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": "16", "data": [0] * 16}]}, "shape"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [-16], "data": [0] * 16}]},
      "Unable to parse 'shape'"),
-    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16]}]}, "INPUT0"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16]}]}, "But no field is set"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": [0] * 15}]}, "15"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": ["a"] * 16}]}, "INPUT0"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [16], "data": [1.5] * 16}]}, "must be integers"),

@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -286,6 +287,109 @@ def test_generate_refuses_a_compressed_body(srv):
 def test_generate_to_an_unknown_model_is_404_whatever_the_body(srv):
     r = raw_request(srv.port, "POST", "/v2/models/nope/generate", b"not json")
     assert r.status == 404, r
+
+
+# -- JSON bodies as Triton reads and writes them ---------------------------------------------------
+
+def infer_json(server, doc: dict, headers: dict | None = None):
+    return raw_request(server.port, "POST", "/v2/models/raw_vec/infer", json.dumps(doc).encode(),
+                       {"Content-Type": "application/json", **(headers or {})})
+
+
+def vec(data: list, **extra) -> dict:
+    return {"name": "INPUT", "datatype": "FP32", "shape": [1, len(data)], "data": data, **extra}
+
+
+def test_nan_and_infinities_travel_as_json_both_ways(srv):
+    """tritonclient writes NaN and infinities in a JSON body as json.dumps does (NaN, Infinity,
+    -Infinity); Triton reads them and writes them back the same way, and so does the server."""
+    client = httpclient.InferenceServerClient(srv.url)
+    try:
+        x = np.array([[np.nan, np.inf, -np.inf, 1.5]], np.float32)
+        inp = httpclient.InferInput("INPUT", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=False)
+        result = client.infer("raw_vec", [inp], outputs=[httpclient.InferRequestedOutput("DOUBLED", binary_data=False)])
+        np.testing.assert_array_equal(result.as_numpy("DOUBLED"), x * 2)
+    finally:
+        client.close()
+    r = infer_json(srv, {"inputs": [vec([float("nan"), float("-inf")])], "outputs": [{"name": "DOUBLED"}]})
+    assert r.status == 200 and b'"data":[NaN,-Infinity]' in r.body, r
+    r = infer_json(srv, {"inputs": [vec([1.0, 2.0])], "outputs": [{"name": "DOUBLED"}]})
+    assert r.status == 200 and b'"data":[2.0,4.0]' in r.body, r  # finite values: the usual writer
+    r = raw_request(srv.port, "POST", "/v2/models/raw_vec/infer", b'{"inputs": [NaNx]}')
+    assert error_of(r.status, r.body).startswith("failed to parse the request JSON buffer: ")
+
+
+def test_a_named_output_is_json_unless_it_asks_for_binary(srv):
+    """``binary_data_output`` is the default of the outputs the request does not name; a named
+    output without its own ``binary_data`` comes as JSON (Triton's rule; tritonclient always
+    gives ``binary_data``)."""
+    named = infer_json(srv, {"inputs": [vec([1.0])], "parameters": {"binary_data_output": True},
+                             "outputs": [{"name": "DOUBLED"}, {"name": "SHAPE", "parameters": {"binary_data": True}}]})
+    n = int(named.headers["inference-header-content-length"])
+    outputs = {o["name"]: o for o in json.loads(named.body[:n])["outputs"]}
+    assert outputs["DOUBLED"]["data"] == [2.0] and outputs["SHAPE"]["parameters"] == {"binary_data_size": 16}
+    unnamed = infer_json(srv, {"inputs": [vec([1.0])], "parameters": {"binary_data_output": True}})
+    assert set(binary_outputs(unnamed.headers, unnamed.body)) == {"DOUBLED", "SHAPE"}
+
+
+FIELDS = ("Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+          "'shared_memory_region' in 'parameters'. But ")
+
+
+@pytest.mark.parametrize("parameters, data, text", [
+    ({"binary_data_size": 4}, True, "set 'data' 'binary_data_size'"),
+    ({"shared_memory_region": "r", "shared_memory_byte_size": 4}, True, "set 'data' 'shared_memory_region'"),
+    ({}, False, "no field is set"),
+], ids=["data-and-binary", "data-and-region", "none"])
+def test_an_input_gives_its_content_one_way(srv, parameters, data, text):
+    doc_input = vec([1.0], parameters=parameters)
+    if not data:
+        del doc_input["data"]
+    body = json.dumps({"inputs": [doc_input]}).encode()
+    headers = {"Inference-Header-Content-Length": str(len(body))}
+    r = raw_request(srv.port, "POST", "/v2/models/raw_vec/infer", body + b"\0" * 4, headers)
+    assert error_of(r.status, r.body) == FIELDS + text
+
+
+def test_too_many_inputs_are_counted_first(srv):
+    """Triton counts the inputs before it looks at their names: one more than the model has is
+    refused with the count, its list of missing inputs reading "]" as Triton's does."""
+    r = infer_json(srv, {"inputs": [vec([1.0]), vec([1.0], name="EXTRA")]})
+    assert error_of(r.status, r.body) == (
+        f"{UNKNOWN}expected 1 inputs but got 2 inputs for model 'raw_vec'. Got input(s) ['EXTRA','INPUT'], "
+        "but missing required input(s) ]. Please provide all required input(s).")
+
+
+def test_an_empty_request_id_is_left_out_of_the_answer(srv):
+    r = infer_json(srv, {"id": "", "inputs": [vec([1.0])]})
+    assert r.status == 200 and "id" not in json.loads(r.body), r
+    r = infer_json(srv, {"id": "q-1", "inputs": [vec([1.0])]})
+    assert r.status == 200 and json.loads(r.body)["id"] == "q-1", r
+
+
+@pytest.mark.parametrize("path, method", [
+    ("/v2/models/raw_vec/versions/-1/infer", "POST"), ("/v2/models/raw_vec/versions/abc", "GET"),
+    ("/v2/models/raw_vec/versions/%201/ready", "GET"), ("/v2/models/raw_vec/versions/1x/config", "GET"),
+    ("/v2/health/ready/", "GET"), ("/v2/models/raw_vec/", "GET"), ("/v2/models/raw_vec/infer/", "POST"),
+], ids=["negative", "letters", "blank", "suffix", "slash-health", "slash-model", "slash-infer"])
+def test_paths_triton_has_no_route_for(srv, path, method):
+    """A version that is not digits, or a trailing slash: Triton's plain 404, no redirect."""
+    body = json.dumps({"inputs": [vec([1.0])]}).encode() if method == "POST" else None
+    r = raw_request(srv.port, method, path, body)
+    assert error_of(r.status, r.body, expected=404) == "Not Found"
+    assert "location" not in r.headers
+
+
+@pytest.mark.parametrize("accept, used", [
+    ("gzip;q=0", None), ("deflate, gzip", "deflate"), ("gzip;q=0.5, deflate;q=0.8", "deflate"),
+    ("gzip, identity;q=0.5", "gzip"), ("br", None), ("identity", None),
+])
+def test_the_answer_is_compressed_as_triton_chooses(srv, accept, used):
+    r = infer_json(srv, {"inputs": [vec([1.0])]}, {"Accept-Encoding": accept})
+    assert r.status == 200 and r.headers.get("content-encoding") == used, (accept, r.headers)
+    body = {"gzip": gzip.decompress, "deflate": zlib.decompress, None: bytes}[used](r.body)
+    assert json.loads(body)["outputs"][0]["data"] == [2.0]
 
 
 def test_server_still_serves_after_all(srv):

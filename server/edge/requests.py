@@ -4,6 +4,7 @@ of a generate request); gRPC reads its message with the same checks (grpc/reques
 body framing is in frontend/codec.py."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -45,10 +46,31 @@ def parse_json(data: bytes | memoryview, what: str = "the request JSON buffer") 
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as e:
+        special = _with_nan(data)
+        if special is not None:
+            return special
         if "depth limit" in str(e):
             raise BadRequest(f"failed to parse {what}: JSON nested deeper than {ORJSON_MAX_DEPTH} levels "
                              f"({e})") from None
         raise BadRequest(f"failed to parse {what}: {e}") from None
+
+
+def _with_nan(data: bytes | memoryview) -> Any:
+    """The document read by Python's json, which also takes NaN, Infinity and -Infinity as numbers
+    (as Triton's parser does, and as tritonclient's json.dumps writes them; orjson refuses them);
+    None for a document without them, or one Python's json refuses too."""
+    raw = bytes(data)
+    if b"NaN" not in raw and b"Infinity" not in raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    try:  # (orjson refuses lone surrogates in strings, Python's json keeps them)
+        orjson.dumps(doc)
+    except (TypeError, orjson.JSONEncodeError):
+        return None
+    return doc
 
 
 def _flatten(data: Any, depth: int = 0) -> list:
@@ -173,6 +195,8 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
             raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
         shape = _shape(name, t.get("shape"), datatype, max_elements, json_body)
         tparams = _params(t.get("parameters"), f"input '{name}'")
+        if ("data" in t) + ("binary_data_size" in tparams) + ("shared_memory_region" in tparams) != 1:
+            raise BadRequest(_content_fields_text(t, tparams))
         if "shared_memory_region" in tparams:
             region, offset, size = region_fields(tparams, name)
             desc = InputTensor(name, datatype, shape, size, region=region, offset=offset)
@@ -184,11 +208,9 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
                                      f"{pos}, the binary data holds {tail_len}")
                 chunk = None if isinstance(tail, int) else tail[pos:pos + n]
                 pos += n
-            elif "data" in t:
+            else:
                 chunk = json_tensor_bytes(name, datatype, shape, t["data"])
                 n = len(chunk)
-            else:
-                raise BadRequest(f"input '{name}' has no 'data', binary data or shared memory region")
             check_data_size(model, doc.get("id", ""), name, datatype, shape, n)
             desc = InputTensor(name, datatype, shape, n, rel)
             chunks.append(chunk)
@@ -234,6 +256,14 @@ def check_shape(name: str, shape: list[int], datatype: str, max_elements: int = 
     """``shape`` of input ``name`` checked as ``build_request`` checks it (the dimensions, the
     element and byte counts, the element limit); raises BadRequest."""
     return _shape(name, shape, datatype, max_elements)
+
+
+def _content_fields_text(tensor: dict, params: dict) -> str:
+    """Triton's refusal of an input that gives its content in none or several of the three ways."""
+    given = [f"'{k}'" for k, present in (("data", "data" in tensor), ("binary_data_size", "binary_data_size" in params),
+                                          ("shared_memory_region", "shared_memory_region" in params)) if present]
+    return ("Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+            "'shared_memory_region' in 'parameters'. But " + (f"set {' '.join(given)}" if given else "no field is set"))
 
 
 def region_fields(params: dict, name: str) -> tuple[str, int, int]:

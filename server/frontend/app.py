@@ -20,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .version_path import DIGITS  # noqa: F401 - registers the {version:digits} path convertor
+
 from shmserve.server import __version__
 from shmserve.server.edge.header_forward import add_to_request
 from shmserve.server.edge.link import DEFAULT_SLOTS, BrokerError, BrokerLink
@@ -395,7 +397,7 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
               header_forward: re.Pattern[str] | None = None) -> FrontendApp:
     fe = Frontend(server_id, arena_bytes, max_input_bytes, max_tensor_elements, max_inflight, poll_us, header_forward)
     m = "/v2/models/{model}"
-    mv = "/v2/models/{model}/versions/{version}"
+    mv = "/v2/models/{model}/versions/{version:digits}"  # Triton's [0-9]+: anything else is no route (404)
     routes = [
         Route("/v2/health/live", fe.live),
         Route("/v2/health/ready", fe.ready),
@@ -453,5 +455,6 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
                         media_type=JSON)
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: http_error, 405: http_error})
+    app.router.redirect_slashes = False  # Triton answers a path with a trailing slash 404, not a redirect
     app.state.allow_remote_shm = allow_remote_shm
     return FrontendApp(fe.inference, fe.tracer, app)

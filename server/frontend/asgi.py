@@ -25,6 +25,7 @@ from shmserve.server.edge.tracing import RECEIVED, RECV_END, RECV_START, REQUEST
 from .inference import JSON_HEADER, RETRY_AFTER_HEADER, Headers, Inference, too_large
 from .ingest import BodyIngest, header_length
 from .raw_binary import is_raw
+from .version_path import is_version
 from .openai_errors import error_body, is_openai_path
 from .protocol import BODY_SINK, ONE_WRITE, BodySink
 
@@ -35,7 +36,8 @@ def infer_target(path: str) -> tuple[str, str] | None:
     n = len(parts)
     if n == 5 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "infer":
         return parts[3], ""
-    if n == 7 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "versions" and parts[6] == "infer":
+    if n == 7 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "versions" and parts[6] == "infer" \
+            and is_version(parts[5]):
         return parts[3], parts[5]
     return None
 

@@ -4,6 +4,7 @@ checks and its descriptor are edge/requests.py's, shared with gRPC.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -40,12 +41,13 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview
 
 
 def wants_binary(doc: dict) -> dict[str, bool]:
-    """Which outputs the client wants as binary data (per output, else the request default)."""
-    default = bool((doc.get("parameters") or {}).get("binary_data_output", False))
-    out = {"*": default}
+    """Which outputs the client wants as binary data: a named output by its own ``binary_data``
+    (JSON when not given, whatever the request says, as Triton), the others ("*") by the
+    request's ``binary_data_output``."""
+    out = {"*": bool((doc.get("parameters") or {}).get("binary_data_output", False))}
     for o in doc.get("outputs") or ():
         p = o.get("parameters") or {}
-        out[o["name"]] = bool(p.get("binary_data", default))
+        out[o["name"]] = bool(p.get("binary_data", False))
     return out
 
 
@@ -68,6 +70,16 @@ def json_data(datatype: str, view: memoryview, shape: "list[int] | tuple[int, ..
     return np.frombuffer(view, dtype=DTYPES[datatype]).tolist()
 
 
+def nonfinite(datatype: str, view: memoryview) -> bool:
+    """Whether a float tensor holds a NaN or an infinity: orjson would write them as null, where
+    Triton writes NaN, Infinity and -Infinity (which Python's json, tritonclient's, reads back)."""
+    if datatype == "BF16":  # all exponent bits set
+        return bool(((np.frombuffer(view, dtype=np.uint16) & 0x7F80) == 0x7F80).any())
+    if datatype in ("FP16", "FP32", "FP64"):
+        return not bool(np.isfinite(np.frombuffer(view, dtype=DTYPES[datatype])).all())
+    return False
+
+
 def build_response(model: str, version: str, request: dict, answer: AnswerDescriptor, tensor_of: Any
                    ) -> tuple[bytes | memoryview, int | None]:
     """(body, JSON header length when binary data follows) of a KServe v2 infer response; a large
@@ -76,6 +88,7 @@ def build_response(model: str, version: str, request: dict, answer: AnswerDescri
     regions = output_region_params(request)
     outputs = []
     blobs: list = []
+    special = False  # a JSON output holds NaN or an infinity
     for o in answer.outputs:
         name = o.name
         entry: dict[str, Any] = {"name": name, "datatype": o.datatype, "shape": o.shape}
@@ -85,15 +98,17 @@ def build_response(model: str, version: str, request: dict, answer: AnswerDescri
             entry["parameters"] = {"binary_data_size": o.size}
             blobs.append(tensor_of(o))
         else:
-            entry["data"] = json_data(o.datatype, tensor_of(o), o.shape)
+            view = tensor_of(o)
+            entry["data"] = json_data(o.datatype, view, o.shape)
+            special = special or nonfinite(o.datatype, view)
         outputs.append(entry)
     resp: dict[str, Any] = {"model_name": model, "model_version": version}
-    if "id" in request:
+    if request.get("id"):  # (Triton leaves an empty id out)
         resp["id"] = str(request["id"])
     if answer.params:
         resp["parameters"] = answer.params
     resp["outputs"] = outputs
-    head = orjson.dumps(resp)
+    head = orjson.dumps(resp) if not special else json.dumps(resp, separators=(",", ":"), ensure_ascii=False).encode()
     if not blobs:
         return head, None
     return joined([head, *blobs]), len(head)

@@ -80,14 +80,29 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
 
 
 def _compress(body: bytes | memoryview, accept: str | None) -> tuple[bytes | memoryview, str | None]:
-    if not accept:
-        return body, None
-    accepted = [a.split(";")[0].strip() for a in accept.split(",")]
-    if "gzip" in accepted:
+    """The body in the encoding ``Accept-Encoding`` weighs highest, as Triton chooses it."""
+    used = accepted_encoding(accept) if accept else "identity"
+    if used == "gzip":
         return gzip.compress(body, compresslevel=1), "gzip"
-    if "deflate" in accepted:
+    if used == "deflate":
         return zlib.compress(body, 1), "deflate"
     return body, None
+
+
+def accepted_encoding(accept: str) -> str:
+    """Triton's choice among identity, deflate and gzip: the one of highest ``q`` (1 when not
+    given), the first of equal weights; one of weight 0 is never chosen, and malformed entries
+    are skipped. 'identity' when none is chosen."""
+    chosen, weight = "identity", 0.0
+    for entry in accept.split(","):
+        name, _, q = entry.strip().partition(";q=")
+        try:
+            w = float(q) if q else 1.0
+        except ValueError:
+            continue
+        if name in ("identity", "deflate", "gzip") and w > weight:
+            chosen, weight = name, w
+    return chosen
 
 
 class Inference:
