@@ -391,6 +391,36 @@ def test_stream_errors_come_as_error_messages(gserver):
     np.testing.assert_array_equal(results[1].as_numpy("OUTPUT1"), a - a)
 
 
+def test_a_stream_error_names_its_request(stub):
+    """As Triton 2.51 (checked with reference-triton on the same requests): beside a stream's
+    error_message comes an infer_response that names the request. Refused before it ran: the id
+    alone; an error answer of the model: the id, the model's name and version as requested, and
+    ``triton_final_response``. A message that is not a request has nothing to name."""
+    def add_sub(request_id: str, first_bytes: int = 64) -> service_pb2.ModelInferRequest:
+        r = service_pb2.ModelInferRequest(model_name="add_sub", id=request_id)
+        for name in ("INPUT0", "INPUT1"):
+            r.inputs.add(name=name, datatype="INT32", shape=[16])
+        r.raw_input_contents.extend([b"\0" * first_bytes, b"\0" * 64])
+        return r
+
+    broken = service_pb2.ModelInferRequest(model_name="error_end", id="ee")
+    broken.inputs.add(name="IN", datatype="FP32", shape=[1])
+    broken.raw_input_contents.append(np.array([2.0], np.float32).tobytes())
+    requests = [add_sub("bad", 60), service_pb2.ModelInferRequest(model_name="no_such_model", id="nm"), broken,
+                add_sub("ok")]
+    messages = list(stub.ModelStreamInfer(iter(requests), timeout=60))
+    assert [m.error_message.split(" ")[0] for m in messages[:2]] == ["[request", "Request"]
+    assert messages[0].error_message.startswith("[request id: bad] input byte size mismatch"), messages[0]
+    assert messages[0].infer_response == service_pb2.ModelInferResponse(id="bad")
+    assert messages[1].infer_response == service_pb2.ModelInferResponse(id="nm")
+    assert not messages[2].error_message and messages[2].infer_response.id == "ee"  # its response, then its error
+    assert messages[3].error_message == "the stream broke"
+    error_head = service_pb2.ModelInferResponse(id="ee", model_name="error_end")
+    error_head.parameters["triton_final_response"].bool_param = True
+    assert messages[3].infer_response == error_head
+    assert not messages[4].error_message and messages[4].infer_response.id == "ok" and len(messages) == 5
+
+
 def _bad_add_sub_inputs() -> list:
     inputs = _add_sub_inputs(np.zeros(16, dtype=np.int32), np.zeros(16, dtype=np.int32))
     inputs[1]._raw_content = b"\0" * 12  # fewer bytes than the shape declares

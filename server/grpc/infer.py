@@ -30,7 +30,7 @@ from shmserve.shm.trace import GRPC_STAMPS
 
 from .status import Aborted, code_of
 from .requests import descriptor_from_message, param_value
-from .responses import infer_response
+from .responses import error_head, infer_response
 
 
 # The worker refuses a single-answer request to a decoupled model in the HTTP frontend's words;
@@ -133,6 +133,7 @@ class GrpcInference:
         try:
             req, chunks = await self._build(request, forwarded)
         except Aborted as e:
+            e.head = error_head(request)
             return refused(e)
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
         if trace is None:
@@ -156,7 +157,7 @@ class GrpcInference:
         try:
             events = self.link.stream(req, chunks)
         except BrokerError as e:
-            yield Aborted(code_of(e.status), str(e))
+            yield Aborted(code_of(e.status), str(e), error_head(request))
             return
         empty_final = EMPTY_FINAL in request.parameters and bool(param_value(request.parameters[EMPTY_FINAL]))
         try:
@@ -170,7 +171,9 @@ class GrpcInference:
                     message: Aborted | bytes | None
                     if completion.status != 200:
                         ended |= completion.last  # an error sent with the final flag ends it too
-                        message = Aborted(code_of(completion.status), answer.error or "inference failed")
+                        head = error_head(request, None if answer.refused else
+                                          final or not decoupled or completion.last)
+                        message = Aborted(code_of(completion.status), answer.error or "inference failed", head)
                     elif final and not answer.outputs and (not empty_final or not decoupled or ended):
                         message = None
                     else:

@@ -48,6 +48,17 @@ def set_param(target: Any, value: Any) -> None:
         target.string_param = str(value)
 
 
+def error_head(msg: Any, final: bool | None = None) -> Any:
+    """What Triton's stream handler sends as ``infer_response`` beside an error: the request's
+    id alone for a request refused before it ran (``final`` None); for an error answer, also the
+    model's name and version as the request gave them, and ``triton_final_response``."""
+    head = pb.ModelInferResponse(id=msg.id)
+    if final is not None:
+        head.model_name, head.model_version = msg.model_name, msg.model_version
+        head.parameters[FINAL_PARAMETER].bool_param = final
+    return head
+
+
 def infer_response(msg: Any, version: str, answer: AnswerDescriptor, tensor_of: Callable[[OutputTensor], memoryview],
                    final: bool | None = None, stream: bool = False) -> bytes:
     """The serialized response to request ``msg`` of a completed ``answer``: outputs in

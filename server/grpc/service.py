@@ -261,7 +261,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                         if grpc_error:
                             refuse(context, message.code, str(message))
                             return
-                        message = pb.ModelStreamInferResponse(error_message=str(message))
+                        message = pb.ModelStreamInferResponse(error_message=str(message), infer_response=message.head)
                     yield message
 
 

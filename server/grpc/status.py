@@ -2,6 +2,8 @@
 same condition gets the same message on both protocols, and the code its protocol uses."""
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 CODES = {
@@ -23,9 +25,12 @@ class Aborted(Exception):
     by a handler, it ends the call with that status (handlers.py), with no exception left in the
     call's state to keep the request's memory."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, head: Any = None) -> None:
         super().__init__(message)
         self.code = code
+        # On a stream: the ModelInferResponse sent beside the error_message (responses.error_head),
+        # which tells the client whose request failed. A call's status has no such part.
+        self.head = head
 
 
 def code_of(status: int) -> grpc.StatusCode:
