@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import shutil
 import threading
 import time
 from typing import Optional
@@ -13,7 +14,7 @@ import torch
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import PRODUCT_MODELS, pid_alive, raw_request, wait_pending, wait_until
+from conftest import PRODUCT_MODELS, TESTS, pid_alive, raw_request, wait_pending, wait_until
 from gates import Gate
 
 
@@ -110,15 +111,37 @@ def test_python_model_exception_is_an_error_response_and_worker_survives(server,
     with pytest.raises(InferenceServerException) as e:
         client.infer("raiser", [_input("X", np.array([1, -5, 3], dtype=np.int32), "INT32")])
     assert e.value.status() is not None and e.value.status().startswith("5"), e.value
-    msg = e.value.message()
-    assert "ValueError" in msg
-    assert "raiser cannot take negative numbers, got -5" in msg
+    # Triton's Python backend words (checked on Triton 2.51 with a model raising in a function
+    # its execute calls): the instance, the exception, then the model's frames, innermost first.
+    model_py = TESTS / "models" / "main" / "raiser" / "1" / "model.py"
+    line = next(i for i, text in enumerate(model_py.read_text().splitlines(), 1) if "raise ValueError" in text)
+    assert e.value.message() == ("Failed to process the request(s) for model 'raiser_0_0', message: ValueError: "
+                                 f"raiser cannot take negative numbers, got -5\n\nAt:\n  {model_py}({line}): execute\n")
 
     after = client.infer("raiser", [_input("X", np.array([10], dtype=np.int32), "INT32")])
     np.testing.assert_array_equal(after.as_numpy("Y"), [20])
     assert int(after.as_numpy("PID")[0]) == pid_before, "the worker process was replaced, not kept"
     assert pid_alive(pid_before)
     assert "raiser cannot take negative numbers" in server.log()
+
+
+def test_a_model_without_instance_groups_gets_triton_s_default_one(server_factory, tmp_path):
+    """No instance_group: one group named after the model, as Triton completes it, so its
+    instance is '<model>_0' wherever an instance is named (here: the error of a raising execute)."""
+    source = TESTS / "models" / "main" / "raiser"
+    model = tmp_path / "repo" / "plain_raiser"
+    shutil.copytree(source, model)
+    config = (source / "config.pbtxt").read_text().replace('name: "raiser"', 'name: "plain_raiser"')
+    (model / "config.pbtxt").write_text("\n".join(l for l in config.splitlines() if "instance_group" not in l))
+    client = server_factory.start([tmp_path / "repo"]).client()
+    try:
+        group = client.get_model_config("plain_raiser")["instance_group"]
+        assert [(g["name"], g["count"], g["kind"]) for g in group] == [("plain_raiser", 1, "KIND_CPU")]
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("plain_raiser", [_input("X", np.array([-1], dtype=np.int32), "INT32")])
+        assert e.value.message().startswith("Failed to process the request(s) for model 'plain_raiser_0', message: ")
+    finally:
+        client.close()
 
 
 def test_python_model_exception_does_not_affect_other_models(server, client):

@@ -120,6 +120,11 @@ class Instance(ABC):
         instance is ready while its worker serves (workers/readiness.py)."""
         return None
 
+    def failure(self, name: str, e: BaseException) -> str:
+        """The error every request of a batch gets when ``execute`` raised ``e`` (``name``: this
+        instance's name)."""
+        return f"Failed to process the request(s) for model instance '{name}', message: {type(e).__name__}: {e}"
+
 
 class Model(ABC):
     @abstractmethod

@@ -428,8 +428,7 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - model code may raise anything
                 executed = time.monotonic_ns()
                 raised = True
-                msg = f"Failed to process the request(s) for model instance '{self.instance_name}', " \
-                      f"message: {type(e).__name__}: {e}"
+                msg = self.instance.failure(self.instance_name, e)  # type: ignore[union-attr]
                 log.error("%s\n%s", msg, traceback.format_exc())
                 for entry, req in live:
                     if req.sender is not None:

@@ -127,8 +127,8 @@ def complete_defaults(config: ModelConfig) -> None:
         config.version_policy.latest.num_versions = 1
     if config.platform == "ensemble":
         return
-    if not config.instance_group:
-        config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
+    if not config.instance_group:  # named after the model, as Triton names it: its instance is '<model>_0'
+        config.instance_group.add(name=config.name, count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     gpus = cuda_device_count()
     for i, group in enumerate(config.instance_group):
         if not group.name:

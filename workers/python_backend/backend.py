@@ -29,6 +29,7 @@ from .convert import input_tensor, to_response
 from .event_loop import EventLoop
 from .pb_utils import runtime
 from .sender import Reply, ResponseSender
+from .failure import execute_failure
 
 log = logging.getLogger("shmserve.worker")
 
@@ -187,7 +188,7 @@ class PythonInstance(Instance):
     def _failed(self, e: Exception, replies: list[Reply]) -> list[Response | Deferred]:
         """``execute`` raised after some requests had their final response: those keep it (Triton
         sent it already) and the others get the error the worker gives when ``execute`` raises."""
-        msg = f"Failed to process the request(s) for model instance '{self.name}', message: {type(e).__name__}: {e}"
+        msg = execute_failure(self.name, e)
         log.error("%s\n%s", msg, "".join(traceback.format_exception(e)))
         return [reply.response if reply.done and reply.response is not None else Response(error=msg, status=500)
                 for reply in replies]
@@ -218,13 +219,16 @@ class PythonInstance(Instance):
         """A decoupled model's coroutine raised: each of its requests not yet finished ends with
         the error, as when a synchronous execute raises (workers/worker.py), and its senders
         take nothing more."""
-        msg = f"Failed to process the request(s) for model instance '{self.name}', message: {type(e).__name__}: {e}"
+        msg = execute_failure(self.name, e)
         log.error("%s\n%s", msg, "".join(traceback.format_exception(e)))
         for sender in senders:
             if sender is not None:
                 sender.close()
         for stream in streams:
             stream.fail(500, msg)
+
+    def failure(self, name: str, e: BaseException) -> str:
+        return execute_failure(name, e)
 
     def finalize(self) -> None:
         self.loop.close()
