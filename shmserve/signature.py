@@ -124,16 +124,17 @@ class ModelSignature:
                                      f"'{m}' expects '{spec.datatype}'")
             shape = t.shape
             dims = shape
-            if self.max_batch_size > 0 and shape:
+            if self.max_batch_size > 0:
+                if not shape:
+                    raise _RequestScoped(f"input '{name}' has no shape but model requires batch dimension for '{m}'")
                 if batch and shape[0] != batch:
                     raise _RequestScoped(f"input '{name}' batch size does not match other inputs for '{m}'")
                 batch = shape[0]
-                if batch < 1 or batch > self.max_batch_size:
+                if batch < 0 or batch > self.max_batch_size:
                     raise _RequestScoped(f"inference request batch-size must be <= {self.max_batch_size} "
                                          f"for '{m}'")
                 dims = shape[1:]
-            if len(dims) != len(spec.dims) or (self.max_batch_size > 0 and not shape) \
-                    or any(e != -1 and e != d for e, d in zip(spec.dims, dims)):
+            if len(dims) != len(spec.dims) or any(e != -1 and e != d for e, d in zip(spec.dims, dims)):
                 note = BATCH_DIM_NOTE if self.max_batch_size > 0 else ""
                 raise _RequestScoped(f"unexpected shape for input '{name}' for model '{m}'. Expected "
                                      f"{dims_text(self.full_shape(spec))}, got {dims_text(shape)}. {note}")
@@ -141,7 +142,8 @@ class ModelSignature:
                 raise InvalidRequest(f"input '{name}' for model '{m}' has a negative dimension {shape}")
             size = itemsize(spec.datatype)
             if size:
-                expected = element_count(shape) * size
+                # A batch of 0 rows is taken as one by Triton's byte-size check, which refuses it then.
+                expected = element_count(dims if self.max_batch_size > 0 and not shape[0] else shape) * size
                 if t.size != expected:
                     raise _RequestScoped(f"input byte size mismatch for input '{name}' for model '{m}'. "
                                          f"Expected {expected}, got {t.size}")

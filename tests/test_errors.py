@@ -175,6 +175,20 @@ def test_non_numeric_version(server):
     assert_still_serving(server)
 
 
+def test_an_empty_batch_and_a_missing_batch_dimension_in_tritons_words(server):
+    """A batching model: a batch of 0 rows fails Triton's byte-size check (which counts one row),
+    a shape without dimensions has no batch dimension."""
+    def refusal(shape: list[int], data: list) -> str:
+        doc = {"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": shape, "data": data}]}
+        return raw_error(server, json.dumps(doc).encode(), {"Content-Type": "application/json"}, model="digits")
+
+    assert refusal([0, 1, 8, 8], []) == ("[request id: <id_unknown>] input byte size mismatch for input 'INPUT__0' "
+                                         "for model 'digits'. Expected 256, got 0")
+    assert refusal([], [1.0]) == ("[request id: <id_unknown>] input 'INPUT__0' has no shape but model requires "
+                                  "batch dimension for 'digits'")
+    assert_still_serving(server)
+
+
 def test_batch_too_large(server, client):
     x = np.zeros((65, 1, 8, 8), dtype=np.float32)
     err = infer_error(client, "digits", [_input("INPUT__0", x, "FP32")])

@@ -118,7 +118,7 @@ def test_a_model_without_config_pbtxt_is_completed_from_its_files(tmp_path):
     assert config.backend == "python"  # from the newest version's files
     assert config.version_policy.latest.num_versions == 1
     [group] = config.instance_group
-    assert (group.name, group.count, group.kind) == ("auto_0", 1, expected_kind())
+    assert (group.name, group.count, group.kind) == ("auto", 1, expected_kind())  # named after the model, as Triton names it
     assert cfgmod.select_versions(config, cfgmod.version_dirs(d)) == [2]
 
 
