@@ -141,6 +141,26 @@ def test_a_version_that_is_no_number_is_refused_as_triton_refuses_it(stub, versi
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == text
 
 
+@pytest.mark.parametrize("version,text", [
+    ("abc", "failed to get model version from specified version string 'abc' (details: stol), version should be "
+            "an integral value > 0"),
+    ("-1", "invalid model version specified '-1' , version should be an integral value > 0")])
+def test_model_calls_read_the_version_first(stub, version, text):
+    """ModelReady, ModelMetadata, ModelConfig and ModelStatistics refuse such a version as
+    ModelInfer does, before the model is looked up (checked on Triton 2.51)."""
+    from tritonclient.grpc import service_pb2
+
+    calls = [(stub.ModelReady, service_pb2.ModelReadyRequest(name="simple", version=version)),
+             (stub.ModelMetadata, service_pb2.ModelMetadataRequest(name="simple", version=version)),
+             (stub.ModelConfig, service_pb2.ModelConfigRequest(name="simple", version=version)),
+             (stub.ModelStatistics, service_pb2.ModelStatisticsRequest(name="", version=version))]
+    for call, request in calls:
+        with pytest.raises(grpc.RpcError) as e:
+            call(request)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == text, call
+    assert stub.ModelReady(service_pb2.ModelReadyRequest(name="simple", version="1")).ready
+
+
 def test_explicit_byte_contents(stub):
     """grpc_explicit_byte_content_client.py: typed bytes_contents to simple_string; the outputs
     come back raw, each element behind its 4-byte length."""

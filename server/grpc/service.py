@@ -28,7 +28,7 @@ from shmserve.shm import logs
 from shmserve.shm.protocol import LOAD_FROM_NETWORK
 
 from .handlers import Malformed, refuse
-from .infer import GrpcInference, refused
+from .infer import GrpcInference, check_version, refused
 from .restricted import PASSED_GROUP
 from .status import Aborted, code_of
 from .requests import param_value
@@ -84,6 +84,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return bool(answer.get("ready"))
 
     async def ModelReady(self, request: Any, context: Context) -> Any:
+        check_version(request.version)  # Triton reads the version first, whatever the model
         answer = await self._control({"op": "model_ready", "model": request.name, "version": request.version},
                                      context)
         return pb.ModelReadyResponse(ready=bool(answer.get("ready")))
@@ -92,11 +93,13 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(name=self.server_id, version=__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(self, request: Any, context: Context) -> Any:
+        check_version(request.version)  # Triton reads the version first, whatever the model
         answer = await self._control({"op": "model_metadata", "model": request.name, "version": request.version},
                                      context)
         return json_format.ParseDict(answer, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
 
     async def ModelConfig(self, request: Any, context: Context) -> Any:
+        check_version(request.version)  # Triton reads the version first, whatever the model
         answer = await self._control({"op": "model_config", "model": request.name, "version": request.version},
                                      context)
         try:
@@ -107,6 +110,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     async def ModelStatistics(self, request: Any, context: Context) -> Any:
+        check_version(request.version)  # Triton reads the version first, whatever the model
         answer = await self._control({"op": "model_stats", "model": request.name, "version": request.version},
                                      context)
         return json_format.ParseDict(answer, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
