@@ -36,7 +36,15 @@ class RegionEntry(NamedTuple):
 
 
 class RegionUseError(ValueError):
-    """A tensor names a region that is not registered, or lies outside its bounds (a 400)."""
+    """A tensor lies outside its region's bounds (a 400)."""
+
+    status = 400
+
+
+class RegionNotFound(RegionUseError):
+    """A tensor names a region that is not registered: Triton's NOT_FOUND (404 over HTTP)."""
+
+    status = 404
 
 
 SIZE_MAX = (1 << 64) - 1  # Triton's size_t: where offset + byte_size overflows
@@ -59,7 +67,7 @@ def locate(name: str, region: Any, offset: int, size: int) -> int:
     ``region`` is the registered entry (``offset`` and ``byte_size``), or None if unknown (or,
     on a worker's lane, leaving)."""
     if region is None:
-        raise RegionUseError(f"Unable to find shared memory region: '{name}'")
+        raise RegionNotFound(f"Unable to find shared memory region: '{name}'")
     check_bounds(name, region.byte_size, offset, size)
     return region.offset + offset
 

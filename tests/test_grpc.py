@@ -248,6 +248,14 @@ def test_system_shared_memory_inference(gserver, gclient):
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
         assert result.get_output("OUTPUT0").parameters["shared_memory_region"].string_param == "grpc_region"
         np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.int32, [16], 0), a + b)
+        # Triton's codes (checked on Triton 2.51): a name registered already, a region nobody registered
+        err = _error(lambda: gclient.register_system_shared_memory("grpc_region", key, 128))
+        assert err.status() == "StatusCode.ALREADY_EXISTS"
+        assert err.message() == "shared memory region 'grpc_region' already in manager"
+        inputs[0].set_shared_memory("no_such_region", 64, 0)
+        err = _error(lambda: gclient.infer("add_sub", inputs))
+        assert (err.status(), err.message()) == ("StatusCode.NOT_FOUND",
+                                                 "Unable to find shared memory region: 'no_such_region'")
         gclient.unregister_system_shared_memory("grpc_region")
         assert gclient.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
         err = _error(lambda: gclient.get_system_shared_memory_status("grpc_region"))

@@ -507,7 +507,7 @@ def test_regions_change_under_a_connected_client(client, lc_server):
         doc.inputs[0].offset = 0
         other.unregister_region("lc_shared")
         status, body, _ = call()
-        assert status == 400 and body.error == "Unable to find shared memory region: 'lc_shared'"
+        assert status == 404 and body.error == "Unable to find shared memory region: 'lc_shared'"
 
 
 def test_outputs_go_into_the_callers_region(client, lc_server):

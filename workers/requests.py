@@ -81,7 +81,7 @@ def _locate(regions: RegionTable, client: ClientSegment, name: str, region_name:
         region = regions.get(region_name)
         if region is not None and region.leaving:
             region = None  # unregistered: the broker waits only for lane requests that began before
-        off = locate(region_name, region, offset, size)  # RegionUseError: a 400
+        off = locate(region_name, region, offset, size)  # RegionUseError: its status (404: no such region)
         assert region is not None
         return {"name": name, "seg": region.key, "ino": region.ino, "region": region_name, "off": off, "size": size}
     off = data_start + data

@@ -21,7 +21,7 @@ from shmserve.shm import region_table
 from shmserve.shm.channel import REGIONS_BYTES, BrokerSegment
 from shmserve.shm.names import reserved_prefix
 from shmserve.shm.published import HEADER as PUBLISHED_HEADER
-from shmserve.shm.region_table import EVERY_REGION, RegionEntry, RegionUseError, check_bounds, locate
+from shmserve.shm.region_table import EVERY_REGION, RegionEntry, RegionNotFound, RegionUseError, check_bounds, locate
 from shmserve.signature import InvalidRequest
 
 from .journal import Journal
@@ -36,9 +36,16 @@ class RegionError(InvalidRequest):
 
 
 class UnknownRegion(RegionError):
-    """The status of a region nobody registered: Triton's NOT_FOUND."""
+    """The status of a region nobody registered, or a tensor naming one: Triton's NOT_FOUND."""
 
     status = 404
+
+
+class RegionExists(RegionError):
+    """A name registered already: Triton's ALREADY_EXISTS over gRPC (409 here), which its HTTP
+    answers 400 (app.py)."""
+
+    status = 409
 
 
 # Triton reserves the prefix of its Python backend's own regions; shmserve reserves its own names.
@@ -125,7 +132,7 @@ class RegionRegistry(_Registry):
         if not name:
             raise RegionError("shared memory region name must not be empty")
         if name in self.regions:
-            raise RegionError(f"shared memory region '{name}' already in manager")
+            raise RegionExists(f"shared memory region '{name}' already in manager")
         if not _KEY_RE.match(key):  # shm_open refuses a name with a '/' after the first
             raise RegionError(f"Unable to open shared memory region: '{key}': a key is a single name "
                               f"such as '/my_region', not a path")
@@ -168,7 +175,7 @@ class RegionRegistry(_Registry):
         try:
             at = locate(name, r, offset, size)
         except RegionUseError as e:
-            raise RegionError(str(e)) from None
+            raise (UnknownRegion if isinstance(e, RegionNotFound) else RegionError)(str(e)) from None
         return r.key, at
 
     def table(self, shadowed: dict[str, Any]) -> dict[str, RegionEntry]:
@@ -210,7 +217,7 @@ class CudaRegionRegistry(_Registry):
         if devices == 0:
             raise RegionError("CUDA shared memory is not available: this server has no CUDA device")
         if name in self.regions:
-            raise RegionError(f"shared memory region '{name}' already in manager")
+            raise RegionExists(f"shared memory region '{name}' already in manager")
         try:
             raw = base64.b64decode(handle_b64, validate=True)
         except (binascii.Error, ValueError, TypeError):

@@ -88,6 +88,14 @@ class Frontend:
             return error_response(e.status, str(e))
         return json_response(answer, status)
 
+    async def _register(self, doc: dict) -> Response:
+        """``_answer`` of a region registration: a name registered already (409, gRPC's
+        ALREADY_EXISTS) is a 400 over HTTP, as Triton's HTTP answers it."""
+        response = await self._answer(doc)
+        if response.status_code == 409:
+            response.status_code = 400
+        return response
+
     # -- health and metadata --------------------------------------------------------------------
     async def live(self, request: Request) -> Response:
         """200 while this frontend can serve; 503 naming why not: it cannot open a descriptor, or
@@ -352,7 +360,7 @@ class Frontend:
                     raise BadRequest(f"'{field}' must be a non-negative integer")
         except (orjson.JSONDecodeError, BadRequest) as e:
             return error_response(400, str(e))
-        return await self._answer({"op": "shm_register", "name": request.path_params["name"],
+        return await self._register({"op": "shm_register", "name": request.path_params["name"],
                                    "key": doc["key"], "offset": doc.get("offset", 0),
                                    "byte_size": doc["byte_size"], CALLER: caller})
 
@@ -380,7 +388,7 @@ class Frontend:
                     raise BadRequest(f"'{field}' must be a non-negative integer")
         except (orjson.JSONDecodeError, BadRequest) as e:
             return error_response(400, str(e))
-        return await self._answer({"op": "cuda_register", "name": request.path_params["name"], "raw_handle": raw,
+        return await self._register({"op": "cuda_register", "name": request.path_params["name"], "raw_handle": raw,
                                    "device_id": doc.get("device_id", 0), "byte_size": doc["byte_size"],
                                    CALLER: caller})
 
