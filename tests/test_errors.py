@@ -345,7 +345,7 @@ def test_bad_json(server, body):
     ({"inputs": []}, "inputs"),
     ({"inputs": "INPUT0"}, "inputs"),
     ({"inputs": [{"datatype": "INT32", "shape": [16], "data": [0] * 16}]}, "name"),
-    ({"inputs": [{"name": "INPUT0", "datatype": "INT128", "shape": [16], "data": [0] * 16}]}, "INT128"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT128", "shape": [16], "data": [0] * 16}]}, "invalid datatype for input INPUT0"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": "16", "data": [0] * 16}]}, "shape"),
     ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [-16], "data": [0] * 16}]},
      "Unable to parse 'shape'"),

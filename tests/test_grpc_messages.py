@@ -116,7 +116,7 @@ def test_raw_contents_must_match_the_inputs_one_for_one(stub):
     request.inputs.add(name="INPUT1", datatype="INT32", shape=[16])
     request.raw_input_contents.append(np.zeros(16, np.int32).tobytes())
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
-                                       "unable to find data for input 'INPUT1' for model 'add_sub'")
+                                       "unable to find data for input tensor 'INPUT1' for model 'add_sub' in request.")
     request.raw_input_contents.extend([np.zeros(16, np.int32).tobytes()] * 2)
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
                                        "the request has 1 raw_input_contents that no input claims")

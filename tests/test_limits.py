@@ -153,7 +153,7 @@ def test_json_nested_deeper_than_orjson_allows(lim):
 
 
 @pytest.mark.parametrize("doc, words", [
-    ({"inputs": [{"name": "IN_INT32", "datatype": [], "shape": [1, 1], "data": [1]}]}, "unknown datatype"),
+    ({"inputs": [{"name": "IN_INT32", "datatype": [], "shape": [1, 1], "data": [1]}]}, "invalid datatype for input IN_INT32"),
     ({**ident("INT32", [1, 1], [1]), "outputs": [{"name": "OUT_INT32", "parameters": [1]}]}, "'parameters'"),
     ({**ident("INT32", [1, 1], [1]), "outputs": [{"name": "OUT_INT32", "parameters": {"binary_data": "x"}}]},
      "binary_data"),

@@ -311,7 +311,7 @@ def test_a_grpc_call_refused_for_its_inputs_is_not_traced(server_factory, tmp_pa
     with grpcclient.InferenceServerClient(s.grpc_url) as g:
         with pytest.raises(InferenceServerException) as e:
             g.infer("add_sub", inputs, request_id="refused")
-        assert "unable to find data for input 'INPUT1'" in e.value.message(), e.value.message()
+        assert "unable to find data for input tensor 'INPUT1'" in e.value.message(), e.value.message()
         inputs[1].set_data_from_numpy(a)
         g.infer("add_sub", inputs, request_id="served")
         g.infer("add_sub", inputs, request_id="past the count")

@@ -192,7 +192,7 @@ def build_request(model: str, version: str, doc: dict, tail: memoryview | int,
         name = t["name"]
         datatype = t.get("datatype")
         if not isinstance(datatype, str) or datatype not in DTYPES:
-            raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
+            raise BadRequest(f"invalid datatype for input {name}")  # Triton's HTTP words
         shape = _shape(name, t.get("shape"), datatype, max_elements, json_body)
         tparams = _params(t.get("parameters"), f"input '{name}'")
         if ("data" in t) + ("binary_data_size" in tparams) + ("shared_memory_region" in tparams) != 1:

@@ -192,7 +192,7 @@ def descriptor_from_message(msg: Any, max_elements: int, max_bytes: int,
                 data = raw[used]
                 used += 1
             else:
-                raise BadRequest(f"unable to find data for input '{name}' for model '{model}'")
+                raise BadRequest(f"unable to find data for input tensor '{name}' for model '{model}' in request.")
             size = len(data)
             check_data_size(model, request_id, name, datatype, shape, size)
             inputs.append(InputTensor(name, datatype, shape, size, rel))
