@@ -146,7 +146,7 @@ class ControlHandler:
     def _model_stats(self, client: Client, slot: int, doc: dict) -> Answer:
         """The statistics extension: every loaded version, one model's, or one version's."""
         model, version = doc.get("model") or "", doc.get("version") or ""
-        rows = self.statistics.rows()
+        rows = sorted(self.statistics.rows(), key=lambda r: (r[0], r[1]))  # by name and version, as Triton lists them
         if model:
             # Triton's statistics texts, not its inference ones.
             if model not in self.catalog.models:
