@@ -110,7 +110,7 @@ class ModelSignature:
             if len(set(given)) == len(given):  # (a name given twice is refused as such below)
                 raise _RequestScoped(self._count_text(given))
         names = set()
-        batch = 0  # the first batching input's batch dimension; every other input must repeat it
+        batch = -1  # the first batching input's batch dimension; every other input must repeat it
         for t in inputs:
             name = t.name
             spec = self.inputs.get(name)
@@ -127,7 +127,7 @@ class ModelSignature:
             if self.max_batch_size > 0:
                 if not shape:
                     raise _RequestScoped(f"input '{name}' has no shape but model requires batch dimension for '{m}'")
-                if batch and shape[0] != batch:
+                if batch >= 0 and shape[0] != batch:
                     raise _RequestScoped(f"input '{name}' batch size does not match other inputs for '{m}'")
                 batch = shape[0]
                 if batch < 0 or batch > self.max_batch_size:
@@ -142,7 +142,8 @@ class ModelSignature:
                 raise InvalidRequest(f"input '{name}' for model '{m}' has a negative dimension {shape}")
             size = itemsize(spec.datatype)
             if size:
-                # A batch of 0 rows is taken as one by Triton's byte-size check, which refuses it then.
+                # A batch of 0 rows is taken as one by Triton's byte-size check, which refuses it then
+                # (a batch of 0 that passes it is refused after the loop).
                 expected = element_count(dims if self.max_batch_size > 0 and not shape[0] else shape) * size
                 if t.size != expected:
                     raise _RequestScoped(f"input byte size mismatch for input '{name}' for model '{m}'. "
@@ -153,7 +154,9 @@ class ModelSignature:
                                      f"{element_count(shape) * 4} bytes, got {t.size}")
         if any(n not in names for n in self.required):
             raise _RequestScoped(self._count_text(names))
-        return batch or 1
+        if batch == 0:  # what the byte-size check lets through (BYTES, zero-sized rows): no rows to run
+            raise _RequestScoped(f"inference request batch-size must be >= 1 for '{m}', got a batch of 0")
+        return max(batch, 1)
 
     def _count_text(self, given: Iterable[str]) -> str:
         """Triton's refusal of a request with too many inputs or a required one missing. It names

@@ -158,7 +158,14 @@ def test_model_calls_read_the_version_first(stub, version, text):
         with pytest.raises(grpc.RpcError) as e:
             call(request)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == text, call
-    assert stub.ModelReady(service_pb2.ModelReadyRequest(name="simple", version="1")).ready
+    for version in ("1", "+1", " 1", "01", "1abc"):  # std::stol's readings of version 1
+        assert stub.ModelReady(service_pb2.ModelReadyRequest(name="simple", version=version)).ready, version
+        config = stub.ModelConfig(service_pb2.ModelConfigRequest(name="simple", version=version)).config
+        assert config.name == "simple", version
+    for version in ("\u0661", str(1 << 63)):  # not an ASCII digit; past a long
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelReady(service_pb2.ModelReadyRequest(name="simple", version=version))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "(details: stol)" in e.value.details()
 
 
 def test_explicit_byte_contents(stub):

@@ -320,6 +320,27 @@ def test_nan_and_infinities_travel_as_json_both_ways(srv):
     assert error_of(r.status, r.body).startswith("failed to parse the request JSON buffer: ")
 
 
+@pytest.mark.parametrize("body, text", [
+    (b'{"id":"NaN","inputs":[{"name":"INPUT","datatype":"FP32","shape":[1,1],"data":[1e400]}]}',
+     "failed to parse the request JSON buffer: number is infinity when parsed as double"),
+    (b'\xef\xbb\xbf{"inputs":[{"name":"INPUT","datatype":"FP32","shape":[1,1],"data":[NaN]}]}',
+     "failed to parse the request JSON buffer: UTF-8 byte order mark (BOM) is not supported"),
+    (b'{"parameters":{"p":NaN},"inputs":[{"name":"INPUT","datatype":"FP32","shape":[1,1],"data":[1]}]}',
+     "parameter 'p' must be a finite number, got nan"),
+], ids=["too-large-beside-a-nan-string", "bom", "nan-parameter"])
+def test_nan_is_taken_only_where_it_stands_for_a_number(srv, body, text):
+    """The NaN reading takes NaN and the infinities as numbers and nothing else orjson refuses; a
+    request parameter must still be finite (the model's parameters travel as JSON without NaN)."""
+    r = raw_request(srv.port, "POST", "/v2/models/raw_vec/infer", body)
+    assert error_of(r.status, r.body).startswith(text)
+
+
+def test_an_empty_batch_is_refused(srv):
+    """Rows of no elements pass the byte-size check (0 bytes expected, 0 given): refused all the same."""
+    r = infer_json(srv, {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [0, 0], "data": []}]})
+    assert error_of(r.status, r.body) == f"{UNKNOWN}inference request batch-size must be >= 1 for 'raw_vec', got a batch of 0"
+
+
 def test_a_named_output_is_json_unless_it_asks_for_binary(srv):
     """``binary_data_output`` is the default of the outputs the request does not name; a named
     output without its own ``binary_data`` comes as JSON (Triton's rule; tritonclient always

@@ -123,7 +123,11 @@ class Instance(ABC):
     def failure(self, name: str, e: BaseException) -> str:
         """The error every request of a batch gets when ``execute`` raised ``e`` (``name``: this
         instance's name)."""
-        return f"Failed to process the request(s) for model instance '{name}', message: {type(e).__name__}: {e}"
+        try:
+            message = str(e)
+        except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+            message = "<exception str() failed>"
+        return f"Failed to process the request(s) for model instance '{name}', message: {type(e).__name__}: {message}"
 
 
 class Model(ABC):

@@ -5,6 +5,7 @@ body framing is in frontend/codec.py."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ def parse_json(data: bytes | memoryview, what: str = "the request JSON buffer") 
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as e:
-        special = _with_nan(data)
+        special = _with_nan(data) if e.doc.startswith(("NaN", "Infinity"), e.pos) else None
         if special is not None:
             return special
         if "depth limit" in str(e):
@@ -57,20 +58,23 @@ def parse_json(data: bytes | memoryview, what: str = "the request JSON buffer") 
 
 def _with_nan(data: bytes | memoryview) -> Any:
     """The document read by Python's json, which also takes NaN, Infinity and -Infinity as numbers
-    (as Triton's parser does, and as tritonclient's json.dumps writes them; orjson refuses them);
-    None for a document without them, or one Python's json refuses too."""
-    raw = bytes(data)
-    if b"NaN" not in raw and b"Infinity" not in raw:
-        return None
+    (as Triton's parser does, and as tritonclient's json.dumps writes them); orjson refused the
+    document where one of them stands. Anything else orjson refuses is still refused: the body
+    must be UTF-8 (no byte order mark), a number too large for a double is refused, and so are lone
+    surrogates. None when Python's json refuses the document too."""
     try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    try:  # (orjson refuses lone surrogates in strings, Python's json keeps them)
-        orjson.dumps(doc)
-    except (TypeError, orjson.JSONEncodeError):
+        doc = json.loads(bytes(data).decode("utf-8"), parse_float=_finite_float)
+        orjson.dumps(doc)  # (orjson refuses lone surrogates in strings, Python's json keeps them)
+    except (ValueError, RecursionError, TypeError, orjson.JSONEncodeError):
         return None
     return doc
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e400: orjson refuses it ("number is infinity when parsed as double")
+        raise ValueError(f"number is infinity when parsed as double: {text}")
+    return value
 
 
 def _flatten(data: Any, depth: int = 0) -> list:
@@ -316,6 +320,8 @@ def add_request_parameters(req: InferRequest, params: dict) -> None:
             continue
         if not isinstance(value, (bool, int, float, str)):
             raise BadRequest(f"parameter '{key}' must be a bool, a number or a string")
+        if isinstance(value, float) and not math.isfinite(value):  # (the descriptor's JSON has no NaN)
+            raise BadRequest(f"parameter '{key}' must be a finite number, got {value}")
         model_params[key] = value
     if model_params:
         req.parameters = model_params

@@ -70,6 +70,9 @@ def json_data(datatype: str, view: memoryview, shape: "list[int] | tuple[int, ..
     return np.frombuffer(view, dtype=DTYPES[datatype]).tolist()
 
 
+FLOAT_TYPES = frozenset({"FP16", "BF16", "FP32", "FP64"})
+
+
 def nonfinite(datatype: str, view: memoryview) -> bool:
     """Whether a float tensor holds a NaN or an infinity: orjson would write them as null, where
     Triton writes NaN, Infinity and -Infinity (which Python's json, tritonclient's, reads back)."""
@@ -88,7 +91,7 @@ def build_response(model: str, version: str, request: dict, answer: AnswerDescri
     regions = output_region_params(request)
     outputs = []
     blobs: list = []
-    special = False  # a JSON output holds NaN or an infinity
+    floats: list = []  # (datatype, bytes) of the float outputs written as JSON
     for o in answer.outputs:
         name = o.name
         entry: dict[str, Any] = {"name": name, "datatype": o.datatype, "shape": o.shape}
@@ -100,7 +103,8 @@ def build_response(model: str, version: str, request: dict, answer: AnswerDescri
         else:
             view = tensor_of(o)
             entry["data"] = json_data(o.datatype, view, o.shape)
-            special = special or nonfinite(o.datatype, view)
+            if o.datatype in FLOAT_TYPES:
+                floats.append((o.datatype, view))
         outputs.append(entry)
     resp: dict[str, Any] = {"model_name": model, "model_version": version}
     if request.get("id"):  # (Triton leaves an empty id out)
@@ -108,7 +112,9 @@ def build_response(model: str, version: str, request: dict, answer: AnswerDescri
     if answer.params:
         resp["parameters"] = answer.params
     resp["outputs"] = outputs
-    head = orjson.dumps(resp) if not special else json.dumps(resp, separators=(",", ":"), ensure_ascii=False).encode()
+    head = orjson.dumps(resp)
+    if floats and b"null" in head and any(nonfinite(dt, view) for dt, view in floats):  # (orjson wrote them null)
+        head = json.dumps(resp, separators=(",", ":"), ensure_ascii=False).encode()
     if not blobs:
         return head, None
     return joined([head, *blobs]), len(head)

@@ -43,22 +43,26 @@ EMPTY_FINAL = "triton_enable_empty_final_response"
 
 # What C++'s std::stol reads, as Triton parses a request's model_version: optional blanks and sign,
 # then digits; anything after them is ignored.
-STOL = re.compile(r"\s*[+-]?\d+")
+STOL = re.compile(r"\s*[+-]?[0-9]+", re.ASCII)
 
 
-def check_version(version: str) -> None:
-    """Refuse a model_version that Triton's gRPC frontend refuses before it looks the model up
-    (``GetModelVersionFromString``): not an integer, or negative. Empty means the latest."""
+def check_version(version: str) -> str:
+    """The version a model_version names, as Triton's gRPC frontend reads it before it looks the
+    model up (``GetModelVersionFromString``: C++'s std::stol, then no negative number): "" for the
+    latest, else the number in plain digits ("+1", " 1" and "1abc" are version 1). Refuses what
+    that refuses, in its words."""
     if not version:
-        return
+        return ""
     number = STOL.match(version)
-    if number is None:
+    value = int(number.group()) if number is not None else None
+    if value is None or not -(1 << 63) <= value < (1 << 63):  # (stol throws past a long's range)
         raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
                       f"failed to get model version from specified version string '{version}' (details: stol), "
                       f"version should be an integral value > 0")
-    if int(number.group()) < 0:
+    if value < 0:
         raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
                       f"invalid model version specified '{version}' , version should be an integral value > 0")
+    return str(value)
 
 
 class GrpcInference:
@@ -191,11 +195,12 @@ class GrpcInference:
         """The descriptor (with the ``forwarded`` parameters) and its tensor chunks; a refusal
         raises ``Aborted``."""
         received = time.monotonic_ns()
-        check_version(request.model_version)
+        version = check_version(request.model_version)
         try:
             req, chunks = descriptor_from_message(request, self.max_tensor_elements, self.max_request_bytes, forwarded)
         except BadRequest as e:
-            raise await self._refusal(request.model_name, request.model_version, e) from None
+            raise await self._refusal(request.model_name, version, e) from None
+        req.version = version
         req.sent_ns = received
         return req, chunks
 

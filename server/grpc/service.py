@@ -84,8 +84,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return bool(answer.get("ready"))
 
     async def ModelReady(self, request: Any, context: Context) -> Any:
-        check_version(request.version)  # Triton reads the version first, whatever the model
-        answer = await self._control({"op": "model_ready", "model": request.name, "version": request.version},
+        version = check_version(request.version)  # Triton reads the version first, whatever the model
+        answer = await self._control({"op": "model_ready", "model": request.name, "version": version},
                                      context)
         return pb.ModelReadyResponse(ready=bool(answer.get("ready")))
 
@@ -93,14 +93,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(name=self.server_id, version=__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(self, request: Any, context: Context) -> Any:
-        check_version(request.version)  # Triton reads the version first, whatever the model
-        answer = await self._control({"op": "model_metadata", "model": request.name, "version": request.version},
+        version = check_version(request.version)  # Triton reads the version first, whatever the model
+        answer = await self._control({"op": "model_metadata", "model": request.name, "version": version},
                                      context)
         return json_format.ParseDict(answer, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
 
     async def ModelConfig(self, request: Any, context: Context) -> Any:
-        check_version(request.version)  # Triton reads the version first, whatever the model
-        answer = await self._control({"op": "model_config", "model": request.name, "version": request.version},
+        version = check_version(request.version)  # Triton reads the version first, whatever the model
+        answer = await self._control({"op": "model_config", "model": request.name, "version": version},
                                      context)
         try:
             config = json_format.ParseDict(answer, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)
@@ -110,8 +110,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     async def ModelStatistics(self, request: Any, context: Context) -> Any:
-        check_version(request.version)  # Triton reads the version first, whatever the model
-        answer = await self._control({"op": "model_stats", "model": request.name, "version": request.version},
+        version = check_version(request.version)  # Triton reads the version first, whatever the model
+        answer = await self._control({"op": "model_stats", "model": request.name, "version": version},
                                      context)
         return json_format.ParseDict(answer, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
@@ -254,7 +254,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             if type(request) is Malformed:
                 messages = refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message))
             else:
-                key = (request.model_name, request.model_version)
+                try:
+                    key = (request.model_name, check_version(request.model_version))
+                except Aborted:  # (the request itself is refused for it below)
+                    key = (request.model_name, request.model_version)
                 if key not in decoupled:
                     decoupled[key] = await self.inference.decoupled(*key)
                 messages = await self.inference.stream(request, decoupled[key], read, forwarded)

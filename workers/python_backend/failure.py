@@ -4,19 +4,26 @@ the stub prints them (pybind11's format). Clients match on the first part; the f
 model's author where it broke without reading the server's log."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import os
 import traceback
-from pathlib import Path
 
-# The server's own code, whose frames lead to the model's ``execute``: not the model's frames.
-_OURS = tuple(str(Path(__file__).resolve().parents[2] / d) + "/" for d in ("workers", "shm", "server", "shmserve"))
+# Frames that are not the model's: the server's own code, which calls ``execute`` and runs an async
+# one on its loop, and the standard library's asyncio and futures, which hand its result back.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_NOT_THE_MODEL = tuple(os.path.join(_ROOT, d, "") for d in ("workers", "shm", "server", "shmserve")) + \
+    tuple(os.path.join(os.path.dirname(m.__file__), "") for m in (asyncio, concurrent.futures))
 
 
 def execute_failure(instance: str, e: BaseException) -> str:
     """Triton's text for ``e`` raised by the ``execute`` of the instance named ``instance``."""
-    text = f"Failed to process the request(s) for model '{instance}', message: {type(e).__name__}: {e}"
-    frames = traceback.extract_tb(e.__traceback__)
-    first = next((i for i, f in enumerate(frames) if not f.filename.startswith(_OURS)), len(frames))
-    model_frames = frames[first:]
-    if model_frames:
-        text += "\n\nAt:\n" + "".join(f"  {f.filename}({f.lineno}): {f.name}\n" for f in reversed(model_frames))
+    try:
+        message = str(e)
+    except Exception:  # noqa: BLE001 - a model's exception whose __str__ raises
+        message = "<exception str() failed>"
+    text = f"Failed to process the request(s) for model '{instance}', message: {type(e).__name__}: {message}"
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_NOT_THE_MODEL)]
+    if frames:
+        text += "\n\nAt:\n" + "".join(f"  {f.filename}({f.lineno}): {f.name}\n" for f in reversed(frames))
     return text
