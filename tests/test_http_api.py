@@ -421,14 +421,15 @@ def test_infer_through_system_shared_memory(client, shm_regions):
     np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.int32, [16], offset=nbytes), a - b)
 
 
-def test_infer_with_unregistered_region_is_a_400(client):
+def test_infer_with_unregistered_region_is_a_404(client):
+    """Triton's NOT_FOUND, as for any name it does not know."""
     i0 = httpclient.InferInput("INPUT0", [16], "INT32")
     i0.set_shared_memory("tshm_never_registered", 64)
     i1 = httpclient.InferInput("INPUT1", [16], "INT32")
     i1.set_data_from_numpy(B)
     with pytest.raises(InferenceServerException) as e:
         client.infer("add_sub", [i0, i1])
-    assert e.value.status() == "400"
+    assert e.value.status() == "404"
     assert "tshm_never_registered" in e.value.message()
 
 

@@ -42,7 +42,9 @@ def _path_param(name: str, description: str) -> dict[str, Any]:
 
 
 MODEL = _path_param("model", "model name")
-VERSION = _path_param("version", "model version (a positive integer; empty or -1: the served version)")
+VERSION = _path_param("version", "model version: digits only, as Triton's routes take it (any other path "
+                                 "segment is no route: 404)")
+VERSION["schema"]["pattern"] = "^[0-9]+$"
 REGION = _path_param("name", "shared-memory region name")
 COMMON_ERRORS = (400, 404, 405, 503)
 
