@@ -22,6 +22,8 @@ import numpy as np
 
 from shmserve.shm.channel import ClientSegment
 
+from .failure import execute_failure
+
 ENTRY_POINT_GROUP = "shmserve.backends"
 
 
@@ -123,11 +125,7 @@ class Instance(ABC):
     def failure(self, name: str, e: BaseException) -> str:
         """The error every request of a batch gets when ``execute`` raised ``e`` (``name``: this
         instance's name)."""
-        try:
-            message = str(e)
-        except Exception:  # noqa: BLE001 - an exception whose __str__ raises
-            message = "<exception str() failed>"
-        return f"Failed to process the request(s) for model instance '{name}', message: {type(e).__name__}: {message}"
+        return execute_failure(name, e, frames=False)
 
 
 class Model(ABC):

@@ -20,8 +20,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .version_path import DIGITS  # noqa: F401 - registers the {version:digits} path convertor
-
 from shmserve.server import __version__
 from shmserve.server.edge.header_forward import add_to_request
 from shmserve.server.edge.link import DEFAULT_SLOTS, BrokerError, BrokerLink
@@ -46,6 +44,7 @@ from .openai_errors import error_response as openai_error_response
 from .openapi import openapi_endpoint
 from .restricted import passed_group
 from .settings import logging_endpoint, trace_endpoint
+from .version_path import DIGITS  # noqa: F401 - registers the {version:digits} path convertor
 
 log = logging.getLogger("shmserve.frontend")
 JSON = "application/json"

@@ -1,10 +1,10 @@
-"""The text a Python model's requests get when its execute raises (workers/python_backend/failure.py):
+"""The text a Python model's requests get when its execute raises (workers/failure.py):
 Triton's words, then the model's frames innermost first, without the frames of the code that ran it."""
 from __future__ import annotations
 
 import concurrent.futures
 
-from shmserve.workers.python_backend.failure import execute_failure
+from shmserve.workers.failure import execute_failure
 
 
 def _inner() -> None:
@@ -35,3 +35,11 @@ def test_an_exception_that_cannot_be_printed():
 
     text = execute_failure("m_0", Unprintable())
     assert text == "Failed to process the request(s) for model 'm_0', message: Unprintable: <exception str() failed>"
+
+
+def test_without_frames_for_a_model_that_is_not_python_code():
+    try:
+        _execute()
+    except ValueError as e:
+        assert execute_failure("m_0", e, frames=False) == \
+            "Failed to process the request(s) for model 'm_0', message: ValueError: bad value 1.5"

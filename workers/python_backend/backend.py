@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any
 
 from ..backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
+from ..failure import execute_failure
 from ..late_answers import Deferred
 from . import pb_utils
 from .bls import Bls
@@ -29,7 +30,6 @@ from .convert import input_tensor, to_response
 from .event_loop import EventLoop
 from .pb_utils import runtime
 from .sender import Reply, ResponseSender
-from .failure import execute_failure
 
 log = logging.getLogger("shmserve.worker")
 
