@@ -149,6 +149,44 @@ def test_grpc_floor_echoes_and_is_measured_beside_the_server(server, tmp_path):
         floor.wait(10)
 
 
+def test_http_floor_echoes_and_is_measured_beside_the_server(server, tmp_path):
+    """The uvicorn floor answers tritonclient's add_sub call with its inputs (binary and JSON
+    alike), refuses what it does not serve, and --compare prices it."""
+    port = free_port()
+    floor = subprocess.Popen([PYTHON, "-m", "shmserve.tools.http_floor", "--port", str(port)], cwd=ROOT)
+    try:
+        with httpclient.InferenceServerClient(f"127.0.0.1:{port}") as c:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if c.is_server_ready():
+                        break
+                except Exception:  # noqa: BLE001 - not listening yet
+                    if time.monotonic() > deadline:
+                        raise
+                time.sleep(0.1)
+            a = np.arange(16, dtype=np.int32)
+            inputs = [httpclient.InferInput(n, [16], "INT32") for n in ("INPUT0", "INPUT1")]
+            inputs[0].set_data_from_numpy(a, binary_data=False)
+            inputs[1].set_data_from_numpy(a * 2)
+            outputs = [httpclient.InferRequestedOutput(n) for n in ("SUM", "DIFF")]
+            result = c.infer("add_sub", inputs, outputs=outputs)
+            assert (result.as_numpy("SUM") == a).all() and (result.as_numpy("DIFF") == a * 2).all()
+            with pytest.raises(Exception, match="not found"):
+                c.get_model_metadata("add_sub")
+        out = tmp_path / "paired-floor.json"
+        run = subprocess.run(
+            [PERF, "-m", "add_sub", "--pairs", "1", "-p", "300", "--warmup", "50", "-u", server.url,
+             "--name", "shmserve", "--compare", f"floor=127.0.0.1:{port}", "--summary-json", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, run.stderr
+        costs = compared(out)["costs"]
+        assert costs["floor"]["server_cpu_us"] > 0 and costs["shmserve"]["server_cpu_us"] > 0
+    finally:
+        floor.terminate()
+        floor.wait(10)
+
+
 def test_waits_for_a_core_are_read_from_schedstat():
     """Two processes that never block, pinned to one core, each wait for it about half the time."""
     assert proc_cpu.WAITS_KNOWN == os.path.exists(f"/proc/{os.getpid()}/schedstat")

@@ -13,7 +13,8 @@
 # processes alternate between them in 2 s slices, A B B A (add_sub at 1 and 4 over HTTP and the
 # local client, identity 16 MiB in the body and through shm regions, mlp at 8; then the gRPC
 # endpoints, Triton's on 18001, ours on 18601 and grpcio alone (tools/grpc_floor.py) on 18701:
-# add_sub at 1 and 4, identity 16 MiB), which keeps the host's fast and slow phases out of the
+# add_sub at 1 and 4, identity 16 MiB; the HTTP rows beside uvicorn alone, tools/http_floor.py on
+# 18703, and the 16 MiB rows beside one core's memcpy), which keeps the host's fast and slow phases out of the
 # ratios. An idle server costs the other next to nothing.
 # BASELINE=/path/to/another/checkout (with its own .venv) adds that shmserve to the paired runs as
 # server 'before' (port 18700), to compare two versions of shmserve against Triton in one run.
@@ -80,9 +81,12 @@ fi
 if [[ " $what " == *" paired "* ]]; then
   echo "== paired: both servers up, alternating slices"
   setsid ../shared/tools/reference-triton "$MODELS" > "$OUT/triton-paired.log" 2>&1 < /dev/null &
+  # Each server's connections idle while the others take their slices: longer than the 5 s after
+  # which shmserve closes an idle connection (a request sent as it closes would fail the run).
   setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --grpc-port=18601 --id sbs \
-    > "$OUT/shmserve-paired.log" 2>&1 < /dev/null &
+    --http-idle-timeout-secs=3600 > "$OUT/shmserve-paired.log" 2>&1 < /dev/null &
   pid=$!
+  trap 'kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null; kill -TERM "$pid" 2>/dev/null; pkill -f "shmserve.tools.(http|grpc)_floor"' EXIT
   P="$PERF --pairs ${PAIRS:-10} -p 2000 -q -u 127.0.0.1:18000 --name triton --compare shmserve=127.0.0.1:18600"
   if [[ -n ${BASELINE:-} ]]; then
     # (from its own folder: an older layout starts its processes with `python -m server...`)
@@ -95,9 +99,19 @@ if [[ " $what " == *" paired "* ]]; then
   fi
   wait_ready 18000
   wait_ready 18600
-  $P -m add_sub --concurrency-range 1 --compare local=local:sbs --summary-json "$OUT/paired-add_sub-1.json"
-  $P -m add_sub --concurrency-range 4 --compare local=local:sbs --summary-json "$OUT/paired-add_sub-4.json"
-  $P $I --summary-json "$OUT/paired-identity-http.json"
+  # uvicorn alone (tools/http_floor.py: echo, nothing else): the part of our HTTP cost no code of ours sets.
+  $PY -m shmserve.tools.http_floor --port 18703 &
+  httpfloor=$!
+  wait_ready 18703
+  F="--compare uvicorn-floor=127.0.0.1:18703"
+  $P -m add_sub --concurrency-range 1 --compare local=local:sbs $F --summary-json "$OUT/paired-add_sub-1.json"
+  $P -m add_sub --concurrency-range 4 --compare local=local:sbs $F --summary-json "$OUT/paired-add_sub-4.json"
+  $P $I $F --summary-json "$OUT/paired-identity-http.json"
+  kill -TERM "$httpfloor"; wait "$httpfloor" || true
+  # One core's memcpy of the 16 MiB tensor: the floor of every 16 MiB row (best of 20, ms).
+  $PY -c 'import numpy as np, time; a = np.ones(1 << 24, np.uint8); b = np.empty_like(a); t = []
+for _ in range(20): s = time.perf_counter(); np.copyto(b, a); t.append(time.perf_counter() - s)
+print(f"memcpy of 16 MiB: {min(t) * 1e3:.2f} ms")' | tee "$OUT/memcpy.txt"
   $P $I --shared-memory system --compare local=local:sbs --summary-json "$OUT/paired-identity-shm.json"
   # Each server's average batch over its own slices (outer: Triton's metrics, inner: ours).
   $PY -m shmserve.tools.batch_size --metrics 127.0.0.1:18002 --model mlp -- $PY -m shmserve.tools.batch_size --metrics 127.0.0.1:18602 \
