@@ -187,6 +187,42 @@ def test_http_floor_echoes_and_is_measured_beside_the_server(server, tmp_path):
         floor.wait(10)
 
 
+def test_proc_cpu_splits_a_servers_cost_per_request_by_process(server):
+    """Under a load, each process of the server that ran has its row; the worker and the frontend
+    that served it cost something a request, and the rows add up to the whole."""
+    import threading
+
+    stop = threading.Event()
+
+    def load() -> None:
+        with server.client() as c:
+            inputs, outputs = add_sub_request()
+            while not stop.is_set():
+                c.infer("add_sub", inputs, outputs=outputs)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        run = subprocess.run([PYTHON, "-m", "shmserve.tools.proc_cpu", "--port", str(server.port), "--model",
+                              "add_sub", "--seconds", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert run.returncode == 0, run.stderr
+    rows = {}
+    for line in run.stdout.splitlines()[2:]:
+        name, cpu = line[:48].strip(), float(line[48:].split()[0])
+        rows[name] = cpu
+    worker = [cpu for name, cpu in rows.items() if name.startswith("shmserve worker add_sub")]
+    frontend = [cpu for name, cpu in rows.items() if name.startswith("shmserve frontend")]
+    assert worker and worker[0] > 0 and frontend and frontend[0] > 0, run.stdout
+    parts = sum(cpu for name, cpu in rows.items() if name != "whole server")
+    assert abs(parts - rows["whole server"]) <= 0.1 * len(rows), run.stdout
+    idle = subprocess.run([PYTHON, "-m", "shmserve.tools.proc_cpu", "--port", str(server.port), "--model",
+                           "add_sub", "--seconds", "0.3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert idle.returncode != 0 and "served no request" in idle.stderr
+
+
 def test_waits_for_a_core_are_read_from_schedstat():
     """Two processes that never block, pinned to one core, each wait for it about half the time."""
     assert proc_cpu.WAITS_KNOWN == os.path.exists(f"/proc/{os.getpid()}/schedstat")

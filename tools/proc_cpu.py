@@ -12,10 +12,22 @@ It also reads how long the processes were runnable but waited for a core (``run_
 not: clients that wait for their answers, and clients that wait for a core while the server's
 processes hold the other (then the rate is the clients' own cost on one core, and a cheaper
 server changes nothing).
+
+Run as a module, it splits a server's cost per request by process while a load runs elsewhere
+(the per-process table of docs/performance.md, "Where the time goes, target by target")::
+
+    python -m shmserve.tools.proc_cpu --port 18600 --model add_sub --seconds 8
+
+The requests are counted from the model's statistics (``/v2/models/<model>/stats``, Triton's
+and shmserve's alike; ``--stats`` names the HTTP address when the load goes to the gRPC port).
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import time
+import urllib.request
 from dataclasses import dataclass
 
 from shmserve.tools.harness import cmdline, descendants, stat_fields
@@ -130,3 +142,48 @@ def machine_ticks() -> tuple[int, int]:
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:]]
     return ticks[3] + ticks[4], sum(ticks)
+
+
+def successes(address: str, model: str) -> int:
+    """The model's successful requests so far, every version, from its statistics over HTTP."""
+    with urllib.request.urlopen(f"http://{address}/v2/models/{model}/stats", timeout=10) as r:
+        doc = json.load(r)
+    return sum(int(m["inference_stats"]["success"]["count"]) for m in doc["model_stats"])
+
+
+def per_process(port: int, stats: str, model: str, seconds: float) -> tuple[int, list[tuple[str, Usage]]]:
+    """(requests served, [(command line, usage)]) of each process of the server on ``port``
+    that ran at all during ``seconds``."""
+    pids = server_tree(port)
+    if not pids:
+        raise SystemExit(f"no server of ours listens on port {port}")
+    before, count = {p: usage([p]) for p in pids}, successes(stats, model)
+    time.sleep(seconds)
+    after, served = {p: usage([p]) for p in pids}, successes(stats, model) - count
+    rows = [(cmdline(p) or str(p), after[p] - before[p]) for p in pids]
+    return served, [(name, u) for name, u in rows if u.cpu_us > 0 or u.voluntary or u.involuntary]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="A server's CPU per request, process by process, while a load runs.")
+    p.add_argument("--port", type=int, required=True, help="a port the server listens on (HTTP or gRPC)")
+    p.add_argument("--stats", help="HOST:PORT of its HTTP endpoint, for the statistics (default: 127.0.0.1:PORT)")
+    p.add_argument("--model", required=True, help="the model the load calls (its requests are counted)")
+    p.add_argument("--seconds", type=float, default=8.0)
+    args = p.parse_args(argv)
+    served, rows = per_process(args.port, args.stats or f"127.0.0.1:{args.port}", args.model, args.seconds)
+    if served <= 0:
+        raise SystemExit(f"{args.model} served no request in {args.seconds} s: run a load beside this")
+    print(f"{served} requests in {args.seconds:g} s ({served / args.seconds:.0f}/s); per request:")
+    print(f"{'process':<48} {'CPU µs':>8} {'user':>8} {'system':>8} {'sleeps':>7} {'preempted':>9}")
+    total = Usage()
+    for name, u in rows:
+        total += u
+        print(f"{name[:48]:<48} {u.cpu_us / served:8.1f} {u.user_us / served:8.1f} {u.system_us / served:8.1f} "
+              f"{u.voluntary / served:7.2f} {u.involuntary / served:9.2f}")
+    print(f"{'whole server':<48} {total.cpu_us / served:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
