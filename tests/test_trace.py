@@ -430,3 +430,66 @@ def test_opentelemetry_spans_reach_an_otlp_collector(server_factory):
             assert attrs["triton.model_name"].string_value == "add_sub"
     finally:
         collector.shutdown()
+
+
+def test_trace_segments_reads_http_and_grpc_traces_side_by_side(server_factory, tmp_path):
+    """tools/trace_segments.py: the median of every segment of the path, a column per file set
+    (HTTP requests in one file, gRPC in another), each column counting its complete requests."""
+    http_file, grpc_file = tmp_path / "http.json", tmp_path / "grpc.json"
+    s = start(server_factory, http_file, "level=TIMESTAMPS", "rate=1")
+    client = s.client()
+    for _ in range(4):
+        add_sub(client)
+    client.update_trace_settings(settings={"trace_file": str(grpc_file)})
+    a = np.arange(16, dtype=np.int32)
+    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    with grpcclient.InferenceServerClient(s.grpc_url) as g:
+        for _ in range(3):
+            g.infer("add_sub", inputs)
+    records(http_file, 4)
+    records(grpc_file, 3)
+    run = subprocess.run([PYTHON, "-m", "shmserve.tools.trace_segments", f"http={http_file}*", f"grpc={grpc_file}*"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in run.stdout.splitlines()[2:]}
+    assert rows["requests"] == ["4", "3"]
+    segments = [f"{a} to {b}" for a, b in zip(STAMPS, STAMPS[1:])]
+    assert list(rows)[:len(segments)] == segments  # named after the first column's path
+    whole = rows["the whole request in the server"]
+    for k in range(2):
+        parts = [float(rows[name][k]) for name in segments]
+        assert all(p >= 0 for p in parts) and float(whole[k]) > 0
+    missing = subprocess.run([PYTHON, "-m", "shmserve.tools.trace_segments", f"none={tmp_path}/nothing*"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "expected NAME=GLOB" in missing.stderr
+
+
+def test_a_setting_changed_through_one_frontend_applies_to_the_next_request_of_another(server_factory, tmp_path):
+    """Triton applies a trace setting at once. Here each frontend is a process of its own: one that
+    answered the change follows it at once, and the others must too, at their next request, not on
+    their next tick (until then their old setting objects claimed no trace: requests went untraced)."""
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    s = start(server_factory, first)  # level OFF
+    client = s.client()
+    a = np.arange(16, dtype=np.int32)
+    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    with grpcclient.InferenceServerClient(s.grpc_url) as g:
+        g.infer("add_sub", inputs)  # the gRPC frontend is up and has read the settings
+        add_sub(client)
+        for _ in range(20):
+            # on through gRPC, then at once an HTTP request
+            g.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+            add_sub(client, "http-after-on")
+            # a new file through HTTP, then at once a gRPC request
+            client.update_trace_settings(settings={"trace_file": str(second)})
+            g.infer("add_sub", inputs, request_id="grpc-after-file")
+            client.update_trace_settings(settings={"trace_level": ["OFF"], "trace_file": str(first)})
+    in_first = [r["request_id"] for r in records(first, 20)]
+    in_second = [r["request_id"] for r in records(second, 20)]
+    assert in_first == ["http-after-on"] * 20
+    assert in_second == ["grpc-after-file"] * 20

@@ -1,8 +1,10 @@
 """The frontend's part of Triton's trace extension: the endpoints, sampling, and writing records.
 
 The broker owns the settings (server/broker/tracing.py) and publishes them in the trace segment;
-each frontend follows them on its loop's tick (and at once after a POST it answered), so the
-infer path only reads ``Tracer.on``. When it is set, the infer path (asgi.py) samples requests
+each frontend follows them on its loop's tick, and at once when a request finds the published
+settings newer than its own (one integer of the trace segment read: a change made through another
+frontend applies to the next request here too, as Triton's one process applies it). When
+``Tracer.on``, the infer path (asgi.py) samples requests
 (a local counter per setting object for ``rate``; the trace count and id under the shared lock,
 so they are exact across frontends), stamps the HTTP and request times, lets the worker (and
 the broker, for the requests it queues) add theirs to the response, and writes one record when
@@ -123,7 +125,7 @@ class Trace:
 class Tracer:
     def __init__(self, server_id: str) -> None:
         self.server_id = server_id
-        self.on = False  # the only thing an untraced request reads
+        self._on = False
         self.shared: TraceShared | None = None
         self.global_: Setting | None = None  # None: OFF
         self.models: dict[str, Setting | None] = {}
@@ -143,6 +145,17 @@ class Tracer:
         if self._otel is not None:
             self._otel.close()
 
+    @property
+    def on(self) -> bool:
+        """Whether requests are sampled here: what every request reads. Settings published since
+        this frontend last read them are followed first, so that a change made through another
+        frontend (the gRPC one, another HTTP worker) is not left to this one's next tick: until
+        then its stale setting objects would claim no trace, and requests would go untraced."""
+        shared = self.shared
+        if shared is not None and shared.doc.generation() != self._gen:
+            self.follow()
+        return self._on
+
     def follow(self) -> None:
         """The frontend's periodic look at the broker's settings (on its loop's tick, twice a
         second: no thread of its own to wake)."""
@@ -155,7 +168,7 @@ class Tracer:
         with self._lock:
             shared = self.shared
             if shared is not None and not pid_alive(shared.pid):
-                self.on, self.shared, self._gen, self._stuck = False, None, -1, False  # its broker is gone
+                self._on, self.shared, self._gen, self._stuck = False, None, -1, False  # its broker is gone
                 shared = None
             if shared is None:
                 try:
@@ -180,7 +193,7 @@ class Tracer:
             self.models = {m: setting(d) for m, d in doc["models"].items()}
             self._gen = gen
             self._stuck = False  # a settings change took the lock over (see TraceShared.take_over)
-            self.on = self.global_ is not None or any(s is not None for s in self.models.values())
+            self._on = self.global_ is not None or any(s is not None for s in self.models.values())
 
     # -- per request ----------------------------------------------------------------------------------
     def sample(self, model: str, names: tuple[str, ...] = tr.STAMPS) -> Trace | None:
@@ -196,7 +209,7 @@ class Tracer:
             if not self._stuck:
                 log.error("the trace lock stayed taken (a process died holding it?); tracing pauses until "
                           "the trace settings change")
-            self._stuck, self.on = True, False
+            self._stuck, self._on = True, False
             return None
         return Trace(trace_id, model, setting, names) if trace_id else None
 
