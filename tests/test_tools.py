@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -113,14 +115,13 @@ def test_compare_measures_grpc_servers(server, tmp_path):
     assert "grpc / http: throughput" in run.stdout
 
 
-def test_grpc_floor_echoes_and_is_measured_beside_the_server(server, tmp_path):
-    """The floor answers tritonclient's add_sub call with its inputs, and --compare prices it."""
-    import tritonclient.grpc as grpcclient
-
-    port = free_port()
-    floor = subprocess.Popen([PYTHON, "-m", "shmserve.tools.grpc_floor", "--port", str(port)], cwd=ROOT)
+@contextmanager
+def floor_server(module: str, client_module: Any) -> Iterator[tuple[str, Any]]:
+    """A floor (tools/<module>.py) on a free port once it answers ready: (address, a client)."""
+    address = f"127.0.0.1:{free_port()}"
+    floor = subprocess.Popen([PYTHON, "-m", f"shmserve.tools.{module}", "--port", address.rsplit(":", 1)[1]], cwd=ROOT)
     try:
-        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as c:
+        with client_module.InferenceServerClient(address) as c:
             deadline = time.monotonic() + 30
             while True:
                 try:
@@ -130,61 +131,52 @@ def test_grpc_floor_echoes_and_is_measured_beside_the_server(server, tmp_path):
                     if time.monotonic() > deadline:
                         raise
                 time.sleep(0.1)
-            a = np.arange(16, dtype=np.int32)
-            inputs = [grpcclient.InferInput(n, [16], "INT32") for n in ("INPUT0", "INPUT1")]
-            inputs[0].set_data_from_numpy(a)
-            inputs[1].set_data_from_numpy(a * 2)
-            result = c.infer("add_sub", inputs)
-            assert (result.as_numpy("OUTPUT0") == a).all() and (result.as_numpy("OUTPUT1") == a * 2).all()
-        out = tmp_path / "paired-floor.json"
-        run = subprocess.run(
-            [PERF, "-m", "add_sub", "--pairs", "1", "-p", "300", "--warmup", "50", "-i", "grpc", "-u", server.grpc_url,
-             "--name", "shmserve", "--compare", f"floor=grpc:127.0.0.1:{port}", "--summary-json", str(out)],
-            cwd=ROOT, capture_output=True, text=True, timeout=180)
-        assert run.returncode == 0, run.stderr
-        costs = compared(out)["costs"]
-        assert costs["floor"]["server_cpu_us"] > 0 and costs["shmserve"]["server_cpu_us"] > 0
+            yield address, c
     finally:
         floor.terminate()
         floor.wait(10)
+
+
+def priced_beside(server_address: str, floor_address: str, tmp_path: Path, *protocol: str) -> None:
+    """shmserve-perf --compare measures the floor beside the server and finds both servers' CPU."""
+    out = tmp_path / "paired-floor.json"
+    run = subprocess.run(
+        [PERF, "-m", "add_sub", "--pairs", "1", "-p", "300", "--warmup", "50", *protocol, "-u", server_address,
+         "--name", "shmserve", "--compare", f"floor={floor_address}", "--summary-json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    costs = compared(out)["costs"]
+    assert costs["floor"]["server_cpu_us"] > 0 and costs["shmserve"]["server_cpu_us"] > 0
+
+
+def test_grpc_floor_echoes_and_is_measured_beside_the_server(server, tmp_path):
+    """The floor answers tritonclient's add_sub call with its inputs, and --compare prices it."""
+    import tritonclient.grpc as grpcclient
+
+    with floor_server("grpc_floor", grpcclient) as (address, c):
+        a = np.arange(16, dtype=np.int32)
+        inputs = [grpcclient.InferInput(n, [16], "INT32") for n in ("INPUT0", "INPUT1")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(a * 2)
+        result = c.infer("add_sub", inputs)
+        assert (result.as_numpy("OUTPUT0") == a).all() and (result.as_numpy("OUTPUT1") == a * 2).all()
+        priced_beside(server.grpc_url, f"grpc:{address}", tmp_path, "-i", "grpc")
 
 
 def test_http_floor_echoes_and_is_measured_beside_the_server(server, tmp_path):
     """The uvicorn floor answers tritonclient's add_sub call with its inputs (binary and JSON
     alike), refuses what it does not serve, and --compare prices it."""
-    port = free_port()
-    floor = subprocess.Popen([PYTHON, "-m", "shmserve.tools.http_floor", "--port", str(port)], cwd=ROOT)
-    try:
-        with httpclient.InferenceServerClient(f"127.0.0.1:{port}") as c:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if c.is_server_ready():
-                        break
-                except Exception:  # noqa: BLE001 - not listening yet
-                    if time.monotonic() > deadline:
-                        raise
-                time.sleep(0.1)
-            a = np.arange(16, dtype=np.int32)
-            inputs = [httpclient.InferInput(n, [16], "INT32") for n in ("INPUT0", "INPUT1")]
-            inputs[0].set_data_from_numpy(a, binary_data=False)
-            inputs[1].set_data_from_numpy(a * 2)
-            outputs = [httpclient.InferRequestedOutput(n) for n in ("SUM", "DIFF")]
-            result = c.infer("add_sub", inputs, outputs=outputs)
-            assert (result.as_numpy("SUM") == a).all() and (result.as_numpy("DIFF") == a * 2).all()
-            with pytest.raises(Exception, match="not found"):
-                c.get_model_metadata("add_sub")
-        out = tmp_path / "paired-floor.json"
-        run = subprocess.run(
-            [PERF, "-m", "add_sub", "--pairs", "1", "-p", "300", "--warmup", "50", "-u", server.url,
-             "--name", "shmserve", "--compare", f"floor=127.0.0.1:{port}", "--summary-json", str(out)],
-            cwd=ROOT, capture_output=True, text=True, timeout=180)
-        assert run.returncode == 0, run.stderr
-        costs = compared(out)["costs"]
-        assert costs["floor"]["server_cpu_us"] > 0 and costs["shmserve"]["server_cpu_us"] > 0
-    finally:
-        floor.terminate()
-        floor.wait(10)
+    with floor_server("http_floor", httpclient) as (address, c):
+        a = np.arange(16, dtype=np.int32)
+        inputs = [httpclient.InferInput(n, [16], "INT32") for n in ("INPUT0", "INPUT1")]
+        inputs[0].set_data_from_numpy(a, binary_data=False)
+        inputs[1].set_data_from_numpy(a * 2)
+        outputs = [httpclient.InferRequestedOutput(n) for n in ("SUM", "DIFF")]
+        result = c.infer("add_sub", inputs, outputs=outputs)
+        assert (result.as_numpy("SUM") == a).all() and (result.as_numpy("DIFF") == a * 2).all()
+        with pytest.raises(Exception, match="not found"):
+            c.get_model_metadata("add_sub")
+        priced_beside(server.url, address, tmp_path)
 
 
 def test_proc_cpu_splits_a_servers_cost_per_request_by_process(server):

@@ -49,6 +49,14 @@ def add_sub(client: httpclient.InferenceServerClient, request_id: str = "") -> N
     assert result.as_numpy("OUTPUT0").tolist() == list(range(1, 17))
 
 
+def grpc_add_sub_inputs() -> list[grpcclient.InferInput]:
+    a = np.arange(16, dtype=np.int32)
+    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    return inputs
+
+
 def probe(client: httpclient.InferenceServerClient) -> None:
     x = httpclient.InferInput("INPUT0", [1, 2], "FP32")
     x.set_data_from_numpy(np.ones((1, 2), dtype=np.float32))
@@ -280,10 +288,7 @@ def test_grpc_inferences_are_traced_with_grpc_timestamps(server_factory, tmp_pat
     path = tmp_path / "trace.json"
     s = start(server_factory, path, "level=TIMESTAMPS", "rate=1")
     add_sub(s.client(), "http")
-    a = np.arange(16, dtype=np.int32)
-    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
-    for i in inputs:
-        i.set_data_from_numpy(a)
+    inputs = grpc_add_sub_inputs()
     with grpcclient.InferenceServerClient(s.grpc_url) as g:
         for i in range(2):
             g.infer("add_sub", inputs, request_id=f"grpc{i}")
@@ -441,10 +446,7 @@ def test_trace_segments_reads_http_and_grpc_traces_side_by_side(server_factory, 
     for _ in range(4):
         add_sub(client)
     client.update_trace_settings(settings={"trace_file": str(grpc_file)})
-    a = np.arange(16, dtype=np.int32)
-    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
-    for i in inputs:
-        i.set_data_from_numpy(a)
+    inputs = grpc_add_sub_inputs()
     with grpcclient.InferenceServerClient(s.grpc_url) as g:
         for _ in range(3):
             g.infer("add_sub", inputs)
@@ -474,10 +476,7 @@ def test_a_setting_changed_through_one_frontend_applies_to_the_next_request_of_a
     first, second = tmp_path / "first.json", tmp_path / "second.json"
     s = start(server_factory, first)  # level OFF
     client = s.client()
-    a = np.arange(16, dtype=np.int32)
-    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
-    for i in inputs:
-        i.set_data_from_numpy(a)
+    inputs = grpc_add_sub_inputs()
     with grpcclient.InferenceServerClient(s.grpc_url) as g:
         g.infer("add_sub", inputs)  # the gRPC frontend is up and has read the settings
         add_sub(client)
