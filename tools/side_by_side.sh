@@ -89,9 +89,11 @@ if [[ " $what " == *" paired "* ]]; then
   trap 'kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null; kill -TERM "$pid" 2>/dev/null; pkill -f "shmserve.tools.(http|grpc)_floor"' EXIT
   P="$PERF --pairs ${PAIRS:-10} -p 2000 -q -u 127.0.0.1:18000 --name triton --compare shmserve=127.0.0.1:18600"
   if [[ -n ${BASELINE:-} ]]; then
-    # (from its own folder: an older layout starts its processes with `python -m server...`)
+    # (from its own folder: an older layout starts its processes with `python -m server...`; the
+    # script run by its own venv's python, not by its #! line: a venv copied from another checkout
+    # keeps that checkout's interpreter there, and would serve the other checkout's code)
     models=$(realpath "$MODELS")
-    (cd "$BASELINE" && exec setsid .venv/bin/shmserve --model-repository="$models" \
+    (cd "$BASELINE" && exec setsid .venv/bin/python .venv/bin/shmserve --model-repository="$models" \
       --http-port=18700 --metrics-port=18702 --id sbsbefore > "$OUT/before-paired.log" 2>&1 < /dev/null) &
     before=$!
     wait_ready 18700
