@@ -66,6 +66,24 @@ def test_sigint_exits_zero_and_leaves_nothing(server_factory):
     assert shm_entries(s.id) == []
 
 
+def test_every_process_writes_its_profile_when_the_server_stops(server_factory, tmp_path, monkeypatch):
+    """SHMSERVE_PROFILE (shm/profiling.py): launcher's children each write a cProfile dump at a
+    clean stop. The HTTP frontend's was lost: uvicorn raises the signal it stopped on again once
+    it has shut down, and the default handler ended the process before the dump."""
+    import pstats
+
+    folder = tmp_path / "profiles"
+    monkeypatch.setenv("SHMSERVE_PROFILE", str(folder))
+    s = server_factory.start([PRODUCT_MODELS], ["--model-control-mode", "explicit", "--load-model", "add_sub"])
+    _add_sub(s)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait_exit(30) == 0, s.log_tail()
+    kinds = sorted(p.name.rsplit("-", 1)[0] for p in folder.glob("*.prof"))
+    assert kinds == ["broker", "frontend0", "grpc", "worker-add_sub"], kinds
+    frontend = pstats.Stats(str(next(folder.glob("frontend0-*.prof"))))
+    assert any(name == "infer" for _, _, name in frontend.stats), "the frontend's dump holds the request"
+
+
 def test_restart_after_sigkill_of_the_whole_group_removes_stale_objects(server_factory):
     first = server_factory.start([PRODUCT_MODELS])
     _add_sub(first)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import sys
 from typing import Callable, Iterable
@@ -60,7 +61,16 @@ def main() -> int:
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     server = QuietServer(config, ticks=[log_settings.check, frontend.tracer.follow], serving=lambda: log.info(
         "frontend #%d serving HTTP on %s (at most %d connections)", spec["index"], address, max_connections))
+    # uvicorn stops gracefully on SIGTERM or SIGINT, then raises the signal again under the handler
+    # it found: with the default one that ends the process there, before what follows the serving
+    # (the SHMSERVE_PROFILE dump). Found handlers that exit quietly instead.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_after_shutdown)
     return run_profiled(f"frontend{spec['index']}", lambda: server.run(sockets=[sock]) or 0)
+
+
+def _exit_after_shutdown(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 class QuietServer(uvicorn.Server):

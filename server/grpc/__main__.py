@@ -102,7 +102,9 @@ def main() -> int:
     spec = read_spec()  # stdin (shm/child_spec.py)
     set_title(f"shmserve grpc {spec['server_id']}")
     logs.configure(spec.get("log") or {})
-    return asyncio.run(serve(spec))
+    from shmserve.shm.profiling import run_profiled
+
+    return run_profiled("grpc", lambda: asyncio.run(serve(spec)))
 
 
 if __name__ == "__main__":
