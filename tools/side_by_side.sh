@@ -86,7 +86,7 @@ if [[ " $what " == *" paired "* ]]; then
   setsid .venv/bin/shmserve --model-repository="$MODELS" --http-port=18600 --metrics-port=18602 --grpc-port=18601 --id sbs \
     --http-idle-timeout-secs=3600 > "$OUT/shmserve-paired.log" 2>&1 < /dev/null &
   pid=$!
-  trap 'kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null; kill -TERM "$pid" 2>/dev/null; pkill -f "shmserve.tools.(http|grpc)_floor"' EXIT
+  trap 'kill -TERM -- -"$(pgrep -x tritonserver)" 2>/dev/null; kill -TERM "$pid" ${before:-} 2>/dev/null; pkill -f "shmserve.tools.(http|grpc)_floor"' EXIT
   P="$PERF --pairs ${PAIRS:-10} -p 2000 -q -u 127.0.0.1:18000 --name triton --compare shmserve=127.0.0.1:18600"
   if [[ -n ${BASELINE:-} ]]; then
     # (from its own folder: an older layout starts its processes with `python -m server...`; the

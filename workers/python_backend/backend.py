@@ -188,7 +188,7 @@ class PythonInstance(Instance):
     def _failed(self, e: Exception, replies: list[Reply]) -> list[Response | Deferred]:
         """``execute`` raised after some requests had their final response: those keep it (Triton
         sent it already) and the others get the error the worker gives when ``execute`` raises."""
-        msg = execute_failure(self.name, e)
+        msg = self.failure(self.name, e)
         log.error("%s\n%s", msg, "".join(traceback.format_exception(e)))
         return [reply.response if reply.done and reply.response is not None else Response(error=msg, status=500)
                 for reply in replies]
@@ -219,7 +219,7 @@ class PythonInstance(Instance):
         """A decoupled model's coroutine raised: each of its requests not yet finished ends with
         the error, as when a synchronous execute raises (workers/worker.py), and its senders
         take nothing more."""
-        msg = execute_failure(self.name, e)
+        msg = self.failure(self.name, e)
         log.error("%s\n%s", msg, "".join(traceback.format_exception(e)))
         for sender in senders:
             if sender is not None:
