@@ -17,6 +17,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import threading
 from typing import Iterator
 
 from .names import PREFIX, SHM_DIR, object_name
@@ -82,18 +83,55 @@ def check(server_id: str, need: int, what: str, note: str = "", folder: str = SH
                      f"left; {HOW_TO_RAISE}")
 
 
+def lock_path(server_id: str, folder: str = SHM_DIR) -> str:
+    """The file whose lock ``counting`` holds: the server's user's alone (0600, no ACL entry).
+    Not the broker segment's file: a local client of another user may open that one, and one
+    holding a lock on it would stall every growth of every worker."""
+    return folder + object_name(server_id, "space", "lock")
+
+
+def make_lock(server_id: str, folder: str = SHM_DIR) -> None:
+    """Made by the broker before anything is counted (a broker started again finds its own).
+    Refused if the name is another user's: that user could hold the lock."""
+    fd = os.open(lock_path(server_id, folder), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise PermissionError(errno.EPERM, f"{lock_path(server_id, folder)} exists and is not this user's alone "
+                                               f"(uid {st.st_uid}, mode {st.st_mode & 0o777:o}); remove it")
+    finally:
+        os.close(fd)
+
+
+_in_process = threading.RLock()  # the threads of one process (a worker's stream senders) take turns
+_depth = 0  # how deep this process is in ``counting`` (a load inside a load holds it once)
+
+
 @contextlib.contextmanager
 def counting(server_id: str, folder: str = SHM_DIR) -> Iterator[None]:
-    """Hold the server's lock for counting and making a segment (a lock on its broker segment's
-    file): two workers that grow at once would otherwise each see the same room and, between
-    them, take more than there is. Without that file (the broker is gone) it does not lock."""
-    try:
-        fd = os.open(folder + object_name(server_id, "broker", 0), os.O_RDONLY)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # (closing lets go of the lock)
+    """Hold the server's lock for counting and making segments: two processes that make
+    segments at once (two workers growing, the broker starting a load's workers) would
+    otherwise each see the same room and, between them, take more than there is. Reentrant
+    within a process. Without its file (the broker is gone) it does not lock."""
+    global _depth
+    with _in_process:
+        if _depth:
+            _depth += 1
+            try:
+                yield
+            finally:
+                _depth -= 1
+            return
+        try:
+            fd = os.open(lock_path(server_id, folder), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            yield
+            return
+        try:
+            if os.fstat(fd).st_uid == os.geteuid():  # (make_lock made it; never wait on another's file)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            _depth = 1
+            yield
+        finally:
+            _depth = 0
+            os.close(fd)  # (closing lets go of the lock)

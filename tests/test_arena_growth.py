@@ -176,13 +176,13 @@ def test_a_consumer_maps_an_extent_only_if_the_server_owns_it_at_its_size(server
 
 def test_a_growth_counts_and_makes_its_extent_under_the_servers_lock(server_factory):
     """Two workers growing at once would each see the same room in /dev/shm and take, between
-    them, more than there is: a growth counts and makes its extent holding the lock on the
-    broker segment's file (space.counting), which this test holds for a while."""
+    them, more than there is: a growth counts and makes its extent holding the server's counting
+    lock (space.counting), which this test holds for a while."""
     import fcntl
     import threading
 
     s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
-    fd = os.open(f"/dev/shm/shmserve.{s.id}.broker.0", os.O_RDONLY)
+    fd = os.open(space.lock_path(s.id), os.O_RDONLY)
     done = threading.Event()
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -194,6 +194,32 @@ def test_a_growth_counts_and_makes_its_extent_under_the_servers_lock(server_fact
         os.close(fd)
     assert done.wait(60.0)
     assert len(extents(s.id)) == 1
+
+
+def test_a_load_counts_and_makes_its_worker_segments_under_the_servers_lock(server_factory):
+    """The broker's room check for a load and the worker segments it then makes hold the same
+    lock as a growth: a worker growing in between would otherwise take the room the load counted."""
+    import fcntl
+    import threading
+
+    s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit"])
+    loaded: list[bool] = []
+    fd = os.open(space.lock_path(s.id), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        def load() -> None:
+            with s.client() as c:
+                c.load_model("identity")
+            loaded.append(True)
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        time.sleep(2.0)
+        assert not loaded and not worker_segments(s.id), "the load made its workers without the lock"
+    finally:
+        os.close(fd)
+    loader.join(60.0)
+    assert loaded and len(worker_segments(s.id)) == 1
+    http_identity(s, 2 * MIB)  # and it serves, growing under the same lock
 
 
 def test_a_growth_past_the_cap_is_a_503_naming_the_flag_and_the_next_request_works(server_factory):

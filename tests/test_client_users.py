@@ -142,6 +142,51 @@ def test_a_client_of_another_user_killed_mid_request_is_reclaimed(users_server, 
     assert users_server.worker_pids("slow_reader") == workers
 
 
+# Holds a lock on the whole broker segment's file (which a named user may open), tries the
+# server's counting lock, says what it got, then waits to be killed.
+LOCKER = r"""
+import fcntl
+fd = os.open(args["broker"], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+try:
+    os.open(args["lock"], os.O_RDONLY)
+    opened = "opened"
+except PermissionError:
+    opened = "refused"
+print("HELD " + opened, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_named_user_holding_locks_on_the_broker_file_stalls_no_growth(users_server):
+    """The lock under which segments are counted and made (shm/space.py) lies on a file only the
+    server's user opens: a client that locks every file it can open stalls no worker's growth."""
+    import tritonclient.http as httpclient
+
+    from shmserve.shm import space
+
+    sid = users_server.id
+    proc = start_as(NOBODY.pw_uid, NOBODY.pw_gid, LOCKER,
+                    {"broker": f"/dev/shm/shmserve.{sid}.broker.0", "lock": space.lock_path(sid)})
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], DEADLINE_S)
+        assert ready, "the locking client did not start"
+        assert proc.stdout.readline().strip() == "HELD refused"
+        before = {n for n in os.listdir("/dev/shm") if sid in n and ".arena." in n}
+        n = 6 << 20  # 24 MiB of float32: past extent 0 and past the extent a 12 MiB answer made
+        x = np.arange(n, dtype=np.float32)
+        inp = httpclient.InferInput("IN", [n], "FP32")
+        inp.set_data_from_numpy(x)
+        with users_server.client(network_timeout=DEADLINE_S) as http:
+            out = http.infer("identity", [inp]).as_numpy("OUT")
+        np.testing.assert_array_equal(out, x)
+        after = {n for n in os.listdir("/dev/shm") if sid in n and ".arena." in n}
+        assert after - before, f"the answer grew a new extent: {sorted(after)}"
+    finally:
+        proc.kill()
+        proc.communicate(timeout=DEADLINE_S)
+
+
 def test_the_flag_refuses_an_unknown_user_name(tmp_path):
     import subprocess
 

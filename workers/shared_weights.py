@@ -91,11 +91,13 @@ def share(module: Any, server_id: str, key: str) -> int:
     with open(path + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait, then map what it wrote
         if not os.path.exists(path):
-            # Checked first: the write would fail cleanly when /dev/shm is full, but it could also
-            # take pages that the arenas' counted room (shm/space.py) relies on.
-            space.check(server_id, ALIGN + size, "this model's shared copy of its weights",
-                        " (parameter SHARE_WEIGHTS: \"no\" keeps a private copy per instance instead)")
-            _write(path, tensors, offsets, size, digest)
+            # Checked first, and written under the counting lock: the write would fail cleanly
+            # when /dev/shm is full, but it could also take pages that the arenas' counted room
+            # (shm/space.py) relies on.
+            with space.counting(server_id):
+                space.check(server_id, ALIGN + size, "this model's shared copy of its weights",
+                            " (parameter SHARE_WEIGHTS: \"no\" keeps a private copy per instance instead)")
+                _write(path, tensors, offsets, size, digest)
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     found, data_size = HEADER.unpack_from(mapped, 0)

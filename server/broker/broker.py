@@ -27,7 +27,7 @@ import time
 from shmserve.shm.access import server_readers
 from shmserve.shm.channel import BrokerSegment
 from shmserve.parent_death import ORPHANED
-from shmserve.shm import liveness
+from shmserve.shm import liveness, space
 from shmserve.shm.liveness import BROKER_TICKET
 from shmserve.shm.names import object_name, unlink_all
 from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER
@@ -66,6 +66,7 @@ class Broker:
     def __init__(self, opts: BrokerOptions) -> None:
         self.opts = opts
         self.seg = BrokerSegment.create(opts.server_id, opts.broker_arena_bytes, server_readers())
+        space.make_lock(opts.server_id)  # before any worker segment is counted (shm/space.py)
         self.journal = Journal(opts.server_id)  # what a broker before this one was asked to change
         self.cache = create_store(opts.server_id, opts.response_cache_bytes)  # workers attach it; ensembles use it
         self.catalog = Catalog()

@@ -6,11 +6,13 @@ longer in ``workers`` means the worker was reaped and its segment unmapped.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 from shmserve.shm import logs, space
 from shmserve.shm.access import server_readers
@@ -59,6 +61,14 @@ class Instances:
         except space.NoRoom as e:
             return str(e)
         return None
+
+    @contextlib.contextmanager
+    def counted(self, count: int) -> Iterator[str | None]:
+        """``shm_shortfall(count)``, with the server's counting lock (shm/space.py) held until the
+        block ends: the worker segments the block makes are those the check counted, with no
+        worker's growth taking the same room in between."""
+        with space.counting(self.opts.server_id):
+            yield self.shm_shortfall(count)
 
     def spawn(self, mv: ModelVersion, name: str, index: int, kind: str, device: int) -> Instance:
         """Start a new instance of ``mv``."""

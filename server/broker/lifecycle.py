@@ -248,11 +248,11 @@ class Lifecycle:
         serving = catalog.models.get(name)
         if serving and name not in catalog.loading and instance_update.updatable(serving, model_dir, config, versions):
             added = sum(len(instance_update.instance_changes(mv, config)[0]) for mv in serving.values())
-            shortfall = self.instances.shm_shortfall(added)
-            if shortfall:  # what serves goes on serving as it is
-                log.error("failed to load '%s', %s", name, shortfall)
-                return f"failed to load '{name}', {shortfall}"
-            self.updates.apply(serving, config, waiter)
+            with self.instances.counted(added) as shortfall:
+                if shortfall:  # what serves goes on serving as it is
+                    log.error("failed to load '%s', %s", name, shortfall)
+                    return f"failed to load '{name}', {shortfall}"
+                self.updates.apply(serving, config, waiter)
             catalog.load_errors.pop(name, None)  # this load supersedes one that failed before
             self._record(name, str(model_dir), override_json)
             return None
@@ -263,24 +263,27 @@ class Lifecycle:
                 pending.waiters.append(waiter)
             return None
         per_version = 0 if config.platform == "ensemble" else len(instance_update.planned_instances(config))
-        shortfall = self.instances.shm_shortfall(len(versions) * per_version)
-        if shortfall:
-            return self._load_failed(name, f"failed to load '{name}', {shortfall}")
-        self.cancel_load(name, REPLACED)
-        job = catalog.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [], plan.canary_policy,
-                                              str(model_dir), config, override_json)
-        for v in versions:
-            mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
-                              config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
-            mv.set_config(mv.config_dict)
-            mv.exec_timeout_s = plan.exec_timeout_s
-            mv.requested_config, mv.files = config, instance_update.folder_fingerprint(str(model_dir))
-            mv.weights_key = f"{name}.{v}.{next(self.load_ids)}"
-            job.versions[v] = mv
-            if config.platform == "ensemble":
-                self._load_ensemble(mv)
-            else:
-                self._start_instances(mv)
+        with self.instances.counted(len(versions) * per_version) as shortfall:
+            if shortfall:
+                return self._load_failed(name, f"failed to load '{name}', {shortfall}")
+            self.cancel_load(name, REPLACED)
+            job = catalog.loading[name] = LoadJob(name, {}, [waiter] if waiter is not None else [],
+                                                  plan.canary_policy, str(model_dir), config, override_json)
+            for v in versions:
+                mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
+                                  config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
+                mv.set_config(mv.config_dict)
+                mv.exec_timeout_s = plan.exec_timeout_s
+                mv.requested_config, mv.files = config, instance_update.folder_fingerprint(str(model_dir))
+                mv.weights_key = f"{name}.{v}.{next(self.load_ids)}"
+                job.versions[v] = mv
+                if config.platform == "ensemble":
+                    self._load_ensemble(mv)
+                else:
+                    self._start_instances(mv)
+        for mv in job.versions.values():  # (outside the lock: a step's load reads its repository)
+            if mv.ensemble is not None:
+                self._load_steps(mv)
         self.resolve_loads()
         return None
 
@@ -295,6 +298,10 @@ class Lifecycle:
         mv.state = State.READY
         log.info("successfully loaded '%s' version %d (ensemble of %s)", mv.name, mv.version,
                  ", ".join(mv.ensemble.dependencies()))
+
+    def _load_steps(self, mv: ModelVersion) -> None:
+        """Load the step models of ensemble ``mv`` that are neither loaded nor loading."""
+        assert mv.ensemble is not None
         catalog = self.catalog
         for dep in mv.ensemble.dependencies():  # as Triton: an ensemble brings its steps
             if dep not in catalog.models and dep not in catalog.load_errors and dep not in catalog.loading:
