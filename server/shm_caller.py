@@ -2,9 +2,10 @@
 network frontend adds to those control requests (the one definition both sides use).
 
 A request without it comes from a local client (``shmserve.Client``), which the broker knows by
-its connection. The field is trusted as given: only processes of the server's own user can
-write control requests (the broker segment is mode 0600), and the frontends fill it in from the
-kernel (``frontend/peer_uid.py``) and from the restricted-API check, never from the request.
+its connection. The field is trusted only from a client of the server's own user (the owner of
+its segment; the frontends fill it in from the kernel, ``frontend/peer_uid.py``, and from the
+restricted-API check, never from the request): the broker drops it from a local client of a
+user named by ``--local-client-users`` (server/broker/control.py).
 """
 from __future__ import annotations
 

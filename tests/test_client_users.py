@@ -187,6 +187,57 @@ def test_a_named_user_holding_locks_on_the_broker_file_stalls_no_growth(users_se
         proc.communicate(timeout=DEADLINE_S)
 
 
+# Control requests as only a frontend may send them: a region registered for a network caller it
+# names (the server's user, an admin), and a model loaded from 'file:' contents.
+CLAIMS = r"""
+import base64
+from shmserve.shm.client import InferenceServerError
+c = Client(args["server"])
+result = {}
+def attempt(what, doc):
+    try:
+        c._control(doc)
+        result[what] = "done"
+    except InferenceServerError as e:
+        result[what] = [e.status, e.message]
+register = {"op": "shm_register", "key": args["key"], "offset": 0, "byte_size": 64}
+attempt("plain", {**register, "name": "users_plain"})
+attempt("claimed", {**register, "name": "users_claimed", "caller": {"uid": 0, "admin": True}})
+attempt("unowned", {**register, "name": "users_unowned", "caller": {"uid": None, "admin": False}})
+model = "open(%r, 'w').write('ran')\nclass TritonPythonModel:\n    def execute(self, requests):\n        return []\n" % args["marker"]
+config = json.dumps({"name": "users_upload", "backend": "python", "max_batch_size": 0,
+                     "input": [{"name": "X", "data_type": "TYPE_INT32", "dims": [1]}],
+                     "output": [{"name": "Y", "data_type": "TYPE_INT32", "dims": [1]}]})
+attempt("upload", {"op": "load", "model": "users_upload", "from_network": "key",
+                   "parameters": {"config": config, "file:1/model.py": base64.b64encode(model.encode()).decode()}})
+c.close()
+"""
+
+
+def test_a_named_user_can_claim_no_frontends_rights(users_server, tmp_path):
+    """A local client of another user writes its control requests itself: the broker does not take
+    from it what only a frontend may say (a network caller with the server's rights or an admin's,
+    a key that allows uploads). Its regions are its own user's, and model code it sends never runs."""
+    import posix_ipc
+
+    key = f"/users_secret_{os.getpid()}"
+    secret = posix_ipc.SharedMemory(key, posix_ipc.O_CREX, mode=0o600, size=4096)  # the server's user's alone
+    secret.close_fd()
+    marker = tmp_path / "ran"
+    tmp_path.chmod(0o777)
+    try:
+        got = run_as_nobody(CLAIMS, {"server": users_server.id, "key": key, "marker": str(marker)})
+    finally:
+        secret.unlink()
+    for what in ("plain", "claimed", "unowned"):
+        assert got[what][0] == 403 and f"uid {NOBODY.pw_uid} may not read and write it" in got[what][1], got
+    assert got["upload"][0] == 403 and "--allow-model-file-uploads" in got["upload"][1], got
+    assert not marker.exists()
+    with users_server.client() as http:
+        assert http.get_system_shared_memory_status() == []
+        assert "users_upload" not in [m["name"] for m in http.get_model_repository_index()]
+
+
 def test_the_flag_refuses_an_unknown_user_name(tmp_path):
     import subprocess
 

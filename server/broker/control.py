@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from shmserve.server.shm_caller import FIELD
 from shmserve.shm import logs
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.protocol import LOAD_FROM_NETWORK
@@ -84,6 +85,12 @@ class ControlHandler:
         op = self.ops.get(doc.get("op", ""))
         if op is None:
             raise InvalidRequest(f"unknown control operation '{doc.get('op')}'")
+        if not client.server_user:
+            # A local client of another user: what only the frontends may say (the network
+            # caller of a region, a key that allows uploads) is not its to say. It registers
+            # regions as itself, and uploads model code only where network callers may.
+            doc.pop(FIELD, None)
+            doc[LOAD_FROM_NETWORK] = "open"
         return op(client, slot, doc)
 
     # -- health and metadata --------------------------------------------------------------------
@@ -215,7 +222,8 @@ class ControlHandler:
             raise InvalidRequest(f"failed to load '{name}', the 'config' parameter must be a JSON string")
         files = {k[len("file:"):]: v for k, v in params.items() if k.startswith("file:")}
         model_dir = None
-        network = doc.get(LOAD_FROM_NETWORK)  # (a local client or a model already runs as the server's user)
+        # (a local client of the server's user, or a model, already runs as the server's user)
+        network = doc.get(LOAD_FROM_NETWORK)
         if files and network is not None and network != "key" and not self.opts.allow_file_uploads:
             raise UploadsRefused(f"failed to load '{name}', loading a model from 'file:' contents runs the code "
                                  f"sent as the server's user and is not enabled: start the server with "

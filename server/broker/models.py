@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import os
 import subprocess
 import time
 from typing import Any
@@ -36,6 +37,13 @@ class Client:
     seg: ClientSegment
     lane: int | None = None
     pid: int = 0  # its process's pid, when it shares our PID namespace (0: it does not); for logs and BLS
+
+    @property
+    def server_user(self) -> bool:
+        """Whether it runs as the server's user (a frontend, or a program as privileged as the
+        server): its segment's owner, as the kernel said when the broker attached it. A client of
+        a user named by --local-client-users is not, and is given no more than a network caller."""
+        return self.seg.seg.uid == os.geteuid()
 
 
 @dataclasses.dataclass
