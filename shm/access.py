@@ -25,7 +25,7 @@ _XATTR = "system.posix_acl_access"
 _VERSION = 2
 _ENTRY = struct.Struct("<HHI")
 _USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
-_RW, _NONE = 6, 0
+_RW, _R, _NONE = 6, 4, 0
 _UNDEFINED_ID = 0xFFFFFFFF
 
 
@@ -66,21 +66,23 @@ def readers_environment(uids: Sequence[int]) -> dict[str, str]:
     return {READERS_ENV: ",".join(str(u) for u in uids)}
 
 
-def acl(readers: Sequence[int]) -> bytes:
-    """The ACL of a 0600 object that ``readers`` may also read and write."""
+def acl(readers: Sequence[int], write: bool = True) -> bytes:
+    """The ACL of a 0600 object that ``readers`` may also read and write (only read, without
+    ``write``)."""
+    perm = _RW if write else _R
     entries = [(_USER_OBJ, _RW, _UNDEFINED_ID)]
-    entries += [(_USER, _RW, uid) for uid in sorted(readers)]
-    entries += [(_GROUP_OBJ, _NONE, _UNDEFINED_ID), (_MASK, _RW, _UNDEFINED_ID), (_OTHER, _NONE, _UNDEFINED_ID)]
+    entries += [(_USER, perm, uid) for uid in sorted(readers)]
+    entries += [(_GROUP_OBJ, _NONE, _UNDEFINED_ID), (_MASK, perm, _UNDEFINED_ID), (_OTHER, _NONE, _UNDEFINED_ID)]
     return struct.pack("<I", _VERSION) + b"".join(_ENTRY.pack(*e) for e in entries)
 
 
-def grant(target: int | str, readers: Sequence[int]) -> None:
-    """Let ``readers`` open ``target`` (an open descriptor, or a path) for reading and writing.
-    Nothing to do without readers."""
+def grant(target: int | str, readers: Sequence[int], write: bool = True) -> None:
+    """Let ``readers`` open ``target`` (an open descriptor, or a path) for reading and writing
+    (only for reading, without ``write``). Nothing to do without readers."""
     if not readers:
         return
     try:
-        os.setxattr(target, _XATTR, acl(readers))
+        os.setxattr(target, _XATTR, acl(readers, write))
     except OSError as e:
         what = target if isinstance(target, str) else "a shared-memory object"
         raise GrantError(e.errno, f"cannot let users {list(readers)} open {what}: {e.strerror} (the "

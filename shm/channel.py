@@ -2,7 +2,8 @@
 
 Each segment starts with a small header, then its rings, then an arena:
 - broker.0: the connect ring (clients announce themselves; guarded by a semaphore mutex because
-  many clients write it) and the broker's arena (batch descriptors, control replies).
+  many clients write it) and the broker's arena (batch descriptors, control replies); beside it
+  tables.0, which only the broker writes (lane holders, routes, settings, regions).
 - worker.<n>: inbox (broker -> worker), outbox (worker -> broker) and the first extent of the worker's
   output arena; the arena grows into more segments, worker.<n>.arena.<k> (shm/extents.py).
 - client.<ticket>-<k>: request ring (client -> broker), completion slots (written by whoever answers)
@@ -117,21 +118,28 @@ def read_header(seg: Segment) -> tuple[int, int, int]:
 
 
 class BrokerSegment:
-    def __init__(self, server_id: str, seg: Segment, create: bool, readers: tuple[int, ...] = ()) -> None:
+    """The broker's two objects. ``broker.0``, which every client writes: its header, the connect
+    ring and the broker's arena. ``tables.0``, which only the broker writes and clients of other
+    users (``readers``) may only read: the lane holders, the routing table, the settings and the
+    region table, which workers trust (a lane's holder names the segment its records point
+    into, a region the object a worker opens as the server's user)."""
+
+    def __init__(self, server_id: str, seg: Segment, tables: Segment, create: bool,
+                 readers: tuple[int, ...] = ()) -> None:
         self.seg = seg
+        self.tables = tables
         self.name = seg.name
         off = HEADER_BYTES
         self.connect = Ring(seg.buf, off, CONNECT_CAPACITY, CONNECT)
         off = _align(off + Ring.nbytes(CONNECT_CAPACITY, CONNECT))
-        self.lane_names_offset = off
-        off = _align(off + LANES * LANE_NAME_BYTES)
-        self.routes = Published(seg.buf, off, ROUTES_BYTES)
-        off += ROUTES_BYTES
-        self.settings = Published(seg.buf, off, SETTINGS_BYTES)
-        off += SETTINGS_BYTES
-        self.regions = Published(seg.buf, off, REGIONS_BYTES)
-        off += REGIONS_BYTES
         self.arena_offset = off
+        self.lane_names_offset = 0
+        toff = _align(LANES * LANE_NAME_BYTES)
+        self.routes = Published(tables.buf, toff, ROUTES_BYTES)
+        toff += ROUTES_BYTES
+        self.settings = Published(tables.buf, toff, SETTINGS_BYTES)
+        toff += SETTINGS_BYTES
+        self.regions = Published(tables.buf, toff, REGIONS_BYTES)
         self.doorbell_name = object_name(server_id, "doorbell", 0)
         self.mutex_name = object_name(server_id, "connect", 0)
         if create:
@@ -144,6 +152,8 @@ class BrokerSegment:
             magic, _, _ = read_header(seg)
             if magic != MAGIC:
                 raise ConnectionError(f"{seg.name} is not a shmserve broker segment")
+            if tables.size < BrokerSegment.tables_nbytes():
+                raise ConnectionError(f"{tables.name} is not a shmserve broker's tables ({tables.size} bytes)")
             self.doorbell = posix_ipc.Semaphore(self.doorbell_name)
             self.mutex = posix_ipc.Semaphore(self.mutex_name)
             self.arena = None
@@ -152,19 +162,45 @@ class BrokerSegment:
         self.departures = np.ndarray((1,), dtype=np.uint64, buffer=seg.buf, offset=DEPARTURES_OFFSET)
 
     @staticmethod
+    def tables_nbytes() -> int:
+        return _align(LANES * LANE_NAME_BYTES) + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES
+
+    @staticmethod
     def nbytes(arena_bytes: int) -> int:
-        return _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + _align(LANES * LANE_NAME_BYTES) \
-            + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES + arena_bytes
+        """Both objects' bytes."""
+        return _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + arena_bytes \
+            + BrokerSegment.tables_nbytes()
 
     @classmethod
     def create(cls, server_id: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "BrokerSegment":
         """``readers``: the other users whose local clients may connect (access.py)."""
-        name = object_name(server_id, "broker", 0)
-        return cls(server_id, Segment.create(name, cls.nbytes(arena_bytes), readers), create=True, readers=readers)
+        seg = Segment.create(object_name(server_id, "broker", 0),
+                             cls.nbytes(arena_bytes) - cls.tables_nbytes(), readers)
+        try:
+            tables = Segment.create(object_name(server_id, "tables", 0), cls.tables_nbytes(), readers,
+                                    readers_write=False)
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            raise
+        return cls(server_id, seg, tables, create=True, readers=readers)
 
     @classmethod
     def attach(cls, server_id: str) -> "BrokerSegment":
-        return cls(server_id, Segment.attach(object_name(server_id, "broker", 0)), create=False)
+        """Map the broker's objects as a client or another server process: its tables for
+        reading only."""
+        seg = Segment.attach(object_name(server_id, "broker", 0))
+        try:
+            tables = Segment.attach(object_name(server_id, "tables", 0), readonly=True)
+        except BaseException:
+            seg.close()
+            raise
+        try:
+            return cls(server_id, seg, tables, create=False)
+        except BaseException:
+            seg.close()
+            tables.close()
+            raise
 
     @property
     def pid(self) -> int:
@@ -175,20 +211,20 @@ class BrokerSegment:
         return read_header(self.seg)[2]
 
     def lane_cookie(self, lane: int) -> int:
-        return _COOKIE.unpack_from(self.seg.buf, self.lane_names_offset + lane * LANE_NAME_BYTES)[0]
+        return _COOKIE.unpack_from(self.tables.buf, self.lane_names_offset + lane * LANE_NAME_BYTES)[0]
 
     def lane_client(self, lane: int) -> tuple[str, int]:
         """(client segment name, cookie) of the lane's current holder. Records carry the cookie,
         so a worker can tell a lane's new holder from leftovers of a client that died."""
         off = self.lane_names_offset + lane * LANE_NAME_BYTES
-        (cookie,) = _COOKIE.unpack_from(self.seg.buf, off)
-        return bytes(self.seg.buf[off + 8:off + LANE_NAME_BYTES]).rstrip(b"\0").decode(), cookie
+        (cookie,) = _COOKIE.unpack_from(self.tables.buf, off)
+        return bytes(self.tables.buf[off + 8:off + LANE_NAME_BYTES]).rstrip(b"\0").decode(), cookie
 
     def set_lane_client(self, lane: int, name: str, cookie: int) -> None:
         off = self.lane_names_offset + lane * LANE_NAME_BYTES
         raw = name.encode()[:LANE_NAME_BYTES - 8]
-        self.seg.buf[off + 8:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - 8 - len(raw))
-        struct.pack_into("<Q", self.seg.buf, off, cookie)
+        self.tables.buf[off + 8:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - 8 - len(raw))
+        struct.pack_into("<Q", self.tables.buf, off, cookie)
 
     def announce(self, ticket: int, client_name: str, timeout: float = 5.0) -> None:
         """Client side: put a connect record (its ticket, its segment's name) on the shared ring
@@ -211,11 +247,13 @@ class BrokerSegment:
         self.doorbell.close()
         self.mutex.close()
         self.seg.close()
+        self.tables.close()
 
     def unlink(self) -> None:
         unlink_semaphore(self.doorbell_name)
         unlink_semaphore(self.mutex_name)
         self.seg.unlink()
+        self.tables.unlink()
 
 
 class WorkerSegment:

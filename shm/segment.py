@@ -44,11 +44,12 @@ class Segment:
         return self._mmap[start:end]
 
     @classmethod
-    def create(cls, name: str, size: int, readers: tuple[int, ...] = ()) -> "Segment":
-        """A new segment of mode 0600 that ``readers`` (other users, access.py) may open too."""
+    def create(cls, name: str, size: int, readers: tuple[int, ...] = (), readers_write: bool = True) -> "Segment":
+        """A new segment of mode 0600 that ``readers`` (other users, access.py) may open too
+        (only for reading, without ``readers_write``)."""
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         try:
-            grant(shm.fd, readers)
+            grant(shm.fd, readers, readers_write)
             mm = mmap.mmap(shm.fd, size)
         except BaseException:
             shm.close_fd()

@@ -91,6 +91,9 @@ def test_a_client_of_a_named_user_is_served_over_every_object_it_opens(users_ser
     broker = f"/dev/shm/shmserve.{users_server.id}.broker.0"
     assert os.getxattr(broker, "system.posix_acl_access") == acl((NOBODY.pw_uid,))  # group and others: none
     assert os.stat(broker).st_mode & 0o007 == 0
+    # What workers trust (lane holders, routes, regions) lies beside it, for nobody to read only.
+    tables = f"/dev/shm/shmserve.{users_server.id}.tables.0"
+    assert os.getxattr(tables, "system.posix_acl_access") == acl((NOBODY.pw_uid,), write=False)
     workers = [n for n in objects if ".worker." in n and not n.endswith(".fifo")]
     assert workers and all(readers_of("/dev/shm/" + n) == (NOBODY.pw_uid,) for n in workers), objects
     semaphores = [n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmserve.{users_server.id}.")]
@@ -140,6 +143,32 @@ def test_a_client_of_another_user_killed_mid_request_is_reclaimed(users_server, 
         x.set_data_from_numpy(np.arange(4, dtype=np.int32))
         assert http.infer("slow_reader", [x], parameters={"sleep_s": 0}).as_numpy("SUM").tolist() == [6]
     assert users_server.worker_pids("slow_reader") == workers
+
+
+# Tries to write what the server's processes trust: the region table (a worker opens the object
+# a region names as the server's user) and the lane holders, through its own mapping and anew.
+TABLES = r"""
+c = Client(args["server"])
+broker = c._conn.broker
+result = {}
+for what, write in (("regions", lambda: broker.regions.publish(b'{"regions": {}}')),
+                    ("lanes", lambda: broker.set_lane_client(0, "/elsewhere", 1)),
+                    ("open", lambda: os.open(args["tables"], os.O_RDWR))):
+    try:
+        write()
+        result[what] = "written"
+    except (TypeError, PermissionError) as e:
+        result[what] = type(e).__name__
+a = np.arange(16, dtype=np.int32)
+result["add"] = c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist()[:4]
+c.close()
+"""
+
+
+def test_a_named_user_cannot_write_the_tables_workers_trust(users_server):
+    got = run_as_nobody(TABLES, {"server": users_server.id,
+                                 "tables": f"/dev/shm/shmserve.{users_server.id}.tables.0"})
+    assert got == {"regions": "TypeError", "lanes": "TypeError", "open": "PermissionError", "add": [0, 2, 4, 6]}
 
 
 # Holds a lock on the whole broker segment's file (which a named user may open), tries the
