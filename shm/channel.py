@@ -1,11 +1,13 @@
-"""Layouts of the three kinds of segment (broker, worker, client) and their semaphores.
+"""Layouts of the server's and its clients' shared-memory objects, and their semaphores.
 
 Each segment starts with a small header, then its rings, then an arena:
-- broker.0: the connect ring (clients announce themselves; guarded by a semaphore mutex because
-  many clients write it) and the broker's arena (batch descriptors, control replies); beside it
-  tables.0, which only the broker writes (lane holders, routes, settings, regions).
-- worker.<n>: inbox (broker -> worker), outbox (worker -> broker) and the first extent of the worker's
-  output arena; the arena grows into more segments, worker.<n>.arena.<k> (shm/extents.py).
+- broker.0: the connect ring (clients announce themselves; guarded by a lock on one byte of its
+  file because many clients write it) and the broker's arena (its answers: control replies,
+  ensembles'); beside it tables.0, which only the broker writes (lane holders, routes, settings,
+  regions), and batches.0, the manifests of the batches it sends to workers.
+- worker.<n>: the lanes clients put requests on and the first extent of the worker's output arena;
+  the arena grows into more segments, worker.<n>.arena.<k> (shm/extents.py). Beside it
+  control.<n>, which only the server writes: inbox (broker -> worker), outbox (worker -> broker).
 - client.<ticket>-<k>: request ring (client -> broker), completion slots (written by whoever answers)
   and the client's arena (request descriptors and input tensors). The ticket is the client
   process's liveness lock (shm/liveness.py), not its pid: the client may live in another PID
@@ -14,17 +16,19 @@ Semaphores carry the same names as the segments they wake (POSIX keeps the two a
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
+from typing import Iterator
 
 import numpy as np
 import posix_ipc
 
 from .access import grant
 from .arena import Arena
-from .liveness import BROKER_TICKET
-from .names import SHM_DIR, object_name, unlink_semaphore
+from .liveness import BROKER_TICKET, CONNECT_LOCK, try_lock_byte
+from .names import SHM_DIR, object_name, unlink_semaphore, unlink_shm
 from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
 from .published import Published
@@ -38,15 +42,15 @@ MAGIC = 0x53484D53  # "SHMS"
 _HEADER = struct.Struct("<IIQ")  # magic, pid, start time (ns) of the creating process
 _WANT_WAKEUP = struct.Struct("<I")
 SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag (see waker.py)
-WANT_WAKEUP_OFFSET = 128  # worker header: broker sets it when it waits for this instance
-# Worker header: the size of each grown output extent (shm/extents.py), written by the worker before
+WANT_WAKEUP_OFFSET = 128  # control header: broker sets it when it waits for this instance
+# Control header: the size of each grown output extent (shm/extents.py), written by the worker before
 # any answer in it is published; a consumer maps an extent only at that size. Extent k's entry is
 # k % EXTENT_ENTRIES: at most that many extents live at once, and numbers are never reused.
 EXTENTS_OFFSET = 256
 EXTENT_ENTRIES = 32
 MAX_EXTENTS = 1 << 24  # what a slot's role word can name (shm/protocol.py EXTENT_SHIFT)
 _EXTENT_SIZE = struct.Struct("<Q")
-# worker header: the model's own readiness check (is_ready(), workers/readiness.py): whether the
+# control header: the model's own readiness check (is_ready(), workers/readiness.py): whether the
 # model has one, how many checks the broker asked for, and the last answer (asks answered, verdict)
 READINESS_OFFSET = 512
 _READINESS = struct.Struct("<QQQQ")  # has is_ready, asked (broker), answered (worker), verdict (worker)
@@ -56,7 +60,7 @@ LANE_BELLS_OFFSET = 1024  # worker header: one byte per lane, set by its client 
 NOTIFY_KIND_OFFSET = 20  # client header: how to wake the client
 NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER = 0, 1, 2  # BROKER: the broker itself (its doorbell)
 NOTIFY_KINDS = frozenset({NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER})
-GARBAGE_OFFSET = 2048  # worker header: per lane, the cookie (and Fault) of a holder that wrote garbage
+GARBAGE_OFFSET = 2048  # control header: per lane, the cookie (and Fault) of a holder that wrote garbage
 _FAULT_SHIFT = 56  # a garbage word: Fault << 56 | cookie (cookies count up from 1, never near 2**56)
 
 CONNECT_CAPACITY = 256
@@ -78,6 +82,7 @@ SETTINGS_BYTES = 8192  # server settings the broker publishes (log settings; shm
 REGIONS_BYTES = 1 << 20  # registered system shm regions (shm/region_table.py)
 CUSTOM_METRICS_BYTES = 256 << 10  # a worker's custom metrics (pb_utils.MetricFamily), as JSON
 REGION_HOLDS_BYTES = 64 << 10  # the regions a worker's lane requests use (workers/region_holds.py)
+MESSAGES_BYTES = 48 << 10  # the payloads of a worker's messages to the broker (its config, why it failed)
 _COOKIE = struct.Struct("<Q")
 LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
@@ -118,16 +123,21 @@ def read_header(seg: Segment) -> tuple[int, int, int]:
 
 
 class BrokerSegment:
-    """The broker's two objects. ``broker.0``, which every client writes: its header, the connect
-    ring and the broker's arena. ``tables.0``, which only the broker writes and clients of other
-    users (``readers``) may only read: the lane holders, the routing table, the settings and the
-    region table, which workers trust (a lane's holder names the segment its records point
-    into, a region the object a worker opens as the server's user)."""
+    """The broker's objects. ``broker.0``, which every client writes: its header, the connect
+    ring and the broker's arena (its answers to clients). ``tables.0``, which only the broker
+    writes and clients of other users (``readers``) may only read: the lane holders, the routing
+    table, the settings and the region table, which workers trust (a lane's holder names the
+    segment its records point into, a region the object a worker opens as the server's user).
+    ``batches.0`` (made by the broker only, ``batches``), which no client may even read."""
 
     def __init__(self, server_id: str, seg: Segment, tables: Segment, create: bool,
-                 readers: tuple[int, ...] = ()) -> None:
+                 readers: tuple[int, ...] = (), batches: Segment | None = None) -> None:
         self.seg = seg
         self.tables = tables
+        # batches.0, the broker's and its workers' alone: the manifests of the batches it sends
+        # (a manifest names the client segments and offsets a worker reads and answers).
+        self.batches = batches
+        self.batch_arena = Arena(batches.buf, 0, batches.size) if batches is not None else None
         self.name = seg.name
         off = HEADER_BYTES
         self.connect = Ring(seg.buf, off, CONNECT_CAPACITY, CONNECT)
@@ -141,12 +151,10 @@ class BrokerSegment:
         toff += SETTINGS_BYTES
         self.regions = Published(tables.buf, toff, REGIONS_BYTES)
         self.doorbell_name = object_name(server_id, "doorbell", 0)
-        self.mutex_name = object_name(server_id, "connect", 0)
         if create:
             _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
             self.connect.reset()
             self.doorbell = _create_sem(self.doorbell_name, readers=readers)
-            self.mutex = _create_sem(self.mutex_name, 1, readers)
             self.arena: Arena | None = Arena(seg.buf, off, seg.size - off)
         else:
             magic, _, _ = read_header(seg)
@@ -155,7 +163,6 @@ class BrokerSegment:
             if tables.size < BrokerSegment.tables_nbytes():
                 raise ConnectionError(f"{tables.name} is not a shmserve broker's tables ({tables.size} bytes)")
             self.doorbell = posix_ipc.Semaphore(self.doorbell_name)
-            self.mutex = posix_ipc.Semaphore(self.mutex_name)
             self.arena = None
         self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.doorbell)
         # Bumped whenever a client leaves, so workers know to unmap what they hold of it.
@@ -166,24 +173,35 @@ class BrokerSegment:
         return _align(LANES * LANE_NAME_BYTES) + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES
 
     @staticmethod
+    def batches_nbytes(arena_bytes: int) -> int:
+        """The part of the broker's ``arena_bytes`` that holds batch manifests (a sixteenth, 4 MiB
+        by default: a manifest is a few hundred bytes of JSON per request)."""
+        return _align(arena_bytes // 16)
+
+    @staticmethod
     def nbytes(arena_bytes: int) -> int:
-        """Both objects' bytes."""
+        """All three objects' bytes."""
         return _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + arena_bytes \
             + BrokerSegment.tables_nbytes()
 
     @classmethod
     def create(cls, server_id: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "BrokerSegment":
         """``readers``: the other users whose local clients may connect (access.py)."""
-        seg = Segment.create(object_name(server_id, "broker", 0),
-                             cls.nbytes(arena_bytes) - cls.tables_nbytes(), readers)
+        batch_bytes = cls.batches_nbytes(arena_bytes)
+        made: list[Segment] = []
         try:
-            tables = Segment.create(object_name(server_id, "tables", 0), cls.tables_nbytes(), readers,
-                                    readers_write=False)
+            made.append(Segment.create(object_name(server_id, "broker", 0),
+                                       cls.nbytes(arena_bytes) - cls.tables_nbytes() - batch_bytes, readers))
+            made.append(Segment.create(object_name(server_id, "tables", 0), cls.tables_nbytes(), readers,
+                                       readers_write=False))
+            made.append(Segment.create(object_name(server_id, "batches", 0), batch_bytes))
         except BaseException:
-            seg.close()
-            seg.unlink()
+            for seg in made:
+                seg.close()
+                seg.unlink()
             raise
-        return cls(server_id, seg, tables, create=True, readers=readers)
+        seg, tables, batches = made
+        return cls(server_id, seg, tables, create=True, readers=readers, batches=batches)
 
     @classmethod
     def attach(cls, server_id: str) -> "BrokerSegment":
@@ -226,45 +244,67 @@ class BrokerSegment:
         self.tables.buf[off + 8:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - 8 - len(raw))
         struct.pack_into("<Q", self.tables.buf, off, cookie)
 
+    @contextlib.contextmanager
+    def connect_lock(self, timeout: float = 5.0) -> Iterator[None]:
+        """Hold the connect ring for one producer: a lock the kernel keeps on one byte of the
+        broker segment's file (liveness.CONNECT_LOCK) and drops when its holder dies, however it
+        dies; a semaphore left taken by a client killed mid-announce refused every later one."""
+        fd = os.open(SHM_DIR + self.name, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            deadline = time.monotonic() + timeout
+            while not try_lock_byte(fd, CONNECT_LOCK):
+                if time.monotonic() > deadline:
+                    raise ConnectionError("the broker's connect ring is locked; is the server alive?")
+                time.sleep(0.001)
+            yield
+        finally:
+            os.close(fd)  # (closing lets go of the lock)
+
     def announce(self, ticket: int, client_name: str, timeout: float = 5.0) -> None:
         """Client side: put a connect record (its ticket, its segment's name) on the shared ring
-        under the mutex, ring the bell."""
-        try:
-            self.mutex.acquire(timeout)
-        except posix_ipc.BusyError:
-            raise ConnectionError("the broker's connect ring is locked; is the server alive?") from None
-        try:
+        under the connect lock, ring the bell."""
+        with self.connect_lock(timeout):
             deadline = time.monotonic() + timeout
             while not self.connect.put(ticket, client_name.encode()):
                 if time.monotonic() > deadline:
                     raise ConnectionError("the broker's connect ring stays full")
                 time.sleep(0.001)
-        finally:
-            self.mutex.release()
         self.waker.notify()
 
     def close(self) -> None:
         self.doorbell.close()
-        self.mutex.close()
         self.seg.close()
         self.tables.close()
+        if self.batches is not None:
+            self.batches.close()
 
     def unlink(self) -> None:
         unlink_semaphore(self.doorbell_name)
-        unlink_semaphore(self.mutex_name)
         self.seg.unlink()
         self.tables.unlink()
+        if self.batches is not None:
+            self.batches.unlink()
+
+
+def control_name(worker_name: str) -> str:
+    """``/shmserve.<id>.control.<n>``, the server-only half of worker segment ``.../worker.<n>``."""
+    prefix, _, num = worker_name.rpartition(".worker.")
+    return f"{prefix}.control.{num}"
 
 
 class WorkerSegment:
-    def __init__(self, seg: Segment, create: bool, readers: tuple[int, ...] = ()) -> None:
+    """A worker's two objects. ``worker.<n>``, which its clients write: the sleeping flag, the lane
+    bells and rings, and the first extent of its output arena (clients free the answers they
+    read). ``control.<n>``, which only the broker and the worker write and clients of other users
+    (``readers``) may only read: inbox (a batch names the requests the worker reads and answers),
+    outbox and its messages, the extents' sizes consumers check, the readiness, garbage and
+    want-wakeup words, statistics, custom metrics and region holds. Clients map only the first
+    (``attach(..., control=False)``), and the control object read-only where they need it."""
+
+    def __init__(self, seg: Segment, control: Segment | None, create: bool, readers: tuple[int, ...] = ()) -> None:
         self.seg = seg
         self.name = seg.name
         off = HEADER_BYTES
-        self.inbox = Ring(seg.buf, off, WORKER_RING_CAPACITY, RECORD)
-        off += Ring.nbytes(WORKER_RING_CAPACITY, RECORD)
-        self.outbox = Ring(seg.buf, off, WORKER_RING_CAPACITY, RECORD)
-        off += Ring.nbytes(WORKER_RING_CAPACITY, RECORD)
         lane_bytes = Ring.nbytes(LANE_CAPACITY, RECORD)
         self.lanes = [Ring(seg.buf, off + i * lane_bytes, LANE_CAPACITY, RECORD) for i in range(LANES)]
         # All lanes' head and tail counters as two strided views: one numpy compare finds work.
@@ -273,20 +313,30 @@ class WorkerSegment:
                                      strides=(lane_bytes,))
         off = _align(off + LANES * lane_bytes)
         self.bells = seg.buf[LANE_BELLS_OFFSET:LANE_BELLS_OFFSET + LANES]
-        # Written by the worker, read by the broker's housekeeping: who to disconnect.
-        self.garbage = np.ndarray((LANES,), dtype=np.uint64, buffer=seg.buf, offset=GARBAGE_OFFSET)
-        self.stats = StatsArea(seg.buf, off)  # see stats.py: written by the worker, summed by the broker
-        off = _align(off + StatsArea.nbytes())
-        # The model's own metrics (workers/custom_metrics.py), read by the broker at scrape time.
-        self.custom_metrics = Published(seg.buf, off, CUSTOM_METRICS_BYTES)
-        off += CUSTOM_METRICS_BYTES
-        # The regions its unfinished lane requests name, read by the broker to defer unregisters.
-        self.region_holds = Published(seg.buf, off, REGION_HOLDS_BYTES)
-        off += REGION_HOLDS_BYTES
         self.arena_offset = off
         self.arena_size = seg.size - off
+        self.control = control
+        if control is not None:
+            coff = HEADER_BYTES
+            self.inbox = Ring(control.buf, coff, WORKER_RING_CAPACITY, RECORD)
+            coff += Ring.nbytes(WORKER_RING_CAPACITY, RECORD)
+            self.outbox = Ring(control.buf, coff, WORKER_RING_CAPACITY, RECORD)
+            coff = _align(coff + Ring.nbytes(WORKER_RING_CAPACITY, RECORD))
+            # Written by the worker, read by the broker's housekeeping: who to disconnect.
+            self.garbage = np.ndarray((LANES,), dtype=np.uint64, buffer=control.buf, offset=GARBAGE_OFFSET)
+            self.stats = StatsArea(control.buf, coff)  # see stats.py: written by the worker, summed by the broker
+            coff = _align(coff + StatsArea.nbytes())
+            # The model's own metrics (workers/custom_metrics.py), read by the broker at scrape time.
+            self.custom_metrics = Published(control.buf, coff, CUSTOM_METRICS_BYTES)
+            coff += CUSTOM_METRICS_BYTES
+            # The regions its unfinished lane requests name, read by the broker to defer unregisters.
+            self.region_holds = Published(control.buf, coff, REGION_HOLDS_BYTES)
+            coff += REGION_HOLDS_BYTES
+            self.messages_offset = coff  # the payloads of its outbox's messages (an arena)
         if create:
+            assert control is not None
             _HEADER.pack_into(seg.buf, 0, MAGIC, 0, time.time_ns())
+            _HEADER.pack_into(control.buf, 0, MAGIC, 0, time.time_ns())
             self.inbox.reset()
             self.outbox.reset()
             self.lane_heads[:] = 0
@@ -296,22 +346,30 @@ class WorkerSegment:
             self.sem = posix_ipc.Semaphore(seg.name)
         self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.sem)
 
+    def messages(self) -> Arena:
+        """Owner side (the worker): the arena its outbox's payloads are written in."""
+        assert self.control is not None
+        return Arena(self.control.buf, self.messages_offset, MESSAGES_BYTES)
+
     def readiness(self) -> tuple[int, int, int, int]:
         """(has is_ready, asks, asks answered, verdict): see READINESS_OFFSET."""
-        return _READINESS.unpack_from(self.seg.buf, READINESS_OFFSET)
+        assert self.control is not None
+        return _READINESS.unpack_from(self.control.buf, READINESS_OFFSET)
 
     def set_readiness_word(self, index: int, value: int) -> None:
         """One word of the readiness block, each written by one side only (see _READINESS)."""
-        struct.pack_into("<Q", self.seg.buf, READINESS_OFFSET + 8 * index, value)
+        assert self.control is not None
+        struct.pack_into("<Q", self.control.buf, READINESS_OFFSET + 8 * index, value)
 
     def set_extent_size(self, extent: int, size: int) -> None:
         """Worker side: extent ``extent`` (1 .. MAX_EXTENTS-1) exists with ``size`` bytes."""
-        _EXTENT_SIZE.pack_into(self.seg.buf, EXTENTS_OFFSET + 8 * (extent % EXTENT_ENTRIES), size)
+        assert self.control is not None
+        _EXTENT_SIZE.pack_into(self.control.buf, EXTENTS_OFFSET + 8 * (extent % EXTENT_ENTRIES), size)
 
     @staticmethod
     def extent_size_in(buf: memoryview, extent: int) -> int:
-        """The size the worker gave extent ``extent`` in the header ``buf`` maps; 0 for one it
-        never made or out of range."""
+        """The size the worker gave extent ``extent`` in the control object ``buf`` maps; 0 for
+        one it never made or out of range."""
         if not 0 < extent < MAX_EXTENTS or len(buf) < HEADER_BYTES:
             return 0
         return _EXTENT_SIZE.unpack_from(buf, EXTENTS_OFFSET + 8 * (extent % EXTENT_ENTRIES))[0]
@@ -370,38 +428,70 @@ class WorkerSegment:
         return lanes
 
     @staticmethod
+    def lanes_nbytes(arena_bytes: int) -> int:
+        return _align(HEADER_BYTES + LANES * Ring.nbytes(LANE_CAPACITY, RECORD)) + arena_bytes
+
+    @staticmethod
+    def control_nbytes() -> int:
+        return _align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD)) + _align(StatsArea.nbytes()) \
+            + CUSTOM_METRICS_BYTES + REGION_HOLDS_BYTES + MESSAGES_BYTES
+
+    @staticmethod
     def nbytes(arena_bytes: int) -> int:
-        return _align(_align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD))
-                      + LANES * Ring.nbytes(LANE_CAPACITY, RECORD)) + _align(StatsArea.nbytes()) \
-            + CUSTOM_METRICS_BYTES + REGION_HOLDS_BYTES + arena_bytes
+        """Both objects' bytes."""
+        return WorkerSegment.lanes_nbytes(arena_bytes) + WorkerSegment.control_nbytes()
 
     @classmethod
     def create(cls, name: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "WorkerSegment":
         """``readers``: the other users whose local clients may call it (access.py)."""
-        return cls(Segment.create(name, cls.nbytes(arena_bytes), readers), create=True, readers=readers)
+        seg = Segment.create(name, cls.lanes_nbytes(arena_bytes), readers)
+        try:
+            control = Segment.create(control_name(name), cls.control_nbytes(), readers, readers_write=False)
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            raise
+        return cls(seg, control, create=True, readers=readers)
 
     @classmethod
-    def attach(cls, name: str) -> "WorkerSegment":
-        return cls(Segment.attach(name), create=False)
+    def attach(cls, name: str, control: bool = True, control_writable: bool = True) -> "WorkerSegment":
+        """Map worker segment ``name``: with its control object for the worker itself (and, read
+        only, for a reader of its statistics); without it for a client."""
+        seg = Segment.attach(name)
+        try:
+            ctl = Segment.attach(control_name(name), readonly=not control_writable) if control else None
+        except BaseException:
+            seg.close()
+            raise
+        if ctl is not None and ctl.size < cls.control_nbytes():
+            seg.close()
+            ctl.close()
+            raise ConnectionError(f"{ctl.name} is not a shmserve worker's control object ({ctl.size} bytes)")
+        return cls(seg, ctl, create=False)
 
     def set_pid(self, pid: int) -> None:
         struct.pack_into("<I", self.seg.buf, 4, pid)
 
     @property
     def want_wakeup(self) -> bool:
-        return _WANT_WAKEUP.unpack_from(self.seg.buf, WANT_WAKEUP_OFFSET)[0] != 0
+        assert self.control is not None
+        return _WANT_WAKEUP.unpack_from(self.control.buf, WANT_WAKEUP_OFFSET)[0] != 0
 
     @want_wakeup.setter
     def want_wakeup(self, value: bool) -> None:
-        _WANT_WAKEUP.pack_into(self.seg.buf, WANT_WAKEUP_OFFSET, 1 if value else 0)
+        assert self.control is not None
+        _WANT_WAKEUP.pack_into(self.control.buf, WANT_WAKEUP_OFFSET, 1 if value else 0)
 
     def close(self) -> None:
         self.sem.close()
         self.seg.close()
+        if self.control is not None:
+            self.control.close()
 
     def unlink(self) -> None:
         unlink_semaphore(self.name)
         self.seg.unlink()
+        unlink_shm(control_name(self.name))
 
 
 class ClientSegment:
@@ -445,7 +535,8 @@ class ClientSegment:
                 self.sem = posix_ipc.Semaphore(seg.name)
             self.arena = None
         self.notify_kind = struct.unpack_from("<I", seg.buf, NOTIFY_KIND_OFFSET)[0]
-        self.waker = Waker(flag, sem=self.sem, fifo_path=self.fifo_path if self.notify_kind == NOTIFY_FIFO else None)
+        self.waker = Waker(flag, sem=self.sem, fifo_path=self.fifo_path if self.notify_kind == NOTIFY_FIFO else None,
+                           fifo_owner=seg.uid)
 
     @staticmethod
     def nbytes(slots: int, arena_bytes: int) -> int:

@@ -108,7 +108,13 @@ class Connection:
         self._spin = SpinPolicy(poll_us / 1e6)
         self._closed = False
         self.alive = True
-        self.broker.announce(self.ticket, self.name)
+        try:
+            self.broker.announce(self.ticket, self.name)
+        except ConnectionError:  # (nobody took our segment: it is ours to remove)
+            self.seg.close()
+            self.seg.unlink()
+            self.broker.close()
+            raise
         self.lane = self._await_lane()
         self._router = Router(self.server_id, self.broker, self.lane)
         self._slots = Slots(self.server_id, self.seg, self._router)

@@ -12,7 +12,7 @@ next one is made; it is then retired and unlinked once every block in it was giv
 Answers go to extent 0 first, so steady small traffic costs what it did with one arena. A
 completion slot (and a stream record) names the extent; a consumer maps an extent by name on
 first sight, only if the server's uid owns it and it has the size the worker wrote into its
-segment's header (``map_extent``).
+control object, which no client writes (``map_extent``).
 """
 from __future__ import annotations
 
@@ -184,16 +184,17 @@ class OutputArenas:
 
 
 # -- consumers ------------------------------------------------------------------------------------
-def map_extent(cache: SegmentCache, server_id: str, num: int, extent: int, worker: Segment) -> Segment:
-    """The mapping of worker ``num``'s extent ``extent`` (``worker``: its segment, mapped), from
-    ``cache``. OSError unless the server's uid owns it and it has the size the worker wrote: a
-    name in /dev/shm can be made by anyone, and an answer is read only from the server's memory."""
-    expected = WorkerSegment.extent_size_in(worker.buf, extent)
+def map_extent(cache: SegmentCache, server_id: str, num: int, extent: int, control: Segment) -> Segment:
+    """The mapping of worker ``num``'s extent ``extent`` (``control``: its control object,
+    mapped), from ``cache``. OSError unless the server's uid owns it and it has the size the
+    worker wrote: a name in /dev/shm can be made by anyone, and an answer is read only from the
+    server's memory."""
+    expected = WorkerSegment.extent_size_in(control.buf, extent)
     name = extent_name(server_id, num, extent)
     if not expected:
         raise OSError(f"{name} is not an extent worker {num} made")
     seg = cache.get(name)
-    if seg.uid != worker.uid or seg.size != expected:
+    if seg.uid != control.uid or seg.size != expected:
         cache.drop(name)
         raise OSError(f"{name} is not the server's (uid {seg.uid}, {seg.size} bytes)")
     return seg

@@ -30,6 +30,20 @@ MAX_TICKET = (1 << 31) - 1
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock: type, whence, start, len, pid (0 for OFD locks)
 
 
+# The byte past every ticket: held by a client while it puts its connect record (channel.py).
+CONNECT_LOCK = MAX_TICKET + 1
+
+
+def try_lock_byte(fd: int, at: int) -> bool:
+    """Take byte ``at`` of ``fd``'s file for this open file description; False if another holds
+    it. The kernel lets go when the description is closed, by its process's death included."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, at, 1, 0))
+    except (BlockingIOError, PermissionError):
+        return False
+    return True
+
+
 def broker_path(server_id: str) -> str:
     return SHM_DIR + object_name(server_id, "broker", 0)
 
@@ -47,9 +61,7 @@ class Tickets:
 
     def hold(self, ticket: int) -> bool:
         """Take ``ticket`` for this process; False if a live process holds it."""
-        try:
-            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, ticket, 1, 0))
-        except (BlockingIOError, PermissionError):
+        if not try_lock_byte(self.fd, ticket):
             return False
         self.own.add(ticket)
         return True

@@ -124,7 +124,7 @@ class Router:
         seg = self._workers.get(num)
         if seg is None:
             try:
-                seg = WorkerSegment.attach(object_name(self.server_id, "worker", num))
+                seg = WorkerSegment.attach(object_name(self.server_id, "worker", num), control=False)
             except (posix_ipc.ExistentialError, FileNotFoundError, ValueError):
                 return None
             self._workers[num] = seg

@@ -106,15 +106,16 @@ class SegmentCache:
             for forget in self.forgetting:
                 forget(name)
 
-    def get(self, name: str) -> Segment:
-        """The mapping of ``name`` (a segment of the server's or a client's arena)."""
+    def get(self, name: str, readonly: bool = False) -> Segment:
+        """The mapping of ``name`` (a segment of the server's or a client's arena); ``readonly``:
+        mapped for reading only where it is first mapped (an object this process may only read)."""
         seg = self._items.get(name)
         if seg is not None:
             return seg
         with self._lock:
             seg = self._items.get(name)
             if seg is None:
-                seg = Segment.attach(name)
+                seg = Segment.attach(name, readonly)
                 self._items[name] = seg
                 while len(self._items) > self._limit:
                     _, old = self._items.popitem(last=False)

@@ -17,7 +17,7 @@ import numpy as np
 import posix_ipc
 
 from .answer import AnswerDescriptor
-from .channel import ClientSegment
+from .channel import ClientSegment, control_name
 from .completion import Callback, Completion
 from .extents import map_extent
 from .names import object_name
@@ -174,9 +174,11 @@ class Slots:
             raise KeyError(f"no producer of role {role}, extent {extent}")
         name = object_name(self.server_id, "broker", 0) if role == ROLE_BROKER else \
             object_name(self.server_id, ROLE_NAMES[role], num)
-        seg = self._segments.get(name)
         if extent:
-            seg = map_extent(self._segments, self.server_id, num, extent, seg)
+            control = self._segments.get(control_name(name), readonly=True)
+            seg = map_extent(self._segments, self.server_id, num, extent, control)
+        else:
+            seg = self._segments.get(name)
         self._producers[key] = seg
         return seg.view()
 
@@ -185,6 +187,7 @@ class Slots:
         once it has exited): a long-lived client would otherwise keep a mapping for every worker
         ever restarted or reloaded, until its cache's bound made it drop mappings still in use."""
         self._segments.drop_unlinked(object_name(self.server_id, "worker", ""))
+        self._segments.drop_unlinked(object_name(self.server_id, "control", ""))
         for key, seg in list(self._producers.items()):
             if seg.closed:
                 self._producers.pop(key, None)

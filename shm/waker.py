@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import stat
 import threading
 import time
 from typing import Callable
@@ -51,10 +52,12 @@ def flag_view(buf: memoryview, offset: int) -> memoryview:
 class Waker:
     """One receiver's wake-up channel, used from either side."""
 
-    def __init__(self, flag: memoryview, sem: posix_ipc.Semaphore | None = None, fifo_path: str | None = None) -> None:
+    def __init__(self, flag: memoryview, sem: posix_ipc.Semaphore | None = None, fifo_path: str | None = None,
+                 fifo_owner: int | None = None) -> None:
         self.flag = flag
         self.sem = sem
         self.fifo_path = fifo_path
+        self.fifo_owner = fifo_owner  # whose FIFO it must be (its segment's owner); None: our own
         self._fifo_fd: int | None = None
 
     # -- producer side --------------------------------------------------------------------------
@@ -73,10 +76,10 @@ class Waker:
             return  # a receiver that polls for itself (the broker's own client)
         fd = self._fifo_fd
         if fd is None:
-            try:
-                fd = self._fifo_fd = os.open(self.fifo_path, os.O_WRONLY | os.O_NONBLOCK)  # type: ignore[arg-type]
-            except OSError:  # the reader is gone; nobody to wake
+            fd = open_fifo(self.fifo_path, self.fifo_owner)
+            if fd is None:  # the reader is gone (or left something else there): nobody to wake
                 return
+            self._fifo_fd = fd
         try:
             os.write(fd, b"\0")
         except BlockingIOError:  # the FIFO is full of wake-ups already
@@ -279,6 +282,21 @@ def make_fifo(path: str, readers: tuple[int, ...] = ()) -> int:
     os.mkfifo(path, 0o600)
     grant(path, readers)
     return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+
+
+def open_fifo(path: str, owner: int | None) -> int | None:
+    """The FIFO at ``path`` opened for writing, or None. Only a FIFO of ``owner`` (the user of the
+    segment it wakes): the path lies in a folder anyone writes, and a client could have put a link
+    or another file under its name, which a process of the server's user must never write to."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISFIFO(st.st_mode) or st.st_uid != (os.geteuid() if owner is None else owner):
+        os.close(fd)
+        return None
+    return fd
 
 
 def read_all(fd: int) -> None:

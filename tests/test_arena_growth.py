@@ -143,32 +143,32 @@ def test_an_extent_name_another_user_made_first_is_never_used(server_factory):
 
 
 def test_a_consumer_maps_an_extent_only_if_the_server_owns_it_at_its_size(server_factory):
-    """``map_extent``, as every consumer calls it, against a live server's worker segment: an
+    """``map_extent``, as every consumer calls it, against a live server's worker: an
     extent the worker never made, one of the wrong size and one of another user are refused."""
     s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
     http_identity(s, 2 * MIB)  # extent 1, 8 MiB
     cache = SegmentCache()
     try:
-        worker = cache.get(object_name(s.id, "worker", 0))
-        size = WorkerSegment.extent_size_in(worker.buf, 1)
-        assert map_extent(cache, s.id, 0, 1, worker).size == size > 0
+        control = cache.get(object_name(s.id, "control", 0))  # where the worker writes the sizes
+        size = WorkerSegment.extent_size_in(control.buf, 1)
+        assert map_extent(cache, s.id, 0, 1, control).size == size > 0
         with pytest.raises(OSError, match="not an extent worker 0 made"):
-            map_extent(cache, s.id, 0, 2, worker)
+            map_extent(cache, s.id, 0, 2, control)
         path = "/dev/shm" + extent_name(s.id, 0, 2)
         at = EXTENTS_OFFSET + 8 * 2  # the worker's table says extent 2 has 64 MiB
-        worker.buf[at:at + 8] = (64 << 20).to_bytes(8, "little")
+        control.buf[at:at + 8] = (64 << 20).to_bytes(8, "little")
         try:
             run_as_nobody(SQUAT, {"path": path})  # another user's, of that size
             with pytest.raises(OSError, match="is not the server's"):
-                map_extent(cache, s.id, 0, 2, worker)
+                map_extent(cache, s.id, 0, 2, control)
             os.unlink(path)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # the server's uid, the wrong size
             os.ftruncate(fd, 16 << 20)
             os.close(fd)
             with pytest.raises(OSError, match="is not the server's"):
-                map_extent(cache, s.id, 0, 2, worker)
+                map_extent(cache, s.id, 0, 2, control)
         finally:
-            worker.buf[at:at + 8] = bytes(8)
+            control.buf[at:at + 8] = bytes(8)
             os.unlink(path)
     finally:
         cache.clear()
@@ -242,7 +242,8 @@ def test_a_growth_past_the_cap_is_a_503_naming_the_flag_and_the_next_request_wor
 def test_the_backend_config_sets_the_first_extent(server_factory):
     s = server_factory.start([GROWTH_MODELS], ["--backend-config", "python,shm-default-byte-size=1048576",
                                                "--backend-config", "python,shm-growth-byte-size=2097152"])
-    assert set(worker_segments(s.id).values()) == {instance_bytes(1 * MIB)}
+    assert set(worker_segments(s.id).values()) == {WorkerSegment.lanes_nbytes(1 * MIB)}
+    assert instance_bytes(1 * MIB) == WorkerSegment.lanes_nbytes(1 * MIB) + WorkerSegment.control_nbytes()
     assert "shm-default-byte-size" not in s.log()  # honoured: no warning that it has no effect
     http_identity(s, MIB // 2)
 

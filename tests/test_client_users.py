@@ -96,6 +96,10 @@ def test_a_client_of_a_named_user_is_served_over_every_object_it_opens(users_ser
     assert os.getxattr(tables, "system.posix_acl_access") == acl((NOBODY.pw_uid,), write=False)
     workers = [n for n in objects if ".worker." in n and not n.endswith(".fifo")]
     assert workers and all(readers_of("/dev/shm/" + n) == (NOBODY.pw_uid,) for n in workers), objects
+    controls = [n for n in objects if ".control." in n]
+    assert controls and all(os.getxattr("/dev/shm/" + n, "system.posix_acl_access") == acl((NOBODY.pw_uid,), write=False)
+                            for n in controls), objects
+    assert readers_of(f"/dev/shm/shmserve.{users_server.id}.batches.0") == ()
     semaphores = [n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmserve.{users_server.id}.")]
     shared = [n for n in semaphores if ".trace." not in n]  # the tracer's is the server's alone
     assert shared and all(readers_of("/dev/shm/" + n) == (NOBODY.pw_uid,) for n in shared), semaphores
@@ -153,7 +157,9 @@ broker = c._conn.broker
 result = {}
 for what, write in (("regions", lambda: broker.regions.publish(b'{"regions": {}}')),
                     ("lanes", lambda: broker.set_lane_client(0, "/elsewhere", 1)),
-                    ("open", lambda: os.open(args["tables"], os.O_RDWR))):
+                    ("open", lambda: os.open(args["tables"], os.O_RDWR)),
+                    ("control", lambda: os.open(args["control"], os.O_RDWR)),
+                    ("batches", lambda: os.open(args["batches"], os.O_RDONLY))):
     try:
         write()
         result[what] = "written"
@@ -165,10 +171,96 @@ c.close()
 """
 
 
-def test_a_named_user_cannot_write_the_tables_workers_trust(users_server):
-    got = run_as_nobody(TABLES, {"server": users_server.id,
-                                 "tables": f"/dev/shm/shmserve.{users_server.id}.tables.0"})
-    assert got == {"regions": "TypeError", "lanes": "TypeError", "open": "PermissionError", "add": [0, 2, 4, 6]}
+def test_a_named_user_cannot_write_what_workers_trust(users_server):
+    """What a worker acts on as the server's user lies where a client of another user cannot
+    write: the broker's tables (read only), a worker's control object (its inbox and outbox; read
+    only) and the batch manifests (not even readable). It is still served."""
+    sid = users_server.id
+    got = run_as_nobody(TABLES, {"server": sid, "tables": f"/dev/shm/shmserve.{sid}.tables.0",
+                                 "control": f"/dev/shm/shmserve.{sid}.control.0",
+                                 "batches": f"/dev/shm/shmserve.{sid}.batches.0"})
+    assert got == {"regions": "TypeError", "lanes": "TypeError", "open": "PermissionError",
+                   "control": "PermissionError", "batches": "PermissionError", "add": [0, 2, 4, 6]}
+
+
+# Puts a link to a file of the server's user where its wake-up FIFO was, then has requests
+# answered while it says it sleeps (so that the worker and the broker post to that path).
+FIFO_SWAP = r"""
+import time
+from shmserve.shm.completion import Answer
+from shmserve.shm.connection import Connection
+from shmserve.shm.descriptor import InferRequest, InputTensor
+from shmserve.shm.waker import SLEEPING
+conn = Connection(args["server"], loop_driven=True)
+os.unlink(conn.seg.fifo_path)
+os.symlink(args["target"], conn.seg.fifo_path)
+answered = 0
+for _ in range(3):
+    conn.seg.waker.flag[0] = SLEEPING
+    ans = Answer()
+    conn.infer(InferRequest("add_sub", "", [InputTensor("INPUT0", "INT32", [16], 64, 0),
+                                            InputTensor("INPUT1", "INT32", [16], 64, 64)]),
+               [np.zeros(16, np.int32), np.zeros(16, np.int32)], ans)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not ans.done():
+        conn.complete_ready()
+        time.sleep(0.01)
+    if ans.done():
+        answered += 1
+        ans.completion.release()
+os.unlink(conn.seg.fifo_path)
+conn.close()
+result = answered
+"""
+
+# Puts a directory where its semaphore was before a worker first wakes it, sends a request, and
+# puts the semaphore back.
+SEMAPHORE_SWAP = r"""
+c = Client(args["server"], poll_us=0)
+sem = "/dev/shm/sem" + c._conn.name.replace("/", ".", 1)
+os.rename(sem, sem + ".away")
+os.mkdir(sem)
+try:
+    c.infer("add_sub", {"INPUT0": np.arange(16, dtype=np.int32), "INPUT1": np.ones(16, np.int32)}, client_timeout=5)
+    result = "answered"
+except Exception as e:
+    result = type(e).__name__
+os.rmdir(sem)
+os.rename(sem + ".away", sem)
+c.close()
+"""
+
+
+def test_a_named_users_swapped_fifo_is_never_written_through(users_server, tmp_path):
+    """A FIFO-woken client owns the path of its FIFO in /dev/shm, which anyone writes: a process of
+    the server's user writes only to a FIFO of that client there, never through a link it put in
+    its place (here, to a file of the server's user; the host may let root follow it)."""
+    target = tmp_path / "servers_own"
+    target.write_bytes(b"the server user's file\n")
+    target.chmod(0o600)
+    tmp_path.chmod(0o755)
+    workers = users_server.worker_pids("add_sub")
+    answered = run_as_nobody(FIFO_SWAP, {"server": users_server.id, "target": str(target)})
+    assert target.read_bytes() == b"the server user's file\n"
+    assert answered == 3, "its answers still came (it looked for them itself)"
+    assert users_server.worker_pids("add_sub") == workers
+
+
+def test_a_named_users_swapped_semaphore_kills_no_worker(users_server):
+    """A directory where a client's semaphore should be: the worker that cannot open it drops
+    that client's request (the client times out), and lives on for everyone else."""
+    workers = users_server.worker_pids("add_sub")
+    got = run_as_nobody(SEMAPHORE_SWAP, {"server": users_server.id})
+    assert got in ("answered", "InferenceServerError", "TimeoutError"), got
+    assert users_server.worker_pids("add_sub") == workers
+    with users_server.client() as http:
+        import tritonclient.http as httpclient
+
+        x = httpclient.InferInput("INPUT0", [16], "INT32")
+        x.set_data_from_numpy(np.arange(16, dtype=np.int32))
+        y = httpclient.InferInput("INPUT1", [16], "INT32")
+        y.set_data_from_numpy(np.ones(16, dtype=np.int32))
+        assert http.infer("add_sub", [x, y]).as_numpy("OUTPUT0").tolist() == list(range(1, 17))
 
 
 # Holds a lock on the whole broker segment's file (which a named user may open), tries the

@@ -216,6 +216,34 @@ def test_a_client_writing_garbage_is_disconnected_and_nothing_else_breaks(server
         assert fresh.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
 
 
+def test_a_client_killed_holding_the_connect_lock_blocks_no_other(server):
+    """A client killed while it puts its connect record (here: holding the lock, then SIGKILL)
+    leaves the ring to the next: the kernel drops the lock with its process."""
+    from shmserve.shm.channel import BrokerSegment
+
+    holder = subprocess.Popen(
+        [PYTHON, "-c", "import sys, time\n"
+         "from shmserve.shm.channel import BrokerSegment\n"
+         "broker = BrokerSegment.attach(sys.argv[1])\n"
+         "with broker.connect_lock():\n"
+         "    print('HELD', flush=True)\n"
+         "    time.sleep(600)\n", server.id], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "HELD"
+        broker = BrokerSegment.attach(server.id)
+        try:
+            with pytest.raises(ConnectionError, match="connect ring is locked"):
+                with broker.connect_lock(timeout=0.5):
+                    pass
+        finally:
+            broker.close()
+    finally:
+        holder.kill()
+        holder.wait(DEADLINE_S)
+    with Client(server.id) as fresh:
+        assert fresh.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
+
+
 def test_garbage_on_the_connect_ring_is_refused(server):
     processes = server_processes(server)
     pid = os.getpid()
@@ -223,11 +251,8 @@ def test_garbage_on_the_connect_ring_is_refused(server):
         broker = good._conn.broker  # noqa: SLF001
 
         def announce(raw: bytes) -> None:
-            broker.mutex.acquire(5)
-            try:
+            with broker.connect_lock():
                 assert broker.connect.put(pid, raw)
-            finally:
-                broker.mutex.release()
             broker.waker.notify()
 
         announce(b"\xff\xfe\xfd not text")
@@ -238,9 +263,8 @@ def test_garbage_on_the_connect_ring_is_refused(server):
         wait_until(lambda: "is not a client segment of that process" in server.log(),
                    "the broker refuses to take its own segment for a client's")
         # Scribbled counters: the records are skipped, and the next client connects as usual.
-        broker.mutex.acquire(5)
-        broker.connect._ctr[1] = 1 << 62  # noqa: SLF001
-        broker.mutex.release()
+        with broker.connect_lock():
+            broker.connect._ctr[1] = 1 << 62  # noqa: SLF001
         broker.waker.notify()
         wait_until(lambda: "the connect ring's ring counters corrupt" in server.log(), "the broker resyncs the ring")
         with Client(server.id) as fresh:

@@ -27,7 +27,7 @@ from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm import liveness, logs
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.arena import Arena, free_block
-from shmserve.shm.channel import REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
+from shmserve.shm.channel import MESSAGES_BYTES, REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
 from shmserve.shm.extents import OutputArenas
 from shmserve.shm.names import object_name, pid_alive
 from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
@@ -79,6 +79,7 @@ class Worker:
         self.decoupled = False
         self.stream_lock = threading.Lock()  # streams finish on the model's threads: their counting
         self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
+        self.messages = self.seg.messages()
         self.broker = BrokerSegment.attach(self.server_id)
         liveness.watch(self.server_id)  # whether clients live: their tickets, not pids (another namespace)
         self.regions = RegionTable(self.broker.regions)  # for requests naming regions on direct lanes
@@ -149,10 +150,15 @@ class Worker:
         self._post(W_READY, 0, b"")
 
     def _post(self, kind: int, status: int, payload: bytes) -> None:
-        """A message to the broker; start-up messages always ring its doorbell."""
-        off = self.arena.alloc(len(payload)) if payload else 0
+        """A message to the broker, its payload in the control object (no client can rewrite it
+        there); start-up messages always ring its doorbell."""
+        off = 0
         if payload:
-            self.seg.seg.buf[off:off + len(payload)] = payload
+            off = self.messages.alloc(len(payload))
+            if off < 0:
+                raise RuntimeError(f"a {len(payload)}-byte message to the broker does not fit its "
+                                   f"{MESSAGES_BYTES >> 10} KiB")
+            self.seg.control.buf[off:off + len(payload)] = payload
         while not self.seg.outbox.put(kind, status, off, len(payload), 0):
             time.sleep(0.001)
         self.broker.waker.notify()
@@ -250,7 +256,7 @@ class Worker:
                 continue
             try:
                 client = self._client(name)
-            except (posix_ipc.ExistentialError, ConnectionError, ValueError) as e:
+            except (posix_ipc.Error, OSError, ValueError) as e:  # (gone, or a client put something else there)
                 log.warning("slot %d of client %s not answered: its segment cannot be mapped (%s)", raw[1], name, e)
                 counts[DIRECT_DONE] += 1
                 continue
@@ -300,10 +306,10 @@ class Worker:
         return held
 
     def _run_batch(self, off: int, batch_id: int) -> None:
-        """A batch the broker's scheduler formed (its descriptor is in the broker's arena)."""
-        broker_seg = self.segments.get(object_name(self.server_id, "broker", 0))
-        manifest = read_manifest(broker_seg.buf, off)
-        free_block(broker_seg.buf, off)
+        """A batch the broker's scheduler formed (its manifest is in batches.0, the server's alone)."""
+        batches = self.segments.get(object_name(self.server_id, "batches", 0))
+        manifest = read_manifest(batches.buf, off)
+        free_block(batches.buf, off)
         if self.sequence is not None and manifest.get("release"):
             self.sequence.forget(manifest["release"])
         if manifest["requests"]:
@@ -629,7 +635,7 @@ class Worker:
     def _deliver(self, entry: BatchEntry, status: int, answer: bytes, tensors: list[tuple[int, Any]]) -> None:
         try:
             client = self._client(entry["client"])
-        except (posix_ipc.ExistentialError, ConnectionError):
+        except (posix_ipc.Error, OSError, ValueError):
             return  # the client is gone; nothing to answer
         self.answers.deliver(client, entry, status, answer, tensors)
 

@@ -141,7 +141,9 @@ class Instances:
         if not extent:
             return live[1].seg.seg
         try:
-            return map_extent(cache, self.opts.server_id, num, extent, live[1].seg.seg)
+            control = live[1].seg.control
+            assert control is not None  # (the broker made it)
+            return map_extent(cache, self.opts.server_id, num, extent, control)
         except (OSError, ValueError):
             return None
 
@@ -198,8 +200,13 @@ class Instances:
 
 
 def take_payload(inst: Instance, off: int, length: int) -> bytes:
-    """Copy a worker's message out of its arena and free the block (a held block stalls the arena)."""
-    data = bytes(inst.seg.seg.buf[off:off + length])
+    """Copy a worker's message out of its control object and free the block (a held block stalls
+    the arena)."""
+    control = inst.seg.control
+    assert control is not None  # (the broker made it)
+    if not 0 < off <= off + length <= control.size:
+        return b""
+    data = bytes(control.buf[off:off + length])
     if length:
-        free_block(inst.seg.seg.buf, off)
+        free_block(control.buf, off)
     return data

@@ -179,23 +179,26 @@ class Scheduler:
         return [inst for inst in mv.instances if inst.ready and not inst.outstanding]
 
     def send_batch(self, mv: ModelVersion, inst: Instance, batch: list[Pending], extra: dict | None = None) -> int:
-        """Write the batch into the broker's arena and put it on the instance's inbox; its id, or 0
-        when it could not be sent (its requests are answered with 503)."""
+        """Write the batch into the broker's batch arena (batches.0, which no client can write)
+        and put it on the instance's inbox; its id, or 0 when it could not be sent (its requests
+        are answered with 503)."""
         doc = {"requests": [p.entry for p in batch]}
         if extra:
             doc.update(extra)
         data = orjson.dumps(doc)
-        off = self.arena.alloc(manifest_room(len(data)), inst.proc.pid)
+        arena, batches = self.seg.batch_arena, self.seg.batches
+        assert arena is not None and batches is not None  # (the broker made them)
+        off = arena.alloc(manifest_room(len(data)), inst.proc.pid)
         if off < 0:
             self.clients.fail_pending(batch, 503, "the broker's arena is full; retry later")
             return 0
-        write_manifest(self.seg.seg.buf, off, data)
+        write_manifest(batches.buf, off, data)
         batch_id = self.next_batch
         self.next_batch += 1
         inst.outstanding[batch_id] = batch
         if not inst.seg.inbox.put(W_BATCH, len(batch), off, len(data), batch_id):
             inst.outstanding.pop(batch_id)
-            self.arena.free(off)
+            arena.free(off)
             self.clients.fail_pending(batch, 503, f"instance '{inst.name}' inbox is full; retry later")
             return 0
         inst.seg.waker.notify()
