@@ -142,7 +142,7 @@ class Worker:
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             log.error("failed to load '%s' version %d: %s\n%s", self.model, self.version, detail,
                       traceback.format_exc())
-            self._post(W_LOAD_FAILED, 0, detail.encode())
+            self._post(W_LOAD_FAILED, 0, detail.encode()[:MESSAGES_BYTES // 4])  # (room left for a config)
             raise SystemExit(3) from None
         custom_metrics.REGISTRY.flush()  # families the model made in initialize() show before its first request
         check = self.instance.readiness_check()
