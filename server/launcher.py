@@ -25,7 +25,8 @@ from shmserve.shm import logs, space
 from shmserve.shm.access import readers_environment
 from shmserve.shm.child_spec import spec_file
 from shmserve.shm.channel import BrokerSegment
-from shmserve.shm.names import (SHM_DIR, list_objects, object_name, pid_alive, unlink_all, unlink_semaphore,
+from shmserve.shm.liveness import BROKER_TICKET, Tickets, broker_path
+from shmserve.shm.names import (SHM_DIR, list_objects, object_name, unlink_all, unlink_semaphore,
                                 unlink_shm)
 
 from .broker.journal import journal_path
@@ -40,16 +41,32 @@ GRPC_START_S = 30.0  # the longest the HTTP frontends wait for the gRPC port to 
 STABLE_S = 60.0  # a process that ran this long before dying is restarted without back-off
 
 
-def _check_previous(server_id: str) -> None:
-    """Refuse to start twice under one id; remove objects a dead server left behind."""
+def _live_broker(server_id: str) -> str | None:
+    """The pid (as text) of a live broker under ``server_id``, None if there is none. Live: it
+    holds its ticket on its segment's file (shm/liveness.py), whatever state its other objects
+    are in; removing those of a live server would cut off everyone it serves."""
+    try:
+        tickets = Tickets(broker_path(server_id))
+    except OSError:  # absent or unreadable: nothing live to protect
+        return None
+    try:
+        if not tickets.held(BROKER_TICKET):
+            return None
+    finally:
+        tickets.close()
     try:
         seg = BrokerSegment.attach(server_id)
-    except Exception:  # noqa: BLE001 - absent or unreadable: nothing live to protect
-        pid = 0
-    else:
-        pid = seg.pid
-        seg.close()
-    if pid and pid_alive(pid):
+    except Exception:  # noqa: BLE001 - it lives, but its objects are not all there yet
+        return "unknown"
+    pid = seg.pid
+    seg.close()
+    return str(pid)
+
+
+def _check_previous(server_id: str) -> None:
+    """Refuse to start twice under one id; remove objects a dead server left behind."""
+    pid = _live_broker(server_id)
+    if pid is not None:
         sys.stderr.write(f"shmserve: error: a server with id '{server_id}' is already running (pid {pid}); "
                          f"use --id to run another\n")
         sys.exit(1)

@@ -119,6 +119,23 @@ def test_second_server_with_same_id_is_refused(server_factory):
     assert first.client().is_server_ready()
 
 
+def test_a_live_server_is_known_by_its_broker_ticket_not_by_its_objects(server_factory):
+    """A second launcher under a live server's id that cannot map all of its objects (one it does
+    not expect, one missing) must still see that it lives, by the broker's ticket, and remove
+    nothing: it once took 'cannot attach' for 'dead' and unlinked a serving server's objects."""
+    first = server_factory.start([PRODUCT_MODELS])
+    tables = f"/dev/shm/shmserve.{first.id}.tables.0"
+    os.rename(tables, tables + ".away")
+    try:
+        second = server_factory.create([PRODUCT_MODELS], server_id=first.id).start()
+        assert second.wait_exit(30) != 0
+        assert "already running" in second.log(), second.log()
+        assert os.path.exists(f"/dev/shm/shmserve.{first.id}.broker.0")
+    finally:
+        os.rename(tables + ".away", tables)
+    _add_sub(first)
+
+
 def test_an_idle_server_uses_next_to_no_cpu(server, client):
     """An idle server sleeps: under 3% of a core for the whole tree (about 1% on a quiet host; a
     polling or ticking thread would show tens of percent), with margin for clock-tick sampling and
