@@ -224,3 +224,67 @@ def test_read_only_inputs_refuse_writes_and_leave_the_clients_memory_alone(serve
     with pytest.raises(InferenceServerException, match="read-only"):
         server.client().infer("writer_ro", [region_input(name)])
     assert np.array(shm.get_contents_as_numpy(handle, np.int32, [4]), copy=True).tolist() == [0, 1, 2, 3]
+
+
+# -- reshape ------------------------------------------------------------------------------------
+
+# SEEN: the shape the model got for INPUT0; OUT: INPUT0 in its output's reshape shape ([2,2] per row).
+RESHAPE_PROBE = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            out = x.reshape(x.shape[:-1] + (2, 2))
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("SEEN", np.array(x.shape, np.int64)),
+                                                         pb_utils.Tensor("OUT", out)]))
+        return responses
+'''
+
+
+def write_reshape_model(repo: Path, name: str, max_batch_size: int) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(RESHAPE_PROBE)
+    (repo / name / "config.pbtxt").write_text(
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n'
+        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2, 2 ] reshape { shape: [ 4 ] } } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 2, 2 ] } },\n'
+        '         { name: "SEEN" data_type: TYPE_INT64 dims: [ -1 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n')
+
+
+@pytest.fixture(scope="module")
+def reshape_server(module_factory, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("reshape_models")
+    write_reshape_model(repo, "reshape_batch", 4)
+    write_reshape_model(repo, "reshape_plain", 0)
+    return module_factory.start([repo])
+
+
+@pytest.mark.parametrize("model, rows", [("reshape_batch", [1]), ("reshape_plain", [])])
+def test_reshape_gives_the_model_its_shape_and_the_client_the_config_dims(reshape_server, model, rows):
+    """As in Triton: the model sees INPUT0 as [batch] + reshape and clients get OUT as [batch] +
+    dims, over HTTP, gRPC and the local client alike."""
+    import tritonclient.grpc as grpcclient
+
+    x = np.arange(4, dtype=np.float32).reshape(rows + [2, 2])
+    seen, out_shape = rows + [4], rows + [4]
+    h = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+    h.set_data_from_numpy(x)
+    result = reshape_server.client().infer(model, [h])
+    assert result.as_numpy("SEEN").tolist() == seen
+    assert result.as_numpy("OUT").shape == tuple(out_shape)
+    assert result.as_numpy("OUT").reshape(-1).tolist() == [0, 1, 2, 3]
+    with grpcclient.InferenceServerClient(reshape_server.grpc_url) as g:
+        i = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+        i.set_data_from_numpy(x)
+        result = g.infer(model, [i])
+        assert result.as_numpy("SEEN").tolist() == seen
+        assert list(result.get_output("OUT").shape) == out_shape
+    with Client(reshape_server.id) as local:
+        got = local.infer(model, {"INPUT0": x})
+        assert got["SEEN"].tolist() == seen and got["OUT"].shape == tuple(out_shape)

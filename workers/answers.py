@@ -32,6 +32,7 @@ from .classification import ClassificationError, classify
 from .cuda import CudaError
 from .cuda import runtime as cuda_runtime
 from .requests import RequestError
+from .reshape import Reshapes
 
 log = logging.getLogger("shmserve.worker")
 
@@ -39,15 +40,16 @@ log = logging.getLogger("shmserve.worker")
 class ModelInfo:
     """What encoding needs to know of the model an instance serves (set once it is loaded)."""
 
-    __slots__ = ("version", "instance_name", "batched", "decoupled", "labels")
+    __slots__ = ("version", "instance_name", "batched", "decoupled", "labels", "reshapes")
 
     def __init__(self, version: int, instance_name: str, batched: bool = False, decoupled: bool = False,
-                 labels: dict[str, list[str]] | None = None) -> None:
+                 labels: dict[str, list[str]] | None = None, reshapes: Reshapes | None = None) -> None:
         self.version = version
         self.instance_name = instance_name
         self.batched = batched  # max_batch_size > 0: outputs' first dimension is the batch
         self.decoupled = decoupled  # responses may carry only some outputs
         self.labels = labels or {}  # output name -> its label_filename's lines (classification)
+        self.reshapes = reshapes  # outputs whose config ``reshape`` the client does not see (reshape.py)
 
 
 class Answers:
@@ -111,6 +113,8 @@ class Answers:
                         continue  # a streamed response may carry only some outputs
                     raise RequestError(f"output '{name}' was requested but the model did not produce it")
                 arr = resp.outputs[name]
+                if model.reshapes is not None:
+                    arr = model.reshapes.client_output(name, arr)
                 target = placed.get(name)
                 if device_tensors.is_tensor(arr):  # a GPU model's output (or a bfloat16 one)
                     if target is not None and "cuda" in target and name not in classes:

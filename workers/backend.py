@@ -109,6 +109,9 @@ class Instance(ABC):
     # Whether the model may write into its host inputs (they are its own): large ones in shared
     # arenas then come as copy-on-write views (workers/input_views.py), smaller ones as copies.
     writable_inputs: bool = False
+    # Whether the backend applies the config's ``reshape`` itself (the worker does it otherwise:
+    # workers/reshape.py).
+    reshapes_itself: bool = False
 
     @abstractmethod
     def execute(self, requests: list[Request]) -> list[Response]:

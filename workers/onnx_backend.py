@@ -89,6 +89,8 @@ class OnnxModel(Model):
 
 
 class OnnxInstance(Instance):
+    reshapes_itself = True  # with the graph's scalars declared dims [1] (``self.reshaped``)
+
     def __init__(self, session: Any, options: Any, config: dict[str, Any], inputs: list[GraphTensor],
                  outputs: list[GraphTensor]) -> None:
         import onnxruntime  # (already imported by the backend)

@@ -51,6 +51,7 @@ from .input_views import InputViews
 from .readiness import ReadinessCheck
 from .region_holds import RegionHolds
 from .requests import DecoupledOnly, RequestError, check_request, read_inputs
+from .reshape import Reshapes
 from .response_cache import ResponseCache
 from .sequence import SequenceSupport
 from shmserve.signature import InvalidRequest, ModelSignature
@@ -99,6 +100,7 @@ class Worker:
         self.model_state: Model | None = None
         self.instance: Instance | None = None
         self.input_views: InputViews | None = None  # large inputs as copy-on-write views (input_views.py)
+        self.reshapes: Reshapes | None = None  # the config's ``reshape``s, when the backend leaves them to us
         self.readiness: ReadinessCheck | None = None  # the model's is_ready(), if it has one
         self.running = True
         # Requests from our lanes waiting for a batch, when this instance batches them itself.
@@ -133,8 +135,11 @@ class Worker:
                 self.batcher = DynamicBatcher(ctx.config)
             self.decoupled = bool((ctx.config.get("model_transaction_policy") or {}).get("decoupled"))
             self.cache = ResponseCache.open(spec, ctx.config, self.segments)
+            reshapes = Reshapes(ctx.config)
+            self.reshapes = reshapes if reshapes and not self.instance.reshapes_itself else None
             self.answers.model = ModelInfo(self.version, self.instance_name, self.signature.max_batch_size > 0,
-                                           self.decoupled, load_labels(ctx.config, ctx.model_dir))
+                                           self.decoupled, load_labels(ctx.config, ctx.model_dir),
+                                           self.reshapes)
             if ctx.config.get("model_warmup"):
                 runs = run_warmup(self.instance, ctx.config, ctx.model_dir, self.output_names)
                 log.info("warm-up done: %d execution(s)", runs)
@@ -573,6 +578,8 @@ class Worker:
         """The model's request for ``entry``, its inputs read; ``start``: when its batch began."""
         inputs, own = read_inputs(entry, self.segments, self.instance.device_inputs,  # type: ignore[union-attr]
                                   self.input_views)
+        if self.reshapes is not None:
+            self.reshapes.model_inputs(inputs)
         if self.sequence is not None:
             self.sequence.augment(inputs, entry.get("sequence_id", 0), entry.get("sequence_flags", 0))
         wanted = entry.get("outputs")
