@@ -101,3 +101,24 @@ def test_a_broken_initial_state_fails_the_load(server_factory, tmp_path, init, d
         assert why in e.value.message()
     finally:
         client.close()
+
+
+def test_a_grpc_stream_keeps_the_state_and_sends_only_declared_outputs(server):
+    """ModelStreamInfer as Triton: the state carries from one request of the sequence to the
+    next, and the state output stays on the server (the response holds SEEN only)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue = queue.Queue()
+    x = grpcclient.InferInput("VALUE", [1, 1], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 1), np.float32))
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        c.start_stream(callback=lambda result, error: got.put(error if error is not None else result))
+        for i in range(3):
+            c.async_stream_infer("state_zero", [x], sequence_id=11, sequence_start=i == 0, sequence_end=i == 2)
+        c.stop_stream()
+    results = [got.get_nowait() for _ in range(got.qsize())]
+    assert [[o.name for o in r.get_response().outputs] for r in results] == [["SEEN"]] * 3
+    for i, r in enumerate(results):
+        np.testing.assert_array_equal(r.as_numpy("SEEN")[0], np.full(4, i, np.float32))

@@ -458,6 +458,7 @@ class Worker:
                             continue
                     if req.sender is not None:
                         if resp is not None:  # a streaming call to a model that answers once
+                            self._keep_state(entry, resp)
                             req.sender(resp, final=True)
                         continue
                     ok.append(self._answer_ran(entry, resp))
@@ -487,15 +488,20 @@ class Worker:
     def _answer_ran(self, entry: BatchEntry, resp: Response) -> bool:
         """Answer a request the model ran: its sequence's state kept, the response cache filled;
         False if the answer is an error."""
-        if self.sequence is not None and resp.error is None:
-            asked = [o["name"] for o in entry.get("outputs") or ()]
-            self.sequence.capture(resp.outputs, asked, entry.get("sequence_id", 0), entry.get("sequence_flags", 0))
+        self._keep_state(entry, resp)
         ok = self._answer(entry, resp)
         if self.cache is not None and ok and entry.get("cache_key"):
             inserting = time.monotonic_ns()
             self.cache.insert(entry, resp)
             self.stats.cache_miss(entry["cache_lookup_ns"] + time.monotonic_ns() - inserting)
         return ok
+
+    def _keep_state(self, entry: BatchEntry, resp: Response) -> None:
+        """Keep a sequence's state outputs for its next request, out of the response (unless the
+        request named them): on every path a response takes, unary or a stream's."""
+        if self.sequence is not None and resp.error is None:
+            asked = [o["name"] for o in entry.get("outputs") or ()]
+            self.sequence.capture(resp.outputs, asked, entry.get("sequence_id", 0), entry.get("sequence_flags", 0))
 
     # -- answers after execute returned (workers/late_answers.py) ---------------------------------
     def _keep(self, entry: BatchEntry, req: Request, deferred: Deferred) -> Response | None:
@@ -519,6 +525,7 @@ class Worker:
         finished = late.take_finished()
         for kept, resp in finished:
             if kept.sender is not None:
+                self._keep_state(kept.entry, resp)
                 kept.sender(resp, final=True)  # counted by the stream
                 continue
             self.answers.phases = kept.phases
