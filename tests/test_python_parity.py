@@ -288,3 +288,42 @@ def test_reshape_gives_the_model_its_shape_and_the_client_the_config_dims(reshap
     with Client(reshape_server.id) as local:
         got = local.infer(model, {"INPUT0": x})
         assert got["SEEN"].tolist() == seen and got["OUT"].shape == tuple(out_shape)
+
+
+# -- outputs the config does not declare ---------------------------------------------------------
+
+EXTRA_OUTPUT = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([1, 2], np.int32)),
+                                            pb_utils.Tensor("EXTRA", np.array([7], np.int32))])
+                for _ in requests]
+'''
+
+
+@pytest.fixture(scope="module")
+def extra_server(module_factory, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("extra_models")
+    write_model(repo, "extra_out", EXTRA_OUTPUT, io("X", "TYPE_INT32", "-1"), io("Y", "TYPE_INT32", "-1"))
+    return module_factory.start([repo])
+
+
+def test_an_output_the_config_does_not_declare_never_reaches_the_client(extra_server):
+    """Triton's Python backend drops (silently) what the model returns beyond its config's outputs."""
+    import tritonclient.grpc as grpcclient
+
+    x = np.array([3], np.int32)
+    h = httpclient.InferInput("X", [1], "INT32")
+    h.set_data_from_numpy(x)
+    result = extra_server.client().infer("extra_out", [h])
+    assert [o["name"] for o in result.get_response()["outputs"]] == ["Y"]
+    with grpcclient.InferenceServerClient(extra_server.grpc_url) as g:
+        i = grpcclient.InferInput("X", [1], "INT32")
+        i.set_data_from_numpy(x)
+        assert [o.name for o in g.infer("extra_out", [i]).get_response().outputs] == ["Y"]
+    with Client(extra_server.id) as local:
+        assert list(local.infer("extra_out", {"X": x})) == ["Y"]

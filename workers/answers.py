@@ -40,16 +40,25 @@ log = logging.getLogger("shmserve.worker")
 class ModelInfo:
     """What encoding needs to know of the model an instance serves (set once it is loaded)."""
 
-    __slots__ = ("version", "instance_name", "batched", "decoupled", "labels", "reshapes")
+    __slots__ = ("version", "instance_name", "batched", "decoupled", "labels", "reshapes", "declared")
 
     def __init__(self, version: int, instance_name: str, batched: bool = False, decoupled: bool = False,
-                 labels: dict[str, list[str]] | None = None, reshapes: Reshapes | None = None) -> None:
+                 labels: dict[str, list[str]] | None = None, reshapes: Reshapes | None = None,
+                 declared: frozenset[str] = frozenset()) -> None:
         self.version = version
         self.instance_name = instance_name
         self.batched = batched  # max_batch_size > 0: outputs' first dimension is the batch
         self.decoupled = decoupled  # responses may carry only some outputs
         self.labels = labels or {}  # output name -> its label_filename's lines (classification)
         self.reshapes = reshapes  # outputs whose config ``reshape`` the client does not see (reshape.py)
+        # The outputs the config declares: a request that names none gets these of those the model
+        # gave and no other, as Triton's Python backend silently prunes the rest.
+        self.declared = declared
+
+    def answered(self, outputs: dict[str, Any]) -> list[str]:
+        """What a request that names no output gets of ``outputs``: those the config declares
+        (all of them for a config that declares none)."""
+        return [n for n in outputs if n in self.declared] if self.declared else list(outputs)
 
 
 class Answers:
@@ -101,7 +110,7 @@ class Answers:
             return resp.status, AnswerDescriptor(error=resp.error).encode(), []
         model = self.model
         wanted = entry.get("outputs")
-        names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
+        names = [o["name"] for o in wanted] if wanted else model.answered(resp.outputs)
         placed = {o["name"]: o for o in wanted or () if "seg" in o or "cuda" in o}
         classes = {o["name"]: o["class"] for o in wanted if "class" in o} if wanted else {}
         outs: list[OutputTensor] = []

@@ -139,7 +139,7 @@ class Worker:
             self.reshapes = reshapes if reshapes and not self.instance.reshapes_itself else None
             self.answers.model = ModelInfo(self.version, self.instance_name, self.signature.max_batch_size > 0,
                                            self.decoupled, load_labels(ctx.config, ctx.model_dir),
-                                           self.reshapes)
+                                           self.reshapes, frozenset(self.output_names))
             if ctx.config.get("model_warmup"):
                 runs = run_warmup(self.instance, ctx.config, ctx.model_dir, self.output_names)
                 log.info("warm-up done: %d execution(s)", runs)
