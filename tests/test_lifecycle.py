@@ -115,6 +115,32 @@ def test_repository_api_load_unload_and_index(server_factory, repo):
     assert c.is_server_ready()
 
 
+def test_an_unloaded_model_has_no_available_versions(server_factory, repo):
+    """Triton keeps an unloaded model's versions (UNAVAILABLE): metadata and inference say it has
+    no available versions (404, NOT_FOUND), its old version is not at ready state (503), and a
+    version it never had is not found, over HTTP and gRPC."""
+    import tritonclient.grpc as grpcclient
+
+    s = server_factory.start([repo], ["--model-control-mode", "explicit", "--load-model", "add_sub"])
+    c = s.client()
+    c.unload_model("add_sub")
+    text = "Request for unknown model: 'add_sub' has no available versions"
+    for call in (lambda: c.get_model_metadata("add_sub"), lambda: add_sub(c)):
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert (e.value.status(), e.value.message()) == ("404", text)
+    for version, status, words in (("1", "503", "version 1 is not at ready state"), ("7", "404", "version 7 is not found")):
+        with pytest.raises(InferenceServerException) as e:
+            add_sub_result(c, version=version)
+        assert (e.value.status(), e.value.message()) == (status, f"Request for unknown model: 'add_sub' {words}")
+    with grpcclient.InferenceServerClient(s.grpc_url) as g:
+        with pytest.raises(InferenceServerException) as e:
+            g.get_model_metadata("add_sub")
+        assert (e.value.status(), e.value.message()) == ("StatusCode.NOT_FOUND", text)
+    c.load_model("add_sub")  # loaded again, it serves as before
+    assert add_sub(c).tolist() == list(range(0, 32, 2))
+
+
 def test_load_from_file_contents_of_a_model_not_on_disk(server_factory, repo):
     s = server_factory.start([repo], ["--model-control-mode", "explicit", "--allow-model-file-uploads"])
     c = s.client()

@@ -67,6 +67,9 @@ class Catalog:
         # The versions a failed load tried (unknown when its config failed first): the index
         # lists them, as Triton does, and a version outside them is "not found".
         self.failed_versions: dict[str, list[int]] = {}
+        # The versions of a model that was unloaded (until it loads again): Triton keeps them as
+        # UNAVAILABLE, so that a request for it has "no available versions" rather than "not found".
+        self.unloaded: dict[str, list[int]] = {}
         self.load_failures: dict[str, int] = collections.defaultdict(int)  # model -> failed loads
         self.load_times = LoadTimes()  # every successful load's duration (load_times.py)
         self.model_dirs: dict[str, Path] = {}  # model -> its folder in a repository
@@ -113,14 +116,16 @@ class Catalog:
             except (TypeError, ValueError):
                 raise UnknownModel(f"Request for unknown model: '{model}' version '{version}' is not a "
                                    f"valid version") from None
-        # Triton's texts and statuses: a model whose load failed has "no available versions"
-        # (404), and a version that exists but does not serve "is not at ready state" (503).
+        # Triton's texts and statuses: a model whose load failed, or that was unloaded, has "no
+        # available versions" (404), and a version that exists but does not serve "is not at
+        # ready state" (503).
         if not versions:
-            if model not in self.load_errors:
+            known = self.failed_versions.get(model) if model in self.load_errors else self.unloaded.get(model)
+            if model not in self.load_errors and known is None:
                 raise UnknownModel(f"Request for unknown model: '{model}' is not found")
             if latest:
                 raise UnknownModel(f"Request for unknown model: '{model}' has no available versions")
-            if model in self.failed_versions and v not in self.failed_versions[model]:
+            if known is not None and v not in known:
                 raise UnknownModel(f"Request for unknown model: '{model}' version {v} is not found")
             raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")
         if not latest:

@@ -356,6 +356,7 @@ class Lifecycle:
                 self._abandon(job, 400, bad.reason)
                 catalog.load_errors[name] = bad.reason
                 catalog.failed_versions[name] = sorted(job.versions)
+                catalog.unloaded.pop(name, None)
                 catalog.load_failures[name] += 1
                 continue
             if not job.ready() or self._waits_for_steps(job):
@@ -364,6 +365,7 @@ class Lifecycle:
             del catalog.loading[name]
             catalog.load_errors.pop(name, None)
             catalog.failed_versions.pop(name, None)
+            catalog.unloaded.pop(name, None)
             old = catalog.models.get(name, {})
             catalog.models[name] = dict(job.versions)
             canary = catalog.canaries.setdefault(name, Canary(name))
@@ -417,6 +419,7 @@ class Lifecycle:
         self.catalog.load_failures[name] += 1
         self.catalog.load_errors[name] = reason
         self.catalog.failed_versions.pop(name, None)
+        self.catalog.unloaded.pop(name, None)
         return reason
 
     def fail_version(self, mv: ModelVersion, reason: str) -> None:
@@ -507,6 +510,8 @@ class Lifecycle:
         catalog.canaries.pop(name, None)
         catalog.load_errors.pop(name, None)
         catalog.failed_versions.pop(name, None)
+        if versions:  # kept as Triton keeps them: UNAVAILABLE, "unloaded"
+            catalog.unloaded[name] = sorted(versions)
         for mv in versions.values():
             if dependents and mv.ensemble is not None:
                 for dep in mv.ensemble.dependencies():
