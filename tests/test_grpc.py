@@ -120,7 +120,8 @@ def test_repository_index_load_and_unload(gclient):
     gclient.load_model("identity_all")
     assert gclient.is_model_ready("identity_all")
     err = _error(lambda: gclient.load_model("no_such_model"))
-    assert err.status() == "StatusCode.INVALID_ARGUMENT"
+    assert err.status() == "StatusCode.INTERNAL"  # as Triton: its repository poll failed
+    assert err.message() == "failed to load 'no_such_model', failed to poll from model repository"
 
 
 def test_log_and_trace_settings(gclient):
@@ -252,6 +253,10 @@ def test_system_shared_memory_inference(gserver, gclient):
         err = _error(lambda: gclient.register_system_shared_memory("grpc_region", key, 128))
         assert err.status() == "StatusCode.ALREADY_EXISTS"
         assert err.message() == "shared memory region 'grpc_region' already in manager"
+        missing = f"/grpc_missing_{gserver.id}"  # a key with no object: Triton's INTERNAL
+        err = _error(lambda: gclient.register_system_shared_memory("grpc_missing", missing, 64))
+        assert (err.status(), err.message()) == ("StatusCode.INTERNAL",
+                                                 f"Unable to open shared memory region: '{missing}'")
         inputs[0].set_shared_memory("no_such_region", 64, 0)
         err = _error(lambda: gclient.infer("add_sub", inputs))
         assert (err.status(), err.message()) == ("StatusCode.NOT_FOUND",

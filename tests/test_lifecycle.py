@@ -109,8 +109,9 @@ def test_repository_api_load_unload_and_index(server_factory, repo):
         add_sub(c)
     # A name no repository holds fails as in Triton and leaves no trace: Triton's own
     # model-control examples count the index after loading 'wrong_model_name'.
-    with pytest.raises(InferenceServerException, match="failed to load 'wrong_model_name', failed to poll"):
+    with pytest.raises(InferenceServerException, match="failed to load 'wrong_model_name', failed to poll") as e:
         c.load_model("wrong_model_name")
+    assert e.value.status() == "500"  # Triton's INTERNAL
     assert [e["name"] for e in c.get_model_repository_index()] == ["add_sub"]
     assert c.is_server_ready()
 

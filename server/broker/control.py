@@ -241,7 +241,7 @@ class ControlHandler:
         if model_dir is not None:  # gone at once unless the load uses it (then: when it retires)
             self.lifecycle.discard_model_dir(str(model_dir))
         if error:
-            return 400, {"error": error}
+            return load_status(error), {"error": error}
         return 0, None
 
     def start_synced_loads(self) -> None:
@@ -257,6 +257,7 @@ class ControlHandler:
                 status, error = CANCELLED_STATUS, f"failed to load '{load.name}', {UNLOADED}"
             elif error is None:
                 error = self.lifecycle.load_model(load.name, load.config, waiter=waiter)
+                status = load_status(error) if error else status
             if error and waiter is not None:
                 clients.reply(client, slot, status, {"error": error})
 
@@ -334,6 +335,11 @@ class ControlHandler:
         if "update" in doc:
             self.journal.set("trace", self.trace.saved())
         return answer
+
+
+def load_status(error: str) -> int:
+    """The status of a load's refusal: Triton's 500 for a name no repository holds, else 400."""
+    return int(getattr(error, "status", 400))
 
 
 class UploadsRefused(InvalidRequest):

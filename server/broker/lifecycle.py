@@ -63,6 +63,13 @@ REPLACED = "a later load of the model replaced this one"
 UNLOADED = "the model was unloaded before the load completed"
 
 
+class NotInRepository(str):
+    """The refusal of a load of a name no repository holds: Triton's INTERNAL (500), which its
+    clients see as ``[500]`` / ``StatusCode.INTERNAL``; other refusals are 400."""
+
+    status = 500
+
+
 def idle(mv: ModelVersion) -> bool:
     """Nothing queued, nothing running, nothing left on any of its workers' lanes."""
     return not mv.in_flight() and all(inst.lanes_drained() for inst in mv.instances)
@@ -237,7 +244,7 @@ class Lifecycle:
             # A name no repository holds (a typo, a model not there yet): Triton's text, but no
             # trace. Recorded, it would enter the index, turn strict readiness off for the whole
             # server and give the failure metric a label per name a client makes up.
-            reason = f"failed to load '{name}', failed to poll from model repository"
+            reason = NotInRepository(f"failed to load '{name}', failed to poll from model repository")
             log.error("%s", reason)
             return reason
         try:

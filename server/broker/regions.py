@@ -35,6 +35,12 @@ class RegionError(InvalidRequest):
     pass
 
 
+class RegionOpenFailed(RegionError):
+    """A key no object answers to: Triton's INTERNAL (500), as its failed ``shm_open`` is."""
+
+    status = 500
+
+
 class UnknownRegion(RegionError):
     """The status of a region nobody registered, or a tensor naming one: Triton's NOT_FOUND."""
 
@@ -140,7 +146,7 @@ class RegionRegistry(_Registry):
         try:
             shm = posix_ipc.SharedMemory(shm_key, flags=0)
         except posix_ipc.ExistentialError:
-            raise RegionError(f"Unable to open shared memory region: '{key}'") from None
+            raise RegionOpenFailed(f"Unable to open shared memory region: '{key}'") from None
         except posix_ipc.PermissionsError:
             raise RegionDenied(f"Unable to open shared memory region: '{key}': permission denied") from None
         try:
