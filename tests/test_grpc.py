@@ -253,6 +253,8 @@ def test_system_shared_memory_inference(gserver, gclient):
         err = _error(lambda: gclient.register_system_shared_memory("grpc_region", key, 128))
         assert err.status() == "StatusCode.ALREADY_EXISTS"
         assert err.message() == "shared memory region 'grpc_region' already in manager"
+        err = _error(lambda: gclient.register_system_shared_memory("grpc_region2", key, 64, 64))  # its key again
+        assert (err.status(), err.message()) == ("StatusCode.INTERNAL", f"Invalid shared memory region: '{key}'")
         missing = f"/grpc_missing_{gserver.id}"  # a key with no object: Triton's INTERNAL
         err = _error(lambda: gclient.register_system_shared_memory("grpc_missing", missing, 64))
         assert (err.status(), err.message()) == ("StatusCode.INTERNAL",

@@ -308,7 +308,7 @@ def test_unregister_one_then_all(shm_server, http, regions):
 
 
 @pytest.mark.parametrize("case", ["missing_key", "dev_shm_path", "slash_path", "server_key", "server_key_bare",
-                                  "duplicate_name", "beyond_object", "zero_size"])
+                                  "duplicate_name", "same_key", "beyond_object", "zero_size"])
 def test_bad_registration_is_refused(shm_server, http, regions, case):
     _, key = regions.create("reg_ok", 256)
     regions.register("reg_ok", key, 256)
@@ -326,13 +326,17 @@ def test_bad_registration_is_refused(shm_server, http, regions, case):
         bad, needle = f"shmserve.{shm_server.id}.worker.0", "the key contains the reserved prefix 'shmserve.'"
     elif case == "duplicate_name":
         bad, name, needle = key, "reg_ok", "shared memory region 'reg_ok' already in manager"
+    elif case == "same_key":  # another name on a key registered already: Triton refuses it (INTERNAL)
+        bad, offset, needle = key, 128, f"Invalid shared memory region: '{key}'"
     elif case == "beyond_object":
-        bad, size, offset, needle = key, 200, 100, "failed to register shared memory region 'reg_bad': invalid args"
+        _, bad = regions.create("reg_other", 256)
+        size, offset, needle = 200, 100, "failed to register shared memory region 'reg_bad': invalid args"
     else:
-        bad, size, needle = key, 0, "failed to register shared memory region 'reg_bad'"
+        _, bad = regions.create("reg_other", 256)
+        size, needle = 0, "failed to register shared memory region 'reg_bad'"
     with pytest.raises(InferenceServerException) as e:
         http.register_system_shared_memory(name, bad, size, offset)
-    assert e.value.status() == ("500" if case == "missing_key" else "400"), e.value  # Triton's INTERNAL
+    assert e.value.status() == ("500" if case in ("missing_key", "same_key") else "400"), e.value  # Triton's INTERNAL
     assert needle in e.value.message(), e.value.message()
     assert status_names(shm_server) == ["reg_ok"]
     assert http.get_system_shared_memory_status("reg_ok")[0]["key"] == key  # the duplicate changed nothing

@@ -139,6 +139,7 @@ class RegionRegistry(_Registry):
             raise RegionError("shared memory region name must not be empty")
         if name in self.regions:
             raise RegionExists(f"shared memory region '{name}' already in manager")
+        self._check_key_unused(key, caller)
         if not _KEY_RE.match(key):  # shm_open refuses a name with a '/' after the first
             raise RegionError(f"Unable to open shared memory region: '{key}': a key is a single name "
                               f"such as '/my_region', not a path")
@@ -161,6 +162,16 @@ class RegionRegistry(_Registry):
             raise RegionError(f"failed to register shared memory region '{name}': unable to process address "
                               f"space: a region needs byte_size > 0")
         self.regions[name] = Region(name, shm_key, offset, byte_size, caller.owner, st.st_ino, reclaim)
+
+    def _check_key_unused(self, key: str, caller: Caller) -> None:
+        """Refuse a network caller a key another region registered already, as Triton does: it
+        reuses that region's descriptor, which it closed after mapping, so its fstat fails
+        (INTERNAL). A local client may register several arrays of one object (``register_array``)."""
+        if caller.owner.connection is not None:
+            return
+        shm_key = key if key.startswith("/") else "/" + key
+        if any(r.key == shm_key for r in self.regions.values()):
+            raise RegionOpenFailed(f"Invalid shared memory region: '{key}'")
 
     def drop_owner(self, connection: str, died: bool = False) -> None:
         """Forget a local client's regions; if it died, also unlink the objects its library
