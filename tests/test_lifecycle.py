@@ -99,7 +99,7 @@ def test_repository_api_load_unload_and_index(server_factory, repo):
     c.load_model("add_sub")
     assert c.is_model_ready("add_sub")
     index = c.get_model_repository_index()
-    assert index == [{"name": "add_sub", "version": "1", "state": "READY", "reason": ""}]
+    assert index == [{"name": "add_sub", "version": "1", "state": "READY"}]  # no empty reason, as Triton
     c.load_model("add_sub", config=config(count=2))
     assert c.get_model_config("add_sub")["instance_group"][0]["count"] == 2
     assert add_sub(c).tolist() == list(range(0, 32, 2))
@@ -107,6 +107,9 @@ def test_repository_api_load_unload_and_index(server_factory, repo):
     assert not c.is_model_ready("add_sub")
     with pytest.raises(InferenceServerException, match="Request for unknown model"):
         add_sub(c)
+    # Triton keeps the unloaded version: UNAVAILABLE, "unloaded" (UNLOADING while it drained).
+    assert c.get_model_repository_index() == [{"name": "add_sub", "version": "1", "state": "UNAVAILABLE",
+                                               "reason": "unloaded"}]
     # A name no repository holds fails as in Triton and leaves no trace: Triton's own
     # model-control examples count the index after loading 'wrong_model_name'.
     with pytest.raises(InferenceServerException, match="failed to load 'wrong_model_name', failed to poll") as e:
@@ -130,7 +133,8 @@ def test_an_unloaded_model_has_no_available_versions(server_factory, repo):
         with pytest.raises(InferenceServerException) as e:
             call()
         assert (e.value.status(), e.value.message()) == ("404", text)
-    for version, status, words in (("1", "503", "version 1 is not at ready state"), ("7", "404", "version 7 is not found")):
+    for version, status, words in (("1", "503", "version 1 is not at ready state"),
+                                   ("7", "404", "version 7 is not found")):
         with pytest.raises(InferenceServerException) as e:
             add_sub_result(c, version=version)
         assert (e.value.status(), e.value.message()) == (status, f"Request for unknown model: 'add_sub' {words}")
@@ -209,7 +213,7 @@ def test_failed_load_leaves_the_old_version_serving(server_factory, repo):
     assert 'shmserve_model_serving_after_failed_load{model="add_sub"} 1.0' in s.metrics_text()
     c.load_model("add_sub", config=config())  # a load that works clears both
     [entry] = [e for e in c.get_model_repository_index() if e["name"] == "add_sub"]
-    assert entry["reason"] == "", entry
+    assert "reason" not in entry, entry
     assert "shmserve_model_serving_after_failed_load{" not in s.metrics_text()
 
 
@@ -463,7 +467,10 @@ def test_unload_during_a_load_cancels_it(server_factory, tmp_path):
         assert error.message() == "failed to load 'slow_start', the model was unloaded before the load completed"
         assert error.status() == "409"
         assert not c.is_model_ready("slow_start")
-        assert {"name": "slow_start"} in c.get_model_repository_index()  # listed, with no state: not loaded
+        # Never loaded: listed with no state; unloaded while it served: its version UNAVAILABLE, as in Triton.
+        entry = {"name": "slow_start", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"} if serving \
+            else {"name": "slow_start"}
+        assert entry in c.get_model_repository_index()
     c.load_model("slow_start")  # a load after all that works
     assert c.is_model_ready("slow_start") and c.is_server_ready()
 

@@ -131,7 +131,7 @@ class ControlHandler:
             raise ServerNotReady()  # draining before a stop, as Triton refuses the index while it exits
         b = self.catalog
         out = []
-        for name in sorted(set(b.model_dirs) | set(b.models) | set(b.load_errors) | set(b.loading)):
+        for name in sorted(set(b.model_dirs) | set(b.models) | set(b.load_errors) | set(b.loading) | set(b.unloaded)):
             versions = b.models.get(name, {})
             if name in b.loading and not versions:
                 versions = b.loading[name].versions
@@ -144,6 +144,8 @@ class ControlHandler:
                 tried = b.failed_versions.get(name)
                 out += [{"name": name, "version": str(v), **failed} for v in tried] if tried else \
                     [{"name": name, **failed}]
+            elif name in b.unloaded:
+                out += unloaded_entries(name, b)
             else:
                 out.append({"name": name})
         if doc.get("ready"):
@@ -374,7 +376,21 @@ def index_state(mv: ModelVersion, stale: str, catalog: Catalog) -> dict[str, str
     blocked = blocked_step(mv, catalog) if mv.state == State.READY and mv.ensemble is not None else None
     if blocked:
         return {"state": State.UNAVAILABLE.value, "reason": blocked}
-    return {"state": mv.state.value, "reason": mv.reason or (stale if mv.state == State.READY else "")}
+    return _state(mv.state.value, mv.reason or (stale if mv.state == State.READY else ""))
+
+
+def _state(state: str, reason: str) -> dict[str, str]:
+    """An index entry's state, and its reason only when it has one (Triton leaves an empty one out)."""
+    return {"state": state, "reason": reason} if reason else {"state": state}
+
+
+def unloaded_entries(name: str, catalog: Catalog) -> list[dict[str, str]]:
+    """The versions of an unloaded model, which Triton keeps listing: UNLOADING while they drain,
+    then UNAVAILABLE with the reason "unloaded"."""
+    draining = {r.version.version for r in catalog.retiring if r.version.name == name}
+    return [{"name": name, "version": str(v), **(_state(State.UNLOADING.value, "") if v in draining
+                                                 else _state(State.UNAVAILABLE.value, "unloaded"))}
+            for v in catalog.unloaded[name]]
 
 
 def write_model_files(name: str, files: dict[str, Any]) -> Path:
