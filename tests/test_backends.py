@@ -6,7 +6,7 @@ import json
 import shutil
 import threading
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import pytest
@@ -480,3 +480,30 @@ def test_pb_utils_star_import_gives_tritons_names_and_ours():
     assert set(pb_utils.__all__) == triton | ours
     assert set(names) - {"__builtins__"} == triton | ours
     assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL == 1 and pb_utils.MetricFamily.COUNTER == pb_utils.COUNTER
+
+
+class _ShapeProbe(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return x.reshape(2, 2), torch.tensor(x.shape, dtype=torch.int64)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script/save
+def test_a_torchscript_model_gets_its_reshape_and_the_client_the_config_dims(server_factory, tmp_path):
+    """A config ``reshape`` holds for PyTorch as for Python models (the worker applies it): the
+    module gets INPUT__0 as [4] and the client gets OUTPUT__0 back as dims [4], as in Triton."""
+    model = tmp_path / "repo" / "shape_probe" / "1"
+    model.mkdir(parents=True)
+    torch.jit.save(torch.jit.script(_ShapeProbe()), str(model / "model.pt"))
+    (model.parent / "config.pbtxt").write_text(
+        'name: "shape_probe"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+        'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2, 2 ] reshape { shape: [ 4 ] } } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 2, 2 ] } },\n'
+        '         { name: "OUTPUT__1" data_type: TYPE_INT64 dims: [ -1 ] } ]\n')
+    client = server_factory.start([tmp_path / "repo"]).client()
+    try:
+        x = np.arange(4, dtype=np.float32).reshape(2, 2)
+        result = client.infer("shape_probe", [_input("INPUT__0", x, "FP32")])
+        assert result.as_numpy("OUTPUT__1").tolist() == [4]
+        assert result.as_numpy("OUTPUT__0").tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        client.close()
