@@ -101,6 +101,7 @@ def test_model_config_is_the_protobuf(gclient):
     assert config.input[0].data_type == grpcclient.model_config_pb2.TYPE_INT32
     decoupled = gclient.get_model_config("word_stream").config
     assert decoupled.model_transaction_policy.decoupled
+    assert config.default_model_filename == "model.py" and config.optimization.input_pinned_memory.enable
 
 
 def test_statistics_count_grpc_inferences(gclient):

@@ -109,6 +109,11 @@ def test_model_config_is_triton_shaped(client):
     group = cfg["instance_group"][0]
     assert group["kind"] == "KIND_CPU" and group["count"] == 1
     assert cfg["version_policy"] == {"latest": {"num_versions": 1}}
+    # What Triton 2.51's normalization fills and shows (seen against the real server).
+    assert cfg["default_model_filename"] == "model.py"
+    assert cfg["optimization"] == {"priority": "PRIORITY_DEFAULT", "input_pinned_memory": {"enable": True},
+                                   "output_pinned_memory": {"enable": True}, "gather_kernel_buffer_threshold": 0,
+                                   "eager_batching": False}
 
 
 def test_model_config_of_torchscript_model(client):
@@ -119,6 +124,7 @@ def test_model_config_of_torchscript_model(client):
     assert cfg["input"][0]["dims"] == [1, 8, 8]
     assert cfg["output"][0]["dims"] == [10]
     assert cfg["dynamic_batching"]["max_queue_delay_microseconds"] == 500
+    assert cfg["dynamic_batching"]["preferred_batch_size"] == [64]  # Triton's: max_batch_size, when none is set
 
 
 def test_model_config_versioned_raw(server):

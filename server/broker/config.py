@@ -281,6 +281,29 @@ def to_dict(config: ModelConfig) -> dict:
     return _fix_int64(ModelConfig.DESCRIPTOR, raw)
 
 
+# What Triton's normalization puts in a config's optimization policy when it sets none (2.51).
+TRITON_OPTIMIZATION = {"priority": "PRIORITY_DEFAULT", "input_pinned_memory": {"enable": True},
+                       "output_pinned_memory": {"enable": True}, "gather_kernel_buffer_threshold": 0,
+                       "eager_batching": False}
+
+
+def as_triton_shows(config: dict) -> dict:
+    """The config as Triton's config endpoints show it: what its normalization fills and ours
+    has no use for (a Python model's file name, the optimization policy's defaults, a dynamic
+    batcher's preferred size of max_batch_size when it names none), added to a copy; what the
+    server runs by is left as it is."""
+    out = dict(config)
+    if config.get("backend") == "python" and not config.get("default_model_filename"):
+        out["default_model_filename"] = DEFAULT_MODEL_FILES["python"]
+    if config.get("platform") != "ensemble":
+        out["optimization"] = {**TRITON_OPTIMIZATION, **(config.get("optimization") or {})}
+    batching = config.get("dynamic_batching")
+    max_batch = int(config.get("max_batch_size") or 0)
+    if isinstance(batching, dict) and max_batch > 0 and not batching.get("preferred_batch_size"):
+        out["dynamic_batching"] = {**batching, "preferred_batch_size": [max_batch]}
+    return out
+
+
 def from_dict(data: dict) -> ModelConfig:
     return json_format.ParseDict(data, ModelConfig(), ignore_unknown_fields=True)
 
