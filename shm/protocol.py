@@ -53,6 +53,8 @@ W_READY = 1
 W_LOAD_FAILED = 2
 W_DONE = 3
 W_CONFIG = 4
+# A part of the next message's payload: a payload larger than a part comes as parts, then its message.
+W_MORE = 5
 
 # Roles of the segments a completion may point into.
 ROLE_BROKER = 0

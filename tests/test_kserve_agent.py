@@ -88,6 +88,7 @@ def test_the_agents_load_and_unload_calls(server_factory, tmp_path):
     assert agent_post(s.url, "/v2/repository/models/sleeper/load") == (200, b"")
     assert sleeper(s).startswith("sleeper_")
 
-    # A model the agent failed to download (no folder) is not a 200: the agent logs the answer.
+    # A model the agent failed to download (no folder) is not a 200: the agent logs the answer
+    # (Triton's 500 "failed to poll from model repository").
     status, body = agent_post(s.url, "/v2/repository/models/missing/load")
-    assert status == 400 and b"missing" in body
+    assert status == 500 and b"missing" in body

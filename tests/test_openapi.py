@@ -1,5 +1,5 @@
 """The published OpenAPI description (GET /v2/openapi.json) matches the routes the server serves,
-and schemathesis's stateless checks hold against a live server: no 5xx, documented status codes,
+and schemathesis's stateless checks hold against a live server: no 5xx (but Triton's own 500s), documented status codes,
 content types and response bodies that conform to the description.
 """
 from __future__ import annotations
@@ -42,6 +42,10 @@ def test_description_matches_the_routes(oa_server):
     assert served == described
 
 
+# Where Triton answers 500 for what it calls an internal failure (a region key that opens nothing,
+# or is registered already), and so does this server, with Triton's text.
+TRITON_500 = {("POST", "/v2/systemsharedmemory/region/{name}/register")}
+
 # The document the server publishes (test_description_matches_the_routes checks they are equal).
 schema = schemathesis.openapi.from_dict(openapi_document()).exclude(
     func=lambda ctx: (ctx.operation.method.upper(), ctx.operation.path) in SKIPPED)
@@ -52,6 +56,11 @@ schema = schemathesis.openapi.from_dict(openapi_document()).exclude(
 def test_api(case, oa_server):
     if case.operation.path == "/v2/models/{model}" and (case.path_parameters or {}).get("model") == "stats":
         return  # /v2/models/stats is the statistics endpoint (as in Triton): no model named 'stats' has metadata
-    case.call_and_validate(base_url=f"http://{oa_server.url}",
-                           checks=[not_a_server_error, status_code_conformance, content_type_conformance,
-                                   response_schema_conformance], timeout=10)
+    checks = [status_code_conformance, content_type_conformance, response_schema_conformance]
+    triton_500 = (case.operation.method.upper(), case.operation.path) in TRITON_500
+    if not triton_500:
+        checks.append(not_a_server_error)
+    response = case.call_and_validate(base_url=f"http://{oa_server.url}", checks=checks, timeout=10)
+    if triton_500 and response.status_code == 500:
+        assert any(text in response.text for text in ("Unable to open shared memory region",
+                                                      "Invalid shared memory region")), response.text

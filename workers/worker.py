@@ -31,7 +31,7 @@ from shmserve.shm.channel import MESSAGES_BYTES, REGION_HOLDS_BYTES, BrokerSegme
 from shmserve.shm.extents import OutputArenas
 from shmserve.shm.names import object_name, pid_alive
 from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
-    W_CHECK_READY, W_STOP, cancelled_error, read_manifest
+    W_CHECK_READY, W_MORE, W_STOP, cancelled_error, read_manifest
 from shmserve.shm.region_table import RegionTable
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_request
@@ -147,7 +147,7 @@ class Worker:
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             log.error("failed to load '%s' version %d: %s\n%s", self.model, self.version, detail,
                       traceback.format_exc())
-            self._post(W_LOAD_FAILED, 0, detail.encode()[:MESSAGES_BYTES // 4])  # (room left for a config)
+            self._post(W_LOAD_FAILED, 0, detail.encode()[:64 << 10])
             raise SystemExit(3) from None
         custom_metrics.REGISTRY.flush()  # families the model made in initialize() show before its first request
         check = self.instance.readiness_check()
@@ -156,15 +156,26 @@ class Worker:
 
     def _post(self, kind: int, status: int, payload: bytes) -> None:
         """A message to the broker, its payload in the control object (no client can rewrite it
-        there); start-up messages always ring its doorbell."""
+        there), in parts of at most a quarter of that room (a config may be any size: each part
+        waits for the broker to have taken the ones before); start-up messages always ring its
+        doorbell."""
+        part = MESSAGES_BYTES // 4
+        pieces = [payload[i:i + part] for i in range(0, len(payload), part)] or [b""]
+        for i, piece in enumerate(pieces):
+            self._post_part(kind if i == len(pieces) - 1 else W_MORE, status, piece)
+
+    def _post_part(self, kind: int, status: int, piece: bytes) -> None:
         off = 0
-        if payload:
-            off = self.messages.alloc(len(payload))
-            if off < 0:
-                raise RuntimeError(f"a {len(payload)}-byte message to the broker does not fit its "
-                                   f"{MESSAGES_BYTES >> 10} KiB")
-            self.seg.control.buf[off:off + len(payload)] = payload
-        while not self.seg.outbox.put(kind, status, off, len(payload), 0):
+        if piece:
+            deadline = time.monotonic() + 60.0
+            while (off := self.messages.alloc(len(piece))) < 0:
+                if time.monotonic() > deadline or not pid_alive(self.broker_pid):
+                    raise RuntimeError("the broker takes no more of this worker's messages")
+                self.broker.waker.notify()
+                time.sleep(0.001)
+            assert self.seg.control is not None
+            self.seg.control.buf[off:off + len(piece)] = piece
+        while not self.seg.outbox.put(kind, status, off, len(piece), 0):
             time.sleep(0.001)
         self.broker.waker.notify()
 

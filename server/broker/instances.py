@@ -199,6 +199,12 @@ class Instances:
         return docs
 
 
+def take_message(inst: Instance, off: int, length: int) -> bytes:
+    """A message's whole payload: the parts that came before it (W_MORE) and its own."""
+    parts, inst.message_parts = inst.message_parts, []
+    return b"".join([*parts, take_payload(inst, off, length)])
+
+
 def take_payload(inst: Instance, off: int, length: int) -> bytes:
     """Copy a worker's message out of its control object and free the block (a held block stalls
     the arena)."""

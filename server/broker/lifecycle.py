@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from shmserve.batching import DynamicBatcher, batches_on_worker
-from shmserve.shm.protocol import W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY
+from shmserve.shm.protocol import W_CONFIG, W_DONE, W_LOAD_FAILED, W_MORE, W_READY
 from shmserve.shm.waker import Waker
 from shmserve.workers.backend import BUILT_IN, installed_backends
 from shmserve.workers.classification import load_labels
@@ -38,7 +38,7 @@ from .canary import Canary
 from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
 from .ensemble_plan import EnsemblePlan
-from .instances import Instances, take_payload
+from .instances import Instances, take_message, take_payload
 from .journal import Journal
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
@@ -456,10 +456,12 @@ class Lifecycle:
                 self.limiter.release(inst, batch_id)  # and what it held may let another go
             elif kind == W_READY:
                 self._instance_ready(mv, inst)
+            elif kind == W_MORE:
+                inst.message_parts.append(take_payload(inst, off, length))
             elif kind == W_CONFIG:
-                self._on_completed_config(mv, take_payload(inst, off, length))
+                self._on_completed_config(mv, take_message(inst, off, length))
             elif kind == W_LOAD_FAILED:
-                reason = take_payload(inst, off, length).decode(errors="replace")
+                reason = take_message(inst, off, length).decode(errors="replace")
                 if inst.added:  # a live instance change: the version serves on without it
                     self.updates.failed(mv, inst, f"failed to load '{mv.name}' version {mv.version}: {reason}")
                 elif mv.state == State.READY:  # a restart failed: tried again with back-off (supervisor.py)

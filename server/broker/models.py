@@ -62,6 +62,7 @@ class Instance:
     death_note: str = ""  # why the broker killed it (e.g. a hung execution), for the failed requests
     added: bool = False  # added to a serving version by a live instance change, not ready yet
     removed_since: float = 0.0  # when a live instance change removed it (0: not removed)
+    message_parts: list[bytes] = dataclasses.field(default_factory=list)  # of its next message (W_MORE)
     readiness_asks: int = 0  # is_ready() checks asked of its worker (server/broker/readiness.py)
     readiness_asked_at: float = 0.0  # when the last of them was asked
 

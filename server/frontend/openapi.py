@@ -32,6 +32,8 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 def _errors(*codes: int) -> dict[str, Any]:
     text = {400: "the request is invalid (the message says why)", 403: "refused to this client",
             404: "no such endpoint or action", 405: "method not allowed on this endpoint",
+            500: "Triton's status for a failure it calls internal: a load of a name no repository holds, a "
+                 "region whose key opens nothing or that is registered already",
             503: "overloaded or not available right now (retry later)"}
     return {str(c): _json(_ref("Error"), text[c]) for c in codes}
 
@@ -193,7 +195,7 @@ def _paths() -> dict[str, Any]:
         "/v2/repository/models/{model}/load": {"post": {
             **_op("Load or reload a model (403: 'file:' contents without --allow-model-file-uploads)",
                   {"200": _empty("loaded")}, _ref("RepositoryRequest"), required=False,
-                  errors=tuple(sorted({*COMMON_ERRORS, 403}))),
+                  errors=tuple(sorted({*COMMON_ERRORS, 403, 500}))),
             "parameters": [MODEL]}},
         "/v2/repository/models/{model}/unload": {"post": {
             **_op("Unload a model", {"200": _empty("unloaded")}, _ref("RepositoryRequest"), required=False),
@@ -215,7 +217,7 @@ def _paths() -> dict[str, Any]:
             "One system shm region", {"200": _json(_ref("SystemShmStatus"), "the region")})},
         "/v2/systemsharedmemory/region/{name}/register": {"parameters": [REGION], "post": _op(
             "Register a system shm region", {"200": _json({"type": "object"}, "registered")},
-            _ref("SystemShmRegister"), errors=(400, 403, 404, 405, 503))},
+            _ref("SystemShmRegister"), errors=(400, 403, 404, 405, 500, 503))},
         "/v2/systemsharedmemory/region/{name}/unregister": {"parameters": [REGION], "post": _op(
             "Unregister a system shm region", {"200": _json({"type": "object"}, "done")})},
         "/v2/cudasharedmemory/status": {"get": _op("CUDA shm regions", {
