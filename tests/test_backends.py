@@ -6,6 +6,7 @@ import json
 import shutil
 import threading
 import time
+from pathlib import Path
 from typing import Optional, Tuple
 
 import numpy as np
@@ -343,6 +344,15 @@ def test_pb_utils_model_over_json_wire(server):
     assert info["parameters"] == {"k": "v"} and info["request_id"] == "wire-1"
 
 
+def _torchscript_model(repo: Path, name: str, module: torch.nn.Module, config: str) -> None:
+    """``module``, scripted, as version 1 of TorchScript model ``name`` in ``repo``; ``config``:
+    what its config.pbtxt says past its name and platform."""
+    version = repo / name / "1"
+    version.mkdir(parents=True)
+    torch.jit.save(torch.jit.script(module), str(version / "model.pt"))
+    (version.parent / "config.pbtxt").write_text(f'name: "{name}"\nplatform: "pytorch_libtorch"\n' + config)
+
+
 class _Complex(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.complex(x, x)
@@ -352,13 +362,10 @@ class _Complex(torch.nn.Module):
 def test_an_output_of_a_type_the_protocol_lacks_is_an_error_and_the_worker_survives(server_factory, tmp_path):
     """A TorchScript model whose output is complex (no KServe datatype): a 500 naming the dtype,
     every time, and the same worker answers on."""
-    model = tmp_path / "repo" / "complex" / "1"
-    model.mkdir(parents=True)
-    torch.jit.save(torch.jit.script(_Complex()), str(model / "model.pt"))
-    (model.parent / "config.pbtxt").write_text(
-        'name: "complex"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+    _torchscript_model(tmp_path / "repo", "complex", _Complex(), (
+        'max_batch_size: 0\n'
         'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
-        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n')
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'))
     server = server_factory.start([tmp_path / "repo"])
     client = server.client()
     try:
@@ -385,14 +392,11 @@ def test_an_absent_optional_input_reaches_a_torchscript_model_as_absent(server_f
     """An input the config marks optional, left out of a request, is left out of forward()'s
     arguments (its default applies; one followed by a present input is passed as None), rather than
     a KeyError and a 500."""
-    model = tmp_path / "repo" / "offset" / "1"
-    model.mkdir(parents=True)
-    torch.jit.save(torch.jit.script(_Offset()), str(model / "model.pt"))
-    (model.parent / "config.pbtxt").write_text(
-        'name: "offset"\nplatform: "pytorch_libtorch"\nmax_batch_size: 4\n'
+    _torchscript_model(tmp_path / "repo", "offset", _Offset(), (
+        'max_batch_size: 4\n'
         'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] },\n'
         '        { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 2 ] optional: true } ]\n'
-        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n')
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'))
     client = server_factory.start([tmp_path / "repo"]).client()
     try:
         x = np.array([[1.0, 2.0]], dtype=np.float32)
@@ -409,14 +413,11 @@ def test_a_gpu_instance_without_cuda_is_a_load_error_naming_the_model(server_fac
     """KIND_GPU where CUDA is not available (no GPU visible to the server, or a CPU build of torch)
     is the model's load error, UNAVAILABLE with the reason, not a GPU instance quietly running on
     the CPU."""
-    model = tmp_path / "repo" / "gpu_only" / "1"
-    model.mkdir(parents=True)
-    torch.jit.save(torch.jit.script(_Offset()), str(model / "model.pt"))
-    (model.parent / "config.pbtxt").write_text(
-        'name: "gpu_only"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+    _torchscript_model(tmp_path / "repo", "gpu_only", _Offset(), (
+        'max_batch_size: 0\n'
         'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
         'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
-        'instance_group [ { count: 1 kind: KIND_GPU } ]\n')
+        'instance_group [ { count: 1 kind: KIND_GPU } ]\n'))
     # An empty mask hides any GPU this host has, so the test means the same on a GPU host.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     server = server_factory.start([tmp_path / "repo"], ["--exit-on-error=false"], wait=False)
@@ -491,14 +492,11 @@ class _ShapeProbe(torch.nn.Module):
 def test_a_torchscript_model_gets_its_reshape_and_the_client_the_config_dims(server_factory, tmp_path):
     """A config ``reshape`` holds for PyTorch as for Python models (the worker applies it): the
     module gets INPUT__0 as [4] and the client gets OUTPUT__0 back as dims [4], as in Triton."""
-    model = tmp_path / "repo" / "shape_probe" / "1"
-    model.mkdir(parents=True)
-    torch.jit.save(torch.jit.script(_ShapeProbe()), str(model / "model.pt"))
-    (model.parent / "config.pbtxt").write_text(
-        'name: "shape_probe"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+    _torchscript_model(tmp_path / "repo", "shape_probe", _ShapeProbe(), (
+        'max_batch_size: 0\n'
         'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2, 2 ] reshape { shape: [ 4 ] } } ]\n'
         'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 2, 2 ] } },\n'
-        '         { name: "OUTPUT__1" data_type: TYPE_INT64 dims: [ -1 ] } ]\n')
+        '         { name: "OUTPUT__1" data_type: TYPE_INT64 dims: [ -1 ] } ]\n'))
     client = server_factory.start([tmp_path / "repo"]).client()
     try:
         x = np.arange(4, dtype=np.float32).reshape(2, 2)
