@@ -38,7 +38,27 @@ from .untrusted import Fault, Garbage, Layout, check_layout
 from .waker import SLEEPING, Waker, fence, flag_view, make_fifo
 
 HEADER_BYTES = 4096
-MAGIC = 0x53484D53  # "SHMS"
+# "SHM" and the layout of these objects: a process of another shmserve version (a pod's client
+# image updated apart from the server's) is told so, and never reads one layout as another.
+LAYOUT = 2  # 2: tables.0, batches.0 and control.<n> beside the segments (1 wrote 'S' here)
+MAGIC = 0x53484D00 | LAYOUT
+_FAMILY = 0xFFFFFF00
+
+
+class OtherLayout(ConnectionError):
+    """The server's objects are of another shmserve version's layout."""
+
+
+def check_magic(name: str, magic: int) -> None:
+    """ConnectionError unless ``magic`` is this layout's; OtherLayout when it is shmserve's of
+    another version."""
+    if magic == MAGIC:
+        return
+    if magic & _FAMILY == MAGIC & _FAMILY:
+        raise OtherLayout(f"{name} was made by another version of shmserve (shared-memory layout "
+                          f"{magic & 0xFF:#x}, this one's is {LAYOUT}): run the server and its local "
+                          f"clients from the same shmserve version")
+    raise ConnectionError(f"{name} is not a shmserve segment")
 _HEADER = struct.Struct("<IIQ")  # magic, pid, start time (ns) of the creating process
 _WANT_WAKEUP = struct.Struct("<I")
 SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag (see waker.py)
@@ -157,9 +177,7 @@ class BrokerSegment:
             self.doorbell = _create_sem(self.doorbell_name, readers=readers)
             self.arena: Arena | None = Arena(seg.buf, off, seg.size - off)
         else:
-            magic, _, _ = read_header(seg)
-            if magic != MAGIC:
-                raise ConnectionError(f"{seg.name} is not a shmserve broker segment")
+            check_magic(seg.name, read_header(seg)[0])
             if tables.size < BrokerSegment.tables_nbytes():
                 raise ConnectionError(f"{tables.name} is not a shmserve broker's tables ({tables.size} bytes)")
             self.doorbell = posix_ipc.Semaphore(self.doorbell_name)
@@ -209,6 +227,9 @@ class BrokerSegment:
         reading only."""
         seg = Segment.attach(object_name(server_id, "broker", 0))
         try:
+            if seg.size < HEADER_BYTES:
+                raise ConnectionError(f"{seg.name} is not a shmserve segment ({seg.size} bytes)")
+            check_magic(seg.name, read_header(seg)[0])  # first: another version has no tables.0
             tables = Segment.attach(object_name(server_id, "tables", 0), readonly=True)
         except BaseException:
             seg.close()
@@ -559,9 +580,7 @@ class ClientSegment:
         try:
             if seg.size < HEADER_BYTES:
                 raise Garbage(Fault.HEADER, f"{name} has {seg.size} bytes")
-            magic, _, _ = read_header(seg)
-            if magic != MAGIC:
-                raise ConnectionError(f"{name} is not a shmserve client segment")
+            check_magic(name, read_header(seg)[0])
             slots, notify_kind = struct.unpack_from("<II", seg.buf, 16)
             check_layout(seg.size, slots, notify_kind, NOTIFY_KINDS, HEADER_BYTES,
                          Ring.nbytes(REQUEST_CAPACITY, RECORD), SLOT_BYTES)

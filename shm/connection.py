@@ -28,7 +28,7 @@ import posix_ipc
 
 from .access import others
 from .arena import free_block
-from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, WorkerSegment
+from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, OtherLayout, WorkerSegment
 from .completion import Callback
 from .copying import copy_into
 from .descriptor import InferRequest, stamp_sent
@@ -81,6 +81,8 @@ class Connection:
         self.server_id = check_server_id(server_id)
         try:
             self.broker = BrokerSegment.attach(server_id)
+        except OtherLayout as e:
+            raise ServerUnavailable(f"the shmserve server '{server_id}' runs another version: {e}") from None
         except (posix_ipc.ExistentialError, ConnectionError, FileNotFoundError):
             raise ServerUnavailable(f"no shmserve server with id '{server_id}' is running on this host") from None
         except (posix_ipc.PermissionsError, PermissionError):

@@ -23,8 +23,8 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from conftest import (DEADLINE_S, PYTHON, ROOT, cpu_ticks, pending_requests, processes_mapping, raw_request,
-                      shm_entries, shm_names, start_shm_server, wait_pending)
+from conftest import (DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, cpu_ticks, pending_requests, processes_mapping,
+                      raw_request, shm_entries, shm_names, start_shm_server, wait_pending)
 from gates import Gate
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
@@ -117,6 +117,30 @@ def test_unknown_server_id_is_server_unavailable():
     assert isinstance(box.get("error"), ServerUnavailable), box
     assert sid in str(box["error"])
     assert shm_entries(sid) == []
+
+
+def test_a_server_of_another_version_is_named_as_such(server_factory):
+    """A pod may update its client image apart from the server's: a client that finds the
+    server's objects of another shared-memory layout says so (it never reads one layout as
+    another), and connects as before once they match."""
+    import struct
+
+    from shmserve.shm.channel import LAYOUT
+
+    s = server_factory.start([PRODUCT_MODELS])
+    path = f"/dev/shm/shmserve.{s.id}.broker.0"
+    with open(path, "r+b") as f:
+        mine = f.read(4)
+        f.seek(0)
+        f.write(struct.pack("<I", 0x53484D53))  # what layout 1 wrote ("SHMS")
+    try:
+        with pytest.raises(ServerUnavailable, match=f"runs another version: .*layout 0x53, this one's is {LAYOUT}"):
+            Client(s.id)
+    finally:
+        with open(path, "r+b") as f:
+            f.write(mine)
+    with Client(s.id) as c:
+        assert c.model_config("add_sub")["name"] == "add_sub"
 
 
 def test_infer_async_many_in_flight(client):
