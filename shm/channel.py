@@ -163,8 +163,7 @@ class BrokerSegment:
         self.connect = Ring(seg.buf, off, CONNECT_CAPACITY, CONNECT)
         off = _align(off + Ring.nbytes(CONNECT_CAPACITY, CONNECT))
         self.arena_offset = off
-        self.lane_names_offset = 0
-        toff = _align(LANES * LANE_NAME_BYTES)
+        toff = _align(LANES * LANE_NAME_BYTES)  # tables.0: the lane holders first, then the documents
         self.routes = Published(tables.buf, toff, ROUTES_BYTES)
         toff += ROUTES_BYTES
         self.settings = Published(tables.buf, toff, SETTINGS_BYTES)
@@ -250,17 +249,17 @@ class BrokerSegment:
         return read_header(self.seg)[2]
 
     def lane_cookie(self, lane: int) -> int:
-        return _COOKIE.unpack_from(self.tables.buf, self.lane_names_offset + lane * LANE_NAME_BYTES)[0]
+        return _COOKIE.unpack_from(self.tables.buf, lane * LANE_NAME_BYTES)[0]
 
     def lane_client(self, lane: int) -> tuple[str, int]:
         """(client segment name, cookie) of the lane's current holder. Records carry the cookie,
         so a worker can tell a lane's new holder from leftovers of a client that died."""
-        off = self.lane_names_offset + lane * LANE_NAME_BYTES
+        off = lane * LANE_NAME_BYTES
         (cookie,) = _COOKIE.unpack_from(self.tables.buf, off)
         return bytes(self.tables.buf[off + 8:off + LANE_NAME_BYTES]).rstrip(b"\0").decode(), cookie
 
     def set_lane_client(self, lane: int, name: str, cookie: int) -> None:
-        off = self.lane_names_offset + lane * LANE_NAME_BYTES
+        off = lane * LANE_NAME_BYTES
         raw = name.encode()[:LANE_NAME_BYTES - 8]
         self.tables.buf[off + 8:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - 8 - len(raw))
         struct.pack_into("<Q", self.tables.buf, off, cookie)
