@@ -17,11 +17,16 @@ to the space before it. With no such rule, add_sub requests under reloads got 50
 the shared-memory arena") once a request had been held through 2,300 others; with a margin of two,
 16 HTTP clients sending 600 KB bodies got a few 503s in every 10 s from a 256 MiB arena holding
 about 10 MB. A held block far behind the head now sends it on through the rest of the arena.
+
+The arena's pages are taken (``backing``, ``Segment.populate``) a MiB at a time as the head first
+reaches them, never touched before: where /dev/shm has filled up meanwhile, ``alloc`` returns -1
+with ``starved`` set, and the caller answers "no room" instead of dying of SIGBUS on the write.
 """
 from __future__ import annotations
 
 import struct
 import threading
+from typing import Callable
 
 from .liveness import consumer_alive
 
@@ -35,6 +40,12 @@ SOFT_LIMIT = 4 << 20
 # many times what is outstanding: about that many generations of the requests in flight then pass
 # before the head meets a block still held (a large body still arriving, a request in a later batch).
 WRAP_MARGIN = 8
+BACKING_STEP = 1 << 20  # pages are taken this many bytes at a time as the head first reaches them
+
+
+def no_room_text(arena: "Arena", full: str) -> str:
+    """The text of a block ``arena`` refused: ``full`` (the arena's own words), or that /dev/shm is."""
+    return ("/dev/shm is full: the server could not take a page for it" if arena.starved else full) + "; retry later"
 
 
 def free_block(buf: memoryview, payload_offset: int) -> None:
@@ -45,12 +56,18 @@ def free_block(buf: memoryview, payload_offset: int) -> None:
 class Arena:
     """Owner side of an arena occupying ``buf[offset:offset+size]``."""
 
-    def __init__(self, buf: memoryview, offset: int, size: int) -> None:
+    def __init__(self, buf: memoryview, offset: int, size: int,
+                 backing: Callable[[int, int], bool] | None = None) -> None:
+        """``backing(start, end)`` takes the pages of those bytes of ``buf`` before the first
+        write there, False when it cannot (``Segment.populate``); None: they are taken already."""
         if offset % ALIGN or size % ALIGN:
             raise ValueError("arena offset and size must be 64-byte aligned")
         self._buf = buf
         self._base = offset
         self._size = size
+        self._backing = backing
+        self._backed = 0 if backing is not None else size  # bytes from the start whose pages are taken
+        self.starved = False  # the last refusal was for want of /dev/shm pages, not of room in the arena
         self._head = 0  # next allocation, relative to base
         self._tail = 0  # oldest block not yet reclaimed
         self._used = 0  # bytes between tail and head (including skipped end space)
@@ -80,11 +97,26 @@ class Arena:
                 self._reclaim(True)  # only now pay for asking whether consumers still live
                 at = self._place(need)
                 if at < 0:
+                    self.starved = False
                     return -1
+            # (a block placed at the start after a wrap lies in pages taken before the tail's)
+            if at + need + BLOCK_HEADER > self._backed < self._size and not self._take_pages(at + need + BLOCK_HEADER):
+                return -1
+            self.starved = False
             _HDR.pack_into(self._buf, self._base + at, need, USED, consumer)
             self._head = at + need
             self._used += need
             return self._base + at + BLOCK_HEADER
+
+    def _take_pages(self, end: int) -> bool:
+        """Take the pages up to ``end`` (and the next header, written at a wrap), a step at a time."""
+        upto = min(self._size, -(-end // BACKING_STEP) * BACKING_STEP)
+        assert self._backing is not None
+        if not self._backing(self._base + self._backed, self._base + upto):
+            self.starved = True
+            return False
+        self._backed = upto
+        return True
 
     def _place(self, need: int) -> int:
         size, head, tail = self._size, self._head, self._tail

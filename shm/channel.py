@@ -157,7 +157,7 @@ class BrokerSegment:
         # batches.0, the broker's and its workers' alone: the manifests of the batches it sends
         # (a manifest names the client segments and offsets a worker reads and answers).
         self.batches = batches
-        self.batch_arena = Arena(batches.buf, 0, batches.size) if batches is not None else None
+        self.batch_arena = Arena(batches.buf, 0, batches.size, batches.populate) if batches is not None else None
         self.name = seg.name
         off = HEADER_BYTES
         self.connect = Ring(seg.buf, off, CONNECT_CAPACITY, CONNECT)
@@ -174,7 +174,7 @@ class BrokerSegment:
             _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
             self.connect.reset()
             self.doorbell = _create_sem(self.doorbell_name, readers=readers)
-            self.arena: Arena | None = Arena(seg.buf, off, seg.size - off)
+            self.arena: Arena | None = Arena(seg.buf, off, seg.size - off, seg.populate)
         else:
             check_magic(seg.name, read_header(seg)[0])
             if tables.size < BrokerSegment.tables_nbytes():
@@ -208,10 +208,11 @@ class BrokerSegment:
         made: list[Segment] = []
         try:
             made.append(Segment.create(object_name(server_id, "broker", 0),
-                                       cls.nbytes(arena_bytes) - cls.tables_nbytes() - batch_bytes, readers))
+                                       cls.nbytes(arena_bytes) - cls.tables_nbytes() - batch_bytes, readers,
+                                       taken=cls.nbytes(0) - cls.tables_nbytes()))  # (the arena as it fills)
             made.append(Segment.create(object_name(server_id, "tables", 0), cls.tables_nbytes(), readers,
                                        readers_write=False))
-            made.append(Segment.create(object_name(server_id, "batches", 0), batch_bytes))
+            made.append(Segment.create(object_name(server_id, "batches", 0), batch_bytes, taken=0))
         except BaseException:
             for seg in made:
                 seg.close()
@@ -464,7 +465,7 @@ class WorkerSegment:
     @classmethod
     def create(cls, name: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "WorkerSegment":
         """``readers``: the other users whose local clients may call it (access.py)."""
-        seg = Segment.create(name, cls.lanes_nbytes(arena_bytes), readers)
+        seg = Segment.create(name, cls.lanes_nbytes(arena_bytes), readers, taken=cls.lanes_nbytes(0))
         try:
             control = Segment.create(control_name(name), cls.control_nbytes(), readers, readers_write=False)
         except BaseException:
@@ -549,7 +550,7 @@ class ClientSegment:
                 flag[0] = SLEEPING  # the owner's loop waits on the FIFO from the start
             else:
                 self.sem = _create_sem(seg.name, readers=readers)
-            self.arena: Arena | None = Arena(seg.buf, off, seg.size - off)
+            self.arena: Arena | None = Arena(seg.buf, off, seg.size - off, seg.populate)
         else:
             if struct.unpack_from("<I", seg.buf, NOTIFY_KIND_OFFSET)[0] == NOTIFY_SEMAPHORE:
                 self.sem = posix_ipc.Semaphore(seg.name)
@@ -568,8 +569,8 @@ class ClientSegment:
         """``ticket``: the creating process's liveness ticket (shm/liveness.py), kept in the
         header where the other segments keep their pid. ``readers``: the server's user, when it
         is not ours (access.py)."""
-        return cls(Segment.create(name, cls.nbytes(slots, arena_bytes), readers), slots, create=True, fifo=fifo,
-                   notify=notify, ticket=ticket, readers=readers)
+        seg = Segment.create(name, cls.nbytes(slots, arena_bytes), readers, taken=cls.nbytes(slots, 0))
+        return cls(seg, slots, create=True, fifo=fifo, notify=notify, ticket=ticket, readers=readers)
 
     @classmethod
     def attach(cls, name: str) -> "ClientSegment":

@@ -253,6 +253,9 @@ class Connection:
         arena = self.arena
         off = arena.alloc(total)  # type: ignore[union-attr]
         if off < 0:
+            if arena.starved:  # type: ignore[union-attr]
+                raise Backpressure(f"no room for a {total}-byte request: /dev/shm is full (the client could not "
+                                   f"take a page of its arena); retry later")
             busy = arena.live_bytes() + total <= arena.capacity // 2  # type: ignore[union-attr]
             raise (ArenaBusy if busy else Backpressure)(
                 f"no room for a {total}-byte request in the shared-memory arena ({arena.capacity} bytes); "  # type: ignore[union-attr]

@@ -23,7 +23,7 @@ import posix_ipc
 
 from . import space
 from .access import server_readers
-from .arena import ALIGN, BLOCK_HEADER, Arena
+from .arena import ALIGN, BLOCK_HEADER, Arena, no_room_text
 from .channel import EXTENT_ENTRIES, MAX_EXTENTS, WorkerSegment
 from .names import PREFIX, SHM_DIR, extent_name, unlink_shm
 from .segment import Segment, SegmentCache
@@ -110,8 +110,8 @@ class OutputArenas:
                 return 0, -1
             extent, arena = grown
             off = arena.alloc(nbytes, consumer)
-            if off < 0:  # cannot happen: the extent was sized for it
-                raise GrowthRefused(self._refusal(nbytes, "the new extent could not hold it"))
+            if off < 0:  # the extent was sized for it: /dev/shm has no page for it
+                raise GrowthRefused(self._refusal(nbytes, no_room_text(arena, "the new extent could not hold it")))
             return extent, off
 
     def _grow(self, need: int, response: int) -> tuple[int, Arena] | None:
@@ -139,14 +139,14 @@ class OutputArenas:
                 space.check(self.server_id, size, f"a {space.mib(size)} output extent of model instance "
                                                   f"'{self.instance_name}'", f" (--worker-arena-mb={self.cap >> 20} "
                                                                              f"caps one instance's extents)")
-                seg = Segment.create_anew(name, size, server_readers())
+                seg = Segment.create_anew(name, size, server_readers(), taken=0)
         except space.NoRoom as e:
             raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
         except (OSError, posix_ipc.Error) as e:
             raise GrowthRefused(self._refusal(response, f"{name}: {e}")) from None
         self._next += 1
         self.seg.set_extent_size(extent, size)  # before any answer in it is published
-        arena = Arena(seg.buf, 0, size)
+        arena = Arena(seg.buf, 0, size, seg.populate)
         self._grown[extent] = (seg, arena)
         if self._current:
             self._retired.append(self._current)

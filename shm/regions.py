@@ -13,6 +13,7 @@ import posix_ipc
 
 from .access import grant
 from .names import CLIENT_PREFIX, is_server_object
+from .space import HOW_TO_RAISE, NoRoom, mib, take_pages
 
 
 def created_key_prefix(ticket: int) -> str:
@@ -37,13 +38,16 @@ class Region:
     @classmethod
     def create(cls, name: str, size: int, key: str, readers: tuple[int, ...] = ()) -> "Region":
         """A new object of mode 0600 that ``readers`` (the server's user when it is not ours,
-        access.py) may open too."""
+        access.py) may open too, its pages taken now (NoRoom where /dev/shm cannot hold them)."""
         if is_server_object(key):
             raise ValueError(f"key '{key}' is in the server's own namespace")
         shm = posix_ipc.SharedMemory(key, posix_ipc.O_CREX, mode=0o600, size=size)
         try:
             grant(shm.fd, readers)
             mm = mmap.mmap(shm.fd, size)
+            if not take_pages(mm, key, 0, size):  # (its writes would be SIGBUS: space.py)
+                mm.close()
+                raise NoRoom(f"/dev/shm is full: region '{name}' could not take its {mib(size)}; {HOW_TO_RAISE}")
         except BaseException:
             shm.close_fd()
             shm.unlink()

@@ -82,8 +82,8 @@ class CacheStore:
         if size < MIN_BYTES:
             raise ValueError(f"a response cache of {size} bytes is too small: at least {MIN_BYTES}")
         name = object_name(server_id, "cache", 0)
-        seg = Segment.create_anew(name, size)
         slots, capacity = layout(size)
+        seg = Segment.create_anew(name, size, taken=size - capacity)  # (the log's pages as entries reach them)
         words = seg.buf[:_HEADER].cast("Q")
         words[_W_LOG] = capacity
         words[_W_SLOTS] = slots
@@ -174,8 +174,7 @@ class CacheStore:
         try:
             if self._find(k0, k1)[0] >= 0:
                 return False  # another instance stored the same answer meanwhile
-            self._append(k0, k1, parts, n)
-            return True
+            return self._append(k0, k1, parts, n)
         finally:
             self._unlock()
 
@@ -225,8 +224,9 @@ class CacheStore:
         index[2 * i] = 0
         index[2 * i + 1] = 0
 
-    def _append(self, k0: int, k1: int, parts: tuple | list, n: int) -> None:
-        """Write an entry at the head, evicting the oldest entries in its way."""
+    def _append(self, k0: int, k1: int, parts: tuple | list, n: int) -> bool:
+        """Write an entry at the head, evicting the oldest entries in its way; False where /dev/shm
+        has no page left for it (segment.py: a write there would be a SIGBUS)."""
         total = (_ENTRY + n + _ALIGN - 1) & ~(_ALIGN - 1)
         w, lw, cap = self.words, self.log_words, self.capacity
         while w[_W_COUNT] >= self.max_entries:
@@ -245,6 +245,9 @@ class CacheStore:
             if head < tail and tail - head >= total:
                 break
             self._evict_oldest()
+        # Its pages, and those of the next entry's first word (a wrap writes a zero there).
+        if not self.seg.populate(self.log_off + head, self.log_off + min(cap, head + total + 8)):
+            return False
         base = head >> 3
         lw[base], lw[base + 1], lw[base + 2], lw[base + 3] = total, k0, k1, n
         pos = self.log_off + head + _ENTRY
@@ -262,6 +265,7 @@ class CacheStore:
             i = (i + 1) & mask
         index[2 * i] = k0
         index[2 * i + 1] = head + 1
+        return True
 
     def _evict_oldest(self) -> None:
         w, lw, cap = self.words, self.log_words, self.capacity

@@ -4,6 +4,13 @@ Mappings are made with ``mmap`` over the descriptor posix_ipc opens; numpy views
 ``Segment.buf`` so tensor bytes are never copied to cross a process boundary. Only the server's
 own segments and its clients' arenas are mapped: a client's registered region is read and
 written through its descriptor (``region_io.py``), since its owner may truncate it.
+
+A tmpfs page is taken when it is first touched, and a touch that finds /dev/shm full is a SIGBUS
+that kills the process, whoever filled it (space.py counts the server's own objects, not
+another program's). So no page is touched before it is taken with ``populate``: a segment's
+fixed parts (headers, rings, slots, tables) when it is made, an arena's pages as its head first
+reaches them (arena.py). A full /dev/shm is then an error where the page was wanted (a 503, a
+refused load, a client's exception), never a signal.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import posix_ipc
 from .access import grant
 from .names import unlink_shm
 from .region_io import RegionFiles
+from .space import HOW_TO_RAISE, NoRoom, mib, take_pages
 
 
 class Segment:
@@ -38,31 +46,45 @@ class Segment:
         the segment is dropped from a cache. ValueError once the mapping is gone."""
         return memoryview(self._mmap)
 
+    def populate(self, start: int, end: int) -> bool:
+        """Take the tmpfs pages of bytes ``start`` to ``end`` now, before anything is written there;
+        False when /dev/shm has no room for them (module docstring). Pages taken already cost a
+        walk of their page tables, a few microseconds a MiB."""
+        return take_pages(self._mmap, self.name, start, min(end, self.size))
+
     def read(self, start: int, end: int) -> bytes:
         """A copy of the bytes from ``start`` to ``end``: one step through the map (a slice of
         ``buf`` and ``bytes`` of that are two, and took twice as long)."""
         return self._mmap[start:end]
 
     @classmethod
-    def create(cls, name: str, size: int, readers: tuple[int, ...] = (), readers_write: bool = True) -> "Segment":
+    def create(cls, name: str, size: int, readers: tuple[int, ...] = (), readers_write: bool = True,
+               taken: int | None = None) -> "Segment":
         """A new segment of mode 0600 that ``readers`` (other users, access.py) may open too
-        (only for reading, without ``readers_write``)."""
+        (only for reading, without ``readers_write``), its first ``taken`` bytes populated (all
+        by default; an arena's start where one follows). NoRoom where /dev/shm cannot hold those."""
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         try:
             grant(shm.fd, readers, readers_write)
             mm = mmap.mmap(shm.fd, size)
+            seg = cls(name, size, mm, owner=True)
+            eager = size if taken is None else taken
+            if not seg.populate(0, eager):
+                seg.close()
+                raise NoRoom(f"/dev/shm is full: {name} could not take the {mib(eager)} it starts with; "
+                             f"{HOW_TO_RAISE}")
         except BaseException:
             shm.close_fd()
             shm.unlink()
             raise
         shm.close_fd()
-        return cls(name, size, mm, owner=True)
+        return seg
 
     @classmethod
-    def create_anew(cls, name: str, size: int, readers: tuple[int, ...] = ()) -> "Segment":
+    def create_anew(cls, name: str, size: int, readers: tuple[int, ...] = (), taken: int | None = None) -> "Segment":
         """``create``, after removing an object of that name a crashed predecessor left."""
         unlink_shm(name)
-        return cls.create(name, size, readers)
+        return cls.create(name, size, readers, taken=taken)
 
     @classmethod
     def attach(cls, name: str, readonly: bool = False) -> "Segment":

@@ -5,17 +5,22 @@ first time it is touched, and a touch that finds the filesystem full kills the p
 SIGBUS. Containers get a small /dev/shm by default (64 MiB under Docker, podman and Kubernetes),
 so a server must refuse, with a message that says how to raise it, what would crash it later.
 
-``posix_fallocate`` would reserve the pages, but it also fills them: every arena would hold its
-full size in RAM from the start (256 MiB per frontend and per model instance by default, charged
-to the container's memory limit) instead of the pages that tensors touch. So the check counts
-instead: the room left is the free space less what this server's objects may still take (each
-one's size less the pages it holds), and a new segment must fit in what is left.
+``posix_fallocate`` of a whole segment would reserve the pages, but it also fills them: every
+arena would hold its full size in RAM from the start (256 MiB per frontend and per model instance
+by default, charged to the container's memory limit) instead of the pages that tensors touch. So
+the check counts instead: the room left is the free space less what this server's objects may
+still take (each one's size less the pages it holds), and a new segment must fit in what is left.
+
+That keeps the server from filling /dev/shm itself, not another program from filling it after
+the check; so no page is touched before ``take_pages`` has taken it (segment.py, arena.py), and
+a full /dev/shm is an error where the page was wanted instead of a SIGBUS.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import threading
 from typing import Iterator
@@ -81,6 +86,49 @@ def check(server_id: str, need: int, what: str, note: str = "", folder: str = SH
     if left < need:
         raise NoRoom(f"{what} needs {mib(need)} of shared memory{note}, and {folder} has {mib(max(left, 0), up=False)} "
                      f"left; {HOW_TO_RAISE}")
+
+
+# madvise(MADV_POPULATE_WRITE) (Linux 5.14): takes the pages of a range as a write would, but
+# fails with EFAULT where the write would have been a SIGBUS. Python 3.11's mmap lacks the name.
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def take_pages(mapping: mmap.mmap, name: str, start: int, end: int) -> bool:
+    """Take the tmpfs pages of bytes ``start`` to ``end`` of ``mapping`` (of the object ``name``)
+    before anything is written there; False when /dev/shm has no room for them. Pages taken
+    already cost a walk of their page tables, a few microseconds a MiB."""
+    page = mmap.PAGESIZE
+    start -= start % page
+    end = -(-min(end, len(mapping)) // page) * page
+    if end <= start:
+        return True
+    try:
+        mapping.madvise(_POPULATE_WRITE, start, end - start)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
+            return False
+        if e.errno == errno.EINVAL:  # a kernel before 5.14
+            return fallocate(SHM_DIR + name, start, end)
+        raise
+
+
+def fallocate(path: str, start: int, end: int) -> bool:
+    """``take_pages`` on a kernel without MADV_POPULATE_WRITE: posix_fallocate takes the same
+    pages through a descriptor of the object (gone already: no page is wanted there any more)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        os.posix_fallocate(fd, start, end - start)
+        return True
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            return False
+        raise
+    finally:
+        os.close(fd)
 
 
 def lock_path(server_id: str, folder: str = SHM_DIR) -> str:

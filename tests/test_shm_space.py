@@ -150,6 +150,31 @@ def test_room_is_the_free_space_less_what_the_servers_objects_may_still_take(shm
         os.close(fd)
 
 
+def test_pages_are_taken_before_they_are_written_or_refused_when_the_filesystem_is_full(shm):
+    """What every arena's head and every new segment does (shm/space.py ``take_pages``), and the
+    same through posix_fallocate for a kernel without MADV_POPULATE_WRITE; where a write would
+    have been a SIGBUS, both say False."""
+    import mmap
+
+    path = shm / "shmserve.s1.client.1-0"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 16 * MIB)
+        mapping = mmap.mmap(fd, 16 * MIB)
+        assert space.take_pages(mapping, "/unused", 100, 3 * MIB)
+        assert os.fstat(fd).st_blocks * 512 == 3 * MIB  # (from the page 100 is in)
+        assert space.take_pages(mapping, "/unused", 0, 3 * MIB)  # taken already: nothing changes
+        assert space.fallocate(str(path), 3 * MIB, 5 * MIB)
+        assert os.fstat(fd).st_blocks * 512 == 5 * MIB
+        assert not space.take_pages(mapping, "/unused", 5 * MIB, 12 * MIB)  # 8 MiB in all
+        assert not space.fallocate(str(path), 5 * MIB, 12 * MIB)
+        mapping[:5 * MIB] = b"\x01" * (5 * MIB)  # the pages taken are written without a fault
+        assert space.fallocate(str(shm / "gone"), 0, MIB)  # nothing left to take pages for
+        mapping.close()
+    finally:
+        os.close(fd)
+
+
 def test_the_frontends_segments_exist_from_the_start_so_loads_cannot_take_their_room(server_factory, tmp_path):
     """The start's check counts every frontend's segment; they are made at start, not at a first
     request, so the room a load is given never includes a frontend's (the gRPC frontend made its

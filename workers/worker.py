@@ -79,7 +79,7 @@ class Worker:
         self.sequence: SequenceSupport | None = None
         self.decoupled = False
         self.stream_lock = threading.Lock()  # streams finish on the model's threads: their counting
-        self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size)
+        self.arena = Arena(self.seg.seg.buf, self.seg.arena_offset, self.seg.arena_size, self.seg.seg.populate)
         self.messages = self.seg.messages()
         self.broker = BrokerSegment.attach(self.server_id)
         liveness.watch(self.server_id)  # whether clients live: their tickets, not pids (another namespace)

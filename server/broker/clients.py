@@ -16,6 +16,7 @@ import posix_ipc
 
 from shmserve.batching import Pending
 from shmserve.shm.answer import AnswerDescriptor, answer_room, write_answer
+from shmserve.shm.arena import no_room_text
 from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment, pid_namespace
 from shmserve.shm.liveness import Tickets
 from shmserve.shm.protocol import ROLE_BROKER, SLOT_PENDING
@@ -132,7 +133,8 @@ class Clients:
         room = answer_room(len(data))
         off = self.arena.alloc(room, client.ticket)
         if off < 0:  # answered without a block: the client reads shm.protocol.NO_ROOM (a 503)
-            log.error("broker arena is full; client %s gets a 503 for slot %d", client.name, slot)
+            log.error("%s: client %s gets a 503 for slot %d", no_room_text(self.arena, "the broker's arena is full"),
+                      client.name, slot)
             client.seg.complete(slot, 503, ROLE_BROKER, 0, 0, 0)
         else:
             write_answer(self.seg.seg.buf, off, data)

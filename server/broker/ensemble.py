@@ -42,7 +42,7 @@ import posix_ipc
 from shmserve.batching import Pending
 from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, decode_answer, write_answer
-from shmserve.shm.arena import free_block
+from shmserve.shm.arena import free_block, no_room_text
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
 from shmserve.shm.descriptor import InputTensor
@@ -618,7 +618,8 @@ class Ensembles:
         room = answer_room(len(body))
         off = self.arena.alloc(room + pos, run.client.ticket)
         if off < 0:
-            self._fail_run(run, run.plan.steps[-1], 503, "the broker's arena is full; retry later")
+            self._fail_run(run, None, 503, f"no room for the {room + pos}-byte response of ensemble "
+                                           f"'{run.plan.name}': " + no_room_text(self.arena, "the broker's arena is full"))
             return None
         at = write_answer(self.seg.seg.buf, off, body)
         for chunk in chunks:

@@ -19,6 +19,7 @@ import orjson
 
 from shmserve.batching import Pending, QueueFull
 from shmserve.shm.answer import refusal
+from shmserve.shm.arena import no_room_text
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.protocol import CANCELLED_STATUS, W_BATCH, cancelled_error, manifest_room, write_manifest
 from shmserve.signature import InvalidRequest
@@ -190,7 +191,7 @@ class Scheduler:
         assert arena is not None and batches is not None  # (the broker made them)
         off = arena.alloc(manifest_room(len(data)), inst.proc.pid)
         if off < 0:
-            self.clients.fail_pending(batch, 503, "the broker's arena is full; retry later")
+            self.clients.fail_pending(batch, 503, no_room_text(arena, "the broker's arena is full"))
             return 0
         write_manifest(batches.buf, off, data)
         batch_id = self.next_batch

@@ -81,10 +81,11 @@ async def when_room(attempt: Callable[[], T]) -> T:
 
 
 def _broker_error(e: Exception) -> BrokerError:
+    why = str(e).removesuffix("; retry later")  # (said once, at the end)
     if isinstance(e, ArenaBusy):
-        return ArenaWait(503, f"the server is overloaded ({e}); retry later")
+        return ArenaWait(503, f"the server is overloaded ({why}); retry later")
     if isinstance(e, Backpressure):
-        return BrokerError(503, f"the server is overloaded ({e}); retry later")
+        return BrokerError(503, f"the server is overloaded ({why}); retry later")
     if isinstance(e, OSError) and not isinstance(e, ConnectionError):  # out of descriptors, say
         return BrokerError(503, f"the frontend cannot reach the server now ({e}); retry later")
     return BrokerError(503, str(e))

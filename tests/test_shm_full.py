@@ -1,0 +1,176 @@
+"""A /dev/shm that another program fills while the server runs: each request that needed a new
+page is refused with a clear error (503), no process of the server or its local client dies of
+SIGBUS, and everything works again once the room is back (shm/segment.py, shm/arena.py).
+
+The server runs in a mount namespace of its own (``unshare -m``) with a small tmpfs on /dev/shm,
+so the test fills that and never the host's; the filler writes through ``/proc/<pid>/root``,
+and the local client joins the namespace with ``nsenter``.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from blob_models import infer, write_repo
+from conftest import PYTHON, ROOT, Server
+
+MIB = 1 << 20
+TMPFS_MB = 256
+
+# The local client, inside the server's mount namespace: it connects, says so, then per line it
+# reads sends one request (the input's size, the answer's, the byte) or makes a region ("region
+# SIZE"), and prints what came back.
+LOCAL_CLIENT = textwrap.dedent('''
+    import json, sys
+    import numpy as np
+    from shmserve import Client
+    try:
+        client = Client(sys.argv[1], arena_bytes=16 << 20)
+    except Exception as e:
+        print(json.dumps({"connect_error": f"{type(e).__name__}: {e}"}), flush=True)
+        sys.exit(1)
+    print(json.dumps({"connected": True}), flush=True)
+    for line in sys.stdin:
+        if line.startswith("region "):
+            try:
+                client.create_region("r", int(line.split()[1]))
+                print(json.dumps({"ok": True}), flush=True)
+            except Exception as e:
+                print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+            continue
+        size, n, fill = (int(x) for x in line.split())
+        try:
+            out = client.infer("blob", {"IN": np.full(size, fill, dtype=np.uint8), "N": np.array([n], dtype=np.int64)})
+            got = out["OUT"]
+            print(json.dumps({"ok": bool(got.size == n and (got == fill).all())}), flush=True)
+        except Exception as e:
+            print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+''')
+
+
+class NamespacedServer(Server):
+    """The server in a mount namespace of its own, with a tmpfs of ``TMPFS_MB`` on /dev/shm."""
+
+    def command(self) -> list[str]:
+        mount = f'mount -t tmpfs -o size={TMPFS_MB}m tmpfs /dev/shm && exec "$@"'
+        return ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", *super().command()]
+
+    @property
+    def shm(self) -> Path:
+        """Its /dev/shm, seen from outside the namespace."""
+        return Path(f"/proc/{self.pid}/root/dev/shm")
+
+
+class Filler:
+    """A file that takes every page left in the server's /dev/shm, until removed."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / "someone-elses-file"
+
+    def fill(self) -> int:
+        written = 0
+        chunk = b"\xa5" * MIB
+        with open(self.path, "ab", buffering=0) as f:
+            while True:
+                try:
+                    written += f.write(chunk)
+                except OSError:
+                    break
+            for size in (64 << 10, 4096):  # the last pages too
+                while True:
+                    try:
+                        written += f.write(chunk[:size])
+                    except OSError:
+                        break
+        return written
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _refused(client: httpclient.InferenceServerClient, model: str, size: int, n: int, fill: int) -> str:
+    with pytest.raises(InferenceServerException) as e:
+        infer(client, model, size, n, fill)
+    assert e.value.status() == "503", e.value
+    return e.value.message()
+
+
+@pytest.fixture
+def full_server(tmp_path):
+    server = NamespacedServer([write_repo(tmp_path / "repo", cache=True)], tmp_path,
+                              ["--frontend-arena-mb", "32", "--worker-arena-mb", "16",
+                               "--cache-config", f"local,size={16 * MIB}", "--allow-grpc", "false"])
+    server.start()
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_full_dev_shm_is_a_503_where_a_page_was_wanted_and_no_process_dies(full_server):
+    server = full_server
+    client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+    # Pages taken before the filler comes: the worker's answers up to 2 MiB (and the cache's log),
+    # the first of the broker's arenas (an ensemble's batches and answers).
+    assert (infer(client, "blob", 16, 16, 1) == 1).all()
+    assert (infer(client, "blob_ensemble", 16, 16, 1) == 1).all()
+    assert (infer(client, "blob", 16, 2 * MIB, 2) == 2).all()
+    local = subprocess.Popen(["nsenter", "-t", str(server.pid), "-m", "--", PYTHON, "-c", LOCAL_CLIENT, server.id],
+                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    filler = Filler(server.shm)
+    try:
+        assert json.loads(local.stdout.readline()) == {"connected": True}
+        processes = sorted(server.tree())
+        assert filler.fill() > 0
+
+        # Small requests still go: their pages were taken before.
+        assert (infer(client, "blob", 16, 16, 3) == 3).all()
+        assert (infer(client, "blob_ensemble", 16, 16, 4) == 4).all()
+        # The worker's answer past the pages it took (extent 0 is 4 MiB): a 503 naming /dev/shm.
+        assert "/dev/shm" in _refused(client, "blob", 16, 3 * MIB + MIB // 2, 5)
+        # A 12 MiB body in the frontend's arena, past the pages steady traffic keeps: a 503.
+        assert "/dev/shm is full" in _refused(client, "blob", 12 * MIB, 16, 6)
+        # An ensemble's answer in the broker's arena, past the pages its small answers took.
+        assert _refused(client, "blob_ensemble", 16, 2 * MIB, 7) == (
+            "no room for the 2097280-byte response of ensemble 'blob_ensemble': /dev/shm is full: the server could "
+            "not take a page for it; retry later")
+        # A new answer the cache cannot take a page for is answered, and not stored.
+        assert (infer(client, "blob", 16, 2 * MIB, 8) == 8).all()
+        # The local client: its input past its arena's first pages; a new client cannot even start.
+        local.stdin.write(f"{8 * MIB} 16 9\n")
+        local.stdin.flush()
+        answer = json.loads(local.stdout.readline())
+        assert "/dev/shm is full" in answer.get("error", ""), answer
+        local.stdin.write(f"region {MIB}\n")  # a region it makes takes its pages then, or is refused
+        local.stdin.flush()
+        answer = json.loads(local.stdout.readline())
+        assert "NoRoom: /dev/shm is full: region 'r'" in answer.get("error", ""), answer
+        second = subprocess.run(["nsenter", "-t", str(server.pid), "-m", "--", PYTHON, "-c", LOCAL_CLIENT, server.id],
+                                cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1, (second.returncode, second.stderr[-2000:])
+        assert "/dev/shm is full" in json.loads(second.stdout.splitlines()[-1])["connect_error"]
+
+        assert sorted(server.tree()) == processes, server.log_tail()
+        filler.remove()
+
+        # With the room back, the same requests are answered, by the same processes.
+        assert (infer(client, "blob", 16, 3 * MIB + MIB // 2, 5) == 5).all()
+        assert (infer(client, "blob", 12 * MIB, 16, 6) == 6).all()
+        assert (infer(client, "blob_ensemble", 16, 2 * MIB, 7) == 7).all()
+        assert (infer(client, "blob", 16, 2 * MIB, 8) == 8).all()  # (not a wrong answer from the cache)
+        local.stdin.write(f"{8 * MIB} 16 9\n")
+        local.stdin.flush()
+        assert json.loads(local.stdout.readline()) == {"ok": True}
+        assert sorted(server.tree()) == processes
+        assert "SIGBUS" not in server.log() and "died" not in server.log(), server.log_tail()
+    finally:
+        filler.remove()
+        local.stdin.close()
+        local.wait(30)
