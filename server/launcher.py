@@ -105,6 +105,7 @@ class Launcher:
             strict_config=args.strict_model_config, strict_readiness=args.strict_readiness,
             exit_on_error=args.exit_on_error, exit_timeout_s=args.exit_timeout_secs,
             log=log_settings(args), trace=args.trace_config, worker_arena_bytes=args.worker_arena_mb << 20,
+            broker_arena_cap_bytes=args.broker_arena_mb << 20,
             worker_arena_start_bytes=args.worker_arena_start_bytes,
             worker_arena_growth_bytes=args.worker_arena_growth_bytes,
             allow_remote_shm=args.allow_remote_shm, allow_client_shm=args.allow_client_shm,

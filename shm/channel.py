@@ -40,7 +40,9 @@ from .waker import SLEEPING, Waker, fence, flag_view, make_fifo
 HEADER_BYTES = 4096
 # "SHM" and the layout of these objects: a process of another shmserve version (a pod's client
 # image updated apart from the server's) is told so, and never reads one layout as another.
-LAYOUT = 2  # 2: tables.0, batches.0 and control.<n> beside the segments (1 wrote 'S' here)
+# 2: tables.0, batches.0 and control.<n> beside the segments (1 wrote 'S' here); 3: the broker's
+# arena grows (its extents' sizes at the end of tables.0, a broker answer's role word names one).
+LAYOUT = 3
 MAGIC = 0x53484D00 | LAYOUT
 _FAMILY = 0xFFFFFF00
 
@@ -118,6 +120,11 @@ def _align(n: int, a: int = 4096) -> int:
     return (n + a - 1) & ~(a - 1)
 
 
+# tables.0, after the lane holders, routes, settings and regions: the sizes of the broker's grown
+# output extents (shm/extents.py), as a worker's control object holds its own.
+BROKER_EXTENTS_OFFSET = _align(LANES * LANE_NAME_BYTES) + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES
+
+
 def _create_sem(name: str, initial: int = 0, readers: tuple[int, ...] = ()) -> posix_ipc.Semaphore:
     """A new semaphore (mode 0600) that ``readers`` (other users, access.py) may open too."""
     unlink_semaphore(name)
@@ -136,6 +143,17 @@ def pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF
     except OSError:
         return 0
+
+
+def _set_extent_size(buf: memoryview, table: int, extent: int, size: int) -> None:
+    _EXTENT_SIZE.pack_into(buf, table + 8 * (extent % EXTENT_ENTRIES), size)
+
+
+def _extent_size(buf: memoryview, table: int, extent: int) -> int:
+    """The size an extents' table at ``table`` in ``buf`` gives extent ``extent`` (0: none)."""
+    if not 0 < extent < MAX_EXTENTS or len(buf) < table + 8 * EXTENT_ENTRIES:
+        return 0
+    return _EXTENT_SIZE.unpack_from(buf, table + 8 * (extent % EXTENT_ENTRIES))[0]
 
 
 def read_header(seg: Segment) -> tuple[int, int, int]:
@@ -169,6 +187,7 @@ class BrokerSegment:
         self.settings = Published(tables.buf, toff, SETTINGS_BYTES)
         toff += SETTINGS_BYTES
         self.regions = Published(tables.buf, toff, REGIONS_BYTES)
+        assert toff + REGIONS_BYTES == BROKER_EXTENTS_OFFSET  # (then the sizes of the broker's grown extents)
         self.doorbell_name = object_name(server_id, "doorbell", 0)
         if create:
             _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
@@ -187,7 +206,16 @@ class BrokerSegment:
 
     @staticmethod
     def tables_nbytes() -> int:
-        return _align(LANES * LANE_NAME_BYTES) + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES
+        return BROKER_EXTENTS_OFFSET + 8 * EXTENT_ENTRIES
+
+    def set_extent_size(self, extent: int, size: int) -> None:
+        """Broker side: its grown output extent ``extent`` exists with ``size`` bytes (extents.py)."""
+        _set_extent_size(self.tables.buf, BROKER_EXTENTS_OFFSET, extent, size)
+
+    @staticmethod
+    def extent_size_in(buf: memoryview, extent: int) -> int:
+        """The size the broker gave its extent ``extent`` in the ``tables.0`` ``buf`` maps (0: none)."""
+        return _extent_size(buf, BROKER_EXTENTS_OFFSET, extent)
 
     @staticmethod
     def batches_nbytes(arena_bytes: int) -> int:
@@ -385,15 +413,13 @@ class WorkerSegment:
     def set_extent_size(self, extent: int, size: int) -> None:
         """Worker side: extent ``extent`` (1 .. MAX_EXTENTS-1) exists with ``size`` bytes."""
         assert self.control is not None
-        _EXTENT_SIZE.pack_into(self.control.buf, EXTENTS_OFFSET + 8 * (extent % EXTENT_ENTRIES), size)
+        _set_extent_size(self.control.buf, EXTENTS_OFFSET, extent, size)
 
     @staticmethod
     def extent_size_in(buf: memoryview, extent: int) -> int:
         """The size the worker gave extent ``extent`` in the control object ``buf`` maps; 0 for
         one it never made or out of range."""
-        if not 0 < extent < MAX_EXTENTS or len(buf) < HEADER_BYTES:
-            return 0
-        return _EXTENT_SIZE.unpack_from(buf, EXTENTS_OFFSET + 8 * (extent % EXTENT_ENTRIES))[0]
+        return _extent_size(buf, EXTENTS_OFFSET, extent)
 
     def report_garbage(self, lane: int, cookie: int, fault: Fault) -> None:
         """Worker side: the holder of ``lane`` with ``cookie`` wrote garbage (the broker

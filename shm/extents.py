@@ -1,4 +1,5 @@
-"""A worker's output arena as a chain of extents that starts small and grows on demand.
+"""An output arena as a chain of extents that starts small and grows on demand: each worker's,
+and the broker's (its answers: ensembles' outputs, errors, control documents).
 
 A server with many small models cannot give every instance a large arena up front: /dev/shm is
 counted per segment (shm/space.py), and 200 instances of 257 MiB do not fit where 200 of a few
@@ -11,21 +12,27 @@ next one is made; it is then retired and unlinked once every block in it was giv
 
 Answers go to extent 0 first, so steady small traffic costs what it did with one arena. A
 completion slot (and a stream record) names the extent; a consumer maps an extent by name on
-first sight, only if the server's uid owns it and it has the size the worker wrote into its
-control object, which no client writes (``map_extent``).
+first sight, only if the server's uid owns it and it has the size its producer wrote where no
+client writes: a worker's control object, the broker's tables (``map_extent``).
+
+The broker's arena grows the same way (``broker.0.arena.<k>``, up to ``--broker-arena-mb``): an
+ensemble's answer larger than its first 64 MiB is served, and answers a client keeps (a local
+client's result arrays point into them) pin only the extent they lie in, not every broker answer
+of every client.
 """
 from __future__ import annotations
 
 import os
 import threading
+from typing import Callable
 
 import posix_ipc
 
 from . import space
 from .access import server_readers
 from .arena import ALIGN, BLOCK_HEADER, Arena, no_room_text
-from .channel import EXTENT_ENTRIES, MAX_EXTENTS, WorkerSegment
-from .names import PREFIX, SHM_DIR, extent_name, unlink_shm
+from .channel import EXTENT_ENTRIES, MAX_EXTENTS, BrokerSegment, WorkerSegment
+from .names import PREFIX, SHM_DIR, broker_extent_name, extent_name, unlink_shm
 from .segment import Segment, SegmentCache
 
 MIB = 1 << 20
@@ -48,20 +55,25 @@ def _round_up(n: int, unit: int) -> int:
 
 
 class OutputArenas:
-    """Owner side: where a worker's answers are written. ``alloc`` returns (extent, offset);
-    ``buf(extent)`` is the mapping to write into. Thread-safe (stream senders run on the model's
-    threads); only growth and retirement take the lock."""
+    """Owner side: where a worker's (or the broker's) answers are written. ``alloc`` returns
+    (extent, offset); ``buf(extent)`` is the mapping to write into. Thread-safe (stream senders
+    run on the model's threads); only growth and retirement take the lock. ``name_of`` names
+    extent k's object, ``publish`` writes its size where consumers check it; ``owner`` and
+    ``cap_flag`` name the owner and the flag that caps it in refusals."""
 
-    def __init__(self, first: Arena, seg: WorkerSegment, server_id: str, num: int, cap: int, growth: int,
-                 instance_name: str = "") -> None:
+    def __init__(self, first: Arena, first_seg: Segment, server_id: str, cap: int, growth: int, *,
+                 name_of: Callable[[int], str], publish: Callable[[int, int], None], owner: str,
+                 cap_flag: str) -> None:
         self.first = first
-        self.first_buf = seg.seg.buf
-        self.seg = seg
+        self.first_seg = first_seg
+        self.first_buf = first_seg.buf
         self.server_id = server_id
-        self.num = num
         self.cap = cap
         self.growth = max(growth, ALIGN)
-        self.instance_name = instance_name
+        self.owner = owner
+        self.cap_flag = cap_flag
+        self._name_of = name_of
+        self._publish = publish
         self._grown: dict[int, tuple[Segment, Arena]] = {}  # extent -> its mapping, while not unlinked
         self._current = 0  # the extent that takes answers extent 0 has no room for
         self._retired: list[int] = []
@@ -79,6 +91,13 @@ class OutputArenas:
 
     def buf(self, extent: int) -> memoryview:
         return self.first_buf if extent == 0 else self._grown[extent][0].buf
+
+    def segment(self, extent: int) -> Segment | None:
+        """The mapping of ``extent``; None once it was unlinked (or never made)."""
+        if extent == 0:
+            return self.first_seg
+        grown = self._grown.get(extent)
+        return grown[0] if grown is not None else None
 
     def free(self, extent: int, off: int) -> None:
         if extent == 0:
@@ -125,27 +144,28 @@ class OutputArenas:
         if size < need:
             if need <= max(self.cap - self.first.capacity, self.first.capacity):
                 return None
-            raise GrowthRefused(self._refusal(response, f"no room under the cap of the instance's output arena, "
-                                                    f"--worker-arena-mb={self.cap >> 20} ({space.mib(used)} in use)"))
+            whose = "the broker's" if self.owner == BROKER else "the instance's"
+            raise GrowthRefused(self._refusal(response, f"no room under the cap of {whose} output arena, "
+                                                    f"{self.cap_flag}={self.cap >> 20} ({space.mib(used)} in use)"))
         extent = self._next
         if any(e % EXTENT_ENTRIES == extent % EXTENT_ENTRIES for e in self._grown):
             return None  # its entry in the header still describes a live extent: wait for it to drain
         if extent >= MAX_EXTENTS:
             raise GrowthRefused(self._refusal(response, f"it has grown {MAX_EXTENTS - 1} times; raise "
                                                     f"--backend-config=python,{DEFAULT_BYTES_SETTING}"))
-        name = extent_name(self.server_id, self.num, extent)
+        name = self._name_of(extent)
         try:
             with space.counting(self.server_id):  # checked and made with no other growth in between
-                space.check(self.server_id, size, f"a {space.mib(size)} output extent of model instance "
-                                                  f"'{self.instance_name}'", f" (--worker-arena-mb={self.cap >> 20} "
-                                                                             f"caps one instance's extents)")
+                whose = "its" if self.owner == BROKER else "one instance's"
+                space.check(self.server_id, size, f"a {space.mib(size)} output extent of {self.owner}",
+                            f" ({self.cap_flag}={self.cap >> 20} caps {whose} extents)")
                 seg = Segment.create_anew(name, size, server_readers(), taken=0)
         except space.NoRoom as e:
             raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
         except (OSError, posix_ipc.Error) as e:
             raise GrowthRefused(self._refusal(response, f"{name}: {e}")) from None
         self._next += 1
-        self.seg.set_extent_size(extent, size)  # before any answer in it is published
+        self._publish(extent, size)  # before any answer in it is published
         arena = Arena(seg.buf, 0, size, seg.populate)
         self._grown[extent] = (seg, arena)
         if self._current:
@@ -154,8 +174,7 @@ class OutputArenas:
         return extent, arena
 
     def _refusal(self, need: int, why: str) -> str:
-        return (f"Failed to increase the shared memory pool size of model instance '{self.instance_name}' "
-                f"for a {need}-byte response: {why}")
+        return f"Failed to increase the shared memory pool size of {self.owner} for a {need}-byte response: {why}"
 
     def tidy(self) -> None:
         """Unlink retired extents whose blocks were all given back (called once a round)."""
@@ -173,7 +192,8 @@ class OutputArenas:
                 seg.close()
 
     def close(self) -> None:
-        """Unlink every grown extent (the worker is leaving; the broker does it too after a crash)."""
+        """Unlink every grown extent (its owner is leaving; after a worker's crash the broker does
+        it, after the broker's the launcher)."""
         with self._lock:
             for seg, _ in self._grown.values():
                 seg.unlink()
@@ -183,21 +203,52 @@ class OutputArenas:
             self._current = 0
 
 
+BROKER = "the broker"  # the broker's arenas' owner, in refusals
+
+
+def worker_arenas(first: Arena, seg: WorkerSegment, server_id: str, num: int, cap: int, growth: int,
+                  instance_name: str) -> OutputArenas:
+    """A worker's answers: extent 0 in its segment, grown ones ``worker.<n>.arena.<k>`` with
+    their sizes in its control object, up to ``--worker-arena-mb``."""
+    return OutputArenas(first, seg.seg, server_id, cap, growth, name_of=lambda k: extent_name(server_id, num, k),
+                        publish=seg.set_extent_size, owner=f"model instance '{instance_name}'",
+                        cap_flag="--worker-arena-mb")
+
+
+def broker_arenas(seg: BrokerSegment, server_id: str, cap: int) -> OutputArenas:
+    """The broker's answers: extent 0 in ``broker.0``, grown ones ``broker.0.arena.<k>`` with
+    their sizes in ``tables.0``, up to ``--broker-arena-mb``."""
+    assert seg.arena is not None  # (the broker made it)
+    return OutputArenas(seg.arena, seg.seg, server_id, max(cap, seg.arena.capacity), DEFAULT_GROWTH_BYTES,
+                        name_of=lambda k: broker_extent_name(server_id, k), publish=seg.set_extent_size,
+                        owner=BROKER, cap_flag="--broker-arena-mb")
+
+
 # -- consumers ------------------------------------------------------------------------------------
-def map_extent(cache: SegmentCache, server_id: str, num: int, extent: int, control: Segment) -> Segment:
-    """The mapping of worker ``num``'s extent ``extent`` (``control``: its control object,
-    mapped), from ``cache``. OSError unless the server's uid owns it and it has the size the
-    worker wrote: a name in /dev/shm can be made by anyone, and an answer is read only from the
-    server's memory."""
-    expected = WorkerSegment.extent_size_in(control.buf, extent)
-    name = extent_name(server_id, num, extent)
+def map_extent(cache: SegmentCache, name: str, expected: int, owner_uid: int) -> Segment:
+    """The mapping of the extent ``name`` from ``cache``: ``expected``, the size its producer
+    published where no client writes (0: it made none of that number), ``owner_uid`` the
+    server's. OSError unless the server's uid owns it at that size: a name in /dev/shm can be made
+    by anyone, and an answer is read only from the server's memory."""
     if not expected:
-        raise OSError(f"{name} is not an extent worker {num} made")
+        raise OSError(f"{name} is not an extent the server made")
     seg = cache.get(name)
-    if seg.uid != control.uid or seg.size != expected:
+    if seg.uid != owner_uid or seg.size != expected:
         cache.drop(name)
         raise OSError(f"{name} is not the server's (uid {seg.uid}, {seg.size} bytes)")
     return seg
+
+
+def map_worker_extent(cache: SegmentCache, server_id: str, num: int, extent: int, control: Segment) -> Segment:
+    """Worker ``num``'s extent ``extent`` (``control``: its control object, mapped)."""
+    return map_extent(cache, extent_name(server_id, num, extent), WorkerSegment.extent_size_in(control.buf, extent),
+                      control.uid)
+
+
+def map_broker_extent(cache: SegmentCache, server_id: str, extent: int, tables: Segment) -> Segment:
+    """The broker's extent ``extent`` (``tables``: ``tables.0``, mapped)."""
+    return map_extent(cache, broker_extent_name(server_id, extent), BrokerSegment.extent_size_in(tables.buf, extent),
+                      tables.uid)
 
 
 def unlink_extents(server_id: str, num: int, folder: str = SHM_DIR) -> int:

@@ -31,6 +31,11 @@ def extent_name(server_id: str, worker: int, extent: int) -> str:
     return object_name(server_id, "worker", f"{worker}.arena.{extent}")
 
 
+def broker_extent_name(server_id: str, extent: int) -> str:
+    """The broker's grown output extent ``extent`` (1, 2, ...; extent 0 lies in ``broker.0``)."""
+    return object_name(server_id, "broker", f"0.arena.{extent}")
+
+
 RESERVED_PREFIXES = (PREFIX + ".", "sem.")
 # The local client's own regions (``Client.create_region``): ``/shmclient.<ticket>.<name>`` (its
 # process's liveness ticket, liveness.py). Not in RESERVED_PREFIXES: only the client process

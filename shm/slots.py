@@ -19,9 +19,9 @@ import posix_ipc
 from .answer import AnswerDescriptor
 from .channel import ClientSegment, control_name
 from .completion import Callback, Completion
-from .extents import map_extent
+from .extents import map_broker_extent, map_worker_extent
 from .names import object_name
-from .protocol import EXTENT_SHIFT, LAST_RESPONSE, NO_ROOM, RECORD, ROLE_BROKER, ROLE_MASK, ROLE_NAMES, ROLE_WORKER, \
+from .protocol import EXTENT_SHIFT, LAST_RESPONSE, NO_ROOM, RECORD, ROLE_BROKER, ROLE_MASK, ROLE_NAMES, \
     SLOT_BYTES, SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY
 from .ring import Ring
 from .routes import Router
@@ -162,7 +162,7 @@ class Slots:
         """A view of the mapping an answer lies in, its own: it stays valid while the answer is
         read even if the cache drops the segment meanwhile (its producer is gone, or the cache is
         full); a cached buffer would be released under it. ``extent``: which of a worker's
-        output extents (0: its own segment; others are checked by ``extents.map_extent``)."""
+        output extents, or the broker's (0: its own segment; others are checked by ``extents.map_extent``)."""
         key = (role, num, extent)
         seg = self._producers.get(key)
         if seg is not None and not seg.closed:
@@ -170,13 +170,16 @@ class Slots:
                 return seg.view()
             except ValueError:  # closed since we looked
                 pass
-        if role not in ROLE_NAMES or (extent and role != ROLE_WORKER):
+        if role not in ROLE_NAMES:
             raise KeyError(f"no producer of role {role}, extent {extent}")
         name = object_name(self.server_id, "broker", 0) if role == ROLE_BROKER else \
             object_name(self.server_id, ROLE_NAMES[role], num)
-        if extent:
+        if extent and role == ROLE_BROKER:
+            tables = self._segments.get(object_name(self.server_id, "tables", 0), readonly=True)
+            seg = map_broker_extent(self._segments, self.server_id, extent, tables)
+        elif extent:
             control = self._segments.get(control_name(name), readonly=True)
-            seg = map_extent(self._segments, self.server_id, num, extent, control)
+            seg = map_worker_extent(self._segments, self.server_id, num, extent, control)
         else:
             seg = self._segments.get(name)
         self._producers[key] = seg
@@ -188,6 +191,7 @@ class Slots:
         ever restarted or reloaded, until its cache's bound made it drop mappings still in use."""
         self._segments.drop_unlinked(object_name(self.server_id, "worker", ""))
         self._segments.drop_unlinked(object_name(self.server_id, "control", ""))
+        self._segments.drop_unlinked(object_name(self.server_id, "broker", "0.arena."))  # its retired extents
         for key, seg in list(self._producers.items()):
             if seg.closed:
                 self._producers.pop(key, None)

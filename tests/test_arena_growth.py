@@ -26,7 +26,7 @@ from shmserve.server.cli import parse_args
 from shmserve.server.shm_needs import SMALL_OBJECTS_BYTES, instance_bytes, startup_bytes
 from shmserve.shm import space
 from shmserve.shm.channel import EXTENTS_OFFSET, WorkerSegment
-from shmserve.shm.extents import DEFAULT_START_BYTES, map_extent
+from shmserve.shm.extents import DEFAULT_START_BYTES, map_broker_extent, map_worker_extent
 from shmserve.shm.names import extent_name, object_name
 from shmserve.shm.segment import SegmentCache
 
@@ -143,30 +143,34 @@ def test_an_extent_name_another_user_made_first_is_never_used(server_factory):
 
 
 def test_a_consumer_maps_an_extent_only_if_the_server_owns_it_at_its_size(server_factory):
-    """``map_extent``, as every consumer calls it, against a live server's worker: an
-    extent the worker never made, one of the wrong size and one of another user are refused."""
+    """``map_worker_extent``, as every consumer calls it, against a live server's worker: an
+    extent the worker never made, one of the wrong size and one of another user are refused;
+    and the broker's own (``map_broker_extent``) only where its tables give it a size."""
     s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
     http_identity(s, 2 * MIB)  # extent 1, 8 MiB
     cache = SegmentCache()
     try:
         control = cache.get(object_name(s.id, "control", 0))  # where the worker writes the sizes
         size = WorkerSegment.extent_size_in(control.buf, 1)
-        assert map_extent(cache, s.id, 0, 1, control).size == size > 0
-        with pytest.raises(OSError, match="not an extent worker 0 made"):
-            map_extent(cache, s.id, 0, 2, control)
+        assert map_worker_extent(cache, s.id, 0, 1, control).size == size > 0
+        with pytest.raises(OSError, match="is not an extent the server made"):
+            map_worker_extent(cache, s.id, 0, 2, control)
+        tables = cache.get(object_name(s.id, "tables", 0), readonly=True)
+        with pytest.raises(OSError, match=r"broker\.0\.arena\.1 is not an extent the server made"):
+            map_broker_extent(cache, s.id, 1, tables)  # (it never grew)
         path = "/dev/shm" + extent_name(s.id, 0, 2)
         at = EXTENTS_OFFSET + 8 * 2  # the worker's table says extent 2 has 64 MiB
         control.buf[at:at + 8] = (64 << 20).to_bytes(8, "little")
         try:
             run_as_nobody(SQUAT, {"path": path})  # another user's, of that size
             with pytest.raises(OSError, match="is not the server's"):
-                map_extent(cache, s.id, 0, 2, control)
+                map_worker_extent(cache, s.id, 0, 2, control)
             os.unlink(path)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # the server's uid, the wrong size
             os.ftruncate(fd, 16 << 20)
             os.close(fd)
             with pytest.raises(OSError, match="is not the server's"):
-                map_extent(cache, s.id, 0, 2, control)
+                map_worker_extent(cache, s.id, 0, 2, control)
         finally:
             control.buf[at:at + 8] = bytes(8)
             os.unlink(path)

@@ -28,7 +28,7 @@ from shmserve.shm import liveness, logs
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.arena import Arena, free_block
 from shmserve.shm.channel import MESSAGES_BYTES, REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
-from shmserve.shm.extents import OutputArenas
+from shmserve.shm.extents import worker_arenas
 from shmserve.shm.names import object_name, pid_alive
 from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
     W_CHECK_READY, W_MORE, W_STOP, cancelled_error, read_manifest
@@ -92,8 +92,8 @@ class Worker:
         self.clients: dict[str, ClientSegment] = {}
         # Answers go to the arena's first extent (``self.arena``, which also carries messages to
         # the broker) and to extents it grows into, up to the cap (shm/extents.py).
-        arenas = OutputArenas(self.arena, self.seg, self.server_id, self.num, spec.get("arena_cap", 0) or
-                              self.seg.arena_size, spec.get("arena_growth", 0), self.instance_name)
+        arenas = worker_arenas(self.arena, self.seg, self.server_id, self.num, spec.get("arena_cap", 0) or
+                               self.seg.arena_size, spec.get("arena_growth", 0), self.instance_name)
         self.answers = Answers(self.num, ModelInfo(self.version, self.instance_name), arenas, self.segments,
                                self.broker.waker)
         self.backend: Backend | None = None

@@ -26,6 +26,7 @@ import time
 
 from shmserve.shm.access import server_readers
 from shmserve.shm.channel import BrokerSegment
+from shmserve.shm.extents import broker_arenas
 from shmserve.parent_death import ORPHANED
 from shmserve.shm import liveness, space
 from shmserve.shm.liveness import BROKER_TICKET
@@ -66,6 +67,8 @@ class Broker:
     def __init__(self, opts: BrokerOptions) -> None:
         self.opts = opts
         self.seg = BrokerSegment.create(opts.server_id, opts.broker_arena_bytes, server_readers())
+        # Its answers: the arena in its segment, then extents it grows (shm/extents.py).
+        self.answers = broker_arenas(self.seg, opts.server_id, opts.broker_arena_cap_bytes)
         space.make_lock(opts.server_id)  # before any worker segment is counted (shm/space.py)
         self.journal = Journal(opts.server_id)  # what a broker before this one was asked to change
         self.cache = create_store(opts.server_id, opts.response_cache_bytes)  # workers attach it; ensembles use it
@@ -74,7 +77,7 @@ class Broker:
         # Byte 0 of our segment's file: clients in any PID namespace see that we live (shm/liveness.py).
         self.tickets = liveness.watch(opts.server_id)
         self.tickets.hold(BROKER_TICKET)
-        self.clients = Clients(self.seg, opts.server_id, self.tickets)
+        self.clients = Clients(self.seg, opts.server_id, self.tickets, self.answers)
         self.regions = Regions(self.seg, self.journal)
         self.routes = Routes(self.seg, self.catalog, self.instances)
         self.limiter = RateLimiter(opts.rate_limit, opts.rate_limit_resources)
@@ -82,11 +85,11 @@ class Broker:
         self.lifecycle = Lifecycle(opts, self.catalog, self.instances, self.routes, self.clients, self.journal,
                                    self.limiter)
         self.supervisor = Supervisor(self.instances, self.lifecycle, self.routes, self.clients, self.limiter)
-        self.statistics = Statistics(self.seg, self.catalog, self.instances, self.regions)
+        self.statistics = Statistics(self.answers, self.catalog, self.instances, self.regions)
         self.control = ControlHandler(opts, self.seg, self.catalog, self.lifecycle, self.routes, self.statistics,
                                       self.regions, self.journal)
         self.statistics.serve(opts)
-        self.ensembles = Ensembles(opts.server_id, self.seg, self.catalog, self.clients, self.scheduler,
+        self.ensembles = Ensembles(opts.server_id, self.seg, self.answers, self.catalog, self.clients, self.scheduler,
                                    self.instances, self.cache)
         self.intake = Intake(self.catalog, self.regions, self.clients, self.scheduler, self.ensembles)
         self.child_exited = False  # set by SIGCHLD: check the workers now
@@ -186,6 +189,7 @@ class Broker:
 
     def _housekeeping(self) -> None:
         self.supervisor.check_workers()
+        self.answers.tidy()  # a retired extent of our arena whose answers were all read is unlinked
         if self.cache is not None:
             self.cache.recover()  # a worker that died holding the cache's lock
         self._refuse_reported_clients()
@@ -316,6 +320,7 @@ class Broker:
         if self.cache is not None:
             self.cache.close()
             self.cache.unlink()
+        self.answers.close()  # (unlinks its grown extents)
         self.seg.close()
         self.seg.unlink()
         if self.orphaned:

@@ -17,9 +17,10 @@ import posix_ipc
 from shmserve.batching import Pending
 from shmserve.shm.answer import AnswerDescriptor, answer_room, write_answer
 from shmserve.shm.arena import no_room_text
+from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment, pid_namespace
 from shmserve.shm.liveness import Tickets
-from shmserve.shm.protocol import ROLE_BROKER, SLOT_PENDING
+from shmserve.shm.protocol import ROLE_BROKER, SLOT_PENDING, role_word
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import Fault, Garbage, check_connect, client_name_pattern
 
@@ -35,12 +36,11 @@ class Clients:
     client may live in another PID namespace (another container of the pod), so its pid means
     nothing here; whether it lives is whether its ticket is held."""
 
-    def __init__(self, seg: BrokerSegment, server_id: str, tickets: Tickets) -> None:
+    def __init__(self, seg: BrokerSegment, server_id: str, tickets: Tickets, answers: OutputArenas) -> None:
         self.seg = seg
         self.tickets = tickets
         self._pid_namespace = pid_namespace()
-        assert seg.arena is not None  # the broker's segment, which it created
-        self.arena = seg.arena
+        self.answers = answers  # the broker's output arena, which grows (shm/extents.py)
         self.by_name: dict[str, Client] = {}
         self.lanes: list[str | None] = [None] * LANES  # lane -> the client holding it
         self.next_cookie = 0
@@ -131,14 +131,17 @@ class Clients:
             answer = AnswerDescriptor.of_document(answer)
         data = answer.encode()
         room = answer_room(len(data))
-        off = self.arena.alloc(room, client.ticket)
+        try:
+            extent, off = self.answers.alloc(room, client.ticket)
+            why = no_room_text(self.answers.first, "the broker's arena is full")
+        except GrowthRefused as e:
+            extent, off, why = 0, -1, str(e)
         if off < 0:  # answered without a block: the client reads shm.protocol.NO_ROOM (a 503)
-            log.error("%s: client %s gets a 503 for slot %d", no_room_text(self.arena, "the broker's arena is full"),
-                      client.name, slot)
+            log.error("%s: client %s gets a 503 for slot %d", why, client.name, slot)
             client.seg.complete(slot, 503, ROLE_BROKER, 0, 0, 0)
         else:
-            write_answer(self.seg.seg.buf, off, data)
-            client.seg.complete(slot, status, ROLE_BROKER, 0, off, room)
+            write_answer(self.answers.buf(extent), off, data)
+            client.seg.complete(slot, status, role_word(ROLE_BROKER, extent), 0, off, room)
         client.seg.waker.notify()
 
     def fail_pending(self, batch: list[Pending], status: int, message: str) -> None:

@@ -46,10 +46,11 @@ from shmserve.shm.arena import free_block, no_room_text
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
 from shmserve.shm.descriptor import InputTensor
+from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.liveness import BROKER_TICKET
 from shmserve.shm.names import object_name
-from shmserve.shm.protocol import (CANCELLED_STATUS, NO_ROOM, RECORD, ROLE_BROKER, SLOT_DONE,
-                                   SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, cancelled_error)
+from shmserve.shm.protocol import (CANCELLED_STATUS, EXTENT_SHIFT, NO_ROOM, RECORD, ROLE_BROKER, ROLE_MASK, SLOT_DONE,
+                                   SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, cancelled_error, role_word)
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.region_io import StaleRegion
 from shmserve.shm.ring import Ring, RingCorrupt
@@ -85,11 +86,10 @@ class Ensembles:
     step's responses come on a ring in that segment (one of ``RING_POOL``, set aside at start).
     """
 
-    def __init__(self, server_id: str, seg: BrokerSegment, catalog: Catalog, clients: Clients,
+    def __init__(self, server_id: str, seg: BrokerSegment, answers: OutputArenas, catalog: Catalog, clients: Clients,
                  scheduler: Scheduler, instances: Instances, cache: CacheStore | None) -> None:
         self.seg = seg
-        assert seg.arena is not None  # the broker's segment, which it created
-        self.arena = seg.arena
+        self.answers = answers  # the broker's output arena, which grows (shm/extents.py)
         self.catalog = catalog
         self.clients = clients
         self.scheduler = scheduler
@@ -265,8 +265,8 @@ class Ensembles:
     # -- what steps answer ----------------------------------------------------------------------
     def _owner(self, role: int, num: int) -> Any:
         """The segment a step's answer lies in: the broker's (a nested ensemble's), or its worker's."""
-        if role == ROLE_BROKER:
-            return self.seg.seg
+        if role & ROLE_MASK == ROLE_BROKER:
+            return self.answers.segment(role >> EXTENT_SHIFT)
         return self.instances.answer_segment(num, role, self.segments)
 
     def _take_responses(self, call: StepCall) -> None:
@@ -287,7 +287,7 @@ class Ensembles:
                 return
             status, role, off, length, num = record
             call.received += 1
-            if role != ROLE_BROKER and not self.own.seg.target(call.slot):
+            if role & ROLE_MASK != ROLE_BROKER and not self.own.seg.target(call.slot):
                 # Its worker is known now: should it die, the call fails with it (Supervisor),
                 # even after its batch is done and while its model still sends.
                 self.own.seg.set_target(call.slot, num + 1)
@@ -498,7 +498,10 @@ class Ensembles:
         else:
             ring = Ring(run.client.seg.seg.buf, run.entry["stream"]["off"], STREAM_CAPACITY, RECORD)
             put = 0
-            while run.outbox and ring.put(run.outbox[0][0], ROLE_BROKER, run.outbox[0][1], run.outbox[0][2], 0):
+            while run.outbox:
+                status, extent, off, length = run.outbox[0]
+                if not ring.put(status, role_word(ROLE_BROKER, extent), off, length, 0):
+                    break
                 run.outbox.popleft()
                 put += 1
             if put:
@@ -509,7 +512,8 @@ class Ensembles:
 
     def _drop_outbox(self, run: EnsembleRun) -> None:
         while run.outbox:
-            free_block(self.seg.seg.buf, run.outbox.popleft()[1])
+            _, extent, off, _ = run.outbox.popleft()
+            self.answers.free(extent, off)
 
     def _give_up(self, run: EnsembleRun) -> None:
         """The run answers nothing more: its steps in flight are cancelled (their models see
@@ -579,15 +583,15 @@ class Ensembles:
             return False
         run.answered = True
         if self._client_gone(run):
-            self.arena.free(block[0])
+            self.answers.free(block[0], block[1])
         else:
-            run.client.seg.complete(run.slot, 200, ROLE_BROKER, 0, *block)
+            run.client.seg.complete(run.slot, 200, role_word(ROLE_BROKER, block[0]), 0, block[1], block[2])
             run.client.seg.waker.notify()
         return True
 
-    def _answer_block(self, run: EnsembleRun, outputs: list[Output]) -> tuple[int, int] | None:
-        """Copy the outputs into one answer in the broker's arena (or into the client's regions):
-        its (offset, length); None when the run failed instead (its error answered)."""
+    def _answer_block(self, run: EnsembleRun, outputs: list[Output]) -> tuple[int, int, int] | None:
+        """Copy the outputs into one answer in the broker's output arena (or into the client's
+        regions): its (extent, offset, length); None when the run failed instead (its error answered)."""
         placed = {o["name"]: o for o in run.entry.get("outputs") or () if "seg" in o}
         try:
             outputs = self._classified(run, outputs)
@@ -616,16 +620,21 @@ class Ensembles:
                 pos += size
         body = AnswerDescriptor(outs, run.version.version).encode()
         room = answer_room(len(body))
-        off = self.arena.alloc(room + pos, run.client.ticket)
+        try:
+            extent, off = self.answers.alloc(room + pos, run.client.ticket)
+            why = no_room_text(self.answers.first, "the broker's arena is full")
+        except GrowthRefused as e:
+            extent, off, why = 0, -1, str(e)
         if off < 0:
             self._fail_run(run, None, 503, f"no room for the {room + pos}-byte response of ensemble "
-                                           f"'{run.plan.name}': " + no_room_text(self.arena, "the broker's arena is full"))
+                                           f"'{run.plan.name}': {why}")
             return None
-        at = write_answer(self.seg.seg.buf, off, body)
+        buf = self.answers.buf(extent)
+        at = write_answer(buf, off, body)
         for chunk in chunks:
-            self.seg.seg.buf[at:at + len(chunk)] = chunk
+            buf[at:at + len(chunk)] = chunk
             at += len(chunk)
-        return off, room + pos
+        return extent, off, room + pos
 
 
 def _step_answer(buf: Any, off: int, end: int) -> tuple[AnswerDescriptor, int]:

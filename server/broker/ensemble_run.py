@@ -94,7 +94,8 @@ class EnsembleRun:
         self.answer: Branch | None = None  # a single-answer run: the branch whose outputs answer it
         self.kept: list[Block] = []  # the blocks of ``answer``, freed when the run ends
         self.sent = 0  # stream responses
-        self.outbox: collections.deque[tuple[int, int, int]] = collections.deque()  # (status, off, length)
+        # (status, extent, offset, length) of answers in the broker's output arena
+        self.outbox: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self.full_since = 0.0  # since when the client's ring has taken no response that waits
         self.cache_key: bytes | None = None  # set after a miss: the final answer is stored under it
         self.lookup_ns = 0

@@ -19,7 +19,7 @@ from shmserve.shm.access import server_readers
 from shmserve.shm.arena import free_block
 from shmserve.shm.channel import WorkerSegment
 from shmserve.shm.child_spec import spec_file
-from shmserve.shm.extents import map_extent, unlink_extents
+from shmserve.shm.extents import map_worker_extent, unlink_extents
 from shmserve.shm.names import object_name, unlink_shm
 from shmserve.shm.protocol import EXTENT_SHIFT, ROLE_MASK, ROLE_WORKER, W_STOP
 from shmserve.shm.segment import Segment, SegmentCache
@@ -143,7 +143,7 @@ class Instances:
         try:
             control = live[1].seg.control
             assert control is not None  # (the broker made it)
-            return map_extent(cache, self.opts.server_id, num, extent, control)
+            return map_worker_extent(cache, self.opts.server_id, num, extent, control)
         except (OSError, ValueError):
             return None
 

@@ -24,7 +24,8 @@ class BrokerOptions:
     exit_timeout_s: float = 30.0
     log: dict[str, Any] = dataclasses.field(default_factory=dict)  # Triton's log settings (shm/logs.py)
     trace: dict[str, Any] = dataclasses.field(default_factory=dict)  # --trace-config settings (shm/trace.py)
-    broker_arena_bytes: int = BROKER_ARENA_BYTES
+    broker_arena_bytes: int = BROKER_ARENA_BYTES  # its first extent, in broker.0
+    broker_arena_cap_bytes: int = 256 << 20  # --broker-arena-mb: the cap of its output extents together
     worker_arena_bytes: int = 256 << 20  # --worker-arena-mb: the cap of one instance's output extents
     # --backend-config python,shm-default-byte-size / shm-growth-byte-size (shm/extents.py)
     worker_arena_start_bytes: int = 4 << 20

@@ -6,7 +6,7 @@ own thread) read them here; nothing is aggregated ahead of a read.
 """
 from __future__ import annotations
 
-from shmserve.shm.channel import BrokerSegment
+from shmserve.shm.extents import OutputArenas
 from shmserve.shm.stats import VersionTotals
 
 from . import response_cache
@@ -18,9 +18,8 @@ from .regions import Regions
 
 
 class Statistics:
-    def __init__(self, seg: BrokerSegment, catalog: Catalog, instances: Instances, regions: Regions) -> None:
-        assert seg.arena is not None  # the broker's segment, which it created
-        self.arena = seg.arena
+    def __init__(self, answers: OutputArenas, catalog: Catalog, instances: Instances, regions: Regions) -> None:
+        self.answers = answers  # the broker's output arena
         self.catalog = catalog
         self.instances = instances
         self.regions = regions
@@ -49,7 +48,7 @@ class Statistics:
 
     def extras(self) -> list[Family]:
         """shmserve's own gauges and counters beside the per-version statistics."""
-        arenas: list[tuple[dict[str, str], float]] = [({"owner": "broker"}, self.arena.bytes_in_use)]
+        arenas: list[tuple[dict[str, str], float]] = [({"owner": "broker"}, self.answers.bytes_in_use)]
         loads, regions = [], self.regions.system.regions
         for name, versions in list(self.catalog.models.items()):
             for v, mv in list(versions.items()):
