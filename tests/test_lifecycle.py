@@ -217,6 +217,48 @@ def test_failed_load_leaves_the_old_version_serving(server_factory, repo):
     assert "shmserve_model_serving_after_failed_load{" not in s.metrics_text()
 
 
+KILLED_WHILE_LOADING = """
+import os
+import signal
+
+os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer ends a worker loading a model too large
+"""
+
+
+def _killed_while_loading(root: Path) -> Path:
+    """A repository whose model's worker dies while loading, saying nothing (SIGKILL)."""
+    (root / "killed" / "1").mkdir(parents=True)
+    (root / "killed" / "1" / "model.py").write_text(KILLED_WHILE_LOADING)
+    (root / "killed" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\ninput [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+    return root
+
+
+def test_a_load_whose_worker_is_killed_while_loading_is_answered(server_factory, repo):
+    """Before, its load, and every later load of that model, waited forever: the version failed
+    when the worker's exit was seen, but only a worker's own message ended a load."""
+    s = server_factory.start([_killed_while_loading(repo)], ["--model-control-mode", "explicit",
+                                                             "--load-model", "add_sub"])
+    c = httpclient.InferenceServerClient(s.url, network_timeout=60)
+    for _ in range(2):  # and again: no load in progress is left behind
+        with pytest.raises(InferenceServerException) as e:
+            c.load_model("killed")
+        assert e.value.status() == "400"
+        assert e.value.message() == ("failed to load 'killed' version 1: instance 'killed_0' exited with code -9 "
+                                     "while loading")
+    assert not c.is_model_ready("killed")
+    assert add_sub(c).tolist() == list(range(0, 32, 2))  # the rest serves on
+
+
+def test_a_start_whose_model_is_killed_while_loading_exits_under_exit_on_error(server_factory, tmp_path):
+    s = server_factory.create([_killed_while_loading(tmp_path / "repo")], ["--model-control-mode", "explicit",
+                                                                          "--load-model", "killed"])
+    s.start()
+    assert s.wait_exit(60) != 0  # (before: it waited, never ready, until it was stopped)
+    assert "failed to load all models; exiting" in s.log(), s.log_tail()
+
+
 @pytest.mark.parametrize("mode", ["none", "poll"])
 def test_load_and_unload_need_explicit_mode(server_factory, repo, mode):
     s = server_factory.start([repo], ["--model-control-mode", mode])

@@ -468,6 +468,13 @@ class Lifecycle:
                     inst.death_note = f"failed to restart: {reason}"
                 else:
                     self.fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: {reason}")
+        self.settle_loads()
+
+    def settle_loads(self) -> None:
+        """End the loads that can end now (a version became ready or failed: their callers are
+        answered), and the start once its loads are over. After what a worker said, and after a
+        worker that died while loading said nothing (killed, out of memory, a crash in native
+        code): without it, that load and every later load of the model waited forever."""
         if self.catalog.loading:
             self.resolve_loads()
         if not self.startup_done:

@@ -73,6 +73,7 @@ class Supervisor:
         if not inst.ready and mv.state != State.READY:  # its first load: the version fails
             self.lifecycle.fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: instance "
                                             f"'{inst.name}' exited with code {code} while loading")
+            self.lifecycle.settle_loads()
             return
         # A version that served keeps its state when an instance dies, or fails to restart: it is
         # tried again with back-off, and the version is ready whenever one instance serves.
