@@ -1,7 +1,10 @@
 """The launcher: starts the broker and the frontends, supervises them, and cleans up on exit.
 
 Like uvicorn's supervisor it restarts what dies (with back-off), forwards SIGTERM/SIGINT for a
-graceful drain, and unlinks every shared-memory object of its server id when it leaves. It binds
+graceful drain, and unlinks every shared-memory object of its server id when it leaves. It also
+restarts the broker when something else removed the server's objects from /dev/shm (a cleanup
+script, or systemd-logind's RemoveIPC when the server's user logs out): the processes would go on
+with their mappings, but no client could connect and no worker could start. It binds
 the HTTP socket itself (under ``--allow-http``), so a busy port is a one-line error before anything
 starts, and every HTTP frontend process accepts on that one socket.
 """
@@ -38,6 +41,11 @@ from .shm_needs import check_startup
 log = logging.getLogger("shmserve")
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 GRPC_START_S = 30.0  # the longest the HTTP frontends wait for the gRPC port to open
+OBJECTS_CHECK_S = 1.0  # how often the broker's segment is looked for in /dev/shm
+REMOVED = ("the server's shared-memory objects were removed from /dev/shm by another program (systemd-logind "
+           "removes a user's objects when its last session ends unless RemoveIPC=no: run the server as a system "
+           "user, docs/deploy.md); restarting the broker, which makes them anew: models loaded through the "
+           "repository API since the start are not restored")
 STABLE_S = 60.0  # a process that ran this long before dying is restarted without back-off
 
 
@@ -120,6 +128,7 @@ class Launcher:
         self.stopping = False
         self.stop_signal = 0  # the signal that asked us to stop (logged outside the handler)
         self.broker: subprocess.Popen | None = None
+        self.broker_inode = 0  # of the running broker's segment file (``_objects_removed``)
         self.frontends: list[subprocess.Popen | None] = []
         self.sock: socket.socket | None = None
 
@@ -130,12 +139,25 @@ class Launcher:
             proc = subprocess.Popen([sys.executable, "-m", "shmserve.server.broker"], stdin=stdin,
                                     preexec_fn=_dies_with_us(ORPHANED), env=env)
         deadline = time.monotonic() + 30
-        name = object_name(self.sid, "broker", 0)
+        self.broker_inode = 0
         while time.monotonic() < deadline and proc.poll() is None:
-            if os.path.exists("/dev/shm" + name):
+            self.broker_inode = self._broker_inode()
+            if self.broker_inode:
                 break
             time.sleep(0.01)
         return proc
+
+    def _broker_inode(self) -> int:
+        """The inode of the broker's segment in /dev/shm (0: there is none)."""
+        try:
+            return os.stat(SHM_DIR + object_name(self.sid, "broker", 0)).st_ino
+        except FileNotFoundError:
+            return 0
+
+    def _objects_removed(self) -> bool:
+        """Whether the segment of the running broker is no longer in /dev/shm (only the broker
+        and the launcher remove it, and neither has)."""
+        return bool(self.broker_inode) and self._broker_inode() != self.broker_inode
 
     def _start_frontend(self, index: int) -> subprocess.Popen:
         assert self.sock is not None
@@ -221,10 +243,18 @@ class Launcher:
         frontend_restarts = [0] * len(self.frontends)
         broker_since = time.monotonic()
         frontend_since = [time.monotonic()] * len(self.frontends)
+        objects_checked = time.monotonic()
         while not self.stopping:
             time.sleep(0.25)  # four cheap checks a second keep an idle server well under 1% CPU
             self.log_follower.check()
             assert self.broker is not None
+            if time.monotonic() - objects_checked >= OBJECTS_CHECK_S:
+                objects_checked = time.monotonic()
+                if self.broker.poll() is None and self._objects_removed():
+                    log.error("%s", REMOVED)
+                    self.broker_inode = 0
+                    self.broker.kill()  # (nothing it still holds can be reached by a new client)
+                    self.broker.wait()
             code = self.broker.poll()
             if code is not None and not self.stopping:
                 if code in (2, STARTUP_FAILED):  # bad options, or a model failed at start: do not loop

@@ -15,8 +15,9 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import DEADLINE_S, TESTS, TEST_MODELS, pid_alive, raw_request
+from conftest import DEADLINE_S, TESTS, TEST_MODELS, pid_alive, raw_request, shm_entries
 from gates import Gate
+from shmserve import Client
 
 FAULT_MODELS = TESTS / "models" / "faults"
 EXECUTION_TIMEOUT_S = 5  # crasher's execution_timeout_s
@@ -224,6 +225,30 @@ def test_broker_death_answers_503_meanwhile_and_it_is_restarted(faulty):
     assert saw_503
     assert not pid_alive(broker)
     assert "the broker died" in faulty.log()
+
+
+def test_objects_removed_from_dev_shm_by_another_program_make_a_new_broker(faulty):
+    """As systemd-logind does (RemoveIPC) when the server's user logs out, or a cleanup script:
+    every object of the server goes while it runs. Before, the processes went on with their
+    mappings and nothing new could connect or start; the launcher now restarts the broker, which
+    makes them anew, and says why."""
+    broker = next(pid for pid, t in faulty.titles().items() if t.startswith("shmserve broker "))
+    assert call(faulty.url, 0) > 0
+    for name in shm_entries(faulty.id):
+        os.unlink(f"/dev/shm/{name}")
+
+    def serves() -> bool:
+        try:
+            return call(faulty.url, 0, timeout=5) > 0
+        except Exception:  # noqa: BLE001 - 503s while the new broker loads its models
+            return False
+
+    wait_for(lambda: not pid_alive(broker), "the broker whose objects went stopped")
+    wait_for(serves, "a new broker serving", timeout=2 * DEADLINE_S)
+    assert "the server's shared-memory objects were removed from /dev/shm by another program" in faulty.log()
+    assert os.path.exists(f"/dev/shm/shmserve.{faulty.id}.broker.0")
+    with Client(faulty.id) as local:  # a new client finds the new broker
+        assert int(local.infer("crasher", {"X": np.array([0], dtype=np.int32)})["PID"][0]) > 0
 
 
 def test_frontend_death_is_restarted(faulty):
