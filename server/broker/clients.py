@@ -133,11 +133,12 @@ class Clients:
         room = answer_room(len(data))
         try:
             extent, off = self.answers.alloc(room, client.ticket)
-            why = no_room_text(self.answers.first, "the broker's arena is full")
+            refused = ""
         except GrowthRefused as e:
-            extent, off, why = 0, -1, str(e)
+            extent, off, refused = 0, -1, str(e)
         if off < 0:  # answered without a block: the client reads shm.protocol.NO_ROOM (a 503)
-            log.error("%s: client %s gets a 503 for slot %d", why, client.name, slot)
+            log.error("%s: client %s gets a 503 for slot %d",
+                      refused or no_room_text(self.answers.first, "the broker's arena is full"), client.name, slot)
             client.seg.complete(slot, 503, ROLE_BROKER, 0, 0, 0)
         else:
             write_answer(self.answers.buf(extent), off, data)

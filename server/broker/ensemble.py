@@ -622,10 +622,11 @@ class Ensembles:
         room = answer_room(len(body))
         try:
             extent, off = self.answers.alloc(room + pos, run.client.ticket)
-            why = no_room_text(self.answers.first, "the broker's arena is full")
+            refused = ""
         except GrowthRefused as e:
-            extent, off, why = 0, -1, str(e)
+            extent, off, refused = 0, -1, str(e)
         if off < 0:
+            why = refused or no_room_text(self.answers.first, "the broker's arena is full")
             self._fail_run(run, None, 503, f"no room for the {room + pos}-byte response of ensemble "
                                            f"'{run.plan.name}': {why}")
             return None
