@@ -52,21 +52,43 @@ def test_generate_stream_sends_each_response_as_an_event(server):
 
 def test_generate_stream_reports_an_error_event(server):
     status, _, text = post(server, "/v2/models/err_stream/generate_stream", {"N": 2})
+    assert status == 200  # (its first event was a response)
     events = sse_events(text)
     assert [e.get("OUT") for e in events[:2]] == [0, 1]
     assert events[2] == {"error": "stream broke"}
 
 
 def test_generate_stream_streams_a_model_error_and_answers_a_refusal_plainly(server):
-    """As Triton: an error from a model that ran is an event of a 200 stream (even when it is the
-    only response); a request refused before its model ran (InferAsync failing) is a plain error."""
+    """As Triton 2.51 (measured): an error from a model that ran is an event of the stream, whose
+    status is 400 when that error is its first event (200 when responses came before it,
+    ``err_stream`` above); a request refused before its model ran (InferAsync failing) is a plain
+    error."""
     status, ctype, text = post(server, "/v2/models/plain_fails/generate_stream", {"N": 1})
-    assert status == 200 and ctype.startswith("text/event-stream")
+    assert status == 400 and ctype.startswith("text/event-stream")
     assert sse_events(text) == [{"error": "plain broke"}]
+    status, ctype, text = post(server, "/v2/models/raises_decoupled/generate_stream", {"N": 1})
+    assert status == 400 and ctype.startswith("text/event-stream")
+    [event] = sse_events(text)
+    assert event["error"].startswith("Failed to process the request(s) for model 'raises_decoupled_0', message: "
+                                     "ValueError: decoupled boom"), event
     # The sequence batcher refuses a request without a sequence id before the model runs.
     status, ctype, text = post(server, "/v2/models/running_sum/generate_stream", {"VALUE": 1.0})
     assert status == 400 and ctype.startswith("application/json")
     assert "correlation ID" in json.loads(text)["error"]
+
+
+def test_generate_answers_a_models_error_with_400_as_triton(server):
+    """Measured against Triton 2.51: a model's error on ``generate`` is a 400 (``infer`` says 500),
+    whether the model returned it or raised; a decoupled model that sent more than one response,
+    an error among them, gets the one-response error (which Triton sends with a 200:
+    docs/compatibility.md)."""
+    status, _, text = post(server, "/v2/models/plain_fails/generate", {"N": 1})
+    assert (status, json.loads(text)) == (400, {"error": "plain broke"})
+    status, _, text = post(server, "/v2/models/raises_decoupled/generate", {"N": 1})
+    assert status == 400 and "ValueError: decoupled boom" in json.loads(text)["error"]
+    status, _, text = post(server, "/v2/models/err_stream/generate", {"N": 2})
+    assert status == 400 and json.loads(text)["error"].startswith("generate expects model to produce exactly 1 "
+                                                                  "response")
 
 
 def test_generate_single_response_and_its_limits(server):

@@ -62,6 +62,14 @@ def _refused(completion: Completion) -> bool:
     return completion.answer.refused
 
 
+def generate_error_status(completion: Completion) -> int:
+    """The status of a generate answer that is an error. A model's own error (its error response,
+    an exception in ``execute``, its instance dying) is Triton's 400 on both generate endpoints,
+    not the 500 of ``infer``; a refusal from before the model ran, and shmserve's own 503s, keep
+    theirs."""
+    return 400 if completion.status == 500 and not _refused(completion) else completion.status
+
+
 def error_response(status: int, message: str) -> Response:
     headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else None
     return Response(orjson.dumps({"error": message}), status_code=status, media_type=JSON, headers=headers)
@@ -262,13 +270,13 @@ class Frontend:
             if isinstance(e, ClientGone):
                 return Response(status_code=499)  # nobody reads it
             raise
-        if error:
-            return traced(error_response(*error), trace, self.tracer)
-        if len(answers) != 1:
+        if len(answers) + (error is not None) != 1:  # (as Triton: counted before what they say)
             # Triton's text (Triton sends it with a 200, having started the answer already).
             return traced(error_response(400, "generate expects model to produce exactly 1 response, use generate "
                                               "stream for model that generates various number of responses"),
                           trace, self.tracer)
+        if error:
+            return traced(error_response(*error), trace, self.tracer)
         return traced(json_response(answers[0]), trace, self.tracer)
 
     @staticmethod
@@ -285,7 +293,7 @@ class Frontend:
                     if trace is not None:
                         trace.collect(answer)  # the version served; the final one ends the request
                     if completion.status != 200:
-                        error = error or (completion.status, answer.error or "inference failed")
+                        error = error or (generate_error_status(completion), answer.error or "inference failed")
                     elif not final:
                         answers.append(generate_response(model, answer, completion.tensor, request_id))
                 finally:
@@ -318,7 +326,9 @@ class Frontend:
                 completion.release()
                 events.close()
             return traced(error_response(completion.status, message), trace, self.tracer)
-        return EventStream(request.path_params["model"], events, trace, self.tracer, request_id, first)
+        # As Triton: a stream whose first event is an error (the model's, its only one or not) is a 400.
+        status = generate_error_status(completion) if completion.status != 200 else 200
+        return EventStream(request.path_params["model"], events, trace, self.tracer, request_id, first, status)
 
     # -- system shared memory -------------------------------------------------------------------
     @staticmethod

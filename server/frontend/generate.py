@@ -217,14 +217,15 @@ class EventStream(StreamingResponse):
     events are timed as they are sent (``timed_sends``), its trace written when the response ends."""
 
     def __init__(self, model: str, events: StreamEvents, trace: Trace | None, tracer: Tracer,
-                 request_id: str = "", first: tuple | None = None) -> None:
+                 request_id: str = "", first: tuple | None = None, status: int = 200) -> None:
         self.model = model
         self.request_id = request_id
         self.first = first  # the stream's first event, if the caller has taken it already
         self.events = events
         self.trace = trace
         lines = self._lines()
-        super().__init__(lines if trace is None else timed_sends(lines, trace, tracer), media_type="text/event-stream")
+        super().__init__(lines if trace is None else timed_sends(lines, trace, tracer), status_code=status,
+                         media_type="text/event-stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
