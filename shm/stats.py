@@ -22,11 +22,15 @@ from .latency_histograms import BrokerHistograms, LatencyRecorder
 SCALARS = ("success", "success_ns", "failure", "failure_ns", "rejected", "inference_count",
            "execution_count", "phase_count", "queue_ns", "compute_input_ns", "compute_infer_ns",
            "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out", "cancelled",
-           "cache_hit", "cache_hit_ns", "cache_miss", "cache_miss_ns")
+           "cache_hit", "cache_hit_ns", "cache_miss", "cache_miss_ns", "failed_inferences",
+           "error_responses")
 S = {name: i for i, name in enumerate(SCALARS)}
 (SUCCESS, SUCCESS_NS, FAILURE, FAILURE_NS, REJECTED, INFERENCE_COUNT, EXECUTION_COUNT, PHASE_COUNT, QUEUE_NS,
  INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT, CANCELLED, CACHE_HIT,
- CACHE_HIT_NS, CACHE_MISS, CACHE_MISS_NS) = range(len(SCALARS))
+ CACHE_HIT_NS, CACHE_MISS, CACHE_MISS_NS, FAILED_INFERENCES, ERROR_RESPONSES) = range(len(SCALARS))
+# The last counters count only failures' rare paths: published as they change, so that ``flush``,
+# on every answer's path, writes only the words before them.
+FLUSHED = FAILED_INFERENCES
 SCALAR_SLOTS = 32  # room to add counters without moving the arrays behind them
 BUSY_SINCE = SCALAR_SLOTS - 1  # not a counter: monotonic ns the running execution began, 0 when idle
 PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
@@ -125,8 +129,9 @@ class StatsWriter:
         # array or a numpy view. They go out as 8-byte word stores through a memoryview, as the
         # histogram cells do: ``struct.pack_into`` writes a word byte by byte, and the broker,
         # reading at scrape time, could see a torn counter.
-        self.counts: list[int] = [0] * len(SCALARS)
+        self.counts: list[int] = [0] * FLUSHED
         self._published = memoryview(area.scalars).cast("B").cast("Q")  # type: ignore[arg-type]
+        self._rare = [0] * len(SCALARS)  # (only its items from FLUSHED on are used)
         self._hist = area.hist.reshape(-1)
         self._hist_words = memoryview(self._hist).cast("B").cast("Q")  # type: ignore[arg-type]
         # The worker is the area's only writer: it counts in a Python copy of the histograms and
@@ -138,7 +143,17 @@ class StatsWriter:
         self._batch_words = memoryview(area.batches.reshape(-1)).cast("B").cast("Q")  # type: ignore[arg-type]
 
     def add(self, name: str, n: int = 1) -> None:
-        self.counts[S[name]] += n
+        i = S[name]
+        if i < FLUSHED:
+            self.counts[i] += n
+        else:
+            self._count_rare(i, n)
+
+    def _count_rare(self, i: int, n: int) -> None:
+        """Count and publish at once one of the counters ``flush`` leaves out (an 8-byte store:
+        never torn), before the answer it counts is completed."""
+        self._rare[i] += n
+        self._published[i] = self._rare[i] & _U64
 
     def _observe(self, phase: int, ns: int) -> None:
         cell = phase * BUCKETS + bucket_of(ns)
@@ -149,12 +164,15 @@ class StatsWriter:
                  output_ns: int, ok: list[bool], streamed: int = 0) -> None:
         """One model execution; per answered request its batch size, receive time (monotonic ns,
         0 if unknown) and whether it succeeded; ``streamed`` inferences whose outcome comes later
-        (decoupled senders). As Triton, inference and execution counts and batch statistics
-        include successful requests only."""
+        (decoupled senders). As Triton counts them: the execution, its batch statistics and the
+        last inference time whatever its requests' outcomes (an ``execute`` that raised was run
+        too); the inference count, queue and compute phases of successful requests only, and a
+        failed request's whole duration as its failure's."""
         c = self.counts
         cells, dirty = self._cells, self._dirty
         now = start + input_ns + infer_ns + output_ns
         batch_size = streamed
+        failed = 0  # failed requests' batch sizes: in the execution's batch size, not in the inference count
         for size, arrived, good in zip(sizes, arrivals, ok):
             if arrived > start:
                 arrived = 0  # a send time after the execution began is not ours to trust (counters are unsigned)
@@ -162,6 +180,7 @@ class StatsWriter:
             if not good:
                 c[FAILURE] += 1
                 c[FAILURE_NS] += duration
+                failed += size
                 continue
             batch_size += size
             queue = start - arrived if arrived else 0
@@ -178,8 +197,8 @@ class StatsWriter:
                 dirty.append(cell)
             if self.latency is not None:
                 self.latency.observe_all(duration, queue, input_ns, infer_ns, output_ns)
-        if batch_size:
-            self.count_execution(batch_size, input_ns, infer_ns, output_ns)
+        if batch_size or failed:
+            self.count_execution(batch_size, input_ns, infer_ns, output_ns, failed)
 
     def stream_phases(self, arrivals: list[int], start: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """The queue and compute phases of streamed (decoupled) requests, whose outcome and whole
@@ -214,11 +233,15 @@ class StatsWriter:
             now = time.monotonic_ns()
             self.latency.observe(lh.FIRST_RESPONSE, now - arrived if 0 < arrived <= now else 0)
 
-    def count_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+    def count_execution(self, inferences: int, input_ns: int, infer_ns: int, output_ns: int, failed: int = 0) -> None:
+        """An execution of ``inferences + failed`` inferences, ``failed`` of them in requests
+        that failed (they count in its batch size, not in the inference count)."""
         c = self.counts
-        c[INFERENCE_COUNT] += batch_size
+        c[INFERENCE_COUNT] += inferences
         c[EXECUTION_COUNT] += 1
-        row_index = min(batch_size, BATCH_ROWS) - 1
+        if failed:
+            self._count_rare(FAILED_INFERENCES, failed)
+        row_index = min(inferences + failed, BATCH_ROWS) - 1
         row = self._batch_rows[row_index]
         row[0] += 1
         row[1] += input_ns
@@ -258,8 +281,16 @@ class StatsWriter:
         self.counts[CACHE_MISS] += 1
         self.counts[CACHE_MISS_NS] += ns
 
+    def model_error(self) -> None:
+        """A request answered with an error response its model returned: a success in Triton's
+        counts (``executed``), kept apart for what counts the errors clients saw (a canary's
+        error rate). The worker's loop only."""
+        self._count_rare(ERROR_RESPONSES, 1)
+
     def rejected(self) -> None:
-        """A request refused before execution (bad input): a failure, and counted as REJECTED."""
+        """A request this worker's own batcher refused (its queue is full): a failure, counted as
+        REJECTED. A request refused by validation (an input missing, of the wrong shape or type)
+        is counted nowhere, as in Triton, which counts a request only once it was queued."""
         self.counts[FAILURE] += 1
         self.counts[REJECTED] += 1
 
@@ -387,8 +418,8 @@ class VersionTotals:
         return int(self.scalars[S[name]])
 
     def failures(self) -> dict[str, int]:
-        """Failures by Triton's reasons: the broker's own plus the workers' (model errors are
-        BACKEND, requests a worker refused are REJECTED)."""
+        """Failures by Triton's reasons: the broker's own plus the workers' (requests whose
+        execution failed are BACKEND, those a worker's full queue refused REJECTED)."""
         out = {reason: 0 for reason in ("REJECTED", "CANCELED", "BACKEND", "OTHER")}
         for reason, n in self.failure_reasons.items():
             out[reason] = out.get(reason, 0) + n

@@ -67,7 +67,9 @@ def model_stats(server, model: str) -> dict:
 
 def test_counts_are_exact_across_instances_frontends_and_local_clients(stats_server):
     """40 successes over HTTP (2 frontends, 2 instances, concurrent), 10 through the local
-    client, 3 error responses, 2 executions that raise, 4 requests refused for bad input."""
+    client, 3 error responses, 2 executions that raise, 4 requests refused for bad input. As
+    Triton counts them: an error response the model returned is a success, an execution that
+    raised counts as one and fails its request, a refused request counts nowhere."""
     url = stats_server.url
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: double(url, [i, i + 1]), range(40)))
@@ -96,36 +98,41 @@ def test_counts_are_exact_across_instances_frontends_and_local_clients(stats_ser
     st = model_stats(stats_server, "doubler")
     inf = st["inference_stats"]
     assert st["version"] == "1"
-    assert inf["success"]["count"] == 50
-    assert inf["fail"]["count"] == 3 + 2 + 4
-    assert st["inference_count"] == 50 and st["execution_count"] == 50
+    assert inf["success"]["count"] == 50 + 3
+    assert inf["fail"]["count"] == 2 and inf["fail"]["ns"] > 0
+    assert st["inference_count"] == 53 and st["execution_count"] == 53 + 2
     for phase in ("queue", "compute_input", "compute_infer", "compute_output"):
-        assert inf[phase]["count"] == 50, phase
+        assert inf[phase]["count"] == 53, phase
         assert inf[phase]["ns"] > 0, phase
     phases = sum(inf[p]["ns"] for p in ("queue", "compute_input", "compute_infer", "compute_output"))
     assert inf["success"]["ns"] >= phases
     assert st["last_inference"] > 1.7e12  # milliseconds since the epoch
-    assert st["batch_stats"] == [{"batch_size": 1, **{p: {"count": 50, "ns": inf[p]["ns"]} for p in (
-        "compute_input", "compute_infer", "compute_output")}}]
+    # every execution, the two that raised too
+    [row] = st["batch_stats"]
+    assert row["batch_size"] == 1
+    for p in ("compute_input", "compute_infer", "compute_output"):
+        assert row[p]["count"] == 55 and row[p]["ns"] >= inf[p]["ns"], p
 
     text = scrape(stats_server)
     labels = {"model": "doubler", "version": "1"}
-    assert sample(text, "nv_inference_request_success", **labels) == 50
-    assert sample(text, "nv_inference_request_failure", reason="BACKEND", **labels) == 5
-    assert sample(text, "nv_inference_request_failure", reason="REJECTED", **labels) == 4
+    assert sample(text, "nv_inference_request_success", **labels) == 53
+    assert sample(text, "nv_inference_request_failure", reason="BACKEND", **labels) == 2
+    assert sample(text, "nv_inference_request_failure", reason="REJECTED", **labels) == 0
     assert sample(text, "nv_inference_request_failure", reason="OTHER", **labels) == 0
-    assert sample(text, "nv_inference_count", **labels) == 50
-    assert sample(text, "nv_inference_exec_count", **labels) == 50
+    assert sample(text, "nv_inference_count", **labels) == 53
+    assert sample(text, "nv_inference_exec_count", **labels) == 55
+    assert sample(text, "shmserve_batch_size_count", **labels) == 55
+    assert sample(text, "shmserve_batch_size_sum", **labels) == 55
     assert sample(text, "nv_inference_request_duration_us", **labels) == inf["success"]["ns"] // 1000
     assert sample(text, "nv_inference_queue_duration_us", **labels) == inf["queue"]["ns"] // 1000
     assert sample(text, "nv_inference_compute_infer_duration_us", **labels) == inf["compute_infer"]["ns"] // 1000
     assert sample(text, "nv_inference_pending_request_count", **labels) == 0
-    assert sample(text, "shmserve_request_duration_us_count", **labels) == 50
-    assert sample(text, "shmserve_request_duration_us_bucket", le="+Inf", **labels) == 50
+    assert sample(text, "shmserve_request_duration_us_count", **labels) == 53
+    assert sample(text, "shmserve_request_duration_us_bucket", le="+Inf", **labels) == 53
     # summary_latencies=true: Triton's summaries, quantiles in order
     q = [sample(text, "nv_inference_request_summary_us", quantile=str(x), **labels) for x in (0.5, 0.9, 0.99)]
     assert 0 < q[0] <= q[1] <= q[2]
-    assert sample(text, "nv_inference_queue_summary_us_count", **labels) == 50
+    assert sample(text, "nv_inference_queue_summary_us_count", **labels) == 53
 
 
 def test_batch_statistics_follow_the_batches_formed(stats_server):
@@ -371,3 +378,162 @@ def test_published_counters_are_never_torn():
     assert changes >= 1000, changes
     assert seen >= {low, high}  # the reads overlapped the writes
     assert torn == 0
+
+
+# -- what counts as a failure, as Triton 2.51 counts it -------------------------------------------
+
+OUTCOMES_MODEL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if (x == -999).any():
+                raise RuntimeError("told to raise")
+            if (x < 0).any():
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("negative input")))
+                continue
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", (x * 2).astype(np.int32))]))
+        return responses
+'''
+# A model on workers' direct lanes, and one whose requests the broker batches.
+OUTCOMES_CONFIGS = {
+    "direct_outcomes": 'backend: "python"\nmax_batch_size: 0\n'
+                       'input [ { name: "X" data_type: TYPE_INT32 dims: [ 2 ] } ]\n'
+                       'output [ { name: "Y" data_type: TYPE_INT32 dims: [ 2 ] } ]\n',
+    "batched_outcomes": 'backend: "python"\nmax_batch_size: 4\n'
+                        'input [ { name: "X" data_type: TYPE_INT32 dims: [ 2 ] } ]\n'
+                        'output [ { name: "Y" data_type: TYPE_INT32 dims: [ 2 ] } ]\n'
+                        'dynamic_batching { }\n',
+}
+BATCH_PHASES = ("compute_input", "compute_infer", "compute_output")
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+
+
+def flat_stats(st: dict) -> dict[str, int]:
+    """A ``model_stats`` entry, from HTTP's JSON or gRPC's (which leaves zeros out and writes
+    64-bit numbers as strings), as flat numbers."""
+    out = {name: int(st.get(name, 0)) for name in ("inference_count", "execution_count", "last_inference")}
+    for phase, d in st["inference_stats"].items():
+        out[f"{phase}.count"], out[f"{phase}.ns"] = int(d.get("count", 0)), int(d.get("ns", 0))
+    for row in st.get("batch_stats", []):
+        for phase in BATCH_PHASES:
+            d = row.get(phase, {})
+            out[f"batch{int(row['batch_size'])}.{phase}.count"] = int(d.get("count", 0))
+            out[f"batch{int(row['batch_size'])}.{phase}.ns"] = int(d.get("ns", 0))
+    return out
+
+
+def flat_metrics(server, model: str) -> dict[str, float]:
+    text = scrape(server)
+    labels = {"model": model, "version": "1"}
+    out = {name: sample(text, name, **labels) for name in (
+        "nv_inference_request_success", "nv_inference_count", "nv_inference_exec_count")}
+    for reason in FAILURE_REASONS:
+        out[reason] = sample(text, "nv_inference_request_failure", reason=reason, **labels)
+    return out
+
+
+class Outcomes:
+    """One protocol's client of the outcomes models, and its statistics extension."""
+
+    def __init__(self, protocol: str, server) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.protocol = protocol
+        self.lib = httpclient if protocol == "http" else grpcclient
+        self.client = self.lib.InferenceServerClient(server.url if protocol == "http" else server.grpc_url)
+
+    def stats(self, model: str) -> dict[str, int]:
+        if self.protocol == "http":
+            return flat_stats(self.client.get_inference_statistics(model)["model_stats"][0])
+        return flat_stats(self.client.get_inference_statistics(model, as_json=True)["model_stats"][0])
+
+    def infer(self, model: str, x: list[int] | None) -> np.ndarray:
+        """Infer ``x`` (None: with no input at all); shaped [1, 2] for the batching model."""
+        inputs = []
+        if x is not None:
+            arr = np.array([x] if model == "batched_outcomes" else x, dtype=np.int32)
+            t = self.lib.InferInput("X", list(arr.shape), "INT32")
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
+        return self.client.infer(model, inputs).as_numpy("Y")
+
+
+def count_deltas(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counts that changed (``name: delta``); each changed count's duration must have grown
+    and each unchanged one's stayed (a queue may take 0 ns)."""
+    deltas = {}
+    for key in sorted(set(before) | set(after)):
+        if key.endswith(".count") or key in ("inference_count", "execution_count"):
+            delta = after.get(key, 0) - before.get(key, 0)
+            ns_key = key.replace(".count", ".ns")
+            if ns_key != key:
+                grown = after.get(ns_key, 0) - before.get(ns_key, 0)
+                assert (grown >= 0 if key == "queue.count" else grown > 0) if delta else grown == 0, (key, delta, grown)
+            if delta:
+                deltas[key] = delta
+    return deltas
+
+
+def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+@pytest.mark.parametrize("model", list(OUTCOMES_CONFIGS))
+def test_failures_count_as_triton_counts_them(server_factory, tmp_path, model):
+    """Triton 2.51's deltas around one request each, over HTTP and gRPC, in the statistics
+    extension and the metrics: a request refused before it ran (an input missing) counts
+    nowhere; an ``execute`` that raised counts its execution (batch statistics, last inference)
+    and fails its request; an error response the model returned is a request the backend
+    executed successfully; a success counts as it always did."""
+    (tmp_path / "repo" / model / "1").mkdir(parents=True)
+    (tmp_path / "repo" / model / "config.pbtxt").write_text(f'name: "{model}"\n' + OUTCOMES_CONFIGS[model])
+    (tmp_path / "repo" / model / "1" / "model.py").write_text(OUTCOMES_MODEL)
+    server = server_factory.start([tmp_path / "repo"])
+    executed = {"execution_count": 1, **{f"batch1.{p}.count": 1 for p in BATCH_PHASES}}
+    ran = {"success.count": 1, "inference_count": 1, "queue.count": 1,
+           **{f"{p}.count": 1 for p in BATCH_PHASES}, **executed}
+    for protocol in ("http", "grpc"):
+        client = Outcomes(protocol, server)
+        try:
+            # 1. An input missing: refused before it is queued (400), counted nowhere.
+            before, metrics = client.stats(model), flat_metrics(server, model)
+            with pytest.raises(InferenceServerException, match="expected 1 inputs but got 0"):
+                client.infer(model, None)
+            after = client.stats(model)
+            assert after == before, protocol
+            assert metric_deltas(metrics, flat_metrics(server, model)) == {}, protocol
+
+            # 2. execute raised: its execution counts, its request fails (500).
+            before, metrics = after, flat_metrics(server, model)
+            with pytest.raises(InferenceServerException, match="told to raise"):
+                client.infer(model, [-999, 1])
+            after = client.stats(model)
+            assert count_deltas(before, after) == {"fail.count": 1, **executed}, protocol
+            assert after["last_inference"] >= before["last_inference"] and after["last_inference"] > 1.7e12
+            assert metric_deltas(metrics, flat_metrics(server, model)) == {"nv_inference_exec_count": 1,
+                                                                            "BACKEND": 1}, protocol
+
+            # 3. The model returned an error response: a 500 to the client, a success in the counts.
+            before, metrics = after, flat_metrics(server, model)
+            with pytest.raises(InferenceServerException, match="negative input"):
+                client.infer(model, [-1, 1])
+            after = client.stats(model)
+            assert count_deltas(before, after) == ran, protocol
+            assert metric_deltas(metrics, flat_metrics(server, model)) == {
+                "nv_inference_request_success": 1, "nv_inference_count": 1, "nv_inference_exec_count": 1}, protocol
+
+            # 4. A success: as before.
+            before, metrics = after, flat_metrics(server, model)
+            assert client.infer(model, [3, 4]).reshape(-1).tolist() == [6, 8]
+            after = client.stats(model)
+            assert count_deltas(before, after) == ran, protocol
+            assert metric_deltas(metrics, flat_metrics(server, model)) == {
+                "nv_inference_request_success": 1, "nv_inference_count": 1, "nv_inference_exec_count": 1}, protocol
+        finally:
+            client.client.close()

@@ -16,7 +16,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
@@ -100,6 +100,17 @@ class Response:
     error: str | None = None
     parameters: dict[str, Any] | None = None
     status: int = 500  # the HTTP status an error answers with (Triton maps its error codes)
+    # An error of the model's own answer, not the backend's failure (a class attribute: nothing
+    # more to set on each response).
+    model_error: ClassVar[bool] = False
+
+
+class ModelErrorResponse(Response):
+    """An error response the model returned itself (a Python model's ``InferenceResponse(error=
+    ...)``): an error to its client, but a request the backend executed successfully, which
+    Triton counts as a success (``workers/worker.py``), unlike an ``execute`` that raised."""
+
+    model_error: ClassVar[bool] = True
 
 
 class Instance(ABC):

@@ -355,8 +355,8 @@ class Worker:
             self.holds.hold(req, entry)  # before its regions are looked up in the table
             batch = check_request(self.signature, self.regions, self.decoupled, client, req, data_start, entry)
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
+            # Refused before it was queued: counted nowhere, as in Triton (shm/stats.py rejected)
             self.holds.release(entry)
-            self.stats.rejected()
             self._answer_error(entry, getattr(e, "status", 400), str(e), refused=True)
             return False  # serve() flushes the counters and sends the answer
         if self.batcher is None:
@@ -433,9 +433,9 @@ class Worker:
                     continue
                 live.append((entry, self._build_request(entry, client, start)))
             except (RequestError, ValueError, OSError, posix_ipc.Error, CudaError) as e:
+                # Its inputs could not be read (a region truncated, a CUDA handle refused): not run,
+                # and counted nowhere, as Triton's frontend refuses it before it is queued.
                 self._answer_error(entry, e.status if isinstance(e, RequestError) else 400, str(e))
-                with self.stream_lock:
-                    self.stats.rejected()
         built = executed = time.monotonic_ns()
         ok: list[bool] = []
         raised = False
@@ -497,15 +497,21 @@ class Worker:
         busy[BUSY_SINCE] = 0
 
     def _answer_ran(self, entry: BatchEntry, resp: Response) -> bool:
-        """Answer a request the model ran: its sequence's state kept, the response cache filled;
-        False if the answer is an error."""
+        """Answer a request the model ran: its sequence's state kept, the response cache filled
+        (with outputs only). Whether it succeeded as Triton counts it: answered with its outputs,
+        or with an error response the model returned itself; False if the backend failed it."""
         self._keep_state(entry, resp)
-        ok = self._answer(entry, resp)
-        if self.cache is not None and ok and entry.get("cache_key"):
-            inserting = time.monotonic_ns()
-            self.cache.insert(entry, resp)
-            self.stats.cache_miss(entry["cache_lookup_ns"] + time.monotonic_ns() - inserting)
-        return ok
+        answered = self._answer(entry, resp)
+        if answered:
+            if self.cache is not None and entry.get("cache_key"):
+                inserting = time.monotonic_ns()
+                self.cache.insert(entry, resp)
+                self.stats.cache_miss(entry["cache_lookup_ns"] + time.monotonic_ns() - inserting)
+            return True
+        if resp.model_error:
+            self.stats.model_error()
+            return True
+        return False
 
     def _keep_state(self, entry: BatchEntry, resp: Response) -> None:
         """Keep a sequence's state outputs for its next request, out of the response (unless the
@@ -652,7 +658,8 @@ class Worker:
         self._deliver(entry, status, AnswerDescriptor(error=message, refused=refused).encode(), [])
 
     def _answer(self, entry: BatchEntry, resp: Response) -> bool:
-        """Deliver one response; False if it carried (or became) an error."""
+        """Deliver one response; False if it carried (or became) an error (``_answer_ran`` says
+        whether that failed the request)."""
         status, answer, tensors = self.answers.encode(entry, resp)
         self._deliver(entry, status, answer, tensors)
         return status == 200

@@ -159,7 +159,9 @@ class Canary:
         snap = {}
         for v in (split.stable, split.canary):
             key, st = totals[v]
-            snap[key] = (st.get("success"), st.get("failure"), st.hist[0].copy())
+            # Errors clients saw: an error response a model returned is a success in Triton's counts
+            errors = st.get("error_responses")
+            snap[key] = (st.get("success") - errors, st.get("failure") + errors, st.hist[0].copy())
         self._snapshots.append((now, snap))
         while self._snapshots and now - self._snapshots[0][0] > policy.window_s:
             self._snapshots.popleft()

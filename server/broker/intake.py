@@ -20,7 +20,7 @@ from .catalog import Catalog
 from .clients import Clients
 from .ensemble import Ensembles
 from .ensemble_plan import DecoupledOnly
-from .models import Client, ModelVersion
+from .models import Client
 from .regions import Regions
 from .scheduler import Scheduler
 
@@ -47,9 +47,10 @@ class Intake:
     def infer(self, client: Client, rec: Record) -> None:
         """Take the request of a checked record (its descriptor in the client's arena). Raises
         Garbage for a descriptor no client writes (the broker then disconnects the client)."""
-        mv: ModelVersion | None = None
         slot, off = rec.slot, rec.off
         req, data_start = read_request(client.seg.seg.buf, rec)
+        # A request refused here, before it is queued, is counted nowhere: Triton counts a request
+        # only once it reached a scheduler (what a scheduler refuses is REJECTED: scheduler.py).
         try:
             # Draining before a stop: what is in flight finishes, nothing new starts.
             if self.refusal and client.pid not in self.exempt_pids:
@@ -79,11 +80,9 @@ class Intake:
             if req.traced:  # its QUEUE_START is now (the worker sends it back)
                 entry["trace_queued_ns"] = time.monotonic_ns()
         except InvalidRequest as e:
-            self._count_rejected(mv)
             self.clients.reply(client, slot, e.status, refusal(str(e)))
             return
         except (ValueError, KeyError, TypeError) as e:
-            self._count_rejected(mv)
             self.clients.reply(client, slot, 400, refusal(f"malformed inference request: {e!r}"))
             return
         if mv.ensemble is not None:
@@ -92,11 +91,6 @@ class Intake:
         now = time.monotonic()
         pend = Pending(client, slot, off, entry, batch, now, priority=req.priority, timeout_us=req.timeout_us)
         self.scheduler.enqueue(mv, pend)
-
-    @staticmethod
-    def _count_rejected(mv: ModelVersion | None) -> None:
-        if mv is not None:
-            mv.stats.fail("REJECTED", 1)
 
     def _place(self, client: Client, name: str, region: str, offset: int, size: int, what: str,
                data: int, data_start: int) -> LocatedTensor:

@@ -239,7 +239,8 @@ class _Collector:
                 m.add_sample(name + "_bucket", {**labels, "le": str(float(edge))}, int(counts[:edge].sum()))
             m.add_sample(name + "_bucket", {**labels, "le": "+Inf"}, int(counts.sum()))
             m.add_sample(name + "_count", labels, int(counts.sum()))
-            m.add_sample(name + "_sum", labels, st.get("inference_count"))
+            # every execution's batch size: its successful requests' and its failed ones'
+            m.add_sample(name + "_sum", labels, st.get("inference_count") + st.get("failed_inferences"))
         yield m
 
     def _cpu(self) -> Iterator[Metric]:

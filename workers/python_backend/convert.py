@@ -16,7 +16,7 @@ import numpy as np
 from shmserve.shm.tensors import DTYPES
 
 from .. import device_tensors
-from ..backend import Response
+from ..backend import ModelErrorResponse, Response
 from .pb_utils.datatypes import TYPE_BF16, numpy_to_triton_type
 from .pb_utils.dlpack import torch_dtype_to_triton
 from .pb_utils.errors import TritonError
@@ -96,8 +96,8 @@ def to_response(resp: Any) -> Response:
     if resp.has_error():
         err = resp.error()
         code = err.code() if hasattr(err, "code") else TritonError.INTERNAL
-        return Response(error=err.message() if hasattr(err, "message") else str(err),
-                        status=ERROR_STATUS.get(code, 500), parameters=params)
+        return ModelErrorResponse(error=err.message() if hasattr(err, "message") else str(err),
+                                  status=ERROR_STATUS.get(code, 500), parameters=params)
     outputs: dict[str, np.ndarray] = {}
     for t in resp.output_tensors():
         arr = getattr(t, "_array", None)
