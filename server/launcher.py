@@ -266,7 +266,7 @@ class Launcher:
                 log.error("the broker died (exit code %d); restarting it in %.1f s", code, delay)
                 broker_restarts += 1
                 time.sleep(delay)
-                unlink_all_but_frontends(self.sid)
+                unlink_after_broker_crash(self.sid)
                 self.broker = self._start_broker()
                 broker_since = time.monotonic()
             for i, fe in enumerate(self.frontends):
@@ -308,24 +308,19 @@ def _dies_with_us(signum: int) -> Callable[[], None]:
     return functools.partial(die_with_parent, signum, launcher)
 
 
-def unlink_all_but_frontends(server_id: str) -> None:
-    """After a broker crash: remove its objects (its own client channel included) and its
-    workers'; frontends and local clients keep theirs and reconnect on their own, and the
-    journal stays for the next broker to restore what clients changed (server/broker/journal.py)."""
+def unlink_after_broker_crash(server_id: str) -> None:
+    """After a broker crash: remove every object of the server but the journal, which the next
+    broker reads to restore what clients changed (server/broker/journal.py). Clients' segments go
+    too: each was known only to the broker that died, and a client that lives on connects to the
+    next one with a new segment (it keeps its mapping of the old one until it closes it), while
+    the segment of a client that died meanwhile would otherwise stay until the server stops."""
     shms, sems = list_objects(server_id)
     journal = journal_path(server_id)[len(SHM_DIR):]
-
-    def the_brokers(name: str) -> bool:
-        if name == journal:
-            return False
-        return ".client." not in name or name.endswith(".client.broker")
-
     for name in shms:
-        if the_brokers(name):
+        if name != journal:
             unlink_shm(name)
     for name in sems:
-        if the_brokers(name):
-            unlink_semaphore(name)
+        unlink_semaphore(name)
 
 
 def _wait_listening(address: str, port: int, proc: subprocess.Popen, timeout: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -15,7 +16,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import DEADLINE_S, TESTS, TEST_MODELS, pid_alive, raw_request, shm_entries
+from conftest import DEADLINE_S, PYTHON, ROOT, TESTS, TEST_MODELS, pid_alive, raw_request, shm_entries
 from gates import Gate
 from shmserve import Client
 
@@ -225,6 +226,40 @@ def test_broker_death_answers_503_meanwhile_and_it_is_restarted(faulty):
     assert saw_503
     assert not pid_alive(broker)
     assert "the broker died" in faulty.log()
+
+
+HOLDING_CLIENT = """
+import sys, time
+from shmserve import Client
+client = Client(sys.argv[1])
+print(client._conn.name, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_client_that_dies_while_the_broker_is_down_leaves_nothing(faulty):
+    """Before, the launcher kept every client segment across a broker restart, and the new broker
+    never knew the clients of the old one: a client that died meanwhile left its segment (64 MiB
+    of /dev/shm by size) until the server stopped."""
+    client = subprocess.Popen([PYTHON, "-c", HOLDING_CLIENT, faulty.id], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        segment = client.stdout.readline().strip().lstrip("/")
+        assert segment in shm_entries(faulty.id)
+        broker = next(pid for pid, t in faulty.titles().items() if t.startswith("shmserve broker "))
+        os.kill(broker, signal.SIGKILL)
+        client.kill()
+    finally:
+        client.kill()
+        client.wait(10)
+
+    def serves() -> bool:
+        try:
+            return call(faulty.url, 0, timeout=5) > 0
+        except Exception:  # noqa: BLE001 - 503s while the new broker loads its models
+            return False
+
+    wait_for(serves, "the restarted broker serving", timeout=2 * DEADLINE_S)
+    assert not [n for n in shm_entries(faulty.id) if n.startswith(segment) or n == "sem." + segment]
 
 
 def test_objects_removed_from_dev_shm_by_another_program_make_a_new_broker(faulty):
