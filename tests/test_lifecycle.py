@@ -385,6 +385,9 @@ def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_fac
     # zeros x2, random x1, file x1: four warm-up executions before the first real request.
     assert result.as_numpy("SEEN").tolist() == [4, 4]
     assert result.as_numpy("LAST_SUM").tolist() == [10.0]  # the file sample (1+2+3+4) ran last
+    # A sample reaches the model in the config's reshape, as Triton 2.51 gives it (measured).
+    s.wait_until(lambda: s.http_status("/v2/models/warm_reshaped/ready") == 200, "warm_reshaped ready")
+    assert c.infer("warm_reshaped", [x]).as_numpy("WARM_SHAPE").tolist() == [2, 2]
     # warm_broken fails in its own worker, on its own time: wait for the broker to hear of it.
     s.wait_until(lambda: {m["name"]: m for m in c.get_model_repository_index()}["warm_broken"].get("state")
                  == "UNAVAILABLE", "warm_broken reported UNAVAILABLE", timeout=DEADLINE_S)

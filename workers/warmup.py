@@ -3,6 +3,8 @@
 Each sample names its inputs (``zero_data``, ``random_data`` or ``input_data_file`` read from the
 model's ``warmup/`` folder), a ``batch_size`` and a ``count``; the instance executes it that many
 times and its outputs are dropped. A sample that fails fails the load, with the sample named.
+A sample's inputs reach the model in the config's ``reshape`` where an input has one, as a
+request's do (Triton's core normalizes warm-up requests alike).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes, element_count
 
 from .backend import Instance, Request
+from .reshape import Reshapes
 
 
 class WarmupError(Exception):
@@ -57,6 +60,7 @@ def _tensor(spec: dict, shape: list[int], model_dir: Path, sample: str, name: st
 def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, outputs: list[str]) -> int:
     """Run every sample; returns how many executions it took."""
     batched = int(config.get("max_batch_size", 0)) > 0
+    reshapes = None if instance.reshapes_itself else Reshapes(config)
     executions = 0
     for i, sample in enumerate(config.get("model_warmup", [])):
         label = sample.get("name") or f"#{i}"
@@ -65,6 +69,8 @@ def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, outp
         for name, spec in (sample.get("inputs") or {}).items():
             dims = [d if d > 0 else 1 for d in spec.get("dims", [])]
             inputs[name] = _tensor(spec, ([batch] if batched else []) + dims, model_dir, label, name)
+        if reshapes:
+            reshapes.model_inputs(inputs)
         for _ in range(max(1, int(sample.get("count", 1) or 1))):
             request = Request(inputs=inputs, requested_outputs=list(outputs), id=f"warmup-{label}",
                               sender=_discard if config.get("model_transaction_policy", {}).get("decoupled")
