@@ -175,6 +175,22 @@ def test_non_numeric_version(server):
     assert_still_serving(server)
 
 
+@pytest.mark.parametrize("method,suffix", [("GET", ""), ("GET", "/ready"), ("GET", "/config"), ("GET", "/stats"),
+                                           ("POST", "/infer")])
+def test_a_version_too_large_for_an_int64_is_tritons_400(server, method, suffix):
+    """Measured on Triton 2.51: digits its std::stol cannot hold are a 400 on every endpoint that
+    names a version (the largest int64 is just an unknown version: 404)."""
+    huge = "9223372036854775808"
+    raw = raw_request(server.port, method, f"/v2/models/add_sub/versions/{huge}{suffix}",
+                      b'{"inputs": []}' if method == "POST" else None)
+    assert raw.status == 400, raw
+    assert raw.json() == {"error": f"failed to get model version from specified version string '{huge}' (details: "
+                                   f"stol), version should be an integral value > 0"}
+    raw = raw_request(server.port, "GET", "/v2/models/add_sub/versions/9223372036854775807")
+    assert raw.status == 404, raw
+    assert_still_serving(server)
+
+
 def test_an_empty_batch_and_a_missing_batch_dimension_in_tritons_words(server):
     """A batching model: a batch of 0 rows fails Triton's byte-size check (which counts one row),
     a shape without dimensions has no batch dimension."""

@@ -25,7 +25,7 @@ from shmserve.server.edge.tracing import RECEIVED, RECV_END, RECV_START, REQUEST
 from .inference import JSON_HEADER, RETRY_AFTER_HEADER, Headers, Inference, too_large
 from .ingest import BodyIngest, header_length
 from .raw_binary import is_raw
-from .version_path import is_version
+from .version_path import is_version, path_version_error, version_error
 from .openai_errors import error_body, is_openai_path
 from .protocol import BODY_SINK, ONE_WRITE, BodySink
 
@@ -59,7 +59,16 @@ class FrontendApp:
         if scope["type"] == "http" and scope["method"] == "POST":
             target = infer_target(scope["path"])
             if target is not None:
+                bad_version = version_error(target[1]) if target[1] else None
+                if bad_version:  # (its body is not read)
+                    await send_error(send, BadRequest(bad_version), close=True)
+                    return
                 await self.infer(target[0], target[1], scope, receive, send)
+                return
+        if scope["type"] == "http" and "/versions/" in scope["path"]:
+            bad_version = path_version_error(scope["path"])
+            if bad_version:
+                await send_error(send, BadRequest(bad_version), close=scope["method"] not in ("GET", "HEAD"))
                 return
         if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
             # Every other body (control requests, generate) is read here under the same limit,

@@ -23,3 +23,24 @@ register_url_convertor("digits", DIGITS)
 def is_version(segment: str) -> bool:
     """Whether a path segment is a version Triton's routes take."""
     return segment.isascii() and segment.isdigit()
+
+
+INT64_MAX = (1 << 63) - 1
+
+
+def version_error(segment: str) -> str | None:
+    """Triton's 400 for a version its routes take but its ``std::stol`` cannot hold (measured on
+    2.51, for every endpoint that names a version); None for any other."""
+    if len(segment) > 18 and int(segment) > INT64_MAX:
+        return (f"failed to get model version from specified version string '{segment}' (details: stol), "
+                f"version should be an integral value > 0")
+    return None
+
+
+def path_version_error(path: str) -> str | None:
+    """``version_error`` of a ``/v2/models/<m>/versions/<v>...`` path's version."""
+    _, found, rest = path.partition("/versions/")
+    if not found:
+        return None
+    segment = rest.partition("/")[0]
+    return version_error(segment) if is_version(segment) else None
