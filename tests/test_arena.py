@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shmserve.shm.arena import BLOCK_HEADER, SOFT_LIMIT, Arena, free_block
+from shmserve.shm.arena import BACKING_STEP, BLOCK_HEADER, SOFT_LIMIT, Arena, free_block
 
 
 def test_steady_small_traffic_stays_below_the_soft_limit():
@@ -120,3 +120,31 @@ def test_live_bytes_counts_only_the_blocks_still_held():
     assert arena.bytes_in_use >= 11 * one
     assert arena.live_bytes() == one + BLOCK_HEADER + 64  # the held block and the last allocation
     free_block(buf, held)
+
+
+def test_pages_are_taken_a_step_ahead_of_the_head_and_a_refusal_changes_nothing():
+    """``backing`` (``Segment.populate`` in the product) is asked for the pages a block reaches
+    before its header is written there; where it says no (/dev/shm full), the block is refused
+    with ``starved`` set and the arena is as it was, and it goes on once pages come back."""
+    size = 4 << 20
+    buf = memoryview(bytearray(size))
+    asked: list[tuple[int, int]] = []
+    room = {"upto": 1 << 20}  # what the filesystem could still give: up to 1 MiB of the arena
+
+    def backing(start: int, end: int) -> bool:
+        asked.append((start, end))
+        return end <= room["upto"]
+
+    arena = Arena(buf, 0, size, backing)
+    first = arena.alloc(1000)
+    assert first == BLOCK_HEADER and asked == [(0, BACKING_STEP)] and not arena.starved
+    assert arena.alloc(1000) > first and len(asked) == 1  # inside the pages taken: not asked again
+    in_use = arena.bytes_in_use
+    assert arena.alloc(2 << 20) == -1 and arena.starved  # its pages are not there
+    assert arena.bytes_in_use == in_use and buf[in_use:in_use + 16].tobytes() == bytes(16)  # nothing written
+    room["upto"] = size
+    big = arena.alloc(2 << 20)
+    assert big > 0 and not arena.starved
+    assert asked[-1] == (BACKING_STEP, 3 * BACKING_STEP)  # from where it stopped, a step past the block
+    free_block(buf, first)
+    assert arena.alloc(100) > 0 and not arena.starved
