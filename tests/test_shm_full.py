@@ -9,6 +9,8 @@ and the local client joins the namespace with ``nsenter``.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import textwrap
 from pathlib import Path
@@ -176,3 +178,28 @@ def test_a_full_dev_shm_is_a_503_where_a_page_was_wanted_and_no_process_dies(ful
         filler.remove()
         local.stdin.close()
         local.wait(30)
+
+
+def test_a_broker_restarted_while_dev_shm_is_full_says_so_and_comes_back_with_the_room(full_server):
+    """A broker that dies while /dev/shm is full cannot make its objects: it says so in one line
+    (no traceback), the launcher tries again with its back-off, and the server serves once the
+    room is back."""
+    server = full_server
+    client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+    assert (infer(client, "blob", 16, 16, 1) == 1).all()
+    broker = next(pid for pid, title in server.titles().items() if title.startswith("shmserve broker "))
+    filler = Filler(server.shm)
+    try:
+        assert filler.fill() > 0
+        os.kill(broker, signal.SIGKILL)
+
+        def refused() -> bool:
+            filler.fill()  # (the pages the dead broker's objects free go to the filler too)
+            return "cannot start: /dev/shm is full" in server.log()
+
+        server.wait_until(refused, "the new broker refusing to start")
+    finally:
+        filler.remove()
+    server.wait_ready()
+    assert (infer(client, "blob", 16, 16, 2) == 2).all()
+    assert "Traceback" not in server.log(), server.log_tail()

@@ -329,7 +329,11 @@ class Broker:
 
 
 def main(opts: BrokerOptions) -> int:
-    broker = Broker(opts)
+    try:
+        broker = Broker(opts)
+    except space.NoRoom as e:  # another program filled /dev/shm: the launcher tries again, with back-off
+        log.error("cannot start: %s", e)
+        return 1
     signal.signal(signal.SIGTERM, lambda *_: broker.request_stop())
     signal.signal(signal.SIGINT, lambda *_: broker.request_stop())
     signal.signal(ORPHANED, lambda *_: broker.request_stop(orphaned=True))
