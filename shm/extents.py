@@ -22,6 +22,7 @@ of every client.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import Callable
@@ -54,16 +55,25 @@ def _round_up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
 
 
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """Whose arena grows, as its refusals name it, and how its extents are named and published."""
+
+    name: str  # "model instance 'x'", "the broker"
+    arena: str  # "the instance's output arena"
+    caps: str  # what the cap bounds: "one instance's extents"
+    cap_flag: str  # "--worker-arena-mb"
+    more_hint: str  # what to raise when it grew as often as a slot can say
+    name_of: Callable[[int], str]  # extent k's object
+    publish: Callable[[int, int], None]  # writes extent k's size where consumers check it
+
+
 class OutputArenas:
     """Owner side: where a worker's (or the broker's) answers are written. ``alloc`` returns
     (extent, offset); ``buf(extent)`` is the mapping to write into. Thread-safe (stream senders
-    run on the model's threads); only growth and retirement take the lock. ``name_of`` names
-    extent k's object, ``publish`` writes its size where consumers check it; ``owner`` and
-    ``cap_flag`` name the owner and the flag that caps it in refusals."""
+    run on the model's threads); only growth and retirement take the lock."""
 
-    def __init__(self, first: Arena, first_seg: Segment, server_id: str, cap: int, growth: int, *,
-                 name_of: Callable[[int], str], publish: Callable[[int, int], None], owner: str,
-                 cap_flag: str) -> None:
+    def __init__(self, first: Arena, first_seg: Segment, server_id: str, cap: int, growth: int, owner: Owner) -> None:
         self.first = first
         self.first_seg = first_seg
         self.first_buf = first_seg.buf
@@ -71,9 +81,6 @@ class OutputArenas:
         self.cap = cap
         self.growth = max(growth, ALIGN)
         self.owner = owner
-        self.cap_flag = cap_flag
-        self._name_of = name_of
-        self._publish = publish
         self._grown: dict[int, tuple[Segment, Arena]] = {}  # extent -> its mapping, while not unlinked
         self._current = 0  # the extent that takes answers extent 0 has no room for
         self._retired: list[int] = []
@@ -144,28 +151,26 @@ class OutputArenas:
         if size < need:
             if need <= max(self.cap - self.first.capacity, self.first.capacity):
                 return None
-            whose = "the broker's" if self.owner == BROKER else "the instance's"
-            raise GrowthRefused(self._refusal(response, f"no room under the cap of {whose} output arena, "
-                                                    f"{self.cap_flag}={self.cap >> 20} ({space.mib(used)} in use)"))
+            raise GrowthRefused(self._refusal(response, f"no room under the cap of {self.owner.arena}, "
+                                                    f"{self.owner.cap_flag}={self.cap >> 20} ({space.mib(used)} in use)"))
         extent = self._next
         if any(e % EXTENT_ENTRIES == extent % EXTENT_ENTRIES for e in self._grown):
             return None  # its entry in the header still describes a live extent: wait for it to drain
         if extent >= MAX_EXTENTS:
             raise GrowthRefused(self._refusal(response, f"it has grown {MAX_EXTENTS - 1} times; raise "
-                                                    f"--backend-config=python,{DEFAULT_BYTES_SETTING}"))
-        name = self._name_of(extent)
+                                                    f"{self.owner.more_hint}"))
+        name = self.owner.name_of(extent)
         try:
             with space.counting(self.server_id):  # checked and made with no other growth in between
-                whose = "its" if self.owner == BROKER else "one instance's"
-                space.check(self.server_id, size, f"a {space.mib(size)} output extent of {self.owner}",
-                            f" ({self.cap_flag}={self.cap >> 20} caps {whose} extents)")
+                space.check(self.server_id, size, f"a {space.mib(size)} output extent of {self.owner.name}",
+                            f" ({self.owner.cap_flag}={self.cap >> 20} caps {self.owner.caps})")
                 seg = Segment.create_anew(name, size, server_readers(), taken=0)
         except space.NoRoom as e:
             raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
         except (OSError, posix_ipc.Error) as e:
             raise GrowthRefused(self._refusal(response, f"{name}: {e}")) from None
         self._next += 1
-        self._publish(extent, size)  # before any answer in it is published
+        self.owner.publish(extent, size)  # before any answer in it is published
         arena = Arena(seg.buf, 0, size, seg.populate)
         self._grown[extent] = (seg, arena)
         if self._current:
@@ -174,7 +179,7 @@ class OutputArenas:
         return extent, arena
 
     def _refusal(self, need: int, why: str) -> str:
-        return f"Failed to increase the shared memory pool size of {self.owner} for a {need}-byte response: {why}"
+        return f"Failed to increase the shared memory pool size of {self.owner.name} for a {need}-byte response: {why}"
 
     def tidy(self) -> None:
         """Unlink retired extents whose blocks were all given back (called once a round)."""
@@ -203,25 +208,23 @@ class OutputArenas:
             self._current = 0
 
 
-BROKER = "the broker"  # the broker's arenas' owner, in refusals
-
-
 def worker_arenas(first: Arena, seg: WorkerSegment, server_id: str, num: int, cap: int, growth: int,
                   instance_name: str) -> OutputArenas:
     """A worker's answers: extent 0 in its segment, grown ones ``worker.<n>.arena.<k>`` with
     their sizes in its control object, up to ``--worker-arena-mb``."""
-    return OutputArenas(first, seg.seg, server_id, cap, growth, name_of=lambda k: extent_name(server_id, num, k),
-                        publish=seg.set_extent_size, owner=f"model instance '{instance_name}'",
-                        cap_flag="--worker-arena-mb")
+    owner = Owner(f"model instance '{instance_name}'", "the instance's output arena", "one instance's extents",
+                  "--worker-arena-mb", f"--backend-config=python,{DEFAULT_BYTES_SETTING}",
+                  lambda k: extent_name(server_id, num, k), seg.set_extent_size)
+    return OutputArenas(first, seg.seg, server_id, cap, growth, owner)
 
 
 def broker_arenas(seg: BrokerSegment, server_id: str, cap: int) -> OutputArenas:
     """The broker's answers: extent 0 in ``broker.0``, grown ones ``broker.0.arena.<k>`` with
     their sizes in ``tables.0``, up to ``--broker-arena-mb``."""
     assert seg.arena is not None  # (the broker made it)
-    return OutputArenas(seg.arena, seg.seg, server_id, max(cap, seg.arena.capacity), DEFAULT_GROWTH_BYTES,
-                        name_of=lambda k: broker_extent_name(server_id, k), publish=seg.set_extent_size,
-                        owner=BROKER, cap_flag="--broker-arena-mb")
+    owner = Owner("the broker", "the broker's output arena", "its extents", "--broker-arena-mb", "--broker-arena-mb",
+                  lambda k: broker_extent_name(server_id, k), seg.set_extent_size)
+    return OutputArenas(seg.arena, seg.seg, server_id, max(cap, seg.arena.capacity), DEFAULT_GROWTH_BYTES, owner)
 
 
 # -- consumers ------------------------------------------------------------------------------------
