@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -87,23 +88,60 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 
 
 def deserialize_bytes(buf: memoryview | bytes, count: int | None = None) -> np.ndarray:
-    """Inverse of ``serialize_bytes``; raises ValueError on a malformed buffer."""
+    """Inverse of ``serialize_bytes``; raises ValueError on a malformed buffer (in the words of
+    Triton's check, ``bytes_framing_problem``, when ``count`` is given)."""
     out: list[bytes] = []
     pos, end = 0, len(buf)
     while pos < end and (count is None or len(out) < count):
         if pos + 4 > end:
-            raise ValueError("BYTES tensor is truncated: an element length is cut off")
+            raise ValueError(_framing_words(buf, count))
         (n,) = _LEN.unpack_from(buf, pos)
         pos += 4
         if pos + n > end:
-            raise ValueError("BYTES tensor is truncated: an element is shorter than its length")
+            raise ValueError(_framing_words(buf, count))
         out.append(bytes(buf[pos:pos + n]))
         pos += n
     if count is not None and (len(out) != count or pos != end):
-        raise ValueError(f"BYTES tensor holds {len(out)} elements in {end} bytes, expected {count}")
+        raise ValueError(_framing_words(buf, count))
     arr = np.empty(len(out), dtype=np.object_)
     arr[:] = out
     return arr
+
+
+def bytes_framing_problem(buf: Any, count: int) -> tuple[str, int, int]:
+    """What is wrong with BYTES ``buf`` that should hold ``count`` elements, found as Triton's
+    core walks the 4-byte lengths: ("more", count + 1, 0): an element past ``count`` starts;
+    ("length", available, 0): a length is cut off; ("data", length, available): the last element
+    is cut off; ("fewer", elements, 0): fewer elements (a cut-off one counted)."""
+    view = memoryview(buf).cast("B")
+    pos = checked = 0
+    end = len(view)
+    while pos < end:
+        if checked == count:
+            return "more", count + 1, 0
+        if end - pos < 4:
+            return "length", end - pos, 0
+        (length,) = _LEN.unpack_from(view, pos)
+        pos += 4
+        checked += 1
+        if pos + length > end and checked == count:
+            return "data", length, end - pos
+        pos += length
+    return "fewer", checked, 0
+
+
+def _framing_words(buf: Any, count: int | None) -> str:
+    """Triton's words for a malformed BYTES tensor, without the input's name (not known here)."""
+    if count is None:
+        return "BYTES tensor is truncated: an element is cut off"
+    kind, a, b = bytes_framing_problem(buf, count)
+    if kind == "more":
+        return f"unexpected number of string elements {a} for a BYTES tensor, expecting {count}"
+    if kind == "length":
+        return f"incomplete string length indicator for a BYTES tensor, expecting 4 bytes but only {a} bytes available"
+    if kind == "data":
+        return f"incomplete string data for a BYTES tensor, expecting string of length {a} but only {b} bytes available"
+    return f"expected {count} string elements for a BYTES tensor, got {a}"
 
 
 def byte_view(array: np.ndarray) -> memoryview:
