@@ -267,3 +267,33 @@ def test_a_truncated_large_message_is_invalid(channel, cut):
         call(data, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == "the request is not a valid inference.ModelInferRequest message"
+
+
+_LOG = service_pb2.LogSettingsRequest.SettingValue
+_TRACE = service_pb2.TraceSettingRequest.SettingValue
+
+
+@pytest.mark.parametrize("settings,details", [  # each compared with Triton 2.51's
+    ({"log_info": _LOG(string_param="yes")}, "expect boolean for 'log_info'"),
+    ({"log_error": _LOG(uint32_param=0)}, "expect boolean for 'log_error'"),
+    ({"log_verbose_level": _LOG(bool_param=True)}, "expect int32 for 'log_verbose_level'"),
+    ({"log_verbose_level": _LOG(string_param="1")}, "expect int32 for 'log_verbose_level'"),
+    ({"log_format": _LOG(bool_param=True)}, "expect string for 'log_format'"),
+    ({"log_format": _LOG(string_param="xml")}, "invalid argument for log_format, got: xml"),
+])
+def test_log_settings_of_the_wrong_type_are_refused_in_tritons_words(stub, settings, details):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.LogSettings(service_pb2.LogSettingsRequest(settings=settings))
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)
+
+
+@pytest.mark.parametrize("key,values,details", [  # each compared with Triton 2.51's
+    ("trace_rate", ["abc"], "Unable to parse 'trace_rate', got: abc"),
+    ("trace_count", ["x1"], "Unable to parse 'trace_count', got: x1"),
+    ("log_frequency", ["abc"], "Unable to parse 'log_frequency', got: abc"),
+    ("trace_rate", ["1", "2"], "expect only 1 value for 'trace_rate'"),
+])
+def test_trace_numbers_that_are_not_numbers_are_refused_in_tritons_words(stub, key, values, details):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.TraceSetting(service_pb2.TraceSettingRequest(settings={key: _TRACE(value=values)}))
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import re
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, NoReturn
@@ -194,6 +195,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         doc: dict[str, Any] = {"op": "log_settings"}
         if len(request.settings):
             doc["update"] = {k: param_value(v) for k, v in request.settings.items()}
+            refusal = _log_setting_refusal(doc["update"])
+            if refusal:
+                raise Aborted(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         answer = await self._control(doc, context)
         if "update" in doc:
             logs.configure(answer)
@@ -215,6 +219,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             update: dict[str, Any] = {}
             for key, v in request.settings.items():
                 values = list(v.value)
+                refusal = _trace_number_refusal(key, values)
+                if refusal:
+                    raise Aborted(grpc.StatusCode.INVALID_ARGUMENT, refusal)
                 update[key] = None if not values else values[0] if len(values) == 1 else values
             doc["update"] = update
         answer = await self._control(doc, context)
@@ -275,3 +282,36 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 async def _abort(context: Context, status: int, message: str) -> NoReturn:
     """End the call with the code of the broker's ``status`` (handlers.py sends it)."""
     raise Aborted(code_of(status), message)
+
+
+# Triton's gRPC log settings: the parameter type each takes.
+_LOG_SETTING_TYPES = {"log_info": (bool, "boolean"), "log_warning": (bool, "boolean"), "log_error": (bool, "boolean"),
+                      "log_verbose_level": (int, "int32"), "log_format": (str, "string")}
+_TRACE_NUMBERS = ("trace_rate", "trace_count", "log_frequency")
+_LEADING_INTEGER = re.compile(r"\s*[+-]?\d")
+
+
+def _log_setting_refusal(update: dict[str, Any]) -> str | None:
+    """Triton's gRPC words for a log setting of the wrong parameter type or an unknown format
+    (the broker checks the rest, as for HTTP)."""
+    for key, value in update.items():
+        kind = _LOG_SETTING_TYPES.get(key)
+        if kind is None:
+            continue
+        if not isinstance(value, kind[0]) or (kind[0] is int and isinstance(value, bool)):
+            return f"expect {kind[1]} for '{key}'"
+        if key == "log_format" and value not in logs.FORMATS:
+            return f"invalid argument for log_format, got: {value}"
+    return None
+
+
+def _trace_number_refusal(key: str, values: list[str]) -> str | None:
+    """Triton's gRPC words for a numeric trace setting given more than one value, or one that
+    does not start with an integer (its ``stoi``)."""
+    if key not in _TRACE_NUMBERS:
+        return None
+    if len(values) > 1:
+        return f"expect only 1 value for '{key}'"
+    if values and not _LEADING_INTEGER.match(values[0]):
+        return f"Unable to parse '{key}', got: {values[0]}"
+    return None
