@@ -5,6 +5,7 @@ a real server."""
 from __future__ import annotations
 
 import json
+import struct
 
 import grpc
 import numpy as np
@@ -130,9 +131,10 @@ def test_sizes_and_shapes_are_checked(stub):
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
                                        "[request id: r7] input byte size mismatch for input 'INPUT1' for model "
                                        "'add_sub'. Expected 64, got 60")
-    request.inputs[1].shape[:] = [-16]
+    request.inputs[1].shape[:] = [-16]  # Triton's core: a shape the model does not take
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
-                                       "input 'INPUT1': 'shape' [-16] has a negative dimension")
+                                       "[request id: r7] unexpected shape for input 'INPUT1' for model 'add_sub'. "
+                                       "Expected [16], got [-16]. ")
     request.inputs[1].shape[:] = [16]
     request.inputs[1].datatype = "INT33"
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT, "input 'INPUT1': unknown datatype 'INT33'")
@@ -161,8 +163,51 @@ def test_bytes_need_a_length_prefix_per_element(stub):
     request.inputs.add(name="IN_BYTES", datatype="BYTES", shape=[1, 3])
     request.raw_input_contents.append(b"\x00\x00\x00\x00" * 2)
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
-                                       "input 'IN_BYTES': shape [1, 3] of BYTES needs at least 12 bytes (a 4-byte "
-                                       "length per element), the data has 8")
+                                       "[request id: <id_unknown>] expected 3 string elements for inference input "
+                                       "'IN_BYTES' for model 'identity_all', got 2")
+
+
+@pytest.mark.parametrize("shape,raw,contents,details", [  # each compared with Triton 2.51's (strid there)
+    ([1, 2], struct.pack("<I", 50) + b"ab", None,
+     "[request id: <id_unknown>] expected 2 string elements for inference input 'IN_BYTES' for model "
+     "'identity_all', got 1"),
+    ([1, 3], b"\x02\x00\x00\x00ab\x01\x00\x00\x00c", None,
+     "[request id: <id_unknown>] expected 3 string elements for inference input 'IN_BYTES' for model "
+     "'identity_all', got 2"),
+    ([1, 3], b"\x02\x00\x00\x00ab\x01\x00", None,
+     "[request id: <id_unknown>] incomplete string length indicator for inference input 'IN_BYTES' for model "
+     "'identity_all', expecting 4 bytes but only 2 bytes available. Please make sure the string length indicator "
+     "is in one buffer."),
+    ([1, 3], None, [b"ab"],
+     "[request id: <id_unknown>] expected 3 string elements for inference input 'IN_BYTES' for model "
+     "'identity_all', got 1"),
+    ([1, 2], b"", None,
+     "[request id: <id_unknown>] expected 2 string elements for inference input 'IN_BYTES' for model "
+     "'identity_all', got 0"),
+    # found by the model's process, which words it without the names (Triton's words otherwise)
+    ([1, 1], b"\x02\x00\x00\x00ab\x01\x00\x00\x00c", None,
+     "unexpected number of string elements 2 for a BYTES tensor, expecting 1"),
+], ids=["cut-off-element", "fewer", "cut-off-length", "contents-fewer", "empty", "more"])
+def test_bytes_element_counts_are_refused_in_tritons_words(stub, shape, raw, contents, details):
+    request = service_pb2.ModelInferRequest(model_name="identity_all")
+    tensor = request.inputs.add(name="IN_BYTES", datatype="BYTES", shape=shape)
+    if contents is None:
+        request.raw_input_contents.append(raw)
+    else:
+        tensor.contents.bytes_contents.extend(contents)
+    assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT, details)
+
+
+@pytest.mark.parametrize("field,values,datatype", [("fp32_contents", [0.0] * 16, "FP32"),
+                                                   ("int64_contents", [0] * 16, "INT64"),
+                                                   ("bytes_contents", [b"a"] * 16, "BYTES")])
+def test_contents_in_another_datatypes_field_are_refused_in_tritons_words(stub, field, values, datatype):
+    request = service_pb2.ModelInferRequest(model_name="add_sub")
+    getattr(request.inputs.add(name="INPUT0", datatype="INT32", shape=[16]).contents, field).extend(values)
+    request.inputs.add(name="INPUT1", datatype="INT32", shape=[16]).contents.int_contents.extend(range(16))
+    assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"unexpected explicit tensor data for input tensor 'INPUT0' for model "
+                                       f"'add_sub' of type '{datatype}', expected datatype 'INT32'")
 
 
 def test_parameters_of_every_type_reach_the_model(stub):
@@ -179,12 +224,20 @@ def test_parameters_of_every_type_reach_the_model(stub):
     assert np.frombuffer(outputs["Y"], np.int32).tolist() == [2, 3]
 
 
-@pytest.mark.parametrize("parameters,details", [
+@pytest.mark.parametrize("parameters,details", [  # Triton 2.51's words, but for a negative sequence_id or
+    # timeout, which Triton takes (and wraps)
     ({"sequence_id": ("int64_param", -1)}, "'sequence_id' must be an unsigned 64-bit integer or a string"),
-    ({"sequence_id": ("bool_param", True)}, "'sequence_id' must be an unsigned 64-bit integer or a string"),
-    ({"sequence_start": ("int64_param", 1)}, "the request: parameter 'sequence_start' must be true or false"),
-    ({"priority": ("int64_param", -2)}, "'priority' must be a non-negative integer"),
-    ({"timeout": ("string_param", "10")}, "'timeout' must be a non-negative integer"),
+    ({"sequence_id": ("bool_param", True)},
+     "invalid value type for 'sequence_id' parameter, expected int64_param or string_param."),
+    ({"sequence_start": ("int64_param", 1)}, "invalid value type for 'sequence_start' parameter, expected bool_param."),
+    ({"priority": ("int64_param", -2)}, "invalid value for 'priority', expected value >= 0."),
+    ({"priority": ("string_param", "high")},
+     "invalid value type for 'priority' parameter, expected int64_param or uint64_param."),
+    ({"priority": ("double_param", 1.0)},
+     "invalid value type for 'priority' parameter, expected int64_param or uint64_param."),
+    ({"timeout": ("string_param", "10")}, "invalid value type for 'timeout' parameter, expected int64_param."),
+    ({"timeout": ("bool_param", True)}, "invalid value type for 'timeout' parameter, expected int64_param."),
+    ({"timeout": ("int64_param", -5)}, "'timeout' must be a non-negative integer"),
 ])
 def test_the_servers_own_parameters_are_checked(stub, parameters, details):
     assert _refusal(stub, _echo_request(**parameters)) == (grpc.StatusCode.INVALID_ARGUMENT, details)
@@ -209,9 +262,12 @@ def test_requested_outputs_and_their_parameters(stub):
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
                                        "output 'Y': parameter 'binary_data' must be true or false")
     request.outputs[1].parameters.clear()
-    request.outputs[1].parameters["classification"].int64_param = -1
+    request.outputs[1].parameters["classification"].int64_param = -1  # Triton's words for these two
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
-                                       "output 'Y': 'classification' must be a non-negative integer")
+                                       "invalid value for 'classification' parameter, expected >= 0")
+    request.outputs[1].parameters["classification"].string_param = "2"
+    assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                       "invalid value type for 'classification' parameter, expected int64_param")
 
 
 def test_a_stream_answers_in_one_well_formed_message_each(stub):

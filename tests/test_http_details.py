@@ -373,6 +373,115 @@ def test_an_input_gives_its_content_one_way(srv, parameters, data, text):
     assert error_of(r.status, r.body) == FIELDS + text
 
 
+def _doc(**changes) -> dict:
+    """A good raw_vec request with ``changes`` to its input (None: the key left out)."""
+    tensor = {"name": "INPUT", "datatype": "FP32", "shape": [1, 3], "data": [1.0, 2.0, 3.0]}
+    for key, value in changes.items():
+        if value is None:
+            del tensor[key]
+        else:
+            tensor[key] = value
+    return {"inputs": [tensor]}
+
+
+def _unable(key: str, words: str) -> str:
+    return f"Unable to parse '{key}': attempt to access {words}"
+
+
+GOOD = _doc()
+# Each text is Triton 2.51's for the same body (there a 500, here a 400: docs/compatibility.md).
+JSON_REFUSALS = [
+    ([1, 2], _unable("inputs", "non-existing object member 'inputs'")),
+    ({}, _unable("inputs", "non-existing object member 'inputs'")),
+    ({"inputs": {"name": "INPUT"}}, _unable("inputs", "JSON non-array as array")),
+    (_doc(name=None), _unable("name", "non-existing object member 'name'")),
+    (_doc(name=5), _unable("name", "JSON non-string as string")),
+    (_doc(datatype=None), _unable("datatype", "non-existing object member 'datatype'")),
+    (_doc(datatype=[]), _unable("datatype", "JSON non-string as string")),
+    (_doc(shape=None), _unable("shape", "non-existing object member 'shape'")),
+    (_doc(shape="3"), _unable("shape", "JSON non-array as array")),
+    (_doc(shape=[1, 3.0]), _unable("shape", "JSON non-unsigned-integer as unsigned-integer")),
+    (_doc(shape=[1, "3"]), _unable("shape", "JSON non-unsigned-integer as unsigned-integer")),
+    (_doc(data=1.0), _unable("data", "JSON non-array as array")),
+    (_doc(data=[1.0, "2", 3.0]), _unable("data", "JSON non-number as double")),
+    (_doc(datatype="INT32", data=[1, 2.5, 3]), _unable("data", "JSON non-signed-integer as signed-integer")),
+    (_doc(datatype="INT64", data=[1, 2, 1 << 63]), _unable("data", "JSON non-signed-integer as signed-integer")),
+    (_doc(datatype="UINT8", data=[1, -2, 3]), _unable("data", "JSON non-unsigned-integer as unsigned-integer")),
+    (_doc(datatype="BOOL", data=[True, 1, False]), _unable("data", "JSON non-boolean as boolean")),
+    (_doc(data=[1.0, 2.0]), "Unable to parse 'data': Shape does not match true shape of 'data' field"),
+    (_doc(data=[1.0, 2.0, 3.0, 4.0]), "Unable to parse 'data': Shape does not match true shape of 'data' field"),
+    (_doc(data=[1.0, "x"]), _unable("data", "JSON non-number as double")),  # a wrong value before the count
+    (_doc(datatype="BYTES", data=["a", 2, "c"]), "Unable to parse JSON bytes array: attempt to access JSON "
+                                                 "non-string as string"),
+    ({**GOOD, "id": 5}, _unable("id", "JSON non-string as string")),
+    ({"id": 5}, _unable("id", "JSON non-string as string")),  # the id is read first
+    ({**GOOD, "parameters": [1]}, "failed to get request params.: attempt to get members for non-object"),
+    ({**GOOD, "parameters": {"priority": -1}}, _unable("priority", "JSON non-unsigned-integer as unsigned-integer")),
+    ({"inputs": 5, "parameters": {"priority": "x"}},  # the parameters before the inputs
+     _unable("priority", "JSON non-unsigned-integer as unsigned-integer")),
+    ({**GOOD, "parameters": {"timeout": "x"}}, _unable("timeout", "JSON non-unsigned-integer as unsigned-integer")),
+    ({**GOOD, "parameters": {"sequence_id": 1.5}}, _unable("sequence_id", "JSON non-string as string")),
+    ({**GOOD, "parameters": {"sequence_start": 1}}, _unable("sequence_start", "JSON non-boolean as boolean")),
+    ({**GOOD, "parameters": {"binary_data_output": "yes"}},
+     _unable("binary_data_output", "JSON non-boolean as boolean")),
+    ({**GOOD, "parameters": {"foo": {"a": 1}, "priority": -1}},  # in the request's order
+     "parameter 'foo' has invalid type. It should be either 'int', 'bool', or 'string'."),
+    ({**GOOD, "outputs": {"name": "DOUBLED"}}, _unable("outputs", "JSON non-array as array")),
+    ({**GOOD, "outputs": [{}]}, _unable("name", "non-existing object member 'name'")),
+    ({**GOOD, "outputs": [{"name": 5}]}, _unable("name", "JSON non-string as string")),
+    ({**GOOD, "outputs": [{"name": "DOUBLED", "parameters": {"binary_data": 1}}]},
+     _unable("binary_data", "JSON non-boolean as boolean")),
+    ({**GOOD, "outputs": [{"name": "DOUBLED", "parameters": {"classification": "3", "binary_data": 1}}]},
+     "Unable to set 'classification': attempt to access JSON non-unsigned-integer as unsigned-integer"),
+    ({"inputs": [5]}, FIELDS + "no field is set"),  # which content fields come first
+    (_doc(name=None, data=None), FIELDS + "no field is set"),
+    (_doc(data=None, parameters={"binary_data_size": -1}),
+     _unable("binary_data_size", "JSON non-unsigned-integer as unsigned-integer")),
+    (_doc(data=None, parameters={"shared_memory_region": "r", "shared_memory_offset": -1,
+                                 "shared_memory_byte_size": 12}),
+     _unable("shared_memory_offset", "JSON non-unsigned-integer as unsigned-integer")),
+    (_doc(data=None, parameters={"shared_memory_region": 5, "shared_memory_byte_size": 12}),
+     _unable("shared_memory_region", "JSON non-string as string")),
+]
+
+
+@pytest.mark.parametrize("doc, text", JSON_REFUSALS, ids=range(len(JSON_REFUSALS)))
+def test_json_of_the_wrong_type_is_refused_in_tritons_words(srv, doc, text):
+    r = raw_request(srv.port, "POST", "/v2/models/raw_vec/infer", json.dumps(doc).encode())
+    assert error_of(r.status, r.body) == text
+
+
+@pytest.mark.parametrize("data, request_id, text", [
+    (["a"], None, f"{UNKNOWN}expected 2 string elements for inference input 'INPUT' for model 'raw_text_var', got 1"),
+    ([], "b-1", "[request id: b-1] expected 2 string elements for inference input 'INPUT' for model 'raw_text_var', "
+                "got 0"),
+    (["a", "b", "c"], None, f"{UNKNOWN}unexpected number of string elements 3 for inference input 'INPUT' for "
+                            f"model 'raw_text_var', expecting 2"),
+], ids=["fewer", "none", "more"])
+def test_bytes_counts_are_tritons_core_refusals(srv, data, request_id, text):
+    doc = {"inputs": [{"name": "INPUT", "datatype": "BYTES", "shape": [2], "data": data}]}
+    if request_id:
+        doc["id"] = request_id
+    r = raw_request(srv.port, "POST", "/v2/models/raw_text_var/infer", json.dumps(doc).encode())
+    assert error_of(r.status, r.body) == text
+
+
+@pytest.mark.parametrize("shape, tail, text", [
+    ([3], b"\x01\x00\x00\x00a\x01\x00", f"{UNKNOWN}incomplete string length indicator for inference input "
+                                         f"'INPUT' for model 'raw_text_var', expecting 4 bytes but only 2 bytes "
+                                         f"available. Please make sure the string length indicator is in one "
+                                         f"buffer."),
+    ([3], b"\x01\x00\x00\x00a\x09\x00\x00\x00ab", f"{UNKNOWN}expected 3 string elements for inference input "
+                                                    f"'INPUT' for model 'raw_text_var', got 2"),
+], ids=["cut-off-length", "fewer"])
+def test_binary_bytes_framing_is_refused_in_tritons_words(srv, shape, tail, text):
+    head = json.dumps({"inputs": [{"name": "INPUT", "datatype": "BYTES", "shape": shape,
+                                   "parameters": {"binary_data_size": len(tail)}}]}).encode()
+    r = raw_request(srv.port, "POST", "/v2/models/raw_text_var/infer", head + tail,
+                    {"Inference-Header-Content-Length": str(len(head))})
+    assert error_of(r.status, r.body) == text
+
+
 def test_too_many_inputs_are_counted_first(srv):
     """Triton counts the inputs before it looks at their names: one more than the model has is
     refused with the count, its list of missing inputs reading "]" as Triton's does."""

@@ -29,15 +29,13 @@ def header_size(header_length: str | None, body_len: int) -> int | None:
     return n
 
 
-def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
-    """The JSON header and the binary tail of an inference body (not a raw one: ``header_size`` 0)."""
+def split_body(body: bytes, header_length: str | None) -> tuple[Any, memoryview]:
+    """The JSON header and the binary tail of an inference body (not a raw one: ``header_size`` 0).
+    The header may be any JSON value: ``build_request`` refuses one that is not an object."""
     view = memoryview(body)
     n = header_size(header_length, len(body))
     head, tail = (view, view[len(body):]) if n is None else (view[:n], view[n:])
-    doc = parse_json(head)
-    if not isinstance(doc, dict):
-        raise BadRequest("the inference request must be a JSON object")
-    return doc, tail
+    return parse_json(head), tail
 
 
 def wants_binary(doc: dict) -> dict[str, bool]:

@@ -22,7 +22,9 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from shmserve.server.edge.requests import INT64_MAX, INT64_MIN, UINT64_MAX, BadRequest, JsonTypeError, json_tensor_bytes, parse_json
+from shmserve.server.edge.requests import (INT64_MAX, INT64_MIN, NOT_OBJECT, NOT_STRING, SHAPE_MISMATCH, BadRequest,
+                                           JsonTypeError, json_tensor_bytes, json_value_error, parse_json,
+                                           unable_to_parse)
 from shmserve.server.edge.tracing import Trace, Tracer, timed_sends
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.descriptor import InferRequest, InputTensor
@@ -105,17 +107,17 @@ class _GenerateRequest:
             raise BadRequest(f"input '{name}' has an unsupported data type")
         values = value if isinstance(value, list) else [value]
         if datatype == "BYTES" and not all(isinstance(v, str) for v in _leaves(values)):
-            raise JsonTypeError("Unable to parse JSON bytes array: attempt to access JSON non-string as string")
+            raise JsonTypeError(f"Unable to parse JSON bytes array: {NOT_STRING}")
         dims = ([-1] if self.batched else []) + [int(d) for d in spec.get("dims", [])]  # the model's metadata
         shape = _tensor_shape(name, len(values), dims)
         if datatype in ("FP16", "BF16"):
             raise BadRequest(f"receiving {datatype} data via JSON is not supported. Please use the binary data "
                              f"format for input {name}")
         if any(isinstance(v, list) for v in values):
-            raise JsonTypeError("Unable to parse 'data': Shape does not match true shape of 'data' field")
-        wrong = _json_type_error(datatype, values)
+            raise unable_to_parse("data", SHAPE_MISMATCH)
+        wrong = json_value_error(datatype, values)
         if wrong:
-            raise JsonTypeError(f"Unable to parse 'data': {wrong}")
+            raise unable_to_parse("data", wrong)
         if name in self.added:
             raise BadRequest(f"{self.tag}input '{name}' already exists in request")
         self.added.add(name)
@@ -132,23 +134,6 @@ def _leaves(values: list) -> list:
     return out
 
 
-def _json_type_error(datatype: str, values: list) -> str | None:
-    """TritonJson's words for the first value that is not of the JSON type ``datatype`` reads."""
-    for v in values:
-        if datatype == "BOOL":
-            if not isinstance(v, bool):
-                return "attempt to access JSON non-boolean as boolean"
-        elif datatype[0] == "U":
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= UINT64_MAX:
-                return "attempt to access JSON non-unsigned-integer as unsigned-integer"
-        elif datatype[0] == "I":
-            if not isinstance(v, int) or isinstance(v, bool) or not INT64_MIN <= v <= INT64_MAX:
-                return "attempt to access JSON non-signed-integer as signed-integer"
-        elif datatype[0] == "F" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
-            return "attempt to access JSON non-number as double"
-    return None
-
-
 def build_generate_request(model: str, version: str, body: Any, config: dict) -> tuple[InferRequest, list]:
     """The request descriptor of a generate body (``parse_generate_body``) for a model of ``config``.
     The request's id is read first; a missing input is left to the model's input check, which
@@ -156,10 +141,10 @@ def build_generate_request(model: str, version: str, body: Any, config: dict) ->
     if isinstance(body, dict):
         body = Pairs(body.items())
     if not isinstance(body, Pairs):
-        raise JsonTypeError("attempt to get members for non-object (the generate request must be a JSON object)")
+        raise JsonTypeError(f"{NOT_OBJECT} (the generate request must be a JSON object)")
     request_id = next((v for k, v in body if k == "id"), "")
     if not isinstance(request_id, str):
-        raise JsonTypeError("Unable to parse 'id': attempt to access JSON non-string as string")
+        raise unable_to_parse("id", NOT_STRING)
     conversion = _GenerateRequest(model, config, request_id)
     conversion.members(body)
     return InferRequest(model, version, conversion.inputs, None, request_id, conversion.params or None), \

@@ -144,7 +144,7 @@ class Inference:
                 doc, tail = raw_request_doc(model, config, body)
             else:
                 doc, tail = split_body(body, header_len.decode("latin-1") if header_len is not None else None)
-            req, chunks = build_request(model, version, doc, tail, self.max_tensor_elements, json_body=True)
+            req, chunks = build_request(model, version, doc, tail, self.max_tensor_elements)
             add_to_request(req, forwarded)
             size = sum(len(c) for c in chunks)
             if size > self.max_request_bytes:
@@ -203,7 +203,7 @@ class Inference:
             if tail_len > self.max_request_bytes:
                 return None
             doc, _ = split_body(head, None)
-            req, _ = build_request(model, version, doc, tail_len, self.max_tensor_elements, json_body=True)
+            req, _ = build_request(model, version, doc, tail_len, self.max_tensor_elements)
             add_to_request(req, forwarded)
             if any("data" in t for t in doc["inputs"]):
                 return None  # JSON values take room in the block the tail does not fill

@@ -20,13 +20,14 @@ import grpc
 
 from shmserve.server.edge.header_forward import forwarded_params
 from shmserve.server.edge.link import ArenaWait, BrokerError, BrokerLink, Sent, when_room
-from shmserve.server.edge.requests import BadRequest
+from shmserve.server.edge.requests import BadRequest, NegativeShape
 from shmserve.server.edge.tracing import (RECV_END, RECV_START, SEND_END, SEND_START, Trace, Tracer,
                                               timed_sends)
 from shmserve.shm.completion import Completion
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import REQ_INFER
 from shmserve.shm.trace import GRPC_STAMPS
+from shmserve.signature import BATCH_DIM_NOTE, dims_text, request_tag
 
 from .status import Aborted, code_of
 from .requests import descriptor_from_message, param_value
@@ -199,7 +200,7 @@ class GrpcInference:
         try:
             req, chunks = descriptor_from_message(request, self.max_tensor_elements, self.max_request_bytes, forwarded)
         except BadRequest as e:
-            raise await self._refusal(request.model_name, version, e) from None
+            raise await self._refusal(request.model_name, version, e, request.id) from None
         req.version = version
         req.sent_ns = received
         return req, chunks
@@ -231,7 +232,7 @@ class GrpcInference:
             BrokerLink.cancel(sent)  # the client cancelled the call or went away
             raise
 
-    async def _refusal(self, model: str, version: str, e: BadRequest) -> Aborted:
+    async def _refusal(self, model: str, version: str, e: BadRequest, request_id: str = "") -> Aborted:
         """The error of a request refused here: the model's own 404 or 503 first, as Triton looks
         the model up before the tensors (``Inference._refuse`` for HTTP)."""
         try:
@@ -240,7 +241,31 @@ class GrpcInference:
             status, answer = 200, {}
         if status in (404, 503):
             return Aborted(code_of(status), answer.get("error", str(e)))
+        if isinstance(e, NegativeShape):
+            text = await self._unexpected_shape(model, version, e, request_id)
+            if text:
+                return Aborted(code_of(e.status), text)
         return Aborted(code_of(e.status), str(e))
+
+    async def _unexpected_shape(self, model: str, version: str, e: NegativeShape, request_id: str) -> str | None:
+        """Triton's refusal of a shape with a negative dimension that the model's dims do not
+        take ("unexpected shape ..."), read from the model's config; None where they take it."""
+        try:
+            status, config = await self.link.control({"op": "model_config", "model": model, "version": version})
+        except BrokerError:
+            return None
+        spec = next((t for t in config.get("input", []) if t.get("name") == e.input_name), None) \
+            if status == 200 else None
+        if spec is None:
+            return None
+        batched = int(config.get("max_batch_size", 0)) > 0
+        dims = [int(d) for d in spec.get("dims", [])]
+        given = e.shape[1:] if batched else e.shape
+        if len(given) == len(dims) and all(d == -1 or d == g for d, g in zip(dims, given)):
+            return None
+        return (f"{request_tag(request_id)}unexpected shape for input '{e.input_name}' for model '{model}'. "
+                f"Expected {dims_text(([-1] if batched else []) + dims)}, got {dims_text(e.shape)}. "
+                f"{BATCH_DIM_NOTE if batched else ''}")
 
 
 async def refused(error: Aborted) -> AsyncGenerator[Any, None]:

@@ -31,6 +31,10 @@ CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int
                   "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
                   "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 _FIELDS = tuple(sorted(set(CONTENTS_FIELD.values())))
+# The datatype Triton's gRPC frontend names for each typed field, when an input's data is in another.
+FIELD_DATATYPE = {"bool_contents": "BOOL", "int_contents": "INT32", "int64_contents": "INT64",
+                  "uint_contents": "UINT32", "uint64_contents": "UINT64", "fp32_contents": "FP32",
+                  "fp64_contents": "FP64", "bytes_contents": "BYTES"}
 # Past this many elements even a 16-byte element could overflow int64 bytes: the full check decides.
 _SURELY_SAFE_COUNT = 1 << 59
 
@@ -149,6 +153,16 @@ def _has_contents(tensor: Any) -> bool:
     return any(len(getattr(contents, f)) for f in _FIELDS)
 
 
+def _contents_refusal(tensor: Any, model: str, otherwise: BadRequest) -> BadRequest:
+    """Triton's refusal of an input whose typed contents are in another datatype's field (the
+    field of its own datatype is then empty); ``otherwise`` for any other size refusal."""
+    if not _has_contents(tensor) or len(getattr(tensor.contents, CONTENTS_FIELD.get(tensor.datatype, ""), ())):
+        return otherwise
+    given = next(f for f in _FIELDS if len(getattr(tensor.contents, f)))
+    return BadRequest(f"unexpected explicit tensor data for input tensor '{tensor.name}' for model '{model}' of "
+                      f"type '{FIELD_DATATYPE[given]}', expected datatype '{tensor.datatype}'")
+
+
 def _shape(name: str, tensor: Any, datatype: str, max_elements: int) -> list[int]:
     """The input's shape, checked: a protobuf shape is int64 already, so one in the limits passes
     on a few comparisons; any other goes through ``check_shape``, which names what is wrong."""
@@ -194,7 +208,10 @@ def descriptor_from_message(msg: Any, max_elements: int, max_bytes: int,
             else:
                 raise BadRequest(f"unable to find data for input tensor '{name}' for model '{model}' in request.")
             size = len(data)
-            check_data_size(model, request_id, name, datatype, shape, size)
+            try:
+                check_data_size(model, request_id, name, datatype, shape, size, data)
+            except BadRequest as e:
+                raise _contents_refusal(t, model, e) from None
             inputs.append(InputTensor(name, datatype, shape, size, rel))
             chunks.append(data)
             rel += size
