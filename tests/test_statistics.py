@@ -382,24 +382,9 @@ def test_published_counters_are_never_torn():
 
 # -- what counts as a failure, as Triton 2.51 counts it -------------------------------------------
 
-OUTCOMES_MODEL = '''
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
-            if (x == -999).any():
-                raise RuntimeError("told to raise")
-            if (x < 0).any():
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("negative input")))
-                continue
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", (x * 2).astype(np.int32))]))
-        return responses
-'''
+# The stats repository's doubler: doubles X, answers a negative X with an error response, raises
+# for -999.
+OUTCOMES_MODEL = (STATS_MODELS / "doubler" / "1" / "model.py").read_text()
 # A model on workers' direct lanes, and one whose requests the broker batches.
 OUTCOMES_CONFIGS = {
     "direct_outcomes": 'backend: "python"\nmax_batch_size: 0\n'
