@@ -142,22 +142,28 @@ class Launcher:
         self.broker_inode = 0
         while time.monotonic() < deadline and proc.poll() is None:
             self.broker_inode = self._broker_inode()
-            if self.broker_inode:
+            if self.broker_inode > 0:
                 break
             time.sleep(0.01)
         return proc
 
     def _broker_inode(self) -> int:
-        """The inode of the broker's segment in /dev/shm (0: there is none)."""
+        """The inode of the broker's segment in /dev/shm (0: there is none; -1: it could not be
+        looked at now)."""
         try:
             return os.stat(SHM_DIR + object_name(self.sid, "broker", 0)).st_ino
         except FileNotFoundError:
             return 0
+        except OSError:
+            return -1
 
     def _objects_removed(self) -> bool:
         """Whether the segment of the running broker is no longer in /dev/shm (only the broker
         and the launcher remove it, and neither has)."""
-        return bool(self.broker_inode) and self._broker_inode() != self.broker_inode
+        if self.broker_inode <= 0:
+            return False
+        now = self._broker_inode()
+        return now >= 0 and now != self.broker_inode
 
     def _start_frontend(self, index: int) -> subprocess.Popen:
         assert self.sock is not None
