@@ -88,21 +88,21 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 
 
 def deserialize_bytes(buf: memoryview | bytes, count: int | None = None) -> np.ndarray:
-    """Inverse of ``serialize_bytes``; raises ValueError on a malformed buffer (in the words of
-    Triton's check, ``bytes_framing_problem``, when ``count`` is given)."""
+    """Inverse of ``serialize_bytes``; raises ValueError on a malformed buffer (``BytesFraming``,
+    in the words of Triton's check, when ``count`` is given)."""
     out: list[bytes] = []
     pos, end = 0, len(buf)
     while pos < end and (count is None or len(out) < count):
         if pos + 4 > end:
-            raise ValueError(_framing_words(buf, count))
+            raise _malformed(buf, count)
         (n,) = _LEN.unpack_from(buf, pos)
         pos += 4
         if pos + n > end:
-            raise ValueError(_framing_words(buf, count))
+            raise _malformed(buf, count)
         out.append(bytes(buf[pos:pos + n]))
         pos += n
     if count is not None and (len(out) != count or pos != end):
-        raise ValueError(_framing_words(buf, count))
+        raise BytesFraming(buf, count)
     arr = np.empty(len(out), dtype=np.object_)
     arr[:] = out
     return arr
@@ -130,18 +130,47 @@ def bytes_framing_problem(buf: Any, count: int) -> tuple[str, int, int]:
     return "fewer", checked, 0
 
 
-def _framing_words(buf: Any, count: int | None) -> str:
-    """Triton's words for a malformed BYTES tensor, without the input's name (not known here)."""
-    if count is None:
-        return "BYTES tensor is truncated: an element is cut off"
-    kind, a, b = bytes_framing_problem(buf, count)
-    if kind == "more":
-        return f"unexpected number of string elements {a} for a BYTES tensor, expecting {count}"
-    if kind == "length":
-        return f"incomplete string length indicator for a BYTES tensor, expecting 4 bytes but only {a} bytes available"
-    if kind == "data":
-        return f"incomplete string data for a BYTES tensor, expecting string of length {a} but only {b} bytes available"
-    return f"expected {count} string elements for a BYTES tensor, got {a}"
+def _malformed(buf: Any, count: int | None) -> ValueError:
+    return ValueError("BYTES tensor is truncated: an element is cut off") if count is None else BytesFraming(buf, count)
+
+
+def bytes_count_words(tag: str, model: str, name: str, expected: int, got: int) -> str:
+    """Triton's core's refusal of BYTES input ``name`` holding ``got`` elements where its shape
+    holds ``expected`` (the core counts one past ``expected`` and stops); ``tag``: the request's
+    ``[request id: ...] `` prefix (shmserve/signature.py request_tag)."""
+    if got > expected:
+        return (f"{tag}unexpected number of string elements {expected + 1} for inference input '{name}' for model "
+                f"'{model}', expecting {expected}")
+    return f"{tag}expected {expected} string elements for inference input '{name}' for model '{model}', got {got}"
+
+
+class BytesFraming(ValueError):
+    """A BYTES tensor whose 4-byte lengths do not frame the ``count`` elements of its shape, as
+    Triton's core finds it (``bytes_framing_problem``). Its text names no input (not known where
+    the bytes are read); ``for_input`` gives Triton's whole text where it is."""
+
+    input_name = ""  # the input it is, where the reader knows it (workers/requests.py)
+
+    def __init__(self, buf: Any, count: int) -> None:
+        self.kind, self.first, self.second = bytes_framing_problem(buf, count)
+        self.count = count
+        super().__init__(self.for_input("", "", "", named=False))
+
+    def for_input(self, tag: str, model: str, name: str, named: bool = True) -> str:
+        """Triton's refusal, naming input ``name`` of ``model`` after the request's ``tag``."""
+        where = f"inference input '{name}' for model '{model}'" if named else "a BYTES tensor"
+        a, b = self.first, self.second
+        if self.kind == "length":
+            return (f"{tag}incomplete string length indicator for {where}, expecting 4 bytes but only {a} bytes "
+                    f"available" + (". Please make sure the string length indicator is in one buffer." if named else ""))
+        if self.kind == "data":
+            where = f"inference input '{name}'" if named else "a BYTES tensor"
+            return f"incomplete string data for {where}, expecting string of length {a} but only {b} bytes available"
+        if named:
+            return bytes_count_words(tag, model, name, self.count, a if self.kind == "fewer" else self.count + 1)
+        if self.kind == "more":
+            return f"unexpected number of string elements {a} for a BYTES tensor, expecting {self.count}"
+        return f"expected {self.count} string elements for a BYTES tensor, got {a}"
 
 
 def byte_view(array: np.ndarray) -> memoryview:

@@ -184,9 +184,10 @@ def test_bytes_need_a_length_prefix_per_element(stub):
     ([1, 2], b"", None,
      "[request id: <id_unknown>] expected 2 string elements for inference input 'IN_BYTES' for model "
      "'identity_all', got 0"),
-    # found by the model's process, which words it without the names (Triton's words otherwise)
+    # found by the model's process, which names the input as Triton's core does
     ([1, 1], b"\x02\x00\x00\x00ab\x01\x00\x00\x00c", None,
-     "unexpected number of string elements 2 for a BYTES tensor, expecting 1"),
+     "[request id: <id_unknown>] unexpected number of string elements 2 for inference input 'IN_BYTES' for model "
+     "'identity_all', expecting 1"),
 ], ids=["cut-off-element", "fewer", "cut-off-length", "contents-fewer", "empty", "more"])
 def test_bytes_element_counts_are_refused_in_tritons_words(stub, shape, raw, contents, details):
     request = service_pb2.ModelInferRequest(model_name="identity_all")

@@ -473,7 +473,12 @@ def test_bytes_counts_are_tritons_core_refusals(srv, data, request_id, text):
                                          f"buffer."),
     ([3], b"\x01\x00\x00\x00a\x09\x00\x00\x00ab", f"{UNKNOWN}expected 3 string elements for inference input "
                                                     f"'INPUT' for model 'raw_text_var', got 2"),
-], ids=["cut-off-length", "fewer"])
+    # found where the model's process reads the tensor (enough bytes for the frontend's check)
+    ([1], b"\x01\x00\x00\x00a\x01\x00\x00\x00b", f"{UNKNOWN}unexpected number of string elements 2 for "
+                                                   f"inference input 'INPUT' for model 'raw_text_var', expecting 1"),
+    ([1], b"\x09\x00\x00\x00ab", "incomplete string data for inference input 'INPUT', expecting string of length 9 "
+                                  "but only 2 bytes available"),
+], ids=["cut-off-length", "fewer", "more", "cut-off-element"])
 def test_binary_bytes_framing_is_refused_in_tritons_words(srv, shape, tail, text):
     head = json.dumps({"inputs": [{"name": "INPUT", "datatype": "BYTES", "shape": shape,
                                    "parameters": {"binary_data_size": len(tail)}}]}).encode()

@@ -385,7 +385,7 @@ def _infer_error_case(case: str, regions: Regions) -> tuple[str, list, list, str
     data = serialize_byte_tensor(np.array([b"abc", b"defg"], dtype=np.object_))
     shm.set_shared_memory_region(h, [data])
     return "bytes_identity", [shm_input("IN", region, serialized_byte_size(data) - 2, 0, "BYTES", [2])], [], \
-        "BYTES"
+        "incomplete string data for inference input 'IN', expecting string of length 4 but only 2 bytes available"
 
 
 @pytest.mark.parametrize("case", ["unknown_region", "byte_size_mismatch", "overrun", "output_region_too_small",

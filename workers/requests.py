@@ -16,7 +16,7 @@ from shmserve.shm.channel import ClientSegment
 from shmserve.shm.descriptor import InferRequest, InputTensor, RequestedOutput
 from shmserve.shm.region_table import RegionTable, locate
 from shmserve.shm.segment import SegmentCache
-from shmserve.shm.tensors import from_buffer
+from shmserve.shm.tensors import BytesFraming, from_buffer
 
 from . import device_tensors
 from .cuda import runtime as cuda_runtime
@@ -125,5 +125,9 @@ def read_inputs(entry: BatchEntry, segments: SegmentCache, on_device: bool = Fal
                 own.append(t["name"])
                 continue
             data = segments.get(t["seg"]).buf[off:off + size]
-        inputs[t["name"]] = from_buffer(data, t["datatype"], t["shape"])
+        try:
+            inputs[t["name"]] = from_buffer(data, t["datatype"], t["shape"])
+        except BytesFraming as e:
+            e.input_name = t["name"]  # (the worker words it as Triton does, naming it)
+            raise
     return inputs, frozenset(own)

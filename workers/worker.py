@@ -33,6 +33,7 @@ from shmserve.shm.names import object_name, pid_alive
 from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONFIG, W_DONE, W_LOAD_FAILED, W_READY, \
     W_CHECK_READY, W_MORE, W_STOP, cancelled_error, read_manifest
 from shmserve.shm.region_table import RegionTable
+from shmserve.shm.tensors import BytesFraming
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_request
 from shmserve.shm.segment import SegmentCache
@@ -54,7 +55,7 @@ from .requests import DecoupledOnly, RequestError, check_request, read_inputs
 from .reshape import Reshapes
 from .response_cache import ResponseCache
 from .sequence import SequenceSupport
-from shmserve.signature import InvalidRequest, ModelSignature
+from shmserve.signature import InvalidRequest, ModelSignature, request_tag
 from .stream import StreamSender
 from .warmup import run_warmup
 
@@ -433,9 +434,13 @@ class Worker:
                     continue
                 live.append((entry, self._build_request(entry, client, start)))
             except (RequestError, ValueError, OSError, posix_ipc.Error, CudaError) as e:
-                # Its inputs could not be read (a region truncated, a CUDA handle refused): not run,
-                # and counted nowhere, as Triton's frontend refuses it before it is queued.
-                self._answer_error(entry, e.status if isinstance(e, RequestError) else 400, str(e))
+                # Its inputs could not be read (a region truncated, a CUDA handle refused, BYTES
+                # whose lengths do not frame its shape): not run, and counted nowhere, as Triton's
+                # frontend or core refuses it before it is queued.
+                message = str(e)
+                if isinstance(e, BytesFraming) and e.input_name:
+                    message = e.for_input(request_tag(entry.get("id", "")), self.model, e.input_name)
+                self._answer_error(entry, e.status if isinstance(e, RequestError) else 400, message)
         built = executed = time.monotonic_ns()
         ok: list[bool] = []
         raised = False

@@ -12,7 +12,8 @@ import numpy as np
 import orjson
 
 from shmserve.shm.descriptor import SEQUENCE_END, SEQUENCE_START, InferRequest, InputTensor, RequestedOutput
-from shmserve.shm.tensors import DTYPES, byte_view, bytes_framing_problem, element_count, itemsize, serialize_bytes
+from shmserve.shm.tensors import (DTYPES, BytesFraming, byte_view, bytes_count_words, element_count, itemsize,
+                                  serialize_bytes)
 from shmserve.signature import request_tag
 
 MAX_JSON_DEPTH = 64
@@ -87,12 +88,8 @@ def json_value_error(datatype: str, values: list) -> str | None:
 
 def bytes_count_text(model: str, request_id: str, name: str, expected: int, got: int) -> str:
     """Triton's refusal of a BYTES input whose data holds ``got`` elements where its shape holds
-    ``expected`` (its core counts one past ``expected`` and stops)."""
-    if got > expected:
-        return (f"{request_tag(request_id)}unexpected number of string elements {expected + 1} for inference "
-                f"input '{name}' for model '{model}', expecting {expected}")
-    return (f"{request_tag(request_id)}expected {expected} string elements for inference input '{name}' "
-            f"for model '{model}', got {got}")
+    ``expected`` (shm/tensors.py ``bytes_count_words``)."""
+    return bytes_count_words(request_tag(request_id), model, name, expected, got)
 
 
 def parse_json(data: bytes | memoryview, what: str = "the request JSON buffer") -> Any:
@@ -425,15 +422,7 @@ def check_data_size(model: str, request_id: str, name: str, datatype: str, shape
 def bytes_framing_text(model: str, request_id: str, name: str, count: int, data: Any) -> str:
     """Triton's refusal of BYTES ``data`` of input ``name`` that does not hold ``count`` elements
     (run only on a refusal)."""
-    kind, a, b = bytes_framing_problem(data, count)
-    if kind == "length":
-        return (f"{request_tag(request_id)}incomplete string length indicator for inference input '{name}' for "
-                f"model '{model}', expecting 4 bytes but only {a} bytes available. Please make sure the string "
-                f"length indicator is in one buffer.")
-    if kind == "data":
-        return (f"incomplete string data for inference input '{name}', expecting string of length {a} but only "
-                f"{b} bytes available")
-    return bytes_count_text(model, request_id, name, count, a)
+    return BytesFraming(data, count).for_input(request_tag(request_id), model, name)
 
 
 def output_descriptor(name: str, params: dict, request_id: str, named: set[str],
