@@ -172,13 +172,21 @@ def test_empty_inputs_and_empty_bytes_output(server, binary):
         assert out["data"] == []
 
 
-@pytest.mark.parametrize("datatype,bad", [("INT8", 128), ("UINT8", -1), ("UINT16", 70000), ("INT32", 2 ** 31)])
-def test_json_value_out_of_range_is_a_400(server, datatype, bad):
+OUT_OF_RANGE = "unable to parse 'data' of input 'IN_{}' as {}: a value is out of its range"  # (Triton cuts it)
+
+
+@pytest.mark.parametrize("datatype,bad,error", [
+    ("INT8", 128, OUT_OF_RANGE.format("INT8", "INT8")),
+    ("UINT8", -1, "Unable to parse 'data': attempt to access JSON non-unsigned-integer as unsigned-integer"),
+    ("UINT16", 70000, OUT_OF_RANGE.format("UINT16", "UINT16")),
+    ("INT32", 2 ** 31, OUT_OF_RANGE.format("INT32", "INT32")),
+])
+def test_json_value_out_of_range_is_a_400(server, datatype, bad, error):
     body = json.dumps({"inputs": [{"name": f"IN_{datatype}", "datatype": datatype, "shape": [1, 1],
                                    "data": [bad]}]}).encode()
     raw = raw_request(server.port, "POST", "/v2/models/identity_all/infer", body)
     assert raw.status == 400, raw
-    assert f"IN_{datatype}" in raw.json()["error"]
+    assert raw.json()["error"] == error
 
 
 def test_json_bool_given_as_number_is_a_400(server):
@@ -186,7 +194,7 @@ def test_json_bool_given_as_number_is_a_400(server):
                                    "data": [1, 0]}]}).encode()
     raw = raw_request(server.port, "POST", "/v2/models/identity_all/infer", body)
     assert raw.status == 400, raw
-    assert "IN_BOOL" in raw.json()["error"]
+    assert raw.json()["error"] == "Unable to parse 'data': attempt to access JSON non-boolean as boolean"  # Triton's
 
 
 @pytest.mark.parametrize("compression", [None, "gzip"])
