@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "python,shm-default-byte-size (4 MiB) and grows with its answers (default 256)")
     p.add_argument("--broker-arena-mb", type=int, default=256,
                    help="cap of the broker's shared-memory output arena (ensembles' answers, errors, control "
-                        "documents), MiB: it starts at 64 MiB and grows with its answers (default 256)")
+                        "documents), MiB: it starts at 60 MiB and grows with its answers (default 256)")
     p.add_argument("--frontend-arena-mb", type=int, default=256,
                    help="shared-memory input arena of each HTTP frontend, MiB (lazily; default 256)")
     p.add_argument("--poll-us", type=int, default=500, metavar="N",

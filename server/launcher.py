@@ -29,7 +29,7 @@ from shmserve.shm.access import readers_environment
 from shmserve.shm.child_spec import spec_file
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.liveness import BROKER_TICKET, Tickets, broker_path
-from shmserve.shm.names import (SHM_DIR, list_objects, object_name, unlink_all, unlink_semaphore,
+from shmserve.shm.names import (SHM_DIR, list_objects, object_name, ours, unlink_all, unlink_semaphore,
                                 unlink_shm)
 
 from .broker.journal import journal_path
@@ -256,7 +256,7 @@ class Launcher:
             assert self.broker is not None
             if time.monotonic() - objects_checked >= OBJECTS_CHECK_S:
                 objects_checked = time.monotonic()
-                if self.broker.poll() is None and self._objects_removed():
+                if self.broker.poll() is None and self._objects_removed() and not _exits_soon(self.broker):
                     log.error("%s", REMOVED)
                     self.broker_inode = 0
                     self.broker.kill()  # (nothing it still holds can be reached by a new client)
@@ -314,13 +314,23 @@ def _dies_with_us(signum: int) -> Callable[[], None]:
     return functools.partial(die_with_parent, signum, launcher)
 
 
+def _exits_soon(proc: subprocess.Popen, within_s: float = 2.0) -> bool:
+    """Whether ``proc`` exits within ``within_s``: a broker that is stopping (a start failed under
+    --exit-on-error, a segment it could not make) removes its own segment first."""
+    try:
+        proc.wait(within_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def unlink_after_broker_crash(server_id: str) -> None:
     """After a broker crash: remove every object of the server but the journal, which the next
     broker reads to restore what clients changed (server/broker/journal.py). Clients' segments go
     too: each was known only to the broker that died, and a client that lives on connects to the
     next one with a new segment (it keeps its mapping of the old one until it closes it), while
     the segment of a client that died meanwhile would otherwise stay until the server stops."""
-    shms, sems = list_objects(server_id)
+    shms, sems = ours(*list_objects(server_id))  # (a client of another user removes its own)
     journal = journal_path(server_id)[len(SHM_DIR):]
     for name in shms:
         if name != journal:

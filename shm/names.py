@@ -98,9 +98,25 @@ def set_title(title: str) -> None:
         pass
 
 
+def ours(shms: list[str], sems: list[str]) -> tuple[list[str], list[str]]:
+    """Of ``list_objects``' names, those this process's user owns: a local client of another user
+    (``--local-client-users``) makes its own segment, semaphore and FIFO, which a sticky /dev/shm
+    lets only that user remove (it does, as it closes)."""
+    me = os.geteuid()
+
+    def owned(path: str) -> bool:
+        try:
+            return me == 0 or os.stat(path, follow_symlinks=False).st_uid == me
+        except OSError:  # gone meanwhile
+            return False
+
+    return ([n for n in shms if owned(SHM_DIR + n)],
+            [n for n in sems if owned(f"{SHM_DIR}/sem.{n.lstrip('/')}")])
+
+
 def unlink_all(server_id: str) -> int:
-    """Remove every object of ``server_id``; returns how many were removed."""
-    shms, sems = list_objects(server_id)
+    """Remove every object of ``server_id`` its user owns; returns how many were removed."""
+    shms, sems = ours(*list_objects(server_id))
     return sum(unlink_shm(n) for n in shms) + sum(unlink_semaphore(n) for n in sems)
 
 

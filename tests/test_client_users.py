@@ -369,3 +369,32 @@ def test_the_flag_refuses_an_unknown_user_name(tmp_path):
                           text=True, timeout=60)
     assert done.returncode == 2 and "--local-client-users: unknown user 'no-such-user-here'" in done.stderr, \
         done.stderr
+
+
+OURS = """
+from shmserve.shm.names import ours
+result = ours(args["shms"], args["sems"])
+"""
+
+
+def test_a_server_of_another_user_removes_only_its_own_objects(tmp_path):
+    """A server not run as root may not remove what a local client of another user made in a
+    sticky /dev/shm (its segment, semaphore and FIFO): after a broker crash and at its stop it
+    leaves them to that client, which removes its own as it closes; before, the launcher's
+    unlink raised and the launcher died with its frontends. ``ours`` is what both unlink."""
+    server_id = f"own{os.getpid()}"
+    names = {uid: f"/shmserve.{server_id}.client.{uid}-0" for uid in (0, NOBODY.pw_uid)}
+    try:
+        for uid, name in names.items():
+            for path in ("/dev/shm" + name, f"/dev/shm/sem.{name[1:]}"):
+                with open(path, "wb"):
+                    pass
+                os.chown(path, uid, -1)
+        mine = names[NOBODY.pw_uid]
+        result = run_as_nobody(OURS, {"shms": sorted(names.values()), "sems": sorted(names.values())})
+        assert result == [[mine], [mine]]
+    finally:
+        for name in names.values():
+            for path in ("/dev/shm" + name, f"/dev/shm/sem.{name[1:]}"):
+                if os.path.exists(path):
+                    os.unlink(path)

@@ -257,6 +257,7 @@ def test_a_start_whose_model_is_killed_while_loading_exits_under_exit_on_error(s
     s.start()
     assert s.wait_exit(60) != 0  # (before: it waited, never ready, until it was stopped)
     assert "failed to load all models; exiting" in s.log(), s.log_tail()
+    assert "removed from /dev/shm by another program" not in s.log()  # (the broker removed its own)
 
 
 @pytest.mark.parametrize("mode", ["none", "poll"])

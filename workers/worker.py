@@ -648,8 +648,10 @@ class Worker:
         # Arenas of clients this worker never answered are mapped through ``segments`` too (an
         # ensemble's first step reads its caller's inputs there): unmapped once they are gone.
         self.segments.drop_unlinked(object_name(self.server_id, "client", ""))
-        # Likewise other workers' segments and retired extents an ensemble step's inputs lay in.
+        # Likewise other workers' segments and retired extents (theirs, the broker's) an ensemble
+        # step's inputs lay in.
         self.segments.drop_unlinked(object_name(self.server_id, "worker", ""))
+        self.segments.drop_unlinked(object_name(self.server_id, "broker", "0.arena."))
 
     def _client(self, name: str) -> ClientSegment:
         client = self.clients.get(name)

@@ -195,6 +195,7 @@ class Broker:
         self._refuse_reported_clients()
         # Step outputs of workers now gone (reloaded, restarted) are never read again: unmap them.
         self.ensembles.segments.drop_unlinked(object_name(self.opts.server_id, "worker", ""))
+        self.ensembles.segments.drop_unlinked(object_name(self.opts.server_id, "broker", "0.arena."))  # retired
         for client in list(self.clients.by_name.values()):
             if not self.clients.tickets.held(client.ticket):
                 log.info("client %s (pid %d) died; reclaiming its channel", client.name, client.pid)

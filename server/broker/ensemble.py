@@ -42,6 +42,7 @@ import posix_ipc
 from shmserve.batching import Pending
 from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, decode_answer, write_answer
+from shmserve.shm import space
 from shmserve.shm.arena import free_block, no_room_text
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
@@ -103,7 +104,9 @@ class Ensembles:
         self.inflight: dict[int, StepCall] = {}  # own slot -> the step call it carries
         assert self.own.seg.arena is not None
         pool = self.own.seg.arena.alloc(RING_POOL * RING_BYTES)  # held for the broker's life
-        assert pool > 0
+        if pool < 0:  # (its pages could not be taken: main says so in one line)
+            raise space.NoRoom(f"/dev/shm is full: {name} could not take its {space.mib(RING_POOL * RING_BYTES)} "
+                               f"of response rings; {space.HOW_TO_RAISE}")
         self.rings = [pool + i * RING_BYTES for i in range(RING_POOL)]
         self.free_rings = collections.deque(range(RING_POOL))
         self.runs: set[EnsembleRun] = set()

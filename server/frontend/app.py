@@ -63,11 +63,11 @@ def _refused(completion: Completion) -> bool:
 
 
 def generate_error_status(completion: Completion) -> int:
-    """The status of a generate answer that is an error. A model's own error (its error response,
-    an exception in ``execute``, its instance dying) is Triton's 400 on both generate endpoints,
-    not the 500 of ``infer``; a refusal from before the model ran, and shmserve's own 503s, keep
-    theirs."""
-    return 400 if completion.status == 500 and not _refused(completion) else completion.status
+    """The status of a generate answer that is an error. An error from the model's run (its error
+    response, whatever code it carries, an exception in ``execute``, its instance dying) is
+    Triton's 400 on both generate endpoints, not what ``infer`` says; a refusal from before the
+    model ran, and shmserve's own 503s (no room, overload), keep theirs."""
+    return completion.status if _refused(completion) or completion.status == 503 else 400
 
 
 def error_response(status: int, message: str) -> Response:
