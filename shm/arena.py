@@ -102,7 +102,6 @@ class Arena:
             # (a block placed at the start after a wrap lies in pages taken before the tail's)
             if at + need + BLOCK_HEADER > self._backed < self._size and not self._take_pages(at + need + BLOCK_HEADER):
                 return -1
-            self.starved = False
             _HDR.pack_into(self._buf, self._base + at, need, USED, consumer)
             self._head = at + need
             self._used += need

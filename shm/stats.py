@@ -142,13 +142,6 @@ class StatsWriter:
         self._batch_rows = [[0] * len(BATCH_COLS) for _ in range(BATCH_ROWS)]
         self._batch_words = memoryview(area.batches.reshape(-1)).cast("B").cast("Q")  # type: ignore[arg-type]
 
-    def add(self, name: str, n: int = 1) -> None:
-        i = S[name]
-        if i < FLUSHED:
-            self.counts[i] += n
-        else:
-            self._count_rare(i, n)
-
     def _count_rare(self, i: int, n: int) -> None:
         """Count and publish at once one of the counters ``flush`` leaves out (an 8-byte store:
         never torn), before the answer it counts is completed."""

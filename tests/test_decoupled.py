@@ -86,6 +86,14 @@ def test_generate_answers_a_models_error_with_400_as_triton(server):
     assert (status, json.loads(text)) == (400, {"error": "plain broke"})
     status, _, text = post(server, "/v2/models/raises_decoupled/generate", {"N": 1})
     assert status == 400 and "ValueError: decoupled boom" in json.loads(text)["error"]
+    # whatever code the model gave its error (on infer: Triton's 404, 400, 501; measured)
+    for n, infer_status in ((1, 404), (3, 400), (4, 501)):
+        for endpoint in ("generate", "generate_stream"):
+            status, _, text = post(server, f"/v2/models/coded_fails/{endpoint}", {"N": n})
+            assert status == 400 and f"coded {n}" in text, (endpoint, n, status, text)
+        status, _, _ = post(server, "/v2/models/coded_fails/infer",
+                            {"inputs": [{"name": "N", "datatype": "INT32", "shape": [1], "data": [n]}]})
+        assert status == infer_status
     status, _, text = post(server, "/v2/models/err_stream/generate", {"N": 2})
     assert status == 400 and json.loads(text)["error"].startswith("generate expects model to produce exactly 1 "
                                                                   "response")
