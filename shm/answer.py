@@ -4,9 +4,10 @@ binary layout that only this module knows.
 An answer block is the descriptor, then (64-byte aligned) the bytes of the outputs it carries.
 Layout, little-endian:
 
-- header (``_HEADER``, 36 bytes): magic, flags (refused, final, error, document), trace stamp
-  count, output count, the output table's length, the model version served (0: not said), the
-  response count of a stream's end, and the byte lengths of the error, parameters and document;
+- header (``_HEADER``, 37 bytes): magic, flags (refused, final, error, document), trace stamp
+  count, a model's error code (``ErrorCode`` + 1; 0: none), output count, the output table's
+  length, the model version served (0: not said), the response count of a stream's end, and the
+  byte lengths of the error, parameters and document;
 - the output table, per output: name length, datatype code (``DATATYPES``), dimension count and
   in-region flag (``_META``), the name (UTF-8), its dimensions (int64 each), its data offset
   (from the data start) and size (``_PLACE``);
@@ -20,6 +21,7 @@ the broker's control answers are answers too: an error text, or a JSON document.
 """
 from __future__ import annotations
 
+import enum
 import struct
 from typing import Any, NamedTuple, Sequence
 
@@ -28,8 +30,8 @@ import orjson
 ALIGN = 64  # where an answer's tensor data starts
 _PAD = ALIGN - 1
 _MAGIC = 0x4E41  # "AN"
-# magic, flags, trace stamps, outputs, table bytes, version, responses, error, params, document bytes
-_HEADER = struct.Struct("<HBBIIqIIII")
+# magic, flags, trace stamps, error code, outputs, table bytes, version, responses, error, params, document bytes
+_HEADER = struct.Struct("<HBBBIIqIIII")
 _HEADER_SIZE = _HEADER.size
 _unpack_header = _HEADER.unpack_from
 _pack_header = _HEADER.pack
@@ -52,6 +54,24 @@ _CODES = {name: code for code, name in enumerate(DATATYPES)}
 _TABLES_MAX = 256
 _decoded: dict[bytes, tuple[tuple["OutputTensor", ...], int]] = {}
 _encoded: dict[tuple, bytes] = {}
+
+
+class ErrorCode(enum.IntEnum):
+    """The code of an error a model answers with, as Triton numbers them (TRITONSERVER_Error_Code,
+    ``pb_utils.TritonError.<NAME>``). Each frontend answers it as Triton's does: HTTP folds four of
+    them into 400, gRPC keeps each apart (server/frontend/error_status.py, server/grpc/status.py)."""
+
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+
+_ERROR_CODES = tuple(ErrorCode)
 
 
 class AnswerCorrupt(ValueError):
@@ -83,6 +103,9 @@ class AnswerDescriptor(NamedTuple):
     final: bool = False  # a stream's end
     responses: int = 0  # a stream's end: how many responses came before it
     document: Any = None  # a control request's answer
+    # The code of a model's own error (its error response, or a step's in an ensemble), which the
+    # frontends answer with as Triton does; None for the server's errors, which carry their status.
+    code: ErrorCode | None = None
 
     @classmethod
     def failure(cls, message: str, refused: bool = False) -> "AnswerDescriptor":
@@ -106,7 +129,7 @@ class AnswerDescriptor(NamedTuple):
     # -- bytes ------------------------------------------------------------------------------------
     def encode(self) -> bytes:
         """The descriptor's bytes (``write_answer`` places them)."""
-        outputs, version, params, error, refused, trace, final, responses, document = self
+        outputs, version, params, error, refused, trace, final, responses, document, code = self
         if not (error is not None or refused or final or responses or document is not None):
             return encode_outputs(outputs, version, params, trace)
         flags = (REFUSED if refused else 0) | (FINAL if final else 0)
@@ -120,8 +143,9 @@ class AnswerDescriptor(NamedTuple):
             flags |= _DOCUMENT
             document_raw = orjson.dumps(document)
         table = _table(outputs) if outputs else b""
-        return b"".join((_pack_header(_MAGIC, flags, len(trace), len(outputs), len(table), version, responses,
-                                      len(error_raw), len(params_raw), len(document_raw)),
+        return b"".join((_pack_header(_MAGIC, flags, len(trace), 0 if code is None else code + 1, len(outputs),
+                                      len(table), version, responses, len(error_raw), len(params_raw),
+                                      len(document_raw)),
                          table, struct.pack(f"<{len(trace)}q", *trace), error_raw, params_raw, document_raw))
 
 
@@ -131,9 +155,10 @@ def encode_outputs(outputs: Sequence[OutputTensor], version: int, params: dict |
     without making the descriptor first: every answer a worker writes takes this path."""
     table = _table(outputs) if outputs else b""
     if not (params or trace):
-        return _pack_header(_MAGIC, 0, 0, len(outputs), len(table), version, 0, 0, 0, 0) + table
+        return _pack_header(_MAGIC, 0, 0, 0, len(outputs), len(table), version, 0, 0, 0, 0) + table
     params_raw = orjson.dumps(params) if params else b""
-    return b"".join((_pack_header(_MAGIC, 0, len(trace), len(outputs), len(table), version, 0, 0, len(params_raw), 0),
+    return b"".join((_pack_header(_MAGIC, 0, len(trace), 0, len(outputs), len(table), version, 0, 0,
+                                  len(params_raw), 0),
                      table, struct.pack(f"<{len(trace)}q", *trace), params_raw))
 
 
@@ -147,7 +172,7 @@ def decode_answer(buf: Any, offset: int, end: int | None = None) -> tuple[Answer
         end = len(buf)
     if offset < 0 or offset > end - _HEADER_SIZE:
         raise AnswerCorrupt(f"an answer at {offset} does not fit before {end}")
-    magic, flags, nstamps, n, table_len, version, responses, error_len, params_len, doc_len = \
+    magic, flags, nstamps, coded, n, table_len, version, responses, error_len, params_len, doc_len = \
         _unpack_header(buf, offset)
     if magic != _MAGIC:
         raise AnswerCorrupt(f"no answer at {offset} (magic {magic:#x})")
@@ -171,17 +196,20 @@ def decode_answer(buf: Any, offset: int, end: int | None = None) -> tuple[Answer
         raise AnswerCorrupt("an answer without outputs has an output table")
     else:
         outputs = ()
-    if not (flags or rest):
-        return _new(AnswerDescriptor, (outputs, version, None, None, False, (), False, responses, None)), data
+    if not (flags or rest or coded):
+        return _new(AnswerDescriptor, (outputs, version, None, None, False, (), False, responses, None, None)), data
     pos += table_len
     trace = struct.unpack_from(f"<{nstamps}q", buf, pos) if nstamps else ()
     pos += nstamps * 8
     if flags & _ERROR:
         error: str | None = _utf8(bytes(buf[pos:pos + error_len]))
-    elif error_len:
-        raise AnswerCorrupt("an answer has error text but no error flag")
+    elif error_len or coded:
+        raise AnswerCorrupt("an answer has error text or an error code but no error flag")
     else:
         error = None
+    if coded > len(_ERROR_CODES):
+        raise AnswerCorrupt(f"an answer's error code {coded - 1} is unknown")
+    code = _ERROR_CODES[coded - 1] if coded else None
     pos += error_len
     params = _json(buf, pos, params_len) if params_len else None
     if params is not None and not isinstance(params, dict):
@@ -194,7 +222,7 @@ def decode_answer(buf: Any, offset: int, end: int | None = None) -> tuple[Answer
     else:
         document = None
     return _new(AnswerDescriptor, (outputs, version, params, error, bool(flags & REFUSED), trace,
-                                   bool(flags & FINAL), responses, document)), data
+                                   bool(flags & FINAL), responses, document, code)), data
 
 
 def _table(outputs: Any) -> bytes:

@@ -42,7 +42,7 @@ HEADER_BYTES = 4096
 # image updated apart from the server's) is told so, and never reads one layout as another.
 # 2: tables.0, batches.0 and control.<n> beside the segments (1 wrote 'S' here); 3: the broker's
 # arena grows (its extents' sizes at the end of tables.0, a broker answer's role word names one).
-LAYOUT = 3
+LAYOUT = 4
 MAGIC = 0x53484D00 | LAYOUT
 _FAMILY = 0xFFFFFF00
 

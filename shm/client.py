@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .answer import AnswerDescriptor
+from .answer import AnswerDescriptor, ErrorCode
 from .completion import Answer, Completion
 from .connection import DEFAULT_POLL_US, Backpressure, Connection, ServerUnavailable
 from .descriptor import SEQUENCE_END, SEQUENCE_START, InferRequest, InputTensor, RequestedOutput
@@ -36,16 +36,19 @@ from .results import InferResult
 from .streams import Stream, StreamEvents
 from .tensors import CONFIG_TO_WIRE, DTYPES, from_buffer, serialize_bytes, wire_datatype
 
-__all__ = ["Client", "InferResult", "InferenceServerError", "Region", "ServerUnavailable", "Backpressure"]
+__all__ = ["Client", "InferResult", "InferenceServerError", "ErrorCode", "Region", "ServerUnavailable", "Backpressure"]
 
 
 class InferenceServerError(Exception):
-    """The server refused or failed the call; ``status`` is the HTTP-equivalent status code."""
+    """The server refused or failed the call; ``status`` is the HTTP-equivalent status code, and
+    ``code`` the code of an error the model answered itself (``ErrorCode``; None for the
+    server's own errors)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: ErrorCode | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.code = code
 
 
 class _Plan:
@@ -93,7 +96,7 @@ class Client:
         """The answer, or its error raised."""
         answer = completion.answer
         if completion.status != 200:
-            raise InferenceServerError(completion.status, answer.error or "request failed")
+            raise InferenceServerError(completion.status, answer.error or "request failed", answer.code)
         return answer
 
     def _control(self, doc: dict) -> Any:

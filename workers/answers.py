@@ -107,7 +107,7 @@ class Answers:
         """(status, encoded answer, tensor chunks) of a response; outputs placed in regions are
         written now."""
         if resp.error is not None:
-            return resp.status, AnswerDescriptor(error=resp.error).encode(), []
+            return resp.status, AnswerDescriptor(error=resp.error, code=resp.code).encode(), []
         model = self.model
         wanted = entry.get("outputs")
         names = [o["name"] for o in wanted] if wanted else model.answered(resp.outputs)

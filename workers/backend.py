@@ -20,6 +20,7 @@ from typing import Any, Callable, ClassVar
 
 import numpy as np
 
+from shmserve.shm.answer import ErrorCode
 from shmserve.shm.channel import ClientSegment
 
 from .failure import execute_failure
@@ -99,7 +100,8 @@ class Response:
     outputs: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     error: str | None = None
     parameters: dict[str, Any] | None = None
-    status: int = 500  # the HTTP status an error answers with (Triton maps its error codes)
+    status: int = 500  # the HTTP-like status an error completes with (statistics, local clients)
+    code: ErrorCode | None = None  # a model's own error: its code, which each frontend maps as Triton does
     # An error of the model's own answer, not the backend's failure (a class attribute: nothing
     # more to set on each response).
     model_error: ClassVar[bool] = False

@@ -41,7 +41,8 @@ import posix_ipc
 
 from shmserve.batching import Pending
 from shmserve.shm.batch_entry import BatchEntry
-from shmserve.shm.answer import AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room, decode_answer, write_answer
+from shmserve.shm.answer import (AnswerCorrupt, AnswerDescriptor, ErrorCode, OutputTensor, answer_room, decode_answer,
+                                 write_answer)
 from shmserve.shm import space
 from shmserve.shm.arena import free_block, no_room_text
 from shmserve.shm.cache_entry import Output
@@ -213,8 +214,9 @@ class Ensembles:
             batch = mv.signature.check_inputs([InputTensor(t["name"], t["datatype"], t["shape"], t["size"])
                                                for t in request["inputs"]], request.get("id", ""))
             call.batch = batch if mv.signature.max_batch_size > 0 else 0
-        except InvalidRequest as e:
-            self._unsent(call, e.status, str(e))
+        except InvalidRequest as e:  # in Triton's words, which the ensemble passes on as Triton does
+            call.branch.busy -= 1
+            self._fail_run(run, None, e.status, f"in ensemble '{run.plan.name}', {e}")
             return
         if not self.free:
             self._unsent(call, 503, "too many ensemble steps in flight; retry later")
@@ -304,7 +306,7 @@ class Ensembles:
             answer, data_start = _step_answer(owner.buf, off, off + length)
             if status != 200 or answer.error is not None:
                 free_block(owner.buf, off)
-                self._fail_run(run, call.step, status if status != 200 else 500, answer.error or "failed")
+                self._step_error(run, status, answer)
                 continue
             branch = call.branch.child()
             branch.blocks.append((owner.buf, off))
@@ -333,7 +335,7 @@ class Ensembles:
             answer, data_start = _step_answer(owner.buf, off, off + length)
             if status != 200 or answer.error is not None:
                 free_block(owner.buf, off)
-                self._fail_run(run, call.step, status if status != 200 else 500, answer.error or "failed")
+                self._step_error(run, status, answer)
             elif answer.final:  # a decoupled step's end: its responses were all taken
                 free_block(owner.buf, off)
                 if answer.responses != call.received:
@@ -536,16 +538,23 @@ class Ensembles:
                     self._settle(run, c.branch)
         self._drop_outbox(run)
 
+    def _step_error(self, run: EnsembleRun, status: int, answer: AnswerDescriptor) -> None:
+        """A step answered an error: the ensemble answers it as Triton does, the step's text after
+        "in ensemble 'E', " and the model's own error code, if it gave one."""
+        self._fail_run(run, None, status if status != 200 else 500,
+                       f"in ensemble '{run.plan.name}', {answer.error or 'failed'}", code=answer.code)
+
     def _fail_run(self, run: EnsembleRun, step: Step | None, status: int, message: str,
-                  reason: str = "BACKEND") -> None:
-        """Answer the run's error (once) and give up on the rest: named after the ensemble and the
-        step that failed, or as it is without a step (a classification refused, in Triton's words
-        as for a model). What it holds is freed as its branches end (the caller settles them)."""
+                  reason: str = "BACKEND", code: ErrorCode | None = None) -> None:
+        """Answer the run's error (once) and give up on the rest: a failure the broker saw itself
+        is named after the ensemble and the step that failed; a text that says it all (a step's
+        own error, a classification refused) comes without a step. What it holds is freed as its
+        branches end (the caller settles them)."""
         if run.answered:
             return
         run.version.stats.fail(reason, 1)
         text = message if step is None else f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"
-        self._complete(run, AnswerDescriptor(error=text), status)
+        self._complete(run, AnswerDescriptor(error=text, code=code), status)
         self._give_up(run)
 
     @staticmethod

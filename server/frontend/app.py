@@ -35,6 +35,7 @@ from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
 from .disconnect import ClientGone, unless_gone
+from .error_status import generate_error_status
 from .generate import EventStream, build_generate_request, generate_response, parse_generate_body, traced
 from .inference import RETRY_AFTER_S, Headers, Inference
 from .limits import descriptors_problem
@@ -60,14 +61,6 @@ def json_response(doc: Any, status: int = 200) -> Response:
 def _refused(completion: Completion) -> bool:
     """Whether an error answer is a refusal from before its model ran (shm.answer.refusal)."""
     return completion.answer.refused
-
-
-def generate_error_status(completion: Completion) -> int:
-    """The status of a generate answer that is an error. An error from the model's run (its error
-    response, whatever code it carries, an exception in ``execute``, its instance dying) is
-    Triton's 400 on both generate endpoints, not what ``infer`` says; a refusal from before the
-    model ran, and shmserve's own 503s (no room, overload), keep theirs."""
-    return completion.status if _refused(completion) or completion.status == 503 else 400
 
 
 def error_response(status: int, message: str) -> Response:

@@ -27,6 +27,7 @@ from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 
 from .codec import build_response, split_body
+from .error_status import infer_error_status
 from .ingest import BodyIngest
 from .raw_binary import is_raw, raw_request_doc
 
@@ -262,6 +263,7 @@ def _response(model: str, version: str, doc: dict, headers: dict[bytes, bytes], 
             trace.collect(answer)
         status = completion.status
         if status != 200:
+            status = infer_error_status(completion)
             out, json_len = orjson.dumps({"error": answer.error or "inference failed"}), None
         else:
             out, json_len = build_response(model, str(answer.version or version), doc, answer, completion.tensor)

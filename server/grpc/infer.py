@@ -29,7 +29,7 @@ from shmserve.shm.protocol import REQ_INFER
 from shmserve.shm.trace import GRPC_STAMPS
 from shmserve.signature import BATCH_DIM_NOTE, dims_text, request_tag
 
-from .status import Aborted, code_of
+from .status import Aborted, answer_code, code_of
 from .requests import descriptor_from_message, param_value
 from .responses import error_head, infer_response
 
@@ -103,7 +103,7 @@ class GrpcInference:
                 trace.collect(answer)
             if completion.status != 200:
                 error = answer.error or "inference failed"
-                raise Aborted(code_of(completion.status), GRPC_DECOUPLED if error == HTTP_DECOUPLED else error)
+                raise Aborted(answer_code(completion), GRPC_DECOUPLED if error == HTTP_DECOUPLED else error)
             response = infer_response(request, str(answer.version or request.model_version), answer,
                                       completion.tensor)
         finally:
@@ -178,7 +178,7 @@ class GrpcInference:
                         ended |= completion.last  # an error sent with the final flag ends it too
                         head = error_head(request, None if answer.refused else
                                           final or not decoupled or completion.last)
-                        message = Aborted(code_of(completion.status), answer.error or "inference failed", head)
+                        message = Aborted(answer_code(completion), answer.error or "inference failed", head)
                     elif final and not answer.outputs and (not empty_final or not decoupled or ended):
                         message = None
                     else:

@@ -6,6 +6,9 @@ from typing import Any
 
 import grpc
 
+from shmserve.shm.answer import ErrorCode
+from shmserve.shm.completion import Completion
+
 CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     403: grpc.StatusCode.PERMISSION_DENIED,
@@ -17,6 +20,18 @@ CODES = {
     501: grpc.StatusCode.UNIMPLEMENTED,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+# A model's own error code as Triton's gRPC frontend answers it: each keeps its own.
+MODEL_CODES = {
+    ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
 }
 
 
@@ -35,3 +50,9 @@ class Aborted(Exception):
 
 def code_of(status: int) -> grpc.StatusCode:
     return CODES.get(status, grpc.StatusCode.INTERNAL if status >= 500 else grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def answer_code(completion: Completion) -> grpc.StatusCode:
+    """The status of an error answer: the model's own code, or the one the server's status maps to."""
+    code = completion.answer.code
+    return code_of(completion.status) if code is None else MODEL_CODES[code]

@@ -46,10 +46,10 @@ class Bls:
 
     @staticmethod
     def _error(e: Any) -> Any:
-        """The target's error as the caller sees it in Triton: its message and its code (carried
-        here as the status the code maps to)."""
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(
-            e.message, ERROR_CODE.get(e.status, pb_utils.TritonError.INTERNAL)))
+        """The target's error as the caller sees it in Triton: its message and its code (the
+        model's own, or the one the server's status maps to)."""
+        code = e.code if e.code is not None else ERROR_CODE.get(e.status, pb_utils.TritonError.INTERNAL)
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message, code))
 
     @staticmethod
     def _response(result: Any) -> Any:

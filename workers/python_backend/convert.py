@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from shmserve.shm.answer import ErrorCode
 from shmserve.shm.tensors import DTYPES
 
 from .. import device_tensors
@@ -22,7 +23,8 @@ from .pb_utils.dlpack import torch_dtype_to_triton
 from .pb_utils.errors import TritonError
 from .pb_utils.tensor import Tensor
 
-# TritonError codes -> HTTP status, as Triton's HTTP frontend answers them.
+# TritonError codes -> the status of the completion (what statistics and local clients see); the
+# frontends answer with the code itself, as Triton's do (server/edge/model_errors.py).
 ERROR_STATUS = {
     TritonError.INVALID_ARG: 400,
     TritonError.NOT_FOUND: 404,
@@ -33,8 +35,10 @@ ERROR_STATUS = {
     TritonError.INTERNAL: 500,
     TritonError.UNKNOWN: 500,
 }
-# HTTP status -> TritonError code (500 is INTERNAL), for the errors of a model called through BLS.
+# status -> TritonError code (500 is INTERNAL), for the server's errors of a model called through BLS
+# (a model's own error comes with its code).
 ERROR_CODE = {status: code for code, status in ERROR_STATUS.items() if code != TritonError.UNKNOWN}
+_KNOWN_CODES = frozenset(ErrorCode)
 
 # numpy dtype -> Triton type code of the inputs that need no conversion (BF16 is torch-backed).
 _PLAIN_INPUT_TYPES = {dt: numpy_to_triton_type(dt) for k, dt in DTYPES.items() if k != "BF16"}
@@ -96,8 +100,9 @@ def to_response(resp: Any) -> Response:
     if resp.has_error():
         err = resp.error()
         code = err.code() if hasattr(err, "code") else TritonError.INTERNAL
+        code = ErrorCode(code) if code in _KNOWN_CODES else ErrorCode.INTERNAL
         return ModelErrorResponse(error=err.message() if hasattr(err, "message") else str(err),
-                                  status=ERROR_STATUS.get(code, 500), parameters=params)
+                                  status=ERROR_STATUS[code], parameters=params, code=code)
     outputs: dict[str, np.ndarray] = {}
     for t in resp.output_tensors():
         arr = getattr(t, "_array", None)

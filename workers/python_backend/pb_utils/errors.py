@@ -2,7 +2,7 @@
 with ``InferenceResponse(error=TritonError(...))`` and let the rest of the batch succeed."""
 from __future__ import annotations
 
-import enum
+from shmserve.shm.answer import ErrorCode
 
 
 class TritonModelException(Exception):
@@ -14,17 +14,8 @@ class TritonModelException(Exception):
         return str(self.args[0]) if self.args else ""
 
 
-class _ErrorCode(enum.IntEnum):
-    """TRITONSERVER_Error_Code values, exposed as ``TritonError.<NAME>``."""
-
-    UNKNOWN = 0
-    INTERNAL = 1
-    NOT_FOUND = 2
-    INVALID_ARG = 3
-    UNAVAILABLE = 4
-    UNSUPPORTED = 5
-    ALREADY_EXISTS = 6
-    CANCELLED = 7
+# TRITONSERVER_Error_Code values, exposed as ``TritonError.<NAME>``: the codes an answer carries.
+_ErrorCode = ErrorCode
 
 
 class TritonError:
