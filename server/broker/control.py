@@ -240,11 +240,11 @@ class ControlHandler:
         elif self.lifecycle.cloud is not None:  # its folder in the bucket may have changed: sync it first
             self.lifecycle.cloud.request(name, config, (client, slot))
             return 0, None  # answered by start_synced_loads, or when the load it starts is over
-        error = self.lifecycle.load_model(name, config, waiter=(client, slot), model_dir=model_dir)
+        refused = self.lifecycle.load_model(name, config, waiter=(client, slot), model_dir=model_dir)
         if model_dir is not None:  # gone at once unless the load uses it (then: when it retires)
             self.lifecycle.discard_model_dir(str(model_dir))
-        if error:
-            return load_status(error), {"error": error}
+        if refused is not None:
+            return refused.status, {"error": refused.text}
         return 0, None
 
     def start_synced_loads(self) -> None:
@@ -259,8 +259,9 @@ class ControlHandler:
             if load.cancelled:
                 status, error = CANCELLED_STATUS, f"failed to load '{load.name}', {UNLOADED}"
             elif error is None:
-                error = self.lifecycle.load_model(load.name, load.config, waiter=waiter)
-                status = load_status(error) if error else status
+                refused = self.lifecycle.load_model(load.name, load.config, waiter=waiter)
+                if refused is not None:
+                    status, error = refused.status, refused.text
             if error and waiter is not None:
                 clients.reply(client, slot, status, {"error": error})
 
@@ -339,10 +340,6 @@ class ControlHandler:
             self.journal.set("trace", self.trace.saved())
         return answer
 
-
-def load_status(error: str) -> int:
-    """The status of a load's refusal: Triton's 500 for a name no repository holds, else 400."""
-    return int(getattr(error, "status", 400))
 
 
 class UploadsRefused(InvalidRequest):

@@ -14,6 +14,7 @@ load, a batch done); ``on_worker_messages`` takes those reports.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -63,11 +64,13 @@ REPLACED = "a later load of the model replaced this one"
 UNLOADED = "the model was unloaded before the load completed"
 
 
-class NotInRepository(str):
-    """The refusal of a load of a name no repository holds: Triton's INTERNAL (500), which its
-    clients see as ``[500]`` / ``StatusCode.INTERNAL``; other refusals are 400."""
+@dataclasses.dataclass(frozen=True)
+class LoadRefused:
+    """A load refused at once, in Triton's words, and the status its caller gets: Triton's
+    INTERNAL (500, ``StatusCode.INTERNAL``) for a name no repository holds, else 400."""
 
-    status = 500
+    text: str
+    status: int = 400
 
 
 def idle(mv: ModelVersion) -> bool:
@@ -228,7 +231,7 @@ class Lifecycle:
 
     # -- loading --------------------------------------------------------------------------------
     def load_model(self, name: str, override_json: str | None = None, waiter: tuple[Any, int] | None = None,
-                   model_dir: Path | None = None) -> str | None:
+                   model_dir: Path | None = None) -> LoadRefused | None:
         """Start loading every version of ``name`` the policy selects beside what serves now;
         returns an error at once, or None (the swap happens when all are ready).
 
@@ -244,9 +247,9 @@ class Lifecycle:
             # A name no repository holds (a typo, a model not there yet): Triton's text, but no
             # trace. Recorded, it would enter the index, turn strict readiness off for the whole
             # server and give the failure metric a label per name a client makes up.
-            reason = NotInRepository(f"failed to load '{name}', failed to poll from model repository")
+            reason = f"failed to load '{name}', failed to poll from model repository"
             log.error("%s", reason)
-            return reason
+            return LoadRefused(reason, 500)
         try:
             plan = self.planner.plan(name, model_dir, override_json)
         except cfgmod.ConfigError as e:
@@ -258,7 +261,7 @@ class Lifecycle:
             with self.instances.counted(added) as shortfall:
                 if shortfall:  # what serves goes on serving as it is
                     log.error("failed to load '%s', %s", name, shortfall)
-                    return f"failed to load '{name}', {shortfall}"
+                    return LoadRefused(f"failed to load '{name}', {shortfall}")
                 self.updates.apply(serving, config, waiter)
             catalog.load_errors.pop(name, None)  # this load supersedes one that failed before
             self._record(name, str(model_dir), override_json)
@@ -394,14 +397,17 @@ class Lifecycle:
         waiters, job.waiters = job.waiters, []
         self._abandon(job, 400, reason)  # its workers stop; nobody is answered yet
         log.warning("%s; trying again (retry %d of %d)", reason, job.retries + 1, self.opts.load_retries)
-        error = self.load_model(job.name, job.override, model_dir=Path(job.model_dir))
+        refused = self.load_model(job.name, job.override, model_dir=Path(job.model_dir))
         again = self.catalog.loading.get(job.name)
         if again is not None:
             again.retries = job.retries + 1
             again.waiters.extend(waiters)
         else:
             for client, slot in waiters:
-                self.clients.reply(client, slot, 400 if error else 200, {"error": error} if error else {})
+                if refused is None:
+                    self.clients.reply(client, slot, 200, {})
+                else:
+                    self.clients.reply(client, slot, refused.status, {"error": refused.text})
 
     def cancel_load(self, name: str, why: str) -> None:
         """Stop the load of ``name`` in progress, if any, because a later request overtook it;
@@ -421,13 +427,13 @@ class Lifecycle:
         for client, slot in job.waiters:
             self.clients.reply(client, slot, status, {"error": error})
 
-    def _load_failed(self, name: str, reason: str) -> str:
+    def _load_failed(self, name: str, reason: str) -> LoadRefused:
         log.error("%s", reason)
         self.catalog.load_failures[name] += 1
         self.catalog.load_errors[name] = reason
         self.catalog.failed_versions.pop(name, None)
         self.catalog.unloaded.pop(name, None)
-        return reason
+        return LoadRefused(reason)
 
     def fail_version(self, mv: ModelVersion, reason: str) -> None:
         """A version that cannot serve: its workers stop and what waits for it fails."""
