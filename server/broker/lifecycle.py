@@ -29,6 +29,7 @@ import orjson
 from shmserve.batching import DynamicBatcher, batches_on_worker
 from shmserve.shm.protocol import W_CONFIG, W_DONE, W_LOAD_FAILED, W_MORE, W_READY
 from shmserve.shm.waker import Waker
+from shmserve.signature import InvalidRequest
 from shmserve.workers.backend import BUILT_IN, installed_backends
 from shmserve.workers.classification import load_labels
 
@@ -363,15 +364,17 @@ class Lifecycle:
                 if job.retries < self.opts.load_retries:
                     self._retry(job, bad.reason)
                     continue
-                self._abandon(job, 400, bad.reason)
-                catalog.load_errors[name] = bad.reason
-                catalog.failed_versions[name] = sorted(job.versions)
-                catalog.unloaded.pop(name, None)
-                catalog.load_failures[name] += 1
+                self._fail_job(job, bad.reason, sorted(job.versions))
                 continue
             if not job.ready() or self._waits_for_steps(job):
                 continue
             ended = True
+            unserved = self._unserved_step(job)
+            if unserved is not None:  # as Triton: an ensemble whose steps did not load does not load
+                del catalog.loading[name]
+                log.error("failed to load '%s', %s", name, unserved)
+                self._fail_job(job, f"failed to load '{name}', {unserved}", [])
+                continue
             del catalog.loading[name]
             catalog.load_errors.pop(name, None)
             catalog.failed_versions.pop(name, None)
@@ -390,6 +393,39 @@ class Lifecycle:
             for client, slot in job.waiters:
                 self.clients.reply(client, slot, 200, {})
         return ended
+
+    def _fail_job(self, job: LoadJob, reason: str, versions: list[int]) -> None:
+        """A load that ended without serving: its callers hear ``reason``, which the index keeps
+        (with its ``versions`` as UNAVAILABLE) until a load or unload replaces it."""
+        catalog = self.catalog
+        self._abandon(job, 400, reason)
+        catalog.load_errors[job.name] = reason
+        catalog.failed_versions[job.name] = versions
+        catalog.unloaded.pop(job.name, None)
+        catalog.load_failures[job.name] += 1
+
+    def _unserved_step(self, job: LoadJob) -> str | None:
+        """Why an ensemble's load cannot serve once its steps' loads ended, in Triton's words: a
+        step no repository holds, or one whose load failed (None: every step has its version)."""
+        catalog = self.catalog
+        for mv in job.versions.values():
+            if mv.ensemble is None:
+                continue
+            missing = [dep for dep in mv.ensemble.dependencies()
+                       if dep not in catalog.models and dep not in catalog.model_dirs and dep not in catalog.load_errors]
+            if missing:
+                return f"ensemble {job.name} contains models that are not available or ambiguous: {', '.join(missing)}"
+            for step in mv.ensemble.steps:
+                try:
+                    catalog.find_version(step.model, step.version)
+                except InvalidRequest:
+                    if step.version:
+                        return (f"ensemble '{job.name}' depends on '{step.model}' whose required version "
+                                f"{step.version} is not loaded")
+                    why = catalog.load_errors.get(step.model)
+                    return (f"ensemble '{job.name}' depends on '{step.model}' which has no loaded version"
+                            + (f". Model '{step.model}' loading failed with error: {why}" if why else ""))
+        return None
 
     def _retry(self, job: LoadJob, reason: str) -> None:
         """Start a failed load again (Triton's --model-load-retry-count), with the same folder,
@@ -530,8 +566,11 @@ class Lifecycle:
         self.cancel_load(name, UNLOADED)
         versions = catalog.models.pop(name, {})
         catalog.canaries.pop(name, None)
-        catalog.load_errors.pop(name, None)
-        catalog.failed_versions.pop(name, None)
+        if versions or not catalog.failed_versions.get(name):
+            # A failed load of versions stays as Triton keeps it (UNAVAILABLE with its reason, "no
+            # available versions") when nothing serves; a config that failed is forgotten.
+            catalog.load_errors.pop(name, None)
+            catalog.failed_versions.pop(name, None)
         if versions:  # kept as Triton keeps them: UNAVAILABLE, "unloaded"
             catalog.unloaded[name] = sorted(versions)
         for mv in versions.values():
