@@ -65,6 +65,18 @@ def test_string_correlation_ids(server):
     assert run_sequence(server.url, "seq_oldest", "beta", [5, 5], "INT64", "TOTAL") == [5, 10]
 
 
+def test_a_string_id_for_an_integer_correlation_control_is_refused_in_words(server):
+    """Triton would pass a string id's bytes read as a UINT64; here it is a 400 naming the
+    control, and so is an id past the control's type. The sequence's instance keeps serving."""
+    with pytest.raises(InferenceServerException) as e:
+        send(server.url, "seq_direct", "abc", 1, start=True, end=True)
+    assert (e.value.status(), e.value.message()) == (
+        "400", "sequence id 'abc' is a string, but the model takes its correlation id in control input 'CORRID' "
+               "as TYPE_UINT64: send an integer sequence id")
+    r = send(server.url, "seq_direct", 77, 5, start=True, end=True)
+    assert int(r.as_numpy("SUM").reshape(-1)[0]) == 5
+
+
 def test_control_inputs_carry_start_end_ready_and_corrid(server):
     infos = []
     for i, (start, end) in enumerate([(True, False), (False, False), (False, True)]):
@@ -149,3 +161,19 @@ def test_bundled_running_sum_example(server):
         # The state tensor is the server's business, not the client's.
         assert [o["name"] for o in r.get_response()["outputs"]] == ["SUM"]
     assert totals == [1.5, 3.5, 4.0]
+
+
+def test_an_id_past_an_int32_correlation_control_is_refused():
+    """An INT32 CORRID takes ids that fit it; numpy's OverflowError never escapes the worker."""
+    from shmserve.workers.requests import RequestError
+    from shmserve.workers.sequence import SequenceSupport
+
+    config = {"sequence_batching": {"control_input": [
+        {"name": "CORRID", "control": [{"kind": "CONTROL_SEQUENCE_CORRID", "data_type": "TYPE_INT32"}]}]}}
+    support = SequenceSupport(config, Path("."))
+    inputs: dict = {}
+    support.augment(inputs, 2**31 - 1, 0)
+    assert inputs["CORRID"].tolist() == [2**31 - 1]
+    with pytest.raises(RequestError, match=r"sequence id 2147483648 does not fit the model's correlation id "
+                                           r"control input 'CORRID' \(TYPE_INT32\)"):
+        support.augment(inputs, 2**31, 0)

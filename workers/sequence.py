@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes
+from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes, wire_datatype
 
 from . import device_tensors
+from .requests import RequestError
 
 START, END = 1, 2
 _KINDS = {"CONTROL_SEQUENCE_START": "start", "CONTROL_SEQUENCE_READY": "ready",
@@ -111,9 +112,7 @@ class SequenceSupport:
         shape = (1, 1) if self.batched else (1,)
         for name, kind, dtype, false, true in self.controls:
             if kind == "corrid":
-                value = np.array(corr, dtype=dtype) if dtype != np.object_ else np.array(
-                    str(corr).encode(), dtype=object)
-                inputs[name] = np.full(shape, value, dtype=dtype)
+                inputs[name] = np.full(shape, _correlation_id(name, dtype, corr), dtype=dtype)
                 continue
             on = {"start": flags & START, "end": flags & END, "ready": True}[kind]
             inputs[name] = np.full(shape, true if on else false, dtype=dtype)
@@ -150,3 +149,20 @@ class SequenceSupport:
     def forget(self, corrs: list[Any]) -> None:
         for corr in corrs:
             self.memory.pop(corr, None)
+
+
+def _correlation_id(control: str, dtype: np.dtype, corr: Any) -> Any:
+    """The sequence id as the model's CORRID control input takes it: a string control takes any
+    id as its text; an integer one only an integer id that fits its type (Triton would pass a
+    string id's bytes read as an integer: refused here in words, not passed on as garbage)."""
+    if dtype == np.object_:
+        return np.array(str(corr).encode(), dtype=object)
+    wire = f"TYPE_{wire_datatype(np.empty(0, dtype))}"
+    if not isinstance(corr, int):
+        raise RequestError(f"sequence id '{corr}' is a string, but the model takes its correlation id in control "
+                           f"input '{control}' as {wire}: send an integer sequence id")
+    limits = np.iinfo(dtype)
+    if not limits.min <= corr <= limits.max:
+        raise RequestError(f"sequence id {corr} does not fit the model's correlation id control input "
+                           f"'{control}' ({wire})")
+    return corr
