@@ -220,6 +220,9 @@ class ControlHandler:
         self._explicit_only()
         name = doc["model"]
         params = doc.get("parameters") or {}
+        unknown = [key for key in params if key != "config" and not key.startswith("file:")]
+        if unknown:  # Triton's text (its gRPC refusal; over HTTP it says nothing useful)
+            raise InvalidRequest(f"unrecognized load parameter '{unknown[0]}'.")
         config = params.get("config")
         if config is not None and not isinstance(config, str):
             raise InvalidRequest(f"failed to load '{name}', the 'config' parameter must be a JSON string")
@@ -271,7 +274,7 @@ class ControlHandler:
             self.lifecycle.cloud.cancel(doc["model"])
         params = doc.get("parameters") or {}
         self.lifecycle.unload_model(doc["model"], waiter=(client, slot),
-                                 dependents=bool(params.get("unload_dependents", False)))
+                                 dependents=params.get("unload_dependents") is True)
         return 0, None
 
     # -- shared memory --------------------------------------------------------------------------

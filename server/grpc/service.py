@@ -124,6 +124,11 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
         params = {}
         for key, p in request.parameters.items():
+            kind = _LOAD_PARAM_KINDS.get(key, "bytes_param" if key.startswith("file:") else None)
+            if kind is None:  # Triton's texts
+                await _abort(context, 400, f"unrecognized load parameter '{key}'.")
+            if p.WhichOneof("parameter_choice") != kind:
+                await _abort(context, 400, f"invalid value type for load parameter '{key}', expected {kind}.")
             value = param_value(p)
             # file contents travel as base64 strings to the broker, as over HTTP
             params[key] = base64.b64encode(value).decode() if isinstance(value, bytes) else value
@@ -135,6 +140,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
         params = {key: param_value(p) for key, p in request.parameters.items()}
+        dependents = request.parameters.get("unload_dependents")
+        if dependents is not None and dependents.WhichOneof("parameter_choice") != "bool_param":
+            await _abort(context, 400, "invalid value type for 'unload_dependents' parameter, expected bool_param.")
         await self._control({"op": "unload", "model": request.model_name, "parameters": params}, context)
         return pb.RepositoryModelUnloadResponse()
 
@@ -284,6 +292,8 @@ async def _abort(context: Context, status: int, message: str) -> NoReturn:
     raise Aborted(code_of(status), message)
 
 
+# The load parameters Triton takes, and the type of each ('file:<path>' ones are bytes_param).
+_LOAD_PARAM_KINDS = {"config": "string_param"}
 # Triton's gRPC log settings: the parameter type each takes.
 _LOG_SETTING_TYPES = {"log_info": (bool, "boolean"), "log_warning": (bool, "boolean"), "log_error": (bool, "boolean"),
                       "log_verbose_level": (int, "int32"), "log_format": (str, "string")}

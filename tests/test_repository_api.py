@@ -1,21 +1,27 @@
-"""An ensemble whose steps cannot serve does not load, as in Triton 2.51: its load is a 400
-naming the step (one no repository holds, or one whose own load failed), and it serves nothing.
-A model whose load failed keeps its failure in the index after an unload, as Triton keeps it."""
+"""The model repository API's corners, each as Triton 2.51 answers it: an ensemble whose steps
+cannot serve does not load (a 400 naming the step: one no repository holds, or one whose own load
+failed); a model whose load failed keeps its failure in the index after an unload; load and
+unload parameters Triton refuses are refused in its words."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-REPO = Path(__file__).parent / "models" / "ensemble_loads"
+from conftest import raw_request
+
+REPO = Path(__file__).parent / "models" / "repository_api"
+EXAMPLES = Path(__file__).resolve().parent.parent / "model_repository"
 INIT_FAILED = "failed to load 'init_fail' version 1: RuntimeError: boom at init"
 
 
 @pytest.fixture(scope="module")
 def server(module_factory):
-    return module_factory.start([REPO], ["--model-control-mode", "explicit"]).wait_grpc_ready()
+    return module_factory.start([REPO, EXAMPLES], ["--model-control-mode", "explicit"]).wait_grpc_ready()
 
 
 def _index(client) -> dict[str, dict]:
@@ -66,3 +72,36 @@ def test_a_failed_load_stays_in_the_index_after_an_unload(server):
     # An unloaded ensemble whose load failed forgets it, as Triton does for a load that had no versions.
     c.unload_model("ens_missing")
     assert _index(c)["ens_missing"] == {"name": "ens_missing"}
+
+
+def _grpc_call(server, unload: bool, **params) -> tuple[str, str]:
+    """A load or unload of add_sub with parameters of the types given (tritonclient sends only
+    those it knows): (status, details)."""
+    kind = service_pb2.RepositoryModelUnloadRequest if unload else service_pb2.RepositoryModelLoadRequest
+    request = kind(model_name="add_sub")
+    for key, (field, value) in params.items():
+        setattr(request.parameters[key], field, value)
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            (stub.RepositoryModelUnload if unload else stub.RepositoryModelLoad)(request, timeout=60)
+            return "OK", ""
+        except grpc.RpcError as e:
+            return str(e.code()), e.details()
+
+
+def test_load_and_unload_parameters_triton_refuses(server):
+    bad = "StatusCode.INVALID_ARGUMENT"
+    assert _grpc_call(server, False, unknown=("string_param", "x")) == (bad, "unrecognized load parameter 'unknown'.")
+    assert _grpc_call(server, False, config=("bytes_param", b"{}")) == (
+        bad, "invalid value type for load parameter 'config', expected string_param.")
+    assert _grpc_call(server, False, **{"file:1/model.py": ("string_param", "x")}) == (
+        bad, "invalid value type for load parameter 'file:1/model.py', expected bytes_param.")
+    assert _grpc_call(server, True, unload_dependents=("string_param", "true")) == (
+        bad, "invalid value type for 'unload_dependents' parameter, expected bool_param.")
+    r = raw_request(server.port, "POST", "/v2/repository/models/add_sub/load", b'{"parameters": {"unknown": "x"}}')
+    assert (r.status, r.json()) == (400, {"error": "unrecognized load parameter 'unknown'."})
+    assert not server.client().is_model_ready("add_sub")  # nothing refused was loaded
+    assert _grpc_call(server, False) == ("OK", "")
+    assert _grpc_call(server, True, unknown=("string_param", "x")) == ("OK", "")  # as Triton: unload ignores it
+    assert not server.client().is_model_ready("add_sub")
