@@ -105,7 +105,7 @@ class ModelSignature:
 
     def _check_inputs(self, inputs: Sequence[InputTensor]) -> int:
         m = self.name
-        if len(inputs) > len(self.inputs):  # Triton counts before it looks at any input
+        if not len(self.required) <= len(inputs) <= len(self.inputs):  # Triton counts before it looks at any
             given = [t.name for t in inputs]
             if len(set(given)) == len(given):  # (a name given twice is refused as such below)
                 raise _RequestScoped(self._count_text(given))

@@ -33,9 +33,10 @@ def test_an_ensemble_answer_past_the_brokers_first_extent_is_served_up_to_its_ca
     with pytest.raises(InferenceServerException) as e:
         infer(client, "blob_ensemble", 1, 70 * MIB, 7)
     assert e.value.status() == "503"
+    block = 70 * MIB + 192  # the answer's descriptor (with the sequence parameters) and its block header
     assert e.value.message() == (
-        f"no room for the {70 * MIB + 128}-byte response of ensemble 'blob_ensemble': Failed to increase the shared "
-        f"memory pool size of the broker for a {70 * MIB + 128}-byte response: no room under the cap of the "
+        f"no room for the {block}-byte response of ensemble 'blob_ensemble': Failed to increase the shared "
+        f"memory pool size of the broker for a {block}-byte response: no room under the cap of the "
         f"broker's output arena, --broker-arena-mb=128 (60 MiB in use)")
     assert (infer(client, "blob_ensemble", 1, 16, 8) == 8).all()  # the next one is served
     assert not _broker_extents(capped.id)

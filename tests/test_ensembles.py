@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
@@ -66,6 +67,22 @@ def test_requested_output_subset(server):
     result = server.client().infer("par", inputs(X=np.ones(4, np.int32), Y=np.ones(4, np.int32)),
                                    outputs=[httpclient.InferRequestedOutput("PRODUCT")])
     assert [o["name"] for o in result.get_response()["outputs"]] == ["PRODUCT"]
+
+
+def test_an_ensembles_response_echoes_the_sequence_fields_as_tritons(server):
+    """Triton's ensemble answers with the request's sequence id and flags as its parameters (and
+    with no other parameter of the request), over HTTP and gRPC."""
+    server.wait_grpc_ready()
+    x = np.ones(4, np.int32)
+    result = server.client().infer("par", inputs(X=x, Y=x), parameters={"custom": 5})
+    assert result.get_response()["parameters"] == {"sequence_id": 0, "sequence_start": False, "sequence_end": False}
+    with grpcclient.InferenceServerClient(server.grpc_url) as g:
+        tensors = [grpcclient.InferInput(name, [4], "INT32") for name in ("X", "Y")]
+        for t in tensors:
+            t.set_data_from_numpy(x)
+        params = g.infer("par", tensors, sequence_id="abc", sequence_end=True).get_response().parameters
+        assert {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in params.items()} == {
+            "sequence_id": "abc", "sequence_start": False, "sequence_end": True}
 
 
 def test_failing_step_is_told_in_tritons_words(server):

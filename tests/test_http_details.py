@@ -187,6 +187,16 @@ def test_shape_refusals_use_tritons_words(srv, shape, datatype, text):
     assert error_of(r.status, r.body).startswith(text)
 
 
+def test_too_few_inputs_are_counted_before_their_names_are_looked_at(srv):
+    """Triton counts first: one input the model does not have, where two are required, is the
+    count's refusal, not the unknown name's (checked on Triton 2.51)."""
+    doc = {"inputs": [{"name": "VALUE", "datatype": "INT32", "shape": [1], "data": [1]}]}
+    r = raw_request(srv.port, "POST", "/v2/models/gen/infer", json.dumps(doc).encode())
+    assert error_of(r.status, r.body) == (
+        f"{UNKNOWN}expected number of inputs between 2 and 3 but got 1 inputs for model 'gen'. Got input(s) "
+        f"['VALUE'], but missing required input(s) ['PROMPT','MAX_TOKENS']. Please provide all required input(s).")
+
+
 def test_too_many_chunks_are_refused_as_triton_does(srv):
     """More than 65536 non-empty chunks: Triton's 400 and text; the server goes on."""
     head = (b"POST /v2/models/raw_vec/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"

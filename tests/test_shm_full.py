@@ -142,7 +142,8 @@ def test_a_full_dev_shm_is_a_503_where_a_page_was_wanted_and_no_process_dies(ful
         # An ensemble's answer in the broker's arena, past the pages its small answers took (and
         # no room to grow the arena either).
         refused = _refused(client, "blob_ensemble", 16, 2 * MIB, 7)
-        assert refused.startswith("no room for the 2097280-byte response of ensemble 'blob_ensemble': Failed to "
+        block = 2 * MIB + 192  # the answer's descriptor (with the sequence parameters) and its block header
+        assert refused.startswith(f"no room for the {block}-byte response of ensemble 'blob_ensemble': Failed to "
                                   "increase the shared memory pool size of the broker"), refused
         assert "no room in /dev/shm" in refused, refused
         # A new answer the cache cannot take a page for is answered, and not stored.

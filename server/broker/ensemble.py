@@ -47,7 +47,7 @@ from shmserve.shm import space
 from shmserve.shm.arena import free_block, no_room_text
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
-from shmserve.shm.descriptor import InputTensor
+from shmserve.shm.descriptor import SEQUENCE_END, SEQUENCE_START, InputTensor
 from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.liveness import BROKER_TICKET
 from shmserve.shm.names import object_name
@@ -630,7 +630,7 @@ class Ensembles:
                 outs.append(OutputTensor(name, datatype, tuple(shape), pos, size))
                 chunks.append(data)
                 pos += size
-        body = AnswerDescriptor(outs, run.version.version).encode()
+        body = AnswerDescriptor(outs, run.version.version, _sequence_params(run.entry)).encode()
         room = answer_room(len(body))
         try:
             extent, off = self.answers.alloc(room + pos, run.client.ticket)
@@ -648,6 +648,14 @@ class Ensembles:
             buf[at:at + len(chunk)] = chunk
             at += len(chunk)
         return extent, off, room + pos
+
+
+def _sequence_params(entry: Any) -> dict[str, Any]:
+    """The parameters of an ensemble's response: Triton's ensemble echoes the request's sequence
+    id and flags (and nothing else) in each response it sends."""
+    flags = entry.get("sequence_flags", 0)
+    return {"sequence_id": entry.get("sequence_id", 0), "sequence_start": bool(flags & SEQUENCE_START),
+            "sequence_end": bool(flags & SEQUENCE_END)}
 
 
 def _step_answer(buf: Any, off: int, end: int) -> tuple[AnswerDescriptor, int]:
