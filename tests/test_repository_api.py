@@ -105,3 +105,12 @@ def test_load_and_unload_parameters_triton_refuses(server):
     assert _grpc_call(server, False) == ("OK", "")
     assert _grpc_call(server, True, unknown=("string_param", "x")) == ("OK", "")  # as Triton: unload ignores it
     assert not server.client().is_model_ready("add_sub")
+
+
+def test_a_config_override_that_is_not_an_object_is_refused(server):
+    """protobuf's JSON parser reads a list as a config with no fields: the model would load with
+    the repository's config, as if no override had been sent."""
+    e = _load_error(lambda: server.client().load_model("add_sub", config="[]"))
+    assert (e.status(), e.message()) == ("400", "failed to load 'add_sub', model 'add_sub': config override: the "
+                                                "override must be a JSON object")
+    assert not server.client().is_model_ready("add_sub")

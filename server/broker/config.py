@@ -99,6 +99,8 @@ def load_config(model_dir: Path, strict: bool, override_json: str | None = None,
             config = json_format.Parse(override_json, ModelConfig())
         except json_format.ParseError as e:
             raise ConfigError(f"model '{model}': config override: {e}") from None
+        if not override_json.lstrip().startswith("{"):  # protobuf's parser takes a list as no fields
+            raise ConfigError(f"model '{model}': config override: the override must be a JSON object")
     elif path.exists():
         config = parse_config_text(path.read_text(), model)
     elif strict:
