@@ -114,3 +114,33 @@ def test_a_config_override_that_is_not_an_object_is_refused(server):
     assert (e.status(), e.message()) == ("400", "failed to load 'add_sub', model 'add_sub': config override: the "
                                                 "override must be a JSON object")
     assert not server.client().is_model_ready("add_sub")
+
+
+def test_a_repository_named_in_a_call_is_refused_as_triton_does(server):
+    """Triton serves its repositories as one: naming one in a load or unload is its 501
+    (UNIMPLEMENTED), while the index ignores the name over HTTP."""
+    text = "'repository_name' specification is not supported"
+    for action in ("load", "unload"):
+        r = raw_request(server.port, "POST", f"/v2/repository/some_repo/models/add_sub/{action}")
+        assert (r.status, r.json()) == (501, {"error": text})
+    r = raw_request(server.port, "POST", "/v2/repository/some_repo/index")
+    assert r.status == 200 and {"name": "add_sub"} in r.json()
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for call, request in ((stub.RepositoryIndex, service_pb2.RepositoryIndexRequest(repository_name="r")),
+                              (stub.RepositoryModelLoad, service_pb2.RepositoryModelLoadRequest(
+                                  repository_name="r", model_name="add_sub")),
+                              (stub.RepositoryModelUnload, service_pb2.RepositoryModelUnloadRequest(
+                                  repository_name="r", model_name="add_sub"))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(request, timeout=60)
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.UNIMPLEMENTED, text)
+    assert not server.client().is_model_ready("add_sub")
+
+
+def test_a_call_that_returns_nothing_answers_an_empty_json_body(server):
+    """As Triton's: a load, an unload and a shared-memory unregister answer 200 with no body."""
+    for path in ("/v2/repository/models/add_sub/load", "/v2/repository/models/add_sub/unload",
+                 "/v2/systemsharedmemory/unregister", "/v2/cudasharedmemory/unregister"):
+        r = raw_request(server.port, "POST", path)
+        assert (r.status, r.body) == (200, b""), path

@@ -1,5 +1,5 @@
 """What every network frontend (HTTP and gRPC) says about the server the same way: its protocol
-extensions and which peers may register shared memory."""
+extensions, which peers may register shared memory, and that it serves its repositories as one."""
 from __future__ import annotations
 
 import ipaddress
@@ -7,6 +7,8 @@ import ipaddress
 EXTENSIONS = ["classification", "binary_tensor_data", "model_configuration", "system_shared_memory",
               "cuda_shared_memory", "generate", "sequence", "schedule_policy", "model_repository",
               "model_repository(unload_dependents)", "parameters", "statistics", "logging", "trace"]
+# Triton's refusal of a repository call naming its repository (HTTP 501, gRPC UNIMPLEMENTED).
+NAMED_REPOSITORY = "'repository_name' specification is not supported"
 
 
 def is_loopback(host: str) -> bool:

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from shmserve.server import __version__
 from shmserve.server.edge.header_forward import add_to_request
 from shmserve.server.edge.link import DEFAULT_SLOTS, BrokerError, BrokerLink
-from shmserve.server.edge.metadata import EXTENSIONS
+from shmserve.server.edge.metadata import EXTENSIONS, NAMED_REPOSITORY
 from shmserve.server.edge.requests import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from shmserve.server.edge.shm_callers import ShmRefused, registering_caller, unregistering_caller
 from shmserve.server.edge.tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
@@ -63,6 +63,12 @@ def _refused(completion: Completion) -> bool:
     return completion.answer.refused
 
 
+def _without_body(response: Response) -> Response:
+    """A call that returns nothing succeeded: Triton answers it with an empty body (which it labels
+    JSON; an empty body is not JSON, so it goes without a type here)."""
+    return Response(status_code=200) if response.status_code == 200 else response
+
+
 def error_response(status: int, message: str) -> Response:
     headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else None
     return Response(orjson.dumps({"error": message}), status_code=status, media_type=JSON, headers=headers)
@@ -94,7 +100,7 @@ class Frontend:
         response = await self._answer(doc)
         if response.status_code == 409:
             response.status_code = 400
-        return response
+        return _without_body(response)
 
     # -- health and metadata --------------------------------------------------------------------
     async def live(self, request: Request) -> Response:
@@ -198,6 +204,10 @@ class Frontend:
 
     async def repository_unload(self, request: Request) -> Response:
         return await self._repository_call(request, "unload")
+
+    async def named_repository_call(self, request: Request) -> Response:
+        """A load or unload naming its repository: Triton's refusal (it serves its repositories as one)."""
+        return error_response(501, NAMED_REPOSITORY)
 
     # -- inference ------------------------------------------------------------------------------
     async def infer(self, model: str, version: str, headers: dict[bytes, bytes], body: bytes
@@ -346,7 +356,7 @@ class Frontend:
 
     async def _unregister(self, request: Request, op: str) -> Response:
         caller = await unregistering_caller(*self._peer(request), self._admin(request))
-        return await self._answer({"op": op, "name": request.path_params.get("name"), CALLER: caller})
+        return _without_body(await self._answer({"op": op, "name": request.path_params.get("name"), CALLER: caller}))
 
     async def shm_register(self, request: Request) -> Response:
         caller = await self._registering(request, "system")
@@ -422,10 +432,13 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
         Route(m + "/ready", fe.model_ready), Route(mv + "/ready", fe.model_ready),
         Route(m + "/config", fe.model_config), Route(mv + "/config", fe.model_config),
         Route("/v2/repository/index", fe.repository_index, methods=["POST"]),
+        Route("/v2/repository/{repository}/index", fe.repository_index, methods=["POST"]),  # (the name ignored)
         Route("/v2/repository/models/{model}/load", fe.repository_load, methods=["POST"]),
         Route("/v2/repository/models/{model}/unload", fe.repository_unload, methods=["POST"]),
         Route("/v2/repository/models/{model}/canary", fe.canary, methods=["GET", "POST"]),
         Route("/v2/repository/models/{model}/canary/{action}", fe.canary_decision, methods=["POST"]),
+        Route("/v2/repository/{repository}/models/{model}/load", fe.named_repository_call, methods=["POST"]),
+        Route("/v2/repository/{repository}/models/{model}/unload", fe.named_repository_call, methods=["POST"]),
         Route(m + "/infer", fe.infer_route, methods=["POST"]), Route(mv + "/infer", fe.infer_route, methods=["POST"]),
         Route(m + "/generate", fe.generate, methods=["POST"]), Route(mv + "/generate", fe.generate, methods=["POST"]),
         Route(m + "/generate_stream", fe.generate_stream, methods=["POST"]),

@@ -34,6 +34,7 @@ def _errors(*codes: int) -> dict[str, Any]:
             404: "no such endpoint or action", 405: "method not allowed on this endpoint",
             500: "Triton's status for a failure it calls internal: a load of a name no repository holds, a "
                  "region whose key opens nothing or that is registered already",
+            501: "not supported: Triton's refusal, in its words",
             503: "overloaded or not available right now (retry later)"}
     return {str(c): _json(_ref("Error"), text[c]) for c in codes}
 
@@ -48,6 +49,7 @@ VERSION = _path_param("version", "model version: digits only, as Triton's routes
                                  "segment is no route: 404)")
 VERSION["schema"]["pattern"] = "^[0-9]+$"
 REGION = _path_param("name", "shared-memory region name")
+REPOSITORY = _path_param("repository", "a repository's name")
 COMMON_ERRORS = (400, 404, 405, 503)
 
 
@@ -200,6 +202,16 @@ def _paths() -> dict[str, Any]:
         "/v2/repository/models/{model}/unload": {"post": {
             **_op("Unload a model", {"200": _empty("unloaded")}, _ref("RepositoryRequest"), required=False),
             "parameters": [MODEL]}},
+        "/v2/repository/{repository}/index": {"post": {
+            **_op("Repository index (the repository's name is ignored, as Triton ignores it)",
+                  {"200": _json(_ref("RepositoryIndex"), "index")}, _ref("RepositoryIndexRequest"), required=False),
+            "parameters": [REPOSITORY]}},
+        "/v2/repository/{repository}/models/{model}/load": {"post": {
+            **_op("Refused as Triton refuses it: the repositories are served as one", {},
+                  errors=(*COMMON_ERRORS, 501)), "parameters": [REPOSITORY, MODEL]}},
+        "/v2/repository/{repository}/models/{model}/unload": {"post": {
+            **_op("Refused as Triton refuses it: the repositories are served as one", {},
+                  errors=(*COMMON_ERRORS, 501)), "parameters": [REPOSITORY, MODEL]}},
         "/v2/repository/models/{model}/canary": {
             "parameters": [MODEL],
             "get": _op("Canary status", {"200": _json(_ref("CanaryStatus"), "policy, split and decisions")}),
@@ -212,25 +224,25 @@ def _paths() -> dict[str, Any]:
         "/v2/systemsharedmemory/status": {"get": _op("System shm regions", {
             "200": _json(_ref("SystemShmStatus"), "registered regions")})},
         "/v2/systemsharedmemory/unregister": {"post": _op("Unregister every system shm region",
-                                                          {"200": _json({"type": "object"}, "done")})},
+                                                          {"200": _empty("done")})},
         "/v2/systemsharedmemory/region/{name}/status": {"parameters": [REGION], "get": _op(
             "One system shm region", {"200": _json(_ref("SystemShmStatus"), "the region")})},
         "/v2/systemsharedmemory/region/{name}/register": {"parameters": [REGION], "post": _op(
-            "Register a system shm region", {"200": _json({"type": "object"}, "registered")},
+            "Register a system shm region", {"200": _empty("registered")},
             _ref("SystemShmRegister"), errors=(400, 403, 404, 405, 500, 503))},
         "/v2/systemsharedmemory/region/{name}/unregister": {"parameters": [REGION], "post": _op(
-            "Unregister a system shm region", {"200": _json({"type": "object"}, "done")})},
+            "Unregister a system shm region", {"200": _empty("done")})},
         "/v2/cudasharedmemory/status": {"get": _op("CUDA shm regions", {
             "200": _json(_ref("CudaShmStatus"), "registered regions")})},
         "/v2/cudasharedmemory/unregister": {"post": _op("Unregister every CUDA shm region",
-                                                        {"200": _json({"type": "object"}, "done")})},
+                                                        {"200": _empty("done")})},
         "/v2/cudasharedmemory/region/{name}/status": {"parameters": [REGION], "get": _op(
             "One CUDA shm region", {"200": _json(_ref("CudaShmStatus"), "the region")})},
         "/v2/cudasharedmemory/region/{name}/register": {"parameters": [REGION], "post": _op(
-            "Register a CUDA shm region", {"200": _json({"type": "object"}, "registered")},
+            "Register a CUDA shm region", {"200": _empty("registered")},
             _ref("CudaShmRegister"), errors=(400, 403, 404, 405, 503))},
         "/v2/cudasharedmemory/region/{name}/unregister": {"parameters": [REGION], "post": _op(
-            "Unregister a CUDA shm region", {"200": _json({"type": "object"}, "done")})},
+            "Unregister a CUDA shm region", {"200": _empty("done")})},
     }
     for prefix, params in (("/v2/models/{model}", [MODEL]), ("/v2/models/{model}/versions/{version}",
                                                                [MODEL, VERSION])):

@@ -22,7 +22,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from shmserve.server import __version__
 from shmserve.server.edge.link import BrokerError, BrokerLink
-from shmserve.server.edge.metadata import EXTENSIONS
+from shmserve.server.edge.metadata import EXTENSIONS, NAMED_REPOSITORY
 from shmserve.server.edge.shm_callers import ShmRefused, registering_caller, unregistering_caller
 from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
 from shmserve.shm import logs
@@ -118,10 +118,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- repository API -------------------------------------------------------------------------
     async def RepositoryIndex(self, request: Any, context: Context) -> Any:
+        if request.repository_name:
+            await _abort(context, 501, NAMED_REPOSITORY)
         answer = await self._control({"op": "repository_index", "ready": request.ready}, context)
         return json_format.ParseDict({"models": answer}, pb.RepositoryIndexResponse(), ignore_unknown_fields=True)
 
     async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
+        if request.repository_name:
+            await _abort(context, 501, NAMED_REPOSITORY)
         params = {}
         for key, p in request.parameters.items():
             kind = _LOAD_PARAM_KINDS.get(key, "bytes_param" if key.startswith("file:") else None)
@@ -139,6 +143,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
+        if request.repository_name:
+            await _abort(context, 501, NAMED_REPOSITORY)
         params = {key: param_value(p) for key, p in request.parameters.items()}
         dependents = request.parameters.get("unload_dependents")
         if dependents is not None and dependents.WhichOneof("parameter_choice") != "bool_param":
