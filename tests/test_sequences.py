@@ -77,6 +77,18 @@ def test_a_string_id_for_an_integer_correlation_control_is_refused_in_words(serv
     assert int(r.as_numpy("SUM").reshape(-1)[0]) == 5
 
 
+def test_config_shows_what_tritons_normalization_fills(server):
+    """An Oldest sequence batcher with no preferred size shows max_batch_size, as Triton's config
+    endpoint does; an ensemble shows no max_inflight_requests (a field 2.51 does not have)."""
+    c = httpclient.InferenceServerClient(server.url)
+    try:
+        oldest = c.get_model_config("seq_oldest")["sequence_batching"]["oldest"]
+        assert oldest["preferred_batch_size"] == [c.get_model_config("seq_oldest")["max_batch_size"]]
+        assert "max_inflight_requests" not in c.get_model_config("digits_pipeline")["ensemble_scheduling"]
+    finally:
+        c.close()
+
+
 def test_control_inputs_carry_start_end_ready_and_corrid(server):
     infos = []
     for i, (start, end) in enumerate([(True, False), (False, False), (False, True)]):

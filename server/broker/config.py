@@ -292,8 +292,8 @@ TRITON_OPTIMIZATION = {"priority": "PRIORITY_DEFAULT", "input_pinned_memory": {"
 def as_triton_shows(config: dict) -> dict:
     """The config as Triton's config endpoints show it: what its normalization fills and ours
     has no use for (a Python model's file name, the optimization policy's defaults, a dynamic
-    batcher's preferred size of max_batch_size when it names none), added to a copy; what the
-    server runs by is left as it is."""
+    batcher's and an Oldest sequence batcher's preferred size of max_batch_size when they name
+    none), added to a copy; what the server runs by is left as it is."""
     out = dict(config)
     if config.get("backend") == "python" and not config.get("default_model_filename"):
         out["default_model_filename"] = DEFAULT_MODEL_FILES["python"]
@@ -303,6 +303,14 @@ def as_triton_shows(config: dict) -> dict:
     max_batch = int(config.get("max_batch_size") or 0)
     if isinstance(batching, dict) and max_batch > 0 and not batching.get("preferred_batch_size"):
         out["dynamic_batching"] = {**batching, "preferred_batch_size": [max_batch]}
+    sequences = config.get("sequence_batching")
+    oldest = sequences.get("oldest") if isinstance(sequences, dict) else None
+    if isinstance(oldest, dict) and max_batch > 0 and not oldest.get("preferred_batch_size"):
+        out["sequence_batching"] = {**sequences, "oldest": {**oldest, "preferred_batch_size": [max_batch]}}
+    scheduling = config.get("ensemble_scheduling")
+    if isinstance(scheduling, dict) and not scheduling.get("max_inflight_requests"):
+        # a field of later Triton's (2.51 has none): shown only when set
+        out["ensemble_scheduling"] = {k: v for k, v in scheduling.items() if k != "max_inflight_requests"}
     return out
 
 
