@@ -69,6 +69,15 @@ def test_requested_output_subset(server):
     assert [o["name"] for o in result.get_response()["outputs"]] == ["PRODUCT"]
 
 
+def test_a_step_without_model_version_is_warned_about(server):
+    """Triton 2.51 reads an unset model_version as version 0 and refuses the load; here the step
+    uses its latest version, and the load says so by name."""
+    assert ("ensemble 'par': step 'slow_add' has model_version 0 (or none): Triton 2.51 would need a version 0 "
+            "of it and refuse the load; shmserve uses its latest version (set model_version: -1 to say so)"
+            in server.log())
+    assert "ensemble 'digits_pipeline': step" not in server.log()  # its steps say -1
+
+
 def test_an_ensembles_response_echoes_the_sequence_fields_as_tritons(server):
     """Triton's ensemble answers with the request's sequence id and flags as its parameters (and
     with no other parameter of the request), over HTTP and gRPC."""

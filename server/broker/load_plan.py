@@ -59,6 +59,10 @@ class LoadPlanner:
         cfgmod.validate(config, model_dir, self.backends, versions, completed_later=not self.opts.strict_config)
         for warning in unsupported.warnings(config):
             log.warning("%s", warning)
+        for step_model in sorted({s.model_name for s in config.ensemble_scheduling.step if s.model_version == 0}):
+            log.warning("ensemble '%s': step '%s' has model_version 0 (or none): Triton 2.51 would need a "
+                        "version 0 of it and refuse the load; shmserve uses its latest version (set "
+                        "model_version: -1 to say so)", name, step_model)
         for warning in latency_histograms.resolve(cfgmod.model_metrics(config))[1]:
             log.warning("model '%s': %s", name, warning)
         note = response_cache.load_note(config, self.opts.response_cache_bytes)
