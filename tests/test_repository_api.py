@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -144,3 +145,37 @@ def test_a_call_that_returns_nothing_answers_an_empty_json_body(server):
                  "/v2/systemsharedmemory/unregister", "/v2/cudasharedmemory/unregister"):
         r = raw_request(server.port, "POST", path)
         assert (r.status, r.body) == (200, b""), path
+
+
+ADD_ONE = '''import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "B", pb_utils.get_input_tensor_by_name(r, "A").as_numpy() + 1)]) for r in requests]
+'''
+
+
+def test_in_poll_mode_an_ensemble_loads_once_its_missing_step_appears(server_factory, tmp_path):
+    """As Triton's polling: the ensemble that failed for a step no repository held loads again
+    once that step is added and loads."""
+    import shutil
+
+    import numpy as np
+
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "ens_missing", repo / "ens_missing")
+    s = server_factory.start([repo], ["--model-control-mode", "poll", "--repository-poll-secs", "1",
+                                      "--exit-on-error", "false", "--strict-readiness", "false"])
+    c = s.client()
+    assert not c.is_model_ready("ens_missing")
+    staged = tmp_path / "ghost"
+    (staged / "1").mkdir(parents=True)
+    (staged / "config.pbtxt").write_text((REPO / "init_fail" / "config.pbtxt").read_text().replace("init_fail", "ghost"))
+    (staged / "1" / "model.py").write_text(ADD_ONE)
+    staged.rename(repo / "ghost")
+    s.wait_until(lambda: c.is_model_ready("ens_missing"), "the ensemble ready once its step loaded")
+    x = httpclient.InferInput("X", [4], "INT32")
+    x.set_data_from_numpy(np.arange(4, dtype=np.int32))
+    assert c.infer("ens_missing", [x]).as_numpy("Y").tolist() == [1, 2, 3, 4]

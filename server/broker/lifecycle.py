@@ -95,6 +95,10 @@ class Lifecycle:
         self.scanner: RepositoryScanner | None = None  # poll mode with --repository-poll-secs > 0
         self.cloud: CloudSyncs | None = None  # re-syncs of the cloud repositories' local copies
         self.changed_while_loading: set[str] = set()  # poll mode: look again once their load is over
+        # Ensembles whose load failed for their steps -> those steps; poll mode loads one again once
+        # a step of it loads (steps_loaded: those to load again when the loads in hand resolve).
+        self.blocked: dict[str, set[str]] = {}
+        self.steps_loaded: list[str] = []
         self.running = True  # False once a stop was asked for (or the start failed)
         self.startup_done = False
         self.startup_failed = False
@@ -344,6 +348,11 @@ class Lifecycle:
         first): its caller then finds it ready. Passes repeat while one ends, for nested ensembles."""
         while self._resolve_pass():
             pass
+        while self.steps_loaded:  # (outside the passes: a load resolves loads itself)
+            ensemble = self.steps_loaded.pop()
+            if ensemble in self.catalog.load_errors and ensemble not in self.catalog.loading:
+                log.info("repository change: a step of '%s' loaded; loading it again", ensemble)
+                self.load_model(ensemble)
 
     def _waits_for_steps(self, job: LoadJob) -> bool:
         loading = self.catalog.loading
@@ -374,11 +383,14 @@ class Lifecycle:
                 del catalog.loading[name]
                 log.error("failed to load '%s', %s", name, unserved)
                 self._fail_job(job, f"failed to load '{name}', {unserved}", [])
+                self.blocked[name] = {dep for mv in job.versions.values() if mv.ensemble is not None
+                                      for dep in mv.ensemble.dependencies()}
                 continue
             del catalog.loading[name]
             catalog.load_errors.pop(name, None)
             catalog.failed_versions.pop(name, None)
             catalog.unloaded.pop(name, None)
+            self.blocked.pop(name, None)
             old = catalog.models.get(name, {})
             catalog.models[name] = dict(job.versions)
             canary = catalog.canaries.setdefault(name, Canary(name))
@@ -392,6 +404,8 @@ class Lifecycle:
             self._record(name, job.model_dir, job.override)
             for client, slot in job.waiters:
                 self.clients.reply(client, slot, 200, {})
+            if self.opts.control_mode == "poll":  # as Triton's repository polling: its dependents load again
+                self.steps_loaded.extend(e for e, steps in self.blocked.items() if name in steps)
         return ended
 
     def _fail_job(self, job: LoadJob, reason: str, versions: list[int]) -> None:
@@ -563,6 +577,7 @@ class Lifecycle:
         unloaded; answered once its workers are gone."""
         catalog = self.catalog
         cancelled = name in catalog.loading
+        self.blocked.pop(name, None)
         self.cancel_load(name, UNLOADED)
         versions = catalog.models.pop(name, {})
         catalog.canaries.pop(name, None)
