@@ -357,6 +357,29 @@ def test_stream_a_decoupled_model(gserver):
     assert len(results[-1].get_response().outputs) == 0  # the empty final response asked for
 
 
+def test_an_empty_final_response_asked_for_with_another_type_is_refused(gserver):
+    """Triton's in-stream refusal (checked on 2.51): the flag must be a bool_param; a string
+    "false" turned the empty final response on. The request does not run; the stream goes on."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    def request(text: str, request_id: str) -> service_pb2.ModelInferRequest:
+        r = service_pb2.ModelInferRequest(model_name="word_stream", id=request_id)
+        t = r.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+        t.contents.bytes_contents.append(text.encode())
+        return r
+
+    refused = request("one", "r1")
+    refused.parameters["triton_enable_empty_final_response"].string_param = "false"  # (tritonclient refuses it)
+    with grpc.insecure_channel(gserver.grpc_url) as channel:
+        answers = list(service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            iter([refused, request("two", "r2")]), timeout=60))
+    assert answers[0].error_message == ("invalid value type for 'triton_enable_empty_final_response' parameter, "
+                                        "expected bool_param.")
+    assert answers[0].infer_response.id == "r1"
+    assert [a.infer_response.id for a in answers[1:]] == ["r2"] and not any(a.error_message for a in answers[1:])
+
+
 def test_a_response_sent_with_the_final_flag_is_the_final_one(gserver):
     """As Triton: the response a model sends together with the final flag carries
     ``triton_final_response`` true, and no empty response follows it, asked for or not (a client

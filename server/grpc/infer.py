@@ -30,7 +30,7 @@ from shmserve.shm.trace import GRPC_STAMPS
 from shmserve.signature import BATCH_DIM_NOTE, dims_text, request_tag
 
 from .status import Aborted, answer_code, code_of
-from .requests import descriptor_from_message, param_value
+from .requests import descriptor_from_message
 from .responses import error_head, infer_response
 
 
@@ -159,12 +159,19 @@ class GrpcInference:
         never after a response or an error sent with the final flag, as Triton does. A model that
         is not ``decoupled`` answers once: that response is the final one."""
         req, chunks = built
+        empty_final = False
+        if EMPTY_FINAL in request.parameters:
+            asked = request.parameters[EMPTY_FINAL]
+            if asked.WhichOneof("parameter_choice") != "bool_param":  # Triton's refusal, before the request runs
+                yield Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"invalid value type for '{EMPTY_FINAL}' parameter, "
+                                                                f"expected bool_param.", error_head(request))
+                return
+            empty_final = asked.bool_param
         try:
             events = self.link.stream(req, chunks)
         except BrokerError as e:
             yield Aborted(code_of(e.status), str(e), error_head(request))
             return
-        empty_final = EMPTY_FINAL in request.parameters and bool(param_value(request.parameters[EMPTY_FINAL]))
         try:
             final = ended = False  # ended: a response or an error came with the final flag
             while not final:
