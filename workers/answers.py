@@ -75,6 +75,7 @@ class Answers:
         # answers to complete once the counters are flushed: (client, slot, status, extent, offset, length)
         self._notes: list[tuple[ClientSegment, int, int, int, int, int]] = []
         self._later: list[Callable[[], None]] = []  # streams' ends that wait for the round's completions
+        self._unproduced: set[str] = set()  # outputs asked for that the model left out (logged once each)
 
     def deliver(self, client: ClientSegment, entry: BatchEntry, status: int, answer: bytes,
                 tensors: list[tuple[int, Any]]) -> None:
@@ -118,9 +119,13 @@ class Answers:
         try:
             for name in names:
                 if name not in resp.outputs:
-                    if model.decoupled:
-                        continue  # a streamed response may carry only some outputs
-                    raise RequestError(f"output '{name}' was requested but the model did not produce it")
+                    # Left out of the answer, as Triton does (a streamed response may carry only
+                    # some outputs; a model may skip an optional one).
+                    if not model.decoupled and name not in self._unproduced:
+                        self._unproduced.add(name)
+                        log.warning("output '%s' was requested but the model did not produce it: the answer "
+                                    "leaves it out (logged once)", name)
+                    continue
                 arr = resp.outputs[name]
                 if model.reshapes is not None:
                     arr = model.reshapes.client_output(name, arr)
