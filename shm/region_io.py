@@ -50,6 +50,12 @@ def _replaced(key: str, region: str | None) -> str:
             f"object now); register it again")
 
 
+def output_room_text(name: str, room: int, needed: int) -> str:
+    """Triton's refusal of an output larger than the room its request gave it in a region."""
+    return (f"shared memory size specified with the request for output '{name}' ({room} bytes) should be at "
+            f"least {needed} bytes to hold the results")
+
+
 class RegionFile:
     """One registered region's object, open for reading and writing at offsets."""
 

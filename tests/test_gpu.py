@@ -417,7 +417,7 @@ def test_an_output_region_too_small_is_a_400_and_the_instance_serves_on(gpu_serv
         out.set_shared_memory("y", 16)
         with pytest.raises(InferenceServerException) as e:
             http.infer("doubler_device", [inp], outputs=[out])
-        assert e.value.status() == "400" and "holds 16 bytes but the output needs 1024" in e.value.message()
+        assert e.value.status() == "400" and "(16 bytes) should be at least 1024 bytes to hold the results" in e.value.message()
         _, on_gpu = _doubler_call(http, "doubler_device", x)
         assert on_gpu
     finally:

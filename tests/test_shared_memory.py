@@ -374,7 +374,8 @@ def _infer_error_case(case: str, regions: Regions) -> tuple[str, list, list, str
             f"Invalid offset + byte size for shared memory region: '{region}'"
     if case == "output_region_too_small":
         return ("add_sub", [shm_input("INPUT0", region, NB), plain], [shm_output("OUTPUT0", region, NB - 8)],
-                f"holds {NB - 8} bytes but the output needs {NB}")
+                f"shared memory size specified with the request for output 'OUTPUT0' ({NB - 8} bytes) should be at "
+                f"least {NB} bytes to hold the results")
     if case == "output_overrun":
         return "add_sub", [shm_input("INPUT0", region, NB), plain], [shm_output("OUTPUT0", region, NB, NB + 8)], \
             f"Invalid offset + byte size for shared memory region: '{region}'"
@@ -400,6 +401,32 @@ def test_bad_region_use_in_infer_is_refused(shm_server, http, regions, case):
     assert needle in e.value.message(), e.value.message()
     assert {m: shm_server.worker_pids(m) for m in pids} == pids  # no worker died over it
     assert_serves_through_shm(shm_server, regions)
+
+
+def test_an_output_in_a_region_cannot_also_ask_for_classes_or_binary_data(shm_server):
+    """Triton's refusals (checked on 2.51), over HTTP (capitalised) and gRPC; tritonclient never
+    sends them, a raw client may."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    region = {"shared_memory_region": "r", "shared_memory_byte_size": 64}
+    for clash, extra in (("classification", {"classification": 2}), ("binary_data", {"binary_data": True})):
+        doc = {"inputs": [{"name": n, "datatype": "INT32", "shape": [N], "data": [0] * N} for n in ("INPUT0", "INPUT1")],
+               "outputs": [{"name": "OUTPUT0", "parameters": {**region, **extra}}]}
+        r = raw_request(shm_server.port, "POST", "/v2/models/add_sub/infer", json.dumps(doc).encode())
+        assert (r.status, r.json()) == (400, {"error": f"Output can't set both 'shared_memory_region' and '{clash}'"})
+    request = service_pb2.ModelInferRequest(model_name="add_sub")
+    for n in ("INPUT0", "INPUT1"):
+        request.inputs.add(name=n, datatype="INT32", shape=[N]).contents.int_contents.extend([0] * N)
+    out = request.outputs.add(name="OUTPUT0")
+    out.parameters["shared_memory_region"].string_param = "r"
+    out.parameters["shared_memory_byte_size"].int64_param = 64
+    out.parameters["classification"].int64_param = 2
+    with grpc.insecure_channel(shm_server.wait_grpc_ready().grpc_url) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "output can't set both 'shared_memory_region' and 'classification'")
 
 
 def test_registration_from_a_non_loopback_peer_is_refused(shm_server, regions, local_non_loopback_address):

@@ -21,7 +21,7 @@ from shmserve.shm.channel import NOTIFY_BROKER, ClientSegment
 from shmserve.shm.copying import copy_into
 from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.protocol import ROLE_WORKER, role_word
-from shmserve.shm.region_io import StaleRegion
+from shmserve.shm.region_io import StaleRegion, output_room_text
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import byte_view, serialize_bytes, wire_datatype
 from shmserve.shm.waker import Waker
@@ -217,5 +217,4 @@ class Answers:
 
 def _check_room(name: str, target: dict, n: int) -> None:
     if n > target["size"]:
-        raise RequestError(f"shared memory region for output '{name}' holds {target['size']} bytes but the "
-                           f"output needs {n}")
+        raise RequestError(output_room_text(name, target["size"], n))

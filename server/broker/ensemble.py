@@ -54,7 +54,7 @@ from shmserve.shm.names import object_name
 from shmserve.shm.protocol import (CANCELLED_STATUS, EXTENT_SHIFT, NO_ROOM, RECORD, ROLE_BROKER, ROLE_MASK, SLOT_DONE,
                                    SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, cancelled_error, role_word)
 from shmserve.shm.response_cache import CacheStore
-from shmserve.shm.region_io import StaleRegion
+from shmserve.shm.region_io import StaleRegion, output_room_text
 from shmserve.shm.ring import Ring, RingCorrupt
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import from_buffer, serialize_bytes
@@ -617,8 +617,7 @@ class Ensembles:
             target = placed.get(name)
             if target is not None:
                 if size > target["size"]:
-                    self._fail_run(run, run.plan.steps[-1], 400, f"shared memory region for output '{name}' is "
-                                   f"too small ({target['size']} bytes, {size} needed)")
+                    self._fail_run(run, None, 400, output_room_text(name, target["size"], size))
                     return None
                 try:  # through the region's descriptor: never a mapping its client could truncate
                     self.segments.regions.write(target, data)

@@ -442,6 +442,12 @@ def output_descriptor(name: str, params: dict, request_id: str, named: set[str],
     if "shared_memory_region" in params:
         od.region, od.offset, od.size = region_fields(params, name, json_body)
     _bool_param(params, "binary_data", f"output '{name}'", json_body)
+    if "shared_memory_region" in params:  # Triton's refusals (its HTTP words capitalised, its gRPC ones not)
+        clash = "classification" if params.get("classification") is not None else \
+            "binary_data" if params.get("binary_data") is True else None
+        if clash is not None:
+            raise BadRequest(f"{'Output' if json_body else 'output'} can't set both 'shared_memory_region' "
+                             f"and '{clash}'")
     return od
 
 
