@@ -28,7 +28,8 @@ output [ { name: "PROB" data_type: TYPE_FP32 dims: [ 2, 3 ] }, { name: "IDX" dat
 
 def ensemble_config(name: str, step: str, max_batch_size: int, dims: str, label_file: str = "") -> str:
     """An ensemble that passes X to ``step`` and answers its PROB and IDX; PROB labelled by the
-    ensemble's own ``label_file`` (as Triton, which labels with the ensemble's files)."""
+    ensemble's own ``label_file`` (as Triton, which labels with the ensemble's files, else with
+    the step's)."""
     label = f' label_filename: "{label_file}"' if label_file else ""
     return (f'name: "{name}" platform: "ensemble" max_batch_size: {max_batch_size}\n'
             f'input [ {{ name: "X" data_type: TYPE_FP32 dims: {dims} }} ]\n'
@@ -74,6 +75,7 @@ def server(module_factory, tmp_path_factory):
     write_ensemble(repo, "classify_ens", ensemble_config("classify_ens", "classify", 4, "[ 5 ]", "labels.txt"), True)
     write_ensemble(repo, "classify_flat_ens", ensemble_config("classify_flat_ens", "classify_flat", 0, "[ 2, 3 ]"),
                    False)
+    write_ensemble(repo, "unlabelled_ens", ensemble_config("unlabelled_ens", "classify", 4, "[ 5 ]"), False)
     (repo / "text_of" / "1").mkdir(parents=True)
     (repo / "text_of" / "1" / "model.py").write_text(TEXT_MODEL)
     (repo / "text_of" / "config.pbtxt").write_text(TEXT_CONFIG)
@@ -155,6 +157,15 @@ def test_an_ensemble_output_is_classified_as_its_model_does(server, protocol):
     direct = classes(server, protocol, "classify_flat", x, [("PROB", 2), ("IDX", 0)])
     assert direct["PROB"] == ([2], [b"9.000000:3", b"4.250000:5"])
     assert classes(server, protocol, "classify_flat_ens", x, [("PROB", 2), ("IDX", 0)]) == direct
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_ensemble_output_with_no_label_file_takes_its_steps_labels(server, protocol):
+    """As Triton 2.51: the classes of an ensemble output without a label_filename of its own are
+    labelled by the step output it comes from."""
+    direct = classes(server, protocol, "classify", X, [("PROB", 3)])
+    assert direct["PROB"][1][0][0] == b"0.700000:1:dog"
+    assert classes(server, protocol, "unlabelled_ens", X, [("PROB", 3)]) == direct
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

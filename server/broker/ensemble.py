@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import posix_ipc
@@ -59,7 +60,7 @@ from shmserve.shm.ring import Ring, RingCorrupt
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import from_buffer, serialize_bytes
 from shmserve.signature import InvalidRequest, ModelSignature
-from shmserve.workers.classification import ClassificationError, classify, unsupported_type
+from shmserve.workers.classification import ClassificationError, classify, load_labels, unsupported_type
 
 from .catalog import Catalog
 from .clients import Clients
@@ -78,6 +79,7 @@ RING_BYTES = Ring.nbytes(STREAM_CAPACITY, RECORD)
 RETRY_S = 0.002  # how soon to look again when responses wait for room on a client's ring,
 SLOW_RETRY_S = 0.05  # and once it has taken none for SLOW_READER_S
 SLOW_READER_S = 1.0
+LABELS_KEPT = 256  # step versions whose labels are kept read (see Ensembles._step_labels)
 
 
 class Ensembles:
@@ -95,6 +97,9 @@ class Ensembles:
         self.catalog = catalog
         self.clients = clients
         self.scheduler = scheduler
+        # a step version's labels by its load (ModelVersion.weights_key), for classifying an
+        # ensemble output with no label file of its own; emptied past LABELS_KEPT loads
+        self._labels_read: dict[str, dict[str, list[str]]] = {}
         self.instances = instances
         name = object_name(server_id, "client", "broker")
         self.own = Client(name=name, ticket=BROKER_TICKET, pid=os.getpid(),
@@ -557,11 +562,10 @@ class Ensembles:
         self._complete(run, AnswerDescriptor(error=text, code=code), status)
         self._give_up(run)
 
-    @staticmethod
-    def _classified(run: EnsembleRun, outputs: list[Output]) -> list[Output]:
+    def _classified(self, run: EnsembleRun, outputs: list[Output]) -> list[Output]:
         """The outputs with those the request asked classification of replaced by their top
-        classes, as a model's worker answers them (workers/classification.py), labelled by the
-        ensemble's own label files as in Triton."""
+        classes, as a model's worker answers them (workers/classification.py), labelled as in
+        Triton: by the ensemble's own label file, else by that of the step output it comes from."""
         classes = {o["name"]: o["class"] for o in run.entry.get("outputs") or () if "class" in o}
         if not classes:
             return outputs
@@ -574,10 +578,36 @@ class Ensembles:
                     arr = from_buffer(memoryview(data), datatype, shape)
                 except (ValueError, KeyError, TypeError) as e:  # a shape its bytes do not fill
                     raise ClassificationError(f"output '{name}': {e}") from None
-                top = classify(name, arr, classes[name], run.plan.batching, run.plan.labels.get(name))
+                labels = run.plan.labels.get(name) or self._step_labels(run.version, name)
+                top = classify(name, arr, classes[name], run.plan.batching, labels)
                 datatype, shape, data = "BYTES", list(top.shape), serialize_bytes(top)
             out.append((name, datatype, shape, data))
         return out
+
+    def _step_labels(self, ensemble: ModelVersion, tensor: str) -> list[str] | None:
+        """The labels of the step output that makes ensemble ``tensor`` (nested ensembles
+        followed down), read once per load of that step's model."""
+        assert ensemble.ensemble is not None
+        for step in ensemble.ensemble.steps:
+            produced = next((out for out, t in step.output_map.items() if t == tensor), None)
+            if produced is None:
+                continue
+            try:
+                mv = self.catalog.find_version(step.model, step.version)
+            except InvalidRequest:
+                return None
+            if mv.ensemble is not None:
+                return mv.ensemble.labels.get(produced) or self._step_labels(mv, produced)
+            key = mv.weights_key  # (one per load of a version)
+            if key not in self._labels_read:
+                if len(self._labels_read) >= LABELS_KEPT:
+                    self._labels_read.clear()
+                try:
+                    self._labels_read[key] = load_labels(mv.config_dict, Path(mv.model_dir))
+                except ValueError:  # gone since its load read it
+                    self._labels_read[key] = {}
+            return self._labels_read[key].get(produced)
+        return None
 
     def _tensor_bytes(self, t: dict) -> Any:
         """A tensor's bytes: a view of a step's output in its worker's arena; a copy of an
