@@ -158,7 +158,7 @@ def test_higher_priority_runs_first(server, tmp_path):
 
 
 def test_queue_timeout_rejects(server, tmp_path):
-    other_before = metric(server, "nv_inference_request_failure", "probe_timeout", reason="OTHER")
+    other_before = metric(server, "nv_inference_request_failure", "probe_timeout", reason="REJECTED")
     with Busy(server, "probe_timeout", tmp_path) as busy:
         waiting = busy.send(1, 3)[0]
         shorter = busy.send(1, 4, 0, 50_000)[0]
@@ -169,10 +169,10 @@ def test_queue_timeout_rejects(server, tmp_path):
                 fut.result()
             assert "Request timeout expired" in e.value.message()
     assert infer_with(server.url, "probe_timeout")["reqs"] == 1  # and it serves on
-    # Triton counts a queue timeout as reason OTHER (not BACKEND: the model never saw them).
-    wait_until(lambda: metric(server, "nv_inference_request_failure", "probe_timeout", reason="OTHER")
+    # Triton 2.51 counts a queue timeout as reason REJECTED (not BACKEND: the model never saw them).
+    wait_until(lambda: metric(server, "nv_inference_request_failure", "probe_timeout", reason="REJECTED")
                - other_before >= 2, "the timeouts counted")
-    assert metric(server, "nv_inference_request_failure", "probe_timeout", reason="OTHER") - other_before == 2
+    assert metric(server, "nv_inference_request_failure", "probe_timeout", reason="REJECTED") - other_before == 2
 
 
 def test_delay_action_serves_timed_out_requests_last(server, tmp_path):
@@ -187,6 +187,9 @@ def test_delay_action_serves_timed_out_requests_last(server, tmp_path):
 
 
 def test_full_queue_rejects_with_503(server, tmp_path):
+    """Triton 2.51's text, and its count: a request its scheduler refuses is counted nowhere."""
+    failed_before = {r: metric(server, "nv_inference_request_failure", "probe_qsize", reason=r)
+                     for r in ("REJECTED", "OTHER", "BACKEND")}
     with Busy(server, "probe_qsize", tmp_path) as busy:
         queued = busy.send(2, 3)
         third = busy.send(1, 3)[0]  # (the worker takes them off its lanes once it is free)
@@ -194,8 +197,10 @@ def test_full_queue_rejects_with_503(server, tmp_path):
         with pytest.raises(InferenceServerException) as e:
             third.result()
         assert e.value.status() == "503"
-        assert "Exceeds maximum queue size" in e.value.message()
+        assert e.value.message().startswith("[request id: <id_unknown>] Exceeds maximum queue size")
         assert all(f.result()["reqs"] >= 1 for f in queued)
+    assert {r: metric(server, "nv_inference_request_failure", "probe_qsize", reason=r) for r in failed_before} \
+        == failed_before
 
 
 def metric(server, name: str, model: str, **labels: str) -> float:

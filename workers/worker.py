@@ -356,7 +356,7 @@ class Worker:
             self.holds.hold(req, entry)  # before its regions are looked up in the table
             batch = check_request(self.signature, self.regions, self.decoupled, client, req, data_start, entry)
         except (InvalidRequest, RequestError, ValueError, KeyError, TypeError) as e:
-            # Refused before it was queued: counted nowhere, as in Triton (shm/stats.py rejected)
+            # Refused before it was queued: counted nowhere, as in Triton
             self.holds.release(entry)
             self._answer_error(entry, getattr(e, "status", 400), str(e), refused=True)
             return False  # serve() flushes the counters and sends the answer
@@ -374,10 +374,9 @@ class Worker:
         pending = Pending(client, slot, off, entry, batch, arrived, priority=req.priority, timeout_us=req.timeout_us)
         try:
             self.batcher.enqueue(pending, arrived)
-        except QueueFull as e:
+        except QueueFull as e:  # counted nowhere, as Triton 2.51 counts what its scheduler refuses
             self.holds.release(entry)
-            self.stats.rejected()
-            self._answer_error(entry, e.status, str(e), refused=True)
+            self._answer_error(entry, e.status, request_tag(entry.get("id", "")) + str(e), refused=True)
             return False
         return True
 

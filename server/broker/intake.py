@@ -50,7 +50,8 @@ class Intake:
         slot, off = rec.slot, rec.off
         req, data_start = read_request(client.seg.seg.buf, rec)
         # A request refused here, before it is queued, is counted nowhere: Triton counts a request
-        # only once it reached a scheduler (what a scheduler refuses is REJECTED: scheduler.py).
+        # only once its scheduler queued it (a refusal of the scheduler's is counted nowhere either,
+        # a queue timeout REJECTED: scheduler.py).
         try:
             # Draining before a stop: what is in flight finishes, nothing new starts.
             if self.refusal and client.pid not in self.exempt_pids:

@@ -22,7 +22,7 @@ from shmserve.shm.answer import refusal
 from shmserve.shm.arena import no_room_text
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.protocol import CANCELLED_STATUS, W_BATCH, cancelled_error, manifest_room, write_manifest
-from shmserve.signature import InvalidRequest
+from shmserve.signature import InvalidRequest, request_tag
 
 from .clients import Clients
 from .instances import Instances
@@ -46,16 +46,14 @@ class Scheduler:
         if mv.sequencer is not None:
             try:
                 mv.sequencer.enqueue(pend, mv.instances, now)
-            except InvalidRequest as e:
-                mv.stats.fail("REJECTED", 1)
+            except InvalidRequest as e:  # counted nowhere, as Triton 2.51 counts what its scheduler refuses
                 self.clients.reply(client, slot, e.status, refusal(str(e)))
                 return
         elif mv.batcher is not None:
             try:
                 mv.batcher.enqueue(pend, now)
-            except QueueFull as e:
-                mv.stats.fail("REJECTED", 1)
-                self.clients.reply(client, slot, e.status, refusal(str(e)))
+            except QueueFull as e:  # (likewise)
+                self.clients.reply(client, slot, e.status, refusal(request_tag(pend.entry.get("id", "")) + str(e)))
                 return
         else:
             mv.queue.append(pend)
@@ -84,7 +82,7 @@ class Scheduler:
         if mv.batcher is not None:
             expired = mv.batcher.expire(now)
             if expired:
-                mv.stats.fail("OTHER", len(expired))
+                mv.stats.fail("REJECTED", len(expired))  # Triton's reason for a queue timeout
                 self.clients.fail_pending(expired, 503, "Request timeout expired")
         elif mv.sequencer is not None:
             mv.sequencer.expire(now)
