@@ -33,6 +33,7 @@ S = {name: i for i, name in enumerate(SCALARS)}
 FLUSHED = FAILED_INFERENCES
 SCALAR_SLOTS = 32  # room to add counters without moving the arrays behind them
 BUSY_SINCE = SCALAR_SLOTS - 1  # not a counter: monotonic ns the running execution began, 0 when idle
+EXECUTING = SCALAR_SLOTS - 2  # not a counter: the requests in the running execution, 0 when idle
 PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 BUCKETS = 96
 _U64 = (1 << 64) - 1
@@ -340,7 +341,8 @@ class VersionTotals:
         self.batches = np.zeros((BATCH_ROWS, len(BATCH_COLS)), dtype=np.uint64)
         self.failure_reasons: dict[str, int] = {}
         self.worker_restarts = 0
-        self.pending = 0
+        self.pending = 0  # requests waiting for an execution (Triton's pending count)
+        self.in_flight = 0  # ... and those executing: accepted, not answered yet
         self.cached = False  # the version uses the response cache: its cache metrics are reported
 
     def copy(self) -> "VersionTotals":

@@ -459,7 +459,7 @@ def pending_requests(server: Server, model: str) -> int:
     regions resolved; executing, or queued in the broker or on a worker's lanes)."""
     url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=DEADLINE_S).read().decode()
-    head = f'nv_inference_pending_request_count{{model="{model}",'
+    head = f'shmserve_requests_in_flight{{model="{model}",'
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(head)]
     assert values, f"no pending count for {model}"
     return int(sum(values))

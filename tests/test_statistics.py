@@ -127,6 +127,7 @@ def test_counts_are_exact_across_instances_frontends_and_local_clients(stats_ser
     assert sample(text, "nv_inference_queue_duration_us", **labels) == inf["queue"]["ns"] // 1000
     assert sample(text, "nv_inference_compute_infer_duration_us", **labels) == inf["compute_infer"]["ns"] // 1000
     assert sample(text, "nv_inference_pending_request_count", **labels) == 0
+    assert sample(text, "shmserve_requests_in_flight", **labels) == 0
     assert sample(text, "shmserve_request_duration_us_count", **labels) == 53
     assert sample(text, "shmserve_request_duration_us_bucket", le="+Inf", **labels) == 53
     # summary_latencies=true: Triton's summaries, quantiles in order

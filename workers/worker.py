@@ -37,7 +37,7 @@ from shmserve.shm.tensors import BytesFraming
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_request
 from shmserve.shm.segment import SegmentCache
-from shmserve.shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, StatsWriter
+from shmserve.shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, EXECUTING, StatsWriter
 from shmserve.shm.waker import SpinPolicy, fence
 
 from . import custom_metrics
@@ -420,6 +420,7 @@ class Worker:
         start = time.monotonic_ns()
         busy = self.seg.stats.scalars
         busy[BUSY_SINCE] = start  # the broker enforces execution_timeout_s against this
+        busy[EXECUTING] = len(entries)  # no longer pending (nv_inference_pending_request_count)
         live: list[tuple[BatchEntry, Request]] = []
         for entry in entries:
             try:
@@ -498,7 +499,7 @@ class Worker:
                 req.sender.name_worker(self.num)
         for entry in entries:
             self.holds.release(entry)  # answered (a stream's hold went to its sender, a kept one's to late)
-        busy[BUSY_SINCE] = 0
+        busy[BUSY_SINCE] = busy[EXECUTING] = 0
 
     def _answer_ran(self, entry: BatchEntry, resp: Response) -> bool:
         """Answer a request the model ran: its sequence's state kept, the response cache filled

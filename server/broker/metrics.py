@@ -191,6 +191,8 @@ class _Collector:
                      lambda s: s.worker_restarts)
         yield family("shmserve_queue_depth", "Requests waiting for an instance: scheduler queues and direct lanes",
                      "gauge", lambda s: s.pending)
+        yield family("shmserve_requests_in_flight", "Requests accepted and not answered yet: waiting or executing",
+                     "gauge", lambda s: s.in_flight)
         for name, doc, kind, samples in self.source.extras():
             m = Metric(name, doc, kind)
             for labels, value in samples:

@@ -7,7 +7,7 @@ own thread) read them here; nothing is aggregated ahead of a read.
 from __future__ import annotations
 
 from shmserve.shm.extents import OutputArenas
-from shmserve.shm.stats import VersionTotals
+from shmserve.shm.stats import EXECUTING, VersionTotals
 
 from . import response_cache
 from .catalog import Catalog
@@ -38,10 +38,12 @@ class Statistics:
         for name, versions in list(self.catalog.models.items()):
             for v, mv in list(versions.items()):
                 total = self.instances.version_totals(mv)
-                # Requests clients put on direct lanes and the worker has not finished (waiting on
-                # a lane or executing), as in_flight() counts the broker's own.
-                lanes = sum(i.lanes_unfinished() for i in list(mv.instances) if self.instances.live(i))
-                total.pending = mv.in_flight() + lanes
+                # Requests waiting for execution, as Triton counts them: those clients put on direct
+                # lanes and the worker has not finished, and the broker's own (in_flight()), less
+                # those in the running executions.
+                live = [i for i in list(mv.instances) if self.instances.live(i)]
+                total.in_flight = mv.in_flight() + sum(i.lanes_unfinished() for i in live)
+                total.pending = max(0, total.in_flight - sum(int(i.seg.stats.scalars[EXECUTING]) for i in live))
                 total.cached = response_cache.enabled(mv.config_dict, self.instances.opts.response_cache_bytes)
                 rows.append((name, v, total))
         return rows
