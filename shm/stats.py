@@ -270,9 +270,13 @@ class StatsWriter:
             self.latency.observe(lh.QUEUE, looked_up - arrived)
 
     def cache_miss(self, ns: int) -> None:
-        """A request the response cache did not hold, run and answered: ``ns`` is its lookup
-        and the insertion of its outputs."""
+        """A request the response cache did not hold, counted at its lookup whatever its outcome,
+        as Triton counts misses: ``ns`` is the lookup."""
         self.counts[CACHE_MISS] += 1
+        self.counts[CACHE_MISS_NS] += ns
+
+    def cache_inserted(self, ns: int) -> None:
+        """The insertion of a missed request's outputs: its time counts with the misses' (Triton's)."""
         self.counts[CACHE_MISS_NS] += ns
 
     def model_error(self) -> None:
@@ -400,9 +404,13 @@ class VersionTotals:
             self.latency.observe(family, ns)
 
     def cache_miss(self, ns: int) -> None:
-        """A request the broker ran after a miss and stored (an ensemble's): ``ns`` is its lookup
-        and the insertion of its answer."""
+        """A request the cache did not hold (an ensemble's), counted at its lookup whatever its
+        outcome, as Triton counts misses: ``ns`` is the lookup."""
         self.scalars[CACHE_MISS] += 1
+        self.scalars[CACHE_MISS_NS] += ns
+
+    def cache_inserted(self, ns: int) -> None:
+        """The insertion of a missed request's answer: its time counts with the misses' (Triton's)."""
         self.scalars[CACHE_MISS_NS] += ns
 
     def get(self, name: str) -> int:

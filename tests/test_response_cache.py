@@ -91,6 +91,18 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in before}
 
 
+def test_a_miss_counts_at_its_lookup_whatever_the_outcome(cache_server):
+    """As Triton 2.51 counts misses: a request that misses and then fails is a miss too; its
+    error is not stored (Triton 2.51 stores a failure as an empty success), so it misses again."""
+    x = fresh()
+    before = counts(cache_server, "cached")
+    for _ in range(2):
+        with pytest.raises(InferenceServerException, match="asked to fail"):
+            infer(cache_server, "cached", x, parameters={"fail": True})
+    assert delta(before, counts(cache_server, "cached"))["misses"] == 2
+    assert delta(before, counts(cache_server, "cached"))["hits"] == 0
+
+
 def test_a_hit_answers_without_running_the_model(cache_server):
     x = fresh()
     before = counts(cache_server, "cached")

@@ -402,7 +402,14 @@ class Worker:
     def _answer_cached(self, entries: list[BatchEntry]) -> list[BatchEntry]:
         """Answer the requests the response cache holds; returns the others, to run. Triton
         looks each request up on its own: a batch's hits are answered, its misses run together."""
+        looking = {id(entry) for entry in entries if "cache_key" not in entry}  # (not looked up when queued)
         hits, misses = self.cache.split(entries)  # type: ignore[union-attr]
+        counted = [entry["cache_lookup_ns"] for entry in misses
+                   if id(entry) in looking and entry["cache_key"] is not None]
+        if counted:  # a miss counts at its lookup, whatever the request's outcome (Triton's)
+            with self.stream_lock:
+                for ns in counted:
+                    self.stats.cache_miss(ns)
         for entry, resp, looked_up, lookup_ns in hits:
             self.answers.phases = (looked_up, looked_up + lookup_ns, looked_up + lookup_ns)
             ok = self._answer(entry, resp)
@@ -511,7 +518,7 @@ class Worker:
             if self.cache is not None and entry.get("cache_key"):
                 inserting = time.monotonic_ns()
                 self.cache.insert(entry, resp)
-                self.stats.cache_miss(entry["cache_lookup_ns"] + time.monotonic_ns() - inserting)
+                self.stats.cache_inserted(time.monotonic_ns() - inserting)
             return True
         if resp.model_error:
             self.stats.model_error()

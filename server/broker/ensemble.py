@@ -187,6 +187,8 @@ class Ensembles:
                 if self._reply(run, stored):
                     run.version.stats.cache_hit(run.entry.get("sent_ns") or 0, looked_up, run.lookup_ns)
                 return
+            if run.cache_key is not None:  # a miss counts at its lookup, whatever the run's outcome (Triton's)
+                run.version.stats.cache_miss(run.lookup_ns)
         self.runs.add(run)
         self._made(run, run.root, set(run.root.tensors), None)
 
@@ -485,7 +487,7 @@ class Ensembles:
         if run.cache_key is not None and self.cache is not None:
             inserting = time.monotonic_ns()
             self.cache.insert(run.version, run.cache_key, outputs)
-            run.version.stats.cache_miss(run.lookup_ns + time.monotonic_ns() - inserting)
+            run.version.stats.cache_inserted(time.monotonic_ns() - inserting)
             run.cache_key = None
 
     def _client_gone(self, run: EnsembleRun) -> bool:

@@ -20,7 +20,8 @@ def hold(gate: str) -> None:
 class TritonPythonModel:
     """Y = 2 X and Z = X + 1, with the response parameter ``pid`` naming the process that ran it
     (a cached answer keeps it). The request parameter ``gate`` holds the execution until the test
-    opens it. Executions are counted by the statistics extension."""
+    opens it. Executions are counted by the statistics extension. The request parameter ``fail``
+    makes it answer an error response."""
 
     def execute(self, requests):
         for r in requests:
@@ -30,6 +31,9 @@ class TritonPythonModel:
         out = []
         for r in requests:
             x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            if json.loads(r.parameters() or "{}").get("fail"):  # an error response (never stored)
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("asked to fail")))
+                continue
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2), pb_utils.Tensor("Z", x + 1)],
                                                   parameters={"pid": os.getpid()}))
         return out
