@@ -91,6 +91,8 @@ def _level(value: Any) -> str:
     if not all(isinstance(v, str) for v in levels):
         raise ValueError(f"trace setting 'trace_level' must be a list of strings, got {orjson.dumps(value).decode()}")
     names = {v.upper() for v in levels}
+    if "OFF" in names and len(names) > 1:  # Triton's words
+        raise ValueError("Expect only one trace level 'OFF' is specified")
     if "TENSORS" in names:
         raise ValueError("trace level TENSORS is not supported by shmserve (only OFF and TIMESTAMPS)")
     unknown = names - set(LEVELS)
@@ -160,10 +162,13 @@ def triton_doc(setting: dict[str, Any], remaining: int) -> dict[str, Any]:
     return doc
 
 
-def check_update(update: Any, model: str, current: dict[str, Any], start_file: str) -> dict[str, Any]:
+def check_update(update: Any, model: str, current: dict[str, Any], start_file: str,
+                 start: dict[str, Any]) -> dict[str, Any]:
     """A POST body as internal settings (None: clear a model's key); ValueError says what is wrong.
 
-    ``current`` is the setting in effect for ``model`` (or the global one)."""
+    ``current`` is the setting in effect for ``model`` (or the global one), ``start`` the global
+    one the server started with: a global key cleared (null) goes back to it, as in Triton; an
+    empty ``trace_level`` list changes nothing, as in Triton."""
     if not isinstance(update, dict):
         raise ValueError("the trace setting request must be a JSON object")
     out: dict[str, Any] = {}
@@ -178,8 +183,11 @@ def check_update(update: Any, model: str, current: dict[str, Any], start_file: s
                              "--trace-config mode=<mode>")
         if value is None:
             if not model:
-                raise ValueError(f"trace setting '{name}' of the global settings cannot be cleared (null)")
-            out[key] = None
+                out[key] = start[key]
+            else:
+                out[key] = None
+            continue
+        if key == "level" and value == []:
             continue
         value = check_value(key, value)
         if key == "file" and value != current["file"]:

@@ -237,7 +237,7 @@ def test_trace_file_changes_only_inside_its_directory(server_factory, tmp_path):
     ({"trace_level": "TIMESTAMPS", "trace_file": ""}, "trace file"),
     ({"trace_mode": "opentelemetry"}, "trace_mode"),
     ({"trace_colour": "red"}, "trace_colour"),
-    ({"trace_rate": None}, "cannot be cleared"),
+    ({"trace_level": ["OFF", "TIMESTAMPS"]}, "Expect only one trace level 'OFF' is specified"),  # Triton's
     ([1, 2], "JSON object"),
 ])
 def test_bad_values_are_400(bad_values_server, body, needle):
@@ -252,6 +252,21 @@ def bad_values_server(module_factory, tmp_path_factory):
     s = start(module_factory, tmp_path_factory.mktemp("trace") / "trace.json")
     yield s
     assert s.client().get_trace_settings()["trace_rate"] == "1000"
+
+
+def test_a_cleared_global_key_goes_back_to_its_start_value(server_factory, tmp_path):
+    """As Triton 2.51: null resets a global key to what the server started with, and an empty
+    trace_level list changes nothing (it was refused, and switched tracing off)."""
+    s = start(server_factory, tmp_path / "trace.json")
+    client = s.client()
+    started = client.get_trace_settings()
+    client.update_trace_settings(settings={"trace_rate": "7", "log_frequency": "3"})
+    assert client.get_trace_settings()["trace_rate"] == "7"
+    r = raw_request(s.port, "POST", "/v2/trace/setting", b'{"trace_rate": null, "trace_level": []}')
+    assert r.status == 200, r
+    now = client.get_trace_settings()
+    assert (now["trace_rate"], now["trace_level"], now["log_frequency"]) == (
+        started["trace_rate"], started["trace_level"], "3")
 
 
 def test_unknown_model_and_bad_json(server_factory, tmp_path):

@@ -24,6 +24,7 @@ class TraceOwner:
         self.shared = TraceShared.create(server_id)
         self.start_file: str = flags.get("file", "")
         self.global_: dict[str, Any] = {**trace.DEFAULTS, **flags}
+        self.start = dict(self.global_)  # what a global key cleared with null goes back to
         self.overrides: dict[str, dict[str, Any]] = {}  # model -> the keys it sets itself
         self.objects: dict[str, tuple[int, int]] = {}  # "" (global) or model -> (slot, serial)
         self.files: dict[str, tuple[int, int]] = {}  # path -> (file slot, serial)
@@ -81,7 +82,7 @@ class TraceOwner:
         model = doc.get("model") or ""
         if "update" in doc:
             try:
-                update = trace.check_update(doc["update"], model, self.setting(model), self.start_file)
+                update = trace.check_update(doc["update"], model, self.setting(model), self.start_file, self.start)
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
             self._apply(model, update)
