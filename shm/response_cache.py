@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
+from typing import NamedTuple
 
 import posix_ipc
 
@@ -41,13 +43,28 @@ log = logging.getLogger("shmserve.cache")
 MIN_BYTES = 1024  # Triton's local cache may fail below about this size too
 LOCK_WAIT_S = 0.2
 _MAGIC = 0x52434348454D5300  # marks a finished header (any constant)
-_HEADER = 128  # nine words used
+_HEADER = 128  # fourteen words used
 _ENTRY = 32  # an entry's header: total length, digest (two words), payload length
 _ALIGN = 64
 _BYTES_PER_SLOT = 256  # an index slot per this many bytes of cache (16 bytes each: about 6%)
 _KEY = struct.Struct("<QQ")  # a digest as the two words the log and the index hold
 # header words
 _W_MAGIC, _W_LOG, _W_SLOTS, _W_HEAD, _W_TAIL, _W_USED, _W_COUNT, _W_HOLDER, _W_OPS = range(9)
+# the cache's own counters, for Triton's global nv_cache_* metrics (kept across a recovery)
+_W_LOOKUPS, _W_HITS, _W_EVICTIONS, _W_LOOKUP_NS, _W_INSERT_NS = range(9, 14)
+
+
+class CacheTotals(NamedTuple):
+    """What Triton's global ``nv_cache_*`` metrics say of the cache."""
+
+    entries: int
+    util: float  # the log's bytes in use, of its capacity
+    lookups: int
+    hits: int
+    misses: int
+    evictions: int
+    lookup_us: int  # lookups' time, the lock's wait included
+    insertion_us: int
 
 
 def layout(size: int) -> tuple[int, int]:
@@ -142,21 +159,25 @@ class CacheStore:
         """A copy of the payload stored under ``key`` (a 16-byte digest), or None (also when the
         lock stays taken for ``wait`` seconds: the broker, which serves everyone, passes 0)."""
         k0, k1 = _KEY.unpack(key)
+        start = time.monotonic_ns()
         if not self._lock(wait):
             return None
+        w = self.words
         try:
+            w[_W_LOOKUPS] += 1
             off, slot = self._find(k0, k1)
             if off < 0:
                 return None
+            w[_W_HITS] += 1
             lw = self.log_words
             n = lw[(off >> 3) + 3]
             payload = self.seg.read(self.log_off + off + _ENTRY, self.log_off + off + _ENTRY + n)
-            w = self.words
             if (off - w[_W_TAIL]) % self.capacity < w[_W_USED] // 2:  # in the older half: write it anew
                 self._delete(slot)
                 self._append(k0, k1, (payload,), n)
             return payload
         finally:
+            w[_W_LOOKUP_NS] += time.monotonic_ns() - start
             self._unlock()
 
     def fits(self, n: int) -> bool:
@@ -169,6 +190,7 @@ class CacheStore:
         if not self.fits(n):
             return False
         k0, k1 = _KEY.unpack(key)
+        start = time.monotonic_ns()
         if not self._lock(wait):
             return False
         try:
@@ -176,6 +198,7 @@ class CacheStore:
                 return False  # another instance stored the same answer meanwhile
             return self._append(k0, k1, parts, n)
         finally:
+            self.words[_W_INSERT_NS] += time.monotonic_ns() - start
             self._unlock()
 
     def forget(self, key: bytes, wait: float = LOCK_WAIT_S) -> None:
@@ -290,6 +313,7 @@ class CacheStore:
         w[_W_TAIL] = 0 if tail + total == cap else tail + total
         w[_W_USED] -= total
         w[_W_COUNT] -= 1
+        w[_W_EVICTIONS] += 1
 
     def _clear(self) -> None:
         w = self.words
@@ -299,6 +323,13 @@ class CacheStore:
     def entries(self) -> int:
         """Entries in the log (those written anew count until the log passes their old copy)."""
         return int(self.words[_W_COUNT])
+
+    def totals(self) -> "CacheTotals":
+        """The cache's own counts, read without the lock (each word is written whole)."""
+        w = self.words
+        lookups, hits = int(w[_W_LOOKUPS]), int(w[_W_HITS])
+        return CacheTotals(int(w[_W_COUNT]), int(w[_W_USED]) / self.capacity, lookups, hits, lookups - hits,
+                           int(w[_W_EVICTIONS]), int(w[_W_LOOKUP_NS]) // 1000, int(w[_W_INSERT_NS]) // 1000)
 
     def close(self) -> None:
         for view in (self.log_words, self.log, self.index, self.words):

@@ -289,6 +289,36 @@ def test_a_model_without_response_cache_is_not_cached(cache_server):
         {"executions": 2, "inferences": 2, "success": 2, "hits": 0, "misses": 0}
 
 
+def test_the_global_cache_gauges_are_tritons(cache_server):
+    """Triton's global nv_cache_* gauges (names, words, types as 2.51's): the cache's own counts,
+    over every model and ensemble that uses it."""
+    def gauges() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{cache_server.metrics_port}/metrics", timeout=5).read()
+        out = {}
+        for line in text.decode().splitlines():
+            if line.startswith("nv_cache_") and "{" not in line:
+                name, value = line.split(" ")
+                out[name] = float(value)
+        assert "# TYPE nv_cache_num_lookups gauge" in text.decode()
+        assert "# HELP nv_cache_util Cache utilization [0.0 - 1.0]" in text.decode()
+        return out
+
+    before = gauges()
+    x = fresh()
+    for _ in range(3):
+        infer(cache_server, "cached", x)
+    after = gauges()
+    assert after["nv_cache_num_lookups"] - before["nv_cache_num_lookups"] == 3
+    assert after["nv_cache_num_hits"] - before["nv_cache_num_hits"] == 2
+    assert after["nv_cache_num_misses"] - before["nv_cache_num_misses"] == 1
+    assert after["nv_cache_num_lookups"] == after["nv_cache_num_hits"] + after["nv_cache_num_misses"]
+    assert after["nv_cache_num_entries"] >= 1 and 0 < after["nv_cache_util"] <= 1
+    assert after["nv_cache_insertion_duration"] > 0 and after["nv_cache_lookup_duration"] > 0
+    assert set(after) == {"nv_cache_num_entries", "nv_cache_num_lookups", "nv_cache_num_hits", "nv_cache_num_misses",
+                          "nv_cache_num_evictions", "nv_cache_lookup_duration", "nv_cache_insertion_duration",
+                          "nv_cache_util"}
+
+
 def test_metrics_count_hits_and_misses_per_model(cache_server):
     x = fresh()
     infer(cache_server, "cached", x)

@@ -85,7 +85,7 @@ class Broker:
         self.lifecycle = Lifecycle(opts, self.catalog, self.instances, self.routes, self.clients, self.journal,
                                    self.limiter)
         self.supervisor = Supervisor(self.instances, self.lifecycle, self.routes, self.clients, self.limiter)
-        self.statistics = Statistics(self.answers, self.catalog, self.instances, self.regions)
+        self.statistics = Statistics(self.answers, self.catalog, self.instances, self.regions, self.cache)
         self.control = ControlHandler(opts, self.seg, self.catalog, self.lifecycle, self.routes, self.statistics,
                                       self.regions, self.journal)
         self.statistics.serve(opts)

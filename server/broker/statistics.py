@@ -7,6 +7,7 @@ own thread) read them here; nothing is aggregated ahead of a read.
 from __future__ import annotations
 
 from shmserve.shm.extents import OutputArenas
+from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.stats import EXECUTING, VersionTotals
 
 from . import response_cache
@@ -18,8 +19,10 @@ from .regions import Regions
 
 
 class Statistics:
-    def __init__(self, answers: OutputArenas, catalog: Catalog, instances: Instances, regions: Regions) -> None:
+    def __init__(self, answers: OutputArenas, catalog: Catalog, instances: Instances, regions: Regions,
+                 cache: CacheStore | None = None) -> None:
         self.answers = answers  # the broker's output arena
+        self.cache = cache  # the response cache (--cache-config), for Triton's global nv_cache_* gauges
         self.catalog = catalog
         self.instances = instances
         self.regions = regions
@@ -78,7 +81,22 @@ class Statistics:
               for c in list(self.catalog.canaries.values()) for (v, action, trigger), n in list(c.counts.items())]),
             ("shmserve_canary_traffic_fraction", "Share of a model's unversioned requests each version is sent",
              "gauge", self._split_samples()),
-        ]
+        ] + self._cache_families()
+
+    def _cache_families(self) -> list[Family]:
+        """Triton's global response cache gauges (its names and words), with a cache only."""
+        if self.cache is None:
+            return []
+        t = self.cache.totals()
+        return [(name, doc, "gauge", [({}, value)]) for name, doc, value in (
+            ("nv_cache_num_entries", "Number of responses stored in response cache", t.entries),
+            ("nv_cache_num_lookups", "Number of cache lookups in response cache", t.lookups),
+            ("nv_cache_num_hits", "Number of cache hits in response cache", t.hits),
+            ("nv_cache_num_misses", "Number of cache misses in response cache", t.misses),
+            ("nv_cache_num_evictions", "Number of cache evictions in response cache", t.evictions),
+            ("nv_cache_lookup_duration", "Total cache lookup duration (hit and miss), in microseconds", t.lookup_us),
+            ("nv_cache_insertion_duration", "Total cache insertion duration, in microseconds", t.insertion_us),
+            ("nv_cache_util", "Cache utilization [0.0 - 1.0]", t.util))]
 
     def load_times(self) -> dict[tuple[str, int], tuple[list[int], float]]:
         """Every successful load's duration, per version (kept after unloads)."""
