@@ -251,6 +251,21 @@ def test_cpu_metrics_can_be_turned_off_and_summaries_are_off_by_default(server_f
     assert sample(text, "nv_inference_request_success", model="doubler", version="1") == 0
 
 
+def test_summaries_say_tritons_words_and_nan_before_any_request(server_factory):
+    """As Triton 2.51: its HELP texts, and a model with no request yet has NaN quantiles (a gap
+    on a dashboard), not 0 us."""
+    import math
+
+    server = server_factory.start([STATS_MODELS], ["--metrics-config", "summary_latencies=true"])
+    text = scrape(server)
+    assert ("# HELP nv_inference_request_summary_us Summary of inference request duration in microseconds "
+            "(includes cached requests)") in text
+    assert ("# HELP nv_inference_compute_infer_summary_us Cumulative compute inference duration in microseconds "
+            "(does not include cached requests)") in text
+    assert math.isnan(sample(text, "nv_inference_request_summary_us", model="doubler", version="1", quantile="0.5"))
+    assert sample(text, "nv_inference_request_summary_us_count", model="doubler", version="1") == 0
+
+
 def test_bad_metrics_config_is_refused(server_factory):
     server = server_factory.create([STATS_MODELS], ["--metrics-config", "bogus=1"])
     server.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import http.server
 import logging
+import math
 import os
 import socket
 import threading
@@ -210,12 +211,13 @@ class _Collector:
                   "compute_infer": "compute_infer_ns", "compute_output": "compute_output_ns"}
         for p, phase in enumerate(PHASES):
             name = f"nv_inference_{phase}_summary_us"
-            m = Metric(name, f"Summary of {phase.replace('_', ' ')} durations in microseconds", "summary")
+            m = Metric(name, SUMMARY_HELP[phase], "summary")
             for model, version, st in rows:
                 labels = {"model": model, "version": str(version)}
                 hist = st.hist[p]
-                for q in QUANTILES:
-                    m.add_sample(name, {**labels, "quantile": str(q)}, quantile_ns(hist, q) / 1000.0)
+                for q in QUANTILES:  # (no observation yet: Triton's NaN, a gap on a dashboard, not 0 us)
+                    value = quantile_ns(hist, q) / 1000.0 if hist.any() else math.nan
+                    m.add_sample(name, {**labels, "quantile": str(q)}, value)
                 m.add_sample(name + "_count", labels, int(hist.sum()))
                 m.add_sample(name + "_sum", labels, st.get(totals[phase]) / 1000.0)
             yield m
@@ -296,6 +298,17 @@ def load_time_family(rows: dict[tuple[str, int], tuple[list[int], float]]) -> Me
         m.add_sample(name + "_count", labels, cumulative)
         m.add_sample(name + "_sum", labels, total)
     return m
+
+
+# Triton 2.51's words for its summaries (the compute ones say "Cumulative", as its do).
+SUMMARY_HELP = {
+    "request": "Summary of inference request duration in microseconds (includes cached requests)",
+    "queue": "Summary of inference queuing duration in microseconds (includes cached requests)",
+    "compute_input": "Cumulative compute input duration in microseconds (does not include cached requests)",
+    "compute_infer": "Cumulative compute inference duration in microseconds (does not include cached requests)",
+    "compute_output": "Cumulative inference compute output duration in microseconds (does not include cached "
+                      "requests)",
+}
 
 
 def _cache_families(rows: list[VersionRow]) -> Iterator[Metric]:
