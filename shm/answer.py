@@ -143,7 +143,8 @@ class AnswerDescriptor(NamedTuple):
             flags |= _DOCUMENT
             document_raw = orjson.dumps(document)
         table = _table(outputs) if outputs else b""
-        return b"".join((_pack_header(_MAGIC, flags, len(trace), 0 if code is None else code + 1, len(outputs),
+        coded = 0 if code is None or error is None else code + 1  # (a code is that of an error)
+        return b"".join((_pack_header(_MAGIC, flags, len(trace), coded, len(outputs),
                                       len(table), version, responses, len(error_raw), len(params_raw),
                                       len(document_raw)),
                          table, struct.pack(f"<{len(trace)}q", *trace), error_raw, params_raw, document_raw))

@@ -564,7 +564,7 @@ def test_output_region_too_small_is_a_400(client):
     region = client.create_region("lc_small", 256)
     with pytest.raises(InferenceServerError) as e:
         client.infer("add_sub", {"INPUT0": A, "INPUT1": B}, {"OUTPUT0": region.array(np.int32, (8,))})
-    assert e.value.status == 400 and "needs 64" in e.value.message
+    assert e.value.status == 400 and "should be at least 64 bytes" in e.value.message
     np.testing.assert_array_equal(client.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"], A + B)
 
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmserve.shm.answer import (ALIGN, DATATYPES, AnswerCorrupt, AnswerDescriptor, OutputTensor, answer_room,
-                                 decode_answer, refusal, write_answer)
+from shmserve.shm.answer import (ALIGN, DATATYPES, AnswerCorrupt, AnswerDescriptor, ErrorCode, OutputTensor,
+                                 answer_room, decode_answer, refusal, write_answer)
 
 names = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
 shapes = st.lists(st.integers(min_value=-1, max_value=1 << 40), max_size=8).map(tuple)
@@ -22,7 +22,9 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (
 answers = st.builds(AnswerDescriptor, st.lists(outputs, max_size=5).map(tuple), st.integers(0, (1 << 63) - 1),
                     st.none() | st.dictionaries(names, json_values, min_size=1, max_size=3),
                     st.none() | names, st.booleans(), st.lists(st.integers(0, 1 << 62), max_size=5).map(tuple),
-                    st.booleans(), st.integers(0, (1 << 32) - 1), st.none() | json_values)
+                    st.booleans(), st.integers(0, (1 << 32) - 1), st.none() | json_values,
+                    st.none()).map(lambda a: a._replace(code=ErrorCode.INVALID_ARG) if a.error is not None and
+                                   a.version % 2 else a)  # a model's code, only with an error
 
 
 def placed(answer: AnswerDescriptor, offset: int = 0) -> tuple[memoryview, int]:
@@ -55,6 +57,7 @@ def test_a_typical_answer_reads_back_with_its_tensor_bytes_after_it():
 
 def test_errors_refusals_stream_ends_and_control_documents_are_answers():
     for answer in (refusal("no"), AnswerDescriptor(error="é" * 3), AnswerDescriptor(final=True, responses=7),
+                   AnswerDescriptor(error="model says no", code=ErrorCode.UNKNOWN),
                    AnswerDescriptor.of_document({"ready": True}), AnswerDescriptor.of_document(["a", "b"]),
                    AnswerDescriptor.of_document({"error": "gone"})):
         buf, _ = placed(answer)
