@@ -89,6 +89,30 @@ def assert_ordered(record: dict, names: tuple[str, ...] = STAMPS) -> None:
 
 
 # -- the file -------------------------------------------------------------------------------------
+def test_a_request_the_model_failed_is_traced_with_its_version_and_times(server_factory, tmp_path):
+    """As Triton 2.51 traces them: an error response the model answered, and an execute that
+    raised, are records of the version that ran them with every timestamp (they had version -1
+    and no compute stamps)."""
+    path = tmp_path / "trace.json"
+    s = server_factory.start([TESTS / "models" / "bls", TESTS / "models" / "stats"], [
+        "--model-control-mode", "explicit", "--load-model", "error_source", "--load-model", "doubler",
+        "--trace-config", f"triton,file={path}", "--trace-config", "level=TIMESTAMPS", "--trace-config", "rate=1"])
+    client = s.client()
+    code = httpclient.InferInput("CODE", [1], "INT32")
+    code.set_data_from_numpy(np.array([3], np.int32))
+    with pytest.raises(InferenceServerException, match="failed with code 3"):
+        client.infer("error_source", [code], request_id="answered-an-error")
+    x = httpclient.InferInput("X", [1], "INT32")
+    x.set_data_from_numpy(np.array([-999], np.int32))
+    with pytest.raises(InferenceServerException, match="told to raise"):
+        client.infer("doubler", [x], request_id="raised")
+    found = {r["request_id"]: r for r in records(path, 2)}
+    assert set(found) == {"answered-an-error", "raised"}
+    for record in found.values():
+        assert record["model_version"] == 1, record
+        assert_ordered(record)
+
+
 def test_every_request_traced_at_rate_1(server_factory, tmp_path):
     path = tmp_path / "trace.json"
     s = start(server_factory, path, "level=TIMESTAMPS", "rate=1")

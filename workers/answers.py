@@ -107,8 +107,9 @@ class Answers:
     def encode(self, entry: BatchEntry, resp: Response) -> tuple[int, bytes, list[tuple[int, Any]]]:
         """(status, encoded answer, tensor chunks) of a response; outputs placed in regions are
         written now."""
-        if resp.error is not None:
-            return resp.status, AnswerDescriptor(error=resp.error, code=resp.code).encode(), []
+        if resp.error is not None:  # (the model ran: its version and times, as a traced success has them)
+            return resp.status, AnswerDescriptor(error=resp.error, code=resp.code, version=self.model.version,
+                                                 trace=self.ran_stamps(entry)).encode(), []
         model = self.model
         wanted = entry.get("outputs")
         names = [o["name"] for o in wanted] if wanted else model.answered(resp.outputs)
@@ -153,11 +154,15 @@ class Answers:
             # OSError/posix_ipc: the segment to write into is gone (its client died): nobody to tell.
             status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion, ClassificationError)) else 500
             return status, AnswerDescriptor(error=str(e)).encode(), []
-        trace: tuple[int, ...] = ()
-        if "trace_queued_ns" in entry and "stream" not in entry:  # traced (a stream's final answer times it: stream.py):
-            # QUEUE_START (0: direct), COMPUTE_START, _INPUT_END, _OUTPUT_START, _END
-            trace = (entry["trace_queued_ns"], *self.phases, time.monotonic_ns())
-        return 200, encode_outputs(outs, model.version, resp.parameters or None, trace), tensors
+        return 200, encode_outputs(outs, model.version, resp.parameters or None, self.ran_stamps(entry)), tensors
+
+    def ran_stamps(self, entry: BatchEntry) -> tuple[int, ...]:
+        """A traced request's stamps once the model ran it: QUEUE_START (0: direct), COMPUTE_START,
+        _INPUT_END, _OUTPUT_START, _END; none when untraced (a stream's final answer times it:
+        stream.py)."""
+        if "trace_queued_ns" in entry and "stream" not in entry:
+            return (entry["trace_queued_ns"], *self.phases, time.monotonic_ns())
+        return ()
 
     def _place(self, name: str, target: dict, data: Any) -> None:
         """Write an output into the region (or device memory) the client named for it."""

@@ -464,11 +464,13 @@ class Worker:
                 raised = True
                 msg = self.instance.failure(self.instance_name, e)  # type: ignore[union-attr]
                 log.error("%s\n%s", msg, traceback.format_exc())
+                self.answers.phases = (start, built, executed)
                 for entry, req in live:
                     if req.sender is not None:
                         req.sender.fail(500, msg)  # counted when the stream finishes
-                    else:
-                        self._answer_error(entry, 500, msg)
+                    else:  # (it ran: its version and times, as Triton's trace has them)
+                        self._deliver(entry, 500, AnswerDescriptor(error=msg, version=self.version,
+                                                                   trace=self.answers.ran_stamps(entry)).encode(), [])
                         ok.append(False)
             else:
                 executed = time.monotonic_ns()
