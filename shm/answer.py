@@ -303,6 +303,7 @@ def write_answer(buf: Any, offset: int, raw: bytes) -> int:
     return offset + answer_room(len(raw))
 
 
-def refusal(message: str) -> AnswerDescriptor:
-    """The answer of a request refused before its model ran."""
-    return AnswerDescriptor(error=message, refused=True)
+def refusal(message: str, version: int = 0) -> AnswerDescriptor:
+    """The answer of a request refused before its model ran; ``version``: the version whose
+    scheduler refused it (0: refused before one was chosen, which no trace records)."""
+    return AnswerDescriptor(error=message, refused=True, version=version)

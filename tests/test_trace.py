@@ -92,7 +92,8 @@ def assert_ordered(record: dict, names: tuple[str, ...] = STAMPS) -> None:
 def test_a_request_the_model_failed_is_traced_with_its_version_and_times(server_factory, tmp_path):
     """As Triton 2.51 traces them: an error response the model answered, and an execute that
     raised, are records of the version that ran them with every timestamp (they had version -1
-    and no compute stamps)."""
+    and no compute stamps); a request refused before a version's scheduler had it (an unknown
+    model, a wrong datatype) has no record."""
     path = tmp_path / "trace.json"
     s = server_factory.start([TESTS / "models" / "bls", TESTS / "models" / "stats"], [
         "--model-control-mode", "explicit", "--load-model", "error_source", "--load-model", "doubler",
@@ -106,6 +107,12 @@ def test_a_request_the_model_failed_is_traced_with_its_version_and_times(server_
     x.set_data_from_numpy(np.array([-999], np.int32))
     with pytest.raises(InferenceServerException, match="told to raise"):
         client.infer("doubler", [x], request_id="raised")
+    wrong = httpclient.InferInput("X", [1], "FP32")
+    wrong.set_data_from_numpy(np.array([1], np.float32))
+    with pytest.raises(InferenceServerException, match="data-type"):
+        client.infer("doubler", [wrong], request_id="wrong-datatype")
+    with pytest.raises(InferenceServerException, match="nosuch"):
+        client.infer("nosuch", [wrong], request_id="unknown-model")
     found = {r["request_id"]: r for r in records(path, 2)}
     assert set(found) == {"answered-an-error", "raised"}
     for record in found.values():

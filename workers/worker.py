@@ -376,7 +376,7 @@ class Worker:
             self.batcher.enqueue(pending, arrived)
         except QueueFull as e:  # counted nowhere, as Triton 2.51 counts what its scheduler refuses
             self.holds.release(entry)
-            self._answer_error(entry, e.status, request_tag(entry.get("id", "")) + str(e), refused=True)
+            self._answer_error(entry, e.status, request_tag(entry.get("id", "")) + str(e), refused=True, queued=True)
             return False
         return True
 
@@ -388,7 +388,7 @@ class Worker:
         for p in expired:
             self.holds.release(p.entry)
             self.stats.timed_out()
-            self._answer_error(p.entry, 503, "Request timeout expired")
+            self._answer_error(p.entry, 503, "Request timeout expired", queued=True)
         done = len(expired)
         while len(batcher):
             batch = batcher.next_batch(now)
@@ -669,9 +669,12 @@ class Worker:
             self.clients[name] = client
         return client
 
-    def _answer_error(self, entry: BatchEntry, status: int, message: str, refused: bool = False) -> None:
-        """Answer an error; ``refused``: before the model ran (shm.answer.refusal)."""
-        self._deliver(entry, status, AnswerDescriptor(error=message, refused=refused).encode(), [])
+    def _answer_error(self, entry: BatchEntry, status: int, message: str, refused: bool = False,
+                      queued: bool = False) -> None:
+        """Answer an error; ``refused``: before the model ran (shm.answer.refusal); ``queued``: by
+        this version's scheduler, which a trace names (a request refused before it has none)."""
+        answer = AnswerDescriptor(error=message, refused=refused, version=self.version if queued else 0)
+        self._deliver(entry, status, answer.encode(), [])
 
     def _answer(self, entry: BatchEntry, resp: Response) -> bool:
         """Deliver one response; False if it carried (or became) an error (``_answer_ran`` says

@@ -145,8 +145,9 @@ class Clients:
             client.seg.complete(slot, status, role_word(ROLE_BROKER, extent), 0, off, room)
         client.seg.waker.notify()
 
-    def fail_pending(self, batch: list[Pending], status: int, message: str) -> None:
-        """Answer with an error every request of ``batch`` whose client still waits for it."""
+    def fail_pending(self, batch: list[Pending], status: int, message: str, version: int = 0) -> None:
+        """Answer with an error every request of ``batch`` whose client still waits for it
+        (``version``: the version they were queued for, which their traces name)."""
         for p in batch:
             if p.client.name in self.by_name and int(p.client.seg.slot_states[p.slot]) == SLOT_PENDING:
-                self.reply(p.client, p.slot, status, AnswerDescriptor(error=message))
+                self.reply(p.client, p.slot, status, AnswerDescriptor(error=message, version=version))

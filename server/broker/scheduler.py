@@ -47,13 +47,14 @@ class Scheduler:
             try:
                 mv.sequencer.enqueue(pend, mv.instances, now)
             except InvalidRequest as e:  # counted nowhere, as Triton 2.51 counts what its scheduler refuses
-                self.clients.reply(client, slot, e.status, refusal(str(e)))
+                self.clients.reply(client, slot, e.status, refusal(str(e), mv.version))
                 return
         elif mv.batcher is not None:
             try:
                 mv.batcher.enqueue(pend, now)
             except QueueFull as e:  # (likewise)
-                self.clients.reply(client, slot, e.status, refusal(request_tag(pend.entry.get("id", "")) + str(e)))
+                self.clients.reply(client, slot, e.status,
+                                   refusal(request_tag(pend.entry.get("id", "")) + str(e), mv.version))
                 return
         else:
             mv.queue.append(pend)
@@ -83,7 +84,7 @@ class Scheduler:
             expired = mv.batcher.expire(now)
             if expired:
                 mv.stats.fail("REJECTED", len(expired))  # Triton's reason for a queue timeout
-                self.clients.fail_pending(expired, 503, "Request timeout expired")
+                self.clients.fail_pending(expired, 503, "Request timeout expired", mv.version)
         elif mv.sequencer is not None:
             mv.sequencer.expire(now)
 

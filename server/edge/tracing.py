@@ -60,7 +60,7 @@ class Trace:
     """One traced request: its id, setting and timestamps (0: not taken), named by ``names``
     (``tr.STAMPS`` over HTTP, ``tr.GRPC_STAMPS`` over gRPC; the same positions)."""
 
-    __slots__ = ("id", "model", "version", "request_id", "setting", "names", "ns", "sends")
+    __slots__ = ("id", "model", "version", "request_id", "setting", "names", "ns", "sends", "unqueued")
 
     def __init__(self, trace_id: int, model: str, setting: Setting, names: tuple[str, ...] = tr.STAMPS) -> None:
         self.id = trace_id
@@ -71,6 +71,7 @@ class Trace:
         self.names = names
         self.ns = [0] * len(names)
         self.sends: list[int] = []  # a streamed request's: start, end, start, end... one pair per response
+        self.unqueued = False  # refused before a version's scheduler had it: no record, as in Triton
 
     def mark(self, req: InferRequest) -> None:
         """Just before the request is submitted: tag it, so the worker times it."""
@@ -83,6 +84,7 @@ class Trace:
         """The answer arrived: the worker's (and the broker's) timestamps, and the version served."""
         self.ns[REQUEST_END] = time.monotonic_ns()
         self.version = answer.version or self.version
+        self.unqueued = answer.refused and not answer.version
         stamps = answer.trace
         if len(stamps) == 5:
             queued, self.ns[COMPUTE_START], self.ns[COMPUTE_INPUT_END], self.ns[COMPUTE_OUTPUT_START], \
@@ -216,6 +218,8 @@ class Tracer:
     def finish(self, trace: Trace) -> None:
         """Write the record (or export the span) of a request whose response has been sent."""
         setting, shared = trace.setting, self.shared
+        if trace.unqueued:
+            return
         try:
             if setting.mode == "opentelemetry":
                 self._exporter(setting.url).export(trace.id, trace.model, trace.version, trace.stamps())
