@@ -86,10 +86,15 @@ def merge(current: dict[str, Any], update: Any) -> dict[str, Any]:
             # As Triton since it deprecated this (server PR #7090, after CVE-2024-0087): a client
             # that could name the file could make the server append to any file its user can write.
             if value != current.get("log_file"):
-                raise ValueError("log setting 'log_file' cannot be changed at run time; start the server "
-                                 "with --log-file")
+                raise LogFileFixed("log file location can not be updated through network protocol")
         new[key] = value
     return new
+
+
+class LogFileFixed(ValueError):
+    """A change of the log file over the network: Triton's refusal (its 501, UNIMPLEMENTED)."""
+
+    status = 501
 
 
 class _State:

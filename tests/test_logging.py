@@ -258,7 +258,6 @@ def test_runtime_format_and_levels(srv):
     ({"log_info": "yes"}, "'log_info' must be a boolean"),
     ({"log_error": 1}, "'log_error' must be a boolean"),
     ({"log_format": "json"}, "'log_format' must be 'default' or 'ISO8601'"),
-    ({"log_file": "/tmp/elsewhere.log"}, "'log_file' cannot be changed at run time"),
     ({"log_colour": True}, "unknown log setting 'log_colour'"),
     ([1, 2], "must be a JSON object"),
 ])
@@ -271,6 +270,21 @@ def test_bad_log_settings_are_400(srv, body, needle):
             srv.client().update_log_settings(body)
         assert e.value.status() == "400" and needle in e.value.message()
     assert srv.client().get_log_settings() == DEFAULTS  # nothing changed
+
+
+def test_the_log_file_cannot_be_changed_over_the_network(srv):
+    """Triton's refusal, over HTTP (501) and gRPC (UNIMPLEMENTED): a client that could name the
+    file could make the server append to any file its user may write."""
+    import tritonclient.grpc as grpcclient
+
+    text = "log file location can not be updated through network protocol"
+    raw = raw_request(srv.port, "POST", "/v2/logging", json.dumps({"log_file": "/tmp/elsewhere.log"}).encode())
+    assert (raw.status, raw.json()) == (501, {"error": text})
+    with grpcclient.InferenceServerClient(srv.wait_grpc_ready().grpc_url) as g:
+        with pytest.raises(InferenceServerException) as e:
+            g.update_log_settings({"log_file": "/tmp/elsewhere.log"})
+    assert (e.value.status(), e.value.message()) == ("StatusCode.UNIMPLEMENTED", text)
+    assert srv.client().get_log_settings() == DEFAULTS
 
 
 def test_unparsable_body_is_400(srv):

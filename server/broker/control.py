@@ -324,7 +324,9 @@ class ControlHandler:
             try:
                 new = logs.merge(logs.current(), doc["update"])
             except ValueError as e:
-                raise InvalidRequest(str(e)) from None
+                refused = InvalidRequest(str(e))
+                refused.status = getattr(e, "status", 400)
+                raise refused from None
             logs.configure(new)
             logs.publish(self.seg.settings, logs.current())
             self.journal.set("log", logs.current())
