@@ -48,6 +48,7 @@ class BatchEntry(AnswerTarget, total=False):
     sequence_id: Union[int, str]  # 0: not in a sequence
     sequence_flags: int  # descriptor.SEQUENCE_START | SEQUENCE_END
     sent_ns: int  # when the client sent it (monotonic ns): queue delays and latency count from it
+    timeout_us: int  # present only when the client gave one: its timeout, which the model may read
     trace_queued_ns: int  # present only when traced: its QUEUE_START (0: it never queued in the broker)
     inputs: list[LocatedTensor]
     outputs: list[LocatedTensor] | None  # None: every output of the model

@@ -76,6 +76,7 @@ class Request:
     # Inputs that are this process's own (read from a client's region, or private copy-on-write views of
     # an arena, workers/input_views.py), not views of memory others read.
     own_inputs: frozenset[str] = frozenset()
+    timeout_us: int = 0  # the client's timeout (0: none), as Triton's request.timeout() gives it
 
 
 class CancelFlag:

@@ -50,6 +50,8 @@ def check_request(signature: ModelSignature, regions: RegionTable, decoupled: bo
     signature.check_outputs(req.outputs)
     entry.update(id=req.id, parameters=req.parameters, sequence_id=req.sequence_id,
                  sequence_flags=req.sequence_flags, sent_ns=req.sent_ns)
+    if req.timeout_us:
+        entry["timeout_us"] = req.timeout_us
     if req.traced:
         entry["trace_queued_ns"] = 0  # no broker queue (the frontend's submit is its QUEUE_START)
     entry["inputs"] = [_input(regions, client, t, data_start) for t in req.inputs]

@@ -459,7 +459,8 @@ class Worker:
                     responses = [None] * len(live)  # decoupled models answer through their senders
                 elif len(responses) != len(live):
                     raise RuntimeError(f"model returned {len(responses)} responses for {len(live)} requests")
-            except Exception as e:  # noqa: BLE001 - model code may raise anything
+            except (Exception, KeyboardInterrupt, SystemExit) as e:  # noqa: BLE001 - model code may raise
+                # anything; as in Triton, even what would end a process fails only this execution
                 executed = time.monotonic_ns()
                 raised = True
                 msg = self.instance.failure(self.instance_name, e)  # type: ignore[union-attr]
@@ -632,9 +633,10 @@ class Worker:
             raise DecoupledOnly()  # reached through the broker
         on_device = frozenset(o["name"] for o in wanted if "cuda" in o) if wanted else frozenset()
         # (inputs, requested_outputs, id, correlation_id, flags, parameters, sender, device_outputs, cancel,
-        # own_inputs): by position, a dataclass is built in half the time
+        # own_inputs, timeout_us): by position, a dataclass is built in half the time
         return Request(inputs, names, entry.get("id", ""), entry.get("sequence_id", 0), entry.get("sequence_flags", 0),
-                       entry.get("parameters") or {}, sender, on_device, CancelFlag(client, entry["slot"]), own)
+                       entry.get("parameters") or {}, sender, on_device, CancelFlag(client, entry["slot"]), own,
+                       entry.get("timeout_us", 0))
 
     # -- answering ------------------------------------------------------------------------------
     def _forget_departed_clients(self) -> None:

@@ -71,6 +71,8 @@ class Intake:
                 "inputs": [self._resolve(client, t, data_start) for t in req.inputs],
                 "outputs": [self._resolve_output(client, o, data_start) for o in outputs] if outputs else None,
             }
+            if req.timeout_us:
+                entry["timeout_us"] = req.timeout_us  # (pb_utils' request.timeout())
             named = req.regions()
             if named:  # held while the broker holds the request: an unregister waits for it
                 entry["regions"] = sorted(named)

@@ -18,6 +18,7 @@ import logging
 import sys
 import traceback
 import weakref
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -41,19 +42,33 @@ def _install_pb_utils() -> None:
 
 
 def _import_model(ctx: ModelContext) -> ModuleType:
+    """The model's module, imported as Triton's stub imports it: as ``<version>.<file>`` (so
+    ``from .helper import x`` finds ``1/helper.py``), with the version folder and the model
+    folder appended to the path (so ``import helper`` finds either folder's)."""
     filename = ctx.config.get("default_model_filename") or "model.py"
     path = ctx.version_dir / filename
-    # Triton puts the version folder on the path, so a model may import its sibling modules.
-    sys.path.insert(0, str(ctx.version_dir))
-    spec = importlib.util.spec_from_file_location("model", path)
+    for folder in (str(ctx.version_dir), str(ctx.model_dir)):
+        if folder not in sys.path:
+            sys.path.append(folder)
+    package = ctx.version_dir.name
+    if package not in sys.modules:  # the version folder as a package of its own (no __init__.py needed)
+        holder = ModuleType(package)
+        holder.__path__ = [str(ctx.version_dir)]  # type: ignore[attr-defined]
+        sys.modules[package] = holder
+    name = f"{package}.{Path(filename).stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise FileNotFoundError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["model"] = module
+    sys.modules[name] = sys.modules["model"] = module
     spec.loader.exec_module(module)
     if not hasattr(module, "TritonPythonModel"):
         raise AttributeError(f"{path} does not define class TritonPythonModel")
     return module
+
+
+class ExecuteContract(Exception):
+    """What a model's ``execute`` returned breaks the backend's contract (Triton's words)."""
 
 
 class PythonBackend(Backend):
@@ -72,10 +87,13 @@ class PythonBackend(Backend):
         if hook is None:
             return ctx.config
         completed = hook(pb_utils.ModelConfig(ctx.config))
-        return completed.as_dict() if completed is not None else ctx.config
+        if not isinstance(completed, pb_utils.ModelConfig):  # Triton's refusal of the load
+            raise pb_utils.TritonModelException(f"auto_complete_config function in model '{ctx.name}' must return "
+                                                f"a valid pb.ModelConfig object.")
+        return completed.as_dict()
 
     def create_model(self, ctx: ModelContext) -> Model:
-        runtime.set_model_dir(str(ctx.model_dir))
+        runtime.set_model_dir(str(ctx.version_dir))  # as Triton's: the folder model.py lies in
         self.bls = Bls(ctx.server_id)
         runtime.set_executor(self.bls)
         return PythonModel(self._model_module(ctx), ctx)
@@ -154,9 +172,12 @@ class PythonInstance(Instance):
                     return []  # its responses go through the senders while the worker takes more requests
                 results = self.loop.run(results)
             if self.decoupled:
+                if results is not None:  # (its responses would be lost, and its clients wait for good)
+                    raise ExecuteContract(f"Python model '{self.name}' is using the decoupled mode and the "
+                                          f"execute function must return None.")
                 return []  # its responses went through the senders
             answers = self._answers(results, replies, senders)
-        except Exception as e:  # noqa: BLE001 - model code may raise anything
+        except (Exception, KeyboardInterrupt, SystemExit) as e:  # noqa: BLE001 - model code may raise anything
             for sender in senders:
                 if sender is not None:
                     sender.close()
@@ -185,7 +206,7 @@ class PythonInstance(Instance):
                 answers.append(to_response(result))
         return answers
 
-    def _failed(self, e: Exception, replies: list[Reply]) -> list[Response | Deferred]:
+    def _failed(self, e: BaseException, replies: list[Reply]) -> list[Response | Deferred]:
         """``execute`` raised after some requests had their final response: those keep it (Triton
         sent it already) and the others get the error the worker gives when ``execute`` raises."""
         msg = self.failure(self.name, e)
@@ -228,6 +249,8 @@ class PythonInstance(Instance):
             stream.fail(500, msg)
 
     def failure(self, name: str, e: BaseException) -> str:
+        if isinstance(e, ExecuteContract):  # the backend's own words, as Triton's stub says them
+            return f"Failed to process the request(s) for model '{name}', message: {e}"
         return execute_failure(name, e)
 
     def finalize(self) -> None:

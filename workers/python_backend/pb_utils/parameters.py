@@ -29,4 +29,4 @@ def parameters_to_json(parameters: Optional[Mapping[str, Any]]) -> str:
                 "Expect parameters values to have type bool/int/str, found type "
                 f"{type(value).__name__}"
             )
-    return json.dumps(dict(parameters))
+    return json.dumps(dict(parameters), separators=(",", ":"))  # compact, as Triton's

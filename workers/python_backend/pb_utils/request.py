@@ -166,6 +166,7 @@ class InferenceRequest:
         self._requested_output_names = list(dict.fromkeys(request.requested_outputs))
         self._model_name = model_name
         self._flags = int(request.flags)
+        self._timeout = request.timeout_us
         parameters = request.parameters
         self._parameters = parameters_to_json(parameters) if parameters else "{}"
         return self
