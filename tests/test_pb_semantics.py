@@ -19,7 +19,7 @@ REPO = Path(__file__).parent / "models" / "pb_semantics"
 @pytest.fixture(scope="module")
 def server(module_factory):
     return module_factory.start([REPO], ["--model-control-mode", "explicit", "--load-model", "pb_probe",
-                                         "--load-model", "dec_returns_list"])
+                                         "--load-model", "dec_returns_list", "--load-model", "bls_unknown"])
 
 
 def _x(value: int, kind=httpclient):
@@ -75,3 +75,11 @@ def test_an_auto_complete_config_that_returns_nothing_refuses_the_load(server):
     assert "auto_complete_config function in model 'ac_none' must return a valid pb.ModelConfig object." \
         in e.value.message()
     assert not server.client().is_model_ready("ac_none")
+
+
+def test_a_streaming_bls_call_refused_at_once_yields_one_error_response(server):
+    """exec(decoupled=True) to a model nobody has raised the local client's exception, which is
+    no pb_utils type; Triton gives an iterator of one error response."""
+    result = server.client().infer("bls_unknown", [_x(1)])
+    [(has_error, message)] = json.loads(result.as_numpy("INFO")[0])
+    assert has_error and "nosuch" in message

@@ -77,8 +77,13 @@ class Bls:
     def stream(self, request: Any) -> Any:
         """``exec(decoupled=True)``: the target's responses, one by one as they come; an error
         response ends them (as an InferenceResponse carrying the error, which Triton gives too)."""
+        from shmserve.shm.client import InferenceServerError
+
         model, inputs, wanted, options = self._call(request)
-        return ResponseIterator(self.client().stream(model, inputs, wanted, **options))  # sent now, as in Triton
+        try:
+            return ResponseIterator(self.client().stream(model, inputs, wanted, **options))  # sent now, as in Triton
+        except InferenceServerError as e:  # refused at once (an unknown model): one error response, as Triton's
+            return ResponseIterator(None, self._error(e))
 
     async def stream_async(self, request: Any) -> "ResponseIterator":
         """``async_exec(decoupled=True)``: as in Triton, the request is sent and its responses'
@@ -111,8 +116,9 @@ class ResponseIterator:
     the request: the target sees ``is_cancelled()`` and may stop, and what it still sends is freed
     unread."""
 
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream  # shm.client.Stream
+    def __init__(self, stream: Any, refused: Any = None) -> None:
+        self._stream = stream  # shm.client.Stream (None: the request was refused with ``refused``)
+        self._refused = refused
         self._ended = False
 
     def __iter__(self) -> "ResponseIterator":
@@ -123,6 +129,9 @@ class ResponseIterator:
 
         if self._ended:
             raise StopIteration
+        if self._stream is None:
+            self._ended = True
+            return self._refused
         try:
             return Bls._response(next(self._stream))
         except InferenceServerError as e:
@@ -149,4 +158,5 @@ class ResponseIterator:
 
     def cancel(self) -> None:
         self._ended = True
-        self._stream.cancel()
+        if self._stream is not None:
+            self._stream.cancel()
