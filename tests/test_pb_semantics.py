@@ -19,7 +19,8 @@ REPO = Path(__file__).parent / "models" / "pb_semantics"
 @pytest.fixture(scope="module")
 def server(module_factory):
     return module_factory.start([REPO], ["--model-control-mode", "explicit", "--load-model", "pb_probe",
-                                         "--load-model", "dec_returns_list", "--load-model", "bls_unknown"])
+                                         "--load-model", "dec_returns_list", "--load-model", "bls_unknown",
+                                         "--load-model", "bad_returns"])
 
 
 def _x(value: int, kind=httpclient):
@@ -81,5 +82,23 @@ def test_a_streaming_bls_call_refused_at_once_yields_one_error_response(server):
     """exec(decoupled=True) to a model nobody has raised the local client's exception, which is
     no pb_utils type; Triton gives an iterator of one error response."""
     result = server.client().infer("bls_unknown", [_x(1)])
-    [(has_error, message)] = json.loads(result.as_numpy("INFO")[0])
+    (has_error, message), (plain_error, plain_message) = json.loads(result.as_numpy("INFO")[0])
     assert has_error and "nosuch" in message
+    # exec() without decoupled=True to a decoupled model: Triton's BLS words (not its HTTP frontend's)
+    assert plain_error and plain_message == (
+        "Model dec_returns_list is using the decoupled. The current BLS request call doesn't support models using "
+        "the decoupled transaction policy. Please use 'decoupled=True' argument to the 'exec' or 'async_exec' calls "
+        "for decoupled models.'")
+
+
+@pytest.mark.parametrize("value,text", [
+    (0, "Expected a list in the execute return, found type '<class 'tuple'>'."),
+    (1, "Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
+        "InferenceRequest(s) size is:1, and InferenceResponse(s) size is:0"),
+    (2, "Expected an 'InferenceResponse' object in the execute function return list, found type '<class 'str'>'."),
+])
+def test_what_execute_returns_is_checked_in_tritons_words(server, value, text):
+    with pytest.raises(InferenceServerException) as e:
+        server.client().infer("bad_returns", [_x(value)])
+    assert (e.value.status(), e.value.message()) == (
+        "500", f"Failed to process the request(s) for model 'bad_returns_0', message: {text}")

@@ -195,12 +195,19 @@ class PythonInstance(Instance):
         sender), or one entry per request, None for those that do (Triton's stub alike)."""
         if results is None:
             return [reply.answer() for reply in replies]
+        if type(results) is not list:  # Triton's words, each
+            raise ExecuteContract(f"Expected a list in the execute return, found type '{type(results)}'.")
         if len(results) != len(replies):
-            raise RuntimeError(f"execute() returned {len(results)} responses for {len(replies)} requests")
+            raise ExecuteContract(f"Number of InferenceResponse objects do not match the number of InferenceRequest "
+                                  f"objects. InferenceRequest(s) size is:{len(replies)}, and InferenceResponse(s) "
+                                  f"size is:{len(results)}")
         answers: list[Response | Deferred] = []
         for result, reply, sender in zip(results, replies, senders):
             if result is None:
                 answers.append(reply.answer())
+            elif not isinstance(result, pb_utils.InferenceResponse):
+                raise ExecuteContract(f"Expected an 'InferenceResponse' object in the execute function return list, "
+                                      f"found type '{type(result)}'.")
             else:
                 sender.returned()  # refused if the sender already sent a response
                 answers.append(to_response(result))

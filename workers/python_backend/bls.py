@@ -45,11 +45,17 @@ class Bls:
         return request._model_name, inputs, wanted, options
 
     @staticmethod
-    def _error(e: Any) -> Any:
+    def _error(e: Any, model: str = "") -> Any:
         """The target's error as the caller sees it in Triton: its message and its code (the
-        model's own, or the one the server's status maps to)."""
+        model's own, or the one the server's status maps to). A decoupled target called without
+        ``decoupled=True`` is told in the words of Triton's BLS, not its HTTP frontend's."""
         code = e.code if e.code is not None else ERROR_CODE.get(e.status, pb_utils.TritonError.INTERNAL)
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message, code))
+        message = e.message
+        if e.status == 501 and "support models with decoupled transaction policy" in message:
+            message = (f"Model {model} is using the decoupled. The current BLS request call doesn't support models "
+                       f"using the decoupled transaction policy. Please use 'decoupled=True' argument to the 'exec' "
+                       f"or 'async_exec' calls for decoupled models.'")
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
     @staticmethod
     def _response(result: Any) -> Any:
@@ -62,7 +68,7 @@ class Bls:
         try:
             return self._response(self.client().infer(model, inputs, wanted, **options))
         except InferenceServerError as e:
-            return self._error(e)
+            return self._error(e, model)
 
     async def execute_async(self, request: Any) -> Any:
         from shmserve.shm.client import InferenceServerError
@@ -71,7 +77,7 @@ class Bls:
         try:
             result = await asyncio.wrap_future(self.client().infer_async(model, inputs, wanted, **options))
         except InferenceServerError as e:
-            return self._error(e)
+            return self._error(e, model)
         return self._response(result)
 
     def stream(self, request: Any) -> Any:
@@ -83,7 +89,7 @@ class Bls:
         try:
             return ResponseIterator(self.client().stream(model, inputs, wanted, **options))  # sent now, as in Triton
         except InferenceServerError as e:  # refused at once (an unknown model): one error response, as Triton's
-            return ResponseIterator(None, self._error(e))
+            return ResponseIterator(None, self._error(e, model))
 
     async def stream_async(self, request: Any) -> "ResponseIterator":
         """``async_exec(decoupled=True)``: as in Triton, the request is sent and its responses'
