@@ -75,7 +75,7 @@ class ModelConfig:
         current = int(self._model_config.get("max_batch_size", 0) or 0)
         if current > max_batch_size:
             raise ValueError(
-                f"configuration specified max_batch_size {current}, but "
+                f"configuration specified max_batch_size {current}, but in "
                 f"auto-complete-config function for model '{self._name}' "
                 f"specified max_batch_size {int(max_batch_size)}"
             )
@@ -124,8 +124,7 @@ class ModelConfig:
         if extra:
             raise ValueError(
                 f"{label} in auto-complete-config function for model '{self._name}' "
-                f"contains property other than {', '.join(repr(a) for a in allowed)}: "
-                f"{extra}"
+                f"contains property other than {', '.join(repr(a) for a in allowed[:-1])} and {allowed[-1]!r}."
             )
         for prop in ("name", "data_type", "dims"):
             if prop not in tensor:
