@@ -67,7 +67,7 @@ class QueuePolicy:
 
     @classmethod
     def from_dict(cls, policy: dict[str, Any]) -> "QueuePolicy":
-        """A ``ModelQueuePolicy`` in the config's dict form (``config.to_dict``)."""
+        """A ``ModelQueuePolicy`` in the config's dict form (``shmserve.config_view.to_dict``)."""
         return cls(reject_on_timeout=policy.get("timeout_action", "REJECT") in ("REJECT", 0),
                    default_timeout_us=int(policy.get("default_timeout_microseconds", 0)),
                    allow_timeout_override=bool(policy.get("allow_timeout_override", False)),
@@ -88,7 +88,7 @@ def batches_on_worker(config: dict[str, Any], instances: int) -> bool:
 
 
 class DynamicBatcher:
-    """Takes the model config in its dict form (``config.to_dict``), which both the broker and the
+    """Takes the model config in its dict form (``shmserve.config_view.to_dict``), which both the broker and the
     workers hold."""
 
     def __init__(self, config: dict[str, Any]) -> None:

@@ -42,6 +42,8 @@ def test_a_model_imports_its_own_modules_and_reads_what_triton_gives(server):
     assert info["model_dir"] == str(REPO / "pb_probe" / "1")  # the folder model.py lies in
     assert info["timeout"] == 1234567  # it was always 0
     assert info["parameters"] == '{"mode":"api","n":5,"on":false}'  # compact, as Triton's
+    # args["model_config"]: the completed config Triton gives (its normalization's fields, defaults)
+    assert info["config"] == {"default_model_filename": "model.py", "optimization": True, "optional": False}
 
 
 @pytest.mark.parametrize("value,raised", [(1, "SystemExit: 3"), (2, "KeyboardInterrupt: kb")])

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from shmserve.config_view import as_triton_shows
 from shmserve.server.shm_caller import FIELD
 from shmserve.shm import logs
 from shmserve.shm.channel import BrokerSegment
@@ -22,7 +23,6 @@ from shmserve.shm.protocol import LOAD_FROM_NETWORK
 from shmserve.shm.regions import created_key_prefix
 from shmserve.signature import InvalidRequest, UnknownModel
 
-from . import config as cfgmod
 from .canary import Canary
 from .catalog import Catalog
 from .journal import Journal
@@ -125,7 +125,7 @@ class ControlHandler:
                      "inputs": tensors(sig.inputs), "outputs": tensors(sig.outputs)}
 
     def _model_config(self, client: Client, slot: int, doc: dict) -> Answer:
-        return 200, cfgmod.as_triton_shows(self._version(doc).config_dict)
+        return 200, as_triton_shows(self._version(doc).config_dict)
 
     def _repository_index(self, client: Client, slot: int, doc: dict) -> Answer:
         if not self.lifecycle.running:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shmserve.batching import batches_on_worker
+from shmserve.config_view import to_dict
 
 from . import config as cfgmod
 from .catalog import Catalog
@@ -138,7 +139,7 @@ class InstanceUpdates:
         for mv in serving.values():
             add, remove = instance_changes(mv, config)
             mv.config = with_groups(mv.config, config)
-            mv.set_config(cfgmod.to_dict(mv.config))
+            mv.set_config(to_dict(mv.config))
             mv.requested_config = config
             mv.planned_instances = cfgmod.instance_count(config)
             # The one instance batches its own lanes only if it was started as the only one.

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from shmserve.batching import DynamicBatcher, batches_on_worker
+from shmserve.config_view import to_dict
 from shmserve.shm.protocol import W_CONFIG, W_DONE, W_LOAD_FAILED, W_MORE, W_READY
 from shmserve.shm.waker import Waker
 from shmserve.signature import InvalidRequest
@@ -286,7 +287,7 @@ class Lifecycle:
                                                   plan.canary_policy, str(model_dir), config, override_json)
             for v in versions:
                 mv = ModelVersion(name=name, version=v, model_dir=str(model_dir), config=config,
-                                  config_dict=cfgmod.to_dict(config), backend=cfgmod.backend_of(config))
+                                  config_dict=to_dict(config), backend=cfgmod.backend_of(config))
                 mv.set_config(mv.config_dict)
                 mv.exec_timeout_s = plan.exec_timeout_s
                 mv.requested_config, mv.files = config, instance_update.folder_fingerprint(str(model_dir))
@@ -562,7 +563,7 @@ class Lifecycle:
             self.fail_version(mv, f"failed to load '{mv.name}', auto-completed config is invalid: {e}")
             return
         mv.config = completed
-        mv.set_config(cfgmod.to_dict(completed))
+        mv.set_config(to_dict(completed))
         if completed.HasField("dynamic_batching") and mv.sequencer is None and (
                 mv.batcher is None or mv.batcher.max_batch_size != completed.max_batch_size):
             # The backend asked for the dynamic batcher (model.py's set_dynamic_batching, or an ONNX

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from shmserve.config_view import to_dict
 from shmserve.shm import latency_histograms
 from shmserve.workers.classification import load_labels
 
@@ -86,7 +87,7 @@ class LoadPlanner:
             # As Triton fills it in: decoupled when a decoupled step's responses flow through it.
             config.model_transaction_policy.decoupled = decoupled
             try:
-                load_labels(cfgmod.to_dict(config), model_dir)  # the ensemble's own, for classification
+                load_labels(to_dict(config), model_dir)  # the ensemble's own, for classification
             except ValueError as e:
                 raise cfgmod.ConfigError(f"model '{name}': {e}") from None
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from shmserve.config_view import to_dict
 from shmserve.server.broker import config as cfgmod
 from shmserve.batching import DynamicBatcher, QueueFull, QueuePolicy, batches_on_worker
 from shmserve.batching import Pending
@@ -324,7 +325,7 @@ def test_drop_client_forgets_only_that_clients_requests_queued_and_delayed():
 
 def config_dict(text: str) -> dict:
     config = cfgmod.parse_config_text(text, "m")
-    return cfgmod.to_dict(config)
+    return to_dict(config)
 
 
 def test_queue_policies_read_from_a_parsed_config():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from shmserve.config_view import to_dict
 from shmserve.server.broker import config as cfgmod
 from shmserve.server.broker.config import ConfigError, mc
 from shmserve.server.broker.ensemble_plan import find_cycle
@@ -318,7 +319,7 @@ def test_the_dict_form_has_defaults_and_64_bit_integers_as_numbers():
     config = parse('name: "m" max_batch_size: 4 input [ { name: "X" data_type: TYPE_FP32 dims: [ -1, 3 ] } ] '
                    'dynamic_batching { max_queue_delay_microseconds: 100 priority_queue_policy { key: 1 value { '
                    'default_timeout_microseconds: 7 } } }')
-    d = cfgmod.to_dict(config)
+    d = to_dict(config)
     assert d["input"][0]["dims"] == [-1, 3]  # int64: protobuf's JSON would write ["-1", "3"]
     assert d["dynamic_batching"]["max_queue_delay_microseconds"] == 100
     assert d["dynamic_batching"]["priority_queue_policy"]["1"]["default_timeout_microseconds"] == 7

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmserve.server.broker.config import parse_config_text, to_dict
+from shmserve.config_view import to_dict
+from shmserve.server.broker.config import parse_config_text
 from shmserve.shm.tensors import serialize_bytes
 from shmserve.workers.sequence import SequenceSupport
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
-import json
 import logging
 import sys
 import traceback
@@ -21,6 +20,8 @@ import weakref
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from shmserve.config_view import model_config_json
 
 from ..backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
 from ..failure import execute_failure
@@ -112,7 +113,7 @@ class PythonModel(Model):
     def create_instance(self, ictx: InstanceContext) -> Instance:
         model = self.module.TritonPythonModel()
         args = {
-            "model_config": json.dumps(self.ctx.config),
+            "model_config": model_config_json(self.ctx.config),  # completed and normalized, as Triton's
             "model_instance_kind": ictx.kind,
             "model_instance_name": ictx.name,
             # As Triton: the instance's GPU among the server's visible devices, which the worker

@@ -15,6 +15,9 @@ class TritonPythonModel:
 
     def initialize(self, args):
         self.pid = os.getpid()
+        config = json.loads(args["model_config"])
+        self.config = {"default_model_filename": config["default_model_filename"],
+                       "optimization": "optimization" in config, "optional": config["input"][0]["optional"]}
 
     def execute(self, requests):
         out = []
@@ -26,7 +29,7 @@ class TritonPythonModel:
                 raise KeyboardInterrupt("kb")
             info = {"sibling": SIBLING, "folder": folder_helper.FOLDER, "module": __name__,
                     "model_dir": pb_utils.get_model_dir(), "timeout": r.timeout(), "parameters": r.parameters(),
-                    "pid": self.pid}
+                    "pid": self.pid, "config": self.config}
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("INFO", np.array([json.dumps(info).encode()],
                                                                                     dtype=object))]))
         return out
