@@ -185,8 +185,9 @@ def _paths() -> dict[str, Any]:
                                         errors=())},
         "/v2/logging": {
             "get": _op("Log settings", {"200": _json(_ref("LogSettings"), "current settings")}),
-            "post": _op("Change log settings", {"200": _json(_ref("LogSettings"), "the new settings")},
-                        _ref("LogSettings"), required=False)},
+            "post": _op("Change log settings (501: a change of log_file, Triton's refusal)",
+                        {"200": _json(_ref("LogSettings"), "the new settings")}, _ref("LogSettings"), required=False,
+                        errors=(*COMMON_ERRORS, 501))},
         "/v2/trace/setting": {
             "get": _op("Global trace settings", {"200": _json(_ref("TraceSettings"), "current settings")}),
             "post": _op("Change global trace settings", {"200": _json(_ref("TraceSettings"), "new settings")},
