@@ -49,6 +49,23 @@ CHECK_STALE_S = 5.0
 Sent = tuple[Connection, int]
 
 
+async def completion_of(fut: "asyncio.Future[Completion]", sent: Sent | None = None) -> Completion:
+    """The completion the request's callback sets on ``fut``. A caller cancelled while it waits
+    (a gRPC client's deadline or cancel) cancels the request ``sent`` if it is still in flight;
+    if its answer had come (a task cancelled just after its future got its result never reads
+    it), frees that answer instead: unread, its block would pin the producer's arena and the
+    request's block this frontend's, for good, and ``sent``'s block may already carry another
+    request that a cancel would hit."""
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        if fut.done() and not fut.cancelled():
+            fut.result().release()
+        elif sent is not None:
+            BrokerLink.cancel(sent)
+        raise
+
+
 class BrokerError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -315,7 +332,7 @@ class BrokerLink:
                 fut.set_result(completion)
 
         self.submit(kind, doc, tensors, resolve)
-        return await fut
+        return await completion_of(fut)
 
     def stream(self, doc: InferRequest, tensors: Any) -> StreamEvents:
         """Submit a streaming request; its events come in order, the final one last. The reader

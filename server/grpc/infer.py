@@ -4,8 +4,8 @@ ModelStreamInfer's, one request of a stream to its responses (``stream``).
 The message becomes the broker descriptor at once (requests.py, with edge/requests.py's checks),
 goes out with ``BrokerLink.submit`` like an HTTP request, and its completion becomes the
 serialized ``ModelInferResponse`` (responses.py).
-A client that cancels the call cancels the request (``BrokerLink.cancel``); its answer is freed
-when it comes. While tracing is on, a sampled call is traced as an HTTP request is
+A client that cancels the call cancels the request (``completion_of``); its answer is freed
+when it comes, or at once where it had come. While tracing is on, a sampled call is traced as an HTTP request is
 (server/edge/tracing.py), its record written once the call has ended; each request on a
 stream is sampled and traced on its own, its record written once its last response is sent.
 """
@@ -19,7 +19,7 @@ from typing import Any, AsyncGenerator
 import grpc
 
 from shmserve.server.edge.header_forward import forwarded_params
-from shmserve.server.edge.link import ArenaWait, BrokerError, BrokerLink, Sent, when_room
+from shmserve.server.edge.link import ArenaWait, BrokerError, BrokerLink, Sent, completion_of, when_room
 from shmserve.server.edge.requests import BadRequest, NegativeShape
 from shmserve.server.edge.tracing import (RECV_END, RECV_START, SEND_END, SEND_START, Trace, Tracer,
                                               timed_sends)
@@ -233,11 +233,7 @@ class GrpcInference:
                 sent = await when_room(send)
         except BrokerError as e:  # (ArenaWait too, once its wait is over)
             raise Aborted(code_of(e.status), str(e)) from None
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            BrokerLink.cancel(sent)  # the client cancelled the call or went away
-            raise
+        return await completion_of(fut, sent)  # (a call the client cancels or leaves cancels it)
 
     async def _refusal(self, model: str, version: str, e: BadRequest, request_id: str = "") -> Aborted:
         """The error of a request refused here: the model's own 404 or 503 first, as Triton looks
