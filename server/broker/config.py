@@ -194,6 +194,9 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
             if size < 1 or size > config.max_batch_size:
                 raise ConfigError(f"model '{m}': dynamic_batching.preferred_batch_size {size} must be "
                                   f"between 1 and max_batch_size {config.max_batch_size}")
+        problem = _priority_problem(config)
+        if problem:
+            raise ConfigError(problem)  # Triton's text names the model
     _check_tensors(config)
     filename = config.default_model_filename or DEFAULT_MODEL_FILES.get(backend)
     if filename:
@@ -202,6 +205,27 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
             if not any((model_dir / str(v) / f).exists() for f in alternatives):
                 raise ConfigError(f"model '{m}': version {v}: model file '{filename}' is missing in "
                                   f"{model_dir / str(v)}")
+
+
+def _priority_problem(config: ModelConfig) -> str | None:
+    """Triton's refusals of a dynamic batcher's priority levels and queue policies (its
+    ValidateModelConfig): a default level or a policy's level outside the levels there are, and,
+    with ``preserve_ordering``, more than one level or a policy that delays timed-out requests."""
+    db, m = config.dynamic_batching, config.name
+    levels = db.priority_levels
+    if levels:
+        if not 1 <= db.default_priority_level <= levels:
+            return f"default priority level must be in range [1, {levels}] for {m}"
+        if any(not 1 <= level <= levels for level in db.priority_queue_policy):
+            return f"priority queue policy must have priority level in range [1, {levels}] for {m}"
+    if db.preserve_ordering:
+        if levels > 1:
+            return f"Only one priority level is allowed when 'preserve_ordering' is true for {m}"
+        delay = mc.ModelQueuePolicy.DELAY
+        policies = [db.default_queue_policy, *db.priority_queue_policy.values()]
+        if any(p.default_timeout_microseconds and p.timeout_action == delay for p in policies):
+            return f"Queue policy can not have DELAY as timeout action when 'preserve_ordering' is true for {m}"
+    return None
 
 
 def _check_tensors(config: ModelConfig) -> None:

@@ -226,6 +226,19 @@ def test_a_good_config_passes(tmp_path):
     ('backend: "python" default_model_filename: "net.py"',
      "model 'm': version 1: model file 'net.py' is missing in "),
     ('backend: "pytorch"', "model 'm': version 1: model file 'model.pt' is missing in "),
+    # Triton's own texts for the priority levels (its ValidateModelConfig)
+    ('backend: "python" max_batch_size: 4 dynamic_batching { priority_levels: 2 default_priority_level: 5 }',
+     "default priority level must be in range [1, 2] for m"),
+    ('backend: "python" max_batch_size: 4 dynamic_batching { priority_levels: 2 }',
+     "default priority level must be in range [1, 2] for m"),
+    ('backend: "python" max_batch_size: 4 dynamic_batching { priority_levels: 2 default_priority_level: 1 '
+     'priority_queue_policy { key: 3 value { max_queue_size: 1 } } }',
+     "priority queue policy must have priority level in range [1, 2] for m"),
+    ('backend: "python" max_batch_size: 4 dynamic_batching { preserve_ordering: true priority_levels: 2 '
+     'default_priority_level: 1 }', "Only one priority level is allowed when 'preserve_ordering' is true for m"),
+    ('backend: "python" max_batch_size: 4 dynamic_batching { preserve_ordering: true default_queue_policy '
+     '{ timeout_action: DELAY default_timeout_microseconds: 10 } }',
+     "Queue policy can not have DELAY as timeout action when 'preserve_ordering' is true for m"),
 ])
 def test_each_refused_config_says_what_to_fix(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
