@@ -40,6 +40,9 @@ def test_a_model_imports_its_own_modules_and_reads_what_triton_gives(server):
     assert info["folder"] == "from the model's folder"  # import folder_helper
     assert info["module"] == "1.model"  # as Triton's stub imports it
     assert info["model_dir"] == str(REPO / "pb_probe" / "1")  # the folder model.py lies in
+    # The server's working directory is not on sys.path (Triton's stub has no such entry): a
+    # module there must not shadow a model's own module of the same name.
+    assert info["cwd_on_path"] == []
     assert info["timeout"] == 1234567  # it was always 0
     assert info["parameters"] == '{"mode":"api","n":5,"on":false}'  # compact, as Triton's
     # args["model_config"]: the completed config Triton gives (its normalization's fields, defaults)

@@ -2,6 +2,7 @@
 not by hand: shm/child_spec.py)."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -11,6 +12,10 @@ from shmserve.shm.names import set_title
 
 
 def main() -> int:
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        # ``python -m`` put the server's working directory first, where a module of the same name
+        # as a model's own (a helpers.py beside it) would shadow it; Triton's stub has no such entry.
+        del sys.path[0]
     spec = read_spec()
     die_with_parent(signal.SIGTERM, spec["broker_pid"])  # no worker outlives its broker, none polls for it
     # A GPU worker keeps the server's CUDA_VISIBLE_DEVICES, so device ids mean the same in every

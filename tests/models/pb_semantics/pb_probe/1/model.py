@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -29,7 +30,8 @@ class TritonPythonModel:
                 raise KeyboardInterrupt("kb")
             info = {"sibling": SIBLING, "folder": folder_helper.FOLDER, "module": __name__,
                     "model_dir": pb_utils.get_model_dir(), "timeout": r.timeout(), "parameters": r.parameters(),
-                    "pid": self.pid, "config": self.config}
+                    "pid": self.pid, "config": self.config,
+                    "cwd_on_path": [p for p in sys.path if p in ("", os.getcwd())]}
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("INFO", np.array([json.dumps(info).encode()],
                                                                                     dtype=object))]))
         return out
