@@ -213,6 +213,10 @@ class Launcher:
             self.sock = _bind(self.args.http_address, self.args.http_port, reuse_port=self.args.reuse_http_port)
         if self.args.allow_grpc:  # a busy port is a one-line error here too, not a restart loop
             _bind(self.args.grpc_address, self.args.grpc_port, "gRPC", self.args.reuse_grpc_port).close()
+        if self.args.allow_metrics and self.args.metrics_port > 0:
+            # As Triton, which does not start without its metrics service: one serving without it
+            # would leave scrapes of that port to whatever holds it (another server's figures).
+            _bind(self.args.metrics_address, self.args.metrics_port, "metrics").close()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         code = 0
@@ -237,10 +241,7 @@ class Launcher:
         return code
 
     def _log_serving(self) -> None:
-        a = self.args
-        if a.allow_grpc:
-            log.info("shmserve '%s' serving gRPC on %s:%d%s", self.sid, a.grpc_address, a.grpc_port,
-                     " over TLS" if a.grpc["tls"] else "")
+        a = self.args  # (each frontend, and the broker for metrics, says where it serves)
         if not (a.allow_http or a.allow_grpc):
             log.info("shmserve '%s' serving local clients only (--allow-http=false --allow-grpc=false)", self.sid)
 

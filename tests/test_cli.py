@@ -148,6 +148,22 @@ def test_busy_grpc_port_is_a_one_line_error(server, tmp_path):
     assert shm_entries(busy_id) == []
 
 
+def test_busy_metrics_port_is_a_one_line_error(server, tmp_path):
+    """As Triton, which does not start without its metrics service: serving on would leave the
+    port's scrapes to whatever holds it, another server's figures."""
+    busy_id = f"{server.id}busym"
+    r = run_cli("--model-repository", str(tmp_path), "--http-address", "127.0.0.1", "--http-port", str(free_port()),
+                "--grpc-port", str(free_port()), "--metrics-address", "127.0.0.1",
+                "--metrics-port", str(server.metrics_port), "--id", busy_id)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"shmserve: error: cannot bind metrics to 127.0.0.1:{server.metrics_port}: "
+                               f"Address already in use"), lines
+    assert shm_entries(busy_id) == []
+    assert server.client().is_server_ready()
+
+
 # -- process titles --------------------------------------------------------------------------------
 
 

@@ -325,6 +325,9 @@ def test_the_start_says_only_what_is_true(server_factory):
     s.wait_until(lambda: "serving HTTP on" in s.log(), "the frontend's line")
     log = s.log()
     assert re.search(rf"\] frontend #0 serving HTTP on 127\.0\.0\.1:{s.port} \(at most \d+ connections\)", log), log
+    # Each endpoint said once, by the process that serves it (as Triton's "Started ... at" lines).
+    assert log.count(f"serving gRPC on 127.0.0.1:{s.grpc_port}") == 1, log
+    assert log.count(f"serving metrics on 127.0.0.1:{s.metrics_port}") == 1, log
     assert "asked for again" not in log, log
     sizes = re.findall(r"'digits' instance '\w+': ([\d.]+) (kB|MB) of weights in one shared copy", log)
     assert sizes and all(float(n) > 0 for n, _ in sizes), sizes

@@ -362,6 +362,7 @@ def serve_metrics(opts: MetricsOptions, source: MetricSource) -> CollectorRegist
         else:
             server.daemon_threads = True
             threading.Thread(target=server.serve_forever, name="shmserve-metrics", daemon=True).start()
+            log.info("serving metrics on %s:%d", opts.address, opts.port)
     return registry
 
 
