@@ -49,8 +49,9 @@ def instance_bytes(worker_arena_start_bytes: int) -> int:
 def check_startup(args: argparse.Namespace) -> None:
     """Raise space.NoRoom, naming the flags that set the sizes, when the start's segments do
     not fit in /dev/shm."""
-    frontends = frontend_count(args)
-    parts = [f"{frontends} frontend(s) with --frontend-arena-mb={args.frontend_arena_mb}"] if frontends else []
+    http = args.http_workers if args.allow_http else 0
+    frontends = ([f"{http} HTTP frontend(s)"] if http else []) + (["the gRPC frontend"] if args.allow_grpc else [])
+    parts = [f"{' and '.join(frontends)} with --frontend-arena-mb={args.frontend_arena_mb}"] if frontends else []
     parts.append("the broker")
     if args.response_cache_bytes:
         parts.append(f"a response cache of {space.mib(args.response_cache_bytes)}")

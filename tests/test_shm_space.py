@@ -23,7 +23,7 @@ import tmpfs
 
 from shmserve.shm import space
 from shmserve.server.cli import parse_args
-from shmserve.server.shm_needs import frontend_count, instance_bytes, startup_bytes
+from shmserve.server.shm_needs import instance_bytes, startup_bytes
 
 MIB = 1 << 20
 
@@ -74,8 +74,8 @@ def test_a_server_refuses_a_dev_shm_too_small_for_its_start_in_one_line(tmp_path
     assert len(lines) == 1, lines
     args = parse_args(flags)
     need = startup_bytes(args)
-    assert lines[0].startswith(f"shmserve: error: shmserve at start ({frontend_count(args)} frontend(s) with "
-                               f"--frontend-arena-mb=256, "
+    assert lines[0].startswith(f"shmserve: error: shmserve at start ({args.http_workers} HTTP frontend(s) and the "
+                               f"gRPC frontend with --frontend-arena-mb=256, "
                                f"the broker) needs {space.mib(need)} of shared memory"), lines[0]
     assert "and /dev/shm has 8 MiB left" in lines[0]
     for how in ("docker run --shm-size", "podman run --shm-size", "emptyDir (medium: Memory, sizeLimit)"):
