@@ -505,3 +505,47 @@ def test_a_torchscript_model_gets_its_reshape_and_the_client_the_config_dims(ser
         assert result.as_numpy("OUTPUT__0").tolist() == [0.0, 1.0, 2.0, 3.0]
     finally:
         client.close()
+
+
+class _GradProbe(torch.nn.Module):
+    """Says how it runs: whether its result is an inference tensor, whether autograd records."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        return torch.tensor([int(y.is_inference()), int(torch.is_grad_enabled())], dtype=torch.int64)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script/save
+def test_the_pytorch_parameters_triton_reads_are_applied_and_checked(server_factory, tmp_path):
+    """Triton's PyTorch backend parameters: INFERENCE_MODE (on by default, as in Triton 2.51;
+    "false" runs under no_grad), the threads and JIT settings, each said in the log; a value that
+    is not of its kind fails the load, naming the parameter, in one line."""
+    io = ('max_batch_size: 0\n'
+          'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+          'output [ { name: "OUTPUT__0" data_type: TYPE_INT64 dims: [ 2 ] } ]\n')
+
+    def params(**kv: str) -> str:
+        return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in kv.items())
+
+    repo = tmp_path / "repo"
+    _torchscript_model(repo, "default_mode", _GradProbe(), io)
+    _torchscript_model(repo, "no_grad_mode", _GradProbe(), io + params(
+        INFERENCE_MODE="false", INTRA_OP_THREAD_COUNT="1", DISABLE_OPTIMIZED_EXECUTION="true",
+        ENABLE_JIT_EXECUTOR="false", ENABLE_DETERMINISTIC_ALGORITHMS="true", ENABLE_WEIGHT_SHARING="true"))
+    _torchscript_model(repo, "bad_value", _GradProbe(), io + params(INFERENCE_MODE="maybe"))
+    server = server_factory.start([repo], ["--exit-on-error=false", "--strict-readiness=false"])
+    client = server.client()
+    try:
+        x = httpclient.InferInput("INPUT__0", [2], "FP32")
+        x.set_data_from_numpy(np.ones(2, dtype=np.float32))
+        assert client.infer("default_mode", [x]).as_numpy("OUTPUT__0").tolist() == [1, 0]  # inference mode
+        assert client.infer("no_grad_mode", [x]).as_numpy("OUTPUT__0").tolist() == [0, 0]  # no_grad
+        assert ("instance 'no_grad_mode_0': intra-op threads 1, deterministic algorithms enabled, JIT executor "
+                "disabled, optimized execution disabled, inference mode disabled (no_grad)") in server.log()
+        index = {m["name"]: m for m in client.get_model_repository_index()}
+        assert index["bad_value"]["state"] == "UNAVAILABLE"
+        assert index["bad_value"]["reason"].endswith(
+            "parameter 'INFERENCE_MODE' must be true or false, got 'maybe'"), index["bad_value"]
+        assert "SettingError" not in index["bad_value"]["reason"]
+    finally:
+        client.close()

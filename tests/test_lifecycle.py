@@ -396,6 +396,14 @@ def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_fac
     assert "warmup sample 'file' failed" in index["warm_broken"]["reason"] or \
         "missing.bin" in index["warm_broken"]["reason"]
     assert index["warm_broken"]["version"] == "1"  # the version the load tried, as Triton lists it
+    # A sample lacking an input the model requires is refused as such a request is, in Triton's
+    # words, before the model's execute could fail on the missing input.
+    s.wait_until(lambda: {m["name"]: m for m in c.get_model_repository_index()}["warm_lacking"].get("state")
+                 == "UNAVAILABLE", "warm_lacking reported UNAVAILABLE", timeout=DEADLINE_S)
+    reason = {m["name"]: m for m in c.get_model_repository_index()}["warm_lacking"]["reason"]
+    assert reason.endswith("warmup sample 'only_x': [request id: <id_unknown>] expected 2 inputs but got 1 inputs for model 'warm_lacking'. "
+                           "Got input(s) ['X'], but missing required input(s) ['Y']. Please provide all required "
+                           "input(s)."), reason
     # Triton 2.51's answers for a model whose load failed: the latest and an unknown version are
     # not found (404), the version that failed is not ready (503).
     for version, status, text in (("", "404", "has no available versions"), ("7", "404", "version 7 is not found"),

@@ -108,6 +108,11 @@ class Response:
     model_error: ClassVar[bool] = False
 
 
+class LoadRefused(Exception):
+    """A load the worker refuses with a text that says it all (a setting, a warm-up sample): the
+    text is the load's error as it stands, with no exception class in front of it."""
+
+
 class ModelErrorResponse(Response):
     """An error response the model returned itself (a Python model's ``InferenceResponse(error=
     ...)``): an error to its client, but a request the backend executed successfully, which

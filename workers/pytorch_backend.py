@@ -29,6 +29,7 @@ from shmserve.shm import heap
 from . import device_tensors, shared_weights
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
 from .batch_io import BatchIO
+from .pytorch_settings import TorchSettings
 
 _INDEXED = re.compile(r"^.+__(\d+)$")
 log = logging.getLogger("shmserve.worker")
@@ -58,6 +59,8 @@ class PyTorchModel(Model):
 
     def create_instance(self, ictx: InstanceContext) -> Instance:
         torch = self.torch
+        settings = TorchSettings.from_config(self.ctx.config)  # (a bad value fails the load, named)
+        settings.apply(torch, ictx.name)
         if ictx.kind == "GPU" and not torch.cuda.is_available():
             # The driver shows a GPU but this torch cannot use it (a CPU build, say): running the
             # instance on the CPU instead would hide that from whoever asked for KIND_GPU.
@@ -80,7 +83,7 @@ class PyTorchModel(Model):
             module.eval()
         if device.type == "cpu":
             self._share_weights(module, ictx)
-        return PyTorchInstance(torch, module, device, self.ctx.config)
+        return PyTorchInstance(torch, module, device, self.ctx.config, settings)
 
     def _share_weights(self, module: Any, ictx: InstanceContext) -> None:
         """One copy of the weights for every CPU instance of this load (shared_weights.py),
@@ -101,10 +104,12 @@ class PyTorchModel(Model):
 
 
 class PyTorchInstance(Instance):
-    def __init__(self, torch: Any, module: Any, device: Any, config: dict) -> None:
+    def __init__(self, torch: Any, module: Any, device: Any, config: dict,
+                 settings: TorchSettings = TorchSettings()) -> None:
         self.torch = torch
         self.module = module
         self.device = device
+        self.settings = settings
         self.device_inputs = device.type == "cuda"
         self.batched = config.get("max_batch_size", 0) > 0
         self.batch_io = BatchIO(config)
@@ -135,7 +140,7 @@ class PyTorchInstance(Instance):
                 tensors.append(self._input(io.parts(name, [i[name] for i in inputs])))
         while tensors and tensors[-1] is None:
             tensors.pop()  # trailing absent inputs are not passed, so forward()'s defaults apply
-        with torch.inference_mode():
+        with self.settings.running(torch):
             result = self.module(*tensors)
         if isinstance(result, dict):
             outputs = {k: v for k, v in result.items()}
@@ -148,6 +153,8 @@ class PyTorchInstance(Instance):
             outputs = dict(zip(self.output_names, result))
         on_device = frozenset().union(*(r.device_outputs for r in requests)) if self.device_inputs else ()
         host = {k: v.detach() if k in on_device else device_tensors.host_array(v) for k, v in outputs.items()}
+        if self.settings.cache_cleaning and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # ENABLE_CACHE_CLEANING, as Triton's backend after each execution
         scattered = {k: io.scatter(k, v, inputs) for k, v in host.items() if k in io.outputs}
         if len(requests) == 1 and not scattered:
             return [Response(outputs=host)]

@@ -13,13 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes, element_count
+from shmserve.shm.descriptor import InputTensor
+from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes, element_count, serialize_bytes, \
+    wire_datatype
+from shmserve.signature import InvalidRequest, ModelSignature
 
-from .backend import Instance, Request
+from .backend import Instance, LoadRefused, Request
 from .reshape import Reshapes
 
 
-class WarmupError(Exception):
+class WarmupError(LoadRefused):
     pass
 
 
@@ -57,8 +60,11 @@ def _tensor(spec: dict, shape: list[int], model_dir: Path, sample: str, name: st
     return np.zeros(shape, dtype=dtype)
 
 
-def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, outputs: list[str]) -> int:
-    """Run every sample; returns how many executions it took."""
+def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, signature: ModelSignature) -> int:
+    """Run every sample; returns how many executions it took. A sample is checked as a request
+    is (Triton's core validates a warm-up request alike): one that lacks an input the model
+    requires fails the load with Triton's text, not with the model's error on a missing input."""
+    outputs = list(signature.outputs)
     batched = int(config.get("max_batch_size", 0)) > 0
     reshapes = None if instance.reshapes_itself else Reshapes(config)
     executions = 0
@@ -69,6 +75,10 @@ def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, outp
         for name, spec in (sample.get("inputs") or {}).items():
             dims = [d if d > 0 else 1 for d in spec.get("dims", [])]
             inputs[name] = _tensor(spec, ([batch] if batched else []) + dims, model_dir, label, name)
+        try:
+            signature.check_inputs([_described(name, arr) for name, arr in inputs.items()])
+        except InvalidRequest as e:
+            raise WarmupError(f"warmup sample '{label}': {e}") from None
         if reshapes:
             reshapes.model_inputs(inputs)
         for _ in range(max(1, int(sample.get("count", 1) or 1))):
@@ -84,6 +94,13 @@ def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, outp
                     raise WarmupError(f"warmup sample '{label}' failed: {r.error}")
             executions += 1
     return executions
+
+
+def _described(name: str, arr: np.ndarray) -> InputTensor:
+    """A warm-up input as a request describes it (its datatype, shape and byte size)."""
+    datatype = wire_datatype(arr)
+    size = len(serialize_bytes(arr)) if datatype == "BYTES" else arr.nbytes
+    return InputTensor(name, datatype, list(arr.shape), size)
 
 
 def _discard(response: Any, final: bool) -> None:

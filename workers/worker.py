@@ -43,7 +43,7 @@ from shmserve.shm.waker import SpinPolicy, fence
 from . import custom_metrics
 from .answers import Answers, ModelInfo
 from .backend import Backend, CancelFlag, Instance, InstanceContext, Model, ModelContext, Request, Response, \
-    load_backend
+    LoadRefused, load_backend
 from .classification import load_labels
 from .late_answers import CANCEL_CHECK_S, Deferred, Kept, LateAnswers
 from . import cuda
@@ -142,12 +142,13 @@ class Worker:
                                            self.decoupled, load_labels(ctx.config, ctx.model_dir),
                                            self.reshapes, frozenset(self.output_names))
             if ctx.config.get("model_warmup"):
-                runs = run_warmup(self.instance, ctx.config, ctx.model_dir, self.output_names)
+                runs = run_warmup(self.instance, ctx.config, ctx.model_dir, self.signature)
                 log.info("warm-up done: %d execution(s)", runs)
         except BaseException as e:  # noqa: BLE001 - any failure of user code is a load failure
-            detail = "".join(traceback.format_exception_only(type(e), e)).strip()
-            log.error("failed to load '%s' version %d: %s\n%s", self.model, self.version, detail,
-                      traceback.format_exc())
+            refused = isinstance(e, LoadRefused)  # (its text says it all: no class name, no traceback)
+            detail = str(e) if refused else "".join(traceback.format_exception_only(type(e), e)).strip()
+            log.error("failed to load '%s' version %d: %s%s", self.model, self.version, detail,
+                      "" if refused else "\n" + traceback.format_exc())
             self._post(W_LOAD_FAILED, 0, detail.encode()[:64 << 10])
             raise SystemExit(3) from None
         custom_metrics.REGISTRY.flush()  # families the model made in initialize() show before its first request

@@ -58,7 +58,7 @@ class LoadPlanner:
         if not versions:
             raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
         cfgmod.validate(config, model_dir, self.backends, versions, completed_later=not self.opts.strict_config)
-        for warning in unsupported.warnings(config):
+        for warning in unsupported.warnings(config, cfgmod.backend_of(config)):
             log.warning("%s", warning)
         for step_model in sorted({s.model_name for s in config.ensemble_scheduling.step if s.model_version == 0}):
             log.warning("ensemble '%s': step '%s' has model_version 0 (or none): Triton 2.51 would need a "

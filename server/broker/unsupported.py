@@ -50,6 +50,15 @@ FIELDS: dict[str, tuple[str, str]] = {
                                                        "model of that name"),
 }
 
+# Parameters (the config's ``parameters`` map) that a Triton backend reads and shmserve's does not
+# act on, by backend: warned about by name at load, as the fields above.
+PARAMETERS: dict[str, dict[str, str]] = {
+    "python": {
+        "EXECUTION_ENV_PATH": "the model runs in the server's own Python environment, not in the packed "
+                              "one: install what it imports there (docs/python_backend.md)",
+    },
+}
+
 # Every other field of Triton's ModelConfig is implemented: read by the loader, the schedulers, the
 # backends or the API that shows the config. tests/unit/test_config.py walks the schema so that a
 # field Triton adds is either listed here, once implemented, or in FIELDS above: never ignored.
@@ -146,7 +155,12 @@ def refusal(config: Any) -> str | None:
     return None
 
 
-def warnings(config: Any) -> list[str]:
-    """One line per unimplemented field that only loses a feature, naming the model and field."""
-    return [f"model '{config.name}': config field '{path}' is not supported yet and has no effect ({instead})"
-            for path, action, instead in findings(config) if action == WARN]
+def warnings(config: Any, backend: str = "") -> list[str]:
+    """One line per unimplemented field that only loses a feature, and per parameter ``backend``
+    (the model's, as its config names or implies it) does not act on, naming the model and the
+    field or parameter."""
+    fields = [f"model '{config.name}': config field '{path}' is not supported yet and has no effect ({instead})"
+              for path, action, instead in findings(config) if action == WARN]
+    ignored = PARAMETERS.get(backend or config.backend, {})
+    return fields + [f"model '{config.name}': parameter '{key}' is not supported: {ignored[key]}"
+                     for key in config.parameters if key in ignored]

@@ -425,6 +425,21 @@ def test_fields_at_their_default_are_not_reported():
     assert list(unsupported.findings(config)) == []
 
 
+def test_a_backend_parameter_not_acted_on_is_warned_about_by_name():
+    """Triton's Python backend runs a model in the conda-pack environment EXECUTION_ENV_PATH
+    names; here it runs in the server's own, which the load says (a PyTorch model's own
+    parameters of that name are nobody's, and a Python model's other parameters are its own)."""
+    from shmserve.server.broker import unsupported
+
+    text = """name: "m" backend: "python" parameters { key: "EXECUTION_ENV_PATH" value: { string_value: "$$TRITON_MODEL_DIRECTORY/env.tar.gz" } }
+        parameters { key: "mine" value: { string_value: "x" } }"""
+    assert unsupported.warnings(parse(text)) == [
+        "model 'm': parameter 'EXECUTION_ENV_PATH' is not supported: the model runs in the server's own Python "
+        "environment, not in the packed one: install what it imports there (docs/python_backend.md)"]
+    assert unsupported.warnings(parse(text.replace('backend: "python"', 'platform: "pytorch_libtorch"')),
+                                "pytorch") == []
+
+
 RAGGED_IO = """name: "m" backend: "python" max_batch_size: 4
     input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true } ]
     output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
