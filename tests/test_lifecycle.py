@@ -345,6 +345,36 @@ def test_poll_mode_change_during_a_reload_reloads_again(server_factory, tmp_path
     assert add_sub(c, "gated_load").tolist() == list(range(0, 32, 2))
 
 
+def test_a_model_loading_for_the_first_time_is_not_at_ready_state_rather_than_unknown(server_factory, tmp_path):
+    """While its first load runs (initialize held at a gate), the model is listed LOADING and a
+    request for it reads as Triton 2.51 answers one: no available versions (404), or its version
+    not at ready state (503); "not found" only for a version it does not load. It said "is not
+    found", which reads as a typo in the name."""
+    repo = tmp_path / "repo"
+    model = repo / "gated_load"
+    shutil.copytree(GATED_LOAD, model)
+    gate = Gate(tmp_path / "gate")
+    (model / "config.pbtxt").write_text((GATED_LOAD / "config.pbtxt").read_text().replace("GATE", gate.param))
+    s = server_factory.start([repo], ["--model-control-mode", "explicit"])
+    c = s.client()
+    loading = threading.Thread(target=raw_request, args=(s.port, "POST", "/v2/repository/models/gated_load/load",
+                                                         b""), daemon=True)  # (tritonclient's http is not for threads)
+    loading.start()
+    gate.wait_started()
+    try:
+        assert {m["name"]: m.get("state") for m in c.get_model_repository_index()} == {"gated_load": "LOADING"}
+        for version, status, text in (("", "404", "has no available versions"),
+                                      ("1", "503", "version 1 is not at ready state"),
+                                      ("7", "404", "version 7 is not found")):
+            with pytest.raises(InferenceServerException) as e:
+                c.get_model_metadata("gated_load", model_version=version)
+            assert (e.value.status(), e.value.message()) == (status, f"Request for unknown model: 'gated_load' {text}")
+    finally:
+        gate.open()
+        loading.join(DEADLINE_S)
+    assert add_sub(c, "gated_load").tolist() == list(range(0, 32, 2))
+
+
 def test_poll_mode_scan_finds_what_file_events_miss(server_factory, tmp_path):
     """--repository-poll-secs: a model folder linked into the repository gets no inotify events
     (watchdog does not follow links; NFS and FUSE mounts get none either): the periodic scan

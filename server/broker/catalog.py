@@ -116,11 +116,14 @@ class Catalog:
             except (TypeError, ValueError):
                 raise UnknownModel(f"Request for unknown model: '{model}' version '{version}' is not a "
                                    f"valid version") from None
-        # Triton's texts and statuses: a model whose load failed, or that was unloaded, has "no
-        # available versions" (404), and a version that exists but does not serve "is not at
-        # ready state" (503).
+        # Triton's texts and statuses: a model whose load failed, that was unloaded or that is
+        # still loading has "no available versions" (404), and a version that exists but does not
+        # serve "is not at ready state" (503).
         if not versions:
-            known = self.failed_versions.get(model) if model in self.load_errors else self.unloaded.get(model)
+            # A model's first load in progress is listed with its versions LOADING, as in Triton.
+            job = self.loading.get(model)
+            known = list(job.versions) if job is not None else \
+                self.failed_versions.get(model) if model in self.load_errors else self.unloaded.get(model)
             if model not in self.load_errors and known is None:
                 raise UnknownModel(f"Request for unknown model: '{model}' is not found")
             if latest:
