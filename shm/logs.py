@@ -18,6 +18,9 @@ messages as INFO, letter I), and messages are not JSON-escaped. A worker's lines
 ``[<model> v<version> #<instance>] ``. Like Triton, ``log_file`` is set at start only.
 
 Python's DEBUG is verbose level 1; level N is the Python level ``11 - N`` (see ``verbose_level``).
+Other libraries' debug lines (watchdog's file events, grpc's, asyncio's) count as level
+``LIBRARY_VERBOSE``: level 1 shows what the server does (each execution, each change of settings),
+not the chatter of what it is built on.
 The broker owns the settings and publishes them in its segment (``BrokerSegment.settings``);
 workers follow them with ``Follower.check()`` when they wake, the launcher and the frontends with
 ``BrokerSettings.check()`` on the ticks of their own loops.
@@ -40,6 +43,7 @@ DEFAULTS: dict[str, Any] = {"log_file": "", "log_info": True, "log_warning": Tru
                             "log_verbose_level": 0, "log_format": "default"}
 FORMATS = ("default", "ISO8601")
 VERBOSE = logging.DEBUG  # verbose level 1; pb_utils.Logger.VERBOSE maps here
+LIBRARY_VERBOSE = 2  # the verbose level from which other libraries' debug lines show
 MAX_VERBOSE = 0xFFFFFFFF  # Triton's log_verbose_level is a uint32
 _log = logging.getLogger("shmserve.logs")
 
@@ -144,6 +148,8 @@ class TritonHandler(logging.Handler):
         state = self.state
         if not state.enabled(record.levelno):
             return False
+        if record.levelno < logging.INFO and state.verbose < LIBRARY_VERBOSE and not record.name.startswith("shmserve"):
+            return False  # another library's debug line
         try:
             line = self.line(record, state)
             data = line.encode("utf-8", "replace")
@@ -195,7 +201,7 @@ def configure(settings: dict[str, Any], prefix: str | None = None) -> None:
         new = {**DEFAULTS, **settings}
         if prefix is not None:
             _prefix = prefix
-        changed = new != _settings or _handler is None
+        changed = new != _settings and _handler is not None  # (the first settings are no change)
         fd, old_fd = 2, None
         path = new["log_file"]
         if path:

@@ -108,8 +108,11 @@ def test_default_format_on_every_line(server_factory):
     recs = parsed(s.log())
     ready = [r for r in recs if r["msg"].startswith("server is ready")]
     assert ready and ready[0]["pid"] in roles["broker"] and ready[0]["file"] == "lifecycle.py"
-    assert any(r["pid"] == s.pid and r["file"] == "launcher.py" for r in recs)
     assert not any(r["level"] == "V" for r in recs)  # --log-verbose 0
+    s.stop()  # (the launcher's own lines: what it stopped)
+    recs = parsed(s.log())
+    assert any(r["pid"] == s.pid and r["file"] == "launcher.py" for r in recs)
+    assert not [line for line in whole_lines(s.log()) if not DEFAULT_RE.match(line)]
 
 
 def test_iso8601_and_level_flags(server_factory):
@@ -124,6 +127,14 @@ def test_iso8601_and_level_flags(server_factory):
     probe = probe_lines(s.log(), "iso-1", ISO_RE)
     assert set(probe) == {"method verbose", "enum verbose", "method error", "enum error"}
     assert all(rec["file"] == "model.py" for rec in probe.values())
+    # Verbose level 1 says what the server does, as Triton's does: each execution, here log_probe's
+    # request; not other libraries' debug chatter (grpc's event loop, the repository watcher's
+    # file events: level 2), nor each process's first settings.
+    verbose = [r for r in recs if r["level"] == "V"]
+    assert any(r["msg"].endswith("model log_probe, instance log_probe_0_0, executing 1 requests") for r in verbose), \
+        verbose
+    assert {r["file"] for r in verbose} <= {"model.py", "worker.py", "clients.py"}, {r["file"] for r in verbose}
+    assert not any(r["msg"].startswith("log settings:") for r in recs)
     now = datetime.datetime.now(datetime.timezone.utc)
     stamp = datetime.datetime.strptime(probe["method error"]["raw"][:20], "%Y-%m-%dT%H:%M:%SZ")
     assert abs((now - stamp.replace(tzinfo=datetime.timezone.utc)).total_seconds()) < 600
@@ -183,7 +194,6 @@ def test_log_file_gets_lines_from_every_process(server_factory, tmp_path):
     assert text.startswith("kept from before\n")  # appended, not truncated
     recs = parsed(text)
     pids = {r["pid"] for r in recs}
-    assert s.pid in pids, "no launcher line"
     assert set(roles["broker"]) <= pids, "no broker line"
     assert set(roles["frontend"]) <= pids, "a frontend wrote no line"
     assert len(roles["worker"]) == 2 and set(roles["worker"]) <= pids, "a worker wrote no line"
@@ -191,6 +201,8 @@ def test_log_file_gets_lines_from_every_process(server_factory, tmp_path):
     assert all(line == "kept from before" or DEFAULT_RE.match(line) for line in whole_lines(text))
     # Nothing went to stderr instead.
     assert not any(DEFAULT_RE.match(line) for line in s.log().splitlines()), s.log_tail()
+    s.stop()  # the launcher's own lines say what it stopped
+    assert s.pid in {r["pid"] for r in parsed(path.read_text())}, "no launcher line"
 
 
 # -- the logging extension --------------------------------------------------------------------------------

@@ -454,6 +454,8 @@ class Worker:
         raised = False
         kept: set[int] = set()  # id() of the entries answered later (late_answers.py)
         if live:
+            if log.isEnabledFor(logging.DEBUG):  # --log-verbose 1: each execution, as Triton's core says it
+                log.debug("model %s, instance %s, executing %d requests", self.model, self.instance_name, len(live))
             try:
                 responses = self.instance.execute([r for _, r in live])  # type: ignore[union-attr]
                 if self.decoupled:
