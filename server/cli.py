@@ -6,7 +6,7 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
-from . import cache_flags, triton_flags
+from . import __version__, cache_flags, triton_flags
 from .edge.header_forward import HTTP_FLAG as HTTP_FORWARD_FLAG, compile_pattern
 from .frontend.limits import HttpLimits
 from .grpc import options as grpc_options
@@ -82,6 +82,8 @@ def add_bool(p: argparse.ArgumentParser, flag: str, default: bool | None, help: 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="shmserve", description="Serve Triton model repositories over KServe v2 HTTP and "
                                              "POSIX shared memory.")
+    p.add_argument("--version", action="version", version=f"shmserve {__version__}",
+                   help="print the version and exit")
     p.add_argument("--model-repository", "--model-store", action="append", required=True, metavar="PATH",
                    help="a model repository (Triton's layout): a folder, or s3://, gs://, as:// (served from a "
                         "local copy; docs/cloud_repository.md); repeat to serve several")

@@ -49,6 +49,13 @@ def test_help_mentions_every_flag(entry):
     assert r.stderr == ""
 
 
+def test_version_needs_no_repository():
+    from shmserve.server import __version__
+
+    r = run_cli("--version")
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"shmserve {__version__}\n", "")
+
+
 def _assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
