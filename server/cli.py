@@ -234,6 +234,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.cloud_repositories = {}  # {local copy: URL}, filled once the copies are made (__main__.py)
+    # The same repository named twice (a path and its alias, a prefix like --model-repo) is one:
+    # else every model in it would be said to be in two repositories.
+    seen: dict[str, str] = {}
+    for repo in args.model_repository:
+        seen.setdefault(repo if "://" in repo else os.path.realpath(repo), repo)
+    args.model_repository = list(seen.values())
     for repo in args.model_repository:
         if "://" in repo:  # s3://, gs://, as://: checked here, read at start (server/broker/cloud_repository.py)
             from .broker.cloud_repository import CloudError, parse

@@ -49,6 +49,16 @@ def test_help_mentions_every_flag(entry):
     assert r.stderr == ""
 
 
+def test_a_repository_named_twice_is_one():
+    """A path and its alias (or a prefix of the flag, --model-repo) name one repository: its models
+    are not said to be in two."""
+    from shmserve.server.cli import parse_args
+
+    args = parse_args(["--model-repository", str(ROOT / "model_repository"),
+                       "--model-repo=" + str(ROOT / "model_repository") + "/"])
+    assert args.model_repository == [str(ROOT / "model_repository")]
+
+
 def test_version_needs_no_repository():
     from shmserve.server import __version__
 
