@@ -211,6 +211,9 @@ def test_failed_load_leaves_the_old_version_serving(server_factory, repo):
     assert entry["reason"].startswith("serving the previous version; the last load failed: failed to load "
                                       "'add_sub'") and "no_such_backend" in entry["reason"], entry
     assert 'shmserve_model_serving_after_failed_load{model="add_sub"} 1.0' in s.metrics_text()
+    # ... and so does the log's error line.
+    [line] = [x for x in s.log().splitlines() if "no_such_backend" in x and x.startswith("E")]
+    assert line.endswith("(version 1 of 'add_sub' serves on)"), line
     c.load_model("add_sub", config=config())  # a load that works clears both
     [entry] = [e for e in c.get_model_repository_index() if e["name"] == "add_sub"]
     assert "reason" not in entry, entry

@@ -478,8 +478,14 @@ class Lifecycle:
         for client, slot in job.waiters:
             self.clients.reply(client, slot, status, {"error": error})
 
+    def _serving_on(self, name: str, besides: ModelVersion | None = None) -> str:
+        """What of ``name`` serves on after a failed load, for its log line ("" when nothing)."""
+        serving = sorted(v for v, mv in self.catalog.models.get(name, {}).items()
+                         if mv is not besides and mv.state == State.READY)
+        return f" (version {', '.join(map(str, serving))} of '{name}' serves on)" if serving else ""
+
     def _load_failed(self, name: str, reason: str) -> LoadRefused:
-        log.error("%s", reason)
+        log.error("%s%s", reason, self._serving_on(name))
         self.catalog.load_failures[name] += 1
         self.catalog.load_errors[name] = reason
         self.catalog.failed_versions.pop(name, None)
@@ -490,7 +496,7 @@ class Lifecycle:
         """A version that cannot serve: its workers stop and what waits for it fails."""
         if mv.state in (State.UNAVAILABLE, State.UNLOADING):
             return  # already failed, or retired (a cancelled load's late report changes nothing)
-        log.error("%s", reason)
+        log.error("%s%s", reason, self._serving_on(mv.name, mv))
         mv.state = State.UNAVAILABLE
         mv.reason = reason
         self.catalog.load_errors[mv.name] = reason
