@@ -24,16 +24,17 @@ with ``starved`` set, and the caller answers "no room" instead of dying of SIGBU
 """
 from __future__ import annotations
 
+import collections
 import struct
 import threading
 from typing import Callable
 
 from .liveness import consumer_alive
+from .words import store_u32
 
 BLOCK_HEADER = 64  # keeps every payload 64-byte aligned for numpy/torch
 ALIGN = 64
 _HDR = struct.Struct("<QII")  # total bytes, state, consumer (its liveness ticket, liveness.py)
-_STATE = struct.Struct("<I")
 USED, FREED, SKIP = 1, 2, 3
 SOFT_LIMIT = 4 << 20
 # The head goes back to the start only where the room before the oldest outstanding block is this
@@ -49,8 +50,11 @@ def no_room_text(arena: "Arena", full: str) -> str:
 
 
 def free_block(buf: memoryview, payload_offset: int) -> None:
-    """Consumer side: give the block back (one 4-byte store into its header)."""
-    _STATE.pack_into(buf, payload_offset - BLOCK_HEADER + 8, FREED)
+    """Consumer side: give the block back: one store into its header (words.py). Written with
+    ``struct.pack_into``, the state read 0 for a moment: a producer that looked then took a block
+    still held for free and reused it, and the late FREED marked the block's next answer free
+    while its reader still read it (a stream response read as corrupt)."""
+    store_u32(buf, payload_offset - BLOCK_HEADER + 8, FREED)
 
 
 class Arena:
@@ -72,6 +76,10 @@ class Arena:
         self._tail = 0  # oldest block not yet reclaimed
         self._used = 0  # bytes between tail and head (including skipped end space)
         self._skipped = 0  # of those, the skipped end space (not in use by anyone)
+        # Each outstanding block's bytes and whether it is skipped end space, oldest first: the
+        # producer's own record. Only a block's state is read back from the shared header, which
+        # a consumer can write: a size written there never steers the reclaim.
+        self._blocks: collections.deque[tuple[int, bool]] = collections.deque()
         self._lock = threading.Lock()
 
     @property
@@ -105,6 +113,7 @@ class Arena:
             _HDR.pack_into(self._buf, self._base + at, need, USED, consumer)
             self._head = at + need
             self._used += need
+            self._blocks.append((need, False))
             return self._base + at + BLOCK_HEADER
 
     def _take_pages(self, end: int) -> bool:
@@ -133,26 +142,32 @@ class Arena:
                     _HDR.pack_into(self._buf, self._base + head, size - head, SKIP, 0)
                     self._used += size - head
                     self._skipped += size - head
+                    self._blocks.append((size - head, True))
                 return 0
             return -1
         # head <= tail with blocks outstanding: free space is [head, tail)
         return head if head + need <= tail else -1
 
     def _reclaim(self, check_dead: bool) -> None:
-        buf, base, size = self._buf, self._base, self._size
-        while self._used > 0:
-            total, state, consumer = _HDR.unpack_from(buf, base + self._tail)
-            if state == USED and not (check_dead and consumer and not consumer_alive(consumer)):
-                break
-            if state == SKIP:
+        buf, base, size, blocks = self._buf, self._base, self._size, self._blocks
+        while blocks:
+            total, skipped = blocks[0]
+            if not skipped:
+                _, state, consumer = _HDR.unpack_from(buf, base + self._tail)
+                # Only FREED gives a block back; any other state (a consumer may write garbage
+                # there) counts as held, unless its consumer died.
+                if state != FREED and not (check_dead and consumer and not consumer_alive(consumer)):
+                    break
+            else:
                 self._skipped -= total
+            blocks.popleft()
             self._used -= total
             self._tail += total
             if self._tail >= size:
                 self._tail = 0
-        if self._used == 0:
+        if not blocks:
             self._head = self._tail = 0
-            self._skipped = 0
+            self._used = self._skipped = 0
 
     def live_bytes(self) -> int:
         """Bytes of the blocks still held (``bytes_in_use`` also counts freed blocks not yet
@@ -160,12 +175,10 @@ class Arena:
         caller that must tell a full arena from one cut by a held block."""
         with self._lock:
             buf, base, size = self._buf, self._base, self._size
-            pos, left, live = self._tail, self._used, 0
-            while left > 0:
-                total, state, _ = _HDR.unpack_from(buf, base + pos)
-                if state == USED:
+            pos, live = self._tail, 0
+            for total, skipped in self._blocks:
+                if not skipped and _HDR.unpack_from(buf, base + pos)[1] != FREED:
                     live += total
-                left -= total
                 pos += total
                 if pos >= size:
                     pos = 0

@@ -36,6 +36,7 @@ from .segment import Segment
 from .stats import StatsArea
 from .untrusted import Fault, Garbage, Layout, check_layout
 from .waker import SLEEPING, Waker, fence, flag_view, make_fifo
+from .words import store_u32, store_u64
 
 HEADER_BYTES = 4096
 # "SHM" and the layout of these objects: a process of another shmserve version (a pod's client
@@ -291,7 +292,7 @@ class BrokerSegment:
         off = lane * LANE_NAME_BYTES
         raw = name.encode()[:LANE_NAME_BYTES - 8]
         self.tables.buf[off + 8:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - 8 - len(raw))
-        struct.pack_into("<Q", self.tables.buf, off, cookie)
+        store_u64(self.tables.buf, off, cookie)  # (workers read it as they take the lane's records)
 
     @contextlib.contextmanager
     def connect_lock(self, timeout: float = 5.0) -> Iterator[None]:
@@ -408,7 +409,7 @@ class WorkerSegment:
     def set_readiness_word(self, index: int, value: int) -> None:
         """One word of the readiness block, each written by one side only (see _READINESS)."""
         assert self.control is not None
-        struct.pack_into("<Q", self.control.buf, READINESS_OFFSET + 8 * index, value)
+        store_u64(self.control.buf, READINESS_OFFSET + 8 * index, value)
 
     def set_extent_size(self, extent: int, size: int) -> None:
         """Worker side: extent ``extent`` (1 .. MAX_EXTENTS-1) exists with ``size`` bytes."""
@@ -527,7 +528,7 @@ class WorkerSegment:
     @want_wakeup.setter
     def want_wakeup(self, value: bool) -> None:
         assert self.control is not None
-        _WANT_WAKEUP.pack_into(self.control.buf, WANT_WAKEUP_OFFSET, 1 if value else 0)
+        store_u32(self.control.buf, WANT_WAKEUP_OFFSET, 1 if value else 0)  # (a worker reads it at any time)
 
     def close(self) -> None:
         self.sem.close()
@@ -648,7 +649,7 @@ class ClientSegment:
 
     @lane.setter
     def lane(self, value: int) -> None:
-        struct.pack_into("<I", self.seg.buf, LANE_OFFSET, value)
+        store_u32(self.seg.buf, LANE_OFFSET, value)  # (the client polls it: never a passing 0, lane 0)
 
     @property
     def cookie(self) -> int:
@@ -656,12 +657,12 @@ class ClientSegment:
 
     @cookie.setter
     def cookie(self, value: int) -> None:
-        struct.pack_into("<Q", self.seg.buf, COOKIE_OFFSET, value)
+        store_u64(self.seg.buf, COOKIE_OFFSET, value)
 
     def set_target(self, slot: int, worker: int) -> None:
         """Record which worker a direct request went to (worker + 1; 0: through the broker), so the
         broker can fail it if that worker dies."""
-        struct.pack_into("<Q", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + 32, worker)
+        store_u64(self.seg.buf, self.slots_offset + slot * SLOT_BYTES + 32, worker)
 
     def target(self, slot: int) -> int:
         return struct.unpack_from("<Q", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + 32)[0]
@@ -669,11 +670,11 @@ class ClientSegment:
     def cancel(self, slot: int) -> None:
         """The owner gave up on the request in ``slot``: its worker's model sees it through
         ``cancelled`` (Triton's ``is_cancelled``); the slot stays pending until it is answered."""
-        struct.pack_into("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + CANCEL_AT, 1)
+        store_u32(self.seg.buf, self.slots_offset + slot * SLOT_BYTES + CANCEL_AT, 1)
 
     def uncancel(self, slot: int) -> None:
         """A slot taken for a new request starts uncancelled (before it is marked pending)."""
-        struct.pack_into("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + CANCEL_AT, 0)
+        store_u32(self.seg.buf, self.slots_offset + slot * SLOT_BYTES + CANCEL_AT, 0)
 
     def cancelled(self, slot: int) -> bool:
         return struct.unpack_from("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + CANCEL_AT)[0] != 0

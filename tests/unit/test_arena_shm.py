@@ -4,13 +4,16 @@ blocks freed by a consumer over a second mapping, and blocks of a dead consumer 
 (tests/test_arena.py covers the soft limit over large arenas.)"""
 from __future__ import annotations
 
+import os
+import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
 from shmserve.shm import liveness
-from shmserve.shm.arena import ALIGN, BLOCK_HEADER, Arena, free_block
+from shmserve.shm.arena import ALIGN, BLOCK_HEADER, FREED, USED, Arena, free_block
 from segments import segment_pair  # noqa: F401  (a fixture: real segments, mapped twice)
 
 UNIT = 128  # what alloc(64) takes: the header and 64 bytes
@@ -151,3 +154,49 @@ def test_a_live_consumers_blocks_are_kept(segment_pair, tickets):
     finally:
         holder.stdin.close()
         holder.wait()
+
+
+def test_a_free_is_one_store_that_a_producer_never_sees_half_done(segment_pair):
+    """A consumer frees a block with one 4-byte store of FREED. ``struct.pack_into`` zeroes the
+    field before it writes the value: a producer reading the state in between saw 0 (not USED),
+    took the held block for free and reused it, and the late FREED then marked the block's next
+    answer free while its reader still read it (a stream response read as corrupt, once in some
+    300,000 under load). Here one process frees and re-marks a block as fast as it can while this
+    one reads its state: never anything but USED or FREED."""
+    arena, created, attached = arena_in(segment_pair, 1024)
+    block = arena.alloc(64)
+    header = created.buf[block - BLOCK_HEADER + 8:block - BLOCK_HEADER + 12].cast("I")
+    child = os.fork()
+    if child == 0:  # the consumer, over its own mapping
+        try:
+            mark = attached.buf[block - BLOCK_HEADER + 8:block - BLOCK_HEADER + 12].cast("I")
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                for _ in range(1000):
+                    free_block(attached.buf, block)
+                    mark[0] = USED  # (as the producer's next block there would)
+        finally:
+            os._exit(0)
+    seen: set[int] = set()
+    try:
+        while not os.waitpid(child, os.WNOHANG)[0]:
+            for _ in range(1000):
+                seen.add(header[0])
+    finally:
+        header.release()
+    assert seen <= {USED, FREED} and FREED in seen, seen
+
+
+def test_a_header_a_consumer_scribbled_on_never_steers_the_reclaim(segment_pair):
+    """A consumer can write anywhere in the arena, its blocks' headers included: a size of 0 there
+    once made the producer loop for good, a state it does not know freed the block. The producer
+    reclaims by its own record of the sizes, and only FREED frees."""
+    arena, created, _ = arena_in(segment_pair, 1024)
+    first, second = arena.alloc(64), arena.alloc(64)
+    struct.pack_into("<QI", created.buf, first - BLOCK_HEADER, 0, FREED)  # size 0, "freed"
+    struct.pack_into("<I", created.buf, second - BLOCK_HEADER + 8, 7)  # a state nobody writes
+    third = arena.alloc(64)  # the first is taken back by its real size; the second stays held
+    assert third == second + UNIT and arena.bytes_in_use == 2 * UNIT
+    free_block(created.buf, second)
+    free_block(created.buf, third)
+    assert arena.alloc(1) == BASE + BLOCK_HEADER and arena.bytes_in_use == UNIT
