@@ -108,7 +108,7 @@ class Response:
     model_error: ClassVar[bool] = False
 
 
-class LoadRefused(Exception):
+class ModelLoadError(Exception):
     """A load the worker refuses with a text that says it all (a setting, a warm-up sample): the
     text is the load's error as it stands, with no exception class in front of it."""
 

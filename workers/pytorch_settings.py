@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from typing import Any, Iterator
 
-from .backend import LoadRefused
+from .backend import ModelLoadError
 
 log = logging.getLogger("shmserve.worker")
 
@@ -22,7 +22,7 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-class SettingError(LoadRefused, ValueError):
+class SettingError(ModelLoadError, ValueError):
     """A parameter's value is not of its kind: the load fails with this text."""
 
 

@@ -18,11 +18,11 @@ from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes, elem
     wire_datatype
 from shmserve.signature import InvalidRequest, ModelSignature
 
-from .backend import Instance, LoadRefused, Request
+from .backend import Instance, ModelLoadError, Request
 from .reshape import Reshapes
 
 
-class WarmupError(LoadRefused):
+class WarmupError(ModelLoadError):
     pass
 
 

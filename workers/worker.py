@@ -43,7 +43,7 @@ from shmserve.shm.waker import SpinPolicy, fence
 from . import custom_metrics
 from .answers import Answers, ModelInfo
 from .backend import Backend, CancelFlag, Instance, InstanceContext, Model, ModelContext, Request, Response, \
-    LoadRefused, load_backend
+    ModelLoadError, load_backend
 from .classification import load_labels
 from .late_answers import CANCEL_CHECK_S, Deferred, Kept, LateAnswers
 from . import cuda
@@ -145,7 +145,7 @@ class Worker:
                 runs = run_warmup(self.instance, ctx.config, ctx.model_dir, self.signature)
                 log.info("warm-up done: %d execution(s)", runs)
         except BaseException as e:  # noqa: BLE001 - any failure of user code is a load failure
-            refused = isinstance(e, LoadRefused)  # (its text says it all: no class name, no traceback)
+            refused = isinstance(e, ModelLoadError)  # (its text says it all: no class name, no traceback)
             detail = str(e) if refused else "".join(traceback.format_exception_only(type(e), e)).strip()
             log.error("failed to load '%s' version %d: %s%s", self.model, self.version, detail,
                       "" if refused else "\n" + traceback.format_exc())
