@@ -545,7 +545,7 @@ def test_the_pytorch_parameters_triton_reads_are_applied_and_checked(server_fact
         index = {m["name"]: m for m in client.get_model_repository_index()}
         assert index["bad_value"]["state"] == "UNAVAILABLE"
         assert index["bad_value"]["reason"].endswith(
-            "parameter 'INFERENCE_MODE' must be true or false, got 'maybe'"), index["bad_value"]
-        assert "SettingError" not in index["bad_value"]["reason"]
+            "parameter 'INFERENCE_MODE': failed to convert 'maybe' to a boolean"), index["bad_value"]
+        assert "ParameterError" not in index["bad_value"]["reason"]
     finally:
         client.close()

@@ -17,6 +17,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from .parameters import bool_value, int_parameter, string_parameters
+
 log = logging.getLogger("shmserve.worker")
 
 DEFAULT_FILENAME = "model.onnx"
@@ -62,26 +64,6 @@ def model_path(version_dir: Path, filename: str) -> Path:
     return path
 
 
-def string_parameters(config: dict[str, Any]) -> dict[str, str]:
-    return {k: str((v or {}).get("string_value", "")) for k, v in (config.get("parameters") or {}).items()}
-
-
-def _int_parameter(params: dict[str, str], key: str) -> int:
-    try:
-        return int(params.get(key) or 0)
-    except ValueError:
-        raise ValueError(f"parameter '{key}': failed to convert '{params[key]}' to an integer") from None
-
-
-def _bool_value(key: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "on", "yes"):
-        return True
-    if lowered in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"parameter '{key}': failed to convert '{value}' to a boolean")
-
-
 def session_options(ort: Any, config: dict[str, Any]) -> Any:
     """The options Triton's backend sets from the config: graph optimization level, execution
     mode, intra- and inter-op thread counts, the CPU memory arena and memory pattern, and
@@ -92,25 +74,25 @@ def session_options(ort: Any, config: dict[str, Any]) -> Any:
     if graph is not None:
         level = _GRAPH_LEVELS.get(int(graph.get("level", 0) or 0), "ORT_ENABLE_ALL")
         so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    mode = _int_parameter(params, "execution_mode")
+    mode = int_parameter(params, "execution_mode")
     if mode not in (0, 1):
         raise ValueError(f"Invalid configuration value provided. Expected values for execution_mode are "
                          f"0 or 1 but got {mode} .")
     so.execution_mode = ort.ExecutionMode.ORT_PARALLEL if mode == 1 else ort.ExecutionMode.ORT_SEQUENTIAL
-    intra = _int_parameter(params, "intra_op_thread_count")
-    inter = _int_parameter(params, "inter_op_thread_count")
+    intra = int_parameter(params, "intra_op_thread_count")
+    inter = int_parameter(params, "inter_op_thread_count")
     if intra > 0:
         so.intra_op_num_threads = intra
     if inter > 0:
         so.inter_op_num_threads = inter
     if "enable_mem_arena" in params:
-        so.enable_cpu_mem_arena = _bool_value("enable_mem_arena", params["enable_mem_arena"])
+        so.enable_cpu_mem_arena = bool_value("enable_mem_arena", params["enable_mem_arena"])
     if "enable_mem_pattern" in params:
-        so.enable_mem_pattern = _bool_value("enable_mem_pattern", params["enable_mem_pattern"])
+        so.enable_mem_pattern = bool_value("enable_mem_pattern", params["enable_mem_pattern"])
     key = "session.use_device_allocator_for_initializers"
     if key in params:
         so.add_session_config_entry(key, params[key])
-    if _bool_value("SHARE_WEIGHTS", params.get("SHARE_WEIGHTS") or "no"):
+    if bool_value("SHARE_WEIGHTS", params.get("SHARE_WEIGHTS") or "no"):
         # Without prepacking, onnxruntime reads the weights from its mapping of the model file,
         # so every instance on this host shares those pages (docs/backends.md, one copy).
         so.add_session_config_entry("session.disable_prepacking", "1")
@@ -155,7 +137,7 @@ def _cuda_options(config: dict[str, Any], ea_params: dict[str, str], device_id: 
     params = string_parameters(config)
     options: dict[str, Any] = {}
     if "cudnn_conv_algo_search" in params:
-        search = _int_parameter(params, "cudnn_conv_algo_search")
+        search = int_parameter(params, "cudnn_conv_algo_search")
         names = {0: "EXHAUSTIVE", 1: "HEURISTIC", 2: "DEFAULT"}
         if search not in names:
             raise ValueError(f"unsupported cudnn_conv_algo_search value '{search}' is requested")
@@ -163,7 +145,7 @@ def _cuda_options(config: dict[str, Any], ea_params: dict[str, str], device_id: 
     if "gpu_mem_limit" in params:
         options["gpu_mem_limit"] = params["gpu_mem_limit"]
     if "arena_extend_strategy" in params:
-        strategy = _int_parameter(params, "arena_extend_strategy")
+        strategy = int_parameter(params, "arena_extend_strategy")
         names = {0: "kNextPowerOfTwo", 1: "kSameAsRequested"}
         if strategy not in names:
             raise ValueError(f"unsupported arena_extend_strategy value '{strategy}' is requested")

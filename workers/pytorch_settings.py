@@ -3,53 +3,20 @@ same way here: a Triton config.pbtxt that tunes its TorchScript model keeps thos
 
 Each worker runs one instance in a process of its own, so the process-wide torch settings
 (threads, JIT executor and fuser, cuDNN, deterministic algorithms) are set once, when the
-instance is made, as Triton's backend sets them for the instances it hosts. Values are Triton's
-booleans ("true"/"false", also "1"/"0", "yes"/"no", "on"/"off") and integers; anything else
-fails the load, naming the parameter, as Triton's backend refuses it.
+instance is made, as Triton's backend sets them for the instances it hosts. Values are read as
+the ONNX Runtime backend reads its own (parameters.py): anything that is not a boolean or an
+integer where one is due fails the load, naming the parameter, as Triton's backend refuses it.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Iterator
+from typing import Any
 
-from .backend import ModelLoadError
+from .parameters import bool_parameter, int_parameter, string_parameters
 
 log = logging.getLogger("shmserve.worker")
-
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-
-
-class SettingError(ModelLoadError, ValueError):
-    """A parameter's value is not of its kind: the load fails with this text."""
-
-
-def _flag(params: dict[str, Any], key: str) -> bool | None:
-    """A boolean parameter, None when the config does not set it."""
-    value = params.get(key)
-    if value is None:
-        return None
-    text = str(value.get("string_value", "") if isinstance(value, dict) else value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise SettingError(f"parameter '{key}' must be true or false, got '{text}'")
-
-
-def _count(params: dict[str, Any], key: str) -> int | None:
-    """A thread-count parameter; None when unset (as Triton, 0 or less leaves torch's default)."""
-    value = params.get(key)
-    if value is None:
-        return None
-    text = str(value.get("string_value", "") if isinstance(value, dict) else value).strip()
-    try:
-        n = int(text)
-    except ValueError:
-        raise SettingError(f"parameter '{key}' must be an integer, got '{text}'") from None
-    return n if n > 0 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,22 +36,21 @@ class TorchSettings:
 
     @classmethod
     def from_config(cls, config: dict) -> "TorchSettings":
-        """Raises SettingError for a value that is not of its parameter's kind."""
-        params = config.get("parameters") or {}
-        _flag(params, "ENABLE_WEIGHT_SHARING")  # checked only: instances' weights are shared copy-on-write
-        disable_optimized = _flag(params, "DISABLE_OPTIMIZED_EXECUTION")
-        inference_mode = _flag(params, "INFERENCE_MODE")
-        disable_cudnn = _flag(params, "DISABLE_CUDNN")
-        return cls(optimized_execution=not disable_optimized,
-                   inference_mode=inference_mode is not False,
-                   cudnn=not disable_cudnn,
-                   cache_cleaning=bool(_flag(params, "ENABLE_CACHE_CLEANING")),
-                   deterministic=_flag(params, "ENABLE_DETERMINISTIC_ALGORITHMS"),
-                   tensor_fuser=_flag(params, "ENABLE_TENSOR_FUSER"),
-                   jit_profiling=_flag(params, "ENABLE_JIT_PROFILING"),
-                   jit_executor=_flag(params, "ENABLE_JIT_EXECUTOR"),
-                   intra_op_threads=_count(params, "INTRA_OP_THREAD_COUNT"),
-                   inter_op_threads=_count(params, "INTER_OP_THREAD_COUNT"))
+        """Raises ParameterError (parameters.py) for a value that is not of its parameter's kind."""
+        params = string_parameters(config)
+        bool_parameter(params, "ENABLE_WEIGHT_SHARING")  # checked only: instances' weights are shared copy-on-write
+        threads = {key: n if (n := int_parameter(params, key)) > 0 else None  # (0 or less: torch's default)
+                   for key in ("INTRA_OP_THREAD_COUNT", "INTER_OP_THREAD_COUNT")}
+        return cls(optimized_execution=not bool_parameter(params, "DISABLE_OPTIMIZED_EXECUTION"),
+                   inference_mode=bool_parameter(params, "INFERENCE_MODE") is not False,
+                   cudnn=not bool_parameter(params, "DISABLE_CUDNN"),
+                   cache_cleaning=bool(bool_parameter(params, "ENABLE_CACHE_CLEANING")),
+                   deterministic=bool_parameter(params, "ENABLE_DETERMINISTIC_ALGORITHMS"),
+                   tensor_fuser=bool_parameter(params, "ENABLE_TENSOR_FUSER"),
+                   jit_profiling=bool_parameter(params, "ENABLE_JIT_PROFILING"),
+                   jit_executor=bool_parameter(params, "ENABLE_JIT_EXECUTOR"),
+                   intra_op_threads=threads["INTRA_OP_THREAD_COUNT"],
+                   inter_op_threads=threads["INTER_OP_THREAD_COUNT"])
 
     def apply(self, torch: Any, instance: str) -> None:
         """Set what is process-wide, before the model runs; one line says what was set."""
@@ -119,9 +85,14 @@ class TorchSettings:
         if said:
             log.info("instance '%s': %s", instance, ", ".join(said))
 
-    @contextlib.contextmanager
-    def running(self, torch: Any) -> Iterator[None]:
-        """Around each forward: inference mode (or no_grad) and the graph executor's optimization."""
+    def running(self, torch: Any) -> Any:
+        """The guard around each forward: inference mode (or no_grad), and with optimized
+        execution disabled the graph executor's switch too (entered only then: the default path
+        costs what one guard costs)."""
         grad = torch.inference_mode() if self.inference_mode else torch.no_grad()
-        with grad, torch.jit.optimized_execution(self.optimized_execution):
-            yield
+        if self.optimized_execution:
+            return grad
+        stack = contextlib.ExitStack()
+        stack.enter_context(grad)
+        stack.enter_context(torch.jit.optimized_execution(False))
+        return stack
