@@ -6,8 +6,8 @@ The wake-up is a separate semaphore post, done by the caller (one post per hop).
 
 The counters are read and written through an aligned memoryview cast to 'Q': one 8-byte load or
 store each (CPython packs a 'Q' item with a single fixed-size copy), and about three times cheaper
-than a numpy scalar. ``struct.pack_into`` writes integers byte by byte, and a reader on another
-core could then see a torn counter (a tail that jumps back) and lose records.
+than a numpy scalar. ``struct.pack_into`` zeroes a word before it writes it (words.py), and a
+reader on another core could then see a counter that jumps back and lose records.
 
 A ring between processes of different trust (a client's request ring, its lanes, the connect
 ring) holds counters the other side may scribble on: ``drain`` refuses a distance between them

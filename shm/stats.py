@@ -128,8 +128,8 @@ class StatsWriter:
         self.latency = LatencyRecorder(area.latency, latency_buckets) if latency_buckets is not None else None
         # Plain lists, published at flush: an increment of a list item is cheaper than one on an
         # array or a numpy view. They go out as 8-byte word stores through a memoryview, as the
-        # histogram cells do: ``struct.pack_into`` writes a word byte by byte, and the broker,
-        # reading at scrape time, could see a torn counter.
+        # histogram cells do: ``struct.pack_into`` zeroes a word before it writes it (words.py),
+        # and the broker, reading at scrape time, could see a counter drop to 0.
         self.counts: list[int] = [0] * FLUSHED
         self._published = memoryview(area.scalars).cast("B").cast("Q")  # type: ignore[arg-type]
         self._rare = [0] * len(SCALARS)  # (only its items from FLUSHED on are used)
