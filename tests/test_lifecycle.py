@@ -220,6 +220,26 @@ def test_failed_load_leaves_the_old_version_serving(server_factory, repo):
     assert "shmserve_model_serving_after_failed_load{" not in s.metrics_text()
 
 
+def test_a_load_refuses_triton_s_bad_priorities_and_warns_of_an_execution_env(server_factory, repo):
+    """Through the repository API of a real server: a default priority level outside its levels is
+    Triton's refusal in its words; a Python model's EXECUTION_ENV_PATH loads with a warning naming it."""
+    s = server_factory.start([repo], ["--model-control-mode", "explicit"])
+    c = s.client()
+    bad = json.loads(config())
+    bad.update(max_batch_size=4, dynamic_batching={"priority_levels": 2, "default_priority_level": 5})
+    for io in bad["input"] + bad["output"]:
+        io["dims"] = [-1]
+    with pytest.raises(InferenceServerException) as e:
+        c.load_model("add_sub", config=json.dumps(bad))
+    assert "default priority level must be in range [1, 2] for add_sub" in e.value.message()
+    env = json.loads(config())
+    env["parameters"] = {"EXECUTION_ENV_PATH": {"string_value": "$$TRITON_MODEL_DIRECTORY/env.tar.gz"}}
+    c.load_model("add_sub", config=json.dumps(env))
+    assert c.is_model_ready("add_sub")
+    assert "model 'add_sub': parameter 'EXECUTION_ENV_PATH' is not supported: the model runs in the server's " \
+           "own Python environment" in s.log()
+
+
 KILLED_WHILE_LOADING = """
 import os
 import signal
