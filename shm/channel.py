@@ -29,7 +29,7 @@ from .access import grant
 from .arena import Arena
 from .liveness import BROKER_TICKET, CONNECT_LOCK, try_lock_byte
 from .names import SHM_DIR, object_name, unlink_semaphore, unlink_shm
-from .protocol import CONNECT, RECORD, SLOT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
+from .protocol import CONNECT, RECORD, SLOT, SLOT_ANSWER, SLOT_ANSWER_AT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
 from .published import Published
 from .segment import Segment
@@ -680,9 +680,10 @@ class ClientSegment:
         return struct.unpack_from("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + CANCEL_AT)[0] != 0
 
     def complete(self, slot: int, status: int, role: int, num: int, offset: int, length: int) -> None:
-        """Answer a request: fields first, state last; the caller then calls ``waker.notify``."""
+        """Answer a request: the answer's fields first (never the state or target words, which
+        others poll: protocol.py), state last; the caller then calls ``waker.notify``."""
         base = self.slots_offset + slot * SLOT_BYTES
-        SLOT.pack_into(self.seg.buf, base, SLOT_PENDING, status, role, num, offset, length, self.target(slot))
+        SLOT_ANSWER.pack_into(self.seg.buf, base + SLOT_ANSWER_AT, status, role, num, offset, length)
         self.slot_states[slot] = SLOT_DONE  # one aligned store, after the fields
 
     def read_slot(self, slot: int) -> tuple[int, int, int, int, int, int, int]:

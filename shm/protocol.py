@@ -81,6 +81,11 @@ SLOT_DONE = 2
 # (the worker a direct request went to). Each slot takes a cache line of its own.
 SLOT = struct.Struct("<IIIIQQQ")
 SLOT_BYTES = 64
+# A slot's answer: its fields from status to length, which a producer writes on their own before
+# it stores DONE. ``pack_into`` zeroes what it writes first: packing the whole slot made its state
+# and target words, which other processes poll, pass through 0 (FREE, "through the broker").
+SLOT_ANSWER = struct.Struct("<IIIQQ")
+SLOT_ANSWER_AT = 4
 
 # Decoupled (streaming) requests: the client reserves a small ring in its request block; the
 # producer appends one record per response (status, role word, block offset, length, worker
