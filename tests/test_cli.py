@@ -189,14 +189,14 @@ def test_process_titles(server):
 
     titles = sorted(cmdline(pid) for pid in descendants(server.pid))
     workers = [t for t in titles if t.startswith("shmserve worker ")]
-    pattern = re.compile(r"^shmserve worker (\S+) v(\d+) #(\d+) cpu$")
+    pattern = re.compile(rf"^shmserve worker (\S+) v(\d+) #(\d+) cpu \(server {server.id}\)$")
     assert all(pattern.match(t) for t in workers), workers
     served = {pattern.match(t).group(1) for t in workers}
     on_disk = {p.name for repo in server.repos for p in Path(repo).iterdir() if (p / "config.pbtxt").exists()
                and 'platform: "ensemble"' not in (p / "config.pbtxt").read_text()}  # ensembles have no workers
     assert served == on_disk, (served, on_disk)
     # Instances are numbered per model: the two-instance model shows #0 and #1.
-    assert {"shmserve worker sleeper v1 #0 cpu", "shmserve worker sleeper v1 #1 cpu"} <= set(workers)
+    assert {f"shmserve worker sleeper v1 #{i} cpu (server {server.id})" for i in (0, 1)} <= set(workers)
     assert f"shmserve broker {server.id}" in titles
     assert f"shmserve frontend {server.id} #0" in titles
     assert f"shmserve grpc {server.id}" in titles

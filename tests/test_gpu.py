@@ -191,7 +191,7 @@ def test_pytorch_models_on_the_gpu_batch_and_answer_as_on_the_cpu(gpu_server, ht
     """Two instances on GPU 0 (workers titled gpu0); 32 concurrent requests of 1-3 rows are batched
     by the dynamic batcher and each answer equals the module run on the CPU."""
     titles = [t for pid, t in gpu_server.titles().items() if pid in gpu_server.worker_pids(model)]
-    assert len(titles) == 2 and all(t.endswith(" gpu0") for t in titles), titles
+    assert len(titles) == 2 and all(" gpu0 (server " in t for t in titles), titles
     rng = np.random.default_rng(1)
     batches = [rng.standard_normal((1 + i % 3, FEATURES), dtype=np.float32) for i in range(32)]
     pending = []
@@ -214,7 +214,7 @@ def test_kind_auto_places_the_instance_on_the_gpu(gpu_server, http):
     config = http.get_model_config("net_auto")
     assert [g["kind"] for g in config["instance_group"]] == ["KIND_GPU"], config["instance_group"]
     titles = [gpu_server.titles()[pid] for pid in gpu_server.worker_pids("net_auto")]
-    assert len(titles) == 1 and titles[0].endswith(" gpu0"), titles
+    assert len(titles) == 1 and " gpu0 (server " in titles[0], titles
     rows = np.ones((2, FEATURES), dtype=np.float32)
     with torch.no_grad():
         want = small_net()(torch.from_numpy(rows)).numpy()
@@ -544,7 +544,7 @@ def test_an_onnx_model_batches_on_the_gpu_and_answers_as_onnxruntime_on_the_cpu(
         return
     assert entry["state"] == "READY", entry
     titles = [server.titles()[pid] for pid in server.worker_pids("onnx_mlp")]
-    assert len(titles) == 2 and all(t.endswith(" gpu0") for t in titles), titles
+    assert len(titles) == 2 and all(" gpu0 (server " in t for t in titles), titles
     sessions = [line for line in server.log().splitlines() if "onnx_mlp/1/model.onnx': providers" in line]
     assert len(sessions) == 2 and all("'CUDAExecutionProvider'" in s and "on GPU 0" in s for s in sessions), sessions
 

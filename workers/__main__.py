@@ -21,7 +21,10 @@ def main() -> int:
     # A GPU worker keeps the server's CUDA_VISIBLE_DEVICES, so device ids mean the same in every
     # process; its backend makes the instance's GPU the current device.
     device = "cpu" if spec["kind"] != "GPU" else f"gpu{spec.get('device_id', 0)}"
-    title = f"shmserve worker {spec['model']} v{spec['version']} #{spec['instance_index']} {device}"
+    # The server's id last: ``pgrep -f <id>`` finds every process of one server, and scripts that
+    # match ``shmserve worker <model> `` go on matching.
+    title = (f"shmserve worker {spec['model']} v{spec['version']} #{spec['instance_index']} {device} "
+             f"(server {spec['server_id']})")
     set_title(title)
     from shmserve.shm import heap, logs
 
