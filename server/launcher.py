@@ -83,9 +83,12 @@ def _check_previous(server_id: str) -> None:
         log.warning("removed %d shared-memory object(s) left by a previous server '%s'", removed, server_id)
 
 
-def _bind(address: str, port: int, protocol: str = "HTTP", reuse_port: bool = False) -> socket.socket:
-    """The listening socket; ``reuse_port`` (Triton's --reuse-http-port, --reuse-grpc-port) lets
-    other servers bind the same port, the kernel spreading connections between them."""
+def _bind(address: str, port: int, protocol: str = "HTTP", reuse_port: bool = False,
+          listen: bool = True) -> socket.socket:
+    """The socket, bound (a busy port is an error here) and listening unless ``listen`` is
+    false; ``reuse_port`` (Triton's --reuse-http-port, --reuse-grpc-port) lets other servers bind
+    the same port, the kernel spreading connections between those that listen
+    (server/edge/shared_port.py: the frontends listen on a shared one once the loads are over)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -97,7 +100,8 @@ def _bind(address: str, port: int, protocol: str = "HTTP", reuse_port: bool = Fa
         held = describe_port_holders(port) if e.errno == errno.EADDRINUSE else ""
         sys.stderr.write(f"shmserve: error: cannot bind {protocol} to {address}:{port}: {e.strerror}{held}\n")
         sys.exit(1)
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
@@ -173,7 +177,8 @@ class Launcher:
                 "restricted": self.args.http_restricted_api, "max_inflight": self.args.http_max_inflight,
                 "header_forward_pattern": self.args.http_header_forward_pattern,
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
-                "http_limits": http_limits(self.args).to_spec(), "log": log_settings(self.args)}
+                "http_limits": http_limits(self.args).to_spec(), "log": log_settings(self.args),
+                "shared_port": self.args.reuse_http_port}
         with spec_file(spec) as stdin:
             return subprocess.Popen([sys.executable, "-m", "shmserve.server.frontend"],
                                     pass_fds=(self.sock.fileno(),), stdin=stdin, preexec_fn=_dies_with_us(signal.SIGKILL))
@@ -184,7 +189,8 @@ class Launcher:
                 "arena_bytes": self.args.frontend_arena_mb << 20, "allow_remote_shm": self.args.allow_remote_shm,
                 "exit_timeout_s": self.args.exit_timeout_secs, "max_inflight": self.args.http_max_inflight,
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,
-                "log": log_settings(self.args), **self.args.grpc}  # grpc: server/grpc/options.py
+                "log": log_settings(self.args), "shared_port": self.args.reuse_grpc_port,
+                **self.args.grpc}  # grpc: server/grpc/options.py
         with spec_file(spec) as stdin:
             return subprocess.Popen([sys.executable, "-m", "shmserve.server.grpc"], stdin=stdin,
                                     preexec_fn=_dies_with_us(signal.SIGKILL))
@@ -210,13 +216,14 @@ class Launcher:
             sys.stderr.write(f"shmserve: error: {e}\n")
             return 1
         if self.args.allow_http:
-            self.sock = _bind(self.args.http_address, self.args.http_port, reuse_port=self.args.reuse_http_port)
+            self.sock = _bind(self.args.http_address, self.args.http_port, reuse_port=self.args.reuse_http_port,
+                              listen=not self.args.reuse_http_port)
         if self.args.allow_grpc:  # a busy port is a one-line error here too, not a restart loop
-            _bind(self.args.grpc_address, self.args.grpc_port, "gRPC", self.args.reuse_grpc_port).close()
+            _bind(self.args.grpc_address, self.args.grpc_port, "gRPC", self.args.reuse_grpc_port, listen=False).close()
         if self.args.allow_metrics and self.args.metrics_port > 0:
             # As Triton, which does not start without its metrics service: one serving without it
             # would leave scrapes of that port to whatever holds it (another server's figures).
-            _bind(self.args.metrics_address, self.args.metrics_port, "metrics").close()
+            _bind(self.args.metrics_address, self.args.metrics_port, "metrics", listen=False).close()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         code = 0
@@ -225,7 +232,7 @@ class Launcher:
             # gRPC first, HTTP once gRPC accepts connections (Triton's order): a readiness probe
             # answered over HTTP then also means the gRPC port is open.
             grpc = [self._start_grpc()] if self.args.allow_grpc else []
-            if grpc:
+            if grpc and not self.args.reuse_grpc_port:  # (a shared port answers for the others meanwhile)
                 _wait_listening(self.args.grpc_address, self.args.grpc_port, grpc[0], GRPC_START_S)
             self.frontends = [self._start_frontend(i) for i in range(self._http_frontends())] + grpc
             self.log_follower = logs.BrokerSettings(self.sid)  # run-time changes (POST /v2/logging) here too
@@ -244,6 +251,11 @@ class Launcher:
         a = self.args  # (each frontend, and the broker for metrics, says where it serves)
         if not (a.allow_http or a.allow_grpc):
             log.info("shmserve '%s' serving local clients only (--allow-http=false --allow-grpc=false)", self.sid)
+        shared = [flag for flag, on in (("--reuse-http-port", a.allow_http and a.reuse_http_port),
+                                        ("--reuse-grpc-port", a.allow_grpc and a.reuse_grpc_port)) if on]
+        if shared:
+            log.info("%s: this server takes connections on the shared port once its initial loads are over",
+                     " and ".join(shared))
 
     def _supervise(self) -> int:
         broker_restarts = 0

@@ -2,7 +2,9 @@
 works or is named in the log at start (server/triton_flags.py)."""
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import ROOT, wait_until
 
 AUTO_COMPLETING_PY = textwrap.dedent("""\
     import triton_python_backend_utils as pb_utils
@@ -213,8 +215,62 @@ def test_model_load_retry_count_tries_a_failed_load_again(server_factory, tmp_pa
     assert not no_retry.client().is_model_ready("flaky")
 
 
-def test_reuse_http_port_lets_two_servers_share_the_port(server_factory, tmp_path):
-    first = server_factory.start([_empty_repo(tmp_path)], ["--reuse-http-port=true"])
-    second = server_factory.create([tmp_path / "repo"], ["--reuse-http-port=true"], http_port=first.port)
-    second.start().wait_ready()
-    assert first.port == second.port and first.client().is_server_ready()
+SLOW_TO_LOAD_PY = """
+import time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(4)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())])
+                for r in requests]
+"""
+
+
+def _answering_servers(http_url: str, grpc_url: str, tries: int = 24) -> set[str]:
+    """The ids of the servers that answer ``tries`` new connections on each port (the kernel
+    spreads new connections over a shared port's listeners by their addresses)."""
+    import tritonclient.grpc as grpcclient
+
+    names = set()
+    for _ in range(tries):
+        with urllib.request.urlopen(f"http://{http_url}/v2", timeout=10) as r:  # a connection each
+            names.add(json.loads(r.read())["name"])
+        # a channel of its own subchannels: a connection each, not one grpcio shares between channels
+        with grpcclient.InferenceServerClient(grpc_url, channel_args=[("grpc.use_local_subchannel_pool", 1)]) as c:
+            names.add(c.get_server_metadata().name)
+    return names
+
+
+def test_a_server_on_shared_ports_takes_connections_once_its_models_loaded(server_factory, tmp_path):
+    """--reuse-http-port and --reuse-grpc-port, as for a rolling restart: the second server listens
+    on the shared ports only once its initial loads are over (Triton starts its endpoints then),
+    so while it loads every connection still meets the first, which serves them; then both
+    serve, and once the first stops, the second serves them all."""
+    first_repo = tmp_path / "first"
+    first_repo.mkdir()
+    shutil.copytree(ROOT / "model_repository" / "add_sub", first_repo / "add_sub")
+    second_repo = tmp_path / "second"
+    shutil.copytree(first_repo, second_repo)
+    (second_repo / "slow" / "1").mkdir(parents=True)
+    (second_repo / "slow" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\ninput [{ name: "X" data_type: TYPE_FP32 dims: [1] }]\n'
+        'output [{ name: "Y" data_type: TYPE_FP32 dims: [1] }]\n')
+    (second_repo / "slow" / "1" / "model.py").write_text(SLOW_TO_LOAD_PY)
+    shared = ["--reuse-http-port=true", "--reuse-grpc-port=true"]
+    first = server_factory.start([first_repo], shared)
+    second = server_factory.create([second_repo], shared, http_port=first.port)
+    second.grpc_port = first.grpc_port
+    second.start()
+    second.wait_until(lambda: "loading 'slow'" in second.log(), "loading")
+    assert "server is ready" not in second.log()
+    assert _answering_servers(first.url, first.grpc_url) == {first.id}, second.log_tail()
+    assert "server is ready" not in second.log(), "the model loaded before the check was over"
+    assert "takes connections on the shared port once its initial loads are over" in second.log()
+    second.wait_until(lambda: "serving gRPC on" in second.log() and "serving HTTP on" in second.log(), "serving")
+    assert _answering_servers(first.url, first.grpc_url) == {first.id, second.id}
+    first.stop()
+    assert _answering_servers(first.url, first.grpc_url, tries=8) == {second.id}
+    assert second.client().is_model_ready("slow")

@@ -96,7 +96,8 @@ class ControlHandler:
 
     # -- health and metadata --------------------------------------------------------------------
     def _server_ready(self, client: Client, slot: int, doc: dict) -> Answer:
-        return 200, {"ready": self.lifecycle.server_ready()}
+        # "started": the initial loads are over (a frontend on a shared port listens then: server/edge/shared_port.py)
+        return 200, {"ready": self.lifecycle.server_ready(), "started": self.lifecycle.startup_done}
 
     def _version(self, doc: dict) -> ModelVersion:
         return self.catalog.find_version(doc["model"], doc.get("version"))

@@ -11,7 +11,7 @@ import logging
 import signal
 import socket
 import sys
-from typing import Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 import uvicorn
 
@@ -30,6 +30,7 @@ def main() -> int:
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes (POST /v2/logging) from any frontend
     from .app import build_app
     from shmserve.server.edge.header_forward import HTTP_FLAG, compile_pattern
+    from shmserve.server.edge.shared_port import wait_for_initial_loads
     from .limits import HttpLimits, connection_bound, raise_descriptor_limit
     from .protocol import protocol_class
     from .restricted import restrict
@@ -60,7 +61,9 @@ def main() -> int:
     host, port = sock.getsockname()[:2]
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     server = QuietServer(config, ticks=[log_settings.check, frontend.tracer.follow], serving=lambda: log.info(
-        "frontend #%d serving HTTP on %s (at most %d connections)", spec["index"], address, max_connections))
+        "frontend #%d serving HTTP on %s (at most %d connections)", spec["index"], address, max_connections),
+        gate=(lambda stopping: wait_for_initial_loads(frontend.inference.link, stopping))
+        if spec.get("shared_port") else None)
     # uvicorn stops gracefully on SIGTERM or SIGINT, then raises the signal again under the handler
     # it found: with the default one that ends the process there, before what follows the serving
     # (the SHMSERVE_PROFILE dump). Found handlers that exit quietly instead.
@@ -83,10 +86,20 @@ class QuietServer(uvicorn.Server):
     TICK_S = 0.5
 
     def __init__(self, config: uvicorn.Config, ticks: Iterable[Callable[[], None]] = (),
-                 serving: Callable[[], None] = lambda: None) -> None:
+                 serving: Callable[[], None] = lambda: None,
+                 gate: Callable[[Callable[[], bool]], Awaitable[bool]] | None = None) -> None:
         super().__init__(config)
         self.ticks = list(ticks)  # also run every tick
         self.serving = serving  # called once uvicorn has started serving the socket
+        self.gate = gate  # awaited before the socket listens; False: stop without listening
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, once the gate (a shared port's: server/edge/shared_port.py) lets it listen.
+        Asked to stop meanwhile, it returns with ``should_exit`` set and uvicorn stops there."""
+        if self.gate is not None and not await self.gate(lambda: self.should_exit):
+            self.should_exit = True
+            return
+        await super().startup(sockets)
 
     async def main_loop(self) -> None:
         self.serving()

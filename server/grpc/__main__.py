@@ -20,6 +20,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from shmserve.server.edge.header_forward import GRPC_FLAG, compile_pattern
 from shmserve.server.edge.link import BrokerLink
+from shmserve.server.edge.shared_port import wait_for_initial_loads
 from shmserve.server.edge.tracing import Tracer
 from shmserve.shm import logs
 from shmserve.shm.child_spec import read_spec
@@ -69,19 +70,24 @@ async def serve(spec: dict) -> int:
     add_servicer(server, service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, service,
                  {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request})
     add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, HealthService(service))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # grpcio listens as it binds: a port shared with other servers is bound once the loads are over
+    if spec.get("shared_port") and not await wait_for_initial_loads(link, stop.is_set):
+        link.close()
+        return 0
     try:
         address = bind(server, spec)
     except (RuntimeError, ValueError) as e:
         log.error("cannot serve gRPC on %s:%s: %s", spec["address"], spec["port"], e)
+        link.close()
         return 1
     link.open_early()
     await server.start()
     tracer.start()
     log.info("serving gRPC on %s", address)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes made through any frontend
     heap_watch = HeapWatch()  # large messages' memory goes back to the kernel once freed
     while not stop.is_set():
