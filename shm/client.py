@@ -28,6 +28,7 @@ import numpy as np
 
 from .answer import AnswerDescriptor, ErrorCode
 from .completion import Answer, Completion
+from . import control_messages as control
 from .connection import DEFAULT_POLL_US, Backpressure, Connection, ServerUnavailable
 from .descriptor import SEQUENCE_END, SEQUENCE_START, InferRequest, InputTensor, RequestedOutput
 from .protocol import REQ_CONTROL
@@ -99,38 +100,38 @@ class Client:
             raise InferenceServerError(completion.status, answer.error or "request failed", answer.code)
         return answer
 
-    def _control(self, doc: dict) -> Any:
+    def _control(self, message: control.ControlMessage) -> Any:
         def convert(c: Completion) -> Any:
             try:
                 return self._check(c).control_document()
             finally:
                 c.release()
 
-        fut = self._call(lambda cb: self._conn.submit(REQ_CONTROL, doc, (), cb, waited=True), convert)
+        fut = self._call(lambda cb: self._conn.submit(REQ_CONTROL, message, (), cb, waited=True), convert)
         self._conn.wait_for(fut.done, fut.exception)
         return fut.result()
 
     # -- health and metadata --------------------------------------------------------------------
     def is_server_ready(self) -> bool:
-        return bool(self._control({"op": "server_ready"})["ready"])
+        return bool(self._control(control.ServerReady())["ready"])
 
-    def is_model_ready(self, model: str, version: str = "") -> bool:
-        return bool(self._control({"op": "model_ready", "model": model, "version": version})["ready"])
+    def is_model_ready(self, model: str, version: str | int = "") -> bool:
+        return bool(self._control(control.ModelReady(model, str(version)))["ready"])
 
-    def model_metadata(self, model: str, version: str = "") -> dict:
-        return self._control({"op": "model_metadata", "model": model, "version": version})
+    def model_metadata(self, model: str, version: str | int = "") -> dict:
+        return self._control(control.ModelMetadata(model, str(version)))
 
-    def model_config(self, model: str, version: str = "") -> dict:
+    def model_config(self, model: str, version: str | int = "") -> dict:
         key = (model, version)
         config = self._configs.get(key)
         if config is None:
-            config = self._configs[key] = self._control({"op": "model_config", "model": model, "version": version})
+            config = self._configs[key] = self._control(control.ModelConfig(model, str(version)))
         return config
 
-    def model_statistics(self, model: str = "", version: str = "") -> dict:
+    def model_statistics(self, model: str = "", version: str | int = "") -> dict:
         """The statistics extension's answer (``{"model_stats": [...]}``, as HTTP's
         ``/v2/models/<model>/stats``): every loaded version, one model's, or one version's."""
-        return self._control({"op": "model_stats", "model": model, "version": version})
+        return self._control(control.ModelStatistics(model, str(version)))
 
     # -- regions --------------------------------------------------------------------------------
     def create_region(self, name: str, byte_size: int) -> Region:
@@ -138,8 +139,7 @@ class Client:
         the client closes, when the process exits, or (unlinked by the server) when it dies."""
         region = Region.create(name, byte_size, created_key_prefix(self._conn.ticket) + name, self._conn.readers)
         try:
-            self._control({"op": "shm_register", "name": name, "key": region.key, "offset": 0,
-                           "byte_size": byte_size, "owned": True, "created": True})
+            self._control(control.RegisterSystemRegion(name, region.key, byte_size, created=True))
         except BaseException:
             region.close()
             raise
@@ -155,15 +155,14 @@ class Client:
         if found is None:
             raise ValueError("the array does not live in a POSIX shared-memory object (/dev/shm)")
         key, offset = found
-        self._control({"op": "shm_register", "name": name, "key": key, "offset": offset,
-                       "byte_size": arr.nbytes, "owned": True})
+        self._control(control.RegisterSystemRegion(name, key, arr.nbytes, offset))
         region = Region(name, key, arr.nbytes, None, owner=False, offset=offset)
         region.buf = memoryview(arr.reshape(-1).view(np.uint8))
         self._regions[name] = region
         return region
 
     def unregister_region(self, name: str) -> None:
-        self._control({"op": "shm_unregister", "name": name})
+        self._control(control.UnregisterSystemRegion(name))
         region = self._regions.pop(name, None)
         if region is not None:
             region.close()
@@ -450,7 +449,7 @@ class Client:
             region = self._regions.pop(name)
             try:
                 if self._conn.alive:
-                    self._control({"op": "shm_unregister", "name": name})
+                    self._control(control.UnregisterSystemRegion(name))
             except (InferenceServerError, ServerUnavailable):
                 pass
             region.close()

@@ -23,13 +23,13 @@ import time
 from typing import Any, Callable, Iterable
 
 import numpy as np
-import orjson
 import posix_ipc
 
 from .access import others
 from .arena import free_block
 from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, OtherLayout, WorkerSegment
 from .completion import Callback
+from .control_messages import ControlMessage
 from .copying import copy_into
 from .descriptor import InferRequest, stamp_sent
 from .liveness import BROKER_TICKET, Tickets, process_ticket
@@ -159,13 +159,13 @@ class Connection:
         return None if lane == NO_LANE else lane
 
     # -- sending --------------------------------------------------------------------------------
-    def submit(self, kind: int, doc: InferRequest | dict, tensors: Iterable[Any], callback: Callback,
+    def submit(self, kind: int, doc: InferRequest | ControlMessage, tensors: Iterable[Any], callback: Callback,
                reserve: int = 0, on_response: Callback | None = None, waited: bool = False,
                polling: bool = False) -> int:
         """Write the request (descriptor then tensor bytes) into our arena and hand it to a worker
         or the broker; ``callback`` gets its completion.
 
-        ``doc``: an inference request (REQ_INFER), or a control request's JSON document. An
+        ``doc``: an inference request (REQ_INFER), or a control message (REQ_CONTROL). An
         inference request's tensors in the block give ``data`` as offsets relative to where the
         tensor bytes start, in the order of ``tensors``; ``reserve`` more bytes follow them (room
         the server may write outputs into). Returns the absolute offset where the tensor bytes
@@ -189,7 +189,7 @@ class Connection:
                 request.sent_ns = time.monotonic_ns()  # when it arrived, for queue and request durations
             data = request.encode()
         else:
-            data = orjson.dumps(doc)
+            data = doc.encode()
         total = manifest_room(len(data)) + body
         with self._slots.lock:
             off = self._alloc(total)
@@ -208,8 +208,8 @@ class Connection:
               on_response: Callback | None = None, waited: bool = False) -> int:
         return self.submit(REQ_INFER, request, tensors, callback, reserve, on_response, waited)
 
-    def control(self, doc: dict, callback: Callback) -> None:
-        self.submit(REQ_CONTROL, doc, (), callback)
+    def control(self, message: ControlMessage, callback: Callback) -> None:
+        self.submit(REQ_CONTROL, message, (), callback)
 
     def reserve(self, request: InferRequest, body: int) -> Reservation:
         """Take a request block before its tensor bytes have all arrived (``send_reserved`` sends

@@ -28,12 +28,6 @@ REQ_POLLING = 0x100
 # for it, not even for an error. Its status is 503.
 NO_ROOM = "the server had no room in its shared-memory arena for the response; retry later"
 
-# A "load" control document's field, set by the HTTP and gRPC frontends: "key" when the request
-# carried the key of the restricted model-repository group, else "open". Such a load may bring
-# 'file:' contents only with --allow-model-file-uploads, or with the key (server/broker/control.py).
-# Local clients and models (pb_utils.load_model) leave it out: they run as the server's user.
-LOAD_FROM_NETWORK = "from_network"
-
 # A cancelled request's answer, as Triton words TRITONSERVER_ERROR_CANCELLED (its HTTP endpoint
 # maps that code to 400). Nobody usually reads it: its owner stopped waiting.
 CANCELLED_STATUS = 400

@@ -313,24 +313,25 @@ def test_a_named_user_holding_locks_on_the_broker_file_stalls_no_growth(users_se
 CLAIMS = r"""
 import base64
 from shmserve.shm.client import InferenceServerError
+from shmserve.shm.control_messages import LoadModel, NetworkCaller, RegisterSystemRegion
 c = Client(args["server"])
 result = {}
-def attempt(what, doc):
+def attempt(what, message):
     try:
-        c._control(doc)
+        c._control(message)
         result[what] = "done"
     except InferenceServerError as e:
         result[what] = [e.status, e.message]
-register = {"op": "shm_register", "key": args["key"], "offset": 0, "byte_size": 64}
-attempt("plain", {**register, "name": "users_plain"})
-attempt("claimed", {**register, "name": "users_claimed", "caller": {"uid": 0, "admin": True}})
-attempt("unowned", {**register, "name": "users_unowned", "caller": {"uid": None, "admin": False}})
+attempt("plain", RegisterSystemRegion("users_plain", args["key"], 64))
+attempt("claimed", RegisterSystemRegion("users_claimed", args["key"], 64, caller=NetworkCaller(0, True)))
+attempt("unowned", RegisterSystemRegion("users_unowned", args["key"], 64, caller=NetworkCaller(None, False)))
 model = "open(%r, 'w').write('ran')\nclass TritonPythonModel:\n    def execute(self, requests):\n        return []\n" % args["marker"]
 config = json.dumps({"name": "users_upload", "backend": "python", "max_batch_size": 0,
                      "input": [{"name": "X", "data_type": "TYPE_INT32", "dims": [1]}],
                      "output": [{"name": "Y", "data_type": "TYPE_INT32", "dims": [1]}]})
-attempt("upload", {"op": "load", "model": "users_upload", "from_network": "key",
-                   "parameters": {"config": config, "file:1/model.py": base64.b64encode(model.encode()).decode()}})
+attempt("upload", LoadModel("users_upload", {"config": config,
+                                             "file:1/model.py": base64.b64encode(model.encode()).decode()},
+                            from_network="key"))
 c.close()
 """
 

@@ -24,6 +24,7 @@ from as_nobody import run_as_nobody
 from conftest import raw_request, start_shm_server
 from shmserve.server.grpc.service import peer_address
 from shmserve.shm.client import Client, InferenceServerError
+from shmserve.shm.control_messages import RegisterSystemRegion
 
 N = 16  # add_sub takes and gives INT32 [16]
 NB = N * 4
@@ -222,8 +223,7 @@ def test_another_local_clients_key_is_refused(server, local):
     handle = shm.create_shared_memory_region("nm", key, NB, create_only=True)
     try:
         with pytest.raises(InferenceServerError) as e:
-            local._control({"op": "shm_register", "name": "nm", "key": key, "offset": 0,  # noqa: SLF001
-                            "byte_size": NB, "owned": True})
+            local._control(RegisterSystemRegion("nm", key, NB))  # noqa: SLF001
         assert e.value.status == 400 and "reserved prefix 'shmclient.'" in e.value.message
     finally:
         shm.destroy_shared_memory_region(handle)

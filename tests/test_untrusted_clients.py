@@ -21,6 +21,7 @@ import subprocess
 import time
 
 import numpy as np
+import orjson
 import pytest
 
 from conftest import (DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, SHM_MODELS, TESTS, pending_requests, wait_pending,
@@ -28,6 +29,7 @@ from conftest import (DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, SHM_MODELS, TEST
 from gates import Gate
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.client import Client, InferenceServerError, ServerUnavailable
+from shmserve.shm.control_messages import ControlMessage
 from shmserve.shm.names import object_name
 from shmserve.shm.descriptor import InferRequest, InputTensor
 from shmserve.shm.protocol import REQ_INFER, write_manifest
@@ -377,3 +379,32 @@ def test_a_closed_clients_work_in_flight_is_cancelled(server, tmp_path):
     finally:
         gate.open()
         client.close()
+
+
+class CraftedControl(ControlMessage):
+    """A control message as no sender builds it: the JSON a client may write in its block."""
+
+    def __init__(self, doc: object) -> None:
+        object.__setattr__(self, "doc", doc)
+
+    def encode(self) -> bytes:
+        return orjson.dumps(self.doc)
+
+
+@pytest.mark.parametrize("doc, refusal", [
+    ({"op": "model_ready", "model": ["add_sub"]}, "model_ready: 'model' must be a string"),
+    ({"op": "shm_register", "name": "r", "key": "/k", "byte_size": -8},
+     "shm_register: 'byte_size' must be a non-negative"),
+    ({"op": "load", "model": "add_sub", "parameters": "config"}, "load: 'parameters' must be a JSON object"),
+    ({"op": "model_config"}, "model_config: 'model' is missing"),
+    ({"op": "no_such_thing"}, "unknown control operation 'no_such_thing'"),
+])
+def test_a_control_message_no_sender_builds_is_a_400_and_the_client_goes_on(server, doc, refusal):
+    """The broker decodes each control message against its type (shm/control_messages.py): a
+    malformed one is answered 400 naming the field, and the client's next calls work."""
+    with Client(server.id) as client:
+        with pytest.raises(InferenceServerError) as e:
+            client._control(CraftedControl(doc))  # noqa: SLF001
+        assert e.value.status == 400 and f"malformed control request: {refusal}" in e.value.message, e.value
+        assert client.is_model_ready("add_sub")
+        assert client.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()

@@ -26,6 +26,7 @@ import time
 
 from shmserve.shm.access import server_readers
 from shmserve.shm.channel import BrokerSegment
+from shmserve.shm.control_messages import decode as decode_control
 from shmserve.shm.extents import broker_arenas
 from shmserve.parent_death import ORPHANED
 from shmserve.shm import liveness, space
@@ -252,12 +253,12 @@ class Broker:
             self._take_worker_messages()  # batches done (a worker says so before it answers them)
             self._settle_regions()
         try:
-            status, answer = self.control.handle(client, slot, doc)
+            status, answer = self.control.handle(client, slot, decode_control(doc))
             if self.regions.any_leaving():  # an unregister: regions nobody uses go before the answer
                 self._settle_regions()
         except InvalidRequest as e:
             status, answer = e.status, {"error": str(e)}
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:  # (MalformedControl among them)
             status, answer = 400, {"error": f"malformed control request: {e}"}
         except Exception as e:  # noqa: BLE001 - a bug in one control operation must not take the broker down
             log.exception("control request failed")

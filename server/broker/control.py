@@ -1,13 +1,14 @@
 """Control requests (everything that is not an inference): health, metadata, config, repository
 index, statistics, canaries, shared-memory registration, logging and trace settings. They travel
-as small JSON documents on the same channel as inference, so the frontend holds no state of its
-own. Each operation asks the broker part whose job it is, and returns (status, answer) for the
+as typed messages (shm/control_messages.py) on the same channel as inference, so the frontend
+holds no state of its own. Each operation asks the broker part whose job it is, and returns (status, answer) for the
 broker to reply with (status 0: the part answers later, e.g. when a load is done).
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import errno
 import os
 import shutil
@@ -16,10 +17,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shmserve.config_view import as_triton_shows
-from shmserve.server.shm_caller import FIELD
 from shmserve.shm import logs
 from shmserve.shm.channel import BrokerSegment
-from shmserve.shm.protocol import LOAD_FROM_NETWORK
+from shmserve.shm.control_messages import (
+    CanaryStatus, ControlMessage, CudaRegionStatus, LoadModel, LogSettings, ModelConfig, ModelMetadata, ModelReady,
+    ModelStatistics, NetworkCaller, PromoteCanary, RegisterCudaRegion, RegisterSystemRegion, RepositoryIndex, RollBackCanary,
+    ServerReady, SetCanary, SystemRegionStatus, TraceSettings, UnloadModel, UnregisterCudaRegion,
+    UnregisterSystemRegion)
 from shmserve.shm.regions import created_key_prefix
 from shmserve.signature import InvalidRequest, UnknownModel
 
@@ -51,27 +55,27 @@ class ControlHandler:
         self.routes = routes
         self.statistics = statistics
         self.regions = regions
-        self.ops: dict[str, Callable[[Client, int, dict], Answer]] = {
-            "server_ready": self._server_ready,
-            "model_ready": self._model_ready,
-            "model_metadata": self._model_metadata,
-            "model_config": self._model_config,
-            "repository_index": self._repository_index,
-            "shm_register": self._shm_register,
-            "shm_unregister": self._shm_unregister,
-            "shm_status": self._shm_status,
-            "load": self._load,
-            "unload": self._unload,
-            "cuda_register": self._cuda_register,
-            "cuda_unregister": self._cuda_unregister,
-            "cuda_status": self._cuda_status,
-            "log_settings": self._log_settings,
-            "trace_settings": self._trace_settings,
-            "model_stats": self._model_stats,
-            "canary_status": self._canary_status,
-            "canary_set": self._canary_set,
-            "canary_promote": self._canary_decide,
-            "canary_rollback": self._canary_decide,
+        self.ops: dict[type[ControlMessage], Callable[[Client, int, Any], Answer]] = {
+            ServerReady: self._server_ready,
+            ModelReady: self._model_ready,
+            ModelMetadata: self._model_metadata,
+            ModelConfig: self._model_config,
+            RepositoryIndex: self._repository_index,
+            RegisterSystemRegion: self._shm_register,
+            UnregisterSystemRegion: self._shm_unregister,
+            SystemRegionStatus: self._shm_status,
+            LoadModel: self._load,
+            UnloadModel: self._unload,
+            RegisterCudaRegion: self._cuda_register,
+            UnregisterCudaRegion: self._cuda_unregister,
+            CudaRegionStatus: self._cuda_status,
+            LogSettings: self._log_settings,
+            TraceSettings: self._trace_settings,
+            ModelStatistics: self._model_stats,
+            CanaryStatus: self._canary_status,
+            SetCanary: self._canary_set,
+            PromoteCanary: self._canary_decide,
+            RollBackCanary: self._canary_decide,
         }
         # The broker owns the log settings (its own, set from the command line and changed here,
         # or as a broker before this one had them); every other process follows what it publishes.
@@ -82,37 +86,36 @@ class ControlHandler:
         if journal.get("trace"):
             self.trace.restore(journal.get("trace"))
 
-    def handle(self, client: Client, slot: int, doc: dict) -> Answer:
-        op = self.ops.get(doc.get("op", ""))
-        if op is None:
-            raise InvalidRequest(f"unknown control operation '{doc.get('op')}'")
+    def handle(self, client: Client, slot: int, msg: ControlMessage) -> Answer:
         if not client.server_user:
             # A local client of another user: what only the frontends may say (the network
             # caller of a region, a key that allows uploads) is not its to say. It registers
             # regions as itself, and uploads model code only where network callers may.
-            doc.pop(FIELD, None)
-            doc[LOAD_FROM_NETWORK] = "open"
-        return op(client, slot, doc)
+            if isinstance(msg, LoadModel):
+                msg = dataclasses.replace(msg, from_network="open")
+            elif getattr(msg, "caller", None) is not None:
+                msg = dataclasses.replace(msg, caller=None)  # type: ignore[call-arg]
+        return self.ops[type(msg)](client, slot, msg)
 
     # -- health and metadata --------------------------------------------------------------------
-    def _server_ready(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _server_ready(self, client: Client, slot: int, msg: ServerReady) -> Answer:
         # "started": the initial loads are over (a frontend on a shared port listens then: server/edge/shared_port.py)
         return 200, {"ready": self.lifecycle.server_ready(), "started": self.lifecycle.startup_done}
 
-    def _version(self, doc: dict) -> ModelVersion:
-        return self.catalog.find_version(doc["model"], doc.get("version"))
+    def _version(self, model: str, version: str = "") -> ModelVersion:
+        return self.catalog.find_version(model, version)
 
-    def _model_ready(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _model_ready(self, client: Client, slot: int, msg: ModelReady) -> Answer:
         if not self.lifecycle.running:
             return 200, {"ready": False}  # draining before a stop: the model takes no new requests
         try:
             # not while every instance is restarting, nor for an ensemble while a step is not ready
-            return 200, {"ready": version_ready(self._version(doc), self.catalog)}
+            return 200, {"ready": version_ready(self._version(msg.model, msg.version), self.catalog)}
         except InvalidRequest:
             return 200, {"ready": False}
 
-    def _model_metadata(self, client: Client, slot: int, doc: dict) -> Answer:
-        mv = self._version(doc)
+    def _model_metadata(self, client: Client, slot: int, msg: ModelMetadata) -> Answer:
+        mv = self._version(msg.model, msg.version)
         sig = mv.signature
         assert sig is not None
         versions = [str(v) for v, m in sorted(self.catalog.models[mv.name].items()) if m.state == State.READY]
@@ -125,10 +128,10 @@ class ControlHandler:
                      "platform": cfg.get("platform") or cfg.get("backend", ""),
                      "inputs": tensors(sig.inputs), "outputs": tensors(sig.outputs)}
 
-    def _model_config(self, client: Client, slot: int, doc: dict) -> Answer:
-        return 200, as_triton_shows(self._version(doc).config_dict)
+    def _model_config(self, client: Client, slot: int, msg: ModelConfig) -> Answer:
+        return 200, as_triton_shows(self._version(msg.model, msg.version).config_dict)
 
-    def _repository_index(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _repository_index(self, client: Client, slot: int, msg: RepositoryIndex) -> Answer:
         if not self.lifecycle.running:
             raise ServerNotReady()  # draining before a stop, as Triton refuses the index while it exits
         b = self.catalog
@@ -150,13 +153,13 @@ class ControlHandler:
                 out += unloaded_entries(name, b)
             else:
                 out.append({"name": name})
-        if doc.get("ready"):
+        if msg.ready:
             out = [e for e in out if e.get("state") == State.READY.value]
         return 200, out
 
-    def _model_stats(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _model_stats(self, client: Client, slot: int, msg: ModelStatistics) -> Answer:
         """The statistics extension: every loaded version, one model's, or one version's."""
-        model, version = doc.get("model") or "", doc.get("version") or ""
+        model, version = msg.model, msg.version
         rows = sorted(self.statistics.rows(), key=lambda r: (r[0], r[1]))  # by name and version, as Triton lists them
         if model:
             # Triton's statistics texts, not its inference ones.
@@ -170,23 +173,20 @@ class ControlHandler:
         return 200, {"model_stats": [version_stats_json(m, v, st) for m, v, st in rows]}
 
     # -- repository API -------------------------------------------------------------------------
-    def _canary(self, doc: dict) -> tuple[Any, Any]:
+    def _canary(self, model: str) -> tuple[Any, Any]:
         b = self.catalog
-        model = doc.get("model") or ""
         if model not in b.models:
             raise UnknownModel(f"Request for unknown model: '{model}' is not found")
         return b.canaries.setdefault(model, Canary(model)), b.split(model)
 
-    def _canary_status(self, client: Client, slot: int, doc: dict) -> Answer:
-        canary, split = self._canary(doc)
+    def _canary_status(self, client: Client, slot: int, msg: CanaryStatus) -> Answer:
+        canary, split = self._canary(msg.model)
         return 200, canary.status(split)
 
-    def _canary_set(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _canary_set(self, client: Client, slot: int, msg: SetCanary) -> Answer:
         """Change the canary policy at run time (it wins over config.pbtxt until a restart)."""
-        canary, _ = self._canary(doc)
-        changes = doc.get("settings")
-        if not isinstance(changes, dict):
-            raise InvalidRequest("the canary settings must be a JSON object")
+        canary, _ = self._canary(msg.model)
+        changes = msg.settings
         try:
             canary.policy.updated(changes)
         except ValueError as e:
@@ -195,13 +195,13 @@ class ControlHandler:
         self.routes.publish()
         return 200, canary.status(self.catalog.split(canary.model))
 
-    def _canary_decide(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _canary_decide(self, client: Client, slot: int, msg: PromoteCanary | RollBackCanary) -> Answer:
         """Manual promote or rollback of the canary in progress."""
-        canary, split = self._canary(doc)
+        canary, split = self._canary(msg.model)
         if split is None or split.canary is None:
             raise InvalidRequest(f"model '{canary.model}' has no canary in progress")
-        action = "promote" if doc["op"] == "canary_promote" else "rollback"
-        canary.decide(action, split, "manual", doc.get("reason") or f"{action} requested through the API")
+        action = "promote" if isinstance(msg, PromoteCanary) else "rollback"
+        canary.decide(action, split, "manual", msg.reason or f"{action} requested through the API")
         self.routes.publish()
         return 200, canary.status(self.catalog.split(canary.model))
 
@@ -216,11 +216,11 @@ class ControlHandler:
             e.status = 503
             raise e
 
-    def _load(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _load(self, client: Client, slot: int, msg: LoadModel) -> Answer:
         """Load (or reload) a model; answered when it serves, or why it does not."""
         self._explicit_only()
-        name = doc["model"]
-        params = doc.get("parameters") or {}
+        name = msg.model
+        params = msg.parameters
         unknown = [key for key in params if key != "config" and not key.startswith("file:")]
         if unknown:  # Triton's text (its gRPC refusal; over HTTP it says nothing useful)
             raise InvalidRequest(f"unrecognized load parameter '{unknown[0]}'.")
@@ -230,7 +230,7 @@ class ControlHandler:
         files = {k[len("file:"):]: v for k, v in params.items() if k.startswith("file:")}
         model_dir = None
         # (a local client of the server's user, or a model, already runs as the server's user)
-        network = doc.get(LOAD_FROM_NETWORK)
+        network = msg.from_network
         if files and network is not None and network != "key" and not self.opts.allow_file_uploads:
             raise UploadsRefused(f"failed to load '{name}', loading a model from 'file:' contents runs the code "
                                  f"sent as the server's user and is not enabled: start the server with "
@@ -269,61 +269,59 @@ class ControlHandler:
             if error and waiter is not None:
                 clients.reply(client, slot, status, {"error": error})
 
-    def _unload(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _unload(self, client: Client, slot: int, msg: UnloadModel) -> Answer:
         self._explicit_only()
         if self.lifecycle.cloud is not None:
-            self.lifecycle.cloud.cancel(doc["model"])
-        params = doc.get("parameters") or {}
-        self.lifecycle.unload_model(doc["model"], waiter=(client, slot),
-                                 dependents=params.get("unload_dependents") is True)
+            self.lifecycle.cloud.cancel(msg.model)
+        self.lifecycle.unload_model(msg.model, waiter=(client, slot),
+                                    dependents=msg.parameters.get("unload_dependents") is True)
         return 0, None
 
     # -- shared memory --------------------------------------------------------------------------
-    def _client_shm(self, doc: dict, client: Client) -> Caller:
+    def _client_shm(self, named: NetworkCaller | None, client: Client) -> Caller:
         """The caller of a register or unregister (region_access.py), unless --allow-client-shm
         is false: then Triton's refusal."""
         if not self.opts.allow_client_shm:
             raise ClientShmDisabled(CLIENT_SHM_DISABLED)
-        return caller_of(doc, client)
+        return caller_of(named, client)
 
-    def _shm_register(self, client: Client, slot: int, doc: dict) -> Answer:
-        caller = self._client_shm(doc, client)  # a local client's region is its connection's
+    def _shm_register(self, client: Client, slot: int, msg: RegisterSystemRegion) -> Answer:
+        caller = self._client_shm(msg.caller, client)  # a local client's region is its connection's
         # Only an object named as Client.create_region names it in the client's own process.
-        reclaim = caller.owner.connection is not None and bool(doc.get("created")) and \
-            str(doc["key"]).startswith(created_key_prefix(client.ticket))
-        self.regions.system.register(doc["name"], doc["key"], int(doc.get("offset", 0)), int(doc["byte_size"]),
-                                     caller, reclaim)
+        reclaim = caller.owner.connection is not None and msg.created and \
+            msg.key.startswith(created_key_prefix(client.ticket))
+        self.regions.system.register(msg.name, msg.key, msg.offset, msg.byte_size, caller, reclaim)
         self.regions.publish()
         return 200, {}
 
-    def _shm_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _shm_unregister(self, client: Client, slot: int, msg: UnregisterSystemRegion) -> Answer:
         """Marks the region leaving; the broker forgets it once no request uses it (before it
         handles the next request if none does), which needs no second call."""
-        self.regions.unregister(self.regions.system, doc.get("name"), self._client_shm(doc, client))
+        self.regions.unregister(self.regions.system, msg.name, self._client_shm(msg.caller, client))
         return 200, {}
 
-    def _shm_status(self, client: Client, slot: int, doc: dict) -> Answer:
-        return 200, self.regions.system.status(doc.get("name"))
+    def _shm_status(self, client: Client, slot: int, msg: SystemRegionStatus) -> Answer:
+        return 200, self.regions.system.status(msg.name)
 
-    def _cuda_register(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.regions.cuda.register(doc["name"], doc["raw_handle"], int(doc.get("device_id", 0)),
-                                   int(doc["byte_size"]), self._client_shm(doc, client))
+    def _cuda_register(self, client: Client, slot: int, msg: RegisterCudaRegion) -> Answer:
+        self.regions.cuda.register(msg.name, msg.raw_handle, msg.device_id, msg.byte_size,
+                                   self._client_shm(msg.caller, client))
         self.regions.publish()
         return 200, {}
 
-    def _cuda_unregister(self, client: Client, slot: int, doc: dict) -> Answer:
-        self.regions.unregister(self.regions.cuda, doc.get("name"), self._client_shm(doc, client))
+    def _cuda_unregister(self, client: Client, slot: int, msg: UnregisterCudaRegion) -> Answer:
+        self.regions.unregister(self.regions.cuda, msg.name, self._client_shm(msg.caller, client))
         return 200, {}
 
-    def _cuda_status(self, client: Client, slot: int, doc: dict) -> Answer:
-        return 200, self.regions.cuda.status(doc.get("name"))
+    def _cuda_status(self, client: Client, slot: int, msg: CudaRegionStatus) -> Answer:
+        return 200, self.regions.cuda.status(msg.name)
 
     # -- logging extension ----------------------------------------------------------------------
-    def _log_settings(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _log_settings(self, client: Client, slot: int, msg: LogSettings) -> Answer:
         """GET /v2/logging, or POST with an 'update': applied here, then published to all."""
-        if "update" in doc:
+        if msg.update is not None:
             try:
-                new = logs.merge(logs.current(), doc["update"])
+                new = logs.merge(logs.current(), msg.update)
             except ValueError as e:
                 refused = InvalidRequest(str(e))
                 refused.status = getattr(e, "status", 400)
@@ -333,16 +331,16 @@ class ControlHandler:
             self.journal.set("log", logs.current())
         return 200, logs.current()
 
-    def _trace_settings(self, client: Client, slot: int, doc: dict) -> Answer:
+    def _trace_settings(self, client: Client, slot: int, msg: TraceSettings) -> Answer:
         """GET/POST v2[/models/<model>]/trace/setting; a model must exist, as in Triton (whose
         answer here is a 400 with this text)."""
-        if doc.get("model"):
+        if msg.model:
             try:
-                self._version({"model": doc["model"]})
+                self._version(msg.model)
             except UnknownModel:
-                raise InvalidRequest(f"Request for unknown model : {doc['model']}") from None
-        answer = self.trace.handle(doc)
-        if "update" in doc:
+                raise InvalidRequest(f"Request for unknown model : {msg.model}") from None
+        answer = self.trace.handle(msg.model, msg.update)
+        if msg.update is not None:
             self.journal.set("trace", self.trace.saved())
         return answer
 

@@ -20,7 +20,7 @@ import stat
 from typing import Any
 
 from shmserve.shm.names import CLIENT_PREFIX, SHM_DIR
-from shmserve.server.shm_caller import FIELD
+from shmserve.shm.control_messages import NetworkCaller
 from shmserve.signature import InvalidRequest
 
 from .models import Client
@@ -60,14 +60,11 @@ class Caller:
         return self.admin or owner == self.owner
 
 
-def caller_of(doc: dict, client: Client) -> Caller:
-    """The caller of a control request: the network caller a frontend named
-    (``server/shm_caller.py``), else the local client itself, as the owner of its segment."""
-    named = doc.get(FIELD)
-    if isinstance(named, dict):
-        uid = named.get("uid")
-        return Caller(Owner(uid if isinstance(uid, int) and not isinstance(uid, bool) else None),
-                      named.get("admin") is True)
+def caller_of(named: NetworkCaller | None, client: Client) -> Caller:
+    """The caller of a control request: the network caller a frontend named (its
+    ``caller``), else the local client itself, as the owner of its segment."""
+    if named is not None:
+        return Caller(Owner(named.uid), named.admin)
     try:
         uid = os.stat(SHM_DIR + client.name).st_uid
     except OSError:

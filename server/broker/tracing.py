@@ -77,12 +77,11 @@ class TraceOwner:
     def answer(self, model: str) -> dict[str, Any]:
         return trace.triton_doc(self.setting(model), self.remaining(self._owner(model)))
 
-    def handle(self, doc: dict) -> tuple[int, dict[str, Any]]:
-        """GET or POST ``v2[/models/<model>]/trace/setting`` (POST: ``doc['update']``)."""
-        model = doc.get("model") or ""
-        if "update" in doc:
+    def handle(self, model: str, changes: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+        """GET (no ``changes``) or POST ``v2[/models/<model>]/trace/setting``."""
+        if changes is not None:
             try:
-                update = trace.check_update(doc["update"], model, self.setting(model), self.start_file, self.start)
+                update = trace.check_update(changes, model, self.setting(model), self.start_file, self.start)
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
             self._apply(model, update)

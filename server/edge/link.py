@@ -33,6 +33,7 @@ from typing import Any, Callable, TypeVar
 
 from shmserve.shm.channel import DEFAULT_SLOTS
 from shmserve.shm.completion import Completion
+from shmserve.shm.control_messages import ControlMessage
 from shmserve.shm.connection import ArenaBusy, Backpressure, Connection, Reservation, ServerUnavailable
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
@@ -231,7 +232,7 @@ class BrokerLink:
             self._conn.close()
             self._conn = None
 
-    def submit(self, kind: int, doc: InferRequest | dict, tensors: Any, callback: Callable[[Completion], None],
+    def submit(self, kind: int, doc: InferRequest | ControlMessage, tensors: Any, callback: Callable[[Completion], None],
                on_response: Callable[[Completion], None] | None = None, model: str | None = None) -> Sent:
         """Send a request; ``callback`` runs on the loop with its completion (and must release it).
         With ``model``, its answer times decide whether the loop polls for this answer."""
@@ -322,7 +323,7 @@ class BrokerLink:
             # would end the polling for the quick models beside it.
             self._spin.waited(seconds)
 
-    async def call(self, kind: int, doc: dict, tensors: Any = ()) -> Completion:
+    async def call(self, kind: int, doc: InferRequest | ControlMessage, tensors: Any = ()) -> Completion:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def resolve(completion: Completion) -> None:
@@ -342,8 +343,8 @@ class BrokerLink:
                                   on_response=lambda c: events.put(False, c))
         return events
 
-    async def control(self, doc: dict) -> tuple[int, Any]:
-        completion = await self.call(REQ_CONTROL, doc)
+    async def control(self, message: ControlMessage) -> tuple[int, Any]:
+        completion = await self.call(REQ_CONTROL, message)
         try:
             return completion.status, completion.answer.control_document()
         finally:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
+from shmserve.shm import control_messages as control
+
 from .link import BrokerError, BrokerLink
 
 POLL_S = 0.1  # how often the broker is asked while it loads
@@ -24,7 +26,7 @@ async def initial_loads_over(link: BrokerLink) -> bool:
     """The broker's word that its initial loads are over (whatever their outcome: a model that
     failed is readiness's matter, as in Triton with ``--exit-on-error=false``)."""
     try:
-        _, answer = await asyncio.wait_for(link.control({"op": "server_ready"}), ASK_TIMEOUT_S)
+        _, answer = await asyncio.wait_for(link.control(control.ServerReady()), ASK_TIMEOUT_S)
     except (BrokerError, asyncio.TimeoutError):
         return False  # the broker not up yet, or restarting
     return bool(answer.get("started"))

@@ -1,5 +1,6 @@
 """Who a network peer is when it registers or unregisters shared memory, the same way for HTTP
-and gRPC: the ``caller`` field (``server/shm_caller.py``) the broker checks the region against.
+and gRPC: the ``caller`` of the control message (``NetworkCaller``, shm/control_messages.py) the
+broker checks the region against.
 
 Registering is for peers on this host (loopback) unless ``--allow-remote-shm``; a peer on this
 host is known by the user that owns its socket (``peer_uid.py``), and one whose socket cannot be
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shmserve.server.shm_caller import CallerDoc, caller_doc
+from shmserve.shm.control_messages import NetworkCaller
 
 from .metadata import is_loopback
 from .peer_uid import peer_uid
@@ -23,7 +24,7 @@ class ShmRefused(Exception):
 
 
 async def registering_caller(kind: str, host: str, port: int | None, server: tuple[str, int] | None,
-                             allow_remote_shm: bool, admin: bool) -> CallerDoc:
+                             allow_remote_shm: bool, admin: bool) -> NetworkCaller:
     """The caller of a register request from ``host:port`` (``server``: our end, if known);
     ``kind``: 'system' or 'CUDA', for the message. Raises ShmRefused."""
     loopback = is_loopback(host)
@@ -34,14 +35,14 @@ async def registering_caller(kind: str, host: str, port: int | None, server: tup
     if uid is None and loopback:
         raise ShmRefused(f"cannot register {kind} shared memory: the user of this connection could not be "
                          f"told (its socket is not in /proc/net/tcp or tcp6)")
-    return caller_doc(uid, admin)
+    return NetworkCaller(uid, admin)
 
 
 async def unregistering_caller(host: str, port: int | None, server: tuple[str, int] | None,
-                               admin: bool) -> CallerDoc:
+                               admin: bool) -> NetworkCaller:
     """The caller of an unregister request: the same user lookup, and nobody refused here (the
     broker lets each caller unregister only its own regions)."""
-    return caller_doc(await _uid(host, port, server), admin)
+    return NetworkCaller(await _uid(host, port, server), admin)
 
 
 async def _uid(host: str, port: int | None, server: tuple[str, int] | None) -> int | None:

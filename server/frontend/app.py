@@ -27,10 +27,10 @@ from shmserve.server.edge.metadata import EXTENSIONS, NAMED_REPOSITORY
 from shmserve.server.edge.requests import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
 from shmserve.server.edge.shm_callers import ShmRefused, registering_caller, unregistering_caller
 from shmserve.server.edge.tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
-from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
+from shmserve.server.shm_caller import ADMIN_GROUP
+from shmserve.shm import control_messages as control
 from shmserve.shm.completion import Completion
 from shmserve.shm.descriptor import InferRequest
-from shmserve.shm.protocol import LOAD_FROM_NETWORK
 from shmserve.shm.streams import StreamEvents
 
 from .asgi import FrontendApp
@@ -84,20 +84,20 @@ class Frontend:
         self.inference = Inference(self.link, max_input_bytes, max_tensor_elements, arena_bytes, header_forward)
         self.openai = OpenAIFront(self.link)
 
-    async def _control(self, doc: dict) -> tuple[int, Any]:
-        return await self.link.control(doc)
+    async def _control(self, message: control.ControlMessage) -> tuple[int, Any]:
+        return await self.link.control(message)
 
-    async def _answer(self, doc: dict) -> Response:
+    async def _answer(self, message: control.ControlMessage) -> Response:
         try:
-            status, answer = await self._control(doc)
+            status, answer = await self._control(message)
         except BrokerError as e:
             return error_response(e.status, str(e))
         return json_response(answer, status)
 
-    async def _register(self, doc: dict) -> Response:
+    async def _register(self, message: control.ControlMessage) -> Response:
         """``_answer`` of a region registration: a name registered already (409, gRPC's
         ALREADY_EXISTS) is a 400 over HTTP, as Triton's HTTP answers it."""
-        response = await self._answer(doc)
+        response = await self._answer(message)
         if response.status_code == 409:
             response.status_code = 400
         return _without_body(response)
@@ -112,7 +112,7 @@ class Frontend:
     async def ready(self, request: Request) -> Response:
         """The broker's answer; 503 at once without a broker, and within READY_WAIT_S if it does not answer."""
         try:
-            _, answer = await asyncio.wait_for(self._control({"op": "server_ready"}), READY_WAIT_S)
+            _, answer = await asyncio.wait_for(self._control(control.ServerReady()), READY_WAIT_S)
         except (BrokerError, asyncio.TimeoutError):
             return Response(status_code=503)
         return Response(status_code=200 if answer.get("ready") else 400)
@@ -121,36 +121,38 @@ class Frontend:
         return json_response({"name": self.server_id, "version": __version__, "extensions": EXTENSIONS})
 
     @staticmethod
-    def _model(request: Request) -> dict:
+    def _model(request: Request) -> tuple[str, str]:
         p = request.path_params
-        return {"model": p["model"], "version": p.get("version", "")}
+        return p["model"], p.get("version", "")
 
     async def model_metadata(self, request: Request) -> Response:
-        return await self._answer({"op": "model_metadata", **self._model(request)})
+        return await self._answer(control.ModelMetadata(*self._model(request)))
 
     async def model_config(self, request: Request) -> Response:
-        return await self._answer({"op": "model_config", **self._model(request)})
+        return await self._answer(control.ModelConfig(*self._model(request)))
 
     async def canary(self, request: Request) -> Response:
         """GET: the canary's policy, split and decisions; POST: change its policy."""
         model = request.path_params["model"]
         if request.method == "GET":
-            return await self._answer({"op": "canary_status", "model": model})
+            return await self._answer(control.CanaryStatus(model))
         try:
             settings = orjson.loads(await request.body() or b"{}")
         except orjson.JSONDecodeError as e:
             return error_response(400, f"malformed canary settings: {e}")
-        return await self._answer({"op": "canary_set", "model": model, "settings": settings})
+        if not isinstance(settings, dict):
+            return error_response(400, "the canary settings must be a JSON object")
+        return await self._answer(control.SetCanary(model, settings))
 
     async def canary_decision(self, request: Request) -> Response:
         model, action = request.path_params["model"], request.path_params["action"]
         if action not in ("promote", "rollback"):
             return error_response(404, f"unknown canary action '{action}' (promote or rollback)")
-        return await self._answer({"op": f"canary_{action}", "model": model})
+        return await self._answer(control.PromoteCanary(model) if action == "promote" else control.RollBackCanary(model))
 
     async def model_stats(self, request: Request) -> Response:
         p = request.path_params
-        return await self._answer({"op": "model_stats", "model": p.get("model", ""), "version": p.get("version", "")})
+        return await self._answer(control.ModelStatistics(p.get("model", ""), p.get("version", "")))
 
     async def infer_route(self, request: Request) -> Response:
         """Inference through Starlette: only for what FrontendApp did not take (it takes every
@@ -162,7 +164,7 @@ class Frontend:
 
     async def model_ready(self, request: Request) -> Response:
         try:
-            _, answer = await self._control({"op": "model_ready", **self._model(request)})
+            _, answer = await self._control(control.ModelReady(*self._model(request)))
         except BrokerError as e:
             return error_response(e.status, str(e))
         if answer.get("ready"):
@@ -177,10 +179,10 @@ class Frontend:
                 raise BadRequest("the repository index request must be a JSON object whose 'ready' is a boolean")
         except BadRequest as e:
             return error_response(400, str(e))
-        return await self._answer({"op": "repository_index", "ready": opts.get("ready", False)})
+        return await self._answer(control.RepositoryIndex(opts.get("ready", False)))
 
     # -- repository API -------------------------------------------------------------------------
-    async def _repository_call(self, request: Request, op: str) -> Response:
+    async def _repository_call(self, request: Request, load: bool) -> Response:
         body = await request.body()
         try:
             doc = orjson.loads(body) if body else {}
@@ -188,9 +190,10 @@ class Frontend:
                 raise BadRequest("the request must be a JSON object whose 'parameters' is an object")
         except (orjson.JSONDecodeError, BadRequest) as e:
             return error_response(400, f"failed to parse the request JSON buffer: {e}")
-        call = {"op": op, "model": request.path_params["model"], "parameters": doc.get("parameters") or {}}
-        if op == "load":  # whether it may load 'file:' contents (server/broker/control.py)
-            call[LOAD_FROM_NETWORK] = "key" if passed_group(request.scope) == "model-repository" else "open"
+        model, parameters = request.path_params["model"], doc.get("parameters") or {}
+        # (a load says whether it may carry 'file:' contents: server/broker/control.py)
+        call = control.LoadModel(model, parameters, "key" if passed_group(request.scope) == "model-repository"
+                                 else "open") if load else control.UnloadModel(model, parameters)
         try:
             status, answer = await self._control(call)
         except BrokerError as e:
@@ -200,10 +203,10 @@ class Frontend:
         return Response(status_code=200)
 
     async def repository_load(self, request: Request) -> Response:
-        return await self._repository_call(request, "load")
+        return await self._repository_call(request, load=True)
 
     async def repository_unload(self, request: Request) -> Response:
-        return await self._repository_call(request, "unload")
+        return await self._repository_call(request, load=False)
 
     async def named_repository_call(self, request: Request) -> Response:
         """A load or unload naming its repository: Triton's refusal (it serves its repositories as one)."""
@@ -230,7 +233,7 @@ class Frontend:
         p = request.path_params
         model, version = p["model"], p.get("version", "")
         try:
-            status, config = await self._control({"op": "model_config", "model": model, "version": version})
+            status, config = await self._control(control.ModelConfig(model, version))
             if status != 200:
                 return error_response(status, config.get("error", "unknown model"))
             if request.headers.get("content-encoding", "identity") != "identity":
@@ -345,7 +348,7 @@ class Frontend:
     def _admin(request: Request) -> bool:
         return passed_group(request.scope) == ADMIN_GROUP
 
-    async def _registering(self, request: Request, kind: str) -> CallerDoc | Response:
+    async def _registering(self, request: Request, kind: str) -> control.NetworkCaller | Response:
         """The caller of a register request, or the refusal of a peer that may not register."""
         try:
             return await registering_caller(kind, *self._peer(request),
@@ -354,9 +357,11 @@ class Frontend:
         except ShmRefused as e:
             return error_response(e.status, str(e))
 
-    async def _unregister(self, request: Request, op: str) -> Response:
+    async def _unregister(self, request: Request, cuda: bool) -> Response:
         caller = await unregistering_caller(*self._peer(request), self._admin(request))
-        return _without_body(await self._answer({"op": op, "name": request.path_params.get("name"), CALLER: caller}))
+        name = request.path_params.get("name")
+        return _without_body(await self._answer(control.UnregisterCudaRegion(name, caller) if cuda
+                                                else control.UnregisterSystemRegion(name, caller)))
 
     async def shm_register(self, request: Request) -> Response:
         caller = await self._registering(request, "system")
@@ -366,21 +371,22 @@ class Frontend:
             doc = orjson.loads(await request.body())
             if not isinstance(doc, dict) or "key" not in doc or "byte_size" not in doc:
                 raise BadRequest("the register request must give 'key' and 'byte_size'")
+            if not isinstance(doc["key"], str):
+                raise BadRequest("'key' must be a string")
             for field in ("offset", "byte_size"):
                 v = doc.get(field, 0)
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise BadRequest(f"'{field}' must be a non-negative integer")
         except (orjson.JSONDecodeError, BadRequest) as e:
             return error_response(400, str(e))
-        return await self._register({"op": "shm_register", "name": request.path_params["name"],
-                                   "key": doc["key"], "offset": doc.get("offset", 0),
-                                   "byte_size": doc["byte_size"], CALLER: caller})
+        return await self._register(control.RegisterSystemRegion(request.path_params["name"], doc["key"],
+                                                                 doc["byte_size"], doc.get("offset", 0), caller))
 
     async def shm_unregister(self, request: Request) -> Response:
-        return await self._unregister(request, "shm_unregister")
+        return await self._unregister(request, cuda=False)
 
     async def shm_status(self, request: Request) -> Response:
-        return await self._answer({"op": "shm_status", "name": request.path_params.get("name")})
+        return await self._answer(control.SystemRegionStatus(request.path_params.get("name")))
 
     # -- CUDA shared memory ----------------------------------------------------------------------
     async def cuda_register(self, request: Request) -> Response:
@@ -400,15 +406,14 @@ class Frontend:
                     raise BadRequest(f"'{field}' must be a non-negative integer")
         except (orjson.JSONDecodeError, BadRequest) as e:
             return error_response(400, str(e))
-        return await self._register({"op": "cuda_register", "name": request.path_params["name"], "raw_handle": raw,
-                                   "device_id": doc.get("device_id", 0), "byte_size": doc["byte_size"],
-                                   CALLER: caller})
+        return await self._register(control.RegisterCudaRegion(request.path_params["name"], raw, doc["byte_size"],
+                                                               doc.get("device_id", 0), caller))
 
     async def cuda_unregister(self, request: Request) -> Response:
-        return await self._unregister(request, "cuda_unregister")
+        return await self._unregister(request, cuda=True)
 
     async def cuda_status(self, request: Request) -> Response:
-        return await self._answer({"op": "cuda_status", "name": request.path_params.get("name")})
+        return await self._answer(control.CudaRegionStatus(request.path_params.get("name")))
 
 
 def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bool = False,

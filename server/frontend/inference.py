@@ -23,6 +23,7 @@ from shmserve.server.edge.header_forward import add_to_request, forwarded_params
 from shmserve.server.edge.link import ArenaWait, BrokerError, BrokerLink, when_room, Sent
 from shmserve.server.edge.requests import BadRequest, build_request
 from shmserve.server.edge.tracing import Trace
+from shmserve.shm import control_messages as control
 from shmserve.shm.completion import Completion
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 
@@ -187,7 +188,7 @@ class Inference:
         """The model's config for a raw binary body (raw_binary.py); None once ``reply`` has
         answered why there is none (the model or version is not there: Triton's 404 or 503)."""
         try:
-            status, config = await self.link.control({"op": "model_config", "model": model, "version": version})
+            status, config = await self.link.control(control.ModelConfig(model, version))
         except BrokerError as e:
             reply(*error_answer(e.status, str(e)))
             return None
@@ -240,7 +241,7 @@ class Inference:
                 reply(status, orjson.dumps(doc), [JSON_HEADER])
 
         try:
-            self.link.submit(REQ_CONTROL, {"op": "model_metadata", "model": model, "version": version}, (), answer)
+            self.link.submit(REQ_CONTROL, control.ModelMetadata(model, version), (), answer)
         except BrokerError:
             reply(*error_answer(e.status, str(e)))
 

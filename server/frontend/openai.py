@@ -34,6 +34,7 @@ from starlette.responses import Response, StreamingResponse
 
 from shmserve.server.edge.link import BrokerError, BrokerLink
 from shmserve.server.edge.requests import BadRequest, parse_json
+from shmserve.shm import control_messages as control
 from shmserve.shm.streams import StreamEvents
 
 from .disconnect import ClientGone, unless_gone
@@ -81,7 +82,7 @@ class OpenAIFront:
 
     async def _ready_models(self) -> list[str]:
         try:
-            status, index = await self.link.control({"op": "repository_index", "ready": True})
+            status, index = await self.link.control(control.RepositoryIndex(ready=True))
         except BrokerError as e:
             raise OpenAIError(e.status, str(e)) from None
         if status != 200:  # the server stops (Triton's "Server not ready"), or the broker failed
@@ -188,7 +189,7 @@ class OpenAIFront:
         if not isinstance(model, str) or not model:
             raise OpenAIError(400, "'model' must name a model", "model")
         try:
-            status, config = await self.link.control({"op": "model_config", "model": model, "version": ""})
+            status, config = await self.link.control(control.ModelConfig(model))
         except BrokerError as e:
             raise OpenAIError(e.status, str(e)) from None
         if status == 404:

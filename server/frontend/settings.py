@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shmserve.shm import logs
+from shmserve.shm.control_messages import ControlMessage, LogSettings, TraceSettings
 
 from shmserve.server.edge.link import BrokerError, BrokerLink
 from shmserve.server.edge.tracing import Tracer
@@ -21,24 +22,26 @@ from shmserve.server.edge.tracing import Tracer
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def settings_endpoint(link: BrokerLink, op: str, applied: Callable[[Any], None], per_model: bool = False) -> Endpoint:
-    """Forward GET/POST to the broker's ``op``; ``applied`` follows a change in this process."""
+def settings_endpoint(link: BrokerLink, message: Callable[[Request, dict[str, Any] | None], ControlMessage],
+                      what: str, applied: Callable[[Any], None]) -> Endpoint:
+    """Forward GET/POST to the broker as ``message(request, update)`` (update None: GET);
+    ``applied`` follows a change in this process."""
 
     async def endpoint(request: Request) -> Response:
-        doc: dict[str, Any] = {"op": op}
-        if per_model:
-            doc["model"] = request.path_params.get("model", "")
+        update = None
         if request.method == "POST":
             body = await request.body()
             try:
-                doc["update"] = orjson.loads(body) if body else {}
+                update = orjson.loads(body) if body else {}
             except orjson.JSONDecodeError as e:
                 return _json(400, {"error": f"failed to parse the request JSON buffer: {e}"})
+            if not isinstance(update, dict):
+                return _json(400, {"error": f"the {what} request must be a JSON object"})
         try:
-            status, answer = await link.control(doc)
+            status, answer = await link.control(message(request, update))
         except BrokerError as e:
             return _json(e.status, {"error": str(e)})
-        if status == 200 and "update" in doc:
+        if status == 200 and update is not None:
             applied(answer)
         return _json(status, answer)
 
@@ -47,13 +50,14 @@ def settings_endpoint(link: BrokerLink, op: str, applied: Callable[[Any], None],
 
 def logging_endpoint(link: BrokerLink) -> Endpoint:
     """``GET/POST /v2/logging`` (shm/logs.py holds the settings' meaning)."""
-    return settings_endpoint(link, "log_settings", logs.configure)
+    return settings_endpoint(link, lambda request, update: LogSettings(update), "log settings", logs.configure)
 
 
 def trace_endpoint(link: BrokerLink, tracer: Tracer) -> Endpoint:
     """GET/POST ``v2[/models/<model>]/trace/setting``: forwarded to the broker, which owns them;
     this frontend follows a change at once, the others within their next tick (0.5 s)."""
-    return settings_endpoint(link, "trace_settings", lambda _: tracer.refresh(), per_model=True)
+    return settings_endpoint(link, lambda request, update: TraceSettings(request.path_params.get("model", ""), update),
+                             "trace setting", lambda _: tracer.refresh())
 
 
 def _json(status: int, doc: object) -> Response:

@@ -23,6 +23,7 @@ from shmserve.server.edge.link import ArenaWait, BrokerError, BrokerLink, Sent, 
 from shmserve.server.edge.requests import BadRequest, NegativeShape
 from shmserve.server.edge.tracing import (RECV_END, RECV_START, SEND_END, SEND_START, Trace, Tracer,
                                               timed_sends)
+from shmserve.shm import control_messages as control
 from shmserve.shm.completion import Completion
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import REQ_INFER
@@ -123,7 +124,7 @@ class GrpcInference:
         """Whether the model is decoupled (False when the broker cannot say: the request's own
         answer then says why)."""
         try:
-            status, config = await self.link.control({"op": "model_config", "model": model, "version": version})
+            status, config = await self.link.control(control.ModelConfig(model, version))
         except BrokerError:
             return False
         return status == 200 and bool((config.get("model_transaction_policy") or {}).get("decoupled"))
@@ -239,7 +240,7 @@ class GrpcInference:
         """The error of a request refused here: the model's own 404 or 503 first, as Triton looks
         the model up before the tensors (``Inference._refuse`` for HTTP)."""
         try:
-            status, answer = await self.link.control({"op": "model_metadata", "model": model, "version": version})
+            status, answer = await self.link.control(control.ModelMetadata(model, version))
         except BrokerError:
             status, answer = 200, {}
         if status in (404, 503):
@@ -254,7 +255,7 @@ class GrpcInference:
         """Triton's refusal of a shape with a negative dimension that the model's dims do not
         take ("unexpected shape ..."), read from the model's config; None where they take it."""
         try:
-            status, config = await self.link.control({"op": "model_config", "model": model, "version": version})
+            status, config = await self.link.control(control.ModelConfig(model, version))
         except BrokerError:
             return None
         spec = next((t for t in config.get("input", []) if t.get("name") == e.input_name), None) \

@@ -24,9 +24,8 @@ from shmserve.server import __version__
 from shmserve.server.edge.link import BrokerError, BrokerLink
 from shmserve.server.edge.metadata import EXTENSIONS, NAMED_REPOSITORY
 from shmserve.server.edge.shm_callers import ShmRefused, registering_caller, unregistering_caller
-from shmserve.server.shm_caller import ADMIN_GROUP, FIELD as CALLER, CallerDoc
-from shmserve.shm import logs
-from shmserve.shm.protocol import LOAD_FROM_NETWORK
+from shmserve.server.shm_caller import ADMIN_GROUP
+from shmserve.shm import control_messages as control, logs
 
 from .handlers import Malformed, refuse
 from .infer import GrpcInference, check_version, refused
@@ -60,10 +59,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.inference = inference
         self.allow_remote_shm = allow_remote_shm
 
-    async def _control(self, doc: dict, context: Context) -> Any:
-        """The broker's answer to a control operation; an error answer aborts the call."""
+    async def _control(self, message: control.ControlMessage, context: Context) -> Any:
+        """The broker's answer to a control message; an error answer aborts the call."""
         try:
-            status, answer = await self.link.control(doc)
+            status, answer = await self.link.control(message)
         except BrokerError as e:
             await _abort(context, e.status, str(e))
         if status != 200:
@@ -79,15 +78,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def server_ready(self) -> bool:
         try:
-            _, answer = await self.link.control({"op": "server_ready"})
+            _, answer = await self.link.control(control.ServerReady())
         except BrokerError:
             return False
         return bool(answer.get("ready"))
 
     async def ModelReady(self, request: Any, context: Context) -> Any:
         version = check_version(request.version)  # Triton reads the version first, whatever the model
-        answer = await self._control({"op": "model_ready", "model": request.name, "version": version},
-                                     context)
+        answer = await self._control(control.ModelReady(request.name, version), context)
         return pb.ModelReadyResponse(ready=bool(answer.get("ready")))
 
     async def ServerMetadata(self, request: Any, context: Context) -> Any:
@@ -95,14 +93,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: Any, context: Context) -> Any:
         version = check_version(request.version)  # Triton reads the version first, whatever the model
-        answer = await self._control({"op": "model_metadata", "model": request.name, "version": version},
-                                     context)
+        answer = await self._control(control.ModelMetadata(request.name, version), context)
         return json_format.ParseDict(answer, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
 
     async def ModelConfig(self, request: Any, context: Context) -> Any:
         version = check_version(request.version)  # Triton reads the version first, whatever the model
-        answer = await self._control({"op": "model_config", "model": request.name, "version": version},
-                                     context)
+        answer = await self._control(control.ModelConfig(request.name, version), context)
         try:
             config = json_format.ParseDict(answer, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)
         except json_format.ParseError as e:
@@ -112,15 +108,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStatistics(self, request: Any, context: Context) -> Any:
         version = check_version(request.version)  # Triton reads the version first, whatever the model
-        answer = await self._control({"op": "model_stats", "model": request.name, "version": version},
-                                     context)
+        answer = await self._control(control.ModelStatistics(request.name, version), context)
         return json_format.ParseDict(answer, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
     # -- repository API -------------------------------------------------------------------------
     async def RepositoryIndex(self, request: Any, context: Context) -> Any:
         if request.repository_name:
             await _abort(context, 501, NAMED_REPOSITORY)
-        answer = await self._control({"op": "repository_index", "ready": request.ready}, context)
+        answer = await self._control(control.RepositoryIndex(request.ready), context)
         return json_format.ParseDict({"models": answer}, pb.RepositoryIndexResponse(), ignore_unknown_fields=True)
 
     async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
@@ -137,8 +132,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             # file contents travel as base64 strings to the broker, as over HTTP
             params[key] = base64.b64encode(value).decode() if isinstance(value, bytes) else value
         # whether it may load 'file:' contents (server/broker/control.py)
-        call = {"op": "load", "model": request.model_name, "parameters": params,
-                LOAD_FROM_NETWORK: "key" if PASSED_GROUP.get() == "model-repository" else "open"}
+        call = control.LoadModel(request.model_name, params,
+                                 from_network="key" if PASSED_GROUP.get() == "model-repository" else "open")
         await self._control(call, context)
         return pb.RepositoryModelLoadResponse()
 
@@ -149,11 +144,11 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         dependents = request.parameters.get("unload_dependents")
         if dependents is not None and dependents.WhichOneof("parameter_choice") != "bool_param":
             await _abort(context, 400, "invalid value type for 'unload_dependents' parameter, expected bool_param.")
-        await self._control({"op": "unload", "model": request.model_name, "parameters": params}, context)
+        await self._control(control.UnloadModel(request.model_name, params), context)
         return pb.RepositoryModelUnloadResponse()
 
     # -- shared memory --------------------------------------------------------------------------
-    async def _registering(self, context: Context, kind: str) -> CallerDoc:
+    async def _registering(self, context: Context, kind: str) -> control.NetworkCaller:
         """Who registers (server/edge/shm_callers.py); a peer that may not is refused."""
         try:
             return await registering_caller(kind, *peer_address(context.peer()), None, self.allow_remote_shm,
@@ -161,11 +156,11 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         except ShmRefused as e:
             await _abort(context, e.status, str(e))
 
-    async def _unregistering(self, context: Context) -> CallerDoc:
+    async def _unregistering(self, context: Context) -> control.NetworkCaller:
         return await unregistering_caller(*peer_address(context.peer()), None, PASSED_GROUP.get() == ADMIN_GROUP)
 
     async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        answer = await self._control({"op": "shm_status", "name": request.name or None}, context)
+        answer = await self._control(control.SystemRegionStatus(request.name or None), context)
         resp = pb.SystemSharedMemoryStatusResponse()
         for r in answer:
             json_format.ParseDict(r, resp.regions[r["name"]], ignore_unknown_fields=True)
@@ -173,17 +168,17 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
         caller = await self._registering(context, "system")
-        await self._control({"op": "shm_register", "name": request.name, "key": request.key,
-                             "offset": request.offset, "byte_size": request.byte_size, CALLER: caller}, context)
+        await self._control(control.RegisterSystemRegion(request.name, request.key, request.byte_size, request.offset,
+                                                         caller), context)
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        await self._control({"op": "shm_unregister", "name": request.name or None,
-                             CALLER: await self._unregistering(context)}, context)
+        await self._control(control.UnregisterSystemRegion(request.name or None, await self._unregistering(context)),
+                            context)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        answer = await self._control({"op": "cuda_status", "name": request.name or None}, context)
+        answer = await self._control(control.CudaRegionStatus(request.name or None), context)
         resp = pb.CudaSharedMemoryStatusResponse()
         for r in answer:
             json_format.ParseDict(r, resp.regions[r["name"]], ignore_unknown_fields=True)
@@ -191,29 +186,26 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
         caller = await self._registering(context, "CUDA")
-        await self._control({"op": "cuda_register", "name": request.name,
-                             "raw_handle": base64.b64encode(request.raw_handle).decode(),
-                             "device_id": request.device_id, "byte_size": request.byte_size, CALLER: caller},
-                            context)
+        await self._control(control.RegisterCudaRegion(request.name, base64.b64encode(request.raw_handle).decode(),
+                                                       request.byte_size, request.device_id, caller), context)
         return pb.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        await self._control({"op": "cuda_unregister", "name": request.name or None,
-                             CALLER: await self._unregistering(context)}, context)
+        await self._control(control.UnregisterCudaRegion(request.name or None, await self._unregistering(context)),
+                            context)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # -- logging and trace extensions -----------------------------------------------------------
     async def LogSettings(self, request: Any, context: Context) -> Any:
         """No settings: the current ones; else change those given (applied here at once, by
         the other processes from the broker's published copy, as over HTTP)."""
-        doc: dict[str, Any] = {"op": "log_settings"}
-        if len(request.settings):
-            doc["update"] = {k: param_value(v) for k, v in request.settings.items()}
-            refusal = _log_setting_refusal(doc["update"])
+        update = {k: param_value(v) for k, v in request.settings.items()} if len(request.settings) else None
+        if update is not None:
+            refusal = _log_setting_refusal(update)
             if refusal:
                 raise Aborted(grpc.StatusCode.INVALID_ARGUMENT, refusal)
-        answer = await self._control(doc, context)
-        if "update" in doc:
+        answer = await self._control(control.LogSettings(update), context)
+        if update is not None:
             logs.configure(answer)
         resp = pb.LogSettingsResponse()
         for key, value in answer.items():
@@ -228,18 +220,17 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def TraceSetting(self, request: Any, context: Context) -> Any:
         """Triton's trace settings: an empty value list clears a setting (null over HTTP)."""
-        doc: dict[str, Any] = {"op": "trace_settings", "model": request.model_name}
+        update: dict[str, Any] | None = None
         if len(request.settings):
-            update: dict[str, Any] = {}
+            update = {}
             for key, v in request.settings.items():
                 values = list(v.value)
                 refusal = _trace_number_refusal(key, values)
                 if refusal:
                     raise Aborted(grpc.StatusCode.INVALID_ARGUMENT, refusal)
                 update[key] = None if not values else values[0] if len(values) == 1 else values
-            doc["update"] = update
-        answer = await self._control(doc, context)
-        if "update" in doc:
+        answer = await self._control(control.TraceSettings(request.model_name, update), context)
+        if update is not None:
             self.inference.tracer.refresh()  # this frontend follows at once, the others on their tick
         resp = pb.TraceSettingResponse()
         for key, value in answer.items():

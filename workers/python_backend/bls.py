@@ -11,6 +11,8 @@ import asyncio
 import json
 from typing import Any
 
+from shmserve.shm.control_messages import ControlMessage
+
 from . import pb_utils
 from .convert import ERROR_CODE, array_of
 
@@ -96,12 +98,12 @@ class Bls:
         iterator given at once (see ``ResponseIterator``)."""
         return self.stream(request)
 
-    def control(self, doc: dict) -> Any:
+    def control(self, message: ControlMessage) -> Any:
         """A model-control call (pb_utils.load_model and friends); TritonModelException on refusal."""
         from shmserve.shm.client import InferenceServerError
 
         try:
-            return self.client()._control(doc)
+            return self.client()._control(message)
         except InferenceServerError as e:
             raise pb_utils.TritonModelException(e.message) from None
 

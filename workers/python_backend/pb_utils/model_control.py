@@ -5,13 +5,15 @@ from __future__ import annotations
 import base64
 from typing import Any, Optional
 
+from shmserve.shm.control_messages import ControlMessage, LoadModel, ModelReady, UnloadModel
+
 from . import runtime
 from .errors import TritonModelException
 
 
-def _control(doc: dict) -> Any:
+def _control(message: ControlMessage) -> Any:
     bls = runtime.executor("the model loading API is only available inside a running model")
-    return bls.control(doc)
+    return bls.control(message)
 
 
 def load_model(model_name: str, config: str = "", files: Optional[dict] = None) -> None:
@@ -25,13 +27,13 @@ def load_model(model_name: str, config: str = "", files: Optional[dict] = None) 
         if not isinstance(content, (bytes, bytearray)):
             raise TritonModelException(f"load_model: the content of '{key}' must be bytes")
         params[key] = base64.b64encode(bytes(content)).decode("ascii")
-    _control({"op": "load", "model": model_name, "parameters": params})
+    _control(LoadModel(model_name, params))
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
     """Unload a model (explicit model control mode); raises TritonModelException on refusal."""
-    _control({"op": "unload", "model": model_name, "parameters": {"unload_dependents": unload_dependents}})
+    _control(UnloadModel(model_name, {"unload_dependents": unload_dependents}))
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
-    return bool(_control({"op": "model_ready", "model": model_name, "version": str(model_version or "")})["ready"])
+    return bool(_control(ModelReady(model_name, str(model_version or "")))["ready"])

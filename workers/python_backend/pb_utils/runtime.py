@@ -7,9 +7,12 @@ the process keeps these here: one worker process serves one model.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 from .errors import TritonModelException
+
+if TYPE_CHECKING:
+    from shmserve.shm.control_messages import ControlMessage
 
 
 class Executor(Protocol):
@@ -23,7 +26,7 @@ class Executor(Protocol):
 
     async def stream_async(self, request: Any) -> Any: ...
 
-    def control(self, doc: dict) -> Any: ...
+    def control(self, message: "ControlMessage") -> Any: ...
 
 
 _model_dir: Optional[str] = None
