@@ -373,13 +373,30 @@ class VersionTotals:
         self.scalars[FAILURE] += n
         self.scalars[FAILURE_NS] += ns
 
-    def succeed(self, ns: int) -> None:
-        """A success the broker saw through (an ensemble's)."""
-        self.scalars[SUCCESS] += 1
-        self.scalars[SUCCESS_NS] += ns
-        self.hist[0, bucket_of(ns)] += 1
-        self.latency.observe(lh.REQUEST, ns)
-        self.scalars[LAST_INFERENCE_MS] = time.time_ns() // 1_000_000
+    def succeed(self, ns: int, batch_size: int = 1, input_ns: int = 0, infer_ns: int = 0, output_ns: int = 0
+                ) -> None:
+        """An ensemble's success, counted as Triton's ensemble scheduler counts it: one execution
+        of the request's batch size (at least 1) whose compute phases are its steps' summed (its
+        own queue takes no time), and the request's whole duration ``ns``."""
+        s = self.scalars
+        s[SUCCESS] += 1
+        s[SUCCESS_NS] += ns
+        s[INFERENCE_COUNT] += batch_size
+        s[EXECUTION_COUNT] += 1
+        s[PHASE_COUNT] += 1
+        s[INPUT_NS] += input_ns
+        s[INFER_NS] += infer_ns
+        s[OUTPUT_NS] += output_ns
+        row = self.batches[min(batch_size, BATCH_ROWS) - 1]
+        for col, value in enumerate((1, input_ns, infer_ns, output_ns)):
+            row[col] += value
+        for phase, phase_ns in (("request", ns), ("queue", 0), ("compute_input", input_ns),
+                                ("compute_infer", infer_ns), ("compute_output", output_ns)):
+            self.hist[PHASES.index(phase), bucket_of(phase_ns)] += 1
+        for family, phase_ns in ((lh.REQUEST, ns), (lh.QUEUE, 0), (lh.COMPUTE_INPUT, input_ns),
+                                 (lh.COMPUTE_INFER, infer_ns), (lh.COMPUTE_OUTPUT, output_ns)):
+            self.latency.observe(family, phase_ns)
+        s[LAST_INFERENCE_MS] = time.time_ns() // 1_000_000
 
     def first_response(self, ns: int) -> None:
         """An answer the broker passed on (an ensemble's) was its request's first."""

@@ -538,3 +538,117 @@ def test_failures_count_as_triton_counts_them(server_factory, tmp_path, model):
                 "nv_inference_request_success": 1, "nv_inference_count": 1, "nv_inference_exec_count": 1}, protocol
         finally:
             client.client.close()
+
+
+DECOUPLED_ECHO = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if (x < 0).any():
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("negative input")),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
+def _stream_once(server, model: str, x: list[int]) -> list:
+    """One request on a gRPC stream; its results and errors, in order."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        c.start_stream(callback=lambda result, error: got.put(error if error is not None else result))
+        t = grpcclient.InferInput("X", [len(x)], "INT32")
+        t.set_data_from_numpy(np.array(x, dtype=np.int32))
+        c.async_stream_infer(model, [t], enable_empty_final_response=True)
+        out = []
+        while True:
+            item = got.get(timeout=30)
+            out.append(item)
+            if isinstance(item, InferenceServerException):
+                break
+            if item.get_response(as_json=True).get("parameters", {}).get("triton_final_response", {}).get("bool_param"):
+                break
+        c.stop_stream()
+    return out
+
+
+def test_a_decoupled_models_error_response_counts_as_a_success(server_factory, tmp_path):
+    """As Triton 2.51 counts it (checked side by side): a decoupled model that answers with an
+    error response executed its request successfully; only the error reaches the client."""
+    model = "decoupled_outcomes"
+    (tmp_path / "repo" / model / "1").mkdir(parents=True)
+    (tmp_path / "repo" / model / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n'
+        'input [ { name: "X" data_type: TYPE_INT32 dims: [ 2 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_INT32 dims: [ 2 ] } ]\n')
+    (tmp_path / "repo" / model / "1" / "model.py").write_text(DECOUPLED_ECHO)
+    server = server_factory.start([tmp_path / "repo"])
+    http = Outcomes("http", server)
+    try:
+        before, metrics = http.stats(model), flat_metrics(server, model)
+        answers = _stream_once(server, model, [-1, 1])
+        assert len(answers) == 1 and "negative input" in str(answers[0]), answers
+        after = http.stats(model)
+        assert after["success.count"] == before["success.count"] + 1 and after["fail.count"] == 0, after
+        assert metric_deltas(metrics, flat_metrics(server, model)) == {
+            "nv_inference_request_success": 1, "nv_inference_count": 1, "nv_inference_exec_count": 1}
+        answers = _stream_once(server, model, [3, 4])
+        assert answers[0].as_numpy("Y").tolist() == [6, 8]
+        assert http.stats(model)["success.count"] == before["success.count"] + 2
+    finally:
+        http.client.close()
+
+
+def test_an_ensemble_counts_its_inferences_executions_and_its_steps_compute(server_factory, tmp_path):
+    """As Triton's ensemble scheduler counts an ensemble (checked side by side on 2.51): each
+    request an execution of its batch size, and the compute phases its steps took, summed (its
+    own queue none); in the statistics extension and the metrics. Its steps count as ever."""
+    repo = tmp_path / "repo"
+    (repo / "step" / "1").mkdir(parents=True)
+    (repo / "step" / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 4\n'
+                                                'input [ { name: "X" data_type: TYPE_INT32 dims: [ 2 ] } ]\n'
+                                                'output [ { name: "Y" data_type: TYPE_INT32 dims: [ 2 ] } ]\n')
+    (repo / "step" / "1" / "model.py").write_text(OUTCOMES_MODEL)
+    (repo / "twice" / "1").mkdir(parents=True)
+    (repo / "twice" / "config.pbtxt").write_text(
+        'platform: "ensemble"\nmax_batch_size: 4\n'
+        'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 2 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 2 ] } ]\n'
+        'ensemble_scheduling { step [\n'
+        '  { model_name: "step" model_version: -1 input_map { key: "X" value: "IN" } output_map { key: "Y" value: "MID" } },\n'
+        '  { model_name: "step" model_version: -1 input_map { key: "X" value: "MID" } output_map { key: "Y" value: "OUT" } }\n'
+        '] }\n')
+    server = server_factory.start([repo])
+    http = Outcomes("http", server)
+    try:
+        before, metrics = http.stats("twice"), flat_metrics(server, "twice")
+        for rows in (1, 2, 2):
+            t = httpclient.InferInput("IN", [rows, 2], "INT32")
+            t.set_data_from_numpy(np.ones((rows, 2), dtype=np.int32))
+            assert http.client.infer("twice", [t]).as_numpy("OUT").tolist() == [[4, 4]] * rows
+        after = http.stats("twice")
+        assert count_deltas(before, after) == {
+            "success.count": 3, "inference_count": 5, "execution_count": 3, "queue.count": 3,
+            **{f"{p}.count": 3 for p in BATCH_PHASES}, "batch1.compute_input.count": 1,
+            "batch1.compute_infer.count": 1, "batch1.compute_output.count": 1,
+            **{f"batch2.{p}.count": 2 for p in BATCH_PHASES}}
+        step = http.stats("step")
+        assert after["compute_infer.ns"] >= step["compute_infer.ns"] > 0  # the two steps' summed
+        assert metric_deltas(metrics, flat_metrics(server, "twice")) == {
+            "nv_inference_request_success": 3, "nv_inference_count": 5, "nv_inference_exec_count": 3}
+        text = scrape(server)
+        assert sample(text, "nv_inference_compute_infer_duration_us", model="twice", version="1") > 0
+    finally:
+        http.client.close()

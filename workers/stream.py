@@ -51,7 +51,8 @@ class StreamSender:
         self.finished = False
         self.completed = False  # its slot is completed (after ``finished``: a forwarded end may wait)
         self.sent = 0
-        self.failed = False
+        self.failed = False  # as Triton counts it: an answer of ours failed (no room...), not a model's error response
+        self.model_errored = False  # the model sent an error response (a success, kept apart for the canary)
         self.dropped = False  # a response found no room in the arena, not even for its error
         self.computing = (0, 0)  # traced: the batch's start and this request's inputs read (worker.py)
         self.output_start = 0  # traced: when the first response came
@@ -69,7 +70,10 @@ class StreamSender:
                 status, answer, tensors = self.answers.encode(self.entry, response)
                 override, extent, off, total = self.answers.write_block(self.entry, answer, tensors)
                 status = override or status
-                self.failed |= status != 200
+                if status != 200 and not override and response.model_error:
+                    self.model_errored = True
+                else:
+                    self.failed |= status != 200
                 if off > 0:
                     last = (status, extent, off, total)
                     if not self.sent and status == 200:  # (counted before it can reach the client)
@@ -126,6 +130,8 @@ class StreamSender:
     def _complete(self, last: Block | None) -> None:
         with self.stats_lock:
             self.stats.finished_stream(self.entry.get("sent_ns", 0), not self.failed)
+            if self.model_errored and not self.failed:
+                self.stats.model_error()
             self.stats.flush()
         if self.dropped:  # the client reads shm.protocol.NO_ROOM
             end: Block = (503, 0, 0, 0)

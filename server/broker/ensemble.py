@@ -270,9 +270,12 @@ class Ensembles:
                 converted_shape(spec.dims, batching, branch.batch_sizes[tensor], t["shape"])
             inputs.append({**t, "name": model_input, "shape": shape})
         entry = run.entry
+        # Timed as a traced request is (its answer's stamps): the step's compute counts in the
+        # ensemble's statistics (EnsembleRun.add_compute).
         return {"id": entry.get("id", ""), "parameters": entry.get("parameters"),
                 "sequence_id": entry.get("sequence_id", 0), "sequence_flags": entry.get("sequence_flags", 0),
-                "inputs": inputs, "outputs": [{"name": n} for n in step.output_map]}
+                "inputs": inputs, "outputs": [{"name": n} for n in step.output_map],
+                "trace_queued_ns": time.monotonic_ns()}
 
     # -- what steps answer ----------------------------------------------------------------------
     def _owner(self, role: int, num: int) -> Any:
@@ -340,6 +343,7 @@ class Ensembles:
             self._fail_run(run, call.step, status, NO_ROOM)
         else:
             answer, data_start = _step_answer(owner.buf, off, off + length)
+            run.add_compute(answer.trace)
             if status != 200 or answer.error is not None:
                 free_block(owner.buf, off)
                 self._step_error(run, status, answer)
@@ -479,7 +483,7 @@ class Ensembles:
         self._store(run, outputs)
         if self._reply(run, outputs):
             arrived, now = run.entry.get("sent_ns") or 0, time.monotonic_ns()
-            run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
+            run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0, run.batch_size, *run.compute)
             run.version.stats.first_response(now - arrived if 0 < arrived <= now else 0)
 
     def _store(self, run: EnsembleRun, outputs: list[Output]) -> None:
@@ -499,7 +503,7 @@ class Ensembles:
         run.answered = True
         if status == 200 and run.streaming:
             arrived, now = run.entry.get("sent_ns") or 0, time.monotonic_ns()
-            run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0)
+            run.version.stats.succeed(now - arrived if 0 < arrived <= now else 0, run.batch_size, *run.compute)
         if not self._client_gone(run):
             self.clients.reply(run.client, run.slot, status, answer)
 

@@ -87,6 +87,8 @@ class EnsembleRun:
         # tensor was made with (ensemble_shapes.py).
         request_batch = next((t["shape"][0] for t in entry["inputs"] if t["shape"]), 1) if self.plan.batching else 0
         self.root = Branch(tensors, {name: request_batch for name in tensors}, set())
+        self.batch_size = max(1, request_batch)  # what its success counts (Triton's max(1, batch size))
+        self.compute = [0, 0, 0]  # its steps' compute input, infer and output ns, summed (their answers' stamps)
         self.calls: set[StepCall] = set()  # sent and not yet finished
         self.answered = False  # the client's slot is completed (an error, a cancel, or the end)
         self.ended = False
@@ -99,6 +101,15 @@ class EnsembleRun:
         self.full_since = 0.0  # since when the client's ring has taken no response that waits
         self.cache_key: bytes | None = None  # set after a miss: the final answer is stored under it
         self.lookup_ns = 0
+
+    def add_compute(self, stamps: tuple[int, ...]) -> None:
+        """A step answer's stamps (QUEUE_START, COMPUTE_START, _INPUT_END, _OUTPUT_START, _END):
+        its compute phases count in the ensemble's, as Triton's ensemble sums its composing
+        models' (their queues not among them)."""
+        if len(stamps) >= 5:
+            start, input_end, output_start, end = stamps[1:5]
+            for i, ns in enumerate((input_end - start, output_start - input_end, end - output_start)):
+                self.compute[i] += max(0, ns)
 
     def wanted(self) -> list[str]:
         outs = self.entry.get("outputs")
