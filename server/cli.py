@@ -101,9 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-max-inflight", type=int, default=1024,
                    help="requests one frontend process holds in flight at most; past it a request gets 503 "
                         "(the bound that keeps an overloaded server's queues and memory flat; default 1024)")
-    p.add_argument("--http-idle-timeout-secs", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--http-idle-timeout-secs", type=float, default=0.0, metavar="SECONDS",
                    help="close a connection with no request in progress for this long: from its accept, and "
-                        "after each answer (default 5, the keep-alive timeout it had)")
+                        "after each answer; 0 (default): never, as Triton (a proxy pooling connections to the "
+                        "server must not find one closed under it); at --http-max-connections the one idle "
+                        "longest is closed for a new one")
     p.add_argument("--http-header-timeout-secs", type=float, default=30.0, metavar="SECONDS",
                    help="a request's head (request line and header fields) must be complete this long after "
                         "its first byte, else 408 and the connection is closed (default 30)")
@@ -295,7 +297,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.grpc = grpc_options.grpc_spec(args)
     except ValueError as e:
         parser.error(str(e))
-    for flag in ("http_idle_timeout_secs", "http_header_timeout_secs", "http_body_timeout_secs"):
+    if not 0 <= args.http_idle_timeout_secs <= 86400:
+        parser.error("--http-idle-timeout-secs must lie in [0, 86400] (0: never)")
+    for flag in ("http_header_timeout_secs", "http_body_timeout_secs"):
         if not 0 < getattr(args, flag) <= 86400:
             parser.error(f"--{flag.replace('_', '-')} must lie in (0, 86400]")
     if args.http_max_header_bytes < 1024:

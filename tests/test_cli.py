@@ -128,6 +128,7 @@ def test_repository_flag_required():
     (["--model-load-thread-count", "0"], "--model-load-thread-count must be at least 1"),
     (["--backend-config", "python"], "--backend-config 'python': expected [<backend>,]<setting>=<value>"),
     (["--http-header-timeout-secs", "0"], "--http-header-timeout-secs must lie in (0, 86400]"),
+    (["--http-idle-timeout-secs", "-1"], "--http-idle-timeout-secs must lie in [0, 86400] (0: never)"),
     (["--http-max-header-bytes", "10"], "--http-max-header-bytes must be at least 1024"),
     (["--http-max-connections", "-1"], "--http-max-connections must be 0 (derived) or more"),
 ], ids=["port-text", "port-range", "workers-0", "bool", "choice", "id", "load-model-without-explicit", "poll-us-range",
@@ -135,7 +136,7 @@ def test_repository_flag_required():
         "keepalive-time-0", "ping-strikes-negative", "keepalive-timeout-text", "restricted-protocol-unknown",
         "restricted-protocol-form", "restricted-protocol-twice", "ssl-without-files", "ssl-mutual-without-root",
         "ssl-missing-file", "ssl-not-pem", "grpc-port-range", "grpc-max-input-size-0", "load-thread-count-0",
-        "backend-config-no-setting", "http-header-timeout-0", "http-max-header-bytes-small",
+        "backend-config-no-setting", "http-header-timeout-0", "http-idle-timeout-negative", "http-max-header-bytes-small",
         "http-max-connections-negative"])
 def test_bad_flag_values(tmp_path, args, needle):
     _assert_one_line_error(run_cli("--model-repository", str(tmp_path), *args), needle)

@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 
-from conftest import read_raw_response
+from conftest import PRODUCT_MODELS, read_raw_response
 from shmserve.tools.harness import cmdline, descendants
 
 HEAD_FIELDS = "Host: x\r\nUser-Agent: http-connections\r\n"
-KEEP_ALIVE_S = 5.0  # uvicorn's default, which the frontend keeps
+KEEP_ALIVE_S = 5.0  # --http-idle-timeout-secs where a test sets one (the default keeps idle connections)
 
 
 def _add_sub(a: np.ndarray, b: np.ndarray, extra: str = "") -> bytes:
@@ -188,9 +188,23 @@ def test_a_closing_request_closes_the_connection(server):
         assert reader.read() == b""  # closed by the server
 
 
-def test_the_keep_alive_timeout_closes_idle_connections_only(server):
-    """A connection that keeps sending stays open past the keep-alive timeout; one left idle is
-    closed once the timeout passed, and so is the busy one once it falls idle."""
+def test_an_idle_connection_is_kept_by_default(server):
+    """As Triton keeps them: a proxy that pools connections to the server (nginx, a cloud load
+    balancer) reuses one after a minute idle, and one closed under it fails that request."""
+    (a, b), = _pairs(5, 1)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        reader = sock.makefile("rb")
+        sock.sendall(_add_sub(a, b))
+        _check(reader, a, b)
+        time.sleep(KEEP_ALIVE_S + 2)  # past the 5 s that uvicorn's default, once ours, closed it at
+        sock.sendall(_add_sub(a, b))
+        _check(reader, a, b)
+
+
+def test_the_keep_alive_timeout_closes_idle_connections_only(server_factory):
+    """With --http-idle-timeout-secs: a connection that keeps sending stays open past it; one left
+    idle is closed once the timeout passed, and so is the busy one once it falls idle."""
+    server = server_factory.start([PRODUCT_MODELS], ["--http-idle-timeout-secs", str(KEEP_ALIVE_S)])
     (a, b), = _pairs(5, 1)
     with socket.create_connection(("127.0.0.1", server.port)) as busy, \
             socket.create_connection(("127.0.0.1", server.port)) as idle:

@@ -251,35 +251,75 @@ class _LimitedServer(Server):
         return ["prlimit", f"--nofile={self.nofile}:{self.nofile}", *super().command()]
 
 
-def test_connections_past_the_bound_get_503_and_the_frontend_keeps_serving(server_factory):
-    """Under a 300-descriptor limit the frontend holds 300 - 128 - 300 // 16 = 154 connections by
-    default: past that a new connection is answered 503 at once, while a connection it holds is
-    served, liveness stays 200 and its broker checks go on (no descriptor runs out)."""
-    bound = 300 - 128 - 300 // 16
+def _bounded_server(server_factory) -> Server:
+    """Under a 300-descriptor limit the frontend holds 300 - 128 - 300 // 16 = 154 connections."""
     server = _LimitedServer([TEST_MODELS], server_factory.log_dir, ["--model-control-mode", "explicit",
-                                                                    "--load-model", "identity_all",
-                                                                    "--http-idle-timeout-secs", "60"])
+                                                                    "--load-model", "identity_all"])
     server_factory.servers.append(server)
-    server.start().wait_ready()
+    return server.start().wait_ready()
+
+
+BOUND = 300 - 128 - 300 // 16
+
+
+def test_at_the_bound_a_new_connection_takes_the_place_of_the_one_idle_longest(server_factory):
+    """Idle connections are kept (no idle timeout by default, as Triton), and at the bound a new
+    one is served in place of the connection idle longest, closed for it (nginx's way): a flood
+    of idle connections never locks clients out. A connection with a request in progress (a
+    head begun) is never the one closed."""
+    server = _bounded_server(server_factory)
+    busy = socket.create_connection(("127.0.0.1", server.port))
+    busy.sendall(b"GET /v2/health/live HTTP/1.1\r\n")  # a head begun: busy from now on
+    busy_reader = busy.makefile("rb")
+    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(BOUND + 20)]
+    try:
+        drained = len(socks) + 1 - BOUND  # one for each past the bound, the oldest idle ones
+        for sock in socks[:drained]:
+            sock.settimeout(5)
+            assert sock.recv(4096) == b"", "an idle connection past the bound was kept"
+        for sock in socks[drained:]:
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):  # open, nothing to read
+                sock.recv(4096)
+            sock.setblocking(True)
+        newest = socks[-1]
+        newest.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_raw_response(newest.makefile("rb"))[0] == 200
+        busy.sendall(b"Host: x\r\n\r\n")
+        assert read_raw_response(busy_reader)[0] == 200
+        assert "closing the connection idle longest for a new one" in server.log()
+    finally:
+        for sock in socks:
+            sock.close()
+        busy.close()
+
+
+def test_with_every_connection_busy_a_new_one_gets_503_and_the_frontend_keeps_serving(server_factory):
+    """At the bound with no connection idle (each with a head begun), a new connection is
+    answered 503 at once, while the connections it holds are served, liveness stays 200 and its
+    broker checks go on (no descriptor runs out)."""
+    server = _bounded_server(server_factory)
     kept = socket.create_connection(("127.0.0.1", server.port))
+    kept.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
     reader = kept.makefile("rb")
     socks = []
     try:
-        for _ in range(bound + 20):
-            socks.append(socket.create_connection(("127.0.0.1", server.port)))
+        for _ in range(BOUND - 1):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(b"GET / HTTP/1.1\r\n")  # busy: its head began
+            socks.append(sock)
         refused = 0
-        for sock in socks[bound - 5:]:  # (the first ones are held: the frontend answers none of them)
-            sock.settimeout(0.5)
-            try:
-                answer = sock.recv(4096)
-            except socket.timeout:
-                continue
-            assert "--http-max-connections" in _error(answer, 503)
+        for _ in range(20):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            socks.append(sock)
+            sock.settimeout(5)
+            assert "--http-max-connections" in _error(sock.recv(4096), 503)
             refused += 1
-        assert refused >= 15
-        for path in ("/v2/health/live", "/v2/health/ready"):
-            kept.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-            assert read_raw_response(reader)[0] == 200
+        assert refused == 20
+        kept.sendall(b"Host: x\r\n\r\n")
+        assert read_raw_response(reader)[0] == 200
+        kept.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_raw_response(reader)[0] == 200
         assert "cannot check the broker connection" not in server.log()
     finally:
         for sock in socks:

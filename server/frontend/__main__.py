@@ -51,7 +51,7 @@ def main() -> int:
     # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.
     http = protocol_class(limits, max_connections, keep_header_names=header_forward is not None)
     config = uvicorn.Config(app, loop="uvloop", http=http, access_log=False, log_level="warning", log_config=None,
-                            timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
+                            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
                             timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)),
                             lifespan="on", proxy_headers=False, server_header=False, date_header=False)
     from shmserve.shm.profiling import run_profiled

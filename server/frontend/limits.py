@@ -20,17 +20,23 @@ RESERVED_SHARE = 16  # and one descriptor in every 16
 # A soft limit is raised to the hard one at start, but not past this (a huge hard limit would
 # only make the bound meaningless).
 MAX_FDS = 1 << 20
+NEVER_S = 1e9  # an idle timeout of 0: about 30 years
 
 
 @dataclass(frozen=True)
 class HttpLimits:
     """How long a connection may take over each part of a request, and how many a frontend holds."""
 
-    idle_timeout_s: float = 5.0  # no request in progress: from the accept, and after each answer
+    idle_timeout_s: float = 0.0  # no request in progress: from the accept, and after each answer (0: never)
     header_timeout_s: float = 30.0  # from a request head's first byte until it is complete
     body_timeout_s: float = 60.0  # while a body is read, between two reads
     max_header_bytes: int = 64 << 10  # request line and header fields
     max_connections: int = 0  # per frontend process; 0: derived from its descriptor limit
+
+    @property
+    def keep_alive_s(self) -> float:
+        """uvicorn's keep-alive timeout for ``idle_timeout_s`` (never: a timer past any lifetime)."""
+        return self.idle_timeout_s or NEVER_S
 
     def to_spec(self) -> dict[str, Any]:
         return asdict(self)

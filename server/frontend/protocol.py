@@ -8,7 +8,8 @@ whole) or a body that stops half-way each held a descriptor and memory for good.
 ``LimitedHttpProtocol`` adds, per connection:
 
 - idle: no request in progress for ``idle_timeout_s`` (from the accept on, and after each answer)
-  closes it, as uvicorn's keep-alive timeout did after answers only;
+  closes it, as uvicorn's keep-alive timeout did after answers only (0, the default: never, as
+  Triton keeps them: a proxy that pools connections to us must not find one closed under it);
 - head: a request line and header fields must be complete within ``header_timeout_s`` of their
   first byte (408) and hold at most ``max_header_bytes`` (431, measured once the head is complete;
   a head still arriving is cut once it passes the limit by one socket read at most);
@@ -18,8 +19,10 @@ whole) or a body that stops half-way each held a descriptor and memory for good.
   ends its connection. What the client still sends is dropped unread for at most ``LINGER_S``
   after the answer, so that a client still writing reads the answer rather than a reset (nginx's
   lingering close), then the connection closes: a never-ending body is cut;
-- bound: past ``max_connections`` connections in this process a new one is answered 503 at once
-  and closed, so idle connections cannot take the descriptors the frontend needs for itself.
+- bound: past ``max_connections`` connections in this process a new one takes the place of the
+  connection idle longest, closed for it (as nginx reuses its keep-alive connections when it has
+  none left); with every connection busy it is answered 503 at once and closed. Idle connections
+  cannot take the descriptors the frontend needs for itself.
 
 It also lets the application take the rest of a body straight from the socket
 (``scope[BODY_SINK](sink)``, ingest.py): the connection is a ``BufferedProtocol``, and while a
@@ -180,11 +183,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         # A request that ends the connection had its body read past the parser: what follows is
         # dropped, as uvicorn's parser drops what comes after such a request (lenient_data_after_close).
         self._input_done = False
+        self._idle_since = 0.0  # when its last answer went out (or it was accepted): the bound's drain order
 
     # -- connections -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
+        self._idle_since = time.monotonic()  # (not the loop's time: uvloop's is the same through an iteration)
+        if len(self.connections) > self.max_connections and not self._drain_idle():
             self._warn("bound", "refusing connections past --http-max-connections %d (503)", self.max_connections)
             self._refuse(503, f"the frontend holds its limit of {self.max_connections} connections "
                               f"(--http-max-connections); retry later", BUSY_LINGER_S)
@@ -193,6 +198,24 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._one_write = self._cycle_transport.hold_next
         # uvicorn arms its keep-alive timeout after an answer only; a silent new connection is idle too.
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def _idle(self) -> bool:
+        """No request in progress, none begun, none waiting behind an answer."""
+        cycle = self.cycle
+        return (self._in_head and not self._head_deadline and not self._lingering and not self.pipeline
+                and (cycle is None or cycle.response_complete) and not self.transport.is_closing())
+
+    def _drain_idle(self) -> bool:
+        """At the bound: close the connection idle longest to make room for this one; False if
+        every other connection is busy. A scan of this process's connections, only at the bound."""
+        idle = [c for c in self.connections if c is not self and isinstance(c, LimitedHttpProtocol) and c._idle()]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c._idle_since)
+        self._warn("drain", "at --http-max-connections %d: closing the connection idle longest for a new one",
+                   self.max_connections)
+        oldest.transport.close()
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_watch()
@@ -333,6 +356,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super()._start_asgi_task(cycle, app)
 
     def on_response_complete(self) -> None:
+        self._idle_since = time.monotonic()
         super().on_response_complete()  # (arms the keep-alive timeout, or starts a pipelined request)
         if self._lingering:
             self._unset_keepalive_if_required()  # the linger ends it
