@@ -7,7 +7,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -549,3 +549,124 @@ def test_the_pytorch_parameters_triton_reads_are_applied_and_checked(server_fact
         assert "ParameterError" not in index["bad_value"]["reason"]
     finally:
         client.close()
+
+
+# -- TorchScript: how inputs and outputs bind, as Triton's PyTorch backend binds them -------------
+
+class _Three(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x + 1, x + 2, x + 3
+
+
+class _Masked(torch.nn.Module):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return input_ids * 10 + attention_mask
+
+
+class _MaskedWithTypes(torch.nn.Module):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return input_ids * 10 + attention_mask
+
+
+class _Long(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).long()
+
+
+class _DictIn(torch.nn.Module):
+    def forward(self, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return inputs["a"] * 10 + inputs["b"]
+
+
+class _Words(torch.nn.Module):
+    def forward(self, words: List[str]) -> List[str]:
+        return [w.upper() for w in words]
+
+
+_MASK_INPUTS = ('input [ { name: "attention_mask" data_type: TYPE_INT64 dims: [ 3 ] },\n'
+                '        { name: "input_ids" data_type: TYPE_INT64 dims: [ 3 ] } ]\n'
+                'output [ { name: "OUTPUT__0" data_type: TYPE_INT64 dims: [ 3 ] } ]\n')
+
+
+@pytest.fixture(scope="module")
+def binding_server(module_factory, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("binding") / "repo"
+    _torchscript_model(repo, "subset_out", _Three(), (
+        'max_batch_size: 4\ninput [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "scores__1" data_type: TYPE_FP32 dims: [ 2 ] },\n'
+        '         { name: "labels__2" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'))
+    _torchscript_model(repo, "named_order", _Masked(), 'max_batch_size: 4\n' + _MASK_INPUTS)
+    _torchscript_model(repo, "extra_arg", _MaskedWithTypes(), 'max_batch_size: 4\n' + _MASK_INPUTS)
+    _torchscript_model(repo, "wrong_dtype", _Long(), (
+        'max_batch_size: 0\ninput [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'))
+    _torchscript_model(repo, "dict_in", _DictIn(), (
+        'max_batch_size: 4\ninput [ { name: "b" data_type: TYPE_INT64 dims: [ 2 ] },\n'
+        '        { name: "a" data_type: TYPE_INT64 dims: [ 2 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_INT64 dims: [ 2 ] } ]\n'))
+    _torchscript_model(repo, "words", _Words(), (
+        'max_batch_size: 0\ninput [ { name: "INPUT__0" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_STRING dims: [ -1 ] } ]\n'))
+    _torchscript_model(repo, "batched_words", _Words(), (
+        'max_batch_size: 4\ninput [ { name: "INPUT__0" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_STRING dims: [ -1 ] } ]\n'))
+    (repo / "no_inputs" / "1").mkdir(parents=True)
+    torch.jit.save(torch.jit.script(_Long()), str(repo / "no_inputs" / "1" / "model.pt"))
+    (repo / "no_inputs" / "config.pbtxt").write_text('platform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+                                                     'output [ { name: "OUTPUT__0" data_type: TYPE_INT64 dims: [ 2 ] } ]\n')
+    return module_factory.start([repo], ["--exit-on-error=false", "--strict-readiness=false"])
+
+
+def _load_error(server, model: str) -> str:
+    index = {e["name"]: e for e in server.client().get_model_repository_index()}
+    assert index[model]["state"] == "UNAVAILABLE", index[model]
+    return index[model]["reason"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_outputs_named_with_an_index_take_that_element_of_what_forward_returns(binding_server):
+    """A config that lists only some of the returned tuple (``scores__1``, ``labels__2`` of three)
+    gets elements 1 and 2, as Triton gives them, not the first two."""
+    out = binding_server.client().infer("subset_out", [_input("INPUT__0", np.zeros((1, 2), np.float32), "FP32")])
+    assert out.as_numpy("scores__1").tolist() == [[2, 2]] and out.as_numpy("labels__2").tolist() == [[3, 3]]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_inputs_named_as_forward_arguments_bind_by_name_and_a_count_that_differs_is_refused(binding_server):
+    """Inputs named as forward()'s arguments bind by name whatever the config's order; a forward()
+    with another number of arguments (a third, optional one) is refused at load in Triton's words,
+    where it used to get its inputs swapped."""
+    client = binding_server.client()
+    ids, mask = np.array([[1, 2, 3]], np.int64), np.array([[1, 1, 0]], np.int64)
+    out = client.infer("named_order", [_input("input_ids", ids, "INT64"), _input("attention_mask", mask, "INT64")])
+    assert out.as_numpy("OUTPUT__0").tolist() == [[11, 21, 30]]
+    assert _load_error(binding_server, "extra_arg").endswith(
+        ": unable to load model 'extra_arg', configuration expects 2 inputs, model provides 3")
+    assert _load_error(binding_server, "no_inputs").endswith(  # (Triton counts first)
+        ": unable to load model 'no_inputs', configuration expects 0 inputs, model provides 1")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_an_output_of_another_datatype_than_its_config_is_refused_in_tritons_words(binding_server):
+    client = binding_server.client()
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("wrong_dtype", [_input("INPUT__0", np.array([1, 2], np.float32), "FP32")])
+    assert e.value.status() == "400"
+    assert e.value.message() == "configuration expects datatype TYPE_FP32 for output 'OUTPUT__0', model provides " \
+                                "TYPE_INT64"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_dict_input_and_string_lists_reach_forward_as_triton_passes_them(binding_server):
+    """forward() taking one Dict[str, Tensor] gets every input by name; a model that does not
+    batch takes a TYPE_STRING input as List[str] and returns one as BYTES; one that batches cannot
+    (Triton's load error)."""
+    client = binding_server.client()
+    a, b = np.array([[1, 2]], np.int64), np.array([[3, 4]], np.int64)
+    out = client.infer("dict_in", [_input("a", a, "INT64"), _input("b", b, "INT64")])
+    assert out.as_numpy("OUTPUT__0").tolist() == [[13, 24]]
+    words = np.array([b"ab", b"cD"], dtype=object)
+    assert client.infer("words", [_input("INPUT__0", words, "BYTES")]).as_numpy("OUTPUT__0").tolist() == [b"AB", b"CD"]
+    assert _load_error(binding_server, "batched_words").endswith(
+        ": Triton only supports 1 dimensional List of String as input for 'INPUT__0' for model 'batched_words'")

@@ -1,12 +1,12 @@
 """PyTorch models (``platform: "pytorch_libtorch"`` or ``backend: "pytorch"``): TorchScript
 ``model.pt``, or a ``torch.export`` program ``model.pt2``.
 
-Inputs bind as Triton's PyTorch backend binds them: names ``<name>__<index>`` give the position,
-otherwise the config's order, or the forward() argument names when they match. An optional
+Inputs and outputs bind as Triton's PyTorch backend binds them (pytorch_binding.py). An optional
 input a request leaves out is not passed when no later input is (forward()'s default applies),
-and is passed as None before one that is. Outputs
-``<name>__<index>`` index the returned tuple; otherwise the config's order. A batch of several
-requests runs as one forward over the concatenated batch dimension, then is split per request.
+and is passed as None before one that is. A ``TYPE_STRING`` input of a model that does not batch
+is a ``List[str]``, and a ``List[str]`` the model returns a BYTES output. An output whose
+datatype is not the config's fails the batch in Triton's words. A batch of several requests runs
+as one forward over the concatenated batch dimension, then is split per request.
 Ragged inputs, batch inputs and batch outputs are Triton's (batch_io.py): a ragged input is one
 flat tensor of the batch's elements, and the batch inputs come after the config's inputs (or
 where their ``__<index>`` or forward() argument name puts them).
@@ -19,7 +19,6 @@ host in one copy.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import numpy as np
@@ -27,19 +26,17 @@ import numpy as np
 from shmserve.shm import heap
 
 from . import device_tensors, shared_weights
-from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
+from .backend import Backend, Instance, InstanceContext, Model, ModelContext, ModelLoadError, Request, Response
 from .batch_io import BatchIO
+from .pytorch_binding import bind_inputs, forward_arguments, output_indices
 from .pytorch_settings import TorchSettings
+from .requests import RequestError
 
-_INDEXED = re.compile(r"^.+__(\d+)$")
 log = logging.getLogger("shmserve.worker")
-
-
-def _order(names: list[str]) -> list[str]:
-    """Names with __<index> suffixes sorted by index; otherwise left in config order."""
-    if names and all(_INDEXED.match(n) for n in names):
-        return sorted(names, key=lambda n: int(_INDEXED.match(n).group(1)))  # type: ignore[union-attr]
-    return names
+# torch's dtypes by their name, as the wire's datatypes (an output checked against its config)
+_WIRE_OF_TORCH = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "float64": "FP64", "int8": "INT8",
+                  "int16": "INT16", "int32": "INT32", "int64": "INT64", "uint8": "UINT8", "uint16": "UINT16",
+                  "uint32": "UINT32", "uint64": "UINT64", "bool": "BOOL"}
 
 
 class PyTorchBackend(Backend):
@@ -83,7 +80,7 @@ class PyTorchModel(Model):
             module.eval()
         if device.type == "cpu":
             self._share_weights(module, ictx)
-        return PyTorchInstance(torch, module, device, self.ctx.config, settings)
+        return PyTorchInstance(torch, module, device, self.ctx.config, settings, self.ctx.name)
 
     def _share_weights(self, module: Any, ictx: InstanceContext) -> None:
         """One copy of the weights for every CPU instance of this load (shared_weights.py),
@@ -105,7 +102,7 @@ class PyTorchModel(Model):
 
 class PyTorchInstance(Instance):
     def __init__(self, torch: Any, module: Any, device: Any, config: dict,
-                 settings: TorchSettings = TorchSettings()) -> None:
+                 settings: TorchSettings = TorchSettings(), model: str = "") -> None:
         self.torch = torch
         self.module = module
         self.device = device
@@ -113,16 +110,17 @@ class PyTorchInstance(Instance):
         self.device_inputs = device.type == "cuda"
         self.batched = config.get("max_batch_size", 0) > 0
         self.batch_io = BatchIO(config)
-        self.input_names = _order([t["name"] for t in config.get("input", [])] + self.batch_io.targets)
-        self.output_names = _order([t["name"] for t in config.get("output", [])])
-        self.by_keyword = False
-        try:
-            args = [a.name for a in module.forward.schema.arguments][1:]  # drop self
-            if not all(_INDEXED.match(n) for n in self.input_names) and set(args) == set(self.input_names):
-                self.input_names = args
-                self.by_keyword = True
-        except (AttributeError, RuntimeError):
-            pass
+        self.binding = bind_inputs(model, config, self.batch_io.targets, forward_arguments(module))
+        self.outputs = output_indices(config)
+        states = (config.get("sequence_batching") or {}).get("state", [])
+        self.output_types = {t["name"]: t.get("data_type", "")[len("TYPE_"):] for t in config.get("output", [])}
+        self.output_types.update({s["output_name"]: s.get("data_type", "")[len("TYPE_"):] for s in states
+                                  if s.get("output_name")})
+        for t in config.get("input", []):
+            dims = t.get("reshape", {}).get("shape", t.get("dims", [])) if "reshape" in t else t.get("dims", [])
+            if t.get("data_type") == "TYPE_STRING" and len(dims) + self.batched > 1:
+                raise ModelLoadError(f"Triton only supports 1 dimensional List of String as input for "
+                                     f"'{t['name']}' for model '{model}'")
 
     def execute(self, requests: list[Request]) -> list[Response]:
         torch = self.torch
@@ -130,29 +128,31 @@ class PyTorchInstance(Instance):
         io = self.batch_io
         inputs = [r.inputs for r in requests]
         generated = io.batch_inputs(inputs)
-        tensors: list[Any] = []
-        for name in self.input_names:
+
+        def value(name: str | None) -> Any:
+            if name is None:
+                return None
             if name in generated:
-                tensors.append(torch.from_numpy(generated[name]).to(self.device))
-            elif name not in requests[0].inputs:  # an optional input left out (a batch shares its inputs' names)
-                tensors.append(None)
-            else:
-                tensors.append(self._input(io.parts(name, [i[name] for i in inputs])))
-        while tensors and tensors[-1] is None:
-            tensors.pop()  # trailing absent inputs are not passed, so forward()'s defaults apply
+                return torch.from_numpy(generated[name]).to(self.device)
+            if name not in requests[0].inputs:  # an optional input left out (a batch shares its inputs' names)
+                return None
+            return self._input(io.parts(name, [i[name] for i in inputs]))
+
+        slots = self.binding.slots
+        if self.binding.as_dict:
+            tensors: list[Any] = [{n: v for n in slots if n is not None and (v := value(n)) is not None}]
+        else:
+            tensors = [value(n) for n in slots]
+            while tensors and tensors[-1] is None:
+                tensors.pop()  # trailing absent inputs are not passed, so forward()'s defaults apply
         with self.settings.running(torch):
             result = self.module(*tensors)
-        if isinstance(result, dict):
-            outputs = {k: v for k, v in result.items()}
-        else:
-            if isinstance(result, torch.Tensor):
-                result = (result,)
-            if len(result) < len(self.output_names):
-                raise RuntimeError(f"model returned {len(result)} outputs, config declares "
-                                   f"{len(self.output_names)}")
-            outputs = dict(zip(self.output_names, result))
+        outputs, refusal = self._outputs(result)
+        if refusal is not None:  # as Triton's backend: every request of the batch gets it
+            return [Response(error=refusal, status=400) for _ in requests]
         on_device = frozenset().union(*(r.device_outputs for r in requests)) if self.device_inputs else ()
-        host = {k: v.detach() if k in on_device else device_tensors.host_array(v) for k, v in outputs.items()}
+        host = {k: v if isinstance(v, np.ndarray) else v.detach() if k in on_device else device_tensors.host_array(v)
+                for k, v in outputs.items()}
         if self.settings.cache_cleaning and self.device.type == "cuda":
             torch.cuda.empty_cache()  # ENABLE_CACHE_CLEANING, as Triton's backend after each execution
         scattered = {k: io.scatter(k, v, inputs) for k, v in host.items() if k in io.outputs}
@@ -166,10 +166,48 @@ class PyTorchInstance(Instance):
             start += n
         return responses
 
+    def _outputs(self, result: Any) -> tuple[dict[str, Any], str | None]:
+        """The config's outputs out of what forward() returned (a tensor, a tuple or list of them,
+        a ``List[str]``, or a dict by name), and Triton's refusal when one is not there or not of
+        its configured datatype."""
+        torch = self.torch
+        if isinstance(result, dict):
+            outputs = dict(result)
+        else:
+            if isinstance(result, torch.Tensor) or (isinstance(result, list) and result and
+                                                    all(isinstance(x, str) for x in result)):
+                result = (result,)
+            for name, index in self.outputs.items():
+                if index >= len(result):
+                    return {}, (f"The output {name} in the model configuration refers to an output index which "
+                                f"doesn't exist. This model has {len(result)} outputs")
+            outputs = {name: result[index] for name, index in self.outputs.items()}
+        for name, v in list(outputs.items()):
+            if isinstance(v, list) and all(isinstance(x, str) for x in v):
+                outputs[name] = np.array([x.encode() for x in v], dtype=object)  # List[str]: BYTES
+                continue
+            expected = self.output_types.get(name)
+            got = _WIRE_OF_TORCH.get(str(v.dtype).removeprefix("torch.")) if isinstance(v, torch.Tensor) else None
+            if expected and got and expected != got:
+                return {}, (f"configuration expects datatype TYPE_{expected} for output '{name}', model provides "
+                            f"TYPE_{got}")
+        return outputs, None
+
+    def failure(self, name: str, e: BaseException) -> str:
+        """Triton's PyTorch backend's words for a forward() that raised."""
+        return f"PyTorch execute failure: {e}"
+
     def _input(self, parts: list[Any]) -> Any:
         """One input of the batch as a tensor on the instance's device: host arrays concatenated
-        and copied once; device tensors (a client's CUDA region) used as they are when alone."""
+        and copied once; device tensors (a client's CUDA region) used as they are when alone. A
+        BYTES input (``TYPE_STRING``, which Triton takes only where the model does not batch) is
+        the ``List[str]`` TorchScript takes."""
         torch = self.torch
+        if len(parts) == 1 and isinstance(parts[0], np.ndarray) and parts[0].dtype == object:
+            try:
+                return [x.decode() if isinstance(x, bytes) else str(x) for x in parts[0].reshape(-1)]
+            except UnicodeDecodeError:
+                raise RequestError("a TYPE_STRING input of a PyTorch model must be UTF-8 text") from None
         if not any(device_tensors.is_tensor(p) for p in parts):
             arr = parts[0] if len(parts) == 1 else np.concatenate(parts)
             if not arr.flags.writeable:
