@@ -579,6 +579,11 @@ class _DictIn(torch.nn.Module):
         return inputs["a"] * 10 + inputs["b"]
 
 
+class _Started(torch.nn.Module):
+    def forward(self, x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        return x + start * 100
+
+
 class _Words(torch.nn.Module):
     def forward(self, words: List[str]) -> List[str]:
         return [w.upper() for w in words]
@@ -611,6 +616,11 @@ def binding_server(module_factory, tmp_path_factory):
     _torchscript_model(repo, "batched_words", _Words(), (
         'max_batch_size: 4\ninput [ { name: "INPUT__0" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
         'output [ { name: "OUTPUT__0" data_type: TYPE_STRING dims: [ -1 ] } ]\n'))
+    _torchscript_model(repo, "started", _Started(), (
+        'max_batch_size: 2\ninput [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'sequence_batching { control_input [ { name: "START__1"\n'
+        '  control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] } ] }\n'))
     (repo / "no_inputs" / "1").mkdir(parents=True)
     torch.jit.save(torch.jit.script(_Long()), str(repo / "no_inputs" / "1" / "model.pt"))
     (repo / "no_inputs" / "config.pbtxt").write_text('platform: "pytorch_libtorch"\nmax_batch_size: 0\n'
@@ -670,3 +680,12 @@ def test_a_dict_input_and_string_lists_reach_forward_as_triton_passes_them(bindi
     assert client.infer("words", [_input("INPUT__0", words, "BYTES")]).as_numpy("OUTPUT__0").tolist() == [b"AB", b"CD"]
     assert _load_error(binding_server, "batched_words").endswith(
         ": Triton only supports 1 dimensional List of String as input for 'INPUT__0' for model 'batched_words'")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_sequence_control_input_reaches_forward_at_its_index(binding_server):
+    client = binding_server.client()
+    x = np.array([[1.0]], np.float32)
+    first = client.infer("started", [_input("INPUT__0", x, "FP32")], sequence_id=7, sequence_start=True)
+    later = client.infer("started", [_input("INPUT__0", x, "FP32")], sequence_id=7, sequence_end=True)
+    assert first.as_numpy("OUTPUT__0").tolist() == [[101.0]] and later.as_numpy("OUTPUT__0").tolist() == [[1.0]]
