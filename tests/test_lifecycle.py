@@ -492,6 +492,7 @@ def test_version_policies(server_factory, tmp_path, policy, expected):
     assert add_sub_result(c).get_response()["model_version"] == expected[-1]
     for v in expected:
         assert add_sub_result(c, version=v).get_response()["model_version"] == v
+        assert c.get_model_metadata("add_sub", v)["versions"] == [v]  # one version's: that one, as Triton
     for v in {"1", "2", "3"} - set(expected):
         with pytest.raises(InferenceServerException, match="Request for unknown model"):
             add_sub_result(c, version=v)

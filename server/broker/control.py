@@ -118,7 +118,9 @@ class ControlHandler:
         mv = self._version(msg.model, msg.version)
         sig = mv.signature
         assert sig is not None
-        versions = [str(v) for v, m in sorted(self.catalog.models[mv.name].items()) if m.state == State.READY]
+        # One version's metadata names that version only, as Triton's does
+        versions = [str(mv.version)] if msg.version else \
+            [str(v) for v, m in sorted(self.catalog.models[mv.name].items()) if m.state == State.READY]
 
         def tensors(specs: dict) -> list[dict]:
             return [{"name": s.name, "datatype": s.datatype, "shape": sig.full_shape(s)} for s in specs.values()]

@@ -1,5 +1,6 @@
 """The standard ``grpc.health.v1.Health/Check``: SERVING while the server is ready (what
-``ServerReady`` answers), for the whole server ("") and for Triton's inference service."""
+``ServerReady`` answers), whatever service it names, as Triton answers it: a Kubernetes gRPC probe
+with any ``service:`` set passes on both."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,9 +9,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .service import InferenceService
-from .status import Aborted
-
-SERVICES = ("", "inference.GRPCInferenceService")
 
 
 class HealthService(health_pb2_grpc.HealthServicer):
@@ -18,8 +16,6 @@ class HealthService(health_pb2_grpc.HealthServicer):
         self.inference = inference
 
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if request.service not in SERVICES:
-            raise Aborted(grpc.StatusCode.NOT_FOUND, f"unknown service '{request.service}'")
         ready = await self.inference.server_ready()
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
