@@ -89,10 +89,8 @@ def merge(current: dict[str, Any], update: Any) -> dict[str, Any]:
         elif key == "log_file":
             # As Triton since it deprecated this (server PR #7090, after CVE-2024-0087): a client
             # that could name the file could make the server append to any file its user can write.
-            if not isinstance(value, str):
-                raise ValueError(f"log setting 'log_file' must be a string, got {orjson.dumps(value).decode()}")
-            if value != current.get("log_file"):
-                raise LogFileFixed("log file location can not be updated through network protocol")
+            # Any value, the current one too: Triton 2.51 refuses the setting whatever it says.
+            raise LogFileFixed("log file location can not be updated through network protocol")
         new[key] = value
     return new
 

@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import DEADLINE_S, PYTHON, ROOT, TESTS, raw_request
+from conftest import DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, TESTS, raw_request
 from shmserve.shm.trace import GRPC_STAMPS, STAMPS, read_trace_file
 
 REPOS = [TESTS / "models" / "batching", ROOT / "model_repository"]
@@ -538,3 +538,12 @@ def test_a_setting_changed_through_one_frontend_applies_to_the_next_request_of_a
     in_second = [r["request_id"] for r in records(second, 20)]
     assert in_first == ["http-after-on"] * 20
     assert in_second == ["grpc-after-file"] * 20
+
+
+def test_tracing_switched_on_without_a_file_is_refused_in_tritons_words(server_factory):
+    """A server started with no trace file: switching tracing on names none, Triton's 400 (its
+    text, the colon where Triton puts it: clients match on it)."""
+    s = server_factory.start([PRODUCT_MODELS])
+    r = raw_request(s.port, "POST", "/v2/trace/setting", json.dumps({"trace_level": ["TIMESTAMPS"]}).encode())
+    assert (r.status, r.json()) == (400, {"error": "Attempting to set invalid trace setting :trace file name is "
+                                                   "not given"})

@@ -91,7 +91,7 @@ class TraceOwner:
     def _check(setting: dict[str, Any]) -> None:
         """Triton's rule: a setting may be invalid only if it disables tracing."""
         if setting["level"] != "OFF" and setting["mode"] == "triton" and not setting["file"]:
-            raise InvalidRequest("Attempting to set invalid trace setting: trace file name is not given")
+            raise InvalidRequest("Attempting to set invalid trace setting :trace file name is not given")  # Triton's
 
     def _apply(self, model: str, update: dict[str, Any]) -> None:
         if not update:
