@@ -616,6 +616,11 @@ def binding_server(module_factory, tmp_path_factory):
     _torchscript_model(repo, "batched_words", _Words(), (
         'max_batch_size: 4\ninput [ { name: "INPUT__0" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
         'output [ { name: "OUTPUT__0" data_type: TYPE_STRING dims: [ -1 ] } ]\n'))
+    _torchscript_model(repo, "backend_only", _Long(), (
+        'max_batch_size: 0\ninput [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_INT64 dims: [ 2 ] } ]\n'))
+    config = (repo / "backend_only" / "config.pbtxt").read_text()
+    (repo / "backend_only" / "config.pbtxt").write_text(config.replace('platform: "pytorch_libtorch"', 'backend: "pytorch"'))
     _torchscript_model(repo, "started", _Started(), (
         'max_batch_size: 2\ninput [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
         'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
@@ -689,3 +694,14 @@ def test_a_sequence_control_input_reaches_forward_at_its_index(binding_server):
     first = client.infer("started", [_input("INPUT__0", x, "FP32")], sequence_id=7, sequence_start=True)
     later = client.infer("started", [_input("INPUT__0", x, "FP32")], sequence_id=7, sequence_end=True)
     assert first.as_numpy("OUTPUT__0").tolist() == [[101.0]] and later.as_numpy("OUTPUT__0").tolist() == [[1.0]]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_pytorch_models_config_gets_the_backend_fields_triton_fills(binding_server):
+    """As Triton's AutoCompleteBackendFields: platform pytorch_libtorch and model.pt, where the
+    config named only the backend, and in the metadata too."""
+    client = binding_server.client()
+    config = client.get_model_config("backend_only")
+    assert (config["platform"], config["backend"], config["default_model_filename"]) == \
+        ("pytorch_libtorch", "pytorch", "model.pt")
+    assert client.get_model_metadata("backend_only")["platform"] == "pytorch_libtorch"

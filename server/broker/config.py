@@ -117,6 +117,11 @@ def load_config(model_dir: Path, strict: bool, override_json: str | None = None,
     if config.backend == "onnxruntime":  # as Triton fills an ONNX model's backend fields
         config.platform = config.platform or "onnxruntime_onnx"
         config.default_model_filename = config.default_model_filename or DEFAULT_MODEL_FILES["onnxruntime"]
+    if config.backend == "pytorch":  # ... and a PyTorch model's (a torch.export program keeps its own file)
+        config.platform = config.platform or "pytorch_libtorch"
+        exported = any(model_dir.glob("*/model.pt2"))
+        if not exported:
+            config.default_model_filename = config.default_model_filename or DEFAULT_MODEL_FILES["pytorch"]
     complete_defaults(config)
     return config
 
