@@ -179,3 +179,29 @@ def test_in_poll_mode_an_ensemble_loads_once_its_missing_step_appears(server_fac
     x = httpclient.InferInput("X", [4], "INT32")
     x.set_data_from_numpy(np.arange(4, dtype=np.int32))
     assert c.infer("ens_missing", [x]).as_numpy("Y").tolist() == [1, 2, 3, 4]
+
+
+def test_the_index_lists_the_repository_as_it_is_now(server_factory, tmp_path):
+    """As Triton's index polls the repository: a model folder added after the start is listed
+    (and loads), one removed is not, a failed model's too; a model that serves stays listed."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(EXAMPLES / "add_sub", repo / "add_sub")
+    (repo / "broken").mkdir()  # no version, no config: its load fails
+    s = server_factory.start([repo], ["--model-control-mode", "explicit"])
+    c = s.client()
+    assert set(_index(c)) == {"add_sub", "broken"}
+    with pytest.raises(InferenceServerException):
+        c.load_model("broken")
+    shutil.copytree(EXAMPLES / "add_sub", repo / "fresh")
+    config = repo / "fresh" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "add_sub"', 'name: "fresh"'))
+    assert _index(c)["fresh"] == {"name": "fresh"}
+    c.load_model("fresh")
+    assert _index(c)["fresh"]["state"] == "READY"
+    shutil.rmtree(repo / "broken")
+    shutil.rmtree(repo / "fresh")  # its loaded version serves on: listed
+    index = _index(c)
+    assert "broken" not in index and index["fresh"]["state"] == "READY", index

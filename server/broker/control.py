@@ -136,9 +136,11 @@ class ControlHandler:
     def _repository_index(self, client: Client, slot: int, msg: RepositoryIndex) -> Answer:
         if not self.lifecycle.running:
             raise ServerNotReady()  # draining before a stop, as Triton refuses the index while it exits
+        self.lifecycle.rescan_repositories()  # folders added or removed since count, as in Triton
         b = self.catalog
         out = []
-        for name in sorted(set(b.model_dirs) | set(b.models) | set(b.load_errors) | set(b.loading) | set(b.unloaded)):
+        failed = {n for n in b.load_errors if n in b.model_dirs}  # (a failed model whose folder went: gone)
+        for name in sorted(set(b.model_dirs) | set(b.models) | failed | set(b.loading) | set(b.unloaded)):
             versions = b.models.get(name, {})
             if name in b.loading and not versions:
                 versions = b.loading[name].versions

@@ -172,6 +172,11 @@ class Lifecycle:
         return timeout
 
     # -- the repository -------------------------------------------------------------------------
+    def rescan_repositories(self) -> None:
+        """The repositories' model folders as they are now (a repository index lists what is
+        there, as Triton's polls them for it)."""
+        self.catalog.model_dirs = self._scan_repositories()
+
     def _scan_repositories(self) -> dict[str, Path]:
         found: dict[str, Path] = {}
         for repo in self.opts.repositories:
