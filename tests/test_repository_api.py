@@ -13,7 +13,7 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from conftest import raw_request
+from conftest import raw_request, wait_until
 
 REPO = Path(__file__).parent / "models" / "repository_api"
 EXAMPLES = Path(__file__).resolve().parent.parent / "model_repository"
@@ -205,3 +205,30 @@ def test_the_index_lists_the_repository_as_it_is_now(server_factory, tmp_path):
     shutil.rmtree(repo / "fresh")  # its loaded version serves on: listed
     index = _index(c)
     assert "broken" not in index and index["fresh"]["state"] == "READY", index
+
+
+def test_unload_dependents_keeps_steps_loaded_by_name_or_used_by_another_ensemble(server_factory):
+    """As Triton's cascading unload: an ensemble unloaded with unload_dependents takes along the
+    steps it brought, but not one a client loaded by name, nor one another ensemble still uses."""
+    s = server_factory.start([Path(__file__).parent / "models" / "ensembles", EXAMPLES],
+                             ["--model-control-mode", "explicit"])
+    c = s.client()
+
+    def states() -> dict[str, str]:
+        """Once the steps that go with an ensemble are done draining."""
+        wait_until(lambda: "UNLOADING" not in {e.get("state") for e in _index(c).values()}, "the unloads", 30)
+        return {name: e.get("state", "") for name, e in _index(c).items()}
+
+    c.load_model("par")  # brings slow_add and slow_mul
+    c.load_model("slow_add")  # ... and now slow_add by name too
+    c.unload_model("par", unload_dependents=True)
+    after = states()
+    assert (after["par"], after["slow_add"], after["slow_mul"]) == ("UNAVAILABLE", "READY", "UNAVAILABLE"), after
+    c.load_model("inner")  # brings add_sub
+    c.load_model("outer")  # uses inner and add_sub
+    c.unload_model("outer", unload_dependents=True)
+    after = states()
+    assert (after["outer"], after["inner"], after["add_sub"]) == ("UNAVAILABLE", "READY", "READY"), after
+    c.unload_model("inner", unload_dependents=True)
+    after = states()
+    assert (after["inner"], after["add_sub"]) == ("UNAVAILABLE", "UNAVAILABLE"), after

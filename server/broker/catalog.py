@@ -74,6 +74,9 @@ class Catalog:
         self.load_times = LoadTimes()  # every successful load's duration (load_times.py)
         self.model_dirs: dict[str, Path] = {}  # model -> its folder in a repository
         self.canaries: dict[str, Canary] = {}  # model -> its canary state (see canary.py)
+        # Models loaded by name (a load request, --load-model, a repository poll), not only as an
+        # ensemble's steps: unloading an ensemble with unload_dependents keeps them, as Triton does.
+        self.explicit: set[str] = set()
 
     def serving(self) -> list[ModelVersion]:
         return [mv for versions in self.models.values() for mv in versions.values()]

@@ -242,14 +242,17 @@ class Lifecycle:
 
     # -- loading --------------------------------------------------------------------------------
     def load_model(self, name: str, override_json: str | None = None, waiter: tuple[Any, int] | None = None,
-                   model_dir: Path | None = None) -> LoadRefused | None:
+                   model_dir: Path | None = None, explicit: bool = True) -> LoadRefused | None:
         """Start loading every version of ``name`` the policy selects beside what serves now;
-        returns an error at once, or None (the swap happens when all are ready).
+        returns an error at once, or None (the swap happens when all are ready). ``explicit``: it
+        was asked for by name (not only as an ensemble's step: ``Catalog.explicit``).
 
         A load of ``name`` already in progress that asked for the same folder and config is
         joined; one that asked for something else is cancelled, so the last request wins. A
         request refused at once (no folder, an invalid config) leaves a load in progress alone."""
         catalog = self.catalog
+        if explicit:
+            catalog.explicit.add(name)
         model_dir = model_dir or catalog.model_dirs.get(name)
         if model_dir is None:
             catalog.model_dirs = self._scan_repositories()
@@ -326,7 +329,7 @@ class Lifecycle:
         catalog = self.catalog
         for dep in mv.ensemble.dependencies():  # as Triton: an ensemble brings its steps
             if dep not in catalog.models and dep not in catalog.load_errors and dep not in catalog.loading:
-                self.load_model(dep)
+                self.load_model(dep, explicit=False)
 
     def _start_instances(self, mv: ModelVersion) -> None:
         """Give ``mv`` its scheduler and start a worker per instance its config asks for."""
@@ -358,7 +361,7 @@ class Lifecycle:
             ensemble = self.steps_loaded.pop()
             if ensemble in self.catalog.load_errors and ensemble not in self.catalog.loading:
                 log.info("repository change: a step of '%s' loaded; loading it again", ensemble)
-                self.load_model(ensemble)
+                self.load_model(ensemble, explicit=False)
 
     def _waits_for_steps(self, job: LoadJob) -> bool:
         loading = self.catalog.loading
@@ -453,7 +456,7 @@ class Lifecycle:
         waiters, job.waiters = job.waiters, []
         self._abandon(job, 400, reason)  # its workers stop; nobody is answered yet
         log.warning("%s; trying again (retry %d of %d)", reason, job.retries + 1, self.opts.load_retries)
-        refused = self.load_model(job.name, job.override, model_dir=Path(job.model_dir))
+        refused = self.load_model(job.name, job.override, model_dir=Path(job.model_dir), explicit=False)
         again = self.catalog.loading.get(job.name)
         if again is not None:
             again.retries = job.retries + 1
@@ -589,6 +592,7 @@ class Lifecycle:
         unloaded; answered once its workers are gone."""
         catalog = self.catalog
         cancelled = name in catalog.loading
+        catalog.explicit.discard(name)
         self.blocked.pop(name, None)
         self.cancel_load(name, UNLOADED)
         versions = catalog.models.pop(name, {})
@@ -602,9 +606,11 @@ class Lifecycle:
             catalog.unloaded[name] = sorted(versions)
         for mv in versions.values():
             if dependents and mv.ensemble is not None:
+                # As Triton: a step goes with it unless it was loaded by name or another ensemble
+                # still uses it; a nested ensemble's steps likewise.
                 for dep in mv.ensemble.dependencies():
-                    if dep in catalog.models:
-                        self.unload_model(dep)
+                    if dep in catalog.models and dep not in catalog.explicit and not self._used_by_ensembles(dep):
+                        self.unload_model(dep, dependents=True)
             self._retire(mv)
         if versions or cancelled:  # the newest entry: a serving version, which drains last
             catalog.retiring[-1].waiters.extend([waiter] if waiter is not None else [])
@@ -613,6 +619,11 @@ class Lifecycle:
         self.updates.abandon(name, CANCELLED_STATUS, UNLOADED)
         self.routes.publish()
         self._record(name, None)
+
+    def _used_by_ensembles(self, name: str) -> bool:
+        """Whether a loaded ensemble has ``name`` as a step."""
+        return any(mv.ensemble is not None and name in mv.ensemble.dependencies()
+                   for versions in self.catalog.models.values() for mv in versions.values())
 
     def _retire(self, mv: ModelVersion) -> None:
         mv.state = State.UNLOADING
