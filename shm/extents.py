@@ -48,7 +48,16 @@ MIN_START_BYTES = 64 << 10  # room for a few error documents
 
 
 class GrowthRefused(Exception):
-    """The arena could not grow for an answer: its text is the answer's error (a 503)."""
+    """The arena could not grow for an answer: its text is the answer's error (a 503: retry)."""
+
+    status = 503
+
+
+class AnswerTooLarge(GrowthRefused):
+    """An answer larger than the arena's cap could ever hold: no retry helps (a 500, as Triton's
+    backend fails an output its shared-memory pool cannot take)."""
+
+    status = 500
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -151,8 +160,8 @@ class OutputArenas:
         if size < need:
             if need <= max(self.cap - self.first.capacity, self.first.capacity):
                 return None
-            raise GrowthRefused(self._refusal(response, f"no room under the cap of {self.owner.arena}, "
-                                                    f"{self.owner.cap_flag}={self.cap >> 20} ({space.mib(used)} in use)"))
+            raise AnswerTooLarge(self._refusal(response, f"larger than the cap of {self.owner.arena} lets it ever "
+                                                     f"hold, {self.owner.cap_flag}={self.cap >> 20}: raise it"))
         extent = self._next
         if any(e % EXTENT_ENTRIES == extent % EXTENT_ENTRIES for e in self._grown):
             return None  # its entry in the header still describes a live extent: wait for it to drain

@@ -190,11 +190,11 @@ class Answers:
         ``shm.protocol.NO_ROOM`` (no request is left unanswered)."""
         room = answer_room(len(raw))
         total = room + sum(n for n, _ in tensors)
-        status = 0
+        status, refused_status = 0, 503
         try:
             extent, off = self.arena.alloc(total, entry["ticket"])
         except GrowthRefused as e:
-            refused = str(e)
+            refused, refused_status = str(e), e.status  # (500: it could never fit, a retry would not help)
             log.warning("%s", refused)
             extent, off = 0, -1
         else:
@@ -203,7 +203,7 @@ class Answers:
             raw = AnswerDescriptor(error=refused or f"model instance '{self.model.instance_name}' has no room "
                                                    f"for a {total}-byte response in its output arena; retry later"
                                    ).encode()
-            status, tensors = 503, []
+            status, tensors = refused_status, []
             total = answer_room(len(raw))
             try:
                 extent, off = self.arena.alloc(total, entry["ticket"])

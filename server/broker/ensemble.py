@@ -669,13 +669,13 @@ class Ensembles:
         room = answer_room(len(body))
         try:
             extent, off = self.answers.alloc(room + pos, run.client.ticket)
-            refused = ""
+            refused, status = "", 503
         except GrowthRefused as e:
-            extent, off, refused = 0, -1, str(e)
+            extent, off, refused, status = 0, -1, str(e), e.status
         if off < 0:
             why = refused or no_room_text(self.answers.first, "the broker's arena is full")
-            self._fail_run(run, None, 503, f"no room for the {room + pos}-byte response of ensemble "
-                                           f"'{run.plan.name}': {why}")
+            self._fail_run(run, None, status, f"no room for the {room + pos}-byte response of ensemble "
+                                              f"'{run.plan.name}': {why}")
             return None
         buf = self.answers.buf(extent)
         at = write_answer(buf, off, body)
