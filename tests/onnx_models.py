@@ -132,3 +132,9 @@ def matmul_external(repo: Path, name: str, weights: np.ndarray, config: str) -> 
     onnx.save_model(m, str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="weights.bin", size_threshold=0)
     (repo / name / "config.pbtxt").write_text(config)
+
+
+def zeros_of_shape() -> onnx.ModelProto:
+    """OUT = zeros of the shape SHAPE (INT64 [1]) names: a negative size fails in onnxruntime's run."""
+    return model([helper.make_node("ConstantOfShape", ["SHAPE"], ["OUT"])],
+                 [tensor("SHAPE", TensorProto.INT64, [1])], [tensor("OUT", TensorProto.FLOAT, ["n"])])

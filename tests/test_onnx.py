@@ -109,6 +109,9 @@ def build_repository(repo: Path) -> Path:
     om.write(repo, "add_sub_auto", om.add_sub(), None)  # no config.pbtxt at all
     om.write(repo, "add_sub_fixed", om.add_sub(batch=2), None)
     om.write(repo, "per_row", om.per_row_scalar(), None)
+    om.write(repo, "zeros", om.zeros_of_shape(), 'platform: "onnxruntime_onnx"\nmax_batch_size: 0\n'
+             'input [ { name: "SHAPE" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
+             'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]\n')
     om.write(repo, "batcher_only", om.add_sub(),
              'platform: "onnxruntime_onnx"\ndynamic_batching { max_queue_delay_microseconds: 100 }\n')
     om.write(repo, "named_file", om.add_sub(), add_sub_config("named_file", 'default_model_filename: "net.onnx"\n'),
@@ -524,3 +527,14 @@ def test_digits_onnx_answers_as_its_torchscript_twin(server):
     module = torch.jit.load(str(PRODUCT_MODELS / "digits" / "1" / "model.pt"), map_location="cpu").eval()
     with torch.inference_mode():
         np.testing.assert_allclose(got[:64], module(torch.from_numpy(x[:64])).numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_run_onnxruntime_fails_is_answered_in_tritons_words(onnx_client):
+    """As Triton's onnxruntime backend words it (``RETURN_IF_ORT_ERROR``): "onnx runtime error
+    <code>: <message>", a 500; the next run is served."""
+    with pytest.raises(InferenceServerException) as e:
+        onnx_client.infer("zeros", [_input("SHAPE", np.array([-1], np.int64), "INT64")])
+    assert e.value.status() == "500" and e.value.message().startswith("onnx runtime error 1: "), e.value.message()
+    assert "ConstantOfShape" in e.value.message()
+    out = onnx_client.infer("zeros", [_input("SHAPE", np.array([3], np.int64), "INT64")]).as_numpy("OUT")
+    assert out.tolist() == [0.0, 0.0, 0.0]

@@ -19,6 +19,7 @@ which a string tensor cannot be, so a graph taking strings and giving bfloat16 i
 from __future__ import annotations
 
 import ctypes
+import re
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,8 @@ from .onnx_graph import GraphTensor, auto_complete, check, graph_tensor, model_d
 from .onnx_session import Placement, model_path, open_session, run_options
 
 _BF16_ONNX = 16  # TensorProto.BFLOAT16
+# onnxruntime's Python exceptions: "[ONNXRuntimeError] : <code> : <CODE_NAME> : <message>"
+_ORT_ERROR = re.compile(r"^\[ONNXRuntimeError\] : (\d+) : \w+ : (.*)$", re.DOTALL)
 
 
 def _import_onnxruntime() -> Any:
@@ -124,6 +127,11 @@ class OnnxInstance(Instance):
                 self.reshaped[entry["name"]] = (inner, outer)
         sb = config.get("sequence_batching") or {}
         self.state_outputs = [st["output_name"] for st in sb.get("state", [])]
+
+    def failure(self, name: str, e: BaseException) -> str:
+        """Triton's onnxruntime backend's words for a run that failed (its ``RETURN_IF_ORT_ERROR``)."""
+        m = _ORT_ERROR.match(str(e))
+        return f"onnx runtime error {m.group(1)}: {m.group(2)}" if m else super().failure(name, e)
 
     def execute(self, requests: list[Request]) -> list[Response]:
         responses: list[Response] = [Response() for _ in requests]
