@@ -652,3 +652,14 @@ def test_an_ensemble_counts_its_inferences_executions_and_its_steps_compute(serv
         assert sample(text, "nv_inference_compute_infer_duration_us", model="twice", version="1") > 0
     finally:
         http.client.close()
+
+
+def test_the_metrics_port_takes_tritons_paths_and_refuses_other_methods(stats_server):
+    """/metrics with or without its slash (a Prometheus job's metrics_path either way), and a 405
+    in JSON for another method, as Triton's metrics service answers."""
+    for path in ("/metrics", "/metrics/"):
+        with urllib.request.urlopen(f"http://127.0.0.1:{stats_server.metrics_port}{path}", timeout=5) as r:
+            assert r.status == 200 and b"nv_inference_request_success" in r.read(), path
+    for method in ("POST", "PUT", "DELETE"):
+        r = raw_request(stats_server.metrics_port, method, "/metrics", b"")
+        assert (r.status, r.json()) == (405, {"error": "Method Not Allowed"}), method

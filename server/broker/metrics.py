@@ -380,7 +380,7 @@ def _server_class(address: str) -> type[http.server.ThreadingHTTPServer]:
 def _handler(registry: CollectorRegistry) -> type[http.server.BaseHTTPRequestHandler]:
     class MetricsHandler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the standard library's name
-            if self.path.split("?")[0] not in ("/metrics", "/"):
+            if self.path.split("?")[0] not in ("/metrics", "/metrics/", "/"):  # (Triton takes the slash too)
                 self.send_error(404, "metrics are served at /metrics")
                 return
             try:
@@ -394,6 +394,19 @@ def _handler(registry: CollectorRegistry) -> type[http.server.BaseHTTPRequestHan
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def _not_allowed(self) -> None:
+            """Any other method: Triton's 405, in JSON."""
+            body = b'{"error":"Method Not Allowed"}'
+            self.send_response(405)
+            self.send_header("Allow", "GET")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed  # noqa: N815
 
         def log_message(self, format: str, *args: object) -> None:  # scrapes are not news
             pass
