@@ -403,6 +403,17 @@ def test_system_shared_memory_register_twice_and_missing_key(client, shm_regions
     assert [s["name"] for s in client.get_system_shared_memory_status()] == ["tshm_twice"]
 
 
+def test_a_register_request_without_its_fields_is_refused_in_tritons_words(server):
+    for body, text in ((b'{"byte_size": 64}', "Shared memory register request has no 'key' field"),
+                       (b'{"key": "/x"}', "Shared memory register request has no 'byte_size' field")):
+        r = raw_request(server.port, "POST", "/v2/systemsharedmemory/region/r/register", body)
+        assert (r.status, r.json()) == (400, {"error": text})
+    r = raw_request(server.port, "POST", "/v2/cudasharedmemory/region/r/register", b'{"byte_size": 64}')
+    assert (r.status, r.json()) == (400, {"error": "Shared memory register request has no 'raw_handle' field"})
+    r = raw_request(server.port, "POST", "/v2/systemsharedmemory/region/r/register", b"{")
+    assert r.status == 400 and r.json()["error"].startswith("failed to parse the request JSON buffer: ")
+
+
 def test_infer_through_system_shared_memory(client, shm_regions):
     nbytes = 16 * 4
     in_handle, in_key = shm_regions("tshm_in", 2 * nbytes)

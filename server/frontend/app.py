@@ -369,15 +369,20 @@ class Frontend:
             return caller
         try:
             doc = orjson.loads(await request.body())
-            if not isinstance(doc, dict) or "key" not in doc or "byte_size" not in doc:
-                raise BadRequest("the register request must give 'key' and 'byte_size'")
+            if not isinstance(doc, dict):
+                raise BadRequest("the register request must be a JSON object")
+            for field in ("key", "byte_size"):  # Triton's words
+                if field not in doc:
+                    raise BadRequest(f"Shared memory register request has no '{field}' field")
             if not isinstance(doc["key"], str):
                 raise BadRequest("'key' must be a string")
             for field in ("offset", "byte_size"):
                 v = doc.get(field, 0)
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise BadRequest(f"'{field}' must be a non-negative integer")
-        except (orjson.JSONDecodeError, BadRequest) as e:
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"failed to parse the request JSON buffer: {e}")
+        except BadRequest as e:
             return error_response(400, str(e))
         return await self._register(control.RegisterSystemRegion(request.path_params["name"], doc["key"],
                                                                  doc["byte_size"], doc.get("offset", 0), caller))
@@ -395,7 +400,11 @@ class Frontend:
             return caller
         try:
             doc = orjson.loads(await request.body())
-            handle = doc.get("raw_handle") if isinstance(doc, dict) else None
+            if not isinstance(doc, dict):
+                raise BadRequest("the register request must be a JSON object")
+            if "raw_handle" not in doc:  # Triton's words
+                raise BadRequest("Shared memory register request has no 'raw_handle' field")
+            handle = doc["raw_handle"]
             raw = handle.get("b64") if isinstance(handle, dict) else None
             if not isinstance(raw, str) or "byte_size" not in doc:
                 raise BadRequest("the register request must give 'raw_handle': {'b64': ...}, 'device_id' "
@@ -404,7 +413,9 @@ class Frontend:
                 v = doc.get(field, 0)
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise BadRequest(f"'{field}' must be a non-negative integer")
-        except (orjson.JSONDecodeError, BadRequest) as e:
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"failed to parse the request JSON buffer: {e}")
+        except BadRequest as e:
             return error_response(400, str(e))
         return await self._register(control.RegisterCudaRegion(request.path_params["name"], raw, doc["byte_size"],
                                                                doc.get("device_id", 0), caller))
