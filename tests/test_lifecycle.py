@@ -513,6 +513,12 @@ def test_rollback_to_an_older_version_in_one_call_loses_no_request(server_factor
         load.wait_more()  # served by version 1 now
     assert c.get_model_metadata("add_sub")["versions"] == ["1"]
     assert load.errors == [] and load.ok > 0
+    # Version 2 stays listed, UNAVAILABLE "unloaded" once drained, and is "not at ready state", as in Triton
+    wait_until(lambda: {e.get("version"): e.get("state") for e in c.get_model_repository_index()
+                        if e["name"] == "add_sub"} == {"1": "READY", "2": "UNAVAILABLE"}, DEADLINE_S, "v2 drained")
+    assert [e for e in c.get_model_repository_index() if e["name"] == "add_sub"][1]["reason"] == "unloaded"
+    with pytest.raises(InferenceServerException, match="version 2 is not at ready state"):
+        add_sub_result(c, version="2")
 
 
 SLOW_START = Path(__file__).resolve().parent / "models" / "lifecycle"

@@ -136,6 +136,8 @@ class Catalog:
             raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")
         if not latest:
             mv = versions.get(v)
+            if mv is None and v in self.unloaded.get(model, ()):  # one a reload's policy dropped
+                raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")
             if mv is None:
                 raise UnknownModel(f"Request for unknown model: '{model}' version {v} is not found")
             if mv.state != State.READY:

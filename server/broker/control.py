@@ -139,15 +139,18 @@ class ControlHandler:
         self.lifecycle.rescan_repositories()  # folders added or removed since count, as in Triton
         b = self.catalog
         out = []
-        failed = {n for n in b.load_errors if n in b.model_dirs}  # (a failed model whose folder went: gone)
-        for name in sorted(set(b.model_dirs) | set(b.models) | failed | set(b.loading) | set(b.unloaded)):
+        present = {n for n in b.load_errors if n in b.model_dirs}  # (a failed model whose folder went: gone)
+        for name in sorted(set(b.model_dirs) | set(b.models) | present | set(b.loading) | set(b.unloaded)):
             versions = b.models.get(name, {})
             if name in b.loading and not versions:
                 versions = b.loading[name].versions
             if versions:
                 stale = b.failed_reload(name)  # the old versions serve on after a later load failed
-                for v, mv in sorted(versions.items()):
-                    out.append({"name": name, "version": str(v), **index_state(mv, stale, b)})
+                entries = [{"name": name, "version": str(v), **index_state(mv, stale, b)}
+                           for v, mv in versions.items()]
+                if name in b.unloaded:  # versions a reload's policy dropped
+                    entries += [e for e in unloaded_entries(name, b) if int(e["version"]) not in versions]
+                out += sorted(entries, key=lambda e: int(e["version"]))
             elif name in b.load_errors:
                 failed = {"state": State.UNAVAILABLE.value, "reason": b.load_errors[name]}
                 tried = b.failed_versions.get(name)

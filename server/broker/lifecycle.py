@@ -398,9 +398,12 @@ class Lifecycle:
             del catalog.loading[name]
             catalog.load_errors.pop(name, None)
             catalog.failed_versions.pop(name, None)
-            catalog.unloaded.pop(name, None)
             self.blocked.pop(name, None)
             old = catalog.models.get(name, {})
+            # Versions a new policy no longer serves stay listed, UNAVAILABLE "unloaded", as in Triton.
+            dropped = sorted((set(catalog.unloaded.pop(name, [])) | set(old)) - set(job.versions))
+            if dropped:
+                catalog.unloaded[name] = dropped
             catalog.models[name] = dict(job.versions)
             canary = catalog.canaries.setdefault(name, Canary(name))
             canary.configured = job.canary_policy
