@@ -176,10 +176,12 @@ def test_a_model_that_never_sends_the_final_flag(server):
             with pytest.raises(InferenceServerError, match="Deadline Exceeded"):
                 client.infer(MODEL, {"X": np.arange(10, dtype=np.int32)}, parameters={"mode": "never"},
                              client_timeout=0.5)
+        # (answered as cancelled once the worker hears of the timeout: under load that may take a
+        # moment, and until then their blocks are held, as they must be)
+        wait_until(lambda: not client._conn._slots.inflight, "the kept requests answered as cancelled", 30)
         x = np.arange(25_000, dtype=np.int32)
         for _ in range(40):
             assert client.infer(MODEL, {"X": x}, parameters={"mode": "one_call"})["Y"][-1] == 2 * x[-1]
-        wait_until(lambda: not client._conn._slots.inflight, "the kept requests answered as cancelled", 30)
         assert release(client) == 2  # the model held both senders meanwhile
     pid = server.worker_pids(MODEL)[0]
     time.sleep(0.5)
