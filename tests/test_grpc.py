@@ -163,6 +163,18 @@ def test_add_sub_typed_contents(stub):
     np.testing.assert_array_equal(out["OUTPUT1"], np.arange(16) - 2)
 
 
+def test_a_request_parameter_with_no_value_is_refused_in_tritons_words(stub):
+    request = service_pb2.ModelInferRequest(model_name="add_sub")
+    for name in ("INPUT0", "INPUT1"):
+        request.inputs.add(name=name, datatype="INT32", shape=[16]).contents.int_contents.extend(range(16))
+    request.parameters["foo"].SetInParent()  # an InferParameter with none of its values set
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(request)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "invalid value type for 'foo' parameter, expected int64_param, bool_param, or " \
+                                "string_param."
+
+
 @pytest.mark.parametrize("datatype,field,values,dtype", [
     ("BOOL", "bool_contents", [True, False, True, True], np.bool_),
     ("INT8", "int_contents", [-128, 0, 5, 127], np.int8),

@@ -480,6 +480,9 @@ def add_request_parameters(req: InferRequest, params: dict, json_body: bool = Fa
         for key, value in params.items():
             if key in RESERVED_PARAMETERS:
                 continue
+            if value is None and not json_body:  # an InferParameter with no value set: Triton's words
+                raise BadRequest(f"invalid value type for '{key}' parameter, expected int64_param, bool_param, or "
+                                 f"string_param.")
             if not isinstance(value, (bool, int, float, str)):
                 raise BadRequest(f"parameter '{key}' must be a bool, a number or a string")
             if isinstance(value, float) and not math.isfinite(value):  # (the descriptor's JSON has no NaN)
