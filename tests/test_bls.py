@@ -116,3 +116,65 @@ def test_bls_error_keeps_its_code(server, code):
     result = server.client().infer("error_caller", [c, string_input("TARGET", "error_source")])
     assert result.as_numpy("GOT").tolist() == [code]
     assert result.as_numpy("MESSAGE")[0].decode() == f"failed with code {code}"
+
+
+ORDER_PY = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("M", x + 1), pb_utils.Tensor("Z", x + 2),
+                                                   pb_utils.Tensor("A", x + 3)]))
+        return out
+'''
+ORDER_CONFIG = ('backend: "python"\nmax_batch_size: 0\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+                'output [ { name: "Z" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "A" data_type: TYPE_FP32 dims: [ 1 ] },\n'
+                '         { name: "M" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+CALLER_PY = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            asked = json.loads(r.parameters()).get("asked", "").split(",")
+            got = pb_utils.InferenceRequest(model_name="order", inputs=[pb_utils.Tensor("X", np.ones(1, np.float32))],
+                                            requested_output_names=[a for a in asked if a]).exec()
+            names = ",".join(t.name() for t in got.output_tensors())
+            first = got.output_tensors()[0].as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("NAMES", np.array([names.encode()], np.object_)),
+                                                   pb_utils.Tensor("FIRST", first)]))
+        return out
+'''
+CALLER_CONFIG = ('backend: "python"\nmax_batch_size: 0\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+                 'output [ { name: "NAMES" data_type: TYPE_STRING dims: [ 1 ] }, '
+                 '{ name: "FIRST" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+
+
+def test_outputs_come_in_the_order_the_model_returned_them(module_factory, tmp_path):
+    """As Triton answers: the model's own order, filtered to the outputs asked for, over HTTP and
+    to a BLS caller, whose ``output_tensors()[0]`` is the first tensor the callee returned."""
+    repo = tmp_path / "repo"
+    for name, code, config in (("order", ORDER_PY, ORDER_CONFIG), ("order_caller", CALLER_PY, CALLER_CONFIG)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(code)
+        (repo / name / "config.pbtxt").write_text(config)
+    s = module_factory.start([repo])
+    c = s.client()
+    x = httpclient.InferInput("X", [1], "FP32")
+    x.set_data_from_numpy(np.ones(1, np.float32))
+    for asked, expected in ((["A", "Z"], ["Z", "A"]), (["M", "A", "Z"], ["M", "Z", "A"]), ([], ["M", "Z", "A"])):
+        outs = [httpclient.InferRequestedOutput(n) for n in asked] or None
+        got = c.infer("order", [x], outputs=outs).get_response()["outputs"]
+        assert [o["name"] for o in got] == expected, asked
+        answer = c.infer("order_caller", [x], parameters={"asked": ",".join(asked)})
+        assert answer.as_numpy("NAMES")[0].decode() == ",".join(expected), asked
+        assert answer.as_numpy("FIRST").tolist() == [{"M": 2.0, "Z": 3.0, "A": 4.0}[expected[0]]]

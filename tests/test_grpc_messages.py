@@ -257,8 +257,8 @@ def test_requested_outputs_and_their_parameters(stub):
     request.outputs.add(name="PID")
     request.outputs.add(name="Y").parameters["binary_data"].bool_param = True
     response = stub.ModelInfer(request)
-    assert [o.name for o in response.outputs] == ["PID", "Y"]
-    assert np.frombuffer(response.raw_output_contents[1], np.int32).tolist() == [2, 3]
+    assert [o.name for o in response.outputs] == ["Y", "PID"]  # the model's order, as Triton answers
+    assert np.frombuffer(response.raw_output_contents[0], np.int32).tolist() == [2, 3]
     request.outputs[1].parameters["binary_data"].int64_param = 1
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
                                        "output 'Y': parameter 'binary_data' must be true or false")

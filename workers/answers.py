@@ -112,7 +112,11 @@ class Answers:
                                                  trace=self.ran_stamps(entry)).encode(), []
         model = self.model
         wanted = entry.get("outputs")
-        names = [o["name"] for o in wanted] if wanted else model.answered(resp.outputs)
+        if wanted:  # in the order the model returned them, as Triton answers (a BLS caller indexes them)
+            asked = [o["name"] for o in wanted]
+            names = [n for n in resp.outputs if n in asked] + [n for n in asked if n not in resp.outputs]
+        else:
+            names = model.answered(resp.outputs)
         placed = {o["name"]: o for o in wanted or () if "seg" in o or "cuda" in o}
         classes = {o["name"]: o["class"] for o in wanted if "class" in o} if wanted else {}
         outs: list[OutputTensor] = []
