@@ -20,6 +20,12 @@ Worker hooks, not part of Triton's API: ``runtime.set_model_dir`` and ``runtime.
 """
 from __future__ import annotations
 
+# Triton's module imports these at its top, and models reach them through it (``pb_utils.np``).
+import json  # noqa: F401
+import struct  # noqa: F401
+
+import numpy as np  # noqa: F401
+
 from .datatypes import (
     TRITON_STRING_TO_NUMPY,
     deserialize_bytes_tensor,

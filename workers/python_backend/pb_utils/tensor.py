@@ -21,11 +21,15 @@ _NOT_CONTIGUOUS = ("DLPack tensor is not contiguous. Only contiguous DLPack "
                    "tensors that are stored in C-Order are supported.")
 
 
-def _check_name(name: Any) -> None:
+def _checked_name(name: Any) -> str:
+    """A tensor's name: a str, or bytes (UTF-8), as Triton's binding takes a std::string."""
+    if isinstance(name, bytes):
+        name = name.decode("utf-8")
     if not isinstance(name, str):
         raise TypeError(f"Tensor name must be a str, got {type(name).__name__}")
     if name == "":
         raise TritonModelException("Tensor name cannot be an empty string.")
+    return name
 
 
 class Tensor:
@@ -39,7 +43,7 @@ class Tensor:
     _torch: Any = None  # set only for GPU / bfloat16 DLPack imports
 
     def __init__(self, name: str, numpy_array: Any) -> None:
-        _check_name(name)
+        name = _checked_name(name)
         arr = numpy_array if isinstance(numpy_array, np.ndarray) else np.asarray(numpy_array)
         dtype = numpy_to_triton_type(arr.dtype)
         if dtype is None:
@@ -140,7 +144,7 @@ class Tensor:
         """Wrap a DLPack capsule or any object with ``__dlpack__`` (torch
         tensor, numpy array, ...) without copying.  CPU tensors of numpy
         dtypes become numpy-backed; GPU and bfloat16 tensors need torch."""
-        _check_name(name)
+        name = _checked_name(name)
         producer, numpy_ok = _producer(dlpack_tensor)
         if numpy_ok:
             arr = _numpy_import(producer, dlpack.is_capsule(dlpack_tensor))
