@@ -99,7 +99,7 @@ def test_a_streaming_bls_call_refused_at_once_yields_one_error_response(server):
 @pytest.mark.parametrize("value,text", [
     (0, "Expected a list in the execute return, found type '<class 'tuple'>'."),
     (1, "Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
-        "InferenceRequest(s) size is:1, and InferenceResponse(s) size is:0"),
+        "InferenceRequest(s) size is:1, and InferenceResponse(s) size is:0\n"),
     (2, "Expected an 'InferenceResponse' object in the execute function return list, found type '<class 'str'>'."),
 ])
 def test_what_execute_returns_is_checked_in_tritons_words(server, value, text):

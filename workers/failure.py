@@ -18,11 +18,14 @@ _NOT_THE_MODEL = tuple(os.path.join(_ROOT, d, "") for d in ("workers", "shm", "s
 
 def execute_failure(instance: str, e: BaseException, frames: bool = True) -> str:
     """Triton's text for ``e`` raised by the ``execute`` of the instance named ``instance``;
-    ``frames``: with the model's frames (a Python model's, whose code its author reads)."""
+    ``frames``: with the model's frames (a Python model's, whose code its author reads), and an
+    exception with no message said as Triton's stub says it."""
     try:
         message = str(e)
     except Exception:  # noqa: BLE001 - a model's exception whose __str__ raises
         message = "<exception str() failed>"
+    if frames and not message:
+        message = "<EMPTY MESSAGE>"
     text = f"Failed to process the request(s) for model '{instance}', message: {type(e).__name__}: {message}"
     model_frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_NOT_THE_MODEL)] \
         if frames else []

@@ -43,3 +43,11 @@ def test_without_frames_for_a_model_that_is_not_python_code():
     except ValueError as e:
         assert execute_failure("m_0", e, frames=False) == \
             "Failed to process the request(s) for model 'm_0', message: ValueError: bad value 1.5"
+
+
+def test_an_exception_with_no_message_is_said_as_tritons_stub_says_it():
+    class TritonModelException(Exception):
+        pass
+
+    text = execute_failure("m_0", TritonModelException())
+    assert text == "Failed to process the request(s) for model 'm_0', message: TritonModelException: <EMPTY MESSAGE>"

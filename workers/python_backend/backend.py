@@ -201,7 +201,7 @@ class PythonInstance(Instance):
         if len(results) != len(replies):
             raise ExecuteContract(f"Number of InferenceResponse objects do not match the number of InferenceRequest "
                                   f"objects. InferenceRequest(s) size is:{len(replies)}, and InferenceResponse(s) "
-                                  f"size is:{len(results)}")
+                                  f"size is:{len(results)}\n")  # (Triton's line end too)
         answers: list[Response | Deferred] = []
         for result, reply, sender in zip(results, replies, senders):
             if result is None:
