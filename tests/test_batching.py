@@ -437,3 +437,19 @@ def test_pytorch_model_batches_under_concurrency(server):
     execs = metric(server, "nv_inference_exec_count", "digits") - before_exec
     assert count == 65
     assert execs < count  # some requests ran together in one forward
+
+
+def test_a_drained_queue_answers_each_batch_as_it_ends_and_takes_what_arrives_meanwhile(server, tmp_path):
+    """One instance, a queue of batches that cannot share (widths differ): each answer goes out
+    when its batch ends, not once the queue has drained (a round held them all, as Triton never
+    does); and a request of higher priority that arrives while the queue drains runs next, not
+    after the queue."""
+    with Busy(server, "probe_prio", tmp_path) as busy:
+        queued = [busy.send(1, width, 2, sleep_s=0.4)[0] for width in (3, 4)]  # low priority
+        busy.release()
+        time.sleep(0.15)  # the first queued batch runs now
+        high = busy.pool.submit(infer_with, server.url, "probe_prio", 5, 1, sleep_s=0.4)
+        first, second, urgent = queued[0].result(), queued[1].result(), high.result()
+    assert urgent["order"] == first["order"] + 1 and second["order"] == urgent["order"] + 1
+    # each answered as its batch ended: 0.4 s apart (they were all sent before the first ran)
+    assert second["seconds"] - first["seconds"] >= 0.6, (first, second)

@@ -88,6 +88,10 @@ class Answers:
         """Run ``send`` (a stream's end) with the round's completions; the worker's loop only."""
         self._later.append(send)
 
+    def pending(self) -> bool:
+        """Whether answers wait for ``send_completions``."""
+        return bool(self._notes or self._later)
+
     def send_completions(self) -> None:
         """Complete the answered slots, then wake each client once (not once per response)."""
         if self._later:

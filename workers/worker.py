@@ -238,8 +238,9 @@ class Worker:
             if late or late.has_finished():  # (also sends that came after their request was answered)
                 ran = self._answer_late() or ran
             if ran:
-                # Once per round, not per request: counters first, then every answer of the round
-                # with one wake-up per client (under load a round holds several requests).
+                # Once per round: counters first, then the round's answers with one wake-up per
+                # client (a round of several executions sends each one's answers before the next
+                # runs: _execute).
                 self._flush_counts()
 
     def _close_unregistered_cuda(self) -> None:
@@ -385,18 +386,25 @@ class Worker:
         """Answer what timed out in our queue, then run every batch that is due (all of them when
         ``now`` is infinite: the worker is stopping). Each finished request counts as drained;
         returns how many finished."""
-        expired = batcher.expire(time.monotonic())
-        for p in expired:
-            self.holds.release(p.entry)
-            self.stats.timed_out()
-            self._answer_error(p.entry, 503, "Request timeout expired", queued=True)
-        done = len(expired)
+        done = 0
+        stopping = math.isinf(now)
         while len(batcher):
-            batch = batcher.next_batch(now)
+            expired = batcher.expire(time.monotonic())
+            for p in expired:
+                self.holds.release(p.entry)
+                self.stats.timed_out()
+                self._answer_error(p.entry, 503, "Request timeout expired", queued=True)
+            done += len(expired)
+            batch = batcher.next_batch(now if stopping else time.monotonic())
             if batch is None:
                 break
             self._execute([p.entry for p in batch])
             done += len(batch)
+            if not stopping:
+                # What arrived meanwhile joins the queue before the next batch is formed: a higher
+                # priority goes first, a full queue refuses at once, not once the queue has drained.
+                for lane in self.seg.take_rung_lanes():
+                    self._serve_lane(lane)
         self.stats.counts[DIRECT_DONE] += done
         return done
 
@@ -420,7 +428,11 @@ class Worker:
         return misses
 
     def _execute(self, entries: list[BatchEntry]) -> None:
-        """Run one batch and answer each request; time its phases for the statistics."""
+        """Run one batch and answer each request; time its phases for the statistics. Answers
+        an earlier execution of this round made go out first: a round of several executions
+        (a queue drained, a lane of several requests) must not hold one answer for the others."""
+        if self.answers.pending():
+            self._flush_counts()
         if self.cache is not None:
             entries = self._answer_cached(entries)
             if not entries:
