@@ -164,8 +164,8 @@ def _dest(flag: str) -> str:
 
 def notices(args: argparse.Namespace) -> list[tuple[int, str]]:
     """(log level, line) for each of these flags given; ValueError for what is refused."""
-    if args.model_load_thread_count is not None and args.model_load_thread_count < 1:
-        raise ValueError("--model-load-thread-count must be at least 1")
+    if args.model_load_thread_count is not None and args.model_load_thread_count < 0:
+        raise ValueError("--model-load-thread-count must be 0 or more")  # (Triton takes 0)
     if args.model_load_retry_count < 0:
         raise ValueError("--model-load-retry-count must be 0 or more")
     if any(c.isspace() for c in args.model_config_name) or "/" in args.model_config_name:

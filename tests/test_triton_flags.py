@@ -274,3 +274,34 @@ def test_a_server_on_shared_ports_takes_connections_once_its_models_loaded(serve
     first.stop()
     assert _answering_servers(first.url, first.grpc_url, tries=8) == {second.id}
     assert second.client().is_model_ready("slow")
+
+
+def test_a_load_model_no_repository_holds_stops_the_start_as_triton_does(server_factory, tmp_path):
+    """--load-model with a name no repository holds: a model that did not load, so the default
+    --exit-on-error stops the start (it served nothing and said ready); with --exit-on-error=false
+    the server serves the rest. --model-load-thread-count 0 is taken, as Triton takes it."""
+    repo = _empty_repo(tmp_path)
+    s = server_factory.create([repo], ["--model-control-mode=explicit", "--load-model=nonexist",
+                                       "--model-load-thread-count", "0"]).start()
+    assert s.wait_exit(60) != 0
+    assert "failed to load 'nonexist', failed to poll from model repository" in s.log()
+    assert "failed to load all models; exiting" in s.log()
+    kept = server_factory.start([repo], ["--model-control-mode=explicit", "--load-model=nonexist",
+                                         "--exit-on-error=false"])
+    assert kept.client().is_server_live()
+
+
+def test_a_model_in_two_repositories_does_not_load_as_in_triton(server_factory, tmp_path):
+    """Which folder is meant cannot be told: Triton refuses the name ("model appears in two or
+    more repositories"), where the first folder found used to be served in silence."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(ROOT / "model_repository" / "add_sub", first / "add_sub")
+    shutil.copytree(ROOT / "model_repository" / "add_sub", second / "add_sub")
+    shutil.copytree(ROOT / "model_repository" / "running_sum", second / "running_sum")
+    s = server_factory.start([first, second], ["--exit-on-error=false", "--strict-readiness=false"])
+    index = {e["name"]: e for e in s.client().get_model_repository_index()}
+    assert index["add_sub"]["state"] == "UNAVAILABLE"
+    assert index["add_sub"]["reason"] == "failed to load 'add_sub', model appears in two or more repositories"
+    assert index["running_sum"]["state"] == "READY"
+    stopped = server_factory.create([first, second]).start()
+    assert stopped.wait_exit(60) != 0  # --exit-on-error, as Triton's start fails

@@ -102,6 +102,8 @@ class Lifecycle:
         self.steps_loaded: list[str] = []
         self.running = True  # False once a stop was asked for (or the start failed)
         self.startup_done = False
+        self.refused_at_start = False  # an initial load refused at once (no repository holds it)
+        self.ambiguous: set[str] = set()  # model names found in more than one repository
         self.startup_failed = False
         self.updates = InstanceUpdates(catalog, instances, routes, clients)  # live instance changes
         self.load_ids = itertools.count(1)  # one per version load: names its shared weights
@@ -123,7 +125,9 @@ class Lifecycle:
         for name, override, model_dir in self._initial_models():
             if name in self.catalog.loading and override is None and model_dir is None:
                 continue  # an ensemble's step, loading since the ensemble's load asked for it
-            self.load_model(name, override, model_dir=model_dir)
+            refused = self.load_model(name, override, model_dir=model_dir)
+            if refused is not None:  # (a --load-model no repository holds, say): a model that
+                self.refused_at_start = True  # did not load, which --exit-on-error stops for
             if model_dir is not None:  # a restored upload refused at once: its folder goes now
                 self.discard_model_dir(str(model_dir))
 
@@ -145,7 +149,8 @@ class Lifecycle:
         states = [mv.state for mv in self.catalog.serving()]
         self.startup_done = True
         # After a broker restart a model that no longer loads must not stop a server that serves.
-        if self.catalog.load_errors and self.opts.exit_on_error and not self.journal.restarted:
+        failed = self.catalog.load_errors or self.refused_at_start
+        if failed and self.opts.exit_on_error and not self.journal.restarted:
             log.error("failed to load all models; exiting (use --exit-on-error=false to serve the rest)")
             self.startup_failed = True
             self.running = False
@@ -178,15 +183,18 @@ class Lifecycle:
         self.catalog.model_dirs = self._scan_repositories()
 
     def _scan_repositories(self) -> dict[str, Path]:
+        """Each model folder of the repositories; a name in two of them is in ``ambiguous`` (it
+        does not load, as in Triton: which folder is meant cannot be told)."""
         found: dict[str, Path] = {}
+        ambiguous: set[str] = set()
         for repo in self.opts.repositories:
             for entry in sorted(os.scandir(repo), key=lambda e: e.name):
                 if entry.is_dir() and not entry.name.startswith("."):
                     if entry.name in found:
-                        log.error("model '%s' appears in more than one repository; using %s",
-                                  entry.name, found[entry.name])
+                        ambiguous.add(entry.name)
                         continue
                     found[entry.name] = Path(entry.path)
+        self.ambiguous = ambiguous
         return found
 
     def _initial_models(self) -> list[tuple[str, str | None, Path | None]]:
@@ -264,6 +272,8 @@ class Lifecycle:
             reason = f"failed to load '{name}', failed to poll from model repository"
             log.error("%s", reason)
             return LoadRefused(reason, 500)
+        if name in self.ambiguous and model_dir == catalog.model_dirs.get(name):  # (an upload is its own)
+            return self._load_failed(name, f"failed to load '{name}', model appears in two or more repositories")
         try:
             plan = self.planner.plan(name, model_dir, override_json)
         except cfgmod.ConfigError as e:
