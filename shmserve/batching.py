@@ -10,7 +10,9 @@ preferred size (the largest one it can fill; ``max_batch_size`` when none is con
 the next request would pass ``max_batch_size`` (waiting could add nothing), or when the oldest
 request has waited ``max_queue_delay_microseconds``; otherwise the caller sleeps until that
 moment. Queue policies (``default_queue_policy``, ``priority_queue_policy``) bound the queues and
-time requests out, rejecting them or (``DELAY``) serving them after everything else.
+time requests out, rejecting them or (``DELAY``) serving them after the requests of their level
+and the levels above that did not time out, as Triton's priority queue does (each level keeps its
+own delayed requests, behind its others and ahead of lower levels).
 
 The delay is a maximum, not a price every batch pays: when a batch had to wait the whole delay,
 its number of requests shows how much traffic one delay gathers. Once as many requests wait
@@ -41,7 +43,7 @@ class Pending:
     timeout_us: int = 0
     level: int = 0  # queue index the batcher put it in
     deadline: float = 0.0  # monotonic time its queue timeout ends (0: none)
-    delayed: bool = False  # timed out under timeout_action DELAY: served after the others
+    delayed: bool = False  # timed out under timeout_action DELAY: served after its level's others
     key: tuple | None = None  # shape_key, computed once (the batcher asks on every look at the queue)
 
     def shape_key(self, ragged: frozenset[str] = frozenset()) -> tuple:
@@ -111,7 +113,8 @@ class DynamicBatcher:
         self.queues: list[collections.deque[Pending]] = [collections.deque() for _ in range(self.levels)]
         # Whether any request can carry a queue timeout (otherwise no deadline needs looking at).
         self.timed = any(p.default_timeout_us or p.allow_timeout_override for p in self.policies)
-        self.delayed: collections.deque[Pending] = collections.deque()
+        # per level: its requests that timed out under DELAY, served after the level's others
+        self.delayed: list[collections.deque[Pending]] = [collections.deque() for _ in range(self.levels)]
         self.size = 0
         self.gathered = 0  # requests in the last batch that waited the whole delay (0: none yet)
 
@@ -119,7 +122,7 @@ class DynamicBatcher:
         return self.size
 
     def all(self) -> list[Pending]:
-        return [p for q in self.queues for p in q] + list(self.delayed)
+        return self._ordered()
 
     def enqueue(self, p: Pending, now: float) -> None:
         level = p.priority if 1 <= p.priority <= self.levels else self.default_level
@@ -141,8 +144,9 @@ class DynamicBatcher:
         """Forget the queued requests of a client that went away."""
         for i, q in enumerate(self.queues):
             self.queues[i] = collections.deque(p for p in q if p.client is not client)
-        self.delayed = collections.deque(p for p in self.delayed if p.client is not client)
-        self.size = sum(len(q) for q in self.queues) + len(self.delayed)
+        for i, q in enumerate(self.delayed):
+            self.delayed[i] = collections.deque(p for p in q if p.client is not client)
+        self.size = sum(len(q) for q in self.queues) + sum(len(q) for q in self.delayed)
 
     def take_out(self, client: Any, slot: int) -> Pending | None:
         """Remove and return the queued request in ``client``'s ``slot`` (a cancelled one)."""
@@ -170,7 +174,7 @@ class DynamicBatcher:
                     else:
                         p.deadline = 0.0
                         p.delayed = True
-                        self.delayed.append(p)
+                        self.delayed[level].append(p)
                 else:
                     keep.append(p)
             self.queues[level] = keep
@@ -178,9 +182,9 @@ class DynamicBatcher:
 
     def _ordered(self) -> list[Pending]:
         out: list[Pending] = []
-        for q in self.queues:
+        for q, delayed in zip(self.queues, self.delayed):
             out.extend(q)
-        out.extend(self.delayed)
+            out.extend(delayed)
         return out
 
     def next_batch(self, now: float) -> list[Pending] | None:
@@ -228,7 +232,7 @@ class DynamicBatcher:
 
     def _remove(self, p: Pending) -> None:
         if p.delayed:
-            self.delayed.remove(p)
+            self.delayed[p.level - 1].remove(p)
         else:
             self.queues[p.level - 1].remove(p)
         self.size -= 1
@@ -243,7 +247,7 @@ class DynamicBatcher:
         # Each level's queue is in arrival order, so its oldest is its first; the broker asks on
         # every pump, so no list of everything queued is built here.
         arrivals = [q[0].arrived for q in self.queues if q]
-        arrivals.extend(p.arrived for p in self.delayed)
+        arrivals.extend(p.arrived for q in self.delayed for p in q)
         times = [min(arrivals) + self.delay_s] if arrivals else []
         if self.timed:
             times.extend(p.deadline for q in self.queues for p in q if p.deadline)

@@ -307,6 +307,20 @@ def test_timeout_action_delay_serves_timed_out_requests_after_the_others():
     assert len(b) == 0 and b.all() == []
 
 
+def test_a_delayed_request_waits_behind_its_level_only_not_behind_lower_priorities():
+    """As Triton's priority queue: each level serves its requests that did not time out, then its
+    delayed ones, before the next level's (a delayed level-1 request goes before a fresh level-2 one)."""
+    b = batcher(1, priority_levels=2, default_priority_level=1,
+                default_queue_policy={"timeout_action": "DELAY", "default_timeout_microseconds": 100_000})
+    for slot, arrived, priority in ((2, 0.05, 2), (3, 0.06, 1), (4, 0.07, 2), (5, 0.25, 1), (6, 0.26, 2)):
+        b.enqueue(request(slot, arrived, priority=priority), arrived)
+    assert b.expire(0.27) == []  # 2, 3 and 4 are past their 0.1 s: delayed in their levels
+    order = []
+    while len(b):
+        order += slots(b.next_batch(1.0))
+    assert order == [5, 3, 6, 2, 4]
+
+
 def test_drop_client_forgets_only_that_clients_requests_queued_and_delayed():
     gone, stays = Client("gone", 1, None), Client("stays", 2, None)  # type: ignore[arg-type]
     b = batcher(8, default_queue_policy={"timeout_action": "DELAY", "default_timeout_microseconds": 10_000})
