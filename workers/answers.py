@@ -117,8 +117,9 @@ class Answers:
         model = self.model
         wanted = entry.get("outputs")
         if wanted:  # in the order the model returned them, as Triton answers (a BLS caller indexes them)
-            asked = [o["name"] for o in wanted]
-            names = [n for n in resp.outputs if n in asked] + [n for n in asked if n not in resp.outputs]
+            asked = {o["name"] for o in wanted}
+            names = [n for n in resp.outputs if n in asked]
+            names += [o["name"] for o in wanted if o["name"] not in resp.outputs]  # (left out, logged below)
         else:
             names = model.answered(resp.outputs)
         placed = {o["name"]: o for o in wanted or () if "seg" in o or "cuda" in o}
