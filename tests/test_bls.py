@@ -178,3 +178,29 @@ def test_outputs_come_in_the_order_the_model_returned_them(module_factory, tmp_p
         answer = c.infer("order_caller", [x], parameters={"asked": ",".join(asked)})
         assert answer.as_numpy("NAMES")[0].decode() == ",".join(expected), asked
         assert answer.as_numpy("FIRST").tolist() == [{"M": 2.0, "Z": 3.0, "A": 4.0}[expected[0]]]
+
+
+BYTES_NAMED_PY = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        np = pb_utils.np  # (Triton's module carries numpy)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(b"Y", pb_utils.get_input_tensor_by_name(r, "X")
+                                                            .as_numpy() * np.float32(2))]) for r in requests]
+'''
+
+
+def test_a_tensor_named_with_bytes_reaches_the_client_by_its_name(module_factory, tmp_path):
+    """pb_utils.Tensor(b"Y", ...) and pb_utils.np, as Triton's Python backend takes them."""
+    repo = tmp_path / "repo"
+    (repo / "bytes_named" / "1").mkdir(parents=True)
+    (repo / "bytes_named" / "1" / "model.py").write_text(BYTES_NAMED_PY)
+    (repo / "bytes_named" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+    s = module_factory.start([repo])
+    x = httpclient.InferInput("X", [1], "FP32")
+    x.set_data_from_numpy(np.array([3.0], np.float32))
+    assert s.client().infer("bytes_named", [x]).as_numpy("Y").tolist() == [6.0]
