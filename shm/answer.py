@@ -6,7 +6,7 @@ Layout, little-endian:
 
 - header (``_HEADER``, 37 bytes): magic, flags (refused, final, error, document), trace stamp
   count, a model's error code (``ErrorCode`` + 1; 0: none), output count, the output table's
-  length, the model version served (0: not said), the response count of a stream's end, and the
+  length, the model version served (-1: not said; a version may be 0), the response count of a stream's end, and the
   byte lengths of the error, parameters and document;
 - the output table, per output: name length, datatype code (``DATATYPES``), dimension count and
   in-region flag (``_META``), the name (UTF-8), its dimensions (int64 each), its data offset
@@ -38,6 +38,7 @@ _pack_header = _HEADER.pack
 _META = struct.Struct("<IBB?")  # an output's name length, datatype code, dimension count, in-region flag
 _PLACE = struct.Struct("<QQ")  # an output's data offset and size
 
+NO_VERSION = -1  # an answer that names no version: refused before one was chosen, or not a model's
 REFUSED = 1  # the request was refused before its model ran (Triton's InferAsync failing)
 FINAL = 2  # a stream's end: no response follows
 _ERROR = 4
@@ -95,7 +96,7 @@ class AnswerDescriptor(NamedTuple):
     count of responses sent before it); trace stamps; or a control request's JSON document."""
 
     outputs: tuple[OutputTensor, ...] | list[OutputTensor] = ()
-    version: int = 0  # the model version that answered (0: not said)
+    version: int = NO_VERSION  # the model version that answered (a version may be 0)
     params: dict | None = None  # the response's parameters
     error: str | None = None
     refused: bool = False  # an error from before the model ran
@@ -119,6 +120,10 @@ class AnswerDescriptor(NamedTuple):
         if not isinstance(error, str):
             return cls(document=doc)
         return cls(error=error, document=doc if len(doc) > 1 else None)
+
+    def served_version(self, default: str = "") -> str:
+        """The version that answered, as the protocols spell it; ``default`` when none is named."""
+        return str(self.version) if self.version >= 0 else default
 
     def control_document(self) -> Any:
         """What a control request's caller reads: the document, or ``{"error": text}``."""
@@ -303,7 +308,7 @@ def write_answer(buf: Any, offset: int, raw: bytes) -> int:
     return offset + answer_room(len(raw))
 
 
-def refusal(message: str, version: int = 0) -> AnswerDescriptor:
+def refusal(message: str, version: int = NO_VERSION) -> AnswerDescriptor:
     """The answer of a request refused before its model ran; ``version``: the version whose
-    scheduler refused it (0: refused before one was chosen, which no trace records)."""
+    scheduler refused it (``NO_VERSION``: refused before one was chosen, which no trace records)."""
     return AnswerDescriptor(error=message, refused=True, version=version)

@@ -38,7 +38,7 @@ class InferResult(Mapping[str, np.ndarray]):
     def __init__(self, completion: Completion, answer: AnswerDescriptor, outputs: dict[str, np.ndarray],
                  kept: frozenset[str] = frozenset()) -> None:
         self._completion: Completion | None = completion
-        self.model_version = str(answer.version or "")
+        self.model_version = answer.served_version()
         self.parameters = dict(answer.params or {})
         self._outputs = outputs  # raw views into shm (or arrays of their own: BYTES, caller regions)
         self._kept = kept  # names whose arrays must keep this result alive

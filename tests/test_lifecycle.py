@@ -624,3 +624,29 @@ def test_a_second_load_during_a_load_replaces_it(server_factory, tmp_path):
     assert [call.outcome() for call in loads] == [None, None]
     assert len(gate2.started()) == 1  # one load ran, not two
     assert c.get_model_config("slow_start")["instance_group"][0]["count"] == 1
+
+
+def test_version_zero_is_a_version_its_answers_name(server_factory, repo: Path):
+    """A version folder "0" is a version like any other, as in Triton: the answers to a request
+    that names no version say "0" over HTTP, gRPC and the local client (not "", which says none)."""
+    import tritonclient.grpc as grpcclient
+    from shmserve import Client
+
+    (repo / "add_sub" / "1").rename(repo / "add_sub" / "0")
+    srv = server_factory.start([repo])
+    client = srv.client()
+    assert add_sub_result(client).get_response()["model_version"] == "0"
+    assert add_sub_result(client, version="0").get_response()["model_version"] == "0"
+    g = grpcclient.InferenceServerClient(srv.grpc_url)
+    try:
+        ins = []
+        for name in ("INPUT0", "INPUT1"):
+            t = grpcclient.InferInput(name, [16], "INT32")
+            t.set_data_from_numpy(np.arange(16, dtype=np.int32))
+            ins.append(t)
+        assert g.infer("add_sub", ins).get_response().model_version == "0"
+    finally:
+        g.close()
+    with Client(srv.id) as local:
+        a = np.arange(16, dtype=np.int32)
+        assert local.infer("add_sub", {"INPUT0": a, "INPUT1": a}).model_version == "0"

@@ -25,7 +25,7 @@ import posix_ipc
 from shmserve.batching import DynamicBatcher, Pending, QueueFull, batches_on_worker
 from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm import liveness, logs
-from shmserve.shm.answer import AnswerDescriptor
+from shmserve.shm.answer import NO_VERSION, AnswerDescriptor
 from shmserve.shm.arena import Arena, free_block
 from shmserve.shm.channel import MESSAGES_BYTES, REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
 from shmserve.shm.extents import worker_arenas
@@ -690,7 +690,7 @@ class Worker:
                       queued: bool = False) -> None:
         """Answer an error; ``refused``: before the model ran (shm.answer.refusal); ``queued``: by
         this version's scheduler, which a trace names (a request refused before it has none)."""
-        answer = AnswerDescriptor(error=message, refused=refused, version=self.version if queued else 0)
+        answer = AnswerDescriptor(error=message, refused=refused, version=self.version if queued else NO_VERSION)
         self._deliver(entry, status, answer.encode(), [])
 
     def _answer(self, entry: BatchEntry, resp: Response) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import posix_ipc
 
 from shmserve.batching import Pending
-from shmserve.shm.answer import AnswerDescriptor, answer_room, write_answer
+from shmserve.shm.answer import NO_VERSION, AnswerDescriptor, answer_room, write_answer
 from shmserve.shm.arena import no_room_text
 from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment, pid_namespace
@@ -145,7 +145,7 @@ class Clients:
             client.seg.complete(slot, status, role_word(ROLE_BROKER, extent), 0, off, room)
         client.seg.waker.notify()
 
-    def fail_pending(self, batch: list[Pending], status: int, message: str, version: int = 0) -> None:
+    def fail_pending(self, batch: list[Pending], status: int, message: str, version: int = NO_VERSION) -> None:
         """Answer with an error every request of ``batch`` whose client still waits for it
         (``version``: the version they were queued for, which their traces name)."""
         for p in batch:

@@ -25,7 +25,7 @@ from typing import Any, AsyncGenerator, TypeVar
 import orjson
 
 from shmserve.shm import trace as tr
-from shmserve.shm.answer import AnswerDescriptor
+from shmserve.shm.answer import NO_VERSION, AnswerDescriptor
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.names import pid_alive
 from shmserve.shm.trace import FileWriter, TraceShared
@@ -83,8 +83,9 @@ class Trace:
     def collect(self, answer: AnswerDescriptor) -> None:
         """The answer arrived: the worker's (and the broker's) timestamps, and the version served."""
         self.ns[REQUEST_END] = time.monotonic_ns()
-        self.version = answer.version or self.version
-        self.unqueued = answer.refused and not answer.version
+        if answer.version != NO_VERSION:
+            self.version = answer.version
+        self.unqueued = answer.refused and answer.version == NO_VERSION
         stamps = answer.trace
         if len(stamps) == 5:
             queued, self.ns[COMPUTE_START], self.ns[COMPUTE_INPUT_END], self.ns[COMPUTE_OUTPUT_START], \

@@ -186,7 +186,7 @@ def generate_response(model: str, answer: AnswerDescriptor, tensor_of: Any, requ
     (where names meet, that order wins)."""
     resp: dict[str, Any] = {"id": request_id} if request_id else {}
     resp["model_name"] = model
-    resp["model_version"] = str(answer.version or "")
+    resp["model_version"] = answer.served_version()
     for key, value in (answer.params or {}).items():
         resp.setdefault(key, value)
     for key, value in output_values(answer, tensor_of).items():

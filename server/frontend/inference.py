@@ -267,7 +267,7 @@ def _response(model: str, version: str, doc: dict, headers: dict[bytes, bytes], 
             status = infer_error_status(completion)
             out, json_len = orjson.dumps({"error": answer.error or "inference failed"}), None
         else:
-            out, json_len = build_response(model, str(answer.version or version), doc, answer, completion.tensor)
+            out, json_len = build_response(model, answer.served_version(version), doc, answer, completion.tensor)
         out_headers = answer_headers(json_len)
     finally:
         completion.release()

@@ -105,7 +105,7 @@ class GrpcInference:
             if completion.status != 200:
                 error = answer.error or "inference failed"
                 raise Aborted(answer_code(completion), GRPC_DECOUPLED if error == HTTP_DECOUPLED else error)
-            response = infer_response(request, str(answer.version or request.model_version), answer,
+            response = infer_response(request, answer.served_version(request.model_version), answer,
                                       completion.tensor)
         finally:
             completion.release()
@@ -191,7 +191,7 @@ class GrpcInference:
                         message = None
                     else:
                         ended |= completion.last
-                        message = infer_response(request, str(answer.version or ""), answer, completion.tensor,
+                        message = infer_response(request, answer.served_version(), answer, completion.tensor,
                                                  final=final or not decoupled or completion.last, stream=True)
                 finally:
                     completion.release()
