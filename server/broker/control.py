@@ -30,7 +30,7 @@ from shmserve.signature import InvalidRequest, UnknownModel
 from .canary import Canary
 from .catalog import Catalog
 from .journal import Journal
-from .lifecycle import CANCELLED_STATUS, UNLOADED, UPLOAD_PREFIX, Lifecycle
+from .lifecycle import CANCELLED_STATUS, DUPLICATE_MODEL, UNLOADED, UPLOAD_PREFIX, Lifecycle
 from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .options import BrokerOptions
@@ -139,8 +139,12 @@ class ControlHandler:
         self.lifecycle.rescan_repositories()  # folders added or removed since count, as in Triton
         b = self.catalog
         out = []
-        present = {n for n in b.load_errors if n in b.model_dirs}  # (a failed model whose folder went: gone)
-        for name in sorted(set(b.model_dirs) | set(b.models) | present | set(b.loading) | set(b.unloaded)):
+        # Only what the repositories hold, as Triton lists them: a model that serves from uploaded
+        # files, or whose folder was removed, is not listed (it still serves and answers readiness).
+        for name in sorted(b.model_dirs):
+            if name in self.lifecycle.ambiguous:
+                out.append({"name": name, **_state(State.UNAVAILABLE.value, DUPLICATE_MODEL)})
+                continue
             versions = b.models.get(name, {})
             if name in b.loading and not versions:
                 versions = b.loading[name].versions

@@ -80,6 +80,10 @@ def idle(mv: ModelVersion) -> bool:
     return not mv.in_flight() and all(inst.lanes_drained() for inst in mv.instances)
 
 
+# Triton's reason for a model name that more than one repository holds (it loads from neither).
+DUPLICATE_MODEL = "model appears in two or more repositories"
+
+
 class Lifecycle:
     def __init__(self, opts: BrokerOptions, catalog: Catalog, instances: Instances, routes: Routes,
                  clients: Clients, journal: Journal, limiter: RateLimiter) -> None:
@@ -273,7 +277,7 @@ class Lifecycle:
             log.error("%s", reason)
             return LoadRefused(reason, 500)
         if name in self.ambiguous and model_dir == catalog.model_dirs.get(name):  # (an upload is its own)
-            return self._load_failed(name, f"failed to load '{name}', model appears in two or more repositories")
+            return self._load_failed(name, f"failed to load '{name}', {DUPLICATE_MODEL}")
         try:
             plan = self.planner.plan(name, model_dir, override_json)
         except cfgmod.ConfigError as e:
