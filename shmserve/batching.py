@@ -84,9 +84,21 @@ def ragged_inputs(config: dict[str, Any]) -> frozenset[str]:
 def batches_on_worker(config: dict[str, Any], instances: int) -> bool:
     """Whether the worker batches the requests clients put on its lanes itself: dynamic batching
     with a single instance, where the broker would only add a hop and a wake-up per request (it
-    still batches what reaches it: requests of clients without a lane, ensemble steps)."""
-    return instances == 1 and config.get("dynamic_batching") is not None \
+    still batches what reaches it: requests of clients without a lane, ensemble steps).
+
+    Not when a queue policy bounds the queue or times requests out: a worker reads its lanes only
+    between batches, and such a refusal is due at once, as Triton's scheduler thread gives it
+    while a batch runs; the broker's scheduler does."""
+    db = config.get("dynamic_batching")
+    return instances == 1 and db is not None and not _policed(db) \
         and config.get("sequence_batching") is None and int(config.get("max_batch_size", 0)) > 0
+
+
+def _policed(db: dict[str, Any]) -> bool:
+    """Whether a queue policy of ``dynamic_batching`` refuses requests (``max_queue_size``) or
+    times them out (``default_timeout_microseconds``)."""
+    policies = [db.get("default_queue_policy") or {}, *(db.get("priority_queue_policy") or {}).values()]
+    return any(int(p.get("max_queue_size", 0)) or int(p.get("default_timeout_microseconds", 0)) for p in policies)
 
 
 class DynamicBatcher:
@@ -112,7 +124,7 @@ class DynamicBatcher:
                 self.policies[int(level) - 1] = QueuePolicy.from_dict(policy)
         self.queues: list[collections.deque[Pending]] = [collections.deque() for _ in range(self.levels)]
         # Whether any request can carry a queue timeout (otherwise no deadline needs looking at).
-        self.timed = any(p.default_timeout_us or p.allow_timeout_override for p in self.policies)
+        self.timed = any(p.default_timeout_us for p in self.policies)
         # per level: its requests that timed out under DELAY, served after the level's others
         self.delayed: list[collections.deque[Pending]] = [collections.deque() for _ in range(self.levels)]
         self.size = 0
@@ -129,12 +141,12 @@ class DynamicBatcher:
         policy = self.policies[level - 1]
         queue = self.queues[level - 1]
         if policy.max_queue_size and len(queue) >= policy.max_queue_size:
-            raise QueueFull(f"Exceeds maximum queue size: the queue of priority level {level} holds "
-                            f"{policy.max_queue_size} request(s)")
+            raise QueueFull("Exceeds maximum queue size")  # (Triton's words, which clients match)
         timeout = policy.default_timeout_us
-        if policy.allow_timeout_override and p.timeout_us:
-            # A request may shorten the default timeout, never lengthen it (Triton's rule).
-            timeout = min(timeout, p.timeout_us) if timeout else p.timeout_us
+        if policy.allow_timeout_override and p.timeout_us and timeout:
+            # A request may shorten a default timeout, never lengthen it nor set one where the
+            # default is none (Triton's rule: a default of 0 is no timeout, whatever is asked).
+            timeout = min(timeout, p.timeout_us)
         p.level = level
         p.deadline = now + timeout / 1e6 if timeout else 0.0
         queue.append(p)

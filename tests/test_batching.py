@@ -12,7 +12,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import raw_request, wait_pending, wait_until
+from conftest import DEADLINE_S, raw_request, wait_pending, wait_until
 from gates import Gate
 
 REPO = Path(__file__).parent / "models" / "batching"
@@ -162,12 +162,14 @@ def test_queue_timeout_rejects(server, tmp_path):
     with Busy(server, "probe_timeout", tmp_path) as busy:
         waiting = busy.send(1, 3)[0]
         shorter = busy.send(1, 4, 0, 50_000)[0]
-        time.sleep(0.25)  # both are past their timeouts (200 ms, 50 ms) before the instance is free
-        assert busy.release()["reqs"] == 1
+        # Both time out (200 ms, 50 ms) while the instance is still busy, as Triton's scheduler
+        # thread times them out: not once the running batch ends.
         for fut in (waiting, shorter):
             with pytest.raises(InferenceServerException) as e:
-                fut.result()
+                fut.result(timeout=DEADLINE_S)
             assert "Request timeout expired" in e.value.message()
+        assert not busy.future.done()
+        assert busy.release()["reqs"] == 1
     assert infer_with(server.url, "probe_timeout")["reqs"] == 1  # and it serves on
     # Triton 2.51 counts a queue timeout as reason REJECTED (not BACKEND: the model never saw them).
     wait_until(lambda: metric(server, "nv_inference_request_failure", "probe_timeout", reason="REJECTED")
@@ -192,12 +194,13 @@ def test_full_queue_rejects_with_503(server, tmp_path):
                      for r in ("REJECTED", "OTHER", "BACKEND")}
     with Busy(server, "probe_qsize", tmp_path) as busy:
         queued = busy.send(2, 3)
-        third = busy.send(1, 3)[0]  # (the worker takes them off its lanes once it is free)
-        assert busy.release()["reqs"] == 1
-        with pytest.raises(InferenceServerException) as e:
-            third.result()
+        third = busy.pool.submit(infer_with, server.url, "probe_qsize", 3)
+        with pytest.raises(InferenceServerException) as e:  # at once, while the batch still runs
+            third.result(timeout=DEADLINE_S)
+        assert not busy.future.done()
         assert e.value.status() == "503"
-        assert e.value.message().startswith("[request id: <id_unknown>] Exceeds maximum queue size")
+        assert e.value.message() == "[request id: <id_unknown>] Exceeds maximum queue size"  # Triton's, whole
+        assert busy.release()["reqs"] == 1
         assert all(f.result()["reqs"] >= 1 for f in queued)
     assert {r: metric(server, "nv_inference_request_failure", "probe_qsize", reason=r) for r in failed_before} \
         == failed_before
