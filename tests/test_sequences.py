@@ -13,7 +13,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import wait_pending
+from conftest import pending_requests, wait_pending, wait_until
 from gates import Gate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,3 +189,27 @@ def test_an_id_past_an_int32_correlation_control_is_refused():
     with pytest.raises(RequestError, match=r"sequence id 2147483648 does not fit the model's correlation id "
                                            r"control input 'CORRID' \(TYPE_INT32\)"):
         support.augment(inputs, 2**31, 0)
+
+
+def test_a_cancelled_queued_request_ends_its_sequence_as_in_triton(server, tmp_path):
+    """A step cancelled while it waits behind its sequence's running step never runs, and ends
+    the sequence: the next step needs START, as Triton's sequence batcher answers."""
+    from shmserve import Client
+
+    seq, gate = 4242, Gate(tmp_path / "gate")
+    send(server.url, "seq_direct", seq, 1, start=True)
+    with Client(server.id) as client, cf.ThreadPoolExecutor(1) as pool:
+        try:
+            busy = pool.submit(send, server.url, "seq_direct", seq, 2, gate=gate)
+            gate.wait_started(1)
+            queued = client.infer_async("seq_direct", {"VALUE": np.array([[4]], np.int32)}, sequence_id=seq)
+            wait_pending(server, "seq_direct", 2)
+            assert queued.cancel()
+            wait_until(lambda: pending_requests(server, "seq_direct") == 1, "the broker dropped the cancelled step")
+        finally:
+            gate.open()
+        assert int(busy.result().as_numpy("SUM")[0, 0]) == 3
+    with pytest.raises(InferenceServerException) as e:
+        send(server.url, "seq_direct", seq, 8, end=True)
+    assert e.value.status() == "400" and "must specify the START flag" in e.value.message()
+    assert int(send(server.url, "seq_direct", seq, 5, start=True, end=True).as_numpy("SUM")[0, 0]) == 5

@@ -207,14 +207,20 @@ class Scheduler:
     def cancel(self, versions: list[ModelVersion], client: Client, slot: int) -> bool:
         """Drop ``client``'s cancelled request in ``slot`` from the queue holding it and answer it
         with Triton's cancelled error; False when no queue here holds it (it runs on a worker,
-        which sees the slot's cancelled word, or it was answered). Sequence batches keep theirs:
-        a sequence's later requests depend on its earlier ones, so its worker answers it."""
+        which sees the slot's cancelled word, or it was answered). A sequence's request ends its
+        sequence, as in Triton: those queued behind it that lack START are refused as late ones."""
         for mv in versions:
             pend = next((p for p in mv.queue if p.client is client and p.slot == slot), None)
             if pend is not None:
                 mv.queue.remove(pend)
             elif mv.batcher is not None and len(mv.batcher):
                 pend = mv.batcher.take_out(client, slot)
+            elif mv.sequencer is not None and len(mv.sequencer):
+                pend, refused = mv.sequencer.cancel(client, slot, mv.instances, time.monotonic())
+                for p, e in refused:
+                    self.clients.reply(p.client, p.slot, e.status, refusal(str(e), mv.version))
+                if pend is not None:
+                    self.dispatch(mv)  # (a START queued behind it may begin its sequence now)
             if pend is not None:
                 mv.stats.fail("CANCELED", 1)
                 self.clients.reply(client, slot, CANCELLED_STATUS, {"error": cancelled_error(pend.entry.get("id", ""))})

@@ -196,6 +196,28 @@ class SequenceBatcher:
                        and (t := s.pending[0].arrived + self.delay_s) > now)
         return max(0.0, min(due) - now) if due else None
 
+    def cancel(self, client: Any, slot: int, instances: list[Instance],
+               now: float) -> tuple[Pending | None, list[tuple[Pending, InvalidRequest]]]:
+        """Take out ``client``'s queued request in ``slot``, cancelled before it ran: as in Triton,
+        that ends its sequence (a later request needs START again). The sequence's requests queued
+        behind it are queued again as if they came now: one with START begins it afresh, the
+        others are returned with their refusal. (None, []): no sequence here queues that slot."""
+        seq = next((s for s in self.sequences.values()
+                    if any(p.client is client and p.slot == slot for p in s.pending)), None)
+        if seq is None:
+            return None, []
+        cancelled = next(p for p in seq.pending if p.client is client and p.slot == slot)
+        behind = [p for p in seq.pending if p is not cancelled]
+        seq.pending.clear()
+        self._release(seq)
+        refused = []
+        for p in behind:
+            try:
+                self.enqueue(p, instances, now)
+            except InvalidRequest as e:
+                refused.append((p, e))
+        return cancelled, refused
+
     def drop_client(self, client: Any) -> None:
         for seq in self.sequences.values():
             seq.pending = collections.deque(p for p in seq.pending if p.client is not client)

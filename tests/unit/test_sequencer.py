@@ -216,6 +216,29 @@ def test_a_start_on_an_idle_sequence_restarts_it_and_tells_the_worker_to_forget_
     assert ids(sb.next_batch(inst, [inst], 0.0)) == ["again"]
 
 
+def test_a_cancelled_queued_request_ends_its_sequence_and_what_follows_it_is_late():
+    """As in Triton: a request cancelled before it ran ends its sequence; of those queued behind
+    it, one without START is refused as any late one is, and a START begins the sequence again."""
+    sb, inst = sequencer(), instance(0)
+    client = object()
+
+    def at(slot: int, flags: int, tag: str) -> Pending:
+        p = step(5, flags, tag=tag)
+        p.client, p.slot = client, slot
+        return p
+
+    sb.enqueue(at(1, START, "s"), [inst], 0.0)
+    assert ids(sb.next_batch(inst, [inst], 0.0)) == ["s"]  # runs
+    for slot, flags, tag in ((2, 0, "m"), (3, 0, "late"), (4, START, "again"), (5, END, "end")):
+        sb.enqueue(at(slot, flags, tag), [inst], 0.1)
+    assert sb.cancel(client, 9, [inst], 0.2) == (None, [])  # no such request: nothing changes
+    cancelled, refused = sb.cancel(client, 2, [inst], 0.2)
+    assert cancelled is not None and cancelled.entry["id"] == "m"
+    assert [(p.entry["id"], "START" in str(e)) for p, e in refused] == [("late", True)]
+    assert sb.take_releases(inst) == [5]  # the worker forgets the ended sequence's state
+    assert [ids(sb.next_batch(inst, [inst], 0.3)) for _ in range(2)] == [["again"], ["end"]]
+
+
 # -- idle sequences, clients and instances that go away ---------------------------------------
 
 
