@@ -633,7 +633,9 @@ def test_version_zero_is_a_version_its_answers_name(server_factory, repo: Path):
     from shmserve import Client
 
     (repo / "add_sub" / "1").rename(repo / "add_sub" / "0")
+    (repo / "add_sub" / "notes").mkdir()  # not a version: passed over with Triton's warning
     srv = server_factory.start([repo])
+    assert "model 'add_sub': ignore version directory 'notes' which fails to convert to integral number" in srv.log()
     client = srv.client()
     assert add_sub_result(client).get_response()["model_version"] == "0"
     assert add_sub_result(client, version="0").get_response()["model_version"] == "0"

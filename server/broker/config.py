@@ -57,6 +57,16 @@ def version_dirs(model_dir: Path) -> list[int]:
     return sorted(out)
 
 
+def non_version_dirs(model_dir: Path) -> list[str]:
+    """The folders of a model that are not versions (not a number), which a load passes over
+    with a warning, as Triton's does; hidden ones are passed over in silence."""
+    try:
+        return sorted(e.name for e in os.scandir(model_dir)
+                      if e.is_dir() and not e.name.isdigit() and not e.name.startswith("."))
+    except FileNotFoundError:
+        return []
+
+
 def _infer_backend(model_dir: Path) -> str:
     for version in reversed(version_dirs(model_dir)):
         for filename, backend in FILE_BACKENDS:

@@ -54,6 +54,9 @@ class LoadPlanner:
         """The plan of a load of ``name`` from ``model_dir``; raises ``ConfigError`` with the reason."""
         config = cfgmod.load_config(model_dir, self.opts.strict_config, override_json, self.opts.config_name)
         available = cfgmod.version_dirs(model_dir)
+        for folder in cfgmod.non_version_dirs(model_dir):
+            log.warning("model '%s': ignore version directory '%s' which fails to convert to integral number",
+                        name, folder)
         versions = cfgmod.select_versions(config, available)
         if not versions:
             raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")

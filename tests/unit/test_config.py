@@ -174,6 +174,7 @@ def test_version_folders_are_numbers_in_numeric_order(tmp_path):
     d = model_dir(tmp_path, files={"10/a": "", "9/a": "", "2/a": "", "v3/a": "", ".4/a": "", "5": "a file"})
     assert cfgmod.version_dirs(d) == [2, 9, 10]
     assert cfgmod.version_dirs(tmp_path / "absent") == []
+    assert cfgmod.non_version_dirs(d) == ["v3"]  # warned about at load, as Triton does; hidden ones not
 
 
 @pytest.mark.parametrize("policy, expected", [
