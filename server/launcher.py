@@ -24,6 +24,7 @@ from typing import Callable
 
 
 from shmserve.parent_death import ORPHANED, die_with_parent
+from shmserve.server.edge.stop_signal import STOP
 from shmserve.shm import logs, space
 from shmserve.shm.access import readers_environment
 from shmserve.shm.child_spec import spec_file
@@ -312,7 +313,7 @@ class Launcher:
         _wait(self.broker, timeout)
         for fe in self.frontends:
             if fe is not None and fe.poll() is None:
-                fe.send_signal(signal.SIGTERM)
+                fe.send_signal(STOP)  # (they pass over SIGTERM while we live: edge/stop_signal.py)
         for fe in self.frontends:
             _wait(fe, timeout)
         if self.sock is not None:

@@ -57,6 +57,36 @@ def draining(server, tmp_path) -> Iterator[None]:
     assert shm_entries(server.id) == []
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_whole_process_group_drains_as_one_to_the_launcher(server_factory, tmp_path, signum):
+    """``kill -TERM -- -PGID``, Ctrl-C in a terminal and systemd's default KillMode signal every
+    process of the server at once: a worker must not leave before the broker's drain is done, or
+    the requests queued for it fail ("exited unexpectedly"), nor a frontend, or a request that
+    comes during the drain hangs in its accept queue instead of getting a 503 with Retry-After."""
+    server = server_factory.start([READINESS_MODELS], ["--exit-timeout-secs", "60"])
+    gate = Gate(tmp_path / "gate")
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        held = pool.submit(call, server.url, gate)
+        try:
+            gate.wait_started(1)
+            queued = [pool.submit(call, server.url, gate) for _ in range(2)]  # behind it, one instance
+            wait_pending(server, "relapse", 3)
+            os.killpg(server.pid, signum)
+            wait_for(lambda: raw_request(server.port, "GET", "/v2/health/ready").status != 200,
+                     "readiness failing after the signal", timeout=10)
+            assert server.proc.poll() is None  # draining: three requests are in flight
+            body = b'{"inputs": [{"name": "X", "shape": [1], "datatype": "INT32", "data": [0]}]}'
+            late = raw_request(server.port, "POST", "/v2/models/relapse/infer", body, timeout=10)
+            assert (late.status, late.headers.get("retry-after")) == (503, "1"), late
+            assert b"Server is exiting" in late.body
+        finally:
+            gate.open()
+        assert [f.result() > 0 for f in (held, *queued)] == [True] * 3
+    assert server.wait_exit(DEADLINE_S) == 0, server.log_tail()
+    assert "exited unexpectedly" not in server.log()
+    assert shm_entries(server.id) == []
+
+
 def assert_retry_later(e: openai.APIStatusError) -> None:
     assert e.status_code == 503, e
     assert e.response.headers.get("retry-after") == "1", dict(e.response.headers)

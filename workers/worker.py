@@ -729,9 +729,16 @@ class Worker:
 def run(spec: dict[str, Any]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is for the broker to handle
     worker = Worker(spec)
+    broker = spec["broker_pid"]
 
     def stop(signum: int, frame: Any) -> None:
-        worker.running = False
+        """SIGTERM comes when the broker dies (PR_SET_PDEATHSIG: we were given to another parent
+        first), and then we go. While it lives, SIGTERM was sent to the whole server (its process
+        group or cgroup: ``kill -- -PGID``, systemd's default KillMode) and is the broker's to act
+        on: it drains, then stops us through our inbox; leaving now would fail what it still
+        has queued for us."""
+        if os.getppid() != broker:
+            worker.running = False
 
     signal.signal(signal.SIGTERM, stop)
     worker.load()

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
+from types import FrameType
 from typing import Awaitable, Callable, Iterable
 
 import uvicorn
@@ -18,6 +20,7 @@ import uvicorn
 from shmserve.shm import heap, logs
 from shmserve.shm.child_spec import read_spec
 from shmserve.shm.names import set_title
+from shmserve.server.edge.stop_signal import FROM_OUTSIDE, STOP, launcher_stops_us
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -67,8 +70,9 @@ def main() -> int:
     # uvicorn stops gracefully on SIGTERM or SIGINT, then raises the signal again under the handler
     # it found: with the default one that ends the process there, before what follows the serving
     # (the SHMSERVE_PROFILE dump). Found handlers that exit quietly instead.
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in FROM_OUTSIDE:
         signal.signal(sig, _exit_after_shutdown)
+    signal.signal(STOP, lambda *_: server.stop())  # the launcher's, once the broker drained
     return run_profiled(f"frontend{spec['index']}", lambda: server.run(sockets=[sock]) or 0)
 
 
@@ -92,6 +96,17 @@ class QuietServer(uvicorn.Server):
         self.ticks = list(ticks)  # also run every tick
         self.serving = serving  # called once uvicorn has started serving the socket
         self.gate = gate  # awaited before the socket listens; False: stop without listening
+        self.launcher = os.getppid()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """SIGTERM or SIGINT: ours to act on only once the launcher is gone; while it lives, they
+        were sent to the whole server and the launcher stops us after the drain (stop_signal.py)."""
+        if not launcher_stops_us(self.launcher):
+            super().handle_exit(sig, frame)
+
+    def stop(self) -> None:
+        """Stop as uvicorn stops on SIGTERM: no new connection, then what is in flight finishes."""
+        self.should_exit = True
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's, once the gate (a shared port's: server/edge/shared_port.py) lets it listen.

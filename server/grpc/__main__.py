@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -21,6 +22,7 @@ from tritonclient.grpc import service_pb2_grpc
 from shmserve.server.edge.header_forward import GRPC_FLAG, compile_pattern
 from shmserve.server.edge.link import BrokerLink
 from shmserve.server.edge.shared_port import wait_for_initial_loads
+from shmserve.server.edge.stop_signal import FROM_OUTSIDE, STOP, launcher_stops_us
 from shmserve.server.edge.tracing import Tracer
 from shmserve.shm import logs
 from shmserve.shm.child_spec import read_spec
@@ -72,8 +74,17 @@ async def serve(spec: dict) -> int:
     add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, HealthService(service))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    launcher = os.getppid()
+
+    def signalled() -> None:
+        """SIGTERM or SIGINT: while the launcher lives, sent to the whole server, and the launcher
+        stops us with STOP after the drain (server/edge/stop_signal.py)."""
+        if not launcher_stops_us(launcher):
+            stop.set()
+
+    for sig in FROM_OUTSIDE:
+        loop.add_signal_handler(sig, signalled)
+    loop.add_signal_handler(STOP, stop.set)
     # grpcio listens as it binds: a port shared with other servers is bound once the loads are over
     if spec.get("shared_port") and not await wait_for_initial_loads(link, stop.is_set):
         link.close()
