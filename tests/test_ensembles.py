@@ -232,3 +232,19 @@ def test_ensemble_cycle_is_refused_at_load(server_factory, tmp_path):
     assert index["cyc_self"]["state"] == "UNAVAILABLE"
     assert "circular dependency between ensembles: cyc_self" in index["cyc_self"]["reason"]
     assert s.http_status("/v2/models/cyc_a/ready") != 200
+
+
+def test_a_local_client_gets_an_ensembles_outputs_in_the_room_it_reserved(server):
+    """The local client reserves room in its request's block for outputs of a known size; the
+    broker writes an ensemble's answer there (it used to take that room for a region and die)."""
+    from shmserve import Client
+
+    x, y = np.arange(16, dtype=np.int32), np.full(16, 3, dtype=np.int32)
+    with Client(server.id) as local:
+        for _ in range(3):
+            result = local.infer("inner", {"X": x, "Y": y})
+            np.testing.assert_array_equal(result["TWO_X"], 2 * x)
+            np.testing.assert_array_equal(result["TWO_Y"], 2 * y)
+        result = local.infer("digits_pipeline", {"IMAGE": np.zeros((2, 8, 8), np.uint8)})
+        assert result["LABEL"].shape == (2, 1) and result["PROB"].shape == (2, 1)
+    assert server.client().is_server_live()

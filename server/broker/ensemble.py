@@ -48,6 +48,7 @@ from shmserve.shm import space
 from shmserve.shm.arena import free_block, no_room_text
 from shmserve.shm.cache_entry import Output
 from shmserve.shm.channel import NOTIFY_BROKER, BrokerSegment, ClientSegment
+from shmserve.shm.copying import copy_into
 from shmserve.shm.descriptor import SEQUENCE_END, SEQUENCE_START, InputTensor
 from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.liveness import BROKER_TICKET
@@ -655,8 +656,11 @@ class Ensembles:
                 if size > target["size"]:
                     self._fail_run(run, None, 400, output_room_text(name, target["size"], size))
                     return None
-                try:  # through the region's descriptor: never a mapping its client could truncate
-                    self.segments.regions.write(target, data)
+                try:
+                    if "ino" in target:  # a region, through its descriptor: never a mapping its client could truncate
+                        self.segments.regions.write(target, data)
+                    else:  # room the client reserved in its request's block (bounds checked at intake)
+                        copy_into(self.segments.get(target["seg"]).buf[target["off"]:target["off"] + size], data)
                 except (ValueError, OSError, posix_ipc.Error) as e:
                     self._fail_run(run, run.plan.steps[-1], 400, str(e))
                     return None
