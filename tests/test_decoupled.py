@@ -383,3 +383,48 @@ def test_a_stream_open_past_its_batch_fails_with_its_worker_and_only_with_it(ser
         [error] = outcomes
         assert isinstance(error, InferenceServerError) and "killed by SIGKILL" in str(error), error
     wait_until(lambda: "1 request(s) failed" in s.log(), "the death logged with the request it failed", 10)
+
+
+STREAM_KID = """
+import sys
+import numpy as np
+from shmserve import Client
+client = Client(sys.argv[1])
+words = np.array([b" ".join([b"w"] * 20)], dtype=object)
+# Words 1.5 s apart: the worker lets go of the killed client's segment while the model sleeps.
+for i, _ in enumerate(client.stream("word_stream", {"text_input": words}, parameters={"delay_ms": 1500})):
+    print("streaming", flush=True)
+"""
+
+
+def test_a_stream_whose_client_was_killed_ends_quietly_in_the_model(server):
+    """The model's sends after its client died (and the worker let go of the client's segment)
+    are dropped: no exception reaches the model's thread, the stream is counted as ended, and
+    the model serves on."""
+    import subprocess
+    import sys
+
+    from conftest import pending_requests
+
+    def ended() -> int:
+        stats = server.client().get_inference_statistics("word_stream")["model_stats"][0]["inference_stats"]
+        return stats["success"]["count"] + stats["fail"]["count"]
+
+    before = ended()
+    kids = [subprocess.Popen([sys.executable, "-c", STREAM_KID, server.id], stdout=subprocess.PIPE, text=True)
+            for _ in range(3)]
+    try:
+        for kid in kids:
+            assert kid.stdout.readline().strip() == "streaming"
+    finally:
+        for kid in kids:
+            kid.kill()
+            kid.wait(30)
+            kid.stdout.close()
+    wait_until(lambda: pending_requests(server, "word_stream") == 0, "the broker forgot the killed clients' streams")
+    wait_until(lambda: ended() == before + 3, "the model ended the killed clients' streams")
+    with Client(server.id) as client:
+        words = np.array([b"one two"], dtype=object)
+        assert len(list(client.stream("word_stream", {"text_input": words}))) >= 2
+    log = server.log()
+    assert "TypeError" not in log and "Traceback" not in log, server.log_tail(40)

@@ -63,6 +63,9 @@ class StreamSender:
         with self.lock:
             if self.finished:
                 raise RuntimeError("this request's final response was already sent")
+            if self.client.seg.closed:  # its client left, and the worker let go of its segment
+                self._client_left(final)
+                return
             last: Block | None = None
             if response is not None:
                 if not self.output_start and "trace_queued_ns" in self.entry:
@@ -87,7 +90,20 @@ class StreamSender:
             if final:
                 self.finished = True
                 self._finish(last)
-        self.client.waker.notify()
+        try:
+            self.client.waker.notify()
+        except (TypeError, ValueError):  # its client left meanwhile (its segment was let go)
+            pass
+
+    def _client_left(self, final: bool) -> None:
+        """Nothing reaches a client that left: a response is dropped unwritten, and the final
+        one still counts the stream and lets go of its regions (a send is no error to the model)."""
+        if final:
+            self.finished = self.completed = True
+            with self.stats_lock:
+                self.stats.finished_stream(self.entry.get("sent_ns", 0), not self.failed)
+                self.stats.flush()
+            self._let_go()
 
     def name_worker(self, num: int) -> None:
         """Its batch is done and the broker forgets it: a request the broker forwarded that is
@@ -105,12 +121,15 @@ class StreamSender:
         """Put a response on the request's ring; ``last``: it came with the final flag."""
         deadline = time.monotonic() + RING_FULL_TIMEOUT_S
         word = role_word(ROLE_WORKER, extent) | (LAST_RESPONSE if last else 0)
-        while not self.ring.put(status, word, off, total, self.answers.num):
-            if time.monotonic() > deadline:  # the client stopped reading: drop, do not hang the model
-                self.answers.arena.free(extent, off)
-                return
-            self.client.waker.notify()
-            time.sleep(0.0005)
+        try:
+            while not self.ring.put(status, word, off, total, self.answers.num):
+                if time.monotonic() > deadline:  # the client stopped reading: drop, do not hang the model
+                    self.answers.arena.free(extent, off)
+                    return
+                self.client.waker.notify()
+                time.sleep(0.0005)
+        except (TypeError, ValueError):  # its client left meanwhile (its segment was let go): nobody reads it
+            self.answers.arena.free(extent, off)
 
     def _finish(self, last: Block | None) -> None:
         """Count the stream, let go of its regions, then send the ``last`` response (a model that
@@ -156,10 +175,14 @@ class StreamSender:
     def _end(self, last: Block | None, end: Block) -> None:
         if last is not None:
             self._put(*last, last=True)
-        self.client.complete(self.entry["slot"], end[0], role_word(ROLE_WORKER, end[1]), self.answers.num, end[2],
-                             end[3])
         self.completed = True
-        self.client.waker.notify()
+        try:
+            self.client.complete(self.entry["slot"], end[0], role_word(ROLE_WORKER, end[1]), self.answers.num,
+                                 end[2], end[3])
+            self.client.waker.notify()
+        except (TypeError, ValueError):  # its client left meanwhile (its segment was let go): nobody reads it
+            if end[2] > 0:
+                self.answers.arena.free(end[1], end[2])
 
     def fail(self, status: int, message: str) -> None:
         """The model raised before finishing: one error response, then the end."""
