@@ -307,7 +307,7 @@ class Launcher:
         flight finish, and new ones get a 503 with Retry-After rather than a reset connection or a
         hang in the accept queue. Once the broker is gone the frontends stop, finishing the
         responses they are sending."""
-        timeout = self.args.exit_timeout_secs + 5
+        timeout = self.args.exit_timeout_secs + BROKER_STOP_S
         if self.broker is not None and self.broker.poll() is None:
             self.broker.send_signal(signal.SIGTERM)
         _wait(self.broker, timeout)
@@ -318,6 +318,12 @@ class Launcher:
             _wait(fe, timeout)
         if self.sock is not None:
             self.sock.close()
+
+
+# After its drain, how long the broker may take to stop: it gives its workers 5 s to exit before
+# it kills them (server/broker/instances.py STOP_WAIT_S), then removes its objects. Killed sooner,
+# it would leave a worker stuck in a model's execute() to its own devices.
+BROKER_STOP_S = 15
 
 
 def _dies_with_us(signum: int) -> Callable[[], None]:

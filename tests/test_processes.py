@@ -301,3 +301,56 @@ def test_a_busy_port_names_the_process_that_holds_it(server_factory, tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+STUCK_MODEL = '''
+import json
+import time
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        open(json.loads(requests[0].parameters())["mark"], "w").close()
+        while True:  # never returns: a model stuck in a call that does not come back
+            time.sleep(0.05)
+'''
+STUCK_CONFIG = '''name: "stuck"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
+'''
+
+
+@pytest.mark.parametrize("how", ["sigterm", "broker_killed"])
+def test_a_worker_stuck_in_execute_does_not_outlive_its_server(server_factory, tmp_path, how):
+    """A model that never returns from execute(): when the server stops (its drain and the
+    broker's wait for its workers run out) or its broker dies, the stuck worker is killed, not
+    left behind as an orphan holding the server's memory."""
+    (tmp_path / "repo" / "stuck" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "stuck" / "config.pbtxt").write_text(STUCK_CONFIG)
+    (tmp_path / "repo" / "stuck" / "1" / "model.py").write_text(STUCK_MODEL)
+    s = server_factory.start([tmp_path / "repo"], ["--exit-timeout-secs", "1"])
+    worker = s.worker_pids("stuck")[0]
+    x = httpclient.InferInput("X", [1], "INT32")
+    x.set_data_from_numpy(np.array([1], dtype=np.int32))
+    client = httpclient.InferenceServerClient(s.url, network_timeout=120)
+    mark = tmp_path / "executing"
+    sent = client.async_infer("stuck", [x], parameters={"mark": str(mark)})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not mark.exists():
+        time.sleep(0.02)
+    assert mark.exists(), "the request did not reach execute()"
+    if how == "sigterm":
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.wait_exit(60) == 0, s.log_tail()
+    else:
+        broker = next(p for p, t in s.titles().items() if t.startswith("shmserve broker"))
+        os.kill(broker, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and pid_alive(worker):
+        time.sleep(0.05)
+    assert not pid_alive(worker), f"the stuck worker {worker} outlived its {'server' if how == 'sigterm' else 'broker'}"
+    with pytest.raises(Exception):
+        sent.get_result()
+    client.close()

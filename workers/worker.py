@@ -726,6 +726,10 @@ class Worker:
         self.broker.close()
 
 
+# How long a worker whose broker died may take to answer what is on its lanes and exit.
+ORPHAN_GRACE_S = 5
+
+
 def run(spec: dict[str, Any]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is for the broker to handle
     worker = Worker(spec)
@@ -739,6 +743,10 @@ def run(spec: dict[str, Any]) -> int:
         has queued for us."""
         if os.getppid() != broker:
             worker.running = False
+            # Nobody is left to wait for a model stuck in execute(): if we are not gone soon,
+            # the alarm's default action ends us (an orphan would keep the server's memory mapped).
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(ORPHAN_GRACE_S)
 
     signal.signal(signal.SIGTERM, stop)
     worker.load()
