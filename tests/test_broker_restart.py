@@ -165,3 +165,41 @@ except InferenceServerException as e:
     assert [r["name"] for r in c.get_system_shared_memory_status()] == ["restart_io"]
     c.unregister_system_shared_memory("restart_io")
     assert c.get_system_shared_memory_status() == []
+
+
+def test_a_model_loading_again_after_a_broker_restart_is_unavailable_not_unknown(server_factory, tmp_path):
+    """While the new broker loads again what the old one served, a request for such a model is
+    a 503 to retry (gRPC UNAVAILABLE), never "Request for unknown model" (404, NOT_FOUND), which
+    clients take as final."""
+    import shutil
+
+    from gates import Gate
+    from tritonclient.utils import InferenceServerException
+
+    gate = Gate(tmp_path / "gate")
+    repo = tmp_path / "repo"
+    shutil.copytree(TEST_MODELS.parent / "lifecycle" / "gated_load", repo / "gated_load")
+    config = repo / "gated_load" / "config.pbtxt"
+    config.write_text(config.read_text().replace('"GATE"', json.dumps(gate.param)))
+    gate.open()
+    server = server_factory.start([repo])
+    c = server.client()
+    assert add_sub(c, "gated_load") == list(range(0, 32, 2))
+    (gate.folder / "open").unlink()  # the next load of gated_load waits
+    loads = len(gate.started())
+    old = broker_pid(server)
+    os.kill(old, signal.SIGKILL)
+    gate.wait_started(loads + 1, timeout=2 * DEADLINE_S)  # the new broker loads it again
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            add_sub(c, "gated_load")
+        assert e.value.status() == "503", e.value
+        assert "loading again after the server's broker restarted" in e.value.message()
+    finally:
+        gate.open()
+    deadline = time.monotonic() + DEADLINE_S
+    while server.http_status("/v2/health/ready") != 200:
+        assert time.monotonic() < deadline, "the broker did not come back ready"
+        time.sleep(0.1)
+    assert add_sub(c, "gated_load") == list(range(0, 32, 2))
+    c.close()

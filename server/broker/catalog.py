@@ -77,6 +77,9 @@ class Catalog:
         # Models loaded by name (a load request, --load-model, a repository poll), not only as an
         # ensemble's steps: unloading an ensemble with unload_dependents keeps them, as Triton does.
         self.explicit: set[str] = set()
+        # A restarted broker loads again what its predecessor served: until those loads are over,
+        # a model still loading is only late (503, retry), not unknown (404, which reads as final).
+        self.restoring = False
 
     def serving(self) -> list[ModelVersion]:
         return [mv for versions in self.models.values() for mv in versions.values()]
@@ -129,6 +132,9 @@ class Catalog:
                 self.failed_versions.get(model) if model in self.load_errors else self.unloaded.get(model)
             if model not in self.load_errors and known is None:
                 raise UnknownModel(f"Request for unknown model: '{model}' is not found")
+            if job is not None and self.restoring:
+                raise VersionNotReady(f"model '{model}' is loading again after the server's broker restarted; "
+                                      f"retry shortly")
             if latest:
                 raise UnknownModel(f"Request for unknown model: '{model}' has no available versions")
             if known is not None and v not in known:

@@ -126,6 +126,7 @@ class Lifecycle:
             if scans:
                 self.scanner = RepositoryScanner(self.opts.repositories, self.watcher, self.opts.repository_poll_s,
                                                  self.cloud)
+        self.catalog.restoring = self.journal.restarted
         for name, override, model_dir in self._initial_models():
             if name in self.catalog.loading and override is None and model_dir is None:
                 continue  # an ensemble's step, loading since the ensemble's load asked for it
@@ -152,6 +153,7 @@ class Lifecycle:
             return
         states = [mv.state for mv in self.catalog.serving()]
         self.startup_done = True
+        self.catalog.restoring = False
         # After a broker restart a model that no longer loads must not stop a server that serves.
         failed = self.catalog.load_errors or self.refused_at_start
         if failed and self.opts.exit_on_error and not self.journal.restarted:
