@@ -251,6 +251,22 @@ def test_a_client_that_leaves_before_its_answer_harms_no_one(server):
         assert read_raw_response(reader)[0] == 200
 
 
+def test_pipelined_requests_of_a_client_that_left_are_dropped_quietly(server):
+    """A client that pipelines requests and closes without reading: their answers have nowhere
+    to go and are dropped, with no error logged for each (an error traceback per answer would
+    flood the log), and the server goes on."""
+    a, b = _pairs(7, 1)[0]
+    before = server.log().count("Exception in ASGI application")
+    for _ in range(10):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(_add_sub(a, b) * 30)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(_add_sub(a, b))
+        _check(sock.makefile("rb"), a, b)
+    time.sleep(0.5)  # (the dropped answers' writes are over by now; a failed one logs at once)
+    assert server.log().count("Exception in ASGI application") == before, server.log_tail(30)
+
+
 def test_large_answers_to_a_client_that_does_not_read_arrive_whole(server):
     """Answers piling up unread until the connection's buffers are full: every answer still
     arrives whole and in order once the client reads."""

@@ -133,6 +133,9 @@ class _CycleTransport:
             self._hold, self._held = False, data
             return
         held = self._held
+        if self._transport.is_closing():  # its client left (say, after pipelining requests): a write would raise
+            self._held = None
+            return
         if held is None:
             self._transport.write(data)
         else:
