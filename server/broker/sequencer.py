@@ -29,6 +29,7 @@ from .models import Instance
 
 START, END = 1, 2
 DEFAULT_IDLE_S = 1.0  # Triton's default max_sequence_idle_microseconds
+LOST_KEPT = 4096  # sequences lost with their instance, remembered to say so
 
 
 @dataclasses.dataclass
@@ -64,6 +65,9 @@ class SequenceBatcher:
         self.backlog: collections.deque[Sequence] = collections.deque()
         self.slots: dict[int, list[Sequence | None]] = {}
         self.releases: dict[int, list[Any]] = collections.defaultdict(list)  # inst num -> corr ids to forget
+        # Sequences whose instance died (their state with it), so that the refusal of their next
+        # request says why; the latest LOST_KEPT of them.
+        self.lost: collections.OrderedDict[Any, None] = collections.OrderedDict()
 
     # -- queueing -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -83,6 +87,7 @@ class SequenceBatcher:
                                  f"non-empty correlation ID")
         seq = self.sequences.get(corr)
         if flags & START:
+            self.lost.pop(corr, None)
             if seq is not None and not seq.pending:
                 self._release(seq)  # a new START restarts the sequence
                 seq = None
@@ -90,8 +95,9 @@ class SequenceBatcher:
                 seq = self.sequences[corr] = Sequence(corr)
                 self._assign(seq, instances)
         elif seq is None or seq.ending:
+            lost = " (the sequence was lost: the instance that held it exited)" if corr in self.lost else ""
             raise InvalidRequest(f"inference request for sequence {corr} to model '{self.model}' must specify "
-                                 f"the START flag on the first request of the sequence")
+                                 f"the START flag on the first request of the sequence{lost}")
         seq.pending.append(p)
         seq.last_seen = now
         # Whether its last queued request ends it: a START queued behind an END that has not run
@@ -230,6 +236,9 @@ class SequenceBatcher:
                 lost.extend(seq.pending)
                 seq.pending.clear()
                 self._release(seq)
+                self.lost[seq.corr] = None
+                while len(self.lost) > LOST_KEPT:
+                    self.lost.popitem(last=False)
         self.slots.pop(inst.num, None)
         self.releases.pop(inst.num, None)
         return lost

@@ -291,8 +291,13 @@ def test_a_dead_instance_loses_its_sequences_and_their_queued_requests():
     lost = sb.forget_instance(a)
     assert ids(lost) == ["on-a"]
     assert set(sb.sequences) == {2, 3} and 0 not in sb.slots and sb.take_releases(a) == []
-    with pytest.raises(InvalidRequest, match="START"):
+    with pytest.raises(InvalidRequest, match="START") as e:
         sb.enqueue(step(1), [b], 0.0)  # its state died with the instance: the client starts again
+    assert str(e.value).endswith("of the sequence (the sequence was lost: the instance that held it exited)")
+    sb.enqueue(step(1, START, tag="again"), [b], 0.1)  # begun again: a later refusal says no more of it
+    with pytest.raises(InvalidRequest) as e:
+        sb.enqueue(step(9), [b], 0.2)
+    assert str(e.value).endswith("of the sequence")
 
 
 # -- shapes ---------------------------------------------------------------------------------------
