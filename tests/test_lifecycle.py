@@ -457,6 +457,12 @@ def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_fac
     assert reason.endswith("warmup sample 'only_x': [request id: <id_unknown>] expected 2 inputs but got 1 inputs for model 'warm_lacking'. "
                            "Got input(s) ['X'], but missing required input(s) ['Y']. Please provide all required "
                            "input(s)."), reason
+    # A sample input that says nothing of its data is refused in Triton's words (not run on zeros).
+    s.wait_until(lambda: {m["name"]: m for m in c.get_model_repository_index()}["warm_unsourced"].get("state")
+                 == "UNAVAILABLE", "warm_unsourced reported UNAVAILABLE", timeout=DEADLINE_S)
+    reason = {m["name"]: m for m in c.get_model_repository_index()}["warm_unsourced"]["reason"]
+    assert reason.endswith("[request id: <id_unknown>] warmup setting expects input 'Y' to have input_data_type "
+                           "set"), reason
     # Triton 2.51's answers for a model whose load failed: the latest and an unknown version are
     # not found (404), the version that failed is not ready (503).
     for version, status, text in (("", "404", "has no available versions"), ("7", "404", "version 7 is not found"),

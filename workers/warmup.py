@@ -30,6 +30,10 @@ def _tensor(spec: dict, shape: list[int], model_dir: Path, sample: str, name: st
     datatype = CONFIG_TO_WIRE.get(spec.get("data_type", ""), "")
     if not datatype:
         raise WarmupError(f"warmup sample '{sample}': input '{name}' has no valid data_type")
+    if not any(key in spec for key in ("zero_data", "random_data", "input_data_file")):
+        # (Triton's words: a sample must say where its data comes from, not get zeros unasked)
+        raise WarmupError(f"[request id: <id_unknown>] warmup setting expects input '{name}' to have "
+                          f"input_data_type set")
     dtype = DTYPES[datatype]
     count = element_count(shape)
     if spec.get("input_data_file"):
