@@ -6,8 +6,8 @@ Layout, little-endian:
 
 - header (``_HEADER``, 37 bytes): magic, flags (refused, final, error, document), trace stamp
   count, a model's error code (``ErrorCode`` + 1; 0: none), output count, the output table's
-  length, the model version served (-1: not said; a version may be 0), the response count of a stream's end, and the
-  byte lengths of the error, parameters and document;
+  length, the model version served (-1: not said; a version may be 0), the response count of a
+  stream's end, and the byte lengths of the error, parameters and document;
 - the output table, per output: name length, datatype code (``DATATYPES``), dimension count and
   in-region flag (``_META``), the name (UTF-8), its dimensions (int64 each), its data offset
   (from the data start) and size (``_PLACE``);
