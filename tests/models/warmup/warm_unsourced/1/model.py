@@ -1,11 +1,5 @@
-import triton_python_backend_utils as pb_utils
-
-
 class TritonPythonModel:
-    """Adds X and Y; its warm-up sample gives only X, which must be refused as a request lacking Y
-    would be, before execute sees it."""
+    """Never executes: its warm-up sample gives Y no data source, which fails the load first."""
 
     def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("Z", pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
-                                                            + pb_utils.get_input_tensor_by_name(r, "Y").as_numpy())])
-                for r in requests]
+        raise AssertionError("a warm-up sample with an input of no data source was run")
