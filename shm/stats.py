@@ -19,14 +19,15 @@ import numpy as np
 from . import latency_histograms as lh
 from .latency_histograms import BrokerHistograms, LatencyRecorder
 
+# "unused" keeps the place of a worker's queue timeouts, which only the broker has now.
 SCALARS = ("success", "success_ns", "failure", "failure_ns", "inference_count",
            "execution_count", "phase_count", "queue_ns", "compute_input_ns", "compute_infer_ns",
-           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "timed_out", "cancelled",
+           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "unused", "cancelled",
            "cache_hit", "cache_hit_ns", "cache_miss", "cache_miss_ns", "failed_inferences",
            "error_responses")
 S = {name: i for i, name in enumerate(SCALARS)}
 (SUCCESS, SUCCESS_NS, FAILURE, FAILURE_NS, INFERENCE_COUNT, EXECUTION_COUNT, PHASE_COUNT, QUEUE_NS,
- INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, TIMED_OUT, CANCELLED, CACHE_HIT,
+ INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, _UNUSED, CANCELLED, CACHE_HIT,
  CACHE_HIT_NS, CACHE_MISS, CACHE_MISS_NS, FAILED_INFERENCES, ERROR_RESPONSES) = range(len(SCALARS))
 # The last counters count only failures' rare paths: published as they change, so that ``flush``,
 # on every answer's path, writes only the words before them.
@@ -285,14 +286,6 @@ class StatsWriter:
         error rate). The worker's loop only."""
         self._count_rare(ERROR_RESPONSES, 1)
 
-    def timed_out(self) -> None:
-        """A request whose queue timeout passed in this worker's own batcher: a failure, for
-        Triton's reason REJECTED. (A request its batcher refuses, the queue being full, or that
-        validation refuses is counted nowhere, as in Triton, which counts a request only once
-        its scheduler queued it.)"""
-        self.counts[FAILURE] += 1
-        self.counts[TIMED_OUT] += 1
-
     def cancelled(self) -> None:
         """A request its owner cancelled before it ran: a failure, for Triton's reason CANCELED."""
         self.counts[FAILURE] += 1
@@ -434,14 +427,14 @@ class VersionTotals:
         return int(self.scalars[S[name]])
 
     def failures(self) -> dict[str, int]:
-        """Failures by Triton's reasons: the broker's own plus the workers' (requests whose
-        execution failed are BACKEND, those whose queue timeout passed in a worker REJECTED)."""
+        """Failures by Triton's reasons: the broker's own (queue timeouts among them: a worker's
+        batcher has none, batches_on_worker) plus the workers' (an execution that failed is
+        BACKEND, a request cancelled while it waited CANCELED)."""
         out = {reason: 0 for reason in ("REJECTED", "CANCELED", "BACKEND", "OTHER")}
         for reason, n in self.failure_reasons.items():
             out[reason] = out.get(reason, 0) + n
         broker_counted = sum(self.failure_reasons.values())
-        worker_failed = self.get("failure") - broker_counted - self.get("timed_out") - self.get("cancelled")
+        worker_failed = self.get("failure") - broker_counted - self.get("cancelled")
         out["BACKEND"] += max(0, worker_failed)
-        out["REJECTED"] += self.get("timed_out")
         out["CANCELED"] += self.get("cancelled")
         return out

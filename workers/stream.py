@@ -100,9 +100,7 @@ class StreamSender:
         one still counts the stream and lets go of its regions (a send is no error to the model)."""
         if final:
             self.finished = self.completed = True
-            with self.stats_lock:
-                self.stats.finished_stream(self.entry.get("sent_ns", 0), not self.failed)
-                self.stats.flush()
+            self._count()
             self._let_go()
 
     def name_worker(self, num: int) -> None:
@@ -146,12 +144,16 @@ class StreamSender:
         held, self.held = self.held, None
         self.holds.let_go(held)
 
-    def _complete(self, last: Block | None) -> None:
+    def _count(self) -> None:
+        """Count the finished stream (under ``stats_lock``: the worker's loop counts too)."""
         with self.stats_lock:
             self.stats.finished_stream(self.entry.get("sent_ns", 0), not self.failed)
             if self.model_errored and not self.failed:
                 self.stats.model_error()
             self.stats.flush()
+
+    def _complete(self, last: Block | None) -> None:
+        self._count()
         if self.dropped:  # the client reads shm.protocol.NO_ROOM
             end: Block = (503, 0, 0, 0)
         else:

@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 import posix_ipc
 
-from shmserve.batching import DynamicBatcher, Pending, QueueFull, batches_on_worker
+from shmserve.batching import DynamicBatcher, Pending, batches_on_worker
 from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm import liveness, logs
 from shmserve.shm.answer import NO_VERSION, AnswerDescriptor
@@ -374,27 +374,17 @@ class Worker:
         # from when the client sent it (the same monotonic clock in every process).
         arrived = min(req.sent_ns or now_ns, now_ns) / 1e9
         pending = Pending(client, slot, off, entry, batch, arrived, priority=req.priority, timeout_us=req.timeout_us)
-        try:
-            self.batcher.enqueue(pending, arrived)
-        except QueueFull as e:  # counted nowhere, as Triton 2.51 counts what its scheduler refuses
-            self.holds.release(entry)
-            self._answer_error(entry, e.status, request_tag(entry.get("id", "")) + str(e), refused=True, queued=True)
-            return False
+        # (no QueueFull, no timeout: a model whose queue policy refuses or times out queues in
+        # the broker, batches_on_worker)
+        self.batcher.enqueue(pending, arrived)
         return True
 
     def _run_local_batches(self, batcher: DynamicBatcher, now: float) -> int:
-        """Answer what timed out in our queue, then run every batch that is due (all of them when
-        ``now`` is infinite: the worker is stopping). Each finished request counts as drained;
-        returns how many finished."""
+        """Run every batch that is due (all of them when ``now`` is infinite: the worker is
+        stopping). Each finished request counts as drained; returns how many finished."""
         done = 0
         stopping = math.isinf(now)
         while len(batcher):
-            expired = batcher.expire(time.monotonic())
-            for p in expired:
-                self.holds.release(p.entry)
-                self.stats.timed_out()
-                self._answer_error(p.entry, 503, "Request timeout expired", queued=True)
-            done += len(expired)
             batch = batcher.next_batch(now if stopping else time.monotonic())
             if batch is None:
                 break
@@ -402,7 +392,7 @@ class Worker:
             done += len(batch)
             if not stopping:
                 # What arrived meanwhile joins the queue before the next batch is formed: a higher
-                # priority goes first, a full queue refuses at once, not once the queue has drained.
+                # priority goes first.
                 for lane in self.seg.take_rung_lanes():
                     self._serve_lane(lane)
         self.stats.counts[DIRECT_DONE] += done
