@@ -47,6 +47,7 @@ class BatchEntry(AnswerTarget, total=False):
     parameters: dict[str, Any] | None  # the model's request parameters
     sequence_id: Union[int, str]  # 0: not in a sequence
     sequence_flags: int  # descriptor.SEQUENCE_START | SEQUENCE_END
+    slot_index: int  # the batch slot its sequence holds on the instance (the sequence batcher's)
     sent_ns: int  # when the client sent it (monotonic ns): queue delays and latency count from it
     timeout_us: int  # present only when the client gave one: its timeout, which the model may read
     trace_queued_ns: int  # present only when traced: its QUEUE_START (0: it never queued in the broker)

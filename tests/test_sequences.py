@@ -115,8 +115,10 @@ def test_concurrent_sequences_share_batches(server, tmp_path):
         finally:
             gate.open()
         assert info(busy.result())["batch"] == 1
-        batches = [info(f.result())["batch"] for f in queued]
-    assert batches == [len(mine) - 1] * len(batches)  # requests of different sequences ran in one execute()
+        ran = [info(f.result()) for f in queued]
+    assert len({i["execution"] for i in ran}) == 1  # requests of different sequences ran in one execute()
+    # (with a null request in each slot below the highest that sent nothing: the busy one's)
+    assert all(i["batch"] >= len(mine) for i in ran), ran
     for seq in seqs:
         assert int(send(server.url, "seq_direct", seq, 1, end=True).as_numpy("SUM")[0, 0]) == (3 if seq in mine else 2)
 
@@ -213,3 +215,40 @@ def test_a_cancelled_queued_request_ends_its_sequence_as_in_triton(server, tmp_p
         send(server.url, "seq_direct", seq, 8, end=True)
     assert e.value.status() == "400" and "must specify the START flag" in e.value.message()
     assert int(send(server.url, "seq_direct", seq, 5, start=True, end=True).as_numpy("SUM")[0, 0]) == 5
+
+
+def rows_of(result) -> dict:
+    return json.loads(result.as_numpy("ROWS").reshape(-1)[0])
+
+
+def test_direct_batch_rows_are_slots_with_null_requests(server):
+    """Triton's direct strategy: a sequence's batch slot is its row of every execution, and each
+    slot below the highest that sent nothing holds a null request (READY, START and END off,
+    CORRID 0, zero data), whose answer is dropped. The null rows count in the execution's batch
+    size, not in the inference count (as Triton 2.51 counts them)."""
+    model = "seq_direct_rows"
+    before = httpclient.InferenceServerClient(server.url).get_inference_statistics(model)["model_stats"][0]
+    null = {"ready": 0, "start": 0, "end": 0, "corr": 0, "value": 0}
+    a = rows_of(send(server.url, model, 11, 1, start=True))
+    b = rows_of(send(server.url, model, 22, 2, start=True))
+    c = rows_of(send(server.url, model, 33, 3, start=True))
+    assert (a["row"], b["row"], c["row"]) == (0, 1, 2)
+    assert c["rows"] == [null, null, {"ready": 1, "start": 1, "end": 0, "corr": 33, "value": 3}]
+    alone = rows_of(send(server.url, model, 33, 4))
+    assert alone == {"row": 2, "rows": [null, null, {"ready": 1, "start": 0, "end": 0, "corr": 33, "value": 4}]}
+    b_end = rows_of(send(server.url, model, 22, 5, end=True))
+    assert b_end["rows"] == [null, {"ready": 1, "start": 0, "end": 1, "corr": 22, "value": 5}]
+    d = rows_of(send(server.url, model, 44, 7, start=True))  # takes the slot B's end freed
+    assert d["row"] == 1 and d["rows"][0] == null
+    for seq, value in ((11, 1), (33, 1), (44, 1)):
+        send(server.url, model, seq, value, end=True)
+    after = httpclient.InferenceServerClient(server.url).get_inference_statistics(model)["model_stats"][0]
+
+    def sizes(stats: dict) -> dict:
+        return {b["batch_size"]: int(b["compute_infer"]["count"]) for b in stats["batch_stats"]}
+    assert int(after["inference_count"]) - int(before["inference_count"]) == 9
+    assert int(after["execution_count"]) - int(before["execution_count"]) == 9
+    grown = {size: n - sizes(before).get(size, 0) for size, n in sizes(after).items()}
+    # rows: 1, 2, 3, 3, 2, 2 (D at slot 1), then the ends: A alone (1), C (3: rows 0 and 1 are
+    # A's freed slot, now empty, and D's), D (2)
+    assert {size: n for size, n in grown.items() if n} == {1: 2, 2: 4, 3: 3}, grown

@@ -18,6 +18,7 @@ import numpy as np
 from shmserve.shm.tensors import CONFIG_TO_WIRE, DTYPES, deserialize_bytes, wire_datatype
 
 from . import device_tensors
+from .backend import Request
 from .requests import RequestError
 
 START, END = 1, 2
@@ -78,6 +79,9 @@ class SequenceSupport:
     def __init__(self, config: dict[str, Any], model_dir: Path) -> None:
         sb = config.get("sequence_batching") or {}
         self.batched = int(config.get("max_batch_size", 0)) > 0
+        # The direct strategy gives each sequence a batch slot that is also its row of every
+        # batch (``with_null_requests``); the oldest strategy batches whatever is ready.
+        self.direct = self.batched and "oldest" not in sb
         self.controls: list[tuple[str, str, np.dtype, Any, Any]] = []
         for ci in sb.get("control_input", []):
             for c in ci.get("control", []):
@@ -124,6 +128,33 @@ class SequenceSupport:
                 state = saved.get(out_name)
                 inputs[in_name] = first.copy() if state is None else state
 
+    def with_null_requests(self, slots: list[int | None], requests: list[Request],
+                           outputs: list[str]) -> tuple[list[Request], list[int]]:
+        """A direct-strategy batch as Triton's sequence batcher runs it: row ``i`` is batch slot
+        ``i``, so a model may keep its state by row. ``slots`` are the ``requests``' slots (from
+        the broker, in order); every slot below the highest that has no request here (empty, its
+        request cancelled or waiting for an execution its shapes fit) holds a null request. Returns
+        the batch and the row of each of ``requests``."""
+        if not slots or len(set(slots)) != len(slots) or any(s is None or s < 0 for s in slots):
+            return requests, list(range(len(requests)))  # (not a direct batch: run as it came)
+        by_slot = dict(zip(slots, requests))
+        like = by_slot[min(slots)]  # (Triton's: the request of the first slot that has one)
+        batch = [by_slot[s] if s in by_slot else self._null_request(like, outputs) for s in range(max(slots) + 1)]
+        return batch, list(slots)  # (slot s is row s)
+
+    def _null_request(self, like: Request, outputs: list[str]) -> Request:
+        """Triton's null request (``CopyAsNull``): ``like``'s inputs' types and shapes with zero
+        data (empty strings for BYTES), every control off, READY too (the model must not take
+        the row for a sequence's step), correlation id 0, and a state no sequence owns. What the
+        model answers for it is dropped."""
+        inputs = {name: _zeros_like(value) for name, value in like.inputs.items()}
+        shape = (1, 1) if self.batched else (1,)
+        for name, kind, dtype, false, _ in self.controls:
+            inputs[name] = np.full(shape, _correlation_id(name, dtype, 0) if kind == "corrid" else false, dtype=dtype)
+        for in_name, _, first in self.states:
+            inputs[in_name] = first.copy()
+        return Request(inputs, list(outputs), sender=_drop if like.sender is not None else None)
+
     def capture(self, outputs: dict[str, np.ndarray], requested: list[str], corr: Any, flags: int) -> None:
         """Keep the state outputs for the sequence's next request; they go back to the client only
         if it asked for them by name."""
@@ -149,6 +180,18 @@ class SequenceSupport:
     def forget(self, corrs: list[Any]) -> None:
         for corr in corrs:
             self.memory.pop(corr, None)
+
+
+def _zeros_like(value: Any) -> Any:
+    if device_tensors.is_tensor(value):
+        return value.new_zeros(value.shape)
+    if value.dtype == np.object_:
+        return np.full(value.shape, b"", dtype=object)
+    return np.zeros(value.shape, dtype=value.dtype)
+
+
+def _drop(response: Any, final: bool) -> None:
+    """Where a null request's responses go when its model is decoupled: nowhere."""
 
 
 def _correlation_id(control: str, dtype: np.dtype, corr: Any) -> Any:

@@ -458,12 +458,18 @@ class Worker:
         if live:
             if log.isEnabledFor(logging.DEBUG):  # --log-verbose 1: each execution, as Triton's core says it
                 log.debug("model %s, instance %s, executing %d requests", self.model, self.instance_name, len(live))
+            requests, rows = [r for _, r in live], None
+            if self.sequence is not None and self.sequence.direct:  # (null requests fill its empty slots)
+                requests, rows = self.sequence.with_null_requests([e.get("slot_index") for e, _ in live], requests,
+                                                                  self.output_names)
             try:
-                responses = self.instance.execute([r for _, r in live])  # type: ignore[union-attr]
+                responses = self.instance.execute(requests)  # type: ignore[union-attr]
                 if self.decoupled:
                     responses = [None] * len(live)  # decoupled models answer through their senders
-                elif len(responses) != len(live):
-                    raise RuntimeError(f"model returned {len(responses)} responses for {len(live)} requests")
+                elif len(responses) != len(requests):
+                    raise RuntimeError(f"model returned {len(responses)} responses for {len(requests)} requests")
+                elif rows is not None:
+                    responses = [responses[row] for row in rows]
             except (Exception, KeyboardInterrupt, SystemExit) as e:  # noqa: BLE001 - model code may raise
                 # anything; as in Triton, even what would end a process fails only this execution
                 executed = time.monotonic_ns()
@@ -507,7 +513,8 @@ class Worker:
                     streamed_arrivals.append(entry.get("sent_ns", 0))
             with self.stream_lock:  # streams may finish meanwhile on the model's threads (an async execute's loop)
                 output_ns = time.monotonic_ns() - executed
-                self.stats.executed(sizes, arrivals, start, built - start, executed - built, output_ns, ok, streamed)
+                self.stats.executed(sizes, arrivals, start, built - start, executed - built, output_ns, ok, streamed,
+                                    padding=len(requests) - len(live))
                 self.stats.stream_phases(streamed_arrivals, start, built - start, executed - built, output_ns)
         for _, req in live:
             if req.sender is not None:  # still open, it outlives the batch the broker forgets now

@@ -7,7 +7,8 @@ sequences wait in a backlog for a slot. Each batch takes at most one request per
 only requests whose inputs match beyond the batch dimension (ragged inputs aside), as Triton's
 sequence batcher enforces equal shapes: the first candidate's shapes rule, and a sequence whose
 next request differs waits for a later batch. ``direct`` walks the instance's slots in order and
-sends what is there at once. ``oldest`` keeps
+sends what is there at once, each request with its ``slot_index`` (the worker runs it in that row
+and fills the rows between with null requests, workers/sequence.py). ``oldest`` keeps
 ``max_candidate_sequences`` slots per instance (``max_batch_size`` when unset) and batches the
 candidates whose next request is oldest first, as Triton's dynamic batcher would: a batch goes
 when it reaches a ``preferred_batch_size`` (the largest it can fill; ``max_batch_size`` when none
