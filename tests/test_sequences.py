@@ -252,3 +252,28 @@ def test_direct_batch_rows_are_slots_with_null_requests(server):
     # rows: 1, 2, 3, 3, 2, 2 (D at slot 1), then the ends: A alone (1), C (3: rows 0 and 1 are
     # A's freed slot, now empty, and D's), D (2)
     assert {size: n for size, n in grown.items() if n} == {1: 2, 2: 4, 3: 3}, grown
+
+
+def test_direct_batch_waits_for_its_slot_utilization(server):
+    """``direct { max_queue_delay_microseconds minimum_slot_utilization }``, by Triton's rule: a
+    batch goes once that share of the instance's slots (2 of 4 here) has a request, and a lone
+    request only after the delay (1.5 s)."""
+    model = "seq_direct_delay"
+
+    def timed(seq, value, start=False, end=False):
+        began = time.monotonic()
+        result = rows_of(send(server.url, model, seq, value, start=start, end=end))
+        return result, time.monotonic() - began
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        pair = [pool.submit(timed, seq, 1, True) for seq in (51, 52)]
+        (a, _), (b, _) = (f.result() for f in pair)
+    assert len(a["rows"]) == len(b["rows"]) == 2 and {a["row"], b["row"]} == {0, 1}, (a, b)
+    alone, alone_s = timed(51, 2)
+    assert alone_s >= 1.2, alone_s  # one slot of four has a request: it waited for the delay
+    assert alone["rows"][alone["row"]]["corr"] == 51
+    with cf.ThreadPoolExecutor(2) as pool:
+        ends = [pool.submit(timed, seq, 3, False, True) for seq in (51, 52)]
+        results = [f.result() for f in ends]
+    for r, _ in results:  # together, in one execution
+        assert sorted(row["corr"] for row in r["rows"]) == [51, 52], results

@@ -7,8 +7,10 @@ sequences wait in a backlog for a slot. Each batch takes at most one request per
 only requests whose inputs match beyond the batch dimension (ragged inputs aside), as Triton's
 sequence batcher enforces equal shapes: the first candidate's shapes rule, and a sequence whose
 next request differs waits for a later batch. ``direct`` walks the instance's slots in order and
-sends what is there at once, each request with its ``slot_index`` (the worker runs it in that row
-and fills the rows between with null requests, workers/sequence.py). ``oldest`` keeps
+sends what is there, at once or, with ``minimum_slot_utilization``, once that share of the slots
+has a request or the oldest waited ``max_queue_delay_microseconds``; each request goes with its
+``slot_index`` (the worker runs it in that row and fills the rows between with null requests,
+workers/sequence.py). ``oldest`` keeps
 ``max_candidate_sequences`` slots per instance (``max_batch_size`` when unset) and batches the
 candidates whose next request is oldest first, as Triton's dynamic batcher would: a batch goes
 when it reaches a ``preferred_batch_size`` (the largest it can fill; ``max_batch_size`` when none
@@ -53,9 +55,15 @@ class SequenceBatcher:
         self.max_batch = max(1, config.max_batch_size)
         self.ragged = frozenset(t.name for t in config.input if t.allow_ragged_batch)
         self.slots_per_instance = self.max_batch
-        # Oldest only: how long a batch may wait for more candidates, and the sizes that end the wait.
+        # How long a batch may wait for more candidates, and what ends the wait: for oldest, the
+        # sizes it prefers; for direct, the share of the instance's slots that have a request
+        # (whose delay Triton applies only with a share set).
         self.delay_s = 0.0
         self.preferred = [self.max_batch]
+        self.min_utilization = 0.0
+        if not self.oldest and sb.direct.minimum_slot_utilization > 0:
+            self.min_utilization = sb.direct.minimum_slot_utilization
+            self.delay_s = sb.direct.max_queue_delay_microseconds / 1e6
         if self.oldest:
             oldest = sb.oldest
             self.slots_per_instance = oldest.max_candidate_sequences or self.max_batch
@@ -151,6 +159,8 @@ class SequenceBatcher:
             return None
         if self.oldest:
             ready.sort(key=lambda s: s.pending[0].arrived)
+        elif self.delay_s and not self._direct_due(len(ready), min(s.pending[0].arrived for s in ready), now):
+            return None
         if len(ready) > 1:  # (the backends concatenate a batch's inputs: their shapes must agree)
             key = ready[0].pending[0].shape_key(self.ragged)
             ready = [s for s in ready if s.pending[0].shape_key(self.ragged) == key]
@@ -168,6 +178,11 @@ class SequenceBatcher:
                 self._release(seq)
                 self.releases[inst.num].remove(seq.corr)  # the worker forgets it on END itself
         return batch
+
+    def _direct_due(self, ready: int, oldest: float, now: float) -> bool:
+        """Whether a direct batch goes now: its oldest request waited the delay, or at least
+        ``minimum_slot_utilization`` of the instance's slots have a request (Triton's rule)."""
+        return now - oldest >= self.delay_s or ready / self.max_batch >= self.min_utilization
 
     def _oldest_size(self, ready: int, oldest: float, now: float) -> int:
         """How many of ``ready`` candidates to send now (0: wait), by Triton's dynamic batching

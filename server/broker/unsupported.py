@@ -41,8 +41,6 @@ FIELDS: dict[str, tuple[str, str]] = {
     "instance_group.secondary_devices": (WARN, "no secondary device is given to the instance"),
     "instance_group.profile": (WARN, "no TensorRT optimisation profile is selected"),
     "sequence_batching.iterative_sequence": (WARN, "requests of a sequence are not rescheduled iteratively"),
-    "sequence_batching.direct.max_queue_delay_microseconds": (WARN, "sequence batches form without delay"),
-    "sequence_batching.direct.minimum_slot_utilization": (WARN, "sequence batches form without delay"),
     "sequence_batching.state.use_same_buffer_for_input_output": (WARN, "state tensors are copied"),
     "sequence_batching.state.use_growable_memory": (WARN, "state tensors are copied"),
     "sequence_batching.oldest.preserve_ordering": (WARN, "batches of several instances may answer out of order"),
