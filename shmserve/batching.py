@@ -109,7 +109,9 @@ class DynamicBatcher:
         db = config.get("dynamic_batching") or {}
         self.max_batch_size: int = int(config.get("max_batch_size", 0))
         self.ragged = ragged_inputs(config)
-        self.delay_s = int(db.get("max_queue_delay_microseconds", 0)) / 1e6
+        # max_batch_size 0: the queue's order and policies still apply; each execution takes one
+        # request at once (Triton's, checked side by side).
+        self.delay_s = int(db.get("max_queue_delay_microseconds", 0)) / 1e6 if self.max_batch_size else 0.0
         preferred = sorted(int(p) for p in db.get("preferred_batch_size", ()) if 0 < int(p) <= self.max_batch_size)
         self.preferred = preferred or [self.max_batch_size]
         self.preserve_ordering = bool(db.get("preserve_ordering", False))
@@ -205,6 +207,9 @@ class DynamicBatcher:
             return None
         candidates = self._ordered()
         first = candidates[0]
+        if not self.max_batch_size:
+            self._remove(first)
+            return [first]
         key = first.shape_key(self.ragged)
         chosen: list[Pending] = []
         total = 0

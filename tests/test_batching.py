@@ -456,3 +456,17 @@ def test_a_drained_queue_answers_each_batch_as_it_ends_and_takes_what_arrives_me
     assert urgent["order"] == first["order"] + 1 and second["order"] == urgent["order"] + 1
     # each answered as its batch ended: 0.4 s apart (they were all sent before the first ran)
     assert second["seconds"] - first["seconds"] >= 0.6, (first, second)
+
+
+def test_a_model_that_does_not_batch_takes_the_dynamic_batchers_queue(server, tmp_path):
+    """``max_batch_size: 0`` with ``dynamic_batching`` loads, as in Triton: the queue keeps its
+    priorities, and each execution takes one request at once (the 30 s delay holds nothing)."""
+    assert infer_with(server.url, "probe_unbatched")["seconds"] < LONG_DELAY_S / 2
+    with Busy(server, "probe_unbatched", tmp_path) as busy:
+        low = busy.send(2, 3, 2)
+        high = busy.send(1, 5, 1)[0]
+        busy_r = busy.release()
+        low_a, low_b, high_r = (f.result() for f in (*low, high))
+    assert high_r["order"] == busy_r["order"] + 1  # the higher priority first
+    assert sorted([low_a["order"], low_b["order"]]) == [high_r["order"] + 1, high_r["order"] + 2]
+    assert low_a["reqs"] == low_b["reqs"] == high_r["reqs"] == 1

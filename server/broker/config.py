@@ -202,9 +202,9 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
         elif group.kind not in (mc.ModelInstanceGroup.KIND_CPU, mc.ModelInstanceGroup.KIND_MODEL):
             raise ConfigError(f"model '{m}': instance_group '{group.name}' kind "
                               f"{mc.ModelInstanceGroup.Kind.Name(group.kind)} is not supported")
+    # (With max_batch_size 0 the dynamic batcher still orders and polices the queue, and sends one
+    # request an execution, as Triton's does.)
     if config.HasField("dynamic_batching") and not (completed_later and config.max_batch_size == 0):
-        if config.max_batch_size == 0:
-            raise ConfigError(f"model '{m}': dynamic_batching requires max_batch_size > 0")
         for size in config.dynamic_batching.preferred_batch_size:
             if size < 1 or size > config.max_batch_size:
                 raise ConfigError(f"model '{m}': dynamic_batching.preferred_batch_size {size} must be "

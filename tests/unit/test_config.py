@@ -210,7 +210,8 @@ def test_a_good_config_passes(tmp_path):
     ('backend: "tensorrt"', "model 'm': unable to find backend 'tensorrt' (installed backends: python, pytorch)"),
     ('platform: "tensorflow_savedmodel"', "model 'm': unable to find backend 'tensorflow_savedmodel'"),
     ('backend: "python" max_batch_size: -1', "model 'm': max_batch_size must be >= 0, got -1"),
-    ('backend: "python" dynamic_batching { }', "model 'm': dynamic_batching requires max_batch_size > 0"),
+    ('backend: "python" dynamic_batching { preferred_batch_size: [ 1 ] }',
+     "model 'm': dynamic_batching.preferred_batch_size 1 must be between 1 and max_batch_size 0"),
     ('backend: "python" max_batch_size: 4 dynamic_batching { preferred_batch_size: [ 2, 8 ] }',
      "model 'm': dynamic_batching.preferred_batch_size 8 must be between 1 and max_batch_size 4"),
     ('backend: "python" max_batch_size: 4 dynamic_batching { preferred_batch_size: [ 0 ] }',
@@ -497,9 +498,9 @@ def test_the_onnx_backends_own_optimization_fields_are_not_findings():
 def test_a_dynamic_batcher_waits_for_the_backend_to_complete_max_batch_size(tmp_path):
     """Without --strict-model-config the backend may set max_batch_size (an ONNX graph that
     batches), so the batcher is not refused before the completed config is validated."""
-    d = model_dir(tmp_path, config='name: "m" platform: "onnxruntime_onnx" dynamic_batching { }',
+    d = model_dir(tmp_path, config='name: "m" platform: "onnxruntime_onnx" dynamic_batching { preferred_batch_size: 4 }',
                   files={"1/model.onnx": ""})
     config = cfgmod.load_config(d, strict=False)
     cfgmod.validate(config, d, BACKENDS | {"onnxruntime"}, [1], completed_later=True)
-    with pytest.raises(ConfigError, match="model 'm': dynamic_batching requires max_batch_size > 0"):
+    with pytest.raises(ConfigError, match="model 'm': dynamic_batching.preferred_batch_size 4 must be between 1 and"):
         cfgmod.validate(config, d, BACKENDS | {"onnxruntime"}, [1])
