@@ -233,3 +233,16 @@ def test_unload_dependents_keeps_steps_loaded_by_name_or_used_by_another_ensembl
     c.unload_model("inner", unload_dependents=True)
     after = states()
     assert (after["inner"], after["add_sub"]) == ("UNAVAILABLE", "UNAVAILABLE"), after
+
+
+def test_unload_dependents_keeps_a_step_named_at_start_after_its_ensemble(server_factory):
+    """``--load-model par --load-model slow_add``: the ensemble's load starts its step first, and
+    the step's own start-up load finds it loading; it is still a model named at start, which
+    unloading the ensemble with its dependents leaves serving (Triton's)."""
+    s = server_factory.start([Path(__file__).parent / "models" / "ensembles", EXAMPLES],
+                             ["--model-control-mode", "explicit", "--load-model", "par", "--load-model", "slow_add"])
+    c = s.client()
+    c.unload_model("par", unload_dependents=True)
+    wait_until(lambda: "UNLOADING" not in {e.get("state") for e in _index(c).values()}, "the unloads", 30)
+    after = {name: e.get("state", "") for name, e in _index(c).items()}
+    assert (after["par"], after["slow_add"], after["slow_mul"]) == ("UNAVAILABLE", "READY", "UNAVAILABLE"), after

@@ -129,7 +129,10 @@ class Lifecycle:
         self.catalog.restoring = self.journal.restarted
         for name, override, model_dir in self._initial_models():
             if name in self.catalog.loading and override is None and model_dir is None:
-                continue  # an ensemble's step, loading since the ensemble's load asked for it
+                # An ensemble's step, loading since the ensemble's load asked for it: named at
+                # start too, so unloading the ensemble's dependents leaves it.
+                self.catalog.explicit.add(name)
+                continue
             refused = self.load_model(name, override, model_dir=model_dir)
             if refused is not None:  # (a --load-model no repository holds, say): a model that
                 self.refused_at_start = True  # did not load, which --exit-on-error stops for
