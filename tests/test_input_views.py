@@ -103,8 +103,8 @@ input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
 output [ { name: "Z" data_type: TYPE_FP32 dims: [ -1 ] }, { name: "X_AGAIN" data_type: TYPE_FP32 dims: [ -1 ] } ]
 ensemble_scheduling {
   step [
-    { model_name: "writer" input_map { key: "X" value: "X" } output_map [ { key: "Y" value: "y" }, { key: "OWNED" value: "o1" } ] },
-    { model_name: "writer" input_map { key: "X" value: "y" } output_map [ { key: "Y" value: "w" }, { key: "OWNED" value: "o2" } ] },
+    { model_name: "writer" input_map { key: "X" value: "X" } output_map { key: "Y" value: "y" } },
+    { model_name: "writer" input_map { key: "X" value: "y" } output_map { key: "Y" value: "w" } },
     { model_name: "pass" input_map [ { key: "Y" value: "y" }, { key: "W" value: "w" } ] output_map { key: "Z" value: "Z" } },
     { model_name: "pass" input_map [ { key: "Y" value: "X" }, { key: "W" value: "w" } ] output_map { key: "Z" value: "X_AGAIN" } }
   ]

@@ -291,6 +291,18 @@ def test_a_load_model_no_repository_holds_stops_the_start_as_triton_does(server_
     assert kept.client().is_server_live()
 
 
+def test_a_wildcard_load_model_beside_another_loads_nothing_as_triton_does(server_factory):
+    """``--load-model=*`` must be the only start-up model: Triton's words; with the default
+    --exit-on-error the start stops, with --exit-on-error=false nothing is loaded."""
+    flags = ["--model-control-mode=explicit", "--load-model=*", "--load-model=add_sub"]
+    s = server_factory.create([ROOT / "model_repository"], flags).start()
+    assert s.wait_exit(60) != 0
+    assert "Wildcard model name '*' must be the ONLY startup model if specified at all." in s.log()
+    kept = server_factory.start([ROOT / "model_repository"], [*flags, "--exit-on-error=false"])
+    assert kept.client().is_server_live()
+    assert [e for e in kept.client().get_model_repository_index() if e.get("state")] == []
+
+
 def test_a_model_in_two_repositories_does_not_load_as_in_triton(server_factory, tmp_path):
     """Which folder is meant cannot be told: Triton refuses the name ("model appears in two or
     more repositories"), where the first folder found used to be served in silence."""

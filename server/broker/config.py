@@ -136,10 +136,16 @@ def load_config(model_dir: Path, strict: bool, override_json: str | None = None,
     return config
 
 
+SEQUENCE_IDLE_DEFAULT_US = 1_000_000  # Triton's max_sequence_idle_microseconds when unset
+
+
 def complete_defaults(config: ModelConfig) -> None:
-    """Fill what Triton fills for every model: version policy and instance groups."""
+    """Fill what Triton fills for every model: version policy, instance groups, and a sequence
+    batcher's idle time (1 s), which the config endpoints then show as Triton's do."""
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
+    if config.HasField("sequence_batching") and not config.sequence_batching.max_sequence_idle_microseconds:
+        config.sequence_batching.max_sequence_idle_microseconds = SEQUENCE_IDLE_DEFAULT_US
     if config.platform == "ensemble":
         return
     if not config.instance_group:  # named after the model, as Triton names it: its instance is '<model>_0'

@@ -72,10 +72,19 @@ def find_cycle(start: str, graph: dict[str, list[str]]) -> str | None:
 
 
 def check_plan(config: Any) -> str | None:
-    """Why an ensemble's steps cannot run (a tensor nobody produces, an output never made)."""
+    """Why an ensemble's steps cannot run (a tensor nobody produces, an output never made), or
+    why Triton refuses its data flow (a tensor two steps write, whose value would depend on which
+    finished last; an ensemble input or a step's output that nothing reads), in Triton's words."""
     steps = config.ensemble_scheduling.step
     if not steps:
         return "ensemble_scheduling must have at least one step"
+    written: set[str] = set()
+    for index, s in enumerate(steps):
+        for tensor in s.output_map.values():
+            if tensor in written:
+                return (f"ensemble tensor '{tensor}' can appear in an output map only once for ensemble "
+                        f"'{config.name}' step {index}")
+            written.add(tensor)
     available = {t.name for t in config.input}
     remaining = list(steps)
     while remaining:
@@ -92,6 +101,13 @@ def check_plan(config: Any) -> str | None:
     unmade = [t.name for t in config.output if t.name not in available]
     if unmade:
         return f"ensemble output(s) {unmade} are not produced by any step"
+    read = {tensor for s in steps for tensor in s.input_map.values()}
+    for t in config.input:
+        if t.name not in read | written:
+            return f"ensemble input '{t.name}' for ensemble {config.name}' is not used"  # (Triton's quotes)
+    outputs = {t.name for t in config.output}
+    for tensor in sorted(written - outputs - read):
+        return f"ensemble tensor '{tensor}' is unused in ensemble '{config.name}'"
     return None
 
 

@@ -214,6 +214,10 @@ class Lifecycle:
         if self.opts.control_mode != "explicit":
             return [(name, None, None) for name in self.catalog.model_dirs]
         wanted = self.opts.load_models
+        if "*" in wanted and len(set(wanted)) > 1:  # Triton loads nothing then (and stops on --exit-on-error)
+            log.error("Invalid argument: Wildcard model name '*' must be the ONLY startup model if specified at all.")
+            self.refused_at_start = True
+            wanted = []
         names = list(self.catalog.model_dirs) if "*" in wanted else list(dict.fromkeys(wanted))
         loads: dict[str, tuple[str | None, Path | None]] = {name: (None, None) for name in names}
         for name, entry in self.journal.get("models", {}).items():

@@ -191,6 +191,17 @@ def test_version_policy_selects_versions(policy, expected):
     assert cfgmod.select_versions(config, []) == []
 
 
+@pytest.mark.parametrize("batcher, idle_us", [("sequence_batching { }", 1_000_000),
+                                              ("sequence_batching { oldest { } }", 1_000_000),
+                                              ("sequence_batching { max_sequence_idle_microseconds: 7 }", 7)])
+def test_a_sequence_batcher_shows_tritons_default_idle_time(batcher, idle_us):
+    """Triton fills max_sequence_idle_microseconds (1 s) when it is unset; the config endpoints
+    then show it, where 0 read as "never idle"."""
+    config = parse(batcher)
+    cfgmod.complete_defaults(config)
+    assert config.sequence_batching.max_sequence_idle_microseconds == idle_us
+
+
 # -- validation: Triton's refusals, with the model and field named -------------------------------
 
 GOOD_INPUT = 'input [ { name: "X" data_type: TYPE_FP32 dims: [ 3 ] } ]'
@@ -300,11 +311,22 @@ def step(source: str, made: str, model: str = "a", version: int = -1) -> str:
     ((step("NOPE", "OUT"),), "step 'a' needs tensor(s) ['NOPE'] that no ensemble input or earlier step provides"),
     ((step("IN", "MID"),), "ensemble output(s) ['OUT'] are not produced by any step"),
     ((step("IN", "OUT", model=""),), "every step must name a model_name"),
+    # Triton's refusals of its data flow, in its words
+    ((step("IN", "OUT"), step("IN", "OUT", model="b")),
+     "ensemble tensor 'OUT' can appear in an output map only once for ensemble 'm' step 1"),
+    ((step("IN", "OUT"), step("IN", "SPARE", model="b")), "ensemble tensor 'SPARE' is unused in ensemble 'm'"),
 ])
 def test_an_ensemble_whose_steps_cannot_run_is_refused(tmp_path, steps, message):
     with pytest.raises(ConfigError) as e:
         check(ensemble(*steps), tmp_path, files={})
     assert str(e.value) == f"model 'm': ensemble_scheduling: {message}"
+
+
+def test_an_ensemble_input_no_step_reads_is_refused_in_tritons_words(tmp_path):
+    io = ENSEMBLE_IO.replace('input [ {', 'input [ { name: "UNREAD" data_type: TYPE_FP32 dims: [ 1 ] }, {')
+    with pytest.raises(ConfigError) as e:
+        check(f'platform: "ensemble" {io} ensemble_scheduling {{ {step("IN", "OUT")} }}', tmp_path, files={})
+    assert str(e.value) == "model 'm': ensemble_scheduling: ensemble input 'UNREAD' for ensemble m' is not used"
 
 
 def test_ensemble_steps_in_any_order_pass(tmp_path):
