@@ -8,6 +8,7 @@ from typing import NoReturn, Sequence
 
 from . import __version__, cache_flags, triton_flags
 from .edge.header_forward import HTTP_FLAG as HTTP_FORWARD_FLAG, compile_pattern
+from .broker.summary_window import summary_quantiles
 from .frontend.limits import HttpLimits
 from .grpc import options as grpc_options
 
@@ -55,17 +56,21 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-METRICS_CONFIG_KEYS = {"summary_latencies", "histogram_latencies"}
+METRICS_CONFIG_KEYS = {"summary_latencies", "histogram_latencies", "counter_latencies", "summary_quantiles"}
 
 
 def metrics_config(items: Sequence[str]) -> dict[str, str]:
-    """``--metrics-config key=value`` pairs; unknown keys and non-boolean values are refused."""
+    """``--metrics-config key=value`` pairs; unknown keys and malformed values are refused."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in METRICS_CONFIG_KEYS:
             raise ValueError(f"--metrics-config: unknown option '{item}' (known: {', '.join(sorted(METRICS_CONFIG_KEYS))})")
+        if key == "summary_quantiles":
+            summary_quantiles(value)
+            out[key] = value.strip()
+            continue
         try:
             out[key] = str(parse_bool(value)).lower()
         except argparse.ArgumentTypeError as e:
@@ -141,8 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-interval-ms", type=int, default=2000,
                    help="how often CPU and GPU figures are sampled, in milliseconds (default 2000)")
     p.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
-                   help="metrics options as Triton's: summary_latencies=true adds nv_inference_*_summary_us "
-                        "quantiles (estimated from log-spaced histograms); histogram_latencies=true adds "
+                   help="metrics options as Triton's: counter_latencies=false leaves out the "
+                        "nv_inference_*_duration_us counters; summary_latencies=true adds nv_inference_*_summary_us "
+                        "quantiles over the last minute (estimated from log-spaced histograms), at "
+                        "summary_quantiles=Q:E,... (default 0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001,0.999:0.001); "
+                        "histogram_latencies=true adds "
                         "nv_inference_first_response_histogram_ms and shmserve's request, queue and compute "
                         "histograms (buckets per model through model_metrics); repeatable")
     p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",

@@ -266,6 +266,27 @@ def test_summaries_say_tritons_words_and_nan_before_any_request(server_factory):
     assert sample(text, "nv_inference_request_summary_us_count", model="doubler", version="1") == 0
 
 
+def test_counter_latencies_off_and_summary_quantiles_as_tritons_metrics_config(server_factory):
+    """Two of Triton 2.51's --metrics-config keys: counter_latencies=false leaves out the
+    cumulative durations; summary_quantiles sets the summaries' quantiles (QUANTILE:ERROR)."""
+    server = server_factory.start([STATS_MODELS], [
+        "--metrics-config", "counter_latencies=false", "--metrics-config", "summary_latencies=true",
+        "--metrics-config", "summary_quantiles=0.5:0.05,0.99:0.001"])
+    t = httpclient.InferInput("X", [2], "INT32")
+    t.set_data_from_numpy(np.array([1, 2], dtype=np.int32))
+    server.client().infer("doubler", [t])
+    text = scrape(server)
+    assert "nv_inference_request_duration_us" not in text and "nv_inference_compute_infer_duration_us" not in text
+    assert sample(text, "nv_inference_count", model="doubler", version="1") == 1
+    quantiles = set(re.findall(r'nv_inference_request_summary_us\{[^}]*model="doubler"[^}]*quantile="([^"]+)"', text))
+    assert quantiles == {"0.5", "0.99"}, quantiles
+    assert sample(text, "nv_inference_request_summary_us", model="doubler", version="1", quantile="0.99") > 0
+    bad = server_factory.create([STATS_MODELS], ["--metrics-config", "summary_quantiles=0.5"])
+    bad.start()
+    assert bad.wait_exit(60) == 2
+    assert "summary_quantiles: '0.5' is not QUANTILE:ERROR" in bad.log()
+
+
 def test_bad_metrics_config_is_refused(server_factory):
     server = server_factory.create([STATS_MODELS], ["--metrics-config", "bogus=1"])
     server.start()

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import threading
+import time
 from typing import Callable, Iterable, Iterator, Protocol
 
 import numpy as np
@@ -27,6 +28,7 @@ from shmserve.shm.stats import BUCKETS, PHASES, VersionTotals, bucket_upper_ns, 
 
 from . import load_times
 from .gpu_metrics import FAMILIES as GPU_FAMILIES, GpuSampler
+from .summary_window import SummaryWindow
 from .system import CpuSampler
 
 log = logging.getLogger("shmserve.metrics")
@@ -48,6 +50,8 @@ class MetricsOptions:
     address: str = "0.0.0.0"
     interval_ms: int = 2000
     summary_latencies: bool = False
+    quantiles: tuple[float, ...] = QUANTILES  # --metrics-config summary_quantiles
+    counter_latencies: bool = True  # --metrics-config counter_latencies=false: no *_duration_us counters
     histogram_latencies: bool = False  # --metrics-config histogram_latencies=true
     cpu: bool = True
     gpu: bool = True
@@ -143,6 +147,7 @@ class _Collector:
         mask = os.environ.get("CUDA_VISIBLE_DEVICES")
         # (only where metrics are served: NVML and the CUDA driver are not loaded for nothing)
         self.gpu = GpuSampler(opts.interval_ms / 1000.0, mask) if opts.gpu and opts.port > 0 else None
+        self.window = SummaryWindow()
 
     def collect(self) -> Iterator[Metric]:
         rows = self.source.rows()
@@ -166,6 +171,28 @@ class _Collector:
                      "counter", lambda s: s.get("inference_count"))
         yield family("nv_inference_exec_count", "Number of model executions performed (does not include cached "
                      "requests)", "counter", lambda s: s.get("execution_count"))
+        if self.opts.counter_latencies:
+            yield from self._duration_counters(family)
+        if any(st.cached for _, _, st in rows):  # as Triton: only for models that use the response cache
+            yield from _cache_families([row for row in rows if row[2].cached], self.opts.counter_latencies)
+        yield family("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting "
+                     "execution per-model.", "gauge", lambda s: s.pending)
+        if self.opts.summary_latencies:
+            yield from self._summaries(rows)
+        if self.opts.histogram_latencies:
+            yield from latency_families(rows)
+            yield load_time_family(self.source.load_times())
+        yield from self._histograms(rows)
+        yield from self._own(family)
+        yield from merge_custom(self.source.custom_docs())
+        if self.opts.cpu:
+            yield from self._cpu()
+        if self.gpu is not None:
+            yield from self._gpu(self.gpu)
+
+    @staticmethod
+    def _duration_counters(family: Callable[..., Metric]) -> Iterator[Metric]:
+        """Triton's cumulative durations (``counter_latencies``, on by default)."""
         yield family("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds "
                      "(includes cached requests)", "counter", lambda s: s.get("success_ns") // 1000)
         yield family("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds "
@@ -178,16 +205,9 @@ class _Collector:
         yield family("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in "
                      "microseconds (does not include cached requests)", "counter",
                      lambda s: s.get("compute_output_ns") // 1000)
-        if any(st.cached for _, _, st in rows):  # as Triton: only for models that use the response cache
-            yield from _cache_families([row for row in rows if row[2].cached])
-        yield family("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting "
-                     "execution per-model.", "gauge", lambda s: s.pending)
-        if self.opts.summary_latencies:
-            yield from self._summaries(rows)
-        if self.opts.histogram_latencies:
-            yield from latency_families(rows)
-            yield load_time_family(self.source.load_times())
-        yield from self._histograms(rows)
+
+    def _own(self, family: Callable[..., Metric]) -> Iterator[Metric]:
+        """shmserve's own families."""
         yield family("shmserve_worker_restarts", "Worker processes restarted after they died", "counter",
                      lambda s: s.worker_restarts)
         yield family("shmserve_queue_depth", "Requests waiting for an instance: scheduler queues and direct lanes",
@@ -199,24 +219,23 @@ class _Collector:
             for labels, value in samples:
                 m.add_sample(name, labels, value)
             yield m
-        yield from merge_custom(self.source.custom_docs())
-        if self.opts.cpu:
-            yield from self._cpu()
-        if self.gpu is not None:
-            yield from self._gpu(self.gpu)
 
     def _summaries(self, rows: list[VersionRow]) -> Iterator[Metric]:
-        """Triton's ``summary_latencies``: quantiles estimated from the log-spaced histograms."""
+        """Triton's ``summary_latencies``: quantiles of the last minute (summary_window.py),
+        estimated from the log-spaced histograms; ``_count`` and ``_sum`` of all time."""
         totals = {"request": "success_ns", "queue": "queue_ns", "compute_input": "compute_input_ns",
                   "compute_infer": "compute_infer_ns", "compute_output": "compute_output_ns"}
+        recent = self.window.recent({(model, version): np.asarray(st.hist) for model, version, st in rows},
+                                    time.monotonic())
         for p, phase in enumerate(PHASES):
             name = f"nv_inference_{phase}_summary_us"
             m = Metric(name, SUMMARY_HELP[phase], "summary")
             for model, version, st in rows:
                 labels = {"model": model, "version": str(version)}
                 hist = st.hist[p]
-                for q in QUANTILES:  # (no observation yet: Triton's NaN, a gap on a dashboard, not 0 us)
-                    value = quantile_ns(hist, q) / 1000.0 if hist.any() else math.nan
+                window = recent[(model, version)][p]
+                for q in self.opts.quantiles:  # (nothing in the window: Triton's NaN, a gap on a dashboard)
+                    value = quantile_ns(window, q) / 1000.0 if window.any() else math.nan
                     m.add_sample(name, {**labels, "quantile": str(q)}, value)
                 m.add_sample(name + "_count", labels, int(hist.sum()))
                 m.add_sample(name + "_sum", labels, st.get(totals[phase]) / 1000.0)
@@ -311,8 +330,9 @@ SUMMARY_HELP = {
 }
 
 
-def _cache_families(rows: list[VersionRow]) -> Iterator[Metric]:
-    """Triton's per-model response cache counters (hits, misses, and their durations in us)."""
+def _cache_families(rows: list[VersionRow], durations: bool = True) -> Iterator[Metric]:
+    """Triton's per-model response cache counters (hits, misses, and, unless ``counter_latencies``
+    is off, their durations in us)."""
     for name, doc, value in (
             ("nv_cache_num_hits_per_model", "Number of cache hits per model", lambda s: s.get("cache_hit")),
             ("nv_cache_num_misses_per_model", "Number of cache misses per model", lambda s: s.get("cache_miss")),
@@ -320,6 +340,8 @@ def _cache_families(rows: list[VersionRow]) -> Iterator[Metric]:
              lambda s: s.get("cache_hit_ns") // 1000),
             ("nv_cache_miss_duration_per_model", "Total cache miss (insert+lookup) duration per model, in "
              "microseconds", lambda s: s.get("cache_miss_ns") // 1000)):
+        if not durations and name.endswith("_duration_per_model"):
+            continue
         m = Metric(name, doc, "counter")
         for model, version, st in rows:
             m.add_sample(name, {"model": model, "version": str(version)}, value(st))

@@ -13,9 +13,10 @@ from shmserve.shm.stats import EXECUTING, VersionTotals
 from . import response_cache
 from .catalog import Catalog
 from .instances import Instances
-from .metrics import Family, MetricsOptions, serve_metrics
+from .metrics import QUANTILES, Family, MetricsOptions, serve_metrics
 from .options import BrokerOptions
 from .regions import Regions
+from .summary_window import summary_quantiles
 
 
 class Statistics:
@@ -32,6 +33,9 @@ class Statistics:
         serve_metrics(MetricsOptions(port=opts.metrics_port, address=opts.metrics_address,
                                      interval_ms=opts.metrics_interval_ms,
                                      summary_latencies=opts.metrics_config.get("summary_latencies") == "true",
+                                     counter_latencies=opts.metrics_config.get("counter_latencies") != "false",
+                                     quantiles=summary_quantiles(opts.metrics_config.get("summary_quantiles", ""))
+                                     or QUANTILES,
                                      histogram_latencies=opts.histogram_latencies,
                                      cpu=opts.cpu_metrics, gpu=opts.gpu_metrics), self)
 
