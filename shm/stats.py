@@ -156,11 +156,11 @@ class StatsWriter:
         self._dirty.append(cell)
 
     def executed(self, sizes: list[int], arrivals: list[int], start: int, input_ns: int, infer_ns: int,
-                 output_ns: int, ok: list[bool], streamed: int = 0, padding: int = 0) -> None:
+                 output_ns: int, ok: list[bool], streamed: int = 0, batch_only: int = 0) -> None:
         """One model execution; per answered request its batch size, receive time (monotonic ns,
         0 if unknown) and whether it succeeded; ``streamed`` inferences whose outcome comes later
-        (decoupled senders); ``padding`` null requests of a direct sequence batch, in the batch
-        size only. As Triton counts them: the execution, its batch statistics and the
+        (decoupled senders); ``batch_only`` inferences in its batch size only (a direct sequence
+        batch's null requests, streams failed by an execute that raised). As Triton counts them: the execution, its batch statistics and the
         last inference time whatever its requests' outcomes (an ``execute`` that raised was run
         too); the inference count, queue and compute phases of successful requests only, and a
         failed request's whole duration as its failure's."""
@@ -193,8 +193,8 @@ class StatsWriter:
                 dirty.append(cell)
             if self.latency is not None:
                 self.latency.observe_all(duration, queue, input_ns, infer_ns, output_ns)
-        if batch_size or failed:
-            self.count_execution(batch_size, input_ns, infer_ns, output_ns, failed, padding)
+        if batch_size or failed or batch_only:
+            self.count_execution(batch_size, input_ns, infer_ns, output_ns, failed, batch_only)
 
     def stream_phases(self, arrivals: list[int], start: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """The queue and compute phases of streamed (decoupled) requests, whose outcome and whole
@@ -230,16 +230,16 @@ class StatsWriter:
             self.latency.observe(lh.FIRST_RESPONSE, now - arrived if 0 < arrived <= now else 0)
 
     def count_execution(self, inferences: int, input_ns: int, infer_ns: int, output_ns: int, failed: int = 0,
-                        padding: int = 0) -> None:
-        """An execution of ``inferences + failed + padding`` inferences, ``failed`` of them in
-        requests that failed and ``padding`` null requests (both count in its batch size, not in
-        the inference count)."""
+                        batch_only: int = 0) -> None:
+        """An execution of ``inferences + failed + batch_only`` inferences, ``failed`` of them in
+        requests that failed and ``batch_only`` others that count in its batch size only (none of
+        them in the inference count)."""
         c = self.counts
         c[INFERENCE_COUNT] += inferences
         c[EXECUTION_COUNT] += 1
         if failed:
             self._count_rare(FAILED_INFERENCES, failed)
-        row_index = min(inferences + failed + padding, BATCH_ROWS) - 1
+        row_index = min(inferences + failed + batch_only, BATCH_ROWS) - 1
         row = self._batch_rows[row_index]
         row[0] += 1
         row[1] += input_ns

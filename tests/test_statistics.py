@@ -632,6 +632,28 @@ def test_a_decoupled_models_error_response_counts_as_a_success(server_factory, t
         http.client.close()
 
 
+def test_an_execute_that_raised_on_a_stream_counts_its_execution(server_factory, tmp_path):
+    """A model that is not decoupled, called on a gRPC stream, whose ``execute`` raises: its
+    request fails and its execution counts (batch statistics, exec count), as Triton 2.51 counts it
+    and as a unary call counts it."""
+    model = "direct_outcomes"
+    (tmp_path / "repo" / model / "1").mkdir(parents=True)
+    (tmp_path / "repo" / model / "config.pbtxt").write_text(f'name: "{model}"\n' + OUTCOMES_CONFIGS[model])
+    (tmp_path / "repo" / model / "1" / "model.py").write_text(OUTCOMES_MODEL)
+    server = server_factory.start([tmp_path / "repo"])
+    http = Outcomes("http", server)
+    try:
+        before, metrics = http.stats(model), flat_metrics(server, model)
+        answers = _stream_once(server, model, [-999, 1])
+        assert len(answers) == 1 and "told to raise" in str(answers[0]), answers
+        after = http.stats(model)
+        assert count_deltas(before, after) == {"fail.count": 1, "execution_count": 1,
+                                               **{f"batch1.{p}.count": 1 for p in BATCH_PHASES}}
+        assert metric_deltas(metrics, flat_metrics(server, model)) == {"nv_inference_exec_count": 1, "BACKEND": 1}
+    finally:
+        http.client.close()
+
+
 def test_an_ensemble_counts_its_inferences_executions_and_its_steps_compute(server_factory, tmp_path):
     """As Triton's ensemble scheduler counts an ensemble (checked side by side on 2.51): each
     request an execution of its batch size, and the compute phases its steps took, summed (its

@@ -503,6 +503,9 @@ class Worker:
             batched = self.signature is not None and self.signature.max_batch_size > 0
             sizes, arrivals, streamed = [], [], 0  # answered here; streamed ones count when they finish
             streamed_arrivals: list[int] = []
+            # In the execution's batch size only: null requests, and the streams of an execute that
+            # raised (each stream's failure counts as it ends; the execution counts, as Triton's)
+            batch_only = len(requests) - len(live)
             for entry, req in live:
                 size = next(iter(req.inputs.values())).shape[0] if batched and req.inputs else 1
                 if req.sender is None and id(entry) not in kept:
@@ -511,10 +514,12 @@ class Worker:
                 elif not raised:
                     streamed += size
                     streamed_arrivals.append(entry.get("sent_ns", 0))
+                else:
+                    batch_only += size
             with self.stream_lock:  # streams may finish meanwhile on the model's threads (an async execute's loop)
                 output_ns = time.monotonic_ns() - executed
                 self.stats.executed(sizes, arrivals, start, built - start, executed - built, output_ns, ok, streamed,
-                                    padding=len(requests) - len(live))
+                                    batch_only=batch_only)
                 self.stats.stream_phases(streamed_arrivals, start, built - start, executed - built, output_ns)
         for _, req in live:
             if req.sender is not None:  # still open, it outlives the batch the broker forgets now
