@@ -43,7 +43,7 @@ log = logging.getLogger("shmserve.cache")
 MIN_BYTES = 1024  # Triton's local cache may fail below about this size too
 LOCK_WAIT_S = 0.2
 _MAGIC = 0x52434348454D5300  # marks a finished header (any constant)
-_HEADER = 128  # fourteen words used
+_HEADER = 128  # fifteen words used
 _ENTRY = 32  # an entry's header: total length, digest (two words), payload length
 _ALIGN = 64
 _BYTES_PER_SLOT = 256  # an index slot per this many bytes of cache (16 bytes each: about 6%)
@@ -52,6 +52,8 @@ _KEY = struct.Struct("<QQ")  # a digest as the two words the log and the index h
 _W_MAGIC, _W_LOG, _W_SLOTS, _W_HEAD, _W_TAIL, _W_USED, _W_COUNT, _W_HOLDER, _W_OPS = range(9)
 # the cache's own counters, for Triton's global nv_cache_* metrics (kept across a recovery)
 _W_LOOKUPS, _W_HITS, _W_EVICTIONS, _W_LOOKUP_NS, _W_INSERT_NS = range(9, 14)
+# the entries the index holds (the log's count also holds the old copies of entries written anew)
+_W_INDEXED = 14
 
 
 class CacheTotals(NamedTuple):
@@ -246,6 +248,7 @@ class CacheStore:
             i = j
         index[2 * i] = 0
         index[2 * i + 1] = 0
+        self.words[_W_INDEXED] -= 1
 
     def _append(self, k0: int, k1: int, parts: tuple | list, n: int) -> bool:
         """Write an entry at the head, evicting the oldest entries in its way; False where /dev/shm
@@ -288,6 +291,7 @@ class CacheStore:
             i = (i + 1) & mask
         index[2 * i] = k0
         index[2 * i + 1] = head + 1
+        w[_W_INDEXED] += 1
         return True
 
     def _evict_oldest(self) -> None:
@@ -317,18 +321,18 @@ class CacheStore:
 
     def _clear(self) -> None:
         w = self.words
-        w[_W_HEAD] = w[_W_TAIL] = w[_W_USED] = w[_W_COUNT] = 0
+        w[_W_HEAD] = w[_W_TAIL] = w[_W_USED] = w[_W_COUNT] = w[_W_INDEXED] = 0
         self.seg.buf[_HEADER:_HEADER + self.slots * 16] = bytes(self.slots * 16)
 
     def entries(self) -> int:
-        """Entries in the log (those written anew count until the log passes their old copy)."""
-        return int(self.words[_W_COUNT])
+        """Entries a lookup can find (an entry written anew counts once, as Triton counts it)."""
+        return int(self.words[_W_INDEXED])
 
     def totals(self) -> "CacheTotals":
         """The cache's own counts, read without the lock (each word is written whole)."""
         w = self.words
         lookups, hits = int(w[_W_LOOKUPS]), int(w[_W_HITS])
-        return CacheTotals(int(w[_W_COUNT]), int(w[_W_USED]) / self.capacity, lookups, hits, lookups - hits,
+        return CacheTotals(int(w[_W_INDEXED]), int(w[_W_USED]) / self.capacity, lookups, hits, lookups - hits,
                            int(w[_W_EVICTIONS]), int(w[_W_LOOKUP_NS]) // 1000, int(w[_W_INSERT_NS]) // 1000)
 
     def close(self) -> None:

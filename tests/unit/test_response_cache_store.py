@@ -122,6 +122,18 @@ def test_the_index_bounds_the_number_of_entries(stores):
     assert store.lookup(key(store.max_entries * 3 - 1)) == b"z"
 
 
+def test_an_entry_written_anew_on_a_hit_counts_once(stores):
+    """A hit in the older half of the log writes the entry again at the head; the count of
+    entries (Triton's nv_cache_num_entries) still counts it once, and a forgotten one not at all."""
+    _, store = stores(4096)
+    assert store.insert(key("a"), [b"x"], 1)
+    assert store.lookup(key("a")) == b"x"  # (alone in the log: in its older half, written anew)
+    assert store.entries() == 1
+    assert store.insert(key("b"), [b"y"], 1) and store.entries() == 2
+    store.forget(key("a"))
+    assert store.entries() == 1 and store.totals().entries == 1
+
+
 HOLD_AND_DIE = """
 import os, signal, sys
 from shmserve.shm.response_cache import CacheStore
