@@ -195,6 +195,10 @@ def check_update(update: Any, model: str, current: dict[str, Any], start_file: s
             value = os.path.realpath(value if os.path.isabs(value) else
                                      os.path.join(os.path.dirname(start_file), value))
         out[key] = value
+    level = out["level"] if out.get("level") is not None else current["level"]
+    if level != "OFF" and out.get("count") == 0:  # Triton refuses a setting that traces nothing unless it is OFF
+        raise ValueError("Attempting to set invalid trace setting : a trace_count of 0 traces nothing while "
+                         "trace_level is on (-1: no limit; or set trace_level OFF)")
     return out
 
 

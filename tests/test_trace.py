@@ -262,6 +262,7 @@ def test_trace_file_changes_only_inside_its_directory(server_factory, tmp_path):
     ({"trace_rate": "abc"}, "trace_rate"),
     ({"trace_rate": "0"}, "trace_rate"),
     ({"trace_count": "-2"}, "trace_count"),
+    ({"trace_level": ["TIMESTAMPS"], "trace_count": "0"}, "Attempting to set invalid trace setting :"),  # Triton's
     ({"log_frequency": "-1"}, "log_frequency"),
     ({"trace_level": ["TENSORS"]}, "TENSORS"),
     ({"trace_level": ["LOUD"]}, "LOUD"),
