@@ -34,9 +34,9 @@ X = np.arange(1, 33, dtype=np.int32)
 _SLOW_READER_THROUGH_THE_BROKER = json.dumps({
     "name": "slow_reader", "backend": "python", "max_batch_size": 4,
     "input": [{"name": "X", "data_type": "TYPE_INT32", "dims": [-1]}],
-    "output": [{"name": "SUM", "data_type": "TYPE_INT64", "dims": []},  # the model sums the whole batch
+    "output": [{"name": "SUM", "data_type": "TYPE_INT64", "dims": [1], "reshape": {"shape": []}},  # the model sums the whole batch
                {"name": "COPY", "data_type": "TYPE_INT32", "dims": [-1]},
-               {"name": "PID", "data_type": "TYPE_INT64", "dims": []}],
+               {"name": "PID", "data_type": "TYPE_INT64", "dims": [1], "reshape": {"shape": []}}],
     "instance_group": [{"count": 2, "kind": "KIND_CPU"}], "dynamic_batching": {}})
 
 _WORD_STREAM_THROUGH_THE_BROKER = json.dumps({
@@ -53,7 +53,7 @@ _FINAL_IN_EXECUTE_THROUGH_THE_BROKER = json.dumps({
     "name": "final_in_execute", "backend": "python", "max_batch_size": 4,
     "model_transaction_policy": {"decoupled": True},
     "input": [{"name": "X", "data_type": "TYPE_INT32", "dims": [-1]}],
-    "output": [{"name": "SUM", "data_type": "TYPE_INT64", "dims": []}],
+    "output": [{"name": "SUM", "data_type": "TYPE_INT64", "dims": [1], "reshape": {"shape": []}}],
     "instance_group": [{"count": 2, "kind": "KIND_CPU"}], "dynamic_batching": {}})
 
 
@@ -144,7 +144,7 @@ def test_region_is_gone_once_the_client_has_the_answer(shm_server, regions, prot
                 gate.open()
             result = get_result()
             protocol.assert_gone(name)  # at once: no waiting
-            assert result.as_numpy("SUM").tolist() == [int(X.sum())]
+            assert result.as_numpy("SUM").reshape(-1).tolist() == [int(X.sum())]
     finally:
         if model != "slow_reader":
             protocol.client.unload_model(model)
@@ -180,7 +180,7 @@ def test_region_is_gone_once_a_stream_has_the_one_response(shm_server, regions, 
             with pytest.raises(InferenceServerException) as e:  # at once: no waiting
                 client.get_system_shared_memory_status(name)
             assert f"Unable to find system shared memory region: '{name}'" in e.value.message()
-            assert result.as_numpy("SUM").tolist() == [int(X.sum())]
+            assert result.as_numpy("SUM").reshape(-1).tolist() == [int(X.sum())]
     finally:
         client.stop_stream()
         if config is not None:
@@ -214,7 +214,7 @@ def test_region_is_gone_once_a_stream_that_ends_inside_execute_is_final(shm_serv
                 gate.open()
             result = answers.get(timeout=60)  # sent with the final flag: the final one, as in Triton
             assert not isinstance(result, Exception), str(result)
-            assert result.as_numpy("SUM").tolist() == [int(X.sum())]
+            assert result.as_numpy("SUM").reshape(-1).tolist() == [int(X.sum())]
             assert result.get_response().parameters["triton_final_response"].bool_param
             with pytest.raises(InferenceServerException) as e:  # at once: no waiting
                 client.get_system_shared_memory_status(name)

@@ -25,6 +25,8 @@ PLATFORM_BACKENDS = {
     "onnxruntime_onnx": "onnxruntime",
     "ensemble": "",
 }
+# Every platform Triton knows (a backend it names may not be installed here); another is refused.
+TRITON_PLATFORMS = {*PLATFORM_BACKENDS, "tensorrt_plan", "tensorflow_graphdef", "tensorflow_savedmodel"}
 # backend -> the file each version folder must hold unless default_model_filename says otherwise.
 DEFAULT_MODEL_FILES = {
     "python": "model.py",
@@ -169,6 +171,8 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
     validated again; until then an unset ``max_batch_size`` is not held against the batcher's
     settings, as the backend may set it (Triton validates only the completed config)."""
     m = config.name
+    if config.platform and not config.backend and config.platform not in TRITON_PLATFORMS:
+        raise ConfigError(f"unexpected platform type '{config.platform}' for {m}")  # Triton's words
     backend = backend_of(config)
     why = unsupported.refusal(config)
     if why:
@@ -261,7 +265,7 @@ def _check_tensors(config: ModelConfig) -> None:
             seen.add(t.name)
             if t.data_type == mc.TYPE_INVALID:
                 raise ConfigError(f"model '{m}': {kind} '{t.name}' must specify 'data_type'")
-            if not t.dims and not t.HasField("reshape") and config.max_batch_size == 0:
+            if not t.dims:  # (as Triton: even with a reshape, or a batch dimension to come)
                 raise ConfigError(f"model '{m}': {kind} '{t.name}' must specify 'dims'")
             for d in t.dims:
                 if d == 0 or d < -1:

@@ -232,6 +232,9 @@ def test_a_good_config_passes(tmp_path):
      '{ name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]', "model 'm': output 'Y' is declared more than once"),
     ('backend: "python" input [ { name: "X" dims: [ 1 ] } ]', "model 'm': input 'X' must specify 'data_type'"),
     ('backend: "python" input [ { name: "X" data_type: TYPE_FP32 } ]', "model 'm': input 'X' must specify 'dims'"),
+    ('backend: "python" max_batch_size: 4 input [ { name: "X" data_type: TYPE_FP32 dims: [ ] } ]',
+     "model 'm': input 'X' must specify 'dims'"),
+    ('platform: "python"', "unexpected platform type 'python' for m"),
     ('backend: "python" input [ { name: "X" data_type: TYPE_FP32 dims: [ 2, 0 ] } ]',
      "model 'm': input 'X' dims [2, 0]: each dimension must be >= 1, or -1 for a variable-size dimension"),
     ('backend: "python" output [ { name: "Y" data_type: TYPE_FP32 dims: [ -2 ] } ]',
@@ -259,11 +262,16 @@ def test_each_refused_config_says_what_to_fix(tmp_path, text, message):
     assert str(e.value).startswith(message)
 
 
-def test_batching_models_may_leave_dims_to_the_batch_dimension_or_a_reshape(tmp_path):
-    batching = check('backend: "python" max_batch_size: 2 input [ { name: "X" data_type: TYPE_FP32 } ]', tmp_path)
-    reshaped = check('backend: "python" input [ { name: "X" data_type: TYPE_FP32 reshape { shape: [ ] } } ]',
-                     tmp_path, name="reshaped")
-    assert list(batching.input[0].dims) == [] and reshaped.input[0].HasField("reshape")
+def test_empty_dims_are_refused_even_with_a_batch_dimension_or_a_reshape(tmp_path):
+    """Triton 2.51 refuses a tensor without dims whatever else it has (checked side by side for
+    a batching model); a scalar per batch row is ``dims: [ 1 ] reshape { shape: [ ] }``."""
+    for name, text in (("batching", 'backend: "python" max_batch_size: 2 input [ { name: "X" data_type: TYPE_FP32 } ]'),
+                       ("reshaped", 'backend: "python" input [ { name: "X" data_type: TYPE_FP32 reshape { shape: [ ] } } ]')):
+        with pytest.raises(ConfigError, match="input 'X' must specify 'dims'"):
+            check(text, tmp_path, name=name)
+    scalar = check('backend: "python" max_batch_size: 2 input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] '
+                   'reshape { shape: [ ] } } ]', tmp_path, name="scalar")
+    assert scalar.input[0].HasField("reshape")
 
 
 def test_the_model_file_may_be_named_and_pytorch_accepts_model_pt2(tmp_path):
