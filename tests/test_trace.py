@@ -95,8 +95,16 @@ def test_a_request_the_model_failed_is_traced_with_its_version_and_times(server_
     and no compute stamps); a request refused before a version's scheduler had it (an unknown
     model, a wrong datatype) has no record."""
     path = tmp_path / "trace.json"
-    s = server_factory.start([TESTS / "models" / "bls", TESTS / "models" / "stats"], [
+    (tmp_path / "ens" / "ens_doubler" / "1").mkdir(parents=True)
+    (tmp_path / "ens" / "ens_doubler" / "config.pbtxt").write_text(
+        'name: "ens_doubler"\nplatform: "ensemble"\nmax_batch_size: 0\n'
+        'input [ { name: "X" data_type: TYPE_INT32 dims: [ -1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_INT32 dims: [ -1 ] } ]\n'
+        'ensemble_scheduling { step [ { model_name: "doubler" model_version: -1 input_map { key: "X" value: "X" } '
+        'output_map { key: "Y" value: "Y" } } ] }\n')
+    s = server_factory.start([TESTS / "models" / "bls", TESTS / "models" / "stats", tmp_path / "ens"], [
         "--model-control-mode", "explicit", "--load-model", "error_source", "--load-model", "doubler",
+        "--load-model", "ens_doubler",
         "--trace-config", f"triton,file={path}", "--trace-config", "level=TIMESTAMPS", "--trace-config", "rate=1"])
     client = s.client()
     code = httpclient.InferInput("CODE", [1], "INT32")
@@ -107,17 +115,20 @@ def test_a_request_the_model_failed_is_traced_with_its_version_and_times(server_
     x.set_data_from_numpy(np.array([-999], np.int32))
     with pytest.raises(InferenceServerException, match="told to raise"):
         client.infer("doubler", [x], request_id="raised")
+    with pytest.raises(InferenceServerException, match="told to raise"):  # (a failed ensemble: its version too)
+        client.infer("ens_doubler", [x], request_id="ensemble-failed")
     wrong = httpclient.InferInput("X", [1], "FP32")
     wrong.set_data_from_numpy(np.array([1], np.float32))
     with pytest.raises(InferenceServerException, match="data-type"):
         client.infer("doubler", [wrong], request_id="wrong-datatype")
     with pytest.raises(InferenceServerException, match="nosuch"):
         client.infer("nosuch", [wrong], request_id="unknown-model")
-    found = {r["request_id"]: r for r in records(path, 2)}
-    assert set(found) == {"answered-an-error", "raised"}
+    found = {r["request_id"]: r for r in records(path, 3)}
+    assert set(found) == {"answered-an-error", "raised", "ensemble-failed"}, found
     for record in found.values():
         assert record["model_version"] == 1, record
-        assert_ordered(record)
+        if record["model_name"] != "ens_doubler":  # (an ensemble's record has no compute timestamps)
+            assert_ordered(record)
 
 
 def test_every_request_traced_at_rate_1(server_factory, tmp_path):
@@ -548,3 +559,4 @@ def test_tracing_switched_on_without_a_file_is_refused_in_tritons_words(server_f
     r = raw_request(s.port, "POST", "/v2/trace/setting", json.dumps({"trace_level": ["TIMESTAMPS"]}).encode())
     assert (r.status, r.json()) == (400, {"error": "Attempting to set invalid trace setting :trace file name is "
                                                    "not given"})
+

@@ -438,7 +438,7 @@ class Worker:
                 if client.cancelled(entry["slot"]):  # its owner gave up while it waited: never run
                     if self.sequence is not None:
                         self.sequence.skip(entry.get("sequence_id", 0), entry.get("sequence_flags", 0))
-                    self._answer_error(entry, CANCELLED_STATUS, cancelled_error(entry.get("id", "")))
+                    self._answer_error(entry, CANCELLED_STATUS, cancelled_error(entry.get("id", "")), queued=True)
                     with self.stream_lock:  # (a model's own threads count finished streams meanwhile)
                         self.stats.cancelled()
                     continue

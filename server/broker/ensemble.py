@@ -566,7 +566,7 @@ class Ensembles:
             return
         run.version.stats.fail(reason, 1)
         text = message if step is None else f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"
-        self._complete(run, AnswerDescriptor(error=text, code=code), status)
+        self._complete(run, AnswerDescriptor(error=text, code=code, version=run.version.version), status)
         self._give_up(run)
 
     def _classified(self, run: EnsembleRun, outputs: list[Output]) -> list[Output]:

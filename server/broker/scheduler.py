@@ -18,7 +18,7 @@ import time
 import orjson
 
 from shmserve.batching import Pending, QueueFull
-from shmserve.shm.answer import refusal
+from shmserve.shm.answer import AnswerDescriptor, refusal
 from shmserve.shm.arena import no_room_text
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.protocol import CANCELLED_STATUS, W_BATCH, cancelled_error, manifest_room, write_manifest
@@ -223,7 +223,9 @@ class Scheduler:
                     self.dispatch(mv)  # (a START queued behind it may begin its sequence now)
             if pend is not None:
                 mv.stats.fail("CANCELED", 1)
-                self.clients.reply(client, slot, CANCELLED_STATUS, {"error": cancelled_error(pend.entry.get("id", ""))})
+                # (the version's scheduler had it: its trace names the version, as Triton's)
+                self.clients.reply(client, slot, CANCELLED_STATUS,
+                                   AnswerDescriptor(error=cancelled_error(pend.entry.get("id", "")), version=mv.version))
                 return True
         return False
 
