@@ -689,6 +689,10 @@ def test_an_ensemble_counts_its_inferences_executions_and_its_steps_compute(serv
             **{f"batch2.{p}.count": 2 for p in BATCH_PHASES}}
         step = http.stats("step")
         assert after["compute_infer.ns"] >= step["compute_infer.ns"] > 0  # the two steps' summed
+        # each step request counts its queue time and its whole duration, from when the broker
+        # sent it (Triton's), not its compute alone
+        assert step["queue.count"] == 6 and step["queue.ns"] > 0, step
+        assert step["success.ns"] > step["compute_input.ns"] + step["compute_infer.ns"] + step["compute_output.ns"]
         assert metric_deltas(metrics, flat_metrics(server, "twice")) == {
             "nv_inference_request_success": 3, "nv_inference_count": 5, "nv_inference_exec_count": 3}
         text = scrape(server)

@@ -272,11 +272,13 @@ class Ensembles:
             inputs.append({**t, "name": model_input, "shape": shape})
         entry = run.entry
         # Timed as a traced request is (its answer's stamps): the step's compute counts in the
-        # ensemble's statistics (EnsembleRun.add_compute).
+        # ensemble's statistics (EnsembleRun.add_compute). Sent now: the step model counts its
+        # queue time and duration from here, as Triton counts a step request's.
+        now = time.monotonic_ns()
         return {"id": entry.get("id", ""), "parameters": entry.get("parameters"),
                 "sequence_id": entry.get("sequence_id", 0), "sequence_flags": entry.get("sequence_flags", 0),
                 "inputs": inputs, "outputs": [{"name": n} for n in step.output_map],
-                "trace_queued_ns": time.monotonic_ns()}
+                "sent_ns": now, "trace_queued_ns": now}
 
     # -- what steps answer ----------------------------------------------------------------------
     def _owner(self, role: int, num: int) -> Any:
