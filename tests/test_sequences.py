@@ -277,3 +277,31 @@ def test_direct_batch_waits_for_its_slot_utilization(server):
         results = [f.result() for f in ends]
     for r, _ in results:  # together, in one execution
         assert sorted(row["corr"] for row in r["rows"]) == [51, 52], results
+
+
+def test_a_decoupled_direct_batch_whose_execute_raises_fails_every_real_stream(server):
+    """A decoupled model's ``async def execute`` that raises, in a direct batch with a null row
+    before the real one: the real request's stream ends with the error (a null row's stream is
+    nobody's and takes the failure quietly), and the server serves on."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    model = "seq_direct_async"
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        c.start_stream(callback=lambda result, error: got.put(error if error is not None else result))
+
+        def step(seq: int, value: int, start: bool = False, end: bool = False):
+            x = grpcclient.InferInput("VALUE", [1, 1], "INT32")
+            x.set_data_from_numpy(np.array([[value]], np.int32))
+            c.async_stream_infer(model, [x], sequence_id=seq, sequence_start=start, sequence_end=end)
+            return got.get(timeout=30)
+
+        first = step(61, 1, start=True)
+        assert rows_of(first) == {"row": 0, "values": [1]}
+        failed = step(62, -1, start=True)  # slot 1, behind slot 0's null row
+        assert isinstance(failed, InferenceServerException) and "told to raise" in failed.message(), failed
+        again = step(61, 5, end=True)
+        assert rows_of(again) == {"row": 0, "values": [5]}
+        c.stop_stream()

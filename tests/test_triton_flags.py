@@ -112,6 +112,39 @@ def test_disable_auto_complete_config_keeps_the_config_as_written(server_factory
     assert [t["name"] for t in config["input"]] == ["X"] and [t["name"] for t in config["output"]] == ["Y"]
 
 
+DIMS_COMPLETING_PY = textwrap.dedent("""
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        @staticmethod
+        def auto_complete_config(config):
+            config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [4]})
+            return config
+
+        def execute(self, requests):
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X")
+                                                                .as_numpy())]) for r in requests]
+""")
+
+
+def test_a_tensor_whose_dims_auto_complete_fills_loads_and_without_it_is_refused(server_factory, tmp_path):
+    """Triton validates the completed config: an input the config names without dims, which the
+    model's auto_complete_config gives dims, loads; with --disable-auto-complete-config it is
+    refused for having none ("must specify 'dims'")."""
+    repo = _empty_repo(tmp_path)
+    (repo / "dims" / "1").mkdir(parents=True)
+    (repo / "dims" / "config.pbtxt").write_text(
+        'name: "dims"\nbackend: "python"\nmax_batch_size: 8\ninput [ { name: "X" data_type: TYPE_FP32 } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
+    (repo / "dims" / "1" / "model.py").write_text(DIMS_COMPLETING_PY)
+    s = server_factory.start([repo])
+    assert [t["dims"] for t in s.client().get_model_config("dims")["input"]] == [[4]]
+    strict = server_factory.start([repo], ["--disable-auto-complete-config", "--exit-on-error=false",
+                                           "--strict-readiness=false"])
+    index = {e["name"]: e for e in strict.client().get_model_repository_index()}
+    assert "input 'X' must specify 'dims'" in index["dims"]["reason"], index
+
+
 # `tritonserver --help` of Triton 2.51, as test data: every flag it lists must be known here.
 TRITON_HELP = Path(__file__).parent / "data" / "tritonserver-2.51-help.txt"
 DOCS = Path(__file__).resolve().parents[1] / "docs"

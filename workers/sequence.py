@@ -190,8 +190,21 @@ def _zeros_like(value: Any) -> Any:
     return np.zeros(value.shape, dtype=value.dtype)
 
 
-def _drop(response: Any, final: bool) -> None:
-    """Where a null request's responses go when its model is decoupled: nowhere."""
+class _Dropped:
+    """A null request's stream when its model is decoupled: what is sent goes nowhere, and a
+    failure (its execute raised) ends nothing, as a worker's stream would be told."""
+
+    def __call__(self, response: Any, final: bool) -> None:
+        pass
+
+    def fail(self, status: int, message: str) -> None:
+        pass
+
+    def name_worker(self, num: int) -> None:
+        pass
+
+
+_drop = _Dropped()
 
 
 def _correlation_id(control: str, dtype: np.dtype, corr: Any) -> Any:

@@ -222,7 +222,7 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
         problem = _priority_problem(config)
         if problem:
             raise ConfigError(problem)  # Triton's text names the model
-    _check_tensors(config)
+    _check_tensors(config, completed_later)
     filename = config.default_model_filename or DEFAULT_MODEL_FILES.get(backend)
     if filename:
         for v in versions:
@@ -253,7 +253,9 @@ def _priority_problem(config: ModelConfig) -> str | None:
     return None
 
 
-def _check_tensors(config: ModelConfig) -> None:
+def _check_tensors(config: ModelConfig, completed_later: bool = False) -> None:
+    """Triton's checks of each input and output. ``completed_later``: the backend may still give
+    a tensor its data type and dims (auto_complete_config), so those wait for the completed config."""
     m = config.name
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()
@@ -263,9 +265,9 @@ def _check_tensors(config: ModelConfig) -> None:
             if t.name in seen:
                 raise ConfigError(f"model '{m}': {kind} '{t.name}' is declared more than once")
             seen.add(t.name)
-            if t.data_type == mc.TYPE_INVALID:
+            if t.data_type == mc.TYPE_INVALID and not completed_later:
                 raise ConfigError(f"model '{m}': {kind} '{t.name}' must specify 'data_type'")
-            if not t.dims:  # (as Triton: even with a reshape, or a batch dimension to come)
+            if not t.dims and not completed_later:  # (as Triton: even with a reshape, or a batch dimension to come)
                 raise ConfigError(f"model '{m}': {kind} '{t.name}' must specify 'dims'")
             for d in t.dims:
                 if d == 0 or d < -1:

@@ -182,7 +182,7 @@ class SequenceBatcher:
     def _direct_due(self, ready: int, oldest: float, now: float) -> bool:
         """Whether a direct batch goes now: its oldest request waited the delay, or at least
         ``minimum_slot_utilization`` of the instance's slots have a request (Triton's rule)."""
-        return now - oldest >= self.delay_s or ready / self.max_batch >= self.min_utilization
+        return now >= oldest + self.delay_s or ready / self.max_batch >= self.min_utilization
 
     def _oldest_size(self, ready: int, oldest: float, now: float) -> int:
         """How many of ``ready`` candidates to send now (0: wait), by Triton's dynamic batching

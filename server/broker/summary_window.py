@@ -5,8 +5,11 @@ observation after 60 s (a latency spike leaves p99 a minute later, and an idle m
 read NaN), while their ``_count`` and ``_sum`` keep counting. Ours are estimated from each
 version's lifetime histograms (shm/stats.py); this keeps snapshots of them, taken at scrapes (at
 most one every few seconds), and gives each scrape the histograms less the newest snapshot at
-least a minute old: the observations of the last 60-65 s. In the first minute of scrapes, before
-any snapshot is that old, a scrape sees everything counted so far.
+least a minute old: the observations of the last minute and up to one scrape interval more (a
+snapshot at most every 5 s). In the first minute of scrapes, before any snapshot is that old, a
+scrape sees everything counted so far; so does the first minute after a version is loaded again
+if its new counts fall below the old ones in some bucket (else the old ones are taken off, and
+its quantiles read low until a minute has passed).
 """
 from __future__ import annotations
 
@@ -67,4 +70,4 @@ def summary_quantiles(text: str) -> tuple[float, ...]:
             raise ValueError(f"--metrics-config summary_quantiles: '{pair}' is not QUANTILE:ERROR with a quantile "
                              f"between 0 and 1 (e.g. summary_quantiles=0.5:0.05,0.99:0.001)")
         quantiles.append(quantile)
-    return tuple(quantiles)
+    return tuple(dict.fromkeys(quantiles))  # (a quantile given twice is one series)
