@@ -605,18 +605,23 @@ def _stream_once(server, model: str, x: list[int]) -> list:
     return out
 
 
+def _one_model_server(server_factory, tmp_path, model: str, source: str, config: str) -> tuple:
+    """A server of one Python model (``source``, ``config``) and an HTTP client of its statistics."""
+    (tmp_path / "repo" / model / "1").mkdir(parents=True)
+    (tmp_path / "repo" / model / "config.pbtxt").write_text(config)
+    (tmp_path / "repo" / model / "1" / "model.py").write_text(source)
+    server = server_factory.start([tmp_path / "repo"])
+    return server, Outcomes("http", server)
+
+
 def test_a_decoupled_models_error_response_counts_as_a_success(server_factory, tmp_path):
     """As Triton 2.51 counts it (checked side by side): a decoupled model that answers with an
     error response executed its request successfully; only the error reaches the client."""
     model = "decoupled_outcomes"
-    (tmp_path / "repo" / model / "1").mkdir(parents=True)
-    (tmp_path / "repo" / model / "config.pbtxt").write_text(
-        'backend: "python"\nmax_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n'
-        'input [ { name: "X" data_type: TYPE_INT32 dims: [ 2 ] } ]\n'
-        'output [ { name: "Y" data_type: TYPE_INT32 dims: [ 2 ] } ]\n')
-    (tmp_path / "repo" / model / "1" / "model.py").write_text(DECOUPLED_ECHO)
-    server = server_factory.start([tmp_path / "repo"])
-    http = Outcomes("http", server)
+    server, http = _one_model_server(server_factory, tmp_path, model, DECOUPLED_ECHO,
+                                     'backend: "python"\nmax_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n'
+                                     'input [ { name: "X" data_type: TYPE_INT32 dims: [ 2 ] } ]\n'
+                                     'output [ { name: "Y" data_type: TYPE_INT32 dims: [ 2 ] } ]\n')
     try:
         before, metrics = http.stats(model), flat_metrics(server, model)
         answers = _stream_once(server, model, [-1, 1])
@@ -637,11 +642,8 @@ def test_an_execute_that_raised_on_a_stream_counts_its_execution(server_factory,
     request fails and its execution counts (batch statistics, exec count), as Triton 2.51 counts it
     and as a unary call counts it."""
     model = "direct_outcomes"
-    (tmp_path / "repo" / model / "1").mkdir(parents=True)
-    (tmp_path / "repo" / model / "config.pbtxt").write_text(f'name: "{model}"\n' + OUTCOMES_CONFIGS[model])
-    (tmp_path / "repo" / model / "1" / "model.py").write_text(OUTCOMES_MODEL)
-    server = server_factory.start([tmp_path / "repo"])
-    http = Outcomes("http", server)
+    server, http = _one_model_server(server_factory, tmp_path, model, OUTCOMES_MODEL,
+                                     f'name: "{model}"\n' + OUTCOMES_CONFIGS[model])
     try:
         before, metrics = http.stats(model), flat_metrics(server, model)
         answers = _stream_once(server, model, [-999, 1])
