@@ -344,6 +344,7 @@ class VersionTotals:
         self.pending = 0  # requests waiting for an execution (Triton's pending count)
         self.in_flight = 0  # ... and those executing: accepted, not answered yet
         self.cached = False  # the version uses the response cache: its cache metrics are reported
+        self.generation = 0.0  # which load of the version this is (a version loaded again counts afresh)
 
     def copy(self) -> "VersionTotals":
         out = VersionTotals()

@@ -225,7 +225,7 @@ class _Collector:
         estimated from the log-spaced histograms; ``_count`` and ``_sum`` of all time."""
         totals = {"request": "success_ns", "queue": "queue_ns", "compute_input": "compute_input_ns",
                   "compute_infer": "compute_infer_ns", "compute_output": "compute_output_ns"}
-        recent = self.window.recent({(model, version): np.asarray(st.hist) for model, version, st in rows},
+        recent = self.window.recent({(model, version, st.generation): np.asarray(st.hist) for model, version, st in rows},
                                     time.monotonic())
         for p, phase in enumerate(PHASES):
             name = f"nv_inference_{phase}_summary_us"
@@ -233,7 +233,7 @@ class _Collector:
             for model, version, st in rows:
                 labels = {"model": model, "version": str(version)}
                 hist = st.hist[p]
-                window = recent[(model, version)][p]
+                window = recent[(model, version, st.generation)][p]
                 for q in self.opts.quantiles:  # (nothing in the window: Triton's NaN, a gap on a dashboard)
                     value = quantile_ns(window, q) / 1000.0 if window.any() else math.nan
                     m.add_sample(name, {**labels, "quantile": str(q)}, value)

@@ -52,6 +52,7 @@ class Statistics:
                 total.in_flight = mv.in_flight() + sum(i.lanes_unfinished() for i in live)
                 total.pending = max(0, total.in_flight - sum(int(i.seg.stats.scalars[EXECUTING]) for i in live))
                 total.cached = response_cache.enabled(mv.config_dict, self.instances.opts.response_cache_bytes)
+                total.generation = mv.created
                 rows.append((name, v, total))
         return rows
 

@@ -7,9 +7,8 @@ version's lifetime histograms (shm/stats.py); this keeps snapshots of them, take
 most one every few seconds), and gives each scrape the histograms less the newest snapshot at
 least a minute old: the observations of the last minute and up to one scrape interval more (a
 snapshot at most every 5 s). In the first minute of scrapes, before any snapshot is that old, a
-scrape sees everything counted so far; so does the first minute after a version is loaded again
-if its new counts fall below the old ones in some bucket (else the old ones are taken off, and
-its quantiles read low until a minute has passed).
+scrape sees everything counted so far; so does a version loaded again (a new generation, counted
+afresh), and one whose counts went down (a worker replaced with its counts).
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ import numpy as np
 MAX_AGE_S = 60.0  # prometheus-cpp's default max_age, which Triton's summaries keep
 SNAPSHOT_EVERY_S = 5.0
 
-Key = tuple[str, int]  # (model, version)
+Key = tuple[str, int, float]  # (model, version, generation: which load of the version)
 
 
 class SummaryWindow:

@@ -6,7 +6,7 @@ import pytest
 
 from shmserve.server.broker.summary_window import MAX_AGE_S, SummaryWindow, summary_quantiles
 
-KEY = ("m", 1)
+KEY = ("m", 1, 1.0)  # (model, version, generation)
 
 
 def hist(*counts: int) -> np.ndarray:
@@ -25,10 +25,15 @@ def test_the_first_scrape_sees_everything_and_later_ones_only_the_last_minute():
 
 
 def test_a_reloaded_version_counts_afresh():
+    """A version loaded again is a new generation: its counts are its own, even where they pass
+    the old generation's in every bucket; counts that went down (a worker replaced) are taken as
+    they are."""
     window = SummaryWindow()
-    window.recent({KEY: hist(9, 9)}, 0.0)
-    assert window.recent({KEY: hist(1, 0)}, 70.0)[KEY].tolist() == [[1, 0]]  # fewer than the base: new counts
-    assert window.recent({("new", 1): hist(4, 4)}, 80.0)[("new", 1)].tolist() == [[4, 4]]
+    window.recent({KEY: hist(2, 2)}, 0.0)
+    reloaded = ("m", 1, 2.0)
+    assert window.recent({reloaded: hist(5, 5)}, 70.0)[reloaded].tolist() == [[5, 5]]
+    window.recent({KEY: hist(9, 9)}, 100.0)
+    assert window.recent({KEY: hist(1, 0)}, 170.0)[KEY].tolist() == [[1, 0]]
 
 
 @pytest.mark.parametrize("text, quantiles", [("", ()), ("0.5:0.05", (0.5,)), ("0.5:0.05, 0.99:0.001", (0.5, 0.99))])
