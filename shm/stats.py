@@ -160,10 +160,10 @@ class StatsWriter:
         """One model execution; per answered request its batch size, receive time (monotonic ns,
         0 if unknown) and whether it succeeded; ``streamed`` inferences whose outcome comes later
         (decoupled senders); ``batch_only`` inferences in its batch size only (a direct sequence
-        batch's null requests, streams failed by an execute that raised). As Triton counts them: the execution, its batch statistics and the
-        last inference time whatever its requests' outcomes (an ``execute`` that raised was run
-        too); the inference count, queue and compute phases of successful requests only, and a
-        failed request's whole duration as its failure's."""
+        batch's null requests, streams failed by an execute that raised). As Triton counts them:
+        the execution, its batch statistics and the last inference time whatever its requests'
+        outcomes (an ``execute`` that raised was run too); the inference count, queue and compute
+        phases of successful requests only, and a failed request's whole duration as its failure's."""
         c = self.counts
         cells, dirty = self._cells, self._dirty
         now = start + input_ns + infer_ns + output_ns
