@@ -380,4 +380,7 @@ def trace_settings(items: Sequence[str]) -> dict:
                              f"it with: pip install 'shmserve[trace]'")
     elif settings.get("level", "OFF") != "OFF" and not settings.get("file"):
         raise ValueError("--trace-config level=TIMESTAMPS needs a trace file: --trace-config triton,file=<path>")
+    if settings.get("level", "OFF") != "OFF" and settings.get("count") == 0:  # (Triton refuses it too)
+        raise ValueError("--trace-config count=0 traces nothing while the level is on: give -1 (no limit) or "
+                         "a number of traces")
     return settings
