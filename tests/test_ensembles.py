@@ -135,12 +135,23 @@ def test_invalid_ensemble_config_is_refused(server_factory, tmp_path):
         'output [ { name: "Z" data_type: TYPE_INT32 dims: [ 4 ] } ]\n'
         'ensemble_scheduling { step [ { model_name: "add_sub" input_map { key: "INPUT0" value: "nowhere" } '
         'output_map { key: "OUTPUT0" value: "Z" } } ] }\n')
+    # Two steps write Z: its value would be whichever finished last (Triton refuses it, in these words)
+    (repo / "twice_ens" / "1").mkdir(parents=True)
+    step = ('{ model_name: "add_sub" model_version: -1 input_map [ { key: "INPUT0" value: "A" }, '
+            '{ key: "INPUT1" value: "B" } ] output_map { key: "%s" value: "Z" } }')
+    (repo / "twice_ens" / "config.pbtxt").write_text(
+        'name: "twice_ens" platform: "ensemble" max_batch_size: 0\n'
+        'input [ { name: "A" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 16 ] } ]\n'
+        'output [ { name: "Z" data_type: TYPE_FP32 dims: [ 16 ] } ]\n'
+        f'ensemble_scheduling {{ step [ {step % "OUTPUT0"}, {step % "OUTPUT1"} ] }}\n')
     s = server_factory.start([repo, ROOT / "model_repository"], ["--exit-on-error=false"], wait=False)
     s.wait_until(lambda: s.http_status("/v2/models/add_sub/ready") == 200, "add_sub ready")
-    index = s.client().get_model_repository_index()
-    bad = [m for m in index if m["name"] == "bad_ens"][0]
-    assert bad["state"] == "UNAVAILABLE"
-    assert "needs tensor(s) ['nowhere']" in bad["reason"]
+    index = {m["name"]: m for m in s.client().get_model_repository_index()}
+    assert index["bad_ens"]["state"] == "UNAVAILABLE"
+    assert "needs tensor(s) ['nowhere']" in index["bad_ens"]["reason"]
+    assert index["twice_ens"]["state"] == "UNAVAILABLE"
+    assert ("ensemble tensor 'Z' can appear in an output map only once for ensemble 'twice_ens' step 1"
+            in index["twice_ens"]["reason"]), index["twice_ens"]
 
 
 def nested_client(server) -> httpclient.InferenceServerClient:

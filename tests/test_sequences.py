@@ -305,3 +305,10 @@ def test_a_decoupled_direct_batch_whose_execute_raises_fails_every_real_stream(s
         again = step(61, 5, end=True)
         assert rows_of(again) == {"row": 0, "values": [5]}
         c.stop_stream()
+
+
+def test_an_unset_idle_time_shows_as_tritons_default(server):
+    """A sequence batcher without max_sequence_idle_microseconds: the config endpoints show the
+    1 s Triton fills in (and applies), not 0."""
+    config = httpclient.InferenceServerClient(server.url).get_model_config("seq_default_idle")
+    assert int(config["sequence_batching"]["max_sequence_idle_microseconds"]) == 1_000_000

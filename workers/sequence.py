@@ -56,7 +56,7 @@ def initial_state(state: dict[str, Any], dtype: np.dtype, model_dir: Path) -> np
                              f"{d} != {sd}")
     count = int(np.prod(dims, dtype=np.int64))
     if "data_file" not in init:  # zero_data: zeros, or empty strings
-        return np.full(dims, b"", dtype=object) if dtype == np.object_ else np.zeros(dims, dtype=dtype)
+        return _zeros(dims, dtype)
     path = model_dir / "initial_state" / init["data_file"]
     try:
         data = path.read_bytes()
@@ -182,12 +182,13 @@ class SequenceSupport:
             self.memory.pop(corr, None)
 
 
+def _zeros(shape: Any, dtype: np.dtype) -> np.ndarray:
+    """Zero data of ``shape``: empty strings for BYTES."""
+    return np.full(shape, b"", dtype=object) if dtype == np.object_ else np.zeros(shape, dtype=dtype)
+
+
 def _zeros_like(value: Any) -> Any:
-    if device_tensors.is_tensor(value):
-        return value.new_zeros(value.shape)
-    if value.dtype == np.object_:
-        return np.full(value.shape, b"", dtype=object)
-    return np.zeros(value.shape, dtype=value.dtype)
+    return value.new_zeros(value.shape) if device_tensors.is_tensor(value) else _zeros(value.shape, value.dtype)
 
 
 class _Dropped:

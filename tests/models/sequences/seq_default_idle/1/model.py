@@ -1,0 +1,1 @@
+../../seq_direct_rows/1/model.py
