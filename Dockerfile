@@ -54,11 +54,24 @@ RUN set -eu; \
         --extra-index-url https://pypi.org/simple "torch==$TORCH_VERSION"
 
 COPY . /opt/shmserve/src
+# A C compiler for the build only, removed after it: shmserve's truncation guard
+# (shm/truncation_guard.c, docs/serving.md#security-model), which the last check asks for.
 RUN set -eu; \
     case "$VARIANT" in cpu) extra=onnx ;; cuda) extra=onnx-gpu ;; esac; \
     if [ -n "$WHEELS" ]; then export PIP_FIND_LINKS="$WHEELS"; fi; \
     if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
+    compiler=""; \
+    if ! command -v cc >/dev/null; then \
+        apt-get update; \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev; \
+        compiler="gcc libc6-dev"; \
+    fi; \
     pip install "/opt/shmserve/src[$extra]"; \
+    if [ -n "$compiler" ]; then \
+        apt-get purge -y --auto-remove $compiler; \
+        rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    python3 -c 'from shmserve.shm import truncation_guard as t; assert t.available(), "the truncation guard was not built"'; \
     mkdir -p /models /home/shmserve; \
     chown 1000:1000 /home/shmserve
 

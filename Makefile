@@ -26,7 +26,7 @@ PIP_SHOWN = $(PY) -m pip install $(1) 2>&1 | tee -a $(PIP_LOG) \
 
 .PHONY: serve test install container-tools clean
 
-$(SERVE_STAMP): pyproject.toml
+$(SERVE_STAMP): pyproject.toml shm/truncation_guard.c
 	@test -x $(PY) || { echo "make: creating the virtual environment $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "make: [1/3] upgrading pip"
 	@: > $(PIP_LOG)

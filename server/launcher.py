@@ -25,7 +25,7 @@ from typing import Callable
 
 from shmserve.parent_death import ORPHANED, die_with_parent
 from shmserve.server.edge.stop_signal import STOP
-from shmserve.shm import logs, space
+from shmserve.shm import logs, space, truncation_guard
 from shmserve.shm.access import readers_environment
 from shmserve.shm.child_spec import spec_file
 from shmserve.shm.channel import BrokerSegment
@@ -227,6 +227,10 @@ class Launcher:
             _bind(self.args.metrics_address, self.args.metrics_port, "metrics", listen=False).close()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if self.args.local_client_users and not truncation_guard.available():
+            log.warning("--local-client-users: shmserve was installed without its truncation guard (no C compiler "
+                        "then), so a client of those users that truncates an object it may write ends the server "
+                        "process that touches it (SIGBUS); install shmserve again where a C compiler is found")
         code = 0
         try:
             self.broker = self._start_broker()

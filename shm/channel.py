@@ -23,12 +23,10 @@ import time
 from typing import Iterator
 
 import numpy as np
-import posix_ipc
 
-from .access import grant
 from .arena import Arena
 from .liveness import BROKER_TICKET, CONNECT_LOCK, try_lock_byte
-from .names import SHM_DIR, object_name, unlink_semaphore, unlink_shm
+from .names import SHM_DIR, object_name, unlink_shm
 from .protocol import CONNECT, RECORD, SLOT, SLOT_ANSWER, SLOT_ANSWER_AT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
 from .published import Published
@@ -42,8 +40,9 @@ HEADER_BYTES = 4096
 # "SHM" and the layout of these objects: a process of another shmserve version (a pod's client
 # image updated apart from the server's) is told so, and never reads one layout as another.
 # 2: tables.0, batches.0 and control.<n> beside the segments (1 wrote 'S' here); 3: the broker's
-# arena grows (its extents' sizes at the end of tables.0, a broker answer's role word names one).
-LAYOUT = 4
+# arena grows (its extents' sizes at the end of tables.0, a broker answer's role word names one);
+# 5: the broker's identity (this header's words) in tables.0 too, where no client writes.
+LAYOUT = 5
 MAGIC = 0x53484D00 | LAYOUT
 _FAMILY = 0xFFFFFF00
 
@@ -64,7 +63,7 @@ def check_magic(name: str, magic: int) -> None:
     raise ConnectionError(f"{name} is not a shmserve segment")
 _HEADER = struct.Struct("<IIQ")  # magic, pid, start time (ns) of the creating process
 _WANT_WAKEUP = struct.Struct("<I")
-SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag (see waker.py)
+SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag, then its post word (waker.py)
 WANT_WAKEUP_OFFSET = 128  # control header: broker sets it when it waits for this instance
 # Control header: the size of each grown output extent (shm/extents.py), written by the worker before
 # any answer in it is published; a consumer maps an extent only at that size. Extent k's entry is
@@ -81,8 +80,9 @@ READY_YES, READY_NO = 1, 2  # verdicts (0: none yet)
 R_HAS, R_ASKED, R_ANSWERED, R_VERDICT = range(4)  # its words
 LANE_BELLS_OFFSET = 1024  # worker header: one byte per lane, set by its client after a put
 NOTIFY_KIND_OFFSET = 20  # client header: how to wake the client
-NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER = 0, 1, 2  # BROKER: the broker itself (its doorbell)
-NOTIFY_KINDS = frozenset({NOTIFY_SEMAPHORE, NOTIFY_FIFO, NOTIFY_BROKER})
+# FUTEX: its thread sleeps on its flag (waker.py); FIFO: an event loop; BROKER: the broker itself
+NOTIFY_FUTEX, NOTIFY_FIFO, NOTIFY_BROKER = 0, 1, 2
+NOTIFY_KINDS = frozenset({NOTIFY_FUTEX, NOTIFY_FIFO, NOTIFY_BROKER})
 GARBAGE_OFFSET = 2048  # control header: per lane, the cookie (and Fault) of a holder that wrote garbage
 _FAULT_SHIFT = 56  # a garbage word: Fault << 56 | cookie (cookies count up from 1, never near 2**56)
 
@@ -124,18 +124,9 @@ def _align(n: int, a: int = 4096) -> int:
 # tables.0, after the lane holders, routes, settings and regions: the sizes of the broker's grown
 # output extents (shm/extents.py), as a worker's control object holds its own.
 BROKER_EXTENTS_OFFSET = _align(LANES * LANE_NAME_BYTES) + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES
-
-
-def _create_sem(name: str, initial: int = 0, readers: tuple[int, ...] = ()) -> posix_ipc.Semaphore:
-    """A new semaphore (mode 0600) that ``readers`` (other users, access.py) may open too."""
-    unlink_semaphore(name)
-    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
-    try:
-        grant(f"{SHM_DIR}/sem.{name.lstrip('/')}", readers)
-    except BaseException:
-        sem.unlink()
-        raise
-    return sem
+# tables.0, last: the broker's header words (magic, pid, start time), which processes that tell
+# the broker apart from a restarted one read here: broker.0's copy is writable by every client.
+BROKER_IDENTITY_OFFSET = BROKER_EXTENTS_OFFSET + 8 * EXTENT_ENTRIES
 
 
 def pid_namespace() -> int:
@@ -159,6 +150,16 @@ def _extent_size(buf: memoryview, table: int, extent: int) -> int:
 
 def read_header(seg: Segment) -> tuple[int, int, int]:
     return _HEADER.unpack_from(seg.buf, 0)
+
+
+def _identity(tables: Segment) -> tuple[int, int]:
+    """(pid, start time) of the broker whose ``tables.0`` this is, where only it writes;
+    ConnectionError when it is not one of this layout."""
+    if tables.size < BROKER_IDENTITY_OFFSET + _HEADER.size:
+        raise ConnectionError(f"{tables.name} is not a shmserve broker's tables ({tables.size} bytes)")
+    magic, pid, started = _HEADER.unpack_from(tables.buf, BROKER_IDENTITY_OFFSET)
+    check_magic(tables.name, magic)
+    return pid, started
 
 
 class BrokerSegment:
@@ -189,25 +190,31 @@ class BrokerSegment:
         toff += SETTINGS_BYTES
         self.regions = Published(tables.buf, toff, REGIONS_BYTES)
         assert toff + REGIONS_BYTES == BROKER_EXTENTS_OFFSET  # (then the sizes of the broker's grown extents)
-        self.doorbell_name = object_name(server_id, "doorbell", 0)
         if create:
             _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
+            tables.buf[BROKER_IDENTITY_OFFSET:BROKER_IDENTITY_OFFSET + _HEADER.size] = seg.buf[:_HEADER.size]
             self.connect.reset()
-            self.doorbell = _create_sem(self.doorbell_name, readers=readers)
             self.arena: Arena | None = Arena(seg.buf, off, seg.size - off, seg.populate)
         else:
-            check_magic(seg.name, read_header(seg)[0])
-            if tables.size < BrokerSegment.tables_nbytes():
-                raise ConnectionError(f"{tables.name} is not a shmserve broker's tables ({tables.size} bytes)")
-            self.doorbell = posix_ipc.Semaphore(self.doorbell_name)
+            _identity(tables)  # (attach checked broker.0's header for another version's)
             self.arena = None
-        self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.doorbell)
+        self.waker = Waker.on_word(seg.buf, SLEEPING_FLAG_OFFSET)
         # Bumped whenever a client leaves, so workers know to unmap what they hold of it.
         self.departures = np.ndarray((1,), dtype=np.uint64, buffer=seg.buf, offset=DEPARTURES_OFFSET)
 
     @staticmethod
     def tables_nbytes() -> int:
-        return BROKER_EXTENTS_OFFSET + 8 * EXTENT_ENTRIES
+        return BROKER_IDENTITY_OFFSET + _HEADER.size
+
+    def restamp(self) -> bool:
+        """Broker side: write broker.0's header again if a client changed it (it may write that
+        object, even truncate it: shm/truncation_guard.py), so that clients can connect again; True
+        if it had to."""
+        identity = self.tables.buf[BROKER_IDENTITY_OFFSET:BROKER_IDENTITY_OFFSET + _HEADER.size]
+        if self.seg.buf[:_HEADER.size] == identity:
+            return False
+        self.seg.buf[:_HEADER.size] = identity
+        return True
 
     def set_extent_size(self, extent: int, size: int) -> None:
         """Broker side: its grown output extent ``extent`` exists with ``size`` bytes (extents.py)."""
@@ -254,11 +261,16 @@ class BrokerSegment:
     def attach(cls, server_id: str) -> "BrokerSegment":
         """Map the broker's objects as a client or another server process: its tables for
         reading only."""
-        seg = Segment.attach(object_name(server_id, "broker", 0))
+        try:
+            seg = Segment.attach(object_name(server_id, "broker", 0))
+        except ValueError:  # an empty file, which mmap refuses: truncated, or not made whole yet
+            raise ConnectionError(f"{object_name(server_id, 'broker', 0)} is empty") from None
         try:
             if seg.size < HEADER_BYTES:
                 raise ConnectionError(f"{seg.name} is not a shmserve segment ({seg.size} bytes)")
-            check_magic(seg.name, read_header(seg)[0])  # first: another version has no tables.0
+            magic = read_header(seg)[0]
+            if magic & _FAMILY == MAGIC & _FAMILY:
+                check_magic(seg.name, magic)  # first: another version has no tables.0 (or not as ours)
             tables = Segment.attach(object_name(server_id, "tables", 0), readonly=True)
         except BaseException:
             seg.close()
@@ -270,13 +282,23 @@ class BrokerSegment:
             tables.close()
             raise
 
+    @staticmethod
+    def started_ns_of(server_id: str) -> int:
+        """The start time of the broker whose ``tables.0`` is there now (which only it writes:
+        broker.0's header may be scribbled on); ConnectionError when there is none of this layout."""
+        tables = Segment.attach(object_name(server_id, "tables", 0), readonly=True)
+        try:
+            return _identity(tables)[1]
+        finally:
+            tables.close()
+
     @property
     def pid(self) -> int:
-        return read_header(self.seg)[1]
+        return _identity(self.tables)[0]
 
     @property
     def started_ns(self) -> int:
-        return read_header(self.seg)[2]
+        return _identity(self.tables)[1]
 
     def lane_cookie(self, lane: int) -> int:
         return _COOKIE.unpack_from(self.tables.buf, lane * LANE_NAME_BYTES)[0]
@@ -322,14 +344,12 @@ class BrokerSegment:
         self.waker.notify()
 
     def close(self) -> None:
-        self.doorbell.close()
         self.seg.close()
         self.tables.close()
         if self.batches is not None:
             self.batches.close()
 
     def unlink(self) -> None:
-        unlink_semaphore(self.doorbell_name)
         self.seg.unlink()
         self.tables.unlink()
         if self.batches is not None:
@@ -391,10 +411,7 @@ class WorkerSegment:
             self.outbox.reset()
             self.lane_heads[:] = 0
             self.lane_tails[:] = 0
-            self.sem = _create_sem(seg.name, readers=readers)
-        else:
-            self.sem = posix_ipc.Semaphore(seg.name)
-        self.waker = Waker(flag_view(seg.buf, SLEEPING_FLAG_OFFSET), sem=self.sem)
+        self.waker = Waker.on_word(seg.buf, SLEEPING_FLAG_OFFSET)
 
     def messages(self) -> Arena:
         """Owner side (the worker): the arena its outbox's payloads are written in."""
@@ -531,13 +548,11 @@ class WorkerSegment:
         store_u32(self.control.buf, WANT_WAKEUP_OFFSET, 1 if value else 0)  # (a worker reads it at any time)
 
     def close(self) -> None:
-        self.sem.close()
         self.seg.close()
         if self.control is not None:
             self.control.close()
 
     def unlink(self) -> None:
-        unlink_semaphore(self.name)
         self.seg.unlink()
         unlink_shm(control_name(self.name))
 
@@ -561,30 +576,28 @@ class ClientSegment:
         self.layout = Layout(slots, off, seg.size)  # what its records are checked against (untrusted.py)
         self.fifo_path = f"/dev/shm{seg.name}.fifo"
         self.fifo_fd: int | None = None
-        self.sem: posix_ipc.Semaphore | None = None
         flag = flag_view(seg.buf, SLEEPING_FLAG_OFFSET)
         if create:
-            kind = notify if notify is not None else NOTIFY_FIFO if fifo else NOTIFY_SEMAPHORE
+            kind = notify if notify is not None else NOTIFY_FIFO if fifo else NOTIFY_FUTEX
             _HEADER.pack_into(seg.buf, 0, MAGIC, ticket, time.time_ns())
             _PROCESS.pack_into(seg.buf, PROCESS_OFFSET, os.getpid(), pid_namespace())
             struct.pack_into("<III", seg.buf, 16, slots, kind, LANE_PENDING)
             self.requests.reset()
             self.slot_states[:] = 0
             if kind == NOTIFY_BROKER:
-                pass  # woken through the broker's own doorbell
+                pass  # answers for the broker itself: its own flag is woken (broker.0)
             elif fifo:
                 self.fifo_fd = make_fifo(self.fifo_path, readers)
                 flag[0] = SLEEPING  # the owner's loop waits on the FIFO from the start
-            else:
-                self.sem = _create_sem(seg.name, readers=readers)
             self.arena: Arena | None = Arena(seg.buf, off, seg.size - off, seg.populate)
         else:
-            if struct.unpack_from("<I", seg.buf, NOTIFY_KIND_OFFSET)[0] == NOTIFY_SEMAPHORE:
-                self.sem = posix_ipc.Semaphore(seg.name)
             self.arena = None
         self.notify_kind = struct.unpack_from("<I", seg.buf, NOTIFY_KIND_OFFSET)[0]
-        self.waker = Waker(flag, sem=self.sem, fifo_path=self.fifo_path if self.notify_kind == NOTIFY_FIFO else None,
-                           fifo_owner=seg.uid)
+        if self.notify_kind == NOTIFY_FUTEX:
+            self.waker = Waker.on_word(seg.buf, SLEEPING_FLAG_OFFSET)
+        else:
+            self.waker = Waker(flag, fifo_path=self.fifo_path if self.notify_kind == NOTIFY_FIFO else None,
+                               fifo_owner=seg.uid)
 
     @staticmethod
     def nbytes(slots: int, arena_bytes: int) -> int:
@@ -695,15 +708,12 @@ class ClientSegment:
 
     def close(self) -> None:
         self.waker.close()
-        if self.sem is not None:
-            self.sem.close()
         if self.fifo_fd is not None:
             os.close(self.fifo_fd)
             self.fifo_fd = None
         self.seg.close()
 
     def unlink(self) -> None:
-        unlink_semaphore(self.name)
         try:
             os.unlink(self.fifo_path)
         except FileNotFoundError:

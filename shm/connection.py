@@ -429,13 +429,9 @@ class Connection:
 
     def _broker_started(self) -> int:
         try:
-            seg = BrokerSegment.attach(self.server_id)
-        except (posix_ipc.ExistentialError, ConnectionError):
+            return BrokerSegment.started_ns_of(self.server_id)
+        except (posix_ipc.ExistentialError, ConnectionError, ValueError):
             return -1
-        try:
-            return seg.started_ns
-        finally:
-            seg.close()
 
     def _server_gone(self, why: str = "") -> None:
         self.alive = False

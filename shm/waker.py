@@ -1,11 +1,16 @@
 """Wake-ups between processes that cost nothing while the receiver is busy.
 
-Each receiver owns a *sleeping* flag in shared memory next to its semaphore (or FIFO). Before it
-blocks it raises the flag, fences, and looks for work once more; a producer writes its record,
-fences, and posts only if the flag is raised. A busy receiver thus gets no post at all, and a
-post (a futex wake: about 30 us of the poster's time on this kind of machine, plus the receiver's
-wake-up) is paid only when somebody really sleeps. The fences make the flag/record exchange safe
-(a store-load pair would otherwise be reordered on x86); an uncontended lock gives a full barrier.
+Each receiver owns a *sleeping* flag in shared memory. Before it blocks it raises the flag,
+fences, and looks for work once more; a producer writes its record, fences, and wakes it only if
+the flag is raised. A busy receiver thus gets no wake-up call at all, and one (a futex wake:
+tens of microseconds of the waker's and the receiver's time on this kind of machine) is paid only
+when somebody really sleeps. The fences make the flag/record exchange safe (a store-load pair
+would otherwise be reordered on x86); an uncontended lock gives a full barrier.
+
+The receiver sleeps on the flag word itself (futex.py): a producer that lowers it and wakes the
+word cannot be missed, since the sleep only begins while the word still says SLEEPING. The word
+after it holds a post (``post``: start-up messages, shutdown, another thread's news) made while the
+receiver was awake, which its next sleep returns for at once.
 
 A FIFO receiver is for asyncio loops: ``loop.add_reader`` on the FIFO wakes the loop directly, with
 no extra thread hop.
@@ -20,11 +25,11 @@ import threading
 import time
 from typing import Callable
 
-import posix_ipc
-
 from .access import grant
+from .futex import FutexWord
 
 AWAKE, SLEEPING = 0, 1
+POSTED_AT = 4  # after the flag: a post made while the receiver was awake
 _fence_lock = threading.Lock()
 
 
@@ -32,15 +37,6 @@ def fence() -> None:
     """A full memory barrier (the lock's atomic exchange), so flag and ring accesses keep order."""
     _fence_lock.acquire()
     _fence_lock.release()
-
-
-def drain(sem: posix_ipc.Semaphore) -> None:
-    """Take every pending post, without raising an exception per empty try."""
-    while sem.value > 0:
-        try:
-            sem.acquire(0)
-        except posix_ipc.BusyError:
-            return
 
 
 def flag_view(buf: memoryview, offset: int) -> memoryview:
@@ -52,25 +48,42 @@ def flag_view(buf: memoryview, offset: int) -> memoryview:
 class Waker:
     """One receiver's wake-up channel, used from either side."""
 
-    def __init__(self, flag: memoryview, sem: posix_ipc.Semaphore | None = None, fifo_path: str | None = None,
-                 fifo_owner: int | None = None) -> None:
+    def __init__(self, flag: memoryview, futex: FutexWord | None = None, posted: memoryview | None = None,
+                 fifo_path: str | None = None, fifo_owner: int | None = None) -> None:
         self.flag = flag
-        self.sem = sem
+        self.futex = futex
+        self.posted = posted
         self.fifo_path = fifo_path
         self.fifo_owner = fifo_owner  # whose FIFO it must be (its segment's owner); None: our own
         self._fifo_fd: int | None = None
+
+    @classmethod
+    def on_word(cls, buf: memoryview, offset: int) -> "Waker":
+        """A receiver that sleeps on its flag at ``offset`` of ``buf``, the post word after it."""
+        return cls(flag_view(buf, offset), futex=FutexWord(buf, offset), posted=flag_view(buf, offset + POSTED_AT))
 
     # -- producer side --------------------------------------------------------------------------
     def notify(self) -> None:
         fence()
         if self.flag[0] == SLEEPING:
             self.flag[0] = AWAKE
-            self.post()
+            self._wake()
 
     def post(self) -> None:
-        """Wake unconditionally (start-up messages, shutdown)."""
-        if self.sem is not None:
-            self.sem.release()
+        """Wake unconditionally (start-up messages, shutdown): a receiver awake now does not
+        sleep at its next ``sleep`` either."""
+        if self.futex is not None:
+            assert self.posted is not None
+            self.posted[0] = 1
+            fence()
+            self.flag[0] = AWAKE
+            self.futex.wake()
+            return
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.futex is not None:
+            self.futex.wake()
             return
         if self.fifo_path is None:
             return  # a receiver that polls for itself (the broker's own client)
@@ -100,20 +113,19 @@ class Waker:
             started = time.perf_counter()
             if spin.poll(has_work, started, timeout):  # never past the caller's timer (a batch delay)
                 return
+        posted = self.posted
+        assert self.futex is not None and posted is not None
         self.flag[0] = SLEEPING
         fence()
-        if has_work():
+        if has_work() or posted[0]:
             self.flag[0] = AWAKE
+            posted[0] = 0
             return
-        assert self.sem is not None
         if spin is not None:
             timeout = max(0.0, timeout - (time.perf_counter() - started))  # the polling counts
-        try:
-            self.sem.acquire(timeout)
-        except (posix_ipc.BusyError, posix_ipc.SignalError):
-            pass
+        self.futex.wait(SLEEPING, timeout)
         self.flag[0] = AWAKE
-        drain(self.sem)
+        posted[0] = 0
         if spin is not None:
             spin.waited(time.perf_counter() - started)  # a short wait brings the polling back
 

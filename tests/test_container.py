@@ -172,6 +172,10 @@ def test_the_image_serves_http_and_grpc_and_drains_on_sigterm(image, podman_env,
             assert health.returncode == 0, health.stdout + health.stderr
             assert run(PODMAN + ["exec", name, "id", "-u"], podman_env).stdout.strip() == "1000"
             assert run(PODMAN + ["exec", name, "cat", "/proc/1/comm"], podman_env).stdout.strip() == "tini"
+            # The truncation guard was built (with a compiler the build removed again).
+            guard = run(PODMAN + ["exec", name, "python3", "-c", "from shmserve.shm import truncation_guard as t; "
+                                  "import shutil; print(t.available(), shutil.which('cc'))"], podman_env)
+            assert guard.stdout.strip() == "True None", guard
 
             out = client.infer("add_sub", add_sub_inputs(httpclient))
             np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), 2 * np.arange(16, dtype=np.int32))

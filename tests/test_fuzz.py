@@ -322,7 +322,7 @@ def test_shared_memory_fields(healthy, req):
 
 
 def _register_keys(server_id: str):
-    own = [f"shmserve.{server_id}.broker.0", f"/shmserve.{server_id}.broker.0", f"sem.shmserve.{server_id}.doorbell.0",
+    own = [f"shmserve.{server_id}.broker.0", f"/shmserve.{server_id}.broker.0", f"sem.shmserve.{server_id}.trace.0",
            f"/shmserve.{server_id}.worker.1", f"shmserve.{server_id}.client.broker"]
     paths = ["/../etc/passwd", "../../etc/passwd", "/dev/shm/x", "/dev/shm/../../etc/shadow", "/", "", "//", ".",
              "..", "/a/b", "a\x00b", "/proc/self/mem", "x" * 300]

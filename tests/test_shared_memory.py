@@ -343,10 +343,10 @@ def test_bad_registration_is_refused(shm_server, http, regions, case):
     assert_serves_through_shm(shm_server, regions)
 
 
-@pytest.mark.parametrize("key", ["sem.shmserve.{id}.doorbell.0", "/sem.shmserve.{id}.doorbell.0"])
+@pytest.mark.parametrize("key", ["sem.shmserve.{id}.trace.0", "/sem.shmserve.{id}.trace.0"])
 def test_server_semaphore_file_cannot_be_registered(shm_server, http, regions, key):
     """The files behind the server's semaphores live in /dev/shm too (found by the earlier version
-    of this test: the broker's doorbell could be registered and written over)."""
+    of this test: the broker's doorbell, a semaphore then, could be registered and written over)."""
     key = key.format(id=shm_server.id)
     assert os.path.exists(f"/dev/shm/{key.lstrip('/')}")
     regions.names.append("sem_key")  # unregistered on teardown, should the server take it

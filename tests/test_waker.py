@@ -1,4 +1,4 @@
-"""Wake-ups with polling first (shm/waker.py), on a real POSIX semaphore: polling must never make a
+"""Wake-ups with polling first (shm/waker.py), on a real futex word: polling must never make a
 receiver overstay the timeout its caller asked for (a batcher's delay, a queue timeout), it stops
 once it finds nothing, and nobody polls while no core is idle.
 
@@ -6,18 +6,18 @@ The run queue is read from a file in /proc/loadavg's format that a test writes (
 path): this host is shared, so the kernel's own count cannot be made to show an idle core."""
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
 
 import numpy as np
-import posix_ipc
 import pytest
 import tritonclient.http as httpclient
 
 from conftest import PRODUCT_MODELS, CpuHogs
 
-from shmserve.shm.waker import AWAKE, SLEEPING, RunQueue, SpinPolicy, Waker, flag_view, run_queue
+from shmserve.shm.waker import AWAKE, SLEEPING, RunQueue, SpinPolicy, Waker, run_queue
 
 
 class FakeLoad:
@@ -40,12 +40,9 @@ def idle(tmp_path) -> FakeLoad:
 
 @pytest.fixture
 def waker():
-    sem = posix_ipc.Semaphore(f"/shmtest.waker.{os.getpid()}", posix_ipc.O_CREX)
-    try:
-        yield Waker(flag_view(memoryview(bytearray(64)), 0), sem=sem)  # the flag as segments hold it
-    finally:
-        sem.unlink()
-        sem.close()
+    mapping = mmap.mmap(-1, 4096)  # shared, as a segment's header is
+    buf = memoryview(mapping)
+    yield Waker.on_word(buf, 64)  # the flag where segments hold it
 
 
 def test_polling_ends_at_the_callers_timeout(waker, idle):
@@ -87,11 +84,83 @@ def test_a_producer_notify_wakes_a_sleeper(waker):
     t = threading.Thread(target=producer)
     t.start()
     t0 = time.perf_counter()
-    waker.sleep(5.0, lambda: False)  # no polling: straight to the semaphore
+    waker.sleep(5.0, lambda: False)  # no polling: straight to the futex
     t.join()
     assert seen_asleep.is_set()
     assert time.perf_counter() - t0 < 2.0
     assert waker.flag[0] == AWAKE
+
+
+def test_a_post_while_the_receiver_is_awake_is_kept_for_its_next_sleep(waker):
+    """``post`` (start-up messages, another thread's news) counts like a semaphore's: made while
+    the receiver works, its next sleep returns at once, and only that one."""
+    waker.post()
+    t0 = time.perf_counter()
+    waker.sleep(5.0, lambda: False)
+    assert time.perf_counter() - t0 < 1.0
+    t0 = time.perf_counter()
+    waker.sleep(0.2, lambda: False)
+    assert time.perf_counter() - t0 >= 0.2
+
+
+def test_a_sleeper_in_another_process_is_woken_through_the_shared_word(tmp_path):
+    """The futex is keyed by the file and offset, not the address: a process that maps the
+    segment elsewhere wakes the sleeper as one that shares its mapping would."""
+    import subprocess
+    import sys
+
+    path = f"/dev/shm/shmtest.waker.{os.getpid()}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 4096)
+        mapping = mmap.mmap(fd, 4096)
+        receiver = Waker.on_word(memoryview(mapping), 64)
+        producer = subprocess.Popen([sys.executable, "-c", f"""
+import mmap, os, time
+from shmserve.shm.waker import SLEEPING, Waker
+fd = os.open({path!r}, os.O_RDWR)
+waker = Waker.on_word(memoryview(mmap.mmap(fd, 4096)), 64)
+while waker.flag[0] != SLEEPING:
+    time.sleep(0.001)
+waker.notify()
+"""])
+        t0 = time.perf_counter()
+        receiver.sleep(20.0, lambda: False)
+        assert time.perf_counter() - t0 < 10.0, "woken by the other process, not by the timeout"
+        assert producer.wait(30) == 0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_a_flag_a_client_lowered_costs_one_timeout_and_no_more(waker):
+    """Whatever a client writes into the flag, its receiver writes it again before each sleep: a
+    sleeper whose flag was lowered is not woken (the producer thinks it awake) until its timeout,
+    and the next sleep is woken as usual."""
+    stop = threading.Event()
+
+    def scribble_then_notify() -> None:
+        while waker.flag[0] != SLEEPING:
+            time.sleep(0.001)
+        time.sleep(0.05)  # (asleep in the kernel by now: before that, the lowered flag would end the sleep)
+        waker.flag[0] = AWAKE  # the scribble: no producer will wake it now
+        waker.notify()
+        while not stop.is_set() and waker.flag[0] != SLEEPING:
+            time.sleep(0.001)
+        waker.notify()
+
+    t = threading.Thread(target=scribble_then_notify)
+    t.start()
+    try:
+        t0 = time.perf_counter()
+        waker.sleep(0.5, lambda: False)
+        assert time.perf_counter() - t0 >= 0.45, "nobody woke it: its timeout did"
+        t0 = time.perf_counter()
+        waker.sleep(5.0, lambda: False)
+        assert time.perf_counter() - t0 < 2.0, "the next sleep was woken"
+    finally:
+        stop.set()
+        t.join()
 
 
 def test_an_idle_receiver_stops_polling_and_quick_work_brings_the_polling_back(waker, idle):

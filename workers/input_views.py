@@ -54,6 +54,7 @@ import numpy as np
 from shmserve.shm.names import SHM_DIR
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import DTYPES
+from shmserve.shm.truncation_guard import guard_mapping
 
 # Inputs smaller than this are copied: below it the copy costs less than the pagemap look (measured
 # above: the crossover lies between 1 and 2 MiB on the 2-core VM).
@@ -135,7 +136,8 @@ class InputViews:
                 return m
         seg = self._segments.get(name)  # (what the caller's bounds were checked against)
         try:
-            fd = os.open(SHM_DIR + name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # (for writing: the truncation guard must be able to grow the file back)
+            fd = os.open(SHM_DIR + name, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             return None
         try:
@@ -143,6 +145,7 @@ class InputViews:
             if st.st_size != seg.size or st.st_uid != seg.uid:
                 return None  # not the object the cache mapped
             m = _Mapping(name, fd, seg.size)
+            guard_mapping(m.mm, fd, seg.size)  # its owner may truncate it (shm/truncation_guard.py)
         except (OSError, ValueError):
             return None
         finally:

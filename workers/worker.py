@@ -34,6 +34,7 @@ from shmserve.shm.protocol import CANCELLED_STATUS, REQ_POLLING, W_BATCH, W_CONF
     W_CHECK_READY, W_MORE, W_STOP, cancelled_error, read_manifest
 from shmserve.shm.region_table import RegionTable
 from shmserve.shm.tensors import BytesFraming
+from shmserve.shm.truncation_guard import Repairs
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_request
 from shmserve.shm.segment import SegmentCache
@@ -197,6 +198,7 @@ class Worker:
         log_settings = logs.Follower(self.broker.settings)
         spin = SpinPolicy(self.poll_s)
         polled = False  # the last round served a client that polls for its answers
+        repairs = Repairs()  # truncations of what it maps undone (shm/truncation_guard.py)
         while self.running:
             # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
             # below only covers systems without it.
@@ -217,6 +219,9 @@ class Worker:
                 checked = time.monotonic()
                 self._forget_departed_clients()
                 seg.ring_pending_bells()
+                if undone := repairs.since_last():
+                    log.warning("%d truncated shared-memory object(s) this worker maps were grown back (a local "
+                                "client of a --local-client-users user may write these objects)", undone)
                 if not pid_alive(self.broker_pid):
                     log.error("broker %d is gone; worker exits", self.broker_pid)
                     return

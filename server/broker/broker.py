@@ -34,6 +34,7 @@ from shmserve.shm.liveness import BROKER_TICKET
 from shmserve.shm.names import object_name, unlink_all
 from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER
 from shmserve.shm.ring import RingCorrupt
+from shmserve.shm.truncation_guard import Repairs
 from shmserve.shm.untrusted import RING_KINDS, Garbage, Record, check_record, read_descriptor
 from shmserve.signature import InvalidRequest
 
@@ -97,6 +98,7 @@ class Broker:
         self.orphaned = False  # set by ORPHANED: the launcher died (parent_death.py)
         self._last_housekeeping = 0.0
         self._last_watch = 0.0  # canaries and execution timeouts were last looked at
+        self._repairs = Repairs()  # truncations of what it maps undone (shm/truncation_guard.py)
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -189,6 +191,7 @@ class Broker:
         return timeout
 
     def _housekeeping(self) -> None:
+        self._repair_shared_memory()
         self.supervisor.check_workers()
         self.answers.tidy()  # a retired extent of our arena whose answers were all read is unlinked
         if self.cache is not None:
@@ -203,6 +206,17 @@ class Broker:
                 self._drop_client(client, died=True)
         if not self.lifecycle.startup_done:
             self.lifecycle.check_startup()
+
+    def _repair_shared_memory(self) -> None:
+        """Grow back what a client truncated and rewrite the header it changed, so that new
+        clients can map broker.0 and connect; said once a second at most."""
+        undone = self._repairs.since_last()
+        repairs = [f"{undone} truncated object(s) grown back"] if undone else []
+        if self.seg.restamp():
+            repairs.append("broker.0's header written again")
+        if repairs:
+            log.warning("shared memory the broker maps was changed by a client: %s (a local client of a "
+                        "--local-client-users user may write these objects)", "; ".join(repairs))
 
     # -- clients --------------------------------------------------------------------------------
     def _on_client_requests(self, client: Client) -> None:

@@ -1,0 +1,126 @@
+"""Shared memory this process maps survives its truncation by another process.
+
+A user named by ``--local-client-users`` may write some objects the server's processes map (its own
+segment, ``broker.0``, a ``worker.<n>``, the extents of their arenas), so it may also ``ftruncate`` them, and the
+next touch of a lost page would be a SIGBUS that ends the broker or a worker. POSIX shared memory
+cannot be sealed against that; ``truncation_guard.c`` (a SIGBUS handler, loaded with ctypes) grows
+each guarded file back to its size instead, and the touch goes on over a zero page. A truncation
+then only zeroes the end of an object, as its writer could anyway, and readers check what they read.
+
+``guard_mapping`` registers what a process maps (``Segment`` does it for every segment); the library is built from
+the C file when the package is installed (setuptools, an optional extension: no compiler, no guard,
+and ``available()`` says so).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import importlib.util
+import logging
+import mmap
+import os
+import threading
+import weakref
+from typing import Callable
+
+log = logging.getLogger("shmserve.shm")
+
+_LIBRARY = f"{__package__}._truncation_guard"
+
+
+def _load() -> ctypes.CDLL | None:
+    spec = importlib.util.find_spec(_LIBRARY)
+    if spec is None or spec.origin is None:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    lib.guard_install.restype = ctypes.c_int
+    lib.guard_add.argtypes = (ctypes.c_int, ctypes.c_longlong)
+    lib.guard_add.restype = ctypes.c_int
+    lib.guard_remove.argtypes = (ctypes.c_int,)
+    lib.guard_remove.restype = None
+    lib.guard_regrown.restype = ctypes.c_ulong
+    lib.guard_restore.restype = ctypes.c_int
+    return lib
+
+
+_lib = _load()
+_install_lock = threading.Lock()
+_installed = False
+_full_warned = False
+
+
+def available() -> bool:
+    """Whether the handler could be built when the package was installed (a C compiler)."""
+    return _lib is not None
+
+
+def regrown() -> int:
+    """How many times this process grew a truncated object back (0 without the library)."""
+    return int(_lib.guard_regrown()) if _lib is not None else 0
+
+
+def restore() -> int:
+    """Grow back now every guarded file found shorter than its size (a process's periodic check:
+    an object must be whole for whoever maps it next, not only when this process touches it);
+    how many were."""
+    return int(_lib.guard_restore()) if _lib is not None and _installed else 0
+
+
+class Repairs:
+    """The count of truncations undone in this process, for a periodic log line."""
+
+    def __init__(self) -> None:
+        self._seen = regrown()
+
+    def since_last(self) -> int:
+        """Restore what is shrunk now; how many truncations were undone since the last call."""
+        restore()
+        now = regrown()
+        count, self._seen = now - self._seen, now
+        return count
+
+
+class Guard:
+    """One guarded file: grown back to ``size`` on a SIGBUS while this lives (or until ``release``)."""
+
+    def __init__(self, slot: int) -> None:
+        self._slot = slot
+
+    def release(self) -> None:
+        slot, self._slot = self._slot, -1
+        if slot >= 0 and _lib is not None:
+            _lib.guard_remove(slot)
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def guard_fd(fd: int, size: int) -> Guard | None:
+    """Guard the file open as ``fd`` (which must be open for writing) at ``size`` bytes; the
+    library keeps its own duplicate of ``fd``. None without the library, or with 16384 guarded."""
+    global _installed, _full_warned
+    if _lib is None or size <= 0:
+        return None
+    if not _installed:
+        with _install_lock:
+            if not _installed:
+                failed = _lib.guard_install()
+                if failed:
+                    raise OSError(failed, f"cannot install the SIGBUS handler: {os.strerror(failed)}")
+                _installed = True
+    slot = _lib.guard_add(fd, size)
+    if slot < 0:
+        if -slot == errno.ENOSPC and not _full_warned:
+            _full_warned = True
+            log.warning("16384 shared-memory files are guarded against truncation already: the next are not")
+        return None
+    return Guard(slot)
+
+
+def guard_mapping(mm: mmap.mmap, fd: int, size: int) -> Callable[[], None]:
+    """Guard the file behind ``mm`` while the mapping lives; the returned call releases it at
+    once (once ``mm`` is closed: a mapping a view keeps alive stays guarded until it dies)."""
+    guard = guard_fd(fd, size)
+    if guard is None:
+        return lambda: None
+    return weakref.finalize(mm, guard.release)

@@ -1,0 +1,123 @@
+"""The truncation guard (shm/truncation_guard.py): a segment another process shrinks is grown back
+when this process touches a lost page, or at its periodic ``restore``, instead of a SIGBUS; an
+unguarded one still kills, and a SIGBUS with nothing to grow back keeps its old meaning.
+
+Each case runs in a child process: a failure there is a signal, which must not end the test run.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+from conftest import PYTHON, ROOT, free_port
+
+from shmserve.shm import truncation_guard
+
+
+
+def test_the_guard_is_built_where_a_compiler_is():
+    """``make`` installs shmserve on this machine, which has ``cc``: the optional extension must
+    have been built (a failed build is only a warning in pip's log)."""
+    assert shutil.which("cc") and truncation_guard.available()
+
+
+def _child(body: str) -> subprocess.CompletedProcess:
+    name = f"/shmtest.guard.{os.getpid()}"
+    program = textwrap.dedent("""
+        import os, subprocess
+        from shmserve.shm.segment import Segment
+        from shmserve.shm import truncation_guard
+        name = {name!r}
+        path = "/dev/shm" + name
+        def cut():  # another process shrinks it, as a client would
+            subprocess.run(["truncate", "-s", "0", path], check=True)
+        seg = Segment.create(name, 1 << 20)
+        try:
+    """).format(name=name) + textwrap.indent(textwrap.dedent(body), "    ") + textwrap.dedent("""
+        finally:
+            seg.unlink()
+    """)
+    try:
+        return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    finally:
+        for leftover in (name, name + ".2"):  # (what a child killed by its signal could not remove)
+            if os.path.exists("/dev/shm" + leftover):
+                os.unlink("/dev/shm" + leftover)
+
+
+def test_a_touch_past_a_truncation_grows_the_segment_back():
+    done = _child("""
+        seg.buf[100] = 7
+        seg.buf[(1 << 20) - 1] = 9
+        cut()
+        assert os.stat(path).st_size == 0
+        print(seg.buf[100], seg.buf[(1 << 20) - 1], seg.read(0, 16) == bytes(16))  # zero pages, no signal
+        seg.buf[5] = 1  # writes too
+        print(os.stat(path).st_size, truncation_guard.regrown())
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "0", "True", str(1 << 20), "1"]
+
+
+def test_restore_grows_back_what_nobody_touched():
+    """A process that maps the object anew must find it whole (an empty file cannot be mapped)."""
+    done = _child("""
+        cut()
+        print(truncation_guard.restore(), os.stat(path).st_size)
+        again = Segment.attach(name)
+        print(again.size)
+        again.close()
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", str(1 << 20), str(1 << 20)]
+
+
+def test_an_unguarded_mapping_still_dies_of_sigbus():
+    """What the guard was let go of (a segment closed) is the kernel's again: the handler passes
+    a fault with nothing to grow back to the action before it, here the default."""
+    done = _child("""
+        seg._unguard()
+        cut()
+        print(seg.buf[10])
+    """)
+    assert done.returncode == -signal.SIGBUS, (done.returncode, done.stderr)
+
+
+def test_a_closed_segment_releases_its_guard():
+    done = _child("""
+        other = Segment.create(name + ".2", 4096)
+        other.close()
+        subprocess.run(["truncate", "-s", "0", path + ".2"], check=True)
+        print(truncation_guard.restore(), os.stat(path + ".2").st_size)  # no longer this process's to grow
+        other.unlink()
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "0"]
+
+
+def test_without_the_library_the_server_warns_under_local_client_users(tmp_path):
+    """An install that found no C compiler has no guard: the server says so where it matters."""
+    port, grpc, metrics = free_port(), free_port(), free_port()
+    server_id = f"noguard{os.getpid()}"
+    program = ("import sys\nfrom shmserve.shm import truncation_guard\ntruncation_guard._lib = None  # as built with no cc\n"
+               "from shmserve.server.__main__ import main\nsys.exit(main())")
+    proc = subprocess.Popen([PYTHON, "-c", program, "--model-repository", str(ROOT / "model_repository"),
+                             "--model-control-mode=explicit", "--local-client-users=nobody", f"--id={server_id}",
+                             f"--http-port={port}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving HTTP" in line or len(lines) > 200:
+                break
+        text = "".join(lines)
+        assert "--local-client-users: shmserve was installed without its truncation guard" in text, text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert not [n for n in os.listdir("/dev/shm") if server_id in n]
