@@ -66,4 +66,4 @@ test: $(TEST_STAMP) container-tools
 	$(PY) -m pytest -q --durations=15 --durations-min=10 tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info shm/_truncation_guard*.so
