@@ -1,4 +1,4 @@
-"""The broker: the single owner of server state, running one loop on one doorbell semaphore.
+"""The broker: the single owner of server state, running one loop on one doorbell (its sleeping flag, shm/waker.py).
 
 Everything that must change state arrives as a record on a ring in shared memory (client requests,
 worker messages, connects) followed by a post on the doorbell; the loop drains the rings, acts,
