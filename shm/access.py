@@ -4,8 +4,8 @@ whose mode stays 0600.
 By default no one: the server's objects are its user's, a client's are the client's. Two
 containers of one pod may run as different users (docs/deploy.md). Then the server, started
 with ``--local-client-users``, names those users ``readers`` of what local clients must open
-(the broker's and workers' segments and their semaphores); and a local client of another user
-names the server's user reader of its own objects (its segment, semaphore or FIFO, and the
+(the broker's and workers' segments and their grown extents); and a local client of another user
+names the server's user reader of its own objects (its segment or FIFO, and the
 regions it creates). Neither names anyone else, so one client's objects stay closed to another
 client. tmpfs keeps ACLs (``CONFIG_TMPFS_POSIX_ACL``, on in common kernels); where it does not,
 granting fails with a clear error rather than opening the object wider.
@@ -25,7 +25,7 @@ _XATTR = "system.posix_acl_access"
 _VERSION = 2
 _ENTRY = struct.Struct("<HHI")
 _USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
-_RW, _R, _NONE = 6, 4, 0
+_RW, _R, _W, _NONE = 6, 4, 2, 0
 _UNDEFINED_ID = 0xFFFFFFFF
 
 
@@ -97,3 +97,15 @@ def readers_of(path: str) -> tuple[int, ...]:
     except OSError:
         return ()
     return tuple(uid for tag, _, uid in _ENTRY.iter_unpack(raw[4:]) if tag == _USER)
+
+
+def writable_by_others(target: int | str) -> bool:
+    """Whether the ACL of ``target`` (a descriptor or a path) lets a user besides the owner write
+    it (a named user's entry with write, under a mask that keeps it)."""
+    try:
+        raw = os.getxattr(target, _XATTR)
+    except OSError:
+        return False
+    entries = list(_ENTRY.iter_unpack(raw[4:]))
+    mask = next((perm for tag, perm, _ in entries if tag == _MASK), _RW)
+    return any(tag == _USER and perm & mask & _W for tag, perm, _ in entries)

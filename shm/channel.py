@@ -1,4 +1,4 @@
-"""Layouts of the server's and its clients' shared-memory objects, and their semaphores.
+"""Layouts of the server's and its clients' shared-memory objects, and how each wakes its receiver.
 
 Each segment starts with a small header, then its rings, then an arena:
 - broker.0: the connect ring (clients announce themselves; guarded by a lock on one byte of its
@@ -261,10 +261,7 @@ class BrokerSegment:
     def attach(cls, server_id: str) -> "BrokerSegment":
         """Map the broker's objects as a client or another server process: its tables for
         reading only."""
-        try:
-            seg = Segment.attach(object_name(server_id, "broker", 0))
-        except ValueError:  # an empty file, which mmap refuses: truncated, or not made whole yet
-            raise ConnectionError(f"{object_name(server_id, 'broker', 0)} is empty") from None
+        seg = Segment.attach(object_name(server_id, "broker", 0))
         try:
             if seg.size < HEADER_BYTES:
                 raise ConnectionError(f"{seg.name} is not a shmserve segment ({seg.size} bytes)")
@@ -558,7 +555,7 @@ class WorkerSegment:
 
 
 class ClientSegment:
-    """``fifo=True`` wakes the client through a FIFO an asyncio loop can watch, else a semaphore."""
+    """``fifo=True`` wakes the client through a FIFO an asyncio loop can watch, else a futex on its flag."""
 
     def __init__(self, seg: Segment, slots: int, create: bool, fifo: bool = False, notify: int | None = None,
                  ticket: int = 0, readers: tuple[int, ...] = ()) -> None:

@@ -320,7 +320,7 @@ class Connection:
                 self._cond.notify()  # the waiter thread leads for a request nobody waits for
 
     # -- waiting (threaded connections) ----------------------------------------------------------
-    # One thread at a time *leads*: it alone sleeps on the connection's semaphore, drains response
+    # One thread at a time *leads*: it alone sleeps on the connection's flag (waker.py), drains response
     # rings and completes slots, running every request's callback. A synchronous caller leads
     # while it waits for its own answer, so that answer costs no hand-off between threads; the
     # waiter thread leads only while requests are in flight that no caller waits for (futures,

@@ -19,6 +19,7 @@ import platform
 import numpy as np
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238,
+              "i686": 240, "i386": 240, "armv7l": 240, "armv8l": 240,
               "riscv64": 98}
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # without FUTEX_PRIVATE_FLAG: between processes
 

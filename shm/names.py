@@ -100,7 +100,7 @@ def set_title(title: str) -> None:
 
 def ours(shms: list[str], sems: list[str]) -> tuple[list[str], list[str]]:
     """Of ``list_objects``' names, those this process's user owns: a local client of another user
-    (``--local-client-users``) makes its own segment, semaphore and FIFO, which a sticky /dev/shm
+    (``--local-client-users``) makes its own segment and FIFO, which a sticky /dev/shm
     lets only that user remove (it does, as it closes)."""
     me = os.geteuid()
 

@@ -2,7 +2,7 @@
 
 The producer writes the record, then publishes the new tail; the consumer reads up to the tail it
 sees, then publishes the new head. Each side writes only its own counter, so no lock is needed.
-The wake-up is a separate semaphore post, done by the caller (one post per hop).
+The wake-up is a separate futex wake on the receiver's flag, done by the caller (waker.py).
 
 The counters are read and written through an aligned memoryview cast to 'Q': one 8-byte load or
 store each (CPython packs a 'Q' item with a single fixed-size copy), and about three times cheaper

@@ -95,6 +95,8 @@ class Segment:
         try:
             st = os.fstat(shm.fd)
             size = st.st_size
+            if size == 0:  # (mmap refuses it: made by someone else and not sized yet, or truncated)
+                raise ConnectionError(f"{name} is empty")
             access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
             mm = mmap.mmap(shm.fd, size, access=access)
             # What this process only reads is written by the server alone: nobody to truncate it.

@@ -4,17 +4,18 @@
  * maps (its own segment, broker.0, a worker's, their arenas' extents), and whoever may write a file
  * may also shrink it with ftruncate. A mapped page past the new end is then gone, and the next
  * touch of it is a SIGBUS, which would end the broker or a worker. POSIX shared memory cannot be
- * sealed against shrinking, so this handler undoes the shrink instead: on SIGBUS it grows every
- * guarded file that is shorter than it was when guarded back to that size, and returns; the touch
- * is made again and finds a zero page. A truncation thus amounts to zeroing the end of the
+ * sealed against shrinking, so this handler undoes the shrink instead: on SIGBUS in a guarded
+ * mapping it grows the file back to the size it had when guarded, and returns; the touch is made
+ * again and finds a zero page. A truncation thus amounts to zeroing the end of the
  * object, which such a client could do anyway by writing zeros, and which every reader already
  * survives (whatever a client can write is bounds-checked before use).
  *
  * guard_restore() does the same without a fault, from a process's periodic checks, so that an
  * object is whole again for those that map it anew even when its owner does not touch it.
  *
- * A SIGBUS with no guarded file to grow (a page /dev/shm had no room for, a fault elsewhere) goes
- * to the handler that was there before, as if this one did not exist.
+ * A SIGBUS outside every guarded mapping, or one that keeps coming back at one address although
+ * the file is whole (a page /dev/shm has no room for), goes to the handler that was there before,
+ * as if this one did not exist.
  *
  * Loaded with ctypes by truncation_guard.py, which says what each guarded file is. No Python
  * headers: a plain shared object built by setuptools as an optional extension.
@@ -25,6 +26,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -34,9 +36,15 @@ enum { SLOT_FREE = 0, SLOT_FILLING = 1, SLOT_LIVE = 2, SLOT_LEAVING = 3 };
 
 struct guarded_file {
     atomic_int state;
-    int fd;      /* our own duplicate, open for writing */
-    off_t size;  /* the size the process maps */
+    int fd;               /* our own duplicate, open for writing */
+    off_t size;           /* the size the process maps */
+    uintptr_t start, end; /* where it is mapped */
 };
+
+/* Faults in a guarded mapping whose file was whole already: another process (or another thread's
+ * fault) grew it back first, and the access is only made again. So many in a row at one address
+ * mean that the page cannot be had (/dev/shm full): the fault is then the previous handler's. */
+#define FUTILE_LIMIT 10000
 
 static struct guarded_file table[GUARD_CAPACITY];
 static atomic_int slots_used;        /* slots at or past this index were never filled */
@@ -44,6 +52,8 @@ static atomic_int handlers_running;  /* so that a slot's descriptor is not close
 static atomic_ulong files_regrown;
 static struct sigaction previous_action;
 static atomic_int installed;
+static atomic_uintptr_t futile_address;
+static atomic_int futile_count;
 
 /* Grow every guarded file that is shorter than its size back to it; how many were. */
 static int regrow_shrunk(void)
@@ -65,24 +75,57 @@ static int regrow_shrunk(void)
     return regrown;
 }
 
+/* Hand the fault to the handler before ours, as if ours did not exist: a function is called (if
+ * it returns, the access is made again and comes back here); the default action is put back, and
+ * the access made again then ends the process. */
+static void pass_on(int signo, siginfo_t *info, void *context)
+{
+    if ((previous_action.sa_flags & SA_SIGINFO) && previous_action.sa_sigaction != NULL) {
+        previous_action.sa_sigaction(signo, info, context);
+    } else if (!(previous_action.sa_flags & SA_SIGINFO) && previous_action.sa_handler != SIG_DFL &&
+               previous_action.sa_handler != SIG_IGN) {
+        previous_action.sa_handler(signo);
+    } else {
+        struct sigaction fatal = {0};
+        fatal.sa_handler = SIG_DFL;
+        sigemptyset(&fatal.sa_mask);
+        sigaction(SIGBUS, &fatal, NULL);
+    }
+}
+
 static void on_sigbus(int signo, siginfo_t *info, void *context)
 {
     int saved_errno = errno;
-    int regrown = regrow_shrunk();
-    if (regrown) {
-        errno = saved_errno;
-        return; /* the faulting access runs again, on a page that exists */
+    uintptr_t address = (uintptr_t)info->si_addr;
+    int ours = 0, regrown = 0;
+    atomic_fetch_add(&handlers_running, 1);
+    int used = atomic_load(&slots_used);
+    for (int i = 0; i < used; i++) {
+        struct guarded_file *g = &table[i];
+        if (atomic_load(&g->state) != SLOT_LIVE || address < g->start || address >= g->end)
+            continue;
+        ours = 1;
+        struct stat st;
+        if (fstat(g->fd, &st) == 0 && st.st_size < g->size && ftruncate(g->fd, g->size) == 0)
+            regrown = 1;
+        break;
     }
-    /* Not a truncation we can undo: behave as before this handler, for this fault and any later. */
-    sigaction(SIGBUS, &previous_action, NULL);
-    if (!(previous_action.sa_flags & SA_SIGINFO) && previous_action.sa_handler != SIG_DFL &&
-        previous_action.sa_handler != SIG_IGN) {
-        previous_action.sa_handler(signo);
-    } else if ((previous_action.sa_flags & SA_SIGINFO) && previous_action.sa_sigaction != NULL) {
-        previous_action.sa_sigaction(signo, info, context);
+    atomic_fetch_sub(&handlers_running, 1);
+    if (regrown) {
+        atomic_fetch_add(&files_regrown, 1);
+        atomic_store(&futile_count, 0);
+    } else if (ours) {
+        /* Whole already: made again, unless it keeps failing at this address. */
+        if (atomic_exchange(&futile_address, address) != address)
+            atomic_store(&futile_count, 0);
+        if (atomic_fetch_add(&futile_count, 1) >= FUTILE_LIMIT) {
+            atomic_store(&futile_count, 0);
+            pass_on(signo, info, context);
+        }
+    } else {
+        pass_on(signo, info, context); /* not a mapping we guard */
     }
     errno = saved_errno;
-    /* With the default action back, the access faults again and ends the process. */
 }
 
 /* Install the handler once; 0 on success, else an errno value. */
@@ -103,8 +146,9 @@ int guard_install(void)
     return 0;
 }
 
-/* Guard the file open as `fd` (duplicated here) at `size` bytes; the slot, or -errno. */
-int guard_add(int fd, long long size)
+/* Guard the file open as `fd` (duplicated here) at `size` bytes, mapped at `start`; the slot, or
+ * -errno. */
+int guard_add(int fd, long long size, void *start)
 {
     int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (own < 0)
@@ -115,6 +159,8 @@ int guard_add(int fd, long long size)
             continue;
         table[i].fd = own;
         table[i].size = (off_t)size;
+        table[i].start = (uintptr_t)start;
+        table[i].end = (uintptr_t)start + (uintptr_t)size;
         int used = atomic_load(&slots_used);
         while (used <= i && !atomic_compare_exchange_weak(&slots_used, &used, i + 1))
             ;

@@ -23,6 +23,10 @@ import threading
 import weakref
 from typing import Callable
 
+import numpy as np
+
+from .access import writable_by_others
+
 log = logging.getLogger("shmserve.shm")
 
 _LIBRARY = f"{__package__}._truncation_guard"
@@ -34,7 +38,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(spec.origin)
     lib.guard_install.restype = ctypes.c_int
-    lib.guard_add.argtypes = (ctypes.c_int, ctypes.c_longlong)
+    lib.guard_add.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p)
     lib.guard_add.restype = ctypes.c_int
     lib.guard_remove.argtypes = (ctypes.c_int,)
     lib.guard_remove.restype = None
@@ -46,7 +50,7 @@ def _load() -> ctypes.CDLL | None:
 _lib = _load()
 _install_lock = threading.Lock()
 _installed = False
-_full_warned = False
+_failure_said = False
 
 
 def available() -> bool:
@@ -95,10 +99,11 @@ class Guard:
         self.release()
 
 
-def guard_fd(fd: int, size: int) -> Guard | None:
-    """Guard the file open as ``fd`` (which must be open for writing) at ``size`` bytes; the
-    library keeps its own duplicate of ``fd``. None without the library, or with 16384 guarded."""
-    global _installed, _full_warned
+def _guard_fd(fd: int, size: int, start: int) -> Guard | None:
+    """Guard the file open as ``fd`` (which must be open for writing) at ``size`` bytes, mapped at
+    ``start``; the library keeps its own duplicate of ``fd``. None without the library, or when
+    the guard cannot be had (said once: out of descriptors, or 16384 guarded)."""
+    global _installed, _failure_said
     if _lib is None or size <= 0:
         return None
     if not _installed:
@@ -108,19 +113,33 @@ def guard_fd(fd: int, size: int) -> Guard | None:
                 if failed:
                     raise OSError(failed, f"cannot install the SIGBUS handler: {os.strerror(failed)}")
                 _installed = True
-    slot = _lib.guard_add(fd, size)
+    slot = _lib.guard_add(fd, size, ctypes.c_void_p(start))
     if slot < 0:
-        if -slot == errno.ENOSPC and not _full_warned:
-            _full_warned = True
-            log.warning("16384 shared-memory files are guarded against truncation already: the next are not")
+        if not _failure_said:
+            _failure_said = True
+            why = "16384 are guarded already" if -slot == errno.ENOSPC else os.strerror(-slot)
+            log.warning("a shared-memory object is mapped without its truncation guard (%s): a client that "
+                        "truncates it ends this process", why)
         return None
     return Guard(slot)
 
 
+def others_may_write(fd: int) -> bool:
+    """Whether a user besides this process's may write (and so truncate) the object open as
+    ``fd``: its owner is another user, its mode lets group or others write, or its ACL names a
+    user who may (``--local-client-users``). Only those are guarded: each guard holds a descriptor."""
+    st = os.fstat(fd)
+    return st.st_uid != os.geteuid() or bool(st.st_mode & 0o022) or writable_by_others(fd)
+
+
 def guard_mapping(mm: mmap.mmap, fd: int, size: int) -> Callable[[], None]:
-    """Guard the file behind ``mm`` while the mapping lives; the returned call releases it at
-    once (once ``mm`` is closed: a mapping a view keeps alive stays guarded until it dies)."""
-    guard = guard_fd(fd, size)
+    """Guard the file behind ``mm`` while the mapping lives, if another user may write it; the
+    returned call releases it at once (once ``mm`` is closed: a mapping a view keeps alive stays
+    guarded until it dies)."""
+    if _lib is None or not others_may_write(fd):
+        return lambda: None
+    start = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
+    guard = _guard_fd(fd, size, start)
     if guard is None:
         return lambda: None
     return weakref.finalize(mm, guard.release)

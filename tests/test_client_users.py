@@ -275,18 +275,19 @@ def test_a_named_user_holding_locks_on_the_broker_file_stalls_no_growth(users_se
 
 
 # Truncates every object it may write (its own segment, broker.0, each worker's segment and the
-# extents of its arena) to nothing, twice, with its requests around it.
+# extents of its arena) to nothing, twice, a second apart. Its own segment is a loop-driven
+# connection's, which nothing of its own touches again (its process would die of the cut: only
+# what another user may write is guarded); it leaves without a word, as a killed client would.
 TRUNCATE = r"""
+import time
+from shmserve.shm.connection import Connection
 c = Client(args["server"])
 a = np.arange(16, dtype=np.int32)
-def call():
-    try:
-        return c.infer("add_sub", {"INPUT0": a, "INPUT1": a}, client_timeout=5)["OUTPUT0"].tolist()[:4]
-    except Exception as e:
-        return type(e).__name__
-result = {"before": call()}
+result = {"before": c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist()[:4]}
+c.close()
+conn = Connection(args["server"], loop_driven=True)
 sid = args["server"]
-targets = ["/dev/shm" + c._conn.name, f"/dev/shm/shmserve.{sid}.broker.0"]
+targets = ["/dev/shm" + conn.name, f"/dev/shm/shmserve.{sid}.broker.0"]
 targets += sorted("/dev/shm/" + n for n in os.listdir("/dev/shm")
                   if n.startswith(f"shmserve.{sid}.worker.") and not n.endswith(".fifo"))
 cut = set()
@@ -294,14 +295,16 @@ for _ in range(2):
     for path in targets:
         os.truncate(path, 0)  # (PermissionError would fail the test: the ACL lets it write all of these)
         cut.add(os.path.basename(path))
-    result["during"] = call()
+    time.sleep(1.5)
 result["cut"] = sorted(cut)
+print("RESULT " + json.dumps(result), flush=True)
+os._exit(0)
 """
 
 
 def test_a_named_user_truncating_what_it_may_write_kills_no_server_process(users_server):
-    """A client of another user may write its own segment, broker.0, a worker's objects and their
-    semaphores, and so may shrink them; a server process that then touched a lost page died of
+    """A client of another user may write its own segment, broker.0, a worker's segment and the
+    extents of its arena, and so may shrink them; a server process that then touched a lost page died of
     SIGBUS. The truncation guard (shm/truncation_guard.py) grows each file back, so a truncation
     only zeroes what the client could zero anyway: every process lives on, and serves."""
     import tritonclient.grpc as grpcclient

@@ -1,6 +1,6 @@
-"""The truncation guard (shm/truncation_guard.py): a segment another process shrinks is grown back
-when this process touches a lost page, or at its periodic ``restore``, instead of a SIGBUS; an
-unguarded one still kills, and a SIGBUS with nothing to grow back keeps its old meaning.
+"""The truncation guard (shm/truncation_guard.py): a segment another user may write and shrink is
+grown back when this process touches a lost page, or at its periodic ``restore``, instead of a
+SIGBUS; an unguarded one still kills, and a SIGBUS outside the guarded mappings keeps its meaning.
 
 Each case runs in a child process: a failure there is a signal, which must not end the test run.
 """
@@ -35,7 +35,7 @@ def _child(body: str) -> subprocess.CompletedProcess:
         path = "/dev/shm" + name
         def cut():  # another process shrinks it, as a client would
             subprocess.run(["truncate", "-s", "0", path], check=True)
-        seg = Segment.create(name, 1 << 20)
+        seg = Segment.create(name, 1 << 20, readers=(65534,))  # nobody may write it, as --local-client-users=nobody
         try:
     """).format(name=name) + textwrap.indent(textwrap.dedent(body), "    ") + textwrap.dedent("""
         finally:
@@ -76,6 +76,52 @@ def test_restore_grows_back_what_nobody_touched():
     assert done.stdout.split() == ["1", str(1 << 20), str(1 << 20)]
 
 
+def test_a_file_grown_back_by_another_before_the_handler_looks_is_touched_again():
+    """The handler may find the file whole already (another process, or another thread's fault,
+    grew it back first): the touch is only made again, and the guard stays for the next cut. A
+    client cutting and growing in a loop while this process reads all its pages kills nothing."""
+    done = _child("""
+        cutter = subprocess.Popen(["python3", "-c", "import os, sys, time\\n"
+                                   "end = time.monotonic() + 2\\n"
+                                   "while time.monotonic() < end:\\n"
+                                   "    os.truncate(sys.argv[1], 0)\\n"
+                                   "    os.truncate(sys.argv[1], 1 << 20)\\n", path])
+        pages = 0
+        while cutter.poll() is None:
+            for page in range(0, 1 << 20, 4096):
+                seg.buf[page]
+                pages += 1
+        cut()  # the guard is still there after the race
+        print(seg.buf[4096], pages > 1000, truncation_guard.regrown() > 0)
+    """)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.split() == ["0", "True", "True"]
+
+
+def test_only_what_another_user_may_write_is_guarded():
+    """Each guard holds a descriptor: an object only this process's user may write is left alone,
+    one another user may write (an ACL entry, its mode, or its owner) is guarded."""
+    done = _child("""
+        from shmserve.shm.truncation_guard import others_may_write
+        mine = Segment.create(name + ".2", 4096)
+        fd = os.open(path + ".2", os.O_RDWR)
+        print(others_may_write(fd), end=" ")
+        os.fchmod(fd, 0o620)
+        print(others_may_write(fd), end=" ")
+        os.fchmod(fd, 0o600)
+        os.fchown(fd, 65534, -1)
+        print(others_may_write(fd), end=" ")
+        os.close(fd)
+        fd = os.open(path, os.O_RDWR)
+        print(others_may_write(fd))
+        os.close(fd)
+        mine.close()
+        mine.unlink()
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True", "True"]
+
+
 def test_an_unguarded_mapping_still_dies_of_sigbus():
     """What the guard was let go of (a segment closed) is the kernel's again: the handler passes
     a fault with nothing to grow back to the action before it, here the default."""
@@ -89,7 +135,7 @@ def test_an_unguarded_mapping_still_dies_of_sigbus():
 
 def test_a_closed_segment_releases_its_guard():
     done = _child("""
-        other = Segment.create(name + ".2", 4096)
+        other = Segment.create(name + ".2", 4096, readers=(65534,))
         other.close()
         subprocess.run(["truncate", "-s", "0", path + ".2"], check=True)
         print(truncation_guard.restore(), os.stat(path + ".2").st_size)  # no longer this process's to grow
