@@ -10,9 +10,10 @@ from pathlib import Path
 from conftest import ROOT
 
 
-def test_the_wheel_installs_one_import_name_and_no_extension(tmp_path: Path):
+def test_the_wheel_installs_one_import_name_and_one_compiled_library(tmp_path: Path):
     """A wheel of the repository holds ``shmserve`` only (the folders server/, workers/, shm/ and
-    tools/ go under it), every module as source: nothing to compile, nothing to go stale."""
+    tools/ go under it), every module as source; the one compiled file is the truncation guard,
+    a plain shared object built from shm/truncation_guard.c (no Python module), beside its source."""
     run = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -24,7 +25,9 @@ def test_the_wheel_installs_one_import_name_and_no_extension(tmp_path: Path):
                for path in (ROOT / folder).rglob("*.py")]
     expected = {"shmserve/" + str(p.relative_to(ROOT)).removeprefix("shmserve/") for p in sources}
     assert expected - set(names) == set(), "modules of the repository missing from the wheel (pyproject's packages)"
-    assert not [n for n in names if n.endswith((".so", ".c"))], names
+    compiled = [n for n in names if n.endswith((".so", ".c"))]
+    assert len(compiled) == 2 and "shmserve/shm/truncation_guard.c" in compiled, compiled  # (and its source)
+    assert [n for n in compiled if n.startswith("shmserve/shm/_truncation_guard.") and n.endswith(".so")], compiled
     assert "shmserve.tools" not in "".join(n for n in names if n.endswith("entry_points.txt"))
 
 
