@@ -104,11 +104,10 @@ static void on_sigbus(int signo, siginfo_t *info, void *context)
         struct guarded_file *g = &table[i];
         if (atomic_load(&g->state) != SLOT_LIVE || address < g->start || address >= g->end)
             continue;
-        ours = 1;
+        ours = 1; /* (every slot that covers it: one of a mapping gone may still cover the address) */
         struct stat st;
         if (fstat(g->fd, &st) == 0 && st.st_size < g->size && ftruncate(g->fd, g->size) == 0)
             regrown = 1;
-        break;
     }
     atomic_fetch_sub(&handlers_running, 1);
     if (regrown) {
