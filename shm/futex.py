@@ -47,8 +47,7 @@ class FutexWord:
     must outlive this object (a waker's segment does: its flag view holds it)."""
 
     def __init__(self, buf: memoryview, offset: int) -> None:
-        self.address = int(np.frombuffer(buf, dtype=np.uint8, count=1, offset=offset).ctypes.data)
-        self._address = ctypes.c_void_p(self.address)
+        self._address = ctypes.c_void_p(int(np.frombuffer(buf, dtype=np.uint8, count=1, offset=offset).ctypes.data))
         self._timeout = _Timespec()
         self._timeout_ref = ctypes.byref(self._timeout)
 

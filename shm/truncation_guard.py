@@ -1,15 +1,16 @@
 """Shared memory this process maps survives its truncation by another process.
 
-A user named by ``--local-client-users`` may write some objects the server's processes map (its own
-segment, ``broker.0``, a ``worker.<n>``, the extents of their arenas), so it may also ``ftruncate`` them, and the
-next touch of a lost page would be a SIGBUS that ends the broker or a worker. POSIX shared memory
+A user named by ``--local-client-users`` may write some objects the server's processes map (its
+own segment, ``broker.0``, a ``worker.<n>``, the extents of their arenas), so it may also
+``ftruncate`` them, and the next touch of a lost page would be a SIGBUS that ends the broker or a
+worker. POSIX shared memory
 cannot be sealed against that; ``truncation_guard.c`` (a SIGBUS handler, loaded with ctypes) grows
 each guarded file back to its size instead, and the touch goes on over a zero page. A truncation
 then only zeroes the end of an object, as its writer could anyway, and readers check what they read.
 
-``guard_mapping`` registers what a process maps (``Segment`` does it for every segment); the library is built from
-the C file when the package is installed (setuptools, an optional extension: no compiler, no guard,
-and ``available()`` says so).
+``guard_mapping`` registers a mapping of an object another user may write (``Segment`` asks for
+each one it makes); the library is built from the C file when the package is installed
+(setuptools, an optional extension: no compiler, no guard, and ``available()`` says so).
 """
 from __future__ import annotations
 
