@@ -23,6 +23,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -127,6 +128,14 @@ static void on_sigbus(int signo, siginfo_t *info, void *context)
     errno = saved_errno;
 }
 
+/* A child forked while another thread was in the handler has no such thread: nothing runs there,
+ * and guard_remove must not wait for it. */
+static void after_fork_in_child(void)
+{
+    atomic_store(&handlers_running, 0);
+    atomic_store(&futile_count, 0);
+}
+
 /* Install the handler once; 0 on success, else an errno value. */
 int guard_install(void)
 {
@@ -142,7 +151,7 @@ int guard_install(void)
         atomic_store(&installed, 0);
         return e;
     }
-    return 0;
+    return pthread_atfork(NULL, NULL, after_fork_in_child);
 }
 
 /* Guard the file open as `fd` (duplicated here) at `size` bytes, mapped at `start`; the slot, or

@@ -98,6 +98,44 @@ def test_a_file_grown_back_by_another_before_the_handler_looks_is_touched_again(
     assert done.stdout.split() == ["0", "True", "True"]
 
 
+def test_a_child_forked_while_a_fault_is_handled_can_still_release_a_guard():
+    """A model may fork (multiprocessing) while another of its threads is in the handler: the child,
+    which has no such thread, must not wait for that handler to end before it lets a guard go."""
+    done = _child("""
+        import ctypes, threading, time
+        other = Segment.create(name + ".2", 4096, readers=(65534,))  # guarded: the child lets it go
+        address = ctypes.addressof(ctypes.c_char.from_buffer(seg.buf))
+        stop = threading.Event()
+        def cut_and_touch():  # ctypes.memset runs without the GIL, so the fork may land in the handler
+            while not stop.is_set():
+                os.truncate(path, 0)
+                ctypes.memset(address + 4096, 1, 1)
+        cutter = threading.Thread(target=cut_and_touch)
+        cutter.start()
+        hung = 0
+        for _ in range(200):
+            pid = os.fork()
+            if pid == 0:
+                other.close()
+                os._exit(0)
+            deadline = time.monotonic() + 2
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    hung += 1
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.001)
+        stop.set()
+        cutter.join()
+        other.close()
+        other.unlink()
+        print(hung, truncation_guard.regrown() > 100)
+    """)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.split() == ["0", "True"]
+
+
 def test_only_what_another_user_may_write_is_guarded():
     """Each guard holds a descriptor: an object only this process's user may write is left alone,
     one another user may write (an ACL entry, its mode, or its owner) is guarded."""
