@@ -327,6 +327,30 @@ def test_with_every_connection_busy_a_new_one_gets_503_and_the_frontend_keeps_se
         kept.close()
 
 
+def test_every_process_of_the_server_raises_its_descriptor_limit(server_factory):
+    """Started under a soft limit of 256 (as a shell's ``ulimit -n`` may leave it), the broker, the
+    workers and both frontends raise theirs to the hard limit: a frontend holds a descriptor per
+    connection, the broker and workers one per guarded mapping of a client's segment."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    assert want > 256, "the hard limit leaves nothing to raise"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        server = server_factory.start([TEST_MODELS], ["--model-control-mode", "explicit", "--load-model",
+                                                      "identity_all"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    roles = {}
+    for pid, title in server.titles().items():
+        role = title.split()[1]  # shmserve broker|worker|frontend|grpc ...
+        with open(f"/proc/{pid}/limits") as f:
+            line = next(line for line in f if line.startswith("Max open files"))
+        roles.setdefault(role, set()).add(int(line.split()[3]))
+    assert {"broker", "worker", "frontend", "grpc"} <= roles.keys(), roles
+    for role in ("broker", "worker", "frontend", "grpc"):
+        assert roles[role] == {want}, (role, roles[role])
+
+
 def test_a_frontend_out_of_descriptors_fails_liveness_and_recovers_from_a_broker_restart(server_factory):
     """The frontend's descriptor limit lowered under its connection bound (prlimit) and filled with
     idle connections: liveness answers 503 on a connection it already held, its broker is killed

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 
+from shmserve.descriptor_limit import raise_descriptor_limit
 from shmserve.parent_death import die_with_parent
 from shmserve.shm.child_spec import read_spec
 from shmserve.shm.names import set_title
@@ -26,6 +27,7 @@ def main() -> int:
     title = (f"shmserve worker {spec['model']} v{spec['version']} #{spec['instance_index']} {device} "
              f"(server {spec['server_id']})")
     set_title(title)
+    raise_descriptor_limit()  # a guarded mapping of each client's arena it reads holds a descriptor
     from shmserve.shm import heap, logs
 
     heap.keep_large_buffers()  # a model's large outputs reuse memory instead of faulting it in per request

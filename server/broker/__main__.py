@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from shmserve.descriptor_limit import raise_descriptor_limit
 from shmserve.shm import logs
 from shmserve.shm.child_spec import read_spec
 from shmserve.shm.names import set_title
@@ -15,6 +16,7 @@ def main() -> int:
     opts = BrokerOptions.from_json(read_spec())
     logs.configure(opts.log)
     set_title(f"shmserve broker {opts.server_id}")
+    raise_descriptor_limit()  # one descriptor per guarded client segment, however many clients
     from shmserve.shm.profiling import run_profiled
 
     from .broker import main as run

@@ -7,7 +7,6 @@ Kept free of uvicorn and Starlette so that the launcher can import it cheaply.
 from __future__ import annotations
 
 import os
-import resource
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,9 +16,6 @@ from typing import Any
 # fixed floor plus a share of the limit, so a server with many workers is not starved either.
 RESERVED_FDS = 128
 RESERVED_SHARE = 16  # and one descriptor in every 16
-# A soft limit is raised to the hard one at start, but not past this (a huge hard limit would
-# only make the bound meaningless).
-MAX_FDS = 1 << 20
 NEVER_S = 1e9  # an idle timeout of 0: about 30 years
 
 
@@ -44,20 +40,6 @@ class HttpLimits:
     @classmethod
     def from_spec(cls, doc: dict[str, Any] | None) -> "HttpLimits":
         return cls(**(doc or {}))
-
-
-def raise_descriptor_limit() -> int:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit (capped at ``MAX_FDS``), as Go's
-    runtime and nginx's ``worker_rlimit_nofile`` do; returns the soft limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = MAX_FDS if hard == resource.RLIM_INFINITY else min(hard, MAX_FDS)
-    if soft == resource.RLIM_INFINITY or soft >= want:
-        return min(soft, MAX_FDS) if soft != resource.RLIM_INFINITY else MAX_FDS
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ValueError, OSError):
-        return soft
-    return want
 
 
 def connection_bound(descriptor_limit: int) -> int:

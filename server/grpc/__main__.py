@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
+from shmserve.descriptor_limit import raise_descriptor_limit
 from shmserve.server.edge.header_forward import GRPC_FLAG, compile_pattern
 from shmserve.server.edge.link import BrokerLink
 from shmserve.server.edge.shared_port import wait_for_initial_loads
@@ -117,6 +118,7 @@ async def serve(spec: dict) -> int:
 def main() -> int:
     spec = read_spec()  # stdin (shm/child_spec.py)
     set_title(f"shmserve grpc {spec['server_id']}")
+    raise_descriptor_limit()  # one descriptor per connection
     logs.configure(spec.get("log") or {})
     from shmserve.shm.profiling import run_profiled
 
