@@ -41,8 +41,9 @@ HEADER_BYTES = 4096
 # image updated apart from the server's) is told so, and never reads one layout as another.
 # 2: tables.0, batches.0 and control.<n> beside the segments (1 wrote 'S' here); 3: the broker's
 # arena grows (its extents' sizes at the end of tables.0, a broker answer's role word names one);
-# 5: the broker's identity (this header's words) in tables.0 too, where no client writes.
-LAYOUT = 5
+# 5: the broker's identity (this header's words) in tables.0 too, where no client writes; 6: the
+# extents' sizes at the end of control.<n>, and 1024 of them (each user has extents of its own).
+LAYOUT = 6
 MAGIC = 0x53484D00 | LAYOUT
 _FAMILY = 0xFFFFFF00
 
@@ -65,11 +66,12 @@ _HEADER = struct.Struct("<IIQ")  # magic, pid, start time (ns) of the creating p
 _WANT_WAKEUP = struct.Struct("<I")
 SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag, then its post word (waker.py)
 WANT_WAKEUP_OFFSET = 128  # control header: broker sets it when it waits for this instance
-# Control header: the size of each grown output extent (shm/extents.py), written by the worker before
-# any answer in it is published; a consumer maps an extent only at that size. Extent k's entry is
-# k % EXTENT_ENTRIES: at most that many extents live at once, and numbers are never reused.
-EXTENTS_OFFSET = 256
-EXTENT_ENTRIES = 32
+# The size of each grown output extent (shm/extents.py), written by its producer before any answer
+# in it is published, at the end of control.<n> (a worker's) and of tables.0 (the broker's); a
+# consumer maps an extent only at that size. Extent k's entry is k % EXTENT_ENTRIES: at most that
+# many extents live at once (with --local-client-users each user's answers have extents of their
+# own), and numbers are never reused.
+EXTENT_ENTRIES = 1024
 MAX_EXTENTS = 1 << 24  # what a slot's role word can name (shm/protocol.py EXTENT_SHIFT)
 _EXTENT_SIZE = struct.Struct("<Q")
 # control header: the model's own readiness check (is_ready(), workers/readiness.py): whether the
@@ -124,6 +126,9 @@ def _align(n: int, a: int = 4096) -> int:
 # tables.0, after the lane holders, routes, settings and regions: the sizes of the broker's grown
 # output extents (shm/extents.py), as a worker's control object holds its own.
 BROKER_EXTENTS_OFFSET = _align(LANES * LANE_NAME_BYTES) + ROUTES_BYTES + SETTINGS_BYTES + REGIONS_BYTES
+# control.<n>, last: the sizes of the worker's grown output extents.
+CONTROL_EXTENTS_OFFSET = _align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD)) \
+    + _align(StatsArea.nbytes()) + CUSTOM_METRICS_BYTES + REGION_HOLDS_BYTES + MESSAGES_BYTES
 # tables.0, last: the broker's header words (magic, pid, start time), which processes that tell
 # the broker apart from a restarted one read here: broker.0's copy is writable by every client.
 BROKER_IDENTITY_OFFSET = BROKER_EXTENTS_OFFSET + 8 * EXTENT_ENTRIES
@@ -400,6 +405,7 @@ class WorkerSegment:
             self.region_holds = Published(control.buf, coff, REGION_HOLDS_BYTES)
             coff += REGION_HOLDS_BYTES
             self.messages_offset = coff  # the payloads of its outbox's messages (an arena)
+            assert coff + MESSAGES_BYTES == CONTROL_EXTENTS_OFFSET  # (then the extents' sizes)
         if create:
             assert control is not None
             _HEADER.pack_into(seg.buf, 0, MAGIC, 0, time.time_ns())
@@ -428,13 +434,13 @@ class WorkerSegment:
     def set_extent_size(self, extent: int, size: int) -> None:
         """Worker side: extent ``extent`` (1 .. MAX_EXTENTS-1) exists with ``size`` bytes."""
         assert self.control is not None
-        _set_extent_size(self.control.buf, EXTENTS_OFFSET, extent, size)
+        _set_extent_size(self.control.buf, CONTROL_EXTENTS_OFFSET, extent, size)
 
     @staticmethod
     def extent_size_in(buf: memoryview, extent: int) -> int:
         """The size the worker gave extent ``extent`` in the control object ``buf`` maps; 0 for
         one it never made or out of range."""
-        return _extent_size(buf, EXTENTS_OFFSET, extent)
+        return _extent_size(buf, CONTROL_EXTENTS_OFFSET, extent)
 
     def report_garbage(self, lane: int, cookie: int, fault: Fault) -> None:
         """Worker side: the holder of ``lane`` with ``cookie`` wrote garbage (the broker
@@ -495,8 +501,7 @@ class WorkerSegment:
 
     @staticmethod
     def control_nbytes() -> int:
-        return _align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPACITY, RECORD)) + _align(StatsArea.nbytes()) \
-            + CUSTOM_METRICS_BYTES + REGION_HOLDS_BYTES + MESSAGES_BYTES
+        return CONTROL_EXTENTS_OFFSET + 8 * EXTENT_ENTRIES
 
     @staticmethod
     def nbytes(arena_bytes: int) -> int:

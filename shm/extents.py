@@ -15,6 +15,11 @@ completion slot (and a stream record) names the extent; a consumer maps an exten
 first sight, only if the server's uid owns it and it has the size its producer wrote where no
 client writes: a worker's control object, the broker's tables (``map_extent``).
 
+Where clients of other users may connect (``--local-client-users``), they map the producer's
+segment, so no answer goes to extent 0: each user's clients get their answers in extents of their
+own, which no other client can open (``OutputArenas``), a home extent as large as extent 0 made
+on the user's first answer, grown the same way beyond it.
+
 The broker's arena grows the same way (``broker.0.arena.<k>``, up to ``--broker-arena-mb``): an
 ensemble's answer larger than its first 64 MiB is served, and answers a client keeps (a local
 client's result arrays point into them) pin only the extent they lie in, not every broker answer
@@ -30,7 +35,7 @@ from typing import Callable
 import posix_ipc
 
 from . import space
-from .access import server_readers
+from .access import others, server_readers
 from .arena import ALIGN, BLOCK_HEADER, Arena, no_room_text
 from .channel import EXTENT_ENTRIES, MAX_EXTENTS, BrokerSegment, WorkerSegment
 from .names import PREFIX, SHM_DIR, broker_extent_name, extent_name, unlink_shm
@@ -77,12 +82,32 @@ class Owner:
     publish: Callable[[int, int], None]  # writes extent k's size where consumers check it
 
 
+@dataclasses.dataclass
+class _Pool:
+    """The extents that hold one user's answers (or every consumer's, when the producer's own
+    segment is not readable by clients of other users)."""
+
+    readers: tuple[int, ...]  # who besides the server may open its extents (access.py)
+    home: int = 0  # the extent tried first: 0 (the producer's segment) or the user's first extent
+    home_arena: Arena | None = None  # (None for extent 0: ``OutputArenas.first``)
+    current: int = 0  # the extent that takes answers home has no room for (0: none yet)
+    retired: list[int] = dataclasses.field(default_factory=list)
+
+
 class OutputArenas:
     """Owner side: where a worker's (or the broker's) answers are written. ``alloc`` returns
     (extent, offset); ``buf(extent)`` is the mapping to write into. Thread-safe (stream senders
-    run on the model's threads); only growth and retirement take the lock."""
+    run on the model's threads); only growth and retirement take the lock.
 
-    def __init__(self, first: Arena, first_seg: Segment, server_id: str, cap: int, growth: int, owner: Owner) -> None:
+    Clients of other users (``--local-client-users``) map the producer's segment, so extent 0
+    would let each read, and overwrite, the answers of every other client. With such users, each
+    consumer's user has a pool of its own: extents only that user (and the server's) may open,
+    the first made on its first answer, numbered in one sequence with every other pool's. A
+    consumer needs no word on whose pool an extent is: the completion names the extent, and only
+    its own user's can be opened."""
+
+    def __init__(self, first: Arena, first_seg: Segment, server_id: str, cap: int, growth: int, owner: Owner,
+                 readers: tuple[int, ...] = ()) -> None:
         self.first = first
         self.first_seg = first_seg
         self.first_buf = first_seg.buf
@@ -91,19 +116,24 @@ class OutputArenas:
         self.growth = max(growth, ALIGN)
         self.owner = owner
         self._grown: dict[int, tuple[Segment, Arena]] = {}  # extent -> its mapping, while not unlinked
-        self._current = 0  # the extent that takes answers extent 0 has no room for
-        self._retired: list[int] = []
+        # One pool for every consumer while only the server's user may open the producer's
+        # segment; else a pool per consumer's user, made on its first answer.
+        self._shared: _Pool | None = None if readers else _Pool(readers=())
+        self._pools: dict[int, _Pool] = {}
         self._next = 1
         self._lock = threading.Lock()
 
     # -- the request path --------------------------------------------------------------------------
-    def alloc(self, nbytes: int, consumer: int = 0) -> tuple[int, int]:
-        """(extent, payload offset) of a new block; raises GrowthRefused when the arena cannot grow."""
-        if BLOCK_HEADER + nbytes <= self.first.capacity:  # (an answer larger than extent 0 skips it)
-            off = self.first.alloc(nbytes, consumer)
+    def alloc(self, nbytes: int, consumer: int = 0, uid: int = -1) -> tuple[int, int]:
+        """(extent, payload offset) of a new block for a consumer of user ``uid`` (its segment's
+        owner); raises GrowthRefused when the arena cannot grow."""
+        pool = self._shared or self._pools.get(uid) or self._new_pool(uid, nbytes)
+        home = pool.home_arena or self.first
+        if BLOCK_HEADER + nbytes <= home.capacity:  # (an answer larger than the home extent skips it)
+            off = home.alloc(nbytes, consumer)
             if off >= 0:
-                return 0, off
-        return self._alloc_beyond(nbytes, consumer)
+                return pool.home, off
+        return self._alloc_beyond(pool, nbytes, consumer)
 
     def buf(self, extent: int) -> memoryview:
         return self.first_buf if extent == 0 else self._grown[extent][0].buf
@@ -129,30 +159,56 @@ class OutputArenas:
 
     @property
     def capacity(self) -> int:
-        return self.first.capacity + sum(a.capacity for _, a in list(self._grown.values()))
+        """The bytes of every extent answers may go to (extent 0 only while it is shared)."""
+        first = self.first.capacity if self._shared is not None else 0
+        return first + sum(a.capacity for _, a in list(self._grown.values()))
 
     # -- growth ------------------------------------------------------------------------------------
-    def _alloc_beyond(self, nbytes: int, consumer: int) -> tuple[int, int]:
+    def _new_pool(self, uid: int, nbytes: int) -> _Pool:
+        """The pool of ``uid``'s answers, with its home extent, as large as extent 0."""
+        with self._lock:
+            pool = self._pools.get(uid)
+            if pool is not None:
+                return pool
+            pool = _Pool(readers=others((uid,)) if uid >= 0 else ())
+            size = _round_up(self.first.capacity, MIB)
+            if self.capacity + size > self.cap:
+                raise GrowthRefused(self._refusal(nbytes, f"the cap of {self.owner.arena} is taken by answers "
+                                                          f"not read yet ({self.owner.cap_flag}={self.cap >> 20})"))
+            made = self._make(pool, size, nbytes)
+            if made is None:
+                raise GrowthRefused(self._refusal(nbytes, "too many of its extents are in use"))
+            pool.home, pool.home_arena = made
+            self._pools[uid] = pool
+            return pool
+
+    def _alloc_beyond(self, pool: _Pool, nbytes: int, consumer: int) -> tuple[int, int]:
         with self._lock:
             self._unlink_drained()
-            current = self._current
+            current = pool.current
             if current:
                 off = self._grown[current][1].alloc(nbytes, consumer)
                 if off >= 0:
                     return current, off
-            grown = self._grow(BLOCK_HEADER + _round_up(max(nbytes, 1), ALIGN), nbytes)
+            grown = self._grow(pool, BLOCK_HEADER + _round_up(max(nbytes, 1), ALIGN), nbytes)
             if grown is None:
                 return 0, -1
             extent, arena = grown
+            if pool.current:
+                pool.retired.append(pool.current)
+            pool.current = extent
             off = arena.alloc(nbytes, consumer)
             if off < 0:  # the extent was sized for it: /dev/shm has no page for it
                 raise GrowthRefused(self._refusal(nbytes, no_room_text(arena, "the new extent could not hold it")))
             return extent, off
 
-    def _grow(self, need: int, response: int) -> tuple[int, Arena] | None:
-        """A new extent that holds ``need``; None when the cap leaves no room now but would once
-        answers are read (back-pressure, as a full arena always was)."""
-        largest = max([self.first.capacity] + [a.capacity for _, a in self._grown.values()])
+    def _grow(self, pool: _Pool, need: int, response: int) -> tuple[int, Arena] | None:
+        """A new extent for ``pool`` that holds ``need``, at least twice the pool's largest; None
+        when the cap leaves no room now but would once answers are read (back-pressure, as a full
+        arena always was)."""
+        largest = (pool.home_arena or self.first).capacity
+        if pool.current:
+            largest = max(largest, self._grown[pool.current][1].capacity)
         size = _round_up(max(2 * largest, largest + self.growth, need), MIB)
         used = self.capacity
         if used + size > self.cap:
@@ -162,48 +218,65 @@ class OutputArenas:
                 return None
             raise AnswerTooLarge(self._refusal(response, f"larger than the cap of {self.owner.arena} lets it ever "
                                                      f"hold, {self.owner.cap_flag}={self.cap >> 20}: raise it"))
-        extent = self._next
-        if any(e % EXTENT_ENTRIES == extent % EXTENT_ENTRIES for e in self._grown):
-            return None  # its entry in the header still describes a live extent: wait for it to drain
+        return self._make(pool, size, response)
+
+    def _make(self, pool: _Pool, size: int, response: int) -> tuple[int, Arena] | None:
+        """A new extent of ``size`` bytes that ``pool``'s readers may open; None while every
+        entry of the published sizes' table describes a live extent."""
+        extent = self._free_number()
+        if extent is None:
+            return None
         if extent >= MAX_EXTENTS:
             raise GrowthRefused(self._refusal(response, f"it has grown {MAX_EXTENTS - 1} times; raise "
                                                     f"{self.owner.more_hint}"))
         name = self.owner.name_of(extent)
+        readers = server_readers() if self._shared is not None else pool.readers
         try:
             with space.counting(self.server_id):  # checked and made with no other growth in between
                 space.check(self.server_id, size, f"a {space.mib(size)} output extent of {self.owner.name}",
                             f" ({self.owner.cap_flag}={self.cap >> 20} caps {self.owner.caps})")
-                seg = Segment.create_anew(name, size, server_readers(), taken=0)
+                seg = Segment.create_anew(name, size, readers, taken=0)
         except space.NoRoom as e:
             raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
         except (OSError, posix_ipc.Error) as e:
             raise GrowthRefused(self._refusal(response, f"{name}: {e}")) from None
-        self._next += 1
+        self._next = extent + 1
         self.owner.publish(extent, size)  # before any answer in it is published
         arena = Arena(seg.buf, 0, size, seg.populate)
         self._grown[extent] = (seg, arena)
-        if self._current:
-            self._retired.append(self._current)
-        self._current = extent
         return extent, arena
+
+    def _free_number(self) -> int | None:
+        """The next extent number whose entry in the published sizes' table no live extent holds
+        (numbers are never reused: a consumer's mapping of an old one is never taken for a new)."""
+        live = {e % EXTENT_ENTRIES for e in self._grown}
+        for extent in range(self._next, self._next + EXTENT_ENTRIES):
+            if extent % EXTENT_ENTRIES not in live:
+                return extent
+        return None
 
     def _refusal(self, need: int, why: str) -> str:
         return f"Failed to increase the shared memory pool size of {self.owner.name} for a {need}-byte response: {why}"
 
     def tidy(self) -> None:
         """Unlink retired extents whose blocks were all given back (called once a round)."""
-        if self._retired:
-            with self._lock:
-                self._unlink_drained()
+        if self._shared is not None:
+            if not self._shared.retired:
+                return
+        elif not any(pool.retired for pool in list(self._pools.values())):
+            return
+        with self._lock:
+            self._unlink_drained()
 
     def _unlink_drained(self) -> None:
-        for extent in list(self._retired):
-            seg, arena = self._grown[extent]
-            if arena.drained():
-                self._retired.remove(extent)
-                del self._grown[extent]
-                seg.unlink()
-                seg.close()
+        for pool in [self._shared] if self._shared is not None else list(self._pools.values()):
+            for extent in list(pool.retired):
+                seg, arena = self._grown[extent]
+                if arena.drained():
+                    pool.retired.remove(extent)
+                    del self._grown[extent]
+                    seg.unlink()
+                    seg.close()
 
     def close(self) -> None:
         """Unlink every grown extent (its owner is leaving; after a worker's crash the broker does
@@ -213,8 +286,9 @@ class OutputArenas:
                 seg.unlink()
                 seg.close()
             self._grown.clear()
-            self._retired.clear()
-            self._current = 0
+            self._pools.clear()
+            if self._shared is not None:
+                self._shared = _Pool(readers=())
 
 
 def worker_arenas(first: Arena, seg: WorkerSegment, server_id: str, num: int, cap: int, growth: int,
@@ -224,7 +298,7 @@ def worker_arenas(first: Arena, seg: WorkerSegment, server_id: str, num: int, ca
     owner = Owner(f"model instance '{instance_name}'", "the instance's output arena", "one instance's extents",
                   "--worker-arena-mb", f"--backend-config=python,{DEFAULT_BYTES_SETTING}",
                   lambda k: extent_name(server_id, num, k), seg.set_extent_size)
-    return OutputArenas(first, seg.seg, server_id, cap, growth, owner)
+    return OutputArenas(first, seg.seg, server_id, cap, growth, owner, server_readers())
 
 
 def broker_arenas(seg: BrokerSegment, server_id: str, cap: int) -> OutputArenas:
@@ -233,7 +307,8 @@ def broker_arenas(seg: BrokerSegment, server_id: str, cap: int) -> OutputArenas:
     assert seg.arena is not None  # (the broker made it)
     owner = Owner("the broker", "the broker's output arena", "its extents", "--broker-arena-mb", "--broker-arena-mb",
                   lambda k: broker_extent_name(server_id, k), seg.set_extent_size)
-    return OutputArenas(seg.arena, seg.seg, server_id, max(cap, seg.arena.capacity), DEFAULT_GROWTH_BYTES, owner)
+    return OutputArenas(seg.arena, seg.seg, server_id, max(cap, seg.arena.capacity), DEFAULT_GROWTH_BYTES, owner,
+                        server_readers())
 
 
 # -- consumers ------------------------------------------------------------------------------------

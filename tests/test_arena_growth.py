@@ -25,7 +25,7 @@ from shmserve import Client
 from shmserve.server.cli import parse_args
 from shmserve.server.shm_needs import SMALL_OBJECTS_BYTES, instance_bytes, startup_bytes
 from shmserve.shm import space
-from shmserve.shm.channel import EXTENTS_OFFSET, WorkerSegment
+from shmserve.shm.channel import CONTROL_EXTENTS_OFFSET, WorkerSegment
 from shmserve.shm.extents import DEFAULT_START_BYTES, map_broker_extent, map_worker_extent
 from shmserve.shm.names import extent_name, object_name
 from shmserve.shm.segment import SegmentCache
@@ -159,7 +159,7 @@ def test_a_consumer_maps_an_extent_only_if_the_server_owns_it_at_its_size(server
         with pytest.raises(OSError, match=r"broker\.0\.arena\.1 is not an extent the server made"):
             map_broker_extent(cache, s.id, 1, tables)  # (it never grew)
         path = "/dev/shm" + extent_name(s.id, 0, 2)
-        at = EXTENTS_OFFSET + 8 * 2  # the worker's table says extent 2 has 64 MiB
+        at = CONTROL_EXTENTS_OFFSET + 8 * 2  # the worker's table says extent 2 has 64 MiB
         control.buf[at:at + 8] = (64 << 20).to_bytes(8, "little")
         try:
             run_as_nobody(SQUAT, {"path": path})  # another user's, of that size

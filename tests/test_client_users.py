@@ -9,6 +9,7 @@ as uid 2000, where the client's objects must name the server's user too.
 """
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -16,11 +17,13 @@ import time
 
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
 
 from as_nobody import NOBODY, run_as, run_as_nobody, start_as
 from conftest import DEADLINE_S, PRODUCT_MODELS, SHM_MODELS, TESTS, shm_names, wait_until
 from gates import Gate
 from shmserve.shm.access import acl, readers_of
+from shmserve.shm.client import Client
 
 GROWTH_MODELS = TESTS / "models" / "growth"
 STRANGER = 4321  # a user no one named (not even in the user database): a third container's
@@ -95,7 +98,7 @@ def test_a_client_of_a_named_user_is_served_over_every_object_it_opens(users_ser
     # What workers trust (lane holders, routes, regions) lies beside it, for nobody to read only.
     tables = f"/dev/shm/shmserve.{users_server.id}.tables.0"
     assert os.getxattr(tables, "system.posix_acl_access") == acl((NOBODY.pw_uid,), write=False)
-    workers = [n for n in objects if ".worker." in n and not n.endswith(".fifo")]
+    workers = [n for n in objects if ".worker." in n and not n.endswith(".fifo") and ".arena." not in n]
     assert workers and all(readers_of("/dev/shm/" + n) == (NOBODY.pw_uid,) for n in workers), objects
     controls = [n for n in objects if ".control." in n]
     assert controls and all(os.getxattr("/dev/shm/" + n, "system.posix_acl_access") == acl((NOBODY.pw_uid,), write=False)
@@ -104,8 +107,75 @@ def test_a_client_of_a_named_user_is_served_over_every_object_it_opens(users_ser
     # No semaphore is a client's to write: receivers sleep on their flag words (shm/futex.py).
     semaphores = [n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmserve.{users_server.id}.")]
     assert semaphores and all(readers_of("/dev/shm/" + n) == () for n in semaphores), semaphores
-    extents = [n for n in workers if ".arena." in n]
-    assert extents, f"the 12 MiB answer grew an extent: {objects}"
+    # Answers lie in extents of each user's own: nobody's, or the server's user's alone.
+    extents = {n: readers_of("/dev/shm/" + n) for n in objects if ".arena." in n}
+    assert set(extents.values()) == {(), (NOBODY.pw_uid,)}, extents
+    assert sum(".worker." in n and readers == (NOBODY.pw_uid,) for n, readers in extents.items()) >= 2, \
+        f"nobody's home extent, and one the 12 MiB answer grew: {extents}"
+
+
+# A client of a named user: answers marked with its own values (a model's and an ensemble's), held;
+# then, when told, what it finds of every user's marks in the server's objects it can open.
+PEEK = r"""
+c = Client(args["server"])
+kept = [c.infer("identity", {"IN": np.full(64, args["mine"][0], np.float32)}),
+        c.infer("identity_ens", {"IN": np.full(64, args["mine"][1], np.float32)})]
+assert [float(k["OUT"][0]) for k in kept] == args["mine"]
+print("HELD", flush=True)
+sys.stdin.readline()
+marks = {float(v): np.full(64, v, np.float32).tobytes() for v in args["all"]}
+found = {}
+for name in os.listdir("/dev/shm"):
+    if args["server"] not in name:
+        continue
+    try:
+        with open("/dev/shm/" + name, "rb") as f:
+            data = f.read()
+    except OSError:
+        continue  # not this user's to open
+    for value, mark in marks.items():
+        if mark in data:
+            found.setdefault(value, []).append(name)
+result = {str(k): v for k, v in found.items()}
+c.close()
+"""
+
+
+def test_a_named_user_reads_no_answer_but_its_own_users(server_factory):
+    """Each user's clients get their answers in extents only that user and the server's can open
+    (shm/extents.py): a client of a named user finds its own marks where it looks, and no mark of
+    the server's user's clients (local, HTTP, an ensemble's answer from the broker) or of another
+    named user's, while all of them still hold those answers."""
+    server = _start(server_factory, f"--local-client-users=nobody,{STRANGER}")
+    root, root_ens, over_http, nobody, nobody_ens, stranger, stranger_ens = 1111.5, 2222.5, 3333.5, 4444.5, \
+        5555.5, 6666.5, 7777.5
+    marks = [root, root_ens, over_http, nobody, nobody_ens, stranger, stranger_ens]
+    with Client(server.id) as c:
+        kept = [c.infer("identity", {"IN": np.full(64, root, np.float32)}),
+                c.infer("identity_ens", {"IN": np.full(64, root_ens, np.float32)})]
+        with httpclient.InferenceServerClient(server.url) as http:
+            x = httpclient.InferInput("IN", [64], "FP32")
+            x.set_data_from_numpy(np.full(64, over_http, np.float32))
+            assert http.infer("identity", [x]).as_numpy("OUT")[0] == over_http
+        held = start_as(NOBODY.pw_uid, NOBODY.pw_gid, PEEK, {"server": server.id, "mine": [nobody, nobody_ens],
+                                                               "all": marks})
+        try:
+            assert held.stdout.readline().strip() == "HELD", held.stderr.read()
+            seen = run_as(STRANGER, STRANGER, PEEK.replace("sys.stdin.readline()", ""),
+                          {"server": server.id, "mine": [stranger, stranger_ens], "all": marks})
+            out, err = held.communicate("go\n", timeout=60)
+        finally:
+            if held.poll() is None:
+                held.kill()
+                held.wait()
+        assert held.returncode == 0, err
+        seen_by_nobody = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+        assert [float(k["OUT"][0]) for k in kept] == [root, root_ens]
+    assert set(seen) == {str(stranger), str(stranger_ens)}, seen
+    assert set(seen_by_nobody) == {str(nobody), str(nobody_ens)}, seen_by_nobody
+    # Where it found its own: its segment (its inputs), and answers in extents of its own.
+    assert any(".arena." in name for name in seen[str(stranger)]), seen
+    assert any(".broker.0.arena." in name for name in seen_by_nobody[str(nobody_ens)]), seen_by_nobody
 
 
 def test_a_user_not_named_is_refused_by_name(users_server):
@@ -288,8 +358,11 @@ c.close()
 conn = Connection(args["server"], loop_driven=True)
 sid = args["server"]
 targets = ["/dev/shm" + conn.name, f"/dev/shm/shmserve.{sid}.broker.0"]
-targets += sorted("/dev/shm/" + n for n in os.listdir("/dev/shm")
-                  if n.startswith(f"shmserve.{sid}.worker.") and not n.endswith(".fifo"))
+workers = sorted("/dev/shm/" + n for n in os.listdir("/dev/shm")
+                 if n.startswith(f"shmserve.{sid}.worker.") and not n.endswith(".fifo"))
+# Every worker segment, and the extents holding its own answers (the server's user's are not its to open).
+targets += [path for path in workers if ".arena." not in path or os.access(path, os.W_OK)]
+result["extents"] = [os.path.basename(path) for path in targets if ".arena." in path]
 cut = set()
 for _ in range(2):
     for path in targets:
@@ -321,6 +394,7 @@ def test_a_named_user_truncating_what_it_may_write_kills_no_server_process(users
         got = run_as_nobody(TRUNCATE, {"server": sid})
         assert got["before"] == [0, 2, 4, 6], got
         assert {name.split(".")[2] for name in got["cut"]} == {"broker", "worker", "client"}, got["cut"]
+        assert got["extents"], "it cut the extent its answer lay in too"
 
         def served() -> bool:
             try:

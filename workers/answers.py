@@ -81,7 +81,7 @@ class Answers:
                 tensors: list[tuple[int, Any]]) -> None:
         """Write one response block (the encoded answer, then tensor bytes); its client hears of it
         in ``send_completions``."""
-        override, extent, off, total = self.write_block(entry, answer, tensors)
+        override, extent, off, total = self.write_block(client, entry, answer, tensors)
         self._notes.append((client, entry["slot"], override or status, extent, off, total))
 
     def later(self, send: Callable[[], None]) -> None:
@@ -192,16 +192,18 @@ class Answers:
         ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
         device_tensors.copy_to_region(t, ptr + target["off"], target["device"])
 
-    def write_block(self, entry: BatchEntry, raw: bytes, tensors: list[tuple[int, Any]]) -> tuple[int, int, int, int]:
-        """(status override or 0, extent, offset, length) of a response block in our arena, which
-        grows for a response that does not fit (shm/extents.py); (503, 0, 0, 0) if not even an
+    def write_block(self, client: ClientSegment, entry: BatchEntry, raw: bytes,
+                    tensors: list[tuple[int, Any]]) -> tuple[int, int, int, int]:
+        """(status override or 0, extent, offset, length) of a response block for ``client`` in our
+        arena (in its user's own extents, where clients of other users connect), which grows for a
+        response that does not fit (shm/extents.py); (503, 0, 0, 0) if not even an
         error fits: the slot is completed without a block, which its client reads as
         ``shm.protocol.NO_ROOM`` (no request is left unanswered)."""
         room = answer_room(len(raw))
         total = room + sum(n for n, _ in tensors)
         status, refused_status = 0, 503
         try:
-            extent, off = self.arena.alloc(total, entry["ticket"])
+            extent, off = self.arena.alloc(total, entry["ticket"], client.seg.uid)
         except GrowthRefused as e:
             refused, refused_status = str(e), e.status  # (500: it could never fit, a retry would not help)
             log.warning("%s", refused)
@@ -215,7 +217,7 @@ class Answers:
             status, tensors = refused_status, []
             total = answer_room(len(raw))
             try:
-                extent, off = self.arena.alloc(total, entry["ticket"])
+                extent, off = self.arena.alloc(total, entry["ticket"], client.seg.uid)
             except GrowthRefused:
                 off = -1
             if off < 0:

@@ -71,7 +71,7 @@ class StreamSender:
                 if not self.output_start and "trace_queued_ns" in self.entry:
                     self.output_start = time.monotonic_ns()
                 status, answer, tensors = self.answers.encode(self.entry, response)
-                override, extent, off, total = self.answers.write_block(self.entry, answer, tensors)
+                override, extent, off, total = self.answers.write_block(self.client, self.entry, answer, tensors)
                 status = override or status
                 if status != 200 and not override and response.model_error:
                     self.model_errored = True
@@ -162,7 +162,7 @@ class StreamSender:
                 now = time.monotonic_ns()
                 trace = (self.entry["trace_queued_ns"], *self.computing, self.output_start or now, now)
             final = AnswerDescriptor(final=True, responses=self.sent, trace=trace).encode()
-            override, extent, off, total = self.answers.write_block(self.entry, final, [])
+            override, extent, off, total = self.answers.write_block(self.client, self.entry, final, [])
             end = (override or 200, extent, off, total)
         self._let_go()
         # A request the broker forwarded that ends inside ``execute``, on the worker's loop, ends

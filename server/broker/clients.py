@@ -132,7 +132,7 @@ class Clients:
         data = answer.encode()
         room = answer_room(len(data))
         try:
-            extent, off = self.answers.alloc(room, client.ticket)
+            extent, off = self.answers.alloc(room, client.ticket, client.uid)
             refused = ""
         except GrowthRefused as e:
             extent, off, refused = 0, -1, str(e)

@@ -674,7 +674,7 @@ class Ensembles:
         body = AnswerDescriptor(outs, run.version.version, _sequence_params(run.entry)).encode()
         room = answer_room(len(body))
         try:
-            extent, off = self.answers.alloc(room + pos, run.client.ticket)
+            extent, off = self.answers.alloc(room + pos, run.client.ticket, run.client.uid)
             refused, status = "", 503
         except GrowthRefused as e:
             extent, off, refused, status = 0, -1, str(e), e.status

@@ -45,6 +45,11 @@ class Client:
         a user named by --local-client-users is not, and is given no more than a network caller."""
         return self.seg.seg.uid == os.geteuid()
 
+    @property
+    def uid(self) -> int:
+        """Its user (its segment's owner): whose extents of an output arena hold its answers."""
+        return self.seg.seg.uid
+
 
 @dataclasses.dataclass
 class Instance:
