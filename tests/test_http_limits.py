@@ -331,15 +331,13 @@ def test_every_process_of_the_server_raises_its_descriptor_limit(server_factory)
     """Started under a soft limit of 256 (as a shell's ``ulimit -n`` may leave it), the broker, the
     workers and both frontends raise theirs to the hard limit: a frontend holds a descriptor per
     connection, the broker and workers one per guarded mapping of a client's segment."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
     assert want > 256, "the hard limit leaves nothing to raise"
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-    try:
-        server = server_factory.start([TEST_MODELS], ["--model-control-mode", "explicit", "--load-model",
-                                                      "identity_all"])
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    server = server_factory.create([TEST_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity_all"])
+    command = server.command()
+    server.command = lambda: ["sh", "-c", 'ulimit -Sn 256 && exec "$@"', "sh", *command]  # the launcher's limit
+    server.start().wait_ready()
     roles = {}
     for pid, title in server.titles().items():
         role = title.split()[1]  # shmserve broker|worker|frontend|grpc ...
@@ -347,6 +345,8 @@ def test_every_process_of_the_server_raises_its_descriptor_limit(server_factory)
             line = next(line for line in f if line.startswith("Max open files"))
         roles.setdefault(role, set()).add(int(line.split()[3]))
     assert {"broker", "worker", "frontend", "grpc"} <= roles.keys(), roles
+    with open(f"/proc/{server.pid}/limits") as f:  # the launcher, which only supervises, keeps what it was given
+        assert next(line for line in f if line.startswith("Max open files")).split()[3] == "256"
     for role in ("broker", "worker", "frontend", "grpc"):
         assert roles[role] == {want}, (role, roles[role])
 
