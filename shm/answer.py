@@ -4,15 +4,17 @@ binary layout that only this module knows.
 An answer block is the descriptor, then (64-byte aligned) the bytes of the outputs it carries.
 Layout, little-endian:
 
-- header (``_HEADER``, 37 bytes): magic, flags (refused, final, error, document), trace stamp
+- header (``_HEADER``, 41 bytes): magic, flags (refused, final, error, document), trace stamp
   count, a model's error code (``ErrorCode`` + 1; 0: none), output count, the output table's
   length, the model version served (-1: not said; a version may be 0), the response count of a
-  stream's end, and the byte lengths of the error, parameters and document;
+  stream's end, and the byte lengths of the error, parameters, document and step traces;
 - the output table, per output: name length, datatype code (``DATATYPES``), dimension count and
   in-region flag (``_META``), the name (UTF-8), its dimensions (int64 each), its data offset
   (from the data start) and size (``_PLACE``);
 - the trace stamps (int64 each), the error text (UTF-8), the response parameters (a JSON object,
-  only when there are any) and a control answer's JSON document.
+  only when there are any), a control answer's JSON document, and the traces of a traced
+  ensemble request's steps, per step: name length, parent, version and seven stamps (``_STEP``),
+  then the model's name (UTF-8).
 
 Answers come from memory another process wrote (a worker may crash, or a model scribble), so
 ``decode_answer`` checks every count and length against the end of the block before it reads,
@@ -30,13 +32,15 @@ import orjson
 ALIGN = 64  # where an answer's tensor data starts
 _PAD = ALIGN - 1
 _MAGIC = 0x4E41  # "AN"
-# magic, flags, trace stamps, error code, outputs, table bytes, version, responses, error, params, document bytes
-_HEADER = struct.Struct("<HBBBIIqIIII")
+# magic, flags, trace stamps, error code, outputs, table bytes, version, responses, error, params, document
+# and step trace bytes
+_HEADER = struct.Struct("<HBBBIIqIIIII")
 _HEADER_SIZE = _HEADER.size
 _unpack_header = _HEADER.unpack_from
 _pack_header = _HEADER.pack
 _META = struct.Struct("<IBB?")  # an output's name length, datatype code, dimension count, in-region flag
 _PLACE = struct.Struct("<QQ")  # an output's data offset and size
+_STEP = struct.Struct("<Hiq7q")  # a step trace's name length, parent, version and stamps
 
 NO_VERSION = -1  # an answer that names no version: refused before one was chosen, or not a model's
 REFUSED = 1  # the request was refused before its model ran (Triton's InferAsync failing)
@@ -91,6 +95,23 @@ class OutputTensor(NamedTuple):
     in_region: bool = False
 
 
+class StepTrace(NamedTuple):
+    """The trace of one request an ensemble made of a composing model, as Triton writes it: a
+    trace of its own whose ``parent_id`` is the ensemble request's. ``parent``: -1 for a step of
+    the request's own ensemble, else the index (in the same answer) of the nested ensemble step
+    that made it."""
+
+    model: str
+    version: int
+    parent: int
+    # REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START,
+    # COMPUTE_END, REQUEST_END (0: not taken)
+    stamps: tuple[int, ...]
+
+
+STEP_STAMPS = 7
+
+
 class AnswerDescriptor(NamedTuple):
     """One answer: outputs, response parameters, or an error; a stream's end (``final``, with the
     count of responses sent before it); trace stamps; or a control request's JSON document."""
@@ -107,6 +128,7 @@ class AnswerDescriptor(NamedTuple):
     # The code of a model's own error (its error response, or a step's in an ensemble), which the
     # frontends answer with as Triton does; None for the server's errors, which carry their status.
     code: ErrorCode | None = None
+    steps: tuple[StepTrace, ...] = ()  # a traced ensemble request's steps
 
     @classmethod
     def failure(cls, message: str, refused: bool = False) -> "AnswerDescriptor":
@@ -134,8 +156,8 @@ class AnswerDescriptor(NamedTuple):
     # -- bytes ------------------------------------------------------------------------------------
     def encode(self) -> bytes:
         """The descriptor's bytes (``write_answer`` places them)."""
-        outputs, version, params, error, refused, trace, final, responses, document, code = self
-        if not (error is not None or refused or final or responses or document is not None):
+        outputs, version, params, error, refused, trace, final, responses, document, code, steps = self
+        if not (error is not None or refused or final or responses or document is not None or steps):
             return encode_outputs(outputs, version, params, trace)
         flags = (REFUSED if refused else 0) | (FINAL if final else 0)
         error_raw = b""
@@ -149,10 +171,38 @@ class AnswerDescriptor(NamedTuple):
             document_raw = orjson.dumps(document)
         table = _table(outputs) if outputs else b""
         coded = 0 if code is None or error is None else code + 1  # (a code is that of an error)
+        steps_raw = _steps(steps) if steps else b""
         return b"".join((_pack_header(_MAGIC, flags, len(trace), coded, len(outputs),
                                       len(table), version, responses, len(error_raw), len(params_raw),
-                                      len(document_raw)),
-                         table, struct.pack(f"<{len(trace)}q", *trace), error_raw, params_raw, document_raw))
+                                      len(document_raw), len(steps_raw)),
+                         table, struct.pack(f"<{len(trace)}q", *trace), error_raw, params_raw, document_raw,
+                         steps_raw))
+
+
+def _steps(steps: Sequence[StepTrace]) -> bytes:
+    parts = []
+    for model, version, parent, stamps in steps:
+        name = model.encode()
+        padded = (tuple(stamps) + (0,) * STEP_STAMPS)[:STEP_STAMPS]
+        parts.append(_STEP.pack(len(name), parent, version, *padded) + name)
+    return b"".join(parts)
+
+
+def _read_steps(raw: bytes) -> tuple[StepTrace, ...]:
+    """The step traces in ``raw``; AnswerCorrupt where a length runs past it or a parent is not
+    an earlier step."""
+    steps: list[StepTrace] = []
+    pos = 0
+    while pos < len(raw):
+        if pos + _STEP.size > len(raw):
+            raise AnswerCorrupt("an answer's step traces are cut short")
+        name_len, parent, version, *stamps = _STEP.unpack_from(raw, pos)
+        pos += _STEP.size
+        if pos + name_len > len(raw) or not -1 <= parent < len(steps):
+            raise AnswerCorrupt("an answer's step trace runs past its section or names no earlier parent")
+        steps.append(StepTrace(_utf8(raw[pos:pos + name_len]), version, parent, tuple(stamps)))
+        pos += name_len
+    return tuple(steps)
 
 
 def encode_outputs(outputs: Sequence[OutputTensor], version: int, params: dict | None = None,
@@ -161,10 +211,10 @@ def encode_outputs(outputs: Sequence[OutputTensor], version: int, params: dict |
     without making the descriptor first: every answer a worker writes takes this path."""
     table = _table(outputs) if outputs else b""
     if not (params or trace):
-        return _pack_header(_MAGIC, 0, 0, 0, len(outputs), len(table), version, 0, 0, 0, 0) + table
+        return _pack_header(_MAGIC, 0, 0, 0, len(outputs), len(table), version, 0, 0, 0, 0, 0) + table
     params_raw = orjson.dumps(params) if params else b""
     return b"".join((_pack_header(_MAGIC, 0, len(trace), 0, len(outputs), len(table), version, 0, 0,
-                                  len(params_raw), 0),
+                                  len(params_raw), 0, 0),
                      table, struct.pack(f"<{len(trace)}q", *trace), params_raw))
 
 
@@ -178,11 +228,11 @@ def decode_answer(buf: Any, offset: int, end: int | None = None) -> tuple[Answer
         end = len(buf)
     if offset < 0 or offset > end - _HEADER_SIZE:
         raise AnswerCorrupt(f"an answer at {offset} does not fit before {end}")
-    magic, flags, nstamps, coded, n, table_len, version, responses, error_len, params_len, doc_len = \
+    magic, flags, nstamps, coded, n, table_len, version, responses, error_len, params_len, doc_len, steps_len = \
         _unpack_header(buf, offset)
     if magic != _MAGIC:
         raise AnswerCorrupt(f"no answer at {offset} (magic {magic:#x})")
-    rest = nstamps * 8 + error_len + params_len + doc_len
+    rest = nstamps * 8 + error_len + params_len + doc_len + steps_len
     data = offset + ((_HEADER_SIZE + table_len + rest + _PAD) & ~_PAD)
     if data > end:
         raise AnswerCorrupt(f"an answer at {offset} runs past {end}")
@@ -203,7 +253,8 @@ def decode_answer(buf: Any, offset: int, end: int | None = None) -> tuple[Answer
     else:
         outputs = ()
     if not (flags or rest or coded):
-        return _new(AnswerDescriptor, (outputs, version, None, None, False, (), False, responses, None, None)), data
+        return _new(AnswerDescriptor, (outputs, version, None, None, False, (), False, responses, None, None,
+                                       ())), data
     pos += table_len
     trace = struct.unpack_from(f"<{nstamps}q", buf, pos) if nstamps else ()
     pos += nstamps * 8
@@ -227,8 +278,10 @@ def decode_answer(buf: Any, offset: int, end: int | None = None) -> tuple[Answer
         raise AnswerCorrupt("an answer has a document but no document flag")
     else:
         document = None
+    pos += doc_len
+    steps = _read_steps(bytes(buf[pos:pos + steps_len])) if steps_len else ()
     return _new(AnswerDescriptor, (outputs, version, params, error, bool(flags & REFUSED), trace,
-                                   bool(flags & FINAL), responses, document, code)), data
+                                   bool(flags & FINAL), responses, document, code, steps)), data
 
 
 def _table(outputs: Any) -> bytes:

@@ -42,7 +42,8 @@ HEADER_BYTES = 4096
 # 2: tables.0, batches.0 and control.<n> beside the segments (1 wrote 'S' here); 3: the broker's
 # arena grows (its extents' sizes at the end of tables.0, a broker answer's role word names one);
 # 5: the broker's identity (this header's words) in tables.0 too, where no client writes; 6: the
-# extents' sizes at the end of control.<n>, and 1024 of them (each user has extents of its own).
+# extents' sizes at the end of control.<n>, and 1024 of them (each user has extents of its own), and
+# an answer's header says the length of its step traces (shm/answer.py).
 LAYOUT = 6
 MAGIC = 0x53484D00 | LAYOUT
 _FAMILY = 0xFFFFFF00

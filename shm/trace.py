@@ -28,7 +28,9 @@ How shmserve differs, and why:
   "timestamps": [{"name", "ns"}, ...]}``, the schema Triton's trace.md documents (Triton itself
   writes one object per timestamp under the same id; readers that group by id read both).
   A streamed request (gRPC ModelStreamInfer, HTTP generate_stream) has a SEND pair per response,
-  as Triton records, and its timestamps listed in the order they were taken.
+  as Triton records, and its timestamps listed in the order they were taken. An ensemble's steps
+  are traces of their own with ``parent_id``, as Triton's (the broker carries their stamps back in
+  the answer, ``shm/answer.py`` StepTrace), written with their parent as one group.
 - Traces are appended as they finish, from every frontend process (one write each, under a shared
   lock that also numbers them), so ``trace_file`` grows while the server runs; its closing ``]`` is
   appended when the server stops. ``read_trace_file`` reads a file that is still open.
@@ -295,6 +297,19 @@ class TraceShared:
                 row[1] -= 1
             self.next_id[0] += 1
             return int(self.next_id[0])
+        finally:
+            self.unlock()
+
+    def child_ids(self, count: int) -> int:
+        """The first of ``count`` new trace ids for the children of a traced request (an
+        ensemble's steps): they take ids, not traces from any count, as Triton's child traces do;
+        0 when the lock stays taken."""
+        if not self.lock():
+            return 0
+        try:
+            first = int(self.next_id[0]) + 1
+            self.next_id[0] += count
+            return first
         finally:
             self.unlock()
 

@@ -21,6 +21,7 @@ from conftest import DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, TESTS, raw_reques
 from shmserve.shm.trace import GRPC_STAMPS, STAMPS, read_trace_file
 
 REPOS = [TESTS / "models" / "batching", ROOT / "model_repository"]
+STEP_STAMPS = STAMPS[2:-2]  # a composing model's request: REQUEST_START ... REQUEST_END
 MODELS = ["--model-control-mode", "explicit", "--load-model", "add_sub", "--load-model", "probe"]
 
 
@@ -129,6 +130,55 @@ def test_a_request_the_model_failed_is_traced_with_its_version_and_times(server_
         assert record["model_version"] == 1, record
         if record["model_name"] != "ens_doubler":  # (an ensemble's record has no compute timestamps)
             assert_ordered(record)
+
+
+def test_an_ensembles_steps_are_traced_as_its_children(server_factory, tmp_path):
+    """Triton traces each request an ensemble makes of a composing model as a trace of its own,
+    whose ``parent_id`` is the ensemble request's: a nested ensemble's steps are the children of
+    that step's trace. Each child takes an id, not a trace of the count, and carries the
+    request's id; over gRPC alike. A trace and its children count as one for ``log_frequency``:
+    each indexed file holds one request's. (Triton 2.51, side by side: the same records, the
+    nested ensemble's with no compute stamps.)"""
+    path = tmp_path / "trace.json"
+    server = server_factory.start([ROOT / "model_repository", TESTS / "models" / "ensembles"],
+                                  ["--model-control-mode", "explicit", "--load-model", "outer",
+                                   "--trace-config", f"triton,file={path}", "--trace-config", "level=TIMESTAMPS",
+                                   "--trace-config", "rate=1", "--trace-config", "count=2",
+                                   "--trace-config", "triton,log-frequency=1"])
+    x = np.arange(16, dtype=np.int32)
+    with httpclient.InferenceServerClient(server.url) as client:
+        inputs = [httpclient.InferInput("X", [16], "INT32"), httpclient.InferInput("Y", [16], "INT32")]
+        for i in inputs:
+            i.set_data_from_numpy(x)
+        assert client.infer("outer", inputs, request_id="ens-1").as_numpy("SUM").tolist() == (4 * x).tolist()
+    with grpcclient.InferenceServerClient(server.grpc_url) as grpc:
+        inputs = [grpcclient.InferInput("X", [16], "INT32"), grpcclient.InferInput("Y", [16], "INT32")]
+        for i in inputs:
+            i.set_data_from_numpy(x)
+        assert grpc.infer("outer", inputs, request_id="ens-2").as_numpy("SUM").tolist() == (4 * x).tolist()
+    files = [records(Path(f"{path}.{index}"), 5) for index in (0, 1)]
+    assert [sorted({r["request_id"] for r in group}) for group in files] == [["ens-1"], ["ens-2"]], files
+    found = files[0] + files[1]
+    assert len(found) == 10, found
+    by_id = {r["id"]: r for r in found}
+    assert len(by_id) == 10, "every trace has an id of its own"
+    for request_id in ("ens-1", "ens-2"):
+        mine = [r for r in found if r["request_id"] == request_id]
+        (top,) = [r for r in mine if "parent_id" not in r]
+        assert top["model_name"] == "outer"
+        (inner,) = [r for r in mine if r["model_name"] == "inner"]
+        assert inner["parent_id"] == top["id"]
+        add_subs = [r for r in mine if r["model_name"] == "add_sub"]
+        assert sorted(r["parent_id"] for r in add_subs) == sorted([inner["id"], inner["id"], top["id"]]), mine
+        for step in add_subs:
+            assert step["model_version"] == 1
+            assert_ordered(step, STEP_STAMPS)
+            assert stamps(by_id[step["parent_id"]])["REQUEST_START"] <= stamps(step)["REQUEST_START"]
+            assert stamps(step)["REQUEST_END"] <= stamps(by_id[step["parent_id"]])["REQUEST_END"]
+        assert [name for name in stamps(inner)] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"], inner
+    # Two traces of the count were taken: the children took none.
+    with httpclient.InferenceServerClient(server.url) as client:
+        assert client.get_trace_settings()["trace_count"] == "0"
 
 
 def test_every_request_traced_at_rate_1(server_factory, tmp_path):
@@ -568,3 +618,42 @@ def test_tracing_switched_on_without_a_file_is_refused_in_tritons_words(server_f
     assert (r.status, r.json()) == (400, {"error": "Attempting to set invalid trace setting :trace file name is "
                                                    "not given"})
 
+
+
+def test_an_ensembles_steps_are_spans_under_its_own(server_factory):
+    """In OpenTelemetry mode an ensemble's composing requests are spans whose parent is the span of
+    the request that made them (the ensemble's, or a nested ensemble step's), in its trace."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    _Collector.bodies.clear()
+    collector = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
+        s = server_factory.start([ROOT / "model_repository", TESTS / "models" / "ensembles"],
+                                 ["--model-control-mode", "explicit", "--load-model", "outer", "--trace-config",
+                                  "mode=opentelemetry", "--trace-config", "level=TIMESTAMPS", "--trace-config",
+                                  "rate=1", "--trace-config", f"opentelemetry,url={url}"])
+        x = np.arange(16, dtype=np.int32)
+        inputs = [httpclient.InferInput("X", [16], "INT32"), httpclient.InferInput("Y", [16], "INT32")]
+        for i in inputs:
+            i.set_data_from_numpy(x)
+        s.client().infer("outer", inputs)
+        spans = []
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline and len(spans) < 5:
+            time.sleep(0.2)
+            spans = []
+            for body in list(_Collector.bodies):
+                req = ExportTraceServiceRequest.FromString(body)
+                spans += [sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans]
+        assert len(spans) == 5, spans
+        model = {sp.span_id: {a.key: a.value for a in sp.attributes}["triton.model_name"].string_value for sp in spans}
+        (top,) = [sp for sp in spans if not sp.parent_span_id]
+        assert model[top.span_id] == "outer" and {sp.trace_id for sp in spans} == {top.trace_id}
+        (inner,) = [sp for sp in spans if model[sp.span_id] == "inner"]
+        assert inner.parent_span_id == top.span_id
+        assert sorted(sp.parent_span_id for sp in spans if model[sp.span_id] == "add_sub") == \
+            sorted([inner.span_id, inner.span_id, top.span_id])
+    finally:
+        collector.shutdown()

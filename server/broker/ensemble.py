@@ -248,9 +248,12 @@ class Ensembles:
         if mv.ensemble is not None:
             # A nested ensemble has no instances to queue on: it runs here, and its answer
             # (or error) completes this step's slot in our own segment.
-            request["sent_ns"] = time.monotonic_ns()
-            self._begin(EnsembleRun(mv, self.own, slot, request))
+            request["sent_ns"] = call.sent_ns = time.monotonic_ns()
+            nested = EnsembleRun(mv, self.own, slot, request)
+            nested.traced = run.traced  # (every step request carries stamps, for the statistics)
+            self._begin(nested)
         else:
+            call.sent_ns = request["sent_ns"]
             self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic()))
 
     def _unsent(self, call: StepCall, status: int, message: str) -> None:
@@ -347,6 +350,8 @@ class Ensembles:
         else:
             answer, data_start = _step_answer(owner.buf, off, off + length)
             run.add_compute(answer.trace)
+            if run.traced:
+                run.add_step_trace(call, answer, time.monotonic_ns())
             if status != 200 or answer.error is not None:
                 free_block(owner.buf, off)
                 self._step_error(run, status, answer)
@@ -466,7 +471,7 @@ class Ensembles:
         self.runs.discard(run)
         if not run.answered:
             if run.streaming:
-                self._complete(run, AnswerDescriptor(final=True, responses=run.sent))
+                self._complete(run, AnswerDescriptor(final=True, responses=run.sent, steps=run.traces()))
             elif run.answer is None:
                 request_id = run.entry.get("id", "") or "<id_unknown>"
                 self._fail_run(run, None, 400, f"in ensemble '{run.plan.name}', [request id: {request_id}] unexpected "
@@ -568,7 +573,8 @@ class Ensembles:
             return
         run.version.stats.fail(reason, 1)
         text = message if step is None else f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"
-        self._complete(run, AnswerDescriptor(error=text, code=code, version=run.version.version), status)
+        self._complete(run, AnswerDescriptor(error=text, code=code, version=run.version.version, steps=run.traces()),
+                       status)
         self._give_up(run)
 
     def _classified(self, run: EnsembleRun, outputs: list[Output]) -> list[Output]:
@@ -671,7 +677,7 @@ class Ensembles:
                 outs.append(OutputTensor(name, datatype, tuple(shape), pos, size))
                 chunks.append(data)
                 pos += size
-        body = AnswerDescriptor(outs, run.version.version, _sequence_params(run.entry)).encode()
+        body = AnswerDescriptor(outs, run.version.version, _sequence_params(run.entry), steps=run.traces()).encode()
         room = answer_room(len(body))
         try:
             extent, off = self.answers.alloc(room + pos, run.client.ticket, run.client.uid)

@@ -19,6 +19,7 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING
 
+from shmserve.shm.answer import AnswerDescriptor, StepTrace
 from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.ring import Ring
 
@@ -63,6 +64,7 @@ class StepCall:
     ring: Ring | None = None  # a decoupled step's response ring, in our own segment
     ring_index: int = -1
     received: int = 0  # responses taken from the ring
+    sent_ns: int = 0  # when it was sent: its REQUEST_START, when the run is traced
     stalled: int = 0  # calls made from its responses that wait for their step's limit
 
     def taking(self) -> bool:
@@ -89,6 +91,10 @@ class EnsembleRun:
         self.root = Branch(tensors, {name: request_batch for name in tensors}, set())
         self.batch_size = max(1, request_batch)  # what its success counts (Triton's max(1, batch size))
         self.compute = [0, 0, 0]  # its steps' compute input, infer and output ns, summed (their answers' stamps)
+        # Traced (its frontend sampled it, or it is a step of a traced run): its steps' traces go
+        # back with its answer, for the frontend to write as children of its own (Triton's parent_id).
+        self.traced = "trace_queued_ns" in entry
+        self.step_traces: list[StepTrace] = []
         self.calls: set[StepCall] = set()  # sent and not yet finished
         self.answered = False  # the client's slot is completed (an error, a cancel, or the end)
         self.ended = False
@@ -110,6 +116,20 @@ class EnsembleRun:
             start, input_end, output_start, end = stamps[1:5]
             for i, ns in enumerate((input_end - start, output_start - input_end, end - output_start)):
                 self.compute[i] += max(0, ns)
+
+    def add_step_trace(self, call: StepCall, answer: AnswerDescriptor, now: int) -> None:
+        """A step's answer came: its trace (REQUEST_START when sent, the model's stamps, REQUEST_END
+        now), then those of its own steps when it is a nested ensemble, under it (which began,
+        its QUEUE_START, as it was sent, and has no compute stamps of its own, as in Triton)."""
+        stamps = answer.trace[:5] if len(answer.trace) >= 5 else (call.sent_ns, 0, 0, 0, 0)
+        at = len(self.step_traces)
+        self.step_traces.append(StepTrace(call.step.model, answer.version, -1, (call.sent_ns, *stamps, now)))
+        for nested in answer.steps:
+            self.step_traces.append(nested._replace(parent=at if nested.parent < 0 else at + 1 + nested.parent))
+
+    def traces(self) -> tuple[StepTrace, ...]:
+        """What its answer carries of its steps' traces (none when it is not traced)."""
+        return tuple(self.step_traces) if self.traced else ()
 
     def wanted(self) -> list[str]:
         outs = self.entry.get("outputs")

@@ -25,7 +25,7 @@ from typing import Any, AsyncGenerator, TypeVar
 import orjson
 
 from shmserve.shm import trace as tr
-from shmserve.shm.answer import NO_VERSION, AnswerDescriptor
+from shmserve.shm.answer import NO_VERSION, AnswerDescriptor, StepTrace
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.names import pid_alive
 from shmserve.shm.trace import FileWriter, TraceShared
@@ -36,6 +36,8 @@ log = logging.getLogger("shmserve.trace")
  COMPUTE_OUTPUT_START, COMPUTE_END, REQUEST_END, SEND_START, SEND_END) = range(len(tr.STAMPS))
 
 
+# A step trace's stamps (shm/answer.py StepTrace), by name.
+STEP_STAMP_NAMES = tr.STAMPS[REQUEST_START:REQUEST_END + 1]
 T = TypeVar("T")
 # The ASGI scope's key for when a request's body began to arrive and was read (asgi.py), while
 # tracing is on: the HTTP_RECV stamps of a request Starlette's routes answer (generate).
@@ -60,7 +62,7 @@ class Trace:
     """One traced request: its id, setting and timestamps (0: not taken), named by ``names``
     (``tr.STAMPS`` over HTTP, ``tr.GRPC_STAMPS`` over gRPC; the same positions)."""
 
-    __slots__ = ("id", "model", "version", "request_id", "setting", "names", "ns", "sends", "unqueued")
+    __slots__ = ("id", "model", "version", "request_id", "setting", "names", "ns", "sends", "unqueued", "steps")
 
     def __init__(self, trace_id: int, model: str, setting: Setting, names: tuple[str, ...] = tr.STAMPS) -> None:
         self.id = trace_id
@@ -72,6 +74,7 @@ class Trace:
         self.ns = [0] * len(names)
         self.sends: list[int] = []  # a streamed request's: start, end, start, end... one pair per response
         self.unqueued = False  # refused before a version's scheduler had it: no record, as in Triton
+        self.steps: tuple[StepTrace, ...] = ()  # an ensemble's: its composing models' requests
 
     def mark(self, req: InferRequest) -> None:
         """Just before the request is submitted: tag it, so the worker times it."""
@@ -86,6 +89,8 @@ class Trace:
         if answer.version != NO_VERSION:
             self.version = answer.version
         self.unqueued = answer.refused and answer.version == NO_VERSION
+        if answer.steps:
+            self.steps = answer.steps
         stamps = answer.trace
         if len(stamps) == 5:
             queued, self.ns[COMPUTE_START], self.ns[COMPUTE_INPUT_END], self.ns[COMPUTE_OUTPUT_START], \
@@ -123,6 +128,26 @@ class Trace:
             doc["request_id"] = self.request_id
         doc["timestamps"] = [{"name": name, "ns": ns} for name, ns in self.stamps()]
         return orjson.dumps(doc)
+
+    def step_spans(self, first_id: int) -> list[tuple[int, str, int, int, list[tuple[str, int]]]]:
+        """Its ensemble's steps as OpenTelemetry spans are made of them (server/edge/otel.py)."""
+        return [(first_id + i, step.model, step.version, step.parent,
+                 [(name, ns) for name, ns in zip(STEP_STAMP_NAMES, step.stamps) if ns])
+                for i, step in enumerate(self.steps)]
+
+    def step_records(self, first_id: int) -> list[bytes]:
+        """The records of its ensemble's steps, ids from ``first_id`` on, each a child of this
+        trace (or of the nested ensemble step that made it) by its ``parent_id``, as Triton writes
+        a composing model's request."""
+        out = []
+        for i, step in enumerate(self.steps):
+            doc: dict[str, Any] = {"id": first_id + i, "model_name": step.model, "model_version": step.version}
+            if self.request_id:
+                doc["request_id"] = self.request_id
+            doc["parent_id"] = self.id if step.parent < 0 else first_id + step.parent
+            doc["timestamps"] = [{"name": name, "ns": ns} for name, ns in zip(STEP_STAMP_NAMES, step.stamps) if ns]
+            out.append(orjson.dumps(doc))
+        return out
 
 
 class Tracer:
@@ -223,7 +248,9 @@ class Tracer:
             return
         try:
             if setting.mode == "opentelemetry":
-                self._exporter(setting.url).export(trace.id, trace.model, trace.version, trace.stamps())
+                first = shared.child_ids(len(trace.steps)) if trace.steps and shared is not None else 0
+                self._exporter(setting.url).export(trace.id, trace.model, trace.version, trace.stamps(),
+                                                   trace.step_spans(first) if first else ())
                 return
             if shared is None:
                 return
@@ -231,7 +258,11 @@ class Tracer:
                 if self._writer is not None:
                     self._writer.close()
                 self._writer = FileWriter(shared)
-            self._writer.write(setting.fslot, setting.fserial, setting.file, setting.log_frequency, trace.record())
+            first = shared.child_ids(len(trace.steps)) if trace.steps else 0
+            records = trace.step_records(first) if first else []
+            # One trace with its children, as Triton writes them: log_frequency counts it once.
+            group = b",\n".join((*records, trace.record()))
+            self._writer.write(setting.fslot, setting.fserial, setting.file, setting.log_frequency, group)
         except Exception:  # noqa: BLE001 - tracing must never fail a request
             log.exception("cannot write trace %d", trace.id)
 

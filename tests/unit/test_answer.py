@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmserve.shm.answer import (ALIGN, DATATYPES, AnswerCorrupt, AnswerDescriptor, ErrorCode, OutputTensor,
+from shmserve.shm.answer import (ALIGN, DATATYPES, AnswerCorrupt, AnswerDescriptor, ErrorCode, OutputTensor, StepTrace,
                                  answer_room, decode_answer, refusal, write_answer)
 
 names = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -25,6 +25,19 @@ answers = st.builds(AnswerDescriptor, st.lists(outputs, max_size=5).map(tuple), 
                     st.booleans(), st.integers(0, (1 << 32) - 1), st.none() | json_values,
                     st.none()).map(lambda a: a._replace(code=ErrorCode.INVALID_ARG) if a.error is not None and
                                    a.version % 2 else a)  # a model's code, only with an error
+
+
+@st.composite
+def step_traces(draw) -> tuple[StepTrace, ...]:
+    """A traced ensemble's steps: each parent is the request (-1) or an earlier step."""
+    steps: list[StepTrace] = []
+    for i in range(draw(st.integers(0, 4))):
+        steps.append(StepTrace(draw(names), draw(st.integers(-1, (1 << 63) - 1)), draw(st.integers(-1, i - 1)),
+                               tuple(draw(st.lists(st.integers(0, 1 << 62), min_size=7, max_size=7)))))
+    return tuple(steps)
+
+
+answers = st.tuples(answers, step_traces()).map(lambda pair: pair[0]._replace(steps=pair[1]))
 
 
 def placed(answer: AnswerDescriptor, offset: int = 0) -> tuple[memoryview, int]:
@@ -117,3 +130,16 @@ def test_text_that_is_not_utf8_encodable_is_replaced_not_raised():
     buf, _ = placed(answer)
     got, _ = decode_answer(buf, 0)
     assert got.error == "bad ?" and got.outputs[0].name == "out?"
+
+
+def test_a_step_trace_naming_no_earlier_parent_or_cut_short_is_corrupt():
+    good = AnswerDescriptor(version=1, steps=(StepTrace("add_sub", 1, -1, (1,) * 7),
+                                              StepTrace("inner", 1, 0, (2,) * 7)))
+    buf, _ = placed(good)
+    got, _ = decode_answer(buf, 0)
+    assert got.steps == good.steps
+    for bad in (good._replace(steps=(StepTrace("a", 1, 0, (1,) * 7),)),  # its own index: not earlier
+                good._replace(steps=(StepTrace("a", 1, -2, (1,) * 7),))):
+        buf, _ = placed(bad)
+        with pytest.raises(AnswerCorrupt, match="step trace"):
+            decode_answer(buf, 0)
