@@ -214,6 +214,36 @@ def test_rate_and_count(server_factory, tmp_path):
     assert client.get_trace_settings()["trace_count"] == "0"
 
 
+def test_a_count_of_zero_with_the_level_on_is_refused_whichever_post_leaves_it(server_factory, tmp_path):
+    """Triton 2.51's rule, checked side by side: a setting whose count is 0 is invalid unless the
+    level is OFF, whether a POST sets the count, the count ran out, or it was set under OFF and a
+    later POST turns the level on; a POST that sets a count again is taken."""
+    path = tmp_path / "trace.json"
+    s = start(server_factory, path, "level=TIMESTAMPS", "rate=1")
+    client = s.client()
+
+    def post(body: dict, model: str = "") -> tuple[int, dict]:
+        response = raw_request(s.port, "POST", f"/v2/models/{model}/trace/setting" if model else
+                               "/v2/trace/setting", json.dumps(body).encode())
+        return response.status, response.json()
+
+    assert post({"trace_count": "1"})[0] == 200
+    add_sub(client)
+    add_sub(client)
+    assert client.get_trace_settings()["trace_count"] == "0"  # ran out
+    for body in ({"trace_rate": "2"}, {"trace_level": ["TIMESTAMPS"]}):
+        status, doc = post(body)
+        assert status == 400 and doc["error"].startswith("Attempting to set invalid trace setting :"), doc
+    assert post({"trace_level": ["OFF"]}) == (200, {**client.get_trace_settings(), "trace_level": ["OFF"]})
+    assert post({"trace_count": "0"})[0] == 200  # under OFF
+    status, doc = post({"trace_level": ["TIMESTAMPS"]})
+    assert status == 400 and doc["error"].startswith("Attempting to set invalid trace setting :"), doc
+    status, doc = post({"trace_level": ["TIMESTAMPS"], "trace_count": "2"})
+    assert status == 200 and doc["trace_count"] == "2", doc
+    status, doc = post({"trace_rate": "3"}, model="add_sub")
+    assert status == 200 and (doc["trace_rate"], doc["trace_count"]) == ("3", "2"), doc
+
+
 def test_count_at_start_and_defaults(server_factory, tmp_path):
     path = tmp_path / "trace.json"
     s = start(server_factory, path, "level=TIMESTAMPS", "rate=1", "count=3")

@@ -89,9 +89,16 @@ class TraceOwner:
 
     @staticmethod
     def _check(setting: dict[str, Any]) -> None:
-        """Triton's rule: a setting may be invalid only if it disables tracing."""
-        if setting["level"] != "OFF" and setting["mode"] == "triton" and not setting["file"]:
+        """Triton's rule: a setting may be invalid only if it disables tracing. A count of 0 is
+        invalid too (Triton's ``TraceSetting::Valid``), whichever POST left it there: one that
+        sets it, or one that turns the level on where it was set under OFF or ran out."""
+        if setting["level"] == "OFF":
+            return
+        if setting["mode"] == "triton" and not setting["file"]:
             raise InvalidRequest("Attempting to set invalid trace setting :trace file name is not given")  # Triton's
+        if setting["count"] == 0:
+            raise InvalidRequest("Attempting to set invalid trace setting : a trace_count of 0 traces nothing while "
+                                 "trace_level is on (-1: no limit; or set trace_level OFF)")
 
     def _apply(self, model: str, update: dict[str, Any]) -> None:
         if not update:
