@@ -548,10 +548,24 @@ class _Collector(BaseHTTPRequestHandler):
         pass
 
 
-def test_opentelemetry_spans_reach_an_otlp_collector(server_factory):
-    assert otel_installed(), "the dev set-up installs shmserve[trace]"
+def collected_spans(expected: int) -> list:
+    """The spans the collector received, once there are ``expected`` (or the deadline passed)."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+    spans: list = []
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline and len(spans) < expected:
+        time.sleep(0.2)
+        spans = []
+        for body in list(_Collector.bodies):
+            req = ExportTraceServiceRequest.FromString(body)
+            spans += [sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans]
+    return spans
+
+
+def test_opentelemetry_spans_reach_an_otlp_collector(server_factory):
+    assert otel_installed(), "the dev set-up installs shmserve[trace]"
+    _Collector.bodies.clear()
     collector = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
     threading.Thread(target=collector.serve_forever, daemon=True).start()
     try:
@@ -563,14 +577,7 @@ def test_opentelemetry_spans_reach_an_otlp_collector(server_factory):
         assert client.get_trace_settings()["trace_mode"] == "opentelemetry"
         for _ in range(3):
             add_sub(client)
-        spans = []
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline and len(spans) < 3:
-            time.sleep(0.2)
-            spans = []
-            for body in list(_Collector.bodies):
-                req = ExportTraceServiceRequest.FromString(body)
-                spans += [sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans]
+        spans = collected_spans(3)
         assert len(spans) == 3
         for sp in spans:
             assert sp.name == "InferRequest"
@@ -653,8 +660,6 @@ def test_tracing_switched_on_without_a_file_is_refused_in_tritons_words(server_f
 def test_an_ensembles_steps_are_spans_under_its_own(server_factory):
     """In OpenTelemetry mode an ensemble's composing requests are spans whose parent is the span of
     the request that made them (the ensemble's, or a nested ensemble step's), in its trace."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
     _Collector.bodies.clear()
     collector = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
     threading.Thread(target=collector.serve_forever, daemon=True).start()
@@ -669,14 +674,7 @@ def test_an_ensembles_steps_are_spans_under_its_own(server_factory):
         for i in inputs:
             i.set_data_from_numpy(x)
         s.client().infer("outer", inputs)
-        spans = []
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline and len(spans) < 5:
-            time.sleep(0.2)
-            spans = []
-            for body in list(_Collector.bodies):
-                req = ExportTraceServiceRequest.FromString(body)
-                spans += [sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans]
+        spans = collected_spans(5)
         assert len(spans) == 5, spans
         model = {sp.span_id: {a.key: a.value for a in sp.attributes}["triton.model_name"].string_value for sp in spans}
         (top,) = [sp for sp in spans if not sp.parent_span_id]
