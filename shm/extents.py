@@ -28,6 +28,7 @@ of every client.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from typing import Callable
@@ -41,6 +42,8 @@ from .channel import EXTENT_ENTRIES, MAX_EXTENTS, BrokerSegment, WorkerSegment
 from .names import PREFIX, SHM_DIR, broker_extent_name, extent_name, unlink_shm
 from .segment import Segment, SegmentCache
 
+log = logging.getLogger("shmserve.extents")
+
 MIB = 1 << 20
 # Triton's python backend's names for the first size and the least growth (--backend-config).
 DEFAULT_BYTES_SETTING = "shm-default-byte-size"
@@ -50,6 +53,7 @@ GROWTH_BYTES_SETTING = "shm-growth-byte-size"
 DEFAULT_START_BYTES = 4 << 20
 DEFAULT_GROWTH_BYTES = 1 << 20  # Triton's default; growth at least doubles anyway
 MIN_START_BYTES = 64 << 10  # room for a few error documents
+SQUATTED_TRIES = 16  # extent names another user made first, skipped before a growth gives up
 
 
 class GrowthRefused(Exception):
@@ -155,7 +159,8 @@ class OutputArenas:
 
     @property
     def bytes_in_use(self) -> int:
-        return self.first.bytes_in_use + sum(a.bytes_in_use for _, a in list(self._grown.values()))
+        first = self.first.bytes_in_use if self._shared is not None else 0
+        return first + sum(a.bytes_in_use for _, a in list(self._grown.values()))
 
     @property
     def capacity(self) -> int:
@@ -165,16 +170,20 @@ class OutputArenas:
 
     # -- growth ------------------------------------------------------------------------------------
     def _new_pool(self, uid: int, nbytes: int) -> _Pool:
-        """The pool of ``uid``'s answers, with its home extent, as large as extent 0."""
+        """The pool of ``uid``'s answers, with its home extent: as large as extent 0, but no larger
+        than steady small traffic touches (the broker's extent 0 is 60 MiB), since a pool lives
+        as long as its producer and its home counts against the cap all that while."""
         with self._lock:
             pool = self._pools.get(uid)
             if pool is not None:
                 return pool
+            self._unlink_drained()
             pool = _Pool(readers=others((uid,)) if uid >= 0 else ())
-            size = _round_up(self.first.capacity, MIB)
+            size = _round_up(min(self.first.capacity, DEFAULT_START_BYTES), MIB)
             if self.capacity + size > self.cap:
-                raise GrowthRefused(self._refusal(nbytes, f"the cap of {self.owner.arena} is taken by answers "
-                                                          f"not read yet ({self.owner.cap_flag}={self.cap >> 20})"))
+                raise GrowthRefused(self._refusal(nbytes, f"the cap of {self.owner.arena} is taken by the extents of "
+                                                          f"{len(self._pools)} users' answers "
+                                                          f"({self.owner.cap_flag}={self.cap >> 20}): raise it"))
             made = self._make(pool, size, nbytes)
             if made is None:
                 raise GrowthRefused(self._refusal(nbytes, "too many of its extents are in use"))
@@ -214,32 +223,50 @@ class OutputArenas:
         if used + size > self.cap:
             size = (self.cap - used) // MIB * MIB  # what the cap leaves, if the answer fits in that
         if size < need:
-            if need <= max(self.cap - self.first.capacity, self.first.capacity):
+            if need <= self._most_ever(pool):
                 return None
             raise AnswerTooLarge(self._refusal(response, f"larger than the cap of {self.owner.arena} lets it ever "
                                                      f"hold, {self.owner.cap_flag}={self.cap >> 20}: raise it"))
         return self._make(pool, size, response)
 
+    def _most_ever(self, pool: _Pool) -> int:
+        """The largest extent ``pool`` could ever be given once every answer is read: the cap less
+        what stays (extent 0 while shared; else the other users' home extents)."""
+        if self._shared is not None:
+            return max(self.cap - self.first.capacity, self.first.capacity)
+        homes = sum(self._grown[p.home][1].capacity for p in self._pools.values() if p is not pool and p.home)
+        return self.cap - homes
+
     def _make(self, pool: _Pool, size: int, response: int) -> tuple[int, Arena] | None:
         """A new extent of ``size`` bytes that ``pool``'s readers may open; None while every
         entry of the published sizes' table describes a live extent."""
-        extent = self._free_number()
-        if extent is None:
-            return None
-        if extent >= MAX_EXTENTS:
-            raise GrowthRefused(self._refusal(response, f"it has grown {MAX_EXTENTS - 1} times; raise "
-                                                    f"{self.owner.more_hint}"))
-        name = self.owner.name_of(extent)
         readers = server_readers() if self._shared is not None else pool.readers
-        try:
-            with space.counting(self.server_id):  # checked and made with no other growth in between
-                space.check(self.server_id, size, f"a {space.mib(size)} output extent of {self.owner.name}",
-                            f" ({self.owner.cap_flag}={self.cap >> 20} caps {self.owner.caps})")
-                seg = Segment.create_anew(name, size, readers, taken=0)
-        except space.NoRoom as e:
-            raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
-        except (OSError, posix_ipc.Error) as e:
-            raise GrowthRefused(self._refusal(response, f"{name}: {e}")) from None
+        for _ in range(SQUATTED_TRIES):
+            extent = self._free_number()
+            if extent is None:
+                return None
+            if extent >= MAX_EXTENTS:
+                raise GrowthRefused(self._refusal(response, f"it has grown {MAX_EXTENTS - 1} times; raise "
+                                                        f"{self.owner.more_hint}"))
+            name = self.owner.name_of(extent)
+            try:
+                with space.counting(self.server_id):  # checked and made with no other growth in between
+                    space.check(self.server_id, size, f"a {space.mib(size)} output extent of {self.owner.name}",
+                                f" ({self.owner.cap_flag}={self.cap >> 20} caps {self.owner.caps})")
+                    seg = Segment.create_anew(name, size, readers, taken=0)
+                break
+            except space.NoRoom as e:
+                raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
+            except posix_ipc.ExistentialError:
+                # Made by another user where the server may not remove it (a sticky /dev/shm):
+                # the number is skipped, or one squatted name would stop every growth.
+                log.warning("%s exists and is not the server's to remove: %s skips it", name, self.owner.name)
+                self._next = extent + 1
+            except (OSError, posix_ipc.Error) as e:
+                raise GrowthRefused(self._refusal(response, f"{name}: {e}")) from None
+        else:
+            raise GrowthRefused(self._refusal(response, f"the next {SQUATTED_TRIES} names of its extents exist and "
+                                                    f"are not the server's to remove"))
         self._next = extent + 1
         self.owner.publish(extent, size)  # before any answer in it is published
         arena = Arena(seg.buf, 0, size, seg.populate)

@@ -85,8 +85,13 @@ class Segment:
 
     @classmethod
     def create_anew(cls, name: str, size: int, readers: tuple[int, ...] = (), taken: int | None = None) -> "Segment":
-        """``create``, after removing an object of that name a crashed predecessor left."""
-        unlink_shm(name)
+        """``create``, after removing an object of that name a crashed predecessor left. One
+        the server may not remove (another user's, in a sticky /dev/shm; a directory) stays, and
+        creating raises ``posix_ipc.ExistentialError``."""
+        try:
+            unlink_shm(name)
+        except (OSError, posix_ipc.Error):
+            pass
         return cls.create(name, size, readers, taken=taken)
 
     @classmethod

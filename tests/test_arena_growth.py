@@ -142,6 +142,25 @@ def test_an_extent_name_another_user_made_first_is_never_used(server_factory):
             np.testing.assert_array_equal(result["OUT"], x)
 
 
+def test_extent_names_the_server_cannot_remove_are_skipped(server_factory):
+    """In a sticky /dev/shm another user's object of the next extent's name cannot be removed (a
+    directory stands for it here, which not even root may shm_unlink): the arena grows past that
+    number instead of refusing every growth from then on, and says which name it skipped."""
+    s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
+    squatted = [Path("/dev/shm" + extent_name(s.id, 0, k)) for k in (1, 2)]
+    for path in squatted:
+        path.mkdir()
+    try:
+        np.testing.assert_array_equal(http_identity(s, BIG), np.arange(BIG, dtype=np.float32))
+        assert all(path.is_dir() for path in squatted)
+        st = os.stat("/dev/shm" + extent_name(s.id, 0, 3))
+        assert (st.st_uid, st.st_mode & 0o777) == (os.geteuid(), 0o600)
+        assert f"{extent_name(s.id, 0, 1)} exists and is not the server's to remove" in s.log()
+    finally:
+        for path in squatted:
+            path.rmdir()
+
+
 def test_a_consumer_maps_an_extent_only_if_the_server_owns_it_at_its_size(server_factory):
     """``map_worker_extent``, as every consumer calls it, against a live server's worker: an
     extent the worker never made, one of the wrong size and one of another user are refused;

@@ -24,6 +24,7 @@ from conftest import DEADLINE_S, PRODUCT_MODELS, SHM_MODELS, TESTS, shm_names, w
 from gates import Gate
 from shmserve.shm.access import acl, readers_of
 from shmserve.shm.client import Client
+from shmserve.shm.extents import DEFAULT_START_BYTES
 
 GROWTH_MODELS = TESTS / "models" / "growth"
 STRANGER = 4321  # a user no one named (not even in the user database): a third container's
@@ -112,6 +113,10 @@ def test_a_client_of_a_named_user_is_served_over_every_object_it_opens(users_ser
     assert set(extents.values()) == {(), (NOBODY.pw_uid,)}, extents
     assert sum(".worker." in n and readers == (NOBODY.pw_uid,) for n, readers in extents.items()) >= 2, \
         f"nobody's home extent, and one the 12 MiB answer grew: {extents}"
+    # A home extent is as small as a worker's first, the broker's too (its first is 60 MiB).
+    homes = [os.stat("/dev/shm/" + n).st_size for n, readers in extents.items()
+             if ".broker." in n and readers == (NOBODY.pw_uid,)]
+    assert homes == [DEFAULT_START_BYTES], extents
 
 
 # A client of a named user: answers marked with its own values (a model's and an ensemble's), held;
