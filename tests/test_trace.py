@@ -216,8 +216,10 @@ def test_rate_and_count(server_factory, tmp_path):
 
 def test_a_count_of_zero_with_the_level_on_is_refused_whichever_post_leaves_it(server_factory, tmp_path):
     """Triton 2.51's rule, checked side by side: a setting whose count is 0 is invalid unless the
-    level is OFF, whether a POST sets the count, the count ran out, or it was set under OFF and a
-    later POST turns the level on; a POST that sets a count again is taken."""
+    level is OFF, whether a POST sets the count, the count ran out (the global one, or a model's
+    own that a global change would carry on), or it was set under OFF and a later POST turns the
+    level on; a POST that sets a count again is taken. (Triton keeps part of a global POST it
+    refuses for a model; here a refused POST changes nothing.)"""
     path = tmp_path / "trace.json"
     s = start(server_factory, path, "level=TIMESTAMPS", "rate=1")
     client = s.client()
@@ -242,6 +244,16 @@ def test_a_count_of_zero_with_the_level_on_is_refused_whichever_post_leaves_it(s
     assert status == 200 and doc["trace_count"] == "2", doc
     status, doc = post({"trace_rate": "3"}, model="add_sub")
     assert status == 200 and (doc["trace_rate"], doc["trace_count"]) == ("3", "2"), doc
+    # A model's own count that ran out: a global change the model follows would leave it on with 0.
+    assert post({"trace_count": "1"}, model="probe")[0] == 200
+    probe(client)
+    probe(client)
+    assert client.get_trace_settings(model_name="probe")["trace_count"] == "0"
+    status, doc = post({"trace_rate": "2"})
+    assert status == 400 and doc["error"].startswith("Attempting to set invalid trace setting :"), doc
+    assert client.get_trace_settings()["trace_rate"] == "1", "a refused POST changes nothing"
+    status, doc = post({"trace_level": ["OFF"]})
+    assert status == 200 and client.get_trace_settings(model_name="probe")["trace_level"] == ["OFF"], doc
 
 
 def test_count_at_start_and_defaults(server_factory, tmp_path):

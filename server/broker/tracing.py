@@ -106,14 +106,17 @@ class TraceOwner:
         if not model:
             # Keys the update leaves alone keep their values, the count what is left of it.
             new = {**self.global_, "count": self.remaining(""), **update}
+            # Models that fall back on global keys follow them, each with what its own count has
+            # left (or the global one's), and must be valid too.
+            followers = {name: {**trace.effective(new, own), "count": self._model_count(name, own, new)}
+                         for name, own in self.overrides.items() if any(k not in own for k in trace.MODEL_KEYS)}
             self._check(new)
-            for name, own in self.overrides.items():
-                self._check(trace.effective(new, own))
+            for setting in followers.values():
+                self._check(setting)
             self.global_ = new
             self._new_object("", new)
-            for name, own in self.overrides.items():  # models that fall back on global keys follow them
-                if any(k not in own for k in trace.MODEL_KEYS):
-                    self._new_object(name, {**trace.effective(new, own), "count": self._model_count(name, own)})
+            for name, setting in followers.items():
+                self._new_object(name, setting)
         else:
             own = dict(self.overrides.get(model, {}))
             if "count" not in update and "count" in own and model in self.overrides:
@@ -137,8 +140,10 @@ class TraceOwner:
                  orjson.dumps(self.answer(model)).decode())
         self._publish()
 
-    def _model_count(self, model: str, own: dict[str, Any]) -> int:
-        return self.remaining(model) if "count" in own else self.global_["count"]
+    def _model_count(self, model: str, own: dict[str, Any], global_: dict[str, Any]) -> int:
+        """The count a model's new setting object starts with: what its own has left, or the
+        global setting's count."""
+        return self.remaining(model) if "count" in own else global_["count"]
 
     def _publish(self) -> None:
         def entry(owner: str, setting: dict[str, Any]) -> dict[str, Any]:
