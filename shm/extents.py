@@ -17,8 +17,8 @@ client writes: a worker's control object, the broker's tables (``map_extent``).
 
 Where clients of other users may connect (``--local-client-users``), they map the producer's
 segment, so no answer goes to extent 0: each user's clients get their answers in extents of their
-own, which no other client can open (``OutputArenas``), a home extent as large as extent 0 made
-on the user's first answer, grown the same way beyond it.
+own, which no other client can open (``OutputArenas``): a home extent as large as extent 0, up to
+4 MiB, made on the user's first answer, grown the same way beyond it.
 
 The broker's arena grows the same way (``broker.0.arena.<k>``, up to ``--broker-arena-mb``): an
 ensemble's answer larger than its first 64 MiB is served, and answers a client keeps (a local
