@@ -140,12 +140,12 @@ class Trace:
         trace (or of the nested ensemble step that made it) by its ``parent_id``, as Triton writes
         a composing model's request."""
         out = []
-        for i, step in enumerate(self.steps):
-            doc: dict[str, Any] = {"id": first_id + i, "model_name": step.model, "model_version": step.version}
+        for step_id, model, version, parent, stamps in self.step_spans(first_id):
+            doc: dict[str, Any] = {"id": step_id, "model_name": model, "model_version": version}
             if self.request_id:
                 doc["request_id"] = self.request_id
-            doc["parent_id"] = self.id if step.parent < 0 else first_id + step.parent
-            doc["timestamps"] = [{"name": name, "ns": ns} for name, ns in zip(STEP_STAMP_NAMES, step.stamps) if ns]
+            doc["parent_id"] = self.id if parent < 0 else first_id + parent
+            doc["timestamps"] = [{"name": name, "ns": ns} for name, ns in stamps]
             out.append(orjson.dumps(doc))
         return out
 
@@ -247,8 +247,8 @@ class Tracer:
         if trace.unqueued:
             return
         try:
+            first = shared.child_ids(len(trace.steps)) if trace.steps and shared is not None else 0  # its steps' ids
             if setting.mode == "opentelemetry":
-                first = shared.child_ids(len(trace.steps)) if trace.steps and shared is not None else 0
                 self._exporter(setting.url).export(trace.id, trace.model, trace.version, trace.stamps(),
                                                    trace.step_spans(first) if first else ())
                 return
@@ -258,7 +258,6 @@ class Tracer:
                 if self._writer is not None:
                     self._writer.close()
                 self._writer = FileWriter(shared)
-            first = shared.child_ids(len(trace.steps)) if trace.steps else 0
             records = trace.step_records(first) if first else []
             # One trace with its children, as Triton writes them: log_frequency counts it once.
             group = b",\n".join((*records, trace.record()))
