@@ -214,6 +214,36 @@ def test_rate_and_count(server_factory, tmp_path):
     assert client.get_trace_settings()["trace_count"] == "0"
 
 
+def test_a_streamed_ensembles_steps_are_traced_once_as_children_of_the_stream(server_factory, tmp_path):
+    """A decoupled ensemble on a gRPC stream: its decoupled step and the call of the next step for
+    each of its three responses are children of the request's one trace, written once with it."""
+    import queue
+
+    path = tmp_path / "trace.json"
+    server = server_factory.start([TESTS / "models" / "decens"],
+                                  ["--model-control-mode", "explicit", "--load-model", "repeat_pipe",
+                                   "--trace-config", f"triton,file={path}", "--trace-config", "level=TIMESTAMPS",
+                                   "--trace-config", "rate=1"])
+    got: queue.Queue = queue.Queue()
+    n = grpcclient.InferInput("N", [1], "INT32")
+    n.set_data_from_numpy(np.array([3], np.int32))
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        client.async_stream_infer("repeat_pipe", [n], request_id="s-1", enable_empty_final_response=True)
+        while True:
+            result, error = got.get(timeout=DEADLINE_S)
+            assert error is None, error
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        client.stop_stream()
+    found = records(path, 5)
+    assert len(found) == 5, found
+    (top,) = [r for r in found if "parent_id" not in r]
+    assert top["model_name"] == "repeat_pipe" and top["request_id"] == "s-1"
+    children = sorted(r["model_name"] for r in found if r.get("parent_id") == top["id"])
+    assert children == ["repeat", "slow_log", "slow_log", "slow_log"], found
+
+
 def test_a_count_of_zero_with_the_level_on_is_refused_whichever_post_leaves_it(server_factory, tmp_path):
     """Triton 2.51's rule, checked side by side: a setting whose count is 0 is invalid unless the
     level is OFF, whether a POST sets the count, the count ran out (the global one, or a model's
