@@ -40,6 +40,7 @@ from .ring import Ring
 from .routes import Router
 from .slots import Slots
 from .tensors import byte_view
+from .truncation_guard import restore as restore_guarded
 from .waker import AWAKE, SpinPolicy, read_all
 
 _counter = itertools.count()
@@ -422,6 +423,7 @@ class Connection:
             return False
         if self.alive and self._broker_alive() and self.broker.started_ns == self._broker_started():
             self._slots.forget_gone_producers()  # once a second or so, with the other checks
+            restore_guarded()  # a page replaced for want of room is the object's again (truncation_guard.py)
             return True
         if self.alive:
             self._server_gone()

@@ -26,14 +26,14 @@ from .access import grant
 from .names import unlink_shm
 from .region_io import RegionFiles
 from .space import HOW_TO_RAISE, NoRoom, mib, take_pages
-from .truncation_guard import guard_mapping
+from .truncation_guard import MappingGuard, guard_mapping
 
 
 class Segment:
     """One mapped segment. ``create`` owns the name (and unlinks it); ``attach`` only maps it."""
 
     def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, uid: int = -1,
-                 unguard: Callable[[], None] = lambda: None) -> None:
+                 guard: MappingGuard | None = None) -> None:
         self.name = name
         self.size = size
         self.uid = uid if uid >= 0 else os.geteuid()  # the object's owner, as fstat said when mapped
@@ -41,7 +41,7 @@ class Segment:
         self.buf = memoryview(mm)
         self.owner = owner
         self.closed = False  # close() was called: ``buf`` may be released, ``view`` may fail
-        self._unguard = unguard  # ends the truncation guard of the file (truncation_guard.py)
+        self._guard = guard or MappingGuard()  # the file's truncation guard (truncation_guard.py)
 
     def view(self) -> memoryview:
         """A view of the whole mapping that stays valid after ``close`` (which then leaves the
@@ -70,7 +70,7 @@ class Segment:
         try:
             grant(shm.fd, readers, readers_write)
             mm = mmap.mmap(shm.fd, size)
-            seg = cls(name, size, mm, owner=True, unguard=guard_mapping(mm, shm.fd, size))
+            seg = cls(name, size, mm, owner=True, guard=guard_mapping(mm, shm.fd, size, restorable=True))
             eager = size if taken is None else taken
             if not seg.populate(0, eager):
                 seg.close()
@@ -105,20 +105,21 @@ class Segment:
             access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
             mm = mmap.mmap(shm.fd, size, access=access)
             # What this process only reads is written by the server alone: nobody to truncate it.
-            unguard = (lambda: None) if readonly else guard_mapping(mm, shm.fd, size)
+            guard = MappingGuard() if readonly else guard_mapping(mm, shm.fd, size, restorable=True)
         finally:
             shm.close_fd()
-        return cls(name, size, mm, owner=False, uid=st.st_uid, unguard=unguard)
+        return cls(name, size, mm, owner=False, uid=st.st_uid, guard=guard)
 
     def close(self) -> None:
         """Unmap; views still alive keep the mapping until they die (BufferError is expected)."""
         self.closed = True
+        self._guard.closing()  # (before the unmap: the range may be another mapping's after it)
         try:
             self.buf.release()
             self._mmap.close()
         except BufferError:
             return  # guarded until the last view lets the mapping go
-        self._unguard()
+        self._guard.release()
 
     def unlink(self) -> None:
         unlink_shm(self.name)

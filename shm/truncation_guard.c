@@ -13,9 +13,18 @@
  * guard_restore() does the same without a fault, from a process's periodic checks, so that an
  * object is whole again for those that map it anew even when its owner does not touch it.
  *
+ * The pages a truncation gave back are taken again only as they are touched, so a writer who
+ * truncates and then fills /dev/shm leaves the file whole but a touched page with no room: the
+ * fault comes back. The handler then takes that page with fallocate, and where /dev/shm has no
+ * room, it puts a private zero page of this process in its place (MAP_FIXED), so the touch goes
+ * on and the process lives. Such a page is no longer the object's: what this process writes there
+ * nobody else sees. guard_restore() puts the object's page back once there is room again, for
+ * mappings whose owner says when it is about to unmap them (guard_close), so that no page is ever
+ * put into an address range another mapping may have taken since.
+ *
  * A SIGBUS outside every guarded mapping, or one that keeps coming back at one address although
- * the file is whole (a page /dev/shm has no room for), goes to the handler that was there before,
- * as if this one did not exist.
+ * the file is whole and the page could be had or replaced, goes to the handler that was there
+ * before, as if this one did not exist.
  *
  * Loaded with ctypes by truncation_guard.py, which says what each guarded file is. No Python
  * headers: a plain shared object built by setuptools as an optional extension.
@@ -28,6 +37,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -35,12 +45,30 @@
 
 enum { SLOT_FREE = 0, SLOT_FILLING = 1, SLOT_LIVE = 2, SLOT_LEAVING = 3 };
 
+/* What may be done to a page of a guarded mapping that /dev/shm has no room for. */
+enum {
+    PAGES_KEPT = 0,     /* nothing: the owner is unmapping it (guard_close), its range may be reused */
+    PAGES_REPLACED = 1, /* replaced by a private zero page, for the mapping's life */
+    PAGES_RESTORED = 2, /* replaced, and the object's page put back by guard_restore once there is room */
+};
+
 struct guarded_file {
     atomic_int state;
+    atomic_int pages;     /* PAGES_*: what a page with no room may become */
     int fd;               /* our own duplicate, open for writing */
+    int prot, flags;      /* the mapping's protection and MAP_SHARED or MAP_PRIVATE */
     off_t size;           /* the size the process maps */
     uintptr_t start, end; /* where it is mapped */
 };
+
+/* A page replaced by a private zero page, whose object's page guard_restore may put back. */
+struct replaced_page {
+    atomic_int state; /* SLOT_FREE, SLOT_FILLING or SLOT_LIVE */
+    int slot;
+    uintptr_t address;
+};
+
+#define REPLACED_CAPACITY 65536 /* (zero until used: costs no memory before) */
 
 /* Faults in a guarded mapping whose file was whole already: another process (or another thread's
  * fault) grew it back first, and the access is only made again. So many in a row at one address
@@ -51,6 +79,10 @@ static struct guarded_file table[GUARD_CAPACITY];
 static atomic_int slots_used;        /* slots at or past this index were never filled */
 static atomic_int handlers_running;  /* so that a slot's descriptor is not closed under a handler */
 static atomic_ulong files_regrown;
+static struct replaced_page replaced[REPLACED_CAPACITY];
+static atomic_int replaced_used;    /* entries at or past this index were never filled */
+static atomic_ulong pages_replaced, pages_restored;
+static uintptr_t page_size;
 static struct sigaction previous_action;
 static atomic_int installed;
 static atomic_uintptr_t futile_address;
@@ -94,6 +126,89 @@ static void pass_on(int signo, siginfo_t *info, void *context)
     }
 }
 
+/* Remember a replaced page of `slot`, for guard_restore; nothing when the table is full (the page
+ * then stays this process's until the mapping goes). */
+static void remember_replaced(int slot, uintptr_t page)
+{
+    for (int i = 0; i < REPLACED_CAPACITY; i++) {
+        int expected = SLOT_FREE;
+        if (!atomic_compare_exchange_strong(&replaced[i].state, &expected, SLOT_FILLING))
+            continue;
+        replaced[i].slot = slot;
+        replaced[i].address = page;
+        int used = atomic_load(&replaced_used);
+        while (used <= i && !atomic_compare_exchange_weak(&replaced_used, &used, i + 1))
+            ;
+        atomic_store(&replaced[i].state, SLOT_LIVE);
+        return;
+    }
+}
+
+/* A fault in a guarded mapping whose file is whole: take the page (fallocate), or where /dev/shm
+ * has no room for it put a private zero page in its place. */
+static void take_or_replace(uintptr_t address, int used)
+{
+    uintptr_t page = address & ~(page_size - 1);
+    int no_room = -1; /* a slot whose file has no room for the page */
+    for (int i = 0; i < used; i++) {
+        struct guarded_file *g = &table[i];
+        if (atomic_load(&g->state) != SLOT_LIVE || page < g->start || page >= g->end ||
+            atomic_load(&g->pages) == PAGES_KEPT)
+            continue;
+        if (fallocate(g->fd, 0, (off_t)(page - g->start), (off_t)page_size) == 0)
+            return; /* there was room: the page is the file's now */
+        if (errno == ENOSPC || errno == ENOMEM)
+            no_room = i;
+    }
+    if (no_room < 0)
+        return;
+    struct guarded_file *g = &table[no_room];
+    if (mmap((void *)page, page_size, g->prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
+        return;
+    atomic_fetch_add(&pages_replaced, 1);
+    if (atomic_load(&g->pages) == PAGES_RESTORED)
+        remember_replaced(no_room, page);
+}
+
+/* Put back the object's page in place of each replaced one that /dev/shm has room for again; how
+ * many. Only for mappings still PAGES_RESTORED: their owner calls guard_close before unmapping. */
+static int restore_replaced(void)
+{
+    int restored = 0;
+    atomic_fetch_add(&handlers_running, 1);
+    int used = atomic_load(&replaced_used);
+    for (int i = 0; i < used; i++) {
+        struct replaced_page *r = &replaced[i];
+        if (atomic_load(&r->state) != SLOT_LIVE)
+            continue;
+        struct guarded_file *g = &table[r->slot];
+        if (atomic_load(&g->state) != SLOT_LIVE || atomic_load(&g->pages) != PAGES_RESTORED)
+            continue;
+        off_t offset = (off_t)(r->address - g->start);
+        if (fallocate(g->fd, 0, offset, (off_t)page_size) != 0)
+            continue; /* still no room */
+        if (mmap((void *)r->address, page_size, g->prot, g->flags | MAP_FIXED, g->fd, offset) == MAP_FAILED)
+            continue;
+        int expected = SLOT_LIVE;
+        if (atomic_compare_exchange_strong(&r->state, &expected, SLOT_FREE))
+            restored++;
+    }
+    atomic_fetch_sub(&handlers_running, 1);
+    if (restored)
+        atomic_fetch_add(&pages_restored, (unsigned long)restored);
+    return restored;
+}
+
+/* Forget the replaced pages of `slot` (no handler runs: see guard_close). */
+static void forget_replaced(int slot)
+{
+    int used = atomic_load(&replaced_used);
+    for (int i = 0; i < used; i++) {
+        if (atomic_load(&replaced[i].state) == SLOT_LIVE && replaced[i].slot == slot)
+            atomic_store(&replaced[i].state, SLOT_FREE);
+    }
+}
+
 static void on_sigbus(int signo, siginfo_t *info, void *context)
 {
     int saved_errno = errno;
@@ -110,12 +225,15 @@ static void on_sigbus(int signo, siginfo_t *info, void *context)
         if (fstat(g->fd, &st) == 0 && st.st_size < g->size && ftruncate(g->fd, g->size) == 0)
             regrown = 1;
     }
+    if (ours && !regrown)
+        take_or_replace(address, used);
     atomic_fetch_sub(&handlers_running, 1);
     if (regrown) {
         atomic_fetch_add(&files_regrown, 1);
         atomic_store(&futile_count, 0);
     } else if (ours) {
-        /* Whole already: made again, unless it keeps failing at this address. */
+        /* Whole already (and the page taken or replaced where it could be): made again, unless it
+         * keeps failing at this address all the same, as it would with a hardware error. */
         if (atomic_exchange(&futile_address, address) != address)
             atomic_store(&futile_count, 0);
         if (atomic_fetch_add(&futile_count, 1) >= FUTILE_LIMIT) {
@@ -145,6 +263,7 @@ int guard_install(void)
     struct sigaction action = {0};
     action.sa_sigaction = on_sigbus;
     action.sa_flags = SA_SIGINFO | SA_RESTART;
+    page_size = (uintptr_t)sysconf(_SC_PAGESIZE);
     sigemptyset(&action.sa_mask);
     if (sigaction(SIGBUS, &action, &previous_action) != 0) {
         int e = errno;
@@ -154,9 +273,10 @@ int guard_install(void)
     return pthread_atfork(NULL, NULL, after_fork_in_child);
 }
 
-/* Guard the file open as `fd` (duplicated here) at `size` bytes, mapped at `start`; the slot, or
- * -errno. */
-int guard_add(int fd, long long size, void *start)
+/* Guard the file open as `fd` (duplicated here) at `size` bytes, mapped at `start` with `prot` and
+ * `flags` (MAP_SHARED or MAP_PRIVATE); `restorable`: the caller calls guard_close before it unmaps
+ * the mapping, so a replaced page may be put back. The slot, or -errno. */
+int guard_add(int fd, long long size, void *start, int prot, int flags, int restorable)
 {
     int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (own < 0)
@@ -166,6 +286,9 @@ int guard_add(int fd, long long size, void *start)
         if (!atomic_compare_exchange_strong(&table[i].state, &expected, SLOT_FILLING))
             continue;
         table[i].fd = own;
+        table[i].prot = prot;
+        table[i].flags = flags & (MAP_SHARED | MAP_PRIVATE);
+        atomic_store(&table[i].pages, restorable ? PAGES_RESTORED : PAGES_REPLACED);
         table[i].size = (off_t)size;
         table[i].start = (uintptr_t)start;
         table[i].end = (uintptr_t)start + (uintptr_t)size;
@@ -179,6 +302,18 @@ int guard_add(int fd, long long size, void *start)
     return -ENOSPC;
 }
 
+/* The mapping of a slot is about to be unmapped: from now on no page of it is replaced or put back
+ * (its address range may soon be another mapping's); faults in it are still undone. */
+void guard_close(int slot)
+{
+    if (slot < 0 || slot >= GUARD_CAPACITY || atomic_load(&table[slot].state) != SLOT_LIVE)
+        return;
+    atomic_store(&table[slot].pages, PAGES_KEPT);
+    while (atomic_load(&handlers_running) > 0) /* one may have read the old value */
+        sched_yield();
+    forget_replaced(slot);
+}
+
 /* Stop guarding a slot guard_add returned, and close its descriptor. */
 void guard_remove(int slot)
 {
@@ -189,16 +324,41 @@ void guard_remove(int slot)
         return;
     while (atomic_load(&handlers_running) > 0) /* a handler may still be using the descriptor */
         sched_yield();
+    forget_replaced(slot);
     close(table[slot].fd);
     table[slot].fd = -1;
     atomic_store(&table[slot].state, SLOT_FREE);
 }
 
 /* Grow back now what was shrunk, before any touch of it: other processes may map the file anew,
- * and an empty one cannot be mapped. How many were. */
+ * and an empty one cannot be mapped; and put back the object's pages that were replaced, where
+ * there is room again. How many files were grown back. */
 int guard_restore(void)
 {
-    return regrow_shrunk();
+    int regrown = regrow_shrunk();
+    restore_replaced();
+    return regrown;
+}
+
+/* How many pages with no room were replaced by private zero pages, and how many of those were
+ * put back, since the process started. */
+unsigned long guard_replaced(void)
+{
+    return atomic_load(&pages_replaced);
+}
+
+unsigned long guard_restored(void)
+{
+    return atomic_load(&pages_restored);
+}
+
+/* How many replaced pages are still waiting to be put back. */
+int guard_waiting(void)
+{
+    int waiting = 0, used = atomic_load(&replaced_used);
+    for (int i = 0; i < used; i++)
+        waiting += atomic_load(&replaced[i].state) == SLOT_LIVE;
+    return waiting;
 }
 
 /* How many times a guarded file was grown back since the process started. */

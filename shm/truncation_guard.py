@@ -7,6 +7,9 @@ worker. POSIX shared memory
 cannot be sealed against that; ``truncation_guard.c`` (a SIGBUS handler, loaded with ctypes) grows
 each guarded file back to its size instead, and the touch goes on over a zero page. A truncation
 then only zeroes the end of an object, as its writer could anyway, and readers check what they read.
+Where the writer has also filled /dev/shm, so that a page it gave back cannot be had again, the
+page is replaced by a private zero page of this process, and the object's page is put back by the
+periodic ``restore`` once there is room (for a ``Segment``, which says when it unmaps).
 
 ``guard_mapping`` registers a mapping of an object another user may write (``Segment`` asks for
 each one it makes); the library is built from the C file when the package is installed
@@ -39,11 +42,17 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(spec.origin)
     lib.guard_install.restype = ctypes.c_int
-    lib.guard_add.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p)
+    lib.guard_add.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int)
     lib.guard_add.restype = ctypes.c_int
+    lib.guard_close.argtypes = (ctypes.c_int,)
+    lib.guard_close.restype = None
     lib.guard_remove.argtypes = (ctypes.c_int,)
     lib.guard_remove.restype = None
     lib.guard_regrown.restype = ctypes.c_ulong
+    lib.guard_replaced.restype = ctypes.c_ulong
+    lib.guard_restored.restype = ctypes.c_ulong
+    lib.guard_waiting.restype = ctypes.c_int
     lib.guard_restore.restype = ctypes.c_int
     return lib
 
@@ -64,25 +73,50 @@ def regrown() -> int:
     return int(_lib.guard_regrown()) if _lib is not None else 0
 
 
+def replaced() -> int:
+    """How many pages /dev/shm had no room for this process replaced by private zero pages."""
+    return int(_lib.guard_replaced()) if _lib is not None else 0
+
+
+def restored() -> int:
+    """How many of the replaced pages were put back (the object's own again)."""
+    return int(_lib.guard_restored()) if _lib is not None else 0
+
+
 def restore() -> int:
     """Grow back now every guarded file found shorter than its size (a process's periodic check:
-    an object must be whole for whoever maps it next, not only when this process touches it);
-    how many were."""
+    an object must be whole for whoever maps it next, not only when this process touches it),
+    and put back the object's pages that were replaced where there is room again; how many
+    files were grown back."""
     return int(_lib.guard_restore()) if _lib is not None and _installed else 0
 
 
+def waiting() -> int:
+    """How many replaced pages wait for room to be put back: what this process and the others
+    write there meanwhile misses the other side, wake-ups included, so a process that looks
+    seldom looks each second until then."""
+    return int(_lib.guard_waiting()) if _lib is not None else 0
+
+
 class Repairs:
-    """The count of truncations undone in this process, for a periodic log line."""
+    """What the guard undid in this process since the last look, for a periodic log line."""
 
     def __init__(self) -> None:
-        self._seen = regrown()
+        self._seen = (regrown(), replaced(), restored())
 
-    def since_last(self) -> int:
-        """Restore what is shrunk now; how many truncations were undone since the last call."""
+    def since_last(self) -> list[str]:
+        """Restore what is shrunk or replaced now; what was undone since the last call, in words
+        (empty when nothing was)."""
         restore()
-        now = regrown()
-        count, self._seen = now - self._seen, now
-        return count
+        now = (regrown(), replaced(), restored())
+        grown, swapped, back = (a - b for a, b in zip(now, self._seen))
+        self._seen = now
+        said = [f"{grown} truncated object(s) grown back"] if grown else []
+        if swapped:
+            said.append(f"{swapped} page(s) /dev/shm had no room for replaced by private zero pages")
+        if back:
+            said.append(f"{back} replaced page(s) put back")
+        return said
 
 
 class Guard:
@@ -90,6 +124,12 @@ class Guard:
 
     def __init__(self, slot: int) -> None:
         self._slot = slot
+
+    def closing(self) -> None:
+        """The mapping is about to be unmapped: its address range may be another mapping's soon,
+        so no page of it is replaced or put back from now on."""
+        if self._slot >= 0 and _lib is not None:
+            _lib.guard_close(self._slot)
 
     def release(self) -> None:
         slot, self._slot = self._slot, -1
@@ -100,10 +140,11 @@ class Guard:
         self.release()
 
 
-def _guard_fd(fd: int, size: int, start: int) -> Guard | None:
+def _guard_fd(fd: int, size: int, start: int, prot: int, flags: int, restorable: bool) -> Guard | None:
     """Guard the file open as ``fd`` (which must be open for writing) at ``size`` bytes, mapped at
-    ``start``; the library keeps its own duplicate of ``fd``. None without the library, or when
-    the guard cannot be had (said once: out of descriptors, or 16384 guarded)."""
+    ``start`` with ``prot`` and ``flags``; the library keeps its own duplicate of ``fd``. None
+    without the library, or when the guard cannot be had (said once: out of descriptors, or 16384
+    guarded)."""
     global _installed, _failure_said
     if _lib is None or size <= 0:
         return None
@@ -114,7 +155,7 @@ def _guard_fd(fd: int, size: int, start: int) -> Guard | None:
                 if failed:
                     raise OSError(failed, f"cannot install the SIGBUS handler: {os.strerror(failed)}")
                 _installed = True
-    slot = _lib.guard_add(fd, size, ctypes.c_void_p(start))
+    slot = _lib.guard_add(fd, size, ctypes.c_void_p(start), prot, flags, int(restorable))
     if slot < 0:
         if not _failure_said:
             _failure_said = True
@@ -133,14 +174,30 @@ def others_may_write(fd: int) -> bool:
     return st.st_uid != os.geteuid() or bool(st.st_mode & 0o022) or writable_by_others(fd)
 
 
-def guard_mapping(mm: mmap.mmap, fd: int, size: int) -> Callable[[], None]:
-    """Guard the file behind ``mm`` while the mapping lives, if another user may write it; the
-    returned call releases it at once (once ``mm`` is closed: a mapping a view keeps alive stays
-    guarded until it dies)."""
+class MappingGuard:
+    """The guard of one mapping (``guard_mapping``), or none where nobody else may write the file."""
+
+    def __init__(self, guard: Guard | None = None, release: Callable[[], None] = lambda: None) -> None:
+        self._guard = guard
+        self.release = release  # ends the guard at once (after the unmap)
+
+    def closing(self) -> None:
+        """Say before unmapping: no page is put back into the range from now on."""
+        if self._guard is not None:
+            self._guard.closing()
+
+
+def guard_mapping(mm: mmap.mmap, fd: int, size: int, shared: bool = True, writable: bool = True,
+                  restorable: bool = False) -> MappingGuard:
+    """Guard the file behind ``mm`` (mapped ``shared`` or private, ``writable`` or not) while the
+    mapping lives, if another user may write it; ``restorable``: the caller calls ``closing``
+    before it unmaps, so a replaced page may be put back. The guard's ``release`` ends it at once
+    (once ``mm`` is closed: a mapping a view keeps alive stays guarded until it dies)."""
     if _lib is None or not others_may_write(fd):
-        return lambda: None
+        return MappingGuard()
     start = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
-    guard = _guard_fd(fd, size, start)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    guard = _guard_fd(fd, size, start, prot, mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE, restorable)
     if guard is None:
-        return lambda: None
-    return weakref.finalize(mm, guard.release)
+        return MappingGuard()
+    return MappingGuard(guard, weakref.finalize(mm, guard.release))

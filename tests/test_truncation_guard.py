@@ -1,6 +1,8 @@
 """The truncation guard (shm/truncation_guard.py): a segment another user may write and shrink is
 grown back when this process touches a lost page, or at its periodic ``restore``, instead of a
-SIGBUS; an unguarded one still kills, and a SIGBUS outside the guarded mappings keeps its meaning.
+SIGBUS; a page /dev/shm then has no room for is replaced by a private one until ``restore`` can
+put it back; an unguarded one still kills, and a SIGBUS outside the guarded mappings keeps its
+meaning.
 
 Each case runs in a child process: a failure there is a signal, which must not end the test run.
 """
@@ -25,7 +27,9 @@ def test_the_guard_is_built_where_a_compiler_is():
     assert shutil.which("cc") and truncation_guard.available()
 
 
-def _child(body: str) -> subprocess.CompletedProcess:
+def _child(body: str, tmpfs_mb: int = 0) -> subprocess.CompletedProcess:
+    """Run ``body`` in a child that made ``seg``; ``tmpfs_mb``: in a mount namespace of its own,
+    with a tmpfs that small on /dev/shm (which the child may then fill, and which goes with it)."""
     name = f"/shmtest.guard.{os.getpid()}"
     program = textwrap.dedent("""
         import os, subprocess
@@ -42,7 +46,11 @@ def _child(body: str) -> subprocess.CompletedProcess:
             seg.unlink()
     """)
     try:
-        return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+        command = [sys.executable, "-c", program]
+        if tmpfs_mb:
+            mount = f'mount -t tmpfs -o size={tmpfs_mb}m tmpfs /dev/shm && exec "$@"'
+            command = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", *command]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
     finally:
         for leftover in (name, name + ".2"):  # (what a child killed by its signal could not remove)
             if os.path.exists("/dev/shm" + leftover):
@@ -61,6 +69,39 @@ def test_a_touch_past_a_truncation_grows_the_segment_back():
     """)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0", "0", "True", str(1 << 20), "1"]
+
+
+def test_a_page_dev_shm_has_no_room_for_after_a_truncation_is_replaced_then_put_back():
+    """A truncation gives the object's pages back, and grown back they are taken only when touched:
+    a writer that truncates and then fills /dev/shm left a page the touch could not have, a SIGBUS
+    again. The handler replaces such a page by a private zero page (the process lives, and what
+    it writes there the object does not see), and ``restore`` puts the object's page back once
+    there is room: what is written then is the object's again."""
+    done = _child("""
+        import errno
+        seg.buf[100] = 7
+        cut()
+        with open("/dev/shm/filler", "wb", buffering=0) as filler:  # another user fills /dev/shm
+            for chunk in (1 << 20, 4096):
+                try:
+                    while True:
+                        filler.write(bytes(chunk))
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+        print(seg.buf[100], seg.buf[5000])  # no signal: zero pages, the process's own
+        seg.buf[200] = 5
+        with open(path, "rb") as f:
+            print(seg.buf[200], f.read(4096)[200], truncation_guard.replaced())  # not the object's
+            print(truncation_guard.restore(), truncation_guard.restored())  # still no room: kept
+            os.unlink("/dev/shm/filler")  # the room is back
+            truncation_guard.restore()
+            print(truncation_guard.restored())
+            seg.buf[300] = 9
+            f.seek(0)
+            print(f.read(4096)[300], os.stat(path).st_size)  # the object's page again
+    """, tmpfs_mb=8)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.split() == ["0", "0", "5", "0", "2", "0", "0", "2", "9", str(1 << 20)]
 
 
 def test_restore_grows_back_what_nobody_touched():
@@ -164,7 +205,7 @@ def test_an_unguarded_mapping_still_dies_of_sigbus():
     """What the guard was let go of (a segment closed) is the kernel's again: the handler passes
     a fault with nothing to grow back to the action before it, here the default."""
     done = _child("""
-        seg._unguard()
+        seg._guard.release()
         cut()
         print(seg.buf[10])
     """)

@@ -145,7 +145,8 @@ class InputViews:
             if st.st_size != seg.size or st.st_uid != seg.uid:
                 return None  # not the object the cache mapped
             m = _Mapping(name, fd, seg.size)
-            guard_mapping(m.mm, fd, seg.size)  # its owner may truncate it (shm/truncation_guard.py)
+            # (its owner may truncate it: shm/truncation_guard.py; a private mapping, dropped whole)
+            guard_mapping(m.mm, fd, seg.size, shared=False)
         except (OSError, ValueError):
             return None
         finally:

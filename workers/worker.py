@@ -24,7 +24,7 @@ import posix_ipc
 
 from shmserve.batching import DynamicBatcher, Pending, batches_on_worker
 from shmserve.shm.batch_entry import BatchEntry
-from shmserve.shm import liveness, logs
+from shmserve.shm import liveness, logs, truncation_guard
 from shmserve.shm.answer import NO_VERSION, AnswerDescriptor
 from shmserve.shm.arena import Arena, free_block
 from shmserve.shm.channel import MESSAGES_BYTES, REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
@@ -199,10 +199,11 @@ class Worker:
         spin = SpinPolicy(self.poll_s)
         polled = False  # the last round served a client that polls for its answers
         repairs = Repairs()  # truncations of what it maps undone (shm/truncation_guard.py)
+        check_every = 10.0  # (each second while a page replaced for want of room waits: truncation_guard.py)
         while self.running:
             # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
             # below only covers systems without it.
-            timeout = 10.0
+            timeout = check_every
             if batcher is not None and len(batcher):
                 timeout = min(timeout, batcher.next_timer(time.monotonic()) or 0.0)
             if late:
@@ -215,13 +216,14 @@ class Worker:
                 departures = int(self.broker.departures[0])
                 self._forget_departed_clients()
                 seg.ring_pending_bells()  # a client killed between its put and its bell
-            if time.monotonic() - checked > 10.0:
+            if time.monotonic() - checked > check_every:
                 checked = time.monotonic()
-                self._forget_departed_clients()
-                seg.ring_pending_bells()
                 if undone := repairs.since_last():
-                    log.warning("%d truncated shared-memory object(s) this worker maps were grown back (a local "
-                                "client of a --local-client-users user may write these objects)", undone)
+                    log.warning("shared memory this worker maps was truncated by a client: %s (a local client of "
+                                "a --local-client-users user may write these objects)", "; ".join(undone))
+                check_every = 1.0 if truncation_guard.waiting() else 10.0
+                self._forget_departed_clients()
+                seg.ring_pending_bells()  # (after the repairs: a page put back may hold records it missed)
                 if not pid_alive(self.broker_pid):
                     log.error("broker %d is gone; worker exits", self.broker_pid)
                     return

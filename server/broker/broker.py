@@ -210,8 +210,7 @@ class Broker:
     def _repair_shared_memory(self) -> None:
         """Grow back what a client truncated and rewrite the header it changed, so that new
         clients can map broker.0 and connect; said once a second at most."""
-        undone = self._repairs.since_last()
-        repairs = [f"{undone} truncated object(s) grown back"] if undone else []
+        repairs = self._repairs.since_last()
         if self.seg.restamp():
             repairs.append("broker.0's header written again")
         if repairs:
