@@ -9,7 +9,7 @@ import json
 import pwd
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 NOBODY = pwd.getpwnam("nobody")
 
@@ -53,8 +53,9 @@ def run_as(uid: int, gid: int, program: str, args: Any = None, timeout: float = 
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def start_as(uid: int, gid: int, program: str, args: Any = None) -> subprocess.Popen:
-    """``program`` started as ``uid``:``gid``, its stdin, stdout and stderr pipes (text)."""
+def start_as(uid: int, gid: int, program: str, args: Any = None, prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """``program`` started as ``uid``:``gid``, its stdin, stdout and stderr pipes (text);
+    ``prefix``: a command that runs it (``nsenter`` into a server's mount namespace)."""
     source = _PRELUDE.format(uid=uid, gid=gid) + program + _EPILOGUE
-    return subprocess.Popen([sys.executable, "-c", source, json.dumps(args)], stdin=subprocess.PIPE,
+    return subprocess.Popen([*prefix, sys.executable, "-c", source, json.dumps(args)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")

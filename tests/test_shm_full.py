@@ -19,6 +19,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from as_nobody import NOBODY, start_as
 from blob_models import infer, write_repo
 from conftest import PYTHON, ROOT, Server
 
@@ -204,3 +205,113 @@ def test_a_broker_restarted_while_dev_shm_is_full_says_so_and_comes_back_with_th
     server.wait_ready()
     assert (infer(client, "blob", 16, 16, 2) == 2).all()
     assert "Traceback" not in server.log(), server.log_tail()
+
+
+# A local client of a named user inside the server's mount namespace: "cut" truncates every object
+# it may write (its own segment, broker.0, each worker's segment, the extents of its answers) and
+# fills /dev/shm; "free" removes its file; "ask" connects a new client and sends one request.
+CUT_AND_FILL = r"""
+import errno
+from shmserve.shm.connection import Connection
+sid = args["server"]
+filler = "/dev/shm/nobodys-file"
+def ask(fill):
+    c = Client(sid)
+    got = c.infer("blob", {"IN": np.full(16, fill, np.uint8), "N": np.array([16], np.int64)})["OUT"]
+    c.close()
+    return bool(got.size == 16 and (got == fill).all())
+assert ask(1)
+conn = Connection(sid, loop_driven=True)  # a segment of its own, which the server maps
+for line in sys.stdin:
+    if line.strip() == "cut":
+        targets = ["/dev/shm" + conn.name, f"/dev/shm/shmserve.{sid}.broker.0"]
+        targets += sorted("/dev/shm/" + n for n in os.listdir("/dev/shm")
+                          if n.startswith(f"shmserve.{sid}.worker.") and not n.endswith(".fifo")
+                          and (".arena." not in n or os.access("/dev/shm/" + n, os.W_OK)))
+        for path in targets:
+            os.truncate(path, 0)
+        with open(filler, "ab", buffering=0) as f:
+            for chunk in (1 << 20, 4096):
+                try:
+                    while True:
+                        f.write(bytes(chunk))
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+        print("FULL " + json.dumps(sorted(os.path.basename(p) for p in targets)), flush=True)
+    elif line.strip() == "free":
+        os.unlink(filler)
+        print("FREE", flush=True)
+    elif line.strip() == "ask":
+        print("ASKED " + json.dumps(ask(2)), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_named_user_who_truncates_and_then_fills_dev_shm_kills_no_server_process(tmp_path):
+    """A truncation gives an object's pages back to /dev/shm, and grown back they are taken again
+    only when touched: a client of a --local-client-users user that truncates what it may write
+    and then fills /dev/shm left pages no touch could have, and the broker or a worker that
+    touched one died of SIGBUS. Such a page is now replaced by a private zero page of the process
+    (shm/truncation_guard.py), which says so, and put back once there is room: every process
+    lives on, and serves again as soon as the room is back."""
+    server = NamespacedServer([write_repo(tmp_path / "repo")], tmp_path,
+                              ["--local-client-users=nobody", "--frontend-arena-mb", "32", "--worker-arena-mb", "16",
+                               "--allow-grpc", "false"])
+    server.start()
+    attacker = None
+    try:
+        server.wait_ready()
+        client = httpclient.InferenceServerClient(server.url, network_timeout=30)
+        assert (infer(client, "blob", 16, 16, 1) == 1).all()
+        processes = sorted(server.tree())
+        attacker = start_as(NOBODY.pw_uid, NOBODY.pw_gid, CUT_AND_FILL, {"server": server.id},
+                            prefix=["nsenter", "-t", str(server.pid), "-m", "--"])
+        attacker.stdin.write("cut\n")
+        attacker.stdin.flush()
+        full = attacker.stdout.readline()
+        assert full.startswith("FULL "), (full, attacker.stderr.read() if attacker.poll() is not None else "")
+        cut = json.loads(full[5:])
+        assert {name.split(".")[2] for name in cut} == {"broker", "worker", "client"}, cut
+
+        during = httpclient.InferenceServerClient(server.url, network_timeout=5)
+
+        def replaced() -> bool:  # while full, requests may fail or wait: the point is what survives
+            try:
+                infer(during, "blob", 16, 16, 3)
+            except Exception:  # noqa: BLE001 - a 503, or a timeout
+                pass
+            return "replaced by private zero pages" in server.log()
+
+        server.wait_until(replaced, "a server process replacing a page /dev/shm has no room for")
+        assert sorted(server.tree()) == processes, server.log_tail()
+        attacker.stdin.write("free\n")
+        attacker.stdin.flush()
+        assert attacker.stdout.readline().strip() == "FREE"
+
+        def served() -> bool:  # (a request sent before its worker's pages were put back may be lost)
+            try:
+                return bool((infer(during, "blob", 16, 16, 4) == 4).all())
+            except Exception:  # noqa: BLE001 - a 503, or a timeout
+                return False
+
+        server.wait_until(served, "HTTP served again once the room is back", 60)
+        server.wait_until(lambda: "put back" in server.log(), "the replaced pages put back")
+        for fill in range(5, 25):
+            assert (infer(client, "blob", 16, 64 << 10, fill) == fill).all()
+        attacker.stdin.write("ask\n")  # a new local client of the named user is served too
+        attacker.stdin.flush()
+        assert attacker.stdout.readline().strip() == "ASKED true"
+        assert sorted(server.tree()) == processes, "no server process died or was restarted"
+        assert "SIGBUS" not in server.log() and "died" not in server.log(), server.log_tail()
+    finally:
+        print("DEBUGLOG", server.log())
+        for pid, title in server.titles().items():
+            maps = open(f"/proc/{pid}/maps").read().splitlines()
+            print("MAPS", pid, title)
+            for i, line in enumerate(maps):
+                if "/dev/shm" in line or (i and "/dev/shm" in maps[i - 1] and len(line.split()) == 5):
+                    print("   ", line)
+        if attacker is not None:
+            attacker.kill()
+            attacker.communicate(timeout=30)
+        server.stop()
