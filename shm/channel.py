@@ -94,6 +94,16 @@ REQUEST_CAPACITY = 4096
 DEFAULT_SLOTS = 1024
 # Where a slot's cancelled word lies, past the fields ``SLOT`` packs (its owner writes it).
 CANCEL_AT = SLOT.size
+# A direct request's binding, which its owner writes before it puts the lane record: the worker
+# sets the taken word when it takes the record, and runs a lane record only if it names a pending
+# slot bound to that block and not taken yet (``take_bound``). Every client writes the lanes of a
+# worker's segment (another user's, under --local-client-users), but only its owner its slots: a
+# forged or replayed record can then run no request but the one its slot holds, and that once.
+TAKEN_AT = CANCEL_AT + 4
+BOUND = struct.Struct("<QQ")  # the request block's offset and length
+BOUND_AT = TAKEN_AT + 4
+assert BOUND_AT + BOUND.size <= SLOT_BYTES
+_TAKE = struct.Struct("<I28xQII")  # state, then (at 32) target, cancelled and taken words
 WORKER_RING_CAPACITY = 1024
 # Direct lanes: a client with lane i puts requests for default-scheduled models straight on lane i
 # of the chosen worker (one producer per lane, so still lock-free), skipping the broker's hop.
@@ -682,6 +692,26 @@ class ClientSegment:
 
     def target(self, slot: int) -> int:
         return struct.unpack_from("<Q", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + 32)[0]
+
+    def bind(self, slot: int, offset: int, length: int) -> None:
+        """Owner side, before a direct request's lane record: the block the request in ``slot``
+        lies in, not taken yet (``take_bound``)."""
+        base = self.slots_offset + slot * SLOT_BYTES
+        BOUND.pack_into(self.seg.buf, base + BOUND_AT, offset, length)
+        store_u32(self.seg.buf, base + TAKEN_AT, 0)
+
+    def take_bound(self, slot: int, offset: int, length: int, worker: int) -> bool:
+        """Worker side: whether a lane record for ``slot`` and this block is the owner's request
+        to this worker, pending and not taken yet; if so, it is taken now. (Only the owner and
+        the server write the slot, and only this worker takes records of its lanes.)"""
+        base = self.slots_offset + slot * SLOT_BYTES
+        buf = self.seg.buf
+        state, target, _, taken = _TAKE.unpack_from(buf, base)
+        if state != SLOT_PENDING or target != worker + 1 or taken or BOUND.unpack_from(buf, base + BOUND_AT) != (
+                offset, length):
+            return False
+        store_u32(buf, base + TAKEN_AT, 1)
+        return True
 
     def cancel(self, slot: int) -> None:
         """The owner gave up on the request in ``slot``: its worker's model sees it through

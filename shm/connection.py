@@ -277,6 +277,7 @@ class Connection:
         picked = self._router.pick(route) if route is not None else None
         if picked is not None:
             num, worker = picked
+            self.seg.bind(slot, off, total)  # (the worker runs only a record its slot is bound to)
             slots.target(slot, num)
             if worker.lanes[self.lane].put(kind, slot, off, total, self._cookie):  # type: ignore[index]
                 worker.ring_bell(self.lane)  # type: ignore[arg-type]

@@ -427,6 +427,81 @@ def test_a_named_user_truncating_what_it_may_write_kills_no_server_process(users
     assert not [line for line in users_server.log().splitlines() if line.startswith("E")], users_server.log_tail()
 
 
+# Writes records on the lanes of the server's own clients (the frontends) in every worker's
+# segment, which a named user may write: each record a frontend left there again (a replay), the
+# same block for another slot, and one pointing outside the frontend's arena (garbage).
+FORGE = r"""
+from shmserve.shm.channel import BrokerSegment, WorkerSegment
+from shmserve.shm.protocol import RECORD, REQ_INFER
+sid = args["server"]
+broker = BrokerSegment.attach(sid)
+theirs = []
+for lane in range(256):
+    name, cookie = broker.lane_client(lane)
+    if name and os.stat("/dev/shm" + name).st_uid != os.getuid():  # a client of the server's user
+        theirs.append((lane, cookie))
+result = {"lanes": len(theirs), "replayed": 0, "moved": 0, "garbage": 0}
+for entry in sorted(os.listdir("/dev/shm")):
+    parts = entry.split(".")
+    if not entry.startswith(f"shmserve.{sid}.worker.") or len(parts) != 4 or not parts[3].isdigit():
+        continue
+    worker = WorkerSegment.attach("/" + entry, control=False)
+    for lane, cookie in theirs:
+        ring = worker.lanes[lane]
+        left = [RECORD.unpack_from(ring._buf, ring._data + i * RECORD.size) for i in range(ring._cap)]
+        left = [r for r in left if r[4] == cookie and r[0] & 0xFF == REQ_INFER and r[3] > 0]
+        for kind, slot, off, total, _ in left[:8]:
+            result["replayed"] += ring.put(kind, slot, off, total, cookie)
+            result["moved"] += ring.put(kind, (slot + 1) % 64, off, total, cookie)
+        if left:
+            result["garbage"] += ring.put(REQ_INFER, 0, 0, 64, cookie)
+        worker.ring_bell(lane)
+    worker.waker.notify()
+"""
+
+
+def test_a_named_user_can_make_a_worker_run_no_request_of_another_client(users_server):
+    """A worker's lanes lie in its segment, which every local client may write, a named user's
+    too: records it wrote on a frontend's lane with the frontend's cookie were run as the
+    frontend's, so that a record left there ran its request again and one naming another slot
+    answered that slot with another request's outputs (one network client got another's
+    answer), and a record pointing outside the frontend's arena had the frontend disconnected
+    (every request in flight through it failed). A worker now runs a lane record only if its
+    client's own slot, which no other user may write, binds it to that block, pending and not
+    taken yet; and garbage on a frontend's lane is skipped, not blamed on it."""
+    import tritonclient.http as httpclient
+
+    def add(http, value: int) -> list[int]:
+        x = httpclient.InferInput("INPUT0", [16], "INT32")
+        x.set_data_from_numpy(np.full(16, value, dtype=np.int32))
+        y = httpclient.InferInput("INPUT1", [16], "INT32")
+        y.set_data_from_numpy(np.arange(16, dtype=np.int32))
+        return http.infer("add_sub", [x, y]).as_numpy("OUTPUT0").tolist()
+
+    def executed(http) -> int:
+        return http.get_inference_statistics("add_sub")["model_stats"][0]["inference_stats"]["success"]["count"]
+
+    with users_server.client() as http:
+        for value in range(8):
+            assert add(http, value) == [value + i for i in range(16)]
+        processes = users_server.titles()
+        before = executed(http)
+        logged = len(users_server.log())
+        got = run_as_nobody(FORGE, {"server": users_server.id})
+        assert got["lanes"] >= 1 and got["replayed"] >= 8 and got["moved"] >= 8 and got["garbage"] >= 1, got
+        wait_until(lambda: "name no request of its client" in users_server.log()[logged:] or executed(http) > before,
+                   "the worker taking the records", DEADLINE_S)
+        time.sleep(0.5)  # (a record the worker ran would have been counted by now)
+        assert executed(http) == before, "no forged record ran a request"
+        wait_until(lambda: "holds garbage, skipped" in users_server.log()[logged:], "the garbage skipped", DEADLINE_S)
+        for value in range(20, 30):
+            assert add(http, value) == [value + i for i in range(16)]
+        assert executed(http) == before + 10
+    assert users_server.titles() == processes, "no server process died or was restarted"
+    said = users_server.log()[logged:]
+    assert "wrote garbage" not in said and "disconnect" not in said, said
+
+
 # Control requests as only a frontend may send them: a region registered for a network caller it
 # names (the server's user, an admin), and a model loaded from 'file:' contents.
 CLAIMS = r"""

@@ -25,6 +25,7 @@ import posix_ipc
 from shmserve.batching import DynamicBatcher, Pending, batches_on_worker
 from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm import liveness, logs, truncation_guard
+from shmserve.shm.access import server_readers
 from shmserve.shm.answer import NO_VERSION, AnswerDescriptor
 from shmserve.shm.arena import Arena, free_block
 from shmserve.shm.channel import MESSAGES_BYTES, REGION_HOLDS_BYTES, BrokerSegment, ClientSegment, WorkerSegment
@@ -90,6 +91,7 @@ class Worker:
         self.holds = RegionHolds(self.regions, self.seg.region_holds, REGION_HOLDS_BYTES)
         self._lane_names: dict[int, tuple[str, int]] = {}
         self._refused: set[int] = set()  # cookies of lane holders that wrote garbage (the broker disconnects them)
+        self._lanes_shared = bool(server_readers())  # other users' clients may write our lanes
         self.segments = SegmentCache()
         self.clients: dict[str, ClientSegment] = {}
         # Answers go to the arena's first extent (``self.arena``, which also carries messages to
@@ -269,10 +271,12 @@ class Worker:
             raws = ring.drain()
         except RingCorrupt as e:
             counts[DIRECT_DONE] = (counts[DIRECT_DONE] + ring.resync()) % (1 << 64)
+            if self._others_wrote(lane, name, e):
+                return False
             self._garbage(lane, name, cookie, Garbage(Fault.RING, str(e)))
             return False
         polled = False
-        dropped = 0
+        dropped = unbound = 0
         for raw in raws:
             # Looked up again for each record: a holder that left (died, or was refused) while we
             # ran its earlier requests gets nothing more run (its cookie changed).
@@ -289,19 +293,45 @@ class Worker:
             try:
                 rec = check_record(client.layout, raw, LANE_KINDS)
             except Garbage as e:
-                self._garbage(lane, name, cookie, e, client, raw[1])
+                if not self._others_wrote(lane, name, e):
+                    self._garbage(lane, name, cookie, e, client, raw[1])
+                counts[DIRECT_DONE] += 1
+                continue
+            if not client.take_bound(rec.slot, rec.off, rec.length, self.num):
+                unbound += 1  # not its client's pending request to us, or taken already: replayed or forged
                 counts[DIRECT_DONE] += 1
                 continue
             polled = polled or bool(rec.flags & REQ_POLLING)
             if not self._take_request(lane, cookie, name, client, rec):
                 counts[DIRECT_DONE] += 1
             # (else queued for a batch: counted when it runs)
+        if unbound:
+            # The lane is in this worker's segment, which every client may write: a record its
+            # holder's slots do not bind is someone else's, or a repeat, and nobody waits for it.
+            log.warning("lane %d: dropped %d record(s) that name no request of its client %s waiting for this "
+                        "worker (repeated, or written by another client)", lane, unbound, name)
         if dropped and cookie not in self._refused:
             # Records of a client that left (its lane was given to another, or to no one): nobody
             # waits for them. Said, since a live client's lost request would hang its caller.
             log.warning("lane %d: dropped %d record(s) of a client that left (the lane's holder: %r, cookie %d)",
                         lane, dropped, name, cookie)
         return polled
+
+    def _others_wrote(self, lane: int, name: str, e: Exception) -> bool:
+        """Whether garbage on a lane (its counters, a record) is another user's doing, so that its
+        holder must not be disconnected for it: the lanes lie in this worker's segment, which the
+        users of --local-client-users may write, and a holder of the server's own user (a
+        frontend) writes well-formed records. Said, and skipped, if so."""
+        if not self._lanes_shared or not name:
+            return False
+        try:
+            if self._client(name).seg.uid != os.geteuid():
+                return False
+        except (posix_ipc.Error, OSError, ValueError):
+            return False
+        log.warning("lane %d of client %s holds garbage, skipped: %s (another user's client may write this worker's "
+                    "lanes)", lane, name, e)
+        return True
 
     def _garbage(self, lane: int, name: str, cookie: int, e: Garbage, client: ClientSegment | None = None,
                  slot: int | None = None) -> None:
