@@ -700,6 +700,14 @@ class ClientSegment:
         BOUND.pack_into(self.seg.buf, base + BOUND_AT, offset, length)
         store_u32(self.seg.buf, base + TAKEN_AT, 0)
 
+    def bound(self, slot: int) -> tuple[int, int]:
+        """(offset, length) of the block ``bind`` bound ``slot`` to."""
+        return BOUND.unpack_from(self.seg.buf, self.slots_offset + slot * SLOT_BYTES + BOUND_AT)
+
+    def taken(self, slot: int) -> bool:
+        """Whether the worker took the lane record of the request in ``slot``."""
+        return struct.unpack_from("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + TAKEN_AT)[0] != 0
+
     def take_bound(self, slot: int, offset: int, length: int, worker: int) -> bool:
         """Worker side: whether a lane record for ``slot`` and this block is the owner's request
         to this worker, pending and not taken yet; if so, it is taken now. (Only the owner and

@@ -17,6 +17,7 @@ Completions reach the callback given at submit time in one of two ways:
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -42,6 +43,8 @@ from .slots import Slots
 from .tensors import byte_view
 from .truncation_guard import restore as restore_guarded
 from .waker import AWAKE, SpinPolicy, read_all
+
+log = logging.getLogger("shmserve.client")
 
 _counter = itertools.count()
 # How long a synchronous caller polls for its answer before it sleeps (microseconds), unless the
@@ -122,6 +125,7 @@ class Connection:
         self._router = Router(self.server_id, self.broker, self.lane)
         self._slots = Slots(self.server_id, self.seg, self._router)
         self._cookie = self.seg.cookie
+        self._lost: set[int] = set()  # slots whose lane record seemed lost at the last check
         self._waiter: threading.Thread | None = None
         if not loop_driven:
             self._waiter = threading.Thread(target=self._wait_loop, name=f"shmserve-completions-{self.name}",
@@ -425,10 +429,39 @@ class Connection:
         if self.alive and self._broker_alive() and self.broker.started_ns == self._broker_started():
             self._slots.forget_gone_producers()  # once a second or so, with the other checks
             restore_guarded()  # a page replaced for want of room is the object's again (truncation_guard.py)
+            self._put_lost_again()
             return True
         if self.alive:
             self._server_gone()
         return False
+
+    def _put_lost_again(self) -> None:
+        """Put again the lane record of each direct request that its worker has not taken, at two
+        checks in a row, while that lane stood empty: the record was lost (a client of another
+        user may write the lanes: zero their counters, truncate the worker's segment), and its
+        caller would wait for good. A worker runs a record once however often it is put
+        (``ClientSegment.take_bound``), so a request that was only slow costs nothing more."""
+        if self.lane is None:
+            return
+        suspects, self._lost = self._lost, set()
+        woken: dict[int, WorkerSegment] = {}
+        with self._slots.lock:
+            for slot, num in self._slots.untaken():
+                worker = self._router.mapped(num)
+                if worker is None or worker.lanes[self.lane].pending() != 0:
+                    continue  # (not empty: the worker is busy, and will take it)
+                if slot not in suspects:
+                    self._lost.add(slot)
+                    continue
+                off, total = self.seg.bound(slot)
+                if worker.lanes[self.lane].put(REQ_INFER, slot, off, total, self._cookie):
+                    worker.ring_bell(self.lane)
+                    woken[num] = worker
+        for worker in woken.values():
+            worker.waker.notify()
+        if woken:
+            log.warning("%s: put again the lane records of requests their worker never took (another user's client "
+                        "may write the lanes)", self.name)
 
     def _broker_started(self) -> int:
         try:

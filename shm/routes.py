@@ -120,6 +120,10 @@ class Router:
             return None
         return list(v["workers"])
 
+    def mapped(self, num: int) -> WorkerSegment | None:
+        """The segment of worker ``num`` if this client maps it already (it sent there)."""
+        return self._workers.get(num)
+
     def _worker(self, num: int) -> WorkerSegment | None:
         seg = self._workers.get(num)
         if seg is None:

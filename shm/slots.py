@@ -86,6 +86,13 @@ class Slots:
         self._targets[slot] = worker + 1
         self.router.began(worker)
 
+    def untaken(self) -> list[tuple[int, int]]:
+        """(slot, worker) of each request on a worker's lane that the worker has not taken yet
+        (``ClientSegment.take_bound``); ``lock`` held."""
+        targets, words, stride = self._targets, self._words, self._stride
+        return [(s, targets[s] - 1) for s in self.inflight
+                if targets[s] and words[s * stride] == SLOT_PENDING and not self.seg.taken(s)]
+
     def find_start(self, start: int) -> int:
         """The slot of the request in flight whose tensor bytes start at ``start`` (-1: answered
         already). A scan: only a cancel asks, and blocks in flight never share an offset."""

@@ -502,6 +502,61 @@ def test_a_named_user_can_make_a_worker_run_no_request_of_another_client(users_s
     assert "wrote garbage" not in said and "disconnect" not in said, said
 
 
+# Empties the frontends' lanes in every worker's segment (the consumer's counter set to the
+# producer's), so that the records waiting there are never taken; how many it skipped.
+EMPTY_LANES = r"""
+from shmserve.shm.channel import BrokerSegment, WorkerSegment
+sid = args["server"]
+broker = BrokerSegment.attach(sid)
+theirs = [lane for lane in range(256) if (name := broker.lane_client(lane)[0])
+          and os.stat("/dev/shm" + name).st_uid != os.getuid()]
+result = 0
+for entry in sorted(os.listdir("/dev/shm")):
+    parts = entry.split(".")
+    if entry.startswith(f"shmserve.{sid}.worker.") and len(parts) == 4 and parts[3].isdigit():
+        worker = WorkerSegment.attach("/" + entry, control=False)
+        for lane in theirs:
+            ring = worker.lanes[lane]
+            result += ring.pending()
+            ring._ctr[0] = ring._ctr[1]
+"""
+
+
+def test_a_request_whose_lane_record_another_user_removed_is_put_again(users_server, tmp_path):
+    """A request waits on its worker's lane while the worker runs another; a named user empties
+    the lane (it may write every lane of a worker's segment), and the request was lost: the
+    worker never saw it and its caller waited for good. Its client puts the record again once
+    two of its checks found it untaken with the lane empty, and the request is answered, once."""
+    import tritonclient.http as httpclient
+
+    gate = Gate(tmp_path / "gate")
+
+    def reader(values: np.ndarray) -> httpclient.InferInput:
+        x = httpclient.InferInput("X", [len(values)], "INT32")
+        x.set_data_from_numpy(values)
+        return x
+
+    with users_server.client(concurrency=2) as http:
+        stats = lambda: http.get_inference_statistics("slow_reader")["model_stats"][0]["inference_stats"]  # noqa: E731
+        before = stats()["success"]["count"]
+        held = http.async_infer("slow_reader", [reader(np.arange(4, dtype=np.int32))],
+                                parameters={"sleep_s": 0, "gate": gate.param})
+        gate.wait_started(1)
+        waiting = http.async_infer("slow_reader", [reader(np.full(8, 3, dtype=np.int32))], parameters={"sleep_s": 0})
+        skipped = 0
+        deadline = time.monotonic() + DEADLINE_S
+        while not skipped and time.monotonic() < deadline:  # (once the request is on the lane)
+            skipped = run_as_nobody(EMPTY_LANES, {"server": users_server.id})
+        assert skipped == 1, skipped
+        logged = len(users_server.log())
+        gate.open()
+        assert held.get_result(timeout=DEADLINE_S).as_numpy("SUM").tolist() == [6]
+        assert waiting.get_result(timeout=DEADLINE_S).as_numpy("SUM").tolist() == [24]
+        assert "put again the lane records" in users_server.log()[logged:]
+        time.sleep(0.5)
+        assert stats()["success"]["count"] == before + 2, "each ran once"
+
+
 # Control requests as only a frontend may send them: a region registered for a network caller it
 # names (the server's user, an admin), and a model loaded from 'file:' contents.
 CLAIMS = r"""
