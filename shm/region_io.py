@@ -1,12 +1,15 @@
-"""Reading and writing a client's registered system region through its file descriptor.
+"""Reading and writing a client's registered system region.
 
-A client may ``ftruncate`` its region at any moment. Touching a mapped page past the new end of
-a tmpfs object raises SIGBUS, which no Python code survives, and any check of the size before
-the touch races with the next truncation. ``pread``/``pwrite`` on a descriptor cannot fault: a
-read past the end comes back short, so the request fails and its process serves on. So no
-process of the server maps a client's region: inputs are read with ``preadv`` into memory of
-the reader's own (a copy, where a mapping gave a view), outputs written with ``pwrite``, and
-nothing keeps a size the object no longer has.
+A client may ``ftruncate`` its region at any moment, and touching a mapped page past the new end
+of a tmpfs object raises SIGBUS, which no Python code survives. So a process of the server maps a
+region only under the truncation guard (``truncation_guard.py``, whoever owns the region): a
+truncation racing a copy is grown back, and the copy reads or leaves zeros, which costs only the
+client that truncated. Inputs are copied out of the mapping into memory of the reader's own and
+outputs copied into it: a ``memcpy`` each, where ``pread``/``pwrite`` took twice its CPU (tmpfs
+handles each 4 KiB page of those on its own). The object's size is looked at before each copy,
+so a region found shorter than the request needs is refused (a 400), as before the mapping.
+Where the guard library was not built (no C compiler at install), a region is read with
+``preadv`` and written with ``pwrite`` through its descriptor, which cannot fault.
 
 A file is opened by key and kept while its inode is the one the broker registered: a region
 registered again (a new inode published) is opened anew, and a key that now names another
@@ -15,6 +18,7 @@ checked that object) nor silently served from the old one kept open.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -23,7 +27,9 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
+from . import truncation_guard
 from .names import SHM_DIR
+from .truncation_guard import guard_mapping
 
 
 class StaleRegion(ValueError):
@@ -56,15 +62,68 @@ def output_room_text(name: str, room: int, needed: int) -> str:
             f"least {needed} bytes to hold the results")
 
 
-class RegionFile:
-    """One registered region's object, open for reading and writing at offsets."""
+class _Mapping:
+    """A guarded mapping of a region's object, whole as it was when mapped."""
 
-    __slots__ = ("key", "ino", "fd")  # the descriptor is closed when the last holder lets go
+    __slots__ = ("mm", "bytes", "guard")
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.mm = mmap.mmap(fd, size)
+        self.guard = guard_mapping(self.mm, fd, size, restorable=True, always=True)
+        self.bytes = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.bytes = None  # type: ignore[assignment] # (its export would keep the map)
+        self.guard.closing()  # (before the unmap: the range may be another mapping's after it)
+        try:
+            self.mm.close()
+        except BufferError:  # a copy still under way in another thread: unmapped when it ends
+            return
+        self.guard.release()
+
+
+class RegionFile:
+    """One registered region's object, open for reading and writing at offsets: through a guarded
+    mapping where the truncation guard is built (``_mapped``), else through the descriptor."""
+
+    # The descriptor and the mappings go when the last holder lets go.
+    __slots__ = ("key", "ino", "fd", "_mapping", "_outgrown", "_lock")
 
     def __init__(self, key: str, ino: int, fd: int) -> None:
         self.key = key
         self.ino = ino
         self.fd = fd
+        self._mapping: _Mapping | None = None
+        self._outgrown: list[_Mapping] = []  # smaller mappings made before: a thread may still copy from one
+        self._lock = threading.Lock()
+
+    def _mapped(self, end: int) -> np.ndarray | None:
+        """The object's bytes as a guarded mapping, if it reaches ``end``: made when first asked
+        for, and anew (larger) once the object has grown; None where the guard is not built or
+        cannot be had (then the descriptor serves)."""
+        mapping = self._mapping
+        if mapping is not None and len(mapping.bytes) >= end:
+            return mapping.bytes
+        if not truncation_guard.available():
+            return None
+        with self._lock:
+            mapping = self._mapping
+            if mapping is not None and len(mapping.bytes) >= end:
+                return mapping.bytes
+            size = os.fstat(self.fd).st_size
+            if size < end:
+                return None  # (the caller refuses it as truncated)
+            try:
+                made = _Mapping(self.fd, size)
+            except (OSError, ValueError):
+                return None
+            if not made.guard.guarded:  # (out of descriptors, or of guard slots)
+                made.close()
+                return None
+            if mapping is not None:
+                self._outgrown.append(mapping)
+            self._mapping = made
+            return made.bytes
 
     @classmethod
     def open(cls, key: str, ino: int, region: str | None = None) -> "RegionFile":
@@ -90,6 +149,12 @@ class RegionFile:
     def read_into(self, dst: memoryview, off: int, region: str | None = None) -> None:
         """Fill ``dst`` from ``off``; StaleRegion if the object ends before."""
         done, n = 0, len(dst)
+        mapped = self._mapped(off + n)
+        if mapped is not None:
+            if os.fstat(self.fd).st_size < off + n:
+                self._truncated(off + n, region)
+            np.copyto(np.frombuffer(dst, dtype=np.uint8), mapped[off:off + n])  # (numpy lets the GIL go)
+            return
         while done < n:
             got = os.preadv(self.fd, [dst[done:]], off + done)
             if got <= 0:
@@ -104,6 +169,10 @@ class RegionFile:
         n = len(src)
         if os.fstat(self.fd).st_size < off + n:
             self._truncated(off + n, region)
+        mapped = self._mapped(off + n)
+        if mapped is not None:
+            np.copyto(mapped[off:off + n], np.frombuffer(src, dtype=np.uint8))
+            return
         done = 0
         while done < n:
             wrote = os.pwrite(self.fd, src[done:], off + done)
@@ -119,6 +188,9 @@ class RegionFile:
     def __del__(self) -> None:
         # Closed only once nothing holds it: a thread still reading through a file that another
         # one dropped must not find its descriptor number reused for something else.
+        for mapping in [*self._outgrown, self._mapping]:
+            if mapping is not None:
+                mapping.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -1,9 +1,8 @@
 """A named POSIX shared-memory segment mapped into this process, and a cache of mappings.
 
 Mappings are made with ``mmap`` over the descriptor posix_ipc opens; numpy views are taken over
-``Segment.buf`` so tensor bytes are never copied to cross a process boundary. Only the server's
-own segments and its clients' arenas are mapped: a client's registered region is read and
-written through its descriptor (``region_io.py``), since its owner may truncate it.
+``Segment.buf`` so tensor bytes are never copied to cross a process boundary. A client's
+registered region is mapped apart, under the truncation guard, and copied (``region_io.py``).
 
 A tmpfs page is taken when it is first touched, and a touch that finds /dev/shm full is a SIGBUS
 that kills the process, whoever filled it (space.py counts the server's own objects, not
@@ -127,7 +126,7 @@ class Segment:
 
 class SegmentCache:
     """Lazily attached segments by name, bounded so long-lived processes do not hoard mappings;
-    and the registered regions' files (``regions``), which are never mapped."""
+    and the registered regions' files (``regions``, ``region_io.py``)."""
 
     def __init__(self, limit: int = 256) -> None:
         self._items: OrderedDict[str, Segment] = OrderedDict()

@@ -181,6 +181,10 @@ class MappingGuard:
         self._guard = guard
         self.release = release  # ends the guard at once (after the unmap)
 
+    @property
+    def guarded(self) -> bool:
+        return self._guard is not None
+
     def closing(self) -> None:
         """Say before unmapping: no page is put back into the range from now on."""
         if self._guard is not None:
@@ -188,12 +192,14 @@ class MappingGuard:
 
 
 def guard_mapping(mm: mmap.mmap, fd: int, size: int, shared: bool = True, writable: bool = True,
-                  restorable: bool = False) -> MappingGuard:
+                  restorable: bool = False, always: bool = False) -> MappingGuard:
     """Guard the file behind ``mm`` (mapped ``shared`` or private, ``writable`` or not) while the
-    mapping lives, if another user may write it; ``restorable``: the caller calls ``closing``
-    before it unmaps, so a replaced page may be put back. The guard's ``release`` ends it at once
-    (once ``mm`` is closed: a mapping a view keeps alive stays guarded until it dies)."""
-    if _lib is None or not others_may_write(fd):
+    mapping lives, if another user may write it (``always``: whoever may: a client's registered
+    region, which its owner may truncate even when that is the server's user); ``restorable``:
+    the caller calls ``closing`` before it unmaps, so a replaced page may be put back. The
+    guard's ``release`` ends it at once (once ``mm`` is closed: a mapping a view keeps alive
+    stays guarded until it dies)."""
+    if _lib is None or not (always or others_may_write(fd)):
         return MappingGuard()
     start = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)

@@ -23,9 +23,9 @@ into the other block's view in this round: a view whose first or last page is pr
 made (the input is copied), since it would show that page as it was when it was copied.
 
 Not mapped, copied instead: inputs under ``VIEW_MIN_BYTES``, where the copy is cheaper (below);
-inputs in a client's registered region (``shm/region_io.py``: its owner may truncate it, and a
-touched page past the end of a truncated object kills the process with SIGBUS, private mapping or
-not: a truncation drops even the pages already copied on write); inputs of streaming requests and
+inputs in a client's registered region (``shm/region_io.py``: its owner may truncate it, which
+drops even the pages a private mapping copied on write, so a model's view would change under it);
+inputs of streaming requests and
 decoupled models (used after the round, they would be copied at keep anyway); and every input of
 a model seen writing into a quarter of a view's pages (each written page costs a fault and a page
 copy, and the next request's view a fault again: 5x the copy for a model that writes it all).

@@ -98,7 +98,7 @@ def read_inputs(entry: BatchEntry, segments: SegmentCache, on_device: bool = Fal
     may write into them). An input in a client's arena (or a step's output in a worker's) is a
     view over that memory, or with ``views`` a private copy-on-write view when it is large
     (``input_views.py``; not for a stream, whose request outlives the round); one in a
-    registered region is read into memory of our own (its client may truncate it under us,
+    registered region is copied into memory of our own (its client may truncate it under us,
     ``shm/region_io.py``); one in a client's CUDA region stays there as a device tensor when
     the instance takes device inputs (``on_device``), and is copied to the host otherwise."""
     if "stream" in entry:

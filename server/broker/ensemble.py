@@ -626,8 +626,8 @@ class Ensembles:
 
     def _tensor_bytes(self, t: dict) -> Any:
         """A tensor's bytes: a view of a step's output in its worker's arena; a copy of an
-        ensemble input that lies in a client's region, which is never mapped here (its client may
-        truncate it, and a touched page past its end would kill the broker: ``shm/region_io.py``)."""
+        ensemble input that lies in a client's region (its client may change or truncate it
+        while the steps run: ``shm/region_io.py``)."""
         if "ino" in t:
             return memoryview(self.segments.regions.read(t))
         return self.segments.get(t["seg"]).buf[t["off"]:t["off"] + t["size"]]

@@ -105,7 +105,7 @@ class Intake:
             if cuda is not None:
                 return cuda
             seg, off = self.regions.system.resolve(region, offset, size)
-            # read and written through its descriptor (shm/region_io.py)
+            # read and written by copies (shm/region_io.py)
             return {"seg": seg, "off": off, "size": size, "ino": self.regions.system.inode(region), "region": region}
         off = data_start + data
         if off < client.seg.arena_offset or off + size > client.seg.seg.size:

@@ -1,15 +1,20 @@
-"""A client's region read and written through its descriptor, over real POSIX objects: a truncated
-object fails the read or write (named), is never grown back by a refused write, serves again at
-its full size; a key that names another object, or none, is refused, and a new registration
-(another inode) opens the new object."""
+"""A client's region read and written over real POSIX objects: through a mapping under the
+truncation guard (where it is built), mapped anew when the object grew, and surviving a truncation
+racing its copies; a truncated object fails the read or write (named), is never grown back by a
+refused write, serves again at its full size; a key that names another object, or none, is
+refused, and a new registration (another inode) opens the new object."""
 from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 
+from shmserve.shm import truncation_guard
 from shmserve.shm.region_io import RegionFiles, StaleRegion
 
 _names = itertools.count()
@@ -68,3 +73,68 @@ def test_key_naming_another_object_is_refused_and_a_new_registration_opens_it(ob
             files.read(old)
     finally:
         os.close(fd2)
+
+
+def _maps_of(key: str) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if line.rstrip().endswith(key)]
+
+
+def test_a_region_is_copied_through_a_guarded_mapping_mapped_anew_once_grown(obj):
+    """pread and pwrite took twice a memcpy's CPU: where the guard is built (here: ``make``
+    builds it), a region is mapped once and copied with memcpy."""
+    assert truncation_guard.available()
+    key, fd = obj
+    files = RegionFiles()
+    assert files.read(entry(key, fd, 0, 4096)).tobytes() == bytes(range(256)) * 16
+    assert len(_maps_of(key)) == 1
+    files.write(entry(key, fd, 100, 3), b"abc")
+    assert os.pread(fd, 3, 100) == b"abc"  # the object's own pages
+    os.ftruncate(fd, 8192)
+    os.pwrite(fd, b"xyz", 8000)
+    assert files.read(entry(key, fd, 8000, 3)).tobytes() == b"xyz"  # past the first mapping: mapped anew
+    files.write(entry(key, fd, 6000, 2), b"hi")
+    assert os.pread(fd, 2, 6000) == b"hi"
+    del files
+    assert not _maps_of(key), "both mappings go with the file"
+
+
+def test_a_truncation_racing_the_copies_costs_the_process_nothing():
+    """The client truncates its 16 MiB region and extends it again in a loop while this process
+    reads and writes all of it: a touch past the end would be SIGBUS, which the guard undoes; each
+    copy either succeeds or is refused as truncated. In a child: a failure there is a signal."""
+    key = f"/shmserve_unit_region_race_{os.getpid()}"
+    program = textwrap.dedent("""
+        import os, subprocess, sys, time
+        import numpy as np
+        from shmserve.shm.region_io import RegionFiles, StaleRegion
+        key, size = sys.argv[1], 16 << 20
+        fd = os.open("/dev/shm" + key, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, size)
+        t = {"seg": key, "ino": os.fstat(fd).st_ino, "region": "r", "off": 0, "size": size}
+        files = RegionFiles()
+        files.read(t)  # mapped whole
+        cutter = subprocess.Popen([sys.executable, "-c", "import os, sys, time\\n"
+                                   "end = time.monotonic() + 2\\n"
+                                   "while time.monotonic() < end:\\n"
+                                   "    os.truncate(sys.argv[1], 0)\\n"
+                                   "    os.truncate(sys.argv[1], int(sys.argv[2]))\\n", "/dev/shm" + key, str(size)])
+        done = refused = 0
+        data = np.ones(size, dtype=np.uint8)
+        while cutter.poll() is None:
+            for step in (lambda: files.read(t), lambda: files.write(t, data)):
+                try:
+                    step()
+                    done += 1
+                except StaleRegion:
+                    refused += 1
+        print(done > 0, done + refused > 10)
+        os.unlink("/dev/shm" + key)
+    """)
+    try:
+        ran = subprocess.run([sys.executable, "-c", program, key], capture_output=True, text=True, timeout=120)
+    finally:
+        if os.path.exists("/dev/shm" + key):
+            os.unlink("/dev/shm" + key)
+    assert ran.returncode == 0, (ran.returncode, ran.stderr)
+    assert ran.stdout.split() == ["True", "True"]
