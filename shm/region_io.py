@@ -140,6 +140,19 @@ class RegionFile:
             raise StaleRegion(_replaced(key, region))
         return cls(key, ino, fd)
 
+    def view(self, off: int, size: int, region: str | None = None) -> np.ndarray | None:
+        """The ``size`` bytes at ``off`` in place, read-only, for a backend that reads its inputs
+        in place (the Python backend copies them); None where the region is not mapped (then
+        ``read``). StaleRegion if the object ends before."""
+        mapped = self._mapped(off + size)
+        if mapped is None:
+            return None
+        if os.fstat(self.fd).st_size < off + size:
+            self._truncated(off + size, region)
+        view = mapped[off:off + size]
+        view.flags.writeable = False
+        return view
+
     def read(self, off: int, size: int, region: str | None = None) -> np.ndarray:
         """The ``size`` bytes at ``off``, in a new array of this process's own."""
         out = np.empty(size, dtype=np.uint8)
@@ -219,6 +232,10 @@ class RegionFiles:
                 while len(self._items) > self._limit:
                     self._items.popitem(last=False)
             return f
+
+    def view(self, t: dict) -> np.ndarray | None:
+        """The bytes of entry tensor ``t`` in place, read-only (``RegionFile.view``), or None."""
+        return self.get(t["seg"], t["ino"], t.get("region")).view(t["off"], t["size"], t.get("region"))
 
     def read(self, t: dict) -> np.ndarray:
         """A private copy of the bytes of entry tensor ``t`` (``seg``, ``ino``, ``off``, ``size``)."""

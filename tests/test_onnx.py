@@ -9,6 +9,7 @@ The graphs are built at test time with the onnx package's helpers (tests/onnx_mo
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import textwrap
 from pathlib import Path
 
@@ -538,3 +539,45 @@ def test_a_run_onnxruntime_fails_is_answered_in_tritons_words(onnx_client):
     assert "ConstantOfShape" in e.value.message()
     out = onnx_client.infer("zeros", [_input("SHAPE", np.array([3], np.int64), "INT64")]).as_numpy("OUT")
     assert out.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_an_onnx_model_reads_its_inputs_in_a_region_and_writes_its_outputs_there(onnx_server, onnx_client):
+    """Inputs in a registered system region are read in place by ONNX Runtime (a read-only view of
+    the region's guarded mapping: shm/region_io.py) and outputs written into another region: the
+    answers follow what the client writes there from one request to the next, and a region the
+    client truncated is a 400 naming it, with nothing else changed."""
+    import tritonclient.utils.shared_memory as shm
+
+    key = f"/shmserve_onnx_region_{onnx_server.id}"
+    a, b = _rows(2, 7)
+    ins = shm.create_shared_memory_region("onnx_in", key + "_in", 2 * a.nbytes)
+    outs = shm.create_shared_memory_region("onnx_out", key + "_out", 2 * a.nbytes)
+    onnx_client.register_system_shared_memory("onnx_in", key + "_in", 2 * a.nbytes)
+    onnx_client.register_system_shared_memory("onnx_out", key + "_out", 2 * a.nbytes)
+    try:
+        def run() -> tuple[np.ndarray, np.ndarray]:
+            inputs = [httpclient.InferInput("INPUT0", [2, 4], "FP32"), httpclient.InferInput("INPUT1", [2, 4], "FP32")]
+            inputs[0].set_shared_memory("onnx_in", a.nbytes)
+            inputs[1].set_shared_memory("onnx_in", a.nbytes, offset=a.nbytes)
+            outputs = [httpclient.InferRequestedOutput("OUTPUT0"), httpclient.InferRequestedOutput("OUTPUT1")]
+            outputs[0].set_shared_memory("onnx_out", a.nbytes)
+            outputs[1].set_shared_memory("onnx_out", a.nbytes, offset=a.nbytes)
+            onnx_client.infer("add_sub_onnx", inputs, outputs=outputs)
+            return (shm.get_contents_as_numpy(outs, np.float32, [2, 4]),
+                    shm.get_contents_as_numpy(outs, np.float32, [2, 4], offset=a.nbytes))
+
+        for scale in (1, 3):  # (the second request reads what the client wrote since)
+            shm.set_shared_memory_region(ins, [a * scale, b * scale])
+            total, diff = run()
+            np.testing.assert_allclose(total, (a + b) * scale, rtol=1e-6)
+            np.testing.assert_allclose(diff, (a - b) * scale, rtol=1e-6)
+        os.truncate("/dev/shm" + key + "_in", 16)
+        with pytest.raises(InferenceServerException) as e:
+            run()
+        assert e.value.status() == "400" and "'onnx_in' was truncated since it was registered" in e.value.message()
+        np.testing.assert_allclose(_add_sub(onnx_client, "add_sub_onnx", a, b)[0], a + b, rtol=1e-6)
+    finally:
+        onnx_client.unregister_system_shared_memory("onnx_in")
+        onnx_client.unregister_system_shared_memory("onnx_out")
+        shm.destroy_shared_memory_region(ins)
+        shm.destroy_shared_memory_region(outs)

@@ -98,8 +98,8 @@ def read_inputs(entry: BatchEntry, segments: SegmentCache, on_device: bool = Fal
     may write into them). An input in a client's arena (or a step's output in a worker's) is a
     view over that memory, or with ``views`` a private copy-on-write view when it is large
     (``input_views.py``; not for a stream, whose request outlives the round); one in a
-    registered region is copied into memory of our own (its client may truncate it under us,
-    ``shm/region_io.py``); one in a client's CUDA region stays there as a device tensor when
+    registered region is a read-only view of its guarded mapping (``shm/region_io.py``: a
+    truncation under us is grown back), or where the guard is not built a copy of our own; one in a client's CUDA region stays there as a device tensor when
     the instance takes device inputs (``on_device``), and is copied to the host otherwise."""
     if "stream" in entry:
         views = None
@@ -118,8 +118,12 @@ def read_inputs(entry: BatchEntry, segments: SegmentCache, on_device: bool = Fal
             own.append(t["name"])
             continue
         if "ino" in t:  # a registered region: StaleRegion (a 400) if it was truncated
-            data = memoryview(segments.regions.read(t))  # type: ignore[arg-type] # (numpy's stubs lack Buffer)
-            own.append(t["name"])
+            in_place = segments.regions.view(t)  # (a guarded mapping: as an arena's, not our own)
+            if in_place is not None:
+                data = memoryview(in_place)  # type: ignore[arg-type] # (numpy's stubs lack Buffer)
+            else:  # (no guard library: read through the descriptor, a copy of our own)
+                data = memoryview(segments.regions.read(t))  # type: ignore[arg-type]
+                own.append(t["name"])
         else:
             view = views.array(t["seg"], off, size, t["datatype"], t["shape"]) if views is not None else None
             if view is not None:
