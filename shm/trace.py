@@ -22,6 +22,9 @@ its ``src/tracer.cc`` for the file format and the per-setting counters. What the
   REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START, COMPUTE_END,
   REQUEST_END, HTTP_SEND_START, HTTP_SEND_END (steady-clock ns); over gRPC the first two are
   GRPC_WAITREAD_START and GRPC_WAITREAD_END and the last two GRPC_SEND_START and GRPC_SEND_END.
+  The frontends (``src/http_server.cc``, ``src/grpc/infer_handler.cc``, ``stream_infer_handler.cc``)
+  also stamp INFER_RESPONSE_COMPLETE when they have made a response of the server's (each
+  response of a stream), before its send.
 
 How shmserve differs, and why:
 - One JSON object per traced request: ``{"id", "model_name", "model_version", ["request_id",]
@@ -66,8 +69,8 @@ TRITON_KEYS = {"trace_file": "file", "trace_level": "level", "trace_rate": "rate
                "log_frequency": "log_frequency", "trace_mode": "mode"}
 MODEL_KEYS = ("file", "level", "rate", "count", "log_frequency")  # what a model may override
 STAMPS = ("HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START",
-          "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END", "REQUEST_END", "HTTP_SEND_START",
-          "HTTP_SEND_END")
+          "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END", "REQUEST_END", "INFER_RESPONSE_COMPLETE",
+          "HTTP_SEND_START", "HTTP_SEND_END")
 # Over gRPC, Triton names the frontend's own four stamps so (src/grpc/infer_handler.cc).
 GRPC_STAMPS = ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END", *STAMPS[2:-2], "GRPC_SEND_START", "GRPC_SEND_END")
 MAX_U32 = 0xFFFFFFFF

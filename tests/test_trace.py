@@ -21,7 +21,7 @@ from conftest import DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, TESTS, raw_reques
 from shmserve.shm.trace import GRPC_STAMPS, STAMPS, read_trace_file
 
 REPOS = [TESTS / "models" / "batching", ROOT / "model_repository"]
-STEP_STAMPS = STAMPS[2:-2]  # a composing model's request: REQUEST_START ... REQUEST_END
+STEP_STAMPS = STAMPS[2:STAMPS.index("REQUEST_END") + 1]  # a composing model's request: REQUEST_START ... REQUEST_END
 MODELS = ["--model-control-mode", "explicit", "--load-model", "add_sub", "--load-model", "probe"]
 
 

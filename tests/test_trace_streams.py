@@ -43,19 +43,22 @@ def grpc_add_sub() -> list:
 
 def assert_streamed(record: dict, names: tuple[str, ...], responses: int) -> None:
     """One trace of one streamed request: every stamp of ``names`` once and in its order, except
-    the frontend's send pair, which comes once per response sent, each pair after the model's
-    output started; the whole list in the order the stamps were taken."""
+    the frontend's INFER_RESPONSE_COMPLETE and send pair, which come once per response sent, each
+    after the model's output started (as Triton's stream handlers stamp them); the whole list in
+    the order the stamps were taken."""
     listed = [(t["name"], t["ns"]) for t in record["timestamps"]]
     assert [ns for _, ns in listed] == sorted(ns for _, ns in listed), record
-    send_start, send_end = names[-2], names[-1]
+    made, send_start, send_end = names[-3], names[-2], names[-1]
+    assert made == "INFER_RESPONSE_COMPLETE"
+    made_at = [ns for name, ns in listed if name == made]
     starts = [ns for name, ns in listed if name == send_start]
     ends = [ns for name, ns in listed if name == send_end]
-    assert len(starts) == len(ends) == responses, record
-    for i, (begun, done) in enumerate(zip(starts, ends)):
-        assert begun <= done, record
-        assert i + 1 == responses or done <= starts[i + 1], record
-    once = {name: ns for name, ns in listed if name not in (send_start, send_end)}
-    assert list(once) == [n for n in names[:-2]] and len(listed) == len(names) - 2 + 2 * responses, record
+    assert len(made_at) == len(starts) == len(ends) == responses, record
+    for i, (ready, begun, done) in enumerate(zip(made_at, starts, ends)):
+        assert ready <= begun <= done, record
+        assert i + 1 == responses or done <= made_at[i + 1], record
+    once = {name: ns for name, ns in listed if name not in (made, send_start, send_end)}
+    assert list(once) == [n for n in names[:-3]] and len(listed) == len(names) - 3 + 3 * responses, record
     assert list(once.values()) == sorted(once.values()), record
     assert once["COMPUTE_OUTPUT_START"] <= starts[0], record
 
@@ -168,6 +171,6 @@ def test_a_stream_the_client_leaves_is_still_written(server_factory, tmp_path):
     for record, names in ((found["grpc"], GRPC_STAMPS), (found["http"], STAMPS)):
         listed = [t["name"] for t in record["timestamps"]]
         sends = listed.count(names[-2])
-        assert 1 <= sends < 8 and listed.count(names[-1]) == sends, record
+        assert 1 <= sends < 8 and listed.count(names[-1]) == sends == listed.count("INFER_RESPONSE_COMPLETE"), record
         assert listed[:4] == list(names[:4]), record  # read, submitted
         assert "COMPUTE_END" not in listed, record  # the model's final flag never reached the client

@@ -33,7 +33,7 @@ from shmserve.shm.trace import FileWriter, TraceShared
 log = logging.getLogger("shmserve.trace")
 # Positions in Trace.ns. A record names the frontend's own four (RECV_*, SEND_*) HTTP_* or GRPC_*.
 (RECV_START, RECV_END, REQUEST_START, QUEUE_START, COMPUTE_START, COMPUTE_INPUT_END,
- COMPUTE_OUTPUT_START, COMPUTE_END, REQUEST_END, SEND_START, SEND_END) = range(len(tr.STAMPS))
+ COMPUTE_OUTPUT_START, COMPUTE_END, REQUEST_END, RESPONSE_COMPLETE, SEND_START, SEND_END) = range(len(tr.STAMPS))
 
 
 # A step trace's stamps (shm/answer.py StepTrace), by name.
@@ -62,7 +62,8 @@ class Trace:
     """One traced request: its id, setting and timestamps (0: not taken), named by ``names``
     (``tr.STAMPS`` over HTTP, ``tr.GRPC_STAMPS`` over gRPC; the same positions)."""
 
-    __slots__ = ("id", "model", "version", "request_id", "setting", "names", "ns", "sends", "unqueued", "steps")
+    __slots__ = ("id", "model", "version", "request_id", "setting", "names", "ns", "sends", "made", "unqueued",
+                 "steps")
 
     def __init__(self, trace_id: int, model: str, setting: Setting, names: tuple[str, ...] = tr.STAMPS) -> None:
         self.id = trace_id
@@ -73,6 +74,7 @@ class Trace:
         self.names = names
         self.ns = [0] * len(names)
         self.sends: list[int] = []  # a streamed request's: start, end, start, end... one pair per response
+        self.made: list[int] = []  # and when each of its responses was made (INFER_RESPONSE_COMPLETE)
         self.unqueued = False  # refused before a version's scheduler had it: no record, as in Triton
         self.steps: tuple[StepTrace, ...] = ()  # an ensemble's: its composing models' requests
 
@@ -98,10 +100,17 @@ class Trace:
             if queued:
                 self.ns[QUEUE_START] = queued  # the broker queued it
 
+    def responded(self) -> None:
+        """The answer's response is made, ready to send (Triton's INFER_RESPONSE_COMPLETE)."""
+        self.ns[RESPONSE_COMPLETE] = time.monotonic_ns()
+
     def sending(self) -> None:
-        """A streamed request's response is about to be sent (each has its own SEND pair, as
-        Triton's stream handlers record; the fixed SEND slots are a single answer's)."""
-        self.sends.append(time.monotonic_ns())
+        """A streamed request's response is made, and about to be sent (each has its own
+        INFER_RESPONSE_COMPLETE and SEND pair, as Triton's stream handlers record; the fixed
+        slots are a single answer's)."""
+        now = time.monotonic_ns()
+        self.made.append(now)
+        self.sends.append(now)
 
     def sent(self) -> None:
         """The response ``sending`` announced is sent (or, at a stream's end, given up on)."""
@@ -114,8 +123,9 @@ class Trace:
         out = [(name, ns) for name, ns in zip(self.names, self.ns) if ns]
         if self.sends:
             pair = (self.names[SEND_START], self.names[SEND_END])
+            out += [(self.names[RESPONSE_COMPLETE], ns) for ns in self.made]
             out += [(pair[i % 2], ns) for i, ns in enumerate(self.sends)]
-            out.sort(key=lambda stamp: stamp[1])
+            out.sort(key=lambda stamp: stamp[1])  # (stable: a response is made, then sent)
         return out
 
     def record(self) -> bytes:

@@ -276,4 +276,6 @@ def _response(model: str, version: str, doc: dict, headers: dict[bytes, bytes], 
         out, used = _compress(out, accept.decode("latin-1"))
         if used:
             out_headers.append((b"content-encoding", used.encode()))
+    if trace is not None:
+        trace.responded()
     return status, out, out_headers

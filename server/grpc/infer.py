@@ -21,8 +21,8 @@ import grpc
 from shmserve.server.edge.header_forward import forwarded_params
 from shmserve.server.edge.link import ArenaWait, BrokerError, BrokerLink, Sent, completion_of, when_room
 from shmserve.server.edge.requests import BadRequest, NegativeShape
-from shmserve.server.edge.tracing import (RECV_END, RECV_START, SEND_END, SEND_START, Trace, Tracer,
-                                              timed_sends)
+from shmserve.server.edge.tracing import (RECV_END, RECV_START, REQUEST_END, SEND_END, SEND_START, Trace,
+                                              Tracer, timed_sends)
 from shmserve.shm import control_messages as control
 from shmserve.shm.completion import Completion
 from shmserve.shm.descriptor import InferRequest
@@ -109,6 +109,8 @@ class GrpcInference:
                                       completion.tensor)
         finally:
             completion.release()
+            if trace is not None and trace.ns[REQUEST_END]:
+                trace.responded()  # (an error answer's too: Triton's handler stamps whatever the core answered)
         if trace is not None:
             trace.ns[SEND_START] = time.monotonic_ns()
         return response
