@@ -32,7 +32,7 @@ from shmserve.shm.client import Client, InferenceServerError, ServerUnavailable
 from shmserve.shm.control_messages import ControlMessage
 from shmserve.shm.names import object_name
 from shmserve.shm.descriptor import InferRequest, InputTensor
-from shmserve.shm.protocol import REQ_INFER, write_manifest
+from shmserve.shm.protocol import REQ_INFER, SLOT_PENDING, write_manifest
 
 A = np.arange(16, dtype=np.int32)
 B = np.full(16, 3, dtype=np.int32)
@@ -134,8 +134,15 @@ def on_ring(bad: Client, kind: int, slot: int, off: int, length: int) -> None:
 
 
 def on_lane(bad: Client, kind: int, slot: int, off: int, length: int) -> None:
+    """A record on the bad client's lane, its slot (a real one) bound to the block as the library
+    binds it: the worker then reads the block (a record no slot binds runs nothing: it could be
+    another user's, test_client_users.py)."""
     conn = bad._conn  # noqa: SLF001
-    _, worker = conn._router.pick(InferRequest("add_sub"))  # noqa: SLF001
+    num, worker = conn._router.pick(InferRequest("add_sub"))  # noqa: SLF001
+    if slot < conn.seg.nslots:
+        conn.seg.bind(slot, off, length)
+        conn.seg.set_target(slot, num + 1)
+        conn.seg.set_slot_state(slot, SLOT_PENDING)
     assert worker.lanes[conn.lane].put(kind, slot, off, length, conn._cookie)  # noqa: SLF001
     worker.ring_bell(conn.lane)
     worker.waker.notify()
