@@ -20,7 +20,8 @@
  * on and the process lives. Such a page is no longer the object's: what this process writes there
  * nobody else sees. guard_restore() puts the object's page back once there is room again, for
  * mappings whose owner says when it is about to unmap them (guard_close), so that no page is ever
- * put into an address range another mapping may have taken since.
+ * put into an address range another mapping may have taken since. fallocate keeps the file's size
+ * (the last page of an object whose size is no multiple of a page lies partly past its end).
  *
  * A SIGBUS outside every guarded mapping, or one that keeps coming back at one address although
  * the file is whole and the page could be had or replaced, goes to the handler that was there
@@ -45,9 +46,8 @@
 
 enum { SLOT_FREE = 0, SLOT_FILLING = 1, SLOT_LIVE = 2, SLOT_LEAVING = 3 };
 
-/* What may be done to a page of a guarded mapping that /dev/shm has no room for. */
+/* What becomes of a page of a guarded mapping that /dev/shm has no room for. */
 enum {
-    PAGES_KEPT = 0,     /* nothing: the owner is unmapping it (guard_close), its range may be reused */
     PAGES_REPLACED = 1, /* replaced by a private zero page, for the mapping's life */
     PAGES_RESTORED = 2, /* replaced, and the object's page put back by guard_restore once there is room */
 };
@@ -152,10 +152,10 @@ static void take_or_replace(uintptr_t address, int used)
     int no_room = -1; /* a slot whose file has no room for the page */
     for (int i = 0; i < used; i++) {
         struct guarded_file *g = &table[i];
-        if (atomic_load(&g->state) != SLOT_LIVE || page < g->start || page >= g->end ||
-            atomic_load(&g->pages) == PAGES_KEPT)
+        if (atomic_load(&g->state) != SLOT_LIVE || page < g->start || page >= g->end)
             continue;
-        if (fallocate(g->fd, 0, (off_t)(page - g->start), (off_t)page_size) == 0)
+        /* (KEEP_SIZE: the last page of an object whose size is no multiple of it stays as long) */
+        if (fallocate(g->fd, FALLOC_FL_KEEP_SIZE, (off_t)(page - g->start), (off_t)page_size) == 0)
             return; /* there was room: the page is the file's now */
         if (errno == ENOSPC || errno == ENOMEM)
             no_room = i;
@@ -185,7 +185,7 @@ static int restore_replaced(void)
         if (atomic_load(&g->state) != SLOT_LIVE || atomic_load(&g->pages) != PAGES_RESTORED)
             continue;
         off_t offset = (off_t)(r->address - g->start);
-        if (fallocate(g->fd, 0, offset, (off_t)page_size) != 0)
+        if (fallocate(g->fd, FALLOC_FL_KEEP_SIZE, offset, (off_t)page_size) != 0)
             continue; /* still no room */
         if (mmap((void *)r->address, page_size, g->prot, g->flags | MAP_FIXED, g->fd, offset) == MAP_FAILED)
             continue;
@@ -199,13 +199,14 @@ static int restore_replaced(void)
     return restored;
 }
 
-/* Forget the replaced pages of `slot` (no handler runs: see guard_close). */
+/* Forget the replaced pages of `slot`. */
 static void forget_replaced(int slot)
 {
     int used = atomic_load(&replaced_used);
     for (int i = 0; i < used; i++) {
+        int expected = SLOT_LIVE;
         if (atomic_load(&replaced[i].state) == SLOT_LIVE && replaced[i].slot == slot)
-            atomic_store(&replaced[i].state, SLOT_FREE);
+            atomic_compare_exchange_strong(&replaced[i].state, &expected, SLOT_FREE);
     }
 }
 
@@ -302,13 +303,14 @@ int guard_add(int fd, long long size, void *start, int prot, int flags, int rest
     return -ENOSPC;
 }
 
-/* The mapping of a slot is about to be unmapped: from now on no page of it is replaced or put back
- * (its address range may soon be another mapping's); faults in it are still undone. */
+/* The mapping of a slot is about to be unmapped: from now on no page of it is put back (its
+ * address range may soon be another mapping's, or it stays mapped as long as a view of it lives);
+ * faults in it are still undone, and a page with no room replaced. */
 void guard_close(int slot)
 {
     if (slot < 0 || slot >= GUARD_CAPACITY || atomic_load(&table[slot].state) != SLOT_LIVE)
         return;
-    atomic_store(&table[slot].pages, PAGES_KEPT);
+    atomic_store(&table[slot].pages, PAGES_REPLACED);
     while (atomic_load(&handlers_running) > 0) /* one may have read the old value */
         sched_yield();
     forget_replaced(slot);

@@ -127,7 +127,7 @@ class Guard:
 
     def closing(self) -> None:
         """The mapping is about to be unmapped: its address range may be another mapping's soon,
-        so no page of it is replaced or put back from now on."""
+        so no replaced page of it is put back from now on."""
         if self._slot >= 0 and _lib is not None:
             _lib.guard_close(self._slot)
 
