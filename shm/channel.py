@@ -708,6 +708,13 @@ class ClientSegment:
         """Whether the worker took the lane record of the request in ``slot``."""
         return struct.unpack_from("<I", self.seg.buf, self.slots_offset + slot * SLOT_BYTES + TAKEN_AT)[0] != 0
 
+    def unbind(self, slot: int) -> None:
+        """Owner side, for a request that goes through the broker: no lane record can take the
+        slot (one left by an earlier use, written again)."""
+        base = self.slots_offset + slot * SLOT_BYTES
+        store_u32(self.seg.buf, base + TAKEN_AT, 1)
+        BOUND.pack_into(self.seg.buf, base + BOUND_AT, 0, 0)
+
     def take_bound(self, slot: int, offset: int, length: int, worker: int) -> bool:
         """Worker side: whether a lane record for ``slot`` and this block is the owner's request
         to this worker, pending and not taken yet; if so, it is taken now. (Only the owner and

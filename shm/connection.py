@@ -279,15 +279,19 @@ class Connection:
             free_block(self.seg.seg.buf, off)
             raise Backpressure("too many requests in flight on this connection")
         picked = self._router.pick(route) if route is not None else None
-        if picked is not None:
+        if picked is not None and picked[1].lanes[self.lane].has_room():  # type: ignore[index]
             num, worker = picked
-            self.seg.bind(slot, off, total)  # (the worker runs only a record its slot is bound to)
+            # Bound and sent to that worker for good: the worker runs only a record its slot is
+            # bound to, once, and a request bound to a lane never goes through the broker too.
+            self.seg.bind(slot, off, total)
             slots.target(slot, num)
             if worker.lanes[self.lane].put(kind, slot, off, total, self._cookie):  # type: ignore[index]
                 worker.ring_bell(self.lane)  # type: ignore[arg-type]
-                slots.went_to(slot, num)
-                return worker
-        slots.target(slot, None)  # (also when the worker's lane is full: the broker will queue it)
+            # (else another user's client changed the lane's counters since: _put_lost_again puts it again)
+            slots.went_to(slot, num)
+            return worker
+        self.seg.unbind(slot)  # (when the worker's lane is full too: the broker will queue it)
+        slots.target(slot, None)
         if not self.seg.requests.put(kind & ~REQ_POLLING, slot, off, total, 0):
             slots.give_back(slot)
             free_block(self.seg.seg.buf, off)

@@ -47,6 +47,12 @@ class Ring:
     def reset(self) -> None:
         self._ctr[0] = self._ctr[1] = 0
 
+    def has_room(self) -> bool:
+        """Whether a ``put`` would succeed now (for the producer: only the consumer moves the
+        counters meanwhile, and only to make room)."""
+        ctr = self._ctr
+        return 0 <= ctr[1] - ctr[0] < self._cap
+
     def put(self, *fields: int | bytes) -> bool:
         """Append one record; False when the ring is full (the caller decides how to back off)."""
         ctr = self._ctr
