@@ -29,7 +29,11 @@ import posix_ipc
 
 from . import truncation_guard
 from .names import SHM_DIR
+from .space import HOW_TO_RAISE, NoRoom, take_pages
 from .truncation_guard import guard_mapping
+
+
+MAX_OUTGROWN = 8  # smaller mappings of a grown region still in use, past which the descriptor serves
 
 
 class StaleRegion(ValueError):
@@ -72,14 +76,17 @@ class _Mapping:
         self.guard = guard_mapping(self.mm, fd, size, restorable=True, always=True)
         self.bytes = np.frombuffer(self.mm, dtype=np.uint8)
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Unmap it; False while a copy in another thread or a model's view still uses it (then it
+        is unmapped when the last one lets go, and stays guarded until then)."""
         self.bytes = None  # type: ignore[assignment] # (its export would keep the map)
         self.guard.closing()  # (before the unmap: the range may be another mapping's after it)
         try:
             self.mm.close()
-        except BufferError:  # a copy still under way in another thread: unmapped when it ends
-            return
+        except BufferError:
+            return False
         self.guard.release()
+        return True
 
 
 class RegionFile:
@@ -94,25 +101,30 @@ class RegionFile:
         self.ino = ino
         self.fd = fd
         self._mapping: _Mapping | None = None
-        self._outgrown: list[_Mapping] = []  # smaller mappings made before: a thread may still copy from one
+        self._outgrown: list[_Mapping] = []  # smaller ones made before, still in use by a copy or a view
         self._lock = threading.Lock()
 
-    def _mapped(self, end: int) -> np.ndarray | None:
-        """The object's bytes as a guarded mapping, if it reaches ``end``: made when first asked
-        for, and anew (larger) once the object has grown; None where the guard is not built or
-        cannot be had (then the descriptor serves)."""
+    def _mapped(self, end: int) -> tuple[mmap.mmap, np.ndarray] | None:
+        """The object as a guarded mapping and its bytes, if it reaches ``end``: made when first
+        asked for, and anew (larger) once the object has grown, the smaller one unmapped once
+        nothing uses it (the bytes returned keep it mapped while the caller holds them); None
+        where the guard is not built or cannot be had, or too many smaller ones are still in use
+        (then the descriptor serves)."""
         mapping = self._mapping
-        if mapping is not None and len(mapping.bytes) >= end:
-            return mapping.bytes
+        if mapping is not None:
+            got = mapping.bytes
+            if got is not None and len(got) >= end:
+                return mapping.mm, got
         if not truncation_guard.available():
             return None
         with self._lock:
             mapping = self._mapping
             if mapping is not None and len(mapping.bytes) >= end:
-                return mapping.bytes
+                return mapping.mm, mapping.bytes
+            self._outgrown = [m for m in self._outgrown if not m.close()]
             size = os.fstat(self.fd).st_size
-            if size < end:
-                return None  # (the caller refuses it as truncated)
+            if size < end or len(self._outgrown) >= MAX_OUTGROWN:
+                return None  # (the caller refuses it as truncated, or reads it through the descriptor)
             try:
                 made = _Mapping(self.fd, size)
             except (OSError, ValueError):
@@ -120,10 +132,10 @@ class RegionFile:
             if not made.guard.guarded:  # (out of descriptors, or of guard slots)
                 made.close()
                 return None
-            if mapping is not None:
+            if mapping is not None and not mapping.close():
                 self._outgrown.append(mapping)
             self._mapping = made
-            return made.bytes
+            return made.mm, made.bytes
 
     @classmethod
     def open(cls, key: str, ino: int, region: str | None = None) -> "RegionFile":
@@ -149,7 +161,7 @@ class RegionFile:
             return None
         if os.fstat(self.fd).st_size < off + size:
             self._truncated(off + size, region)
-        view = mapped[off:off + size]
+        view = mapped[1][off:off + size]
         view.flags.writeable = False
         return view
 
@@ -166,7 +178,7 @@ class RegionFile:
         if mapped is not None:
             if os.fstat(self.fd).st_size < off + n:
                 self._truncated(off + n, region)
-            np.copyto(np.frombuffer(dst, dtype=np.uint8), mapped[off:off + n])  # (numpy lets the GIL go)
+            np.copyto(np.frombuffer(dst, dtype=np.uint8), mapped[1][off:off + n])  # (numpy lets the GIL go)
             return
         while done < n:
             got = os.preadv(self.fd, [dst[done:]], off + done)
@@ -184,7 +196,16 @@ class RegionFile:
             self._truncated(off + n, region)
         mapped = self._mapped(off + n)
         if mapped is not None:
-            np.copyto(mapped[off:off + n], np.frombuffer(src, dtype=np.uint8))
+            # Its pages taken first: a client makes a region with ftruncate, which takes none, and a
+            # page /dev/shm had no room for would be replaced by one of this process (the output lost).
+            mm, mapped_bytes = mapped
+            if not take_pages(mm, self.key, off, off + n):  # (a truncation under it fails it too: once more)
+                if os.fstat(self.fd).st_size < off + n:
+                    self._truncated(off + n, region)
+                if not take_pages(mm, self.key, off, off + n):
+                    raise NoRoom(f"/dev/shm is full: the {n}-byte output cannot be written into "
+                                 f"{_shown(self.key, region)}, whose pages were never taken; {HOW_TO_RAISE}")
+            np.copyto(mapped_bytes[off:off + n], np.frombuffer(src, dtype=np.uint8))
             return
         done = 0
         while done < n:

@@ -138,3 +138,46 @@ def test_a_truncation_racing_the_copies_costs_the_process_nothing():
             os.unlink("/dev/shm" + key)
     assert ran.returncode == 0, (ran.returncode, ran.stderr)
     assert ran.stdout.split() == ["True", "True"]
+
+
+def test_a_region_dev_shm_has_no_room_for_refuses_an_output_and_keeps_its_size():
+    """A client makes its region with ftruncate, which takes no page. With /dev/shm full, an output
+    copied into the mapping would land on pages of this process's own (the guard's answer to a page
+    with no room) and be lost: it is refused instead, naming /dev/shm; an input read there is
+    zeros. Once the room is back the region's pages are the object's again, its size (no multiple
+    of a page) unchanged, and an output lands in it. In a child with its own small /dev/shm."""
+    program = textwrap.dedent("""
+        import errno, os
+        import numpy as np
+        from shmserve.shm import truncation_guard
+        from shmserve.shm.region_io import RegionFiles
+        from shmserve.shm.space import NoRoom
+        size = (1 << 20) + 100
+        fd = os.open("/dev/shm/region", os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, size)
+        t = {"seg": "/region", "ino": os.fstat(fd).st_ino, "region": "r", "off": 0, "size": size}
+        files = RegionFiles()
+        with open("/dev/shm/filler", "wb", buffering=0) as filler:
+            for chunk in (1 << 20, 4096):
+                try:
+                    while True:
+                        filler.write(bytes(chunk))
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+        try:
+            files.write(t, np.full(size, 7, dtype=np.uint8))
+            print("written")
+        except NoRoom as e:
+            print("refused", "/dev/shm is full" in str(e) and "'r'" in str(e))
+        print(int(files.read(t).max()), truncation_guard.replaced() > 0)
+        os.unlink("/dev/shm/filler")
+        truncation_guard.restore()
+        print(os.fstat(fd).st_size == size)
+        files.write(t, np.full(size, 7, dtype=np.uint8))
+        print(os.pread(fd, 4, size - 4) == bytes([7]) * 4, os.fstat(fd).st_size == size)
+    """)
+    mount = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"'
+    ran = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", sys.executable, "-c",
+                          program], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, (ran.returncode, ran.stderr)
+    assert ran.stdout.split() == ["refused", "True", "0", "True", "True", "True", "True"]
