@@ -19,6 +19,8 @@ from typing import Iterable
 
 from shmserve.shm.trace import GRPC_STAMPS, STAMPS, read_trace_file
 
+RESPONSE_COMPLETE = "INFER_RESPONSE_COMPLETE"
+
 
 def requests(files: Iterable[str]) -> list[dict[str, int]]:
     """Each traced request's timestamps (name to ns, the first of a name kept), from every file."""
@@ -33,7 +35,9 @@ def requests(files: Iterable[str]) -> list[dict[str, int]]:
 
 def segments(traced: list[dict[str, int]]) -> tuple[tuple[str, ...], list[float], int]:
     """(the path's stamp names, median µs from each to the next, the requests counted)."""
-    path = next((p for p in (STAMPS, GRPC_STAMPS) if any(all(n in r for n in p) for r in traced)), None)
+    # (with and without INFER_RESPONSE_COMPLETE, which files written before it was stamped lack)
+    paths = [p for names in (STAMPS, GRPC_STAMPS) for p in (names, tuple(n for n in names if n != RESPONSE_COMPLETE))]
+    path = next((p for p in paths if any(all(n in r for n in p) for r in traced)), None)
     if path is None:
         return (), [], 0
     whole = [r for r in traced if all(n in r for n in path)]
