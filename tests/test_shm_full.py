@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from as_nobody import NOBODY, start_as
 from blob_models import infer, write_repo
+from shm_filler import FILL
 from conftest import PYTHON, ROOT, Server
 
 MIB = 1 << 20
@@ -210,8 +211,7 @@ def test_a_broker_restarted_while_dev_shm_is_full_says_so_and_comes_back_with_th
 # A local client of a named user inside the server's mount namespace: "cut" truncates every object
 # it may write (its own segment, broker.0, each worker's segment, the extents of its answers) and
 # fills /dev/shm; "free" removes its file; "ask" connects a new client and sends one request.
-CUT_AND_FILL = r"""
-import errno
+CUT_AND_FILL = FILL + r"""
 from shmserve.shm.connection import Connection
 sid = args["server"]
 filler = "/dev/shm/nobodys-file"
@@ -230,13 +230,7 @@ for line in sys.stdin:
                           and (".arena." not in n or os.access("/dev/shm/" + n, os.W_OK)))
         for path in targets:
             os.truncate(path, 0)
-        with open(filler, "ab", buffering=0) as f:
-            for chunk in (1 << 20, 4096):
-                try:
-                    while True:
-                        f.write(bytes(chunk))
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC, e
+        fill(filler)
         print("FULL " + json.dumps(sorted(os.path.basename(p) for p in targets)), flush=True)
     elif line.strip() == "free":
         os.unlink(filler)

@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 from conftest import PYTHON, ROOT, free_port
+from shm_filler import FILL
 
 from shmserve.shm import truncation_guard
 
@@ -77,17 +78,10 @@ def test_a_page_dev_shm_has_no_room_for_after_a_truncation_is_replaced_then_put_
     again. The handler replaces such a page by a private zero page (the process lives, and what
     it writes there the object does not see), and ``restore`` puts the object's page back once
     there is room: what is written then is the object's again."""
-    done = _child("""
-        import errno
+    done = _child(FILL + textwrap.dedent("""
         seg.buf[100] = 7
         cut()
-        with open("/dev/shm/filler", "wb", buffering=0) as filler:  # another user fills /dev/shm
-            for chunk in (1 << 20, 4096):
-                try:
-                    while True:
-                        filler.write(bytes(chunk))
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC, e
+        fill("/dev/shm/filler")  # another user fills /dev/shm
         print(seg.buf[100], seg.buf[5000])  # no signal: zero pages, the process's own
         seg.buf[200] = 5
         with open(path, "rb") as f:
@@ -99,7 +93,7 @@ def test_a_page_dev_shm_has_no_room_for_after_a_truncation_is_replaced_then_put_
             seg.buf[300] = 9
             f.seek(0)
             print(f.read(4096)[300], os.stat(path).st_size)  # the object's page again
-    """, tmpfs_mb=8)
+    """), tmpfs_mb=8)
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stdout.split() == ["0", "0", "5", "0", "2", "0", "0", "2", "9", str(1 << 20)]
 

@@ -14,6 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from shm_filler import FILL
 from shmserve.shm import truncation_guard
 from shmserve.shm.region_io import RegionFiles, StaleRegion
 
@@ -146,8 +147,8 @@ def test_a_region_dev_shm_has_no_room_for_refuses_an_output_and_keeps_its_size()
     with no room) and be lost: it is refused instead, naming /dev/shm; an input read there is
     zeros. Once the room is back the region's pages are the object's again, its size (no multiple
     of a page) unchanged, and an output lands in it. In a child with its own small /dev/shm."""
-    program = textwrap.dedent("""
-        import errno, os
+    program = FILL + textwrap.dedent("""
+        import os
         import numpy as np
         from shmserve.shm import truncation_guard
         from shmserve.shm.region_io import RegionFiles
@@ -157,13 +158,7 @@ def test_a_region_dev_shm_has_no_room_for_refuses_an_output_and_keeps_its_size()
         os.ftruncate(fd, size)
         t = {"seg": "/region", "ino": os.fstat(fd).st_ino, "region": "r", "off": 0, "size": size}
         files = RegionFiles()
-        with open("/dev/shm/filler", "wb", buffering=0) as filler:
-            for chunk in (1 << 20, 4096):
-                try:
-                    while True:
-                        filler.write(bytes(chunk))
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC, e
+        fill("/dev/shm/filler")
         try:
             files.write(t, np.full(size, 7, dtype=np.uint8))
             print("written")
