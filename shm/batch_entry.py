@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, TypedDict, Union
 
 # A tensor's place: in a segment (a client's arena, a worker's, the broker's) at ``off``; or in a
-# registered region, read through its descriptor (``ino`` pins the object it named when
+# registered region (region_io.py: ``ino`` pins the object it named when
 # registered, ``region`` its name); or in a CUDA region (``cuda``: the IPC handle, base64, and its
 # ``device``). An input also has its ``datatype`` and ``shape``; a requested output may have
 # ``class``, Triton's classification count.

@@ -59,8 +59,12 @@ class RequestKeys:
             if "cuda" in t:
                 return None
             off, size = t["off"], t["size"]
-            try:  # a registered region is read through its descriptor: its client may truncate it
-                h.update(segments.regions.read(t) if "ino" in t else segments.get(t["seg"]).buf[off:off + size])
+            try:
+                if "ino" in t:  # a registered region: in place where it is mapped (region_io.py), else a copy
+                    in_place = segments.regions.view(t)
+                    h.update(in_place if in_place is not None else segments.regions.read(t))
+                else:
+                    h.update(segments.get(t["seg"]).buf[off:off + size])
             except (OSError, ValueError, posix_ipc.Error):  # a region gone, say: the run that follows reports it
                 return None
         return h.digest()[:16]

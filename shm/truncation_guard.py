@@ -191,9 +191,9 @@ class MappingGuard:
             self._guard.closing()
 
 
-def guard_mapping(mm: mmap.mmap, fd: int, size: int, shared: bool = True, writable: bool = True,
-                  restorable: bool = False, always: bool = False) -> MappingGuard:
-    """Guard the file behind ``mm`` (mapped ``shared`` or private, ``writable`` or not) while the
+def guard_mapping(mm: mmap.mmap, fd: int, size: int, shared: bool = True, restorable: bool = False,
+                  always: bool = False) -> MappingGuard:
+    """Guard the file behind ``mm`` (mapped for writing, ``shared`` or private) while the
     mapping lives, if another user may write it (``always``: whoever may: a client's registered
     region, which its owner may truncate even when that is the server's user); ``restorable``:
     the caller calls ``closing`` before it unmaps, so a replaced page may be put back. The
@@ -202,8 +202,8 @@ def guard_mapping(mm: mmap.mmap, fd: int, size: int, shared: bool = True, writab
     if _lib is None or not (always or others_may_write(fd)):
         return MappingGuard()
     start = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    guard = _guard_fd(fd, size, start, prot, mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE, restorable)
+    flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+    guard = _guard_fd(fd, size, start, mmap.PROT_READ | mmap.PROT_WRITE, flags, restorable)
     if guard is None:
         return MappingGuard()
     return MappingGuard(guard, weakref.finalize(mm, guard.release))

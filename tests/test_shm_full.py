@@ -15,6 +15,7 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -309,3 +310,49 @@ def test_a_named_user_who_truncates_and_then_fills_dev_shm_kills_no_server_proce
             attacker.kill()
             attacker.communicate(timeout=30)
         server.stop()
+
+
+def test_an_output_into_a_region_dev_shm_has_no_room_for_is_a_503_and_lands_once_there_is_room(full_server):
+    """A client makes its region with ftruncate, which takes no page of /dev/shm. With /dev/shm
+    full, the worker (or the broker, for an ensemble) cannot take the pages an output needs there:
+    the request is a 503 naming /dev/shm and the region, never a 200 whose output was lost; with the
+    room back, the same request writes its output into the region."""
+    server = full_server
+    n = 2 * MIB
+    path = server.shm / f"out_region_{server.id}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+    filler = Filler(server.shm)
+    try:
+        os.ftruncate(fd, n)
+        client.register_system_shared_memory("outs", f"/out_region_{server.id}", n)
+
+        def ask(model: str, fill: int) -> None:
+            inputs = [httpclient.InferInput("IN", [16], "UINT8"), httpclient.InferInput("N", [1], "INT64")]
+            inputs[0].set_data_from_numpy(np.full(16, fill, dtype=np.uint8))
+            inputs[1].set_data_from_numpy(np.array([n], dtype=np.int64))
+            out = httpclient.InferRequestedOutput("OUT")
+            out.set_shared_memory("outs", n)
+            client.infer(model, inputs, outputs=[out])
+
+        # Pages taken before the filler comes: the worker's for answers up to n (an ensemble step's).
+        assert (infer(client, "blob", 16, n, 1) == 1).all()
+        assert (infer(client, "blob_ensemble", 16, 16, 1) == 1).all()
+        assert filler.fill() > 0
+        for model in ("blob", "blob_ensemble"):
+            with pytest.raises(InferenceServerException) as e:
+                ask(model, 3)
+            assert e.value.status() == "503", e.value
+            assert "/dev/shm is full" in e.value.message() and "'outs'" in e.value.message(), e.value.message()
+        assert os.pread(fd, 16, 0) == bytes(16)
+        filler.remove()
+        for model, fill in (("blob", 5), ("blob_ensemble", 6)):
+            ask(model, fill)
+            assert os.pread(fd, n, 0) == bytes([fill]) * n
+    finally:
+        filler.remove()
+        os.close(fd)
+        try:
+            client.unregister_system_shared_memory("outs")
+        finally:
+            path.unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from shmserve.shm.copying import copy_into
 from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.protocol import ROLE_WORKER, role_word
 from shmserve.shm.region_io import StaleRegion, output_room_text
+from shmserve.shm.space import NoRoom
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import byte_view, serialize_bytes, wire_datatype
 from shmserve.shm.waker import Waker
@@ -161,7 +162,8 @@ class Answers:
                     pos += n
         except (RequestError, ValueError, TypeError, RuntimeError, OSError, posix_ipc.Error) as e:
             # OSError/posix_ipc: the segment to write into is gone (its client died): nobody to tell.
-            status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion, ClassificationError)) else 500
+            status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion, ClassificationError)) else \
+                503 if isinstance(e, NoRoom) else 500  # (/dev/shm full: retry later, as elsewhere)
             return status, AnswerDescriptor(error=str(e)).encode(), []
         return 200, encode_outputs(outs, model.version, resp.parameters or None, self.ran_stamps(entry)), tensors
 
@@ -180,7 +182,7 @@ class Answers:
         if "cuda" in target:
             ptr = cuda_runtime().open(base64.b64decode(target["cuda"]), target["device"])
             cuda_runtime().to_device(ptr + target["off"], data)
-        elif "ino" in target:  # a registered region: written through its descriptor (region_io.py)
+        elif "ino" in target:  # a registered region (region_io.py: NoRoom where /dev/shm has no room for its pages)
             self.segments.regions.write(target, data)
         else:  # room the client reserved in its request's block
             seg = self.segments.get(target["seg"])

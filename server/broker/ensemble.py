@@ -665,12 +665,12 @@ class Ensembles:
                     self._fail_run(run, None, 400, output_room_text(name, target["size"], size))
                     return None
                 try:
-                    if "ino" in target:  # a region, through its descriptor: never a mapping its client could truncate
+                    if "ino" in target:  # a region (region_io.py: its pages taken, or NoRoom)
                         self.segments.regions.write(target, data)
                     else:  # room the client reserved in its request's block (bounds checked at intake)
                         copy_into(self.segments.get(target["seg"]).buf[target["off"]:target["off"] + size], data)
-                except (ValueError, OSError, posix_ipc.Error) as e:
-                    self._fail_run(run, run.plan.steps[-1], 400, str(e))
+                except (ValueError, OSError, posix_ipc.Error) as e:  # (/dev/shm full: a 503, as elsewhere)
+                    self._fail_run(run, run.plan.steps[-1], 503 if isinstance(e, space.NoRoom) else 400, str(e))
                     return None
                 outs.append(OutputTensor(name, datatype, tuple(shape), 0, size, True))
             else:
