@@ -188,6 +188,26 @@ def test_a_closing_request_closes_the_connection(server):
         assert reader.read() == b""  # closed by the server
 
 
+def test_a_request_answered_before_its_body_came_keeps_its_connection(server):
+    """A request answered without its body (a GET with one, one with a wrong method),
+    whose body arrives after its head (as http.client sends one), is answered, the rest of its
+    body is read and dropped, and the next request on the connection is answered: Triton reads
+    every body before it answers and keeps the connection, and a client that pools connections
+    reuses it."""
+    (a, b), = _pairs(6, 1)
+    early = [(b"GET /v2/models/add_sub", 200), (b"GET /v2/models/add_sub/infer", 405)]
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        reader = sock.makefile("rb")
+        for body in (b"xx", b"{}" + b" " * 300_000):  # a small one, and one of several socket reads
+            for request, expected in early:
+                sock.sendall(request + b" HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+                status, headers, answer = read_raw_response(reader)  # answered before the body is sent
+                assert status == expected and headers.get("connection") != "close", (request, answer)
+                sock.sendall(body)
+                sock.sendall(_add_sub(a, b))
+                _check(reader, a, b)
+
+
 def test_an_idle_connection_is_kept_by_default(server):
     """As Triton keeps them: a proxy that pools connections to the server (nginx, a cloud load
     balancer) reuses one after a minute idle, and one closed under it fails that request."""

@@ -15,10 +15,14 @@ whole) or a body that stops half-way each held a descriptor and memory for good.
   a head still arriving is cut once it passes the limit by one socket read at most);
 - body: while a body is read, nothing arriving for ``body_timeout_s`` is a 408 (time the frontend
   itself stops reading, to let a request ahead finish, does not count);
-- answered early: a request answered before its body has all come (refused for its size, ...)
-  ends its connection. What the client still sends is dropped unread for at most ``LINGER_S``
-  after the answer, so that a client still writing reads the answer rather than a reset (nginx's
-  lingering close), then the connection closes: a never-ending body is cut;
+- answered early: a request answered before its body has all come keeps its connection when the
+  rest of the body is declared and at most ``DISCARD_MAX_BYTES`` (a GET with a body, a refusal
+  that needed none of it): the rest is read and dropped, and the next request is parsed, as
+  Triton, which reads every body before it answers, keeps the connection. Otherwise (refused for
+  its size, chunked, or the answer says ``connection: close``) the connection ends: what the
+  client still sends is dropped unread for at most ``LINGER_S`` after the answer, so that a
+  client still writing reads the answer rather than a reset (nginx's lingering close), then the
+  connection closes: a never-ending body is cut;
 - bound: past ``max_connections`` connections in this process a new one takes the place of the
   connection idle longest, closed for it (as nginx reuses its keep-alive connections when it has
   none left); with every connection busy it is answered 503 at once and closed. Idle connections
@@ -57,6 +61,9 @@ from .limits import HttpLimits
 log = logging.getLogger("shmserve.frontend")
 
 LINGER_S = 5.0  # the most a refused body is read and dropped (nginx: lingering_timeout 5 s)
+# The most of a declared body answered before it came that is read and dropped to keep the
+# connection: --http-max-input-size's default, which Triton reads a body up to before it answers.
+DISCARD_MAX_BYTES = 64 << 20
 BUSY_LINGER_S = 1.0  # the same for a connection past the bound: its descriptor is what is short
 WARN_EVERY_S = 10.0  # one warning line per kind this often at most: refusals come in floods
 # Triton's bound on a chunked body's non-empty chunks (each costs a buffer entry, however small).
@@ -363,7 +370,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_response_complete()  # (arms the keep-alive timeout, or starts a pipelined request)
         if self._lingering:
             self._unset_keepalive_if_required()  # the linger ends it
-        elif self._answered_early() and not self.transport.is_closing():
+        elif self._answered_early() and not self.transport.is_closing() and not self._rest_is_bounded():
             self._linger(LINGER_S)
 
     # -- ending a connection ---------------------------------------------------------------------
@@ -377,6 +384,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _answered_early(self) -> bool:
         cycle = self.cycle
         return self._in_body and cycle is not None and cycle.response_complete
+
+    def _rest_is_bounded(self) -> bool:
+        """The body in progress declared a length of at most ``DISCARD_MAX_BYTES``: dropping the
+        rest keeps the connection at a bounded cost (the body timeout still applies)."""
+        declared = next((value for name, value in self.headers if name == b"content-length"), None)
+        return declared is not None and declared.isdigit() and int(declared) <= DISCARD_MAX_BYTES
 
     def _linger(self, seconds: float) -> None:
         """Read and drop what the client still sends for up to ``seconds``, then close (earlier if
