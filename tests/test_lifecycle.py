@@ -119,6 +119,29 @@ def test_repository_api_load_unload_and_index(server_factory, repo):
     assert c.is_server_ready()
 
 
+def test_a_load_without_config_of_an_unchanged_model_reloads_nothing(server_factory, repo):
+    """As Triton: a model reloads only when a file of its folder changed since it loaded, so a load
+    with no config keeps what serves (no new worker, the override it was loaded with kept) until
+    its config.pbtxt changes; then the file's config serves."""
+    s = server_factory.start([repo], ["--model-control-mode", "explicit"])
+    c = s.client()
+    c.load_model("add_sub", config=config(generation=7))
+    assert c.get_model_config("add_sub")["parameters"] == {"generation": {"string_value": "7"}}
+    workers = s.worker_pids("add_sub")
+    for _ in range(2):
+        c.load_model("add_sub")
+        assert c.get_model_config("add_sub")["parameters"] == {"generation": {"string_value": "7"}}
+        assert s.worker_pids("add_sub") == workers
+        assert add_sub(c).tolist() == list(range(0, 32, 2))
+    text = (repo / "add_sub" / "config.pbtxt").read_text()
+    (repo / "add_sub" / "config.pbtxt").write_text(text + "\n# edited\n")
+    c.load_model("add_sub")
+    assert not c.get_model_config("add_sub").get("parameters")
+    wait_until(lambda: set(s.worker_pids("add_sub")).isdisjoint(workers), 30, "the old worker to stop")
+    assert s.worker_pids("add_sub")
+    assert add_sub(c).tolist() == list(range(0, 32, 2))
+
+
 def test_an_unloaded_model_has_no_available_versions(server_factory, repo):
     """Triton keeps an unloaded model's versions (UNAVAILABLE): metadata and inference say it has
     no available versions (404, NOT_FOUND), its old version is not at ready state (503), and a

@@ -80,6 +80,27 @@ def without_instances(config: Any) -> Any:
     return copy
 
 
+def config_file_stamp(model_dir: str) -> tuple[int, int] | None:
+    """Size and modification time of the model's ``config.pbtxt`` (None: it has none)."""
+    try:
+        st = os.stat(os.path.join(model_dir, "config.pbtxt"))
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def unchanged_since_load(serving: dict[int, ModelVersion], model_dir: Path) -> bool:
+    """Whether every version of a non-ensemble model that serves is ready, was loaded from
+    ``model_dir``, and no file of that folder (its config included) changed since: a load without
+    a config then reloads nothing, as in Triton, which reloads a model only when its folder
+    changed, so that it keeps serving as it was loaded (with a config override, say)."""
+    for mv in serving.values():
+        if mv.state != State.READY or mv.model_dir != str(model_dir) or mv.ensemble is not None \
+                or mv.config_file != config_file_stamp(mv.model_dir) or folder_fingerprint(mv.model_dir) != mv.files:
+            return False
+    return bool(serving)
+
+
 def updatable(serving: dict[int, ModelVersion], model_dir: Path, config: Any, versions: list[int]) -> bool:
     """Whether loading ``config`` from ``model_dir`` only changes the instances of what serves."""
     if sorted(serving) != sorted(versions) or config.platform == "ensemble" or config.HasField("sequence_batching") \
@@ -140,7 +161,7 @@ class InstanceUpdates:
             add, remove = instance_changes(mv, config)
             mv.config = with_groups(mv.config, config)
             mv.set_config(to_dict(mv.config))
-            mv.requested_config = config
+            mv.requested_config, mv.config_file = config, config_file_stamp(mv.model_dir)
             mv.planned_instances = cfgmod.instance_count(config)
             # The one instance batches its own lanes only if it was started as the only one.
             mv.worker_batching = mv.worker_batching and batches_on_worker(mv.config_dict, mv.planned_instances)

@@ -287,12 +287,19 @@ class Lifecycle:
             return LoadRefused(reason, 500)
         if name in self.ambiguous and model_dir == catalog.model_dirs.get(name):  # (an upload is its own)
             return self._load_failed(name, f"failed to load '{name}', {DUPLICATE_MODEL}")
+        serving = catalog.models.get(name)
+        if override_json is None and serving and name not in catalog.loading and name not in self.updates.waiters \
+                and instance_update.unchanged_since_load(serving, model_dir):
+            log.info("load of '%s': no file of its folder changed since it loaded; it serves on as it was loaded", name)
+            catalog.load_errors.pop(name, None)  # what serves is what was asked for
+            if waiter is not None:
+                self.clients.reply(waiter[0], waiter[1], 200, {})
+            return None
         try:
             plan = self.planner.plan(name, model_dir, override_json)
         except cfgmod.ConfigError as e:
             return self._load_failed(name, f"failed to load '{name}', {e}")
         config, versions = plan.config, plan.versions
-        serving = catalog.models.get(name)
         if serving and name not in catalog.loading and instance_update.updatable(serving, model_dir, config, versions):
             added = sum(len(instance_update.instance_changes(mv, config)[0]) for mv in serving.values())
             with self.instances.counted(added) as shortfall:
@@ -322,6 +329,7 @@ class Lifecycle:
                 mv.set_config(mv.config_dict)
                 mv.exec_timeout_s = plan.exec_timeout_s
                 mv.requested_config, mv.files = config, instance_update.folder_fingerprint(str(model_dir))
+                mv.config_file = instance_update.config_file_stamp(str(model_dir))
                 mv.weights_key = f"{name}.{v}.{next(self.load_ids)}"
                 job.versions[v] = mv
                 if config.platform == "ensemble":

@@ -116,6 +116,7 @@ class ModelVersion:
     requested_config: Any = None  # the config loaded, before the backend completed it
     weights_key: str = ""  # names this load's shared weights (workers/shared_weights.py)
     files: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # instance_update.folder_fingerprint
+    config_file: tuple[int, int] | None = None  # instance_update.config_file_stamp at load
 
     def __post_init__(self) -> None:
         # Counted in the buckets its config sets (model_metrics), as its workers count.
