@@ -117,10 +117,10 @@ def bytes_framing_problem(buf: Any, count: int) -> tuple[str, int, int]:
     pos = checked = 0
     end = len(view)
     while pos < end:
+        if end - pos < 4:  # (looked at before the count, as the core does)
+            return "length", end - pos, 0
         if checked == count:
             return "more", count + 1, 0
-        if end - pos < 4:
-            return "length", end - pos, 0
         (length,) = _LEN.unpack_from(view, pos)
         pos += 4
         checked += 1

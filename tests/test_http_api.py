@@ -412,6 +412,18 @@ def test_a_register_request_without_its_fields_is_refused_in_tritons_words(serve
     assert (r.status, r.json()) == (400, {"error": "Shared memory register request has no 'raw_handle' field"})
     r = raw_request(server.port, "POST", "/v2/systemsharedmemory/region/r/register", b"{")
     assert r.status == 400 and r.json()["error"].startswith("failed to parse the request JSON buffer: ")
+    # fields of the wrong type: TritonJson's words (Triton answers them 500: docs/compatibility.md)
+    not_uint = "attempt to access JSON non-unsigned-integer as unsigned-integer"
+    for path, body, text in (
+            ("system", b'{"key": 5, "byte_size": 64}', "attempt to access JSON non-string as string"),
+            ("system", b'{"key": "/x", "offset": -1, "byte_size": 64}', not_uint),
+            ("system", b'{"key": "/x", "byte_size": "64"}', not_uint),
+            ("cuda", b'{"raw_handle": {}, "byte_size": 64}', "attempt to access non-existing object member 'b64'"),
+            ("cuda", b'{"raw_handle": {"b64": 1}, "byte_size": 64}', "attempt to access JSON non-string as string"),
+            ("cuda", b'{"raw_handle": {"b64": "AA=="}}', "attempt to access non-existing object member 'byte_size'"),
+            ("cuda", b'{"raw_handle": {"b64": "AA=="}, "byte_size": 64, "device_id": -1}', not_uint)):
+        r = raw_request(server.port, "POST", f"/v2/{path}sharedmemory/region/r/register", body)
+        assert (r.status, r.json()) == (400, {"error": text}), body
 
 
 def test_infer_through_system_shared_memory(client, shm_regions):

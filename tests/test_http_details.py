@@ -507,7 +507,11 @@ def test_bytes_counts_are_tritons_core_refusals(srv, data, request_id, text):
                                                    f"inference input 'INPUT' for model 'raw_text_var', expecting 1"),
     ([1], b"\x09\x00\x00\x00ab", "incomplete string data for inference input 'INPUT', expecting string of length 9 "
                                   "but only 2 bytes available"),
-], ids=["cut-off-length", "fewer", "more", "cut-off-element"])
+    # a stray byte after the last element: the core looks at the length before the count
+    ([1], b"\x01\x00\x00\x00a\x00", f"{UNKNOWN}incomplete string length indicator for inference input 'INPUT' for "
+                                     f"model 'raw_text_var', expecting 4 bytes but only 1 bytes available. Please make "
+                                     f"sure the string length indicator is in one buffer."),
+], ids=["cut-off-length", "fewer", "more", "cut-off-element", "stray-byte"])
 def test_binary_bytes_framing_is_refused_in_tritons_words(srv, shape, tail, text):
     head = json.dumps({"inputs": [{"name": "INPUT", "datatype": "BYTES", "shape": shape,
                                    "parameters": {"binary_data_size": len(tail)}}]}).encode()

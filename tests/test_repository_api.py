@@ -102,6 +102,10 @@ def test_load_and_unload_parameters_triton_refuses(server):
         bad, "invalid value type for 'unload_dependents' parameter, expected bool_param.")
     r = raw_request(server.port, "POST", "/v2/repository/models/add_sub/load", b'{"parameters": {"unknown": "x"}}')
     assert (r.status, r.json()) == (400, {"error": "unrecognized load parameter 'unknown'."})
+    for value in (b"null", b"5"):  # (Triton: a 500, "attempt to access JSON non-string as string")
+        r = raw_request(server.port, "POST", "/v2/repository/models/add_sub/load", b'{"parameters": {"config": %s}}' % value)
+        assert (r.status, r.json()) == (400, {"error": "failed to load 'add_sub', the 'config' parameter must be a "
+                                                       "JSON string"})
     assert not server.client().is_model_ready("add_sub")  # nothing refused was loaded
     assert _grpc_call(server, False) == ("OK", "")
     assert _grpc_call(server, True, unknown=("string_param", "x")) == ("OK", "")  # as Triton: unload ignores it

@@ -236,7 +236,7 @@ class ControlHandler:
         if unknown:  # Triton's text (its gRPC refusal; over HTTP it says nothing useful)
             raise InvalidRequest(f"unrecognized load parameter '{unknown[0]}'.")
         config = params.get("config")
-        if config is not None and not isinstance(config, str):
+        if "config" in params and not isinstance(config, str):  # (null too: Triton refuses it, 500)
             raise InvalidRequest(f"failed to load '{name}', the 'config' parameter must be a JSON string")
         files = {k[len("file:"):]: v for k, v in params.items() if k.startswith("file:")}
         model_dir = None

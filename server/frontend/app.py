@@ -24,7 +24,8 @@ from shmserve.server import __version__
 from shmserve.server.edge.header_forward import add_to_request
 from shmserve.server.edge.link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from shmserve.server.edge.metadata import EXTENSIONS, NAMED_REPOSITORY
-from shmserve.server.edge.requests import MAX_TENSOR_ELEMENTS, BadRequest, parse_json
+from shmserve.server.edge.requests import (MAX_TENSOR_ELEMENTS, NOT_STRING, NOT_UINT, BadRequest, JsonTypeError, is_uint,
+                                          not_member, parse_json)
 from shmserve.server.edge.shm_callers import ShmRefused, registering_caller, unregistering_caller
 from shmserve.server.edge.tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
 from shmserve.server.shm_caller import ADMIN_GROUP
@@ -374,12 +375,10 @@ class Frontend:
             for field in ("key", "byte_size"):  # Triton's words
                 if field not in doc:
                     raise BadRequest(f"Shared memory register request has no '{field}' field")
-            if not isinstance(doc["key"], str):
-                raise BadRequest("'key' must be a string")
-            for field in ("offset", "byte_size"):
-                v = doc.get(field, 0)
-                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                    raise BadRequest(f"'{field}' must be a non-negative integer")
+            if not isinstance(doc["key"], str):  # (TritonJson's words, as a 400: docs/compatibility.md)
+                raise JsonTypeError(NOT_STRING)
+            if not (is_uint(doc.get("offset", 0)) and is_uint(doc["byte_size"])):
+                raise JsonTypeError(NOT_UINT)
         except orjson.JSONDecodeError as e:
             return error_response(400, f"failed to parse the request JSON buffer: {e}")
         except BadRequest as e:
@@ -404,15 +403,16 @@ class Frontend:
                 raise BadRequest("the register request must be a JSON object")
             if "raw_handle" not in doc:  # Triton's words
                 raise BadRequest("Shared memory register request has no 'raw_handle' field")
-            handle = doc["raw_handle"]
-            raw = handle.get("b64") if isinstance(handle, dict) else None
-            if not isinstance(raw, str) or "byte_size" not in doc:
-                raise BadRequest("the register request must give 'raw_handle': {'b64': ...}, 'device_id' "
-                                 "and 'byte_size'")
-            for field in ("device_id", "byte_size"):
-                v = doc.get(field, 0)
-                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                    raise BadRequest(f"'{field}' must be a non-negative integer")
+            handle = doc["raw_handle"]  # (TritonJson's words, as a 400: docs/compatibility.md)
+            if not isinstance(handle, dict) or "b64" not in handle:
+                raise JsonTypeError(not_member("b64"))
+            raw = handle["b64"]
+            if not isinstance(raw, str):
+                raise JsonTypeError(NOT_STRING)
+            if "byte_size" not in doc:
+                raise JsonTypeError(not_member("byte_size"))
+            if not (is_uint(doc["byte_size"]) and is_uint(doc.get("device_id", 0))):
+                raise JsonTypeError(NOT_UINT)
         except orjson.JSONDecodeError as e:
             return error_response(400, f"failed to parse the request JSON buffer: {e}")
         except BadRequest as e:
