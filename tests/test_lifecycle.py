@@ -320,6 +320,9 @@ def test_load_and_unload_need_explicit_mode(server_factory, repo, mode):
         assert "--model-control-mode=explicit" in e.value.message()
     with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed"):
         s.client().unload_model("add_sub")
+    for action in ("load", "unload"):  # no retry changes the mode: no Retry-After, as Triton sends none
+        r = raw_request(s.port, "POST", f"/v2/repository/models/add_sub/{action}")
+        assert r.status == 503 and "retry-after" not in r.headers, r.headers
 
 
 def test_poll_mode_follows_the_repository(server_factory, repo, tmp_path):

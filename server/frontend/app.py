@@ -54,8 +54,10 @@ JSON = "application/json"
 READY_WAIT_S = 3.0
 
 
-def json_response(doc: Any, status: int = 200) -> Response:
-    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else None  # the broker's 503s too
+def json_response(doc: Any, status: int = 200, retry: bool = True) -> Response:
+    """``doc`` as JSON; a 503 says when to try again (the broker's 503s too) unless ``retry`` is
+    False: a refusal no retry changes."""
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 and retry else None
     return Response(orjson.dumps(doc), status_code=status, media_type=JSON, headers=headers)
 
 
@@ -199,8 +201,8 @@ class Frontend:
             status, answer = await self._control(call)
         except BrokerError as e:
             return error_response(e.status, str(e))
-        if status != 200:
-            return json_response(answer, status)
+        if status != 200:  # (its 503: the model control mode takes no load or unload, whenever asked)
+            return json_response(answer, status, retry=False)
         return Response(status_code=200)
 
     async def repository_load(self, request: Request) -> Response:
