@@ -8,7 +8,9 @@ python,shm-default-byte-size``); an answer that fits nowhere makes a new extent,
 ``worker.<n>.arena.<k>``, at least twice the largest so far and at least the answer's size
 (``shm-growth-byte-size`` is the least step), counted against /dev/shm before it is made. The
 extents' total is capped by ``--worker-arena-mb``. A grown extent takes new answers until the
-next one is made; it is then retired and unlinked once every block in it was given back.
+next one is made; it is then retired and unlinked once every block in it was given back. Where
+the cap leaves no room for a larger answer beside it, one that holds no answer is unlinked at
+once (else it would keep that answer out for good).
 
 Answers go to extent 0 first, so steady small traffic costs what it did with one arena. A
 completion slot (and a stream record) names the extent; a consumer maps an extent by name on
@@ -220,6 +222,8 @@ class OutputArenas:
             largest = max(largest, self._grown[pool.current][1].capacity)
         size = _round_up(max(2 * largest, largest + self.growth, need), MIB)
         used = self.capacity
+        if used + size > self.cap and self._unlink_idle():
+            used = self.capacity
         if used + size > self.cap:
             size = (self.cap - used) // MIB * MIB  # what the cap leaves, if the answer fits in that
         if size < need:
@@ -294,6 +298,21 @@ class OutputArenas:
             return
         with self._lock:
             self._unlink_drained()
+
+    def _unlink_idle(self) -> bool:
+        """Unlink the extents that take answers now (each pool's ``current``) but hold none: under
+        the cap, an idle one would keep a larger answer out for good, since only a growth retires
+        it. Whether any was (a pool whose current one goes grows from its home extent again)."""
+        unlinked = False
+        for pool in [self._shared] if self._shared is not None else list(self._pools.values()):
+            current = pool.current
+            if current and self._grown[current][1].drained():
+                seg, _ = self._grown.pop(current)
+                pool.current = 0
+                seg.unlink()
+                seg.close()
+                unlinked = True
+        return unlinked
 
     def _unlink_drained(self) -> None:
         for pool in [self._shared] if self._shared is not None else list(self._pools.values()):

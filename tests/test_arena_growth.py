@@ -264,6 +264,19 @@ def test_an_answer_past_the_cap_is_a_500_naming_the_flag_and_the_next_request_wo
     assert s.http_status("/v2/health/ready") == 200
 
 
+def test_an_idle_extent_under_the_cap_makes_way_for_a_larger_answer(server_factory):
+    """A 24 MiB answer grows a 25 MiB extent; a 48 MiB one then needs more than the 64 MiB cap
+    leaves beside it, though nothing is in it: the idle extent goes and the answer is served,
+    where it was a 503 "retry later" that no retry ever passed."""
+    s = server_factory.start([GROWTH_MODELS], ["--worker-arena-mb", "64"])
+    for _ in range(2):
+        http_identity(s, 6 * MIB)  # 24 MiB
+        http_identity(s, 12 * MIB)  # 48 MiB
+        assert len(extents(s.id)) == 1, extents(s.id)
+    http_identity(s, 16)
+    assert "Traceback" not in s.log()
+
+
 def test_the_backend_config_sets_the_first_extent(server_factory):
     s = server_factory.start([GROWTH_MODELS], ["--backend-config", "python,shm-default-byte-size=1048576",
                                                "--backend-config", "python,shm-growth-byte-size=2097152"])
