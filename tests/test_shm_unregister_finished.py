@@ -149,6 +149,7 @@ def test_region_is_gone_once_the_client_has_the_answer(shm_server, regions, prot
         if model != "slow_reader":
             protocol.client.unload_model(model)
         elif config is not None:
+            protocol.client.unload_model("slow_reader")  # (a load alone keeps the override, as Triton's does)
             protocol.client.load_model("slow_reader")  # as the repository has it
 
 
@@ -184,6 +185,7 @@ def test_region_is_gone_once_a_stream_has_the_one_response(shm_server, regions, 
     finally:
         client.stop_stream()
         if config is not None:
+            client.unload_model("slow_reader")  # (a load alone keeps the override, as Triton's does)
             client.load_model("slow_reader")
         client.close()
 
