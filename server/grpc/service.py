@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import logging
 import re
-import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, NoReturn
 from urllib.parse import unquote
@@ -27,10 +26,11 @@ from shmserve.server.edge.shm_callers import ShmRefused, registering_caller, unr
 from shmserve.server.shm_caller import ADMIN_GROUP
 from shmserve.shm import control_messages as control, logs
 
-from .handlers import Malformed, refuse
-from .infer import GrpcInference, check_version, refused
+from .handlers import refuse
+from .infer import GrpcInference, check_version
 from .restricted import PASSED_GROUP
 from .status import Aborted, code_of
+from .stream import run_stream
 from .requests import param_value
 
 log = logging.getLogger("shmserve.grpc")
@@ -243,45 +243,25 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self.inference.infer(request, context)  # an Aborted is the call's status (handlers.py)
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Context) -> AsyncIterator[Any]:
-        """Requests on one stream are answered in the order they come, each to its end before
-        the next starts (so a sequence's requests reach the model in order). Whether a model is
-        decoupled is asked once per model and stream. An error is an ``error_message`` and the
-        stream goes on, or, for a client that opened the stream with the ``triton_grpc_error:
-        true`` header, the status that ends the stream, as Triton does; a message that is not a
-        ModelInferRequest is such an error (INVALID_ARGUMENT). While tracing is on, the wait for
-        each request and its read are timed (Triton's GRPC_WAITREAD_START and _END) for the trace
-        it may get (infer.py).
+        """Requests on one stream run side by side, each submitted as it is read and answered as
+        it ends, as in Triton (stream.py). An error is an ``error_message`` and the stream goes
+        on, or, for a client that opened the stream with the ``triton_grpc_error: true`` header,
+        the status that ends the stream, as Triton does; a message that is not a
+        ModelInferRequest is such an error (INVALID_ARGUMENT).
         Messages are read with ``context.read`` rather than ``request_iterator``, whose generator
         would hold the last request (up to the message limit) while the stream waits."""
         grpc_error = ("triton_grpc_error", "true") in (context.invocation_metadata() or ())
-        forwarded = self.inference.metadata_params(context)
-        decoupled: dict[tuple[str, str], bool] = {}
-        tracer = self.inference.tracer
-        while True:
-            waiting = time.monotonic_ns() if tracer.on else 0
-            request = await context.read()
-            if request is grpc.aio.EOF:
-                return
-            read = (waiting, time.monotonic_ns()) if waiting else (0, 0)
-            if type(request) is Malformed:
-                messages = refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message))
-            else:
-                try:
-                    key = (request.model_name, check_version(request.model_version))
-                except Aborted:  # (the request itself is refused for it below)
-                    key = (request.model_name, request.model_version)
-                if key not in decoupled:
-                    decoupled[key] = await self.inference.decoupled(*key)
-                messages = await self.inference.stream(request, decoupled[key], read, forwarded)
-            del request  # its memory goes as soon as its messages are sent
-            async with aclosing(messages):
-                async for message in messages:
-                    if isinstance(message, Aborted):
-                        if grpc_error:
-                            refuse(context, message.code, str(message))
-                            return
-                        message = pb.ModelStreamInferResponse(error_message=str(message), infer_response=message.head)
-                    yield message
+
+        def on_error(error: Aborted) -> Any:
+            if grpc_error:
+                refuse(context, error.code, str(error))
+                return None
+            return pb.ModelStreamInferResponse(error_message=str(error), infer_response=error.head)
+
+        async with aclosing(run_stream(self.inference, context, self.inference.metadata_params(context),
+                                       on_error)) as messages:
+            async for message in messages:
+                yield message
 
 
 async def _abort(context: Context, status: int, message: str) -> NoReturn:

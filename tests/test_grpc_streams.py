@@ -1,0 +1,110 @@
+"""Requests on one gRPC stream run side by side, as Triton runs them (server/grpc/stream.py):
+requests pipelined on a stream batch together, a quick one is answered while a long one still
+streams, a sequence's requests reach the model in the order sent, and a stream of many more
+requests than run at once is answered whole."""
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from conftest import TESTS
+from shmserve.server.grpc.stream import MAX_RUNNING
+
+BATCHING = TESTS / "models" / "batching"
+CANCEL = TESTS / "models" / "cancel"
+SEQUENCES = TESTS / "models" / "sequences"
+
+
+@pytest.fixture(scope="module")
+def server(module_factory):
+    return module_factory.start([BATCHING, CANCEL, SEQUENCES]).wait_grpc_ready()
+
+
+class Stream:
+    """One stream of tritonclient.grpc: what comes back, each with when it came."""
+
+    def __init__(self, server) -> None:
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.got: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.got.put((time.monotonic(), error or result)))
+
+    def send(self, model: str, inputs: list, **kw) -> None:
+        self.client.async_stream_infer(model, inputs, **kw)
+
+    def take(self, n: int, timeout: float = 60.0) -> list:
+        return [self.got.get(timeout=timeout) for _ in range(n)]
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+def _probe(rows: int = 1) -> list:
+    x = grpcclient.InferInput("INPUT0", [rows, 2], "FP32")
+    x.set_data_from_numpy(np.ones((rows, 2), np.float32))
+    return [x]
+
+
+def test_requests_pipelined_on_a_stream_batch_together(server):
+    """probe batches 4 at once (its preferred size): four requests sent back to back on one stream
+    run as one batch, where one after another each waited out the queue delay alone."""
+    stream = Stream(server)
+    try:
+        for i in range(4):
+            stream.send("probe", _probe(), request_id=f"r{i}")
+        answers = [result for _, result in stream.take(4)]
+    finally:
+        stream.close()
+    assert sorted(a.get_response().id for a in answers) == ["r0", "r1", "r2", "r3"]
+    assert [int(a.as_numpy("REQS")[0, 0]) for a in answers] == [4, 4, 4, 4]
+
+
+def test_a_quick_request_is_answered_while_a_long_one_streams(server):
+    """ticker streams 400 responses 5 ms apart (2 s at least); probe, sent after it on the same
+    stream, is answered long before the ticker's last response."""
+    stream = Stream(server)
+    try:
+        n = grpcclient.InferInput("N", [1], "INT32")
+        n.set_data_from_numpy(np.array([0], np.int32))
+        stream.send("ticker", [n], request_id="long", parameters={"count": 400}, enable_empty_final_response=True)
+        stream.send("probe", _probe(), request_id="quick")
+        came = stream.take(402)
+    finally:
+        stream.close()
+    ids = [result.get_response().id for _, result in came]
+    assert ids.count("long") == 401 and ids.count("quick") == 1, ids
+    quick = ids.index("quick")
+    assert quick < 200, f"the quick request came after {quick} of the long one's responses"
+    assert came[-1][0] - came[quick][0] > 0.5
+
+
+def test_a_sequence_on_one_stream_reaches_the_model_in_the_order_sent(server):
+    """A running sum over a stream whose requests are all sent before any answer came."""
+    stream = Stream(server)
+    values = list(range(1, 41))
+    try:
+        for i, v in enumerate(values):
+            x = grpcclient.InferInput("VALUE", [1, 1], "INT32")
+            x.set_data_from_numpy(np.array([[v]], np.int32))
+            stream.send("seq_direct", [x], request_id=str(i), sequence_id=4242, sequence_start=i == 0,
+                        sequence_end=i == len(values) - 1)
+        answers = {r.get_response().id: int(r.as_numpy("SUM").reshape(-1)[0]) for _, r in stream.take(len(values))}
+    finally:
+        stream.close()
+    assert [answers[str(i)] for i in range(len(values))] == list(np.cumsum(values))
+
+
+def test_many_more_requests_than_run_at_once_are_all_answered(server):
+    stream = Stream(server)
+    count = 3 * MAX_RUNNING
+    try:
+        for i in range(count):
+            stream.send("probe_unbatched", _probe(), request_id=str(i))
+        answers = stream.take(count)
+    finally:
+        stream.close()
+    assert sorted(int(r.get_response().id) for _, r in answers) == list(range(count))
