@@ -96,8 +96,9 @@ def test_contents_of_a_raw_only_datatype_are_refused(stub, datatype):
     t.contents.fp32_contents.append(1.0)
     code, details = _refusal(stub, request)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert details == f"unable to find data for input 'IN_{datatype}': datatype {datatype} can only be sent in " \
-                      f"raw_input_contents"
+    # Triton's words (checked with reference-triton): the field given, and the datatype it is not
+    assert details == f"unexpected explicit tensor data for input tensor 'IN_{datatype}' for model 'identity_all' " \
+                      f"of type 'FP32', expected datatype '{datatype}'"
 
 
 def test_raw_and_contents_together_are_refused_as_triton_does(stub):
@@ -135,6 +136,10 @@ def test_sizes_and_shapes_are_checked(stub):
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
                                        "[request id: r7] unexpected shape for input 'INPUT1' for model 'add_sub'. "
                                        "Expected [16], got [-16]. ")
+    request.inputs[1].shape[:] = [-1]  # Triton's core: a -1 where its dims are compared
+    assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                       "[request id: r7] All input dimensions should be specified for input "
+                                       "'INPUT1' for model 'add_sub', got [-1]")
     request.inputs[1].shape[:] = [16]
     request.inputs[1].datatype = "INT33"
     assert _refusal(stub, request) == (grpc.StatusCode.INVALID_ARGUMENT, "input 'INPUT1': unknown datatype 'INT33'")

@@ -267,8 +267,15 @@ class GrpcInference:
         batched = int(config.get("max_batch_size", 0)) > 0
         dims = [int(d) for d in spec.get("dims", [])]
         given = e.shape[1:] if batched else e.shape
-        if len(given) == len(dims) and all(d == -1 or d == g for d, g in zip(dims, given)):
-            return None
+        if len(given) == len(dims):  # (as the core walks them: a -1 before a mismatch is its own refusal)
+            for d, g in zip(dims, given):
+                if g == -1:
+                    return (f"{request_tag(request_id)}All input dimensions should be specified for input "
+                            f"'{e.input_name}' for model '{model}', got {dims_text(e.shape)}")
+                if d != -1 and d != g:
+                    break
+            else:
+                return None
         return (f"{request_tag(request_id)}unexpected shape for input '{e.input_name}' for model '{model}'. "
                 f"Expected {dims_text(([-1] if batched else []) + dims)}, got {dims_text(e.shape)}. "
                 f"{BATCH_DIM_NOTE if batched else ''}")

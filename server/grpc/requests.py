@@ -201,7 +201,10 @@ def descriptor_from_message(msg: Any, max_elements: int, max_bytes: int,
                 if raw_count:
                     raise BadRequest(f"contents field must not be specified when using raw_input_contents for "
                                      f"'{name}' for model '{model}'")
-                data: bytes | memoryview = typed_bytes(name, datatype, t.contents)
+                try:
+                    data: bytes | memoryview = typed_bytes(name, datatype, t.contents)
+                except BadRequest as e:  # (FP16, BF16: no field of their own; Triton names the one given)
+                    raise _contents_refusal(t, model, e) from None
             elif used < raw_count:
                 data = raw[used]
                 used += 1
