@@ -64,6 +64,19 @@ CONFIG_ERRORS = {
     # Triton's checks of batch inputs and outputs, with its texts (ragged batching itself loads)
     "batch_in": ["unknown source input name 'Z' for batch_in"],
     "batch_out": ["unknown target output name 'Q' for batch_out"],
+    # what Triton 2.51 refuses at load, in its words (a side-by-side run with it)
+    "scalar_reshape": ["model input 'X' cannot have empty reshape for non-batching model as scalar tensors are "
+                       "not supported"],
+    "reshape_size": ["model input 'X' has different size for dims and reshape"],
+    "reshape_trunks": ["model input 'X' has different number of variable-size dimensions for dims and reshape"],
+    "cpu_gpus": ["instance group cpu_gpus_0 of model cpu_gpus has kind KIND_CPU but specifies one or more GPUs"],
+    "no_versions": ["at least one version must be available under the version policy of model 'no_versions'"],
+    "nhwc": ["model input 'X' NHWC/NCHW require 3 dims"],
+    "seq_unnamed": ["sequence batching control tensor must have a name for seq_unnamed"],
+    "seq_pair": ["sequence batching control 'int32_false_true' must have exactly 2 entries for CONTROL_SEQUENCE_START "
+                 "for seq_pair"],
+    "seq_no_values": ["sequence batching must specify either 'int32_false_true', 'fp32_false_true' or "
+                      "'bool_false_true' for CONTROL_SEQUENCE_END for seq_no_values"],
 }
 
 
@@ -85,6 +98,22 @@ def config_error_repo(tmp_path_factory) -> Path:
         '{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] allow_ragged_batch: true }')) + textwrap.dedent("""\
         batch_output [ { target_name: "Q" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "X" } ]
         """))
+    _model(repo, "scalar_reshape", _config("scalar_reshape", input_block=(
+        '{ name: "X" data_type: TYPE_FP32 dims: [ 1 ] reshape { shape: [ ] } }')))
+    _model(repo, "reshape_size", _config("reshape_size", input_block=(
+        '{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 3 ] } }')))
+    _model(repo, "reshape_trunks", _config("reshape_trunks", input_block=(
+        '{ name: "X" data_type: TYPE_FP32 dims: [ -1, 4 ] reshape { shape: [ -1, 2, -1 ] } }')))
+    _model(repo, "cpu_gpus", _config("cpu_gpus") + "instance_group [ { kind: KIND_CPU gpus: [ 0 ] } ]\n")
+    _model(repo, "no_versions", _config("no_versions") + "version_policy { latest { num_versions: 0 } }\n")
+    _model(repo, "nhwc", _config("nhwc", input_block='{ name: "X" data_type: TYPE_FP32 format: FORMAT_NHWC dims: [ 4 ] }'))
+    sequence = 'sequence_batching { control_input [ %s ] }\n'
+    _model(repo, "seq_unnamed", _config("seq_unnamed") + sequence % (
+        '{ control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }'))
+    _model(repo, "seq_pair", _config("seq_pair") + sequence % (
+        '{ name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0 ] } ] }'))
+    _model(repo, "seq_no_values", _config("seq_no_values") + sequence % (
+        '{ name: "E" control [ { kind: CONTROL_SEQUENCE_END } ] }'))
     # a field shmserve does not implement that only loses a feature: the model loads, with a warning;
     # and the response cache asked for on a server without one: the model loads, caching nothing
     _model(repo, "cached", _config("cached") + 'model_operations { op_library_filename: "libnone.so" }\n'

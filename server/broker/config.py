@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Iterable
 
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
@@ -15,7 +16,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from shmserve.shm import latency_histograms
 from shmserve.workers.devices import cuda_device_count
 
-from . import batch_io_checks, response_cache, unsupported
+from . import batch_io_checks, response_cache, sequence_checks, unsupported
 
 ModelConfig = mc.ModelConfig
 
@@ -177,7 +178,7 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
     why = unsupported.refusal(config)
     if why:
         raise ConfigError(f"model '{m}': {why}")
-    why = response_cache.refusal(config) or batch_io_checks.problem(config)
+    why = response_cache.refusal(config) or batch_io_checks.problem(config) or sequence_checks.problem(config)
     if why:
         raise ConfigError(why)  # Triton's text names the model
     why = latency_histograms.problem(model_metrics(config))
@@ -212,6 +213,9 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
         elif group.kind not in (mc.ModelInstanceGroup.KIND_CPU, mc.ModelInstanceGroup.KIND_MODEL):
             raise ConfigError(f"model '{m}': instance_group '{group.name}' kind "
                               f"{mc.ModelInstanceGroup.Kind.Name(group.kind)} is not supported")
+        elif group.gpus:  # Triton's words
+            raise ConfigError(f"instance group {group.name} of model {m} has kind "
+                              f"{mc.ModelInstanceGroup.Kind.Name(group.kind)} but specifies one or more GPUs")
     # (With max_batch_size 0 the dynamic batcher still orders and polices the queue, and sends one
     # request an execution, as Triton's does.)
     if config.HasField("dynamic_batching") and not (completed_later and config.max_batch_size == 0):
@@ -273,6 +277,46 @@ def _check_tensors(config: ModelConfig, completed_later: bool = False) -> None:
                 if d == 0 or d < -1:
                     raise ConfigError(f"model '{m}': {kind} '{t.name}' dims {list(t.dims)}: each "
                                       f"dimension must be >= 1, or -1 for a variable-size dimension")
+            problem = _reshape_problem(t, config.max_batch_size) if t.dims else None
+            if kind == "input" and not problem and t.format in (mc.ModelInput.FORMAT_NHWC, mc.ModelInput.FORMAT_NCHW) \
+                    and len(t.dims) != 3:
+                problem = "NHWC/NCHW require 3 dims"
+            if problem:  # Triton's words
+                raise ConfigError(f"model '{m}': model {kind} '{t.name}' {problem}")
+
+
+def _element_trunks(shape: Iterable[int]) -> list[int]:
+    """The element counts of the runs of a shape between its variable-size dimensions."""
+    trunks = [1]
+    for d in shape:
+        if d == -1:
+            trunks.append(1)
+        else:
+            trunks[-1] *= d
+    return trunks
+
+
+def _reshape_problem(t: Any, max_batch_size: int) -> str | None:
+    """Triton's refusal of a tensor's ``reshape`` (its ValidateIOShape): empty in a model that
+    does not batch (a scalar), a dimension below 1 other than -1, or not the same elements as
+    ``dims`` (an empty reshape takes dims of one element), run by run between variable-size
+    dimensions."""
+    if not t.HasField("reshape"):
+        return None
+    shape = list(t.reshape.shape)
+    if not shape and max_batch_size == 0:
+        return "cannot have empty reshape for non-batching model as scalar tensors are not supported"
+    if any(d < 1 and d != -1 for d in shape):
+        return "reshape dimensions must be integer >= 1, or -1 to indicate a variable-size dimension"
+    dims, reshape = _element_trunks(t.dims), _element_trunks(shape)
+    if not shape:
+        return None if dims == [1] else "has different size for dims and reshape"
+    if len(dims) != len(reshape):
+        return ("has different number of variable-size dimensions for dims and reshape" if len(dims) > 1 and
+                len(reshape) > 1 else "has different size for dims and reshape")
+    if dims != reshape:
+        return "has different size for dims and reshape"
+    return None
 
 
 def select_versions(config: ModelConfig, available: list[int]) -> list[int]:
@@ -283,8 +327,8 @@ def select_versions(config: ModelConfig, available: list[int]) -> list[int]:
         return list(available)
     if which == "specific":
         return sorted(v for v in set(policy.specific.versions) if v in available)
-    n = policy.latest.num_versions if which == "latest" and policy.latest.num_versions > 0 else 1
-    return available[-n:] if available else []
+    n = max(policy.latest.num_versions, 0) if which == "latest" else 1  # (0: none, which Triton refuses)
+    return available[-n:] if available and n > 0 else []
 
 
 def model_metrics(config: ModelConfig) -> dict:

@@ -59,7 +59,8 @@ class LoadPlanner:
                         name, folder)
         versions = cfgmod.select_versions(config, available)
         if not versions:
-            raise cfgmod.ConfigError(f"model '{name}': no version folder to load (found {available})")
+            raise cfgmod.ConfigError(f"at least one version must be available under the version policy of model "
+                                     f"'{name}' (its version folders: {available})")  # Triton's words, then ours
         cfgmod.validate(config, model_dir, self.backends, versions, completed_later=not self.opts.strict_config)
         for warning in unsupported.warnings(config, cfgmod.backend_of(config)):
             log.warning("%s", warning)
