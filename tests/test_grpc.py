@@ -466,16 +466,22 @@ def test_a_stream_error_names_its_request(stub):
     requests = [add_sub("bad", 60), service_pb2.ModelInferRequest(model_name="no_such_model", id="nm"), broken,
                 add_sub("ok")]
     messages = list(stub.ModelStreamInfer(iter(requests), timeout=60))
-    assert [m.error_message.split(" ")[0] for m in messages[:2]] == ["[request", "Request"]
-    assert messages[0].error_message.startswith("[request id: bad] input byte size mismatch"), messages[0]
-    assert messages[0].infer_response == service_pb2.ModelInferResponse(id="bad")
-    assert messages[1].infer_response == service_pb2.ModelInferResponse(id="nm")
-    assert not messages[2].error_message and messages[2].infer_response.id == "ee"  # its response, then its error
-    assert messages[3].error_message == "the stream broke"
+    by_id: dict[str, list] = {}  # (requests on a stream run side by side: each one's messages in order)
+    for m in messages:
+        by_id.setdefault(m.infer_response.id, []).append(m)
+    assert sorted(by_id) == ["bad", "ee", "nm", "ok"] and len(messages) == 5, messages
+    bad, = by_id["bad"]
+    assert bad.error_message.startswith("[request id: bad] input byte size mismatch"), bad
+    assert bad.infer_response == service_pb2.ModelInferResponse(id="bad")
+    nm, = by_id["nm"]
+    assert nm.error_message.startswith("Request") and nm.infer_response == service_pb2.ModelInferResponse(id="nm")
+    response, error = by_id["ee"]  # its response, then its error
+    assert not response.error_message and error.error_message == "the stream broke"
     error_head = service_pb2.ModelInferResponse(id="ee", model_name="error_end")
     error_head.parameters["triton_final_response"].bool_param = True
-    assert messages[3].infer_response == error_head
-    assert not messages[4].error_message and messages[4].infer_response.id == "ok" and len(messages) == 5
+    assert error.infer_response == error_head
+    ok, = by_id["ok"]
+    assert not ok.error_message
 
 
 def _bad_add_sub_inputs() -> list:

@@ -108,3 +108,23 @@ def test_many_more_requests_than_run_at_once_are_all_answered(server):
     finally:
         stream.close()
     assert sorted(int(r.get_response().id) for _, r in answers) == list(range(count))
+
+
+def test_requests_past_the_frontends_room_wait_for_the_streams_own(server_factory):
+    """20 requests of 4 MiB pipelined on one stream through a 16 MiB frontend arena, each running
+    20 ms: those that find no room wait for the stream's own requests to end, and every one is
+    answered, as when a stream ran one request at a time (and as in Triton)."""
+    s = server_factory.start([BATCHING], ["--frontend-arena-mb", "16"]).wait_grpc_ready()
+    stream = Stream(s)
+    count = 20
+    try:
+        for i in range(count):
+            x = grpcclient.InferInput("INPUT0", [1024, 1024], "FP32")
+            x.set_data_from_numpy(np.full((1024, 1024), i, np.float32))
+            stream.send("probe_unbatched", [x], request_id=str(i), parameters={"sleep_s": 0.02})
+        answers = stream.take(count)
+    finally:
+        stream.close()
+    errors = [r for _, r in answers if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    assert sorted(int(r.get_response().id) for _, r in answers) == list(range(count))

@@ -24,6 +24,7 @@ IDLE_S = HEAD_S = BODY_S = 1.5
 MAX_HEAD = 16 << 10
 MAX_INPUT = 4 << 20
 SLACK_S = 3.0  # what a loaded host may add to a timeout
+LINGER_BOUND_S = BODY_S + SLACK_S + 10  # a lingering close ends within the body timeout
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +104,36 @@ def test_connections_that_never_send_a_byte_are_closed(edge):
     finally:
         for sock in socks:
             sock.close()
+
+
+def test_a_connection_whose_body_came_after_its_answer_is_idle_from_the_body_s_end(edge):
+    """A GET answered before its body came keeps its connection (protocol.py): once the rest of
+    the body is dropped the connection is idle, and the idle timeout closes it; while the body
+    still comes, it is not idle."""
+    with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
+        status, headers, _ = read_raw_response(sock.makefile("rb"))
+        assert status == 200 and headers.get("connection") != "close"
+        for _ in range(3):  # the body, a byte at a time, slower than the idle timeout in all
+            time.sleep(IDLE_S / 2)
+            sock.sendall(b" ")
+        time.sleep(IDLE_S / 2)
+        sock.sendall(b" ")
+        started = time.monotonic()
+        out, took = _until_closed(sock, IDLE_S + SLACK_S + 5)
+    assert out == b"" and took >= IDLE_S - 0.2
+
+
+def test_a_body_whose_client_waits_for_100_continue_ends_the_connection(edge):
+    """A GET with ``Expect: 100-continue`` answered without one: its client may never send the
+    body, and its next request must not be read as that body, so the connection ends."""
+    with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
+        status, _, _ = read_raw_response(sock.makefile("rb"))
+        assert status == 200
+        sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")  # (no body came: the client went on)
+        out, _ = _until_closed(sock, LINGER_BOUND_S)
+    assert out == b"", out[:200]  # not a 400 for a request read from its fifth byte on
 
 
 def test_a_head_that_never_ends_gets_408(edge):

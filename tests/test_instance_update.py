@@ -110,3 +110,10 @@ def test_an_added_instance_that_fails_leaves_the_model_serving(server_factory, r
     wait_until(lambda: s.worker_pids("add_sub") == first, DEADLINE_S, "the failed instance gone")
     assert c.is_model_ready("add_sub")
     assert json.loads(json.dumps(c.get_model_repository_index()))[0]["state"] == "READY"
+    # the same change from the folder: each load by name tries it again (the folder is not what serves)
+    config_file = repo / "add_sub" / "config.pbtxt"
+    config_file.write_text(config_file.read_text().replace("count: 1", "count: 2"))
+    for _ in range(2):
+        with pytest.raises(InferenceServerException, match="this instance does not start"):
+            c.load_model("add_sub")
+    wait_until(lambda: s.worker_pids("add_sub") == first, DEADLINE_S, "the failed instance gone")

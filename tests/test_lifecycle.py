@@ -120,9 +120,10 @@ def test_repository_api_load_unload_and_index(server_factory, repo):
 
 
 def test_a_load_without_config_of_an_unchanged_model_reloads_nothing(server_factory, repo):
-    """As Triton: a model reloads only when a file of its folder changed since it loaded, so a load
-    with no config keeps what serves (no new worker, the override it was loaded with kept) until
-    its config.pbtxt changes; then the file's config serves."""
+    """As Triton: a model reloads only when its folder changed since it loaded, so a load with no
+    config keeps what serves (no new worker, the override it was loaded with kept) until a file
+    changes: one replaced by a copy of the same size and time (rsync -a, cp -p) too, or its
+    config.pbtxt; then the folder's config serves."""
     s = server_factory.start([repo], ["--model-control-mode", "explicit"])
     c = s.client()
     c.load_model("add_sub", config=config(generation=7))
@@ -133,13 +134,27 @@ def test_a_load_without_config_of_an_unchanged_model_reloads_nothing(server_fact
         assert c.get_model_config("add_sub")["parameters"] == {"generation": {"string_value": "7"}}
         assert s.worker_pids("add_sub") == workers
         assert add_sub(c).tolist() == list(range(0, 32, 2))
-    text = (repo / "add_sub" / "config.pbtxt").read_text()
-    (repo / "add_sub" / "config.pbtxt").write_text(text + "\n# edited\n")
+
+    def reloaded(workers: list[int], parameters: dict | None = None) -> list[int]:
+        wait_until(lambda: set(s.worker_pids("add_sub")).isdisjoint(workers), 30, "the old worker to stop")
+        assert s.worker_pids("add_sub") and c.get_model_config("add_sub").get("parameters") == (parameters or {})
+        assert add_sub(c).tolist() == list(range(0, 32, 2))
+        return s.worker_pids("add_sub")
+
+    model_py = repo / "add_sub" / "1" / "model.py"
+    st = model_py.stat()
+    copy = model_py.with_name("model.py.new")
+    copy.write_bytes(model_py.read_bytes())
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(copy, model_py)
     c.load_model("add_sub")
-    assert not c.get_model_config("add_sub").get("parameters")
-    wait_until(lambda: set(s.worker_pids("add_sub")).isdisjoint(workers), 30, "the old worker to stop")
-    assert s.worker_pids("add_sub")
-    assert add_sub(c).tolist() == list(range(0, 32, 2))
+    workers = reloaded(workers)
+    c.load_model("add_sub")
+    assert s.worker_pids("add_sub") == workers
+    text = (repo / "add_sub" / "config.pbtxt").read_text()
+    (repo / "add_sub" / "config.pbtxt").write_text(text + 'parameters { key: "generation" value { string_value: "8" } }\n')
+    c.load_model("add_sub")
+    reloaded(workers, {"generation": {"string_value": "8"}})
 
 
 def test_an_unloaded_model_has_no_available_versions(server_factory, repo):

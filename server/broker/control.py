@@ -255,7 +255,9 @@ class ControlHandler:
         elif self.lifecycle.cloud is not None:  # its folder in the bucket may have changed: sync it first
             self.lifecycle.cloud.request(name, config, (client, slot))
             return 0, None  # answered by start_synced_loads, or when the load it starts is over
-        refused = self.lifecycle.load_model(name, config, waiter=(client, slot), model_dir=model_dir)
+        # (a load by name reloads nothing where the folder is as it was: keep_unchanged)
+        refused = self.lifecycle.load_model(name, config, waiter=(client, slot), model_dir=model_dir,
+                                            keep_unchanged=True)
         if model_dir is not None:  # gone at once unless the load uses it (then: when it retires)
             self.lifecycle.discard_model_dir(str(model_dir))
         if refused is not None:

@@ -26,6 +26,7 @@ from .catalog import Catalog
 from .clients import Clients
 from .instances import Instances
 from .models import Instance, ModelVersion, State
+from .repository_scan import folder_state
 from .routes import Routes
 
 log = logging.getLogger("shmserve.broker")
@@ -80,23 +81,19 @@ def without_instances(config: Any) -> Any:
     return copy
 
 
-def config_file_stamp(model_dir: str) -> tuple[int, int] | None:
-    """Size and modification time of the model's ``config.pbtxt`` (None: it has none)."""
-    try:
-        st = os.stat(os.path.join(model_dir, "config.pbtxt"))
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns
-
-
 def unchanged_since_load(serving: dict[int, ModelVersion], model_dir: Path) -> bool:
     """Whether every version of a non-ensemble model that serves is ready, was loaded from
-    ``model_dir``, and no file of that folder (its config included) changed since: a load without
-    a config then reloads nothing, as in Triton, which reloads a model only when its folder
-    changed, so that it keeps serving as it was loaded (with a config override, say)."""
+    ``model_dir``, and that folder is as it was then (``repository_scan.folder_state``: every
+    file, links followed, by inode, size and modification time): a load without a config then
+    reloads nothing, as in Triton, which reloads a model only when its folder changed, so that it
+    keeps serving as it was loaded (with a config override, say)."""
+    now = None
     for mv in serving.values():
         if mv.state != State.READY or mv.model_dir != str(model_dir) or mv.ensemble is not None \
-                or mv.config_file != config_file_stamp(mv.model_dir) or folder_fingerprint(mv.model_dir) != mv.files:
+                or mv.folder_state is None:
+            return False
+        now = folder_state(mv.model_dir) if now is None else now
+        if mv.folder_state != now:
             return False
     return bool(serving)
 
@@ -152,16 +149,20 @@ class InstanceUpdates:
         self.clients = clients
         self.waiters: dict[str, list[Waiter]] = {}
         self.errors: dict[str, str] = {}  # model -> why an added instance failed
+        self.folders: dict[str, frozenset | None] = {}  # model -> the folder state its change was read from
 
-    def apply(self, serving: dict[int, ModelVersion], config: Any, waiter: Waiter | None) -> None:
-        """Give every serving version ``config``'s instance groups."""
+    def apply(self, serving: dict[int, ModelVersion], config: Any, waiter: Waiter | None,
+              folder: frozenset | None = None) -> None:
+        """Give every serving version ``config``'s instance groups; ``folder``: the state of the
+        model's folder the change was read from, theirs once every added instance serves."""
         now = time.monotonic()
         name = config.name
         for mv in serving.values():
             add, remove = instance_changes(mv, config)
             mv.config = with_groups(mv.config, config)
             mv.set_config(to_dict(mv.config))
-            mv.requested_config, mv.config_file = config, config_file_stamp(mv.model_dir)
+            mv.requested_config = config
+            mv.folder_state = None  # (what it serves matches the folder again only once the change is done)
             mv.planned_instances = cfgmod.instance_count(config)
             # The one instance batches its own lanes only if it was started as the only one.
             mv.worker_batching = mv.worker_batching and batches_on_worker(mv.config_dict, mv.planned_instances)
@@ -175,6 +176,7 @@ class InstanceUpdates:
         self.routes.publish()
         if waiter is not None:
             self.waiters.setdefault(name, []).append(waiter)
+        self.folders[name] = folder
         self.check(name)
 
     def busy(self) -> bool:
@@ -218,11 +220,16 @@ class InstanceUpdates:
         if any(inst.added for mv in versions for inst in mv.instances):
             return
         error = self.errors.pop(name, None)
+        folder = self.folders.pop(name, None)
+        if folder is not None and not error:  # (a failed change leaves it unknown: a load tries again)
+            for mv in versions:
+                mv.folder_state = folder
         for client, slot in self.waiters.pop(name, []):
             self.clients.reply(client, slot, 400 if error else 200, {"error": error} if error else {})
 
     def abandon(self, name: str, status: int, why: str) -> None:
         """The versions being changed stopped serving (an unload, a new load): say so."""
         self.errors.pop(name, None)
+        self.folders.pop(name, None)
         for client, slot in self.waiters.pop(name, []):
             self.clients.reply(client, slot, status, {"error": why})

@@ -47,7 +47,7 @@ from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
 from .load_plan import LoadPlanner, instance_needs
 from .rate_limiter import RateLimiter
-from .repository_scan import RepositoryScanner
+from .repository_scan import RepositoryScanner, folder_state
 from .routes import Routes
 from .sequencer import SequenceBatcher
 from .watcher import RepositoryWatcher
@@ -263,7 +263,8 @@ class Lifecycle:
 
     # -- loading --------------------------------------------------------------------------------
     def load_model(self, name: str, override_json: str | None = None, waiter: tuple[Any, int] | None = None,
-                   model_dir: Path | None = None, explicit: bool = True) -> LoadRefused | None:
+                   model_dir: Path | None = None, explicit: bool = True, keep_unchanged: bool = False
+                   ) -> LoadRefused | None:
         """Start loading every version of ``name`` the policy selects beside what serves now;
         returns an error at once, or None (the swap happens when all are ready). ``explicit``: it
         was asked for by name (not only as an ensemble's step: ``Catalog.explicit``).
@@ -288,13 +289,19 @@ class Lifecycle:
         if name in self.ambiguous and model_dir == catalog.model_dirs.get(name):  # (an upload is its own)
             return self._load_failed(name, f"failed to load '{name}', {DUPLICATE_MODEL}")
         serving = catalog.models.get(name)
-        if override_json is None and serving and name not in catalog.loading and name not in self.updates.waiters \
-                and instance_update.unchanged_since_load(serving, model_dir):
+        if keep_unchanged and override_json is None and serving and name not in catalog.loading \
+                and name not in self.updates.waiters and instance_update.unchanged_since_load(serving, model_dir):
             log.info("load of '%s': no file of its folder changed since it loaded; it serves on as it was loaded", name)
             catalog.load_errors.pop(name, None)  # what serves is what was asked for
+            canary = catalog.canaries.get(name)
+            if canary is not None and canary.rejected & set(serving):  # asked for by name: a fresh chance
+                for v in serving:
+                    canary.forget_version(v)
+                self.routes.publish()
             if waiter is not None:
                 self.clients.reply(waiter[0], waiter[1], 200, {})
             return None
+        folder = folder_state(str(model_dir))  # (before the plan reads it: a change meanwhile shows next time)
         try:
             plan = self.planner.plan(name, model_dir, override_json)
         except cfgmod.ConfigError as e:
@@ -306,7 +313,7 @@ class Lifecycle:
                 if shortfall:  # what serves goes on serving as it is
                     log.error("failed to load '%s', %s", name, shortfall)
                     return LoadRefused(f"failed to load '{name}', {shortfall}")
-                self.updates.apply(serving, config, waiter)
+                self.updates.apply(serving, config, waiter, folder)
             catalog.load_errors.pop(name, None)  # this load supersedes one that failed before
             self._record(name, str(model_dir), override_json)
             return None
@@ -329,7 +336,7 @@ class Lifecycle:
                 mv.set_config(mv.config_dict)
                 mv.exec_timeout_s = plan.exec_timeout_s
                 mv.requested_config, mv.files = config, instance_update.folder_fingerprint(str(model_dir))
-                mv.config_file = instance_update.config_file_stamp(str(model_dir))
+                mv.folder_state = folder
                 mv.weights_key = f"{name}.{v}.{next(self.load_ids)}"
                 job.versions[v] = mv
                 if config.platform == "ensemble":

@@ -116,7 +116,8 @@ class ModelVersion:
     requested_config: Any = None  # the config loaded, before the backend completed it
     weights_key: str = ""  # names this load's shared weights (workers/shared_weights.py)
     files: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # instance_update.folder_fingerprint
-    config_file: tuple[int, int] | None = None  # instance_update.config_file_stamp at load
+    # repository_scan.folder_state of its folder as the load read it (None: unknown, or changed since in place)
+    folder_state: frozenset | None = None
 
     def __post_init__(self) -> None:
         # Counted in the buckets its config sets (model_metrics), as its workers count.

@@ -73,7 +73,11 @@ class BrokerError(Exception):
         self.status = status
 
 
-class ArenaWait(BrokerError):
+class Overloaded(BrokerError):
+    """No room for the request now: the link's slots or its arena are taken (``Backpressure``)."""
+
+
+class ArenaWait(Overloaded):
     """The arena will have room in a moment (``ArenaBusy``): the caller may wait and send again."""
 
 
@@ -103,7 +107,7 @@ def _broker_error(e: Exception) -> BrokerError:
     if isinstance(e, ArenaBusy):
         return ArenaWait(503, f"the server is overloaded ({why}); retry later")
     if isinstance(e, Backpressure):
-        return BrokerError(503, f"the server is overloaded ({why}); retry later")
+        return Overloaded(503, f"the server is overloaded ({why}); retry later")
     if isinstance(e, OSError) and not isinstance(e, ConnectionError):  # out of descriptors, say
         return BrokerError(503, f"the frontend cannot reach the server now ({e}); retry later")
     return BrokerError(503, str(e))

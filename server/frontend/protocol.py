@@ -359,6 +359,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._in_head, self._in_body = True, False
         self._sink, self._body_left = None, 0
         super().on_message_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.response_complete and self.timeout_keep_alive_task is None \
+                and not self.pipeline and not self.transport.is_closing():
+            # the rest of a body answered before it came was dropped: idle from now on
+            self._idle_since = time.monotonic()
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         self._cycle_transport.forget()
@@ -370,8 +376,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_response_complete()  # (arms the keep-alive timeout, or starts a pipelined request)
         if self._lingering:
             self._unset_keepalive_if_required()  # the linger ends it
-        elif self._answered_early() and not self.transport.is_closing() and not self._rest_is_bounded():
-            self._linger(LINGER_S)
+        elif self._answered_early() and not self.transport.is_closing():
+            if self._rest_is_bounded():
+                self._unset_keepalive_if_required()  # not idle while the rest comes (on_message_complete)
+            else:
+                self._linger(LINGER_S)
 
     # -- ending a connection ---------------------------------------------------------------------
     def end(self) -> None:
@@ -386,8 +395,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         return self._in_body and cycle is not None and cycle.response_complete
 
     def _rest_is_bounded(self) -> bool:
-        """The body in progress declared a length of at most ``DISCARD_MAX_BYTES``: dropping the
-        rest keeps the connection at a bounded cost (the body timeout still applies)."""
+        """The body in progress declared a length of at most ``DISCARD_MAX_BYTES``, and its client
+        did not ask for a ``100 Continue`` (answered early, it may send no body at all, and then
+        its next request would be read as this body): dropping the rest keeps the connection at a
+        bounded cost (the body timeout still applies)."""
+        if self.expect_100_continue:  # (the request in progress's: reset as the next one begins)
+            return False
         declared = next((value for name, value in self.headers if name == b"content-length"), None)
         return declared is not None and declared.isdigit() and int(declared) <= DISCARD_MAX_BYTES
 

@@ -14,17 +14,19 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, Awaitable, Callable
 
 import grpc
 
 from shmserve.server.edge.header_forward import forwarded_params
-from shmserve.server.edge.link import ArenaWait, BrokerError, BrokerLink, Sent, completion_of, when_room
+from shmserve.server.edge.link import (ArenaWait, BrokerError, BrokerLink, Overloaded, Sent, completion_of,
+                                      when_room)
 from shmserve.server.edge.requests import BadRequest, NegativeShape
 from shmserve.server.edge.tracing import (RECV_END, RECV_START, REQUEST_END, SEND_END, SEND_START, Trace,
                                               Tracer, timed_sends)
 from shmserve.shm import control_messages as control
 from shmserve.shm.completion import Completion
+from shmserve.shm.streams import StreamEvents
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import REQ_INFER
 from shmserve.shm.trace import GRPC_STAMPS
@@ -132,49 +134,62 @@ class GrpcInference:
         return status == 200 and bool((config.get("model_transaction_policy") or {}).get("decoupled"))
 
     async def stream(self, request: Any, decoupled: bool, read: tuple[int, int],
-                     forwarded: dict[str, str] | None = None) -> AsyncGenerator[Any, None]:
-        """The messages of one request on a stream (``_messages``). While tracing is on, a request
-        the frontend takes is sampled as Triton's stream handler samples it: each request its own
-        trace, its frontend stamps the wait for it and its read (``read``: GRPC_WAITREAD_START and
-        _END, 0 when tracing was off then) and a GRPC_SEND pair per message sent; a request refused
-        before it is submitted is not traced. ``forwarded``: the stream's ``metadata_params``."""
+                     forwarded: dict[str, str] | None = None,
+                     room: Callable[[], Awaitable[bool]] | None = None) -> AsyncGenerator[Any, None]:
+        """Submit one request of a stream, and return its messages (``_messages``). Where the
+        frontend has no room for it now (its slots or its arena taken), ``room`` waits for one of
+        the stream's own requests to end and says whether one did; then the request is sent again,
+        so a stream is never refused for room its own requests hold. While tracing is on, a
+        request the frontend takes is sampled as Triton's stream handler samples it: each request
+        its own trace, its frontend stamps the wait for it and its read (``read``:
+        GRPC_WAITREAD_START and _END, 0 when tracing was off then) and a GRPC_SEND pair per message
+        sent; a request refused before it is submitted is not traced. ``forwarded``: the stream's
+        ``metadata_params``."""
         try:
             req, chunks = await self._build(request, forwarded)
+            empty_final = _empty_final(request)
         except Aborted as e:
             e.head = error_head(request)
             return refused(e)
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
-        if trace is None:
-            return self._messages(request, decoupled, (req, chunks), None)
-        trace.ns[RECV_START], trace.ns[RECV_END] = read if read[0] else (req.sent_ns, req.sent_ns)
-        trace.mark(req)
-        return timed_sends(self._messages(request, decoupled, (req, chunks), trace), trace, self.tracer)
+        if trace is not None:
+            trace.ns[RECV_START], trace.ns[RECV_END] = read if read[0] else (req.sent_ns, req.sent_ns)
+            trace.mark(req)
+        events = await self._send_stream(req, chunks, room)
+        messages = self._messages(request, decoupled, events, empty_final, trace) if isinstance(events, StreamEvents) \
+            else refused(Aborted(code_of(events.status), str(events), error_head(request)))
+        return messages if trace is None else timed_sends(messages, trace, self.tracer)
 
-    async def _messages(self, request: Any, decoupled: bool, built: tuple[InferRequest, list],
+    async def _send_stream(self, req: InferRequest, chunks: list,
+                           room: Callable[[], Awaitable[bool]] | None) -> StreamEvents | BrokerError:
+        """``link.stream``, sent again as long as the frontend has no room but ``room`` made some;
+        a fragmented arena is waited for (``when_room``); the refusal otherwise."""
+        while True:
+            try:
+                return self.link.stream(req, chunks)
+            except Overloaded as e:
+                if room is not None and await room():
+                    continue
+                if not isinstance(e, ArenaWait):
+                    return e
+            except BrokerError as e:
+                return e
+            try:
+                return await when_room(lambda: self.link.stream(req, chunks))
+            except BrokerError as e:
+                return e
+
+    async def _messages(self, request: Any, decoupled: bool, events: StreamEvents, empty_final: bool,
                         trace: Trace | None) -> AsyncGenerator[Any, None]:
-        """The ``ModelStreamInferResponse`` messages of one request ``built`` (``_build``): each
+        """The ``ModelStreamInferResponse`` messages of one request submitted (``events``): each
         response as it comes (a decoupled model's many, another model's one), and each error as
         an ``Aborted`` with its code, which the caller sends as ``error_message`` or as the
         stream's status (the ``triton_grpc_error`` header).
         A response sent with the final flag carries ``triton_final_response`` true
         (``Completion.last``), the others false; a final flag without a response sends an empty
-        response only when the request asks for it (``triton_enable_empty_final_response``), and
-        never after a response or an error sent with the final flag, as Triton does. A model that
-        is not ``decoupled`` answers once: that response is the final one."""
-        req, chunks = built
-        empty_final = False
-        if EMPTY_FINAL in request.parameters:
-            asked = request.parameters[EMPTY_FINAL]
-            if asked.WhichOneof("parameter_choice") != "bool_param":  # Triton's refusal, before the request runs
-                yield Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"invalid value type for '{EMPTY_FINAL}' parameter, "
-                                                                f"expected bool_param.", error_head(request))
-                return
-            empty_final = asked.bool_param
-        try:
-            events = self.link.stream(req, chunks)
-        except BrokerError as e:
-            yield Aborted(code_of(e.status), str(e), error_head(request))
-            return
+        response only when the request asks for it (``empty_final``), and never after a response
+        or an error sent with the final flag, as Triton does. A model that is not ``decoupled``
+        answers once: that response is the final one."""
         try:
             final = ended = False  # ended: a response or an error came with the final flag
             while not final:
@@ -279,6 +294,18 @@ class GrpcInference:
         return (f"{request_tag(request_id)}unexpected shape for input '{e.input_name}' for model '{model}'. "
                 f"Expected {dims_text(([-1] if batched else []) + dims)}, got {dims_text(e.shape)}. "
                 f"{BATCH_DIM_NOTE if batched else ''}")
+
+
+def _empty_final(request: Any) -> bool:
+    """Whether a stream's request asks for an empty response carrying only the final flag
+    (``triton_enable_empty_final_response``); Triton's refusal of a value not a bool."""
+    if EMPTY_FINAL not in request.parameters:
+        return False
+    asked = request.parameters[EMPTY_FINAL]
+    if asked.WhichOneof("parameter_choice") != "bool_param":  # (before the request runs)
+        raise Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"invalid value type for '{EMPTY_FINAL}' parameter, "
+                                                        f"expected bool_param.")
+    return asked.bool_param
 
 
 async def refused(error: Aborted) -> AsyncGenerator[Any, None]:

@@ -7,11 +7,12 @@ the request's ``id``. Here, a reader task reads the stream and submits each requ
 read (a sequence's requests reach its scheduler in that order), and one task per request moves
 its messages to the call's outbox, which the call's generator sends from.
 
-Two bounds keep a stream from taking more than its share: at most ``MAX_RUNNING`` of its
-requests run at once (past that the stream is not read until one ends, and HTTP/2's flow control
-holds the client), and at most ``MAX_UNSENT`` messages wait to be sent (past that a request's
-task stops taking its responses, which then wait in shared memory, where a model that streams
-faster than its client reads is held back as before).
+A stream takes no more than its share: at most ``MAX_RUNNING`` of its requests run at once (past
+that the stream is not read until one ends, and HTTP/2's flow control holds the client); a
+request whose frontend has no room now (slots, arena) waits for one of the stream's own requests
+to end rather than being refused for room they hold; and a request's next message is taken once
+its last was sent (a model that streams faster than its client reads waits in shared memory, as
+on a stream of one request at a time), so a traced request's send pairs time the sends.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ from .infer import GrpcInference, check_version, refused
 from .status import Aborted
 
 MAX_RUNNING = 128  # requests of one stream in flight at once
-MAX_UNSENT = 64  # messages of one stream built and not yet sent
 
 # The messages of one request: its responses, and errors as ``Aborted``.
 Messages = AsyncGenerator[Any, None]
@@ -37,20 +37,20 @@ Messages = AsyncGenerator[Any, None]
 @dataclasses.dataclass(frozen=True)
 class _Ended:
     """The stream's last item in the outbox: the client closed its side and every request
-    ended, or reading failed with ``error``."""
+    ended, or reading (or a request's messages) failed with ``error``."""
 
     error: BaseException | None = None
 
 
 class StreamRun:
-    """The requests of one stream, each submitted as read, their messages in one outbox."""
+    """The requests of one stream, each submitted as read, their messages in one outbox: each
+    with the future its request's task waits on until it was sent."""
 
     def __init__(self, inference: GrpcInference, context: Any, forwarded: dict[str, str]) -> None:
         self.inference = inference
         self.context = context
         self.forwarded = forwarded
         self.outbox: asyncio.Queue[Any] = asyncio.Queue()
-        self.unsent = asyncio.Semaphore(MAX_UNSENT)
         self.running = asyncio.Semaphore(MAX_RUNNING)
         self.requests: set[asyncio.Task] = set()
         self.decoupled: dict[tuple[str, str], bool] = {}
@@ -66,10 +66,10 @@ class StreamRun:
                     if item.error is not None:
                         raise item.error
                     return
-                try:
-                    yield item
-                finally:
-                    self.unsent.release()
+                message, sent = item
+                yield message
+                if not sent.done():
+                    sent.set_result(None)
         finally:
             reader.cancel()
             for task in list(self.requests):
@@ -83,7 +83,7 @@ class StreamRun:
                 if messages is None:
                     self.running.release()
                     break
-                task = asyncio.create_task(self._take(messages))  # (tasks first run in the order made)
+                task = asyncio.create_task(self._take(messages))
                 self.requests.add(task)
                 task.add_done_callback(self.requests.discard)
             while self.requests:
@@ -95,10 +95,10 @@ class StreamRun:
             self.outbox.put_nowait(_Ended(e))
 
     async def _next_request(self) -> Messages | None:
-        """The messages of the next request read, submitted in the order read; None at the end.
-        While tracing is on, the wait for it and its read are timed (Triton's GRPC_WAITREAD_START
-        and _END) for the trace it may get (infer.py). Whether a model is decoupled is asked once
-        per model and stream."""
+        """The messages of the next request read, submitted before the next is read; None at the
+        end. While tracing is on, the wait for it and its read are timed (Triton's
+        GRPC_WAITREAD_START and _END) for the trace it may get (infer.py). Whether a model is
+        decoupled is asked once per model and stream."""
         waiting = time.monotonic_ns() if self.inference.tracer.on else 0
         request = await self.context.read()
         if request is grpc.aio.EOF:
@@ -112,16 +112,30 @@ class StreamRun:
             key = (request.model_name, request.model_version)
         if key not in self.decoupled:
             self.decoupled[key] = await self.inference.decoupled(*key)
-        return await self.inference.stream(request, self.decoupled[key], read, self.forwarded)
+        return await self.inference.stream(request, self.decoupled[key], read, self.forwarded, self._room)
+
+    async def _room(self) -> bool:
+        """Wait for one of the stream's running requests to end (its slot and blocks given
+        back); False when none runs."""
+        if not self.requests:
+            return False
+        await asyncio.wait(list(self.requests), return_when=asyncio.FIRST_COMPLETED)
+        return True
 
     async def _take(self, messages: Messages) -> None:
-        """Move one request's messages to the outbox, at most ``MAX_UNSENT`` of the stream's
-        waiting there; its first step submits it (``GrpcInference._messages``)."""
+        """Move one request's messages to the outbox, each once the one before it was sent; a
+        failure ends the stream with it, as it ended the call before requests ran side by side."""
+        loop = asyncio.get_running_loop()
         try:
             async with aclosing(messages):
                 async for message in messages:
-                    await self.unsent.acquire()
-                    self.outbox.put_nowait(message)
+                    sent = loop.create_future()
+                    self.outbox.put_nowait((message, sent))
+                    await sent
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the call's generator raises it
+            self.outbox.put_nowait(_Ended(e))
         finally:
             self.running.release()
 
