@@ -279,7 +279,7 @@ def _check_tensors(config: ModelConfig, completed_later: bool = False) -> None:
                                       f"dimension must be >= 1, or -1 for a variable-size dimension")
             problem = _reshape_problem(t, config.max_batch_size) if t.dims else None
             if kind == "input" and not problem and t.format in (mc.ModelInput.FORMAT_NHWC, mc.ModelInput.FORMAT_NCHW) \
-                    and len(t.dims) != 3:
+                    and len(t.dims) != 3 and (t.dims or not completed_later):  # (dims the backend may give)
                 problem = "NHWC/NCHW require 3 dims"
             if problem:  # Triton's words
                 raise ConfigError(f"model '{m}': model {kind} '{t.name}' {problem}")
