@@ -119,7 +119,6 @@ def test_a_connection_whose_body_came_after_its_answer_is_idle_from_the_body_s_e
             sock.sendall(b" ")
         time.sleep(IDLE_S / 2)
         sock.sendall(b" ")
-        started = time.monotonic()
         out, took = _until_closed(sock, IDLE_S + SLACK_S + 5)
     assert out == b"" and took >= IDLE_S - 0.2
 
