@@ -150,7 +150,7 @@ class GrpcInference:
             empty_final = _empty_final(request)
         except Aborted as e:
             e.head = error_head(request)
-            return refused(e)
+            return refused(e.with_traceback(None))  # (its frames hold the request, which may be large)
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
         if trace is not None:
             trace.ns[RECV_START], trace.ns[RECV_END] = read if read[0] else (req.sent_ns, req.sent_ns)

@@ -70,6 +70,7 @@ class StreamRun:
                 yield message
                 if not sent.done():
                     sent.set_result(None)
+                item = message = None  # (not held while the stream waits: an error's traceback holds its request)
         finally:
             reader.cancel()
             for task in list(self.requests):
