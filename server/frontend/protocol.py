@@ -19,7 +19,8 @@ whole) or a body that stops half-way each held a descriptor and memory for good.
   rest of the body is declared and at most ``DISCARD_MAX_BYTES`` (a GET with a body, a refusal
   that needed none of it): the rest is read and dropped, and the next request is parsed, as
   Triton, which reads every body before it answers, keeps the connection. Otherwise (refused for
-  its size, chunked, or the answer says ``connection: close``) the connection ends: what the
+  its size, chunked, waiting for ``100 Continue``, or the answer says ``connection: close``) the
+  connection ends: what the
   client still sends is dropped unread for at most ``LINGER_S`` after the answer, so that a
   client still writing reads the answer rather than a reset (nginx's lingering close), then the
   connection closes: a never-ending body is cut;

@@ -30,7 +30,7 @@ from .handlers import refuse
 from .infer import GrpcInference, check_version
 from .restricted import PASSED_GROUP
 from .status import Aborted, code_of
-from .stream import run_stream
+from .stream import StreamRun
 from .requests import param_value
 
 log = logging.getLogger("shmserve.grpc")
@@ -251,16 +251,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         Messages are read with ``context.read`` rather than ``request_iterator``, whose generator
         would hold the last request (up to the message limit) while the stream waits."""
         grpc_error = ("triton_grpc_error", "true") in (context.invocation_metadata() or ())
-
-        def on_error(error: Aborted) -> Any:
-            if grpc_error:
-                refuse(context, error.code, str(error))
-                return None
-            return pb.ModelStreamInferResponse(error_message=str(error), infer_response=error.head)
-
-        async with aclosing(run_stream(self.inference, context, self.inference.metadata_params(context),
-                                       on_error)) as messages:
+        run = StreamRun(self.inference, context, self.inference.metadata_params(context))
+        async with aclosing(run.messages()) as messages:
             async for message in messages:
+                if isinstance(message, Aborted):
+                    if grpc_error:
+                        refuse(context, message.code, str(message))
+                        return
+                    message = pb.ModelStreamInferResponse(error_message=str(message), infer_response=message.head)
                 yield message
 
 

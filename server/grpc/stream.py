@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import time
 from contextlib import aclosing
-from typing import Any, AsyncGenerator, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -140,15 +140,3 @@ class StreamRun:
         finally:
             self.running.release()
 
-
-async def run_stream(inference: GrpcInference, context: Any, forwarded: dict[str, str],
-                     on_error: Callable[[Aborted], Any]) -> AsyncIterator[Any]:
-    """The messages to send on one stream (``StreamRun``), each error passed to ``on_error``,
-    whose result is sent in its place (None: the stream ends there)."""
-    async with aclosing(StreamRun(inference, context, forwarded).messages()) as messages:
-        async for message in messages:
-            if isinstance(message, Aborted):
-                message = on_error(message)
-                if message is None:
-                    return
-            yield message
