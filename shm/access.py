@@ -24,7 +24,7 @@ READERS_ENV = "SHMSERVE_LOCAL_CLIENT_UIDS"
 _XATTR = "system.posix_acl_access"
 _VERSION = 2
 _ENTRY = struct.Struct("<HHI")
-_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
 _RW, _R, _W, _NONE = 6, 4, 2, 0
 _UNDEFINED_ID = 0xFFFFFFFF
 
@@ -109,3 +109,30 @@ def writable_by_others(target: int | str) -> bool:
     entries = list(_ENTRY.iter_unpack(raw[4:]))
     mask = next((perm for tag, perm, _ in entries if tag == _MASK), _RW)
     return any(tag == _USER and perm & mask & _W for tag, perm, _ in entries)
+
+
+def other_writers(target: int, st: os.stat_result, allowed: Iterable[int] = ()) -> str:
+    """Why someone besides the owner of ``target`` (a descriptor, ``st`` its ``fstat``) and the
+    users ``allowed`` could have written it; "" when no one could. The owner of an object says who
+    made it only then: a user may hard-link a file of another's that it may write (the kernel's
+    ``protected_hardlinks`` allows exactly that) under a name of its own, and the link's owner is
+    the other user."""
+    if st.st_nlink != 1:
+        return f"it has {st.st_nlink} names (a hard link)"
+    if st.st_mode & 0o002:
+        return f"its mode {st.st_mode & 0o777:o} lets any user write it"
+    try:
+        raw = os.getxattr(target, _XATTR)
+    except OSError:
+        raw = b""
+    if not raw:
+        return f"its mode {st.st_mode & 0o777:o} lets its group write it" if st.st_mode & 0o020 else ""
+    entries = list(_ENTRY.iter_unpack(raw[4:]))
+    mask = next((perm for tag, perm, _ in entries if tag == _MASK), _RW)
+    exempt = set(allowed)
+    for tag, perm, uid in entries:
+        if tag == _USER and perm & mask & _W and uid not in exempt:
+            return f"its ACL lets user {uid} write it"
+        if tag in (_GROUP_OBJ, _GROUP) and perm & mask & _W:
+            return "its ACL lets a group write it"
+    return ""

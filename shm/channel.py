@@ -628,8 +628,10 @@ class ClientSegment:
     @classmethod
     def attach(cls, name: str) -> "ClientSegment":
         """Map a client's segment (the broker and workers do), its header checked against its
-        size first: a client may have written anything there (raises ``untrusted.Garbage``)."""
-        seg = Segment.attach(name)
+        size first: a client may have written anything there (raises ``untrusted.Garbage``).
+        Its owner is the client's user, so only an object its owner alone could write is one
+        (PermissionError otherwise: ``Segment.attach``)."""
+        seg = Segment.attach(name, owner_only=True)
         try:
             if seg.size < HEADER_BYTES:
                 raise Garbage(Fault.HEADER, f"{name} has {seg.size} bytes")

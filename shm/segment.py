@@ -21,7 +21,7 @@ from typing import Callable
 
 import posix_ipc
 
-from .access import grant
+from .access import grant, other_writers
 from .names import unlink_shm
 from .region_io import RegionFiles
 from .space import HOW_TO_RAISE, NoRoom, mib, take_pages
@@ -94,10 +94,15 @@ class Segment:
         return cls.create(name, size, readers, taken=taken)
 
     @classmethod
-    def attach(cls, name: str, readonly: bool = False) -> "Segment":
+    def attach(cls, name: str, readonly: bool = False, owner_only: bool = False) -> "Segment":
+        """Map ``name``. ``owner_only``: it must be an object no one but its owner (and this
+        process's user) could have written, so that its owner is who made it (``uid``): a
+        client's segment, whose owner is who the client is (PermissionError otherwise)."""
         shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
         try:
             st = os.fstat(shm.fd)
+            if owner_only and (why := other_writers(shm.fd, st, (os.geteuid(),))):
+                raise PermissionError(f"{name} is not its owner's (uid {st.st_uid}) alone: {why}")
             size = st.st_size
             if size == 0:  # (mmap refuses it: made by someone else and not sized yet, or truncated)
                 raise ConnectionError(f"{name} is empty")

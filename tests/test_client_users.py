@@ -648,3 +648,81 @@ def test_a_server_of_another_user_removes_only_its_own_objects(tmp_path):
             for path in ("/dev/shm" + name, f"/dev/shm/sem.{name[1:]}"):
                 if os.path.exists(path):
                     os.unlink(path)
+
+
+# A named user's way to pass for the server's user: its client segment's owner says who the client
+# is, and the kernel lets a user hard-link a file it may write (protected_hardlinks), such as an
+# extent of a worker's arena that holds its answers (the server's user's, with nobody's ACL entry).
+LINKED = r"""
+import mmap
+import shmserve.shm.channel as channel
+import shmserve.shm.segment as segment
+from shmserve.shm.client import InferenceServerError, ServerUnavailable
+from shmserve.shm.control_messages import RegisterSystemRegion
+c = Client(args["server"])
+c.infer("identity", {"IN": np.ones(4, np.float32)})  # its home extent is made
+prefix = "shmserve.%s.worker." % args["server"]
+src = next("/dev/shm/" + f for f in sorted(os.listdir("/dev/shm")) if f.startswith(prefix) and ".arena." in f
+           and os.stat("/dev/shm/" + f).st_uid == 0 and os.access("/dev/shm/" + f, os.R_OK | os.W_OK))
+size = os.stat(src).st_size
+result = {}
+# 1. A new client whose segment is a link of the extent, laid out as a segment.
+class Linked(segment.Segment):
+    def unlink(self):
+        pass  # (nobody may not remove a file of root's: the test does)
+made = segment.Segment.create
+def linked(name, nbytes, readers=(), readers_write=True, taken=None):
+    if ".client." not in name:
+        return made(name, nbytes, readers, readers_write, taken)
+    os.link(src, "/dev/shm" + name)
+    fd = os.open("/dev/shm" + name, os.O_RDWR)
+    mm = mmap.mmap(fd, nbytes)
+    os.close(fd)
+    mm[:] = bytes(nbytes)
+    return Linked(name, nbytes, mm, owner=True)
+segment.Segment.create = linked
+try:
+    Client(args["server"], arena_bytes=(size - channel.ClientSegment.nbytes(1024, 0)) & ~4095)
+    result["linked"] = "connected"
+except ServerUnavailable as e:
+    result["linked"] = str(e)
+segment.Segment.create = made
+# 2. A connected client's segment put aside for a link of the extent, then a region of the
+# server's user's registered: as whom?
+name = "/dev/shm" + c._conn.name
+os.rename(name, name + ".aside")
+os.link(src, name)
+try:
+    c._control(RegisterSystemRegion("users_linked", args["key"], 64))
+    result["swapped"] = "registered"
+except InferenceServerError as e:
+    result["swapped"] = [e.status, e.message]
+os.unlink(name + ".aside")  # (the link stays: nobody may not remove a file of root's)
+"""
+
+
+def test_a_named_user_cannot_pass_for_the_servers_user_through_a_link(users_server):
+    """A client segment that another user could have written (a second name of a file, an ACL
+    entry for someone else) says nothing of who made it: the broker refuses to attach it, by
+    name, and a client's user is what the broker saw when it attached its segment, not whatever
+    now lies at its segment's name. Before, nobody became the server's user both ways: it
+    registered an object only root may open, and could then read and write it through a model."""
+    import posix_ipc
+
+    key = f"/users_linked_secret_{os.getpid()}"
+    secret = posix_ipc.SharedMemory(key, posix_ipc.O_CREX, mode=0o600, size=4096)
+    secret.close_fd()
+    try:
+        got = run_as_nobody(LINKED, {"server": users_server.id, "key": key})
+    finally:
+        secret.unlink()
+    assert "did not accept the connection" in got["linked"], got
+    wait_until(lambda: "names (a hard link)" in users_server.log(), "the broker names the linked segment")
+    assert got["swapped"][0] == 403 and f"uid {NOBODY.pw_uid} may not read and write it" in got["swapped"][1], got
+    with users_server.client() as http:
+        assert http.get_system_shared_memory_status() == []
+    for name in shm_names(f"shmserve.{users_server.id}.client."):  # the links nobody may not remove
+        os.unlink(f"/dev/shm/{name}")
+    with Client(users_server.id) as client:
+        a = np.arange(16, dtype=np.int32)
+        assert client.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == (2 * a).tolist()

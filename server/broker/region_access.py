@@ -19,7 +19,7 @@ import pwd
 import stat
 from typing import Any
 
-from shmserve.shm.names import CLIENT_PREFIX, SHM_DIR
+from shmserve.shm.names import CLIENT_PREFIX
 from shmserve.shm.control_messages import NetworkCaller
 from shmserve.signature import InvalidRequest
 
@@ -62,14 +62,11 @@ class Caller:
 
 def caller_of(named: NetworkCaller | None, client: Client) -> Caller:
     """The caller of a control request: the network caller a frontend named (its
-    ``caller``), else the local client itself, as the owner of its segment."""
+    ``caller``), else the local client itself, as the owner of its segment when the broker
+    attached it (the name's object now may be another: its owner may replace it)."""
     if named is not None:
         return Caller(Owner(named.uid), named.admin)
-    try:
-        uid = os.stat(SHM_DIR + client.name).st_uid
-    except OSError:
-        raise RegionDenied("this client's connection is gone") from None
-    return Caller(Owner(uid, client.name), False, client.ticket)
+    return Caller(Owner(client.uid, client.name), False, client.ticket)
 
 
 def check_client_key(name: str, key: str, caller: Caller) -> None:
