@@ -203,3 +203,46 @@ def test_a_model_loading_again_after_a_broker_restart_is_unavailable_not_unknown
         time.sleep(0.1)
     assert add_sub(c, "gated_load") == list(range(0, 32, 2))
     c.close()
+
+
+
+def test_what_another_user_puts_at_the_journals_names_is_neither_written_through_nor_read(server_factory, tmp_path):
+    """/dev/shm is every user's. A user the server does not even name puts a link to an
+    operator's file at the temporary name journals were written to: the broker's next journal
+    write goes elsewhere (a new file of its own) and the operator's file is untouched. A journal
+    that is not the server's alone (here put in place by root for the other user, as a rename of
+    that user's temporary file once did) is not read by the broker the launcher starts after a
+    crash: it says why, opens no log file the journal names, and serves."""
+    from as_nobody import NOBODY
+
+    server = server_factory.start([PRODUCT_MODELS])
+    journal = f"/dev/shm/shmserve.{server.id}.state.0"
+    victim = tmp_path / "victim.conf"
+    victim.write_text("the operator's\n")
+    os.symlink(victim, journal + ".tmp")
+    os.lchown(journal + ".tmp", NOBODY.pw_uid, NOBODY.pw_gid)
+    try:
+        with server.client() as c:
+            c.update_log_settings({"log_verbose_level": 1})  # a change the journal records
+            assert victim.read_text() == "the operator's\n"
+            with open(journal, "rb") as f:
+                assert json.load(f)["log"]["log_verbose_level"] == 1
+            st = os.stat(journal, follow_symlinks=False)
+            assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o600
+
+            forged_log = tmp_path / "forged.log"
+            with open(journal, "w") as f:
+                json.dump({"log": {"log_file": str(forged_log)}}, f)
+            os.chown(journal, NOBODY.pw_uid, NOBODY.pw_gid)
+            old = broker_pid(server)
+            os.kill(old, signal.SIGKILL)
+            deadline = time.monotonic() + 2 * DEADLINE_S
+            while broker_pid(server) in (None, old) or server.http_status("/v2/health/ready") != 200:
+                assert time.monotonic() < deadline, "the broker did not come back ready"
+                time.sleep(0.1)
+            assert f"is not the server's own journal (uid {NOBODY.pw_uid}" in server.log()
+            assert not forged_log.exists()
+            assert add_sub(c, "add_sub") == list(range(0, 32, 2))
+    finally:
+        if os.path.lexists(journal + ".tmp"):
+            os.unlink(journal + ".tmp")
