@@ -726,3 +726,62 @@ def test_a_named_user_cannot_pass_for_the_servers_user_through_a_link(users_serv
     with Client(users_server.id) as client:
         a = np.arange(16, dtype=np.int32)
         assert client.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == (2 * a).tolist()
+
+
+# A client of one named user sending requests on its lane for a while; and one of another named
+# user that scribbles on the lanes of the first in every worker it can reach.
+LANE_VICTIM = r"""
+import time
+c = Client(args["server"])
+a = np.arange(16, dtype=np.int32)
+print("LANE %d" % c._conn.lane, flush=True)
+ok, failed = 0, []
+end = time.monotonic() + args["seconds"]
+while time.monotonic() < end:
+    try:
+        assert c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == (2 * a).tolist()
+        ok += 1
+    except Exception as e:
+        failed.append(repr(e))
+    time.sleep(0.01)
+result = {"ok": ok, "failed": failed[:3]}
+c.close()
+"""
+
+LANE_SCRIBBLER = r"""
+from shmserve.shm.descriptor import InferRequest
+c = Client(args["server"])
+conn = c._conn
+_, worker = conn._router.pick(InferRequest("add_sub"))
+lane = args["lane"]
+worker.lanes[lane]._ctr[1] = 1 << 62  # the producer counter of the other user's lane
+worker.ring_bell(lane)
+worker.waker.notify()
+result = lane
+c.close()
+"""
+
+
+def test_a_named_user_cannot_have_another_named_users_client_disconnected(server_factory):
+    """With two users named, either may write the lanes of the other's clients (they lie in each
+    worker's segment): garbage there is skipped, said, and not blamed on the lane's holder, whose
+    requests all succeed. Before, the worker took the holder for the writer and the broker
+    disconnected it."""
+    import pwd
+
+    daemon = pwd.getpwnam("daemon")
+    server = _start(server_factory, "--local-client-users=nobody,daemon")
+    victim = start_as(daemon.pw_uid, daemon.pw_gid, LANE_VICTIM, {"server": server.id, "seconds": 6})
+    try:
+        lane = int(victim.stdout.readline().split()[1])
+        run_as_nobody(LANE_SCRIBBLER, {"server": server.id, "lane": lane})
+        out, err = victim.communicate(timeout=DEADLINE_S)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+    assert victim.returncode == 0, err
+    got = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    assert got["failed"] == [] and got["ok"] > 0, got
+    wait_until(lambda: f"lane {lane} of client" in server.log(), "the worker says it skipped the garbage")
+    assert "holds garbage, skipped" in server.log() and "disconnect" not in server.log(), server.log()

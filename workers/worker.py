@@ -91,7 +91,7 @@ class Worker:
         self.holds = RegionHolds(self.regions, self.seg.region_holds, REGION_HOLDS_BYTES)
         self._lane_names: dict[int, tuple[str, int]] = {}
         self._refused: set[int] = set()  # cookies of lane holders that wrote garbage (the broker disconnects them)
-        self._lanes_shared = bool(server_readers())  # other users' clients may write our lanes
+        self._lane_writers = len(server_readers())  # the other users whose clients may write our lanes
         self.segments = SegmentCache()
         self.clients: dict[str, ClientSegment] = {}
         # Answers go to the arena's first extent (``self.arena``, which also carries messages to
@@ -318,17 +318,19 @@ class Worker:
         return polled
 
     def _others_wrote(self, lane: int, name: str, e: Exception) -> bool:
-        """Whether garbage on a lane (its counters, a record) is another user's doing, so that its
-        holder must not be disconnected for it: the lanes lie in this worker's segment, which the
-        users of --local-client-users may write, and a holder of the server's own user (a
-        frontend) writes well-formed records. Said, and skipped, if so."""
-        if not self._lanes_shared or not name:
+        """Whether garbage on a lane (its counters, a record) may be another user's doing, so that
+        its holder must not be disconnected for it: the lanes lie in this worker's segment, which
+        the users of --local-client-users may write. A holder of the server's own user (a
+        frontend) writes well-formed records; one of the only other user is the one who could;
+        with two or more, any of them could have written another's lane. Said, and skipped, if so."""
+        if not self._lane_writers or not name:
             return False
-        try:
-            if self._client(name).seg.uid != os.geteuid():
+        if self._lane_writers == 1:
+            try:
+                if self._client(name).seg.uid != os.geteuid():
+                    return False
+            except (posix_ipc.Error, OSError, ValueError):
                 return False
-        except (posix_ipc.Error, OSError, ValueError):
-            return False
         log.warning("lane %d of client %s holds garbage, skipped: %s (another user's client may write this worker's "
                     "lanes)", lane, name, e)
         return True
