@@ -28,7 +28,7 @@ import posix_ipc
 
 from .access import others
 from .arena import free_block
-from .channel import DEFAULT_SLOTS, LANE_PENDING, NO_LANE, BrokerSegment, ClientSegment, OtherLayout, WorkerSegment
+from .channel import DEFAULT_SLOTS, LANE_PENDING, LANE_REFUSED, NO_LANE, BrokerSegment, ClientSegment, OtherLayout, WorkerSegment
 from .completion import Callback
 from .control_messages import ControlMessage
 from .copying import copy_into
@@ -161,6 +161,10 @@ class Connection:
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
         lane = self.seg.lane
+        if lane == LANE_REFUSED:  # (a bound on what one user's clients hold: the server's log says)
+            self.seg.close()
+            self.seg.unlink()
+            raise ServerUnavailable(f"the shmserve server '{self.server_id}' refused the connection (its log says why)")
         return None if lane == NO_LANE else lane
 
     # -- sending --------------------------------------------------------------------------------

@@ -109,7 +109,12 @@ class Segment:
             access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
             mm = mmap.mmap(shm.fd, size, access=access)
             # What this process only reads is written by the server alone: nobody to truncate it.
-            guard = MappingGuard() if readonly else guard_mapping(mm, shm.fd, size, restorable=True)
+            try:
+                guard = MappingGuard() if readonly else guard_mapping(mm, shm.fd, size, restorable=True,
+                                                                      required=owner_only)
+            except OSError:
+                mm.close()
+                raise
         finally:
             shm.close_fd()
         return cls(name, size, mm, owner=False, uid=st.st_uid, guard=guard)

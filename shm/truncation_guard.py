@@ -192,18 +192,22 @@ class MappingGuard:
 
 
 def guard_mapping(mm: mmap.mmap, fd: int, size: int, shared: bool = True, restorable: bool = False,
-                  always: bool = False) -> MappingGuard:
+                  always: bool = False, required: bool = False) -> MappingGuard:
     """Guard the file behind ``mm`` (mapped for writing, ``shared`` or private) while the
     mapping lives, if another user may write it (``always``: whoever may: a client's registered
     region, which its owner may truncate even when that is the server's user); ``restorable``:
     the caller calls ``closing`` before it unmaps, so a replaced page may be put back. The
     guard's ``release`` ends it at once (once ``mm`` is closed: a mapping a view keeps alive
-    stays guarded until it dies)."""
+    stays guarded until it dies). ``required``: OSError rather than an unguarded mapping when the
+    library is there but the guard cannot be had (a client's segment: better one client refused
+    than the process's end)."""
     if _lib is None or not (always or others_may_write(fd)):
         return MappingGuard()
     start = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
     flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
     guard = _guard_fd(fd, size, start, mmap.PROT_READ | mmap.PROT_WRITE, flags, restorable)
     if guard is None:
+        if required:
+            raise OSError(errno.EMFILE, "its truncation guard cannot be had (out of descriptors, or 16384 guarded)")
         return MappingGuard()
     return MappingGuard(guard, weakref.finalize(mm, guard.release))

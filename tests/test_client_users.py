@@ -701,13 +701,17 @@ os.unlink(name + ".aside")  # (the link stays: nobody may not remove a file of r
 """
 
 
-def test_a_named_user_cannot_pass_for_the_servers_user_through_a_link(users_server):
+def test_a_named_user_cannot_pass_for_the_servers_user_through_a_link(server_factory):
     """A client segment that another user could have written (a second name of a file, an ACL
     entry for someone else) says nothing of who made it: the broker refuses to attach it, by
     name, and a client's user is what the broker saw when it attached its segment, not whatever
     now lies at its segment's name. Before, nobody became the server's user both ways: it
-    registered an object only root may open, and could then read and write it through a model."""
+    registered an object only root may open, and could then read and write it through a model.
+    A server of its own: the link's content was the user's answers (in its home extent), which
+    it then zeroes."""
     import posix_ipc
+
+    users_server = _start(server_factory, "--local-client-users=nobody")
 
     key = f"/users_linked_secret_{os.getpid()}"
     secret = posix_ipc.SharedMemory(key, posix_ipc.O_CREX, mode=0o600, size=4096)
@@ -785,3 +789,72 @@ def test_a_named_user_cannot_have_another_named_users_client_disconnected(server
     assert got["failed"] == [] and got["ok"] > 0, got
     wait_until(lambda: f"lane {lane} of client" in server.log(), "the worker says it skipped the garbage")
     assert "holds garbage, skipped" in server.log() and "disconnect" not in server.log(), server.log()
+
+
+# Clients of a named user up to and past its bounds, through raw connects (a segment and a
+# connect record each, as the library makes them), and then one through the library.
+BOUNDED = r"""
+import time
+from shmserve.shm.access import others
+from shmserve.shm.channel import LANE_PENDING, BrokerSegment, ClientSegment
+from shmserve.shm.client import ServerUnavailable
+from shmserve.shm.liveness import process_ticket
+from shmserve.shm.names import object_name
+sid = args["server"]
+broker = BrokerSegment.attach(sid)
+readers = others((broker.seg.uid,))
+tickets, ticket = process_ticket(sid)
+def connect(k, arena):
+    name = object_name(sid, "client", "%d-%d" % (ticket, k))
+    seg = ClientSegment.create(name, arena, ticket, 4, readers=readers)
+    broker.announce(ticket, name, timeout=30)
+    deadline = time.monotonic() + 30
+    while seg.lane == LANE_PENDING and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    return seg
+result = {}
+huge = connect(0, 2 << 40)  # 2 TiB, sparse: no page of it taken
+result["huge_refused"] = huge.disconnected()
+huge.close()
+huge.unlink()
+held = [connect(k, 4096) for k in range(1, args["count"] + 1)]
+result["held_refused"] = sum(seg.disconnected() for seg in held)
+try:
+    Client(sid)
+    result["one_more"] = "connected"
+except ServerUnavailable as e:
+    result["one_more"] = str(e)
+"""
+
+
+def test_a_named_users_clients_are_bounded_in_number_and_size(users_server):
+    """A user named by --local-client-users may connect as many clients as it likes, each with a
+    segment as large as it likes (sparse, it costs no page): each costs the broker descriptors
+    and address space, which one user could take from everyone. Its clients are bounded (1,024
+    connections, 1 TiB of segments): one past either is refused at once with a clear error and
+    the broker's log names the bound, while clients of the server's user are served; once the
+    user's clients are gone, it connects again."""
+    from server.broker.clients import MAX_CLIENTS_PER_USER
+
+    got = run_as_nobody(BOUNDED, {"server": users_server.id, "count": MAX_CLIENTS_PER_USER}, timeout=300)
+    assert got["huge_refused"] is True and got["held_refused"] == 0, got
+    assert got["one_more"] == f"the shmserve server '{users_server.id}' refused the connection (its log says why)"
+    assert f"a user may hold at most {MAX_CLIENTS_PER_USER} and 1024 GiB" in users_server.log()
+    with Client(users_server.id) as client:
+        a = np.arange(16, dtype=np.int32)
+        assert client.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == (2 * a).tolist()
+    wait_until(lambda: not _owned_by_nobody(shm_names(f"shmserve.{users_server.id}.client.")),
+               "nobody's segments are removed")
+    got = run_as_nobody(CLIENT, {"server": users_server.id})
+    assert got["add"] == (2 * np.arange(16)).tolist()
+
+
+def _owned_by_nobody(names: list[str]) -> list[str]:
+    owned = []
+    for name in names:
+        try:
+            if os.stat(f"/dev/shm/{name}").st_uid == NOBODY.pw_uid:
+                owned.append(name)
+        except FileNotFoundError:  # (removed meanwhile)
+            pass
+    return owned

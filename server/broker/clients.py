@@ -9,7 +9,9 @@ errors, ensembles) are written into the broker's arena and completed in the clie
 """
 from __future__ import annotations
 
+import collections
 import logging
+import os
 from typing import Any
 
 import posix_ipc
@@ -30,6 +32,13 @@ log = logging.getLogger("shmserve.broker")
 
 _QUARANTINED = "<refused>"  # the lane of a refused client, until its process is gone
 
+# What the clients of one user other than the server's (--local-client-users) may hold at once:
+# each costs the broker descriptors (its truncation guard's, a FIFO's) and address space for its
+# segment, which it makes as large as it likes (sparse), so without a bound one user could take
+# all of either from everyone else.
+MAX_CLIENTS_PER_USER = 1024
+MAX_SEGMENT_BYTES_PER_USER = 1 << 40
+
 
 class Clients:
     """``tickets``: the broker's view of the clients' liveness tickets (shm/liveness.py): a
@@ -46,6 +55,9 @@ class Clients:
         self.next_cookie = 0
         self._names = client_name_pattern(server_id)
         self.quarantined: dict[int, int] = {}  # lane -> ticket of the refused client that held it
+        self._held: collections.Counter[int] = collections.Counter()  # uid -> its clients' count
+        self._held_bytes: collections.Counter[int] = collections.Counter()  # uid -> their segments' bytes
+        self._said_full: set[int] = set()  # users told of (once while at the bound)
 
     def on_connects(self) -> None:
         """Attach every client that announced itself on the connect ring. Any process of our user
@@ -72,11 +84,34 @@ class Clients:
             except (posix_ipc.Error, ConnectionError, OSError, ValueError) as e:
                 log.warning("client %d could not be attached: %s", ticket, e)
                 continue
+            if self._over_bound(name, seg):
+                seg.lane = LANE_REFUSED  # (its library says the server refused it)
+                seg.close()
+                continue
+            self._held[seg.seg.uid] += 1
+            self._held_bytes[seg.seg.uid] += seg.seg.size
+            self._said_full.discard(seg.seg.uid)
             pid, namespace = seg.process()
             client = Client(name=name, ticket=ticket, seg=seg, pid=pid if namespace == self._pid_namespace else 0)
             self.by_name[name] = client
             self._give_lane(client)
             log.debug("client %s connected (lane %s)", name, client.lane)
+
+    def _over_bound(self, name: str, seg: ClientSegment) -> bool:
+        """Whether a client of another user than the server's would take that user past its
+        bound (said once while the user stays at it). The server's own user is not bound: it
+        could stop the server anyway."""
+        uid = seg.seg.uid
+        if uid == os.geteuid():
+            return False
+        if self._held[uid] < MAX_CLIENTS_PER_USER and self._held_bytes[uid] + seg.seg.size <= MAX_SEGMENT_BYTES_PER_USER:
+            return False
+        if uid not in self._said_full:
+            self._said_full.add(uid)
+            log.warning("refused client %s: the clients of uid %d hold %d connections and %d GiB of segments, "
+                        "and a user may hold at most %d and %d GiB", name, uid, self._held[uid],
+                        self._held_bytes[uid] >> 30, MAX_CLIENTS_PER_USER, MAX_SEGMENT_BYTES_PER_USER >> 30)
+        return True
 
     def _give_lane(self, client: Client) -> None:
         """A lane lets the client reach workers of default-scheduled models without our hop."""
@@ -95,7 +130,10 @@ class Clients:
 
     def remove(self, client: Client, died: bool) -> None:
         """Free the client's lane and its segment (unlinked here when the client ``died``)."""
-        self.by_name.pop(client.name, None)
+        if self.by_name.pop(client.name, None) is not None:
+            self._held[client.uid] -= 1
+            self._held_bytes[client.uid] -= client.seg.seg.size
+            self._said_full.discard(client.uid)
         if client.lane is not None and self.lanes[client.lane] == client.name:
             self.lanes[client.lane] = None
             self.seg.set_lane_client(client.lane, "", 0)
