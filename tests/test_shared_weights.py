@@ -1,14 +1,21 @@
 """One copy of a CPU PyTorch model's weights for all its instances (workers/shared_weights.py):
 the instances answer as with their own copies, the server's memory grows by less than the
-weights per added instance, a model that writes into its weights changes only its own copy, and
-the shared file goes with the version."""
+weights per added instance, a model that writes into its weights changes only its own copy, the
+shared file goes with the version, and it is the server's user's alone: another user's file or
+held lock at the next load's name changes neither the answers nor how long the load takes."""
 from __future__ import annotations
 
+import json
 import os
+import time
+import urllib.request
 
+import numpy as np
 import pytest
 import torch
 import tritonclient.http as httpclient
+
+from as_nobody import NOBODY, start_as
 
 from shmserve.shm.names import SHM_DIR
 from shmserve.tools import weights_memory
@@ -75,3 +82,109 @@ def test_onnx_instances_share_weights_in_an_external_data_file():
     own = weights_memory.measure(MB, 2, False, "onnx")
     assert shared["workers"] == own["workers"] == 2
     assert own["pss_mb"] - shared["pss_mb"] > MB * 0.6, (shared, own)
+
+
+def weights_server(server_factory, tmp_path):
+    """A server with the 'weights' model (two CPU instances sharing one copy) loaded."""
+    weights_memory.write_model(tmp_path, 4, 2, True)
+    return server_factory.start([tmp_path], ["--model-control-mode", "explicit", "--load-model", "weights"])
+
+
+def answer(s) -> np.ndarray:
+    x = httpclient.InferInput("INPUT__0", [1024], "FP32")
+    x.set_data_from_numpy(np.linspace(-1, 1, 1024, dtype=np.float32))
+    return s.client().infer("weights", [x]).as_numpy("OUTPUT__0")
+
+
+def current_file(s) -> tuple[str, int]:
+    """The path of the server's file of the load's weights, and its load number (the key's
+    last part)."""
+    stem = f"shmserve.{s.id}.weights.weights.1."
+    found = [f for f in os.listdir(SHM_DIR) if f.startswith(stem) and f[len(stem):].isdigit()
+             and os.stat(f"{SHM_DIR}/{f}").st_uid == os.geteuid()]
+    assert len(found) == 1, found
+    return f"{SHM_DIR}/{found[0]}", int(found[0][len(stem):])
+
+
+def assert_ours_alone(path: str) -> None:
+    st = os.stat(path, follow_symlinks=False)
+    assert (st.st_uid, st.st_mode & 0o777, st.st_nlink) == (os.geteuid(), 0o600, 1), (path, st)
+
+
+def reload(s, timeout: float) -> float:
+    """Unload and load the model again (a new load: the next key); the seconds the load took."""
+    for op in ("unload", "load"):
+        start = time.monotonic()
+        req = urllib.request.Request(f"http://{s.url}/v2/repository/models/weights/{op}", b"{}", method="POST")
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            assert r.status == 200
+    return time.monotonic() - start
+
+
+def test_another_users_file_at_the_next_key_is_never_used(server_factory, tmp_path):
+    """Another user who makes the next load's weights file first (a doctored copy, header and
+    size right) gets no say in the answers: the server removes it and writes its own, 0600."""
+    s = weights_server(server_factory, tmp_path)
+    expected = answer(s)
+    path, n = current_file(s)
+    assert_ours_alone(path)
+    assert_ours_alone(path + ".lock")
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[shared_weights.ALIGN:] = bytes(len(data) - shared_weights.ALIGN)  # every weight and bias 0
+    planted = [shared_weights.weights_path(s.id, f"weights.1.{k}") for k in range(n + 1, n + 4)]
+    try:
+        for p in planted:
+            with open(p, "wb") as f:
+                f.write(data)
+            os.chmod(p, 0o644)
+            os.chown(p, NOBODY.pw_uid, NOBODY.pw_gid)
+        reload(s, 60)
+        np.testing.assert_array_equal(answer(s), expected)
+        path, _ = current_file(s)
+        assert_ours_alone(path)
+    finally:
+        for p in planted:
+            if os.path.lexists(p):
+                os.unlink(p)
+
+
+HOLD = """
+import fcntl
+held = []
+for path in args:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    held.append(fd)
+print("HOLDING", flush=True)
+sys.stdin.readline()
+result = len(held)
+"""
+
+
+def test_a_lock_another_user_holds_does_not_delay_a_load(server_factory, tmp_path):
+    """Another user who makes the next loads' lock files first and holds their locks makes no
+    load wait: the lock a load waits on is the server's user's alone."""
+    s = weights_server(server_factory, tmp_path)
+    expected = answer(s)
+    start = time.monotonic()
+    reload(s, 60)
+    usual = time.monotonic() - start
+    _, n = current_file(s)
+    locks = [shared_weights.weights_path(s.id, f"weights.1.{k}") + ".lock" for k in range(n + 1, n + 4)]
+    holder = start_as(NOBODY.pw_uid, NOBODY.pw_gid, HOLD, locks)
+    try:
+        assert holder.stdout.readline().strip() == "HOLDING", holder.stderr.read()
+        took = reload(s, 60)
+        assert took < usual + 15, (took, usual)
+        np.testing.assert_array_equal(answer(s), expected)
+        path, _ = current_file(s)
+        assert_ours_alone(path)
+        assert_ours_alone(path + ".lock")
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.communicate(timeout=30)
+        for p in locks:
+            if os.path.lexists(p):
+                os.unlink(p)
