@@ -5,7 +5,6 @@ shared file goes with the version, and it is the server's user's alone: another 
 held lock at the next load's name changes neither the answers nor how long the load takes."""
 from __future__ import annotations
 
-import json
 import os
 import time
 import urllib.request
