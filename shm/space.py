@@ -56,8 +56,17 @@ def free_bytes(folder: str = SHM_DIR) -> int:
 
 
 def unbacked_bytes(server_id: str, folder: str = SHM_DIR) -> int:
-    """What ``server_id``'s objects may still take: their sizes less the pages they hold."""
+    """What ``server_id``'s objects may still take: their sizes less the pages they hold.
+
+    Only objects of the server's user count. Anyone may make a file of our names in a
+    world-writable /dev/shm, sparse and of any size (a 1 PiB one holds no page), and counting it
+    would refuse every growth. Other users' objects under our names are the segments of local
+    clients of ``--local-client-users``: the pages they take show in ``free_bytes`` once taken, a
+    client's arena takes a block's pages before the block is sent (so the server writes no page not
+    taken yet there), and their user could fill /dev/shm anyway; so they are left out, not
+    counted with a bound."""
     stems = (f"{PREFIX}.{server_id}.", f"sem.{PREFIX}.{server_id}.")
+    me = os.geteuid()
     total = 0
     try:
         entries = list(os.scandir(folder))
@@ -69,6 +78,8 @@ def unbacked_bytes(server_id: str, folder: str = SHM_DIR) -> int:
         try:
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:  # removed while we looked
+            continue
+        if st.st_uid != me:
             continue
         total += max(0, st.st_size - st.st_blocks * 512)
     return total

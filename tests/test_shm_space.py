@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from conftest import PRODUCT_MODELS, PYTHON, ROOT, TEST_MODELS, Server
+from as_nobody import NOBODY
+from conftest import PRODUCT_MODELS, PYTHON, ROOT, TESTS, TEST_MODELS, Server
 import tmpfs
 
 from shmserve.shm import space
@@ -26,6 +27,7 @@ from shmserve.server.cli import parse_args
 from shmserve.server.shm_needs import instance_bytes, startup_bytes
 
 MIB = 1 << 20
+PIB = 1 << 50
 
 
 def small_shm(size_bytes: int) -> list[str]:
@@ -137,6 +139,11 @@ def test_room_is_the_free_space_less_what_the_servers_objects_may_still_take(shm
         assert space.free_bytes(str(shm)) == 8 * MIB
         assert space.unbacked_bytes("s1", str(shm)) == 4 * MIB
         assert space.unbacked_bytes("s2", str(shm)) == 0  # another server's objects are its own
+        squat = shm / "shmserve.s1.squat"  # another user's file of our names: not ours to count
+        squat.touch(mode=0o600)
+        os.truncate(squat, PIB)  # 1 PiB, no page
+        os.chown(squat, NOBODY.pw_uid, NOBODY.pw_gid)
+        assert space.unbacked_bytes("s1", str(shm)) == 4 * MIB
         os.pwrite(fd, b"x" * MIB, 0)  # the pages a writer touches are taken
         assert space.unbacked_bytes("s1", str(shm)) == 3 * MIB
         assert space.room("s1", str(shm)) == 4 * MIB
@@ -148,6 +155,28 @@ def test_room_is_the_free_space_less_what_the_servers_objects_may_still_take(shm
         assert caught.value.errno == 28  # ENOSPC, as the write that would have failed
     finally:
         os.close(fd)
+
+
+def test_another_users_sparse_file_of_the_servers_names_does_not_stop_growth(server_factory):
+    """Anyone may make a file named like the server's objects in /dev/shm, sparse and of any
+    size: another user's 1 PiB one holds no page and is not counted, so an answer that needs a
+    new extent of the arena is still served."""
+    s = server_factory.start([TESTS / "models" / "growth"],
+                             ["--model-control-mode", "explicit", "--load-model", "identity"])
+    squat = f"/dev/shm/shmserve.{s.id}.squat"
+    fd = os.open(squat, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, PIB)
+        os.fchown(fd, NOBODY.pw_uid, NOBODY.pw_gid)
+        x = np.arange(4 * MIB, dtype=np.float32)  # 16 MiB: past the 4 MiB first extent
+        inp = httpclient.InferInput("IN", [x.size], "FP32")
+        inp.set_data_from_numpy(x)
+        with s.client() as c:
+            np.testing.assert_array_equal(c.infer("identity", [inp]).as_numpy("OUT"), x)
+        assert any(".arena." in name for name in os.listdir("/dev/shm") if name.startswith(f"shmserve.{s.id}."))
+    finally:
+        os.close(fd)
+        os.unlink(squat)
 
 
 def test_pages_are_taken_before_they_are_written_or_refused_when_the_filesystem_is_full(shm):
