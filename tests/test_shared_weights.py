@@ -5,7 +5,10 @@ shared file goes with the version, and it is the server's user's alone: another 
 held lock at the next load's name changes neither the answers nor how long the load takes."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -51,6 +54,28 @@ def test_instances_share_one_copy_and_writes_stay_private(scripted):
             path = shared_weights.weights_path(sid, key) + suffix
             if os.path.exists(path):
                 os.unlink(path)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.load
+def test_a_file_of_ours_not_whole_for_this_layout_is_written_again(scripted):
+    """A file of the server's user at the key whose header or size is not this layout's (cut
+    short, or another model's) is not mapped: it is removed and written again."""
+    sid, key = f"swl{os.getpid()}", "m.1.1"
+    model = torch.jit.load(str(scripted))
+    x = torch.randn(3, 64)
+    expected = model(x)
+    path = shared_weights.weights_path(sid, key)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.write(fd, bytes(shared_weights.ALIGN + 64))  # a header of no layout, and too short
+        os.close(fd)
+        size = shared_weights.share(model, sid, key)
+        assert os.path.getsize(path) == shared_weights.ALIGN + size
+        assert torch.equal(model(x), expected)
+    finally:
+        for suffix in ("", ".lock"):
+            if os.path.exists(path + suffix):
+                os.unlink(path + suffix)
 
 
 def test_a_second_instance_costs_less_than_the_weights():
@@ -187,3 +212,51 @@ def test_a_lock_another_user_holds_does_not_delay_a_load(server_factory, tmp_pat
         for p in locks:
             if os.path.lexists(p):
                 os.unlink(p)
+
+
+AS_ANOTHER_SERVER_USER = """
+import json, os, sys, torch
+from shmserve.workers import shared_weights
+sid, key, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).eval()
+x = torch.randn(3, 64)
+with torch.no_grad():
+    expected = model(x)
+    size = shared_weights.share(model, sid, key)
+    print(json.dumps({"size": size, "same": bool(torch.equal(model(x), expected))}))
+"""
+
+
+def test_names_a_server_that_is_not_root_cannot_remove_are_passed_over():
+    """A server's user other than root may not remove another user's files in a sticky /dev/shm:
+    the load's instances pass over the keys where another user's lock file or weights file stands
+    and meet at the next key, written 0600 as theirs, with the model's own weights."""
+    sid, key, server_uid = f"swu{os.getpid()}", "m.1.1", 4242
+    keys = [key, f"{key}~1", f"{key}~2"]  # (shared_weights.candidates)
+    nobodys = [shared_weights.weights_path(sid, keys[0]) + ".lock", shared_weights.weights_path(sid, keys[1])]
+    try:
+        for path in nobodys:
+            with open(path, "wb") as f:
+                f.write(bytes(shared_weights.ALIGN))
+            os.chmod(path, 0o666)
+            os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid)
+        got = []
+        for _ in range(2):  # the first instance writes the file, the second maps it
+            done = subprocess.run([sys.executable, "-c", AS_ANOTHER_SERVER_USER, sid, key, str(server_uid)],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            got.append(json.loads(done.stdout.splitlines()[-1]))
+        size = os.path.getsize(shared_weights.weights_path(sid, keys[2])) - shared_weights.ALIGN
+        assert got == [{"size": size, "same": True}] * 2 and size > 0, got
+        assert [os.stat(p).st_uid for p in nobodys] == [NOBODY.pw_uid] * 2  # (not the server user's to remove)
+        assert not os.path.exists(shared_weights.weights_path(sid, keys[0]))
+        for path in (shared_weights.weights_path(sid, keys[2]), shared_weights.weights_path(sid, keys[2]) + ".lock"):
+            st = os.stat(path)
+            assert (st.st_uid, st.st_mode & 0o777, st.st_nlink) == (server_uid, 0o600, 1), path
+    finally:
+        for k in keys:
+            for path in (shared_weights.weights_path(sid, k), shared_weights.weights_path(sid, k) + ".lock"):
+                if os.path.lexists(path):
+                    os.unlink(path)
