@@ -41,7 +41,7 @@ from . import space
 from .access import others, server_readers
 from .arena import ALIGN, BLOCK_HEADER, Arena, no_room_text
 from .channel import EXTENT_ENTRIES, MAX_EXTENTS, BrokerSegment, WorkerSegment
-from .names import PREFIX, SHM_DIR, broker_extent_name, extent_name, unlink_shm
+from .names import PREFIX, SHM_DIR, broker_extent_name, extent_name, try_numbers, unlink_shm, warn_once
 from .segment import Segment, SegmentCache
 
 log = logging.getLogger("shmserve.extents")
@@ -55,7 +55,7 @@ GROWTH_BYTES_SETTING = "shm-growth-byte-size"
 DEFAULT_START_BYTES = 4 << 20
 DEFAULT_GROWTH_BYTES = 1 << 20  # Triton's default; growth at least doubles anyway
 MIN_START_BYTES = 64 << 10  # room for a few error documents
-SQUATTED_TRIES = 16  # extent names another user made first, skipped before a growth gives up
+SQUATTED_TRIES = 16  # extent names tried for one growth (names another user made first are skipped)
 
 
 class GrowthRefused(Exception):
@@ -127,6 +127,7 @@ class OutputArenas:
         self._shared: _Pool | None = None if readers else _Pool(readers=())
         self._pools: dict[int, _Pool] = {}
         self._next = 1
+        self._far: set[int] = set()  # numbers used out of sequence (names ahead were squatted)
         self._lock = threading.Lock()
 
     # -- the request path --------------------------------------------------------------------------
@@ -243,48 +244,53 @@ class OutputArenas:
 
     def _make(self, pool: _Pool, size: int, response: int) -> tuple[int, Arena] | None:
         """A new extent of ``size`` bytes that ``pool``'s readers may open; None while every
-        entry of the published sizes' table describes a live extent."""
+        entry of the published sizes' table describes a live extent.
+
+        A name another user made first (a sticky /dev/shm: the server may not remove it) is
+        skipped: after a few in sequence the numbers tried are random up to MAX_EXTENTS, which a
+        consumer takes from the completion's role word, so no squatting of the names ahead
+        stops growth."""
         readers = server_readers() if self._shared is not None else pool.readers
-        for _ in range(SQUATTED_TRIES):
-            extent = self._free_number()
-            if extent is None:
-                return None
-            if extent >= MAX_EXTENTS:
-                raise GrowthRefused(self._refusal(response, f"it has grown {MAX_EXTENTS - 1} times; raise "
-                                                        f"{self.owner.more_hint}"))
+        live = {e % EXTENT_ENTRIES for e in self._grown}
+        if len(live) >= EXTENT_ENTRIES:
+            return None
+        if self._next >= MAX_EXTENTS:
+            raise GrowthRefused(self._refusal(response, f"it has grown {MAX_EXTENTS - 1} times; raise "
+                                                    f"{self.owner.more_hint}"))
+        squatted: list[str] = []
+        for extent, in_sequence in try_numbers(self._next, MAX_EXTENTS, self._far,
+                                               lambda k: k % EXTENT_ENTRIES not in live, tries=SQUATTED_TRIES):
             name = self.owner.name_of(extent)
             try:
                 with space.counting(self.server_id):  # checked and made with no other growth in between
                     space.check(self.server_id, size, f"a {space.mib(size)} output extent of {self.owner.name}",
                                 f" ({self.owner.cap_flag}={self.cap >> 20} caps {self.owner.caps})")
                     seg = Segment.create_anew(name, size, readers, taken=0)
-                break
             except space.NoRoom as e:
                 raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
             except posix_ipc.ExistentialError:
-                # Made by another user where the server may not remove it (a sticky /dev/shm):
-                # the number is skipped, or one squatted name would stop every growth.
-                log.warning("%s exists and is not the server's to remove: %s skips it", name, self.owner.name)
-                self._next = extent + 1
+                # Made by another user where the server may not remove it: the number is skipped.
+                warn_once(name, f"exists and is not the server's to remove: {self.owner.name} skips it")
+                squatted.append(name)
+                if in_sequence:
+                    self._next = extent + 1
+                continue
             except (OSError, posix_ipc.Error) as e:
                 raise GrowthRefused(self._refusal(response, f"{name}: {e}")) from None
+            break
         else:
-            raise GrowthRefused(self._refusal(response, f"the next {SQUATTED_TRIES} names of its extents exist and "
-                                                    f"are not the server's to remove"))
-        self._next = extent + 1
+            if not squatted:  # (the table's free entries were all missed by the random tries)
+                return None
+            raise GrowthRefused(self._refusal(response, f"{len(squatted)} names tried for its extents exist and are "
+                                                    f"not the server's to remove ({', '.join(squatted[:3])}, ...)"))
+        if in_sequence:
+            self._next = extent + 1
+        else:
+            self._far.add(extent)  # (never reused: the sequence skips it when it gets there)
         self.owner.publish(extent, size)  # before any answer in it is published
         arena = Arena(seg.buf, 0, size, seg.populate)
         self._grown[extent] = (seg, arena)
         return extent, arena
-
-    def _free_number(self) -> int | None:
-        """The next extent number whose entry in the published sizes' table no live extent holds
-        (numbers are never reused: a consumer's mapping of an old one is never taken for a new)."""
-        live = {e % EXTENT_ENTRIES for e in self._grown}
-        for extent in range(self._next, self._next + EXTENT_ENTRIES):
-            if extent % EXTENT_ENTRIES not in live:
-                return extent
-        return None
 
     def _refusal(self, need: int, why: str) -> str:
         return f"Failed to increase the shared memory pool size of {self.owner.name} for a {need}-byte response: {why}"

@@ -5,14 +5,20 @@ listed, and removed after a crash, without touching anybody else's.
 """
 from __future__ import annotations
 
+import logging
 import os
+import random
 import re
+import stat
+from typing import Callable, Iterator
 
 import posix_ipc
 
 PREFIX = "shmserve"
 SHM_DIR = "/dev/shm"
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+log = logging.getLogger("shmserve.names")
+_warned: set[tuple[str, str]] = set()  # (name, why) already logged: a squatted name is met at every sweep
 
 
 def check_server_id(server_id: str) -> str:
@@ -72,20 +78,69 @@ def list_objects(server_id: str) -> tuple[list[str], list[str]]:
     return shms, sems
 
 
-def unlink_semaphore(name: str) -> bool:
+def warn_once(name: str, why: str) -> None:
+    """Log ``name`` and ``why`` the first time they are met together (another user's object at a
+    name of ours is met again at every clean-up and every growth)."""
+    if (name, why) not in _warned:
+        _warned.add((name, why))
+        log.warning("%s %s", name, why)
+
+
+def _unlink(remove: Callable[[str], None], name: str) -> bool:
+    """``remove(name)``; False where it was not there, or could not be removed: a directory,
+    another user's object in the sticky /dev/shm, a symlink another user owns. Such an object
+    is another user's doing, which must not stop a clean-up or a start (it is logged once)."""
     try:
-        posix_ipc.unlink_semaphore(name)
+        remove(name)
         return True
     except posix_ipc.ExistentialError:
         return False
+    except (OSError, posix_ipc.Error) as e:
+        warn_once(name, f"could not be removed from {SHM_DIR} ({e}); left as it is")
+        return False
+
+
+def unlink_semaphore(name: str) -> bool:
+    return _unlink(posix_ipc.unlink_semaphore, name)
 
 
 def unlink_shm(name: str) -> bool:
+    return _unlink(posix_ipc.unlink_shared_memory, name)
+
+
+def remove_stale(name: str) -> None:
+    """Remove what a dead process of the server's own user left at ``name`` (a plain file this
+    user owns); anything else there (another user's, a directory, a symlink) is left alone, and
+    the caller takes another name."""
     try:
-        posix_ipc.unlink_shared_memory(name)
-        return True
-    except posix_ipc.ExistentialError:
-        return False
+        st = os.lstat(SHM_DIR + name)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        unlink_shm(name)
+
+
+def try_numbers(first: int, limit: int, taken: set[int], usable: Callable[[int], bool] = lambda n: True,
+                sequential: int = 4, tries: int = 16) -> Iterator[tuple[int, bool]]:
+    """Numbers for a new object whose name ends in a number never reused, until the caller made
+    one: (number, whether it is the next in sequence). The first ``sequential`` are the next
+    ones from ``first`` (skipping ``taken``: numbers used out of sequence); the rest are random in
+    ``[first, limit)``, so that another user who made the next names in /dev/shm (which the
+    server may not remove) cannot guess, nor make in advance, every name it tries."""
+    n = first
+    for _ in range(sequential):
+        while n in taken or not usable(n):
+            n += 1
+            if n >= limit:
+                return
+        yield n, True
+        n += 1
+    for _ in range(tries - sequential):
+        if n >= limit:
+            return
+        pick = random.randrange(n, limit)
+        if pick not in taken and usable(pick):
+            yield pick, False
 
 
 def set_title(title: str) -> None:

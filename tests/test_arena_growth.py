@@ -161,6 +161,31 @@ def test_extent_names_the_server_cannot_remove_are_skipped(server_factory):
             path.rmdir()
 
 
+def test_extent_names_squatted_far_ahead_do_not_stop_growth(server_factory):
+    """Another user's non-empty directories (which no unlink removes) at the next 40 extent names:
+    the arena grows at a number past them that no one could make in advance, and every consumer
+    (HTTP, the local client) reads the answer there, named by the number its completion carries."""
+    s = server_factory.start([GROWTH_MODELS], ["--model-control-mode", "explicit", "--load-model", "identity"])
+    squatted = [Path("/dev/shm" + extent_name(s.id, 0, k)) for k in range(1, 41)]
+    for path in squatted:
+        path.mkdir()
+        (path / "x").touch()
+        for p in (path / "x", path):
+            os.chown(p, NOBODY.pw_uid, NOBODY.pw_gid)
+    try:
+        x = np.arange(BIG, dtype=np.float32)
+        np.testing.assert_array_equal(http_identity(s, BIG), x)
+        with Client(s.id) as c, c.infer("identity", {"IN": x}) as result:
+            np.testing.assert_array_equal(result["OUT"], x)
+        stem = f"shmserve.{s.id}.worker.0.arena."
+        made = [int(n[len(stem):]) for n in extents(s.id)
+                if n.startswith(stem) and os.stat("/dev/shm/" + n).st_uid == os.geteuid()]
+        assert made and min(made) > 40, made
+    finally:
+        for path in squatted:
+            shutil.rmtree(path)
+
+
 def test_a_consumer_maps_an_extent_only_if_the_server_owns_it_at_its_size(server_factory):
     """``map_worker_extent``, as every consumer calls it, against a live server's worker: an
     extent the worker never made, one of the wrong size and one of another user are refused;
