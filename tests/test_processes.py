@@ -354,3 +354,114 @@ def test_a_worker_stuck_in_execute_does_not_outlive_its_server(server_factory, t
     with pytest.raises(Exception):
         sent.get_result()
     client.close()
+
+
+# -- names another user made first in /dev/shm (sticky, world-writable) ---------------------------
+
+SQUAT_FILES = """
+for path in args:
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+result = len(args)
+"""
+
+
+def _squat_dir(path: Path) -> None:
+    """A non-empty directory of nobody's at ``path``: neither shm_unlink nor root may remove it."""
+    from as_nobody import NOBODY
+
+    path.mkdir()
+    (path / "x").touch()
+    for p in (path / "x", path):
+        os.chown(p, NOBODY.pw_uid, NOBODY.pw_gid)
+
+
+def _broker(server) -> int | None:
+    return next((p for p, t in server.titles().items() if t.startswith("shmserve broker ")), None)
+
+
+def _worker_numbers(server_id: str) -> list[int]:
+    """The numbers of the worker segments the server's user owns."""
+    stem = f"shmserve.{server_id}.worker."
+    return sorted(int(n[len(stem):]) for n in shm_entries(server_id) if n.startswith(stem) and n[len(stem):].isdigit()
+                  and os.stat(f"/dev/shm/{n}").st_uid == os.geteuid())
+
+
+def test_objects_the_server_cannot_remove_stop_neither_its_start_nor_its_launcher(server_factory):
+    """Another user's non-empty directory under the server's prefix, which no unlink removes,
+    and a symlink there: the server starts (its clean-up of a previous run's objects says what it
+    left), and after a broker crash the launcher's clean-up leaves it too and starts a new broker."""
+    sid = f"t{os.getpid()}_squat"
+    folder = Path(f"/dev/shm/shmserve.{sid}.d")
+    link = Path(f"/dev/shm/shmserve.{sid}.link")
+    _squat_dir(folder)
+    link.symlink_to("/etc/hostname")
+    try:
+        s = server_factory.start([PRODUCT_MODELS], ["--model-control-mode", "explicit", "--load-model", "add_sub"],
+                                 server_id=sid)
+        _add_sub(s)
+        assert f"/shmserve.{sid}.d could not be removed from /dev/shm" in s.log(), s.log_tail()
+        assert Path("/etc/hostname").exists()  # (a symlink is removed, never followed)
+        old = _broker(s)
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while _broker(s) in (None, old) or s.http_status("/v2/health/ready") != 200:
+            assert s.proc.poll() is None, f"the launcher died:\n{s.log_tail()}"
+            assert time.monotonic() < deadline, f"no new broker:\n{s.log_tail()}"
+            time.sleep(0.2)
+        _add_sub(s)
+        assert folder.is_dir()
+        assert "Traceback" not in s.log(), s.log_tail()
+    finally:
+        shutil.rmtree(folder)
+        link.unlink(missing_ok=True)
+
+
+def test_worker_names_another_user_made_first_are_skipped_by_a_load(server_factory):
+    """Another user makes the next 40 worker segment names first: a load takes a number whose
+    names are free (published in the routes and its spec: HTTP and the local client reach it),
+    instead of failing, and leaving the model's later loads waiting for good."""
+    from as_nobody import run_as_nobody
+
+    from shmserve import Client
+
+    s = server_factory.start([PRODUCT_MODELS], ["--model-control-mode", "explicit", "--load-model", "add_sub"])
+    squatted = [f"/dev/shm/shmserve.{s.id}.worker.{n}" for n in range(1, 41)]
+    assert run_as_nobody(SQUAT_FILES, squatted) == 40
+    try:
+        c = s.client()
+        c.unload_model("add_sub")
+        c.load_model("add_sub")
+        c.close()
+        _add_sub(s)
+        a = np.arange(16, dtype=np.int32)
+        with Client(s.id) as lc, lc.infer("add_sub", {"INPUT0": a, "INPUT1": a}) as result:
+            np.testing.assert_array_equal(result["OUTPUT0"], 2 * a)
+        numbers = _worker_numbers(s.id)
+        assert numbers and not set(numbers) & set(range(1, 41)), numbers
+        assert f"/shmserve.{s.id}.worker.1 (or /shmserve.{s.id}.control.1) exists" in s.log()
+    finally:
+        for path in squatted:
+            Path(path).unlink(missing_ok=True)
+
+
+def test_a_restart_past_squatted_worker_names_never_fails_the_broker(server_factory):
+    """A worker dies while another user holds the next worker names: its restart takes a free
+    number; the broker, and every request it holds, lives on."""
+    from as_nobody import run_as_nobody
+
+    s = server_factory.start([PRODUCT_MODELS], ["--model-control-mode", "explicit", "--load-model", "add_sub"])
+    squatted = [f"/dev/shm/shmserve.{s.id}.worker.{n}" for n in range(1, 41)]
+    run_as_nobody(SQUAT_FILES, squatted)
+    try:
+        broker = _broker(s)
+        os.kill(s.worker_pids("add_sub")[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not [n for n in _worker_numbers(s.id) if n > 0] or s.http_status("/v2/models/add_sub/ready") != 200:
+            assert time.monotonic() < deadline, f"add_sub did not come back:\n{s.log_tail()}"
+            time.sleep(0.2)
+        _add_sub(s)
+        assert _broker(s) == broker, s.log_tail()
+        assert "the broker died" not in s.log(), s.log_tail()
+    finally:
+        for path in squatted:
+            Path(path).unlink(missing_ok=True)

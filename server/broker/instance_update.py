@@ -24,7 +24,7 @@ from shmserve.config_view import to_dict
 from . import config as cfgmod
 from .catalog import Catalog
 from .clients import Clients
-from .instances import Instances
+from .instances import Instances, StartFailed
 from .models import Instance, ModelVersion, State
 from .repository_scan import folder_state
 from .routes import Routes
@@ -167,7 +167,11 @@ class InstanceUpdates:
             # The one instance batches its own lanes only if it was started as the only one.
             mv.worker_batching = mv.worker_batching and batches_on_worker(mv.config_dict, mv.planned_instances)
             for plan in add:
-                self.instances.spawn(mv, plan.name, len(mv.instances), plan.kind, plan.device).added = True
+                try:
+                    self.instances.spawn(mv, plan.name, len(mv.instances), plan.kind, plan.device).added = True
+                except StartFailed as e:  # the others serve on; the load request hears why
+                    log.error("model '%s' version %d: %s", name, mv.version, e)
+                    self.errors[name] = str(e)
             for inst in remove:
                 inst.ready = False  # out of the routes and the scheduler's choice from now on
                 inst.removed_since = now

@@ -14,13 +14,15 @@ import sys
 import time
 from typing import Iterator
 
+import posix_ipc
+
 from shmserve.shm import logs, space
 from shmserve.shm.access import server_readers
 from shmserve.shm.arena import free_block
-from shmserve.shm.channel import WorkerSegment
+from shmserve.shm.channel import WorkerSegment, control_name
 from shmserve.shm.child_spec import spec_file
 from shmserve.shm.extents import map_worker_extent, unlink_extents
-from shmserve.shm.names import object_name, unlink_shm
+from shmserve.shm.names import object_name, remove_stale, try_numbers, unlink_shm, warn_once
 from shmserve.shm.protocol import EXTENT_SHIFT, ROLE_MASK, ROLE_WORKER, W_STOP
 from shmserve.shm.segment import Segment, SegmentCache
 from shmserve.shm.stats import VersionTotals
@@ -36,6 +38,13 @@ log = logging.getLogger("shmserve.broker")
 # the CPU they need between small batches. An environment that sets it wins.
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
 STOP_WAIT_S = 5.0  # at shutdown, how long stopped workers may take before they are killed
+WORKER_NUMBERS = 1 << 31  # a slot's answer names its worker in 32 bits (shm/protocol.py)
+NAME_TRIES = 16  # worker numbers tried for one start (names another user made first are skipped)
+
+
+class StartFailed(Exception):
+    """An instance's worker could not be started: that instance fails (its load, its restart),
+    never the broker. The text names the object and why."""
 
 
 class Instances:
@@ -43,6 +52,7 @@ class Instances:
         self.opts = opts
         self.workers: dict[int, tuple[ModelVersion, Instance]] = {}  # live workers by number
         self.next_worker = 0
+        self.far_workers: set[int] = set()  # numbers used out of sequence (the names ahead were squatted)
 
     def shm_shortfall(self, count: int) -> str | None:
         """Why /dev/shm cannot hold ``count`` more worker segments (None: it can). Checked for a
@@ -84,10 +94,49 @@ class Instances:
         return inst
 
     def _start(self, mv: ModelVersion, name: str, index: int, kind: str, device: int) -> Instance:
-        num = self.next_worker
-        self.next_worker += 1
-        seg = WorkerSegment.create(object_name(self.opts.server_id, "worker", num), self.opts.worker_arena_start_bytes,
-                                   server_readers())
+        """A new worker of ``mv``; StartFailed (naming the object and why) if it cannot start."""
+        num, seg = self._segment(f"model '{mv.name}' version {mv.version} instance '{name}'")
+        try:
+            return self._launch(mv, name, index, kind, device, num, seg)
+        except Exception as e:  # noqa: BLE001 - (a spec it cannot write, a process it cannot start)
+            seg.close()
+            seg.unlink()
+            raise StartFailed(f"could not start model '{mv.name}' version {mv.version} instance '{name}': "
+                              f"{type(e).__name__}: {e}") from e
+
+    def _segment(self, who: str) -> tuple[int, WorkerSegment]:
+        """A new worker segment and its number, which names it (and its control object and
+        extents) to every process: the routes, the worker's spec and every slot carry the number.
+        A stale object of the server's user at its names is removed; a name another user holds
+        (a sticky /dev/shm: the server may not remove it) is skipped, after a few in sequence for
+        random numbers, which no user can make in advance."""
+        squatted: list[str] = []
+        for num, in_sequence in try_numbers(self.next_worker, WORKER_NUMBERS, self.far_workers, tries=NAME_TRIES):
+            seg_name = object_name(self.opts.server_id, "worker", num)
+            for n in (seg_name, control_name(seg_name)):
+                remove_stale(n)
+            try:
+                seg = WorkerSegment.create(seg_name, self.opts.worker_arena_start_bytes, server_readers())
+            except posix_ipc.ExistentialError:
+                warn_once(seg_name, f"(or {control_name(seg_name)}) exists and is not the server's to remove: "
+                                    f"{who} takes another worker number")
+                squatted.append(seg_name)
+                if in_sequence:
+                    self.next_worker = num + 1
+                continue
+            except Exception as e:  # noqa: BLE001 - no room in /dev/shm, an error of the system
+                raise StartFailed(f"could not start {who}: its segment {seg_name} could not be made: "
+                                  f"{type(e).__name__}: {e}") from e
+            if in_sequence:
+                self.next_worker = num + 1
+            else:
+                self.far_workers.add(num)  # (never reused: the sequence skips it when it gets there)
+            return num, seg
+        raise StartFailed(f"could not start {who}: the {len(squatted)} worker segment names tried exist and are "
+                          f"not the server's to remove ({', '.join(squatted[:3])}, ...): remove them")
+
+    def _launch(self, mv: ModelVersion, name: str, index: int, kind: str, device: int, num: int,
+                seg: WorkerSegment) -> Instance:
         # The worker spec: everything a worker process starts from (read by workers/worker.py).
         spec = {
             "server_id": self.opts.server_id, "num": num, "model": mv.name, "version": mv.version,

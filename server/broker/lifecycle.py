@@ -41,7 +41,7 @@ from .canary import Canary
 from .catalog import Catalog, LoadJob, Retiring
 from .clients import Clients
 from .ensemble_plan import EnsemblePlan
-from .instances import Instances, take_message, take_payload
+from .instances import Instances, StartFailed, take_message, take_payload
 from .journal import Journal
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
@@ -385,7 +385,11 @@ class Lifecycle:
             mv.pipeline_depth = 1  # resources are held per execution: one batch at a time per instance
             self.limiter.register(mv, instance_needs(config))
         for plan in instance_update.planned_instances(config):
-            self.instances.spawn(mv, plan.name, len(mv.instances), plan.kind, plan.device)
+            try:
+                self.instances.spawn(mv, plan.name, len(mv.instances), plan.kind, plan.device)
+            except StartFailed as e:  # the load fails (resolve_loads answers it), never the broker
+                self.fail_version(mv, f"failed to load '{mv.name}' version {mv.version}: {e}")
+                return
         log.info("loading '%s' version %d: %d instance(s), backend %s", mv.name, mv.version, len(mv.instances),
                  mv.backend)
 

@@ -17,7 +17,7 @@ from shmserve.shm.protocol import SLOT_PENDING
 from shmserve.shm.stats import BUSY_SINCE, VersionTotals
 
 from .clients import Clients
-from .instances import Instances
+from .instances import Instances, StartFailed
 from .lifecycle import Lifecycle
 from .models import Instance, ModelVersion, State
 from .rate_limiter import RateLimiter
@@ -54,8 +54,19 @@ class Supervisor:
                 # (they were queued while it restarted): draining must serve them, not time out.
                 wanted = mv.state != State.UNLOADING or mv.in_flight()
                 if wanted and self.lifecycle.running and old in mv.instances:
-                    self.instances.restart(mv, old)
+                    self._restart(mv, old)
         self._sweep_gone()
+
+    def _restart(self, mv: ModelVersion, old: Instance) -> None:
+        """Restart ``old``; one that cannot start is tried again with back-off, as one that died
+        while restarting (its version serves if another instance does), never failing the broker."""
+        try:
+            self.instances.restart(mv, old)
+        except StartFailed as e:
+            old.restarts += 1
+            delay = RESTART_BACKOFF_S[min(old.restarts, len(RESTART_BACKOFF_S) - 1)]
+            log.error("%s; trying again in %g s", e, delay)
+            self.restarts.append((time.monotonic() + delay, mv, old))
 
     def _on_exit(self, mv: ModelVersion, inst: Instance, code: int) -> None:
         self.lifecycle.on_worker_messages(mv, inst)  # it may have said why before it went
