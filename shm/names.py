@@ -18,6 +18,7 @@ PREFIX = "shmserve"
 SHM_DIR = "/dev/shm"
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 log = logging.getLogger("shmserve.names")
+_rng = random.SystemRandom()  # (names another user must not predict from those made before)
 _warned: set[tuple[str, str]] = set()  # (name, why) already logged: a squatted name is met at every sweep
 
 
@@ -138,7 +139,7 @@ def try_numbers(first: int, limit: int, taken: set[int], usable: Callable[[int],
     for _ in range(tries - sequential):
         if n >= limit:
             return
-        pick = random.randrange(n, limit)
+        pick = _rng.randrange(n, limit)
         if pick not in taken and usable(pick):
             yield pick, False
 

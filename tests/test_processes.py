@@ -382,8 +382,14 @@ def _broker(server) -> int | None:
 def _worker_numbers(server_id: str) -> list[int]:
     """The numbers of the worker segments the server's user owns."""
     stem = f"shmserve.{server_id}.worker."
-    return sorted(int(n[len(stem):]) for n in shm_entries(server_id) if n.startswith(stem) and n[len(stem):].isdigit()
-                  and os.stat(f"/dev/shm/{n}").st_uid == os.geteuid())
+    mine = []
+    for n in shm_entries(server_id):
+        try:
+            if n.startswith(stem) and n[len(stem):].isdigit() and os.stat(f"/dev/shm/{n}").st_uid == os.geteuid():
+                mine.append(int(n[len(stem):]))
+        except FileNotFoundError:  # (a worker reaped meanwhile)
+            continue
+    return sorted(mine)
 
 
 def test_objects_the_server_cannot_remove_stop_neither_its_start_nor_its_launcher(server_factory):
@@ -417,29 +423,38 @@ def test_objects_the_server_cannot_remove_stop_neither_its_start_nor_its_launche
 
 
 def test_worker_names_another_user_made_first_are_skipped_by_a_load(server_factory):
-    """Another user makes the next 40 worker segment names first: a load takes a number whose
-    names are free (published in the routes and its spec: HTTP and the local client reach it),
-    instead of failing, and leaving the model's later loads waiting for good."""
+    """A stale object of the server's own user at the next worker names is removed and the number
+    used; when another user made the next 40 names first, a load takes a number whose names are
+    free (published in the routes and its spec: HTTP and the local client reach it), instead of
+    failing, and leaving the model's later loads waiting for good."""
     from as_nobody import run_as_nobody
 
     from shmserve import Client
 
     s = server_factory.start([PRODUCT_MODELS], ["--model-control-mode", "explicit", "--load-model", "add_sub"])
-    squatted = [f"/dev/shm/shmserve.{s.id}.worker.{n}" for n in range(1, 41)]
-    assert run_as_nobody(SQUAT_FILES, squatted) == 40
+    stale = [Path(f"/dev/shm/shmserve.{s.id}.{role}.1") for role in ("worker", "control")]
+    for path in stale:  # as a process of the server's user that died would leave them
+        path.write_bytes(b"")
+    inodes = [path.stat().st_ino for path in stale]
+    squatted = [f"/dev/shm/shmserve.{s.id}.worker.{n}" for n in range(2, 42)]
+    c = s.client()
     try:
-        c = s.client()
         c.unload_model("add_sub")
         c.load_model("add_sub")
-        c.close()
+        _add_sub(s)
+        assert 1 in _worker_numbers(s.id) and [p.stat().st_ino for p in stale] != inodes
+        assert run_as_nobody(SQUAT_FILES, squatted) == 40
+        c.unload_model("add_sub")
+        c.load_model("add_sub")
         _add_sub(s)
         a = np.arange(16, dtype=np.int32)
         with Client(s.id) as lc, lc.infer("add_sub", {"INPUT0": a, "INPUT1": a}) as result:
             np.testing.assert_array_equal(result["OUTPUT0"], 2 * a)
-        numbers = _worker_numbers(s.id)
-        assert numbers and not set(numbers) & set(range(1, 41)), numbers
-        assert f"/shmserve.{s.id}.worker.1 (or /shmserve.{s.id}.control.1) exists" in s.log()
+        numbers = [n for n in _worker_numbers(s.id) if n > 1]
+        assert numbers and not set(numbers) & set(range(2, 42)), numbers
+        assert f"/shmserve.{s.id}.worker.2 (or /shmserve.{s.id}.control.2) exists" in s.log()
     finally:
+        c.close()
         for path in squatted:
             Path(path).unlink(missing_ok=True)
 
