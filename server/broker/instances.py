@@ -22,10 +22,11 @@ from shmserve.shm.arena import free_block
 from shmserve.shm.channel import WorkerSegment, control_name
 from shmserve.shm.child_spec import spec_file
 from shmserve.shm.extents import map_worker_extent, unlink_extents
-from shmserve.shm.names import object_name, remove_stale, try_numbers, unlink_shm, warn_once
+from shmserve.shm.names import SHM_DIR, object_name, remove_stale, try_numbers, unlink_shm, warn_once
 from shmserve.shm.protocol import EXTENT_SHIFT, ROLE_MASK, ROLE_WORKER, W_STOP
 from shmserve.shm.segment import Segment, SegmentCache
 from shmserve.shm.stats import VersionTotals
+from shmserve.workers.shared_weights import candidates as weight_keys
 
 from .models import Instance, ModelVersion
 from .options import BrokerOptions
@@ -200,9 +201,12 @@ class Instances:
         """Remove the version's shared copy of its weights (workers/shared_weights.py); mappings
         that instances still hold stay valid until they exit."""
         if mv.weights_key:
-            name = object_name(self.opts.server_id, "weights", mv.weights_key)
-            unlink_shm(name)
-            unlink_shm(name + ".lock")
+            for key in weight_keys(mv.weights_key):  # (the names its instances passed over too)
+                name = object_name(self.opts.server_id, "weights", key)
+                if os.path.lexists(SHM_DIR + name):
+                    unlink_shm(name)
+                if os.path.lexists(SHM_DIR + name + ".lock"):
+                    unlink_shm(name + ".lock")
 
     def stop_all(self, graceful: bool = True) -> None:
         """Stop every worker (kill it when not ``graceful``), kill those that do not exit in time,
