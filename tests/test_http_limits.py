@@ -423,3 +423,71 @@ def test_a_frontend_out_of_descriptors_fails_liveness_and_recovers_from_a_broker
     probe.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
     assert read_raw_response(reader)[0] == 200
     probe.close()
+
+
+# -- chunked framing and pipelining ------------------------------------------------------------------
+
+
+def _chunked_identity(trailers: bytes) -> bytes:
+    """An identity_all request whose body is chunked and ends with ``trailers`` (header fields
+    after the last chunk): the JSON header and binary data, Inference-Header-Content-Length only
+    there, if at all."""
+    _, body = _identity_request(np.arange(4, dtype=np.float32).reshape(1, 4))
+    return (b"POST /v2/models/identity_all/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n0\r\n" % (len(body), body) + trailers + b"\r\n")
+
+
+def test_trailers_are_not_header_fields_and_are_bounded(edge):
+    """A chunked body's trailer fields are dropped (RFC 9110 6.5.1), never taken as header
+    fields the head did not carry: Inference-Header-Content-Length there is not honoured, as in
+    Triton (the body is read as JSON). Trailers that never end are refused like a head too
+    large, and the frontend keeps none of them."""
+    _, body = _identity_request(np.arange(4, dtype=np.float32).reshape(1, 4))
+    head_length = len(body) - 16
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+        sock.sendall(_chunked_identity(b"Inference-Header-Content-Length: %d\r\n" % head_length))
+        status, _, out = read_raw_response(sock.makefile("rb"))
+    assert status == 400, out[:300]
+
+    frontend = _frontend(edge)
+    before = _rss(frontend)
+    with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+        sock.sendall(_chunked_identity(b"")[:-2])  # the last chunk, and then trailers without end
+        stopped = threading.Event()
+
+        def endless() -> None:
+            line = b"X-T: " + b"a" * 1000 + b"\r\n"
+            try:
+                while not stopped.is_set():
+                    sock.sendall(line * 64)
+            except OSError:
+                pass  # the server closed the connection
+
+        sender = threading.Thread(target=endless)
+        sender.start()
+        try:
+            out, took = _until_closed(sock, BODY_S + SLACK_S + 10)
+        finally:
+            stopped.set()
+            sender.join(10)
+    assert "--http-max-header-bytes" in _error(out, 431)
+    assert _rss(frontend) < before + (64 << 20)
+    _identity(edge.port, np.arange(8, dtype=np.float32).reshape(1, 8))
+
+
+def test_a_client_pipelining_without_reading_has_a_bounded_number_queued(edge):
+    """HTTP/1.1 pipelining: requests behind one still being answered are queued and answered in
+    order, up to 128; the rest of the input is dropped and the connection ends after the queued
+    answers (a client retries what a closed connection did not answer). Before, each answer let
+    another read's worth of requests in (a few thousand each), for as long as the client sent."""
+    from shmserve.server.frontend.protocol import MAX_PIPELINED
+
+    request = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", edge.port)) as sock:
+        sock.sendall(request * (MAX_PIPELINED + 100))
+        out, _ = _until_closed(sock, SLACK_S + 20)
+    assert out.count(b"HTTP/1.1 200 OK") == MAX_PIPELINED + 1, out.count(b"HTTP/1.1 200 OK")
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:  # a few pipelined: all answered
+        sock.sendall(request * 8 + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        out, _ = _until_closed(sock, SLACK_S + 20)
+    assert out.count(b"HTTP/1.1 200 OK") == 9

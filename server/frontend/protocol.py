@@ -69,6 +69,16 @@ BUSY_LINGER_S = 1.0  # the same for a connection past the bound: its descriptor 
 WARN_EVERY_S = 10.0  # one warning line per kind this often at most: refusals come in floods
 # Triton's bound on a chunked body's non-empty chunks (each costs a buffer entry, however small).
 MAX_CHUNKS = 1 << 16
+# What a chunked body may carry besides its data (chunk sizes, extensions, trailers): twice the
+# head's limit (--http-max-header-bytes: the read a body starts in holds its head too) and this
+# much a chunk. Trailers are dropped, never taken as
+# header fields (RFC 9110 6.5.1), but the parser gathers each before it hands it over.
+CHUNK_FRAMING_BYTES = 64
+# Requests read behind one still being answered (HTTP/1.1 pipelining): past these, the rest of
+# the connection's input is dropped and the connection ends after their answers (a client retries
+# requests a closed connection did not answer); a client that sends without reading would
+# otherwise have each answer let another read's worth of requests in.
+MAX_PIPELINED = 128
 # scope key: a callable taking a ``BodySink`` (or None: the application stops taking the body);
 # the rest of the request's body goes to it as it is read, and ``receive`` returns only its end (an
 # empty last message) or the disconnect.
@@ -187,6 +197,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._watch: asyncio.TimerHandle | None = None  # the one timer of the head, body and linger limits
         self._lingering = False
         self._chunks = 0  # chunk headers of the body in progress (its last, empty chunk included)
+        self._framing = 0  # bytes of the body in progress parsed that were not data (a chunked one's framing)
         self._sink: BodySink | None = None  # where the body in progress goes (BODY_SINK); None: dropped
         self._body_left = 0  # bytes of the body in progress still to be read past the parser (0: none)
         self._into_room = False  # the last buffer given was the sink's room
@@ -288,8 +299,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
-            if self._lingering or self.transport.is_closing():
-                return  # refused in a callback (_StopParsing)
+            if self._lingering or self._input_done or self.transport.is_closing():
+                return  # refused or ended in a callback (_StopParsing)
             msg = "Invalid HTTP request received."
             self.logger.warning(msg)
             self.send_400_response(msg)
@@ -308,12 +319,16 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                     self._head_too_large(self._head_min)
         elif self._in_body:
             self._watch_at(now + self.limits.body_timeout_s)
+            if self._chunks:
+                self._framing += len(data)  # (on_body takes the data back out)
+                if self._framing > 2 * self.limits.max_header_bytes + CHUNK_FRAMING_BYTES * self._chunks:
+                    self._too_much_framing()
 
     # -- parser callbacks ------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._began = True
-        self._chunks = 0
+        self._chunks = self._framing = 0
         self._head_min = self._head_max = 0
         if not self._head_deadline:
             self._start_head(self.loop.time())
@@ -325,11 +340,47 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             if size > limit:
                 self._head_too_large(size)
                 raise _StopParsing
+        if len(self.pipeline) >= MAX_PIPELINED:
+            self._end_input()
+            raise _StopParsing
         self._in_head, self._in_body = False, True
         self._head_deadline = 0.0
         super().on_headers_complete()
         self.scope[BODY_SINK] = self._take_body  # type: ignore[typeddict-unknown-key]
         self.scope[ONE_WRITE] = self._one_write  # type: ignore[typeddict-unknown-key]
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """A header field; in a chunked body, a trailer field, which is dropped: taken into the
+        head, it would pass for a header the client never sent there (a restricted API's key,
+        Inference-Header-Content-Length) past anything that checked the head."""
+        if self._in_head:
+            super().on_header(name, value)
+
+    def on_body(self, body: bytes) -> None:
+        self._framing -= len(body)
+        super().on_body(body)
+
+    def _too_much_framing(self) -> None:
+        """A chunked body carried more than its chunks' framing and a head's worth of trailers:
+        refused as a head too large is (the application reads no more of it)."""
+        limit = self.limits.max_header_bytes
+        self._warn("framing", "refused a chunked body whose sizes, extensions and trailers passed %d bytes "
+                              "(--http-max-header-bytes %d)", self._framing, limit)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self._refuse(431, f"the chunked request's framing and trailers of at least {self._framing} bytes exceed "
+                          f"the limit of {limit} bytes (--http-max-header-bytes)")
+        raise _StopParsing
+
+    def _end_input(self) -> None:
+        """Past ``MAX_PIPELINED`` requests behind the one being answered: drop the rest of the input
+        and close once those queued are answered (the last of them ends the connection)."""
+        self._warn("pipeline", "a connection pipelined more than %d requests behind an answer: the rest of its "
+                               "input is dropped and it is closed after their answers", MAX_PIPELINED)
+        self._input_done = True
+        self.pipeline[0][0].keep_alive = False  # (appendleft: the newest queued is first)
 
     def _take_body(self, sink: BodySink | None) -> None:
         """Read the rest of the body in progress into ``sink`` (``BODY_SINK``), past the parser.
@@ -375,6 +426,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         self._idle_since = time.monotonic()
         super().on_response_complete()  # (arms the keep-alive timeout, or starts a pipelined request)
+        if self.pipeline and not self.transport.is_closing():
+            self.flow.pause_reading()  # (uvicorn resumed it: not while requests are still queued)
         if self._lingering:
             self._unset_keepalive_if_required()  # the linger ends it
         elif self._answered_early() and not self.transport.is_closing():
@@ -517,7 +570,8 @@ class NameKeepingHttpProtocol(LimitedHttpProtocol):
         self.scope[RAW_HEADER_NAMES] = self._raw_names = []  # type: ignore[typeddict-unknown-key]
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._raw_names.append(name)
+        if self._in_head:  # (a trailer is dropped)
+            self._raw_names.append(name)
         super().on_header(name, value)
 
 
