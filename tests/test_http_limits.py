@@ -491,3 +491,20 @@ def test_a_client_pipelining_without_reading_has_a_bounded_number_queued(edge):
         sock.sendall(request * 8 + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         out, _ = _until_closed(sock, SLACK_S + 20)
     assert out.count(b"HTTP/1.1 200 OK") == 9
+
+
+def test_an_unknown_transfer_coding_is_501_and_a_malformed_request_a_json_400(edge):
+    """``Transfer-Encoding: gzip, chunked`` would be read as plain chunked, a body other than the
+    client's: refused with 501 naming it. A request the parser cannot read gets the JSON error
+    every other refusal has, not uvicorn's plain text. The frontend serves on."""
+    _, body = _identity_request(np.arange(4, dtype=np.float32).reshape(1, 4))
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+        sock.sendall(b"POST /v2/models/identity_all/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+                     + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        out, _ = _until_closed(sock, SLACK_S + 10)
+    assert "the transfer coding 'gzip, chunked' is not implemented" in _error(out, 501)
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+        sock.sendall(b"GET /v2/health/\x01live HTTP/1.1\r\nHost: x\r\n\r\n")
+        out, _ = _until_closed(sock, SLACK_S + 10)
+    assert _error(out, 400) == "Invalid HTTP request received."
+    _identity(edge.port, np.arange(8, dtype=np.float32).reshape(1, 8))

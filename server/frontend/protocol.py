@@ -343,6 +343,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if len(self.pipeline) >= MAX_PIPELINED:
             self._end_input()
             raise _StopParsing
+        if self._unknown_transfer_coding():
+            raise _StopParsing
         self._in_head, self._in_body = False, True
         self._head_deadline = 0.0
         super().on_headers_complete()
@@ -373,6 +375,31 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._refuse(431, f"the chunked request's framing and trailers of at least {self._framing} bytes exceed "
                           f"the limit of {limit} bytes (--http-max-header-bytes)")
         raise _StopParsing
+
+    def send_400_response(self, msg: str) -> None:
+        """A request the parser refused (uvicorn's answer is plain text): as every refusal here, a
+        JSON ``{"error": ...}`` with ``connection: close``."""
+        body = orjson.dumps({"error": msg})
+        self.transport.write(b"%scontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+                             % (STATUS_LINE[400], len(body), body))
+        self.transport.close()
+
+    def _unknown_transfer_coding(self) -> bool:
+        """Whether the head names a transfer coding besides ``chunked`` (``gzip, chunked``, say),
+        which the parser would read as plain chunked: refused with 501 (RFC 9112 6.1), as the
+        body could not be read as the client meant it."""
+        for name, value in self.headers:
+            if name == b"transfer-encoding":
+                codings = [c.strip() for c in value.lower().split(b",")]
+                if codings != [b"chunked"]:
+                    if self._answer_in_progress():  # no answer can go in between: just close
+                        self._lingering = True
+                        self.transport.close()
+                        return True
+                    self._refuse(501, f"the transfer coding {value.decode('latin-1')!r} is not implemented "
+                                      f"(only chunked is)")
+                    return True
+        return False
 
     def _end_input(self) -> None:
         """Past ``MAX_PIPELINED`` requests behind the one being answered: drop the rest of the input
