@@ -72,6 +72,27 @@ def _until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
     return out, time.monotonic() - started
 
 
+def _sent_until_closed(sock: socket.socket, piece: bytes) -> tuple[bytes, float]:
+    """``_until_closed`` while another thread sends ``piece`` again and again until the server
+    closes the connection (a body or trailers that never end)."""
+    stopped = threading.Event()
+
+    def endless() -> None:
+        try:
+            while not stopped.is_set():
+                sock.sendall(piece)
+        except OSError:
+            pass  # the server closed the connection
+
+    sender = threading.Thread(target=endless)
+    sender.start()
+    try:
+        return _until_closed(sock, BODY_S + SLACK_S + 10)
+    finally:
+        stopped.set()
+        sender.join(10)
+
+
 def _error(answer: bytes, status: int) -> str:
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 %d " % status), answer[:300]
@@ -223,23 +244,7 @@ def test_an_endless_chunked_body_is_cut(edge):
     reads that answer, and the connection is closed a moment later instead of read for good."""
     with socket.create_connection(("127.0.0.1", edge.port)) as sock:
         sock.sendall(b"POST /v2/models/identity_all/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
-        chunk = b"10000\r\n" + b" " * 0x10000 + b"\r\n"
-        stopped = threading.Event()
-
-        def endless() -> None:
-            try:
-                while not stopped.is_set():
-                    sock.sendall(chunk)
-            except OSError:
-                pass  # the server closed the connection
-
-        sender = threading.Thread(target=endless)
-        sender.start()
-        try:
-            out, took = _until_closed(sock, BODY_S + SLACK_S + 10)
-        finally:
-            stopped.set()
-            sender.join(10)
+        out, took = _sent_until_closed(sock, b"10000\r\n" + b" " * 0x10000 + b"\r\n")
     assert "--http-max-input-size" in _error(out, 400)
     assert took < BODY_S + SLACK_S + 5
 
@@ -453,23 +458,7 @@ def test_trailers_are_not_header_fields_and_are_bounded(edge):
     before = _rss(frontend)
     with socket.create_connection(("127.0.0.1", edge.port)) as sock:
         sock.sendall(_chunked_identity(b"")[:-2])  # the last chunk, and then trailers without end
-        stopped = threading.Event()
-
-        def endless() -> None:
-            line = b"X-T: " + b"a" * 1000 + b"\r\n"
-            try:
-                while not stopped.is_set():
-                    sock.sendall(line * 64)
-            except OSError:
-                pass  # the server closed the connection
-
-        sender = threading.Thread(target=endless)
-        sender.start()
-        try:
-            out, took = _until_closed(sock, BODY_S + SLACK_S + 10)
-        finally:
-            stopped.set()
-            sender.join(10)
+        out, _ = _sent_until_closed(sock, (b"X-T: " + b"a" * 1000 + b"\r\n") * 64)
     assert "--http-max-header-bytes" in _error(out, 431)
     assert _rss(frontend) < before + (64 << 20)
     _identity(edge.port, np.arange(8, dtype=np.float32).reshape(1, 8))
