@@ -461,7 +461,27 @@ def test_trailers_are_not_header_fields_and_are_bounded(edge):
         out, _ = _sent_until_closed(sock, (b"X-T: " + b"a" * 1000 + b"\r\n") * 64)
     assert "--http-max-header-bytes" in _error(out, 431)
     assert _rss(frontend) < before + (64 << 20)
+    assert "Fatal error" not in edge.log()  # (refused where the read was parsed, not from the transport)
     _identity(edge.port, np.arange(8, dtype=np.float32).reshape(1, 8))
+
+
+def test_chunked_requests_pipelined_in_one_read_are_all_answered(edge):
+    """Two chunked requests, each larger than --http-max-header-bytes, sent in one write: the
+    framing bound counts neither the body of one nor the head of the next."""
+    values = np.arange(15000, dtype=np.float32).reshape(1, 15000)
+    _, body = _identity_request(values)
+    request = (b"POST /v2/models/identity_all/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+               b"Inference-Header-Content-Length: %d\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+               % (len(body) - values.nbytes, len(body), body))
+    assert len(body) > MAX_HEAD * 3
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+        sock.sendall(request * 2)
+        answers = sock.makefile("rb")
+        for _ in range(2):
+            status, headers, out = read_raw_response(answers)
+            assert status == 200, out[:300]
+            n = int(headers["inference-header-content-length"])
+            np.testing.assert_array_equal(np.frombuffer(out[n:], dtype=np.float32), values.ravel())
 
 
 def test_a_client_pipelining_without_reading_has_a_bounded_number_queued(edge):

@@ -319,7 +319,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                     self._head_too_large(self._head_min)
         elif self._in_body:
             self._watch_at(now + self.limits.body_timeout_s)
-            if self._chunks:
+            if self._chunks and not self._began:  # (a read a request began in is bounded by READ_BYTES)
                 self._framing += len(data)  # (on_body takes the data back out)
                 if self._framing > 2 * self.limits.max_header_bytes + CHUNK_FRAMING_BYTES * self._chunks:
                     self._too_much_framing()
@@ -364,17 +364,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _too_much_framing(self) -> None:
         """A chunked body carried more than its chunks' framing and a head's worth of trailers:
-        refused as a head too large is (the application reads no more of it)."""
+        refused as a head too large is (counted after a read was parsed: nothing to stop)."""
         limit = self.limits.max_header_bytes
         self._warn("framing", "refused a chunked body whose sizes, extensions and trailers passed %d bytes "
                               "(--http-max-header-bytes %d)", self._framing, limit)
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True
-            cycle.message_event.set()
-        self._refuse(431, f"the chunked request's framing and trailers of at least {self._framing} bytes exceed "
-                          f"the limit of {limit} bytes (--http-max-header-bytes)")
-        raise _StopParsing
+        self._refuse_body(431, f"the chunked request's framing and trailers of at least {self._framing} bytes "
+                               f"exceed the limit of {limit} bytes (--http-max-header-bytes)")
 
     def send_400_response(self, msg: str) -> None:
         """A request the parser refused (uvicorn's answer is plain text): as every refusal here, a
@@ -426,13 +421,23 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self._chunks <= MAX_CHUNKS + 1:
             return
         self._warn("chunks", "refused a chunked body of more than %d chunks", MAX_CHUNKS)
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True  # the application reads no more of it, and answers nothing
-            cycle.message_event.set()
-        self._refuse(400, f"Chunked request body exceeds maximum of {MAX_CHUNKS} non-empty chunks. Send fewer or "
-                          f"larger HTTP chunks.")
+        self._refuse_body(400, f"Chunked request body exceeds maximum of {MAX_CHUNKS} non-empty chunks. Send fewer "
+                               f"or larger HTTP chunks.")
         raise _StopParsing
+
+    def _refuse_body(self, status: int, message: str) -> None:
+        """Refuse the request whose body is being read: the application reads no more of it and
+        answers nothing. Where an answer is already going out (an earlier pipelined request's,
+        or this one's), nothing can be written in between: the connection is just closed."""
+        cycle = self.cycle
+        if self.pipeline or (cycle is not None and cycle.response_started):
+            self._lingering = True
+            self.transport.close()
+            return
+        if cycle is not None:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self._refuse(status, message)
 
     def on_message_complete(self) -> None:
         self._in_head, self._in_body = True, False
