@@ -130,10 +130,10 @@ def try_numbers(first: int, limit: int, taken: set[int], usable: Callable[[int],
     server may not remove) cannot guess, nor make in advance, every name it tries."""
     n = first
     for _ in range(sequential):
-        while n in taken or not usable(n):
+        while n < limit and (n in taken or not usable(n)):
             n += 1
-            if n >= limit:
-                return
+        if n >= limit:
+            return
         yield n, True
         n += 1
     for _ in range(tries - sequential):

@@ -108,9 +108,10 @@ class Clients:
             return False
         if uid not in self._said_full:
             self._said_full.add(uid)
-            log.warning("refused client %s: the clients of uid %d hold %d connections and %d GiB of segments, "
-                        "and a user may hold at most %d and %d GiB", name, uid, self._held[uid],
-                        self._held_bytes[uid] >> 30, MAX_CLIENTS_PER_USER, MAX_SEGMENT_BYTES_PER_USER >> 30)
+            log.warning("refused client %s (a segment of %d GiB): the clients of uid %d hold %d connections and "
+                        "%d GiB of segments, and a user may hold at most %d and %d GiB", name, seg.seg.size >> 30,
+                        uid, self._held[uid], self._held_bytes[uid] >> 30, MAX_CLIENTS_PER_USER,
+                        MAX_SEGMENT_BYTES_PER_USER >> 30)
         return True
 
     def _give_lane(self, client: Client) -> None:

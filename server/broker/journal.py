@@ -65,6 +65,7 @@ class Journal:
                 log.error("%s is not the server's own journal (%s): ignored and removed; starting without the "
                           "state a previous broker left", self.path, why)
                 return self._not_ours()
+            self.restarted = True  # (a journal of ours, damaged or not: a broker was here before)
             with os.fdopen(os.dup(fd), "rb") as f:
                 state = orjson.loads(f.read())
         except (OSError, ValueError) as e:  # a damaged journal must not stop the broker
@@ -72,7 +73,6 @@ class Journal:
             return {}
         finally:
             os.close(fd)
-        self.restarted = True
         return state if isinstance(state, dict) else {}
 
     def _not_ours(self) -> dict[str, Any]:
