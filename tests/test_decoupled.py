@@ -428,3 +428,46 @@ def test_a_stream_whose_client_was_killed_ends_quietly_in_the_model(server):
         words = np.array([b"one two"], dtype=object)
         assert len(list(client.stream("word_stream", {"text_input": words}))) >= 2
     assert server.log().count("Traceback") == tracebacks, server.log_tail(40)
+
+
+STOPPED_READER = r"""
+import os, sys
+import numpy as np
+from shmserve.shm.client import Client
+n = int(sys.argv[2])
+c = Client(sys.argv[1])
+words = " ".join(f"w{i}" for i in range(n))
+stream = c.stream("echo_llm", {"text_input": np.array([words.encode()], dtype=object),
+                               "max_tokens": np.array([n], np.int32)})
+print("SENT", flush=True)
+os.kill(os.getpid(), 19)  # SIGSTOP: alive, reading nothing
+"""
+
+
+def test_a_local_reader_that_stops_holds_its_model_once_not_per_response(server):
+    """A local client streams far more responses than its stream's ring holds (64) and stops
+    reading, alive. The model's sends wait for room for 60 s (RING_FULL_TIMEOUT_S) once: then
+    that response and the rest are dropped and the request is cancelled, so the next client of
+    the model is answered after about a minute. Before, each response past the ring waited its
+    own 60 s, holding the model for (responses - 64) minutes."""
+    import subprocess
+    import sys
+    import time
+
+    from shmserve.workers.stream import RING_FULL_TIMEOUT_S
+
+    reader = subprocess.Popen([sys.executable, "-c", STOPPED_READER, server.id, "5000"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert reader.stdout.readline().strip() == "SENT"
+        time.sleep(1)  # (its request reaches the model first)
+        started = time.monotonic()
+        with Client(server.id) as client:
+            parts = [r["text_output"][0] for r in client.stream("echo_llm", {"text_input": np.array([b"hello world"],
+                                                                                                    dtype=object)})]
+        took = time.monotonic() - started
+    finally:
+        reader.kill()
+        reader.wait()
+    assert parts == [b"hello", b" world", b" [end]"], parts
+    assert RING_FULL_TIMEOUT_S - 5 < took < RING_FULL_TIMEOUT_S + 30, took  # (it did wait: the reader held it)

@@ -54,6 +54,7 @@ class StreamSender:
         self.failed = False  # as Triton counts it: an answer of ours failed (no room...), not a model's error response
         self.model_errored = False  # the model sent an error response (a success, kept apart for the canary)
         self.dropped = False  # a response found no room in the arena, not even for its error
+        self.abandoned = False  # its client read nothing for RING_FULL_TIMEOUT_S: later responses are dropped
         self.computing = (0, 0)  # traced: the batch's start and this request's inputs read (worker.py)
         self.output_start = 0  # traced: when the first response came
         self.forwarded = bool(entry.get("regions"))  # by the broker, which holds them until the batch is done
@@ -116,13 +117,21 @@ class StreamSender:
                 self.client.set_target(slot, num + 1)
 
     def _put(self, status: int, extent: int, off: int, total: int, last: bool = False) -> None:
-        """Put a response on the request's ring; ``last``: it came with the final flag."""
+        """Put a response on the request's ring; ``last``: it came with the final flag. A client
+        that read nothing for ``RING_FULL_TIMEOUT_S`` has given up on the stream: that response
+        and every later one are dropped at once, and the request is cancelled (the model sees
+        ``is_cancelled()``), so a stopped reader holds the model that long once, not per response."""
+        if self.abandoned:
+            self.answers.arena.free(extent, off)
+            return
         deadline = time.monotonic() + RING_FULL_TIMEOUT_S
         word = role_word(ROLE_WORKER, extent) | (LAST_RESPONSE if last else 0)
         try:
             while not self.ring.put(status, word, off, total, self.answers.num):
                 if time.monotonic() > deadline:  # the client stopped reading: drop, do not hang the model
                     self.answers.arena.free(extent, off)
+                    self.abandoned = True
+                    self.client.cancel(self.entry["slot"])
                     return
                 self.client.waker.notify()
                 time.sleep(0.0005)
