@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
 import struct
 from typing import Iterable, Sequence
 
@@ -99,16 +100,22 @@ def readers_of(path: str) -> tuple[int, ...]:
     return tuple(uid for tag, _, uid in _ENTRY.iter_unpack(raw[4:]) if tag == _USER)
 
 
-def writable_by_others(target: int | str) -> bool:
-    """Whether the ACL of ``target`` (a descriptor or a path) lets a user besides the owner write
-    it (a named user's entry with write, under a mask that keeps it)."""
+def _acl_writers(target: int | str) -> list[tuple[int, int]] | None:
+    """(tag, id) of each named user's or group's entry of ``target``'s ACL (a descriptor or a
+    path) that lets it write, under a mask that keeps it; None without an ACL."""
     try:
         raw = os.getxattr(target, _XATTR)
     except OSError:
-        return False
+        return None
     entries = list(_ENTRY.iter_unpack(raw[4:]))
     mask = next((perm for tag, perm, _ in entries if tag == _MASK), _RW)
-    return any(tag == _USER and perm & mask & _W for tag, perm, _ in entries)
+    return [(tag, uid) for tag, perm, uid in entries if tag in (_USER, _GROUP_OBJ, _GROUP) and perm & mask & _W]
+
+
+def writable_by_others(target: int | str) -> bool:
+    """Whether the ACL of ``target`` (a descriptor or a path) lets a user besides the owner write
+    it (a named user's entry with write, under a mask that keeps it)."""
+    return any(tag == _USER for tag, _ in _acl_writers(target) or ())
 
 
 def other_writers(target: int, st: os.stat_result, allowed: Iterable[int] = ()) -> str:
@@ -121,18 +128,28 @@ def other_writers(target: int, st: os.stat_result, allowed: Iterable[int] = ()) 
         return f"it has {st.st_nlink} names (a hard link)"
     if st.st_mode & 0o002:
         return f"its mode {st.st_mode & 0o777:o} lets any user write it"
-    try:
-        raw = os.getxattr(target, _XATTR)
-    except OSError:
-        raw = b""
-    if not raw:
+    writers = _acl_writers(target)
+    if writers is None:  # (with an ACL, the mode's group bits are its mask)
         return f"its mode {st.st_mode & 0o777:o} lets its group write it" if st.st_mode & 0o020 else ""
-    entries = list(_ENTRY.iter_unpack(raw[4:]))
-    mask = next((perm for tag, perm, _ in entries if tag == _MASK), _RW)
-    exempt = set(allowed)
-    for tag, perm, uid in entries:
-        if tag == _USER and perm & mask & _W and uid not in exempt:
-            return f"its ACL lets user {uid} write it"
-        if tag in (_GROUP_OBJ, _GROUP) and perm & mask & _W:
+    for tag, uid in writers:
+        if tag != _USER:
             return "its ACL lets a group write it"
+        if uid not in allowed:
+            return f"its ACL lets user {uid} write it"
+    return ""
+
+
+def not_ours_alone(st: os.stat_result) -> str:
+    """Why a file (its ``fstat``) is not this user's alone, to be read or waited on as the
+    server's own in a /dev/shm every user may write; "" when it is: a plain file of this user,
+    one name, and a mode that gives no one else anything (which leaves no ACL entry in force:
+    the mask shows as the group's bits)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a plain file"
+    if st.st_uid != os.geteuid():
+        return f"its owner is uid {st.st_uid}"
+    if st.st_mode & 0o077:
+        return f"its mode {st.st_mode & 0o777:o} lets others open it"
+    if st.st_nlink != 1:
+        return f"it has {st.st_nlink} names (a hard link)"
     return ""

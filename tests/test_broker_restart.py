@@ -240,7 +240,7 @@ def test_what_another_user_puts_at_the_journals_names_is_neither_written_through
             while broker_pid(server) in (None, old) or server.http_status("/v2/health/ready") != 200:
                 assert time.monotonic() < deadline, "the broker did not come back ready"
                 time.sleep(0.1)
-            assert f"is not the server's own journal (uid {NOBODY.pw_uid}" in server.log()
+            assert f"is not the server's own journal (its owner is uid {NOBODY.pw_uid})" in server.log()
             assert not forged_log.exists()
             assert add_sub(c, "add_sub") == list(range(0, 32, 2))
     finally:

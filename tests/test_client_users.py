@@ -834,7 +834,7 @@ def test_a_named_users_clients_are_bounded_in_number_and_size(users_server):
     connections, 1 TiB of segments): one past either is refused at once with a clear error and
     the broker's log names the bound, while clients of the server's user are served; once the
     user's clients are gone, it connects again."""
-    from server.broker.clients import MAX_CLIENTS_PER_USER
+    from shmserve.server.broker.clients import MAX_CLIENTS_PER_USER
 
     got = run_as_nobody(BOUNDED, {"server": users_server.id, "count": MAX_CLIENTS_PER_USER}, timeout=300)
     assert got["huge_refused"] is True and got["held_refused"] == 0, got

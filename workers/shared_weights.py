@@ -28,11 +28,11 @@ import hashlib
 import mmap
 import os
 import secrets
-import stat
 import struct
 from typing import Any
 
 from shmserve.shm import space
+from shmserve.shm.access import not_ours_alone
 from shmserve.shm.names import SHM_DIR, object_name
 
 ALIGN = 64
@@ -82,9 +82,7 @@ class Taken(OSError):
 def _ours_alone(fd: int) -> bool:
     """Whether the open file is a regular file of this user's that no one else may open or
     reach by another name: only then may its lock be waited on or its bytes be mapped."""
-    st = os.fstat(fd)
-    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
-            and st.st_nlink == 1)
+    return not not_ours_alone(os.fstat(fd))
 
 
 def _remove(path: str, why: str) -> None:

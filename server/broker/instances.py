@@ -22,7 +22,7 @@ from shmserve.shm.arena import free_block
 from shmserve.shm.channel import WorkerSegment, control_name
 from shmserve.shm.child_spec import spec_file
 from shmserve.shm.extents import map_worker_extent, unlink_extents
-from shmserve.shm.names import SHM_DIR, object_name, remove_stale, try_numbers, unlink_shm, warn_once
+from shmserve.shm.names import object_name, remove_stale, try_numbers, unlink_shm, warn_once
 from shmserve.shm.protocol import EXTENT_SHIFT, ROLE_MASK, ROLE_WORKER, W_STOP
 from shmserve.shm.segment import Segment, SegmentCache
 from shmserve.shm.stats import VersionTotals
@@ -203,10 +203,8 @@ class Instances:
         if mv.weights_key:
             for key in weight_keys(mv.weights_key):  # (the names its instances passed over too)
                 name = object_name(self.opts.server_id, "weights", key)
-                if os.path.lexists(SHM_DIR + name):
-                    unlink_shm(name)
-                if os.path.lexists(SHM_DIR + name + ".lock"):
-                    unlink_shm(name + ".lock")
+                unlink_shm(name)  # (one not there is no error)
+                unlink_shm(name + ".lock")
 
     def stop_all(self, graceful: bool = True) -> None:
         """Stop every worker (kill it when not ``graceful``), kill those that do not exit in time,

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import tempfile
 from typing import Any
 
 import orjson
 
-from shmserve.shm.access import other_writers
+from shmserve.shm.access import not_ours_alone
 from shmserve.shm.names import SHM_DIR, object_name
 
 log = logging.getLogger("shmserve.broker")
@@ -56,11 +55,7 @@ class Journal:
             log.error("cannot read the state a previous broker left (%s); starting without it", e)
             return self._not_ours()
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                why = f"uid {st.st_uid}, mode {st.st_mode & 0o7777:o}"
-            else:
-                why = other_writers(fd, st)
+            why = not_ours_alone(os.fstat(fd))
             if why:
                 log.error("%s is not the server's own journal (%s): ignored and removed; starting without the "
                           "state a previous broker left", self.path, why)
