@@ -3,6 +3,9 @@
 A completion points at a block in its producer's arena (a worker's or the broker's): an answer
 descriptor (shm/answer.py), then the outputs' bytes. The owner reads what it needs and calls
 ``release``, which frees that block together with the request's own block in the owner's arena.
+A reader that cannot take it now (a stream's client reading slowly) ``detach``es it: its bytes
+are copied to the owner's heap and both blocks freed at once, since arenas are FIFO and one block
+held stalls every allocation behind it.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ class Completion:
     with the request's own block (outputs the server wrote into room reserved there live on
     until then)."""
 
-    __slots__ = ("status", "buf", "offset", "end", "last", "_answer", "_data", "_request")
+    __slots__ = ("status", "buf", "offset", "end", "last", "heap_bytes", "_answer", "_data", "_request")
 
     def __init__(self, status: int, buf: memoryview | None, offset: int, answer: AnswerDescriptor | None = None,
                  request: tuple[memoryview, int] | None = None, end: int | None = None, last: bool = False) -> None:
@@ -27,6 +30,7 @@ class Completion:
         self.offset = offset
         self.end = end  # where the block ends (None: the mapping's end)
         self.last = last  # a stream's response sent with the final flag (protocol.LAST_RESPONSE)
+        self.heap_bytes = 0  # the size of its copy in this process's heap, once ``detach``ed
         self._answer = answer
         self._data = 0
         self._request = request
@@ -52,9 +56,31 @@ class Completion:
         start = self._data + output.offset
         return self.buf[start:start + output.size]
 
+    def detach(self) -> int:
+        """Copy the answer's block into this process's heap and free it now, with the request's
+        own block unless an output lies there (room reserved in it, read through the owner's
+        own mapping); returns the bytes copied (0: nothing was in an arena). ``release`` then
+        frees what is left."""
+        buf, offset, end = self.buf, self.offset, self.end
+        if buf is None or self.heap_bytes or end is None:
+            return 0
+        copy = memoryview(bytearray(buf[offset:end]))
+        answer = self.answer  # (read before the block goes: an output in the request's block keeps it)
+        try:
+            free_block(buf, offset)
+            if self._request is not None and not any(o.in_region for o in answer.outputs):
+                free_block(*self._request)
+                self._request = None
+        except (TypeError, ValueError):  # the mapping is already closed: nothing left to free
+            pass
+        self.buf, self.offset, self.end = copy, 0, len(copy)
+        self._data -= offset
+        self.heap_bytes = len(copy)
+        return len(copy)
+
     def release(self) -> None:
         try:
-            if self.buf is not None:
+            if self.buf is not None and not self.heap_bytes:
                 free_block(self.buf, self.offset)
             if self._request is not None:
                 free_block(*self._request)

@@ -7,41 +7,136 @@ breaks out of a local stream) must free what is queued for it and what is still 
 ``close`` does both: it frees the queue and makes every later event be freed as it arrives. A
 reader that stops before the final event also cancels the request (``Connection.cancel``): the
 model sees ``is_cancelled()`` and may stop sending.
+
+A reader that is slow rather than gone (a network client reading its stream slower than the model
+answers) would hold its blocks just as long, and the model's other clients would find its arena
+full. A frontend's streams therefore share a ``SpillRoom``: a response that comes while its reader
+is not waiting for it is copied to the frontend's heap and its blocks freed at once
+(``Completion.detach``). That heap is bounded: a response that would take it past its bound ends
+the stream that holds the most of it (``SpillRoom.make_room``), with an error (429, gRPC
+RESOURCE_EXHAUSTED) in place of what it had not read, and its request is cancelled.
 """
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Generator
 
+from .answer import AnswerDescriptor
 from .completion import Completion
 
 if TYPE_CHECKING:
     from .connection import Connection
 
 
+# Status of a stream ended for the responses its reader left unread (gRPC RESOURCE_EXHAUSTED).
+UNREAD_STATUS = 429
+
+
+class SpillRoom:
+    """The heap a process's streams may fill with copies of responses their readers have not
+    taken yet, at most ``limit`` bytes in all (``--frontend-arena-mb`` for a frontend: as much as
+    it holds of its clients' requests). ``flag`` names that bound in the error of a stream ended
+    for it."""
+
+    def __init__(self, limit: int, flag: str) -> None:
+        self.limit = limit
+        self.flag = flag
+        self.held = 0
+        self._streams: "weakref.WeakSet[StreamEvents]" = weakref.WeakSet()  # those holding some of it
+
+    def make_room(self, size: int, stream: "StreamEvents") -> bool:
+        """Room for ``size`` more bytes of ``stream``'s: streams are ended, the one holding the
+        most first, until there is; False if ``stream`` itself was ended for it."""
+        while self.held + size > self.limit:
+            holders = [s for s in self._streams if s.spilled]
+            largest = max(holders, key=lambda s: s.spilled, default=stream)
+            if largest is stream or largest.spilled < stream.spilled + size:
+                stream.end_unread(stream.spilled + size, self)
+                return False
+            largest.end_unread(largest.spilled, self)
+        self.held += size
+        self._streams.add(stream)
+        return True
+
+    def give_back(self, size: int) -> None:
+        self.held -= size
+
+
 class StreamEvents:
     """The queue between a stream's callbacks and its reader: events ``(final, completion,
     context)`` in order, the final one last. ``events`` is a ``queue.Queue`` when the callbacks
-    run on another thread than the reader, an ``asyncio.Queue`` when both run on one loop."""
+    run on another thread than the reader, an ``asyncio.Queue`` when both run on one loop; with
+    ``spill``, an event the reader is not waiting for is copied there (the reader takes its
+    events with ``next``)."""
 
-    def __init__(self, events: "queue.Queue | asyncio.Queue") -> None:
+    def __init__(self, events: "queue.Queue | asyncio.Queue", spill: SpillRoom | None = None) -> None:
         self.events = events
         self._lock = threading.Lock()  # orders a late event against ``close`` (they may run on two threads)
         self._closed = False
         self._ended = False  # the final event came: nothing is left to cancel
         # (connection, where the request's tensor bytes start): set by whoever submitted it
         self.request: "tuple[Connection, int] | None" = None
+        self._spill = spill
+        self._waiting = False  # the reader waits in ``next``: an event that comes now is taken at once
+        self.spilled = 0  # bytes of ``spill`` its queued events hold
 
     def put(self, final: bool, completion: Completion, context: Any = None) -> None:
         """A callback's event: queued for the reader, or freed at once once the reader is gone."""
         with self._lock:
             self._ended |= final
             if not self._closed:
-                self.events.put_nowait((final, completion, context))
-                return
+                if self._spill is None or (self._waiting and self.events.empty()) or self._spilled(completion):
+                    self.events.put_nowait((final, completion, context))
+                    return
         completion.release()
+
+    def _spilled(self, completion: Completion) -> bool:
+        """``completion`` copied to the spill room, its blocks freed; False if that ended the stream."""
+        assert self._spill is not None
+        size = (completion.end or 0) - completion.offset if completion.buf is not None else 0
+        if size <= 0:
+            return True  # nothing in an arena
+        if not self._spill.make_room(size, self):
+            return False
+        completion.detach()
+        self.spilled += completion.heap_bytes
+        self._spill.give_back(size - completion.heap_bytes)  # (the same, unless nothing was copied)
+        return True
+
+    def end_unread(self, unread: int, spill: SpillRoom) -> None:
+        """Its reader left ``unread`` bytes of responses unread past ``spill``'s bound: what is
+        queued is dropped for an error saying so, the request is cancelled, and every later
+        event is freed as it comes. Called under this stream's lock, or for another stream on
+        the loop both run on."""
+        cancel = self.request if not self._ended and not self._closed else None
+        self._closed = True
+        self._ended = True
+        if cancel is not None:
+            cancel[0].cancel(cancel[1])
+        self._drop_queued()
+        error = AnswerDescriptor.failure(
+            f"the stream's responses were read too slowly: {unread} bytes of them waited unread, past the "
+            f"{spill.limit} bytes the server keeps of unread responses ({spill.flag}); the request was cancelled")
+        self.events.put_nowait((True, Completion(UNREAD_STATUS, None, 0, error, last=True), None))
+
+    async def next(self) -> tuple[bool, Completion, Any]:
+        """The next event of an ``asyncio.Queue``, waited for: one that comes while the reader
+        waits here stays where its producer wrote it, since the reader takes it at once."""
+        self._waiting = True
+        try:
+            event = await self.events.get()
+        finally:
+            self._waiting = False
+        self._taken(event[1])
+        return event
+
+    def _taken(self, completion: Completion) -> None:
+        if completion.heap_bytes and self._spill is not None:
+            self.spilled -= completion.heap_bytes
+            self._spill.give_back(completion.heap_bytes)
 
     def close(self) -> None:
         """The reader stops: cancel the request if it has not ended, free what is queued, and
@@ -55,13 +150,17 @@ class StreamEvents:
     def _discard(self) -> None:
         with self._lock:
             self._closed = True
-            left = []
-            while True:
-                try:
-                    left.append(self.events.get_nowait())
-                except (queue.Empty, asyncio.QueueEmpty):
-                    break
+            self._drop_queued()
+
+    def _drop_queued(self) -> None:
+        left = []
+        while True:
+            try:
+                left.append(self.events.get_nowait())
+            except (queue.Empty, asyncio.QueueEmpty):
+                break
         for _, completion, _ in left:
+            self._taken(completion)
             completion.release()
 
     def __del__(self) -> None:

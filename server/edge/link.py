@@ -37,7 +37,7 @@ from shmserve.shm.control_messages import ControlMessage
 from shmserve.shm.connection import ArenaBusy, Backpressure, Connection, Reservation, ServerUnavailable
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
-from shmserve.shm.streams import StreamEvents
+from shmserve.shm.streams import SpillRoom, StreamEvents
 from shmserve.shm.waker import SpinPolicy
 
 log = logging.getLogger("shmserve.frontend")
@@ -118,6 +118,8 @@ class BrokerLink:
         self.server_id = server_id
         self.arena_bytes = arena_bytes
         self.max_inflight = max_inflight  # requests in flight on the channel; past it: 503
+        # What the streams' clients have not read yet, copied out of the arenas (shm/streams.py)
+        self.spill = SpillRoom(arena_bytes, "--frontend-arena-mb")
         self.poll_s = poll_us / 1e6
         self._conn: Connection | None = None
         self._loop: Any = None
@@ -341,8 +343,9 @@ class BrokerLink:
 
     def stream(self, doc: InferRequest, tensors: Any) -> StreamEvents:
         """Submit a streaming request; its events come in order, the final one last. The reader
-        must ``close`` them when it stops, at the end or early (a client that went away)."""
-        events = StreamEvents(asyncio.Queue())
+        takes them with ``next`` and must ``close`` them when it stops, at the end or early (a
+        client that went away). Those it is slow to take wait in ``spill``, not in the arenas."""
+        events = StreamEvents(asyncio.Queue(), self.spill)
         events.request = self.submit(REQ_INFER, doc, tensors, lambda c: events.put(True, c),
                                   on_response=lambda c: events.put(False, c))
         return events

@@ -296,7 +296,7 @@ class Frontend:
         error: tuple[int, str] | None = None
         try:
             while True:
-                final, completion, _ = await events.events.get()
+                final, completion, _ = await events.next()
                 try:
                     answer = completion.answer
                     if trace is not None:
@@ -319,7 +319,7 @@ class Frontend:
         events, trace, request_id = started
         try:  # nothing is sent before the first event: a request refused before its model ran is a
             # plain error, as Triton's InferAsync failing; a model's error is an event of the stream
-            first = await unless_gone(events.events.get(), request.receive)
+            first = await unless_gone(events.next(), request.receive)
         except BaseException as e:
             events.close()
             if trace is not None:

@@ -228,7 +228,7 @@ class EventStream(StreamingResponse):
             if self.first is not None:
                 (final, completion, _), self.first = self.first, None
             else:
-                final, completion, _ = await self.events.events.get()
+                final, completion, _ = await self.events.next()
             try:
                 answer = completion.answer
                 if self.trace is not None:

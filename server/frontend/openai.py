@@ -162,7 +162,7 @@ class OpenAIFront:
             if reply.chat:
                 yield _event(reply.chunk({"role": "assistant", "content": ""}, None))
             while True:
-                final, completion, _ = take_first() or await events.events.get()
+                final, completion, _ = take_first() or await events.next()
                 try:
                     answer = completion.answer
                     if completion.status != 200:
@@ -214,7 +214,7 @@ class OpenAIFront:
         error = None
         try:
             while True:
-                final, completion, _ = await events.events.get()
+                final, completion, _ = await events.next()
                 try:
                     answer = completion.answer
                     if completion.status != 200:
@@ -237,7 +237,7 @@ async def _first_event(events: StreamEvents) -> tuple:
     (the server draining, overloaded) or failed at once gets its own status, not a 200 whose
     stream holds the error. Raises OpenAIError then; the events are closed unless returned."""
     try:
-        event = await events.events.get()
+        event = await events.next()
     except BaseException:
         events.close()
         raise

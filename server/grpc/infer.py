@@ -193,7 +193,7 @@ class GrpcInference:
         try:
             final = ended = False  # ended: a response or an error came with the final flag
             while not final:
-                final, completion, _ = await events.events.get()
+                final, completion, _ = await events.next()
                 try:
                     answer = completion.answer
                     if trace is not None:
