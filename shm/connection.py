@@ -60,6 +60,14 @@ class Backpressure(RuntimeError):
     """The connection is out of slots or arena space right now; retrying later can succeed."""
 
 
+class SlotsTaken(Backpressure):
+    """Every slot of the connection holds a request in flight (``slots``, ``Connection(slots=)``)."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(f"too many requests in flight on this connection ({slots})")
+        self.slots = slots
+
+
 class ArenaBusy(Backpressure):
     """The arena has the room by volume (at most half of it in use) but not in one piece ahead of
     its oldest outstanding block: that block comes back within moments, so a caller that can wait
@@ -281,7 +289,7 @@ class Connection:
         slot = slots.take(callback, off, start, (start + stream_at, on_response) if on_response is not None else None)
         if slot < 0:
             free_block(self.seg.seg.buf, off)
-            raise Backpressure("too many requests in flight on this connection")
+            raise SlotsTaken(self.seg.nslots)
         picked = self._router.pick(route) if route is not None else None
         if picked is not None and picked[1].lanes[self.lane].has_room():  # type: ignore[index]
             num, worker = picked

@@ -34,7 +34,7 @@ from typing import Any, Callable, TypeVar
 from shmserve.shm.channel import DEFAULT_SLOTS
 from shmserve.shm.completion import Completion
 from shmserve.shm.control_messages import ControlMessage
-from shmserve.shm.connection import ArenaBusy, Backpressure, Connection, Reservation, ServerUnavailable
+from shmserve.shm.connection import ArenaBusy, Backpressure, Connection, Reservation, ServerUnavailable, SlotsTaken
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 from shmserve.shm.streams import SpillRoom, StreamEvents
@@ -104,6 +104,9 @@ async def when_room(attempt: Callable[[], T]) -> T:
 
 def _broker_error(e: Exception) -> BrokerError:
     why = str(e).removesuffix("; retry later")  # (said once, at the end)
+    if isinstance(e, SlotsTaken):  # (the frontend's slots, shared by all its clients: say which flag sets them)
+        return Overloaded(503, f"the server is overloaded ({e.slots} requests in flight in this frontend, its "
+                               f"--http-max-inflight); retry later")
     if isinstance(e, ArenaBusy):
         return ArenaWait(503, f"the server is overloaded ({why}); retry later")
     if isinstance(e, Backpressure):
