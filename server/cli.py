@@ -334,9 +334,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     try:
-        args.trace_config = trace_settings(args.trace_config)
+        args.trace_config, args.trace_file_shown = trace_settings(args.trace_config)
     except ValueError as e:
         parser.error(str(e))
+    args.log_file_shown = args.log_file  # (as given: Triton's logging API shows it so)
     if args.log_file:
         args.log_file = os.path.abspath(args.log_file)  # every process opens it, whatever its cwd
         try:
@@ -359,12 +360,14 @@ def http_limits(args: argparse.Namespace) -> HttpLimits:
                       max_connections=args.http_max_connections)
 
 
-def trace_settings(items: Sequence[str]) -> dict:
-    """``--trace-config`` items as the broker's initial trace settings (shm/trace.py); ValueError
-    says what is wrong, including a missing OpenTelemetry SDK for mode=opentelemetry."""
+def trace_settings(items: Sequence[str]) -> tuple[dict, str]:
+    """``--trace-config`` items as the broker's initial trace settings (shm/trace.py), and the
+    trace file as given (Triton's API shows it so); ValueError says what is wrong, including a
+    missing OpenTelemetry SDK for mode=opentelemetry."""
     from shmserve.shm.trace import parse_config
 
     settings = parse_config(list(items))
+    shown = settings.get("file", "")
     if settings.get("file"):
         settings["file"] = os.path.abspath(settings["file"])  # every frontend opens it, whatever its cwd
         folder = os.path.dirname(settings["file"])
@@ -383,4 +386,6 @@ def trace_settings(items: Sequence[str]) -> dict:
     if settings.get("level", "OFF") != "OFF" and settings.get("count") == 0:  # (Triton refuses it too)
         raise ValueError("--trace-config count=0 traces nothing while the level is on: give -1 (no limit) or "
                          "a number of traces")
-    return settings
+    if settings.get("level", "OFF") != "OFF" and settings.get("rate") == 0:  # (Triton refuses it too)
+        raise ValueError("--trace-config rate=0 traces nothing while the level is on: give 1 (every request) or more")
+    return settings, shown

@@ -75,6 +75,8 @@ def merge(current: dict[str, Any], update: Any) -> dict[str, Any]:
     for key, value in update.items():
         if key not in DEFAULTS:
             raise ValueError(f"unknown log setting '{key}' (known: {', '.join(DEFAULTS)})")
+        if value is None:  # as Triton: a key given null changes nothing (log_file too)
+            continue
         if key in ("log_info", "log_warning", "log_error"):
             if not isinstance(value, bool):
                 raise ValueError(f"log setting '{key}' must be a boolean, got {orjson.dumps(value).decode()}")

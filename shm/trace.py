@@ -74,6 +74,8 @@ STAMPS = ("HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START", "C
 # Over gRPC, Triton names the frontend's own four stamps so (src/grpc/infer_handler.cc).
 GRPC_STAMPS = ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END", *STAMPS[2:-2], "GRPC_SEND_START", "GRPC_SEND_END")
 MAX_U32 = 0xFFFFFFFF
+# Triton's words for a rate of 0 while the level is on (it takes one while tracing is OFF)
+RATE_ZERO = "Attempting to set invalid trace setting :sample rate must be non-zero"
 MAX_I32 = 0x7FFFFFFF
 
 
@@ -110,8 +112,8 @@ def check_value(key: str, value: Any) -> Any:
     """An internal setting's value from a flag or a POST body; ValueError says what is wrong."""
     if key == "level":
         return _level(value)
-    if key == "rate":
-        return _int("trace_rate", value, 1, MAX_U32)
+    if key == "rate":  # (0 only while the level is OFF, as Triton: check_update, the broker's check)
+        return _int("trace_rate", value, 0, MAX_U32)
     if key == "count":
         return _int("trace_count", value, -1, MAX_I32)
     if key == "log_frequency":
@@ -204,6 +206,8 @@ def check_update(update: Any, model: str, current: dict[str, Any], start_file: s
     if level != "OFF" and out.get("count") == 0:  # Triton refuses a setting that traces nothing unless it is OFF
         raise ValueError("Attempting to set invalid trace setting : a trace_count of 0 traces nothing while "
                          "trace_level is on (-1: no limit; or set trace_level OFF)")
+    if level != "OFF" and out.get("rate") == 0:
+        raise ValueError(RATE_ZERO)
     return out
 
 

@@ -300,6 +300,30 @@ def test_the_log_file_cannot_be_changed_over_the_network(srv):
     assert srv.client().get_log_settings() == DEFAULTS
 
 
+def test_a_null_setting_changes_nothing(srv):
+    """As Triton: a key given null is passed over (log_file too, which any value would change)."""
+    body = {key: None for key in DEFAULTS}
+    raw = raw_request(srv.port, "POST", "/v2/logging", json.dumps(body).encode())
+    assert (raw.status, raw.json()) == (200, DEFAULTS)
+
+
+def test_a_relative_log_file_is_shown_as_given(server_factory, tmp_path):
+    """As Triton: the logging API shows the file as the flag named it (over HTTP and gRPC); every
+    process writes where it points from the directory the server started in."""
+    import os
+
+    import tritonclient.grpc as grpcclient
+
+    path = tmp_path / "relative.log"
+    given = os.path.relpath(path, ROOT)  # (the servers start in ROOT)
+    s = server_factory.start([LOG_MODELS], ["--log-file", given])
+    assert s.client().get_log_settings()["log_file"] == given
+    with grpcclient.InferenceServerClient(s.wait_grpc_ready().grpc_url) as g:
+        assert g.get_log_settings(as_json=True)["settings"]["log_file"]["string_param"] == given
+    infer(s, "relative-1")
+    wait_for(lambda: "relative-1" in path.read_text(), "the request's lines in the log file")
+
+
 def test_unparsable_body_is_400(srv):
     raw = raw_request(srv.port, "POST", "/v2/logging", b"{not json")
     assert raw.status == 400 and "failed to parse the request JSON" in raw.json()["error"]

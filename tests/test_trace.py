@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import threading
 import time
@@ -297,6 +298,36 @@ def test_count_at_start_and_defaults(server_factory, tmp_path):
     assert len(records(path, 3)) == 3
 
 
+def test_a_relative_trace_file_is_shown_as_given(server_factory, tmp_path):
+    """As Triton: the API shows the file as the flag named it; the traces go where it points from
+    the directory the server started in."""
+    path = tmp_path / "trace.json"
+    given = os.path.relpath(path, ROOT)  # (the servers start in ROOT)
+    s = start(server_factory, Path(given), "level=TIMESTAMPS", "rate=1")
+    client = s.client()
+    assert client.get_trace_settings()["trace_file"] == given
+    with grpcclient.InferenceServerClient(s.wait_grpc_ready().grpc_url) as g:
+        assert g.get_trace_settings(as_json=True)["settings"]["trace_file"]["value"] == [given]
+    add_sub(client)
+    assert len(records(path, 1)) == 1
+
+
+def test_a_rate_of_zero_is_taken_only_while_the_level_is_off(server_factory, tmp_path):
+    """As Triton 2.51: a setting that traces nothing is refused only while tracing is on."""
+    s = start(server_factory, tmp_path / "trace.json")
+    client = s.client()
+    assert client.update_trace_settings(settings={"trace_rate": "0"})["trace_rate"] == "0"
+    add_sub(client)  # (tracing is off: nothing samples at rate 0)
+    refusal = "Attempting to set invalid trace setting :sample rate must be non-zero"  # Triton's
+    for body in ({"trace_level": ["TIMESTAMPS"]}, {"trace_level": ["TIMESTAMPS"], "trace_rate": "0"}):
+        r = raw_request(s.port, "POST", "/v2/trace/setting", json.dumps(body).encode())
+        assert (r.status, r.json()) == (400, {"error": refusal}), r
+    assert client.get_trace_settings()["trace_level"] == ["OFF"]
+    assert client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})["trace_rate"] == "1"
+    add_sub(client)
+    assert len(records(tmp_path / "trace.json", 1)) == 1
+
+
 def test_untraced_by_default(server_factory, tmp_path):
     path = tmp_path / "trace.json"
     s = start(server_factory, path)
@@ -393,7 +424,6 @@ def test_trace_file_changes_only_inside_its_directory(server_factory, tmp_path):
 
 @pytest.mark.parametrize("body,needle", [
     ({"trace_rate": "abc"}, "trace_rate"),
-    ({"trace_rate": "0"}, "trace_rate"),
     ({"trace_count": "-2"}, "trace_count"),
     ({"trace_level": ["TIMESTAMPS"], "trace_count": "0"}, "Attempting to set invalid trace setting :"),  # Triton's
     ({"log_frequency": "-1"}, "log_frequency"),
@@ -530,7 +560,7 @@ def test_traced_requests_with_large_bodies_and_answers(server_factory, tmp_path)
 
 # -- flags and OpenTelemetry -----------------------------------------------------------------------------
 @pytest.mark.parametrize("flag,needle", [
-    ("rate=0", "trace_rate"),
+    ("rate=-1", "trace_rate"),
     ("level=TENSORS", "TENSORS"),
     ("colour=red", "unknown setting 'colour'"),
     ("jaeger,url=x", "unknown mode"),
@@ -541,6 +571,14 @@ def test_bad_flags_are_one_line_errors(flag, needle, tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr, p.stderr
+
+
+def test_a_rate_of_zero_with_tracing_on_is_refused_at_start(tmp_path):
+    cmd = [PYTHON, "-m", "shmserve", "--model-repository", str(ROOT / "model_repository"),
+           "--trace-config", "level=TIMESTAMPS", "--trace-config", f"triton,file={tmp_path / 't.json'}",
+           "--trace-config", "rate=0"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "rate=0 traces nothing" in p.stderr, p.stderr
 
 
 def test_a_count_of_zero_with_tracing_on_is_refused_at_start(tmp_path):

@@ -82,7 +82,7 @@ class ControlHandler:
         if journal.get("log"):
             logs.configure(journal.get("log"))
         logs.publish(seg.settings, logs.current())
-        self.trace = TraceOwner(opts.server_id, opts.trace)  # trace extension (server/broker/tracing.py)
+        self.trace = TraceOwner(opts.server_id, opts.trace, opts.trace_file_shown)  # trace extension (server/broker/tracing.py)
         if journal.get("trace"):
             self.trace.restore(journal.get("trace"))
 
@@ -342,7 +342,10 @@ class ControlHandler:
             logs.configure(new)
             logs.publish(self.seg.settings, logs.current())
             self.journal.set("log", logs.current())
-        return 200, logs.current()
+        shown = logs.current()
+        if shown["log_file"] and shown["log_file"] == self.opts.log["log_file"]:
+            shown["log_file"] = self.opts.log_file_shown  # as the flag named it, as Triton shows it
+        return 200, shown
 
     def _trace_settings(self, client: Client, slot: int, msg: TraceSettings) -> Answer:
         """GET/POST v2[/models/<model>]/trace/setting; a model must exist, as in Triton (whose

@@ -24,6 +24,10 @@ class BrokerOptions:
     exit_timeout_s: float = 30.0
     log: dict[str, Any] = dataclasses.field(default_factory=dict)  # Triton's log settings (shm/logs.py)
     trace: dict[str, Any] = dataclasses.field(default_factory=dict)  # --trace-config settings (shm/trace.py)
+    # The log and trace files as their flags named them, relative or not: Triton's logging and trace
+    # APIs show them so (the settings hold absolute paths, which every process opens whatever its cwd)
+    log_file_shown: str = ""
+    trace_file_shown: str = ""
     broker_arena_bytes: int = BROKER_ARENA_BYTES  # its first extent, in broker.0
     broker_arena_cap_bytes: int = 256 << 20  # --broker-arena-mb: the cap of its output extents together
     worker_arena_bytes: int = 256 << 20  # --worker-arena-mb: the cap of one instance's output extents

@@ -20,9 +20,11 @@ log = logging.getLogger("shmserve.trace")
 
 
 class TraceOwner:
-    def __init__(self, server_id: str, flags: dict[str, Any]) -> None:
+    def __init__(self, server_id: str, flags: dict[str, Any], shown: str = "") -> None:
         self.shared = TraceShared.create(server_id)
         self.start_file: str = flags.get("file", "")
+        # Trace files as named by whoever set them (the flag, a POST), relative or not: shown so
+        self.names: dict[str, str] = {self.start_file: shown} if self.start_file and shown else {}
         self.global_: dict[str, Any] = {**trace.DEFAULTS, **flags}
         self.start = dict(self.global_)  # what a global key cleared with null goes back to
         self.overrides: dict[str, dict[str, Any]] = {}  # model -> the keys it sets itself
@@ -75,7 +77,9 @@ class TraceOwner:
         return model if model in self.overrides else ""
 
     def answer(self, model: str) -> dict[str, Any]:
-        return trace.triton_doc(self.setting(model), self.remaining(self._owner(model)))
+        doc = trace.triton_doc(self.setting(model), self.remaining(self._owner(model)))
+        doc["trace_file"] = self.names.get(doc["trace_file"], doc["trace_file"])
+        return doc
 
     def handle(self, model: str, changes: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
         """GET (no ``changes``) or POST ``v2[/models/<model>]/trace/setting``."""
@@ -85,6 +89,8 @@ class TraceOwner:
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
             self._apply(model, update)
+            if update.get("file"):
+                self.names[update["file"]] = changes["trace_file"]
         return 200, self.answer(model)
 
     @staticmethod
@@ -94,6 +100,8 @@ class TraceOwner:
         sets it, or one that turns the level on where it was set under OFF or ran out."""
         if setting["level"] == "OFF":
             return
+        if setting["rate"] == 0:  # (Triton's order)
+            raise InvalidRequest(trace.RATE_ZERO)
         if setting["mode"] == "triton" and not setting["file"]:
             raise InvalidRequest("Attempting to set invalid trace setting :trace file name is not given")  # Triton's
         if setting["count"] == 0:
@@ -158,7 +166,7 @@ class TraceOwner:
     # -- a broker restart ---------------------------------------------------------------------------
     def saved(self) -> dict[str, Any]:
         """The settings to journal (server/broker/journal.py): the global one and each model's own keys."""
-        return {"global": self.global_, "overrides": self.overrides}
+        return {"global": self.global_, "overrides": self.overrides, "names": self.names}
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Take the settings a broker before this one had. Each setting object starts again with
@@ -166,6 +174,7 @@ class TraceOwner:
         start = (self.global_, self.overrides)
         self.global_ = {**self.global_, **saved.get("global", {})}
         self.overrides = {m: dict(own) for m, own in saved.get("overrides", {}).items()}
+        self.names.update(saved.get("names", {}))
         try:
             self._new_object("", self.global_)
             for name, own in self.overrides.items():
