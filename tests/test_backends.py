@@ -481,6 +481,9 @@ def test_pb_utils_star_import_gives_tritons_names_and_ours():
     assert set(pb_utils.__all__) == triton | ours
     assert set(names) - {"__builtins__"} == triton | ours
     assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL == 1 and pb_utils.MetricFamily.COUNTER == pb_utils.COUNTER
+    # Triton's memory types are a pybind11 enum: its values are ints, and print with their names
+    assert (pb_utils.TRITONSERVER_MEMORY_GPU, pb_utils.TRITONSERVER_MEMORY_CPU) == (0, 1)
+    assert str(pb_utils.TRITONSERVER_MEMORY_CPU) == "MemoryType.TRITONSERVER_MEMORY_CPU"
 
 
 class _ShapeProbe(torch.nn.Module):

@@ -22,6 +22,9 @@ class MemoryType(enum.IntEnum):
     TRITONSERVER_MEMORY_GPU = 0
     TRITONSERVER_MEMORY_CPU = 1
 
+    def __str__(self) -> str:  # as Triton's (a pybind11 enum's), where IntEnum's reads "1"
+        return f"MemoryType.{self.name}"
+
 
 TRITONSERVER_MEMORY_GPU = MemoryType.TRITONSERVER_MEMORY_GPU
 TRITONSERVER_MEMORY_CPU = MemoryType.TRITONSERVER_MEMORY_CPU
