@@ -97,6 +97,13 @@ def merge(current: dict[str, Any], update: Any) -> dict[str, Any]:
     return new
 
 
+def follow(answer: dict[str, Any]) -> None:
+    """Apply a change the broker answered (a frontend follows the POST it forwarded at once):
+    every setting but the file, which no request changes, and which the answer names as the
+    flag did (relative, maybe), not as this process opens it."""
+    configure({**answer, "log_file": current()["log_file"]})
+
+
 class LogFileFixed(ValueError):
     """A change of the log file over the network: Triton's refusal (its 501, UNIMPLEMENTED)."""
 

@@ -310,6 +310,16 @@ def test_a_relative_trace_file_is_shown_as_given(server_factory, tmp_path):
         assert g.get_trace_settings(as_json=True)["settings"]["trace_file"]["value"] == [given]
     add_sub(client)
     assert len(records(path, 1)) == 1
+    # What a GET shows may be posted back; a model's own file is its own; null goes back to the flag's.
+    assert client.update_trace_settings(settings={"trace_file": given})["trace_file"] == given
+    assert client.update_trace_settings(model_name="probe", settings={"trace_file": "probe.json"})["trace_file"] \
+        == "probe.json"
+    assert client.get_trace_settings()["trace_file"] == given
+    assert client.update_trace_settings(settings={"trace_file": "other.json"})["trace_file"] == "other.json"
+    assert client.update_trace_settings(settings={"trace_file": given})["trace_file"] == given
+    client.update_trace_settings(settings={"trace_file": "other.json"})
+    assert client.update_trace_settings(settings={"trace_file": None})["trace_file"] == given
+    assert client.get_trace_settings(model_name="probe")["trace_file"] == "probe.json"
 
 
 def test_a_rate_of_zero_is_taken_only_while_the_level_is_off(server_factory, tmp_path):

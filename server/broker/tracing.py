@@ -23,8 +23,10 @@ class TraceOwner:
     def __init__(self, server_id: str, flags: dict[str, Any], shown: str = "") -> None:
         self.shared = TraceShared.create(server_id)
         self.start_file: str = flags.get("file", "")
-        # Trace files as named by whoever set them (the flag, a POST), relative or not: shown so
-        self.names: dict[str, str] = {self.start_file: shown} if self.start_file and shown else {}
+        # The trace file as the flag named it, relative or not (Triton shows it so), and each
+        # owner's ("" or a model) as its last POST named it: (name, path) while the path is its file
+        self.start_name = shown or self.start_file
+        self.names: dict[str, tuple[str, str]] = {}
         self.global_: dict[str, Any] = {**trace.DEFAULTS, **flags}
         self.start = dict(self.global_)  # what a global key cleared with null goes back to
         self.overrides: dict[str, dict[str, Any]] = {}  # model -> the keys it sets itself
@@ -78,19 +80,34 @@ class TraceOwner:
 
     def answer(self, model: str) -> dict[str, Any]:
         doc = trace.triton_doc(self.setting(model), self.remaining(self._owner(model)))
-        doc["trace_file"] = self.names.get(doc["trace_file"], doc["trace_file"])
+        doc["trace_file"] = self._file_name(model, doc["trace_file"])
         return doc
 
+    def _file_name(self, model: str, path: str) -> str:
+        """``path``, ``model``'s trace file, as whoever set it named it."""
+        owner = model if "file" in self.overrides.get(model, {}) else ""
+        name, named = self.names.get(owner, ("", ""))
+        if name and named == path:
+            return name
+        return self.start_name if path == self.start_file else path
+
     def handle(self, model: str, changes: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
-        """GET (no ``changes``) or POST ``v2[/models/<model>]/trace/setting``."""
+        """GET (no ``changes``) or POST ``v2[/models/<model>]/trace/setting``. A ``trace_file``
+        posted as a GET shows it (the flag's name is relative to where the server started, not
+        to the start-up file's directory as other names are) names that file."""
         if changes is not None:
+            name = changes.get("trace_file")
+            current = self.setting(model)["file"]
+            known = {self.start_name: self.start_file, self._file_name(model, current): current}
+            if isinstance(name, str) and name in known:
+                changes = {**changes, "trace_file": known[name]}
             try:
                 update = trace.check_update(changes, model, self.setting(model), self.start_file, self.start)
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
             self._apply(model, update)
-            if update.get("file"):
-                self.names[update["file"]] = changes["trace_file"]
+            if isinstance(name, str) and update.get("file"):
+                self.names[model] = (name, update["file"])
         return 200, self.answer(model)
 
     @staticmethod
@@ -174,7 +191,7 @@ class TraceOwner:
         start = (self.global_, self.overrides)
         self.global_ = {**self.global_, **saved.get("global", {})}
         self.overrides = {m: dict(own) for m, own in saved.get("overrides", {}).items()}
-        self.names.update(saved.get("names", {}))
+        self.names.update({owner: (name, path) for owner, (name, path) in saved.get("names", {}).items()})
         try:
             self._new_object("", self.global_)
             for name, own in self.overrides.items():

@@ -50,7 +50,7 @@ def settings_endpoint(link: BrokerLink, message: Callable[[Request, dict[str, An
 
 def logging_endpoint(link: BrokerLink) -> Endpoint:
     """``GET/POST /v2/logging`` (shm/logs.py holds the settings' meaning)."""
-    return settings_endpoint(link, lambda request, update: LogSettings(update), "log settings", logs.configure)
+    return settings_endpoint(link, lambda request, update: LogSettings(update), "log settings", logs.follow)
 
 
 def trace_endpoint(link: BrokerLink, tracer: Tracer) -> Endpoint:

@@ -206,7 +206,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise Aborted(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         answer = await self._control(control.LogSettings(update), context)
         if update is not None:
-            logs.configure(answer)
+            logs.follow(answer)
         resp = pb.LogSettingsResponse()
         for key, value in answer.items():
             setting = resp.settings[key]
