@@ -58,21 +58,24 @@ class Completion:
 
     def detach(self) -> int:
         """Copy the answer's block into this process's heap and free it now, with the request's
-        own block unless an output lies there (room reserved in it, read through the owner's
-        own mapping); returns the bytes copied (0: nothing was in an arena). ``release`` then
+        own block: for a reader whose requests reserve no room for outputs in their blocks (a
+        frontend's). Returns the bytes copied (0: no block was in an arena); ``release`` then
         frees what is left."""
-        buf, offset, end = self.buf, self.offset, self.end
-        if buf is None or self.heap_bytes or end is None:
+        if self.heap_bytes:
             return 0
-        copy = memoryview(bytearray(buf[offset:end]))
-        answer = self.answer  # (read before the block goes: an output in the request's block keeps it)
+        buf, offset, end = self.buf, self.offset, self.end
+        copy = memoryview(bytearray(buf[offset:end])) if buf is not None and end is not None else None
         try:
-            free_block(buf, offset)
-            if self._request is not None and not any(o.in_region for o in answer.outputs):
+            if copy is not None:
+                self.answer  # (read before the block goes)
+                free_block(buf, offset)  # type: ignore[arg-type]
+            if self._request is not None:
                 free_block(*self._request)
                 self._request = None
         except (TypeError, ValueError):  # the mapping is already closed: nothing left to free
             pass
+        if copy is None:
+            return 0
         self.buf, self.offset, self.end = copy, 0, len(copy)
         self._data -= offset
         self.heap_bytes = len(copy)

@@ -13,8 +13,10 @@ answers) would hold its blocks just as long, and the model's other clients would
 full. A frontend's streams therefore share a ``SpillRoom``: a response that comes while its reader
 is not waiting for it is copied to the frontend's heap and its blocks freed at once
 (``Completion.detach``). That heap is bounded: a response that would take it past its bound ends
-the stream that holds the most of it (``SpillRoom.make_room``), with an error (429, gRPC
-RESOURCE_EXHAUSTED) in place of what it had not read, and its request is cancelled.
+the stream that holds the most of it (``SpillRoom.make_room``), with an error (status 429) in
+place of what it had not read, and its request is cancelled. A response larger than the whole
+room is left where it is. Only for readers whose requests reserve no room for outputs in their
+own blocks (a frontend's): ``detach`` frees those blocks too.
 """
 from __future__ import annotations
 
@@ -84,7 +86,8 @@ class StreamEvents:
         self.spilled = 0  # bytes of ``spill`` its queued events hold
 
     def put(self, final: bool, completion: Completion, context: Any = None) -> None:
-        """A callback's event: queued for the reader, or freed at once once the reader is gone."""
+        """A callback's event: queued for the reader (copied to the spill room first unless the
+        reader waits for it), or freed at once once the reader is gone."""
         with self._lock:
             self._ended |= final
             if not self._closed:
@@ -94,16 +97,22 @@ class StreamEvents:
         completion.release()
 
     def _spilled(self, completion: Completion) -> bool:
-        """``completion`` copied to the spill room, its blocks freed; False if that ended the stream."""
-        assert self._spill is not None
+        """``completion`` copied to the spill room, its blocks freed; False if that ended the
+        stream. A response larger than the whole room stays where its producer wrote it."""
+        spill = self._spill
+        assert spill is not None
         size = (completion.end or 0) - completion.offset if completion.buf is not None else 0
-        if size <= 0:
-            return True  # nothing in an arena
-        if not self._spill.make_room(size, self):
+        if size > spill.limit:
+            return True
+        if size and not spill.make_room(size, self):
             return False
-        completion.detach()
-        self.spilled += completion.heap_bytes
-        self._spill.give_back(size - completion.heap_bytes)  # (the same, unless nothing was copied)
+        try:
+            copied = completion.detach()  # (an answer without a block still frees its request's)
+        except BaseException:
+            spill.give_back(size)
+            raise
+        self.spilled += copied
+        spill.give_back(size - copied)  # (nothing, unless no copy was made)
         return True
 
     def end_unread(self, unread: int, spill: SpillRoom) -> None:

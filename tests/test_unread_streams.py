@@ -205,3 +205,24 @@ def test_the_stream_ended_is_the_one_holding_the_most(chatter_server):
     finally:
         small_channel.close()
         big_channel.close()
+
+
+def test_a_response_larger_than_the_bound_is_left_in_its_arena(server_factory, tmp_path):
+    """A frontend that keeps less of unread responses (1 MiB) than one response takes (2 MiB)
+    leaves such responses where the model wrote them rather than end the stream for them."""
+    (tmp_path / "chatter" / "1").mkdir(parents=True)
+    (tmp_path / "chatter" / "1" / "model.py").write_text(CHATTER_MODEL.format(repo=str(tmp_path)))
+    (tmp_path / "chatter" / "config.pbtxt").write_text(CHATTER_CONFIG)
+    server = server_factory.start([tmp_path], ["--frontend-arena-mb", "1", "--worker-arena-mb", "16"])
+    server.repo = tmp_path
+    request = _request("large", 3)
+    request.raw_input_contents[1] = np.int32(2 << 20).tobytes()
+    channel = grpc.insecure_channel(server.grpc_url, options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        responses = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request]))
+        assert _sent(server, "large") == (3, False)
+        got = list(responses)
+        assert [r.error_message for r in got] == [""] * 3
+        assert [len(r.infer_response.raw_output_contents[0]) for r in got] == [2 << 20] * 3
+    finally:
+        channel.close()
