@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -699,3 +700,82 @@ def test_version_zero_is_a_version_its_answers_name(server_factory, repo: Path):
     with Client(srv.id) as local:
         a = np.arange(16, dtype=np.int32)
         assert local.infer("add_sub", {"INPUT0": a, "INPUT1": a}).model_version == "0"
+
+
+def test_a_load_whose_frontend_died_meanwhile_is_finished_by_the_same_broker(server_factory, tmp_path):
+    """The HTTP frontend that forwarded a load is killed while the model initializes: the load
+    completes with nobody left to answer, and the broker lives on (it wrote its answer into the
+    dead frontend's closed segment and died of it)."""
+    s = server_factory.start([SLOW_START], ["--model-control-mode", "explicit"])
+    titles = s.titles()
+    broker = next(pid for pid, t in titles.items() if t.startswith("shmserve broker "))
+    frontend = next(pid for pid, t in titles.items() if t.startswith("shmserve frontend "))
+    gate = Gate(tmp_path / "gate")
+    outcome: list[BaseException] = []
+
+    def load_call() -> None:  # (its connection is cut with the frontend)
+        try:
+            httpclient.InferenceServerClient(s.url, network_timeout=DEADLINE_S).load_model(
+                "slow_start", config=slow_start_config(gate=gate))
+        except BaseException as e:  # noqa: BLE001
+            outcome.append(e)
+
+    load = threading.Thread(target=load_call)
+    load.start()
+    try:
+        gate.wait_started()
+        os.kill(frontend, signal.SIGKILL)
+        wait_until(lambda: "died; reclaiming its channel" in s.log(), DEADLINE_S, "the broker reclaiming the frontend")
+    finally:
+        gate.open()
+    load.join(DEADLINE_S)
+    assert outcome, "the load was answered through a frontend that was killed"
+
+    def ready() -> bool:
+        try:
+            return s.client().is_model_ready("slow_start")
+        except Exception:  # noqa: BLE001 - the frontend is restarting
+            return False
+
+    wait_until(ready, DEADLINE_S, "the model loaded")
+    assert broker in s.titles(), s.log_tail()
+    assert "Traceback" not in s.log(), s.log_tail()
+
+
+HANGING_FINALIZE = """import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())])
+                for r in requests]
+
+    def finalize(self):
+        time.sleep(3600)
+"""
+
+
+def test_an_unload_kills_a_worker_whose_finalize_does_not_return(server_factory, tmp_path):
+    """The unload asks the worker to stop; one still there --exit-timeout-secs later is killed,
+    the unload is answered and the model is unloaded, not UNLOADING for good."""
+    model = tmp_path / "hanging"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(HANGING_FINALIZE)
+    (model / "config.pbtxt").write_text('name: "hanging"\nbackend: "python"\nmax_batch_size: 0\n'
+                                        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+                                        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+    s = server_factory.start([tmp_path], ["--model-control-mode", "explicit", "--load-model", "hanging",
+                                          "--exit-timeout-secs", "2"])
+    worker = s.worker_pids("hanging")
+    assert len(worker) == 1
+    client = httpclient.InferenceServerClient(s.url, network_timeout=DEADLINE_S)
+    started = time.monotonic()
+    client.unload_model("hanging")  # answered once the worker is gone
+    assert time.monotonic() - started < DEADLINE_S / 2
+    assert s.worker_pids("hanging") == []
+    assert {"name": "hanging", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"} \
+        in client.get_model_repository_index()
+    assert "did not stop within 2 s of being asked" in s.log()
+    client.load_model("hanging")  # and it loads again
+    assert client.is_model_ready("hanging")

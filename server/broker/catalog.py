@@ -54,6 +54,8 @@ class Retiring:
     version: ModelVersion
     since: float = dataclasses.field(default_factory=time.monotonic)
     stopping: bool = False
+    stop_asked: float = 0.0  # when its workers were asked to stop (killed past --exit-timeout-secs)
+    killed: bool = False  # its workers that did not stop in time were killed
     abandoned: bool = False  # a load that failed or was cancelled: it never served
     waiters: list[tuple[Any, int]] = dataclasses.field(default_factory=list)
 

@@ -165,7 +165,11 @@ class Clients:
 
     def reply(self, client: Client, slot: int, status: int, answer: AnswerDescriptor | Any) -> None:
         """Answer a client from the broker's own arena: an answer (early errors and refusals), or
-        a control request's JSON document (``AnswerDescriptor.of_document``)."""
+        a control request's JSON document (``AnswerDescriptor.of_document``). A client that is
+        gone (reclaimed while a load it asked for ran, say: its segment is closed) gets nothing."""
+        if self.by_name.get(client.name) is not client:
+            log.debug("client %s left before its answer to slot %d (status %d)", client.name, slot, status)
+            return
         if not isinstance(answer, AnswerDescriptor):
             answer = AnswerDescriptor.of_document(answer)
         data = answer.encode()

@@ -676,8 +676,9 @@ class Lifecycle:
         log.info("unloading '%s' version %d: draining", mv.name, mv.version)
 
     def progress_retirement(self) -> None:
-        """Stop retired versions' workers once drained (or the exit timeout ran out); forget them
-        once their workers are gone."""
+        """Stop retired versions' workers once drained (or the exit timeout ran out), kill those
+        still there the exit timeout after they were asked (a ``finalize`` that never returns, a
+        stopped process); forget them once their workers are gone."""
         now = time.monotonic()
         for entry in list(self.catalog.retiring):
             mv = entry.version
@@ -687,10 +688,18 @@ class Lifecycle:
                     if overdue and mv.in_flight():
                         self.clients.fail_pending(mv.queued(), 503, f"model '{mv.name}' version {mv.version} "
                                                                     f"was unloaded before the request ran")
-                    entry.stopping = True
+                    entry.stopping, entry.stop_asked = True, now
                     for inst in mv.instances:
                         self.instances.stop(inst, graceful=not overdue)
-            if entry.stopping and not any(self.instances.live(inst) for inst in mv.instances):
+            live = [inst for inst in mv.instances if self.instances.live(inst)]
+            if entry.stopping and live and not entry.killed and now - entry.stop_asked > self.opts.exit_timeout_s:
+                entry.killed = True
+                log.warning("'%s' version %d: %d instance(s) did not stop within %g s of being asked "
+                            "(--exit-timeout-secs; a finalize that does not return?): killed", mv.name,
+                            mv.version, len(live), self.opts.exit_timeout_s)
+                for inst in live:
+                    self.instances.stop(inst, graceful=False)
+            if entry.stopping and not live:
                 self.catalog.retiring.remove(entry)
                 self.limiter.unregister(mv)
                 if entry.abandoned:  # not "unloaded": what serves, if anything, is another version
