@@ -288,6 +288,50 @@ def test_sigkill_of_the_launcher_alone_leaves_no_process_and_nothing_in_dev_shm(
     _add_sub(second)
 
 
+def test_a_launcher_killed_while_the_server_drains_takes_the_server_with_it_at_once(server_factory, tmp_path):
+    """SIGTERM starts the drain, which would wait --exit-timeout-secs for a request held in its
+    model; a SIGKILL of the launcher meanwhile ends it: the broker stops at once, as when the
+    launcher dies at any other time, and leaves nothing behind."""
+    import threading
+
+    from conftest import SHM_MODELS
+    from gates import Gate
+
+    s = server_factory.start([SHM_MODELS])
+    gate = Gate(tmp_path / "gate")
+
+    def held() -> None:  # (its answer never comes: its frontend goes with the launcher)
+        client = httpclient.InferenceServerClient(s.url, network_timeout=60)
+        x = httpclient.InferInput("X", [4], "INT32")
+        x.set_data_from_numpy(np.ones(4, dtype=np.int32))
+        try:
+            client.infer("slow_reader", [x], parameters={"gate": gate.param, "sleep_s": 0})
+        except Exception:  # noqa: BLE001
+            pass
+
+    caller = threading.Thread(target=held, daemon=True)
+    caller.start()
+    try:
+        gate.wait_started()
+        tree = [p for p in s.tree() if p != s.pid]
+        os.kill(s.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while "waiting up to" not in s.log() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "waiting up to" in s.log(), s.log_tail()  # the broker drains
+        os.kill(s.pid, signal.SIGKILL)
+        s.proc.wait(10)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 20 and any(pid_alive(p) for p in tree):
+            time.sleep(0.02)
+        took = time.monotonic() - killed
+        assert [p for p in tree if pid_alive(p)] == [], "processes outlived the launcher"
+        assert took < 5.0, f"the server's processes took {took:.2f} s to follow the launcher"
+        assert shm_entries(s.id) == []
+    finally:
+        gate.open()
+
+
 def test_a_busy_port_names_the_process_that_holds_it(server_factory, tmp_path):
     holder = subprocess.Popen([PYTHON, "-c", "import socket, time\ns = socket.socket()\n"
                                "s.bind(('127.0.0.1', 0))\ns.listen()\nprint(s.getsockname()[1], flush=True)\n"

@@ -313,14 +313,17 @@ class Broker:
         waiting = self._in_flight()
         if waiting:
             log.info("stopping: waiting up to %g s for %d request(s) in flight", self.opts.exit_timeout_s, waiting)
-        while time.monotonic() < deadline and self._in_flight():
+        while time.monotonic() < deadline and self._in_flight() and not self.orphaned:
             self.seg.waker.sleep(0.01, self._has_work)
             self._pump()
             if self.child_exited:  # a worker that dies now fails its requests at once
                 self.child_exited = False
                 self.supervisor.check_workers()
         left = self._in_flight()
-        if left:
+        if self.orphaned and time.monotonic() < deadline:  # (the launcher died while we drained)
+            log.error("the launcher died: stopping at once with %d request(s) in flight and removing the server's "
+                      "shared memory", left)
+        elif left:
             log.warning("stopping with %d request(s) still in flight after %g s (--exit-timeout-secs)", left,
                         self.opts.exit_timeout_s)
         self.lifecycle.close()
