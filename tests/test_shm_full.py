@@ -106,6 +106,12 @@ def _refused(client: httpclient.InferenceServerClient, model: str, size: int, n:
     return e.value.message()
 
 
+def _counts(client: httpclient.InferenceServerClient, model: str) -> tuple[int, int]:
+    """The model's (successes, failures) in its statistics."""
+    stats = client.get_inference_statistics(model)["model_stats"][0]["inference_stats"]
+    return int(stats["success"]["count"]), int(stats["fail"]["count"])
+
+
 @pytest.fixture
 def full_server(tmp_path):
     server = NamespacedServer([write_repo(tmp_path / "repo", cache=True)], tmp_path,
@@ -138,8 +144,11 @@ def test_a_full_dev_shm_is_a_503_where_a_page_was_wanted_and_no_process_dies(ful
         # Small requests still go: their pages were taken before.
         assert (infer(client, "blob", 16, 16, 3) == 3).all()
         assert (infer(client, "blob_ensemble", 16, 16, 4) == 4).all()
-        # The worker's answer past the pages it took (extent 0 is 4 MiB): a 503 naming /dev/shm.
+        # The worker's answer past the pages it took (extent 0 is 4 MiB): a 503 naming /dev/shm,
+        # which its statistics count as a failure, not a success.
+        before = _counts(client, "blob")
         assert "/dev/shm" in _refused(client, "blob", 16, 3 * MIB + MIB // 2, 5)
+        assert _counts(client, "blob") == (before[0], before[1] + 1)
         # A 12 MiB body in the frontend's arena, past the pages steady traffic keeps: a 503.
         assert "/dev/shm is full" in _refused(client, "blob", 12 * MIB, 16, 6)
         # An ensemble's answer in the broker's arena, past the pages its small answers took (and

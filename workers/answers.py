@@ -79,11 +79,13 @@ class Answers:
         self._unproduced: set[str] = set()  # outputs asked for that the model left out (logged once each)
 
     def deliver(self, client: ClientSegment, entry: BatchEntry, status: int, answer: bytes,
-                tensors: list[tuple[int, Any]]) -> None:
+                tensors: list[tuple[int, Any]]) -> int:
         """Write one response block (the encoded answer, then tensor bytes); its client hears of it
-        in ``send_completions``."""
+        in ``send_completions``. Returns the status it was answered with (``write_block``'s when it
+        found no room)."""
         override, extent, off, total = self.write_block(client, entry, answer, tensors)
         self._notes.append((client, entry["slot"], override or status, extent, off, total))
+        return override or status
 
     def later(self, send: Callable[[], None]) -> None:
         """Run ``send`` (a stream's end) with the round's completions; the worker's loop only."""

@@ -738,15 +738,15 @@ class Worker:
         """Deliver one response; False if it carried (or became) an error (``_answer_ran`` says
         whether that failed the request)."""
         status, answer, tensors = self.answers.encode(entry, resp)
-        self._deliver(entry, status, answer, tensors)
-        return status == 200
+        return self._deliver(entry, status, answer, tensors) == 200
 
-    def _deliver(self, entry: BatchEntry, status: int, answer: bytes, tensors: list[tuple[int, Any]]) -> None:
+    def _deliver(self, entry: BatchEntry, status: int, answer: bytes, tensors: list[tuple[int, Any]]) -> int:
+        """Answer ``entry``; the status it got (a 503 where the arena had no room for the answer)."""
         try:
             client = self._client(entry["client"])
         except (posix_ipc.Error, OSError, ValueError):
-            return  # the client is gone; nothing to answer
-        self.answers.deliver(client, entry, status, answer, tensors)
+            return status  # the client is gone; nothing to answer
+        return self.answers.deliver(client, entry, status, answer, tensors)
 
     def close(self) -> None:
         try:
