@@ -33,6 +33,7 @@ from shmserve.shm.liveness import BROKER_TICKET, Tickets, broker_path
 from shmserve.shm.names import (SHM_DIR, list_objects, object_name, ours, unlink_all, unlink_semaphore,
                                 unlink_shm)
 
+from .adopted import Adopted, become_subreaper
 from .broker.journal import journal_path
 from .broker.options import STARTUP_FAILED, BrokerOptions
 from .cli import http_limits, log_settings
@@ -137,6 +138,11 @@ class Launcher:
         self.broker_inode = 0  # of the running broker's segment file (``_objects_removed``)
         self.frontends: list[subprocess.Popen | None] = []
         self.sock: socket.socket | None = None
+        self.adopted = Adopted(self.sid)  # workers that outlive their broker come to us (adopted.py)
+
+    def _own(self) -> set[int]:
+        """The pids of the children we started (``subprocess.Popen`` reaps them)."""
+        return {p.pid for p in (self.broker, *self.frontends) if p is not None}
 
     def _start_broker(self) -> subprocess.Popen:
         with spec_file(self.broker_opts.to_json()) as stdin:
@@ -233,6 +239,7 @@ class Launcher:
                         "then), so a client of those users that truncates an object it may write ends the server "
                         "process that touches it (SIGBUS); install shmserve again where a C compiler is found")
         code = 0
+        become_subreaper()
         try:
             self.broker = self._start_broker()
             # gRPC first, HTTP once gRPC accepts connections (Triton's order): a readiness probe
@@ -249,6 +256,7 @@ class Launcher:
                          "stopping", signal.Signals(self.stop_signal).name, self.args.exit_timeout_secs)
         finally:
             self._stop_all()
+            self.adopted.kill_workers(self._own())
             unlink_all(self.sid)
         log.info("shmserve '%s' stopped; its shared-memory objects are removed", self.sid)
         return code
@@ -272,6 +280,7 @@ class Launcher:
         while not self.stopping:
             time.sleep(0.25)  # four cheap checks a second keep an idle server well under 1% CPU
             self.log_follower.check()
+            self.adopted.check(self._own())
             assert self.broker is not None
             if time.monotonic() - objects_checked >= OBJECTS_CHECK_S:
                 objects_checked = time.monotonic()

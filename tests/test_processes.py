@@ -332,6 +332,25 @@ def test_a_launcher_killed_while_the_server_drains_takes_the_server_with_it_at_o
         gate.open()
 
 
+def test_a_stopped_worker_does_not_outlive_the_broker_that_died(server_factory):
+    """A worker that cannot act on the SIGTERM its broker's death sends it (stopped here, as a
+    model stuck in C code would be) is adopted by the launcher and killed, not left holding the
+    server's memory; the restarted broker's worker serves meanwhile."""
+    s = server_factory.start([PRODUCT_MODELS])
+    _add_sub(s)
+    worker = s.worker_pids("add_sub")[0]
+    broker = next(p for p, t in s.titles().items() if t.startswith("shmserve broker "))
+    os.kill(worker, signal.SIGSTOP)
+    os.kill(broker, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and pid_alive(worker):
+        time.sleep(0.1)
+    assert not pid_alive(worker), f"the stopped worker outlived its broker:\n{s.log_tail()}"
+    assert "outlived the broker that started it" in s.log()
+    s.wait_ready()
+    _add_sub(s)
+
+
 def test_a_busy_port_names_the_process_that_holds_it(server_factory, tmp_path):
     holder = subprocess.Popen([PYTHON, "-c", "import socket, time\ns = socket.socket()\n"
                                "s.bind(('127.0.0.1', 0))\ns.listen()\nprint(s.getsockname()[1], flush=True)\n"
