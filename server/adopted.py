@@ -16,6 +16,8 @@ import os
 import signal
 import time
 
+from shmserve.shm.names import title_of
+
 log = logging.getLogger("shmserve.launcher")
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -45,14 +47,6 @@ def _children() -> set[int]:
     return out
 
 
-def _title(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 class Adopted:
     """The launcher's adopted children: reaped when they exit, killed when they are workers of
     this server that outlived their broker."""
@@ -64,7 +58,7 @@ class Adopted:
 
     def _worker(self, pid: int) -> str:
         """The title of ``pid`` if it is a worker of this server (``workers/__main__.py``)."""
-        title = _title(pid)
+        title = title_of(pid)
         return title if title.startswith("shmserve worker ") and title.endswith(f"(server {self.server_id})") else ""
 
     def check(self, own: set[int]) -> None:

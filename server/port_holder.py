@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from shmserve.shm.names import title_of
+
 from .tcp_table import LISTEN, socket_inodes, socket_rows
 
 
@@ -22,12 +24,9 @@ def holders(port: int) -> list[tuple[int, str]]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or not wanted & socket_inodes(entry):
             continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone meanwhile
-            continue
-        out.append((int(entry), title))
+        title = title_of(entry)
+        if title:  # ('' : gone meanwhile)
+            out.append((int(entry), title))
     return sorted(out)
 
 

@@ -154,6 +154,16 @@ def set_title(title: str) -> None:
         pass
 
 
+def title_of(pid: int | str) -> str:
+    """A process's command line as ``ps`` shows it (our processes' titles, ``set_title``); ''
+    when it is gone or may not be read."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def ours(shms: list[str], sems: list[str]) -> tuple[list[str], list[str]]:
     """Of ``list_objects``' names, those this process's user owns: a local client of another user
     (``--local-client-users``) makes its own segment and FIFO, which a sticky /dev/shm

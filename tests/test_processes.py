@@ -264,6 +264,20 @@ def test_frontend_stops_polling_while_a_request_runs_long(server, client):
     assert used / elapsed < 0.05, f"the frontend used {100 * used / elapsed:.1f}% CPU while 4 slow requests ran"
 
 
+def _kill_launcher_and_see_it_followed(server, tree: list[int], within_s: float) -> None:
+    """SIGKILL the launcher alone: every process of ``tree`` follows it within ``within_s``, and
+    nothing of the server is left in /dev/shm."""
+    os.kill(server.pid, signal.SIGKILL)
+    server.proc.wait(10)
+    killed = time.monotonic()
+    while time.monotonic() - killed < 4 * within_s and any(pid_alive(p) for p in tree):
+        time.sleep(0.02)
+    took = time.monotonic() - killed
+    assert [p for p in tree if pid_alive(p)] == [], "processes outlived the launcher"
+    assert took < within_s, f"the server's processes took {took:.2f} s to follow the launcher"
+    assert shm_entries(server.id) == []
+
+
 def test_sigkill_of_the_launcher_alone_leaves_no_process_and_nothing_in_dev_shm(server_factory):
     """The OOM killer or a supervisor's SIGKILL ends only the launcher: every other process of
     the server follows it (the kernel signals them), the broker removes the server's objects, and
@@ -272,15 +286,7 @@ def test_sigkill_of_the_launcher_alone_leaves_no_process_and_nothing_in_dev_shm(
     _add_sub(first)
     tree = [p for p in first.tree() if p != first.pid]
     assert len(tree) >= 3, tree  # broker, frontend(s), workers
-    os.kill(first.pid, signal.SIGKILL)
-    first.proc.wait(10)
-    killed = time.monotonic()
-    while time.monotonic() - killed < 10 and any(pid_alive(p) for p in tree):
-        time.sleep(0.02)
-    took = time.monotonic() - killed
-    assert [p for p in tree if pid_alive(p)] == [], "processes outlived the launcher"
-    assert took < 2.0, f"the server's processes took {took:.2f} s to follow the launcher"
-    assert shm_entries(first.id) == []
+    _kill_launcher_and_see_it_followed(first, tree, within_s=2.0)
 
     second = server_factory.create([PRODUCT_MODELS], server_id=first.id, http_port=first.port)
     second.metrics_port, second.grpc_port = first.metrics_port, first.grpc_port
@@ -319,15 +325,7 @@ def test_a_launcher_killed_while_the_server_drains_takes_the_server_with_it_at_o
         while "waiting up to" not in s.log() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert "waiting up to" in s.log(), s.log_tail()  # the broker drains
-        os.kill(s.pid, signal.SIGKILL)
-        s.proc.wait(10)
-        killed = time.monotonic()
-        while time.monotonic() - killed < 20 and any(pid_alive(p) for p in tree):
-            time.sleep(0.02)
-        took = time.monotonic() - killed
-        assert [p for p in tree if pid_alive(p)] == [], "processes outlived the launcher"
-        assert took < 5.0, f"the server's processes took {took:.2f} s to follow the launcher"
-        assert shm_entries(s.id) == []
+        _kill_launcher_and_see_it_followed(s, tree, within_s=5.0)
     finally:
         gate.open()
 

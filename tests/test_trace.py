@@ -583,20 +583,13 @@ def test_bad_flags_are_one_line_errors(flag, needle, tmp_path):
     assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr, p.stderr
 
 
-def test_a_rate_of_zero_with_tracing_on_is_refused_at_start(tmp_path):
+@pytest.mark.parametrize("setting", ["rate=0", "count=0"])
+def test_a_setting_that_traces_nothing_with_tracing_on_is_refused_at_start(tmp_path, setting):
     cmd = [PYTHON, "-m", "shmserve", "--model-repository", str(ROOT / "model_repository"),
            "--trace-config", "level=TIMESTAMPS", "--trace-config", f"triton,file={tmp_path / 't.json'}",
-           "--trace-config", "rate=0"]
+           "--trace-config", setting]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
-    assert p.returncode == 2 and "rate=0 traces nothing" in p.stderr, p.stderr
-
-
-def test_a_count_of_zero_with_tracing_on_is_refused_at_start(tmp_path):
-    cmd = [PYTHON, "-m", "shmserve", "--model-repository", str(ROOT / "model_repository"),
-           "--trace-config", "level=TIMESTAMPS", "--trace-config", f"triton,file={tmp_path / 't.json'}",
-           "--trace-config", "count=0"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
-    assert p.returncode == 2 and "count=0 traces nothing" in p.stderr, p.stderr
+    assert p.returncode == 2 and f"{setting} traces nothing" in p.stderr, p.stderr
 
 
 def test_timestamps_without_file_is_refused():

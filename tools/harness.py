@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from shmserve.shm.names import title_of
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -48,11 +50,7 @@ def descendants(root: int) -> list[int]:
 
 def cmdline(pid: int) -> str:
     """A process's command line as ``ps`` shows it (setproctitle rewrites it); '' when gone."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
+    return title_of(pid)
 
 
 def rss_bytes(pids: list[int]) -> int:
