@@ -10,17 +10,20 @@ model sees ``is_cancelled()`` and may stop sending.
 
 A reader that is slow rather than gone (a network client reading its stream slower than the model
 answers) would hold its blocks just as long, and the model's other clients would find its arena
-full. A frontend's streams therefore share a ``SpillRoom``: a response that comes while its reader
-is not waiting for it is copied to the frontend's heap and its blocks freed at once
-(``Completion.detach``). That heap is bounded: a response that would take it past its bound ends
-the stream that holds the most of it (``SpillRoom.make_room``), with an error (status 429) in
-place of what it had not read, and its request is cancelled. A response larger than the whole
+full. A frontend's streams therefore share a ``SpillRoom``: a response its reader has not taken
+``SPILL_AFTER_S`` after it came is copied to the frontend's heap and its blocks freed
+(``Completion.detach``), and so is every later one until the reader has caught up. A reader that
+keeps up takes each response where its producer wrote it, with no copy. That heap is bounded: a
+response that would take it past its bound ends the stream that holds the most of it
+(``SpillRoom.make_room``), with an error (status 429) in place of what it had not read, and its
+request is cancelled. A response larger than the whole
 room is left where it is. Only for readers whose requests reserve no room for outputs in their
 own blocks (a frontend's): ``detach`` frees those blocks too.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 import weakref
@@ -35,6 +38,9 @@ if TYPE_CHECKING:
 
 # Status of a stream ended for the responses its reader left unread (gRPC RESOURCE_EXHAUSTED).
 UNREAD_STATUS = 429
+# How long a response may wait in its producer's arena for a reader that is busy (sending the one
+# before): a copy for each would cost a stream of large tensors a third of its rate.
+SPILL_AFTER_S = 0.5
 
 
 class SpillRoom:
@@ -84,6 +90,9 @@ class StreamEvents:
         self._spill = spill
         self._waiting = False  # the reader waits in ``next``: an event that comes now is taken at once
         self.spilled = 0  # bytes of ``spill`` its queued events hold
+        self._in_arena: collections.deque[Completion] = collections.deque()  # queued, not copied yet
+        self._timer: asyncio.TimerHandle | None = None  # copies what still waits, SPILL_AFTER_S on
+        self._lagging = False  # its reader fell behind: what comes is copied at once, until it caught up
 
     def put(self, final: bool, completion: Completion, context: Any = None) -> None:
         """A callback's event: queued for the reader (copied to the spill room first unless the
@@ -91,10 +100,32 @@ class StreamEvents:
         with self._lock:
             self._ended |= final
             if not self._closed:
-                if self._spill is None or (self._waiting and self.events.empty()) or self._spilled(completion):
-                    self.events.put_nowait((final, completion, context))
-                    return
+                if self._spill is None or (self._waiting and self.events.empty()):
+                    pass
+                elif self._lagging:
+                    if not self._spilled(completion):
+                        completion.release()  # (the stream was ended for it)
+                        return
+                else:
+                    self._in_arena.append(completion)
+                    if self._timer is None:
+                        self._timer = asyncio.get_running_loop().call_later(SPILL_AFTER_S, self._spill_waiting)
+                self.events.put_nowait((final, completion, context))
+                return
         completion.release()
+
+    def _spill_waiting(self) -> None:
+        """The timer: what still waits for the reader is copied, and so is what comes next until
+        the reader has caught up."""
+        with self._lock:
+            self._timer = None
+            if self._closed or not self._in_arena:
+                return
+            self._lagging = True
+            for completion in list(self._in_arena):
+                if not self._spilled(completion):
+                    break  # the stream was ended: what was queued is freed
+            self._in_arena.clear()
 
     def _spilled(self, completion: Completion) -> bool:
         """``completion`` copied to the spill room, its blocks freed; False if that ended the
@@ -134,6 +165,8 @@ class StreamEvents:
     async def next(self) -> tuple[bool, Completion, Any]:
         """The next event of an ``asyncio.Queue``, waited for: one that comes while the reader
         waits here stays where its producer wrote it, since the reader takes it at once."""
+        if self.events.empty():
+            self._lagging = False  # caught up
         self._waiting = True
         try:
             event = await self.events.get()
@@ -143,6 +176,8 @@ class StreamEvents:
         return event
 
     def _taken(self, completion: Completion) -> None:
+        if self._in_arena and self._in_arena[0] is completion:
+            self._in_arena.popleft()
         if completion.heap_bytes and self._spill is not None:
             self.spilled -= completion.heap_bytes
             self._spill.give_back(completion.heap_bytes)
@@ -162,6 +197,10 @@ class StreamEvents:
             self._drop_queued()
 
     def _drop_queued(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._in_arena.clear()
         left = []
         while True:
             try:
