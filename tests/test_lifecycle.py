@@ -635,6 +635,7 @@ def test_unload_during_a_load_cancels_it(server_factory, tmp_path):
         assert entry in c.get_model_repository_index()
     c.load_model("slow_start")  # a load after all that works
     assert c.is_model_ready("slow_start") and c.is_server_ready()
+    assert "did not stop within" not in s.log()  # (the cancelled loads' workers were killed at once, rightly)
 
 
 def test_a_second_load_during_a_load_replaces_it(server_factory, tmp_path):

@@ -572,14 +572,14 @@ class Worker:
         (with outputs only). Whether it succeeded as Triton counts it: answered with its outputs,
         or with an error response the model returned itself; False if the backend failed it."""
         self._keep_state(entry, resp)
-        answered = self._answer(entry, resp)
-        if answered:
+        status, answered = self._answer_status(entry, resp)
+        if answered == 200:
             if self.cache is not None and entry.get("cache_key"):
                 inserting = time.monotonic_ns()
                 self.cache.insert(entry, resp)
                 self.stats.cache_inserted(time.monotonic_ns() - inserting)
             return True
-        if resp.model_error:
+        if resp.model_error and answered == status:  # (not when no room was found for its error)
             self.stats.model_error()
             return True
         return False
@@ -737,8 +737,13 @@ class Worker:
     def _answer(self, entry: BatchEntry, resp: Response) -> bool:
         """Deliver one response; False if it carried (or became) an error (``_answer_ran`` says
         whether that failed the request)."""
+        return self._answer_status(entry, resp)[1] == 200
+
+    def _answer_status(self, entry: BatchEntry, resp: Response) -> tuple[int, int]:
+        """Deliver one response: (the status its response had, the status it was answered with:
+        a 503 where the arena had no room for it)."""
         status, answer, tensors = self.answers.encode(entry, resp)
-        return self._deliver(entry, status, answer, tensors) == 200
+        return status, self._deliver(entry, status, answer, tensors)
 
     def _deliver(self, entry: BatchEntry, status: int, answer: bytes, tensors: list[tuple[int, Any]]) -> int:
         """Answer ``entry``; the status it got (a 503 where the arena had no room for the answer)."""

@@ -302,8 +302,6 @@ class Broker:
     def shutdown(self) -> int:
         """Finish in-flight work within the exit timeout, stop workers, remove our objects."""
         deadline = time.monotonic() + (0 if self.orphaned else self.opts.exit_timeout_s)
-        if self.orphaned:
-            log.error("the launcher died: stopping at once and removing the server's shared memory")
         # New requests come to the broker, which refuses them (intake.py), but our workers' BLS
         # calls: they are part of requests in flight.
         self.intake.exempt_pids = {inst.proc.pid for _, inst in self.instances.workers.values()}
@@ -311,7 +309,7 @@ class Broker:
         self.routes.draining = True
         self.routes.publish()
         waiting = self._in_flight()
-        if waiting:
+        if waiting and not self.orphaned:
             log.info("stopping: waiting up to %g s for %d request(s) in flight", self.opts.exit_timeout_s, waiting)
         while time.monotonic() < deadline and self._in_flight() and not self.orphaned:
             self.seg.waker.sleep(0.01, self._has_work)
@@ -320,7 +318,7 @@ class Broker:
                 self.child_exited = False
                 self.supervisor.check_workers()
         left = self._in_flight()
-        if self.orphaned and time.monotonic() < deadline:  # (the launcher died while we drained)
+        if self.orphaned:  # (the launcher died, before the drain or during it)
             log.error("the launcher died: stopping at once with %d request(s) in flight and removing the server's "
                       "shared memory", left)
         elif left:

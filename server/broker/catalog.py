@@ -54,7 +54,9 @@ class Retiring:
     version: ModelVersion
     since: float = dataclasses.field(default_factory=time.monotonic)
     stopping: bool = False
-    stop_asked: float = 0.0  # when its workers were asked to stop (killed past --exit-timeout-secs)
+    # when its workers were asked to stop (still there past --exit-timeout-secs: killed); an
+    # abandoned load's are killed at once
+    stop_asked: float = dataclasses.field(default_factory=time.monotonic)
     killed: bool = False  # its workers that did not stop in time were killed
     abandoned: bool = False  # a load that failed or was cancelled: it never served
     waiters: list[tuple[Any, int]] = dataclasses.field(default_factory=list)

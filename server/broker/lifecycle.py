@@ -527,7 +527,7 @@ class Lifecycle:
             for inst in mv.instances:
                 self.instances.stop(inst, graceful=False)
             mv.state = State.UNLOADING  # its workers are reaped, never restarted
-            self.catalog.retiring.append(Retiring(mv, stopping=True, abandoned=True))
+            self.catalog.retiring.append(Retiring(mv, stopping=True, killed=True, abandoned=True))
         for client, slot in job.waiters:
             self.clients.reply(client, slot, status, {"error": error})
 
@@ -694,10 +694,14 @@ class Lifecycle:
             live = [inst for inst in mv.instances if self.instances.live(inst)]
             if entry.stopping and live and not entry.killed and now - entry.stop_asked > self.opts.exit_timeout_s:
                 entry.killed = True
-                log.warning("'%s' version %d: %d instance(s) did not stop within %g s of being asked "
-                            "(--exit-timeout-secs; a finalize that does not return?): killed", mv.name,
-                            mv.version, len(live), self.opts.exit_timeout_s)
-                for inst in live:
+                running = [inst for inst in live if inst.proc.poll() is None]
+                if running:
+                    log.warning("'%s' version %d: %d instance(s) did not stop within %g s of being asked "
+                                "(--exit-timeout-secs; a finalize that does not return?): killed", mv.name,
+                                mv.version, len(running), self.opts.exit_timeout_s)
+                for inst in running:
+                    inst.death_note = (f"did not stop within {self.opts.exit_timeout_s:g} s of its version's unload "
+                                       f"(--exit-timeout-secs) and was killed")
                     self.instances.stop(inst, graceful=False)
             if entry.stopping and not live:
                 self.catalog.retiring.remove(entry)
