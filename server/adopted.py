@@ -25,7 +25,11 @@ KILL_AFTER_S = 10.0  # past a worker's own grace after its broker died
 
 
 def become_subreaper() -> bool:
-    """Adopt this process's orphaned descendants; False where the kernel has no such thing."""
+    """Adopt this process's orphaned descendants; False where the kernel has no such thing, or
+    does not list a process's children in /proc (what it adopted could then not be reaped: init
+    or the container's tini keeps reaping orphans instead)."""
+    if not os.access(f"/proc/self/task/{os.getpid()}/children", os.R_OK):
+        return False
     try:
         import ctypes
 
@@ -80,25 +84,36 @@ class Adopted:
                 self.looked.add(pid)
                 title = self._worker(pid)
                 if title:
-                    log.warning("%s (pid %d) outlived the broker that started it by %.0f s (stopped, or stuck "
-                                "where its SIGTERM cannot reach it): killed", title, pid, now - first)
+                    log.warning("%s (pid %d) outlived its parent by %.0f s (a worker whose broker died, stopped "
+                                "or stuck where its SIGTERM cannot reach it; or a process its model forked): "
+                                "killed", title, pid, now - first)
                     self._kill(pid)  # (reaped at the next check)
         for pid in list(self.since):
             if pid not in adopted or pid in gone:
                 self.since.pop(pid, None)
                 self.looked.discard(pid)
 
-    def kill_workers(self, own: set[int]) -> None:
-        """At the server's stop: kill and reap every adopted worker of this server left."""
+    def kill_workers(self, own: set[int], wait_s: float = 5.0) -> None:
+        """At the server's stop: kill every adopted worker of this server left, and reap them
+        (for up to ``wait_s``: one in an uninterruptible wait, a hung driver call, dies later)."""
+        killed = set()
         for pid in _children() - own:
             title = self._worker(pid)
             if title:
-                log.warning("%s (pid %d) outlived its broker: killed as the server stops", title, pid)
+                log.warning("%s (pid %d) outlived its parent: killed as the server stops", title, pid)
                 self._kill(pid)
+                killed.add(pid)
+        deadline = time.monotonic() + wait_s
+        while killed and time.monotonic() < deadline:
+            for pid in list(killed):
                 try:
-                    os.waitpid(pid, 0)
+                    done, _ = os.waitpid(pid, os.WNOHANG)
                 except ChildProcessError:
-                    pass
+                    done = pid
+                if done:
+                    killed.discard(pid)
+            if killed:
+                time.sleep(0.02)
 
     @staticmethod
     def _kill(pid: int) -> None:

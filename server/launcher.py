@@ -256,8 +256,8 @@ class Launcher:
                          "stopping", signal.Signals(self.stop_signal).name, self.args.exit_timeout_secs)
         finally:
             self._stop_all()
-            self.adopted.kill_workers(self._own())
             unlink_all(self.sid)
+            self.adopted.kill_workers(self._own())
         log.info("shmserve '%s' stopped; its shared-memory objects are removed", self.sid)
         return code
 
