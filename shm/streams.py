@@ -12,8 +12,9 @@ A reader that is slow rather than gone (a network client reading its stream slow
 answers) would hold its blocks just as long, and the model's other clients would find its arena
 full. A frontend's streams therefore share a ``SpillRoom``: a response its reader has not taken
 ``SPILL_AFTER_S`` after it came is copied to the frontend's heap and its blocks freed
-(``Completion.detach``), and so is every later one until the reader has caught up. A reader that
-keeps up takes each response where its producer wrote it, with no copy. That heap is bounded: a
+(``Completion.detach``), and so is one that comes while the stream's responses still in arenas
+take ``IN_ARENA_BYTES`` (a model that writes faster than that would fill its arena meanwhile). A
+reader that keeps up takes each response where its producer wrote it, with no copy. That heap is bounded: a
 response that would take it past its bound ends the stream that holds the most of it
 (``SpillRoom.make_room``), with an error (status 429) in place of what it had not read, and its
 request is cancelled. A response larger than the whole
@@ -26,6 +27,7 @@ import asyncio
 import collections
 import queue
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any, Generator
 
@@ -39,8 +41,17 @@ if TYPE_CHECKING:
 # Status of a stream ended for the responses its reader left unread (gRPC RESOURCE_EXHAUSTED).
 UNREAD_STATUS = 429
 # How long a response may wait in its producer's arena for a reader that is busy (sending the one
-# before): a copy for each would cost a stream of large tensors a third of its rate.
-SPILL_AFTER_S = 0.5
+# before), and how much of a stream's output may wait there: copying each response that finds the
+# reader busy cost a gRPC stream of 1 MiB tensors 1.4x its time.
+SPILL_AFTER_S = 0.2
+IN_ARENA_BYTES = 8 << 20
+
+
+def _arena_bytes(completion: Completion) -> int:
+    """The bytes of the answer's block in its producer's arena (0: none, or copied already)."""
+    if completion.buf is None or completion.end is None or completion.heap_bytes:
+        return 0
+    return max(completion.end - completion.offset, 0)
 
 
 class SpillRoom:
@@ -77,8 +88,8 @@ class StreamEvents:
     """The queue between a stream's callbacks and its reader: events ``(final, completion,
     context)`` in order, the final one last. ``events`` is a ``queue.Queue`` when the callbacks
     run on another thread than the reader, an ``asyncio.Queue`` when both run on one loop; with
-    ``spill``, an event the reader is not waiting for is copied there (the reader takes its
-    events with ``next``)."""
+    ``spill``, an event the reader leaves waiting (``SPILL_AFTER_S``, ``IN_ARENA_BYTES``) is
+    copied there (the reader takes its events with ``next``)."""
 
     def __init__(self, events: "queue.Queue | asyncio.Queue", spill: SpillRoom | None = None) -> None:
         self.events = events
@@ -90,49 +101,56 @@ class StreamEvents:
         self._spill = spill
         self._waiting = False  # the reader waits in ``next``: an event that comes now is taken at once
         self.spilled = 0  # bytes of ``spill`` its queued events hold
-        self._in_arena: collections.deque[Completion] = collections.deque()  # queued, not copied yet
-        self._timer: asyncio.TimerHandle | None = None  # copies what still waits, SPILL_AFTER_S on
-        self._lagging = False  # its reader fell behind: what comes is copied at once, until it caught up
+        # queued, not copied yet: (when it came, its bytes, the completion), oldest first
+        self._in_arena: collections.deque[tuple[float, int, Completion]] = collections.deque()
+        self._in_arena_bytes = 0
+        self._timer: asyncio.TimerHandle | None = None  # copies the oldest once it waited SPILL_AFTER_S
 
     def put(self, final: bool, completion: Completion, context: Any = None) -> None:
-        """A callback's event: queued for the reader (copied to the spill room first unless the
-        reader waits for it), or freed at once once the reader is gone."""
+        """A callback's event: queued for the reader (with a spill room: copied there later if the
+        reader leaves it waiting, at once if the stream's output in arenas is already
+        ``IN_ARENA_BYTES``), or freed at once once the reader is gone."""
         with self._lock:
             self._ended |= final
             if not self._closed:
                 if self._spill is None or (self._waiting and self.events.empty()):
                     pass
-                elif self._lagging:
-                    if not self._spilled(completion):
-                        completion.release()  # (the stream was ended for it)
-                        return
                 else:
-                    self._in_arena.append(completion)
-                    if self._timer is None:
-                        self._timer = asyncio.get_running_loop().call_later(SPILL_AFTER_S, self._spill_waiting)
+                    size = _arena_bytes(completion)
+                    if self._in_arena_bytes + size > IN_ARENA_BYTES:
+                        if not self._spilled(completion):
+                            completion.release()  # (the stream was ended for it)
+                            return
+                    else:
+                        self._in_arena.append((time.monotonic(), size, completion))
+                        self._in_arena_bytes += size
+                        if self._timer is None:
+                            self._timer = asyncio.get_running_loop().call_later(SPILL_AFTER_S, self._spill_waiting)
                 self.events.put_nowait((final, completion, context))
                 return
         completion.release()
 
     def _spill_waiting(self) -> None:
-        """The timer: what still waits for the reader is copied, and so is what comes next until
-        the reader has caught up."""
+        """The timer: copy what waited ``SPILL_AFTER_S``, then wait for the next oldest."""
         with self._lock:
             self._timer = None
-            if self._closed or not self._in_arena:
-                return
-            self._lagging = True
-            for completion in list(self._in_arena):
+            due = time.monotonic() - SPILL_AFTER_S
+            while self._in_arena and not self._closed:
+                came, size, completion = self._in_arena[0]
+                if came > due:
+                    self._timer = asyncio.get_running_loop().call_later(came - due, self._spill_waiting)
+                    return
+                self._in_arena.popleft()
+                self._in_arena_bytes -= size
                 if not self._spilled(completion):
-                    break  # the stream was ended: what was queued is freed
-            self._in_arena.clear()
+                    return  # the stream was ended: what was queued is freed
 
     def _spilled(self, completion: Completion) -> bool:
         """``completion`` copied to the spill room, its blocks freed; False if that ended the
         stream. A response larger than the whole room stays where its producer wrote it."""
         spill = self._spill
         assert spill is not None
-        size = (completion.end or 0) - completion.offset if completion.buf is not None else 0
+        size = _arena_bytes(completion)
         if size > spill.limit:
             return True
         if size and not spill.make_room(size, self):
@@ -165,8 +183,6 @@ class StreamEvents:
     async def next(self) -> tuple[bool, Completion, Any]:
         """The next event of an ``asyncio.Queue``, waited for: one that comes while the reader
         waits here stays where its producer wrote it, since the reader takes it at once."""
-        if self.events.empty():
-            self._lagging = False  # caught up
         self._waiting = True
         try:
             event = await self.events.get()
@@ -176,8 +192,8 @@ class StreamEvents:
         return event
 
     def _taken(self, completion: Completion) -> None:
-        if self._in_arena and self._in_arena[0] is completion:
-            self._in_arena.popleft()
+        if self._in_arena and self._in_arena[0][2] is completion:
+            self._in_arena_bytes -= self._in_arena.popleft()[1]
         if completion.heap_bytes and self._spill is not None:
             self.spilled -= completion.heap_bytes
             self._spill.give_back(completion.heap_bytes)
@@ -201,6 +217,7 @@ class StreamEvents:
             self._timer.cancel()
             self._timer = None
         self._in_arena.clear()
+        self._in_arena_bytes = 0
         left = []
         while True:
             try:
