@@ -312,6 +312,8 @@ def test_a_relative_trace_file_is_shown_as_given(server_factory, tmp_path):
     assert len(records(path, 1)) == 1
     # What a GET shows may be posted back; a model's own file is its own; null goes back to the flag's.
     assert client.update_trace_settings(settings={"trace_file": given})["trace_file"] == given
+    add_sub(client)
+    assert len(records(path, 2)) == 2  # (still the flag's file)
     assert client.update_trace_settings(model_name="probe", settings={"trace_file": "probe.json"})["trace_file"] \
         == "probe.json"
     assert client.get_trace_settings()["trace_file"] == given
