@@ -13,8 +13,9 @@ answers) would hold its blocks just as long, and the model's other clients would
 full. A frontend's streams therefore share a ``SpillRoom``: a response its reader has not taken
 ``SPILL_AFTER_S`` after it came is copied to the frontend's heap and its blocks freed
 (``Completion.detach``), and so is one that comes while the stream's responses still in arenas
-take ``IN_ARENA_BYTES`` (a model that writes faster than that would fill its arena meanwhile). A
-reader that keeps up takes each response where its producer wrote it, with no copy. That heap is bounded: a
+take a quarter of the room (``SpillRoom.hold``: a model that writes faster than its reader takes
+would fill its arena meanwhile). A reader that keeps up takes each response where its producer
+wrote it, with no copy. That heap is bounded: a
 response that would take it past its bound ends the stream that holds the most of it
 (``SpillRoom.make_room``), with an error (status 429) in place of what it had not read, and its
 request is cancelled. A response larger than the whole
@@ -41,10 +42,9 @@ if TYPE_CHECKING:
 # Status of a stream ended for the responses its reader left unread (gRPC RESOURCE_EXHAUSTED).
 UNREAD_STATUS = 429
 # How long a response may wait in its producer's arena for a reader that is busy (sending the one
-# before), and how much of a stream's output may wait there: copying each response that finds the
-# reader busy cost a gRPC stream of 1 MiB tensors 1.4x its time.
+# before): copying each response that finds the reader busy cost a gRPC stream of 1 MiB tensors
+# 1.4x its time.
 SPILL_AFTER_S = 0.2
-IN_ARENA_BYTES = 8 << 20
 
 
 def _arena_bytes(completion: Completion) -> int:
@@ -63,6 +63,10 @@ class SpillRoom:
     def __init__(self, limit: int, flag: str) -> None:
         self.limit = limit
         self.flag = flag
+        # How much of one stream's responses may wait in arenas before the next are copied at
+        # once (by default a quarter of a worker's 256 MiB arena cap too): past 8 MiB, a stream of
+        # large tensors its network takes more slowly than the model writes ran 1.3-1.8x its time.
+        self.hold = limit // 4
         self.held = 0
         self._streams: "weakref.WeakSet[StreamEvents]" = weakref.WeakSet()  # those holding some of it
 
@@ -88,7 +92,7 @@ class StreamEvents:
     """The queue between a stream's callbacks and its reader: events ``(final, completion,
     context)`` in order, the final one last. ``events`` is a ``queue.Queue`` when the callbacks
     run on another thread than the reader, an ``asyncio.Queue`` when both run on one loop; with
-    ``spill``, an event the reader leaves waiting (``SPILL_AFTER_S``, ``IN_ARENA_BYTES``) is
+    ``spill``, an event the reader leaves waiting (``SPILL_AFTER_S``, ``SpillRoom.hold``) is
     copied there (the reader takes its events with ``next``)."""
 
     def __init__(self, events: "queue.Queue | asyncio.Queue", spill: SpillRoom | None = None) -> None:
@@ -108,8 +112,8 @@ class StreamEvents:
 
     def put(self, final: bool, completion: Completion, context: Any = None) -> None:
         """A callback's event: queued for the reader (with a spill room: copied there later if the
-        reader leaves it waiting, at once if the stream's output in arenas is already
-        ``IN_ARENA_BYTES``), or freed at once once the reader is gone."""
+        reader leaves it waiting, at once if the stream's output in arenas is already the room's
+        ``hold``), or freed at once once the reader is gone."""
         with self._lock:
             self._ended |= final
             if not self._closed:
@@ -117,7 +121,7 @@ class StreamEvents:
                     pass
                 else:
                     size = _arena_bytes(completion)
-                    if self._in_arena_bytes + size > IN_ARENA_BYTES:
+                    if self._in_arena_bytes + size > self._spill.hold:
                         if not self._spilled(completion):
                             completion.release()  # (the stream was ended for it)
                             return
