@@ -51,6 +51,14 @@ def _children() -> set[int]:
     return out
 
 
+def _reaped(pid: int) -> bool:
+    """Whether the child ``pid`` has exited (it is reaped now) or is no child of ours any more."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True
+
+
 class Adopted:
     """The launcher's adopted children: reaped when they exit, killed when they are workers of
     this server that outlived their broker."""
@@ -72,11 +80,7 @@ class Adopted:
         adopted = _children() - own
         gone: set[int] = set()
         for pid in adopted:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid
-            if done:
+            if _reaped(pid):
                 gone.add(pid)
                 continue
             first = self.since.setdefault(pid, now)
@@ -105,13 +109,7 @@ class Adopted:
                 killed.add(pid)
         deadline = time.monotonic() + wait_s
         while killed and time.monotonic() < deadline:
-            for pid in list(killed):
-                try:
-                    done, _ = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    done = pid
-                if done:
-                    killed.discard(pid)
+            killed = {pid for pid in killed if not _reaped(pid)}
             if killed:
                 time.sleep(0.02)
 
