@@ -15,10 +15,9 @@ full. A frontend's streams therefore share a ``SpillRoom``: a response its reade
 (``Completion.detach``), and so is one that comes while the stream's responses still in arenas
 take a quarter of the room (``SpillRoom.hold``: a model that writes faster than its reader takes
 would fill its arena meanwhile). A reader that keeps up takes each response where its producer
-wrote it, with no copy. That heap is bounded: a
-response that would take it past its bound ends the stream that holds the most of it
-(``SpillRoom.make_room``), with an error (status 429) in place of what it had not read, and its
-request is cancelled. A response larger than the whole
+wrote it, with no copy. That heap is bounded: a response that would take it past its bound ends
+the stream that holds the most of it (``SpillRoom.make_room``), with an error (status 429) in
+place of what it had not read, and its request is cancelled. A response larger than the whole
 room is left where it is. Only for readers whose requests reserve no room for outputs in their
 own blocks (a frontend's): ``detach`` frees those blocks too.
 """

@@ -450,7 +450,7 @@ class Worker:
                     self.stats.cache_miss(ns)
         for entry, resp, looked_up, lookup_ns in hits:
             self.answers.phases = (looked_up, looked_up + lookup_ns, looked_up + lookup_ns)
-            ok = self._answer(entry, resp)
+            ok = self._answer(entry, resp)[1] == 200
             with self.stream_lock:
                 self.stats.cache_hit(entry.get("sent_ns", 0), looked_up, lookup_ns, ok)
             self.holds.release(entry)
@@ -572,7 +572,7 @@ class Worker:
         (with outputs only). Whether it succeeded as Triton counts it: answered with its outputs,
         or with an error response the model returned itself; False if the backend failed it."""
         self._keep_state(entry, resp)
-        status, answered = self._answer_status(entry, resp)
+        status, answered = self._answer(entry, resp)
         if answered == 200:
             if self.cache is not None and entry.get("cache_key"):
                 inserting = time.monotonic_ns()
@@ -734,12 +734,7 @@ class Worker:
         answer = AnswerDescriptor(error=message, refused=refused, version=self.version if queued else NO_VERSION)
         self._deliver(entry, status, answer.encode(), [])
 
-    def _answer(self, entry: BatchEntry, resp: Response) -> bool:
-        """Deliver one response; False if it carried (or became) an error (``_answer_ran`` says
-        whether that failed the request)."""
-        return self._answer_status(entry, resp)[1] == 200
-
-    def _answer_status(self, entry: BatchEntry, resp: Response) -> tuple[int, int]:
+    def _answer(self, entry: BatchEntry, resp: Response) -> tuple[int, int]:
         """Deliver one response: (the status its response had, the status it was answered with:
         a 503 where the arena had no room for it)."""
         status, answer, tensors = self.answers.encode(entry, resp)
