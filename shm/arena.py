@@ -21,6 +21,7 @@ about 10 MB. A held block far behind the head now sends it on through the rest o
 The arena's pages are taken (``backing``, ``Segment.populate``) a MiB at a time as the head first
 reaches them, never touched before: where /dev/shm has filled up meanwhile, ``alloc`` returns -1
 with ``starved`` set, and the caller answers "no room" instead of dying of SIGBUS on the write.
+The first MiB is taken with the segment (``first_pages``), so small traffic never meets that.
 """
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ SOFT_LIMIT = 4 << 20
 # before the head meets a block still held (a large body still arriving, a request in a later batch).
 WRAP_MARGIN = 8
 BACKING_STEP = 1 << 20  # pages are taken this many bytes at a time as the head first reaches them
+
+
+def first_pages(arena_bytes: int) -> int:
+    """The bytes of an arena's start whose pages are taken with its segment, where the room for
+    all of it was checked: small answers, and the error that says a large one found no room, then
+    never wait for a page that a /dev/shm filled by someone else since would refuse."""
+    return min(arena_bytes, BACKING_STEP)
 
 
 def no_room_text(arena: "Arena", full: str) -> str:

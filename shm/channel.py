@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .arena import Arena
+from .arena import Arena, first_pages
 from .liveness import BROKER_TICKET, CONNECT_LOCK, try_lock_byte
 from .names import SHM_DIR, object_name, unlink_shm
 from .protocol import CONNECT, RECORD, SLOT, SLOT_ANSWER, SLOT_ANSWER_AT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
@@ -261,10 +261,10 @@ class BrokerSegment:
         try:
             made.append(Segment.create(object_name(server_id, "broker", 0),
                                        cls.nbytes(arena_bytes) - cls.tables_nbytes() - batch_bytes, readers,
-                                       taken=cls.nbytes(0) - cls.tables_nbytes()))  # (the arena as it fills)
+                                       taken=cls.nbytes(0) - cls.tables_nbytes() + first_pages(arena_bytes)))
             made.append(Segment.create(object_name(server_id, "tables", 0), cls.tables_nbytes(), readers,
                                        readers_write=False))
-            made.append(Segment.create(object_name(server_id, "batches", 0), batch_bytes, taken=0))
+            made.append(Segment.create(object_name(server_id, "batches", 0), batch_bytes, taken=first_pages(batch_bytes)))
         except BaseException:
             for seg in made:
                 seg.close()
@@ -522,7 +522,7 @@ class WorkerSegment:
     @classmethod
     def create(cls, name: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "WorkerSegment":
         """``readers``: the other users whose local clients may call it (access.py)."""
-        seg = Segment.create(name, cls.lanes_nbytes(arena_bytes), readers, taken=cls.lanes_nbytes(0))
+        seg = Segment.create(name, cls.lanes_nbytes(arena_bytes), readers, taken=cls.lanes_nbytes(0) + first_pages(arena_bytes))
         try:
             control = Segment.create(control_name(name), cls.control_nbytes(), readers, readers_write=False)
         except BaseException:
@@ -622,7 +622,7 @@ class ClientSegment:
         """``ticket``: the creating process's liveness ticket (shm/liveness.py), kept in the
         header where the other segments keep their pid. ``readers``: the server's user, when it
         is not ours (access.py)."""
-        seg = Segment.create(name, cls.nbytes(slots, arena_bytes), readers, taken=cls.nbytes(slots, 0))
+        seg = Segment.create(name, cls.nbytes(slots, arena_bytes), readers, taken=cls.nbytes(slots, 0) + first_pages(arena_bytes))
         return cls(seg, slots, create=True, fifo=fifo, notify=notify, ticket=ticket, readers=readers)
 
     @classmethod

@@ -193,6 +193,27 @@ def test_a_full_dev_shm_is_a_503_where_a_page_was_wanted_and_no_process_dies(ful
         local.wait(30)
 
 
+def test_processes_that_never_served_before_dev_shm_filled_still_answer_small_requests(full_server):
+    """Every arena's first pages are taken when its segment is made, where the room was checked:
+    a model first called after /dev/shm filled (its worker, the frontend's and the broker's
+    arenas never written yet) answers small requests, and an error its model raises, instead of
+    a 503 for want of the pages the start counted."""
+    server = full_server
+    client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+    filler = Filler(server.shm)
+    try:
+        processes = sorted(server.tree())
+        assert filler.fill() > 0
+        assert (infer(client, "blob", 16, 16, 3) == 3).all()
+        assert (infer(client, "blob_ensemble", 16, 16, 4) == 4).all()
+        with pytest.raises(InferenceServerException) as e:
+            infer(client, "blob", 16, -1, 5)  # (a negative length: the model's own error)
+        assert e.value.status() != "503" and "/dev/shm" not in e.value.message(), e.value
+        assert sorted(server.tree()) == processes, server.log_tail()
+    finally:
+        filler.remove()
+
+
 def test_a_broker_restarted_while_dev_shm_is_full_says_so_and_comes_back_with_the_room(full_server):
     """A broker that dies while /dev/shm is full cannot make its objects: it says so in one line
     (no traceback), the launcher tries again with its back-off, and the server serves once the

@@ -225,7 +225,8 @@ class Answers:
             except GrowthRefused:
                 off = -1
             if off < 0:
-                log.error("output arena exhausted; request %s answered 503 without a block", entry.get("id"))
+                log.error("output arena exhausted; request %sanswered 503 without a block",
+                          f"'{entry['id']}' " if entry.get("id") else "")
                 return 503, 0, 0, 0
         buf = self.arena.buf(extent)
         pos = write_answer(buf, off, raw)
