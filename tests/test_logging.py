@@ -324,6 +324,54 @@ def test_a_relative_log_file_is_shown_as_given(server_factory, tmp_path):
     wait_for(lambda: "relative-1" in path.read_text(), "the request's lines in the log file")
 
 
+def test_a_frontend_keeps_the_log_file_it_opened_when_it_follows_a_change(server_factory, tmp_path):
+    """The frontend that forwarded a POST /v2/logging applies the broker's answer at once
+    (``logs.follow``), and that answer names the file as the flag did (relative here): it must
+    take every setting but the file, and keep writing to the file it opened. Once, it reopened
+    the file by that shown name. The file is renamed (as a rotation would) before the POST, so a
+    reopen by any name shows as a new file at the old name holding the frontend's lines."""
+    import os
+
+    import tritonclient.grpc as grpcclient
+
+    path = tmp_path / "following.log"
+    rotated = tmp_path / "following.log.1"
+    given = os.path.relpath(path, ROOT)  # (the servers start in ROOT)
+    s = server_factory.start([LOG_MODELS], ["--log-file", given])
+    roles = pids_by_role(s)
+    [frontend] = roles["frontend"]
+    grpc_pids = [pid for pid, title in s.titles().items() if title.startswith("shmserve grpc ")]
+    assert len(grpc_pids) == 1, s.titles()
+    wait_for(lambda: {frontend, *grpc_pids} <= {r["pid"] for r in parsed(path.read_text())},
+             "the frontends' first lines in the log file")
+    assert not [r for r in parsed(path.read_text()) if r["level"] == "V"], "a verbose line before any change"
+
+    def changes(pid: int, level: int) -> list[dict]:
+        """The lines in which ``pid`` says it applied log_verbose_level ``level`` (its first
+        line at that level: a process logs each change at verbose level 1)."""
+        return [r for r in parsed(rotated.read_text()) if r["pid"] == pid and r["level"] == "V"
+                and r["msg"].startswith("log settings: ") and f'"log_verbose_level":{level},' in r["msg"]]
+
+    os.rename(path, rotated)
+    answer = s.client().update_log_settings({"log_verbose_level": 1})  # through the one HTTP frontend
+    assert answer == {**DEFAULTS, "log_file": given, "log_verbose_level": 1}
+    # (A frontend applies the answer before it sends it on: any reopen has happened by now.)
+    assert not path.exists(), f"the HTTP frontend reopened the log file by name: {path.read_text()!r}"
+    wait_for(lambda: changes(frontend, 1), "the HTTP frontend's verbose line in the file it opened")
+    with grpcclient.InferenceServerClient(s.wait_grpc_ready().grpc_url) as g:  # the gRPC frontend follows too
+        g.update_log_settings({"log_verbose_level": 2})
+    assert not path.exists(), f"the gRPC frontend reopened the log file by name: {path.read_text()!r}"
+    wait_for(lambda: changes(grpc_pids[0], 2), "the gRPC frontend's verbose line in the file it opened")
+    infer(s, "following-1")  # a request through the HTTP frontend, lines from the worker
+    wait_for(lambda: "method verbose" in probe_lines(rotated.read_text(), "following-1"),
+             "the worker's verbose line in the file it opened")
+    assert not path.exists(), f"a process reopened the log file by name: {path.read_text()!r}"
+    s.stop()
+    assert s.pid in {r["pid"] for r in parsed(rotated.read_text())}, "no launcher line"
+    assert not path.exists(), f"a process reopened the log file by name: {path.read_text()!r}"
+    assert not any(DEFAULT_RE.match(line) for line in s.log().splitlines()), s.log_tail()  # none went to stderr
+
+
 def test_unparsable_body_is_400(srv):
     raw = raw_request(srv.port, "POST", "/v2/logging", b"{not json")
     assert raw.status == 400 and "failed to parse the request JSON" in raw.json()["error"]
