@@ -386,3 +386,73 @@ def test_an_output_into_a_region_dev_shm_has_no_room_for_is_a_503_and_lands_once
             client.unregister_system_shared_memory("outs")
         finally:
             path.unlink(missing_ok=True)
+
+
+# A model that answers each request with an error response of its own (not an execute that
+# raised), whose message is N bytes long: an answer as large as the caller asks, with no outputs.
+ERROR_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("e" * n)))
+        return responses
+'''
+
+
+def test_a_models_own_error_that_finds_no_room_is_a_503_counted_as_a_failure(tmp_path):
+    """An error response the model returned itself counts as a success, as Triton counts it (the
+    backend ran the request). When that error finds no room in the worker's arena, because
+    /dev/shm is full, the client gets a 503 instead, and that is a failure: the worker must not
+    count the answer it meant to give (``Worker._answer_ran``, from ``_answer``'s pair of
+    statuses)."""
+    from blob_models import BLOB_CONFIG
+
+    repo = write_repo(tmp_path / "repo")
+    (repo / "blob_error" / "1").mkdir(parents=True)
+    (repo / "blob_error" / "config.pbtxt").write_text(  # blob's inputs and output, no response cache
+        BLOB_CONFIG.replace('name: "blob"', 'name: "blob_error"').replace("response_cache { enable: true }\n", ""))
+    (repo / "blob_error" / "1" / "model.py").write_text(ERROR_MODEL)
+    server = NamespacedServer([repo], tmp_path, ["--frontend-arena-mb", "32", "--worker-arena-mb", "16",
+                                                 "--allow-grpc", "false"])
+    server.start()
+    filler = Filler(server.shm)
+    try:
+        server.wait_ready()
+        client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+
+        def error_answer(n: int) -> tuple[str, str]:
+            with pytest.raises(InferenceServerException) as e:
+                infer(client, "blob_error", 16, n, 1)
+            return e.value.status(), e.value.message()
+
+        # Before the filler: the model's error comes back as it said it, counted as a success.
+        status, message = error_answer(16)
+        assert status != "503" and message == "e" * 16, (status, message)
+        assert _counts(client, "blob_error") == (1, 0)
+        processes = sorted(server.tree())
+        assert filler.fill() > 0
+
+        # A small error still fits in the pages its worker took before.
+        assert error_answer(16) == (status, "e" * 16)
+        assert _counts(client, "blob_error") == (2, 0)
+        # An error past those pages (extent 0 is 4 MiB, its pages taken a MiB at a time): a 503
+        # naming /dev/shm, and a failure in the statistics.
+        refused_status, refused = error_answer(3 * MIB + MIB // 2)
+        assert refused_status == "503" and "/dev/shm" in refused, (refused_status, refused[:500])
+        assert _counts(client, "blob_error") == (2, 1), "an error answer that found no room was counted"
+        assert sorted(server.tree()) == processes, server.log_tail()
+        filler.remove()
+
+        # With the room back, the same error is answered whole, and counted as a success again.
+        assert error_answer(3 * MIB + MIB // 2) == (status, "e" * (3 * MIB + MIB // 2))
+        assert _counts(client, "blob_error") == (3, 1)
+        assert sorted(server.tree()) == processes
+        assert "SIGBUS" not in server.log() and "died" not in server.log(), server.log_tail()
+    finally:
+        filler.remove()
+        server.stop()
