@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from conftest import PRODUCT_MODELS, PYTHON, TEST_MODELS, cmdline, cpu_ticks, descendants, pid_alive, shm_entries
+from conftest import (PRODUCT_MODELS, PYTHON, TEST_MODELS, cmdline, cpu_ticks, descendants, pid_alive, shm_entries,
+                      stat_fields)
 
 
 def _add_sub_inputs(a: np.ndarray) -> list[httpclient.InferInput]:
@@ -347,6 +348,46 @@ def test_a_stopped_worker_does_not_outlive_the_broker_that_died(server_factory):
     assert "outlived its parent" in s.log()
     s.wait_ready()
     _add_sub(s)
+
+
+def _live_in_group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that have not exited (zombies left out), from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = stat_fields(int(entry))
+            if fields is not None and int(fields[2]) == pgid and fields[0] != b"Z":
+                out.append(int(entry))
+    return out
+
+
+def test_a_stopped_worker_adopted_by_the_launcher_is_killed_when_the_launcher_stops(server_factory):
+    """A worker that cannot act on the SIGTERM its broker's death sends it (stopped here) is
+    adopted by the launcher, which kills it 10 s later; a launcher stopped before then kills it as
+    it stops (``Adopted.kill_workers``), not leaving it behind, stopped for ever with the
+    server's memory mapped, for init to inherit."""
+    s = server_factory.start([PRODUCT_MODELS])
+    _add_sub(s)
+    worker = s.worker_pids("add_sub")[0]
+    broker = next(p for p, t in s.titles().items() if t.startswith("shmserve broker "))
+    tree = s.tree()
+    os.kill(worker, signal.SIGSTOP)
+    os.kill(broker, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and int(stat_fields(worker)[1]) != s.pid:
+        time.sleep(0.01)
+    assert int(stat_fields(worker)[1]) == s.pid, "the launcher did not adopt the worker"
+    adopted = time.monotonic()
+    os.kill(s.pid, signal.SIGTERM)
+    code = s.wait_exit(30)
+    took = time.monotonic() - adopted
+    left = [p for p in tree if pid_alive(p)] + [p for p in _live_in_group(s.pid) if p not in tree]
+    assert left == [], (f"processes outlived the launcher's stop: "
+                        f"{ {p: (cmdline(p), stat_fields(p)[0]) for p in left} }\n{s.log_tail()}")
+    assert code == 0, s.log_tail()
+    assert took < 6.0, f"the launcher took {took:.1f} s to stop after it adopted the worker"  # (not its 10 s)
+    assert "outlived its parent: killed as the server stops" in s.log(), s.log_tail()
+    assert shm_entries(s.id) == []
 
 
 def test_a_busy_port_names_the_process_that_holds_it(server_factory, tmp_path):
