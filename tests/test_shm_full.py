@@ -329,13 +329,6 @@ def test_a_named_user_who_truncates_and_then_fills_dev_shm_kills_no_server_proce
         assert sorted(server.tree()) == processes, "no server process died or was restarted"
         assert "SIGBUS" not in server.log() and "died" not in server.log(), server.log_tail()
     finally:
-        print("DEBUGLOG", server.log())
-        for pid, title in server.titles().items():
-            maps = open(f"/proc/{pid}/maps").read().splitlines()
-            print("MAPS", pid, title)
-            for i, line in enumerate(maps):
-                if "/dev/shm" in line or (i and "/dev/shm" in maps[i - 1] and len(line.split()) == 5):
-                    print("   ", line)
         if attacker is not None:
             attacker.kill()
             attacker.communicate(timeout=30)
