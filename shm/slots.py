@@ -41,7 +41,13 @@ class Slots:
         self.lock = threading.Lock()
         n = seg.nslots
         self._free = collections.deque(range(n))
-        self.inflight: set[int] = set()
+        # The slots in flight, in the order their requests were sent: the answers one look finds
+        # are completed in that order, so that a stream whose model answered its requests one by
+        # one reads them in that order, as a Triton client reads them (slots are reused round the
+        # table, so their numbers are not that order).
+        self.inflight: dict[int, None] = {}
+        self._sent_order = np.zeros(n, np.int64)  # slot -> its request's number, for many in flight
+        self._sent = 0
         self._streams: dict[int, tuple[Ring, Callback]] = {}  # slot -> its response ring
         self._callbacks: list[tuple[Callback, int] | None] = [None] * n  # slot -> (callback, request block)
         self._starts: list[int] = [0] * n  # slot -> where its request's tensor bytes start (``find_start``)
@@ -67,7 +73,9 @@ class Slots:
         self.seg.uncancel(slot)
         self._callbacks[slot] = (callback, off)
         self._starts[slot] = start
-        self.inflight.add(slot)
+        self.inflight[slot] = None
+        self._sent += 1
+        self._sent_order[slot] = self._sent
         if stream is not None:
             ring = Ring(self.seg.seg.buf, stream[0], STREAM_CAPACITY, RECORD)
             ring.reset()
@@ -106,7 +114,7 @@ class Slots:
         """A request that could not be sent after all."""
         self.seg.set_slot_state(slot, SLOT_FREE)
         self._callbacks[slot] = None
-        self.inflight.discard(slot)
+        self.inflight.pop(slot, None)
         self._streams.pop(slot, None)
         self._free.append(slot)
 
@@ -157,13 +165,14 @@ class Slots:
         self._segments.clear()
 
     def _done(self) -> list[int]:
-        """Slots answered since we last looked; a plain scan of the few in flight is cheaper than
-        numpy over the whole table until many are in flight."""
+        """Slots answered since we last looked, in the order sent; a plain scan of the few in
+        flight is cheaper than numpy over the whole table until many are in flight."""
         inflight = self.inflight
         if len(inflight) < 64:
             words, stride = self._words, self._stride
             return [s for s in list(inflight) if words[s * stride] == SLOT_DONE]
-        return np.flatnonzero(self._states == SLOT_DONE).tolist()
+        done = np.flatnonzero(self._states == SLOT_DONE)
+        return done[np.argsort(self._sent_order[done], kind="stable")].tolist()
 
     def _producer_buf(self, role: int, num: int, extent: int = 0) -> memoryview:
         """A view of the mapping an answer lies in, its own: it stays valid while the answer is
@@ -227,7 +236,7 @@ class Slots:
                 return  # already completed, or failed with the server
             _, status, role, num, off, length, _ = self.seg.read_slot(slot)
             self._callbacks[slot] = None
-            self.inflight.discard(slot)
+            self.inflight.pop(slot, None)
             target = self._targets[slot]
             if target:
                 self._targets[slot] = 0

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import queue
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Generator
+from typing import TYPE_CHECKING, Any, Callable, Generator
 
 from .answer import AnswerDescriptor
 from .completion import Completion
@@ -44,6 +45,14 @@ UNREAD_STATUS = 429
 # before): copying each response that finds the reader busy cost a gRPC stream of 1 MiB tensors
 # 1.4x its time.
 SPILL_AFTER_S = 0.2
+# The order events came in, across every stream of the process: a gRPC stream of many requests
+# sends their responses in that order (server/grpc/stream.py).
+_arrivals = itertools.count(1)
+
+
+def next_number() -> int:
+    """A number after every event's so far (for a message made of no event: a refusal)."""
+    return next(_arrivals)
 
 
 def _arena_bytes(completion: Completion) -> int:
@@ -92,7 +101,9 @@ class StreamEvents:
     context)`` in order, the final one last. ``events`` is a ``queue.Queue`` when the callbacks
     run on another thread than the reader, an ``asyncio.Queue`` when both run on one loop; with
     ``spill``, an event the reader leaves waiting (``SPILL_AFTER_S``, ``SpillRoom.hold``) is
-    copied there (the reader takes its events with ``next``)."""
+    copied there (the reader takes its events with ``next``). An ``asyncio.Queue``'s events are
+    numbered as they come (``head``, ``taken``), so that the reader of several requests' events
+    can send them in that order, and ``on_taken`` is called as one is taken."""
 
     def __init__(self, events: "queue.Queue | asyncio.Queue", spill: SpillRoom | None = None) -> None:
         self.events = events
@@ -108,6 +119,11 @@ class StreamEvents:
         self._in_arena: collections.deque[tuple[float, int, Completion]] = collections.deque()
         self._in_arena_bytes = 0
         self._timer: asyncio.TimerHandle | None = None  # copies the oldest once it waited SPILL_AFTER_S
+        # The numbers of the queued events, oldest first (an asyncio.Queue's only: ``next`` takes them).
+        self._numbers: collections.deque[int] | None = \
+            collections.deque() if isinstance(events, asyncio.Queue) else None
+        self.taken = 0  # the number of the event ``next`` returned last
+        self.on_taken: Callable[[], None] | None = None
 
     def put(self, final: bool, completion: Completion, context: Any = None) -> None:
         """A callback's event: queued for the reader (with a spill room: copied there later if the
@@ -129,9 +145,18 @@ class StreamEvents:
                         self._in_arena_bytes += size
                         if self._timer is None:
                             self._timer = asyncio.get_running_loop().call_later(SPILL_AFTER_S, self._spill_waiting)
-                self.events.put_nowait((final, completion, context))
+                self._queue((final, completion, context))
                 return
         completion.release()
+
+    def _queue(self, event: tuple[bool, Completion, Any]) -> None:
+        if self._numbers is not None:
+            self._numbers.append(next_number())
+        self.events.put_nowait(event)
+
+    def head(self) -> int | None:
+        """The number of the oldest event queued, None if none is."""
+        return self._numbers[0] if self._numbers else None
 
     def _spill_waiting(self) -> None:
         """The timer: copy what waited ``SPILL_AFTER_S``, then wait for the next oldest."""
@@ -181,7 +206,7 @@ class StreamEvents:
         error = AnswerDescriptor.failure(
             f"the stream's responses were read too slowly: {unread} bytes of them waited unread, past the "
             f"{spill.limit} bytes the server keeps of unread responses ({spill.flag}); the request was cancelled")
-        self.events.put_nowait((True, Completion(UNREAD_STATUS, None, 0, error, last=True), None))
+        self._queue((True, Completion(UNREAD_STATUS, None, 0, error, last=True), None))
 
     async def next(self) -> tuple[bool, Completion, Any]:
         """The next event of an ``asyncio.Queue``, waited for: one that comes while the reader
@@ -191,7 +216,11 @@ class StreamEvents:
             event = await self.events.get()
         finally:
             self._waiting = False
+        if self._numbers:
+            self.taken = self._numbers.popleft()
         self._taken(event[1])
+        if self.on_taken is not None:
+            self.on_taken()
         return event
 
     def _taken(self, completion: Completion) -> None:
@@ -221,6 +250,8 @@ class StreamEvents:
             self._timer = None
         self._in_arena.clear()
         self._in_arena_bytes = 0
+        if self._numbers is not None:
+            self._numbers.clear()
         left = []
         while True:
             try:

@@ -17,11 +17,12 @@ from shmserve.server.grpc.stream import MAX_RUNNING
 BATCHING = TESTS / "models" / "batching"
 CANCEL = TESTS / "models" / "cancel"
 SEQUENCES = TESTS / "models" / "sequences"
+STREAMS = TESTS / "models" / "streams"
 
 
 @pytest.fixture(scope="module")
 def server(module_factory):
-    return module_factory.start([BATCHING, CANCEL, SEQUENCES]).wait_grpc_ready()
+    return module_factory.start([BATCHING, CANCEL, SEQUENCES, STREAMS]).wait_grpc_ready()
 
 
 class Stream:
@@ -96,6 +97,40 @@ def test_a_sequence_on_one_stream_reaches_the_model_in_the_order_sent(server):
     finally:
         stream.close()
     assert [answers[str(i)] for i in range(len(values))] == list(np.cumsum(values))
+
+
+def test_responses_come_back_in_the_order_their_model_answered(server):
+    """A client may read a stream's answers by position (tritonclient sets no request id by
+    default): one instance answering the requests one by one, in the order sent, sends them back
+    in that order, as Triton does, even when several are answered between two looks."""
+    stream = Stream(server)
+    count = 300
+    try:
+        for i in range(count):
+            stream.send("probe_unbatched", _probe(), request_id=str(i))
+        answers = stream.take(count)
+    finally:
+        stream.close()
+    ids = [int(r.get_response().id) for _, r in answers]
+    ran = [int(r.as_numpy("ORDER")[0, 0]) for _, r in answers]
+    assert ran == sorted(ran), [(ids[k], ran[k]) for k in range(count) if k and ran[k] < ran[k - 1]][:10]
+    assert ids == list(range(count)), [k for k, i in enumerate(ids) if i != k][:10]
+
+
+def test_a_decoupled_models_responses_to_one_request_come_before_those_to_the_next(server):
+    """burst sends each request's responses at once, one request after another: they come back
+    in that order, not interleaved request by request, as Triton writes them."""
+    stream = Stream(server)
+    n = grpcclient.InferInput("N", [1], "INT32")
+    n.set_data_from_numpy(np.array([0], np.int32))
+    try:
+        for i in range(6):
+            stream.send("burst", [n], request_id=f"r{i}", parameters={"count": 5})
+        came = stream.take(30)
+    finally:
+        stream.close()
+    got = [(r.get_response().id, int(r.as_numpy("T")[0])) for _, r in came]
+    assert got == [(f"r{i}", k) for i in range(6) for k in range(5)], got
 
 
 def test_many_more_requests_than_run_at_once_are_all_answered(server):

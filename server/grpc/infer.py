@@ -135,8 +135,10 @@ class GrpcInference:
 
     async def stream(self, request: Any, decoupled: bool, read: tuple[int, int],
                      forwarded: dict[str, str] | None = None,
-                     room: Callable[[], Awaitable[bool]] | None = None) -> AsyncGenerator[Any, None]:
-        """Submit one request of a stream, and return its messages (``_messages``). Where the
+                     room: Callable[[], Awaitable[bool]] | None = None) \
+            -> tuple[AsyncGenerator[Any, None], StreamEvents | None]:
+        """Submit one request of a stream, and return its messages (``_messages``) and the events
+        they are made of (None for a request refused before it was submitted). Where the
         frontend has no room for it now (its slots or its arena taken), ``room`` waits for one of
         the stream's own requests to end and says whether one did; then the request is sent again,
         so a stream is never refused for room its own requests hold. While tracing is on, a
@@ -150,15 +152,16 @@ class GrpcInference:
             empty_final = _empty_final(request)
         except Aborted as e:
             e.head = error_head(request)
-            return refused(e.with_traceback(None))  # (its frames hold the request, which may be large)
+            return refused(e.with_traceback(None)), None  # (its frames hold the request, which may be large)
         trace = self.tracer.sample(request.model_name, GRPC_STAMPS) if self.tracer.on else None
         if trace is not None:
             trace.ns[RECV_START], trace.ns[RECV_END] = read if read[0] else (req.sent_ns, req.sent_ns)
             trace.mark(req)
         events = await self._send_stream(req, chunks, room)
-        messages = self._messages(request, decoupled, events, empty_final, trace) if isinstance(events, StreamEvents) \
-            else refused(Aborted(code_of(events.status), str(events), error_head(request)))
-        return messages if trace is None else timed_sends(messages, trace, self.tracer)
+        if not isinstance(events, StreamEvents):
+            return refused(Aborted(code_of(events.status), str(events), error_head(request))), None
+        messages = self._messages(request, decoupled, events, empty_final, trace)
+        return (messages if trace is None else timed_sends(messages, trace, self.tracer)), events
 
     async def _send_stream(self, req: InferRequest, chunks: list,
                            room: Callable[[], Awaitable[bool]] | None) -> StreamEvents | BrokerError:

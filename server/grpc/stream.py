@@ -5,7 +5,11 @@ it comes, so requests pipelined on one stream batch together and a quick one is 
 a long one (a decoupled model's stream of responses, say); a client tells the responses apart by
 the request's ``id``. Here, a reader task reads the stream and submits each request in the order
 read (a sequence's requests reach its scheduler in that order), and one task per request moves
-its messages to the call's outbox, which the call's generator sends from.
+its messages to the call's outbox, which the call's generator sends from. Messages leave in the
+order their responses came from the models (``StreamEvents`` numbers them), as Triton writes
+them: a client that reads a stream's answers by position (tritonclient sets no request id by
+default) pairs them with its requests when one instance answered them one by one, and the
+responses a decoupled model sends for one request come before those it sends for the next.
 
 A stream takes no more than its share: at most ``MAX_RUNNING`` of its requests run at once (past
 that the stream is not read until one ends, and HTTP/2's flow control holds the client); a
@@ -18,11 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
 import time
 from contextlib import aclosing
 from typing import Any, AsyncGenerator, AsyncIterator
 
 import grpc
+
+from shmserve.shm.streams import StreamEvents, next_number
 
 from .handlers import Malformed
 from .infer import GrpcInference, check_version, refused
@@ -36,77 +43,119 @@ Messages = AsyncGenerator[Any, None]
 
 @dataclasses.dataclass(frozen=True)
 class _Ended:
-    """The stream's last item in the outbox: the client closed its side and every request
-    ended, or reading (or a request's messages) failed with ``error``."""
+    """How the stream ends: the client closed its side and every request ended, or reading (or
+    a request's messages) failed with ``error``."""
 
     error: BaseException | None = None
 
 
+@dataclasses.dataclass(order=True)
+class _Outgoing:
+    """A message waiting in the outbox: sent in the order of ``number`` (its response's arrival,
+    ``StreamEvents``), then ``sent`` is set for the request's task to take its next."""
+
+    number: int
+    message: Any = dataclasses.field(compare=False)
+    sent: asyncio.Future = dataclasses.field(compare=False)
+
+
 class StreamRun:
-    """The requests of one stream, each submitted as read, their messages in one outbox: each
-    with the future its request's task waits on until it was sent."""
+    """The requests of one stream, each submitted as read, their messages in one outbox, sent in
+    the order their responses came: a message waits while a request still running has an
+    earlier response queued and not yet made into its message."""
 
     def __init__(self, inference: GrpcInference, context: Any, forwarded: dict[str, str]) -> None:
         self.inference = inference
         self.context = context
         self.forwarded = forwarded
-        self.outbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.outbox: list[_Outgoing] = []  # a heap
+        self.ended: _Ended | None = None
+        self.changed = asyncio.Event()  # a message came to the outbox, an event was taken, the stream ended
         self.running = asyncio.Semaphore(MAX_RUNNING)
         self.requests: set[asyncio.Task] = set()
+        self.events: set[StreamEvents] = set()  # those of the requests running
         self.decoupled: dict[tuple[str, str], bool] = {}
 
     async def messages(self) -> AsyncIterator[Any]:
-        """Every message of every request, as they come; ends when the client closed its side
-        and every request ended. Closing it (the call ended) cancels what still runs."""
+        """Every message of every request, in the order their responses came; ends when the
+        client closed its side and every request ended. Closing it (the call ended) cancels
+        what still runs."""
         reader = asyncio.create_task(self._read())
         try:
             while True:
-                item = await self.outbox.get()
-                if isinstance(item, _Ended):
-                    if item.error is not None:
-                        raise item.error
-                    return
-                message, sent = item
-                yield message
-                if not sent.done():
-                    sent.set_result(None)
-                item = message = None  # (not held while the stream waits: an error's traceback holds its request)
+                item = self._next_out()
+                if item is None:
+                    ended = self.ended
+                    if ended is not None and not self.outbox:
+                        if ended.error is not None:
+                            raise ended.error
+                        return
+                    self.changed.clear()
+                    await self.changed.wait()
+                    continue
+                yield item.message
+                if not item.sent.done():
+                    item.sent.set_result(None)
+                item = None  # (not held while the stream waits: an error's traceback holds its request)
         finally:
             reader.cancel()
             for task in list(self.requests):
                 task.cancel()
 
+    def _next_out(self) -> _Outgoing | None:
+        """The outbox's first message, unless a running request's earlier response is queued
+        still (its task makes it into a message and puts it here next); once the stream ended
+        with an error, what is in the outbox goes first as it stands."""
+        if not self.outbox:
+            return None
+        first = self.outbox[0].number
+        if self.ended is None or self.ended.error is None:
+            for events in self.events:
+                head = events.head()
+                if head is not None and head < first:
+                    return None
+        return heapq.heappop(self.outbox)
+
+    def _end(self, ended: _Ended) -> None:
+        if self.ended is None:
+            self.ended = ended
+        self.changed.set()
+
     async def _read(self) -> None:
         try:
             while True:
                 await self.running.acquire()
-                messages = await self._next_request()
-                if messages is None:
+                request = await self._next_request()
+                if request is None:
                     self.running.release()
                     break
-                task = asyncio.create_task(self._take(messages))
+                messages, events = request
+                if events is not None:
+                    self.events.add(events)
+                    events.on_taken = self.changed.set
+                task = asyncio.create_task(self._take(messages, events))
                 self.requests.add(task)
                 task.add_done_callback(self.requests.discard)
             while self.requests:
                 await asyncio.wait(list(self.requests))
-            self.outbox.put_nowait(_Ended())
+            self._end(_Ended())
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - the call's generator raises it
-            self.outbox.put_nowait(_Ended(e))
+            self._end(_Ended(e))
 
-    async def _next_request(self) -> Messages | None:
-        """The messages of the next request read, submitted before the next is read; None at the
-        end. While tracing is on, the wait for it and its read are timed (Triton's
-        GRPC_WAITREAD_START and _END) for the trace it may get (infer.py). Whether a model is
-        decoupled is asked once per model and stream."""
+    async def _next_request(self) -> tuple[Messages, StreamEvents | None] | None:
+        """The messages of the next request read, submitted before the next is read, and their
+        events; None at the end. While tracing is on, the wait for it and its read are timed
+        (Triton's GRPC_WAITREAD_START and _END) for the trace it may get (infer.py). Whether a
+        model is decoupled is asked once per model and stream."""
         waiting = time.monotonic_ns() if self.inference.tracer.on else 0
         request = await self.context.read()
         if request is grpc.aio.EOF:
             return None
         read = (waiting, time.monotonic_ns()) if waiting else (0, 0)
         if type(request) is Malformed:
-            return refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message))
+            return refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message)), None
         try:
             key = (request.model_name, check_version(request.model_version))
         except Aborted:  # (the request itself is refused for it)
@@ -123,20 +172,27 @@ class StreamRun:
         await asyncio.wait(list(self.requests), return_when=asyncio.FIRST_COMPLETED)
         return True
 
-    async def _take(self, messages: Messages) -> None:
-        """Move one request's messages to the outbox, each once the one before it was sent; a
-        failure ends the stream with it, as it ended the call before requests ran side by side."""
+    async def _take(self, messages: Messages, events: StreamEvents | None) -> None:
+        """Move one request's messages to the outbox, each once the one before it was sent,
+        numbered as the response it was made of (made and put here with no wait between: no
+        other task sees the response taken and its message not yet here); a failure ends the
+        stream with it, as it ended the call before requests ran side by side."""
         loop = asyncio.get_running_loop()
         try:
             async with aclosing(messages):
                 async for message in messages:
                     sent = loop.create_future()
-                    self.outbox.put_nowait((message, sent))
+                    number = events.taken if events is not None and events.taken else next_number()
+                    heapq.heappush(self.outbox, _Outgoing(number, message, sent))
+                    self.changed.set()
                     await sent
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the call's generator raises it
-            self.outbox.put_nowait(_Ended(e))
+            self._end(_Ended(e))
         finally:
+            if events is not None:
+                self.events.discard(events)
+                events.on_taken = None
+            self.changed.set()
             self.running.release()
-
