@@ -220,13 +220,18 @@ def test_parameters_of_every_type_reach_the_model(stub):
     request = _echo_request(flag=("bool_param", True), count=("int64_param", -3),
                             big=("uint64_param", (1 << 64) - 1), ratio=("double_param", 0.25),
                             note=("string_param", "héllo"), priority=("uint64_param", 2),
-                            sequence_id=("string_param", "ignored for a model without sequences"))
+                            sequence_id=("string_param", "ignored for a model without sequences"),
+                            triton_enable_empty_final_response=("bool_param", True),
+                            binary_data_output=("string_param", "x"), headers=("string_param", "h"))
     response = stub.ModelInfer(request)
     assert response.id == "q1" and response.model_name == "meta_echo" and response.model_version == "1"
     outputs = dict(zip((o.name for o in response.outputs), response.raw_output_contents))
     params = json.loads(outputs["PARAMETERS"][4:])  # one BYTES element: its length, then the text
-    # (sequence_id and priority are the server's own: they do not reach the model)
-    assert params == {"flag": True, "count": -3, "big": (1 << 64) - 1, "ratio": 0.25, "note": "héllo"}
+    # As in Triton 2.51: sequence_id, priority and triton_enable_empty_final_response are the
+    # server's own, and do not reach the model; binary_data_output, an HTTP word, does; headers is
+    # reserved by Triton's docs, and does not.
+    assert params == {"flag": True, "count": -3, "big": (1 << 64) - 1, "ratio": 0.25, "note": "héllo",
+                      "binary_data_output": "x"}
     assert np.frombuffer(outputs["Y"], np.int32).tolist() == [2, 3]
 
 

@@ -59,8 +59,9 @@ TRITON_RESERVED_PREFIX = "triton_python_backend_shm_region_"
 
 
 def check_key(name: str, key: Any) -> None:
-    """Refuse keys no client may register, with Triton's texts: a key of slashes only, and a
-    key in a namespace the server reserves (its own objects and its semaphores' files)."""
+    """Refuse keys no client may register, with the texts of Triton's own check (added after
+    2.51, which could not open them): a key of slashes only, and a key in a namespace the server
+    reserves (its own objects and its semaphores' files)."""
     if not isinstance(key, str) or not key.strip("/"):
         raise RegionError(f"cannot register shared memory region '{name}' - invalid shm key '{key}'")
     reserved = TRITON_RESERVED_PREFIX if key.lstrip("/").startswith(TRITON_RESERVED_PREFIX) else reserved_prefix(key)

@@ -26,9 +26,14 @@ INT64_MAX = (1 << 63) - 1
 INT64_MIN = -(1 << 63)
 UINT64_MAX = (1 << 64) - 1
 UINT32_MAX = (1 << 32) - 1
-# Request parameters the server consumes itself; the rest reach the model (as Triton does).
+# Request parameters the server consumes itself; the rest reach the model (as Triton does). Over
+# gRPC, Triton 2.51 reads no binary_data_output (an HTTP word: it reaches the model) and takes
+# triton_enable_empty_final_response for its stream (the model never sees it); "headers" is
+# reserved by Triton's docs (extension_parameters.md), and kept from the model over both.
+EMPTY_FINAL_PARAMETER = "triton_enable_empty_final_response"
 RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
                                  "binary_data_output", "headers"})
+GRPC_RESERVED_PARAMETERS = RESERVED_PARAMETERS - {"binary_data_output"} | {EMPTY_FINAL_PARAMETER}
 
 
 class BadRequest(Exception):
@@ -474,12 +479,14 @@ def add_request_parameters(req: InferRequest, params: dict, json_body: bool = Fa
     """The request ``params`` into ``req``: the model's own parameters, and the sequence,
     priority and timeout ones the server reads. ``json_body``: of an HTTP request, else of a
     gRPC one; a refusal names the first wrong parameter in Triton's words for it."""
+    reserved = RESERVED_PARAMETERS if json_body else GRPC_RESERVED_PARAMETERS
     try:
-        for key in ("sequence_start", "sequence_end", "binary_data_output"):
+        for key in ("sequence_start", "sequence_end", "binary_data_output") if json_body else \
+                ("sequence_start", "sequence_end"):
             _bool_param(params, key, "the request")
         model_params = {}
         for key, value in params.items():
-            if key in RESERVED_PARAMETERS:
+            if key in reserved:
                 continue
             if value is None and not json_body:  # an InferParameter with no value set: Triton's words
                 raise BadRequest(f"invalid value type for '{key}' parameter, expected int64_param, bool_param, or "

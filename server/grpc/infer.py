@@ -21,7 +21,7 @@ import grpc
 from shmserve.server.edge.header_forward import forwarded_params
 from shmserve.server.edge.link import (ArenaWait, BrokerError, BrokerLink, Overloaded, Sent, completion_of,
                                       when_room)
-from shmserve.server.edge.requests import BadRequest, NegativeShape
+from shmserve.server.edge.requests import EMPTY_FINAL_PARAMETER, BadRequest, NegativeShape
 from shmserve.server.edge.tracing import (RECV_END, RECV_START, REQUEST_END, SEND_END, SEND_START, Trace,
                                               Tracer, timed_sends)
 from shmserve.shm import control_messages as control
@@ -42,7 +42,7 @@ from .responses import error_head, infer_response
 HTTP_DECOUPLED = "HTTP end point doesn't support models with decoupled transaction policy"
 GRPC_DECOUPLED = "ModelInfer RPC doesn't support models with decoupled transaction policy"
 # The request parameter that asks for an empty response carrying only the final flag.
-EMPTY_FINAL = "triton_enable_empty_final_response"
+EMPTY_FINAL = EMPTY_FINAL_PARAMETER
 
 
 # What C++'s std::stol reads, as Triton parses a request's model_version: optional blanks and sign,
