@@ -212,6 +212,33 @@ def test_sequences_with_integer_and_string_ids(gclient, stream):
         assert _sequence(gclient, seq_id, values, stream) == [values[0] + 1] + values[1:]
 
 
+def test_sequences_pipelined_on_one_stream_answer_in_the_order_sent(gclient):
+    """simple_grpc_sequence_stream_infer_client.py (and the aio one) as they run: two sequences'
+    requests interleaved and all sent before any answer is read, each answer placed by the order
+    it came in. Every round pipelines them anew (the answers' order is the server's to keep)."""
+    values = [11, 7, 5, 3, 2, 0, 1]
+    expected = [values[0] + 1] + values[1:]
+    answers: queue.Queue = queue.Queue()
+    for round in range(5):
+        gclient.start_stream(callback=lambda result, error: answers.put(error or result))
+        try:
+            seqs = (1000 + 2 * round, 1001 + 2 * round)
+            for i, v in enumerate(values):
+                for seq_id in seqs:
+                    t = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+                    t.set_data_from_numpy(np.array([[v]], dtype=np.int32))
+                    gclient.async_stream_infer("simple_sequence", [t], sequence_id=seq_id, sequence_start=i == 0,
+                                               sequence_end=i == len(values) - 1, request_id=f"{seq_id}_{i}")
+            came: dict[int, list[int]] = {seq_id: [] for seq_id in seqs}
+            for _ in range(2 * len(values)):
+                r = answers.get(timeout=30)
+                assert not isinstance(r, Exception), r
+                came[int(r.get_response().id.split("_")[0])].append(int(r.as_numpy("OUTPUT")[0][0]))
+        finally:
+            gclient.stop_stream()
+        assert came == {seq_id: expected for seq_id in seqs}, (round, came)
+
+
 def test_decoupled_repeat_streams_one_response_per_element(gclient):
     """simple_grpc_custom_repeat.py: Triton's repeat_int32 answers one streamed response per
     element of IN (OUT = IN[i], IDX = i), DELAY[i] ms apart."""
