@@ -23,6 +23,7 @@ import time
 from typing import Callable
 
 
+from shmserve import __version__
 from shmserve.parent_death import ORPHANED, die_with_parent
 from shmserve.server.edge.stop_signal import STOP
 from shmserve.shm import logs, space, truncation_guard
@@ -30,8 +31,8 @@ from shmserve.shm.access import readers_environment
 from shmserve.shm.child_spec import spec_file
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.liveness import BROKER_TICKET, Tickets, broker_path
-from shmserve.shm.names import (SHM_DIR, list_objects, object_name, ours, unlink_all, unlink_semaphore,
-                                unlink_shm)
+from shmserve.shm.names import (SHM_DIR, list_objects, object_name, ours, title_of, unlink_all,
+                                unlink_semaphore, unlink_shm)
 
 from .adopted import Adopted, become_subreaper
 from .broker.journal import journal_path
@@ -70,7 +71,19 @@ def _live_broker(server_id: str) -> str | None:
         return "unknown"
     pid = seg.pid
     seg.close()
-    return str(pid)
+    return str(_launcher_of(pid))
+
+
+def _launcher_of(broker: int) -> int:
+    """The launcher running ``broker`` (its parent): the process an operator stops to stop the
+    server (the launcher restarts a broker killed alone). The broker itself where its parent is
+    no launcher (another PID namespace, or a launcher gone)."""
+    try:
+        with open(f"/proc/{broker}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return broker
+    return parent if title_of(parent).startswith("shmserve launcher ") else broker
 
 
 def _check_previous(server_id: str) -> None:
@@ -78,7 +91,7 @@ def _check_previous(server_id: str) -> None:
     pid = _live_broker(server_id)
     if pid is not None:
         sys.stderr.write(f"shmserve: error: a server with id '{server_id}' is already running (pid {pid}); "
-                         f"use --id to run another\n")
+                         f"stop it (SIGTERM) or use --id to run another\n")
         sys.exit(1)
     removed = unlink_all(server_id)
     if removed:
@@ -239,6 +252,10 @@ class Launcher:
                         "then), so a client of those users that truncates an object it may write ends the server "
                         "process that touches it (SIGBUS); install shmserve again where a C compiler is found")
         code = 0
+        # The launcher's own first word once its checks passed: a start slowed down (a busy host,
+        # a large repository to scan) is then told from one that hangs before the broker's first line.
+        log.info("starting shmserve %s as '%s' (pid %d), repositories: %s", __version__, self.sid, os.getpid(),
+                 ", ".join(map(str, self.args.model_repository)))
         become_subreaper()
         try:
             self.broker = self._start_broker()

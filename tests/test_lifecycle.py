@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
+
+import shmserve
 from conftest import DEADLINE_S, raw_request
 from gates import Gate
 
@@ -780,3 +782,24 @@ def test_an_unload_kills_a_worker_whose_finalize_does_not_return(server_factory,
     assert "did not stop within 2 s of being asked" in s.log()
     client.load_model("hanging")  # and it loads again
     assert client.is_model_ready("hanging")
+
+
+def test_the_start_logs_a_table_of_the_models_and_whether_the_server_is_ready(server_factory, tmp_path):
+    """Once the loads at start are over, the log shows every model with its version and status
+    (a failure with its reason), as Triton's table does, and its last word agrees with
+    /v2/health/ready: with a model that failed under --strict-readiness, not ready."""
+    repo = tmp_path / "repo"
+    shutil.copytree(Path(__file__).parent.parent / "model_repository" / "add_sub", repo / "add_sub")
+    (repo / "typo" / "1").mkdir(parents=True)
+    (repo / "typo" / "config.pbtxt").write_text('backend: "python"\nmax_bach_size: 0\n')
+    s = server_factory.start([repo], ["--exit-on-error=false"], wait=False)
+    s.wait_until(lambda: "server is not ready" in s.log(), "the start's last word")
+    log = s.log()
+    table = log[log.index("| Model "):]
+    assert "| Model   | Version | Status" in table, table
+    assert "| add_sub | 1       | READY " in table, table
+    assert "| typo    | -       | UNAVAILABLE: failed to load 'typo'" in table and "max_bach_size" in table, table
+    assert "1 model version(s) serving, 1 model(s) failed to load (typo)" in log
+    assert "server is ready" not in log
+    assert s.http_status("/v2/health/ready") == 400
+    assert f"starting shmserve {shmserve.__version__} as '{s.id}' (pid {s.pid}), repositories: {repo}" in log

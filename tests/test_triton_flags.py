@@ -309,6 +309,17 @@ def test_a_server_on_shared_ports_takes_connections_once_its_models_loaded(serve
     assert second.client().is_model_ready("slow")
 
 
+def test_a_load_model_typo_is_logged_with_the_names_it_is_closest_to(server_factory, tmp_path):
+    """The log names where the model was looked for and the folders a typo is closest to; the
+    refusal itself keeps Triton's words (tests/test_grpc.py)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "model_repository" / "add_sub", repo / "add_sub")
+    s = server_factory.create([repo], ["--model-control-mode=explicit", "--load-model=add_sbu"]).start()
+    assert s.wait_exit(60) != 0
+    assert (f"failed to load 'add_sbu', failed to poll from model repository: no model folder 'add_sbu' in {repo}; "
+            f"did you mean 'add_sub'?") in s.log(), s.log_tail()
+
+
 def test_a_load_model_no_repository_holds_stops_the_start_as_triton_does(server_factory, tmp_path):
     """--load-model with a name no repository holds: a model that did not load, so the default
     --exit-on-error stops the start (it served nothing and said ready); with --exit-on-error=false

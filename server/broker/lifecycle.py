@@ -15,6 +15,7 @@ load, a batch done); ``on_worker_messages`` takes those reports.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import logging
 import os
@@ -46,6 +47,7 @@ from .journal import Journal
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
 from .load_plan import LoadPlanner, instance_needs
+from .model_table import model_rows, table
 from .rate_limiter import RateLimiter
 from .repository_scan import RepositoryScanner, folder_state
 from .routes import Routes
@@ -159,13 +161,22 @@ class Lifecycle:
         self.catalog.restoring = False
         # After a broker restart a model that no longer loads must not stop a server that serves.
         failed = self.catalog.load_errors or self.refused_at_start
+        rows = model_rows(self.catalog)
+        for line in table(rows).splitlines() if rows else []:  # (a record a line, as log readers take them)
+            log.info("%s", line)
         if failed and self.opts.exit_on_error and not self.journal.restarted:
             log.error("failed to load all models; exiting (use --exit-on-error=false to serve the rest)")
             self.startup_failed = True
             self.running = False
+            return
+        serving = sum(1 for s in states if s == State.READY)
+        if self.server_ready():
+            log.info("server is ready: %d model version(s) serving", serving)
         else:
-            log.info("server is ready: %d model version(s) serving",
-                     sum(1 for s in states if s == State.READY))
+            unavailable = sorted(name for name in self.catalog.load_errors if name not in self.catalog.models)
+            log.warning("server is not ready (--strict-readiness): %d model version(s) serving, %d model(s) failed "
+                        "to load (%s); readiness says so until they load or are unloaded", serving,
+                        len(unavailable), ", ".join(unavailable))
 
     def server_ready(self) -> bool:
         if not self.startup_done or not self.running:
@@ -205,6 +216,14 @@ class Lifecycle:
                     found[entry.name] = Path(entry.path)
         self.ambiguous = ambiguous
         return found
+
+    def _no_folder_hint(self, name: str) -> str:
+        """For the log (the answer keeps Triton's words alone): where the name was looked for,
+        and the folder names it is closest to, for a typo."""
+        near = difflib.get_close_matches(name, self.catalog.model_dirs, n=3)
+        where = ", ".join(str(r) for r in self.opts.repositories)
+        return f": no model folder '{name}' in {where}" + \
+            (f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else "")
 
     def _initial_models(self) -> list[tuple[str, str | None, Path | None]]:
         """(name, override config, uploaded folder) of each model to load at start: in explicit
@@ -284,7 +303,7 @@ class Lifecycle:
             # trace. Recorded, it would enter the index, turn strict readiness off for the whole
             # server and give the failure metric a label per name a client makes up.
             reason = f"failed to load '{name}', failed to poll from model repository"
-            log.error("%s", reason)
+            log.error("%s%s", reason, self._no_folder_hint(name))
             return LoadRefused(reason, 500)
         if name in self.ambiguous and model_dir == catalog.model_dirs.get(name):  # (an upload is its own)
             return self._load_failed(name, f"failed to load '{name}', {DUPLICATE_MODEL}")
