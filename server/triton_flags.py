@@ -86,8 +86,9 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
                    help="accepted for Triton's command lines; every instance loads in a process of its own, "
                         "all at once, so the count has no effect")
     p.add_argument("--backend-config", action="append", default=[], metavar="[BACKEND,]SETTING=VALUE",
-                   help="Triton's backend settings: accepted, and each one named in a warning at start, "
-                        "since none applies to shmserve's backends; repeatable")
+                   help="Triton's backend settings: python,shm-default-byte-size and python,shm-growth-byte-size "
+                        "size each instance's output extents (docs/flags.md); any other is accepted and named in "
+                        "a warning at start, since it applies to none of shmserve's backends; repeatable")
     for flag in GRPC_FLAGS:
         p.add_argument(flag, default=None, metavar="VALUE", help="accepted for Triton's command lines, with a "
                                                                   "warning at start: no effect here")

@@ -196,8 +196,11 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
         raise ConfigError(f"model '{m}': must specify 'backend' or 'platform' (none could be inferred "
                           f"from the model files)")
     if backend not in known_backends:
-        raise ConfigError(f"model '{m}': unable to find backend '{backend}' (installed backends: "
-                          f"{', '.join(sorted(known_backends))})")
+        served = ", ".join(sorted(known_backends))
+        if config.platform and not config.backend:  # (tensorrt_plan, tensorflow_savedmodel, ...)
+            raise ConfigError(f"model '{m}': unable to find backend '{backend}': platform '{config.platform}' is "
+                              f"not served by shmserve (its backends: {served})")
+        raise ConfigError(f"model '{m}': unable to find backend '{backend}' (installed backends: {served})")
     if config.max_batch_size < 0:
         raise ConfigError(f"model '{m}': max_batch_size must be >= 0, got {config.max_batch_size}")
     gpus = cuda_device_count()

@@ -219,7 +219,11 @@ def test_a_good_config_passes(tmp_path):
     ("max_batch_size: 0", "model 'm': must specify 'backend' or 'platform' (none could be inferred from the "
                           "model files)"),
     ('backend: "tensorrt"', "model 'm': unable to find backend 'tensorrt' (installed backends: python, pytorch)"),
-    ('platform: "tensorflow_savedmodel"', "model 'm': unable to find backend 'tensorflow_savedmodel'"),
+    ('platform: "tensorflow_savedmodel"', "model 'm': unable to find backend 'tensorflow_savedmodel': platform "
+                                          "'tensorflow_savedmodel' is not served by shmserve (its backends: python, "
+                                          "pytorch)"),
+    ('platform: "tensorrt_plan"', "model 'm': unable to find backend 'tensorrt_plan': platform 'tensorrt_plan' is "
+                                  "not served by shmserve (its backends: python, pytorch)"),
     ('backend: "python" max_batch_size: -1', "model 'm': max_batch_size must be >= 0, got -1"),
     ('backend: "python" dynamic_batching { preferred_batch_size: [ 1 ] }',
      "model 'm': dynamic_batching.preferred_batch_size 1 must be between 1 and max_batch_size 0"),

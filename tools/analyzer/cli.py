@@ -4,7 +4,7 @@ configuration with a server of its own (from a temporary copy of the repository)
 with shmserve-perf over a concurrency sweep, and writes a report folder: report.html,
 results.csv and the best config.pbtxt. See docs/tools.md.
 
-    shmserve-analyzer --model-repository model_repository -m mlp --latency-budget-ms 20
+    shmserve-analyzer --model-repository model_repository -m digits --latency-budget-ms 20
 """
 from __future__ import annotations
 
