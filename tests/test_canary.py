@@ -247,6 +247,25 @@ def test_bad_canary_parameter_fails_the_load(server_factory, tmp_path):
         ask(server.url)
 
 
+def test_a_canary_that_cannot_act_is_named_in_a_warning(server_factory, tmp_path):
+    """A misspelt canary setting, which would leave the canary off in silence, is named with the
+    setting it is closest to; a fraction on a model whose version policy loads one version says
+    that a canary needs two. Both models load and serve."""
+    typo = make_repo(tmp_path / "typo", STABLE, canary_fracton="0.1")
+    config = typo / MODEL / "config.pbtxt"
+    one = make_repo(tmp_path / "one", STABLE, canary_fraction="0.2")
+    (one / MODEL / "config.pbtxt").write_text((one / MODEL / "config.pbtxt").read_text()
+                                              .replace("version_policy: { all { } }", ""))
+    server = server_factory.start([typo], [])
+    assert ask(server.url) in (1, 2)
+    assert f"model '{MODEL}': parameter 'canary_fracton' is no canary setting and is ignored (did you mean " \
+           f"'canary_fraction'?)" in server.log(), config.read_text()
+    second = server_factory.start([one], [])
+    assert ask(second.url) == 2
+    assert f"model '{MODEL}': canary_fraction 0.2 has no effect while its version policy loads 1 version(s)" \
+        in second.log()
+
+
 CANARY_WITH_EXTRA_OUTPUT = STABLE + """
     @staticmethod
     def auto_complete_config(auto_complete_model_config):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import logging
 import time
 from typing import Any, Iterable
@@ -30,6 +31,19 @@ PARAMETERS = {  # config.pbtxt parameter key -> policy field
     "canary_max_p99_margin": "p99_margin",
     "canary_min_p99_delta_ms": "p99_min_delta_ms",
 }
+
+
+def unknown_parameters(parameters: dict[str, str]) -> list[str]:
+    """Warnings for keys of ``parameters`` in the canary's namespace that name no setting (a typo
+    would leave the canary off, silently), each with the setting it is closest to."""
+    out = []
+    for key in sorted(k for k in parameters if k.startswith("canary_") and k not in PARAMETERS):
+        near = difflib.get_close_matches(key, PARAMETERS, n=1)
+        out.append(f"parameter '{key}' is no canary setting and is ignored" +
+                   (f" (did you mean '{near[0]}'?)" if near else f" (canary settings: {', '.join(PARAMETERS)})"))
+    return out
+
+
 P99_MIN_SAMPLES = 100  # per version in the window: fewer, and the "p99" is just the slowest one
 SNAPSHOT_EVERY_S = 0.5
 

@@ -19,7 +19,7 @@ from shmserve.workers.classification import load_labels
 
 from . import config as cfgmod
 from . import response_cache, unsupported
-from .canary import CanaryPolicy
+from .canary import CanaryPolicy, unknown_parameters
 from .catalog import Catalog
 from .ensemble_plan import find_cycle, step_models
 from .ensemble_steps import decoupled_flow, steps_refusal
@@ -96,10 +96,17 @@ class LoadPlanner:
                 raise cfgmod.ConfigError(f"model '{name}': {e}") from None
         try:
             parameters = cfgmod.string_parameters(config)
-            return LoadPlan(config, versions, CanaryPolicy.from_parameters(parameters),
-                            cfgmod.execution_timeout(parameters))
+            canary = CanaryPolicy.from_parameters(parameters)
+            plan = LoadPlan(config, versions, canary, cfgmod.execution_timeout(parameters))
         except ValueError as e:
             raise cfgmod.ConfigError(f"model '{name}': parameters: {e}") from None
+        for warning in unknown_parameters(parameters):
+            log.warning("model '%s': %s", name, warning)
+        if canary.fraction > 0 and len(versions) < 2:
+            log.warning("model '%s': canary_fraction %g has no effect while its version policy loads %d version(s): "
+                        "a canary needs two loaded (version_policy { latest { num_versions: 2 } }, or all, or "
+                        "specific)", name, canary.fraction, len(versions))
+        return plan
 
     def reached_configs(self, config: Any) -> dict[str, Any]:
         """The config of every model the ensemble ``config`` reaches through its steps, nested
