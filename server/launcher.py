@@ -309,7 +309,9 @@ class Launcher:
             code = self.broker.poll()
             if code is not None and not self.stopping:
                 if code in (2, STARTUP_FAILED):  # bad options, or a model failed at start: do not loop
-                    log.error("the broker exited with code %d; shutting down", code)
+                    log.error("%s; shutting down", "the start failed: a model did not load and --exit-on-error is "
+                              "on (its error is above)" if code == STARTUP_FAILED else
+                              f"the broker exited with code {code}")
                     return 1
                 if time.monotonic() - broker_since > STABLE_S:
                     broker_restarts = 0  # it had been running fine: not a crash loop

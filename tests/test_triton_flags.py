@@ -318,6 +318,8 @@ def test_a_load_model_typo_is_logged_with_the_names_it_is_closest_to(server_fact
     assert s.wait_exit(60) != 0
     assert (f"failed to load 'add_sbu', failed to poll from model repository: no model folder 'add_sbu' in {repo}; "
             f"did you mean 'add_sub'?") in s.log(), s.log_tail()
+    assert "the start failed: a model did not load and --exit-on-error is on (its error is above); shutting down" \
+        in s.log()
 
 
 def test_a_load_model_no_repository_holds_stops_the_start_as_triton_does(server_factory, tmp_path):

@@ -161,7 +161,8 @@ class BrokerLink:
         try:
             self.connection()
         except BrokerError as e:  # the broker not there (yet): the first request connects
-            log.warning("not connected to the broker at start (%s); the first request will connect", e)
+            log.warning("not connected to the broker at start: it stopped or is restarting (%s); the first request "
+                        "will connect", e)
 
     def _on_readable(self) -> None:
         conn = self._conn
