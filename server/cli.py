@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 from . import __version__, cache_flags, triton_flags
 from .edge.header_forward import HTTP_FLAG as HTTP_FORWARD_FLAG, compile_pattern
@@ -50,10 +50,54 @@ def default_http_workers() -> int:
     return min(TRITON_HTTP_THREADS, max(1, usable_cores() // 2))
 
 
+# The sections of --help, as docs/flags.md has them: (title, flags or prefixes of flags), the first
+# that matches a flag takes it; flags accepted from tritonserver's command lines with no effect
+# here (their help says so) have a section of their own, last.
+SECTIONS = (
+    ("models and repositories", ("--model-", "--repository-", "--load-model", "--strict-model-config",
+                                 "--disable-auto-complete-config", "--backend-config", "--strict-readiness",
+                                 "--exit-on-error", "--exit-timeout-secs", "--allow-model-file-uploads",
+                                 "--rate-limit", "--rate-limit-resource")),
+    ("HTTP", ("--http-", "--allow-http", "--reuse-http-port")),
+    ("gRPC", ("--grpc-", "--allow-grpc", "--reuse-grpc-port")),
+    ("metrics", ("--metrics-", "--allow-metrics", "--allow-cpu-metrics", "--allow-gpu-metrics")),
+    ("logging", ("--log-",)),
+    ("tracing", ("--trace-",)),
+    ("response cache", ("--cache-", "--response-cache-")),
+    ("shared memory and local clients", ("--id", "--allow-client-shm", "--local-client-users", "--allow-remote-shm",
+                                         "--worker-arena-mb", "--broker-arena-mb", "--frontend-arena-mb",
+                                         "--poll-us")),
+)
+NO_EFFECT_SECTION = "tritonserver flags accepted but not acted on (each named at start; some refused when true)"
+NO_EFFECT_HELP = ("accepted for Triton's command lines", "false is accepted; true is refused")
+
+
 class _Parser(argparse.ArgumentParser):
+    """One-line errors; each flag in its section of --help (``SECTIONS``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sections = {title: self.add_argument_group(title) for title, _ in SECTIONS}
+        self._sections[NO_EFFECT_SECTION] = self.add_argument_group(NO_EFFECT_SECTION)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        section = _section_of(args[0] if args else "", str(kwargs.get("help", "")))
+        if section is None:
+            return super().add_argument(*args, **kwargs)
+        return self._sections[section].add_argument(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # one line, exit code 2, as operators' scripts expect
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+
+def _section_of(flag: str, help: str) -> str | None:
+    if help.startswith(NO_EFFECT_HELP):
+        return NO_EFFECT_SECTION
+    for title, names in SECTIONS:
+        if any(flag == n or (n.endswith("-") and flag.startswith(n)) for n in names):
+            return title
+    return None
 
 
 METRICS_CONFIG_KEYS = {"summary_latencies", "histogram_latencies", "counter_latencies", "summary_quantiles"}

@@ -11,6 +11,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from conftest import PRODUCT_MODELS, PYTHON, ROOT, cmdline, descendants, free_port, raw_request, shm_entries
+from shmserve.server.cli import NO_EFFECT_SECTION
 
 FLAGS = [
     "--model-repository", "--model-store", "--http-port", "--http-address", "--http-workers",
@@ -47,6 +48,29 @@ def test_help_mentions_every_flag(entry):
     for flag in FLAGS:
         assert flag in r.stdout, f"--help does not mention {flag}"
     assert r.stderr == ""
+
+
+def test_help_lists_each_flag_in_its_section():
+    """--help in docs/flags.md's sections, the tritonserver flags that do nothing here last and
+    apart, so that a reader finds what acts among what is only accepted."""
+    r = subprocess.run([PYTHON, "-m", "shmserve", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    sections: dict[str, list[str]] = {}
+    current = ""
+    for line in r.stdout.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            current = line[:-1]
+            sections[current] = []
+        elif line.startswith("  --"):
+            sections.setdefault(current, []).append(line.split()[0].rstrip(","))
+    titles = list(sections)
+    assert titles[titles.index("options"):] == ["options", "models and repositories", "HTTP", "gRPC", "metrics",
+                                               "logging", "tracing", "response cache",
+                                               "shared memory and local clients", NO_EFFECT_SECTION], titles
+    assert sections["options"] == ["--version"]
+    assert {"--model-repository", "--load-model", "--rate-limit-resource"} <= set(sections["models and repositories"])
+    assert {"--http-port", "--http-max-inflight", "--reuse-http-port"} <= set(sections["HTTP"])
+    assert {"--grpc-port", "--allow-grpc"} <= set(sections["gRPC"]) and "--http-thread-count" not in sections["HTTP"]
+    assert {"--http-thread-count", "--backend-directory", "--allow-sagemaker"} <= set(sections[NO_EFFECT_SECTION])
 
 
 def test_a_repository_named_twice_is_one():
