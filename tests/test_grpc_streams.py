@@ -99,18 +99,24 @@ def test_a_sequence_on_one_stream_reaches_the_model_in_the_order_sent(server):
     assert [answers[str(i)] for i in range(len(values))] == list(np.cumsum(values))
 
 
+def _pipelined(server, count: int) -> list:
+    """``count`` requests to probe_unbatched sent on one stream before any answer is read; what
+    came back, in the order it came."""
+    stream = Stream(server)
+    try:
+        for i in range(count):
+            stream.send("probe_unbatched", _probe(), request_id=str(i))
+        return stream.take(count)
+    finally:
+        stream.close()
+
+
 def test_responses_come_back_in_the_order_their_model_answered(server):
     """A client may read a stream's answers by position (tritonclient sets no request id by
     default): one instance answering the requests one by one, in the order sent, sends them back
     in that order, as Triton does, even when several are answered between two looks."""
-    stream = Stream(server)
     count = 300
-    try:
-        for i in range(count):
-            stream.send("probe_unbatched", _probe(), request_id=str(i))
-        answers = stream.take(count)
-    finally:
-        stream.close()
+    answers = _pipelined(server, count)
     ids = [int(r.get_response().id) for _, r in answers]
     ran = [int(r.as_numpy("ORDER")[0, 0]) for _, r in answers]
     assert ran == sorted(ran), [(ids[k], ran[k]) for k in range(count) if k and ran[k] < ran[k - 1]][:10]
@@ -134,14 +140,8 @@ def test_a_decoupled_models_responses_to_one_request_come_before_those_to_the_ne
 
 
 def test_many_more_requests_than_run_at_once_are_all_answered(server):
-    stream = Stream(server)
     count = 3 * MAX_RUNNING
-    try:
-        for i in range(count):
-            stream.send("probe_unbatched", _probe(), request_id=str(i))
-        answers = stream.take(count)
-    finally:
-        stream.close()
+    answers = _pipelined(server, count)
     assert sorted(int(r.get_response().id) for _, r in answers) == list(range(count))
 
 
