@@ -137,6 +137,21 @@ def test_a_decoupled_model_streams_and_each_response_is_timed(server, tmp_path, 
     assert "streaming after execute returned" in run.stdout and "(overhead" not in run.stdout, run.stdout
 
 
+def test_the_stream_bench_model_streams_the_shape_its_input_file_asks_for(server_factory, tmp_path):
+    """docs/performance.md's recipe for the stream figures: tools/stream_models.py writes chatter
+    and an input file per shape, and shmserve-perf times each whole stream over gRPC."""
+    written = subprocess.run([PYTHON, "-m", "shmserve.tools.stream_models", str(tmp_path), "--shape", "7x100"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert written.returncode == 0, written.stderr
+    assert written.stdout.split() == [str(tmp_path / "7x100.json"), str(tmp_path / "repo")]
+    server = server_factory.start([tmp_path / "repo"])
+    export = tmp_path / "export.json"
+    run = perf("-m", "chatter", "-i", "grpc", "-u", server.grpc_url, "--input-data", str(tmp_path / "7x100.json"),
+               *FAST, "--profile-export-file", str(export), "-q")
+    assert run.returncode == 0, run.stderr
+    assert {len(r["response_timestamps"]) for r in exported_requests(export)} == {7}
+
+
 def phase_counts(server, model: str) -> dict[str, int]:
     """How many requests each phase of the statistics extension counts."""
     client = server.client()
