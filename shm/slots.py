@@ -134,16 +134,21 @@ class Slots:
 
     def complete_all(self) -> bool:
         """Run the callbacks of everything answered so far; True if there was anything."""
-        # Streamed responses first: a request's final completion comes after all of them.
-        streamed = 0
-        for ring, on_response in list(self._streams.values()):
-            streamed += self._drain_stream(ring, on_response)
+        # Those done are found first: the worker filled a request's ring before it completed its
+        # slot, so each done request's final completion comes right after its own responses, and
+        # before the responses of requests sent after it (as Triton writes a stream's messages).
         done = self._done()
+        finished = set(done)
+        streamed = 0
+        for slot, (ring, on_response) in list(self._streams.items()):
+            streamed += self._drain_stream(ring, on_response)
+            if slot in finished:
+                finished.discard(slot)
+                self._streams.pop(slot, None)
+                self._complete(slot)
         for slot in done:
-            stream = self._streams.pop(slot, None)
-            if stream is not None:  # the worker filled the ring before it completed the slot
-                self._drain_stream(*stream)
-            self._complete(slot)
+            if slot in finished:  # those without a ring
+                self._complete(slot)
         return bool(streamed or done)
 
     def fail_all(self, msg: str) -> None:

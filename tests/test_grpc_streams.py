@@ -123,20 +123,26 @@ def test_responses_come_back_in_the_order_their_model_answered(server):
     assert ids == list(range(count)), [k for k, i in enumerate(ids) if i != k][:10]
 
 
-def test_a_decoupled_models_responses_to_one_request_come_before_those_to_the_next(server):
+@pytest.mark.parametrize("empty_final", [False, True])
+def test_a_decoupled_models_responses_to_one_request_come_before_those_to_the_next(server, empty_final):
     """burst sends each request's responses at once, one request after another: they come back
-    in that order, not interleaved request by request, as Triton writes them."""
-    stream = Stream(server)
-    n = grpcclient.InferInput("N", [1], "INT32")
-    n.set_data_from_numpy(np.array([0], np.int32))
-    try:
-        for i in range(6):
-            stream.send("burst", [n], request_id=f"r{i}", parameters={"count": 5})
-        came = stream.take(30)
-    finally:
-        stream.close()
-    got = [(r.get_response().id, int(r.as_numpy("T")[0])) for _, r in came]
-    assert got == [(f"r{i}", k) for i in range(6) for k in range(5)], got
+    in that order, not interleaved request by request, as Triton writes them, and a request's
+    empty final response (which comes through its slot, not its ring) before the next's."""
+    for _ in range(3):
+        stream = Stream(server)
+        n = grpcclient.InferInput("N", [1], "INT32")
+        n.set_data_from_numpy(np.array([0], np.int32))
+        try:
+            for i in range(6):
+                stream.send("burst", [n], request_id=f"r{i}", parameters={"count": 5},
+                            enable_empty_final_response=empty_final)
+            came = stream.take(36 if empty_final else 30)
+        finally:
+            stream.close()
+        got = [(r.get_response().id, None if r.as_numpy("T") is None else int(r.as_numpy("T")[0]))
+               for _, r in came]
+        want = [(f"r{i}", k) for i in range(6) for k in [*range(5), *([None] if empty_final else [])]]
+        assert got == want, got
 
 
 def test_many_more_requests_than_run_at_once_are_all_answered(server):
