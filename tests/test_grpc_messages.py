@@ -249,6 +249,8 @@ def test_parameters_of_every_type_reach_the_model(stub):
     ({"timeout": ("string_param", "10")}, "invalid value type for 'timeout' parameter, expected int64_param."),
     ({"timeout": ("bool_param", True)}, "invalid value type for 'timeout' parameter, expected int64_param."),
     ({"timeout": ("int64_param", -5)}, "'timeout' must be a non-negative integer"),
+    ({"triton_enable_empty_final_response": ("int64_param", 1)},
+     "invalid value type for 'triton_enable_empty_final_response' parameter, expected bool_param."),
 ])
 def test_the_servers_own_parameters_are_checked(stub, parameters, details):
     assert _refusal(stub, _echo_request(**parameters)) == (grpc.StatusCode.INVALID_ARGUMENT, details)

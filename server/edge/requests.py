@@ -470,7 +470,7 @@ def _classification_refusal(name: str, count: Any, json_body: bool) -> BadReques
 # gRPC's parameter types for the request parameters Triton reads (its words for a value of another type).
 GRPC_PARAMETER_TYPES = {"sequence_id": "int64_param or string_param.", "sequence_start": "bool_param.",
                         "sequence_end": "bool_param.", "priority": "int64_param or uint64_param.",
-                        "timeout": "int64_param."}
+                        "timeout": "int64_param.", EMPTY_FINAL_PARAMETER: "bool_param."}
 _HTTP_PARAMETER_WORDS = {"sequence_id": NOT_STRING, "sequence_start": NOT_BOOL, "sequence_end": NOT_BOOL,
                          "binary_data_output": NOT_BOOL, "priority": NOT_UINT, "timeout": NOT_UINT}
 
@@ -482,7 +482,7 @@ def add_request_parameters(req: InferRequest, params: dict, json_body: bool = Fa
     reserved = RESERVED_PARAMETERS if json_body else GRPC_RESERVED_PARAMETERS
     try:
         for key in ("sequence_start", "sequence_end", "binary_data_output") if json_body else \
-                ("sequence_start", "sequence_end"):
+                ("sequence_start", "sequence_end", EMPTY_FINAL_PARAMETER):
             _bool_param(params, key, "the request")
         model_params = {}
         for key, value in params.items():
