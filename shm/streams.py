@@ -103,7 +103,8 @@ class StreamEvents:
     ``spill``, an event the reader leaves waiting (``SPILL_AFTER_S``, ``SpillRoom.hold``) is
     copied there (the reader takes its events with ``next``). An ``asyncio.Queue``'s events are
     numbered as they come (``head``, ``taken``), so that the reader of several requests' events
-    can send them in that order, and ``on_taken`` is called as one is taken."""
+    can send them in that order: ``on_queued`` is called with each number as its event is queued,
+    ``on_taken`` as one is taken."""
 
     def __init__(self, events: "queue.Queue | asyncio.Queue", spill: SpillRoom | None = None) -> None:
         self.events = events
@@ -123,6 +124,7 @@ class StreamEvents:
         self._numbers: collections.deque[int] | None = \
             collections.deque() if isinstance(events, asyncio.Queue) else None
         self.taken = 0  # the number of the event ``next`` returned last
+        self.on_queued: Callable[[int, StreamEvents], None] | None = None
         self.on_taken: Callable[[], None] | None = None
 
     def put(self, final: bool, completion: Completion, context: Any = None) -> None:
@@ -151,12 +153,19 @@ class StreamEvents:
 
     def _queue(self, event: tuple[bool, Completion, Any]) -> None:
         if self._numbers is not None:
-            self._numbers.append(next_number())
+            number = next_number()
+            self._numbers.append(number)
+            if self.on_queued is not None:
+                self.on_queued(number, self)
         self.events.put_nowait(event)
 
     def head(self) -> int | None:
         """The number of the oldest event queued, None if none is."""
         return self._numbers[0] if self._numbers else None
+
+    def queued_numbers(self) -> list[int]:
+        """The numbers of the events queued, oldest first."""
+        return list(self._numbers or ())
 
     def _spill_waiting(self) -> None:
         """The timer: copy what waited ``SPILL_AFTER_S``, then wait for the next oldest."""

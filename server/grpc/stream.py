@@ -73,7 +73,10 @@ class StreamRun:
         self.changed = asyncio.Event()  # a message came to the outbox, an event was taken, the stream ended
         self.running = asyncio.Semaphore(MAX_RUNNING)
         self.requests: set[asyncio.Task] = set()
-        self.events: set[StreamEvents] = set()  # those of the requests running
+        self.open: set[StreamEvents] = set()  # the events of the requests running
+        # (number, events) of every event queued for a running request, smallest first; an entry
+        # whose event was taken since is dropped once it comes first (``_first_queued``)
+        self.queued: list[tuple[int, StreamEvents]] = []
         self.decoupled: dict[tuple[str, str], bool] = {}
 
     async def messages(self) -> AsyncIterator[Any]:
@@ -101,6 +104,8 @@ class StreamRun:
             reader.cancel()
             for task in list(self.requests):
                 task.cancel()
+            for events in list(self.open):  # (a task cancelled before its first step closes nothing)
+                events.close()
 
     def _next_out(self) -> _Outgoing | None:
         """The outbox's first message, unless a running request's earlier response is queued
@@ -108,13 +113,19 @@ class StreamRun:
         with an error, what is in the outbox goes first as it stands."""
         if not self.outbox:
             return None
-        first = self.outbox[0].number
-        if self.ended is None or self.ended.error is None:
-            for events in self.events:
-                head = events.head()
-                if head is not None and head < first:
-                    return None
+        if (self.ended is None or self.ended.error is None) and self._first_queued() < self.outbox[0].number:
+            return None
         return heapq.heappop(self.outbox)
+
+    def _first_queued(self) -> float:
+        """The smallest number of an event queued for a running request (infinity: none is)."""
+        queued = self.queued
+        while queued and queued[0][1].head() != queued[0][0]:  # taken, or dropped with its request
+            heapq.heappop(queued)
+        return queued[0][0] if queued else float("inf")
+
+    def _queued(self, number: int, events: StreamEvents) -> None:
+        heapq.heappush(self.queued, (number, events))
 
     def _end(self, ended: _Ended) -> None:
         if self.ended is None:
@@ -131,7 +142,10 @@ class StreamRun:
                     break
                 messages, events = request
                 if events is not None:
-                    self.events.add(events)
+                    self.open.add(events)
+                    for number in events.queued_numbers():  # (those that came before it was read)
+                        self._queued(number, events)
+                    events.on_queued = self._queued
                     events.on_taken = self.changed.set
                 task = asyncio.create_task(self._take(messages, events))
                 self.requests.add(task)
@@ -192,7 +206,7 @@ class StreamRun:
             self._end(_Ended(e))
         finally:
             if events is not None:
-                self.events.discard(events)
-                events.on_taken = None
+                self.open.discard(events)
+                events.on_queued = events.on_taken = None
             self.changed.set()
             self.running.release()
