@@ -347,6 +347,10 @@ def test_nan_and_infinities_travel_as_json_both_ways(srv):
     assert r.status == 200 and b'"data":[2.0,4.0]' in r.body, r  # finite values: the usual writer
     r = raw_request(srv.port, "POST", "/v2/models/raw_vec/infer", b'{"inputs": [NaNx]}')
     assert error_of(r.status, r.body).startswith("failed to parse the request JSON buffer: ")
+    # generate and generate_stream write them as Triton does too (1e39 is an FP32 infinity).
+    for endpoint in ("generate", "generate_stream"):
+        r = raw_request(srv.port, "POST", f"/v2/models/raw_vec/{endpoint}", b'{"INPUT": [1e39, -1e39]}')
+        assert r.status == 200 and b'"DOUBLED":[Infinity,-Infinity]' in r.body, (endpoint, r)
 
 
 @pytest.mark.parametrize("body, text", [

@@ -286,13 +286,13 @@ class Frontend:
                           trace, self.tracer)
         if error:
             return traced(error_response(*error), trace, self.tracer)
-        return traced(json_response(answers[0]), trace, self.tracer)
+        return traced(Response(answers[0], media_type=JSON), trace, self.tracer)
 
     @staticmethod
     async def _generate_answers(model: str, events: StreamEvents, trace: Trace | None, request_id: str
-                                ) -> tuple[list[dict], tuple[int, str] | None]:
-        """Every response of a generate request, and its first error."""
-        answers: list[dict] = []
+                                ) -> tuple[list[bytes], tuple[int, str] | None]:
+        """Every response of a generate request (its JSON), and its first error."""
+        answers: list[bytes] = []
         error: tuple[int, str] | None = None
         try:
             while True:

@@ -32,7 +32,7 @@ from shmserve.shm.streams import StreamEvents
 from shmserve.shm.tensors import CONFIG_TO_WIRE
 from shmserve.signature import request_tag
 
-from .codec import json_data
+from .codec import FLOAT_TYPES, json_data, nonfinite
 
 
 class Pairs(list):
@@ -180,10 +180,11 @@ def output_values(answer: AnswerDescriptor, tensor_of: Any) -> dict[str, Any]:
     return out
 
 
-def generate_response(model: str, answer: AnswerDescriptor, tensor_of: Any, request_id: str = "") -> dict:
+def generate_response(model: str, answer: AnswerDescriptor, tensor_of: Any, request_id: str = "") -> bytes:
     """One response as Triton's generate endpoint writes it: the request's id (if it had one),
     the model's name and version, the response's parameters and its outputs, one flat object
-    (where names meet, that order wins)."""
+    (where names meet, that order wins); a float output's NaN or infinity as Triton writes it
+    (``NaN``, ``Infinity``), where orjson would write null."""
     resp: dict[str, Any] = {"id": request_id} if request_id else {}
     resp["model_name"] = model
     resp["model_version"] = answer.served_version()
@@ -191,7 +192,11 @@ def generate_response(model: str, answer: AnswerDescriptor, tensor_of: Any, requ
         resp.setdefault(key, value)
     for key, value in output_values(answer, tensor_of).items():
         resp.setdefault(key, value)
-    return resp
+    body = orjson.dumps(resp)
+    if b"null" in body and any(o.datatype in FLOAT_TYPES and nonfinite(o.datatype, tensor_of(o))
+                               for o in answer.outputs):
+        body = json.dumps(resp, separators=(",", ":"), ensure_ascii=False).encode()
+    return body
 
 
 class EventStream(StreamingResponse):
@@ -236,7 +241,7 @@ class EventStream(StreamingResponse):
                 if completion.status != 200:
                     line = orjson.dumps({"error": answer.error or "inference failed"})
                 elif not final:
-                    line = orjson.dumps(generate_response(self.model, answer, completion.tensor, self.request_id))
+                    line = generate_response(self.model, answer, completion.tensor, self.request_id)
                 else:
                     return
             finally:
