@@ -133,23 +133,34 @@ class Slots:
         return bool(self._done())
 
     def complete_all(self) -> bool:
-        """Run the callbacks of everything answered so far; True if there was anything."""
-        # Those done are found first: the worker filled a request's ring before it completed its
-        # slot, so each done request's final completion comes right after its own responses, and
-        # before the responses of requests sent after it (as Triton writes a stream's messages).
-        done = self._done()
-        finished = set(done)
-        streamed = 0
-        for slot, (ring, on_response) in list(self._streams.items()):
-            streamed += self._drain_stream(ring, on_response)
-            if slot in finished:
-                finished.discard(slot)
+        """Run the callbacks of everything answered so far, in the order the requests were sent,
+        each streaming request's responses then its completion; True if there was anything.
+
+        A worker answers the requests it takes one after another, writing a request's responses
+        into its ring before it completes its slot, while this look goes on. So the streams are
+        looked at latest sent first (a slot's state before its ring: once it says done, the ring
+        is whole), and what was found is run earliest first: whatever the look found of a later
+        request, it found all that came before of an earlier one, and runs that first (as Triton
+        writes a stream's messages in the order its model gave them)."""
+        words, stride = self._words, self._stride
+        found: list[tuple[int, list, bool, Callback]] = []  # (slot, ring records, done, its callback), latest first
+        for slot, (ring, on_response) in reversed(list(self._streams.items())):
+            done = words[slot * stride] == SLOT_DONE
+            records = ring.drain()
+            if done or records:
+                found.append((slot, records, done, on_response))
+        for slot, records, done, on_response in reversed(found):
+            self._deliver(records, on_response)
+            if done:
                 self._streams.pop(slot, None)
                 self._complete(slot)
-        for slot in done:
-            if slot in finished:  # those without a ring
-                self._complete(slot)
-        return bool(streamed or done)
+        done_slots = self._done()  # the rest: requests with no ring (a stream's found done since is drained now)
+        for slot in done_slots:
+            stream = self._streams.pop(slot, None)
+            if stream is not None:
+                self._deliver(stream[0].drain(), stream[1])
+            self._complete(slot)
+        return bool(found or done_slots)
 
     def fail_all(self, msg: str) -> None:
         """Answer every request still in flight with a 503 carrying ``msg``."""
@@ -173,11 +184,17 @@ class Slots:
         """Slots answered since we last looked, in the order sent; a plain scan of the few in
         flight is cheaper than numpy over the whole table until many are in flight."""
         inflight = self.inflight
-        if len(inflight) < 64:
+        if len(inflight) < 64:  # (latest sent first, as ``complete_all`` looks: see there)
             words, stride = self._words, self._stride
-            return [s for s in list(inflight) if words[s * stride] == SLOT_DONE]
-        done = np.flatnonzero(self._states == SLOT_DONE)
-        return done[np.argsort(self._sent_order[done], kind="stable")].tolist()
+            return [s for s in reversed(list(inflight)) if words[s * stride] == SLOT_DONE][::-1]
+        # numpy reads the table in slot order, not the order sent: a second read finds those sent
+        # before the latest one the first found, which were answered before it.
+        states, order = self._states, self._sent_order
+        done = np.flatnonzero(states == SLOT_DONE)
+        if len(done):
+            latest = order[done].max()
+            done = np.flatnonzero((states == SLOT_DONE) & (order <= latest))
+        return done[np.argsort(order[done], kind="stable")].tolist()
 
     def _producer_buf(self, role: int, num: int, extent: int = 0) -> memoryview:
         """A view of the mapping an answer lies in, its own: it stays valid while the answer is
@@ -217,8 +234,8 @@ class Slots:
             if seg.closed:
                 self._producers.pop(key, None)
 
-    def _drain_stream(self, ring: Ring, on_response: Callback) -> int:
-        records = ring.drain()
+    def _deliver(self, records: list, on_response: Callback) -> None:
+        """Run a stream's callback for each of its ring's ``records``."""
         for status, word, off, length, num in records:
             try:
                 buf = self._producer_buf(word & ROLE_MASK, num, word >> EXTENT_SHIFT)
@@ -232,7 +249,6 @@ class Slots:
             except Exception:  # noqa: BLE001
                 log.exception("stream callback failed")
                 completion.release()
-        return len(records)
 
     def _complete(self, slot: int) -> None:
         with self.lock:

@@ -142,7 +142,7 @@ def test_a_decoupled_models_responses_to_one_request_come_before_those_to_the_ne
         got = [(r.get_response().id, None if r.as_numpy("T") is None else int(r.as_numpy("T")[0]))
                for _, r in came]
         want = [(f"r{i}", k) for i in range(6) for k in [*range(5), *([None] if empty_final else [])]]
-        assert got == want, got
+        assert got == want, [(k, g, w) for k, (g, w) in enumerate(zip(got, want)) if g != w][:8]
 
 
 def test_many_more_requests_than_run_at_once_are_all_answered(server):
