@@ -71,19 +71,22 @@ def _live_broker(server_id: str) -> str | None:
         return "unknown"
     pid = seg.pid
     seg.close()
-    return str(_launcher_of(pid))
+    return str(_launcher_of(pid, server_id))
 
 
-def _launcher_of(broker: int) -> int:
+def _launcher_of(broker: int, server_id: str) -> int:
     """The launcher running ``broker`` (its parent): the process an operator stops to stop the
-    server (the launcher restarts a broker killed alone). The broker itself where its parent is
-    no launcher (another PID namespace, or a launcher gone)."""
+    server (the launcher restarts a broker killed alone). The broker's pid as its segment gives
+    it where that is not the broker of ``server_id`` with its launcher for a parent here (a
+    server in another PID namespace sharing /dev/shm, or a launcher gone)."""
+    if title_of(broker) != f"shmserve broker {server_id}":
+        return broker
     try:
         with open(f"/proc/{broker}/stat") as f:
             parent = int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return broker
-    return parent if title_of(parent).startswith("shmserve launcher ") else broker
+    return parent if title_of(parent) == f"shmserve launcher {server_id}" else broker
 
 
 def _check_previous(server_id: str) -> None:

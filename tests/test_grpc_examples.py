@@ -218,11 +218,11 @@ def test_sequences_pipelined_on_one_stream_answer_in_the_order_sent(gclient):
     it came in. Every round pipelines them anew (the answers' order is the server's to keep)."""
     values = [11, 7, 5, 3, 2, 0, 1]
     expected = [values[0] + 1] + values[1:]
-    answers: queue.Queue = queue.Queue()
-    for round in range(5):
-        gclient.start_stream(callback=lambda result, error: answers.put(error or result))
+    for attempt in range(5):
+        answers: queue.Queue = queue.Queue()  # (one per stream: nothing late from the one before)
+        gclient.start_stream(callback=lambda result, error, answers=answers: answers.put(error or result))
         try:
-            seqs = (1000 + 2 * round, 1001 + 2 * round)
+            seqs = (1000 + 2 * attempt, 1001 + 2 * attempt)
             for i, v in enumerate(values):
                 for seq_id in seqs:
                     t = grpcclient.InferInput("INPUT", [1, 1], "INT32")
@@ -236,7 +236,7 @@ def test_sequences_pipelined_on_one_stream_answer_in_the_order_sent(gclient):
                 came[int(r.get_response().id.split("_")[0])].append(int(r.as_numpy("OUTPUT")[0][0]))
         finally:
             gclient.stop_stream()
-        assert came == {seq_id: expected for seq_id in seqs}, (round, came)
+        assert came == {seq_id: expected for seq_id in seqs}, (attempt, came)
 
 
 def test_decoupled_repeat_streams_one_response_per_element(gclient):

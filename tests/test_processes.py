@@ -386,7 +386,7 @@ def test_a_stopped_worker_adopted_by_the_launcher_is_killed_when_the_launcher_st
     assert left == [], (f"processes outlived the launcher's stop: "
                         f"{ {p: (cmdline(p), stat_fields(p)[0]) for p in left} }\n{s.log_tail()}")
     assert code == 0, s.log_tail()
-    assert took < 6.0, f"the launcher took {took:.1f} s to stop after it adopted the worker"  # (not its 10 s)
+    assert took < 9.0, f"the launcher took {took:.1f} s to stop after it adopted the worker"  # (not its 10 s)
     assert "outlived its parent: killed as the server stops" in s.log(), s.log_tail()
     assert shm_entries(s.id) == []
 

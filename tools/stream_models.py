@@ -48,6 +48,14 @@ class TritonPythonModel:
 SHAPES = ("5000x16", "1000x65536", "100x1048576")  # the rows of docs/performance.md's table
 
 
+def shape(text: str) -> str:
+    """A ``--shape``: COUNTxSIZE, two positive integers."""
+    count, sep, size = text.lower().partition("x")
+    if not (sep and count.isdigit() and size.isdigit() and int(count) > 0 and int(size) > 0):
+        raise argparse.ArgumentTypeError(f"'{text}' is not COUNTxSIZE (two positive integers, as 1000x65536)")
+    return f"{int(count)}x{int(size)}"
+
+
 def write(folder: Path, shapes: list[str]) -> list[Path]:
     """The repository (``folder/repo``) and one input file per shape; the files written."""
     model = folder / "repo" / "chatter"
@@ -66,7 +74,7 @@ def write(folder: Path, shapes: list[str]) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shmserve.tools.stream_models", description=__doc__.split("\n")[0])
     p.add_argument("folder", type=Path, help="where to write repo/chatter and the input files")
-    p.add_argument("--shape", action="append", metavar="COUNTxSIZE",
+    p.add_argument("--shape", action="append", type=shape, metavar="COUNTxSIZE",
                    help=f"responses a stream and bytes a response; repeatable (default: {' '.join(SHAPES)})")
     args = p.parse_args(argv)
     for path in write(args.folder, args.shape or list(SHAPES)):

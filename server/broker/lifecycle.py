@@ -161,6 +161,8 @@ class Lifecycle:
         self.catalog.restoring = False
         # After a broker restart a model that no longer loads must not stop a server that serves.
         failed = self.catalog.load_errors or self.refused_at_start
+        if not self.running:  # (a stop began while the loads went on: readiness says no for that)
+            return
         rows = model_rows(self.catalog)
         for line in table(rows).splitlines() if rows else []:  # (a record a line, as log readers take them)
             log.info("%s", line)
@@ -174,9 +176,13 @@ class Lifecycle:
             log.info("server is ready: %d model version(s) serving", serving)
         else:
             unavailable = sorted(name for name in self.catalog.load_errors if name not in self.catalog.models)
-            log.warning("server is not ready (--strict-readiness): %d model version(s) serving, %d model(s) failed "
-                        "to load (%s); readiness says so until they load or are unloaded", serving,
-                        len(unavailable), ", ".join(unavailable))
+            if unavailable:
+                log.warning("server is not ready (--strict-readiness): %d model version(s) serving, %d model(s) "
+                            "failed to load (%s); readiness says so until they load or are unloaded", serving,
+                            len(unavailable), ", ".join(unavailable))
+            else:
+                log.warning("server is not ready: %d model version(s) serving, not each with a live instance yet "
+                            "(an instance restarting)", serving)
 
     def server_ready(self) -> bool:
         if not self.startup_done or not self.running:

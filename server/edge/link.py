@@ -160,9 +160,9 @@ class BrokerLink:
         counts only segments that exist, so one made later could take room a load was given."""
         try:
             self.connection()
-        except BrokerError as e:  # the broker not there (yet): the first request connects
-            log.warning("not connected to the broker at start: it stopped or is restarting (%s); the first request "
-                        "will connect", e)
+        except BrokerError as e:  # the broker not there (yet), or no room: the first request connects
+            why = "it stopped or is restarting, " if e.status == 503 and "not available" in str(e) else ""
+            log.warning("not connected to the broker at start (%s%s); the first request will connect", why, e)
 
     def _on_readable(self) -> None:
         conn = self._conn

@@ -41,9 +41,6 @@ from .responses import error_head, infer_response
 # over gRPC Triton says it in these.
 HTTP_DECOUPLED = "HTTP end point doesn't support models with decoupled transaction policy"
 GRPC_DECOUPLED = "ModelInfer RPC doesn't support models with decoupled transaction policy"
-# The request parameter that asks for an empty response carrying only the final flag.
-EMPTY_FINAL = EMPTY_FINAL_PARAMETER
-
 
 # What C++'s std::stol reads, as Triton parses a request's model_version: optional blanks and sign,
 # then digits; anything after them is ignored.
@@ -302,12 +299,12 @@ class GrpcInference:
 def _empty_final(request: Any) -> bool:
     """Whether a stream's request asks for an empty response carrying only the final flag
     (``triton_enable_empty_final_response``); Triton's refusal of a value not a bool."""
-    if EMPTY_FINAL not in request.parameters:
+    if EMPTY_FINAL_PARAMETER not in request.parameters:
         return False
-    asked = request.parameters[EMPTY_FINAL]
+    asked = request.parameters[EMPTY_FINAL_PARAMETER]
     if asked.WhichOneof("parameter_choice") != "bool_param":  # (before the request runs)
-        raise Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"invalid value type for '{EMPTY_FINAL}' parameter, "
-                                                        f"expected bool_param.")
+        raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"invalid value type for '{EMPTY_FINAL_PARAMETER}' parameter, expected bool_param.")
     return asked.bool_param
 
 

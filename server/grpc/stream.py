@@ -76,7 +76,7 @@ class StreamRun:
         self.open: set[StreamEvents] = set()  # the events of the requests running
         # (number, events) of every event queued for a running request, smallest first; an entry
         # whose event was taken since is dropped once it comes first (``_first_queued``)
-        self.queued: list[tuple[int, StreamEvents]] = []
+        self.queued_heap: list[tuple[int, StreamEvents]] = []
         self.decoupled: dict[tuple[str, str], bool] = {}
 
     async def messages(self) -> AsyncIterator[Any]:
@@ -105,6 +105,7 @@ class StreamRun:
             for task in list(self.requests):
                 task.cancel()
             for events in list(self.open):  # (a task cancelled before its first step closes nothing)
+                events.on_queued = events.on_taken = None
                 events.close()
 
     def _next_out(self) -> _Outgoing | None:
@@ -119,13 +120,13 @@ class StreamRun:
 
     def _first_queued(self) -> float:
         """The smallest number of an event queued for a running request (infinity: none is)."""
-        queued = self.queued
+        queued = self.queued_heap
         while queued and queued[0][1].head() != queued[0][0]:  # taken, or dropped with its request
             heapq.heappop(queued)
         return queued[0][0] if queued else float("inf")
 
-    def _queued(self, number: int, events: StreamEvents) -> None:
-        heapq.heappush(self.queued, (number, events))
+    def _on_queued(self, number: int, events: StreamEvents) -> None:
+        heapq.heappush(self.queued_heap, (number, events))
 
     def _end(self, ended: _Ended) -> None:
         if self.ended is None:
@@ -144,8 +145,8 @@ class StreamRun:
                 if events is not None:
                     self.open.add(events)
                     for number in events.queued_numbers():  # (those that came before it was read)
-                        self._queued(number, events)
-                    events.on_queued = self._queued
+                        self._on_queued(number, events)
+                    events.on_queued = self._on_queued
                     events.on_taken = self.changed.set
                 task = asyncio.create_task(self._take(messages, events))
                 self.requests.add(task)
