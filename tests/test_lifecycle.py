@@ -803,3 +803,36 @@ def test_the_start_logs_a_table_of_the_models_and_whether_the_server_is_ready(se
     assert "server is ready" not in log
     assert s.http_status("/v2/health/ready") == 400
     assert f"starting shmserve {shmserve.__version__} as '{s.id}' (pid {s.pid}), repositories: {repo}" in log
+
+
+def test_loads_that_end_during_a_stop_say_nothing_of_readiness(server_factory, tmp_path):
+    """A stop begun while a model still loaded at start: the load ends during the drain (a request
+    held in flight), and the log says nothing about the server being ready or not (it is stopping;
+    readiness says no for that), where it once warned 'not ready (--strict-readiness)'."""
+    repo = tmp_path / "repo"
+    shutil.copytree(GATED_LOAD, repo / "gated_load")
+    shutil.copytree(Path(__file__).parent / "models" / "batching" / "probe_unbatched", repo / "probe_unbatched")
+    load_gate, run_gate = Gate(tmp_path / "load"), Gate(tmp_path / "run")
+    config = repo / "gated_load" / "config.pbtxt"
+    config.write_text(config.read_text().replace("GATE", load_gate.param))
+    s = server_factory.start([repo], ["--strict-readiness=false"], wait=False)
+    load_gate.wait_started()
+    s.wait_until(lambda: s.http_status("/v2/models/probe_unbatched/ready") == 200, "probe_unbatched ready")
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}],
+                       "parameters": {"gate": run_gate.param}}).encode()
+    held = threading.Thread(target=raw_request, args=(s.port, "POST", "/v2/models/probe_unbatched/infer", body),
+                            daemon=True)
+    held.start()
+    try:
+        run_gate.wait_started()
+        s.proc.send_signal(signal.SIGTERM)
+        s.wait_until(lambda: "draining" in s.log(), "the drain began")
+        load_gate.open()
+        s.wait_until(lambda: "successfully loaded 'gated_load'" in s.log(), "the load ended during the drain")
+    finally:
+        load_gate.open()
+        run_gate.open()
+        held.join(DEADLINE_S)
+    assert s.wait_exit(60) == 0
+    log = s.log()
+    assert "server is not ready" not in log and "server is ready" not in log, s.log_tail()
