@@ -264,7 +264,8 @@ class BrokerSegment:
                                        taken=cls.nbytes(0) - cls.tables_nbytes() + first_pages(arena_bytes)))
             made.append(Segment.create(object_name(server_id, "tables", 0), cls.tables_nbytes(), readers,
                                        readers_write=False))
-            made.append(Segment.create(object_name(server_id, "batches", 0), batch_bytes, taken=first_pages(batch_bytes)))
+            made.append(Segment.create(object_name(server_id, "batches", 0), batch_bytes,
+                                       taken=first_pages(batch_bytes)))
         except BaseException:
             for seg in made:
                 seg.close()
@@ -522,7 +523,8 @@ class WorkerSegment:
     @classmethod
     def create(cls, name: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "WorkerSegment":
         """``readers``: the other users whose local clients may call it (access.py)."""
-        seg = Segment.create(name, cls.lanes_nbytes(arena_bytes), readers, taken=cls.lanes_nbytes(0) + first_pages(arena_bytes))
+        seg = Segment.create(name, cls.lanes_nbytes(arena_bytes), readers,
+                             taken=cls.lanes_nbytes(0) + first_pages(arena_bytes))
         try:
             control = Segment.create(control_name(name), cls.control_nbytes(), readers, readers_write=False)
         except BaseException:
@@ -622,7 +624,8 @@ class ClientSegment:
         """``ticket``: the creating process's liveness ticket (shm/liveness.py), kept in the
         header where the other segments keep their pid. ``readers``: the server's user, when it
         is not ours (access.py)."""
-        seg = Segment.create(name, cls.nbytes(slots, arena_bytes), readers, taken=cls.nbytes(slots, 0) + first_pages(arena_bytes))
+        seg = Segment.create(name, cls.nbytes(slots, arena_bytes), readers,
+                             taken=cls.nbytes(slots, 0) + first_pages(arena_bytes))
         return cls(seg, slots, create=True, fifo=fifo, notify=notify, ticket=ticket, readers=readers)
 
     @classmethod

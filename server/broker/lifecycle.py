@@ -159,10 +159,10 @@ class Lifecycle:
         states = [mv.state for mv in self.catalog.serving()]
         self.startup_done = True
         self.catalog.restoring = False
-        # After a broker restart a model that no longer loads must not stop a server that serves.
-        failed = self.catalog.load_errors or self.refused_at_start
         if not self.running:  # (a stop began while the loads went on: readiness says no for that)
             return
+        # After a broker restart a model that no longer loads must not stop a server that serves.
+        failed = self.catalog.load_errors or self.refused_at_start
         rows = model_rows(self.catalog)
         for line in table(rows).splitlines() if rows else []:  # (a record a line, as log readers take them)
             log.info("%s", line)

@@ -5,7 +5,7 @@ checks and its descriptor are edge/requests.py's, shared with gRPC.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import orjson
@@ -81,6 +81,16 @@ def nonfinite(datatype: str, view: memoryview) -> bool:
     return False
 
 
+def dumps(doc: Any, floats: Iterable[tuple[str, memoryview]]) -> bytes:
+    """``doc`` as JSON; where a float tensor written in it (``floats``: its datatype and bytes)
+    holds a NaN or an infinity, which orjson writes as null, with Python's json, which writes them
+    as Triton does (``NaN``, ``Infinity``). orjson alone in the usual case: no null, no second look."""
+    body = orjson.dumps(doc)
+    if b"null" in body and any(nonfinite(dt, view) for dt, view in floats):
+        body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    return body
+
+
 def build_response(model: str, version: str, request: dict, answer: AnswerDescriptor, tensor_of: Any
                    ) -> tuple[bytes | memoryview, int | None]:
     """(body, JSON header length when binary data follows) of a KServe v2 infer response; a large
@@ -110,9 +120,7 @@ def build_response(model: str, version: str, request: dict, answer: AnswerDescri
     if answer.params:
         resp["parameters"] = answer.params
     resp["outputs"] = outputs
-    head = orjson.dumps(resp)
-    if floats and b"null" in head and any(nonfinite(dt, view) for dt, view in floats):  # (orjson wrote them null)
-        head = json.dumps(resp, separators=(",", ":"), ensure_ascii=False).encode()
+    head = dumps(resp, floats)
     if not blobs:
         return head, None
     return joined([head, *blobs]), len(head)

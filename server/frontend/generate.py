@@ -32,7 +32,7 @@ from shmserve.shm.streams import StreamEvents
 from shmserve.shm.tensors import CONFIG_TO_WIRE
 from shmserve.signature import request_tag
 
-from .codec import FLOAT_TYPES, json_data, nonfinite
+from .codec import FLOAT_TYPES, dumps, json_data
 
 
 class Pairs(list):
@@ -192,11 +192,7 @@ def generate_response(model: str, answer: AnswerDescriptor, tensor_of: Any, requ
         resp.setdefault(key, value)
     for key, value in output_values(answer, tensor_of).items():
         resp.setdefault(key, value)
-    body = orjson.dumps(resp)
-    if b"null" in body and any(o.datatype in FLOAT_TYPES and nonfinite(o.datatype, tensor_of(o))
-                               for o in answer.outputs):
-        body = json.dumps(resp, separators=(",", ":"), ensure_ascii=False).encode()
-    return body
+    return dumps(resp, ((o.datatype, tensor_of(o)) for o in answer.outputs if o.datatype in FLOAT_TYPES))
 
 
 class EventStream(StreamingResponse):
