@@ -517,3 +517,53 @@ def test_an_unknown_transfer_coding_is_501_and_a_malformed_request_a_json_400(ed
         out, _ = _until_closed(sock, SLACK_S + 10)
     assert _error(out, 400) == "Invalid HTTP request received."
     _identity(edge.port, np.arange(8, dtype=np.float32).reshape(1, 8))
+
+
+def test_bytes_the_parser_refuses_after_a_request_leave_its_answer_and_end_the_connection(edge):
+    """Bytes that are no request behind a good one in the same read (a bad pipelined request, a
+    body longer than its ``Content-Length``): the good request's answer goes out, then the
+    connection ends, as Triton answers and closes. No 400 can go between answers; with no answer
+    due, the 400 is the answer."""
+    values = np.arange(6, dtype=np.float32).reshape(1, 6)
+    http, body = _identity_request(values)
+    for junk in (b"BLAH\r\n\r\n", b"\x01\x02"):
+        with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+            sock.sendall(http + body + junk)
+            out, _ = _until_closed(sock, SLACK_S + 10)
+        head, _, answer = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), out[:300]
+        assert b"connection: close" in head.lower() and out.count(b"HTTP/1.1") == 1, out[:300]
+        n = int(dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])[b"inference-header-content-length"])
+        np.testing.assert_array_equal(np.frombuffer(answer[n:], dtype=np.float32), values.ravel())
+    # one byte past the declared length: the client sees why its (cut) JSON was refused
+    doc = b'{"inputs": [{"name": "IN_FP32", "datatype": "FP32", "shape": [1, 1], "data": [1]}]}'
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+        sock.sendall(b"POST /v2/models/identity_all/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(doc) - 1, doc))
+        out, _ = _until_closed(sock, SLACK_S + 10)
+    assert _error(out, 400).startswith("failed to parse the request JSON buffer"), out[:300]
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\nxx\r\n\r\n")
+        out, _ = _until_closed(sock, SLACK_S + 10)
+    assert out.startswith(b"HTTP/1.1 200 ") and out.count(b"HTTP/1.1") == 1, out[:300]
+    _identity(edge.port, np.arange(8, dtype=np.float32).reshape(1, 8))
+
+
+def test_http10_keeps_its_connection_only_when_it_asks(edge):
+    """An HTTP/1.0 client asking for ``Connection: keep-alive`` (``ab -k``) keeps the connection,
+    told so by the answer, as Triton keeps it; one that does not ask is closed after its answer."""
+    values = np.arange(4, dtype=np.float32).reshape(1, 4)
+    http, body = _identity_request(values)
+    http10 = http.replace(b"HTTP/1.1", b"HTTP/1.0")
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+        reader = sock.makefile("rb")
+        for _ in range(3):
+            sock.sendall(http10.replace(b"Host: x\r\n", b"Host: x\r\nConnection: keep-alive\r\n") + body)
+            status, headers, out = read_raw_response(reader)
+            assert status == 200 and headers.get("connection") == "keep-alive", headers
+            n = int(headers["inference-header-content-length"])
+            np.testing.assert_array_equal(np.frombuffer(out[n:], dtype=np.float32), values.ravel())
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+        sock.sendall(http10 + body)
+        out, _ = _until_closed(sock, SLACK_S + 10)
+    assert out.startswith(b"HTTP/1.1 200 ") and b"connection: close" in out.lower(), out[:300]

@@ -174,6 +174,35 @@ class _CycleTransport:
         return getattr(self._transport, name)
 
 
+KEEP_ALIVE_HEADER = (b"connection", b"keep-alive")
+
+
+def _asks_keep_alive(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(name == b"connection" and b"keep-alive" in value.lower() for name, value in headers)
+
+
+def _keep_alive_for_http10(cycle: RequestResponseCycle) -> None:
+    """An HTTP/1.0 request with ``Connection: keep-alive`` (``ab -k``, some health checkers)
+    keeps its connection, as Triton keeps it: uvicorn closes every HTTP/1.0 connection. The
+    answer says ``connection: keep-alive``, without which the client closes; an answer with no
+    length (chunked, which an HTTP/1.0 client cannot read as such) or that says ``close`` ends
+    the connection."""
+    cycle.keep_alive = True
+    send = cycle.send
+
+    async def send_keeping_alive(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            names = {name.lower() for name, _ in headers}
+            if b"content-length" not in names:
+                cycle.keep_alive = False
+            elif b"connection" not in names:
+                message = {**message, "headers": [*headers, KEEP_ALIVE_HEADER]}
+        await send(message)
+
+    cycle.send = send_keeping_alive  # type: ignore[method-assign]
+
+
 class LimitedHttpProtocol(HttpToolsProtocol):
     """uvicorn's ``HttpToolsProtocol`` with the limits of the module's docstring, reading into
     buffers it chooses (``get_buffer``, through ``BufferedConnection``): a body a sink takes
@@ -301,9 +330,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             if self._lingering or self._input_done or self.transport.is_closing():
                 return  # refused or ended in a callback (_StopParsing)
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
+            self._unparsable()
             return
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
@@ -370,6 +397,23 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                               "(--http-max-header-bytes %d)", self._framing, limit)
         self._refuse_body(431, f"the chunked request's framing and trailers of at least {self._framing} bytes "
                                f"exceed the limit of {limit} bytes (--http-max-header-bytes)")
+
+    def _unparsable(self) -> None:
+        """Bytes the parser refused. In a body, the request they belong to is refused (400).
+        Between requests, after requests still to be answered (a bad pipelined request, or a
+        body longer than its ``Content-Length``), those answers go out first: the input ends and
+        the last of them closes the connection, as Triton answers them and closes (no 400 can go
+        between them). With nothing to answer, a 400 ends the connection."""
+        msg = "Invalid HTTP request received."
+        self._warn("unparsable", msg)
+        if self._in_body:
+            self._refuse_body(400, msg)
+        elif self.pipeline or self._answer_in_progress():
+            self._input_done = True
+            last = self.pipeline[0][0] if self.pipeline else self.cycle  # (appendleft: the newest queued is first)
+            last.keep_alive = False
+        else:
+            self.send_400_response(msg)
 
     def send_400_response(self, msg: str) -> None:
         """A request the parser refused (uvicorn's answer is plain text): as every refusal here, a
@@ -453,6 +497,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         self._cycle_transport.forget()
         cycle.transport = self._cycle_transport  # type: ignore[assignment]
+        if cycle.scope["http_version"] == "1.0" and _asks_keep_alive(cycle.scope["headers"]):
+            _keep_alive_for_http10(cycle)
         super()._start_asgi_task(cycle, app)
 
     def on_response_complete(self) -> None:
