@@ -115,10 +115,24 @@ def test_load_and_unload_parameters_triton_refuses(server):
 def test_a_config_override_that_is_not_an_object_is_refused(server):
     """protobuf's JSON parser reads a list as a config with no fields: the model would load with
     the repository's config, as if no override had been sent."""
-    e = _load_error(lambda: server.client().load_model("add_sub", config="[]"))
-    assert (e.status(), e.message()) == ("400", "failed to load 'add_sub', model 'add_sub': config override: the "
-                                                "override must be a JSON object")
+    for override in ("[]", "[1]", '[{"name": "add_sub"}]', '"add_sub"', " 5"):
+        e = _load_error(lambda: server.client().load_model("add_sub", config=override))
+        assert (e.status(), e.message()) == ("400", "failed to load 'add_sub', model 'add_sub': config override: the "
+                                                    "override must be a JSON object"), override
     assert not server.client().is_model_ready("add_sub")
+
+
+def test_request_bodies_of_the_wrong_json_type_get_triton_s_words(server):
+    """A load whose ``parameters`` is no object is refused with TritonJson's words (Triton: a 500,
+    and nothing loads), as is an index request whose ``ready`` is no boolean (a 400 here, as
+    every JSON type error: docs/compatibility.md)."""
+    for parameters in (b"1", b"null", b"[]"):
+        r = raw_request(server.port, "POST", "/v2/repository/models/add_sub/load", b'{"parameters": %s}' % parameters)
+        assert (r.status, r.json()) == (400, {"error": "attempt to get members for non-object"}), parameters
+    assert not server.client().is_model_ready("add_sub")
+    for ready in (b'"true"', b"1", b"null"):
+        r = raw_request(server.port, "POST", "/v2/repository/index", b'{"ready": %s}' % ready)
+        assert (r.status, r.json()) == (400, {"error": "attempt to access JSON non-boolean as boolean"}), ready
 
 
 def test_a_repository_named_in_a_call_is_refused_as_triton_does(server):

@@ -106,12 +106,13 @@ def load_config(model_dir: Path, strict: bool, override_json: str | None = None,
     model = model_dir.name
     path = config_path(model_dir, config_name)
     if override_json is not None:
+        # (first: protobuf's parser takes an empty list as no fields, and words others in Python's terms)
+        if not override_json.lstrip().startswith("{"):
+            raise ConfigError(f"model '{model}': config override: the override must be a JSON object")
         try:
             config = json_format.Parse(override_json, ModelConfig())
         except json_format.ParseError as e:
             raise ConfigError(f"model '{model}': config override: {e}") from None
-        if not override_json.lstrip().startswith("{"):  # protobuf's parser takes a list as no fields
-            raise ConfigError(f"model '{model}': config override: the override must be a JSON object")
     elif path.exists():
         config = parse_config_text(path.read_text(), model)
     elif strict:

@@ -24,8 +24,8 @@ from shmserve.server import __version__
 from shmserve.server.edge.header_forward import add_to_request
 from shmserve.server.edge.link import DEFAULT_SLOTS, BrokerError, BrokerLink
 from shmserve.server.edge.metadata import EXTENSIONS, NAMED_REPOSITORY
-from shmserve.server.edge.requests import (MAX_TENSOR_ELEMENTS, NOT_STRING, NOT_UINT, BadRequest, JsonTypeError, is_uint,
-                                          not_member, parse_json)
+from shmserve.server.edge.requests import (MAX_TENSOR_ELEMENTS, NOT_BOOL, NOT_OBJECT, NOT_STRING, NOT_UINT, BadRequest,
+                                          JsonTypeError, is_uint, not_member, parse_json)
 from shmserve.server.edge.shm_callers import ShmRefused, registering_caller, unregistering_caller
 from shmserve.server.edge.tracing import RECEIVED, RECV_END, RECV_START, Trace, Tracer
 from shmserve.server.shm_caller import ADMIN_GROUP
@@ -178,8 +178,10 @@ class Frontend:
         body = await request.body()
         try:
             opts = parse_json(body) if body else {}
-            if not isinstance(opts, dict) or not isinstance(opts.get("ready", False), bool):
+            if not isinstance(opts, dict):
                 raise BadRequest("the repository index request must be a JSON object whose 'ready' is a boolean")
+            if not isinstance(opts.get("ready", False), bool):
+                raise JsonTypeError(NOT_BOOL)  # (TritonJson's words, as a 400: docs/compatibility.md)
         except BadRequest as e:
             return error_response(400, str(e))
         return await self._answer(control.RepositoryIndex(opts.get("ready", False)))
@@ -189,7 +191,11 @@ class Frontend:
         body = await request.body()
         try:
             doc = orjson.loads(body) if body else {}
-            if not isinstance(doc, dict) or not isinstance(doc.get("parameters", {}), dict):
+            if not isinstance(doc, dict):
+                raise BadRequest("the request must be a JSON object whose 'parameters' is an object")
+            if not isinstance(doc.get("parameters", {}), dict):
+                if load:  # (TritonJson's words, as a 400; an unload says so as above: docs/compatibility.md)
+                    return error_response(400, NOT_OBJECT)
                 raise BadRequest("the request must be a JSON object whose 'parameters' is an object")
         except (orjson.JSONDecodeError, BadRequest) as e:
             return error_response(400, f"failed to parse the request JSON buffer: {e}")
