@@ -25,13 +25,13 @@ def server(module_factory):
 
 
 def send(url: str, model: str, seq, value, start: bool = False, end: bool = False, dtype: str = "INT32",
-         gate: Gate | None = None):
+         gate: Gate | None = None, timeout_us: int | None = None):
     np_type = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32}[dtype]
     client = httpclient.InferenceServerClient(url)
     try:
         x = httpclient.InferInput("VALUE", [1, 1], dtype)
         x.set_data_from_numpy(np.array([[value]], dtype=np_type))
-        return client.infer(model, [x], sequence_id=seq, sequence_start=start, sequence_end=end,
+        return client.infer(model, [x], sequence_id=seq, sequence_start=start, sequence_end=end, timeout=timeout_us,
                             parameters={"gate": gate.param} if gate is not None else None)
     finally:
         client.close()
@@ -312,3 +312,76 @@ def test_an_unset_idle_time_shows_as_tritons_default(server):
     1 s Triton fills in (and applies), not 0."""
     config = httpclient.InferenceServerClient(server.url).get_model_config("seq_default_idle")
     assert int(config["sequence_batching"]["max_sequence_idle_microseconds"]) == 1_000_000
+
+
+EXPIRED = "timeout of the corresponding sequence has been expired"
+
+
+def rejected(server, model: str) -> tuple[int, float]:
+    """The version's failure count in its statistics, and its REJECTED failures in the metrics."""
+    stats = httpclient.InferenceServerClient(server.url).get_inference_statistics(model)["model_stats"][0]
+    head = f'nv_inference_request_failure{{model="{model}",reason="REJECTED",'
+    metric = [float(line.rsplit(" ", 1)[1]) for line in server.metrics_text().splitlines() if line.startswith(head)]
+    return int(stats["inference_stats"]["fail"]["count"]), sum(metric)
+
+
+def grpc_send(url: str, model: str, seq, value, start: bool = False, end: bool = False,
+              timeout_us: int | None = None):
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(url) as c:
+        x = grpcclient.InferInput("VALUE", [1, 1], "INT32")
+        x.set_data_from_numpy(np.array([[value]], np.int32))
+        return c.infer(model, [x], sequence_id=seq, sequence_start=start, sequence_end=end, timeout=timeout_us)
+
+
+def test_a_backlogged_sequence_whose_timeout_expires_is_refused_as_in_triton(server):
+    """One slot, held by sequence 71: sequence 72 waits in the backlog. A request ``timeout`` on
+    any of 72's queued requests (here its second) ends the wait of them all when it expires, as
+    in Triton 2.51 (its reaper's backlog expiry): each is refused with 503 / UNAVAILABLE and counted
+    as a REJECTED failure, 72 is forgotten (its next step needs START), and 71 keeps its slot."""
+    model = "seq_one_slot"
+    fails_before, metric_before = rejected(server, model)
+    send(server.url, model, 71, 1, start=True)
+    with cf.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(send, server.url, model, 72, 1, start=True)  # no timeout of its own
+        wait_pending(server, model, 1)
+        began = time.monotonic()
+        second = pool.submit(grpc_send, server.grpc_url, model, 72, 2, timeout_us=300_000)
+        with pytest.raises(InferenceServerException) as http_error:
+            first.result()
+        with pytest.raises(InferenceServerException) as grpc_error:
+            second.result()
+    assert time.monotonic() - began < 30  # (not the slot holder's 60 s idle time)
+    assert (http_error.value.status(), http_error.value.message()) == ("503", EXPIRED)
+    assert (grpc_error.value.status(), grpc_error.value.message()) == ("StatusCode.UNAVAILABLE", EXPIRED)
+    fails, metric = rejected(server, model)
+    assert (fails - fails_before, metric - metric_before) == (2, 2)
+    with pytest.raises(InferenceServerException) as e:
+        send(server.url, model, 72, 3)
+    assert e.value.status() == "400" and "must specify the START flag" in e.value.message()
+    assert int(send(server.url, model, 71, 2, end=True).as_numpy("SUM")[0, 0]) == 3  # 71 kept its slot
+
+
+def test_a_backlogged_sequence_that_gets_a_slot_in_time_runs(server):
+    """The timeout bounds only the wait in the backlog: 74's START, with a minute's timeout, runs
+    once 73 ends. Behind 76's START+END in the backlog, 76's next START begins another wait, with
+    no timeout of its own (Triton's separate backlog queue): the first expires, the second runs."""
+    model = "seq_one_slot"
+    send(server.url, model, 73, 1, start=True)
+    with cf.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(send, server.url, model, 74, 5, start=True, timeout_us=60_000_000)
+        wait_pending(server, model, 1)
+        send(server.url, model, 73, 1, end=True)
+        assert int(waiting.result().as_numpy("SUM")[0, 0]) == 5
+    with cf.ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(send, server.url, model, 76, 1, start=True, end=True, timeout_us=2_000_000)
+        wait_pending(server, model, 1)
+        again = pool.submit(send, server.url, model, 76, 7, start=True)
+        wait_pending(server, model, 2)  # (were this later than 2 s, the START would wait alone: the same end)
+        with pytest.raises(InferenceServerException) as e:
+            whole.result()
+        assert (e.value.status(), e.value.message()) == ("503", EXPIRED)
+        send(server.url, model, 74, 1, end=True)
+        assert int(again.result().as_numpy("SUM")[0, 0]) == 7
+    assert int(send(server.url, model, 76, 1, end=True).as_numpy("SUM")[0, 0]) == 8

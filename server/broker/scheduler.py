@@ -79,14 +79,19 @@ class Scheduler:
             self._dispatch_queue(mv, now)
 
     def _expire(self, mv: ModelVersion, now: float) -> None:
-        """Requests past their queue timeout fail; idle sequences lose their slots."""
+        """Requests past their queue timeout fail (for a sequence: in the backlog); idle sequences
+        lose their slots."""
         if mv.batcher is not None:
             expired = mv.batcher.expire(now)
             if expired:
                 mv.stats.fail("REJECTED", len(expired))  # Triton's reason for a queue timeout
                 self.clients.fail_pending(expired, 503, "Request timeout expired", mv.version)
         elif mv.sequencer is not None:
-            mv.sequencer.expire(now)
+            expired = mv.sequencer.expire(now)
+            if expired:  # a backlogged sequence's wait timed out: Triton's text, status and reason
+                mv.stats.fail("REJECTED", len(expired))
+                self.clients.fail_pending(expired, 503, "timeout of the corresponding sequence has been expired",
+                                          mv.version)
 
     def _dispatch_queue(self, mv: ModelVersion, now: float) -> None:
         """The default queue or the dynamic batcher: batches to the least-loaded instances."""

@@ -16,8 +16,11 @@ candidates whose next request is oldest first, as Triton's dynamic batcher would
 when it reaches a ``preferred_batch_size`` (the largest it can fill; ``max_batch_size`` when none
 is configured) or when its oldest request has waited ``max_queue_delay_microseconds``; until
 then the scheduler's timer brings the broker back. A sequence silent for
-``max_sequence_idle_microseconds`` loses its slot. The control inputs (START/END/READY/CORRID)
-and implicit state are added by the worker, which owns the state.
+``max_sequence_idle_microseconds`` loses its slot. A request ``timeout`` bounds only the wait in
+the backlog, as in Triton (its reaper's backlog expiry): once the earliest deadline among a
+backlogged sequence's queued requests passes, they are all refused and the sequence is forgotten;
+the slot holder it waited behind keeps its slot. The control inputs (START/END/READY/CORRID) and
+implicit state are added by the worker, which owns the state.
 """
 from __future__ import annotations
 
@@ -107,6 +110,8 @@ class SequenceBatcher:
             lost = " (the sequence was lost: the instance that held it exited)" if corr in self.lost else ""
             raise InvalidRequest(f"inference request for sequence {corr} to model '{self.model}' must specify "
                                  f"the START flag on the first request of the sequence{lost}")
+        if seq.inst is None and p.timeout_us:  # waits in the backlog: its timeout counts (in a slot, none does)
+            p.deadline = now + p.timeout_us / 1e6
         seq.pending.append(p)
         seq.last_seen = now
         # Whether its last queued request ends it: a START queued behind an END that has not run
@@ -203,16 +208,40 @@ class SequenceBatcher:
     def take_releases(self, inst: Instance) -> list[Any]:
         return self.releases.pop(inst.num, [])
 
-    def expire(self, now: float) -> None:
-        """Free the slots of sequences idle longer than max_sequence_idle_microseconds."""
+    def expire(self, now: float) -> list[Pending]:
+        """Free the slots of sequences idle longer than max_sequence_idle_microseconds; take out
+        (and return, to be refused) the backlogged requests whose wait timed out."""
+        timed_out = self._expire_backlog(now) if self.backlog else []
         for seq in list(self.sequences.values()):
             if not seq.pending and now - seq.last_seen > self.idle_s:
                 self._release(seq)
+        return timed_out
+
+    def _expire_backlog(self, now: float) -> list[Pending]:
+        """Triton keeps a backlog queue per run of a sequence's requests (a START queued behind its
+        END begins another) and refuses a whole queue once the earliest deadline in it passed; a
+        sequence left with nothing queued is forgotten, so its next step needs START."""
+        timed_out: list[Pending] = []
+        for seq in list(self.backlog):
+            kept: list[Pending] = []
+            for run in _backlog_runs(seq.pending):
+                due = min((p.deadline for p in run if p.deadline), default=0.0)
+                (timed_out if due and due <= now else kept).extend(run)
+            if len(kept) == len(seq.pending):
+                continue
+            seq.pending = collections.deque(kept)
+            if kept:
+                seq.ending = bool(kept[-1].entry.get("sequence_flags", 0) & END)
+            else:
+                self._release(seq)
+        return timed_out
 
     def next_timer(self, now: float) -> float | None:
-        """Seconds until a sequence may go idle or an oldest batch's delay ends (one that ended
-        already waits for its instance, whose finish wakes the broker)."""
+        """Seconds until a sequence may go idle, a backlogged request's timeout ends, or an oldest
+        batch's delay ends (one that ended already waits for its instance, whose finish wakes the
+        broker)."""
         due = [s.last_seen + self.idle_s for s in self.sequences.values() if not s.pending]
+        due.extend(p.deadline for s in self.backlog for p in s.pending if p.deadline)
         if self.delay_s:
             due.extend(t for s in self.sequences.values() if s.pending and s.inst is not None
                        and (t := s.pending[0].arrived + self.delay_s) > now)
@@ -258,3 +287,16 @@ class SequenceBatcher:
         self.slots.pop(inst.num, None)
         self.releases.pop(inst.num, None)
         return lost
+
+
+def _backlog_runs(pending: collections.deque) -> list[list[Pending]]:
+    """A backlogged sequence's queued requests split as Triton's backlog queues: a new one begins
+    after each END (the request after it can only be a START)."""
+    runs: list[list[Pending]] = []
+    after_end = True
+    for p in pending:
+        if after_end:
+            runs.append([])
+        runs[-1].append(p)
+        after_end = bool(p.entry.get("sequence_flags", 0) & END)
+    return runs

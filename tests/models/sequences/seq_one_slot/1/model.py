@@ -1,0 +1,1 @@
+../../seq_direct/1/model.py
