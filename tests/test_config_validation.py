@@ -77,6 +77,11 @@ CONFIG_ERRORS = {
                  "for seq_pair"],
     "seq_no_values": ["sequence batching must specify either 'int32_false_true', 'fp32_false_true' or "
                       "'bool_false_true' for CONTROL_SEQUENCE_END for seq_no_values"],
+    # a CORRID of a type Triton does not take, or of none (TYPE_INVALID), refused in its words
+    "seq_corrid_fp32": ["unexpected data type for control CONTROL_SEQUENCE_CORRID for seq_corrid_fp32. Allowed data "
+                        "types are TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 and TYPE_STRING"],
+    "seq_corrid_untyped": ["unexpected data type for control CONTROL_SEQUENCE_CORRID for seq_corrid_untyped. Allowed "
+                           "data types are TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 and TYPE_STRING"],
 }
 
 
@@ -114,6 +119,10 @@ def config_error_repo(tmp_path_factory) -> Path:
         '{ name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0 ] } ] }'))
     _model(repo, "seq_no_values", _config("seq_no_values") + sequence % (
         '{ name: "E" control [ { kind: CONTROL_SEQUENCE_END } ] }'))
+    _model(repo, "seq_corrid_fp32", _config("seq_corrid_fp32") + sequence % (
+        '{ name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] }'))
+    _model(repo, "seq_corrid_untyped", _config("seq_corrid_untyped") + sequence % (
+        '{ name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID } ] }'))
     # a field shmserve does not implement that only loses a feature: the model loads, with a warning;
     # and the response cache asked for on a server without one: the model loads, caching nothing
     _model(repo, "cached", _config("cached") + 'model_operations { op_library_filename: "libnone.so" }\n'

@@ -2,8 +2,10 @@
 GetBooleanSequenceControlProperties and GetTypedSequenceControlProperties, run as a sequence
 model loads): a control tensor has a name, and names one control; START, END and READY each come
 at most once, with exactly one of ``int32_false_true``, ``fp32_false_true`` and
-``bool_false_true``, of two entries; CORRID carries none of them. A model that passes them gets
-the controls it asked for; one that does not would get values it never said (workers/sequence.py).
+``bool_false_true``, of two entries (which sets its type: a ``data_type`` is not looked at);
+CORRID carries none of them, and a ``data_type`` Triton can fill with an id (ValidateModelConfig:
+an unset one is TYPE_INVALID, refused too). A model that passes them gets the controls it asked
+for; one that does not would get values it never said (workers/sequence.py), or no answer at all.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 Control = mc.ModelSequenceBatching.Control
 BOOLEAN_KINDS = (Control.CONTROL_SEQUENCE_START, Control.CONTROL_SEQUENCE_END, Control.CONTROL_SEQUENCE_READY)
 FALSE_TRUE_FIELDS = ("int32_false_true", "fp32_false_true", "bool_false_true")
+CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
 
 
 def problem(config: Any) -> str | None:
@@ -41,6 +44,9 @@ def problem(config: Any) -> str | None:
             if given:
                 return (f"sequence batching must not specify either 'int32_false_true', 'fp32_false_true' or "
                         f"'bool_false_true' for {name} for {m}")
+            if found[0].data_type not in CORRID_TYPES:
+                return (f"unexpected data type for control {name} for {m}. Allowed data types are TYPE_UINT64, "
+                        f"TYPE_INT64, TYPE_UINT32, TYPE_INT32 and TYPE_STRING")
         elif not given:
             return (f"sequence batching must specify either 'int32_false_true', 'fp32_false_true' or "
                     f"'bool_false_true' for {name} for {m}")
