@@ -268,6 +268,43 @@ def test_a_sequence_with_queued_requests_is_never_idle():
 
 def test_the_idle_limit_defaults_to_one_second():
     assert sequencer().idle_s == DEFAULT_IDLE_S == 1.0
+
+
+def timed(corr, flags: int = 0, arrived: float = 0.0, timeout_us: int = 0, tag: str = "") -> Pending:
+    p = step(corr, flags, arrived, tag=tag)
+    p.timeout_us = timeout_us
+    return p
+
+
+def test_a_timeout_ends_a_backlogged_sequences_wait_and_the_broker_wakes_for_it():
+    """Triton's backlog expiry: the earliest deadline among a backlogged sequence's requests
+    refuses them all and forgets the sequence; the slot holder keeps its slot, and a timeout on a
+    request of a sequence that has a slot counts for nothing."""
+    sb, inst = sequencer(max_batch_size=1, idle_us=60_000_000), instance(0)
+    sb.enqueue(timed(1, START, timeout_us=1000, tag="s1"), [inst], 0.0)  # gets the slot: no deadline
+    sb.next_batch(inst, [inst], 0.0)
+    sb.enqueue(timed(2, START, 0.0, tag="s2"), [inst], 0.0)
+    sb.enqueue(timed(2, 0, 0.1, timeout_us=300_000, tag="m2"), [inst], 0.1)
+    sb.enqueue(timed(2, 0, 0.2, timeout_us=5_000_000, tag="n2"), [inst], 0.2)  # a later deadline changes nothing
+    assert sb.next_timer(0.2) == pytest.approx(0.2)  # the broker wakes when m2's 0.3 s end
+    assert sb.expire(0.39) == []
+    assert ids(sb.expire(0.41)) == ["s2", "m2", "n2"]
+    assert not sb.backlog and 2 not in sb.sequences and sb.slots[0][0] is sb.sequences[1]
+    with pytest.raises(InvalidRequest, match="START"):
+        sb.enqueue(step(2), [inst], 0.5)
+
+
+def test_a_start_behind_a_backlogged_end_waits_with_its_own_timeout():
+    """A START queued behind its sequence's END in the backlog begins another of Triton's backlog
+    queues: the first one's deadline refuses only the first one's requests."""
+    sb, inst = sequencer(max_batch_size=1), instance(0)
+    sb.enqueue(step(1, START), [inst], 0.0)
+    sb.enqueue(timed(2, START | END, 0.0, timeout_us=100_000, tag="whole"), [inst], 0.0)
+    sb.enqueue(timed(2, START, 0.05, tag="again"), [inst], 0.05)
+    assert ids(sb.expire(0.2)) == ["whole"]
+    assert ids(list(sb.sequences[2].pending)) == ["again"] and not sb.sequences[2].ending
+    sb.enqueue(step(2, 0, tag="more"), [inst], 0.3)  # the sequence goes on: no START needed
+    assert sb.next_timer(0.3) is None  # no deadline is left to wake for
     assert sequencer(idle_us=2_500_000).idle_s == 2.5
 
 
