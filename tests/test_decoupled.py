@@ -444,6 +444,37 @@ os.kill(os.getpid(), 19)  # SIGSTOP: alive, reading nothing
 """
 
 
+def test_a_stream_whose_client_dies_does_not_hold_its_model(server):
+    """A local client streams far more responses than its stream's ring holds and is killed
+    with the ring full. The broker cancels its requests within a second, and the model's send
+    waiting for room gives up then, not after RING_FULL_TIMEOUT_S (60 s): the model's next
+    client is answered within seconds. (Before, a dead client held the model a minute, and so
+    did a killed gRPC frontend with its streams.)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    reader = subprocess.Popen([sys.executable, "-c", STOPPED_READER, server.id, "5000"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert reader.stdout.readline().strip() == "SENT"
+        time.sleep(1)  # (its request reaches the model, whose sends fill the ring)
+        reader.send_signal(signal.SIGKILL)
+        reader.wait(30)
+        started = time.monotonic()
+        with Client(server.id) as client:
+            parts = [r["text_output"][0] for r in client.stream("echo_llm", {"text_input": np.array([b"hello world"],
+                                                                                                    dtype=object)})]
+        took = time.monotonic() - started
+    finally:
+        reader.kill()
+        reader.wait()
+        reader.stdout.close()
+    assert parts == [b"hello", b" world", b" [end]"], parts
+    assert took < 20, took
+
+
 def test_a_local_reader_that_stops_holds_its_model_once_not_per_response(server):
     """A local client streams far more responses than its stream's ring holds (64) and stops
     reading, alive. The model's sends wait for room for 60 s (RING_FULL_TIMEOUT_S) once: then

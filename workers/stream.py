@@ -120,18 +120,23 @@ class StreamSender:
         """Put a response on the request's ring; ``last``: it came with the final flag. A client
         that read nothing for ``RING_FULL_TIMEOUT_S`` has given up on the stream: that response
         and every later one are dropped at once, and the request is cancelled (the model sees
-        ``is_cancelled()``), so a stopped reader holds the model that long once, not per response."""
+        ``is_cancelled()``), so a stopped reader holds the model that long once, not per response.
+        A request cancelled while its ring is full (its client cancelled it, or died: the broker
+        then cancels its requests within a second) is given up on at once: nobody will read."""
         if self.abandoned:
             self.answers.arena.free(extent, off)
             return
         deadline = time.monotonic() + RING_FULL_TIMEOUT_S
         word = role_word(ROLE_WORKER, extent) | (LAST_RESPONSE if last else 0)
+        slot = self.entry["slot"]
         try:
             while not self.ring.put(status, word, off, total, self.answers.num):
-                if time.monotonic() > deadline:  # the client stopped reading: drop, do not hang the model
+                cancelled = self.client.cancelled(slot)
+                if cancelled or time.monotonic() > deadline:  # nobody reads: drop, do not hang the model
                     self.answers.arena.free(extent, off)
                     self.abandoned = True
-                    self.client.cancel(self.entry["slot"])
+                    if not cancelled:
+                        self.client.cancel(slot)
                     return
                 self.client.waker.notify()
                 time.sleep(0.0005)
