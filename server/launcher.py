@@ -228,6 +228,10 @@ class Launcher:
             return self._start_frontend(index)
         return self._start_grpc()
 
+    def _child_title(self, index: int) -> str:
+        """Frontend ``index`` as its log lines and process title name it."""
+        return f"HTTP frontend #{index}" if index < self._http_frontends() else "the gRPC frontend"
+
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stopping = True
         self.stop_signal = signum
@@ -330,7 +334,8 @@ class Launcher:
                     if time.monotonic() - frontend_since[i] > STABLE_S:
                         frontend_restarts[i] = 0
                     delay = BACKOFF_S[min(frontend_restarts[i], len(BACKOFF_S) - 1)]
-                    log.error("frontend #%d died (exit code %s); restarting it in %.1f s", i, fe.returncode, delay)
+                    log.error("%s died (exit code %s); restarting it in %.1f s", self._child_title(i), fe.returncode,
+                              delay)
                     frontend_restarts[i] += 1
                     time.sleep(delay)
                     self.frontends[i] = self._start_child(i)

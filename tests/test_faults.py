@@ -14,6 +14,7 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import DEADLINE_S, PYTHON, ROOT, TESTS, TEST_MODELS, pid_alive, raw_request, shm_entries
@@ -304,7 +305,24 @@ def test_frontend_death_is_restarted(faulty):
 
     wait_for(serves, "a restarted frontend serving")
     assert frontend not in faulty.titles()
-    assert "frontend #0 died" in faulty.log()
+    assert "HTTP frontend #0 died" in faulty.log()
+
+
+def test_grpc_frontend_death_is_restarted_and_named_as_its_process(faulty):
+    """The log names the gRPC process as ``ps`` shows it, not as one more numbered frontend."""
+    grpc_pid = next(pid for pid, t in faulty.titles().items() if t.startswith("shmserve grpc "))
+    os.kill(grpc_pid, signal.SIGKILL)
+
+    def serves() -> bool:
+        try:
+            with grpcclient.InferenceServerClient(faulty.grpc_url) as client:
+                return client.is_server_live()
+        except Exception:  # noqa: BLE001 - unavailable while it restarts
+            return False
+
+    wait_for(lambda: grpc_pid not in faulty.titles(), "the killed gRPC frontend gone")
+    wait_for(serves, "a restarted gRPC frontend serving")
+    assert "the gRPC frontend died (exit code -9)" in faulty.log()
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits_clean(faulty, tmp_path):
