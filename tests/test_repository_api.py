@@ -264,3 +264,59 @@ def test_unload_dependents_keeps_a_step_named_at_start_after_its_ensemble(server
     wait_until(lambda: "UNLOADING" not in {e.get("state") for e in _index(c).values()}, "the unloads", 30)
     after = {name: e.get("state", "") for name, e in _index(c).items()}
     assert (after["par"], after["slow_add"], after["slow_mul"]) == ("UNAVAILABLE", "READY", "UNAVAILABLE"), after
+
+
+def _add_sub_copy(repo: Path, name: str, *, config_name: str | None = None, versions: bool = True,
+                  extra: str = "") -> None:
+    """add_sub's folder as ``name`` (its config naming ``config_name``), with or without its version folder."""
+    import shutil
+
+    shutil.copytree(EXAMPLES / "add_sub", repo / name)
+    if not versions:
+        shutil.rmtree(repo / name / "1")
+    config = repo / name / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "add_sub"', f'name: "{config_name or name}"') + extra)
+
+
+def test_a_version_of_a_model_that_never_had_one_is_not_found(server_factory, tmp_path):
+    """As Triton 2.51: a model whose load failed before it had a version answers a request for a
+    version with a final 404 (gRPC NOT_FOUND), not a 503 that invites retries: "version 1 is not
+    found" when its policy selected none (no version folder, a policy naming none there), "is not
+    found" when Triton's poll refuses its config (a name that is not its folder's, no config.pbtxt
+    under --strict-model-config). The index keeps them UNAVAILABLE with the reason (Triton drops
+    them, or lists the name alone): an operator sees the failure."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _add_sub_copy(repo, "noversion", versions=False)
+    _add_sub_copy(repo, "nopolicy", extra="version_policy { specific { versions: [ 9 ] } }\n")
+    _add_sub_copy(repo, "wrongname", config_name="othername")
+    shutil.copytree(EXAMPLES / "add_sub" / "1", repo / "noconfig" / "1")
+    s = server_factory.start([repo], ["--model-control-mode", "explicit", "--strict-model-config", "true"])
+    s.wait_grpc_ready()
+    c = s.client()
+    texts = {"noversion": "'noversion' version {v} is not found", "nopolicy": "'nopolicy' version {v} is not found",
+             "wrongname": "'wrongname' is not found", "noconfig": "'noconfig' is not found"}
+    with grpcclient.InferenceServerClient(s.grpc_url) as g:
+        for name, text in texts.items():
+            _load_error(lambda: c.load_model(name))
+            assert _index(c)[name]["state"] == "UNAVAILABLE"
+            assert "reason" in _index(c)[name]
+            for v in (1, 9):
+                want = "Request for unknown model: " + text.format(v=v)
+                for path in (f"/v2/models/{name}/versions/{v}", f"/v2/models/{name}/versions/{v}/config"):
+                    r = raw_request(s.port, "GET", path)
+                    assert (r.status, r.json()) == (404, {"error": want}), path
+                r = raw_request(s.port, "POST", f"/v2/models/{name}/versions/{v}/infer",
+                                b'{"inputs":[{"name":"INPUT0","datatype":"INT32","shape":[16],"data":[0]}]}')
+                assert (r.status, r.json()) == (404, {"error": want})
+                assert not c.is_model_ready(name, str(v))
+                for call in (lambda: g.get_model_metadata(name, str(v)), lambda: g.get_model_config(name, str(v)),
+                             lambda: g.infer(name, [grpcclient.InferInput("INPUT0", [16], "INT32")], str(v))):
+                    e = _load_error(call)
+                    assert (e.status(), e.message()) == ("StatusCode.NOT_FOUND", want)
+                assert not g.is_model_ready(name, str(v))
+            e = _load_error(lambda: c.get_model_metadata(name))  # (Triton: "is not found" for the last two)
+            assert (e.status(), e.message()) == ("404", f"Request for unknown model: '{name}' has no available versions")
+

@@ -74,6 +74,10 @@ class Catalog:
         # The versions of a model that was unloaded (until it loads again): Triton keeps them as
         # UNAVAILABLE, so that a request for it has "no available versions" rather than "not found".
         self.unloaded: dict[str, list[int]] = {}
+        # Models whose last load failed where Triton's repository poll fails (a config it cannot
+        # read): Triton never registered them, so a version of them "is not found" (404, final)
+        # rather than "not at ready state" (503, which invites retries).
+        self.unpolled: set[str] = set()
         self.load_failures: dict[str, int] = collections.defaultdict(int)  # model -> failed loads
         self.load_times = LoadTimes()  # every successful load's duration (load_times.py)
         self.model_dirs: dict[str, Path] = {}  # model -> its folder in a repository
@@ -141,6 +145,8 @@ class Catalog:
                                       f"retry shortly")
             if latest:
                 raise UnknownModel(f"Request for unknown model: '{model}' has no available versions")
+            if known is None and model in self.unpolled:
+                raise UnknownModel(f"Request for unknown model: '{model}' is not found")
             if known is not None and v not in known:
                 raise UnknownModel(f"Request for unknown model: '{model}' version {v} is not found")
             raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")

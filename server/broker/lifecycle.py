@@ -46,7 +46,7 @@ from .instances import Instances, StartFailed, take_message, take_payload
 from .journal import Journal
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
-from .load_plan import LoadPlanner, instance_needs
+from .load_plan import LoadPlanner, NoVersion, Unpolled, instance_needs
 from .model_table import model_rows, table
 from .rate_limiter import RateLimiter
 from .repository_scan import RepositoryScanner, folder_state
@@ -312,7 +312,7 @@ class Lifecycle:
             log.error("%s%s", reason, self._no_folder_hint(name))
             return LoadRefused(reason, 500)
         if name in self.ambiguous and model_dir == catalog.model_dirs.get(name):  # (an upload is its own)
-            return self._load_failed(name, f"failed to load '{name}', {DUPLICATE_MODEL}")
+            return self._load_failed(name, f"failed to load '{name}', {DUPLICATE_MODEL}", unpolled=True)
         serving = catalog.models.get(name)
         if keep_unchanged and override_json is None and serving and name not in catalog.loading \
                 and name not in self.updates.waiters and instance_update.unchanged_since_load(serving, model_dir):
@@ -330,7 +330,8 @@ class Lifecycle:
         try:
             plan = self.planner.plan(name, model_dir, override_json)
         except cfgmod.ConfigError as e:
-            return self._load_failed(name, f"failed to load '{name}', {e}")
+            return self._load_failed(name, f"failed to load '{name}', {e}", tried=[] if isinstance(e, NoVersion) else None,
+                                     unpolled=isinstance(e, Unpolled))
         config, versions = plan.config, plan.versions
         if serving and name not in catalog.loading and instance_update.updatable(serving, model_dir, config, versions):
             added = sum(len(instance_update.instance_changes(mv, config)[0]) for mv in serving.values())
@@ -562,12 +563,23 @@ class Lifecycle:
                          if mv is not besides and mv.state == State.READY)
         return f" (version {', '.join(map(str, serving))} of '{name}' serves on)" if serving else ""
 
-    def _load_failed(self, name: str, reason: str) -> LoadRefused:
+    def _load_failed(self, name: str, reason: str, tried: list[int] | None = None,
+                     unpolled: bool = False) -> LoadRefused:
+        """A load refused before any version started. ``tried``: the versions it selected ([]: none,
+        so a version asked for "is not found"; None: unknown); ``unpolled``: refused where
+        Triton's repository poll refuses it, which never registers the model."""
+        catalog = self.catalog
         log.error("%s%s", reason, self._serving_on(name))
-        self.catalog.load_failures[name] += 1
-        self.catalog.load_errors[name] = reason
-        self.catalog.failed_versions.pop(name, None)
-        self.catalog.unloaded.pop(name, None)
+        catalog.load_failures[name] += 1
+        catalog.load_errors[name] = reason
+        if tried is None:
+            catalog.failed_versions.pop(name, None)
+        else:
+            catalog.failed_versions[name] = tried
+        catalog.unloaded.pop(name, None)
+        catalog.unpolled.discard(name)
+        if unpolled and name not in catalog.models:
+            catalog.unpolled.add(name)
         return LoadRefused(reason)
 
     def fail_version(self, mv: ModelVersion, reason: str) -> None:

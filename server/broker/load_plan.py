@@ -35,6 +35,17 @@ def instance_needs(config: Any) -> list[Needs]:
             for device in cfgmod.instance_devices(group) for _ in range(group.count)]
 
 
+class Unpolled(cfgmod.ConfigError):
+    """A config Triton refuses when it polls the folder (unreadable, invalid JSON override, a
+    name that is not the folder's, none under --strict-model-config): Triton never registers
+    the model, so each version of it "is not found", not "not at ready state"."""
+
+
+class NoVersion(cfgmod.ConfigError):
+    """A policy that selects no version folder: Triton registers the model with no version, so a
+    request for a version of it "is not found"."""
+
+
 @dataclasses.dataclass
 class LoadPlan:
     config: Any  # ModelConfig message, as asked for (before the backend completes it)
@@ -52,14 +63,17 @@ class LoadPlanner:
 
     def plan(self, name: str, model_dir: Path, override_json: str | None) -> LoadPlan:
         """The plan of a load of ``name`` from ``model_dir``; raises ``ConfigError`` with the reason."""
-        config = cfgmod.load_config(model_dir, self.opts.strict_config, override_json, self.opts.config_name)
+        try:
+            config = cfgmod.load_config(model_dir, self.opts.strict_config, override_json, self.opts.config_name)
+        except cfgmod.ConfigError as e:
+            raise Unpolled(str(e)) from None
         available = cfgmod.version_dirs(model_dir)
         for folder in cfgmod.non_version_dirs(model_dir):
             log.warning("model '%s': ignore version directory '%s' which fails to convert to integral number",
                         name, folder)
         versions = cfgmod.select_versions(config, available)
         if not versions:
-            raise cfgmod.ConfigError(f"at least one version must be available under the version policy of model "
+            raise NoVersion(f"at least one version must be available under the version policy of model "
                                      f"'{name}' (its version folders: {available})")  # Triton's words, then ours
         cfgmod.validate(config, model_dir, self.backends, versions, completed_later=not self.opts.strict_config)
         for warning in unsupported.warnings(config, cfgmod.backend_of(config)):
