@@ -378,6 +378,24 @@ def test_poll_mode_follows_the_repository(server_factory, repo, tmp_path):
     wait_until(lambda: not c.is_model_ready("twin"), DEADLINE_S, "the removed model unloaded")
 
 
+def test_poll_mode_failed_reload_keeps_the_versions_unloaded_before(server_factory, repo, tmp_path):
+    """As Triton 2.51's index: once version 2 replaced version 1 (UNAVAILABLE "unloaded") and then
+    config.pbtxt broke, version 2 serves on and version 1 is still listed as before."""
+    s = server_factory.start([repo], ["--model-control-mode", "poll"])
+    c = s.client()
+    shutil.copytree(repo / "add_sub" / "1", tmp_path / "v2")
+    os.rename(tmp_path / "v2", repo / "add_sub" / "2")
+    unloaded = {"name": "add_sub", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+    wait_until(lambda: unloaded in c.get_model_repository_index(), DEADLINE_S, "version 1 unloaded")
+    publish(repo / "add_sub" / "config.pbtxt", "this is not a config\n", tmp_path / "config.staging")
+    wait_until(lambda: "reason" in c.get_model_repository_index()[-1], DEADLINE_S, "the failed reload in the index")
+    index = c.get_model_repository_index()
+    assert index[0] == unloaded, index
+    assert (index[1]["version"], index[1]["state"]) == ("2", "READY"), index
+    assert index[1]["reason"].startswith("serving the previous version; the last load failed: "), index
+    assert add_sub(c).tolist() == list(range(0, 32, 2))
+
+
 def publish(path: Path, text: str, staging: Path) -> None:
     """Write ``path`` as a publisher should: in full beside it, then one atomic rename."""
     staging.write_text(text)

@@ -320,3 +320,32 @@ def test_a_version_of_a_model_that_never_had_one_is_not_found(server_factory, tm
             e = _load_error(lambda: c.get_model_metadata(name))  # (Triton: "is not found" for the last two)
             assert (e.status(), e.message()) == ("404", f"Request for unknown model: '{name}' has no available versions")
 
+
+def test_a_failed_override_keeps_the_versions_unloaded_before_in_the_index(server_factory, tmp_path):
+    """As Triton 2.51: after v1 served, then an override serving v2 only (v1 UNAVAILABLE
+    "unloaded"), an override that fails (a policy naming no folder, a config that does not parse)
+    leaves v2 serving and v1 listed as before."""
+    import json
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(EXAMPLES / "add_sub" / "1", repo / "add_sub" / "2")
+    shutil.copytree(EXAMPLES / "add_sub", repo / "add_sub", dirs_exist_ok=True)
+    s = server_factory.start([repo], ["--model-control-mode", "explicit"])
+    c = s.client()
+    c.load_model("add_sub")
+    config = c.get_model_config("add_sub")
+
+    def policy(versions: list[int]) -> str:
+        return json.dumps({**config, "version_policy": {"specific": {"versions": versions}}})
+
+    c.load_model("add_sub", config=policy([1]))
+    unloaded = {"name": "add_sub", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded"}
+    s.wait_until(lambda: unloaded in c.get_model_repository_index(), "v2 unloaded")
+    for bad in (policy([9]), "{"):
+        _load_error(lambda: c.load_model("add_sub", config=bad))
+        index = c.get_model_repository_index()
+        assert [(e["version"], e["state"]) for e in index] == [("1", "READY"), ("2", "UNAVAILABLE")], index
+        assert index[1] == unloaded
+        r = raw_request(s.port, "GET", "/v2/models/add_sub/versions/2")
+        assert (r.status, r.json()) == (503, {"error": "Request for unknown model: 'add_sub' version 2 is not at ready state"})

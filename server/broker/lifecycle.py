@@ -495,7 +495,8 @@ class Lifecycle:
         self._abandon(job, 400, reason)
         catalog.load_errors[job.name] = reason
         catalog.failed_versions[job.name] = versions
-        catalog.unloaded.pop(job.name, None)
+        if job.name not in catalog.models:  # (what serves on keeps the versions unloaded before, as in Triton)
+            catalog.unloaded.pop(job.name, None)
         catalog.load_failures[job.name] += 1
 
     def _unserved_step(self, job: LoadJob) -> str | None:
@@ -576,10 +577,11 @@ class Lifecycle:
             catalog.failed_versions.pop(name, None)
         else:
             catalog.failed_versions[name] = tried
-        catalog.unloaded.pop(name, None)
         catalog.unpolled.discard(name)
-        if unpolled and name not in catalog.models:
-            catalog.unpolled.add(name)
+        if name not in catalog.models:  # (what serves on keeps the versions unloaded before, as in Triton)
+            catalog.unloaded.pop(name, None)
+            if unpolled:
+                catalog.unpolled.add(name)
         return LoadRefused(reason)
 
     def fail_version(self, mv: ModelVersion, reason: str) -> None:
