@@ -126,9 +126,11 @@ def test_a_load_without_config_of_an_unchanged_model_reloads_nothing(server_fact
     """As Triton: a model reloads only when its folder changed since it loaded, so a load with no
     config keeps what serves (no new worker, the override it was loaded with kept) until a file
     changes: one replaced by a copy of the same size and time (rsync -a, cp -p) too, or its
-    config.pbtxt; then the folder's config serves."""
+    config.pbtxt; then the folder's config serves. (Loaded plainly first: the first import of a
+    version writes its bytecode, which a later load sees as a change, as in Triton.)"""
     s = server_factory.start([repo], ["--model-control-mode", "explicit"])
     c = s.client()
+    c.load_model("add_sub")
     c.load_model("add_sub", config=config(generation=7))
     assert c.get_model_config("add_sub")["parameters"] == {"generation": {"string_value": "7"}}
     workers = s.worker_pids("add_sub")
@@ -158,6 +160,46 @@ def test_a_load_without_config_of_an_unchanged_model_reloads_nothing(server_fact
     (repo / "add_sub" / "config.pbtxt").write_text(text + 'parameters { key: "generation" value { string_value: "8" } }\n')
     c.load_model("add_sub")
     reloaded(workers, {"generation": {"string_value": "8"}})
+
+
+def test_a_load_without_config_after_an_override_follows_triton_s_file_times(server_factory, repo):
+    """Triton 2.51's rule (ModelTimestamp; checked on the reference Triton): a load without config
+    reads config.pbtxt again only if something in the model's folder was written after the last
+    load, an override counting as written when it was asked for. The Python backend writes a
+    version's bytecode when it first imports it: so an override that loads a version never loaded
+    before is undone by the next plain load, and one of versions already loaded is kept."""
+    shutil.copytree(repo / "add_sub" / "1", repo / "add_sub" / "2")
+    s = server_factory.start([repo], ["--model-control-mode", "explicit"])
+    c = s.client()
+
+    def serving() -> tuple[list[str], dict, dict]:
+        cfg = c.get_model_config("add_sub")
+        return (c.get_model_metadata("add_sub")["versions"], cfg.get("version_policy"), cfg.get("parameters", {}))
+
+    latest = {"latest": {"num_versions": 1}}
+    c.load_model("add_sub")
+    assert serving() == (["2"], latest, {})
+    only_1 = json.dumps({**json.loads(config()), "version_policy": {"specific": {"versions": [1]}}})
+    c.load_model("add_sub", config=only_1)  # version 1's first import writes 1/__pycache__
+    assert serving() == (["1"], {"specific": {"versions": [1]}}, {})
+    assert (repo / "add_sub" / "1" / "__pycache__").is_dir()
+    c.load_model("add_sub")
+    wait_until(lambda: serving() == (["2"], latest, {}), DEADLINE_S, "config.pbtxt's policy serving again")
+    # An override of the version already imported: a plain load keeps it, worker and all ...
+    c.load_model("add_sub", config=config(generation=7))
+    workers = s.worker_pids("add_sub")
+    c.load_model("add_sub")
+    assert serving() == (["2"], latest, {"generation": {"string_value": "7"}})
+    assert s.worker_pids("add_sub") == workers
+    # ... until a file is written after it.
+    time.sleep(0.05)
+    os.utime(repo / "add_sub" / "2" / "model.py")
+    c.load_model("add_sub")
+    wait_until(lambda: serving() == (["2"], latest, {}), DEADLINE_S, "config.pbtxt serving again")
+    # Version 1 has its bytecode now: the same policy override is kept this time.
+    c.load_model("add_sub", config=only_1)
+    c.load_model("add_sub")
+    assert serving() == (["1"], {"specific": {"versions": [1]}}, {})
 
 
 def test_an_unloaded_model_has_no_available_versions(server_factory, repo):

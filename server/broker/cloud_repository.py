@@ -293,11 +293,15 @@ def _model_of(rel: str) -> str:
 
 def _prune(folder: str) -> None:
     """Remove the folders under ``folder`` (and it) that no file is left in: a version the store
-    no longer holds must not stay as an empty version folder."""
+    no longer holds must not stay as an empty version folder. The bytecode the Python backend
+    wrote there (``__pycache__``) is no file of the store's: it goes with its folder."""
     if not os.path.isdir(folder):
         return
     for path, _, _ in os.walk(folder, topdown=False):
-        if not os.listdir(path):
+        entries = os.listdir(path)
+        if all(e == "__pycache__" for e in entries):
+            for e in entries:
+                shutil.rmtree(os.path.join(path, e), ignore_errors=True)
             os.rmdir(path)
 
 

@@ -26,6 +26,7 @@ from .catalog import Catalog
 from .clients import Clients
 from .instances import Instances, StartFailed
 from .models import Instance, ModelVersion, State
+from .load_stamp import written_since
 from .repository_scan import folder_state
 from .routes import Routes
 
@@ -58,10 +59,14 @@ def planned_instances(config: Any) -> list[PlannedInstance]:
 
 def folder_fingerprint(model_dir: str) -> Fingerprint:
     """Size and modification time of every file of the model but its config: what tells an
-    instance change from a new model."""
+    instance change from a new model. Bytecode is left out: the Python backend writes it when it
+    imports a version, which changes no model."""
     prints: Fingerprint = {}
-    for root, _, files in os.walk(model_dir):
+    for root, dirs, files in os.walk(model_dir):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
         for f in files:
+            if f.endswith(".pyc"):
+                continue
             path = os.path.join(root, f)
             rel = os.path.relpath(path, model_dir)
             if rel == "config.pbtxt":
@@ -83,14 +88,14 @@ def without_instances(config: Any) -> Any:
 
 def unchanged_since_load(serving: dict[int, ModelVersion], model_dir: Path) -> bool:
     """Whether every version of a non-ensemble model that serves is ready, was loaded from
-    ``model_dir``, and that folder is as it was then (``repository_scan.folder_state``: every
-    file, links followed, by inode, size and modification time): a load without a config then
-    reloads nothing, as in Triton, which reloads a model only when its folder changed, so that it
-    keeps serving as it was loaded (with a config override, say)."""
+    ``model_dir``, nothing in that folder was written after its load's stamp (Triton's rule:
+    load_stamp.py), and the folder is as it was then (``repository_scan.folder_state``: a file
+    replaced by one of the same time, which Triton misses, counts too): a load without a config
+    then reloads nothing and the model serves on as it was loaded (with a config override, say)."""
     now = None
     for mv in serving.values():
         if mv.state != State.READY or mv.model_dir != str(model_dir) or mv.ensemble is not None \
-                or mv.folder_state is None:
+                or mv.folder_state is None or written_since(mv.model_dir, mv.load_stamp):
             return False
         now = folder_state(mv.model_dir) if now is None else now
         if mv.folder_state != now:
@@ -152,9 +157,10 @@ class InstanceUpdates:
         self.folders: dict[str, frozenset | None] = {}  # model -> the folder state its change was read from
 
     def apply(self, serving: dict[int, ModelVersion], config: Any, waiter: Waiter | None,
-              folder: frozenset | None = None) -> None:
+              folder: frozenset | None = None, stamp: int | None = None) -> None:
         """Give every serving version ``config``'s instance groups; ``folder``: the state of the
-        model's folder the change was read from, theirs once every added instance serves."""
+        model's folder the change was read from, theirs once every added instance serves;
+        ``stamp``: the load's (load_stamp.py)."""
         now = time.monotonic()
         name = config.name
         for mv in serving.values():
@@ -162,6 +168,7 @@ class InstanceUpdates:
             mv.config = with_groups(mv.config, config)
             mv.set_config(to_dict(mv.config))
             mv.requested_config = config
+            mv.load_stamp = stamp
             mv.folder_state = None  # (what it serves matches the folder again only once the change is done)
             mv.planned_instances = cfgmod.instance_count(config)
             # The one instance batches its own lanes only if it was started as the only one.

@@ -47,6 +47,7 @@ from .journal import Journal
 from .models import Instance, ModelVersion, State
 from .options import BrokerOptions
 from .load_plan import LoadPlanner, NoVersion, Unpolled, instance_needs
+from .load_stamp import load_stamp
 from .model_table import model_rows, table
 from .rate_limiter import RateLimiter
 from .repository_scan import RepositoryScanner, folder_state
@@ -327,6 +328,7 @@ class Lifecycle:
                 self.clients.reply(waiter[0], waiter[1], 200, {})
             return None
         folder = folder_state(str(model_dir))  # (before the plan reads it: a change meanwhile shows next time)
+        stamp = load_stamp(str(model_dir), override_json is not None)
         try:
             plan = self.planner.plan(name, model_dir, override_json)
         except cfgmod.ConfigError as e:
@@ -339,7 +341,7 @@ class Lifecycle:
                 if shortfall:  # what serves goes on serving as it is
                     log.error("failed to load '%s', %s", name, shortfall)
                     return LoadRefused(f"failed to load '{name}', {shortfall}")
-                self.updates.apply(serving, config, waiter, folder)
+                self.updates.apply(serving, config, waiter, folder, stamp)
             catalog.load_errors.pop(name, None)  # this load supersedes one that failed before
             self._record(name, str(model_dir), override_json)
             return None
@@ -362,7 +364,7 @@ class Lifecycle:
                 mv.set_config(mv.config_dict)
                 mv.exec_timeout_s = plan.exec_timeout_s
                 mv.requested_config, mv.files = config, instance_update.folder_fingerprint(str(model_dir))
-                mv.folder_state = folder
+                mv.folder_state, mv.load_stamp = folder, stamp
                 mv.weights_key = f"{name}.{v}.{next(self.load_ids)}"
                 job.versions[v] = mv
                 if config.platform == "ensemble":

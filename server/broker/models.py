@@ -118,6 +118,7 @@ class ModelVersion:
     files: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # instance_update.folder_fingerprint
     # repository_scan.folder_state of its folder as the load read it (None: unknown, or changed since in place)
     folder_state: frozenset | None = None
+    load_stamp: int | None = None  # load_stamp.load_stamp of the load that gave it its config (None: unknown)
 
     def __post_init__(self) -> None:
         # Counted in the buckets its config sets (model_metrics), as its workers count.

@@ -11,6 +11,7 @@ event loop (event_loop.py).
 from __future__ import annotations
 
 import asyncio
+import importlib.machinery
 import importlib.util
 import inspect
 import logging
@@ -62,10 +63,27 @@ def _import_model(ctx: ModelContext) -> ModuleType:
         raise FileNotFoundError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = sys.modules["model"] = module
+    _write_bytecode(spec.loader, name)
     spec.loader.exec_module(module)
     if not hasattr(module, "TritonPythonModel"):
         raise AttributeError(f"{path} does not define class TritonPythonModel")
     return module
+
+
+def _write_bytecode(loader: Any, name: str) -> None:
+    """Write the model file's bytecode (``<version>/__pycache__``) as Triton's stub does, whatever
+    PYTHONDONTWRITEBYTECODE says: the first load of a version so writes into its folder, which the
+    next load without a config sees, as Triton's does (server/broker/load_stamp.py). A folder that
+    cannot be written is left alone, as by Python's own import."""
+    if not isinstance(loader, importlib.machinery.SourceFileLoader):
+        return
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, False
+    try:
+        loader.get_code(name)
+    except Exception:  # noqa: BLE001 - exec_module raises it again, as the import's own error
+        pass
+    finally:
+        sys.dont_write_bytecode = before
 
 
 class ExecuteContract(Exception):
