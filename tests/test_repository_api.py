@@ -349,3 +349,7 @@ def test_a_failed_override_keeps_the_versions_unloaded_before_in_the_index(serve
         assert index[1] == unloaded
         r = raw_request(s.port, "GET", "/v2/models/add_sub/versions/2")
         assert (r.status, r.json()) == (503, {"error": "Request for unknown model: 'add_sub' version 2 is not at ready state"})
+    # An unload then lists both: the version it unloaded and the one the override dropped before.
+    c.unload_model("add_sub")
+    s.wait_until(lambda: [(e["version"], e["state"], e.get("reason")) for e in c.get_model_repository_index()]
+                 == [("1", "UNAVAILABLE", "unloaded"), ("2", "UNAVAILABLE", "unloaded")], "both versions unloaded")

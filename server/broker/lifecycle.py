@@ -688,8 +688,8 @@ class Lifecycle:
             # available versions") when nothing serves; a config that failed is forgotten.
             catalog.load_errors.pop(name, None)
             catalog.failed_versions.pop(name, None)
-        if versions:  # kept as Triton keeps them: UNAVAILABLE, "unloaded"
-            catalog.unloaded[name] = sorted(versions)
+        if versions:  # kept as Triton keeps them: UNAVAILABLE, "unloaded" (with those a reload dropped before)
+            catalog.unloaded[name] = sorted(set(catalog.unloaded.get(name, ())) | set(versions))
         for mv in versions.values():
             if dependents and mv.ensemble is not None:
                 # As Triton: a step goes with it unless it was loaded by name or another ensemble
