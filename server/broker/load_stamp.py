@@ -16,21 +16,13 @@ from __future__ import annotations
 import os
 import time
 
+from .repository_scan import walk_once
+
 
 def newest_mtime(folder: str) -> int:
     """The latest modification time (ns) of ``folder`` and everything under it; 0 if unreadable."""
     newest = 0
-    seen: set[tuple[int, int]] = set()  # folders walked, as (device, inode): links may loop
-    for root, dirs, files in os.walk(folder, followlinks=True):
-        try:
-            st = os.stat(root)
-        except OSError:
-            dirs.clear()
-            continue
-        if (st.st_dev, st.st_ino) in seen:
-            dirs.clear()
-            continue
-        seen.add((st.st_dev, st.st_ino))
+    for root, st, _, files in walk_once(folder):
         newest = max(newest, st.st_mtime_ns)
         for f in files:
             try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from .watcher import RepositoryWatcher, ignored
 
@@ -31,11 +31,10 @@ log = logging.getLogger("shmserve.broker")
 Entry = tuple[str, int, int, int]  # path in the model folder, inode, size, mtime (ns); a folder: (path, 0, -1, 0)
 
 
-def folder_state(folder: str) -> frozenset[Entry]:
-    """What the loads read in ``folder``, following links; ignored names (editor temporaries,
-    bytecode, dot-files) left out, so they change nothing."""
-    entries: set[Entry] = set()
-    seen: set[tuple[int, int]] = set()  # folders walked, as (device, inode): links may loop
+def walk_once(folder: str) -> Iterator[tuple[str, os.stat_result, list[str], list[str]]]:
+    """``os.walk`` of ``folder`` following links, each folder once (links may loop): its path,
+    stat, subfolders (prune them in place to skip some) and files."""
+    seen: set[tuple[int, int]] = set()  # folders walked, as (device, inode)
     for root, dirs, files in os.walk(folder, followlinks=True):
         try:
             st = os.stat(root)
@@ -46,6 +45,14 @@ def folder_state(folder: str) -> frozenset[Entry]:
             dirs.clear()
             continue
         seen.add((st.st_dev, st.st_ino))
+        yield root, st, dirs, files
+
+
+def folder_state(folder: str) -> frozenset[Entry]:
+    """What the loads read in ``folder``, following links; ignored names (editor temporaries,
+    bytecode, dot-files) left out, so they change nothing."""
+    entries: set[Entry] = set()
+    for root, _, dirs, files in walk_once(folder):
         dirs[:] = [d for d in dirs if not ignored(d)]
         rel_root = os.path.relpath(root, folder)
         for d in dirs:
