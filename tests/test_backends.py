@@ -462,7 +462,8 @@ def test_pb_utils_requests_the_worker_builds_read_as_constructed_ones():
 
 def test_pb_utils_star_import_gives_tritons_names_and_ours():
     """The package a model imports as ``triton_python_backend_utils`` re-exports Triton's names
-    (and the custom-metric kinds), each listed in ``__all__``, so ``import *`` gives them all."""
+    each listed in ``__all__``, so ``import *`` gives them all; the custom-metric kinds only as
+    Triton's stub gives them, on ``MetricFamily`` (no ``pb_utils.COUNTER``, no ``MetricKind``)."""
     from shmserve.workers.python_backend import pb_utils
 
     triton = {"Tensor", "InferenceRequest", "InferenceResponse", "TritonError", "TritonModelException", "Logger",
@@ -475,12 +476,14 @@ def test_pb_utils_star_import_gives_tritons_names_and_ours():
               "TRITONSERVER_REQUEST_FLAG_SEQUENCE_END", "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
               "TRITONSERVER_REQUEST_RELEASE_ALL", "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE",
               "TRITONSERVER_MEMORY_GPU", "TRITONSERVER_MEMORY_CPU"}
-    ours = {"MemoryType", "Metric", "MetricKind", "COUNTER", "GAUGE", "HISTOGRAM"}
+    ours = {"MemoryType", "Metric"}
     names: dict = {}
     exec("from shmserve.workers.python_backend.pb_utils import *", names)
     assert set(pb_utils.__all__) == triton | ours
     assert set(names) - {"__builtins__"} == triton | ours
-    assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL == 1 and pb_utils.MetricFamily.COUNTER == pb_utils.COUNTER
+    assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL == 1
+    assert (pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM) == (0, 1, 2)
+    assert not any(hasattr(pb_utils, name) for name in ("COUNTER", "GAUGE", "HISTOGRAM", "MetricKind"))
     # Triton's memory types are a pybind11 enum: its values are ints, and print with their names
     assert (pb_utils.TRITONSERVER_MEMORY_GPU, pb_utils.TRITONSERVER_MEMORY_CPU) == (0, 1)
     assert str(pb_utils.TRITONSERVER_MEMORY_CPU) == "MemoryType.TRITONSERVER_MEMORY_CPU"

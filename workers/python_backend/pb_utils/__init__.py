@@ -43,7 +43,7 @@ from .flags import (
     TRITONSERVER_RESPONSE_COMPLETE_FINAL,
 )
 from .logger import Logger
-from .metrics import COUNTER, GAUGE, HISTOGRAM, Metric, MetricFamily, MetricKind
+from .metrics import Metric, MetricFamily
 from .model_config import (
     ModelConfig,
     get_input_config_by_name,
@@ -78,7 +78,6 @@ __all__ = [
     "ModelConfig",
     "MetricFamily",
     "Metric",
-    "MetricKind",
     # functions
     "get_input_tensor_by_name",
     "get_output_tensor_by_name",
@@ -103,7 +102,4 @@ __all__ = [
     "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE",
     "TRITONSERVER_MEMORY_GPU",
     "TRITONSERVER_MEMORY_CPU",
-    "COUNTER",
-    "GAUGE",
-    "HISTOGRAM",
 ]

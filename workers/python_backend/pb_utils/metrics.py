@@ -11,14 +11,12 @@ from .errors import TritonModelException
 
 
 class MetricKind(enum.IntEnum):
-    """Kinds of custom metric families; also ``pb_utils.COUNTER`` etc. and ``MetricFamily.COUNTER``."""
+    """Kinds of custom metric families, reached as ``MetricFamily.COUNTER`` etc.: Triton's stub
+    gives ``pb_utils`` no ``MetricKind`` nor module-level ``COUNTER``, so neither is exported."""
 
     COUNTER = 0
     GAUGE = 1
     HISTOGRAM = 2
-
-
-COUNTER, GAUGE, HISTOGRAM = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM
 
 
 class MetricFamily:

@@ -19,13 +19,13 @@ class TritonPythonModel:
 
     def initialize(self, args):
         labels = {"model": args["model_name"]}
-        # Triton's kinds are reachable as pb_utils.COUNTER, pb_utils.MetricKind.* and MetricFamily.*.
-        self.requests = pb_utils.MetricFamily("metered_requests", "Requests seen", pb_utils.COUNTER
+        # Triton 2.51's kinds are MetricFamily.COUNTER, .GAUGE and .HISTOGRAM (pb_utils has no others).
+        self.requests = pb_utils.MetricFamily("metered_requests", "Requests seen", pb_utils.MetricFamily.COUNTER
                                               ).Metric(labels=labels)
         gauges = pb_utils.MetricFamily("metered_value", "Values", pb_utils.MetricFamily.GAUGE)
         self.last = gauges.Metric(labels={**labels, "kind": "last"})
         self.added = gauges.Metric(labels={**labels, "kind": "added"})
-        self.hist = pb_utils.MetricFamily("metered_x", "Distribution of X", pb_utils.MetricKind.HISTOGRAM
+        self.hist = pb_utils.MetricFamily("metered_x", "Distribution of X", pb_utils.MetricFamily.HISTOGRAM
                                           ).Metric(labels=labels, buckets=[1, 10, 100])
 
     def execute(self, requests):
