@@ -55,7 +55,7 @@ def add_sub(client: httpclient.InferenceServerClient, model: str = "add_sub") ->
 def repo(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
     root.mkdir()
-    shutil.copytree(ADD_SUB, root / "add_sub", ignore=shutil.ignore_patterns("__pycache__"))  # (as checked out: no bytecode yet)
+    shutil.copytree(ADD_SUB, root / "add_sub", ignore=shutil.ignore_patterns("__pycache__"))  # (fresh: no bytecode)
     return root
 
 

@@ -25,6 +25,7 @@ class TritonPythonModel:
         gauges = pb_utils.MetricFamily("metered_value", "Values", pb_utils.MetricFamily.GAUGE)
         self.last = gauges.Metric(labels={**labels, "kind": "last"})
         self.added = gauges.Metric(labels={**labels, "kind": "added"})
+        self.quiet = pb_utils.MetricFamily("metered_quiet", "", pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
         self.hist = pb_utils.MetricFamily("metered_x", "Distribution of X", pb_utils.MetricFamily.HISTOGRAM
                                           ).Metric(labels=labels, buckets=[1, 10, 100])
 
