@@ -269,6 +269,8 @@ class Ensembles:
         batching = signature.max_batch_size > 0
         for model_input, tensor in step.input_map.items():
             t = branch.tensors[tensor]
+            if t is None:  # absent (ensemble_run.py): the step runs without this input, as in Triton
+                continue
             spec = signature.inputs.get(model_input)
             shape = t["shape"] if spec is None else \
                 converted_shape(spec.dims, batching, branch.batch_sizes[tensor], t["shape"])
@@ -379,6 +381,13 @@ class Ensembles:
                                         "seg": owner.name, "off": data_start + o.offset, "size": o.size}
                 branch.batch_sizes[name] = call.batch
                 made.add(name)
+        # Triton takes an output the step did not return as absent: made, so that the steps and
+        # outputs waiting for it go on without it (it would otherwise wait for good).
+        for name in call.step.output_map.values():
+            if name not in made:
+                branch.tensors[name] = None
+                branch.batch_sizes[name] = call.batch
+                made.add(name)
         return made
 
     def _step_ended(self, call: StepCall) -> None:
@@ -425,13 +434,16 @@ class Ensembles:
             self._flush(run)
 
     def _outputs(self, run: EnsembleRun, branch: Branch) -> list[Output] | None:
-        """The wanted outputs of ``branch``, shaped as the ensemble declares them."""
+        """The wanted outputs of ``branch``, shaped as the ensemble declares them (an absent one
+        left out, as Triton leaves it out of the response)."""
         outputs: list[Output] = []
         signature = run.version.signature
         assert signature is not None
         try:
             for name in run.wanted():
                 t = branch.tensors[name]
+                if t is None:
+                    continue
                 spec = signature.outputs.get(name)
                 shape = t["shape"] if spec is None else \
                     converted_shape(spec.dims, run.plan.batching, branch.batch_sizes[name], t["shape"])

@@ -8,6 +8,11 @@ the request wants is one response of the ensemble; at load Triton refuses a step
 taking tensors that descend from different decoupled steps (ensemble_steps.decoupled_flow), so
 the tensors a step takes always lie in one branch.
 
+A tensor may be *absent* (None in ``Branch.tensors``): a step answered without an output its
+config declares. As in Triton's ensemble scheduler, an absent tensor still counts as made: a step
+that reads it runs without that input (its model's own checks, or the model itself, judge that),
+and an ensemble output that is absent is left out of the response.
+
 A branch is *busy* while one of its step calls is in flight or waits for the step's limit
 (``max_inflight_requests``), and while one of its child branches lives. A branch that is no
 longer busy can make nothing more: it ends, and frees the step answers only it read. The run
@@ -33,7 +38,7 @@ Block = tuple[memoryview, int]  # a step's answer: the buffer it lies in and its
 
 @dataclasses.dataclass(eq=False)
 class Branch:
-    tensors: dict[str, dict]  # ensemble tensor -> where it lies
+    tensors: dict[str, dict | None]  # ensemble tensor -> where it lies (None: absent, never returned)
     batch_sizes: dict[str, int]  # the batch size each tensor was made with, 0 without batching
     started: set[int]  # step indices run in this branch (or its parent before it began)
     parent: "Branch | None" = None
@@ -84,7 +89,7 @@ class EnsembleRun:
         self.slot = slot
         self.entry = entry
         self.streaming = "stream" in entry  # answered response by response on the request's ring
-        tensors: dict[str, dict] = {t["name"]: t for t in entry["inputs"]}
+        tensors: dict[str, dict | None] = {t["name"]: t for t in entry["inputs"]}
         # Triton converts shapes between batching and non-batching steps by the batch size each
         # tensor was made with (ensemble_shapes.py).
         request_batch = next((t["shape"][0] for t in entry["inputs"] if t["shape"]), 1) if self.plan.batching else 0

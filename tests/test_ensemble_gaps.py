@@ -1,0 +1,68 @@
+"""Ensembles where a tensor never comes, against a real server, answered as Triton 2.51's
+ensemble scheduler answers them: an output a step did not return is absent (left out of the
+response, or a missing input of the step that reads it, which then runs without it)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+MODELS = Path(__file__).parent / "models" / "ensgaps"
+
+
+@pytest.fixture(scope="module")
+def server(module_factory):
+    return module_factory.start([MODELS])
+
+
+def a_input(module=httpclient, name: str = "A", values=(1, 2, 3, 4)) -> list:
+    t = module.InferInput(name, [4], "INT32")
+    t.set_data_from_numpy(np.array(values, np.int32))
+    return [t]
+
+
+def outputs_of(result) -> dict[str, list]:
+    return {o["name"]: result.as_numpy(o["name"]).tolist() for o in result.get_response().get("outputs", [])}
+
+
+def test_an_output_a_step_leaves_out_is_left_out_of_the_response(server):
+    client = server.client()
+    try:
+        assert outputs_of(client.infer("omit_all", a_input())) == {"E1": [1, 2, 3, 4]}
+        only_e2 = client.infer("omit_all", a_input(), outputs=[httpclient.InferRequestedOutput("E2")])
+        assert only_e2.get_response().get("outputs", []) == []
+    finally:
+        client.close()
+    server.wait_grpc_ready()
+    with grpcclient.InferenceServerClient(server.grpc_url) as g:
+        result = g.infer("omit_all", a_input(grpcclient))
+        assert [o.name for o in result.get_response().outputs] == ["E1"]
+
+
+def test_an_output_a_step_leaves_out_is_a_missing_optional_input_of_the_next(server):
+    client = server.client()
+    try:
+        assert outputs_of(client.infer("omit_optional", a_input())) == {"E1": [1, 2, 3, 4],
+                                                                        "Z": [1001, 1002, 1003, 1004]}
+    finally:
+        client.close()
+
+
+def test_an_output_a_step_leaves_out_fails_the_step_that_requires_it(server):
+    """The step is sent without the input. Triton's core only counts a request's inputs, so its
+    model runs without it and fails in its own words; here every request is refused for a missing
+    required input, in the words of Triton's count check (docs/compatibility.md)."""
+    client = server.client()
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("omit_required", a_input())
+        assert (e.value.status(), e.value.message()) == ("400", (
+            "in ensemble 'omit_required', [request id: <id_unknown>] expected number of inputs between 1 and 2 "
+            "but got 1 inputs for model 'optm'. Got input(s) ['B'], but missing required input(s) ['A']. "
+            "Please provide all required input(s)."))
+    finally:
+        client.close()
