@@ -66,3 +66,23 @@ def test_an_output_a_step_leaves_out_fails_the_step_that_requires_it(server):
             "Please provide all required input(s)."))
     finally:
         client.close()
+
+
+def test_an_optional_ensemble_input_left_out_is_left_out_of_the_step(server):
+    client = server.client()
+    try:
+        both = a_input() + a_input(name="B")
+        assert outputs_of(client.infer("opt_in", both)) == {"Y": [2, 4, 6, 8]}
+        assert outputs_of(client.infer("opt_in", a_input())) == {"Y": [1001, 1002, 1003, 1004]}
+        # Fed to a required input, it fails that step with Triton's refusal.
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("opt_required", a_input())
+        assert (e.value.status(), e.value.message()) == ("400", (
+            "in ensemble 'opt_required', [request id: <id_unknown>] expected 1 inputs but got 0 inputs for model "
+            "'needs_in'. Got input(s) [], but missing required input(s) ['IN']. Please provide all required "
+            "input(s)."))
+    finally:
+        client.close()
+    server.wait_grpc_ready()
+    with grpcclient.InferenceServerClient(server.grpc_url) as g:
+        assert g.infer("opt_in", a_input(grpcclient)).as_numpy("Y").tolist() == [1001, 1002, 1003, 1004]

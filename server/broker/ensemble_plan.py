@@ -37,6 +37,8 @@ class EnsemblePlan:
                            dict(s.input_map), dict(s.output_map))
                       for i, s in enumerate(config.ensemble_scheduling.step)]
         self.inputs = [t.name for t in config.input]
+        # A request may leave these out: Triton then runs the steps that read them without them.
+        self.optional_inputs = [t.name for t in config.input if t.optional]
         self.outputs = [t.name for t in config.output]
         # Filled in at load (load_plan.py) as Triton does: a decoupled step's responses reach it.
         self.decoupled = bool(config.model_transaction_policy.decoupled)

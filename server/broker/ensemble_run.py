@@ -9,7 +9,7 @@ taking tensors that descend from different decoupled steps (ensemble_steps.decou
 the tensors a step takes always lie in one branch.
 
 A tensor may be *absent* (None in ``Branch.tensors``): a step answered without an output its
-config declares. As in Triton's ensemble scheduler, an absent tensor still counts as made: a step
+config declares, or the request left out an optional ensemble input. As in Triton's ensemble scheduler, an absent tensor still counts as made: a step
 that reads it runs without that input (its model's own checks, or the model itself, judge that),
 and an ensemble output that is absent is left out of the response.
 
@@ -93,6 +93,8 @@ class EnsembleRun:
         # Triton converts shapes between batching and non-batching steps by the batch size each
         # tensor was made with (ensemble_shapes.py).
         request_batch = next((t["shape"][0] for t in entry["inputs"] if t["shape"]), 1) if self.plan.batching else 0
+        for name in self.plan.optional_inputs:  # left out of the request: absent, as in Triton
+            tensors.setdefault(name, None)
         self.root = Branch(tensors, {name: request_batch for name in tensors}, set())
         self.batch_size = max(1, request_batch)  # what its success counts (Triton's max(1, batch size))
         self.compute = [0, 0, 0]  # its steps' compute input, infer and output ns, summed (their answers' stamps)
