@@ -38,8 +38,9 @@ def n_input(n: int, module=grpcclient) -> list:
 
 
 def grpc_stream(server, model: str, n: int, parameters: dict | None = None) -> list:
-    """What one request on a gRPC stream gets, in order: each response's W, an error, or
-    "final" for the empty final response (asked for, so that the end is seen)."""
+    """What one request on a gRPC stream gets, in order: each response's W, an error, and
+    "final" once the final flag came (on the last response, or alone: the empty final response,
+    asked for so that the end is seen either way)."""
     got: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         client.start_stream(callback=lambda result, error: got.put((result, error)))
@@ -55,8 +56,7 @@ def grpc_stream(server, model: str, n: int, parameters: dict | None = None) -> l
                 if response.outputs:
                     out.append(int(result.as_numpy("W")[0]))
                 if response.parameters["triton_final_response"].bool_param:
-                    if not response.outputs:
-                        out.append("final")
+                    out.append("final")
                     return out
         finally:
             client.stop_stream()
@@ -90,6 +90,47 @@ def test_each_response_flows_through_the_later_steps_on_a_grpc_stream(server):
     got = grpc_stream(server, "repeat_pipe", 5)
     assert got[-1] == "final"
     assert sorted(got[:-1]) == [2 * (500 + i) for i in range(5)]
+
+
+def stream_messages(server, model: str, n: int, empty_final: bool, parameters: dict | None = None) -> list:
+    """Every message one request on a gRPC stream gets, as (W or None, final flag), read until
+    the final flag (or for 5 s more once none came for 5 s: a stream that never ends)."""
+    got: queue.Queue = queue.Queue()
+    out: list = []
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        try:
+            client.async_stream_infer(model, n_input(n), parameters=parameters,
+                                      enable_empty_final_response=empty_final)
+            while True:
+                try:
+                    result, error = got.get(timeout=5)
+                except queue.Empty:
+                    return out
+                assert error is None, error
+                response = result.get_response()
+                final = response.parameters["triton_final_response"].bool_param
+                out.append((int(result.as_numpy("W")[0]) if response.outputs else None, final))
+                if final:
+                    try:  # nothing follows the final flag
+                        result, error = got.get(timeout=0.5)
+                        out.append(("after final", result, error))
+                    except queue.Empty:
+                        pass
+                    return out
+        finally:
+            client.stop_stream()
+
+
+@pytest.mark.parametrize("empty_final", [False, True])
+def test_the_last_response_carries_the_final_flag_as_in_triton(server, empty_final):
+    """Triton's ensemble marks a response final when no step is left to run: here the decoupled
+    step's final flag comes while its last response is still in the slow later step, so that
+    response carries it, and no empty final response follows (whatever the request asked). A
+    client that reads until the final flag ends with the data, as with a decoupled model."""
+    got = stream_messages(server, "repeat_pipe", 3, empty_final, parameters={"sleep_ms": 200})
+    assert sorted(w for w, _ in got) == [600, 602, 604]  # (the later step's instances may answer in any order)
+    assert [final for _, final in got] == [False, False, True]
 
 
 def test_zero_responses_send_only_the_final_flag(server):

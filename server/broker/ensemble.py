@@ -53,8 +53,9 @@ from shmserve.shm.descriptor import SEQUENCE_END, SEQUENCE_START, InputTensor
 from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.liveness import BROKER_TICKET
 from shmserve.shm.names import object_name
-from shmserve.shm.protocol import (CANCELLED_STATUS, EXTENT_SHIFT, NO_ROOM, RECORD, ROLE_BROKER, ROLE_MASK, SLOT_DONE,
-                                   SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, cancelled_error, role_word)
+from shmserve.shm.protocol import (CANCELLED_STATUS, EXTENT_SHIFT, LAST_RESPONSE, NO_ROOM, RECORD, ROLE_BROKER,
+                                   ROLE_MASK, SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, cancelled_error,
+                                   role_word)
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.region_io import StaleRegion, output_room_text
 from shmserve.shm.ring import Ring, RingCorrupt
@@ -310,6 +311,7 @@ class Ensembles:
                 return
             status, role, off, length, num = record
             call.received += 1
+            call.last_taken = bool(role & LAST_RESPONSE)
             if role & ROLE_MASK != ROLE_BROKER and not self.own.seg.target(call.slot):
                 # Its worker is known now: should it die, the call fails with it (Supervisor),
                 # even after its batch is done and while its model still sends.
@@ -410,7 +412,10 @@ class Ensembles:
     def _answer_if_complete(self, run: EnsembleRun, branch: Branch, made: set[str]) -> None:
         """Triton's rule: a branch answers when a tensor just made is a wanted output and every
         wanted output is there. A stream gets each such answer as a response; a single-answer
-        request the first, once the run has ended."""
+        request the first, once the run has ended. As in Triton, a stream's response carries the
+        final flag when no step is left to run (none is ready in ``branch``, the run is quiet):
+        a client that reads until the final flag sees it with the last data, and no empty final
+        response follows it (otherwise the run's end sends the flag alone)."""
         wanted = run.wanted()
         if run.answered or not made.intersection(wanted) or not all(n in branch.tensors for n in wanted):
             return
@@ -430,7 +435,7 @@ class Ensembles:
                 run.version.stats.first_response(now - arrived if 0 < arrived <= now else 0)
             if not run.outbox:
                 run.full_since = time.monotonic()
-            run.outbox.append((200, *block))
+            run.outbox.append((200, *block, not branch.ready_steps(run.plan) and run.quiet()))
             self._flush(run)
 
     def _outputs(self, run: EnsembleRun, branch: Branch) -> list[Output] | None:
@@ -535,8 +540,9 @@ class Ensembles:
             ring = Ring(run.client.seg.seg.buf, run.entry["stream"]["off"], STREAM_CAPACITY, RECORD)
             put = 0
             while run.outbox:
-                status, extent, off, length = run.outbox[0]
-                if not ring.put(status, role_word(ROLE_BROKER, extent), off, length, 0):
+                status, extent, off, length, last = run.outbox[0]
+                word = role_word(ROLE_BROKER, extent) | (LAST_RESPONSE if last else 0)
+                if not ring.put(status, word, off, length, 0):
                     break
                 run.outbox.popleft()
                 put += 1
@@ -548,7 +554,7 @@ class Ensembles:
 
     def _drop_outbox(self, run: EnsembleRun) -> None:
         while run.outbox:
-            _, extent, off, _ = run.outbox.popleft()
+            _, extent, off, _, _ = run.outbox.popleft()
             self.answers.free(extent, off)
 
     def _give_up(self, run: EnsembleRun) -> None:

@@ -71,6 +71,7 @@ class StepCall:
     received: int = 0  # responses taken from the ring
     sent_ns: int = 0  # when it was sent: its REQUEST_START, when the run is traced
     stalled: int = 0  # calls made from its responses that wait for their step's limit
+    last_taken: bool = False  # a decoupled step's response sent with the final flag was taken: no more come
 
     def taking(self) -> bool:
         """Whether its next response may be taken: no call made from one waits for its step's
@@ -109,8 +110,9 @@ class EnsembleRun:
         self.answer: Branch | None = None  # a single-answer run: the branch whose outputs answer it
         self.kept: list[Block] = []  # the blocks of ``answer``, freed when the run ends
         self.sent = 0  # stream responses
-        # (status, extent, offset, length) of answers in the broker's output arena
-        self.outbox: collections.deque[tuple[int, int, int, int]] = collections.deque()
+        # (status, extent, offset, length, last) of answers in the broker's output arena; last:
+        # the response carries the final flag (nothing was left to run when it was made)
+        self.outbox: collections.deque[tuple[int, int, int, int, bool]] = collections.deque()
         self.full_since = 0.0  # since when the client's ring has taken no response that waits
         self.cache_key: bytes | None = None  # set after a miss: the final answer is stored under it
         self.lookup_ns = 0
@@ -137,6 +139,14 @@ class EnsembleRun:
     def traces(self) -> tuple[StepTrace, ...]:
         """What its answer carries of its steps' traces (none when it is not traced)."""
         return tuple(self.step_traces) if self.traced else ()
+
+    def quiet(self) -> bool:
+        """Whether none of its steps can answer any more: no call in flight but decoupled ones
+        whose final response was taken, and none waiting for its step's limit. Triton's count of
+        the steps in flight, which decides whether a response carries the final flag."""
+        if any(not call.last_taken for call in self.calls):
+            return False
+        return not any(call.run is self for waiting in self.plan.waiting for call in waiting)
 
     def wanted(self) -> list[str]:
         outs = self.entry.get("outputs")
