@@ -86,3 +86,16 @@ def test_an_optional_ensemble_input_left_out_is_left_out_of_the_step(server):
     server.wait_grpc_ready()
     with grpcclient.InferenceServerClient(server.grpc_url) as g:
         assert g.infer("opt_in", a_input(grpcclient)).as_numpy("Y").tolist() == [1001, 1002, 1003, 1004]
+
+
+def test_a_step_reads_the_clients_timeout(server):
+    """Triton copies the request's timeout into each step's request, as its id and parameters."""
+    client = server.client()
+    try:
+        assert client.infer("timeout_pipe", a_input(), timeout=7000000).as_numpy("T").tolist() == [7000000]
+        assert client.infer("timeout_pipe", a_input()).as_numpy("T").tolist() == [0]
+    finally:
+        client.close()
+    server.wait_grpc_ready()
+    with grpcclient.InferenceServerClient(server.grpc_url) as g:
+        assert g.infer("timeout_pipe", a_input(grpcclient), timeout=7000000).as_numpy("T").tolist() == [7000000]

@@ -255,7 +255,8 @@ class Ensembles:
             self._begin(nested)
         else:
             call.sent_ns = request["sent_ns"]
-            self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic()))
+            self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic(),
+                                               timeout_us=request.get("timeout_us", 0)))
 
     def _unsent(self, call: StepCall, status: int, message: str) -> None:
         """A call that could not be sent fails its run (its branch is settled by the caller)."""
@@ -281,10 +282,14 @@ class Ensembles:
         # ensemble's statistics (EnsembleRun.add_compute). Sent now: the step model counts its
         # queue time and duration from here, as Triton counts a step request's.
         now = time.monotonic_ns()
-        return {"id": entry.get("id", ""), "parameters": entry.get("parameters"),
-                "sequence_id": entry.get("sequence_id", 0), "sequence_flags": entry.get("sequence_flags", 0),
-                "inputs": inputs, "outputs": [{"name": n} for n in step.output_map],
-                "sent_ns": now, "trace_queued_ns": now}
+        request: BatchEntry = {
+            "id": entry.get("id", ""), "parameters": entry.get("parameters"),
+            "sequence_id": entry.get("sequence_id", 0), "sequence_flags": entry.get("sequence_flags", 0),
+            "inputs": inputs, "outputs": [{"name": n} for n in step.output_map],
+            "sent_ns": now, "trace_queued_ns": now}
+        if entry.get("timeout_us"):  # Triton gives each step the client's timeout (request.timeout())
+            request["timeout_us"] = entry["timeout_us"]
+        return request
 
     # -- what steps answer ----------------------------------------------------------------------
     def _owner(self, role: int, num: int) -> Any:
