@@ -99,3 +99,41 @@ def test_a_step_reads_the_clients_timeout(server):
     server.wait_grpc_ready()
     with grpcclient.InferenceServerClient(server.grpc_url) as g:
         assert g.infer("timeout_pipe", a_input(grpcclient), timeout=7000000).as_numpy("T").tolist() == [7000000]
+
+
+def executions(client, model: str) -> int:
+    return int(client.get_inference_statistics(model)["model_stats"][0]["execution_count"])
+
+
+def test_a_step_that_makes_nothing_wanted_does_not_run(server):
+    """Triton does not run a step none of whose outputs reach a requested output: its cost and
+    its error stay out of the request."""
+    client = server.client()
+    try:
+        failed = executions(client, "fail")
+        x = client.infer("prune_par", a_input(), outputs=[httpclient.InferRequestedOutput("X")])
+        assert outputs_of(x) == {"X": [1, 2, 3, 4]}
+        assert executions(client, "fail") == failed
+        with pytest.raises(InferenceServerException) as e:  # asked for, it runs and fails
+            client.infer("prune_par", a_input())
+        assert "boom from fail" in e.value.message()
+        assert executions(client, "fail") == failed + 1
+    finally:
+        client.close()
+
+
+def test_a_step_whose_output_a_later_step_reads_runs_when_that_one_is_wanted(server):
+    """Triton 2.51 counts such an output twice and prunes its step, so these requests fail there
+    with its deadlock error; here a step is left out only when nothing wanted comes of it."""
+    client = server.client()
+    try:
+        ran = executions(client, "optm")
+        z = client.infer("prune_chain", a_input(), outputs=[httpclient.InferRequestedOutput("Z")])
+        assert outputs_of(z) == {"Z": [1001, 1002, 1003, 1004]}
+        assert executions(client, "optm") == ran + 1
+        s = client.infer("prune_chain", a_input(), outputs=[httpclient.InferRequestedOutput("S")])
+        assert outputs_of(s) == {"S": [1, 2, 3, 4]}
+        assert executions(client, "optm") == ran + 1  # Z not wanted: its step did not run
+        assert outputs_of(client.infer("prune_chain", a_input())) == {"S": [1, 2, 3, 4], "Z": [1001, 1002, 1003, 1004]}
+    finally:
+        client.close()

@@ -9,6 +9,9 @@ from typing import Any
 from shmserve.signature import InvalidRequest
 
 
+NEEDLESS_KEPT = 64  # sets of wanted outputs whose needless steps are kept (see EnsemblePlan.needless)
+
+
 class DecoupledOnly(InvalidRequest):
     """A single-answer request to a decoupled ensemble: Triton's UNSUPPORTED (501), in the words
     its HTTP frontend uses (the gRPC frontend says it in its own, server/grpc/infer.py)."""
@@ -47,6 +50,31 @@ class EnsemblePlan:
         self.limit = int(config.ensemble_scheduling.max_inflight_requests)
         self.inflight = [0] * len(self.steps)
         self.waiting: list[collections.deque[Any]] = [collections.deque() for _ in self.steps]  # StepCalls
+        self._needless: dict[frozenset[str], frozenset[int]] = {}  # wanted outputs -> the steps not run for them
+
+    def needless(self, wanted: list[str]) -> frozenset[int]:
+        """The steps a request wanting only ``wanted`` outputs need not run: those whose outputs
+        reach none of them through any later step. Triton prunes them too (so their cost and
+        their errors stay out of such a request), but its 2.51 count also prunes a step whose
+        output is both an ensemble output and a later step's input; here only a step that feeds
+        nothing wanted is left out."""
+        key = frozenset(wanted)
+        known = self._needless.get(key)
+        if known is not None:
+            return known
+        needed_tensors, needed = set(key), set()
+        grew = True
+        while grew:
+            grew = False
+            for step in self.steps:
+                if step.index not in needed and not needed_tensors.isdisjoint(step.output_map.values()):
+                    needed.add(step.index)
+                    needed_tensors.update(step.input_map.values())
+                    grew = True
+        if len(self._needless) >= NEEDLESS_KEPT:
+            self._needless.clear()
+        known = self._needless[key] = frozenset(s.index for s in self.steps if s.index not in needed)
+        return known
 
     def dependencies(self) -> list[str]:
         return sorted({s.model for s in self.steps})

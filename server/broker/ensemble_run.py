@@ -40,7 +40,7 @@ Block = tuple[memoryview, int]  # a step's answer: the buffer it lies in and its
 class Branch:
     tensors: dict[str, dict | None]  # ensemble tensor -> where it lies (None: absent, never returned)
     batch_sizes: dict[str, int]  # the batch size each tensor was made with, 0 without batching
-    started: set[int]  # step indices run in this branch (or its parent before it began)
+    started: set[int]  # step indices run in this branch (or its parent before it began), or never to run
     parent: "Branch | None" = None
     blocks: list[Block] = dataclasses.field(default_factory=list)  # step answers its tensors lie in
     busy: int = 0
@@ -96,7 +96,8 @@ class EnsembleRun:
         request_batch = next((t["shape"][0] for t in entry["inputs"] if t["shape"]), 1) if self.plan.batching else 0
         for name in self.plan.optional_inputs:  # left out of the request: absent, as in Triton
             tensors.setdefault(name, None)
-        self.root = Branch(tensors, {name: request_batch for name in tensors}, set())
+        # The steps that make nothing the request wants count as run: they never start.
+        self.root = Branch(tensors, {name: request_batch for name in tensors}, set(self.plan.needless(self.wanted())))
         self.batch_size = max(1, request_batch)  # what its success counts (Triton's max(1, batch size))
         self.compute = [0, 0, 0]  # its steps' compute input, infer and output ns, summed (their answers' stamps)
         # Traced (its frontend sampled it, or it is a step of a traced run): its steps' traces go
