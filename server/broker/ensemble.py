@@ -21,8 +21,9 @@ nested ensemble's run too, as Triton looks up every request an ensemble is sent.
 An ensemble with a decoupled step is decoupled (its config says so, as Triton fills it in): each
 response of that step goes on through the later steps in a branch of its own (ensemble_run.py),
 and each branch that makes the outputs is one response on the client's stream, written into the
-broker's arena and put on the request's response ring as a worker's stream response is; the
-slot's completion is the final flag, after the last (zero responses: the flag alone). A decoupled
+broker's arena and put on the request's response ring as a worker's stream response is. A
+response made when no step is left in flight carries the final flag (``LAST_RESPONSE``), as in
+Triton; the slot's completion ends the stream after the last (zero responses: the flag alone). A decoupled
 step's responses come on a ring in our own segment; ``max_inflight_requests`` bounds each step's
 calls in flight (ensemble_plan.py), and while a call made from a response waits for that bound,
 the step's later responses stay on its ring, so its model's ``send`` waits once the ring is full.
