@@ -86,16 +86,20 @@ class ModelSignature:
         """The shape a client sees: with the batch dimension (-1) first for batching models."""
         return ([-1] + spec.dims) if self.max_batch_size > 0 else list(spec.dims)
 
-    def check_inputs(self, inputs: Sequence[InputTensor], request_id: str = "") -> int:
+    def check_inputs(self, inputs: Sequence[InputTensor], request_id: str = "", counted_only: bool = False) -> int:
         """Validate names, datatypes, shapes and byte sizes; returns the request's batch size.
         Requests of a shape seen before (the usual case: clients repeat themselves) are looked
         up instead of checked again. Errors read as Triton's, with the request's id in front
-        where Triton puts it."""
+        where Triton puts it. ``counted_only``: a required input missing is refused only when
+        the inputs are too few, as Triton's core does it (an ensemble's step request, which no
+        frontend checked first, then reaches its model without it)."""
         key = tuple([(t.name, t.datatype, tuple(t.shape), t.size) for t in inputs])
+        if counted_only:
+            key += (None,)  # (passed under other rules than the same inputs from a client)
         batch = self._passed.get(key)
         if batch is None:
             try:
-                batch = self._check_inputs(inputs)
+                batch = self._check_inputs(inputs, counted_only)
             except _RequestScoped as e:
                 raise InvalidRequest(request_tag(request_id) + str(e)) from None
             if len(self._passed) >= PASSED_LIMIT:
@@ -103,7 +107,7 @@ class ModelSignature:
             self._passed[key] = batch
         return batch
 
-    def _check_inputs(self, inputs: Sequence[InputTensor]) -> int:
+    def _check_inputs(self, inputs: Sequence[InputTensor], counted_only: bool = False) -> int:
         m = self.name
         if not len(self.required) <= len(inputs) <= len(self.inputs):  # Triton counts before it looks at any
             given = [t.name for t in inputs]
@@ -152,7 +156,7 @@ class ModelSignature:
                 raise _RequestScoped(f"input byte size mismatch for input '{name}' for model '{m}'. "
                                      f"{element_count(shape)} BYTES elements need at least "
                                      f"{element_count(shape) * 4} bytes, got {t.size}")
-        if any(n not in names for n in self.required):
+        if not counted_only and any(n not in names for n in self.required):
             raise _RequestScoped(self._count_text(names))
         if batch == 0:  # what the byte-size check lets through (BYTES, zero-sized rows): no rows to run
             raise _RequestScoped(f"inference request batch-size must be >= 1 for '{m}', got a batch of 0")

@@ -52,18 +52,23 @@ def test_an_output_a_step_leaves_out_is_a_missing_optional_input_of_the_next(ser
         client.close()
 
 
-def test_an_output_a_step_leaves_out_fails_the_step_that_requires_it(server):
-    """The step is sent without the input. Triton's core only counts a request's inputs, so its
-    model runs without it and fails in its own words; here every request is refused for a missing
-    required input, in the words of Triton's count check (docs/compatibility.md)."""
+def test_an_output_a_step_leaves_out_fails_the_step_that_requires_it_in_its_own_words(server):
+    """Triton's core only counts a step request's inputs: while the count fits, the model runs
+    without the required one and fails in its own words (here the model reads A as given)."""
     client = server.client()
     try:
         with pytest.raises(InferenceServerException) as e:
             client.infer("omit_required", a_input())
-        assert (e.value.status(), e.value.message()) == ("400", (
-            "in ensemble 'omit_required', [request id: <id_unknown>] expected number of inputs between 1 and 2 "
-            "but got 1 inputs for model 'optm'. Got input(s) ['B'], but missing required input(s) ['A']. "
-            "Please provide all required input(s)."))
+        assert e.value.status() == "500", e.value.message()
+        assert e.value.message().startswith(
+            "in ensemble 'omit_required', Failed to process the request(s) for model 'optm_0', message: "
+            "AttributeError: 'NoneType' object has no attribute 'as_numpy'"), e.value.message()
+        # The same inputs from a client are still refused for the missing required input.
+        with pytest.raises(InferenceServerException) as direct:
+            client.infer("optm", a_input(name="B"))
+        assert (direct.value.status(), direct.value.message()) == ("400", (
+            "[request id: <id_unknown>] expected number of inputs between 1 and 2 but got 1 inputs for model 'optm'. "
+            "Got input(s) ['B'], but missing required input(s) ['A']. Please provide all required input(s)."))
     finally:
         client.close()
 

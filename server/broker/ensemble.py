@@ -221,8 +221,10 @@ class Ensembles:
             mv = self.catalog.find_version(step.model, step.version, inference=True)
             assert mv.signature is not None
             request = self._step_request(call, mv.signature)
+            # Counted as Triton's core counts a step's inputs: one fed by an absent tensor
+            # (ensemble_run.py) reaches the model, which judges it, while the count fits.
             batch = mv.signature.check_inputs([InputTensor(t["name"], t["datatype"], t["shape"], t["size"])
-                                               for t in request["inputs"]], request.get("id", ""))
+                                               for t in request["inputs"]], request.get("id", ""), counted_only=True)
             call.batch = batch if mv.signature.max_batch_size > 0 else 0
         except InvalidRequest as e:  # in Triton's words, which the ensemble passes on as Triton does
             call.branch.busy -= 1

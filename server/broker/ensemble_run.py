@@ -9,9 +9,10 @@ taking tensors that descend from different decoupled steps (ensemble_steps.decou
 the tensors a step takes always lie in one branch.
 
 A tensor may be *absent* (None in ``Branch.tensors``): a step answered without an output its
-config declares, or the request left out an optional ensemble input. As in Triton's ensemble scheduler, an absent tensor still counts as made: a step
-that reads it runs without that input (its model's own checks, or the model itself, judge that),
-and an ensemble output that is absent is left out of the response.
+config declares, or the request left out an optional ensemble input. As in Triton's ensemble
+scheduler, an absent tensor still counts as made: a step that reads it runs without that input
+(its model's own checks, or the model itself, judge that), and an ensemble output that is absent
+is left out of the response.
 
 A branch is *busy* while one of its step calls is in flight or waits for the step's limit
 (``max_inflight_requests``), and while one of its child branches lives. A branch that is no
