@@ -16,7 +16,7 @@ MODELS = Path(__file__).parent / "models" / "ensgaps"
 
 @pytest.fixture(scope="module")
 def server(module_factory):
-    return module_factory.start([MODELS])
+    return module_factory.start([MODELS], ["--cache-config", "local,size=1048576"])
 
 
 def a_input(module=httpclient, name: str = "A", values=(1, 2, 3, 4)) -> list:
@@ -41,6 +41,18 @@ def test_an_output_a_step_leaves_out_is_left_out_of_the_response(server):
     with grpcclient.InferenceServerClient(server.grpc_url) as g:
         result = g.infer("omit_all", a_input(grpcclient))
         assert [o.name for o in result.get_response().outputs] == ["E1"]
+
+
+def test_an_answer_without_an_output_is_answered_again_from_the_cache(server):
+    client = server.client()
+    try:
+        values = (7, 8, 9, 10)
+        for _ in range(2):
+            assert outputs_of(client.infer("omit_cached", a_input(values=values))) == {"E1": list(values)}
+        stats = client.get_inference_statistics("omit_cached")["model_stats"][0]["inference_stats"]
+        assert (stats["cache_hit"]["count"], stats["cache_miss"]["count"]) == (1, 1)
+    finally:
+        client.close()
 
 
 def test_an_output_a_step_leaves_out_is_a_missing_optional_input_of_the_next(server):

@@ -48,7 +48,9 @@ class EnsembleCache:
 
     def lookup(self, key: bytes, names: list[str]) -> list[cache_entry.Output] | None:
         """The stored outputs in the order of ``names`` (requests that name the same outputs in
-        another order share the key), as views of a copy of the entry; None on a miss."""
+        another order share the key), as views of a copy of the entry; None on a miss. An output
+        the answer left out (absent: its step did not return it) is left out again, as Triton's
+        cached response does."""
         payload = self.store.lookup(key, wait=0)  # the broker's loop serves everyone: a taken lock is a miss
         if payload is None:
             return None
@@ -57,7 +59,7 @@ class EnsembleCache:
             self.store.forget(key, wait=0)
             return None
         stored = {output[0]: output for output in entry[0]}
-        return [stored[name] for name in names] if stored.keys() == set(names) else None
+        return [stored[name] for name in names if name in stored] if stored.keys() <= set(names) else None
 
     def insert(self, mv: ModelVersion, key: bytes, outputs: list[cache_entry.Output]) -> None:
         """Store an ensemble's final outputs (an ensemble answer has no response parameters)."""
