@@ -135,6 +135,9 @@ def test_a_step_that_makes_nothing_wanted_does_not_run(server):
             client.infer("prune_par", a_input())
         assert "boom from fail" in e.value.message()
         assert executions(client, "fail") == failed + 1
+        # The ensemble counts the failure with its duration, as Triton does (once: docs/compatibility.md).
+        fail = client.get_inference_statistics("prune_par")["model_stats"][0]["inference_stats"]["fail"]
+        assert fail["count"] == 1 and fail["ns"] > 0, fail
     finally:
         client.close()
 

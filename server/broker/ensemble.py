@@ -597,7 +597,8 @@ class Ensembles:
         branches end (the caller settles them)."""
         if run.answered:
             return
-        run.version.stats.fail(reason, 1)
+        arrived, now = run.entry.get("sent_ns") or 0, time.monotonic_ns()
+        run.version.stats.fail(reason, 1, now - arrived if 0 < arrived <= now else 0)  # (its duration, as Triton's)
         text = message if step is None else f"in ensemble '{run.plan.name}', step '{step.model}' failed: {message}"
         self._complete(run, AnswerDescriptor(error=text, code=code, version=run.version.version, steps=run.traces()),
                        status)
