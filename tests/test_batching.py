@@ -157,8 +157,17 @@ def test_higher_priority_runs_first(server, tmp_path):
     assert low_a["reqs"] == 2
 
 
+def _fail_ns(server, model: str) -> int:
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        return int(client.get_inference_statistics(model)["model_stats"][0]["inference_stats"]["fail"]["ns"])
+    finally:
+        client.close()
+
+
 def test_queue_timeout_rejects(server, tmp_path):
     other_before = metric(server, "nv_inference_request_failure", "probe_timeout", reason="REJECTED")
+    fail_ns_before = _fail_ns(server, "probe_timeout")
     with Busy(server, "probe_timeout", tmp_path) as busy:
         waiting = busy.send(1, 3)[0]
         shorter = busy.send(1, 4, 0, 50_000)[0]
@@ -175,6 +184,8 @@ def test_queue_timeout_rejects(server, tmp_path):
     wait_until(lambda: metric(server, "nv_inference_request_failure", "probe_timeout", reason="REJECTED")
                - other_before >= 2, "the timeouts counted")
     assert metric(server, "nv_inference_request_failure", "probe_timeout", reason="REJECTED") - other_before == 2
+    # ... and their time in the server (200 and 50 ms at least) as the failures' duration, as Triton's
+    assert _fail_ns(server, "probe_timeout") - fail_ns_before >= 250e6
 
 
 def test_delay_action_serves_timed_out_requests_last(server, tmp_path):

@@ -17,7 +17,7 @@ import time
 
 import orjson
 
-from shmserve.batching import Pending, QueueFull
+from shmserve.batching import Pending, QueueFull, waited_ns
 from shmserve.shm.answer import AnswerDescriptor, refusal
 from shmserve.shm.arena import no_room_text
 from shmserve.shm.channel import BrokerSegment
@@ -84,12 +84,13 @@ class Scheduler:
         if mv.batcher is not None:
             expired = mv.batcher.expire(now)
             if expired:
-                mv.stats.fail("REJECTED", len(expired))  # Triton's reason for a queue timeout
+                # Triton's reason for a queue timeout, and their time in the server as its failures' duration
+                mv.stats.fail("REJECTED", len(expired), waited_ns(expired, now))
                 self.clients.fail_pending(expired, 503, "Request timeout expired", mv.version)
         elif mv.sequencer is not None:
             expired = mv.sequencer.expire(now)
             if expired:  # a backlogged sequence's wait timed out: Triton's text, status and reason
-                mv.stats.fail("REJECTED", len(expired))
+                mv.stats.fail("REJECTED", len(expired), waited_ns(expired, now))
                 self.clients.fail_pending(expired, 503, "timeout of the corresponding sequence has been expired",
                                           mv.version)
 
@@ -227,7 +228,7 @@ class Scheduler:
                 if pend is not None:
                     self.dispatch(mv)  # (a START queued behind it may begin its sequence now)
             if pend is not None:
-                mv.stats.fail("CANCELED", 1)
+                mv.stats.fail("CANCELED", 1, waited_ns([pend], time.monotonic()))
                 # (the version's scheduler had it: its trace names the version, as Triton's)
                 self.clients.reply(client, slot, CANCELLED_STATUS,
                                    AnswerDescriptor(error=cancelled_error(pend.entry.get("id", "")), version=mv.version))

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from shmserve.batching import waited_ns
 from shmserve.shm.protocol import SLOT_PENDING
 from shmserve.shm.stats import BUSY_SINCE, VersionTotals
 
@@ -98,7 +99,7 @@ class Supervisor:
             log.error("model '%s' version %d instance '%s' %s; trying again", mv.name, mv.version, inst.name,
                       inst.death_note or f"exited with code {code} while restarting")
         self.clients.fail_pending(lost, 500, msg)
-        mv.stats.fail("BACKEND", len(lost))
+        mv.stats.fail("BACKEND", len(lost), waited_ns(lost, time.monotonic()))
         mv.stats.worker_restarts += 1
         inst.ready = False
         inst.outstanding.clear()
