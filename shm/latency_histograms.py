@@ -167,7 +167,10 @@ def samples(words: np.ndarray, family: int, bounds: tuple[float, ...]) -> tuple[
 
 
 def format_le(bound: float) -> str:
-    """A bound as Triton (prometheus-cpp) writes it: whole numbers without a decimal point."""
+    """A bound as Triton (prometheus-cpp) writes it: whole numbers without a decimal point,
+    ``+Inf``. Prometheus keys a series on the label's text: ``le="1.0"`` is not Triton's ``le="1"``."""
+    if bound in (math.inf, -math.inf):
+        return "+Inf" if bound > 0 else "-Inf"
     if bound.is_integer() and abs(bound) < 1e15:
         return str(int(bound))
     return repr(bound)

@@ -71,18 +71,6 @@ def _fine_to_coarse(hist: np.ndarray) -> list[tuple[str, int]]:
     return out
 
 
-def bound_label(bound: float) -> str:
-    """A histogram bucket's ``le`` as Triton's prometheus-cpp writes it (``std::to_chars``: the
-    shorter of the shortest fixed and scientific forms, fixed on a tie): ``1``, ``0.5``,
-    ``1e+05``. Prometheus keys a series on the label's text, so ``le="1.0"`` would be another
-    series than a dashboard written for Triton asks for."""
-    if math.isinf(bound):
-        return "+Inf" if bound > 0 else "-Inf"
-    fixed = np.format_float_positional(bound, trim="-")
-    scientific = np.format_float_scientific(bound, trim="-", exp_digits=2)
-    return scientific if len(scientific) < len(fixed) else fixed
-
-
 def merge_custom(docs: Iterable[bytes]) -> Iterator[Metric]:
     """The models' own families (workers/custom_metrics.py) from every worker's document, merged
     as one process would hold them: counters and histograms add up; a gauge takes the value of
@@ -123,7 +111,7 @@ def merge_custom(docs: Iterable[bytes]) -> Iterator[Metric]:
                 cumulative = 0
                 for upper, n in zip([*c["buckets"], float("inf")], c["counts"]):
                     cumulative += n
-                    metric.add_sample(name + "_bucket", {**labels, "le": bound_label(upper)}, cumulative)
+                    metric.add_sample(name + "_bucket", {**labels, "le": lh.format_le(upper)}, cumulative)
                 metric.add_sample(name + "_count", labels, c["count"])
                 metric.add_sample(name + "_sum", labels, c["sum"])
             elif kind == "gauge":
