@@ -180,9 +180,10 @@ def test_sequence_parameters_are_checked(lim, params, words):
     assert words in error(post(lim, "/v2/models/running_sum/infer", doc))
 
 
-@pytest.mark.parametrize("body", [b"[1]", b"1", b"true", b'{"ready": [1]}'])
-def test_repository_index_with_a_body_that_is_not_an_object(lim, body):
-    assert "JSON object" in error(post(lim, "/v2/repository/index", body))
+@pytest.mark.parametrize("body, words", [(b"[1]", "JSON object"), (b"1", "JSON object"), (b"true", "JSON object"),
+                                         (b'{"ready": [1]}', "attempt to access JSON non-boolean as boolean")])
+def test_repository_index_with_a_body_that_is_not_an_object(lim, body, words):
+    assert words in error(post(lim, "/v2/repository/index", body))
 
 
 @pytest.mark.parametrize("body", [{"IN_INT32": 1, "parameters": [1]}, {"IN_INT32": 1e300},
