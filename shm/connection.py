@@ -56,6 +56,15 @@ class ServerUnavailable(ConnectionError):
     """No server with that id is running, or it went away; a new Connection may succeed later."""
 
 
+class ConnectionClosed(ValueError):
+    """A call on a client (connection) its owner closed: as a closed file's, a programming error
+    that no retry mends."""
+
+
+CLOSED_IN_FLIGHT = "the connection was closed while the request was in flight"
+CLOSE_SETTLE_S = 1.0  # the most a close waits for its requests in flight to end (cancelled)
+
+
 class Backpressure(RuntimeError):
     """The connection is out of slots or arena space right now; retrying later can succeed."""
 
@@ -190,8 +199,7 @@ class Connection:
         leads; no waiter thread needs waking); ``polling`` says the caller polls for the answer on
         its own (a loop-driven owner), so the worker may poll for the next request too.
         """
-        if not self.alive:
-            raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
+        self._check_open()
         chunks = [t if isinstance(t, (bytes, bytearray)) else byte_view(t) if isinstance(t, np.ndarray)
                   else memoryview(t).cast("B") for t in tensors]
         body = sum(len(c) for c in chunks) + reserve
@@ -209,6 +217,7 @@ class Connection:
             data = doc.encode()
         total = manifest_room(len(data)) + body
         with self._slots.lock:
+            self._check_open()  # (under the lock: ``close`` fails what was sent before it, nothing after)
             off = self._alloc(total)
             buf = self.seg.seg.buf
             pos = start = write_manifest(buf, off, data)
@@ -221,6 +230,12 @@ class Connection:
         self._wake(worker, waited)
         return start
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionClosed("this client is closed: connect a new one")
+        if not self.alive:
+            raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
+
     def infer(self, request: InferRequest, tensors: Iterable[Any], callback: Callback, reserve: int = 0,
               on_response: Callback | None = None, waited: bool = False) -> int:
         return self.submit(REQ_INFER, request, tensors, callback, reserve, on_response, waited)
@@ -232,11 +247,11 @@ class Connection:
         """Take a request block before its tensor bytes have all arrived (``send_reserved`` sends
         it, ``discard`` gives it back): the HTTP frontend copies a large body in as it comes.
         The descriptor is written now; its send time is set when it is sent."""
-        if not self.alive:
-            raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
+        self._check_open()
         data = request.encode()
         room = manifest_room(len(data))
         with self._slots.lock:
+            self._check_open()
             off = self._alloc(room + body)
             write_manifest(self.seg.seg.buf, off, data)
         return Reservation(off, off + room, room + body, request, self.seg.seg.buf[off + room:off + room + body])
@@ -491,9 +506,12 @@ class Connection:
         self._slots.fail_all(why or f"the shmserve server '{self.server_id}' went away while the request was in flight")
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._slots.lock:  # (a request is sent before this, and answered below, or refused: ``submit``)
+            if self._closed:
+                return
+            self._closed = True
+            self._slots.cancel_all(CLOSED_IN_FLIGHT)
+        self._settle_in_flight()
         # Names first: once the broker hears BYE, workers drop what no longer has a name.
         self.seg.unlink()
         if self.alive and self._broker_alive():
@@ -507,12 +525,25 @@ class Connection:
                 self._cond.notify_all()
             self.seg.waker.post()  # wake the leader so it sees _closed
             self._waiter.join(timeout=2.0)
-        # Nothing will answer what is still in flight on this connection: say so, do not hang.
-        self._slots.fail_all("the connection was closed while the request was in flight")
+        # What streams hold unread lies in their workers' arenas, which nobody else frees while
+        # this process lives; nothing will answer what is still in flight: say so, do not hang.
+        self._slots.drop_streams()
+        self._slots.fail_all(CLOSED_IN_FLIGHT)
         self._router.close()
         self._slots.close()
         self.broker.close()
         self.seg.close()
+
+    def _settle_in_flight(self) -> None:
+        """Let the requests in flight at a close end (cancelled: their workers drop what they
+        would still send) for up to ``CLOSE_SETTLE_S``, freeing each answer unread: an answer
+        written after we stopped reading would lie in its worker's arena until this process
+        exits. A model that ignores cancellation past that is left to it."""
+        deadline = time.monotonic() + CLOSE_SETTLE_S
+        while self._slots.inflight and self.alive and time.monotonic() < deadline:
+            self._slots.complete_all()
+            if self._slots.inflight:
+                time.sleep(0.001)
 
     def __enter__(self) -> "Connection":
         return self

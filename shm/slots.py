@@ -49,6 +49,11 @@ class Slots:
         self._sent_order = np.zeros(n, np.int64)  # slot -> its request's number, for many in flight
         self._sent = 0
         self._streams: dict[int, tuple[Ring, Callback]] = {}  # slot -> its response ring
+        # Held while rings are read: the leader's ``complete_all`` and a closing owner's
+        # ``drop_streams`` (a record read twice would be freed twice). Reentrant: a callback may
+        # lead a call of its own.
+        self._reading = threading.RLock()
+        self.closing = ""  # set by ``cancel_all``: what every answer still to come says instead
         self._callbacks: list[tuple[Callback, int] | None] = [None] * n  # slot -> (callback, request block)
         self._starts: list[int] = [0] * n  # slot -> where its request's tensor bytes start (``find_start``)
         self._targets: list[int] = [0] * n  # slot -> the worker it went to, plus one (0: the broker)
@@ -132,6 +137,22 @@ class Slots:
             return False
         return bool(self._done())
 
+    def cancel_all(self, why: str) -> None:
+        """The owner closes (``lock`` held): every request in flight is cancelled, so that its
+        worker drops what it would still send (its model sees ``is_cancelled()``), and each
+        answer still to come is freed unread and fails with ``why``: a caller waiting on another
+        thread is never told that a stream ended well when responses of it were dropped."""
+        self.closing = why
+        for slot in self.inflight:
+            self.seg.cancel(slot)
+
+    def drop_streams(self) -> None:
+        """Free what the streams' rings hold unread (after ``cancel_all``): those blocks lie in
+        their producers' arenas, which nobody else would free while this process lives."""
+        with self._reading:
+            for ring, _ in list(self._streams.values()):
+                self._deliver(ring.drain(), None)
+
     def complete_all(self) -> bool:
         """Run the callbacks of everything answered so far, in the order the requests were sent,
         each streaming request's responses then its completion; True if there was anything.
@@ -142,6 +163,10 @@ class Slots:
         is whole), and what was found is run earliest first: whatever the look found of a later
         request, it found all that came before of an earlier one, and runs that first (as Triton
         writes a stream's messages in the order its model gave them)."""
+        with self._reading:
+            return self._complete_found()
+
+    def _complete_found(self) -> bool:
         words, stride = self._words, self._stride
         found: list[tuple[int, list, bool, Callback]] = []  # (slot, ring records, done, its callback), latest first
         for slot, (ring, on_response) in reversed(list(self._streams.items())):
@@ -234,8 +259,11 @@ class Slots:
             if seg.closed:
                 self._producers.pop(key, None)
 
-    def _deliver(self, records: list, on_response: Callback) -> None:
-        """Run a stream's callback for each of its ring's ``records``."""
+    def _deliver(self, records: list, on_response: Callback | None) -> None:
+        """Run a stream's callback for each of its ring's ``records`` (None, or closing: free
+        each unread)."""
+        if self.closing:
+            on_response = None
         for status, word, off, length, num in records:
             try:
                 buf = self._producer_buf(word & ROLE_MASK, num, word >> EXTENT_SHIFT)
@@ -243,6 +271,9 @@ class Slots:
                     continue  # not a block of that mapping: nothing to read, nothing to free
                 completion = Completion(status, buf, off, end=off + length, last=bool(word & LAST_RESPONSE))
             except (posix_ipc.ExistentialError, KeyError, OSError):
+                continue
+            if on_response is None:
+                completion.release()
                 continue
             try:
                 on_response(completion)
@@ -277,6 +308,9 @@ class Slots:
         except (posix_ipc.ExistentialError, KeyError, OSError):
             completion = Completion(500, None, 0, AnswerDescriptor.failure("the response was lost: its producer is gone"),
                                     request=request)
+        if self.closing:  # (cancel_all) its stream's responses were dropped: no answer reads as whole
+            completion.release()  # (its request block too)
+            completion = Completion(503, None, 0, AnswerDescriptor.failure(self.closing))
         try:
             callback(completion)
         except Exception:  # noqa: BLE001 - a faulty callback must not kill the waiter thread

@@ -3,12 +3,14 @@ returned), over the generate/generate_stream endpoints and the local client's st
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import json
 import os
 import signal
 import socket
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -493,3 +495,70 @@ def test_a_local_reader_that_stops_holds_its_model_once_not_per_response(server)
 
     took = _next_client_after_a_stopped_reader(server, kill=False)
     assert RING_FULL_TIMEOUT_S - 5 < took < RING_FULL_TIMEOUT_S + 30, took  # (it did wait: the reader held it)
+
+
+def _worker_arena_use(server, model: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(2):  # (the first scrape lets the broker see what was freed before it)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "shmserve_arena_bytes_in_use")
+    return next(s.value for s in family.samples if s.labels.get("owner") == "worker" and s.labels.get("model") == model)
+
+
+def test_closing_a_client_with_a_stream_unread_frees_what_its_ring_held(server):
+    """A client that closes with a stream's responses unread on its ring: those blocks lie in
+    the worker's arena, and the closing process lives on. They are freed at the close (and the
+    worker drops what the cancelled stream would still send), not when the process exits: a
+    program that opens a client per job and leaves streams early does not fill the model's
+    arena for every other client."""
+    words = np.array([" ".join(f"w{i}" for i in range(3000)).encode()], dtype=object)
+
+    def one_word() -> None:
+        with Client(server.id) as client:
+            assert len(list(client.stream("echo_llm", {"text_input": np.array([b"x"], dtype=object)}))) >= 1
+
+    one_word()
+    before = _worker_arena_use(server, "echo_llm")
+    for _ in range(12):
+        client = Client(server.id)
+        stream = client.stream("echo_llm", {"text_input": words, "max_tokens": np.array([3000], np.int32)})
+        next(stream)
+        client.close()  # (while the model still sends)
+    del stream  # (what the last stream had taken from its ring is its own, freed with it)
+    gc.collect()
+    one_word()  # (the worker's next allocation reclaims what was freed)
+    wait_until(lambda: _worker_arena_use(server, "echo_llm") <= before + 4096,
+               "the closed clients' unread responses freed in the worker's arena")
+
+
+def test_a_closed_client_says_so_and_a_call_racing_its_close_ends(server):
+    """A call on a closed client is a ValueError that says so (not a released-memory error or a
+    'retry later'); a call racing ``close()`` on another thread either completes, fails as
+    closed, or fails with the close's 503: it never waits for good."""
+    import concurrent.futures
+
+    x = {"text_input": np.array([b"a b"], dtype=object)}
+    client = Client(server.id)
+    client.close()
+    with pytest.raises(ValueError, match="this client is closed"):
+        client.infer("echo_llm", x)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for _ in range(60):
+            client = Client(server.id)
+
+            def calls(c: Client = client) -> None:
+                for _ in range(50):
+                    try:
+                        list(c.stream("echo_llm", x))
+                    except ValueError as e:
+                        assert "this client is closed" in str(e)
+                        return
+                    except InferenceServerError as e:
+                        assert "closed while the request was in flight" in str(e), e
+                        return
+
+            future = pool.submit(calls)
+            time.sleep(0.002)
+            client.close()
+            future.result(timeout=30)

@@ -121,14 +121,21 @@ class StreamSender:
         that read nothing for ``RING_FULL_TIMEOUT_S`` has given up on the stream: that response
         and every later one are dropped at once, and the request is cancelled (the model sees
         ``is_cancelled()``), so a stopped reader holds the model that long once, not per response.
-        A request cancelled while its ring is full (its client cancelled it, or died: the broker
-        then cancels its requests within a second) is given up on at once: nobody will read."""
-        if self.abandoned:
+        A cancelled request (its client cancelled it, closed, or died: the broker then cancels
+        its requests within a second) is given up on at once, its ring full or not: nobody reads
+        it, and what went on its ring unread would lie in this arena until the client's process
+        exits."""
+        slot = self.entry["slot"]
+        try:
+            if self.abandoned or self.client.cancelled(slot):
+                self.abandoned = True
+                self.answers.arena.free(extent, off)
+                return
+        except (TypeError, ValueError):  # its client left meanwhile (its segment was let go)
             self.answers.arena.free(extent, off)
             return
         deadline = time.monotonic() + RING_FULL_TIMEOUT_S
         word = role_word(ROLE_WORKER, extent) | (LAST_RESPONSE if last else 0)
-        slot = self.entry["slot"]
         try:
             while not self.ring.put(status, word, off, total, self.answers.num):
                 cancelled = self.client.cancelled(slot)
