@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -101,6 +102,12 @@ def test_sigkill_of_a_worker_fails_only_its_request_and_it_comes_back(faulty, tm
     assert {call(faulty.url, 0) for _ in range(20)} <= set(faulty.worker_pids("crasher"))
     assert metric(faulty, "shmserve_worker_restarts", model="crasher", version="1") == 1
     assert metric(faulty, "nv_inference_request_failure", model="crasher", reason="BACKEND", version="1") == 1
+    # The log says what the operator needs: how it ended, what it cost, when it restarts, that it is back.
+    log = faulty.log()
+    assert re.search(r"model 'crasher' version 1 instance 'crasher_[\d_]+' was killed by SIGKILL; 1 request\(s\) "
+                     r"failed; restarting it (now|in [\d.]+ s \(back-off\))", log), log[-2000:]
+    wait_for(lambda: re.search(r"model 'crasher' version 1 instance 'crasher_[\d_]+' is serving again "
+                               r"\(restart 1\)", faulty.log()), "the restarted instance said to serve again")
 
 
 @pytest.mark.parametrize("x,why", [(1, "exited unexpectedly (exit code 1)"), (2, "was killed by SIGSEGV")])

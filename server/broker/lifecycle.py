@@ -641,6 +641,9 @@ class Lifecycle:
         if inst.removed:
             return  # removed (or failed) while it loaded: it stops without serving
         inst.ready = True
+        if inst.restarts and mv.state == State.READY:  # (one that died and was restarted: say it is back)
+            log.info("model '%s' version %d instance '%s' is serving again (restart %d)", mv.name, mv.version,
+                     inst.name, inst.restarts)
         if mv.state == State.LOADING and all(i.ready for i in mv.instances):
             mv.state = State.READY
             mv.load_seconds = time.monotonic() - mv.created

@@ -93,8 +93,13 @@ class Supervisor:
         if mv.sequencer is not None:  # its sequences and their state died with it
             lost += mv.sequencer.forget_instance(inst)
         msg = death_message(mv, inst, code)
+        # Back-off: an instance that keeps dying is restarted less and less often.
+        delay = 0.0 if time.monotonic() - inst.started > STABLE_RUN_S else \
+            RESTART_BACKOFF_S[min(inst.restarts, len(RESTART_BACKOFF_S) - 1)]
         if inst.ready:
-            log.error("%s; %d request(s) failed; restarting it", msg, len(lost) + swept)
+            log.error("model '%s' version %d instance '%s' %s; %d request(s) failed; restarting it %s", mv.name,
+                      mv.version, inst.name, death_cause(inst, code), len(lost) + swept,
+                      f"in {delay:g} s (back-off)" if delay else "now")
         else:  # a restart that failed (said why in death_note); its version serves if another instance does
             log.error("model '%s' version %d instance '%s' %s; trying again", mv.name, mv.version, inst.name,
                       inst.death_note or f"exited with code {code} while restarting")
@@ -103,9 +108,6 @@ class Supervisor:
         mv.stats.worker_restarts += 1
         inst.ready = False
         inst.outstanding.clear()
-        # Back-off: an instance that keeps dying is restarted less and less often.
-        delay = 0.0 if time.monotonic() - inst.started > STABLE_RUN_S else \
-            RESTART_BACKOFF_S[min(inst.restarts, len(RESTART_BACKOFF_S) - 1)]
         self.restarts.append((time.monotonic() + delay, mv, inst))
 
     def next_timer(self, now: float) -> float | None:
@@ -171,15 +173,19 @@ class Supervisor:
         return failed
 
 
+def death_cause(inst: Instance, code: int) -> str:
+    """How an instance's process ended: "was killed by SIGKILL", "exited unexpectedly (...)"."""
+    if inst.death_note:
+        return inst.death_note
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited unexpectedly (exit code {code})"
+
+
 def death_message(mv: ModelVersion, inst: Instance, code: int) -> str:
     """Why an instance's requests failed, as their clients read it."""
-    if inst.death_note:
-        why = inst.death_note
-    elif code < 0:
-        try:
-            why = f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            why = f"was killed by signal {-code}"
-    else:
-        why = f"exited unexpectedly (exit code {code})"
-    return f"model '{mv.name}' version {mv.version} instance '{inst.name}' {why}; the request was not completed"
+    return (f"model '{mv.name}' version {mv.version} instance '{inst.name}' {death_cause(inst, code)}; "
+            f"the request was not completed")
