@@ -62,6 +62,9 @@ class ModelInfo:
         return [n for n in outputs if n in self.declared] if self.declared else list(outputs)
 
 
+EXHAUSTED_EVERY_S = 10.0
+
+
 class Answers:
     """One worker's output arena, and the answers of the current round waiting to be completed."""
 
@@ -77,6 +80,8 @@ class Answers:
         self._notes: list[tuple[ClientSegment, int, int, int, int, int]] = []
         self._later: list[Callable[[], None]] = []  # streams' ends that wait for the round's completions
         self._unproduced: set[str] = set()  # outputs asked for that the model left out (logged once each)
+        self._exhausted = 0  # answers sent without a block since the last line that said so
+        self._exhausted_said = -EXHAUSTED_EVERY_S  # when that line was logged
 
     def deliver(self, client: ClientSegment, entry: BatchEntry, status: int, answer: bytes,
                 tensors: list[tuple[int, Any]]) -> int:
@@ -225,8 +230,7 @@ class Answers:
             except GrowthRefused:
                 off = -1
             if off < 0:
-                log.error("output arena exhausted; request %sanswered 503 without a block",
-                          f"'{entry['id']}' " if entry.get("id") else "")
+                self._said_exhausted()
                 return 503, 0, 0, 0
         buf = self.arena.buf(extent)
         pos = write_answer(buf, off, raw)
@@ -234,6 +238,18 @@ class Answers:
             copy_into(buf[pos:pos + n], data)
             pos += n
         return status, extent, off, total
+
+
+    def _said_exhausted(self) -> None:
+        """One line per ``EXHAUSTED_EVERY_S`` at most, with the count: a full arena fails every
+        response of a stream, and a line each would flood the log."""
+        self._exhausted += 1
+        now = time.monotonic()
+        if now - self._exhausted_said >= EXHAUSTED_EVERY_S:
+            log.error("output arena exhausted (%d bytes in use: answers its clients have not released yet); "
+                      "%d response(s) answered 503 without a block since the last such line",
+                      self.arena.bytes_in_use, self._exhausted)
+            self._exhausted, self._exhausted_said = 0, now
 
 
 def _check_room(name: str, target: dict, n: int) -> None:
