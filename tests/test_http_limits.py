@@ -567,3 +567,12 @@ def test_http10_keeps_its_connection_only_when_it_asks(edge):
         sock.sendall(http10 + body)
         out, _ = _until_closed(sock, SLACK_S + 10)
     assert out.startswith(b"HTTP/1.1 200 ") and b"connection: close" in out.lower(), out[:300]
+    # Two pipelined, then bytes the parser refuses: both answered, the last ends the connection
+    # (it said keep-alive when asked, but the input ended behind it).
+    keep = http10.replace(b"Host: x\r\n", b"Host: x\r\nConnection: keep-alive\r\n") + body
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+        sock.sendall(keep + keep + b"BLAH\r\n\r\n")
+        out, _ = _until_closed(sock, SLACK_S + 10)
+    assert out.count(b"HTTP/1.1 200 ") == 2, out[:600]
+    second = out[out.rindex(b"HTTP/1.1 200 "):].split(b"\r\n\r\n")[0].lower()
+    assert b"connection: close" in second and b"keep-alive" not in second, second

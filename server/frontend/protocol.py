@@ -196,7 +196,7 @@ def _keep_alive_for_http10(cycle: RequestResponseCycle) -> None:
             names = {name.lower() for name, _ in headers}
             if b"content-length" not in names:
                 cycle.keep_alive = False
-            elif b"connection" not in names:
+            elif b"connection" not in names and cycle.keep_alive:  # (not when the input ended since)
                 message = {**message, "headers": [*headers, KEEP_ALIVE_HEADER]}
         await send(message)
 
@@ -374,7 +374,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             raise _StopParsing
         self._in_head, self._in_body = False, True
         self._head_deadline = 0.0
+        previous = self.cycle
         super().on_headers_complete()
+        cycle = self.cycle  # (the new request's, started or queued behind an answer; none for an upgrade)
+        if cycle is not None and cycle is not previous and cycle.scope["http_version"] == "1.0" \
+                and _asks_keep_alive(cycle.scope["headers"]):
+            _keep_alive_for_http10(cycle)  # (now: an end of input decided later still ends it)
         self.scope[BODY_SINK] = self._take_body  # type: ignore[typeddict-unknown-key]
         self.scope[ONE_WRITE] = self._one_write  # type: ignore[typeddict-unknown-key]
 
@@ -497,8 +502,6 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         self._cycle_transport.forget()
         cycle.transport = self._cycle_transport  # type: ignore[assignment]
-        if cycle.scope["http_version"] == "1.0" and _asks_keep_alive(cycle.scope["headers"]):
-            _keep_alive_for_http10(cycle)
         super()._start_asgi_task(cycle, app)
 
     def on_response_complete(self) -> None:
