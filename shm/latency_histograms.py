@@ -167,10 +167,11 @@ def samples(words: np.ndarray, family: int, bounds: tuple[float, ...]) -> tuple[
 
 
 def format_le(bound: float) -> str:
-    """A bound as Triton (prometheus-cpp) writes it: whole numbers without a decimal point,
-    ``+Inf``. Prometheus keys a series on the label's text: ``le="1.0"`` is not Triton's ``le="1"``."""
+    """A bound as Triton's prometheus-cpp writes it (``std::to_chars``: the shorter of the
+    shortest fixed and scientific forms, fixed on a tie): ``1``, ``2.5``, ``1e+05``, ``+Inf``.
+    Prometheus keys a series on the label's text: ``le="1.0"`` is not Triton's ``le="1"``."""
     if bound in (math.inf, -math.inf):
         return "+Inf" if bound > 0 else "-Inf"
-    if bound.is_integer() and abs(bound) < 1e15:
-        return str(int(bound))
-    return repr(bound)
+    fixed = np.format_float_positional(bound, trim="-")
+    scientific = np.format_float_scientific(bound, trim="-", exp_digits=2)
+    return scientific if len(scientific) < len(fixed) else fixed
