@@ -511,6 +511,11 @@ class Connection:
                 return
             self._closed = True
             self._slots.cancel_all(CLOSED_IN_FLIGHT)
+            # those the broker holds (queued, an ensemble's run) are dropped there, as by ``cancel``
+            told = [self.seg.requests.put(REQ_CANCEL, slot, 0, 0, 0) for slot in list(self._slots.inflight)
+                    if self.seg.target(slot) == 0] if self.alive else []
+        if any(told):
+            self.broker.waker.notify()
         self._settle_in_flight()
         # Names first: once the broker hears BYE, workers drop what no longer has a name.
         self.seg.unlink()
@@ -524,7 +529,8 @@ class Connection:
             with self._cond:
                 self._cond.notify_all()
             self.seg.waker.post()  # wake the leader so it sees _closed
-            self._waiter.join(timeout=2.0)
+            if self._waiter is not threading.current_thread():  # (closed from a callback it runs: it ends itself)
+                self._waiter.join(timeout=2.0)
         # What streams hold unread lies in their workers' arenas, which nobody else frees while
         # this process lives; nothing will answer what is still in flight: say so, do not hang.
         self._slots.drop_streams()

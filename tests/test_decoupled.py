@@ -562,3 +562,19 @@ def test_a_closed_client_says_so_and_a_call_racing_its_close_ends(server):
             time.sleep(0.002)
             client.close()
             future.result(timeout=30)
+
+
+def test_a_client_closed_from_its_own_callback_closes(server):
+    """A completion callback runs on the client's waiter thread; closing the client there ends
+    that thread's work rather than joining it (which raised, leaving the close half done)."""
+    client = Client(server.id)
+    closed = threading.Event()
+
+    def on_done(_future: object) -> None:
+        client.close()
+        closed.set()
+
+    client.infer_async("echo_llm", {"text_input": np.array([b"a b"], dtype=object)}).add_done_callback(on_done)
+    assert closed.wait(30), "close() from the callback did not return"
+    with pytest.raises(ValueError, match="this client is closed"):
+        client.infer("echo_llm", {"text_input": np.array([b"a"], dtype=object)})
