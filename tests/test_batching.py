@@ -157,6 +157,22 @@ def test_higher_priority_runs_first(server, tmp_path):
     assert low_a["reqs"] == 2
 
 
+def test_an_ensemble_passes_the_clients_priority_to_its_steps(server, tmp_path):
+    """Triton lets any priority through an ensemble and gives it to each step's request: here a
+    step of prio_pipe sent with priority 1 goes before a direct request of the default level 2
+    that waited first. (Its step model queues in the broker, as a step does: the queue of a model
+    whose worker batches its own lanes is apart from the broker's, docs/serving.md.)"""
+    with Busy(server, "probe_prio_queued", tmp_path) as busy:
+        [low] = busy.send(1, 3, 2)
+        high = busy.pool.submit(infer_with, server.url, "prio_pipe", 5, 1)
+        busy.pending += 1
+        wait_pending(server, "probe_prio_queued", busy.pending)  # the step waits in its model's queue
+        busy_r = busy.release()
+        low_r, high_r = low.result(), high.result()
+    assert high_r["order"] == busy_r["order"] + 1
+    assert low_r["order"] == high_r["order"] + 1
+
+
 def _fail_ns(server, model: str) -> int:
     client = httpclient.InferenceServerClient(server.url)
     try:

@@ -123,8 +123,8 @@ class Ensembles:
         self.cache = EnsembleCache(cache, self.segments) if cache is not None else None
 
     # -- the broker's loop ----------------------------------------------------------------------
-    def start(self, mv: ModelVersion, client: Client, slot: int, entry: BatchEntry) -> None:
-        self._begin(EnsembleRun(mv, client, slot, entry))
+    def start(self, mv: ModelVersion, client: Client, slot: int, entry: BatchEntry, priority: int = 0) -> None:
+        self._begin(EnsembleRun(mv, client, slot, entry, priority))
 
     def live_runs(self) -> list[EnsembleRun]:
         return list(self.runs)
@@ -253,13 +253,14 @@ class Ensembles:
             # A nested ensemble has no instances to queue on: it runs here, and its answer
             # (or error) completes this step's slot in our own segment.
             request["sent_ns"] = call.sent_ns = time.monotonic_ns()
-            nested = EnsembleRun(mv, self.own, slot, request)
+            nested = EnsembleRun(mv, self.own, slot, request, run.priority)
             nested.traced = run.traced  # (every step request carries stamps, for the statistics)
             self._begin(nested)
         else:
             call.sent_ns = request["sent_ns"]
+            # Triton passes the client's priority to each step, whose batcher maps it to a level
             self.scheduler.enqueue(mv, Pending(self.own, slot, 0, request, batch, time.monotonic(),
-                                               timeout_us=request.get("timeout_us", 0)))
+                                               priority=run.priority, timeout_us=request.get("timeout_us", 0)))
 
     def _unsent(self, call: StepCall, status: int, message: str) -> None:
         """A call that could not be sent fails its run (its branch is settled by the caller)."""

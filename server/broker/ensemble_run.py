@@ -83,9 +83,11 @@ class StepCall:
 class EnsembleRun:
     """One request through an ensemble."""
 
-    def __init__(self, version: "ModelVersion", client: "Client", slot: int, entry: BatchEntry) -> None:
+    def __init__(self, version: "ModelVersion", client: "Client", slot: int, entry: BatchEntry,
+                 priority: int = 0) -> None:
         assert version.ensemble is not None
         self.version = version
+        self.priority = priority  # the client's, given to every step (Triton's ensembles pass any level on)
         self.plan: EnsemblePlan = version.ensemble
         self.client = client
         self.slot = slot

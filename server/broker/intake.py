@@ -89,7 +89,7 @@ class Intake:
             self.clients.reply(client, slot, 400, refusal(f"malformed inference request: {e!r}"))
             return
         if mv.ensemble is not None:
-            self.ensembles.start(mv, client, slot, entry)
+            self.ensembles.start(mv, client, slot, entry, req.priority)
             return
         now = time.monotonic()
         pend = Pending(client, slot, off, entry, batch, now, priority=req.priority, timeout_us=req.timeout_us)
