@@ -268,6 +268,7 @@ class Connection:
         r.data = None
         start = r.start
         with self._slots.lock:
+            self._check_open()  # closed since it was reserved: the block went with the arena
             stamp_sent(self.seg.seg.buf, r.off + 4, r.request.sent_ns)  # (past the manifest's length prefix)
             worker = self._dispatch(REQ_INFER | (REQ_POLLING if polling else 0), r.off, r.total, start, callback,
                                     r.request, None, 0)

@@ -28,6 +28,7 @@ from conftest import (DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, cpu_ticks, pendi
 from gates import Gate
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
+from shmserve.shm.connection import ConnectionClosed
 from shmserve.shm.descriptor import InferRequest, InputTensor
 from shmserve.shm.protocol import NO_ROOM
 from shmserve.shm.liveness import process_ticket
@@ -953,6 +954,22 @@ def test_close_with_requests_in_flight_fails_them(lc_server, tmp_path):
     assert "closed" in error.message
     with Client(lc_server.id) as again:  # and the instance answers the next client normally
         assert again.infer("slow_reader", {"X": A}, parameters={"sleep_s": 0})["SUM"].tolist() == [int(A.sum())]
+
+
+def test_a_reserved_request_sent_after_close_says_the_client_is_closed(lc_server):
+    """A block reserved before close() (the HTTP frontend reserves one while a body arrives) went
+    with the arena: sending it is the closed client's error, not a fault of the unmapped buffer."""
+    c = Client(lc_server.id)
+    conn = c._conn  # noqa: SLF001 - the reservation API the frontends use
+    reservation = conn.reserve(InferRequest("add_sub", "", [InputTensor("INPUT0", "INT32", [N], A.nbytes, 0),
+                                                             InputTensor("INPUT1", "INT32", [N], B.nbytes, A.nbytes)]),
+                               A.nbytes + B.nbytes)
+    reservation.data[:] = A.tobytes() + B.tobytes()
+    c.close()
+    with pytest.raises(ConnectionClosed, match="this client is closed"):
+        conn.send_reserved(reservation, lambda completion: completion.release())
+    with Client(lc_server.id) as again:
+        assert again.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
 
 
 def test_server_restart_gives_a_connected_client_a_clear_error(server_factory):
