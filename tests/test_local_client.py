@@ -1070,6 +1070,8 @@ def test_a_worker_with_no_room_even_for_an_error_still_answers(server_factory):
     server = start_shm_server(server_factory, ["--worker-arena-mb", "1", "--load-model", "word_stream"])
     tiny = np.array([b"x" * 300], dtype=object)  # its answer takes more room than its 503 would
     outcomes = set()
+    blockless = 0
+    began = time.monotonic()
     with Client(server.id) as c:
         for size in range((1 << 20) - 1000, (1 << 20) - 200, 8):
             held = c.infer("bytes_identity", {"IN": np.array([b"a" * size], dtype=object)})
@@ -1079,8 +1081,14 @@ def test_a_worker_with_no_room_even_for_an_error_still_answers(server_factory):
             except InferenceServerError as e:
                 assert "no room" in str(e), (size, str(e))  # never 'Deadline Exceeded'
                 outcomes.add("no room for the answer" if "has no room" in str(e) else str(e))
+                blockless += str(e) == NO_ROOM
             held.release()
         assert outcomes == {"answered", "no room for the answer", NO_ROOM}, outcomes
+        # Said in the log, with the count, at most once per 10 s (workers/answers.py): a line per
+        # answer would flood it while a client holds the arena.
+        said = [line for line in server.log().splitlines() if "output arena exhausted" in line]
+        assert 1 <= len(said) <= 1 + (time.monotonic() - began) // 10 < blockless, (len(said), blockless)
+        assert "answers its clients have not released yet" in said[0], said[0]
         assert (c.infer("bytes_identity", {"IN": tiny})["OUT"] == tiny).all()  # the arena is whole again
 
         outcomes.clear()
