@@ -14,6 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import DEADLINE_S, raw_request, wait_pending, wait_until
 from gates import Gate
+from shmserve import Client
 
 REPO = Path(__file__).parent / "models" / "batching"
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,12 +174,39 @@ def test_an_ensemble_passes_the_clients_priority_to_its_steps(server, tmp_path):
     assert low_r["order"] == high_r["order"] + 1
 
 
-def _fail_ns(server, model: str) -> int:
+def test_a_closed_local_clients_request_queued_in_the_broker_is_cancelled_there(server, tmp_path):
+    """close() cancels a request the broker's queue holds there (a REQ_CANCEL, as ``cancel``
+    sends): it never runs and counts as a cancelled request, as Triton counts one. Before, it
+    stayed queued until the client's goodbye and was then forgotten, uncounted."""
+    with Busy(server, "probe_prio_queued", tmp_path) as busy:
+        failed = _fails(server, "probe_prio_queued")
+        client = Client(server.id)
+        try:
+            client.infer_async("probe_prio_queued", {"INPUT0": np.zeros((1, 3), np.float32)})
+            wait_pending(server, "probe_prio_queued", 2)
+        finally:
+            client.close()
+        wait_pending(server, "probe_prio_queued", 1)
+        assert _fails(server, "probe_prio_queued") == failed + 1
+        executions = _stats(server, "probe_prio_queued")["execution_count"]
+        busy.release()
+    assert _stats(server, "probe_prio_queued")["execution_count"] == executions + 1  # the busy one alone
+
+
+def _stats(server, model: str) -> dict:
     client = httpclient.InferenceServerClient(server.url)
     try:
-        return int(client.get_inference_statistics(model)["model_stats"][0]["inference_stats"]["fail"]["ns"])
+        return client.get_inference_statistics(model)["model_stats"][0]
     finally:
         client.close()
+
+
+def _fails(server, model: str) -> int:
+    return int(_stats(server, model)["inference_stats"]["fail"]["count"])
+
+
+def _fail_ns(server, model: str) -> int:
+    return int(_stats(server, model)["inference_stats"]["fail"]["ns"])
 
 
 def test_queue_timeout_rejects(server, tmp_path):
