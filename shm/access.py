@@ -16,7 +16,7 @@ import os
 import pwd
 import stat
 import struct
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 # The broker passes the server's readers to its workers in the environment (the launcher gives
 # them to the broker in its options; frontends, mere clients of the broker, never get them).
@@ -100,14 +100,51 @@ def readers_of(path: str) -> tuple[int, ...]:
     return tuple(uid for tag, _, uid in _ENTRY.iter_unpack(raw[4:]) if tag == _USER)
 
 
-def _acl_writers(target: int | str) -> list[tuple[int, int]] | None:
-    """(tag, id) of each named user's or group's entry of ``target``'s ACL (a descriptor or a
-    path) that lets it write, under a mask that keeps it; None without an ACL."""
+def _acl_entries(target: int | str) -> list[tuple[int, int, int]] | None:
+    """(tag, permissions, id) of each entry of ``target``'s ACL (a descriptor or a path), in
+    the order the kernel keeps them (by tag, then id); None without an ACL."""
     try:
         raw = os.getxattr(target, _XATTR)
     except OSError:
         return None
-    entries = list(_ENTRY.iter_unpack(raw[4:]))
+    return list(_ENTRY.iter_unpack(raw[4:len(raw) - (len(raw) - 4) % _ENTRY.size]))
+
+
+def may_open(target: int | str, st: os.stat_result, uid: int, groups: Collection[int], want: int = _RW) -> bool:
+    """Whether user ``uid``, a member of ``groups``, may open ``target`` (a descriptor or a
+    path; ``st`` its ``fstat``) for ``want`` (4: read, 2: write), as the kernel decides
+    (``acl_permission_check``): root anything; the owner by the owner's bits; where an ACL is in
+    force (the mode's group bits, its mask, not 0) a named user's entry, else the owning and named
+    groups' entries the user is in, each under the mask, else the others' entry; without one the
+    group's bits for a member, else the others'."""
+    if uid == 0:
+        return True
+    if uid == st.st_uid:
+        return (st.st_mode >> 6) & want == want
+    entries = _acl_entries(target) if st.st_mode & 0o070 else None
+    if not entries:
+        return ((st.st_mode >> 3) if st.st_gid in groups else st.st_mode) & want == want
+    mask = next((perm for tag, perm, _ in entries if tag == _MASK), 7)
+    for tag, perm, entry_id in entries:
+        if tag == _USER and entry_id == uid:
+            return perm & mask & want == want
+    in_a_group = False
+    for tag, perm, entry_id in entries:
+        if (tag == _GROUP_OBJ and st.st_gid in groups) or (tag == _GROUP and entry_id in groups):
+            in_a_group = True
+            if perm & want == want:
+                return perm & mask & want == want
+    if in_a_group:
+        return False
+    return any(tag == _OTHER and perm & want == want for tag, perm, _ in entries)
+
+
+def _acl_writers(target: int | str) -> list[tuple[int, int]] | None:
+    """(tag, id) of each named user's or group's entry of ``target``'s ACL (a descriptor or a
+    path) that lets it write, under a mask that keeps it; None without an ACL."""
+    entries = _acl_entries(target)
+    if entries is None:
+        return None
     mask = next((perm for tag, perm, _ in entries if tag == _MASK), _RW)
     return [(tag, uid) for tag, perm, uid in entries if tag in (_USER, _GROUP_OBJ, _GROUP) and perm & mask & _W]
 

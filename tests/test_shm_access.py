@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import struct
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from as_nobody import run_as_nobody
+from as_nobody import NOBODY, run_as_nobody
 from conftest import raw_request, start_shm_server
 from shmserve.server.grpc.service import peer_address
 from shmserve.shm.client import Client, InferenceServerError
@@ -84,6 +85,65 @@ else:
     result = {"stolen": c.infer("add_sub", inputs).as_numpy("OUTPUT0").tolist()}
     c.unregister_system_shared_memory(name)
 """
+
+_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+_UNDEFINED = 0xFFFFFFFF
+
+
+def set_acl(path: str, *entries: tuple[int, int, int]) -> None:
+    """Give ``path`` the POSIX ACL of ``entries`` ((tag, permissions, id), in the kernel's order),
+    as setfacl would."""
+    os.setxattr(path, "system.posix_acl_access",
+                struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries))
+
+
+def _acl_denying_nobody_by_name(path: str) -> None:  # mode 0666, but not for nobody
+    set_acl(path, (_USER_OBJ, 6, _UNDEFINED), (_USER, 0, NOBODY.pw_uid), (_GROUP_OBJ, 6, _UNDEFINED),
+            (_MASK, 6, _UNDEFINED), (_OTHER, 6, _UNDEFINED))
+
+
+def _acl_denying_nobodys_group(path: str) -> None:  # the owning group, nobody's, gets nothing
+    os.chown(path, 0, NOBODY.pw_gid)
+    set_acl(path, (_USER_OBJ, 6, _UNDEFINED), (_GROUP_OBJ, 0, _UNDEFINED), (_GROUP, 4, 0),
+            (_MASK, 6, _UNDEFINED), (_OTHER, 6, _UNDEFINED))
+
+
+def _acl_masking_nobody(path: str) -> None:  # nobody's entry reads and writes, its mask only reads
+    set_acl(path, (_USER_OBJ, 6, _UNDEFINED), (_USER, 6, NOBODY.pw_uid), (_GROUP_OBJ, 0, _UNDEFINED),
+            (_MASK, 4, _UNDEFINED), (_OTHER, 6, _UNDEFINED))
+
+
+@pytest.mark.parametrize("deny", [_acl_denying_nobody_by_name, _acl_denying_nobodys_group, _acl_masking_nobody])
+def test_nobody_cannot_register_an_object_its_acl_keeps_from_it(server, root_object, deny):
+    """The kernel refuses nobody these objects by their ACL, though their mode bits would let it
+    in: so does the server (before, it read the mode alone and served their bytes to nobody)."""
+    deny("/dev/shm" + root_object)
+    got = run_as_nobody(STEAL, {"proto": "http", "url": url(server, "http"), "name": "acl", "key": root_object})
+    assert "stolen" not in got, f"nobody read an object its ACL keeps from it: {got}"
+    assert got["status"] == "403" and f"uid {NOBODY.pw_uid} may not read and write it" in got["message"], got
+    assert status_names(server) == []
+
+
+def test_nobody_registers_a_private_object_whose_acl_names_it(server, root_object):
+    set_acl("/dev/shm" + root_object, (_USER_OBJ, 6, _UNDEFINED), (_USER, 6, NOBODY.pw_uid),
+            (_GROUP_OBJ, 0, _UNDEFINED), (_MASK, 6, _UNDEFINED), (_OTHER, 0, _UNDEFINED))
+    got = run_as_nobody(STEAL, {"proto": "grpc", "url": url(server, "grpc"), "name": "named", "key": root_object})
+    assert got == {"stolen": [2 * k + 99 for k in range(1, N + 1)]}
+    assert status_names(server) == []
+
+
+@pytest.mark.parametrize("key, why", [("link", "it is a symbolic link"), ("..", "not the name of a shared-memory object")])
+def test_a_key_that_names_no_object_is_refused_saying_why(server, root_object, key, why):
+    link = f"/dev/shm/tshm_{server.id}_link"
+    os.symlink("/dev/shm" + root_object, link)
+    key = "/" + os.path.basename(link) if key == "link" else "/" + key
+    try:
+        got = run_as_nobody(STEAL, {"proto": "http", "url": url(server, "http"), "name": "odd", "key": key})
+    finally:
+        os.unlink(link)
+    assert got == {"status": "500", "message": f"Unable to open shared memory region: '{key}': {why}"}
+    assert status_names(server) == []
+
 
 # What nobody runs: its own object, registered, used for inputs and output, unregistered.
 OWN = """

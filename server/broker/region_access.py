@@ -2,8 +2,8 @@
 
 Registering makes the server read and write an object on the caller's behalf, so it is allowed
 only for an object the caller could open itself for reading and writing, as ``shm_open(O_RDWR)``
-would decide for that user: the object's owner, group and mode against the caller's uid and
-groups (from the user database), uid 0 opening anything. A key under ``/shmclient.<ticket>.`` is
+would decide for that user: the object's owner, group, mode and ACL against the caller's uid and
+groups (from the user database), uid 0 opening anything (shm/access.py). A key under ``/shmclient.<ticket>.`` is
 the local client process's own (``Client.create_region``; the ticket is its liveness lock,
 shm/liveness.py) and no one else may name it.
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import pwd
-import stat
 from typing import Any
 
+from shmserve.shm import access
 from shmserve.shm.names import CLIENT_PREFIX
 from shmserve.shm.control_messages import NetworkCaller
 from shmserve.signature import InvalidRequest
@@ -82,29 +82,15 @@ def check_client_key(name: str, key: str, caller: Caller) -> None:
                              f"local client)")
 
 
-def check_may_open(key: str, st: os.stat_result, caller: Caller) -> None:
-    """Refuse an object the caller could not open for reading and writing itself. A caller of
-    unknown uid (a remote peer under --allow-remote-shm) has the server's rights."""
+def check_may_open(key: str, fd: int, st: os.stat_result, caller: Caller) -> None:
+    """Refuse an object (``fd`` open on it, ``st`` its ``fstat``) the caller could not open for
+    reading and writing itself, its ACL included. A caller of unknown uid (a remote peer under
+    --allow-remote-shm) has the server's rights."""
     uid = caller.owner.uid
-    if uid is None or may_open_rw(st, uid):
+    if uid is None or access.may_open(fd, st, uid, groups_of(uid)):
         return
     raise RegionDenied(f"Unable to open shared memory region: '{key}': permission denied (uid {uid} may not "
                        f"read and write it)")
-
-
-def may_open_rw(st: os.stat_result, uid: int) -> bool:
-    """Whether user ``uid`` may open an object of this owner and mode for reading and writing
-    (the owner's bits for its owner, the group's for a member, else the others')."""
-    if uid == 0:
-        return True
-    if uid == st.st_uid:
-        bits = st.st_mode >> 6
-    elif st.st_gid in groups_of(uid):
-        bits = st.st_mode >> 3
-    else:
-        bits = st.st_mode
-    need = stat.S_IROTH | stat.S_IWOTH
-    return bits & need == need
 
 
 def groups_of(uid: int) -> set[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import logging
 import os
 import re
@@ -68,6 +69,19 @@ def check_key(name: str, key: Any) -> None:
     if reserved is not None:
         raise RegionError(f"cannot register shared memory region '{name}' with key '{key}' as the key contains "
                           f"the reserved prefix '{reserved}'")
+
+
+def _why(e: OSError | ValueError) -> str:
+    """What kept ``shm_open`` from opening a key that names something (not a missing or a
+    forbidden object)."""
+    if isinstance(e, ValueError):  # "." or "..", which shm_open refuses
+        return "not the name of a shared-memory object"
+    assert isinstance(e, OSError)
+    if e.errno == errno.ELOOP:
+        return "it is a symbolic link"
+    if e.errno == errno.EISDIR:
+        return "it is a directory"
+    return e.strerror or str(e)
 
 
 class Region:
@@ -151,12 +165,14 @@ class RegionRegistry(_Registry):
             raise RegionOpenFailed(f"Unable to open shared memory region: '{key}'") from None
         except posix_ipc.PermissionsError:
             raise RegionDenied(f"Unable to open shared memory region: '{key}': permission denied") from None
+        except (OSError, ValueError) as e:  # a symbolic link (shm_open follows none), a directory
+            raise RegionOpenFailed(f"Unable to open shared memory region: '{key}': {_why(e)}") from None
         try:
             st = os.fstat(shm.fd)
             size = st.st_size
+            check_may_open(key, shm.fd, st, caller)  # the object opened: its inode is what the region pins
         finally:
             shm.close_fd()
-        check_may_open(key, st, caller)  # the object opened: its inode is what the region pins
         if offset < 0 or byte_size < 0 or offset + byte_size > size:
             raise RegionError(f"failed to register shared memory region '{name}': invalid args")
         if byte_size == 0:  # in bounds, but nothing to map: Triton's mmap fails the same way
