@@ -264,6 +264,14 @@ class RegionFiles:
                     self._items.popitem(last=False)
             return f
 
+    def keep_only(self, registered: set[tuple[str, int]]) -> None:
+        """Let go of the files of regions no longer registered ((key, inode) pairs of those
+        that are): an object unregistered and unlinked would otherwise stay open here, its
+        memory held from /dev/shm, until 256 others pushed it out."""
+        with self._lock:
+            for key in [k for k, f in self._items.items() if (k, f.ino) not in registered]:
+                del self._items[key]  # (closed once no thread reads through it: RegionFile.__del__)
+
     def view(self, t: dict) -> np.ndarray | None:
         """The bytes of entry tensor ``t`` in place, read-only (``RegionFile.view``), or None."""
         return self.get(t["seg"], t["ino"], t.get("region")).view(t["off"], t["size"], t.get("region"))

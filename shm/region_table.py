@@ -102,6 +102,7 @@ class RegionTable:
         self._gen = -1
         self._regions: dict[str, RegionEntry] = {}
         self._cuda: set[bytes] = set()
+        self._complete = False
 
     @property
     def generation(self) -> int:
@@ -117,6 +118,13 @@ class RegionTable:
             self._refresh()
         return self._regions.get(name)
 
+    def registered(self) -> set[tuple[str, int]] | None:
+        """(key, inode) of each system region registered now; None when the table is incomplete
+        (too large for its area), which does not say."""
+        if self._published.generation() != self._gen:
+            self._refresh()
+        return None if not self._complete else {(r.key, r.ino) for r in self._regions.values()}
+
     def cuda_handles(self) -> set[bytes]:
         """The handles of the CUDA regions registered now."""
         if self._published.generation() != self._gen:
@@ -128,4 +136,5 @@ class RegionTable:
         doc = orjson.loads(raw) if raw else {}
         self._regions = {n: RegionEntry(*r) for n, r in doc.get("regions", {}).items()}
         self._cuda = {base64.b64decode(h) for h in doc.get("cuda", ())}
+        self._complete = doc.get("complete") is True
         self._gen = gen

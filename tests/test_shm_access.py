@@ -22,7 +22,7 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from as_nobody import NOBODY, run_as_nobody
-from conftest import raw_request, start_shm_server
+from conftest import processes_mapping, raw_request, start_shm_server, wait_until
 from shmserve.server.grpc.service import peer_address
 from shmserve.shm.client import Client, InferenceServerError
 from shmserve.shm.control_messages import RegisterSystemRegion
@@ -143,6 +143,48 @@ def test_a_key_that_names_no_object_is_refused_saying_why(server, root_object, k
         os.unlink(link)
     assert got == {"status": "500", "message": f"Unable to open shared memory region: '{key}': {why}"}
     assert status_names(server) == []
+
+
+def holding(pids: list[int], key: str) -> list[int]:
+    """Those of ``pids`` with a descriptor or a mapping of /dev/shm<key> (deleted or not)."""
+    path = "/dev/shm" + key
+    out = []
+    for pid in pids:
+        try:
+            fds = {os.readlink(f"/proc/{pid}/fd/{fd}").removesuffix(" (deleted)") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            continue
+        if path in fds or processes_mapping([pid], key):
+            out.append(pid)
+    return out
+
+
+def test_an_unregistered_region_is_let_go_by_every_server_process(server):
+    """Once unregistered (and unlinked by its client), no process of the server keeps the object
+    open: before, each worker kept the last 256 regions it had used, and their memory, from
+    /dev/shm, until it exited."""
+    key = f"/tshm_{server.id}_gone_{next(_keys)}"
+    handle = shm.create_shared_memory_region("gone", key, 3 * NB, create_only=True)
+    a = np.arange(N, dtype=np.int32)
+    shm.set_shared_memory_region(handle, [a, a])
+    c = client_of("http", url(server, "http"))
+    try:
+        c.register_system_shared_memory("gone", key, 3 * NB)
+        inputs = []
+        for k, input_name in enumerate(("INPUT0", "INPUT1")):
+            t = httpclient.InferInput(input_name, [N], "INT32")
+            t.set_shared_memory("gone", NB, offset=k * NB)
+            inputs.append(t)
+        out = httpclient.InferRequestedOutput("OUTPUT0")
+        out.set_shared_memory("gone", NB, offset=2 * NB)
+        c.infer("add_sub", inputs, outputs=[out])
+        assert shm.get_contents_as_numpy(handle, np.int32, [N], offset=2 * NB).tolist() == (2 * a).tolist()
+        assert holding(server.tree(), key), "no server process opened the region"
+        c.unregister_system_shared_memory("gone")
+    finally:
+        shm.destroy_shared_memory_region(handle)
+        c.close()
+    wait_until(lambda: holding(server.tree(), key) == [], "every server process let go of the unregistered region", 30)
 
 
 # What nobody runs: its own object, registered, used for inputs and output, unregistered.

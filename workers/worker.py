@@ -202,6 +202,7 @@ class Worker:
         polled = False  # the last round served a client that polls for its answers
         repairs = Repairs()  # truncations of what it maps undone (shm/truncation_guard.py)
         check_every = 10.0  # (each second while a page replaced for want of room waits: truncation_guard.py)
+        regions_seen = -1  # the region table's generation when we last let go of unregistered regions
         while self.running:
             # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
             # below only covers systems without it.
@@ -212,8 +213,9 @@ class Worker:
                 timeout = min(timeout, CANCEL_CHECK_S)
             seg.waker.sleep(timeout, has_work, spin if polled else None)
             log_settings.check()  # POST /v2/logging: one integer read unless it changed
-            if cuda.loaded() and self.regions.current() != self.regions.generation:
-                self._close_unregistered_cuda()
+            if self.regions.current() != regions_seen:
+                regions_seen = self.regions.current()
+                self._close_unregistered_regions()
             if int(self.broker.departures[0]) != departures:
                 departures = int(self.broker.departures[0])
                 self._forget_departed_clients()
@@ -252,12 +254,16 @@ class Worker:
                 # runs: _execute).
                 self._flush_counts()
 
-    def _close_unregistered_cuda(self) -> None:
-        """Close the mappings of CUDA regions the client unregistered (the broker's table lists
-        the handles still registered), so their device memory is not held here."""
-        closed = cuda.runtime().close_unlisted(self.regions.cuda_handles())
-        if closed:
-            log.debug("closed %d CUDA IPC mapping(s) of unregistered regions", closed)
+    def _close_unregistered_regions(self) -> None:
+        """Close the files and mappings of regions the clients unregistered (the broker's table
+        lists those still registered), so their memory (/dev/shm, the device's) is not held here."""
+        registered = self.regions.registered()
+        if registered is not None:
+            self.segments.regions.keep_only(registered)
+        if cuda.loaded():
+            closed = cuda.runtime().close_unlisted(self.regions.cuda_handles())
+            if closed:
+                log.debug("closed %d CUDA IPC mapping(s) of unregistered regions", closed)
 
     def _serve_lane(self, lane: int) -> bool:
         """Take the requests on one lane, each record checked before use (shm/untrusted.py);

@@ -200,6 +200,8 @@ class Broker:
         # Step outputs of workers now gone (reloaded, restarted) are never read again: unmap them.
         self.ensembles.segments.drop_unlinked(object_name(self.opts.server_id, "worker", ""))
         self.ensembles.segments.drop_unlinked(object_name(self.opts.server_id, "broker", "0.arena."))  # retired
+        # Files of regions unregistered since (an ensemble's or the cache's reads opened them).
+        self.ensembles.segments.regions.keep_only({(r.key, r.ino) for r in self.regions.system.regions.values()})
         for client in list(self.clients.by_name.values()):
             if not self.clients.tickets.held(client.ticket):
                 log.info("client %s (pid %d) died; reclaiming its channel", client.name, client.pid)
