@@ -118,6 +118,21 @@ def test_a_hit_answers_without_running_the_model(cache_server):
         {"executions": 1, "inferences": 1, "success": 2, "hits": 1, "misses": 1}
 
 
+def test_an_answer_without_a_requested_output_is_stored_as_it_is(cache_server):
+    """A model that leaves out an output the request named is answered without it, and so is
+    the next request, from the cache, as in Triton (storing it used to kill the worker, failing
+    its whole batch)."""
+    x = fresh()
+    both = [httpclient.InferRequestedOutput("Y"), httpclient.InferRequestedOutput("Z")]
+    before = counts(cache_server, "cached")
+    for _ in range(2):
+        result = infer(cache_server, "cached", x, outputs=both, parameters={"omit_z": True})
+        assert [o["name"] for o in result.get_response()["outputs"]] == ["Y"]
+        np.testing.assert_array_equal(result.as_numpy("Y"), x * 2)
+    assert delta(before, counts(cache_server, "cached")) == {"executions": 1, "inferences": 1, "success": 2,
+                                                           "hits": 1, "misses": 1}
+
+
 def test_a_stored_answer_scribbled_on_is_a_miss_and_the_model_runs(cache_server):
     """The cache lies in memory every worker writes. An entry whose stored answer no longer reads
     (here its descriptor, after its first two bytes, overwritten) is a miss: the model runs and answers,

@@ -91,7 +91,9 @@ class ResponseCache:
         names = [o["name"] for o in wanted] if wanted else list(resp.outputs)
         outputs: list[cache_entry.Output] = []
         for name in names:
-            arr = resp.outputs[name]
+            arr = resp.outputs.get(name)
+            if arr is None:
+                continue  # requested, but the model did not produce it: absent from the hit too, as in Triton
             if not isinstance(arr, np.ndarray) and device_tensors.is_tensor(arr):
                 if arr.is_cuda:
                     return  # outputs on the device are not cached (as Triton)

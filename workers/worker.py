@@ -582,7 +582,10 @@ class Worker:
         if answered == 200:
             if self.cache is not None and entry.get("cache_key"):
                 inserting = time.monotonic_ns()
-                self.cache.insert(entry, resp)
+                try:
+                    self.cache.insert(entry, resp)
+                except Exception:  # noqa: BLE001 - the request is answered: a store that failed only costs a hit
+                    log.exception("storing an answer of '%s' in the response cache failed", self.model)
                 self.stats.cache_inserted(time.monotonic_ns() - inserting)
             return True
         if resp.model_error and answered == status:  # (not when no room was found for its error)

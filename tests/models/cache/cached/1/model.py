@@ -21,7 +21,7 @@ class TritonPythonModel:
     """Y = 2 X and Z = X + 1, with the response parameter ``pid`` naming the process that ran it
     (a cached answer keeps it). The request parameter ``gate`` holds the execution until the test
     opens it. Executions are counted by the statistics extension. The request parameter ``fail``
-    makes it answer an error response."""
+    makes it answer an error response, and ``omit_z`` leaves Z out of the response."""
 
     def execute(self, requests):
         for r in requests:
@@ -34,6 +34,8 @@ class TritonPythonModel:
             if json.loads(r.parameters() or "{}").get("fail"):  # an error response (never stored)
                 out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("asked to fail")))
                 continue
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2), pb_utils.Tensor("Z", x + 1)],
-                                                  parameters={"pid": os.getpid()}))
+            made = [pb_utils.Tensor("Y", x * 2), pb_utils.Tensor("Z", x + 1)]
+            if json.loads(r.parameters() or "{}").get("omit_z"):  # Z left out, though requested
+                made = made[:1]
+            out.append(pb_utils.InferenceResponse(made, parameters={"pid": os.getpid()}))
         return out
