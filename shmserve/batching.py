@@ -148,7 +148,8 @@ class DynamicBatcher:
         level = p.priority if 1 <= p.priority <= self.levels else self.default_level
         policy = self.policies[level - 1]
         queue = self.queues[level - 1]
-        if policy.max_queue_size and len(queue) >= policy.max_queue_size:
+        # (a level's delayed requests still wait in it: Triton's PolicyQueue counts them in its size)
+        if policy.max_queue_size and len(queue) + len(self.delayed[level - 1]) >= policy.max_queue_size:
             raise QueueFull("Exceeds maximum queue size")  # (Triton's words, which clients match)
         timeout = policy.default_timeout_us
         if policy.allow_timeout_override and p.timeout_us and timeout:

@@ -261,6 +261,21 @@ def test_full_queue_rejects_with_503(server, tmp_path):
         == failed_before
 
 
+def test_delayed_requests_count_in_the_queue_size(server, tmp_path):
+    """Requests that timed out under DELAY still wait in their level's queue: with
+    max_queue_size 2 and both delayed, a third is refused, as Triton counts a queue's delayed
+    requests in its size."""
+    with Busy(server, "probe_delay_qsize", tmp_path) as busy:
+        delayed = busy.send(2, 3, 0, 50_000)  # their own timeout: 50 ms
+        time.sleep(0.2)  # both timed out: delayed, still queued
+        third = busy.pool.submit(infer_with, server.url, "probe_delay_qsize", 3)
+        with pytest.raises(InferenceServerException) as e:
+            third.result(timeout=DEADLINE_S)
+        assert e.value.message() == "[request id: <id_unknown>] Exceeds maximum queue size"
+        busy.release()
+        assert all(f.result()["reqs"] == 1 for f in delayed)  # served, after their wait
+
+
 def metric(server, name: str, model: str, **labels: str) -> float:
     import urllib.request
 

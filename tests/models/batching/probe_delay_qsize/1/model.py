@@ -1,0 +1,1 @@
+../../probe/1/model.py
