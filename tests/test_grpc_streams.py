@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from conftest import TESTS
+from conftest import TESTS, wait_until
+from gates import Gate
 from shmserve.server.grpc.stream import MAX_RUNNING
 
 BATCHING = TESTS / "models" / "batching"
@@ -121,6 +122,36 @@ def test_responses_come_back_in_the_order_their_model_answered(server):
     ran = [int(r.as_numpy("ORDER")[0, 0]) for _, r in answers]
     assert ran == sorted(ran), [(ids[k], ran[k]) for k in range(count) if k and ran[k] < ran[k - 1]][:10]
     assert ids == list(range(count)), [k for k, i in enumerate(ids) if i != k][:10]
+
+
+def test_answers_of_models_that_are_not_decoupled_come_in_the_order_sent(server, tmp_path):
+    """Triton writes the one response of each request to a model that is not decoupled in the
+    order the requests were read, a refusal's included: a quick request sent after a slow one
+    on the same stream runs at once, and its answer waits for the slow one's."""
+    gate = Gate(tmp_path / "gate")
+    stream = Stream(server)
+    try:
+        stream.send("probe_unbatched", _probe(), request_id="slow", parameters={"gate": gate.param})
+        gate.wait_started(1)
+        ran = executions(server, "probe_prio")
+        stream.send("probe_prio", _probe(), request_id="quick")
+        stream.send("no_such_model", _probe(), request_id="refused")
+        wait_until(lambda: executions(server, "probe_prio") == ran + 1, "the quick request ran")
+        time.sleep(0.2)  # (its answer, were it sent, would be in by now)
+        assert stream.got.empty(), "an answer overtook the slow request's"
+        gate.open()
+        came = stream.take(3)
+    finally:
+        gate.open()
+        stream.close()
+    assert [getattr(r, "get_response", lambda: None)() is not None for _, r in came] == [True, True, False]
+    assert [r.get_response().id for _, r in came[:2]] == ["slow", "quick"]
+    assert "Request for unknown model: 'no_such_model'" in str(came[2][1])
+
+
+def executions(server, model: str) -> int:
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        return int(c.get_inference_statistics(model).model_stats[0].execution_count)
 
 
 @pytest.mark.parametrize("empty_final", [False, True])

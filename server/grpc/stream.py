@@ -1,15 +1,17 @@
 """One ``ModelStreamInfer`` call: its requests run side by side, as Triton runs them.
 
-Triton's stream handler submits each request as soon as it is read and writes each response as
-it comes, so requests pipelined on one stream batch together and a quick one is not held behind
-a long one (a decoupled model's stream of responses, say); a client tells the responses apart by
-the request's ``id``. Here, a reader task reads the stream and submits each request in the order
-read (a sequence's requests reach its scheduler in that order), and one task per request moves
-its messages to the call's outbox, which the call's generator sends from. Messages leave in the
-order their responses came from the models (``StreamEvents`` numbers them), as Triton writes
-them: a client that reads a stream's answers by position (tritonclient sets no request id by
-default) pairs them with its requests when one instance answered them one by one, and the
-responses a decoupled model sends for one request come before those it sends for the next.
+Triton's stream handler submits each request as soon as it is read, so requests pipelined on one
+stream batch together and a quick one is not held behind a long one's stream of responses (a
+decoupled model's); it writes a decoupled model's responses as they come, and the one response
+of each request to a model that is not decoupled in the order the requests were read (an error
+that refuses such a request included), so a client that reads those by position (tritonclient
+sets no request id by default) pairs them with its requests. Here, a reader task reads the
+stream and submits each request in the order read (a sequence's requests reach its scheduler in
+that order), and one task per request moves its messages to the call's outbox, which the call's
+generator sends from: in the order their responses came from the models (``StreamEvents``
+numbers them), except that a response to a request of a model that is not decoupled waits for
+those of the same kind read before it. So the responses a decoupled model sends for one request
+come before those it sends for the next, as Triton writes them.
 
 A stream takes no more than its share: at most ``MAX_RUNNING`` of its requests run at once (past
 that the stream is not read until one ends, and HTTP/2's flow control holds the client); a
@@ -21,6 +23,7 @@ on a stream of one request at a time), so a traced request's send pairs time the
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import heapq
 import time
@@ -57,6 +60,7 @@ class _Outgoing:
     number: int
     message: Any = dataclasses.field(compare=False)
     sent: asyncio.Future = dataclasses.field(compare=False)
+    turn: object | None = dataclasses.field(default=None, compare=False)  # ``StreamRun.turns``: its request's
 
 
 class StreamRun:
@@ -78,6 +82,10 @@ class StreamRun:
         # whose event was taken since is dropped once it comes first (``_first_queued``)
         self.queued_heap: list[tuple[int, StreamEvents]] = []
         self.decoupled: dict[tuple[str, str], bool] = {}
+        # One token per running request of a model that is not decoupled, in the order read: its
+        # response goes once its token is first (Triton's order for them)
+        self.turns: collections.deque[object] = collections.deque()
+        self.turn_of: dict[StreamEvents, object] = {}  # the turn of each running request that has one
 
     async def messages(self) -> AsyncIterator[Any]:
         """Every message of every request, in the order their responses came; ends when the
@@ -97,6 +105,8 @@ class StreamRun:
                     await self.changed.wait()
                     continue
                 yield item.message
+                if item.turn is not None and self.turns and self.turns[0] is item.turn:
+                    self.turns.popleft()
                 if not item.sent.done():
                     item.sent.set_result(None)
                 item = None  # (not held while the stream waits: an error's traceback holds its request)
@@ -109,21 +119,44 @@ class StreamRun:
                 events.close()
 
     def _next_out(self) -> _Outgoing | None:
-        """The outbox's first message, unless a running request's earlier response is queued
-        still (its task makes it into a message and puts it here next); once the stream ended
-        with an error, what is in the outbox goes first as it stands."""
-        if not self.outbox:
+        """The outbox's first message whose turn it is (a response to a model that is not
+        decoupled waits for those read before it), unless a running request's earlier response
+        is queued still (its task makes it into a message and puts it here next); once the
+        stream ended with an error, what is in the outbox goes first as it stands."""
+        outbox = self.outbox
+        if not outbox:
             return None
-        if (self.ended is None or self.ended.error is None) and self._first_queued() < self.outbox[0].number:
-            return None
-        return heapq.heappop(self.outbox)
+        if self.ended is not None and self.ended.error is not None:
+            return heapq.heappop(outbox)
+        first_queued = self._first_queued()
+        first_turn = self.turns[0] if self.turns else None
+        if outbox[0].turn is None or outbox[0].turn is first_turn:  # (the usual case: no sort)
+            return heapq.heappop(outbox) if outbox[0].number <= first_queued else None
+        for item in sorted(outbox):
+            if item.number > first_queued:
+                return None
+            if item.turn is None or item.turn is first_turn:
+                outbox.remove(item)
+                heapq.heapify(outbox)
+                return item
+        return None
 
     def _first_queued(self) -> float:
-        """The smallest number of an event queued for a running request (infinity: none is)."""
+        """The smallest number of an event queued for a running request that is not waiting
+        its turn (infinity: none is). One that waits sends nothing before its turn, whatever
+        came first: its events (the end that follows its response) hold back no one else's."""
         queued = self.queued_heap
         while queued and queued[0][1].head() != queued[0][0]:  # taken, or dropped with its request
             heapq.heappop(queued)
-        return queued[0][0] if queued else float("inf")
+        if not queued:
+            return float("inf")
+        first_turn = self.turns[0] if self.turns else None
+        if self.turn_of.get(queued[0][1], first_turn) is first_turn:  # (the usual case: no sort)
+            return queued[0][0]
+        for number, events in sorted(queued, key=lambda entry: entry[0]):
+            if events.head() == number and self.turn_of.get(events, first_turn) is first_turn:
+                return number
+        return float("inf")
 
     def _on_queued(self, number: int, events: StreamEvents) -> None:
         heapq.heappush(self.queued_heap, (number, events))
@@ -141,14 +174,19 @@ class StreamRun:
                 if request is None:
                     self.running.release()
                     break
-                messages, events = request
+                messages, events, in_turn = request
+                turn = object() if in_turn else None
+                if turn is not None:
+                    self.turns.append(turn)
                 if events is not None:
                     self.open.add(events)
+                    if turn is not None:
+                        self.turn_of[events] = turn
                     for number in events.queued_numbers():  # (those that came before it was read)
                         self._on_queued(number, events)
                     events.on_queued = self._on_queued
                     events.on_taken = self.changed.set
-                task = asyncio.create_task(self._take(messages, events))
+                task = asyncio.create_task(self._take(messages, events, turn))
                 self.requests.add(task)
                 task.add_done_callback(self.requests.discard)
             while self.requests:
@@ -159,9 +197,10 @@ class StreamRun:
         except BaseException as e:  # noqa: BLE001 - the call's generator raises it
             self._end(_Ended(e))
 
-    async def _next_request(self) -> tuple[Messages, StreamEvents | None] | None:
-        """The messages of the next request read, submitted before the next is read, and their
-        events; None at the end. While tracing is on, the wait for it and its read are timed
+    async def _next_request(self) -> tuple[Messages, StreamEvents | None, bool] | None:
+        """The messages of the next request read, submitted before the next is read, their
+        events, and whether they wait their turn (a model that is not decoupled, or a request
+        refused before its model was known); None at the end. While tracing is on, the wait for it and its read are timed
         (Triton's GRPC_WAITREAD_START and _END) for the trace it may get (infer.py). Whether a
         model is decoupled is asked once per model and stream."""
         waiting = time.monotonic_ns() if self.inference.tracer.on else 0
@@ -170,14 +209,15 @@ class StreamRun:
             return None
         read = (waiting, time.monotonic_ns()) if waiting else (0, 0)
         if type(request) is Malformed:
-            return refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message)), None
+            return refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message)), None, True
         try:
             key = (request.model_name, check_version(request.model_version))
         except Aborted:  # (the request itself is refused for it)
             key = (request.model_name, request.model_version)
         if key not in self.decoupled:
             self.decoupled[key] = await self.inference.decoupled(*key)
-        return await self.inference.stream(request, self.decoupled[key], read, self.forwarded, self._room)
+        decoupled = self.decoupled[key]
+        return (*await self.inference.stream(request, decoupled, read, self.forwarded, self._room), not decoupled)
 
     async def _room(self) -> bool:
         """Wait for one of the stream's running requests to end (its slot and blocks given
@@ -187,7 +227,7 @@ class StreamRun:
         await asyncio.wait(list(self.requests), return_when=asyncio.FIRST_COMPLETED)
         return True
 
-    async def _take(self, messages: Messages, events: StreamEvents | None) -> None:
+    async def _take(self, messages: Messages, events: StreamEvents | None, turn: object | None) -> None:
         """Move one request's messages to the outbox, each once the one before it was sent,
         numbered as the response it was made of (made and put here with no wait between: no
         other task sees the response taken and its message not yet here); a failure ends the
@@ -198,7 +238,7 @@ class StreamRun:
                 async for message in messages:
                     sent = loop.create_future()
                     number = events.taken if events is not None and events.taken else next_number()
-                    heapq.heappush(self.outbox, _Outgoing(number, message, sent))
+                    heapq.heappush(self.outbox, _Outgoing(number, message, sent, turn))
                     self.changed.set()
                     await sent
         except asyncio.CancelledError:
@@ -206,8 +246,11 @@ class StreamRun:
         except Exception as e:  # noqa: BLE001 - the call's generator raises it
             self._end(_Ended(e))
         finally:
+            if turn is not None and turn in self.turns:  # (ended with no message sent: the next goes)
+                self.turns.remove(turn)
             if events is not None:
                 self.open.discard(events)
+                self.turn_of.pop(events, None)
                 events.on_queued = events.on_taken = None
             self.changed.set()
             self.running.release()
