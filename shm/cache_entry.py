@@ -11,8 +11,8 @@ whose shapes or requested outputs differ never share an answer. The load is part
 a reloaded model never answers with its predecessor's outputs. Request parameters are not (as in
 Triton): a model whose answer depends on them should not enable the cache. The digest is SHA-256
 cut to 16 bytes: a client cannot make two requests collide and so place an answer under another
-request's key. Requests with inputs in CUDA regions and streamed requests have no key (not
-cached, as in Triton).
+request's key. Requests with inputs in CUDA regions (not cached, as in Triton) and streamed ones
+(a gRPC stream's, generate's: Triton caches those of a model that is not decoupled) have no key.
 
 A stored answer is an answer descriptor (shm/answer.py: the outputs and the response's
 parameters) followed by each output's bytes in the wire layout (BYTES as 4-byte lengths and
