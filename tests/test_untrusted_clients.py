@@ -32,7 +32,7 @@ from shmserve.shm.client import Client, InferenceServerError, ServerUnavailable
 from shmserve.shm.control_messages import ControlMessage
 from shmserve.shm.names import object_name
 from shmserve.shm.descriptor import InferRequest, InputTensor
-from shmserve.shm.protocol import REQ_INFER, SLOT_PENDING, write_manifest
+from shmserve.shm.protocol import REQ_BYE, REQ_INFER, SLOT_PENDING, write_manifest
 
 A = np.arange(16, dtype=np.int32)
 B = np.full(16, 3, dtype=np.int32)
@@ -386,6 +386,24 @@ def test_a_closed_clients_work_in_flight_is_cancelled(server, tmp_path):
     finally:
         gate.open()
         client.close()
+
+
+def test_a_goodbye_without_unlinking_leaves_no_segment_behind(server):
+    """The library unlinks its segment before it says goodbye (REQ_BYE); a client that says it
+    and keeps its names, then dies, left them in /dev/shm until the server stopped: the broker
+    unlinks them when it forgets the client."""
+    client = Client(server.id)
+    conn = client._conn  # noqa: SLF001 - a goodbye as the library never sends it
+    path = "/dev/shm/" + conn.seg.name.lstrip("/")
+    assert os.path.exists(path)
+    conn.seg.requests.put(REQ_BYE, 0, 0, 0, 0)
+    conn.broker.waker.notify()
+    try:
+        wait_until(lambda: not os.path.exists(path), "the broker unlinked the departed client's segment")
+    finally:
+        client.close()
+    with Client(server.id) as again:
+        assert again.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
 
 
 class CraftedControl(ControlMessage):

@@ -129,8 +129,10 @@ class Clients:
         client.seg.cookie = self.next_cookie
         client.seg.lane = lane  # last: the client waits for this
 
-    def remove(self, client: Client, died: bool) -> None:
-        """Free the client's lane and its segment (unlinked here when the client ``died``)."""
+    def remove(self, client: Client) -> None:
+        """Free the client's lane and its segment, whose names are unlinked here too: a client
+        that died left them, and one that said goodbye unlinked them before, unless it wrote
+        what the library never would and dies later (nothing would remove them then)."""
         if self.by_name.pop(client.name, None) is not None:
             self._held[client.uid] -= 1
             self._held_bytes[client.uid] -= client.seg.seg.size
@@ -139,13 +141,12 @@ class Clients:
             self.lanes[client.lane] = None
             self.seg.set_lane_client(client.lane, "", 0)
         client.seg.close()
-        if died:
-            client.seg.unlink()
+        client.seg.unlink()
         self.seg.departures[0] += 1  # workers unmap departed clients' segments when this moves
         log.debug("client %s disconnected", client.name)
 
     def refuse(self, client: Client) -> None:
-        """A client that wrote garbage (it is about to be removed, ``remove(died=True)``): every
+        """A client that wrote garbage (it is about to be removed, ``remove``): every
         request it has pending is cancelled, so workers drop what they have not run and a running
         model sees ``is_cancelled()``; its header says it was refused (its library then fails what
         is in flight); and its lane is given to nobody while the process lives, so that whatever it
