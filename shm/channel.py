@@ -43,8 +43,9 @@ HEADER_BYTES = 4096
 # arena grows (its extents' sizes at the end of tables.0, a broker answer's role word names one);
 # 5: the broker's identity (this header's words) in tables.0 too, where no client writes; 6: the
 # extents' sizes at the end of control.<n>, and 1024 of them (each user has extents of its own), and
-# an answer's header says the length of its step traces (shm/answer.py).
-LAYOUT = 6
+# an answer's header says the length of its step traces (shm/answer.py); 7: the broker's and the
+# workers' sleeping flags in tables.0 and control.<n>, which clients of other users may only read.
+LAYOUT = 7
 MAGIC = 0x53484D00 | LAYOUT
 _FAMILY = 0xFFFFFF00
 
@@ -65,7 +66,9 @@ def check_magic(name: str, magic: int) -> None:
     raise ConnectionError(f"{name} is not a shmserve segment")
 _HEADER = struct.Struct("<IIQ")  # magic, pid, start time (ns) of the creating process
 _WANT_WAKEUP = struct.Struct("<I")
-SLEEPING_FLAG_OFFSET = 64  # every segment: its receiver's sleeping flag, then its post word (waker.py)
+# A receiver's sleeping flag, then its post word (waker.py): at this offset of a client's segment, of a
+# worker's control object and of BROKER_WAKER_OFFSET in tables.0, which clients of other users may only read.
+SLEEPING_FLAG_OFFSET = 64
 WANT_WAKEUP_OFFSET = 128  # control header: broker sets it when it waits for this instance
 # The size of each grown output extent (shm/extents.py), written by its producer before any answer
 # in it is published, at the end of control.<n> (a worker's) and of tables.0 (the broker's); a
@@ -143,6 +146,7 @@ CONTROL_EXTENTS_OFFSET = _align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPAC
 # tables.0, last: the broker's header words (magic, pid, start time), which processes that tell
 # the broker apart from a restarted one read here: broker.0's copy is writable by every client.
 BROKER_IDENTITY_OFFSET = BROKER_EXTENTS_OFFSET + 8 * EXTENT_ENTRIES
+BROKER_WAKER_OFFSET = _align(BROKER_IDENTITY_OFFSET + _HEADER.size, 64)  # tables.0: the broker's sleeping flag (waker.py)
 
 
 def pid_namespace() -> int:
@@ -171,7 +175,7 @@ def read_header(seg: Segment) -> tuple[int, int, int]:
 def _identity(tables: Segment) -> tuple[int, int]:
     """(pid, start time) of the broker whose ``tables.0`` this is, where only it writes;
     ConnectionError when it is not one of this layout."""
-    if tables.size < BROKER_IDENTITY_OFFSET + _HEADER.size:
+    if tables.size < BrokerSegment.tables_nbytes():
         raise ConnectionError(f"{tables.name} is not a shmserve broker's tables ({tables.size} bytes)")
     magic, pid, started = _HEADER.unpack_from(tables.buf, BROKER_IDENTITY_OFFSET)
     check_magic(tables.name, magic)
@@ -214,13 +218,13 @@ class BrokerSegment:
         else:
             _identity(tables)  # (attach checked broker.0's header for another version's)
             self.arena = None
-        self.waker = Waker.on_word(seg.buf, SLEEPING_FLAG_OFFSET)
+        self.waker = Waker.on_word(tables.buf, BROKER_WAKER_OFFSET)  # (only the broker writes tables.0)
         # Bumped whenever a client leaves, so workers know to unmap what they hold of it.
         self.departures = np.ndarray((1,), dtype=np.uint64, buffer=seg.buf, offset=DEPARTURES_OFFSET)
 
     @staticmethod
     def tables_nbytes() -> int:
-        return BROKER_IDENTITY_OFFSET + _HEADER.size
+        return BROKER_WAKER_OFFSET + 8
 
     def restamp(self) -> bool:
         """Broker side: write broker.0's header again if a client changed it (it may write that
@@ -377,13 +381,14 @@ def control_name(worker_name: str) -> str:
 
 
 class WorkerSegment:
-    """A worker's two objects. ``worker.<n>``, which its clients write: the sleeping flag, the lane
-    bells and rings, and the first extent of its output arena (clients free the answers they
-    read). ``control.<n>``, which only the broker and the worker write and clients of other users
-    (``readers``) may only read: inbox (a batch names the requests the worker reads and answers),
-    outbox and its messages, the extents' sizes consumers check, the readiness, garbage and
-    want-wakeup words, statistics, custom metrics and region holds. Clients map only the first
-    (``attach(..., control=False)``), and the control object read-only where they need it."""
+    """A worker's two objects. ``worker.<n>``, which its clients write: the lane bells and rings,
+    and the first extent of its output arena (clients free the answers they read).
+    ``control.<n>``, which only the broker and the worker write and clients of other users
+    (``readers``) may only read: the worker's sleeping flag, inbox (a batch names the requests the
+    worker reads and answers), outbox and its messages, the extents' sizes consumers check, the
+    readiness, garbage and want-wakeup words, statistics, custom metrics and region holds.
+    Clients map the control object read-only (``attach(..., control_writable=False)``): they read
+    the flag and wake the worker through it."""
 
     def __init__(self, seg: Segment, control: Segment | None, create: bool, readers: tuple[int, ...] = ()) -> None:
         self.seg = seg
@@ -426,7 +431,8 @@ class WorkerSegment:
             self.outbox.reset()
             self.lane_heads[:] = 0
             self.lane_tails[:] = 0
-        self.waker = Waker.on_word(seg.buf, SLEEPING_FLAG_OFFSET)
+        # In the control object, which only the broker and the worker write (clients map it read-only)
+        self.waker = Waker.on_word(control.buf, SLEEPING_FLAG_OFFSET) if control is not None else None
 
     def messages(self) -> Arena:
         """Owner side (the worker): the arena its outbox's payloads are written in."""
@@ -535,8 +541,9 @@ class WorkerSegment:
 
     @classmethod
     def attach(cls, name: str, control: bool = True, control_writable: bool = True) -> "WorkerSegment":
-        """Map worker segment ``name``: with its control object for the worker itself (and, read
-        only, for a reader of its statistics); without it for a client."""
+        """Map worker segment ``name`` with its control object: writable for the worker and the
+        broker, read-only for a client (whose waker only reads the sleeping flag there) or a
+        reader of its statistics; ``control=False`` maps the lanes alone (they cannot wake it)."""
         seg = Segment.attach(name)
         try:
             ctl = Segment.attach(control_name(name), readonly=not control_writable) if control else None

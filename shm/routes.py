@@ -128,8 +128,9 @@ class Router:
         seg = self._workers.get(num)
         if seg is None:
             try:
-                seg = WorkerSegment.attach(object_name(self.server_id, "worker", num), control=False)
-            except (posix_ipc.ExistentialError, FileNotFoundError, ValueError):
+                # (its control object read-only: the worker's sleeping flag lies there)
+                seg = WorkerSegment.attach(object_name(self.server_id, "worker", num), control_writable=False)
+            except (posix_ipc.ExistentialError, FileNotFoundError, ValueError, ConnectionError):
                 return None
             self._workers[num] = seg
         return seg

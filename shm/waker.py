@@ -2,7 +2,10 @@
 
 Each receiver owns a *sleeping* flag in shared memory. Before it blocks it raises the flag,
 fences, and looks for work once more; a producer writes its record, fences, and wakes it only if
-the flag is raised. A busy receiver thus gets no wake-up call at all, and one (a futex wake:
+the flag is raised. A broker's or worker's flag lies where clients may only read it (``tables.0``,
+``control.<n>``): a client of another user could otherwise lower it under a sleeping receiver and
+so hold back everyone's wake-ups; such a producer wakes the word and leaves the flag to its
+receiver. A busy receiver thus gets no wake-up call at all, and one (a futex wake:
 tens of microseconds of the waker's and the receiver's time on this kind of machine) is paid only
 when somebody really sleeps. The fences make the flag/record exchange safe (a store-load pair
 would otherwise be reordered on x86); an uncontended lock gives a full barrier.
@@ -66,7 +69,8 @@ class Waker:
     def notify(self) -> None:
         fence()
         if self.flag[0] == SLEEPING:
-            self.flag[0] = AWAKE
+            if not self.flag.readonly:  # (a producer that may only read the flag wakes, the receiver lowers it)
+                self.flag[0] = AWAKE
             self._wake()
 
     def post(self) -> None:

@@ -258,6 +258,68 @@ def test_a_named_user_cannot_write_what_workers_trust(users_server):
                    "control": "PermissionError", "batches": "PermissionError", "add": [0, 2, 4, 6]}
 
 
+# Lowers, every 0.2 ms for args["secs"], the words where a receiver's sleeping flag could lie in the
+# objects a named user may write (broker.0 and every worker.<n>), after trying to open the objects
+# that hold the broker's and the workers' flags (tables.0, control.<n>) for writing.
+LOWER_FLAGS = r"""
+import mmap, struct, time  # (modules loaded already: nobody cannot read the interpreter's folders)
+sid = args["server"]
+result = {}
+for what in ("tables.0", "control.0"):
+    try:
+        os.close(os.open(f"/dev/shm/shmserve.{sid}.{what}", os.O_RDWR))
+        result[what] = "opened"
+    except PermissionError:
+        result[what] = "PermissionError"
+maps = []
+for entry in sorted(os.listdir("/dev/shm")):
+    parts = entry.split(".")
+    if entry == f"shmserve.{sid}.broker.0" or (entry.startswith(f"shmserve.{sid}.worker.") and len(parts) == 4
+                                               and parts[3].isdigit()):
+        path = "/dev/shm/" + entry
+        fd = os.open(path, os.O_RDWR)
+        maps.append(mmap.mmap(fd, 4096))
+        os.close(fd)
+print("lowering", flush=True)
+end = time.monotonic() + args["secs"]
+while time.monotonic() < end:
+    for m in maps:
+        struct.pack_into("<I", m, 64, 0)
+    time.sleep(0.0002)
+"""
+
+
+def test_a_named_user_cannot_lower_the_flags_that_wake_the_broker_and_workers(users_server):
+    """A worker's and the broker's sleeping flags lay in objects every named user may write: one
+    that lowered them under a sleeping receiver swallowed every producer's wake-up, so each
+    request waited out the receiver's sleep (10 s for a worker). They lie where such a user may
+    only read now, and requests sent while it tries are answered at once."""
+    a = np.arange(16, dtype=np.int32)
+    proc = start_as(NOBODY.pw_uid, NOBODY.pw_gid, LOWER_FLAGS, {"server": users_server.id, "secs": 8})
+    try:
+        assert proc.stdout.readline().strip() == "lowering", proc.stderr.read()
+        with users_server.client() as http:
+            took = []
+            for _ in range(5):
+                time.sleep(0.3)  # (the worker and the broker go to sleep meanwhile)
+                inputs = [httpclient.InferInput(n, [16], "INT32") for n in ("INPUT0", "INPUT1")]
+                for t in inputs:
+                    t.set_data_from_numpy(a)
+                started = time.monotonic()
+                assert http.infer("add_sub", inputs).as_numpy("OUTPUT0").tolist() == (2 * a).tolist()
+                assert http.is_model_ready("add_sub")  # (a control request: the broker answers it)
+                took.append(time.monotonic() - started)
+        out, err = proc.communicate(timeout=DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert json.loads(out.splitlines()[-1][len("RESULT "):]) == {"tables.0": "PermissionError",
+                                                                  "control.0": "PermissionError"}
+    assert max(took) < 2.0, took  # (a lost wake-up costs the worker's 10 s sleep, the broker's 1 s)
+
+
 # Puts a link to a file of the server's user where its wake-up FIFO was, then has requests
 # answered while it says it sleeps (so that the worker and the broker post to that path).
 FIFO_SWAP = r"""
@@ -445,7 +507,7 @@ for entry in sorted(os.listdir("/dev/shm")):
     parts = entry.split(".")
     if not entry.startswith(f"shmserve.{sid}.worker.") or len(parts) != 4 or not parts[3].isdigit():
         continue
-    worker = WorkerSegment.attach("/" + entry, control=False)
+    worker = WorkerSegment.attach("/" + entry, control_writable=False)
     for lane, cookie in theirs:
         ring = worker.lanes[lane]
         left = [RECORD.unpack_from(ring._buf, ring._data + i * RECORD.size) for i in range(ring._cap)]
