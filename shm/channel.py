@@ -4,7 +4,8 @@ Each segment starts with a small header, then its rings, then an arena:
 - broker.0: the connect ring (clients announce themselves; guarded by a lock on one byte of its
   file because many clients write it) and the broker's arena (its answers: control replies,
   ensembles'); beside it tables.0, which only the broker writes (lane holders, routes, settings,
-  regions), and batches.0, the manifests of the batches it sends to workers.
+  regions), batches.0, the manifests of the batches it sends to workers, and connect.0, the
+  connect ring of the server's own user (its frontends), which no other user may open.
 - worker.<n>: the lanes clients put requests on and the first extent of the worker's output arena;
   the arena grows into more segments, worker.<n>.arena.<k> (shm/extents.py). Beside it
   control.<n>, which only the server writes: inbox (broker -> worker), outbox (worker -> broker).
@@ -23,6 +24,7 @@ import time
 from typing import Iterator
 
 import numpy as np
+import posix_ipc
 
 from .arena import Arena, first_pages
 from .liveness import BROKER_TICKET, CONNECT_LOCK, try_lock_byte
@@ -44,7 +46,8 @@ HEADER_BYTES = 4096
 # 5: the broker's identity (this header's words) in tables.0 too, where no client writes; 6: the
 # extents' sizes at the end of control.<n>, and 1024 of them (each user has extents of its own), and
 # an answer's header says the length of its step traces (shm/answer.py); 7: the broker's and the
-# workers' sleeping flags in tables.0 and control.<n>, which clients of other users may only read.
+# workers' sleeping flags in tables.0 and control.<n>, which clients of other users may only read,
+# and connect.0, the connect ring of the server's own user.
 LAYOUT = 7
 MAGIC = 0x53484D00 | LAYOUT
 _FAMILY = 0xFFFFFF00
@@ -188,12 +191,17 @@ class BrokerSegment:
     writes and clients of other users (``readers``) may only read: the lane holders, the routing
     table, the settings and the region table, which workers trust (a lane's holder names the
     segment its records point into, a region the object a worker opens as the server's user).
-    ``batches.0`` (made by the broker only, ``batches``), which no client may even read."""
+    ``batches.0`` (made by the broker only, ``batches``), which no client may even read.
+    ``connect.0`` (``own``), a connect ring and its lock for clients of the server's own user,
+    which no other user may open: one that holds the shared ring's lock, or fills that ring,
+    keeps other users' clients from connecting, never the frontends."""
 
     def __init__(self, server_id: str, seg: Segment, tables: Segment, create: bool,
-                 readers: tuple[int, ...] = (), batches: Segment | None = None) -> None:
+                 readers: tuple[int, ...] = (), batches: Segment | None = None, own: Segment | None = None) -> None:
         self.seg = seg
         self.tables = tables
+        self.own = own
+        self.own_connect = Ring(own.buf, HEADER_BYTES, CONNECT_CAPACITY, CONNECT) if own is not None else None
         # batches.0, the broker's and its workers' alone: the manifests of the batches it sends
         # (a manifest names the client segments and offsets a worker reads and answers).
         self.batches = batches
@@ -214,6 +222,8 @@ class BrokerSegment:
             _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
             tables.buf[BROKER_IDENTITY_OFFSET:BROKER_IDENTITY_OFFSET + _HEADER.size] = seg.buf[:_HEADER.size]
             self.connect.reset()
+            if self.own_connect is not None:
+                self.own_connect.reset()
             self.arena: Arena | None = Arena(seg.buf, off, seg.size - off, seg.populate)
         else:
             _identity(tables)  # (attach checked broker.0's header for another version's)
@@ -252,10 +262,14 @@ class BrokerSegment:
         return _align(arena_bytes // 16)
 
     @staticmethod
+    def own_connect_nbytes() -> int:
+        return _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT))
+
+    @staticmethod
     def nbytes(arena_bytes: int) -> int:
-        """All three objects' bytes."""
+        """All four objects' bytes."""
         return _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + arena_bytes \
-            + BrokerSegment.tables_nbytes()
+            + BrokerSegment.tables_nbytes() + BrokerSegment.own_connect_nbytes()
 
     @classmethod
     def create(cls, server_id: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "BrokerSegment":
@@ -263,20 +277,23 @@ class BrokerSegment:
         batch_bytes = cls.batches_nbytes(arena_bytes)
         made: list[Segment] = []
         try:
+            own_bytes = cls.tables_nbytes() + cls.own_connect_nbytes()
             made.append(Segment.create(object_name(server_id, "broker", 0),
-                                       cls.nbytes(arena_bytes) - cls.tables_nbytes() - batch_bytes, readers,
-                                       taken=cls.nbytes(0) - cls.tables_nbytes() + first_pages(arena_bytes)))
+                                       cls.nbytes(arena_bytes) - own_bytes - batch_bytes, readers,
+                                       taken=cls.nbytes(0) - own_bytes + first_pages(arena_bytes)))
             made.append(Segment.create(object_name(server_id, "tables", 0), cls.tables_nbytes(), readers,
                                        readers_write=False))
             made.append(Segment.create(object_name(server_id, "batches", 0), batch_bytes,
                                        taken=first_pages(batch_bytes)))
+            made.append(Segment.create(object_name(server_id, "connect", 0), cls.own_connect_nbytes(),
+                                       taken=cls.own_connect_nbytes()))
         except BaseException:
             for seg in made:
                 seg.close()
                 seg.unlink()
             raise
-        seg, tables, batches = made
-        return cls(server_id, seg, tables, create=True, readers=readers, batches=batches)
+        seg, tables, batches, own = made
+        return cls(server_id, seg, tables, create=True, readers=readers, batches=batches, own=own)
 
     @classmethod
     def attach(cls, server_id: str) -> "BrokerSegment":
@@ -293,11 +310,14 @@ class BrokerSegment:
         except BaseException:
             seg.close()
             raise
+        own = _own_connect(server_id)
         try:
-            return cls(server_id, seg, tables, create=False)
+            return cls(server_id, seg, tables, create=False, own=own)
         except BaseException:
             seg.close()
             tables.close()
+            if own is not None:
+                own.close()
             raise
 
     @staticmethod
@@ -334,15 +354,21 @@ class BrokerSegment:
         self.tables.buf[off + 8:off + LANE_NAME_BYTES] = raw + b"\0" * (LANE_NAME_BYTES - 8 - len(raw))
         store_u64(self.tables.buf, off, cookie)  # (workers read it as they take the lane's records)
 
+    def connects_pending(self) -> bool:
+        """Broker side: whether a connect record waits on either ring."""
+        return bool(self.connect.pending()) or (self.own_connect is not None and bool(self.own_connect.pending()))
+
     @contextlib.contextmanager
     def connect_lock(self, timeout: float = 5.0) -> Iterator[None]:
         """Hold the connect ring for one producer: a lock the kernel keeps on one byte of the
-        broker segment's file (liveness.CONNECT_LOCK) and drops when its holder dies, however it
-        dies; a semaphore left taken by a client killed mid-announce refused every later one."""
-        fd = os.open(SHM_DIR + self.name, os.O_RDWR | os.O_CLOEXEC)
+        ring's file (liveness.CONNECT_LOCK of the broker segment's, the first of ``connect.0``'s)
+        and drops when its holder dies, however it dies; a semaphore left taken by a client killed
+        mid-announce refused every later one."""
+        own = self.own is not None
+        fd = os.open(SHM_DIR + (self.own.name if self.own is not None else self.name), os.O_RDWR | os.O_CLOEXEC)
         try:
             deadline = time.monotonic() + timeout
-            while not try_lock_byte(fd, CONNECT_LOCK):
+            while not try_lock_byte(fd, 0 if own else CONNECT_LOCK):
                 if time.monotonic() > deadline:
                     raise ConnectionError("the broker's connect ring is locked; is the server alive?")
                 time.sleep(0.001)
@@ -351,11 +377,12 @@ class BrokerSegment:
             os.close(fd)  # (closing lets go of the lock)
 
     def announce(self, ticket: int, client_name: str, timeout: float = 5.0) -> None:
-        """Client side: put a connect record (its ticket, its segment's name) on the shared ring
-        under the connect lock, ring the bell."""
+        """Client side: put a connect record (its ticket, its segment's name) on the connect ring
+        (the server's user's own where this process may open it) under its lock, ring the bell."""
+        ring = self.own_connect if self.own_connect is not None else self.connect
         with self.connect_lock(timeout):
             deadline = time.monotonic() + timeout
-            while not self.connect.put(ticket, client_name.encode()):
+            while not ring.put(ticket, client_name.encode()):
                 if time.monotonic() > deadline:
                     raise ConnectionError("the broker's connect ring stays full")
                 time.sleep(0.001)
@@ -366,12 +393,25 @@ class BrokerSegment:
         self.tables.close()
         if self.batches is not None:
             self.batches.close()
+        if self.own is not None:
+            self.own.close()
 
     def unlink(self) -> None:
         self.seg.unlink()
         self.tables.unlink()
         if self.batches is not None:
             self.batches.unlink()
+        if self.own is not None:
+            self.own.unlink()
+
+
+def _own_connect(server_id: str) -> Segment | None:
+    """``connect.0``, where this process may open it (a process of the server's user, or root);
+    None for a client of another user, which announces itself on ``broker.0``'s shared ring."""
+    try:
+        return Segment.attach(object_name(server_id, "connect", 0))
+    except (PermissionError, posix_ipc.PermissionsError):
+        return None
 
 
 def control_name(worker_name: str) -> str:

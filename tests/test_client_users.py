@@ -411,6 +411,52 @@ def test_a_named_user_holding_locks_on_the_broker_file_stalls_no_growth(users_se
         proc.communicate(timeout=DEADLINE_S)
 
 
+# Holds the lock of the connect ring every client may write (a byte of broker.0's file) until
+# killed, as a client of a named user may.
+CONNECT_LOCKER = r"""
+from shmserve.shm.liveness import CONNECT_LOCK, try_lock_byte
+fd = os.open(args["broker"], os.O_RDWR)
+print("HELD" if try_lock_byte(fd, CONNECT_LOCK) else "NOT HELD", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_named_user_holding_the_connect_lock_keeps_no_frontend_from_connecting(server_factory):
+    """A named user may take the lock of the connect ring it writes and keep it: then no client
+    could connect, not even a frontend the launcher restarted, which served nothing until the
+    lock was let go. The server's own user connects on a ring of its own (connect.0). (A server
+    of its own: the frontend it kills is a death the others' tests would see in the log.)"""
+    users_server = _start(server_factory, "--local-client-users=nobody")
+    sid = users_server.id
+    a = np.arange(16, dtype=np.int32)
+    proc = start_as(NOBODY.pw_uid, NOBODY.pw_gid, CONNECT_LOCKER, {"broker": f"/dev/shm/shmserve.{sid}.broker.0"})
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], DEADLINE_S)
+        assert ready and proc.stdout.readline().strip() == "HELD", "the locking client did not take the lock"
+        with Client(sid) as local:  # (the server's user)
+            assert local.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == (2 * a).tolist()
+        [frontend] = [pid for pid, title in users_server.titles().items() if title.startswith("shmserve frontend ")]
+        os.kill(frontend, signal.SIGKILL)
+        wait_until(lambda: [pid for pid, title in users_server.titles().items()
+                            if title.startswith("shmserve frontend ") and pid != frontend], "the frontend restarted")
+        inputs = [httpclient.InferInput(n, [16], "INT32") for n in ("INPUT0", "INPUT1")]
+        for t in inputs:
+            t.set_data_from_numpy(a)
+
+        def served() -> bool:
+            try:
+                with users_server.client() as http:
+                    return http.infer("add_sub", inputs).as_numpy("OUTPUT0").tolist() == (2 * a).tolist()
+            except Exception:  # noqa: BLE001 - not serving yet
+                return False
+
+        wait_until(served, "the restarted frontend serves while the lock is held", DEADLINE_S)
+        assert proc.poll() is None, "the lock was let go"
+    finally:
+        proc.kill()
+        proc.communicate(timeout=DEADLINE_S)
+
+
 # Truncates every object it may write (its own segment, broker.0, each worker's segment and the
 # extents of its arena) to nothing, twice, a second apart. Its own segment is a loop-driven
 # connection's, which nothing of its own touches again (its process would die of the cut: only

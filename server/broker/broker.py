@@ -128,7 +128,7 @@ class Broker:
         return count + (1 if self.ensembles.active() else 0)
 
     def _has_work(self) -> bool:
-        if self.seg.connect.pending() or self.ensembles.has_completions():
+        if self.seg.connects_pending() or self.ensembles.has_completions():
             return True
         for client in self.clients.by_name.values():
             if client.seg.requests.pending():
@@ -140,7 +140,7 @@ class Broker:
 
     def _pump(self) -> None:
         """Drain every ring, then send what the schedulers let go and run the periodic checks."""
-        if self.seg.connect.pending():
+        if self.seg.connects_pending():
             self.clients.on_connects()
         if self.ensembles.active():
             self.ensembles.on_completions()

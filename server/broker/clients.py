@@ -23,7 +23,7 @@ from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment, pid_namespace
 from shmserve.shm.liveness import Tickets
 from shmserve.shm.protocol import ROLE_BROKER, SLOT_PENDING, role_word
-from shmserve.shm.ring import RingCorrupt
+from shmserve.shm.ring import Ring, RingCorrupt
 from shmserve.shm.untrusted import Fault, Garbage, check_connect, client_name_pattern
 
 from .models import Client
@@ -60,14 +60,19 @@ class Clients:
         self._said_full: set[int] = set()  # users told of (once while at the bound)
 
     def on_connects(self) -> None:
-        """Attach every client that announced itself on the connect ring. Any process of our user
-        may write that ring: a record that names no client segment of its own ticket, or whose
-        ticket no live process holds, is refused, with a warning, and so is a ring whose counters
-        were scribbled on (its records are skipped)."""
+        """Attach every client that announced itself on a connect ring: the server's user's own
+        (``connect.0``) and the one every client may write. A record that names no client
+        segment of its own ticket, or whose ticket no live process holds, is refused, with a
+        warning, and so is a ring whose counters were scribbled on (its records are skipped)."""
+        for ring in (self.seg.own_connect, self.seg.connect):
+            if ring is not None:
+                self._on_connects(ring)
+
+    def _on_connects(self, ring: Ring) -> None:
         try:
-            records = self.seg.connect.drain()
+            records = ring.drain()
         except RingCorrupt as e:
-            skipped = self.seg.connect.resync()
+            skipped = ring.resync()
             log.warning("refused %d connect record(s): the connect ring's %s", skipped, e)
             return
         for ticket, raw in records:
