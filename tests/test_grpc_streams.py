@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from conftest import TESTS, wait_until
+from conftest import DEADLINE_S, TESTS, wait_until
 from gates import Gate
 from shmserve.server.grpc.stream import MAX_RUNNING
 
@@ -147,6 +147,28 @@ def test_answers_of_models_that_are_not_decoupled_come_in_the_order_sent(server,
     assert [getattr(r, "get_response", lambda: None)() is not None for _, r in came] == [True, True, False]
     assert [r.get_response().id for _, r in came[:2]] == ["slow", "quick"]
     assert "Request for unknown model: 'no_such_model'" in str(came[2][1])
+
+
+def test_a_model_loaded_decoupled_after_a_stream_asked_streams_all_its_responses(server_factory):
+    """A stream asks once whether a model is decoupled; asked before the model was loaded, it is
+    told no, and a request to it waits its turn. Loaded then as decoupled, the model sends five
+    responses to one request: the first spends the request's turn, the rest go as they come (they
+    used to wait for a turn that would never come again, and the stream never ended)."""
+    s = server_factory.start([STREAMS], ["--model-control-mode", "explicit"]).wait_grpc_ready()
+    stream = Stream(s)
+    n = grpcclient.InferInput("N", [1], "INT32")
+    n.set_data_from_numpy(np.array([0], np.int32))
+    try:
+        stream.send("burst", [n], request_id="before")
+        [(_, refused)] = stream.take(1)
+        assert "Request for unknown model" in str(refused), refused
+        with grpcclient.InferenceServerClient(s.grpc_url) as c:
+            c.load_model("burst")
+        stream.send("burst", [n], request_id="after", parameters={"count": 5})
+        came = stream.take(5, timeout=DEADLINE_S)
+    finally:
+        stream.close()
+    assert [(r.get_response().id, int(r.as_numpy("T")[0])) for _, r in came] == [("after", k) for k in range(5)]
 
 
 def executions(server, model: str) -> int:

@@ -52,6 +52,17 @@ class _Ended:
     error: BaseException | None = None
 
 
+class _Turn:
+    """The place of a request to a model that is not decoupled among the stream's (``StreamRun.turns``);
+    ``spent`` once its first message was sent (a model that turned out decoupled sends more: those
+    go as they come)."""
+
+    __slots__ = ("spent",)
+
+    def __init__(self) -> None:
+        self.spent = False
+
+
 @dataclasses.dataclass(order=True)
 class _Outgoing:
     """A message waiting in the outbox: sent in the order of ``number`` (its response's arrival,
@@ -60,13 +71,14 @@ class _Outgoing:
     number: int
     message: Any = dataclasses.field(compare=False)
     sent: asyncio.Future = dataclasses.field(compare=False)
-    turn: object | None = dataclasses.field(default=None, compare=False)  # ``StreamRun.turns``: its request's
+    turn: _Turn | None = dataclasses.field(default=None, compare=False)  # its request's, where it has one
 
 
 class StreamRun:
     """The requests of one stream, each submitted as read, their messages in one outbox, sent in
-    the order their responses came: a message waits while a request still running has an
-    earlier response queued and not yet made into its message."""
+    the order their responses came, but for a request's to a model that is not decoupled, which
+    waits its turn: a message waits while a request still running (and not waiting its turn) has
+    an earlier response queued and not yet made into its message."""
 
     def __init__(self, inference: GrpcInference, context: Any, forwarded: dict[str, str]) -> None:
         self.inference = inference
@@ -84,8 +96,8 @@ class StreamRun:
         self.decoupled: dict[tuple[str, str], bool] = {}
         # One token per running request of a model that is not decoupled, in the order read: its
         # response goes once its token is first (Triton's order for them)
-        self.turns: collections.deque[object] = collections.deque()
-        self.turn_of: dict[StreamEvents, object] = {}  # the turn of each running request that has one
+        self.turns: collections.deque[_Turn] = collections.deque()
+        self.turn_of: dict[StreamEvents, _Turn] = {}  # the turn of each running request that has one
 
     async def messages(self) -> AsyncIterator[Any]:
         """Every message of every request, in the order their responses came; ends when the
@@ -105,8 +117,10 @@ class StreamRun:
                     await self.changed.wait()
                     continue
                 yield item.message
-                if item.turn is not None and self.turns and self.turns[0] is item.turn:
-                    self.turns.popleft()
+                if item.turn is not None and not item.turn.spent:
+                    item.turn.spent = True
+                    if self.turns and self.turns[0] is item.turn:
+                        self.turns.popleft()
                 if not item.sent.done():
                     item.sent.set_result(None)
                 item = None  # (not held while the stream waits: an error's traceback holds its request)
@@ -129,17 +143,20 @@ class StreamRun:
         if self.ended is not None and self.ended.error is not None:
             return heapq.heappop(outbox)
         first_queued = self._first_queued()
-        first_turn = self.turns[0] if self.turns else None
-        if outbox[0].turn is None or outbox[0].turn is first_turn:  # (the usual case: no sort)
+        if self._may_go(outbox[0].turn):  # (the usual case: no sort)
             return heapq.heappop(outbox) if outbox[0].number <= first_queued else None
         for item in sorted(outbox):
             if item.number > first_queued:
                 return None
-            if item.turn is None or item.turn is first_turn:
+            if self._may_go(item.turn):
                 outbox.remove(item)
                 heapq.heapify(outbox)
                 return item
         return None
+
+    def _may_go(self, turn: _Turn | None) -> bool:
+        """Whether a message of a request with ``turn`` may be sent now, as far as turns go."""
+        return turn is None or turn.spent or (bool(self.turns) and self.turns[0] is turn)
 
     def _first_queued(self) -> float:
         """The smallest number of an event queued for a running request that is not waiting
@@ -150,11 +167,10 @@ class StreamRun:
             heapq.heappop(queued)
         if not queued:
             return float("inf")
-        first_turn = self.turns[0] if self.turns else None
-        if self.turn_of.get(queued[0][1], first_turn) is first_turn:  # (the usual case: no sort)
+        if self._may_go(self.turn_of.get(queued[0][1])):  # (the usual case: no sort)
             return queued[0][0]
         for number, events in sorted(queued, key=lambda entry: entry[0]):
-            if events.head() == number and self.turn_of.get(events, first_turn) is first_turn:
+            if events.head() == number and self._may_go(self.turn_of.get(events)):
                 return number
         return float("inf")
 
@@ -175,7 +191,7 @@ class StreamRun:
                     self.running.release()
                     break
                 messages, events, in_turn = request
-                turn = object() if in_turn else None
+                turn = _Turn() if in_turn else None
                 if turn is not None:
                     self.turns.append(turn)
                 if events is not None:
@@ -227,7 +243,7 @@ class StreamRun:
         await asyncio.wait(list(self.requests), return_when=asyncio.FIRST_COMPLETED)
         return True
 
-    async def _take(self, messages: Messages, events: StreamEvents | None, turn: object | None) -> None:
+    async def _take(self, messages: Messages, events: StreamEvents | None, turn: _Turn | None) -> None:
         """Move one request's messages to the outbox, each once the one before it was sent,
         numbered as the response it was made of (made and put here with no wait between: no
         other task sees the response taken and its message not yet here); a failure ends the
