@@ -28,7 +28,7 @@ import posix_ipc
 
 from .arena import Arena, first_pages
 from .liveness import BROKER_TICKET, CONNECT_LOCK, try_lock_byte
-from .names import SHM_DIR, object_name, unlink_shm
+from .names import SHM_DIR, object_name, unlink_path, unlink_shm
 from .protocol import CONNECT, RECORD, SLOT, SLOT_ANSWER, SLOT_ANSWER_AT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
 from .published import Published
@@ -263,6 +263,7 @@ class BrokerSegment:
 
     @staticmethod
     def own_connect_nbytes() -> int:
+        """``connect.0``'s bytes: a header and the ring."""
         return _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT))
 
     @staticmethod
@@ -297,8 +298,9 @@ class BrokerSegment:
 
     @classmethod
     def attach(cls, server_id: str) -> "BrokerSegment":
-        """Map the broker's objects as a client or another server process: its tables for
-        reading only."""
+        """Map the broker's objects as a client or another server process: its tables writable
+        where this process is of the server's user (it lowers the broker's flag there, nothing
+        else), read-only for a client of another user."""
         seg = Segment.attach(object_name(server_id, "broker", 0))
         try:
             if seg.size < HEADER_BYTES:
@@ -306,12 +308,13 @@ class BrokerSegment:
             magic = read_header(seg)[0]
             if magic & _FAMILY == MAGIC & _FAMILY:
                 check_magic(seg.name, magic)  # first: another version has no tables.0 (or not as ours)
-            tables = Segment.attach(object_name(server_id, "tables", 0), readonly=True)
+            tables = _attach_writable_if_ours(object_name(server_id, "tables", 0))
         except BaseException:
             seg.close()
             raise
-        own = _own_connect(server_id)
+        own = None
         try:
+            own = _own_connect(server_id)
             return cls(server_id, seg, tables, create=False, own=own)
         except BaseException:
             seg.close()
@@ -405,6 +408,16 @@ class BrokerSegment:
             self.own.unlink()
 
 
+def _attach_writable_if_ours(name: str) -> Segment:
+    """Map an object only the server writes: writable for a process of the server's user (or
+    root), which lowers the receiver's sleeping flag there as it wakes it (waker.py), read-only
+    for a client of another user."""
+    try:
+        return Segment.attach(name)
+    except (PermissionError, posix_ipc.PermissionsError):
+        return Segment.attach(name, readonly=True)
+
+
 def _own_connect(server_id: str) -> Segment | None:
     """``connect.0``, where this process may open it (a process of the server's user, or root);
     None for a client of another user, which announces itself on ``broker.0``'s shared ring."""
@@ -427,8 +440,8 @@ class WorkerSegment:
     (``readers``) may only read: the worker's sleeping flag, inbox (a batch names the requests the
     worker reads and answers), outbox and its messages, the extents' sizes consumers check, the
     readiness, garbage and want-wakeup words, statistics, custom metrics and region holds.
-    Clients map the control object read-only (``attach(..., control_writable=False)``): they read
-    the flag and wake the worker through it."""
+    Clients map the control object too, writable where they are of the server's user (they
+    lower the flag as they wake the worker) and read-only otherwise (``attach``)."""
 
     def __init__(self, seg: Segment, control: Segment | None, create: bool, readers: tuple[int, ...] = ()) -> None:
         self.seg = seg
@@ -581,12 +594,14 @@ class WorkerSegment:
 
     @classmethod
     def attach(cls, name: str, control: bool = True, control_writable: bool = True) -> "WorkerSegment":
-        """Map worker segment ``name`` with its control object: writable for the worker and the
-        broker, read-only for a client (whose waker only reads the sleeping flag there) or a
-        reader of its statistics; ``control=False`` maps the lanes alone (they cannot wake it)."""
+        """Map worker segment ``name`` with its control object: writable where this process is of
+        the server's user, else read-only (a client of another user, whose waker only reads the
+        sleeping flag there); ``control_writable=False``: read-only (a reader of its statistics);
+        ``control=False``: the lanes alone (they cannot wake it)."""
         seg = Segment.attach(name)
         try:
-            ctl = Segment.attach(control_name(name), readonly=not control_writable) if control else None
+            ctl = (_attach_writable_if_ours(control_name(name)) if control_writable else
+                   Segment.attach(control_name(name), readonly=True)) if control else None
         except BaseException:
             seg.close()
             raise
@@ -647,7 +662,7 @@ class ClientSegment:
             self.requests.reset()
             self.slot_states[:] = 0
             if kind == NOTIFY_BROKER:
-                pass  # answers for the broker itself: its own flag is woken (broker.0)
+                pass  # answers for the broker itself: its own flag is woken (tables.0)
             elif fifo:
                 self.fifo_fd = make_fifo(self.fifo_path, readers)
                 flag[0] = SLEEPING  # the owner's loop waits on the FIFO from the start
@@ -814,8 +829,6 @@ class ClientSegment:
         self.seg.close()
 
     def unlink(self) -> None:
-        try:
-            os.unlink(self.fifo_path)
-        except FileNotFoundError:
-            pass
+        """Remove the segment's name and its FIFO's (one another user made may stay: logged once)."""
+        unlink_path(self.fifo_path)
         self.seg.unlink()

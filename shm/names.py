@@ -94,11 +94,17 @@ def _unlink(remove: Callable[[str], None], name: str) -> bool:
     try:
         remove(name)
         return True
-    except posix_ipc.ExistentialError:
+    except (posix_ipc.ExistentialError, FileNotFoundError):
         return False
     except (OSError, posix_ipc.Error) as e:
         warn_once(name, f"could not be removed from {SHM_DIR} ({e}); left as it is")
         return False
+
+
+def unlink_path(path: str) -> bool:
+    """``os.unlink`` of a file of ours in /dev/shm (a client's FIFO), as ``_unlink`` removes an
+    object: one another user made there stays, logged once."""
+    return _unlink(os.unlink, path)
 
 
 def unlink_semaphore(name: str) -> bool:

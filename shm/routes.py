@@ -128,8 +128,9 @@ class Router:
         seg = self._workers.get(num)
         if seg is None:
             try:
-                # (its control object read-only: the worker's sleeping flag lies there)
-                seg = WorkerSegment.attach(object_name(self.server_id, "worker", num), control_writable=False)
+                # (with its control object, where the worker's sleeping flag lies: writable for a
+                # process of the server's user, read-only for a client of another user)
+                seg = WorkerSegment.attach(object_name(self.server_id, "worker", num))
             except (posix_ipc.ExistentialError, FileNotFoundError, ValueError, ConnectionError):
                 return None
             self._workers[num] = seg

@@ -2,16 +2,18 @@
 
 Each receiver owns a *sleeping* flag in shared memory. Before it blocks it raises the flag,
 fences, and looks for work once more; a producer writes its record, fences, and wakes it only if
-the flag is raised. A broker's or worker's flag lies where clients may only read it (``tables.0``,
-``control.<n>``): a client of another user could otherwise lower it under a sleeping receiver and
-so hold back everyone's wake-ups; such a producer wakes the word and leaves the flag to its
-receiver. A busy receiver thus gets no wake-up call at all, and one (a futex wake:
+the flag is raised. A broker's or worker's flag lies where clients of other users may only read it (``tables.0``,
+``control.<n>``): such a client could otherwise lower it under a sleeping receiver and so hold
+back everyone's wake-ups. A busy receiver thus gets no wake-up call at all, and one (a futex wake:
 tens of microseconds of the waker's and the receiver's time on this kind of machine) is paid only
 when somebody really sleeps. The fences make the flag/record exchange safe (a store-load pair
 would otherwise be reordered on x86); an uncontended lock gives a full barrier.
 
 The receiver sleeps on the flag word itself (futex.py): a producer that lowers it and wakes the
-word cannot be missed, since the sleep only begins while the word still says SLEEPING. The word
+word cannot be missed, since the sleep only begins while the word still says SLEEPING. Every
+process of the server's user maps the broker's and workers' flags writable; a client of another
+user maps them read-only and only wakes the word, a wake-up that the instant before the wait
+can lose: a receiver such clients may wake sleeps at most ``READ_ONLY_WAKE_BOUND_S`` at a time. The word
 after it holds a post (``post``: start-up messages, shutdown, another thread's news) made while the
 receiver was awake, which its next sleep returns for at once.
 
@@ -33,6 +35,10 @@ from .futex import FutexWord
 
 AWAKE, SLEEPING = 0, 1
 POSTED_AT = 4  # after the flag: a post made while the receiver was awake
+# The longest a broker or worker sleeps while clients of other users may wake it: their wake-up
+# does not lower the flag (they may only read it), so one made in the instant between the
+# receiver's last look for work and its wait is lost, and costs at most this.
+READ_ONLY_WAKE_BOUND_S = 0.05
 _fence_lock = threading.Lock()
 
 

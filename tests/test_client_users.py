@@ -263,8 +263,12 @@ def test_a_named_user_cannot_write_what_workers_trust(users_server):
 # that hold the broker's and the workers' flags (tables.0, control.<n>) for writing.
 LOWER_FLAGS = r"""
 import mmap, struct, time  # (modules loaded already: nobody cannot read the interpreter's folders)
+from shmserve.shm.channel import BrokerSegment, WorkerSegment
 sid = args["server"]
-result = {}
+broker, worker = BrokerSegment.attach(sid), WorkerSegment.attach(f"/shmserve.{sid}.worker.0")
+result = {"read-only flags": [broker.waker.flag.readonly, worker.waker.flag.readonly]}
+broker.close()
+worker.close()
 for what in ("tables.0", "control.0"):
     try:
         os.close(os.open(f"/dev/shm/shmserve.{sid}.{what}", os.O_RDWR))
@@ -315,9 +319,19 @@ def test_a_named_user_cannot_lower_the_flags_that_wake_the_broker_and_workers(us
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err
-    assert json.loads(out.splitlines()[-1][len("RESULT "):]) == {"tables.0": "PermissionError",
-                                                                  "control.0": "PermissionError"}
+    assert json.loads(out.splitlines()[-1][len("RESULT "):]) == {
+        "read-only flags": [True, True], "tables.0": "PermissionError", "control.0": "PermissionError"}
     assert max(took) < 2.0, took  # (a lost wake-up costs the worker's 10 s sleep, the broker's 1 s)
+    # The server's user maps both flags writable: it lowers a flag as it wakes its receiver, so no
+    # wake-up of its is lost in the instant before the receiver's wait (waker.py).
+    from shmserve.shm.channel import BrokerSegment, WorkerSegment
+
+    broker, worker = BrokerSegment.attach(users_server.id), WorkerSegment.attach(f"/shmserve.{users_server.id}.worker.0")
+    try:
+        assert [broker.waker.flag.readonly, worker.waker.flag.readonly] == [False, False]
+    finally:
+        broker.close()
+        worker.close()
 
 
 # Puts a link to a file of the server's user where its wake-up FIFO was, then has requests

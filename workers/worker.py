@@ -40,7 +40,7 @@ from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_request
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, EXECUTING, StatsWriter
-from shmserve.shm.waker import SpinPolicy, fence
+from shmserve.shm.waker import READ_ONLY_WAKE_BOUND_S, SpinPolicy, fence
 
 from . import custom_metrics
 from .answers import Answers, ModelInfo
@@ -206,7 +206,7 @@ class Worker:
         while self.running:
             # Long sleeps: the kernel signals us if the broker dies (PR_SET_PDEATHSIG); the check
             # below only covers systems without it.
-            timeout = check_every
+            timeout = check_every if not self._lane_writers else min(check_every, READ_ONLY_WAKE_BOUND_S)
             if batcher is not None and len(batcher):
                 timeout = min(timeout, batcher.next_timer(time.monotonic()) or 0.0)
             if late:
@@ -586,7 +586,8 @@ class Worker:
                     self.cache.insert(entry, resp)
                 except Exception:  # noqa: BLE001 - the request is answered: a store that failed only costs a hit
                     log.exception("storing an answer of '%s' in the response cache failed", self.model)
-                self.stats.cache_inserted(time.monotonic_ns() - inserting)
+                else:
+                    self.stats.cache_inserted(time.monotonic_ns() - inserting)
             return True
         if resp.model_error and answered == status:  # (not when no room was found for its error)
             self.stats.model_error()

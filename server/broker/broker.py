@@ -21,6 +21,7 @@ and sleeps again until the next post or its nearest timer. No threads touch stat
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 
@@ -36,6 +37,7 @@ from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.truncation_guard import Repairs
 from shmserve.shm.untrusted import RING_KINDS, Garbage, Record, check_record, read_descriptor
+from shmserve.shm.waker import READ_ONLY_WAKE_BOUND_S
 from shmserve.signature import InvalidRequest
 
 from .canary import SNAPSHOT_EVERY_S
@@ -104,8 +106,10 @@ class Broker:
     def run(self) -> int:
         self.lifecycle.start(self.seg.waker)
         waker = self.seg.waker
+        # (clients of other users wake it without lowering its flag: waker.py)
+        bound = READ_ONLY_WAKE_BOUND_S if server_readers() else math.inf
         while self.lifecycle.running:
-            waker.sleep(self._next_timer(), self._has_work)
+            waker.sleep(min(self._next_timer(), bound), self._has_work)
             self._pump()
             now = time.monotonic()
             if self.child_exited or now - self._last_housekeeping >= HOUSEKEEPING_S:
@@ -286,8 +290,9 @@ class Broker:
                             lane_holds(self.instances))
 
     def _drop_client(self, client: Client, died: bool, owner_alive: bool = False) -> None:
-        """Forget a client that said goodbye, or that ``died`` (then its segment is unlinked here,
-        and its library's regions too unless it was refused alive, ``owner_alive``). Its pending
+        """Forget a client that said goodbye, or that ``died`` (then its library's regions are
+        unlinked here too, unless it was refused alive, ``owner_alive``); its segment's names are
+        unlinked either way (``Clients.remove``). Its pending
         requests are cancelled first, since nobody waits for them any more: workers drop what
         they have not run, and a running model sees ``is_cancelled()``."""
         client.seg.cancel_pending()
