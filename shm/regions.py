@@ -74,14 +74,16 @@ class Region:
         return None
 
     def close(self) -> None:
+        """Let go of the region. Its mapping is never closed here: the arrays ``array`` made hold
+        the mmap itself (numpy keeps it as their base, with no buffer export that would stop a
+        close), and unmapping it under them would crash the reader; it goes when the last does."""
         if self.buf is not None:
             try:
                 self.buf.release()
-                if self._mmap is not None:  # a registered array's memory is its owner's to unmap
-                    self._mmap.close()
             except BufferError:
-                pass  # arrays still view it; the mapping goes when they do
+                pass  # a view of our memoryview lives on: it keeps the mapping too
             self.buf = None
+        self._mmap = None
         if self.owner:
             try:
                 posix_ipc.unlink_shared_memory(self.key)
