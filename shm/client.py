@@ -51,6 +51,10 @@ class InferenceServerError(Exception):
         self.message = message
         self.code = code
 
+    def __reduce__(self) -> tuple:
+        """Picklable as its three fields (a pool of processes hands errors back pickled)."""
+        return type(self), (self.status, self.message, self.code)
+
 
 class _Plan:
     """What one request reserved in its own block, to turn the response into arrays."""
@@ -73,7 +77,7 @@ class Client:
             raise ValueError(f"poll_us must be 0 or more (got {poll_us})")
         self._conn = Connection(server_id, arena_bytes=arena_bytes, poll_us=poll_us)
         self._regions: dict[str, Region] = {}
-        self._configs: dict[tuple[str, str], dict] = {}
+        self._configs: dict[tuple[str, str], tuple[int, dict]] = {}  # -> (routes' generation, config)
         self._lock = threading.Lock()
         self._pid = os.getpid()
         _open_clients.add(self)
@@ -122,11 +126,14 @@ class Client:
         return self._control(control.ModelMetadata(model, str(version)))
 
     def model_config(self, model: str, version: str | int = "") -> dict:
-        key = (model, version)
-        config = self._configs.get(key)
-        if config is None:
-            config = self._configs[key] = self._control(control.ModelConfig(model, str(version)))
-        return config
+        """The model's config (Triton's JSON form), kept while the broker's routing table stays
+        as it was: a reload (a new config, its outputs' sizes) publishes a new one."""
+        key = (model, str(version))
+        generation = self._conn.broker.routes.generation()  # (read first: a change meanwhile refetches)
+        kept = self._configs.get(key)
+        if kept is None or kept[0] != generation:
+            kept = self._configs[key] = (generation, self._control(control.ModelConfig(model, str(version))))
+        return kept[1]
 
     def model_statistics(self, model: str = "", version: str | int = "") -> dict:
         """The statistics extension's answer (``{"model_stats": [...]}``, as HTTP's
@@ -143,7 +150,8 @@ class Client:
         except BaseException:
             region.close()
             raise
-        self._regions[name] = region
+        with self._lock:
+            self._regions[name] = region
         return region
 
     def register_array(self, name: str, array: Any) -> Region:
@@ -158,17 +166,21 @@ class Client:
         self._control(control.RegisterSystemRegion(name, key, arr.nbytes, offset))
         region = Region(name, key, arr.nbytes, None, owner=False, offset=offset)
         region.buf = memoryview(arr.reshape(-1).view(np.uint8))
-        self._regions[name] = region
+        with self._lock:
+            self._regions[name] = region
         return region
 
     def unregister_region(self, name: str) -> None:
         self._control(control.UnregisterSystemRegion(name))
-        region = self._regions.pop(name, None)
+        with self._lock:
+            region = self._regions.pop(name, None)
         if region is not None:
             region.close()
 
     def _region_ref(self, arr: np.ndarray) -> tuple[str, int] | None:
-        for name, region in self._regions.items():
+        with self._lock:  # (another thread may register or unregister meanwhile)
+            regions = list(self._regions.items())
+        for name, region in regions:
             off = region.locate(arr)
             if off is not None:
                 return name, off
@@ -337,7 +349,12 @@ class Client:
         doc, chunks, reserve, plan = self._build(model, inputs, outputs, version, options)
         answer = Answer()
         start = self._conn.infer(doc, chunks, answer, reserve, waited=True)
-        self._conn.wait_for(answer.done, answer.wait)
+        try:
+            self._conn.wait_for(answer.done, answer.wait)
+        except BaseException:  # interrupted (Ctrl-C): the request is cancelled, its answer freed unread
+            self._conn.cancel(start)
+            answer.abandon()
+            raise
         assert answer.completion is not None
         return self._read(answer.completion, plan, start)
 
@@ -445,6 +462,8 @@ class Client:
 
     def close(self) -> None:
         _open_clients.discard(self)
+        if self._pid != os.getpid():
+            return  # inherited through fork(): the parent's to close (its regions too)
         for name in list(self._regions):
             region = self._regions.pop(name)
             try:

@@ -96,22 +96,42 @@ class Completion:
 Callback = Callable[[Completion], None]
 
 
+_DROPPING = threading.Lock()  # (an abandoned answer is released once, by whichever side sees it last)
+
+
 class Answer:
     """The completion callback of one synchronous call: keeps the answer, and wakes the caller
     only if it had to block (a lock: the caller usually takes its answer on its own thread,
     see ``Connection.wait_for``)."""
 
-    __slots__ = ("completion", "_lock")
+    __slots__ = ("completion", "_lock", "_abandoned")
 
     def __init__(self) -> None:
         self.completion: Completion | None = None
         self._lock: Any = None
+        self._abandoned = False
 
     def __call__(self, completion: Completion) -> None:
         self.completion = completion
+        if self._abandoned:  # (read after the write: ``abandon`` looks in the other order)
+            self._drop()
+            return
         lock = self._lock
         if lock is not None:
             lock.release()
+
+    def abandon(self) -> None:
+        """The caller stopped waiting (an exception, Ctrl-C): the answer, now or when it comes, is
+        released unread, so its blocks do not stay taken in the arena for good."""
+        self._abandoned = True
+        if self.completion is not None:
+            self._drop()
+
+    def _drop(self) -> None:
+        with _DROPPING:
+            completion, self.completion = self.completion, None
+        if completion is not None:
+            completion.release()
 
     def done(self) -> bool:
         return self.completion is not None

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -83,6 +84,11 @@ class ArenaBusy(Backpressure):
     a little should, rather than refuse (a full arena is overload, and refused at once)."""
 
 
+class RequestTooLarge(ValueError):
+    """A request larger than the whole arena: no retry can send it (``Client(arena_bytes=)``,
+    a frontend's ``--frontend-arena-mb``, set the arena)."""
+
+
 class Reservation:
     """A request block taken before its tensor bytes have all arrived (``Connection.reserve``)."""
 
@@ -130,7 +136,9 @@ class Connection:
         self._leading = False
         self._spin = SpinPolicy(poll_us / 1e6)
         self._closed = False
+        self._forked = False  # set in a child process that inherited this connection (``_after_fork``)
         self.alive = True
+        _connections.add(self)
         try:
             self.broker.announce(self.ticket, self.name)
         except ConnectionError:  # (nobody took our segment: it is ours to remove)
@@ -232,6 +240,9 @@ class Connection:
 
     def _check_open(self) -> None:
         if self._closed:
+            if self._forked:
+                raise ConnectionClosed("this client was made before fork(): its shared memory, slots and threads "
+                                       "are the parent process's; make a new Client in this process")
             raise ConnectionClosed("this client is closed: connect a new one")
         if not self.alive:
             raise ServerUnavailable(f"the shmserve server '{self.server_id}' has gone away; reconnect")
@@ -285,6 +296,9 @@ class Connection:
     def _alloc(self, total: int) -> int:
         arena = self.arena
         off = arena.alloc(total)  # type: ignore[union-attr]
+        if off < 0 and total > arena.capacity:  # type: ignore[union-attr]
+            raise RequestTooLarge(f"a {total}-byte request cannot fit this connection's shared-memory arena "
+                                  f"({arena.capacity} bytes), now or later")  # type: ignore[union-attr]
         if off < 0:
             if arena.starved:  # type: ignore[union-attr]
                 raise Backpressure(f"no room for a {total}-byte request: /dev/shm is full (the client could not "
@@ -507,6 +521,8 @@ class Connection:
         self._slots.fail_all(why or f"the shmserve server '{self.server_id}' went away while the request was in flight")
 
     def close(self) -> None:
+        if self._forked:
+            return  # the parent's: nothing of it is this process's to end
         with self._slots.lock:  # (a request is sent before this, and answered below, or refused: ``submit``)
             if self._closed:
                 return
@@ -557,3 +573,17 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_connections: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """In a child of fork(): every inherited connection is the parent's (its slots, its waiter
+    thread, its segment, which the parent keeps using): calls on it are refused by name rather
+    than mixing the two processes' requests."""
+    for conn in list(_connections):
+        conn._forked = conn._closed = True
+
+
+os.register_at_fork(after_in_child=_after_fork)

@@ -28,7 +28,7 @@ from conftest import (DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, cpu_ticks, pendi
 from gates import Gate
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
-from shmserve.shm.connection import ConnectionClosed
+from shmserve.shm.connection import ConnectionClosed, RequestTooLarge
 from shmserve.shm.descriptor import InferRequest, InputTensor
 from shmserve.shm.protocol import NO_ROOM
 from shmserve.shm.liveness import process_ticket
@@ -464,7 +464,7 @@ def test_region_inputs_travel_by_reference(lc_server):
         x[:] = np.arange(1 << 20, dtype=np.int32) % 1000
         result = c.infer("slow_reader", {"X": x}, ["SUM"], parameters={"sleep_s": 0})
         assert result["SUM"].tolist() == [int(x.astype(np.int64).sum())]
-        with pytest.raises(Backpressure):
+        with pytest.raises(RequestTooLarge):  # (larger than the whole arena: no retry would pass)
             c.infer("slow_reader", {"X": np.array(x)}, ["SUM"], parameters={"sleep_s": 0})
         # Many views at different offsets of one region.
         a = region.array(np.int32, (N,), offset=1024)
@@ -607,6 +607,29 @@ def test_register_array_outside_shared_memory_is_a_value_error(client, lc_server
     with pytest.raises(ValueError, match="shared-memory"):
         client.register_array("lc_plain", np.zeros(64, dtype=np.float32))
     assert http_region_names(lc_server) == []
+
+
+ARRAYS_OUTLIVE_THEIR_REGION = """
+import sys
+import numpy as np
+from shmserve.shm.client import Client
+with Client(sys.argv[1]) as c:
+    kept = c.create_region("outlive", 4096).array(np.int32, (16,))
+    kept[:] = np.arange(16)
+    c.unregister_region("outlive")
+    gone_with_the_client = c.create_region("outlive2", 4096).array(np.int32, (16,))
+    gone_with_the_client[:] = 7
+print(int(kept.sum()), int(gone_with_the_client.sum()))
+"""
+
+
+def test_a_regions_arrays_stay_readable_after_it_is_unregistered_or_closed(lc_server):
+    """The arrays ``Region.array`` made hold the mapping (numpy keeps the mmap as their base):
+    unregistering the region or closing the client unmapped it under them, and the next read
+    killed the process (SIGSEGV)."""
+    run = subprocess.run([PYTHON, "-c", ARRAYS_OUTLIVE_THEIR_REGION, lc_server.id], capture_output=True,
+                         text=True, timeout=DEADLINE_S)
+    assert (run.returncode, run.stdout.split()) == (0, ["120", "112"]), run.stderr
 
 
 def test_unregister_region_of_a_registered_array_works(lc_server):
@@ -970,6 +993,93 @@ def test_a_reserved_request_sent_after_close_says_the_client_is_closed(lc_server
         conn.send_reserved(reservation, lambda completion: completion.release())
     with Client(lc_server.id) as again:
         assert again.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
+
+
+def test_a_client_inherited_through_fork_says_so_and_the_parents_goes_on(lc_server):
+    """A child of fork() shares the parent's segment and slots: its calls mixed the two processes'
+    requests (the parent got a wrong answer, the child none). They are refused by name, and the
+    parent's client is untouched, even by the child's close()."""
+    with Client(lc_server.id) as c:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what a call said, close, leave without running atexit
+            try:
+                c.infer("add_sub", {"INPUT0": A, "INPUT1": B})
+                said = "answered"
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                said = f"{type(e).__name__}: {e}"
+            c.close()
+            os.write(write, said.encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as f:
+            said = f.read()
+        os.waitpid(pid, 0)
+        assert said.startswith("ConnectionClosed: this client was made before fork()"), said
+        for _ in range(50):
+            assert c.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
+
+
+def test_an_error_survives_pickling_and_a_request_past_the_arena_is_no_backpressure(lc_server):
+    """A pool of processes hands errors back pickled (InferenceServerError did not unpickle, and
+    the pool's result thread died of it); a request larger than the whole arena is a ValueError,
+    never a Backpressure that a retry loop would retry for ever."""
+    import pickle
+
+    with Client(lc_server.id, arena_bytes=1 << 20) as c:
+        with pytest.raises(InferenceServerError) as e:
+            c.infer("no_such_model", {"X": A})
+        again = pickle.loads(pickle.dumps(e.value))
+        assert (again.status, again.message, again.code) == (e.value.status, e.value.message, e.value.code)
+        with pytest.raises(RequestTooLarge, match="cannot fit this connection's shared-memory arena"):
+            c.infer("add_sub", {"INPUT0": np.zeros(1 << 19, np.int32), "INPUT1": np.zeros(1 << 19, np.int32)})
+        assert c.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
+
+
+def test_a_model_reloaded_with_larger_outputs_is_called_as_it_is_now(server_factory, tmp_path):
+    """The client sizes the room it reserves for outputs from the model's config, which it kept
+    for its whole life: after a reload with larger dims every call was refused ("should be at
+    least 128 bytes") until a new client was made. It asks again once the routes change."""
+    import shutil
+
+    shutil.copytree(PRODUCT_MODELS / "add_sub", tmp_path / "add_sub", ignore=shutil.ignore_patterns("__pycache__"))
+    server = server_factory.start([tmp_path], ["--model-control-mode", "explicit", "--load-model", "add_sub"])
+    wide = {"name": "add_sub", "backend": "python", "max_batch_size": 0,
+            "input": [{"name": n, "data_type": "TYPE_INT32", "dims": [32]} for n in ("INPUT0", "INPUT1")],
+            "output": [{"name": n, "data_type": "TYPE_INT32", "dims": [32]} for n in ("OUTPUT0", "OUTPUT1")]}
+    with Client(server.id) as c:
+        assert c.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
+        with server.client() as http:
+            http.load_model("add_sub", config=json.dumps(wide))
+        x = np.arange(32, dtype=np.int32)
+        assert c.infer("add_sub", {"INPUT0": x, "INPUT1": x})["OUTPUT0"].tolist() == (2 * x).tolist()
+        assert c.model_config("add_sub")["output"][0]["dims"] == [32]
+
+
+class Interrupted(Exception):
+    """What a signal handler raises into a waiting call (as Ctrl-C raises KeyboardInterrupt)."""
+
+
+def test_a_call_interrupted_while_it_waits_leaves_its_arena_whole(lc_server, tmp_path):
+    """A synchronous call interrupted while it waits (Ctrl-C in a notebook) cancels its request
+    and frees its answer unread when it comes: its block used to stay taken for good, and the
+    FIFO arena behind it filled, so every call failed 'no room' after a few thousand more."""
+    def interrupt(*_: object) -> None:
+        raise Interrupted()
+
+    gate = Gate(tmp_path / "gate")
+    before = signal.signal(signal.SIGUSR1, interrupt)
+    with Client(lc_server.id, arena_bytes=1 << 20) as c:
+        try:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+            with pytest.raises(Interrupted):
+                c.infer("slow_reader", {"X": A}, parameters={"sleep_s": 0, "gate": gate.param})
+        finally:
+            signal.signal(signal.SIGUSR1, before)
+            gate.open()
+        for _ in range(4000):  # (the 1 MiB arena wraps several times)
+            assert c.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
+    wait_for(lambda: pending_requests(lc_server, "slow_reader") == 0, DEADLINE_S, "slow_reader idle")
 
 
 def test_server_restart_gives_a_connected_client_a_clear_error(server_factory):

@@ -34,7 +34,8 @@ from typing import Any, Callable, TypeVar
 from shmserve.shm.channel import DEFAULT_SLOTS
 from shmserve.shm.completion import Completion
 from shmserve.shm.control_messages import ControlMessage
-from shmserve.shm.connection import ArenaBusy, Backpressure, Connection, Reservation, ServerUnavailable, SlotsTaken
+from shmserve.shm.connection import (ArenaBusy, Backpressure, Connection, RequestTooLarge, Reservation, ServerUnavailable,
+                                     SlotsTaken)
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 from shmserve.shm.streams import SpillRoom, StreamEvents
@@ -103,6 +104,8 @@ async def when_room(attempt: Callable[[], T]) -> T:
 
 
 def _broker_error(e: Exception) -> BrokerError:
+    if isinstance(e, RequestTooLarge):
+        return BrokerError(400, f"{e} (--frontend-arena-mb)")
     why = str(e).removesuffix("; retry later")  # (said once, at the end)
     if isinstance(e, SlotsTaken):  # (the frontend's slots, shared by all its clients: say which flag sets them)
         return Overloaded(503, f"the server is overloaded ({e.slots} requests in flight in this frontend, its "
@@ -252,7 +255,7 @@ class BrokerLink:
             callback = self._timed(model, poll, callback)
         try:
             start = conn.submit(kind, doc, tensors, callback, on_response=on_response, polling=poll)
-        except (Backpressure, OSError) as e:  # (ServerUnavailable is a ConnectionError)
+        except (Backpressure, RequestTooLarge, OSError) as e:  # (ServerUnavailable is a ConnectionError)
             raise _broker_error(e) from None
         if poll:
             self._polling_for(conn, model)
@@ -271,7 +274,7 @@ class BrokerLink:
         conn = self.connection()
         try:
             return conn, conn.reserve(doc, body)
-        except (Backpressure, OSError) as e:  # (ServerUnavailable is a ConnectionError)
+        except (Backpressure, RequestTooLarge, OSError) as e:  # (ServerUnavailable is a ConnectionError)
             raise _broker_error(e) from None
 
     def send_reserved(self, conn: Connection, reservation: Reservation, callback: Callable[[Completion], None],
@@ -283,7 +286,7 @@ class BrokerLink:
         poll = self._polls_for(model)
         try:
             start = conn.send_reserved(reservation, self._timed(model, poll, callback), polling=poll)
-        except (Backpressure, OSError) as e:  # (ServerUnavailable is a ConnectionError)
+        except (Backpressure, RequestTooLarge, OSError) as e:  # (ServerUnavailable is a ConnectionError)
             raise _broker_error(e) from None
         if poll:
             self._polling_for(conn, model)
