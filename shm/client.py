@@ -35,7 +35,7 @@ from .protocol import REQ_CONTROL
 from .regions import Region, created_key_prefix, find_shm_mapping
 from .results import InferResult
 from .streams import Stream, StreamEvents
-from .tensors import CONFIG_TO_WIRE, DTYPES, from_buffer, serialize_bytes, wire_datatype
+from .tensors import CONFIG_TO_WIRE, DTYPES, byte_view, from_buffer, serialize_bytes, wire_datatype
 
 __all__ = ["Client", "InferResult", "InferenceServerError", "ErrorCode", "Region", "ServerUnavailable", "Backpressure"]
 
@@ -276,7 +276,11 @@ class Client:
         for o in answer.outputs:
             name, datatype, shape = o.name, o.datatype, o.shape
             if name in plan.given:
-                arrays[name] = plan.given[name]
+                given = plan.given[name]
+                if list(given.shape) == list(shape) and datatype != "BYTES" and wire_datatype(given) == datatype:
+                    arrays[name] = given  # (the caller's own array, filled in place)
+                else:  # what the server wrote there, as it says it wrote it (as tritonclient reads it)
+                    arrays[name] = from_buffer(byte_view(given)[:o.size], datatype, shape)
                 continue
             if o.in_region:
                 if name not in plan.reserved:

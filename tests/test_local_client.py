@@ -561,6 +561,22 @@ def test_outputs_go_into_the_callers_region(client, lc_server):
     del raw, x, y, out0, out1, result, mixed
 
 
+def test_an_output_placed_in_a_larger_or_other_typed_array_comes_back_as_the_server_wrote_it(client):
+    """The server reports the shape and datatype it wrote into a region (as tritonclient reads
+    them back): a destination larger than the output, or of another dtype, came back as given,
+    the stale tail and the reinterpreted bytes included."""
+    region = client.create_region("lc_wider", 4096)
+    wide = region.array(np.int32, (100,))
+    wide[:] = -1
+    other = region.array(np.float32, (N,), 1024)
+    got = client.infer("slow_reader", {"X": A}, {"COPY": wide, "SUM": None}, parameters={"sleep_s": 0})
+    assert got["COPY"].dtype == np.int32 and got["COPY"].tolist() == A.tolist()
+    assert wide[:N].tolist() == A.tolist() and wide[N:].tolist() == [-1] * (100 - N)  # (written in place)
+    got = client.infer("slow_reader", {"X": A}, {"COPY": other, "SUM": None}, parameters={"sleep_s": 0})
+    assert got["COPY"].dtype == np.int32 and got["COPY"].tolist() == A.tolist()
+    del wide, other, got
+
+
 def test_output_region_too_small_is_a_400(client):
     region = client.create_region("lc_small", 256)
     with pytest.raises(InferenceServerError) as e:
