@@ -194,6 +194,14 @@ def success_count(server) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+def ended_count(server) -> float:
+    """word_stream's requests that ended: succeeded, or failed (a cancelled one that never ran)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=60).read().decode()
+    failed = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                 if ln.startswith('nv_inference_request_failure{') and 'model="word_stream"' in ln)
+    return success_count(server) + failed
+
+
 def test_streamed_requests_are_counted_once(server):
     # The worker counts a stream when it ends, just after it completed the request's slot: the
     # count may show a moment after the client has the last response. Wait for it, then check
@@ -261,13 +269,13 @@ def test_generate_stream_clients_that_disconnect_leave_nothing_held(small_server
 def test_local_client_streams_left_early_leave_nothing_held(small_server):
     long_text = {"text_input": np.array([LONG_TEXT.encode()], dtype=object)}
     with Client(small_server.id, arena_bytes=1 << 20) as client:
-        before = success_count(small_server)
+        before = ended_count(small_server)
         for _ in range(3):
             for result in client.stream("word_stream", long_text, parameters={"delay_ms": 5}):
                 assert result["text_output"][0] == b"w0"
                 break  # the loop drops the iterator: what it still holds and what is still coming is freed
         del result  # (a result the caller keeps holds its own response, rightly)
-        client.stream("word_stream", long_text, parameters={"delay_ms": 5})  # never iterated at all
+        client.stream("word_stream", long_text, parameters={"delay_ms": 5})  # never iterated: cancelled
         responses = client.stream("word_stream", long_text, parameters={"delay_ms": 5})
         assert next(responses)["text_output"][0] == b"w0"
         responses.close()  # closed explicitly, as a generator is
@@ -278,11 +286,23 @@ def test_local_client_streams_left_early_leave_nothing_held(small_server):
                 break  # asyncio closes the dropped generator
 
         asyncio.run(leave_async_stream())
-        wait_until(lambda: success_count(small_server) - before >= 6, "the abandoned streams finished")
+        wait_until(lambda: ended_count(small_server) - before >= 6, "the abandoned streams finished")
         for i in range(60):
             word = f"{BIG_WORD}{i}".encode()
             results = list(client.stream("word_stream", {"text_input": np.array([word], dtype=object)}))
             assert [r["text_output"][0] for r in results] == [word]
+
+
+def test_a_local_stream_dropped_before_it_was_read_cancels_its_request(small_server):
+    """A stream never iterated and dropped (its generator, never started, runs no ``finally``)
+    left its request running: 200 words 200 ms apart held the model 40 s. Dropping it cancels
+    the request: dropped before it ran, or ended within a word by word_stream, which checks
+    is_cancelled()."""
+    long_text = {"text_input": np.array([LONG_TEXT.encode()], dtype=object)}
+    with Client(small_server.id) as client:
+        before = ended_count(small_server)
+        client.stream("word_stream", long_text, parameters={"delay_ms": 200})  # dropped at once
+        wait_until(lambda: ended_count(small_server) > before, "the dropped stream's request ended", 15)
 
 
 def test_word_stream_stops_when_its_client_disconnects(small_server):
