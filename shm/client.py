@@ -446,6 +446,8 @@ class Client:
                            kwargs.pop("sequence_id", 0), kwargs.pop("sequence_start", False),
                            kwargs.pop("sequence_end", False), kwargs.pop("priority", 0), kwargs.pop("timeout", 0))
         version = kwargs.pop("version", "")
+        if kwargs:  # (a misspelt option must not be dropped without a word)
+            raise TypeError(f"stream_aio() got unexpected keyword argument(s) {sorted(kwargs)}")
         start = self._submit_infer(model, inputs, outputs, version, options, on_event(True), on_event(False))
         events.request = (self._conn, start)
         try:

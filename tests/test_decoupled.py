@@ -186,6 +186,15 @@ def test_local_client_async_stream(server):
 
     assert asyncio.run(run()) == ["x", "y", "z"]
 
+    async def misspelt() -> None:
+        with Client(server.id) as client:
+            async for _ in client.stream_aio("word_stream", {"text_input": np.array([b"x"], dtype=object)},
+                                             sequence_idd=7):
+                pass
+
+    with pytest.raises(TypeError, match="sequence_idd"):  # (it was dropped without a word)
+        asyncio.run(misspelt())
+
 
 def success_count(server) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=60).read().decode()
