@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any, Iterator
 
 import numpy as np
+import posix_ipc
 
 from .answer import AnswerDescriptor, ErrorCode
 from .completion import Answer, Completion
@@ -144,7 +145,10 @@ class Client:
     def create_region(self, name: str, byte_size: int) -> Region:
         """A new shm region owned by this client, registered under ``name``. Its object goes when
         the client closes, when the process exits, or (unlinked by the server) when it dies."""
-        region = Region.create(name, byte_size, created_key_prefix(self._conn.ticket) + name, self._conn.readers)
+        try:
+            region = Region.create(name, byte_size, created_key_prefix(self._conn.ticket) + name, self._conn.readers)
+        except posix_ipc.ExistentialError:  # (a client of this process made one of that name)
+            raise InferenceServerError(409, f"shared memory region '{name}' already in manager") from None
         try:
             self._control(control.RegisterSystemRegion(name, region.key, byte_size, created=True))
         except BaseException:

@@ -479,6 +479,14 @@ def test_region_inputs_travel_by_reference(lc_server):
         c.close()
 
 
+def test_a_region_name_in_use_is_a_409_as_a_registration_twice(client):
+    client.create_region("lc_twice", 4096)
+    with pytest.raises(InferenceServerError) as e:
+        client.create_region("lc_twice", 4096)
+    assert (e.value.status, e.value.message) == (409, "shared memory region 'lc_twice' already in manager")
+    client.unregister_region("lc_twice")
+
+
 def test_region_name_reused_after_unregister_is_a_fresh_object(client):
     """create_region, use, unregister_region (which unlinks), create_region with the same name: the
     key is the same, the object is new, and the server must use the new one."""
