@@ -98,6 +98,11 @@ class Arena:
     def bytes_in_use(self) -> int:
         return self._used - self._skipped
 
+    def could_ever_hold(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` fits the arena at all, once everything else is freed
+        (what ``alloc`` needs for it, header and alignment included)."""
+        return (BLOCK_HEADER + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1) <= self._size
+
     def alloc(self, nbytes: int, consumer: int = 0) -> int:
         """Absolute payload offset in the segment, or -1 when the arena cannot hold it now."""
         need = (BLOCK_HEADER + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1)

@@ -30,7 +30,7 @@ import posix_ipc
 from .answer import AnswerDescriptor, ErrorCode
 from .completion import Answer, Completion
 from . import control_messages as control
-from .connection import DEFAULT_POLL_US, Backpressure, Connection, ServerUnavailable
+from .connection import DEFAULT_POLL_US, Backpressure, Connection, RequestTooLarge, ServerUnavailable
 from .descriptor import SEQUENCE_END, SEQUENCE_START, InferRequest, InputTensor, RequestedOutput
 from .protocol import REQ_CONTROL
 from .regions import Region, created_key_prefix, find_shm_mapping
@@ -38,7 +38,8 @@ from .results import InferResult
 from .streams import Stream, StreamEvents
 from .tensors import CONFIG_TO_WIRE, DTYPES, byte_view, from_buffer, serialize_bytes, wire_datatype
 
-__all__ = ["Client", "InferResult", "InferenceServerError", "ErrorCode", "Region", "ServerUnavailable", "Backpressure"]
+__all__ = ["Client", "InferResult", "InferenceServerError", "ErrorCode", "Region", "ServerUnavailable", "Backpressure",
+           "RequestTooLarge"]
 
 
 class InferenceServerError(Exception):
@@ -281,7 +282,7 @@ class Client:
             name, datatype, shape = o.name, o.datatype, o.shape
             if name in plan.given:
                 given = plan.given[name]
-                if list(given.shape) == list(shape) and datatype != "BYTES" and wire_datatype(given) == datatype:
+                if list(given.shape) == list(shape) and datatype != "BYTES" and given.dtype == DTYPES.get(datatype):
                     arrays[name] = given  # (the caller's own array, filled in place)
                 else:  # what the server wrote there, as it says it wrote it (as tritonclient reads it)
                     arrays[name] = from_buffer(byte_view(given)[:o.size], datatype, shape)
@@ -360,8 +361,10 @@ class Client:
         try:
             self._conn.wait_for(answer.done, answer.wait)
         except BaseException:  # interrupted (Ctrl-C): the request is cancelled, its answer freed unread
-            self._conn.cancel(start)
-            answer.abandon()
+            try:
+                self._conn.cancel(start)
+            finally:
+                answer.abandon()
             raise
         assert answer.completion is not None
         return self._read(answer.completion, plan, start)

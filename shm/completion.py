@@ -9,6 +9,7 @@ held stalls every allocation behind it.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable
 
@@ -82,6 +83,9 @@ class Completion:
         return len(copy)
 
     def release(self) -> None:
+        if _forked[0]:  # (inherited through fork(): the blocks are the parent's, which frees them)
+            self.buf = self._request = None
+            return
         try:
             if self.buf is not None and not self.heap_bytes:
                 free_block(self.buf, self.offset)
@@ -94,6 +98,15 @@ class Completion:
 
 
 Callback = Callable[[Completion], None]
+
+_forked = [False]  # set in a child of fork(): what it inherited is the parent's to free
+
+
+def _after_fork() -> None:
+    _forked[0] = True
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 _DROPPING = threading.Lock()  # (an abandoned answer is released once, by whichever side sees it last)

@@ -296,7 +296,7 @@ class Connection:
     def _alloc(self, total: int) -> int:
         arena = self.arena
         off = arena.alloc(total)  # type: ignore[union-attr]
-        if off < 0 and total > arena.capacity:  # type: ignore[union-attr]
+        if off < 0 and not arena.could_ever_hold(total):  # type: ignore[union-attr]
             raise RequestTooLarge(f"a {total}-byte request cannot fit this connection's shared-memory arena "
                                   f"({arena.capacity} bytes), now or later")  # type: ignore[union-attr]
         if off < 0:

@@ -302,8 +302,3 @@ class Stream:
     def close(self) -> None:
         """As for a generator: the same as ``cancel``."""
         self.cancel()
-
-    def __del__(self) -> None:
-        # Dropped before its end: never read (its generator, never started, runs no ``finally``),
-        # or left by a ``break``. Nobody reads the rest: the request is cancelled, as ``cancel``.
-        self.cancel()

@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 # Loaded on first use: every process of the server imports this package first, and most of them
 # never need the client library (numpy and the connection code).
 _CLIENT_NAMES = ("Client", "InferResult", "InferenceServerError", "ErrorCode", "Region", "ServerUnavailable",
-                 "Backpressure")
+                 "Backpressure", "RequestTooLarge")
 _BIND_NAMES = ("model", "serve")  # serving functions from a script (bind.py)
 __all__ = [*_CLIENT_NAMES, *_BIND_NAMES, "__version__"]
 

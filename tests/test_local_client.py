@@ -28,7 +28,8 @@ from conftest import (DEADLINE_S, PRODUCT_MODELS, PYTHON, ROOT, cpu_ticks, pendi
 from gates import Gate
 from shmserve.shm.answer import AnswerDescriptor
 from shmserve.shm.client import Backpressure, Client, InferenceServerError, ServerUnavailable
-from shmserve.shm.connection import ConnectionClosed, RequestTooLarge
+from shmserve import RequestTooLarge
+from shmserve.shm.connection import ConnectionClosed
 from shmserve.shm.descriptor import InferRequest, InputTensor
 from shmserve.shm.protocol import NO_ROOM
 from shmserve.shm.liveness import process_ticket
@@ -1024,6 +1025,7 @@ def test_a_client_inherited_through_fork_says_so_and_the_parents_goes_on(lc_serv
     requests (the parent got a wrong answer, the child none). They are refused by name, and the
     parent's client is untouched, even by the child's close()."""
     with Client(lc_server.id) as c:
+        kept = c.infer("add_sub", {"INPUT0": A, "INPUT1": B})  # the parent's, inherited by the child
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: report what a call said, close, leave without running atexit
@@ -1032,6 +1034,8 @@ def test_a_client_inherited_through_fork_says_so_and_the_parents_goes_on(lc_serv
                 said = "answered"
             except Exception as e:  # noqa: BLE001 - reported to the parent
                 said = f"{type(e).__name__}: {e}"
+            del kept  # (its blocks are the parent's: the child must not free them)
+            gc.collect()
             c.close()
             os.write(write, said.encode())
             os._exit(0)
@@ -1040,8 +1044,9 @@ def test_a_client_inherited_through_fork_says_so_and_the_parents_goes_on(lc_serv
             said = f.read()
         os.waitpid(pid, 0)
         assert said.startswith("ConnectionClosed: this client was made before fork()"), said
-        for _ in range(50):
-            assert c.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
+        for k in range(300):  # (the arena wraps: a block the child freed would be written over)
+            assert c.infer("add_sub", {"INPUT0": A * k, "INPUT1": B})["OUTPUT0"].tolist() == (A * k + B).tolist()
+        assert kept["OUTPUT0"].tolist() == (A + B).tolist() and kept["OUTPUT1"].tolist() == (A - B).tolist()
 
 
 def test_an_error_survives_pickling_and_a_request_past_the_arena_is_no_backpressure(lc_server):
