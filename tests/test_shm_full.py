@@ -243,6 +243,7 @@ def test_a_broker_restarted_while_dev_shm_is_full_says_so_and_comes_back_with_th
 # it may write (its own segment, broker.0, each worker's segment, the extents of its answers) and
 # fills /dev/shm; "free" removes its file; "ask" connects a new client and sends one request.
 CUT_AND_FILL = FILL + r"""
+import time
 from shmserve.shm.connection import Connection
 sid = args["server"]
 filler = "/dev/shm/nobodys-file"
@@ -261,6 +262,13 @@ for line in sys.stdin:
                           and (".arena." not in n or os.access("/dev/shm/" + n, os.W_OK)))
         for path in targets:
             os.truncate(path, 0)
+        fill(filler)
+        # The broker grows broker.0 back within a second and writes its header again, maybe before
+        # the fill took the last page: cut it again once full, and take the pages that gave back,
+        # so that its next write there finds no room (its sleeping flag, which it wrote at every
+        # sleep, lies where this user cannot cut it now: shm/channel.py).
+        time.sleep(1.5)
+        os.truncate(f"/dev/shm/shmserve.{sid}.broker.0", 0)
         fill(filler)
         print("FULL " + json.dumps(sorted(os.path.basename(p) for p in targets)), flush=True)
     elif line.strip() == "free":

@@ -39,6 +39,7 @@ from shmserve.shm.connection import (ArenaBusy, Backpressure, Connection, Reques
 from shmserve.shm.descriptor import InferRequest
 from shmserve.shm.protocol import REQ_CONTROL, REQ_INFER
 from shmserve.shm.streams import SpillRoom, StreamEvents
+from shmserve.shm.truncation_guard import Repairs
 from shmserve.shm.waker import SpinPolicy
 
 log = logging.getLogger("shmserve.frontend")
@@ -137,6 +138,7 @@ class BrokerLink:
         self._polled_in_flight = 0  # requests in flight whose answers are polled for
         self._checked = 0.0  # monotonic time of the last broker check that succeeded
         self._check_error = ""  # what the failing checks since then raised
+        self._repairs = Repairs()  # truncations of what this frontend maps undone (shm/truncation_guard.py)
 
     def connection(self) -> Connection:
         conn = self._conn
@@ -219,6 +221,9 @@ class BrokerLink:
             if self._check_error:
                 log.warning("the broker connection can be checked again")
             self._checked, self._check_error = time.monotonic(), ""
+        if undone := self._repairs.since_last():  # (said as the broker and workers say theirs)
+            log.warning("shared memory this frontend maps was truncated by a client: %s (a local client of a "
+                        "--local-client-users user may write these objects)", "; ".join(undone))
         if alive and conn is self._conn:
             self._timer = loop.call_later(LIVENESS_CHECK_S, self._check)
 
