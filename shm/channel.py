@@ -1,11 +1,12 @@
 """Layouts of the server's and its clients' shared-memory objects, and how each wakes its receiver.
 
 Each segment starts with a small header, then its rings, then an arena:
-- broker.0: the connect ring (clients announce themselves; guarded by a lock on one byte of its
-  file because many clients write it) and the broker's arena (its answers: control replies,
-  ensembles'); beside it tables.0, which only the broker writes (lane holders, routes, settings,
-  regions), batches.0, the manifests of the batches it sends to workers, and connect.0, the
-  connect ring of the server's own user (its frontends), which no other user may open.
+- broker.0: the broker's arena (its answers: control replies, ensembles'); beside it tables.0,
+  which only the broker writes (lane holders, routes, settings, regions, the departures
+  counter), batches.0, the manifests of the batches it sends to workers, and the connect rings
+  clients announce themselves on (each guarded by a lock on its file's first byte, since many
+  clients write it): connect.0 for the server's own user (its frontends), connect.u<uid> for
+  each other user named by --local-client-users, which only that user may open.
 - worker.<n>: the lanes clients put requests on and the first extent of the worker's output arena;
   the arena grows into more segments, worker.<n>.arena.<k> (shm/extents.py). Beside it
   control.<n>, which only the server writes: inbox (broker -> worker), outbox (worker -> broker).
@@ -27,7 +28,7 @@ import numpy as np
 import posix_ipc
 
 from .arena import Arena, first_pages
-from .liveness import BROKER_TICKET, CONNECT_LOCK, try_lock_byte
+from .liveness import BROKER_TICKET, try_lock_byte
 from .names import SHM_DIR, object_name, unlink_path, unlink_shm
 from .protocol import CONNECT, RECORD, SLOT, SLOT_ANSWER, SLOT_ANSWER_AT, SLOT_BYTES, SLOT_DONE, SLOT_PENDING
 from .ring import Ring
@@ -47,8 +48,9 @@ HEADER_BYTES = 4096
 # extents' sizes at the end of control.<n>, and 1024 of them (each user has extents of its own), and
 # an answer's header says the length of its step traces (shm/answer.py); 7: the broker's and the
 # workers' sleeping flags in tables.0 and control.<n>, which clients of other users may only read,
-# and connect.0, the connect ring of the server's own user.
-LAYOUT = 7
+# and connect.0, the connect ring of the server's own user; 8: a connect ring per other user
+# (connect.u<uid>) instead of one in broker.0, and the departures counter in tables.0.
+LAYOUT = 8
 MAGIC = 0x53484D00 | LAYOUT
 _FAMILY = 0xFFFFFF00
 
@@ -130,7 +132,6 @@ LANE_OFFSET = 24  # client header: the lane the broker gave this client
 COOKIE_OFFSET = 32  # client header: the cookie its lane records must carry
 PROCESS_OFFSET = 40  # client header: its process's pid and PID namespace (inode), for logs only
 _PROCESS = struct.Struct("<II")
-DEPARTURES_OFFSET = 128  # broker header: count of clients that left
 
 
 _SILENT = bytes(LANES)
@@ -150,6 +151,9 @@ CONTROL_EXTENTS_OFFSET = _align(HEADER_BYTES + 2 * Ring.nbytes(WORKER_RING_CAPAC
 # the broker apart from a restarted one read here: broker.0's copy is writable by every client.
 BROKER_IDENTITY_OFFSET = BROKER_EXTENTS_OFFSET + 8 * EXTENT_ENTRIES
 BROKER_WAKER_OFFSET = _align(BROKER_IDENTITY_OFFSET + _HEADER.size, 64)  # tables.0: the broker's sleeping flag (waker.py)
+# tables.0: how many clients have left, which workers watch to unmap what they hold of them
+# (where a client could write it, one could make workers keep every departed segment mapped).
+DEPARTURES_OFFSET = BROKER_WAKER_OFFSET + 64
 
 
 def pid_namespace() -> int:
@@ -186,30 +190,31 @@ def _identity(tables: Segment) -> tuple[int, int]:
 
 
 class BrokerSegment:
-    """The broker's objects. ``broker.0``, which every client writes: its header, the connect
-    ring and the broker's arena (its answers to clients). ``tables.0``, which only the broker
-    writes and clients of other users (``readers``) may only read: the lane holders, the routing
-    table, the settings and the region table, which workers trust (a lane's holder names the
-    segment its records point into, a region the object a worker opens as the server's user).
-    ``batches.0`` (made by the broker only, ``batches``), which no client may even read.
-    ``connect.0`` (``own``), a connect ring and its lock for clients of the server's own user,
-    which no other user may open: one that holds the shared ring's lock, or fills that ring,
-    keeps other users' clients from connecting, never the frontends."""
+    """The broker's objects. ``broker.0``, which every client writes: its header and the broker's
+    arena (its answers to clients). ``tables.0``, which only the broker writes and clients of
+    other users (``readers``) may only read: the lane holders, the routing table, the settings,
+    the region table (which workers trust: a lane's holder names the segment its records point
+    into, a region the object a worker opens as the server's user) and the departures counter.
+    ``batches.0`` (made by the broker only, ``batches``), which no client may even read. The
+    connect rings (``connects``: the user each is for, its object): ``connect.0`` for the
+    server's own user, ``connect.u<uid>`` for each reader, which only that user may open, so
+    that a user who holds its ring's lock or fills its ring keeps only its own clients from
+    connecting. The broker holds all of them; any other process the one it may write."""
 
     def __init__(self, server_id: str, seg: Segment, tables: Segment, create: bool,
-                 readers: tuple[int, ...] = (), batches: Segment | None = None, own: Segment | None = None) -> None:
+                 batches: Segment | None = None, connects: dict[int, Segment] | None = None) -> None:
         self.seg = seg
         self.tables = tables
-        self.own = own
-        self.own_connect = Ring(own.buf, HEADER_BYTES, CONNECT_CAPACITY, CONNECT) if own is not None else None
+        self.connects = connects or {}
+        self.connect_rings = {uid: Ring(c.buf, HEADER_BYTES, CONNECT_CAPACITY, CONNECT)
+                              for uid, c in self.connects.items()}
+        self.unmade_connects: list[int] = []  # readers whose ring's name another user had taken (create)
         # batches.0, the broker's and its workers' alone: the manifests of the batches it sends
         # (a manifest names the client segments and offsets a worker reads and answers).
         self.batches = batches
         self.batch_arena = Arena(batches.buf, 0, batches.size, batches.populate) if batches is not None else None
         self.name = seg.name
         off = HEADER_BYTES
-        self.connect = Ring(seg.buf, off, CONNECT_CAPACITY, CONNECT)
-        off = _align(off + Ring.nbytes(CONNECT_CAPACITY, CONNECT))
         self.arena_offset = off
         toff = _align(LANES * LANE_NAME_BYTES)  # tables.0: the lane holders first, then the documents
         self.routes = Published(tables.buf, toff, ROUTES_BYTES)
@@ -221,20 +226,19 @@ class BrokerSegment:
         if create:
             _HEADER.pack_into(seg.buf, 0, MAGIC, os.getpid(), time.time_ns())
             tables.buf[BROKER_IDENTITY_OFFSET:BROKER_IDENTITY_OFFSET + _HEADER.size] = seg.buf[:_HEADER.size]
-            self.connect.reset()
-            if self.own_connect is not None:
-                self.own_connect.reset()
+            for ring in self.connect_rings.values():
+                ring.reset()
             self.arena: Arena | None = Arena(seg.buf, off, seg.size - off, seg.populate)
         else:
             _identity(tables)  # (attach checked broker.0's header for another version's)
             self.arena = None
         self.waker = Waker.on_word(tables.buf, BROKER_WAKER_OFFSET)  # (only the broker writes tables.0)
         # Bumped whenever a client leaves, so workers know to unmap what they hold of it.
-        self.departures = np.ndarray((1,), dtype=np.uint64, buffer=seg.buf, offset=DEPARTURES_OFFSET)
+        self.departures = np.ndarray((1,), dtype=np.uint64, buffer=tables.buf, offset=DEPARTURES_OFFSET)
 
     @staticmethod
     def tables_nbytes() -> int:
-        return BROKER_WAKER_OFFSET + 8
+        return DEPARTURES_OFFSET + 8
 
     def restamp(self) -> bool:
         """Broker side: write broker.0's header again if a client changed it (it may write that
@@ -262,46 +266,56 @@ class BrokerSegment:
         return _align(arena_bytes // 16)
 
     @staticmethod
-    def own_connect_nbytes() -> int:
-        """``connect.0``'s bytes: a header and the ring."""
+    def connect_nbytes() -> int:
+        """A connect ring's object's bytes: a header (its first byte is the ring's lock) and the ring."""
         return _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT))
 
     @staticmethod
-    def nbytes(arena_bytes: int) -> int:
-        """All four objects' bytes."""
-        return _align(HEADER_BYTES + Ring.nbytes(CONNECT_CAPACITY, CONNECT)) + arena_bytes \
-            + BrokerSegment.tables_nbytes() + BrokerSegment.own_connect_nbytes()
+    def nbytes(arena_bytes: int, readers: int = 0) -> int:
+        """All the objects' bytes, with ``readers`` other users' connect rings."""
+        return HEADER_BYTES + arena_bytes + BrokerSegment.tables_nbytes() \
+            + (1 + readers) * BrokerSegment.connect_nbytes()
 
     @classmethod
     def create(cls, server_id: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "BrokerSegment":
         """``readers``: the other users whose local clients may connect (access.py)."""
         batch_bytes = cls.batches_nbytes(arena_bytes)
         made: list[Segment] = []
+        connects: dict[int, Segment] = {}
+        unmade: list[int] = []
         try:
-            own_bytes = cls.tables_nbytes() + cls.own_connect_nbytes()
-            made.append(Segment.create(object_name(server_id, "broker", 0),
-                                       cls.nbytes(arena_bytes) - own_bytes - batch_bytes, readers,
-                                       taken=cls.nbytes(0) - own_bytes + first_pages(arena_bytes)))
+            made.append(Segment.create(object_name(server_id, "broker", 0), HEADER_BYTES + arena_bytes - batch_bytes,
+                                       readers, taken=HEADER_BYTES + first_pages(arena_bytes)))
             made.append(Segment.create(object_name(server_id, "tables", 0), cls.tables_nbytes(), readers,
                                        readers_write=False))
             made.append(Segment.create(object_name(server_id, "batches", 0), batch_bytes,
                                        taken=first_pages(batch_bytes)))
-            made.append(Segment.create(object_name(server_id, "connect", 0), cls.own_connect_nbytes(),
-                                       taken=cls.own_connect_nbytes()))
+            connects[os.geteuid()] = Segment.create(connect_name(server_id, os.geteuid(), True), cls.connect_nbytes())
+            made.append(connects[os.geteuid()])
+            for uid in readers:
+                try:
+                    connects[uid] = Segment.create(connect_name(server_id, uid, False), cls.connect_nbytes(), (uid,))
+                except posix_ipc.ExistentialError:
+                    unmade.append(uid)  # (a name someone else took first: that user cannot connect)
+                    continue
+                made.append(connects[uid])
         except BaseException:
             for seg in made:
                 seg.close()
                 seg.unlink()
             raise
-        seg, tables, batches, own = made
-        return cls(server_id, seg, tables, create=True, readers=readers, batches=batches, own=own)
+        seg, tables, batches = made[:3]
+        broker = cls(server_id, seg, tables, create=True, batches=batches, connects=connects)
+        broker.unmade_connects = unmade
+        return broker
 
     @classmethod
     def attach(cls, server_id: str) -> "BrokerSegment":
         """Map the broker's objects as a client or another server process: its tables writable
         where this process is of the server's user (it lowers the broker's flag there, nothing
-        else), read-only for a client of another user."""
+        else), read-only for a client of another user; and the connect ring this process may write."""
         seg = Segment.attach(object_name(server_id, "broker", 0))
+        tables = None
         try:
             if seg.size < HEADER_BYTES:
                 raise ConnectionError(f"{seg.name} is not a shmserve segment ({seg.size} bytes)")
@@ -309,18 +323,18 @@ class BrokerSegment:
             if magic & _FAMILY == MAGIC & _FAMILY:
                 check_magic(seg.name, magic)  # first: another version has no tables.0 (or not as ours)
             tables = _attach_writable_if_ours(object_name(server_id, "tables", 0))
+            uid, connect = _own_connect(server_id, seg.uid)
         except BaseException:
             seg.close()
+            if tables is not None:
+                tables.close()
             raise
-        own = None
         try:
-            own = _own_connect(server_id)
-            return cls(server_id, seg, tables, create=False, own=own)
+            return cls(server_id, seg, tables, create=False, connects={uid: connect})
         except BaseException:
             seg.close()
             tables.close()
-            if own is not None:
-                own.close()
+            connect.close()
             raise
 
     @staticmethod
@@ -358,20 +372,19 @@ class BrokerSegment:
         store_u64(self.tables.buf, off, cookie)  # (workers read it as they take the lane's records)
 
     def connects_pending(self) -> bool:
-        """Broker side: whether a connect record waits on either ring."""
-        return bool(self.connect.pending()) or (self.own_connect is not None and bool(self.own_connect.pending()))
+        """Broker side: whether a connect record waits on any ring."""
+        return any(ring.pending() for ring in self.connect_rings.values())
 
     @contextlib.contextmanager
     def connect_lock(self, timeout: float = 5.0) -> Iterator[None]:
-        """Hold the connect ring for one producer: a lock the kernel keeps on one byte of the
-        ring's file (liveness.CONNECT_LOCK of the broker segment's, the first of ``connect.0``'s)
-        and drops when its holder dies, however it dies; a semaphore left taken by a client killed
-        mid-announce refused every later one."""
-        own = self.own is not None
-        fd = os.open(SHM_DIR + (self.own.name if self.own is not None else self.name), os.O_RDWR | os.O_CLOEXEC)
+        """Hold this process's connect ring for one producer: a lock the kernel keeps on the first
+        byte of the ring's file and drops when its holder dies, however it dies; a semaphore left
+        taken by a client killed mid-announce refused every later one."""
+        [connect] = self.connects.values()
+        fd = os.open(SHM_DIR + connect.name, os.O_RDWR | os.O_CLOEXEC)
         try:
             deadline = time.monotonic() + timeout
-            while not try_lock_byte(fd, 0 if own else CONNECT_LOCK):
+            while not try_lock_byte(fd, 0):
                 if time.monotonic() > deadline:
                     raise ConnectionError("the broker's connect ring is locked; is the server alive?")
                 time.sleep(0.001)
@@ -380,9 +393,9 @@ class BrokerSegment:
             os.close(fd)  # (closing lets go of the lock)
 
     def announce(self, ticket: int, client_name: str, timeout: float = 5.0) -> None:
-        """Client side: put a connect record (its ticket, its segment's name) on the connect ring
-        (the server's user's own where this process may open it) under its lock, ring the bell."""
-        ring = self.own_connect if self.own_connect is not None else self.connect
+        """Client side: put a connect record (its ticket, its segment's name) on this process's
+        connect ring under its lock, ring the bell."""
+        [ring] = self.connect_rings.values()
         with self.connect_lock(timeout):
             deadline = time.monotonic() + timeout
             while not ring.put(ticket, client_name.encode()):
@@ -396,16 +409,16 @@ class BrokerSegment:
         self.tables.close()
         if self.batches is not None:
             self.batches.close()
-        if self.own is not None:
-            self.own.close()
+        for connect in self.connects.values():
+            connect.close()
 
     def unlink(self) -> None:
         self.seg.unlink()
         self.tables.unlink()
         if self.batches is not None:
             self.batches.unlink()
-        if self.own is not None:
-            self.own.unlink()
+        for connect in self.connects.values():
+            connect.unlink()
 
 
 def _attach_writable_if_ours(name: str) -> Segment:
@@ -418,13 +431,27 @@ def _attach_writable_if_ours(name: str) -> Segment:
         return Segment.attach(name, readonly=True)
 
 
-def _own_connect(server_id: str) -> Segment | None:
-    """``connect.0``, where this process may open it (a process of the server's user, or root);
-    None for a client of another user, which announces itself on ``broker.0``'s shared ring."""
+def connect_name(server_id: str, uid: int, servers: bool) -> str:
+    """The connect ring of the server's own user (``connect.0``), or of another user ``uid``."""
+    return object_name(server_id, "connect", 0 if servers else f"u{uid}")
+
+
+def _own_connect(server_id: str, server_uid: int) -> tuple[int, Segment]:
+    """The connect ring this process may write, and the user it is for: ``connect.0`` where this
+    process may open it (the server's user, or root), else its own user's. PermissionError
+    where there is none (a user --local-client-users does not name)."""
     try:
-        return Segment.attach(object_name(server_id, "connect", 0))
+        return server_uid, Segment.attach(object_name(server_id, "connect", 0))
     except (PermissionError, posix_ipc.PermissionsError):
-        return None
+        pass
+    try:
+        connect = Segment.attach(connect_name(server_id, os.geteuid(), False))
+    except posix_ipc.ExistentialError:
+        raise PermissionError(f"the server has no connect ring for uid {os.geteuid()}") from None
+    if connect.uid != server_uid:  # (a name another user took before the server made it)
+        connect.close()
+        raise ConnectionError(f"{connect.name} is not the server's (uid {connect.uid}, the server's is {server_uid})")
+    return os.geteuid(), connect
 
 
 def control_name(worker_name: str) -> str:

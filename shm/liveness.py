@@ -30,9 +30,6 @@ MAX_TICKET = (1 << 31) - 1
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock: type, whence, start, len, pid (0 for OFD locks)
 
 
-# The byte past every ticket: held by a client while it puts its connect record (channel.py).
-CONNECT_LOCK = MAX_TICKET + 1
-
 
 def try_lock_byte(fd: int, at: int) -> bool:
     """Take byte ``at`` of ``fd``'s file for this open file description; False if another holds

@@ -230,15 +230,18 @@ TABLES = r"""
 c = Client(args["server"])
 broker = c._conn.broker
 result = {}
+def departures():
+    broker.departures[0] += 1
 for what, write in (("regions", lambda: broker.regions.publish(b'{"regions": {}}')),
                     ("lanes", lambda: broker.set_lane_client(0, "/elsewhere", 1)),
+                    ("departures", departures),
                     ("open", lambda: os.open(args["tables"], os.O_RDWR)),
                     ("control", lambda: os.open(args["control"], os.O_RDWR)),
                     ("batches", lambda: os.open(args["batches"], os.O_RDONLY))):
     try:
         write()
         result[what] = "written"
-    except (TypeError, PermissionError) as e:
+    except (TypeError, ValueError, PermissionError) as e:
         result[what] = type(e).__name__
 a = np.arange(16, dtype=np.int32)
 result["add"] = c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist()[:4]
@@ -248,14 +251,17 @@ c.close()
 
 def test_a_named_user_cannot_write_what_workers_trust(users_server):
     """What a worker acts on as the server's user lies where a client of another user cannot
-    write: the broker's tables (read only), a worker's control object (its inbox and outbox; read
-    only) and the batch manifests (not even readable). It is still served."""
+    write: the broker's tables (read only: its departures counter too, which a client bumping
+    it kept workers remapping and one holding it still kept them mapping every departed segment),
+    a worker's control object (its inbox and outbox; read only) and the batch manifests (not even
+    readable). It is still served."""
     sid = users_server.id
     got = run_as_nobody(TABLES, {"server": sid, "tables": f"/dev/shm/shmserve.{sid}.tables.0",
                                  "control": f"/dev/shm/shmserve.{sid}.control.0",
                                  "batches": f"/dev/shm/shmserve.{sid}.batches.0"})
-    assert got == {"regions": "TypeError", "lanes": "TypeError", "open": "PermissionError",
-                   "control": "PermissionError", "batches": "PermissionError", "add": [0, 2, 4, 6]}
+    assert got == {"regions": "TypeError", "lanes": "TypeError", "departures": "ValueError",
+                   "open": "PermissionError", "control": "PermissionError", "batches": "PermissionError",
+                   "add": [0, 2, 4, 6]}
 
 
 # Lowers, every 0.2 ms for args["secs"], the words where a receiver's sleeping flag could lie in the
@@ -425,28 +431,47 @@ def test_a_named_user_holding_locks_on_the_broker_file_stalls_no_growth(users_se
         proc.communicate(timeout=DEADLINE_S)
 
 
-# Holds the lock of the connect ring every client may write (a byte of broker.0's file) until
-# killed, as a client of a named user may.
+# Holds the lock of its own user's connect ring (the first byte of connect.u<uid>) until killed,
+# as a client of a named user may, after trying to open the other rings for writing.
 CONNECT_LOCKER = r"""
-from shmserve.shm.liveness import CONNECT_LOCK, try_lock_byte
-fd = os.open(args["broker"], os.O_RDWR)
-print("HELD" if try_lock_byte(fd, CONNECT_LOCK) else "NOT HELD", flush=True)
+from shmserve.shm.liveness import try_lock_byte
+sid = args["server"]
+opened = {}
+for what in ("connect.0", "connect.u%d" % args["other"]):
+    try:
+        os.close(os.open(f"/dev/shm/shmserve.{sid}.{what}", os.O_RDWR))
+        opened[what] = "opened"
+    except PermissionError:
+        opened[what] = "PermissionError"
+fd = os.open(f"/dev/shm/shmserve.{sid}.connect.u{os.geteuid()}", os.O_RDWR)
+print(("HELD " if try_lock_byte(fd, 0) else "NOT HELD ") + json.dumps(opened), flush=True)
 sys.stdin.read()
 """
 
 
-def test_a_named_user_holding_the_connect_lock_keeps_no_frontend_from_connecting(server_factory):
-    """A named user may take the lock of the connect ring it writes and keep it: then no client
-    could connect, not even a frontend the launcher restarted, which served nothing until the
-    lock was let go. The server's own user connects on a ring of its own (connect.0). (A server
-    of its own: the frontend it kills is a death the others' tests would see in the log.)"""
-    users_server = _start(server_factory, "--local-client-users=nobody")
+def test_a_named_user_holding_the_connect_lock_keeps_no_other_user_from_connecting(server_factory):
+    """A named user may take the lock of the connect ring it writes and keep it. When every
+    client of another user than the server's announced itself on one ring in broker.0, no
+    other named user's client could connect then; the server's own user connects on a ring of
+    its own (connect.0), or no frontend the launcher restarted would have served until the lock
+    was let go. Each named user has a ring of its own (connect.u<uid>), which no other may open.
+    (A server of its own: the frontend it kills is a death the others' tests would see in the log.)"""
+    import pwd
+
+    daemon = pwd.getpwnam("daemon")
+    users_server = _start(server_factory, "--local-client-users=nobody,daemon")
     sid = users_server.id
     a = np.arange(16, dtype=np.int32)
-    proc = start_as(NOBODY.pw_uid, NOBODY.pw_gid, CONNECT_LOCKER, {"broker": f"/dev/shm/shmserve.{sid}.broker.0"})
+    proc = start_as(NOBODY.pw_uid, NOBODY.pw_gid, CONNECT_LOCKER, {"server": sid, "other": daemon.pw_uid})
     try:
         ready, _, _ = select.select([proc.stdout], [], [], DEADLINE_S)
-        assert ready and proc.stdout.readline().strip() == "HELD", "the locking client did not take the lock"
+        assert ready, "the locking client did not start"
+        said = proc.stdout.readline().strip()
+        assert said.startswith("HELD "), f"the locking client did not take the lock: {said}"
+        assert json.loads(said[len("HELD "):]) == {"connect.0": "PermissionError",
+                                                  f"connect.u{daemon.pw_uid}": "PermissionError"}
+        got = run_as(daemon.pw_uid, daemon.pw_gid, CLIENT, {"server": sid})
+        assert got["add"] == (2 * np.arange(16)).tolist()
         with Client(sid) as local:  # (the server's user)
             assert local.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == (2 * a).tolist()
         [frontend] = [pid for pid, title in users_server.titles().items() if title.startswith("shmserve frontend ")]
@@ -471,8 +496,8 @@ def test_a_named_user_holding_the_connect_lock_keeps_no_frontend_from_connecting
         proc.communicate(timeout=DEADLINE_S)
 
 
-# Truncates every object it may write (its own segment, broker.0, each worker's segment and the
-# extents of its arena) to nothing, twice, a second apart. Its own segment is a loop-driven
+# Truncates every object it may write (its own segment, broker.0, its connect ring, each worker's
+# segment and the extents of its arena) to nothing, twice, a second apart. Its own segment is a loop-driven
 # connection's, which nothing of its own touches again (its process would die of the cut: only
 # what another user may write is guarded); it leaves without a word, as a killed client would.
 TRUNCATE = r"""
@@ -484,7 +509,7 @@ result = {"before": c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].to
 c.close()
 conn = Connection(args["server"], loop_driven=True)
 sid = args["server"]
-targets = ["/dev/shm" + conn.name, f"/dev/shm/shmserve.{sid}.broker.0"]
+targets = ["/dev/shm" + conn.name, f"/dev/shm/shmserve.{sid}.broker.0", f"/dev/shm/shmserve.{sid}.connect.u{os.geteuid()}"]
 workers = sorted("/dev/shm/" + n for n in os.listdir("/dev/shm")
                  if n.startswith(f"shmserve.{sid}.worker.") and not n.endswith(".fifo"))
 # Every worker segment, and the extents holding its own answers (the server's user's are not its to open).
@@ -503,8 +528,8 @@ os._exit(0)
 
 
 def test_a_named_user_truncating_what_it_may_write_kills_no_server_process(users_server):
-    """A client of another user may write its own segment, broker.0, a worker's segment and the
-    extents of its arena, and so may shrink them; a server process that then touched a lost page died of
+    """A client of another user may write its own segment, broker.0, its connect ring, a worker's
+    segment and the extents of its arena, and so may shrink them; a server process that then touched a lost page died of
     SIGBUS. The truncation guard (shm/truncation_guard.py) grows each file back, so a truncation
     only zeroes what the client could zero anyway: every process lives on, and serves."""
     import tritonclient.grpc as grpcclient
@@ -520,7 +545,7 @@ def test_a_named_user_truncating_what_it_may_write_kills_no_server_process(users
         processes = users_server.titles()
         got = run_as_nobody(TRUNCATE, {"server": sid})
         assert got["before"] == [0, 2, 4, 6], got
-        assert {name.split(".")[2] for name in got["cut"]} == {"broker", "worker", "client"}, got["cut"]
+        assert {name.split(".")[2] for name in got["cut"]} == {"broker", "connect", "worker", "client"}, got["cut"]
         assert got["extents"], "it cut the extent its answer lay in too"
 
         def served() -> bool:
@@ -941,6 +966,7 @@ huge.close()
 huge.unlink()
 held = [connect(k, 4096) for k in range(1, args["count"] + 1)]
 result["held_refused"] = sum(seg.disconnected() for seg in held)
+result["with_lane"] = sum(seg.lane < 256 for seg in held)
 try:
     Client(sid)
     result["one_more"] = "connected"
@@ -955,16 +981,20 @@ def test_a_named_users_clients_are_bounded_in_number_and_size(users_server):
     and address space, which one user could take from everyone. Its clients are bounded (1,024
     connections, 1 TiB of segments): one past either is refused at once with a clear error and
     the broker's log names the bound, while clients of the server's user are served; once the
-    user's clients are gone, it connects again."""
+    user's clients are gone, it connects again. They hold at most half the lanes (one user
+    named), so a client of the server's user still has one: before, they took every lane."""
     from shmserve.server.broker.clients import MAX_CLIENTS_PER_USER
+    from shmserve.shm.channel import LANES
 
     got = run_as_nobody(BOUNDED, {"server": users_server.id, "count": MAX_CLIENTS_PER_USER}, timeout=300)
     assert got["huge_refused"] is True and got["held_refused"] == 0, got
+    assert got["with_lane"] == LANES // 2, got
     assert got["one_more"] == f"the shmserve server '{users_server.id}' refused the connection (its log says why)"
     assert f"a user may hold at most {MAX_CLIENTS_PER_USER} and 1024 GiB" in users_server.log()
     with Client(users_server.id) as client:
         a = np.arange(16, dtype=np.int32)
         assert client.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == (2 * a).tolist()
+        assert client._conn.lane is not None  # noqa: SLF001
     wait_until(lambda: not _owned_by_nobody(shm_names(f"shmserve.{users_server.id}.client.")),
                "nobody's segments are removed")
     got = run_as_nobody(CLIENT, {"server": users_server.id})

@@ -258,10 +258,11 @@ def test_garbage_on_the_connect_ring_is_refused(server):
     pid = os.getpid()
     with Client(server.id) as good:
         broker = good._conn.broker  # noqa: SLF001
+        [ring] = broker.connect_rings.values()  # (connect.0: this process is of the server's user)
 
         def announce(raw: bytes) -> None:
             with broker.connect_lock():
-                assert broker.connect.put(pid, raw)
+                assert ring.put(pid, raw)
             broker.waker.notify()
 
         announce(b"\xff\xfe\xfd not text")
@@ -273,9 +274,10 @@ def test_garbage_on_the_connect_ring_is_refused(server):
                    "the broker refuses to take its own segment for a client's")
         # Scribbled counters: the records are skipped, and the next client connects as usual.
         with broker.connect_lock():
-            broker.connect._ctr[1] = 1 << 62  # noqa: SLF001
+            ring._ctr[1] = 1 << 62  # noqa: SLF001
         broker.waker.notify()
-        wait_until(lambda: "the connect ring's ring counters corrupt" in server.log(), "the broker resyncs the ring")
+        wait_until(lambda: f"the connect ring of uid {os.geteuid()}'s ring counters corrupt" in server.log(),
+                   "the broker resyncs the ring")
         with Client(server.id) as fresh:
             assert fresh.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
         assert good.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT1"].tolist() == (A - B).tolist()

@@ -26,7 +26,7 @@ import signal
 import time
 
 from shmserve.shm.access import server_readers
-from shmserve.shm.channel import BrokerSegment
+from shmserve.shm.channel import BrokerSegment, connect_name
 from shmserve.shm.control_messages import decode as decode_control
 from shmserve.shm.extents import broker_arenas
 from shmserve.parent_death import ORPHANED
@@ -71,6 +71,10 @@ class Broker:
     def __init__(self, opts: BrokerOptions) -> None:
         self.opts = opts
         self.seg = BrokerSegment.create(opts.server_id, opts.broker_arena_bytes, server_readers())
+        for uid in self.seg.unmade_connects:
+            log.error("the local clients of uid %d cannot connect: %s exists already, made by another user, and "
+                      "the server may not remove it (remove it, then restart the server)", uid,
+                      connect_name(opts.server_id, uid, False))
         # Its answers: the arena in its segment, then extents it grows (shm/extents.py).
         self.answers = broker_arenas(self.seg, opts.server_id, opts.broker_arena_cap_bytes)
         space.make_lock(opts.server_id)  # before any worker segment is counted (shm/space.py)

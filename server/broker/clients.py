@@ -1,8 +1,8 @@
 """The connected clients (frontend processes and local programs): the connect ring, their lanes,
 and answers from the broker's own arena.
 
-A client announces itself on the broker segment's connect ring with the name of the client
-segment it created; the broker attaches it and, while one is free, gives it a lane: its own
+A client announces itself on its user's connect ring with the name of the client segment it
+created; the broker attaches it and, while one is free, gives it a lane: its own
 ring on every worker, so that it may send requests of default-scheduled models to a worker
 directly (see routes.py for which). Answers the broker makes itself (control replies, early
 errors, ensembles) are written into the broker's arena and completed in the client's slot.
@@ -38,6 +38,10 @@ _QUARANTINED = "<refused>"  # the lane of a refused client, until its process is
 # all of either from everyone else.
 MAX_CLIENTS_PER_USER = 1024
 MAX_SEGMENT_BYTES_PER_USER = 1 << 40
+# Lanes are shared by all: the clients of one such user hold at most an equal share of them (half
+# with one user named, a third with two), so that one user's clients, however many, leave lanes
+# to the server's own (its frontends) and to every other user. A client past it has no lane and
+# sends everything through the broker (a hop more, nothing refused).
 
 
 class Clients:
@@ -54,26 +58,27 @@ class Clients:
         self.lanes: list[str | None] = [None] * LANES  # lane -> the client holding it
         self.next_cookie = 0
         self._names = client_name_pattern(server_id)
-        self.quarantined: dict[int, int] = {}  # lane -> ticket of the refused client that held it
+        self.quarantined: dict[int, tuple[int, int]] = {}  # lane -> ticket and uid of the refused client that held it
+        self._lanes_held: collections.Counter[int] = collections.Counter()  # uid -> lanes its clients hold
         self._held: collections.Counter[int] = collections.Counter()  # uid -> its clients' count
         self._held_bytes: collections.Counter[int] = collections.Counter()  # uid -> their segments' bytes
         self._said_full: set[int] = set()  # users told of (once while at the bound)
 
     def on_connects(self) -> None:
-        """Attach every client that announced itself on a connect ring: the server's user's own
-        (``connect.0``) and the one every client may write. A record that names no client
-        segment of its own ticket, or whose ticket no live process holds, is refused, with a
-        warning, and so is a ring whose counters were scribbled on (its records are skipped)."""
-        for ring in (self.seg.own_connect, self.seg.connect):
-            if ring is not None:
-                self._on_connects(ring)
+        """Attach every client that announced itself on a connect ring: the server's user's
+        (``connect.0``) or its own user's. A record that names no client segment of its own
+        ticket, or whose ticket no live process holds, or (on another user's ring) a segment not
+        of that user, is refused, with a warning, and so is a ring whose counters were scribbled
+        on (its records are skipped)."""
+        for uid, ring in self.seg.connect_rings.items():
+            self._on_connects(ring, uid)
 
-    def _on_connects(self, ring: Ring) -> None:
+    def _on_connects(self, ring: Ring, uid: int) -> None:
         try:
             records = ring.drain()
         except RingCorrupt as e:
             skipped = ring.resync()
-            log.warning("refused %d connect record(s): the connect ring's %s", skipped, e)
+            log.warning("refused %d connect record(s): the connect ring of uid %d's %s", skipped, uid, e)
             return
         for ticket, raw in records:
             try:
@@ -86,6 +91,9 @@ class Clients:
                 if seg.ticket != ticket:
                     seg.close()
                     raise Garbage(Fault.HEADER, f"{name} was made under ticket {seg.ticket}, not {ticket}")
+                if uid != os.geteuid() and seg.seg.uid != uid:
+                    seg.close()
+                    raise Garbage(Fault.CONNECT, f"{name} is uid {seg.seg.uid}'s, announced on uid {uid}'s ring")
             except (posix_ipc.Error, ConnectionError, OSError, ValueError) as e:
                 log.warning("client %d could not be attached: %s", ticket, e)
                 continue
@@ -119,14 +127,22 @@ class Clients:
                         MAX_SEGMENT_BYTES_PER_USER >> 30)
         return True
 
+    def lane_share(self, uid: int) -> int:
+        """How many lanes the clients of ``uid`` may hold at once: all for the server's user, an
+        equal share for each other user (the server's user counted too)."""
+        return LANES if uid == os.geteuid() else LANES // len(self.seg.connect_rings)
+
     def _give_lane(self, client: Client) -> None:
         """A lane lets the client reach workers of default-scheduled models without our hop."""
         self._release_quarantined()
         try:
+            if self._lanes_held[client.uid] >= self.lane_share(client.uid):
+                raise ValueError("its user holds its share")
             lane = self.lanes.index(None)
         except ValueError:
-            client.seg.lane = NO_LANE  # all taken: this client goes through the broker only
+            client.seg.lane = NO_LANE  # none for it: this client goes through the broker only
             return
+        self._lanes_held[client.uid] += 1
         self.lanes[lane] = client.name
         self.next_cookie += 1
         self.seg.set_lane_client(lane, client.name, self.next_cookie)
@@ -144,6 +160,7 @@ class Clients:
             self._said_full.discard(client.uid)
         if client.lane is not None and self.lanes[client.lane] == client.name:
             self.lanes[client.lane] = None
+            self._lanes_held[client.uid] -= 1
             self.seg.set_lane_client(client.lane, "", 0)
         client.seg.close()
         client.seg.unlink()
@@ -159,15 +176,16 @@ class Clients:
         client.seg.cancel_pending()
         client.seg.lane = LANE_REFUSED
         if client.lane is not None and self.lanes[client.lane] == client.name:
-            self.lanes[client.lane] = _QUARANTINED
-            self.quarantined[client.lane] = client.ticket
+            self.lanes[client.lane] = _QUARANTINED  # (still its user's: counted in _lanes_held)
+            self.quarantined[client.lane] = client.ticket, client.uid
             self.seg.set_lane_client(client.lane, "", 0)
 
     def _release_quarantined(self) -> None:
-        for lane, ticket in list(self.quarantined.items()):
+        for lane, (ticket, uid) in list(self.quarantined.items()):
             if not self.tickets.held(ticket):
                 del self.quarantined[lane]
                 self.lanes[lane] = None
+                self._lanes_held[uid] -= 1
 
     def reply(self, client: Client, slot: int, status: int, answer: AnswerDescriptor | Any) -> None:
         """Answer a client from the broker's own arena: an answer (early errors and refusals), or
