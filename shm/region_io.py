@@ -2,9 +2,12 @@
 
 A client may ``ftruncate`` its region at any moment, and touching a mapped page past the new end
 of a tmpfs object raises SIGBUS, which no Python code survives. So a process of the server maps a
-region only under the truncation guard (``truncation_guard.py``, whoever owns the region): a
-truncation racing a copy is grown back, and the copy reads or leaves zeros, which costs only the
-client that truncated. Inputs are copied out of the mapping into memory of the reader's own and
+region only under the truncation guard (``truncation_guard.py``, whoever owns the region): at
+a truncation met mid-copy the guard replaces the whole mapping by zero pages, so the copy runs on
+over them at memory speed however often the client truncates (grown back page by page, a copy of
+16 MiB racing truncations in a loop took 20 s of the broker's or a worker's time), and is then
+refused as truncated (a 400): that costs only the client that truncated. The next copy maps the
+object anew. Inputs are copied out of the mapping into memory of the reader's own and
 outputs copied into it: a ``memcpy`` each, where ``pread``/``pwrite`` took twice its CPU (tmpfs
 handles each 4 KiB page of those on its own). The object's size is looked at before each copy,
 so a region found shorter than the request needs is refused (a 400), as before the mapping.
@@ -31,7 +34,7 @@ import posix_ipc
 from . import truncation_guard
 from .names import SHM_DIR
 from .space import HOW_TO_RAISE, NoRoom
-from .truncation_guard import guard_mapping
+from .truncation_guard import MappingGuard, guard_mapping
 
 
 MAX_OUTGROWN = 8  # smaller mappings of a grown region still in use, past which the descriptor serves
@@ -74,7 +77,8 @@ class _Mapping:
 
     def __init__(self, fd: int, size: int) -> None:
         self.mm = mmap.mmap(fd, size)
-        self.guard = guard_mapping(self.mm, fd, size, restorable=True, always=True)
+        # (zeroed, not grown back, at a truncation: a copy racing truncations in a loop costs one fault)
+        self.guard = guard_mapping(self.mm, fd, size, restorable=True, always=True, zero=True)
         self.bytes = np.frombuffer(self.mm, dtype=np.uint8)
 
     def close(self) -> bool:
@@ -108,7 +112,7 @@ class RegionFile:
         self._taken = (0, 0, -1)
         self._lock = threading.Lock()
 
-    def _mapped(self, end: int) -> tuple[mmap.mmap, np.ndarray] | None:
+    def _mapped(self, end: int) -> tuple[np.ndarray, MappingGuard] | None:
         """The object as a guarded mapping and its bytes, if it reaches ``end``: made when first
         asked for, and anew (larger) once the object has grown, the smaller one unmapped once
         nothing uses it (the bytes returned keep it mapped while the caller holds them); None
@@ -117,14 +121,14 @@ class RegionFile:
         mapping = self._mapping
         if mapping is not None:
             got = mapping.bytes
-            if got is not None and len(got) >= end:
-                return mapping.mm, got
+            if got is not None and len(got) >= end and not mapping.guard.zeroed:
+                return got, mapping.guard
         if not truncation_guard.available():
             return None
         with self._lock:
             mapping = self._mapping
-            if mapping is not None and len(mapping.bytes) >= end:
-                return mapping.mm, mapping.bytes
+            if mapping is not None and len(mapping.bytes) >= end and not mapping.guard.zeroed:
+                return mapping.bytes, mapping.guard
             self._outgrown = [m for m in self._outgrown if not m.close()]
             size = os.fstat(self.fd).st_size
             if size < end or len(self._outgrown) >= MAX_OUTGROWN:
@@ -139,7 +143,7 @@ class RegionFile:
             if mapping is not None and not mapping.close():
                 self._outgrown.append(mapping)
             self._mapping = made
-            return made.mm, made.bytes
+            return made.bytes, made.guard
 
     @classmethod
     def open(cls, key: str, ino: int, region: str | None = None) -> "RegionFile":
@@ -165,7 +169,7 @@ class RegionFile:
             return None
         if os.fstat(self.fd).st_size < off + size:
             self._truncated(off + size, region)
-        view = mapped[1][off:off + size]
+        view = mapped[0][off:off + size]
         view.flags.writeable = False
         return view
 
@@ -182,7 +186,9 @@ class RegionFile:
         if mapped is not None:
             if os.fstat(self.fd).st_size < off + n:
                 self._truncated(off + n, region)
-            np.copyto(np.frombuffer(dst, dtype=np.uint8), mapped[1][off:off + n])  # (numpy lets the GIL go)
+            np.copyto(np.frombuffer(dst, dtype=np.uint8), mapped[0][off:off + n])  # (numpy lets the GIL go)
+            if mapped[1].zeroed:  # (a truncation met: what was copied is zeros, not the object's)
+                self._truncated(off + n, region)
             return
         while done < n:
             got = os.preadv(self.fd, [dst[done:]], off + done)
@@ -215,7 +221,9 @@ class RegionFile:
                     raise NoRoom(f"/dev/shm is full: the {n}-byte output cannot be written into "
                                  f"{_shown(self.key, region)}, whose pages were never taken; {HOW_TO_RAISE}") from None
                 self._taken = (off, off + n, count)
-            np.copyto(mapped[1][off:off + n], np.frombuffer(src, dtype=np.uint8))
+            np.copyto(mapped[0][off:off + n], np.frombuffer(src, dtype=np.uint8))
+            if mapped[1].zeroed:  # (a truncation met: the output went into zero pages of this process)
+                self._truncated(off + n, region)
             return
         done = 0
         while done < n:

@@ -23,6 +23,13 @@
  * put into an address range another mapping may have taken since. fallocate keeps the file's size
  * (the last page of an object whose size is no multiple of a page lies partly past its end).
  *
+ * A mapping guarded to be zeroed (GUARD_ZEROED: a client's registered region, which the server
+ * only copies from and into) is not grown back: its whole range is replaced by private zero pages
+ * at the first fault, and guard_zeroed() says so, so that the copy runs on over zeros and is then
+ * refused. Grown back page by page, a copy of N pages racing a truncation in a loop faulted up to
+ * N times, each fault waiting on the truncating process: seconds per MiB in a broker or a worker
+ * that other clients wait for.
+ *
  * A SIGBUS outside every guarded mapping, or one that keeps coming back at one address although
  * the file is whole and the page could be had or replaced, goes to the handler that was there
  * before, as if this one did not exist.
@@ -52,9 +59,16 @@ enum {
     PAGES_RESTORED = 2, /* replaced, and the object's page put back by guard_restore once there is room */
 };
 
+/* guard_add's mode: a truncation met is grown back, the mapping's owner saying when it unmaps
+ * (GUARD_RESTORABLE) or not (GUARD_PLAIN); or the mapping is zeroed (GUARD_ZEROED, which says
+ * when it unmaps too). */
+enum { GUARD_PLAIN = 0, GUARD_RESTORABLE = 1, GUARD_ZEROED = 2 };
+
 struct guarded_file {
     atomic_int state;
     atomic_int pages;     /* PAGES_*: what a page with no room may become */
+    atomic_int zero;      /* GUARD_ZEROED asked, and the mapping not about to be unmapped */
+    atomic_int zeroed;    /* its range was replaced by zero pages (a truncation met) */
     int fd;               /* our own duplicate, open for writing */
     int prot, flags;      /* the mapping's protection and MAP_SHARED or MAP_PRIVATE */
     off_t size;           /* the size the process maps */
@@ -96,8 +110,8 @@ static int regrow_shrunk(void)
     int used = atomic_load(&slots_used);
     for (int i = 0; i < used; i++) {
         struct guarded_file *g = &table[i];
-        if (atomic_load(&g->state) != SLOT_LIVE)
-            continue;
+        if (atomic_load(&g->state) != SLOT_LIVE || atomic_load(&g->zeroed))
+            continue; /* (a zeroed mapping no longer maps the file) */
         struct stat st;
         if (fstat(g->fd, &st) == 0 && st.st_size < g->size && ftruncate(g->fd, g->size) == 0)
             regrown++;
@@ -152,7 +166,7 @@ static void take_or_replace(uintptr_t address, int used)
     int no_room = -1; /* a slot whose file has no room for the page */
     for (int i = 0; i < used; i++) {
         struct guarded_file *g = &table[i];
-        if (atomic_load(&g->state) != SLOT_LIVE || page < g->start || page >= g->end)
+        if (atomic_load(&g->state) != SLOT_LIVE || atomic_load(&g->zeroed) || page < g->start || page >= g->end)
             continue;
         /* (KEEP_SIZE: the last page of an object whose size is no multiple of it stays as long) */
         if (fallocate(g->fd, FALLOC_FL_KEEP_SIZE, (off_t)(page - g->start), (off_t)page_size) == 0)
@@ -214,7 +228,7 @@ static void on_sigbus(int signo, siginfo_t *info, void *context)
 {
     int saved_errno = errno;
     uintptr_t address = (uintptr_t)info->si_addr;
-    int ours = 0, regrown = 0;
+    int ours = 0, regrown = 0, zeroed = 0;
     atomic_fetch_add(&handlers_running, 1);
     int used = atomic_load(&slots_used);
     for (int i = 0; i < used; i++) {
@@ -223,14 +237,25 @@ static void on_sigbus(int signo, siginfo_t *info, void *context)
             continue;
         ours = 1; /* (every slot that covers it: one of a mapping gone may still cover the address) */
         struct stat st;
-        if (fstat(g->fd, &st) == 0 && st.st_size < g->size && ftruncate(g->fd, g->size) == 0)
+        int shrunk = fstat(g->fd, &st) == 0 && st.st_size < g->size;
+        /* (zeroed already: a page put back meanwhile by guard_restore, zeroed again) */
+        if ((shrunk || atomic_load(&g->zeroed)) && atomic_load(&g->zero) &&
+            mmap((void *)g->start, g->end - g->start, g->prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) !=
+                MAP_FAILED) {
+            atomic_store(&g->pages, PAGES_REPLACED); /* (no page of the object is put back there) */
+            forget_replaced(i);
+            atomic_store(&g->zeroed, 1);
+            zeroed = 1; /* (the access made again finds a zero page) */
+        } else if (shrunk && ftruncate(g->fd, g->size) == 0) {
             regrown = 1;
+        }
     }
-    if (ours && !regrown)
+    if (ours && !regrown && !zeroed)
         take_or_replace(address, used);
     atomic_fetch_sub(&handlers_running, 1);
-    if (regrown) {
-        atomic_fetch_add(&files_regrown, 1);
+    if (regrown || zeroed) {
+        if (regrown)
+            atomic_fetch_add(&files_regrown, 1);
         atomic_store(&futile_count, 0);
     } else if (ours) {
         /* Whole already (and the page taken or replaced where it could be): made again, unless it
@@ -275,9 +300,8 @@ int guard_install(void)
 }
 
 /* Guard the file open as `fd` (duplicated here) at `size` bytes, mapped at `start` with `prot` and
- * `flags` (MAP_SHARED or MAP_PRIVATE); `restorable`: the caller calls guard_close before it unmaps
- * the mapping, so a replaced page may be put back. The slot, or -errno. */
-int guard_add(int fd, long long size, void *start, int prot, int flags, int restorable)
+ * `flags` (MAP_SHARED or MAP_PRIVATE); `mode`: GUARD_*. The slot, or -errno. */
+int guard_add(int fd, long long size, void *start, int prot, int flags, int mode)
 {
     int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (own < 0)
@@ -289,7 +313,9 @@ int guard_add(int fd, long long size, void *start, int prot, int flags, int rest
         table[i].fd = own;
         table[i].prot = prot;
         table[i].flags = flags & (MAP_SHARED | MAP_PRIVATE);
-        atomic_store(&table[i].pages, restorable ? PAGES_RESTORED : PAGES_REPLACED);
+        atomic_store(&table[i].pages, mode != GUARD_PLAIN ? PAGES_RESTORED : PAGES_REPLACED);
+        atomic_store(&table[i].zero, mode == GUARD_ZEROED);
+        atomic_store(&table[i].zeroed, 0);
         table[i].size = (off_t)size;
         table[i].start = (uintptr_t)start;
         table[i].end = (uintptr_t)start + (uintptr_t)size;
@@ -311,6 +337,7 @@ void guard_close(int slot)
     if (slot < 0 || slot >= GUARD_CAPACITY || atomic_load(&table[slot].state) != SLOT_LIVE)
         return;
     atomic_store(&table[slot].pages, PAGES_REPLACED);
+    atomic_store(&table[slot].zero, 0); /* (nor is the range zeroed: it may be another mapping's soon) */
     while (atomic_load(&handlers_running) > 0) /* one may have read the old value */
         sched_yield();
     forget_replaced(slot);
@@ -361,6 +388,15 @@ int guard_waiting(void)
     for (int i = 0; i < used; i++)
         waiting += atomic_load(&replaced[i].state) == SLOT_LIVE;
     return waiting;
+}
+
+/* Whether a GUARD_ZEROED slot's mapping was zeroed: a truncation met, what was copied from or into
+ * it since is not the object's. */
+int guard_zeroed(int slot)
+{
+    if (slot < 0 || slot >= GUARD_CAPACITY)
+        return 0;
+    return atomic_load(&table[slot].zeroed);
 }
 
 /* How many times a guarded file was grown back since the process started. */

@@ -49,6 +49,8 @@ def _load() -> ctypes.CDLL | None:
     lib.guard_close.restype = None
     lib.guard_remove.argtypes = (ctypes.c_int,)
     lib.guard_remove.restype = None
+    lib.guard_zeroed.argtypes = (ctypes.c_int,)
+    lib.guard_zeroed.restype = ctypes.c_int
     lib.guard_regrown.restype = ctypes.c_ulong
     lib.guard_replaced.restype = ctypes.c_ulong
     lib.guard_restored.restype = ctypes.c_ulong
@@ -58,6 +60,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 _lib = _load()
+_PLAIN, _RESTORABLE, _ZEROED = 0, 1, 2  # guard_add's modes (GUARD_* in the C file)
 _install_lock = threading.Lock()
 _installed = False
 _failure_said = False
@@ -125,6 +128,11 @@ class Guard:
     def __init__(self, slot: int) -> None:
         self._slot = slot
 
+    @property
+    def zeroed(self) -> bool:
+        """Whether a truncation met replaced the mapping by zero pages (a guard made to zero)."""
+        return self._slot >= 0 and _lib is not None and bool(_lib.guard_zeroed(self._slot))
+
     def closing(self) -> None:
         """The mapping is about to be unmapped: its address range may be another mapping's soon,
         so no replaced page of it is put back from now on."""
@@ -140,7 +148,7 @@ class Guard:
         self.release()
 
 
-def _guard_fd(fd: int, size: int, start: int, prot: int, flags: int, restorable: bool) -> Guard | None:
+def _guard_fd(fd: int, size: int, start: int, prot: int, flags: int, mode: int) -> Guard | None:
     """Guard the file open as ``fd`` (which must be open for writing) at ``size`` bytes, mapped at
     ``start`` with ``prot`` and ``flags``; the library keeps its own duplicate of ``fd``. None
     without the library, or when the guard cannot be had (said once: out of descriptors, or 16384
@@ -155,7 +163,7 @@ def _guard_fd(fd: int, size: int, start: int, prot: int, flags: int, restorable:
                 if failed:
                     raise OSError(failed, f"cannot install the SIGBUS handler: {os.strerror(failed)}")
                 _installed = True
-    slot = _lib.guard_add(fd, size, ctypes.c_void_p(start), prot, flags, int(restorable))
+    slot = _lib.guard_add(fd, size, ctypes.c_void_p(start), prot, flags, mode)
     if slot < 0:
         if not _failure_said:
             _failure_said = True
@@ -185,6 +193,12 @@ class MappingGuard:
     def guarded(self) -> bool:
         return self._guard is not None
 
+    @property
+    def zeroed(self) -> bool:
+        """``guard_mapping(..., zero=True)``: whether a truncation met replaced the whole mapping by
+        zero pages, so that what was copied from or into it since is not the object's."""
+        return self._guard is not None and self._guard.zeroed
+
     def closing(self) -> None:
         """Say before unmapping: no page is put back into the range from now on."""
         if self._guard is not None:
@@ -192,7 +206,7 @@ class MappingGuard:
 
 
 def guard_mapping(mm: mmap.mmap, fd: int, size: int, shared: bool = True, restorable: bool = False,
-                  always: bool = False, required: bool = False) -> MappingGuard:
+                  always: bool = False, required: bool = False, zero: bool = False) -> MappingGuard:
     """Guard the file behind ``mm`` (mapped for writing, ``shared`` or private) while the
     mapping lives, if another user may write it (``always``: whoever may: a client's registered
     region, which its owner may truncate even when that is the server's user); ``restorable``:
@@ -200,12 +214,16 @@ def guard_mapping(mm: mmap.mmap, fd: int, size: int, shared: bool = True, restor
     guard's ``release`` ends it at once (once ``mm`` is closed: a mapping a view keeps alive
     stays guarded until it dies). ``required``: OSError rather than an unguarded mapping when the
     library is there but the guard cannot be had (a client's segment: better one client refused
-    than the process's end)."""
+    than the process's end). ``zero`` (with ``restorable``): a truncation met is not grown back,
+    the whole mapping is replaced by zero pages instead (``MappingGuard.zeroed``), for a mapping
+    the caller only copies from and into: grown back page by page, a copy racing a truncation in
+    a loop took a fault per page, each waiting on the truncating process."""
     if _lib is None or not (always or others_may_write(fd)):
         return MappingGuard()
     start = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
     flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
-    guard = _guard_fd(fd, size, start, mmap.PROT_READ | mmap.PROT_WRITE, flags, restorable)
+    mode = _ZEROED if zero else _RESTORABLE if restorable else _PLAIN
+    guard = _guard_fd(fd, size, start, mmap.PROT_READ | mmap.PROT_WRITE, flags, mode)
     if guard is None:
         if required:
             raise OSError(errno.EMFILE, "its truncation guard cannot be had (out of descriptors, or 16384 guarded)")

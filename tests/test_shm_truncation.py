@@ -298,3 +298,61 @@ def test_key_naming_another_object_is_refused_until_registered_again(server, reg
         region.unregister()
         region.register()
         assert np.array_equal(infer(), np.full(count, 5, dtype=np.float32))
+
+
+def test_a_region_truncated_in_a_tight_loop_stalls_no_other_client(server, regions):
+    """A client truncates its 32 MiB input region and extends it again as fast as it can (another
+    process, no pause) while it sends requests that read it: a worker's (fp32_identity) and the
+    broker's (the ensemble's input). Each copy used to take a fault per page, each waiting on the
+    truncating process, so one request held the broker or the worker for seconds to minutes and
+    every other client with it. Now the first fault zeroes the mapping and the copy is refused:
+    other clients' requests through the same worker and the broker wait no longer than a copy."""
+    import subprocess
+    import sys
+
+    count = 32 * MIB // 4
+    victim = regions("tight_in", 32 * MIB)
+    victim.fill(np.ones(count, dtype=np.float32))
+    small = np.arange(16, dtype=np.float32)
+    slowest: list[float] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def peer(model: str) -> None:
+        with server.client(network_timeout=300) as c:
+            while not done.is_set():
+                started = time.monotonic()
+                try:
+                    assert np.array_equal(c.infer(model, [fp32_input("IN", small)]).as_numpy("OUT"), small)
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    return
+                slowest.append(time.monotonic() - started)
+
+    cutter = subprocess.Popen([sys.executable, "-c", "import os, sys\nprint(flush=True)\nwhile True:\n"
+                               "    os.truncate(sys.argv[1], 0)\n    os.truncate(sys.argv[1], int(sys.argv[2]))\n",
+                               "/dev/shm" + victim.key, str(victim.size)], stdout=subprocess.PIPE)
+    peers = [threading.Thread(target=peer, args=(m,), daemon=True) for m in ("fp32_identity", "fp32_identity_ens")]
+    before = server_processes(server)
+    refused = 0
+    try:
+        assert cutter.stdout is not None and cutter.stdout.readline() == b"\n"
+        for t in peers:
+            t.start()
+        with server.client(network_timeout=300) as c:
+            for model in ("fp32_identity", "fp32_identity_ens") * 4:
+                try:
+                    c.infer(model, [fp32_input("IN", region=victim, count=count)])
+                except InferenceServerException as e:
+                    assert e.status() == "400" and f"'{victim.name}'" in e.message(), e
+                    refused += 1
+    finally:
+        cutter.kill()
+        cutter.wait()
+        done.set()
+        for t in peers:
+            t.join(300)
+    assert not errors, f"another client's request failed: {errors[0]!r}"
+    assert refused > 0, "no request saw the region truncated: the test did not test anything"
+    assert slowest and max(slowest) < 5, f"another client waited {max(slowest):.1f} s behind a truncated copy"
+    assert server_processes(server) == before, "a server process died (and was restarted)"
