@@ -512,10 +512,17 @@ def _close_at_exit() -> None:
 
 
 def _as_numpy(value: Any) -> np.ndarray:
+    """A numpy view of an input or output array: numpy's, a CPU torch tensor's (bfloat16 ones as
+    ml_dtypes' bfloat16, which numpy lacks and ``Tensor.numpy`` refuses), else ``np.asarray``."""
     if isinstance(value, np.ndarray):
         return value
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor (CPU)
-        return value.detach().numpy()
+        value = value.detach()
+        if str(value.dtype) == "torch.bfloat16":
+            import torch  # (imported already: the caller made the tensor)
+
+            return value.view(torch.int16).numpy().view(DTYPES["BF16"])
+        return value.numpy()
     return np.asarray(value)
 
 

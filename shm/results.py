@@ -26,7 +26,9 @@ class _Holder:
 
 
 def _kept(arr: np.ndarray, result: "InferResult") -> np.ndarray:
-    return np.asarray(_Holder(arr, result))
+    kept = np.asarray(_Holder(arr, result))
+    # (the interface spells a dtype numpy does not know, ml_dtypes' bfloat16, as 2 void bytes)
+    return kept if kept.dtype == arr.dtype else kept.view(arr.dtype)
 
 
 class InferResult(Mapping[str, np.ndarray]):

@@ -276,3 +276,31 @@ def test_repeated_answers_keep_their_own_shapes_and_types(client):
             for name, (datatype, data) in want.items():
                 assert described[name]["datatype"] == datatype and described[name]["shape"] == list(data.shape)
                 _assert_same(datatype, result.as_numpy(name), data)
+
+
+def test_a_local_client_takes_torch_tensors_of_every_dtype(server):
+    """CPU torch tensors of each dtype Triton has go in as they are, non-contiguous and
+    grad-tracking ones too; bfloat16 too, which ``Tensor.numpy`` refuses (it failed with
+    "Got unsupported ScalarType BFloat16"), and comes back as ml_dtypes' bfloat16."""
+    import torch
+
+    from shmserve import Client
+
+    names = {torch.bool: "BOOL", torch.uint8: "UINT8", torch.int8: "INT8", torch.int16: "INT16",
+             torch.int32: "INT32", torch.int64: "INT64", torch.float16: "FP16", torch.float32: "FP32",
+             torch.float64: "FP64", torch.bfloat16: "BF16"}
+    base = torch.arange(-6, 6, dtype=torch.float32).reshape(3, 4)
+    with Client(server.id) as client:
+        for dtype, name in names.items():
+            t = base.to(dtype)
+            got = client.infer("identity_all", {f"IN_{name}": t})[f"OUT_{name}"]
+            want = t.float().numpy() if dtype == torch.bfloat16 else t.numpy()
+            assert got.shape == (3, 4) and np.array_equal(got.astype(want.dtype), want), name
+        assert client.infer("identity_all", {"IN_BF16": base.to(torch.bfloat16)})["OUT_BF16"].dtype == ml_dtypes.bfloat16
+        strided = base.t()  # (not contiguous)
+        assert client.infer("identity_all", {"IN_FP32": strided})["OUT_FP32"].tolist() == strided.tolist()
+        tracked = base.clone().requires_grad_(True)
+        assert client.infer("identity_all", {"IN_FP32": tracked})["OUT_FP32"].tolist() == base.tolist()
+        half = base.to(torch.bfloat16).t()
+        assert client.infer("identity_all", {"IN_BF16": half})["OUT_BF16"].astype(np.float32).tolist() == \
+            half.float().tolist()
