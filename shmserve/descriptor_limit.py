@@ -8,6 +8,12 @@ import resource
 
 # Not past this: a huge hard limit would only make the derived connection bound meaningless.
 MAX_FDS = 1 << 20
+# Descriptors a frontend (HTTP or gRPC) keeps for itself besides its connections: the listening
+# socket, its epoll and event fds, log files, its client segment and FIFO, the broker's and the
+# trace segment, and one per worker segment it routes to (16 in all with one worker, measured): a
+# fixed floor plus a share of the limit, so a server with many workers is not starved either.
+RESERVED_FDS = 128
+RESERVED_SHARE = 16  # and one descriptor in every 16
 
 
 def raise_descriptor_limit() -> int:
@@ -22,3 +28,9 @@ def raise_descriptor_limit() -> int:
     except (ValueError, OSError):
         return soft
     return want
+
+
+def connection_bound(descriptor_limit: int) -> int:
+    """A frontend's default connection bound under ``descriptor_limit``: what is left once its
+    own descriptors are kept aside (``RESERVED_FDS`` plus one in ``RESERVED_SHARE``)."""
+    return max(1, descriptor_limit - RESERVED_FDS - descriptor_limit // RESERVED_SHARE)

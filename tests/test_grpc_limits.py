@@ -221,3 +221,65 @@ def test_a_compressed_message_is_limited_by_its_inflated_size(server_factory):
         assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED", info.value
         _small_round_trip(client, 2)
     _assert_memory_returns(pid, start)
+
+
+def _h2_connection(server) -> "socket.socket":
+    """A raw connection to the gRPC port that sends HTTP/2's preface and an empty SETTINGS frame,
+    then nothing: what a client that opens connections and holds them idle sends."""
+    import socket
+
+    host, port = server.grpc_url.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=DEADLINE_S)
+    s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))
+    return s
+
+
+def _read_until_closed(s, seconds: float) -> bytes:
+    """What the server sends on ``s`` until it closes it (or ``seconds`` pass: then b"OPEN" is appended)."""
+    import socket
+
+    got = b""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            data = s.recv(65536)
+        except socket.timeout:
+            break
+        except ConnectionResetError:
+            return got
+        if not data:
+            return got
+        got += data
+    return got + b"OPEN"
+
+
+def test_connections_are_bounded_and_idle_ones_closed(server_factory):
+    """The gRPC frontend held every connection it was given, idle or not, until it ran out of
+    descriptors (and then could neither accept nor reach its broker). --grpc-max-connections
+    bounds them (by default below the descriptor limit, as HTTP's): one past it is closed as it
+    comes, the others served; --grpc-max-connection-idle closes a connection with no call for that
+    long (GOAWAY 'connection idle'), after which clients connect and are served again."""
+    server = _server(server_factory, "--grpc-max-connections", "3", "--grpc-max-connection-idle", "1500")
+    assert "(at most 3 connections)" in server.log()
+    held = [_h2_connection(server) for _ in range(3)]
+    try:
+        time.sleep(0.3)  # (accepted in order: these are the three it holds)
+        extra = _h2_connection(server)
+        assert not _read_until_closed(extra, DEADLINE_S).endswith(b"OPEN"), "a fourth connection was held"
+        extra.close()
+        for s in held:  # each idle one is told why it goes, and closed
+            said = _read_until_closed(s, DEADLINE_S)
+            assert b"connection idle" in said and not said.endswith(b"OPEN"), said
+    finally:
+        for s in held:
+            s.close()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        _small_round_trip(client, 1)
+
+
+def test_by_default_connections_are_bounded_by_the_descriptor_limit(server_factory):
+    from shmserve.descriptor_limit import connection_bound, raise_descriptor_limit
+
+    server = _server(server_factory)
+    assert f"(at most {connection_bound(raise_descriptor_limit())} connections)" in server.log()

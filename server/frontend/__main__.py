@@ -31,12 +31,12 @@ def main() -> int:
     set_title(f"shmserve frontend {spec['server_id']} #{spec['index']}")
     logs.configure(spec.get("log") or {})
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes (POST /v2/logging) from any frontend
-    from shmserve.descriptor_limit import raise_descriptor_limit
+    from shmserve.descriptor_limit import connection_bound, raise_descriptor_limit
     from shmserve.server.edge.header_forward import HTTP_FLAG, compile_pattern
     from shmserve.server.edge.shared_port import wait_for_initial_loads
 
     from .app import build_app
-    from .limits import HttpLimits, connection_bound
+    from .limits import HttpLimits
     from .protocol import protocol_class
     from .restricted import restrict
 

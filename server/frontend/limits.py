@@ -1,6 +1,6 @@
 """The HTTP connection limits a frontend keeps (``--http-*-timeout-secs``, ``--http-max-header-bytes``,
 ``--http-max-connections``): one typed structure, built by the launcher from its flags and handed
-to each frontend in its spec, and the descriptor arithmetic behind the connection bound's default.
+to each frontend in its spec (the connection bound's default: ``shmserve.descriptor_limit``).
 
 Kept free of uvicorn and Starlette so that the launcher can import it cheaply.
 """
@@ -10,12 +10,6 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-# Descriptors a frontend keeps for itself besides its connections: the listening socket, its
-# epoll and event fds, log files, its client segment and FIFO, the broker's and the trace
-# segment, and one per worker segment it routes to (16 in all with one worker, measured): a
-# fixed floor plus a share of the limit, so a server with many workers is not starved either.
-RESERVED_FDS = 128
-RESERVED_SHARE = 16  # and one descriptor in every 16
 NEVER_S = 1e9  # an idle timeout of 0: about 30 years
 
 
@@ -40,12 +34,6 @@ class HttpLimits:
     @classmethod
     def from_spec(cls, doc: dict[str, Any] | None) -> "HttpLimits":
         return cls(**(doc or {}))
-
-
-def connection_bound(descriptor_limit: int) -> int:
-    """The default ``max_connections`` under ``descriptor_limit``: what is left once the frontend's
-    own descriptors are kept aside (``RESERVED_FDS`` plus one in ``RESERVED_SHARE``)."""
-    return max(1, descriptor_limit - RESERVED_FDS - descriptor_limit // RESERVED_SHARE)
 
 
 def descriptors_problem() -> str | None:

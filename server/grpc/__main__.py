@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
-from shmserve.descriptor_limit import raise_descriptor_limit
+from shmserve.descriptor_limit import connection_bound, raise_descriptor_limit
 from shmserve.server.edge.header_forward import GRPC_FLAG, compile_pattern
 from shmserve.server.edge.link import BrokerLink
 from shmserve.server.edge.shared_port import wait_for_initial_loads
@@ -49,6 +49,17 @@ def credentials(tls: dict) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([pair], root_certificates=root, require_client_auth=tls["mutual"])
 
 
+def connection_bounded(asked: int) -> int:
+    """``--grpc-max-connections``, or by default what the descriptor limit leaves (as HTTP's):
+    past its descriptors, the frontend could neither accept nor reach the broker."""
+    descriptors = raise_descriptor_limit()  # (raised at start already: the limit in force)
+    bound = connection_bound(descriptors)
+    if asked > bound:
+        log.warning("--grpc-max-connections %d leaves fewer than %d of this frontend's %d descriptors for itself: "
+                    "it may run out of them", asked, descriptors - bound, descriptors)
+    return asked or bound
+
+
 def bind(server: grpc.aio.Server, spec: dict) -> str:
     """Listen on the spec's address (plaintext, or TLS); its text. Raises RuntimeError or ValueError."""
     address = f"{spec['address']}:{spec['port']}" if ":" not in spec["address"] else \
@@ -67,6 +78,9 @@ async def serve(spec: dict) -> int:
                               compile_pattern(spec.get("header_forward_pattern"), GRPC_FLAG))
     service = InferenceService(spec["server_id"], link, inference, spec["allow_remote_shm"])
     options = [*map(tuple, spec["options"])]  # message sizes, keepalive, SO_REUSEPORT: options.py
+    max_connections = connection_bounded(spec.get("max_connections", 0))
+    # (grpc closes a connection past it as it comes, before reading a byte)
+    options.append(("grpc.max_allowed_incoming_connections", max_connections))
     interceptors = [RestrictedProtocols(spec["restricted"])] if spec["restricted"] else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     add_servicer(server, service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, service,
@@ -98,7 +112,7 @@ async def serve(spec: dict) -> int:
     link.open_early()
     await server.start()
     tracer.start()
-    log.info("serving gRPC on %s", address)
+    log.info("serving gRPC on %s (at most %d connections)", address, max_connections)
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes made through any frontend
     heap_watch = HeapWatch()  # large messages' memory goes back to the kernel once freed
     while not stop.is_set():

@@ -20,7 +20,8 @@ from shmserve.server.edge.restrictions import parse as parse_restricted
 COMPRESSION_LEVELS = {"none": 0, "low": 1, "medium": 2, "high": 3}
 
 # Integer flag -> (grpc channel argument, Triton's default, smallest value). The connection-age
-# pair defaults to 0, which (as in Triton) leaves the argument unset: grpc's own default, no limit.
+# pair defaults to 0, which (as in Triton) leaves the argument unset: grpc's own default, no limit;
+# so does --grpc-max-connection-idle (not Triton's: it keeps idle connections for good).
 INT_FLAGS: dict[str, tuple[str, int, int]] = {
     "--grpc-keepalive-time": ("grpc.keepalive_time_ms", 7_200_000, 1),
     "--grpc-keepalive-timeout": ("grpc.keepalive_timeout_ms", 20_000, 1),
@@ -29,6 +30,7 @@ INT_FLAGS: dict[str, tuple[str, int, int]] = {
     "--grpc-http2-max-ping-strikes": ("grpc.http2.max_ping_strikes", 2, 0),
     "--grpc-max-connection-age": ("grpc.max_connection_age_ms", 0, 0),
     "--grpc-max-connection-age-grace": ("grpc.max_connection_age_grace_ms", 0, 0),
+    "--grpc-max-connection-idle": ("grpc.max_connection_idle_ms", 0, 0),
 }
 INT_HELP = {
     "--grpc-keepalive-time": "milliseconds between the server's keepalive pings (default 7200000, as Triton's)",
@@ -42,7 +44,10 @@ INT_HELP = {
     "--grpc-max-connection-age": "milliseconds a connection may live before the server asks the client to "
                                  "reconnect; 0: no limit (default 0)",
     "--grpc-max-connection-age-grace": "milliseconds calls may go on after that; 0: no limit (default 0)",
+    "--grpc-max-connection-idle": "milliseconds a connection may carry no call before the server closes it "
+                                  "(GOAWAY 'connection idle'); 0: never, as Triton (default 0)",
 }
+MAX_CONNECTIONS_FLAG = "--grpc-max-connections"  # Triton has none: it accepts until out of descriptors
 MAX_INT = (1 << 31) - 1  # grpc's limit for a channel argument, and Triton's message limit
 RESTRICTED_FLAG = "--grpc-restricted-protocol"
 MAX_INPUT_FLAG = "--grpc-max-input-size"  # Triton has none: its limit is fixed at MAX_INT
@@ -62,6 +67,9 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
                    help="compress gRPC responses: none, low, medium or high (default none)")
     for flag, (_, default, _) in INT_FLAGS.items():
         p.add_argument(flag, type=int, default=default, metavar="N", help=INT_HELP[flag])
+    p.add_argument(MAX_CONNECTIONS_FLAG, type=int, default=0, metavar="N",
+                   help="connections the gRPC frontend holds at once: one past it is closed as it comes; 0: what its "
+                        "descriptor limit leaves once its own are kept aside, as --http-max-connections (default 0)")
     add_bool(p, "--grpc-keepalive-permit-without-calls", False,
              "let clients send keepalive pings on a connection with no call (default false)")
     p.add_argument(MAX_INPUT_FLAG, type=int, default=None, metavar="BYTES",
@@ -79,7 +87,7 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
 
 def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as the gRPC process's settings: ``options`` (grpc channel arguments, the
-    message limits among them), ``tls`` (certificate paths, or None), ``restricted`` (group ->
+    message limits among them), ``max_connections`` (0: derived there), ``tls`` (certificate paths, or None), ``restricted`` (group ->
     (key, value)) and ``header_forward_pattern`` (None: none). ValueError says what is wrong, by flag."""
     options = [("grpc.max_receive_message_length", max_input_size(args)),
                ("grpc.max_send_message_length", MAX_INT)]  # Triton's
@@ -98,7 +106,9 @@ def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
     if COMPRESSION_LEVELS[level]:
         options.append(("grpc.default_compression_level", COMPRESSION_LEVELS[level]))
     compile_pattern(args.grpc_header_forward_pattern, FORWARD_FLAG)
-    return {"options": options, "tls": tls(args),
+    if not 0 <= args.grpc_max_connections <= MAX_INT:
+        raise ValueError(f"{MAX_CONNECTIONS_FLAG} must lie in [0, {MAX_INT}], got {args.grpc_max_connections}")
+    return {"options": options, "max_connections": args.grpc_max_connections, "tls": tls(args),
             "restricted": parse_restricted(args.grpc_restricted_protocol, RESTRICTED_FLAG, "protocol"),
             "header_forward_pattern": args.grpc_header_forward_pattern}
 
