@@ -59,6 +59,10 @@ class OtherLayout(ConnectionError):
     """The server's objects are of another shmserve version's layout."""
 
 
+class NotTheServers(ConnectionError):
+    """An object at one of the server's names was made by another user (before the server made it)."""
+
+
 def check_magic(name: str, magic: int) -> None:
     """ConnectionError unless ``magic`` is this layout's; OtherLayout when it is shmserve's of
     another version."""
@@ -450,7 +454,8 @@ def _own_connect(server_id: str, server_uid: int) -> tuple[int, Segment]:
         raise PermissionError(f"the server has no connect ring for uid {os.geteuid()}") from None
     if connect.uid != server_uid:  # (a name another user took before the server made it)
         connect.close()
-        raise ConnectionError(f"{connect.name} is not the server's (uid {connect.uid}, the server's is {server_uid})")
+        raise NotTheServers(f"its connect ring for this user, {connect.name}, was made by uid {connect.uid}, not by "
+                            f"the server (uid {server_uid}): remove it and restart the server")
     return os.geteuid(), connect
 
 
@@ -723,7 +728,7 @@ class ClientSegment:
         size first: a client may have written anything there (raises ``untrusted.Garbage``).
         Its owner is the client's user, so only an object its owner alone could write is one
         (PermissionError otherwise: ``Segment.attach``)."""
-        seg = Segment.attach(name, owner_only=True)
+        seg = Segment.attach(name, owner_only=True, zero=True)  # (truncated by its client: zeroed here)
         try:
             if seg.size < HEADER_BYTES:
                 raise Garbage(Fault.HEADER, f"{name} has {seg.size} bytes")

@@ -29,7 +29,8 @@ import posix_ipc
 
 from .access import others
 from .arena import free_block
-from .channel import DEFAULT_SLOTS, LANE_PENDING, LANE_REFUSED, NO_LANE, BrokerSegment, ClientSegment, OtherLayout, WorkerSegment
+from .channel import (DEFAULT_SLOTS, LANE_PENDING, LANE_REFUSED, NO_LANE, BrokerSegment, ClientSegment, NotTheServers,
+                      OtherLayout, WorkerSegment)
 from .completion import Callback
 from .control_messages import ControlMessage
 from .copying import copy_into
@@ -110,6 +111,8 @@ class Connection:
             self.broker = BrokerSegment.attach(server_id)
         except OtherLayout as e:
             raise ServerUnavailable(f"the shmserve server '{server_id}' runs another version: {e}") from None
+        except NotTheServers as e:
+            raise ServerUnavailable(f"the shmserve server '{server_id}' cannot be reached: {e}") from None
         except (posix_ipc.ExistentialError, ConnectionError, FileNotFoundError):
             raise ServerUnavailable(f"no shmserve server with id '{server_id}' is running on this host") from None
         except (posix_ipc.PermissionsError, PermissionError):

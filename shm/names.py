@@ -33,6 +33,12 @@ def object_name(server_id: str, role: str, n: int | str) -> str:
     return f"/{PREFIX}.{server_id}.{role}.{n}"
 
 
+def is_client_segment(name: str) -> bool:
+    """Whether ``name`` is a client's segment (``/shmserve.<id>.client.<ticket>-<k>``, or the
+    broker's own ``client.broker``), which only its own requests use."""
+    return name.startswith("/" + PREFIX + ".") and ".client." in name
+
+
 def extent_name(server_id: str, worker: int, extent: int) -> str:
     """A worker's grown output extent ``extent`` (1, 2, ...; extent 0 lies in its own segment)."""
     return object_name(server_id, "worker", f"{worker}.arena.{extent}")

@@ -22,7 +22,7 @@ from typing import Callable
 import posix_ipc
 
 from .access import grant, other_writers
-from .names import unlink_shm
+from .names import is_client_segment, unlink_shm
 from .region_io import RegionFiles
 from .space import HOW_TO_RAISE, NoRoom, mib, take_pages
 from .truncation_guard import MappingGuard, guard_mapping
@@ -93,11 +93,26 @@ class Segment:
             pass
         return cls.create(name, size, readers, taken=taken)
 
+    @property
+    def zeroed(self) -> bool:
+        """A mapping guarded with ``zero``: whether a touch met a truncation of its object, so
+        that its pages here are zeros of this process's (it must be mapped anew)."""
+        return self._guard.zeroed
+
+    @property
+    def truncated(self) -> bool:
+        """A mapping guarded with ``zero`` (``attach``): whether its object was truncated since,
+        and so (where a touch met the truncation) its pages here are zeros of this process's."""
+        return self._guard.truncated
+
     @classmethod
-    def attach(cls, name: str, readonly: bool = False, owner_only: bool = False) -> "Segment":
+    def attach(cls, name: str, readonly: bool = False, owner_only: bool = False, zero: bool = False) -> "Segment":
         """Map ``name``. ``owner_only``: it must be an object no one but its owner (and this
         process's user) could have written, so that its owner is who made it (``uid``): a
-        client's segment, whose owner is who the client is (PermissionError otherwise)."""
+        client's segment, whose owner is who the client is (PermissionError otherwise).
+        ``zero``: a truncation by its owner (another user) is not grown back, the mapping is
+        zeroed instead (``truncated``; shm/truncation_guard.py): an object only its owner's own
+        requests use, a client's segment."""
         shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
         try:
             st = os.fstat(shm.fd)
@@ -111,7 +126,7 @@ class Segment:
             # What this process only reads is written by the server alone: nobody to truncate it.
             try:
                 guard = MappingGuard() if readonly else guard_mapping(mm, shm.fd, size, restorable=True,
-                                                                      required=owner_only)
+                                                                      required=owner_only, zero=zero)
             except OSError:
                 mm.close()
                 raise
@@ -155,12 +170,17 @@ class SegmentCache:
         """The mapping of ``name`` (a segment of the server's or a client's arena); ``readonly``:
         mapped for reading only where it is first mapped (an object this process may only read)."""
         seg = self._items.get(name)
-        if seg is not None:
+        if seg is not None and not seg.zeroed:
             return seg
         with self._lock:
             seg = self._items.get(name)
+            if seg is not None and seg.zeroed:  # (its client truncated it: mapped anew, whatever it is now)
+                del self._items[name]
+                seg.close()
+                self._forgot([name])
+                seg = None
             if seg is None:
-                seg = Segment.attach(name, readonly)
+                seg = Segment.attach(name, readonly, zero=is_client_segment(name))
                 self._items[name] = seg
                 while len(self._items) > self._limit:
                     _, old = self._items.popitem(last=False)

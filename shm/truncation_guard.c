@@ -23,10 +23,11 @@
  * put into an address range another mapping may have taken since. fallocate keeps the file's size
  * (the last page of an object whose size is no multiple of a page lies partly past its end).
  *
- * A mapping guarded to be zeroed (GUARD_ZEROED: a client's registered region, which the server
- * only copies from and into) is not grown back: its whole range is replaced by private zero pages
- * at the first fault, and guard_zeroed() says so, so that the copy runs on over zeros and is then
- * refused. Grown back page by page, a copy of N pages racing a truncation in a loop faulted up to
+ * A mapping guarded to be zeroed (GUARD_ZEROED: an object only its client's own requests use, a
+ * registered region or the client's segment) is not grown back, neither at a fault nor by
+ * guard_restore: its whole range is replaced by private zero pages at the first fault, and
+ * guard_zeroed() says so, so that the copy runs on over zeros and its request is then refused
+ * (guard_shrunk() tells a truncation nobody met yet). Grown back page by page, a copy of N pages racing a truncation in a loop faulted up to
  * N times, each fault waiting on the truncating process: seconds per MiB in a broker or a worker
  * that other clients wait for.
  *
@@ -59,10 +60,10 @@ enum {
     PAGES_RESTORED = 2, /* replaced, and the object's page put back by guard_restore once there is room */
 };
 
-/* guard_add's mode: a truncation met is grown back, the mapping's owner saying when it unmaps
- * (GUARD_RESTORABLE) or not (GUARD_PLAIN); or the mapping is zeroed (GUARD_ZEROED, which says
- * when it unmaps too). */
-enum { GUARD_PLAIN = 0, GUARD_RESTORABLE = 1, GUARD_ZEROED = 2 };
+/* guard_add's mode, bits: GUARD_RESTORABLE, the mapping's owner says when it unmaps (guard_close),
+ * so a replaced page may be put back; GUARD_ZEROED, a truncation met zeroes the mapping instead of
+ * growing the file back. */
+enum { GUARD_RESTORABLE = 1, GUARD_ZEROED = 2 };
 
 struct guarded_file {
     atomic_int state;
@@ -110,8 +111,8 @@ static int regrow_shrunk(void)
     int used = atomic_load(&slots_used);
     for (int i = 0; i < used; i++) {
         struct guarded_file *g = &table[i];
-        if (atomic_load(&g->state) != SLOT_LIVE || atomic_load(&g->zeroed))
-            continue; /* (a zeroed mapping no longer maps the file) */
+        if (atomic_load(&g->state) != SLOT_LIVE || atomic_load(&g->zero) || atomic_load(&g->zeroed))
+            continue; /* (one to be zeroed is its owner's to keep whole: guard_shrunk says it is not) */
         struct stat st;
         if (fstat(g->fd, &st) == 0 && st.st_size < g->size && ftruncate(g->fd, g->size) == 0)
             regrown++;
@@ -300,7 +301,7 @@ int guard_install(void)
 }
 
 /* Guard the file open as `fd` (duplicated here) at `size` bytes, mapped at `start` with `prot` and
- * `flags` (MAP_SHARED or MAP_PRIVATE); `mode`: GUARD_*. The slot, or -errno. */
+ * `flags` (MAP_SHARED or MAP_PRIVATE); `mode`: GUARD_* bits. The slot, or -errno. */
 int guard_add(int fd, long long size, void *start, int prot, int flags, int mode)
 {
     int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
@@ -313,8 +314,8 @@ int guard_add(int fd, long long size, void *start, int prot, int flags, int mode
         table[i].fd = own;
         table[i].prot = prot;
         table[i].flags = flags & (MAP_SHARED | MAP_PRIVATE);
-        atomic_store(&table[i].pages, mode != GUARD_PLAIN ? PAGES_RESTORED : PAGES_REPLACED);
-        atomic_store(&table[i].zero, mode == GUARD_ZEROED);
+        atomic_store(&table[i].pages, (mode & GUARD_RESTORABLE) ? PAGES_RESTORED : PAGES_REPLACED);
+        atomic_store(&table[i].zero, (mode & GUARD_ZEROED) != 0);
         atomic_store(&table[i].zeroed, 0);
         table[i].size = (off_t)size;
         table[i].start = (uintptr_t)start;
@@ -397,6 +398,15 @@ int guard_zeroed(int slot)
     if (slot < 0 || slot >= GUARD_CAPACITY)
         return 0;
     return atomic_load(&table[slot].zeroed);
+}
+
+/* Whether a slot's file is shorter now than the size it was guarded at. */
+int guard_shrunk(int slot)
+{
+    if (slot < 0 || slot >= GUARD_CAPACITY || atomic_load(&table[slot].state) != SLOT_LIVE)
+        return 0;
+    struct stat st;
+    return fstat(table[slot].fd, &st) == 0 && st.st_size < table[slot].size;
 }
 
 /* How many times a guarded file was grown back since the process started. */

@@ -51,6 +51,8 @@ def _load() -> ctypes.CDLL | None:
     lib.guard_remove.restype = None
     lib.guard_zeroed.argtypes = (ctypes.c_int,)
     lib.guard_zeroed.restype = ctypes.c_int
+    lib.guard_shrunk.argtypes = (ctypes.c_int,)
+    lib.guard_shrunk.restype = ctypes.c_int
     lib.guard_regrown.restype = ctypes.c_ulong
     lib.guard_replaced.restype = ctypes.c_ulong
     lib.guard_restored.restype = ctypes.c_ulong
@@ -60,7 +62,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 _lib = _load()
-_PLAIN, _RESTORABLE, _ZEROED = 0, 1, 2  # guard_add's modes (GUARD_* in the C file)
+_RESTORABLE, _ZEROED = 1, 2  # guard_add's mode bits (GUARD_* in the C file)
 _install_lock = threading.Lock()
 _installed = False
 _failure_said = False
@@ -133,6 +135,11 @@ class Guard:
         """Whether a truncation met replaced the mapping by zero pages (a guard made to zero)."""
         return self._slot >= 0 and _lib is not None and bool(_lib.guard_zeroed(self._slot))
 
+    @property
+    def shrunk(self) -> bool:
+        """Whether the file is shorter now than when guarded."""
+        return self._slot >= 0 and _lib is not None and bool(_lib.guard_shrunk(self._slot))
+
     def closing(self) -> None:
         """The mapping is about to be unmapped: its address range may be another mapping's soon,
         so no replaced page of it is put back from now on."""
@@ -199,6 +206,11 @@ class MappingGuard:
         zero pages, so that what was copied from or into it since is not the object's."""
         return self._guard is not None and self._guard.zeroed
 
+    @property
+    def truncated(self) -> bool:
+        """``zeroed``, or (a truncation no touch met yet) the file is shorter than when mapped."""
+        return self._guard is not None and (self._guard.zeroed or self._guard.shrunk)
+
     def closing(self) -> None:
         """Say before unmapping: no page is put back into the range from now on."""
         if self._guard is not None:
@@ -214,15 +226,16 @@ def guard_mapping(mm: mmap.mmap, fd: int, size: int, shared: bool = True, restor
     guard's ``release`` ends it at once (once ``mm`` is closed: a mapping a view keeps alive
     stays guarded until it dies). ``required``: OSError rather than an unguarded mapping when the
     library is there but the guard cannot be had (a client's segment: better one client refused
-    than the process's end). ``zero`` (with ``restorable``): a truncation met is not grown back,
-    the whole mapping is replaced by zero pages instead (``MappingGuard.zeroed``), for a mapping
-    the caller only copies from and into: grown back page by page, a copy racing a truncation in
-    a loop took a fault per page, each waiting on the truncating process."""
+    than the process's end). ``zero``: a truncation is not grown back, at a
+    fault or by ``restore``; at a fault the whole mapping is replaced by zero pages instead
+    (``MappingGuard.zeroed``), for an object only its client's own requests use (a region, the
+    client's segment): grown back page by page, a copy racing a truncation in a loop took a fault
+    per page, each waiting on the truncating process."""
     if _lib is None or not (always or others_may_write(fd)):
         return MappingGuard()
     start = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
     flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
-    mode = _ZEROED if zero else _RESTORABLE if restorable else _PLAIN
+    mode = (_RESTORABLE if restorable else 0) | (_ZEROED if zero else 0)
     guard = _guard_fd(fd, size, start, mmap.PROT_READ | mmap.PROT_WRITE, flags, mode)
     if guard is None:
         if required:

@@ -54,6 +54,7 @@ import numpy as np
 from shmserve.shm.names import SHM_DIR
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import DTYPES
+from shmserve.shm.names import is_client_segment
 from shmserve.shm.truncation_guard import guard_mapping
 
 # Inputs smaller than this are copied: below it the copy costs less than the pagemap look (measured
@@ -73,7 +74,7 @@ _PRESENT, _SWAPPED, _FILE = np.uint64(1 << 63), np.uint64(1 << 62), np.uint64(1 
 class _Mapping:
     """One segment mapped privately, whole."""
 
-    __slots__ = ("name", "mm", "buf", "addr", "size", "__weakref__")
+    __slots__ = ("name", "mm", "buf", "addr", "size", "guard", "__weakref__")
 
     def __init__(self, name: str, fd: int, size: int) -> None:
         self.name = name
@@ -81,6 +82,9 @@ class _Mapping:
         self.mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self.mm)
         self.addr = np.frombuffer(self.mm, np.uint8, count=1).ctypes.data
+        # (its owner may truncate it: shm/truncation_guard.py; a client's segment is zeroed here
+        # then, not grown back, and mapped anew by the next view)
+        self.guard = guard_mapping(self.mm, fd, size, shared=False, zero=is_client_segment(name))
 
 
 class InputViews:
@@ -131,7 +135,9 @@ class InputViews:
     def _mapping(self, name: str) -> _Mapping | None:
         with self._lock:
             m = self._maps.get(name)
-            if m is not None:
+            if m is not None and m.guard.zeroed:  # (its client truncated it meanwhile)
+                del self._maps[name]
+            elif m is not None:
                 self._maps.move_to_end(name)
                 return m
         seg = self._segments.get(name)  # (what the caller's bounds were checked against)
@@ -145,8 +151,6 @@ class InputViews:
             if st.st_size != seg.size or st.st_uid != seg.uid:
                 return None  # not the object the cache mapped
             m = _Mapping(name, fd, seg.size)
-            # (its owner may truncate it: shm/truncation_guard.py; a private mapping, dropped whole)
-            guard_mapping(m.mm, fd, seg.size, shared=False)
         except (OSError, ValueError):
             return None
         finally:

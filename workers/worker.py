@@ -732,6 +732,10 @@ class Worker:
 
     def _client(self, name: str) -> ClientSegment:
         client = self.clients.get(name)
+        if client is not None and client.seg.zeroed:  # its client truncated it: mapped anew, as it is now
+            del self.clients[name]
+            client.close()
+            client = None
         if client is None:
             client = ClientSegment.attach(name)
             self.clients[name] = client

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
 
@@ -32,7 +33,7 @@ from shmserve.shm.extents import broker_arenas
 from shmserve.parent_death import ORPHANED
 from shmserve.shm import liveness, space
 from shmserve.shm.liveness import BROKER_TICKET
-from shmserve.shm.names import object_name, unlink_all
+from shmserve.shm.names import SHM_DIR, object_name, unlink_all
 from shmserve.shm.protocol import REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.truncation_guard import Repairs
@@ -65,6 +66,14 @@ log = logging.getLogger("shmserve.broker")
 HOUSEKEEPING_S = 1.0  # client liveness, restart back-off; a worker's death wakes us at once (SIGCHLD)
 HUNG_CHECK_S = 0.1  # how often canaries and executions (against execution_timeout_s) are looked at
 SETTLE_S = 0.01  # how often regions unregistered while in use are looked at (lane requests ring no bell)
+
+
+def _size_now(name: str) -> int | str:
+    """The size of shm object ``name`` now, for a log line."""
+    try:
+        return os.stat(SHM_DIR + name).st_size
+    except OSError:
+        return "?"
 
 
 class Broker:
@@ -205,6 +214,7 @@ class Broker:
         if self.cache is not None:
             self.cache.recover()  # a worker that died holding the cache's lock
         self._refuse_reported_clients()
+        self._refuse_truncating_clients()
         # Step outputs of workers now gone (reloaded, restarted) are never read again: unmap them.
         self.ensembles.segments.drop_unlinked(object_name(self.opts.server_id, "worker", ""))
         self.ensembles.segments.drop_unlinked(object_name(self.opts.server_id, "broker", "0.arena."))  # retired
@@ -259,6 +269,15 @@ class Broker:
                     client.pid, what)
         self.clients.refuse(client)
         self._drop_client(client, died=True, owner_alive=True)
+
+    def _refuse_truncating_clients(self) -> None:
+        """Clients of other users that truncated their own segment: the broker's and workers'
+        mappings of it are zeroed rather than grown back (shm/truncation_guard.py), so nothing
+        written there reaches the client any more, whose requests would hang."""
+        for client in list(self.clients.by_name.values()):
+            if client.seg.seg.truncated:
+                self._refuse_client(client, f"it truncated its segment (to {_size_now(client.seg.seg.name)} "
+                                            f"bytes of {client.seg.seg.size})")
 
     def _refuse_reported_clients(self) -> None:
         """Clients a worker found garbage from on their lanes (``WorkerSegment.report_garbage``)."""
