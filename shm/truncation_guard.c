@@ -225,6 +225,25 @@ static void forget_replaced(int slot)
     }
 }
 
+/* Replace the whole range of `g` by private zero pages; 0 where that cannot be had, the range
+ * still mapping the file then (the caller grows the file back instead). Made elsewhere first and
+ * moved in place: a MAP_FIXED mapping the kernel refuses (its memory not committable: a sparse
+ * object larger than memory and swap, or the commit limit reached) has unmapped the range already
+ * before Linux 6.12, and the access made again would be a SIGSEGV. MAP_NORESERVE: zero pages read
+ * commit nothing, and only an output copied over them takes pages. */
+static int zero_range(const struct guarded_file *g)
+{
+    size_t length = (size_t)(g->end - g->start);
+    void *fresh = mmap(NULL, length, g->prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (fresh == MAP_FAILED)
+        return 0;
+    if (mremap(fresh, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, (void *)g->start) == MAP_FAILED) {
+        munmap(fresh, length);
+        return 0;
+    }
+    return 1;
+}
+
 static void on_sigbus(int signo, siginfo_t *info, void *context)
 {
     int saved_errno = errno;
@@ -240,9 +259,7 @@ static void on_sigbus(int signo, siginfo_t *info, void *context)
         struct stat st;
         int shrunk = fstat(g->fd, &st) == 0 && st.st_size < g->size;
         /* (zeroed already: a page put back meanwhile by guard_restore, zeroed again) */
-        if ((shrunk || atomic_load(&g->zeroed)) && atomic_load(&g->zero) &&
-            mmap((void *)g->start, g->end - g->start, g->prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) !=
-                MAP_FAILED) {
+        if ((shrunk || atomic_load(&g->zeroed)) && atomic_load(&g->zero) && zero_range(g)) {
             atomic_store(&g->pages, PAGES_REPLACED); /* (no page of the object is put back there) */
             forget_replaced(i);
             atomic_store(&g->zeroed, 1);

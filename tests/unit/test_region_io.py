@@ -187,3 +187,43 @@ def test_a_region_dev_shm_has_no_room_for_refuses_an_output_and_keeps_its_size()
                           program], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, (ran.returncode, ran.stderr)
     assert ran.stdout.split() == ["refused", "True", "0", "True", "True", "True", "True"]
+
+
+def test_a_region_larger_than_memory_is_zeroed_at_a_truncation_too():
+    """A client makes its region a sparse object larger than this host's memory and swap (tmpfs
+    takes no page for that, and the server maps the whole object) and truncates it under a copy.
+    The guard's private zero pages were a writable anonymous mapping of that size, which the kernel
+    refuses to commit: the guard then fell back to growing the object back page by page (the
+    seconds-per-MiB stall the zeroing is for), and before Linux 6.12 a MAP_FIXED mapping the kernel
+    refuses has unmapped the range already, so the access made again was a SIGSEGV. In a child:
+    a failure there is a signal."""
+    key = f"/shmserve_unit_region_huge_{os.getpid()}"
+    program = textwrap.dedent("""
+        import mmap, os, sys
+        import numpy as np
+        from shmserve.shm import truncation_guard
+        from shmserve.shm.truncation_guard import guard_mapping
+        with open("/proc/meminfo") as f:
+            kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)}
+        size = 2 * (kib["MemTotal"] + kib["SwapTotal"]) << 10  # (sparse: no page taken)
+        fd = os.open("/dev/shm" + sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        guard = guard_mapping(mm, fd, size, restorable=True, always=True, zero=True)
+        data = np.frombuffer(mm, dtype=np.uint8)
+        data[:4096] = 7
+        os.ftruncate(fd, 0)  # (as the client does under a copy)
+        print(int(data[:8192].max()), guard.zeroed, truncation_guard.regrown(), os.fstat(fd).st_size)
+        del data
+        guard.closing()
+        mm.close()
+        guard.release()
+        os.unlink("/dev/shm" + sys.argv[1])
+    """)
+    try:
+        ran = subprocess.run([sys.executable, "-c", program, key], capture_output=True, text=True, timeout=60)
+    finally:
+        if os.path.exists("/dev/shm" + key):
+            os.unlink("/dev/shm" + key)
+    assert ran.returncode == 0, (ran.returncode, ran.stderr)
+    assert ran.stdout.split() == ["0", "True", "0", "0"], "read zeros, zeroed, nothing grown back, still truncated"
