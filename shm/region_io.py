@@ -140,6 +140,10 @@ class RegionFile:
             if not made.guard.guarded:  # (out of descriptors, or of guard slots)
                 made.close()
                 return None
+            if mapping is not None and mapping.guard.zeroed:
+                # A truncation met, which gave the object's pages back, and not counted in
+                # truncation_guard.regrown(): an output takes its pages anew (``write``).
+                self._taken = (0, 0, -1)
             if mapping is not None and not mapping.close():
                 self._outgrown.append(mapping)
             self._mapping = made

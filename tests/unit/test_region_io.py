@@ -227,3 +227,43 @@ def test_a_region_larger_than_memory_is_zeroed_at_a_truncation_too():
             os.unlink("/dev/shm" + key)
     assert ran.returncode == 0, (ran.returncode, ran.stderr)
     assert ran.stdout.split() == ["0", "True", "0", "0"], "read zeros, zeroed, nothing grown back, still truncated"
+
+
+def test_an_output_after_a_zeroing_truncation_takes_its_pages_again():
+    """An output takes its pages once (posix_fallocate), and again after a truncation the guard
+    undid, which gave them back. A truncation met by a copy is no longer grown back but zeroes the
+    mapping, and so counted as no truncation undone: the pages a client gave back by truncating and
+    extending its region were not taken again, and with /dev/shm full the next output landed on
+    private zero pages of this process, lost without a word. It is refused, naming /dev/shm. In a
+    child with its own small /dev/shm."""
+    program = FILL + textwrap.dedent("""
+        import os
+        import numpy as np
+        from shmserve.shm.region_io import RegionFiles
+        from shmserve.shm.space import NoRoom
+        size = 1 << 20
+        fd = os.open("/dev/shm/region", os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, size)
+        t = {"seg": "/region", "ino": os.fstat(fd).st_ino, "region": "r", "off": 0, "size": size}
+        files = RegionFiles()
+        files.write(t, np.full(size, 7, dtype=np.uint8))
+        mapping = files.get("/region", t["ino"])._mapping
+        os.ftruncate(fd, 0)  # (the client, under a copy: the copy's touch zeroes the mapping)
+        print(int(mapping.bytes[0]), mapping.guard.zeroed)
+        del mapping
+        os.ftruncate(fd, size)  # (and extends it again: its pages are gone)
+        fill("/dev/shm/filler")
+        try:
+            files.write(t, np.full(size, 9, dtype=np.uint8))
+            print("written", os.pread(fd, 4, 0) == bytes([9]) * 4)
+        except NoRoom as e:
+            print("refused", "/dev/shm is full" in str(e))
+        os.unlink("/dev/shm/filler")
+        files.write(t, np.full(size, 9, dtype=np.uint8))
+        print(os.pread(fd, 4, size - 4) == bytes([9]) * 4)
+    """)
+    mount = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"'
+    ran = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", sys.executable, "-c",
+                          program], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, (ran.returncode, ran.stderr)
+    assert ran.stdout.split() == ["0", "True", "refused", "True", "True"]
