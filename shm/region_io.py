@@ -107,9 +107,9 @@ class RegionFile:
         self.fd = fd
         self._mapping: _Mapping | None = None
         self._outgrown: list[_Mapping] = []  # smaller ones made before, still in use by a copy or a view
-        # The bytes whose pages an output took last, and how many truncations this process had
-        # undone then (one since may have given them back): (start, end, count).
-        self._taken = (0, 0, -1)
+        # The bytes whose pages an output took last, and how many blocks the object held then (a
+        # truncation since gave them back if it holds fewer now): (start, end, blocks).
+        self._taken = (0, 0, 0)
         self._lock = threading.Lock()
 
     def _mapped(self, end: int) -> tuple[np.ndarray, MappingGuard] | None:
@@ -140,10 +140,6 @@ class RegionFile:
             if not made.guard.guarded:  # (out of descriptors, or of guard slots)
                 made.close()
                 return None
-            if mapping is not None and mapping.guard.zeroed:
-                # A truncation met, which gave the object's pages back, and not counted in
-                # truncation_guard.regrown(): an output takes its pages anew (``write``).
-                self._taken = (0, 0, -1)
             if mapping is not None and not mapping.close():
                 self._outgrown.append(mapping)
             self._mapping = made
@@ -206,17 +202,18 @@ class RegionFile:
         still be undone by it, up to the registered size: that costs only its own client)."""
         src = memoryview(data).cast("B")
         n = len(src)
-        if os.fstat(self.fd).st_size < off + n:
+        st = os.fstat(self.fd)
+        if st.st_size < off + n:
             self._truncated(off + n, region)
         mapped = self._mapped(off + n)
         if mapped is not None:
             # Its pages taken first: a client makes a region with ftruncate, which takes none, and a
             # page /dev/shm had no room for would be replaced by one of this process (the output lost).
             # (Taken once: posix_fallocate of 16 MiB taken already costs a third of their copy. A
-            # truncation since, which the guard undid, gives them back: then they are taken again.)
-            start, end, count = self._taken
-            if count != truncation_guard.regrown() or off < start or off + n > end:
-                count = truncation_guard.regrown()
+            # truncation since gives them back, and the object then holds fewer blocks than after
+            # they were taken: then they are taken again.)
+            start, end, blocks = self._taken
+            if st.st_blocks < blocks or off < start or off + n > end:
                 try:  # (a truncation since the size was looked at is grown back by it, as by the guard)
                     os.posix_fallocate(self.fd, off, n)
                 except OSError as e:
@@ -224,7 +221,7 @@ class RegionFile:
                         raise
                     raise NoRoom(f"/dev/shm is full: the {n}-byte output cannot be written into "
                                  f"{_shown(self.key, region)}, whose pages were never taken; {HOW_TO_RAISE}") from None
-                self._taken = (off, off + n, count)
+                self._taken = (off, off + n, os.fstat(self.fd).st_blocks)
             np.copyto(mapped[0][off:off + n], np.frombuffer(src, dtype=np.uint8))
             if mapped[1].zeroed:  # (a truncation met: the output went into zero pages of this process)
                 self._truncated(off + n, region)

@@ -267,3 +267,38 @@ def test_an_output_after_a_zeroing_truncation_takes_its_pages_again():
                           program], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, (ran.returncode, ran.stderr)
     assert ran.stdout.split() == ["0", "True", "refused", "True", "True"]
+
+
+def test_an_output_after_a_truncation_no_copy_met_takes_its_pages_again():
+    """The same where the client truncates and extends its region between two outputs, so that no
+    copy meets the truncation (nothing zeroed, nothing grown back): the object holds fewer blocks
+    than after the first output took them, and the next output takes them again (with /dev/shm
+    full it is refused, naming /dev/shm, instead of landing on private pages of this process)."""
+    program = FILL + textwrap.dedent("""
+        import os
+        import numpy as np
+        from shmserve.shm.region_io import RegionFiles
+        from shmserve.shm.space import NoRoom
+        size = 1 << 20
+        fd = os.open("/dev/shm/region", os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, size)
+        t = {"seg": "/region", "ino": os.fstat(fd).st_ino, "region": "r", "off": 0, "size": size}
+        files = RegionFiles()
+        files.write(t, np.full(size, 7, dtype=np.uint8))
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, size)  # (its pages are gone; no touch of ours met it)
+        fill("/dev/shm/filler")
+        try:
+            files.write(t, np.full(size, 9, dtype=np.uint8))
+            print("written", os.pread(fd, 4, 0) == bytes([9]) * 4)
+        except NoRoom as e:
+            print("refused", "/dev/shm is full" in str(e))
+        os.unlink("/dev/shm/filler")
+        files.write(t, np.full(size, 9, dtype=np.uint8))
+        print(os.pread(fd, 4, size - 4) == bytes([9]) * 4)
+    """)
+    mount = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"'
+    ran = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", sys.executable, "-c",
+                          program], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, (ran.returncode, ran.stderr)
+    assert ran.stdout.split() == ["refused", "True", "True"]
