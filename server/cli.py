@@ -427,9 +427,9 @@ def trace_settings(items: Sequence[str]) -> tuple[dict, str]:
                              f"it with: pip install 'shmserve[trace]'")
     elif settings.get("level", "OFF") != "OFF" and not settings.get("file"):
         raise ValueError("--trace-config level=TIMESTAMPS needs a trace file: --trace-config triton,file=<path>")
-    if settings.get("level", "OFF") != "OFF" and settings.get("count") == 0:  # (Triton refuses it too)
+    if settings.get("level", "OFF") != "OFF" and settings.get("count") == 0:  # (Triton samples nothing)
         raise ValueError("--trace-config count=0 traces nothing while the level is on: give -1 (no limit) or "
                          "a number of traces")
-    if settings.get("level", "OFF") != "OFF" and settings.get("rate") == 0:  # (Triton refuses it too)
+    if settings.get("level", "OFF") != "OFF" and settings.get("rate") == 0:  # (Triton samples nothing)
         raise ValueError("--trace-config rate=0 traces nothing while the level is on: give 1 (every request) or more")
     return settings, shown

@@ -64,7 +64,15 @@ MODES = ("triton", "opentelemetry")
 DEFAULT_OTEL_URL = "http://localhost:4318/v1/traces"
 # Internal names; TRITON_KEYS maps the HTTP names onto them.
 DEFAULTS: dict[str, Any] = {"level": "OFF", "rate": 1000, "count": -1, "log_frequency": 0, "file": "",
-                            "mode": "triton", "url": DEFAULT_OTEL_URL}
+                            "mode": "triton", "url": DEFAULT_OTEL_URL, "otel": []}
+# OpenTelemetry's batch span processor settings (``opentelemetry,bsp_...``): Triton's defaults,
+# from the SDK's environment variables where set, as Triton reads them.
+OTEL_BSP = {"bsp_max_queue_size": ("OTEL_BSP_MAX_QUEUE_SIZE", 2048),
+            "bsp_schedule_delay": ("OTEL_BSP_SCHEDULE_DELAY", 5000),
+            "bsp_max_export_batch_size": ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)}
+# --trace-config level= at start, as Triton reads it (ignoring case); a POSTed level is exact.
+START_LEVELS = {"off": "OFF", "false": "OFF", "timestamps": "TIMESTAMPS", "on": "TIMESTAMPS", "true": "TIMESTAMPS",
+                "min": "TIMESTAMPS", "max": "TIMESTAMPS", "tensors": "TENSORS"}
 TRITON_KEYS = {"trace_file": "file", "trace_level": "level", "trace_rate": "rate", "trace_count": "count",
                "log_frequency": "log_frequency", "trace_mode": "mode"}
 MODEL_KEYS = ("file", "level", "rate", "count", "log_frequency")  # what a model may override
@@ -97,7 +105,7 @@ def _level(value: Any) -> str:
     levels = value if isinstance(value, list) else [value]
     if not all(isinstance(v, str) for v in levels):
         raise ValueError(f"trace setting 'trace_level' must be a list of strings, got {orjson.dumps(value).decode()}")
-    names = {v.upper() for v in levels}
+    names = set(levels)
     if "OFF" in names and len(names) > 1:  # Triton's words
         raise ValueError("Expect only one trace level 'OFF' is specified")
     if "TENSORS" in names:
@@ -132,6 +140,7 @@ def check_value(key: str, value: Any) -> Any:
 def parse_config(items: list[str]) -> dict[str, Any]:
     """``--trace-config`` values (``level=TIMESTAMPS``, ``triton,file=/tmp/t.json``, ...) as settings."""
     out: dict[str, Any] = {}
+    otel: list[tuple[str, str]] = []  # opentelemetry,<key>=<value> in the order given (Triton shows them so)
     for item in items:
         head, sep, value = item.partition("=")
         if not sep:
@@ -142,17 +151,48 @@ def parse_config(items: list[str]) -> dict[str, Any]:
         if comma and mode not in MODES:
             raise ValueError(f"--trace-config '{item}': unknown mode '{mode}' (triton or opentelemetry)")
         known = {"": ("level", "rate", "count", "mode", "log_frequency", "file"),
-                 "triton": ("file", "log_frequency"), "opentelemetry": ("url", "resource")}[mode]
+                 "triton": ("file", "log_frequency"), "opentelemetry": ("url", "resource", *OTEL_BSP)}[mode]
         if key not in known:
             raise ValueError(f"--trace-config '{item}': unknown setting '{key}'"
                              + (f" for mode {mode}" if mode else "") + f" (known: {', '.join(known)})")
-        if key == "resource":
-            continue  # OpenTelemetry resource attributes: accepted as Triton does, not used
-        if key == "level" and out.get("level") == "TIMESTAMPS":
-            check_value(key, value)  # repeated levels add up, as Triton's
-            continue
+        if mode == "opentelemetry":
+            otel.append((key, _otel_value(key, value, item)))
+            if key != "url":
+                continue
+        if key == "level":
+            value = START_LEVELS.get(value.strip().lower(), value)
+            if out.get("level") == "TIMESTAMPS":
+                check_value(key, value)  # repeated levels add up, as Triton's
+                continue
         out[key] = check_value(key, value)
+    given = {key for key, _ in otel}
+    otel += [(key, str(_int(key, os.environ.get(env, str(default)), 1, MAX_U32)))
+             for key, (env, default) in OTEL_BSP.items() if key not in given]
+    bsp = {key: int(value) for key, value in otel if key in OTEL_BSP}
+    if bsp["bsp_max_export_batch_size"] > bsp["bsp_max_queue_size"]:
+        raise ValueError(f"--trace-config opentelemetry,bsp_max_export_batch_size={bsp['bsp_max_export_batch_size']} "
+                         f"exceeds bsp_max_queue_size={bsp['bsp_max_queue_size']}: a batch is taken from the queue")
+    out["otel"] = otel
     return out
+
+
+def _otel_value(key: str, value: str, item: str) -> str:
+    """An ``opentelemetry,<key>=<value>`` setting's value as Triton keeps it (a string)."""
+    if key in OTEL_BSP:
+        return str(_int(key, value, 1, MAX_U32))
+    if key == "resource" and "=" not in value:
+        raise ValueError(f"--trace-config '{item}': a resource is <key>=<value>")
+    return check_value("url", value) if key == "url" else value
+
+
+def otel_resource(otel: list) -> dict[str, str]:
+    """The resource attributes ``opentelemetry,resource=<key>=<value>`` settings give spans."""
+    return dict(str(value).split("=", 1) for key, value in otel if key == "resource")
+
+
+def otel_bsp(otel: list) -> dict[str, int]:
+    """The batch span processor's settings (``OTEL_BSP`` keys, each given or its default)."""
+    return {key: int(value) for key, value in otel if key in OTEL_BSP}
 
 
 def effective(global_: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
@@ -162,10 +202,12 @@ def effective(global_: dict[str, Any], override: dict[str, Any] | None) -> dict[
 def triton_doc(setting: dict[str, Any], remaining: int) -> dict[str, Any]:
     """A setting as Triton's trace extension shows it (every value a string, the level a list)."""
     doc: dict[str, Any] = {"trace_level": [setting["level"]], "trace_rate": str(setting["rate"]),
-                           "trace_count": str(remaining), "log_frequency": str(setting["log_frequency"]),
-                           "trace_file": setting["file"], "trace_mode": setting["mode"]}
-    if setting["mode"] == "opentelemetry":
-        doc["url"] = setting["url"]
+                           "trace_count": str(remaining)}
+    if setting["mode"] == "opentelemetry":  # (as Triton: no file, and the mode's own settings)
+        doc["trace_mode"] = setting["mode"]
+        doc.update((key, str(value)) for key, value in setting["otel"])
+        return doc
+    doc.update(log_frequency=str(setting["log_frequency"]), trace_file=setting["file"], trace_mode=setting["mode"])
     return doc
 
 

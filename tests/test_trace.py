@@ -441,6 +441,7 @@ def test_trace_file_changes_only_inside_its_directory(server_factory, tmp_path):
     ({"log_frequency": "-1"}, "log_frequency"),
     ({"trace_level": ["TENSORS"]}, "TENSORS"),
     ({"trace_level": ["LOUD"]}, "LOUD"),
+    ({"trace_level": ["timestamps"]}, "unknown trace level 'timestamps'"),  # (Triton's POST is exact: ignored there)
     ({"trace_level": "TIMESTAMPS", "trace_file": ""}, "trace file"),
     ({"trace_mode": "opentelemetry"}, "trace_mode"),
     ({"trace_colour": "red"}, "trace_colour"),
@@ -577,6 +578,9 @@ def test_traced_requests_with_large_bodies_and_answers(server_factory, tmp_path)
     ("colour=red", "unknown setting 'colour'"),
     ("jaeger,url=x", "unknown mode"),
     ("level", "expected"),
+    ("opentelemetry,bsp_schedule_delay=soon", "bsp_schedule_delay"),
+    ("opentelemetry,resource=shmserve", "a resource is <key>=<value>"),
+    ("opentelemetry,bsp_max_export_batch_size=4096", "exceeds bsp_max_queue_size=2048"),
 ])
 def test_bad_flags_are_one_line_errors(flag, needle, tmp_path):
     cmd = [PYTHON, "-m", "shmserve", "--model-repository", str(ROOT / "model_repository"), "--trace-config", flag]
@@ -656,10 +660,19 @@ def test_opentelemetry_spans_reach_an_otlp_collector(server_factory):
     try:
         url = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
         s = server_factory.start(REPOS, [*MODELS, "--trace-config", "mode=opentelemetry", "--trace-config",
-                                         "level=TIMESTAMPS", "--trace-config", "rate=1", "--trace-config",
-                                         f"opentelemetry,url={url}"])
+                                         "level=max", "--trace-config", "rate=1", "--trace-config",
+                                         f"opentelemetry,url={url}", "--trace-config",
+                                         "opentelemetry,resource=deployment.environment=test", "--trace-config",
+                                         "opentelemetry,bsp_schedule_delay=200"])
         client = s.client()
-        assert client.get_trace_settings()["trace_mode"] == "opentelemetry"
+        # As Triton's: no trace file in this mode, and the mode's settings as given, then the
+        # batch span processor's defaults ("max", Triton's old name of the level, is TIMESTAMPS)
+        assert client.get_trace_settings() == {
+            "trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "-1", "trace_mode": "opentelemetry",
+            "url": url, "resource": "deployment.environment=test", "bsp_schedule_delay": "200",
+            "bsp_max_queue_size": "2048", "bsp_max_export_batch_size": "512"}
+        grpc_settings = grpcclient.InferenceServerClient(s.grpc_url).get_trace_settings(as_json=True)["settings"]
+        assert grpc_settings["bsp_schedule_delay"] == {"value": ["200"]} and "trace_file" not in grpc_settings
         for _ in range(3):
             add_sub(client)
         spans = collected_spans(3)
@@ -671,6 +684,11 @@ def test_opentelemetry_spans_reach_an_otlp_collector(server_factory):
             assert times == sorted(times)
             attrs = {a.key: a.value for a in sp.attributes}
             assert attrs["triton.model_name"].string_value == "add_sub"
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        resource = {a.key: a.value.string_value for body in _Collector.bodies
+                    for rs in ExportTraceServiceRequest.FromString(body).resource_spans for a in rs.resource.attributes}
+        assert resource["deployment.environment"] == "test" and resource["service.name"] == "shmserve"
     finally:
         collector.shutdown()
 
@@ -753,7 +771,8 @@ def test_an_ensembles_steps_are_spans_under_its_own(server_factory):
         s = server_factory.start([ROOT / "model_repository", TESTS / "models" / "ensembles"],
                                  ["--model-control-mode", "explicit", "--load-model", "outer", "--trace-config",
                                   "mode=opentelemetry", "--trace-config", "level=TIMESTAMPS", "--trace-config",
-                                  "rate=1", "--trace-config", f"opentelemetry,url={url}"])
+                                  "rate=1", "--trace-config", f"opentelemetry,url={url}", "--trace-config",
+                                  "opentelemetry,bsp_schedule_delay=200"])
         x = np.arange(16, dtype=np.int32)
         inputs = [httpclient.InferInput("X", [16], "INT32"), httpclient.InferInput("Y", [16], "INT32")]
         for i in inputs:

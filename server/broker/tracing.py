@@ -80,7 +80,8 @@ class TraceOwner:
 
     def answer(self, model: str) -> dict[str, Any]:
         doc = trace.triton_doc(self.setting(model), self.remaining(self._owner(model)))
-        doc["trace_file"] = self._file_name(model, doc["trace_file"])
+        if "trace_file" in doc:  # (not in OpenTelemetry mode)
+            doc["trace_file"] = self._file_name(model, doc["trace_file"])
         return doc
 
     def _file_name(self, model: str, path: str) -> str:

@@ -5,7 +5,8 @@ Needs ``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp-proto-http`` (``pi
 the model and trace id as attributes and one event per timestamp (an ensemble's composing
 requests as spans under its own), sent to ``opentelemetry,url=``
 (OTLP over HTTP; default http://localhost:4318/v1/traces). Spans are exported from a background
-thread (the SDK's batch processor), so the event loop never waits on the collector.
+thread (the SDK's batch processor, sized by ``opentelemetry,bsp_*``), so the event loop never
+waits on the collector.
 """
 from __future__ import annotations
 
@@ -26,16 +27,26 @@ def missing() -> str:
 
 
 class OtelExporter:
-    def __init__(self, url: str) -> None:
+    """``settings``: the ``opentelemetry,<key>=<value>`` settings (shm/trace.py): the resource's
+    attributes (``service.name`` is shmserve unless one names it) and the batch span processor's
+    queue size, delay and batch size, as Triton's."""
+
+    def __init__(self, url: str, settings: tuple[tuple[str, str], ...] = ()) -> None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        self.url = url
-        self.provider = TracerProvider(resource=Resource.create({"service.name": "shmserve"}))
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url),
-                                                            schedule_delay_millis=200))
+        from shmserve.shm.trace import otel_bsp, otel_resource
+
+        self.url, self.settings = url, settings
+        bsp = otel_bsp(list(settings))
+        self.provider = TracerProvider(resource=Resource.create({"service.name": "shmserve",
+                                                                 **otel_resource(list(settings))}))
+        self.provider.add_span_processor(BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=url), max_queue_size=bsp.get("bsp_max_queue_size", 2048),
+            schedule_delay_millis=bsp.get("bsp_schedule_delay", 5000),
+            max_export_batch_size=bsp.get("bsp_max_export_batch_size", 512)))
         self.tracer = self.provider.get_tracer("shmserve")
         # Timestamps are CLOCK_MONOTONIC; spans want wall-clock ns.
         self.offset = time.time_ns() - time.monotonic_ns()

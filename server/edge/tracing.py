@@ -47,7 +47,7 @@ RECEIVED = "shmserve.received"
 class Setting:
     """One setting object as published; ``n`` counts its requests in this process (for rate)."""
 
-    __slots__ = ("slot", "serial", "rate", "file", "fslot", "fserial", "log_frequency", "mode", "url", "n")
+    __slots__ = ("slot", "serial", "rate", "file", "fslot", "fserial", "log_frequency", "mode", "url", "otel", "n")
 
     def __init__(self, doc: dict[str, Any]) -> None:
         self.slot, self.serial = doc["slot"], doc["serial"]
@@ -55,6 +55,7 @@ class Setting:
         self.file, self.fslot, self.fserial = doc["file"], doc["fslot"], doc["fserial"]
         self.log_frequency = doc["log_frequency"]
         self.mode, self.url = doc["mode"], doc["url"]
+        self.otel: tuple[tuple[str, str], ...] = tuple(map(tuple, doc.get("otel") or ()))  # (resource, bsp_...)
         self.n = 0
 
 
@@ -259,7 +260,7 @@ class Tracer:
         try:
             first = shared.child_ids(len(trace.steps)) if trace.steps and shared is not None else 0  # its steps' ids
             if setting.mode == "opentelemetry":
-                self._exporter(setting.url).export(trace.id, trace.model, trace.version, trace.stamps(),
+                self._exporter(setting.url, setting.otel).export(trace.id, trace.model, trace.version, trace.stamps(),
                                                    trace.step_spans(first) if first else ())
                 return
             if shared is None:
@@ -275,13 +276,13 @@ class Tracer:
         except Exception:  # noqa: BLE001 - tracing must never fail a request
             log.exception("cannot write trace %d", trace.id)
 
-    def _exporter(self, url: str) -> Any:
-        if self._otel is None or self._otel.url != url:
+    def _exporter(self, url: str, settings: tuple[tuple[str, str], ...]) -> Any:
+        if self._otel is None or (self._otel.url, self._otel.settings) != (url, settings):
             from .otel import OtelExporter
 
             if self._otel is not None:
                 self._otel.close()
-            self._otel = OtelExporter(url)
+            self._otel = OtelExporter(url, settings)
         return self._otel
 
 
