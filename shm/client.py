@@ -310,11 +310,13 @@ class Client:
     def infer_async(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",
                     request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,
                     sequence_start: bool = False, sequence_end: bool = False, priority: int = 0,
-                    timeout: int = 0) -> concurrent.futures.Future:
+                    timeout: int = 0, _traced: bool = False) -> concurrent.futures.Future:
         """Submit now; the future resolves to an ``InferResult`` (or raises InferenceServerError).
         ``future.cancel()`` cancels the request on the server (Triton's semantics: dropped if it
-        has not run, ``is_cancelled()`` for a model running it; its answer is given back unread)."""
+        has not run, ``is_cancelled()`` for a model running it; its answer is given back unread).
+        (``_traced``: the answer carries the request's trace stamps, for a traced model's BLS call.)"""
         options = _options(request_id, parameters, sequence_id, sequence_start, sequence_end, priority, timeout)
+        options["traced"] = _traced
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def deliver(completion: Completion, plan: _Plan, start: int) -> None:

@@ -42,6 +42,7 @@ class InferResult(Mapping[str, np.ndarray]):
         self._completion: Completion | None = completion
         self.model_version = answer.served_version()
         self.parameters = dict(answer.params or {})
+        self._answer = (answer.version, answer.trace, answer.steps)  # (a traced BLS call's: workers/python_backend/bls.py)
         self._outputs = outputs  # raw views into shm (or arrays of their own: BYTES, caller regions)
         self._kept = kept  # names whose arrays must keep this result alive
         self._handed: weakref.WeakValueDictionary[str, np.ndarray] | None = None  # made on first use

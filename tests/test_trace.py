@@ -182,6 +182,37 @@ def test_an_ensembles_steps_are_traced_as_its_children(server_factory, tmp_path)
         assert client.get_trace_settings()["trace_count"] == "0"
 
 
+def test_a_bls_request_made_with_the_requests_trace_is_traced_as_its_child(server_factory, tmp_path):
+    """Triton traces a BLS request made with ``trace=request.trace()`` as a trace of its own whose
+    ``parent_id`` is the calling request's (python_backend spawns a child trace): exec() and
+    async_exec() alike. They were not traced at all, so a BLS model's time in the models it
+    calls did not show. A request not sampled makes untraced BLS requests."""
+    path = tmp_path / "trace.json"
+    server = server_factory.start([ROOT / "model_repository", TESTS / "models" / "bls"],
+                                  ["--model-control-mode", "explicit", "--load-model", "add_sub",
+                                   "--load-model", "bls_traced", "--trace-config", f"triton,file={path}",
+                                   "--trace-config", "level=TIMESTAMPS", "--trace-config", "rate=2"])
+    x = np.arange(16, dtype=np.int32)
+    with httpclient.InferenceServerClient(server.url) as client:
+        inputs = [httpclient.InferInput("INPUT0", [16], "INT32"), httpclient.InferInput("INPUT1", [16], "INT32")]
+        for i in inputs:
+            i.set_data_from_numpy(x)
+        for _ in range(2):  # (at rate 2: the second is traced)
+            assert client.infer("bls_traced", inputs).as_numpy("SUM").tolist() == (3 * x).tolist()
+    found = records(path, 3)
+    assert len(found) == 3, found
+    (top,) = [r for r in found if "parent_id" not in r]
+    assert top["model_name"] == "bls_traced"
+    children = [r for r in found if "parent_id" in r]
+    assert [(r["model_name"], r["model_version"], r["parent_id"]) for r in children] == [("add_sub", 1, top["id"])] * 2
+    assert len({r["id"] for r in found}) == 3, "each has an id of its own"
+    for child in children:
+        assert_ordered(child, STEP_STAMPS)
+        assert stamps(top)["COMPUTE_START"] <= stamps(child)["REQUEST_START"]
+        assert stamps(child)["REQUEST_END"] <= stamps(top)["COMPUTE_END"]
+    assert stamps(children[0])["REQUEST_END"] <= stamps(children[1])["REQUEST_START"], "the calls in their order"
+
+
 def test_every_request_traced_at_rate_1(server_factory, tmp_path):
     path = tmp_path / "trace.json"
     s = start(server_factory, path, "level=TIMESTAMPS", "rate=1")

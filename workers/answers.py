@@ -172,6 +172,9 @@ class Answers:
             status = 400 if isinstance(e, (RequestError, CudaError, StaleRegion, ClassificationError)) else \
                 503 if isinstance(e, NoRoom) else 500  # (/dev/shm full: retry later, as elsewhere)
             return status, AnswerDescriptor(error=str(e)).encode(), []
+        if resp.steps and "trace_queued_ns" in entry:  # (a traced request's BLS calls: their own traces)
+            return 200, AnswerDescriptor(tuple(outs), model.version, resp.parameters or None, trace=self.ran_stamps(entry),
+                                         steps=resp.steps).encode(), tensors
         return 200, encode_outputs(outs, model.version, resp.parameters or None, self.ran_stamps(entry)), tensors
 
     def ran_stamps(self, entry: BatchEntry) -> tuple[int, ...]:

@@ -77,6 +77,7 @@ class Request:
     # an arena, workers/input_views.py), not views of memory others read.
     own_inputs: frozenset[str] = frozenset()
     timeout_us: int = 0  # the client's timeout (0: none), as Triton's request.timeout() gives it
+    traced: bool = False  # sampled for tracing: the BLS requests it makes are traced as its children
 
 
 class CancelFlag:
@@ -103,6 +104,9 @@ class Response:
     parameters: dict[str, Any] | None = None
     status: int = 500  # the HTTP-like status an error completes with (statistics, local clients)
     code: ErrorCode | None = None  # a model's own error: its code, which each frontend maps as Triton does
+    # The traces of the BLS requests a traced request made (shm/answer.py StepTrace), which its
+    # answer carries to the frontend that writes its trace.
+    steps: tuple = ()
     # An error of the model's own answer, not the backend's failure (a class attribute: nothing
     # more to set on each response).
     model_error: ClassVar[bool] = False

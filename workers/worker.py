@@ -699,10 +699,10 @@ class Worker:
             raise DecoupledOnly()  # reached through the broker
         on_device = frozenset(o["name"] for o in wanted if "cuda" in o) if wanted else frozenset()
         # (inputs, requested_outputs, id, correlation_id, flags, parameters, sender, device_outputs, cancel,
-        # own_inputs, timeout_us): by position, a dataclass is built in half the time
+        # own_inputs, timeout_us, traced): by position, a dataclass is built in half the time
         return Request(inputs, names, entry.get("id", ""), entry.get("sequence_id", 0), entry.get("sequence_flags", 0),
                        entry.get("parameters") or {}, sender, on_device, CancelFlag(client, entry["slot"]), own,
-                       entry.get("timeout_us", 0))
+                       entry.get("timeout_us", 0), "trace_queued_ns" in entry)
 
     # -- answering ------------------------------------------------------------------------------
     def _forget_departed_clients(self) -> None:

@@ -204,6 +204,9 @@ class PythonInstance(Instance):
                 return self._failed(e, replies)
             raise  # the worker answers every request with the error
         for pb, answer in zip(pb_requests, answers):
+            children = pb._trace._children if pb._trace is not None else None
+            if children and isinstance(answer, Response):  # a traced request's BLS calls (bls.py)
+                answer.steps = tuple(children)
             if isinstance(answer, Deferred):
                 # Once the model holds neither the request nor its sender, no final flag can come.
                 weakref.finalize(pb._response_sender, answer.abandon)

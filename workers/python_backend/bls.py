@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from shmserve.shm.control_messages import ControlMessage
@@ -67,7 +68,13 @@ class Bls:
         from shmserve.shm.client import InferenceServerError
 
         model, inputs, wanted, options = self._call(request)
+        parent = request._trace if request._trace is not None and request._trace._children is not None else None
         try:
+            if parent is not None:
+                sent = time.monotonic_ns()
+                result = self.client().infer_async(model, inputs, wanted, _traced=True, **options).result()
+                _traced_child(parent, model, sent, result)
+                return self._response(result)
             return self._response(self.client().infer(model, inputs, wanted, **options))
         except InferenceServerError as e:
             return self._error(e, model)
@@ -76,10 +83,15 @@ class Bls:
         from shmserve.shm.client import InferenceServerError
 
         model, inputs, wanted, options = self._call(request)
+        parent = request._trace if request._trace is not None and request._trace._children is not None else None
+        sent = time.monotonic_ns()
         try:
-            result = await asyncio.wrap_future(self.client().infer_async(model, inputs, wanted, **options))
+            result = await asyncio.wrap_future(self.client().infer_async(model, inputs, wanted, _traced=parent is not None,
+                                                                         **options))
         except InferenceServerError as e:
             return self._error(e, model)
+        if parent is not None:
+            _traced_child(parent, model, sent, result)
         return self._response(result)
 
     def stream(self, request: Any) -> Any:
@@ -114,6 +126,19 @@ class Bls:
 
 
 _END = object()
+
+
+def _traced_child(parent: Any, model: str, sent_ns: int, result: Any) -> None:
+    """A traced request's BLS call answered: its trace (REQUEST_START when sent, the model's
+    stamps, REQUEST_END now) and its own children's (an ensemble's steps) go with the parent's
+    answer, which its frontend writes as traces of their own under it, as Triton does."""
+    from shmserve.shm.answer import StepTrace
+
+    version, stamps, steps = result._answer
+    stamps = tuple(stamps[:5]) if len(stamps) >= 5 else (sent_ns, 0, 0, 0, 0)
+    if not stamps[0]:  # sent straight to a worker's lane: no queue but its own (QUEUE_START when sent)
+        stamps = (sent_ns, *stamps[1:])
+    parent._add_child(StepTrace(model, version, -1, (sent_ns, *stamps, time.monotonic_ns())), steps)
 
 
 class ResponseIterator:

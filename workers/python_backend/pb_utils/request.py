@@ -4,6 +4,7 @@ call another model (BLS, ``exec``/``async_exec``), with the options such a call 
 from __future__ import annotations
 
 import enum
+import threading
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
 from . import runtime
@@ -46,13 +47,33 @@ class PreferredMemory:
 
 class InferenceTrace:
     """Trace handle; shmserve has no OpenTelemetry context to propagate, so
-    ``get_context()`` returns None (what Triton returns when tracing is off)."""
+    ``get_context()`` returns None (what Triton returns when tracing is off). A traced request's
+    handle collects the traces of the BLS requests made with it (``trace=request.trace()``), which
+    its answer carries: each is a trace of its own whose parent is that request, as in Triton."""
+
+    _children: Optional[list] = None  # a traced request's: its BLS requests' traces (shm/answer.py StepTrace)
 
     def __init__(self, context: Optional[str] = None) -> None:
         self._context = context or None
 
     def get_context(self) -> Optional[str]:
         return self._context
+
+    @classmethod
+    def _traced(cls) -> "InferenceTrace":
+        """Worker hook: the handle of a request sampled for tracing."""
+        trace = cls()
+        trace._children = []
+        trace._lock = threading.Lock()
+        return trace
+
+    def _add_child(self, step: Any, nested: Any = ()) -> None:
+        """BLS hook: a child request's trace, then its own children's (an ensemble's steps, whose
+        ``parent`` counts within them), placed after it."""
+        with self._lock:
+            at = len(self._children)
+            self._children.append(step)
+            self._children.extend(s._replace(parent=at if s.parent < 0 else at + 1 + s.parent) for s in nested)
 
 
 _REQUIRED: Any = object()
@@ -172,6 +193,8 @@ class InferenceRequest:
         self._timeout = request.timeout_us
         parameters = request.parameters
         self._parameters = parameters_to_json(parameters) if parameters else "{}"
+        if request.traced:
+            self._trace = InferenceTrace._traced()
         return self
 
     def inputs(self) -> list[Tensor]:
