@@ -686,6 +686,84 @@ def test_a_named_user_truncating_its_segment_in_a_loop_holds_no_worker(users_ser
     assert users_server.titles() == before, "no server process died or was restarted"
 
 
+# Has slow_reader answer it 3 MiB a few times (in its user's home extent, whose pages are then
+# taken), then again and again while a child truncates every extent of the workers it may open and
+# extends it again, as fast as it can for args["seconds"] (nobody cannot start the interpreter:
+# a fork); what became of each of those requests.
+TRUNCATE_EXTENTS = r"""
+import time
+sid = args["server"]
+c = Client(sid)
+x = np.ones(3 << 18, dtype=np.int32)  # 3 MiB: answered in the user's home extent (4 MiB), whose pages are taken
+for _ in range(3):
+    c.infer("slow_reader", {"X": x}, parameters={"sleep_s": 0.0}).release()
+time.sleep(0.2)
+if os.fork() == 0:
+    end = time.monotonic() + args["seconds"]
+    fds = {}
+    while time.monotonic() < end:
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(f"shmserve.{sid}.worker.") and ".arena." in name and name not in fds:
+                try:
+                    fds[name] = os.open("/dev/shm/" + name, os.O_RDWR)
+                except OSError:
+                    fds[name] = -1  # (another user's)
+        for fd in fds.values():
+            if fd >= 0:
+                size = os.fstat(fd).st_size or (1 << 20)
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)
+    os._exit(0)
+result = []
+end = time.monotonic() + args["seconds"]
+while time.monotonic() < end:
+    try:
+        c.infer("slow_reader", {"X": x}, parameters={"sleep_s": 0.0}).release()
+        result.append("answered")
+    except Exception as e:
+        result.append(type(e).__name__)
+"""
+
+
+def test_a_named_user_truncating_its_extents_in_a_loop_holds_no_worker(users_server):
+    """A client of a named user may write the extents its answers lie in (it frees them there), so
+    it may truncate them too, in a tight loop while a worker writes its answers there. A worker
+    takes an answer's pages before it writes them (shm/arena.py), so the loop costs that user's
+    own answers (written whole, or refused) and delays no one else's."""
+    import threading
+
+    slowest: list[float] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+    x = np.arange(16, dtype=np.int32)
+
+    def peer() -> None:
+        with Client(users_server.id) as client:
+            while not done.is_set():
+                started = time.monotonic()
+                try:
+                    got = client.infer("slow_reader", {"X": x}, parameters={"sleep_s": 0.01})
+                    assert got["SUM"].tolist() == [int(x.sum())]
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    return
+                slowest.append(time.monotonic() - started)
+
+    before = users_server.titles()
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    try:
+        got = run_as_nobody(TRUNCATE_EXTENTS, {"server": users_server.id, "seconds": 8.0}, timeout=300)
+    finally:
+        done.set()
+        thread.join(300)
+    assert not errors, f"the other client's request failed: {errors[0]!r}"
+    assert slowest and max(slowest) < 4, f"the other client waited {max(slowest):.1f} s behind the truncated answers"
+    assert got, "the truncating client sent nothing"
+    assert users_server.titles() == before, "no server process died or was restarted"
+    assert run_as_nobody(CLIENT, {"server": users_server.id})["add"] == (2 * np.arange(16)).tolist()
+
+
 # Writes records on the lanes of the server's own clients (the frontends) in every worker's
 # segment, which a named user may write: each record a frontend left there again (a replay), the
 # same block for another slot, and one pointing outside the frontend's arena (garbage).
