@@ -386,8 +386,17 @@ class Client:
                                             f"{client_timeout} s (the request was cancelled)") from None
 
     async def infer_aio(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, **kwargs: Any) -> InferResult:
-        """The asyncio form: awaits without blocking the loop."""
+        """The asyncio form: awaits without blocking the loop (the model's config, which a call
+        needs first, is fetched off the loop when it is not known yet)."""
+        await self._config_off_loop(model, kwargs.get("version", ""))
         return await asyncio.wrap_future(self.infer_async(model, inputs, outputs, **kwargs))
+
+    async def _config_off_loop(self, model: str, version: str | int) -> None:
+        """Fetch ``model``'s config in a thread unless it is known (``model_config``): a call to
+        the broker, which may be busy (loading models, say), must not hold the caller's loop."""
+        kept = self._configs.get((model, str(version)))
+        if kept is None or kept[0] != self._conn.broker.routes.generation():
+            await asyncio.get_running_loop().run_in_executor(None, self.model_config, model, version)
 
     def stream(self, model: str, inputs: Mapping[str, Any], outputs: Any = None, *, version: str = "",
                request_id: str = "", parameters: dict | None = None, sequence_id: int | str = 0,
@@ -457,6 +466,7 @@ class Client:
         version = kwargs.pop("version", "")
         if kwargs:  # (a misspelt option must not be dropped without a word)
             raise TypeError(f"stream_aio() got unexpected keyword argument(s) {sorted(kwargs)}")
+        await self._config_off_loop(model, version)
         start = self._submit_infer(model, inputs, outputs, version, options, on_event(True), on_event(False))
         events.request = (self._conn, start)
         try:

@@ -303,6 +303,43 @@ def _voluntary_switches(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
 
 
+@pytest.mark.parametrize("call", ["infer_aio", "stream_aio"])
+def test_a_first_aio_call_fetches_the_models_config_off_the_loop(lc_server, call):
+    """The first call of a model needs its config, which the broker answers: infer_aio and
+    stream_aio fetched it on the caller's loop, so a busy broker (here: stopped for a second)
+    held every other coroutine of the program meanwhile."""
+    broker = next(pid for pid, title in lc_server.titles().items() if title.startswith("shmserve broker"))
+
+    async def main() -> tuple[list, float]:
+        with Client(lc_server.id) as c:  # (connected while the broker runs)
+            ticks: list[float] = []
+
+            async def ticker() -> None:
+                while True:
+                    ticks.append(time.monotonic())
+                    await asyncio.sleep(0.01)
+
+            task = asyncio.create_task(ticker())
+            await asyncio.sleep(0.05)
+            os.kill(broker, signal.SIGSTOP)
+            resume = threading.Timer(1.0, os.kill, (broker, signal.SIGCONT))
+            resume.start()
+            try:
+                if call == "infer_aio":
+                    got = [(await c.infer_aio("add_sub", {"INPUT0": A, "INPUT1": B}))["OUTPUT0"].tolist()]
+                else:
+                    got = [r["OUTPUT0"].tolist() async for r in c.stream_aio("add_sub", {"INPUT0": A, "INPUT1": B})]
+            finally:
+                resume.join()
+                os.kill(broker, signal.SIGCONT)
+            task.cancel()
+            return got, max(b - a for a, b in zip(ticks, ticks[1:]))
+
+    got, longest_gap = asyncio.run(main())
+    assert got, "the call was answered"
+    assert longest_gap < 0.5, f"the loop stood still {longest_gap:.2f} s while the broker was stopped"
+
+
 def test_infer_aio_gather_many_without_blocking_the_loop(client, tmp_path):
     """While two slow requests wait for their answers, the event loop runs on: the slow model
     answers only once a task of the loop has ticked ten times while a slow request was in the model,
