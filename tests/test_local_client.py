@@ -1122,6 +1122,35 @@ def test_a_model_reloaded_with_larger_outputs_is_called_as_it_is_now(server_fact
         assert c.model_config("add_sub")["output"][0]["dims"] == [32]
 
 
+def test_an_ensemble_reloaded_alone_is_called_with_its_new_config(server_factory, tmp_path):
+    """The client keeps a model's config while the routing table stays as it was; an ensemble has
+    no workers, so reloading it alone with a new config left the table as it was, and the client
+    with the old config for good. The table names each version's load now."""
+    import shutil
+
+    shutil.copytree(PRODUCT_MODELS / "add_sub", tmp_path / "add_sub", ignore=shutil.ignore_patterns("__pycache__"))
+
+    def ensemble(dims: list[int]) -> dict:
+        return {"name": "ens", "platform": "ensemble", "max_batch_size": 0,
+                "input": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("A", "B")],
+                "output": [{"name": "SUM", "data_type": "TYPE_INT32", "dims": dims}],
+                "ensemble_scheduling": {"step": [{"model_name": "add_sub", "model_version": -1,
+                                                  "input_map": {"INPUT0": "A", "INPUT1": "B"},
+                                                  "output_map": {"OUTPUT0": "SUM"}}]}}
+
+    (tmp_path / "ens" / "1").mkdir(parents=True)
+    (tmp_path / "ens" / "config.pbtxt").write_text("")
+    server = server_factory.start([tmp_path], ["--model-control-mode", "explicit", "--load-model", "add_sub"])
+    with server.client() as http:
+        http.load_model("ens", config=json.dumps(ensemble([16])))
+        with Client(server.id) as c:
+            assert c.infer("ens", {"A": A, "B": B})["SUM"].tolist() == (A + B).tolist()
+            assert c.model_config("ens")["output"][0]["dims"] == [16]
+            http.load_model("ens", config=json.dumps(ensemble([-1])))
+            assert c.model_config("ens")["output"][0]["dims"] == [-1]
+            assert c.infer("ens", {"A": A, "B": B})["SUM"].tolist() == (A + B).tolist()
+
+
 class Interrupted(Exception):
     """What a signal handler raises into a waiting call (as Ctrl-C raises KeyboardInterrupt)."""
 

@@ -44,9 +44,12 @@ class Routes:
                 cfg = mv.config
                 direct = not mv.rate_limited and (mv.worker_batching or (
                     not cfg.HasField("dynamic_batching") and not cfg.HasField("sequence_batching")))
+                # "load": which load of the version this is, so that a reload changes the table
+                # even where no worker does (an ensemble): clients keep a config while it stays
                 entry[str(v)] = {"ready": mv.state == State.READY, "direct": direct,
                                  "workers": [] if self.draining else
-                                 [i.num for i in mv.instances if i.ready and self.instances.live(i)]}
+                                 [i.num for i in mv.instances if i.ready and self.instances.live(i)],
+                                 "load": mv.created}
             split = self.catalog.split(name)
             if split is not None:
                 splits[name] = split.doc()  # where unversioned requests go: see canary.py
