@@ -42,6 +42,9 @@ _META = struct.Struct("<IBB?")  # an output's name length, datatype code, dimens
 _PLACE = struct.Struct("<QQ")  # an output's data offset and size
 _STEP = struct.Struct("<Hiq7q")  # a step trace's name length, parent, version and stamps
 
+# A single-answer request to a decoupled model is refused (501) in the words of Triton's HTTP
+# frontend, which the other frontends and the local client put in their own.
+DECOUPLED_REFUSAL = "HTTP end point doesn't support models with decoupled transaction policy"
 NO_VERSION = -1  # an answer that names no version: refused before one was chosen, or not a model's
 REFUSED = 1  # the request was refused before its model ran (Triton's InferAsync failing)
 FINAL = 2  # a stream's end: no response follows

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import numpy as np
 import posix_ipc
 
-from .answer import AnswerDescriptor, ErrorCode
+from .answer import DECOUPLED_REFUSAL, AnswerDescriptor, ErrorCode
 from .completion import Answer, Completion
 from . import control_messages as control
 from .connection import DEFAULT_POLL_US, Backpressure, Connection, RequestTooLarge, ServerUnavailable
@@ -41,6 +41,10 @@ from .tensors import CONFIG_TO_WIRE, DTYPES, byte_view, from_buffer, serialize_b
 __all__ = ["Client", "InferResult", "InferenceServerError", "ErrorCode", "Region", "ServerUnavailable", "Backpressure",
            "RequestTooLarge"]
 
+
+# A decoupled model called with ``infer`` (which takes one answer) is refused (501) so.
+DECOUPLED_ONLY = ("this model uses the decoupled transaction policy: call it with Client.stream() or stream_aio(), "
+                  "which take each of its responses, not with infer()")
 
 class InferenceServerError(Exception):
     """The server refused or failed the call; ``status`` is the HTTP-equivalent status code, and
@@ -100,10 +104,13 @@ class Client:
 
     @staticmethod
     def _check(completion: Completion) -> AnswerDescriptor:
-        """The answer, or its error raised."""
+        """The answer, or its error raised (a decoupled model's refusal of ``infer`` in this
+        library's words, where the server says it in its HTTP frontend's)."""
         answer = completion.answer
         if completion.status != 200:
-            raise InferenceServerError(completion.status, answer.error or "request failed", answer.code)
+            error = answer.error or "request failed"
+            raise InferenceServerError(completion.status, DECOUPLED_ONLY if error == DECOUPLED_REFUSAL else error,
+                                       answer.code)
         return answer
 
     def _control(self, message: control.ControlMessage) -> Any:

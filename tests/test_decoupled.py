@@ -151,6 +151,10 @@ def test_infer_on_a_decoupled_model_is_refused(server):
     body["inputs"][0]["name"] = "no_such_input"  # the policy is checked first, as in Triton
     status, _, text = post(server, "/v2/models/word_stream/infer", body)
     assert status == 501
+    with Client(server.id) as client:  # (a local client is told what to call instead, not HTTP's words)
+        with pytest.raises(InferenceServerError) as e:
+            client.infer("word_stream", {"text_input": np.array([b"x"], dtype=object)})
+        assert e.value.status == 501 and "call it with Client.stream() or stream_aio()" in e.value.message
 
 
 def test_local_client_streams_in_order(server):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from shmserve.shm.answer import DECOUPLED_REFUSAL
 from shmserve.shm.batch_entry import BatchEntry, LocatedTensor
 from shmserve.shm.channel import ClientSegment
 from shmserve.shm.descriptor import InferRequest, InputTensor, RequestedOutput
@@ -36,7 +37,7 @@ class DecoupledOnly(RequestError):
     status = 501
 
     def __init__(self) -> None:
-        super().__init__("HTTP end point doesn't support models with decoupled transaction policy")
+        super().__init__(DECOUPLED_REFUSAL)
 
 
 def check_request(signature: ModelSignature, regions: RegionTable, decoupled: bool, client: ClientSegment,

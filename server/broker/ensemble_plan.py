@@ -6,6 +6,7 @@ import collections
 import dataclasses
 from typing import Any
 
+from shmserve.shm.answer import DECOUPLED_REFUSAL
 from shmserve.signature import InvalidRequest
 
 
@@ -19,7 +20,7 @@ class DecoupledOnly(InvalidRequest):
     status = 501
 
     def __init__(self) -> None:
-        super().__init__("HTTP end point doesn't support models with decoupled transaction policy")
+        super().__init__(DECOUPLED_REFUSAL)
 
 
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ from shmserve.server.edge.requests import EMPTY_FINAL_PARAMETER, BadRequest, Neg
 from shmserve.server.edge.tracing import (RECV_END, RECV_START, REQUEST_END, SEND_END, SEND_START, Trace,
                                               Tracer, timed_sends)
 from shmserve.shm import control_messages as control
+from shmserve.shm.answer import DECOUPLED_REFUSAL
 from shmserve.shm.completion import Completion
 from shmserve.shm.streams import StreamEvents
 from shmserve.shm.descriptor import InferRequest
@@ -37,9 +38,8 @@ from .requests import descriptor_from_message
 from .responses import error_head, infer_response
 
 
-# The worker refuses a single-answer request to a decoupled model in the HTTP frontend's words;
-# over gRPC Triton says it in these.
-HTTP_DECOUPLED = "HTTP end point doesn't support models with decoupled transaction policy"
+# The worker refuses a single-answer request to a decoupled model in the HTTP frontend's words
+# (shm/answer.py DECOUPLED_REFUSAL); over gRPC Triton says it in these.
 GRPC_DECOUPLED = "ModelInfer RPC doesn't support models with decoupled transaction policy"
 
 # What C++'s std::stol reads, as Triton parses a request's model_version: optional blanks and sign,
@@ -103,7 +103,7 @@ class GrpcInference:
                 trace.collect(answer)
             if completion.status != 200:
                 error = answer.error or "inference failed"
-                raise Aborted(answer_code(completion), GRPC_DECOUPLED if error == HTTP_DECOUPLED else error)
+                raise Aborted(answer_code(completion), GRPC_DECOUPLED if error == DECOUPLED_REFUSAL else error)
             response = infer_response(request, answer.served_version(request.model_version), answer,
                                       completion.tensor)
         finally:

@@ -51,10 +51,12 @@ class Bls:
     def _error(e: Any, model: str = "") -> Any:
         """The target's error as the caller sees it in Triton: its message and its code (the
         model's own, or the one the server's status maps to). A decoupled target called without
-        ``decoupled=True`` is told in the words of Triton's BLS, not its HTTP frontend's."""
+        ``decoupled=True`` is told in the words of Triton's BLS, not the local client's."""
+        from shmserve.shm.client import DECOUPLED_ONLY
+
         code = e.code if e.code is not None else ERROR_CODE.get(e.status, pb_utils.TritonError.INTERNAL)
         message = e.message
-        if e.status == 501 and "support models with decoupled transaction policy" in message:
+        if e.status == 501 and message == DECOUPLED_ONLY:
             message = (f"Model {model} is using the decoupled. The current BLS request call doesn't support models "
                        f"using the decoupled transaction policy. Please use 'decoupled=True' argument to the 'exec' "
                        f"or 'async_exec' calls for decoupled models.'")
