@@ -625,6 +625,47 @@ def test_a_named_user_truncating_what_it_may_write_kills_no_server_process(users
     assert not [line for line in users_server.log().splitlines() if line.startswith("E")], users_server.log_tail()
 
 
+class Peer:
+    """A client of the server's user calling slow_reader (the model an attack's requests hold) in a
+    loop on a thread while the ``with`` block runs: ``check`` says every call succeeded, none slower
+    than ``bound_s``."""
+
+    def __init__(self, server) -> None:
+        import threading
+
+        self.server = server
+        self.slowest: list[float] = []
+        self.errors: list[BaseException] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._calls, daemon=True)
+
+    def _calls(self) -> None:
+        x = np.arange(16, dtype=np.int32)
+        with Client(self.server.id) as client:
+            while not self.done.is_set():
+                started = time.monotonic()
+                try:
+                    got = client.infer("slow_reader", {"X": x}, parameters={"sleep_s": 0.01})
+                    assert got["SUM"].tolist() == [int(x.sum())]
+                except BaseException as e:  # noqa: BLE001 - reported by check
+                    self.errors.append(e)
+                    return
+                self.slowest.append(time.monotonic() - started)
+
+    def __enter__(self) -> "Peer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join(300)
+
+    def check(self, bound_s: float) -> None:
+        assert not self.errors, f"the other client's request failed: {self.errors[0]!r}"
+        assert self.slowest and max(self.slowest) < bound_s, \
+            f"the other client waited {max(self.slowest):.1f} s behind the attack"
+
+
 # Sends slow_reader a 64 MiB input from its own arena, then leaves a child that truncates the
 # segment and extends it again, as fast as it can for args["seconds"], while the model sleeps and
 # then reads it (the broker disconnects the client meanwhile: the model runs on) (nobody cannot start the interpreter: a fork; the parent leaves at once, since
@@ -654,35 +695,10 @@ def test_a_named_user_truncating_its_segment_in_a_loop_holds_no_worker(users_ser
     by page, each page a fault that waited on the next truncation, and the worker (and every
     other client of that model) waited as long as the truncations went on. The worker's mapping is zeroed at the
     first fault now (and mapped anew by the next request that needs it)."""
-    import threading
-
-    slowest: list[float] = []
-    errors: list[BaseException] = []
-    done = threading.Event()
-    x = np.arange(16, dtype=np.int32)
-
-    def peer() -> None:
-        with Client(users_server.id) as client:
-            while not done.is_set():
-                started = time.monotonic()
-                try:
-                    got = client.infer("slow_reader", {"X": x}, parameters={"sleep_s": 0.01})
-                    assert got["SUM"].tolist() == [int(x.sum())]
-                except BaseException as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
-                    return
-                slowest.append(time.monotonic() - started)
-
     before = users_server.titles()
-    thread = threading.Thread(target=peer, daemon=True)
-    thread.start()
-    try:
+    with Peer(users_server) as peer:
         assert run_as_nobody(TRUNCATE_OWN, {"server": users_server.id, "seconds": 8.0}, timeout=300) > 0
-    finally:
-        done.set()
-        thread.join(300)
-    assert not errors, f"the other client's request failed: {errors[0]!r}"
-    assert slowest and max(slowest) < 4, f"the other client waited {max(slowest):.1f} s behind the truncated input"
+    peer.check(4.0)
     assert users_server.titles() == before, "no server process died or was restarted"
 
 
@@ -730,35 +746,10 @@ def test_a_named_user_truncating_its_extents_in_a_loop_holds_no_worker(users_ser
     it may truncate them too, in a tight loop while a worker writes its answers there. A worker
     takes an answer's pages before it writes them (shm/arena.py), so the loop costs that user's
     own answers (written whole, or refused) and delays no one else's."""
-    import threading
-
-    slowest: list[float] = []
-    errors: list[BaseException] = []
-    done = threading.Event()
-    x = np.arange(16, dtype=np.int32)
-
-    def peer() -> None:
-        with Client(users_server.id) as client:
-            while not done.is_set():
-                started = time.monotonic()
-                try:
-                    got = client.infer("slow_reader", {"X": x}, parameters={"sleep_s": 0.01})
-                    assert got["SUM"].tolist() == [int(x.sum())]
-                except BaseException as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
-                    return
-                slowest.append(time.monotonic() - started)
-
     before = users_server.titles()
-    thread = threading.Thread(target=peer, daemon=True)
-    thread.start()
-    try:
+    with Peer(users_server) as peer:
         got = run_as_nobody(TRUNCATE_EXTENTS, {"server": users_server.id, "seconds": 8.0}, timeout=300)
-    finally:
-        done.set()
-        thread.join(300)
-    assert not errors, f"the other client's request failed: {errors[0]!r}"
-    assert slowest and max(slowest) < 4, f"the other client waited {max(slowest):.1f} s behind the truncated answers"
+    peer.check(4.0)
     assert got, "the truncating client sent nothing"
     assert users_server.titles() == before, "no server process died or was restarted"
     assert run_as_nobody(CLIENT, {"server": users_server.id})["add"] == (2 * np.arange(16)).tolist()

@@ -152,6 +152,43 @@ def test_a_truncation_racing_the_copies_costs_the_process_nothing():
     assert ran.stdout.split() == ["True"] * 4, "copies done, copies refused, copies in all, none grown back"
 
 
+def in_small_shm(program: str) -> list[str]:
+    """What ``program`` printed, run in a child with a /dev/shm of its own of 8 MiB (fill() fills it)."""
+    mount = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"'
+    ran = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", sys.executable, "-c",
+                          program], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, (ran.returncode, ran.stderr)
+    return ran.stdout.split()
+
+
+# A 1 MiB region (``files``, ``t``, ``fd``, ``size``) an output was written into once: its pages taken.
+REGION_WRITTEN_ONCE = textwrap.dedent("""
+    import os
+    import numpy as np
+    from shmserve.shm.region_io import RegionFiles
+    size = 1 << 20
+    fd = os.open("/dev/shm/region", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    t = {"seg": "/region", "ino": os.fstat(fd).st_ino, "region": "r", "off": 0, "size": size}
+    files = RegionFiles()
+    files.write(t, np.full(size, 7, dtype=np.uint8))
+""")
+# With /dev/shm full, an output into the region whose pages it gave back (the program's ``files``,
+# ``t``, ``fd`` and ``size``): refused, naming /dev/shm; then, with the room back, written.
+OUTPUT_WITH_DEV_SHM_FULL = textwrap.dedent("""
+    from shmserve.shm.space import NoRoom
+    fill("/dev/shm/filler")
+    try:
+        files.write(t, np.full(size, 9, dtype=np.uint8))
+        print("written", os.pread(fd, 4, 0) == bytes([9]) * 4)
+    except NoRoom as e:
+        print("refused", "/dev/shm is full" in str(e))
+    os.unlink("/dev/shm/filler")
+    files.write(t, np.full(size, 9, dtype=np.uint8))
+    print(os.pread(fd, 4, size - 4) == bytes([9]) * 4)
+""")
+
+
 def test_a_region_dev_shm_has_no_room_for_refuses_an_output_and_keeps_its_size():
     """A client makes its region with ftruncate, which takes no page. With /dev/shm full, an output
     copied into the mapping would land on pages of this process's own (the guard's answer to a page
@@ -182,11 +219,7 @@ def test_a_region_dev_shm_has_no_room_for_refuses_an_output_and_keeps_its_size()
         files.write(t, np.full(size, 7, dtype=np.uint8))
         print(os.pread(fd, 4, size - 4) == bytes([7]) * 4, os.fstat(fd).st_size == size)
     """)
-    mount = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"'
-    ran = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", sys.executable, "-c",
-                          program], capture_output=True, text=True, timeout=120)
-    assert ran.returncode == 0, (ran.returncode, ran.stderr)
-    assert ran.stdout.split() == ["refused", "True", "0", "True", "True", "True", "True"]
+    assert in_small_shm(program) == ["refused", "True", "0", "True", "True", "True", "True"]
 
 
 def test_a_region_larger_than_memory_is_zeroed_at_a_truncation_too():
@@ -236,37 +269,14 @@ def test_an_output_after_a_zeroing_truncation_takes_its_pages_again():
     extending its region were not taken again, and with /dev/shm full the next output landed on
     private zero pages of this process, lost without a word. It is refused, naming /dev/shm. In a
     child with its own small /dev/shm."""
-    program = FILL + textwrap.dedent("""
-        import os
-        import numpy as np
-        from shmserve.shm.region_io import RegionFiles
-        from shmserve.shm.space import NoRoom
-        size = 1 << 20
-        fd = os.open("/dev/shm/region", os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, size)
-        t = {"seg": "/region", "ino": os.fstat(fd).st_ino, "region": "r", "off": 0, "size": size}
-        files = RegionFiles()
-        files.write(t, np.full(size, 7, dtype=np.uint8))
+    program = FILL + REGION_WRITTEN_ONCE + textwrap.dedent("""
         mapping = files.get("/region", t["ino"])._mapping
         os.ftruncate(fd, 0)  # (the client, under a copy: the copy's touch zeroes the mapping)
         print(int(mapping.bytes[0]), mapping.guard.zeroed)
         del mapping
         os.ftruncate(fd, size)  # (and extends it again: its pages are gone)
-        fill("/dev/shm/filler")
-        try:
-            files.write(t, np.full(size, 9, dtype=np.uint8))
-            print("written", os.pread(fd, 4, 0) == bytes([9]) * 4)
-        except NoRoom as e:
-            print("refused", "/dev/shm is full" in str(e))
-        os.unlink("/dev/shm/filler")
-        files.write(t, np.full(size, 9, dtype=np.uint8))
-        print(os.pread(fd, 4, size - 4) == bytes([9]) * 4)
-    """)
-    mount = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"'
-    ran = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", sys.executable, "-c",
-                          program], capture_output=True, text=True, timeout=120)
-    assert ran.returncode == 0, (ran.returncode, ran.stderr)
-    assert ran.stdout.split() == ["0", "True", "refused", "True", "True"]
+    """) + OUTPUT_WITH_DEV_SHM_FULL
+    assert in_small_shm(program) == ["0", "True", "refused", "True", "True"]
 
 
 def test_an_output_after_a_truncation_no_copy_met_takes_its_pages_again():
@@ -274,31 +284,8 @@ def test_an_output_after_a_truncation_no_copy_met_takes_its_pages_again():
     copy meets the truncation (nothing zeroed, nothing grown back): the object holds fewer blocks
     than after the first output took them, and the next output takes them again (with /dev/shm
     full it is refused, naming /dev/shm, instead of landing on private pages of this process)."""
-    program = FILL + textwrap.dedent("""
-        import os
-        import numpy as np
-        from shmserve.shm.region_io import RegionFiles
-        from shmserve.shm.space import NoRoom
-        size = 1 << 20
-        fd = os.open("/dev/shm/region", os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, size)
-        t = {"seg": "/region", "ino": os.fstat(fd).st_ino, "region": "r", "off": 0, "size": size}
-        files = RegionFiles()
-        files.write(t, np.full(size, 7, dtype=np.uint8))
+    program = FILL + REGION_WRITTEN_ONCE + textwrap.dedent("""
         os.ftruncate(fd, 0)
         os.ftruncate(fd, size)  # (its pages are gone; no touch of ours met it)
-        fill("/dev/shm/filler")
-        try:
-            files.write(t, np.full(size, 9, dtype=np.uint8))
-            print("written", os.pread(fd, 4, 0) == bytes([9]) * 4)
-        except NoRoom as e:
-            print("refused", "/dev/shm is full" in str(e))
-        os.unlink("/dev/shm/filler")
-        files.write(t, np.full(size, 9, dtype=np.uint8))
-        print(os.pread(fd, 4, size - 4) == bytes([9]) * 4)
-    """)
-    mount = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"'
-    ran = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", sys.executable, "-c",
-                          program], capture_output=True, text=True, timeout=120)
-    assert ran.returncode == 0, (ran.returncode, ran.stderr)
-    assert ran.stdout.split() == ["refused", "True", "True"]
+    """) + OUTPUT_WITH_DEV_SHM_FULL
+    assert in_small_shm(program) == ["refused", "True", "True"]
