@@ -133,6 +133,27 @@ CHAT = [{"role": "user", "content": "hello"}]
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0]: 'role' must be one of"),
     ("/v1/chat/completions", {"messages": CHAT, "stream": "yes"}, "'stream' must be a boolean"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1}, "'max_completion_tokens' must be"),
+    # What no model here can honour is refused by name, as Triton's frontend refuses it, never ignored
+    ("/v1/completions", {"prompt": "a b", "colour": "red"}, "unknown field 'colour'"),
+    ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "unknown field 'echo'"),
+    ("/v1/completions", {"prompt": "a b", "suffix": "end"}, "'suffix' is not supported"),
+    ("/v1/completions", {"prompt": "a b", "logit_bias": {"50256": -100}}, "'logit_bias' is not supported"),
+    ("/v1/completions", {"prompt": "a b", "best_of": 3}, "only best_of=1"),
+    ("/v1/completions", {"prompt": "a b", "logprobs": 2}, "'logprobs' is not supported"),
+    ("/v1/completions", {"prompt": "a b", "logprobs": 6}, "'logprobs' must be an integer from 0 to 5"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, "'logprobs' is not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "'logprobs' must be a boolean"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "'logprobs' is not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "'tools' is not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "'tools' is not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
+     "'response_format' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                          "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]: only text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0]: 'content' is required"),
+    ("/v1/embeddings", {"input": "a", "colour": "red"}, "unknown field 'colour'"),
 ])
 def test_fields_of_the_wrong_type_or_range_are_refused_in_openai_form(oserver, path, body, needle):
     resp = raw_request(oserver.port, "POST", path, json.dumps({"model": "echo_llm", **body}).encode())
@@ -148,6 +169,53 @@ def test_every_openai_role_is_accepted(oai):
     answer = oai.chat.completions.create(model="echo_llm", messages=messages, max_tokens=2, seed=2 ** 63 - 1,
                                          temperature=2, top_p=0, stop=["x", "y"], stream=False)
     assert answer.choices[0].message.content == "from function"
+
+
+def test_what_openai_clients_send_today_is_honoured(oai):
+    """``max_completion_tokens`` (OpenAI's name in place of ``max_tokens``) bounds the answer, and a
+    stream so bounded ends with "length" as the whole answer does (it ended with "stop"); a
+    message's content as text parts, and an assistant's message that called a tool (no content)
+    followed by the tool's answer, are chat as OpenAI's client sends it (both were refused); a
+    completion's ``echo`` gives the prompt back before it (it was dropped), and ``logprobs: 0``
+    asks for none."""
+    chat = [{"role": "user", "content": "alpha beta gamma"}]
+    answer = oai.chat.completions.create(model="echo_llm", messages=chat, max_completion_tokens=1)
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 1, answer
+    whole = oai.completions.create(model="echo_llm", prompt="one two three", max_tokens=2)
+    streamed = list(oai.completions.create(model="echo_llm", prompt="one two three", max_tokens=2, stream=True))
+    assert whole.choices[0].finish_reason == streamed[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    parts = [{"role": "user", "content": [{"type": "text", "text": "alpha "}, {"type": "text", "text": "beta"}]}]
+    assert oai.chat.completions.create(model="echo_llm", messages=parts).choices[0].message.content == \
+        "alpha beta [end]"
+    tool_turn = [{"role": "user", "content": "weather?"},
+                 {"role": "assistant", "content": None,
+                  "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "sunny today"}]
+    assert oai.chat.completions.create(model="echo_llm", messages=tool_turn).choices[0].message.content == \
+        "sunny today [end]"
+    echoed = oai.completions.create(model="echo_llm", prompt="one two", echo=True, logprobs=0)
+    assert echoed.choices[0].text == "one two" + oai.completions.create(model="echo_llm", prompt="one two").choices[0].text
+    echoed = list(oai.completions.create(model="echo_llm", prompt="one two", echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in echoed).startswith("one twoone")
+
+
+def test_fields_reach_a_models_typed_inputs_as_it_declares_them(server_factory):
+    """``stop`` as a list reaches an input of variable length as its elements (it came as one JSON
+    string), the penalties reach their inputs (they were checked and dropped), and a negative
+    ``seed`` for an unsigned input is a 400 naming ``seed`` (it was the generate extension's
+    words, naming no field)."""
+    from conftest import TESTS
+
+    s = server_factory.start([TESTS / "models" / "openai"], ["--model-control-mode=explicit",
+                                                             "--load-model", "typed_llm"])
+    with openai.OpenAI(base_url=f"http://{s.url}/v1", api_key="unused", max_retries=0) as client:
+        got = client.completions.create(model="typed_llm", prompt="hi", stop=["a", "b"], seed=7, presence_penalty=0.5)
+        assert json.loads(got.choices[0].text) == {"presence_penalty": [0.5], "seed": [7], "stop": ["a", "b"],
+                                                   "text_input": ["hi"]}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="typed_llm", prompt="hi", seed=-1)
+        assert e.value.body["param"] == "seed" and "must not be negative" in e.value.body["message"]
 
 
 def test_a_model_is_retrieved_by_its_id(oai):

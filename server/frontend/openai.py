@@ -3,12 +3,13 @@
 models that follow Triton's conventions for text, as Triton's OpenAI frontend does.
 
 - Generation: the model takes ``text_input`` (BYTES) and gives ``text_output`` (BYTES); a
-  decoupled model streams its pieces. ``max_tokens``, ``stream``, ``temperature``, ``top_p``,
-  ``seed`` and ``stop`` reach the model as inputs of those names where its config declares them,
-  else as request parameters (``request.parameters()`` in a Python model). The request travels the
+  decoupled model streams its pieces. The sampling fields (``FORWARDED``) reach the model as
+  inputs of those names where its config declares them, else as request parameters
+  (``request.parameters()`` in a Python model). A field asking for what no model here gives
+  (log probabilities, tool calls) is refused by name, and so is one the route does not know. The request travels the
   generate extension's path (generate.py), so the worker cannot tell the two apart.
-- Chat: the messages become one prompt, a line ``<role>: <content>`` each and ``assistant:``
-  last (no tokenizer or chat template is applied), unless the model declares a ``messages``
+- Chat: the messages (their content a string or text parts) become one prompt, a line
+  ``<role>: <content>`` each and ``assistant:`` last (no tokenizer or chat template is applied), unless the model declares a ``messages``
   input, which then gets the messages as JSON.
 - Embeddings: the model's first BYTES input gets each text, its first output is the vector
   (``encoding_format: "base64"``: its float32 values, little-endian, in base64, as OpenAI sends).
@@ -41,7 +42,8 @@ from .disconnect import ClientGone, unless_gone
 from .generate import build_generate_request, output_values
 from .openai_errors import JSON, MODEL_NOT_FOUND, OpenAIError, error_body, error_response
 
-FORWARDED = ("max_tokens", "stream", "temperature", "top_p", "seed", "stop")
+FORWARDED = ("max_tokens", "stream", "temperature", "top_p", "seed", "stop", "presence_penalty",
+             "frequency_penalty")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 INT32_MAX, INT64_MIN, INT64_MAX = (1 << 31) - 1, -(1 << 63), (1 << 63) - 1
 # Each checked field's accepted values, as OpenAI's API reference gives them (null: left out).
@@ -49,7 +51,18 @@ INTEGERS = {"max_tokens": (1, INT32_MAX), "max_completion_tokens": (1, INT32_MAX
             "seed": (INT64_MIN, INT64_MAX), "top_logprobs": (0, 20)}
 NUMBERS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
            "frequency_penalty": (-2.0, 2.0)}
-BOOLEANS = ("stream", "echo", "logprobs")
+BOOLEANS = ("stream", "echo")
+# The request fields each route knows (OpenAI's API reference). A field it does not know is refused
+# by name, as Triton's OpenAI frontend refuses one (its schemas forbid extra fields); one it knows
+# but cannot honour is refused by name too (``check_unsupported``), never taken and ignored.
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+          "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "metadata", "store",
+          "service_tier"}
+KNOWN = {"completions": COMMON | {"prompt", "echo", "suffix", "best_of"},
+         "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                           "parallel_tool_calls", "functions", "function_call", "response_format", "modalities",
+                           "audio", "prediction", "reasoning_effort", "web_search_options"},
+         "embeddings": {"model", "input", "encoding_format", "dimensions", "user"}}
 ENCODINGS = ("float", "base64")
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the texts of one embeddings request
 
@@ -102,6 +115,7 @@ class OpenAIFront:
     async def embeddings(self, request: Request) -> Response:
         try:
             body = await _body(request)
+            check_known(body, "embeddings")
             texts, encoding, dimensions = embedding_fields(body)
             model, config = await self._model(body)
             text_input = embedding_input(model, config)
@@ -130,14 +144,16 @@ class OpenAIFront:
         try:
             body = await _body(request)
             model, config = await self._model(body)
+            check_unsupported(body, chat)
             check_generative(model, config, chat)
-            inputs = {t["name"] for t in config.get("input", [])}
-            doc = _generate_doc(body, chat, inputs)
+            inputs = {t["name"]: t for t in config.get("input", [])}
+            doc, prompt_words = _generate_doc(body, chat, inputs)
             events = self._start(model, doc, config)
         except OpenAIError as e:
             return error_response(e)
         usage = bool(body.get("stream") and (body.get("stream_options") or {}).get("include_usage"))
-        reply = _Reply(model, chat, prompt_words=len(str(doc.get("text_input", "")).split()), stream_usage=usage)
+        echoed = body["prompt"] if not chat and body.get("echo") else ""  # (echo: the prompt, then the completion)
+        reply = _Reply(model, chat, prompt_words, usage, max_tokens(body), echoed)
         if body.get("stream"):
             try:
                 first = await unless_gone(_first_event(events), request.receive)
@@ -153,7 +169,7 @@ class OpenAIFront:
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
         text = "".join(_text(p) for p in pieces)
-        return Response(orjson.dumps(reply.whole(text, len(pieces), body.get("max_tokens"))), media_type=JSON)
+        return Response(orjson.dumps(reply.whole(text, len(pieces))), media_type=JSON)
 
     async def _sse(self, events: StreamEvents, reply: "_Reply", take_first: Callable[[], tuple | None]
                    ) -> AsyncIterator[bytes]:
@@ -161,6 +177,8 @@ class OpenAIFront:
         try:
             if reply.chat:
                 yield _event(reply.chunk({"role": "assistant", "content": ""}, None))
+            elif reply.echoed:
+                yield _event(reply.chunk(reply.echoed, None))
             while True:
                 final, completion, _ = take_first() or await events.next()
                 try:
@@ -168,16 +186,16 @@ class OpenAIFront:
                     if completion.status != 200:
                         yield b"data: " + error_body(completion.status, answer.error or "inference failed") + b"\n\n"
                         return
-                    piece = None if final and not answer.outputs else \
-                        _text(output_values(answer, completion.tensor))
+                    piece = _text(output_values(answer, completion.tensor)) if answer.outputs else None
                 finally:
                     completion.release()
+                if piece is not None:
+                    count += 1  # (a response, as in a whole answer's usage: an empty piece too)
                 if piece:
-                    count += 1
                     yield _event(reply.chunk({"content": piece} if reply.chat else piece, None))
                 if final:
                     break
-            yield _event(reply.chunk({} if reply.chat else "", "stop"))
+            yield _event(reply.chunk({} if reply.chat else "", reply.finish(count)))
             if reply.stream_usage:  # stream_options.include_usage: OpenAI's last chunk, no choices
                 yield _event({**reply.chunk(None, None), "choices": [], "usage": reply.usage(count)})
             yield b"data: [DONE]\n\n"
@@ -279,9 +297,12 @@ class _Stream(StreamingResponse):
 class _Reply:
     """The OpenAI objects of one generation: a whole answer, or the chunks of a stream."""
 
-    def __init__(self, model: str, chat: bool, prompt_words: int, stream_usage: bool = False) -> None:
+    def __init__(self, model: str, chat: bool, prompt_words: int, stream_usage: bool = False,
+                 max_tokens: Any = None, echoed: str = "") -> None:
         self.model, self.chat, self.prompt_words = model, chat, prompt_words
         self.stream_usage = stream_usage  # every chunk carries 'usage' (null but in the last)
+        self.max_tokens = max_tokens
+        self.echoed = echoed  # a completion's prompt, given back before it (``echo: true``)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -289,13 +310,16 @@ class _Reply:
         return {"prompt_tokens": self.prompt_words, "completion_tokens": pieces,
                 "total_tokens": self.prompt_words + pieces}
 
-    def whole(self, text: str, pieces: int, max_tokens: Any) -> dict:
-        finish = "length" if isinstance(max_tokens, int) and pieces >= max_tokens > 0 else "stop"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    def finish(self, pieces: int) -> str:
+        """OpenAI's ``finish_reason``: "length" when the model sent ``max_tokens`` pieces."""
+        return "length" if isinstance(self.max_tokens, int) and pieces >= self.max_tokens > 0 else "stop"
+
+    def whole(self, text: str, pieces: int) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish(pieces), "logprobs": None}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = self.echoed + text
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(pieces)}
 
@@ -353,6 +377,51 @@ def check_fields(body: dict) -> None:
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise OpenAIError(400, "'stream_options' must be an object whose 'include_usage' is a boolean",
                               "stream_options")
+
+
+def check_known(body: dict, route: str) -> None:
+    """Refuse (400) a field the route does not know, by name (``KNOWN``)."""
+    unknown = sorted(set(body) - KNOWN[route])
+    if unknown:
+        raise OpenAIError(400, f"unknown field '{unknown[0]}'" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1
+                                                                   else ""), unknown[0])
+
+
+def check_unsupported(body: dict, chat: bool) -> None:
+    """Refuse (400), by name, a known field asking for what no model here gives: log probabilities,
+    tool calls, structured output, an echo or suffix of a chat, more than one candidate."""
+    check_known(body, "chat" if chat else "completions")
+    why = {"logprobs": "the model gives no log probabilities", "tools": "no tool calling",
+           "functions": "no function calling", "suffix": "no suffix (insertion)",
+           "logit_bias": "no logit bias", "response_format": "no structured output",
+           "audio": "no audio output", "prediction": "no predicted output"}
+    refused = []
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if chat and not isinstance(logprobs, bool) or not chat and (not isinstance(logprobs, int) or
+                                                                     not 0 <= logprobs <= 5):
+            raise OpenAIError(400, "'logprobs' must be a boolean" if chat else "'logprobs' must be an integer "
+                                   "from 0 to 5", "logprobs")
+        if logprobs:
+            refused.append("logprobs")
+    if body.get("top_logprobs"):
+        refused.append("logprobs")
+    refused += [key for key in ("tools", "functions", "logit_bias", "audio", "prediction") if body.get(key)]
+    if body.get("suffix"):
+        refused.append("suffix")
+    if body.get("tool_choice") not in (None, "none", "auto") or body.get("function_call") not in (None, "none", "auto"):
+        refused.append("tools")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        refused.append("response_format")
+    if body.get("modalities") not in (None, ["text"]):
+        refused.append("audio")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise OpenAIError(400, "only best_of=1 is supported", "best_of")
+    if refused:
+        key = refused[0]
+        raise OpenAIError(400, f"'{key}' is not supported: {why[key]}", key)
 
 
 def embedding_fields(body: dict) -> tuple[list[str], str, int | None]:
@@ -421,23 +490,21 @@ def _encoded(vector: list[float], encoding: str) -> list[float] | str:
         raise OpenAIError(500, "the model's vector has values out of float32's range (use 'float')") from None
 
 
-def _generate_doc(body: dict, chat: bool, inputs: set[str]) -> dict:
+def _generate_doc(body: dict, chat: bool, inputs: dict[str, dict]) -> tuple[dict, int]:
     """The generate extension's request for an OpenAI one (see the module's docstring)."""
     doc: dict[str, Any] = {}
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in messages):
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise OpenAIError(400, "'messages' must be a list of {role, content} objects", "messages")
-        for i, m in enumerate(messages):
-            if m.get("role") not in ROLES:
-                raise OpenAIError(400, f"messages[{i}]: 'role' must be one of {', '.join(ROLES)}, "
-                                       f"not {orjson.dumps(m.get('role')).decode()[:64]}", f"messages[{i}].role")
-        if "messages" in inputs:
+        texts = [message_text(i, m) for i, m in enumerate(messages)]
+        if "messages" in inputs:  # (the words of its messages: the model has no other prompt)
             doc["messages"] = orjson.dumps(messages).decode()
+            prompt_words = sum(len(t.split()) for t in texts)
         else:
-            lines = [f"{m['role']}: {m.get('content', '')}" for m in messages]
+            lines = [f"{m['role']}: {text}" for m, text in zip(messages, texts)]
             doc["text_input"] = "\n".join(lines + ["assistant:"])
+            prompt_words = len(doc["text_input"].split())
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
@@ -445,14 +512,56 @@ def _generate_doc(body: dict, chat: bool, inputs: set[str]) -> dict:
         if not isinstance(prompt, str):
             raise OpenAIError(400, "'prompt' must be a string (one prompt per request)", "prompt")
         doc["text_input"] = prompt
+        prompt_words = len(prompt.split())
     for key in FORWARDED:
-        value = body.get(key)
+        value = max_tokens(body) if key == "max_tokens" else body.get(key)
         if value is None:
             continue
-        if key == "stop" and isinstance(value, list):
-            value = value[0] if len(value) == 1 else orjson.dumps(value).decode()
-        doc[key] = value if key in inputs or isinstance(value, (bool, int, float, str)) else str(value)
-    return doc
+        declared = inputs.get(key)
+        if key == "stop" and isinstance(value, list):  # (a list for an input of a variable length)
+            value = value if declared and -1 in declared.get("dims", ()) else \
+                value[0] if len(value) == 1 else orjson.dumps(value).decode()
+        if declared and declared.get("data_type", "").startswith("TYPE_UINT") and isinstance(value, int) \
+                and value < 0:
+            raise OpenAIError(400, f"'{key}' must not be negative: the model takes it as an unsigned integer", key)
+        doc[key] = value if declared or isinstance(value, (bool, int, float, str)) else str(value)
+    return doc, prompt_words
+
+
+def max_tokens(body: dict) -> Any:
+    """The most pieces asked for: ``max_completion_tokens`` (chat), which OpenAI has in place of
+    the older ``max_tokens``, where given, as Triton reads them."""
+    given = body.get("max_completion_tokens")
+    return given if given is not None else body.get("max_tokens")
+
+
+def message_text(i: int, m: dict) -> str:
+    """A chat message's text: its content, a string or text parts (``{"type": "text", "text"}``),
+    joined; none for an assistant's message that calls tools. 400 for a role OpenAI lacks, a part
+    that is not text (an image: no model here takes one), or content missing where OpenAI needs it."""
+    role = m.get("role")
+    if role not in ROLES:
+        raise OpenAIError(400, f"messages[{i}]: 'role' must be one of {', '.join(ROLES)}, "
+                               f"not {orjson.dumps(role).decode()[:64]}", f"messages[{i}].role")
+    content = m.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if role == "assistant" and (m.get("tool_calls") or m.get("function_call")):
+            return ""  # (OpenAI: content is required unless the message calls tools)
+        raise OpenAIError(400, f"messages[{i}]: 'content' is required", f"messages[{i}].content")
+    if not isinstance(content, list) or not content:
+        raise OpenAIError(400, f"messages[{i}]: 'content' must be a string or a list of content parts",
+                          f"messages[{i}].content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise OpenAIError(400, f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) "
+                                   f"are supported, not {orjson.dumps(kind).decode()[:64]}",
+                              f"messages[{i}].content[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _text(outputs: dict) -> str:
