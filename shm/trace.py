@@ -165,15 +165,26 @@ def parse_config(items: list[str]) -> dict[str, Any]:
                 check_value(key, value)  # repeated levels add up, as Triton's
                 continue
         out[key] = check_value(key, value)
-    given = {key for key, _ in otel}
-    otel += [(key, str(_int(key, os.environ.get(env, str(default)), 1, MAX_U32)))
-             for key, (env, default) in OTEL_BSP.items() if key not in given]
-    bsp = {key: int(value) for key, value in otel if key in OTEL_BSP}
-    if bsp["bsp_max_export_batch_size"] > bsp["bsp_max_queue_size"]:
-        raise ValueError(f"--trace-config opentelemetry,bsp_max_export_batch_size={bsp['bsp_max_export_batch_size']} "
-                         f"exceeds bsp_max_queue_size={bsp['bsp_max_queue_size']}: a batch is taken from the queue")
+    if out.get("mode") == "opentelemetry":  # (Triton reads the SDK's variables in that mode only)
+        given = {key for key, _ in otel}
+        otel += [(key, str(_bsp_default(key, env, default))) for key, (env, default) in OTEL_BSP.items()
+                 if key not in given]
+        bsp = {key: int(value) for key, value in otel if key in OTEL_BSP}
+        if bsp["bsp_max_export_batch_size"] > bsp["bsp_max_queue_size"]:
+            raise ValueError(f"--trace-config opentelemetry,bsp_max_export_batch_size="
+                             f"{bsp['bsp_max_export_batch_size']} exceeds bsp_max_queue_size={bsp['bsp_max_queue_size']}"
+                             f" (given, or from OTEL_BSP_*): a batch is taken from the queue")
     out["otel"] = otel
     return out
+
+
+def _bsp_default(key: str, env: str, default: int) -> int:
+    """A batch span processor setting not given: the SDK's variable ``env`` where set, else Triton's
+    default; ValueError names the variable."""
+    try:
+        return _int(key, os.environ.get(env, str(default)), 1, MAX_U32)
+    except ValueError as e:
+        raise ValueError(f"{env}: {e}") from None
 
 
 def _otel_value(key: str, value: str, item: str) -> str:

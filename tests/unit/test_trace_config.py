@@ -38,3 +38,16 @@ def test_opentelemetry_settings_keep_their_order_and_defaults_follow(monkeypatch
 def test_bad_values_are_refused_by_name(item, needle):
     with pytest.raises(ValueError, match=needle):
         parse_config([item])
+
+
+@pytest.mark.parametrize("env,value", [("OTEL_BSP_SCHEDULE_DELAY", "0"), ("OTEL_BSP_MAX_QUEUE_SIZE", "many"),
+                                       ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "100000")])
+def test_the_sdks_variables_matter_only_in_opentelemetry_mode(monkeypatch, env, value):
+    """Triton reads OTEL_BSP_* only for mode=opentelemetry (ProcessOpenTelemetryBatchSpanProcessorArgs):
+    a variable set for another program's SDK must not stop a server that traces to a file, or not
+    at all, from starting; in OpenTelemetry mode it is refused by name."""
+    monkeypatch.setenv(env, value)
+    assert parse_config([])["otel"] == []
+    assert parse_config(["level=TIMESTAMPS", "triton,file=/tmp/t.json"])["level"] == "TIMESTAMPS"
+    with pytest.raises(ValueError, match="bsp_"):
+        parse_config(["mode=opentelemetry"])
