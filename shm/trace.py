@@ -165,8 +165,10 @@ def parse_config(items: list[str]) -> dict[str, Any]:
                 check_value(key, value)  # repeated levels add up, as Triton's
                 continue
         out[key] = check_value(key, value)
-    if out.get("mode") == "opentelemetry":  # (Triton reads the SDK's variables in that mode only)
-        given = {key for key, _ in otel}
+    given = {key for key, _ in otel}
+    # Triton reads the SDK's variables in OpenTelemetry mode only: one set for another program must
+    # not stop a server that traces to a file, or not at all (settings given are checked whatever the mode).
+    if out.get("mode") == "opentelemetry" or given & OTEL_BSP.keys():
         otel += [(key, str(_bsp_default(key, env, default))) for key, (env, default) in OTEL_BSP.items()
                  if key not in given]
         bsp = {key: int(value) for key, value in otel if key in OTEL_BSP}
