@@ -51,10 +51,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from shmserve.shm.names import SHM_DIR
+from shmserve.shm.names import SHM_DIR, is_client_segment
 from shmserve.shm.segment import SegmentCache
 from shmserve.shm.tensors import DTYPES
-from shmserve.shm.names import is_client_segment
 from shmserve.shm.truncation_guard import guard_mapping
 
 # Inputs smaller than this are copied: below it the copy costs less than the pagemap look (measured
@@ -71,6 +70,20 @@ log = logging.getLogger("shmserve.worker")
 _PRESENT, _SWAPPED, _FILE = np.uint64(1 << 63), np.uint64(1 << 62), np.uint64(1 << 61)
 
 
+class _PrivateMap(mmap.mmap):
+    """A private mapping whose truncation guard hears ``closing`` before it is unmapped. mmap
+    unmaps in its dealloc and only then calls back the weak reference that ends the guard
+    (``guard_mapping``), and it is unmapped when its last view dies, which no caller sees: a guard
+    made to zero the range (a client's segment) would stay live over a range another mapping may
+    take meanwhile, and a fault there would replace that mapping by zero pages. ``__del__`` runs
+    before the dealloc."""
+
+    def __del__(self) -> None:
+        guard = self.__dict__.get("guard")
+        if guard is not None:
+            guard.closing()
+
+
 class _Mapping:
     """One segment mapped privately, whole."""
 
@@ -79,12 +92,12 @@ class _Mapping:
     def __init__(self, name: str, fd: int, size: int) -> None:
         self.name = name
         self.size = size
-        self.mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mm = _PrivateMap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self.mm)
         self.addr = np.frombuffer(self.mm, np.uint8, count=1).ctypes.data
         # (its owner may truncate it: shm/truncation_guard.py; a client's segment is zeroed here
         # then, not grown back, and mapped anew by the next view)
-        self.guard = guard_mapping(self.mm, fd, size, shared=False, zero=is_client_segment(name))
+        self.guard = self.mm.guard = guard_mapping(self.mm, fd, size, shared=False, zero=is_client_segment(name))
 
 
 class InputViews:

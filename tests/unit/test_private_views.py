@@ -101,3 +101,41 @@ def test_small_and_bytes_inputs_are_left_to_copy(arena):
     name, _, views = arena
     assert views.array(name, 64, SIZE - 4, "FP32", [N - 1]) is None
     assert views.array(name, 64, SIZE, "BYTES", [1]) is None
+
+
+def test_a_zeroing_guard_hears_of_the_unmap_before_it(monkeypatch):
+    """A client's segment another user may write is mapped here under a guard that zeroes the
+    range at a truncation (shm/truncation_guard.c GUARD_ZEROED). mmap unmaps in its dealloc and only
+    then calls back the weak reference that ends the guard, so without ``closing`` first the guard
+    stays live, zeroing, over a range another mapping may take meanwhile: a fault there would
+    replace that mapping by zero pages. The guard must hear ``closing`` before the unmap."""
+    from shmserve.shm import truncation_guard
+
+    if truncation_guard._lib is None:
+        pytest.skip("the truncation guard library is not built")
+    heard: list[tuple[str, int]] = []  # (what, the guard's slot)
+    closing, release = truncation_guard.Guard.closing, truncation_guard.Guard.release
+    monkeypatch.setattr(truncation_guard.Guard, "closing", lambda g: (heard.append(("closing", g._slot)), closing(g))[1])
+    monkeypatch.setattr(truncation_guard.Guard, "release", lambda g: (heard.append(("release", g._slot)), release(g))[1])
+    name = f"/shmserve.unitviews{os.getpid()}{next(_names)}.client.1-0"  # (a client's segment, by its name)
+    seg = Segment.create(name, 4 * SIZE)
+    os.chmod("/dev/shm" + name, 0o666)  # (others may write it: guarded, as another user's client's is)
+    segments = SegmentCache()
+    views = InputViews.open(segments)
+    assert views is not None, "this kernel lacks pagemap flags or MADV_POPULATE_WRITE"
+    try:
+        v = views.array(name, 0, SIZE, "FP32", [N])
+        assert v is not None
+        mapping = views._maps[name]
+        assert mapping.guard.guarded
+        slot = mapping.guard._guard._slot
+        del v, mapping
+        views.settle()
+        views.forget(name)
+        gc.collect()
+        assert [what for what, s in heard if s == slot][:2] == ["closing", "release"], heard
+    finally:
+        views.close()
+        segments.clear()
+        seg.close()
+        seg.unlink()
