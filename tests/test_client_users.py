@@ -741,11 +741,13 @@ while time.monotonic() < end:
 """
 
 
-def test_a_named_user_truncating_its_extents_in_a_loop_holds_no_worker(users_server):
+def test_a_named_user_truncating_its_extents_in_a_loop_delays_others_only_briefly(users_server):
     """A client of a named user may write the extents its answers lie in (it frees them there), so
-    it may truncate them too, in a tight loop while a worker writes its answers there. A worker
-    takes an answer's pages before it writes them (shm/arena.py), so the loop costs that user's
-    own answers (written whole, or refused) and delays no one else's."""
+    it may truncate them too, in a tight loop while a worker writes its answers there. The worker
+    grows the extent back at each fault of an answer's copy (its pages are not taken again before
+    each answer: shm/arena.py takes them once, as its head first reaches them), which holds it
+    for a while, but no server process dies and another client's requests are delayed by less
+    than the bound below (docs/serving.md)."""
     before = users_server.titles()
     with Peer(users_server) as peer:
         got = run_as_nobody(TRUNCATE_EXTENTS, {"server": users_server.id, "seconds": 8.0}, timeout=300)
