@@ -99,7 +99,7 @@ class RegionFile:
     mapping where the truncation guard is built (``_mapped``), else through the descriptor."""
 
     # The descriptor and the mappings go when the last holder lets go.
-    __slots__ = ("key", "ino", "fd", "_mapping", "_outgrown", "_taken", "_lock")
+    __slots__ = ("key", "ino", "fd", "_mapping", "_outgrown", "_lock")
 
     def __init__(self, key: str, ino: int, fd: int) -> None:
         self.key = key
@@ -107,9 +107,6 @@ class RegionFile:
         self.fd = fd
         self._mapping: _Mapping | None = None
         self._outgrown: list[_Mapping] = []  # smaller ones made before, still in use by a copy or a view
-        # The bytes whose pages an output took last, and how many blocks the object held then (a
-        # truncation since gave them back if it holds fewer now): (start, end, blocks).
-        self._taken = (0, 0, 0)
         self._lock = threading.Lock()
 
     def _mapped(self, end: int) -> tuple[np.ndarray, MappingGuard] | None:
@@ -202,18 +199,22 @@ class RegionFile:
         still be undone by it, up to the registered size: that costs only its own client)."""
         src = memoryview(data).cast("B")
         n = len(src)
-        st = os.fstat(self.fd)
-        if st.st_size < off + n:
+        if os.fstat(self.fd).st_size < off + n:
             self._truncated(off + n, region)
         mapped = self._mapped(off + n)
         if mapped is not None:
             # Its pages taken first: a client makes a region with ftruncate, which takes none, and a
             # page /dev/shm had no room for would be replaced by one of this process (the output lost).
-            # (Taken once: posix_fallocate of 16 MiB taken already costs a third of their copy. A
-            # truncation since gives them back, and the object then holds fewer blocks than after
-            # they were taken: then they are taken again.)
-            start, end, blocks = self._taken
-            if st.st_blocks < blocks or off < start or off + n > end:
+            # Only where the range has a hole (posix_fallocate of 16 MiB taken already costs a third
+            # of their copy, the look for a hole a few microseconds): a truncation since, or the
+            # region never written, left one.
+            try:
+                hole = os.lseek(self.fd, off, os.SEEK_HOLE)
+            except OSError as e:  # (ENXIO: the object ends before off now)
+                if e.errno != errno.ENXIO:
+                    raise
+                self._truncated(off + n, region)
+            if hole < off + n:
                 try:  # (a truncation since the size was looked at is grown back by it, as by the guard)
                     os.posix_fallocate(self.fd, off, n)
                 except OSError as e:
@@ -221,7 +222,6 @@ class RegionFile:
                         raise
                     raise NoRoom(f"/dev/shm is full: the {n}-byte output cannot be written into "
                                  f"{_shown(self.key, region)}, whose pages were never taken; {HOW_TO_RAISE}") from None
-                self._taken = (off, off + n, os.fstat(self.fd).st_blocks)
             np.copyto(mapped[0][off:off + n], np.frombuffer(src, dtype=np.uint8))
             if mapped[1].zeroed:  # (a truncation met: the output went into zero pages of this process)
                 self._truncated(off + n, region)

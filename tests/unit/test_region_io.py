@@ -289,3 +289,15 @@ def test_an_output_after_a_truncation_no_copy_met_takes_its_pages_again():
         os.ftruncate(fd, size)  # (its pages are gone; no touch of ours met it)
     """) + OUTPUT_WITH_DEV_SHM_FULL
     assert in_small_shm(program) == ["refused", "True", "True"]
+
+
+def test_an_output_after_a_truncation_and_writes_elsewhere_takes_its_pages_again():
+    """The same where, after the truncation, the client writes as many pages elsewhere in the
+    region as it gave back: the object's block count is what it was, yet the output's own range
+    is a hole again, and its pages are taken again."""
+    program = FILL + REGION_WRITTEN_ONCE + textwrap.dedent("""
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, 2 * size)  # (its pages are gone; the region is larger now)
+        os.pwrite(fd, b"x" * size, size)  # (as many pages as it gave back, past the output's range)
+    """) + OUTPUT_WITH_DEV_SHM_FULL
+    assert in_small_shm(program) == ["refused", "True", "True"]
