@@ -182,6 +182,15 @@ class Arena:
             self._head = self._tail = 0
             self._used = self._skipped = 0
 
+    def in_use_now(self) -> int:
+        """``bytes_in_use`` once the freed blocks at its tail are given back: what a producer
+        reports while idle (the next allocation would reclaim them; until one comes, the gauge
+        would count answers its clients read long ago)."""
+        with self._lock:
+            if self._used:
+                self._reclaim(False)
+            return self._used - self._skipped
+
     def live_bytes(self) -> int:
         """Bytes of the blocks still held (``bytes_in_use`` also counts freed blocks not yet
         reclaimed because an older one is held). Walks the outstanding blocks: for the rare

@@ -165,6 +165,11 @@ class OutputArenas:
         first = self.first.bytes_in_use if self._shared is not None else 0
         return first + sum(a.bytes_in_use for _, a in list(self._grown.values()))
 
+    def in_use_now(self) -> int:
+        """``bytes_in_use`` with each extent's freed blocks given back first (``Arena.in_use_now``)."""
+        first = self.first.in_use_now() if self._shared is not None else 0
+        return first + sum(a.in_use_now() for _, a in list(self._grown.values()))
+
     @property
     def capacity(self) -> int:
         """The bytes of every extent answers may go to (extent 0 only while it is shared)."""

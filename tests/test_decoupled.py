@@ -553,6 +553,19 @@ def test_closing_a_client_with_a_stream_unread_frees_what_its_ring_held(server):
                "the closed clients' unread responses freed in the worker's arena")
 
 
+def test_an_idle_models_arena_gauge_falls_to_what_is_still_held(server):
+    """The gauge of a worker's arena was what it held after its last round: the responses of a
+    stream still unread then were counted for as long as the model stayed idle, long after its
+    client read and freed them (the next allocation reclaims them). An idle worker looks again
+    within its periodic check (10 s)."""
+    words = np.array([" ".join(f"w{i}" for i in range(200)).encode()], dtype=object)
+    with Client(server.id) as client:
+        parts = client.stream("echo_llm", {"text_input": words, "max_tokens": np.array([300], np.int32)})
+        assert len([r["text_output"] for r in parts]) >= 200
+    gc.collect()
+    wait_until(lambda: _worker_arena_use(server, "echo_llm") == 0, "the idle worker's gauge says nothing is held", 30)
+
+
 def test_a_closed_client_says_so_and_a_call_racing_its_close_ends(server):
     """A call on a closed client is a ValueError that says so (not a released-memory error or a
     'retry later'); a call racing ``close()`` on another thread either completes, fails as

@@ -226,6 +226,8 @@ class Worker:
                     log.warning("shared memory this worker maps was truncated by a client: %s (a local client of "
                                 "a --local-client-users user may write these objects)", "; ".join(undone))
                 check_every = 1.0 if truncation_guard.waiting() else 10.0
+                self.stats.counts[ARENA_BYTES] = self.answers.arena.in_use_now()  # (idle: what clients read is back)
+                self.stats.flush()
                 self._forget_departed_clients()
                 seg.ring_pending_bells()  # (after the repairs: a page put back may hold records it missed)
                 if not pid_alive(self.broker_pid):

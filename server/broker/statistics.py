@@ -58,7 +58,7 @@ class Statistics:
 
     def extras(self) -> list[Family]:
         """shmserve's own gauges and counters beside the per-version statistics."""
-        arenas: list[tuple[dict[str, str], float]] = [({"owner": "broker"}, self.answers.bytes_in_use)]
+        arenas: list[tuple[dict[str, str], float]] = [({"owner": "broker"}, self.answers.in_use_now())]
         loads, regions = [], self.regions.system.regions
         for name, versions in list(self.catalog.models.items()):
             for v, mv in list(versions.items()):
