@@ -115,6 +115,15 @@ class StepTrace(NamedTuple):
 STEP_STAMPS = 7
 
 
+def add_step(traces: list[StepTrace], step: StepTrace, nested: Sequence[StepTrace] = ()) -> None:
+    """Append the trace of a request made on behalf of another (an ensemble's step, a BLS call)
+    to ``traces``, then those of the requests it made in turn (``nested``, whose ``parent`` counts
+    within them), under it."""
+    at = len(traces)
+    traces.append(step)
+    traces.extend(s._replace(parent=at if s.parent < 0 else at + 1 + s.parent) for s in nested)
+
+
 class AnswerDescriptor(NamedTuple):
     """One answer: outputs, response parameters, or an error; a stream's end (``final``, with the
     count of responses sent before it); trace stamps; or a control request's JSON document."""

@@ -38,10 +38,6 @@ _QUARANTINED = "<refused>"  # the lane of a refused client, until its process is
 # all of either from everyone else.
 MAX_CLIENTS_PER_USER = 1024
 MAX_SEGMENT_BYTES_PER_USER = 1 << 40
-# Lanes are shared by all: the clients of one such user hold at most an equal share of them (half
-# with one user named, a third with two), so that one user's clients, however many, leave lanes
-# to the server's own (its frontends) and to every other user. A client past it has no lane and
-# sends everything through the broker (a hop more, nothing refused).
 
 
 class Clients:
@@ -129,7 +125,10 @@ class Clients:
 
     def lane_share(self, uid: int) -> int:
         """How many lanes the clients of ``uid`` may hold at once: all for the server's user, an
-        equal share for each other user (the server's user counted too)."""
+        equal share for each other user, the server's counted too (half with one user named, a
+        third with two), so that one user's clients, however many, leave lanes to the frontends
+        and every other user. A client past it has no lane and sends everything through the
+        broker (a hop more, nothing refused)."""
         return LANES if uid == os.geteuid() else LANES // len(self.seg.connect_rings)
 
     def _give_lane(self, client: Client) -> None:

@@ -25,7 +25,7 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING
 
-from shmserve.shm.answer import AnswerDescriptor, StepTrace
+from shmserve.shm.answer import AnswerDescriptor, StepTrace, add_step
 from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm.ring import Ring
 
@@ -135,10 +135,8 @@ class EnsembleRun:
         now), then those of its own steps when it is a nested ensemble, under it (which began,
         its QUEUE_START, as it was sent, and has no compute stamps of its own, as in Triton)."""
         stamps = answer.trace[:5] if len(answer.trace) >= 5 else (call.sent_ns, 0, 0, 0, 0)
-        at = len(self.step_traces)
-        self.step_traces.append(StepTrace(call.step.model, answer.version, -1, (call.sent_ns, *stamps, now)))
-        for nested in answer.steps:
-            self.step_traces.append(nested._replace(parent=at if nested.parent < 0 else at + 1 + nested.parent))
+        add_step(self.step_traces, StepTrace(call.step.model, answer.version, -1, (call.sent_ns, *stamps, now)),
+                 answer.steps)
 
     def traces(self) -> tuple[StepTrace, ...]:
         """What its answer carries of its steps' traces (none when it is not traced)."""

@@ -70,10 +70,10 @@ class InferenceTrace:
     def _add_child(self, step: Any, nested: Any = ()) -> None:
         """BLS hook: a child request's trace, then its own children's (an ensemble's steps, whose
         ``parent`` counts within them), placed after it."""
+        from shmserve.shm.answer import add_step
+
         with self._lock:
-            at = len(self._children)
-            self._children.append(step)
-            self._children.extend(s._replace(parent=at if s.parent < 0 else at + 1 + s.parent) for s in nested)
+            add_step(self._children, step, nested)
 
 
 _REQUIRED: Any = object()
