@@ -28,14 +28,17 @@ def frontend_bytes(args: argparse.Namespace) -> int:
     return ClientSegment.nbytes(args.http_max_inflight, args.frontend_arena_mb << 20)
 
 
-def broker_bytes() -> int:
-    """The broker's segment, its own client segment (ensemble steps) and the trace segment."""
-    return BrokerSegment.nbytes(BROKER_ARENA_BYTES) + ClientSegment.nbytes(OWN_SLOTS, OWN_ARENA_BYTES) + TRACE_BYTES
+def broker_bytes(local_client_users: int = 0) -> int:
+    """The broker's objects (a connect ring each for its user and the ``local_client_users``), its
+    own client segment (ensemble steps) and the trace segment."""
+    return BrokerSegment.nbytes(BROKER_ARENA_BYTES, local_client_users) + ClientSegment.nbytes(OWN_SLOTS, OWN_ARENA_BYTES) \
+        + TRACE_BYTES
 
 
 def startup_bytes(args: argparse.Namespace) -> int:
     """Every segment the server makes before its first model loads."""
-    return (frontend_count(args) * frontend_bytes(args) + broker_bytes() + args.response_cache_bytes
+    return (frontend_count(args) * frontend_bytes(args) + broker_bytes(len(args.local_client_users))
+            + args.response_cache_bytes
             + SMALL_OBJECTS_BYTES)
 
 
