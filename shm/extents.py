@@ -20,7 +20,8 @@ client writes: a worker's control object, the broker's tables (``map_extent``).
 Where clients of other users may connect (``--local-client-users``), they map the producer's
 segment, so no answer goes to extent 0: each user's clients get their answers in extents of their
 own, which no other client can open (``OutputArenas``): a home extent as large as extent 0, up to
-4 MiB, made on the user's first answer, grown the same way beyond it.
+4 MiB, made on the user's first answer, grown the same way beyond it, up to an equal share of the
+cap (the server's user counted), so that answers one user's clients keep never fill the cap.
 
 The broker's arena grows the same way (``broker.0.arena.<k>``, up to ``--broker-arena-mb``): an
 ensemble's answer larger than its first 64 MiB is served, and answers a client keeps (a local
@@ -94,6 +95,7 @@ class _Pool:
     segment is not readable by clients of other users)."""
 
     readers: tuple[int, ...]  # who besides the server may open its extents (access.py)
+    share: int  # the most its extents may hold together (``OutputArenas.share_of``)
     home: int = 0  # the extent tried first: 0 (the producer's segment) or the user's first extent
     home_arena: Arena | None = None  # (None for extent 0: ``OutputArenas.first``)
     current: int = 0  # the extent that takes answers home has no room for (0: none yet)
@@ -124,7 +126,8 @@ class OutputArenas:
         self._grown: dict[int, tuple[Segment, Arena]] = {}  # extent -> its mapping, while not unlinked
         # One pool for every consumer while only the server's user may open the producer's
         # segment; else a pool per consumer's user, made on its first answer.
-        self._shared: _Pool | None = None if readers else _Pool(readers=())
+        self._shared: _Pool | None = None if readers else _Pool(readers=(), share=cap)
+        self._users = len(readers) + 1  # the server's and each other one whose clients may connect
         self._pools: dict[int, _Pool] = {}
         self._next = 1
         self._far: set[int] = set()  # numbers used out of sequence (names ahead were squatted)
@@ -177,6 +180,15 @@ class OutputArenas:
         return first + sum(a.capacity for _, a in list(self._grown.values()))
 
     # -- growth ------------------------------------------------------------------------------------
+    def share_of(self, uid: int) -> int:
+        """The most the extents of ``uid``'s answers may hold together: the whole cap for the
+        server's user (its frontends and the broker, which give answers back as they send them);
+        an equal share for each other user (half the cap with one user named, a third with two),
+        the server's counted too, so that the answers one user's clients keep leave room for
+        every other user's, large ones included. Before, one user's clients keeping answers in
+        extents up to the cap made every larger answer of everyone else a 503."""
+        return self.cap if uid in (-1, os.geteuid()) else self.cap // self._users
+
     def _new_pool(self, uid: int, nbytes: int) -> _Pool:
         """The pool of ``uid``'s answers, with its home extent: as large as extent 0, but no larger
         than steady small traffic touches (the broker's extent 0 is 60 MiB), since a pool lives
@@ -186,8 +198,9 @@ class OutputArenas:
             if pool is not None:
                 return pool
             self._unlink_drained()
-            pool = _Pool(readers=others((uid,)) if uid >= 0 else ())
+            pool = _Pool(readers=others((uid,)) if uid >= 0 else (), share=self.share_of(uid))
             size = _round_up(min(self.first.capacity, DEFAULT_START_BYTES), MIB)
+            size = min(size, max(pool.share // MIB * MIB, MIB))
             if self.capacity + size > self.cap:
                 raise GrowthRefused(self._refusal(nbytes, f"the cap of {self.owner.arena} is taken by the extents of "
                                                           f"{len(self._pools)} users' answers "
@@ -227,17 +240,32 @@ class OutputArenas:
         if pool.current:
             largest = max(largest, self._grown[pool.current][1].capacity)
         size = _round_up(max(2 * largest, largest + self.growth, need), MIB)
-        used = self.capacity
-        if used + size > self.cap and self._unlink_idle():
-            used = self.capacity
-        if used + size > self.cap:
-            size = (self.cap - used) // MIB * MIB  # what the cap leaves, if the answer fits in that
+        room = self._room(pool)
+        if size > room and self._unlink_idle():
+            room = self._room(pool)
+        if size > room:
+            size = room // MIB * MIB  # what the cap (and the pool's share) leaves, if the answer fits in that
         if size < need:
             if need <= self._most_ever(pool):
                 return None
+            if pool.share < self.cap:
+                raise AnswerTooLarge(self._refusal(response, f"larger than one user's share of {self.owner.arena} "
+                                                         f"lets it ever hold ({self.owner.cap_flag}={self.cap >> 20} "
+                                                         f"shared by {self._users} users): raise it"))
             raise AnswerTooLarge(self._refusal(response, f"larger than the cap of {self.owner.arena} lets it ever "
                                                      f"hold, {self.owner.cap_flag}={self.cap >> 20}: raise it"))
         return self._make(pool, size, response)
+
+    def _room(self, pool: _Pool) -> int:
+        """What a new extent of ``pool`` may take now: what the cap leaves, and its share leaves."""
+        room = self.cap - self.capacity
+        if pool.share < self.cap:
+            room = min(room, pool.share - self._pool_bytes(pool))
+        return room
+
+    def _pool_bytes(self, pool: _Pool) -> int:
+        """The bytes of ``pool``'s extents (extent 0 is never a limited pool's)."""
+        return sum(self._grown[e][1].capacity for e in (pool.home, pool.current, *pool.retired) if e in self._grown)
 
     def _most_ever(self, pool: _Pool) -> int:
         """The largest extent ``pool`` could ever be given once every answer is read: the cap less
@@ -245,7 +273,10 @@ class OutputArenas:
         if self._shared is not None:
             return max(self.cap - self.first.capacity, self.first.capacity)
         homes = sum(self._grown[p.home][1].capacity for p in self._pools.values() if p is not pool and p.home)
-        return self.cap - homes
+        most = self.cap - homes
+        if pool.share < self.cap and pool.home in self._grown:
+            most = min(most, pool.share - self._grown[pool.home][1].capacity)
+        return most
 
     def _make(self, pool: _Pool, size: int, response: int) -> tuple[int, Arena] | None:
         """A new extent of ``size`` bytes that ``pool``'s readers may open; None while every
@@ -345,7 +376,7 @@ class OutputArenas:
             self._grown.clear()
             self._pools.clear()
             if self._shared is not None:
-                self._shared = _Pool(readers=())
+                self._shared = _Pool(readers=(), share=self.cap)
 
 
 def worker_arenas(first: Arena, seg: WorkerSegment, server_id: str, num: int, cap: int, growth: int,

@@ -1193,3 +1193,70 @@ def _owned_by_nobody(names: list[str]) -> list[str]:
         except FileNotFoundError:  # (removed meanwhile)
             pass
     return owned
+
+
+# Keeps 3 MiB answers of `identity` until one is refused, asks for one larger than its user's
+# share, says what it got, then (told to go on) lets them go and asks again.
+HOARD = r"""
+c = Client(args["server"])
+x = np.full(3 << 18, 1.5, dtype=np.float32)  # a 3 MiB answer
+kept, refused = [], None
+for _ in range(40):
+    try:
+        kept.append(c.infer("identity", {"IN": x})["OUT"])
+    except InferenceServerError as e:
+        refused = [e.status, e.message]
+        break
+try:
+    c.infer("identity", {"IN": np.ones(5 << 20, dtype=np.float32)})  # 20 MiB
+    too_large = None
+except InferenceServerError as e:
+    too_large = [e.status, e.message]
+print("HELD " + json.dumps({"kept": len(kept), "refused": refused, "too_large": too_large}), flush=True)
+sys.stdin.readline()
+kept.clear()
+result = float(c.infer("identity", {"IN": x})["OUT"].sum())
+c.close()
+"""
+
+
+def test_answers_a_named_user_keeps_leave_room_for_everyone_elses(server_factory):
+    """A client keeps the memory of the answers it holds (its result arrays lie in the worker's
+    arena), and the arena grows around them up to --worker-arena-mb. A named user's clients
+    keeping answers could take the whole cap, after which every answer of anyone else that did not
+    fit their first extent was a 503. A named user's answers now take at most an equal share of
+    the cap (half, with one user named): past it that user alone is refused, an answer larger
+    than the share could ever hold is a 500 naming it, and the server's user's clients still get
+    answers larger than their first extent. Once the answers are let go, the user is served
+    again."""
+    server = _start(server_factory, "--local-client-users=nobody", "--worker-arena-mb=32")
+    big = np.full(2 << 20, 2.5, dtype=np.float32)  # 8 MiB: larger than any first extent (4 MiB)
+    with Client(server.id) as client:
+        assert client.infer("identity", {"IN": big})["OUT"].size == big.size
+    proc = start_as(NOBODY.pw_uid, NOBODY.pw_gid, HOARD, {"server": server.id})
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("HELD "), (line, proc.stderr.read() if proc.poll() is not None else "")
+        held = json.loads(line[len("HELD "):])
+        # Its share is 16 MiB: its first extent (4 MiB) and two grown (8 and 4) hold 4 answers.
+        assert held["kept"] == 4, held
+        assert held["refused"][0] == 503 and "retry" in held["refused"][1], held
+        assert held["too_large"][0] == 500, held
+        assert "one user's share of the instance's output arena" in held["too_large"][1], held
+        assert "--worker-arena-mb=32 shared by 2 users" in held["too_large"][1], held
+        with Client(server.id) as client:
+            for _ in range(3):
+                assert float(client.infer("identity", {"IN": big})["OUT"].sum()) == float(big.sum())
+        with server.client() as http:
+            inp = httpclient.InferInput("IN", [big.size], "FP32")
+            inp.set_data_from_numpy(big, binary_data=True)
+            out = http.infer("identity", [inp], outputs=[httpclient.InferRequestedOutput("OUT", binary_data=True)])
+            assert out.as_numpy("OUT").size == big.size
+        out, err = proc.communicate("go\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]) == 1.5 * (3 << 18)
