@@ -42,11 +42,11 @@ def startup_bytes(args: argparse.Namespace) -> int:
             + SMALL_OBJECTS_BYTES)
 
 
-def instance_bytes(worker_arena_start_bytes: int) -> int:
+def instance_bytes(worker_arena_start_bytes: int, local_client_users: int = 0) -> int:
     """One model instance's worker segment as it loads (rings, lanes and its output arena's first
-    extent). The arena grows with answers up to --worker-arena-mb, each extent counted as it is
-    made (shm/extents.py)."""
-    return WorkerSegment.nbytes(worker_arena_start_bytes)
+    extent; each other user's lanes). The arena grows with answers up to --worker-arena-mb, each
+    extent counted as it is made (shm/extents.py)."""
+    return WorkerSegment.nbytes(worker_arena_start_bytes, local_client_users)
 
 
 def check_startup(args: argparse.Namespace) -> None:
@@ -58,6 +58,7 @@ def check_startup(args: argparse.Namespace) -> None:
     parts.append("the broker")
     if args.response_cache_bytes:
         parts.append(f"a response cache of {space.mib(args.response_cache_bytes)}")
-    note = (f" (then {space.mib(instance_bytes(args.worker_arena_start_bytes))} more per model instance, "
+    each = instance_bytes(args.worker_arena_start_bytes, len(args.local_client_users))
+    note = (f" (then {space.mib(each)} more per model instance, "
             f"each growing up to --worker-arena-mb={args.worker_arena_mb} with its answers)")
     space.check(args.id, startup_bytes(args), f"shmserve at start ({', '.join(parts)})", note)

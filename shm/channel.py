@@ -22,7 +22,7 @@ import contextlib
 import os
 import struct
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import posix_ipc
@@ -49,8 +49,9 @@ HEADER_BYTES = 4096
 # an answer's header says the length of its step traces (shm/answer.py); 7: the broker's and the
 # workers' sleeping flags in tables.0 and control.<n>, which clients of other users may only read,
 # and connect.0, the connect ring of the server's own user; 8: a connect ring per other user
-# (connect.u<uid>) instead of one in broker.0, and the departures counter in tables.0.
-LAYOUT = 8
+# (connect.u<uid>) instead of one in broker.0, and the departures counter in tables.0; 9: each
+# other user's lanes in an object of its own (worker.<n>.lanes.u<uid>), worker.<n> the server's alone.
+LAYOUT = 9
 MAGIC = 0x53484D00 | LAYOUT
 _FAMILY = 0xFFFFFF00
 
@@ -74,6 +75,7 @@ def check_magic(name: str, magic: int) -> None:
                           f"clients from the same shmserve version")
     raise ConnectionError(f"{name} is not a shmserve segment")
 _HEADER = struct.Struct("<IIQ")  # magic, pid, start time (ns) of the creating process
+_LANES_HEADER = struct.Struct("<IIII")  # a user's lanes object: magic, 0, its first lane, their count
 _WANT_WAKEUP = struct.Struct("<I")
 # A receiver's sleeping flag, then its post word (waker.py): at this offset of a client's segment, of a
 # worker's control object and of BROKER_WAKER_OFFSET in tables.0, which clients of other users may only read.
@@ -459,6 +461,91 @@ def _own_connect(server_id: str, server_uid: int) -> tuple[int, Segment]:
     return os.geteuid(), connect
 
 
+def lanes_name(worker_name: str, uid: int) -> str:
+    """``/shmserve.<id>.worker.<n>.lanes.u<uid>``: the lanes of user ``uid``'s clients on worker
+    ``worker.<n>`` (``lane_range``), which only that user and the server's may open."""
+    return f"{worker_name}.lanes.u{uid}"
+
+
+def lane_range(uid: int, readers: Sequence[int]) -> range:
+    """The lanes the clients of ``uid`` may hold, ``readers`` being the other users whose clients
+    may connect (--local-client-users, sorted: ``access.server_readers``): an equal share for each
+    of them, the server's user counted (half with one named, a third with two), each in an object
+    of its own; the rest are the server's user's (root's too), in the worker's segment. No user
+    can then write, empty or scribble on another user's lanes, nor hold them all."""
+    share = LANES // (len(readers) + 1)
+    own = LANES - len(readers) * share
+    if uid in readers:
+        first = own + list(readers).index(uid) * share
+        return range(first, first + share)
+    return range(own)
+
+
+class LaneBlock:
+    """Lanes ``first`` to ``first + count - 1``, lying in one object: a bell each (a byte at
+    LANE_BELLS_OFFSET, which a client sets after each put and the worker clears before it drains
+    the lane), then the rings from HEADER_BYTES; their head and tail counters also as two strided
+    views, so that one numpy compare finds work. The worker then looks at ``count`` contiguous
+    bells (one compare, 70 ns) instead of every lane's counters, 512 cache lines a look."""
+
+    def __init__(self, buf: memoryview, first: int, count: int) -> None:
+        lane_bytes = Ring.nbytes(LANE_CAPACITY, RECORD)
+        self.first = first
+        self.count = count
+        self.rings = [Ring(buf, HEADER_BYTES + i * lane_bytes, LANE_CAPACITY, RECORD) for i in range(count)]
+        self.heads = np.ndarray((count,), dtype=np.uint64, buffer=buf, offset=HEADER_BYTES, strides=(lane_bytes,))
+        self.tails = np.ndarray((count,), dtype=np.uint64, buffer=buf, offset=HEADER_BYTES + 8,
+                                strides=(lane_bytes,))
+        self.bells = buf[LANE_BELLS_OFFSET:LANE_BELLS_OFFSET + count]
+        self.silent = bytes(count)
+
+    @staticmethod
+    def nbytes(count: int) -> int:
+        return _align(HEADER_BYTES + count * Ring.nbytes(LANE_CAPACITY, RECORD))
+
+    def reset(self) -> None:
+        self.heads[:] = 0
+        self.tails[:] = 0
+
+    def rung(self) -> bool:
+        return self.bells.tobytes() != self.silent
+
+    def take_rung(self, lanes: list[int]) -> None:
+        """Append the lanes whose bell rang to ``lanes``, clearing their bells."""
+        raw = self.bells.tobytes()
+        if raw == self.silent:
+            return
+        i = raw.find(1)
+        while i >= 0:
+            lanes.append(self.first + i)
+            self.bells[i] = 0
+            i = raw.find(1, i + 1)
+
+    def pending(self) -> list[int]:
+        """Lanes holding records."""
+        if self.tails.tobytes() == self.heads.tobytes():
+            return []
+        return [self.first + i for i in np.flatnonzero(self.tails != self.heads).tolist()]
+
+
+def _attach_lanes(name: str, server_uid: int) -> Segment:
+    """A client's map of its user's lanes object ``name``, which must be the server's: another
+    user may have made one at that name (where the server's is gone) to read what is put there."""
+    seg = Segment.attach(name)
+    if seg.uid != server_uid or seg.size < LaneBlock.nbytes(0):
+        seg.close()
+        raise ConnectionError(f"{name} is not the server's (uid {seg.uid}, {seg.size} bytes)")
+    magic, _, first, count = _LANES_HEADER.unpack_from(seg.buf, 0)
+    try:
+        check_magic(name, magic)
+        if first + count > LANES or seg.size < LaneBlock.nbytes(count):
+            raise ConnectionError(f"{name} is not a shmserve lanes object")
+    except ConnectionError:
+        seg.close()
+        raise
+    return seg
+
+
 def control_name(worker_name: str) -> str:
     """``/shmserve.<id>.control.<n>``, the server-only half of worker segment ``.../worker.<n>``."""
     prefix, _, num = worker_name.rpartition(".worker.")
@@ -466,29 +553,33 @@ def control_name(worker_name: str) -> str:
 
 
 class WorkerSegment:
-    """A worker's two objects. ``worker.<n>``, which its clients write: the lane bells and rings,
-    and the first extent of its output arena (clients free the answers they read).
-    ``control.<n>``, which only the broker and the worker write and clients of other users
-    (``readers``) may only read: the worker's sleeping flag, inbox (a batch names the requests the
-    worker reads and answers), outbox and its messages, the extents' sizes consumers check, the
-    readiness, garbage and want-wakeup words, statistics, custom metrics and region holds.
-    Clients map the control object too, writable where they are of the server's user (they
-    lower the flag as they wake the worker) and read-only otherwise (``attach``)."""
+    """A worker's objects. ``worker.<n>``, which only the server's user writes: the lanes of that
+    user's clients (the frontends, its local clients) and the first extent of its output arena
+    (clients free the answers they read). ``worker.<n>.lanes.u<uid>`` for each other user whose
+    clients may connect (``readers``: --local-client-users): its clients' lanes (``lane_range``),
+    which only that user (and the server's) may open, so that no user writes another's lanes.
+    ``control.<n>``, which only the broker and the worker write and clients of other users may
+    only read: the worker's sleeping flag, inbox (a batch names the requests the worker reads and
+    answers), outbox and its messages, the extents' sizes consumers check, the readiness, garbage
+    and want-wakeup words, statistics, custom metrics and region holds. Clients map the control
+    object too, writable where they are of the server's user (they lower the flag as they wake
+    the worker) and read-only otherwise (``attach``); and the lanes of their own user only."""
 
-    def __init__(self, seg: Segment, control: Segment | None, create: bool, readers: tuple[int, ...] = ()) -> None:
+    def __init__(self, seg: Segment, control: Segment | None, create: bool, blocks: list[LaneBlock],
+                 users: list[Segment] | None = None, name: str = "") -> None:
         self.seg = seg
-        self.name = seg.name
-        off = HEADER_BYTES
-        lane_bytes = Ring.nbytes(LANE_CAPACITY, RECORD)
-        self.lanes = [Ring(seg.buf, off + i * lane_bytes, LANE_CAPACITY, RECORD) for i in range(LANES)]
-        # All lanes' head and tail counters as two strided views: one numpy compare finds work.
-        self.lane_heads = np.ndarray((LANES,), dtype=np.uint64, buffer=seg.buf, offset=off, strides=(lane_bytes,))
-        self.lane_tails = np.ndarray((LANES,), dtype=np.uint64, buffer=seg.buf, offset=off + 8,
-                                     strides=(lane_bytes,))
-        off = _align(off + LANES * lane_bytes)
-        self.bells = seg.buf[LANE_BELLS_OFFSET:LANE_BELLS_OFFSET + LANES]
-        self.arena_offset = off
-        self.arena_size = seg.size - off
+        self.name = name or seg.name
+        self.users = users or []  # the lanes objects mapped here (the worker and the broker: every user's)
+        self.blocks = blocks
+        # Lane i's ring and bell (its block's bells and its index there); None: not mapped here.
+        self.lanes: list[Ring | None] = [None] * LANES
+        self._bells: list[tuple[memoryview, int] | None] = [None] * LANES
+        for block in blocks:
+            for i in range(block.count):
+                self.lanes[block.first + i] = block.rings[i]
+                self._bells[block.first + i] = (block.bells, i)
+        self.arena_offset = _align(HEADER_BYTES + LANES * Ring.nbytes(LANE_CAPACITY, RECORD))
+        self.arena_size = seg.size - self.arena_offset
         self.control = control
         if control is not None:
             coff = HEADER_BYTES
@@ -514,8 +605,8 @@ class WorkerSegment:
             _HEADER.pack_into(control.buf, 0, MAGIC, 0, time.time_ns())
             self.inbox.reset()
             self.outbox.reset()
-            self.lane_heads[:] = 0
-            self.lane_tails[:] = 0
+            for block in blocks:
+                block.reset()
         # In the control object, which only the broker and the worker write (clients map it read-only)
         self.waker = Waker.on_word(control.buf, SLEEPING_FLAG_OFFSET) if control is not None else None
 
@@ -564,42 +655,42 @@ class WorkerSegment:
 
     def lanes_pending(self) -> list[int]:
         """Lanes holding records (the broker's check that a retiring worker drained)."""
-        if self.lane_tails.tobytes() == self.lane_heads.tobytes():
-            return []
-        return np.flatnonzero(self.lane_tails != self.lane_heads).tolist()
+        return [lane for block in self.blocks for lane in block.pending()]
 
-    # Lane bells: a client sets its lane's byte after each put, the worker clears it before it
-    # drains the lane. The worker then looks at 256 contiguous bytes (one compare, 70 ns) instead
-    # of every lane's counters, 512 cache lines a look, which it did each time it polled.
+    def lanes_put(self) -> int:
+        """The records ever put on the lanes, modulo 2**64 (their tail counters' sum)."""
+        return sum(int(block.tails.sum()) for block in self.blocks) % (1 << 64)
+
     def ring_bell(self, lane: int) -> None:
-        self.bells[lane] = 1
+        at = self._bells[lane]
+        if at is not None:
+            at[0][at[1]] = 1
 
     def bells_rung(self) -> bool:
-        return self.bells.tobytes() != _SILENT
+        for block in self.blocks:
+            if block.rung():
+                return True
+        return False
 
     def ring_pending_bells(self) -> None:
         """Ring the bell of every lane holding records: a client killed between its put and its
         bell left a record no bell announces (drained, it is skipped by its stale cookie)."""
         for lane in self.lanes_pending():
-            self.bells[lane] = 1
+            self.ring_bell(lane)
 
     def take_rung_lanes(self) -> list[int]:
         """The lanes whose bell rang, with their bells cleared. The fence orders the clearing
         before the caller's reads of the lanes' tails: a put it misses rings the bell again."""
-        raw = self.bells.tobytes()
-        if raw == _SILENT:
-            return []
-        lanes = []
-        lane = raw.find(1)
-        while lane >= 0:
-            lanes.append(lane)
-            self.bells[lane] = 0
-            lane = raw.find(1, lane + 1)
-        fence()
+        lanes: list[int] = []
+        for block in self.blocks:
+            block.take_rung(lanes)
+        if lanes:
+            fence()
         return lanes
 
     @staticmethod
     def lanes_nbytes(arena_bytes: int) -> int:
+        """``worker.<n>``'s bytes (the server's user's lanes, then its first extent)."""
         return _align(HEADER_BYTES + LANES * Ring.nbytes(LANE_CAPACITY, RECORD)) + arena_bytes
 
     @staticmethod
@@ -607,41 +698,78 @@ class WorkerSegment:
         return CONTROL_EXTENTS_OFFSET + 8 * EXTENT_ENTRIES
 
     @staticmethod
-    def nbytes(arena_bytes: int) -> int:
-        """Both objects' bytes."""
-        return WorkerSegment.lanes_nbytes(arena_bytes) + WorkerSegment.control_nbytes()
+    def nbytes(arena_bytes: int, users: int = 0) -> int:
+        """Every object's bytes, with ``users`` other users' lanes objects."""
+        share = LANES // (users + 1)
+        return (WorkerSegment.lanes_nbytes(arena_bytes) + WorkerSegment.control_nbytes()
+                + users * LaneBlock.nbytes(share))
 
     @classmethod
     def create(cls, name: str, arena_bytes: int, readers: tuple[int, ...] = ()) -> "WorkerSegment":
-        """``readers``: the other users whose local clients may call it (access.py)."""
-        seg = Segment.create(name, cls.lanes_nbytes(arena_bytes), readers,
-                             taken=cls.lanes_nbytes(0) + first_pages(arena_bytes))
+        """``readers``: the other users whose local clients may call it (access.py), sorted.
+        posix_ipc.ExistentialError where one of its names is another user's (nothing is left)."""
+        made: list[Segment] = []
         try:
+            seg = Segment.create(name, cls.lanes_nbytes(arena_bytes), (),
+                                 taken=cls.lanes_nbytes(0) + first_pages(arena_bytes))
+            made.append(seg)
             control = Segment.create(control_name(name), cls.control_nbytes(), readers, readers_write=False)
+            made.append(control)
+            blocks = [LaneBlock(seg.buf, 0, len(lane_range(os.geteuid(), readers)))]
+            users = []
+            for uid in readers:
+                lanes = lane_range(uid, readers)
+                user = Segment.create(lanes_name(name, uid), LaneBlock.nbytes(len(lanes)), (uid,))
+                made.append(user)
+                _LANES_HEADER.pack_into(user.buf, 0, MAGIC, 0, lanes.start, len(lanes))
+                users.append(user)
+                blocks.append(LaneBlock(user.buf, lanes.start, len(lanes)))
         except BaseException:
-            seg.close()
-            seg.unlink()
+            for done in made:
+                done.close()
+                done.unlink()
             raise
-        return cls(seg, control, create=True, readers=readers)
+        return cls(seg, control, True, blocks, users)
 
     @classmethod
-    def attach(cls, name: str, control: bool = True, control_writable: bool = True) -> "WorkerSegment":
+    def attach(cls, name: str, control: bool = True, control_writable: bool = True,
+               readers: tuple[int, ...] | None = None) -> "WorkerSegment":
         """Map worker segment ``name`` with its control object: writable where this process is of
         the server's user, else read-only (a client of another user, whose waker only reads the
         sleeping flag there); ``control_writable=False``: read-only (a reader of its statistics);
-        ``control=False``: the lanes alone (they cannot wake it)."""
-        seg = Segment.attach(name)
+        ``control=False``: the lanes alone (they cannot wake it). ``readers`` (the worker): every
+        user's lanes, ``readers`` being the other users (``create``'s); None (a client): its own
+        user's alone, in ``worker.<n>`` for the server's user, else in its user's lanes object,
+        which must be the server's (the control object's owner's)."""
+        seg: Segment | None = None
+        ctl: Segment | None = None
+        users: list[Segment] = []
         try:
             ctl = (_attach_writable_if_ours(control_name(name)) if control_writable else
                    Segment.attach(control_name(name), readonly=True)) if control else None
+            if ctl is not None and ctl.size < cls.control_nbytes():
+                raise ConnectionError(f"{ctl.name} is not a shmserve worker's control object ({ctl.size} bytes)")
+            me = os.geteuid()
+            server_uid = ctl.uid if ctl is not None else os.stat(SHM_DIR + name).st_uid
+            if readers is None and me not in (server_uid, 0):
+                users.append(_attach_lanes(lanes_name(name, me), server_uid))
+                first, count = _LANES_HEADER.unpack_from(users[0].buf, 0)[2:]
+                seg = users[0]  # (a client of another user maps no more of it)
+                return cls(seg, ctl, False, [LaneBlock(seg.buf, first, count)], users, name)
+            seg = Segment.attach(name)
+            # (a client of the server's user knows not which lanes are other users': it maps all
+            # of this object's, and uses the one the broker gave it)
+            blocks = [LaneBlock(seg.buf, 0, len(lane_range(server_uid, readers or ())))]
+            for uid in readers or ():
+                lanes = lane_range(uid, readers or ())
+                users.append(Segment.attach(lanes_name(name, uid)))
+                blocks.append(LaneBlock(users[-1].buf, lanes.start, len(lanes)))
+            return cls(seg, ctl, False, blocks, users, name)
         except BaseException:
-            seg.close()
+            for done in (seg, ctl, *users):
+                if done is not None:
+                    done.close()
             raise
-        if ctl is not None and ctl.size < cls.control_nbytes():
-            seg.close()
-            ctl.close()
-            raise ConnectionError(f"{ctl.name} is not a shmserve worker's control object ({ctl.size} bytes)")
-        return cls(seg, ctl, create=False)
 
     def set_pid(self, pid: int) -> None:
         struct.pack_into("<I", self.seg.buf, 4, pid)
@@ -657,13 +785,19 @@ class WorkerSegment:
         store_u32(self.control.buf, WANT_WAKEUP_OFFSET, 1 if value else 0)  # (a worker reads it at any time)
 
     def close(self) -> None:
-        self.seg.close()
+        if self.seg not in self.users:
+            self.seg.close()
+        for user in self.users:
+            user.close()
         if self.control is not None:
             self.control.close()
 
     def unlink(self) -> None:
+        """Owner side (the broker): remove every object of this worker's."""
         self.seg.unlink()
         unlink_shm(control_name(self.name))
+        for user in self.users:
+            user.unlink()
 
 
 class ClientSegment:

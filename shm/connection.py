@@ -324,15 +324,16 @@ class Connection:
             free_block(self.seg.seg.buf, off)
             raise SlotsTaken(self.seg.nslots)
         picked = self._router.pick(route) if route is not None else None
-        if picked is not None and picked[1].lanes[self.lane].has_room():  # type: ignore[index]
-            num, worker = picked
+        lane = picked[1].lanes[self.lane] if picked is not None else None  # type: ignore[index]
+        if lane is not None and lane.has_room():
+            num, worker = picked  # type: ignore[misc]
             # Bound and sent to that worker for good: the worker runs only a record its slot is
             # bound to, once, and a request bound to a lane never goes through the broker too.
             self.seg.bind(slot, off, total)
             slots.target(slot, num)
-            if worker.lanes[self.lane].put(kind, slot, off, total, self._cookie):  # type: ignore[index]
+            if lane.put(kind, slot, off, total, self._cookie):
                 worker.ring_bell(self.lane)  # type: ignore[arg-type]
-            # (else another user's client changed the lane's counters since: _put_lost_again puts it again)
+            # (else a process of our user changed the lane's counters since: _put_lost_again puts it again)
             slots.went_to(slot, num)
             return worker
         self.seg.unbind(slot)  # (when the worker's lane is full too: the broker will queue it)
@@ -486,9 +487,9 @@ class Connection:
 
     def _put_lost_again(self) -> None:
         """Put again the lane record of each direct request that its worker has not taken, at two
-        checks in a row, while that lane stood empty: the record was lost (a client of another
-        user may write the lanes: zero their counters, truncate the worker's segment), and its
-        caller would wait for good. A worker runs a record once however often it is put
+        checks in a row, while that lane stood empty: the record was lost (another process of
+        our user may write our lanes: zero their counters, truncate the object they lie in), and
+        its caller would wait for good. A worker runs a record once however often it is put
         (``ClientSegment.take_bound``), so a request that was only slow costs nothing more."""
         if self.lane is None:
             return
@@ -497,20 +498,21 @@ class Connection:
         with self._slots.lock:
             for slot, num in self._slots.untaken():
                 worker = self._router.mapped(num)
-                if worker is None or worker.lanes[self.lane].pending() != 0:
+                lane = worker.lanes[self.lane] if worker is not None else None
+                if lane is None or lane.pending() != 0:
                     continue  # (not empty: the worker is busy, and will take it)
                 if slot not in suspects:
                     self._lost.add(slot)
                     continue
                 off, total = self.seg.bound(slot)
-                if worker.lanes[self.lane].put(REQ_INFER, slot, off, total, self._cookie):
+                if lane.put(REQ_INFER, slot, off, total, self._cookie):
                     worker.ring_bell(self.lane)
                     woken[num] = worker
         for worker in woken.values():
             worker.waker.notify()
         if woken:
-            log.warning("%s: put again the lane records of requests their worker never took (another user's client "
-                        "may write the lanes)", self.name)
+            log.warning("%s: put again the lane records of requests their worker never took (another process of "
+                        "this user may write its lanes)", self.name)
 
     def _broker_started(self) -> int:
         try:

@@ -74,7 +74,7 @@ class Worker:
         self.instance_name: str = spec["instance_name"]
         self.broker_pid: int = spec["broker_pid"]
         self.poll_s: float = spec["poll_us"] / 1e6  # --poll-us
-        self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num))
+        self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num), readers=server_readers())
         self.seg.set_pid(os.getpid())
         self.stats = StatsWriter(self.seg.stats, spec.get("latency_buckets"))
         self.signature: ModelSignature | None = None
@@ -91,7 +91,7 @@ class Worker:
         self.holds = RegionHolds(self.regions, self.seg.region_holds, REGION_HOLDS_BYTES)
         self._lane_names: dict[int, tuple[str, int]] = {}
         self._refused: set[int] = set()  # cookies of lane holders that wrote garbage (the broker disconnects them)
-        self._lane_writers = len(server_readers())  # the other users whose clients may write our lanes
+        self._lane_writers = len(server_readers())  # the other users whose clients may write lanes of theirs
         self.segments = SegmentCache()
         self.clients: dict[str, ClientSegment] = {}
         # Answers go to the arena's first extent (``self.arena``, which also carries messages to
@@ -274,13 +274,12 @@ class Worker:
         broker's sign that this worker drained its lanes)."""
         counts = self.stats.counts
         ring = self.seg.lanes[lane]
+        assert ring is not None  # (a worker maps every user's lanes)
         name, cookie = self._lane_holder(lane)
         try:
             raws = ring.drain()
         except RingCorrupt as e:
             counts[DIRECT_DONE] = (counts[DIRECT_DONE] + ring.resync()) % (1 << 64)
-            if self._others_wrote(lane, name, e):
-                return False
             self._garbage(lane, name, cookie, Garbage(Fault.RING, str(e)))
             return False
         polled = False
@@ -301,8 +300,7 @@ class Worker:
             try:
                 rec = check_record(client.layout, raw, LANE_KINDS)
             except Garbage as e:
-                if not self._others_wrote(lane, name, e):
-                    self._garbage(lane, name, cookie, e, client, raw[1])
+                self._garbage(lane, name, cookie, e, client, raw[1])
                 counts[DIRECT_DONE] += 1
                 continue
             if not client.take_bound(rec.slot, rec.off, rec.length, self.num):
@@ -314,34 +312,16 @@ class Worker:
                 counts[DIRECT_DONE] += 1
             # (else queued for a batch: counted when it runs)
         if unbound:
-            # The lane is in this worker's segment, which every client may write: a record its
-            # holder's slots do not bind is someone else's, or a repeat, and nobody waits for it.
+            # Every process of the holder's user may write its lanes: a record its holder's slots
+            # do not bind is such a process's, or a repeat, and nobody waits for it.
             log.warning("lane %d: dropped %d record(s) that name no request of its client %s waiting for this "
-                        "worker (repeated, or written by another client)", lane, unbound, name)
+                        "worker (repeated, or written by another process of its user)", lane, unbound, name)
         if dropped and cookie not in self._refused:
             # Records of a client that left (its lane was given to another, or to no one): nobody
             # waits for them. Said, since a live client's lost request would hang its caller.
             log.warning("lane %d: dropped %d record(s) of a client that left (the lane's holder: %r, cookie %d)",
                         lane, dropped, name, cookie)
         return polled
-
-    def _others_wrote(self, lane: int, name: str, e: Exception) -> bool:
-        """Whether garbage on a lane (its counters, a record) may be another user's doing, so that
-        its holder must not be disconnected for it: the lanes lie in this worker's segment, which
-        the users of --local-client-users may write. A holder of the server's own user (a
-        frontend) writes well-formed records; one of the only other user is the one who could;
-        with two or more, any of them could have written another's lane. Said, and skipped, if so."""
-        if not self._lane_writers or not name:
-            return False
-        if self._lane_writers == 1:
-            try:
-                if self._client(name).seg.uid != os.geteuid():
-                    return False
-            except (posix_ipc.Error, OSError, ValueError):
-                return False
-        log.warning("lane %d of client %s holds garbage, skipped: %s (another user's client may write this worker's "
-                    "lanes)", lane, name, e)
-        return True
 
     def _garbage(self, lane: int, name: str, cookie: int, e: Garbage, client: ClientSegment | None = None,
                  slot: int | None = None) -> None:

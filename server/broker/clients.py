@@ -20,7 +20,8 @@ from shmserve.batching import Pending
 from shmserve.shm.answer import NO_VERSION, AnswerDescriptor, answer_room, write_answer
 from shmserve.shm.arena import no_room_text
 from shmserve.shm.extents import GrowthRefused, OutputArenas
-from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment, pid_namespace
+from shmserve.shm.access import server_readers
+from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment, lane_range, pid_namespace
 from shmserve.shm.liveness import Tickets
 from shmserve.shm.protocol import ROLE_BROKER, SLOT_PENDING, role_word
 from shmserve.shm.ring import Ring, RingCorrupt
@@ -54,8 +55,8 @@ class Clients:
         self.lanes: list[str | None] = [None] * LANES  # lane -> the client holding it
         self.next_cookie = 0
         self._names = client_name_pattern(server_id)
-        self.quarantined: dict[int, tuple[int, int]] = {}  # lane -> ticket and uid of the refused client that held it
-        self._lanes_held: collections.Counter[int] = collections.Counter()  # uid -> lanes its clients hold
+        self.quarantined: dict[int, int] = {}  # lane -> the ticket of the refused client that held it
+        self._readers = server_readers()  # the other users whose clients may connect: their lanes
         self._held: collections.Counter[int] = collections.Counter()  # uid -> its clients' count
         self._held_bytes: collections.Counter[int] = collections.Counter()  # uid -> their segments' bytes
         self._said_full: set[int] = set()  # users told of (once while at the bound)
@@ -123,25 +124,18 @@ class Clients:
                         MAX_SEGMENT_BYTES_PER_USER >> 30)
         return True
 
-    def lane_share(self, uid: int) -> int:
-        """How many lanes the clients of ``uid`` may hold at once: all for the server's user, an
-        equal share for each other user, the server's counted too (half with one user named, a
-        third with two), so that one user's clients, however many, leave lanes to the frontends
-        and every other user. A client past it has no lane and sends everything through the
-        broker (a hop more, nothing refused)."""
-        return LANES if uid == os.geteuid() else LANES // len(self.seg.connect_rings)
-
     def _give_lane(self, client: Client) -> None:
-        """A lane lets the client reach workers of default-scheduled models without our hop."""
+        """A lane lets the client reach workers of default-scheduled models without our hop. Its
+        user's lanes (``lane_range``: an equal share for each user of --local-client-users, the
+        server's counted) lie in an object only that user may write: one user's clients, however
+        many, leave lanes to the frontends and every other user, and never write theirs. A client
+        finding none free has no lane and sends everything through the broker (a hop more,
+        nothing refused)."""
         self._release_quarantined()
-        try:
-            if self._lanes_held[client.uid] >= self.lane_share(client.uid):
-                raise ValueError("its user holds its share")
-            lane = self.lanes.index(None)
-        except ValueError:
+        lane = next((i for i in lane_range(client.uid, self._readers) if self.lanes[i] is None), None)
+        if lane is None:
             client.seg.lane = NO_LANE  # none for it: this client goes through the broker only
             return
-        self._lanes_held[client.uid] += 1
         self.lanes[lane] = client.name
         self.next_cookie += 1
         self.seg.set_lane_client(lane, client.name, self.next_cookie)
@@ -159,7 +153,6 @@ class Clients:
             self._said_full.discard(client.uid)
         if client.lane is not None and self.lanes[client.lane] == client.name:
             self.lanes[client.lane] = None
-            self._lanes_held[client.uid] -= 1
             self.seg.set_lane_client(client.lane, "", 0)
         client.seg.close()
         client.seg.unlink()
@@ -175,16 +168,15 @@ class Clients:
         client.seg.cancel_pending()
         client.seg.lane = LANE_REFUSED
         if client.lane is not None and self.lanes[client.lane] == client.name:
-            self.lanes[client.lane] = _QUARANTINED  # (still its user's: counted in _lanes_held)
-            self.quarantined[client.lane] = client.ticket, client.uid
+            self.lanes[client.lane] = _QUARANTINED
+            self.quarantined[client.lane] = client.ticket
             self.seg.set_lane_client(client.lane, "", 0)
 
     def _release_quarantined(self) -> None:
-        for lane, (ticket, uid) in list(self.quarantined.items()):
+        for lane, ticket in list(self.quarantined.items()):
             if not self.tickets.held(ticket):
                 del self.quarantined[lane]
                 self.lanes[lane] = None
-                self._lanes_held[uid] -= 1
 
     def reply(self, client: Client, slot: int, status: int, answer: AnswerDescriptor | Any) -> None:
         """Answer a client from the broker's own arena: an answer (early errors and refusals), or

@@ -19,7 +19,7 @@ import posix_ipc
 from shmserve.shm import logs, space
 from shmserve.shm.access import server_readers
 from shmserve.shm.arena import free_block
-from shmserve.shm.channel import WorkerSegment, control_name
+from shmserve.shm.channel import WorkerSegment, control_name, lanes_name
 from shmserve.shm.child_spec import spec_file
 from shmserve.shm.extents import map_worker_extent, unlink_extents
 from shmserve.shm.names import object_name, remove_stale, try_numbers, unlink_shm, warn_once
@@ -62,7 +62,7 @@ class Instances:
         holds its arena's first extent; each extent it grows is counted when it is made."""
         if count <= 0:
             return None
-        each = WorkerSegment.nbytes(self.opts.worker_arena_start_bytes)
+        each = WorkerSegment.nbytes(self.opts.worker_arena_start_bytes, len(server_readers()))
         try:
             space.check(self.opts.server_id, count * each, "the load",
                         f" ({count} instance(s) of {space.mib(each)} each, growing up to "
@@ -114,13 +114,14 @@ class Instances:
         squatted: list[str] = []
         for num, in_sequence in try_numbers(self.next_worker, WORKER_NUMBERS, self.far_workers, tries=NAME_TRIES):
             seg_name = object_name(self.opts.server_id, "worker", num)
-            for n in (seg_name, control_name(seg_name)):
+            readers = server_readers()
+            for n in (seg_name, control_name(seg_name), *(lanes_name(seg_name, uid) for uid in readers)):
                 remove_stale(n)
             try:
-                seg = WorkerSegment.create(seg_name, self.opts.worker_arena_start_bytes, server_readers())
+                seg = WorkerSegment.create(seg_name, self.opts.worker_arena_start_bytes, readers)
             except posix_ipc.ExistentialError:
-                warn_once(seg_name, f"(or {control_name(seg_name)}) exists and is not the server's to remove: "
-                                    f"{who} takes another worker number")
+                warn_once(seg_name, f"(or {control_name(seg_name)}, or a user's lanes object beside it) exists and "
+                                    f"is not the server's to remove: {who} takes another worker number")
                 squatted.append(seg_name)
                 if in_sequence:
                     self.next_worker = num + 1

@@ -83,7 +83,7 @@ class Instance:
         """Requests put on the worker's lanes it has not finished (waiting there, or executing).
         Counted modulo 2**64 on both sides (a worker skips a lane's scribbled-on counters, adding
         what it skipped); a worker that finished more since the tails were read counts as none."""
-        left = (int(self.seg.lane_tails.sum()) - self.seg.stats.get("direct_done")) % (1 << 64)
+        left = (self.seg.lanes_put() - self.seg.stats.get("direct_done")) % (1 << 64)
         return 0 if left >= 1 << 63 else left
 
 
