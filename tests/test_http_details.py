@@ -544,7 +544,9 @@ def test_an_empty_request_id_is_left_out_of_the_answer(srv):
     ("/v2/models/raw_vec/versions/-1/infer", "POST"), ("/v2/models/raw_vec/versions/abc", "GET"),
     ("/v2/models/raw_vec/versions/%201/ready", "GET"), ("/v2/models/raw_vec/versions/1x/config", "GET"),
     ("/v2/health/ready/", "GET"), ("/v2/models/raw_vec/", "GET"), ("/v2/models/raw_vec/infer/", "POST"),
-], ids=["negative", "letters", "blank", "suffix", "slash-health", "slash-model", "slash-infer"])
+    ("/v2/models//infer", "POST"), ("/v2/models//versions/1/infer", "POST"),
+], ids=["negative", "letters", "blank", "suffix", "slash-health", "slash-model", "slash-infer", "no-model",
+        "no-model-version"])
 def test_paths_triton_has_no_route_for(srv, path, method):
     """A version that is not digits, or a trailing slash: Triton's plain 404, no redirect."""
     body = json.dumps({"inputs": [vec([1.0])]}).encode() if method == "POST" else None

@@ -31,9 +31,13 @@ from .protocol import BODY_SINK, ONE_WRITE, BodySink
 
 
 def infer_target(path: str) -> tuple[str, str] | None:
-    """(model, version) when ``path`` is an infer endpoint."""
+    """(model, version) when ``path`` is an infer endpoint. An empty model name
+    (``/v2/models//infer``) is none: Triton's route wants one character at least (``[^/]+``) and
+    answers its plain 404 "Not Found", as Starlette does here, not an unknown model ''."""
     parts = path.split("/")
     n = len(parts)
+    if n < 5 or not parts[3]:
+        return None
     if n == 5 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "infer":
         return parts[3], ""
     if n == 7 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "versions" and parts[6] == "infer" \
