@@ -558,6 +558,10 @@ def test_paths_triton_has_no_route_for(srv, path, method):
 @pytest.mark.parametrize("accept, used", [
     ("gzip;q=0", None), ("deflate, gzip", "deflate"), ("gzip;q=0.5, deflate;q=0.8", "deflate"),
     ("gzip, identity;q=0.5", "gzip"), ("br", None), ("identity", None),
+    # as Triton's CompressionTypeUsed reads an entry: the weight a number the text starts with,
+    # an entry with none skipped, the name up to ';q=' with nothing stripped from its end
+    ("gzip;q=0.5;level=9, deflate;q=0.4", "gzip"), ("gzip;q=, deflate;q=0.1", "deflate"),
+    ("gzip , deflate", "deflate"), ("gzip;q=0x1p-1, deflate;q=0.4", "gzip"),
 ])
 def test_the_answer_is_compressed_as_triton_chooses(srv, accept, used):
     r = infer_json(srv, {"inputs": [vec([1.0])]}, {"Accept-Encoding": accept})

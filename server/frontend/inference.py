@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
+import math
 import re
 import time
 import zlib
@@ -92,19 +93,45 @@ def _compress(body: bytes | memoryview, accept: str | None) -> tuple[bytes | mem
 
 
 def accepted_encoding(accept: str) -> str:
-    """Triton's choice among identity, deflate and gzip: the one of highest ``q`` (1 when not
-    given), the first of equal weights; one of weight 0 is never chosen, and malformed entries
-    are skipped. 'identity' when none is chosen."""
+    """Triton's choice among identity, deflate and gzip (its ``CompressionTypeUsed``): the one of
+    highest ``q`` (1 when not given), the first of equal weights; one of weight 0 is never chosen.
+    As Triton reads an entry: its name runs from the first non-space to ``;q=`` (or the end, so
+    ``gzip ;q=1`` or ``gzip;level=1`` names no coding), and the weight is the number its text
+    starts with (``0.5;x=1`` weighs 0.5); an entry whose weight starts with no number (``q=``,
+    ``q=abc``) is skipped. 'identity' when none is chosen."""
     chosen, weight = "identity", 0.0
     for entry in accept.split(","):
-        name, _, q = entry.strip().partition(";q=")
-        try:
-            w = float(q) if q else 1.0
-        except ValueError:
+        name, has_q, q = entry.lstrip(" ").partition(";q=")
+        if not name:
+            continue
+        w = _leading_number(q) if has_q else 1.0
+        if w is None:
             continue
         if name in ("identity", "deflate", "gzip") and w > weight:
             chosen, weight = name, w
     return chosen
+
+
+_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_HEX = re.compile(r"[+-]?0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?\d+)?")
+_SPECIAL = re.compile(r"[+-]?(?:inf(?:inity)?|nan(?:\([0-9A-Za-z_]*\))?)", re.IGNORECASE)
+
+
+def _leading_number(text: str) -> float | None:
+    """The number ``text`` starts with, as C++'s ``std::stod`` reads it (leading white space
+    skipped, the rest ignored); None where it starts with none, or one out of a double's range
+    (where ``stod`` throws)."""
+    text = text.lstrip(" \t\n\v\f\r")
+    hexa = _HEX.match(text)
+    if hexa:
+        return float.fromhex(hexa.group())
+    number = _DECIMAL.match(text) or _SPECIAL.match(text)
+    if number is None:
+        return None
+    value = float(number.group())
+    if math.isinf(value) and not _SPECIAL.match(text):
+        return None  # out of range
+    return value
 
 
 class Inference:
