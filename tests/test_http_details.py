@@ -475,6 +475,35 @@ JSON_REFUSALS = [
      _unable("shared_memory_offset", "JSON non-unsigned-integer as unsigned-integer")),
     (_doc(data=None, parameters={"shared_memory_region": 5, "shared_memory_byte_size": 12}),
      _unable("shared_memory_region", "JSON non-string as string")),
+    # a parameter given null is there, of the wrong type (TritonJson's Find, then AsUInt)
+    (_doc(data=None, parameters={"binary_data_size": None}),
+     _unable("binary_data_size", "JSON non-unsigned-integer as unsigned-integer")),
+    (_doc(data=None, parameters={"shared_memory_region": "r", "shared_memory_offset": None,
+                                 "shared_memory_byte_size": 12}),
+     _unable("shared_memory_offset", "JSON non-unsigned-integer as unsigned-integer")),
+    (_doc(data=None, parameters={"shared_memory_region": "r", "shared_memory_byte_size": None}),
+     _unable("shared_memory_byte_size", "JSON non-unsigned-integer as unsigned-integer")),
+    # a region's offset and size are read whenever present, also beside 'data'
+    (_doc(parameters={"shared_memory_offset": -1}),
+     _unable("shared_memory_offset", "JSON non-unsigned-integer as unsigned-integer")),
+    ({**GOOD, "outputs": [{"name": "DOUBLED", "parameters": {"classification": None}}]},
+     "Unable to set 'classification': attempt to access JSON non-unsigned-integer as unsigned-integer"),
+    ({**GOOD, "outputs": [{"name": "DOUBLED", "parameters": {"shared_memory_byte_size": None}}]},
+     _unable("shared_memory_byte_size", "JSON non-unsigned-integer as unsigned-integer")),
+    ({**GOOD, "outputs": [{"name": "DOUBLED", "parameters": {"binary_data": 1, "shared_memory_offset": -1}}]},
+     _unable("shared_memory_offset", "JSON non-unsigned-integer as unsigned-integer")),
+    # a region with classification or binary_data is looked at first, even before the name
+    ({**GOOD, "outputs": [{"name": "DOUBLED", "parameters": {"shared_memory_region": "r",
+                                                             "shared_memory_byte_size": 12, "classification": -1}}]},
+     "Output can't set both 'shared_memory_region' and 'classification'"),
+    ({**GOOD, "outputs": [{"name": "DOUBLED", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 12,
+                                                             "binary_data": 1, "classification": 1}}]},
+     "Output can't set both 'shared_memory_region' and 'classification'"),
+    ({**GOOD, "outputs": [{"parameters": {"shared_memory_region": "r", "classification": None}}]},
+     "Output can't set both 'shared_memory_region' and 'classification'"),
+    ({**GOOD, "outputs": [{"name": "DOUBLED", "parameters": {"shared_memory_region": "r",
+                                                             "shared_memory_byte_size": 12, "binary_data": None}}]},
+     "Unable to set 'binary_data': attempt to access JSON non-boolean as boolean"),
 ]
 
 

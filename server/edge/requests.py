@@ -332,13 +332,18 @@ def build_request(model: str, version: str, doc: Any, tail: memoryview | int,
             desc = InputTensor(name, datatype, shape, size, region=region, offset=offset)
         else:
             if "binary_data_size" in tparams:
-                n = _nonneg(tparams["binary_data_size"], name, "binary_data_size", json_body=True)
+                n = tparams["binary_data_size"]
+                if not is_uint(n):  # (null too: the key is there)
+                    raise unable_to_parse("binary_data_size", NOT_UINT)
                 if pos + n > tail_len:
                     raise BadRequest(f"unexpected end of the request body: input '{name}' needs {n} bytes at "
                                      f"{pos}, the binary data holds {tail_len}")
                 chunk = None if isinstance(tail, int) else tail[pos:pos + n]
                 pos += n
             else:
+                wrong = region_type_refusal(tparams)  # (Triton reads them beside 'data' too)
+                if wrong is not None:
+                    raise wrong
                 chunk = json_tensor_bytes(name, datatype, shape, t["data"], model, request_id)
                 n = len(chunk)
             check_data_size(model, request_id, name, datatype, shape, n, chunk)
@@ -354,6 +359,9 @@ def build_request(model: str, version: str, doc: Any, tail: memoryview | int,
         outputs: list[RequestedOutput] = []
         named: set[str] = set()
         for o in doc["outputs"]:
+            clash = _output_region_refusal(o.get("parameters")) if isinstance(o, dict) else None
+            if clash is not None:  # (Triton's first look at an output, before its name)
+                raise clash
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise unable_to_parse("name", NOT_STRING if isinstance(o, dict) and "name" in o else
                                       not_member("name"))
@@ -396,12 +404,25 @@ def _content_fields_text(tensor: dict, params: dict) -> str:
             "'shared_memory_region' in 'parameters'. But " + (f"set {' '.join(given)}" if given else "no field is set"))
 
 
+def region_type_refusal(params: dict) -> JsonTypeError | None:
+    """TritonJson's refusal of an HTTP tensor's region parameter that is there (null too) with a
+    value of the wrong type: Triton reads each one present, whether or not a region is named (an
+    input's beside its 'data', an output's without a region)."""
+    if "shared_memory_region" in params and not isinstance(params["shared_memory_region"], str):
+        return unable_to_parse("shared_memory_region", NOT_STRING)
+    for key in ("shared_memory_offset", "shared_memory_byte_size"):
+        if key in params and not is_uint(params[key]):
+            return unable_to_parse(key, NOT_UINT)
+    return None
+
+
 def region_fields(params: dict, name: str, json_body: bool = False) -> tuple[str, int, int]:
     """The region, offset and byte size of a tensor whose parameters name a shared-memory region
     (``json_body``: of an HTTP request, a value of the wrong type refused in TritonJson's words)."""
     region = params["shared_memory_region"]
-    if json_body and not isinstance(region, str):
-        raise unable_to_parse("shared_memory_region", NOT_STRING)
+    wrong = region_type_refusal(params) if json_body else None
+    if wrong is not None:
+        raise wrong
     return (_region_name(region, name),
             _nonneg(params.get("shared_memory_offset", 0), name, "shared_memory_offset", json_body),
             _nonneg(params.get("shared_memory_byte_size"), name, "shared_memory_byte_size", json_body))
@@ -440,6 +461,9 @@ def output_descriptor(name: str, params: dict, request_id: str, named: set[str],
         raise BadRequest(f"{request_tag(request_id)}output '{name}' already exists in request")
     named.add(name)
     od = RequestedOutput(name)
+    if json_body:
+        _json_output_fields(od, params)
+        return od
     if params.get("classification") is not None:  # Triton's classification extension: the top N
         count = params["classification"]
         if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= UINT32_MAX:
@@ -447,14 +471,45 @@ def output_descriptor(name: str, params: dict, request_id: str, named: set[str],
         od.classes = count
     if "shared_memory_region" in params:
         od.region, od.offset, od.size = region_fields(params, name, json_body)
-    _bool_param(params, "binary_data", f"output '{name}'", json_body)
-    if "shared_memory_region" in params:  # Triton's refusals (its HTTP words capitalised, its gRPC ones not)
+    _bool_param(params, "binary_data", f"output '{name}'")
+    if "shared_memory_region" in params:  # Triton's gRPC refusals
         clash = "classification" if params.get("classification") is not None else \
             "binary_data" if params.get("binary_data") is True else None
         if clash is not None:
-            raise BadRequest(f"{'Output' if json_body else 'output'} can't set both 'shared_memory_region' "
-                             f"and '{clash}'")
+            raise BadRequest(f"output can't set both 'shared_memory_region' and '{clash}'")
     return od
+
+
+def _output_region_refusal(params: Any) -> BadRequest | None:
+    """Triton's refusal of an HTTP output whose ``params`` name a region beside a classification
+    or binary data (any value: TritonJson's Find), checked before anything else of the output."""
+    if not isinstance(params, dict) or "shared_memory_region" not in params:
+        return None
+    if "classification" in params:
+        return BadRequest("Output can't set both 'shared_memory_region' and 'classification'")
+    if "binary_data" in params:
+        if not isinstance(params["binary_data"], bool):
+            return JsonTypeError(f"Unable to set 'binary_data': {NOT_BOOL}")
+        if params["binary_data"]:
+            return BadRequest("Output can't set both 'shared_memory_region' and 'binary_data'")
+    return None
+
+
+def _json_output_fields(od: RequestedOutput, params: dict) -> None:
+    """An HTTP output's classification count, region and binary flag into ``od``, in Triton's
+    order and words: each parameter that is there is read (null too), whether or not it applies."""
+    if "classification" in params:
+        count = params["classification"]
+        if not is_uint(count) or count > UINT32_MAX:
+            raise _classification_refusal(od.name, count, json_body=True)
+        od.classes = count
+    wrong = region_type_refusal(params)
+    if wrong is not None:
+        raise wrong
+    if "shared_memory_region" in params:
+        od.region, od.offset, od.size = region_fields(params, od.name, json_body=True)
+    else:
+        _bool_param(params, "binary_data", f"output '{od.name}'", json_body=True)
 
 
 def _classification_refusal(name: str, count: Any, json_body: bool) -> BadRequest:
