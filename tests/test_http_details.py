@@ -437,6 +437,8 @@ JSON_REFUSALS = [
     (_doc(shape=[1, "3"]), _unable("shape", "JSON non-unsigned-integer as unsigned-integer")),
     (_doc(data=1.0), _unable("data", "JSON non-array as array")),
     (_doc(data=[1.0, "2", 3.0]), _unable("data", "JSON non-number as double")),
+    (_doc(data=[1.0, True, 3.0]), _unable("data", "JSON non-number as double")),  # not read as 1.0
+    (_doc(datatype="FP64", data=[False, 2.0, 3.0]), _unable("data", "JSON non-number as double")),
     (_doc(datatype="INT32", data=[1, 2.5, 3]), _unable("data", "JSON non-signed-integer as signed-integer")),
     (_doc(datatype="INT64", data=[1, 2, 1 << 63]), _unable("data", "JSON non-signed-integer as signed-integer")),
     (_doc(datatype="UINT8", data=[1, -2, 3]), _unable("data", "JSON non-unsigned-integer as unsigned-integer")),

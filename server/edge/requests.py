@@ -163,17 +163,17 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: Any, mod
             arr = np.empty(len(flat), dtype=np.object_)
             arr[:] = [x.encode("utf-8", "surrogatepass") for x in flat]
             return serialize_bytes(arr)
-        if datatype == "BF16":
-            f32 = np.asarray(flat, dtype=np.float32)
-            return byte_view((f32.view(np.uint32) >> 16).astype(np.uint16))
         if datatype == "BOOL":
             if not kinds <= {bool}:
                 raise _data_refusal(name, datatype, flat, count, model, request_id)
         elif datatype[0] in "IU":  # integers only (not true or false): numpy would silently cut 1.5 to 1
             if not kinds <= {int}:
                 raise _data_refusal(name, datatype, flat, count, model, request_id)
-        elif not kinds <= {int, float, bool}:  # (JSON's others: strings, lists, objects, null)
+        elif not kinds <= {int, float}:  # numbers only: true or false is no number to TritonJson's AsDouble
             raise _data_refusal(name, datatype, flat, count, model, request_id)
+        if datatype == "BF16":
+            f32 = np.asarray(flat, dtype=np.float32)
+            return byte_view((f32.view(np.uint32) >> 16).astype(np.uint16))
         arr = np.asarray(flat, dtype=DTYPES[datatype])
     except OverflowError:  # numpy's text names Python's C types
         words = json_value_error(datatype, flat)  # past 64 bits: Triton's words
