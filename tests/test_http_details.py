@@ -564,6 +564,20 @@ def test_too_many_inputs_are_counted_first(srv):
         "but missing required input(s) ]. Please provide all required input(s).")
 
 
+def test_a_request_parameter_past_int64_reaches_the_model_as_a_double(srv):
+    """Triton's HTTP frontend takes a JSON integer that int64 cannot hold as a double: the model
+    reads 2**63 as 9.223372036854776e18 (a float), as it does on generate."""
+    doc = {"inputs": [{"name": "PROMPT", "datatype": "BYTES", "shape": [1], "data": ["a"]},
+                      {"name": "MAX_TOKENS", "datatype": "INT32", "shape": [1], "data": [1]}],
+           "parameters": {"big": 1 << 63, "top": (1 << 64) - 1, "low": -(1 << 63) - 1, "fits": (1 << 63) - 1},
+           "outputs": [{"name": "PARAMS"}]}
+    r = raw_request(srv.port, "POST", "/v2/models/gen/infer", json.dumps(doc).encode())
+    assert r.status == 200, r
+    params = json.loads(json.loads(r.body)["outputs"][0]["data"][0])
+    assert params == {"big": float(1 << 63), "top": float(1 << 64), "low": float(-(1 << 63)), "fits": (1 << 63) - 1}
+    assert [type(params[k]) for k in ("big", "top", "low", "fits")] == [float, float, float, int]
+
+
 def test_an_empty_request_id_is_left_out_of_the_answer(srv):
     r = infer_json(srv, {"id": "", "inputs": [vec([1.0])]})
     assert r.status == 200 and "id" not in json.loads(r.body), r

@@ -550,6 +550,8 @@ def add_request_parameters(req: InferRequest, params: dict, json_body: bool = Fa
                 raise BadRequest(f"parameter '{key}' must be a bool, a number or a string")
             if isinstance(value, float) and not math.isfinite(value):  # (the descriptor's JSON has no NaN)
                 raise BadRequest(f"parameter '{key}' must be a finite number, got {value}")
+            if json_body and type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+                value = float(value)  # a JSON number past int64 is a double to Triton (as on generate)
             model_params[key] = value
         if model_params:
             req.parameters = model_params
