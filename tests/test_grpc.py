@@ -371,6 +371,18 @@ def test_stream_a_decoupled_model(gserver):
     assert len(results[-1].get_response().outputs) == 0  # the empty final response asked for
 
 
+@pytest.mark.parametrize("version", ["", "1", "+1"])
+def test_the_empty_final_response_names_the_version_as_requested(gserver, version):
+    """As Triton 2.51 (checked with reference-triton): the empty final response carries the
+    request's id, model name and ``model_version`` as the request spelled them ("+1" stays "+1"),
+    as an error response does; the responses with outputs name the version that served."""
+    results = _stream(gserver, [("word_stream", _words("one"),
+                                 {"model_version": version, "request_id": "r", "enable_empty_final_response": True})])
+    responses = [r.get_response() for r in results]
+    assert [(r.id, r.model_name, r.model_version, len(r.outputs)) for r in responses] == \
+        [("r", "word_stream", "1", 2), ("r", "word_stream", version, 0)]
+
+
 def test_an_empty_final_response_asked_for_with_another_type_is_refused(gserver):
     """Triton's in-stream refusal (checked on 2.51): the flag must be a bool_param; a string
     "false" turned the empty final response on. The request does not run; the stream goes on."""

@@ -189,7 +189,8 @@ class GrpcInference:
         (``Completion.last``), the others false; a final flag without a response sends an empty
         response only when the request asks for it (``empty_final``), and never after a response
         or an error sent with the final flag, as Triton does. A model that is not ``decoupled``
-        answers once: that response is the final one."""
+        answers once: that response is the final one. The empty final response names the model's
+        version as the request spelled it, as Triton's does (and as an error's head)."""
         try:
             final = ended = False  # ended: a response or an error came with the final flag
             while not final:
@@ -208,8 +209,10 @@ class GrpcInference:
                         message = None
                     else:
                         ended |= completion.last
-                        message = infer_response(request, answer.served_version(), answer, completion.tensor,
-                                                 final=final or not decoupled or completion.last, stream=True)
+                        # (the empty final response, which no version served, names it as requested)
+                        message = infer_response(request, answer.served_version(request.model_version), answer,
+                                                 completion.tensor, final=final or not decoupled or completion.last,
+                                                 stream=True)
                 finally:
                     completion.release()
                 if message is not None:
