@@ -385,3 +385,34 @@ def test_a_backlogged_sequence_that_gets_a_slot_in_time_runs(server):
         send(server.url, model, 74, 1, end=True)
         assert int(again.result().as_numpy("SUM")[0, 0]) == 7
     assert int(send(server.url, model, 76, 1, end=True).as_numpy("SUM")[0, 0]) == 8
+
+
+def test_sequences_waiting_for_a_slot_on_a_stream_take_it_as_soon_as_it_frees(server):
+    """One slot, held by sequence 90; ten one-step sequences sent on one gRPC stream wait in the
+    backlog. Once 90's END is sent, each takes the slot as soon as the one before it ends: Triton
+    2.51 (checked with reference-triton) answered all ten within 30 ms of the END. (They were let
+    go one per second: sending a sequence's END freed its slot, and nothing woke the broker to
+    give it to the next.)"""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    model = "seq_one_slot"
+    send(server.url, model, 90, 1, start=True)
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        c.start_stream(callback=lambda result, error: got.put(error if error is not None else result))
+        for seq in range(91, 101):
+            x = grpcclient.InferInput("VALUE", [1, 1], "INT32")
+            x.set_data_from_numpy(np.array([[seq]], np.int32))
+            c.async_stream_infer(model, [x], request_id=str(seq), sequence_id=seq, sequence_start=True,
+                                 sequence_end=True)
+        wait_pending(server, model, 10)
+        began = time.monotonic()
+        assert int(send(server.url, model, 90, 1, end=True).as_numpy("SUM")[0, 0]) == 2
+        answers = [got.get(timeout=60) for _ in range(10)]
+        took = time.monotonic() - began
+        c.stop_stream()
+    assert not any(isinstance(a, Exception) for a in answers), answers
+    assert [int(a.as_numpy("SUM")[0, 0]) for a in answers] == list(range(91, 101))
+    assert took < 4, took  # (one a second: 9 s and more)

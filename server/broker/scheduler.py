@@ -110,17 +110,16 @@ class Scheduler:
             self.send_batch(mv, inst, *taken)
 
     def _dispatch_sequences(self, mv: ModelVersion, now: float) -> None:
-        waiting = False
         for inst in mv.instances:
-            if not inst.ready:
-                continue
-            if len(inst.outstanding) >= mv.pipeline_depth:
-                waiting = True
+            if not inst.ready or len(inst.outstanding) >= mv.pipeline_depth:
                 continue
             taken = self._take(mv, inst, now)
             if taken is not None:
                 self.send_batch(mv, inst, *taken)
-        if waiting and len(mv.sequencer):
+        if len(mv.sequencer):
+            # Requests still queued: a finish may let them go. Not only a full instance's: an END
+            # sent frees its slot for a backlogged sequence, which no dispatch would give it
+            # until the broker woke for something else (housekeeping's second).
             self.instances.want_wakeup(mv)
 
     def _take(self, mv: ModelVersion, inst: Instance, now: float) -> tuple[list[Pending], dict | None] | None:
