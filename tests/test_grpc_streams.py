@@ -222,3 +222,33 @@ def test_requests_past_the_frontends_room_wait_for_the_streams_own(server_factor
     errors = [r for _, r in answers if isinstance(r, Exception)]
     assert not errors, errors[:3]
     assert sorted(int(r.get_response().id) for _, r in answers) == list(range(count))
+
+
+def test_sequences_waiting_past_the_streams_running_requests_do_not_hold_the_step_that_frees_them(server):
+    """One slot, held by sequence 600; more one-step sequences than a stream runs at once
+    (MAX_RUNNING) wait in the backlog, then 600's END comes on the same stream. Triton reads it
+    and answers everything at once (checked with reference-triton 2.51: 140 sequences within a
+    second). The stream's reading stopped once MAX_RUNNING of them waited, so the END was read
+    only once the holder's idle time (seq_one_slot: 60 s) lost it its slot, and then refused
+    for want of START."""
+    def step(value: int) -> list:
+        x = grpcclient.InferInput("VALUE", [1, 1], "INT32")
+        x.set_data_from_numpy(np.array([[value]], np.int32))
+        return [x]
+
+    count = MAX_RUNNING + 12
+    stream = Stream(server)
+    try:
+        stream.send("seq_one_slot", step(1), request_id="start", sequence_id=600, sequence_start=True)
+        assert int(stream.take(1)[0][1].as_numpy("SUM")[0, 0]) == 1
+        for i in range(count):
+            stream.send("seq_one_slot", step(i), request_id=str(i), sequence_id=601 + i,
+                        sequence_start=True, sequence_end=True)
+        stream.send("seq_one_slot", step(2), request_id="end", sequence_id=600, sequence_end=True)
+        answers = stream.take(count + 1, timeout=30)
+    finally:
+        stream.close()
+    errors = [r for _, r in answers if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    sums = {r.get_response().id: int(r.as_numpy("SUM")[0, 0]) for _, r in answers}
+    assert sums == {"end": 3, **{str(i): i for i in range(count)}}

@@ -14,7 +14,10 @@ those of the same kind read before it. So the responses a decoupled model sends 
 come before those it sends for the next, as Triton writes them.
 
 A stream takes no more than its share: at most ``MAX_RUNNING`` of its requests run at once (past
-that the stream is not read until one ends, and HTTP/2's flow control holds the client); a
+that the request read waits, and the stream is not read further, until one ends: HTTP/2's flow
+control holds the client). A request of a sequence neither counts nor waits: sequences waiting
+for a slot may wait for a later request of the same stream (the step of the slot's holder that
+ends it), which Triton reads at once; the frontend's own room still bounds them. A
 request whose frontend has no room now (slots, arena) waits for one of the stream's own requests
 to end rather than being refused for room they hold; and a request's next message is taken once
 its last was sent (a model that streams faster than its client reads waits in shared memory, as
@@ -185,12 +188,10 @@ class StreamRun:
     async def _read(self) -> None:
         try:
             while True:
-                await self.running.acquire()
                 request = await self._next_request()
                 if request is None:
-                    self.running.release()
                     break
-                messages, events, in_turn = request
+                messages, events, in_turn, counted = request
                 turn = _Turn() if in_turn else None
                 if turn is not None:
                     self.turns.append(turn)
@@ -202,7 +203,7 @@ class StreamRun:
                         self._on_queued(number, events)
                     events.on_queued = self._on_queued
                     events.on_taken = self.changed.set
-                task = asyncio.create_task(self._take(messages, events, turn))
+                task = asyncio.create_task(self._take(messages, events, turn, counted))
                 self.requests.add(task)
                 task.add_done_callback(self.requests.discard)
             while self.requests:
@@ -213,10 +214,12 @@ class StreamRun:
         except BaseException as e:  # noqa: BLE001 - the call's generator raises it
             self._end(_Ended(e))
 
-    async def _next_request(self) -> tuple[Messages, StreamEvents | None, bool] | None:
+    async def _next_request(self) -> tuple[Messages, StreamEvents | None, bool, bool] | None:
         """The messages of the next request read, submitted before the next is read, their
-        events, and whether they wait their turn (a model that is not decoupled, or a request
-        refused before its model was known); None at the end. While tracing is on, the wait for it and its read are timed
+        events, whether they wait their turn (a model that is not decoupled, or a request
+        refused before its model was known), and whether the request counts among the
+        ``MAX_RUNNING`` (one of a sequence does not; one that does waits for its place before it
+        is submitted); None at the end. While tracing is on, the wait for it and its read are timed
         (Triton's GRPC_WAITREAD_START and _END) for the trace it may get (infer.py). Whether a
         model is decoupled is asked once per model and stream."""
         waiting = time.monotonic_ns() if self.inference.tracer.on else 0
@@ -225,7 +228,10 @@ class StreamRun:
             return None
         read = (waiting, time.monotonic_ns()) if waiting else (0, 0)
         if type(request) is Malformed:
-            return refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message)), None, True
+            return refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message)), None, True, False
+        counted = "sequence_id" not in request.parameters
+        if counted:
+            await self.running.acquire()
         try:
             key = (request.model_name, check_version(request.model_version))
         except Aborted:  # (the request itself is refused for it)
@@ -233,7 +239,8 @@ class StreamRun:
         if key not in self.decoupled:
             self.decoupled[key] = await self.inference.decoupled(*key)
         decoupled = self.decoupled[key]
-        return (*await self.inference.stream(request, decoupled, read, self.forwarded, self._room), not decoupled)
+        messages, events = await self.inference.stream(request, decoupled, read, self.forwarded, self._room)
+        return messages, events, not decoupled, counted
 
     async def _room(self) -> bool:
         """Wait for one of the stream's running requests to end (its slot and blocks given
@@ -243,7 +250,8 @@ class StreamRun:
         await asyncio.wait(list(self.requests), return_when=asyncio.FIRST_COMPLETED)
         return True
 
-    async def _take(self, messages: Messages, events: StreamEvents | None, turn: _Turn | None) -> None:
+    async def _take(self, messages: Messages, events: StreamEvents | None, turn: _Turn | None,
+                    counted: bool) -> None:
         """Move one request's messages to the outbox, each once the one before it was sent,
         numbered as the response it was made of (made and put here with no wait between: no
         other task sees the response taken and its message not yet here); a failure ends the
@@ -269,4 +277,5 @@ class StreamRun:
                 self.turn_of.pop(events, None)
                 events.on_queued = events.on_taken = None
             self.changed.set()
-            self.running.release()
+            if counted:
+                self.running.release()
