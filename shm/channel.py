@@ -511,21 +511,36 @@ class LaneBlock:
         return self.bells.tobytes() != self.silent
 
     def take_rung(self, lanes: list[int]) -> None:
-        """Append the lanes whose bell rang to ``lanes``, clearing their bells."""
+        """Append the lanes whose bell rang to ``lanes``, clearing their bells: those a client set
+        to 1, and any other byte not 0 (which only a process writing what the library never would
+        leaves there: left set, it would keep the worker from ever sleeping)."""
         raw = self.bells.tobytes()
         if raw == self.silent:
             return
+        found = 0
         i = raw.find(1)
         while i >= 0:
             lanes.append(self.first + i)
             self.bells[i] = 0
+            found += 1
             i = raw.find(1, i + 1)
+        if found != self.count - raw.count(0):
+            for i in np.flatnonzero(np.frombuffer(raw, dtype=np.uint8) > 1).tolist():
+                lanes.append(self.first + i)
+                self.bells[i] = 0
 
     def pending(self) -> list[int]:
         """Lanes holding records."""
         if self.tails.tobytes() == self.heads.tobytes():
             return []
         return [self.first + i for i in np.flatnonzero(self.tails != self.heads).tolist()]
+
+    def waiting(self) -> int:
+        """The records waiting on these lanes, each lane counting at most its capacity (whatever
+        was written in its counters)."""
+        if self.tails.tobytes() == self.heads.tobytes():
+            return 0
+        return int(np.clip((self.tails - self.heads).astype(np.int64), 0, LANE_CAPACITY).sum())
 
 
 def _attach_lanes(name: str, server_uid: int) -> Segment:
@@ -653,13 +668,21 @@ class WorkerSegment:
             out.append((lane, word & ((1 << _FAULT_SHIFT) - 1), fault))
         return out
 
+    def restamp_lanes(self) -> None:
+        """Write each user's lanes object's header again (the worker): one its user truncated
+        was grown back with zeros, and that user's clients could no longer map it."""
+        for user, block in zip(self.users, self.blocks[1:]):
+            if _LANES_HEADER.unpack_from(user.buf, 0) != (MAGIC, 0, block.first, block.count):
+                _LANES_HEADER.pack_into(user.buf, 0, MAGIC, 0, block.first, block.count)
+
     def lanes_pending(self) -> list[int]:
-        """Lanes holding records (the broker's check that a retiring worker drained)."""
+        """Lanes holding records."""
         return [lane for block in self.blocks for lane in block.pending()]
 
-    def lanes_put(self) -> int:
-        """The records ever put on the lanes, modulo 2**64 (their tail counters' sum)."""
-        return sum(int(block.tails.sum()) for block in self.blocks) % (1 << 64)
+    def lanes_waiting(self, others: bool = True) -> int:
+        """The records waiting on the lanes (``LaneBlock.waiting``): on the server's user's
+        alone without ``others`` (counters no other user can write)."""
+        return sum(block.waiting() for block in (self.blocks if others else self.blocks[:1]))
 
     def ring_bell(self, lane: int) -> None:
         at = self._bells[lane]
@@ -762,7 +785,8 @@ class WorkerSegment:
             blocks = [LaneBlock(seg.buf, 0, len(lane_range(server_uid, readers or ())))]
             for uid in readers or ():
                 lanes = lane_range(uid, readers or ())
-                users.append(Segment.attach(lanes_name(name, uid)))
+                # (at the size the broker made it: its user may have truncated it meanwhile)
+                users.append(Segment.attach(lanes_name(name, uid), size=LaneBlock.nbytes(len(lanes))))
                 blocks.append(LaneBlock(users[-1].buf, lanes.start, len(lanes)))
             return cls(seg, ctl, False, blocks, users, name)
         except BaseException:

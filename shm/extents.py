@@ -17,9 +17,9 @@ completion slot (and a stream record) names the extent; a consumer maps an exten
 first sight, only if the server's uid owns it and it has the size its producer wrote where no
 client writes: a worker's control object, the broker's tables (``map_extent``).
 
-Where clients of other users may connect (``--local-client-users``), they map the producer's
-segment, so no answer goes to extent 0: each user's clients get their answers in extents of their
-own, which no other client can open (``OutputArenas``): a home extent as large as extent 0, up to
+Where clients of other users may connect (``--local-client-users``), no answer goes to extent 0
+(the broker's lies in ``broker.0``, which they map): each user's clients, the server's user's
+too, get their answers in extents of their own, which no other client can open (``OutputArenas``): a home extent as large as extent 0, up to
 4 MiB, made on the user's first answer, grown the same way beyond it, up to an equal share of the
 cap (the server's user counted), so that answers one user's clients keep never fill the cap.
 
@@ -107,7 +107,7 @@ class OutputArenas:
     (extent, offset); ``buf(extent)`` is the mapping to write into. Thread-safe (stream senders
     run on the model's threads); only growth and retirement take the lock.
 
-    Clients of other users (``--local-client-users``) map the producer's segment, so extent 0
+    Clients of other users (``--local-client-users``) map the broker's segment, so its extent 0
     would let each read, and overwrite, the answers of every other client. With such users, each
     consumer's user has a pool of its own: extents only that user (and the server's) may open,
     the first made on its first answer, numbered in one sequence with every other pool's. A
@@ -187,7 +187,9 @@ class OutputArenas:
         the server's counted too, so that the answers one user's clients keep leave room for
         every other user's, large ones included. Before, one user's clients keeping answers in
         extents up to the cap made every larger answer of everyone else a 503."""
-        return self.cap if uid in (-1, os.geteuid()) else self.cap // self._users
+        if uid in (-1, 0, os.geteuid()):  # (root, who may open anything, as the server's: access.py)
+            return self.cap
+        return max(self.cap // self._users // MIB * MIB, MIB)  # (whole MiB, as extents are)
 
     def _new_pool(self, uid: int, nbytes: int) -> _Pool:
         """The pool of ``uid``'s answers, with its home extent: as large as extent 0, but no larger
@@ -200,7 +202,7 @@ class OutputArenas:
             self._unlink_drained()
             pool = _Pool(readers=others((uid,)) if uid >= 0 else (), share=self.share_of(uid))
             size = _round_up(min(self.first.capacity, DEFAULT_START_BYTES), MIB)
-            size = min(size, max(pool.share // MIB * MIB, MIB))
+            size = min(size, pool.share)
             if self.capacity + size > self.cap:
                 raise GrowthRefused(self._refusal(nbytes, f"the cap of {self.owner.arena} is taken by the extents of "
                                                           f"{len(self._pools)} users' answers "
@@ -268,15 +270,20 @@ class OutputArenas:
         return sum(self._grown[e][1].capacity for e in (pool.home, pool.current, *pool.retired) if e in self._grown)
 
     def _most_ever(self, pool: _Pool) -> int:
-        """The largest extent ``pool`` could ever be given once every answer is read: the cap less
-        what stays (extent 0 while shared; else the other users' home extents)."""
+        """The largest answer room ``pool`` could ever be given once every answer is read: its
+        home extent, or a new extent as large as the cap (and the pool's share) leaves beside
+        what stays (extent 0 while shared; else every user's home extent), in whole MiB as
+        ``_grow`` makes them. An answer past it can never be served (a 500), one within it
+        later (a 503: retry)."""
+        home = (pool.home_arena or self.first).capacity
         if self._shared is not None:
-            return max(self.cap - self.first.capacity, self.first.capacity)
-        homes = sum(self._grown[p.home][1].capacity for p in self._pools.values() if p is not pool and p.home)
+            homes = self.first.capacity
+        else:
+            homes = sum(self._grown[p.home][1].capacity for p in self._pools.values() if p.home in self._grown)
         most = self.cap - homes
-        if pool.share < self.cap and pool.home in self._grown:
-            most = min(most, pool.share - self._grown[pool.home][1].capacity)
-        return most
+        if pool.share < self.cap:
+            most = min(most, pool.share - home)
+        return max(most // MIB * MIB, home)
 
     def _make(self, pool: _Pool, size: int, response: int) -> tuple[int, Arena] | None:
         """A new extent of ``size`` bytes that ``pool``'s readers may open; None while every

@@ -67,14 +67,17 @@ class Segment:
         by default; an arena's start where one follows). NoRoom where /dev/shm cannot hold those."""
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         try:
-            grant(shm.fd, readers, readers_write)
             mm = mmap.mmap(shm.fd, size)
-            seg = cls(name, size, mm, owner=True, guard=guard_mapping(mm, shm.fd, size, restorable=True))
+            seg = cls(name, size, mm, owner=True)
             eager = size if taken is None else taken
             if not seg.populate(0, eager):
                 seg.close()
                 raise NoRoom(f"/dev/shm is full: {name} could not take the {mib(eager)} it starts with; "
                              f"{HOW_TO_RAISE}")
+            # Only now may readers open it: one that truncated it while its pages were taken made
+            # that look like a full /dev/shm. Guarded once they may (truncation_guard.py).
+            grant(shm.fd, readers, readers_write)
+            seg._guard = guard_mapping(mm, shm.fd, size, restorable=True)
         except BaseException:
             shm.close_fd()
             shm.unlink()
@@ -106,19 +109,24 @@ class Segment:
         return self._guard.truncated
 
     @classmethod
-    def attach(cls, name: str, readonly: bool = False, owner_only: bool = False, zero: bool = False) -> "Segment":
+    def attach(cls, name: str, readonly: bool = False, owner_only: bool = False, zero: bool = False,
+               size: int | None = None) -> "Segment":
         """Map ``name``. ``owner_only``: it must be an object no one but its owner (and this
         process's user) could have written, so that its owner is who made it (``uid``): a
         client's segment, whose owner is who the client is (PermissionError otherwise).
         ``zero``: a truncation by its owner (another user) is not grown back, the mapping is
         zeroed instead (``truncated``; shm/truncation_guard.py): an object only its owner's own
-        requests use, a client's segment."""
+        requests use, a client's segment. ``size``: the size this process's user made it, mapped
+        at that size and grown back first if another user it lets write it truncated it (the
+        worker's map of a user's lanes)."""
         shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
         try:
             st = os.fstat(shm.fd)
             if owner_only and (why := other_writers(shm.fd, st, (os.geteuid(),))):
                 raise PermissionError(f"{name} is not its owner's (uid {st.st_uid}) alone: {why}")
-            size = st.st_size
+            if size is not None and st.st_size < size and st.st_uid == os.geteuid():
+                os.ftruncate(shm.fd, size)
+            size = st.st_size if size is None else size
             if size == 0:  # (mmap refuses it: made by someone else and not sized yet, or truncated)
                 raise ConnectionError(f"{name} is empty")
             access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE

@@ -19,15 +19,17 @@ import numpy as np
 from . import latency_histograms as lh
 from .latency_histograms import BrokerHistograms, LatencyRecorder
 
-# "unused" keeps the place of a worker's queue timeouts, which only the broker has now.
+# direct_taken and direct_done: the lane records a worker took off its lanes, and of those the
+# ones it finished (ran, or dropped): the broker's count of what is left on them, from words
+# only the worker writes (a lane's own counters are its client's user's to write).
 SCALARS = ("success", "success_ns", "failure", "failure_ns", "inference_count",
            "execution_count", "phase_count", "queue_ns", "compute_input_ns", "compute_infer_ns",
-           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "unused", "cancelled",
+           "compute_output_ns", "direct_done", "last_inference_ms", "arena_bytes", "direct_taken", "cancelled",
            "cache_hit", "cache_hit_ns", "cache_miss", "cache_miss_ns", "failed_inferences",
            "error_responses")
 S = {name: i for i, name in enumerate(SCALARS)}
 (SUCCESS, SUCCESS_NS, FAILURE, FAILURE_NS, INFERENCE_COUNT, EXECUTION_COUNT, PHASE_COUNT, QUEUE_NS,
- INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, _UNUSED, CANCELLED, CACHE_HIT,
+ INPUT_NS, INFER_NS, OUTPUT_NS, DIRECT_DONE, LAST_INFERENCE_MS, ARENA_BYTES, DIRECT_TAKEN, CANCELLED, CACHE_HIT,
  CACHE_HIT_NS, CACHE_MISS, CACHE_MISS_NS, FAILED_INFERENCES, ERROR_RESPONSES) = range(len(SCALARS))
 # The last counters count only failures' rare paths: published as they change, so that ``flush``,
 # on every answer's path, writes only the words before them.
@@ -149,6 +151,11 @@ class StatsWriter:
         never torn), before the answer it counts is completed."""
         self._rare[i] += n
         self._published[i] = self._rare[i] & _U64
+
+    def publish(self, i: int) -> None:
+        """Publish counter ``i`` of ``counts`` at once, not at the next ``flush`` (lane records
+        taken: the broker counts them in flight before the execution they start ends)."""
+        self._published[i] = self.counts[i] & _U64
 
     def _observe(self, phase: int, ns: int) -> None:
         cell = phase * BUCKETS + bucket_of(ns)
@@ -314,7 +321,7 @@ class StatsWriter:
     def flush(self) -> None:
         published = self._published
         for i, value in enumerate(self.counts):
-            published[i] = value & _U64  # (direct_done counts modulo 2**64: a lane resynced past garbage)
+            published[i] = value & _U64  # (direct_taken and direct_done count modulo 2**64)
         # (the lists are swapped out first: a decoupled model's thread may count meanwhile)
         if self._dirty:
             dirty, self._dirty = self._dirty, []

@@ -775,10 +775,22 @@ def test_a_named_user_truncating_its_extents_in_a_loop_delays_others_only_briefl
 # lane in its user's lanes object (which every process of its user may write), puts again each
 # record left there (a replay) and the same block for another slot.
 FORGE = r"""
+import time
 from shmserve.shm.channel import WorkerSegment
 from shmserve.shm.protocol import RECORD, REQ_INFER
 sid = args["server"]
 result = {"opened": [], "refused": 0, "replayed": 0, "moved": 0}
+def lanes_mapped():  # (an earlier test truncated them: their worker writes their headers again)
+    try:
+        for entry in os.listdir("/dev/shm"):
+            if entry.startswith(f"shmserve.{sid}.worker.") and entry.count(".") == 3:
+                WorkerSegment.attach("/" + entry, control_writable=False).close()
+        return True
+    except ConnectionError:
+        return False
+deadline = time.monotonic() + 30
+while not lanes_mapped() and time.monotonic() < deadline:
+    time.sleep(0.2)
 c = Client(sid)
 a = np.arange(16, dtype=np.int32)
 for _ in range(8):
@@ -804,7 +816,6 @@ for entry in sorted(os.listdir("/dev/shm")):
     worker.ring_bell(lane)
     worker.waker.notify()
     worker.close()
-import time
 time.sleep(1.0)  # (the worker takes them meanwhile)
 assert c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist() == (2 * a).tolist()
 c.close()
@@ -1281,3 +1292,142 @@ def test_answers_a_named_user_keeps_leave_room_for_everyone_elses(server_factory
             proc.wait()
     assert proc.returncode == 0, err
     assert json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]) == 1.5 * (3 << 18)
+
+
+# Sets both counters of the first lane of its lanes object beside every worker 1,000 past its
+# tail, once: a ring that looks empty, with a thousand more records put than the worker took.
+JUMP_COUNTERS = r"""
+import mmap, struct
+from shmserve.shm.channel import HEADER_BYTES
+n = 0
+for entry in sorted(os.listdir("/dev/shm")):
+    if entry.startswith(f"shmserve.{args['server']}.worker.") and entry.endswith(f".lanes.u{os.getuid()}"):
+        fd = os.open("/dev/shm/" + entry, os.O_RDWR)
+        m = mmap.mmap(fd, 2 * HEADER_BYTES)
+        os.close(fd)
+        _, tail = struct.unpack_from("<QQ", m, HEADER_BYTES)
+        struct.pack_into("<QQ", m, HEADER_BYTES, tail + 1000, tail + 1000)
+        m.close()
+        n += 1
+result = n
+"""
+
+
+def test_a_named_users_lane_counters_hold_no_unload(server_factory):
+    """What is left on a worker's lanes was counted from the lanes' counters, which a named user
+    writes on its own lanes: one that moved them past what it put kept every unload, retirement
+    and stop of that worker waiting for --exit-timeout-secs. The broker counts from the worker's
+    own counts now (records taken, records finished), and what waits on other users' lanes is
+    answered by the worker before it stops."""
+    server = server_factory.start([PRODUCT_MODELS, SHM_MODELS],
+                                  ["--model-control-mode", "explicit", "--load-model", "add_sub",
+                                   "--local-client-users=nobody", "--exit-timeout-secs", "20"])
+    assert run_as_nobody(JUMP_COUNTERS, {"server": server.id}) >= 1
+    with server.client() as http:
+        started = time.monotonic()
+        http.unload_model("add_sub")
+        wait_until(lambda: not server.worker_pids("add_sub"), "the worker stopped", DEADLINE_S)
+        assert time.monotonic() - started < 5, "the unload waited for counters a client wrote"
+
+
+# Writes 2 (no client's value: it sets 1) into a bell of its lanes object beside every worker.
+ODD_BELL = r"""
+import mmap
+from shmserve.shm.channel import LANE_BELLS_OFFSET
+n = 0
+for entry in sorted(os.listdir("/dev/shm")):
+    if entry.startswith(f"shmserve.{args['server']}.worker.") and entry.endswith(f".lanes.u{os.getuid()}"):
+        fd = os.open("/dev/shm/" + entry, os.O_RDWR)
+        m = mmap.mmap(fd, 4096)
+        os.close(fd)
+        m[LANE_BELLS_OFFSET + 3] = 2
+        m.close()
+        n += 1
+result = n
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_bell_a_named_user_set_to_another_value_keeps_no_worker_awake(users_server):
+    """A worker finds work by its lanes' bells: any byte not 0 said work, but only bells of 1
+    were cleared, so a named user that wrote 2 in one of its own kept the worker from ever
+    sleeping (a core spun for good). Every bell found set is cleared now."""
+    workers = users_server.worker_pids("add_sub")
+    assert workers and run_as_nobody(ODD_BELL, {"server": users_server.id}) >= 1
+    time.sleep(0.5)  # (the worker wakes for it, clears it and sleeps again)
+    before = {pid: _cpu_seconds(pid) for pid in workers}
+    time.sleep(2.0)
+    spent = {pid: _cpu_seconds(pid) - before[pid] for pid in workers}
+    assert max(spent.values()) < 0.2, spent  # (idle: a wake-up each 50 ms; spinning: 0.4 s and more)
+    a = np.arange(16, dtype=np.int32)
+    assert run_as_nobody(CLIENT, {"server": users_server.id})["add"] == (2 * a).tolist()
+
+
+# Truncates each lanes object of its own beside a worker as soon as it appears (after
+# args["delay"] seconds), again every millisecond for args["loop"] seconds.
+TRUNCATE_NEW_LANES = r"""
+import time
+seen, cut = set(), 0
+print("watching", flush=True)
+end = time.monotonic() + args["seconds"]
+while time.monotonic() < end:
+    for entry in os.listdir("/dev/shm"):
+        if entry in seen or not (entry.startswith(f"shmserve.{args['server']}.worker.")
+                                 and entry.endswith(f".lanes.u{os.getuid()}")):
+            continue
+        seen.add(entry)
+        time.sleep(args["delay"])
+        try:
+            fd = os.open("/dev/shm/" + entry, os.O_RDWR)
+        except OSError:
+            seen.discard(entry)  # (not openable yet: its ACL entry comes once its pages are taken)
+            continue
+        until = time.monotonic() + args["loop"]
+        os.ftruncate(fd, 0)
+        cut += 1
+        while time.monotonic() < until:
+            os.ftruncate(fd, 0)
+            time.sleep(0.001)
+        os.close(fd)
+    time.sleep(0.0005)
+result = cut
+"""
+
+
+@pytest.mark.parametrize("delay,loop", [(0.0, 0.0), (0.05, 4.0)])
+def test_a_named_user_truncating_its_new_lanes_objects_stops_no_load(server_factory, delay, loop):
+    """A named user may truncate its lanes object beside a worker: done while the broker took its
+    pages, the load failed as if /dev/shm were full; done until the worker mapped it, the worker
+    died mapping it and the load failed. Its pages are taken before its user may open it, and
+    the worker maps it at the size the broker made, grown back, so the load succeeds."""
+    server = server_factory.start([PRODUCT_MODELS, SHM_MODELS],
+                                  ["--model-control-mode", "explicit", "--local-client-users=nobody"])
+    proc = start_as(NOBODY.pw_uid, NOBODY.pw_gid, TRUNCATE_NEW_LANES,
+                    {"server": server.id, "seconds": 8, "delay": delay, "loop": loop})
+    try:
+        assert proc.stdout.readline().startswith("watching"), proc.stderr.read()
+        with server.client() as http:
+            http.load_model("add_sub")
+            assert http.is_model_ready("add_sub")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert json.loads(out.splitlines()[-1][len("RESULT "):]) >= 1, "it truncated the object"
+    # Its own clients lost their lanes on that worker (its header is gone): they go through the broker.
+    got = run_as_nobody(ADD, {"server": server.id})
+    assert got == (2 * np.arange(16)).tolist()
+
+
+ADD = r"""
+with Client(args["server"]) as c:
+    a = np.arange(16, dtype=np.int32)
+    result = c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist()
+"""

@@ -39,7 +39,7 @@ from shmserve.shm.truncation_guard import Repairs
 from shmserve.shm.ring import RingCorrupt
 from shmserve.shm.untrusted import LANE_KINDS, Fault, Garbage, Record, check_record, read_request
 from shmserve.shm.segment import SegmentCache
-from shmserve.shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, EXECUTING, StatsWriter
+from shmserve.shm.stats import ARENA_BYTES, BUSY_SINCE, DIRECT_DONE, DIRECT_TAKEN, EXECUTING, StatsWriter
 from shmserve.shm.waker import READ_ONLY_WAKE_BOUND_S, SpinPolicy, fence
 
 from . import custom_metrics
@@ -62,6 +62,7 @@ from .stream import StreamSender
 from .warmup import run_warmup
 
 log = logging.getLogger("shmserve.worker")
+LANE_WARNING_EVERY_S = 10.0  # the least time between two warnings about one lane (Worker._lane_warning)
 
 
 class Worker:
@@ -91,6 +92,7 @@ class Worker:
         self.holds = RegionHolds(self.regions, self.seg.region_holds, REGION_HOLDS_BYTES)
         self._lane_names: dict[int, tuple[str, int]] = {}
         self._refused: set[int] = set()  # cookies of lane holders that wrote garbage (the broker disconnects them)
+        self._lane_warned: dict[int, float] = {}  # lane -> when a warning about it was last logged
         self._lane_writers = len(server_readers())  # the other users whose clients may write lanes of theirs
         self.segments = SegmentCache()
         self.clients: dict[str, ClientSegment] = {}
@@ -225,6 +227,7 @@ class Worker:
                 if undone := repairs.since_last():
                     log.warning("shared memory this worker maps was truncated by a client: %s (a local client of "
                                 "a --local-client-users user may write these objects)", "; ".join(undone))
+                    seg.restamp_lanes()  # (a user's lanes object grown back: its clients map it by its header)
                 check_every = 1.0 if truncation_guard.waiting() else 10.0
                 self.stats.counts[ARENA_BYTES] = self.answers.arena.in_use_now()  # (idle: what clients read is back)
                 self.stats.flush()
@@ -236,6 +239,7 @@ class Worker:
             for kind, _, off, _, batch_id in inbox.drain():
                 if kind == W_STOP:
                     self.running = False  # answer what is already on the lanes, then go
+                    seg.ring_pending_bells()  # (other users' lanes too, which the broker did not wait for)
                 elif kind == W_BATCH:
                     self._run_batch(off, batch_id)
                 elif kind == W_CHECK_READY and self.readiness is not None:
@@ -270,8 +274,8 @@ class Worker:
     def _serve_lane(self, lane: int) -> bool:
         """Take the requests on one lane, each record checked before use (shm/untrusted.py);
         True if one asks us to poll (REQ_POLLING). Records of a holder that left, or that wrote
-        garbage, are dropped; every record taken off counts in DIRECT_DONE once it is done (the
-        broker's sign that this worker drained its lanes)."""
+        garbage, are dropped; every record taken off counts in DIRECT_TAKEN, and in DIRECT_DONE
+        once it is done (the broker's count of what is left on the lanes)."""
         counts = self.stats.counts
         ring = self.seg.lanes[lane]
         assert ring is not None  # (a worker maps every user's lanes)
@@ -279,9 +283,11 @@ class Worker:
         try:
             raws = ring.drain()
         except RingCorrupt as e:
-            counts[DIRECT_DONE] = (counts[DIRECT_DONE] + ring.resync()) % (1 << 64)
+            ring.resync()  # (what lay there is skipped: neither taken nor done)
             self._garbage(lane, name, cookie, Garbage(Fault.RING, str(e)))
             return False
+        counts[DIRECT_TAKEN] += len(raws)
+        self.stats.publish(DIRECT_TAKEN)
         polled = False
         dropped = unbound = 0
         for raw in raws:
@@ -314,14 +320,24 @@ class Worker:
         if unbound:
             # Every process of the holder's user may write its lanes: a record its holder's slots
             # do not bind is such a process's, or a repeat, and nobody waits for it.
-            log.warning("lane %d: dropped %d record(s) that name no request of its client %s waiting for this "
-                        "worker (repeated, or written by another process of its user)", lane, unbound, name)
+            self._lane_warning(lane, "lane %d: dropped %d record(s) that name no request of its client %s waiting "
+                                     "for this worker (repeated, or written by another process of its user)",
+                               lane, unbound, name)
         if dropped and cookie not in self._refused:
             # Records of a client that left (its lane was given to another, or to no one): nobody
             # waits for them. Said, since a live client's lost request would hang its caller.
-            log.warning("lane %d: dropped %d record(s) of a client that left (the lane's holder: %r, cookie %d)",
-                        lane, dropped, name, cookie)
+            self._lane_warning(lane, "lane %d: dropped %d record(s) of a client that left (the lane's holder: %r, "
+                                     "cookie %d)", lane, dropped, name, cookie)
         return polled
+
+    def _lane_warning(self, lane: int, text: str, *args: Any) -> None:
+        """A warning about what lies on ``lane``, at most one a lane each LANE_WARNING_EVERY_S:
+        a process writing there what no client writes, and ringing its bell, would flood the log
+        with one a ring."""
+        now = time.monotonic()
+        if now - self._lane_warned.get(lane, -LANE_WARNING_EVERY_S) >= LANE_WARNING_EVERY_S:
+            self._lane_warned[lane] = now
+            log.warning(text, *args)
 
     def _garbage(self, lane: int, name: str, cookie: int, e: Garbage, client: ClientSegment | None = None,
                  slot: int | None = None) -> None:
@@ -334,7 +350,7 @@ class Worker:
         if cookie in self._refused:
             return
         if not name:
-            log.warning("lane %d, which no client holds, holds garbage: %s", lane, e)
+            self._lane_warning(lane, "lane %d, which no client holds, holds garbage: %s", lane, e)
             return
         self._refused.add(cookie)
         log.warning("lane %d: client %s (pid %s) wrote garbage: %s; the broker disconnects it", lane, name,

@@ -77,14 +77,25 @@ class Instance:
 
     def lanes_drained(self) -> bool:
         """Nothing left on the worker's lanes: every direct request put there was answered."""
-        return not self.seg.lanes_pending() and self.lanes_unfinished() == 0
+        return self.lanes_unfinished() == 0
 
-    def lanes_unfinished(self) -> int:
-        """Requests put on the worker's lanes it has not finished (waiting there, or executing).
-        Counted modulo 2**64 on both sides (a worker skips a lane's scribbled-on counters, adding
-        what it skipped); a worker that finished more since the tails were read counts as none."""
-        left = (self.seg.lanes_put() - self.seg.stats.get("direct_done")) % (1 << 64)
-        return 0 if left >= 1 << 63 else left
+    def lanes_unfinished(self, others: bool = False) -> int:
+        """Requests on the worker's lanes it has not finished: those it took and has not finished
+        (its own counts, modulo 2**64: one that finished more since they were read counts as
+        none), and those waiting on the lanes of the server's user; with ``others``, also those
+        waiting on other users' lanes (a statistic: their counters are their user's to write,
+        each lane counts at most its capacity). A drain waits for the requests waiting on other
+        users' lanes only through the worker, which answers them before it stops, so that no such
+        user keeps an unload or a stop waiting by writing its counters."""
+        stats = self.seg.stats
+        # Read in the order the worker moves a record (off its lane, counted taken, done): one
+        # moved between two reads is counted twice for a moment. One the worker holds between
+        # its lane and its count (a few instructions) may be missed for a moment: the worker
+        # answers it before it stops all the same.
+        waiting = self.seg.lanes_waiting(others)
+        done = stats.get("direct_done")
+        running = (stats.get("direct_taken") - done) % (1 << 64)
+        return (0 if running >= 1 << 63 else running) + waiting
 
 
 @dataclasses.dataclass

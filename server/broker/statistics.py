@@ -49,7 +49,7 @@ class Statistics:
                 # lanes and the worker has not finished, and the broker's own (in_flight()), less
                 # those in the running executions.
                 live = [i for i in list(mv.instances) if self.instances.live(i)]
-                total.in_flight = mv.in_flight() + sum(i.lanes_unfinished() for i in live)
+                total.in_flight = mv.in_flight() + sum(i.lanes_unfinished(others=True) for i in live)
                 total.pending = max(0, total.in_flight - sum(int(i.seg.stats.scalars[EXECUTING]) for i in live))
                 total.cached = response_cache.enabled(mv.config_dict, self.instances.opts.response_cache_bytes)
                 total.generation = mv.created
