@@ -13,7 +13,7 @@ import pytest
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from conftest import start_shm_server, wait_until
+from conftest import raw_request, start_shm_server, wait_until
 from gates import Gate
 from test_shared_memory import NB, N, Regions, _infer_in_thread, shm_input, shm_output, status_names
 
@@ -102,6 +102,21 @@ def test_key_with_tritons_reserved_prefix_is_refused_with_tritons_text(http, key
     assert e.value.status() == "400"
     assert (f"cannot register shared memory region 'my_test_shm_name' with key '{key}' as the key contains the "
             f"reserved prefix 'triton_python_backend_shm_region_'") in e.value.message(), e.value.message()
+
+
+# -- status, and names shared by system and CUDA regions ------------------------------------------
+
+
+def test_status_of_all_lists_the_regions_in_name_order(shm_server, http, regions):
+    """Triton keeps its regions in a std::map: the status of all lists them by name, not in the
+    order they were registered."""
+    for name in ("ord_b", "ord_c", "ord_a"):
+        regions.make(name, NB)
+    raw = raw_request(shm_server.port, "GET", "/v2/systemsharedmemory/status")
+    assert raw.status == 200
+    assert [r["name"] for r in raw.json() if r["name"].startswith("ord_")] == ["ord_a", "ord_b", "ord_c"]
+    assert [r["name"] for r in http.get_system_shared_memory_status()
+            if r["name"].startswith("ord_")] == ["ord_a", "ord_b", "ord_c"]
 
 
 # -- an unregister while a request uses the region ------------------------------------------------

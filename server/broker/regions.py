@@ -128,13 +128,14 @@ class _Registry:
         return self.regions.pop(name)
 
     def status(self, name: str | None) -> list[dict[str, Any]]:
+        """Triton's status: all regions in name order (its map's), or one."""
         if name is not None:
             r = self.regions.get(name)
             if r is None:
                 raise UnknownRegion(f"Unable to find {self.kind} shared memory region: '{name}'")
             items = [r]
         else:
-            items = list(self.regions.values())
+            items = [self.regions[n] for n in sorted(self.regions)]
         return [self.describe(r) for r in items]
 
     def describe(self, r: Any) -> dict[str, Any]:
