@@ -6,10 +6,12 @@ the requests to finish and then takes effect with no second call.
 """
 from __future__ import annotations
 
+import base64
 import json
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
@@ -117,6 +119,33 @@ def test_status_of_all_lists_the_regions_in_name_order(shm_server, http, regions
     assert [r["name"] for r in raw.json() if r["name"].startswith("ord_")] == ["ord_a", "ord_b", "ord_c"]
     assert [r["name"] for r in http.get_system_shared_memory_status()
             if r["name"].startswith("ord_")] == ["ord_a", "ord_b", "ord_c"]
+
+
+def test_a_name_is_taken_by_a_region_of_either_kind(shm_server, http, regions):
+    """Triton's one map of regions takes a name once, whatever its kind: a CUDA register of a
+    system region's name is ALREADY_EXISTS (checked first, on a host without a GPU too), and the
+    CUDA status of that name says what it is; the system region stays registered."""
+    regions.make("kinds_sys", NB)
+    handle = base64.b64encode(bytes(64))
+    grpc = grpcclient.InferenceServerClient(shm_server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            http.register_cuda_shared_memory("kinds_sys", handle, 0, 64)
+        assert (e.value.status(), e.value.message()) == ("400", "shared memory region 'kinds_sys' already in manager")
+        with pytest.raises(InferenceServerException) as e:
+            grpc.register_cuda_shared_memory("kinds_sys", handle, 0, 64)
+        assert e.value.status() == "StatusCode.ALREADY_EXISTS"
+        assert e.value.message() == "shared memory region 'kinds_sys' already in manager"
+        text = "The region named 'kinds_sys' is registered as system shared memory, not CUDA shared memory"
+        raw = raw_request(shm_server.port, "GET", "/v2/cudasharedmemory/region/kinds_sys/status")
+        assert (raw.status, raw.json()) == (404, {"error": text})
+        with pytest.raises(InferenceServerException) as e:
+            grpc.get_cuda_shared_memory_status("kinds_sys")
+        assert (e.value.status(), e.value.message()) == ("StatusCode.NOT_FOUND", text)
+        http.unregister_cuda_shared_memory("kinds_sys")  # no CUDA region of that name: nothing to do
+        assert "kinds_sys" in status_names(shm_server)
+    finally:
+        grpc.close()
 
 
 # -- an unregister while a request uses the region ------------------------------------------------

@@ -102,11 +102,19 @@ class _Registry:
     """
 
     kind = "system"
+    title = "system shared memory"
 
     def __init__(self) -> None:
         self.regions: dict[str, Any] = {}
         # name -> the region-table generation that first published it leaving (0: not published yet)
         self.leaving: dict[str, int] = {}
+        self.other: _Registry | None = None  # the other kind's registry: Triton keeps one map for both
+
+    def check_name_free(self, name: str) -> None:
+        """Refuse a name either kind holds: Triton's one map of regions takes a name once,
+        whatever its kind, and says so before it looks at anything else."""
+        if name in self.regions or (self.other is not None and name in self.other.regions):
+            raise RegionExists(f"shared memory region '{name}' already in manager")
 
     def unregister(self, name: str | None, caller: Caller) -> None:
         """Mark leaving the region ``name`` (None: every region the caller may unregister); the
@@ -128,9 +136,13 @@ class _Registry:
         return self.regions.pop(name)
 
     def status(self, name: str | None) -> list[dict[str, Any]]:
-        """Triton's status: all regions in name order (its map's), or one."""
+        """Triton's status: all regions in name order (its map's), or one; a name the other kind
+        holds is NOT_FOUND with Triton's words for it."""
         if name is not None:
             r = self.regions.get(name)
+            if r is None and self.other is not None and name in self.other.regions:
+                raise UnknownRegion(f"The region named '{name}' is registered as {self.other.title}, "
+                                    f"not {self.title}")
             if r is None:
                 raise UnknownRegion(f"Unable to find {self.kind} shared memory region: '{name}'")
             items = [r]
@@ -153,8 +165,7 @@ class RegionRegistry(_Registry):
         check_client_key(name, key, caller)
         if not name:
             raise RegionError("shared memory region name must not be empty")
-        if name in self.regions:
-            raise RegionExists(f"shared memory region '{name}' already in manager")
+        self.check_name_free(name)
         self._check_key_unused(key, caller)
         if not _KEY_RE.match(key):  # shm_open refuses a name with a '/' after the first
             raise RegionError(f"Unable to open shared memory region: '{key}': a key is a single name "
@@ -240,6 +251,7 @@ class CudaRegionRegistry(_Registry):
     """
 
     kind = "cuda"
+    title = "CUDA shared memory"
 
     def describe(self, r: "CudaRegion") -> dict[str, Any]:
         return {"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
@@ -248,11 +260,10 @@ class CudaRegionRegistry(_Registry):
         from shmserve.workers.cuda import IPC_HANDLE_BYTES, CudaError, runtime
         from shmserve.workers.devices import cuda_device_count
 
+        self.check_name_free(name)  # Triton's first check, on a host without a GPU too
         devices = cuda_device_count()
         if devices == 0:
             raise RegionError("CUDA shared memory is not available: this server has no CUDA device")
-        if name in self.regions:
-            raise RegionExists(f"shared memory region '{name}' already in manager")
         try:
             raw = base64.b64decode(handle_b64, validate=True)
         except (binascii.Error, ValueError, TypeError):
@@ -296,6 +307,7 @@ class Regions:
         self.journal = journal
         self.system = RegionRegistry()
         self.cuda = CudaRegionRegistry()
+        self.system.other, self.cuda.other = self.cuda, self.system
         self._doc = b""  # the table last published
         self._restore()
 
