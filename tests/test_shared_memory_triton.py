@@ -148,6 +148,23 @@ def test_a_name_is_taken_by_a_region_of_either_kind(shm_server, http, regions):
         grpc.close()
 
 
+def test_cuda_register_refusals_start_with_tritons_words(shm_server, http):
+    """A CUDA handle that cannot be opened (on a host without a GPU, any handle) is Triton's
+    "failed to register shared memory region: invalid args", with the reason after it."""
+    handle = base64.b64encode(bytes(64))
+    grpc = grpcclient.InferenceServerClient(shm_server.grpc_url)
+    try:
+        for client, status in ((http, "400"), (grpc, "StatusCode.INVALID_ARGUMENT")):
+            with pytest.raises(InferenceServerException) as e:
+                client.register_cuda_shared_memory("cuda_words", handle, 0, 64)
+            assert e.value.status() == status
+            assert e.value.message().startswith("failed to register shared memory region: invalid args ("), \
+                e.value.message()
+    finally:
+        grpc.close()
+    assert http.get_cuda_shared_memory_status() == []
+
+
 # -- an unregister while a request uses the region ------------------------------------------------
 
 

@@ -262,8 +262,9 @@ class CudaRegionRegistry(_Registry):
 
         self.check_name_free(name)  # Triton's first check, on a host without a GPU too
         devices = cuda_device_count()
-        if devices == 0:
-            raise RegionError("CUDA shared memory is not available: this server has no CUDA device")
+        if devices == 0:  # Triton's words (it fails to open the handle), then why
+            raise RegionError("failed to register shared memory region: invalid args (CUDA shared memory is not "
+                              "available: this server has no CUDA device)")
         try:
             raw = base64.b64decode(handle_b64, validate=True)
         except (binascii.Error, ValueError, TypeError):
