@@ -165,6 +165,35 @@ def test_cuda_register_refusals_start_with_tritons_words(shm_server, http):
     assert http.get_cuda_shared_memory_status() == []
 
 
+@pytest.mark.parametrize("body,text", [
+    ({"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 64},
+     "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"),
+    ({"raw_handle": {"b64": "!!"}, "device_id": 0, "byte_size": 64},
+     "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"),
+    ({"raw_handle": {"b64": base64.b64encode(bytes(65)).decode()}, "device_id": 0, "byte_size": 64},
+     "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"),
+    ({"raw_handle": {"b64": base64.b64encode(bytes(64)).decode()}, "byte_size": 64},
+     "attempt to access non-existing object member 'device_id'"),
+], ids=["short", "not_base64", "65_bytes", "no_device_id"])
+def test_http_cuda_register_checks_its_request_first_with_tritons_words(shm_server, body, text):
+    """Triton's HTTP frontend reads the whole request (device_id is required) and decodes the
+    handle before the registry looks at it; on a host without a GPU too. (TritonJson's words
+    are a 500 in Triton, a 400 here: docs/compatibility.md.)"""
+    raw = raw_request(shm_server.port, "POST", "/v2/cudasharedmemory/region/cuda_req/register",
+                      json.dumps(body).encode())
+    assert (raw.status, raw.json()) == (400, {"error": text})
+
+
+def test_http_cuda_handle_is_read_as_tritons_base64_decoder_reads_it(shm_server):
+    """libb64 skips what is not base64: a handle with line breaks (base64.encodebytes) is a
+    64-byte handle, which gets as far as opening it."""
+    handle = base64.encodebytes(bytes(64)).decode()
+    raw = raw_request(shm_server.port, "POST", "/v2/cudasharedmemory/region/cuda_lines/register",
+                      json.dumps({"raw_handle": {"b64": handle}, "device_id": 0, "byte_size": 64}).encode())
+    assert raw.status == 400
+    assert raw.json()["error"].startswith("failed to register shared memory region: invalid args ("), raw.json()
+
+
 # -- an unregister while a request uses the region ------------------------------------------------
 
 

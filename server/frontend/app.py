@@ -7,6 +7,7 @@ answer comes from the broker, so any number of frontend processes can serve one 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import re
@@ -417,22 +418,39 @@ class Frontend:
             raw = handle["b64"]
             if not isinstance(raw, str):
                 raise JsonTypeError(NOT_STRING)
-            if "byte_size" not in doc:
-                raise JsonTypeError(not_member("byte_size"))
-            if not (is_uint(doc["byte_size"]) and is_uint(doc.get("device_id", 0))):
-                raise JsonTypeError(NOT_UINT)
+            for field in ("byte_size", "device_id"):  # both required, in Triton's order
+                if field not in doc:
+                    raise JsonTypeError(not_member(field))
+                if not is_uint(doc[field]):
+                    raise JsonTypeError(NOT_UINT)
+            handle_b64 = cuda_handle_b64(raw)
         except orjson.JSONDecodeError as e:
             return error_response(400, f"failed to parse the request JSON buffer: {e}")
         except BadRequest as e:
             return error_response(400, str(e))
-        return await self._register(control.RegisterCudaRegion(request.path_params["name"], raw, doc["byte_size"],
-                                                               doc.get("device_id", 0), caller))
+        return await self._register(control.RegisterCudaRegion(request.path_params["name"], handle_b64,
+                                                               doc["byte_size"], doc["device_id"], caller))
 
     async def cuda_unregister(self, request: Request) -> Response:
         return await self._unregister(request, cuda=True)
 
     async def cuda_status(self, request: Request) -> Response:
         return await self._answer(control.CudaRegionStatus(request.path_params.get("name")))
+
+
+_NOT_BASE64 = re.compile(rb"[^A-Za-z0-9+/]")
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def cuda_handle_b64(text: str) -> str:
+    """The handle of an HTTP CUDA register as canonical base64, read as Triton's decoder (libb64)
+    reads it: every character outside the alphabet skipped, '=' included. A handle that is not
+    64 bytes is refused with Triton's words, before the registry is asked (where a name taken
+    or a missing device would be the answer)."""
+    digits = _NOT_BASE64.sub(b"", text.encode())
+    if len(digits) * 3 // 4 != CUDA_IPC_HANDLE_BYTES:
+        raise BadRequest("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
+    return base64.b64encode(base64.b64decode(digits + b"=" * (-len(digits) % 4))).decode()
 
 
 def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bool = False,
