@@ -123,6 +123,17 @@ class PythonBackend(Backend):
             bls.close()
 
 
+def _instance_kind(config: dict[str, Any], ictx: InstanceContext) -> str:
+    """The kind Triton's Python backend tells a model its instance has: its group's, so an
+    instance of a KIND_MODEL group is "MODEL" though it runs as a CPU instance does."""
+    if ictx.kind == "CPU":
+        for group in config.get("instance_group") or []:
+            count = int(group.get("count") or 1)
+            if group.get("kind") == "KIND_MODEL" and ictx.name in {f"{group.get('name')}_{k}" for k in range(count)}:
+                return "MODEL"
+    return ictx.kind
+
+
 class PythonModel(Model):
     def __init__(self, module: ModuleType, ctx: ModelContext) -> None:
         self.module = module
@@ -132,7 +143,7 @@ class PythonModel(Model):
         model = self.module.TritonPythonModel()
         args = {
             "model_config": model_config_json(self.ctx.config),  # completed and normalized, as Triton's
-            "model_instance_kind": ictx.kind,
+            "model_instance_kind": _instance_kind(self.ctx.config, ictx),
             "model_instance_name": ictx.name,
             # As Triton: the instance's GPU among the server's visible devices, which the worker
             # sees too, so torch.device(f"cuda:{id}") in a Triton model.py is its own GPU.
