@@ -92,3 +92,16 @@ def _report(server, model: str, shape: list[int]) -> dict:
 def test_a_kind_model_instance_is_told_model(parity_server):
     """Triton's Python backend gives args['model_instance_kind'] as the group's kind: MODEL."""
     assert _report(parity_server, "kind_model", [4])["kind"] == "MODEL"
+
+
+def test_a_version_folder_with_leading_zeros_is_passed_over(parity_server):
+    """Triton ignores '007' (it is not version 7) with a warning, and serves version 1."""
+    assert [(e["version"], e["state"]) for e in _index(parity_server)["leading_zeros"]] == [("1", "READY")]
+    assert ("ignore version directory '007' which contains leading zeros in its directory name"
+            in parity_server.log())
+
+
+def test_a_specific_version_without_its_folder_is_logged(parity_server):
+    assert [(e["version"], e["state"]) for e in _index(parity_server)["spec_missing"]] == [("1", "READY")]
+    assert ("version 7 is specified for model 'spec_missing', but the version directory is not present"
+            in parity_server.log())

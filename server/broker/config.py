@@ -49,11 +49,21 @@ def parse_config_text(text: str, model: str) -> ModelConfig:
         raise ConfigError(f"model '{model}': config.pbtxt: {e}") from None
 
 
+# Folders of a model Triton passes over in silence when it looks for versions.
+NOT_VERSIONS = {"warmup", "initial_state", "configs"}
+
+
+def _is_version(name: str) -> bool:
+    """A version folder's name as Triton takes one: a number without leading zeros ('007' is
+    passed over, with a warning)."""
+    return name.isdigit() and (name == "0" or not name.startswith("0"))
+
+
 def version_dirs(model_dir: Path) -> list[int]:
     out = []
     try:
         for entry in os.scandir(model_dir):
-            if entry.is_dir() and entry.name.isdigit() and not entry.name.startswith("."):
+            if entry.is_dir() and _is_version(entry.name):
                 out.append(int(entry.name))
     except FileNotFoundError:
         pass
@@ -61,11 +71,13 @@ def version_dirs(model_dir: Path) -> list[int]:
 
 
 def non_version_dirs(model_dir: Path) -> list[str]:
-    """The folders of a model that are not versions (not a number), which a load passes over
-    with a warning, as Triton's does; hidden ones are passed over in silence."""
+    """The folders of a model that are not versions (not a number, or one with leading zeros),
+    which a load passes over with a warning, as Triton's does; hidden ones and those Triton
+    knows to be no version (``warmup``, ...) are passed over in silence."""
     try:
         return sorted(e.name for e in os.scandir(model_dir)
-                      if e.is_dir() and not e.name.isdigit() and not e.name.startswith("."))
+                      if e.is_dir() and not _is_version(e.name) and not e.name.startswith(".")
+                      and e.name not in NOT_VERSIONS)
     except FileNotFoundError:
         return []
 

@@ -69,9 +69,14 @@ class LoadPlanner:
             raise Unpolled(str(e)) from None
         available = cfgmod.version_dirs(model_dir)
         for folder in cfgmod.non_version_dirs(model_dir):
-            log.warning("model '%s': ignore version directory '%s' which fails to convert to integral number",
-                        name, folder)
+            why = "contains leading zeros in its directory name" if folder.isdigit() else \
+                "fails to convert to integral number"
+            log.warning("model '%s': ignore version directory '%s' which %s", name, folder, why)  # Triton's words
         versions = cfgmod.select_versions(config, available)
+        if config.version_policy.WhichOneof("policy_choice") == "specific":
+            for missing in sorted(set(config.version_policy.specific.versions) - set(available)):
+                log.error("version %d is specified for model '%s', but the version directory is not present",
+                          missing, name)  # Triton's words
         if not versions:
             raise NoVersion(f"at least one version must be available under the version policy of model "
                                      f"'{name}' (its version folders: {available})")  # Triton's words, then ours

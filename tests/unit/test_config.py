@@ -171,10 +171,12 @@ def test_an_ensemble_gets_no_instance_groups(tmp_path):
 
 
 def test_version_folders_are_numbers_in_numeric_order(tmp_path):
-    d = model_dir(tmp_path, files={"10/a": "", "9/a": "", "2/a": "", "v3/a": "", ".4/a": "", "5": "a file"})
-    assert cfgmod.version_dirs(d) == [2, 9, 10]
+    d = model_dir(tmp_path, files={"10/a": "", "9/a": "", "2/a": "", "v3/a": "", ".4/a": "", "5": "a file",
+                                   "007/a": "", "0/a": "", "warmup/a": ""})
+    assert cfgmod.version_dirs(d) == [0, 2, 9, 10]  # ('007' is no version 7 to Triton)
     assert cfgmod.version_dirs(tmp_path / "absent") == []
-    assert cfgmod.non_version_dirs(d) == ["v3"]  # warned about at load, as Triton does; hidden ones not
+    # warned about at load, as Triton does; hidden ones and Triton's own folders (warmup/) not
+    assert cfgmod.non_version_dirs(d) == ["007", "v3"]
 
 
 @pytest.mark.parametrize("policy, expected", [
