@@ -105,3 +105,17 @@ def test_a_specific_version_without_its_folder_is_logged(parity_server):
     assert [(e["version"], e["state"]) for e in _index(parity_server)["spec_missing"]] == [("1", "READY")]
     assert ("version 7 is specified for model 'spec_missing', but the version directory is not present"
             in parity_server.log())
+
+
+def test_warmup_of_several_items_on_a_model_that_does_not_batch_fails(parity_server):
+    """Triton makes batch_size requests, which a backend refuses as a batch of that many."""
+    [entry] = _index(parity_server)["warm_unbatched"]
+    assert entry["state"] == "UNAVAILABLE"
+    assert entry["reason"].endswith("failed to run warmup sample 'w': "
+                                     + "batch size 2 for 'warm_unbatched_0', max allowed is 0; " * 2)
+
+
+def test_warmup_runs_batch_size_requests_of_one_item_and_skips_batch_zero(parity_server):
+    """Each of the sample's 2 executions takes 3 requests of shape [1, 4] (Triton's), and the
+    sample that sets no batch_size (0) is skipped."""
+    assert _report(parity_server, "warm_batches", [1, 4])["seen"] == [[[1, 4]] * 3] * 2

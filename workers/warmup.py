@@ -1,8 +1,10 @@
 """``model_warmup``: requests a version runs before it is marked READY (Triton's semantics).
 
 Each sample names its inputs (``zero_data``, ``random_data`` or ``input_data_file`` read from the
-model's ``warmup/`` folder), a ``batch_size`` and a ``count``; the instance executes it that many
-times and its outputs are dropped. A sample that fails fails the load, with the sample named.
+model's ``warmup/`` folder), a ``batch_size`` and a ``count``; as in Triton, one execution takes
+``batch_size`` requests of one item each (a sample of batch size 0, the default, is skipped), the
+instance executes it ``count`` times and its outputs are dropped. A sample that fails fails the
+load, with the sample named.
 A sample's inputs reach the model in the config's ``reshape`` where an input has one, as a
 request's do (Triton's core normalizes warm-up requests alike).
 """
@@ -64,21 +66,28 @@ def _tensor(spec: dict, shape: list[int], model_dir: Path, sample: str, name: st
     return np.zeros(shape, dtype=dtype)
 
 
-def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, signature: ModelSignature) -> int:
+def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, signature: ModelSignature,
+               instance_name: str = "") -> int:
     """Run every sample; returns how many executions it took. A sample is checked as a request
     is (Triton's core validates a warm-up request alike): one that lacks an input the model
     requires fails the load with Triton's text, not with the model's error on a missing input."""
     outputs = list(signature.outputs)
-    batched = int(config.get("max_batch_size", 0)) > 0
+    max_batch = int(config.get("max_batch_size", 0))
+    batched = max_batch > 0
     reshapes = None if instance.reshapes_itself else Reshapes(config)
     executions = 0
     for i, sample in enumerate(config.get("model_warmup", [])):
         label = sample.get("name") or f"#{i}"
-        batch = int(sample.get("batch_size", 1) or 1)
+        batch = int(sample.get("batch_size") or 0)
+        if batch == 0:  # (Triton skips it: "Skipping batch 0 warmup sample")
+            continue
+        if batch != 1 and batch > max_batch:  # Triton's backends refuse each request of such a batch
+            refusal = f"batch size {batch} for '{instance_name}', max allowed is {max_batch}; "
+            raise WarmupError(f"failed to run warmup sample '{label}': " + refusal * batch)
         inputs = {}
         for name, spec in (sample.get("inputs") or {}).items():
             dims = [d if d > 0 else 1 for d in spec.get("dims", [])]
-            inputs[name] = _tensor(spec, ([batch] if batched else []) + dims, model_dir, label, name)
+            inputs[name] = _tensor(spec, ([1] if batched else []) + dims, model_dir, label, name)
         try:
             signature.check_inputs([_described(name, arr) for name, arr in inputs.items()])
         except InvalidRequest as e:
@@ -86,11 +95,11 @@ def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, sign
         if reshapes:
             reshapes.model_inputs(inputs)
         for _ in range(max(1, int(sample.get("count", 1) or 1))):
-            request = Request(inputs=inputs, requested_outputs=list(outputs), id=f"warmup-{label}",
-                              sender=_discard if config.get("model_transaction_policy", {}).get("decoupled")
-                              else None)
+            requests = [Request(inputs=dict(inputs), requested_outputs=list(outputs), id=f"warmup-{label}",
+                                sender=_discard if config.get("model_transaction_policy", {}).get("decoupled")
+                                else None) for _ in range(batch)]
             try:
-                responses = instance.execute([request])
+                responses = instance.execute(requests)
             except Exception as e:  # noqa: BLE001 - the model's own failure
                 raise WarmupError(f"warmup sample '{label}' failed: {type(e).__name__}: {e}") from None
             for r in responses or ():

@@ -147,7 +147,7 @@ class Worker:
                                            self.decoupled, load_labels(ctx.config, ctx.model_dir),
                                            self.reshapes, frozenset(self.output_names))
             if ctx.config.get("model_warmup"):
-                runs = run_warmup(self.instance, ctx.config, ctx.model_dir, self.signature)
+                runs = run_warmup(self.instance, ctx.config, ctx.model_dir, self.signature, self.instance_name)
                 log.info("warm-up done: %d execution(s)", runs)
         except BaseException as e:  # noqa: BLE001 - any failure of user code is a load failure
             refused = isinstance(e, ModelLoadError)  # (its text says it all: no class name, no traceback)
