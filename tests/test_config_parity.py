@@ -119,3 +119,14 @@ def test_warmup_runs_batch_size_requests_of_one_item_and_skips_batch_zero(parity
     """Each of the sample's 2 executions takes 3 requests of shape [1, 4] (Triton's), and the
     sample that sets no batch_size (0) is skipped."""
     assert _report(parity_server, "warm_batches", [1, 4])["seen"] == [[[1, 4]] * 3] * 2
+
+
+def test_the_backend_is_inferred_with_auto_complete_disabled(server_factory, tmp_path):
+    """Triton 2.51 with --disable-auto-complete-config serves a config.pbtxt that names no
+    backend beside a model.py: its server-side completion of backend fields always runs."""
+    _model(tmp_path, "no_backend", "max_batch_size: 0\n")
+    text = (tmp_path / "no_backend" / "config.pbtxt").read_text()
+    (tmp_path / "no_backend" / "config.pbtxt").write_text(text.replace('backend: "python"\n', ""))
+    s = server_factory.create([tmp_path], ["--disable-auto-complete-config"]).start().wait_ready()
+    assert s.client().get_model_config("no_backend")["backend"] == "python"
+    assert _report(s, "no_backend", [4])["kind"] == "CPU"

@@ -34,8 +34,9 @@ DEFAULT_MODEL_FILES = {
     "pytorch": "model.pt",
     "onnxruntime": "model.onnx",
 }
-# Files that let auto-completion infer the backend of a model with no backend/platform set.
-FILE_BACKENDS = [("model.py", "python"), ("model.pt", "pytorch"), ("model.pt2", "pytorch"), ("model.onnx", "onnxruntime")]
+# Files that tell the backend of a model whose config names neither backend nor platform, in the
+# order Triton's server-side completion tries them (which runs even with auto-complete disabled).
+FILE_BACKENDS = [("model.onnx", "onnxruntime"), ("model.pt", "pytorch"), ("model.pt2", "pytorch"), ("model.py", "python")]
 
 
 class ConfigError(Exception):
@@ -82,7 +83,13 @@ def non_version_dirs(model_dir: Path) -> list[str]:
         return []
 
 
-def _infer_backend(model_dir: Path) -> str:
+def _infer_backend(model_dir: Path, default_model_filename: str) -> str:
+    """The backend Triton's AutoCompleteBackendFields gives a config that names none: the one
+    ``default_model_filename`` names, else the one whose file a version folder holds, in
+    Triton's order of files (the newest version first, where Triton looks in the first folder
+    by name only)."""
+    if default_model_filename:
+        return dict((f, b) for f, b in FILE_BACKENDS if f != "model.pt2").get(default_model_filename, "")
     for version in reversed(version_dirs(model_dir)):
         for filename, backend in FILE_BACKENDS:
             if (model_dir / str(version) / filename).exists():
@@ -136,8 +143,8 @@ def load_config(model_dir: Path, strict: bool, override_json: str | None = None,
     elif config.name != model:
         raise ConfigError(f"model '{model}': name '{config.name}' in config.pbtxt must match the "
                           f"model directory name '{model}'")
-    if not strict and not config.backend and not config.platform:
-        config.backend = _infer_backend(model_dir)
+    if not config.backend and not config.platform:  # (Triton infers it whatever --strict-model-config says)
+        config.backend = _infer_backend(model_dir, config.default_model_filename)
     if config.platform in PLATFORM_BACKENDS and not config.backend and config.platform != "ensemble":
         config.backend = PLATFORM_BACKENDS[config.platform]
     if config.backend == "onnxruntime":  # as Triton fills an ONNX model's backend fields

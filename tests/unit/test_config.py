@@ -140,13 +140,24 @@ def test_a_platform_names_its_backend_and_completion_fills_each_instance_group(t
     assert cfgmod.instance_count(config) == max(1, cuda_device_count()) + 3  # a GPU group: one per GPU
 
 
-def test_strict_mode_needs_config_pbtxt_and_infers_nothing(tmp_path):
+def test_strict_mode_needs_config_pbtxt_and_still_infers_the_backend(tmp_path):
+    """Triton 2.51 with --disable-auto-complete-config serves a config.pbtxt that names no
+    backend beside a model.py: its server-side completion of the backend always runs."""
     d = model_dir(tmp_path, files={"1/model.py": ""})
     with pytest.raises(ConfigError, match="^model 'm': config.pbtxt is missing and --strict-model-config is set$"):
         cfgmod.load_config(d, strict=True)
     d2 = model_dir(tmp_path, "m2", config="max_batch_size: 0", files={"1/model.py": ""})
-    assert cfgmod.load_config(d2, strict=True).backend == ""
+    assert cfgmod.load_config(d2, strict=True).backend == "python"
     assert cfgmod.load_config(d2, strict=False).backend == "python"
+
+
+def test_the_backend_is_inferred_as_triton_infers_it(tmp_path):
+    """Triton tries ONNX before PyTorch before Python, and takes a ``default_model_filename`` it
+    knows before any file."""
+    d = model_dir(tmp_path, files={"1/model.py": "", "2/model.onnx": "", "2/model.py": ""})
+    assert cfgmod.load_config(d, strict=False).backend == "onnxruntime"
+    d2 = model_dir(tmp_path, "m2", config='default_model_filename: "model.py"', files={"1/model.onnx": ""})
+    assert cfgmod.load_config(d2, strict=True).backend == "python"
 
 
 def test_the_name_in_config_pbtxt_must_match_the_folder(tmp_path):
@@ -218,7 +229,7 @@ def test_a_good_config_passes(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("max_batch_size: 0", "model 'm': must specify 'backend' or 'platform' (none could be inferred from the "
+    ('default_model_filename: "net.bin"', "model 'm': must specify 'backend' or 'platform' (none could be inferred from the "
                           "model files)"),
     ('backend: "tensorrt"', "model 'm': unable to find backend 'tensorrt' (installed backends: python, pytorch)"),
     ('platform: "tensorflow_savedmodel"', "model 'm': unable to find backend 'tensorflow_savedmodel': platform "
