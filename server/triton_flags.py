@@ -67,11 +67,12 @@ TRACE_FLAGS: dict[str, str] = {
 # their part instead. The python backend's shm-default-byte-size and shm-growth-byte-size are
 # honoured (``worker_arena_sizes``): they size each worker's output arena as it starts and grows.
 HONOURED_BACKEND_SETTINGS = frozenset({("python", DEFAULT_BYTES_SETTING), ("python", GROWTH_BYTES_SETTING)})
+ONNX_MAX_BATCH = "ONNX auto-completion gives a model that can batch max_batch_size 4, Triton's default"
 BACKEND_SETTINGS: dict[tuple[str, str], str] = {
     ("python", "shm-region-prefix-name"): "shared-memory names derive from --id",
     ("python", "stub-timeout-seconds"): "workers report to the broker through shared memory, with no stub timeout",
     ("python", "shm-message-queue-size"): "requests reach workers through shared-memory rings of fixed size",
-    ("", "default-max-batch-size"): "auto-completion never sets max_batch_size on its own",
+    ("", "default-max-batch-size"): ONNX_MAX_BATCH, ("onnxruntime", "default-max-batch-size"): ONNX_MAX_BATCH,
 }
 
 

@@ -50,12 +50,16 @@ def test_triton_flags_start_the_server_and_are_named(server_factory, tmp_path):
     s = server_factory.start([_empty_repo(tmp_path)], [
         "--model-load-thread-count", "4", "--allow-http=true",
         "--backend-config", "python,shm-default-byte-size=1048576", "--backend-config", "default-max-batch-size=8",
-        "--backend-config", "pytorch,no-such-setting=1",
+        "--backend-config", "pytorch,no-such-setting=1", "--backend-config", "onnxruntime,default-max-batch-size=16",
         "--grpc-use-ssl=false", "--grpc-infer-allocation-pool-size", "8", "--grpc-max-response-pool-size", "4",
         "--grpc-infer-thread-count", "4"])
     log = s.log()
     for line in [
-        "--backend-config default-max-batch-size=8 is not supported and has no effect",
+        # (its reason true to what ONNX auto-completion does, with or without Triton's backend prefix)
+        "--backend-config default-max-batch-size=8 is not supported and has no effect: ONNX auto-completion gives a "
+        "model that can batch max_batch_size 4, Triton's default",
+        "--backend-config onnxruntime,default-max-batch-size=16 is not supported and has no effect: ONNX "
+        "auto-completion gives a model that can batch max_batch_size 4, Triton's default",
         "--backend-config pytorch,no-such-setting=1 is not supported and has no effect",
         "--grpc-infer-allocation-pool-size 8 has no effect: grpcio allocates each call's state itself",
         "--grpc-max-response-pool-size 4 has no effect: each response is sent as soon as it is built",
