@@ -691,10 +691,15 @@ def test_unload_during_a_load_cancels_it(server_factory, tmp_path):
         assert error.message() == "failed to load 'slow_start', the model was unloaded before the load completed"
         assert error.status() == "409"
         assert not c.is_model_ready("slow_start")
-        # Never loaded: listed with no state; unloaded while it served: its version UNAVAILABLE, as in Triton.
-        entry = {"name": "slow_start", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"} if serving \
-            else {"name": "slow_start"}
-        assert entry in c.get_model_repository_index()
+        # Triton finishes the load before it unloads, so a first load too leaves its version listed
+        # UNAVAILABLE "unloaded", and the model is one the server had: "no available versions".
+        entry = {"name": "slow_start", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+        s.wait_until(lambda: entry in c.get_model_repository_index(), "the version listed as unloaded",
+                     timeout=DEADLINE_S)
+        for path, status, text in (("/v2/models/slow_start", 404, "has no available versions"),
+                                   ("/v2/models/slow_start/versions/1", 503, "version 1 is not at ready state")):
+            r = raw_request(s.port, "GET", path)
+            assert (r.status, r.json()) == (status, {"error": f"Request for unknown model: 'slow_start' {text}"})
     c.load_model("slow_start")  # a load after all that works
     assert c.is_model_ready("slow_start") and c.is_server_ready()
     assert "did not stop within" not in s.log()  # (the cancelled loads' workers were killed at once, rightly)

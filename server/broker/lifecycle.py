@@ -680,19 +680,23 @@ class Lifecycle:
         """Retire what serves of ``name`` and cancel its load in progress, so the model ends
         unloaded; answered once its workers are gone."""
         catalog = self.catalog
-        cancelled = name in catalog.loading
+        job = catalog.loading.get(name)
+        cancelled = job is not None
         catalog.explicit.discard(name)
         self.blocked.pop(name, None)
         self.cancel_load(name, UNLOADED)
         versions = catalog.models.pop(name, {})
+        # Triton finishes a load before it unloads: the versions of a cancelled load are listed
+        # too ("unloaded", "no available versions"), a first load's as much as a reload's.
+        gone = set(versions) | (set(job.versions) if job is not None else set())
         catalog.canaries.pop(name, None)
-        if versions or not catalog.failed_versions.get(name):
+        if gone or not catalog.failed_versions.get(name):
             # A failed load of versions stays as Triton keeps it (UNAVAILABLE with its reason, "no
             # available versions") when nothing serves; a config that failed is forgotten.
             catalog.load_errors.pop(name, None)
             catalog.failed_versions.pop(name, None)
-        if versions:  # kept as Triton keeps them: UNAVAILABLE, "unloaded" (with those a reload dropped before)
-            catalog.unloaded[name] = sorted(set(catalog.unloaded.get(name, ())) | set(versions))
+        if gone:  # kept as Triton keeps them: UNAVAILABLE, "unloaded" (with those a reload dropped before)
+            catalog.unloaded[name] = sorted(set(catalog.unloaded.get(name, ())) | gone)
         for mv in versions.values():
             if dependents and mv.ensemble is not None:
                 # As Triton: a step goes with it unless it was loaded by name or another ensemble
