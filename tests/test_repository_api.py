@@ -75,6 +75,25 @@ def test_a_failed_load_stays_in_the_index_after_an_unload(server):
     assert _index(c)["ens_missing"] == {"name": "ens_missing"}
 
 
+
+def test_versions_let_go_when_another_failed_are_listed_as_unloaded(server):
+    """As Triton 2.51: when one version of a load fails, the versions that loaded beside it are
+    released, so the index lists them UNAVAILABLE "unloaded" (over HTTP and gRPC), and only the
+    failed version carries the failure's reason: an operator sees which version to fix."""
+    c = server.client()
+    failed = "failed to load 'versions_fail' version 2: RuntimeError: boom at init"
+    e = _load_error(lambda: c.load_model("versions_fail"))
+    assert (e.status(), e.message()) == ("400", failed)
+    want = [{"name": "versions_fail", "version": str(v), "state": "UNAVAILABLE", "reason": why}
+            for v, why in ((1, "unloaded"), (2, failed), (3, "unloaded"))]
+    assert [e for e in c.get_model_repository_index() if e["name"] == "versions_fail"] == want
+    with grpcclient.InferenceServerClient(server.grpc_url) as g:
+        models = g.get_model_repository_index(as_json=True)["models"]
+        assert [m for m in models if m["name"] == "versions_fail"] == want
+    r = raw_request(server.port, "GET", "/v2/models/versions_fail/versions/1")
+    assert (r.status, r.json()) == (503, {"error": "Request for unknown model: 'versions_fail' version 1 is not at "
+                                                   "ready state"})
+
 def _grpc_call(server, unload: bool, **params) -> tuple[str, str]:
     """A load or unload of add_sub with parameters of the types given (tritonclient sends only
     those it knows): (status, details)."""

@@ -68,9 +68,10 @@ class Catalog:
         self.loading: dict[str, LoadJob] = {}  # new versions getting ready beside what serves
         self.retiring: list[Retiring] = []  # old versions draining before their workers stop
         self.load_errors: dict[str, str] = {}  # model -> why its last load failed (cleared when one succeeds)
-        # The versions a failed load tried (unknown when its config failed first): the index
-        # lists them, as Triton does, and a version outside them is "not found".
-        self.failed_versions: dict[str, list[int]] = {}
+        # The versions a failed load tried (unknown when its config failed first), each with its
+        # reason in the index: its own failure, or "unloaded" for one let go because another
+        # failed (as Triton releases them). A version outside them is "not found".
+        self.failed_versions: dict[str, dict[int, str]] = {}
         # The versions of a model that was unloaded (until it loads again): Triton keeps them as
         # UNAVAILABLE, so that a request for it has "no available versions" rather than "not found".
         self.unloaded: dict[str, list[int]] = {}

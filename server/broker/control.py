@@ -156,10 +156,10 @@ class ControlHandler:
                     entries += [e for e in unloaded_entries(name, b) if int(e["version"]) not in versions]
                 out += sorted(entries, key=lambda e: int(e["version"]))
             elif name in b.load_errors:
-                failed = {"state": State.UNAVAILABLE.value, "reason": b.load_errors[name]}
                 tried = b.failed_versions.get(name)
-                out += [{"name": name, "version": str(v), **failed} for v in tried] if tried else \
-                    [{"name": name, **failed}]
+                out += [{"name": name, "version": str(v), **_state(State.UNAVAILABLE.value, why)}
+                        for v, why in tried.items()] if tried else \
+                    [{"name": name, **_state(State.UNAVAILABLE.value, b.load_errors[name])}]
             elif name in b.unloaded:
                 out += unloaded_entries(name, b)
             else:

@@ -452,7 +452,10 @@ class Lifecycle:
                 if job.retries < self.opts.load_retries:
                     self._retry(job, bad.reason)
                     continue
-                self._fail_job(job, bad.reason, sorted(job.versions))
+                # Triton lets go of the versions that loaded: "unloaded", the failed one its reason.
+                self._fail_job(job, bad.reason, {
+                    v: (mv.reason or bad.reason) if mv.state == State.UNAVAILABLE else "unloaded"
+                    for v, mv in sorted(job.versions.items())})
                 continue
             if not job.ready() or self._waits_for_steps(job):
                 continue
@@ -461,7 +464,7 @@ class Lifecycle:
             if unserved is not None:  # as Triton: an ensemble whose steps did not load does not load
                 del catalog.loading[name]
                 log.error("failed to load '%s', %s", name, unserved)
-                self._fail_job(job, f"failed to load '{name}', {unserved}", [])
+                self._fail_job(job, f"failed to load '{name}', {unserved}", {})
                 self.blocked[name] = {dep for mv in job.versions.values() if mv.ensemble is not None
                                       for dep in mv.ensemble.dependencies()}
                 continue
@@ -490,9 +493,10 @@ class Lifecycle:
                 self.steps_loaded.extend(e for e, steps in self.blocked.items() if name in steps)
         return ended
 
-    def _fail_job(self, job: LoadJob, reason: str, versions: list[int]) -> None:
+    def _fail_job(self, job: LoadJob, reason: str, versions: dict[int, str]) -> None:
         """A load that ended without serving: its callers hear ``reason``, which the index keeps
-        (with its ``versions`` as UNAVAILABLE) until a load or unload replaces it."""
+        (with its ``versions`` as UNAVAILABLE, each with its own reason) until a load or unload
+        replaces it."""
         catalog = self.catalog
         self._abandon(job, 400, reason)
         catalog.load_errors[job.name] = reason
@@ -578,7 +582,7 @@ class Lifecycle:
         if tried is None:
             catalog.failed_versions.pop(name, None)
         else:
-            catalog.failed_versions[name] = tried
+            catalog.failed_versions[name] = dict.fromkeys(tried, reason)
         catalog.unpolled.discard(name)
         if name not in catalog.models:  # (what serves on keeps the versions unloaded before, as in Triton)
             catalog.unloaded.pop(name, None)

@@ -20,8 +20,8 @@ def model_rows(catalog: Catalog) -> list[tuple[str, str, str]]:
             rows.append((name, str(version), status if failed is None else
                          f"{status} (the last load failed: {failed})"))
         if failed is not None and not versions:
-            tried = catalog.failed_versions.get(name) or ["-"]
-            rows += [(name, str(v), f"UNAVAILABLE: {failed}") for v in tried]
+            tried = catalog.failed_versions.get(name) or {"-": failed}
+            rows += [(name, str(v), f"UNAVAILABLE: {' '.join(why.split())}") for v, why in tried.items()]
     return rows
 
 
