@@ -532,6 +532,50 @@ def test_poll_mode_scan_finds_what_file_events_miss(server_factory, tmp_path):
     assert s.worker_pids("add_sub") == workers
 
 
+
+NEEDS_MARKER = '''import json
+import os
+
+
+class TritonPythonModel:
+    """Loads once the file its config names (outside the model's folder) exists."""
+
+    def initialize(self, args):
+        marker = json.loads(args["model_config"])["parameters"]["marker"]["string_value"]
+        if not os.path.exists(marker):
+            raise RuntimeError("not yet")
+
+    def execute(self, requests):
+        return []
+'''
+
+
+def test_poll_mode_tries_a_failed_load_again_at_each_poll(server_factory, tmp_path):
+    """As Triton 2.51's polling (a failed load puts the model's timestamp back, so each poll finds
+    it modified): a model whose load failed is loaded again at each --repository-poll-secs, its
+    folder unchanged, and serves once what it lacked is there."""
+    repo = tmp_path / "repo"
+    (repo / "flaky" / "1").mkdir(parents=True)
+    marker = tmp_path / "marker"
+    (repo / "flaky" / "config.pbtxt").write_text(
+        'name: "flaky"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "A" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "B" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        f'parameters {{ key: "marker" value {{ string_value: "{marker}" }} }}\n')
+    (repo / "flaky" / "1" / "model.py").write_text(NEEDS_MARKER)
+    s = server_factory.start([repo], ["--model-control-mode", "poll", "--repository-poll-secs", "1",
+                                      "--exit-on-error", "false"], wait=False)
+    c = s.client()
+    def failures() -> int:  # (the broker's lines: the worker's say it too)
+        return sum("lifecycle.py" in line and "failed to load 'flaky' version 1: RuntimeError: not yet" in line
+                   for line in s.log().splitlines())
+
+    s.wait_until(lambda: failures() >= 2, "the failed load tried again", timeout=DEADLINE_S)
+    assert not c.is_model_ready("flaky")
+    marker.write_text("")
+    wait_until(lambda: c.is_model_ready("flaky"), DEADLINE_S, "the model serving at a later poll")
+    assert c.is_server_ready()
+
 def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_factory):
     repo = Path(__file__).parent / "models" / "warmup"
     s = server_factory.start([repo], ["--exit-on-error=false"], wait=False)

@@ -103,6 +103,7 @@ class Lifecycle:
         self.scanner: RepositoryScanner | None = None  # poll mode with --repository-poll-secs > 0
         self.cloud: CloudSyncs | None = None  # re-syncs of the cloud repositories' local copies
         self.changed_while_loading: set[str] = set()  # poll mode: look again once their load is over
+        self.retry_failed_at: float | None = None  # poll mode with scans: when failed loads are tried again
         # Ensembles whose load failed for their steps -> those steps; poll mode loads one again once
         # a step of it loads (steps_loaded: those to load again when the loads in hand resolve).
         self.blocked: dict[str, set[str]] = {}
@@ -129,6 +130,7 @@ class Lifecycle:
             if scans:
                 self.scanner = RepositoryScanner(self.opts.repositories, self.watcher, self.opts.repository_poll_s,
                                                  self.cloud)
+                self.retry_failed_at = time.monotonic() + self.opts.repository_poll_s
         self.catalog.restoring = self.journal.restarted
         for name, override, model_dir in self._initial_models():
             if name in self.catalog.loading and override is None and model_dir is None:
@@ -201,6 +203,9 @@ class Lifecycle:
             due = self.watcher.next_due()
             if due is not None:
                 timeout = due if timeout is None else min(timeout, due)
+        if self.retry_failed_at is not None and self.catalog.load_errors:
+            due = max(0.0, self.retry_failed_at - time.monotonic())
+            timeout = due if timeout is None else min(timeout, due)
         return timeout
 
     # -- the repository -------------------------------------------------------------------------
@@ -272,6 +277,7 @@ class Lifecycle:
         assert self.watcher is not None
         loading = self.catalog.loading
         names = [n for n in self.changed_while_loading if n not in loading] + self.watcher.due()
+        names += self._failed_to_retry(names)
         if not names:
             return
         self.catalog.model_dirs = self._scan_repositories()
@@ -286,6 +292,20 @@ class Lifecycle:
             elif name in self.catalog.models or name in self.catalog.load_errors:
                 log.info("repository change: '%s' was removed; unloading it", name)
                 self.unload_model(name)
+
+    def _failed_to_retry(self, changed: list[str]) -> list[str]:
+        """Poll mode with scans: at each scan's interval, the models whose last load failed, to load
+        again whether or not their folders changed. Triton's poll does so (a failed load puts its
+        timestamp back, so every poll finds the model modified): a failure that passes (a file
+        or service the model needed, memory) heals at the next poll rather than never."""
+        if self.retry_failed_at is None or time.monotonic() < self.retry_failed_at:
+            return []
+        self.retry_failed_at = time.monotonic() + self.opts.repository_poll_s
+        again = [n for n in self.catalog.load_errors
+                 if n not in changed and n not in self.catalog.loading and n not in self.changed_while_loading]
+        for name in again:
+            log.info("repository poll: loading '%s' again, as its last load failed", name)
+        return again
 
     # -- loading --------------------------------------------------------------------------------
     def load_model(self, name: str, override_json: str | None = None, waiter: tuple[Any, int] | None = None,
