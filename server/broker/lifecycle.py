@@ -277,7 +277,8 @@ class Lifecycle:
         assert self.watcher is not None
         loading = self.catalog.loading
         names = [n for n in self.changed_while_loading if n not in loading] + self.watcher.due()
-        names += self._failed_to_retry(names)
+        retries = self._failed_to_retry(names)
+        names += retries
         if not names:
             return
         self.catalog.model_dirs = self._scan_repositories()
@@ -287,7 +288,8 @@ class Lifecycle:
                 continue
             self.changed_while_loading.discard(name)
             if name in self.catalog.model_dirs:
-                log.info("repository change: (re)loading '%s'", name)
+                if name not in retries:  # (a retry said so itself)
+                    log.info("repository change: (re)loading '%s'", name)
                 self.load_model(name)
             elif name in self.catalog.models or name in self.catalog.load_errors:
                 log.info("repository change: '%s' was removed; unloading it", name)
