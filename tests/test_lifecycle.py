@@ -749,6 +749,25 @@ def test_unload_during_a_load_cancels_it(server_factory, tmp_path):
     assert "did not stop within" not in s.log()  # (the cancelled loads' workers were killed at once, rightly)
 
 
+
+def test_the_server_is_not_ready_while_a_model_loads_for_the_first_time(server_factory, tmp_path):
+    """As Triton 2.51's --strict-readiness (every version READY or "unloaded"): a model loading
+    through the API with nothing of it serving keeps the server not ready until it serves; its
+    reload beside the version that serves does not."""
+    s = server_factory.start([SLOW_START], ["--model-control-mode", "explicit"])
+    c = s.client()
+    assert c.is_server_ready()
+    for serving in (False, True):
+        gate = Gate(tmp_path / f"gate{int(serving)}")
+        load = LoadCall(s.url, "slow_start", slow_start_config(count=1 + serving, gate=gate))
+        try:
+            gate.wait_started()
+            assert c.is_server_ready() is serving
+        finally:
+            gate.open()
+        assert load.outcome() is None
+        assert c.is_server_ready()
+
 def test_a_second_load_during_a_load_replaces_it(server_factory, tmp_path):
     """The last request wins: a load with another config while a load is in progress stops the
     first one (its caller is told so) and the model serves with the second config."""

@@ -194,6 +194,8 @@ class Lifecycle:
             return True
         if any(name not in self.catalog.models for name in self.catalog.load_errors):
             return False  # a model that should serve does not (a failed reload keeps the old one serving)
+        if any(name not in self.catalog.models for name in self.catalog.loading):
+            return False  # a model's first load in progress: as Triton's, whose versions are LOADING
         return all(mv.state == State.READY and mv.live() for mv in self.catalog.serving())
 
     def next_timer(self) -> float | None:
