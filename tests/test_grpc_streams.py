@@ -252,3 +252,32 @@ def test_sequences_waiting_past_the_streams_running_requests_do_not_hold_the_ste
     assert not errors, errors[:3]
     sums = {r.get_response().id: int(r.as_numpy("SUM")[0, 0]) for _, r in answers}
     assert sums == {"end": 3, **{str(i): i for i in range(count)}}
+
+
+def test_requests_naming_a_sequence_of_a_model_without_one_count_among_those_run_at_once(server, tmp_path):
+    """Only a request of a sequence (an id, to a sequence-batched model) counts apart from the
+    MAX_RUNNING a stream runs at once: any request carrying a sequence_id was let through, so a
+    client could have a stream read without bound (each read request a task and a slot of the
+    frontend, shared with every other client). Past MAX_RUNNING the stream is not read, and
+    every request is answered once they end."""
+    from conftest import pending_requests
+
+    gate = Gate(tmp_path / "gate")
+    x = grpcclient.InferInput("X", [1], "INT32")
+    x.set_data_from_numpy(np.array([1], np.int32))
+    count = MAX_RUNNING + 20
+    stream = Stream(server)
+    try:
+        for i in range(count):
+            stream.send("held", [x], request_id=str(i), sequence_id=7, parameters={"gate": gate.param})
+        wait_until(lambda: pending_requests(server, "held") >= MAX_RUNNING, "the first requests submitted")
+        time.sleep(0.5)  # (were more read, they would be submitted by now)
+        assert pending_requests(server, "held") == MAX_RUNNING
+        gate.open()
+        answers = stream.take(count)
+    finally:
+        gate.open()
+        stream.close()
+    errors = [r for _, r in answers if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    assert sorted(int(r.get_response().id) for _, r in answers) == list(range(count))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any, AsyncGenerator, Awaitable, Callable
+from typing import Any, AsyncGenerator, Awaitable, Callable, NamedTuple
 
 import grpc
 
@@ -64,6 +64,13 @@ def check_version(version: str) -> str:
         raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
                       f"invalid model version specified '{version}' , version should be an integral value > 0")
     return str(value)
+
+
+class ModelTraits(NamedTuple):
+    """What a stream needs to know of a model before it submits a request to it."""
+
+    decoupled: bool  # its responses come as it sends them, not in the order read
+    sequence_batched: bool  # its requests may wait for a sequence slot
 
 
 class GrpcInference:
@@ -121,14 +128,17 @@ class GrpcInference:
         ns[SEND_START] = ns[SEND_START] or ns[SEND_END]  # an error status
         self.tracer.finish(trace)
 
-    async def decoupled(self, model: str, version: str) -> bool:
-        """Whether the model is decoupled (False when the broker cannot say: the request's own
-        answer then says why)."""
+    async def traits(self, model: str, version: str) -> ModelTraits:
+        """Whether the model is decoupled, and sequence-batched (neither when the broker cannot
+        say: the request's own answer then says why)."""
         try:
             status, config = await self.link.control(control.ModelConfig(model, version))
         except BrokerError:
-            return False
-        return status == 200 and bool((config.get("model_transaction_policy") or {}).get("decoupled"))
+            return ModelTraits(False, False)
+        if status != 200:
+            return ModelTraits(False, False)
+        return ModelTraits(bool((config.get("model_transaction_policy") or {}).get("decoupled")),
+                           "sequence_batching" in config)
 
     async def stream(self, request: Any, decoupled: bool, read: tuple[int, int],
                      forwarded: dict[str, str] | None = None,

@@ -15,9 +15,10 @@ come before those it sends for the next, as Triton writes them.
 
 A stream takes no more than its share: at most ``MAX_RUNNING`` of its requests run at once (past
 that the request read waits, and the stream is not read further, until one ends: HTTP/2's flow
-control holds the client). A request of a sequence neither counts nor waits: sequences waiting
-for a slot may wait for a later request of the same stream (the step of the slot's holder that
-ends it), which Triton reads at once; the frontend's own room still bounds them. A
+control holds the client). A request of a sequence (a sequence id, to a model with a sequence
+batcher) counts apart, up to ``MAX_SEQUENCE_STEPS``: sequences waiting for a slot may wait for a
+later request of the same stream (the step of the slot's holder that ends it), which Triton
+reads at once, so they must not keep the stream from being read. A
 request whose frontend has no room now (slots, arena) waits for one of the stream's own requests
 to end rather than being refused for room they hold; and a request's next message is taken once
 its last was sent (a model that streams faster than its client reads waits in shared memory, as
@@ -38,10 +39,11 @@ import grpc
 from shmserve.shm.streams import StreamEvents, next_number
 
 from .handlers import Malformed
-from .infer import GrpcInference, check_version, refused
+from .infer import GrpcInference, ModelTraits, check_version, refused
 from .status import Aborted
 
 MAX_RUNNING = 128  # requests of one stream in flight at once
+MAX_SEQUENCE_STEPS = 1024  # requests of a sequence in flight at once on one stream, apart from those
 
 # The messages of one request: its responses, and errors as ``Aborted``.
 Messages = AsyncGenerator[Any, None]
@@ -91,12 +93,13 @@ class StreamRun:
         self.ended: _Ended | None = None
         self.changed = asyncio.Event()  # a message came to the outbox, an event was taken, the stream ended
         self.running = asyncio.Semaphore(MAX_RUNNING)
+        self.steps = asyncio.Semaphore(MAX_SEQUENCE_STEPS)  # (a sequence's requests)
         self.requests: set[asyncio.Task] = set()
         self.open: set[StreamEvents] = set()  # the events of the requests running
         # (number, events) of every event queued for a running request, smallest first; an entry
         # whose event was taken since is dropped once it comes first (``_first_queued``)
         self.queued_heap: list[tuple[int, StreamEvents]] = []
-        self.decoupled: dict[tuple[str, str], bool] = {}
+        self.traits: dict[tuple[str, str], ModelTraits] = {}
         # One token per running request of a model that is not decoupled, in the order read: its
         # response goes once its token is first (Triton's order for them)
         self.turns: collections.deque[_Turn] = collections.deque()
@@ -191,7 +194,7 @@ class StreamRun:
                 request = await self._next_request()
                 if request is None:
                     break
-                messages, events, in_turn, counted = request
+                messages, events, in_turn, place = request
                 turn = _Turn() if in_turn else None
                 if turn is not None:
                     self.turns.append(turn)
@@ -203,7 +206,7 @@ class StreamRun:
                         self._on_queued(number, events)
                     events.on_queued = self._on_queued
                     events.on_taken = self.changed.set
-                task = asyncio.create_task(self._take(messages, events, turn, counted))
+                task = asyncio.create_task(self._take(messages, events, turn, place))
                 self.requests.add(task)
                 task.add_done_callback(self.requests.discard)
             while self.requests:
@@ -214,33 +217,33 @@ class StreamRun:
         except BaseException as e:  # noqa: BLE001 - the call's generator raises it
             self._end(_Ended(e))
 
-    async def _next_request(self) -> tuple[Messages, StreamEvents | None, bool, bool] | None:
+    async def _next_request(self) -> tuple[Messages, StreamEvents | None, bool, asyncio.Semaphore] | None:
         """The messages of the next request read, submitted before the next is read, their
         events, whether they wait their turn (a model that is not decoupled, or a request
-        refused before its model was known), and whether the request counts among the
-        ``MAX_RUNNING`` (one of a sequence does not; one that does waits for its place before it
-        is submitted); None at the end. While tracing is on, the wait for it and its read are timed
-        (Triton's GRPC_WAITREAD_START and _END) for the trace it may get (infer.py). Whether a
-        model is decoupled is asked once per model and stream."""
+        refused before its model was known), and the place it took before it was submitted (one
+        of ``MAX_RUNNING``, or of ``MAX_SEQUENCE_STEPS`` for a request of a sequence), which
+        its end gives back; None at the end. While tracing is on, the wait for it and its read are timed
+        (Triton's GRPC_WAITREAD_START and _END) for the trace it may get (infer.py). What a
+        model is (decoupled, sequence-batched) is asked once per model and stream."""
         waiting = time.monotonic_ns() if self.inference.tracer.on else 0
         request = await self.context.read()
         if request is grpc.aio.EOF:
             return None
         read = (waiting, time.monotonic_ns()) if waiting else (0, 0)
         if type(request) is Malformed:
-            return refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message)), None, True, False
-        counted = "sequence_id" not in request.parameters
-        if counted:
             await self.running.acquire()
+            return refused(Aborted(grpc.StatusCode.INVALID_ARGUMENT, request.message)), None, True, self.running
         try:
             key = (request.model_name, check_version(request.model_version))
         except Aborted:  # (the request itself is refused for it)
             key = (request.model_name, request.model_version)
-        if key not in self.decoupled:
-            self.decoupled[key] = await self.inference.decoupled(*key)
-        decoupled = self.decoupled[key]
-        messages, events = await self.inference.stream(request, decoupled, read, self.forwarded, self._room)
-        return messages, events, not decoupled, counted
+        if key not in self.traits:
+            self.traits[key] = await self.inference.traits(*key)
+        traits = self.traits[key]
+        place = self.steps if traits.sequence_batched and _in_a_sequence(request) else self.running
+        await place.acquire()
+        messages, events = await self.inference.stream(request, traits.decoupled, read, self.forwarded, self._room)
+        return messages, events, not traits.decoupled, place
 
     async def _room(self) -> bool:
         """Wait for one of the stream's running requests to end (its slot and blocks given
@@ -251,7 +254,7 @@ class StreamRun:
         return True
 
     async def _take(self, messages: Messages, events: StreamEvents | None, turn: _Turn | None,
-                    counted: bool) -> None:
+                    place: asyncio.Semaphore) -> None:
         """Move one request's messages to the outbox, each once the one before it was sent,
         numbered as the response it was made of (made and put here with no wait between: no
         other task sees the response taken and its message not yet here); a failure ends the
@@ -277,5 +280,13 @@ class StreamRun:
                 self.turn_of.pop(events, None)
                 events.on_queued = events.on_taken = None
             self.changed.set()
-            if counted:
-                self.running.release()
+            place.release()
+
+
+def _in_a_sequence(request: Any) -> bool:
+    """Whether a request names a sequence: a ``sequence_id`` not 0 (or a string not empty)."""
+    param = request.parameters.get("sequence_id")
+    if param is None:
+        return False
+    kind = param.WhichOneof("parameter_choice")
+    return bool(getattr(param, kind)) if kind is not None else False
