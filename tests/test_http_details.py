@@ -607,6 +607,8 @@ def test_paths_triton_has_no_route_for(srv, path, method):
     # an entry with none skipped, the name up to ';q=' with nothing stripped from its end
     ("gzip;q=0.5;level=9, deflate;q=0.4", "gzip"), ("gzip;q=, deflate;q=0.1", "deflate"),
     ("gzip , deflate", "deflate"), ("gzip;q=0x1p-1, deflate;q=0.4", "gzip"),
+    # a weight past a double's range: stod throws, the entry is skipped (it was a 500)
+    ("gzip;q=0x1p99999, deflate;q=0.1", "deflate"), ("gzip;q=1e999, deflate;q=0.1", "deflate"),
 ])
 def test_the_answer_is_compressed_as_triton_chooses(srv, accept, used):
     r = infer_json(srv, {"inputs": [vec([1.0])]}, {"Accept-Encoding": accept})

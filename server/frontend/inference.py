@@ -124,7 +124,10 @@ def _leading_number(text: str) -> float | None:
     text = text.lstrip(" \t\n\v\f\r")
     hexa = _HEX.match(text)
     if hexa:
-        return float.fromhex(hexa.group())
+        try:
+            return float.fromhex(hexa.group())
+        except OverflowError:  # out of range
+            return None
     number = _DECIMAL.match(text) or _SPECIAL.match(text)
     if number is None:
         return None
