@@ -554,6 +554,34 @@ def test_poll_mode_tries_a_failed_load_again_at_each_poll(server_factory, tmp_pa
     """As Triton 2.51's polling (a failed load puts the model's timestamp back, so each poll finds
     it modified): a model whose load failed is loaded again at each --repository-poll-secs, its
     folder unchanged, and serves once what it lacked is there."""
+    repo, marker = _flaky_repo(tmp_path)
+    s = server_factory.start([repo], ["--model-control-mode", "poll", "--repository-poll-secs", "1",
+                                      "--exit-on-error", "false"], wait=False)
+    c = s.client()
+    s.wait_until(lambda: _flaky_failures(s) >= 2, "the failed load tried again", timeout=DEADLINE_S)
+    assert not c.is_model_ready("flaky")
+    marker.write_text("")
+    wait_until(lambda: c.is_model_ready("flaky"), DEADLINE_S, "the model serving at a later poll")
+    assert c.is_server_ready()
+
+
+def test_poll_mode_tries_no_failed_load_again_once_its_folder_is_gone(server_factory, tmp_path):
+    """A model whose load failed and whose folder was then removed is unloaded and forgotten: it
+    was "loaded again" at every poll for the server's life, each time found gone."""
+    repo, _ = _flaky_repo(tmp_path)
+    s = server_factory.start([repo], ["--model-control-mode", "poll", "--repository-poll-secs", "1",
+                                      "--exit-on-error", "false"], wait=False)
+    s.wait_until(lambda: _flaky_failures(s) >= 1, "the load failed", timeout=DEADLINE_S)
+    shutil.rmtree(repo / "flaky")
+    s.wait_until(lambda: "'flaky' was removed" in s.log(), "the removal seen", timeout=DEADLINE_S)
+    said = len(s.log())
+    time.sleep(3.5)  # (three polls)
+    assert "'flaky'" not in s.log()[said:], s.log()[said:]
+    assert "flaky" not in [m["name"] for m in s.client().get_model_repository_index()]
+
+
+def _flaky_repo(tmp_path: Path) -> tuple[Path, Path]:
+    """A repository whose model 'flaky' fails to load until the marker file exists."""
     repo = tmp_path / "repo"
     (repo / "flaky" / "1").mkdir(parents=True)
     marker = tmp_path / "marker"
@@ -563,18 +591,13 @@ def test_poll_mode_tries_a_failed_load_again_at_each_poll(server_factory, tmp_pa
         'output [ { name: "B" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
         f'parameters {{ key: "marker" value {{ string_value: "{marker}" }} }}\n')
     (repo / "flaky" / "1" / "model.py").write_text(NEEDS_MARKER)
-    s = server_factory.start([repo], ["--model-control-mode", "poll", "--repository-poll-secs", "1",
-                                      "--exit-on-error", "false"], wait=False)
-    c = s.client()
-    def failures() -> int:  # (the broker's lines: the worker's say it too)
-        return sum("lifecycle.py" in line and "failed to load 'flaky' version 1: RuntimeError: not yet" in line
-                   for line in s.log().splitlines())
+    return repo, marker
 
-    s.wait_until(lambda: failures() >= 2, "the failed load tried again", timeout=DEADLINE_S)
-    assert not c.is_model_ready("flaky")
-    marker.write_text("")
-    wait_until(lambda: c.is_model_ready("flaky"), DEADLINE_S, "the model serving at a later poll")
-    assert c.is_server_ready()
+
+def _flaky_failures(s) -> int:
+    """The broker's lines saying flaky's load failed (the worker's say it too)."""
+    return sum("lifecycle.py" in line and "failed to load 'flaky' version 1: RuntimeError: not yet" in line
+               for line in s.log().splitlines())
 
 def test_warmup_runs_before_ready_and_a_failing_sample_fails_the_load(server_factory):
     repo = Path(__file__).parent / "models" / "warmup"

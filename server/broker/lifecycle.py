@@ -296,6 +296,7 @@ class Lifecycle:
             elif name in self.catalog.models or name in self.catalog.load_errors:
                 log.info("repository change: '%s' was removed; unloading it", name)
                 self.unload_model(name)
+                self.catalog.load_errors.pop(name, None)  # (gone: not to be loaded again at the next poll)
 
     def _failed_to_retry(self, changed: list[str]) -> list[str]:
         """Poll mode with scans: at each scan's interval, the models whose last load failed, to load
@@ -305,8 +306,8 @@ class Lifecycle:
         if self.retry_failed_at is None or time.monotonic() < self.retry_failed_at:
             return []
         self.retry_failed_at = time.monotonic() + self.opts.repository_poll_s
-        again = [n for n in self.catalog.load_errors
-                 if n not in changed and n not in self.catalog.loading and n not in self.changed_while_loading]
+        again = [n for n in self.catalog.load_errors if n in self.catalog.model_dirs
+                 and n not in changed and n not in self.catalog.loading and n not in self.changed_while_loading]
         for name in again:
             log.info("repository poll: loading '%s' again, as its last load failed", name)
         return again
