@@ -50,7 +50,7 @@ def _model(repo: Path, name: str, config: str, versions: tuple[str, ...] = ("1",
         (repo / name / v / "model.py").write_text(REPORT_PY)
 
 
-MODELS = {"kind_model", "leading_zeros", "spec_missing", "warm_unbatched", "warm_batches"}
+MODELS = {"kind_model", "leading_zeros", "spec_missing", "warm_unbatched", "warm_batches", "warm_huge"}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,7 @@ def parity_server(module_factory, tmp_path_factory):
     _model(repo, "leading_zeros", "max_batch_size: 0\n", versions=("1", "007"))
     _model(repo, "spec_missing", "max_batch_size: 0\nversion_policy { specific { versions: [ 1, 7 ] } }\n")
     _model(repo, "warm_unbatched", f"max_batch_size: 0\nmodel_warmup [ {SAMPLE % ('w', 'batch_size: 2')} ]\n")
+    _model(repo, "warm_huge", f"max_batch_size: 0\nmodel_warmup [ {SAMPLE % ('w', 'batch_size: 4000000000')} ]\n")
     _model(repo, "warm_batches", f"max_batch_size: 4\nmodel_warmup [ {SAMPLE % ('w', 'batch_size: 3 count: 2')}, "
                                  f"{SAMPLE % ('unset', '')} ]\n")
     s = module_factory.create([repo], ["--exit-on-error=false"]).start()
@@ -113,6 +114,16 @@ def test_warmup_of_several_items_on_a_model_that_does_not_batch_fails(parity_ser
     assert entry["state"] == "UNAVAILABLE"
     assert entry["reason"].endswith("failed to run warmup sample 'w': "
                                      + "batch size 2 for 'warm_unbatched_0', max allowed is 0; " * 2)
+
+
+def test_a_huge_warmup_batch_is_refused_in_a_few_words(parity_server):
+    """Triton says its refusal once per request of the batch: a config's batch_size of 4e9 made a
+    string of hundreds of GB in the worker. Said eight times, then how many more."""
+    [entry] = _index(parity_server)["warm_huge"]
+    assert entry["state"] == "UNAVAILABLE"
+    assert entry["reason"].endswith("failed to run warmup sample 'w': "
+                                    + "batch size 4000000000 for 'warm_huge_0', max allowed is 0; " * 8
+                                    + "(and 3999999992 more)"), entry["reason"][-200:]
 
 
 def test_warmup_runs_batch_size_requests_of_one_item_and_skips_batch_zero(parity_server):

@@ -23,6 +23,8 @@ from shmserve.signature import InvalidRequest, ModelSignature
 from .backend import Instance, ModelLoadError, Request
 from .reshape import Reshapes
 
+REFUSALS_SAID = 8  # a too large warmup batch's refusal, said once per request up to this many
+
 
 class WarmupError(ModelLoadError):
     pass
@@ -83,7 +85,10 @@ def run_warmup(instance: Instance, config: dict[str, Any], model_dir: Path, sign
             continue
         if batch != 1 and batch > max_batch:  # Triton's backends refuse each request of such a batch
             refusal = f"batch size {batch} for '{instance_name}', max allowed is {max_batch}; "
-            raise WarmupError(f"failed to run warmup sample '{label}': " + refusal * batch)
+            # (Triton says it once per request of the batch: up to REFUSALS_SAID times here, the
+            # batch size being a config's to choose, up to 2**32)
+            more = f"(and {batch - REFUSALS_SAID} more)" if batch > REFUSALS_SAID else ""
+            raise WarmupError(f"failed to run warmup sample '{label}': " + refusal * min(batch, REFUSALS_SAID) + more)
         inputs = {}
         for name, spec in (sample.get("inputs") or {}).items():
             dims = [d if d > 0 else 1 for d in spec.get("dims", [])]
