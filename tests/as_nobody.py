@@ -53,6 +53,24 @@ def run_as(uid: int, gid: int, program: str, args: Any = None, timeout: float = 
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def result_after(proc: subprocess.Popen, say: str = "go\n", timeout: float = 120.0) -> Any:
+    """The ``result`` of a program ``start_as`` started and that waits for a line (``say``) to
+    go on; it is killed if it does not end in time. Fails the test if it raised."""
+    try:
+        out, err = proc.communicate(say, timeout=timeout)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, err
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill a program ``start_as`` started, if it still runs (a test's ``finally``)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def start_as(uid: int, gid: int, program: str, args: Any = None, prefix: Sequence[str] = ()) -> subprocess.Popen:
     """``program`` started as ``uid``:``gid``, its stdin, stdout and stderr pipes (text);
     ``prefix``: a command that runs it (``nsenter`` into a server's mount namespace)."""

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from as_nobody import NOBODY, run_as, run_as_nobody, start_as
+from as_nobody import NOBODY, result_after, run_as, run_as_nobody, start_as, stop
 from conftest import DEADLINE_S, PRODUCT_MODELS, SHM_MODELS, TESTS, shm_names, wait_until
 from gates import Gate
 from shmserve.shm.access import acl, readers_of
@@ -178,13 +178,9 @@ def test_a_named_user_reads_no_answer_but_its_own_users(server_factory):
             assert held.stdout.readline().strip() == "HELD", held.stderr.read()
             seen = run_as(STRANGER, STRANGER, PEEK.replace("sys.stdin.readline()", ""),
                           {"server": server.id, "mine": [stranger, stranger_ens], "all": marks})
-            out, err = held.communicate("go\n", timeout=60)
+            seen_by_nobody = result_after(held, timeout=60)
         finally:
-            if held.poll() is None:
-                held.kill()
-                held.wait()
-        assert held.returncode == 0, err
-        seen_by_nobody = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+            stop(held)
         assert [float(k["OUT"][0]) for k in kept] == [root, root_ens]
     assert set(seen) == {str(stranger), str(stranger_ens)}, seen
     assert set(seen_by_nobody) == {str(nobody), str(nobody_ens)}, seen_by_nobody
@@ -1285,13 +1281,9 @@ def test_answers_a_named_user_keeps_leave_room_for_everyone_elses(server_factory
             inp.set_data_from_numpy(big, binary_data=True)
             out = http.infer("identity", [inp], outputs=[httpclient.InferRequestedOutput("OUT", binary_data=True)])
             assert out.as_numpy("OUT").size == big.size
-        out, err = proc.communicate("go\n", timeout=120)
+        assert result_after(proc) == 1.5 * (3 << 18)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
-    assert json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]) == 1.5 * (3 << 18)
+        stop(proc)
 
 
 # Sets both counters of the first lane of its lanes object beside every worker 1,000 past its

@@ -76,6 +76,7 @@ class Worker:
         self.broker_pid: int = spec["broker_pid"]
         self.poll_s: float = spec["poll_us"] / 1e6  # --poll-us
         self.seg = WorkerSegment.attach(object_name(self.server_id, "worker", self.num), readers=server_readers())
+        self.seg.restamp_lanes()  # (a lanes object its user truncated before we mapped it was grown back bare)
         self.seg.set_pid(os.getpid())
         self.stats = StatsWriter(self.seg.stats, spec.get("latency_buckets"))
         self.signature: ModelSignature | None = None
