@@ -240,7 +240,8 @@ def test_a_broker_restarted_while_dev_shm_is_full_says_so_and_comes_back_with_th
 
 
 # A local client of a named user inside the server's mount namespace: "cut" truncates every object
-# it may write (its own segment, broker.0, each worker's segment, the extents of its answers) and
+# it may write (its own segment, broker.0, its lanes beside each worker's segment, the extents of
+# its answers) and
 # fills /dev/shm; "free" removes its file; "ask" connects a new client and sends one request.
 CUT_AND_FILL = FILL + r"""
 import time
@@ -259,7 +260,7 @@ for line in sys.stdin:
         targets = ["/dev/shm" + conn.name, f"/dev/shm/shmserve.{sid}.broker.0"]
         targets += sorted("/dev/shm/" + n for n in os.listdir("/dev/shm")
                           if n.startswith(f"shmserve.{sid}.worker.") and not n.endswith(".fifo")
-                          and (".arena." not in n or os.access("/dev/shm/" + n, os.W_OK)))
+                          and os.access("/dev/shm/" + n, os.W_OK))
         for path in targets:
             os.truncate(path, 0)
         fill(filler)
