@@ -197,7 +197,7 @@ class Launcher:
         assert self.sock is not None
         spec = {"server_id": self.sid, "fd": self.sock.fileno(), "index": index,
                 "arena_bytes": self.args.frontend_arena_mb << 20, "allow_remote_shm": self.args.allow_remote_shm,
-                "max_input_bytes": self.args.http_max_input_size, "exit_timeout_s": self.args.exit_timeout_secs,
+                "allow_client_shm": self.args.allow_client_shm, "max_input_bytes": self.args.http_max_input_size, "exit_timeout_s": self.args.exit_timeout_secs,
                 "restricted": self.args.http_restricted_api, "max_inflight": self.args.http_max_inflight,
                 "header_forward_pattern": self.args.http_header_forward_pattern,
                 "max_tensor_elements": self.args.http_max_tensor_elements, "poll_us": self.args.poll_us,

@@ -106,6 +106,13 @@ class UnloadModel(ControlMessage):
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+# Triton's status (UNSUPPORTED: 501) and text for a register or unregister when the server is
+# started with --allow-client-shm=false: the broker's answer, and the HTTP frontend's before it
+# reads a register's body (Triton refuses before it parses one).
+CLIENT_SHM_DISABLED = ("Client shared memory is disabled. Start the server with '--allow-client-shm=true' "
+                       "to enable.")
+
+
 @dataclasses.dataclass(frozen=True)
 class RegisterSystemRegion(ControlMessage):
     """``created``: the local client made the object itself (``Client.create_region``), so the

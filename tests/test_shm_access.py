@@ -392,6 +392,10 @@ def test_allow_client_shm_false_refuses_client_regions_with_tritons_text(module_
             with pytest.raises(InferenceServerException) as e:
                 call()
             assert (e.value.status(), e.value.message()) == ("501", DISABLED)
+        # Refused before the body is read, as Triton: a body that says nothing is refused the same.
+        for kind in ("systemsharedmemory", "cudasharedmemory"):
+            answer = raw_request(srv.port, "POST", f"/v2/{kind}/region/off/register", b"{}")
+            assert (answer.status, answer.json()["error"]) == (501, DISABLED), kind
         for call in (lambda: grpc_client.register_system_shared_memory("off", key, NB),
                      lambda: grpc_client.unregister_system_shared_memory()):
             with pytest.raises(InferenceServerException) as e:

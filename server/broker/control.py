@@ -20,10 +20,10 @@ from shmserve.config_view import as_triton_shows
 from shmserve.shm import logs
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.control_messages import (
-    CanaryStatus, ControlMessage, CudaRegionStatus, LoadModel, LogSettings, ModelConfig, ModelMetadata, ModelReady,
-    ModelStatistics, NetworkCaller, PromoteCanary, RegisterCudaRegion, RegisterSystemRegion, RepositoryIndex, RollBackCanary,
-    ServerReady, SetCanary, SystemRegionStatus, TraceSettings, UnloadModel, UnregisterCudaRegion,
-    UnregisterSystemRegion)
+    CLIENT_SHM_DISABLED, CanaryStatus, ControlMessage, CudaRegionStatus, LoadModel, LogSettings, ModelConfig,
+    ModelMetadata, ModelReady, ModelStatistics, NetworkCaller, PromoteCanary, RegisterCudaRegion,
+    RegisterSystemRegion, RepositoryIndex, RollBackCanary, ServerReady, SetCanary, SystemRegionStatus, TraceSettings,
+    UnloadModel, UnregisterCudaRegion, UnregisterSystemRegion)
 from shmserve.shm.regions import created_key_prefix
 from shmserve.signature import InvalidRequest, UnknownModel
 
@@ -35,7 +35,7 @@ from .metrics import version_stats_json
 from .models import Client, ModelVersion, State
 from .options import BrokerOptions
 from .readiness import blocked_step, version_ready
-from .region_access import CLIENT_SHM_DISABLED, Caller, ClientShmDisabled, caller_of
+from .region_access import Caller, ClientShmDisabled, caller_of
 from .regions import Regions
 from .routes import Routes
 from .statistics import Statistics

@@ -32,9 +32,6 @@ class RegionDenied(InvalidRequest):
     status = 403
 
 
-# Triton's status and text when the server is started with --allow-client-shm=false (UNSUPPORTED).
-CLIENT_SHM_DISABLED = ("Client shared memory is disabled. Start the server with '--allow-client-shm=true' "
-                       "to enable.")
 
 
 class ClientShmDisabled(InvalidRequest):

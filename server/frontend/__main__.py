@@ -50,7 +50,8 @@ def main() -> int:
 
     header_forward = compile_pattern(spec.get("header_forward_pattern"), HTTP_FLAG)  # checked at start (cli.py)
     frontend = build_app(spec["server_id"], spec["arena_bytes"], spec["allow_remote_shm"], spec["max_input_bytes"],
-                         spec["max_tensor_elements"], spec["max_inflight"], spec["poll_us"], header_forward)
+                         spec["max_tensor_elements"], spec["max_inflight"], spec["poll_us"], header_forward,
+                         spec.get("allow_client_shm", True))
     app = restrict(frontend, spec.get("restricted") or {})  # --http-restricted-api
     sock = socket.socket(fileno=spec["fd"])
     # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.

@@ -359,7 +359,11 @@ class Frontend:
         return passed_group(request.scope) == ADMIN_GROUP
 
     async def _registering(self, request: Request, kind: str) -> control.NetworkCaller | Response:
-        """The caller of a register request, or the refusal of a peer that may not register."""
+        """The caller of a register request, or the refusal of a peer that may not register:
+        first, as Triton, the refusal of every register under --allow-client-shm=false, whatever
+        the body says."""
+        if not getattr(request.app.state, "allow_client_shm", True):
+            return error_response(501, control.CLIENT_SHM_DISABLED)
         try:
             return await registering_caller(kind, *self._peer(request),
                                              getattr(request.app.state, "allow_remote_shm", False),
@@ -456,7 +460,7 @@ def cuda_handle_b64(text: str) -> str:
 def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bool = False,
               max_input_bytes: int = 1 << 31, max_tensor_elements: int = MAX_TENSOR_ELEMENTS,
               max_inflight: int = DEFAULT_SLOTS, poll_us: int = 0,
-              header_forward: re.Pattern[str] | None = None) -> FrontendApp:
+              header_forward: re.Pattern[str] | None = None, allow_client_shm: bool = True) -> FrontendApp:
     fe = Frontend(server_id, arena_bytes, max_input_bytes, max_tensor_elements, max_inflight, poll_us, header_forward)
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version:digits}"  # Triton's [0-9]+: anything else is no route (404)
@@ -522,4 +526,5 @@ def build_app(server_id: str, arena_bytes: int = 256 << 20, allow_remote_shm: bo
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: http_error, 405: http_error})
     app.router.redirect_slashes = False  # Triton answers a path with a trailing slash 404, not a redirect
     app.state.allow_remote_shm = allow_remote_shm
+    app.state.allow_client_shm = allow_client_shm  # --allow-client-shm (the broker refuses too)
     return FrontendApp(fe.inference, fe.tracer, app)
