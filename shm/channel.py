@@ -110,9 +110,10 @@ DEFAULT_SLOTS = 1024
 CANCEL_AT = SLOT.size
 # A direct request's binding, which its owner writes before it puts the lane record: the worker
 # sets the taken word when it takes the record, and runs a lane record only if it names a pending
-# slot bound to that block and not taken yet (``take_bound``). Every client writes the lanes of a
-# worker's segment (another user's, under --local-client-users), but only its owner its slots: a
-# forged or replayed record can then run no request but the one its slot holds, and that once.
+# slot bound to that block and not taken yet (``take_bound``). Every process of a user may write
+# that user's lanes (each user's lie in an object of their own: ``lane_range``), but only its owner
+# its slots: a forged or replayed record can then run no request but the one its slot holds, and
+# that once.
 TAKEN_AT = CANCEL_AT + 4
 BOUND = struct.Struct("<QQ")  # the request block's offset and length
 BOUND_AT = TAKEN_AT + 4
