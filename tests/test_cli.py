@@ -149,6 +149,8 @@ def test_repository_flag_required():
      "--grpc-server-cert '/dev/null' holds no PEM data"),
     (["--grpc-port", "70000"], "--grpc-port"),
     (["--grpc-max-input-size", "0"], "--grpc-max-input-size must lie in [1, 2147483647], got 0"),
+    (["--grpc-receive-memory-mb", "0"], "--grpc-receive-memory-mb must lie in [1, 1073741824], got 0"),
+    (["--grpc-receive-timeout-secs", "0"], "--grpc-receive-timeout-secs must lie in (0, 86400], got 0"),
     (["--model-load-thread-count", "-1"], "--model-load-thread-count must be 0 or more"),
     (["--backend-config", "python"], "--backend-config 'python': expected [<backend>,]<setting>=<value>"),
     (["--http-header-timeout-secs", "0"], "--http-header-timeout-secs must lie in (0, 86400]"),
@@ -159,7 +161,8 @@ def test_repository_flag_required():
         "poll-us-text", "repository-poll-secs-range", "repository-poll-secs-text", "compression-level",
         "keepalive-time-0", "ping-strikes-negative", "keepalive-timeout-text", "restricted-protocol-unknown",
         "restricted-protocol-form", "restricted-protocol-twice", "ssl-without-files", "ssl-mutual-without-root",
-        "ssl-missing-file", "ssl-not-pem", "grpc-port-range", "grpc-max-input-size-0", "load-thread-count-negative",
+        "ssl-missing-file", "ssl-not-pem", "grpc-port-range", "grpc-max-input-size-0", "grpc-receive-memory-0",
+        "grpc-receive-timeout-0", "load-thread-count-negative",
         "backend-config-no-setting", "http-header-timeout-0", "http-idle-timeout-negative", "http-max-header-bytes-small",
         "http-max-connections-negative"])
 def test_bad_flag_values(tmp_path, args, needle):

@@ -283,3 +283,109 @@ def test_by_default_connections_are_bounded_by_the_descriptor_limit(server_facto
 
     server = _server(server_factory)
     assert f"(at most {connection_bound(raise_descriptor_limit())} connections)" in server.log()
+
+
+def _identity_message(nbytes: int) -> bytes:
+    """A serialized ModelInferRequest of identity_all with ``nbytes`` of input (sent as it is, so
+    that many threads send at once: tritonclient serializes each under the GIL)."""
+    request = service_pb2.ModelInferRequest(model_name="identity_all", raw_input_contents=[b"\x07" * nbytes])
+    request.inputs.add(name="IN_UINT8", datatype="UINT8", shape=[1, nbytes])
+    return request.SerializeToString()
+
+
+class PeakMemory:
+    """The most private memory ``pid`` held while the block ran, sampled every 5 ms."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self.stop = pid, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, _private_bytes(self.pid))
+            time.sleep(0.005)
+
+    def __enter__(self) -> "PeakMemory":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(DEADLINE_S)
+
+
+CALLS = 24
+
+
+def test_large_messages_sent_at_once_are_received_a_few_at_a_time(server_factory):
+    """grpc read a unary call's message whole before its handler ran: 24 messages of 30 MiB sent at
+    once were all in the frontend's memory together (over 1 GiB with grpc's copies) before the
+    arena refused most of them. With --grpc-receive-memory-mb 64 (two 32 MiB messages) two are
+    received at a time, the others left in their clients: each call is answered (served, or
+    UNAVAILABLE for want of room in the arena), the frontend's peak stays far below the sum
+    (what it holds is the messages in receipt and in flight, and the freed ones' memory until the
+    frontend's half-second trim), and small requests go on."""
+    server = _server(server_factory, "--grpc-receive-memory-mb", "64")
+    assert "receiving at most 2 ModelInfer messages at once" in server.log()
+    pid = _grpc_pid(server)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        _small_round_trip(client, 0)
+    start = _private_bytes(pid)
+    message = _identity_message(30 * MIB)
+    barrier = threading.Barrier(CALLS)
+    codes: list[grpc.StatusCode] = []
+
+    def call() -> None:
+        with grpc.insecure_channel(server.grpc_url, options=[("grpc.max_receive_message_length", -1)]) as channel:
+            infer = channel.unary_unary(METHOD + "ModelInfer")
+            barrier.wait()
+            try:
+                infer(message, timeout=DEADLINE_S)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+                assert e.code() == grpc.StatusCode.UNAVAILABLE and "overloaded" in e.details(), e
+
+    with SmallTraffic(server.grpc_url), PeakMemory(pid) as memory:
+        threads = [threading.Thread(target=call) for _ in range(CALLS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE_S)
+    assert len(codes) == CALLS and grpc.StatusCode.OK in codes, codes
+    grown = (memory.peak - start) / MIB
+    assert grown < 400, f"the gRPC frontend held {grown:.0f} MiB at once for {CALLS} messages of 30 MiB"
+    _assert_memory_returns(pid, start)
+
+
+def test_a_message_that_does_not_arrive_in_time_ends_its_call(server_factory):
+    """A client that opens a ModelInfer call and sends no message held its call open for good; with
+    one receive slot it would keep every other ModelInfer waiting. Past --grpc-receive-timeout-secs
+    its call ends with DEADLINE_EXCEEDED saying so, and a call that waited behind it is served."""
+    server = _server(server_factory, "--grpc-receive-memory-mb", "32", "--grpc-receive-timeout-secs", "1")
+    assert "receiving at most 1 ModelInfer messages at once" in server.log()
+    stalled: list[grpc.RpcError] = []
+    opened = threading.Event()
+
+    def never_sends() -> None:
+        def nothing():
+            opened.set()
+            time.sleep(DEADLINE_S)
+            yield b""
+        with grpc.insecure_channel(server.grpc_url) as channel:
+            try:
+                channel.stream_unary(METHOD + "ModelInfer")(nothing(), timeout=DEADLINE_S)
+            except grpc.RpcError as e:
+                stalled.append(e)
+
+    slow = threading.Thread(target=never_sends, daemon=True)
+    slow.start()
+    opened.wait(DEADLINE_S)
+    time.sleep(0.2)  # (its call holds the one slot now)
+    began = time.monotonic()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        _small_round_trip(client, 3)
+    assert time.monotonic() - began < DEADLINE_S
+    slow.join(DEADLINE_S)
+    assert stalled and stalled[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED, stalled
+    assert stalled[0].details() == "the request message did not arrive within 1 s (--grpc-receive-timeout-secs)"

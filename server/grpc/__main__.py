@@ -3,7 +3,8 @@ launcher when ``--allow-grpc`` is true).
 
 grpcio's asyncio server on the standard asyncio loop (grpc.aio does not run on uvloop), with the
 settings of Triton's gRPC flags (options.py): channel arguments (the message limits among them:
-Triton's 2 GiB - 1 for responses, ``--grpc-max-input-size`` for requests), TLS credentials, the
+Triton's 2 GiB - 1 for responses, ``--grpc-max-input-size`` for requests), the slots ModelInfer
+messages are received under (receiving.py), TLS credentials, the
 restricted-protocol interceptor (restricted.py); handlers registered by handlers.py. SIGTERM stops
 it gracefully within ``--exit-timeout-secs``.
 """
@@ -33,6 +34,7 @@ from .health import HealthService
 from .infer import GrpcInference
 from .memory import HeapWatch
 from .options import read_pem
+from .receiving import ReceiveSlots
 from .requests import read_infer_request
 from .restricted import RestrictedProtocols
 from .service import InferenceService
@@ -83,8 +85,9 @@ async def serve(spec: dict) -> int:
     options.append(("grpc.max_allowed_incoming_connections", max_connections))
     interceptors = [RestrictedProtocols(spec["restricted"])] if spec["restricted"] else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
+    receiving = ReceiveSlots(spec["receive_slots"], spec["receive_timeout_s"])
     add_servicer(server, service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, service,
-                 {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request})
+                 {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request}, {"ModelInfer": receiving})
     add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, HealthService(service))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -112,7 +115,8 @@ async def serve(spec: dict) -> int:
     link.open_early()
     await server.start()
     tracer.start()
-    log.info("serving gRPC on %s (at most %d connections)", address, max_connections)
+    log.info("serving gRPC on %s (at most %d connections), receiving at most %d ModelInfer messages at once",
+             address, max_connections, receiving.slots)
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes made through any frontend
     heap_watch = HeapWatch()  # large messages' memory goes back to the kernel once freed
     while not stop.is_set():

@@ -7,7 +7,9 @@ each deserializer returns a ``Malformed`` instead, which a unary call answers wi
 INVALID_ARGUMENT and ModelStreamInfer answers as one refused request of its stream.
 
 A handler refuses a call by raising ``Aborted`` (status.py), which the unary wrapper turns into
-the call's code and details. grpcio's own ``context.abort`` keeps its exception in the call's
+the call's code and details. A unary method given ``ReceiveSlots`` (receiving.py: ModelInfer) is
+registered as stream-unary, the same on the wire, so that it reads its message itself, under
+those slots, rather than grpc reading it before the handler runs. grpcio's own ``context.abort`` keeps its exception in the call's
 state, and the exception's traceback holds the handler's frames and so the request: a cycle that
 only the garbage collector frees, so a few refused 300 MB messages used to stay in memory.
 """
@@ -18,6 +20,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
+from .receiving import ReceiveSlots
 from .status import Aborted
 
 
@@ -60,6 +63,20 @@ def _unary(behavior: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any
     return call
 
 
+def _reading(behavior: Callable[[Any, Any], Awaitable[Any]], slots: ReceiveSlots) -> Callable[[Any, Any], Awaitable[Any]]:
+    """A unary ``behavior`` (``_unary``'s) as a stream-unary one that reads its one message under ``slots``."""
+    async def call(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = await slots.receive(context)
+        except Aborted as e:
+            code, message = e.code, str(e)
+        else:
+            return await behavior(request, context)
+        refuse(context, code, message)
+        return None
+    return call
+
+
 def passing_bytes(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
     """``serialize``, except for a response already serialized (responses.py), sent as it is."""
     def serializer(message: Any) -> bytes:
@@ -73,16 +90,19 @@ def _type_name(parse: Callable[[bytes], Any]) -> str:
     return getattr(descriptor, "full_name", "request")
 
 
-def _wrapped(handler: grpc.RpcMethodHandler, parse: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
+def _wrapped(handler: grpc.RpcMethodHandler, parse: Callable[[bytes], Any] | None = None,
+             slots: ReceiveSlots | None = None) -> grpc.RpcMethodHandler:
     """``handler`` with a lenient deserializer and a serializer that passes serialized responses;
     a unary-unary one also answers ``Malformed`` and ``Aborted`` itself (streaming handlers see
     the ``Malformed`` and answer it as they answer errors). ``parse``: reads the request in place
-    of the generated deserializer."""
+    of the generated deserializer; ``slots``: a unary one reads its message under them."""
     generated = handler.request_deserializer
     changes: dict[str, Any] = {}
     if generated is not None:
         changes["request_deserializer"] = lenient(parse or generated, _type_name(generated))
-    if handler.unary_unary is not None:
+    if handler.unary_unary is not None and slots is not None:
+        changes.update(unary_unary=None, request_streaming=True, stream_unary=_reading(_unary(handler.unary_unary), slots))
+    elif handler.unary_unary is not None:
         changes["unary_unary"] = _unary(handler.unary_unary)
     if handler.response_serializer is not None:
         changes["response_serializer"] = passing_bytes(handler.response_serializer)
@@ -104,13 +124,16 @@ class _Registration:
 
 
 def add_servicer(server: grpc.aio.Server, add_to_server: Callable[[Any, Any], None], servicer: Any,
-                 parsers: dict[str, Callable[[bytes], Any]] | None = None) -> None:
+                 parsers: dict[str, Callable[[bytes], Any]] | None = None,
+                 receiving: dict[str, ReceiveSlots] | None = None) -> None:
     """Register ``servicer`` as the generated ``add_to_server`` would, each handler ``_wrapped``;
-    ``parsers``: a method's own request reader, by method name."""
+    ``parsers``: a method's own request reader, by method name; ``receiving``: the slots a unary
+    method's message is read under, by method name."""
     registration = _Registration()
     add_to_server(servicer, registration)
     if not registration.handlers:
         raise RuntimeError(f"{add_to_server.__name__} registered no method handlers by name")
-    handlers = {name: _wrapped(h, (parsers or {}).get(name)) for name, h in registration.handlers.items()}
+    handlers = {name: _wrapped(h, (parsers or {}).get(name), (receiving or {}).get(name))
+                for name, h in registration.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(registration.service, handlers),))
     server.add_registered_method_handlers(registration.service, handlers)

@@ -51,6 +51,8 @@ MAX_CONNECTIONS_FLAG = "--grpc-max-connections"  # Triton has none: it accepts u
 MAX_INT = (1 << 31) - 1  # grpc's limit for a channel argument, and Triton's message limit
 RESTRICTED_FLAG = "--grpc-restricted-protocol"
 MAX_INPUT_FLAG = "--grpc-max-input-size"  # Triton has none: its limit is fixed at MAX_INT
+RECEIVE_MEMORY_FLAG = "--grpc-receive-memory-mb"  # Triton has none: it reads every message at once
+RECEIVE_TIMEOUT_FLAG = "--grpc-receive-timeout-secs"
 
 
 def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None:
@@ -76,6 +78,14 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
                    help="largest request message, after decompression: grpc refuses a larger one with "
                         "RESOURCE_EXHAUSTED as its length arrives, before reading it (default: the frontend "
                         "arena, --frontend-arena-mb, the most tensor data a request can carry; at most 2^31-1)")
+    p.add_argument(RECEIVE_MEMORY_FLAG, type=int, default=1024, metavar="MB",
+                   help="memory the gRPC frontend gives ModelInfer messages while it receives them: it receives as "
+                        f"many at once as this holds of {MAX_INPUT_FLAG}, at least one; a call past them waits, its "
+                        "message left in the client (default 1024)")
+    p.add_argument(RECEIVE_TIMEOUT_FLAG, type=float, default=60.0, metavar="SECONDS",
+                   help="how long a ModelInfer message may take to arrive once its receipt has begun: a call slower "
+                        "than this ends with DEADLINE_EXCEEDED, so that slow senders cannot hold the receive slots "
+                        "(default 60)")
     p.add_argument(RESTRICTED_FLAG, action="append", default=[], metavar="PROTOCOL[,PROTOCOL...]:KEY=VALUE",
                    help="answer these RPC groups only for calls with metadata triton-grpc-protocol-KEY: VALUE (else "
                         "UNAVAILABLE); groups as --http-restricted-api's; repeatable, as Triton's")
@@ -87,7 +97,8 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
 
 def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as the gRPC process's settings: ``options`` (grpc channel arguments, the
-    message limits among them), ``max_connections`` (0: derived there), ``tls`` (certificate paths, or None), ``restricted`` (group ->
+    message limits among them), ``max_connections`` (0: derived there), ``receive_slots`` and
+    ``receive_timeout_s`` (receiving.py), ``tls`` (certificate paths, or None), ``restricted`` (group ->
     (key, value)) and ``header_forward_pattern`` (None: none). ValueError says what is wrong, by flag."""
     options = [("grpc.max_receive_message_length", max_input_size(args)),
                ("grpc.max_send_message_length", MAX_INT)]  # Triton's
@@ -98,6 +109,10 @@ def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
         if value or default:
             options.append((argument, value))
     options.append(("grpc.keepalive_permit_without_calls", int(args.grpc_keepalive_permit_without_calls)))
+    # A call waiting for a receive slot (receiving.py) leaves its message in the client only as far
+    # as its HTTP/2 window: grpc's bandwidth-delay probing would grow each such window to megabytes.
+    # (A read in progress opens its stream's window to the whole message, probing or not.)
+    options.append(("grpc.http2.bdp_probe", 0))
     options.append(("grpc.so_reuseport", int(bool(args.reuse_grpc_port))))  # grpcio's default is on, Triton's off
     level = args.grpc_infer_response_compression_level.lower()  # Triton's is case-insensitive
     if level not in COMPRESSION_LEVELS:
@@ -108,7 +123,13 @@ def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
     compile_pattern(args.grpc_header_forward_pattern, FORWARD_FLAG)
     if not 0 <= args.grpc_max_connections <= MAX_INT:
         raise ValueError(f"{MAX_CONNECTIONS_FLAG} must lie in [0, {MAX_INT}], got {args.grpc_max_connections}")
+    if not 1 <= args.grpc_receive_memory_mb <= 1 << 30:
+        raise ValueError(f"{RECEIVE_MEMORY_FLAG} must lie in [1, {1 << 30}], got {args.grpc_receive_memory_mb}")
+    if not 0 < args.grpc_receive_timeout_secs <= 86400:
+        raise ValueError(f"{RECEIVE_TIMEOUT_FLAG} must lie in (0, 86400], got {args.grpc_receive_timeout_secs:g}")
+    receive_slots = max(1, (args.grpc_receive_memory_mb << 20) // max_input_size(args))
     return {"options": options, "max_connections": args.grpc_max_connections, "tls": tls(args),
+            "receive_slots": receive_slots, "receive_timeout_s": args.grpc_receive_timeout_secs,
             "restricted": parse_restricted(args.grpc_restricted_protocol, RESTRICTED_FLAG, "protocol"),
             "header_forward_pattern": args.grpc_header_forward_pattern}
 

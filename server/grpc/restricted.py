@@ -90,6 +90,8 @@ def _refusal(handler: Any, message: str) -> Any:
     async def refusal(request: Any, context: grpc.aio.ServicerContext) -> None:
         refuse(context, grpc.StatusCode.UNAVAILABLE, message)  # not context.abort: see handlers.py
 
-    make = grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}[handler.request_streaming, handler.response_streaming]
     return make(refusal, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)

@@ -1,0 +1,52 @@
+"""How many ModelInfer messages the gRPC frontend receives at once, and how long one may take.
+
+grpc reads a unary call's request message whole, into this process's heap, before a unary
+handler runs: a burst of large messages (each up to ``--grpc-max-input-size``) from many clients
+at once would all be in memory together, gigabytes before the first of them is refused for want
+of room in the arena. So ModelInfer is registered as a handler that reads its one message itself
+(handlers.py), after taking one of its receive slots: as many largest messages as
+``--grpc-receive-memory-mb`` holds (options.py; at least one). A call waiting for a slot holds next to nothing here: grpc
+reads a stream's data only as far as its HTTP/2 window until a read is asked for, and the rest
+waits in the client. A slot is held until the message has arrived, for at most
+``--grpc-receive-timeout-secs``: a client that sends its message more slowly, or never, has its
+call ended with DEADLINE_EXCEEDED, so that a few slow clients cannot keep the slots from others.
+
+Once received, a message is held by its call until the call ends; its tensors are then in the
+frontend's arena too, which bounds the calls in flight (a request it cannot hold is refused at
+once with UNAVAILABLE). ModelStreamInfer reads each message of a stream as the stream's requests
+are submitted (stream.py), unbounded by these slots: an idle stream waits on a read for as long as
+its client likes.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from .options import RECEIVE_TIMEOUT_FLAG
+from .status import Aborted
+
+
+class ReceiveSlots:
+    """The slots ModelInfer calls take while their message arrives (one event loop's)."""
+
+    def __init__(self, slots: int, timeout_s: float) -> None:
+        self.slots = slots
+        self.timeout_s = timeout_s
+        self._free = asyncio.Semaphore(slots)
+
+    async def receive(self, context: grpc.aio.ServicerContext) -> Any:
+        """The call's request message, read once a slot is free. Raises ``Aborted`` when it does not
+        arrive within the timeout, or when the client ended its side with none."""
+        async with self._free:
+            try:
+                async with asyncio.timeout(self.timeout_s):  # (no task of its own, unlike wait_for)
+                    message = await context.read()
+            except TimeoutError:
+                raise Aborted(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"the request message did not arrive within {self.timeout_s:g} s "
+                              f"({RECEIVE_TIMEOUT_FLAG})") from None
+        if message is grpc.aio.EOF:
+            raise Aborted(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
+        return message
