@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -714,3 +715,73 @@ def test_the_metrics_port_takes_tritons_paths_and_refuses_other_methods(stats_se
     for method in ("POST", "PUT", "DELETE"):
         r = raw_request(stats_server.metrics_port, method, "/metrics", b"")
         assert (r.status, r.json()) == (405, {"error": "Method Not Allowed"}), method
+
+
+SLEEPER = '''
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """Sleeps X tenths of a second, then answers X."""
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            time.sleep(int(x[0]) / 10)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        return out
+'''
+
+
+def test_requests_queued_behind_a_long_execution_count_once_as_pending(server_factory, tmp_path):
+    """Three requests at once on one lane of a one-instance model that does not batch: the worker
+    takes the second and the third off the lane when the first ends and runs them in turn. While
+    the second runs (3 s) the third is waiting, taken: pending 1 and 2 in flight, as Triton counts
+    them; its client must not take it for a lost lane record and put it again (which counted it
+    twice, and warned of another process writing the lanes)."""
+    model = tmp_path / "repo" / "sleeper"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(
+        'name: "sleeper"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n')
+    (model / "1" / "model.py").write_text(SLEEPER)
+    server = server_factory.start([tmp_path / "repo"])
+    answered: list[int] = []
+
+    def send(tenths: int) -> None:
+        client = httpclient.InferenceServerClient(server.url)
+        try:
+            t = httpclient.InferInput("X", [1], "INT32")
+            t.set_data_from_numpy(np.array([tenths], dtype=np.int32))
+            answered.append(int(client.infer("sleeper", [t]).as_numpy("Y")[0]))
+        finally:
+            client.close()
+
+    first = threading.Thread(target=send, args=(30,))
+    first.start()
+    wait_for_pending = time.monotonic() + 60
+    while sample(scrape(server), "shmserve_requests_in_flight", model="sleeper") < 1:
+        assert time.monotonic() < wait_for_pending
+        time.sleep(0.02)
+    rest = [threading.Thread(target=send, args=(t,)) for t in (30, 0)]
+    for t in rest:
+        t.start()
+        time.sleep(0.1)  # (in this order on the lane)
+    seen = []
+    while first.is_alive() or any(t.is_alive() for t in rest):
+        text = scrape(server)
+        if answered and 30 in answered and len(answered) == 1:  # the first answered, the second running
+            seen.append((sample(text, "nv_inference_pending_request_count", model="sleeper"),
+                         sample(text, "shmserve_requests_in_flight", model="sleeper")))
+        time.sleep(0.1)
+    for t in (first, *rest):
+        t.join()
+    assert sorted(answered) == [0, 30, 30]
+    assert len(seen) > 10, seen  # (sampled through the second execution)
+    assert max(seen) <= (1, 2), seen
+    assert "put again" not in server.log()

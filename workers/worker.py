@@ -291,9 +291,11 @@ class Worker:
         self.stats.publish(DIRECT_TAKEN)
         polled = False
         dropped = unbound = 0
+        taken: list[tuple[ClientSegment, Record]] = []
+        # Every record is checked and its slot taken before the first one runs: a model that does
+        # not batch runs each in turn, and the client of one still waiting behind a long execution
+        # must see it taken (else, finding it untaken with the lane empty, it puts it again).
         for raw in raws:
-            # Looked up again for each record: a holder that left (died, or was refused) while we
-            # ran its earlier requests gets nothing more run (its cookie changed).
             if raw[4] != cookie or not name or cookie in self._refused or self.broker.lane_cookie(lane) != cookie:
                 dropped += 1
                 counts[DIRECT_DONE] += 1
@@ -312,6 +314,14 @@ class Worker:
                 continue
             if not client.take_bound(rec.slot, rec.off, rec.length, self.num):
                 unbound += 1  # not its client's pending request to us, or taken already: replayed or forged
+                counts[DIRECT_DONE] += 1
+                continue
+            taken.append((client, rec))
+        for client, rec in taken:
+            # Looked up again for each record: a holder that left (died, or was refused) while we
+            # ran its earlier requests gets nothing more run (its cookie changed).
+            if cookie in self._refused or self.broker.lane_cookie(lane) != cookie:
+                dropped += 1
                 counts[DIRECT_DONE] += 1
                 continue
             polled = polled or bool(rec.flags & REQ_POLLING)
