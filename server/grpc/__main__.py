@@ -123,6 +123,7 @@ async def serve(spec: dict) -> int:
         log_settings.check()
         tracer.follow()
         await heap_watch.check()
+        receiving.sweep()
         try:
             await asyncio.wait_for(stop.wait(), TICK_S)
         except asyncio.TimeoutError:

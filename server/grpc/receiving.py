@@ -5,11 +5,12 @@ handler runs: a burst of large messages (each up to ``--grpc-max-input-size``) f
 at once would all be in memory together, gigabytes before the first of them is refused for want
 of room in the arena. So ModelInfer is registered as a handler that reads its one message itself
 (handlers.py), after taking one of its receive slots: as many largest messages as
-``--grpc-receive-memory-mb`` holds (options.py; at least one). A call waiting for a slot holds next to nothing here: grpc
-reads a stream's data only as far as its HTTP/2 window until a read is asked for, and the rest
-waits in the client. A slot is held until the message has arrived, for at most
-``--grpc-receive-timeout-secs``: a client that sends its message more slowly, or never, has its
-call ended with DEADLINE_EXCEEDED, so that a few slow clients cannot keep the slots from others.
+``--grpc-receive-memory-mb`` holds (options.py; at least one). A call waiting for a slot holds
+next to nothing here: grpc reads a stream's data only as far as its HTTP/2 window until a read is
+asked for, and the rest waits in the client. A slot is held until the message has arrived, for at
+most ``--grpc-receive-timeout-secs`` (and the frontend's half-second tick): a client that sends
+its message more slowly, or never, has its call ended with DEADLINE_EXCEEDED, so that a few slow
+clients cannot keep the slots from others.
 
 Once received, a message is held by its call until the call ends; its tensors are then in the
 frontend's arena too, which bounds the calls in flight (a request it cannot hold is refused at
@@ -20,6 +21,7 @@ its client likes.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import grpc
@@ -29,24 +31,48 @@ from .status import Aborted
 
 
 class ReceiveSlots:
-    """The slots ModelInfer calls take while their message arrives (one event loop's)."""
+    """The slots ModelInfer calls take while their message arrives (one event loop's).
+
+    The deadline is kept by ``sweep``, on the frontend's tick, rather than a timer per call (an
+    ``asyncio.timeout`` costs a timer handle made and cancelled on every request): a receipt
+    ends at most one tick past its time."""
 
     def __init__(self, slots: int, timeout_s: float) -> None:
         self.slots = slots
         self.timeout_s = timeout_s
         self._free = asyncio.Semaphore(slots)
+        self._receiving: dict[asyncio.Task, float] = {}  # each receipt's task -> when it began
+        self._late: set[asyncio.Task] = set()  # receipts ``sweep`` has cancelled
 
     async def receive(self, context: grpc.aio.ServicerContext) -> Any:
         """The call's request message, read once a slot is free. Raises ``Aborted`` when it does not
         arrive within the timeout, or when the client ended its side with none."""
         async with self._free:
+            task = asyncio.current_task()
+            assert task is not None
+            self._receiving[task] = time.monotonic()
             try:
-                async with asyncio.timeout(self.timeout_s):  # (no task of its own, unlike wait_for)
-                    message = await context.read()
-            except TimeoutError:
+                message = await context.read()
+            except asyncio.CancelledError:
+                if task not in self._late:
+                    raise  # (the call was cancelled)
+                self._late.discard(task)
+                task.uncancel()
                 raise Aborted(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"the request message did not arrive within {self.timeout_s:g} s "
                               f"({RECEIVE_TIMEOUT_FLAG})") from None
+            finally:
+                del self._receiving[task]
         if message is grpc.aio.EOF:
             raise Aborted(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
         return message
+
+    def sweep(self) -> None:
+        """End the receipts that have taken longer than the timeout (their read is cancelled)."""
+        if not self._receiving:
+            return
+        began_by = time.monotonic() - self.timeout_s
+        for task, began in list(self._receiving.items()):
+            if began <= began_by and task not in self._late:
+                self._late.add(task)
+                task.cancel()
