@@ -204,3 +204,69 @@ def test_a_tensor_named_with_bytes_reaches_the_client_by_its_name(module_factory
     x = httpclient.InferInput("X", [1], "FP32")
     x.set_data_from_numpy(np.array([3.0], np.float32))
     assert s.client().infer("bytes_named", [x]).as_numpy("Y").tolist() == [6.0]
+
+
+VERSION_CALLER_PY = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def attempt(make):
+    try:
+        return make()
+    except Exception as e:
+        return "%s: %s" % (type(e).__name__, e)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = [pb_utils.Tensor("X", np.ones(1, np.float32))]
+            report = {}
+            for version in (-1, 0, 1, -2, 2):
+                got = pb_utils.InferenceRequest(model_name="order", model_version=version, inputs=x,
+                                                requested_output_names=["M"]).exec()
+                report[str(version)] = got.error().message() if got.has_error() else got.output_tensors()[0].as_numpy().tolist()
+            made = lambda **kw: pb_utils.InferenceRequest(model_name="order", inputs=x, requested_output_names=["M"], **kw)
+            report["parameters"] = made(parameters={"a": 1, "b": "x"}).parameters()
+            report["incoming"] = r.parameters()
+            report["list value"] = attempt(lambda: made(parameters={"a": [1]}))
+            report["key"] = attempt(lambda: made(parameters={1: 1}))
+            report["timeout"] = attempt(lambda: made(timeout=-1))
+            report["flags"] = attempt(lambda: made(flags=-1))
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("R", np.array([json.dumps(report).encode()], np.object_))]))
+        return out
+'''
+
+
+def test_bls_version_numbers_and_request_arguments_as_triton(module_factory, tmp_path):
+    """model_version -1 is the latest; any other number names that version, 0 and -2 too, which
+    do not exist (as Triton's core refuses them: 0 was taken for the latest here). A request a
+    model builds reads its parameters() as Triton's stub writes them (json.dumps, with spaces), an
+    incoming one compact; a parameter of a bad type names it as Triton does (``<class 'list'>``),
+    and a negative timeout or flags is a TypeError, as for Triton's unsigned arguments."""
+    import json
+
+    repo = tmp_path / "repo"
+    for name, code, config in (("order", ORDER_PY, ORDER_CONFIG), ("vcall", VERSION_CALLER_PY, (
+            'backend: "python"\nmax_batch_size: 0\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+            'output [ { name: "R" data_type: TYPE_STRING dims: [ 1 ] } ]\n'))):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(code)
+        (repo / name / "config.pbtxt").write_text(config)
+    s = module_factory.start([repo])
+    x = httpclient.InferInput("X", [1], "FP32")
+    x.set_data_from_numpy(np.ones(1, np.float32))
+    report = json.loads(s.client().infer("vcall", [x], parameters={"a": 1, "b": "x"}).as_numpy("R")[0])
+    assert report["-1"] == [2.0] and report["1"] == [2.0]
+    for version in ("0", "-2", "2"):
+        assert report[version] == f"Request for unknown model: 'order' version {version} is not found"
+    assert report["parameters"] == '{"a": 1, "b": "x"}'
+    assert report["incoming"] == '{"a":1,"b":"x"}'
+    assert report["list value"] == ("TritonModelException: Expect parameters values to have type bool/int/str, "
+                                    "found type <class 'list'>")
+    assert report["key"] == "TritonModelException: Expect parameters keys to have type str, found type <class 'int'>"
+    assert report["timeout"].startswith("TypeError: ") and "timeout" in report["timeout"]
+    assert report["flags"].startswith("TypeError: ") and "flags" in report["flags"]

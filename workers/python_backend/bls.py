@@ -40,7 +40,9 @@ class Bls:
         flags = request.flags()
         version = request._model_version
         params = json.loads(request.parameters() or "{}")
-        options = {"version": str(version) if version and version > 0 else "", "request_id": request.request_id(),
+        # -1 (the default) is the latest version, as in Triton; any other number names that version
+        # (0 or -2 are no version: refused as Triton's core refuses them)
+        options = {"version": "" if version == -1 else str(version), "request_id": request.request_id(),
                    "parameters": params or None, "sequence_id": request.correlation_id(),
                    "sequence_start": bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START),
                    "sequence_end": bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END),

@@ -102,6 +102,15 @@ def _check_correlation_id(correlation_id: Any) -> None:
         raise TritonModelException("Correlation ID must be an unsigned integer or string")
 
 
+def _unsigned(arg_name: str, value: Any) -> int:
+    """``flags`` and ``timeout`` are unsigned in Triton's binding (uint32, uint64 microseconds):
+    a negative value is refused with a TypeError there, and so here."""
+    number = int(value)
+    if number < 0:
+        raise TypeError(f"InferenceRequest() argument '{arg_name}' must be an unsigned integer, got {number}")
+    return number
+
+
 def _by_name(inputs: list[Tensor]) -> dict[str, Tensor]:
     """The inputs by name (the first of a repeated name wins)."""
     by_name: dict[str, Tensor] = {}
@@ -169,8 +178,8 @@ class InferenceRequest:
         self._inputs = input_list
         self._model_name = model_name
         self._model_version = int(model_version)
-        self._flags = int(flags)
-        self._timeout = int(timeout)
+        self._flags = _unsigned("flags", flags)
+        self._timeout = _unsigned("timeout", timeout)
         self._preferred_memory = preferred_memory
         self._trace = trace if trace is not None else InferenceTrace()
         self._parameters = parameters_to_json(parameters)
@@ -192,7 +201,7 @@ class InferenceRequest:
         self._flags = int(request.flags)
         self._timeout = request.timeout_us
         parameters = request.parameters
-        self._parameters = parameters_to_json(parameters) if parameters else "{}"
+        self._parameters = parameters_to_json(parameters, compact=True) if parameters else "{}"
         if request.traced:
             self._trace = InferenceTrace._traced()
         return self
