@@ -236,6 +236,9 @@ class TritonPythonModel:
             report["key"] = attempt(lambda: made(parameters={1: 1}))
             report["timeout"] = attempt(lambda: made(timeout=-1))
             report["flags"] = attempt(lambda: made(flags=-1))
+            for _ in range(2):
+                gpu = made(preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0)).exec()
+            report["gpu"] = [t.is_cpu() for t in gpu.output_tensors()]
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("R", np.array([json.dumps(report).encode()], np.object_))]))
         return out
 '''
@@ -246,7 +249,8 @@ def test_bls_version_numbers_and_request_arguments_as_triton(module_factory, tmp
     do not exist (as Triton's core refuses them: 0 was taken for the latest here). A request a
     model builds reads its parameters() as Triton's stub writes them (json.dumps, with spaces), an
     incoming one compact; a parameter of a bad type names it as Triton does (``<class 'list'>``),
-    and a negative timeout or flags is a TypeError, as for Triton's unsigned arguments."""
+    and a negative timeout or flags is a TypeError, as for Triton's unsigned arguments.
+    preferred_memory GPU is not acted on (the outputs are on the CPU): the log says so, once."""
     import json
 
     repo = tmp_path / "repo"
@@ -270,3 +274,5 @@ def test_bls_version_numbers_and_request_arguments_as_triton(module_factory, tmp
     assert report["key"] == "TritonModelException: Expect parameters keys to have type str, found type <class 'int'>"
     assert report["timeout"].startswith("TypeError: ") and "timeout" in report["timeout"]
     assert report["flags"].startswith("TypeError: ") and "flags" in report["flags"]
+    assert report["gpu"] == [True]
+    assert s.log().count("preferred_memory TRITONSERVER_MEMORY_GPU is not acted on") == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
@@ -16,6 +17,23 @@ from shmserve.shm.control_messages import ControlMessage
 
 from . import pb_utils
 from .convert import ERROR_CODE, array_of
+
+
+log = logging.getLogger("shmserve.worker")
+_gpu_memory_warned = False
+
+
+def _warn_gpu_memory(request: Any) -> None:
+    """``preferred_memory`` asking for GPU memory is not acted on (BLS outputs are numpy arrays in
+    CPU memory): said once per instance, by name, rather than passed over in silence."""
+    global _gpu_memory_warned
+    preferred = request._preferred_memory
+    if _gpu_memory_warned or preferred is None or \
+            preferred.preferred_memory_type != pb_utils.TRITONSERVER_MEMORY_GPU:
+        return
+    _gpu_memory_warned = True
+    log.warning("a BLS request's preferred_memory TRITONSERVER_MEMORY_GPU is not acted on: its outputs are in "
+                "CPU memory (is_cpu() true), where Triton would place them on the GPU")
 
 
 class Bls:
@@ -35,6 +53,7 @@ class Bls:
 
     @staticmethod
     def _call(request: Any) -> tuple[str, dict, list | None, dict]:
+        _warn_gpu_memory(request)
         inputs = {t.name(): array_of(t) for t in request.inputs()}
         wanted = sorted(request.requested_output_names()) or None
         flags = request.flags()
