@@ -30,7 +30,8 @@ import posix_ipc
 from .answer import DECOUPLED_REFUSAL, AnswerDescriptor, ErrorCode
 from .completion import Answer, Completion
 from . import control_messages as control
-from .connection import DEFAULT_POLL_US, Backpressure, Connection, RequestTooLarge, ServerUnavailable
+from .connection import DEFAULT_POLL_US, Backpressure, Connection, NoServer, RequestTooLarge, ServerUnavailable
+from .liveness import running_servers
 from .descriptor import SEQUENCE_END, SEQUENCE_START, InferRequest, InputTensor, RequestedOutput
 from .protocol import REQ_CONTROL
 from .regions import Region, created_key_prefix, find_shm_mapping
@@ -81,7 +82,15 @@ class Client:
                  poll_us: int = DEFAULT_POLL_US) -> None:
         if poll_us < 0:
             raise ValueError(f"poll_us must be 0 or more (got {poll_us})")
-        self._conn = Connection(server_id, arena_bytes=arena_bytes, poll_us=poll_us)
+        try:
+            self._conn = Connection(server_id, arena_bytes=arena_bytes, poll_us=poll_us)
+        except NoServer as e:
+            # A wrong id is the usual cause (the default 'shmserve' for a server started with --id):
+            # say which run here. (Only a local program is told: a frontend's 503 names no other server.)
+            others = [i for i in running_servers() if i != server_id]
+            if not others:
+                raise
+            raise NoServer(f"{e} (running here: {', '.join(repr(i) for i in others)}; pass the server's --id)") from None
         self._regions: dict[str, Region] = {}
         self._configs: dict[tuple[str, str], tuple[int, dict]] = {}  # -> (routes' generation, config)
         self._lock = threading.Lock()

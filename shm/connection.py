@@ -58,6 +58,10 @@ class ServerUnavailable(ConnectionError):
     """No server with that id is running, or it went away; a new Connection may succeed later."""
 
 
+class NoServer(ServerUnavailable):
+    """No server with that id runs on this host at all (no broker file, or none alive)."""
+
+
 class ConnectionClosed(ValueError):
     """A call on a client (connection) its owner closed: as a closed file's, a programming error
     that no retry mends."""
@@ -114,7 +118,7 @@ class Connection:
         except NotTheServers as e:
             raise ServerUnavailable(f"the shmserve server '{server_id}' cannot be reached: {e}") from None
         except (posix_ipc.ExistentialError, ConnectionError, FileNotFoundError):
-            raise ServerUnavailable(f"no shmserve server with id '{server_id}' is running on this host") from None
+            raise NoServer(f"no shmserve server with id '{server_id}' is running on this host") from None
         except (posix_ipc.PermissionsError, PermissionError):
             raise ServerUnavailable(f"the shmserve server '{server_id}' runs as another user: this process (uid "
                                     f"{os.geteuid()}) may not open its shared memory; run the client as the "
@@ -128,7 +132,7 @@ class Connection:
             self._tickets, self.ticket = process_ticket(server_id)
         except OSError:
             self.broker.close()
-            raise ServerUnavailable(f"no shmserve server with id '{server_id}' is running on this host") from None
+            raise NoServer(f"no shmserve server with id '{server_id}' is running on this host") from None
         if not self._broker_alive():
             self.broker.close()
             raise ServerUnavailable(f"the shmserve server with id '{server_id}' is not running (stale objects)")

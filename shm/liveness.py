@@ -23,7 +23,7 @@ import secrets
 import struct
 import threading
 
-from .names import SHM_DIR, object_name
+from .names import ID_RE, PREFIX, SHM_DIR, object_name
 
 BROKER_TICKET = 0
 MAX_TICKET = (1 << 31) - 1
@@ -90,6 +90,35 @@ class Tickets:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def running_servers() -> list[str]:
+    """The ids of the servers running on this host whose broker file this process may open (its
+    broker holds byte 0 of it: a server killed with SIGKILL left the file, not the lock): what a
+    client that named no running server is told, so that a wrong --id says which are there."""
+    prefix, suffix = PREFIX + ".", ".broker.0"
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        server_id = name[len(prefix):-len(suffix)]
+        if not (name.startswith(prefix) and name.endswith(suffix) and ID_RE.match(server_id)):
+            continue
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, BROKER_TICKET, 1, 0))
+            if _FLOCK.unpack(got)[0] != fcntl.F_UNLCK:
+                found.append(server_id)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return sorted(found)
 
 
 # -- the client process's own ticket, per server ------------------------------------------------------

@@ -16,7 +16,7 @@ import posix_ipc
 
 PREFIX = "shmserve"
 SHM_DIR = "/dev/shm"
-_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 log = logging.getLogger("shmserve.names")
 _rng = random.SystemRandom()  # (names another user must not predict from those made before)
 _warned: set[tuple[str, str]] = set()  # (name, why) already logged: a squatted name is met at every sweep
@@ -24,7 +24,7 @@ _warned: set[tuple[str, str]] = set()  # (name, why) already logged: a squatted 
 
 def check_server_id(server_id: str) -> str:
     """Server ids become part of file names in /dev/shm, so only a safe alphabet is allowed."""
-    if not _ID_RE.match(server_id):
+    if not ID_RE.match(server_id):
         raise ValueError(f"invalid server id {server_id!r}: use 1-64 letters, digits, '_' or '-'")
     return server_id
 

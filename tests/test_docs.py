@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, ROOT, free_ports, new_server_id, remove_shm_entries, shm_entries
+from conftest import PYTHON, ROOT, free_port, free_ports, new_server_id, remove_shm_entries, shm_entries
 
 VENV = Path(PYTHON).parent.parent
 DOCS = ("README.md", "docs/tools.md", "docs/local_client.md", "docs/binding.md")
@@ -227,6 +227,28 @@ def test_a_function_example_serves_and_answers(block: Block, checkout):
         remove_shm_entries(server_id)
     assert not left, left
     assert block.doc != "README.md" or calls, "the README's call to its function example"
+
+
+@pytest.mark.parametrize("command", [".venv/bin/python tools/examples.py pipeline",
+                                     ".venv/bin/python tools/digits_client.py"])
+def test_an_example_client_with_no_server_says_how_to_start_one(command: str, checkout):
+    """The README's example clients run before `make serve` (or against another port): one line
+    that names the address and `make serve`, exit 1, no traceback."""
+    port = free_port()
+    run = run_shell(f"{command} --url 127.0.0.1:{port}", checkout, timeout=120)
+    assert run.returncode == 1, run
+    assert "Traceback" not in run.stderr, run.stderr
+    assert f"no server answers at 127.0.0.1:{port} (" in run.stderr, run.stderr
+    assert "start one with `make serve` in another shell, or pass --url" in run.stderr, run.stderr
+
+
+def test_the_local_example_with_no_server_says_which_id_it_tried(checkout):
+    server_id = new_server_id()
+    run = run_shell(f".venv/bin/python tools/examples.py local --id {server_id}", checkout, timeout=120)
+    assert run.returncode == 1, run
+    assert "Traceback" not in run.stderr, run.stderr
+    assert f"examples.py local: no shmserve server with id '{server_id}' is running on this host" in run.stderr, \
+        run.stderr
 
 
 def test_the_extras_the_docs_name_are_installed():

@@ -121,6 +121,25 @@ def test_unknown_server_id_is_server_unavailable():
     assert shm_entries(sid) == []
 
 
+def test_an_unknown_server_id_names_the_servers_running_here(lc_server):
+    """A wrong id (the default 'shmserve' for a server started with --id) says which servers run on
+    this host; a broker file a killed server left, whose lock nobody holds, is not one of them."""
+    stale = f"no_such_stale_{os.getpid()}"
+    path = f"/dev/shm/shmserve.{stale}.broker.0"
+    with open(path, "wb") as f:
+        f.truncate(4096)
+    try:
+        box = bounded(lambda: Client(f"no_such_server_{os.getpid()}"), 10)
+    finally:
+        os.unlink(path)
+    error = box.get("error")
+    assert isinstance(error, ServerUnavailable), box
+    assert f"no shmserve server with id 'no_such_server_{os.getpid()}' is running on this host (running here: " \
+        in str(error), error
+    assert repr(lc_server.id) in str(error) and stale not in str(error), error
+    assert str(error).endswith("; pass the server's --id)"), error
+
+
 def test_a_server_of_another_version_is_named_as_such(server_factory):
     """A pod may update its client image apart from the server's: a client that finds the
     server's objects of another shared-memory layout says so (it never reads one layout as

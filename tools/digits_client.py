@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             infer(client, args.model, x[i:i + args.batch_size], binary=not args.json).argmax(1)
             for i in range(0, len(x), args.batch_size)
         ])
-    except Exception as exc:  # connection refused, HTTP errors, shape mismatch
+    except OSError as exc:  # connection refused, host unknown: no server there yet
+        print(f"inference failed: no server answers at {args.url} ({exc}): start one with `make serve` "
+              f"in another shell, or pass --url", file=sys.stderr)
+        return 1
+    except Exception as exc:  # HTTP errors, shape mismatch
         print(f"inference failed: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -75,9 +75,26 @@ def main() -> int:
     p.add_argument("--url", default="localhost:8000")
     p.add_argument("--id", default="shmserve", help="the server's --id (for the local client)")
     args = p.parse_args()
+    from tritonclient.utils import InferenceServerException
+
+    from shmserve.shm.client import InferenceServerError
+    from shmserve.shm.connection import ServerUnavailable
+
     for name, fn in EXAMPLES.items():
         if args.which in (name, "all"):
-            fn(args.url, args.id)
+            try:
+                fn(args.url, args.id)
+            except ServerUnavailable as e:  # the local client's: no server under that --id
+                hint = "" if "running here" in str(e) else " (start one with `make serve`, or pass its --id)"
+                print(f"examples.py {name}: {e}{hint}", file=sys.stderr)
+                return 1
+            except OSError as e:  # connection refused, host unknown: no server there yet
+                print(f"examples.py {name}: no server answers at {args.url} ({e}): start one with `make serve` "
+                      f"in another shell, or pass --url", file=sys.stderr)
+                return 1
+            except (InferenceServerException, InferenceServerError) as e:  # a model missing, not ready ...
+                print(f"examples.py {name}: {e}", file=sys.stderr)
+                return 1
     return 0
 
 
