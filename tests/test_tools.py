@@ -275,6 +275,16 @@ def test_compare_stops_with_an_error_when_a_server_is_gone(server):
     assert "no shmserve server with id 'no_such_server'" in run.stderr
 
 
+def test_a_port_nobody_listens_on_is_named_in_the_error():
+    """A newcomer's wrong -u: the one line names where it tried, not only 'Connection refused'."""
+    port = free_port()
+    run = subprocess.run([PERF, "-m", "add_sub", "-u", f"127.0.0.1:{port}", "-p", "100", "-q"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run
+    assert run.stderr.startswith(f"error: cannot reach http:127.0.0.1:{port}: "), run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+
+
 def test_compare_through_shared_memory_regions_leaves_none_behind(server, tmp_path):
     """--shared-memory system: HTTP servers get tritonclient's registered regions, the local client
     a region of its own; every region is gone afterwards."""

@@ -21,7 +21,14 @@ class ModelInfo:
 
 def describe(target: Target, model: str, version: str) -> ModelInfo:
     """Metadata and config of ``model`` at ``target``; raises when it is not ready."""
-    meta, config = _fetch(target, model, version)
+    from shmserve.shm.client import ServerUnavailable
+
+    try:
+        meta, config = _fetch(target, model, version)
+    except ServerUnavailable:  # (names the server's id already)
+        raise
+    except ConnectionError as exc:  # nothing listens there: say where (tritonclient's HTTP error does not)
+        raise RuntimeError(f"cannot reach {target.protocol}:{target.address}: {exc}") from None
     policy = config.get("model_transaction_policy") or {}
     return ModelInfo(
         inputs=[_tensor(e) for e in meta.get("inputs", [])],
