@@ -22,7 +22,7 @@ from shmserve import Client
 from shmserve.shm.client import InferenceServerError
 from shmserve.workers.late_answers import ABANDONED
 from shmserve.workers.python_backend.sender import CLOSED, FINAL_FIRST, MORE_THAN_ONE, NO_RESPONSE, \
-    UNSUPPORTED_FLAG
+    NOT_RETURNED, UNSUPPORTED_FLAG
 from test_ensembles import arena_use
 from test_untrusted_clients import rss_kb
 
@@ -163,6 +163,19 @@ def test_a_sender_released_without_the_final_flag_answers_an_error(server):
         with pytest.raises((InferenceServerException, InferenceServerError), match=ABANDONED):
             call(server, "abandon", [1])
         assert time.monotonic() - started < 30
+
+
+def test_a_model_that_returns_none_and_never_took_the_sender_is_told_it_returned_nothing(server):
+    """The newcomer's missing `return` in execute: not the sender's jargon but what to return
+    (Triton leaves the client waiting); the instance serves on."""
+    assert "returns a list of one pb_utils.InferenceResponse per request" in NOT_RETURNED
+    for call in CALLERS.values():
+        started = time.monotonic()
+        with pytest.raises((InferenceServerException, InferenceServerError)) as e:
+            call(server, "forgot_return", [1])
+        assert NOT_RETURNED in str(e.value) and ABANDONED not in str(e.value), e.value
+        assert time.monotonic() - started < 30
+    assert http_y(server, "one_call", [3]) == [6]
 
 
 def test_a_model_that_never_sends_the_final_flag(server):

@@ -26,6 +26,11 @@ NO_RESPONSE = "Inference Response object must be provided when the response flag
 MORE_THAN_ONE = "Unable to send response. Non-decoupled model cannot send more than one response."
 FINAL_FIRST = "Unable to send response. Non-decoupled model cannot send complete final before sending a response."
 CLOSED = "Unable to send response. Response sender has been closed."
+# Not Triton's (its client waits for good): execute() returned None, or None for this request, and
+# the model never asked for the sender, so no response can come; usually a missing `return`.
+NOT_RETURNED = ("execute() returned no response for this request and the model never took its response sender "
+                "(request.get_response_sender()): a model that is not decoupled returns a list of one "
+                "pb_utils.InferenceResponse per request")
 
 Deliver = Callable[[Response | None, bool], None]
 
@@ -71,6 +76,12 @@ class ResponseSender:
         self._closed = final
         self._sent += 1
 
+    def handed_out(self) -> None:
+        """The model asked for this sender (``request.get_response_sender()``)."""
+        handed_out = getattr(self._deliver, "handed_out", None)
+        if handed_out is not None:
+            handed_out()
+
     def close(self) -> None:
         """``execute`` raised: its requests are answered with the error, and nothing more may be
         sent (as Triton's stub closes every sender of the batch)."""
@@ -87,11 +98,23 @@ class Reply(Deferred):
     """Where a non-decoupled model's sends go: the request's ``Deferred``, which keeps the response
     until the final flag finishes it (a send's rules are checked by the sender first)."""
 
-    __slots__ = ("_first",)
+    __slots__ = ("_first", "_handed")
 
     def __init__(self) -> None:
         super().__init__()
         self._first: Response | None = None
+        self._handed = False  # the model asked for the request's sender
+
+    def handed_out(self) -> None:
+        self._handed = True
+
+    def abandon(self) -> None:
+        """The sender is gone with no final flag: a model that never asked for it returned no
+        response for the request (a missing ``return``, most likely), and is told so."""
+        if self._handed:
+            super().abandon()
+        else:
+            self.finish(Response(error=NOT_RETURNED, status=500))
 
     def __call__(self, response: Response | None, final: bool) -> None:
         if response is not None:

@@ -7,7 +7,8 @@
   ``send(response)`` and the response returned too (refused);
 - probe: from a thread, every send Triton refuses before the answer (their messages are ERRORS),
   and after it (kept for "report", which returns them);
-- abandon: returns None and drops the sender; never: keeps the sender and never sends (the
+- abandon: returns None and drops the sender; forgot_return: returns None and never takes the
+  sender (a model missing its ``return``); never: keeps the sender and never sends (the
   client's timeout or cancel ends it; "release" lets go of those kept).
 """
 import json
@@ -45,7 +46,7 @@ class TritonPythonModel:
             mode = params.get("mode", "one_call")
             delay = params.get("delay_ms", 0) / 1000
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy().copy()
-            sender = request.get_response_sender()
+            sender = request.get_response_sender() if mode != "forgot_return" else None
             returned.append(None)
             if mode == "one_call":
                 sender.send(answer(x), flags=FINAL)
@@ -70,7 +71,7 @@ class TritonPythonModel:
             elif mode == "release":
                 held, self.never = len(self.never), []
                 sender.send(answer(x, [str(held).encode()]), flags=FINAL)
-            elif mode != "abandon":
+            elif mode not in ("abandon", "forgot_return"):
                 raise ValueError(f"unknown mode {mode}")
         if any(mode in ("list_none", "sent_and_returned") for mode in
                (json.loads(r.parameters()).get("mode") for r in requests)):
