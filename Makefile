@@ -11,6 +11,10 @@ TEST_STAMP := $(VENV)/.installed-test
 # torch` on Linux x86_64 is the CUDA build (gigabytes, with NVIDIA's libraries); the README says
 # when to pass TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU build instead
 # (about 200 MB). An index set up with the CPU build (as in CI) needs nothing here.
+# Flags added to the server's command line by `make serve`, after its own (so a port given here
+# wins): `make serve SERVE_FLAGS='--http-port 9000 --grpc-port 9001 --metrics-port 9002'`, where
+# another server (Triton's, say) holds 8000-8002.
+SERVE_FLAGS ?=
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 TORCH_FROM := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL) --extra-index-url https://pypi.org/simple)
@@ -46,8 +50,8 @@ $(TEST_STAMP): $(SERVE_STAMP) tests/constraints.txt
 install: $(TEST_STAMP)
 
 serve: $(SERVE_STAMP)
-	@echo "make: starting shmserve on model_repository/ (HTTP :8000, gRPC :8001, metrics :8002; Ctrl-C stops it)"
-	$(VENV)/bin/shmserve --model-repository=model_repository --http-port=8000 --metrics-port=8002
+	@echo "make: starting shmserve on model_repository/ (HTTP :8000, gRPC :8001, metrics :8002$(if $(SERVE_FLAGS), unless SERVE_FLAGS says otherwise); Ctrl-C stops it)"
+	$(VENV)/bin/shmserve --model-repository=model_repository --http-port=8000 --metrics-port=8002 $(SERVE_FLAGS)
 
 # tests/test_container.py builds and runs the image (Dockerfile) with Debian's podman, from a base
 # image it makes with debootstrap: installed here when missing, where apt-get can (as root).

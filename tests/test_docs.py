@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -249,6 +250,39 @@ def test_the_local_example_with_no_server_says_which_id_it_tried(checkout):
     assert "Traceback" not in run.stderr, run.stderr
     assert f"examples.py local: no shmserve server with id '{server_id}' is running on this host" in run.stderr, \
         run.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on this host")
+def test_make_serve_takes_other_ports_from_serve_flags():
+    """The README's `make serve SERVE_FLAGS=...`, for a host where another server holds 8000-8002:
+    the flags given win over the Makefile's own, the models serve there, and Ctrl-C stops it all.
+    (-o: the venv is this one, not installed again.)"""
+    http, grpc, metrics = free_ports(3)
+    server_id = new_server_id()
+    flags = f"--http-port {http} --grpc-port {grpc} --metrics-port {metrics} --id {server_id}"
+    make = subprocess.Popen(["make", "-s", "-C", str(ROOT), f"VENV={VENV}", "-o", f"{VENV}/.installed-serve", "serve",
+                             f"SERVE_FLAGS={flags}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while (run := subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                      f"127.0.0.1:{http}/v2/models/add_sub/ready"],
+                                     capture_output=True, text=True)).stdout != "200":
+            assert make.poll() is None and time.monotonic() < deadline, make.stdout.read() if make.poll() else ""
+            time.sleep(0.5)
+        os.killpg(make.pid, signal.SIGINT)  # Ctrl-C in the shell that ran it
+        out, _ = make.communicate(timeout=60)
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+            make.wait()
+        left = shm_entries(server_id)
+        remove_shm_entries(server_id)
+    assert "unless SERVE_FLAGS says otherwise" in out, out
+    assert f"serving HTTP on 0.0.0.0:{http}" in out and f"serving gRPC on 0.0.0.0:{grpc}" in out, out
+    assert f"serving metrics on 0.0.0.0:{metrics}" in out, out
+    assert "its shared-memory objects are removed" in out, out
+    assert not left, left
 
 
 def test_the_extras_the_docs_name_are_installed():
