@@ -285,6 +285,18 @@ def test_a_port_nobody_listens_on_is_named_in_the_error():
     assert "Traceback" not in run.stderr, run.stderr
 
 
+def test_the_cache_benchmark_serving_md_names_runs():
+    """`python -m shmserve.tools.bench_cache micro` (serving.md's cost figures) measures every
+    case, and leaves nothing in /dev/shm."""
+    run = subprocess.run([PYTHON, "-m", "shmserve.tools.bench_cache", "micro", "--iterations", "200"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in rows] == ["add_sub", "1MiB"], run.stdout
+    assert all(r["miss_adds_us"] > 0 and r["hit_costs_us"] > 0 for r in rows), rows
+    assert not [n for n in os.listdir("/dev/shm") if "benchcache" in n]
+
+
 def test_compare_through_shared_memory_regions_leaves_none_behind(server, tmp_path):
     """--shared-memory system: HTTP servers get tritonclient's registered regions, the local client
     a region of its own; every region is gone afterwards."""

@@ -76,7 +76,7 @@ def micro(iterations: int) -> list[dict[str, Any]]:
                 t1 = time.perf_counter_ns()
                 assert key is not None and cache.lookup(key) is None
                 t2 = time.perf_counter_ns()
-                entry["ck"] = key
+                entry["cache_key"] = key
                 cache.insert(entry, resp)
                 t3 = time.perf_counter_ns()
                 hit = cache.lookup(key)
