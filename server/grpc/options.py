@@ -9,6 +9,7 @@ The launcher parses these without importing grpcio: ``grpc_spec`` turns the flag
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable
 
 from shmserve.server.edge.header_forward import GRPC_FLAG as FORWARD_FLAG, compile_pattern
@@ -78,10 +79,11 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
                    help="largest request message, after decompression: grpc refuses a larger one with "
                         "RESOURCE_EXHAUSTED as its length arrives, before reading it (default: the frontend "
                         "arena, --frontend-arena-mb, the most tensor data a request can carry; at most 2^31-1)")
-    p.add_argument(RECEIVE_MEMORY_FLAG, type=int, default=1024, metavar="MB",
+    p.add_argument(RECEIVE_MEMORY_FLAG, type=int, default=None, metavar="MB",
                    help="memory the gRPC frontend gives ModelInfer messages while it receives them: it receives as "
                         f"many at once as this holds of {MAX_INPUT_FLAG}, at least one; a call past them waits, its "
-                        "message left in the client (default 1024)")
+                        "message left in the client (default: a quarter of the memory the server may use, its "
+                        "cgroup's limit where lower, at least 1024)")
     p.add_argument(RECEIVE_TIMEOUT_FLAG, type=float, default=60.0, metavar="SECONDS",
                    help="how long a ModelInfer message may take to arrive once its receipt has begun: a call slower "
                         "than this ends with DEADLINE_EXCEEDED, so that slow senders cannot hold the receive slots "
@@ -123,11 +125,9 @@ def grpc_spec(args: argparse.Namespace) -> dict[str, Any]:
     compile_pattern(args.grpc_header_forward_pattern, FORWARD_FLAG)
     if not 0 <= args.grpc_max_connections <= MAX_INT:
         raise ValueError(f"{MAX_CONNECTIONS_FLAG} must lie in [0, {MAX_INT}], got {args.grpc_max_connections}")
-    if not 1 <= args.grpc_receive_memory_mb <= 1 << 30:
-        raise ValueError(f"{RECEIVE_MEMORY_FLAG} must lie in [1, {1 << 30}], got {args.grpc_receive_memory_mb}")
     if not 0 < args.grpc_receive_timeout_secs <= 86400:
         raise ValueError(f"{RECEIVE_TIMEOUT_FLAG} must lie in (0, 86400], got {args.grpc_receive_timeout_secs:g}")
-    receive_slots = max(1, (args.grpc_receive_memory_mb << 20) // max_input_size(args))
+    receive_slots = max(1, receive_memory(args) // max_input_size(args))
     return {"options": options, "max_connections": args.grpc_max_connections, "tls": tls(args),
             "receive_slots": receive_slots, "receive_timeout_s": args.grpc_receive_timeout_secs,
             "restricted": parse_restricted(args.grpc_restricted_protocol, RESTRICTED_FLAG, "protocol"),
@@ -144,6 +144,33 @@ def max_input_size(args: argparse.Namespace) -> int:
     if not 1 <= value <= MAX_INT:
         raise ValueError(f"{MAX_INPUT_FLAG} must lie in [1, {MAX_INT}], got {value}")
     return value
+
+
+def receive_memory(args: argparse.Namespace) -> int:
+    """``--grpc-receive-memory-mb`` in bytes; by default a quarter of the memory the server may use,
+    at least 1 GiB. Each receive slot costs at most ``--grpc-max-input-size`` of it, and a call that
+    finds none free waits a round of the event loop longer: with 4 slots, 32 clients of small
+    requests cost the frontend 15-20% more CPU a request than with none (docs/performance.md), so
+    the default grows with the host, where it can afford them."""
+    if args.grpc_receive_memory_mb is None:
+        return max(1 << 30, usable_memory() // 4)
+    if not 1 <= args.grpc_receive_memory_mb <= 1 << 30:
+        raise ValueError(f"{RECEIVE_MEMORY_FLAG} must lie in [1, {1 << 30}], got {args.grpc_receive_memory_mb}")
+    return args.grpc_receive_memory_mb << 20
+
+
+def usable_memory() -> int:
+    """Bytes of memory this process may use: the host's, or its cgroup's limit where lower (a
+    container's ``--memory``, a pod's limit)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            total = min(total, int(limit))
+    except (OSError, ValueError):
+        pass  # cgroup v1 or none: the host's
+    return total
 
 
 def tls(args: argparse.Namespace) -> dict[str, Any] | None:
