@@ -278,11 +278,17 @@ def test_connections_are_bounded_and_idle_ones_closed(server_factory):
         _small_round_trip(client, 1)
 
 
-def test_by_default_connections_are_bounded_by_the_descriptor_limit(server_factory):
+def test_by_default_connections_and_receive_slots_follow_the_host(server_factory):
+    """Connections are bounded below the descriptor limit; receive slots by the host's memory."""
     from shmserve.descriptor_limit import connection_bound, raise_descriptor_limit
+
+    from shmserve.server.grpc.options import usable_memory
 
     server = _server(server_factory)
     assert f"(at most {connection_bound(raise_descriptor_limit())} connections)" in server.log()
+    # and as many receive slots as a quarter of the memory holds of the largest message (32 MiB)
+    slots = max(1 << 30, usable_memory() // 4) // (ARENA_MB * MIB)
+    assert f"receiving at most {slots} ModelInfer messages at once" in server.log()
 
 
 def _identity_message(nbytes: int) -> bytes:
