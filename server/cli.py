@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-body-timeout-secs", type=float, default=60.0, metavar="SECONDS",
                    help="while a request body is read, the longest wait for its next bytes, else 408 and the "
                         "connection is closed (default 60)")
+    p.add_argument("--http-send-timeout-secs", type=float, default=60.0, metavar="SECONDS",
+                   help="while an answer waits for its client to read it, the longest the client may read none "
+                        "of it, else the connection is closed and what was left unsent freed (default 60)")
     p.add_argument("--http-max-header-bytes", type=int, default=64 << 10, metavar="BYTES",
                    help="largest request head (request line and header fields); larger is refused with 431 "
                         "(default 65536)")
@@ -351,7 +354,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     if not 0 <= args.http_idle_timeout_secs <= 86400:
         parser.error("--http-idle-timeout-secs must lie in [0, 86400] (0: never)")
-    for flag in ("http_header_timeout_secs", "http_body_timeout_secs"):
+    for flag in ("http_header_timeout_secs", "http_body_timeout_secs", "http_send_timeout_secs"):
         if not 0 < getattr(args, flag) <= 86400:
             parser.error(f"--{flag.replace('_', '-')} must lie in (0, 86400]")
     if args.http_max_header_bytes < 1024:
@@ -400,7 +403,8 @@ def log_settings(args: argparse.Namespace) -> dict:
 def http_limits(args: argparse.Namespace) -> HttpLimits:
     """The HTTP connection limits each frontend keeps (server/frontend/protocol.py)."""
     return HttpLimits(idle_timeout_s=args.http_idle_timeout_secs, header_timeout_s=args.http_header_timeout_secs,
-                      body_timeout_s=args.http_body_timeout_secs, max_header_bytes=args.http_max_header_bytes,
+                      body_timeout_s=args.http_body_timeout_secs, send_timeout_s=args.http_send_timeout_secs,
+                      max_header_bytes=args.http_max_header_bytes,
                       max_connections=args.http_max_connections)
 
 

@@ -154,6 +154,7 @@ def test_repository_flag_required():
     (["--model-load-thread-count", "-1"], "--model-load-thread-count must be 0 or more"),
     (["--backend-config", "python"], "--backend-config 'python': expected [<backend>,]<setting>=<value>"),
     (["--http-header-timeout-secs", "0"], "--http-header-timeout-secs must lie in (0, 86400]"),
+    (["--http-send-timeout-secs", "0"], "--http-send-timeout-secs must lie in (0, 86400]"),
     (["--http-idle-timeout-secs", "-1"], "--http-idle-timeout-secs must lie in [0, 86400] (0: never)"),
     (["--http-max-header-bytes", "10"], "--http-max-header-bytes must be at least 1024"),
     (["--http-max-connections", "-1"], "--http-max-connections must be 0 (derived) or more"),
@@ -163,7 +164,8 @@ def test_repository_flag_required():
         "restricted-protocol-form", "restricted-protocol-twice", "ssl-without-files", "ssl-mutual-without-root",
         "ssl-missing-file", "ssl-not-pem", "grpc-port-range", "grpc-max-input-size-0", "grpc-receive-memory-0",
         "grpc-receive-timeout-0", "load-thread-count-negative",
-        "backend-config-no-setting", "http-header-timeout-0", "http-idle-timeout-negative", "http-max-header-bytes-small",
+        "backend-config-no-setting", "http-header-timeout-0", "http-send-timeout-0",
+        "http-idle-timeout-negative", "http-max-header-bytes-small",
         "http-max-connections-negative"])
 def test_bad_flag_values(tmp_path, args, needle):
     _assert_one_line_error(run_cli("--model-repository", str(tmp_path), *args), needle)

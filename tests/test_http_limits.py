@@ -576,3 +576,73 @@ def test_http10_keeps_its_connection_only_when_it_asks(edge):
     assert out.count(b"HTTP/1.1 200 ") == 2, out[:600]
     second = out[out.rindex(b"HTTP/1.1 200 "):].split(b"\r\n\r\n")[0].lower()
     assert b"connection: close" in second and b"keep-alive" not in second, second
+
+
+# -- answers left unread ---------------------------------------------------------------------------
+SEND_S = 1.5
+ANSWER = 4 << 20  # FP32 values: 16 MiB each way, four times what the kernel buffers for a connection
+
+
+def _private_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+
+def _unread_answers(server: Server, request: bytes, count: int, answer_bytes: int) -> None:
+    """``count`` connections send ``request`` and read nothing: each is cut by the frontend (what
+    they read afterwards is less than the answer, then the end)."""
+    stalled = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(request)
+        stalled.append(sock)
+    try:
+        time.sleep(2 * SEND_S + SLACK_S)  # read nothing until the frontend should have cut them all
+        for sock in stalled:
+            got, _ = _until_closed(sock, SLACK_S + 10)
+            assert len(got) < answer_bytes, "a connection nobody read got its whole answer"
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_an_answer_nobody_reads_is_cut_and_its_memory_freed_while_a_slow_reader_gets_its_own(server_factory):
+    """An answer its client read none of stayed in the frontend's memory for as long as the
+    connection lived (16 clients of 100 MiB answers held 630 MiB). Once its client has read none
+    of it for --http-send-timeout-secs, the connection is cut and the memory goes back (to be
+    used again: a second round of such clients takes no more); a client that reads slowly but
+    steadily, for longer than that in all, gets its whole answer."""
+    server = server_factory.start([TEST_MODELS], [
+        "--model-control-mode", "explicit", "--load-model", "identity_all",
+        "--http-send-timeout-secs", str(SEND_S), "--http-max-input-size", str(64 << 20)])
+    pid = _frontend(server)
+    values = np.arange(ANSWER, dtype=np.float32).reshape(1, ANSWER)
+    _identity(server.port, values)
+    http, body = _identity_request(values)
+    _unread_answers(server, http + body, 4, values.nbytes)
+    assert "cut a connection whose client read none of its answer for 1.5 s" in server.log()
+    after_one_round = _private_bytes(pid)
+    _unread_answers(server, http + body, 4, values.nbytes)
+    grown = (_private_bytes(pid) - after_one_round) >> 20
+    assert grown <= 16, f"the frontend took {grown} MiB more for a second round of answers nobody read"
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(http + body)
+        got, whole, began = b"", None, time.monotonic()
+        while whole is None or len(got) < whole:
+            piece = sock.recv(1 << 20)  # at most 2 MiB a second: 8 s for the answer, over 5 times the timeout
+            assert piece, f"the connection ended after {len(got)} bytes of its answer"
+            got += piece
+            if whole is None and b"\r\n\r\n" in got:
+                head = got[:got.index(b"\r\n\r\n")]
+                length = next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                whole = len(head) + 4 + int(length)
+            time.sleep(0.5)
+        assert time.monotonic() - began > 2 * SEND_S
+    head, _, rest = got.partition(b"\r\n\r\n")
+    n = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                 if line.lower().startswith(b"inference-header-content-length")))
+    np.testing.assert_array_equal(np.frombuffer(rest[n:], dtype=np.float32), values.ravel())

@@ -20,6 +20,7 @@ class HttpLimits:
     idle_timeout_s: float = 0.0  # no request in progress: from the accept, and after each answer (0: never)
     header_timeout_s: float = 30.0  # from a request head's first byte until it is complete
     body_timeout_s: float = 60.0  # while a body is read, between two reads
+    send_timeout_s: float = 60.0  # while an answer waits in the send buffer, between two reads of the client
     max_header_bytes: int = 64 << 10  # request line and header fields
     max_connections: int = 0  # per frontend process; 0: derived from its descriptor limit
 

@@ -15,6 +15,10 @@ whole) or a body that stops half-way each held a descriptor and memory for good.
   a head still arriving is cut once it passes the limit by one socket read at most);
 - body: while a body is read, nothing arriving for ``body_timeout_s`` is a 408 (time the frontend
   itself stops reading, to let a request ahead finish, does not count);
+- send: an answer its client reads none of for ``send_timeout_s`` while the transport holds more
+  of it than its high-water mark (a client that stopped reading) cuts the connection, freeing
+  what was unsent, which otherwise stayed in this process's memory for as long as the connection
+  lived (nginx's ``send_timeout``);
 - answered early: a request answered before its body has all come keeps its connection when the
   rest of the body is declared and at most ``DISCARD_MAX_BYTES`` (a GET with a body, a refusal
   that needed none of it): the rest is read and dropped, and the next request is parsed, as
@@ -235,6 +239,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         # dropped, as uvicorn's parser drops what comes after such a request (lenient_data_after_close).
         self._input_done = False
         self._idle_since = 0.0  # when its last answer went out (or it was accepted): the bound's drain order
+        self._send_watch: asyncio.TimerHandle | None = None  # the send timeout's, while answers wait unread
+        self._unsent = 0  # bytes the transport held at the send watch's last look
 
     # -- connections -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -270,6 +276,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_watch()
+        if self._send_watch is not None:
+            self._send_watch.cancel()
+            self._send_watch = None
         self._sink, self._body_left = None, 0
         super().connection_lost(exc)
 
@@ -631,6 +640,36 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         cycle.message_event.set()
         self._refuse(408, f"no part of the request body arrived for {limits.body_timeout_s:g} s "
                           f"(--http-body-timeout-secs)")
+
+    # -- the send timeout ------------------------------------------------------------------------
+    def pause_writing(self) -> None:
+        """The transport holds more of our answers than its high-water mark: the client reads more
+        slowly than we write. From now on it must read some every ``send_timeout_s``."""
+        super().pause_writing()
+        if self._send_watch is None:
+            self._unsent = self.transport.get_write_buffer_size()
+            self._send_watch = self.loop.call_later(self.limits.send_timeout_s, self._on_send_watch)
+
+    def _on_send_watch(self) -> None:
+        """Unsent bytes that did not shrink over ``send_timeout_s``: the connection is cut (not
+        closed, which would wait for them to go) and what the transport held is freed. Its own
+        timer, apart from ``_watch``: a closing connection's answer may wait unread too."""
+        self._send_watch = None
+        unsent = self.transport.get_write_buffer_size()
+        if not unsent:
+            return  # all sent: armed again if the transport pauses us again
+        if unsent < self._unsent:  # the client read some meanwhile
+            self._unsent = unsent
+            self._send_watch = self.loop.call_later(self.limits.send_timeout_s, self._on_send_watch)
+            return
+        self._warn("send-timeout", "cut a connection whose client read none of its answer for %g s, %d bytes unsent "
+                                   "(--http-send-timeout-secs)", self.limits.send_timeout_s, unsent)
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.disconnected = True  # an answer still being made sees its client gone
+            cycle.message_event.set()
+        self._lingering = True
+        self.transport.abort()
 
     @classmethod
     def _warn(cls, kind: str, msg: str, *args: Any) -> None:

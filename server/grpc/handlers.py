@@ -7,11 +7,13 @@ each deserializer returns a ``Malformed`` instead, which a unary call answers wi
 INVALID_ARGUMENT and ModelStreamInfer answers as one refused request of its stream.
 
 A handler refuses a call by raising ``Aborted`` (status.py), which the unary wrapper turns into
-the call's code and details. A unary method given ``ReceiveSlots`` (receiving.py: ModelInfer) is
-registered as stream-unary, the same on the wire, so that it reads its message itself, under
-those slots, rather than grpc reading it before the handler runs. grpcio's own ``context.abort`` keeps its exception in the call's
+the call's code and details. grpcio's own ``context.abort`` keeps its exception in the call's
 state, and the exception's traceback holds the handler's frames and so the request: a cycle that
 only the garbage collector frees, so a few refused 300 MB messages used to stay in memory.
+
+A unary method given ``ReceiveSlots`` (receiving.py: ModelInfer) is registered as stream-unary,
+the same on the wire, so that it reads its message itself, under those slots, rather than grpc
+reading it before the handler runs.
 """
 from __future__ import annotations
 
@@ -63,7 +65,8 @@ def _unary(behavior: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any
     return call
 
 
-def _reading(behavior: Callable[[Any, Any], Awaitable[Any]], slots: ReceiveSlots) -> Callable[[Any, Any], Awaitable[Any]]:
+def _reading(behavior: Callable[[Any, Any], Awaitable[Any]],
+             slots: ReceiveSlots) -> Callable[[Any, Any], Awaitable[Any]]:
     """A unary ``behavior`` (``_unary``'s) as a stream-unary one that reads its one message under ``slots``."""
     async def call(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -101,7 +104,8 @@ def _wrapped(handler: grpc.RpcMethodHandler, parse: Callable[[bytes], Any] | Non
     if generated is not None:
         changes["request_deserializer"] = lenient(parse or generated, _type_name(generated))
     if handler.unary_unary is not None and slots is not None:
-        changes.update(unary_unary=None, request_streaming=True, stream_unary=_reading(_unary(handler.unary_unary), slots))
+        changes.update(unary_unary=None, request_streaming=True,
+                       stream_unary=_reading(_unary(handler.unary_unary), slots))
     elif handler.unary_unary is not None:
         changes["unary_unary"] = _unary(handler.unary_unary)
     if handler.response_serializer is not None:
