@@ -64,6 +64,10 @@ class GrowthRefused(Exception):
 
     status = 503
 
+    def __init__(self, text: str, shm_full: bool = False) -> None:
+        super().__init__(text)
+        self.shm_full = shm_full  # for want of /dev/shm pages, not of room under the cap
+
 
 class AnswerTooLarge(GrowthRefused):
     """An answer larger than the arena's cap could ever hold: no retry helps (a 500, as Triton's
@@ -231,7 +235,8 @@ class OutputArenas:
             pool.current = extent
             off = arena.alloc(nbytes, consumer)
             if off < 0:  # the extent was sized for it: /dev/shm has no page for it
-                raise GrowthRefused(self._refusal(nbytes, no_room_text(arena, "the new extent could not hold it")))
+                raise GrowthRefused(self._refusal(nbytes, no_room_text(arena, "the new extent could not hold it")),
+                                    shm_full=arena.starved)
             return extent, off
 
     def _grow(self, pool: _Pool, need: int, response: int) -> tuple[int, Arena] | None:
@@ -310,7 +315,7 @@ class OutputArenas:
                                 f" ({self.owner.cap_flag}={self.cap >> 20} caps {self.owner.caps})")
                     seg = Segment.create_anew(name, size, readers, taken=0)
             except space.NoRoom as e:
-                raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}")) from None
+                raise GrowthRefused(self._refusal(response, f"no room in /dev/shm: {e}"), shm_full=True) from None
             except posix_ipc.ExistentialError:
                 # Made by another user where the server may not remove it: the number is skipped.
                 warn_once(name, f"exists and is not the server's to remove: {self.owner.name} skips it")

@@ -27,6 +27,16 @@ REQ_POLLING = 0x100
 # The error of an answer completed without a block (offset 0): its producer's arena had no room
 # for it, not even for an error. Its status is 503.
 NO_ROOM = "the server had no room in its shared-memory arena for the response; retry later"
+# Such a completion's length word says why: 0, the arena (NO_ROOM); NO_BLOCK_SHM_FULL, /dev/shm had no
+# page for it. Under --local-client-users a user's first answer makes that user's extent, and where
+# /dev/shm is full not even the error fits anywhere its client may read: this is all it learns.
+NO_BLOCK_SHM_FULL = 1
+NO_ROOM_SHM_FULL = "/dev/shm is full: the server could not take a page for the response; retry later"
+
+
+def no_block_text(length: int) -> str:
+    """The error of an answer completed without a block, by its length word."""
+    return NO_ROOM_SHM_FULL if length == NO_BLOCK_SHM_FULL else NO_ROOM
 
 # A cancelled request's answer, as Triton words TRITONSERVER_ERROR_CANCELLED (its HTTP endpoint
 # maps that code to 400). Nobody usually reads it: its owner stopped waiting.

@@ -21,8 +21,8 @@ from .channel import ClientSegment, control_name
 from .completion import Callback, Completion
 from .extents import map_broker_extent, map_worker_extent
 from .names import object_name
-from .protocol import EXTENT_SHIFT, LAST_RESPONSE, NO_ROOM, RECORD, ROLE_BROKER, ROLE_MASK, ROLE_NAMES, \
-    SLOT_BYTES, SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY
+from .protocol import EXTENT_SHIFT, LAST_RESPONSE, RECORD, ROLE_BROKER, ROLE_MASK, ROLE_NAMES, \
+    SLOT_BYTES, SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, no_block_text
 from .ring import Ring
 from .routes import Router
 from .segment import Segment, SegmentCache
@@ -304,7 +304,8 @@ class Slots:
                     raise OSError(f"the answer's block ({off}+{length}) lies outside its segment ({len(buf)})")
                 completion = Completion(status, buf, off, request=request, end=off + length)
             else:  # no block (0 is never a block's offset): its producer had no room, not even for an error
-                completion = Completion(status, None, 0, AnswerDescriptor.failure(NO_ROOM), request=request)
+                completion = Completion(status, None, 0, AnswerDescriptor.failure(no_block_text(length)),
+                                        request=request)
         except (posix_ipc.ExistentialError, KeyError, OSError):
             completion = Completion(500, None, 0, AnswerDescriptor.failure("the response was lost: its producer is gone"),
                                     request=request)

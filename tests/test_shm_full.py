@@ -458,3 +458,61 @@ def test_a_models_own_error_that_finds_no_room_is_a_503_counted_as_a_failure(tmp
     finally:
         filler.remove()
         server.stop()
+
+
+# A local client of a named user inside the server's mount namespace that connects, says so, then
+# per line it reads sends one small request and prints what came back.
+ASK_PER_LINE = r"""
+c = Client(args["server"])
+print("CONNECTED", flush=True)
+for line in sys.stdin:
+    try:
+        got = c.infer("blob", {"IN": np.full(16, 7, np.uint8), "N": np.array([16], np.int64)})["OUT"]
+        print("ANSWER " + json.dumps(bool(got.size == 16 and (got == 7).all())), flush=True)
+    except InferenceServerError as e:
+        print("ERROR " + json.dumps([e.status, e.message]), flush=True)
+c.close()
+os._exit(0)
+"""
+
+
+def test_a_first_answer_of_a_named_users_client_while_dev_shm_is_full_says_so(tmp_path):
+    """Under --local-client-users no answer lies in a worker's first extent: each user's first
+    answer makes that user's home extent. Where /dev/shm is full then, not even the error fits
+    anywhere its client may read, and the answer came without a block: the client read "the
+    server had no room in its shared-memory arena" (the arena was empty) and nothing said that
+    /dev/shm was full. The completion now says why, for a named user's client and for the server's
+    user's (the HTTP frontend's) alike."""
+    server = NamespacedServer([write_repo(tmp_path / "repo")], tmp_path,
+                              ["--local-client-users=nobody", "--frontend-arena-mb", "32", "--worker-arena-mb", "16",
+                               "--allow-grpc", "false"])
+    server.start()
+    asker = None
+    filler = Filler(server.shm)
+    try:
+        server.wait_ready()
+        asker = start_as(NOBODY.pw_uid, NOBODY.pw_gid, ASK_PER_LINE, {"server": server.id},
+                         prefix=["nsenter", "-t", str(server.pid), "-m", "--"])
+        assert asker.stdout.readline().strip() == "CONNECTED", asker.stderr.read() if asker.poll() is not None else ""
+        client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+        processes = sorted(server.tree())
+        assert filler.fill() > 0
+        asker.stdin.write("ask\n")
+        asker.stdin.flush()
+        said = asker.stdout.readline()
+        assert said.startswith("ERROR "), said
+        status, message = json.loads(said[6:])
+        assert status == 503 and "/dev/shm is full" in message, message
+        assert "/dev/shm is full" in _refused(client, "blob", 16, 16, 1)
+        assert sorted(server.tree()) == processes, server.log_tail()
+        filler.remove()
+        asker.stdin.write("ask\n")
+        asker.stdin.flush()
+        assert asker.stdout.readline().strip() == "ANSWER true"
+        assert (infer(client, "blob", 16, 16, 2) == 2).all()
+    finally:
+        filler.remove()
+        if asker is not None:
+            asker.stdin.close()
+            asker.wait(30)
+        server.stop()

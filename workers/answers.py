@@ -20,7 +20,7 @@ from shmserve.shm.answer import AnswerDescriptor, OutputTensor, answer_room, enc
 from shmserve.shm.channel import NOTIFY_BROKER, ClientSegment
 from shmserve.shm.copying import copy_into
 from shmserve.shm.extents import GrowthRefused, OutputArenas
-from shmserve.shm.protocol import ROLE_WORKER, role_word
+from shmserve.shm.protocol import NO_BLOCK_SHM_FULL, ROLE_WORKER, role_word
 from shmserve.shm.region_io import StaleRegion, output_room_text
 from shmserve.shm.space import NoRoom
 from shmserve.shm.segment import SegmentCache
@@ -210,14 +210,15 @@ class Answers:
         arena (in its user's own extents, where clients of other users connect), which grows for a
         response that does not fit (shm/extents.py); (503, 0, 0, 0) if not even an
         error fits: the slot is completed without a block, which its client reads as
-        ``shm.protocol.NO_ROOM`` (no request is left unanswered)."""
+        ``shm.protocol.NO_ROOM``, or with a length of ``NO_BLOCK_SHM_FULL`` where /dev/shm had no
+        page, which it reads as saying so (no request is left unanswered)."""
         room = answer_room(len(raw))
         total = room + sum(n for n, _ in tensors)
-        status, refused_status = 0, 503
+        status, refused_status, shm_full = 0, 503, False
         try:
             extent, off = self.arena.alloc(total, entry["ticket"], client.seg.uid)
         except GrowthRefused as e:
-            refused, refused_status = str(e), e.status  # (500: it could never fit, a retry would not help)
+            refused, refused_status, shm_full = str(e), e.status, e.shm_full  # (500: it could never fit)
             log.warning("%s", refused)
             extent, off = 0, -1
         else:
@@ -230,11 +231,11 @@ class Answers:
             total = answer_room(len(raw))
             try:
                 extent, off = self.arena.alloc(total, entry["ticket"], client.seg.uid)
-            except GrowthRefused:
-                off = -1
-            if off < 0:
+            except GrowthRefused as e:
+                off, shm_full = -1, shm_full or e.shm_full
+            if off < 0:  # (the length word says why: shm.protocol.no_block_text)
                 self._said_exhausted()
-                return 503, 0, 0, 0
+                return 503, 0, 0, NO_BLOCK_SHM_FULL if shm_full or self.arena.first.starved else 0
         buf = self.arena.buf(extent)
         pos = write_answer(buf, off, raw)
         for n, data in tensors:

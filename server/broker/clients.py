@@ -23,7 +23,7 @@ from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.access import server_readers
 from shmserve.shm.channel import LANE_REFUSED, LANES, NO_LANE, BrokerSegment, ClientSegment, lane_range, pid_namespace
 from shmserve.shm.liveness import Tickets
-from shmserve.shm.protocol import ROLE_BROKER, SLOT_PENDING, role_word
+from shmserve.shm.protocol import NO_BLOCK_SHM_FULL, ROLE_BROKER, SLOT_PENDING, role_word
 from shmserve.shm.ring import Ring, RingCorrupt
 from shmserve.shm.untrusted import Fault, Garbage, check_connect, client_name_pattern
 
@@ -191,13 +191,14 @@ class Clients:
         room = answer_room(len(data))
         try:
             extent, off = self.answers.alloc(room, client.ticket, client.uid)
-            refused = ""
+            refused, shm_full = "", False
         except GrowthRefused as e:
-            extent, off, refused = 0, -1, str(e)
-        if off < 0:  # answered without a block: the client reads shm.protocol.NO_ROOM (a 503)
+            extent, off, refused, shm_full = 0, -1, str(e), e.shm_full
+        if off < 0:  # answered without a block: the client reads shm.protocol.no_block_text (a 503)
             log.error("%s: client %s gets a 503 for slot %d",
                       refused or no_room_text(self.answers.first, "the broker's arena is full"), client.name, slot)
-            client.seg.complete(slot, 503, ROLE_BROKER, 0, 0, 0)
+            client.seg.complete(slot, 503, ROLE_BROKER, 0, 0,
+                                NO_BLOCK_SHM_FULL if shm_full or self.answers.first.starved else 0)
         else:
             write_answer(self.answers.buf(extent), off, data)
             client.seg.complete(slot, status, role_word(ROLE_BROKER, extent), 0, off, room)

@@ -54,9 +54,9 @@ from shmserve.shm.descriptor import SEQUENCE_END, SEQUENCE_START, InputTensor
 from shmserve.shm.extents import GrowthRefused, OutputArenas
 from shmserve.shm.liveness import BROKER_TICKET
 from shmserve.shm.names import object_name
-from shmserve.shm.protocol import (CANCELLED_STATUS, EXTENT_SHIFT, LAST_RESPONSE, NO_ROOM, RECORD, ROLE_BROKER,
+from shmserve.shm.protocol import (CANCELLED_STATUS, EXTENT_SHIFT, LAST_RESPONSE, RECORD, ROLE_BROKER,
                                    ROLE_MASK, SLOT_DONE, SLOT_FREE, SLOT_PENDING, STREAM_CAPACITY, cancelled_error,
-                                   role_word)
+                                   no_block_text, role_word)
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.region_io import StaleRegion, output_room_text
 from shmserve.shm.ring import Ring, RingCorrupt
@@ -359,7 +359,7 @@ class Ensembles:
         if owner is None:
             self._fail_run(run, call.step, 500, "the instance that ran this step is gone")
         elif not off:  # answered without a block: its producer had no room even for an error
-            self._fail_run(run, call.step, status, NO_ROOM)
+            self._fail_run(run, call.step, status, no_block_text(length))
         else:
             answer, data_start = _step_answer(owner.buf, off, off + length)
             run.add_compute(answer.trace)
