@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -416,3 +417,32 @@ def test_sequences_waiting_for_a_slot_on_a_stream_take_it_as_soon_as_it_frees(se
     assert not any(isinstance(a, Exception) for a in answers), answers
     assert [int(a.as_numpy("SUM")[0, 0]) for a in answers] == list(range(91, 101))
     assert took < 4, took  # (one a second: 9 s and more)
+
+
+def test_a_sequence_whose_start_waited_in_the_backlog_past_the_idle_time_goes_on(server_factory, tmp_path):
+    """A sequence with a request queued is not idle (Triton's definition): its idle time counts
+    from when its last request went to its instance. 82's START waits in the backlog behind 81
+    longer than the idle limit (here 3 s; the same as a START that waits for its only instance to
+    restart); before, it ran, and then was released as idle at once, so its next step, sent right
+    after the answer, was refused for want of the START it had sent."""
+    model = "seq_one_slot"
+    folder = tmp_path / "repo" / model
+    shutil.copytree(Path(__file__).parent / "models" / "sequences" / model, folder)
+    config = folder / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_sequence_idle_microseconds: 60000000",
+                                                 "max_sequence_idle_microseconds: 3000000"))
+    server = server_factory.start([tmp_path / "repo"])
+    send(server.url, model, 81, 1, start=True)
+    with cf.ThreadPoolExecutor(1) as pool:
+        began = time.monotonic()
+        waiting = pool.submit(send, server.url, model, 82, 10, start=True)
+        wait_pending(server, model, 1)
+        time.sleep(1.5)
+        send(server.url, model, 81, 2)  # 81 is not idle either
+        time.sleep(max(0.0, began + 3.5 - time.monotonic()))
+        assert not waiting.done()
+        assert int(send(server.url, model, 81, 3, end=True).as_numpy("SUM")[0, 0]) == 6
+        assert int(waiting.result().as_numpy("SUM")[0, 0]) == 10
+    time.sleep(0.3)  # (a client's pause between steps, well within the idle limit)
+    assert int(send(server.url, model, 82, 5).as_numpy("SUM")[0, 0]) == 15
+    assert int(send(server.url, model, 82, 1, end=True).as_numpy("SUM")[0, 0]) == 16

@@ -178,6 +178,11 @@ class SequenceBatcher:
         for seq in ready[:self.max_batch]:
             p = seq.pending.popleft()
             p.entry["slot_index"] = seq.slot
+            # Idle from now, not from the request's arrival: a sequence with a request queued is not
+            # idle (Triton's definition). One whose START waited in the backlog longer than the idle
+            # limit (its only instance restarting) was released right after its answer, and its
+            # next step refused for a START it had sent.
+            seq.last_seen = max(seq.last_seen, now)
             batch.append(p)
             if seq.ending and not seq.pending:
                 self._release(seq)
