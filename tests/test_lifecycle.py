@@ -698,6 +698,73 @@ def test_rollback_to_an_older_version_in_one_call_loses_no_request(server_factor
         add_sub_result(c, version="2")
 
 
+def test_a_new_version_loading_or_failed_beside_one_that_serves_is_listed_and_not_at_ready_state(server_factory,
+                                                                                                  tmp_path):
+    """As Triton 2.51: while version 2 loads beside version 1 the index lists it LOADING, and
+    once its load failed UNAVAILABLE with the reason; a request for it meanwhile is 503 "not at
+    ready state" (gRPC UNAVAILABLE: retry), not 404 "not found" (final), which a client pinned to
+    the new version read as "it does not exist" (it did: the folder was there, loading)."""
+    import tritonclient.grpc as grpcclient
+
+    repo = tmp_path / "repo"
+    shutil.copytree(SLOW_START / "slow_start", repo / "slow_start")
+    s = server_factory.start([repo], ["--model-control-mode", "explicit", "--load-model", "slow_start"])
+    c = s.client()
+    g = grpcclient.InferenceServerClient(s.grpc_url)
+    x = np.ones([1], np.float32)
+
+    def refusals(version: str) -> list[tuple[str, str]]:
+        """(status, text) of an HTTP and a gRPC request for ``version``."""
+        out = []
+        for client, mod in ((c, httpclient), (g, grpcclient)):
+            t = mod.InferInput("X", [1], "FP32")
+            t.set_data_from_numpy(x)
+            with pytest.raises(InferenceServerException) as e:
+                client.infer("slow_start", [t], model_version=version)
+            out.append((str(e.value.status()), e.value.message()))
+        return out
+
+    def listed() -> list[dict]:
+        return [e for e in c.get_model_repository_index() if e["name"] == "slow_start"]
+
+    def served() -> str:
+        t = httpclient.InferInput("X", [1], "FP32")
+        t.set_data_from_numpy(x)
+        return c.infer("slow_start", [t]).get_response()["model_version"]
+
+    shutil.copytree(repo / "slow_start" / "1", repo / "slow_start" / "2")
+    not_ready = "Request for unknown model: 'slow_start' version 2 is not at ready state"
+    gate = Gate(tmp_path / "gate")
+    load = LoadCall(s.url, "slow_start", slow_start_config(gate=gate))
+    try:
+        gate.wait_started()
+        assert listed() == [{"name": "slow_start", "version": "1", "state": "READY"},
+                            {"name": "slow_start", "version": "2", "state": "LOADING"}]
+        assert refusals("2") == [("503", not_ready), ("StatusCode.UNAVAILABLE", not_ready)]
+        assert served() == "1" and not c.is_model_ready("slow_start", "2")
+    finally:
+        gate.open()
+    assert load.outcome() is None
+    assert served() == "2"
+
+    # A version 3 whose initialize raises: version 2 serves on, 3 is listed with why, and "not at ready state".
+    (repo / "slow_start" / "3").mkdir()
+    (repo / "slow_start" / "3" / "model.py").write_text(
+        "class TritonPythonModel:\n    def initialize(self, args):\n        raise RuntimeError('boom v3')\n")
+    with pytest.raises(InferenceServerException, match="boom v3"):
+        c.load_model("slow_start")
+    why = "failed to load 'slow_start' version 3: RuntimeError: boom v3"
+    entries = {e["version"]: e for e in listed()}
+    assert entries["3"] == {"name": "slow_start", "version": "3", "state": "UNAVAILABLE", "reason": why}
+    assert entries["2"]["state"] == "READY" and entries["1"]["state"] in ("UNLOADING", "UNAVAILABLE")
+    not_ready = not_ready.replace("version 2", "version 3")
+    assert refusals("3") == [("503", not_ready), ("StatusCode.UNAVAILABLE", not_ready)]
+    assert served() == "2"
+    # A version no load ever tried is still "not found".
+    assert refusals("4")[0] == ("404", "Request for unknown model: 'slow_start' version 4 is not found")
+    g.close()
+
+
 SLOW_START = Path(__file__).resolve().parent / "models" / "lifecycle"
 
 

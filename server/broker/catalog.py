@@ -117,6 +117,27 @@ class Catalog:
             return f"serving the previous version; the last load failed: {self.load_errors[model]}"
         return ""
 
+    def pending_versions(self, model: str) -> dict[int, dict[str, str]]:
+        """The versions of ``model`` that do not serve but that Triton still lists beside the ones
+        that serve (version -> its index state and reason): those a load in progress brings
+        (LOADING, or UNAVAILABLE once failed), then those whose last load failed (UNAVAILABLE,
+        each with its reason; "unloaded" for one let go because another failed), then those a
+        reload's policy dropped or an unload left (UNAVAILABLE "unloaded")."""
+        serving = self.models.get(model, {})
+        out: dict[int, dict[str, str]] = {}
+        job = self.loading.get(model)
+        for v, mv in (job.versions.items() if job is not None else ()):
+            if v not in serving:
+                out[v] = {"state": mv.state.value, "reason": mv.reason}
+        if model in self.load_errors:
+            for v, why in (self.failed_versions.get(model) or {}).items():
+                if v not in serving and v not in out:
+                    out[v] = {"state": State.UNAVAILABLE.value, "reason": why}
+        for v in self.unloaded.get(model, ()):
+            if v not in serving and v not in out:
+                out[v] = {"state": State.UNAVAILABLE.value, "reason": "unloaded"}
+        return out
+
     def find_version(self, model: str, version: str | int | None, *, inference: bool = False) -> ModelVersion:
         """The version a request for ``model`` (and ``version``, or the latest) goes to. Only
         inference is split between a canary and the stable version; metadata, config and
@@ -153,7 +174,10 @@ class Catalog:
             raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")
         if not latest:
             mv = versions.get(v)
-            if mv is None and v in self.unloaded.get(model, ()):  # one a reload's policy dropped
+            if mv is None and v in self.pending_versions(model):
+                # One a reload's policy dropped, one loading beside what serves, or one whose load
+                # failed while the others serve on: Triton lists each (UNAVAILABLE, LOADING) and
+                # answers "not at ready state" (503, retry), not "not found" (404, final).
                 raise VersionNotReady(f"Request for unknown model: '{model}' version {v} is not at ready state")
             if mv is None:
                 raise UnknownModel(f"Request for unknown model: '{model}' version {v} is not found")

@@ -152,8 +152,12 @@ class ControlHandler:
                 stale = b.failed_reload(name)  # the old versions serve on after a later load failed
                 entries = [{"name": name, "version": str(v), **index_state(mv, stale, b)}
                            for v, mv in versions.items()]
-                if name in b.unloaded:  # versions a reload's policy dropped
-                    entries += [e for e in unloaded_entries(name, b) if int(e["version"]) not in versions]
+                # Versions loading beside them, whose load failed, or that a reload's policy dropped
+                draining = {r.version.version for r in b.retiring if r.version.name == name}
+                entries += [{"name": name, "version": str(v),
+                             **(_state(State.UNLOADING.value, "") if v in draining and st["reason"] == "unloaded"
+                                else _state(st["state"], st["reason"]))}
+                            for v, st in b.pending_versions(name).items()]
                 out += sorted(entries, key=lambda e: int(e["version"]))
             elif name in b.load_errors:
                 tried = b.failed_versions.get(name)
