@@ -241,6 +241,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._idle_since = 0.0  # when its last answer went out (or it was accepted): the bound's drain order
         self._send_watch: asyncio.TimerHandle | None = None  # the send timeout's, while answers wait unread
         self._unsent = 0  # bytes the transport held at the send watch's last look
+        self._drained = False  # the transport resumed us since the send watch's last look
 
     # -- connections -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -647,19 +648,26 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         slowly than we write. From now on it must read some every ``send_timeout_s``."""
         super().pause_writing()
         if self._send_watch is None:
-            self._unsent = self.transport.get_write_buffer_size()
+            self._unsent, self._drained = self.transport.get_write_buffer_size(), False
             self._send_watch = self.loop.call_later(self.limits.send_timeout_s, self._on_send_watch)
 
+    def resume_writing(self) -> None:
+        """The transport's buffer fell below its low-water mark: the client read."""
+        super().resume_writing()
+        self._drained = True
+
     def _on_send_watch(self) -> None:
-        """Unsent bytes that did not shrink over ``send_timeout_s``: the connection is cut (not
-        closed, which would wait for them to go) and what the transport held is freed. Its own
-        timer, apart from ``_watch``: a closing connection's answer may wait unread too."""
+        """No byte read over ``send_timeout_s`` (the transport neither resumed us nor held fewer
+        bytes than at the last look; more written since, a later answer's, is not progress):
+        the connection is cut (not closed, which would wait for them to go) and what the
+        transport held is freed. Its own timer, apart from ``_watch``: a closing connection's
+        answer may wait unread too."""
         self._send_watch = None
         unsent = self.transport.get_write_buffer_size()
         if not unsent:
             return  # all sent: armed again if the transport pauses us again
-        if unsent < self._unsent:  # the client read some meanwhile
-            self._unsent = unsent
+        if self._drained or unsent < self._unsent:  # the client read some meanwhile
+            self._unsent, self._drained = unsent, False
             self._send_watch = self.loop.call_later(self.limits.send_timeout_s, self._on_send_watch)
             return
         self._warn("send-timeout", "cut a connection whose client read none of its answer for %g s, %d bytes unsent "
