@@ -395,6 +395,7 @@ def test_a_message_that_does_not_arrive_in_time_ends_its_call(server_factory):
     slow.join(DEADLINE_S)
     assert stalled and stalled[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED, stalled
     assert stalled[0].details() == "the request message did not arrive within 1 s (--grpc-receive-timeout-secs)"
+    assert "Traceback" not in server.log() and "Unexpected" not in server.log()
 
 
 def test_calls_cut_while_their_message_arrives_give_their_slot_back(server_factory):

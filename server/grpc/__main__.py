@@ -122,8 +122,8 @@ async def serve(spec: dict) -> int:
     while not stop.is_set():
         log_settings.check()
         tracer.follow()
+        receiving.sweep()  # (before the heap's trim, which may take a while on a large heap)
         await heap_watch.check()
-        receiving.sweep()
         try:
             await asyncio.wait_for(stop.wait(), TICK_S)
         except asyncio.TimeoutError:

@@ -35,44 +35,53 @@ class ReceiveSlots:
 
     The deadline is kept by ``sweep``, on the frontend's tick, rather than a timer per call (an
     ``asyncio.timeout`` costs a timer handle made and cancelled on every request): a receipt
-    ends at most one tick past its time."""
+    ends about a tick past its time. A late call is ended from the server's side
+    (``context.abort``, from a task of its own), never by cancelling its read: grpc frees a
+    message it has received only when the read's result is taken, so a read cancelled just as
+    its message came would keep the message for good."""
 
     def __init__(self, slots: int, timeout_s: float) -> None:
         self.slots = slots
         self.timeout_s = timeout_s
         self._free = asyncio.Semaphore(slots)
-        self._receiving: dict[asyncio.Task, float] = {}  # each receipt's task -> when it began
-        self._late: set[asyncio.Task] = set()  # receipts ``sweep`` has cancelled
+        self._receiving: dict[grpc.aio.ServicerContext, float] = {}  # each receipt's call -> when it began
+        self._ending: set[grpc.aio.ServicerContext] = set()  # the late ones ``sweep`` is ending
+        self._enders: set[asyncio.Task] = set()  # (held: the loop keeps only weak references to tasks)
 
     async def receive(self, context: grpc.aio.ServicerContext) -> Any:
-        """The call's request message, read once a slot is free. Raises ``Aborted`` when it does not
-        arrive within the timeout, or when the client ended its side with none."""
+        """The call's request message, read once a slot is free. Raises ``Aborted`` when the client
+        ended its side with none (or grpc refused its message as too large: the client has grpc's
+        RESOURCE_EXHAUSTED), and grpc's ``AbortError`` when ``sweep`` ended the call."""
         async with self._free:
-            task = asyncio.current_task()
-            assert task is not None
-            self._receiving[task] = time.monotonic()
+            self._receiving[context] = time.monotonic()
             try:
                 message = await context.read()
-            except asyncio.CancelledError:
-                if task not in self._late:
-                    raise  # (the call was cancelled)
-                self._late.discard(task)
-                task.uncancel()
-                raise Aborted(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"the request message did not arrive within {self.timeout_s:g} s "
-                              f"({RECEIVE_TIMEOUT_FLAG})") from None
             finally:
-                del self._receiving[task]
+                del self._receiving[context]
+                self._ending.discard(context)
         if message is grpc.aio.EOF:
             raise Aborted(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
         return message
 
     def sweep(self) -> None:
-        """End the receipts that have taken longer than the timeout (their read is cancelled)."""
+        """End the calls whose message has taken longer than the timeout: DEADLINE_EXCEEDED, sent
+        from the server; their pending read then ends with grpc's ``AbortError``."""
         if not self._receiving:
             return
         began_by = time.monotonic() - self.timeout_s
-        for task, began in list(self._receiving.items()):
-            if began <= began_by and task not in self._late:
-                self._late.add(task)
-                task.cancel()
+        for context, began in list(self._receiving.items()):
+            if began <= began_by and context not in self._ending:
+                self._ending.add(context)
+                ender = asyncio.get_running_loop().create_task(self._end(context))
+                self._enders.add(ender)
+                ender.add_done_callback(self._enders.discard)
+
+    async def _end(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the request message did not arrive within {self.timeout_s:g} s "
+                                f"({RECEIVE_TIMEOUT_FLAG})")
+        except grpc.aio.AbortError:
+            pass  # (how abort ends: the status is sent)
+        except Exception:  # noqa: BLE001 - the call ended meanwhile (its client gone): nothing to send
+            pass
