@@ -160,17 +160,40 @@ def receive_memory(args: argparse.Namespace) -> int:
 
 
 def usable_memory() -> int:
-    """Bytes of memory this process may use: the host's, or its cgroup's limit where lower (a
-    container's ``--memory``, a pod's limit)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Bytes of memory this process may use: the host's, or the lowest limit of its cgroup and
+    those above it where lower (a container's ``--memory``, a pod's limit, systemd's ``MemoryMax``)."""
+    return min([os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), *cgroup_memory_limits()])
+
+
+def cgroup_memory_limits(root: str = "/sys/fs/cgroup") -> list[int]:
+    """The memory limits set on this process's cgroup and each one above it: cgroup v2's
+    ``memory.max`` along its path (``/proc/self/cgroup``'s ``0::`` line: "/" inside a cgroup
+    namespace, where ``root`` is its own), or v1's ``memory.limit_in_bytes`` along its memory
+    cgroup's. Nothing where there is no cgroup file to read."""
     try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            total = min(total, int(limit))
-    except (OSError, ValueError):
-        pass  # cgroup v1 or none: the host's
-    return total
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and not controllers:
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p and p != ".."]
+        for depth in range(len(parts), -1, -1):
+            try:
+                with open(os.path.join(base, *parts[:depth], name)) as f:
+                    value = f.read().strip()
+            except OSError:
+                continue
+            if value.isdigit():  # ("max": none)
+                limits.append(int(value))
+    return limits
 
 
 def tls(args: argparse.Namespace) -> dict[str, Any] | None:
