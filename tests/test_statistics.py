@@ -762,16 +762,18 @@ def test_requests_queued_behind_a_long_execution_count_once_as_pending(server_fa
         finally:
             client.close()
 
-    first = threading.Thread(target=send, args=(30,))
-    first.start()
-    wait_for_pending = time.monotonic() + 60
-    while sample(scrape(server), "shmserve_requests_in_flight", model="sleeper") < 1:
-        assert time.monotonic() < wait_for_pending
-        time.sleep(0.02)
-    rest = [threading.Thread(target=send, args=(t,)) for t in (30, 0)]
-    for t in rest:
-        t.start()
-        time.sleep(0.1)  # (in this order on the lane)
+    def start_when_in_flight(tenths: int, in_flight: int) -> threading.Thread:
+        """A request started once ``in_flight`` are: in this order on the lane, on a loaded host too."""
+        deadline = time.monotonic() + 60
+        while sample(scrape(server), "shmserve_requests_in_flight", model="sleeper") < in_flight:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        thread = threading.Thread(target=send, args=(tenths,))
+        thread.start()
+        return thread
+
+    first = start_when_in_flight(30, 0)
+    rest = [start_when_in_flight(30, 1), start_when_in_flight(0, 2)]
     seen = []
     while first.is_alive() or any(t.is_alive() for t in rest):
         text = scrape(server)
