@@ -420,8 +420,8 @@ def test_sequences_waiting_for_a_slot_on_a_stream_take_it_as_soon_as_it_frees(se
 
 
 def test_a_sequence_whose_start_waited_in_the_backlog_past_the_idle_time_goes_on(server_factory, tmp_path):
-    """A sequence with a request queued is not idle (Triton's definition): its idle time counts
-    from when its last request went to its instance. 82's START waits in the backlog behind 81
+    """A sequence's idle time counts from when its last request went to its instance (Triton's,
+    from its arrival: a difference, compatibility.md). 82's START waits in the backlog behind 81
     longer than the idle limit (here 3 s; the same as a START that waits for its only instance to
     restart); before, it ran, and then was released as idle at once, so its next step, sent right
     after the answer, was refused for want of the START it had sent."""

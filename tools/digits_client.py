@@ -87,9 +87,12 @@ def main(argv: list[str] | None = None) -> int:
             infer(client, args.model, x[i:i + args.batch_size], binary=not args.json).argmax(1)
             for i in range(0, len(x), args.batch_size)
         ])
-    except OSError as exc:  # connection refused, host unknown: no server there yet
+    except ConnectionRefusedError as exc:  # no server there yet
         print(f"inference failed: no server answers at {args.url} ({exc}): start one with `make serve` "
               f"in another shell, or pass --url", file=sys.stderr)
+        return 1
+    except OSError as exc:  # host unknown, connection reset mid-run
+        print(f"inference failed: {args.url}: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # HTTP errors, shape mismatch
         print(f"inference failed: {exc}", file=sys.stderr)

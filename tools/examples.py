@@ -78,14 +78,15 @@ def main() -> int:
     from tritonclient.utils import InferenceServerException
 
     from shmserve.shm.client import InferenceServerError
-    from shmserve.shm.connection import ServerUnavailable
+    from shmserve.shm.connection import NoServer, ServerUnavailable
 
     for name, fn in EXAMPLES.items():
         if args.which in (name, "all"):
             try:
                 fn(args.url, args.id)
-            except ServerUnavailable as e:  # the local client's: no server under that --id
-                hint = "" if "running here" in str(e) else " (start one with `make serve`, or pass its --id)"
+            except ServerUnavailable as e:  # the local client's: no server under that --id, or one it may not use
+                hint = " (start one with `make serve`, or pass its --id)" \
+                    if isinstance(e, NoServer) and "running here" not in str(e) else ""
                 print(f"examples.py {name}: {e}{hint}", file=sys.stderr)
                 return 1
             except OSError as e:  # connection refused, host unknown: no server there yet

@@ -178,10 +178,10 @@ class SequenceBatcher:
         for seq in ready[:self.max_batch]:
             p = seq.pending.popleft()
             p.entry["slot_index"] = seq.slot
-            # Idle from now, not from the request's arrival: a sequence with a request queued is not
-            # idle (Triton's definition). One whose START waited in the backlog longer than the idle
-            # limit (its only instance restarting) was released right after its answer, and its
-            # next step refused for a START it had sent.
+            # Idle from now, not from the request's arrival: one whose START waited in the backlog
+            # longer than the idle limit (behind busy slots, or its only instance restarting) was
+            # released right after its answer, and its next step refused for a START it had sent.
+            # (Triton times idleness from arrival and ends such a sequence so: compatibility.md.)
             seq.last_seen = max(seq.last_seen, now)
             batch.append(p)
             if seq.ending and not seq.pending:
