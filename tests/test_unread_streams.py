@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import grpc
 import numpy as np
@@ -114,13 +115,14 @@ def _unread_sse_stream(server, request_id: str, count: int) -> socket.socket:
     return sock
 
 
-def _sse_events(sock: socket.socket) -> list[dict]:
-    """Every event of the stream, read to its end."""
+def _sse_events(sock: socket.socket, pause_s: float = 0.0) -> list[dict]:
+    """Every event of the stream, read to its end (``pause_s`` between reads)."""
     data = b""
     while not data.endswith(b"0\r\n\r\n"):  # the last chunk
         chunk = sock.recv(1 << 20)
         assert chunk, f"the stream ended early: {data[-300:]!r}"
         data += chunk
+        time.sleep(pause_s)
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head
     text = b""
@@ -226,3 +228,24 @@ def test_a_response_larger_than_the_bound_is_left_in_its_arena(server_factory, t
         assert [len(r.infer_response.raw_output_contents[0]) for r in got] == [2 << 20] * 3
     finally:
         channel.close()
+
+
+def test_an_sse_stream_read_slowly_but_steadily_outlives_the_send_timeout(server_factory, tmp_path):
+    """A client that reads its stream a little at a time, for several times --http-send-timeout-secs
+    in all, is never cut: each drain of the connection counts as reading (the stream's chunks
+    are written after each one, so the bytes left unsent alone would not show it)."""
+    repo = tmp_path / "repo"
+    (repo / "chatter" / "1").mkdir(parents=True)
+    (repo / "chatter" / "1" / "model.py").write_text(CHATTER_MODEL.format(repo=str(repo)))
+    (repo / "chatter" / "config.pbtxt").write_text(CHATTER_CONFIG)
+    server = server_factory.start([repo], [*ARENAS, "--http-send-timeout-secs", "1"])
+    server.repo = repo
+    count = 3000  # events of about 3.7 KB (OUT as JSON numbers): 11 MB, more than the kernel buffers
+    sock = _unread_sse_stream(server, "steady", count)
+    began = time.monotonic()
+    with sock:
+        events = _sse_events(sock, pause_s=0.002)  # (4 KiB a read)
+    took = time.monotonic() - began
+    assert took > 2, f"read in {took:.1f} s: faster than the test means to"
+    assert [e["INDEX"] for e in events] == list(range(count))
+    assert "(--http-send-timeout-secs)" not in server.log()

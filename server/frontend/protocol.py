@@ -49,7 +49,9 @@ connection is closed without one.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import termios
 import time
 import typing
 import weakref
@@ -648,8 +650,20 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         slowly than we write. From now on it must read some every ``send_timeout_s``."""
         super().pause_writing()
         if self._send_watch is None:
-            self._unsent, self._drained = self.transport.get_write_buffer_size(), False
+            self._unsent, self._drained = self._unsent_bytes(), False
             self._send_watch = self.loop.call_later(self.limits.send_timeout_s, self._on_send_watch)
+
+    def _unsent_bytes(self) -> int:
+        """What the transport holds, and what the kernel holds that the client has not taken
+        (``SIOCOUTQ``): the transport gives the kernel more only once a good part of its buffer
+        is free, so a client that reads steadily empties the kernel's long before ours moves."""
+        unsent = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        try:
+            got = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")  # (SIOCOUTQ)
+        except (AttributeError, OSError):
+            return unsent
+        return unsent + int.from_bytes(got, "little")
 
     def resume_writing(self) -> None:
         """The transport's buffer fell below its low-water mark: the client read."""
@@ -663,9 +677,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         transport held is freed. Its own timer, apart from ``_watch``: a closing connection's
         answer may wait unread too."""
         self._send_watch = None
-        unsent = self.transport.get_write_buffer_size()
-        if not unsent:
-            return  # all sent: armed again if the transport pauses us again
+        if not self.transport.get_write_buffer_size():
+            return  # all handed to the kernel: armed again if the transport pauses us again
+        unsent = self._unsent_bytes()
         if self._drained or unsent < self._unsent:  # the client read some meanwhile
             self._unsent, self._drained = unsent, False
             self._send_watch = self.loop.call_later(self.limits.send_timeout_s, self._on_send_watch)
