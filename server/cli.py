@@ -6,6 +6,8 @@ import os
 import sys
 from typing import Any, NoReturn, Sequence
 
+from shmserve.host_limits import usable_cores
+
 from . import __version__, cache_flags, triton_flags
 from .edge.header_forward import HTTP_FLAG as HTTP_FORWARD_FLAG, compile_pattern
 from .broker.summary_window import summary_quantiles
@@ -25,20 +27,6 @@ def parse_bool(value: str | bool) -> bool:
 
 
 TRITON_HTTP_THREADS = 8  # tritonserver's --http-thread-count default, whatever the host
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity), fewer under a cgroup CPU quota (a
-    container's ``--cpus``, a pod's CPU limit), which the affinity does not show."""
-    cores = len(os.sched_getaffinity(0))
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()
-        if quota != "max":
-            cores = min(cores, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass  # cgroup v1 or none: the affinity alone
-    return cores
 
 
 def default_http_workers() -> int:

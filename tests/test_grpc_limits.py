@@ -282,7 +282,7 @@ def test_by_default_connections_and_receive_slots_follow_the_host(server_factory
     """Connections are bounded below the descriptor limit; receive slots by the host's memory."""
     from shmserve.descriptor_limit import connection_bound, raise_descriptor_limit
 
-    from shmserve.server.grpc.options import usable_memory
+    from shmserve.host_limits import usable_memory
 
     server = _server(server_factory)
     assert f"(at most {connection_bound(raise_descriptor_limit())} connections)" in server.log()

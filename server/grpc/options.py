@@ -9,9 +9,9 @@ The launcher parses these without importing grpcio: ``grpc_spec`` turns the flag
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any, Callable
 
+from shmserve.host_limits import usable_memory
 from shmserve.server.edge.header_forward import GRPC_FLAG as FORWARD_FLAG, compile_pattern
 from shmserve.server.edge.restrictions import parse as parse_restricted
 
@@ -157,43 +157,6 @@ def receive_memory(args: argparse.Namespace) -> int:
     if not 1 <= args.grpc_receive_memory_mb <= 1 << 30:
         raise ValueError(f"{RECEIVE_MEMORY_FLAG} must lie in [1, {1 << 30}], got {args.grpc_receive_memory_mb}")
     return args.grpc_receive_memory_mb << 20
-
-
-def usable_memory() -> int:
-    """Bytes of memory this process may use: the host's, or the lowest limit of its cgroup and
-    those above it where lower (a container's ``--memory``, a pod's limit, systemd's ``MemoryMax``)."""
-    return min([os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), *cgroup_memory_limits()])
-
-
-def cgroup_memory_limits(root: str = "/sys/fs/cgroup") -> list[int]:
-    """The memory limits set on this process's cgroup and each one above it: cgroup v2's
-    ``memory.max`` along its path (``/proc/self/cgroup``'s ``0::`` line: "/" inside a cgroup
-    namespace, where ``root`` is its own), or v1's ``memory.limit_in_bytes`` along its memory
-    cgroup's. Nothing where there is no cgroup file to read."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    limits = []
-    for line in lines:
-        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if hierarchy == "0" and not controllers:
-            base, name = root, "memory.max"
-        elif "memory" in controllers.split(","):
-            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
-        else:
-            continue
-        parts = [p for p in path.split("/") if p and p != ".."]
-        for depth in range(len(parts), -1, -1):
-            try:
-                with open(os.path.join(base, *parts[:depth], name)) as f:
-                    value = f.read().strip()
-            except OSError:
-                continue
-            if value.isdigit():  # ("max": none)
-                limits.append(int(value))
-    return limits
 
 
 def tls(args: argparse.Namespace) -> dict[str, Any] | None:
