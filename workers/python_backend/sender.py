@@ -77,10 +77,10 @@ class ResponseSender:
         self._sent += 1
 
     def handed_out(self) -> None:
-        """The model asked for this sender (``request.get_response_sender()``)."""
-        handed_out = getattr(self._deliver, "handed_out", None)
-        if handed_out is not None:
-            handed_out()
+        """The model asked for this sender (``request.get_response_sender()``): a non-decoupled
+        request's ``Reply`` then waits for its sends, not for ``execute``'s return."""
+        if not self._decoupled:
+            self._deliver.handed_out()  # type: ignore[attr-defined] - a Reply (backend.py)
 
     def close(self) -> None:
         """``execute`` raised: its requests are answered with the error, and nothing more may be

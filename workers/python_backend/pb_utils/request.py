@@ -275,9 +275,7 @@ class InferenceRequest:
         if sender is None:
             raise TritonModelException("get_response_sender() is only available for the requests "
                                        "handed to execute()")
-        handed_out = getattr(sender, "handed_out", None)
-        if handed_out is not None:
-            handed_out()
+        sender.handed_out()
         return sender
 
     def __repr__(self) -> str:
