@@ -12,8 +12,8 @@ import tritonclient.http as httpclient
 
 from conftest import cmdline, wait_until
 from shmserve import Client
-from shmserve.tools.churn import lasting, reload_config, write_model
-from shmserve.tools.harness import rss_bytes
+from shmserve.tools.churn import reload_config, write_model
+from shmserve.tools.harness import lasting, rss_bytes
 
 LIMIT = 10 << 20  # the bound for every process
 

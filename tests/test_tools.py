@@ -404,3 +404,31 @@ def test_a_tools_server_takes_a_repository_relative_to_the_callers_folder(tmp_pa
             assert client.is_model_ready("add_sub")
     finally:
         server.stop()
+
+
+def test_the_soak_drives_every_kind_of_client_through_reloads_and_kills():
+    """`python -m shmserve.tools.soak` (performance.md's long run), shortened: every kind of client
+    served throughout a reload and a worker kill, each lasting process's RSS reported, nothing left."""
+    command = [PYTHON, "-m", "shmserve.tools.soak", "--seconds", "12", "--reload-every", "5", "--kill-every", "6"]
+    tool = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = tool.communicate(timeout=300)
+    finally:
+        if tool.poll() is None:
+            os.killpg(tool.pid, signal.SIGKILL)
+            tool.wait()
+        # its server is in a session of its own: a soak killed above must not leave it running
+        subprocess.run(["pkill", "-KILL", "-f", f"shmserve launcher soak{tool.pid}$"], check=False)
+    assert tool.returncode == 0, out[-3000:]
+    served = {line.split(" served ")[0].strip(): int(line.split(" served ")[1].split()[0])
+              for line in out.splitlines() if " served " in line}
+    assert set(served) == {"http add_sub", "grpc add_sub", "grpc stream", "local add_sub", "http shm region",
+                           "http bls", "http sequences"}, out
+    assert all(n > 0 for n in served.values()), out
+    assert "1 worker kills" in out or "2 worker kills" in out, out
+    roles = [line.split()[1] for line in out.splitlines() if " RSS " in line]
+    assert sorted(roles) == ["broker", "frontend", "grpc", "launcher"], out
+    assert "/dev/shm objects left after stop: 0" in out, out
+    stem = f"shmserve.soak{tool.pid}."
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith((stem, "sem." + stem))]

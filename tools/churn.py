@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shmserve.tools.harness import ServerProcess, cmdline, descendants, rss_bytes
+from shmserve.tools.harness import ServerProcess, lasting, rss_bytes
 
 MODEL_PY = """import triton_python_backend_utils as pb_utils
 
@@ -44,19 +44,6 @@ def write_model(repo: Path) -> None:
 def reload_config(generation: int) -> str:
     """``m``'s config, changed by ``generation``: each load of it is a new version in new workers."""
     return json.dumps({**CONFIG, "parameters": {"generation": {"string_value": str(generation)}}})
-
-
-LASTING_ROLES = ("launcher", "broker", "frontend", "grpc")
-
-
-def lasting(launcher: int) -> dict[int, str]:
-    """The server's processes that live as long as it does, by the role in their title.
-
-    Named, not "all but the workers": a worker just started has not set its title yet, and one
-    that has exited but is not yet reaped has an empty command line; both would pass for lasting.
-    """
-    titles = {p: cmdline(p) for p in [launcher, *descendants(launcher)]}
-    return {p: t for p, t in titles.items() if t.startswith(tuple(f"shmserve {r} " for r in LASTING_ROLES))}
 
 
 def main() -> int:

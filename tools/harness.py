@@ -98,6 +98,19 @@ def gpu_memory_mib(pids: list[int]) -> dict[int, int] | None:
     return found
 
 
+LASTING_ROLES = ("launcher", "broker", "frontend", "grpc")
+
+
+def lasting(launcher: int) -> dict[int, str]:
+    """The server's processes that live as long as it does, by the role in their title.
+
+    Named, not "all but the workers": a worker just started has not set its title yet, and one
+    that has exited but is not yet reaped has an empty command line; both would pass for lasting.
+    """
+    titles = {p: cmdline(p) for p in [launcher, *descendants(launcher)]}
+    return {p: t for p, t in titles.items() if t.startswith(tuple(f"shmserve {r} " for r in LASTING_ROLES))}
+
+
 class ServerProcess:
     """``python -m shmserve`` on free loopback ports with a unique id, ready when constructed."""
 

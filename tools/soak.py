@@ -1,14 +1,18 @@
 """Soak: mixed load for a long while, with a reload every 30 s and a worker killed every 60 s.
 
-    python -m shmserve.tools.soak [--seconds 600] [--reload-every 30] [--kill-every 60]
+    python -m shmserve.tools.soak [--seconds 600] [--reload-every 30] [--kill-every 60] [--limit-mb 20]
 
-Starts its own server (poll mode) on a temporary copy of add_sub and running_sum and drives it
-with HTTP clients (add_sub), a local shared-memory client (add_sub) and a sequence client
-(running_sum over HTTP, checking every running sum). Meanwhile a new add_sub version is published
-by atomic rename every ``--reload-every`` seconds and an add_sub worker is SIGKILLed every
-``--kill-every`` seconds. Prints requests served and failed per kind (failures are expected only
-for requests that were on a killed worker), p50/p99, the server's RSS at start and end, and the
-shared-memory objects left after it stops (0 expected). Exit code 1 if anything unexpected failed.
+Starts its own server (poll mode) on a temporary copy of add_sub, add_sub_bls, running_sum and
+word_stream and drives it with every kind of client at once: HTTP (add_sub), gRPC (add_sub),
+a gRPC stream (word_stream, checking every word), a local shared-memory client (add_sub), a
+client that registers a system shared-memory region, infers through it and unregisters it each
+round, a BLS model (add_sub_bls, which calls add_sub) and a sequence client (running_sum over
+HTTP, checking every running sum). Meanwhile a new add_sub version is published by atomic rename
+every ``--reload-every`` seconds and an add_sub worker is SIGKILLed every ``--kill-every``
+seconds. Prints requests served and failed per kind (failures are expected only for requests
+that were on a killed worker), p50/p99, each lasting server process's RSS after the warm-up and
+at the end, and the shared-memory objects left after it stops. Exit code 1 if anything
+unexpected failed, a lasting process grew by more than ``--limit-mb``, or anything was left.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmserve.tools.harness import ROOT, ServerProcess, rss_bytes
+from shmserve.tools.harness import ROOT, ServerProcess, free_port, lasting, rss_bytes
 
 KILLED = "killed by SIGKILL"
 
@@ -33,19 +37,29 @@ def _record(out: dict, started: float, error: str | None) -> None:
         out["ok"] += 1
         out["lat"].append(time.perf_counter() - started)
     else:
-        out["failed"][error[:160]] += 1
+        short = error[:160]
+        if KILLED in error and KILLED not in short:  # still counted as a killed worker's
+            short = f"{error[:120]} ... {KILLED}"
+        out["failed"][short] += 1
+
+
+def _add_sub_inputs(module: Any) -> tuple[Any, list[Any]]:
+    """add_sub's two inputs for a tritonclient module (HTTP or gRPC), both ``arange(16)``."""
+    import numpy as np
+
+    a = np.arange(16, dtype=np.int32)
+    inputs = [module.InferInput("INPUT0", [16], "INT32"), module.InferInput("INPUT1", [16], "INT32")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    return a, inputs
 
 
 def http_add_sub(url: str, stop: Any, results: Any) -> None:
-    import numpy as np
     import tritonclient.http as h
 
     out: dict = {"kind": "http add_sub", "ok": 0, "failed": collections.Counter(), "lat": []}
     client = h.InferenceServerClient(url, network_timeout=60)
-    a = np.arange(16, dtype=np.int32)
-    inputs = [h.InferInput("INPUT0", [16], "INT32"), h.InferInput("INPUT1", [16], "INT32")]
-    for i in inputs:
-        i.set_data_from_numpy(a)
+    a, inputs = _add_sub_inputs(h)
     while not stop.is_set():
         started = time.perf_counter()
         try:
@@ -71,6 +85,125 @@ def local_add_sub(server_id: str, stop: Any, results: Any) -> None:
                 _record(out, started, None if (r["OUTPUT1"] == 0).all() else "wrong answer")
             except Exception as e:  # noqa: BLE001
                 _record(out, started, str(e))
+    results.put(out)
+
+
+def grpc_add_sub(grpc_url: str, stop: Any, results: Any) -> None:
+    import tritonclient.grpc as g
+
+    out: dict = {"kind": "grpc add_sub", "ok": 0, "failed": collections.Counter(), "lat": []}
+    client = g.InferenceServerClient(grpc_url)
+    a, inputs = _add_sub_inputs(g)
+    while not stop.is_set():
+        started = time.perf_counter()
+        try:
+            r = client.infer("add_sub", inputs, client_timeout=60)
+            _record(out, started, None if (r.as_numpy("OUTPUT0") == 2 * a).all() else "wrong answer")
+        except Exception as e:  # noqa: BLE001
+            _record(out, started, str(e))
+    client.close()
+    results.put(out)
+
+
+def grpc_stream(grpc_url: str, stop: Any, results: Any) -> None:
+    """word_stream (decoupled) on one long-lived gRPC stream: every word, in order, then the final."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as g
+
+    out: dict = {"kind": "grpc stream", "ok": 0, "failed": collections.Counter(), "lat": []}
+    words = [f"w{i}" for i in range(8)]
+    text = g.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([" ".join(words).encode()], dtype=object))
+    client = g.InferenceServerClient(grpc_url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    n = 0
+    while not stop.is_set():
+        n += 1
+        started = time.perf_counter()
+        got: list[str] = []
+        error = None
+        client.async_stream_infer("word_stream", [text], request_id=str(n), enable_empty_final_response=True)
+        try:
+            while True:
+                result, failure = answers.get(timeout=60)
+                if failure is not None:
+                    error = str(failure)
+                    break
+                response = result.get_response()
+                if response.id != str(n):
+                    error = f"an answer of request {response.id!r} on request {n}'s turn"
+                    break
+                if response.parameters["triton_final_response"].bool_param:
+                    break
+                got.append(result.as_numpy("text_output").reshape(-1)[0].decode())
+        except queue.Empty:
+            error = "no final response within 60 s"
+        if error is None and got != words:
+            error = f"words {got} != {words}"
+        _record(out, started, error)
+        if error is not None:  # the stream's state is unknown: start a new one
+            client.stop_stream()
+            answers = queue.Queue()
+            client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    client.stop_stream()
+    client.close()
+    results.put(out)
+
+
+def shm_regions(url: str, stop: Any, results: Any) -> None:
+    """Each round: a system shared-memory region made, registered, inferred through (inputs and
+    outputs), unregistered and removed, so registrations churn as a client's would."""
+    import numpy as np
+    import tritonclient.http as h
+    import tritonclient.utils.shared_memory as shm
+
+    out: dict = {"kind": "http shm region", "ok": 0, "failed": collections.Counter(), "lat": []}
+    client = h.InferenceServerClient(url, network_timeout=60)
+    a = np.arange(16, dtype=np.int32)
+    size = a.nbytes
+    name, key = f"soak_{os.getpid()}", f"/soak_{os.getpid()}"
+    while not stop.is_set():
+        started = time.perf_counter()
+        handle = shm.create_shared_memory_region(name, key, 4 * size)
+        try:
+            shm.set_shared_memory_region(handle, [a, a])
+            client.register_system_shared_memory(name, key, 4 * size)
+            inputs = [h.InferInput("INPUT0", [16], "INT32"), h.InferInput("INPUT1", [16], "INT32")]
+            inputs[0].set_shared_memory(name, size, 0)
+            inputs[1].set_shared_memory(name, size, size)
+            outputs = [h.InferRequestedOutput("OUTPUT0", binary_data=True)]
+            outputs[0].set_shared_memory(name, size, 2 * size)
+            client.infer("add_sub", inputs, outputs=outputs)
+            got = shm.get_contents_as_numpy(handle, np.int32, [16], offset=2 * size)
+            _record(out, started, None if (got == 2 * a).all() else "wrong answer")
+        except Exception as e:  # noqa: BLE001
+            _record(out, started, str(e))
+        finally:
+            try:
+                client.unregister_system_shared_memory(name)
+            except Exception as e:  # noqa: BLE001
+                out["failed"][f"unregister: {e}"[:160]] += 1
+            shm.destroy_shared_memory_region(handle)
+    results.put(out)
+
+
+def bls(url: str, stop: Any, results: Any) -> None:
+    """add_sub_bls, whose execute() calls add_sub: (a + b) * (a - b) is 0 for equal inputs."""
+    import tritonclient.http as h
+
+    out: dict = {"kind": "http bls", "ok": 0, "failed": collections.Counter(), "lat": []}
+    client = h.InferenceServerClient(url, network_timeout=60)
+    _, inputs = _add_sub_inputs(h)
+    while not stop.is_set():
+        started = time.perf_counter()
+        try:
+            r = client.infer("add_sub_bls", inputs)
+            _record(out, started, None if (r.as_numpy("OUTPUT0") == 0).all() else "wrong answer")
+        except Exception as e:  # noqa: BLE001
+            _record(out, started, str(e))
     results.put(out)
 
 
@@ -114,22 +247,28 @@ def main() -> int:
     p.add_argument("--reload-every", type=float, default=30)
     p.add_argument("--kill-every", type=float, default=60)
     p.add_argument("--http-clients", type=int, default=2)
+    p.add_argument("--limit-mb", type=float, default=20.0,
+                   help="the most a lasting process's RSS may grow after the warm-up (MiB)")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="shmserve-soak-"))
     repo = work / "repo"
-    for model in ("add_sub", "running_sum"):
+    for model in ("add_sub", "add_sub_bls", "running_sum", "word_stream"):
         shutil.copytree(ROOT / "model_repository" / model, repo / model)
-    server = ServerProcess([repo], "--model-control-mode=poll", server_id=f"soak{os.getpid()}", log=work / "server.log")
+    grpc_url = f"127.0.0.1:{free_port()}"
+    server = ServerProcess([repo], "--model-control-mode=poll", f"--grpc-port={grpc_url.rsplit(':', 1)[1]}",
+                           server_id=f"soak{os.getpid()}", log=work / "server.log")
     ctx = mp.get_context("spawn")
     stop, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=http_add_sub, args=(server.url, stop, results)) for _ in range(args.http_clients)]
-    procs += [ctx.Process(target=local_add_sub, args=(server.id, stop, results)),
-              ctx.Process(target=sequences, args=(server.url, stop, results))]
+    clients = [(http_add_sub, server.url)] * args.http_clients + [
+        (grpc_add_sub, grpc_url), (grpc_stream, grpc_url), (local_add_sub, server.id),
+        (shm_regions, server.url), (bls, server.url), (sequences, server.url)]
+    procs = [ctx.Process(target=target, args=(where, stop, results)) for target, where in clients]
     for proc in procs:
         proc.start()
-    time.sleep(5)  # warm-up: every client connected, arenas touched
-    rss_start = rss_bytes(server.tree())
+    time.sleep(10)  # warm-up: every client connected, arenas touched
+    titles = lasting(server.proc.pid)  # captured now: after the stop the processes are gone
+    rss_start = {pid: rss_bytes([pid]) for pid in titles}
     started = time.monotonic()
     next_reload, next_kill, version, reloads, kills = args.reload_every, args.kill_every, 1, 0, 0
     try:
@@ -148,7 +287,7 @@ def main() -> int:
                     os.kill(max(victims), signal.SIGKILL)
                     kills += 1
             time.sleep(0.1)
-        rss_end = rss_bytes(server.tree())
+        rss_end = {pid: rss_bytes([pid]) for pid in titles}
     finally:
         stop.set()
         reports = [results.get(timeout=120) for _ in procs]
@@ -169,15 +308,19 @@ def main() -> int:
         on_killed = sum(n for msg, n in k["failed"].items() if KILLED in msg)
         other = {msg: n for msg, n in k["failed"].items() if KILLED not in msg}
         unexpected += sum(other.values())
-        print(f"  {kind:15s} served {k['ok']:7d}  failed on killed workers {on_killed:3d}  other failures "
+        print(f"  {kind:16s} served {k['ok']:7d}  failed on killed workers {on_killed:3d}  other failures "
               f"{sum(other.values())}  p50 {percentile(k['lat'], 0.5) * 1e3:.2f} ms  "
               f"p99 {percentile(k['lat'], 0.99) * 1e3:.2f} ms")
         for msg, n in other.items():
             print(f"      {n} x {msg}")
-    print(f"  RSS of the server's processes: {rss_start / 2**20:.0f} MiB after warm-up, "
-          f"{rss_end / 2**20:.0f} MiB at the end")
+    grown = 0
+    for pid, title in titles.items():
+        delta = (rss_end[pid] - rss_start[pid]) / (1 << 20)
+        grown += delta > args.limit_mb
+        print(f"  {title:40s} RSS {rss_start[pid] / (1 << 20):7.1f} MiB -> {rss_end[pid] / (1 << 20):7.1f} MiB "
+              f"({delta:+.1f})")
     print(f"  /dev/shm objects left after stop: {len(left)}")
-    ok = unexpected == 0 and not left and code == 0
+    ok = unexpected == 0 and not grown and not left and code == 0
     if ok:
         shutil.rmtree(work, ignore_errors=True)
     else:
