@@ -211,10 +211,22 @@ class RollBackCanary(ControlMessage):
     reason: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class EdgeReport(ControlMessage):
+    """A frontend's network edge as it stands (server/edge/edge_counts.py): its open connections,
+    and what its limits refused or cut since it started, by reason. Sent each second it changed;
+    the broker serves it as metrics, and takes it from the server's own user only."""
+
+    OP: ClassVar[str] = "edge_report"
+    protocol: str
+    connections: int = 0
+    refusals: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 MESSAGES: dict[str, type[ControlMessage]] = {cls.OP: cls for cls in (
     ServerReady, ModelReady, ModelMetadata, ModelConfig, ModelStatistics, RepositoryIndex, LoadModel, UnloadModel,
     RegisterSystemRegion, UnregisterSystemRegion, SystemRegionStatus, RegisterCudaRegion, UnregisterCudaRegion,
-    CudaRegionStatus, LogSettings, TraceSettings, CanaryStatus, SetCanary, PromoteCanary, RollBackCanary)}
+    CudaRegionStatus, LogSettings, TraceSettings, CanaryStatus, SetCanary, PromoteCanary, RollBackCanary, EdgeReport)}
 
 
 def _is_int(value: Any) -> bool:

@@ -76,6 +76,7 @@ class SpillRoom:
         # large tensors its network takes more slowly than the model writes ran 1.3-1.8x its time.
         self.hold = limit // 4
         self.held = 0
+        self.ended = 0  # streams ended for it (a frontend's edge metrics count them)
         self._streams: "weakref.WeakSet[StreamEvents]" = weakref.WeakSet()  # those holding some of it
 
     def make_room(self, size: int, stream: "StreamEvents") -> bool:
@@ -84,6 +85,7 @@ class SpillRoom:
         while self.held + size > self.limit:
             holders = [s for s in self._streams if s.spilled]
             largest = max(holders, key=lambda s: s.spilled, default=stream)
+            self.ended += 1
             if largest is stream or largest.spilled < stream.spilled + size:
                 stream.end_unread(stream.spilled + size, self)
                 return False

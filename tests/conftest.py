@@ -454,6 +454,23 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLI
     return time.monotonic() - started
 
 
+def edge_refusals(server: Server) -> dict[tuple[str, str], float]:
+    """``shmserve_edge_refusals`` from the metrics page, by (protocol, reason)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.labels["protocol"], s.labels["reason"]): s.value
+            for family in text_string_to_metric_families(server.metrics_text())
+            if family.name == "shmserve_edge_refusals" for s in family.samples}
+
+
+def http_connections(server: Server) -> float:
+    """``shmserve_http_connections`` from the metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return next(s.value for family in text_string_to_metric_families(server.metrics_text())
+                if family.name == "shmserve_http_connections" for s in family.samples)
+
+
 def pending_requests(server: Server, model: str) -> int:
     """The broker's count of requests for ``model`` accepted and not answered yet (validated, their
     regions resolved; executing, or queued in the broker or on a worker's lanes)."""

@@ -20,7 +20,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from as_nobody import NOBODY, result_after, run_as, run_as_nobody, start_as, stop
-from conftest import DEADLINE_S, PRODUCT_MODELS, SHM_MODELS, TESTS, shm_names, wait_until
+from conftest import DEADLINE_S, PRODUCT_MODELS, SHM_MODELS, TESTS, edge_refusals, http_connections, shm_names, wait_until
 from gates import Gate
 from shmserve.shm.access import acl, readers_of
 from shmserve.shm.client import Client
@@ -1423,3 +1423,30 @@ with Client(args["server"]) as c:
     a = np.arange(16, dtype=np.int32)
     result = c.infer("add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].tolist()
 """
+
+
+EDGE_REPORT = r"""
+from shmserve.shm.control_messages import EdgeReport
+c = Client(args["server"])
+try:
+    c._control(EdgeReport("http", 1000, {"head": 7}))
+    result = "taken"
+except InferenceServerError as e:
+    result = [e.status, e.message]
+c.close()
+"""
+
+
+def test_the_edge_metrics_are_the_server_users_word_only(users_server):
+    """The frontends report their edges (open connections, refusals) to the broker for the metrics
+    page. A client of another user that sends such a report is refused, and a report of the
+    server's own user that is malformed is refused by name: neither reaches the page."""
+    said = run_as_nobody(EDGE_REPORT, {"server": users_server.id})
+    assert said == [403, "edge reports come from the server's own frontends only"]
+    from shmserve.shm.client import InferenceServerError
+    from shmserve.shm.control_messages import EdgeReport
+
+    with Client(users_server.id) as own, pytest.raises(InferenceServerError) as refused:
+        own._control(EdgeReport("http", 0, {'bad"} 1\nfake_metric': 1}))
+    assert refused.value.status == 400 and "a reason must be" in refused.value.message
+    assert edge_refusals(users_server) == {} and http_connections(users_server) < 1000

@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from conftest import TEST_MODELS, DEADLINE_S
+from conftest import TEST_MODELS, DEADLINE_S, edge_refusals, wait_until
 
 MIB = 1 << 20
 ARENA_MB = 32  # the default message limit follows it: --grpc-max-input-size is 32 MiB
@@ -396,6 +396,8 @@ def test_a_message_that_does_not_arrive_in_time_ends_its_call(server_factory):
     assert stalled and stalled[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED, stalled
     assert stalled[0].details() == "the request message did not arrive within 1 s (--grpc-receive-timeout-secs)"
     assert "Traceback" not in server.log() and "Unexpected" not in server.log()
+    # counted for the operator, as the frontend reports it on its tick
+    wait_until(lambda: edge_refusals(server).get(("grpc", "receive-timeout")) == 1, "the late call counted")
 
 
 def test_calls_cut_while_their_message_arrives_give_their_slot_back(server_factory):

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import TEST_MODELS, Server, raw_request, read_raw_response, wait_until
+from conftest import TEST_MODELS, Server, edge_refusals, http_connections, raw_request, read_raw_response, wait_until
 
 IDLE_S = HEAD_S = BODY_S = 1.5
 MAX_HEAD = 16 << 10
@@ -179,6 +179,33 @@ def test_a_head_that_never_ends_gets_408(edge):
             took = time.monotonic() - started
         assert "--http-header-timeout-secs" in _error(answer, 408)
         assert HEAD_S - 0.2 <= took < HEAD_S + SLACK_S
+
+
+def test_the_limits_refusals_and_the_open_connections_are_on_the_metrics_page(server_factory):
+    """The log says each kind of refusal at most once a minute; the metrics port counts every one,
+    by reason, and shows the HTTP connections open now, so an operator sees a limit at work."""
+    server = server_factory.start([TEST_MODELS], ["--model-control-mode", "explicit",
+                                                  "--http-header-timeout-secs", str(HEAD_S),
+                                                  "--http-max-header-bytes", str(MAX_HEAD)])
+    assert edge_refusals(server) == {} and http_connections(server) == 0
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+    try:
+        wait_until(lambda: http_connections(server) == 3, "the open connections shown")
+        for _ in range(2):  # a head that never ends: 408, twice (the log says it once)
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+                assert "--http-header-timeout-secs" in _error(_until_closed(sock, HEAD_S + SLACK_S + 5)[0], 408)
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:  # a head too large: 431
+            sock.sendall(b"GET / HTTP/1.1\r\nX-Big: " + b"a" * MAX_HEAD + b"\r\n\r\n")
+            assert "--http-max-header-bytes" in _error(_until_closed(sock, SLACK_S + 5)[0], 431)
+        wait_until(lambda: edge_refusals(server) == {("http", "head-timeout"): 2, ("http", "head"): 1},
+                   "the refusals counted")
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_until(lambda: http_connections(server) == 0, "the closed connections gone from the gauge")
+    assert edge_refusals(server) == {("http", "head-timeout"): 2, ("http", "head"): 1}
+    assert server.log().count("request head took over") == 1
 
 
 def test_a_body_that_stops_half_way_gets_408_and_gives_its_room_back(edge):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from conftest import wait_until
+from conftest import edge_refusals, wait_until
 
 CHATTER_MODEL = """import os, threading, time
 import numpy as np
@@ -175,6 +175,7 @@ def test_a_grpc_stream_read_too_slowly_is_ended_with_resource_exhausted(chatter_
         errors = [r.error_message for r in got if r.error_message]
         assert len(errors) == 1 and got[-1].error_message == errors[0], errors
         assert "read too slowly" in errors[0] and "--frontend-arena-mb" in errors[0], errors[0]
+        wait_until(lambda: edge_refusals(chatter_server).get(("grpc", "slow-reader"), 0) >= 1, "the cut counted")
         indexes = [np.frombuffer(r.infer_response.raw_output_contents[1], np.int32)[0] for r in got[:-1]]
         assert indexes == list(range(len(indexes)))  # those it read came in order, none twice
     finally:
@@ -190,6 +191,7 @@ def test_an_sse_stream_read_too_slowly_ends_with_an_error_event(chatter_server):
         events = _sse_events(sock)
     assert "error" in events[-1] and "read too slowly" in events[-1]["error"], events[-1]
     assert [e["INDEX"] for e in events[:-1]] == list(range(len(events) - 1))
+    wait_until(lambda: edge_refusals(chatter_server).get(("http", "slow-reader"), 0) >= 1, "the cut counted")
 
 
 def test_the_stream_ended_is_the_one_holding_the_most(chatter_server):

@@ -325,6 +325,7 @@ class Broker:
         if self.ensembles.cache is not None:
             self.ensembles.cache.forget_client(client.name)
         self.ensembles.drop_client(client)
+        self.statistics.edges.forget(client.ticket)
         self.clients.remove(client)
         self.instances.wake_all()  # let them unmap the client's segment now
 

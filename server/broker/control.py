@@ -20,13 +20,14 @@ from shmserve.config_view import as_triton_shows
 from shmserve.shm import logs
 from shmserve.shm.channel import BrokerSegment
 from shmserve.shm.control_messages import (
-    CLIENT_SHM_DISABLED, CanaryStatus, ControlMessage, CudaRegionStatus, LoadModel, LogSettings, ModelConfig,
-    ModelMetadata, ModelReady, ModelStatistics, NetworkCaller, PromoteCanary, RegisterCudaRegion,
+    CLIENT_SHM_DISABLED, CanaryStatus, ControlMessage, CudaRegionStatus, EdgeReport, LoadModel, LogSettings,
+    ModelConfig, ModelMetadata, ModelReady, ModelStatistics, NetworkCaller, PromoteCanary, RegisterCudaRegion,
     RegisterSystemRegion, RepositoryIndex, RollBackCanary, ServerReady, SetCanary, SystemRegionStatus, TraceSettings,
     UnloadModel, UnregisterCudaRegion, UnregisterSystemRegion)
 from shmserve.shm.regions import created_key_prefix
 from shmserve.signature import InvalidRequest, UnknownModel
 
+from . import edge_reports
 from .canary import Canary
 from .catalog import Catalog
 from .journal import Journal
@@ -76,6 +77,7 @@ class ControlHandler:
             SetCanary: self._canary_set,
             PromoteCanary: self._canary_decide,
             RollBackCanary: self._canary_decide,
+            EdgeReport: self._edge_report,
         }
         # The broker owns the log settings (its own, set from the command line and changed here,
         # or as a broker before this one had them); every other process follows what it publishes.
@@ -96,6 +98,16 @@ class ControlHandler:
             elif getattr(msg, "caller", None) is not None:
                 msg = dataclasses.replace(msg, caller=None)  # type: ignore[call-arg]
         return self.ops[type(msg)](client, slot, msg)
+
+    def _edge_report(self, client: Client, slot: int, msg: EdgeReport) -> Answer:
+        """A frontend's counts for the metrics: the server's own user's word only."""
+        if not client.server_user:
+            return 403, {"error": "edge reports come from the server's own frontends only"}
+        problem = edge_reports.problem(msg)
+        if problem is not None:
+            return 400, {"error": problem}
+        self.statistics.edges.take(client.ticket, msg)
+        return 200, {}
 
     # -- health and metadata --------------------------------------------------------------------
     def _server_ready(self, client: Client, slot: int, msg: ServerReady) -> Answer:

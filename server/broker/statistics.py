@@ -12,6 +12,7 @@ from shmserve.shm.stats import EXECUTING, VersionTotals
 
 from . import response_cache
 from .catalog import Catalog
+from .edge_reports import EdgeReports
 from .instances import Instances
 from .metrics import QUANTILES, Family, MetricsOptions, serve_metrics
 from .options import BrokerOptions
@@ -23,6 +24,7 @@ class Statistics:
     def __init__(self, answers: OutputArenas, catalog: Catalog, instances: Instances, regions: Regions,
                  cache: CacheStore | None = None) -> None:
         self.answers = answers  # the broker's output arena
+        self.edges = EdgeReports()  # the frontends' (control.py takes their reports)
         self.cache = cache  # the response cache (--cache-config), for Triton's global nv_cache_* gauges
         self.catalog = catalog
         self.instances = instances
@@ -86,7 +88,7 @@ class Statistics:
               for c in list(self.catalog.canaries.values()) for (v, action, trigger), n in list(c.counts.items())]),
             ("shmserve_canary_traffic_fraction", "Share of a model's unversioned requests each version is sent",
              "gauge", self._split_samples()),
-        ] + self._cache_families()
+        ] + self._cache_families() + self.edges.families()
 
     def _cache_families(self) -> list[Family]:
         """Triton's global response cache gauges (its names and words), with a cache only."""

@@ -32,6 +32,7 @@ def main() -> int:
     logs.configure(spec.get("log") or {})
     log_settings = logs.BrokerSettings(spec["server_id"])  # run-time changes (POST /v2/logging) from any frontend
     from shmserve.descriptor_limit import connection_bound, raise_descriptor_limit
+    from shmserve.server.edge.edge_counts import EdgeCounts
     from shmserve.server.edge.header_forward import HTTP_FLAG, compile_pattern
     from shmserve.server.edge.shared_port import wait_for_initial_loads
 
@@ -55,18 +56,21 @@ def main() -> int:
     app = restrict(frontend, spec.get("restricted") or {})  # --http-restricted-api
     sock = socket.socket(fileno=spec["fd"])
     # log_config=None: uvicorn's records go to our handler (same format, same file), not its own.
-    http = protocol_class(limits, max_connections, keep_header_names=header_forward is not None)
+    edge = EdgeCounts("http")  # what the limits refused, for the broker's metrics
+    http = protocol_class(limits, max_connections, edge, keep_header_names=header_forward is not None)
     config = uvicorn.Config(app, loop="uvloop", http=http, access_log=False, log_level="warning", log_config=None,
                             timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
                             timeout_graceful_shutdown=int(spec.get("exit_timeout_s", 30)),
                             lifespan="on", proxy_headers=False, server_header=False, date_header=False)
     from shmserve.shm.profiling import run_profiled
 
-    # The broker's log and trace settings are followed on the loop's own tick: no thread of
-    # their own to wake twice a second. The line that says it serves comes once it does.
+    # The broker's log and trace settings are followed, and the edge's counts reported, on the
+    # loop's own tick: no thread of their own to wake twice a second. The line that says it
+    # serves comes once it does.
     host, port = sock.getsockname()[:2]
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    server = QuietServer(config, ticks=[log_settings.check, frontend.tracer.follow], serving=lambda: log.info(
+    ticks = [log_settings.check, frontend.tracer.follow, lambda: edge.report(frontend.inference.link)]
+    server = QuietServer(config, ticks=ticks, serving=lambda: log.info(
         "frontend #%d serving HTTP on %s (at most %d connections)", spec["index"], address, max_connections),
         gate=(lambda stopping: wait_for_initial_loads(frontend.inference.link, stopping))
         if spec.get("shared_port") else None)

@@ -61,6 +61,7 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
+from shmserve.server.edge.edge_counts import EdgeCounts
 from shmserve.server.edge.header_forward import RAW_HEADER_NAMES
 
 from .limits import HttpLimits
@@ -216,6 +217,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     limits = HttpLimits()  # set per frontend by ``protocol_class``
     max_connections = 1 << 20
+    edge = EdgeCounts("http")  # the frontend's own, set by ``protocol_class`` too
     _warned: dict[str, float] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -248,6 +250,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     # -- connections -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.edge.connections += 1  # (less one in connection_lost, which every connection gets)
         self._idle_since = time.monotonic()  # (not the loop's time: uvloop's is the same through an iteration)
         if len(self.connections) > self.max_connections and not self._drain_idle():
             self._warn("bound", "refusing connections past --http-max-connections %d (503)", self.max_connections)
@@ -278,6 +281,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.edge.connections -= 1
         self._cancel_watch()
         if self._send_watch is not None:
             self._send_watch.cancel()
@@ -695,6 +699,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     @classmethod
     def _warn(cls, kind: str, msg: str, *args: Any) -> None:
+        """A limit refused or cut something: counted by ``kind`` (the edge metrics), said in the
+        log at most once every ``WARN_EVERY_S`` per kind."""
+        cls.edge.refused(kind)
         now = time.monotonic()
         if now - cls._warned.get(kind, -WARN_EVERY_S) >= WARN_EVERY_S:
             cls._warned[kind] = now
@@ -736,10 +743,12 @@ class BufferedConnection(asyncio.BufferedProtocol):
         self.buffer_updated = http.buffer_updated  # type: ignore[method-assign]
 
 
-def protocol_class(limits: HttpLimits, max_connections: int, keep_header_names: bool = False
-                   ) -> type[BufferedConnection]:
+def protocol_class(limits: HttpLimits, max_connections: int, edge: EdgeCounts | None = None,
+                   keep_header_names: bool = False) -> type[BufferedConnection]:
     """The protocol uvicorn builds per connection (``uvicorn.Config(http=...)``), with these
-    limits; ``keep_header_names``: one that keeps the names as sent (``NameKeepingHttpProtocol``)."""
+    limits, counting into ``edge``; ``keep_header_names``: one that keeps the names as sent
+    (``NameKeepingHttpProtocol``)."""
     base = NameKeepingHttpProtocol if keep_header_names else LimitedHttpProtocol
-    http = type("FrontendHttpProtocol", (base,), {"limits": limits, "max_connections": max_connections, "_warned": {}})
+    http = type("FrontendHttpProtocol", (base,), {"limits": limits, "max_connections": max_connections,
+                                                  "edge": edge or EdgeCounts("http"), "_warned": {}})
     return type("FrontendHttpConnection", (BufferedConnection,), {"http_class": http})

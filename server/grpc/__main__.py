@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2_grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from shmserve.descriptor_limit import connection_bound, raise_descriptor_limit
+from shmserve.server.edge.edge_counts import EdgeCounts
 from shmserve.server.edge.header_forward import GRPC_FLAG, compile_pattern
 from shmserve.server.edge.link import BrokerLink
 from shmserve.server.edge.shared_port import wait_for_initial_loads
@@ -85,7 +86,8 @@ async def serve(spec: dict) -> int:
     options.append(("grpc.max_allowed_incoming_connections", max_connections))
     interceptors = [RestrictedProtocols(spec["restricted"])] if spec["restricted"] else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    receiving = ReceiveSlots(spec["receive_slots"], spec["receive_timeout_s"])
+    edge = EdgeCounts("grpc")  # what its limits refused, for the broker's metrics
+    receiving = ReceiveSlots(spec["receive_slots"], spec["receive_timeout_s"], edge)
     add_servicer(server, service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, service,
                  {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request}, {"ModelInfer": receiving})
     add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, HealthService(service))
@@ -123,6 +125,7 @@ async def serve(spec: dict) -> int:
         log_settings.check()
         tracer.follow()
         receiving.sweep()  # (before the heap's trim, which may take a while on a large heap)
+        edge.report(link)
         await heap_watch.check()
         try:
             await asyncio.wait_for(stop.wait(), TICK_S)

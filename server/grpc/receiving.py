@@ -26,6 +26,8 @@ from typing import Any
 
 import grpc
 
+from shmserve.server.edge.edge_counts import EdgeCounts
+
 from .options import RECEIVE_TIMEOUT_FLAG
 from .status import Aborted
 
@@ -40,9 +42,10 @@ class ReceiveSlots:
     message it has received only when the read's result is taken, so a read cancelled just as
     its message came would keep the message for good."""
 
-    def __init__(self, slots: int, timeout_s: float) -> None:
+    def __init__(self, slots: int, timeout_s: float, edge: EdgeCounts | None = None) -> None:
         self.slots = slots
         self.timeout_s = timeout_s
+        self.edge = edge or EdgeCounts("grpc")  # late calls are counted there (the edge metrics)
         self._free = asyncio.Semaphore(slots)
         self._receiving: dict[grpc.aio.ServicerContext, float] = {}  # each receipt's call -> when it began
         self._ending: set[grpc.aio.ServicerContext] = set()  # the late ones ``sweep`` is ending
@@ -72,6 +75,7 @@ class ReceiveSlots:
         for context, began in list(self._receiving.items()):
             if began <= began_by and context not in self._ending:
                 self._ending.add(context)
+                self.edge.refused("receive-timeout")
                 ender = asyncio.get_running_loop().create_task(self._end(context))
                 self._enders.add(ender)
                 ender.add_done_callback(self._enders.discard)
