@@ -20,7 +20,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "that size among every process of the server; models use it when their config says "
                         "response_cache { enable: true }; repeatable, one setting each")
     p.add_argument("--response-cache-byte-size", type=int, default=None, metavar="BYTES",
-                   help="DEPRECATED, as in Triton: the same as --cache-config local,size=BYTES (0: no cache)")
+                   help="DEPRECATED, as in Triton: the same as --cache-config local,size=BYTES")
     p.add_argument("--cache-directory", default=None, metavar="PATH",
                    help="accepted for Triton's command lines: the local cache is built in, so no cache "
                         "library is looked for")
@@ -54,9 +54,7 @@ def response_cache(args: argparse.Namespace) -> tuple[int, list[tuple[int, str]]
                                          f"the 'local' cache implementation with the provided byte size for its "
                                          f"config. Please use '--cache-config' instead. The equivalent "
                                          f"--cache-config CLI args would be: '--cache-config=local,size={size}'"))
-        if size == 0:
-            return 0, notices  # Triton's old flag: 0 is no cache
-        settings = {"size": str(size)}
+        settings = {"size": str(size)}  # 0 too: Triton 2.51 refuses it as any size too small
     elif args.cache_config:
         caches: dict[str, dict[str, str]] = {}
         for item in args.cache_config:

@@ -559,8 +559,9 @@ def test_an_answer_larger_than_the_cache_is_not_stored(small_cache_server):
     (["--cache-config", "local,size=100"], "too small"),
     (["--cache-config", "local,size=4096", "--response-cache-byte-size", "4096"],
      "Error: Incompatible flags --response-cache-byte-size and --cache-config both provided."),
+    (["--response-cache-byte-size", "0"], "Failed to initialize LocalCache: a size of 0 bytes is too small"),
 ], ids=["no-cache-name", "no-value", "empty-value", "two-caches", "other-cache", "no-size", "size-text", "too-small",
-        "both-flags"])
+        "both-flags", "old-flag-zero"])
 def test_bad_cache_flags_are_refused_with_triton_s_words(tmp_path, capsys, flags, words):
     with pytest.raises(SystemExit) as e:
         parse_args(["--model-repository", str(tmp_path), *flags])
@@ -572,7 +573,6 @@ def test_cache_flags_give_the_size_in_bytes(tmp_path):
     repo = ["--model-repository", str(tmp_path)]
     assert parse_args(repo).response_cache_bytes == 0
     assert parse_args([*repo, "--cache-config=local,size=1048576"]).response_cache_bytes == 1048576
-    assert parse_args([*repo, "--response-cache-byte-size", "0"]).response_cache_bytes == 0  # Triton: no cache
     args = parse_args([*repo, "--cache-config", "local,size=2048", "--cache-config", "local,policy=lru",
                        "--cache-directory", "/opt/tritonserver/caches"])
     assert args.response_cache_bytes == 2048
