@@ -40,7 +40,7 @@ from .segment import Segment
 
 log = logging.getLogger("shmserve.cache")
 
-MIN_BYTES = 1024  # Triton's local cache may fail below about this size too
+MIN_BYTES = 1024  # room for the header, a 16-slot index and a log (Triton 2.51 refuses below about 200 bytes)
 LOCK_WAIT_S = 0.2
 _MAGIC = 0x52434348454D5300  # marks a finished header (any constant)
 _HEADER = 128  # fifteen words used
