@@ -41,7 +41,7 @@ Output = tuple[str, str, list[int], Any]  # name, datatype, shape, bytes (bytes 
 class RequestKeys:
     """The keys of one model version's load."""
 
-    def __init__(self, model: str, version: int, load: int, outputs: list[str]) -> None:
+    def __init__(self, model: str, version: int, load: int | list[int], outputs: list[str]) -> None:
         self.prefix = orjson.dumps([model, version, load])
         self.outputs = sorted(outputs)  # the config's outputs: what a request naming none asks for
 

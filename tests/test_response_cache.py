@@ -14,6 +14,7 @@ import http.client
 import json
 import mmap
 import os
+import shutil
 import signal
 import urllib.request
 
@@ -411,6 +412,41 @@ def test_an_ensemble_s_other_inputs_or_outputs_miss(cache_server):
     assert delta(before["ensemble_cached"], counts(cache_server, "ensemble_cached")) == \
         {"executions": 4, "inferences": 4, "success": 9, "hits": 5, "misses": 4}  # (each miss a run)
     assert delta(before["uncached"], counts(cache_server, "uncached"))["executions"] == len(variants)
+
+
+def test_after_a_reload_neither_the_model_nor_an_ensemble_over_it_answers_from_before(server_factory, tmp_path):
+    """A model reloaded with other files, and a new version of it, answer anew, as does an
+    ensemble whose step reaches them: no answer of the previous load comes from the cache
+    (Triton's key has no load and serves them)."""
+    repo = tmp_path / "repo"
+    for model in ("cached", "uncached", "ensemble_cached"):
+        shutil.copytree(CACHE_MODELS / model, repo / model, ignore=shutil.ignore_patterns("__pycache__"))
+    server = server_factory.start([repo], ["--cache-config", "local,size=1048576", "--model-control-mode",
+                                           "explicit", "--load-model", "ensemble_cached"])
+    x = fresh()
+    assert infer(server, "cached", x).as_numpy("Y").tolist() == (2 * x).tolist()
+    assert infer(server, "ensemble_cached", x).as_numpy("Y").tolist() == (4 * x).tolist()
+    source = repo / "cached" / "1" / "model.py"
+    source.write_text(source.read_text().replace("x * 2", "x * 3.0"))  # (another size: no stale bytecode)
+    client = server.client()
+    try:
+        client.load_model("cached")
+    finally:
+        client.close()
+    before = counts(server, "ensemble_cached")
+    assert infer(server, "cached", x).as_numpy("Y").tolist() == (3 * x).tolist()
+    assert infer(server, "ensemble_cached", x).as_numpy("Y").tolist() == (6 * x).tolist()
+    assert delta(before, counts(server, "ensemble_cached"))["hits"] == 0
+    shutil.copytree(repo / "cached" / "1", repo / "cached" / "2")  # the step's latest version now
+    (repo / "cached" / "2" / "model.py").write_text(source.read_text().replace("x * 3.0", "x * 5.0"))
+    client = server.client()
+    try:
+        client.load_model("cached")
+    finally:
+        client.close()
+    assert infer(server, "ensemble_cached", x).as_numpy("Y").tolist() == (10 * x).tolist()
+    assert infer(server, "ensemble_cached", x).as_numpy("Y").tolist() == (10 * x).tolist()  # a hit again
+    assert delta(before, counts(server, "ensemble_cached"))["hits"] == 1
 
 
 def test_an_ensemble_without_response_cache_is_not_cached(cache_server):

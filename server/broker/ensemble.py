@@ -183,7 +183,7 @@ class Ensembles:
         answer, without running a step; otherwise start the steps."""
         if self.cache is not None and self.cache.applies_to(run.version):
             looked_up = time.monotonic_ns()
-            run.cache_key = self.cache.key(run.version, run.entry)
+            run.cache_key = self.cache.key(run.version, run.entry, self.catalog)
             stored = self.cache.lookup(run.cache_key, run.wanted()) if run.cache_key is not None else None
             run.lookup_ns = time.monotonic_ns() - looked_up
             if stored is not None:

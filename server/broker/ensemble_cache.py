@@ -5,9 +5,12 @@ The broker runs ensembles (``ensemble.py``), so it is the broker that looks such
 before the first step and stores the final answer after the last one. It uses the server's one
 cache (``shm/response_cache.py``, the segment the broker created and the workers attach) and the
 key and layout every worker uses (``shm/cache_entry.py``), here for the ensemble's name, version
-and load. A hit is answered without running any step. The composing models' caches are
-independent of the ensemble's: a step's request is looked up by its model's worker where that
-model's own config enables the cache, whether or not the ensemble's does.
+and load, and the loads of the versions its steps reach (nested ensembles' steps too): after a
+step's model is reloaded, or a new version of it serves, the ensemble's answers of before are no
+longer hits (Triton's key has the ensemble's name and version only, and serves them). A hit is
+answered without running any step. The composing models' caches are independent of the
+ensemble's: a step's request is looked up by its model's worker where that model's own config
+enables the cache, whether or not the ensemble's does.
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from shmserve.shm import cache_entry
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.segment import SegmentCache
 
+from shmserve.signature import InvalidRequest
+
+from .catalog import Catalog
 from .models import ModelVersion
 from .response_cache import load_key
 
@@ -35,10 +41,13 @@ class EnsembleCache:
         """Whether the ensemble's own config enables the cache."""
         return bool(mv.config.response_cache.enable)
 
-    def key(self, mv: ModelVersion, entry: BatchEntry) -> bytes | None:
+    def key(self, mv: ModelVersion, entry: BatchEntry, catalog: Catalog) -> bytes | None:
         """The digest of a request to the ensemble ``mv``; None when it is not cacheable (inputs
-        in CUDA regions, a streamed request)."""
-        keys = cache_entry.RequestKeys(mv.name, mv.version, load_key(mv), mv.ensemble.outputs)
+        in CUDA regions, a streamed request, a step whose model does not serve now)."""
+        loads = reached_loads(mv, catalog)
+        if loads is None:
+            return None
+        keys = cache_entry.RequestKeys(mv.name, mv.version, loads, mv.ensemble.outputs)
         return keys.key(entry, self.segments)
 
     def forget_client(self, name: str) -> None:
@@ -71,3 +80,25 @@ class EnsembleCache:
                             "for entries): such answers are not cached", mv.name, n, self.store.capacity)
             return
         self.store.insert(key, parts, n, wait=0)  # (a taken lock: not stored this time)
+
+
+def reached_loads(mv: ModelVersion, catalog: Catalog, depth: int = 0) -> list[int] | None:
+    """The load of the ensemble ``mv`` and of each version its steps go to now (nested
+    ensembles' steps followed down): what its answers depend on. None when a step's model does
+    not serve (its run fails as it would uncached)."""
+    loads = [load_key(mv)]
+    if depth > 64:  # (load_plan refuses cycles: only a very deep nest gets here)
+        return None
+    for step in mv.ensemble.steps:
+        try:
+            step_mv = catalog.find_version(step.model, step.version)
+        except InvalidRequest:
+            return None
+        if step_mv.ensemble is not None:
+            nested = reached_loads(step_mv, catalog, depth + 1)
+            if nested is None:
+                return None
+            loads += nested
+        else:
+            loads.append(load_key(step_mv))
+    return loads
