@@ -20,7 +20,6 @@ from shmserve.shm.batch_entry import BatchEntry
 from shmserve.shm import cache_entry
 from shmserve.shm.response_cache import CacheStore
 from shmserve.shm.segment import SegmentCache
-
 from shmserve.signature import InvalidRequest
 
 from .catalog import Catalog
