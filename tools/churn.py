@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shmserve.tools.harness import ServerProcess, lasting, rss_bytes
+from shmserve.tools.harness import ServerProcess, lasting, report_growth, rss_bytes
 
 MODEL_PY = """import triton_python_backend_utils as pb_utils
 
@@ -108,12 +108,7 @@ def main() -> int:
         code = server.stop()
     print(f"churn: {args.reloads} reloads, {args.clients} local clients, {kills} worker kills in {took:.0f} s; "
           f"server exit code {code}, {len(server.shm_objects())} shared-memory objects left")
-    grown = 0
-    for pid, title in titles.items():
-        delta = (after[pid] - before[pid]) / (1 << 20)
-        grown += delta > args.limit_mb
-        print(f"  {title:40s} RSS {before[pid] / (1 << 20):7.1f} MiB -> {after[pid] / (1 << 20):7.1f} MiB "
-              f"({delta:+.1f})")
+    grown = report_growth(titles, before, after, args.limit_mb)
     return 1 if grown or code != 0 else 0
 
 

@@ -111,6 +111,18 @@ def lasting(launcher: int) -> dict[int, str]:
     return {p: t for p, t in titles.items() if t.startswith(tuple(f"shmserve {r} " for r in LASTING_ROLES))}
 
 
+def report_growth(titles: dict[int, str], before: dict[int, int], after: dict[int, int], limit_mb: float) -> int:
+    """Print each lasting process's RSS before and after (``lasting``'s titles); how many grew by
+    more than ``limit_mb``."""
+    grown = 0
+    for pid, title in titles.items():
+        delta = (after[pid] - before[pid]) / (1 << 20)
+        grown += delta > limit_mb
+        print(f"  {title:40s} RSS {before[pid] / (1 << 20):7.1f} MiB -> {after[pid] / (1 << 20):7.1f} MiB "
+              f"({delta:+.1f})")
+    return grown
+
+
 class ServerProcess:
     """``python -m shmserve`` on free loopback ports with a unique id, ready when constructed."""
 

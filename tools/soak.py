@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmserve.tools.harness import ROOT, ServerProcess, free_port, lasting, rss_bytes
+from shmserve.tools.harness import ROOT, ServerProcess, free_port, lasting, report_growth, rss_bytes
 
 KILLED = "killed by SIGKILL"
 
@@ -54,20 +54,26 @@ def _add_sub_inputs(module: Any) -> tuple[Any, list[Any]]:
     return a, inputs
 
 
-def http_add_sub(url: str, stop: Any, results: Any) -> None:
+def _http_loop(kind: str, model: str, right: Any, url: str, stop: Any, results: Any) -> None:
+    """One HTTP client calling ``model`` with add_sub's inputs until ``stop``; ``right(result, a)``
+    says whether an answer is right."""
     import tritonclient.http as h
 
-    out: dict = {"kind": "http add_sub", "ok": 0, "failed": collections.Counter(), "lat": []}
+    out: dict = {"kind": kind, "ok": 0, "failed": collections.Counter(), "lat": []}
     client = h.InferenceServerClient(url, network_timeout=60)
     a, inputs = _add_sub_inputs(h)
     while not stop.is_set():
         started = time.perf_counter()
         try:
-            r = client.infer("add_sub", inputs)
-            _record(out, started, None if (r.as_numpy("OUTPUT0") == 2 * a).all() else "wrong answer")
+            r = client.infer(model, inputs)
+            _record(out, started, None if right(r, a) else "wrong answer")
         except Exception as e:  # noqa: BLE001 - every failure is counted by its message
             _record(out, started, str(e))
     results.put(out)
+
+
+def http_add_sub(url: str, stop: Any, results: Any) -> None:
+    _http_loop("http add_sub", "add_sub", lambda r, a: (r.as_numpy("OUTPUT0") == 2 * a).all(), url, stop, results)
 
 
 def local_add_sub(server_id: str, stop: Any, results: Any) -> None:
@@ -192,19 +198,7 @@ def shm_regions(url: str, stop: Any, results: Any) -> None:
 
 def bls(url: str, stop: Any, results: Any) -> None:
     """add_sub_bls, whose execute() calls add_sub: (a + b) * (a - b) is 0 for equal inputs."""
-    import tritonclient.http as h
-
-    out: dict = {"kind": "http bls", "ok": 0, "failed": collections.Counter(), "lat": []}
-    client = h.InferenceServerClient(url, network_timeout=60)
-    _, inputs = _add_sub_inputs(h)
-    while not stop.is_set():
-        started = time.perf_counter()
-        try:
-            r = client.infer("add_sub_bls", inputs)
-            _record(out, started, None if (r.as_numpy("OUTPUT0") == 0).all() else "wrong answer")
-        except Exception as e:  # noqa: BLE001
-            _record(out, started, str(e))
-    results.put(out)
+    _http_loop("http bls", "add_sub_bls", lambda r, a: (r.as_numpy("OUTPUT0") == 0).all(), url, stop, results)
 
 
 def sequences(url: str, stop: Any, results: Any) -> None:
@@ -313,12 +307,7 @@ def main() -> int:
               f"p99 {percentile(k['lat'], 0.99) * 1e3:.2f} ms")
         for msg, n in other.items():
             print(f"      {n} x {msg}")
-    grown = 0
-    for pid, title in titles.items():
-        delta = (rss_end[pid] - rss_start[pid]) / (1 << 20)
-        grown += delta > args.limit_mb
-        print(f"  {title:40s} RSS {rss_start[pid] / (1 << 20):7.1f} MiB -> {rss_end[pid] / (1 << 20):7.1f} MiB "
-              f"({delta:+.1f})")
+    grown = report_growth(titles, rss_start, rss_end, args.limit_mb)
     print(f"  /dev/shm objects left after stop: {len(left)}")
     ok = unexpected == 0 and not grown and not left and code == 0
     if ok:
