@@ -87,12 +87,19 @@ class TritonPythonModel:
 # model -> words its load error must hold (besides the model's name)
 LOAD_ERRORS = {
     "wrong_dtype": ["configuration expects datatype TYPE_INT32 for input 'INPUT0'", "model provides TYPE_FP32"],
-    "wrong_dims": ["input 'INPUT0' shape expected by framework [4]", "model configuration shape [5]"],
-    "fixed_batch": ["first dimension of input 'INPUT0'", "not a variable-size batch dimension"],
+    "wrong_dims": ["model 'wrong_dims', tensor 'INPUT0': the model expects 2 dimensions (shape [-1,4]) but the "
+                   "model configuration specifies 2 dimensions (an initial batch dimension because max_batch_size > 0 "
+                   "followed by the explicit tensor shape, making complete shape [-1,5])"],
+    "wrong_rank": ["model 'wrong_rank', tensor 'INPUT0': the model expects 2 dimensions (shape [2,4]) but the "
+                   "model configuration specifies 1 dimensions (shape [8])"],
+    "free_output": ["tensor 'OUTPUT0': the model expects 2 dimensions (shape [-1,4])", "making complete shape [-1,-1])"],
+    "fixed_batch": ["model 'fixed_batch', tensor 'INPUT0': for the model to support batching the shape should have at "
+                    "least 1 dimension and the first dimension must be -1; but shape expected by the model is [2,4]"],
     "cannot_batch": ["autofill failed", "does not support batching while non-zero max_batch_size"],
-    "unknown_input": ["unexpected inference input 'EXTRA'", "allowed inputs are: INPUT0, INPUT1"],
-    "unknown_output": ["unexpected inference output 'EXTRA'", "allowed outputs are: OUTPUT0, OUTPUT1"],
-    "unfed_input": ["the model's input(s) INPUT1 are not in the configuration"],
+    "extra_input": ["unable to load model 'extra_input', configuration expects 3 inputs, model provides 2"],
+    "unknown_input": [": unexpected inference input 'EXTRA', allowed inputs are: INPUT0, INPUT1"],
+    "unknown_output": [": unexpected inference output 'EXTRA', allowed outputs are: OUTPUT0, OUTPUT1"],
+    "unfed_input": ["unable to load model 'unfed_input', configuration expects 1 inputs, model provides 2"],
     "ragged_not_flat": ["configuration expects model provides input with shape [-1]  for ragged input 'INPUT0'",
                         "model provides [-1,4]"],
     "openvino": ["cpu_execution_accelerator 'openvino'", "OpenVINOExecutionProvider"],
@@ -100,7 +107,8 @@ LOAD_ERRORS = {
     "bad_mode": ["execution_mode are 0 or 1 but got 2"],
     "bad_threads": ["parameter 'intra_op_thread_count'", "'many'"],
     "strings_to_bf16": ["takes string tensors and gives bfloat16"],
-    "bad_control": ["sequence control 'START'", "expects data-type TYPE_FP32", "specifies data-type TYPE_INT32"],
+    "bad_control": ["unable to load model 'bad_control', sequence control 'START', the model expects data-type FLOAT "
+                    "but the model configuration specifies data-type TYPE_INT32"],
 }
 
 
@@ -180,8 +188,14 @@ def build_repository(repo: Path) -> Path:
         'name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ]', 'name: "INPUT0" data_type: TYPE_FP32 dims: [ 5 ]')))
     om.write(repo, "fixed_batch", om.add_sub(batch=2), add_sub_config("fixed_batch"))
     om.write(repo, "cannot_batch", om.add_sub(batch=2), 'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n')
-    om.write(repo, "unknown_input", om.add_sub(), add_sub_config("unknown_input", io=ADD_SUB_IO.replace(
+    om.write(repo, "extra_input", om.add_sub(), add_sub_config("extra_input", io=ADD_SUB_IO.replace(
         "input [ ", 'input [ { name: "EXTRA" data_type: TYPE_FP32 dims: [ 4 ] }, ')))
+    om.write(repo, "unknown_input", om.add_sub(), add_sub_config("unknown_input", io=ADD_SUB_IO.replace(
+        'name: "INPUT1"', 'name: "EXTRA"')))
+    om.write(repo, "wrong_rank", om.add_sub(batch=2), add_sub_config("wrong_rank", max_batch=0, io=ADD_SUB_IO.replace(
+        'name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ]', 'name: "INPUT0" data_type: TYPE_FP32 dims: [ 8 ]')))
+    om.write(repo, "free_output", om.add_sub(), add_sub_config("free_output", io=ADD_SUB_IO.replace(
+        'name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ]', 'name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ]')))
     om.write(repo, "unknown_output", om.add_sub(), add_sub_config("unknown_output", io=ADD_SUB_IO.replace(
         "output [ ", 'output [ { name: "EXTRA" data_type: TYPE_FP32 dims: [ 4 ] }, ')))
     om.write(repo, "unfed_input", om.add_sub(), add_sub_config("unfed_input", io=ADD_SUB_IO.replace(
@@ -352,7 +366,7 @@ def test_disable_auto_complete_config_leaves_the_config_as_written(module_factor
     server = module_factory.create([repo], ["--disable-auto-complete-config", "--exit-on-error=false"]).start()
     server.wait_until(lambda: _states(server) == {"bare": "UNAVAILABLE", "full": "READY"}, "bare refused")
     reason = _index(server)["bare"]["reason"]
-    assert "the model's input(s) INPUT0, INPUT1 are not in the configuration" in reason, reason
+    assert reason.endswith(": unable to load model 'bare', configuration expects 0 inputs, model provides 2"), reason
     c = server.client()
     try:
         assert c.get_model_config("full")["max_batch_size"] == 8

@@ -28,7 +28,7 @@ from shmserve.shm.tensors import DTYPES
 
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, Request, Response
 from .batch_io import BatchIO
-from .onnx_graph import GraphTensor, auto_complete, check, graph_tensor, model_dims
+from .onnx_graph import GraphMismatch, GraphTensor, auto_complete, check, graph_tensor, model_dims
 from .onnx_session import Placement, model_path, open_session, run_options
 
 _BF16_ONNX = 16  # TensorProto.BFLOAT16
@@ -110,7 +110,7 @@ class OnnxInstance(Instance):
         self.bf16_inputs = {t.name for t in inputs if t.data_type == "TYPE_BF16"}
         self.bf16_outputs = {t.name for t in outputs if t.data_type == "TYPE_BF16"}
         if self.bf16_outputs and any(t.data_type == "TYPE_STRING" for t in inputs):
-            raise ValueError("onnxruntime's Python API cannot run a graph that takes string tensors and gives "
+            raise GraphMismatch("onnxruntime's Python API cannot run a graph that takes string tensors and gives "
                              "bfloat16 ones (a bfloat16 output needs every input as an OrtValue, which a "
                              "string tensor cannot be)")
         # Config tensors whose shape inside the model differs from the one clients use (a reshape,

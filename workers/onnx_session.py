@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from .backend import ModelLoadError
 from .parameters import bool_value, int_parameter, string_parameters
 
 log = logging.getLogger("shmserve.worker")
@@ -43,6 +44,10 @@ _TRT_OPTIONS = {
 # Execution accelerator names -> onnxruntime's providers.
 _ACCELERATORS = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider",
                  "openvino": "OpenVINOExecutionProvider"}
+
+
+class SessionError(ModelLoadError, ValueError):
+    """The config asks for a session this onnxruntime cannot make: the load fails with this text."""
 
 
 @dataclasses.dataclass
@@ -76,7 +81,7 @@ def session_options(ort: Any, config: dict[str, Any]) -> Any:
         so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
     mode = int_parameter(params, "execution_mode")
     if mode not in (0, 1):
-        raise ValueError(f"Invalid configuration value provided. Expected values for execution_mode are "
+        raise SessionError(f"Invalid configuration value provided. Expected values for execution_mode are "
                          f"0 or 1 but got {mode} .")
     so.execution_mode = ort.ExecutionMode.ORT_PARALLEL if mode == 1 else ort.ExecutionMode.ORT_SEQUENTIAL
     intra = int_parameter(params, "intra_op_thread_count")
@@ -119,7 +124,7 @@ def _tensorrt_options(ea: dict[str, Any], device_id: int) -> dict[str, Any]:
     for key, value in (ea.get("parameters") or {}).items():
         if key == "precision_mode":
             if value not in ("FP32", "FP16", "INT8"):
-                raise ValueError(f"unsupported precision mode '{value}' is requested")
+                raise SessionError(f"unsupported precision mode '{value}' is requested")
             options["trt_fp16_enable"] = value == "FP16"
             options["trt_int8_enable"] = value == "INT8"
         elif key in _TRT_RENAMED:
@@ -127,7 +132,7 @@ def _tensorrt_options(ea: dict[str, Any], device_id: int) -> dict[str, Any]:
         elif key in _TRT_OPTIONS:
             options[key] = value
         else:
-            raise ValueError(f"unknown parameter '{key}' is provided for TensorRT Execution Accelerator")
+            raise SessionError(f"unknown parameter '{key}' is provided for TensorRT Execution Accelerator")
     return options
 
 
@@ -140,7 +145,7 @@ def _cuda_options(config: dict[str, Any], ea_params: dict[str, str], device_id: 
         search = int_parameter(params, "cudnn_conv_algo_search")
         names = {0: "EXHAUSTIVE", 1: "HEURISTIC", 2: "DEFAULT"}
         if search not in names:
-            raise ValueError(f"unsupported cudnn_conv_algo_search value '{search}' is requested")
+            raise SessionError(f"unsupported cudnn_conv_algo_search value '{search}' is requested")
         options["cudnn_conv_algo_search"] = names[search]
     if "gpu_mem_limit" in params:
         options["gpu_mem_limit"] = params["gpu_mem_limit"]
@@ -148,7 +153,7 @@ def _cuda_options(config: dict[str, Any], ea_params: dict[str, str], device_id: 
         strategy = int_parameter(params, "arena_extend_strategy")
         names = {0: "kNextPowerOfTwo", 1: "kSameAsRequested"}
         if strategy not in names:
-            raise ValueError(f"unsupported arena_extend_strategy value '{strategy}' is requested")
+            raise SessionError(f"unsupported arena_extend_strategy value '{strategy}' is requested")
         options["arena_extend_strategy"] = names[strategy]
     if "do_copy_in_default_stream" in params:
         options["do_copy_in_default_stream"] = params["do_copy_in_default_stream"]
@@ -159,7 +164,7 @@ def _cuda_options(config: dict[str, Any], ea_params: dict[str, str], device_id: 
 
 def _require(available: list[str], provider: str, why: str) -> None:
     if provider not in available:
-        raise ValueError(f"{why} needs onnxruntime's {provider}, which this onnxruntime does not have "
+        raise SessionError(f"{why} needs onnxruntime's {provider}, which this onnxruntime does not have "
                          f"(its providers: {', '.join(available)})")
 
 
@@ -176,13 +181,13 @@ def providers(config: dict[str, Any], placement: Placement, available: list[str]
             elif name == "cuda":
                 cuda_params.update({k: str(v) for k, v in (ea.get("parameters") or {}).items()})
             else:
-                raise ValueError(f"unknown Execution Accelerator '{name}' is requested")
+                raise SessionError(f"unknown Execution Accelerator '{name}' is requested")
         _require(available, "CUDAExecutionProvider", "a KIND_GPU instance")
         chosen.append(("CUDAExecutionProvider", _cuda_options(config, cuda_params, placement.device_id)))
     for ea in _accelerators(config, "cpu_execution_accelerator"):
         name = ea.get("name", "")
         if name != "openvino":
-            raise ValueError(f"unknown Execution Accelerator '{name}' is requested")
+            raise SessionError(f"unknown Execution Accelerator '{name}' is requested")
         _require(available, _ACCELERATORS[name], "cpu_execution_accelerator 'openvino'")
         chosen.append((_ACCELERATORS[name], {"device_type": "CPU"}))
     chosen.append(("CPUExecutionProvider", {}))
@@ -203,7 +208,7 @@ def open_session(ort: Any, path: Path, config: dict[str, Any], placement: Placem
                                    providers=[name for name, _ in wanted], provider_options=[o for _, o in wanted])
     missing = [name for name, _ in wanted if name not in session.get_providers()]
     if missing:
-        raise ValueError(f"onnxruntime could not enable {', '.join(missing)} for '{path}' (it runs on "
+        raise SessionError(f"onnxruntime could not enable {', '.join(missing)} for '{path}' (it runs on "
                          f"{', '.join(session.get_providers())}); see the worker's log for why")
     so = session.get_session_options()
     device = session.get_provider_options().get("CUDAExecutionProvider", {}).get("device_id")
