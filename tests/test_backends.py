@@ -711,3 +711,94 @@ def test_a_pytorch_models_config_gets_the_backend_fields_triton_fills(binding_se
     assert (config["platform"], config["backend"], config["default_model_filename"]) == \
         ("pytorch_libtorch", "pytorch", "model.pt")
     assert client.get_model_metadata("backend_only")["platform"] == "pytorch_libtorch"
+
+
+# -- PyTorch 2 runtime: runtime "model.py" ---------------------------------------------------------
+
+_AFFINE_PY = '''
+import torch
+
+
+class Affine(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 2)
+
+    def forward(self, x, shift):
+        y = self.linear(x) + shift
+        return y, y.sum(dim=1, keepdim=True)
+'''
+
+
+def _pt2_model(repo: Path, name: str, parameters: str, weights: torch.nn.Module | None) -> None:
+    version = repo / name / "1"
+    version.mkdir(parents=True)
+    (version / "model.py").write_text(_AFFINE_PY)
+    if weights is not None:
+        torch.save(weights.state_dict(), str(version / "model.pt"))
+    (version.parent / "config.pbtxt").write_text(
+        'backend: "pytorch"\nruntime: "model.py"\nmax_batch_size: 4\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 3 ] }, { name: "SHIFT" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "TOTAL" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'dynamic_batching { max_queue_delay_microseconds: 200000 }\n' + parameters)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script/save
+def test_the_pytorch_2_runtime_builds_model_py_with_its_state_dict(server_factory, tmp_path):
+    """``runtime: "model.py"`` (Triton's PyTorch 2 runtime): the file's nn.Module is built, given the
+    state_dict in model.pt beside it, compiled with TORCH_COMPILE_OPTIONAL_PARAMETERS, fed the
+    config's inputs in order, and its tuple is the config's outputs in order; batched requests run as
+    one forward. Parameters that have no effect are warned about by name: the TorchScript runtime's
+    on a model.py model, the model.py runtime's on a TorchScript one, and ENABLE_NVFUSER anywhere."""
+    torch.manual_seed(0)
+    weights = torch.nn.Module()
+    weights.linear = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        weights.linear.weight.copy_(torch.tensor([[1.0, 2.0, 3.0], [0.0, -1.0, 0.5]]))
+        weights.linear.bias.copy_(torch.tensor([10.0, 20.0]))
+    repo = tmp_path / "repo"
+
+    def param(key: str, value: str) -> str:
+        return f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+
+    _pt2_model(repo, "affine", param("TORCH_COMPILE_OPTIONAL_PARAMETERS", '{\\"backend\\": \\"eager\\"}')
+               + param("INFERENCE_MODE", "false") + param("ENABLE_NVFUSER", "true"), weights)
+    _pt2_model(repo, "untrained", param("TORCH_COMPILE_OPTIONAL_PARAMETERS", '{\\"disable\\": true}'), None)
+    _pt2_model(repo, "bad_compile", param("TORCH_COMPILE_OPTIONAL_PARAMETERS", '{\\"model\\": 1}'), weights)
+    _torchscript_model(repo, "scripted", _Long(), (
+        'max_batch_size: 0\ninput [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_INT64 dims: [ 2 ] } ]\n' + param("NUM_THREADS", "2")))
+    server = server_factory.start([repo], ["--exit-on-error=false", "--strict-readiness=false"])
+    client = server.client()
+    try:
+        x = np.array([[1, 1, 1], [2, 0, 0]], np.float32)
+        shift = np.array([[0, 0], [100, 100]], np.float32)
+        clients = [server.client(), server.client()]  # (one client per thread)
+
+        def infer(i: int, rows: int) -> httpclient.InferResult:
+            return clients[i].infer("affine", [_input("X", x[:rows], "FP32"), _input("SHIFT", shift[:rows], "FP32")])
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two requests, one batch of three rows
+                first, second = pool.submit(infer, 0, 2), pool.submit(infer, 1, 1)
+                out, alone = first.result(timeout=120), second.result(timeout=120)
+        finally:
+            for c in clients:
+                c.close()
+        assert out.as_numpy("Y").tolist() == [[16.0, 19.5], [112.0, 120.0]]
+        assert out.as_numpy("TOTAL").tolist() == [[35.5], [232.0]]
+        assert alone.as_numpy("Y").tolist() == [[16.0, 19.5]]
+        untrained = client.infer("untrained", [_input("X", x, "FP32"), _input("SHIFT", shift, "FP32")])
+        assert untrained.as_numpy("Y").shape == (2, 2)
+        assert _load_error(server, "bad_compile").endswith(": 'model' is not an optional parameter for 'torch.compile'")
+        assert client.get_model_config("affine").get("default_model_filename", "") == ""
+        log = server.log()
+        assert "instance 'affine_0': PyTorch 2 runtime (model.py), NUM_THREADS = 1; NUM_INTEROP_THREADS = 1" in log
+        assert ("instance 'affine_0': parameter(s) INFERENCE_MODE are read by the TorchScript runtime only and have "
+                "no effect with runtime 'model.py'") in log
+        assert "model 'affine': parameter 'ENABLE_NVFUSER' is not supported" in log
+        assert "model 'affine': config field 'runtime'" not in log
+        assert ("instance 'scripted_0': parameter(s) NUM_THREADS are read by the PyTorch 2 runtime (runtime: "
+                "\"model.py\") only and have no effect on this TorchScript model") in log
+    finally:
+        client.close()

@@ -25,10 +25,10 @@ import numpy as np
 
 from shmserve.shm import heap
 
-from . import device_tensors, shared_weights
+from . import device_tensors, pytorch_runtime, shared_weights
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, ModelLoadError, Request, Response
 from .batch_io import BatchIO
-from .pytorch_binding import bind_inputs, forward_arguments, output_indices
+from .pytorch_binding import InputBinding, bind_inputs, forward_arguments, output_indices
 from .pytorch_settings import TorchSettings
 from .requests import RequestError
 
@@ -56,8 +56,18 @@ class PyTorchModel(Model):
 
     def create_instance(self, ictx: InstanceContext) -> Instance:
         torch = self.torch
-        settings = TorchSettings.from_config(self.ctx.config)  # (a bad value fails the load, named)
-        settings.apply(torch, ictx.name)
+        runtime = self.ctx.config.get("runtime") or ""
+        python_runtime = pytorch_runtime.uses_python_runtime(self.ctx.config)
+        if runtime and not python_runtime and not runtime.endswith(".so"):
+            raise ModelLoadError(f"model '{self.ctx.name}': runtime '{runtime}' is not one of the pytorch backend's: "
+                                 f"'model.py' (the PyTorch 2 runtime) or the default TorchScript runtime")
+        if python_runtime:  # (Triton's PyTorch 2 runtime reads none of the TorchScript runtime's parameters)
+            settings = TorchSettings()
+            pytorch_runtime.set_threads(torch, self.ctx.config, ictx.name)
+        else:
+            settings = TorchSettings.from_config(self.ctx.config)  # (a bad value fails the load, named)
+            settings.apply(torch, ictx.name)
+            pytorch_runtime.warn_python_only(self.ctx.config, ictx.name)
         if ictx.kind == "GPU" and not torch.cuda.is_available():
             # The driver shows a GPU but this torch cannot use it (a CPU build, say): running the
             # instance on the CPU instead would hide that from whoever asked for KIND_GPU.
@@ -66,6 +76,11 @@ class PyTorchModel(Model):
         device = torch.device(f"cuda:{ictx.device_id}" if ictx.kind == "GPU" else "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if python_runtime:
+            path = pytorch_runtime.model_file(self.ctx.version_dir, self.ctx.config)
+            with torch.inference_mode():
+                module = pytorch_runtime.load(torch, path, self.ctx.name, self.ctx.config, device)
+            return PyTorchInstance(torch, module, device, self.ctx.config, settings, self.ctx.name, config_order=True)
         filename = self.ctx.config.get("default_model_filename") or ""
         if not filename:
             exported = self.ctx.version_dir / "model.pt2"
@@ -102,7 +117,7 @@ class PyTorchModel(Model):
 
 class PyTorchInstance(Instance):
     def __init__(self, torch: Any, module: Any, device: Any, config: dict,
-                 settings: TorchSettings = TorchSettings(), model: str = "") -> None:
+                 settings: TorchSettings = TorchSettings(), model: str = "", config_order: bool = False) -> None:
         self.torch = torch
         self.module = module
         self.device = device
@@ -110,8 +125,12 @@ class PyTorchInstance(Instance):
         self.device_inputs = device.type == "cuda"
         self.batched = config.get("max_batch_size", 0) > 0
         self.batch_io = BatchIO(config)
-        self.binding = bind_inputs(model, config, self.batch_io.targets, forward_arguments(module))
-        self.outputs = output_indices(config)
+        if config_order:  # the PyTorch 2 runtime: the config's inputs and outputs in order (pytorch_runtime.py)
+            self.binding = InputBinding(tuple(t["name"] for t in config.get("input", [])))
+            self.outputs = {t["name"]: i for i, t in enumerate(config.get("output", []))}
+        else:
+            self.binding = bind_inputs(model, config, self.batch_io.targets, forward_arguments(module))
+            self.outputs = output_indices(config)
         states = (config.get("sequence_batching") or {}).get("state", [])
         self.output_types = {t["name"]: t.get("data_type", "")[len("TYPE_"):] for t in config.get("output", [])}
         self.output_types.update({s["output_name"]: s.get("data_type", "")[len("TYPE_"):] for s in states

@@ -34,6 +34,8 @@ DEFAULT_MODEL_FILES = {
     "pytorch": "model.pt",
     "onnxruntime": "model.onnx",
 }
+# The pytorch backend's PyTorch 2 runtime (workers/pytorch_runtime.py): model.py defines the module.
+PYTORCH_PYTHON_RUNTIME = "model.py"
 # Files that tell the backend of a model whose config names neither backend nor platform, in the
 # order Triton's server-side completion tries them (which runs even with auto-complete disabled).
 FILE_BACKENDS = [("model.onnx", "onnxruntime"), ("model.pt", "pytorch"), ("model.pt2", "pytorch"), ("model.py", "python")]
@@ -153,7 +155,7 @@ def load_config(model_dir: Path, strict: bool, override_json: str | None = None,
     if config.backend == "pytorch":  # ... and a PyTorch model's (a torch.export program keeps its own file)
         config.platform = config.platform or "pytorch_libtorch"
         exported = any(model_dir.glob("*/model.pt2"))
-        if not exported:
+        if not exported and config.runtime != PYTORCH_PYTHON_RUNTIME:  # (Triton leaves it unset for model.py)
             config.default_model_filename = config.default_model_filename or DEFAULT_MODEL_FILES["pytorch"]
     complete_defaults(config)
     return config
@@ -254,6 +256,8 @@ def validate(config: ModelConfig, model_dir: Path, known_backends: set[str], ver
     if filename:
         for v in versions:
             alternatives = [filename] + (["model.pt2"] if filename == "model.pt" else [])
+            if backend == "pytorch" and config.runtime == PYTORCH_PYTHON_RUNTIME:
+                alternatives = [f for f in (config.default_model_filename, "model.py", "model.pt") if f]  # (Triton's)
             if not any((model_dir / str(v) / f).exists() for f in alternatives):
                 raise ConfigError(f"model '{m}': version {v}: model file '{filename}' is missing in "
                                   f"{model_dir / str(v)}")

@@ -55,6 +55,10 @@ PARAMETERS: dict[str, dict[str, str]] = {
         "EXECUTION_ENV_PATH": "the model runs in the server's own Python environment, not in the packed "
                               "one: install what it imports there (docs/python_backend.md)",
     },
+    "pytorch": {
+        "ENABLE_NVFUSER": "Triton's PyTorch backend no longer reads it (nor does 2.51's); ENABLE_TENSOR_FUSER "
+                          "sets TorchScript's fuser",
+    },
 }
 
 # Every other field of Triton's ModelConfig is implemented: read by the loader, the schedulers, the
@@ -111,6 +115,7 @@ IMPLEMENTED: frozenset[str] = frozenset({
 # Fields of the table above that a backend implements itself: not warned about for its models.
 HONOURED: dict[str, set[str]] = {
     "onnxruntime": {"optimization.graph", "optimization.execution_accelerators"},
+    "pytorch": {"runtime"},  # "model.py": the PyTorch 2 runtime; another is refused by the backend
 }
 
 
