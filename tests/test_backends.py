@@ -632,6 +632,12 @@ def binding_server(module_factory, tmp_path_factory):
         'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
         'sequence_batching { control_input [ { name: "START__1"\n'
         '  control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] } ] }\n'))
+    _torchscript_model(repo, "bf16_in", _Long(), (
+        'max_batch_size: 0\ninput [ { name: "INPUT__0" data_type: TYPE_BF16 dims: [ 2 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_INT64 dims: [ 2 ] } ]\n'))
+    _torchscript_model(repo, "uint32_out", _Long(), (
+        'max_batch_size: 0\ninput [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_UINT32 dims: [ 2 ] } ]\n'))
     (repo / "no_inputs" / "1").mkdir(parents=True)
     torch.jit.save(torch.jit.script(_Long()), str(repo / "no_inputs" / "1" / "model.pt"))
     (repo / "no_inputs" / "config.pbtxt").write_text('platform: "pytorch_libtorch"\nmax_batch_size: 0\n'
@@ -676,6 +682,17 @@ def test_an_output_of_another_datatype_than_its_config_is_refused_in_tritons_wor
     assert e.value.status() == "400"
     assert e.value.message() == "configuration expects datatype TYPE_FP32 for output 'OUTPUT__0', model provides " \
                                 "TYPE_INT64"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_datatype_tritons_pytorch_backend_does_not_take_is_refused_at_load(binding_server):
+    """TYPE_BF16 and TYPE_UINT16/32/64 have no TorchScript tensor in Triton's PyTorch backend: the
+    load fails in its words, where the model loaded and failed every request ("can't convert
+    np.ndarray of type ml_dtypes.bfloat16")."""
+    assert _load_error(binding_server, "bf16_in").endswith(
+        ": unsupported datatype TYPE_BF16 for input 'INPUT__0' for model 'bf16_in'")
+    assert _load_error(binding_server, "uint32_out").endswith(
+        ": unsupported datatype TYPE_UINT32 for output 'OUTPUT__0' for model 'uint32_out'")
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

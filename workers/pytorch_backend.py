@@ -28,7 +28,7 @@ from shmserve.shm import heap
 from . import device_tensors, pytorch_runtime, shared_weights
 from .backend import Backend, Instance, InstanceContext, Model, ModelContext, ModelLoadError, Request, Response
 from .batch_io import BatchIO
-from .pytorch_binding import InputBinding, bind_inputs, forward_arguments, output_indices
+from .pytorch_binding import InputBinding, bind_inputs, check_datatypes, forward_arguments, output_indices
 from .pytorch_settings import TorchSettings
 from .requests import RequestError
 
@@ -135,6 +135,8 @@ class PyTorchInstance(Instance):
         self.output_types = {t["name"]: t.get("data_type", "")[len("TYPE_"):] for t in config.get("output", [])}
         self.output_types.update({s["output_name"]: s.get("data_type", "")[len("TYPE_"):] for s in states
                                   if s.get("output_name")})
+        if not config_order:  # (Triton's PyTorch 2 runtime does not check them)
+            check_datatypes(model, config)
         for t in config.get("input", []):
             dims = t.get("reshape", {}).get("shape", t.get("dims", [])) if "reshape" in t else t.get("dims", [])
             if t.get("data_type") == "TYPE_STRING" and len(dims) + self.batched > 1:

@@ -117,3 +117,22 @@ def output_indices(config: dict) -> dict[str, int]:
     if names and all(_index(n) is not None for n in names):
         return {n: _index(n) for n in names}  # type: ignore[misc]
     return {n: i for i, n in enumerate(names)}
+
+
+# The config datatypes Triton's PyTorch backend can hand a TorchScript model (its
+# ModelConfigDataTypeToTorchType), and TYPE_STRING as a List[str]: no BF16, no UINT16/32/64.
+TORCH_DATATYPES = frozenset({"TYPE_BOOL", "TYPE_UINT8", "TYPE_INT8", "TYPE_INT16", "TYPE_INT32", "TYPE_INT64",
+                             "TYPE_FP16", "TYPE_FP32", "TYPE_FP64", "TYPE_STRING"})
+
+
+def check_datatypes(model: str, config: dict) -> None:
+    """Refuse at load, in Triton's words, a tensor of a datatype Triton's PyTorch backend does not
+    take (a request to it would fail each time instead)."""
+    sequence = config.get("sequence_batching") or {}
+    named = [("input", t["name"], t.get("data_type", "")) for t in config.get("input", [])]
+    named += [("input state", s.get("input_name", ""), s.get("data_type", "")) for s in sequence.get("state", [])]
+    named += [("output", t["name"], t.get("data_type", "")) for t in config.get("output", [])]
+    named += [("state", s.get("output_name", ""), s.get("data_type", "")) for s in sequence.get("state", [])]
+    for kind, name, data_type in named:
+        if data_type not in TORCH_DATATYPES:
+            raise ModelLoadError(f"unsupported datatype {data_type} for {kind} '{name}' for model '{model}'")
