@@ -139,6 +139,7 @@ class Launcher:
             broker_arena_cap_bytes=args.broker_arena_mb << 20,
             worker_arena_start_bytes=args.worker_arena_start_bytes,
             worker_arena_growth_bytes=args.worker_arena_growth_bytes,
+            default_max_batch_size=getattr(args, "default_max_batch_size", 4),
             allow_remote_shm=args.allow_remote_shm, allow_client_shm=args.allow_client_shm,
             allow_file_uploads=args.allow_model_file_uploads,
             metrics_port=args.metrics_port if args.allow_metrics else 0, metrics_address=args.metrics_address,

@@ -67,12 +67,14 @@ TRACE_FLAGS: dict[str, str] = {
 # their part instead. The python backend's shm-default-byte-size and shm-growth-byte-size are
 # honoured (``worker_arena_sizes``): they size each worker's output arena as it starts and grows.
 HONOURED_BACKEND_SETTINGS = frozenset({("python", DEFAULT_BYTES_SETTING), ("python", GROWTH_BYTES_SETTING)})
-ONNX_MAX_BATCH = "ONNX auto-completion gives a model that can batch max_batch_size 4, Triton's default"
+# --backend-config [onnxruntime,]default-max-batch-size=N: the max_batch_size ONNX auto-completion
+# gives a model that can batch (workers/onnx_graph.py), 4 unset, as Triton's.
+MAX_BATCH_SETTING = "default-max-batch-size"
+DEFAULT_MAX_BATCH_SIZE = 4
 BACKEND_SETTINGS: dict[tuple[str, str], str] = {
     ("python", "shm-region-prefix-name"): "shared-memory names derive from --id",
     ("python", "stub-timeout-seconds"): "workers report to the broker through shared memory, with no stub timeout",
     ("python", "shm-message-queue-size"): "requests reach workers through shared-memory rings of fixed size",
-    ("", "default-max-batch-size"): ONNX_MAX_BATCH, ("onnxruntime", "default-max-batch-size"): ONNX_MAX_BATCH,
 }
 
 
@@ -88,7 +90,8 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
                         "all at once, so the count has no effect")
     p.add_argument("--backend-config", action="append", default=[], metavar="[BACKEND,]SETTING=VALUE",
                    help="Triton's backend settings: python,shm-default-byte-size and python,shm-growth-byte-size "
-                        "size each instance's output extents (docs/flags.md); any other is accepted and named in "
+                        "size each instance's output extents, [onnxruntime,]default-max-batch-size is ONNX "
+                        "auto-completion's max_batch_size (docs/flags.md); any other is accepted and named in "
                         "a warning at start, since it applies to none of shmserve's backends; repeatable")
     for flag in GRPC_FLAGS:
         p.add_argument(flag, default=None, metavar="VALUE", help="accepted for Triton's command lines, with a "
@@ -148,6 +151,20 @@ def worker_arena_sizes(args: argparse.Namespace) -> tuple[int, int]:
     return start, growth
 
 
+def default_max_batch_size(args: argparse.Namespace) -> int:
+    """``--backend-config [onnxruntime,]default-max-batch-size=N`` (the last one given; a negative
+    N is 0, as Triton clamps it); ValueError names a value that is not an integer."""
+    n = DEFAULT_MAX_BATCH_SIZE
+    for backend, setting, value in backend_settings(args.backend_config):
+        if setting == MAX_BATCH_SETTING and backend in ("", "onnxruntime"):
+            try:
+                n = int(value)
+            except ValueError:
+                raise ValueError(f"--backend-config {backend + ',' if backend else ''}{setting}={value}: expected "
+                                 f"an integer") from None
+    return max(n, 0)
+
+
 def trace_items(args: argparse.Namespace) -> list[tuple[int, str]]:
     """Fold the deprecated trace flags into ``args.trace_config`` (before it is parsed; a
     --trace-config setting given too wins, as it comes later) and name each in a WARNING."""
@@ -181,8 +198,10 @@ def notices(args: argparse.Namespace) -> list[tuple[int, str]]:
         if value is not None:
             out.append((logging.WARNING, f"{flag} {value} has no effect: {why}"))
     args.worker_arena_start_bytes, args.worker_arena_growth_bytes = worker_arena_sizes(args)
+    args.default_max_batch_size = default_max_batch_size(args)
     for backend, setting, value in backend_settings(args.backend_config):
-        if (backend, setting) in HONOURED_BACKEND_SETTINGS:
+        if (backend, setting) in HONOURED_BACKEND_SETTINGS or (setting == MAX_BATCH_SETTING
+                                                               and backend in ("", "onnxruntime")):
             continue
         why = BACKEND_SETTINGS.get((backend, setting), "shmserve's backends have no such setting")
         named = f"{backend},{setting}" if backend else setting

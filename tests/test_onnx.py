@@ -357,6 +357,30 @@ def test_a_dynamic_batcher_without_max_batch_size_gets_the_completed_one(onnx_cl
     assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 100
 
 
+def test_default_max_batch_size_is_what_auto_complete_gives_a_model_that_batches(module_factory, tmp_path):
+    """--backend-config onnxruntime,default-max-batch-size=N, as Triton's: the max_batch_size an
+    ONNX model that can batch gets when its config sets none (it was always 4, with a warning that
+    the setting had no effect); 0 leaves such a model unbatched, its dims whole."""
+    repo = tmp_path / "repo"
+    om.write(repo, "auto", om.add_sub(), None)
+    wide = module_factory.create([repo], ["--backend-config", "onnxruntime,default-max-batch-size=16"]).start()
+    plain = module_factory.create([repo], ["--backend-config", "default-max-batch-size=0"]).start()
+    wide.wait_ready(), plain.wait_ready()
+    c, p = wide.client(), plain.client()
+    try:
+        config = c.get_model_config("auto")
+        assert config["max_batch_size"] == 16 and "dynamic_batching" in config
+        assert "default-max-batch-size" not in wide.log()
+        config = p.get_model_config("auto")
+        assert config.get("max_batch_size", 0) == 0 and "dynamic_batching" not in config
+        assert [i["dims"] for i in config["input"]] == [[-1, 4], [-1, 4]]
+        a, b = _rows(3, 5)
+        np.testing.assert_allclose(_add_sub(p, "auto", a, b)[0], a + b, rtol=1e-6)
+    finally:
+        c.close()
+        p.close()
+
+
 def test_disable_auto_complete_config_leaves_the_config_as_written(module_factory, tmp_path):
     """With --disable-auto-complete-config a config without inputs is not completed, so the
     graph's inputs are fed by nothing and the model does not load; a full config serves."""

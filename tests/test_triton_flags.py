@@ -55,11 +55,6 @@ def test_triton_flags_start_the_server_and_are_named(server_factory, tmp_path):
         "--grpc-infer-thread-count", "4"])
     log = s.log()
     for line in [
-        # (its reason true to what ONNX auto-completion does, with or without Triton's backend prefix)
-        "--backend-config default-max-batch-size=8 is not supported and has no effect: ONNX auto-completion gives a "
-        "model that can batch max_batch_size 4, Triton's default",
-        "--backend-config onnxruntime,default-max-batch-size=16 is not supported and has no effect: ONNX "
-        "auto-completion gives a model that can batch max_batch_size 4, Triton's default",
         "--backend-config pytorch,no-such-setting=1 is not supported and has no effect",
         "--grpc-infer-allocation-pool-size 8 has no effect: grpcio allocates each call's state itself",
         "--grpc-max-response-pool-size 4 has no effect: each response is sent as soon as it is built",
@@ -69,6 +64,7 @@ def test_triton_flags_start_the_server_and_are_named(server_factory, tmp_path):
         assert line in log, line
     assert "--grpc-use-ssl" not in log  # a flag that works is not named
     assert "shm-default-byte-size" not in log  # honoured: it sizes each worker's first output extent
+    assert "default-max-batch-size" not in log  # honoured: ONNX auto-completion's max_batch_size (test_onnx.py)
     assert s.client().is_server_ready()
 
 

@@ -39,6 +39,8 @@ class ModelContext:
     strict_config: bool = False
     server_id: str = "shmserve"  # lets a model call other models of the same server (BLS)
     weights_key: str = ""  # names this load's shared copy of the weights (shared_weights.py)
+    # what auto-completion gives a model that can batch (--backend-config default-max-batch-size)
+    default_max_batch_size: int = 4
 
     @property
     def version_dir(self) -> Path:

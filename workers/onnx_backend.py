@@ -65,7 +65,7 @@ class OnnxRuntimeBackend(Backend):
             return auto_complete(ctx.config, ctx.name, [], [])  # (says it skips)
         self.probe = open_session(self.ort, self._path(ctx), ctx.config, Placement("CPU"))
         inputs, outputs, _ = _signature(self.probe)
-        return auto_complete(ctx.config, ctx.name, inputs, outputs)
+        return auto_complete(ctx.config, ctx.name, inputs, outputs, ctx.default_max_batch_size)
 
     def create_model(self, ctx: ModelContext) -> Model:
         return OnnxModel(self, ctx)

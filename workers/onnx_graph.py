@@ -82,12 +82,13 @@ def _config_tensor(t: GraphTensor, batched: bool) -> dict[str, Any]:
     return entry
 
 
-def auto_complete(config: dict[str, Any], model: str, inputs: list[GraphTensor],
-                  outputs: list[GraphTensor]) -> dict[str, Any]:
+def auto_complete(config: dict[str, Any], model: str, inputs: list[GraphTensor], outputs: list[GraphTensor],
+                  default_max_batch: int = DEFAULT_MAX_BATCH_SIZE) -> dict[str, Any]:
     """The config completed from the graph, as Triton's onnxruntime backend completes it.
 
     A config that declares both inputs (or batch inputs) and outputs is left as it is. Otherwise
-    ``max_batch_size`` becomes 4 when it is unset and every input and output has a free first
+    ``max_batch_size`` becomes ``default_max_batch`` (--backend-config default-max-batch-size, 4
+    unset) when it is unset and every input and output has a free first
     dimension (a model that cannot batch with a non-zero ``max_batch_size`` is refused), a
     ``dynamic_batching`` section is added when the model batches and names no scheduler, and the
     missing inputs or outputs are taken from the graph. The sequence batcher's controls and states are not made
@@ -102,7 +103,7 @@ def auto_complete(config: dict[str, Any], model: str, inputs: list[GraphTensor],
     max_batch = int(done.get("max_batch_size", 0) or 0)
     if _batchable(inputs + outputs):
         if max_batch == 0:
-            max_batch = done["max_batch_size"] = DEFAULT_MAX_BATCH_SIZE
+            max_batch = done["max_batch_size"] = default_max_batch
             log.warning("autofilled max_batch_size to %d for model '%s' since batching is supported but no "
                         "max_batch_size is specified in model configuration. Must specify max_batch_size to "
                         "utilize autofill with a larger max batch size", max_batch, model)

@@ -121,7 +121,8 @@ class Worker:
         spec = self.spec
         ctx = ModelContext(name=self.model, version=self.version, model_dir=Path(spec["model_dir"]),
                            config=spec["config"], strict_config=spec.get("strict", False),
-                           server_id=self.server_id, weights_key=spec.get("weights_key", ""))
+                           server_id=self.server_id, weights_key=spec.get("weights_key", ""),
+                           default_max_batch_size=spec.get("default_max_batch_size", 4))
         try:
             custom_metrics.REGISTRY.attach(self.seg.custom_metrics)
             self.backend = load_backend(spec["backend"])

@@ -145,6 +145,7 @@ class Instances:
             "instance_name": name, "instance_index": index, "kind": kind, "device_id": device,
             "model_dir": mv.model_dir, "config": mv.config_dict, "backend": mv.backend,
             "strict": self.opts.strict_config, "broker_pid": os.getpid(),
+            "default_max_batch_size": self.opts.default_max_batch_size,  # (ONNX auto-completion's)
             "log": logs.current(),  # the broker's log settings, which every process follows
             "instances": mv.planned_instances, "poll_us": self.opts.poll_us, "weights_key": mv.weights_key,
             # the response cache's key part for this load (0: the server has no cache)

@@ -34,6 +34,8 @@ class BrokerOptions:
     # --backend-config python,shm-default-byte-size / shm-growth-byte-size (shm/extents.py)
     worker_arena_start_bytes: int = 4 << 20
     worker_arena_growth_bytes: int = 1 << 20
+    # --backend-config [onnxruntime,]default-max-batch-size: ONNX auto-completion's max_batch_size
+    default_max_batch_size: int = 4
     allow_remote_shm: bool = False
     allow_client_shm: bool = True  # --allow-client-shm: false refuses every client region (region_access.py)
     allow_file_uploads: bool = False  # --allow-model-file-uploads: loads with 'file:' contents from any client
