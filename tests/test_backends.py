@@ -756,7 +756,8 @@ def _pt2_model(repo: Path, name: str, parameters: str, weights: torch.nn.Module 
     (version.parent / "config.pbtxt").write_text(
         'backend: "pytorch"\nruntime: "model.py"\nmax_batch_size: 4\n'
         'input [ { name: "X" data_type: TYPE_FP32 dims: [ 3 ] }, { name: "SHIFT" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
-        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "TOTAL" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] },\n'
+        '         { name: "TOTAL" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
         'dynamic_batching { max_queue_delay_microseconds: 200000 }\n' + parameters)
 
 

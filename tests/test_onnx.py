@@ -92,7 +92,8 @@ LOAD_ERRORS = {
                    "followed by the explicit tensor shape, making complete shape [-1,5])"],
     "wrong_rank": ["model 'wrong_rank', tensor 'INPUT0': the model expects 2 dimensions (shape [2,4]) but the "
                    "model configuration specifies 1 dimensions (shape [8])"],
-    "free_output": ["tensor 'OUTPUT0': the model expects 2 dimensions (shape [-1,4])", "making complete shape [-1,-1])"],
+    "free_output": ["tensor 'OUTPUT0': the model expects 2 dimensions (shape [-1,4])",
+                    "making complete shape [-1,-1])"],
     "fixed_batch": ["model 'fixed_batch', tensor 'INPUT0': for the model to support batching the shape should have at "
                     "least 1 dimension and the first dimension must be -1; but shape expected by the model is [2,4]"],
     "cannot_batch": ["autofill failed", "does not support batching while non-zero max_batch_size"],

@@ -238,7 +238,8 @@ def check(config: dict[str, Any], model: str, inputs: list[GraphTensor], outputs
                                 f"models that support batching")
         t = graph_in.get(name)
         if t is None:
-            raise GraphMismatch(f"unexpected inference input '{name}', allowed inputs are: {', '.join(sorted(graph_in))}")
+            raise GraphMismatch(f"unexpected inference input '{name}', allowed inputs are: "
+                                f"{', '.join(sorted(graph_in))}")
         _check_type(model, "input", name, entry.get("data_type", ""), t)
         if entry.get("allow_ragged_batch"):
             _check_ragged(model, entry, t)
