@@ -816,6 +816,7 @@ def test_the_pytorch_2_runtime_builds_model_py_with_its_state_dict(server_factor
                 "no effect with runtime 'model.py'") in log
         assert "model 'affine': parameter 'ENABLE_NVFUSER' is not supported" in log
         assert "model 'affine': config field 'runtime'" not in log
+        assert "skipping model configuration auto-complete for 'scripted': not supported for pytorch backend" in log
         assert ("instance 'scripted_0': parameter(s) NUM_THREADS are read by the PyTorch 2 runtime (runtime: "
                 "\"model.py\") only and have no effect on this TorchScript model") in log
     finally:

@@ -45,6 +45,11 @@ class PyTorchBackend(Backend):
 
         self.torch = torch
 
+    def auto_complete_config(self, ctx: ModelContext) -> dict[str, Any]:
+        """Nothing to complete from a TorchScript file (it keeps no tensor names): Triton's warning."""
+        log.warning("skipping model configuration auto-complete for '%s': not supported for pytorch backend", ctx.name)
+        return ctx.config
+
     def create_model(self, ctx: ModelContext) -> Model:
         return PyTorchModel(self.torch, ctx)
 
