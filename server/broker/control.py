@@ -157,14 +157,12 @@ class ControlHandler:
             if name in self.lifecycle.ambiguous:
                 out.append({"name": name, **_state(State.UNAVAILABLE.value, DUPLICATE_MODEL)})
                 continue
-            versions = b.models.get(name, {})
-            if name in b.loading and not versions:
-                versions = b.loading[name].versions
-            if versions:
+            versions = b.models.get(name, {})  # those serving
+            if versions or (name in b.loading and b.loading[name].versions):
                 stale = b.failed_reload(name)  # the old versions serve on after a later load failed
                 entries = [{"name": name, "version": str(v), **index_state(mv, stale, b)}
                            for v, mv in versions.items()]
-                # Versions loading beside them, whose load failed, or that a reload's policy dropped
+                # Versions loading (beside them, or a first load), whose load failed, or that a reload's policy dropped
                 draining = {r.version.version for r in b.retiring if r.version.name == name}
                 entries += [{"name": name, "version": str(v),
                              **(_state(State.UNLOADING.value, "") if v in draining and st["reason"] == "unloaded"
