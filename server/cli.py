@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any, NoReturn, Sequence
 
 from shmserve.host_limits import usable_cores
 
-from . import __version__, cache_flags, triton_flags
+from . import __version__, cache_flags, triton_flags, triton_values
 from .edge.header_forward import HTTP_FLAG as HTTP_FORWARD_FLAG, compile_pattern
 from .broker.summary_window import summary_quantiles
 from .frontend.limits import HttpLimits
@@ -188,17 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "histogram_latencies=true adds "
                         "nv_inference_first_response_histogram_ms and shmserve's request, queue and compute "
                         "histograms (buckets per model through model_metrics); repeatable")
-    p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",
+    p.add_argument("--model-control-mode", type=triton_values.choice(("none", "poll", "explicit"),
+                                                                      "--model-control-mode"),
+                   default="none", metavar="none|poll|explicit",
                    help="none: load all models at start; poll: also follow changes in the repository; "
-                        "explicit: load only --load-model models and what the repository API asks for")
-    p.add_argument("--repository-poll-secs", type=int, default=15, metavar="N",
+                        "explicit: load only --load-model models and what the repository API asks for (ignoring "
+                        "case, as Triton's)")
+    p.add_argument("--repository-poll-secs", type=int, default=None, metavar="N",
                    help="with poll control, also scan the repositories every N seconds for changes no file "
                         "event reports (NFS and FUSE mounts, model folders that are links); 0: events only "
                         "(default 15)")
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="with explicit control, a model to load at start ('*' for all); repeatable")
-    add_bool(p, "--strict-model-config", False,
-             "require a complete config.pbtxt and disable auto-completion (default false)")
+    add_bool(p, "--strict-model-config", None,
+             "deprecated in Triton (a warning says so), as --disable-auto-complete-config: require a complete "
+             "config.pbtxt and disable auto-completion (default false)")
     add_bool(p, "--strict-readiness", True,
              "report ready only when every model is ready (default true)")
     add_bool(p, "--exit-on-error", True,
@@ -206,8 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-timeout-secs", type=float, default=30.0,
                    help="on SIGTERM, how long the drain waits for requests in flight; meanwhile readiness says no "
                         "and new requests get 503 (default 30)")
-    p.add_argument("--log-verbose", type=int, default=0,
-                   help="verbose logging level: lines of verbose level <= N are logged; 0 is off (default 0)")
+    p.add_argument("--log-verbose", type=triton_values.int_or_bool, default=0, metavar="N",
+                   help="verbose logging level: lines of verbose level <= N are logged; 0 is off; true and false "
+                        "are 1 and 0, as Triton's (default 0)")
     add_bool(p, "--log-info", True,
              "log INFO lines (default true)")
     add_bool(p, "--log-warning", True,
@@ -278,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    poll_secs_given = args.repository_poll_secs is not None
+    if not poll_secs_given:
+        args.repository_poll_secs = 15
     args.cloud_repositories = {}  # {local copy: URL}, filled once the copies are made (__main__.py)
     # The same repository named twice (a path and its alias, a prefix like --model-repo) is one:
     # else every model in it would be said to be in two repositories.
@@ -316,7 +325,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     args.notices += cache_notices
-    args.strict_model_config = args.strict_model_config or args.disable_auto_complete_config
     if args.metrics_address is None:
         args.metrics_address = args.http_address  # as Triton's
     for flag in ("http_port", "metrics_port", "grpc_port"):
@@ -357,8 +365,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--metrics-interval-ms must be at least 1")
     if args.repository_poll_secs < 0:
         parser.error("--repository-poll-secs must be 0 or more")
-    if args.load_model and args.model_control_mode != "explicit":
-        parser.error("--load-model requires --model-control-mode=explicit")
+    if args.load_model and args.model_control_mode != "explicit":  # Triton's words
+        parser.error("Use of '--load-model' requires setting '--model-control-mode=explicit' as well.")
+    if poll_secs_given and args.model_control_mode != "poll":  # (Triton drops it silently)
+        args.notices.append((logging.WARNING, f"--repository-poll-secs {args.repository_poll_secs} has no effect: "
+                                              f"the repositories are polled only with --model-control-mode=poll"))
     if args.log_verbose < 0:
         parser.error("--log-verbose must be 0 or more")
     try:

@@ -10,6 +10,7 @@ import argparse
 import logging
 from typing import Callable
 
+from . import triton_values
 from shmserve.shm.extents import DEFAULT_BYTES_SETTING, DEFAULT_GROWTH_BYTES, DEFAULT_START_BYTES, \
     GROWTH_BYTES_SETTING, MIN_START_BYTES
 
@@ -48,6 +49,30 @@ NO_EFFECT_FLAGS: dict[str, tuple[str, str]] = {
     "--vertex-ai-thread-count": ("N", "the Vertex AI endpoint is not served"),
     "--vertex-ai-default-model": ("MODEL", "the Vertex AI endpoint is not served"),
 }
+
+# How Triton 2.51 reads each of those flags' values: one it refuses is refused here too (the others,
+# and --grpc-infer-thread-count and --grpc-max-response-pool-size of later Triton, are integers).
+_V = triton_values
+VALUE_READERS: dict[str, Callable[[str], object]] = {
+    "--enable-peer-access": _V.boolean, "--backend-directory": str, "--repoagent-directory": str,
+    "--vertex-ai-default-model": str,
+    "--pinned-memory-pool-byte-size": lambda v: _V.integer(v, _V.INT64),
+    "--cuda-memory-pool-byte-size": _V.pair(":", _V.integer, lambda v: _V.integer(v, _V.UINT64)),
+    "--cuda-virtual-address-size": _V.pair(":", _V.integer, lambda v: _V.integer(v, _V.UINT64)),
+    "--min-supported-compute-capability": _V.real,
+    "--host-policy": _V.config("host-policy", "policy name"),
+    "--model-load-gpu-limit": _V.pair(":", _V.integer, _V.real),
+    "--sagemaker-safe-port-range": _V.pair("-", _V.integer, _V.integer),
+}
+
+
+def _as_given(read: Callable[[str], object]) -> Callable[[str], str]:
+    """``read`` as an argparse type that checks a value and keeps it as given (the notices show it so)."""
+    def check(arg: str) -> str:
+        read(arg)
+        return arg
+    return check
+
 
 # Triton's switches for what shmserve does not have: false (their default) is accepted, true is
 # refused at start by name: the server would not do what the command line asks.
@@ -94,17 +119,17 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
                         "auto-completion's max_batch_size (docs/flags.md); any other is accepted and named in "
                         "a warning at start, since it applies to none of shmserve's backends; repeatable")
     for flag in GRPC_FLAGS:
-        p.add_argument(flag, default=None, metavar="VALUE", help="accepted for Triton's command lines, with a "
-                                                                  "warning at start: no effect here")
+        p.add_argument(flag, action="append", default=[], type=_as_given(triton_values.integer), metavar="N",
+                       help="accepted for Triton's command lines, with a warning at start: no effect here")
     for flag, (metavar, why) in NO_EFFECT_FLAGS.items():
-        p.add_argument(flag, default=None, metavar=metavar, help=f"accepted for Triton's command lines, with a "
-                                                                  f"warning at start: {why}")
+        p.add_argument(flag, action="append", default=[], type=_as_given(VALUE_READERS.get(flag, triton_values.integer)),
+                       metavar=metavar, help=f"accepted for Triton's command lines, with a warning at start: {why}")
     for flag, why in REFUSED_WHEN_TRUE.items():
         add_bool(p, flag, None, f"false is accepted; true is refused: {why}")
     for flag, setting in TRACE_FLAGS.items():
         p.add_argument(flag, action="append", default=[], metavar="VALUE",
                        help=f"deprecated in Triton: the same as --trace-config {setting}=VALUE")
-    p.add_argument("--model-config-name", default="", metavar="NAME",
+    p.add_argument("--model-config-name", default=None, metavar="NAME",
                    help="as Triton's: load each model's configs/NAME.pbtxt where it exists, else its config.pbtxt")
     p.add_argument("--model-load-retry-count", type=int, default=0, metavar="N",
                    help="as Triton's: a model whose load fails is tried again up to N more times (default 0)")
@@ -114,15 +139,12 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
 
 
 def backend_settings(items: list[str]) -> list[tuple[str, str, str]]:
-    """``--backend-config`` items as (backend, setting, value); ValueError names a malformed one."""
-    out = []
-    for item in items:
-        head, sep, value = item.rpartition("=")
-        backend, _, setting = head.rpartition(",")
-        if not sep or not setting.strip():
-            raise ValueError(f"--backend-config '{item}': expected [<backend>,]<setting>=<value>")
-        out.append((backend.strip(), setting.strip(), value))
-    return out
+    """``--backend-config`` items as (backend, setting, value), split as Triton splits them;
+    ValueError names a malformed one in Triton's words."""
+    try:
+        return [triton_values.backend_config(item) for item in items]
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(str(e)) from None
 
 
 def worker_arena_sizes(args: argparse.Namespace) -> tuple[int, int]:
@@ -177,6 +199,21 @@ def trace_items(args: argparse.Namespace) -> list[tuple[int, str]]:
     return out
 
 
+def strict_config_notices(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """Triton's warnings for its deprecated ``--strict-model-config`` (given: not None), and for
+    ``=false`` overridden by ``--disable-auto-complete-config``; ``args.strict_model_config``
+    becomes the setting that results."""
+    out: list[tuple[int, str]] = []
+    if args.strict_model_config is not None:
+        out.append((logging.WARNING, "'--strict-model-config' has been deprecated! Please use "
+                                     "'--disable-auto-complete-config' instead."))
+        if args.disable_auto_complete_config and not args.strict_model_config:
+            out.append((logging.WARNING, "Overriding deprecated '--strict-model-config' from False to True in "
+                                         "favor of '--disable-auto-complete-config'!"))
+    args.strict_model_config = bool(args.strict_model_config or args.disable_auto_complete_config)
+    return out
+
+
 def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
@@ -187,15 +224,17 @@ def notices(args: argparse.Namespace) -> list[tuple[int, str]]:
         raise ValueError("--model-load-thread-count must be 0 or more")  # (Triton takes 0)
     if args.model_load_retry_count < 0:
         raise ValueError("--model-load-retry-count must be 0 or more")
+    if args.model_config_name == "":  # given empty: Triton's words
+        raise ValueError("empty argument for --model-config-name")
+    args.model_config_name = args.model_config_name or ""
     if any(c.isspace() for c in args.model_config_name) or "/" in args.model_config_name:
         raise ValueError(f"--model-config-name '{args.model_config_name}': a name, with no space or '/'")
     for flag, why in REFUSED_WHEN_TRUE.items():
         if getattr(args, _dest(flag)):
             raise ValueError(f"{flag}=true is not supported: {why}")
-    out: list[tuple[int, str]] = trace_items(args)
+    out: list[tuple[int, str]] = trace_items(args) + strict_config_notices(args)
     for flag, (_, why) in NO_EFFECT_FLAGS.items():
-        value = getattr(args, _dest(flag))
-        if value is not None:
+        for value in getattr(args, _dest(flag)):  # (repeatable, as Triton's --host-policy and others)
             out.append((logging.WARNING, f"{flag} {value} has no effect: {why}"))
     args.worker_arena_start_bytes, args.worker_arena_growth_bytes = worker_arena_sizes(args)
     args.default_max_batch_size = default_max_batch_size(args)
@@ -207,10 +246,8 @@ def notices(args: argparse.Namespace) -> list[tuple[int, str]]:
         named = f"{backend},{setting}" if backend else setting
         out.append((logging.WARNING, f"--backend-config {named}={value} is not supported and has no effect: {why}"))
     for flag in GRPC_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is None:
-            continue
-        out.append((logging.WARNING, f"{flag} {value} has no effect: {GRPC_FLAGS[flag]}"))
+        for value in getattr(args, _dest(flag)):
+            out.append((logging.WARNING, f"{flag} {value} has no effect: {GRPC_FLAGS[flag]}"))
     if args.model_load_thread_count is not None:
         out.append((logging.INFO, f"--model-load-thread-count {args.model_load_thread_count}: every model "
                                   f"instance loads in a process of its own, all at once; the count has no effect"))

@@ -152,7 +152,7 @@ def test_repository_flag_required():
     (["--grpc-receive-memory-mb", "0"], "--grpc-receive-memory-mb must lie in [1, 1073741824], got 0"),
     (["--grpc-receive-timeout-secs", "0"], "--grpc-receive-timeout-secs must lie in (0, 86400], got 0"),
     (["--model-load-thread-count", "-1"], "--model-load-thread-count must be 0 or more"),
-    (["--backend-config", "python"], "--backend-config 'python': expected [<backend>,]<setting>=<value>"),
+    (["--backend-config", "python"], "--backend-config option format is '<backend name>,<setting>=<value>'. Got python"),
     (["--http-header-timeout-secs", "0"], "--http-header-timeout-secs must lie in (0, 86400]"),
     (["--http-send-timeout-secs", "0"], "--http-send-timeout-secs must lie in (0, 86400]"),
     (["--http-idle-timeout-secs", "-1"], "--http-idle-timeout-secs must lie in [0, 86400] (0: never)"),
