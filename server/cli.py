@@ -97,8 +97,10 @@ def metrics_config(items: Sequence[str]) -> dict[str, str]:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
+        if not sep or not key or not value or "," in key:  # Triton's words for a malformed item
+            raise ValueError(f"--metrics-config option format is <setting>=<value>. Got {item}")
         key = key.strip()
-        if not sep or key not in METRICS_CONFIG_KEYS:
+        if key not in METRICS_CONFIG_KEYS:
             raise ValueError(f"--metrics-config: unknown option '{item}' (known: {', '.join(sorted(METRICS_CONFIG_KEYS))})")
         if key == "summary_quantiles":
             summary_quantiles(value)
@@ -330,6 +332,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for flag in ("http_port", "metrics_port", "grpc_port"):
         if not 0 <= getattr(args, flag) <= 65535:
             parser.error(f"--{flag.replace('_', '-')} must be a port number")
+    collision = port_collision(args)
+    if collision:
+        parser.error(collision)
     try:
         from shmserve.shm.names import check_server_id
 
@@ -391,6 +396,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         except OSError as e:
             parser.error(f"cannot open --log-file '{args.log_file}': {e.strerror}")
     return args
+
+
+def port_collision(args: argparse.Namespace) -> str | None:
+    """Triton's words for two of the services served (HTTP, GRPC, metrics) given one address and
+    port, as its CheckPortCollision says them at start; port 0 (any free port) collides with none."""
+    served = [(name, address, port) for name, on, address, port in (
+        ("HTTP", args.allow_http, args.http_address, args.http_port),
+        ("GRPC", args.allow_grpc, args.grpc_address, args.grpc_port),
+        ("metrics", args.allow_metrics, args.metrics_address, args.metrics_port)) if on and port]
+    for i, (name, address, port) in enumerate(served):
+        for other, other_address, other_port in served[i + 1:]:
+            if (address, port) == (other_address, other_port):
+                return (f"The server cannot listen to {name} requests and {other} requests at the same address "
+                        f"and port {address}:{port}")
+    return None
 
 
 def log_settings(args: argparse.Namespace) -> dict:

@@ -47,6 +47,10 @@ def _refusal(repo: Path, capsys: pytest.CaptureFixture, *args: str) -> str:
     (["--backend-config=python,shm-default-byte-size="],
      "--backend-config option format is '<backend name>,<setting>=<value>'. Got python,shm-default-byte-size="),
     (["--model-config-name="], "empty argument for --model-config-name"),
+    (["--metrics-config=summary_latencies"], "--metrics-config option format is <setting>=<value>. Got "
+                                             "summary_latencies"),
+    (["--metrics-config=x,summary_latencies=true"], "--metrics-config option format is <setting>=<value>. Got "
+                                                    "x,summary_latencies=true"),
     (["--log-verbose=yes"], "argument --log-verbose: Invalid option value. Got yes"),
     (["--model-control-mode=sometimes"], "invalid argument for --model-control-mode: 'sometimes'"),
     (["--load-model=x", "--model-control-mode=poll"],
@@ -91,3 +95,21 @@ def test_deprecated_and_ignored_flags_are_named_at_start(server_factory, tmp_pat
         assert line in log, line
     assert s.client().get_log_settings()["log_verbose_level"] == 1
 
+
+def test_two_services_on_one_port_are_refused_in_tritons_words(tmp_path, capsys):
+    """As Triton's CheckPortCollision: refused before anything binds (it named the server itself as
+    the port's holder), unless one of the two is off or they bind different addresses."""
+    from shmserve.server.cli import parse_args
+
+    line = _refusal(tmp_path, capsys, "--http-port=19130", "--grpc-port=19130")
+    assert line.endswith("The server cannot listen to HTTP requests and GRPC requests at the same address and port "
+                         "0.0.0.0:19130"), line
+    line = _refusal(tmp_path, capsys, "--grpc-port=19131", "--metrics-port=19131", "--grpc-address=127.0.0.1",
+                    "--metrics-address=127.0.0.1")
+    assert line.endswith("cannot listen to GRPC requests and metrics requests at the same address and port "
+                         "127.0.0.1:19131"), line
+    for ok in (["--http-port=19130", "--grpc-port=19130", "--allow-grpc=false"],
+               ["--http-port=19130", "--metrics-port=19130", "--allow-metrics=false"],
+               ["--http-port=19130", "--grpc-port=19130", "--grpc-address=127.0.0.1"],
+               ["--http-port=0", "--grpc-port=0", "--metrics-port=0"]):
+        parse_args(["--model-repository", str(tmp_path), *ok])
