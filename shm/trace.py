@@ -143,8 +143,11 @@ def parse_config(items: list[str]) -> dict[str, Any]:
     otel: list[tuple[str, str]] = []  # opentelemetry,<key>=<value> in the order given (Triton shows them so)
     for item in items:
         head, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--trace-config '{item}': expected <setting>=<value> or <mode>,<setting>=<value>")
+        if head.startswith(","):  # Triton's words for the three malformed forms
+            raise ValueError(f"No trace mode specified. --trace-config option format is <trace mode>,<setting>="
+                             f"<value> or <setting>=<value>. Got {item}")
+        if not sep or not value or not head or head.endswith(","):
+            raise ValueError(f"--trace-config option format is '<trace mode>,<setting>=<value>'. Got {item}")
         mode, comma, key = head.rpartition(",")
         key = key.strip().replace("-", "_")
         mode = mode.strip().lower()

@@ -47,6 +47,11 @@ def _refusal(repo: Path, capsys: pytest.CaptureFixture, *args: str) -> str:
     (["--backend-config=python,shm-default-byte-size="],
      "--backend-config option format is '<backend name>,<setting>=<value>'. Got python,shm-default-byte-size="),
     (["--model-config-name="], "empty argument for --model-config-name"),
+    (["--trace-config=triton,file="],
+     "--trace-config option format is '<trace mode>,<setting>=<value>'. Got triton,file="),
+    (["--trace-config=level"], "--trace-config option format is '<trace mode>,<setting>=<value>'. Got level"),
+    (["--trace-config=,level=TIMESTAMPS"], "No trace mode specified. --trace-config option format is <trace mode>,"
+                                           "<setting>=<value> or <setting>=<value>. Got ,level=TIMESTAMPS"),
     (["--metrics-config=summary_latencies"], "--metrics-config option format is <setting>=<value>. Got "
                                              "summary_latencies"),
     (["--metrics-config=x,summary_latencies=true"], "--metrics-config option format is <setting>=<value>. Got "

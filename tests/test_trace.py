@@ -608,7 +608,7 @@ def test_traced_requests_with_large_bodies_and_answers(server_factory, tmp_path)
     ("level=TENSORS", "TENSORS"),
     ("colour=red", "unknown setting 'colour'"),
     ("jaeger,url=x", "unknown mode"),
-    ("level", "expected"),
+    ("level", "--trace-config option format is '<trace mode>,<setting>=<value>'. Got level"),
     ("opentelemetry,bsp_schedule_delay=soon", "bsp_schedule_delay"),
     ("opentelemetry,resource=shmserve", "a resource is <key>=<value>"),
     ("opentelemetry,bsp_max_export_batch_size=4096", "exceeds bsp_max_queue_size=2048"),
