@@ -193,7 +193,8 @@ def trace_items(args: argparse.Namespace) -> list[tuple[int, str]]:
     items, out = [], []
     for flag, setting in TRACE_FLAGS.items():
         for value in getattr(args, _dest(flag)):
-            items.append(f"{setting}={value}")
+            if value:  # (an empty one, which Triton takes, is no setting)
+                items.append(f"{setting}={value}")
             out.append((logging.WARNING, f"{flag} is deprecated: use --trace-config {setting}={value}"))
     args.trace_config = items + list(args.trace_config)
     return out

@@ -80,6 +80,9 @@ def test_values_triton_takes_are_taken(tmp_path):
                   "--cuda-memory-pool-byte-size 0:1024", "--cuda-memory-pool-byte-size 1:2048"):
         assert any(line.startswith(f"{value} {TRITON_TAKES_BUT_DOES_NOT_ACT_ON}") for line in named), (value, named)
     assert parse_args(["--model-repository", str(tmp_path), "--log-verbose=false"]).log_verbose == 0
+    # an empty deprecated --trace-file is no file, as in Triton (not a malformed --trace-config item)
+    args = parse_args(["--model-repository", str(tmp_path), "--trace-file="])
+    assert args.trace_config.get("file", "") == "" and any("--trace-file" in line for _, line in args.notices)
 
 
 def test_deprecated_and_ignored_flags_are_named_at_start(server_factory, tmp_path):
