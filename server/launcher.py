@@ -362,8 +362,9 @@ class Launcher:
             self.sock.close()
 
 
-# After its drain, how long the broker may take to stop: it gives its workers 5 s to exit before
-# it kills them (server/broker/instances.py STOP_WAIT_S), then removes its objects. Killed sooner,
+# After its drain, how long the broker may take to stop: it gives its workers what is left of the
+# exit timeout, at least 1 s, before it kills them (server/broker/instances.py STOP_GRACE_S), then
+# removes its objects. Killed sooner,
 # it would leave a worker stuck in a model's execute() to its own devices.
 BROKER_STOP_S = 15
 

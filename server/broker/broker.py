@@ -356,7 +356,9 @@ class Broker:
             log.warning("stopping with %d request(s) still in flight after %g s (--exit-timeout-secs)", left,
                         self.opts.exit_timeout_s)
         self.lifecycle.close()
-        self.instances.stop_all(graceful=not self.orphaned)  # orphaned: nothing is left to answer
+        # Workers get what is left of the exit timeout (a stuck one is killed at its end), so the
+        # server is gone within --exit-timeout-secs, as Triton is; orphaned: nothing is left to answer.
+        self.instances.stop_all(graceful=not self.orphaned, deadline=deadline)
         for client in list(self.clients.by_name.values()):
             client.seg.close()
         self.control.trace.close()  # closes the trace files' JSON arrays

@@ -38,7 +38,7 @@ log = logging.getLogger("shmserve.broker")
 # shares the cores with the frontends, the broker and other workers, and a spinning pool burns
 # the CPU they need between small batches. An environment that sets it wins.
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
-STOP_WAIT_S = 5.0  # at shutdown, how long stopped workers may take before they are killed
+STOP_GRACE_S = 1.0  # at shutdown, how long stopped workers may take at least before they are killed
 WORKER_NUMBERS = 1 << 31  # a slot's answer names its worker in 32 bits (shm/protocol.py)
 NAME_TRIES = 16  # worker numbers tried for one start (names another user made first are skipped)
 
@@ -208,12 +208,13 @@ class Instances:
                 unlink_shm(name)  # (one not there is no error)
                 unlink_shm(name + ".lock")
 
-    def stop_all(self, graceful: bool = True) -> None:
-        """Stop every worker (kill it when not ``graceful``), kill those that do not exit in time,
-        and reap them all."""
+    def stop_all(self, graceful: bool = True, deadline: float = 0.0) -> None:
+        """Stop every worker (kill it when not ``graceful``), kill those that have not exited by
+        ``deadline`` (the exit timeout's, as Triton's covers the models' unload too; at least
+        ``STOP_GRACE_S`` from now, for the ``finalize`` of workers that were idle), and reap them all."""
         for _, inst in list(self.workers.values()):
             self.stop(inst, graceful)
-        deadline = time.monotonic() + STOP_WAIT_S
+        deadline = max(deadline, time.monotonic() + STOP_GRACE_S)
         for mv, inst in list(self.workers.values()):
             try:
                 inst.proc.wait(max(0.0, deadline - time.monotonic()))
