@@ -1,11 +1,13 @@
 """Faults that are not deaths: a model that never returns, a stopped process, a stalled stream."""
 from __future__ import annotations
 
+import queue
 import signal
 import time
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from conftest import pid_alive
@@ -43,3 +45,59 @@ def test_a_server_with_a_stuck_model_exits_within_its_exit_timeout(server_factor
     with pytest.raises(Exception):  # its connection ended, or a 503 naming the server that went away
         sent.get_result()
     client.close()
+
+
+OPEN_STREAM_CONFIG = '''name: "open_stream"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
+'''
+OPEN_STREAM_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.open = []  # senders it keeps and never finishes: a model that stopped mid-stream
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+            self.open.append(sender)
+        return None
+'''
+
+
+def test_a_stream_left_open_at_unload_is_not_told_it_never_ran(server_factory, tmp_path):
+    """A decoupled model stops mid-stream (a response sent, no final flag) and is unloaded: the
+    stream ends with an error that says its model stopped before the final response, not that
+    the request never ran with "retry", which would have the client run it, and get its
+    responses, twice."""
+    model = tmp_path / "repo" / "open_stream"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(OPEN_STREAM_CONFIG)
+    (model / "1" / "model.py").write_text(OPEN_STREAM_MODEL)
+    s = server_factory.start([tmp_path / "repo"], ["--model-control-mode", "explicit", "--load-model", "open_stream",
+                                                   "--exit-timeout-secs", "5"])
+    s.wait_grpc_ready()
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(s.grpc_url)
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        x = grpcclient.InferInput("X", [1], "INT32")
+        x.set_data_from_numpy(np.array([7], np.int32))
+        client.async_stream_infer("open_stream", [x])
+        result, error = got.get(timeout=60)
+        assert error is None and result.as_numpy("Y").tolist() == [7]
+        httpclient.InferenceServerClient(s.url, network_timeout=120).unload_model("open_stream")
+        result, error = got.get(timeout=60)
+        assert error is not None, "a second response came"
+        assert "before the request ran" not in str(error) and "retry" not in str(error), str(error)
+        assert "stopped before its model sent the request's final response" in str(error), str(error)
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()

@@ -40,7 +40,8 @@ class Supervisor:
         self.routes = routes
         self.clients = clients
         self.restarts: list[tuple[float, ModelVersion, Instance]] = []  # (when, version, exited instance)
-        self.gone: dict[int, tuple[float, VersionTotals, int, str]] = {}  # exited worker -> when, its counts, answer
+        self.gone: dict[int, tuple[float, VersionTotals, int, str, str]] = {}  # exited worker -> when,
+        # its counts, answer (status, text to a request never taken, text to one taken)
 
     def check_workers(self) -> None:
         """Handle every worker that exited, start the restarts that are due, answer stragglers."""
@@ -141,16 +142,20 @@ class Supervisor:
         gone worker's lane after this sweep; worker numbers are never reused, so the broker
         remembers gone workers for a while and sweeps again at every check.
         """
-        if mv.state == State.UNLOADING and code == 0:
-            answer = (503, f"model '{mv.name}' version {mv.version} was unloaded before the request ran; retry")
-        elif inst.removed and code == 0:
-            answer = (503, f"model '{mv.name}' version {mv.version} instance '{inst.name}' was removed before the "
-                           f"request ran; retry")
+        if (mv.state == State.UNLOADING or inst.removed) and code == 0:
+            why = "was unloaded" if mv.state == State.UNLOADING else f"instance '{inst.name}' was removed"
+            status = 503
+            message = f"model '{mv.name}' version {mv.version} {why} before the request ran; retry"
+            # A request the worker took ran: a decoupled model's stream left open (it may have sent
+            # responses already), which a retry would answer twice.
+            ran = (f"model '{mv.name}' version {mv.version} instance '{inst.name}' stopped before its model "
+                   f"sent the request's final response")
         else:
-            answer = (500, death_message(mv, inst, code))
+            status, message = 500, death_message(mv, inst, code)
+            ran = message
         # Only the version's counts: keeping the version would keep its instances and their mapped
         # segments for GONE_MEMORY_S after every reload (0.7 MB of the broker's memory each).
-        self.gone[inst.num] = (time.monotonic(), mv.stats, *answer)
+        self.gone[inst.num] = (time.monotonic(), mv.stats, status, message, ran)
         return self._sweep_gone().get(inst.num, 0)
 
     def _sweep_gone(self) -> dict[int, int]:
@@ -166,8 +171,8 @@ class Supervisor:
                 num = client.seg.target(slot) - 1
                 gone = self.gone.get(num)
                 if gone is not None:
-                    _, stats, status, msg = gone
-                    self.clients.reply(client, slot, status, {"error": msg})
+                    _, stats, status, msg, ran = gone
+                    self.clients.reply(client, slot, status, {"error": ran if client.seg.taken(slot) else msg})
                     stats.fail("BACKEND" if status == 500 else "OTHER", 1)
                     failed[num] = failed.get(num, 0) + 1
         return failed
