@@ -349,15 +349,21 @@ class Launcher:
         flight finish, and new ones get a 503 with Retry-After rather than a reset connection or a
         hang in the accept queue. Once the broker is gone the frontends stop, finishing the
         responses they are sending."""
-        timeout = self.args.exit_timeout_secs + BROKER_STOP_S
+        began = time.monotonic()
         if self.broker is not None and self.broker.poll() is None:
             self.broker.send_signal(signal.SIGTERM)
-        _wait(self.broker, timeout)
+        _wait(self.broker, self.args.exit_timeout_secs + BROKER_STOP_S)
         for fe in self.frontends:
             if fe is not None and fe.poll() is None:
                 fe.send_signal(STOP)  # (they pass over SIGTERM while we live: edge/stop_signal.py)
-        for fe in self.frontends:
-            _wait(fe, timeout)
+        # The frontends get what is left of the exit timeout (at least FRONTEND_STOP_S) to send what
+        # they hold, all together: one that cannot stop (stopped, stuck in a send) is killed then,
+        # so the server is gone about --exit-timeout-secs after the signal, as Triton is.
+        deadline = max(began + self.args.exit_timeout_secs, time.monotonic() + FRONTEND_STOP_S)
+        for i, fe in enumerate(self.frontends):
+            if fe is not None and not _exits_soon(fe, max(0.0, deadline - time.monotonic())):
+                log.warning("%s did not stop within --exit-timeout-secs; killing it", self._child_title(i))
+                _wait(fe, 0)
         if self.sock is not None:
             self.sock.close()
 
@@ -367,6 +373,8 @@ class Launcher:
 # removes its objects. Killed sooner,
 # it would leave a worker stuck in a model's execute() to its own devices.
 BROKER_STOP_S = 15
+# After the broker, how long the frontends may take at least to send the answers they hold.
+FRONTEND_STOP_S = 2.0
 
 
 def _dies_with_us(signum: int) -> Callable[[], None]:

@@ -1,6 +1,7 @@
 """Faults that are not deaths: a model that never returns, a stopped process, a stalled stream."""
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import time
@@ -10,7 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from conftest import pid_alive
+from conftest import TEST_MODELS, pid_alive
 from test_processes import STUCK_CONFIG, STUCK_MODEL
 
 
@@ -101,3 +102,19 @@ def test_a_stream_left_open_at_unload_is_not_told_it_never_ran(server_factory, t
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()
+
+
+def test_a_stopped_frontend_does_not_hold_the_server_past_its_exit_timeout(server_factory):
+    """SIGSTOP of the HTTP frontend (or one stuck in a send), then SIGTERM: the launcher waits
+    for its frontends only for what is left of --exit-timeout-secs (at least 2 s), then kills
+    them; it waited the flag plus 15 s for each."""
+    s = server_factory.start([TEST_MODELS], ["--exit-timeout-secs", "1"])
+    frontend = next(p for p, t in s.titles().items() if t.startswith("shmserve frontend "))
+    os.kill(frontend, signal.SIGSTOP)
+    start = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait_exit(60) == 0, s.log_tail()
+    took = time.monotonic() - start
+    assert took < 1 + 2 + 4, f"the server took {took:.1f} s to stop with --exit-timeout-secs 1\n{s.log_tail()}"
+    assert not pid_alive(frontend), "the stopped frontend outlived its server"
+    assert "did not stop within --exit-timeout-secs; killing it" in s.log()
