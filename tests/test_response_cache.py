@@ -449,6 +449,31 @@ def test_after_a_reload_neither_the_model_nor_an_ensemble_over_it_answers_from_b
     assert delta(before, counts(server, "ensemble_cached"))["hits"] == 1
 
 
+def test_an_ensemble_over_a_canary_split_is_not_answered_from_the_canary_after_a_rollback(server_factory, tmp_path):
+    """An unversioned step whose model sends its traffic to a canary draws its version per call:
+    the ensemble's key cannot say which version answered, so such requests are not cached. They
+    were, under the stable version's load, and a rolled-back canary's answers were served on."""
+    repo = tmp_path / "repo"
+    for model in ("cached", "uncached", "ensemble_cached"):
+        shutil.copytree(CACHE_MODELS / model, repo / model, ignore=shutil.ignore_patterns("__pycache__"))
+    config = repo / "cached" / "config.pbtxt"
+    config.write_text(config.read_text().replace("count: 2", "count: 1") + (
+        'version_policy: { latest { num_versions: 2 } }\n'
+        'parameters { key: "canary_fraction" value: { string_value: "1" } }\n'))
+    shutil.copytree(repo / "cached" / "1", repo / "cached" / "2")
+    source = repo / "cached" / "2" / "model.py"
+    source.write_text(source.read_text().replace("x * 2", "x * 5.0"))  # the canary: Y = 5 X
+    server = server_factory.start([repo], ["--cache-config", "local,size=1048576", "--model-control-mode",
+                                           "explicit", "--load-model", "ensemble_cached"])
+    x = fresh()
+    assert infer(server, "ensemble_cached", x).as_numpy("Y").tolist() == (10 * x).tolist()  # (on the canary)
+    request = urllib.request.Request(f"http://{server.url}/v2/repository/models/cached/canary/rollback",
+                                     data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert r.status == 200
+    assert infer(server, "ensemble_cached", x).as_numpy("Y").tolist() == (4 * x).tolist()  # the stable version's
+
+
 def test_an_ensemble_without_response_cache_is_not_cached(cache_server):
     """ensemble_plain has ensemble_cached's steps and no response_cache of its own: on a server
     with a cache, every request runs its steps; its first step's model still uses its own cache."""

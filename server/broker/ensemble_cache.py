@@ -84,11 +84,18 @@ class EnsembleCache:
 def reached_loads(mv: ModelVersion, catalog: Catalog, depth: int = 0) -> list[int] | None:
     """The load of the ensemble ``mv`` and of each version its steps go to now (nested
     ensembles' steps followed down): what its answers depend on. None when a step's model does
-    not serve (its run fails as it would uncached)."""
+    not serve (its run fails as it would uncached), or when an unversioned step's model splits
+    its traffic with a canary: the step's version is drawn per call (``Ensembles._send``), so
+    the key could not say which version's answer it holds, and one a canary made would be
+    served on after a rollback."""
     loads = [load_key(mv)]
     if depth > 64:  # (load_plan refuses cycles: only a very deep nest gets here)
         return None
     for step in mv.ensemble.steps:
+        if step.version in (None, "", -1, "-1"):
+            split = catalog.split(step.model)
+            if split is not None and split.canary is not None and split.fraction > 0:
+                return None
         try:
             step_mv = catalog.find_version(step.model, step.version)
         except InvalidRequest:
