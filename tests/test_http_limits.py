@@ -208,6 +208,23 @@ def test_the_limits_refusals_and_the_open_connections_are_on_the_metrics_page(se
     assert server.log().count("request head took over") == 1
 
 
+def test_a_frontend_that_reconnects_has_its_refusals_counted_once(server_factory):
+    """A process keeps its liveness ticket when it connects again (the broker disconnected it, say):
+    its report after that carries the same totals, which replace its own, not add to them."""
+    from shmserve.shm.client import Client
+    from shmserve.shm.control_messages import EdgeReport
+
+    server = server_factory.start([TEST_MODELS], ["--model-control-mode", "explicit"])
+    with Client(server.id) as client:
+        client._control(EdgeReport("http", 5, {"head": 3}))
+        wait_until(lambda: http_connections(server) >= 5, "the report taken")
+    wait_until(lambda: http_connections(server) == 0, "the departed process's connections gone from the gauge")
+    assert edge_refusals(server) == {("http", "head"): 3}  # (kept: the counter does not go down)
+    with Client(server.id) as client:  # the same process again: the same ticket
+        client._control(EdgeReport("http", 0, {"head": 3}))
+        assert edge_refusals(server) == {("http", "head"): 3}
+
+
 def test_a_body_that_stops_half_way_gets_408_and_gives_its_room_back(edge):
     """A Content-Length larger than what is sent, for a small body and for a large one (copied into
     the frontend's arena as it arrives): 408 after the body timeout, and the arena has room again."""

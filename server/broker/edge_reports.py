@@ -1,13 +1,16 @@
 """The frontends' network edges, as their reports say (``EdgeReport``, server/edge/edge_counts.py):
 served as ``shmserve_http_connections`` and ``shmserve_edge_refusals`` beside the other metrics.
 
-Each frontend counts from its own start and reports its totals; a frontend that stops (or is
+Each frontend counts from its own start and reports its totals, kept by its process's liveness
+ticket (one per process, kept until it exits: shm/liveness.py); a frontend that stops (or is
 restarted after a crash) leaves its last totals here, so a refusal counter never goes down while
-the broker runs. The scrape runs on the metrics thread, hence the lock.
+the broker runs, and one that reconnects (the broker disconnected it) replaces its own totals
+rather than adding them again. The scrape runs on the metrics thread, hence the lock.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 
 from shmserve.shm.control_messages import EdgeReport
@@ -37,8 +40,9 @@ def problem(report: EdgeReport) -> str | None:
 class EdgeReports:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._latest: dict[int, EdgeReport] = {}  # by the frontend's liveness ticket
-        self._gone: collections.Counter[tuple[str, str]] = collections.Counter()  # departed frontends' totals
+        # By the frontend's liveness ticket, departed ones too (their connections closed): a
+        # process that reconnects keeps its ticket, and its totals count once.
+        self._latest: dict[int, EdgeReport] = {}
 
     def take(self, ticket: int, report: EdgeReport) -> None:
         with self._lock:
@@ -47,14 +51,13 @@ class EdgeReports:
     def forget(self, ticket: int) -> None:
         """The frontend left (or died): its connections are closed, its refusals stay counted."""
         with self._lock:
-            report = self._latest.pop(ticket, None)
+            report = self._latest.get(ticket)
             if report is not None:
-                for reason, count in report.refusals.items():
-                    self._gone[(report.protocol, reason)] += count
+                self._latest[ticket] = dataclasses.replace(report, connections=0)
 
     def families(self) -> list[Family]:
         with self._lock:
-            refusals = collections.Counter(self._gone)
+            refusals: collections.Counter[tuple[str, str]] = collections.Counter()
             connections = 0
             for report in self._latest.values():
                 connections += report.connections if report.protocol == "http" else 0
