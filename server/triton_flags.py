@@ -87,6 +87,11 @@ TRACE_FLAGS: dict[str, str] = {
     "--trace-file": "triton,file", "--trace-level": "level", "--trace-rate": "rate", "--trace-count": "count",
     "--trace-log-frequency": "triton,log_frequency",
 }
+# How Triton 2.51 reads them (an empty or malformed value refused, but --trace-file's, a path).
+TRACE_READERS: dict[str, Callable[[str], str]] = {
+    "--trace-level": triton_values.trace_level, "--trace-rate": _as_given(triton_values.integer),
+    "--trace-count": _as_given(triton_values.integer), "--trace-log-frequency": _as_given(triton_values.integer),
+}
 
 # (backend, setting) of --backend-config -> why it has no effect here; the known ones say what plays
 # their part instead. The python backend's shm-default-byte-size and shm-growth-byte-size are
@@ -126,8 +131,8 @@ def add_flags(p: argparse.ArgumentParser, add_bool: Callable[..., None]) -> None
                        metavar=metavar, help=f"accepted for Triton's command lines, with a warning at start: {why}")
     for flag, why in REFUSED_WHEN_TRUE.items():
         add_bool(p, flag, None, f"false is accepted; true is refused: {why}")
-    for flag, setting in TRACE_FLAGS.items():
-        p.add_argument(flag, action="append", default=[], metavar="VALUE",
+    for flag, setting in TRACE_FLAGS.items():  # (read as Triton reads them: an empty --trace-file is no file)
+        p.add_argument(flag, action="append", default=[], metavar="VALUE", type=TRACE_READERS.get(flag, str),
                        help=f"deprecated in Triton: the same as --trace-config {setting}=VALUE")
     p.add_argument("--model-config-name", default=None, metavar="NAME",
                    help="as Triton's: load each model's configs/NAME.pbtxt where it exists, else its config.pbtxt")
@@ -193,7 +198,7 @@ def trace_items(args: argparse.Namespace) -> list[tuple[int, str]]:
     items, out = [], []
     for flag, setting in TRACE_FLAGS.items():
         for value in getattr(args, _dest(flag)):
-            if value:  # (an empty one, which Triton takes, is no setting)
+            if value:  # (an empty --trace-file, which Triton takes, is no setting; the others are refused)
                 items.append(f"{setting}={value}")
             out.append((logging.WARNING, f"{flag} is deprecated: use --trace-config {setting}={value}"))
     args.trace_config = items + list(args.trace_config)

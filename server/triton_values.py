@@ -57,6 +57,13 @@ def int_or_bool(arg: str) -> int:
     return 1 if v == "true" else 0 if v == "false" else integer(arg)
 
 
+def trace_level(arg: str) -> str:
+    """Triton's ParseTraceLevelOption (the deprecated ``--trace-level``): a level it knows, ignoring case."""
+    if arg.lower() not in ("false", "off", "true", "on", "min", "max", "timestamps", "tensors"):
+        raise argparse.ArgumentTypeError(f"invalid value for trace level option: {arg}")
+    return arg
+
+
 def pair(delim: str, first: Callable[[str], object], second: Callable[[str], object]) -> Callable[[str], str]:
     """Triton's ParsePairOption: ``<first><delim><second>``, each part read as its type."""
     def read(arg: str) -> str:

@@ -57,6 +57,12 @@ def _refusal(repo: Path, capsys: pytest.CaptureFixture, *args: str) -> str:
     (["--metrics-config=x,summary_latencies=true"], "--metrics-config option format is <setting>=<value>. Got "
                                                     "x,summary_latencies=true"),
     (["--log-verbose=yes"], "argument --log-verbose: Invalid option value. Got yes"),
+    # the deprecated trace flags: only an empty --trace-file is taken (no file)
+    (["--trace-level="], "argument --trace-level: invalid value for trace level option:"),
+    (["--trace-level=loud"], "argument --trace-level: invalid value for trace level option: loud"),
+    (["--trace-rate="], "argument --trace-rate: Invalid option value. Got"),
+    (["--trace-count="], "argument --trace-count: Invalid option value. Got"),
+    (["--trace-log-frequency=often"], "argument --trace-log-frequency: Invalid option value. Got often"),
     (["--model-control-mode=sometimes"], "invalid argument for --model-control-mode: 'sometimes'"),
     (["--load-model=x", "--model-control-mode=poll"],
      "Use of '--load-model' requires setting '--model-control-mode=explicit' as well."),
