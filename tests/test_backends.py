@@ -821,3 +821,36 @@ def test_the_pytorch_2_runtime_builds_model_py_with_its_state_dict(server_factor
                 "\"model.py\") only and have no effect on this TorchScript model") in log
     finally:
         client.close()
+
+
+_IMPORTS_NAMES_PY = '''
+import torch
+from torch.nn import Linear, Module
+
+
+class Scaler(Module):
+    def forward(self, x):
+        return (x * 2,)
+'''
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_pytorch_2_runtime_builds_the_module_model_py_defines_not_one_it_imports(server_factory, tmp_path):
+    """``from torch.nn import Linear, Module`` puts ``Linear`` and ``Module`` before ``Scaler`` in
+    the file's names: the class built is the one the file defines (``Linear()`` failed the load,
+    a bare ``Module`` every request)."""
+    version = tmp_path / "repo" / "scaler" / "1"
+    version.mkdir(parents=True)
+    (version / "model.py").write_text(_IMPORTS_NAMES_PY)
+    (version.parent / "config.pbtxt").write_text(
+        'backend: "pytorch"\nruntime: "model.py"\nmax_batch_size: 0\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+        'parameters { key: "TORCH_COMPILE_OPTIONAL_PARAMETERS" value: { string_value: "{\\"disable\\": true}" } }\n')
+    server = server_factory.start([tmp_path / "repo"], [])
+    client = server.client()
+    try:
+        out = client.infer("scaler", [_input("X", np.array([1, 2], np.float32), "FP32")])
+        assert out.as_numpy("Y").tolist() == [2.0, 4.0]
+    finally:
+        client.close()

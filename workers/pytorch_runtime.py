@@ -7,7 +7,8 @@ the backend builds the module here instead, as Triton's runtime does (its ``src/
 
 - the file is ``default_model_filename`` if set and present, else ``model.py``, else ``model.pt``
   (which is then TorchScript);
-- the class is the first ``torch.nn.Module`` subclass of the file by name (``dir()`` order);
+- the class is the first ``torch.nn.Module`` subclass the file defines by name (``dir()`` order),
+  else the first it imports (``module_class``);
 - ``NUM_THREADS`` and ``NUM_INTEROP_THREADS`` (1 when unset, Triton's default there) set torch's
   thread pools; ``TORCH_COMPILE_OPTIONAL_PARAMETERS``, a JSON object, is passed to
   ``torch.compile``;
@@ -103,6 +104,16 @@ def compile_options(config: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def module_class(torch: Any, source: Any) -> Any:
+    """The file's first ``nn.Module`` subclass by name, one it defines before one it imports: a
+    ``from torch.nn import Linear, Module`` puts those names in ``dir()`` too, ahead of a ``Net``
+    (``torch.nn.Module`` itself, built bare, would fail every request; ``Linear`` fails to build)."""
+    found = [attr for name in dir(source) if isinstance(attr := getattr(source, name), type)
+             and issubclass(attr, torch.nn.Module) and attr is not torch.nn.Module]
+    own = [cls for cls in found if cls.__module__ == source.__name__]
+    return (own or found or [None])[0]
+
+
 def load(torch: Any, path: Path, model: str, config: dict[str, Any], device: Any) -> Any:
     """The module to run: TorchScript for a ``.pt`` file; otherwise the file's first
     ``nn.Module`` subclass, built, given the ``state_dict`` of the ``.pt`` beside it if any, in
@@ -115,8 +126,7 @@ def load(torch: Any, path: Path, model: str, config: dict[str, Any], device: Any
         raise ModelLoadError(f"cannot import '{path}'")
     source = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(source)
-    cls = next((attr for name in dir(source) if isinstance(attr := getattr(source, name), type)
-                and issubclass(attr, torch.nn.Module)), None)
+    cls = module_class(torch, source)
     if cls is None:
         raise ModelLoadError("Cannot find a subclass of torch.nn.Module")
     module = cls()
