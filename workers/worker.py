@@ -671,13 +671,15 @@ class Worker:
                 self._count_late(kept, False)
 
     def _fail_late(self, message: str) -> None:
-        """The worker stops: answer what the models finished, and fail the rest with ``message``."""
+        """The worker stops: answer what the models finished, and fail the rest with ``message``:
+        a 500, as they ran (a 503 is retried by clients and balancers, and a stream may have had
+        responses already)."""
         self._answer_late()
         for kept in self.late.take(lambda k: True):
             if kept.sender is not None:
-                kept.sender.fail(503, message)
+                kept.sender.fail(500, message)
             else:
-                self._answer_error(kept.entry, 503, message)
+                self._answer_error(kept.entry, 500, message)
                 self._count_late(kept, False)
         self._flush_counts()
 
@@ -778,7 +780,7 @@ class Worker:
                 self.instance.finalize()  # (a model's finalize may join the threads that still send)
             if self.late:
                 self._fail_late(f"model instance '{self.instance_name}' stopped before its model sent the "
-                                f"request's final response; retry")
+                                f"request's final response")
             if self.model_state is not None:
                 self.model_state.finalize()
             if self.backend is not None:

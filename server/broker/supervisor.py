@@ -172,7 +172,9 @@ class Supervisor:
                 gone = self.gone.get(num)
                 if gone is not None:
                     _, stats, status, msg, ran = gone
-                    self.clients.reply(client, slot, status, {"error": ran if client.seg.taken(slot) else msg})
+                    if client.seg.taken(slot):  # it ran: a 500, not a 503 that clients and balancers retry
+                        status, msg = 500, ran
+                    self.clients.reply(client, slot, status, {"error": msg})
                     stats.fail("BACKEND" if status == 500 else "OTHER", 1)
                     failed[num] = failed.get(num, 0) + 1
         return failed
