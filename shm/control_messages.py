@@ -214,7 +214,7 @@ class RollBackCanary(ControlMessage):
 @dataclasses.dataclass(frozen=True)
 class EdgeReport(ControlMessage):
     """A frontend's network edge as it stands (server/edge/edge_counts.py): its open connections,
-    and what its limits refused or cut since it started, by reason. Sent each second it changed;
+    and what its limits refused or cut since it started, by reason. Sent on its tick when changed;
     the broker serves it as metrics, and takes it from the server's own user only."""
 
     OP: ClassVar[str] = "edge_report"

@@ -41,7 +41,8 @@ def test_a_server_with_a_stuck_model_exits_within_its_exit_timeout(server_factor
     s.proc.send_signal(signal.SIGTERM)
     assert s.wait_exit(60) == 0, s.log_tail()
     took = time.monotonic() - start
-    assert took < 2 + 3.5, f"the server took {took:.1f} s to stop with --exit-timeout-secs 2\n{s.log_tail()}"
+    # the flag, the workers' least grace (1 s) and what a loaded host adds; the old 5 s grace took over 8 s
+    assert took < 2 + 1 + 3.5, f"the server took {took:.1f} s to stop with --exit-timeout-secs 2\n{s.log_tail()}"
     assert not pid_alive(worker), "the stuck worker outlived its server"
     with pytest.raises(Exception):  # its connection ended, or a 503 naming the server that went away
         sent.get_result()

@@ -20,6 +20,7 @@ import argparse
 import collections
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import signal
 import tempfile
@@ -258,14 +259,16 @@ def main() -> int:
         (grpc_add_sub, grpc_url), (grpc_stream, grpc_url), (local_add_sub, server.id),
         (shm_regions, server.url), (bls, server.url), (sequences, server.url)]
     procs = [ctx.Process(target=target, args=(where, stop, results)) for target, where in clients]
-    for proc in procs:
-        proc.start()
-    time.sleep(10)  # warm-up: every client connected, arenas touched
-    titles = lasting(server.proc.pid)  # captured now: after the stop the processes are gone
-    rss_start = {pid: rss_bytes([pid]) for pid in titles}
-    started = time.monotonic()
-    next_reload, next_kill, version, reloads, kills = args.reload_every, args.kill_every, 1, 0, 0
-    try:
+    reports: list[dict] = []
+    reloads = kills = 0
+    try:  # whatever happens here, the clients and the server are stopped
+        for proc in procs:
+            proc.start()
+        time.sleep(10)  # warm-up: every client connected, arenas touched
+        titles = lasting(server.proc.pid)  # captured now: after the stop the processes are gone
+        rss_start = {pid: rss_bytes([pid]) for pid in titles}
+        started = time.monotonic()
+        next_reload, next_kill, version = args.reload_every, args.kill_every, 1
         while (elapsed := time.monotonic() - started) < args.seconds:
             if elapsed >= next_reload:
                 next_reload += args.reload_every
@@ -284,14 +287,23 @@ def main() -> int:
         rss_end = {pid: rss_bytes([pid]) for pid in titles}
     finally:
         stop.set()
-        reports = [results.get(timeout=120) for _ in procs]
-        for proc in procs:
-            proc.join(30)
-        code = server.stop()
+        try:
+            for _ in procs:  # (a client that died sends none: counted as a failure below)
+                reports.append(results.get(timeout=120))
+        except queue.Empty:
+            pass
+        finally:
+            for proc in procs:
+                proc.join(30)
+                if proc.is_alive():
+                    proc.kill()
+            code = server.stop()
     left = server.shm_objects()
-    unexpected = 0
+    unexpected = len(procs) - len(reports)
     print(f"soak: {args.seconds:.0f} s, {reloads} reloads (atomic rename), {kills} worker kills, "
           f"server exit code {code}")
+    if unexpected:
+        print(f"  {unexpected} client process(es) ended without a report")
     kinds: dict[str, dict] = {}
     for r in reports:
         k = kinds.setdefault(r["kind"], {"ok": 0, "failed": collections.Counter(), "lat": []})

@@ -6,7 +6,7 @@ minute per reason; the counts are exact.
 The frontend reports them to the broker on its tick when they changed, and every
 ``RESEND_S`` regardless, so that a broker restarted after a crash has them again (``EdgeReport``,
 shm/control_messages.py); the broker serves them on its metrics port
-(server/broker/edge_reports.py). One control message a second at most, off the request path.
+(server/broker/edge_reports.py). One control message a tick (0.5 s) at most, off the request path.
 """
 from __future__ import annotations
 
