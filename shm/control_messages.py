@@ -220,7 +220,7 @@ class EdgeReport(ControlMessage):
     OP: ClassVar[str] = "edge_report"
     protocol: str
     connections: int = 0
-    refusals: dict[str, Any] = dataclasses.field(default_factory=dict)
+    refusals: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> count
 
 
 MESSAGES: dict[str, type[ControlMessage]] = {cls.OP: cls for cls in (
@@ -241,6 +241,8 @@ _KINDS: dict[str, tuple[Any, str]] = {
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "dict[str, Any]": (lambda v: isinstance(v, dict), "a JSON object"),
     "dict[str, Any] | None": (lambda v: v is None or isinstance(v, dict), "a JSON object"),
+    "dict[str, int]": (lambda v: isinstance(v, dict) and all(_is_int(n) and n >= 0 for n in v.values()),
+                       "a JSON object of non-negative integers"),
     "NetworkCaller | None": (lambda v: v is None or (isinstance(v, dict) and set(v) <= {"uid", "admin"} and (
         v.get("uid") is None or _is_int(v["uid"])) and isinstance(v.get("admin", False), bool)),
         "a caller (uid, admin)"),

@@ -19,7 +19,7 @@ EVERY_KIND = [
     control.UnregisterCudaRegion("c"), control.CudaRegionStatus(),
     control.LogSettings({"log_verbose_level": 1}), control.TraceSettings("m", {"trace_rate": "2"}),
     control.CanaryStatus("m"), control.SetCanary("m", {"fraction": 0.5}), control.PromoteCanary("m", "ok"),
-    control.RollBackCanary("m"),
+    control.RollBackCanary("m"), control.EdgeReport("http", 3, {"head-timeout": 2, "send-timeout": 1}),
 ]
 
 
@@ -36,6 +36,10 @@ def test_every_message_is_listed_and_comes_back_as_it_was_sent():
     ({"op": "model_ready", "model": 5}, "model_ready: 'model' must be a string"),
     ({"op": "repository_index", "ready": 1}, "repository_index: 'ready' must be true or false"),
     ({"op": "shm_register", "name": "r", "key": "/k", "byte_size": -1}, "'byte_size' must be a non-negative integer"),
+    ({"op": "edge_report", "protocol": "http", "refusals": {"head": -1}},
+     "edge_report: 'refusals' must be a JSON object of non-negative integers"),
+    ({"op": "edge_report", "protocol": "http", "refusals": {"head": True}},
+     "edge_report: 'refusals' must be a JSON object of non-negative integers"),
     ({"op": "shm_register", "name": "r", "key": "/k", "byte_size": True}, "'byte_size' must be a non-negative"),
     ({"op": "shm_register", "name": "r", "key": "/k", "byte_size": 8, "caller": {"uid": "root"}},
      "'caller' must be a caller (uid, admin)"),
