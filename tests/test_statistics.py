@@ -330,7 +330,20 @@ def test_custom_metrics_of_two_instances_read_as_one(module_factory):
     checks = json.loads(results[-1])
     assert all(checks[k] for k in ("negative_counter", "set_counter", "histogram_without_buckets",
                                    "reserved_name", "other_kind")), checks
-    assert "non-negative" in checks["negative_counter"] and "nv_mine" in checks["reserved_name"]
+    assert "nv_mine" in checks["reserved_name"]
+    # Triton 2.51's texts, less the stub's "Failed to process the request for model '<instance>', message: "
+    kinds = "TRITONSERVER_METRIC_KIND_"
+    assert checks["negative_counter"] == f"Failed to increment metric value: {kinds}COUNTER can only be " \
+        "incremented monotonically by non-negative values."
+    assert checks["set_counter"] == f"Failed to set metric value: {kinds}COUNTER does not support Set"
+    assert checks["observe_gauge"] == f"Failed to observe metric value: {kinds}GAUGE does not support Observe"
+    assert checks["increment_histogram"] == f"Failed to increment metric value: {kinds}HISTOGRAM does not support Increment"
+    assert checks["value_histogram"] == f"Failed to get metric value: {kinds}HISTOGRAM does not support Value"
+    assert checks["histogram_without_buckets"] == "Failed to create metric. Missing required buckets."
+    assert checks["buckets_gauge"] == "Failed to create metric. Unexpected buckets found."
+    assert checks["labels_list"] == "Failed to create metric. Labels must be a dictionary."
+    assert checks["buckets_str"] == "Failed to create metric. Buckets must be a list."
+    assert checks["buckets_unsorted"] == "Error when creating Metric: Bucket Boundaries must be strictly sorted"
     assert checks["counter_value"] is True
     text = scrape(s)
     assert sample(text, "metered_requests", model="metered") == 4

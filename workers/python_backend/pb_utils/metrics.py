@@ -38,25 +38,59 @@ class MetricFamily:
         return Metric(self, labels, buckets)
 
 
+# Triton's words for a misuse (python_backend metric_family.cc, core metric.cc; r24.10), less the
+# "Failed to process the request for model '<instance>', message: " its stub puts before the core's.
+_KIND_NAMES = {MetricKind.COUNTER: "TRITONSERVER_METRIC_KIND_COUNTER",
+               MetricKind.GAUGE: "TRITONSERVER_METRIC_KIND_GAUGE",
+               MetricKind.HISTOGRAM: "TRITONSERVER_METRIC_KIND_HISTOGRAM"}
+_OPS = {"increment": ("increment", "Increment"), "set": ("set", "Set"), "observe": ("observe", "Observe"),
+        "value": ("get", "Value")}
+
+
+def _checked_buckets(kind: int, buckets: object) -> Optional[list[float]]:
+    """The buckets a metric of ``kind`` may have, in Triton's order of checks."""
+    if buckets is None:
+        if kind == MetricKind.HISTOGRAM:
+            raise TritonModelException("Failed to create metric. Missing required buckets.")
+        return None
+    if not isinstance(buckets, (list, tuple)):  # (Triton takes only a list; a tuple means the same)
+        raise TritonModelException("Failed to create metric. Buckets must be a list.")
+    if kind != MetricKind.HISTOGRAM:
+        raise TritonModelException("Failed to create metric. Unexpected buckets found.")
+    bounds = list(buckets)
+    if any(not isinstance(b, (int, float)) or isinstance(b, bool) for b in bounds):
+        raise TypeError("Metric(): buckets must be numbers")
+    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise TritonModelException("Error when creating Metric: Bucket Boundaries must be strictly sorted")
+    return bounds
+
+
 class Metric:
     """One labelled metric of a family: ``increment`` (counter, gauge), ``set`` (gauge),
     ``observe`` (histogram), ``value`` (counter, gauge)."""
 
     def __init__(self, family: MetricFamily, labels: Optional[Mapping[str, str]] = None,
                  buckets: Optional[Sequence[float]] = None) -> None:
+        if labels is not None and not isinstance(labels, dict):
+            raise TritonModelException("Failed to create metric. Labels must be a dictionary.")
+        kind = family._family.kind
+        bounds = _checked_buckets(kind, buckets)
         try:
-            self._cell = custom_metrics.REGISTRY.cell(family._family, dict(labels) if labels is not None else None,
-                                                      list(buckets) if buckets is not None else None)
+            self._cell = custom_metrics.REGISTRY.cell(family._family, labels, bounds)
         except custom_metrics.MetricError as e:
             raise TritonModelException(str(e)) from None
-        self._kind = family._family.kind
+        self._kind = kind
+
+    def _refused(self, op: str, what: str) -> TritonModelException:
+        verb = _OPS[op][0]
+        return TritonModelException(f"Failed to {verb} metric value: {_KIND_NAMES[self._kind]} {what}")
 
     def _update(self, op: str, value: float, kinds: tuple[int, ...]) -> None:
         if self._kind not in kinds:
-            raise TritonModelException(f"{op}() is not supported by a {custom_metrics.KINDS[self._kind]} metric")
+            raise self._refused(op, f"does not support {_OPS[op][1]}")
         if op == "increment" and self._kind == MetricFamily.COUNTER and isinstance(value, (int, float)) \
                 and value < 0:
-            raise TritonModelException("a counter can only be incremented by a non-negative value")
+            raise self._refused(op, "can only be incremented monotonically by non-negative values.")
         try:
             custom_metrics.REGISTRY.update(self._cell, op, value)
         except custom_metrics.MetricError as e:
@@ -73,5 +107,5 @@ class Metric:
 
     def value(self) -> float:
         if self._kind == MetricFamily.HISTOGRAM:
-            raise TritonModelException("value() is not supported by a histogram metric")
+            raise self._refused("value", "does not support Value")
         return self._cell.value

@@ -22,12 +22,12 @@ class TritonPythonModel:
         # Triton 2.51's kinds are MetricFamily.COUNTER, .GAUGE and .HISTOGRAM (pb_utils has no others).
         self.requests = pb_utils.MetricFamily("metered_requests", "Requests seen", pb_utils.MetricFamily.COUNTER
                                               ).Metric(labels=labels)
-        gauges = pb_utils.MetricFamily("metered_value", "Values", pb_utils.MetricFamily.GAUGE)
+        self.gauges = gauges = pb_utils.MetricFamily("metered_value", "Values", pb_utils.MetricFamily.GAUGE)
         self.last = gauges.Metric(labels={**labels, "kind": "last"})
         self.added = gauges.Metric(labels={**labels, "kind": "added"})
         self.quiet = pb_utils.MetricFamily("metered_quiet", "", pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
-        self.hist = pb_utils.MetricFamily("metered_x", "Distribution of X", pb_utils.MetricFamily.HISTOGRAM
-                                          ).Metric(labels=labels, buckets=[1, 10, 100])
+        self.hists = pb_utils.MetricFamily("metered_x", "Distribution of X", pb_utils.MetricFamily.HISTOGRAM)
+        self.hist = self.hists.Metric(labels=labels, buckets=[1, 10, 100])
 
     def execute(self, requests):
         responses = []
@@ -45,6 +45,14 @@ class TritonPythonModel:
                 "reserved_name": refused(lambda: pb_utils.MetricFamily("nv_mine", "", pb_utils.MetricFamily.GAUGE)),
                 "other_kind": refused(lambda: pb_utils.MetricFamily("metered_requests", "", pb_utils.MetricFamily.GAUGE)),
                 "counter_value": self.requests.value() > 0,
+                # Triton's texts (python_backend metric_family.cc, core's metric.cc), r24.10
+                "labels_list": refused(lambda: self.gauges.Metric(labels=["kind"])),
+                "buckets_str": refused(lambda: self.hists.Metric(buckets="1,2")),
+                "buckets_unsorted": refused(lambda: self.hists.Metric(labels={"b": "u"}, buckets=[10, 1])),
+                "buckets_gauge": refused(lambda: self.gauges.Metric(labels={"kind": "b"}, buckets=[1])),
+                "observe_gauge": refused(lambda: self.last.observe(1)),
+                "increment_histogram": refused(lambda: self.hist.increment(1)),
+                "value_histogram": refused(lambda: self.hist.value()),
             }
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("CHECKS", np.array([json.dumps(checks).encode()], dtype=object))]))
