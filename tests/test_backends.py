@@ -854,3 +854,18 @@ def test_the_pytorch_2_runtime_builds_the_module_model_py_defines_not_one_it_imp
         assert out.as_numpy("Y").tolist() == [2.0, 4.0]
     finally:
         client.close()
+
+
+def test_deserialize_bytes_tensor_of_a_truncated_buffer_raises_struct_error():
+    """Triton's deserialize_bytes_tensor unpacks with ``struct``, so a truncated buffer raises
+    ``struct.error`` there, which a model may catch; ours raises an error that is both that and the
+    ValueError it raised before."""
+    import struct
+
+    from shmserve.workers.python_backend import pb_utils
+
+    for cut in (b"\x05\x00\x00\x00ab", b"\x02\x00"):
+        with pytest.raises(struct.error) as caught:
+            pb_utils.deserialize_bytes_tensor(cut)
+        assert isinstance(caught.value, ValueError)
+    assert pb_utils.deserialize_bytes_tensor(b"\x02\x00\x00\x00ab").tolist() == [b"ab"]

@@ -122,6 +122,11 @@ def serialize_byte_tensor(input_tensor: np.ndarray) -> Optional[bytes]:
     return b"".join(parts)
 
 
+class TruncatedBytesTensor(struct.error, ValueError):
+    """A BYTES buffer that ends inside an element: ``struct.error`` as Triton's ``struct``-based
+    decoder raises it (a model may catch that), and the ValueError it is."""
+
+
 def deserialize_bytes_tensor(encoded_tensor: Any) -> np.ndarray:
     """Inverse of serialize_byte_tensor: length-prefixed buffer (bytes,
     bytearray, memoryview or uint8 array) -> 1-D object array of bytes."""
@@ -132,12 +137,12 @@ def deserialize_bytes_tensor(encoded_tensor: Any) -> np.ndarray:
     offset = 0
     while offset < total:
         if offset + 4 > total:
-            raise ValueError("truncated BYTES tensor: incomplete length prefix")
+            raise TruncatedBytesTensor("truncated BYTES tensor: incomplete length prefix")
         (n,) = unpack(mv, offset)
         offset += 4
         end = offset + n
         if end > total:
-            raise ValueError("truncated BYTES tensor: element exceeds buffer")
+            raise TruncatedBytesTensor("truncated BYTES tensor: element exceeds buffer")
         out.append(mv[offset:end].tobytes())
         offset = end
     arr = np.empty(len(out), dtype=np.object_)
