@@ -344,6 +344,8 @@ def test_custom_metrics_of_two_instances_read_as_one(module_factory):
     assert checks["labels_list"] == "Failed to create metric. Labels must be a dictionary."
     assert checks["buckets_str"] == "Failed to create metric. Buckets must be a list."
     assert checks["buckets_unsorted"] == "Error when creating Metric: Bucket Boundaries must be strictly sorted"
+    assert checks["numpy_values"] == [2.5, True]  # numpy scalars, a one-element array, a bool: as float() takes them
+    assert checks["str_value"] == checks["none_value"] == "TypeError"
     assert checks["counter_value"] is True
     text = scrape(s)
     assert sample(text, "metered_requests", model="metered") == 4

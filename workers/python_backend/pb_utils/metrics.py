@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from typing import Mapping, Optional, Sequence
 
+import numpy as np
+
 from shmserve.workers import custom_metrics
 
 from .errors import TritonModelException
@@ -47,6 +49,20 @@ _OPS = {"increment": ("increment", "Increment"), "set": ("set", "Set"), "observe
         "value": ("get", "Value")}
 
 
+def _as_float(value: object, what: str) -> float:
+    """A value as Triton's binding takes a C++ double: whatever ``float()`` converts without parsing
+    text (numpy scalars, bools, ints, and a one-element array, as Triton's container's numpy 1
+    converts it); anything else is pybind's TypeError."""
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.item()
+    if not isinstance(value, (str, bytes, bytearray)):
+        try:
+            return float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"{what}: incompatible function arguments: a float is required, got {type(value).__name__}")
+
+
 def _checked_buckets(kind: int, buckets: object) -> Optional[list[float]]:
     """The buckets a metric of ``kind`` may have, in Triton's order of checks."""
     if buckets is None:
@@ -57,9 +73,7 @@ def _checked_buckets(kind: int, buckets: object) -> Optional[list[float]]:
         raise TritonModelException("Failed to create metric. Buckets must be a list.")
     if kind != MetricKind.HISTOGRAM:
         raise TritonModelException("Failed to create metric. Unexpected buckets found.")
-    bounds = list(buckets)
-    if any(not isinstance(b, (int, float)) or isinstance(b, bool) for b in bounds):
-        raise TypeError("Metric(): buckets must be numbers")
+    bounds = [_as_float(b, "Metric()") for b in buckets]
     if any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise TritonModelException("Error when creating Metric: Bucket Boundaries must be strictly sorted")
     return bounds
@@ -86,10 +100,10 @@ class Metric:
         return TritonModelException(f"Failed to {verb} metric value: {_KIND_NAMES[self._kind]} {what}")
 
     def _update(self, op: str, value: float, kinds: tuple[int, ...]) -> None:
+        value = _as_float(value, f"{op}()")
         if self._kind not in kinds:
             raise self._refused(op, f"does not support {_OPS[op][1]}")
-        if op == "increment" and self._kind == MetricFamily.COUNTER and isinstance(value, (int, float)) \
-                and value < 0:
+        if op == "increment" and self._kind == MetricFamily.COUNTER and value < 0:
             raise self._refused(op, "can only be incremented monotonically by non-negative values.")
         try:
             custom_metrics.REGISTRY.update(self._cell, op, value)

@@ -12,6 +12,23 @@ def refused(call):
     return None
 
 
+def raised(call):
+    try:
+        call()
+    except Exception as e:
+        return type(e).__name__
+    return None
+
+
+def numpy_values(gauge, counter, hist):
+    """Values as a model computes them with numpy (Triton's binding takes whatever float() takes)."""
+    gauge.set(np.array([2.5], np.float32))
+    counter.increment(np.int64(1))
+    counter.increment(True)
+    hist.observe(np.float32(5))
+    return gauge.value(), counter.value() >= 2
+
+
 class TritonPythonModel:
     """Custom metrics as Triton's docs show them, in two instances: per request a counter, a
     gauge set to X, a gauge only incremented by X and a histogram of X. CHECKS reports that
@@ -20,8 +37,8 @@ class TritonPythonModel:
     def initialize(self, args):
         labels = {"model": args["model_name"]}
         # Triton 2.51's kinds are MetricFamily.COUNTER, .GAUGE and .HISTOGRAM (pb_utils has no others).
-        self.requests = pb_utils.MetricFamily("metered_requests", "Requests seen", pb_utils.MetricFamily.COUNTER
-                                              ).Metric(labels=labels)
+        self.fr = pb_utils.MetricFamily("metered_requests", "Requests seen", pb_utils.MetricFamily.COUNTER)
+        self.requests = self.fr.Metric(labels=labels)
         self.gauges = gauges = pb_utils.MetricFamily("metered_value", "Values", pb_utils.MetricFamily.GAUGE)
         self.last = gauges.Metric(labels={**labels, "kind": "last"})
         self.added = gauges.Metric(labels={**labels, "kind": "added"})
@@ -53,6 +70,11 @@ class TritonPythonModel:
                 "observe_gauge": refused(lambda: self.last.observe(1)),
                 "increment_histogram": refused(lambda: self.hist.increment(1)),
                 "value_histogram": refused(lambda: self.hist.value()),
+                "numpy_values": numpy_values(self.gauges.Metric(labels={"kind": "numpy"}),
+                                             self.fr.Metric(labels={"kind": "numpy"}),
+                                             self.hists.Metric(labels={"b": "numpy"}, buckets=[np.float32(1), np.int64(10)])),
+                "str_value": raised(lambda: self.last.set("1.5")),
+                "none_value": raised(lambda: self.last.set(None)),
             }
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("CHECKS", np.array([json.dumps(checks).encode()], dtype=object))]))
