@@ -230,8 +230,9 @@ def guard_mapping(mm: mmap.mmap, fd: int, size: int, shared: bool = True, restor
     fault or by ``restore``; at a fault the whole mapping is replaced by zero pages instead
     (``MappingGuard.zeroed``), for an object only its client's own requests use (a region, the
     client's segment): grown back page by page, a copy racing a truncation in a loop took a fault
-    per page, each waiting on the truncating process."""
-    if _lib is None or not (always or others_may_write(fd)):
+    per page, each waiting on the truncating process. Such an object is guarded whoever may write
+    it: a client of the server's own user truncating its segment killed the broker too."""
+    if _lib is None or not (always or zero or others_may_write(fd)):
         return MappingGuard()
     start = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
     flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE

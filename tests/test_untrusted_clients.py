@@ -435,3 +435,55 @@ def test_a_control_message_no_sender_builds_is_a_400_and_the_client_goes_on(serv
         assert e.value.status == 400 and f"malformed control request: {refusal}" in e.value.message, e.value
         assert client.is_model_ready("add_sub")
         assert client.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()
+
+
+# A client of the server's own user holds a request in ``held`` at the gate, then truncates its own
+# segment to nothing and waits (it would die of SIGBUS itself at its next touch: it touches nothing).
+TRUNCATE_OWN = r"""
+import os, sys
+import numpy as np
+from shmserve.shm.client import Client
+c = Client(sys.argv[1])
+held = c.infer_async("held", {"X": np.array([7], np.int32)}, request_id="cut", parameters={"gate": sys.argv[2]})
+sys.stdin.readline()
+fd = os.open("/dev/shm" + c._conn.name, os.O_RDWR)
+os.ftruncate(fd, 0)
+print("cut", flush=True)
+sys.stdin.readline()
+os._exit(0)
+"""
+
+
+def test_a_client_of_the_servers_user_truncating_its_segment_kills_no_server_process(server, tmp_path):
+    """The server's own user's client segment was not guarded (only objects another user may write
+    were): a client that truncated it while its request ran killed the worker that then wrote its
+    answer, and the broker that next read its ring, with SIGBUS. Its segment is guarded as another
+    user's is (shm/truncation_guard.py): the client is disconnected and every process lives on."""
+    processes = server_processes(server)
+    gate = Gate(tmp_path / "gate")
+    traffic = Traffic(server.id)
+    proc = subprocess.Popen([PYTHON, "-c", TRUNCATE_OWN, server.id, gate.param], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        gate.wait_started(1)
+        traffic.wait_more(3)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "cut", proc.stderr.read() if proc.poll() is not None else ""
+        gate.open()  # the worker answers into the truncated segment
+        wait_until(lambda: f"(pid {proc.pid}), which wrote garbage" in server.log() or
+                   "it truncated its segment" in server.log(), "the truncating client is disconnected")
+        traffic.wait_more(5)
+    finally:
+        gate.open()
+        traffic.stop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(DEADLINE_S)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            f.close()  # type: ignore[union-attr]
+    assert traffic.failures == [], traffic.failures[:3]
+    assert server_processes(server) == processes, "a server process died or was restarted"
+    with Client(server.id) as fresh:
+        assert fresh.infer("add_sub", {"INPUT0": A, "INPUT1": B})["OUTPUT0"].tolist() == (A + B).tolist()

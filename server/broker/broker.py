@@ -271,7 +271,7 @@ class Broker:
         self._drop_client(client, died=True, owner_alive=True)
 
     def _refuse_truncating_clients(self) -> None:
-        """Clients of other users that truncated their own segment: the broker's and workers'
+        """Clients (of any user) that truncated their own segment: the broker's and workers'
         mappings of it are zeroed rather than grown back (shm/truncation_guard.py), so nothing
         written there reaches the client any more, whose requests would hang."""
         for client in list(self.clients.by_name.values()):
