@@ -36,7 +36,7 @@ from .control_messages import ControlMessage
 from .copying import copy_into
 from .descriptor import InferRequest, stamp_sent
 from .liveness import BROKER_TICKET, Tickets, process_ticket
-from .names import check_server_id, object_name
+from .names import SHM_DIR, check_server_id, object_name
 from .protocol import RECORD, REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER, REQ_POLLING, STREAM_CAPACITY, \
     manifest_room, write_manifest
 from .ring import Ring
@@ -137,6 +137,7 @@ class Connection:
             self.broker.close()
             raise ServerUnavailable(f"the shmserve server with id '{server_id}' is not running (stale objects)")
         self.name, self.seg = self._create_segment(arena_bytes, slots, loop_driven)
+        self._seg_inode = os.stat(SHM_DIR + self.name).st_ino
         self.arena = self.seg.arena
         assert self.arena is not None
         self._cond = threading.Condition()  # guards _leading (see "waiting" below)
@@ -480,6 +481,12 @@ class Connection:
             self._server_gone(f"the shmserve server '{self.server_id}' disconnected this client: it found "
                               f"garbage in the client's shared memory (the server's log says what)")
             return False
+        if self.alive and not self._segment_named():
+            # (the broker unlinks a client it disconnects; one whose segment was truncated never
+            # sees the refusal written into it, nor any answer: it waited for good)
+            self._server_gone(f"the shmserve server '{self.server_id}' disconnected this client, or another "
+                              f"process removed its shared memory: its segment {self.name} is gone")
+            return False
         if self.alive and self._broker_alive() and self.broker.started_ns == self._broker_started():
             self._slots.forget_gone_producers()  # once a second or so, with the other checks
             restore_guarded()  # a page replaced for want of room is the object's again (truncation_guard.py)
@@ -488,6 +495,13 @@ class Connection:
         if self.alive:
             self._server_gone()
         return False
+
+    def _segment_named(self) -> bool:
+        """Whether our segment's name still names it."""
+        try:
+            return os.stat(SHM_DIR + self.name).st_ino == self._seg_inode
+        except OSError:
+            return False
 
     def _put_lost_again(self) -> None:
         """Put again the lane record of each direct request that its worker has not taken, at two
