@@ -35,7 +35,7 @@ from .completion import Callback
 from .control_messages import ControlMessage
 from .copying import copy_into
 from .descriptor import InferRequest, stamp_sent
-from .liveness import BROKER_TICKET, Tickets, process_ticket
+from .liveness import BROKER_TICKET, NoTicket, Tickets, process_ticket
 from .names import SHM_DIR, check_server_id, object_name
 from .protocol import RECORD, REQ_BYE, REQ_CANCEL, REQ_CONTROL, REQ_INFER, REQ_POLLING, STREAM_CAPACITY, \
     manifest_room, write_manifest
@@ -133,6 +133,10 @@ class Connection:
         except OSError:
             self.broker.close()
             raise NoServer(f"no shmserve server with id '{server_id}' is running on this host") from None
+        except NoTicket as e:  # (a process of a user that may write broker.0 locked its free bytes)
+            self.broker.close()
+            raise ServerUnavailable(f"the shmserve server '{server_id}' could not be connected to: no liveness "
+                                    f"ticket could be taken ({e})") from None
         if not self._broker_alive():
             self.broker.close()
             raise ServerUnavailable(f"the shmserve server with id '{server_id}' is not running (stale objects)")

@@ -27,6 +27,14 @@ from .names import ID_RE, PREFIX, SHM_DIR, object_name
 
 BROKER_TICKET = 0
 MAX_TICKET = (1 << 31) - 1
+# Random tickets tried before giving up: live clients hold a few thousand of 2**31 at most, so
+# only a process that locked every free byte (any user who may open the file for writing may)
+# makes them all fail; a client then gets an error rather than spin for ever.
+TAKE_TRIES = 64
+
+
+class NoTicket(RuntimeError):
+    """No free ticket was found: another process holds the locks of every byte tried."""
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock: type, whence, start, len, pid (0 for OFD locks)
 
 
@@ -64,11 +72,14 @@ class Tickets:
         return True
 
     def take(self) -> int:
-        """A free ticket, held from now on (a random one: unguessable is not needed, only unique)."""
-        while True:
+        """A free ticket, held from now on (a random one: unguessable is not needed, only unique).
+        Raises NoTicket after ``TAKE_TRIES`` held ones."""
+        for _ in range(TAKE_TRIES):
             ticket = 1 + secrets.randbelow(MAX_TICKET)
             if self.hold(ticket):
                 return ticket
+        raise NoTicket(f"{TAKE_TRIES} random tickets of {self.path} were all held: a process that may write "
+                       f"that file holds locks on its free bytes")
 
     def held(self, ticket: int) -> bool:
         """Whether a live process holds ``ticket`` (this one included)."""
@@ -128,15 +139,21 @@ _mine_lock = threading.Lock()
 
 def process_ticket(server_id: str) -> tuple[Tickets, int]:
     """This process's ticket with the server ``server_id`` (taken on first use, or anew once the
-    broker's file was replaced by a restarted broker). Raises OSError if there is no broker file."""
+    broker's file was replaced by a restarted broker). Raises OSError if there is no broker file,
+    NoTicket if no ticket could be had."""
     with _mine_lock:
         got = _mine.get(server_id)
         if got is not None and got[0].current():
             return got
         tickets = Tickets(broker_path(server_id))
+        try:
+            ticket = tickets.take()
+        except NoTicket:
+            tickets.close()
+            raise
         if got is not None:
             got[0].close()  # the old broker's file: our lock there means nothing any more
-        got = _mine[server_id] = (tickets, tickets.take())
+        got = _mine[server_id] = (tickets, ticket)
         return got
 
 

@@ -1450,3 +1450,55 @@ def test_the_edge_metrics_are_the_server_users_word_only(users_server):
         own._control(EdgeReport("http", 0, {'bad"} 1\nfake_metric': 1}))
     assert refused.value.status == 400 and "a reason must be" in refused.value.message
     assert edge_refusals(users_server) == {} and http_connections(users_server) < 1000
+
+
+# Holds a lock on every byte of broker.0's file that no live process holds (the tickets, shm/liveness.py),
+# found with F_OFD_GETLK, until it is told to stop.
+TICKET_LOCKER = r"""
+import fcntl, struct
+F = struct.Struct("@hhqqi4x")
+fd = os.open(f"/dev/shm/shmserve.{args['server']}.broker.0", os.O_RDWR)
+start, end_all, ranges = 1, 1 << 31, 0
+while start < end_all:
+    kind, _, at, length, _ = F.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK,
+                                                  F.pack(fcntl.F_WRLCK, 0, start, end_all - start, 0)))
+    free_to = end_all if kind == fcntl.F_UNLCK else at
+    if free_to > start:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, F.pack(fcntl.F_WRLCK, 0, start, free_to - start, 0))
+        ranges += 1
+    start = end_all if kind == fcntl.F_UNLCK else at + length
+print("LOCKED %d" % ranges, flush=True)
+sys.stdin.readline()
+"""
+
+CONNECT_ONCE = r"""
+import sys
+from shmserve.shm.client import Client, ServerUnavailable
+try:
+    Client(sys.argv[1]).close()
+    print("connected")
+except ServerUnavailable as e:
+    print("refused: " + str(e))
+"""
+
+
+def test_a_named_user_locking_every_free_ticket_gets_no_client_stuck(users_server):
+    """A named user may open broker.0 for writing (its clients take their tickets there), so it may
+    also lock every byte no live client holds: a client that connected next tried random tickets
+    for ever, spinning, whoever its user (the server's own too). It tries a bounded number and is
+    refused with an error saying why; once the locks go, clients connect again."""
+    import subprocess
+    import sys
+
+    proc = start_as(NOBODY.pw_uid, NOBODY.pw_gid, TICKET_LOCKER, {"server": users_server.id})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("LOCKED"), proc.stderr.read()
+        started = time.monotonic()
+        got = subprocess.run([sys.executable, "-c", CONNECT_ONCE, users_server.id], capture_output=True, text=True,
+                             timeout=30)
+        assert "refused: " in got.stdout and "no liveness ticket could be taken" in got.stdout, (got.stdout, got.stderr)
+        assert time.monotonic() - started < 20
+    finally:
+        stop(proc)
+    with Client(users_server.id) as client:  # the locks went with their process
+        assert client.is_server_ready()
