@@ -485,13 +485,13 @@ class Connection:
             self._server_gone(f"the shmserve server '{self.server_id}' disconnected this client: it found "
                               f"garbage in the client's shared memory (the server's log says what)")
             return False
-        if self.alive and not self._segment_named():
-            # (the broker unlinks a client it disconnects; one whose segment was truncated never
-            # sees the refusal written into it, nor any answer: it waited for good)
-            self._server_gone(f"the shmserve server '{self.server_id}' disconnected this client, or another "
-                              f"process removed its shared memory: its segment {self.name} is gone")
-            return False
         if self.alive and self._broker_alive() and self.broker.started_ns == self._broker_started():
+            if not self._segment_named():
+                # (the broker unlinks a client it disconnects; one whose segment was truncated never
+                # sees the refusal written into it, nor any answer: it waited for good)
+                self._server_gone(f"the shmserve server '{self.server_id}' disconnected this client, or another "
+                                  f"process removed its shared memory: its segment {self.name} is gone")
+                return False
             self._slots.forget_gone_producers()  # once a second or so, with the other checks
             restore_guarded()  # a page replaced for want of room is the object's again (truncation_guard.py)
             self._put_lost_again()
