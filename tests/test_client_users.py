@@ -1455,20 +1455,29 @@ def test_the_edge_metrics_are_the_server_users_word_only(users_server):
 # Holds a lock on every byte of broker.0's file that no live process holds (the tickets, shm/liveness.py),
 # found with F_OFD_GETLK, until it is told to stop.
 TICKET_LOCKER = r"""
-import fcntl, struct
+import fcntl, select, struct
 F = struct.Struct("@hhqqi4x")
 fd = os.open(f"/dev/shm/shmserve.{args['server']}.broker.0", os.O_RDWR)
-start, end_all, ranges = 1, 1 << 31, 0
-while start < end_all:
-    kind, _, at, length, _ = F.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK,
-                                                  F.pack(fcntl.F_WRLCK, 0, start, end_all - start, 0)))
-    free_to = end_all if kind == fcntl.F_UNLCK else at
-    if free_to > start:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, F.pack(fcntl.F_WRLCK, 0, start, free_to - start, 0))
-        ranges += 1
-    start = end_all if kind == fcntl.F_UNLCK else at + length
-print("LOCKED %d" % ranges, flush=True)
-sys.stdin.readline()
+
+
+def lock_gaps():
+    start, end_all = 1, 1 << 31
+    while start < end_all:
+        kind, _, at, length, _ = F.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK,
+                                                      F.pack(fcntl.F_WRLCK, 0, start, end_all - start, 0)))
+        free_to = end_all if kind == fcntl.F_UNLCK else at
+        if free_to > start:
+            try:
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, F.pack(fcntl.F_WRLCK, 0, start, free_to - start, 0))
+            except BlockingIOError:  # a client took a byte there meanwhile: look again
+                continue
+        start = end_all if kind == fcntl.F_UNLCK else at + length
+
+
+lock_gaps()
+print("LOCKED", flush=True)
+while not select.select([sys.stdin], [], [], 0.05)[0]:
+    lock_gaps()  # (and the bytes of clients that died since)
 """
 
 CONNECT_ONCE = r"""
