@@ -1469,7 +1469,7 @@ def lock_gaps():
         if free_to > start:
             try:
                 fcntl.fcntl(fd, fcntl.F_OFD_SETLK, F.pack(fcntl.F_WRLCK, 0, start, free_to - start, 0))
-            except BlockingIOError:  # a client took a byte there meanwhile: look again
+            except (BlockingIOError, PermissionError):  # a client took a byte there meanwhile: look again
                 continue
         start = end_all if kind == fcntl.F_UNLCK else at + length
 
@@ -1502,11 +1502,9 @@ def test_a_named_user_locking_every_free_ticket_gets_no_client_stuck(users_serve
     proc = start_as(NOBODY.pw_uid, NOBODY.pw_gid, TICKET_LOCKER, {"server": users_server.id})
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith("LOCKED"), proc.stderr.read()
-        started = time.monotonic()
         got = subprocess.run([sys.executable, "-c", CONNECT_ONCE, users_server.id], capture_output=True, text=True,
-                             timeout=30)
+                             timeout=DEADLINE_S)  # (it spun for ever)
         assert "refused: " in got.stdout and "no liveness ticket could be taken" in got.stdout, (got.stdout, got.stderr)
-        assert time.monotonic() - started < 20
     finally:
         stop(proc)
     with Client(users_server.id) as client:  # the locks went with their process
