@@ -1460,18 +1460,29 @@ F = struct.Struct("@hhqqi4x")
 fd = os.open(f"/dev/shm/shmserve.{args['server']}.broker.0", os.O_RDWR)
 
 
+def first_held(start, end):
+    # the lowest lock another holds in [start, end): (at, length), or None (F_OFD_GETLK reports
+    # one conflicting lock, not the lowest)
+    found = None
+    while end > start:
+        kind, _, at, length, _ = F.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK, F.pack(fcntl.F_WRLCK, 0, start, end - start, 0)))
+        if kind == fcntl.F_UNLCK:
+            return found
+        found, end = (at, length), at
+    return found
+
+
 def lock_gaps():
     start, end_all = 1, 1 << 31
     while start < end_all:
-        kind, _, at, length, _ = F.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK,
-                                                      F.pack(fcntl.F_WRLCK, 0, start, end_all - start, 0)))
-        free_to = end_all if kind == fcntl.F_UNLCK else at
+        held = first_held(start, end_all)
+        free_to = end_all if held is None else held[0]
         if free_to > start:
             try:
                 fcntl.fcntl(fd, fcntl.F_OFD_SETLK, F.pack(fcntl.F_WRLCK, 0, start, free_to - start, 0))
             except (BlockingIOError, PermissionError):  # a client took a byte there meanwhile: look again
                 continue
-        start = end_all if kind == fcntl.F_UNLCK else at + length
+        start = end_all if held is None else held[0] + held[1]
 
 
 lock_gaps()
