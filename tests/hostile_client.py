@@ -4,7 +4,7 @@ corrupts, with random and boundary values from ``random.Random(SEED)``, what MOD
 shared memory it may write, concurrently with the server reading it (a field valid when checked may
 change before use). When the server disconnects it, it connects again. It prints ``SEGMENT name``
 for each segment it made and, at the end, ``OUTCOMES {json}``: how its requests ended ("HANG":
-none within 15 s).
+none within 5 s, after which it stops).
 
 Modes: ``header`` (its segment header), ``ring`` (its request ring's counters and records),
 ``slots`` (its completion slots: state, target, cancelled, taken, bound block), ``block`` (the
@@ -188,10 +188,10 @@ def one_request() -> None:
             outcome = "answered"
         else:
             future = client.infer_async("add_sub", {"INPUT0": A, "INPUT1": A})
-            future.result(15)
+            future.result(5)
             outcome = "ok"
             done.set()
-        note(outcome if done.wait(15) else "HANG")
+        note(outcome if done.wait(5) else "HANG")
     except TimeoutError:
         note("HANG")
     except Exception as e:  # noqa: BLE001 - counted
@@ -208,7 +208,7 @@ def one_request() -> None:
 if MODE in CORRUPT:
     threading.Thread(target=corrupting, daemon=True).start()
 end = time.monotonic() + SECONDS
-while time.monotonic() < end and outcomes.get("HANG", 0) < 2:
+while time.monotonic() < end and not outcomes.get("HANG"):
     one_request()
 stop.set()
 print("OUTCOMES " + json.dumps(outcomes), flush=True)
