@@ -15,6 +15,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from shmserve.shm import latency_histograms
 from shmserve.workers.devices import cuda_device_count
+from shmserve.workers.pytorch_runtime import PYTHON_RUNTIME as PYTORCH_PYTHON_RUNTIME
 
 from . import batch_io_checks, response_cache, sequence_checks, unsupported
 
@@ -34,8 +35,6 @@ DEFAULT_MODEL_FILES = {
     "pytorch": "model.pt",
     "onnxruntime": "model.onnx",
 }
-# The pytorch backend's PyTorch 2 runtime (workers/pytorch_runtime.py): model.py defines the module.
-PYTORCH_PYTHON_RUNTIME = "model.py"
 # Files that tell the backend of a model whose config names neither backend nor platform, in the
 # order Triton's server-side completion tries them (which runs even with auto-complete disabled).
 FILE_BACKENDS = [("model.onnx", "onnxruntime"), ("model.pt", "pytorch"), ("model.pt2", "pytorch"), ("model.py", "python")]
